@@ -1,0 +1,2 @@
+/* graft.c: not written yet. */
+#include "preconditioner.h"

@@ -1,0 +1,2 @@
+/* layout.c: not written yet. */
+#include "preconditioner.h"

@@ -1,0 +1,2 @@
+/* power.c: not written yet. */
+#include "preconditioner.h"

@@ -1,0 +1,221 @@
+/*
+ * preconditioner.h -- precond's numerics core: the one public header of preconditioner/.
+ *
+ * Pure numerics: no I/O, no threads of its own, no globals; every function is reentrant.
+ * Public names carry the prefix pc_; internal ones live in .c files as static functions or
+ * with the prefix pc__ (declared in pc_internal.h, which outside code must not include).
+ *
+ * Conventions
+ * - Dense matrices are row-major. A symmetric n x n matrix is stored dense (n*n values,
+ *   both triangles valid) or packed: the upper triangle row by row,
+ *   a[0][0..n-1], a[1][1..n-1], ..., a[n-1][n-1]: n(n+1)/2 values (pc_packed_len).
+ *   (Row-major upper packed is the same memory as LAPACK's column-major lower packed.)
+ * - Functions return int: PC_OK (0), a positive warning (the result is written but is
+ *   not as good as asked), or a negative error (nothing useful was written).
+ *   pc_strerror turns any of them into a static message.
+ * - The caller owns every buffer it passes; functions that need scratch memory
+ *   allocate and free it themselves and return PC_ENOMEM if they cannot.
+ * - Argument checks live in static *_check functions at the top of each .c file, apart
+ *   from the numeric kernels, so that a kernel reads like the paper.
+ */
+#ifndef PRECOND_PRECONDITIONER_H
+#define PRECOND_PRECONDITIONER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* Status codes                                                                           */
+
+enum {
+  PC_OK = 0,
+  PC_NOT_CONVERGED = 1,      /* root written, but its error is above the tolerance */
+  PC_EINVAL = -1,            /* bad argument (size, null pointer, option out of range) */
+  PC_ENONFINITE_INPUT = -2,  /* NaN or Inf in the input; nothing computed */
+  PC_ENONFINITE_RESULT = -3, /* the computation produced NaN or Inf; output not usable */
+  PC_ENOMEM = -4,            /* scratch allocation failed */
+  PC_ELAPACK = -5            /* LAPACK reported a failure (e.g. syevd did not converge) */
+};
+
+/* Returns a static, human-readable message for a status code. Never returns NULL. */
+const char *pc_strerror(int status);
+
+/* ------------------------------------------------------------------------------------ */
+/* Symmetric matrix helpers and transport formats                                         */
+
+/* n(n+1)/2: values in a packed upper triangle of an n x n matrix. */
+size_t pc_packed_len(size_t n);
+
+/* Dense (row-major, n x n, only the upper triangle is read) to packed upper. */
+void pc_pack_f32(size_t n, const float *dense, float *packed);
+void pc_pack_f64(size_t n, const double *dense, double *packed);
+
+/* Packed upper to dense (row-major n x n; both triangles written). */
+void pc_unpack_f32(size_t n, const float *packed, float *dense);
+void pc_unpack_f64(size_t n, const double *packed, double *dense);
+
+/* bfloat16 transport: fp32 -> bf16 rounds to nearest even (NaN stays NaN);
+ * bf16 -> fp32 is exact. count values each. */
+void pc_f32_to_bf16(size_t count, const float *in, uint16_t *out);
+void pc_bf16_to_f32(size_t count, const uint16_t *in, float *out);
+
+/* Returns 1 if all count values are finite, else 0. */
+int pc_all_finite_f32(size_t count, const float *x);
+int pc_all_finite_f64(size_t count, const double *x);
+
+/* ------------------------------------------------------------------------------------ */
+/* Largest eigenvalue by power iteration                                                  */
+
+typedef struct {
+  int max_iters;  /* default 100 */
+  double tol;     /* relative change of the estimate that stops it; default 1e-6 */
+  uint64_t seed;  /* start vector seed: fixed, so results are reproducible; default 1 */
+} pc_power_opts;
+
+void pc_power_opts_default(pc_power_opts *opts);
+
+/* Largest eigenvalue of the symmetric PSD n x n dense matrix a. Writes *lambda and, if
+ * iters is not NULL, the number of iterations. Returns PC_OK, PC_NOT_CONVERGED (estimate
+ * written) or an error. opts may be NULL for the defaults. */
+int pc_power_iteration_f32(size_t n, const float *a, const pc_power_opts *opts,
+                           double *lambda, int *iters);
+int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts,
+                           double *lambda, int *iters);
+
+/* ------------------------------------------------------------------------------------ */
+/* Inverse p-th roots                                                                     */
+
+typedef enum {
+  PC_METHOD_NEWTON = 0,       /* precond's fastest coupled Newton variant (the default) */
+  PC_METHOD_NEWTON_TEXTBOOK,  /* the reference iteration of Anil et al. 2020, for comparison */
+  PC_METHOD_EIGH              /* LAPACK syevd, then V diag(w^(-1/p)) V^T */
+} pc_method;
+
+/* Short lowercase name of a method ("newton", "newton-textbook", "eigh"). */
+const char *pc_method_name(pc_method method);
+
+typedef struct {
+  int p;                /* root order: the result approximates (A + ridge I)^(-1/p); p >= 1 */
+  double epsilon;       /* relative ridge: ridge = epsilon * max(lambda_max, 1e-16); 1e-6 */
+  double tol;           /* stop when max|M - I| <= tol; default 1e-6 (fp32), tighter in fp64 */
+  int max_iters;        /* iteration cap; default 100 */
+  pc_method method;     /* default PC_METHOD_NEWTON */
+} pc_root_opts;
+
+/* Fills the published defaults for root order p (see the algorithms note, section 1). */
+void pc_root_opts_default(pc_root_opts *opts, int p);
+
+typedef struct {
+  int iters;          /* Newton iterations taken (0 for eigh) */
+  double error;       /* final max|M - I| for Newton; for eigh the same residual measure
+                         of the computed root (see roots.c) */
+  double lambda_max;  /* largest eigenvalue estimate of the input */
+  double ridge;       /* absolute ridge added: epsilon * max(lambda_max, 1e-16) */
+} pc_root_info;
+
+/* Inverse p-th root of the symmetric PSD n x n dense matrix a (row-major, both triangles
+ * valid) into x (n x n, caller-allocated, may not alias a). info may be NULL.
+ * Returns PC_OK; PC_NOT_CONVERGED with x holding the best iterate and info->error its
+ * error; PC_ENONFINITE_INPUT if a holds NaN/Inf (x untouched); PC_ENONFINITE_RESULT if the
+ * result is not finite; PC_EINVAL, PC_ENOMEM or PC_ELAPACK. */
+int pc_inverse_root_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
+                        pc_root_info *info);
+int pc_inverse_root_f64(size_t n, const double *a, double *x, const pc_root_opts *opts,
+                        pc_root_info *info);
+
+/* ------------------------------------------------------------------------------------ */
+/* Shampoo: block layout                                                                  */
+
+/* A tensor of rank r >= 2 is viewed as a matrix rows = dims[0], cols = dims[1]*...*dims[r-1]
+ * (a convolution weight [out, in, kh, kw] becomes out x (in*kh*kw)). That matrix is cut
+ * into blocks of at most block_size x block_size, row-major over the tiles. A rank-1
+ * tensor, or one whose rows or cols exceed skip_limit, is diagonal: no factors, the
+ * grafted (diagonal) step only. Every worker and daemon computes the same layout from the
+ * same shape and options. */
+typedef struct {
+  size_t block_size;   /* default 128 */
+  size_t skip_limit;   /* default 4096 */
+} pc_layout_opts;
+
+void pc_layout_opts_default(pc_layout_opts *opts);
+
+typedef struct {
+  size_t row0, rows;   /* rows of the 2-D view covered by this block */
+  size_t col0, cols;   /* columns of the 2-D view covered by this block */
+} pc_block;
+
+typedef struct {
+  size_t rows, cols;   /* the 2-D view */
+  int diagonal;        /* 1: no blocks (nblocks == 0) */
+  size_t nblocks;
+  pc_block *blocks;    /* owned by the layout; freed by pc_layout_destroy */
+} pc_layout;
+
+/* Computes the layout of a tensor of the given rank and dims. On success the caller owns
+ * layout and must call pc_layout_destroy. Returns PC_EINVAL for rank < 1 or a zero dim,
+ * PC_ENOMEM. opts may be NULL for the defaults. */
+int pc_layout_init(pc_layout *layout, int rank, const size_t *dims, const pc_layout_opts *opts);
+void pc_layout_destroy(pc_layout *layout);
+
+/* ------------------------------------------------------------------------------------ */
+/* Shampoo: statistics and direction                                                      */
+
+/* Packed Gram matrices of one block g (rows x cols, row stride ld, row-major):
+ * left = g g^T (rows x rows), right = g^T g (cols x cols), each packed upper.
+ * Either output may be NULL to skip it. */
+int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld,
+                float *left_packed, float *right_packed);
+
+/* Statistic update on packed storage of count values: s <- beta2 s + (1 - beta2) inc,
+ * except beta2 == 1, which sums: s <- s + inc. */
+void pc_stat_update_f32(size_t count, float *s, const float *inc, float beta2);
+void pc_stat_update_f64(size_t count, double *s, const double *inc, double beta2);
+
+/* Preconditioned direction of one block: p = lroot g rroot, where lroot is rows x rows and
+ * rroot cols x cols (dense row-major); g and p are rows x cols with row stride ld.
+ * Either root may be NULL, meaning the identity (one-sided preconditioning). */
+int pc_direction_f32(size_t rows, size_t cols, const float *lroot, const float *g, size_t ld,
+                     const float *rroot, float *p);
+int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double *g, size_t ld,
+                     const double *rroot, double *p);
+
+/* ------------------------------------------------------------------------------------ */
+/* Grafting and the diagonal step                                                         */
+
+typedef enum {
+  PC_GRAFT_SGD = 0,          /* d = g */
+  PC_GRAFT_ADAGRAD,          /* v += g^2;                     d = g / (sqrt(v) + eps) */
+  PC_GRAFT_RMSPROP_NORMED,   /* gn = g/|g|; v = b2 v + (1-b2) gn^2; d = gn / (sqrt(v) + eps) */
+  PC_GRAFT_ADAM_NORMED       /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
+} pc_graft;
+
+const char *pc_graft_name(pc_graft kind);
+
+typedef struct {
+  pc_graft kind;
+  double beta1;   /* Adam first moment; default 0.9 */
+  double beta2;   /* second moment; default 0.999 */
+  double eps;     /* default 1e-8 */
+} pc_graft_opts;
+
+void pc_graft_opts_default(pc_graft_opts *opts, pc_graft kind);
+
+/* The grafted (diagonal) direction of count values of gradient g into d, updating the
+ * caller-owned state (m and v, count values each, zero-initialised by the caller; m is
+ * used only by Adam, v by all but SGD; unused ones may be NULL). step counts from 1. */
+int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *opts,
+                           long step, float *m, float *v, float *d);
+
+/* Rescales p in place to the Frobenius norm of d (the grafted norm): p *= |d| / |p|.
+ * If |p| is 0, p becomes d. */
+void pc_graft_rescale_f32(size_t count, float *p, const float *d);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PRECOND_PRECONDITIONER_H */

@@ -1,0 +1,2 @@
+/* roots.c: not written yet. */
+#include "preconditioner.h"

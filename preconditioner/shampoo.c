@@ -1,0 +1,2 @@
+/* shampoo.c: not written yet. */
+#include "preconditioner.h"

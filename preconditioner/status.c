@@ -1,0 +1,2 @@
+/* status.c: not written yet. */
+#include "preconditioner.h"

@@ -1,0 +1,2 @@
+/* symmetric.c: not written yet. */
+#include "preconditioner.h"
