@@ -62,15 +62,17 @@ static int graft_check(size_t count, const float *g, const pc_graft_opts *opts, 
 /* ------------------------------------------------------------------------------------ */
 /* Kernels                                                                                */
 
-static double norm2_f32(size_t count, const float *x) {
+/* Frobenius norm of a rows x cols block with row stride ld, in fp64. */
+static double block_norm(size_t rows, size_t cols, const float *x, size_t ld) {
   double s = 0.0;
-  for (size_t i = 0; i < count; i++) s += (double)x[i] * x[i];
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) s += (double)x[i * ld + j] * x[i * ld + j];
   return sqrt(s);
 }
 
 /* 1/|g|, or 0 for a zero gradient (whose normalised form is taken to be 0, not NaN). */
 static double inv_norm(size_t count, const float *g) {
-  double n = norm2_f32(count, g);
+  double n = block_norm(1, count, g, count);
   return n > 0.0 ? 1.0 / n : 0.0;
 }
 
@@ -124,13 +126,28 @@ int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *op
   return PC_OK;
 }
 
-void pc_graft_rescale_f32(size_t count, float *p, const float *d) {
-  if (p == NULL || d == NULL) return;
-  double np = norm2_f32(count, p), nd = norm2_f32(count, d);
+/* The kernel of both rescaling forms: a contiguous vector is one row. */
+static void rescale(size_t rows, size_t cols, float *p, size_t ldp, const float *d, size_t ldd) {
+  const double np = block_norm(rows, cols, p, ldp), nd = block_norm(rows, cols, d, ldd);
   if (np == 0.0 || !isfinite(np)) {
-    for (size_t i = 0; i < count; i++) p[i] = d[i];
+    for (size_t i = 0; i < rows; i++)
+      for (size_t j = 0; j < cols; j++) p[i * ldp + j] = d[i * ldd + j];
     return;
   }
   const double scale = nd / np;
-  for (size_t i = 0; i < count; i++) p[i] = (float)(p[i] * scale);
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) p[i * ldp + j] = (float)(p[i * ldp + j] * scale);
+}
+
+void pc_graft_rescale_f32(size_t count, float *p, const float *d) {
+  if (p == NULL || d == NULL || count == 0) return;
+  rescale(1, count, p, count, d, count);
+}
+
+int pc_graft_rescale_block_f32(size_t rows, size_t cols, float *p, size_t ldp, const float *d,
+                               size_t ldd) {
+  if (rows == 0 || cols == 0 || p == NULL || d == NULL || ldp < cols || ldd < cols)
+    return PC_EINVAL;
+  rescale(rows, cols, p, ldp, d, ldd);
+  return PC_OK;
 }

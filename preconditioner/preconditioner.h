@@ -255,6 +255,17 @@ int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *op
  * the grafted step). NULL p or d is a no-op. Norms are taken in fp64. */
 void pc_graft_rescale_f32(size_t count, float *p, const float *d);
 
+/* pc_graft_rescale_f32 on one block of a 2-D view, in place: the rows x cols block at p
+ * (row stride ldp) gets the Frobenius norm of the block at d (row stride ldd), or becomes
+ * it if its own norm is 0 or not finite. Lets a worker graft block by block without
+ * gathering blocks: take D = pc_graft_direction_f32 over the whole tensor (contiguous),
+ * write each block's P with pc_direction_* (ld = the view's cols) into a full-size
+ * buffer, then rescale each block against the same block of D (both at row0 * cols +
+ * col0, ld = cols). Returns PC_OK, or PC_EINVAL for rows or cols 0, NULL p or d, ldp or
+ * ldd < cols. */
+int pc_graft_rescale_block_f32(size_t rows, size_t cols, float *p, size_t ldp, const float *d,
+                               size_t ldd);
+
 #ifdef __cplusplus
 }
 #endif

@@ -177,6 +177,59 @@ static void test_rescale(void **state) {
   pc_graft_rescale_f32(N, p, NULL);
 }
 
+/* Block-by-block grafting over a layout, without gathering: each block of P gets the norm
+ * of the same block of D, exactly as gathering the block and rescaling it would give. */
+static void test_rescale_blocks(void **state) {
+  (void)state;
+  enum { R = 7, C = 10 };
+  const size_t dims[2] = {R, C};
+  pc_layout_opts lo = {.block_size = 4, .skip_limit = 100};
+  pc_layout l;
+  assert_int_equal(pc_layout_init(&l, 2, dims, &lo), PC_OK);
+  assert_int_equal(l.nblocks, 6);
+  float p[R * C], p0[R * C], d[R * C];
+  rng_state = 23;
+  for (size_t i = 0; i < R * C; i++) {
+    p0[i] = (float)uniform();
+    d[i] = (float)(0.01 * uniform());
+  }
+  memcpy(p, p0, sizeof p);
+  const pc_block *zb = &l.blocks[4]; /* one block of P is zero: it becomes D's block */
+  for (size_t i = 0; i < zb->rows; i++)
+    for (size_t j = 0; j < zb->cols; j++) {
+      size_t at = (zb->row0 + i) * C + zb->col0 + j;
+      p[at] = p0[at] = 0.0f;
+    }
+  for (size_t k = 0; k < l.nblocks; k++) {
+    const pc_block *b = &l.blocks[k];
+    size_t off = b->row0 * C + b->col0;
+    assert_int_equal(pc_graft_rescale_block_f32(b->rows, b->cols, p + off, C, d + off, C), PC_OK);
+  }
+  for (size_t k = 0; k < l.nblocks; k++) {
+    const pc_block *b = &l.blocks[k];
+    float gp[16], gd[16];
+    for (size_t i = 0; i < b->rows; i++)
+      for (size_t j = 0; j < b->cols; j++) {
+        gp[i * b->cols + j] = p0[(b->row0 + i) * C + b->col0 + j];
+        gd[i * b->cols + j] = d[(b->row0 + i) * C + b->col0 + j];
+      }
+    size_t n = b->rows * b->cols;
+    pc_graft_rescale_f32(n, gp, gd);
+    for (size_t i = 0; i < b->rows; i++)
+      for (size_t j = 0; j < b->cols; j++)
+        assert_true(gp[i * b->cols + j] == p[(b->row0 + i) * C + b->col0 + j]);
+    assert_true(fabs(norm(n, gp) - norm(n, gd)) <= 1e-6 * norm(n, gd));
+  }
+  pc_layout_destroy(&l);
+
+  assert_int_equal(pc_graft_rescale_block_f32(0, 3, p, 3, d, 3), PC_EINVAL);
+  assert_int_equal(pc_graft_rescale_block_f32(3, 0, p, 3, d, 3), PC_EINVAL);
+  assert_int_equal(pc_graft_rescale_block_f32(3, 3, NULL, 3, d, 3), PC_EINVAL);
+  assert_int_equal(pc_graft_rescale_block_f32(3, 3, p, 3, NULL, 3), PC_EINVAL);
+  assert_int_equal(pc_graft_rescale_block_f32(3, 3, p, 2, d, 3), PC_EINVAL);
+  assert_int_equal(pc_graft_rescale_block_f32(3, 3, p, 3, d, 2), PC_EINVAL);
+}
+
 static void test_names(void **state) {
   (void)state;
   assert_string_equal(pc_graft_name(PC_GRAFT_SGD), "sgd");
@@ -237,6 +290,7 @@ int main(void) {
       cmocka_unit_test(test_rules),
       cmocka_unit_test(test_properties),
       cmocka_unit_test(test_rescale),
+      cmocka_unit_test(test_rescale_blocks),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_bad_arguments),
   };
