@@ -155,25 +155,13 @@ static int rpc__fail(int rc, grpc_status_code code, const char *msg, grpc_status
   return rc;
 }
 
-int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
-                   const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
-                   int wait_for_ready, const char *token, ProtobufCMessage **resp,
-                   grpc_status_code *status, char **details) {
-  if (details) *details = NULL;
-  if (resp) *resp = NULL;
-  if (!channel || !method || !*method || !req || !resp_desc || !resp)
-    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call: invalid argument",
-                     status, details);
-
-  grpc_byte_buffer *send_buf = NULL;
-  int rc = rpc_pack(req, 0, &send_buf);
-  if (rc != RPC_OK)
-    return rpc__fail(rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
-                                          : GRPC_STATUS_RESOURCE_EXHAUSTED,
-                     rc == RPC_ETOOBIG ? "request above the message size limit"
-                                       : rpc_strerror(rc),
-                     status, details);
-
+/* The call itself: sends send_buf (not consumed), waits, fills *recv_buf with the
+ * response bytes (owned by the caller) on an OK status. */
+static int rpc__call_buffer(grpc_channel *channel, const char *method,
+                            grpc_byte_buffer *send_buf, long deadline_ms, int wait_for_ready,
+                            const char *token, grpc_byte_buffer **recv_out,
+                            grpc_status_code *status, char **details) {
+  *recv_out = NULL;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   gpr_timespec deadline =
       deadline_ms > 0 ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
@@ -194,6 +182,7 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
   grpc_metadata auth;
   char *auth_value = NULL;
   int have_auth = token && *token;
+  int rc = RPC_OK;
 
   if (!call) {
     rc = rpc__fail(RPC_ECALL, GRPC_STATUS_INTERNAL, "grpc_channel_create_call failed", status,
@@ -256,14 +245,12 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
     rc = RPC_ESTATUS;
     goto cleanup;
   }
-  rc = rpc_unpack(recv_buf, resp_desc, RPC_MAX_MESSAGE_BYTES_CAP, resp);
-  if (rc != RPC_OK) {
-    rc = rpc__fail(rc, GRPC_STATUS_INTERNAL,
-                   recv_buf ? "response does not parse" : "no response message", status,
-                   details);
+  if (!recv_buf) {
+    rc = rpc__fail(RPC_EPARSE, GRPC_STATUS_INTERNAL, "no response message", status, details);
     goto cleanup;
   }
-  if (details) *details = rpc__strdup("");
+  *recv_out = recv_buf;
+  recv_buf = NULL;
 
 cleanup:
   if (call) grpc_call_unref(call);
@@ -272,7 +259,6 @@ cleanup:
          GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(cq);
-  grpc_byte_buffer_destroy(send_buf);
   if (recv_buf) grpc_byte_buffer_destroy(recv_buf);
   grpc_metadata_array_destroy(&recv_initial);
   grpc_metadata_array_destroy(&recv_trailing);
@@ -280,6 +266,55 @@ cleanup:
   if (error_string) gpr_free((void *)error_string);
   free(auth_value);
   return rc;
+}
+
+int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
+                 long deadline_ms, int wait_for_ready, const char *token,
+                 grpc_byte_buffer **resp, grpc_status_code *status, char **details) {
+  if (details) *details = NULL;
+  if (resp) *resp = NULL;
+  if (!channel || !method || !*method || (!bytes && len) || !resp)
+    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call_raw: invalid argument",
+                     status, details);
+  grpc_slice slice = grpc_slice_from_copied_buffer(bytes, len);
+  grpc_byte_buffer *send_buf = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice);
+  int rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
+                            resp, status, details);
+  grpc_byte_buffer_destroy(send_buf);
+  if (rc == RPC_OK && details) *details = rpc__strdup("");
+  return rc;
+}
+
+int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                   int wait_for_ready, const char *token, ProtobufCMessage **resp,
+                   grpc_status_code *status, char **details) {
+  if (details) *details = NULL;
+  if (resp) *resp = NULL;
+  if (!channel || !method || !*method || !req || !resp_desc || !resp)
+    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call: invalid argument",
+                     status, details);
+
+  grpc_byte_buffer *send_buf = NULL;
+  int rc = rpc_pack(req, 0, &send_buf);
+  if (rc != RPC_OK)
+    return rpc__fail(rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
+                                          : GRPC_STATUS_RESOURCE_EXHAUSTED,
+                     rc == RPC_ETOOBIG ? "request above the message size limit"
+                                       : rpc_strerror(rc),
+                     status, details);
+  grpc_byte_buffer *recv_buf = NULL;
+  rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
+                        &recv_buf, status, details);
+  grpc_byte_buffer_destroy(send_buf);
+  if (rc != RPC_OK) return rc;
+  rc = rpc_unpack(recv_buf, resp_desc, RPC_MAX_MESSAGE_BYTES_CAP, resp);
+  grpc_byte_buffer_destroy(recv_buf);
+  if (rc != RPC_OK)
+    return rpc__fail(rc, GRPC_STATUS_INTERNAL, "response does not parse", status, details);
+  if (details) *details = rpc__strdup("");
+  return RPC_OK;
 }
 
 int rpc_call(grpc_channel *channel, const char *method, const ProtobufCMessage *req,

@@ -126,6 +126,13 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
                    int wait_for_ready, const char *token, ProtobufCMessage **resp,
                    grpc_status_code *status, char **details);
 
+/* The same call with request bytes as they are (len bytes at bytes, copied) and the raw
+ * response: on RPC_OK the caller owns *resp (grpc_byte_buffer_destroy). For tests that send
+ * malformed messages, and for forwarding. Other outputs as in rpc_call. */
+int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
+                 long deadline_ms, int wait_for_ready, const char *token,
+                 grpc_byte_buffer **resp, grpc_status_code *status, char **details);
+
 #ifdef __cplusplus
 }
 #endif
