@@ -1,7 +1,7 @@
 /*
  * precond.h -- libprecond, the C client a training worker links: the one public header of
  * client/. Public names carry the prefix precond_; internal ones live in .c files as static
- * functions or with the prefix precond__ (client/*_internal headers, not for outside code).
+ * functions or with the prefix precond__ (queue.h, format.h: internal, not for outside code).
  *
  * The model
  * - A precond_client talks to one precondd (TCP "127.0.0.1:PORT" or "unix:/path") for one
