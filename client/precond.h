@@ -82,7 +82,7 @@ typedef enum {
 /* Connection                                                                             */
 
 typedef struct {
-  const char *addr;            /* "host:port" or "unix:/path"; default "127.0.0.1:50051" */
+  const char *addr;            /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
   const char *token;           /* shared token sent as "authorization: Bearer TOKEN"; NULL:
                                   none. Copied by precond_connect. */
   int wait_for_ready;          /* 1 (default): calls wait (up to their deadline) for the
