@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 #ifdef __CUDACC__
-#define AC__HD __host__ __device__ __forceinline__
+#define AC__HD static __host__ __device__ __forceinline__
 #else
 #define AC__HD static inline
 #endif
