@@ -7,10 +7,14 @@
  *
  * Spectra: "well" = G G^T with G n x 1.5n Gaussian (Marchenko-Pastur, condition ~1e2);
  * "shampoo" = G G^T with G n x n/4 (rank n/4) plus the relative ridge 1e-6 (condition ~1e6).
- * Methods: the public ones (newton, newton-textbook, eigh) and, for measuring what each change
- * buys, the internal Newton variants newton-sym (textbook start, symmetric kernels) and
- * newton-scaled-gemm (scaled steps, full gemm products). This tool reaches them through
- * pc_internal.h, which is why it lives next to the numerics and is built with them.
+ * Methods: the public ones (newton, newton-textbook, eigh) and, to measure what each change
+ * buys, internal Newton variants reached through pc_internal.h (which is why this tool lives
+ * next to the numerics and is built with them):
+ *   newton-sym          textbook start and steps, one-triangle products (syrk, panels)
+ *   newton-scaled-gemm  scaled steps, full gemm products, fp32 throughout
+ *   newton-fp32         scaled steps, one-triangle products, fp32 throughout
+ *   newton-mixed-5/-3   newton with the fp64 phase ending at 1e-5 / 1e-3 instead of 1e-4
+ * fp64 rows exist for newton, newton-textbook and eigh (tolerance 1e-12 for Newton).
  *
  *   bench-roots [--csv] [--sizes 128,256,...] [--repeats N] [--methods a,b] [--precisions
  *               f32,f64] [--spectra well,shampoo] [--threads T] [--p P]
@@ -37,8 +41,15 @@ typedef struct {
 
 static const bench_method all_methods[] = {
   {"newton", 0, 1, PC_METHOD_NEWTON, {0}},
-  {"newton-scaled-gemm", 0, 0, PC_METHOD_NEWTON, {.scaled = 1, .symmetric = 0, .floor = 1e-2}},
+  {"newton-scaled-gemm", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0}},
   {"newton-sym", 0, 0, PC_METHOD_NEWTON, {.scaled = 0, .symmetric = 1, .floor = 0}},
+  {"newton-fp32", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0}},
+  {"newton-mixed-3", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-3}},
+  {"newton-mixed-5", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-5}},
   {"newton-textbook", 0, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
   {"eigh", 0, 1, PC_METHOD_EIGH, {0}},
   {"newton", 1, 1, PC_METHOD_NEWTON, {0}},
@@ -95,7 +106,9 @@ static void usage(FILE *f) {
           "  --sizes LIST          matrix sizes (default 128,256,512,1024,2048)\n"
           "  --repeats N           timed repeats per case, median reported (default 3; 1 at\n"
           "                        n >= 2048)\n"
-          "  --methods LIST        newton,newton-scaled-gemm,newton-sym,newton-textbook,eigh\n"
+          "  --methods LIST        any of newton,newton-fp32,newton-scaled-gemm,newton-sym,\n"
+          "                        newton-mixed-5,newton-mixed-3,newton-textbook,eigh\n"
+          "                        (default: all but the newton-mixed-* ones)\n"
           "  --precisions LIST     f32,f64 (default both; fp64 rows: newton, textbook, eigh)\n"
           "  --spectra LIST        well,shampoo (default both)\n"
           "  --threads T           OpenBLAS threads (default: all cores)\n"
@@ -111,7 +124,7 @@ static int parse(int argc, char **argv, bench_opts *o) {
   o->nsizes = 5;
   o->threads = openblas_get_num_procs();
   o->p = 4;
-  strcpy(o->methods, "newton,newton-scaled-gemm,newton-sym,newton-textbook,eigh");
+  strcpy(o->methods, "newton,newton-fp32,newton-scaled-gemm,newton-sym,newton-textbook,eigh");
   strcpy(o->precisions, "f32,f64");
   strcpy(o->spectra, "well,shampoo");
   for (int i = 1; i < argc; i++) {

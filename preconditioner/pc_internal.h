@@ -29,6 +29,8 @@ typedef struct {
   int symmetric;   /* 1: syrk squarings and one-triangle products; 0: full gemm */
   double floor;    /* scaled steps keep T's smallest eigenvalue^p >= floor, i.e. they map
                      the top of M's spectrum no lower than about floor */
+  double lo_f32;   /* fp32 inputs: > 0 runs the steps in fp64 until M's spectrum lies in
+                     [lo, hi] with lo / hi >= lo_f32, then in fp32; 0: fp32 throughout */
 } pc__newton_variant;
 
 extern const pc__newton_variant PC__NEWTON_DEFAULT;

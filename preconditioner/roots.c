@@ -24,7 +24,10 @@
 #define PC_PANEL_MIN_N ((size_t)256)
 #define PC_RESIDUAL_COLS ((size_t)8)
 
-const pc__newton_variant PC__NEWTON_DEFAULT = {.scaled = 1, .symmetric = 1, .floor = 1e-2};
+/* PC_METHOD_NEWTON: scaled steps, one-triangle products, and for fp32 input the steps in
+ * fp64 until M's condition is below 1e4 (docs/roots.md has the measurements). */
+const pc__newton_variant PC__NEWTON_DEFAULT = {
+    .scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4};
 static const pc__newton_variant NEWTON_TEXTBOOK = {.scaled = 0, .symmetric = 0, .floor = 0.0};
 
 void pc_root_opts_default(pc_root_opts *opts, int p) {
@@ -63,7 +66,7 @@ static int root_check(size_t n, const void *a, const void *x, const pc_root_opts
 }
 
 static int variant_check(const pc__newton_variant *v) {
-  if (!v || !(v->floor >= 0.0 && v->floor < 1.0)) return PC_EINVAL;
+  if (!v || !(v->floor >= 0.0 && v->floor < 1.0) || !(v->lo_f32 >= 0.0)) return PC_EINVAL;
   return PC_OK;
 }
 
@@ -126,6 +129,16 @@ static void interval_advance(double *lo, double *hi, double s, int p) {
   *hi = straddles ? 1.0 : (a > b ? a : b);
 }
 
+/* Where a Newton run stands; shared by both precisions so a run can switch between them. */
+typedef struct {
+  double lo, hi; /* interval holding M's spectrum (scaled variant) */
+  double xscale; /* > 0: X is xscale * I and not stored */
+  double err;    /* max|M - I| of the accepted iterate */
+  int iters;     /* steps computed, a rejected one included */
+  int stopped;   /* the divergence guard or the rounding floor ended the run */
+  root_dev dev;  /* deviation of the accepted M from I */
+} newton_state;
+
 /* ------------------------------------------------------------------------------------ */
 /* Kernels, one instance per precision                                                    */
 
@@ -158,7 +171,59 @@ static void interval_advance(double *lo, double *hi, double s, int p) {
 #undef SYEVD
 
 /* ------------------------------------------------------------------------------------ */
+/* Mixed precision: the first steps in fp64                                                */
+
+/* In the first steps M's smallest eigenvalues sit near ridge/lambda_max, and an fp32 product
+ * perturbs them by about 6e-8 |M|: up to tens of percent of their value, which the root
+ * inherits. Running the steps in fp64 until M's condition is below 1 / v->lo_f32, then the
+ * rest in fp32, keeps that error out at the price of a few fp64 steps (docs/roots.md). */
+static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
+                                  const pc__newton_variant *v, pc_root_info *info) {
+  float *ad = NULL;
+  double lo = 0, hi = 0;
+  info->iters = 0;
+  info->error = INFINITY;
+  int st = newton_prepare_f32(n, a, opts->epsilon, &ad, &info->lambda_max, &info->ridge, &lo,
+                              &hi);
+  if (st != PC_OK) return st;
+  const size_t nn = n * n;
+  newton_ws_f32 w32;
+  newton_ws_f64 w64;
+  double *ad64 = malloc(nn * sizeof *ad64);
+  int ok32 = newton_ws_init_f32(&w32, n) == PC_OK, ok64 = newton_ws_init_f64(&w64, n) == PC_OK;
+  if (!ad64 || !ok32 || !ok64) {
+    st = PC_ENOMEM;
+    goto done;
+  }
+  for (size_t i = 0; i < nn; i++) ad64[i] = a[i];
+  for (size_t i = 0; i < n; i++) ad64[i * n + i] += info->ridge;
+  newton_state ns;
+  newton_start_f64(n, ad64, opts->p, lo, hi, v, &w64, &ns);
+  newton_steps_f64(n, opts->p, opts->tol, opts->max_iters, v->lo_f32, v, &w64, &ns);
+  for (size_t i = 0; i < nn; i++) w32.m[i] = (float)w64.m[i];
+  if (ns.xscale == 0.0)
+    for (size_t i = 0; i < nn; i++) w32.x[i] = (float)w64.x[i];
+  newton_steps_f32(n, opts->p, opts->tol, opts->max_iters, 0.0, v, &w32, &ns);
+  newton_result_f32(n, &w32, &ns, x);
+  info->iters = ns.iters;
+  info->error = ns.err;
+  st = ns.err <= opts->tol ? PC_OK : PC_NOT_CONVERGED;
+done:
+  if (ok32) newton_ws_free_f32(&w32);
+  if (ok64) newton_ws_free_f64(&w64);
+  free(ad64);
+  free(ad);
+  return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Public entry points                                                                    */
+
+/* fp32 runs change precision half-way when the variant asks for it. */
+#define NEWTON_ROUTE_f32(n, a, x, opts, v, info)                                            \
+  ((v)->lo_f32 > 0.0 ? newton_mixed_route_f32(n, a, x, opts, v, info)                      \
+                     : newton_route_f32(n, a, x, opts, v, info))
+#define NEWTON_ROUTE_f64 newton_route_f64
 
 #define PC_ROOT_ENTRY(REAL, SFXN)                                                          \
   int pc__newton_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,   \
@@ -169,7 +234,7 @@ static void interval_advance(double *lo, double *hi, double s, int p) {
     if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                       \
     if (!info) info = &scratch;                                                            \
     unsigned fp = pc__ftz_enter();                                                         \
-    int st = newton_route_##SFXN(n, a, x, opts, variant, info);                            \
+    int st = NEWTON_ROUTE_##SFXN(n, a, x, opts, variant, info);                            \
     pc__ftz_leave(fp);                                                                     \
     if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) st = PC_ENONFINITE_RESULT;             \
     return st;                                                                             \

@@ -13,6 +13,7 @@
 #include <cblas.h>
 #include <cmocka.h>
 
+#include "pc_internal.h"
 #include "preconditioner.h"
 
 static const pc_method methods[] = {PC_METHOD_NEWTON, PC_METHOD_NEWTON_TEXTBOOK,
@@ -273,6 +274,80 @@ static void test_rank_deficient(void **state) {
   free(g); free(a); free(ref); free(x64); free(af); free(x);
 }
 
+/* The internal Newton variants (measured by bench-roots) agree with the exact root too:
+ * fp32 throughout, full gemm products, textbook start with one-triangle products. */
+static void test_variants(void **state) {
+  (void)state;
+  const pc__newton_variant variants[] = {
+    {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0},
+    {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0},
+    {.scaled = 0, .symmetric = 1, .floor = 0, .lo_f32 = 0},
+    {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 1e-3},
+  };
+  size_t n = 260; /* above the panel threshold, not a multiple of the panel height */
+  double *w = xmalloc(n * sizeof *w), *a = xmalloc(n * n * sizeof *a);
+  double *ref = xmalloc(n * n * sizeof *ref);
+  float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
+  reflectors q = reflectors_make(n, 47);
+  geometric_spectrum(n, 1e3, 1.0, w);
+  reflectors_apply(&q, w, a);
+  to_f32(n * n, a, af);
+  for (size_t k = 0; k < sizeof variants / sizeof *variants; k++) {
+    pc_root_opts o;
+    pc_root_opts_default(&o, 4);
+    pc_root_info info;
+    assert_int_equal(pc__newton_root_f32(n, af, x, &o, &variants[k], &info), PC_OK);
+    exact_root(&q, w, info.ridge, 4, ref);
+    double e = rel_err_f32(n, x, ref);
+    if (getenv("VERBOSE")) print_message("variant %zu: err %.3g iters %d\n", k, e, info.iters);
+    assert_true(e <= 1e-4);
+  }
+  pc__newton_variant bad = variants[0];
+  bad.floor = 1.5;
+  pc_root_opts o;
+  pc_root_opts_default(&o, 4);
+  assert_int_equal(pc__newton_root_f32(n, af, x, &o, &bad, NULL), PC_EINVAL);
+  free(w); free(a); free(ref); free(af); free(x); free(q.v);
+}
+
+/* Scaling the input by c scales the root by c^(-1/p) and changes nothing else: the
+ * accuracy of the default method must not depend on the units of the statistic. */
+static void test_scale_invariance(void **state) {
+  (void)state;
+  size_t n = 128, k = 32;
+  uint64_t seed = 9;
+  double *g = xmalloc(n * k * sizeof *g), *a = xmalloc(n * n * sizeof *a);
+  double *ref = xmalloc(n * n * sizeof *ref), *ca = xmalloc(n * n * sizeof *ca);
+  float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
+  for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k,
+              g, (int)k, 0, a, (int)n);
+  const double scales[] = {1e-6, 1.0, 1e6};
+  for (size_t c = 0; c < 3; c++) {
+    for (size_t i = 0; i < n * n; i++) ca[i] = scales[c] * a[i];
+    to_f32(n * n, ca, af);
+    pc_root_opts o;
+    pc_root_opts_default(&o, 4);
+    pc_root_info info;
+    int st = pc_inverse_root_f32(n, af, x, &o, &info);
+    if (getenv("VERBOSE") || st != PC_OK)
+      print_message("scale %g: status %d error %.3g iters %d\n", scales[c], st, info.error,
+                    info.iters);
+    assert_int_equal(st, PC_OK);
+    pc_root_opts r;
+    pc_root_opts_default(&r, 4);
+    r.method = PC_METHOD_EIGH;
+    pc_root_info rinfo;
+    assert_int_equal(pc_inverse_root_f64(n, ca, ref, &r, &rinfo), PC_OK);
+    r.epsilon = info.ridge / rinfo.lambda_max;
+    assert_int_equal(pc_inverse_root_f64(n, ca, ref, &r, NULL), PC_OK);
+    double e = rel_err_f32(n, x, ref);
+    if (getenv("VERBOSE")) print_message("scale %g: err %.3g\n", scales[c], e);
+    assert_true(e <= 3e-3);
+  }
+  free(g); free(a); free(ref); free(ca); free(af); free(x);
+}
+
 /* Diagonal and identity inputs have exact roots; sizes from 1 up. */
 static void test_diagonal_and_identity(void **state) {
   (void)state;
@@ -473,6 +548,8 @@ int main(void) {
     cmocka_unit_test(test_ill_conditioned_f32),
     cmocka_unit_test(test_ill_conditioned_f64),
     cmocka_unit_test(test_rank_deficient),
+    cmocka_unit_test(test_variants),
+    cmocka_unit_test(test_scale_invariance),
     cmocka_unit_test(test_diagonal_and_identity),
     cmocka_unit_test(test_scalar),
     cmocka_unit_test(test_large),
