@@ -109,8 +109,10 @@ __device__ T block_reduce(T v, Op op)
     buf[warp] = v;
   __syncthreads();
   if (warp == 0) {
+    /* Lanes past the warp count hold a copy of buf[0]; the shuffles below only fold
+     * lanes 0 .. kThreads/32 - 1 into lane 0, so the copies never count twice. */
     v = lane < kThreads / 32 ? buf[lane] : buf[0];
-    for (int o = 16; o > 0; o >>= 1)
+    for (int o = kThreads / 64; o > 0; o >>= 1)
       v = op(v, __shfl_down_sync(0xffffffffu, v, o));
     if (lane == 0)
       buf[0] = v;
