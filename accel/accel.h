@@ -447,6 +447,17 @@ typedef struct {
 int ac_param_init(ac_param *p, ac_backend *be, const char *name, int ndim, const size_t *shape);
 void ac_param_destroy(ac_param *p);
 
+/* ==================================================================================== */
+/* Layers (accel/layers*.c): forward and backward passes written once against the          */
+/* primitives above. Owned by the layers team.                                              */
+
+/* ---- end of layers ---- */
+
+/* ==================================================================================== */
+/* Optimizers and Shampoo's worker half (accel/optim*.c). Owned by the optimizers team.    */
+
+/* ---- end of optimizers ---- */
+
 #ifdef __cplusplus
 }
 #endif
