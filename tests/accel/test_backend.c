@@ -1221,6 +1221,231 @@ static void test_adamw(void **state)
   ac_free(be, v);
 }
 
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA against CPU on identical inputs                                                    */
+/*                                                                                          */
+/* Each scenario runs a chain of primitives on one backend from inputs drawn after a reset */
+/* of the host generator, and returns everything it computed (host memory, caller frees). */
+/* The same scenario on the CPU and the CUDA backend must agree to the scenario's bound.  */
+
+typedef struct {
+  float *data;
+  size_t n, cap;
+} outbuf;
+
+static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
+{
+  if (o->n + n > o->cap) {
+    o->cap = 2 * (o->n + n);
+    o->data = realloc(o->data, o->cap * sizeof *o->data);
+    assert_non_null(o->data);
+  }
+  assert_int_equal(ac_memcpy_d2h(be, o->data + o->n, dev, n * sizeof(float)), AC_OK);
+  o->n += n;
+}
+
+static void scen_blas(ac_backend *be, outbuf *o)
+{
+  const size_t m = 33, n = 65, k = 47, batch = 4;
+  float *ha = host_rand(m * k * batch), *hb = host_rand(k * n * batch);
+  float *a = dev_up(be, ha, m * k * batch), *b = dev_up(be, hb, k * n * batch);
+  float *c = dev_alloc(be, m * n * batch * sizeof(float));
+  for (int t = 0; t < 4; t++) {
+    int ta = t & 1, tb = t >> 1;
+    assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a,
+                                      ta ? m : k, m * k, b, tb ? k : n, k * n, 0.0f, c, n,
+                                      m * n, batch), AC_OK);
+    out_take(o, be, c, m * n * batch);
+  }
+  float *l = dev_alloc(be, ac_packed_len(m) * sizeof(float));
+  float *r = dev_alloc(be, ac_packed_len(k) * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(m), l, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(k), r, 1.0f), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, m, k, 0.1f, a, k, 0.9f, l), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r), AC_OK);
+  out_take(o, be, l, ac_packed_len(m));
+  out_take(o, be, r, ac_packed_len(k));
+  float *dense = dev_alloc(be, k * k * sizeof(float));
+  assert_int_equal(ac_unpack_sym(be, k, r, dense, k), AC_OK);
+  out_take(o, be, dense, k * k);
+  ac_free(be, dense);
+  ac_free(be, l);
+  ac_free(be, r);
+  ac_free(be, a);
+  ac_free(be, b);
+  ac_free(be, c);
+  free(ha);
+  free(hb);
+}
+
+static void scen_elementwise(ac_backend *be, outbuf *o)
+{
+  const size_t n = 4099;
+  float *hx = host_rand(n), *hy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hy[i] = 0.5f + fabsf(hy[i]); /* positive: every unary op is defined on it */
+  float *x = dev_up(be, hx, n), *y = dev_up(be, hy, n), *z = dev_alloc(be, n * sizeof(float));
+  for (int op = 0; op < AC_UNARY_COUNT; op++) {
+    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, y, x, z), AC_OK);
+    out_take(o, be, z, n);
+  }
+  for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
+    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, x, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_bcast(be, (ac_binary_op)op, 3, 1000, 1, x, y, z), AC_OK);
+    out_take(o, be, z, 3000);
+  }
+  assert_int_equal(ac_axpby(be, n, 0.3f, x, -0.7f, y, z), AC_OK);
+  out_take(o, be, z, n);
+  for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++) {
+    assert_int_equal(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z), AC_OK);
+    out_take(o, be, z, 10);
+  }
+  ac_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                     .weight_decay = 0.01f, .step = 5};
+  float *m = dev_up(be, hx, n), *v = dev_up(be, hy, n);
+  assert_int_equal(ac_adamw_update(be, n, z, x, m, v, &a), AC_OK);
+  out_take(o, be, z, n);
+  out_take(o, be, m, n);
+  out_take(o, be, v, n);
+  ac_free(be, m);
+  ac_free(be, v);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, z);
+  free(hx);
+  free(hy);
+}
+
+static void scen_softmax_xent(ac_backend *be, outbuf *o)
+{
+  const size_t batch = 6, t = 40, rows = batch * t, n = rows * t;
+  float *hx = host_rand(n);
+  int32_t hl[240];
+  for (size_t r = 0; r < rows; r++)
+    hl[r] = (int32_t)(r * 7 % (t + 3)) - 1; /* some -1 and some >= t: ignored */
+  float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
+  float *loss = dev_alloc(be, rows * sizeof(float));
+  int32_t *labels = dev_up_i32(be, hl, rows);
+  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
+  assert_int_equal(ac_softmax_rows(be, rows, t, x, y), AC_OK);
+  out_take(o, be, y, n);
+  assert_int_equal(ac_softmax_rows_backward(be, rows, t, y, y, x), AC_OK);
+  out_take(o, be, x, n);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_xent_forward(be, rows, t, x, labels, y, loss), AC_OK);
+  out_take(o, be, loss, rows);
+  assert_int_equal(ac_xent_backward(be, rows, t, y, labels, 0.5f, y), AC_OK);
+  out_take(o, be, y, n);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, loss);
+  ac_free(be, labels);
+  free(hx);
+}
+
+static void scen_conv_embed(ac_backend *be, outbuf *o)
+{
+  const ac_conv2d_geom g = {.n = 3, .c = 4, .h = 11, .w = 10, .kh = 3, .kw = 3, .stride_h = 2,
+                            .stride_w = 2, .pad_h = 1, .pad_w = 2};
+  size_t oh, ow;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;
+  float *hx = host_rand(nx);
+  float *x = dev_up(be, hx, nx), *col = dev_alloc(be, ncol * sizeof(float));
+  float *y = dev_alloc(be, ny * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+  int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
+  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
+  out_take(o, be, col, ncol);
+  assert_int_equal(ac_col2im(be, &g, col, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
+    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
+    out_take(o, be, y, ny);
+    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, y, am, dx), AC_OK);
+    out_take(o, be, dx, nx);
+  }
+  int32_t hi[64];
+  for (int r = 0; r < 64; r++)
+    hi[r] = (r * 5) % 23 - 1;
+  int32_t *idx = dev_up_i32(be, hi, 64);
+  float *e = dev_alloc(be, 64 * 8 * sizeof(float));
+  assert_int_equal(ac_gather_rows(be, 64, 8, x, 20, idx, e), AC_OK);
+  out_take(o, be, e, 64 * 8);
+  assert_int_equal(ac_scatter_add_rows(be, 64, 8, e, idx, x, 20), AC_OK);
+  out_take(o, be, x, 160);
+  const size_t shape[4] = {3, 4, 11, 10};
+  const int perm[4] = {1, 3, 0, 2};
+  assert_int_equal(ac_permute(be, 4, shape, perm, x, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  ac_free(be, idx);
+  ac_free(be, e);
+  ac_free(be, am);
+  ac_free(be, x);
+  ac_free(be, col);
+  ac_free(be, y);
+  ac_free(be, dx);
+  free(hx);
+}
+
+static void scen_random(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z), AC_OK);
+  out_take(o, be, z, n);
+  assert_int_equal(ac_dropout_mask(be, 99, 7, n, 0.1f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void scen_normal(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void test_cuda_matches_cpu(void **state)
+{
+  ac_backend *gpu = BE(state), *cpu = NULL;
+  NEED_BACKEND(state);
+  assert_int_equal(ac_backend_create(&cpu, NULL), AC_OK);
+  const struct {
+    const char *name;
+    void (*run)(ac_backend *, outbuf *);
+    double atol, rtol;
+  } scen[] = {
+    {"blas", scen_blas, 1e-4, 1e-5},
+    {"elementwise", scen_elementwise, 1e-5, 1e-5},
+    {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
+    {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
+    {"random (bit-exact)", scen_random, 0, 0},
+    {"normal", scen_normal, 1e-7, 1e-5},
+  };
+  for (size_t i = 0; i < sizeof scen / sizeof scen[0]; i++) {
+    outbuf oc = {0}, og = {0};
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(cpu, &oc);
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(gpu, &og);
+    assert_int_equal(oc.n, og.n);
+    double *want = dzeros(oc.n);
+    for (size_t j = 0; j < oc.n; j++)
+      want[j] = oc.data[j];
+    expect_close(scen[i].name, og.data, want, og.n, scen[i].atol, scen[i].rtol);
+    free(want);
+    free(oc.data);
+    free(og.data);
+  }
+  ac_backend_destroy(cpu);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
@@ -1285,7 +1510,7 @@ int main(void)
 {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS};
-  const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS};
+  const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
   failed += cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);
   failed += cmocka_run_group_tests_name("cuda", cuda, setup_cuda, teardown);
