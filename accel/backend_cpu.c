@@ -242,29 +242,38 @@ static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, 
   return AC_OK;
 }
 
+/* One pass in memory order into per-mid double accumulators, so every shape (bias
+ * gradients reduce down columns) streams through x once. */
 static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
                       float alpha, const float *x, float beta, float *out)
 {
   (void)be;
-  for (size_t m = 0; m < mid; m++) {
-    double acc = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
-    for (size_t o = 0; o < outer; o++) {
+  double *acc = malloc(mid * sizeof *acc);
+  if (acc == NULL)
+    return AC_ENOMEM;
+  for (size_t m = 0; m < mid; m++)
+    acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
+  for (size_t o = 0; o < outer; o++)
+    for (size_t m = 0; m < mid; m++) {
       const float *row = x + (o * mid + m) * inner;
+      double a = acc[m];
       for (size_t i = 0; i < inner; i++) {
         double e = row[i];
         if (op == AC_REDUCE_SUM)
-          acc += e;
+          a += e;
         else if (op == AC_REDUCE_MAX)
-          acc = e > acc || isnan(e) ? e : acc;
+          a = e > a || isnan(e) ? e : a;
         else
-          acc += e * e;
+          a += e * e;
       }
+      acc[m] = a;
     }
-    if (op == AC_REDUCE_NORM2)
-      acc = sqrt(acc);
-    float r = alpha * (float)acc;
+  for (size_t m = 0; m < mid; m++) {
+    double a = op == AC_REDUCE_NORM2 ? sqrt(acc[m]) : acc[m];
+    float r = alpha * (float)a;
     out[m] = beta == 0.0f ? r : r + beta * out[m];
   }
+  free(acc);
   return AC_OK;
 }
 
