@@ -255,8 +255,9 @@ typedef enum {
 
 /* out[m] = alpha * R_{o,i} x[o][m][i] + beta * out[m], R the reduction op. beta = 0
  * overwrites; beta = 1 accumulates (bias gradients over micro-batches). out has mid values
- * and must not alias x. Accumulates in float with a backend-specific order: results agree
- * across backends to rounding, not bitwise. */
+ * and must not alias x. Accumulation precision and order are backend-specific (CPU: double,
+ * CUDA: float per thread, then a tree): results agree across backends to rounding, not
+ * bitwise. */
 int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out);
 

@@ -246,6 +246,29 @@ __global__ void k_reduce(int op, size_t outer, size_t mid, size_t inner, float a
   }
 }
 
+/* inner == 1 with many columns (bias gradients): one thread per column walks down the rows,
+ * so a warp reads consecutive addresses. */
+__global__ void k_reduce_columns(int op, size_t outer, size_t mid, float alpha, const float *x,
+                                 float beta, float *out)
+{
+  GRID_STRIDE(m, mid) {
+    float acc = op == AC_REDUCE_MAX ? -INFINITY : 0.0f;
+    for (size_t o = 0; o < outer; o++) {
+      float e = x[o * mid + m];
+      if (op == AC_REDUCE_SUM)
+        acc += e;
+      else if (op == AC_REDUCE_MAX)
+        acc = max_op()(acc, e);
+      else
+        acc += e * e;
+    }
+    if (op == AC_REDUCE_NORM2)
+      acc = sqrtf(acc);
+    float r = alpha * acc;
+    out[m] = beta == 0.0f ? r : r + beta * out[m];
+  }
+}
+
 __global__ void k_sum_partials(size_t n, const float *x, int squares, double *partials)
 {
   double acc = 0.0;
@@ -737,6 +760,8 @@ unsigned row_blocks(size_t rows)
 int cu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out)
 {
+  if (inner == 1 && mid >= 4 * (size_t)kThreads)
+    LAUNCH(be, k_reduce_columns, blocks_for(mid), (int)op, outer, mid, alpha, x, beta, out);
   LAUNCH(be, k_reduce, row_blocks(mid), (int)op, outer, mid, inner, alpha, x, beta, out);
 }
 

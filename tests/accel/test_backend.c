@@ -658,8 +658,9 @@ static void test_bcast_reduce(void **state)
 {
   ac_backend *be = BE(state);
   NEED_BACKEND(state);
-  const size_t shapes[4][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}};
-  for (size_t s = 0; s < 4; s++) {
+  /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
+  const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
+  for (size_t s = 0; s < 5; s++) {
     size_t outer = shapes[s][0], mid = shapes[s][1], inner = shapes[s][2];
     size_t n = outer * mid * inner;
     float *hx = host_rand(n), *hv = host_rand(mid), *hout = host_rand(mid);
