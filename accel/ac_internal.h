@@ -67,6 +67,12 @@ typedef struct ac__ops {
                       const int32_t *labels, float *probs, float *loss);
   int (*xent_backward)(ac_backend *be, size_t rows, size_t cols, const float *probs,
                        const int32_t *labels, float scale, float *dlogits);
+  int (*layernorm_forward)(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+                           const float *gamma, const float *beta, float *y, float *mean,
+                           float *rstd);
+  int (*layernorm_backward)(ac_backend *be, size_t rows, size_t cols, const float *x,
+                            const float *gamma, const float *mean, const float *rstd,
+                            const float *dy, float *dx, float *dgamma, float *dbeta);
   int (*gather_rows)(ac_backend *be, size_t n, size_t cols, const float *table,
                      size_t table_rows, const int32_t *idx, float *out);
   int (*scatter_add_rows)(ac_backend *be, size_t n, size_t cols, const float *src,

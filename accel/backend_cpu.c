@@ -384,6 +384,56 @@ static int cpu_xent_backward(ac_backend *be, size_t rows, size_t cols, const flo
   return AC_OK;
 }
 
+static int cpu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps,
+                                 const float *x, const float *gamma, const float *beta,
+                                 float *y, float *mean, float *rstd)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    double s = 0.0, q = 0.0;
+    for (size_t j = 0; j < cols; j++)
+      s += xr[j];
+    double mu = s / (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      q += (xr[j] - mu) * (xr[j] - mu);
+    float m = (float)mu, rs = (float)(1.0 / sqrt(q / (double)cols + eps));
+    mean[r] = m;
+    rstd[r] = rs;
+    for (size_t j = 0; j < cols; j++)
+      yr[j] = (xr[j] - m) * rs * gamma[j] + (beta != NULL ? beta[j] : 0.0f);
+  }
+  return AC_OK;
+}
+
+static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                                  const float *gamma, const float *mean, const float *rstd,
+                                  const float *dy, float *dx, float *dgamma, float *dbeta)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols, *dyr = dy + r * cols;
+    float *dxr = dx + r * cols;
+    double sg = 0.0, sgx = 0.0;
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      float g = dyr[j] * gamma[j];
+      sg += g;
+      sgx += (double)g * xhat;
+      dgamma[j] += dyr[j] * xhat;
+      if (dbeta != NULL)
+        dbeta[j] += dyr[j];
+    }
+    float mg = (float)(sg / (double)cols), mgx = (float)(sgx / (double)cols);
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      dxr[j] = rstd[r] * (dyr[j] * gamma[j] - mg - xhat * mgx);
+    }
+  }
+  return AC_OK;
+}
+
 static int cpu_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,
                            size_t table_rows, const int32_t *idx, float *out)
 {
@@ -581,6 +631,8 @@ static const ac__ops cpu_ops = {
   .mask_causal = cpu_mask_causal,
   .xent_forward = cpu_xent_forward,
   .xent_backward = cpu_xent_backward,
+  .layernorm_forward = cpu_layernorm_forward,
+  .layernorm_backward = cpu_layernorm_backward,
   .gather_rows = cpu_gather_rows,
   .scatter_add_rows = cpu_scatter_add_rows,
   .im2col = cpu_im2col,

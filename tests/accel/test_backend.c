@@ -885,6 +885,140 @@ static void test_xent(void **state)
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* Layer normalisation                                                                     */
+
+/* Forward in double; returns sum_j w[j] y[j] of one row (the test's scalar loss). */
+static double ref_layernorm_row(size_t cols, const double *x, const float *gamma,
+                                const float *beta, double eps, double *y, const float *w)
+{
+  double mu = 0, var = 0, loss = 0;
+  for (size_t j = 0; j < cols; j++)
+    mu += x[j];
+  mu /= (double)cols;
+  for (size_t j = 0; j < cols; j++)
+    var += (x[j] - mu) * (x[j] - mu);
+  var /= (double)cols;
+  for (size_t j = 0; j < cols; j++) {
+    double v = (x[j] - mu) / sqrt(var + eps) * gamma[j] + (beta ? beta[j] : 0.0);
+    if (y)
+      y[j] = v;
+    if (w)
+      loss += w[j] * v;
+  }
+  return loss;
+}
+
+static void test_layernorm(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t rows = 9, cols = 300, n = rows * cols;
+  const float eps = 1e-5f;
+  float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hx[i] = 3.0f * hx[i] + 1.0f; /* a mean to remove */
+  float *x = dev_up(be, hx, n), *g = dev_up(be, hg, cols), *b = dev_up(be, hb, cols);
+  float *dy = dev_up(be, hdy, n), *y = dev_alloc(be, n * sizeof(float));
+  float *mean = dev_alloc(be, rows * sizeof(float)), *rstd = dev_alloc(be, rows * sizeof(float));
+  float *dx = dev_alloc(be, n * sizeof(float));
+  float *dg = dev_alloc(be, cols * sizeof(float)), *db = dev_alloc(be, cols * sizeof(float));
+
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
+  float *gy = dev_down(be, y, n);
+  double *wy = dzeros(n), *row = dzeros(cols);
+  for (size_t r = 0; r < rows; r++) {
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    ref_layernorm_row(cols, row, hg, hb, eps, wy + r * cols, NULL);
+  }
+  expect_close("layernorm forward", gy, wy, n, 1e-5, 1e-5);
+
+  /* Backward against central differences of the double forward; gradients accumulate. */
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, db, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
+                   AC_OK);
+  float *gdx = dev_down(be, dx, n), *gdg = dev_down(be, dg, cols), *gdb = dev_down(be, db, cols);
+  double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
+  float *gp = malloc(cols * sizeof *gp);
+  assert_non_null(gp);
+  for (size_t j = 0; j < cols; j++)
+    wdg[j] = wdb[j] = 1.0;
+  for (size_t r = 0; r < rows; r++) {
+    const float *w = hdy + r * cols;
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    for (size_t j = 0; j < cols; j++) {
+      double h = 1e-4, keep = row[j];
+      row[j] = keep + h;
+      double lp = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep - h;
+      double lm = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep;
+      wdx[r * cols + j] = (lp - lm) / (2 * h);
+    }
+    double mu = 0, var = 0;
+    for (size_t j = 0; j < cols; j++)
+      mu += row[j];
+    mu /= (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      var += (row[j] - mu) * (row[j] - mu);
+    var /= (double)cols;
+    for (size_t j = 0; j < cols; j++) {
+      wdg[j] += w[j] * (row[j] - mu) / sqrt(var + eps);
+      wdb[j] += w[j];
+    }
+  }
+  expect_close("layernorm dx", gdx, wdx, n, 1e-4, 1e-3);
+  expect_close("layernorm dgamma", gdg, wdg, cols, 1e-4, 1e-5);
+  expect_close("layernorm dbeta", gdb, wdb, cols, 1e-5, 1e-5);
+
+  /* No beta; in place forward (y = x) and backward (dx = dy). */
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
+  float *gx = dev_down(be, x, n);
+  for (size_t i = 0; i < n; i++)
+    wy[i] -= hb[i % cols];
+  expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
+                   AC_OK);
+  free(gdx);
+  gdx = dev_down(be, dy, n);
+  expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
+                   AC_EINVAL);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
+                   AC_EINVAL);
+
+  free(gp);
+  free(gx);
+  free(gy);
+  free(gdx);
+  free(gdg);
+  free(gdb);
+  free(wy);
+  free(wdx);
+  free(wdg);
+  free(wdb);
+  free(row);
+  free(hx);
+  free(hg);
+  free(hb);
+  free(hdy);
+  ac_free(be, x);
+  ac_free(be, g);
+  ac_free(be, b);
+  ac_free(be, dy);
+  ac_free(be, y);
+  ac_free(be, mean);
+  ac_free(be, rstd);
+  ac_free(be, dx);
+  ac_free(be, dg);
+  ac_free(be, db);
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters                                                                    */
 
 static void test_gather_scatter(void **state)
@@ -1341,6 +1475,19 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o)
   out_take(o, be, loss, rows);
   assert_int_equal(ac_xent_backward(be, rows, t, y, labels, 0.5f, y), AC_OK);
   out_take(o, be, y, n);
+  /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
+  float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, 2 * t, dgb, 0.0f), AC_OK);
+  assert_int_equal(ac_layernorm_forward(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
+                                        stats + rows), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, stats, 2 * rows);
+  assert_int_equal(ac_layernorm_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
+                                         dgb, dgb + t), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, dgb, 2 * t);
+  ac_free(be, stats);
+  ac_free(be, dgb);
   ac_free(be, x);
   ac_free(be, y);
   ac_free(be, loss);
@@ -1503,7 +1650,8 @@ static int teardown(void **state)
       cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),   \
       cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                \
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
-      cmocka_unit_test(test_xent), cmocka_unit_test(test_gather_scatter),               \
+      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
+      cmocka_unit_test(test_gather_scatter),                                            \
       cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_pool),                  \
       cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
 
