@@ -64,11 +64,23 @@ static void report(bench *b, const char *prim, const char *shape, int iters, dou
   fflush(stdout);
 }
 
-/* Runs body iters times after one warm-up, syncs, returns seconds. */
+/* Iterations for about 0.25 s, from the time of one warm-up call; 3 in --quick. */
+static int iters_for(bench *b, double warm_s)
+{
+  if (b->quick)
+    return 3;
+  double it = 0.25 / (warm_s > 1e-7 ? warm_s : 1e-7);
+  return it < 3 ? 3 : (it > 2000 ? 2000 : (int)it);
+}
+
+/* Times one warm-up call, picks iters, runs body iters times, syncs; secs is the total. */
 #define TIMED(b, iters, secs, body)                                                      \
   do {                                                                                   \
+    check(ac_sync((b)->be), "sync");                                                     \
+    double w0_ = now_s();                                                                \
     body;                                                                                \
     check(ac_sync((b)->be), "sync");                                                     \
+    (iters) = iters_for((b), now_s() - w0_);                                             \
     double t0_ = now_s();                                                                \
     for (int it_ = 0; it_ < (iters); it_++) {                                            \
       body;                                                                              \
@@ -77,21 +89,11 @@ static void report(bench *b, const char *prim, const char *shape, int iters, dou
     (secs) = now_s() - t0_;                                                              \
   } while (0)
 
-static int iters_for(bench *b, double flops)
-{
-  /* Aim at ~0.2 s on the CUDA backend, ~0.5 s on CPU at a guessed rate; at least 3. */
-  double rate = strcmp(b->name, "cuda") == 0 ? 2e13 : 2e10;
-  int it = (int)(0.3 * rate / (flops > 1 ? flops : 1));
-  if (b->quick)
-    it = it > 3 ? 3 : it;
-  return it < 3 ? 3 : (it > 2000 ? 2000 : it);
-}
-
 static void bench_gemm(bench *b, size_t n)
 {
   float *x = dev_random(b, n * n, 1), *y = dev_random(b, n * n, 2), *z = dev_random(b, n * n, 3);
   double flops = 2.0 * n * n * n, secs;
-  int iters = iters_for(b, flops);
+  int iters = 0;
   char shape[64];
   TIMED(b, iters, secs,
         check(ac_sgemm(b->be, AC_NO_TRANS, AC_TRANS, n, n, n, 1.0f, x, n, y, n, 0.0f, z, n),
@@ -109,7 +111,7 @@ static void bench_gemm_batched(bench *b, size_t batch, size_t t, size_t dh)
   float *q = dev_random(b, batch * t * dh, 4), *k = dev_random(b, batch * t * dh, 5);
   float *s = dev_random(b, batch * t * t, 6);
   double flops = 2.0 * batch * t * t * dh, secs;
-  int iters = iters_for(b, flops);
+  int iters = 0;
   char shape[64];
   TIMED(b, iters, secs,
         check(ac_sgemm_batched(b->be, AC_NO_TRANS, AC_TRANS, t, t, dh, 0.125f, q, dh, t * dh,
@@ -130,7 +132,7 @@ static void bench_syrk(bench *b, size_t rows, size_t cols)
   float *g = dev_random(b, rows * cols, 7);
   float *l = dev_random(b, ac_packed_len(rows), 8), *r = dev_random(b, ac_packed_len(cols), 9);
   double flops = 1.0 * rows * rows * cols + 1.0 * cols * cols * rows, secs;
-  int iters = iters_for(b, flops);
+  int iters = 0;
   char shape[64];
   TIMED(b, iters, secs, {
     check(ac_syrk_packed(b->be, AC_NO_TRANS, rows, cols, 0.01f, g, cols, 0.99f, l), "syrk L");
@@ -148,7 +150,7 @@ static void bench_elementwise(bench *b, size_t n)
   float *x = dev_random(b, n, 10), *y = dev_random(b, n, 11), *m = dev_random(b, n, 12);
   float *v = dev_random(b, n, 13);
   double secs;
-  int iters = iters_for(b, 3.0 * n * 4);
+  int iters = 0;
   char shape[64];
   snprintf(shape, sizeof shape, "%zu", n);
   TIMED(b, iters, secs, check(ac_axpby(b->be, n, 0.5f, x, 0.5f, y, y), "axpby"));
@@ -184,7 +186,7 @@ static void bench_im2col(bench *b, size_t n, size_t c, size_t hw)
   size_t ncol = n * c * 9 * oh * ow;
   float *x = dev_random(b, n * c * hw * hw, 14), *col = dev_random(b, ncol, 15);
   double secs;
-  int iters = iters_for(b, (double)ncol * 4);
+  int iters = 0;
   char shape[64];
   TIMED(b, iters, secs, check(ac_im2col(b->be, &g, x, col), "im2col"));
   snprintf(shape, sizeof shape, "%zux%zux%zux%zu,k3", n, c, hw, hw);
