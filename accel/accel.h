@@ -255,8 +255,9 @@ typedef enum {
 
 /* out[m] = alpha * R_{o,i} x[o][m][i] + beta * out[m], R the reduction op. beta = 0
  * overwrites; beta = 1 accumulates (bias gradients over micro-batches). out has mid values
- * and must not alias x. Accumulates in float with a backend-specific order: results agree
- * across backends to rounding, not bitwise. */
+ * and must not alias x. Accumulation precision and order are backend-specific (CPU: double,
+ * CUDA: float per thread, then a tree): results agree across backends to rounding, not
+ * bitwise. */
 int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out);
 
@@ -299,6 +300,25 @@ int ac_xent_forward(ac_backend *be, size_t rows, size_t cols, const float *logit
  * probs. */
 int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *probs,
                      const int32_t *labels, float scale, float *dlogits);
+
+/* ------------------------------------------------------------------------------------ */
+/* Layer normalisation (fused; the same result as the ac_reduce / ac_bcast recipe)         */
+
+/* Each row r of x (rows x cols, contiguous): mean[r], rstd[r] = 1 / sqrt(var + eps) with the
+ * biased variance, y = (x - mean) rstd gamma + beta (gamma, beta: cols values each; beta may
+ * be NULL for none). mean and rstd (rows values each) are saved for the backward pass.
+ * eps > 0. y may alias x. */
+int ac_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+                         const float *gamma, const float *beta, float *y, float *mean,
+                         float *rstd);
+
+/* Backward of ac_layernorm_forward, with xhat = (x - mean) rstd and g = dy gamma:
+ *   dx = rstd (g - mean_cols(g) - xhat mean_cols(g xhat)),
+ *   dgamma += sum_rows(dy xhat), dbeta += sum_rows(dy)   (accumulated: zero them first).
+ * dbeta may be NULL (no beta). dx may alias dy; nothing else aliases. */
+int ac_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                          const float *gamma, const float *mean, const float *rstd,
+                          const float *dy, float *dx, float *dgamma, float *dbeta);
 
 /* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters (embeddings)                                                      */
