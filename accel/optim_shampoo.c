@@ -12,6 +12,7 @@
  * contiguous scratch, then each P_b rescaled to |D_b| and written over D_b, so that D ends
  * up holding the step of every block (the grafted fallback where a block has no root).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -459,8 +460,15 @@ static int graft_direction(ac_shampoo *s, size_t n, const float *g, float *m, fl
     double sq = 0.0;
     rc = ac_sumsq_to_host(be, n, g, &sq);
     const double inv = sq > 0.0 ? 1.0 / sqrt(sq) : 0.0; /* a zero gradient stays zero */
-    if (rc == AC_OK)
+    if (rc == AC_OK && isfinite((float)inv)) {
       rc = ac_affine(be, n, (float)inv, g, 0.0f, a);
+    } else if (rc == AC_OK) {
+      /* |g| below FLT_MIN: 1/|g| overflows a float, its square root does not (|g| is at
+       * least the smallest subnormal), and no g[i] exceeds |g|: scale twice. */
+      rc = ac_affine(be, n, (float)sqrt(inv), g, 0.0f, a);
+      if (rc == AC_OK)
+        rc = ac_affine(be, n, (float)sqrt(inv), a, 0.0f, a);
+    }
     x = a;
   }
   /* b = x^2, then the second moment */
@@ -558,8 +566,11 @@ static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d
     if (!may_use || sb->version == 0)
       continue;
     const double np = s->norms_host[2 * used], nd = s->norms_host[2 * used + 1];
-    if (np > 0.0 && isfinite(np)) {
-      rc = ac_affine(s->be, r * c, (float)(nd / np), s->a + off, 0.0f, s->a + off);
+    const float scale = (float)(nd / np);
+    /* pc_graft_rescale's rule (no usable norm: take D_b), extended to what float needs:
+     * a subnormal |P_b| is too imprecise to rescale by, and the factor must be a float. */
+    if (np >= FLT_MIN && isfinite(np) && isfinite(scale)) {
+      rc = ac_affine(s->be, r * c, scale, s->a + off, 0.0f, s->a + off);
       if (rc == AC_OK)
         rc = ac_copy2d(s->be, r, c, s->a + off, c, d + at, ld);
     }
