@@ -255,8 +255,9 @@ typedef enum {
 
 /* out[m] = alpha * R_{o,i} x[o][m][i] + beta * out[m], R the reduction op. beta = 0
  * overwrites; beta = 1 accumulates (bias gradients over micro-batches). out has mid values
- * and must not alias x. Accumulates in float with a backend-specific order: results agree
- * across backends to rounding, not bitwise. */
+ * and must not alias x. Accumulation precision and order are backend-specific (CPU: double,
+ * CUDA: float per thread, then a tree): results agree across backends to rounding, not
+ * bitwise. */
 int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out);
 
@@ -299,6 +300,25 @@ int ac_xent_forward(ac_backend *be, size_t rows, size_t cols, const float *logit
  * probs. */
 int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *probs,
                      const int32_t *labels, float scale, float *dlogits);
+
+/* ------------------------------------------------------------------------------------ */
+/* Layer normalisation (fused; the same result as the ac_reduce / ac_bcast recipe)         */
+
+/* Each row r of x (rows x cols, contiguous): mean[r], rstd[r] = 1 / sqrt(var + eps) with the
+ * biased variance, y = (x - mean) rstd gamma + beta (gamma, beta: cols values each; beta may
+ * be NULL for none). mean and rstd (rows values each) are saved for the backward pass.
+ * eps > 0. y may alias x. */
+int ac_layernorm_rows(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+                         const float *gamma, const float *beta, float *y, float *mean,
+                         float *rstd);
+
+/* Backward of ac_layernorm_rows, with xhat = (x - mean) rstd and g = dy gamma:
+ *   dx = rstd (g - mean_cols(g) - xhat mean_cols(g xhat)),
+ *   dgamma += sum_rows(dy xhat), dbeta += sum_rows(dy)   (accumulated: zero them first).
+ * dbeta may be NULL (no beta). dx may alias dy; nothing else aliases. */
+int ac_layernorm_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                          const float *gamma, const float *mean, const float *rstd,
+                          const float *dy, float *dx, float *dgamma, float *dbeta);
 
 /* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters (embeddings)                                                      */
@@ -871,6 +891,232 @@ int ac_resnet_backward(ac_resnet *m);
 
 /* ==================================================================================== */
 /* Optimizers and Shampoo's worker half (accel/optim*.c). Owned by the optimizers team.    */
+/*                                                                                          */
+/* Every optimizer is written once against the primitives above (no backend-specific code). */
+/* An optimizer holds pointers to the caller's parameters (not owned: they must outlive it, */
+/* and all must live on one backend) and its own device state; step(lr) reads each grad and */
+/* updates each value in place. The learning rate is an argument of every step so that a   */
+/* schedule (below) stays a pure function the caller evaluates. Steps count from 1.         */
+/* Shampoo reuses the numerics core's block layout and grafting definitions, so the worker  */
+/* and precondd cannot disagree on either: hence this include.                              */
+
+#include "preconditioner.h"
+
+/* ---- Learning-rate schedules: pure functions of the step (no backend, cannot fail) ---- */
+
+/* Linear warmup: base_lr * min(1, step / warmup_steps). warmup_steps <= 0 means none
+ * (base_lr); step < 0 counts as 0. */
+double ac_lr_linear_warmup(double base_lr, long step, long warmup_steps);
+
+/* Cosine decay from base_lr to min_lr over decay_steps:
+ * min_lr + (base_lr - min_lr) (1 + cos(pi s / decay_steps)) / 2 with s = clamp(step, 0,
+ * decay_steps); min_lr from then on. decay_steps <= 0 means no decay (base_lr). */
+double ac_lr_cosine_decay(double base_lr, double min_lr, long step, long decay_steps);
+
+/* Step decay: base_lr * gamma^floor(step / step_size). step_size <= 0 means no decay;
+ * step < 0 counts as 0. */
+double ac_lr_step_decay(double base_lr, double gamma, long step, long step_size);
+
+typedef enum {
+  AC_LR_CONSTANT = 0,  /* base_lr after the warmup */
+  AC_LR_COSINE,        /* ac_lr_cosine_decay over decay_steps after the warmup */
+  AC_LR_STEP           /* ac_lr_step_decay: times gamma every step_size steps after it */
+} ac_lr_decay;
+
+/* A warmup followed by a decay. At step t >= 1: t <= warmup_steps gives
+ * ac_lr_linear_warmup(base_lr, t, warmup_steps); after it the decay runs on
+ * s = t - warmup_steps (so the decay starts from base_lr exactly where the warmup ends). */
+typedef struct {
+  double base_lr;      /* > 0 */
+  long warmup_steps;   /* >= 0 */
+  ac_lr_decay decay;
+  long decay_steps;    /* COSINE: > 0 */
+  double min_lr;       /* COSINE: in [0, base_lr] */
+  long step_size;      /* STEP: > 0 */
+  double gamma;        /* STEP: in (0, 1] */
+} ac_lr_schedule;
+
+/* A constant base_lr with no warmup (decay_steps 1, step_size 1, gamma 1: valid if the
+ * caller switches decay). NULL is a no-op. */
+void ac_lr_schedule_default(ac_lr_schedule *sched, double base_lr);
+
+/* AC_OK, or AC_EINVAL for a NULL schedule or a field out of the ranges above. */
+int ac_lr_schedule_check(const ac_lr_schedule *sched);
+
+/* The learning rate at step (>= 1) of a schedule that passed ac_lr_schedule_check. */
+double ac_lr_schedule_at(const ac_lr_schedule *sched, long step);
+
+/* ---- Gradient clipping by global norm ---- */
+
+/* norm = sqrt(sum over params of |grad|^2), accumulated in double. If norm > max_norm,
+ * every grad is scaled by max_norm / norm; otherwise grads are untouched. max_norm may be
+ * INFINITY (measure only). If norm is not finite (NaN or Inf in a grad) the grads are left
+ * as they are: the caller sees it in *norm and should skip the step. *norm (may be NULL) gets
+ * the norm before clipping. params: nparams pointers to parameters on one backend.
+ * Returns AC_OK; AC_EINVAL (NULL params or entry, max_norm <= 0 or NaN); AC_EMISMATCH
+ * (parameters on different backends); a device error. */
+int ac_clip_grad_norm(ac_param *const *params, size_t nparams, double max_norm, double *norm);
+
+/* ---- SGD with momentum ---- */
+
+typedef struct {
+  float momentum;      /* mu in [0, 1); 0: plain SGD, no buffer. Default 0.9 */
+  int nesterov;        /* 1: Nesterov lookahead (needs momentum > 0). Default 0 */
+  float weight_decay;  /* >= 0; L2 coupled into the gradient as in classic SGD. Default 0 */
+} ac_sgd_opts;
+
+void ac_sgd_opts_default(ac_sgd_opts *opts);
+
+/* Per step, per parameter (buf starts at 0):
+ *   d = g + wd p;  buf = mu buf + d;  d = nesterov ? d + mu buf : buf;  p -= lr d.
+ * (With mu = 0: p -= lr (g + wd p).) */
+typedef struct ac_sgd ac_sgd;
+
+/* Creates an SGD optimizer over params (nparams >= 1 pointers, not owned, all on one
+ * backend). opts NULL: defaults. On AC_OK *out is owned by the caller (ac_sgd_destroy);
+ * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries), AC_EMISMATCH
+ * (different backends), AC_ENOMEM. */
+int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams,
+                  const ac_sgd_opts *opts);
+
+/* One step with learning rate lr (finite, >= 0). Grads are read, not changed. */
+int ac_sgd_step(ac_sgd *opt, float lr);
+
+/* Steps taken so far. */
+long ac_sgd_steps(const ac_sgd *opt);
+
+/* Frees the optimizer's state (not the parameters). NULL is a no-op. */
+void ac_sgd_destroy(ac_sgd *opt);
+
+/* ---- AdamW ---- */
+
+typedef struct {
+  float beta1, beta2;  /* [0, 1); defaults 0.9, 0.999 */
+  float eps;           /* > 0; default 1e-8 */
+  float weight_decay;  /* >= 0, decoupled: p -= lr wd p; default 0.01 */
+} ac_adamw_opts;
+
+void ac_adamw_opts_default(ac_adamw_opts *opts);
+
+/* AdamW (Loshchilov and Hutter) with bias correction: ac_adamw_update per parameter. */
+typedef struct ac_adamw ac_adamw;
+
+/* As ac_sgd_create. */
+int ac_adamw_create(ac_adamw **out, ac_param *const *params, size_t nparams,
+                    const ac_adamw_opts *opts);
+int ac_adamw_step(ac_adamw *opt, float lr);
+long ac_adamw_steps(const ac_adamw *opt);
+void ac_adamw_destroy(ac_adamw *opt);
+
+/* ---- Shampoo, the worker half ---- */
+/*
+ * The worker computes statistics on the device and applies roots computed elsewhere
+ * (precondd, or the caller itself). One training step:
+ *   1. backward pass (grads filled);
+ *   2. ac_shampoo_compute_stats: if statistics are due for the coming step, G G^T and G^T G
+ *      of every block (ac_syrk_packed), downloaded once into host buffers the caller reads
+ *      with ac_shampoo_block_stats and hands to libprecond's push;
+ *   3. ac_shampoo_set_roots for every block whose newer roots the caller holds;
+ *   4. ac_shampoo_step(lr).
+ * Blocks: for each parameter, in the order given at create, the blocks of pc_layout_init
+ * over its shape (a scalar counts as shape {1}); block ids run over all parameters in that
+ * order, which is the order precondd numbers the blocks of the same tensors registered in
+ * the same order. A parameter the layout marks diagonal has no blocks.
+ *
+ * The update of a parameter at step t:
+ *   D = grafted direction of the whole grad (pc_graft_direction_f32's formulas, on the
+ *       device; normalisation over the whole tensor);
+ *   for each block b: if t >= start_step and b holds a root,
+ *       P_b = L_b^(-1/4) G_b R_b^(-1/4) (a missing side is the identity), rescaled to
+ *       |D_b| (Frobenius; P_b replaced by D_b when |P_b| is 0 or not finite), else
+ *       P_b = D_b (the grafted fallback, counted);
+ *   buf = mu buf + P;  U = nesterov ? P + mu buf : buf;  p -= lr (U + wd p).
+ * Diagonal parameters take U from D (the grafted step is their whole step, not a
+ * fallback, and is not counted).
+ */
+
+typedef struct {
+  pc_layout_opts layout;  /* block_size, skip_limit: must match the daemon's. Defaults */
+  pc_graft_opts graft;    /* grafting (the step length). Default AdaGrad, its defaults */
+  float momentum;         /* mu in [0, 1) on the grafted direction. Default 0.9 */
+  int nesterov;           /* needs momentum > 0. Default 0 */
+  float weight_decay;     /* >= 0, decoupled. Default 0 */
+  long stats_interval;    /* statistics at steps 1, 1 + k, 1 + 2k, ...; >= 1. Default 1 */
+  long start_step;        /* first step that may use roots; >= 1. Default 1 */
+  /* The daemon's: the statistics EMA (1 = sum) and the relative ridge of the roots. Kept
+   * here so that one struct configures a run (the caller registers them with precondd);
+   * the worker itself hands out raw G G^T increments and does not use them. */
+  float beta2;            /* [0, 1]. Default 1 */
+  double epsilon;         /* > 0. Default 1e-6 */
+} ac_shampoo_opts;
+
+void ac_shampoo_opts_default(ac_shampoo_opts *opts);
+
+typedef struct ac_shampoo ac_shampoo;
+
+/* As ac_sgd_create; params also must have a valid layout under opts->layout
+ * (AC_EINVAL otherwise). The caller owns *out (ac_shampoo_destroy). */
+int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
+                      const ac_shampoo_opts *opts);
+
+void ac_shampoo_destroy(ac_shampoo *s);
+
+/* Blocks over all parameters. */
+size_t ac_shampoo_nblocks(const ac_shampoo *s);
+
+/* The layout of parameter i (owned by s; valid until destroy), or NULL if i is out of
+ * range. */
+const pc_layout *ac_shampoo_layout(const ac_shampoo *s, size_t param);
+
+typedef struct {
+  size_t param;             /* index into the params given at create */
+  size_t index;             /* block within that parameter's layout */
+  pc_block block;           /* rows, cols and offsets in the parameter's 2-D view */
+  uint64_t version;         /* version of the roots held; 0: none yet */
+  uint64_t fallback_steps;  /* steps this block took the grafted fallback */
+} ac_shampoo_block;
+
+/* Fills *info for block id b. AC_EINVAL for b out of range or NULL. */
+int ac_shampoo_block_info(const ac_shampoo *s, size_t b, ac_shampoo_block *info);
+
+/* Block-steps that took the grafted fallback, summed over blocks. */
+uint64_t ac_shampoo_fallback_total(const ac_shampoo *s);
+
+/* Steps taken so far. */
+long ac_shampoo_steps(const ac_shampoo *s);
+
+/* If statistics are due for the coming step t = steps + 1 ((t - 1) % stats_interval == 0),
+ * computes G G^T and G^T G of every block from the current grads on the device and copies
+ * them (packed upper, pc_pack_f32's layout) into host buffers owned by s: *due = 1 and
+ * *step = t. Otherwise nothing is computed and *due = 0. due and step may be NULL.
+ * Waits for the device (one download for all blocks). */
+int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step);
+
+/* The host statistics of block b from the last ac_shampoo_compute_stats that computed:
+ * *left = packed G G^T (ac_packed_len(rows) values), *right = packed G^T G
+ * (ac_packed_len(cols)); owned by s, valid until the next compute or destroy. Either
+ * pointer argument may be NULL. AC_EINVAL if b is out of range or nothing was computed yet. */
+int ac_shampoo_block_stats(const ac_shampoo *s, size_t b, const float **left,
+                           const float **right);
+
+typedef enum {
+  AC_ROOT_DENSE = 0,   /* n x n row-major */
+  AC_ROOT_PACKED = 1   /* packed upper, ac_packed_len(n) values */
+} ac_root_format;
+
+/* Hands block b the roots of one version: left ~ L^(-1/4) of order n_left (= the block's
+ * rows), right ~ R^(-1/4) of order n_right (= its cols); a side may be NULL with its n 0
+ * (one-sided: the identity there), not both. HOST pointers, copied to the device before
+ * return. A version not newer than the one held is ignored (AC_OK, nothing changes).
+ * Returns AC_OK; AC_EINVAL (b out of range, version 0, both sides NULL, a non-finite value:
+ * nothing changes); AC_EMISMATCH (n_left or n_right not the block's); AC_ENOMEM. */
+int ac_shampoo_set_roots(ac_shampoo *s, size_t b, uint64_t version, ac_root_format fmt,
+                         size_t n_left, const float *left, size_t n_right,
+                         const float *right);
+
+/* One step with learning rate lr (finite, >= 0), as described above. Grads are read, not
+ * changed. Waits for the device once or twice per parameter (grafting norms). */
+int ac_shampoo_step(ac_shampoo *s, float lr);
 
 /* ---- end of optimizers ---- */
 
