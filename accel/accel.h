@@ -647,7 +647,7 @@ typedef struct {
   size_t dim, heads, max_batch, max_t, batch, t;
   int ready;
   ac_linear qkv, proj;
-  float *qkvp, *probs, *ctx, *ctxp, *dctx, *dprobs, *dqkvp, *dqkv;
+  float *probs, *ctx, *dprobs, *dqkv;
 } ac_attention;
 
 int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim,

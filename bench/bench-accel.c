@@ -165,7 +165,7 @@ static void bench_tblock(size_t d)
   emit("tblock", cfg, "attention(all)", "fwd", ms, f_qkv + f_proj + f_att);
   TIME_MS(ms, ac_attention_backward(&blk.attn, dyd, &g));
   emit("tblock", cfg, "attention(all)", "bwd", ms, 2 * (f_qkv + f_proj + f_att));
-  TIME_MS(ms, ac_linear_forward(&blk.attn.proj, blk.attn.ctxp, rows, &y));
+  TIME_MS(ms, ac_linear_forward(&blk.attn.proj, blk.attn.ctx, rows, &y));
   lin_ms += ms;
   emit("tblock", cfg, "attn.proj", "fwd", ms, f_proj);
   TIME_MS(ms, ac_linear_backward(&blk.attn.proj, dyd, &g));
