@@ -273,6 +273,19 @@ static void bench_tblock(size_t d)
   ac_tblock_destroy(&blk);
 }
 
+static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
+{
+  size_t chw = c->g.c * c->g.h * c->g.w;
+  int rc = AC_OK;
+  for (size_t b0 = 0; b0 < c->batch && rc == AC_OK; b0 += c->chunk) {
+    ac_conv2d_geom g = c->g;
+    g.n = c->batch - b0 < c->chunk ? c->batch - b0 : c->chunk;
+    rc = col2im ? ac_col2im(be, &g, c->ws, c->dx + b0 * chw)
+                : ac_im2col(be, &g, x + b0 * chw, c->ws);
+  }
+  return rc;
+}
+
 /* A ResNet basic block at batch 128. */
 static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride, size_t chunk)
 {
@@ -309,6 +322,12 @@ static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride
   emit("resblock", cfg, "conv2", "fwd", ms, f2);
   TIME_MS(ms, ac_conv2d_backward(&blk.conv2, dy, &g));
   emit("resblock", cfg, "conv2", "bwd", ms, 2 * f2);
+  /* conv1's lowering on its own: im2col (forward and backward) and col2im (backward) of
+   * the whole batch, chunk by chunk through the workspace, as ac_conv2d issues them. */
+  TIME_MS(ms, conv_lowering(&blk.conv1, x, 0));
+  emit("resblock", cfg, "conv1.im2col", "fwd", ms, 0);
+  TIME_MS(ms, conv_lowering(&blk.conv1, x, 1));
+  emit("resblock", cfg, "conv1.col2im", "bwd", ms, 0);
   double step;
   TIME_MS(step, ac_basicblock_forward(&blk, x, batch, AC_MODE_TRAIN, &y) ||
                     ac_basicblock_backward(&blk, dy, &g));
