@@ -469,6 +469,11 @@ int main(int argc, char **argv)
       }
       i++;
     } else if (strcmp(a, "--only") == 0 && v != NULL) {
+      if (strcmp(v, "peak") != 0 && strcmp(v, "tblock") != 0 && strcmp(v, "resblock") != 0 &&
+          strcmp(v, "models") != 0) {
+        fprintf(stderr, "bench-accel: --only must be peak, tblock, resblock or models\n");
+        return 2;
+      }
       only = v;
       i++;
     } else {
