@@ -437,7 +437,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     }
   }
   pthread_rwlock_rdlock(&d->store.lock);
-  size_t njobs = d->store.njobs;
+  size_t njobs = d->store.njobs, total_jobs = njobs;
   pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
   if (jobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
   pthread_rwlock_unlock(&d->store.lock);
@@ -458,7 +458,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   Precond__V1__StatsResponse resp = PRECOND__V1__STATS_RESPONSE__INIT;
   resp.version = (char *)PD_VERSION;
   resp.uptime_s = pd_now() - d->stats.start_time;
-  resp.jobs = (uint32_t)d->store.njobs;
+  resp.jobs = (uint32_t)total_jobs;
   resp.queue_depth = pd_sched_depth(&d->sched);
   resp.roots_computed = atomic_load(&d->stats.roots_computed);
   resp.roots_failed = atomic_load(&d->stats.roots_failed);

@@ -587,8 +587,18 @@ cleanup:
 int pd_snapshot_set_aside(const char *dir, char *newname, size_t len) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
-  snprintf(newname, len, "%s/%s.corrupt-%lld", dir, PD_SNAPSHOT_FILE, (long long)time(NULL));
-  if (rename(path, newname) != 0) return PD_EIO;
-  pd__fsync_dir(dir);
-  return PD_OK;
+  long long now = (long long)time(NULL);
+  /* Never overwrite an earlier damaged file: it may be all that is left of a run. */
+  for (int k = 0; k < 1000; k++) {
+    if (k == 0)
+      snprintf(newname, len, "%s/%s.corrupt-%lld", dir, PD_SNAPSHOT_FILE, now);
+    else
+      snprintf(newname, len, "%s/%s.corrupt-%lld-%d", dir, PD_SNAPSHOT_FILE, now, k);
+    struct stat sb;
+    if (stat(newname, &sb) == 0) continue;
+    if (rename(path, newname) != 0) return PD_EIO;
+    pd__fsync_dir(dir);
+    return PD_OK;
+  }
+  return PD_EIO;
 }

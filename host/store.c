@@ -69,6 +69,7 @@ void pd_root_unref(pd_root *r, pd_stats *stats) {
 #define PD_MAX_BLOCK_SIZE 8192u
 #define PD_MAX_TENSORS 1000000u
 #define PD_MAX_RANK 8
+#define PD_MAX_NAME 256 /* job, tensor and worker names, bytes */
 
 int pd_shampoo_opts_resolve(const Precond__V1__ShampooOptions *in, pd_shampoo_opts *out,
                             char *err, size_t errlen) {
@@ -138,6 +139,10 @@ static char *pd__strdup(const char *s) {
   return d;
 }
 
+static int pd__cmp_name(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
 /* Checks names and shapes before any layout is computed. */
 static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, size_t errlen) {
   if (ntensors == 0) {
@@ -150,8 +155,9 @@ static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, siz
     return PD_ELIMIT;
   }
   for (size_t i = 0; i < ntensors; i++) {
-    if (!t[i].name || !*t[i].name) {
-      snprintf(err, errlen, "tensors[%zu].name: empty", i);
+    if (!t[i].name || !*t[i].name || strlen(t[i].name) > PD_MAX_NAME) {
+      snprintf(err, errlen, "tensors[%zu].name: empty or longer than %d bytes", i,
+               PD_MAX_NAME);
       return PD_EINVAL;
     }
     if (t[i].rank < 1 || t[i].rank > PD_MAX_RANK) {
@@ -169,16 +175,24 @@ static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, siz
       }
       total *= d;
     }
-    /* Quadratic, but only at Register and for a bounded count of names in practice. */
-    for (size_t j = 0; j < i && ntensors <= 4096; j++) {
-      if (strcmp(t[i].name, t[j].name) == 0) {
-        snprintf(err, errlen, "tensors[%zu].name: \"%s\" repeats tensors[%zu]", i, t[i].name,
-                 j);
-        return PD_EINVAL;
-      }
+  }
+  /* Unique names: sort a copy of the pointers and compare neighbours. */
+  const char **names = malloc(ntensors * sizeof *names);
+  if (!names) {
+    snprintf(err, errlen, "out of memory");
+    return PD_ENOMEM;
+  }
+  for (size_t i = 0; i < ntensors; i++) names[i] = t[i].name;
+  qsort(names, ntensors, sizeof *names, pd__cmp_name);
+  int rc = PD_OK;
+  for (size_t i = 1; i < ntensors && rc == PD_OK; i++) {
+    if (strcmp(names[i - 1], names[i]) == 0) {
+      snprintf(err, errlen, "tensors: name \"%s\" appears more than once", names[i]);
+      rc = PD_EINVAL;
     }
   }
-  return PD_OK;
+  free(names);
+  return rc;
 }
 
 int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t ntensors,
@@ -189,8 +203,8 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
     snprintf(err, errlen, "job: empty");
     return PD_EINVAL;
   }
-  if (strlen(name) > 256) {
-    snprintf(err, errlen, "job: name longer than 256 bytes");
+  if (strlen(name) > PD_MAX_NAME) {
+    snprintf(err, errlen, "job: name longer than %d bytes", PD_MAX_NAME);
     return PD_EINVAL;
   }
   int rc = pd__tensors_check(ntensors, tensors, err, errlen);
@@ -397,7 +411,7 @@ done:
 }
 
 void pd_job_note_worker(pd_job *job, const char *worker) {
-  if (!worker || !*worker) return;
+  if (!worker || !*worker || strlen(worker) > PD_MAX_NAME) return;
   pthread_mutex_lock(&job->lock);
   int seen = 0;
   for (size_t i = 0; i < job->nworkers && !seen; i++) seen = strcmp(job->workers[i], worker) == 0;
