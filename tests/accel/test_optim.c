@@ -7,7 +7,6 @@
  * and, where a CUDA device exists, on CUDA against the same references; without a device
  * the CUDA group is skipped with a message.
  */
-#include <lapacke.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -461,32 +460,16 @@ static double tiny_step(tiny *m)
   return sum / TN;
 }
 
-/* Inverse 4th root of the symmetric PSD matrix a (n x n, dense) with the relative ridge
- * of the references: (A + eps max(lambda_max, 1e-16) I)^(-1/4), by eigendecomposition. */
+/* Inverse 4th root of the symmetric PSD matrix a (n x n, dense) by the numerics core, as
+ * precondd computes it (its defaults: relative ridge 1e-6, coupled Newton). */
 static void root_f32(size_t n, const float *a, float *x)
 {
-  float *v = xcalloc(n * n, sizeof(float)), *w = xcalloc(n, sizeof(float));
-  memcpy(v, a, n * n * sizeof(float));
-  assert_int_equal(LAPACKE_ssyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, v, (lapack_int)n,
-                                  w), 0);
-  const double ridge = 1e-6 * fmax(w[n - 1], 1e-16);
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = 0; j < n; j++) {
-      double s = 0.0;
-      for (size_t k = 0; k < n; k++)
-        s += (double)v[i * n + k] * v[j * n + k] * pow(fmax(w[k], 0.0) + ridge, -0.25);
-      x[i * n + j] = (float)s;
-    }
-  free(v);
-  free(w);
-}
-
-/* Packed upper (row by row) to dense, both triangles. */
-static void unpack(size_t n, const float *packed, float *dense)
-{
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = i; j < n; j++)
-      dense[i * n + j] = dense[j * n + i] = *packed++;
+  pc_root_opts ro;
+  pc_root_info info;
+  pc_root_opts_default(&ro, 4);
+  int rc = pc_inverse_root_f32(n, a, x, &ro, &info);
+  if (rc != PC_OK && rc != PC_NOT_CONVERGED)
+    fail_msg("pc_inverse_root_f32: %s", pc_strerror(rc));
 }
 
 /* The daemon's part, done here: accumulate the pushed statistics (sum, beta2 = 1) and
@@ -542,9 +525,9 @@ static void daemon_publish(local_daemon *d, ac_shampoo *s)
     const size_t r = info.block.rows, c = info.block.cols;
     float *dense = xcalloc(r > c ? r * r : c * c, sizeof(float));
     float *lroot = xcalloc(r * r, sizeof(float)), *rroot = xcalloc(c * c, sizeof(float));
-    unpack(r, d->left[b], dense);
+    pc_unpack_f32(r, d->left[b], dense);
     root_f32(r, dense, lroot);
-    unpack(c, d->right[b], dense);
+    pc_unpack_f32(c, d->right[b], dense);
     root_f32(c, dense, rroot);
     OK(ac_shampoo_set_roots(s, b, d->version, AC_ROOT_DENSE, r, lroot, c, rroot));
     free(dense);
