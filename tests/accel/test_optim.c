@@ -478,6 +478,7 @@ typedef struct {
   size_t nblocks;
   float **left, **right;  /* accumulated packed statistics per block */
   uint64_t version;
+  uint64_t step;          /* the newest statistics pushed */
 } local_daemon;
 
 static void daemon_init(local_daemon *d, const ac_shampoo *s)
@@ -486,6 +487,7 @@ static void daemon_init(local_daemon *d, const ac_shampoo *s)
   d->left = xcalloc(d->nblocks, sizeof *d->left);
   d->right = xcalloc(d->nblocks, sizeof *d->right);
   d->version = 0;
+  d->step = 0;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
     OK(ac_shampoo_block_info(s, b, &info));
@@ -504,8 +506,9 @@ static void daemon_destroy(local_daemon *d)
   free(d->right);
 }
 
-static void daemon_push(local_daemon *d, const ac_shampoo *s)
+static void daemon_push(local_daemon *d, const ac_shampoo *s, long step)
 {
+  d->step = (uint64_t)step;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
     const float *l = NULL, *r = NULL;
@@ -529,7 +532,10 @@ static void daemon_publish(local_daemon *d, ac_shampoo *s)
     root_f32(r, dense, lroot);
     pc_unpack_f32(c, d->right[b], dense);
     root_f32(c, dense, rroot);
-    OK(ac_shampoo_set_roots(s, b, d->version, AC_ROOT_DENSE, r, lroot, c, rroot));
+    const ac_shampoo_roots roots = {.version = d->version, .source_step = d->step,
+                                    .format = AC_ROOT_DENSE, .n_left = r, .left = lroot,
+                                    .n_right = c, .right = rroot};
+    OK(ac_shampoo_set_roots(s, b, &roots));
     free(dense);
     free(lroot);
     free(rroot);
@@ -586,10 +592,14 @@ static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallb
       OK(ac_shampoo_compute_stats(sh, &due, &step));
       assert_true(due);
       assert_int_equal(step, t);
-      daemon_push(&d, sh);
+      daemon_push(&d, sh, step);
       if (t % ROOT_EVERY == 0)
         daemon_publish(&d, sh); /* used until the next publication: stale by design */
       OK(ac_shampoo_step(sh, lr));
+      ac_shampoo_step_info si;
+      OK(ac_shampoo_last_step(sh, &si));
+      assert_int_equal(si.preconditioned, t < ROOT_EVERY ? 0 : 4);
+      assert_int_equal(si.staleness_max, t < ROOT_EVERY ? -1 : t % ROOT_EVERY);
     }
   }
   if (fallbacks != NULL)

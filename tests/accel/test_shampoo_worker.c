@@ -76,6 +76,7 @@ typedef struct {
    * them (the same values in fp64); NULL: that side has none */
   float *lf[NBLK], *rf[NBLK];
   double *l64[NBLK], *r64[NBLK];
+  uint64_t src[NBLK];        /* their source step */
   /* reference state */
   float *m[NPAR], *v[NPAR];  /* graft moments (pc_graft_direction_f32's) */
   double *buf[NPAR];         /* momentum */
@@ -222,7 +223,7 @@ static float *pack(size_t n, const float *dense)
   return p;
 }
 
-/* Hands block b's roots to the worker in format fmt. */
+/* Hands block b's roots to the worker in format fmt, with source step w->src[b]. */
 static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_format fmt)
 {
   int par;
@@ -233,8 +234,16 @@ static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_
     l = lp = l != NULL ? pack(blk->rows, l) : NULL;
     r = rp = r != NULL ? pack(blk->cols, r) : NULL;
   }
-  int rc = ac_shampoo_set_roots(s, (size_t)b, version, fmt, l != NULL ? blk->rows : 0, l,
-                                r != NULL ? blk->cols : 0, r);
+  const ac_shampoo_roots roots = {
+    .version = version,
+    .source_step = w->src[b],
+    .format = fmt,
+    .n_left = l != NULL ? blk->rows : 0,
+    .left = l,
+    .n_right = r != NULL ? blk->cols : 0,
+    .right = r,
+  };
+  int rc = ac_shampoo_set_roots(s, (size_t)b, &roots);
   free(lp);
   free(rp);
   return rc;
@@ -265,7 +274,9 @@ static void ref_direction(world *w, const ac_shampoo_opts *o, long t, double **u
       const int b = b0 + (int)q;
       const pc_block *blk = &w->lay[i].blocks[q];
       const size_t r = blk->rows, c = blk->cols;
-      if (w->l64[b] == NULL && w->r64[b] == NULL)
+      const long age = (long)w->src[b] >= t ? 0 : t - (long)w->src[b];
+      if ((w->l64[b] == NULL && w->r64[b] == NULL) ||
+          (o->max_staleness > 0 && age > o->max_staleness))
         continue;
       double *gb = xcalloc(r * c, sizeof(double)), *pb = xcalloc(r * c, sizeof(double));
       double *db = xcalloc(r * c, sizeof(double));
@@ -499,6 +510,60 @@ static void test_momentum_decay_start(void **state)
   }
 }
 
+/* Roots from source step 2 with max_staleness 3: used up to step 5 (staleness 3; at steps
+ * 1-2 they count as fresh), then every block falls back until newer roots arrive. */
+static void test_staleness(void **state)
+{
+  ac_backend *be = backend(state);
+  world w;
+  ac_shampoo *s = NULL;
+  ac_shampoo_opts o;
+  ac_shampoo_step_info si;
+  ac_shampoo_block info;
+
+  world_init(&w, be);
+  base_opts(&o, PC_GRAFT_ADAGRAD);
+  o.max_staleness = 3;
+  OK(ac_shampoo_create(&s, w.ptrs, NPAR, &o));
+  OK(ac_shampoo_last_step(s, &si));
+  assert_int_equal(si.step, 0);
+  for (int b = 0; b < NBLK; b++)
+    w.src[b] = 2;
+  give_all_roots(&w, s, 1);
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.source_step, 2);
+  assert_int_equal(info.staleness, -1);
+  for (long t = 1; t <= 7; t++) {
+    if (t == 7) {
+      for (int b = 0; b < NBLK; b++)
+        w.src[b] = 6;
+      give_all_roots(&w, s, 2);
+    }
+    world_grads(&w, 0.5f);
+    step_and_check(&w, s, &o, 0.05f, 2e-5);
+    OK(ac_shampoo_last_step(s, &si));
+    assert_int_equal(si.step, t);
+    const long age = t <= 2 ? 0 : t == 7 ? 1 : t - 2;
+    const int used = t <= 5 || t == 7;
+    assert_int_equal(si.preconditioned, used ? NBLK - 1 : 0); /* block 4 has no roots */
+    assert_int_equal(si.fallback, used ? 1 : NBLK);
+    assert_int_equal(si.staleness_max, used ? age : -1);
+    if (used)
+      assert_true(si.staleness_mean == (double)age);
+    else
+      assert_true(isnan(si.staleness_mean));
+  }
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.staleness, 1);
+  assert_int_equal(info.fallback_steps, 1); /* step 6 */
+  OK(ac_shampoo_block_info(s, 4, &info));
+  assert_int_equal(info.staleness, -1);
+  assert_int_equal(info.fallback_steps, 7);
+  assert_int_equal(ac_shampoo_last_step(s, NULL), AC_EINVAL);
+  ac_shampoo_destroy(s);
+  world_destroy(&w);
+}
+
 /* Zero gradients after some steps: P_b = 0 has no norm, so blocks take D_b (Adam's
  * momentum keeps it non-zero); nothing becomes NaN. Tiny gradients stay finite too. */
 static void test_zero_and_tiny_grads(void **state)
@@ -580,21 +645,30 @@ static void test_roots_versions_and_errors(void **state)
     l16[i] = i == 0 || i == 5 || i == 10 || i == 15 ? 1.0f : 0.0f;
   for (int i = 0; i < 10; i++)
     l10[i] = 1.0f;
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, AC_ROOT_DENSE, 3, l16, 0, NULL), AC_EMISMATCH);
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, AC_ROOT_DENSE, 4, l16, 4, NULL), AC_EMISMATCH);
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, AC_ROOT_DENSE, 0, NULL, 0, NULL), AC_EINVAL);
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 0, AC_ROOT_DENSE, 4, l16, 0, NULL), AC_EINVAL);
-  assert_int_equal(ac_shampoo_set_roots(s, NBLK, 9, AC_ROOT_DENSE, 4, l16, 0, NULL),
-                   AC_EINVAL);
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, (ac_root_format)3, 4, l16, 0, NULL),
-                   AC_EINVAL);
-  assert_int_equal(ac_shampoo_set_roots(NULL, 0, 9, AC_ROOT_DENSE, 4, l16, 0, NULL),
-                   AC_EINVAL);
+  const ac_shampoo_roots ok4 = {.version = 9, .format = AC_ROOT_DENSE, .n_left = 4,
+                                .left = l16};
+  ac_shampoo_roots r;
+  r = ok4, r.n_left = 3;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EMISMATCH);
+  r = ok4, r.n_right = 4; /* a size without its matrix */
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EMISMATCH);
+  r = ok4, r.right = l16, r.n_right = 3; /* the block is 4 x 4 */
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EMISMATCH);
+  r = ok4, r.left = NULL, r.n_left = 0;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
+  r = ok4, r.version = 0;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
+  r = ok4, r.format = (ac_root_format)3;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
+  assert_int_equal(ac_shampoo_set_roots(s, NBLK, &ok4), AC_EINVAL);
+  assert_int_equal(ac_shampoo_set_roots(NULL, 0, &ok4), AC_EINVAL);
+  assert_int_equal(ac_shampoo_set_roots(s, 0, NULL), AC_EINVAL);
   l10[7] = NAN;
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, AC_ROOT_PACKED, 4, l10, 0, NULL), AC_EINVAL);
+  r = ok4, r.format = AC_ROOT_PACKED, r.left = l10;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
   l10[7] = 1.0f;
   l16[3] = INFINITY;
-  assert_int_equal(ac_shampoo_set_roots(s, 0, 9, AC_ROOT_DENSE, 4, l16, 0, NULL), AC_EINVAL);
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &ok4), AC_EINVAL);
   OK(ac_shampoo_block_info(s, 0, &info));
   assert_int_equal(info.version, 6);
   world_grads(&w, 0.5f);
@@ -631,6 +705,7 @@ static void test_create_errors(void **state)
   BAD(weight_decay, NAN);
   BAD(stats_interval, 0);
   BAD(start_step, 0);
+  BAD(max_staleness, -1);
   BAD(beta2, 1.5f);
   BAD(epsilon, 0.0);
   BAD(graft.kind, (pc_graft)9);
@@ -699,7 +774,8 @@ static int teardown(void **state)
 
 #define WORKER_TESTS                                                                          \
   cmocka_unit_test(test_layout_and_stats), cmocka_unit_test(test_apply_each_graft),          \
-  cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_zero_and_tiny_grads),   \
+  cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_staleness),             \
+  cmocka_unit_test(test_zero_and_tiny_grads),                                                 \
   cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors)
 
 int main(void)
