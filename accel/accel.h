@@ -974,8 +974,8 @@ typedef struct ac_sgd ac_sgd;
 
 /* Creates an SGD optimizer over params (nparams >= 1 pointers, not owned, all on one
  * backend). opts NULL: defaults. On AC_OK *out is owned by the caller (ac_sgd_destroy);
- * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries), AC_EMISMATCH
- * (different backends), AC_ENOMEM. */
+ * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries, a parameter listed
+ * twice), AC_EMISMATCH (different backends), AC_ENOMEM. */
 int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams,
                   const ac_sgd_opts *opts);
 

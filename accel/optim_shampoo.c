@@ -262,6 +262,8 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
     opts = &defaults;
   }
   rc = ac__optim_params_check(params, nparams, &be, &max_numel);
+  if (rc == AC_OK)
+    rc = ac__optim_params_distinct(params, nparams);
   if (rc != AC_OK)
     return rc;
   if (shampoo_opts_check(opts) != AC_OK)

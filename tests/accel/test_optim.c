@@ -318,6 +318,14 @@ static void test_bad_args(void **state)
   assert_int_equal(ac_adamw_create(&adam, pb.ptrs, NP, &ao), AC_EINVAL);
   assert_null(adam);
 
+  /* A parameter listed twice would be stepped twice. */
+  ac_param *twice[3] = {pb.ptrs[0], pb.ptrs[1], pb.ptrs[0]};
+  assert_int_equal(ac_sgd_create(&sgd, twice, 3, NULL), AC_EINVAL);
+  assert_int_equal(ac_adamw_create(&adam, twice, 3, NULL), AC_EINVAL);
+  ac_shampoo *sh = NULL;
+  assert_int_equal(ac_shampoo_create(&sh, twice, 3, NULL), AC_EINVAL);
+  assert_null(sh);
+
   /* Parameters on two backends. */
   ac_backend *other = NULL;
   ac_param q;
