@@ -25,9 +25,10 @@
 #define PC_RESIDUAL_COLS ((size_t)8)
 
 /* PC_METHOD_NEWTON: scaled steps, one-triangle products, and for fp32 input the steps in
- * fp64 until M's condition is below 1e4 (docs/roots.md has the measurements). */
+ * fp64 until M's condition is below 1e5 (two steps from a relative ridge of 1e-6; docs/roots.md
+ * has the measurements). */
 const pc__newton_variant PC__NEWTON_DEFAULT = {
-    .scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4};
+    .scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-5};
 static const pc__newton_variant NEWTON_TEXTBOOK = {.scaled = 0, .symmetric = 0, .floor = 0.0};
 
 void pc_root_opts_default(pc_root_opts *opts, int p) {
