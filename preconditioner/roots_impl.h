@@ -14,7 +14,9 @@
 
 /* Copies the upper triangle onto the lower one in 8 x 8 tiles: each lower row segment is
  * written contiguously from a column of the upper tile. Row strides of a page or more make
- * wider tiles thrash the TLB (64 x 64 tiles took 16 ms at n = 1024, 8 x 8 take 0.6 ms). */
+ * wider tiles thrash the TLB (64 x 64 tiles took 16 ms at n = 1024, 8 x 8 take 0.6 ms).
+ * Off-diagonal subnormals are flushed to zero on the way: OpenBLAS worker threads do not
+ * inherit the caller's flush-to-zero mode, so every product's inputs must be free of them. */
 static void SFX(mirror_upper)(size_t n, REAL *a) {
   const size_t b = 8;
   for (size_t j0 = 0; j0 < n; j0 += b) {
@@ -24,8 +26,12 @@ static void SFX(mirror_upper)(size_t n, REAL *a) {
       for (size_t j = j0; j < j1; j++) {
         size_t end = i1 < j ? i1 : j;
         REAL *dst = a + j * n;
-        const REAL *src = a + j;
-        for (size_t i = i0; i < end; i++) dst[i] = src[i * n];
+        REAL *src = a + j;
+        for (size_t i = i0; i < end; i++) {
+          REAL v = src[i * n];
+          if (fabs((double)v) < REAL_MIN) src[i * n] = v = 0;
+          dst[i] = v;
+        }
       }
     }
   }
