@@ -876,6 +876,37 @@ static void test_restart_bit_exact(void **state) {
   remove_tree(d.dir);
 }
 
+/* A crash (SIGKILL: no final snapshot) loses at most one snapshot interval. */
+static void test_crash_loses_one_interval(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  const char *extra[] = {"--snapshot-interval", "0.2", NULL};
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {4, 4}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *s4 = random_stat(4, 9);
+  blockstat bs = {0, 4, 4, s4, s4, 0};
+  uint32_t acc;
+  for (uint64_t step = 1; step <= 3; step++)
+    assert_int_equal(do_push(&d, "crash", step, &bs, 1, &acc, msg), GRPC_STATUS_OK);
+  sleep_ms(800); /* several intervals */
+  Precond__V1__StatsResponse *st = get_stats(&d, NULL);
+  assert_true(st->snapshots_written >= 1);
+  assert_true(st->last_snapshot_age_s < 0.8);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL);
+  start_daemon(&d, extra);
+  Precond__V1__RegisterResponse *reg = NULL;
+  assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, &reg, msg), GRPC_STATUS_OK);
+  assert_int_equal(reg->resumed_step, 3);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  free(s4);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
 static int count_set_aside(const char *dir) {
   char state[256];
   snprintf(state, sizeof state, "%s/state", dir);
@@ -1042,6 +1073,7 @@ int main(void) {
       cmocka_unit_test(test_token_and_listen_rules),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_restart_bit_exact),
+      cmocka_unit_test(test_crash_loses_one_interval),
       cmocka_unit_test(test_corrupt_snapshot_set_aside),
       cmocka_unit_test(test_graceful_shutdown),
   };
