@@ -529,6 +529,39 @@ int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *prob
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* Layer normalisation                                                                     */
+
+int ac_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+                         const float *gamma, const float *beta, float *y, float *mean,
+                         float *rstd)
+{
+  size_t numel = rows * cols;
+  if (!be_ok(be) || !rows_ok(rows, cols) || !(eps > 0.0f) || !isfinite(eps))
+    return AC_EINVAL;
+  if (numel == 0)
+    return AC_OK;
+  if (x == NULL || gamma == NULL || y == NULL || mean == NULL || rstd == NULL || mean == rstd)
+    return AC_EINVAL;
+  return be->ops->layernorm_forward(be, rows, cols, eps, x, gamma, beta, y, mean, rstd);
+}
+
+int ac_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                          const float *gamma, const float *mean, const float *rstd,
+                          const float *dy, float *dx, float *dgamma, float *dbeta)
+{
+  size_t numel = rows * cols;
+  if (!be_ok(be) || !rows_ok(rows, cols))
+    return AC_EINVAL;
+  if (numel == 0)
+    return AC_OK;
+  if (x == NULL || gamma == NULL || mean == NULL || rstd == NULL || dy == NULL || dx == NULL ||
+      dgamma == NULL || dgamma == dbeta || (const float *)dx == x)
+    return AC_EINVAL;
+  return be->ops->layernorm_backward(be, rows, cols, x, gamma, mean, rstd, dy, dx, dgamma,
+                                     dbeta);
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters                                                                    */
 
 int ac_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,

@@ -242,29 +242,38 @@ static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, 
   return AC_OK;
 }
 
+/* One pass in memory order into per-mid double accumulators, so every shape (bias
+ * gradients reduce down columns) streams through x once. */
 static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
                       float alpha, const float *x, float beta, float *out)
 {
   (void)be;
-  for (size_t m = 0; m < mid; m++) {
-    double acc = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
-    for (size_t o = 0; o < outer; o++) {
+  double *acc = malloc(mid * sizeof *acc);
+  if (acc == NULL)
+    return AC_ENOMEM;
+  for (size_t m = 0; m < mid; m++)
+    acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
+  for (size_t o = 0; o < outer; o++)
+    for (size_t m = 0; m < mid; m++) {
       const float *row = x + (o * mid + m) * inner;
+      double a = acc[m];
       for (size_t i = 0; i < inner; i++) {
         double e = row[i];
         if (op == AC_REDUCE_SUM)
-          acc += e;
+          a += e;
         else if (op == AC_REDUCE_MAX)
-          acc = e > acc || isnan(e) ? e : acc;
+          a = e > a || isnan(e) ? e : a;
         else
-          acc += e * e;
+          a += e * e;
       }
+      acc[m] = a;
     }
-    if (op == AC_REDUCE_NORM2)
-      acc = sqrt(acc);
-    float r = alpha * (float)acc;
+  for (size_t m = 0; m < mid; m++) {
+    double a = op == AC_REDUCE_NORM2 ? sqrt(acc[m]) : acc[m];
+    float r = alpha * (float)a;
     out[m] = beta == 0.0f ? r : r + beta * out[m];
   }
+  free(acc);
   return AC_OK;
 }
 
@@ -370,6 +379,56 @@ static int cpu_xent_backward(ac_backend *be, size_t rows, size_t cols, const flo
     for (size_t j = 0; j < cols; j++) {
       float onehot = counted && (size_t)label == j ? 1.0f : 0.0f;
       dlogits[r * cols + j] = counted ? scale * (probs[r * cols + j] - onehot) : 0.0f;
+    }
+  }
+  return AC_OK;
+}
+
+static int cpu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps,
+                                 const float *x, const float *gamma, const float *beta,
+                                 float *y, float *mean, float *rstd)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    double s = 0.0, q = 0.0;
+    for (size_t j = 0; j < cols; j++)
+      s += xr[j];
+    double mu = s / (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      q += (xr[j] - mu) * (xr[j] - mu);
+    float m = (float)mu, rs = (float)(1.0 / sqrt(q / (double)cols + eps));
+    mean[r] = m;
+    rstd[r] = rs;
+    for (size_t j = 0; j < cols; j++)
+      yr[j] = (xr[j] - m) * rs * gamma[j] + (beta != NULL ? beta[j] : 0.0f);
+  }
+  return AC_OK;
+}
+
+static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                                  const float *gamma, const float *mean, const float *rstd,
+                                  const float *dy, float *dx, float *dgamma, float *dbeta)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols, *dyr = dy + r * cols;
+    float *dxr = dx + r * cols;
+    double sg = 0.0, sgx = 0.0;
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      float g = dyr[j] * gamma[j];
+      sg += g;
+      sgx += (double)g * xhat;
+      dgamma[j] += dyr[j] * xhat;
+      if (dbeta != NULL)
+        dbeta[j] += dyr[j];
+    }
+    float mg = (float)(sg / (double)cols), mgx = (float)(sgx / (double)cols);
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      dxr[j] = rstd[r] * (dyr[j] * gamma[j] - mg - xhat * mgx);
     }
   }
   return AC_OK;
@@ -572,6 +631,8 @@ static const ac__ops cpu_ops = {
   .mask_causal = cpu_mask_causal,
   .xent_forward = cpu_xent_forward,
   .xent_backward = cpu_xent_backward,
+  .layernorm_forward = cpu_layernorm_forward,
+  .layernorm_backward = cpu_layernorm_backward,
   .gather_rows = cpu_gather_rows,
   .scatter_add_rows = cpu_scatter_add_rows,
   .im2col = cpu_im2col,

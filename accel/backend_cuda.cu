@@ -109,8 +109,10 @@ __device__ T block_reduce(T v, Op op)
     buf[warp] = v;
   __syncthreads();
   if (warp == 0) {
+    /* Lanes past the warp count hold a copy of buf[0]; the shuffles below only fold
+     * lanes 0 .. kThreads/32 - 1 into lane 0, so the copies never count twice. */
     v = lane < kThreads / 32 ? buf[lane] : buf[0];
-    for (int o = 16; o > 0; o >>= 1)
+    for (int o = kThreads / 64; o > 0; o >>= 1)
       v = op(v, __shfl_down_sync(0xffffffffu, v, o));
     if (lane == 0)
       buf[0] = v;
@@ -244,6 +246,29 @@ __global__ void k_reduce(int op, size_t outer, size_t mid, size_t inner, float a
   }
 }
 
+/* inner == 1 with many columns (bias gradients): one thread per column walks down the rows,
+ * so a warp reads consecutive addresses. */
+__global__ void k_reduce_columns(int op, size_t outer, size_t mid, float alpha, const float *x,
+                                 float beta, float *out)
+{
+  GRID_STRIDE(m, mid) {
+    float acc = op == AC_REDUCE_MAX ? -INFINITY : 0.0f;
+    for (size_t o = 0; o < outer; o++) {
+      float e = x[o * mid + m];
+      if (op == AC_REDUCE_SUM)
+        acc += e;
+      else if (op == AC_REDUCE_MAX)
+        acc = max_op()(acc, e);
+      else
+        acc += e * e;
+    }
+    if (op == AC_REDUCE_NORM2)
+      acc = sqrtf(acc);
+    float r = alpha * acc;
+    out[m] = beta == 0.0f ? r : r + beta * out[m];
+  }
+}
+
 __global__ void k_sum_partials(size_t n, const float *x, int squares, double *partials)
 {
   double acc = 0.0;
@@ -362,6 +387,69 @@ __global__ void k_xent_backward(size_t rows, size_t cols, const float *probs,
     bool counted = label >= 0 && (size_t)label < cols;
     float onehot = counted && (size_t)label == j ? 1.0f : 0.0f;
     dlogits[e] = counted ? scale * (probs[e] - onehot) : 0.0f;
+  }
+}
+
+__global__ void k_layernorm_forward(size_t rows, size_t cols, float eps, const float *x,
+                                    const float *gamma, const float *beta, float *y,
+                                    float *mean, float *rstd)
+{
+  for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float *xr = x + r * cols;
+    float s = 0.0f;
+    for (size_t j = threadIdx.x; j < cols; j += blockDim.x)
+      s += xr[j];
+    float mu = block_reduce(s, add_op()) / (float)cols;
+    float q = 0.0f;
+    for (size_t j = threadIdx.x; j < cols; j += blockDim.x)
+      q += (xr[j] - mu) * (xr[j] - mu);
+    float rs = 1.0f / sqrtf(block_reduce(q, add_op()) / (float)cols + eps);
+    if (threadIdx.x == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+    for (size_t j = threadIdx.x; j < cols; j += blockDim.x)
+      y[r * cols + j] = (xr[j] - mu) * rs * gamma[j] + (beta != nullptr ? beta[j] : 0.0f);
+  }
+}
+
+/* dx of one row per block; runs after k_layernorm_params, as dx may alias dy. */
+__global__ void k_layernorm_dx(size_t rows, size_t cols, const float *x, const float *gamma,
+                               const float *mean, const float *rstd, const float *dy,
+                               float *dx)
+{
+  for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float *xr = x + r * cols, *dyr = dy + r * cols;
+    float m = mean[r], rs = rstd[r], sg = 0.0f, sgx = 0.0f;
+    for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      float g = dyr[j] * gamma[j];
+      sg += g;
+      sgx += g * (xr[j] - m) * rs;
+    }
+    float mg = block_reduce(sg, add_op()) / (float)cols;
+    float mgx = block_reduce(sgx, add_op()) / (float)cols;
+    for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      float xhat = (xr[j] - m) * rs;
+      dx[r * cols + j] = rs * (dyr[j] * gamma[j] - mg - xhat * mgx);
+    }
+  }
+}
+
+/* dgamma and dbeta: one thread per column walks down the rows (coalesced). */
+__global__ void k_layernorm_params(size_t rows, size_t cols, const float *x, const float *mean,
+                                   const float *rstd, const float *dy, float *dgamma,
+                                   float *dbeta)
+{
+  GRID_STRIDE(j, cols) {
+    float sg = 0.0f, sb = 0.0f;
+    for (size_t r = 0; r < rows; r++) {
+      float d = dy[r * cols + j];
+      sg += d * (x[r * cols + j] - mean[r]) * rstd[r];
+      sb += d;
+    }
+    dgamma[j] += sg;
+    if (dbeta != nullptr)
+      dbeta[j] += sb;
   }
 }
 
@@ -735,6 +823,8 @@ unsigned row_blocks(size_t rows)
 int cu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out)
 {
+  if (inner == 1 && mid >= 4 * (size_t)kThreads)
+    LAUNCH(be, k_reduce_columns, blocks_for(mid), (int)op, outer, mid, alpha, x, beta, out);
   LAUNCH(be, k_reduce, row_blocks(mid), (int)op, outer, mid, inner, alpha, x, beta, out);
 }
 
@@ -794,6 +884,26 @@ int cu_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *prob
 {
   LAUNCH(be, k_xent_backward, blocks_for(rows * cols), rows, cols, probs, labels, scale,
          dlogits);
+}
+
+int cu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+                         const float *gamma, const float *beta, float *y, float *mean,
+                         float *rstd)
+{
+  LAUNCH(be, k_layernorm_forward, row_blocks(rows), rows, cols, eps, x, gamma, beta, y, mean,
+         rstd);
+}
+
+int cu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                          const float *gamma, const float *mean, const float *rstd,
+                          const float *dy, float *dx, float *dgamma, float *dbeta)
+{
+  USE(be);
+  k_layernorm_params<<<blocks_for(cols), kThreads, 0, STREAM(be)>>>(rows, cols, x, mean, rstd,
+                                                                   dy, dgamma, dbeta);
+  if (launched() != AC_OK)
+    return AC_EDEVICE;
+  LAUNCH(be, k_layernorm_dx, row_blocks(rows), rows, cols, x, gamma, mean, rstd, dy, dx);
 }
 
 int cu_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,
@@ -889,6 +999,8 @@ ac__ops make_ops()
   o.mask_causal = cu_mask_causal;
   o.xent_forward = cu_xent_forward;
   o.xent_backward = cu_xent_backward;
+  o.layernorm_forward = cu_layernorm_forward;
+  o.layernorm_backward = cu_layernorm_backward;
   o.gather_rows = cu_gather_rows;
   o.scatter_add_rows = cu_scatter_add_rows;
   o.im2col = cu_im2col;

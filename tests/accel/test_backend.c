@@ -658,8 +658,9 @@ static void test_bcast_reduce(void **state)
 {
   ac_backend *be = BE(state);
   NEED_BACKEND(state);
-  const size_t shapes[4][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}};
-  for (size_t s = 0; s < 4; s++) {
+  /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
+  const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
+  for (size_t s = 0; s < 5; s++) {
     size_t outer = shapes[s][0], mid = shapes[s][1], inner = shapes[s][2];
     size_t n = outer * mid * inner;
     float *hx = host_rand(n), *hv = host_rand(mid), *hout = host_rand(mid);
@@ -884,6 +885,140 @@ static void test_xent(void **state)
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* Layer normalisation                                                                     */
+
+/* Forward in double; returns sum_j w[j] y[j] of one row (the test's scalar loss). */
+static double ref_layernorm_row(size_t cols, const double *x, const float *gamma,
+                                const float *beta, double eps, double *y, const float *w)
+{
+  double mu = 0, var = 0, loss = 0;
+  for (size_t j = 0; j < cols; j++)
+    mu += x[j];
+  mu /= (double)cols;
+  for (size_t j = 0; j < cols; j++)
+    var += (x[j] - mu) * (x[j] - mu);
+  var /= (double)cols;
+  for (size_t j = 0; j < cols; j++) {
+    double v = (x[j] - mu) / sqrt(var + eps) * gamma[j] + (beta ? beta[j] : 0.0);
+    if (y)
+      y[j] = v;
+    if (w)
+      loss += w[j] * v;
+  }
+  return loss;
+}
+
+static void test_layernorm(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t rows = 9, cols = 300, n = rows * cols;
+  const float eps = 1e-5f;
+  float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hx[i] = 3.0f * hx[i] + 1.0f; /* a mean to remove */
+  float *x = dev_up(be, hx, n), *g = dev_up(be, hg, cols), *b = dev_up(be, hb, cols);
+  float *dy = dev_up(be, hdy, n), *y = dev_alloc(be, n * sizeof(float));
+  float *mean = dev_alloc(be, rows * sizeof(float)), *rstd = dev_alloc(be, rows * sizeof(float));
+  float *dx = dev_alloc(be, n * sizeof(float));
+  float *dg = dev_alloc(be, cols * sizeof(float)), *db = dev_alloc(be, cols * sizeof(float));
+
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
+  float *gy = dev_down(be, y, n);
+  double *wy = dzeros(n), *row = dzeros(cols);
+  for (size_t r = 0; r < rows; r++) {
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    ref_layernorm_row(cols, row, hg, hb, eps, wy + r * cols, NULL);
+  }
+  expect_close("layernorm forward", gy, wy, n, 1e-5, 1e-5);
+
+  /* Backward against central differences of the double forward; gradients accumulate. */
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, db, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
+                   AC_OK);
+  float *gdx = dev_down(be, dx, n), *gdg = dev_down(be, dg, cols), *gdb = dev_down(be, db, cols);
+  double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
+  float *gp = malloc(cols * sizeof *gp);
+  assert_non_null(gp);
+  for (size_t j = 0; j < cols; j++)
+    wdg[j] = wdb[j] = 1.0;
+  for (size_t r = 0; r < rows; r++) {
+    const float *w = hdy + r * cols;
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    for (size_t j = 0; j < cols; j++) {
+      double h = 1e-4, keep = row[j];
+      row[j] = keep + h;
+      double lp = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep - h;
+      double lm = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep;
+      wdx[r * cols + j] = (lp - lm) / (2 * h);
+    }
+    double mu = 0, var = 0;
+    for (size_t j = 0; j < cols; j++)
+      mu += row[j];
+    mu /= (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      var += (row[j] - mu) * (row[j] - mu);
+    var /= (double)cols;
+    for (size_t j = 0; j < cols; j++) {
+      wdg[j] += w[j] * (row[j] - mu) / sqrt(var + eps);
+      wdb[j] += w[j];
+    }
+  }
+  expect_close("layernorm dx", gdx, wdx, n, 1e-4, 1e-3);
+  expect_close("layernorm dgamma", gdg, wdg, cols, 1e-4, 1e-5);
+  expect_close("layernorm dbeta", gdb, wdb, cols, 1e-5, 1e-5);
+
+  /* No beta; in place forward (y = x) and backward (dx = dy). */
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
+  float *gx = dev_down(be, x, n);
+  for (size_t i = 0; i < n; i++)
+    wy[i] -= hb[i % cols];
+  expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
+                   AC_OK);
+  free(gdx);
+  gdx = dev_down(be, dy, n);
+  expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
+  assert_int_equal(ac_layernorm_forward(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
+                   AC_EINVAL);
+  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
+                   AC_EINVAL);
+
+  free(gp);
+  free(gx);
+  free(gy);
+  free(gdx);
+  free(gdg);
+  free(gdb);
+  free(wy);
+  free(wdx);
+  free(wdg);
+  free(wdb);
+  free(row);
+  free(hx);
+  free(hg);
+  free(hb);
+  free(hdy);
+  ac_free(be, x);
+  ac_free(be, g);
+  ac_free(be, b);
+  ac_free(be, dy);
+  ac_free(be, y);
+  ac_free(be, mean);
+  ac_free(be, rstd);
+  ac_free(be, dx);
+  ac_free(be, dg);
+  ac_free(be, db);
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters                                                                    */
 
 static void test_gather_scatter(void **state)
@@ -919,7 +1054,7 @@ static void test_gather_scatter(void **state)
     if (hi[r] >= 0 && (size_t)hi[r] < vocab)
       for (size_t j = 0; j < cols; j++)
         want[(size_t)hi[r] * cols + j] += hs[r * cols + j];
-  expect_close("scatter_add", got, want, vocab * cols, 1e-6, 1e-6);
+  expect_close("scatter_add", got, want, vocab * cols, 1e-5, 1e-6); /* atomics: any order */
   free(got);
   free(want);
   free(ht);
@@ -1221,12 +1356,251 @@ static void test_adamw(void **state)
   ac_free(be, v);
 }
 
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA against CPU on identical inputs                                                    */
+/*                                                                                          */
+/* Each scenario runs a chain of primitives on one backend from inputs drawn after a reset */
+/* of the host generator, and returns everything it computed (host memory, caller frees). */
+/* The same scenario on the CPU and the CUDA backend must agree to the scenario's bound.  */
+
+typedef struct {
+  float *data;
+  size_t n, cap;
+} outbuf;
+
+static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
+{
+  if (o->n + n > o->cap) {
+    o->cap = 2 * (o->n + n);
+    o->data = realloc(o->data, o->cap * sizeof *o->data);
+    assert_non_null(o->data);
+  }
+  assert_int_equal(ac_memcpy_d2h(be, o->data + o->n, dev, n * sizeof(float)), AC_OK);
+  o->n += n;
+}
+
+static void scen_blas(ac_backend *be, outbuf *o)
+{
+  const size_t m = 33, n = 65, k = 47, batch = 4;
+  float *ha = host_rand(m * k * batch), *hb = host_rand(k * n * batch);
+  float *a = dev_up(be, ha, m * k * batch), *b = dev_up(be, hb, k * n * batch);
+  float *c = dev_alloc(be, m * n * batch * sizeof(float));
+  for (int t = 0; t < 4; t++) {
+    int ta = t & 1, tb = t >> 1;
+    assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a,
+                                      ta ? m : k, m * k, b, tb ? k : n, k * n, 0.0f, c, n,
+                                      m * n, batch), AC_OK);
+    out_take(o, be, c, m * n * batch);
+  }
+  float *l = dev_alloc(be, ac_packed_len(m) * sizeof(float));
+  float *r = dev_alloc(be, ac_packed_len(k) * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(m), l, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(k), r, 1.0f), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, m, k, 0.1f, a, k, 0.9f, l), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r), AC_OK);
+  out_take(o, be, l, ac_packed_len(m));
+  out_take(o, be, r, ac_packed_len(k));
+  float *dense = dev_alloc(be, k * k * sizeof(float));
+  assert_int_equal(ac_unpack_sym(be, k, r, dense, k), AC_OK);
+  out_take(o, be, dense, k * k);
+  ac_free(be, dense);
+  ac_free(be, l);
+  ac_free(be, r);
+  ac_free(be, a);
+  ac_free(be, b);
+  ac_free(be, c);
+  free(ha);
+  free(hb);
+}
+
+static void scen_elementwise(ac_backend *be, outbuf *o)
+{
+  const size_t n = 4099;
+  float *hx = host_rand(n), *hy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hy[i] = 0.5f + fabsf(hy[i]); /* positive: every unary op is defined on it */
+  float *x = dev_up(be, hx, n), *y = dev_up(be, hy, n), *z = dev_alloc(be, n * sizeof(float));
+  for (int op = 0; op < AC_UNARY_COUNT; op++) {
+    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, y, x, z), AC_OK);
+    out_take(o, be, z, n);
+  }
+  for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
+    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, x, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_bcast(be, (ac_binary_op)op, 3, 1000, 1, x, y, z), AC_OK);
+    out_take(o, be, z, 3000);
+  }
+  assert_int_equal(ac_axpby(be, n, 0.3f, x, -0.7f, y, z), AC_OK);
+  out_take(o, be, z, n);
+  for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++) {
+    assert_int_equal(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z), AC_OK);
+    out_take(o, be, z, 10);
+  }
+  ac_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                     .weight_decay = 0.01f, .step = 5};
+  float *m = dev_up(be, hx, n), *v = dev_up(be, hy, n);
+  assert_int_equal(ac_adamw_update(be, n, z, x, m, v, &a), AC_OK);
+  out_take(o, be, z, n);
+  out_take(o, be, m, n);
+  out_take(o, be, v, n);
+  ac_free(be, m);
+  ac_free(be, v);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, z);
+  free(hx);
+  free(hy);
+}
+
+static void scen_softmax_xent(ac_backend *be, outbuf *o)
+{
+  const size_t batch = 6, t = 40, rows = batch * t, n = rows * t;
+  float *hx = host_rand(n);
+  int32_t hl[240];
+  for (size_t r = 0; r < rows; r++)
+    hl[r] = (int32_t)(r * 7 % (t + 3)) - 1; /* some -1 and some >= t: ignored */
+  float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
+  float *loss = dev_alloc(be, rows * sizeof(float));
+  int32_t *labels = dev_up_i32(be, hl, rows);
+  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
+  assert_int_equal(ac_softmax_rows(be, rows, t, x, y), AC_OK);
+  out_take(o, be, y, n);
+  assert_int_equal(ac_softmax_rows_backward(be, rows, t, y, y, x), AC_OK);
+  out_take(o, be, x, n);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_xent_forward(be, rows, t, x, labels, y, loss), AC_OK);
+  out_take(o, be, loss, rows);
+  assert_int_equal(ac_xent_backward(be, rows, t, y, labels, 0.5f, y), AC_OK);
+  out_take(o, be, y, n);
+  /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
+  float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, 2 * t, dgb, 0.0f), AC_OK);
+  assert_int_equal(ac_layernorm_forward(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
+                                        stats + rows), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, stats, 2 * rows);
+  assert_int_equal(ac_layernorm_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
+                                         dgb, dgb + t), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, dgb, 2 * t);
+  ac_free(be, stats);
+  ac_free(be, dgb);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, loss);
+  ac_free(be, labels);
+  free(hx);
+}
+
+static void scen_conv_embed(ac_backend *be, outbuf *o)
+{
+  const ac_conv2d_geom g = {.n = 3, .c = 4, .h = 11, .w = 10, .kh = 3, .kw = 3, .stride_h = 2,
+                            .stride_w = 2, .pad_h = 1, .pad_w = 2};
+  size_t oh, ow;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;
+  float *hx = host_rand(nx);
+  float *x = dev_up(be, hx, nx), *col = dev_alloc(be, ncol * sizeof(float));
+  float *y = dev_alloc(be, ny * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+  int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
+  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
+  out_take(o, be, col, ncol);
+  assert_int_equal(ac_col2im(be, &g, col, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
+    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
+    out_take(o, be, y, ny);
+    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, y, am, dx), AC_OK);
+    out_take(o, be, dx, nx);
+  }
+  int32_t hi[64];
+  for (int r = 0; r < 64; r++)
+    hi[r] = (r * 5) % 23 - 1;
+  int32_t *idx = dev_up_i32(be, hi, 64);
+  float *e = dev_alloc(be, 64 * 8 * sizeof(float));
+  assert_int_equal(ac_gather_rows(be, 64, 8, x, 20, idx, e), AC_OK);
+  out_take(o, be, e, 64 * 8);
+  assert_int_equal(ac_scatter_add_rows(be, 64, 8, e, idx, x, 20), AC_OK);
+  out_take(o, be, x, 160);
+  const size_t shape[4] = {3, 4, 11, 10};
+  const int perm[4] = {1, 3, 0, 2};
+  assert_int_equal(ac_permute(be, 4, shape, perm, x, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  ac_free(be, idx);
+  ac_free(be, e);
+  ac_free(be, am);
+  ac_free(be, x);
+  ac_free(be, col);
+  ac_free(be, y);
+  ac_free(be, dx);
+  free(hx);
+}
+
+static void scen_random(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z), AC_OK);
+  out_take(o, be, z, n);
+  assert_int_equal(ac_dropout_mask(be, 99, 7, n, 0.1f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void scen_normal(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void test_cuda_matches_cpu(void **state)
+{
+  ac_backend *gpu = BE(state), *cpu = NULL;
+  NEED_BACKEND(state);
+  assert_int_equal(ac_backend_create(&cpu, NULL), AC_OK);
+  const struct {
+    const char *name;
+    void (*run)(ac_backend *, outbuf *);
+    double atol, rtol;
+  } scen[] = {
+    {"blas", scen_blas, 1e-4, 1e-5},
+    {"elementwise", scen_elementwise, 1e-5, 1e-5},
+    {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
+    {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
+    {"random (bit-exact)", scen_random, 0, 0},
+    {"normal", scen_normal, 1e-7, 1e-5},
+  };
+  for (size_t i = 0; i < sizeof scen / sizeof scen[0]; i++) {
+    outbuf oc = {0}, og = {0};
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(cpu, &oc);
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(gpu, &og);
+    assert_int_equal(oc.n, og.n);
+    double *want = dzeros(oc.n);
+    for (size_t j = 0; j < oc.n; j++)
+      want[j] = oc.data[j];
+    expect_close(scen[i].name, og.data, want, og.n, scen[i].atol, scen[i].rtol);
+    free(want);
+    free(oc.data);
+    free(og.data);
+  }
+  ac_backend_destroy(cpu);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
 static int setup_kind(void **state, ac_backend_kind kind)
 {
   fixture *f = calloc(1, sizeof *f);
+  *state = NULL;
   if (f == NULL)
     return -1;
   ac_backend_opts opts;
@@ -1236,6 +1610,13 @@ static int setup_kind(void **state, ac_backend_kind kind)
   int rc = ac_backend_create(&f->be, &opts);
   if (rc != AC_OK) {
     if (kind == AC_BACKEND_CPU) {
+      free(f);
+      return -1;
+    }
+    if (getenv("AC_REQUIRE_CUDA") != NULL) {
+      /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
+      print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
+                  ac_strerror(rc), ac_backend_describe(NULL));
       free(f);
       return -1;
     }
@@ -1259,6 +1640,8 @@ static int setup_cuda(void **state)
 static int teardown(void **state)
 {
   fixture *f = *state;
+  if (f == NULL) /* cmocka tears down a group whose setup failed, too */
+    return 0;
   ac_backend_destroy(f->be);
   free(f);
   return 0;
@@ -1270,7 +1653,8 @@ static int teardown(void **state)
       cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),   \
       cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                \
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
-      cmocka_unit_test(test_xent), cmocka_unit_test(test_gather_scatter),               \
+      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
+      cmocka_unit_test(test_gather_scatter),                                            \
       cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_pool),                  \
       cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
 
@@ -1278,7 +1662,7 @@ int main(void)
 {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS};
-  const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS};
+  const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
   failed += cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);
   failed += cmocka_run_group_tests_name("cuda", cuda, setup_cuda, teardown);
