@@ -22,8 +22,10 @@
  * - Sends that fail because the daemon is unreachable are retried with exponential backoff
  *   (options.backoff_initial_ms doubling up to backoff_max_ms); the unsent blocks go back to
  *   the front of the queue unless a newer push for the same block has arrived meanwhile. If
- *   the daemon answers NOT_FOUND or FAILED_PRECONDITION (it restarted and lost the job), the
- *   thread registers again with the last registration and retries. Blocks the daemon rejects
+ *   the daemon answers NOT_FOUND or FAILED_PRECONDITION to a push or a fetch (it restarted and
+ *   lost the job), the thread registers again with the last registration and retries; it then
+ *   accepts the new daemon's roots whatever their version numbers (precond_roots.version, the
+ *   client's own count, keeps increasing). Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
  *
@@ -195,7 +197,9 @@ int precond_flush(precond_client *client, int timeout_ms);
  * or the client is closed. */
 typedef struct {
   uint32_t block_id;
-  uint64_t version;            /* increases by one per published root of this block */
+  uint64_t version;            /* this client's count of roots received for the block: 1, 2,
+                                  ...; keeps increasing across daemon restarts */
+  uint64_t daemon_version;     /* the daemon's version number of these roots */
   uint64_t source_step;        /* step of the newest statistics the roots come from */
   double error;                /* residual error reported by the method */
   precond_method method;
