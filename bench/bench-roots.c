@@ -1,0 +1,361 @@
+/*
+ * bench-roots -- cost and accuracy of precond's inverse p-th roots.
+ *
+ * For each size and spectrum it times every method (median of repeats), measures its error
+ * against the fp64 root of the fp64 matrix, and expresses the time in units of one n x n x n
+ * sgemm (dgemm for fp64 rows) timed in the same run: gemm_equiv. One row per case.
+ *
+ * Spectra: "well" = G G^T with G n x 1.5n Gaussian (Marchenko-Pastur, condition ~1e2);
+ * "shampoo" = G G^T with G n x n/4 (rank n/4) plus the relative ridge 1e-6 (condition ~1e6).
+ * Methods: the public ones (newton, newton-textbook, eigh) and, to measure what each change
+ * buys, internal Newton variants reached through pc_internal.h (which is why this tool lives
+ * next to the numerics and is built with them):
+ *   newton-sym          textbook start and steps, one-triangle products (syrk, panels)
+ *   newton-scaled-gemm  scaled steps, full gemm products, fp32 throughout
+ *   newton-fp32         scaled steps, one-triangle products, fp32 throughout
+ *   newton-mixed-5/-3   newton with the fp64 phase ending at 1e-5 / 1e-3 instead of 1e-4
+ * fp64 rows exist for newton, newton-textbook and eigh (tolerance 1e-12 for Newton).
+ *
+ *   bench-roots [--csv] [--sizes 128,256,...] [--repeats N] [--methods a,b] [--precisions
+ *               f32,f64] [--spectra well,shampoo] [--threads T] [--p P]
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cblas.h>
+#include <lapacke.h>
+
+#include "pc_internal.h"
+#include "preconditioner.h"
+
+typedef struct {
+  const char *name;
+  int f64;                       /* 0: fp32, 1: fp64 */
+  int public_method;             /* 1: pc_inverse_root with method; 0: variant */
+  pc_method method;
+  pc__newton_variant variant;
+} bench_method;
+
+static const bench_method all_methods[] = {
+  {"newton", 0, 1, PC_METHOD_NEWTON, {0}},
+  {"newton-scaled-gemm", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0}},
+  {"newton-sym", 0, 0, PC_METHOD_NEWTON, {.scaled = 0, .symmetric = 1, .floor = 0}},
+  {"newton-fp32", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0}},
+  {"newton-mixed-3", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-3}},
+  {"newton-mixed-5", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-5}},
+  {"newton-textbook", 0, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
+  {"eigh", 0, 1, PC_METHOD_EIGH, {0}},
+  {"newton", 1, 1, PC_METHOD_NEWTON, {0}},
+  {"newton-textbook", 1, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
+  {"eigh", 1, 1, PC_METHOD_EIGH, {0}},
+};
+#define NMETHODS (sizeof all_methods / sizeof *all_methods)
+
+typedef struct {
+  size_t sizes[16];
+  int nsizes;
+  int repeats;     /* 0: default (3, or 1 at n >= 2048) */
+  int threads;
+  int csv;
+  int p;
+  char methods[256];
+  char precisions[64];
+  char spectra[64];
+} bench_opts;
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int k) {
+  qsort(v, (size_t)k, sizeof *v, cmp_double);
+  return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
+}
+
+/* Is name in the comma-separated list? */
+static int listed(const char *list, const char *name) {
+  size_t len = strlen(name);
+  for (const char *s = list; *s;) {
+    const char *e = strchr(s, ',');
+    size_t l = e ? (size_t)(e - s) : strlen(s);
+    if (l == len && strncmp(s, name, l) == 0) return 1;
+    if (!e) break;
+    s = e + 1;
+  }
+  return 0;
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: bench-roots [options]\n"
+          "  --csv                 CSV rows on stdout (default: a readable table)\n"
+          "  --sizes LIST          matrix sizes (default 128,256,512,1024,2048)\n"
+          "  --repeats N           timed repeats per case, median reported (default 3; 1 at\n"
+          "                        n >= 2048)\n"
+          "  --methods LIST        any of newton,newton-fp32,newton-scaled-gemm,newton-sym,\n"
+          "                        newton-mixed-5,newton-mixed-3,newton-textbook,eigh\n"
+          "                        (default: all but the newton-mixed-* ones)\n"
+          "  --precisions LIST     f32,f64 (default both; fp64 rows: newton, textbook, eigh)\n"
+          "  --spectra LIST        well,shampoo (default both)\n"
+          "  --threads T           OpenBLAS threads (default: all cores)\n"
+          "  --p P                 root order (default 4)\n"
+          "  --help                this text\n"
+          "Progress goes to stderr.\n");
+}
+
+static int parse(int argc, char **argv, bench_opts *o) {
+  const size_t def[] = {128, 256, 512, 1024, 2048};
+  memset(o, 0, sizeof *o);
+  for (int i = 0; i < 5; i++) o->sizes[i] = def[i];
+  o->nsizes = 5;
+  o->threads = openblas_get_num_procs();
+  o->p = 4;
+  strcpy(o->methods, "newton,newton-fp32,newton-scaled-gemm,newton-sym,newton-textbook,eigh");
+  strcpy(o->precisions, "f32,f64");
+  strcpy(o->spectra, "well,shampoo");
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(stdout);
+      exit(0);
+    } else if (!strcmp(a, "--csv")) {
+      o->csv = 1;
+    } else if (v && !strcmp(a, "--sizes")) {
+      o->nsizes = 0;
+      for (char *s = argv[++i]; *s && o->nsizes < 16;) {
+        char *end;
+        long n = strtol(s, &end, 10);
+        if (end == s || n < 1 || n > 16384) return -1;
+        o->sizes[o->nsizes++] = (size_t)n;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+      }
+    } else if (v && !strcmp(a, "--repeats")) {
+      o->repeats = atoi(argv[++i]);
+      if (o->repeats < 1 || o->repeats > 1000) return -1;
+    } else if (v && !strcmp(a, "--threads")) {
+      o->threads = atoi(argv[++i]);
+      if (o->threads < 1 || o->threads > 1024) return -1;
+    } else if (v && !strcmp(a, "--p")) {
+      o->p = atoi(argv[++i]);
+      if (o->p < 1 || o->p > 64) return -1;
+    } else if (v && !strcmp(a, "--methods") && strlen(v) < sizeof o->methods) {
+      strcpy(o->methods, argv[++i]);
+    } else if (v && !strcmp(a, "--precisions") && strlen(v) < sizeof o->precisions) {
+      strcpy(o->precisions, argv[++i]);
+    } else if (v && !strcmp(a, "--spectra") && strlen(v) < sizeof o->spectra) {
+      strcpy(o->spectra, argv[++i]);
+    } else {
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static uint64_t rng_next(uint64_t *s) {
+  *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+  return *s;
+}
+
+static double rng_normal(uint64_t *s) {
+  double u1 = ((double)(rng_next(s) >> 11) + 1.0) * 0x1.0p-53;
+  double u2 = (double)(rng_next(s) >> 11) * 0x1.0p-53;
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* a = G G^T / k with G n x k Gaussian, in fp64. */
+static void gram(size_t n, size_t k, uint64_t seed, double *a) {
+  double *g = malloc(n * k * sizeof *g);
+  if (!g) abort();
+  for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)k, 1.0 / (double)k, g,
+              (int)k, 0.0, a, (int)n);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
+  free(g);
+}
+
+/* Eigendecomposition of an fp64 matrix, kept to build roots for any ridge. */
+typedef struct {
+  size_t n;
+  double *vt; /* row j: eigenvector j */
+  double *w;
+} eig64;
+
+static void eig_init(eig64 *e, size_t n, const double *a) {
+  e->n = n;
+  e->vt = malloc(n * n * sizeof *e->vt);
+  e->w = malloc(n * sizeof *e->w);
+  if (!e->vt || !e->w) abort();
+  memcpy(e->vt, a, n * n * sizeof *e->vt);
+  if (LAPACKE_dsyevd(LAPACK_COL_MAJOR, 'V', 'L', (lapack_int)n, e->vt, (lapack_int)n, e->w))
+    abort();
+}
+
+static void eig_destroy(eig64 *e) {
+  free(e->vt);
+  free(e->w);
+}
+
+/* x = V diag((max(w,0) + ridge)^(-1/p)) V^T, the fp64 reference root. scratch: n x n. */
+static void eig_root(const eig64 *e, double ridge, int p, double *scratch, double *x) {
+  size_t n = e->n;
+  for (size_t j = 0; j < n; j++) {
+    double d = pow((e->w[j] > 0 ? e->w[j] : 0.0) + ridge, -0.5 / p);
+    for (size_t i = 0; i < n; i++) scratch[j * n + i] = d * e->vt[j * n + i];
+  }
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)n, 1.0, scratch, (int)n, 0.0,
+              x, (int)n);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i + 1; j < n; j++) x[j * n + i] = x[i * n + j];
+}
+
+static double rel_err(size_t n, const float *x32, const double *x64, const double *ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n * n; i++) {
+    double v = x32 ? (double)x32[i] : x64[i];
+    num += (v - ref[i]) * (v - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return sqrt(num / den);
+}
+
+/* Median time of one n x n x n gemm in the given precision. */
+static double time_gemm(size_t n, int f64, int repeats) {
+  double t[64];
+  int ni = (int)n;
+  void *a = calloc(n * n, f64 ? 8 : 4), *b = calloc(n * n, f64 ? 8 : 4),
+       *c = calloc(n * n, f64 ? 8 : 4);
+  if (!a || !b || !c) abort();
+  if (f64) {
+    for (size_t i = 0; i < n * n; i++) ((double *)a)[i] = ((double *)b)[i] = 1.0 / (1 + i % 7);
+  } else {
+    for (size_t i = 0; i < n * n; i++) ((float *)a)[i] = ((float *)b)[i] = 1.0f / (1 + i % 7);
+  }
+  int k = repeats + 2 > 64 ? 64 : repeats + 2;
+  for (int r = 0; r <= k; r++) { /* the first call warms up */
+    double t0 = now_s();
+    if (f64)
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, c,
+                  ni);
+    else
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, c,
+                  ni);
+    if (r > 0) t[r - 1] = now_s() - t0;
+  }
+  free(a); free(b); free(c);
+  return median(t, k);
+}
+
+static void print_header(const bench_opts *o) {
+  if (o->csv) {
+    printf("n,spectrum,cond,p,method,precision,threads,ms,ms_min,iterations,status,error,"
+           "rel_err,rel_err_in,gemm_ms,gemm_equiv\n");
+  } else {
+    printf("%5s %-8s %8s %-19s %-4s %10s %5s %8s %9s %9s %9s %7s\n", "n", "spectrum", "cond",
+           "method", "prec", "ms", "iters", "error", "rel_err", "rel_in", "gemm_ms",
+           "gemm_eq");
+  }
+}
+
+int main(int argc, char **argv) {
+  bench_opts o;
+  if (parse(argc, argv, &o) != 0) {
+    usage(stderr);
+    return 2;
+  }
+  openblas_set_num_threads(o.threads);
+  print_header(&o);
+  const char *spectra[] = {"well", "shampoo"};
+  for (int si = 0; si < o.nsizes; si++) {
+    size_t n = o.sizes[si];
+    int repeats = o.repeats ? o.repeats : (n >= 2048 ? 1 : 3);
+    double gemm_s[2] = {time_gemm(n, 0, repeats), time_gemm(n, 1, repeats)};
+    for (int sp = 0; sp < 2; sp++) {
+      if (!listed(o.spectra, spectra[sp])) continue;
+      fprintf(stderr, "bench-roots: n=%zu spectrum=%s: building matrix and references\n", n,
+              spectra[sp]);
+      double *a = malloc(n * n * sizeof *a), *ref = malloc(n * n * sizeof *ref);
+      double *scratch = malloc(n * n * sizeof *scratch), *x64 = malloc(n * n * sizeof *x64);
+      double *a_in = malloc(n * n * sizeof *a_in);
+      float *a32 = malloc(n * n * sizeof *a32), *x32 = malloc(n * n * sizeof *x32);
+      if (!a || !ref || !scratch || !x64 || !a_in || !a32 || !x32) abort();
+      size_t k = sp == 0 ? n + n / 2 : (n / 4 > 0 ? n / 4 : 1);
+      gram(n, k, 1000 + n + (uint64_t)sp, a);
+      for (size_t i = 0; i < n * n; i++) {
+        a32[i] = (float)a[i];
+        a_in[i] = a32[i];
+      }
+      eig64 e, e_in;
+      eig_init(&e, n, a);
+      eig_init(&e_in, n, a_in);
+      double lmax = e.w[n - 1], ridge0 = 1e-6 * lmax;
+      double cond = (lmax + ridge0) / ((e.w[0] > 0 ? e.w[0] : 0.0) + ridge0);
+      for (size_t mi = 0; mi < NMETHODS; mi++) {
+        const bench_method *m = &all_methods[mi];
+        if (!listed(o.methods, m->name) || !listed(o.precisions, m->f64 ? "f64" : "f32"))
+          continue;
+        pc_root_opts ro;
+        pc_root_opts_default(&ro, o.p);
+        ro.method = m->method;
+        if (m->f64) ro.tol = 1e-12;
+        double t[64], tmin = INFINITY;
+        pc_root_info info;
+        int st = PC_OK;
+        for (int r = 0; r < repeats && r < 64; r++) {
+          double t0 = now_s();
+          if (m->public_method)
+            st = m->f64 ? pc_inverse_root_f64(n, a, x64, &ro, &info)
+                        : pc_inverse_root_f32(n, a32, x32, &ro, &info);
+          else
+            st = m->f64 ? pc__newton_root_f64(n, a, x64, &ro, &m->variant, &info)
+                        : pc__newton_root_f32(n, a32, x32, &ro, &m->variant, &info);
+          t[r] = now_s() - t0;
+          tmin = t[r] < tmin ? t[r] : tmin;
+        }
+        double ms = 1e3 * median(t, repeats < 64 ? repeats : 64);
+        double rel = NAN, rel_in = NAN;
+        if (st >= 0) {
+          eig_root(&e, info.ridge, o.p, scratch, ref);
+          rel = rel_err(n, m->f64 ? NULL : x32, x64, ref);
+          if (!m->f64) {
+            eig_root(&e_in, info.ridge, o.p, scratch, ref);
+            rel_in = rel_err(n, x32, NULL, ref);
+          }
+        }
+        double gms = 1e3 * gemm_s[m->f64];
+        const char *prec = m->f64 ? "fp64" : "fp32";
+        if (o.csv)
+          printf("%zu,%s,%.3g,%d,%s,%s,%d,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3g,%.3f,%.2f\n", n,
+                 spectra[sp], cond, o.p, m->name, prec, o.threads, ms, 1e3 * tmin, info.iters,
+                 st, info.error, rel, rel_in, gms, ms / gms);
+        else
+          printf("%5zu %-8s %8.2g %-19s %-4s %10.2f %5d %8.2g %9.3g %9.3g %9.3f %7.2f\n", n,
+                 spectra[sp], cond, m->name, prec, ms, info.iters, info.error, rel, rel_in, gms,
+                 ms / gms);
+        fflush(stdout);
+        fprintf(stderr, "bench-roots: n=%zu %s %s %s: %.1f ms, status %d\n", n, spectra[sp],
+                m->name, prec, ms, st);
+      }
+      eig_destroy(&e);
+      eig_destroy(&e_in);
+      free(a); free(ref); free(scratch); free(x64); free(a_in); free(a32); free(x32);
+    }
+  }
+  return 0;
+}

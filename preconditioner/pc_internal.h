@@ -1,0 +1,45 @@
+/*
+ * pc_internal.h -- internal helpers shared by the .c files of preconditioner/.
+ * Outside code must not include this header; names carry the prefix pc__.
+ */
+#ifndef PRECOND_PC_INTERNAL_H
+#define PRECOND_PC_INTERNAL_H
+
+#include <stddef.h>
+
+#include "preconditioner.h"
+
+/* Floating-point control for the threads that run an iteration: late Newton iterates can
+ * underflow to subnormals, which slows BLAS kernels by orders of magnitude (algorithms note,
+ * section 1). pc__ftz_enter sets flush-to-zero and denormals-are-zero in the calling thread
+ * and returns the previous control word; pc__ftz_leave restores it. No-ops off x86-64. */
+unsigned pc__ftz_enter(void);
+void pc__ftz_leave(unsigned saved);
+
+/* Power iteration without argument checks (the callers have checked a is finite). */
+int pc__power_f32(size_t n, const float *a, const pc_power_opts *opts, double *lambda,
+                  int *iters);
+int pc__power_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda,
+                  int *iters);
+
+/* Variants of the coupled Newton iteration, selectable by the benchmark to measure what
+ * each change buys. PC_METHOD_NEWTON uses PC__NEWTON_DEFAULT. */
+typedef struct {
+  int scaled;      /* 1: per-step scalar rescaling from spectral bounds; 0: Frobenius start */
+  int symmetric;   /* 1: syrk squarings and one-triangle products; 0: full gemm */
+  double floor;    /* scaled steps keep T's smallest eigenvalue^p >= floor, i.e. they map
+                     the top of M's spectrum no lower than about floor */
+  double lo_f32;   /* fp32 inputs: > 0 runs the steps in fp64 until M's spectrum lies in
+                     [lo, hi] with lo / hi >= lo_f32, then in fp32; 0: fp32 throughout */
+} pc__newton_variant;
+
+extern const pc__newton_variant PC__NEWTON_DEFAULT;
+
+/* Inverse p-th root by the coupled Newton iteration with an explicit variant; same contract
+ * as pc_inverse_root_f32/f64 (opts->method is ignored). */
+int pc__newton_root_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
+                        const pc__newton_variant *variant, pc_root_info *info);
+int pc__newton_root_f64(size_t n, const double *a, double *x, const pc_root_opts *opts,
+                        const pc__newton_variant *variant, pc_root_info *info);
+
+#endif /* PRECOND_PC_INTERNAL_H */
