@@ -934,20 +934,18 @@ cleanup:
 int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
                  const float *left, uint32_t n_right, const float *right, precond_encoding enc)
 {
-  if (c == NULL || (n_left == 0) != (left == NULL) || (n_right == 0) != (right == NULL) ||
-      (n_left == 0 && n_right == 0) || (enc != PRECOND_FP32 && enc != PRECOND_BF16))
+  if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
+      (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int ok = c->thread_started && c->job != NULL && block_id < c->nblocks &&
-           (n_left == 0 || n_left == c->block_rows[block_id]) &&
-           (n_right == 0 || n_right == c->block_cols[block_id]);
+           n_left == c->block_rows[block_id] && n_right == c->block_cols[block_id];
   pthread_mutex_unlock(&c->mu);
   if (!ok)
     return PRECOND_EINVAL;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
-  if (!pc_all_finite_f32(cl, left ? left : (const float *)"") ||
-      !pc_all_finite_f32(cr, right ? right : (const float *)""))
+  if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
     return PRECOND_EINVAL;
   size_t es = enc == PRECOND_BF16 ? sizeof(uint16_t) : sizeof(float);
   precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
@@ -955,20 +953,16 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   if (it == NULL)
     return PRECOND_ENOMEM;
   if (enc == PRECOND_BF16) {
-    if (cl)
-      pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
-    if (cr)
-      pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
+    pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
+    pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
   } else {
-    if (cl)
-      memcpy(it->data, left, cl * es);
-    if (cr)
-      memcpy(it->data + cl * es, right, cr * es);
+    memcpy(it->data, left, cl * es);
+    memcpy(it->data + cl * es, right, cr * es);
   }
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
-  if (c->job == NULL || block_id >= c->nblocks || n_left != (n_left ? c->block_rows[block_id] : 0) ||
-      n_right != (n_right ? c->block_cols[block_id] : 0)) {
+  if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||
+      n_right != c->block_cols[block_id]) {
     pthread_mutex_unlock(&c->mu);
     precond__item_free(it);
     return PRECOND_EINVAL;

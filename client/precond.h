@@ -174,11 +174,13 @@ void precond_layout_destroy(precond_layout *layout);
 /* Push statistics (never blocks on the network)                                          */
 
 /* Queues the statistics increment of one block at a step: left is the packed upper triangle
- * of G G^T (n_left x n_left), right of G^T G (n_right x n_right); either may be NULL with
- * its n 0 (one-sided). Values are copied (and converted to bf16 if enc is PRECOND_BF16), so
- * the caller may reuse its buffers at once. Returns PRECOND_OK, PRECOND_EINVAL (bad sizes,
- * no job registered, block id outside the layout) or PRECOND_ENOMEM. The queue policy is
- * described at the top of this header. */
+ * of G G^T (n_left x n_left, n_left = the block's rows), right of G^T G (n_right = its
+ * cols); both are required (precondd stores a Shampoo block's two factors together). Values
+ * are copied (and converted to bf16 if enc is PRECOND_BF16), so the caller may reuse its
+ * buffers at once. Returns PRECOND_OK, PRECOND_EINVAL (sizes that do not match the layout,
+ * NULL, NaN or Inf in the values, no job registered, block id outside the layout, a client
+ * without background thread) or PRECOND_ENOMEM. The queue policy is described at the top of
+ * this header. */
 int precond_push(precond_client *client, uint64_t step, uint32_t block_id,
                  uint32_t n_left, const float *left, uint32_t n_right, const float *right,
                  precond_encoding enc);

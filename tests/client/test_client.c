@@ -68,7 +68,8 @@ static void daemon_start(daemon_proc *d)
   d->pid = fork();
   assert_true(d->pid >= 0);
   if (d->pid == 0) {
-    execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1", (char *)NULL);
+    execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1", "--grace-period", "1",
+          (char *)NULL);
     perror("exec precondd");
     _exit(127);
   }
@@ -319,9 +320,15 @@ static void test_bad_input_is_refused_locally(void **state)
   precond_counters k;
   precond_get_counters(c, &k);
   assert_int_equal(k.pushed, 0);
-  /* one-sided push is fine */
-  assert_int_equal(precond_push(c, 1, 1, 0, NULL, 96, r, PRECOND_FP32), PRECOND_OK);
+  /* both factors are required */
+  assert_int_equal(precond_push(c, 1, 1, 0, NULL, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  /* a good push after all that goes through */
+  l[5] = 0.0f;
+  assert_int_equal(precond_push(c, 1, 1, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.push_errors, 0);
   /* bad registrations */
   const uint64_t zero[2] = {0, 4};
   precond_tensor t = {"z", 2, zero};
