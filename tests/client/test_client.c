@@ -58,6 +58,7 @@ typedef struct {
   pid_t pid;
   char addr[128];
   char sock[96];
+  const char *token_file;  /* NULL: no token required */
 } daemon_proc;
 
 /* Starts precondd listening on addr; does not wait for it (the client's wait-for-ready
@@ -68,8 +69,12 @@ static void daemon_start(daemon_proc *d)
   d->pid = fork();
   assert_true(d->pid >= 0);
   if (d->pid == 0) {
-    execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1", "--grace-period", "1",
-          (char *)NULL);
+    if (d->token_file != NULL)
+      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
+            "--grace-period", "1", "--token-file", d->token_file, (char *)NULL);
+    else
+      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
+            "--grace-period", "1", (char *)NULL);
     perror("exec precondd");
     _exit(127);
   }
@@ -487,6 +492,59 @@ static void test_precondctl(void **state)
   assert_non_null(strstr(out, "usage: precondctl"));
 }
 
+/* A daemon that requires a token: calls without it (or with a wrong one) fail with
+ * PRECOND_EAUTH, with it they work; precondctl's --token-file likewise. */
+static void test_token(void **state)
+{
+  (void)state;
+  char good[64], bad[64];
+  snprintf(good, sizeof good, "/tmp/precond-test-token-%d", (int)getpid());
+  snprintf(bad, sizeof bad, "/tmp/precond-test-badtoken-%d", (int)getpid());
+  FILE *f = fopen(good, "w");
+  assert_non_null(f);
+  fputs("s3cret-token\n", f);
+  fclose(f);
+  f = fopen(bad, "w");
+  assert_non_null(f);
+  fputs("wrong\n", f);
+  fclose(f);
+  memset(&g_d, 0, sizeof g_d);
+  g_d.token_file = good;
+  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
+  daemon_start(&g_d);
+
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_stats s;
+  assert_int_equal(precond_get_stats(c, NULL, 0, &s), PRECOND_EAUTH);
+  precond_close(c);
+  o.token = "s3cret-token";
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_layout layout;
+  register_job(c, "tok", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+
+  static char out[65536];
+  char args[512];
+  snprintf(args, sizeof args, "--addr %s stats", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  assert_non_null(strstr(out, "authentication"));
+  snprintf(args, sizeof args, "--addr %s --token-file %s stats", g_d.addr, bad);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  snprintf(args, sizeof args, "--addr %s --token-file %s stats", g_d.addr, good);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "tok"));
+  unlink(good);
+  unlink(bad);
+}
+
 int main(void)
 {
   signal(SIGPIPE, SIG_IGN);
@@ -497,6 +555,7 @@ int main(void)
     cmocka_unit_test_teardown(test_dead_address, stop_daemon),
     cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
     cmocka_unit_test_teardown(test_precondctl, stop_daemon),
+    cmocka_unit_test_teardown(test_token, stop_daemon),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
