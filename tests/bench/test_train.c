@@ -89,6 +89,11 @@ static void test_options(void **state) {
   assert_int_equal(o.backend, AC_BACKEND_CUDA);
   assert_int_equal(o.sync_roots, 1);
 
+  assert_int_equal(parse(&o, &width, name, &err, 5, "--graft", "adagrad", "--warmup", "10"),
+                   TR_OK);
+  assert_int_equal(o.graft, PC_GRAFT_ADAGRAD);
+  assert_int_equal(o.warmup, 10);
+
   assert_int_equal(parse(&o, &width, name, &err, 3, "--epochs", "1.5"), TR_OK);
   assert_int_equal(o.steps, 0);
   assert_true(o.epochs == 1.5);
@@ -114,6 +119,9 @@ static void test_options(void **state) {
     {5, {"--steps", "3", "--epochs", "1"}, "not both"},
     {2, {"--quiet=1"}, "--quiet takes no value"},
     {3, {"--seed", "-4"}, "--seed: '-4'"},
+    {3, {"--graft", "lion"}, "--graft: 'lion' is not one of"},
+    {5, {"--optimizer=sgd", "--nesterov", "--momentum", "0"}, "--nesterov needs --momentum"},
+    {4, {"--optimizer=shampoo", "--daemon", ""}, "needs --daemon"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     memset(&err, 0, sizeof err);
