@@ -308,15 +308,15 @@ int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *prob
  * biased variance, y = (x - mean) rstd gamma + beta (gamma, beta: cols values each; beta may
  * be NULL for none). mean and rstd (rows values each) are saved for the backward pass.
  * eps > 0. y may alias x. */
-int ac_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+int ac_layernorm_rows(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
                          const float *gamma, const float *beta, float *y, float *mean,
                          float *rstd);
 
-/* Backward of ac_layernorm_forward, with xhat = (x - mean) rstd and g = dy gamma:
+/* Backward of ac_layernorm_rows, with xhat = (x - mean) rstd and g = dy gamma:
  *   dx = rstd (g - mean_cols(g) - xhat mean_cols(g xhat)),
  *   dgamma += sum_rows(dy xhat), dbeta += sum_rows(dy)   (accumulated: zero them first).
  * dbeta may be NULL (no beta). dx may alias dy; nothing else aliases. */
-int ac_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+int ac_layernorm_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
                           const float *gamma, const float *mean, const float *rstd,
                           const float *dy, float *dx, float *dgamma, float *dbeta);
 
