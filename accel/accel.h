@@ -570,14 +570,16 @@ int ac_posembed_forward(ac_posembed *l, const float *x, size_t batch, size_t t,
 int ac_posembed_backward(ac_posembed *l, const float *dy, const float **dx);
 
 /* Layer normalisation over the last axis: y = (x - mean) / sqrt(var + eps) * g + b per row
- * of x (rows, dim), var biased; g "<p>.weight" = 1, b "<p>.bias" = 0. */
+ * of x (rows, dim), var biased; g "<p>.weight" = 1, b "<p>.bias" = 0. One fused primitive
+ * each way (ac_layernorm_rows); caches x, the row means and 1/std. */
 typedef struct {
   ac_backend *be;
   size_t dim, max_rows, rows;
   float eps;
   int ready;
   ac_param weight, bias;
-  float *y, *xhat, *rstd, *dx, *tmp, *stat;
+  const float *x;
+  float *y, *mean, *rstd, *dx;
 } ac_layernorm;
 
 int ac_layernorm_init(ac_layernorm *l, ac_backend *be, const char *prefix, size_t dim,
@@ -645,7 +647,7 @@ typedef struct {
   size_t dim, heads, max_batch, max_t, batch, t;
   int ready;
   ac_linear qkv, proj;
-  float *qkvp, *probs, *ctx, *ctxp, *dctx, *dprobs, *dqkvp, *dqkv;
+  float *probs, *ctx, *dprobs, *dqkv;
 } ac_attention;
 
 int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim,
