@@ -128,11 +128,11 @@ static void interval_tighten(double *lo, double *hi, double f) {
 
 /* The scale s for which phi(s lo) == phi(s hi): after the step both ends of the interval
  * sit at the same height, the best a single step can lift the low end. s is capped so that
- * T = ((p+1) I - s M)/p keeps T^p >= floor at the top of the spectrum: a step that nearly
+ * T = ((p+1) I - s M)/p keeps T^p >= top_floor at the top of the spectrum: a step that nearly
  * annihilates the top of M costs fp32 accuracy (measured in docs/roots.md). */
-static double equalizing_scale(double lo, double hi, int p, double floor) {
+static double equalizing_scale(double lo, double hi, int p, double top_floor) {
   if (hi - lo <= 1e-12 * hi) return 2.0 / (lo + hi); /* a point: map it to 1 */
-  double a = 1.0 / hi, b = (p + 1.0 - p * pow(floor, 1.0 / p)) / hi;
+  double a = 1.0 / hi, b = (p + 1.0 - p * pow(top_floor, 1.0 / p)) / hi;
   if (phi(b * lo, p) <= phi(b * hi, p)) return b;
   for (int i = 0; i < 80; i++) { /* phi(s lo) - phi(s hi) grows with s on [a, b] */
     double c = sqrt(a * b);

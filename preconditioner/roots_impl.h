@@ -116,6 +116,7 @@ static void SFX(deviation)(size_t n, const REAL *m, root_dev *d) {
   d->offmax = off;
   d->frob = sqrt(frob);
   d->maxdev = dev_scaled(d, 1.0);
+  if (isnan(d->frob)) d->maxdev = NAN; /* the max comparisons above skip NaNs; the sum keeps them */
 }
 
 /* t = ((p + 1) I - s m) / p, with subnormals flushed so that no BLAS thread sees one. */
