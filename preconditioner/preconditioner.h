@@ -131,16 +131,20 @@ int pc_inverse_root_f64(size_t n, const double *a, double *x, const pc_root_opts
 /* Shampoo: block layout                                                                  */
 
 /* A tensor of rank r >= 2 is viewed as a matrix rows = dims[0], cols = dims[1]*...*dims[r-1]
- * (a convolution weight [out, in, kh, kw] becomes out x (in*kh*kw)). That matrix is cut
- * into blocks of at most block_size x block_size, row-major over the tiles. A rank-1
- * tensor, or one whose rows or cols exceed skip_limit, is diagonal: no factors, the
- * grafted (diagonal) step only. Every worker and daemon computes the same layout from the
- * same shape and options. */
+ * (a convolution weight [out, in, kh, kw] becomes out x (in*kh*kw)); a rank-1 tensor's view
+ * is dims[0] x 1. The view is row-major: element (i, j) is at i*cols + j of the tensor's
+ * row-major storage. It is cut into blocks of at most block_size x block_size: each axis
+ * in pieces of block_size from 0, the last piece holding the remainder; blocks are listed
+ * row-major over the tiles (block k = tile (k / tiles_per_row, k % tiles_per_row)).
+ * A rank-1 tensor, or one whose rows or cols exceed skip_limit, is diagonal: no factors,
+ * the grafted (diagonal) step only (pc_graft_direction_f32 over the whole tensor). Every
+ * worker and daemon computes the same layout from the same shape and options. */
 typedef struct {
-  size_t block_size;   /* default 128 */
-  size_t skip_limit;   /* default 4096 */
+  size_t block_size;   /* default 128; >= 1 */
+  size_t skip_limit;   /* default 4096; >= 1 */
 } pc_layout_opts;
 
+/* Fills the defaults. NULL is a no-op. */
 void pc_layout_opts_default(pc_layout_opts *opts);
 
 typedef struct {
@@ -156,28 +160,46 @@ typedef struct {
 } pc_layout;
 
 /* Computes the layout of a tensor of the given rank and dims. On success the caller owns
- * layout and must call pc_layout_destroy. Returns PC_EINVAL for rank < 1 or a zero dim,
- * PC_ENOMEM. opts may be NULL for the defaults. */
+ * layout and must call pc_layout_destroy. Returns PC_EINVAL for a NULL layout or dims,
+ * rank < 1, a zero dim, a zero block_size or skip_limit, or dims whose product overflows
+ * size_t; PC_ENOMEM. opts may be NULL for the defaults. On failure *layout is left empty
+ * (nblocks 0, blocks NULL), so pc_layout_destroy on it is harmless. */
 int pc_layout_init(pc_layout *layout, int rank, const size_t *dims, const pc_layout_opts *opts);
+
+/* Frees the blocks and leaves the layout empty. NULL, or calling it twice, is a no-op. */
 void pc_layout_destroy(pc_layout *layout);
 
 /* ------------------------------------------------------------------------------------ */
 /* Shampoo: statistics and direction                                                      */
 
 /* Packed Gram matrices of one block g (rows x cols, row stride ld, row-major):
- * left = g g^T (rows x rows), right = g^T g (cols x cols), each packed upper.
- * Either output may be NULL to skip it. */
+ * left = g g^T (rows x rows), right = g^T g (cols x cols), each packed upper
+ * (pc_packed_len(rows) and pc_packed_len(cols) values, caller-allocated).
+ * Either output may be NULL to skip it. A block of a tensor's 2-D view (see pc_layout) is
+ * g = view + row0 * cols + col0 with ld = cols of the view. NaN or Inf in g propagate to
+ * the output (the daemon rejects them on push). Returns PC_OK; PC_EINVAL for rows or
+ * cols 0, g NULL, ld < cols or a dim above INT_MAX (BLAS takes int); PC_ENOMEM (scratch of
+ * max(rows, cols)^2 values). */
 int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld,
                 float *left_packed, float *right_packed);
+int pc_gram_f64(size_t rows, size_t cols, const double *g, size_t ld,
+                double *left_packed, double *right_packed);
 
 /* Statistic update on packed storage of count values: s <- beta2 s + (1 - beta2) inc,
- * except beta2 == 1, which sums: s <- s + inc. */
+ * except beta2 == 1, which sums: s <- s + inc. beta2 must be in [0, 1]; the caller checks
+ * it once where it is configured (these run every step and cannot fail). s and inc may
+ * not overlap unless equal. NULL s or inc is a no-op. */
 void pc_stat_update_f32(size_t count, float *s, const float *inc, float beta2);
 void pc_stat_update_f64(size_t count, double *s, const double *inc, double beta2);
 
 /* Preconditioned direction of one block: p = lroot g rroot, where lroot is rows x rows and
  * rroot cols x cols (dense row-major); g and p are rows x cols with row stride ld.
- * Either root may be NULL, meaning the identity (one-sided preconditioning). */
+ * Either root may be NULL, meaning the identity (one-sided preconditioning); with both
+ * NULL, p = g. For Shampoo lroot = L^(-1/4) and rroot = R^(-1/4) (pc_inverse_root_*).
+ * p may be g itself (in place); otherwise p may not overlap g, and no root may overlap p.
+ * Returns PC_OK; PC_EINVAL for rows or cols 0, g or p NULL, ld < cols, a dim above
+ * INT_MAX, or overlapping buffers as above; PC_ENOMEM (a rows x cols scratch when both
+ * roots are given or p is g). */
 int pc_direction_f32(size_t rows, size_t cols, const float *lroot, const float *g, size_t ld,
                      const float *rroot, float *p);
 int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double *g, size_t ld,
@@ -186,6 +208,17 @@ int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double
 /* ------------------------------------------------------------------------------------ */
 /* Grafting and the diagonal step                                                         */
 
+/* The grafting rules, elementwise over the count values of one call, at step t >= 1.
+ * |g| is the Frobenius norm of those count values, so normalisation is per call: call per
+ * block to graft block by block, per tensor for a diagonal tensor. gn = g / |g|, and
+ * gn = 0 when |g| = 0. b1, b2, eps come from pc_graft_opts.
+ *   SGD:              d = g
+ *   ADAGRAD:          v <- v + g^2;                        d = g / (sqrt(v) + eps)
+ *   RMSPROP_NORMED:   v <- b2 v + (1-b2) gn^2;             d = gn / (sqrt(v) + eps)
+ *                     (no bias correction)
+ *   ADAM_NORMED:      m <- b1 m + (1-b1) gn;  v <- b2 v + (1-b2) gn^2;
+ *                     d = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+ * State m, v is fp32; arithmetic is fp64 and rounded on store. */
 typedef enum {
   PC_GRAFT_SGD = 0,          /* d = g */
   PC_GRAFT_ADAGRAD,          /* v += g^2;                     d = g / (sqrt(v) + eps) */
@@ -193,26 +226,45 @@ typedef enum {
   PC_GRAFT_ADAM_NORMED       /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
 } pc_graft;
 
+/* Short lowercase name ("sgd", "adagrad", "rmsprop-normed", "adam-normed"); "unknown" for
+ * a value outside the enum. Never NULL. */
 const char *pc_graft_name(pc_graft kind);
 
 typedef struct {
   pc_graft kind;
-  double beta1;   /* Adam first moment; default 0.9 */
-  double beta2;   /* second moment; default 0.999 */
-  double eps;     /* default 1e-8 */
+  double beta1;   /* Adam first moment; default 0.9; [0, 1) */
+  double beta2;   /* second moment; default 0.999; [0, 1) */
+  double eps;     /* default 1e-8; > 0 (unused by SGD) */
 } pc_graft_opts;
 
+/* Fills the defaults for kind. NULL is a no-op. */
 void pc_graft_opts_default(pc_graft_opts *opts, pc_graft kind);
 
 /* The grafted (diagonal) direction of count values of gradient g into d, updating the
  * caller-owned state (m and v, count values each, zero-initialised by the caller; m is
- * used only by Adam, v by all but SGD; unused ones may be NULL). step counts from 1. */
+ * used only by Adam, v by all but SGD; unused ones may be NULL). step counts from 1.
+ * d may be g itself (in place); m, v and d may not overlap otherwise.
+ * Returns PC_OK; PC_EINVAL for count 0, g, d or opts NULL, step < 1, an unknown kind, a
+ * needed state NULL, or a beta or eps out of range; PC_ENONFINITE_INPUT if g holds NaN or
+ * Inf (checked first: state and d untouched). */
 int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *opts,
                            long step, float *m, float *v, float *d);
 
 /* Rescales p in place to the Frobenius norm of d (the grafted norm): p *= |d| / |p|.
- * If |p| is 0, p becomes d. */
+ * If |p| is 0 or not finite, p becomes d (a direction with no usable norm is replaced by
+ * the grafted step). NULL p or d is a no-op. Norms are taken in fp64. */
 void pc_graft_rescale_f32(size_t count, float *p, const float *d);
+
+/* pc_graft_rescale_f32 on one block of a 2-D view, in place: the rows x cols block at p
+ * (row stride ldp) gets the Frobenius norm of the block at d (row stride ldd), or becomes
+ * it if its own norm is 0 or not finite. Lets a worker graft block by block without
+ * gathering blocks: take D = pc_graft_direction_f32 over the whole tensor (contiguous),
+ * write each block's P with pc_direction_* (ld = the view's cols) into a full-size
+ * buffer, then rescale each block against the same block of D (both at row0 * cols +
+ * col0, ld = cols). Returns PC_OK, or PC_EINVAL for rows or cols 0, NULL p or d, ldp or
+ * ldd < cols. */
+int pc_graft_rescale_block_f32(size_t rows, size_t cols, float *p, size_t ldp, const float *d,
+                               size_t ldd);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,658 @@
+/*
+ * backend_cpu.c -- the CPU backend: "device" memory is host memory, BLAS is OpenBLAS (its
+ * thread count set from ac_backend_opts.threads), and every other primitive is a plain loop.
+ * Arguments were checked by backend.c; these kernels only compute. They are also the
+ * reference the CUDA backend is tested against, so they favour clarity (and double
+ * accumulators in reductions) over speed.
+ */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "ac_internal.h"
+
+/* cblas takes int sizes; the generic checks allow size_t. */
+static int blas_int_ok(size_t a, size_t b, size_t c, size_t d)
+{
+  return a <= INT_MAX && b <= INT_MAX && c <= INT_MAX && d <= INT_MAX;
+}
+
+static void cpu_destroy(ac_backend *be)
+{
+  (void)be;
+}
+
+static int cpu_sync(ac_backend *be)
+{
+  (void)be;
+  return AC_OK;
+}
+
+static int cpu_malloc(ac_backend *be, size_t bytes, void **out)
+{
+  (void)be;
+  size_t rounded = (bytes + 255u) / 256u * 256u;
+  if (rounded < bytes)
+    return AC_ENOMEM;
+  *out = aligned_alloc(256, rounded);
+  return *out != NULL ? AC_OK : AC_ENOMEM;
+}
+
+static void cpu_free(ac_backend *be, void *p)
+{
+  (void)be;
+  free(p);
+}
+
+static int cpu_memcpy(ac_backend *be, void *dst, const void *src, size_t bytes)
+{
+  (void)be;
+  memcpy(dst, src, bytes);
+  return AC_OK;
+}
+
+static int cpu_fill_f32(ac_backend *be, size_t n, float *x, float value)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    x[i] = value;
+  return AC_OK;
+}
+
+static int cpu_fill_i32(ac_backend *be, size_t n, int32_t *x, int32_t value)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    x[i] = value;
+  return AC_OK;
+}
+
+static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src, size_t lds,
+                      float *dst, size_t ldd)
+{
+  (void)be;
+  for (size_t i = 0; i < rows; i++)
+    memcpy(dst + i * ldd, src + i * lds, cols * sizeof(float));
+  return AC_OK;
+}
+
+/* y[idx] = x[idx'], idx'[perm[k]] = idx[k]: walk y in order, step x by its strides. */
+static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
+                       const float *x, float *y)
+{
+  (void)be;
+  size_t xstride[AC_MAX_DIMS], ystride[AC_MAX_DIMS], yshape[AC_MAX_DIMS], idx[AC_MAX_DIMS];
+  size_t numel = 1;
+
+  for (int d = ndim - 1; d >= 0; d--) {
+    xstride[d] = numel;
+    numel *= shape[d];
+  }
+  for (int d = 0; d < ndim; d++) {
+    yshape[d] = shape[perm[d]];
+    ystride[d] = xstride[perm[d]];
+    idx[d] = 0;
+  }
+  for (size_t o = 0; o < numel; o++) {
+    size_t src = 0;
+    for (int d = 0; d < ndim; d++)
+      src += idx[d] * ystride[d];
+    y[o] = x[src];
+    for (int d = ndim - 1; d >= 0; d--) {
+      if (++idx[d] < yshape[d])
+        break;
+      idx[d] = 0;
+    }
+  }
+  return AC_OK;
+}
+
+static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n,
+                             size_t k, float alpha, const float *a, size_t lda,
+                             size_t stride_a, const float *b, size_t ldb, size_t stride_b,
+                             float beta, float *c, size_t ldc, size_t stride_c, size_t batch)
+{
+  (void)be;
+  if (!blas_int_ok(m, n, k, 1) || !blas_int_ok(lda, ldb, ldc, 1))
+    return AC_EINVAL;
+  for (size_t i = 0; i < batch; i++) {
+    float *ci = c + i * stride_c;
+    if (k == 0) {
+      /* BLAS would demand lda >= 1 here; the result is just beta C. */
+      for (size_t r = 0; r < m; r++)
+        for (size_t j = 0; j < n; j++)
+          ci[r * ldc + j] = beta == 0.0f ? 0.0f : beta * ci[r * ldc + j];
+      continue;
+    }
+    cblas_sgemm(CblasRowMajor, ta == AC_TRANS ? CblasTrans : CblasNoTrans,
+                tb == AC_TRANS ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k, alpha,
+                a + i * stride_a, (int)lda, b + i * stride_b, (int)ldb, beta, ci, (int)ldc);
+  }
+  return AC_OK;
+}
+
+/* Dense n x n Gram matrix (upper triangle) by ssyrk into scratch, then packed with beta. */
+static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                           const float *a, size_t lda, float beta, float *c_packed)
+{
+  (void)be;
+  float *dense = NULL;
+
+  if (!blas_int_ok(n, k, lda, 1))
+    return AC_EINVAL;
+  if (k > 0) {
+    dense = calloc(n * n, sizeof *dense); /* zeroed: BLAS may scale C by beta = 0 */
+    if (dense == NULL)
+      return AC_ENOMEM;
+    cblas_ssyrk(CblasRowMajor, CblasUpper, trans == AC_TRANS ? CblasTrans : CblasNoTrans,
+                (int)n, (int)k, alpha, a, (int)lda, 0.0f, dense, (int)n);
+  }
+  size_t p = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i; j < n; j++, p++) {
+      float g = dense != NULL ? dense[i * n + j] : 0.0f;
+      c_packed[p] = beta == 0.0f ? g : g + beta * c_packed[p];
+    }
+  free(dense);
+  return AC_OK;
+}
+
+static int cpu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense,
+                          size_t ld)
+{
+  (void)be;
+  size_t p = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i; j < n; j++, p++) {
+      dense[i * ld + j] = packed[p];
+      dense[j * ld + i] = packed[p];
+    }
+  return AC_OK;
+}
+
+static int cpu_pack_sym(ac_backend *be, size_t n, const float *dense, size_t ld,
+                        float *packed)
+{
+  (void)be;
+  size_t p = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i; j < n; j++, p++)
+      packed[p] = dense[i * ld + j];
+  return AC_OK;
+}
+
+static int cpu_binary(ac_backend *be, ac_binary_op op, size_t n, const float *a,
+                      const float *b, float *out)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    out[i] = ac__binary_value(op, a[i], b[i]);
+  return AC_OK;
+}
+
+static int cpu_axpby(ac_backend *be, size_t n, float alpha, const float *x, float beta,
+                     const float *y, float *out)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    out[i] = beta == 0.0f ? alpha * x[i] : alpha * x[i] + beta * y[i];
+  return AC_OK;
+}
+
+static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, float beta,
+                      float *out)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    out[i] = alpha * x[i] + beta;
+  return AC_OK;
+}
+
+static int cpu_unary(ac_backend *be, ac_unary_op op, size_t n, const float *x, float *out)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    out[i] = ac__unary_value(op, x[i]);
+  return AC_OK;
+}
+
+static int cpu_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const float *x,
+                              const float *dy, float *dx)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    dx[i] = dy[i] * ac__unary_deriv(op, x[i]);
+  return AC_OK;
+}
+
+static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, size_t inner,
+                     const float *x, const float *v, float *out)
+{
+  (void)be;
+  for (size_t o = 0; o < outer; o++)
+    for (size_t m = 0; m < mid; m++) {
+      size_t base = (o * mid + m) * inner;
+      for (size_t i = 0; i < inner; i++)
+        out[base + i] = ac__binary_value(op, x[base + i], v[m]);
+    }
+  return AC_OK;
+}
+
+/* One pass in memory order into per-mid double accumulators, so every shape (bias
+ * gradients reduce down columns) streams through x once. */
+static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
+                      float alpha, const float *x, float beta, float *out)
+{
+  (void)be;
+  double *acc = malloc(mid * sizeof *acc);
+  if (acc == NULL)
+    return AC_ENOMEM;
+  for (size_t m = 0; m < mid; m++)
+    acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
+  for (size_t o = 0; o < outer; o++)
+    for (size_t m = 0; m < mid; m++) {
+      const float *row = x + (o * mid + m) * inner;
+      double a = acc[m];
+      for (size_t i = 0; i < inner; i++) {
+        double e = row[i];
+        if (op == AC_REDUCE_SUM)
+          a += e;
+        else if (op == AC_REDUCE_MAX)
+          a = e > a || isnan(e) ? e : a;
+        else
+          a += e * e;
+      }
+      acc[m] = a;
+    }
+  for (size_t m = 0; m < mid; m++) {
+    double a = op == AC_REDUCE_NORM2 ? sqrt(acc[m]) : acc[m];
+    float r = alpha * (float)a;
+    out[m] = beta == 0.0f ? r : r + beta * out[m];
+  }
+  free(acc);
+  return AC_OK;
+}
+
+static int cpu_sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out)
+{
+  (void)be;
+  double acc = 0.0;
+  for (size_t i = 0; i < n; i++)
+    acc += squares ? (double)x[i] * x[i] : (double)x[i];
+  *out = acc;
+  return AC_OK;
+}
+
+static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x,
+                           int32_t *idx)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *row = x + r * cols;
+    size_t best = 0;
+    for (size_t j = 1; j < cols; j++)
+      if (row[j] > row[best])
+        best = j;
+    idx[r] = (int32_t)best;
+  }
+  return AC_OK;
+}
+
+/* Softmax of one row; returns the log of the normaliser plus the max (the log-sum-exp). */
+static float softmax_row(size_t cols, const float *x, float *y)
+{
+  float mx = -INFINITY;
+  for (size_t j = 0; j < cols; j++)
+    mx = x[j] > mx ? x[j] : mx;
+  double sum = 0.0;
+  for (size_t j = 0; j < cols; j++) {
+    y[j] = expf(x[j] - mx);
+    sum += y[j];
+  }
+  float inv = (float)(1.0 / sum);
+  for (size_t j = 0; j < cols; j++)
+    y[j] *= inv;
+  return mx + (float)log(sum);
+}
+
+static int cpu_softmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x,
+                            float *y)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++)
+    softmax_row(cols, x + r * cols, y + r * cols);
+  return AC_OK;
+}
+
+static int cpu_softmax_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *y,
+                                     const float *dy, float *dx)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *yr = y + r * cols, *dyr = dy + r * cols;
+    float *dxr = dx + r * cols;
+    double dot = 0.0;
+    for (size_t j = 0; j < cols; j++)
+      dot += (double)dyr[j] * yr[j];
+    for (size_t j = 0; j < cols; j++)
+      dxr[j] = yr[j] * (dyr[j] - (float)dot);
+  }
+  return AC_OK;
+}
+
+static int cpu_mask_causal(ac_backend *be, size_t batch, size_t t, float *x, float value)
+{
+  (void)be;
+  for (size_t b = 0; b < batch; b++)
+    for (size_t i = 0; i < t; i++)
+      for (size_t j = i + 1; j < t; j++)
+        x[(b * t + i) * t + j] = value;
+  return AC_OK;
+}
+
+static int cpu_xent_forward(ac_backend *be, size_t rows, size_t cols, const float *logits,
+                            const int32_t *labels, float *probs, float *loss)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *x = logits + r * cols;
+    int32_t label = labels[r];
+    /* Read the label's logit before probs (which may alias logits) is written. */
+    float target = label >= 0 && (size_t)label < cols ? x[label] : 0.0f;
+    float lse = softmax_row(cols, x, probs + r * cols);
+    loss[r] = label >= 0 && (size_t)label < cols ? lse - target : 0.0f;
+  }
+  return AC_OK;
+}
+
+static int cpu_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *probs,
+                             const int32_t *labels, float scale, float *dlogits)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    int32_t label = labels[r];
+    int counted = label >= 0 && (size_t)label < cols;
+    for (size_t j = 0; j < cols; j++) {
+      float onehot = counted && (size_t)label == j ? 1.0f : 0.0f;
+      dlogits[r * cols + j] = counted ? scale * (probs[r * cols + j] - onehot) : 0.0f;
+    }
+  }
+  return AC_OK;
+}
+
+static int cpu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps,
+                                 const float *x, const float *gamma, const float *beta,
+                                 float *y, float *mean, float *rstd)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    double s = 0.0, q = 0.0;
+    for (size_t j = 0; j < cols; j++)
+      s += xr[j];
+    double mu = s / (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      q += (xr[j] - mu) * (xr[j] - mu);
+    float m = (float)mu, rs = (float)(1.0 / sqrt(q / (double)cols + eps));
+    mean[r] = m;
+    rstd[r] = rs;
+    for (size_t j = 0; j < cols; j++)
+      yr[j] = (xr[j] - m) * rs * gamma[j] + (beta != NULL ? beta[j] : 0.0f);
+  }
+  return AC_OK;
+}
+
+static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+                                  const float *gamma, const float *mean, const float *rstd,
+                                  const float *dy, float *dx, float *dgamma, float *dbeta)
+{
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *xr = x + r * cols, *dyr = dy + r * cols;
+    float *dxr = dx + r * cols;
+    double sg = 0.0, sgx = 0.0;
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      float g = dyr[j] * gamma[j];
+      sg += g;
+      sgx += (double)g * xhat;
+      dgamma[j] += dyr[j] * xhat;
+      if (dbeta != NULL)
+        dbeta[j] += dyr[j];
+    }
+    float mg = (float)(sg / (double)cols), mgx = (float)(sgx / (double)cols);
+    for (size_t j = 0; j < cols; j++) {
+      float xhat = (xr[j] - mean[r]) * rstd[r];
+      dxr[j] = rstd[r] * (dyr[j] * gamma[j] - mg - xhat * mgx);
+    }
+  }
+  return AC_OK;
+}
+
+static int cpu_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,
+                           size_t table_rows, const int32_t *idx, float *out)
+{
+  (void)be;
+  for (size_t r = 0; r < n; r++) {
+    if (idx[r] >= 0 && (size_t)idx[r] < table_rows)
+      memcpy(out + r * cols, table + (size_t)idx[r] * cols, cols * sizeof(float));
+    else
+      memset(out + r * cols, 0, cols * sizeof(float));
+  }
+  return AC_OK;
+}
+
+static int cpu_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src,
+                                const int32_t *idx, float *table, size_t table_rows)
+{
+  (void)be;
+  for (size_t r = 0; r < n; r++) {
+    if (idx[r] < 0 || (size_t)idx[r] >= table_rows)
+      continue;
+    float *dst = table + (size_t)idx[r] * cols;
+    for (size_t j = 0; j < cols; j++)
+      dst[j] += src[r * cols + j];
+  }
+  return AC_OK;
+}
+
+/* Input coordinate of output coordinate o and kernel tap p: o*stride + p - pad, which is
+ * negative (as a wrapped size_t: >= size) in the padding. */
+static size_t in_coord(size_t o, size_t stride, size_t p, size_t pad)
+{
+  return o * stride + p - pad;
+}
+
+static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+                      const float *x, float *col)
+{
+  (void)be;
+  size_t ohw = oh * ow;
+  for (size_t b = 0; b < g->n; b++)
+    for (size_t ch = 0; ch < g->c; ch++) {
+      const float *plane = x + (b * g->c + ch) * g->h * g->w;
+      for (size_t p = 0; p < g->kh; p++)
+        for (size_t q = 0; q < g->kw; q++) {
+          float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
+          for (size_t y = 0; y < oh; y++)
+            for (size_t xo = 0; xo < ow; xo++) {
+              size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
+              size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
+              row[y * ow + xo] = iy < g->h && ix < g->w ? plane[iy * g->w + ix] : 0.0f;
+            }
+        }
+    }
+  return AC_OK;
+}
+
+static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+                      const float *col, float *x)
+{
+  (void)be;
+  size_t ohw = oh * ow;
+  memset(x, 0, g->n * g->c * g->h * g->w * sizeof(float));
+  for (size_t b = 0; b < g->n; b++)
+    for (size_t ch = 0; ch < g->c; ch++) {
+      float *plane = x + (b * g->c + ch) * g->h * g->w;
+      for (size_t p = 0; p < g->kh; p++)
+        for (size_t q = 0; q < g->kw; q++) {
+          const float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
+          for (size_t y = 0; y < oh; y++)
+            for (size_t xo = 0; xo < ow; xo++) {
+              size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
+              size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
+              if (iy < g->h && ix < g->w)
+                plane[iy * g->w + ix] += row[y * ow + xo];
+            }
+        }
+    }
+  return AC_OK;
+}
+
+static int cpu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
+                              size_t oh, size_t ow, const float *x, float *y, int32_t *argmax)
+{
+  (void)be;
+  float inv = 1.0f / (float)(g->kh * g->kw);
+  for (size_t pl = 0; pl < g->n * g->c; pl++) {
+    const float *plane = x + pl * g->h * g->w;
+    for (size_t yo = 0; yo < oh; yo++)
+      for (size_t xo = 0; xo < ow; xo++) {
+        float best = -INFINITY, sum = 0.0f;
+        size_t besti = SIZE_MAX;
+        for (size_t p = 0; p < g->kh; p++)
+          for (size_t q = 0; q < g->kw; q++) {
+            size_t iy = in_coord(yo, g->stride_h, p, g->pad_h);
+            size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
+            if (iy >= g->h || ix >= g->w)
+              continue;
+            float v = plane[iy * g->w + ix];
+            sum += v;
+            if (besti == SIZE_MAX || v > best) {
+              best = v;
+              besti = iy * g->w + ix;
+            }
+          }
+        size_t o = (pl * oh + yo) * ow + xo;
+        y[o] = op == AC_POOL_MAX ? best : sum * inv;
+        if (argmax != NULL)
+          argmax[o] = (int32_t)besti;
+      }
+  }
+  return AC_OK;
+}
+
+static int cpu_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
+                               size_t oh, size_t ow, const float *dy, const int32_t *argmax,
+                               float *dx)
+{
+  (void)be;
+  size_t hw = g->h * g->w;
+  float inv = 1.0f / (float)(g->kh * g->kw);
+  memset(dx, 0, g->n * g->c * hw * sizeof(float));
+  for (size_t pl = 0; pl < g->n * g->c; pl++) {
+    float *plane = dx + pl * hw;
+    for (size_t yo = 0; yo < oh; yo++)
+      for (size_t xo = 0; xo < ow; xo++) {
+        size_t o = (pl * oh + yo) * ow + xo;
+        if (op == AC_POOL_MAX) {
+          /* argmax comes from device memory: an index outside the plane is ignored. */
+          if (argmax[o] >= 0 && (size_t)argmax[o] < hw)
+            plane[argmax[o]] += dy[o];
+          continue;
+        }
+        for (size_t p = 0; p < g->kh; p++)
+          for (size_t q = 0; q < g->kw; q++) {
+            size_t iy = in_coord(yo, g->stride_h, p, g->pad_h);
+            size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
+            if (iy < g->h && ix < g->w)
+              plane[iy * g->w + ix] += dy[o] * inv;
+          }
+      }
+  }
+  return AC_OK;
+}
+
+static int cpu_rand(ac_backend *be, int dist, uint64_t seed, uint64_t offset, size_t n,
+                    float a, float b, float *out)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++)
+    out[i] = ac__rand_value(dist, seed, offset + i, a, b);
+  return AC_OK;
+}
+
+static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m,
+                            float *v, float lr, float beta1, float beta2, float eps, float wd,
+                            float bc1, float bc2)
+{
+  (void)be;
+  for (size_t i = 0; i < n; i++) {
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * p[i]);
+  }
+  return AC_OK;
+}
+
+static const ac__ops cpu_ops = {
+  .destroy = cpu_destroy,
+  .sync = cpu_sync,
+  .malloc_ = cpu_malloc,
+  .free_ = cpu_free,
+  .memcpy_h2d = cpu_memcpy,
+  .memcpy_d2h = cpu_memcpy,
+  .memcpy_d2d = cpu_memcpy,
+  .fill_f32 = cpu_fill_f32,
+  .fill_i32 = cpu_fill_i32,
+  .copy2d = cpu_copy2d,
+  .permute = cpu_permute,
+  .sgemm_batched = cpu_sgemm_batched,
+  .syrk_packed = cpu_syrk_packed,
+  .unpack_sym = cpu_unpack_sym,
+  .pack_sym = cpu_pack_sym,
+  .binary = cpu_binary,
+  .axpby = cpu_axpby,
+  .affine = cpu_affine,
+  .unary = cpu_unary,
+  .unary_backward = cpu_unary_backward,
+  .bcast = cpu_bcast,
+  .reduce = cpu_reduce,
+  .sum_to_host = cpu_sum_to_host,
+  .argmax_rows = cpu_argmax_rows,
+  .softmax_rows = cpu_softmax_rows,
+  .softmax_rows_backward = cpu_softmax_rows_backward,
+  .mask_causal = cpu_mask_causal,
+  .xent_forward = cpu_xent_forward,
+  .xent_backward = cpu_xent_backward,
+  .layernorm_forward = cpu_layernorm_forward,
+  .layernorm_backward = cpu_layernorm_backward,
+  .gather_rows = cpu_gather_rows,
+  .scatter_add_rows = cpu_scatter_add_rows,
+  .im2col = cpu_im2col,
+  .col2im = cpu_col2im,
+  .pool2d_forward = cpu_pool2d_forward,
+  .pool2d_backward = cpu_pool2d_backward,
+  .rand = cpu_rand,
+  .adamw_update = cpu_adamw_update,
+};
+
+int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen)
+{
+  (void)err;
+  (void)errlen;
+  if (opts->threads > 0)
+    openblas_set_num_threads(opts->threads);
+  be->ops = &cpu_ops;
+  be->impl = NULL;
+  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s)",
+           opts->threads > 0 ? opts->threads : openblas_get_num_threads(),
+           (opts->threads > 0 ? opts->threads : openblas_get_num_threads()) == 1 ? "" : "s");
+  return AC_OK;
+}

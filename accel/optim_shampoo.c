@@ -1,0 +1,658 @@
+/*
+ * optim_shampoo.c -- Shampoo's worker half (Gupta, Koren, Singer 2018; Anil et al. 2020):
+ * statistics G G^T and G^T G of every block computed on the device and handed out packed,
+ * roots received from the caller and kept on the device, and the update
+ *
+ *   P_b = L_b^(-1/4) G_b R_b^(-1/4),  grafted block by block to the norm of a simple
+ *   optimizer's direction D (Agarwal et al. 2020), then momentum and weight decay.
+ *
+ * The block layout and the grafting rules are the numerics core's (pc_layout_init,
+ * pc_graft_*), evaluated here with the backend's primitives instead of host loops. Grafting
+ * follows pc_graft_rescale_block_f32's recipe: D over the whole tensor, P per block into
+ * contiguous scratch, then each P_b rescaled to |D_b| and written over D_b, so that D ends
+ * up holding the step of every block (the grafted fallback where a block has no root).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_internal.h"
+
+typedef struct {
+  size_t param, index;   /* owner parameter and index in its layout */
+  pc_block blk;
+  size_t stats_off;      /* left statistic at stats + stats_off, right right after it */
+  float *lroot, *rroot;  /* dense roots on the device; allocated with the first roots */
+  int has_left, has_right;
+  uint64_t version, source_step, fallback;
+  long staleness;        /* at the last step that used the roots; -1: never used */
+} shampoo_block;
+
+typedef struct {
+  ac_param *p;           /* not owned */
+  pc_layout layout;
+  size_t first_block;    /* id of its first block */
+  float *m, *v, *buf;    /* graft moments and momentum (NULL where unused) */
+} shampoo_param;
+
+struct ac_shampoo {
+  ac_backend *be;
+  ac_shampoo_opts opts;
+  size_t nparams;
+  shampoo_param *params;
+  size_t nblocks;
+  shampoo_block *blocks;
+  size_t stats_len;      /* floats of all packed statistics */
+  float *stats_dev, *stats_host;
+  int stats_valid;
+  float *d, *a, *b;      /* scratch of max numel: the direction D and two temporaries */
+  float *t;              /* scratch of the largest block: L G_b */
+  float *stage;          /* packed roots on their way to the dense form */
+  size_t max_blocks;     /* most blocks of one parameter */
+  float *norms_dev, *norms_host; /* |P_b|, |D_b| of one parameter's blocks */
+  long steps;
+  uint64_t fallback_total;
+  ac_shampoo_step_info last; /* what the last step did */
+};
+
+void ac_shampoo_opts_default(ac_shampoo_opts *opts)
+{
+  if (opts == NULL)
+    return;
+  pc_layout_opts_default(&opts->layout);
+  pc_graft_opts_default(&opts->graft, PC_GRAFT_ADAGRAD);
+  opts->momentum = 0.9f;
+  opts->nesterov = 0;
+  opts->weight_decay = 0.0f;
+  opts->stats_interval = 1;
+  opts->start_step = 1;
+  opts->max_staleness = 0;
+  opts->beta2 = 1.0f;
+  opts->epsilon = 1e-6;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Checks                                                                                  */
+
+static int graft_opts_check(const pc_graft_opts *g)
+{
+  switch (g->kind) {
+  case PC_GRAFT_SGD:
+    return AC_OK;
+  case PC_GRAFT_ADAM_NORMED:
+    if (!ac__optim_in_range(g->beta1, 0.0, 1.0))
+      return AC_EINVAL;
+    /* fall through */
+  case PC_GRAFT_RMSPROP_NORMED:
+    if (!ac__optim_in_range(g->beta2, 0.0, 1.0))
+      return AC_EINVAL;
+    /* fall through */
+  case PC_GRAFT_ADAGRAD:
+    /* in float on the device: eps must survive the conversion */
+    return g->eps > 0.0 && isfinite((float)g->eps) && (float)g->eps > 0.0f ? AC_OK : AC_EINVAL;
+  }
+  return AC_EINVAL;
+}
+
+static int shampoo_opts_check(const ac_shampoo_opts *o)
+{
+  if (o->layout.block_size == 0 || o->layout.skip_limit == 0 ||
+      graft_opts_check(&o->graft) != AC_OK || !ac__optim_in_range(o->momentum, 0.0, 1.0) ||
+      (o->nesterov != 0 && o->nesterov != 1) || (o->nesterov && o->momentum == 0.0f) ||
+      !(o->weight_decay >= 0.0f) || !isfinite(o->weight_decay) || o->stats_interval < 1 ||
+      o->start_step < 1 || o->max_staleness < 0 || !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) ||
+      !isfinite(o->epsilon))
+    return AC_EINVAL;
+  return AC_OK;
+}
+
+static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
+{
+  if (s == NULL || roots == NULL || b >= s->nblocks)
+    return AC_EINVAL;
+  const ac_root_format fmt = roots->format;
+  const size_t n_left = roots->n_left, n_right = roots->n_right;
+  const float *left = roots->left, *right = roots->right;
+  if (roots->version == 0 || (fmt != AC_ROOT_DENSE && fmt != AC_ROOT_PACKED) ||
+      (left == NULL && right == NULL))
+    return AC_EINVAL;
+  const pc_block *blk = &s->blocks[b].blk;
+  if ((left != NULL && n_left != blk->rows) || (left == NULL && n_left != 0) ||
+      (right != NULL && n_right != blk->cols) || (right == NULL && n_right != 0))
+    return AC_EMISMATCH;
+  /* The daemon checks too, but a NaN root would silently poison every later step. */
+  size_t nl = fmt == AC_ROOT_PACKED ? ac_packed_len(n_left) : n_left * n_left;
+  size_t nr = fmt == AC_ROOT_PACKED ? ac_packed_len(n_right) : n_right * n_right;
+  for (size_t i = 0; left != NULL && i < nl; i++)
+    if (!isfinite(left[i]))
+      return AC_EINVAL;
+  for (size_t i = 0; right != NULL && i < nr; i++)
+    if (!isfinite(right[i]))
+      return AC_EINVAL;
+  return AC_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Create and destroy                                                                      */
+
+void ac_shampoo_destroy(ac_shampoo *s)
+{
+  if (s == NULL)
+    return;
+  for (size_t i = 0; s->params != NULL && i < s->nparams; i++) {
+    shampoo_param *sp = &s->params[i];
+    ac_free(s->be, sp->m);
+    ac_free(s->be, sp->v);
+    ac_free(s->be, sp->buf);
+    pc_layout_destroy(&sp->layout);
+  }
+  for (size_t b = 0; s->blocks != NULL && b < s->nblocks; b++) {
+    ac_free(s->be, s->blocks[b].lroot);
+    ac_free(s->be, s->blocks[b].rroot);
+  }
+  ac_free(s->be, s->stats_dev);
+  ac_free(s->be, s->d);
+  ac_free(s->be, s->a);
+  ac_free(s->be, s->b);
+  ac_free(s->be, s->t);
+  ac_free(s->be, s->stage);
+  ac_free(s->be, s->norms_dev);
+  free(s->norms_host);
+  free(s->stats_host);
+  free(s->blocks);
+  free(s->params);
+  free(s);
+}
+
+static int zeros(ac_backend *be, size_t n, float **out)
+{
+  int rc = ac_malloc(be, n * sizeof(float), (void **)out);
+  return rc == AC_OK ? ac_fill_f32(be, n, *out, 0.0f) : rc;
+}
+
+/* Lays out every parameter and counts what the blocks need. */
+static int make_layouts(ac_shampoo *s, size_t *max_block, size_t *max_order)
+{
+  *max_block = *max_order = 0;
+  for (size_t i = 0; i < s->nparams; i++) {
+    const ac_tensor *v = &s->params[i].p->value;
+    const size_t one = 1;
+    int rc = v->ndim == 0 ? pc_layout_init(&s->params[i].layout, 1, &one, &s->opts.layout)
+                          : pc_layout_init(&s->params[i].layout, v->ndim, v->shape,
+                                           &s->opts.layout);
+    if (rc == PC_ENOMEM)
+      return AC_ENOMEM;
+    if (rc != PC_OK)
+      return AC_EINVAL;
+    const pc_layout *l = &s->params[i].layout;
+    s->params[i].first_block = s->nblocks;
+    s->nblocks += l->nblocks;
+    if (l->nblocks > s->max_blocks)
+      s->max_blocks = l->nblocks;
+    for (size_t k = 0; k < l->nblocks; k++) {
+      const pc_block *blk = &l->blocks[k];
+      if (blk->rows * blk->cols > *max_block)
+        *max_block = blk->rows * blk->cols;
+      if (blk->rows > *max_order)
+        *max_order = blk->rows;
+      if (blk->cols > *max_order)
+        *max_order = blk->cols;
+      s->stats_len += ac_packed_len(blk->rows) + ac_packed_len(blk->cols);
+    }
+  }
+  return AC_OK;
+}
+
+static int make_blocks(ac_shampoo *s)
+{
+  size_t off = 0;
+  s->blocks = calloc(s->nblocks ? s->nblocks : 1, sizeof *s->blocks);
+  if (s->blocks == NULL)
+    return AC_ENOMEM;
+  for (size_t i = 0; i < s->nparams; i++) {
+    const pc_layout *l = &s->params[i].layout;
+    for (size_t k = 0; k < l->nblocks; k++) {
+      shampoo_block *sb = &s->blocks[s->params[i].first_block + k];
+      sb->param = i;
+      sb->index = k;
+      sb->blk = l->blocks[k];
+      sb->stats_off = off;
+      sb->staleness = -1;
+      off += ac_packed_len(sb->blk.rows) + ac_packed_len(sb->blk.cols);
+    }
+  }
+  return AC_OK;
+}
+
+/* Per-parameter device state: graft moments as the kind needs them, and momentum. */
+static int make_state(ac_shampoo *s)
+{
+  const pc_graft kind = s->opts.graft.kind;
+  for (size_t i = 0; i < s->nparams; i++) {
+    shampoo_param *sp = &s->params[i];
+    size_t n = sp->p->value.numel;
+    int rc = AC_OK;
+    if (kind == PC_GRAFT_ADAM_NORMED)
+      rc = zeros(s->be, n, &sp->m);
+    if (rc == AC_OK && kind != PC_GRAFT_SGD)
+      rc = zeros(s->be, n, &sp->v);
+    if (rc == AC_OK && s->opts.momentum > 0.0f)
+      rc = zeros(s->be, n, &sp->buf);
+    if (rc != AC_OK)
+      return rc;
+  }
+  return AC_OK;
+}
+
+int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
+                      const ac_shampoo_opts *opts)
+{
+  ac_shampoo_opts defaults;
+  ac_backend *be = NULL;
+  size_t max_numel = 0, max_block = 0, max_order = 0;
+  ac_shampoo *s = NULL;
+  int rc;
+
+  if (out == NULL)
+    return AC_EINVAL;
+  *out = NULL;
+  if (opts == NULL) {
+    ac_shampoo_opts_default(&defaults);
+    opts = &defaults;
+  }
+  rc = ac__optim_params_check(params, nparams, &be, &max_numel);
+  if (rc == AC_OK)
+    rc = ac__optim_params_distinct(params, nparams);
+  if (rc != AC_OK)
+    return rc;
+  if (shampoo_opts_check(opts) != AC_OK)
+    return AC_EINVAL;
+
+  rc = AC_ENOMEM;
+  s = calloc(1, sizeof *s);
+  if (s == NULL)
+    goto fail;
+  s->be = be;
+  s->opts = *opts;
+  s->nparams = nparams;
+  s->params = calloc(nparams, sizeof *s->params);
+  if (s->params == NULL)
+    goto fail;
+  for (size_t i = 0; i < nparams; i++)
+    s->params[i].p = params[i];
+
+  rc = make_layouts(s, &max_block, &max_order);
+  if (rc == AC_OK)
+    rc = make_blocks(s);
+  if (rc == AC_OK)
+    rc = make_state(s);
+  if (rc != AC_OK)
+    goto fail;
+
+  rc = AC_ENOMEM;
+  s->stats_host = malloc((s->stats_len ? s->stats_len : 1) * sizeof(float));
+  s->norms_host = malloc((2 * s->max_blocks + 1) * sizeof(float));
+  if (s->stats_host == NULL || s->norms_host == NULL)
+    goto fail;
+  size_t nbytes[] = {max_numel, max_numel, max_numel, max_block, ac_packed_len(max_order),
+                     2 * s->max_blocks, s->stats_len};
+  float **bufs[] = {&s->d, &s->a, &s->b, &s->t, &s->stage, &s->norms_dev, &s->stats_dev};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+    rc = ac_malloc(be, nbytes[i] * sizeof(float), (void **)bufs[i]);
+    if (rc != AC_OK)
+      goto fail;
+  }
+  *out = s;
+  return AC_OK;
+
+fail:
+  ac_shampoo_destroy(s);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Queries                                                                                 */
+
+size_t ac_shampoo_nblocks(const ac_shampoo *s)
+{
+  return s != NULL ? s->nblocks : 0;
+}
+
+const pc_layout *ac_shampoo_layout(const ac_shampoo *s, size_t param)
+{
+  return s != NULL && param < s->nparams ? &s->params[param].layout : NULL;
+}
+
+int ac_shampoo_block_info(const ac_shampoo *s, size_t b, ac_shampoo_block *info)
+{
+  if (s == NULL || info == NULL || b >= s->nblocks)
+    return AC_EINVAL;
+  const shampoo_block *sb = &s->blocks[b];
+  info->param = sb->param;
+  info->index = sb->index;
+  info->block = sb->blk;
+  info->version = sb->version;
+  info->source_step = sb->source_step;
+  info->fallback_steps = sb->fallback;
+  info->staleness = sb->staleness;
+  return AC_OK;
+}
+
+int ac_shampoo_last_step(const ac_shampoo *s, ac_shampoo_step_info *info)
+{
+  if (s == NULL || info == NULL)
+    return AC_EINVAL;
+  *info = s->last;
+  return AC_OK;
+}
+
+uint64_t ac_shampoo_fallback_total(const ac_shampoo *s)
+{
+  return s != NULL ? s->fallback_total : 0;
+}
+
+long ac_shampoo_steps(const ac_shampoo *s)
+{
+  return s != NULL ? s->steps : 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Statistics                                                                              */
+
+int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step)
+{
+  if (s == NULL)
+    return AC_EINVAL;
+  const long t = s->steps + 1;
+  if (due != NULL)
+    *due = 0;
+  if (step != NULL)
+    *step = t;
+  if ((t - 1) % s->opts.stats_interval != 0)
+    return AC_OK;
+
+  for (size_t b = 0; b < s->nblocks; b++) {
+    const shampoo_block *sb = &s->blocks[b];
+    const shampoo_param *sp = &s->params[sb->param];
+    const size_t ld = sp->layout.cols;
+    const float *g = ac_tensor_f32(&sp->p->grad) + sb->blk.row0 * ld + sb->blk.col0;
+    float *left = s->stats_dev + sb->stats_off;
+    float *right = left + ac_packed_len(sb->blk.rows);
+    int rc = ac_syrk_packed(s->be, AC_NO_TRANS, sb->blk.rows, sb->blk.cols, 1.0f, g, ld, 0.0f,
+                            left);
+    if (rc == AC_OK)
+      rc = ac_syrk_packed(s->be, AC_TRANS, sb->blk.cols, sb->blk.rows, 1.0f, g, ld, 0.0f,
+                          right);
+    if (rc != AC_OK)
+      return rc;
+  }
+  s->stats_valid = 0;
+  if (s->stats_len > 0) {
+    int rc = ac_memcpy_d2h(s->be, s->stats_host, s->stats_dev, s->stats_len * sizeof(float));
+    if (rc != AC_OK)
+      return rc;
+  }
+  s->stats_valid = 1;
+  if (due != NULL)
+    *due = 1;
+  return AC_OK;
+}
+
+int ac_shampoo_block_stats(const ac_shampoo *s, size_t b, const float **left,
+                           const float **right)
+{
+  if (s == NULL || b >= s->nblocks || !s->stats_valid)
+    return AC_EINVAL;
+  const shampoo_block *sb = &s->blocks[b];
+  if (left != NULL)
+    *left = s->stats_host + sb->stats_off;
+  if (right != NULL)
+    *right = s->stats_host + sb->stats_off + ac_packed_len(sb->blk.rows);
+  return AC_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Roots                                                                                   */
+
+/* One side's root into the dense device buffer dst (n x n). */
+static int upload_root(ac_shampoo *s, size_t n, ac_root_format fmt, const float *host,
+                       float *dst)
+{
+  if (fmt == AC_ROOT_DENSE)
+    return ac_memcpy_h2d(s->be, dst, host, n * n * sizeof(float));
+  int rc = ac_memcpy_h2d(s->be, s->stage, host, ac_packed_len(n) * sizeof(float));
+  return rc == AC_OK ? ac_unpack_sym(s->be, n, s->stage, dst, n) : rc;
+}
+
+int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
+{
+  int rc = roots_check(s, b, roots);
+  if (rc != AC_OK)
+    return rc;
+  shampoo_block *sb = &s->blocks[b];
+  const ac_root_format fmt = roots->format;
+  const size_t n_left = roots->n_left, n_right = roots->n_right;
+  const float *left = roots->left, *right = roots->right;
+  if (roots->version <= sb->version)
+    return AC_OK;
+
+  /* Allocate both sides first, so that a failure changes nothing the step reads. */
+  if (left != NULL && sb->lroot == NULL)
+    rc = ac_malloc(s->be, n_left * n_left * sizeof(float), (void **)&sb->lroot);
+  if (rc == AC_OK && right != NULL && sb->rroot == NULL)
+    rc = ac_malloc(s->be, n_right * n_right * sizeof(float), (void **)&sb->rroot);
+  if (rc != AC_OK)
+    return rc;
+
+  /* A failed upload leaves a side half written: drop the block's roots until the next
+   * version rather than apply a torn one. */
+  sb->has_left = sb->has_right = 0;
+  sb->version = 0;
+  if (left != NULL)
+    rc = upload_root(s, n_left, fmt, left, sb->lroot);
+  if (rc == AC_OK && right != NULL)
+    rc = upload_root(s, n_right, fmt, right, sb->rroot);
+  if (rc != AC_OK)
+    return rc;
+  sb->has_left = left != NULL;
+  sb->has_right = right != NULL;
+  sb->version = roots->version;
+  sb->source_step = roots->source_step;
+  return AC_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The step                                                                                */
+
+/* The grafted direction d of the whole gradient g (n values), with the formulas of
+ * pc_graft_direction_f32, using the scratch buffers a and b. t is the step (>= 1). */
+static int graft_direction(ac_shampoo *s, size_t n, const float *g, float *m, float *v, long t,
+                           float *d)
+{
+  ac_backend *be = s->be;
+  const pc_graft_opts *o = &s->opts.graft;
+  const float eps = (float)o->eps, b1 = (float)o->beta1, b2 = (float)o->beta2;
+  float *a = s->a, *b = s->b;
+  const float *x = g; /* the gradient, or g / |g| for the normalised kinds */
+  int rc = AC_OK;
+
+  if (o->kind == PC_GRAFT_SGD)
+    return ac_memcpy_d2d(be, d, g, n * sizeof(float));
+  if (o->kind == PC_GRAFT_RMSPROP_NORMED || o->kind == PC_GRAFT_ADAM_NORMED) {
+    double sq = 0.0;
+    rc = ac_sumsq_to_host(be, n, g, &sq);
+    const double inv = sq > 0.0 ? 1.0 / sqrt(sq) : 0.0; /* a zero gradient stays zero */
+    if (rc == AC_OK && isfinite((float)inv)) {
+      rc = ac_affine(be, n, (float)inv, g, 0.0f, a);
+    } else if (rc == AC_OK) {
+      /* |g| below FLT_MIN: 1/|g| overflows a float, its square root does not (|g| is at
+       * least the smallest subnormal), and no g[i] exceeds |g|: scale twice. */
+      rc = ac_affine(be, n, (float)sqrt(inv), g, 0.0f, a);
+      if (rc == AC_OK)
+        rc = ac_affine(be, n, (float)sqrt(inv), a, 0.0f, a);
+    }
+    x = a;
+  }
+  /* b = x^2, then the second moment */
+  if (rc == AC_OK)
+    rc = ac_binary(be, AC_BIN_MUL, n, x, x, b);
+  if (rc == AC_OK)
+    rc = o->kind == PC_GRAFT_ADAGRAD ? ac_axpby(be, n, 1.0f, b, 1.0f, v, v)
+                                     : ac_axpby(be, n, 1.0f - b2, b, b2, v, v);
+  if (o->kind != PC_GRAFT_ADAM_NORMED) {
+    /* d = x / (sqrt(v) + eps) */
+    if (rc == AC_OK)
+      rc = ac_unary(be, AC_UNARY_SQRT, n, v, b);
+    if (rc == AC_OK)
+      rc = ac_affine(be, n, 1.0f, b, eps, b);
+    if (rc == AC_OK)
+      rc = ac_binary(be, AC_BIN_DIV, n, x, b, d);
+    return rc;
+  }
+  /* Adam: m = b1 m + (1 - b1) x; d = (m / c1) / (sqrt(v / c2) + eps) */
+  const double c1 = 1.0 - pow(o->beta1, (double)t), c2 = 1.0 - pow(o->beta2, (double)t);
+  if (rc == AC_OK)
+    rc = ac_axpby(be, n, 1.0f - b1, x, b1, m, m);
+  if (rc == AC_OK)
+    rc = ac_affine(be, n, (float)(1.0 / c2), v, 0.0f, b);
+  if (rc == AC_OK)
+    rc = ac_unary(be, AC_UNARY_SQRT, n, b, b);
+  if (rc == AC_OK)
+    rc = ac_affine(be, n, 1.0f, b, eps, b);
+  if (rc == AC_OK)
+    rc = ac_affine(be, n, (float)(1.0 / c1), m, 0.0f, d);
+  if (rc == AC_OK)
+    rc = ac_binary(be, AC_BIN_DIV, n, d, b, d);
+  return rc;
+}
+
+/* P_b = L G_b R into the contiguous rows x cols buffer p (a missing root: identity). */
+static int precondition_block(ac_shampoo *s, const shampoo_block *sb, const float *g, size_t ld,
+                              float *p)
+{
+  const size_t r = sb->blk.rows, c = sb->blk.cols;
+  if (sb->has_left && sb->has_right) {
+    int rc = ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, r, 1.0f, sb->lroot, r, g, ld,
+                      0.0f, s->t, c);
+    return rc == AC_OK ? ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, c, 1.0f, s->t, c,
+                                  sb->rroot, c, 0.0f, p, c)
+                       : rc;
+  }
+  if (sb->has_left)
+    return ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, r, 1.0f, sb->lroot, r, g, ld, 0.0f,
+                    p, c);
+  return ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, c, 1.0f, g, ld, sb->rroot, c, 0.0f, p,
+                  c);
+}
+
+/* Whether block sb's roots are used at step t; if so, *staleness says how old they are. */
+static int roots_usable(const ac_shampoo *s, const shampoo_block *sb, long t, long *staleness)
+{
+  if (t < s->opts.start_step || sb->version == 0)
+    return 0;
+  /* Roots from a step ahead of this one (a worker restarted behind the daemon) count as
+   * fresh. */
+  *staleness = sb->source_step >= (uint64_t)t ? 0 : (long)((uint64_t)t - sb->source_step);
+  return s->opts.max_staleness == 0 || *staleness <= s->opts.max_staleness;
+}
+
+/* Overwrites the blocks of d (the parameter's grafted direction, its 2-D view) that hold
+ * roots with their preconditioned direction rescaled to d's block norm; counts fallbacks. */
+static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d)
+{
+  const size_t ld = sp->layout.cols;
+  const float *g = ac_tensor_f32(&sp->p->grad);
+  size_t used = 0, off = 0;
+  long age = 0;
+  int rc = AC_OK;
+
+  /* Pass 1: P_b and D_b into contiguous scratch (a, b), their norms into norms_dev. */
+  for (size_t k = 0; k < sp->layout.nblocks && rc == AC_OK; k++) {
+    shampoo_block *sb = &s->blocks[sp->first_block + k];
+    const size_t r = sb->blk.rows, c = sb->blk.cols, at = sb->blk.row0 * ld + sb->blk.col0;
+    if (!roots_usable(s, sb, t, &age)) {
+      sb->fallback++;
+      s->fallback_total++;
+      s->last.fallback++;
+      continue;
+    }
+    sb->staleness = age;
+    s->last.preconditioned++;
+    s->last.staleness_mean += (double)age;
+    if (age > s->last.staleness_max)
+      s->last.staleness_max = age;
+    rc = precondition_block(s, sb, g + at, ld, s->a + off);
+    if (rc == AC_OK)
+      rc = ac_copy2d(s->be, r, c, d + at, ld, s->b + off, c);
+    if (rc == AC_OK)
+      rc = ac_reduce(s->be, AC_REDUCE_NORM2, 1, 1, r * c, 1.0f, s->a + off, 0.0f,
+                     s->norms_dev + 2 * used);
+    if (rc == AC_OK)
+      rc = ac_reduce(s->be, AC_REDUCE_NORM2, 1, 1, r * c, 1.0f, s->b + off, 0.0f,
+                     s->norms_dev + 2 * used + 1);
+    off += r * c;
+    used++;
+  }
+  if (rc != AC_OK || used == 0)
+    return rc;
+  rc = ac_memcpy_d2h(s->be, s->norms_host, s->norms_dev, 2 * used * sizeof(float));
+
+  /* Pass 2: P_b * |D_b| / |P_b| over D_b; a P_b without a usable norm leaves D_b. */
+  off = used = 0;
+  for (size_t k = 0; k < sp->layout.nblocks && rc == AC_OK; k++) {
+    const shampoo_block *sb = &s->blocks[sp->first_block + k];
+    const size_t r = sb->blk.rows, c = sb->blk.cols, at = sb->blk.row0 * ld + sb->blk.col0;
+    if (!roots_usable(s, sb, t, &age))
+      continue;
+    const double np = s->norms_host[2 * used], nd = s->norms_host[2 * used + 1];
+    const float scale = (float)(nd / np);
+    /* pc_graft_rescale's rule (no usable norm: take D_b), extended to what float needs:
+     * a subnormal |P_b| is too imprecise to rescale by, and the factor must be a float. */
+    if (np >= FLT_MIN && isfinite(np) && isfinite(scale)) {
+      rc = ac_affine(s->be, r * c, scale, s->a + off, 0.0f, s->a + off);
+      if (rc == AC_OK)
+        rc = ac_copy2d(s->be, r, c, s->a + off, c, d + at, ld);
+    }
+    off += r * c;
+    used++;
+  }
+  return rc;
+}
+
+int ac_shampoo_step(ac_shampoo *s, float lr)
+{
+  if (s == NULL || !(lr >= 0.0f) || !isfinite(lr))
+    return AC_EINVAL;
+  const long t = s->steps + 1;
+  const float mu = s->opts.momentum;
+  memset(&s->last, 0, sizeof s->last);
+  s->last.step = t;
+  s->last.staleness_max = -1;
+  for (size_t i = 0; i < s->nparams; i++) {
+    shampoo_param *sp = &s->params[i];
+    const size_t n = sp->p->value.numel;
+    float *p = ac_tensor_f32(&sp->p->value), *u = s->d;
+    int rc = graft_direction(s, n, ac_tensor_f32(&sp->p->grad), sp->m, sp->v, t, s->d);
+    if (rc == AC_OK && !sp->layout.diagonal)
+      rc = precondition_param(s, sp, t, s->d);
+    /* buf = mu buf + P; U = nesterov ? P + mu buf : buf */
+    if (rc == AC_OK && sp->buf != NULL) {
+      rc = ac_axpby(s->be, n, 1.0f, s->d, mu, sp->buf, sp->buf);
+      if (rc == AC_OK && s->opts.nesterov)
+        rc = ac_axpby(s->be, n, mu, sp->buf, 1.0f, s->d, s->d);
+      else
+        u = sp->buf;
+    }
+    /* p -= lr (U + wd p) */
+    if (rc == AC_OK)
+      rc = ac_axpby(s->be, n, -lr, u, 1.0f - lr * s->opts.weight_decay, p, p);
+    if (rc != AC_OK)
+      return rc;
+  }
+  s->last.staleness_mean = s->last.preconditioned > 0
+                               ? s->last.staleness_mean / (double)s->last.preconditioned
+                               : NAN;
+  s->steps++;
+  return AC_OK;
+}

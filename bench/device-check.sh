@@ -1,0 +1,60 @@
+#!/bin/bash
+# device-check.sh -- the one prepared script for a GPU machine (budget: under 8 minutes).
+#
+#   1. builds the project with -Dcuda=enabled into build-cuda (nvcc for sm_80 and sm_90);
+#   2. runs the whole accel suite with AC_REQUIRE_CUDA=1, so every CUDA-vs-CPU test must run
+#      (a missing device is a failure, not a skip): backend primitives, tensors, and the
+#      layer and optimizer tests once they exist;
+#   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
+#      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
+#
+# Usage, from the repository root: sh bench/device-check.sh [OUTDIR]
+# OUTDIR (default: $OUT if set, else build-cuda/device-check) receives the test log and the
+# CSV files. Exit status: nonzero if the build or any test fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out="${1:-${OUT:-build-cuda/device-check}}"
+mkdir -p "$out"
+jobs="$(nproc 2>/dev/null || echo 4)"
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-4}"
+start=$(date +%s)
+step() { echo "== $(( $(date +%s) - start ))s: $*"; }
+
+step "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt" || true
+
+step "configure and build (-Dcuda=enabled, -j$jobs)"
+if [ -d build-cuda ]; then
+  meson setup --reconfigure build-cuda -Dcuda=enabled >"$out/configure.log" 2>&1
+else
+  meson setup build-cuda -Dcuda=enabled >"$out/configure.log" 2>&1
+fi
+# -k 0: a failure elsewhere in the project must not hide the accel results; the tests below
+# run without rebuilding, so an accel target that did not build shows up as a failed test.
+build_status=0
+ninja -C build-cuda -k 0 -j"$jobs" >"$out/build.log" 2>&1 || build_status=$?
+if [ "$build_status" -ne 0 ]; then
+  echo "build had failures (status $build_status); failed targets:"
+  grep -E "^FAILED" "$out/build.log" | head -20 || true
+fi
+
+step "accel suite on CUDA against CPU (AC_REQUIRE_CUDA=1)"
+status=0
+AC_REQUIRE_CUDA=1 meson test -C build-cuda --no-rebuild --suite accel --print-errorlogs \
+  --num-processes "$jobs" --timeout-multiplier 2 >"$out/tests.log" 2>&1 || status=$?
+cp build-cuda/meson-logs/testlog.txt "$out/testlog.txt" 2>/dev/null || true
+grep -E "^ *[0-9]+/[0-9]+ " "$out/tests.log" || true
+grep -E "SKIPPED|FAILED" "$out/testlog.txt" | sort | uniq -c | head -40 || true
+[ "$status" -eq 0 ] || { echo "accel tests FAILED (see $out/tests.log)"; tail -60 "$out/tests.log"; }
+
+step "benchmarks (CSV)"
+[ -x build-cuda/bench/bench-accel-prims ] || { echo "bench-accel-prims did not build"; exit 1; }
+if [ -x build-cuda/bench/bench-accel ]; then
+  build-cuda/bench/bench-accel | tee "$out/bench-accel.csv" || status=1
+fi
+build-cuda/bench/bench-accel-prims --backend all --threads "$OPENBLAS_NUM_THREADS" \
+  | tee "$out/bench-accel-prims.csv" || status=1
+
+step "done (status $status)"
+exit "$status"

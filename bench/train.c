@@ -1,0 +1,1064 @@
+/*
+ * train.c -- the training harness of the benchmark clients: options, loop, progress line,
+ * CSV/JSON output, and the glue between accel's Shampoo and precondd.
+ *
+ * The Shampoo step follows Anil et al. (2020) as the architecture splits it: the worker
+ * (ac_shampoo) computes each block's Gram matrices G G^T and G^T G on the device; this file
+ * queues them with libprecond, which sends them in the background; precondd accumulates them
+ * and computes the inverse roots; libprecond fetches them, and this file hands the newest to
+ * ac_shampoo, which applies P = L^(-1/4) G R^(-1/4) grafted to the norm of a simple step.
+ * A block whose roots have not arrived yet takes the grafted step itself: the fallback.
+ */
+#include "train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "precond.h"
+
+const char *tr_strerror(int status) {
+  switch (status) {
+    case TR_OK: return "success";
+    case TR_EINVAL: return "invalid argument";
+    case TR_EIO: return "file could not be written";
+    case TR_ENOMEM: return "out of memory";
+    case TR_EACCEL: return "accelerator call failed";
+    case TR_EDAEMON: return "precondd unreachable or refused the call";
+    case TR_EMODEL: return "model step failed";
+    case TR_ENONFINITE: return "training loss is not finite";
+    case TR_EHELP: return "help requested";
+  }
+  return "unknown status";
+}
+
+/* Writes a formatted message into err (if any) and returns status. */
+static int tr__fail(tr_error *err, int status, const char *fmt, ...) {
+  if (err == NULL) return status;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+static double tr__now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+const char *tr_optimizer_name(tr_optimizer_kind kind) {
+  switch (kind) {
+    case TR_SGD: return "sgd";
+    case TR_ADAMW: return "adamw";
+    case TR_SHAMPOO: return "shampoo";
+  }
+  return "?";
+}
+
+/* ==================================================================================== */
+/* Options                                                                                */
+
+void tr_options_default(tr_options *o) {
+  memset(o, 0, sizeof *o);
+  o->optimizer = TR_ADAMW;
+  o->steps = 200;
+  o->epochs = 0;
+  o->lr = -1;
+  o->momentum = 0.9;
+  o->beta1 = 0.9;
+  o->beta2 = 0.999;
+  o->eps = 1e-8;
+  o->weight_decay = 0;
+  o->clip = 0;
+  o->warmup = 0;
+  o->nesterov = 0;
+  o->block_size = 128;
+  o->stat_beta2 = 0.95;
+  o->shampoo_eps = 1e-6;
+  o->graft = PC_GRAFT_ADAM_NORMED;
+  o->shampoo_momentum = 0;
+  o->stat_every = 1;
+  o->precond_start = 1;
+  o->sync_roots = 0;
+  const char *addr = getenv("PRECOND_ADDR");
+  snprintf(o->daemon, sizeof o->daemon, "%s",
+           addr != NULL && addr[0] != '\0' ? addr : "127.0.0.1:50551");
+  o->seed = 1;
+  o->backend = AC_BACKEND_CPU;
+  o->threads = 1;
+  o->eval_every = 0;
+  o->eval_batches = 0;
+  o->quiet = 0;
+}
+
+double tr_effective_lr(const tr_options *o) {
+  if (o->lr >= 0) return o->lr;
+  switch (o->optimizer) {
+    case TR_SGD: return 0.1;
+    case TR_ADAMW: return 1e-3;
+    case TR_SHAMPOO: return 1e-3;
+  }
+  return 1e-3;
+}
+
+/* Internal option kinds: the public tr_arg types plus the harness's own. */
+enum { K_LONG = TR_ARG_LONG, K_DOUBLE = TR_ARG_DOUBLE, K_STRING = TR_ARG_STRING,
+       K_FLAG = 100, K_OPTIMIZER, K_BACKEND, K_U64, K_INT, K_GRAFT };
+
+typedef struct {
+  const char *name;
+  int kind;
+  void *dest;
+  double min, max;   /* range; for K_STRING max is the buffer size */
+  const char *help;
+} tr__spec;
+
+#define TR__NCOMMON 31
+
+/* The harness's options, pointing into o. */
+static size_t tr__common_specs(tr_options *o, tr__spec *s) {
+  size_t n = 0;
+#define SPEC(nm, k, d, lo, hi, h) s[n++] = (tr__spec){nm, k, d, lo, hi, h}
+  SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw or shampoo");
+  SPEC("steps", K_LONG, &o->steps, 1, 1e9, "training steps");
+  SPEC("epochs", K_DOUBLE, &o->epochs, 1e-6, 1e4, "train for this many epochs instead of --steps");
+  SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "learning rate (default: sgd 0.1, adamw and shampoo 1e-3)");
+  SPEC("momentum", K_DOUBLE, &o->momentum, 0, 0.999999, "SGD momentum");
+  SPEC("beta1", K_DOUBLE, &o->beta1, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta1");
+  SPEC("beta2", K_DOUBLE, &o->beta2, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta2");
+  SPEC("eps", K_DOUBLE, &o->eps, 1e-30, 1, "AdamW epsilon");
+  SPEC("weight-decay", K_DOUBLE, &o->weight_decay, 0, 10,
+       "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
+  SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
+  SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
+  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo)");
+  SPEC("block-size", K_LONG, &o->block_size, 1, 8192, "Shampoo block size");
+  SPEC("stat-beta2", K_DOUBLE, &o->stat_beta2, 1e-6, 1, "Shampoo statistics EMA (1: sum)");
+  SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 1e-12, 1, "Shampoo relative ridge");
+  SPEC("graft", K_GRAFT, &o->graft, 0, 0,
+       "Shampoo's grafted step: sgd, adagrad, rmsprop-normed, adam-normed");
+  SPEC("shampoo-momentum", K_DOUBLE, &o->shampoo_momentum, 0, 0.999999,
+       "momentum on Shampoo's grafted direction");
+  SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
+  SPEC("precond-start", K_LONG, &o->precond_start, 1, 1e9,
+       "first step that may use roots (the grafted step before)");
+  SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
+       "wait for each step's roots (slow, reproducible)");
+  SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
+       "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
+  SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
+  SPEC("seed", K_U64, &o->seed, 0, 0, "random seed (weights and batches)");
+  SPEC("backend", K_BACKEND, &o->backend, 0, 0, "cpu or cuda");
+  SPEC("threads", K_INT, &o->threads, 1, 256, "OpenBLAS threads of the cpu backend");
+  SPEC("out", K_STRING, o->out, 0, sizeof o->out, "write train.csv and summary.json here");
+  SPEC("eval-every", K_LONG, &o->eval_every, 0, 1e9, "evaluate every N steps (0: at the end)");
+  SPEC("eval-batches", K_LONG, &o->eval_batches, 0, 1e9,
+       "batches per evaluation (0: model default)");
+  SPEC("quiet", K_FLAG, &o->quiet, 0, 0, "no progress line");
+  SPEC("help", K_FLAG, NULL, 0, 0, "this text");
+#undef SPEC
+  return n;
+}
+
+static void tr__print_value(FILE *f, const tr__spec *s) {
+  switch (s->kind) {
+    case K_LONG: fprintf(f, "%ld", *(const long *)s->dest); break;
+    case K_INT: fprintf(f, "%d", *(const int *)s->dest); break;
+    case K_DOUBLE: fprintf(f, "%g", *(const double *)s->dest); break;
+    case K_U64: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)s->dest); break;
+    case K_STRING: fprintf(f, "%s", (const char *)s->dest); break;
+    case K_OPTIMIZER:
+      fprintf(f, "%s", tr_optimizer_name(*(const tr_optimizer_kind *)s->dest));
+      break;
+    case K_BACKEND:
+      fprintf(f, "%s", *(const ac_backend_kind *)s->dest == AC_BACKEND_CUDA ? "cuda" : "cpu");
+      break;
+    case K_GRAFT: fprintf(f, "%s", pc_graft_name((pc_graft)*(const int *)s->dest)); break;
+    default: break;
+  }
+}
+
+static void tr__usage_line(FILE *f, const tr__spec *s) {
+  char left[64];
+  const char *meta = s->kind == K_FLAG ? "" : s->kind == K_STRING ? " S"
+                     : s->kind == K_DOUBLE ? " X" : s->kind == K_OPTIMIZER ? " NAME"
+                     : s->kind == K_BACKEND || s->kind == K_GRAFT ? " NAME" : " N";
+  snprintf(left, sizeof left, "  --%s%s", s->name, meta);
+  fprintf(f, "%-26s %s", left, s->help);
+  int show = s->dest != NULL && s->kind != K_FLAG &&
+             !(s->kind == K_STRING && ((const char *)s->dest)[0] == '\0');
+  if (show) {
+    fprintf(f, " [");
+    tr__print_value(f, s);
+    fprintf(f, "]");
+  }
+  fprintf(f, "\n");
+}
+
+void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t nextra,
+              const char *prog, const char *summary) {
+  tr_options d = *defaults;
+  tr__spec specs[TR__NCOMMON];
+  size_t n = tr__common_specs(&d, specs);
+  fprintf(f, "Usage: %s [OPTION]...\n%s\n\n", prog, summary != NULL ? summary : "");
+  if (nextra > 0) fprintf(f, "Model and data:\n");
+  for (size_t i = 0; i < nextra; i++) {
+    tr__spec s = {extra[i].name, (int)extra[i].type, extra[i].dest, extra[i].min, extra[i].max,
+                  extra[i].help};
+    tr__usage_line(f, &s);
+  }
+  fprintf(f, "Training:\n");
+  for (size_t i = 0; i < n; i++) tr__usage_line(f, &specs[i]);
+  fprintf(f,
+          "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
+          "%s)\nand OUT/summary.json. Shampoo needs a running precondd (--daemon).\n",
+          TR_CSV_HEADER);
+}
+
+/* Parses one value into s->dest. Returns 0 or -1 with err set. */
+static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
+  char *end = NULL;
+  errno = 0;
+  switch (s->kind) {
+    case K_LONG:
+    case K_INT: {
+      long x = strtol(v, &end, 10);
+      if (errno || end == v || *end != '\0' || (double)x < s->min || (double)x > s->max) {
+        tr__fail(err, TR_EINVAL, "--%s: '%s' is not an integer in [%.0f, %.0f]", s->name, v,
+                 s->min, s->max);
+        return -1;
+      }
+      if (s->kind == K_LONG) *(long *)s->dest = x;
+      else *(int *)s->dest = (int)x;
+      return 0;
+    }
+    case K_U64: {
+      if (v[0] == '-') break;
+      unsigned long long x = strtoull(v, &end, 10);
+      if (errno || end == v || *end != '\0') break;
+      *(uint64_t *)s->dest = (uint64_t)x;
+      return 0;
+    }
+    case K_DOUBLE: {
+      double x = strtod(v, &end);
+      if (errno || end == v || *end != '\0' || !isfinite(x) || x < s->min || x > s->max) {
+        tr__fail(err, TR_EINVAL, "--%s: '%s' is not a number in [%g, %g]", s->name, v, s->min,
+                 s->max);
+        return -1;
+      }
+      *(double *)s->dest = x;
+      return 0;
+    }
+    case K_STRING: {
+      size_t len = strlen(v);
+      if (len + 1 > (size_t)s->max) {
+        tr__fail(err, TR_EINVAL, "--%s: value longer than %.0f bytes", s->name, s->max - 1);
+        return -1;
+      }
+      memcpy(s->dest, v, len + 1);
+      return 0;
+    }
+    case K_OPTIMIZER: {
+      for (int k = TR_SGD; k <= TR_SHAMPOO; k++) {
+        if (strcmp(v, tr_optimizer_name((tr_optimizer_kind)k)) == 0) {
+          *(tr_optimizer_kind *)s->dest = (tr_optimizer_kind)k;
+          return 0;
+        }
+      }
+      tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo", v);
+      return -1;
+    }
+    case K_GRAFT: {
+      for (int k = PC_GRAFT_SGD; k <= PC_GRAFT_ADAM_NORMED; k++) {
+        if (strcmp(v, pc_graft_name((pc_graft)k)) == 0) {
+          *(int *)s->dest = k;
+          return 0;
+        }
+      }
+      tr__fail(err, TR_EINVAL, "--graft: '%s' is not one of sgd, adagrad, rmsprop-normed, "
+               "adam-normed", v);
+      return -1;
+    }
+    case K_BACKEND: {
+      if (strcmp(v, "cpu") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CPU;
+      else if (strcmp(v, "cuda") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CUDA;
+      else {
+        tr__fail(err, TR_EINVAL, "--backend: '%s' is not one of cpu, cuda", v);
+        return -1;
+      }
+      return 0;
+    }
+    default: break;
+  }
+  tr__fail(err, TR_EINVAL, "--%s: '%s' is not a valid value", s->name, v);
+  return -1;
+}
+
+int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc, char **argv,
+                  const char *prog, const char *summary, tr_error *err) {
+  if (opts == NULL || (extra == NULL && nextra > 0) || argc < 0 || (argv == NULL && argc > 0))
+    return tr__fail(err, TR_EINVAL, "tr_parse_args: bad arguments");
+  tr_options defaults = *opts;
+  tr__spec specs[TR__NCOMMON];
+  size_t n = tr__common_specs(opts, specs);
+  int saw_steps = 0, saw_epochs = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strncmp(a, "--", 2) != 0 || a[2] == '\0')
+      return tr__fail(err, TR_EINVAL, "unexpected argument '%s' (options start with --)", a);
+    const char *name = a + 2;
+    const char *eq = strchr(name, '=');
+    size_t nlen = eq != NULL ? (size_t)(eq - name) : strlen(name);
+    tr__spec found = {0};
+    int have = 0;
+    for (size_t k = 0; k < nextra && !have; k++) {
+      if (strlen(extra[k].name) == nlen && strncmp(extra[k].name, name, nlen) == 0) {
+        found = (tr__spec){extra[k].name, (int)extra[k].type, extra[k].dest, extra[k].min,
+                           extra[k].max, extra[k].help};
+        have = 1;
+      }
+    }
+    for (size_t k = 0; k < n && !have; k++) {
+      if (strlen(specs[k].name) == nlen && strncmp(specs[k].name, name, nlen) == 0) {
+        found = specs[k];
+        have = 1;
+      }
+    }
+    if (!have) return tr__fail(err, TR_EINVAL, "unknown option '--%.*s' (see --help)",
+                               (int)nlen, name);
+    if (found.kind == K_FLAG) {
+      if (eq != NULL) return tr__fail(err, TR_EINVAL, "--%s takes no value", found.name);
+      if (found.dest == NULL) {
+        tr_usage(stdout, &defaults, extra, nextra, prog, summary);
+        return TR_EHELP;
+      }
+      *(int *)found.dest = 1;
+      continue;
+    }
+    const char *v;
+    if (eq != NULL) {
+      v = eq + 1;
+    } else {
+      if (i + 1 >= argc) return tr__fail(err, TR_EINVAL, "--%s needs a value", found.name);
+      v = argv[++i];
+    }
+    if (tr__set(&found, v, err) != 0) return TR_EINVAL;
+    if (found.dest == &opts->steps) saw_steps = 1;
+    if (found.dest == &opts->epochs) saw_epochs = 1;
+  }
+  if (saw_steps && saw_epochs)
+    return tr__fail(err, TR_EINVAL, "give --steps or --epochs, not both");
+  if (saw_epochs) opts->steps = 0;
+  if (opts->steps == 0 && !(opts->epochs > 0))
+    return tr__fail(err, TR_EINVAL, "no training length: give --steps or --epochs");
+  if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
+  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
+  if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
+    return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
+  return TR_OK;
+}
+
+/* ==================================================================================== */
+/* Progress, ETA, statistics                                                              */
+
+double tr_eta(double elapsed_s, long done, long total) {
+  if (done >= total) return 0;
+  if (done <= 0 || !(elapsed_s >= 0)) return -1;
+  return elapsed_s / (double)done * (double)(total - done);
+}
+
+void tr_format_duration(char *buf, size_t len, double s) {
+  if (len == 0) return;
+  if (!(s >= 0) || !isfinite(s)) {
+    snprintf(buf, len, "?");
+    return;
+  }
+  long t = (long)(s + 0.5);
+  if (t < 60) snprintf(buf, len, "%lds", t);
+  else if (t < 3600) snprintf(buf, len, "%ldm%02lds", t / 60, t % 60);
+  else snprintf(buf, len, "%ldh%02ldm", t / 3600, (t % 3600) / 60);
+}
+
+void tr_format_progress(char *buf, size_t len, long step, long total, double loss,
+                        double items_per_s, const char *unit, double elapsed_s, double eta_s) {
+  char el[32], eta[32], rate[32];
+  tr_format_duration(el, sizeof el, elapsed_s);
+  tr_format_duration(eta, sizeof eta, eta_s);
+  if (!(items_per_s >= 0) || !isfinite(items_per_s)) snprintf(rate, sizeof rate, "?");
+  else if (items_per_s >= 1e6) snprintf(rate, sizeof rate, "%.1fM", items_per_s / 1e6);
+  else if (items_per_s >= 1e4) snprintf(rate, sizeof rate, "%.1fk", items_per_s / 1e3);
+  else snprintf(rate, sizeof rate, "%.1f", items_per_s);
+  snprintf(buf, len, "step %ld/%ld  loss %.4f  %s %s/s  elapsed %s  eta %s", step, total, loss,
+           rate, unit != NULL ? unit : "items", el, eta);
+}
+
+static int tr__cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+int tr_median(const double *vals, size_t n, double *out) {
+  *out = NAN;
+  if (n == 0) return TR_OK;
+  double *c = malloc(n * sizeof *c);
+  if (c == NULL) return TR_ENOMEM;
+  memcpy(c, vals, n * sizeof *c);
+  qsort(c, n, sizeof *c, tr__cmp_double);
+  *out = n % 2 ? c[n / 2] : 0.5 * (c[n / 2 - 1] + c[n / 2]);
+  free(c);
+  return TR_OK;
+}
+
+/* ==================================================================================== */
+/* CSV and JSON                                                                           */
+
+int tr_csv_header(FILE *f) {
+  return fprintf(f, "%s\n", TR_CSV_HEADER) < 0 ? TR_EIO : TR_OK;
+}
+
+/* A CSV field: empty for NaN, else %.*g. */
+static void tr__csv_num(FILE *f, double v, int digits) {
+  if (isfinite(v)) fprintf(f, "%.*g", digits, v);
+  else if (!isnan(v)) fprintf(f, "%s", v > 0 ? "inf" : "-inf");
+}
+
+int tr_csv_row(FILE *f, const tr_row *r) {
+  fprintf(f, "%ld,", r->step);
+  tr__csv_num(f, r->wall_s, 6);
+  fputc(',', f);
+  tr__csv_num(f, r->step_ms, 5);
+  fputc(',', f);
+  tr__csv_num(f, r->train_loss, 7);
+  fputc(',', f);
+  tr__csv_num(f, r->eval_loss, 7);
+  fputc(',', f);
+  tr__csv_num(f, r->eval_accuracy, 6);
+  fputc(',', f);
+  tr__csv_num(f, r->lr, 6);
+  fputc(',', f);
+  tr__csv_num(f, r->staleness, 4);
+  return fprintf(f, ",%d\n", r->fallback ? 1 : 0) < 0 ? TR_EIO : TR_OK;
+}
+
+void tr_json_string(FILE *f, const char *s) {
+  fputc('"', f);
+  for (const unsigned char *p = (const unsigned char *)(s != NULL ? s : ""); *p; p++) {
+    switch (*p) {
+      case '"': fputs("\\\"", f); break;
+      case '\\': fputs("\\\\", f); break;
+      case '\n': fputs("\\n", f); break;
+      case '\r': fputs("\\r", f); break;
+      case '\t': fputs("\\t", f); break;
+      default:
+        if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+        else fputc(*p, f);
+    }
+  }
+  fputc('"', f);
+}
+
+static void tr__json_num(FILE *f, const char *key, double v, int last) {
+  fprintf(f, "  \"%s\": ", key);
+  if (isfinite(v)) fprintf(f, "%.9g", v);
+  else fputs("null", f);
+  fputs(last ? "\n" : ",\n", f);
+}
+
+static void tr__json_int(FILE *f, const char *key, long long v) {
+  fprintf(f, "  \"%s\": %lld,\n", key, v);
+}
+
+static void tr__json_str(FILE *f, const char *key, const char *v) {
+  fprintf(f, "  \"%s\": ", key);
+  tr_json_string(f, v);
+  fputs(",\n", f);
+}
+
+int tr_json_summary(FILE *f, const tr_summary *s) {
+  fputs("{\n", f);
+  tr__json_str(f, "model", s->model);
+  tr__json_str(f, "optimizer", s->optimizer);
+  tr__json_str(f, "backend", s->backend);
+  tr__json_str(f, "status", s->status != NULL ? s->status : "ok");
+  tr__json_int(f, "seed", (long long)s->seed);
+  tr__json_num(f, "lr", s->lr, 0);
+  tr__json_int(f, "steps", s->steps);
+  tr__json_int(f, "params", s->params);
+  tr__json_num(f, "final_train_loss", s->final_train_loss, 0);
+  tr__json_num(f, "final_eval_loss", s->final_eval_loss, 0);
+  tr__json_num(f, "final_eval_accuracy", s->final_eval_accuracy, 0);
+  tr__json_num(f, "best_eval_loss", s->best_eval_loss, 0);
+  tr__json_num(f, "wall_s", s->wall_s, 0);
+  tr__json_num(f, "total_s", s->total_s, 0);
+  tr__json_num(f, "median_step_ms", s->median_step_ms, 0);
+  tr__json_num(f, "mean_step_ms", s->mean_step_ms, 0);
+  tr__json_num(f, "items_per_s", s->items_per_s, 0);
+  tr__json_str(f, "item_unit", s->item_unit);
+  tr__json_num(f, "staleness_mean", s->staleness_mean, 0);
+  tr__json_num(f, "staleness_median", s->staleness_median, 0);
+  tr__json_int(f, "staleness_max", s->staleness_max);
+  tr__json_int(f, "fallback_steps", s->fallback_steps);
+  tr__json_int(f, "blocks", s->blocks);
+  tr__json_int(f, "stats_pushed", (long long)s->stats_pushed);
+  tr__json_int(f, "stats_dropped", (long long)s->stats_dropped);
+  tr__json_int(f, "stats_coalesced", (long long)s->stats_coalesced);
+  fprintf(f, "  \"roots_received\": %llu\n}\n", (unsigned long long)s->roots_received);
+  return ferror(f) ? TR_EIO : TR_OK;
+}
+
+int tr_mkdirs(const char *path) {
+  char buf[1024];
+  size_t len = strlen(path);
+  if (len == 0 || len >= sizeof buf) return TR_EIO;
+  memcpy(buf, path, len + 1);
+  for (size_t i = 1; i <= len; i++) {
+    if (buf[i] == '/' || buf[i] == '\0') {
+      char c = buf[i];
+      buf[i] = '\0';
+      if (mkdir(buf, 0777) != 0 && errno != EEXIST) return TR_EIO;
+      buf[i] = c;
+    }
+  }
+  struct stat st;
+  return stat(path, &st) == 0 && S_ISDIR(st.st_mode) ? TR_OK : TR_EIO;
+}
+
+/* ==================================================================================== */
+/* Shampoo <-> precondd glue                                                              */
+/*                                                                                        */
+/* accel's Shampoo (ac_shampoo, team optim) computes the statistics on the device and     */
+/* applies roots it is handed; this glue pushes the statistics through libprecond and     */
+/* hands over the newest roots libprecond has fetched, tracking their source step.        */
+
+struct tr_shampoo {
+  precond_client *client;
+  precond_layout layout;
+  size_t nblocks;
+  uint32_t *daemon_id;      /* per ac_shampoo block: the daemon's block id */
+  uint64_t *version;        /* per block: version handed to ac_shampoo; 0: none */
+  uint64_t *source_step;    /* per block: statistics step those roots come from */
+  uint64_t roots_received, roots_rejected;
+  long start_step;
+};
+
+static int tr__accel(tr_error *err, int rc, const char *what) {
+  if (rc == AC_OK) return TR_OK;
+  return tr__fail(err, TR_EACCEL, "%s: %s", what, ac_strerror(rc));
+}
+
+static void tr__shampoo_free(tr_shampoo *s) {
+  if (s == NULL) return;
+  free(s->daemon_id);
+  free(s->version);
+  free(s->source_step);
+  precond_layout_destroy(&s->layout);
+  precond_close(s->client);
+  free(s);
+}
+
+/* Connects, registers every parameter as a tensor, and matches the daemon's blocks to
+ * ac_shampoo's (same tensor, same rows and columns of its 2-D view). */
+static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *err) {
+  const tr_options *opts = &o->opts;
+  int rc = TR_OK;
+  precond_tensor *tensors = NULL;
+  uint64_t *shapes = NULL;
+  tr_shampoo *s = calloc(1, sizeof *s);
+  if (s == NULL) return TR_ENOMEM;
+  s->start_step = opts->precond_start;
+
+  precond_options po;
+  precond_options_default(&po);
+  po.addr = opts->daemon;
+  po.connect_timeout_ms = 5000;
+  int prc = precond_connect(&po, &s->client);
+  if (prc != PRECOND_OK) {
+    rc = tr__fail(err, TR_EDAEMON, "cannot reach precondd at %s: %s (start one with "
+                  "build/host/precondd --listen %s)", opts->daemon, precond_strerror(prc),
+                  opts->daemon);
+    goto fail;
+  }
+  tensors = calloc(o->nparams, sizeof *tensors);
+  shapes = calloc(o->nparams * AC_MAX_DIMS, sizeof *shapes);
+  if (tensors == NULL || shapes == NULL) {
+    rc = TR_ENOMEM;
+    goto fail;
+  }
+  for (size_t i = 0; i < o->nparams; i++) {
+    const ac_tensor *v = &o->params[i]->value;
+    int rank = v->ndim < 1 ? 1 : v->ndim;
+    for (int d = 0; d < rank; d++) shapes[i * AC_MAX_DIMS + (size_t)d] = v->shape[d];
+    tensors[i] = (precond_tensor){o->params[i]->name, rank, &shapes[i * AC_MAX_DIMS]};
+  }
+  char job[160];
+  if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
+  else snprintf(job, sizeof job, "%s-shampoo-%ld", model_name, (long)getpid());
+  pc_layout_opts lo;
+  pc_layout_opts_default(&lo);
+  precond_shampoo_opts so = {0};
+  so.block_size = (uint32_t)opts->block_size;
+  so.skip_limit = (uint32_t)lo.skip_limit;
+  so.beta2 = (float)opts->stat_beta2;
+  so.root_exponent = 4;  /* ac_shampoo applies L^(-1/4) and R^(-1/4) */
+  so.epsilon = opts->shampoo_eps;
+  so.method = PRECOND_METHOD_NEWTON;
+  prc = precond_register(s->client, job, PRECOND_MODE_SHAMPOO, model_name, o->nparams, tensors,
+                         &so, &s->layout);
+  if (prc != PRECOND_OK) {
+    char msg[256];
+    precond_last_error(s->client, msg, sizeof msg);
+    rc = tr__fail(err, TR_EDAEMON, "precondd at %s refused to register job %s: %s%s%s",
+                  opts->daemon, job, precond_strerror(prc), msg[0] ? ": " : "", msg);
+    goto fail;
+  }
+
+  s->nblocks = ac_shampoo_nblocks(o->shampoo_opt);
+  if (s->layout.nblocks != s->nblocks) {
+    rc = tr__fail(err, TR_EDAEMON, "precondd cut the tensors into %zu blocks, the worker into "
+                  "%zu (different block size or skip limit?)", s->layout.nblocks, s->nblocks);
+    goto fail;
+  }
+  size_t nb = s->nblocks > 0 ? s->nblocks : 1;
+  s->daemon_id = calloc(nb, sizeof *s->daemon_id);
+  s->version = calloc(nb, sizeof *s->version);
+  s->source_step = calloc(nb, sizeof *s->source_step);
+  if (s->daemon_id == NULL || s->version == NULL || s->source_step == NULL) {
+    rc = TR_ENOMEM;
+    goto fail;
+  }
+  for (size_t b = 0; b < s->nblocks; b++) {
+    ac_shampoo_block bi;
+    int found = 0;
+    rc = tr__accel(err, ac_shampoo_block_info(o->shampoo_opt, b, &bi), "ac_shampoo_block_info");
+    if (rc != TR_OK) goto fail;
+    for (size_t k = 0; k < s->layout.nblocks && !found; k++) {
+      const precond_block *pb = &s->layout.blocks[k];
+      if (pb->tensor == bi.param && pb->row0 == bi.block.row0 && pb->rows == bi.block.rows &&
+          pb->col0 == bi.block.col0 && pb->cols == bi.block.cols) {
+        s->daemon_id[b] = pb->block_id;
+        found = 1;
+      }
+    }
+    if (!found) {
+      rc = tr__fail(err, TR_EDAEMON, "precondd's layout has no block for rows %zu+%zu, cols "
+                    "%zu+%zu of %s", bi.block.row0, bi.block.rows, bi.block.col0, bi.block.cols,
+                    o->params[bi.param]->name);
+      goto fail;
+    }
+  }
+  free(tensors);
+  free(shapes);
+  o->shampoo = s;
+  return TR_OK;
+fail:
+  free(tensors);
+  free(shapes);
+  tr__shampoo_free(s);
+  return rc;
+}
+
+/* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
+ * worker refuses (non-finite, wrong size) are counted and skipped: the block keeps its
+ * previous roots or the grafted step. */
+static int tr__shampoo_refresh(tr_optimizer *o, size_t b, tr_error *err) {
+  tr_shampoo *s = o->shampoo;
+  const precond_roots *r = NULL;
+  int prc = precond_fetch(s->client, s->daemon_id[b], s->version[b], &r);
+  if (prc != PRECOND_OK)
+    return tr__fail(err, TR_EDAEMON, "precond_fetch block %u: %s", s->daemon_id[b],
+                    precond_strerror(prc));
+  if (r == NULL) return TR_OK;
+  const ac_shampoo_roots roots = {
+    .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
+    .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
+    .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
+  int rc = ac_shampoo_set_roots(o->shampoo_opt, b, &roots);
+  if (rc == AC_OK) {
+    s->version[b] = r->version;
+    s->source_step[b] = r->source_step;
+    s->roots_received++;
+  } else if (rc == AC_EINVAL || rc == AC_EMISMATCH) {
+    s->roots_rejected++;
+    s->version[b] = r->version; /* do not offer the same bad version again */
+    rc = AC_OK;
+  }
+  precond_roots_release(r);
+  return tr__accel(err, rc, "ac_shampoo_set_roots");
+}
+
+/* --sync-roots: waits until block b holds roots computed from the statistics of step. */
+static int tr__shampoo_wait(tr_optimizer *o, size_t b, long step, tr_error *err) {
+  tr_shampoo *s = o->shampoo;
+  double deadline = tr__now() + 60.0;
+  for (;;) {
+    int rc = tr__shampoo_refresh(o, b, err);
+    if (rc != TR_OK) return rc;
+    if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return TR_OK;
+    int left_ms = (int)((deadline - tr__now()) * 1000.0);
+    if (left_ms <= 0 || precond_wait_roots(s->client, s->daemon_id[b], s->version[b],
+                                           left_ms) == PRECOND_ETIMEDOUT)
+      return tr__fail(err, TR_EDAEMON, "--sync-roots: no roots of step %ld for block %u "
+                      "within 60 s", step, s->daemon_id[b]);
+  }
+}
+
+static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
+                            tr_error *err) {
+  tr_shampoo *s = o->shampoo;
+  int due = 0, rc;
+  long t = 0;
+  rc = tr__accel(err, ac_shampoo_compute_stats(o->shampoo_opt, &due, &t), "Shampoo statistics");
+  if (rc != TR_OK) return rc;
+  for (size_t b = 0; due && b < s->nblocks; b++) {
+    const float *l = NULL, *r = NULL;
+    ac_shampoo_block bi;
+    rc = ac_shampoo_block_stats(o->shampoo_opt, b, &l, &r);
+    if (rc == AC_OK) rc = ac_shampoo_block_info(o->shampoo_opt, b, &bi);
+    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo statistics");
+    int prc = precond_push(s->client, (uint64_t)t, s->daemon_id[b], (uint32_t)bi.block.rows, l,
+                           (uint32_t)bi.block.cols, r, PRECOND_FP32);
+    if (prc != PRECOND_OK)
+      return tr__fail(err, TR_EDAEMON, "precond_push block %u: %s", s->daemon_id[b],
+                      precond_strerror(prc));
+  }
+  int wait = due && o->opts.sync_roots && step >= s->start_step;
+  if (wait && precond_flush(s->client, 60000) != PRECOND_OK)
+    return tr__fail(err, TR_EDAEMON, "--sync-roots: statistics not sent within 60 s");
+  for (size_t b = 0; b < s->nblocks; b++) {
+    rc = wait ? tr__shampoo_wait(o, b, t, err) : tr__shampoo_refresh(o, b, err);
+    if (rc != TR_OK) return rc;
+  }
+  uint64_t fb0 = ac_shampoo_fallback_total(o->shampoo_opt);
+  rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
+  if (rc != TR_OK) return rc;
+  if (info != NULL) {
+    double sum = 0;
+    long n = 0, mx = -1;
+    for (size_t b = 0; step >= s->start_step && b < s->nblocks; b++) {
+      if (s->version[b] == 0) continue;
+      long age = step - (long)s->source_step[b];
+      sum += (double)age;
+      n++;
+      if (age > mx) mx = age;
+    }
+    info->staleness = n > 0 ? sum / (double)n : NAN;
+    info->staleness_max = mx;
+    info->fallback = ac_shampoo_fallback_total(o->shampoo_opt) > fb0;
+  }
+  return TR_OK;
+}
+
+/* ==================================================================================== */
+/* Optimizers                                                                             */
+
+int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
+                      ac_param **params, size_t nparams, const char *model_name, tr_error *err) {
+  if (o == NULL) return TR_EINVAL;
+  memset(o, 0, sizeof *o);
+  if (opts == NULL || be == NULL || params == NULL || nparams == 0 || model_name == NULL)
+    return tr__fail(err, TR_EINVAL, "tr_optimizer_init: bad arguments");
+  for (size_t i = 0; i < nparams; i++)
+    if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0)
+      return tr__fail(err, TR_EINVAL, "parameter %zu is empty or on another backend", i);
+  o->kind = opts->optimizer;
+  o->be = be;
+  o->params = params;
+  o->nparams = nparams;
+  o->opts = *opts;
+  int rc;
+  if (o->kind == TR_SGD) {
+    ac_sgd_opts so;
+    ac_sgd_opts_default(&so);
+    so.momentum = (float)opts->momentum;
+    so.nesterov = opts->nesterov;
+    so.weight_decay = (float)opts->weight_decay;
+    rc = tr__accel(err, ac_sgd_create(&o->sgd, params, nparams, &so), "SGD");
+  } else if (o->kind == TR_ADAMW) {
+    ac_adamw_opts ao;
+    ac_adamw_opts_default(&ao);
+    ao.beta1 = (float)opts->beta1;
+    ao.beta2 = (float)opts->beta2;
+    ao.eps = (float)opts->eps;
+    ao.weight_decay = (float)opts->weight_decay;
+    rc = tr__accel(err, ac_adamw_create(&o->adamw, params, nparams, &ao), "AdamW");
+  } else {
+    ac_shampoo_opts so;
+    ac_shampoo_opts_default(&so);
+    so.layout.block_size = (size_t)opts->block_size;
+    pc_graft_opts_default(&so.graft, (pc_graft)opts->graft);
+    so.graft.beta1 = opts->beta1;
+    so.graft.beta2 = opts->beta2;
+    so.graft.eps = opts->eps;
+    so.momentum = (float)opts->shampoo_momentum;
+    so.nesterov = opts->nesterov;
+    so.weight_decay = (float)opts->weight_decay;
+    so.stats_interval = opts->stat_every;
+    so.start_step = opts->precond_start;
+    so.beta2 = (float)opts->stat_beta2;
+    so.epsilon = opts->shampoo_eps;
+    rc = tr__accel(err, ac_shampoo_create(&o->shampoo_opt, params, nparams, &so), "Shampoo");
+    if (rc == TR_OK) rc = tr__shampoo_init(o, model_name, err);
+  }
+  if (rc != TR_OK) tr_optimizer_destroy(o);
+  return rc;
+}
+
+int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
+                      tr_error *err) {
+  if (o == NULL || o->params == NULL || step < 1 || !(lr >= 0) || !isfinite(lr))
+    return tr__fail(err, TR_EINVAL, "tr_optimizer_step: bad arguments");
+  if (info != NULL) *info = (tr_step_info){NAN, -1, 0};
+  switch (o->kind) {
+    case TR_SGD: return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
+    case TR_ADAMW: return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
+    case TR_SHAMPOO: return tr__shampoo_step(o, step, lr, info, err);
+  }
+  return TR_EINVAL;
+}
+
+void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
+                           uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received) {
+  precond_counters c = {0};
+  long nb = 0;
+  uint64_t rr = 0;
+  if (o != NULL && o->shampoo != NULL) {
+    precond_get_counters(o->shampoo->client, &c);
+    nb = (long)o->shampoo->nblocks;
+    rr = o->shampoo->roots_received;
+  }
+  if (blocks) *blocks = nb;
+  if (pushed) *pushed = c.pushed;
+  if (dropped) *dropped = c.dropped;
+  if (coalesced) *coalesced = c.coalesced;
+  if (roots_received) *roots_received = rr;
+}
+
+void tr_optimizer_destroy(tr_optimizer *o) {
+  if (o == NULL) return;
+  tr__shampoo_free(o->shampoo);
+  ac_sgd_destroy(o->sgd);
+  ac_adamw_destroy(o->adamw);
+  ac_shampoo_destroy(o->shampoo_opt);
+  memset(o, 0, sizeof *o);
+}
+
+/* ==================================================================================== */
+/* The loop                                                                               */
+
+long tr_total_steps(const tr_options *opts, const tr_model *model) {
+  if (opts->steps > 0) return opts->steps;
+  double spe = model != NULL && model->steps_per_epoch > 0 ? (double)model->steps_per_epoch : 1;
+  double t = ceil(opts->epochs * spe);
+  return t < 1 ? 1 : t > 1e12 ? (long)1e12 : (long)t;
+}
+
+/* The progress line: redrawn in place on a terminal (at most 4 times a second), one line
+ * per tenth of the run otherwise (logs stay short). */
+typedef struct {
+  int tty;
+  double last;
+  long every;
+  int drawn;
+} tr__progress;
+
+static void tr__progress_show(tr__progress *p, const tr_model *m, long step, long total,
+                              double loss, double train_s, int final) {
+  double now = tr__now();
+  int show = p->tty ? (final || now - p->last >= 0.25) : (final || step % p->every == 0);
+  if (!show) return;
+  p->last = now;
+  char line[200];
+  double rate = train_s > 0 ? m->items_per_step * (double)step / train_s : NAN;
+  tr_format_progress(line, sizeof line, step, total, loss, rate, m->item_unit, train_s,
+                     tr_eta(train_s, step, total));
+  if (p->tty) {
+    fprintf(stderr, "\r%-78s", line);
+    p->drawn = 1;
+    if (final) {
+      fputc('\n', stderr);
+      p->drawn = 0;
+    }
+  } else {
+    fprintf(stderr, "%s\n", line);
+  }
+  fflush(stderr);
+}
+
+static void tr__progress_note(tr__progress *p, const char *fmt, ...) {
+  if (p->drawn) fputc('\n', stderr);
+  p->drawn = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fflush(stderr);
+}
+
+int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
+             tr_summary *summary, tr_error *err) {
+  if (opts == NULL || be == NULL || model == NULL || model->train_step == NULL ||
+      model->evaluate == NULL || model->params == NULL || model->nparams == 0)
+    return tr__fail(err, TR_EINVAL, "tr_train: bad arguments");
+  double t_start = tr__now();
+  long total = tr_total_steps(opts, model);
+  double base_lr = tr_effective_lr(opts);
+  int rc = TR_OK;
+  FILE *csv = NULL;
+  double *step_ms = NULL, *losses = NULL, *stale = NULL;
+  long nstale = 0;
+  tr_optimizer opt;
+  memset(&opt, 0, sizeof opt);
+  tr_summary sm;
+  memset(&sm, 0, sizeof sm);
+  sm.model = model->name;
+  sm.optimizer = tr_optimizer_name(opts->optimizer);
+  sm.backend = ac_backend_name(be);
+  sm.seed = opts->seed;
+  sm.lr = base_lr;
+  sm.item_unit = model->item_unit;
+  sm.final_eval_loss = sm.final_eval_accuracy = sm.best_eval_loss = NAN;
+  sm.staleness_mean = sm.staleness_median = NAN;
+  sm.staleness_max = -1;
+  sm.status = "ok";
+  for (size_t i = 0; i < model->nparams; i++) sm.params += (long)model->params[i]->value.numel;
+
+  step_ms = malloc((size_t)total * sizeof *step_ms);
+  losses = malloc((size_t)total * sizeof *losses);
+  stale = malloc((size_t)total * sizeof *stale);
+  if (step_ms == NULL || losses == NULL || stale == NULL) {
+    rc = tr__fail(err, TR_ENOMEM, "no memory for %ld steps of figures", total);
+    goto done;
+  }
+  if (opts->out[0] != '\0') {
+    char path[1100];
+    if (tr_mkdirs(opts->out) != TR_OK) {
+      rc = tr__fail(err, TR_EIO, "--out %s: cannot create the directory: %s", opts->out,
+                    strerror(errno));
+      goto done;
+    }
+    snprintf(path, sizeof path, "%s/train.csv", opts->out);
+    csv = fopen(path, "w");
+    if (csv == NULL || tr_csv_header(csv) != TR_OK) {
+      rc = tr__fail(err, TR_EIO, "%s: %s", path, strerror(errno));
+      goto done;
+    }
+  }
+  rc = tr_optimizer_init(&opt, opts, be, model->params, model->nparams, model->name, err);
+  if (rc != TR_OK) goto done;
+
+  tr__progress prog = {isatty(STDERR_FILENO), 0, total >= 10 ? total / 10 : 1, 0};
+  double train_s = 0;
+  long step = 0;
+  while (step < total) {
+    step++;
+    double t0 = tr__now();
+    double loss = NAN;
+    int mrc = model->train_step(model->ctx, &loss);
+    if (mrc != 0) {
+      rc = tr__fail(err, TR_EMODEL, "step %ld: the model's training step failed (%d)", step, mrc);
+      sm.status = "model error";
+      step--;
+      break;
+    }
+    if (!isfinite(loss)) {
+      rc = tr__fail(err, TR_ENONFINITE, "step %ld: training loss is %g; stopping", step, loss);
+      sm.status = "diverged";
+    }
+    double lr = base_lr;
+    if (opts->warmup > 0) lr = ac_lr_linear_warmup(base_lr, step, opts->warmup);
+    tr_step_info info = {NAN, -1, 0};
+    if (rc == TR_OK && opts->clip > 0)
+      rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
+                     "gradient clipping");
+    if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
+    if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
+    double dt = tr__now() - t0;
+    train_s += dt;
+    step_ms[step - 1] = dt * 1e3;
+    losses[step - 1] = loss;
+    if (isfinite(info.staleness)) {
+      stale[nstale++] = info.staleness;
+      if (info.staleness_max > sm.staleness_max) sm.staleness_max = info.staleness_max;
+    }
+    if (info.fallback) sm.fallback_steps++;
+    sm.steps = step;
+
+    tr_row row = {step, train_s, dt * 1e3, loss, NAN, NAN, lr, info.staleness, info.fallback};
+    int eval_now = rc == TR_OK &&
+                   (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
+    if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);
+    if (eval_now) {
+      double el = NAN, ea = NAN;
+      if (model->evaluate(model->ctx, opts->eval_batches, &el, &ea) != 0) {
+        rc = tr__fail(err, TR_EMODEL, "step %ld: evaluation failed", step);
+        sm.status = "model error";
+      } else {
+        row.eval_loss = el;
+        row.eval_accuracy = ea;
+        sm.final_eval_loss = el;
+        sm.final_eval_accuracy = ea;
+        if (isfinite(el) && !(el >= sm.best_eval_loss)) sm.best_eval_loss = el;
+        if (!opts->quiet) {
+          if (isfinite(ea))
+            tr__progress_note(&prog, "eval at step %ld: loss %.4f  accuracy %.4f\n", step, el,
+                              ea);
+          else
+            tr__progress_note(&prog, "eval at step %ld: loss %.4f\n", step, el);
+        }
+      }
+    }
+    if (csv != NULL && tr_csv_row(csv, &row) != TR_OK) {
+      rc = tr__fail(err, TR_EIO, "%s/train.csv: write failed", opts->out);
+      break;
+    }
+    if (rc != TR_OK) break;
+  }
+  if (prog.drawn) fputc('\n', stderr);
+
+  sm.wall_s = train_s;
+  long tail = sm.steps < 20 ? sm.steps : 20;
+  double acc = 0;
+  for (long i = sm.steps - tail; i < sm.steps; i++) acc += losses[i];
+  sm.final_train_loss = tail > 0 ? acc / (double)tail : NAN;
+  tr_median(step_ms, (size_t)sm.steps, &sm.median_step_ms);
+  sm.mean_step_ms = sm.steps > 0 ? train_s * 1e3 / (double)sm.steps : NAN;
+  sm.items_per_s = train_s > 0 ? model->items_per_step * (double)sm.steps / train_s : NAN;
+  if (nstale > 0) {
+    double ssum = 0;
+    for (long i = 0; i < nstale; i++) ssum += stale[i];
+    sm.staleness_mean = ssum / (double)nstale;
+    tr_median(stale, (size_t)nstale, &sm.staleness_median);
+  }
+  tr_optimizer_counters(&opt, &sm.blocks, &sm.stats_pushed, &sm.stats_dropped,
+                        &sm.stats_coalesced, &sm.roots_received);
+  if (rc != TR_OK && strcmp(sm.status, "ok") == 0) sm.status = tr_strerror(rc);
+
+done:
+  tr_optimizer_destroy(&opt);
+  sm.total_s = tr__now() - t_start;
+  if (csv != NULL && fclose(csv) != 0 && rc == TR_OK)
+    rc = tr__fail(err, TR_EIO, "%s/train.csv: write failed", opts->out);
+  if (opts->out[0] != '\0' && step_ms != NULL && (rc == TR_OK || sm.steps > 0)) {
+    char path[1100];
+    snprintf(path, sizeof path, "%s/summary.json", opts->out);
+    FILE *f = fopen(path, "w");
+    int wrc = f != NULL ? tr_json_summary(f, &sm) : TR_EIO;
+    if (f != NULL && fclose(f) != 0) wrc = TR_EIO;
+    if (wrc != TR_OK && rc == TR_OK) rc = tr__fail(err, TR_EIO, "%s: write failed", path);
+  }
+  free(step_ms);
+  free(losses);
+  free(stale);
+  if (summary != NULL) *summary = sm;
+  return rc;
+}

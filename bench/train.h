@@ -1,0 +1,288 @@
+/*
+ * train.h -- the training harness shared by the benchmark clients (bench/transformer.c,
+ * bench/resnet.c): command-line options, the training loop, the progress line, the CSV and
+ * JSON writers, and the optimizers as the clients drive them, including the glue between
+ * Shampoo's worker half and libprecond (statistics pushed to precondd, roots fetched from it).
+ * The one public header of bench/train.c; public names carry the prefix tr_.
+ *
+ * Conventions
+ * - Functions return int: TR_OK (0) or a negative TR_E* code; tr_strerror turns a code into
+ *   a static message. Calls that can fail for a reason worth telling also write one line into
+ *   a caller-provided tr_error (may be NULL).
+ * - Structs are caller-allocated; *_init pairs with *_destroy, which is safe on a struct that
+ *   failed to initialise or was already destroyed.
+ * - Reproducibility: SGD and AdamW runs with the same seed, backend and options give the
+ *   same numbers. Shampoo's roots arrive asynchronously, so its runs depend on timing,
+ *   except with --sync-roots, which waits for the roots of each step's statistics.
+ */
+#ifndef PRECOND_BENCH_TRAIN_H
+#define PRECOND_BENCH_TRAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "accel.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  TR_OK = 0,
+  TR_EINVAL = -1,    /* bad argument or option value */
+  TR_EIO = -2,       /* a file could not be written */
+  TR_ENOMEM = -3,    /* allocation failed */
+  TR_EACCEL = -4,    /* an accel call failed */
+  TR_EDAEMON = -5,   /* precondd unreachable or refused a call */
+  TR_EMODEL = -6,    /* the model's step or evaluation failed */
+  TR_ENONFINITE = -7,/* the training loss became NaN or Inf */
+  TR_EHELP = -8      /* --help was given (the text is printed): exit 0 */
+};
+
+const char *tr_strerror(int status);
+
+typedef struct {
+  char msg[512];
+} tr_error;
+
+/* ------------------------------------------------------------------------------------ */
+/* Options                                                                                */
+
+typedef enum { TR_SGD = 0, TR_ADAMW = 1, TR_SHAMPOO = 2 } tr_optimizer_kind;
+
+/* "sgd", "adamw", "shampoo"; "?" otherwise. */
+const char *tr_optimizer_name(tr_optimizer_kind kind);
+
+typedef struct {
+  tr_optimizer_kind optimizer;
+  long steps;              /* training steps; 0: from epochs */
+  double epochs;           /* used when steps is 0 (rounded up to whole steps) */
+  double lr;               /* learning rate; < 0: the optimizer's default */
+  double momentum;         /* SGD heavy ball (default 0.9) */
+  double beta1, beta2;     /* AdamW, and Shampoo's grafted Adam (0.9, 0.999) */
+  double eps;              /* AdamW epsilon (1e-8) */
+  double weight_decay;     /* decoupled for AdamW and Shampoo, L2 for SGD (0) */
+  double clip;             /* global gradient-norm clip; 0: off (default 0) */
+  long warmup;             /* linear warm-up steps (default 0); then constant lr */
+  int nesterov;            /* Nesterov momentum (SGD, Shampoo) */
+  /* Shampoo */
+  long block_size;         /* block size, the same on worker and daemon (default 128) */
+  double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum; default 0.95) */
+  double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
+  int graft;               /* pc_graft: the grafted step (default PC_GRAFT_ADAM_NORMED) */
+  double shampoo_momentum; /* momentum on the grafted direction (default 0) */
+  long stat_every;         /* push statistics every N steps (default 1) */
+  long precond_start;      /* first step that may use roots (default 1) */
+  int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
+  char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR) */
+  char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
+  /* Run */
+  uint64_t seed;           /* default 1 */
+  ac_backend_kind backend; /* cpu (default) or cuda */
+  int threads;             /* OpenBLAS threads of the CPU backend (default 1) */
+  char out[512];           /* output directory; "" : no files */
+  long eval_every;         /* evaluate every N steps (and at the end); 0: only at the end */
+  long eval_batches;       /* batches per evaluation; 0: the model's default */
+  int quiet;               /* 1: no progress line */
+} tr_options;
+
+/* Fills the defaults listed above. */
+void tr_options_default(tr_options *opts);
+
+/* A client-specific option (model sizes, batch): the parser stores its value through dest.
+ * TR_ARG_LONG: dest is long*, value in [min, max]; TR_ARG_DOUBLE: double*, in [min, max];
+ * TR_ARG_STRING: char* of size max bytes (value must fit). */
+typedef enum { TR_ARG_LONG = 0, TR_ARG_DOUBLE = 1, TR_ARG_STRING = 2 } tr_arg_type;
+
+typedef struct {
+  const char *name;        /* without the dashes: "d-model" */
+  tr_arg_type type;
+  void *dest;
+  double min, max;
+  const char *help;        /* one line */
+} tr_arg;
+
+/* Parses argv[1..argc-1] ("--name value" or "--name=value") into opts (which holds the
+ * defaults on entry) and the extra options. Prints usage to stdout for --help and returns
+ * TR_EHELP. Returns TR_OK, or TR_EINVAL with a message naming the option in err: an unknown
+ * option, a missing or malformed value, a value out of range, a positional argument.
+ * prog and summary head the usage text. */
+int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc, char **argv,
+                  const char *prog, const char *summary, tr_error *err);
+
+/* Prints the usage text (common and extra options with their defaults) to f. */
+void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t nextra,
+              const char *prog, const char *summary);
+
+/* The learning rate the run uses: opts->lr, or the optimizer's default when it is < 0
+ * (SGD 0.1, AdamW 1e-3, Shampoo 1e-3). */
+double tr_effective_lr(const tr_options *opts);
+
+/* ------------------------------------------------------------------------------------ */
+/* Progress, ETA, statistics                                                              */
+
+/* Seconds left to finish total steps after done steps took elapsed seconds, assuming the
+ * same pace; -1 when unknown (done == 0). 0 when done >= total. */
+double tr_eta(double elapsed_s, long done, long total);
+
+/* "12s", "3m05s", "2h01m" (negative: "?"). Writes into buf (always NUL-terminated). */
+void tr_format_duration(char *buf, size_t len, double seconds);
+
+/* One progress line without a newline: step, loss, throughput in unit per second, elapsed,
+ * ETA. Example: "step 120/1000  loss 2.3456  18.2k tok/s  elapsed 14s  eta 1m43s". */
+void tr_format_progress(char *buf, size_t len, long step, long total, double loss,
+                        double items_per_s, const char *unit, double elapsed_s, double eta_s);
+
+/* Median of n values (copied; vals untouched); NAN when n == 0. Returns TR_ENOMEM if the
+ * copy cannot be allocated (then *out is NAN). */
+int tr_median(const double *vals, size_t n, double *out);
+
+/* ------------------------------------------------------------------------------------ */
+/* CSV log and JSON summary                                                               */
+
+/* One row per training step. Eval columns are empty except on evaluation steps; NaN values
+ * are written empty; staleness is empty when no root was used. */
+typedef struct {
+  long step;
+  double wall_s;        /* training time so far (evaluation excluded) */
+  double step_ms;       /* this step: batch, forward, backward, optimizer */
+  double train_loss;
+  double eval_loss;     /* NAN: not evaluated at this step */
+  double eval_accuracy; /* NAN: not evaluated, or not a classifier */
+  double lr;
+  double staleness;     /* mean over the blocks that used a root; NAN: none */
+  int fallback;         /* 1 if a preconditioned block used the grafted step */
+} tr_row;
+
+#define TR_CSV_HEADER \
+  "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback"
+
+/* Writes the header (tr_csv_header) or one row to f. Returns TR_OK or TR_EIO. */
+int tr_csv_header(FILE *f);
+int tr_csv_row(FILE *f, const tr_row *row);
+
+/* The end-of-run figures (summary.json). */
+typedef struct {
+  const char *model;          /* "transformer", "resnet" */
+  const char *optimizer;
+  const char *backend;
+  uint64_t seed;
+  double lr;
+  long steps;                 /* steps completed */
+  long params;                /* trainable values */
+  double final_train_loss;    /* mean over the last min(steps, 20) steps */
+  double final_eval_loss;
+  double final_eval_accuracy; /* NAN for the language model */
+  double best_eval_loss;
+  double wall_s;              /* training time (evaluation excluded) */
+  double total_s;             /* whole run */
+  double median_step_ms;
+  double mean_step_ms;
+  double items_per_s;
+  const char *item_unit;
+  /* Shampoo (zero for the others) */
+  double staleness_mean;      /* over the steps that used roots */
+  double staleness_median;
+  long staleness_max;
+  long fallback_steps;        /* steps where some block used the grafted step */
+  long blocks;                /* preconditioned blocks */
+  uint64_t stats_pushed, stats_dropped, stats_coalesced, roots_received;
+  const char *status;         /* "ok", or why the run stopped early */
+} tr_summary;
+
+/* Writes the summary as one JSON object (NaN as null) to f. Returns TR_OK or TR_EIO. */
+int tr_json_summary(FILE *f, const tr_summary *s);
+
+/* Writes s as a JSON string literal (quotes and escapes) to f. */
+void tr_json_string(FILE *f, const char *s);
+
+/* ------------------------------------------------------------------------------------ */
+/* Optimizers                                                                             */
+
+/* Per-step figures an optimizer reports. */
+typedef struct {
+  double staleness;      /* mean staleness of the roots used (NAN: none used) */
+  long staleness_max;    /* -1 if none used */
+  int fallback;          /* some preconditioned block used the grafted step */
+} tr_step_info;
+
+typedef struct tr_shampoo tr_shampoo;
+
+/* The optimizers are accel's (ac_sgd, ac_adamw, ac_shampoo); this wraps the one chosen and,
+ * for Shampoo, the link to precondd. */
+typedef struct {
+  tr_optimizer_kind kind;
+  ac_backend *be;           /* borrowed */
+  size_t nparams;
+  ac_param **params;        /* borrowed array of borrowed params */
+  tr_options opts;          /* copy */
+  ac_sgd *sgd;              /* owned; the one of kind, others NULL */
+  ac_adamw *adamw;
+  ac_shampoo *shampoo_opt;
+  tr_shampoo *shampoo;      /* owned; the precondd link, NULL unless Shampoo */
+} tr_optimizer;
+
+/* Sets up the optimizer for the nparams parameters params[] (borrowed: they must outlive
+ * the optimizer). For Shampoo it connects to opts->daemon, registers the job (job name
+ * opts->job, or model_name-shampoo-PID) with every parameter as a tensor, and starts
+ * libprecond's background thread. Returns TR_OK (call tr_optimizer_destroy), TR_EINVAL,
+ * TR_ENOMEM, TR_EACCEL, TR_EDAEMON (with the daemon's message in err). */
+int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
+                      ac_param **params, size_t nparams, const char *model_name, tr_error *err);
+
+/* One update from the gradients in params[i]->grad at step (1-based, consecutive); lr is
+ * the rate of this step (warm-up applied by the caller). Shampoo: queues this step's
+ * statistics (every stat_every steps) with libprecond, hands ac_shampoo the newest roots
+ * libprecond holds, and steps: P = L^(-1/4) G R^(-1/4) per block, grafted to the norm of
+ * the grafted step of the same block; blocks without roots take the grafted step itself
+ * (the fallback). info (may be NULL) gets the staleness of the roots used and whether any
+ * block fell back. */
+int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
+                      tr_error *err);
+
+/* Counters of the Shampoo glue (zeros for the others). */
+void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
+                           uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received);
+
+void tr_optimizer_destroy(tr_optimizer *o);
+
+/* ------------------------------------------------------------------------------------ */
+/* Models and the loop                                                                    */
+
+/* A model as the loop drives it; the client fills it from its model and data. */
+typedef struct {
+  const char *name;         /* "transformer", "resnet" */
+  void *ctx;
+  size_t nparams;
+  ac_param **params;        /* borrowed */
+  /* Draws the next training batch, runs forward and backward: the gradients of the mean
+   * loss are written into every params[i]->grad; the mean loss into *loss. */
+  int (*train_step)(void *ctx, double *loss);
+  /* Held-out evaluation over batches batches (0: model default): mean loss and accuracy
+   * (NAN if not a classifier). */
+  int (*evaluate)(void *ctx, long batches, double *loss, double *accuracy);
+  double items_per_step;    /* for the throughput: tokens or images per step */
+  const char *item_unit;    /* "tok", "img" */
+  long steps_per_epoch;     /* for --epochs */
+} tr_model;
+
+/* Steps the run will take: opts->steps, or ceil(epochs * steps_per_epoch). */
+long tr_total_steps(const tr_options *opts, const tr_model *model);
+
+/* Runs the whole training: builds the optimizer, trains for tr_total_steps steps with the
+ * progress line on stderr, evaluates every eval_every steps and at the end, writes
+ * OUT/train.csv and OUT/summary.json when opts->out is set (the directory is created), and
+ * fills *summary (may be NULL; its strings point at static or opts-owned text). A loss that
+ * becomes NaN or Inf stops the run with TR_ENONFINITE after writing what was done. */
+int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
+             tr_summary *summary, tr_error *err);
+
+/* Creates directory path and its missing parents (mode 0777 before umask). TR_OK or TR_EIO. */
+int tr_mkdirs(const char *path);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PRECOND_BENCH_TRAIN_H */

@@ -1,0 +1,211 @@
+/*
+ * transformer.c -- the Transformer benchmark client: a decoder-only byte-level language model
+ * (accel's ac_lm: pre-layer-norm blocks, GELU MLP, learned positional embeddings) trained on
+ * the King James Bible (bench/datasets.h: first 90% train, last 10% eval) with SGD, AdamW or
+ * Shampoo whose roots come from a running precondd. The loop, options and outputs are the
+ * harness's (bench/train.h); this file is the model and the data.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "accel.h"
+#include "datasets.h"
+#include "train.h"
+
+typedef struct {
+  long context, d_model, heads, layers, mlp, batch;
+  double dropout;
+  char data[512];
+} lm_args;
+
+typedef struct {
+  ac_backend *be;
+  ac_lm lm;
+  ac_param_list params;
+  const ds_text *text;
+  ds_text_sampler train;
+  uint64_t eval_seed;
+  size_t batch, t;
+  uint8_t *in8, *tg8;        /* host, batch x t */
+  int32_t *in32, *tg32;      /* host */
+  int32_t *d_in, *d_tg;      /* device */
+} lm_ctx;
+
+/* Uploads one batch of windows as int32 token and target ids. */
+static int lm_upload(lm_ctx *c) {
+  size_t n = c->batch * c->t;
+  for (size_t i = 0; i < n; i++) {
+    c->in32[i] = c->in8[i];
+    c->tg32[i] = c->tg8[i];
+  }
+  int rc = ac_memcpy_h2d(c->be, c->d_in, c->in32, n * sizeof(int32_t));
+  if (rc == AC_OK) rc = ac_memcpy_h2d(c->be, c->d_tg, c->tg32, n * sizeof(int32_t));
+  return rc;
+}
+
+static int lm_train_step(void *ctx, double *loss) {
+  lm_ctx *c = ctx;
+  if (ds_text_sampler_next(&c->train, c->batch, c->in8, c->tg8) != DS_OK) return -1;
+  int rc = lm_upload(c);
+  if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
+  if (rc == AC_OK)
+    rc = ac_lm_forward(&c->lm, c->d_in, c->d_tg, c->batch, c->t, AC_MODE_TRAIN, loss);
+  if (rc == AC_OK) rc = ac_lm_backward(&c->lm);
+  return rc;
+}
+
+/* The same eval windows every time (a sampler re-seeded per evaluation), so evaluations
+ * along a run and across optimizers compare like with like. */
+static int lm_evaluate(void *ctx, long batches, double *loss, double *accuracy) {
+  lm_ctx *c = ctx;
+  ds_text_sampler ev;
+  if (ds_text_sampler_init(&ev, c->text, DS_SPLIT_EVAL, c->t, c->eval_seed) != DS_OK) return -1;
+  long nb = batches > 0 ? batches : 20;
+  double sum = 0;
+  for (long b = 0; b < nb; b++) {
+    double l = 0;
+    if (ds_text_sampler_next(&ev, c->batch, c->in8, c->tg8) != DS_OK) return -1;
+    int rc = lm_upload(c);
+    if (rc == AC_OK)
+      rc = ac_lm_forward(&c->lm, c->d_in, c->d_tg, c->batch, c->t, AC_MODE_EVAL, &l);
+    if (rc != AC_OK) return rc;
+    sum += l;
+  }
+  *loss = sum / (double)nb;
+  *accuracy = NAN;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  tr_options opts;
+  tr_options_default(&opts);
+  opts.steps = 500;
+  opts.eval_every = 100;
+  lm_args a = {64, 128, 4, 2, 0, 32, 0.0, ""};
+  tr_arg extra[] = {
+    {"context", TR_ARG_LONG, &a.context, 2, 4096, "context length in bytes"},
+    {"d-model", TR_ARG_LONG, &a.d_model, 4, 8192, "model width"},
+    {"heads", TR_ARG_LONG, &a.heads, 1, 256, "attention heads (divide --d-model)"},
+    {"layers", TR_ARG_LONG, &a.layers, 1, 256, "Transformer blocks"},
+    {"mlp", TR_ARG_LONG, &a.mlp, 0, 65536, "MLP width (0: 4 x d-model)"},
+    {"batch", TR_ARG_LONG, &a.batch, 1, 65536, "sequences per step"},
+    {"dropout", TR_ARG_DOUBLE, &a.dropout, 0, 0.95, "dropout probability"},
+    {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
+     "KJV text cache (default $PRECOND_DATA_DIR/kjv.txt or data/kjv.txt; made with `bible`)"},
+  };
+  size_t nextra = sizeof extra / sizeof extra[0];
+  tr_error err = {{0}};
+  int rc = tr_parse_args(&opts, extra, nextra, argc, argv, "transformer",
+                         "Trains a byte-level decoder-only Transformer on the King James Bible.",
+                         &err);
+  if (rc == TR_EHELP) return 0;
+  if (rc != TR_OK) {
+    fprintf(stderr, "transformer: %s\n", err.msg);
+    return 2;
+  }
+  if (a.d_model % a.heads != 0) {
+    fprintf(stderr, "transformer: --d-model %ld is not a multiple of --heads %ld\n", a.d_model,
+            a.heads);
+    return 2;
+  }
+
+  int status = 1;
+  ds_text text = {0};
+  lm_ctx c;
+  memset(&c, 0, sizeof c);
+  ac_param_list_init(&c.params);
+  ac_backend *be = NULL;
+  ds_error derr = {{0}};
+  int drc = ds_text_load(&text, a.data[0] ? a.data : NULL, 1, &derr);
+  if (drc != DS_OK) {
+    fprintf(stderr, "transformer: %s (%s)\n", derr.msg, ds_strerror(drc));
+    goto done;
+  }
+  ac_backend_opts bo;
+  ac_backend_opts_default(&bo);
+  bo.kind = opts.backend;
+  bo.threads = opts.threads;
+  int arc = ac_backend_create(&be, &bo);
+  if (arc != AC_OK) {
+    fprintf(stderr, "transformer: backend %s: %s (%s)\n",
+            opts.backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(arc),
+            ac_backend_describe(NULL));
+    goto done;
+  }
+
+  ac_lm_config cfg;
+  ac_lm_config_default(&cfg);
+  cfg.vocab = DS_TEXT_VOCAB;
+  cfg.ctx = (size_t)a.context;
+  cfg.dim = (size_t)a.d_model;
+  cfg.heads = (size_t)a.heads;
+  cfg.layers = (size_t)a.layers;
+  cfg.mlp = a.mlp > 0 ? (size_t)a.mlp : 4 * (size_t)a.d_model;
+  cfg.batch = (size_t)a.batch;
+  cfg.dropout = (float)a.dropout;
+  cfg.seed = opts.seed;
+  c.be = be;
+  c.text = &text;
+  c.batch = (size_t)a.batch;
+  c.t = (size_t)a.context;
+  c.eval_seed = opts.seed ^ 0x5eed5eedULL;
+  arc = ac_lm_init(&c.lm, be, &cfg);
+  if (arc == AC_OK) arc = ac_lm_params(&c.lm, &c.params);
+  if (arc != AC_OK) {
+    fprintf(stderr, "transformer: model: %s\n", ac_strerror(arc));
+    goto done;
+  }
+  if (ds_text_sampler_init(&c.train, &text, DS_SPLIT_TRAIN, c.t, opts.seed) != DS_OK) {
+    fprintf(stderr, "transformer: --context %ld is too long for the corpus\n", a.context);
+    goto done;
+  }
+  size_t n = c.batch * c.t;
+  c.in8 = malloc(n);
+  c.tg8 = malloc(n);
+  c.in32 = malloc(n * sizeof(int32_t));
+  c.tg32 = malloc(n * sizeof(int32_t));
+  if (c.in8 == NULL || c.tg8 == NULL || c.in32 == NULL || c.tg32 == NULL ||
+      ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_in) != AC_OK ||
+      ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_tg) != AC_OK) {
+    fprintf(stderr, "transformer: out of memory for batch buffers\n");
+    goto done;
+  }
+
+  size_t train_len = 0;
+  ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
+  tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
+                    (double)n, "tok", (long)(train_len / n)};
+  if (!opts.quiet)
+    fprintf(stderr, "transformer: %zu parameters in %zu tensors, %s, %s, %ld steps\n",
+            ac_param_list_numel(&c.params), c.params.n, ac_backend_describe(be),
+            tr_optimizer_name(opts.optimizer), tr_total_steps(&opts, &model));
+  tr_summary sm;
+  rc = tr_train(&opts, be, &model, &sm, &err);
+  if (rc != TR_OK) {
+    fprintf(stderr, "transformer: %s\n", err.msg);
+    goto done;
+  }
+  printf("transformer %s: final eval loss %.4f (%.3f bits/byte), %ld steps, median step "
+         "%.1f ms",
+         sm.optimizer, sm.final_eval_loss, sm.final_eval_loss / log(2.0), sm.steps,
+         sm.median_step_ms);
+  if (opts.optimizer == TR_SHAMPOO)
+    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", sm.staleness_mean,
+           sm.staleness_max, sm.fallback_steps);
+  printf("\n");
+  status = 0;
+done:
+  ac_free(be, c.d_in);
+  ac_free(be, c.d_tg);
+  free(c.in8);
+  free(c.tg8);
+  free(c.in32);
+  free(c.tg32);
+  ac_param_list_destroy(&c.params);
+  if (c.be != NULL) ac_lm_destroy(&c.lm);
+  ac_backend_destroy(be);
+  ds_text_destroy(&text);
+  return status;
+}

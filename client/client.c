@@ -1,0 +1,1142 @@
+/*
+ * client.c -- libprecond: connection, register, the push/fetch background thread, the
+ * published roots, stats and health (see precond.h for the model and the queue policy).
+ *
+ * Locking: one mutex per client guards the job, the queue, the roots table, the counters and
+ * the error message. The background thread never holds it across a network call: it takes a
+ * batch out of the queue (or copies the held versions), unlocks, calls, relocks and
+ * publishes. Published roots are immutable and reference-counted, so a reader keeps using
+ * the version it holds while a newer one is swapped in (the double buffer of the design).
+ *
+ * Channel: created here rather than with rpc_channel_create because the client sets gRPC's
+ * reconnect backoff (its default grows to 120 s, far too slow after a daemon restart) next
+ * to rpc_size_args' message limits. Calls go through rpc_call_token (proto/rpc.h).
+ */
+#include "precond.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+
+#include "health.pb-c.h"
+#include "precond.pb-c.h"
+#include "preconditioner.h"
+#include "queue.h"
+#include "rpc.h"
+
+/* A published version of a block's roots: the public view first, so a precond_roots pointer
+ * is also a roots_obj pointer. */
+typedef struct {
+  precond_roots pub;
+  atomic_int refs;
+  float values[];  /* left, then right */
+} roots_obj;
+
+struct precond_client {
+  precond_options opts;
+  char *addr, *token;
+  grpc_channel *channel;
+
+  pthread_mutex_t mu;
+  pthread_cond_t wake;       /* the thread: work queued, stop, or a new job */
+  pthread_cond_t progress;   /* waiters: a send finished, roots arrived */
+  pthread_t thread;
+  int thread_started, stop;
+
+  /* the job (under mu) */
+  char *job;
+  uint64_t job_gen;          /* bumped by each precond_register: stale sends are discarded */
+  uint8_t *register_msg;     /* the packed RegisterRequest, to register again */
+  size_t register_len;
+  uint32_t nblocks;
+  uint32_t *block_rows, *block_cols;
+  precond__queue queue;
+  size_t inflight;           /* items taken out for a send not yet answered */
+  roots_obj **roots;         /* nblocks slots: newest version held, or NULL */
+  uint64_t *daemon_have;     /* nblocks: daemon version asked about (0 after re-register) */
+  uint64_t newest_step;      /* newest step pushed, sent with fetches for staleness stats */
+
+  precond_counters counters;
+  char error[256];
+};
+
+/* ------------------------------------------------------------------------------------ */
+/* Status codes                                                                           */
+
+const char *precond_strerror(int status)
+{
+  switch (status) {
+  case PRECOND_OK: return "success";
+  case PRECOND_EINVAL: return "invalid argument";
+  case PRECOND_ENOMEM: return "out of memory";
+  case PRECOND_EUNAVAILABLE: return "daemon unavailable";
+  case PRECOND_ETIMEDOUT: return "deadline exceeded";
+  case PRECOND_EREJECTED: return "request rejected by the daemon";
+  case PRECOND_ENOTFOUND: return "unknown job or block";
+  case PRECOND_ESTATE: return "failed precondition (not registered?)";
+  case PRECOND_ELIMIT: return "size limit or memory budget exceeded";
+  case PRECOND_EAUTH: return "authentication failed (token missing or wrong)";
+  case PRECOND_EPROTO: return "unexpected answer from the daemon";
+  case PRECOND_ETHREAD: return "could not start the background thread";
+  default: return "unknown error";
+  }
+}
+
+static int from_grpc(grpc_status_code code)
+{
+  switch (code) {
+  case GRPC_STATUS_OK: return PRECOND_OK;
+  case GRPC_STATUS_UNAVAILABLE: return PRECOND_EUNAVAILABLE;
+  case GRPC_STATUS_DEADLINE_EXCEEDED: return PRECOND_ETIMEDOUT;
+  case GRPC_STATUS_INVALID_ARGUMENT:
+  case GRPC_STATUS_OUT_OF_RANGE: return PRECOND_EREJECTED;
+  case GRPC_STATUS_NOT_FOUND: return PRECOND_ENOTFOUND;
+  case GRPC_STATUS_FAILED_PRECONDITION: return PRECOND_ESTATE;
+  case GRPC_STATUS_RESOURCE_EXHAUSTED: return PRECOND_ELIMIT;
+  case GRPC_STATUS_UNAUTHENTICATED:
+  case GRPC_STATUS_PERMISSION_DENIED: return PRECOND_EAUTH;
+  default: return PRECOND_EPROTO;
+  }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Small helpers                                                                          */
+
+static char *dup_str(const char *s)
+{
+  if (s == NULL)
+    return NULL;
+  size_t n = strlen(s) + 1;
+  char *d = malloc(n);
+  if (d != NULL)
+    memcpy(d, s, n);
+  return d;
+}
+
+static void set_error(precond_client *c, const char *what, const char *detail)
+{
+  pthread_mutex_lock(&c->mu);
+  snprintf(c->error, sizeof c->error, "%s: %s", what, detail ? detail : "");
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* Absolute CLOCK_MONOTONIC time ms from now, for pthread_cond_timedwait. */
+static struct timespec deadline_in(long ms)
+{
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  t.tv_sec += ms / 1000;
+  t.tv_nsec += (ms % 1000) * 1000000L;
+  if (t.tv_nsec >= 1000000000L) {
+    t.tv_sec++;
+    t.tv_nsec -= 1000000000L;
+  }
+  return t;
+}
+
+static int passed(const struct timespec *t)
+{
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec > t->tv_sec || (now.tv_sec == t->tv_sec && now.tv_nsec >= t->tv_nsec);
+}
+
+/* One unary call; maps the outcome to a PRECOND_* code and keeps the daemon's message. */
+static int call(precond_client *c, const char *method, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *desc, int wait_for_ready,
+                ProtobufCMessage **resp)
+{
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  int rc = rpc_call_token(c->channel, method, req, desc, c->opts.call_timeout_ms,
+                          wait_for_ready, c->token, resp, &code, &details);
+  int st = PRECOND_OK;
+  if (rc != RPC_OK) {
+    if (rc == RPC_ESTATUS)
+      st = from_grpc(code);
+    else if (rc == RPC_ENOMEM)
+      st = PRECOND_ENOMEM;
+    else if (rc == RPC_ETOOBIG)
+      st = PRECOND_ELIMIT;
+    else
+      st = PRECOND_EPROTO;
+    char what[160];
+    snprintf(what, sizeof what, "%s: %s", method, rpc_status_name(code));
+    set_error(c, what, details ? details : rpc_strerror(rc));
+  }
+  free(details);
+  return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Roots                                                                                  */
+
+void precond_roots_release(const precond_roots *roots)
+{
+  if (roots == NULL)
+    return;
+  roots_obj *o = (roots_obj *)(void *)(uintptr_t)roots;
+  if (atomic_fetch_sub_explicit(&o->refs, 1, memory_order_acq_rel) == 1)
+    free(o);
+}
+
+/* Decodes one side of a BlockRoots answer into out (pc_packed_len(n) floats). Returns 0, or
+ * -1 if the bytes do not match n and the encoding. */
+static int decode_side(const Precond__V1__PackedMatrix *m, float *out)
+{
+  size_t count = pc_packed_len(m->n);
+  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32) {
+    if (m->data.len != count * sizeof(float))
+      return -1;
+    memcpy(out, m->data.data, m->data.len);  /* little-endian on the wire and here */
+    return 0;
+  }
+  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_BF16) {
+    if (m->data.len != count * sizeof(uint16_t))
+      return -1;
+    uint16_t *tmp = malloc(m->data.len > 0 ? m->data.len : 1);
+    if (tmp == NULL)
+      return -1;
+    memcpy(tmp, m->data.data, m->data.len);
+    pc_bf16_to_f32(count, tmp, out);
+    free(tmp);
+    return 0;
+  }
+  return -1;
+}
+
+/* Builds a roots object (one reference) from an answer, or NULL if it is malformed. */
+static roots_obj *roots_from_wire(const Precond__V1__BlockRoots *b)
+{
+  uint32_t nl = b->left ? b->left->n : 0, nr = b->right ? b->right->n : 0;
+  size_t cl = pc_packed_len(nl), cr = pc_packed_len(nr);
+  roots_obj *o = malloc(sizeof(*o) + (cl + cr) * sizeof(float));
+  if (o == NULL)
+    return NULL;
+  if ((b->left && decode_side(b->left, o->values) != 0) ||
+      (b->right && decode_side(b->right, o->values + cl) != 0)) {
+    free(o);
+    return NULL;
+  }
+  atomic_init(&o->refs, 1);
+  o->pub.block_id = b->block_id;
+  o->pub.version = 0;  /* set when published */
+  o->pub.daemon_version = b->version;
+  o->pub.source_step = b->source_step;
+  o->pub.error = b->error;
+  o->pub.method = (precond_method)b->method;
+  o->pub.iterations = b->iterations;
+  o->pub.n_left = nl;
+  o->pub.n_right = nr;
+  o->pub.left = nl ? o->values : NULL;
+  o->pub.right = nr ? o->values + cl : NULL;
+  return o;
+}
+
+int precond_fetch(precond_client *c, uint32_t block_id, uint64_t have_version,
+                  const precond_roots **out)
+{
+  if (c == NULL || out == NULL)
+    return PRECOND_EINVAL;
+  *out = NULL;
+  pthread_mutex_lock(&c->mu);
+  int st = PRECOND_OK;
+  if (c->roots == NULL || block_id >= c->nblocks) {
+    st = PRECOND_EINVAL;
+  } else {
+    roots_obj *o = c->roots[block_id];
+    if (o != NULL && o->pub.version > have_version) {
+      atomic_fetch_add_explicit(&o->refs, 1, memory_order_relaxed);
+      *out = &o->pub;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_version,
+                       int timeout_ms)
+{
+  if (c == NULL)
+    return PRECOND_EINVAL;
+  struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
+  int st = PRECOND_ETIMEDOUT;
+  pthread_mutex_lock(&c->mu);
+  for (;;) {
+    if (c->roots == NULL || block_id >= c->nblocks) {
+      st = PRECOND_EINVAL;
+      break;
+    }
+    if (c->roots[block_id] != NULL && c->roots[block_id]->pub.version > have_version) {
+      st = PRECOND_OK;
+      break;
+    }
+    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT)
+      break;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Job state                                                                              */
+
+/* Frees the job's queue, roots and layout copy; caller holds mu (or is the only user). */
+static void job_clear(precond_client *c)
+{
+  precond__queue_destroy(&c->queue);
+  if (c->roots != NULL)
+    for (uint32_t i = 0; i < c->nblocks; i++)
+      if (c->roots[i] != NULL)
+        precond_roots_release(&c->roots[i]->pub);
+  free(c->roots);
+  free(c->daemon_have);
+  c->daemon_have = NULL;
+  free(c->block_rows);
+  free(c->block_cols);
+  free(c->job);
+  free(c->register_msg);
+  c->roots = NULL;
+  c->block_rows = c->block_cols = NULL;
+  c->job = NULL;
+  c->register_msg = NULL;
+  c->register_len = 0;
+  c->nblocks = 0;
+  c->newest_step = 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The background thread                                                                  */
+
+/* Sends items as one PushRequest of job. Returns a PRECOND_* code. */
+static int send_batch(precond_client *c, const char *job, precond__item **items, size_t n)
+{
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
+  Precond__V1__BlockStatistics **bp = calloc(n, sizeof(*bp));
+  Precond__V1__PackedMatrix *pm = calloc(2 * n, sizeof(*pm));
+  int st = PRECOND_ENOMEM;
+  if (bs == NULL || bp == NULL || pm == NULL)
+    goto cleanup;
+  req.job = (char *)job;
+  req.step = 0;
+  for (size_t i = 0; i < n; i++) {
+    precond__item *it = items[i];
+    precond__v1__block_statistics__init(&bs[i]);
+    bs[i].block_id = it->block_id;
+    if (it->step > req.step)
+      req.step = it->step;
+    if (it->n_left) {
+      precond__v1__packed_matrix__init(&pm[2 * i]);
+      pm[2 * i].n = it->n_left;
+      pm[2 * i].encoding = (Precond__V1__Encoding)it->encoding;
+      pm[2 * i].data.data = it->data;
+      pm[2 * i].data.len = it->left_bytes;
+      bs[i].left = &pm[2 * i];
+    }
+    if (it->n_right) {
+      precond__v1__packed_matrix__init(&pm[2 * i + 1]);
+      pm[2 * i + 1].n = it->n_right;
+      pm[2 * i + 1].encoding = (Precond__V1__Encoding)it->encoding;
+      pm[2 * i + 1].data.data = it->data + it->left_bytes;
+      pm[2 * i + 1].data.len = it->right_bytes;
+      bs[i].right = &pm[2 * i + 1];
+    }
+    bp[i] = &bs[i];
+  }
+  req.n_blocks = n;
+  req.blocks = bp;
+  ProtobufCMessage *resp = NULL;
+  st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+            0, &resp);
+  if (resp != NULL)
+    protobuf_c_message_free_unpacked(resp, NULL);
+cleanup:
+  free(bs);
+  free(bp);
+  free(pm);
+  return st;
+}
+
+/* Registers again with the kept request after the daemon lost the job. */
+static int reregister(precond_client *c, const uint8_t *msg, size_t len)
+{
+  ProtobufCMessage *req = protobuf_c_message_unpack(&precond__v1__register_request__descriptor,
+                                                    NULL, len, msg);
+  if (req == NULL)
+    return PRECOND_ENOMEM;
+  ProtobufCMessage *resp = NULL;
+  int st = call(c, RPC_METHOD_REGISTER, req, &precond__v1__register_response__descriptor, 0,
+                &resp);
+  if (resp != NULL)
+    protobuf_c_message_free_unpacked(resp, NULL);
+  protobuf_c_message_free_unpacked(req, NULL);
+  return st;
+}
+
+/* Fetch step: asks for blocks newer than the held versions and publishes the answers.
+ * Called with mu held; returns with mu held. */
+static int poll_roots(precond_client *c)
+{
+  uint64_t gen = c->job_gen;
+  char *job = dup_str(c->job);
+  uint32_t nb = c->nblocks;
+  Precond__V1__BlockVersion *bv = calloc(nb ? nb : 1, sizeof(*bv));
+  Precond__V1__BlockVersion **bvp = calloc(nb ? nb : 1, sizeof(*bvp));
+  if (job == NULL || bv == NULL || bvp == NULL) {
+    free(job);
+    free(bv);
+    free(bvp);
+    return PRECOND_ENOMEM;
+  }
+  Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+  req.job = job;
+  req.encoding = (Precond__V1__Encoding)c->opts.fetch_encoding;
+  req.step = c->newest_step;
+  for (uint32_t i = 0; i < nb; i++) {
+    if (c->daemon_have[i] == 0)
+      continue;
+    precond__v1__block_version__init(&bv[req.n_have]);
+    bv[req.n_have].block_id = i;
+    bv[req.n_have].version = c->daemon_have[i];
+    bvp[req.n_have] = &bv[req.n_have];
+    req.n_have++;
+  }
+  req.have = bvp;
+  c->counters.fetch_calls++;
+  pthread_mutex_unlock(&c->mu);
+
+  ProtobufCMessage *msg = NULL;
+  int st = call(c, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+                &precond__v1__fetch_response__descriptor, 0, &msg);
+  /* Decode outside the lock: the copies are the expensive part. */
+  Precond__V1__FetchResponse *resp = (Precond__V1__FetchResponse *)msg;
+  size_t nr = resp ? resp->n_preconditioners : 0;
+  roots_obj **got = calloc(nr ? nr : 1, sizeof(*got));
+  size_t bad = 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; got != NULL && i < nr; i++) {
+    const Precond__V1__BlockRoots *b = resp->preconditioners[i];
+    got[i] = b->block_id < nb ? roots_from_wire(b) : NULL;
+    if (got[i] == NULL)
+      bad++;
+    bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
+  }
+
+  pthread_mutex_lock(&c->mu);
+  size_t published = 0;
+  for (size_t i = 0; got != NULL && i < nr; i++) {
+    roots_obj *o = got[i];
+    if (o == NULL)
+      continue;
+    uint32_t id = o->pub.block_id;
+    if (c->job_gen == gen && o->pub.daemon_version > c->daemon_have[id]) {
+      roots_obj *old = c->roots[id];
+      o->pub.version = old != NULL ? old->pub.version + 1 : 1;
+      c->daemon_have[id] = o->pub.daemon_version;
+      c->roots[id] = o;
+      published++;
+      if (old != NULL)
+        precond_roots_release(&old->pub);
+    } else {
+      precond_roots_release(&o->pub);
+    }
+  }
+  c->counters.roots_received += published;
+  c->counters.bytes_received += bytes;
+  if (bad > 0) {
+    snprintf(c->error, sizeof c->error, "FetchPreconditioners: %zu malformed block answers",
+             bad);
+    if (st == PRECOND_OK)
+      st = PRECOND_EPROTO;
+  }
+  if (published > 0)
+    pthread_cond_broadcast(&c->progress);
+  if (got == NULL && st == PRECOND_OK)
+    st = PRECOND_ENOMEM;
+  free(got);
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  free(job);
+  free(bv);
+  free(bvp);
+  return st;
+}
+
+/* Push step: one batch from the queue. Called with mu held; returns with mu held. On a
+ * transient failure (daemon away, or lost the job) the batch goes back into the queue and
+ * the status is returned so the caller can back off or register again. */
+static int push_some(precond_client *c)
+{
+  precond__item *items[256];
+  size_t n = precond__queue_take(&c->queue, items, 256, c->opts.max_message_bytes / 2);
+  if (n == 0)
+    return PRECOND_OK;
+  uint64_t gen = c->job_gen;
+  char *job = dup_str(c->job);
+  c->inflight = n;
+  pthread_mutex_unlock(&c->mu);
+
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n; i++)
+    bytes += precond__item_bytes(items[i]);
+  int st = job ? send_batch(c, job, items, n) : PRECOND_ENOMEM;
+
+  pthread_mutex_lock(&c->mu);
+  c->inflight = 0;
+  int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT ||
+                  st == PRECOND_ENOMEM || st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
+  if (transient && c->job_gen == gen && !c->stop) {
+    precond__queue_requeue(&c->queue, items, n, &c->counters.coalesced, &c->counters.dropped);
+  } else {
+    if (st == PRECOND_OK) {
+      c->counters.sent += n;
+      c->counters.bytes_sent += bytes;
+    } else if (c->job_gen == gen) {
+      c->counters.push_errors += n;
+    }
+    for (size_t i = 0; i < n; i++)
+      precond__item_free(items[i]);
+  }
+  pthread_cond_broadcast(&c->progress);
+  free(job);
+  return transient ? st : PRECOND_OK;
+}
+
+/* The daemon lost the job (restart without its state): register again with the kept
+ * request, and forget the daemon versions held so its new roots are accepted whatever
+ * their numbers. Called with mu held; returns with mu held. */
+static int recover_job(precond_client *c)
+{
+  uint64_t gen = c->job_gen;
+  size_t len = c->register_len;
+  uint8_t *reg = malloc(len ? len : 1);
+  if (reg == NULL)
+    return PRECOND_ENOMEM;
+  memcpy(reg, c->register_msg, len);
+  pthread_mutex_unlock(&c->mu);
+  int st = reregister(c, reg, len);
+  free(reg);
+  pthread_mutex_lock(&c->mu);
+  if (st == PRECOND_OK && c->job_gen == gen) {
+    memset(c->daemon_have, 0, c->nblocks * sizeof(*c->daemon_have));
+    c->counters.reregistered++;
+  }
+  return st;
+}
+
+static void *thread_main(void *arg)
+{
+  precond_client *c = arg;
+  long backoff = 0;
+  struct timespec next_poll = deadline_in(0);
+  pthread_mutex_lock(&c->mu);
+  while (!c->stop) {
+    if (c->job == NULL) {
+      pthread_cond_wait(&c->wake, &c->mu);
+      continue;
+    }
+    int st = PRECOND_OK, worked = 0;
+    if (passed(&next_poll)) {
+      st = poll_roots(c);
+      next_poll = deadline_in(c->opts.poll_interval_ms);
+      worked = 1;
+    } else if (c->queue.length > 0) {
+      st = push_some(c);
+      worked = 1;
+    }
+    if (st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
+      c->counters.retries++;
+      st = recover_job(c);
+      if (st == PRECOND_OK)
+        continue;  /* send or poll again at once */
+    }
+    if (st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
+        st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
+      /* The daemon is away (or has not got the job yet): back off before trying again,
+       * doubling up to the cap; a successful call resets it. */
+      c->counters.retries++;
+      backoff = backoff == 0 ? c->opts.backoff_initial_ms : 2 * backoff;
+      if (backoff > c->opts.backoff_max_ms)
+        backoff = c->opts.backoff_max_ms;
+      struct timespec until = deadline_in(backoff);
+      while (!c->stop && pthread_cond_timedwait(&c->wake, &c->mu, &until) != ETIMEDOUT) {
+      }
+      next_poll = deadline_in(0);
+      continue;
+    }
+    if (st == PRECOND_OK)
+      backoff = 0;
+    if (!worked && !c->stop && c->queue.length == 0)
+      pthread_cond_timedwait(&c->wake, &c->mu, &next_poll);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Connection                                                                             */
+
+void precond_options_default(precond_options *o)
+{
+  memset(o, 0, sizeof(*o));
+  o->addr = "127.0.0.1:50551";
+  o->token = NULL;
+  o->wait_for_ready = 1;
+  o->connect_timeout_ms = 5000;
+  o->call_timeout_ms = 10000;
+  o->queue_blocks = 1024;
+  o->max_message_bytes = RPC_DEFAULT_MAX_MESSAGE_BYTES;
+  o->poll_interval_ms = 20;
+  o->backoff_initial_ms = 50;
+  o->backoff_max_ms = 2000;
+  o->fetch_encoding = PRECOND_FP32;
+  o->background = 1;
+}
+
+static int options_check(const precond_options *o)
+{
+  if (o->addr == NULL || o->addr[0] == '\0' || o->call_timeout_ms <= 0 ||
+      o->queue_blocks == 0 || o->poll_interval_ms <= 0 || o->backoff_initial_ms <= 0 ||
+      o->backoff_max_ms < o->backoff_initial_ms || o->max_message_bytes < 1024 ||
+      o->max_message_bytes > RPC_MAX_MESSAGE_BYTES_CAP ||
+      (o->fetch_encoding != PRECOND_FP32 && o->fetch_encoding != PRECOND_BF16))
+    return PRECOND_EINVAL;
+  return PRECOND_OK;
+}
+
+static grpc_channel *channel_create(const precond_options *o)
+{
+  grpc_arg args[5];
+  grpc_channel_args ca;
+  rpc_size_args(&ca, args, o->max_message_bytes);
+  /* Reconnect quickly after a daemon restart; the thread's own backoff paces the calls. */
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
+  args[2].value.integer = o->backoff_initial_ms;
+  args[3].type = GRPC_ARG_INTEGER;
+  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
+  args[3].value.integer = o->backoff_max_ms;
+  args[4].type = GRPC_ARG_INTEGER;
+  args[4].key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS;
+  args[4].value.integer = o->backoff_initial_ms;
+  ca.num_args = 5;
+  ca.args = args;
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel *ch = grpc_channel_create(o->addr, creds, &ca);
+  grpc_channel_credentials_release(creds);
+  return ch;
+}
+
+/* Waits until the channel is READY or timeout_ms passes. */
+static int channel_wait_ready(grpc_channel *ch, int timeout_ms)
+{
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  gpr_timespec until = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                    gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+  int ready = 0;
+  for (;;) {
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch, 1);
+    if (s == GRPC_CHANNEL_READY) {
+      ready = 1;
+      break;
+    }
+    if (gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), until) >= 0 || s == GRPC_CHANNEL_SHUTDOWN)
+      break;
+    grpc_channel_watch_connectivity_state(ch, s, until, cq, NULL);
+    grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+  }
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  return ready;
+}
+
+int precond_connect(const precond_options *opts, precond_client **out)
+{
+  precond_options defaults;
+  if (opts == NULL) {
+    precond_options_default(&defaults);
+    opts = &defaults;
+  }
+  if (out == NULL || options_check(opts) != PRECOND_OK)
+    return PRECOND_EINVAL;
+  *out = NULL;
+  precond_client *c = calloc(1, sizeof(*c));
+  if (c == NULL)
+    return PRECOND_ENOMEM;
+  int st = PRECOND_ENOMEM;
+  int mu_ok = 0, wake_ok = 0, progress_ok = 0, grpc_ok = 0;
+  c->opts = *opts;
+  c->addr = dup_str(opts->addr);
+  c->token = opts->token && opts->token[0] ? dup_str(opts->token) : NULL;
+  c->opts.addr = c->addr;
+  c->opts.token = c->token;
+  if (c->addr == NULL || (opts->token && opts->token[0] && c->token == NULL))
+    goto fail;
+  mu_ok = pthread_mutex_init(&c->mu, NULL) == 0;
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  wake_ok = pthread_cond_init(&c->wake, &ca) == 0;
+  progress_ok = pthread_cond_init(&c->progress, &ca) == 0;
+  pthread_condattr_destroy(&ca);
+  if (!mu_ok || !wake_ok || !progress_ok)
+    goto fail;
+  grpc_init();
+  grpc_ok = 1;
+  c->channel = channel_create(&c->opts);
+  if (c->channel == NULL)
+    goto fail;
+  if (opts->connect_timeout_ms > 0 && !channel_wait_ready(c->channel, opts->connect_timeout_ms)) {
+    st = PRECOND_EUNAVAILABLE;
+    goto fail;
+  }
+  if (opts->background) {
+    if (pthread_create(&c->thread, NULL, thread_main, c) != 0) {
+      st = PRECOND_ETHREAD;
+      goto fail;
+    }
+    c->thread_started = 1;
+  }
+  *out = c;
+  return PRECOND_OK;
+
+fail:
+  if (c->channel != NULL)
+    grpc_channel_destroy(c->channel);
+  if (grpc_ok)
+    grpc_shutdown();
+  if (progress_ok)
+    pthread_cond_destroy(&c->progress);
+  if (wake_ok)
+    pthread_cond_destroy(&c->wake);
+  if (mu_ok)
+    pthread_mutex_destroy(&c->mu);
+  free(c->addr);
+  free(c->token);
+  free(c);
+  return st;
+}
+
+void precond_close(precond_client *c)
+{
+  if (c == NULL)
+    return;
+  if (c->thread_started) {
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_broadcast(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->thread, NULL);
+  }
+  job_clear(c);
+  grpc_channel_destroy(c->channel);
+  grpc_shutdown();
+  pthread_cond_destroy(&c->progress);
+  pthread_cond_destroy(&c->wake);
+  pthread_mutex_destroy(&c->mu);
+  free(c->addr);
+  free(c->token);
+  free(c);
+}
+
+void precond_last_error(precond_client *c, char *buf, size_t len)
+{
+  if (buf == NULL || len == 0)
+    return;
+  buf[0] = '\0';
+  if (c == NULL)
+    return;
+  pthread_mutex_lock(&c->mu);
+  snprintf(buf, len, "%s", c->error);
+  pthread_mutex_unlock(&c->mu);
+}
+
+void precond_get_counters(precond_client *c, precond_counters *out)
+{
+  if (c == NULL || out == NULL)
+    return;
+  pthread_mutex_lock(&c->mu);
+  *out = c->counters;
+  out->queued = c->queue.length;
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Register                                                                               */
+
+static int register_check(const char *job, size_t ntensors, const precond_tensor *tensors,
+                          const precond_layout *layout)
+{
+  if (job == NULL || job[0] == '\0' || layout == NULL || ntensors == 0 || tensors == NULL)
+    return PRECOND_EINVAL;
+  for (size_t i = 0; i < ntensors; i++) {
+    if (tensors[i].name == NULL || tensors[i].rank < 1 || tensors[i].shape == NULL)
+      return PRECOND_EINVAL;
+    for (int d = 0; d < tensors[i].rank; d++)
+      if (tensors[i].shape[d] == 0)
+        return PRECOND_EINVAL;
+  }
+  return PRECOND_OK;
+}
+
+void precond_layout_destroy(precond_layout *layout)
+{
+  if (layout == NULL)
+    return;
+  free(layout->blocks);
+  free(layout->diagonal_tensors);
+  memset(layout, 0, sizeof(*layout));
+}
+
+int precond_register(precond_client *c, const char *job, precond_mode mode,
+                     const char *worker, size_t ntensors, const precond_tensor *tensors,
+                     const precond_shampoo_opts *opts, precond_layout *layout)
+{
+  if (c == NULL || register_check(job, ntensors, tensors, layout) != PRECOND_OK)
+    return PRECOND_EINVAL;
+  memset(layout, 0, sizeof(*layout));
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  Precond__V1__TensorSpec *ts = calloc(ntensors, sizeof(*ts));
+  Precond__V1__TensorSpec **tp = calloc(ntensors, sizeof(*tp));
+  ProtobufCMessage *msg = NULL;
+  uint8_t *packed = NULL;
+  precond__queue q = {0};
+  roots_obj **roots = NULL;
+  uint64_t *have = NULL;
+  uint32_t *rows = NULL, *cols = NULL;
+  char *job_copy = dup_str(job);
+  int st = PRECOND_ENOMEM;
+  if (ts == NULL || tp == NULL || job_copy == NULL)
+    goto cleanup;
+  for (size_t i = 0; i < ntensors; i++) {
+    precond__v1__tensor_spec__init(&ts[i]);
+    ts[i].name = (char *)tensors[i].name;
+    ts[i].n_shape = (size_t)tensors[i].rank;
+    ts[i].shape = (uint64_t *)tensors[i].shape;
+    tp[i] = &ts[i];
+  }
+  if (opts != NULL) {
+    so.block_size = opts->block_size;
+    so.skip_limit = opts->skip_limit;
+    so.beta2 = opts->beta2;
+    so.root_exponent = opts->root_exponent;
+    so.epsilon = opts->epsilon;
+    so.method = (Precond__V1__Method)opts->method;
+  }
+  req.job = (char *)job;
+  req.mode = (Precond__V1__Mode)mode;
+  req.n_tensors = ntensors;
+  req.tensors = tp;
+  req.shampoo = &so;
+  req.worker = (char *)(worker ? worker : "");
+  size_t plen = protobuf_c_message_get_packed_size(&req.base);
+  packed = malloc(plen ? plen : 1);
+  if (packed == NULL)
+    goto cleanup;
+  protobuf_c_message_pack(&req.base, packed);
+
+  st = call(c, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
+            c->opts.wait_for_ready, &msg);
+  if (st != PRECOND_OK)
+    goto cleanup;
+  const Precond__V1__RegisterResponse *resp = (const Precond__V1__RegisterResponse *)msg;
+  size_t nb = resp->n_blocks;
+  st = PRECOND_EPROTO;
+  /* Block ids index the job's block list: the daemon must number them 0..n-1 in order, and
+   * their shape must fit in a PackedMatrix's uint32 n. */
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockInfo *b = resp->blocks[i];
+    if (b->block_id != i || b->tensor >= ntensors || b->rows > UINT32_MAX || b->cols > UINT32_MAX) {
+      set_error(c, "Register", "daemon answered a block layout that is not 0..n-1");
+      goto cleanup;
+    }
+  }
+  st = PRECOND_ENOMEM;
+  layout->blocks = calloc(nb ? nb : 1, sizeof(*layout->blocks));
+  layout->diagonal_tensors = calloc(resp->n_diagonal_tensors ? resp->n_diagonal_tensors : 1,
+                                    sizeof(uint32_t));
+  roots = calloc(nb ? nb : 1, sizeof(*roots));
+  have = calloc(nb ? nb : 1, sizeof(*have));
+  rows = calloc(nb ? nb : 1, sizeof(*rows));
+  cols = calloc(nb ? nb : 1, sizeof(*cols));
+  if (layout->blocks == NULL || layout->diagonal_tensors == NULL || roots == NULL || have == NULL ||
+      rows == NULL || cols == NULL || precond__queue_init(&q, c->opts.queue_blocks, (uint32_t)nb) != 0) {
+    precond_layout_destroy(layout);
+    goto cleanup;
+  }
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockInfo *b = resp->blocks[i];
+    layout->blocks[i] = (precond_block){.block_id = b->block_id, .tensor = b->tensor,
+                                        .row0 = b->row0, .rows = b->rows, .col0 = b->col0,
+                                        .cols = b->cols, .owner = b->owner};
+    rows[i] = (uint32_t)b->rows;
+    cols[i] = (uint32_t)b->cols;
+  }
+  layout->nblocks = nb;
+  layout->ndiagonal = resp->n_diagonal_tensors;
+  memcpy(layout->diagonal_tensors, resp->diagonal_tensors,
+         resp->n_diagonal_tensors * sizeof(uint32_t));
+  layout->resumed_step = resp->resumed_step;
+
+  /* Swap the new job in; the old one's queue and roots are freed with it. */
+  pthread_mutex_lock(&c->mu);
+  job_clear(c);
+  c->job = job_copy;
+  c->register_msg = packed;
+  c->register_len = plen;
+  c->nblocks = (uint32_t)nb;
+  c->block_rows = rows;
+  c->block_cols = cols;
+  c->roots = roots;
+  c->daemon_have = have;
+  c->queue = q;
+  c->job_gen++;
+  pthread_cond_broadcast(&c->wake);
+  pthread_mutex_unlock(&c->mu);
+  job_copy = NULL;
+  packed = NULL;
+  rows = cols = NULL;
+  roots = NULL;
+  have = NULL;
+  q = (precond__queue){0};
+  st = PRECOND_OK;
+
+cleanup:
+  precond__queue_destroy(&q);
+  free(roots);
+  free(have);
+  free(rows);
+  free(cols);
+  free(packed);
+  free(job_copy);
+  free(ts);
+  free(tp);
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Push and flush                                                                         */
+
+int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
+                 const float *left, uint32_t n_right, const float *right, precond_encoding enc)
+{
+  if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
+      (enc != PRECOND_FP32 && enc != PRECOND_BF16))
+    return PRECOND_EINVAL;
+  pthread_mutex_lock(&c->mu);
+  int ok = c->thread_started && c->job != NULL && block_id < c->nblocks &&
+           n_left == c->block_rows[block_id] && n_right == c->block_cols[block_id];
+  pthread_mutex_unlock(&c->mu);
+  if (!ok)
+    return PRECOND_EINVAL;
+  size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
+  /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
+  if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
+    return PRECOND_EINVAL;
+  size_t es = enc == PRECOND_BF16 ? sizeof(uint16_t) : sizeof(float);
+  precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
+                                        cr * es);
+  if (it == NULL)
+    return PRECOND_ENOMEM;
+  if (enc == PRECOND_BF16) {
+    pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
+    pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
+  } else {
+    memcpy(it->data, left, cl * es);
+    memcpy(it->data + cl * es, right, cr * es);
+  }
+  pthread_mutex_lock(&c->mu);
+  /* The job may have been replaced while copying: check again. */
+  if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||
+      n_right != c->block_cols[block_id]) {
+    pthread_mutex_unlock(&c->mu);
+    precond__item_free(it);
+    return PRECOND_EINVAL;
+  }
+  int r = precond__queue_put(&c->queue, it);
+  c->counters.pushed++;
+  if (r == PRECOND__COALESCED)
+    c->counters.coalesced++;
+  else if (r == PRECOND__DROPPED_OLDEST)
+    c->counters.dropped++;
+  if (step > c->newest_step)
+    c->newest_step = step;
+  pthread_cond_signal(&c->wake);
+  pthread_mutex_unlock(&c->mu);
+  return PRECOND_OK;
+}
+
+int precond_flush(precond_client *c, int timeout_ms)
+{
+  if (c == NULL)
+    return PRECOND_EINVAL;
+  struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
+  int st = PRECOND_ETIMEDOUT;
+  pthread_mutex_lock(&c->mu);
+  for (;;) {
+    if (c->queue.length == 0 && c->inflight == 0) {
+      st = PRECOND_OK;
+      break;
+    }
+    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT)
+      break;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Stats and health                                                                       */
+
+void precond_stats_destroy(precond_stats *s)
+{
+  if (s == NULL)
+    return;
+  for (size_t i = 0; i < s->njobs && s->job_stats; i++)
+    free(s->job_stats[i].job);
+  for (size_t i = 0; i < s->nblocks && s->block_stats; i++) {
+    free(s->block_stats[i].job);
+    free(s->block_stats[i].tensor);
+  }
+  free(s->job_stats);
+  free(s->block_stats);
+  free(s->version);
+  memset(s, 0, sizeof(*s));
+}
+
+/* Deep copy of a StatsResponse into the public struct. */
+static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
+{
+  memset(s, 0, sizeof(*s));
+  s->version = dup_str(r->version ? r->version : "");
+  s->uptime_s = r->uptime_s;
+  s->jobs = r->jobs;
+  s->threads = r->threads;
+  s->replicas = r->replicas;
+  s->rank = r->rank;
+  s->queue_depth = r->queue_depth;
+  s->roots_computed = r->roots_computed;
+  s->roots_failed = r->roots_failed;
+  s->compute_ms_p50 = r->compute_ms_p50;
+  s->compute_ms_p90 = r->compute_ms_p90;
+  s->compute_ms_p99 = r->compute_ms_p99;
+  s->bytes_in = r->bytes_in;
+  s->bytes_out = r->bytes_out;
+  s->memory_bytes = r->memory_bytes;
+  s->rejected_pushes = r->rejected_pushes;
+  s->snapshots_written = r->snapshots_written;
+  s->last_snapshot_age_s = r->last_snapshot_age_s;
+  s->job_stats = calloc(r->n_job_stats ? r->n_job_stats : 1, sizeof(*s->job_stats));
+  s->block_stats = calloc(r->n_block_stats ? r->n_block_stats : 1, sizeof(*s->block_stats));
+  if (s->version == NULL || s->job_stats == NULL || s->block_stats == NULL)
+    goto fail;
+  for (size_t i = 0; i < r->n_job_stats; i++) {
+    const Precond__V1__JobStats *j = r->job_stats[i];
+    precond_job_stats *d = &s->job_stats[i];
+    s->njobs = i + 1;
+    d->job = dup_str(j->job ? j->job : "");
+    d->mode = (precond_mode)j->mode;
+    d->blocks = j->blocks;
+    d->workers = j->workers;
+    d->last_step = j->last_step;
+    if (d->job == NULL)
+      goto fail;
+  }
+  for (size_t i = 0; i < r->n_block_stats; i++) {
+    const Precond__V1__BlockStats *b = r->block_stats[i];
+    precond_block_stats *d = &s->block_stats[i];
+    s->nblocks = i + 1;
+    d->job = dup_str(b->job ? b->job : "");
+    d->tensor = dup_str(b->tensor ? b->tensor : "");
+    d->block_id = b->block_id;
+    d->rows = b->rows;
+    d->cols = b->cols;
+    d->version = b->version;
+    d->stat_step = b->stat_step;
+    d->root_step = b->root_step;
+    d->staleness = b->staleness;
+    d->roots_computed = b->roots_computed;
+    d->roots_failed = b->roots_failed;
+    d->last_error = b->last_error;
+    d->last_compute_ms = b->last_compute_ms;
+    d->owner = b->owner;
+    if (d->job == NULL || d->tensor == NULL)
+      goto fail;
+  }
+  return PRECOND_OK;
+fail:
+  precond_stats_destroy(s);
+  return PRECOND_ENOMEM;
+}
+
+int precond_get_stats(precond_client *c, const char *job, int blocks, precond_stats *out)
+{
+  if (c == NULL || out == NULL)
+    return PRECOND_EINVAL;
+  memset(out, 0, sizeof(*out));
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  req.job = (char *)(job ? job : "");
+  req.blocks = blocks != 0;
+  ProtobufCMessage *msg = NULL;
+  int st = call(c, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+                c->opts.wait_for_ready, &msg);
+  if (st == PRECOND_OK)
+    st = stats_copy((const Precond__V1__StatsResponse *)msg, out);
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  return st;
+}
+
+int precond_health(precond_client *c, const char *service, int *serving,
+                   const char **status_name)
+{
+  if (c == NULL || serving == NULL)
+    return PRECOND_EINVAL;
+  *serving = 0;
+  if (status_name != NULL)
+    *status_name = "UNKNOWN";
+  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  req.service = (char *)(service ? service : "");
+  ProtobufCMessage *msg = NULL;
+  int st = call(c, RPC_METHOD_HEALTH_CHECK, &req.base,
+                &grpc__health__v1__health_check_response__descriptor, c->opts.wait_for_ready,
+                &msg);
+  if (st == PRECOND_OK) {
+    const Grpc__Health__V1__HealthCheckResponse *r =
+        (const Grpc__Health__V1__HealthCheckResponse *)msg;
+    switch (r->status) {
+    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING:
+      *serving = 1;
+      if (status_name != NULL)
+        *status_name = "SERVING";
+      break;
+    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING:
+      if (status_name != NULL)
+        *status_name = "NOT_SERVING";
+      break;
+    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN:
+      if (status_name != NULL)
+        *status_name = "SERVICE_UNKNOWN";
+      break;
+    default:
+      break;
+    }
+  }
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  return st;
+}

@@ -1,0 +1,243 @@
+/*
+ * format.c -- precondctl's tables and JSON documents (see format.h).
+ *
+ * JSON is written by hand: the documents are flat and small, and the project must not pull
+ * in a JSON library for a CLI. Numbers use %.17g/%llu so scripts read back exact values;
+ * non-finite doubles (never expected from the daemon) become null to stay valid JSON.
+ */
+#include "format.h"
+
+#include <inttypes.h>
+#include <math.h>
+
+const char *precond__mode_name(int mode)
+{
+  switch (mode) {
+  case PRECOND_MODE_SHAMPOO: return "shampoo";
+  case PRECOND_MODE_KFAC: return "kfac";
+  case PRECOND_MODE_ABS: return "abs";
+  default: return "unknown";
+  }
+}
+
+const char *precond__method_name(int method)
+{
+  switch (method) {
+  case PRECOND_METHOD_NEWTON: return "newton";
+  case PRECOND_METHOD_NEWTON_TEXTBOOK: return "newton-textbook";
+  case PRECOND_METHOD_EIGH: return "eigh";
+  default: return "unknown";
+  }
+}
+
+void precond__json_string(FILE *f, const char *s)
+{
+  fputc('"', f);
+  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+    switch (*p) {
+    case '"': fputs("\\\"", f); break;
+    case '\\': fputs("\\\\", f); break;
+    case '\n': fputs("\\n", f); break;
+    case '\r': fputs("\\r", f); break;
+    case '\t': fputs("\\t", f); break;
+    default:
+      if (*p < 0x20)
+        fprintf(f, "\\u%04x", *p);
+      else
+        fputc(*p, f);
+    }
+  }
+  fputc('"', f);
+}
+
+static void json_double(FILE *f, double x)
+{
+  if (isfinite(x))
+    fprintf(f, "%.17g", x);
+  else
+    fputs("null", f);
+}
+
+static void json_key(FILE *f, const char *key, int *first)
+{
+  if (!*first)
+    fputc(',', f);
+  *first = 0;
+  fprintf(f, "\"%s\":", key);
+}
+
+static void kv_u64(FILE *f, const char *key, uint64_t v, int *first)
+{
+  json_key(f, key, first);
+  fprintf(f, "%" PRIu64, v);
+}
+
+static void kv_i64(FILE *f, const char *key, int64_t v, int *first)
+{
+  json_key(f, key, first);
+  fprintf(f, "%" PRId64, v);
+}
+
+static void kv_dbl(FILE *f, const char *key, double v, int *first)
+{
+  json_key(f, key, first);
+  json_double(f, v);
+}
+
+static void kv_str(FILE *f, const char *key, const char *v, int *first)
+{
+  json_key(f, key, first);
+  precond__json_string(f, v);
+}
+
+/* Human-readable byte count: "12.3 MiB". */
+static void human_bytes(char *buf, size_t len, uint64_t bytes)
+{
+  static const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double x = (double)bytes;
+  int u = 0;
+  while (x >= 1024.0 && u < 4) {
+    x /= 1024.0;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", bytes);
+  else
+    snprintf(buf, len, "%.1f %s", x, unit[u]);
+}
+
+static void json_job(FILE *f, const precond_job_stats *j)
+{
+  int first = 1;
+  fputc('{', f);
+  kv_str(f, "job", j->job, &first);
+  kv_str(f, "mode", precond__mode_name(j->mode), &first);
+  kv_u64(f, "blocks", j->blocks, &first);
+  kv_u64(f, "workers", j->workers, &first);
+  kv_u64(f, "last_step", j->last_step, &first);
+  fputc('}', f);
+}
+
+int precond__format_stats(FILE *f, const precond_stats *s, int json)
+{
+  if (json) {
+    int first = 1;
+    fputc('{', f);
+    kv_str(f, "version", s->version, &first);
+    kv_dbl(f, "uptime_s", s->uptime_s, &first);
+    kv_u64(f, "jobs", s->jobs, &first);
+    kv_u64(f, "threads", s->threads, &first);
+    kv_u64(f, "replicas", s->replicas, &first);
+    kv_i64(f, "rank", s->rank, &first);
+    kv_u64(f, "queue_depth", s->queue_depth, &first);
+    kv_u64(f, "roots_computed", s->roots_computed, &first);
+    kv_u64(f, "roots_failed", s->roots_failed, &first);
+    kv_dbl(f, "compute_ms_p50", s->compute_ms_p50, &first);
+    kv_dbl(f, "compute_ms_p90", s->compute_ms_p90, &first);
+    kv_dbl(f, "compute_ms_p99", s->compute_ms_p99, &first);
+    kv_u64(f, "bytes_in", s->bytes_in, &first);
+    kv_u64(f, "bytes_out", s->bytes_out, &first);
+    kv_u64(f, "memory_bytes", s->memory_bytes, &first);
+    kv_u64(f, "rejected_pushes", s->rejected_pushes, &first);
+    kv_u64(f, "snapshots_written", s->snapshots_written, &first);
+    kv_dbl(f, "last_snapshot_age_s", s->last_snapshot_age_s, &first);
+    json_key(f, "job_stats", &first);
+    fputc('[', f);
+    for (size_t i = 0; i < s->njobs; i++) {
+      if (i > 0)
+        fputc(',', f);
+      json_job(f, &s->job_stats[i]);
+    }
+    fputs("]}\n", f);
+    return ferror(f) ? -1 : 0;
+  }
+
+  char in[32], out[32], mem[32];
+  human_bytes(in, sizeof in, s->bytes_in);
+  human_bytes(out, sizeof out, s->bytes_out);
+  human_bytes(mem, sizeof mem, s->memory_bytes);
+  fprintf(f, "precondd %s  up %.1f s  rank %d of %u replicas  %u threads\n",
+          s->version ? s->version : "?", s->uptime_s, (int)s->rank, s->replicas, s->threads);
+  fprintf(f, "%-20s %" PRIu64 "\n", "queue depth", s->queue_depth);
+  fprintf(f, "%-20s %" PRIu64 " computed, %" PRIu64 " failed\n", "roots", s->roots_computed,
+          s->roots_failed);
+  fprintf(f, "%-20s p50 %.3f  p90 %.3f  p99 %.3f\n", "compute ms", s->compute_ms_p50,
+          s->compute_ms_p90, s->compute_ms_p99);
+  fprintf(f, "%-20s in %s, out %s\n", "bytes", in, out);
+  fprintf(f, "%-20s %s\n", "memory", mem);
+  fprintf(f, "%-20s %" PRIu64 "\n", "rejected pushes", s->rejected_pushes);
+  fprintf(f, "%-20s %" PRIu64 " written, last %.1f s ago\n", "snapshots",
+          s->snapshots_written, s->last_snapshot_age_s);
+  fprintf(f, "\n%-24s %-8s %8s %8s %12s\n", "JOB", "MODE", "BLOCKS", "WORKERS", "LAST STEP");
+  for (size_t i = 0; i < s->njobs; i++) {
+    const precond_job_stats *j = &s->job_stats[i];
+    fprintf(f, "%-24s %-8s %8u %8u %12" PRIu64 "\n", j->job ? j->job : "",
+            precond__mode_name(j->mode), j->blocks, j->workers, j->last_step);
+  }
+  if (s->njobs == 0)
+    fputs("(no jobs)\n", f);
+  return ferror(f) ? -1 : 0;
+}
+
+int precond__format_blocks(FILE *f, const precond_stats *s, int json)
+{
+  if (json) {
+    fputs("{\"blocks\":[", f);
+    for (size_t i = 0; i < s->nblocks; i++) {
+      const precond_block_stats *b = &s->block_stats[i];
+      int first = 1;
+      if (i > 0)
+        fputc(',', f);
+      fputc('{', f);
+      kv_str(f, "job", b->job, &first);
+      kv_u64(f, "block_id", b->block_id, &first);
+      kv_str(f, "tensor", b->tensor, &first);
+      kv_u64(f, "rows", b->rows, &first);
+      kv_u64(f, "cols", b->cols, &first);
+      kv_u64(f, "version", b->version, &first);
+      kv_u64(f, "stat_step", b->stat_step, &first);
+      kv_u64(f, "root_step", b->root_step, &first);
+      kv_u64(f, "staleness", b->staleness, &first);
+      kv_u64(f, "roots_computed", b->roots_computed, &first);
+      kv_u64(f, "roots_failed", b->roots_failed, &first);
+      kv_dbl(f, "last_error", b->last_error, &first);
+      kv_dbl(f, "last_compute_ms", b->last_compute_ms, &first);
+      kv_i64(f, "owner", b->owner, &first);
+      fputc('}', f);
+    }
+    fputs("]}\n", f);
+    return ferror(f) ? -1 : 0;
+  }
+
+  fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %10s %9s %5s\n", "JOB", "BLOCK",
+          "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED", "ERROR",
+          "MS", "OWNER");
+  for (size_t i = 0; i < s->nblocks; i++) {
+    const precond_block_stats *b = &s->block_stats[i];
+    char shape[32];
+    snprintf(shape, sizeof shape, "%" PRIu64 "x%" PRIu64, b->rows, b->cols);
+    fprintf(f,
+            "%-16s %5u %-20s %11s %7" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6" PRIu64
+            " %7" PRIu64 " %6" PRIu64 " %10.2e %9.3f %5d\n",
+            b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", shape, b->version,
+            b->stat_step, b->root_step, b->staleness, b->roots_computed, b->roots_failed,
+            b->last_error, b->last_compute_ms, (int)b->owner);
+  }
+  if (s->nblocks == 0)
+    fputs("(no blocks)\n", f);
+  return ferror(f) ? -1 : 0;
+}
+
+int precond__format_health(FILE *f, const char *addr, const char *status_name, int json)
+{
+  if (json) {
+    int first = 1;
+    fputc('{', f);
+    kv_str(f, "addr", addr, &first);
+    kv_str(f, "status", status_name, &first);
+    fputs("}\n", f);
+  } else {
+    fprintf(f, "%s: %s\n", addr ? addr : "", status_name ? status_name : "");
+  }
+  return ferror(f) ? -1 : 0;
+}

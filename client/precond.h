@@ -1,0 +1,301 @@
+/*
+ * precond.h -- libprecond, the C client a training worker links: the one public header of
+ * client/. Public names carry the prefix precond_; internal ones live in .c files as static
+ * functions or with the prefix precond__ (queue.h, format.h: internal, not for outside code).
+ *
+ * The model
+ * - A precond_client talks to one precondd (TCP "127.0.0.1:PORT" or "unix:/path") for one
+ *   job. precond_register names the job's tensors and returns the block layout.
+ * - precond_push copies a block's packed statistics into a bounded in-memory queue and returns
+ *   at once: a background thread sends the queue (PushStatistics), so a training step never
+ *   waits on the network. The same thread polls FetchPreconditioners for blocks newer than the
+ *   ones it holds and publishes each new version atomically; precond_fetch hands out the
+ *   newest version already received and never blocks on the network.
+ * - Queue policy when a push arrives (capacity = options.queue_blocks blocks):
+ *     1. coalesce: if a push for the same block is still queued (not yet sent), the newer one
+ *        replaces it (counted in precond_counters.coalesced). Statistics are increments, so
+ *        this skips the older step's increment for that block, like a statistics interval of
+ *        2 for that step; the daemon's EMA or sum carries on from the newer one.
+ *     2. else, if the queue is full, the oldest queued block is dropped (counted in
+ *        precond_counters.dropped) and the new one is queued.
+ *   A push is never refused for lack of room and never blocks.
+ * - Sends that fail because the daemon is unreachable are retried with exponential backoff
+ *   (options.backoff_initial_ms doubling up to backoff_max_ms); the unsent blocks go back to
+ *   the front of the queue unless a newer push for the same block has arrived meanwhile. If
+ *   the daemon answers NOT_FOUND or FAILED_PRECONDITION to a push or a fetch (it restarted and
+ *   lost the job), the thread registers again with the last registration and retries; it then
+ *   accepts the new daemon's roots whatever their version numbers (precond_roots.version, the
+ *   client's own count, keeps increasing). Blocks the daemon rejects
+ *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
+ *   message is kept (precond_last_error).
+ *
+ * Conventions
+ * - Functions return int: PRECOND_OK (0) or a negative PRECOND_E* code; precond_strerror
+ *   turns a code into a static message. Calls that reach the daemon keep its status message;
+ *   precond_last_error copies the newest one.
+ * - Every function is thread-safe on one client, except precond_close, which must be the
+ *   last call on it.
+ * - Matrices travel as packed upper triangles, row by row (pc_packed_len(n) values; see
+ *   preconditioner.h, pc_pack_f32).
+ */
+#ifndef PRECOND_CLIENT_PRECOND_H
+#define PRECOND_CLIENT_PRECOND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* Status codes                                                                           */
+
+enum {
+  PRECOND_OK = 0,
+  PRECOND_EINVAL = -1,         /* bad argument (NULL, size, state: e.g. push before register) */
+  PRECOND_ENOMEM = -2,         /* allocation failed */
+  PRECOND_EUNAVAILABLE = -3,   /* daemon unreachable or shutting down (gRPC UNAVAILABLE) */
+  PRECOND_ETIMEDOUT = -4,      /* deadline passed (a call's, or precond_flush's) */
+  PRECOND_EREJECTED = -5,      /* daemon refused the request (INVALID_ARGUMENT, OUT_OF_RANGE) */
+  PRECOND_ENOTFOUND = -6,      /* unknown job or block (NOT_FOUND) */
+  PRECOND_ESTATE = -7,         /* FAILED_PRECONDITION: e.g. push before register */
+  PRECOND_ELIMIT = -8,         /* RESOURCE_EXHAUSTED: size limit or memory budget */
+  PRECOND_EAUTH = -9,          /* UNAUTHENTICATED or PERMISSION_DENIED: token missing/wrong */
+  PRECOND_EPROTO = -10,        /* malformed answer, or another gRPC status */
+  PRECOND_ETHREAD = -11        /* could not start the background thread */
+};
+
+/* Static, human-readable message for a status code. Never returns NULL. */
+const char *precond_strerror(int status);
+
+/* ------------------------------------------------------------------------------------ */
+/* Wire enums (same numbers as precond.v1)                                                */
+
+typedef enum { PRECOND_MODE_SHAMPOO = 0, PRECOND_MODE_KFAC = 1, PRECOND_MODE_ABS = 2 } precond_mode;
+typedef enum { PRECOND_FP32 = 0, PRECOND_BF16 = 1 } precond_encoding;
+typedef enum {
+  PRECOND_METHOD_NEWTON = 0,
+  PRECOND_METHOD_NEWTON_TEXTBOOK = 1,
+  PRECOND_METHOD_EIGH = 2
+} precond_method;
+
+/* ------------------------------------------------------------------------------------ */
+/* Connection                                                                             */
+
+typedef struct {
+  const char *addr;            /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
+  const char *token;           /* shared token sent as "authorization: Bearer TOKEN"; NULL:
+                                  none. Copied by precond_connect. */
+  int wait_for_ready;          /* 1 (default): calls wait (up to their deadline) for the
+                                  daemon to come up instead of failing at once */
+  int connect_timeout_ms;      /* precond_connect waits this long for the channel; <= 0:
+                                  don't wait (the first call finds out). Default 5000 */
+  int call_timeout_ms;         /* deadline of each RPC; default 10000 */
+  size_t queue_blocks;         /* push queue capacity in blocks; default 1024 */
+  size_t max_message_bytes;    /* gRPC send/receive limit and push batch size; default 256 MiB */
+  int poll_interval_ms;        /* FetchPreconditioners poll period; default 20 */
+  int backoff_initial_ms;      /* first retry delay after an unreachable daemon; default 50 */
+  int backoff_max_ms;          /* retry delay cap; default 2000 */
+  precond_encoding fetch_encoding; /* encoding asked for roots (decoded to fp32 on arrival);
+                                      default PRECOND_FP32 */
+  int background;              /* 1 (default): start the push/fetch thread. 0: no thread;
+                                  precond_push and precond_fetch then fail with EINVAL
+                                  (for tools such as precondctl that only read stats) */
+} precond_options;
+
+/* Fills the defaults above. */
+void precond_options_default(precond_options *opts);
+
+typedef struct precond_client precond_client;
+
+/* Creates a client for the daemon at opts->addr (opts NULL: defaults) and starts its
+ * background thread. If connect_timeout_ms > 0, waits that long for the channel to become
+ * ready and returns PRECOND_EUNAVAILABLE if it does not (nothing is left allocated).
+ * On success *out is owned by the caller and must be released with precond_close. */
+int precond_connect(const precond_options *opts, precond_client **out);
+
+/* Stops the background thread (pending pushes not yet sent are discarded: call
+ * precond_flush first to send them), cancels nothing the daemon already holds, and frees the
+ * client and every internal buffer. Roots handed out by precond_fetch stay valid until
+ * released. NULL is a no-op. */
+void precond_close(precond_client *client);
+
+/* Copies the newest daemon or transport error message into buf (always NUL-terminated when
+ * len > 0; "" if none). */
+void precond_last_error(precond_client *client, char *buf, size_t len);
+
+/* ------------------------------------------------------------------------------------ */
+/* Register                                                                               */
+
+typedef struct {
+  const char *name;            /* unique within the job */
+  int rank;                    /* >= 1 */
+  const uint64_t *shape;       /* rank dims, row-major */
+} precond_tensor;
+
+typedef struct {
+  uint32_t block_size;         /* 0: daemon default (128) */
+  uint32_t skip_limit;         /* 0: daemon default (4096) */
+  float beta2;                 /* statistic EMA; 1 = sum; 0: default 1 */
+  uint32_t root_exponent;      /* p in A^(-1/p); 0: default 4 */
+  double epsilon;              /* relative ridge; 0: default 1e-6 */
+  precond_method method;
+} precond_shampoo_opts;
+
+typedef struct {
+  uint32_t block_id;
+  uint32_t tensor;             /* index into the registered tensors */
+  uint64_t row0, rows, col0, cols;
+  int32_t owner;               /* replica computing its roots */
+} precond_block;
+
+typedef struct {
+  size_t nblocks;
+  precond_block *blocks;       /* owned by the layout */
+  size_t ndiagonal;
+  uint32_t *diagonal_tensors;  /* tensors with no blocks (grafted step only); owned */
+  uint64_t resumed_step;       /* last step whose statistics the daemon holds (0: new) */
+} precond_layout;
+
+/* Registers job (mode, worker name, tensors, Shampoo options; opts NULL: defaults) with the
+ * daemon, blocking up to the call deadline. On success fills *layout, which the caller owns
+ * and frees with precond_layout_destroy; the client remembers the job (later pushes and
+ * fetches are for it) and the request (to register again if the daemon loses the job).
+ * worker may be NULL. Registering again replaces the job and drops the roots held. */
+int precond_register(precond_client *client, const char *job, precond_mode mode,
+                     const char *worker, size_t ntensors, const precond_tensor *tensors,
+                     const precond_shampoo_opts *opts, precond_layout *layout);
+
+/* Frees what precond_register put in layout; NULL or a zeroed layout is a no-op. */
+void precond_layout_destroy(precond_layout *layout);
+
+/* ------------------------------------------------------------------------------------ */
+/* Push statistics (never blocks on the network)                                          */
+
+/* Queues the statistics increment of one block at a step: left is the packed upper triangle
+ * of G G^T (n_left x n_left, n_left = the block's rows), right of G^T G (n_right = its
+ * cols); both are required (precondd stores a Shampoo block's two factors together). Values
+ * are copied (and converted to bf16 if enc is PRECOND_BF16), so the caller may reuse its
+ * buffers at once. Returns PRECOND_OK, PRECOND_EINVAL (sizes that do not match the layout,
+ * NULL, NaN or Inf in the values, no job registered, block id outside the layout, a client
+ * without background thread) or PRECOND_ENOMEM. The queue policy is described at the top of
+ * this header. */
+int precond_push(precond_client *client, uint64_t step, uint32_t block_id,
+                 uint32_t n_left, const float *left, uint32_t n_right, const float *right,
+                 precond_encoding enc);
+
+/* Waits until the queue is empty and no send is in flight (every queued block answered by
+ * the daemon, accepted or not, or dropped), or timeout_ms passes: PRECOND_OK or
+ * PRECOND_ETIMEDOUT. Pushes from other threads meanwhile extend the wait. */
+int precond_flush(precond_client *client, int timeout_ms);
+
+/* ------------------------------------------------------------------------------------ */
+/* Fetch preconditioners (never blocks on the network)                                    */
+
+/* One published version of one block's roots. Immutable and reference-counted: whoever
+ * receives one from precond_fetch owns one reference and gives it back with
+ * precond_roots_release; the data stays valid until then, even after newer versions arrive
+ * or the client is closed. */
+typedef struct {
+  uint32_t block_id;
+  uint64_t version;            /* this client's count of roots received for the block: 1, 2,
+                                  ...; keeps increasing across daemon restarts */
+  uint64_t daemon_version;     /* the daemon's version number of these roots */
+  uint64_t source_step;        /* step of the newest statistics the roots come from */
+  double error;                /* residual error reported by the method */
+  precond_method method;
+  uint32_t iterations;
+  uint32_t n_left, n_right;    /* 0 where that side has no root */
+  const float *left;           /* packed upper L^(-1/p), pc_packed_len(n_left) values */
+  const float *right;          /* packed upper R^(-1/p) */
+} precond_roots;
+
+/* If the client holds a version of block_id newer than have_version, stores a new reference
+ * to it in *out (release with precond_roots_release); else stores NULL. Returns PRECOND_OK
+ * in both cases, PRECOND_EINVAL for a block outside the layout. */
+int precond_fetch(precond_client *client, uint32_t block_id, uint64_t have_version,
+                  const precond_roots **out);
+
+/* Gives back one reference from precond_fetch. NULL is a no-op. */
+void precond_roots_release(const precond_roots *roots);
+
+/* Waits until the client holds a version of block_id newer than have_version, or timeout_ms
+ * passes (PRECOND_ETIMEDOUT). For tests and for workers that choose to wait for a bounded
+ * staleness; the training step itself should use precond_fetch. */
+int precond_wait_roots(precond_client *client, uint32_t block_id, uint64_t have_version,
+                       int timeout_ms);
+
+/* ------------------------------------------------------------------------------------ */
+/* Counters of this client                                                                */
+
+typedef struct {
+  uint64_t pushed;             /* blocks accepted into the queue */
+  uint64_t sent;               /* blocks the daemon answered for */
+  uint64_t coalesced;          /* queued blocks replaced by a newer push of the same block */
+  uint64_t dropped;            /* queued blocks dropped because the queue was full */
+  uint64_t push_errors;        /* blocks the daemon rejected */
+  uint64_t retries;            /* send or poll attempts that failed and were retried */
+  uint64_t reregistered;       /* times the job was registered again after NOT_FOUND */
+  uint64_t fetch_calls;        /* FetchPreconditioners calls */
+  uint64_t roots_received;     /* block versions received */
+  uint64_t bytes_sent;         /* statistics payload bytes sent */
+  uint64_t bytes_received;     /* roots payload bytes received */
+  size_t queued;               /* blocks in the queue now */
+} precond_counters;
+
+void precond_get_counters(precond_client *client, precond_counters *out);
+
+/* ------------------------------------------------------------------------------------ */
+/* Daemon stats and health (blocking, up to the call deadline)                            */
+
+typedef struct {
+  char *job;
+  uint32_t block_id;
+  char *tensor;
+  uint64_t rows, cols, version, stat_step, root_step, staleness;
+  uint64_t roots_computed, roots_failed;
+  double last_error, last_compute_ms;
+  int32_t owner;
+} precond_block_stats;
+
+typedef struct {
+  char *job;
+  precond_mode mode;
+  uint32_t blocks, workers;
+  uint64_t last_step;
+} precond_job_stats;
+
+typedef struct {
+  char *version;
+  double uptime_s;
+  uint32_t jobs, threads, replicas;
+  int32_t rank;
+  uint64_t queue_depth, roots_computed, roots_failed;
+  double compute_ms_p50, compute_ms_p90, compute_ms_p99;
+  uint64_t bytes_in, bytes_out, memory_bytes, rejected_pushes, snapshots_written;
+  double last_snapshot_age_s;
+  size_t njobs;
+  precond_job_stats *job_stats;      /* owned by the stats */
+  size_t nblocks;
+  precond_block_stats *block_stats;  /* owned by the stats; empty unless asked */
+} precond_stats;
+
+/* GetStats for job (NULL or "": all jobs), with per-block figures if blocks is non-zero.
+ * On success the caller owns *out and frees it with precond_stats_destroy. */
+int precond_get_stats(precond_client *client, const char *job, int blocks, precond_stats *out);
+
+/* Frees what precond_get_stats put in stats; a zeroed struct is a no-op. */
+void precond_stats_destroy(precond_stats *stats);
+
+/* grpc.health.v1 Check of service ("" : the whole daemon). *serving is set to 1 if the
+ * daemon answers SERVING, else 0; *status_name (may be NULL) to a static name of the answer
+ * ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", "UNKNOWN"). */
+int precond_health(precond_client *client, const char *service, int *serving,
+                   const char **status_name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PRECOND_CLIENT_PRECOND_H */

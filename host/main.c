@@ -1,0 +1,358 @@
+/*
+ * main.c -- precondd's options, startup (restore, pool, server), the periodic snapshot loop
+ * and the graceful shutdown on SIGTERM/SIGINT.
+ */
+#include "precondd.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "preconditioner.h"
+
+void pd_config_default(pd_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  snprintf(cfg->listen, sizeof cfg->listen, "127.0.0.1:50551");
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  cfg->threads = cores > 0 ? (int)cores : 1;
+  cfg->io_threads = 4;
+  cfg->max_message_bytes = (size_t)256 << 20;
+  cfg->memory_limit_bytes = (size_t)4096 << 20;
+  cfg->max_blocks_per_job = 65536;
+  cfg->snapshot_interval_s = 60;
+  cfg->failure_threshold = 0.1;
+  cfg->grace_s = 5;
+  cfg->log_level = PD_LOG_INFO;
+}
+
+static void pd__usage(FILE *f) {
+  fprintf(f,
+"Usage: precondd [OPTION]...\n"
+"Per-host daemon computing Shampoo preconditioners (inverse matrix roots) for training\n"
+"workers over gRPC (service precond.v1.Preconditioner; health: grpc.health.v1.Health).\n"
+"\n"
+"  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
+"                           127.0.0.1:50551; port 0 picks a free port). A non-loopback\n"
+"                           address is refused unless --token-file is given.\n"
+"  --token-file FILE        require metadata 'authorization: Bearer TOKEN' on every call\n"
+"                           (health check excepted); TOKEN is the file's first line.\n"
+"                           TLS is not supported yet.\n"
+"  --port-file FILE         write the bound TCP port to FILE once listening\n"
+"  --state-dir DIR          snapshot directory (created if missing); without it nothing\n"
+"                           survives a restart\n"
+"  --snapshot-interval S    seconds between snapshots (default 60; 0: only at shutdown)\n"
+"  --threads N              root worker threads (default: online cores); OpenBLAS gets\n"
+"                           cores/N threads each so the two never oversubscribe\n"
+"  --io-threads N           gRPC completion-queue pollers (default 4)\n"
+"  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
+"  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
+"                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
+"  --max-blocks-per-job N   (default 65536)\n"
+"  --failure-threshold X    roots with a larger residual error are not published\n"
+"                           (default 0.1); the previous root stays\n"
+"  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
+"  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
+"  --help                   this text\n"
+"  --version                print the version\n"
+"\n"
+"SIGTERM or SIGINT: stop accepting calls, finish those in flight, write a final snapshot,\n"
+"exit 0. See docs/precondd.md.\n");
+}
+
+static int pd__parse_num(const char *opt, const char *s, double lo, double hi, double *out) {
+  char *end = NULL;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || !end || end == s || *end || !(v >= lo && v <= hi)) {
+    fprintf(stderr, "precondd: %s: '%s' is not a number in [%g, %g]\n", opt, s, lo, hi);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int pd__read_token(const char *path, char *out, size_t len) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    fprintf(stderr, "precondd: --token-file %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  char line[1024];
+  if (!fgets(line, sizeof line, f)) line[0] = '\0';
+  fclose(f);
+  size_t n = strcspn(line, "\r\n");
+  line[n] = '\0';
+  if (n == 0 || n >= len) {
+    fprintf(stderr, "precondd: --token-file %s: the first line must hold a token of 1 to %zu "
+            "bytes\n", path, len - 1);
+    return -1;
+  }
+  memcpy(out, line, n + 1);
+  return 0;
+}
+
+/* 1 for unix sockets and loopback hosts (127.0.0.0/8, localhost, ::1). */
+static int pd__is_local(const char *addr) {
+  if (strncmp(addr, "unix:", 5) == 0 || strncmp(addr, "unix-abstract:", 14) == 0) return 1;
+  if (strncmp(addr, "ipv4:", 5) == 0) addr += 5;
+  else if (strncmp(addr, "ipv6:", 5) == 0) addr += 5;
+  if (strncmp(addr, "127.", 4) == 0) return 1;
+  if (strncmp(addr, "localhost:", 10) == 0) return 1;
+  if (strncmp(addr, "[::1]:", 6) == 0) return 1;
+  return 0;
+}
+
+static int pd__parse(int argc, char **argv, pd_config *cfg) {
+  enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
+         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION };
+  static const struct option opts[] = {
+      {"listen", required_argument, NULL, O_LISTEN},
+      {"state-dir", required_argument, NULL, O_STATE},
+      {"threads", required_argument, NULL, O_THREADS},
+      {"io-threads", required_argument, NULL, O_IO},
+      {"max-message-mb", required_argument, NULL, O_MSG},
+      {"memory-limit-mb", required_argument, NULL, O_MEM},
+      {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
+      {"snapshot-interval", required_argument, NULL, O_SNAP},
+      {"failure-threshold", required_argument, NULL, O_FAIL},
+      {"grace-period", required_argument, NULL, O_GRACE},
+      {"token-file", required_argument, NULL, O_TOKEN},
+      {"port-file", required_argument, NULL, O_PORTFILE},
+      {"log-level", required_argument, NULL, O_LOG},
+      {"help", no_argument, NULL, O_HELP},
+      {"version", no_argument, NULL, O_VERSION},
+      {NULL, 0, NULL, 0}};
+  int c;
+  double v;
+  opterr = 0;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+    case O_LISTEN:
+      if (!*optarg || strlen(optarg) >= sizeof cfg->listen) goto bad_value;
+      snprintf(cfg->listen, sizeof cfg->listen, "%s", optarg);
+      break;
+    case O_STATE:
+      if (!*optarg || strlen(optarg) >= sizeof cfg->state_dir) goto bad_value;
+      snprintf(cfg->state_dir, sizeof cfg->state_dir, "%s", optarg);
+      break;
+    case O_PORTFILE:
+      if (!*optarg || strlen(optarg) >= sizeof cfg->port_file) goto bad_value;
+      snprintf(cfg->port_file, sizeof cfg->port_file, "%s", optarg);
+      break;
+    case O_THREADS:
+      if (pd__parse_num("--threads", optarg, 1, 1024, &v)) return 2;
+      cfg->threads = (int)v;
+      break;
+    case O_IO:
+      if (pd__parse_num("--io-threads", optarg, 1, 256, &v)) return 2;
+      cfg->io_threads = (int)v;
+      break;
+    case O_MSG:
+      if (pd__parse_num("--max-message-mb", optarg, 1, 2047, &v)) return 2;
+      cfg->max_message_bytes = (size_t)(v * 1048576.0);
+      break;
+    case O_MEM:
+      if (pd__parse_num("--memory-limit-mb", optarg, 1, 1e9, &v)) return 2;
+      cfg->memory_limit_bytes = (size_t)(v * 1048576.0);
+      break;
+    case O_BLOCKS:
+      if (pd__parse_num("--max-blocks-per-job", optarg, 1, 1e8, &v)) return 2;
+      cfg->max_blocks_per_job = (uint32_t)v;
+      break;
+    case O_SNAP:
+      if (pd__parse_num("--snapshot-interval", optarg, 0, 1e7, &v)) return 2;
+      cfg->snapshot_interval_s = v;
+      break;
+    case O_FAIL:
+      if (pd__parse_num("--failure-threshold", optarg, 0, 1e30, &v)) return 2;
+      cfg->failure_threshold = v;
+      break;
+    case O_GRACE:
+      if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
+      cfg->grace_s = v;
+      break;
+    case O_TOKEN:
+      if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
+      break;
+    case O_LOG:
+      if (pd_log_parse_level(optarg, &cfg->log_level) != 0) {
+        fprintf(stderr, "precondd: --log-level: '%s' is not error, warn, info or debug\n",
+                optarg);
+        return 2;
+      }
+      break;
+    case O_HELP: pd__usage(stdout); return 1;
+    case O_VERSION: printf("precondd %s\n", PD_VERSION); return 1;
+    default:
+      fprintf(stderr, "precondd: unknown option or missing value: %s\n",
+              optind > 0 && optind <= argc ? argv[optind - 1] : "?");
+      pd__usage(stderr);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "precondd: unexpected argument '%s'\n", argv[optind]);
+    return 2;
+  }
+  if (!pd__is_local(cfg->listen) && !*cfg->token) {
+    fprintf(stderr, "precondd: refusing to listen on non-loopback address %s without "
+            "--token-file (TLS is not supported yet)\n", cfg->listen);
+    return 2;
+  }
+  return 0;
+bad_value:
+  fprintf(stderr, "precondd: empty or too long value: %s\n", optarg);
+  return 2;
+}
+
+/* Writes the port through a temporary file so a reader never sees a partial number. */
+static int pd__write_port_file(const char *path, int port) {
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "w");
+  if (!f) return -1;
+  fprintf(f, "%d\n", port);
+  if (fclose(f) != 0 || rename(tmp, path) != 0) return -1;
+  return 0;
+}
+
+static int pd__restore(pd_daemon *d) {
+  if (mkdir(d->cfg.state_dir, 0700) != 0 && errno != EEXIST) {
+    pd_log(PD_LOG_ERROR, "--state-dir %s: %s", d->cfg.state_dir, strerror(errno));
+    return -1;
+  }
+  char err[512] = "";
+  double t0 = pd_now();
+  int rc = pd_snapshot_read(&d->store, d->cfg.state_dir, err, sizeof err);
+  if (rc == PD_ENOENT) {
+    pd_log(PD_LOG_INFO, "no snapshot in %s: starting empty", d->cfg.state_dir);
+  } else if (rc == PD_ECORRUPT) {
+    char aside[1300];
+    if (pd_snapshot_set_aside(d->cfg.state_dir, aside, sizeof aside) == PD_OK)
+      pd_log(PD_LOG_ERROR, "snapshot %s/%s is corrupt (%s): set aside as %s; starting empty",
+             d->cfg.state_dir, PD_SNAPSHOT_FILE, err, aside);
+    else
+      pd_log(PD_LOG_ERROR, "snapshot %s/%s is corrupt (%s) and could not be renamed: %s",
+             d->cfg.state_dir, PD_SNAPSHOT_FILE, err, strerror(errno));
+  } else if (rc != PD_OK) {
+    pd_log(PD_LOG_ERROR, "cannot restore the snapshot in %s: %s (%s)", d->cfg.state_dir, err,
+           pd_strerror(rc));
+    return -1;
+  } else {
+    size_t blocks = 0;
+    for (size_t i = 0; i < d->store.njobs; i++) blocks += d->store.jobs[i]->nblocks;
+    pd_log(PD_LOG_INFO, "restored %zu jobs, %zu blocks from %s/%s in %.3f s", d->store.njobs,
+           blocks, d->cfg.state_dir, PD_SNAPSHOT_FILE, pd_now() - t0);
+  }
+  return 0;
+}
+
+/* Restored blocks whose statistics are newer than their root go back into the queue. */
+static void pd__requeue(pd_daemon *d) {
+  for (size_t i = 0; i < d->store.njobs; i++) {
+    pd_job *j = d->store.jobs[i];
+    for (size_t k = 0; k < j->nblocks; k++) {
+      pd_block *b = &j->blocks[k];
+      if (b->pushes > 0 && (!atomic_load(&b->has_root) ||
+                            atomic_load(&b->stat_step) > atomic_load(&b->root_step)))
+        pd_sched_mark(&d->sched, b);
+    }
+  }
+}
+
+static void pd__snapshot(pd_daemon *d) {
+  double t0 = pd_now();
+  if (pd_snapshot_write(&d->store, d->cfg.state_dir) == PD_OK) {
+    atomic_fetch_add(&d->stats.snapshots_written, 1);
+    atomic_store(&d->stats.last_snapshot_time, pd_now());
+    pd_log(PD_LOG_INFO, "snapshot written to %s/%s in %.3f s", d->cfg.state_dir,
+           PD_SNAPSHOT_FILE, pd_now() - t0);
+  }
+}
+
+int main(int argc, char **argv) {
+  static pd_daemon d;
+  pd_config_default(&d.cfg);
+  int prc = pd__parse(argc, argv, &d.cfg);
+  if (prc) return prc == 1 ? 0 : 2;
+  pd_log_set_level(d.cfg.log_level);
+
+  /* Signals are taken synchronously by the main thread (sigtimedwait): block them before
+   * any thread starts so that none of them receives one. */
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  int status = 1;
+  pd_server *srv = NULL;
+  int sched_started = 0;
+  if (pd_stats_init(&d.stats) != PD_OK ||
+      pd_store_init(&d.store, &d.stats, d.cfg.memory_limit_bytes, d.cfg.max_blocks_per_job) !=
+          PD_OK) {
+    pd_log(PD_LOG_ERROR, "out of memory at startup");
+    return 1;
+  }
+  if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
+  if (!*d.cfg.state_dir)
+    pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
+  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, d.cfg.failure_threshold) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "cannot start the worker pool");
+    goto done;
+  }
+  sched_started = 1;
+  pd__requeue(&d);
+  int port = 0;
+  if (pd_server_start(&d, &srv, &port) != PD_OK) goto done;
+  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%d%s (max message %zu MiB, memory limit "
+         "%zu MiB)", PD_VERSION, d.cfg.listen, port ? " (port " : "", port, port ? ")" : "",
+         d.cfg.max_message_bytes >> 20, d.cfg.memory_limit_bytes >> 20);
+  if (*d.cfg.port_file && pd__write_port_file(d.cfg.port_file, port) != 0) {
+    pd_log(PD_LOG_ERROR, "--port-file %s: %s", d.cfg.port_file, strerror(errno));
+    goto done;
+  }
+
+  uint64_t seen_gen = atomic_load(&d.store.generation);
+  uint64_t seen_roots = atomic_load(&d.stats.roots_computed);
+  double next = pd_now() + d.cfg.snapshot_interval_s;
+  for (;;) {
+    double wait = 1.0;
+    if (*d.cfg.state_dir && d.cfg.snapshot_interval_s > 0) {
+      wait = next - pd_now();
+      if (wait < 0.001) wait = 0.001;
+    }
+    struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
+    int sig = sigtimedwait(&set, NULL, &ts);
+    if (sig == SIGTERM || sig == SIGINT) {
+      pd_log(PD_LOG_INFO, "%s received: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      break;
+    }
+    if (*d.cfg.state_dir && d.cfg.snapshot_interval_s > 0 && pd_now() >= next) {
+      uint64_t gen = atomic_load(&d.store.generation);
+      uint64_t roots = atomic_load(&d.stats.roots_computed);
+      if (gen != seen_gen || roots != seen_roots) {
+        pd__snapshot(&d);
+        seen_gen = gen;
+        seen_roots = roots;
+      }
+      next = pd_now() + d.cfg.snapshot_interval_s;
+    }
+  }
+  status = 0;
+
+done:
+  if (srv) pd_server_stop(srv, d.cfg.grace_s);
+  if (sched_started) pd_sched_stop(&d.sched);
+  if (status == 0 && *d.cfg.state_dir) pd__snapshot(&d);
+  pd_store_destroy(&d.store);
+  pd_stats_destroy(&d.stats);
+  if (status == 0) pd_log(PD_LOG_INFO, "stopped");
+  return status;
+}

@@ -1,0 +1,335 @@
+/*
+ * precondd.h -- internal header of precondd, the per-host preconditioner daemon.
+ *
+ * The daemon's parts, one file each:
+ *   main.c      options, signals, the periodic snapshot loop
+ *   log.c       leveled, timestamped logging to stderr
+ *   server.c    gRPC core plumbing: completion-queue pollers, armed calls, auth, shutdown
+ *   service.c   the RPCs: Register, PushStatistics, FetchPreconditioners, GetStats, Health
+ *   store.c     jobs, blocks, statistics and refcounted immutable roots
+ *   scheduler.c the worker pool computing roots (dirty first, then stalest and largest)
+ *   snapshot.c  atomic, checksummed snapshots of the store and their restore
+ *   stats.c     daemon-wide counters and compute-time percentiles
+ *
+ * Prefix pd_. Functions return int: PD_OK (0) or a negative PD_E* code, with pd_strerror.
+ * Locking order, where two locks nest: scheduler lock, then a block's lock. The store's
+ * job-list lock is never held while taking either.
+ */
+#ifndef PRECOND_HOST_PRECONDD_H
+#define PRECOND_HOST_PRECONDD_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <grpc/grpc.h>
+#include <grpc/status.h>
+
+#include "precond.pb-c.h"
+
+#define PD_VERSION "0.1.0"
+
+enum {
+  PD_OK = 0,
+  PD_EINVAL = -1,    /* bad argument or input */
+  PD_ENOMEM = -2,    /* allocation failed */
+  PD_EIO = -3,       /* file or socket error (errno-style detail is logged) */
+  PD_ECORRUPT = -4,  /* a snapshot failed its checks */
+  PD_ENOENT = -5,    /* no such file (no snapshot yet) */
+  PD_ELIMIT = -6     /* a configured limit would be exceeded */
+};
+
+const char *pd_strerror(int code);
+
+/* ------------------------------------------------------------------------------------ */
+/* log.c                                                                                  */
+
+typedef enum { PD_LOG_ERROR = 0, PD_LOG_WARN, PD_LOG_INFO, PD_LOG_DEBUG } pd_log_level;
+
+/* Sets the threshold (messages above it are dropped). Thread-safe. */
+void pd_log_set_level(pd_log_level level);
+/* Parses "error", "warn", "info", "debug"; returns 0 or -1. */
+int pd_log_parse_level(const char *s, pd_log_level *out);
+/* One line "2026-01-01T12:00:00.123Z LEVEL message" to stderr; thread-safe. */
+void pd_log(pd_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* ------------------------------------------------------------------------------------ */
+/* Configuration (main.c fills it; everything else reads it)                              */
+
+typedef struct {
+  char listen[512];             /* "127.0.0.1:50551", "unix:/path", "[::1]:0" */
+  char state_dir[1024];         /* "" : no snapshots */
+  char token[512];              /* "" : no token required */
+  char port_file[1024];         /* "" : none; else the bound port is written here */
+  int threads;                  /* root workers */
+  int io_threads;               /* completion-queue pollers */
+  size_t max_message_bytes;
+  size_t memory_limit_bytes;    /* statistics and roots held */
+  uint32_t max_blocks_per_job;
+  double snapshot_interval_s;   /* <= 0: only at shutdown */
+  double failure_threshold;     /* roots with a larger error are not published */
+  double grace_s;               /* calls in flight get this long at shutdown */
+  pd_log_level log_level;
+} pd_config;
+
+void pd_config_default(pd_config *cfg);
+
+/* ------------------------------------------------------------------------------------ */
+/* stats.c                                                                                */
+
+#define PD_STATS_WINDOW 1024  /* compute times kept for percentiles */
+
+typedef struct {
+  _Atomic uint64_t roots_computed;
+  _Atomic uint64_t roots_failed;
+  _Atomic uint64_t bytes_in;
+  _Atomic uint64_t bytes_out;
+  _Atomic uint64_t rejected_pushes;
+  _Atomic uint64_t snapshots_written;
+  _Atomic int64_t memory_bytes;  /* statistics and roots currently allocated */
+  pthread_mutex_t lock;          /* guards the ring below */
+  double ring[PD_STATS_WINDOW];
+  size_t ring_len, ring_next;
+  double start_time;             /* monotonic seconds */
+  _Atomic double last_snapshot_time; /* monotonic seconds; 0: never */
+} pd_stats;
+
+int pd_stats_init(pd_stats *s);
+void pd_stats_destroy(pd_stats *s);
+void pd_stats_add_compute_ms(pd_stats *s, double ms);
+/* Percentiles (q in [0,1]) of the last PD_STATS_WINDOW compute times; 0 when none. */
+void pd_stats_percentiles(pd_stats *s, double *p50, double *p90, double *p99);
+/* Monotonic clock in seconds. */
+double pd_now(void);
+
+/* ------------------------------------------------------------------------------------ */
+/* store.c                                                                                */
+
+/* An immutable published root pair of one block; shared by readers through a reference
+ * count and freed by the last pd_root_unref. */
+typedef struct {
+  _Atomic int refs;
+  uint64_t version;      /* 1, 2, ... per block */
+  uint64_t source_step;
+  double error;          /* max of the two factors' errors */
+  int method;            /* pc_method */
+  uint32_t iterations;   /* max of the two factors' iterations */
+  size_t n_left, n_right;
+  float *left, *right;   /* packed upper, pc_packed_len(n) values each */
+} pd_root;
+
+/* A fresh root with refs = 1 and uninitialised left/right of the given orders; NULL on
+ * out of memory. Counts its bytes in stats (may be NULL). */
+pd_root *pd_root_new(size_t n_left, size_t n_right, pd_stats *stats);
+void pd_root_ref(pd_root *r);
+void pd_root_unref(pd_root *r, pd_stats *stats);
+
+typedef struct pd_job pd_job;
+
+typedef struct {
+  pd_job *job;
+  uint32_t id;
+  uint32_t tensor;
+  uint64_t row0, rows, col0, cols;
+  pthread_mutex_t lock;          /* guards stat_*, root, counters below */
+  float *stat_left, *stat_right; /* packed, rows and cols orders */
+  uint64_t pushes;               /* statistics updates received */
+  pd_root *root;                 /* latest published; NULL before the first */
+  uint64_t roots_computed, roots_failed;
+  double last_error, last_compute_ms;
+  /* Read by the scheduler without the block lock. */
+  _Atomic uint64_t stat_step;    /* newest statistics step */
+  _Atomic uint64_t root_step;    /* source step of the published root */
+  _Atomic int has_root;
+  /* Guarded by the scheduler lock. */
+  int queued, computing, redo;
+} pd_block;
+
+typedef struct {
+  char *name;
+  int rank;
+  uint64_t *dims;
+} pd_tensor;
+
+typedef struct {
+  uint32_t block_size;
+  uint32_t skip_limit;
+  float beta2;
+  uint32_t root_exponent;
+  double epsilon;
+  int method;
+} pd_shampoo_opts;
+
+#define PD_MAX_WORKER_NAMES 64
+
+struct pd_job {
+  char *name;
+  int mode;
+  pd_shampoo_opts opts;
+  size_t ntensors;
+  pd_tensor *tensors;
+  size_t nblocks;
+  pd_block *blocks;
+  size_t ndiag;
+  uint32_t *diag;                /* tensors with no blocks */
+  int in_store;                  /* its statistics are counted in the daemon's memory */
+  pthread_mutex_t lock;          /* guards last_step, workers */
+  uint64_t last_step;
+  size_t nworkers;
+  char *workers[PD_MAX_WORKER_NAMES];
+};
+
+typedef struct {
+  pthread_rwlock_t lock;         /* guards the job list; jobs live until pd_store_destroy */
+  size_t njobs, cap;
+  pd_job **jobs;
+  pd_stats *stats;
+  size_t memory_limit;
+  uint32_t max_blocks_per_job;
+  _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
+} pd_store;
+
+int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
+                  uint32_t max_blocks_per_job);
+void pd_store_destroy(pd_store *st);
+
+/* Defaults of the wire's zero values resolved (block size 128, skip 4096, beta2 1, p 4,
+ * epsilon 1e-6). Returns PD_EINVAL with a message naming the field in err. */
+int pd_shampoo_opts_resolve(const Precond__V1__ShampooOptions *in, pd_shampoo_opts *out,
+                            char *err, size_t errlen);
+
+/* Builds a job (layout from pc_layout_init per tensor) without adding it to the store.
+ * On PD_OK the caller owns *out (pd_job_free or pd_store_add). PD_EINVAL / PD_ELIMIT with
+ * a message in err. Memory for statistics is counted only when added. */
+int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t ntensors,
+                 const pd_tensor *tensors, uint32_t max_blocks, pd_job **out, char *err,
+                 size_t errlen);
+void pd_job_free(pd_job *job, pd_stats *stats);
+
+/* Returns 1 when two jobs have the same mode, options and tensors. */
+int pd_job_same(const pd_job *a, const pd_job *b);
+
+/* Bytes the job needs: statistics and one root pair per block. */
+size_t pd_job_bytes(const pd_job *job);
+
+/* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
+ * its zeroed statistics if they are not allocated yet. *existing gets a job of the same
+ * name if there is one (then nothing is added, PD_OK is returned and the caller keeps job).
+ * PD_ELIMIT when over the memory limit, PD_ENOMEM. */
+int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
+
+/* The job of that name or NULL. Jobs are never freed while the store lives. */
+pd_job *pd_store_find(pd_store *st, const char *name);
+
+/* Records a worker name for the job's stats (bounded). */
+void pd_job_note_worker(pd_job *job, const char *worker);
+
+/* Applies one validated statistics increment to block b (values already fp32, counts
+ * pc_packed_len(rows) and pc_packed_len(cols)). */
+void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step);
+
+/* A new reference to the block's root (NULL if none): release with pd_root_unref. */
+pd_root *pd_block_root(pd_block *b);
+
+/* Publishes r (its reference passes to the block) with version = previous + 1. */
+void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
+
+/* ------------------------------------------------------------------------------------ */
+/* scheduler.c                                                                            */
+
+typedef struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  pd_block **queue;
+  size_t len, cap;
+  int stopping;
+  int nthreads;
+  pthread_t *threads;
+  pd_stats *stats;
+  double failure_threshold;
+  _Atomic uint64_t busy;
+} pd_sched;
+
+/* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
+ * threads does not exceed the online cores. */
+int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, double failure_threshold);
+/* Queues a block whose statistics changed (no-op when already queued; a block being
+ * computed is queued again when that computation ends). PD_ENOMEM if the queue cannot grow. */
+int pd_sched_mark(pd_sched *s, pd_block *b);
+/* Blocks waiting plus being computed. */
+uint64_t pd_sched_depth(pd_sched *s);
+/* Stops the workers after their current computation; queued blocks stay unqueued. */
+void pd_sched_stop(pd_sched *s);
+/* Computes and, if it passes the failure rule, publishes the roots of b now, on the
+ * calling thread. Returns 1 if published, 0 if failed (counted), negative on no memory. */
+int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold);
+
+/* ------------------------------------------------------------------------------------ */
+/* snapshot.c                                                                             */
+
+#define PD_SNAPSHOT_FILE "precondd.snap"
+
+/* Writes the whole store to dir/precondd.snap atomically (temporary file, fsync, rename,
+ * fsync of the directory), CRC-32 checked. Statistics are copied block by block under the
+ * block lock: each block is consistent, pushes are not blocked for the whole write. */
+int pd_snapshot_write(pd_store *st, const char *dir);
+
+/* Restores dir/precondd.snap into an empty store. PD_ENOENT when there is none. On
+ * PD_ECORRUPT nothing is loaded and a reason is in err; the caller sets the file aside
+ * with pd_snapshot_set_aside. */
+int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen);
+
+/* Renames dir/precondd.snap to dir/precondd.snap.corrupt-<unix seconds>; the new name is
+ * written to newname. */
+int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
+
+/* ------------------------------------------------------------------------------------ */
+/* service.c and server.c                                                                 */
+
+typedef struct {
+  pd_config cfg;
+  pd_stats stats;
+  pd_store store;
+  pd_sched sched;
+} pd_daemon;
+
+typedef enum {
+  PD_M_REGISTER = 0,
+  PD_M_PUSH,
+  PD_M_FETCH,
+  PD_M_STATS,
+  PD_M_HEALTH,
+  PD_M_COUNT
+} pd_method;
+
+/* gRPC paths by pd_method. */
+extern const char *const pd_method_paths[PD_M_COUNT];
+
+/* The answer to one call: code and message, and on OK the packed response (owned). */
+typedef struct {
+  grpc_status_code code;
+  char message[512];
+  grpc_byte_buffer *payload;  /* owned by the reply until sent */
+} pd_reply;
+
+/* Handles one unary call of method m with request bytes payload (may be NULL); fills
+ * reply. Never fails otherwise: every error becomes a status. */
+void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
+                       pd_reply *reply);
+
+typedef struct pd_server pd_server;
+
+/* Binds cfg->listen and starts cfg->io_threads pollers. *port gets the bound port (0 for a
+ * unix socket). */
+int pd_server_start(pd_daemon *d, pd_server **out, int *port);
+/* Stops accepting calls, lets calls in flight finish for up to grace_s, cancels the rest,
+ * joins the pollers and frees the server. */
+void pd_server_stop(pd_server *srv, double grace_s);
+
+#endif /* PRECOND_HOST_PRECONDD_H */

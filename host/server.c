@@ -1,0 +1,309 @@
+/*
+ * server.c -- gRPC core plumbing of precondd.
+ *
+ * One completion queue polled by io_threads threads. Every method has PD_ARMED slots
+ * armed with grpc_server_request_registered_call, plus catch-all slots
+ * (grpc_server_request_call) that answer unknown methods with UNIMPLEMENTED instead of
+ * leaving them hanging until their deadline. A slot's life:
+ *   armed (phase 0) -> new call: re-arm a fresh slot for the method, check the deadline
+ *   and the token, run the handler on this poller thread, start one send batch
+ *   (phase 1) -> batch done: release the call and free the slot.
+ * Handlers only touch the store (short locks) and never wait for a root computation, so
+ * running them on the pollers keeps calls short and ordered.
+ */
+#include "precondd.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "rpc.h"
+
+#define PD_ARMED 4       /* armed requests per method */
+#define PD_ARMED_ANY 2   /* armed catch-all requests */
+
+typedef struct pd_slot {
+  pd_server *srv;
+  int method;  /* pd_method, or -1 for the catch-all */
+  int phase;   /* 0: armed, waiting for a call; 1: reply batch in flight */
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload;
+  grpc_call_details details;  /* catch-all only */
+  pd_reply reply;
+  grpc_slice status_details;
+} pd_slot;
+
+struct pd_server {
+  pd_daemon *d;
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  void *methods[PD_M_COUNT];
+  int npollers;
+  pthread_t *pollers;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int shutdown_done;         /* guarded by lock */
+  _Atomic int stopping;
+  char shutdown_tag;         /* its address is the shutdown notification's tag */
+};
+
+static void pd__slot_free(pd_slot *s) {
+  if (s->call) grpc_call_unref(s->call);
+  if (s->payload) grpc_byte_buffer_destroy(s->payload);
+  if (s->reply.payload) grpc_byte_buffer_destroy(s->reply.payload);
+  grpc_metadata_array_destroy(&s->md);
+  if (s->method < 0) grpc_call_details_destroy(&s->details);
+  if (s->phase == 1) grpc_slice_unref(s->status_details);
+  free(s);
+}
+
+/* Arms one request slot for method m (-1: catch-all). Failing to arm only lowers the
+ * number of calls that can start at once; it is logged. */
+static void pd__arm(pd_server *srv, int m) {
+  if (atomic_load(&srv->stopping)) return;
+  pd_slot *s = calloc(1, sizeof *s);
+  if (!s) {
+    pd_log(PD_LOG_ERROR, "server: out of memory arming a call slot");
+    return;
+  }
+  s->srv = srv;
+  s->method = m;
+  grpc_metadata_array_init(&s->md);
+  grpc_call_error e;
+  if (m >= 0) {
+    e = grpc_server_request_registered_call(srv->server, srv->methods[m], &s->call,
+                                            &s->deadline, &s->md, &s->payload, srv->cq,
+                                            srv->cq, s);
+  } else {
+    grpc_call_details_init(&s->details);
+    e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq,
+                                 s);
+  }
+  if (e != GRPC_CALL_OK) {
+    if (!atomic_load(&srv->stopping))
+      pd_log(PD_LOG_ERROR, "server: arming a call slot failed (grpc_call_error %d)", (int)e);
+    pd__slot_free(s);
+  }
+}
+
+static int pd__slice_eq(grpc_slice s, const char *text) {
+  size_t n = strlen(text);
+  return GRPC_SLICE_LENGTH(s) == n && memcmp(GRPC_SLICE_START_PTR(s), text, n) == 0;
+}
+
+/* 1 if the call carries "authorization: Bearer TOKEN" with the configured token. */
+static int pd__authorized(const pd_server *srv, const grpc_metadata_array *md) {
+  const char *token = srv->d->cfg.token;
+  if (!*token) return 1;
+  char want[600];
+  snprintf(want, sizeof want, "Bearer %s", token);
+  for (size_t i = 0; i < md->count; i++)
+    if (pd__slice_eq(md->metadata[i].key, "authorization") &&
+        pd__slice_eq(md->metadata[i].value, want))
+      return 1;
+  return 0;
+}
+
+static void pd__handle(pd_slot *s) {
+  pd_server *srv = s->srv;
+  pd_reply *rep = &s->reply;
+  rep->code = GRPC_STATUS_OK;
+  rep->message[0] = '\0';
+  rep->payload = NULL;
+  gpr_timespec now = gpr_now(GPR_CLOCK_MONOTONIC);
+  gpr_timespec deadline = gpr_convert_clock_type(s->deadline, GPR_CLOCK_MONOTONIC);
+
+  if (s->method < 0) {
+    char *name = grpc_slice_to_c_string(s->details.method);
+    rep->code = GRPC_STATUS_UNIMPLEMENTED;
+    snprintf(rep->message, sizeof rep->message, "method %s is not implemented by precondd",
+             name);
+    pd_log(PD_LOG_DEBUG, "unknown method %s", name);
+    gpr_free(name);
+  } else if (gpr_time_cmp(now, deadline) > 0) {
+    rep->code = GRPC_STATUS_DEADLINE_EXCEEDED;
+    snprintf(rep->message, sizeof rep->message, "deadline passed before the call started");
+  } else if (s->method != PD_M_HEALTH && !pd__authorized(srv, &s->md)) {
+    rep->code = GRPC_STATUS_UNAUTHENTICATED;
+    snprintf(rep->message, sizeof rep->message,
+             "metadata authorization: missing or wrong bearer token");
+  } else {
+    pd_service_handle(srv->d, (pd_method)s->method, s->payload, rep);
+    if (rep->code != GRPC_STATUS_OK)
+      pd_log(PD_LOG_DEBUG, "%s: %s: %s", pd_method_paths[s->method],
+             rpc_status_name(rep->code), rep->message);
+  }
+  if (s->payload) {
+    grpc_byte_buffer_destroy(s->payload); /* the request is no longer needed */
+    s->payload = NULL;
+  }
+
+  grpc_op ops[3];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+  n++;
+  if (rep->code == GRPC_STATUS_OK && rep->payload) {
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = rep->payload;
+    n++;
+  }
+  s->status_details = grpc_slice_from_copied_string(rep->message);
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = rep->code;
+  ops[n].data.send_status_from_server.status_details = &s->status_details;
+  n++;
+  /* The completion may run on another poller before start_batch returns: set the phase
+   * first, and do not touch s after a successful start. */
+  s->phase = 1;
+  grpc_call_error e = grpc_call_start_batch(s->call, ops, n, s, NULL);
+  if (e != GRPC_CALL_OK) {
+    pd_log(PD_LOG_WARN, "server: sending a reply failed (grpc_call_error %d)", (int)e);
+    pd__slot_free(s);
+  }
+}
+
+static void *pd__poll(void *arg) {
+  pd_server *srv = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                               NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    if (ev.tag == &srv->shutdown_tag) {
+      pthread_mutex_lock(&srv->lock);
+      srv->shutdown_done = 1;
+      pthread_cond_broadcast(&srv->cond);
+      pthread_mutex_unlock(&srv->lock);
+      continue;
+    }
+    pd_slot *s = ev.tag;
+    if (s->phase == 1 || !ev.success) {
+      /* A reply sent (or failed: the client went away), or an armed slot released by the
+       * server's shutdown. */
+      pd__slot_free(s);
+      continue;
+    }
+    pd__arm(srv, s->method);
+    pd__handle(s);
+  }
+  return NULL;
+}
+
+int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
+  *out = NULL;
+  *port = 0;
+  pd_server *srv = calloc(1, sizeof *srv);
+  if (!srv) return PD_ENOMEM;
+  grpc_init();
+  srv->d = d;
+  pthread_mutex_init(&srv->lock, NULL);
+  pthread_cond_init(&srv->cond, NULL);
+  grpc_arg arg[2];
+  grpc_channel_args args;
+  rpc_size_args(&args, arg, d->cfg.max_message_bytes);
+  srv->server = grpc_server_create(&args, NULL);
+  srv->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
+  for (int m = 0; m < PD_M_COUNT; m++)
+    srv->methods[m] = grpc_server_register_method(srv->server, pd_method_paths[m], NULL,
+                                                  GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  int bound = grpc_server_add_http2_port(srv->server, d->cfg.listen, creds);
+  grpc_server_credentials_release(creds);
+  if (bound == 0) {
+    pd_log(PD_LOG_ERROR, "cannot listen on %s (address in use, bad address or no permission)",
+           d->cfg.listen);
+    grpc_server_destroy(srv->server);
+    grpc_completion_queue_shutdown(srv->cq);
+    while (grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(srv->cq);
+    pthread_cond_destroy(&srv->cond);
+    pthread_mutex_destroy(&srv->lock);
+    free(srv);
+    grpc_shutdown();
+    return PD_EIO;
+  }
+  *port = strncmp(d->cfg.listen, "unix:", 5) == 0 ? 0 : bound;
+  grpc_server_start(srv->server);
+  for (int m = 0; m < PD_M_COUNT; m++)
+    for (int k = 0; k < PD_ARMED; k++) pd__arm(srv, m);
+  for (int k = 0; k < PD_ARMED_ANY; k++) pd__arm(srv, -1);
+
+  int n = d->cfg.io_threads > 0 ? d->cfg.io_threads : 1;
+  srv->pollers = calloc((size_t)n, sizeof *srv->pollers);
+  for (int i = 0; srv->pollers && i < n; i++) {
+    if (pthread_create(&srv->pollers[i], NULL, pd__poll, srv) != 0) break;
+    srv->npollers++;
+  }
+  if (srv->npollers == 0) {
+    pd_log(PD_LOG_ERROR, "server: cannot start poller threads");
+    *out = srv;
+    pd_server_stop(srv, 0);
+    *out = NULL;
+    return PD_ENOMEM;
+  }
+  *out = srv;
+  return PD_OK;
+}
+
+/* Waits for the shutdown notification for at most timeout_s (< 0: no limit).
+ * Returns 1 when it came. */
+static int pd__wait_shutdown(pd_server *srv, double timeout_s) {
+  pthread_mutex_lock(&srv->lock);
+  if (timeout_s < 0) {
+    while (!srv->shutdown_done) pthread_cond_wait(&srv->cond, &srv->lock);
+  } else {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    double t = (double)until.tv_sec + 1e-9 * (double)until.tv_nsec + timeout_s;
+    until.tv_sec = (time_t)t;
+    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
+    while (!srv->shutdown_done)
+      if (pthread_cond_timedwait(&srv->cond, &srv->lock, &until) != 0) break;
+  }
+  int done = srv->shutdown_done;
+  pthread_mutex_unlock(&srv->lock);
+  return done;
+}
+
+void pd_server_stop(pd_server *srv, double grace_s) {
+  if (!srv) return;
+  atomic_store(&srv->stopping, 1);
+  grpc_server_shutdown_and_notify(srv->server, srv->cq, &srv->shutdown_tag);
+  if (srv->npollers > 0) {
+    if (!pd__wait_shutdown(srv, grace_s)) {
+      pd_log(PD_LOG_WARN, "shutdown: calls still in flight after %.1f s: cancelling them",
+             grace_s);
+      grpc_server_cancel_all_calls(srv->server);
+      pd__wait_shutdown(srv, -1);
+    }
+  } else {
+    grpc_server_cancel_all_calls(srv->server);
+  }
+  grpc_server_destroy(srv->server);
+  grpc_completion_queue_shutdown(srv->cq);
+  for (int i = 0; i < srv->npollers; i++) pthread_join(srv->pollers[i], NULL);
+  if (srv->npollers == 0) {
+    /* Nobody polled: drain here so every slot is released. */
+    for (;;) {
+      grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                 NULL);
+      if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+      if (ev.type == GRPC_OP_COMPLETE && ev.tag != &srv->shutdown_tag) pd__slot_free(ev.tag);
+    }
+  }
+  grpc_completion_queue_destroy(srv->cq);
+  free(srv->pollers);
+  pthread_cond_destroy(&srv->cond);
+  pthread_mutex_destroy(&srv->lock);
+  free(srv);
+  grpc_shutdown();
+}

@@ -1,0 +1,563 @@
+/*
+ * service.c -- the RPCs of precond.v1.Preconditioner and grpc.health.v1.Health/Check.
+ *
+ * Each handler validates its whole request before it changes anything, and answers every
+ * problem with a status code and a message naming the field:
+ *   INVALID_ARGUMENT     malformed bytes, wrong sizes or counts, NaN/Inf, bad options
+ *   NOT_FOUND            unknown job (Fetch, GetStats) or block id (Push, Fetch)
+ *   FAILED_PRECONDITION  push for a job never registered; Register of an existing job with
+ *                        different tensors or options
+ *   RESOURCE_EXHAUSTED   over the message size, block count or memory limit
+ *   UNIMPLEMENTED        modes other than Shampoo
+ */
+#include "precondd.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "health.pb-c.h"
+#include "preconditioner.h"
+#include "rpc.h"
+
+const char *const pd_method_paths[PD_M_COUNT] = {
+    RPC_METHOD_REGISTER, RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_FETCH_PRECONDITIONERS,
+    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK};
+
+static const ProtobufCMessageDescriptor *const pd__req_desc[PD_M_COUNT] = {
+    &precond__v1__register_request__descriptor, &precond__v1__push_request__descriptor,
+    &precond__v1__fetch_request__descriptor, &precond__v1__stats_request__descriptor,
+    &grpc__health__v1__health_check_request__descriptor};
+
+static void pd__fail(pd_reply *rep, grpc_status_code code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+static void pd__fail(pd_reply *rep, grpc_status_code code, const char *fmt, ...) {
+  rep->code = code;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(rep->message, sizeof rep->message, fmt, ap);
+  va_end(ap);
+}
+
+/* Packs an OK response into rep (or turns rep into an error if that fails). */
+static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg) {
+  int rc = rpc_pack(msg, d->cfg.max_message_bytes, &rep->payload);
+  if (rc == RPC_ETOOBIG) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "response above the message size limit (%zu bytes, --max-message-mb)",
+             d->cfg.max_message_bytes);
+    return;
+  }
+  if (rc != RPC_OK) {
+    pd__fail(rep, GRPC_STATUS_INTERNAL, "packing the response failed: %s", rpc_strerror(rc));
+    return;
+  }
+  rep->code = GRPC_STATUS_OK;
+  atomic_fetch_add(&d->stats.bytes_out, grpc_byte_buffer_length(rep->payload));
+}
+
+/* ---- Register ------------------------------------------------------------------------- */
+
+static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
+                         pd_reply *rep) {
+  char why[400];
+  if (!req->job || !*req->job) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
+    return;
+  }
+  if (req->mode != PRECOND__V1__MODE__MODE_SHAMPOO) {
+    pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED, "mode: %d is not implemented (Shampoo only)",
+             (int)req->mode);
+    return;
+  }
+  pd_shampoo_opts opts;
+  if (pd_shampoo_opts_resolve(req->shampoo, &opts, why, sizeof why) != PD_OK) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "%s", why);
+    return;
+  }
+  pd_tensor *tensors = calloc(req->n_tensors ? req->n_tensors : 1, sizeof *tensors);
+  pd_job *job = NULL;
+  Precond__V1__BlockInfo *infos = NULL;
+  Precond__V1__BlockInfo **info_ptrs = NULL;
+  if (!tensors) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < req->n_tensors; i++) {
+    tensors[i].name = req->tensors[i]->name;
+    tensors[i].rank = req->tensors[i]->n_shape > 64 ? 65 : (int)req->tensors[i]->n_shape;
+    tensors[i].dims = req->tensors[i]->shape;
+  }
+  int rc = pd_job_build(req->job, (int)req->mode, &opts, req->n_tensors, tensors,
+                        d->cfg.max_blocks_per_job, &job, why, sizeof why);
+  if (rc != PD_OK) {
+    pd__fail(rep, rc == PD_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
+                                  : GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", why);
+    goto cleanup;
+  }
+  pd_job *existing = NULL;
+  rc = pd_store_add(&d->store, job, &existing);
+  if (rc == PD_ELIMIT) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "tensors: the job needs %zu bytes for statistics and roots, above what is left "
+             "of the memory limit of %zu bytes (--memory-limit-mb)",
+             pd_job_bytes(job), d->cfg.memory_limit_bytes);
+    goto cleanup;
+  }
+  if (rc != PD_OK) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory registering the job");
+    goto cleanup;
+  }
+  if (existing) {
+    if (!pd_job_same(existing, job)) {
+      pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+               "job: \"%s\" is already registered with different tensors or options",
+               req->job);
+      goto cleanup;
+    }
+    pd_job_free(job, &d->stats); /* a restarted worker: answer with the job we hold */
+    job = existing;
+  } else {
+    pd_log(PD_LOG_INFO, "registered job %s: %zu tensors, %zu blocks, %zu diagonal", job->name,
+           job->ntensors, job->nblocks, job->ndiag);
+  }
+  pd_job *held = job;
+  job = NULL; /* owned by the store now */
+  pd_job_note_worker(held, req->worker);
+
+  Precond__V1__RegisterResponse resp = PRECOND__V1__REGISTER_RESPONSE__INIT;
+  infos = calloc(held->nblocks ? held->nblocks : 1, sizeof *infos);
+  info_ptrs = calloc(held->nblocks ? held->nblocks : 1, sizeof *info_ptrs);
+  if (!infos || !info_ptrs) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto cleanup;
+  }
+  for (size_t i = 0; i < held->nblocks; i++) {
+    const pd_block *b = &held->blocks[i];
+    precond__v1__block_info__init(&infos[i]);
+    infos[i].block_id = b->id;
+    infos[i].tensor = b->tensor;
+    infos[i].row0 = b->row0;
+    infos[i].rows = b->rows;
+    infos[i].col0 = b->col0;
+    infos[i].cols = b->cols;
+    infos[i].owner = 0;
+    info_ptrs[i] = &infos[i];
+  }
+  resp.n_blocks = held->nblocks;
+  resp.blocks = info_ptrs;
+  resp.n_diagonal_tensors = held->ndiag;
+  resp.diagonal_tensors = held->diag;
+  pthread_mutex_lock(&held->lock);
+  resp.resumed_step = held->last_step;
+  pthread_mutex_unlock(&held->lock);
+  pd__answer(d, rep, &resp.base);
+
+cleanup:
+  if (job) pd_job_free(job, &d->stats);
+  free(tensors);
+  free(infos);
+  free(info_ptrs);
+}
+
+/* ---- PushStatistics ------------------------------------------------------------------- */
+
+/* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
+ * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned. */
+static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, const char *side,
+                      const float **vals, float **owned, pd_reply *rep) {
+  *vals = NULL;
+  *owned = NULL;
+  if (!m) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s: missing", i, side);
+    return -1;
+  }
+  if (m->n != n) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+             "blocks[%zu].%s.n: %u, but the block's factor is %zu x %zu", i, side, m->n, n, n);
+    return -1;
+  }
+  size_t count = pc_packed_len(n);
+  size_t width;
+  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32) {
+    width = 4;
+  } else if (m->encoding == PRECOND__V1__ENCODING__ENCODING_BF16) {
+    width = 2;
+  } else {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s.encoding: %d is unknown", i,
+             side, (int)m->encoding);
+    return -1;
+  }
+  if (m->data.len != count * width) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+             "blocks[%zu].%s.data: %zu bytes, expected %zu (%zu values of %zu bytes)", i, side,
+             m->data.len, count * width, count, width);
+    return -1;
+  }
+  int little = 1;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  little = 0;
+#endif
+  if (width == 4 && little && ((uintptr_t)m->data.data % _Alignof(float)) == 0) {
+    *vals = (const float *)(const void *)m->data.data;
+  } else {
+    float *buf = malloc(count * sizeof *buf);
+    if (!buf) {
+      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory decoding blocks[%zu]", i);
+      return -1;
+    }
+    const uint8_t *p = m->data.data;
+    if (width == 4) {
+      for (size_t k = 0; k < count; k++) {
+        uint32_t u = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 |
+                     (uint32_t)p[4 * k + 2] << 16 | (uint32_t)p[4 * k + 3] << 24;
+        memcpy(&buf[k], &u, 4);
+      }
+    } else {
+      uint16_t *h = malloc(count * sizeof *h);
+      if (!h) {
+        free(buf);
+        pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory decoding blocks[%zu]", i);
+        return -1;
+      }
+      for (size_t k = 0; k < count; k++) h[k] = (uint16_t)(p[2 * k] | p[2 * k + 1] << 8);
+      pc_bf16_to_f32(count, h, buf);
+      free(h);
+    }
+    *vals = buf;
+    *owned = buf;
+  }
+  if (!pc_all_finite_f32(count, *vals)) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+             "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
+             "stored", i, side);
+    return -1;
+  }
+  return 0;
+}
+
+static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply *rep) {
+  if (!req->job || !*req->job) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
+    goto rejected;
+  }
+  pd_job *job = pd_store_find(&d->store, req->job);
+  if (!job) {
+    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+             "job: \"%s\" is not registered (call Register before PushStatistics)", req->job);
+    goto rejected;
+  }
+  size_t nb = req->n_blocks;
+  const float **left = calloc(nb ? nb : 1, sizeof *left);
+  const float **right = calloc(nb ? nb : 1, sizeof *right);
+  float **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
+  int ok = 0;
+  if (!left || !right || !owned || !seen) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto cleanup;
+  }
+  /* The whole request is checked before any of it is stored. */
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockStatistics *bs = req->blocks[i];
+    if (bs->block_id >= job->nblocks) {
+      pd__fail(rep, GRPC_STATUS_NOT_FOUND,
+               "blocks[%zu].block_id: %u is not a block of job \"%s\" (it has %zu)", i,
+               bs->block_id, job->name, job->nblocks);
+      goto cleanup;
+    }
+    if (seen[bs->block_id]) {
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu].block_id: %u appears twice in one push", i, bs->block_id);
+      goto cleanup;
+    }
+    seen[bs->block_id] = 1;
+    const pd_block *b = &job->blocks[bs->block_id];
+    if (pd__decode(bs->left, b->rows, i, "left", &left[i], &owned[2 * i], rep) != 0 ||
+        pd__decode(bs->right, b->cols, i, "right", &right[i], &owned[2 * i + 1], rep) != 0)
+      goto cleanup;
+  }
+  for (size_t i = 0; i < nb; i++) {
+    pd_block *b = &job->blocks[req->blocks[i]->block_id];
+    pd_block_update(b, left[i], right[i], req->step);
+    if (pd_sched_mark(&d->sched, b) != PD_OK)
+      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name, b->id);
+  }
+  pthread_mutex_lock(&job->lock);
+  if (req->step > job->last_step) job->last_step = req->step;
+  pthread_mutex_unlock(&job->lock);
+  atomic_fetch_add(&d->store.generation, 1);
+  ok = 1;
+
+  Precond__V1__PushResponse resp = PRECOND__V1__PUSH_RESPONSE__INIT;
+  resp.accepted = (uint32_t)nb;
+  pd__answer(d, rep, &resp.base);
+
+cleanup:
+  for (size_t i = 0; owned && i < 2 * nb; i++) free(owned[i]);
+  free(owned);
+  free(left);
+  free(right);
+  free(seen);
+  if (ok) return;
+rejected:
+  atomic_fetch_add(&d->stats.rejected_pushes, 1);
+  pd_log(PD_LOG_DEBUG, "push rejected: %s", rep->message);
+}
+
+/* ---- FetchPreconditioners -------------------------------------------------------------- */
+
+/* Fills m with root values of order n in the asked encoding; fp32 borrows vals (the root
+ * is referenced until the response is packed), bf16 allocates *owned. */
+static int pd__encode(Precond__V1__PackedMatrix *m, size_t n, const float *vals,
+                      Precond__V1__Encoding enc, uint16_t **owned) {
+  size_t count = pc_packed_len(n);
+  precond__v1__packed_matrix__init(m);
+  m->n = (uint32_t)n;
+  m->encoding = enc;
+  *owned = NULL;
+  if (enc == PRECOND__V1__ENCODING__ENCODING_FP32) {
+    m->data.data = (uint8_t *)(uintptr_t)vals;
+    m->data.len = count * 4;
+    return 0;
+  }
+  uint16_t *h = malloc(count * sizeof *h);
+  if (!h) return -1;
+  pc_f32_to_bf16(count, vals, h);
+  *owned = h;
+  m->data.data = (uint8_t *)h;
+  m->data.len = count * 2;
+  return 0;
+}
+
+static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_reply *rep) {
+  if (!req->job || !*req->job) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
+    return;
+  }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "fetch sends fp32 roots as host-order bytes: a big-endian host needs a conversion"
+#endif
+  if (req->encoding != PRECOND__V1__ENCODING__ENCODING_FP32 &&
+      req->encoding != PRECOND__V1__ENCODING__ENCODING_BF16) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "encoding: %d is unknown", (int)req->encoding);
+    return;
+  }
+  pd_job *job = pd_store_find(&d->store, req->job);
+  if (!job) {
+    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    return;
+  }
+  size_t nb = job->nblocks;
+  uint64_t *have = calloc(nb ? nb : 1, sizeof *have);
+  pd_root **roots = calloc(nb ? nb : 1, sizeof *roots);
+  Precond__V1__BlockRoots *out = calloc(nb ? nb : 1, sizeof *out);
+  Precond__V1__BlockRoots **ptrs = calloc(nb ? nb : 1, sizeof *ptrs);
+  Precond__V1__PackedMatrix *mats = calloc(nb ? 2 * nb : 1, sizeof *mats);
+  uint16_t **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  size_t nout = 0;
+  if (!have || !roots || !out || !ptrs || !mats || !owned) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto cleanup;
+  }
+  for (size_t i = 0; i < req->n_have; i++) {
+    if (req->have[i]->block_id >= nb) {
+      pd__fail(rep, GRPC_STATUS_NOT_FOUND,
+               "have[%zu].block_id: %u is not a block of job \"%s\" (it has %zu)", i,
+               req->have[i]->block_id, job->name, nb);
+      goto cleanup;
+    }
+    have[req->have[i]->block_id] = req->have[i]->version;
+  }
+  /* Newer roots until the response would pass the size limit; the rest come next fetch. */
+  size_t budget = d->cfg.max_message_bytes - d->cfg.max_message_bytes / 16, used = 0;
+  size_t width = req->encoding == PRECOND__V1__ENCODING__ENCODING_FP32 ? 4 : 2;
+  for (size_t i = 0; i < nb; i++) {
+    pd_root *r = pd_block_root(&job->blocks[i]);
+    if (!r || r->version <= have[i]) {
+      pd_root_unref(r, &d->stats);
+      continue;
+    }
+    size_t bytes = (pc_packed_len(r->n_left) + pc_packed_len(r->n_right)) * width + 128;
+    if (used + bytes > budget && nout > 0) {
+      pd_root_unref(r, &d->stats);
+      break;
+    }
+    used += bytes;
+    roots[nout] = r;
+    Precond__V1__BlockRoots *br = &out[nout];
+    precond__v1__block_roots__init(br);
+    br->block_id = (uint32_t)i;
+    br->version = r->version;
+    br->source_step = r->source_step;
+    br->error = r->error;
+    br->method = (Precond__V1__Method)r->method;
+    br->iterations = r->iterations;
+    if (pd__encode(&mats[2 * nout], r->n_left, r->left, req->encoding, &owned[2 * nout]) ||
+        pd__encode(&mats[2 * nout + 1], r->n_right, r->right, req->encoding,
+                   &owned[2 * nout + 1])) {
+      nout++;
+      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
+      goto cleanup;
+    }
+    br->left = &mats[2 * nout];
+    br->right = &mats[2 * nout + 1];
+    ptrs[nout] = br;
+    nout++;
+  }
+  Precond__V1__FetchResponse resp = PRECOND__V1__FETCH_RESPONSE__INIT;
+  resp.n_preconditioners = nout;
+  resp.preconditioners = ptrs;
+  pd__answer(d, rep, &resp.base);
+
+cleanup:
+  for (size_t i = 0; roots && i < nout; i++) pd_root_unref(roots[i], &d->stats);
+  for (size_t i = 0; owned && i < 2 * nout; i++) free(owned[i]);
+  free(have);
+  free(roots);
+  free(out);
+  free(ptrs);
+  free(mats);
+  free(owned);
+}
+
+/* ---- GetStats ------------------------------------------------------------------------- */
+
+static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_reply *rep) {
+  pd_job *only = NULL;
+  if (req->job && *req->job) {
+    only = pd_store_find(&d->store, req->job);
+    if (!only) {
+      pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+      return;
+    }
+  }
+  pthread_rwlock_rdlock(&d->store.lock);
+  size_t njobs = d->store.njobs, total_jobs = njobs;
+  pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
+  if (jobs && njobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
+  pthread_rwlock_unlock(&d->store.lock);
+  if (only && jobs) {
+    jobs[0] = only;
+    njobs = 1;
+  }
+  size_t nblk = 0;
+  for (size_t i = 0; jobs && req->blocks && i < njobs; i++) nblk += jobs[i]->nblocks;
+  Precond__V1__JobStats *js = calloc(njobs ? njobs : 1, sizeof *js);
+  Precond__V1__JobStats **jsp = calloc(njobs ? njobs : 1, sizeof *jsp);
+  Precond__V1__BlockStats *bs = calloc(nblk ? nblk : 1, sizeof *bs);
+  Precond__V1__BlockStats **bsp = calloc(nblk ? nblk : 1, sizeof *bsp);
+  if (!jobs || !js || !jsp || !bs || !bsp) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto cleanup;
+  }
+  Precond__V1__StatsResponse resp = PRECOND__V1__STATS_RESPONSE__INIT;
+  resp.version = (char *)PD_VERSION;
+  resp.uptime_s = pd_now() - d->stats.start_time;
+  resp.jobs = (uint32_t)total_jobs;
+  resp.queue_depth = pd_sched_depth(&d->sched);
+  resp.roots_computed = atomic_load(&d->stats.roots_computed);
+  resp.roots_failed = atomic_load(&d->stats.roots_failed);
+  pd_stats_percentiles(&d->stats, &resp.compute_ms_p50, &resp.compute_ms_p90,
+                       &resp.compute_ms_p99);
+  resp.bytes_in = atomic_load(&d->stats.bytes_in);
+  resp.bytes_out = atomic_load(&d->stats.bytes_out);
+  int64_t mem = atomic_load(&d->stats.memory_bytes);
+  resp.memory_bytes = mem > 0 ? (uint64_t)mem : 0;
+  resp.rejected_pushes = atomic_load(&d->stats.rejected_pushes);
+  resp.threads = (uint32_t)d->cfg.threads;
+  resp.replicas = 1;
+  resp.rank = 0;
+  resp.snapshots_written = atomic_load(&d->stats.snapshots_written);
+  double snap = atomic_load(&d->stats.last_snapshot_time);
+  resp.last_snapshot_age_s = snap > 0 ? pd_now() - snap : 0;
+
+  size_t k = 0;
+  for (size_t i = 0; i < njobs; i++) {
+    pd_job *j = jobs[i];
+    precond__v1__job_stats__init(&js[i]);
+    js[i].job = j->name;
+    js[i].mode = (Precond__V1__Mode)j->mode;
+    js[i].blocks = (uint32_t)j->nblocks;
+    pthread_mutex_lock(&j->lock);
+    js[i].workers = (uint32_t)j->nworkers;
+    js[i].last_step = j->last_step;
+    pthread_mutex_unlock(&j->lock);
+    jsp[i] = &js[i];
+    for (size_t b = 0; req->blocks && b < j->nblocks; b++, k++) {
+      pd_block *blk = &j->blocks[b];
+      Precond__V1__BlockStats *o = &bs[k];
+      precond__v1__block_stats__init(o);
+      o->job = j->name;
+      o->block_id = blk->id;
+      o->tensor = j->tensors[blk->tensor].name;
+      o->rows = blk->rows;
+      o->cols = blk->cols;
+      pthread_mutex_lock(&blk->lock);
+      o->version = blk->root ? blk->root->version : 0;
+      o->roots_computed = blk->roots_computed;
+      o->roots_failed = blk->roots_failed;
+      o->last_error = blk->last_error;
+      o->last_compute_ms = blk->last_compute_ms;
+      pthread_mutex_unlock(&blk->lock);
+      o->stat_step = atomic_load(&blk->stat_step);
+      o->root_step = atomic_load(&blk->root_step);
+      o->staleness = o->stat_step > o->root_step ? o->stat_step - o->root_step : 0;
+      o->owner = 0;
+      bsp[k] = o;
+    }
+  }
+  resp.n_job_stats = njobs;
+  resp.job_stats = jsp;
+  resp.n_block_stats = k;
+  resp.block_stats = bsp;
+  pd__answer(d, rep, &resp.base);
+
+cleanup:
+  free(jobs);
+  free(js);
+  free(jsp);
+  free(bs);
+  free(bsp);
+}
+
+/* ---- dispatch ------------------------------------------------------------------------- */
+
+void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
+                       pd_reply *reply) {
+  reply->code = GRPC_STATUS_OK;
+  reply->message[0] = '\0';
+  reply->payload = NULL;
+  if (payload) atomic_fetch_add(&d->stats.bytes_in, grpc_byte_buffer_length(payload));
+  ProtobufCMessage *req = NULL;
+  int rc = rpc_unpack(payload, pd__req_desc[m], d->cfg.max_message_bytes, &req);
+  if (rc != RPC_OK) {
+    if (rc == RPC_ETOOBIG)
+      pd__fail(reply, GRPC_STATUS_RESOURCE_EXHAUSTED,
+               "request above the message size limit (%zu bytes, --max-message-mb)",
+               d->cfg.max_message_bytes);
+    else
+      pd__fail(reply, GRPC_STATUS_INVALID_ARGUMENT, "request: does not parse as %s",
+               pd__req_desc[m]->name);
+    if (m == PD_M_PUSH) atomic_fetch_add(&d->stats.rejected_pushes, 1);
+    return;
+  }
+  switch (m) {
+  case PD_M_REGISTER: pd__register(d, (Precond__V1__RegisterRequest *)req, reply); break;
+  case PD_M_PUSH: pd__push(d, (Precond__V1__PushRequest *)req, reply); break;
+  case PD_M_FETCH: pd__fetch(d, (Precond__V1__FetchRequest *)req, reply); break;
+  case PD_M_STATS: pd__stats(d, (Precond__V1__StatsRequest *)req, reply); break;
+  case PD_M_HEALTH: {
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    pd__answer(d, reply, &resp.base);
+    break;
+  }
+  default: pd__fail(reply, GRPC_STATUS_UNIMPLEMENTED, "unknown method"); break;
+  }
+  protobuf_c_message_free_unpacked(req, NULL);
+}

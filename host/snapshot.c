@@ -1,0 +1,604 @@
+/*
+ * snapshot.c -- the store on disk: written atomically, checked before anything is loaded.
+ *
+ * File layout (all integers little-endian; floats as their IEEE 754 bits):
+ *   header, 32 bytes:
+ *     magic "PCDSNAP1" | u32 format (1) | u32 reserved (0) | u64 payload bytes |
+ *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
+ *   payload:
+ *     u32 jobs, then per job:
+ *       str name | u32 mode | u32 block_size | u32 skip_limit | f32 beta2 | u32 p |
+ *       f64 epsilon | u32 method | u64 last_step |
+ *       u32 tensors, each: str name | u32 rank | u64 dims[rank] |
+ *       u32 workers, each: str name |
+ *       u32 blocks, each: u32 id | u64 rows | u64 cols | u64 stat_step | u64 pushes |
+ *         u64 roots_computed | u64 roots_failed | f64 last_error | f64 last_compute_ms |
+ *         f32 left[rows(rows+1)/2] | f32 right[cols(cols+1)/2] |
+ *         u8 has_root, and if 1: u64 version | u64 source_step | f64 error | u32 method |
+ *           u32 iterations | f32 left[...] | f32 right[...]
+ *   (str = u32 length, then that many bytes, no terminator)
+ *
+ * Reading checks the header, the size and the payload CRC in a first pass, then parses into
+ * jobs that are added to the store only once all of them parsed: a damaged file loads
+ * nothing. Statistics are stored as their exact bits, so a restore is bit-exact.
+ */
+#include "precondd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <zlib.h>
+
+#include "preconditioner.h"
+
+#define PD_SNAP_MAGIC "PCDSNAP1"
+#define PD_SNAP_FORMAT 1u
+#define PD_SNAP_HEADER 32
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define PD_BIG_ENDIAN 1
+#else
+#define PD_BIG_ENDIAN 0
+#endif
+
+/* ---- writing --------------------------------------------------------------------------- */
+
+typedef struct {
+  FILE *f;
+  uLong crc;
+  uint64_t n;
+  int err;
+} pd__w;
+
+static void pd__put(pd__w *w, const void *p, size_t n) {
+  if (w->err || n == 0) return;
+  if (fwrite(p, 1, n, w->f) != n) {
+    w->err = 1;
+    return;
+  }
+  /* zlib's crc32 takes uInt lengths: feed large arrays in pieces. */
+  const unsigned char *b = p;
+  while (n) {
+    uInt k = n > (1u << 30) ? (1u << 30) : (uInt)n;
+    w->crc = crc32(w->crc, b, k);
+    b += k;
+    n -= k;
+    w->n += k;
+  }
+}
+
+static void pd__le(unsigned char *out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; i++) out[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void pd__u8(pd__w *w, unsigned v) {
+  unsigned char b = (unsigned char)v;
+  pd__put(w, &b, 1);
+}
+static void pd__u32(pd__w *w, uint32_t v) {
+  unsigned char b[4];
+  pd__le(b, v, 4);
+  pd__put(w, b, 4);
+}
+static void pd__u64(pd__w *w, uint64_t v) {
+  unsigned char b[8];
+  pd__le(b, v, 8);
+  pd__put(w, b, 8);
+}
+static void pd__f32(pd__w *w, float v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  pd__u32(w, u);
+}
+static void pd__f64(pd__w *w, double v) {
+  uint64_t u;
+  memcpy(&u, &v, 8);
+  pd__u64(w, u);
+}
+static void pd__str(pd__w *w, const char *s) {
+  size_t n = strlen(s);
+  pd__u32(w, (uint32_t)n);
+  pd__put(w, s, n);
+}
+static void pd__f32s(pd__w *w, const float *v, size_t n) {
+#if PD_BIG_ENDIAN
+  for (size_t i = 0; i < n; i++) pd__f32(w, v[i]);
+#else
+  pd__put(w, v, n * sizeof *v);
+#endif
+}
+
+static int pd__fsync_dir(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return -1;
+  int rc = fsync(fd);
+  close(fd);
+  return rc;
+}
+
+static void pd__write_block(pd__w *w, pd_block *b, float *sl, float *sr) {
+  size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+  /* Copy under the lock, write without it: pushes to this block wait only for a memcpy. */
+  pthread_mutex_lock(&b->lock);
+  memcpy(sl, b->stat_left, ll * sizeof *sl);
+  memcpy(sr, b->stat_right, lr * sizeof *sr);
+  uint64_t stat_step = atomic_load(&b->stat_step), pushes = b->pushes;
+  uint64_t computed = b->roots_computed, failed = b->roots_failed;
+  double last_error = b->last_error, last_ms = b->last_compute_ms;
+  pd_root *r = b->root;
+  pd_root_ref(r);
+  pthread_mutex_unlock(&b->lock);
+
+  pd__u32(w, b->id);
+  pd__u64(w, b->rows);
+  pd__u64(w, b->cols);
+  pd__u64(w, stat_step);
+  pd__u64(w, pushes);
+  pd__u64(w, computed);
+  pd__u64(w, failed);
+  pd__f64(w, last_error);
+  pd__f64(w, last_ms);
+  pd__f32s(w, sl, ll);
+  pd__f32s(w, sr, lr);
+  pd__u8(w, r != NULL);
+  if (r) {
+    pd__u64(w, r->version);
+    pd__u64(w, r->source_step);
+    pd__f64(w, r->error);
+    pd__u32(w, (uint32_t)r->method);
+    pd__u32(w, r->iterations);
+    pd__f32s(w, r->left, ll);
+    pd__f32s(w, r->right, lr);
+  }
+  pd_root_unref(r, NULL);
+}
+
+static void pd__write_job(pd__w *w, pd_job *j, float *sl, float *sr) {
+  pd__str(w, j->name);
+  pd__u32(w, (uint32_t)j->mode);
+  pd__u32(w, j->opts.block_size);
+  pd__u32(w, j->opts.skip_limit);
+  pd__f32(w, j->opts.beta2);
+  pd__u32(w, j->opts.root_exponent);
+  pd__f64(w, j->opts.epsilon);
+  pd__u32(w, (uint32_t)j->opts.method);
+  pthread_mutex_lock(&j->lock);
+  uint64_t last_step = j->last_step;
+  size_t nworkers = j->nworkers;
+  pthread_mutex_unlock(&j->lock);
+  pd__u64(w, last_step);
+  pd__u32(w, (uint32_t)j->ntensors);
+  for (size_t i = 0; i < j->ntensors; i++) {
+    pd__str(w, j->tensors[i].name);
+    pd__u32(w, (uint32_t)j->tensors[i].rank);
+    for (int k = 0; k < j->tensors[i].rank; k++) pd__u64(w, j->tensors[i].dims[k]);
+  }
+  /* Worker names are only appended, so the first nworkers are stable without the lock. */
+  pd__u32(w, (uint32_t)nworkers);
+  for (size_t i = 0; i < nworkers; i++) pd__str(w, j->workers[i]);
+  pd__u32(w, (uint32_t)j->nblocks);
+  for (size_t i = 0; i < j->nblocks; i++) pd__write_block(w, &j->blocks[i], sl, sr);
+}
+
+int pd_snapshot_write(pd_store *st, const char *dir) {
+  char path[1200], tmp[1200];
+  snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
+  snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, PD_SNAPSHOT_FILE);
+
+  /* The job list only grows and jobs live as long as the store: copy the pointers. */
+  pthread_rwlock_rdlock(&st->lock);
+  size_t njobs = st->njobs;
+  pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
+  if (jobs && njobs) memcpy(jobs, st->jobs, njobs * sizeof *jobs);
+  pthread_rwlock_unlock(&st->lock);
+  if (!jobs) return PD_ENOMEM;
+
+  size_t nmax = 1;
+  for (size_t i = 0; i < njobs; i++)
+    for (size_t k = 0; k < jobs[i]->nblocks; k++) {
+      pd_block *b = &jobs[i]->blocks[k];
+      if (b->rows > nmax) nmax = b->rows;
+      if (b->cols > nmax) nmax = b->cols;
+    }
+  float *sl = malloc(pc_packed_len(nmax) * sizeof *sl);
+  float *sr = malloc(pc_packed_len(nmax) * sizeof *sr);
+  int rc = PD_OK;
+  pd__w w = {NULL, crc32(0L, Z_NULL, 0), 0, 0};
+  if (!sl || !sr) {
+    rc = PD_ENOMEM;
+    goto cleanup;
+  }
+  w.f = fopen(tmp, "wb");
+  if (!w.f) {
+    pd_log(PD_LOG_ERROR, "snapshot: cannot create %s: %s", tmp, strerror(errno));
+    rc = PD_EIO;
+    goto cleanup;
+  }
+  unsigned char header[PD_SNAP_HEADER];
+  memset(header, 0, sizeof header);
+  if (fwrite(header, 1, sizeof header, w.f) != sizeof header) w.err = 1;
+  pd__u32(&w, (uint32_t)njobs);
+  for (size_t i = 0; i < njobs; i++) pd__write_job(&w, jobs[i], sl, sr);
+
+  memcpy(header, PD_SNAP_MAGIC, 8);
+  pd__le(header + 8, PD_SNAP_FORMAT, 4);
+  pd__le(header + 12, 0, 4);
+  pd__le(header + 16, w.n, 8);
+  pd__le(header + 24, w.crc, 4);
+  pd__le(header + 28, crc32(crc32(0L, Z_NULL, 0), header, 28), 4);
+  if (!w.err && (fseek(w.f, 0, SEEK_SET) != 0 || fwrite(header, 1, sizeof header, w.f) != 32))
+    w.err = 1;
+  if (!w.err && (fflush(w.f) != 0 || fsync(fileno(w.f)) != 0)) w.err = 1;
+  if (fclose(w.f) != 0) w.err = 1;
+  w.f = NULL;
+  if (w.err) {
+    pd_log(PD_LOG_ERROR, "snapshot: writing %s failed: %s", tmp, strerror(errno));
+    unlink(tmp);
+    rc = PD_EIO;
+    goto cleanup;
+  }
+  if (rename(tmp, path) != 0) {
+    pd_log(PD_LOG_ERROR, "snapshot: rename %s -> %s failed: %s", tmp, path, strerror(errno));
+    unlink(tmp);
+    rc = PD_EIO;
+    goto cleanup;
+  }
+  if (pd__fsync_dir(dir) != 0)
+    pd_log(PD_LOG_WARN, "snapshot: fsync of %s failed: %s", dir, strerror(errno));
+  pd_log(PD_LOG_DEBUG, "snapshot: wrote %s (%llu bytes, %zu jobs)", path,
+         (unsigned long long)(w.n + PD_SNAP_HEADER), njobs);
+
+cleanup:
+  free(jobs);
+  free(sl);
+  free(sr);
+  return rc;
+}
+
+/* ---- reading --------------------------------------------------------------------------- */
+
+typedef struct {
+  FILE *f;
+  uint64_t left; /* payload bytes not read yet */
+  int err;
+} pd__r;
+
+static void pd__get(pd__r *r, void *p, size_t n) {
+  if (r->err) goto fail;
+  if (n > r->left || fread(p, 1, n, r->f) != n) {
+    r->err = 1;
+    goto fail;
+  }
+  r->left -= n;
+  return;
+fail:
+  memset(p, 0, n);
+}
+
+static uint64_t pd__from_le(const unsigned char *b, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; i--) v = (v << 8) | b[i];
+  return v;
+}
+static uint32_t pd__ru32(pd__r *r) {
+  unsigned char b[4];
+  pd__get(r, b, 4);
+  return (uint32_t)pd__from_le(b, 4);
+}
+static uint64_t pd__ru64(pd__r *r) {
+  unsigned char b[8];
+  pd__get(r, b, 8);
+  return pd__from_le(b, 8);
+}
+static unsigned pd__ru8(pd__r *r) {
+  unsigned char b;
+  pd__get(r, &b, 1);
+  return b;
+}
+static float pd__rf32(pd__r *r) {
+  uint32_t u = pd__ru32(r);
+  float v;
+  memcpy(&v, &u, 4);
+  return v;
+}
+static double pd__rf64(pd__r *r) {
+  uint64_t u = pd__ru64(r);
+  double v;
+  memcpy(&v, &u, 8);
+  return v;
+}
+/* A malloc'd string, or NULL (r->err set) when its length exceeds max or the data. */
+static char *pd__rstr(pd__r *r, uint32_t max) {
+  uint32_t n = pd__ru32(r);
+  if (r->err || n > max || n > r->left) {
+    r->err = 1;
+    return NULL;
+  }
+  char *s = malloc((size_t)n + 1);
+  if (!s) {
+    r->err = 1;
+    return NULL;
+  }
+  pd__get(r, s, n);
+  s[n] = '\0';
+  return s;
+}
+static void pd__rf32s(pd__r *r, float *v, size_t n) {
+  if (r->err || n > r->left / 4) {
+    r->err = 1;
+    return;
+  }
+#if PD_BIG_ENDIAN
+  for (size_t i = 0; i < n; i++) v[i] = pd__rf32(r);
+#else
+  pd__get(r, v, n * sizeof *v);
+#endif
+}
+
+/* First pass: header fields, file size and payload CRC. */
+static int pd__verify(FILE *f, uint64_t *payload, char *err, size_t errlen) {
+  unsigned char h[PD_SNAP_HEADER];
+  if (fread(h, 1, sizeof h, f) != sizeof h) {
+    snprintf(err, errlen, "truncated header (file shorter than %d bytes)", PD_SNAP_HEADER);
+    return PD_ECORRUPT;
+  }
+  if (memcmp(h, PD_SNAP_MAGIC, 8) != 0) {
+    snprintf(err, errlen, "bad magic (not a precondd snapshot)");
+    return PD_ECORRUPT;
+  }
+  if ((uint32_t)pd__from_le(h + 28, 4) != (uint32_t)crc32(crc32(0L, Z_NULL, 0), h, 28)) {
+    snprintf(err, errlen, "header checksum mismatch");
+    return PD_ECORRUPT;
+  }
+  uint32_t format = (uint32_t)pd__from_le(h + 8, 4);
+  if (format != PD_SNAP_FORMAT) {
+    snprintf(err, errlen, "unknown format %u (this precondd reads %u)", format,
+             PD_SNAP_FORMAT);
+    return PD_ECORRUPT;
+  }
+  *payload = pd__from_le(h + 16, 8);
+  uint32_t want = (uint32_t)pd__from_le(h + 24, 4);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  unsigned char buf[1 << 16];
+  uint64_t total = 0;
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) {
+    crc = crc32(crc, buf, (uInt)n);
+    total += n;
+  }
+  if (total != *payload) {
+    snprintf(err, errlen, "payload is %llu bytes, header says %llu (truncated or extended)",
+             (unsigned long long)total, (unsigned long long)*payload);
+    return PD_ECORRUPT;
+  }
+  if ((uint32_t)crc != want) {
+    snprintf(err, errlen, "payload checksum mismatch (crc32 %08x, header says %08x)",
+             (unsigned)crc, (unsigned)want);
+    return PD_ECORRUPT;
+  }
+  return PD_OK;
+}
+
+#define PD_SNAP_MAX_NAME 4096u
+
+/* Second pass, one job. On PD_OK *out holds a job with statistics and roots filled in
+ * (memory not yet counted: pd_store_add counts statistics, roots are counted here). */
+static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t errlen) {
+  *out = NULL;
+  pd_tensor *tensors = NULL;
+  uint32_t ntensors = 0;
+  pd_job *job = NULL;
+  int rc = PD_ECORRUPT;
+  char *name = pd__rstr(r, PD_SNAP_MAX_NAME);
+  int mode = (int)pd__ru32(r);
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = pd__ru32(r);
+  so.skip_limit = pd__ru32(r);
+  so.beta2 = pd__rf32(r);
+  so.root_exponent = pd__ru32(r);
+  so.epsilon = pd__rf64(r);
+  so.method = (Precond__V1__Method)pd__ru32(r);
+  uint64_t last_step = pd__ru64(r);
+  ntensors = pd__ru32(r);
+  if (r->err || ntensors > r->left / 8) goto bad;
+  tensors = calloc(ntensors ? ntensors : 1, sizeof *tensors);
+  if (!tensors) goto bad;
+  for (uint32_t i = 0; i < ntensors && !r->err; i++) {
+    tensors[i].name = pd__rstr(r, PD_SNAP_MAX_NAME);
+    uint32_t rank = pd__ru32(r);
+    if (r->err || rank < 1 || rank > 8) {
+      r->err = 1;
+      break;
+    }
+    tensors[i].rank = (int)rank;
+    tensors[i].dims = calloc(rank, sizeof(uint64_t));
+    if (!tensors[i].dims) {
+      r->err = 1;
+      break;
+    }
+    for (uint32_t k = 0; k < rank; k++) tensors[i].dims[k] = pd__ru64(r);
+  }
+  if (r->err) goto bad;
+
+  pd_shampoo_opts opts;
+  char why[256];
+  if (pd_shampoo_opts_resolve(&so, &opts, why, sizeof why) != PD_OK ||
+      pd_job_build(name, mode, &opts, ntensors, tensors, UINT32_MAX, &job, why,
+                   sizeof why) != PD_OK) {
+    snprintf(err, errlen, "job \"%s\": %s", name ? name : "?", why);
+    goto bad_quiet;
+  }
+  job->last_step = last_step;
+  uint32_t nworkers = pd__ru32(r);
+  for (uint32_t i = 0; i < nworkers && !r->err; i++) {
+    char *wname = pd__rstr(r, PD_SNAP_MAX_NAME);
+    if (wname) pd_job_note_worker(job, wname);
+    free(wname);
+  }
+  uint32_t nblocks = pd__ru32(r);
+  if (r->err || nblocks != job->nblocks) {
+    snprintf(err, errlen, "job \"%s\": %u blocks stored, the layout gives %zu", job->name,
+             nblocks, job->nblocks);
+    goto bad_quiet;
+  }
+  for (uint32_t i = 0; i < nblocks && !r->err; i++) {
+    pd_block *b = &job->blocks[i];
+    uint32_t id = pd__ru32(r);
+    uint64_t rows = pd__ru64(r), cols = pd__ru64(r);
+    if (r->err || id != b->id || rows != b->rows || cols != b->cols) {
+      snprintf(err, errlen, "job \"%s\" block %u: stored shape %llux%llu does not match the "
+               "layout's %llux%llu", job->name, i, (unsigned long long)rows,
+               (unsigned long long)cols, (unsigned long long)b->rows,
+               (unsigned long long)b->cols);
+      goto bad_quiet;
+    }
+    atomic_store(&b->stat_step, pd__ru64(r));
+    b->pushes = pd__ru64(r);
+    b->roots_computed = pd__ru64(r);
+    b->roots_failed = pd__ru64(r);
+    b->last_error = pd__rf64(r);
+    b->last_compute_ms = pd__rf64(r);
+    size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+    b->stat_left = malloc(ll * sizeof(float));
+    b->stat_right = malloc(lr * sizeof(float));
+    if (!b->stat_left || !b->stat_right) {
+      rc = PD_ENOMEM;
+      snprintf(err, errlen, "out of memory");
+      goto bad_quiet;
+    }
+    pd__rf32s(r, b->stat_left, ll);
+    pd__rf32s(r, b->stat_right, lr);
+    unsigned has_root = pd__ru8(r);
+    if (has_root > 1) r->err = 1;
+    if (has_root == 1 && !r->err) {
+      pd_root *root = pd_root_new(b->rows, b->cols, st->stats);
+      if (!root) {
+        rc = PD_ENOMEM;
+        snprintf(err, errlen, "out of memory");
+        goto bad_quiet;
+      }
+      b->root = root;
+      root->version = pd__ru64(r);
+      root->source_step = pd__ru64(r);
+      root->error = pd__rf64(r);
+      root->method = (int)pd__ru32(r);
+      root->iterations = pd__ru32(r);
+      pd__rf32s(r, root->left, ll);
+      pd__rf32s(r, root->right, lr);
+      atomic_store(&b->root_step, root->source_step);
+      atomic_store(&b->has_root, 1);
+    }
+  }
+  if (r->err) goto bad;
+  *out = job;
+  job = NULL;
+  rc = PD_OK;
+  goto cleanup;
+
+bad:
+  snprintf(err, errlen, "job \"%s\": truncated or malformed record", name ? name : "?");
+bad_quiet:
+  pd_job_free(job, st->stats);
+cleanup:
+  for (uint32_t i = 0; tensors && i < ntensors; i++) {
+    free(tensors[i].name);
+    free(tensors[i].dims);
+  }
+  free(tensors);
+  free(name);
+  return rc;
+}
+
+int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    if (errno == ENOENT) return PD_ENOENT;
+    snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+    return PD_EIO;
+  }
+  uint64_t payload = 0;
+  pd_job **jobs = NULL;
+  uint32_t njobs = 0, nread = 0;
+  int rc = pd__verify(f, &payload, err, errlen);
+  if (rc != PD_OK) goto cleanup;
+  if (fseek(f, PD_SNAP_HEADER, SEEK_SET) != 0) {
+    snprintf(err, errlen, "cannot seek in %s", path);
+    rc = PD_EIO;
+    goto cleanup;
+  }
+  pd__r r = {f, payload, 0};
+  njobs = pd__ru32(&r);
+  if (r.err || njobs > payload / 8) {
+    snprintf(err, errlen, "bad job count");
+    rc = PD_ECORRUPT;
+    goto cleanup;
+  }
+  jobs = calloc(njobs ? njobs : 1, sizeof *jobs);
+  if (!jobs) {
+    rc = PD_ENOMEM;
+    goto cleanup;
+  }
+  for (nread = 0; nread < njobs; nread++) {
+    rc = pd__read_job(&r, st, &jobs[nread], err, errlen);
+    if (rc != PD_OK) goto cleanup;
+  }
+  if (r.left != 0) {
+    snprintf(err, errlen, "%llu bytes left over after the last job",
+             (unsigned long long)r.left);
+    rc = PD_ECORRUPT;
+    goto cleanup;
+  }
+  for (uint32_t i = 0; i < njobs; i++) {
+    pd_job *existing = NULL;
+    rc = pd_store_add(st, jobs[i], &existing);
+    if (rc == PD_OK && existing) rc = PD_ECORRUPT;
+    if (rc != PD_OK) {
+      snprintf(err, errlen, "job \"%s\": %s", jobs[i]->name,
+               rc == PD_ELIMIT ? "over the memory limit" : existing ? "stored twice"
+                                                                     : pd_strerror(rc));
+      /* Jobs added so far stay: this happens only for a limit lowered since the write. */
+      for (uint32_t k = i; k < njobs; k++) pd_job_free(jobs[k], st->stats);
+      free(jobs);
+      jobs = NULL;
+      goto cleanup;
+    }
+  }
+  free(jobs);
+  jobs = NULL;
+  rc = PD_OK;
+
+cleanup:
+  if (jobs) {
+    for (uint32_t i = 0; i < nread && i < njobs; i++) pd_job_free(jobs[i], st->stats);
+    free(jobs);
+  }
+  fclose(f);
+  return rc;
+}
+
+int pd_snapshot_set_aside(const char *dir, char *newname, size_t len) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
+  long long now = (long long)time(NULL);
+  /* Never overwrite an earlier damaged file: it may be all that is left of a run. */
+  for (int k = 0; k < 1000; k++) {
+    if (k == 0)
+      snprintf(newname, len, "%s/%s.corrupt-%lld", dir, PD_SNAPSHOT_FILE, now);
+    else
+      snprintf(newname, len, "%s/%s.corrupt-%lld-%d", dir, PD_SNAPSHOT_FILE, now, k);
+    struct stat sb;
+    if (stat(newname, &sb) == 0) continue;
+    if (rename(path, newname) != 0) return PD_EIO;
+    pd__fsync_dir(dir);
+    return PD_OK;
+  }
+  return PD_EIO;
+}

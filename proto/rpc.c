@@ -1,0 +1,325 @@
+/*
+ * rpc.c -- gRPC core <-> protobuf-c glue: byte buffers, channels, a blocking unary call.
+ */
+#include "rpc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+const char *rpc_strerror(int code) {
+  switch (code) {
+  case RPC_OK: return "success";
+  case RPC_EINVAL: return "invalid argument";
+  case RPC_ENOMEM: return "out of memory";
+  case RPC_ETOOBIG: return "message above the size limit";
+  case RPC_EPARSE: return "message does not parse";
+  case RPC_ESTATUS: return "RPC failed with a non-OK status";
+  case RPC_ECALL: return "gRPC refused to start the call";
+  default: return "unknown rpc error code";
+  }
+}
+
+const char *rpc_status_name(grpc_status_code code) {
+  switch (code) {
+  case GRPC_STATUS_OK: return "OK";
+  case GRPC_STATUS_CANCELLED: return "CANCELLED";
+  case GRPC_STATUS_UNKNOWN: return "UNKNOWN";
+  case GRPC_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+  case GRPC_STATUS_DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+  case GRPC_STATUS_NOT_FOUND: return "NOT_FOUND";
+  case GRPC_STATUS_ALREADY_EXISTS: return "ALREADY_EXISTS";
+  case GRPC_STATUS_PERMISSION_DENIED: return "PERMISSION_DENIED";
+  case GRPC_STATUS_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+  case GRPC_STATUS_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+  case GRPC_STATUS_ABORTED: return "ABORTED";
+  case GRPC_STATUS_OUT_OF_RANGE: return "OUT_OF_RANGE";
+  case GRPC_STATUS_UNIMPLEMENTED: return "UNIMPLEMENTED";
+  case GRPC_STATUS_INTERNAL: return "INTERNAL";
+  case GRPC_STATUS_UNAVAILABLE: return "UNAVAILABLE";
+  case GRPC_STATUS_DATA_LOSS: return "DATA_LOSS";
+  case GRPC_STATUS_UNAUTHENTICATED: return "UNAUTHENTICATED";
+  default: return "UNKNOWN_STATUS_CODE";
+  }
+}
+
+static size_t rpc__limit(size_t max_bytes) {
+  if (max_bytes == 0) return RPC_DEFAULT_MAX_MESSAGE_BYTES;
+  return max_bytes > RPC_MAX_MESSAGE_BYTES_CAP ? RPC_MAX_MESSAGE_BYTES_CAP : max_bytes;
+}
+
+void rpc_size_args(grpc_channel_args *args, grpc_arg arg[2], size_t max_bytes) {
+  int limit = (int)rpc__limit(max_bytes);
+  arg[0].type = GRPC_ARG_INTEGER;
+  arg[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  arg[0].value.integer = limit;
+  arg[1].type = GRPC_ARG_INTEGER;
+  arg[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  arg[1].value.integer = limit;
+  args->num_args = 2;
+  args->args = arg;
+}
+
+int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **out) {
+  if (out) *out = NULL;
+  if (!msg || !out) return RPC_EINVAL;
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  if (n > rpc__limit(max_bytes)) return RPC_ETOOBIG;
+  grpc_slice slice = grpc_slice_malloc(n);
+  size_t written = protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(slice));
+  if (written != n) {
+    grpc_slice_unref(slice);
+    return RPC_EINVAL;
+  }
+  *out = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice); /* the buffer took its own reference */
+  return *out ? RPC_OK : RPC_ENOMEM;
+}
+
+int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+               size_t max_bytes, ProtobufCMessage **out) {
+  if (out) *out = NULL;
+  if (!desc || !out) return RPC_EINVAL;
+  if (!buf) return RPC_EPARSE;
+  size_t limit = rpc__limit(max_bytes);
+  /* For a compressed buffer this is the compressed size: checked again after readall. */
+  if (grpc_byte_buffer_length(buf) > limit) return RPC_ETOOBIG;
+
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, buf)) return RPC_EPARSE;
+  grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+
+  int rc = RPC_OK;
+  size_t n = GRPC_SLICE_LENGTH(all);
+  if (n > limit) {
+    rc = RPC_ETOOBIG;
+    goto done;
+  }
+  /* protobuf-c copies strings and bytes fields, so the slice can go once this returns. */
+  *out = protobuf_c_message_unpack(desc, NULL, n, GRPC_SLICE_START_PTR(all));
+  if (!*out) rc = RPC_EPARSE;
+done:
+  grpc_slice_unref(all);
+  return rc;
+}
+
+grpc_channel *rpc_channel_create(const char *target, size_t max_message_bytes) {
+  if (!target || !*target) return NULL;
+  grpc_init();
+  grpc_arg arg[2];
+  grpc_channel_args args;
+  rpc_size_args(&args, arg, max_message_bytes);
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel *channel = grpc_channel_create(target, creds, &args);
+  grpc_channel_credentials_release(creds);
+  if (!channel) grpc_shutdown();
+  return channel;
+}
+
+void rpc_channel_destroy(grpc_channel *channel) {
+  if (!channel) return;
+  grpc_channel_destroy(channel);
+  grpc_shutdown();
+}
+
+/* strdup into malloc (not gpr_malloc) memory so that callers free() it. */
+static char *rpc__strdup(const char *s) {
+  size_t n = strlen(s);
+  char *d = malloc(n + 1);
+  if (d) memcpy(d, s, n + 1);
+  return d;
+}
+
+static char *rpc__slice_strdup(grpc_slice s) {
+  size_t n = GRPC_SLICE_LENGTH(s);
+  char *d = malloc(n + 1);
+  if (!d) return NULL;
+  if (n) memcpy(d, GRPC_SLICE_START_PTR(s), n);
+  d[n] = '\0';
+  return d;
+}
+
+/* Local failures are reported like remote ones so that callers handle one kind. */
+static int rpc__fail(int rc, grpc_status_code code, const char *msg, grpc_status_code *status,
+                     char **details) {
+  if (status) *status = code;
+  if (details) *details = rpc__strdup(msg);
+  return rc;
+}
+
+/* The call itself: sends send_buf (not consumed), waits, fills *recv_buf with the
+ * response bytes (owned by the caller) on an OK status. */
+static int rpc__call_buffer(grpc_channel *channel, const char *method,
+                            grpc_byte_buffer *send_buf, long deadline_ms, int wait_for_ready,
+                            const char *token, grpc_byte_buffer **recv_out,
+                            grpc_status_code *status, char **details) {
+  *recv_out = NULL;
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  gpr_timespec deadline =
+      deadline_ms > 0 ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                     gpr_time_from_millis(deadline_ms, GPR_TIMESPAN))
+                      : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+  grpc_slice method_slice = grpc_slice_from_copied_string(method);
+  grpc_call *call = grpc_channel_create_call(channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                             method_slice, NULL, deadline, NULL);
+  grpc_slice_unref(method_slice);
+
+  grpc_metadata_array recv_initial, recv_trailing;
+  grpc_metadata_array_init(&recv_initial);
+  grpc_metadata_array_init(&recv_trailing);
+  grpc_byte_buffer *recv_buf = NULL;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  grpc_slice status_details = grpc_empty_slice();
+  const char *error_string = NULL;
+  grpc_metadata auth;
+  char *auth_value = NULL;
+  int have_auth = token && *token;
+  int rc = RPC_OK;
+
+  if (!call) {
+    rc = rpc__fail(RPC_ECALL, GRPC_STATUS_INTERNAL, "grpc_channel_create_call failed", status,
+                   details);
+    goto cleanup;
+  }
+  if (have_auth) {
+    size_t n = strlen(token);
+    auth_value = malloc(n + 8);
+    if (!auth_value) {
+      rc = rpc__fail(RPC_ENOMEM, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", status,
+                     details);
+      goto cleanup;
+    }
+    memcpy(auth_value, "Bearer ", 7);
+    memcpy(auth_value + 7, token, n + 1);
+    memset(&auth, 0, sizeof auth);
+    auth.key = grpc_slice_from_static_string("authorization");
+    auth.value = grpc_slice_from_static_string(auth_value);
+  }
+
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = have_auth ? 1 : 0;
+  ops[0].data.send_initial_metadata.metadata = have_auth ? &auth : NULL;
+  if (wait_for_ready)
+    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY |
+                   GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = send_buf;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &recv_initial;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &recv_buf;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &recv_trailing;
+  ops[5].data.recv_status_on_client.status = &code;
+  ops[5].data.recv_status_on_client.status_details = &status_details;
+  ops[5].data.recv_status_on_client.error_string = &error_string;
+
+  int tag_storage = 0;
+  void *tag = &tag_storage;
+  if (grpc_call_start_batch(call, ops, 6, tag, NULL) != GRPC_CALL_OK) {
+    rc = rpc__fail(RPC_ECALL, GRPC_STATUS_INTERNAL, "grpc_call_start_batch failed", status,
+                   details);
+    goto cleanup;
+  }
+  /* The call's deadline bounds this wait; the batch always completes (success = 1 even
+   * when the RPC failed: the status code says how it went). */
+  grpc_event ev;
+  do {
+    ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  } while (ev.type != GRPC_OP_COMPLETE || ev.tag != tag);
+
+  if (status) *status = code;
+  if (code != GRPC_STATUS_OK) {
+    if (details) *details = rpc__slice_strdup(status_details);
+    rc = RPC_ESTATUS;
+    goto cleanup;
+  }
+  if (!recv_buf) {
+    rc = rpc__fail(RPC_EPARSE, GRPC_STATUS_INTERNAL, "no response message", status, details);
+    goto cleanup;
+  }
+  *recv_out = recv_buf;
+  recv_buf = NULL;
+
+cleanup:
+  if (call) grpc_call_unref(call);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  if (recv_buf) grpc_byte_buffer_destroy(recv_buf);
+  grpc_metadata_array_destroy(&recv_initial);
+  grpc_metadata_array_destroy(&recv_trailing);
+  grpc_slice_unref(status_details);
+  if (error_string) gpr_free((void *)error_string);
+  free(auth_value);
+  return rc;
+}
+
+int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
+                 long deadline_ms, int wait_for_ready, const char *token,
+                 grpc_byte_buffer **resp, grpc_status_code *status, char **details) {
+  if (details) *details = NULL;
+  if (resp) *resp = NULL;
+  if (!channel || !method || !*method || (!bytes && len) || !resp)
+    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call_raw: invalid argument",
+                     status, details);
+  grpc_slice slice = grpc_slice_from_copied_buffer(bytes, len);
+  grpc_byte_buffer *send_buf = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice);
+  int rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
+                            resp, status, details);
+  grpc_byte_buffer_destroy(send_buf);
+  if (rc == RPC_OK && details) *details = rpc__strdup("");
+  return rc;
+}
+
+int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                   int wait_for_ready, const char *token, ProtobufCMessage **resp,
+                   grpc_status_code *status, char **details) {
+  if (details) *details = NULL;
+  if (resp) *resp = NULL;
+  if (!channel || !method || !*method || !req || !resp_desc || !resp)
+    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call: invalid argument",
+                     status, details);
+
+  grpc_byte_buffer *send_buf = NULL;
+  int rc = rpc_pack(req, 0, &send_buf);
+  if (rc != RPC_OK)
+    return rpc__fail(rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
+                                          : GRPC_STATUS_RESOURCE_EXHAUSTED,
+                     rc == RPC_ETOOBIG ? "request above the message size limit"
+                                       : rpc_strerror(rc),
+                     status, details);
+  grpc_byte_buffer *recv_buf = NULL;
+  rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
+                        &recv_buf, status, details);
+  grpc_byte_buffer_destroy(send_buf);
+  if (rc != RPC_OK) return rc;
+  rc = rpc_unpack(recv_buf, resp_desc, RPC_MAX_MESSAGE_BYTES_CAP, resp);
+  grpc_byte_buffer_destroy(recv_buf);
+  if (rc != RPC_OK)
+    return rpc__fail(rc, GRPC_STATUS_INTERNAL, "response does not parse", status, details);
+  if (details) *details = rpc__strdup("");
+  return RPC_OK;
+}
+
+int rpc_call(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *resp_desc, long deadline_ms, int wait_for_ready,
+             ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  return rpc_call_token(channel, method, req, resp_desc, deadline_ms, wait_for_ready, NULL,
+                        resp, status, details);
+}

@@ -1,0 +1,140 @@
+/*
+ * rpc.h -- gRPC core <-> protobuf-c glue shared by precondd, libprecond and precondctl.
+ *
+ * Prefix rpc_. Functions return int: RPC_OK (0) or a negative RPC_E* code; rpc_strerror
+ * turns a code into a static message. Nothing here keeps global state of its own: gRPC's
+ * library refcount is taken by rpc_channel_create and given back by rpc_channel_destroy,
+ * so a program that only uses channels from here never calls grpc_init itself.
+ *
+ * Method paths of precond.v1 are the RPC_METHOD_* strings below, e.g.
+ * "/precond.v1.Preconditioner/Register".
+ *
+ * Typical client use:
+ *
+ *   grpc_channel *ch = rpc_channel_create("127.0.0.1:50551", 0);
+ *   Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+ *   ProtobufCMessage *resp = NULL; grpc_status_code code; char *details = NULL;
+ *   int rc = rpc_call(ch, RPC_METHOD_GET_STATS, &req.base,
+ *                     &precond__v1__stats_response__descriptor, 5000, 0,
+ *                     &resp, &code, &details);
+ *   if (rc == RPC_OK) { use (Precond__V1__StatsResponse *)resp;
+ *                       protobuf_c_message_free_unpacked(resp, NULL); }
+ *   else fprintf(stderr, "%s: %s\n", rpc_status_name(code), details);
+ *   free(details);
+ *   rpc_channel_destroy(ch);
+ */
+#ifndef PRECOND_RPC_H
+#define PRECOND_RPC_H
+
+#include <stddef.h>
+
+#include <grpc/grpc.h>
+#include <grpc/status.h>
+#include <protobuf-c/protobuf-c.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  RPC_OK = 0,
+  RPC_EINVAL = -1,    /* bad argument (NULL pointer, empty target or method) */
+  RPC_ENOMEM = -2,    /* allocation failed */
+  RPC_ETOOBIG = -3,   /* message above the size limit */
+  RPC_EPARSE = -4,    /* bytes are not a valid message of the expected type */
+  RPC_ESTATUS = -5,   /* the RPC ended with a non-OK gRPC status (see *status, *details) */
+  RPC_ECALL = -6      /* gRPC refused to start the call (channel or batch error) */
+};
+
+/* Static message for an RPC_* code. Never NULL. */
+const char *rpc_strerror(int code);
+
+/* Static upper-case name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...). Never NULL. */
+const char *rpc_status_name(grpc_status_code code);
+
+/* Method paths of service precond.v1.Preconditioner and of the standard health check. */
+#define RPC_METHOD_REGISTER "/precond.v1.Preconditioner/Register"
+#define RPC_METHOD_PUSH_STATISTICS "/precond.v1.Preconditioner/PushStatistics"
+#define RPC_METHOD_FETCH_PRECONDITIONERS "/precond.v1.Preconditioner/FetchPreconditioners"
+#define RPC_METHOD_GET_STATS "/precond.v1.Preconditioner/GetStats"
+#define RPC_METHOD_HEALTH_CHECK "/grpc.health.v1.Health/Check"
+
+/* Default message size limit (both directions): 256 MiB, room for a push of one
+ * 4096 x 4096 block (two packed fp32 factors, about 64 MiB) several times over. */
+#define RPC_DEFAULT_MAX_MESSAGE_BYTES ((size_t)256 << 20)
+
+/* Largest limit gRPC accepts (its channel arguments are int). */
+#define RPC_MAX_MESSAGE_BYTES_CAP ((size_t)0x7fffffff)
+
+/* Fills args (caller-allocated; the array arg must have room for 2 entries) with the
+ * receive and send message size limits max_bytes (0: RPC_DEFAULT_MAX_MESSAGE_BYTES; capped
+ * at RPC_MAX_MESSAGE_BYTES_CAP). No memory is allocated: the keys are static strings. Used
+ * for channels here and for precondd's server. */
+void rpc_size_args(grpc_channel_args *args, grpc_arg arg[2], size_t max_bytes);
+
+/* Serialises msg into a new byte buffer. On RPC_OK the caller owns *out and releases it
+ * with grpc_byte_buffer_destroy. Returns RPC_EINVAL (NULL argument), RPC_ETOOBIG (packed
+ * size above max_bytes; 0 means RPC_DEFAULT_MAX_MESSAGE_BYTES) or RPC_ENOMEM; *out is NULL
+ * then. */
+int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **out);
+
+/* Parses buf (not consumed; the caller still owns it) as a message of type desc. On RPC_OK
+ * the caller owns *out and frees it with protobuf_c_message_free_unpacked(*out, NULL).
+ * A NULL buf (no message received) is RPC_EPARSE. Returns RPC_ETOOBIG if the (decompressed)
+ * payload is above max_bytes (0: the default), RPC_EPARSE on bytes that do not parse,
+ * RPC_EINVAL, RPC_ENOMEM; *out is NULL then. */
+int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+               size_t max_bytes, ProtobufCMessage **out);
+
+/* Opens an insecure channel to target: "host:port" (e.g. "127.0.0.1:50551") or
+ * "unix:/path/to.sock", with send and receive limits of max_message_bytes (0: the default).
+ * Takes a reference on the gRPC library (grpc_init). Returns NULL on a NULL or empty target.
+ * The channel connects lazily: creating it succeeds even if nothing listens yet.
+ * Release it with rpc_channel_destroy. */
+grpc_channel *rpc_channel_create(const char *target, size_t max_message_bytes);
+
+/* Destroys a channel from rpc_channel_create and drops its gRPC library reference.
+ * NULL is a no-op. No call on the channel may be in flight. */
+void rpc_channel_destroy(grpc_channel *channel);
+
+/* Blocking unary call of method (an RPC_METHOD_* path) on channel with request req;
+ * the response is parsed as resp_desc. deadline_ms > 0 bounds the whole call (<= 0: no
+ * deadline). wait_for_ready != 0 waits for the server to come up (until the deadline)
+ * instead of failing at once with UNAVAILABLE.
+ *
+ * Outputs (each may be NULL if not wanted, except resp):
+ * - *resp: on RPC_OK the parsed response, owned by the caller
+ *   (protobuf_c_message_free_unpacked(*resp, NULL)); NULL on any failure.
+ * - *status: the gRPC status; local failures map to a code too (INVALID_ARGUMENT for bad
+ *   arguments, RESOURCE_EXHAUSTED for a request above the limit or out of memory,
+ *   INTERNAL for an unparsable response or a call gRPC refused to start).
+ * - *details: a malloc'd message (caller frees it with free()), "" when OK; NULL only if
+ *   even that allocation failed.
+ * Returns RPC_OK only when the status is OK and the response parsed; otherwise RPC_ESTATUS
+ * (the server or transport returned a non-OK status), RPC_EPARSE, RPC_ETOOBIG, RPC_EINVAL,
+ * RPC_ENOMEM or RPC_ECALL. Thread-safe: many threads may call on one channel at once.
+ * The size limit applied to the request here is the default; the channel's own limits
+ * apply on the wire. */
+int rpc_call(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *resp_desc, long deadline_ms, int wait_for_ready,
+             ProtobufCMessage **resp, grpc_status_code *status, char **details);
+
+/* rpc_call with a bearer token: sends metadata "authorization: Bearer TOKEN" when token is
+ * neither NULL nor empty (precondd's --token-file). Otherwise identical to rpc_call. */
+int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                   int wait_for_ready, const char *token, ProtobufCMessage **resp,
+                   grpc_status_code *status, char **details);
+
+/* The same call with request bytes as they are (len bytes at bytes, copied) and the raw
+ * response: on RPC_OK the caller owns *resp (grpc_byte_buffer_destroy). For tests that send
+ * malformed messages, and for forwarding. Other outputs as in rpc_call. */
+int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
+                 long deadline_ms, int wait_for_ready, const char *token,
+                 grpc_byte_buffer **resp, grpc_status_code *status, char **details);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PRECOND_RPC_H */

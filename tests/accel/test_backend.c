@@ -1,0 +1,1670 @@
+/*
+ * test_backend.c -- every ac_* primitive against naive reference loops written here (in
+ * double where it matters), on the CPU backend and, when a CUDA device exists, on the CUDA
+ * backend with the same inputs and the same references. Without a device the CUDA group is
+ * skipped with a message.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "accel.h"
+
+typedef struct {
+  ac_backend *be;
+  ac_backend_kind kind;
+} fixture;
+
+/* ------------------------------------------------------------------------------------ */
+/* Helpers                                                                                 */
+
+static uint64_t rng_state = 88172645463325252ull;
+
+static float frand(void)
+{
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static float *host_rand(size_t n)
+{
+  float *x = malloc((n ? n : 1) * sizeof *x);
+  assert_non_null(x);
+  for (size_t i = 0; i < n; i++)
+    x[i] = frand();
+  return x;
+}
+
+static float *host_zeros(size_t n)
+{
+  float *x = calloc(n ? n : 1, sizeof *x);
+  assert_non_null(x);
+  return x;
+}
+
+static void *dev_alloc(ac_backend *be, size_t bytes)
+{
+  void *p = NULL;
+  assert_int_equal(ac_malloc(be, bytes, &p), AC_OK);
+  return p;
+}
+
+static float *dev_up(ac_backend *be, const float *h, size_t n)
+{
+  float *d = dev_alloc(be, n * sizeof *d);
+  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof *d), AC_OK);
+  return d;
+}
+
+static int32_t *dev_up_i32(ac_backend *be, const int32_t *h, size_t n)
+{
+  int32_t *d = dev_alloc(be, n * sizeof *d);
+  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof *d), AC_OK);
+  return d;
+}
+
+static float *dev_down(ac_backend *be, const float *d, size_t n)
+{
+  float *h = host_zeros(n);
+  assert_int_equal(ac_memcpy_d2h(be, h, d, n * sizeof *h), AC_OK);
+  return h;
+}
+
+/* got[i] within atol + rtol |want[i]|; reports the first miss. */
+static void expect_close(const char *what, const float *got, const double *want, size_t n,
+                         double atol, double rtol)
+{
+  for (size_t i = 0; i < n; i++) {
+    double err = fabs((double)got[i] - want[i]);
+    if (!(err <= atol + rtol * fabs(want[i]))) {
+      print_error("%s: element %zu is %.9g, expected %.9g\n", what, i, (double)got[i], want[i]);
+      fail();
+    }
+  }
+}
+
+static double *dzeros(size_t n)
+{
+  double *x = calloc(n ? n : 1, sizeof *x);
+  assert_non_null(x);
+  return x;
+}
+
+#define BE(state) (((fixture *)*(state))->be)
+
+/* Skips a CUDA test when no device was found (the group setup printed why). */
+#define NEED_BACKEND(state)                                                             \
+  do {                                                                                  \
+    if (BE(state) == NULL)                                                              \
+      skip();                                                                           \
+  } while (0)
+
+/* ------------------------------------------------------------------------------------ */
+/* Backend lifecycle and errors                                                            */
+
+static void test_strerror_and_create(void **state)
+{
+  (void)state;
+  const int codes[] = {AC_OK, AC_EINVAL, AC_ENOMEM, AC_ENODEV, AC_ENOTSUP, AC_EDEVICE,
+                       AC_EMISMATCH, 12345};
+  for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
+    assert_non_null(ac_strerror(codes[i]));
+    assert_true(strlen(ac_strerror(codes[i])) > 0);
+  }
+  assert_string_equal(ac_strerror(AC_EINVAL), "invalid argument");
+
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  assert_int_equal(opts.kind, AC_BACKEND_CPU);
+  assert_int_equal(opts.threads, 1);
+
+  ac_backend *be = (ac_backend *)0x1;
+  assert_int_equal(ac_backend_create(NULL, &opts), AC_EINVAL);
+  opts.kind = (ac_backend_kind)7;
+  assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
+  assert_null(be);
+  assert_non_null(strstr(ac_backend_describe(NULL), "unknown backend kind"));
+  opts.kind = AC_BACKEND_CPU;
+  opts.threads = -1;
+  assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
+
+  assert_int_equal(ac_backend_create(&be, NULL), AC_OK);
+  assert_non_null(be);
+  assert_int_equal(ac_backend_kind_of(be), AC_BACKEND_CPU);
+  assert_string_equal(ac_backend_name(be), "cpu");
+  assert_non_null(strstr(ac_backend_describe(be), "OpenBLAS"));
+  assert_int_equal(ac_sync(be), AC_OK);
+  ac_backend_destroy(be);
+  ac_backend_destroy(NULL);
+
+  /* CUDA: compiled out (ENOTSUP), no device (ENODEV), or a device. Never a crash. */
+  opts.kind = AC_BACKEND_CUDA;
+  opts.threads = 1;
+  int rc = ac_backend_create(&be, &opts);
+  assert_true(rc == AC_OK || rc == AC_ENOTSUP || rc == AC_ENODEV);
+  if (rc == AC_OK) {
+    assert_string_equal(ac_backend_name(be), "cuda");
+    ac_backend_destroy(be);
+  } else {
+    assert_null(be);
+    assert_true(strlen(ac_backend_describe(NULL)) > 0);
+  }
+}
+
+static void test_invalid_arguments(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  float *d = dev_alloc(be, 64 * sizeof(float));
+  int32_t *di = dev_alloc(be, 64 * sizeof(int32_t));
+  void *p = (void *)0x1;
+
+  assert_int_equal(ac_malloc(NULL, 16, &p), AC_EINVAL);
+  assert_int_equal(ac_malloc(be, 16, NULL), AC_EINVAL);
+  assert_int_equal(ac_malloc(be, 0, &p), AC_OK);
+  assert_null(p);
+  assert_int_equal(ac_memcpy_h2d(be, NULL, d, 4), AC_EINVAL);
+  assert_int_equal(ac_fill_f32(be, 4, NULL, 1.0f), AC_EINVAL);
+  assert_int_equal(ac_fill_f32(NULL, 4, d, 1.0f), AC_EINVAL);
+  assert_int_equal(ac_copy2d(be, 2, 4, d, 3, d + 32, 4), AC_EINVAL); /* lds < cols */
+  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, d, 1, d, 2, 0, d + 8, 2),
+                   AC_EINVAL); /* lda < k */
+  assert_int_equal(ac_sgemm(be, (ac_trans)5, AC_NO_TRANS, 2, 2, 2, 1, d, 2, d, 2, 0, d + 8, 2),
+                   AC_EINVAL);
+  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, NULL, 2, d, 2, 0, d + 8, 2),
+                   AC_EINVAL);
+  /* Overlapping C blocks in a batch are refused. */
+  assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, d, 2, 4, d + 8, 2,
+                                    4, 0, d + 16, 2, 0, 3), AC_EINVAL);
+  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, 4, 3, 1, d, 2, 0, d + 32), AC_EINVAL);
+  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, 4, 3, 1, d, 3, 0, NULL), AC_EINVAL);
+  assert_int_equal(ac_unpack_sym(be, 4, d, d + 16, 3), AC_EINVAL);
+  assert_int_equal(ac_binary(be, (ac_binary_op)9, 4, d, d, d), AC_EINVAL);
+  assert_int_equal(ac_unary(be, AC_UNARY_COUNT, 4, d, d), AC_EINVAL);
+  assert_int_equal(ac_unary(be, (ac_unary_op)-1, 4, d, d), AC_EINVAL);
+  assert_string_equal(ac_unary_name(AC_UNARY_COUNT), "?");
+  assert_int_equal(ac_axpby(be, 4, 1, d, 1, NULL, d), AC_EINVAL);
+  assert_int_equal(ac_reduce(be, (ac_reduce_op)8, 1, 4, 1, 1, d, 0, d + 8), AC_EINVAL);
+  assert_int_equal(ac_reduce(be, AC_REDUCE_SUM, 1, 4, 1, 1, d, 0, d), AC_EINVAL); /* alias */
+  assert_int_equal(ac_reduce(be, AC_REDUCE_SUM, SIZE_MAX, 4, 4, 1, d, 0, d + 8), AC_EINVAL);
+  assert_int_equal(ac_sum_to_host(be, 4, d, NULL), AC_EINVAL);
+  assert_int_equal(ac_argmax_rows(be, 2, 0, d, di), AC_EINVAL);
+  assert_int_equal(ac_xent_forward(be, 2, 0, d, di, d, d + 8), AC_EINVAL);
+
+  size_t shape[3] = {2, 3, 4};
+  int bad_perm[3] = {0, 0, 2}, perm[3] = {2, 1, 0};
+  assert_int_equal(ac_permute(be, 3, shape, bad_perm, d, d + 32), AC_EINVAL);
+  assert_int_equal(ac_permute(be, 0, shape, perm, d, d + 32), AC_EINVAL);
+  assert_int_equal(ac_permute(be, 3, shape, perm, d, d), AC_EINVAL);
+
+  ac_conv2d_geom g = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
+                      .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  size_t oh = 0, ow = 0;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  assert_int_equal(oh, 4);
+  assert_int_equal(ow, 4);
+  g.stride_h = 0;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_EINVAL);
+  assert_int_equal(ac_im2col(be, &g, d, d + 16), AC_EINVAL);
+  g.stride_h = 1;
+  g.pad_w = 3; /* pad >= kernel */
+  assert_int_equal(ac_pool2d_forward(be, AC_POOL_MAX, &g, d, d + 16, di), AC_EINVAL);
+  g.pad_w = 0;
+  g.kw = 9; /* kernel wider than the padded input */
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_EINVAL);
+  assert_int_equal(ac_conv2d_out_hw(NULL, &oh, &ow), AC_EINVAL);
+  g.kw = 3;
+  assert_int_equal(ac_pool2d_backward(be, AC_POOL_MAX, &g, d, NULL, d + 16), AC_EINVAL);
+  assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)4, &g, d, d + 16, di), AC_EINVAL);
+
+  assert_int_equal(ac_dropout_mask(be, 1, 0, 4, 1.0f, d), AC_EINVAL);
+  assert_int_equal(ac_dropout_mask(be, 1, 0, 4, -0.1f, d), AC_EINVAL);
+  assert_int_equal(ac_rand_normal(be, 1, 0, 4, 0.0f, -1.0f, d), AC_EINVAL);
+  assert_int_equal(ac_rand_uniform(be, 1, 0, 4, NAN, 1.0f, d), AC_EINVAL);
+
+  ac_adamw_args args = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                        .weight_decay = 0.0f, .step = 0};
+  assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, &args), AC_EINVAL);
+  args.step = 1;
+  args.beta1 = 1.0f;
+  assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, &args), AC_EINVAL);
+  args.beta1 = 0.9f;
+  assert_int_equal(ac_adamw_update(be, 4, d, d, d + 16, d + 24, &args), AC_EINVAL);
+  assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, NULL), AC_EINVAL);
+
+  /* Zero sizes are valid and touch nothing. */
+  assert_int_equal(ac_binary(be, AC_BIN_ADD, 0, NULL, NULL, NULL), AC_OK);
+  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 0, 3, 3, 1, NULL, 3, NULL, 3, 0,
+                            NULL, 3), AC_OK);
+  double s = -1.0;
+  assert_int_equal(ac_sum_to_host(be, 0, NULL, &s), AC_OK);
+  assert_true(s == 0.0);
+
+  ac_free(be, d);
+  ac_free(be, di);
+  ac_free(be, NULL);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Memory                                                                                  */
+
+static void test_memory(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 1000;
+  float *h = host_rand(n);
+  float *a = dev_up(be, h, n);
+  float *b = dev_alloc(be, n * sizeof *b);
+  assert_int_equal((uintptr_t)a % 256, 0);
+
+  assert_int_equal(ac_memcpy_d2d(be, b, a, n * sizeof *b), AC_OK);
+  float *back = dev_down(be, b, n);
+  assert_memory_equal(back, h, n * sizeof *h);
+  free(back);
+
+  assert_int_equal(ac_fill_f32(be, n - 1, b + 1, 2.5f), AC_OK);
+  back = dev_down(be, b, n);
+  assert_true(back[0] == h[0]);
+  for (size_t i = 1; i < n; i++)
+    assert_true(back[i] == 2.5f);
+  free(back);
+
+  int32_t *di = dev_alloc(be, 10 * sizeof *di), hi[10];
+  assert_int_equal(ac_fill_i32(be, 10, di, -7), AC_OK);
+  assert_int_equal(ac_memcpy_d2h(be, hi, di, sizeof hi), AC_OK);
+  for (int i = 0; i < 10; i++)
+    assert_int_equal(hi[i], -7);
+
+  /* copy2d: a 3 x 5 block out of a 10 x 20 matrix at (2, 4), into a 3 x 5 (ld 7) buffer. */
+  float *big = dev_up(be, h, 200);
+  float *blk = dev_alloc(be, 21 * sizeof *blk);
+  assert_int_equal(ac_fill_f32(be, 21, blk, -1.0f), AC_OK);
+  assert_int_equal(ac_copy2d(be, 3, 5, big + 2 * 20 + 4, 20, blk, 7), AC_OK);
+  back = dev_down(be, blk, 21);
+  for (size_t i = 0; i < 3; i++)
+    for (size_t j = 0; j < 7; j++)
+      assert_true(back[i * 7 + j] == (j < 5 ? h[(2 + i) * 20 + 4 + j] : -1.0f));
+  free(back);
+
+  ac_free(be, big);
+  ac_free(be, blk);
+  ac_free(be, di);
+  ac_free(be, a);
+  ac_free(be, b);
+  free(h);
+}
+
+static void test_permute(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  /* Attention heads: (B, T, 3, H, Dh) -> (3, B, H, T, Dh). */
+  const size_t shape[5] = {2, 5, 3, 4, 6};
+  const int perm[5] = {2, 0, 3, 1, 4};
+  const size_t n = 2 * 5 * 3 * 4 * 6;
+  float *h = host_rand(n);
+  float *x = dev_up(be, h, n), *y = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_permute(be, 5, shape, perm, x, y), AC_OK);
+  float *got = dev_down(be, y, n);
+  double *want = dzeros(n);
+  size_t o = 0;
+  for (size_t s = 0; s < 3; s++)
+    for (size_t b = 0; b < 2; b++)
+      for (size_t hh = 0; hh < 4; hh++)
+        for (size_t t = 0; t < 5; t++)
+          for (size_t d = 0; d < 6; d++)
+            want[o++] = h[(((b * 5 + t) * 3 + s) * 4 + hh) * 6 + d];
+  expect_close("permute", got, want, n, 0, 0);
+  free(got);
+  free(want);
+
+  /* 2-D transpose. */
+  const size_t s2[2] = {7, 9};
+  const int p2[2] = {1, 0};
+  assert_int_equal(ac_permute(be, 2, s2, p2, x, y), AC_OK);
+  got = dev_down(be, y, 63);
+  for (size_t i = 0; i < 9; i++)
+    for (size_t j = 0; j < 7; j++)
+      assert_true(got[i * 7 + j] == h[j * 9 + i]);
+  free(got);
+  ac_free(be, x);
+  ac_free(be, y);
+  free(h);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Linear algebra                                                                          */
+
+static void naive_gemm(ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, double alpha,
+                       const float *a, size_t lda, const float *b, size_t ldb, double beta,
+                       const float *c0, size_t ldc, double *c)
+{
+  for (size_t i = 0; i < m; i++)
+    for (size_t j = 0; j < n; j++) {
+      double s = 0.0;
+      for (size_t p = 0; p < k; p++) {
+        double av = ta == AC_NO_TRANS ? a[i * lda + p] : a[p * lda + i];
+        double bv = tb == AC_NO_TRANS ? b[p * ldb + j] : b[j * ldb + p];
+        s += av * bv;
+      }
+      c[i * ldc + j] = alpha * s + (beta == 0.0 ? 0.0 : beta * c0[i * ldc + j]);
+    }
+}
+
+static void test_sgemm(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t m = 13, n = 17, k = 11, batch = 3;
+  const size_t lda = 20, ldb = 21, ldc = 19; /* padded leading dimensions */
+  const size_t sa = 20 * 20, sb = 21 * 21, sc = 19 * 14;
+  float *ha = host_rand(sa * batch), *hb = host_rand(sb * batch), *hc = host_rand(sc * batch);
+  float *a = dev_up(be, ha, sa * batch), *b = dev_up(be, hb, sb * batch);
+
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++)
+      for (int shared_b = 0; shared_b < 2; shared_b++) {
+        float *c = dev_up(be, hc, sc * batch);
+        size_t stride_b = shared_b ? 0 : sb;
+        assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 0.75f, a,
+                                          lda, sa, b, ldb, stride_b, -0.5f, c, ldc, sc, batch),
+                         AC_OK);
+        float *got = dev_down(be, c, sc * batch);
+        for (size_t i = 0; i < batch; i++) {
+          double *want = dzeros(sc);
+          for (size_t e = 0; e < sc; e++)
+            want[e] = hc[i * sc + e]; /* padding must stay untouched */
+          naive_gemm((ac_trans)ta, (ac_trans)tb, m, n, k, 0.75, ha + i * sa, lda,
+                     hb + i * stride_b, ldb, -0.5, hc + i * sc, ldc, want);
+          expect_close("sgemm_batched", got + i * sc, want, sc, 1e-5, 1e-5);
+          free(want);
+        }
+        free(got);
+        ac_free(be, c);
+      }
+
+  /* beta = 0 ignores NaN in C; k = 0 gives beta C. */
+  float *hnan = host_zeros(m * n);
+  for (size_t i = 0; i < m * n; i++)
+    hnan[i] = NAN;
+  float *c = dev_up(be, hnan, m * n);
+  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
+                            n), AC_OK);
+  float *got = dev_down(be, c, m * n);
+  double *want = dzeros(m * n);
+  naive_gemm(AC_NO_TRANS, AC_TRANS, m, n, k, 1.0, ha, lda, hb, ldb, 0.0, NULL, n, want);
+  expect_close("sgemm beta=0", got, want, m * n, 1e-5, 1e-5);
+  free(got);
+  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, 0, 1.0f, NULL, 0, NULL, 0,
+                            2.0f, c, n), AC_OK);
+  got = dev_down(be, c, m * n);
+  for (size_t i = 0; i < m * n; i++)
+    want[i] *= 2.0;
+  expect_close("sgemm k=0", got, want, m * n, 1e-5, 1e-5);
+  free(got);
+  free(want);
+  free(hnan);
+  ac_free(be, c);
+
+  ac_free(be, a);
+  ac_free(be, b);
+  free(ha);
+  free(hb);
+  free(hc);
+}
+
+static size_t packed_at(size_t n, size_t i, size_t j)
+{
+  /* Row i of the packed upper triangle starts after rows 0..i-1 of lengths n, n-1, ... */
+  size_t start = 0;
+  for (size_t r = 0; r < i; r++)
+    start += n - r;
+  return start + (j - i);
+}
+
+static void test_syrk_packed(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  /* A block of rows x cols at (1, 2) inside a 12 x 15 gradient (row stride 15). */
+  const size_t rows = 9, cols = 6, ld = 15;
+  float *hg = host_rand(12 * ld);
+  float *g = dev_up(be, hg, 12 * ld);
+  const float *blk = hg + 1 * ld + 2;
+
+  for (int t = 0; t < 2; t++) {
+    size_t n = t == 0 ? rows : cols, k = t == 0 ? cols : rows;
+    size_t len = ac_packed_len(n);
+    assert_int_equal(len, n * (n + 1) / 2);
+    float *hc = host_rand(len);
+    float *c = dev_up(be, hc, len);
+    /* EMA form: c = 0.1 g g^T + 0.9 c. */
+    assert_int_equal(ac_syrk_packed(be, (ac_trans)t, n, k, 0.1f, g + 1 * ld + 2, ld, 0.9f, c),
+                     AC_OK);
+    float *got = dev_down(be, c, len);
+    double *want = dzeros(len);
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = i; j < n; j++) {
+        double s = 0.0;
+        for (size_t p = 0; p < k; p++)
+          s += t == 0 ? (double)blk[i * ld + p] * blk[j * ld + p]
+                      : (double)blk[p * ld + i] * blk[p * ld + j];
+        size_t at = packed_at(n, i, j);
+        want[at] = 0.1 * s + 0.9 * hc[at];
+      }
+    expect_close(t == 0 ? "syrk G G^T" : "syrk G^T G", got, want, len, 1e-5, 1e-5);
+
+    /* beta = 0 overwrites; then unpack and pack round-trip. */
+    assert_int_equal(ac_syrk_packed(be, (ac_trans)t, n, k, 1.0f, g + 1 * ld + 2, ld, 0.0f, c),
+                     AC_OK);
+    free(got);
+    got = dev_down(be, c, len);
+    float *dense = dev_alloc(be, n * (n + 3) * sizeof(float));
+    assert_int_equal(ac_unpack_sym(be, n, c, dense, n + 3), AC_OK);
+    float *hd = dev_down(be, dense, n * (n + 3));
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = 0; j < n; j++) {
+        size_t at = i <= j ? packed_at(n, i, j) : packed_at(n, j, i);
+        assert_true(hd[i * (n + 3) + j] == got[at]);
+      }
+    float *c2 = dev_alloc(be, len * sizeof(float));
+    assert_int_equal(ac_pack_sym(be, n, dense, n + 3, c2), AC_OK);
+    float *back = dev_down(be, c2, len);
+    assert_memory_equal(back, got, len * sizeof(float));
+    free(back);
+    free(hd);
+    ac_free(be, c2);
+    ac_free(be, dense);
+    free(got);
+    free(want);
+    free(hc);
+    ac_free(be, c);
+  }
+  ac_free(be, g);
+  free(hg);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Elementwise                                                                             */
+
+static void test_binary_axpby_affine(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 777;
+  float *ha = host_rand(n), *hb = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hb[i] += hb[i] >= 0 ? 0.5f : -0.5f; /* away from zero for DIV */
+  float *a = dev_up(be, ha, n), *b = dev_up(be, hb, n), *o = dev_alloc(be, n * sizeof(float));
+  double *want = dzeros(n);
+
+  for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
+    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, a, b, o), AC_OK);
+    float *got = dev_down(be, o, n);
+    for (size_t i = 0; i < n; i++) {
+      double x = ha[i], y = hb[i];
+      want[i] = op == AC_BIN_ADD ? x + y : op == AC_BIN_SUB ? x - y : op == AC_BIN_MUL ? x * y
+                                                                                       : x / y;
+    }
+    expect_close("binary", got, want, n, 1e-7, 1e-6);
+    free(got);
+  }
+
+  /* In place: o = o * b. */
+  assert_int_equal(ac_memcpy_d2d(be, o, a, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_binary(be, AC_BIN_MUL, n, o, b, o), AC_OK);
+  float *got = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++)
+    want[i] = (double)ha[i] * hb[i];
+  expect_close("binary in place", got, want, n, 1e-7, 1e-6);
+  free(got);
+
+  /* axpy in place on y, and scale with y NULL. */
+  assert_int_equal(ac_memcpy_d2d(be, o, b, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_axpby(be, n, 2.0f, a, 1.0f, o, o), AC_OK);
+  got = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++)
+    want[i] = 2.0 * ha[i] + hb[i];
+  expect_close("axpy", got, want, n, 1e-6, 1e-6);
+  free(got);
+  assert_int_equal(ac_axpby(be, n, -3.0f, a, 0.0f, NULL, o), AC_OK);
+  got = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++)
+    want[i] = -3.0 * ha[i];
+  expect_close("scale", got, want, n, 1e-6, 1e-6);
+  free(got);
+  assert_int_equal(ac_axpby(be, n, 0.5f, a, -0.25f, b, o), AC_OK);
+  got = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++)
+    want[i] = 0.5 * ha[i] - 0.25 * hb[i];
+  expect_close("axpby", got, want, n, 1e-6, 1e-6);
+  free(got);
+
+  assert_int_equal(ac_affine(be, n, 3.0f, a, 1e-3f, o), AC_OK);
+  got = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++)
+    want[i] = 3.0 * ha[i] + 1e-3;
+  expect_close("affine", got, want, n, 1e-6, 1e-6);
+  free(got);
+
+  free(want);
+  free(ha);
+  free(hb);
+  ac_free(be, a);
+  ac_free(be, b);
+  ac_free(be, o);
+}
+
+/* The unary ops in double, written from their definitions. */
+static double ref_unary(ac_unary_op op, double x)
+{
+  switch (op) {
+  case AC_UNARY_RELU: return x > 0 ? x : 0;
+  case AC_UNARY_GELU: return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+  case AC_UNARY_EXP: return exp(x);
+  case AC_UNARY_LOG: return log(x);
+  case AC_UNARY_SQRT: return sqrt(x);
+  case AC_UNARY_RSQRT: return 1 / sqrt(x);
+  case AC_UNARY_TANH: return tanh(x);
+  case AC_UNARY_SIGMOID: return 1 / (1 + exp(-x));
+  case AC_UNARY_SQUARE: return x * x;
+  case AC_UNARY_ABS: return fabs(x);
+  case AC_UNARY_NEG: return -x;
+  case AC_UNARY_RECIP: return 1 / x;
+  default: return NAN;
+  }
+}
+
+static int positive_domain(ac_unary_op op)
+{
+  return op == AC_UNARY_LOG || op == AC_UNARY_SQRT || op == AC_UNARY_RSQRT ||
+         op == AC_UNARY_RECIP;
+}
+
+static void test_unary(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 501;
+  float *hx = host_rand(n), *hdy = host_rand(n);
+  double *want = dzeros(n);
+  float *dx = dev_alloc(be, n * sizeof(float)), *o = dev_alloc(be, n * sizeof(float));
+  float *dy = dev_up(be, hdy, n);
+
+  for (int op = 0; op < AC_UNARY_COUNT; op++) {
+    float *h = host_zeros(n);
+    for (size_t i = 0; i < n; i++) {
+      /* Inputs in the op's domain and away from kinks (finite differences below). */
+      float v = 3.0f * hx[i];
+      if (positive_domain((ac_unary_op)op))
+        v = 0.2f + fabsf(v);
+      else if (fabsf(v) < 0.01f)
+        v = 0.25f;
+      h[i] = v;
+    }
+    float *x = dev_up(be, h, n);
+    assert_true(strlen(ac_unary_name((ac_unary_op)op)) > 1);
+    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, x, o), AC_OK);
+    float *got = dev_down(be, o, n);
+    for (size_t i = 0; i < n; i++)
+      want[i] = ref_unary((ac_unary_op)op, h[i]);
+    expect_close(ac_unary_name((ac_unary_op)op), got, want, n, 1e-6, 2e-6);
+    free(got);
+
+    /* Backward against a central difference of the double reference. */
+    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, x, dy, dx), AC_OK);
+    got = dev_down(be, dx, n);
+    for (size_t i = 0; i < n; i++) {
+      double e = 1e-6 * (1 + fabs(h[i]));
+      double d = (ref_unary((ac_unary_op)op, h[i] + e) - ref_unary((ac_unary_op)op, h[i] - e)) /
+                 (2 * e);
+      want[i] = hdy[i] * d;
+    }
+    expect_close(ac_unary_name((ac_unary_op)op), got, want, n, 1e-5, 1e-4);
+    free(got);
+
+    /* In place: dx aliases dy. */
+    float *dyc = dev_up(be, hdy, n);
+    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, x, dyc, dyc), AC_OK);
+    got = dev_down(be, dyc, n);
+    expect_close("unary backward in place", got, want, n, 1e-5, 1e-4);
+    free(got);
+    ac_free(be, dyc);
+    ac_free(be, x);
+    free(h);
+  }
+  free(want);
+  free(hx);
+  free(hdy);
+  ac_free(be, dx);
+  ac_free(be, dy);
+  ac_free(be, o);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Broadcasts and reductions                                                               */
+
+static void test_bcast_reduce(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
+  const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
+  for (size_t s = 0; s < 5; s++) {
+    size_t outer = shapes[s][0], mid = shapes[s][1], inner = shapes[s][2];
+    size_t n = outer * mid * inner;
+    float *hx = host_rand(n), *hv = host_rand(mid), *hout = host_rand(mid);
+    for (size_t m = 0; m < mid; m++)
+      hv[m] += hv[m] >= 0 ? 0.5f : -0.5f;
+    float *x = dev_up(be, hx, n), *v = dev_up(be, hv, mid), *y = dev_alloc(be, n * sizeof(float));
+    double *want = dzeros(n);
+
+    for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
+      assert_int_equal(ac_bcast(be, (ac_binary_op)op, outer, mid, inner, x, v, y), AC_OK);
+      float *got = dev_down(be, y, n);
+      for (size_t o = 0; o < outer; o++)
+        for (size_t m = 0; m < mid; m++)
+          for (size_t i = 0; i < inner; i++) {
+            size_t at = (o * mid + m) * inner + i;
+            double a = hx[at], b = hv[m];
+            want[at] = op == AC_BIN_ADD ? a + b : op == AC_BIN_SUB ? a - b
+                     : op == AC_BIN_MUL ? a * b : a / b;
+          }
+      expect_close("bcast", got, want, n, 1e-7, 1e-6);
+      free(got);
+    }
+    /* In place. */
+    assert_int_equal(ac_memcpy_d2d(be, y, x, n * sizeof(float)), AC_OK);
+    assert_int_equal(ac_bcast(be, AC_BIN_DIV, outer, mid, inner, y, v, y), AC_OK);
+    float *got = dev_down(be, y, n);
+    expect_close("bcast in place", got, want, n, 1e-7, 1e-6);
+    free(got);
+
+    float *r = dev_alloc(be, mid * sizeof(float));
+    for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++)
+      for (int acc = 0; acc < 2; acc++) {
+        double beta = acc ? 0.5 : 0.0;
+        assert_int_equal(ac_memcpy_h2d(be, r, hout, mid * sizeof(float)), AC_OK);
+        assert_int_equal(ac_reduce(be, (ac_reduce_op)op, outer, mid, inner, 2.0f, x,
+                                   (float)beta, r), AC_OK);
+        got = dev_down(be, r, mid);
+        double *rw = dzeros(mid);
+        for (size_t m = 0; m < mid; m++) {
+          double a = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
+          for (size_t o = 0; o < outer; o++)
+            for (size_t i = 0; i < inner; i++) {
+              double e = hx[(o * mid + m) * inner + i];
+              a = op == AC_REDUCE_SUM ? a + e : op == AC_REDUCE_MAX ? fmax(a, e) : a + e * e;
+            }
+          if (op == AC_REDUCE_NORM2)
+            a = sqrt(a);
+          rw[m] = 2.0 * a + beta * hout[m];
+        }
+        expect_close("reduce", got, rw, mid, 1e-5, 1e-5);
+        free(rw);
+        free(got);
+      }
+    ac_free(be, r);
+    free(want);
+    free(hx);
+    free(hv);
+    free(hout);
+    ac_free(be, x);
+    ac_free(be, v);
+    ac_free(be, y);
+  }
+}
+
+static void test_scalar_reductions_argmax(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 100003;
+  float *h = host_rand(n);
+  float *x = dev_up(be, h, n);
+  double s = 0, q = 0, sum = 0, sumsq = 0;
+  for (size_t i = 0; i < n; i++) {
+    sum += h[i];
+    sumsq += (double)h[i] * h[i];
+  }
+  assert_int_equal(ac_sum_to_host(be, n, x, &s), AC_OK);
+  assert_int_equal(ac_sumsq_to_host(be, n, x, &q), AC_OK);
+  assert_true(fabs(s - sum) <= 1e-3);
+  assert_true(fabs(q - sumsq) <= 1e-6 * sumsq);
+
+  /* argmax with a tie: the first index wins. */
+  const size_t rows = 37, cols = 53;
+  for (size_t r = 0; r < rows; r++)
+    h[r * cols + (r * 7) % cols] = 2.0f;
+  h[5 * cols + 50] = 2.0f; /* row 5's first 2.0 is at 35 */
+  assert_int_equal(ac_memcpy_h2d(be, x, h, rows * cols * sizeof(float)), AC_OK);
+  int32_t *idx = dev_alloc(be, rows * sizeof(int32_t)), hidx[37];
+  assert_int_equal(ac_argmax_rows(be, rows, cols, x, idx), AC_OK);
+  assert_int_equal(ac_memcpy_d2h(be, hidx, idx, sizeof hidx), AC_OK);
+  for (size_t r = 0; r < rows; r++)
+    assert_int_equal(hidx[r], (int32_t)((r * 7) % cols));
+  ac_free(be, idx);
+  ac_free(be, x);
+  free(h);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Softmax, mask, cross-entropy                                                            */
+
+static void ref_softmax(size_t cols, const float *x, double *y)
+{
+  double mx = -INFINITY, s = 0;
+  for (size_t j = 0; j < cols; j++)
+    mx = fmax(mx, x[j]);
+  for (size_t j = 0; j < cols; j++)
+    s += exp(x[j] - mx);
+  for (size_t j = 0; j < cols; j++)
+    y[j] = exp(x[j] - mx) / s;
+}
+
+static void test_softmax_mask(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t batch = 3, t = 17, rows = batch * t, cols = t, n = rows * cols;
+  float *hx = host_rand(n), *hdy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hx[i] *= 30.0f; /* large logits: stability matters */
+  float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
+  float *dy = dev_up(be, hdy, n);
+
+  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
+  float *masked = dev_down(be, x, n);
+  for (size_t b = 0; b < batch; b++)
+    for (size_t i = 0; i < t; i++)
+      for (size_t j = 0; j < t; j++) {
+        size_t at = (b * t + i) * t + j;
+        if (j > i)
+          assert_true(isinf(masked[at]) && masked[at] < 0);
+        else
+          assert_true(masked[at] == hx[at]);
+      }
+
+  assert_int_equal(ac_softmax_rows(be, rows, cols, x, y), AC_OK);
+  float *got = dev_down(be, y, n);
+  double *want = dzeros(n);
+  for (size_t r = 0; r < rows; r++)
+    ref_softmax(cols, masked + r * cols, want + r * cols);
+  expect_close("softmax (causal)", got, want, n, 1e-6, 1e-5);
+
+  /* Backward from the output. */
+  float *dx = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_softmax_rows_backward(be, rows, cols, y, dy, dx), AC_OK);
+  float *gdx = dev_down(be, dx, n);
+  double *wdx = dzeros(n);
+  for (size_t r = 0; r < rows; r++) {
+    double dot = 0;
+    for (size_t j = 0; j < cols; j++)
+      dot += (double)hdy[r * cols + j] * got[r * cols + j];
+    for (size_t j = 0; j < cols; j++)
+      wdx[r * cols + j] = got[r * cols + j] * (hdy[r * cols + j] - dot);
+  }
+  expect_close("softmax backward", gdx, wdx, n, 1e-6, 1e-5);
+
+  /* In place forward. */
+  assert_int_equal(ac_softmax_rows(be, rows, cols, x, x), AC_OK);
+  free(got);
+  got = dev_down(be, x, n);
+  expect_close("softmax in place", got, want, n, 1e-6, 1e-5);
+
+  free(gdx);
+  free(wdx);
+  free(got);
+  free(want);
+  free(masked);
+  free(hx);
+  free(hdy);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, dy);
+  ac_free(be, dx);
+}
+
+static void test_xent(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t rows = 29, cols = 1000, n = rows * cols;
+  float *hx = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hx[i] *= 20.0f;
+  int32_t hl[29];
+  for (size_t r = 0; r < rows; r++)
+    hl[r] = (int32_t)((r * 37) % cols);
+  hl[3] = -1;          /* padding: ignored */
+  hl[7] = (int32_t)cols; /* out of range: ignored, no crash */
+  float *x = dev_up(be, hx, n), *loss = dev_alloc(be, rows * sizeof(float));
+  int32_t *labels = dev_up_i32(be, hl, rows);
+
+  /* probs aliases logits. */
+  assert_int_equal(ac_xent_forward(be, rows, cols, x, labels, x, loss), AC_OK);
+  float *gl = dev_down(be, loss, rows), *gp = dev_down(be, x, n);
+  double *wp = dzeros(n), wl[29];
+  for (size_t r = 0; r < rows; r++) {
+    ref_softmax(cols, hx + r * cols, wp + r * cols);
+    int counted = hl[r] >= 0 && (size_t)hl[r] < cols;
+    wl[r] = counted ? -log(wp[r * cols + hl[r]]) : 0.0;
+  }
+  expect_close("xent probs", gp, wp, n, 1e-6, 1e-5);
+  expect_close("xent loss", gl, wl, rows, 1e-4, 1e-5);
+
+  float *d = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_xent_backward(be, rows, cols, x, labels, 0.25f, d), AC_OK);
+  float *gd = dev_down(be, d, n);
+  for (size_t r = 0; r < rows; r++) {
+    int counted = hl[r] >= 0 && (size_t)hl[r] < cols;
+    for (size_t j = 0; j < cols; j++)
+      wp[r * cols + j] = counted ? 0.25 * (gp[r * cols + j] - ((size_t)hl[r] == j)) : 0.0;
+  }
+  expect_close("xent backward", gd, wp, n, 1e-7, 1e-6);
+
+  free(gd);
+  free(gl);
+  free(gp);
+  free(wp);
+  free(hx);
+  ac_free(be, x);
+  ac_free(be, d);
+  ac_free(be, loss);
+  ac_free(be, labels);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Layer normalisation                                                                     */
+
+/* Forward in double; returns sum_j w[j] y[j] of one row (the test's scalar loss). */
+static double ref_layernorm_row(size_t cols, const double *x, const float *gamma,
+                                const float *beta, double eps, double *y, const float *w)
+{
+  double mu = 0, var = 0, loss = 0;
+  for (size_t j = 0; j < cols; j++)
+    mu += x[j];
+  mu /= (double)cols;
+  for (size_t j = 0; j < cols; j++)
+    var += (x[j] - mu) * (x[j] - mu);
+  var /= (double)cols;
+  for (size_t j = 0; j < cols; j++) {
+    double v = (x[j] - mu) / sqrt(var + eps) * gamma[j] + (beta ? beta[j] : 0.0);
+    if (y)
+      y[j] = v;
+    if (w)
+      loss += w[j] * v;
+  }
+  return loss;
+}
+
+static void test_layernorm(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t rows = 9, cols = 300, n = rows * cols;
+  const float eps = 1e-5f;
+  float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hx[i] = 3.0f * hx[i] + 1.0f; /* a mean to remove */
+  float *x = dev_up(be, hx, n), *g = dev_up(be, hg, cols), *b = dev_up(be, hb, cols);
+  float *dy = dev_up(be, hdy, n), *y = dev_alloc(be, n * sizeof(float));
+  float *mean = dev_alloc(be, rows * sizeof(float)), *rstd = dev_alloc(be, rows * sizeof(float));
+  float *dx = dev_alloc(be, n * sizeof(float));
+  float *dg = dev_alloc(be, cols * sizeof(float)), *db = dev_alloc(be, cols * sizeof(float));
+
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
+  float *gy = dev_down(be, y, n);
+  double *wy = dzeros(n), *row = dzeros(cols);
+  for (size_t r = 0; r < rows; r++) {
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    ref_layernorm_row(cols, row, hg, hb, eps, wy + r * cols, NULL);
+  }
+  expect_close("layernorm forward", gy, wy, n, 1e-5, 1e-5);
+
+  /* Backward against central differences of the double forward; gradients accumulate. */
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, db, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
+                   AC_OK);
+  float *gdx = dev_down(be, dx, n), *gdg = dev_down(be, dg, cols), *gdb = dev_down(be, db, cols);
+  double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
+  float *gp = malloc(cols * sizeof *gp);
+  assert_non_null(gp);
+  for (size_t j = 0; j < cols; j++)
+    wdg[j] = wdb[j] = 1.0;
+  for (size_t r = 0; r < rows; r++) {
+    const float *w = hdy + r * cols;
+    for (size_t j = 0; j < cols; j++)
+      row[j] = hx[r * cols + j];
+    for (size_t j = 0; j < cols; j++) {
+      double h = 1e-4, keep = row[j];
+      row[j] = keep + h;
+      double lp = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep - h;
+      double lm = ref_layernorm_row(cols, row, hg, hb, eps, NULL, w);
+      row[j] = keep;
+      wdx[r * cols + j] = (lp - lm) / (2 * h);
+    }
+    double mu = 0, var = 0;
+    for (size_t j = 0; j < cols; j++)
+      mu += row[j];
+    mu /= (double)cols;
+    for (size_t j = 0; j < cols; j++)
+      var += (row[j] - mu) * (row[j] - mu);
+    var /= (double)cols;
+    for (size_t j = 0; j < cols; j++) {
+      wdg[j] += w[j] * (row[j] - mu) / sqrt(var + eps);
+      wdb[j] += w[j];
+    }
+  }
+  expect_close("layernorm dx", gdx, wdx, n, 1e-4, 1e-3);
+  expect_close("layernorm dgamma", gdg, wdg, cols, 1e-4, 1e-5);
+  expect_close("layernorm dbeta", gdb, wdb, cols, 1e-5, 1e-5);
+
+  /* No beta; in place forward (y = x) and backward (dx = dy). */
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
+  float *gx = dev_down(be, x, n);
+  for (size_t i = 0; i < n; i++)
+    wy[i] -= hb[i % cols];
+  expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
+                   AC_OK);
+  free(gdx);
+  gdx = dev_down(be, dy, n);
+  expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
+                   AC_EINVAL);
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
+                   AC_EINVAL);
+
+  free(gp);
+  free(gx);
+  free(gy);
+  free(gdx);
+  free(gdg);
+  free(gdb);
+  free(wy);
+  free(wdx);
+  free(wdg);
+  free(wdb);
+  free(row);
+  free(hx);
+  free(hg);
+  free(hb);
+  free(hdy);
+  ac_free(be, x);
+  ac_free(be, g);
+  ac_free(be, b);
+  ac_free(be, dy);
+  ac_free(be, y);
+  ac_free(be, mean);
+  ac_free(be, rstd);
+  ac_free(be, dx);
+  ac_free(be, dg);
+  ac_free(be, db);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Gathers and scatters                                                                    */
+
+static void test_gather_scatter(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t vocab = 50, cols = 24, n = 40;
+  float *ht = host_rand(vocab * cols), *hs = host_rand(n * cols);
+  int32_t hi[40];
+  for (size_t r = 0; r < n; r++)
+    hi[r] = (int32_t)((r * 13) % vocab) % 17; /* many repeats */
+  hi[4] = -3;
+  hi[9] = (int32_t)vocab;
+  float *table = dev_up(be, ht, vocab * cols), *src = dev_up(be, hs, n * cols);
+  float *out = dev_alloc(be, n * cols * sizeof(float));
+  int32_t *idx = dev_up_i32(be, hi, n);
+
+  assert_int_equal(ac_gather_rows(be, n, cols, table, vocab, idx, out), AC_OK);
+  float *got = dev_down(be, out, n * cols);
+  for (size_t r = 0; r < n; r++)
+    for (size_t j = 0; j < cols; j++) {
+      int ok = hi[r] >= 0 && (size_t)hi[r] < vocab;
+      assert_true(got[r * cols + j] == (ok ? ht[(size_t)hi[r] * cols + j] : 0.0f));
+    }
+  free(got);
+
+  assert_int_equal(ac_scatter_add_rows(be, n, cols, src, idx, table, vocab), AC_OK);
+  got = dev_down(be, table, vocab * cols);
+  double *want = dzeros(vocab * cols);
+  for (size_t e = 0; e < vocab * cols; e++)
+    want[e] = ht[e];
+  for (size_t r = 0; r < n; r++)
+    if (hi[r] >= 0 && (size_t)hi[r] < vocab)
+      for (size_t j = 0; j < cols; j++)
+        want[(size_t)hi[r] * cols + j] += hs[r * cols + j];
+  expect_close("scatter_add", got, want, vocab * cols, 1e-5, 1e-6); /* atomics: any order */
+  free(got);
+  free(want);
+  free(ht);
+  free(hs);
+  ac_free(be, table);
+  ac_free(be, src);
+  ac_free(be, out);
+  ac_free(be, idx);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Convolution and pooling                                                                 */
+
+static void test_conv_im2col(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 9, .w = 7, .kh = 3, .kw = 2, .stride_h = 2,
+                            .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  size_t oh, ow;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  assert_int_equal(oh, 5); /* (9 + 2 - 3) / 2 + 1 */
+  assert_int_equal(ow, 8); /* (7 + 2 - 2) / 1 + 1 */
+  const size_t oc = 4, ckk = g.c * g.kh * g.kw, ohw = oh * ow;
+  const size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * ckk * ohw, ny = g.n * oc * ohw;
+  float *hx = host_rand(nx), *hw = host_rand(oc * ckk);
+  float *x = dev_up(be, hx, nx), *w = dev_up(be, hw, oc * ckk);
+  float *col = dev_alloc(be, ncol * sizeof(float)), *y = dev_alloc(be, ny * sizeof(float));
+
+  /* Conv forward as im2col + batched gemm (the recipe in accel.h) against a direct loop. */
+  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
+  assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0,
+                                    col, ohw, ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n), AC_OK);
+  float *got = dev_down(be, y, ny);
+  double *want = dzeros(ny);
+  for (size_t b = 0; b < g.n; b++)
+    for (size_t o = 0; o < oc; o++)
+      for (size_t yy = 0; yy < oh; yy++)
+        for (size_t xx = 0; xx < ow; xx++) {
+          double s = 0;
+          for (size_t ch = 0; ch < g.c; ch++)
+            for (size_t p = 0; p < g.kh; p++)
+              for (size_t q = 0; q < g.kw; q++) {
+                long iy = (long)(yy * g.stride_h + p) - (long)g.pad_h;
+                long ix = (long)(xx * g.stride_w + q) - (long)g.pad_w;
+                if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w)
+                  continue;
+                s += (double)hw[o * ckk + (ch * g.kh + p) * g.kw + q] *
+                     hx[((b * g.c + ch) * g.h + (size_t)iy) * g.w + (size_t)ix];
+              }
+          want[((b * oc + o) * oh + yy) * ow + xx] = s;
+        }
+  expect_close("conv via im2col", got, want, ny, 1e-5, 1e-5);
+  free(got);
+  free(want);
+
+  /* col2im is the adjoint of im2col: <im2col(x), c> == <x, col2im(c)>. */
+  float *hc = host_rand(ncol);
+  float *c = dev_up(be, hc, ncol), *xb = dev_alloc(be, nx * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, nx, xb, NAN), AC_OK); /* overwritten, never read */
+  assert_int_equal(ac_col2im(be, &g, c, xb), AC_OK);
+  float *gcol = dev_down(be, col, ncol), *gxb = dev_down(be, xb, nx);
+  double lhs = 0, rhs = 0;
+  for (size_t i = 0; i < ncol; i++)
+    lhs += (double)gcol[i] * hc[i];
+  for (size_t i = 0; i < nx; i++)
+    rhs += (double)hx[i] * gxb[i];
+  assert_true(fabs(lhs - rhs) <= 1e-4 * (1 + fabs(lhs)));
+  /* And col2im directly: the input (1, 1, 4, 4) interior pixel of a 3x3 stride-1 pad-0 conv
+   * is covered by as many windows as overlap it. */
+  const ac_conv2d_geom g1 = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
+                             .stride_w = 1, .pad_h = 0, .pad_w = 0};
+  float *ones = dev_alloc(be, 9 * 4 * sizeof(float)), *cnt = dev_alloc(be, 16 * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, 36, ones, 1.0f), AC_OK);
+  assert_int_equal(ac_col2im(be, &g1, ones, cnt), AC_OK);
+  float *hcnt = dev_down(be, cnt, 16);
+  const float expect_cnt[16] = {1, 2, 2, 1, 2, 4, 4, 2, 2, 4, 4, 2, 1, 2, 2, 1};
+  assert_memory_equal(hcnt, expect_cnt, sizeof expect_cnt);
+  free(hcnt);
+  ac_free(be, ones);
+  ac_free(be, cnt);
+
+  free(gcol);
+  free(gxb);
+  free(hc);
+  free(hx);
+  free(hw);
+  ac_free(be, c);
+  ac_free(be, xb);
+  ac_free(be, x);
+  ac_free(be, w);
+  ac_free(be, col);
+  ac_free(be, y);
+}
+
+static void test_pool(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 8, .w = 7, .kh = 3, .kw = 3, .stride_h = 2,
+                            .stride_w = 2, .pad_h = 1, .pad_w = 1};
+  size_t oh, ow;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  const size_t planes = g.n * g.c, nx = planes * g.h * g.w, ny = planes * oh * ow;
+  float *hx = host_rand(nx), *hdy = host_rand(ny);
+  for (size_t i = 0; i < nx; i++)
+    hx[i] -= 2.0f; /* all negative: padding (0) must never win a max */
+  float *x = dev_up(be, hx, nx), *y = dev_alloc(be, ny * sizeof(float));
+  float *dy = dev_up(be, hdy, ny), *dx = dev_alloc(be, nx * sizeof(float));
+  int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
+
+  for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
+    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
+    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, dy, am, dx), AC_OK);
+    float *gy = dev_down(be, y, ny), *gdx = dev_down(be, dx, nx);
+    double *wy = dzeros(ny), *wdx = dzeros(nx);
+    for (size_t pl = 0; pl < planes; pl++)
+      for (size_t yy = 0; yy < oh; yy++)
+        for (size_t xx = 0; xx < ow; xx++) {
+          double best = -INFINITY, sum = 0;
+          size_t besti = 0;
+          for (size_t p = 0; p < g.kh; p++)
+            for (size_t q = 0; q < g.kw; q++) {
+              long iy = (long)(yy * g.stride_h + p) - (long)g.pad_h;
+              long ix = (long)(xx * g.stride_w + q) - (long)g.pad_w;
+              if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w)
+                continue;
+              size_t at = (size_t)iy * g.w + (size_t)ix;
+              double v = hx[pl * g.h * g.w + at];
+              sum += v;
+              if (v > best) {
+                best = v;
+                besti = at;
+              }
+            }
+          size_t o = (pl * oh + yy) * ow + xx;
+          wy[o] = op == AC_POOL_MAX ? best : sum / (double)(g.kh * g.kw);
+          if (op == AC_POOL_MAX) {
+            wdx[pl * g.h * g.w + besti] += hdy[o];
+          } else {
+            for (size_t p = 0; p < g.kh; p++)
+              for (size_t q = 0; q < g.kw; q++) {
+                long iy = (long)(yy * g.stride_h + p) - (long)g.pad_h;
+                long ix = (long)(xx * g.stride_w + q) - (long)g.pad_w;
+                if (iy >= 0 && ix >= 0 && iy < (long)g.h && ix < (long)g.w)
+                  wdx[pl * g.h * g.w + (size_t)iy * g.w + (size_t)ix] +=
+                      hdy[o] / (double)(g.kh * g.kw);
+              }
+          }
+        }
+    expect_close(op == AC_POOL_MAX ? "maxpool" : "avgpool", gy, wy, ny, 1e-6, 1e-6);
+    expect_close(op == AC_POOL_MAX ? "maxpool backward" : "avgpool backward", gdx, wdx, nx,
+                 1e-6, 1e-5);
+    free(gy);
+    free(gdx);
+    free(wy);
+    free(wdx);
+  }
+  /* Global average pooling is a reduce. */
+  float *gap = dev_alloc(be, planes * sizeof(float));
+  assert_int_equal(ac_reduce(be, AC_REDUCE_SUM, 1, planes, g.h * g.w, 1.0f / (float)(g.h * g.w),
+                             x, 0.0f, gap), AC_OK);
+  float *gg = dev_down(be, gap, planes);
+  for (size_t pl = 0; pl < planes; pl++) {
+    double s = 0;
+    for (size_t i = 0; i < g.h * g.w; i++)
+      s += hx[pl * g.h * g.w + i];
+    assert_true(fabs(gg[pl] - s / (double)(g.h * g.w)) < 1e-5);
+  }
+  free(gg);
+  ac_free(be, gap);
+  free(hx);
+  free(hdy);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, dy);
+  ac_free(be, dx);
+  ac_free(be, am);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Random numbers                                                                          */
+
+/* The stream as accel.h defines it, written out again here. */
+static uint64_t ref_mix(uint64_t seed, uint64_t c)
+{
+  uint64_t z = seed + (c + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static void test_random(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 200000;
+  const uint64_t seed = 0xC0FFEEull, offset = 12345;
+  float *o = dev_alloc(be, n * sizeof(float));
+
+  /* Uniforms are bit-exact against the definition. */
+  assert_int_equal(ac_rand_uniform(be, seed, offset, n, -2.0f, 3.0f, o), AC_OK);
+  float *u = dev_down(be, o, n);
+  for (size_t i = 0; i < n; i++) {
+    float r = (float)(ref_mix(seed, offset + i) >> 40) * (1.0f / 16777216.0f);
+    float want = -2.0f + 5.0f * r;
+    if (u[i] != want) {
+      print_error("uniform %zu: %.9g != %.9g\n", i, (double)u[i], (double)want);
+      fail();
+    }
+  }
+  /* Counter-based: a call at offset + 100 continues the same stream. */
+  float *o2 = dev_alloc(be, 50 * sizeof(float));
+  assert_int_equal(ac_rand_uniform(be, seed, offset + 100, 50, -2.0f, 3.0f, o2), AC_OK);
+  float *u2 = dev_down(be, o2, 50);
+  assert_memory_equal(u2, u + 100, 50 * sizeof(float));
+  free(u2);
+  ac_free(be, o2);
+  free(u);
+
+  /* Normals: the formula to a few ulps, and the moments. */
+  assert_int_equal(ac_rand_normal(be, seed, offset, n, 1.0f, 2.0f, o), AC_OK);
+  float *z = dev_down(be, o, n);
+  double mean = 0, var = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t m = ref_mix(seed, offset + i);
+    double uu = (double)(m >> 40) / 16777216.0, vv = (double)(m & 0xFFFFFF) / 16777216.0;
+    double want = 1.0 + 2.0 * sqrt(-2.0 * log(1.0 - uu)) * cos(2 * M_PI * vv);
+    if (!(fabs(z[i] - want) <= 1e-5 * (1 + fabs(want)))) {
+      print_error("normal %zu: %.9g != %.9g\n", i, (double)z[i], want);
+      fail();
+    }
+    mean += z[i];
+  }
+  mean /= (double)n;
+  for (size_t i = 0; i < n; i++)
+    var += (z[i] - mean) * (z[i] - mean);
+  var /= (double)n;
+  assert_true(fabs(mean - 1.0) < 0.02);
+  assert_true(fabs(var - 4.0) < 0.08);
+  free(z);
+
+  /* Dropout: values 0 or 1/(1-p), the kept fraction near 1-p, exact per element. */
+  const float p = 0.3f;
+  assert_int_equal(ac_dropout_mask(be, seed, offset, n, p, o), AC_OK);
+  float *mk = dev_down(be, o, n);
+  size_t kept = 0;
+  for (size_t i = 0; i < n; i++) {
+    float r = (float)(ref_mix(seed, offset + i) >> 40) * (1.0f / 16777216.0f);
+    float want = r >= p ? 1.0f / (1.0f - p) : 0.0f;
+    assert_true(mk[i] == want);
+    kept += mk[i] != 0.0f;
+  }
+  assert_true(fabs((double)kept / (double)n - 0.7) < 0.01);
+  free(mk);
+  ac_free(be, o);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Fused AdamW                                                                             */
+
+static void test_adamw(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const size_t n = 1025;
+  float *hp = host_rand(n), *hg = host_rand(n), *hm = host_rand(n), *hv = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hv[i] = fabsf(hv[i]) * 0.01f;
+  float *p = dev_up(be, hp, n), *g = dev_up(be, hg, n), *m = dev_up(be, hm, n);
+  float *v = dev_up(be, hv, n);
+  const ac_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-6f,
+                           .weight_decay = 0.1f, .step = 3};
+  assert_int_equal(ac_adamw_update(be, n, p, g, m, v, &a), AC_OK);
+  float *gp = dev_down(be, p, n), *gm = dev_down(be, m, n), *gv = dev_down(be, v, n);
+  double *wp = dzeros(n), *wm = dzeros(n), *wv = dzeros(n);
+  for (size_t i = 0; i < n; i++) {
+    wm[i] = 0.9 * hm[i] + 0.1 * hg[i];
+    wv[i] = 0.99 * hv[i] + 0.01 * (double)hg[i] * hg[i];
+    double mh = wm[i] / (1 - pow(0.9, 3)), vh = wv[i] / (1 - pow(0.99, 3));
+    wp[i] = hp[i] - 1e-2 * (mh / (sqrt(vh) + 1e-6) + 0.1 * hp[i]);
+  }
+  expect_close("adamw m", gm, wm, n, 1e-6, 1e-5);
+  expect_close("adamw v", gv, wv, n, 1e-8, 1e-5);
+  expect_close("adamw p", gp, wp, n, 1e-5, 1e-5);
+  free(gp);
+  free(gm);
+  free(gv);
+  free(wp);
+  free(wm);
+  free(wv);
+  free(hp);
+  free(hg);
+  free(hm);
+  free(hv);
+  ac_free(be, p);
+  ac_free(be, g);
+  ac_free(be, m);
+  ac_free(be, v);
+}
+
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA against CPU on identical inputs                                                    */
+/*                                                                                          */
+/* Each scenario runs a chain of primitives on one backend from inputs drawn after a reset */
+/* of the host generator, and returns everything it computed (host memory, caller frees). */
+/* The same scenario on the CPU and the CUDA backend must agree to the scenario's bound.  */
+
+typedef struct {
+  float *data;
+  size_t n, cap;
+} outbuf;
+
+static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
+{
+  if (o->n + n > o->cap) {
+    o->cap = 2 * (o->n + n);
+    o->data = realloc(o->data, o->cap * sizeof *o->data);
+    assert_non_null(o->data);
+  }
+  assert_int_equal(ac_memcpy_d2h(be, o->data + o->n, dev, n * sizeof(float)), AC_OK);
+  o->n += n;
+}
+
+static void scen_blas(ac_backend *be, outbuf *o)
+{
+  const size_t m = 33, n = 65, k = 47, batch = 4;
+  float *ha = host_rand(m * k * batch), *hb = host_rand(k * n * batch);
+  float *a = dev_up(be, ha, m * k * batch), *b = dev_up(be, hb, k * n * batch);
+  float *c = dev_alloc(be, m * n * batch * sizeof(float));
+  for (int t = 0; t < 4; t++) {
+    int ta = t & 1, tb = t >> 1;
+    assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a,
+                                      ta ? m : k, m * k, b, tb ? k : n, k * n, 0.0f, c, n,
+                                      m * n, batch), AC_OK);
+    out_take(o, be, c, m * n * batch);
+  }
+  float *l = dev_alloc(be, ac_packed_len(m) * sizeof(float));
+  float *r = dev_alloc(be, ac_packed_len(k) * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(m), l, 1.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, ac_packed_len(k), r, 1.0f), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, m, k, 0.1f, a, k, 0.9f, l), AC_OK);
+  assert_int_equal(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r), AC_OK);
+  out_take(o, be, l, ac_packed_len(m));
+  out_take(o, be, r, ac_packed_len(k));
+  float *dense = dev_alloc(be, k * k * sizeof(float));
+  assert_int_equal(ac_unpack_sym(be, k, r, dense, k), AC_OK);
+  out_take(o, be, dense, k * k);
+  ac_free(be, dense);
+  ac_free(be, l);
+  ac_free(be, r);
+  ac_free(be, a);
+  ac_free(be, b);
+  ac_free(be, c);
+  free(ha);
+  free(hb);
+}
+
+static void scen_elementwise(ac_backend *be, outbuf *o)
+{
+  const size_t n = 4099;
+  float *hx = host_rand(n), *hy = host_rand(n);
+  for (size_t i = 0; i < n; i++)
+    hy[i] = 0.5f + fabsf(hy[i]); /* positive: every unary op is defined on it */
+  float *x = dev_up(be, hx, n), *y = dev_up(be, hy, n), *z = dev_alloc(be, n * sizeof(float));
+  for (int op = 0; op < AC_UNARY_COUNT; op++) {
+    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, y, x, z), AC_OK);
+    out_take(o, be, z, n);
+  }
+  for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
+    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, x, y, z), AC_OK);
+    out_take(o, be, z, n);
+    assert_int_equal(ac_bcast(be, (ac_binary_op)op, 3, 1000, 1, x, y, z), AC_OK);
+    out_take(o, be, z, 3000);
+  }
+  assert_int_equal(ac_axpby(be, n, 0.3f, x, -0.7f, y, z), AC_OK);
+  out_take(o, be, z, n);
+  for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++) {
+    assert_int_equal(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z), AC_OK);
+    out_take(o, be, z, 10);
+  }
+  ac_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                     .weight_decay = 0.01f, .step = 5};
+  float *m = dev_up(be, hx, n), *v = dev_up(be, hy, n);
+  assert_int_equal(ac_adamw_update(be, n, z, x, m, v, &a), AC_OK);
+  out_take(o, be, z, n);
+  out_take(o, be, m, n);
+  out_take(o, be, v, n);
+  ac_free(be, m);
+  ac_free(be, v);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, z);
+  free(hx);
+  free(hy);
+}
+
+static void scen_softmax_xent(ac_backend *be, outbuf *o)
+{
+  const size_t batch = 6, t = 40, rows = batch * t, n = rows * t;
+  float *hx = host_rand(n);
+  int32_t hl[240];
+  for (size_t r = 0; r < rows; r++)
+    hl[r] = (int32_t)(r * 7 % (t + 3)) - 1; /* some -1 and some >= t: ignored */
+  float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
+  float *loss = dev_alloc(be, rows * sizeof(float));
+  int32_t *labels = dev_up_i32(be, hl, rows);
+  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
+  assert_int_equal(ac_softmax_rows(be, rows, t, x, y), AC_OK);
+  out_take(o, be, y, n);
+  assert_int_equal(ac_softmax_rows_backward(be, rows, t, y, y, x), AC_OK);
+  out_take(o, be, x, n);
+  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
+  assert_int_equal(ac_xent_forward(be, rows, t, x, labels, y, loss), AC_OK);
+  out_take(o, be, loss, rows);
+  assert_int_equal(ac_xent_backward(be, rows, t, y, labels, 0.5f, y), AC_OK);
+  out_take(o, be, y, n);
+  /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
+  float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
+  assert_int_equal(ac_fill_f32(be, 2 * t, dgb, 0.0f), AC_OK);
+  assert_int_equal(ac_layernorm_rows(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
+                                        stats + rows), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, stats, 2 * rows);
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
+                                         dgb, dgb + t), AC_OK);
+  out_take(o, be, y, n);
+  out_take(o, be, dgb, 2 * t);
+  ac_free(be, stats);
+  ac_free(be, dgb);
+  ac_free(be, x);
+  ac_free(be, y);
+  ac_free(be, loss);
+  ac_free(be, labels);
+  free(hx);
+}
+
+static void scen_conv_embed(ac_backend *be, outbuf *o)
+{
+  const ac_conv2d_geom g = {.n = 3, .c = 4, .h = 11, .w = 10, .kh = 3, .kw = 3, .stride_h = 2,
+                            .stride_w = 2, .pad_h = 1, .pad_w = 2};
+  size_t oh, ow;
+  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;
+  float *hx = host_rand(nx);
+  float *x = dev_up(be, hx, nx), *col = dev_alloc(be, ncol * sizeof(float));
+  float *y = dev_alloc(be, ny * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+  int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
+  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
+  out_take(o, be, col, ncol);
+  assert_int_equal(ac_col2im(be, &g, col, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
+    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
+    out_take(o, be, y, ny);
+    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, y, am, dx), AC_OK);
+    out_take(o, be, dx, nx);
+  }
+  int32_t hi[64];
+  for (int r = 0; r < 64; r++)
+    hi[r] = (r * 5) % 23 - 1;
+  int32_t *idx = dev_up_i32(be, hi, 64);
+  float *e = dev_alloc(be, 64 * 8 * sizeof(float));
+  assert_int_equal(ac_gather_rows(be, 64, 8, x, 20, idx, e), AC_OK);
+  out_take(o, be, e, 64 * 8);
+  assert_int_equal(ac_scatter_add_rows(be, 64, 8, e, idx, x, 20), AC_OK);
+  out_take(o, be, x, 160);
+  const size_t shape[4] = {3, 4, 11, 10};
+  const int perm[4] = {1, 3, 0, 2};
+  assert_int_equal(ac_permute(be, 4, shape, perm, x, dx), AC_OK);
+  out_take(o, be, dx, nx);
+  ac_free(be, idx);
+  ac_free(be, e);
+  ac_free(be, am);
+  ac_free(be, x);
+  ac_free(be, col);
+  ac_free(be, y);
+  ac_free(be, dx);
+  free(hx);
+}
+
+static void scen_random(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z), AC_OK);
+  out_take(o, be, z, n);
+  assert_int_equal(ac_dropout_mask(be, 99, 7, n, 0.1f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void scen_normal(ac_backend *be, outbuf *o)
+{
+  const size_t n = 10007;
+  float *z = dev_alloc(be, n * sizeof(float));
+  assert_int_equal(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z), AC_OK);
+  out_take(o, be, z, n);
+  ac_free(be, z);
+}
+
+static void test_cuda_matches_cpu(void **state)
+{
+  ac_backend *gpu = BE(state), *cpu = NULL;
+  NEED_BACKEND(state);
+  assert_int_equal(ac_backend_create(&cpu, NULL), AC_OK);
+  const struct {
+    const char *name;
+    void (*run)(ac_backend *, outbuf *);
+    double atol, rtol;
+  } scen[] = {
+    {"blas", scen_blas, 1e-4, 1e-5},
+    {"elementwise", scen_elementwise, 1e-5, 1e-5},
+    {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
+    {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
+    {"random (bit-exact)", scen_random, 0, 0},
+    {"normal", scen_normal, 1e-7, 1e-5},
+  };
+  for (size_t i = 0; i < sizeof scen / sizeof scen[0]; i++) {
+    outbuf oc = {0}, og = {0};
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(cpu, &oc);
+    rng_state = 0x5EED5EEDull;
+    scen[i].run(gpu, &og);
+    assert_int_equal(oc.n, og.n);
+    double *want = dzeros(oc.n);
+    for (size_t j = 0; j < oc.n; j++)
+      want[j] = oc.data[j];
+    expect_close(scen[i].name, og.data, want, og.n, scen[i].atol, scen[i].rtol);
+    free(want);
+    free(oc.data);
+    free(og.data);
+  }
+  ac_backend_destroy(cpu);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Groups                                                                                  */
+
+static int setup_kind(void **state, ac_backend_kind kind)
+{
+  fixture *f = calloc(1, sizeof *f);
+  *state = NULL;
+  if (f == NULL)
+    return -1;
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  opts.kind = kind;
+  f->kind = kind;
+  int rc = ac_backend_create(&f->be, &opts);
+  if (rc != AC_OK) {
+    if (kind == AC_BACKEND_CPU) {
+      free(f);
+      return -1;
+    }
+    if (getenv("AC_REQUIRE_CUDA") != NULL) {
+      /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
+      print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
+                  ac_strerror(rc), ac_backend_describe(NULL));
+      free(f);
+      return -1;
+    }
+    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU tests skipped\n",
+                  ac_strerror(rc), ac_backend_describe(NULL));
+  }
+  *state = f;
+  return 0;
+}
+
+static int setup_cpu(void **state)
+{
+  return setup_kind(state, AC_BACKEND_CPU);
+}
+
+static int setup_cuda(void **state)
+{
+  return setup_kind(state, AC_BACKEND_CUDA);
+}
+
+static int teardown(void **state)
+{
+  fixture *f = *state;
+  if (f == NULL) /* cmocka tears down a group whose setup failed, too */
+    return 0;
+  ac_backend_destroy(f->be);
+  free(f);
+  return 0;
+}
+
+#define PRIMITIVE_TESTS                                                                 \
+  cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),              \
+      cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                     \
+      cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),   \
+      cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                \
+      cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
+      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
+      cmocka_unit_test(test_gather_scatter),                                            \
+      cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_pool),                  \
+      cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
+
+int main(void)
+{
+  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create)};
+  const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS};
+  const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
+  int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
+  failed += cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);
+  failed += cmocka_run_group_tests_name("cuda", cuda, setup_cuda, teardown);
+  return failed;
+}

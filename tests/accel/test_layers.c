@@ -1,0 +1,1301 @@
+/*
+ * test_layers.c -- every layer of accel against a naive fp64 reference written here.
+ *
+ * For each layer a "case" draws small random fp32 inputs and parameters (a seeded generator,
+ * so a case gives the same numbers on every backend), runs the layer's forward and backward
+ * on a backend with upstream gradient r, and describes the layer's fp64 reference forward
+ * y = f(x, params). The checks:
+ *   forward:  the layer's fp32 y against the reference y,
+ *             rel = max|y32 - y64| / max(max|y64|, 1)          <= TOL_FWD (1e-4)
+ *   backward: every input and parameter gradient against central differences of the
+ *             reference's L = sum_i r_i y_i (step 1e-5 on fp64 inputs),
+ *             rel = max|g32 - fd| / max(max|fd|, 1e-3)           <= TOL_GRAD (5e-4)
+ * fp32 rounding of these small sums is ~1e-6 relative, so the bounds leave room for it and
+ * still catch any wrong term (a wrong term is an O(1) relative error).
+ * On CUDA (when a device exists) the same cases run against the same references and also
+ * against the CPU backend's results on identical inputs (rel <= TOL_XBE, 1e-4).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "accel.h"
+
+#define TOL_FWD 1e-4
+#define TOL_GRAD 5e-4
+#define TOL_XBE 1e-4
+#define FD_STEP 1e-5
+#define MAX_IN 6
+#define MAX_EXTRA 2
+
+typedef struct {
+  ac_backend *be;   /* backend under test (NULL: unavailable) */
+  ac_backend *cpu;  /* CUDA group: a CPU backend to compare against; NULL in the CPU group */
+} fixture;
+
+/* ------------------------------------------------------------------------------------ */
+/* Cases: host inputs, a reference, and what the backend produced                          */
+
+typedef void (*ref_fn)(const void *cfg, double *const *in, double *y);
+
+typedef struct {
+  int nin;
+  double *in[MAX_IN];      /* fp32-representable values, as doubles */
+  size_t len[MAX_IN];
+  size_t ny;
+  double *r;               /* upstream gradient (ny) */
+  ref_fn f;
+  const void *cfg;
+  int nextra;              /* extra outputs (running statistics) and their expected values */
+  double *extra_ref[MAX_EXTRA];
+  size_t extra_len[MAX_EXTRA];
+} refcase;
+
+typedef struct {
+  float *y;                /* ny */
+  float *grad[MAX_IN];     /* len[k], NULL where not differentiable */
+  float *extra[MAX_EXTRA];
+} result;
+
+typedef void (*case_fn)(ac_backend *be, refcase *rc, result *res);
+
+static uint64_t rng_state;
+
+static void rng_seed(uint64_t s)
+{
+  rng_state = s * 2685821657736338717ull + 88172645463325252ull;
+}
+
+static double frand(void)
+{
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (double)(float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+}
+
+static double *dalloc(size_t n)
+{
+  double *p = calloc(n ? n : 1, sizeof *p);
+  assert_non_null(p);
+  return p;
+}
+
+static float *falloc(size_t n)
+{
+  float *p = calloc(n ? n : 1, sizeof *p);
+  assert_non_null(p);
+  return p;
+}
+
+/* Adds input k of n random values in [lo, hi). */
+static double *add_input(refcase *rc, size_t n, double lo, double hi)
+{
+  int k = rc->nin++;
+  assert_true(k < MAX_IN);
+  rc->in[k] = dalloc(n);
+  rc->len[k] = n;
+  for (size_t i = 0; i < n; i++)
+    rc->in[k][i] = (double)(float)(lo + (hi - lo) * (frand() + 1.0) / 2.0);
+  return rc->in[k];
+}
+
+static void set_output(refcase *rc, size_t ny)
+{
+  rc->ny = ny;
+  rc->r = dalloc(ny);
+  for (size_t i = 0; i < ny; i++)
+    rc->r[i] = frand();
+}
+
+static float *to_f32(const double *x, size_t n)
+{
+  float *f = falloc(n);
+  for (size_t i = 0; i < n; i++)
+    f[i] = (float)x[i];
+  return f;
+}
+
+static float *dev_upload(ac_backend *be, const double *x, size_t n)
+{
+  void *d = NULL;
+  float *h = to_f32(x, n);
+  assert_int_equal(ac_malloc(be, n * sizeof(float), &d), AC_OK);
+  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof(float)), AC_OK);
+  free(h);
+  return d;
+}
+
+static int32_t *dev_upload_i32(ac_backend *be, const int32_t *x, size_t n)
+{
+  void *d = NULL;
+  assert_int_equal(ac_malloc(be, n * sizeof(int32_t), &d), AC_OK);
+  assert_int_equal(ac_memcpy_h2d(be, d, x, n * sizeof(int32_t)), AC_OK);
+  return d;
+}
+
+static float *dev_download(ac_backend *be, const float *d, size_t n)
+{
+  float *h = falloc(n);
+  assert_int_equal(ac_memcpy_d2h(be, h, d, n * sizeof(float)), AC_OK);
+  return h;
+}
+
+static void param_set(ac_param *p, const double *x)
+{
+  assert_int_equal(p->value.numel > 0, 1);
+  float *h = to_f32(x, p->value.numel);
+  assert_int_equal(ac_tensor_upload(&p->value, h), AC_OK);
+  free(h);
+}
+
+static float *param_grad(const ac_param *p)
+{
+  float *h = falloc(p->grad.numel);
+  assert_int_equal(ac_tensor_download(&p->grad, h), AC_OK);
+  return h;
+}
+
+static void free_case(refcase *rc, result *res)
+{
+  for (int k = 0; k < MAX_IN; k++) {
+    free(rc->in[k]);
+    free(res->grad[k]);
+  }
+  for (int k = 0; k < MAX_EXTRA; k++) {
+    free(rc->extra_ref[k]);
+    free(res->extra[k]);
+  }
+  free(rc->r);
+  free(res->y);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Checks                                                                                  */
+
+static double rel_err(const float *a, const double *b, size_t n, double floor)
+{
+  double num = 0.0, den = floor;
+  for (size_t i = 0; i < n; i++) {
+    double d = fabs((double)a[i] - b[i]);
+    num = d > num || isnan(d) ? d : num;
+    den = fabs(b[i]) > den ? fabs(b[i]) : den;
+  }
+  return num / den;
+}
+
+static double loss_of(const refcase *rc, double *y)
+{
+  rc->f(rc->cfg, rc->in, y);
+  double l = 0.0;
+  for (size_t i = 0; i < rc->ny; i++)
+    l += rc->r[i] * y[i];
+  return l;
+}
+
+static void check_case(const char *name, const refcase *rc, const result *res)
+{
+  double *y = dalloc(rc->ny);
+  rc->f(rc->cfg, rc->in, y);
+  double e = rel_err(res->y, y, rc->ny, 1.0);
+  if (!(e <= TOL_FWD))
+    fail_msg("%s: forward rel err %.3g > %.1g", name, e, TOL_FWD);
+  for (int k = 0; k < rc->nin; k++) {
+    if (res->grad[k] == NULL)
+      continue;
+    double *fd = dalloc(rc->len[k]);
+    for (size_t i = 0; i < rc->len[k]; i++) {
+      double keep = rc->in[k][i];
+      rc->in[k][i] = keep + FD_STEP;
+      double lp = loss_of(rc, y);
+      rc->in[k][i] = keep - FD_STEP;
+      double lm = loss_of(rc, y);
+      rc->in[k][i] = keep;
+      fd[i] = (lp - lm) / (2.0 * FD_STEP);
+    }
+    e = rel_err(res->grad[k], fd, rc->len[k], 1e-3);
+    free(fd);
+    if (!(e <= TOL_GRAD))
+      fail_msg("%s: gradient of input %d rel err %.3g > %.1g", name, k, e, TOL_GRAD);
+  }
+  for (int k = 0; k < rc->nextra; k++) {
+    e = rel_err(res->extra[k], rc->extra_ref[k], rc->extra_len[k], 1.0);
+    if (!(e <= TOL_FWD))
+      fail_msg("%s: extra output %d rel err %.3g > %.1g", name, k, e, TOL_FWD);
+  }
+  free(y);
+}
+
+static void check_close_f(const char *name, const char *what, const float *a, const float *b,
+                          size_t n)
+{
+  double *bd = dalloc(n);
+  for (size_t i = 0; i < n; i++)
+    bd[i] = b[i];
+  double e = rel_err(a, bd, n, 1.0);
+  free(bd);
+  if (!(e <= TOL_XBE))
+    fail_msg("%s: %s differs from the CPU backend: rel %.3g > %.1g", name, what, e, TOL_XBE);
+}
+
+static void run_case(void **state, const char *name, case_fn c)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  refcase rc;
+  result res;
+  memset(&rc, 0, sizeof rc);
+  memset(&res, 0, sizeof res);
+  c(f->be, &rc, &res);
+  check_case(name, &rc, &res);
+  if (f->cpu != NULL) {
+    refcase rc2;
+    result res2;
+    memset(&rc2, 0, sizeof rc2);
+    memset(&res2, 0, sizeof res2);
+    c(f->cpu, &rc2, &res2);
+    check_close_f(name, "y", res.y, res2.y, rc.ny);
+    for (int k = 0; k < rc.nin; k++)
+      if (res.grad[k] != NULL)
+        check_close_f(name, "gradient", res.grad[k], res2.grad[k], rc.len[k]);
+    free_case(&rc2, &res2);
+  }
+  free_case(&rc, &res);
+}
+
+/* Downloads the layer output into res->y after syncing. */
+static void take_y(ac_backend *be, result *res, const float *y, size_t ny)
+{
+  assert_int_equal(ac_sync(be), AC_OK);
+  res->y = dev_download(be, y, ny);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Linear                                                                                  */
+
+typedef struct {
+  size_t rows, in, out;
+} lin_cfg;
+
+static void ref_linear(const void *cfg, double *const *in, double *y)
+{
+  const lin_cfg *c = cfg;
+  for (size_t r = 0; r < c->rows; r++)
+    for (size_t o = 0; o < c->out; o++) {
+      double s = in[2][o];
+      for (size_t i = 0; i < c->in; i++)
+        s += in[0][r * c->in + i] * in[1][o * c->in + i];
+      y[r * c->out + o] = s;
+    }
+}
+
+static void case_linear(ac_backend *be, refcase *rc, result *res)
+{
+  static const lin_cfg cfg = {5, 7, 4};
+  rng_seed(1);
+  double *x = add_input(rc, cfg.rows * cfg.in, -1, 1);
+  double *w = add_input(rc, cfg.out * cfg.in, -1, 1);
+  double *b = add_input(rc, cfg.out, -1, 1);
+  set_output(rc, cfg.rows * cfg.out);
+  rc->f = ref_linear;
+  rc->cfg = &cfg;
+
+  ac_linear l;
+  assert_int_equal(ac_linear_init(&l, be, "fc", cfg.in, cfg.out, 1, 8, 3), AC_OK);
+  param_set(&l.weight, w);
+  param_set(&l.bias, b);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_linear_forward(&l, xd, cfg.rows, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  /* Twice: parameter gradients must accumulate (then halved), dx must not. */
+  assert_int_equal(ac_linear_backward(&l, dr, &dx), AC_OK);
+  assert_int_equal(ac_linear_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.weight);
+  res->grad[2] = param_grad(&l.bias);
+  for (int k = 1; k <= 2; k++)
+    for (size_t i = 0; i < rc->len[k]; i++)
+      res->grad[k][i] *= 0.5f;
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_linear_destroy(&l);
+}
+
+static void test_linear(void **state)
+{
+  run_case(state, "linear", case_linear);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Embedding (with a repeated and an out-of-range index)                                   */
+
+typedef struct {
+  size_t rows, vocab, dim;
+  int32_t idx[6];
+} emb_cfg;
+
+static void ref_embedding(const void *cfg, double *const *in, double *y)
+{
+  const emb_cfg *c = cfg;
+  for (size_t r = 0; r < c->rows; r++)
+    for (size_t j = 0; j < c->dim; j++) {
+      int32_t t = c->idx[r];
+      y[r * c->dim + j] = t >= 0 && (size_t)t < c->vocab ? in[0][(size_t)t * c->dim + j] : 0.0;
+    }
+}
+
+static void case_embedding(ac_backend *be, refcase *rc, result *res)
+{
+  static const emb_cfg cfg = {6, 5, 3, {2, 0, 2, 4, -1, 5}};
+  rng_seed(2);
+  double *w = add_input(rc, cfg.vocab * cfg.dim, -1, 1);
+  set_output(rc, cfg.rows * cfg.dim);
+  rc->f = ref_embedding;
+  rc->cfg = &cfg;
+
+  ac_embedding l;
+  assert_int_equal(ac_embedding_init(&l, be, "tok", cfg.vocab, cfg.dim, cfg.rows, 3), AC_OK);
+  param_set(&l.weight, w);
+  int32_t *idx = dev_upload_i32(be, cfg.idx, cfg.rows);
+  float *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y;
+  assert_int_equal(ac_embedding_forward(&l, idx, cfg.rows, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_embedding_backward(&l, dr), AC_OK);
+  res->grad[0] = param_grad(&l.weight);
+  ac_free(be, idx);
+  ac_free(be, dr);
+  ac_embedding_destroy(&l);
+}
+
+static void test_embedding(void **state)
+{
+  run_case(state, "embedding", case_embedding);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Positional embedding (t < max_t: the unused rows get no gradient)                       */
+
+typedef struct {
+  size_t batch, t, max_t, dim;
+} pos_cfg;
+
+static void ref_posembed(const void *cfg, double *const *in, double *y)
+{
+  const pos_cfg *c = cfg;
+  for (size_t b = 0; b < c->batch; b++)
+    for (size_t i = 0; i < c->t * c->dim; i++)
+      y[b * c->t * c->dim + i] = in[0][b * c->t * c->dim + i] + in[1][i];
+}
+
+static void case_posembed(ac_backend *be, refcase *rc, result *res)
+{
+  static const pos_cfg cfg = {3, 4, 6, 5};
+  rng_seed(3);
+  double *x = add_input(rc, cfg.batch * cfg.t * cfg.dim, -1, 1);
+  double *p = add_input(rc, cfg.max_t * cfg.dim, -1, 1);
+  set_output(rc, rc->len[0]);
+  rc->f = ref_posembed;
+  rc->cfg = &cfg;
+
+  ac_posembed l;
+  assert_int_equal(ac_posembed_init(&l, be, "pos", cfg.max_t, cfg.dim, 4, 3), AC_OK);
+  param_set(&l.weight, p);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_posembed_forward(&l, xd, cfg.batch, cfg.t, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_posembed_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.weight);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_posembed_destroy(&l);
+}
+
+static void test_posembed(void **state)
+{
+  run_case(state, "posembed", case_posembed);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Layer normalisation                                                                     */
+
+typedef struct {
+  size_t rows, dim;
+  double eps;
+} ln_cfg;
+
+static void ref_layernorm(const void *cfg, double *const *in, double *y)
+{
+  const ln_cfg *c = cfg;
+  for (size_t r = 0; r < c->rows; r++) {
+    const double *x = in[0] + r * c->dim;
+    double mean = 0.0, var = 0.0;
+    for (size_t j = 0; j < c->dim; j++)
+      mean += x[j];
+    mean /= (double)c->dim;
+    for (size_t j = 0; j < c->dim; j++)
+      var += (x[j] - mean) * (x[j] - mean);
+    var /= (double)c->dim;
+    for (size_t j = 0; j < c->dim; j++)
+      y[r * c->dim + j] = (x[j] - mean) / sqrt(var + c->eps) * in[1][j] + in[2][j];
+  }
+}
+
+static void case_layernorm(ac_backend *be, refcase *rc, result *res)
+{
+  static const ln_cfg cfg = {4, 9, 1e-5};
+  rng_seed(4);
+  double *x = add_input(rc, cfg.rows * cfg.dim, -2, 2);
+  double *g = add_input(rc, cfg.dim, 0.5, 1.5);
+  double *b = add_input(rc, cfg.dim, -1, 1);
+  set_output(rc, rc->len[0]);
+  rc->f = ref_layernorm;
+  rc->cfg = &cfg;
+
+  ac_layernorm l;
+  assert_int_equal(ac_layernorm_init(&l, be, "ln", cfg.dim, (float)cfg.eps, 6), AC_OK);
+  param_set(&l.weight, g);
+  param_set(&l.bias, b);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_layernorm_forward(&l, xd, cfg.rows, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_layernorm_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.weight);
+  res->grad[2] = param_grad(&l.bias);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_layernorm_destroy(&l);
+}
+
+static void test_layernorm(void **state)
+{
+  run_case(state, "layernorm", case_layernorm);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Activations: ReLU (inputs kept away from the kink) and GELU (tanh form)                 */
+
+typedef struct {
+  size_t n;
+  int gelu;
+} act_cfg;
+
+static void ref_activation(const void *cfg, double *const *in, double *y)
+{
+  const act_cfg *c = cfg;
+  const double s = sqrt(2.0 / M_PI);
+  for (size_t i = 0; i < c->n; i++) {
+    double x = in[0][i];
+    y[i] = c->gelu ? 0.5 * x * (1.0 + tanh(s * (x + 0.044715 * x * x * x))) : (x > 0 ? x : 0);
+  }
+}
+
+static void case_activation(ac_backend *be, refcase *rc, result *res, const act_cfg *cfg)
+{
+  rng_seed(5);
+  double *x = add_input(rc, cfg->n, -3, 3);
+  for (size_t i = 0; i < cfg->n; i++)
+    if (fabs(x[i]) < 0.01)
+      x[i] = 0.5;
+  set_output(rc, cfg->n);
+  rc->f = ref_activation;
+  rc->cfg = cfg;
+
+  ac_activation l;
+  assert_int_equal(
+      ac_activation_init(&l, be, cfg->gelu ? AC_UNARY_GELU : AC_UNARY_RELU, cfg->n + 3), AC_OK);
+  float *xd = dev_upload(be, x, cfg->n), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_activation_forward(&l, xd, cfg->n, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_activation_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, cfg->n);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_activation_destroy(&l);
+}
+
+static void case_relu(ac_backend *be, refcase *rc, result *res)
+{
+  static const act_cfg cfg = {40, 0};
+  case_activation(be, rc, res, &cfg);
+}
+
+static void case_gelu(ac_backend *be, refcase *rc, result *res)
+{
+  static const act_cfg cfg = {40, 1};
+  case_activation(be, rc, res, &cfg);
+}
+
+static void test_relu(void **state)
+{
+  run_case(state, "relu", case_relu);
+}
+
+static void test_gelu(void **state)
+{
+  run_case(state, "gelu", case_gelu);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Residual add                                                                            */
+
+static void ref_residual(const void *cfg, double *const *in, double *y)
+{
+  size_t n = *(const size_t *)cfg;
+  for (size_t i = 0; i < n; i++)
+    y[i] = in[0][i] + in[1][i];
+}
+
+static void case_residual(ac_backend *be, refcase *rc, result *res)
+{
+  static const size_t n = 17;
+  rng_seed(6);
+  double *a = add_input(rc, n, -1, 1);
+  double *b = add_input(rc, n, -1, 1);
+  set_output(rc, n);
+  rc->f = ref_residual;
+  rc->cfg = &n;
+
+  ac_residual l;
+  assert_int_equal(ac_residual_init(&l, be, n), AC_OK);
+  float *ad = dev_upload(be, a, n), *bd = dev_upload(be, b, n);
+  float *dr = dev_upload(be, rc->r, n);
+  const float *y, *da, *db;
+  assert_int_equal(ac_residual_forward(&l, ad, bd, n, &y), AC_OK);
+  take_y(be, res, y, n);
+  assert_int_equal(ac_residual_backward(&l, dr, &da, &db), AC_OK);
+  res->grad[0] = dev_download(be, da, n);
+  res->grad[1] = dev_download(be, db, n);
+  ac_free(be, ad);
+  ac_free(be, bd);
+  ac_free(be, dr);
+  ac_residual_destroy(&l);
+}
+
+static void test_residual(void **state)
+{
+  run_case(state, "residual", case_residual);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Dropout: the mask is recomputed here from accel.h's documented counter RNG             */
+
+typedef struct {
+  size_t n;
+  double p;
+  uint64_t seed, offset;
+} drop_cfg;
+
+static uint64_t splitmix_final(uint64_t z)
+{
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static double ref_mask(const drop_cfg *c, size_t i)
+{
+  uint64_t z = splitmix_final(c->seed + (c->offset + i + 1) * 0x9E3779B97F4A7C15ull);
+  double u = (double)(z >> 40) * (1.0 / 16777216.0);
+  return u >= c->p ? 1.0 / (1.0 - c->p) : 0.0;
+}
+
+static void ref_dropout(const void *cfg, double *const *in, double *y)
+{
+  const drop_cfg *c = cfg;
+  for (size_t i = 0; i < c->n; i++)
+    y[i] = in[0][i] * (double)(float)ref_mask(c, i);
+}
+
+static void case_dropout(ac_backend *be, refcase *rc, result *res)
+{
+  /* The second training forward of the layer: offset advanced by n. */
+  static const drop_cfg cfg = {64, 0.25, 42, 64};
+  rng_seed(7);
+  double *x = add_input(rc, cfg.n, -1, 1);
+  set_output(rc, cfg.n);
+  rc->f = ref_dropout;
+  rc->cfg = &cfg;
+
+  ac_dropout l;
+  assert_int_equal(ac_dropout_init(&l, be, (float)cfg.p, cfg.seed, cfg.n), AC_OK);
+  float *xd = dev_upload(be, x, cfg.n), *dr = dev_upload(be, rc->r, cfg.n);
+  const float *y, *dx;
+  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_EVAL, &y), AC_OK);
+  assert_ptr_equal(y, xd); /* eval: identity, and the offset does not move */
+  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y), AC_OK);
+  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y), AC_OK);
+  take_y(be, res, y, cfg.n);
+  size_t zeros = 0;
+  for (size_t i = 0; i < cfg.n; i++)
+    zeros += res->y[i] == 0.0f;
+  assert_true(zeros > 4 && zeros < 32); /* about p n = 16 dropped */
+  assert_int_equal(ac_dropout_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, cfg.n);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_dropout_destroy(&l);
+}
+
+static void test_dropout(void **state)
+{
+  run_case(state, "dropout", case_dropout);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Causal multi-head self-attention with projections                                       */
+
+typedef struct {
+  size_t batch, t, dim, heads;
+} attn_cfg;
+
+static void ref_attention(const void *cfg, double *const *in, double *y)
+{
+  const attn_cfg *c = cfg;
+  size_t d = c->dim, h = c->heads, dh = d / h, t = c->t;
+  const double *x = in[0], *wq = in[1], *bq = in[2], *wp = in[3], *bp = in[4];
+  double *qkv = dalloc(t * 3 * d), *ctx = dalloc(t * d), *p = dalloc(t);
+  for (size_t b = 0; b < c->batch; b++) {
+    const double *xb = x + b * t * d;
+    for (size_t i = 0; i < t; i++)
+      for (size_t o = 0; o < 3 * d; o++) {
+        double s = bq[o];
+        for (size_t j = 0; j < d; j++)
+          s += xb[i * d + j] * wq[o * d + j];
+        qkv[i * 3 * d + o] = s;
+      }
+    for (size_t hh = 0; hh < h; hh++)
+      for (size_t i = 0; i < t; i++) {
+        /* token i attends to tokens 0..i; q, k, v of head hh at offsets (0|1|2) d + hh dh */
+        double mx = -INFINITY, sum = 0.0;
+        for (size_t j = 0; j <= i; j++) {
+          double s = 0.0;
+          for (size_t e = 0; e < dh; e++)
+            s += qkv[i * 3 * d + hh * dh + e] * qkv[j * 3 * d + d + hh * dh + e];
+          p[j] = s / sqrt((double)dh);
+          mx = p[j] > mx ? p[j] : mx;
+        }
+        for (size_t j = 0; j <= i; j++)
+          sum += (p[j] = exp(p[j] - mx));
+        for (size_t e = 0; e < dh; e++) {
+          double s = 0.0;
+          for (size_t j = 0; j <= i; j++)
+            s += p[j] / sum * qkv[j * 3 * d + 2 * d + hh * dh + e];
+          ctx[i * d + hh * dh + e] = s;
+        }
+      }
+    for (size_t i = 0; i < t; i++)
+      for (size_t o = 0; o < d; o++) {
+        double s = bp[o];
+        for (size_t j = 0; j < d; j++)
+          s += ctx[i * d + j] * wp[o * d + j];
+        y[(b * t + i) * d + o] = s;
+      }
+  }
+  free(qkv);
+  free(ctx);
+  free(p);
+}
+
+static void case_attention(ac_backend *be, refcase *rc, result *res)
+{
+  static const attn_cfg cfg = {2, 5, 8, 2};
+  size_t d = cfg.dim;
+  rng_seed(8);
+  double *x = add_input(rc, cfg.batch * cfg.t * d, -1, 1);
+  double *wq = add_input(rc, 3 * d * d, -0.5, 0.5);
+  double *bq = add_input(rc, 3 * d, -0.5, 0.5);
+  double *wp = add_input(rc, d * d, -0.5, 0.5);
+  double *bp = add_input(rc, d, -0.5, 0.5);
+  set_output(rc, rc->len[0]);
+  rc->f = ref_attention;
+  rc->cfg = &cfg;
+
+  ac_attention l;
+  assert_int_equal(ac_attention_init(&l, be, "attn", d, cfg.heads, 7, 3, 9), AC_OK);
+  param_set(&l.qkv.weight, wq);
+  param_set(&l.qkv.bias, bq);
+  param_set(&l.proj.weight, wp);
+  param_set(&l.proj.bias, bp);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_attention_forward(&l, xd, cfg.batch, cfg.t, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_attention_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.qkv.weight);
+  res->grad[2] = param_grad(&l.qkv.bias);
+  res->grad[3] = param_grad(&l.proj.weight);
+  res->grad[4] = param_grad(&l.proj.bias);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_attention_destroy(&l);
+}
+
+static void test_attention(void **state)
+{
+  run_case(state, "attention", case_attention);
+}
+
+/* Causality on its own: changing the last token must not change earlier outputs. */
+static void test_attention_causal(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_backend *be = f->be;
+  size_t t = 6, d = 8, n = t * d;
+  double *x = dalloc(n);
+  rng_seed(81);
+  for (size_t i = 0; i < n; i++)
+    x[i] = frand();
+  ac_attention l;
+  assert_int_equal(ac_attention_init(&l, be, "attn", d, 4, t, 1, 5), AC_OK);
+  float *xd = dev_upload(be, x, n);
+  const float *y;
+  assert_int_equal(ac_attention_forward(&l, xd, 1, t, &y), AC_OK);
+  float *y1 = dev_download(be, y, n);
+  for (size_t j = 0; j < d; j++)
+    x[(t - 1) * d + j] += 1.0;
+  ac_free(be, xd);
+  xd = dev_upload(be, x, n);
+  assert_int_equal(ac_attention_forward(&l, xd, 1, t, &y), AC_OK);
+  float *y2 = dev_download(be, y, n);
+  assert_memory_equal(y1, y2, (n - d) * sizeof(float));
+  assert_true(memcmp(y1 + n - d, y2 + n - d, d * sizeof(float)) != 0);
+  free(y1);
+  free(y2);
+  free(x);
+  ac_free(be, xd);
+  ac_attention_destroy(&l);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Softmax cross-entropy (one ignored row)                                                 */
+
+typedef struct {
+  size_t rows, classes;
+  int32_t labels[5];
+} ce_cfg;
+
+static void ref_celoss(const void *cfg, double *const *in, double *y)
+{
+  const ce_cfg *c = cfg;
+  double total = 0.0;
+  size_t counted = 0;
+  for (size_t r = 0; r < c->rows; r++) {
+    int32_t lab = c->labels[r];
+    if (lab < 0 || (size_t)lab >= c->classes)
+      continue;
+    const double *z = in[0] + r * c->classes;
+    double mx = -INFINITY, sum = 0.0;
+    for (size_t j = 0; j < c->classes; j++)
+      mx = z[j] > mx ? z[j] : mx;
+    for (size_t j = 0; j < c->classes; j++)
+      sum += exp(z[j] - mx);
+    total += -(z[lab] - mx - log(sum));
+    counted++;
+  }
+  y[0] = total / (double)counted;
+}
+
+static void case_celoss(ac_backend *be, refcase *rc, result *res)
+{
+  static const ce_cfg cfg = {5, 7, {3, 0, -1, 6, 3}};
+  rng_seed(9);
+  double *z = add_input(rc, cfg.rows * cfg.classes, -3, 3);
+  set_output(rc, 1);
+  rc->r[0] = 1.0;
+  rc->f = ref_celoss;
+  rc->cfg = &cfg;
+
+  ac_celoss l;
+  assert_int_equal(ac_celoss_init(&l, be, cfg.classes, 8), AC_OK);
+  float *zd = dev_upload(be, z, rc->len[0]);
+  int32_t *lab = dev_upload_i32(be, cfg.labels, cfg.rows);
+  double loss = 0.0;
+  const float *dz;
+  assert_int_equal(ac_celoss_forward(&l, zd, lab, cfg.rows, &loss), AC_OK);
+  assert_int_equal(l.counted, 4);
+  res->y = falloc(1);
+  res->y[0] = (float)loss;
+  assert_int_equal(ac_celoss_backward(&l, &dz), AC_OK);
+  res->grad[0] = dev_download(be, dz, rc->len[0]);
+  ac_free(be, zd);
+  ac_free(be, lab);
+  ac_celoss_destroy(&l);
+}
+
+static void test_celoss(void **state)
+{
+  run_case(state, "celoss", case_celoss);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* 2-D convolution with stride 2 and padding 1, in chunks of 2 images (3 images: a        */
+/* partial last chunk)                                                                     */
+
+typedef struct {
+  size_t n, c, h, w, oc, k, stride, pad, oh, ow;
+} conv_cfg;
+
+static void ref_conv(const void *cfg, double *const *in, double *y)
+{
+  const conv_cfg *c = cfg;
+  for (size_t b = 0; b < c->n; b++)
+    for (size_t o = 0; o < c->oc; o++)
+      for (size_t oy = 0; oy < c->oh; oy++)
+        for (size_t ox = 0; ox < c->ow; ox++) {
+          double s = in[2][o];
+          for (size_t ch = 0; ch < c->c; ch++)
+            for (size_t p = 0; p < c->k; p++)
+              for (size_t q = 0; q < c->k; q++) {
+                long iy = (long)(oy * c->stride + p) - (long)c->pad;
+                long ix = (long)(ox * c->stride + q) - (long)c->pad;
+                if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w)
+                  continue;
+                s += in[0][((b * c->c + ch) * c->h + (size_t)iy) * c->w + (size_t)ix] *
+                     in[1][((o * c->c + ch) * c->k + p) * c->k + q];
+              }
+          y[((b * c->oc + o) * c->oh + oy) * c->ow + ox] = s;
+        }
+}
+
+static void case_conv(ac_backend *be, refcase *rc, result *res)
+{
+  /* oh = (7 + 2 - 3) / 2 + 1 = 4, ow = (6 + 2 - 3) / 2 + 1 = 3 */
+  static const conv_cfg cfg = {3, 2, 7, 6, 3, 3, 2, 1, 4, 3};
+  rng_seed(10);
+  double *x = add_input(rc, cfg.n * cfg.c * cfg.h * cfg.w, -1, 1);
+  double *w = add_input(rc, cfg.oc * cfg.c * cfg.k * cfg.k, -1, 1);
+  double *b = add_input(rc, cfg.oc, -1, 1);
+  set_output(rc, cfg.n * cfg.oc * cfg.oh * cfg.ow);
+  rc->f = ref_conv;
+  rc->cfg = &cfg;
+
+  ac_conv2d l;
+  assert_int_equal(ac_conv2d_init(&l, be, "conv", cfg.c, cfg.oc, cfg.h, cfg.w, cfg.k,
+                                  cfg.stride, cfg.pad, 1, 4, 2, NULL, 11),
+                   AC_OK);
+  assert_int_equal(l.oh, cfg.oh);
+  assert_int_equal(l.ow, cfg.ow);
+  param_set(&l.weight, w);
+  param_set(&l.bias, b);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_conv2d_forward(&l, xd, cfg.n, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_conv2d_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.weight);
+  res->grad[2] = param_grad(&l.bias);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_conv2d_destroy(&l);
+}
+
+static void test_conv(void **state)
+{
+  run_case(state, "conv2d", case_conv);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Batch normalisation: training mode (batch statistics, running averages) and eval mode  */
+
+typedef struct {
+  size_t n, c, hw;
+  double eps, momentum;
+  int eval;
+  const double *rmean, *rvar;   /* eval mode: the running statistics used */
+} bn_cfg;
+
+static void bn_stats(const bn_cfg *c, const double *x, size_t ch, double *mean, double *var)
+{
+  double m = 0.0, v = 0.0, cnt = (double)(c->n * c->hw);
+  for (size_t b = 0; b < c->n; b++)
+    for (size_t i = 0; i < c->hw; i++)
+      m += x[(b * c->c + ch) * c->hw + i];
+  m /= cnt;
+  for (size_t b = 0; b < c->n; b++)
+    for (size_t i = 0; i < c->hw; i++) {
+      double e = x[(b * c->c + ch) * c->hw + i] - m;
+      v += e * e;
+    }
+  *mean = m;
+  *var = v / cnt;
+}
+
+static void ref_batchnorm(const void *cfg, double *const *in, double *y)
+{
+  const bn_cfg *c = cfg;
+  for (size_t ch = 0; ch < c->c; ch++) {
+    double mean, var;
+    if (c->eval) {
+      mean = c->rmean[ch];
+      var = c->rvar[ch];
+    } else {
+      bn_stats(c, in[0], ch, &mean, &var);
+    }
+    for (size_t b = 0; b < c->n; b++)
+      for (size_t i = 0; i < c->hw; i++) {
+        size_t at = (b * c->c + ch) * c->hw + i;
+        y[at] = (in[0][at] - mean) / sqrt(var + c->eps) * in[1][ch] + in[2][ch];
+      }
+  }
+}
+
+static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg)
+{
+  double *x = add_input(rc, cfg->n * cfg->c * cfg->hw, -2, 2);
+  double *g = add_input(rc, cfg->c, 0.5, 1.5);
+  double *b = add_input(rc, cfg->c, -1, 1);
+  set_output(rc, rc->len[0]);
+  rc->f = ref_batchnorm;
+  rc->cfg = cfg;
+
+  ac_batchnorm l;
+  assert_int_equal(ac_batchnorm_init(&l, be, "bn", cfg->c, cfg->hw, (float)cfg->eps,
+                                     (float)cfg->momentum, 5),
+                   AC_OK);
+  param_set(&l.weight, g);
+  param_set(&l.bias, b);
+  if (cfg->eval) {
+    float *rm = to_f32(cfg->rmean, cfg->c), *rv = to_f32(cfg->rvar, cfg->c);
+    assert_int_equal(ac_tensor_upload(&l.running_mean, rm), AC_OK);
+    assert_int_equal(ac_tensor_upload(&l.running_var, rv), AC_OK);
+    free(rm);
+    free(rv);
+  } else {
+    /* Running averages after one step from (0, 1): momentum times the batch statistics
+     * (variance unbiased). */
+    double cnt = (double)(cfg->n * cfg->hw);
+    rc->nextra = 2;
+    for (int k = 0; k < 2; k++) {
+      rc->extra_ref[k] = dalloc(cfg->c);
+      rc->extra_len[k] = cfg->c;
+    }
+    for (size_t ch = 0; ch < cfg->c; ch++) {
+      double mean, var;
+      bn_stats(cfg, x, ch, &mean, &var);
+      rc->extra_ref[0][ch] = cfg->momentum * mean;
+      rc->extra_ref[1][ch] = (1.0 - cfg->momentum) + cfg->momentum * var * cnt / (cnt - 1.0);
+    }
+  }
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_batchnorm_forward(&l, xd, cfg->n, cfg->eval ? AC_MODE_EVAL : AC_MODE_TRAIN,
+                                        &y),
+                   AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_batchnorm_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  res->grad[1] = param_grad(&l.weight);
+  res->grad[2] = param_grad(&l.bias);
+  if (!cfg->eval) {
+    res->extra[0] = dev_download(be, ac_tensor_f32(&l.running_mean), cfg->c);
+    res->extra[1] = dev_download(be, ac_tensor_f32(&l.running_var), cfg->c);
+  }
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_batchnorm_destroy(&l);
+}
+
+static void case_bn_train(ac_backend *be, refcase *rc, result *res)
+{
+  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 0, NULL, NULL};
+  rng_seed(11);
+  case_batchnorm(be, rc, res, &cfg);
+}
+
+static void case_bn_eval(ac_backend *be, refcase *rc, result *res)
+{
+  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
+  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 1, rmean, rvar};
+  rng_seed(12);
+  case_batchnorm(be, rc, res, &cfg);
+}
+
+static void test_batchnorm_train(void **state)
+{
+  run_case(state, "batchnorm(train)", case_bn_train);
+}
+
+static void test_batchnorm_eval(void **state)
+{
+  run_case(state, "batchnorm(eval)", case_bn_eval);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Pooling: max (window 3, stride 2, pad 1) and average (window 2, stride 2); global avg   */
+
+typedef struct {
+  size_t n, c, h, w, k, stride, pad, oh, ow;
+  int max;
+} pool_cfg;
+
+static void ref_pool(const void *cfg, double *const *in, double *y)
+{
+  const pool_cfg *c = cfg;
+  for (size_t p = 0; p < c->n * c->c; p++)
+    for (size_t oy = 0; oy < c->oh; oy++)
+      for (size_t ox = 0; ox < c->ow; ox++) {
+        double acc = c->max ? -INFINITY : 0.0;
+        for (size_t i = 0; i < c->k; i++)
+          for (size_t j = 0; j < c->k; j++) {
+            long iy = (long)(oy * c->stride + i) - (long)c->pad;
+            long ix = (long)(ox * c->stride + j) - (long)c->pad;
+            if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w)
+              continue;
+            double v = in[0][(p * c->h + (size_t)iy) * c->w + (size_t)ix];
+            acc = c->max ? (v > acc ? v : acc) : acc + v;
+          }
+        y[(p * c->oh + oy) * c->ow + ox] = c->max ? acc : acc / (double)(c->k * c->k);
+      }
+}
+
+static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *cfg)
+{
+  double *x = add_input(rc, cfg->n * cfg->c * cfg->h * cfg->w, -1, 1);
+  set_output(rc, cfg->n * cfg->c * cfg->oh * cfg->ow);
+  rc->f = ref_pool;
+  rc->cfg = cfg;
+
+  ac_pool l;
+  assert_int_equal(ac_pool_init(&l, be, cfg->max ? AC_POOL_MAX : AC_POOL_AVG, cfg->c, cfg->h,
+                                cfg->w, cfg->k, cfg->stride, cfg->pad, 3),
+                   AC_OK);
+  assert_int_equal(l.oh, cfg->oh);
+  assert_int_equal(l.ow, cfg->ow);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_pool_forward(&l, xd, cfg->n, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_pool_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_pool_destroy(&l);
+}
+
+static void case_maxpool(ac_backend *be, refcase *rc, result *res)
+{
+  static const pool_cfg cfg = {2, 2, 6, 5, 3, 2, 1, 3, 3, 1};
+  rng_seed(13);
+  case_pool(be, rc, res, &cfg);
+}
+
+static void case_avgpool(ac_backend *be, refcase *rc, result *res)
+{
+  static const pool_cfg cfg = {2, 3, 6, 4, 2, 2, 0, 3, 2, 0};
+  rng_seed(14);
+  case_pool(be, rc, res, &cfg);
+}
+
+static void test_maxpool(void **state)
+{
+  run_case(state, "maxpool", case_maxpool);
+}
+
+static void test_avgpool(void **state)
+{
+  run_case(state, "avgpool", case_avgpool);
+}
+
+typedef struct {
+  size_t n, c, hw;
+} gap_cfg;
+
+static void ref_gap(const void *cfg, double *const *in, double *y)
+{
+  const gap_cfg *c = cfg;
+  for (size_t p = 0; p < c->n * c->c; p++) {
+    double s = 0.0;
+    for (size_t i = 0; i < c->hw; i++)
+      s += in[0][p * c->hw + i];
+    y[p] = s / (double)c->hw;
+  }
+}
+
+static void case_gap(ac_backend *be, refcase *rc, result *res)
+{
+  static const gap_cfg cfg = {3, 4, 6};
+  rng_seed(15);
+  double *x = add_input(rc, cfg.n * cfg.c * cfg.hw, -1, 1);
+  set_output(rc, cfg.n * cfg.c);
+  rc->f = ref_gap;
+  rc->cfg = &cfg;
+  ac_gap l;
+  assert_int_equal(ac_gap_init(&l, be, cfg.c, cfg.hw, 4), AC_OK);
+  float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
+  const float *y, *dx;
+  assert_int_equal(ac_gap_forward(&l, xd, cfg.n, &y), AC_OK);
+  take_y(be, res, y, rc->ny);
+  assert_int_equal(ac_gap_backward(&l, dr, &dx), AC_OK);
+  res->grad[0] = dev_download(be, dx, rc->len[0]);
+  ac_free(be, xd);
+  ac_free(be, dr);
+  ac_gap_destroy(&l);
+}
+
+static void test_gap(void **state)
+{
+  run_case(state, "global avg pool", case_gap);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Bad input, names, parameter lists                                                       */
+
+static void test_invalid(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_backend *be = f->be;
+  ac_linear lin;
+  ac_attention at;
+  ac_conv2d cv;
+  ac_dropout dr;
+  ac_layernorm ln;
+  const float *y;
+  char longname[300];
+  memset(longname, 'a', sizeof longname - 1);
+  longname[sizeof longname - 1] = '\0';
+
+  assert_int_equal(ac_linear_init(&lin, be, "fc", 0, 3, 1, 4, 1), AC_EINVAL);
+  ac_linear_destroy(&lin); /* safe after a failed init */
+  assert_int_equal(ac_linear_init(&lin, be, longname, 2, 3, 1, 4, 1), AC_EINVAL);
+  assert_int_equal(ac_linear_init(&lin, be, NULL, 2, 3, 1, 4, 1), AC_EINVAL);
+  assert_int_equal(ac_linear_init(&lin, be, "fc", 2, 3, 1, 4, 1), AC_OK);
+  assert_int_equal(ac_linear_backward(&lin, lin.y, &y), AC_EINVAL); /* before forward */
+  assert_int_equal(ac_linear_forward(&lin, lin.dx, 5, &y), AC_EINVAL); /* rows > max */
+  assert_int_equal(ac_linear_forward(&lin, NULL, 1, &y), AC_EINVAL);
+  ac_linear_destroy(&lin);
+  ac_linear_destroy(&lin); /* twice is safe */
+  assert_int_equal(ac_attention_init(&at, be, "attn", 10, 3, 4, 1, 1), AC_EINVAL);
+  assert_int_equal(ac_conv2d_init(&cv, be, "c", 1, 1, 4, 4, 3, 1, 3, 0, 1, 0, NULL, 1),
+                   AC_EINVAL); /* pad >= kernel */
+  assert_int_equal(ac_conv2d_init(&cv, be, "c", 1, 1, 2, 2, 5, 1, 1, 0, 1, 0, NULL, 1),
+                   AC_EINVAL); /* kernel larger than the padded input */
+  assert_int_equal(ac_dropout_init(&dr, be, 1.0f, 1, 4), AC_EINVAL);
+  assert_int_equal(ac_dropout_init(&dr, be, NAN, 1, 4), AC_EINVAL);
+  assert_int_equal(ac_layernorm_init(&ln, be, "ln", 4, 0.0f, 4), AC_EINVAL);
+  ac_layernorm_destroy(&ln);
+}
+
+static void test_param_names(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_attention at;
+  ac_param_list list;
+  ac_param_list_init(&list);
+  assert_int_equal(ac_attention_init(&at, f->be, "layer0.attn", 8, 2, 4, 2, 1), AC_OK);
+  assert_int_equal(ac_attention_params(&at, &list), AC_OK);
+  assert_int_equal(list.n, 4);
+  assert_string_equal(list.items[0]->name, "layer0.attn.qkv.weight");
+  assert_string_equal(list.items[1]->name, "layer0.attn.qkv.bias");
+  assert_string_equal(list.items[2]->name, "layer0.attn.proj.weight");
+  assert_string_equal(list.items[3]->name, "layer0.attn.proj.bias");
+  assert_int_equal(ac_param_list_numel(&list), 3 * 64 + 24 + 64 + 8);
+  assert_ptr_equal(ac_param_list_find(&list, "layer0.attn.proj.weight"), &at.proj.weight);
+  assert_null(ac_param_list_find(&list, "nope"));
+  /* zero_grad clears accumulated gradients */
+  assert_int_equal(ac_fill_f32(f->be, 8, ac_tensor_f32(&at.proj.bias.grad), 3.0f), AC_OK);
+  assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
+  float g[8];
+  assert_int_equal(ac_tensor_download(&at.proj.bias.grad, g), AC_OK);
+  for (int i = 0; i < 8; i++)
+    assert_true(g[i] == 0.0f);
+  ac_param_list_destroy(&list);
+  ac_attention_destroy(&at);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Groups                                                                                  */
+
+static int setup_cpu(void **state)
+{
+  fixture *f = calloc(1, sizeof *f);
+  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
+    free(f);
+    return -1;
+  }
+  *state = f;
+  return 0;
+}
+
+static int setup_cuda(void **state)
+{
+  fixture *f = calloc(1, sizeof *f);
+  if (f == NULL)
+    return -1;
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  opts.kind = AC_BACKEND_CUDA;
+  int rc = ac_backend_create(&f->be, &opts);
+  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
+    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
+    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
+                ac_strerror(rc), ac_backend_describe(NULL));
+    free(f);
+    return -1;
+  }
+  if (rc != AC_OK) {
+    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU layer tests "
+                  "skipped\n",
+                  ac_strerror(rc), ac_backend_describe(NULL));
+  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
+    ac_backend_destroy(f->be);
+    free(f);
+    return -1;
+  }
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state)
+{
+  fixture *f = *state;
+  if (f == NULL)
+    return 0;
+  ac_backend_destroy(f->be);
+  ac_backend_destroy(f->cpu);
+  free(f);
+  return 0;
+}
+
+#define LAYER_TESTS                                                                       \
+  cmocka_unit_test(test_linear), cmocka_unit_test(test_embedding),                        \
+      cmocka_unit_test(test_posembed), cmocka_unit_test(test_layernorm),                  \
+      cmocka_unit_test(test_relu), cmocka_unit_test(test_gelu),                           \
+      cmocka_unit_test(test_residual), cmocka_unit_test(test_dropout),                    \
+      cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_causal),          \
+      cmocka_unit_test(test_celoss), cmocka_unit_test(test_conv),                         \
+      cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),      \
+      cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool),                     \
+      cmocka_unit_test(test_gap), cmocka_unit_test(test_invalid),                         \
+      cmocka_unit_test(test_param_names)
+
+int main(void)
+{
+  const struct CMUnitTest cpu[] = {LAYER_TESTS};
+  const struct CMUnitTest cuda[] = {LAYER_TESTS};
+  int failed = cmocka_run_group_tests_name("layers-cpu", cpu, setup_cpu, teardown);
+  failed += cmocka_run_group_tests_name("layers-cuda", cuda, setup_cuda, teardown);
+  return failed;
+}

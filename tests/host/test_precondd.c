@@ -1,0 +1,1129 @@
+/* test_precondd.c -- integration tests: a real precondd binary (path in $PRECONDD) over
+ * real sockets (TCP on a free loopback port, and a unix socket), a temporary state dir,
+ * clients through proto/rpc.c. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
+#include <grpc/byte_buffer.h>
+
+#include "health.pb-c.h"
+#include "precond.pb-c.h"
+#include "precondd.h"
+#include "preconditioner.h"
+#include "rpc.h"
+
+/* ---- daemon control ------------------------------------------------------------------- */
+
+typedef struct {
+  pid_t pid;
+  int port;
+  char dir[128];
+  char addr[256];
+  grpc_channel *ch;
+} daemon_t;
+
+/* Daemons still running when a test fails: killed at exit so none outlives the suite. */
+static pid_t g_pids[16];
+
+static void kill_leftovers(void) {
+  for (size_t i = 0; i < 16; i++)
+    if (g_pids[i] > 0) {
+      kill(g_pids[i], SIGKILL);
+      waitpid(g_pids[i], NULL, 0);
+      g_pids[i] = 0;
+    }
+}
+
+static void track(pid_t pid, int add) {
+  for (size_t i = 0; i < 16; i++) {
+    if (add && g_pids[i] == 0) {
+      g_pids[i] = pid;
+      return;
+    }
+    if (!add && g_pids[i] == pid) {
+      g_pids[i] = 0;
+      return;
+    }
+  }
+}
+
+static const char *bin(void) {
+  const char *b = getenv("PRECONDD");
+  assert_non_null(b);
+  return b;
+}
+
+static void make_dir(char *out, size_t len) {
+  snprintf(out, len, "/tmp/precondd-test-XXXXXX");
+  assert_non_null(mkdtemp(out));
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Starts precondd on listen ("127.0.0.1:0" or "unix:PATH") with dir/state as state dir and
+ * the extra options (NULL-terminated); waits until it has written its port. Returns 0, or
+ * the daemon's exit status + 1000 if it exited first. */
+static int start_daemon_opts(daemon_t *d, const char *listen, const char *const *extra) {
+  char portfile[256], state[256], logfile[256];
+  snprintf(portfile, sizeof portfile, "%s/port", d->dir);
+  snprintf(state, sizeof state, "%s/state", d->dir);
+  snprintf(logfile, sizeof logfile, "%s/log", d->dir);
+  unlink(portfile);
+  const char *argv[40] = {bin(), "--listen", listen, "--port-file", portfile, "--state-dir",
+                          state, "--threads", "2", "--io-threads", "4", "--grace-period", "2"};
+  int argc = 13;
+  for (int i = 0; extra && extra[i]; i++) argv[argc++] = extra[i];
+  argv[argc] = NULL;
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    int fd = open(logfile, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) dup2(fd, 2);
+    int nul = open("/dev/null", O_RDWR);
+    if (nul >= 0) dup2(nul, 1); /* never hold the test runner's stdout pipe */
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  d->pid = pid;
+  track(pid, 1);
+  for (int i = 0; i < 1500; i++) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      track(pid, 0);
+      d->pid = 0;
+      return 1000 + (WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+    }
+    FILE *f = fopen(portfile, "r");
+    if (f) {
+      int ok = fscanf(f, "%d", &d->port) == 1;
+      fclose(f);
+      if (ok) break;
+    }
+    sleep_ms(10);
+  }
+  assert_true(d->port >= 0);
+  if (strncmp(listen, "unix:", 5) == 0)
+    snprintf(d->addr, sizeof d->addr, "%s", listen);
+  else
+    snprintf(d->addr, sizeof d->addr, "127.0.0.1:%d", d->port);
+  d->ch = rpc_channel_create(d->addr, 0);
+  assert_non_null(d->ch);
+  return 0;
+}
+
+static void start_daemon(daemon_t *d, const char *const *extra) {
+  assert_int_equal(start_daemon_opts(d, "127.0.0.1:0", extra), 0);
+}
+
+/* Sends sig and waits (at most 30 s) for the exit; returns the exit status. */
+static int stop_daemon(daemon_t *d, int sig) {
+  if (d->ch) rpc_channel_destroy(d->ch);
+  d->ch = NULL;
+  if (!d->pid) return -1;
+  kill(d->pid, sig);
+  int st = 0;
+  for (int i = 0; i < 3000; i++) {
+    if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+      track(d->pid, 0);
+      d->pid = 0;
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    sleep_ms(10);
+  }
+  kill(d->pid, SIGKILL);
+  waitpid(d->pid, &st, 0);
+  track(d->pid, 0);
+  d->pid = 0;
+  fail_msg("precondd did not exit within 30 s of signal %d", sig);
+  return -1;
+}
+
+static int log_contains(const daemon_t *d, const char *needle) {
+  char path[256], buf[65536];
+  snprintf(path, sizeof path, "%s/log", d->dir);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  return strstr(buf, needle) != NULL;
+}
+
+static void remove_tree(const char *dir) {
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+/* ---- messages ------------------------------------------------------------------------- */
+
+static grpc_status_code call(daemon_t *d, const char *method, ProtobufCMessage *req,
+                             const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
+                             char *msg, size_t msglen) {
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  ProtobufCMessage *r = NULL;
+  rpc_call(d->ch, method, req, desc, 20000, 0, &r, &code, &details);
+  if (msg) snprintf(msg, msglen, "%s", details ? details : "");
+  free(details);
+  if (resp)
+    *resp = r;
+  else if (r)
+    protobuf_c_message_free_unpacked(r, NULL);
+  return code;
+}
+
+typedef struct {
+  const char *name;
+  uint64_t shape[4];
+  size_t rank;
+} tspec;
+
+static grpc_status_code do_register(daemon_t *d, const char *job, const tspec *ts, size_t nt,
+                                    uint32_t block_size, float beta2,
+                                    Precond__V1__RegisterResponse **resp, char *msg) {
+  Precond__V1__TensorSpec specs[8], *ptrs[8];
+  for (size_t i = 0; i < nt; i++) {
+    precond__v1__tensor_spec__init(&specs[i]);
+    specs[i].name = (char *)ts[i].name;
+    specs[i].n_shape = ts[i].rank;
+    specs[i].shape = (uint64_t *)ts[i].shape;
+    ptrs[i] = &specs[i];
+  }
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = block_size;
+  so.beta2 = beta2;
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.job = (char *)job;
+  req.n_tensors = nt;
+  req.tensors = ptrs;
+  req.shampoo = &so;
+  req.worker = (char *)"test";
+  return call(d, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
+              (ProtobufCMessage **)resp, msg, msg ? 512 : 0);
+}
+
+/* Deterministic pseudo-random numbers in [-1, 1). */
+static float rnd(uint64_t *s) {
+  *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+  return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* Packed G G^T of a random n x (n + 3) matrix: symmetric PSD, well conditioned enough. */
+static float *random_stat(size_t n, uint64_t seed) {
+  size_t k = n + 3;
+  float *g = malloc(n * k * sizeof *g);
+  float *p = malloc(pc_packed_len(n) * sizeof *p);
+  assert_non_null(g);
+  assert_non_null(p);
+  for (size_t i = 0; i < n * k; i++) g[i] = rnd(&seed);
+  assert_int_equal(pc_gram_f32(n, k, g, k, p, NULL), PC_OK);
+  free(g);
+  return p;
+}
+
+typedef struct {
+  uint32_t id;
+  size_t nl, nr;
+  const float *left, *right;
+  int bf16;
+} blockstat;
+
+static grpc_status_code do_push(daemon_t *d, const char *job, uint64_t step,
+                                const blockstat *bs, size_t nb, uint32_t *accepted,
+                                char *msg) {
+  Precond__V1__PackedMatrix l[64], r[64];
+  Precond__V1__BlockStatistics b[64], *ptrs[64];
+  uint16_t *h[128] = {0};
+  assert_true(nb <= 64);
+  for (size_t i = 0; i < nb; i++) {
+    precond__v1__packed_matrix__init(&l[i]);
+    precond__v1__packed_matrix__init(&r[i]);
+    l[i].n = (uint32_t)bs[i].nl;
+    r[i].n = (uint32_t)bs[i].nr;
+    if (bs[i].bf16) {
+      size_t cl = pc_packed_len(bs[i].nl), cr = pc_packed_len(bs[i].nr);
+      h[2 * i] = malloc(cl * 2);
+      h[2 * i + 1] = malloc(cr * 2);
+      pc_f32_to_bf16(cl, bs[i].left, h[2 * i]);
+      pc_f32_to_bf16(cr, bs[i].right, h[2 * i + 1]);
+      l[i].encoding = r[i].encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+      l[i].data.data = (uint8_t *)h[2 * i];
+      l[i].data.len = cl * 2;
+      r[i].data.data = (uint8_t *)h[2 * i + 1];
+      r[i].data.len = cr * 2;
+    } else {
+      l[i].data.data = (uint8_t *)bs[i].left;
+      l[i].data.len = pc_packed_len(bs[i].nl) * 4;
+      r[i].data.data = (uint8_t *)bs[i].right;
+      r[i].data.len = pc_packed_len(bs[i].nr) * 4;
+    }
+    precond__v1__block_statistics__init(&b[i]);
+    b[i].block_id = bs[i].id;
+    b[i].left = &l[i];
+    b[i].right = &r[i];
+    ptrs[i] = &b[i];
+  }
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = nb;
+  req.blocks = ptrs;
+  Precond__V1__PushResponse *resp = NULL;
+  grpc_status_code code = call(d, RPC_METHOD_PUSH_STATISTICS, &req.base,
+                               &precond__v1__push_response__descriptor,
+                               (ProtobufCMessage **)&resp, msg, msg ? 512 : 0);
+  if (accepted) *accepted = resp ? resp->accepted : 0;
+  if (resp) protobuf_c_message_free_unpacked(&resp->base, NULL);
+  for (size_t i = 0; i < 2 * nb; i++) free(h[i]);
+  return code;
+}
+
+static grpc_status_code do_fetch(daemon_t *d, const char *job, const uint64_t *have,
+                                 size_t nhave, int bf16, Precond__V1__FetchResponse **resp,
+                                 char *msg) {
+  Precond__V1__BlockVersion v[256], *ptrs[256];
+  assert_true(nhave <= 256);
+  for (size_t i = 0; i < nhave; i++) {
+    precond__v1__block_version__init(&v[i]);
+    v[i].block_id = (uint32_t)i;
+    v[i].version = have[i];
+    ptrs[i] = &v[i];
+  }
+  Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.n_have = nhave;
+  req.have = ptrs;
+  req.encoding = bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16
+                      : PRECOND__V1__ENCODING__ENCODING_FP32;
+  return call(d, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+              &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)resp, msg,
+              msg ? 512 : 0);
+}
+
+static Precond__V1__StatsResponse *get_stats(daemon_t *d, const char *job) {
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  req.job = (char *)(job ? job : "");
+  req.blocks = 1;
+  Precond__V1__StatsResponse *resp = NULL;
+  assert_int_equal(call(d, RPC_METHOD_GET_STATS, &req.base,
+                        &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&resp,
+                        NULL, 0),
+                   GRPC_STATUS_OK);
+  return resp;
+}
+
+static void check_health(daemon_t *d) {
+  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  Grpc__Health__V1__HealthCheckResponse *resp = NULL;
+  assert_int_equal(call(d, RPC_METHOD_HEALTH_CHECK, &req.base,
+                        &grpc__health__v1__health_check_response__descriptor,
+                        (ProtobufCMessage **)&resp, NULL, 0),
+                   GRPC_STATUS_OK);
+  assert_int_equal(resp->status, GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+}
+
+/* Waits until every one of nb blocks has a root of version >= min_version; returns the
+ * last fetch (all blocks, have = 0). */
+static Precond__V1__FetchResponse *wait_roots(daemon_t *d, const char *job, size_t nb,
+                                              uint64_t min_version) {
+  for (int tries = 0; tries < 1000; tries++) {
+    Precond__V1__FetchResponse *f = NULL;
+    assert_int_equal(do_fetch(d, job, NULL, 0, 0, &f, NULL), GRPC_STATUS_OK);
+    size_t ok = 0;
+    for (size_t i = 0; i < f->n_preconditioners; i++)
+      ok += f->preconditioners[i]->version >= min_version;
+    if (ok == nb) return f;
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+    sleep_ms(20);
+  }
+  fail_msg("roots of job %s did not reach version %llu within 20 s", job,
+           (unsigned long long)min_version);
+  return NULL;
+}
+
+/* max |a - b| / max |b| over the packed values of an order-n matrix. */
+static double rel_diff(size_t n, const float *a, const float *b) {
+  double md = 0, mb = 0;
+  for (size_t i = 0; i < pc_packed_len(n); i++) {
+    md = fmax(md, fabs((double)a[i] - (double)b[i]));
+    mb = fmax(mb, fabs((double)b[i]));
+  }
+  return mb > 0 ? md / mb : md;
+}
+
+/* The root the daemon should publish for a packed statistic, computed here. */
+static float *local_root(size_t n, const float *stat) {
+  float *a = malloc(n * n * sizeof *a), *x = malloc(n * n * sizeof *x);
+  float *p = malloc(pc_packed_len(n) * sizeof *p);
+  pc_unpack_f32(n, stat, a);
+  pc_root_opts o;
+  pc_root_opts_default(&o, 4);
+  o.epsilon = 1e-6;
+  int rc = pc_inverse_root_f32(n, a, x, &o, NULL);
+  assert_true(rc >= 0);
+  pc_pack_f32(n, x, p);
+  free(a);
+  free(x);
+  return p;
+}
+
+/* ---- tests ---------------------------------------------------------------------------- */
+
+static void test_health_unimplemented_unix(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  check_health(&d);
+  grpc_byte_buffer *resp = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  assert_int_equal(rpc_call_raw(d.ch, "/precond.v1.Preconditioner/Nope", "", 0, 5000, 0, NULL,
+                                &resp, &code, &details),
+                   RPC_ESTATUS);
+  assert_int_equal(code, GRPC_STATUS_UNIMPLEMENTED);
+  assert_non_null(strstr(details, "Nope"));
+  free(details);
+  assert_int_equal(stop_daemon(&d, SIGINT), 0);
+
+  /* The same daemon on a unix socket. */
+  char sock[300];
+  snprintf(sock, sizeof sock, "unix:%s/sock", d.dir);
+  assert_int_equal(start_daemon_opts(&d, sock, NULL), 0);
+  check_health(&d);
+  Precond__V1__StatsResponse *st = get_stats(&d, NULL);
+  assert_string_equal(st->version, PD_VERSION);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+static void test_register_push_fetch(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+
+  /* [6, 10] in blocks of 4: rows 4+2, cols 4+4+2 -> 6 blocks; a rank-1 bias is diagonal. */
+  tspec ts[2] = {{"w", {6, 10}, 2}, {"bias", {10}, 1}};
+  Precond__V1__RegisterResponse *reg = NULL;
+  char msg[512];
+  assert_int_equal(do_register(&d, "job1", ts, 2, 4, 1.0f, &reg, msg), GRPC_STATUS_OK);
+  pc_layout_opts lo;
+  pc_layout_opts_default(&lo);
+  lo.block_size = 4;
+  pc_layout lay;
+  size_t dims[2] = {6, 10};
+  assert_int_equal(pc_layout_init(&lay, 2, dims, &lo), PC_OK);
+  assert_int_equal(reg->n_blocks, lay.nblocks);
+  for (size_t i = 0; i < lay.nblocks; i++) {
+    assert_int_equal(reg->blocks[i]->block_id, i);
+    assert_int_equal(reg->blocks[i]->tensor, 0);
+    assert_int_equal(reg->blocks[i]->row0, lay.blocks[i].row0);
+    assert_int_equal(reg->blocks[i]->rows, lay.blocks[i].rows);
+    assert_int_equal(reg->blocks[i]->col0, lay.blocks[i].col0);
+    assert_int_equal(reg->blocks[i]->cols, lay.blocks[i].cols);
+  }
+  assert_int_equal(reg->n_diagonal_tensors, 1);
+  assert_int_equal(reg->diagonal_tensors[0], 1);
+  assert_int_equal(reg->resumed_step, 0);
+  size_t nb = reg->n_blocks;
+
+  /* Step 1: one statistic per block; with beta2 = 1 the stored statistic is the sum. */
+  blockstat bs[8];
+  float *sl[8], *sr[8];
+  for (size_t i = 0; i < nb; i++) {
+    bs[i].id = (uint32_t)i;
+    bs[i].nl = lay.blocks[i].rows;
+    bs[i].nr = lay.blocks[i].cols;
+    sl[i] = random_stat(bs[i].nl, 100 + i);
+    sr[i] = random_stat(bs[i].nr, 200 + i);
+    bs[i].left = sl[i];
+    bs[i].right = sr[i];
+    bs[i].bf16 = 0;
+  }
+  uint32_t accepted = 0;
+  assert_int_equal(do_push(&d, "job1", 1, bs, nb, &accepted, msg), GRPC_STATUS_OK);
+  assert_int_equal(accepted, nb);
+
+  Precond__V1__FetchResponse *f = wait_roots(&d, "job1", nb, 1);
+  uint64_t have[8];
+  for (size_t i = 0; i < f->n_preconditioners; i++) {
+    Precond__V1__BlockRoots *br = f->preconditioners[i];
+    size_t b = br->block_id;
+    have[b] = br->version;
+    assert_int_equal(br->source_step, 1);
+    assert_true(br->error <= 0.1);
+    assert_int_equal(br->left->n, bs[b].nl);
+    assert_int_equal(br->right->n, bs[b].nr);
+    assert_int_equal(br->left->data.len, pc_packed_len(bs[b].nl) * 4);
+    float *el = local_root(bs[b].nl, sl[b]), *er = local_root(bs[b].nr, sr[b]);
+    assert_true(rel_diff(bs[b].nl, (const float *)br->left->data.data, el) < 1e-4);
+    assert_true(rel_diff(bs[b].nr, (const float *)br->right->data.data, er) < 1e-4);
+    free(el);
+    free(er);
+  }
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+
+  /* Nothing newer than what we hold. */
+  assert_int_equal(do_fetch(&d, "job1", have, nb, 0, &f, msg), GRPC_STATUS_OK);
+  assert_int_equal(f->n_preconditioners, 0);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+
+  /* Step 2 on block 0 only, in bf16: only block 0 gets newer. */
+  bs[0].bf16 = 1;
+  assert_int_equal(do_push(&d, "job1", 2, bs, 1, &accepted, msg), GRPC_STATUS_OK);
+  for (int tries = 0;; tries++) {
+    assert_true(tries < 1000);
+    assert_int_equal(do_fetch(&d, "job1", have, nb, 1, &f, msg), GRPC_STATUS_OK);
+    if (f->n_preconditioners == 1 && f->preconditioners[0]->source_step == 2) break;
+    for (size_t i = 0; i < f->n_preconditioners; i++)
+      assert_int_equal(f->preconditioners[i]->block_id, 0);
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+    sleep_ms(20);
+  }
+  Precond__V1__BlockRoots *br = f->preconditioners[0];
+  assert_int_equal(br->block_id, 0);
+  assert_true(br->version > have[0]);
+  assert_int_equal(br->left->encoding, PRECOND__V1__ENCODING__ENCODING_BF16);
+  assert_int_equal(br->left->data.len, pc_packed_len(bs[0].nl) * 2);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+
+  Precond__V1__StatsResponse *st = get_stats(&d, "job1");
+  assert_int_equal(st->n_job_stats, 1);
+  assert_int_equal(st->job_stats[0]->last_step, 2);
+  assert_int_equal(st->job_stats[0]->workers, 1);
+  assert_int_equal(st->n_block_stats, nb);
+  assert_true(st->roots_computed >= nb + 1);
+  assert_true(st->memory_bytes > 0);
+  assert_true(st->bytes_in > 0 && st->bytes_out > 0);
+  assert_true(st->compute_ms_p50 <= st->compute_ms_p99);
+  assert_int_equal(st->block_stats[0]->stat_step, 2);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  for (size_t i = 0; i < nb; i++) {
+    free(sl[i]);
+    free(sr[i]);
+  }
+  pc_layout_destroy(&lay);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+static void test_bad_inputs(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  const char *extra[] = {"--memory-limit-mb", "8", "--max-message-mb", "1", NULL};
+  start_daemon(&d, extra);
+  char msg[512];
+  tspec ts[1] = {{"w", {4, 4}, 2}};
+  assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+
+  /* Register: idempotent for the same tensors, refused for others. */
+  assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  tspec other[1] = {{"w", {4, 8}, 2}};
+  assert_int_equal(do_register(&d, "job", other, 1, 4, 1.0f, NULL, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(do_register(&d, "", ts, 1, 4, 1.0f, NULL, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "job"));
+  tspec zero[1] = {{"w", {4, 0}, 2}};
+  assert_int_equal(do_register(&d, "j2", zero, 1, 4, 1.0f, NULL, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "shape"));
+  tspec dup[2] = {{"w", {4, 4}, 2}, {"w", {2, 2}, 2}};
+  assert_int_equal(do_register(&d, "j2", dup, 2, 4, 1.0f, NULL, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_register(&d, "j2", ts, 1, 4, 1.5f, NULL, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "beta2"));
+  /* 8 MiB budget: a 1024 x 1024 tensor in one block needs about 8 MiB of statistics. */
+  tspec big[1] = {{"w", {1024, 1024}, 2}};
+  assert_int_equal(do_register(&d, "big", big, 1, 1024, 1.0f, NULL, msg),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(msg, "memory"));
+
+  float *s4 = random_stat(4, 1);
+  blockstat good = {0, 4, 4, s4, s4, 0};
+  uint32_t acc;
+  assert_int_equal(do_push(&d, "nojob", 1, &good, 1, &acc, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION);
+  blockstat unknown = {7, 4, 4, s4, s4, 0};
+  assert_int_equal(do_push(&d, "job", 1, &unknown, 1, &acc, msg), GRPC_STATUS_NOT_FOUND);
+  assert_non_null(strstr(msg, "block_id"));
+  blockstat wrong_n = {0, 3, 4, s4, s4, 0};
+  assert_int_equal(do_push(&d, "job", 1, &wrong_n, 1, &acc, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "left.n"));
+
+  /* NaN in the second block statistic of one push: nothing of the push is stored. The job
+   * has one block, so push it twice... use a two-block job instead. */
+  tspec two[1] = {{"w", {4, 8}, 2}};
+  assert_int_equal(do_register(&d, "two", two, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *bad = random_stat(4, 2);
+  bad[3] = NAN;
+  blockstat nan_push[2] = {{0, 4, 4, s4, s4, 0}, {1, 4, 4, s4, bad, 0}};
+  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[1].right"));
+  bad[3] = INFINITY;
+  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  Precond__V1__StatsResponse *st = get_stats(&d, "two");
+  assert_int_equal(st->block_stats[0]->stat_step, 0); /* block 0 untouched */
+  assert_int_equal(st->job_stats[0]->last_step, 0);
+  assert_true(st->rejected_pushes >= 5);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  st = get_stats(&d, NULL);
+  uint64_t rejected = st->rejected_pushes;
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* Wrong byte count. */
+  Precond__V1__PackedMatrix pm = PRECOND__V1__PACKED_MATRIX__INIT;
+  pm.n = 4;
+  pm.data.data = (uint8_t *)s4;
+  pm.data.len = 9;
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
+  b.left = &pm;
+  b.right = &pm;
+  Precond__V1__BlockStatistics *bp = &b;
+  Precond__V1__PushRequest pr = PRECOND__V1__PUSH_REQUEST__INIT;
+  pr.job = (char *)"job";
+  pr.n_blocks = 1;
+  pr.blocks = &bp;
+  assert_int_equal(call(&d, RPC_METHOD_PUSH_STATISTICS, &pr.base,
+                        &precond__v1__push_response__descriptor, NULL, msg, sizeof msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "data"));
+
+  /* Garbage bytes, and a message over the 1 MiB limit. */
+  grpc_byte_buffer *rb = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  const char garbage[] = "\x0a\x64" "abc";
+  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, garbage, 5, 5000, 0, NULL, &rb, &code,
+               &details);
+  assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+  free(details);
+  rpc_call_raw(d.ch, RPC_METHOD_REGISTER, garbage, 5, 5000, 0, NULL, &rb, &code, &details);
+  assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+  free(details);
+  size_t huge = (size_t)2 << 20;
+  char *hb = calloc(1, huge);
+  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, hb, huge, 5000, 0, NULL, &rb, &code,
+               &details);
+  assert_int_equal(code, GRPC_STATUS_RESOURCE_EXHAUSTED);
+  free(details);
+  free(hb);
+
+  /* Fetch and GetStats of unknown things. */
+  Precond__V1__FetchResponse *f = NULL;
+  assert_int_equal(do_fetch(&d, "nojob", NULL, 0, 0, &f, msg), GRPC_STATUS_NOT_FOUND);
+  uint64_t have[3] = {0, 0, 0};
+  assert_int_equal(do_fetch(&d, "job", have, 3, 0, &f, msg), GRPC_STATUS_NOT_FOUND);
+  assert_non_null(strstr(msg, "have[1]"));
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.job = (char *)"nojob";
+  assert_int_equal(call(&d, RPC_METHOD_GET_STATS, &sr.base,
+                        &precond__v1__stats_response__descriptor, NULL, msg, sizeof msg),
+                   GRPC_STATUS_NOT_FOUND);
+
+  /* Mutated valid requests and random bytes to every method: each gets a documented status
+   * and the daemon keeps serving. */
+  Precond__V1__PackedMatrix fm = PRECOND__V1__PACKED_MATRIX__INIT;
+  fm.n = 4;
+  fm.data.data = (uint8_t *)s4;
+  fm.data.len = 40;
+  Precond__V1__BlockStatistics fb[2] = {PRECOND__V1__BLOCK_STATISTICS__INIT,
+                                        PRECOND__V1__BLOCK_STATISTICS__INIT};
+  Precond__V1__BlockStatistics *fbp[2] = {&fb[0], &fb[1]};
+  fb[0].left = fb[0].right = fb[1].left = fb[1].right = &fm;
+  fb[1].block_id = 1;
+  Precond__V1__PushRequest fpr = PRECOND__V1__PUSH_REQUEST__INIT;
+  fpr.job = (char *)"two";
+  fpr.step = 9;
+  fpr.n_blocks = 2;
+  fpr.blocks = fbp;
+  size_t flen = protobuf_c_message_get_packed_size(&fpr.base);
+  uint8_t *valid = malloc(flen), *mut = malloc(flen + 16);
+  protobuf_c_message_pack(&fpr.base, valid);
+  uint64_t rs = 77;
+  const char *methods[4] = {RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_REGISTER,
+                            RPC_METHOD_FETCH_PRECONDITIONERS, RPC_METHOD_GET_STATS};
+  for (int it = 0; it < 400; it++) {
+    size_t len = flen;
+    memcpy(mut, valid, flen);
+    if (it % 4 == 0) {
+      len = (size_t)((rnd(&rs) + 1.0f) * 0.5f * (float)flen);
+    } else {
+      for (int k = 0; k < 1 + it % 3; k++) {
+        size_t pos = (size_t)((rnd(&rs) + 1.0f) * 0.5f * (float)(flen - 1));
+        mut[pos] = (uint8_t)(rnd(&rs) * 127.0f + 128.0f);
+      }
+    }
+    const char *m = it < 300 ? methods[0] : methods[it % 4];
+    rpc_call_raw(d.ch, m, mut, len > flen ? flen : len, 5000, 0, NULL, &rb, &code, &details);
+    free(details);
+    if (rb) grpc_byte_buffer_destroy(rb);
+    rb = NULL;
+    if (code != GRPC_STATUS_OK && code != GRPC_STATUS_INVALID_ARGUMENT &&
+        code != GRPC_STATUS_NOT_FOUND && code != GRPC_STATUS_FAILED_PRECONDITION &&
+        code != GRPC_STATUS_RESOURCE_EXHAUSTED && code != GRPC_STATUS_UNIMPLEMENTED)
+      fail_msg("mutated request %d to %s: status %s", it, m, rpc_status_name(code));
+  }
+  free(valid);
+  free(mut);
+
+  /* Still serving, and counting. */
+  check_health(&d);
+  assert_int_equal(do_push(&d, "job", 1, &good, 1, &acc, msg), GRPC_STATUS_OK);
+  st = get_stats(&d, NULL);
+  assert_true(st->rejected_pushes >= rejected + 2);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  free(s4);
+  free(bad);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+static void test_token_and_listen_rules(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  /* A non-loopback address without a token is refused at startup. */
+  assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", NULL), 1000 + 2);
+  char tokfile[256];
+  snprintf(tokfile, sizeof tokfile, "%s/token", d.dir);
+  FILE *f = fopen(tokfile, "w");
+  fputs("s3cret\n", f);
+  fclose(f);
+  const char *extra[] = {"--token-file", tokfile, NULL};
+  start_daemon(&d, extra);
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           5000, 0, &resp, &code, &details);
+  assert_int_equal(code, GRPC_STATUS_UNAUTHENTICATED);
+  free(details);
+  rpc_call_token(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                 &precond__v1__stats_response__descriptor, 5000, 0, "wrong", &resp, &code,
+                 &details);
+  assert_int_equal(code, GRPC_STATUS_UNAUTHENTICATED);
+  free(details);
+  assert_int_equal(rpc_call_token(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                                  &precond__v1__stats_response__descriptor, 5000, 0, "s3cret",
+                                  &resp, &code, &details),
+                   RPC_OK);
+  free(details);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  check_health(&d); /* probes need no token */
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+/* ---- 32 concurrent clients ------------------------------------------------------------ */
+
+typedef struct {
+  daemon_t *d;
+  int id;
+  double until;
+  int calls, errors;
+  char error[700];
+} client_arg;
+
+static void *client_main(void *p) {
+  client_arg *a = p;
+  grpc_channel *ch = rpc_channel_create(a->d->addr, 0);
+  daemon_t mine = *a->d;
+  mine.ch = ch;
+  char msg[512];
+  /* All clients share job "shared": Register is idempotent. 8 blocks of 8 x 8. */
+  tspec ts[1] = {{"w", {16, 32}, 2}};
+  Precond__V1__RegisterResponse *reg = NULL;
+  if (do_register(&mine, "shared", ts, 1, 8, 0.99f, &reg, msg) != GRPC_STATUS_OK ||
+      reg->n_blocks != 8) {
+    snprintf(a->error, sizeof a->error, "register: %s", msg);
+    a->errors++;
+    goto out;
+  }
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  float *s = random_stat(8, (uint64_t)a->id + 1);
+  uint64_t have[8] = {0};
+  uint64_t step = 0;
+  while (pd_now() < a->until) {
+    blockstat bs[2] = {{(uint32_t)(a->id % 8), 8, 8, s, s, a->id % 2},
+                       {(uint32_t)((a->id + 3) % 8), 8, 8, s, s, 0}};
+    uint32_t acc = 0;
+    grpc_status_code c = do_push(&mine, "shared", ++step, bs, 2, &acc, msg);
+    a->calls++;
+    if (c != GRPC_STATUS_OK || acc != 2) {
+      snprintf(a->error, sizeof a->error, "push: %d %s (accepted %u)", (int)c, msg, acc);
+      a->errors++;
+      break;
+    }
+    Precond__V1__FetchResponse *f = NULL;
+    c = do_fetch(&mine, "shared", have, 8, a->id % 3 == 0, &f, msg);
+    a->calls++;
+    if (c != GRPC_STATUS_OK) {
+      snprintf(a->error, sizeof a->error, "fetch: %d %s", (int)c, msg);
+      a->errors++;
+      break;
+    }
+    for (size_t i = 0; i < f->n_preconditioners; i++) {
+      Precond__V1__BlockRoots *br = f->preconditioners[i];
+      size_t width = a->id % 3 == 0 ? 2 : 4;
+      if (br->block_id >= 8 || br->version <= have[br->block_id] || br->left->n != 8 ||
+          br->right->n != 8 || br->left->data.len != 36 * width ||
+          br->right->data.len != 36 * width || !(br->error <= 0.1)) {
+        snprintf(a->error, sizeof a->error, "fetch returned a bad root (block %u v%llu)",
+                 br->block_id, (unsigned long long)br->version);
+        a->errors++;
+      }
+      if (br->block_id < 8) have[br->block_id] = br->version;
+    }
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+    if (a->errors) break;
+  }
+  free(s);
+out:
+  rpc_channel_destroy(ch);
+  return NULL;
+}
+
+static void test_concurrent_clients(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  enum { N = 32 };
+  pthread_t th[N];
+  client_arg args[N];
+  double until = pd_now() + 3.0;
+  for (int i = 0; i < N; i++) {
+    args[i] = (client_arg){&d, i, until, 0, 0, ""};
+    assert_int_equal(pthread_create(&th[i], NULL, client_main, &args[i]), 0);
+  }
+  int calls = 0;
+  for (int i = 0; i < N; i++) {
+    pthread_join(th[i], NULL);
+    if (args[i].errors) fail_msg("client %d: %s", i, args[i].error);
+    calls += args[i].calls;
+  }
+  assert_true(calls >= 2 * N);
+  Precond__V1__StatsResponse *st = get_stats(&d, "shared");
+  assert_int_equal(st->job_stats[0]->workers, 1); /* every client calls itself "test" */
+  assert_true(st->roots_computed >= 8);
+  assert_int_equal(st->roots_failed, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  check_health(&d);
+  print_message("# 32 clients: %d calls in 3 s\n", calls);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+/* ---- snapshots ------------------------------------------------------------------------ */
+
+/* Reads dir/state/precondd.snap with the daemon's own reader. */
+static void load_snapshot(const char *dir, pd_store *st, pd_stats *stats) {
+  char state[256], err[512];
+  snprintf(state, sizeof state, "%s/state", dir);
+  assert_int_equal(pd_stats_init(stats), PD_OK);
+  assert_int_equal(pd_store_init(st, stats, (size_t)1 << 30, 65536), PD_OK);
+  int rc = pd_snapshot_read(st, state, err, sizeof err);
+  if (rc != PD_OK) fail_msg("snapshot: %s (%s)", pd_strerror(rc), err);
+}
+
+static void test_restart_bit_exact(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  tspec ts[1] = {{"w", {5, 7}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "ema", ts, 1, 8, 0.9f, NULL, msg), GRPC_STATUS_OK);
+  /* Expected statistics, computed here exactly as the daemon does: EMA from zero. */
+  size_t ll = pc_packed_len(5), lr = pc_packed_len(7);
+  float *el = calloc(ll, sizeof *el), *er = calloc(lr, sizeof *er);
+  for (uint64_t step = 1; step <= 5; step++) {
+    float *l = random_stat(5, step), *r = random_stat(7, 50 + step);
+    blockstat bs = {0, 5, 7, l, r, 0};
+    uint32_t acc;
+    assert_int_equal(do_push(&d, "ema", step, &bs, 1, &acc, msg), GRPC_STATUS_OK);
+    pc_stat_update_f32(ll, el, l, 0.9f);
+    pc_stat_update_f32(lr, er, r, 0.9f);
+    free(l);
+    free(r);
+  }
+  Precond__V1__FetchResponse *f = wait_roots(&d, "ema", 1, 1);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  assert_true(log_contains(&d, "snapshot written"));
+
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d.dir, &st, &stats);
+  assert_int_equal(st.njobs, 1);
+  pd_block *b = &st.jobs[0]->blocks[0];
+  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
+  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  assert_int_equal(atomic_load(&b->stat_step), 5);
+  assert_non_null(b->root);
+  uint64_t version = b->root->version;
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+
+  /* Restart: the job resumes at step 5, its root is still there, statistics unchanged. */
+  start_daemon(&d, NULL);
+  Precond__V1__RegisterResponse *reg = NULL;
+  assert_int_equal(do_register(&d, "ema", ts, 1, 8, 0.9f, &reg, msg), GRPC_STATUS_OK);
+  assert_int_equal(reg->resumed_step, 5);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  assert_int_equal(do_fetch(&d, "ema", NULL, 0, 0, &f, msg), GRPC_STATUS_OK);
+  assert_int_equal(f->n_preconditioners, 1);
+  assert_true(f->preconditioners[0]->version >= version);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  load_snapshot(d.dir, &st, &stats);
+  b = &st.jobs[0]->blocks[0];
+  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
+  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+  free(el);
+  free(er);
+  remove_tree(d.dir);
+}
+
+/* A crash (SIGKILL: no final snapshot) loses at most one snapshot interval. */
+static void test_crash_loses_one_interval(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  const char *extra[] = {"--snapshot-interval", "0.2", NULL};
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {4, 4}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *s4 = random_stat(4, 9);
+  blockstat bs = {0, 4, 4, s4, s4, 0};
+  uint32_t acc;
+  for (uint64_t step = 1; step <= 3; step++)
+    assert_int_equal(do_push(&d, "crash", step, &bs, 1, &acc, msg), GRPC_STATUS_OK);
+  sleep_ms(800); /* several intervals */
+  Precond__V1__StatsResponse *st = get_stats(&d, NULL);
+  assert_true(st->snapshots_written >= 1);
+  assert_true(st->last_snapshot_age_s < 0.8);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL);
+  start_daemon(&d, extra);
+  Precond__V1__RegisterResponse *reg = NULL;
+  assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, &reg, msg), GRPC_STATUS_OK);
+  assert_int_equal(reg->resumed_step, 3);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  free(s4);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+static int count_set_aside(const char *dir) {
+  char state[256];
+  snprintf(state, sizeof state, "%s/state", dir);
+  DIR *dd = opendir(state);
+  int n = 0;
+  struct dirent *e;
+  while (dd && (e = readdir(dd)))
+    n += strncmp(e->d_name, "precondd.snap.corrupt-", 22) == 0;
+  if (dd) closedir(dd);
+  return n;
+}
+
+static void test_corrupt_snapshot_set_aside(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  tspec ts[1] = {{"w", {4, 4}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+
+  /* Flip one byte in the payload. */
+  char path[300];
+  snprintf(path, sizeof path, "%s/state/precondd.snap", d.dir);
+  FILE *fp = fopen(path, "r+b");
+  assert_non_null(fp);
+  fseek(fp, 40, SEEK_SET);
+  int c = fgetc(fp);
+  fseek(fp, 40, SEEK_SET);
+  fputc(c ^ 0x20, fp);
+  fclose(fp);
+
+  start_daemon(&d, NULL);
+  assert_true(log_contains(&d, "is corrupt"));
+  assert_int_equal(count_set_aside(d.dir), 1);
+  Precond__V1__StatsResponse *st = get_stats(&d, NULL);
+  assert_int_equal(st->jobs, 0); /* nothing loaded */
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+
+  /* Truncate the new snapshot. */
+  struct stat sb;
+  assert_int_equal(stat(path, &sb), 0);
+  assert_int_equal(truncate(path, sb.st_size / 2), 0);
+  start_daemon(&d, NULL);
+  assert_int_equal(count_set_aside(d.dir), 2);
+  st = get_stats(&d, NULL);
+  assert_int_equal(st->jobs, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
+/* ---- graceful shutdown ---------------------------------------------------------------- */
+
+typedef struct {
+  daemon_t *d;
+  int ok, failed, bad_code;
+} busy_arg;
+
+static void *busy_client(void *p) {
+  busy_arg *a = p;
+  daemon_t mine = *a->d;
+  mine.ch = rpc_channel_create(a->d->addr, 0);
+  float *s = random_stat(64, 3);
+  for (int i = 0; i < 100000; i++) {
+    blockstat bs = {0, 64, 64, s, s, 0};
+    uint32_t acc;
+    grpc_status_code c = do_push(&mine, "busy", (uint64_t)i + 1, &bs, 1, &acc, NULL);
+    if (c == GRPC_STATUS_OK) {
+      a->ok++;
+    } else {
+      /* Once the daemon is going: refused or cut, never a wrong answer. */
+      if (c != GRPC_STATUS_UNAVAILABLE && c != GRPC_STATUS_CANCELLED &&
+          c != GRPC_STATUS_DEADLINE_EXCEEDED)
+        a->bad_code = (int)c;
+      a->failed++;
+      break;
+    }
+  }
+  free(s);
+  rpc_channel_destroy(mine.ch);
+  return NULL;
+}
+
+static void test_graceful_shutdown(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  tspec ts[1] = {{"w", {64, 64}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "busy", ts, 1, 64, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  enum { N = 4 };
+  pthread_t th[N];
+  busy_arg args[N];
+  for (int i = 0; i < N; i++) {
+    args[i] = (busy_arg){&d, 0, 0, 0};
+    pthread_create(&th[i], NULL, busy_client, &args[i]);
+  }
+  sleep_ms(500);
+  pid_t pid = d.pid;
+  kill(pid, SIGTERM);
+  int st = 0;
+  double t0 = pd_now();
+  assert_int_equal(waitpid(pid, &st, 0), pid);
+  track(pid, 0);
+  d.pid = 0;
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+  assert_true(pd_now() - t0 < 15);
+  int ok = 0;
+  for (int i = 0; i < N; i++) {
+    pthread_join(th[i], NULL);
+    assert_int_equal(args[i].bad_code, 0);
+    assert_int_equal(args[i].failed, 1);
+    ok += args[i].ok;
+  }
+  assert_true(ok > 0);
+  rpc_channel_destroy(d.ch);
+  d.ch = NULL;
+  /* Every acknowledged push is in the final snapshot. */
+  pd_stats stats;
+  pd_store sto;
+  load_snapshot(d.dir, &sto, &stats);
+  /* A push refused during shutdown may still have been applied if only its answer was
+   * lost; at most one per client. */
+  assert_true(sto.jobs[0]->blocks[0].pushes >= (uint64_t)ok);
+  assert_true(sto.jobs[0]->blocks[0].pushes <= (uint64_t)ok + N);
+  pd_store_destroy(&sto);
+  pd_stats_destroy(&stats);
+  remove_tree(d.dir);
+}
+
+static void test_help(void **state) {
+  (void)state;
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "'%s' --help", bin());
+  FILE *p = popen(cmd, "r");
+  char buf[8192];
+  size_t n = fread(buf, 1, sizeof buf - 1, p);
+  buf[n] = '\0';
+  assert_int_equal(pclose(p), 0);
+  const char *opts[] = {"--listen", "--state-dir", "--threads", "--max-message-mb",
+                        "--memory-limit-mb", "--snapshot-interval", "--log-level",
+                        "--token-file"};
+  for (size_t i = 0; i < sizeof opts / sizeof *opts; i++)
+    assert_non_null(strstr(buf, opts[i]));
+  snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());
+  assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+}
+
+int main(void) {
+  openblas_set_num_threads(1);
+  atexit(kill_leftovers);
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_help),
+      cmocka_unit_test(test_health_unimplemented_unix),
+      cmocka_unit_test(test_register_push_fetch),
+      cmocka_unit_test(test_bad_inputs),
+      cmocka_unit_test(test_token_and_listen_rules),
+      cmocka_unit_test(test_concurrent_clients),
+      cmocka_unit_test(test_restart_bit_exact),
+      cmocka_unit_test(test_crash_loses_one_interval),
+      cmocka_unit_test(test_corrupt_snapshot_set_aside),
+      cmocka_unit_test(test_graceful_shutdown),
+  };
+  int failed = cmocka_run_group_tests(tests, NULL, NULL);
+  kill_leftovers();
+  return failed;
+}

@@ -1,0 +1,158 @@
+/* test_rpc.c -- unit tests of proto/rpc.c: byte-buffer packing, size limits, channels, and
+ * the blocking call's failure paths (no server: nothing listens on the port used). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+
+#include "precond.pb-c.h"
+#include "rpc.h"
+
+static void test_pack_unpack_roundtrip(void **state) {
+  (void)state;
+  float data[6] = {1, 2, 3, 4, 5, 6};
+  Precond__V1__PackedMatrix left = PRECOND__V1__PACKED_MATRIX__INIT;
+  left.n = 3;
+  left.data.len = sizeof data;
+  left.data.data = (uint8_t *)data;
+  Precond__V1__BlockStatistics blk = PRECOND__V1__BLOCK_STATISTICS__INIT;
+  blk.block_id = 7;
+  blk.left = &left;
+  Precond__V1__BlockStatistics *blks[1] = {&blk};
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)"job-a";
+  req.step = 42;
+  req.n_blocks = 1;
+  req.blocks = blks;
+
+  grpc_byte_buffer *bb = NULL;
+  assert_int_equal(rpc_pack(&req.base, 0, &bb), RPC_OK);
+  assert_non_null(bb);
+  ProtobufCMessage *out = NULL;
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &out), RPC_OK);
+  Precond__V1__PushRequest *got = (Precond__V1__PushRequest *)out;
+  assert_string_equal(got->job, "job-a");
+  assert_int_equal(got->step, 42);
+  assert_int_equal(got->n_blocks, 1);
+  assert_int_equal(got->blocks[0]->block_id, 7);
+  assert_int_equal(got->blocks[0]->left->n, 3);
+  assert_int_equal(got->blocks[0]->left->data.len, sizeof data);
+  assert_memory_equal(got->blocks[0]->left->data.data, data, sizeof data);
+  assert_null(got->blocks[0]->right);
+  protobuf_c_message_free_unpacked(out, NULL);
+
+  /* The limit applies to the serialised size on both sides. */
+  size_t n = grpc_byte_buffer_length(bb);
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, n - 1, &out),
+                   RPC_ETOOBIG);
+  assert_null(out);
+  grpc_byte_buffer_destroy(bb);
+  assert_int_equal(rpc_pack(&req.base, n - 1, &bb), RPC_ETOOBIG);
+  assert_null(bb);
+  assert_int_equal(rpc_pack(&req.base, n, &bb), RPC_OK);
+  grpc_byte_buffer_destroy(bb);
+}
+
+static void test_unpack_garbage(void **state) {
+  (void)state;
+  /* Field 1 declared as a length-delimited string of 100 bytes, but only 3 follow. */
+  const char garbage[] = "\x0a\x64" "abc";
+  grpc_slice s = grpc_slice_from_copied_buffer(garbage, sizeof garbage - 1);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  ProtobufCMessage *out = (ProtobufCMessage *)1;
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &out),
+                   RPC_EPARSE);
+  assert_null(out);
+  grpc_byte_buffer_destroy(bb);
+
+  /* An empty message is valid protobuf: all fields default. */
+  grpc_slice e = grpc_empty_slice();
+  bb = grpc_raw_byte_buffer_create(&e, 1);
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &out), RPC_OK);
+  assert_int_equal(((Precond__V1__PushRequest *)out)->n_blocks, 0);
+  protobuf_c_message_free_unpacked(out, NULL);
+  grpc_byte_buffer_destroy(bb);
+
+  assert_int_equal(rpc_unpack(NULL, &precond__v1__push_request__descriptor, 0, &out),
+                   RPC_EPARSE);
+  assert_int_equal(rpc_unpack(bb, NULL, 0, &out), RPC_EINVAL);
+  assert_int_equal(rpc_pack(NULL, 0, &bb), RPC_EINVAL);
+}
+
+static void test_size_args(void **state) {
+  (void)state;
+  grpc_arg arg[2];
+  grpc_channel_args args;
+  rpc_size_args(&args, arg, 0);
+  assert_int_equal(args.num_args, 2);
+  assert_int_equal(arg[0].value.integer, (int)RPC_DEFAULT_MAX_MESSAGE_BYTES);
+  assert_string_equal(arg[0].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH);
+  assert_string_equal(arg[1].key, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH);
+  rpc_size_args(&args, arg, (size_t)1 << 40);
+  assert_int_equal(arg[1].value.integer, 0x7fffffff);
+  /* 4096 x 4096 packed fp32, both factors, fits the default. */
+  assert_true((size_t)4096 * 4097 / 2 * 4 * 2 < RPC_DEFAULT_MAX_MESSAGE_BYTES);
+}
+
+static void test_call_without_server(void **state) {
+  (void)state;
+  assert_null(rpc_channel_create("", 0));
+  assert_null(rpc_channel_create(NULL, 0));
+  /* Port 1 on loopback: nothing listens there on a test machine. */
+  grpc_channel *ch = rpc_channel_create("127.0.0.1:1", 0);
+  assert_non_null(ch);
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code = GRPC_STATUS_OK;
+  char *details = NULL;
+  int rc = rpc_call(ch, RPC_METHOD_GET_STATS, &req.base,
+                    &precond__v1__stats_response__descriptor, 5000, 0, &resp, &code, &details);
+  assert_int_equal(rc, RPC_ESTATUS);
+  assert_int_equal(code, GRPC_STATUS_UNAVAILABLE);
+  assert_null(resp);
+  assert_non_null(details);
+  free(details);
+
+  /* Waiting for readiness: the deadline ends it. */
+  rc = rpc_call_token(ch, RPC_METHOD_GET_STATS, &req.base,
+                      &precond__v1__stats_response__descriptor, 200, 1, "tok", &resp, &code,
+                      &details);
+  assert_int_equal(rc, RPC_ESTATUS);
+  assert_int_equal(code, GRPC_STATUS_DEADLINE_EXCEEDED);
+  free(details);
+
+  rc = rpc_call(ch, "", &req.base, &precond__v1__stats_response__descriptor, 100, 0, &resp,
+                &code, &details);
+  assert_int_equal(rc, RPC_EINVAL);
+  assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+  free(details);
+  rpc_channel_destroy(ch);
+  rpc_channel_destroy(NULL);
+}
+
+static void test_names(void **state) {
+  (void)state;
+  assert_string_equal(rpc_status_name(GRPC_STATUS_NOT_FOUND), "NOT_FOUND");
+  assert_string_equal(rpc_status_name((grpc_status_code)99), "UNKNOWN_STATUS_CODE");
+  assert_non_null(rpc_strerror(-99));
+  assert_string_equal(rpc_strerror(RPC_EPARSE), "message does not parse");
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_pack_unpack_roundtrip),
+      cmocka_unit_test(test_unpack_garbage),
+      cmocka_unit_test(test_size_args),
+      cmocka_unit_test(test_call_without_server),
+      cmocka_unit_test(test_names),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,154 @@
+/* test_scheduler.c -- unit tests of host/scheduler.c: roots published by the pool match a
+ * local computation, the failure rule keeps the previous root, and marks during a
+ * computation are not lost. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "precondd.h"
+#include "preconditioner.h"
+
+static uint64_t seed = 99;
+static float rnd(void) {
+  seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+  return (float)((double)(seed >> 11) / 9007199254740992.0) - 0.5f;
+}
+
+/* A packed G G^T of a random n x (n + 2) G. */
+static void spd(size_t n, float *packed) {
+  size_t k = n + 2;
+  float *g = malloc(n * k * sizeof *g);
+  for (size_t i = 0; i < n * k; i++) g[i] = rnd();
+  assert_int_equal(pc_gram_f32(n, k, g, k, packed, NULL), PC_OK);
+  free(g);
+}
+
+typedef struct {
+  pd_stats stats;
+  pd_store store;
+  pd_job *job;
+} fixture;
+
+static int setup(void **state) {
+  fixture *f = calloc(1, sizeof *f);
+  char err[256];
+  pd_stats_init(&f->stats);
+  pd_store_init(&f->store, &f->stats, (size_t)1 << 30, 1000);
+  pd_shampoo_opts o;
+  pd_shampoo_opts_resolve(NULL, &o, err, sizeof err);
+  o.block_size = 6;
+  uint64_t dims[2] = {12, 18};  /* 2 x 3 blocks of 6 x 6 */
+  pd_tensor t = {(char *)"w", 2, dims};
+  pd_job *existing;
+  assert_int_equal(pd_job_build("j", 0, &o, 1, &t, 100, &f->job, err, sizeof err), PD_OK);
+  assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
+  for (size_t i = 0; i < f->job->nblocks; i++) {
+    pd_block *b = &f->job->blocks[i];
+    spd(b->rows, b->stat_left);
+    spd(b->cols, b->stat_right);
+    atomic_store(&b->stat_step, 10);
+    b->pushes = 1;
+  }
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fixture *f = *state;
+  pd_store_destroy(&f->store);
+  pd_stats_destroy(&f->stats);
+  free(f);
+  return 0;
+}
+
+static void expect_root(size_t n, const float *stat, const float *root) {
+  float *a = malloc(n * n * 4), *x = malloc(n * n * 4), *p = malloc(pc_packed_len(n) * 4);
+  pc_unpack_f32(n, stat, a);
+  pc_root_opts o;
+  pc_root_opts_default(&o, 4);
+  assert_true(pc_inverse_root_f32(n, a, x, &o, NULL) >= 0);
+  pc_pack_f32(n, x, p);
+  double md = 0, mx = 0;
+  for (size_t i = 0; i < pc_packed_len(n); i++) {
+    md = fmax(md, fabs((double)p[i] - root[i]));
+    mx = fmax(mx, fabs((double)p[i]));
+  }
+  assert_true(md <= 1e-5 * mx);
+  free(a);
+  free(x);
+  free(p);
+}
+
+static void test_compute_and_failure_rule(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  assert_int_equal(pd_sched_compute(b, &f->stats, 0.1), 1);
+  assert_non_null(b->root);
+  assert_int_equal(b->root->version, 1);
+  assert_int_equal(b->root->source_step, 10);
+  assert_int_equal(atomic_load(&b->root_step), 10);
+  expect_root(b->rows, b->stat_left, b->root->left);
+  expect_root(b->cols, b->stat_right, b->root->right);
+
+  /* A threshold nothing meets: not published, counted, the old root stays. */
+  pd_root *before = b->root;
+  atomic_store(&b->stat_step, 11);
+  assert_int_equal(pd_sched_compute(b, &f->stats, -1.0), 0);
+  assert_ptr_equal(b->root, before);
+  assert_int_equal(b->roots_failed, 1);
+  assert_int_equal(atomic_load(&f->stats.roots_failed), 1);
+
+  /* Non-finite statistics (they cannot arrive through the service, which refuses them). */
+  b->stat_left[1] = NAN;
+  assert_int_equal(pd_sched_compute(b, &f->stats, 0.1), 0);
+  assert_ptr_equal(b->root, before);
+  assert_int_equal(b->roots_failed, 2);
+}
+
+static void test_pool_computes_all(void **state) {
+  fixture *f = *state;
+  pd_sched s;
+  assert_int_equal(pd_sched_start(&s, 2, &f->stats, 0.1), PD_OK);
+  for (size_t i = 0; i < f->job->nblocks; i++)
+    assert_int_equal(pd_sched_mark(&s, &f->job->blocks[i]), PD_OK);
+  /* Marking twice while queued is a no-op. */
+  pd_sched_mark(&s, &f->job->blocks[0]);
+  for (int tries = 0; tries < 1000 && atomic_load(&f->stats.roots_computed) <
+                                          f->job->nblocks; tries++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  /* The extra mark was either absorbed (still queued) or queued a recomputation. */
+  for (int tries = 0; tries < 1000 && pd_sched_depth(&s) > 0; tries++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(pd_sched_depth(&s), 0);
+  pd_sched_stop(&s);
+  for (size_t i = 0; i < f->job->nblocks; i++) {
+    pd_block *b = &f->job->blocks[i];
+    assert_non_null(b->root);
+    expect_root(b->rows, b->stat_left, b->root->left);
+  }
+  assert_int_equal(atomic_load(&f->stats.roots_failed), 0);
+  double p50, p90, p99;
+  pd_stats_percentiles(&f->stats, &p50, &p90, &p99);
+  assert_true(p50 > 0 && p50 <= p99);
+}
+
+int main(void) {
+  pd_log_set_level(PD_LOG_ERROR);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_compute_and_failure_rule, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_pool_computes_all, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,226 @@
+/* test_store.c -- unit tests of host/store.c: options, job layout and ids, registration
+ * rules, memory accounting, statistics updates and root publication. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "precondd.h"
+#include "preconditioner.h"
+
+static void test_options(void **state) {
+  (void)state;
+  char err[256];
+  pd_shampoo_opts o;
+  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  assert_int_equal(o.block_size, 128);
+  assert_int_equal(o.skip_limit, 4096);
+  assert_true(o.beta2 == 1.0f);
+  assert_int_equal(o.root_exponent, 4);
+  assert_true(o.epsilon == 1e-6);
+  Precond__V1__ShampooOptions in = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  in.beta2 = 1.5f;
+  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  assert_non_null(strstr(err, "beta2"));
+  in.beta2 = NAN;
+  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  in.beta2 = 0.9f;
+  in.block_size = 100000;
+  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  assert_non_null(strstr(err, "block_size"));
+  in.block_size = 0;
+  in.method = (Precond__V1__Method)7;
+  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  in.method = PRECOND__V1__METHOD__METHOD_EIGH;
+  in.epsilon = -1;
+  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  assert_non_null(strstr(err, "epsilon"));
+}
+
+static pd_job *build(const char *name, uint64_t (*dims)[2], const int *ranks, size_t n,
+                     uint32_t block_size, uint32_t max_blocks, int *rc, char *err) {
+  pd_shampoo_opts o;
+  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, 256), PD_OK);
+  o.block_size = block_size;
+  pd_tensor t[8];
+  static char names[8][24];
+  for (size_t i = 0; i < n; i++) {
+    snprintf(names[i], sizeof names[i], "t%zu", i);
+    t[i].name = names[i];
+    t[i].rank = ranks[i];
+    t[i].dims = dims[i];
+  }
+  pd_job *job = NULL;
+  *rc = pd_job_build(name, 0, &o, n, t, max_blocks, &job, err, 256);
+  return job;
+}
+
+static void test_layout_ids(void **state) {
+  (void)state;
+  char err[256];
+  int rc;
+  /* [4,4] -> 1 block; [3] -> diagonal; [8,4] -> 2 blocks (rows 4+4). */
+  uint64_t dims[3][2] = {{4, 4}, {3, 0}, {8, 4}};
+  int ranks[3] = {2, 1, 2};
+  pd_job *job = build("j", dims, ranks, 3, 4, 100, &rc, err);
+  assert_int_equal(rc, PD_OK);
+  assert_int_equal(job->nblocks, 3);
+  assert_int_equal(job->ndiag, 1);
+  assert_int_equal(job->diag[0], 1);
+  for (uint32_t i = 0; i < 3; i++) assert_int_equal(job->blocks[i].id, i);
+  assert_int_equal(job->blocks[0].tensor, 0);
+  assert_int_equal(job->blocks[1].tensor, 2);
+  assert_int_equal(job->blocks[2].tensor, 2);
+  assert_int_equal(job->blocks[2].row0, 4);
+  assert_int_equal(pd_job_bytes(job), 3 * 2 * 2 * pc_packed_len(4) * sizeof(float));
+
+  /* Same tensors: same; another block size: not. */
+  pd_job *same = build("j", dims, ranks, 3, 4, 100, &rc, err);
+  pd_job *other = build("j", dims, ranks, 3, 2, 100, &rc, err);
+  assert_true(pd_job_same(job, same));
+  assert_false(pd_job_same(job, other));
+  pd_job_free(same, NULL);
+  pd_job_free(other, NULL);
+
+  /* Limits and bad shapes. */
+  assert_null(build("j", dims, ranks, 3, 4, 2, &rc, err));
+  assert_int_equal(rc, PD_ELIMIT);
+  uint64_t zero[1][2] = {{4, 0}};
+  int r2[1] = {2};
+  assert_null(build("j", zero, r2, 1, 4, 100, &rc, err));
+  assert_int_equal(rc, PD_EINVAL);
+  assert_non_null(strstr(err, "tensors[0].shape"));
+  assert_null(build("", dims, ranks, 3, 4, 100, &rc, err));
+  assert_int_equal(rc, PD_EINVAL);
+  pd_job_free(job, NULL);
+
+  /* An absurd block count is refused before any layout is allocated. */
+  pd_shampoo_opts o;
+  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  o.block_size = 1;
+  o.skip_limit = UINT32_MAX;
+  uint64_t huge[2] = {(uint64_t)1 << 24, (uint64_t)1 << 24};
+  pd_tensor t = {(char *)"w", 2, huge};
+  pd_job *out = NULL;
+  assert_int_equal(pd_job_build("j", 0, &o, 1, &t, 65536, &out, err, sizeof err), PD_ELIMIT);
+  assert_null(out);
+  assert_non_null(strstr(err, "blocks"));
+}
+
+static void test_store_add_and_memory(void **state) {
+  (void)state;
+  pd_stats stats;
+  pd_store st;
+  char err[256];
+  int rc;
+  assert_int_equal(pd_stats_init(&stats), PD_OK);
+  uint64_t dims[1][2] = {{8, 8}};
+  int ranks[1] = {2};
+  pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
+  size_t need = pd_job_bytes(job);
+  /* A limit one byte short refuses the job and leaves it to the caller. */
+  assert_int_equal(pd_store_init(&st, &stats, need - 1, 100), PD_OK);
+  pd_job *existing = NULL;
+  assert_int_equal(pd_store_add(&st, job, &existing), PD_ELIMIT);
+  assert_int_equal(st.njobs, 0);
+  pd_store_destroy(&st);
+
+  assert_int_equal(pd_store_init(&st, &stats, need, 100), PD_OK);
+  assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
+  assert_null(existing);
+  assert_ptr_equal(pd_store_find(&st, "a"), job);
+  assert_null(pd_store_find(&st, "b"));
+  assert_int_equal(atomic_load(&stats.memory_bytes), 2 * pc_packed_len(8) * sizeof(float));
+  pd_job *again = build("a", dims, ranks, 1, 8, 100, &rc, err);
+  assert_int_equal(pd_store_add(&st, again, &existing), PD_OK);
+  assert_ptr_equal(existing, job);
+  pd_job_free(again, &stats);
+
+  /* Workers are counted once per name. */
+  pd_job_note_worker(job, "w1");
+  pd_job_note_worker(job, "w1");
+  pd_job_note_worker(job, "w2");
+  pd_job_note_worker(job, "");
+  assert_int_equal(job->nworkers, 2);
+
+  /* Roots: publication numbers versions, and a reader's reference outlives the swap. */
+  pd_block *b = &job->blocks[0];
+  pd_root *r1 = pd_root_new(8, 8, &stats);
+  r1->source_step = 3;
+  pd_block_publish(b, r1, &stats);
+  pd_root *held = pd_block_root(b);
+  assert_ptr_equal(held, r1);
+  assert_int_equal(held->version, 1);
+  pd_root *r2 = pd_root_new(8, 8, &stats);
+  r2->source_step = 4;
+  pd_block_publish(b, r2, &stats);
+  assert_int_equal(r2->version, 2);
+  assert_int_equal(atomic_load(&b->root_step), 4);
+  assert_int_equal(held->version, 1); /* still readable */
+  pd_root_unref(held, &stats);
+
+  pd_store_destroy(&st);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+}
+
+static void test_block_update(void **state) {
+  (void)state;
+  pd_stats stats;
+  pd_store st;
+  char err[256];
+  int rc;
+  assert_int_equal(pd_stats_init(&stats), PD_OK);
+  assert_int_equal(pd_store_init(&st, &stats, (size_t)1 << 30, 100), PD_OK);
+  uint64_t dims[1][2] = {{3, 2}};
+  int ranks[1] = {2};
+  pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
+  job->opts.beta2 = 0.5f;
+  pd_job *existing;
+  assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
+  pd_block *b = &job->blocks[0];
+  float l[6] = {1, 2, 3, 4, 5, 6}, r[3] = {2, 4, 8};
+  pd_block_update(b, l, r, 7);
+  pd_block_update(b, l, r, 5); /* an older step does not move stat_step back */
+  /* EMA from zero, twice: 0.5 * (0.5 * x) + 0.5 * x = 0.75 x */
+  for (int i = 0; i < 6; i++) assert_true(b->stat_left[i] == 0.75f * l[i]);
+  for (int i = 0; i < 3; i++) assert_true(b->stat_right[i] == 0.75f * r[i]);
+  assert_int_equal(atomic_load(&b->stat_step), 7);
+  assert_int_equal(b->pushes, 2);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+}
+
+static void test_stats_percentiles(void **state) {
+  (void)state;
+  pd_stats s;
+  assert_int_equal(pd_stats_init(&s), PD_OK);
+  double p50, p90, p99;
+  pd_stats_percentiles(&s, &p50, &p90, &p99);
+  assert_true(p50 == 0 && p99 == 0);
+  for (int i = 1; i <= 100; i++) pd_stats_add_compute_ms(&s, (double)i);
+  pd_stats_percentiles(&s, &p50, &p90, &p99);
+  assert_true(p50 == 50 && p90 == 90 && p99 == 99);
+  for (int i = 0; i < 2 * PD_STATS_WINDOW; i++) pd_stats_add_compute_ms(&s, 1000);
+  pd_stats_percentiles(&s, &p50, &p90, &p99);
+  assert_true(p50 == 1000); /* the window forgot the old ones */
+  pd_stats_destroy(&s);
+}
+
+int main(void) {
+  pd_log_set_level(PD_LOG_ERROR);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_options),
+      cmocka_unit_test(test_layout_ids),
+      cmocka_unit_test(test_store_add_and_memory),
+      cmocka_unit_test(test_block_update),
+      cmocka_unit_test(test_stats_percentiles),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
