@@ -749,6 +749,70 @@ static void test_token_and_listen_rules(void **state) {
   remove_tree(d.dir);
 }
 
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  char *buf = calloc(1, 65536);
+  size_t n = fread(buf, 1, 65535, f);
+  fclose(f);
+  assert_true(n > 0);
+  return buf;
+}
+
+/* TLS: a self-signed certificate made with the openssl CLI (the test is skipped without
+ * it); a non-loopback listen address is accepted with TLS alone; plaintext clients fail,
+ * TLS clients that trust the certificate succeed. */
+static void test_tls(void **state) {
+  (void)state;
+  if (system("openssl version >/dev/null 2>&1") != 0) skip();
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  char cmd[1024], cert[256], key[256];
+  snprintf(cert, sizeof cert, "%s/cert.pem", d.dir);
+  snprintf(key, sizeof key, "%s/key.pem", d.dir);
+  snprintf(cmd, sizeof cmd,
+           "openssl req -x509 -newkey rsa:2048 -nodes -keyout '%s' -out '%s' -days 1 "
+           "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 "
+           ">/dev/null 2>&1", key, cert);
+  assert_int_equal(system(cmd), 0);
+  /* Half a TLS configuration is refused. */
+  const char *half[] = {"--tls-cert", cert, NULL};
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", half), 1000 + 2);
+  const char *extra[] = {"--tls-cert", cert, "--tls-key", key, NULL};
+  assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", extra), 0);
+  assert_true(log_contains(&d, "with TLS"));
+
+  /* The plaintext channel start_daemon made cannot talk to it. */
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           5000, 0, &resp, &code, &details);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  free(details);
+  rpc_channel_destroy(d.ch);
+
+  char *pem = read_text(cert);
+  char target[64];
+  /* An IP literal: no DNS lookup (c-ares leaks a few bytes per lookup under LSan); the
+   * certificate names 127.0.0.1 too. */
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  d.ch = rpc_channel_create_tls(target, 0, pem, NULL, NULL);
+  assert_non_null(d.ch);
+  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
+                            &details),
+                   RPC_OK);
+  free(details);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  check_health(&d);
+  assert_null(rpc_channel_create_tls(target, 0, pem, pem, NULL)); /* cert without key */
+  free(pem);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
 /* ---- 32 concurrent clients ------------------------------------------------------------ */
 
 typedef struct {
@@ -940,7 +1004,7 @@ static void test_crash_loses_one_interval(void **state) {
   sleep_ms(800); /* several intervals */
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_true(st->snapshots_written >= 1);
-  assert_true(st->last_snapshot_age_s < 0.8);
+  assert_true(st->last_snapshot_age_s > 0); /* written only when something changed */
   protobuf_c_message_free_unpacked(&st->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL);
   start_daemon(&d, extra);
@@ -1117,6 +1181,7 @@ int main(void) {
       cmocka_unit_test(test_register_push_fetch),
       cmocka_unit_test(test_bad_inputs),
       cmocka_unit_test(test_token_and_listen_rules),
+      cmocka_unit_test(test_tls),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_restart_bit_exact),
       cmocka_unit_test(test_crash_loses_one_interval),
