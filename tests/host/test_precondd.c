@@ -24,6 +24,7 @@
 
 #include <cblas.h>
 #include <grpc/byte_buffer.h>
+#include <grpc/support/time.h>
 
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
@@ -1153,6 +1154,68 @@ static void test_graceful_shutdown(void **state) {
   remove_tree(d.dir);
 }
 
+/* A call that never sends its message stays in flight; shutdown ends it after the grace
+ * period (2 s in these tests) and the daemon still exits 0. */
+static void test_shutdown_cancels_stuck_call(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  check_health(&d); /* connected */
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_slice method = grpc_slice_from_static_string(RPC_METHOD_PUSH_STATISTICS);
+  grpc_call *c = grpc_channel_create_call(d.ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method,
+                                          NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  assert_non_null(c);
+  grpc_metadata_array trailing;
+  grpc_metadata_array_init(&trailing);
+  grpc_status_code code = GRPC_STATUS_OK;
+  grpc_slice details;
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[1].data.recv_status_on_client.trailing_metadata = &trailing;
+  ops[1].data.recv_status_on_client.status = &code;
+  ops[1].data.recv_status_on_client.status_details = &details;
+  assert_int_equal(grpc_call_start_batch(c, ops, 2, &code, NULL), GRPC_CALL_OK);
+  sleep_ms(300);
+  double t0 = pd_now();
+  kill(d.pid, SIGTERM);
+  int st = 0, exited = 0;
+  for (int i = 0; i < 1500 && !exited; i++) {
+    exited = waitpid(d.pid, &st, WNOHANG) == d.pid;
+    if (!exited) sleep_ms(10);
+  }
+  double took = pd_now() - t0;
+  assert_true(exited);
+  track(d.pid, 0);
+  d.pid = 0;
+  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  /* It waited for the call through the grace period, then cancelled it. */
+  assert_true(took >= 1.9 && took < 15);
+  assert_true(log_contains(&d, "cancelling them"));
+  /* (Only the server side is checked: this gRPC client did not report the dropped call
+   * before its own deadline, so it is cancelled here.) */
+  grpc_call_cancel(c, NULL);
+  grpc_event ev = grpc_completion_queue_next(
+      cq, gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(20, GPR_TIMESPAN)),
+      NULL);
+  assert_int_equal(ev.type, GRPC_OP_COMPLETE);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&trailing);
+  grpc_call_unref(c);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  rpc_channel_destroy(d.ch);
+  d.ch = NULL;
+  remove_tree(d.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1187,6 +1250,7 @@ int main(void) {
       cmocka_unit_test(test_crash_loses_one_interval),
       cmocka_unit_test(test_corrupt_snapshot_set_aside),
       cmocka_unit_test(test_graceful_shutdown),
+      cmocka_unit_test(test_shutdown_cancels_stuck_call),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   kill_leftovers();
