@@ -531,7 +531,7 @@ int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *prob
 /* ------------------------------------------------------------------------------------ */
 /* Layer normalisation                                                                     */
 
-int ac_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
+int ac_layernorm_rows(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
                          const float *gamma, const float *beta, float *y, float *mean,
                          float *rstd)
 {
@@ -545,7 +545,7 @@ int ac_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps, co
   return be->ops->layernorm_forward(be, rows, cols, eps, x, gamma, beta, y, mean, rstd);
 }
 
-int ac_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
+int ac_layernorm_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
                           const float *gamma, const float *mean, const float *rstd,
                           const float *dy, float *dx, float *dgamma, float *dbeta)
 {

@@ -923,7 +923,7 @@ static void test_layernorm(void **state)
   float *dx = dev_alloc(be, n * sizeof(float));
   float *dg = dev_alloc(be, cols * sizeof(float)), *db = dev_alloc(be, cols * sizeof(float));
 
-  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
   float *gy = dev_down(be, y, n);
   double *wy = dzeros(n), *row = dzeros(cols);
   for (size_t r = 0; r < rows; r++) {
@@ -936,7 +936,7 @@ static void test_layernorm(void **state)
   /* Backward against central differences of the double forward; gradients accumulate. */
   assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
   assert_int_equal(ac_fill_f32(be, cols, db, 1.0f), AC_OK);
-  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
                    AC_OK);
   float *gdx = dev_down(be, dx, n), *gdg = dev_down(be, dg, cols), *gdb = dev_down(be, db, cols);
   double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
@@ -974,21 +974,21 @@ static void test_layernorm(void **state)
   expect_close("layernorm dbeta", gdb, wdb, cols, 1e-5, 1e-5);
 
   /* No beta; in place forward (y = x) and backward (dx = dy). */
-  assert_int_equal(ac_layernorm_forward(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
   float *gx = dev_down(be, x, n);
   for (size_t i = 0; i < n; i++)
     wy[i] -= hb[i % cols];
   expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
   assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
   assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
-  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
                    AC_OK);
   free(gdx);
   gdx = dev_down(be, dy, n);
   expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
-  assert_int_equal(ac_layernorm_forward(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
                    AC_EINVAL);
-  assert_int_equal(ac_layernorm_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
                    AC_EINVAL);
 
   free(gp);
@@ -1478,11 +1478,11 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o)
   /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
   float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
   assert_int_equal(ac_fill_f32(be, 2 * t, dgb, 0.0f), AC_OK);
-  assert_int_equal(ac_layernorm_forward(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
+  assert_int_equal(ac_layernorm_rows(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
                                         stats + rows), AC_OK);
   out_take(o, be, y, n);
   out_take(o, be, stats, 2 * rows);
-  assert_int_equal(ac_layernorm_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
+  assert_int_equal(ac_layernorm_rows_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
                                          dgb, dgb + t), AC_OK);
   out_take(o, be, y, n);
   out_take(o, be, dgb, 2 * t);
