@@ -811,6 +811,51 @@ static void test_tls(void **state) {
   assert_null(rpc_channel_create_tls(target, 0, pem, pem, NULL)); /* cert without key */
   free(pem);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+
+  /* Mutual TLS: a CA signs the server's and a client's certificates; the daemon requires
+   * client certificates from that CA. */
+  snprintf(cmd, sizeof cmd,
+           "(cd '%s' && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+           "-days 1 -subj /CN=test-ca && "
+           "openssl req -newkey rsa:2048 -nodes -keyout srv.key -out srv.csr -subj /CN=localhost "
+           "&& printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > srv.ext && "
+           "openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+           "-extfile srv.ext -out srv.pem && "
+           "openssl req -newkey rsa:2048 -nodes -keyout cli.key -out cli.csr -subj /CN=worker "
+           "&& openssl x509 -req -in cli.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+           "-out cli.pem) >/dev/null 2>&1", d.dir);
+  assert_int_equal(system(cmd), 0);
+  char f_ca[256], f_srv[256], f_srvkey[256], f_cli[256], f_clikey[256];
+  snprintf(f_ca, sizeof f_ca, "%s/ca.pem", d.dir);
+  snprintf(f_srv, sizeof f_srv, "%s/srv.pem", d.dir);
+  snprintf(f_srvkey, sizeof f_srvkey, "%s/srv.key", d.dir);
+  snprintf(f_cli, sizeof f_cli, "%s/cli.pem", d.dir);
+  snprintf(f_clikey, sizeof f_clikey, "%s/cli.key", d.dir);
+  const char *mtls[] = {"--tls-cert", f_srv, "--tls-key", f_srvkey, "--tls-client-ca", f_ca,
+                        NULL};
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", mtls), 0);
+  rpc_channel_destroy(d.ch);
+  char *ca = read_text(f_ca), *cli = read_text(f_cli), *clikey = read_text(f_clikey);
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  /* Without a client certificate: refused. */
+  d.ch = rpc_channel_create_tls(target, 0, ca, NULL, NULL);
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           10000, 0, &resp, &code, &details);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  free(details);
+  rpc_channel_destroy(d.ch);
+  /* With one: served. */
+  d.ch = rpc_channel_create_tls(target, 0, ca, cli, clikey);
+  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
+                            &details),
+                   RPC_OK);
+  free(details);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  free(ca);
+  free(cli);
+  free(clikey);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   remove_tree(d.dir);
 }
 
