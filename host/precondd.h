@@ -3,6 +3,7 @@
  *
  * The daemon's parts, one file each:
  *   main.c      options, signals, the periodic snapshot loop
+ *   config.c    the defaults of every option
  *   log.c       leveled, timestamped logging to stderr
  *   server.c    gRPC core plumbing: completion-queue pollers, armed calls, auth, shutdown
  *   service.c   the RPCs: Register, PushStatistics, FetchPreconditioners, GetStats, Health
