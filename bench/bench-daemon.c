@@ -102,7 +102,7 @@ static void usage(FILE *f)
           "  --pool-blocks B     blocks of 256 for the pool rows (default 16; 0 skips them)\n"
           "  --threads T         pool threads of the daemon spawned for the pool rows\n"
           "                      (default: online cores); the push/fetch daemons get 1\n"
-          "  --max-inflight-mb M skip cells where clients x request size is above M (512)\n"
+          "  --max-inflight-mb M skip cells where clients x request size is above M (256)\n"
           "  --tcp-only          with --spawn, skip the unix socket daemon\n"
           "  --window-mb W       HTTP/2 receive window of the client channels in MiB\n"
           "                      (default 0: gRPC's own, which starts at 64 KiB)\n"
@@ -737,7 +737,7 @@ int main(int argc, char **argv)
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   bench_opts o = {.seconds = 1.0, .fetch_max = 1024, .pool_blocks = 16,
                   .threads = cores > 0 ? (int)cores : 1,
-                  .max_inflight_mb = 512, .transports = 3};
+                  .max_inflight_mb = 256, .transports = 3};
   parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
   parse_list("1,4,16", NULL, o.clients, &o.nclients);
   for (int i = 1; i < argc; i++) {
