@@ -1,13 +1,13 @@
 /*
  * train.c -- the training harness of the benchmark clients: options, loop, progress line,
- * CSV/JSON output, SGD/AdamW, and Shampoo's worker half wired to precondd via libprecond.
+ * CSV/JSON output, and the glue between accel's Shampoo and precondd.
  *
  * The Shampoo step follows Anil et al. (2020) as the architecture splits it: the worker
- * computes each block's Gram matrices G G^T and G^T G on the device and queues them
- * (libprecond sends them in the background); precondd accumulates them and computes the
- * inverse roots; the worker applies the newest roots it holds, P = L^(-1/p) G R^(-1/p),
- * rescaled block by block to the norm of the grafted Adam step. A block whose roots have not
- * arrived yet (or are staler than the bound) takes the Adam step itself: the fallback.
+ * (ac_shampoo) computes each block's Gram matrices G G^T and G^T G on the device; this file
+ * queues them with libprecond, which sends them in the background; precondd accumulates them
+ * and computes the inverse roots; libprecond fetches them, and this file hands the newest to
+ * ac_shampoo, which applies P = L^(-1/4) G R^(-1/4) grafted to the norm of a simple step.
+ * A block whose roots have not arrived yet takes the grafted step itself: the fallback.
  */
 #include "train.h"
 
@@ -79,12 +79,14 @@ void tr_options_default(tr_options *o) {
   o->weight_decay = 0;
   o->clip = 0;
   o->warmup = 0;
+  o->nesterov = 0;
   o->block_size = 128;
   o->stat_beta2 = 0.95;
-  o->root_exponent = 4;
   o->shampoo_eps = 1e-6;
+  o->graft = PC_GRAFT_ADAM_NORMED;
+  o->shampoo_momentum = 0;
   o->stat_every = 1;
-  o->max_staleness = 0;
+  o->precond_start = 1;
   o->sync_roots = 0;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
@@ -109,7 +111,7 @@ double tr_effective_lr(const tr_options *o) {
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum { K_LONG = TR_ARG_LONG, K_DOUBLE = TR_ARG_DOUBLE, K_STRING = TR_ARG_STRING,
-       K_FLAG = 100, K_OPTIMIZER, K_BACKEND, K_U64, K_INT };
+       K_FLAG = 100, K_OPTIMIZER, K_BACKEND, K_U64, K_INT, K_GRAFT };
 
 typedef struct {
   const char *name;
@@ -119,7 +121,7 @@ typedef struct {
   const char *help;
 } tr__spec;
 
-#define TR__NCOMMON 29
+#define TR__NCOMMON 31
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
@@ -136,14 +138,18 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("weight-decay", K_DOUBLE, &o->weight_decay, 0, 10,
        "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
-  SPEC("warmup", K_DOUBLE, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
+  SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
+  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo)");
   SPEC("block-size", K_LONG, &o->block_size, 1, 8192, "Shampoo block size");
   SPEC("stat-beta2", K_DOUBLE, &o->stat_beta2, 1e-6, 1, "Shampoo statistics EMA (1: sum)");
-  SPEC("root-exponent", K_LONG, &o->root_exponent, 1, 64, "Shampoo root order p in L^(-1/p)");
-  SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 0, 1, "Shampoo relative ridge");
+  SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 1e-12, 1, "Shampoo relative ridge");
+  SPEC("graft", K_GRAFT, &o->graft, 0, 0,
+       "Shampoo's grafted step: sgd, adagrad, rmsprop-normed, adam-normed");
+  SPEC("shampoo-momentum", K_DOUBLE, &o->shampoo_momentum, 0, 0.999999,
+       "momentum on Shampoo's grafted direction");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
-  SPEC("max-staleness", K_LONG, &o->max_staleness, 0, 1e9,
-       "roots staler than N steps are not used (0: no bound)");
+  SPEC("precond-start", K_LONG, &o->precond_start, 1, 1e9,
+       "first step that may use roots (the grafted step before)");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
@@ -175,6 +181,7 @@ static void tr__print_value(FILE *f, const tr__spec *s) {
     case K_BACKEND:
       fprintf(f, "%s", *(const ac_backend_kind *)s->dest == AC_BACKEND_CUDA ? "cuda" : "cpu");
       break;
+    case K_GRAFT: fprintf(f, "%s", pc_graft_name((pc_graft)*(const int *)s->dest)); break;
     default: break;
   }
 }
@@ -183,7 +190,7 @@ static void tr__usage_line(FILE *f, const tr__spec *s) {
   char left[64];
   const char *meta = s->kind == K_FLAG ? "" : s->kind == K_STRING ? " S"
                      : s->kind == K_DOUBLE ? " X" : s->kind == K_OPTIMIZER ? " NAME"
-                     : s->kind == K_BACKEND ? " NAME" : " N";
+                     : s->kind == K_BACKEND || s->kind == K_GRAFT ? " NAME" : " N";
   snprintf(left, sizeof left, "  --%s%s", s->name, meta);
   fprintf(f, "%-26s %s", left, s->help);
   int show = s->dest != NULL && s->kind != K_FLAG &&
@@ -269,6 +276,17 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
       tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo", v);
       return -1;
     }
+    case K_GRAFT: {
+      for (int k = PC_GRAFT_SGD; k <= PC_GRAFT_ADAM_NORMED; k++) {
+        if (strcmp(v, pc_graft_name((pc_graft)k)) == 0) {
+          *(int *)s->dest = k;
+          return 0;
+        }
+      }
+      tr__fail(err, TR_EINVAL, "--graft: '%s' is not one of sgd, adagrad, rmsprop-normed, "
+               "adam-normed", v);
+      return -1;
+    }
     case K_BACKEND: {
       if (strcmp(v, "cpu") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CPU;
       else if (strcmp(v, "cuda") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CUDA;
@@ -341,6 +359,10 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
   if (saw_epochs) opts->steps = 0;
   if (opts->steps == 0 && !(opts->epochs > 0))
     return tr__fail(err, TR_EINVAL, "no training length: give --steps or --epochs");
+  if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
+  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
   if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
     return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
   return TR_OK;
@@ -512,30 +534,21 @@ int tr_mkdirs(const char *path) {
 }
 
 /* ==================================================================================== */
-/* Shampoo's worker half and its link to precondd                                         */
-
-typedef struct {
-  uint32_t id;           /* daemon block id */
-  size_t param;          /* index into the optimizer's params */
-  size_t row0, rows, col0, cols;
-  size_t ld;             /* columns of the parameter's 2-D view */
-  uint64_t version;      /* of the roots held; 0: none */
-  uint64_t source_step;
-  uint32_t n_left, n_right; /* sides of the roots held (0: that side is the identity) */
-  float *lroot, *rroot;  /* device, dense rows x rows and cols x cols */
-} tr__block;
+/* Shampoo <-> precondd glue                                                              */
+/*                                                                                        */
+/* accel's Shampoo (ac_shampoo, team optim) computes the statistics on the device and     */
+/* applies roots it is handed; this glue pushes the statistics through libprecond and     */
+/* hands over the newest roots libprecond has fetched, tracking their source step.        */
 
 struct tr_shampoo {
   precond_client *client;
   precond_layout layout;
   size_t nblocks;
-  tr__block *blocks;
-  float *stat_l, *stat_r;   /* device, packed statistics of one block */
-  float *host_l, *host_r;   /* host copies for precond_push */
-  float *root_packed;       /* device, one packed root on its way to dense */
-  float *dir, *pre;         /* device, the grafted step and the preconditioned step */
-  float *tmp1, *tmp2;       /* device, one block each */
-  uint64_t roots_received;
+  uint32_t *daemon_id;      /* per ac_shampoo block: the daemon's block id */
+  uint64_t *version;        /* per block: version handed to ac_shampoo; 0: none */
+  uint64_t *source_step;    /* per block: statistics step those roots come from */
+  uint64_t roots_received, roots_rejected;
+  long start_step;
 };
 
 static int tr__accel(tr_error *err, int rc, const char *what) {
@@ -543,50 +556,26 @@ static int tr__accel(tr_error *err, int rc, const char *what) {
   return tr__fail(err, TR_EACCEL, "%s: %s", what, ac_strerror(rc));
 }
 
-static void tr__shampoo_free(ac_backend *be, tr_shampoo *s) {
+static void tr__shampoo_free(tr_shampoo *s) {
   if (s == NULL) return;
-  if (s->blocks != NULL) {
-    for (size_t b = 0; b < s->nblocks; b++) {
-      ac_free(be, s->blocks[b].lroot);
-      ac_free(be, s->blocks[b].rroot);
-    }
-  }
-  free(s->blocks);
-  ac_free(be, s->stat_l);
-  ac_free(be, s->stat_r);
-  ac_free(be, s->root_packed);
-  ac_free(be, s->dir);
-  ac_free(be, s->pre);
-  ac_free(be, s->tmp1);
-  ac_free(be, s->tmp2);
-  free(s->host_l);
-  free(s->host_r);
+  free(s->daemon_id);
+  free(s->version);
+  free(s->source_step);
   precond_layout_destroy(&s->layout);
   precond_close(s->client);
   free(s);
 }
 
-/* The 2-D view's column count of a parameter, as pc_layout sees it (rank 1: 1). */
-static size_t tr__view_cols(const ac_param *p) {
-  size_t c = 1;
-  for (int d = 1; d < p->value.ndim; d++) c *= p->value.shape[d];
-  return c;
-}
-
-static int tr__cmp_block(const void *a, const void *b) {
-  const tr__block *x = a, *y = b;
-  if (x->param != y->param) return x->param < y->param ? -1 : 1;
-  return (x->id > y->id) - (x->id < y->id);
-}
-
+/* Connects, registers every parameter as a tensor, and matches the daemon's blocks to
+ * ac_shampoo's (same tensor, same rows and columns of its 2-D view). */
 static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *err) {
   const tr_options *opts = &o->opts;
-  ac_backend *be = o->be;
   int rc = TR_OK;
   precond_tensor *tensors = NULL;
   uint64_t *shapes = NULL;
   tr_shampoo *s = calloc(1, sizeof *s);
   if (s == NULL) return TR_ENOMEM;
+  s->start_step = opts->precond_start;
 
   precond_options po;
   precond_options_default(&po);
@@ -599,7 +588,6 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
                   opts->daemon);
     goto fail;
   }
-
   tensors = calloc(o->nparams, sizeof *tensors);
   shapes = calloc(o->nparams * AC_MAX_DIMS, sizeof *shapes);
   if (tensors == NULL || shapes == NULL) {
@@ -615,10 +603,13 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   char job[160];
   if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
   else snprintf(job, sizeof job, "%s-shampoo-%ld", model_name, (long)getpid());
+  pc_layout_opts lo;
+  pc_layout_opts_default(&lo);
   precond_shampoo_opts so = {0};
   so.block_size = (uint32_t)opts->block_size;
+  so.skip_limit = (uint32_t)lo.skip_limit;
   so.beta2 = (float)opts->stat_beta2;
-  so.root_exponent = (uint32_t)opts->root_exponent;
+  so.root_exponent = 4;  /* ac_shampoo applies L^(-1/4) and R^(-1/4) */
   so.epsilon = opts->shampoo_eps;
   so.method = PRECOND_METHOD_NEWTON;
   prc = precond_register(s->client, job, PRECOND_MODE_SHAMPOO, model_name, o->nparams, tensors,
@@ -631,58 +622,39 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
     goto fail;
   }
 
-  s->nblocks = s->layout.nblocks;
-  s->blocks = calloc(s->nblocks > 0 ? s->nblocks : 1, sizeof *s->blocks);
-  if (s->blocks == NULL) {
+  s->nblocks = ac_shampoo_nblocks(o->shampoo_opt);
+  if (s->layout.nblocks != s->nblocks) {
+    rc = tr__fail(err, TR_EDAEMON, "precondd cut the tensors into %zu blocks, the worker into "
+                  "%zu (different block size or skip limit?)", s->layout.nblocks, s->nblocks);
+    goto fail;
+  }
+  size_t nb = s->nblocks > 0 ? s->nblocks : 1;
+  s->daemon_id = calloc(nb, sizeof *s->daemon_id);
+  s->version = calloc(nb, sizeof *s->version);
+  s->source_step = calloc(nb, sizeof *s->source_step);
+  if (s->daemon_id == NULL || s->version == NULL || s->source_step == NULL) {
     rc = TR_ENOMEM;
     goto fail;
   }
-  size_t max_side = 1, max_block = 1, max_numel = 1;
-  for (size_t i = 0; i < o->nparams; i++)
-    if (o->params[i]->value.numel > max_numel) max_numel = o->params[i]->value.numel;
   for (size_t b = 0; b < s->nblocks; b++) {
-    const precond_block *pb = &s->layout.blocks[b];
-    tr__block *blk = &s->blocks[b];
-    if (pb->tensor >= o->nparams) {
-      rc = tr__fail(err, TR_EDAEMON, "precondd's layout names tensor %u of %zu", pb->tensor,
-                    o->nparams);
+    ac_shampoo_block bi;
+    int found = 0;
+    rc = tr__accel(err, ac_shampoo_block_info(o->shampoo_opt, b, &bi), "ac_shampoo_block_info");
+    if (rc != TR_OK) goto fail;
+    for (size_t k = 0; k < s->layout.nblocks && !found; k++) {
+      const precond_block *pb = &s->layout.blocks[k];
+      if (pb->tensor == bi.param && pb->row0 == bi.block.row0 && pb->rows == bi.block.rows &&
+          pb->col0 == bi.block.col0 && pb->cols == bi.block.cols) {
+        s->daemon_id[b] = pb->block_id;
+        found = 1;
+      }
+    }
+    if (!found) {
+      rc = tr__fail(err, TR_EDAEMON, "precondd's layout has no block for rows %zu+%zu, cols "
+                    "%zu+%zu of %s", bi.block.row0, bi.block.rows, bi.block.col0, bi.block.cols,
+                    o->params[bi.param]->name);
       goto fail;
     }
-    const ac_param *p = o->params[pb->tensor];
-    size_t ld = tr__view_cols(p), vrows = p->value.numel / (ld ? ld : 1);
-    if (pb->rows == 0 || pb->cols == 0 || pb->row0 + pb->rows > vrows ||
-        pb->col0 + pb->cols > ld) {
-      rc = tr__fail(err, TR_EDAEMON, "precondd's block %u does not fit tensor %s", pb->block_id,
-                    p->name);
-      goto fail;
-    }
-    *blk = (tr__block){.id = pb->block_id, .param = pb->tensor, .row0 = pb->row0,
-                       .rows = pb->rows, .col0 = pb->col0, .cols = pb->cols, .ld = ld};
-    if (blk->rows > max_side) max_side = blk->rows;
-    if (blk->cols > max_side) max_side = blk->cols;
-    if (blk->rows * blk->cols > max_block) max_block = blk->rows * blk->cols;
-    rc = tr__accel(err, ac_malloc(be, blk->rows * blk->rows * sizeof(float),
-                                  (void **)&blk->lroot), "ac_malloc");
-    if (rc == TR_OK)
-      rc = tr__accel(err, ac_malloc(be, blk->cols * blk->cols * sizeof(float),
-                                    (void **)&blk->rroot), "ac_malloc");
-    if (rc != TR_OK) goto fail;
-  }
-  /* The step walks the parameters in order and each one's blocks after it. */
-  qsort(s->blocks, s->nblocks, sizeof *s->blocks, tr__cmp_block);
-  size_t plen = ac_packed_len(max_side);
-  s->host_l = malloc(plen * sizeof(float));
-  s->host_r = malloc(plen * sizeof(float));
-  if (s->host_l == NULL || s->host_r == NULL) {
-    rc = TR_ENOMEM;
-    goto fail;
-  }
-  void **bufs[] = {(void **)&s->stat_l, (void **)&s->stat_r, (void **)&s->root_packed,
-                   (void **)&s->dir, (void **)&s->pre, (void **)&s->tmp1, (void **)&s->tmp2};
-  size_t sizes[] = {plen, plen, plen, max_numel, max_numel, max_block, max_block};
-  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
-    rc = tr__accel(err, ac_malloc(be, sizes[k] * sizeof(float), bufs[k]), "ac_malloc");
-    if (rc != TR_OK) goto fail;
   }
   free(tensors);
   free(shapes);
@@ -691,165 +663,97 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
 fail:
   free(tensors);
   free(shapes);
-  tr__shampoo_free(be, s);
+  tr__shampoo_free(s);
   return rc;
 }
 
-/* Queues the Gram matrices of every block of this step's gradients. */
-static int tr__shampoo_push(tr_optimizer *o, long step, tr_error *err) {
-  tr_shampoo *s = o->shampoo;
-  for (size_t b = 0; b < s->nblocks; b++) {
-    const tr__block *k = &s->blocks[b];
-    const float *g = ac_tensor_f32(&o->params[k->param]->grad) + k->row0 * k->ld + k->col0;
-    int rc = ac_syrk_packed(o->be, AC_NO_TRANS, k->rows, k->cols, 1.0f, g, k->ld, 0.0f,
-                            s->stat_l);
-    if (rc == AC_OK)
-      rc = ac_syrk_packed(o->be, AC_TRANS, k->cols, k->rows, 1.0f, g, k->ld, 0.0f, s->stat_r);
-    if (rc == AC_OK)
-      rc = ac_memcpy_d2h(o->be, s->host_l, s->stat_l, ac_packed_len(k->rows) * sizeof(float));
-    if (rc == AC_OK)
-      rc = ac_memcpy_d2h(o->be, s->host_r, s->stat_r, ac_packed_len(k->cols) * sizeof(float));
-    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo statistics");
-    int prc = precond_push(s->client, (uint64_t)step, k->id, (uint32_t)k->rows, s->host_l,
-                           (uint32_t)k->cols, s->host_r, PRECOND_FP32);
-    if (prc != PRECOND_OK)
-      return tr__fail(err, TR_EDAEMON, "precond_push block %u: %s", k->id,
-                      precond_strerror(prc));
-  }
-  return TR_OK;
-}
-
-/* Takes a newer version of block k's roots if libprecond holds one (device upload). */
-static int tr__shampoo_refresh(tr_optimizer *o, tr__block *k, tr_error *err) {
+/* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
+ * worker refuses (non-finite, wrong size) are counted and skipped: the block keeps its
+ * previous roots or the grafted step. */
+static int tr__shampoo_refresh(tr_optimizer *o, size_t b, tr_error *err) {
   tr_shampoo *s = o->shampoo;
   const precond_roots *r = NULL;
-  int prc = precond_fetch(s->client, k->id, k->version, &r);
+  int prc = precond_fetch(s->client, s->daemon_id[b], s->version[b], &r);
   if (prc != PRECOND_OK)
-    return tr__fail(err, TR_EDAEMON, "precond_fetch block %u: %s", k->id, precond_strerror(prc));
+    return tr__fail(err, TR_EDAEMON, "precond_fetch block %u: %s", s->daemon_id[b],
+                    precond_strerror(prc));
   if (r == NULL) return TR_OK;
-  int rc = AC_OK;
-  /* A side whose size does not match the block is ignored (identity), never applied. */
-  uint32_t nl = r->n_left == k->rows && r->left != NULL ? r->n_left : 0;
-  uint32_t nr = r->n_right == k->cols && r->right != NULL ? r->n_right : 0;
-  if (nl > 0) {
-    rc = ac_memcpy_h2d(o->be, s->root_packed, r->left, ac_packed_len(nl) * sizeof(float));
-    if (rc == AC_OK) rc = ac_unpack_sym(o->be, nl, s->root_packed, k->lroot, nl);
-  }
-  if (rc == AC_OK && nr > 0) {
-    rc = ac_memcpy_h2d(o->be, s->root_packed, r->right, ac_packed_len(nr) * sizeof(float));
-    if (rc == AC_OK) rc = ac_unpack_sym(o->be, nr, s->root_packed, k->rroot, nr);
-  }
+  const ac_shampoo_roots roots = {
+    .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
+    .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
+    .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
+  int rc = ac_shampoo_set_roots(o->shampoo_opt, b, &roots);
   if (rc == AC_OK) {
-    k->version = r->version;
-    k->source_step = r->source_step;
-    k->n_left = nl;
-    k->n_right = nr;
+    s->version[b] = r->version;
+    s->source_step[b] = r->source_step;
     s->roots_received++;
+  } else if (rc == AC_EINVAL || rc == AC_EMISMATCH) {
+    s->roots_rejected++;
+    s->version[b] = r->version; /* do not offer the same bad version again */
+    rc = AC_OK;
   }
   precond_roots_release(r);
-  return tr__accel(err, rc, "Shampoo roots upload");
+  return tr__accel(err, rc, "ac_shampoo_set_roots");
 }
 
-/* --sync-roots: waits until block k holds roots computed from the statistics of step. */
-static int tr__shampoo_wait(tr_optimizer *o, tr__block *k, long step, tr_error *err) {
+/* --sync-roots: waits until block b holds roots computed from the statistics of step. */
+static int tr__shampoo_wait(tr_optimizer *o, size_t b, long step, tr_error *err) {
+  tr_shampoo *s = o->shampoo;
   double deadline = tr__now() + 60.0;
   for (;;) {
-    int rc = tr__shampoo_refresh(o, k, err);
+    int rc = tr__shampoo_refresh(o, b, err);
     if (rc != TR_OK) return rc;
-    if (k->version > 0 && k->source_step >= (uint64_t)step) return TR_OK;
+    if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return TR_OK;
     int left_ms = (int)((deadline - tr__now()) * 1000.0);
-    if (left_ms <= 0 || precond_wait_roots(o->shampoo->client, k->id, k->version, left_ms) ==
-                            PRECOND_ETIMEDOUT)
+    if (left_ms <= 0 || precond_wait_roots(s->client, s->daemon_id[b], s->version[b],
+                                           left_ms) == PRECOND_ETIMEDOUT)
       return tr__fail(err, TR_EDAEMON, "--sync-roots: no roots of step %ld for block %u "
-                      "within 60 s", step, k->id);
+                      "within 60 s", step, s->daemon_id[b]);
   }
-}
-
-/* P_k = L^(-1/p) G_k R^(-1/p) into tmp2 (rows x cols, contiguous). */
-static int tr__shampoo_direction(tr_optimizer *o, const tr__block *k, const float *g) {
-  tr_shampoo *s = o->shampoo;
-  int rc = AC_OK;
-  const float *src = g;
-  size_t lds = k->ld;
-  if (k->n_right > 0) {
-    rc = ac_sgemm(o->be, AC_NO_TRANS, AC_NO_TRANS, k->rows, k->cols, k->cols, 1.0f, src, lds,
-                  k->rroot, k->cols, 0.0f, s->tmp1, k->cols);
-    src = s->tmp1;
-    lds = k->cols;
-  }
-  if (rc != AC_OK) return rc;
-  if (k->n_left > 0)
-    return ac_sgemm(o->be, AC_NO_TRANS, AC_NO_TRANS, k->rows, k->cols, k->rows, 1.0f, k->lroot,
-                    k->rows, src, lds, 0.0f, s->tmp2, k->cols);
-  return ac_copy2d(o->be, k->rows, k->cols, src, lds, s->tmp2, k->cols);
 }
 
 static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                             tr_error *err) {
   tr_shampoo *s = o->shampoo;
-  const tr_options *opts = &o->opts;
-  int rc;
-  int push = (step - 1) % opts->stat_every == 0;
-  if (push && (rc = tr__shampoo_push(o, step, err)) != TR_OK) return rc;
-  if (push && opts->sync_roots) {
-    if (precond_flush(s->client, 60000) != PRECOND_OK)
-      return tr__fail(err, TR_EDAEMON, "--sync-roots: statistics not sent within 60 s");
+  int due = 0, rc;
+  long t = 0;
+  rc = tr__accel(err, ac_shampoo_compute_stats(o->shampoo_opt, &due, &t), "Shampoo statistics");
+  if (rc != TR_OK) return rc;
+  for (size_t b = 0; due && b < s->nblocks; b++) {
+    const float *l = NULL, *r = NULL;
+    ac_shampoo_block bi;
+    rc = ac_shampoo_block_stats(o->shampoo_opt, b, &l, &r);
+    if (rc == AC_OK) rc = ac_shampoo_block_info(o->shampoo_opt, b, &bi);
+    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo statistics");
+    int prc = precond_push(s->client, (uint64_t)t, s->daemon_id[b], (uint32_t)bi.block.rows, l,
+                           (uint32_t)bi.block.cols, r, PRECOND_FP32);
+    if (prc != PRECOND_OK)
+      return tr__fail(err, TR_EDAEMON, "precond_push block %u: %s", s->daemon_id[b],
+                      precond_strerror(prc));
   }
-  double stale_sum = 0;
-  long stale_n = 0, stale_max = -1;
-  int fallback = 0;
-  size_t b = 0;
-  for (size_t i = 0; i < o->nparams; i++) {
-    ac_param *p = o->params[i];
-    size_t n = p->value.numel;
-    float *g = ac_tensor_f32(&p->grad), *w = ac_tensor_f32(&p->value);
-    /* The grafted step D: Adam run on a zero buffer with rate -1 writes its direction. */
-    ac_adamw_args aa = {.lr = -1.0f, .beta1 = (float)opts->beta1, .beta2 = (float)opts->beta2,
-                        .eps = (float)opts->eps, .weight_decay = 0.0f, .step = step};
-    rc = ac_fill_f32(o->be, n, s->dir, 0.0f);
-    if (rc == AC_OK) rc = ac_adamw_update(o->be, n, s->dir, g, o->state1[i], o->state2[i], &aa);
-    if (rc == AC_OK) rc = ac_memcpy_d2d(o->be, s->pre, s->dir, n * sizeof(float));
-    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo grafted step");
-    for (; b < s->nblocks && s->blocks[b].param == i; b++) {
-      tr__block *k = &s->blocks[b];
-      rc = push && opts->sync_roots ? tr__shampoo_wait(o, k, step, err)
-                                    : tr__shampoo_refresh(o, k, err);
-      if (rc != TR_OK) return rc;
-      long age = k->version > 0 ? step - (long)k->source_step : -1;
-      int usable = k->version > 0 && (k->n_left > 0 || k->n_right > 0) &&
-                   (opts->max_staleness == 0 || age <= opts->max_staleness);
-      if (!usable) {
-        fallback = 1;
-        continue;
-      }
-      size_t off = k->row0 * k->ld + k->col0, cnt = k->rows * k->cols;
-      double np2 = 0, nd2 = 0;
-      rc = tr__shampoo_direction(o, k, g + off);
-      if (rc == AC_OK) rc = ac_sumsq_to_host(o->be, cnt, s->tmp2, &np2);
-      if (rc == AC_OK) rc = ac_copy2d(o->be, k->rows, k->cols, s->dir + off, k->ld, s->tmp1,
-                                      k->cols);
-      if (rc == AC_OK) rc = ac_sumsq_to_host(o->be, cnt, s->tmp1, &nd2);
-      if (rc != AC_OK) return tr__accel(err, rc, "Shampoo preconditioned step");
-      if (!(np2 > 0) || !isfinite(np2)) {
-        fallback = 1;  /* no usable norm: the block keeps the grafted step */
-        continue;
-      }
-      rc = ac_affine(o->be, cnt, (float)sqrt(nd2 / np2), s->tmp2, 0.0f, s->tmp2);
-      if (rc == AC_OK)
-        rc = ac_copy2d(o->be, k->rows, k->cols, s->tmp2, k->cols, s->pre + off, k->ld);
-      if (rc != AC_OK) return tr__accel(err, rc, "Shampoo preconditioned step");
-      stale_sum += (double)age;
-      stale_n++;
-      if (age > stale_max) stale_max = age;
-    }
-    /* w <- w - lr (P + wd w) */
-    rc = ac_axpby(o->be, n, (float)-lr, s->pre, (float)(1.0 - lr * opts->weight_decay), w, w);
-    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo update");
+  int wait = due && o->opts.sync_roots && step >= s->start_step;
+  if (wait && precond_flush(s->client, 60000) != PRECOND_OK)
+    return tr__fail(err, TR_EDAEMON, "--sync-roots: statistics not sent within 60 s");
+  for (size_t b = 0; b < s->nblocks; b++) {
+    rc = wait ? tr__shampoo_wait(o, b, t, err) : tr__shampoo_refresh(o, b, err);
+    if (rc != TR_OK) return rc;
   }
+  uint64_t fb0 = ac_shampoo_fallback_total(o->shampoo_opt);
+  rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
+  if (rc != TR_OK) return rc;
   if (info != NULL) {
-    info->staleness = stale_n > 0 ? stale_sum / (double)stale_n : NAN;
-    info->staleness_max = stale_max;
-    info->fallback = fallback;
+    double sum = 0;
+    long n = 0, mx = -1;
+    for (size_t b = 0; step >= s->start_step && b < s->nblocks; b++) {
+      if (s->version[b] == 0) continue;
+      long age = step - (long)s->source_step[b];
+      sum += (double)age;
+      n++;
+      if (age > mx) mx = age;
+    }
+    info->staleness = n > 0 ? sum / (double)n : NAN;
+    info->staleness_max = mx;
+    info->fallback = ac_shampoo_fallback_total(o->shampoo_opt) > fb0;
   }
   return TR_OK;
 }
@@ -864,65 +768,62 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
   if (opts == NULL || be == NULL || params == NULL || nparams == 0 || model_name == NULL)
     return tr__fail(err, TR_EINVAL, "tr_optimizer_init: bad arguments");
   for (size_t i = 0; i < nparams; i++)
-    if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0 ||
-        ac_tensor_f32(&params[i]->value) == NULL || ac_tensor_f32(&params[i]->grad) == NULL)
+    if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0)
       return tr__fail(err, TR_EINVAL, "parameter %zu is empty or on another backend", i);
   o->kind = opts->optimizer;
   o->be = be;
   o->params = params;
   o->nparams = nparams;
   o->opts = *opts;
-  o->lr = tr_effective_lr(opts);
-  int rc = TR_OK;
-  o->state1 = calloc(nparams, sizeof *o->state1);
-  o->state2 = calloc(nparams, sizeof *o->state2);
-  if (o->state1 == NULL || o->state2 == NULL) {
-    rc = TR_ENOMEM;
-    goto fail;
+  int rc;
+  if (o->kind == TR_SGD) {
+    ac_sgd_opts so;
+    ac_sgd_opts_default(&so);
+    so.momentum = (float)opts->momentum;
+    so.nesterov = opts->nesterov;
+    so.weight_decay = (float)opts->weight_decay;
+    rc = tr__accel(err, ac_sgd_create(&o->sgd, params, nparams, &so), "SGD");
+  } else if (o->kind == TR_ADAMW) {
+    ac_adamw_opts ao;
+    ac_adamw_opts_default(&ao);
+    ao.beta1 = (float)opts->beta1;
+    ao.beta2 = (float)opts->beta2;
+    ao.eps = (float)opts->eps;
+    ao.weight_decay = (float)opts->weight_decay;
+    rc = tr__accel(err, ac_adamw_create(&o->adamw, params, nparams, &ao), "AdamW");
+  } else {
+    ac_shampoo_opts so;
+    ac_shampoo_opts_default(&so);
+    so.layout.block_size = (size_t)opts->block_size;
+    pc_graft_opts_default(&so.graft, (pc_graft)opts->graft);
+    so.graft.beta1 = opts->beta1;
+    so.graft.beta2 = opts->beta2;
+    so.graft.eps = opts->eps;
+    so.momentum = (float)opts->shampoo_momentum;
+    so.nesterov = opts->nesterov;
+    so.weight_decay = (float)opts->weight_decay;
+    so.stats_interval = opts->stat_every;
+    so.start_step = opts->precond_start;
+    so.beta2 = (float)opts->stat_beta2;
+    so.epsilon = opts->shampoo_eps;
+    rc = tr__accel(err, ac_shampoo_create(&o->shampoo_opt, params, nparams, &so), "Shampoo");
+    if (rc == TR_OK) rc = tr__shampoo_init(o, model_name, err);
   }
-  for (size_t i = 0; i < nparams && rc == TR_OK; i++) {
-    size_t n = params[i]->value.numel;
-    rc = tr__accel(err, ac_malloc(be, n * sizeof(float), (void **)&o->state1[i]), "ac_malloc");
-    if (rc == TR_OK) rc = tr__accel(err, ac_fill_f32(be, n, o->state1[i], 0.0f), "ac_fill");
-    if (rc == TR_OK && o->kind != TR_SGD) {
-      rc = tr__accel(err, ac_malloc(be, n * sizeof(float), (void **)&o->state2[i]), "ac_malloc");
-      if (rc == TR_OK) rc = tr__accel(err, ac_fill_f32(be, n, o->state2[i], 0.0f), "ac_fill");
-    }
-  }
-  if (rc != TR_OK) goto fail;
-  if (o->kind == TR_SHAMPOO && (rc = tr__shampoo_init(o, model_name, err)) != TR_OK) goto fail;
-  return TR_OK;
-fail:
-  tr_optimizer_destroy(o);
+  if (rc != TR_OK) tr_optimizer_destroy(o);
   return rc;
 }
 
 int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                       tr_error *err) {
-  if (o == NULL || o->params == NULL || step < 1 || !(lr >= 0))
+  if (o == NULL || o->params == NULL || step < 1 || !(lr >= 0) || !isfinite(lr))
     return tr__fail(err, TR_EINVAL, "tr_optimizer_step: bad arguments");
   if (info != NULL) *info = (tr_step_info){NAN, -1, 0};
-  if (o->kind == TR_SHAMPOO) return tr__shampoo_step(o, step, lr, info, err);
-  for (size_t i = 0; i < o->nparams; i++) {
-    ac_param *p = o->params[i];
-    size_t n = p->value.numel;
-    float *w = ac_tensor_f32(&p->value), *g = ac_tensor_f32(&p->grad);
-    int rc;
-    if (o->kind == TR_SGD) {
-      /* g += wd w; v = mu v + g; w -= lr v */
-      rc = ac_axpby(o->be, n, (float)o->opts.weight_decay, w, 1.0f, g, g);
-      if (rc == AC_OK)
-        rc = ac_axpby(o->be, n, 1.0f, g, (float)o->opts.momentum, o->state1[i], o->state1[i]);
-      if (rc == AC_OK) rc = ac_axpby(o->be, n, (float)-lr, o->state1[i], 1.0f, w, w);
-    } else {
-      ac_adamw_args a = {.lr = (float)lr, .beta1 = (float)o->opts.beta1,
-                         .beta2 = (float)o->opts.beta2, .eps = (float)o->opts.eps,
-                         .weight_decay = (float)o->opts.weight_decay, .step = step};
-      rc = ac_adamw_update(o->be, n, w, g, o->state1[i], o->state2[i], &a);
-    }
-    if (rc != AC_OK) return tr__accel(err, rc, tr_optimizer_name(o->kind));
+  switch (o->kind) {
+    case TR_SGD: return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
+    case TR_ADAMW: return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
+    case TR_SHAMPOO: return tr__shampoo_step(o, step, lr, info, err);
   }
-  return TR_OK;
+  return TR_EINVAL;
 }
 
 void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
@@ -944,13 +845,10 @@ void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed
 
 void tr_optimizer_destroy(tr_optimizer *o) {
   if (o == NULL) return;
-  tr__shampoo_free(o->be, o->shampoo);
-  for (size_t i = 0; i < o->nparams; i++) {
-    if (o->state1 != NULL) ac_free(o->be, o->state1[i]);
-    if (o->state2 != NULL) ac_free(o->be, o->state2[i]);
-  }
-  free(o->state1);
-  free(o->state2);
+  tr__shampoo_free(o->shampoo);
+  ac_sgd_destroy(o->sgd);
+  ac_adamw_destroy(o->adamw);
+  ac_shampoo_destroy(o->shampoo_opt);
   memset(o, 0, sizeof *o);
 }
 
@@ -1004,26 +902,6 @@ static void tr__progress_note(tr__progress *p, const char *fmt, ...) {
   vfprintf(stderr, fmt, ap);
   va_end(ap);
   fflush(stderr);
-}
-
-/* Scales every gradient so that the global norm is at most clip. */
-static int tr__clip(ac_backend *be, const tr_model *m, double clip, tr_error *err) {
-  double total = 0;
-  for (size_t i = 0; i < m->nparams; i++) {
-    double s = 0;
-    int rc = ac_sumsq_to_host(be, m->params[i]->grad.numel, ac_tensor_f32(&m->params[i]->grad),
-                              &s);
-    if (rc != AC_OK) return tr__accel(err, rc, "gradient norm");
-    total += s;
-  }
-  double norm = sqrt(total);
-  if (!(norm > clip) || !isfinite(norm)) return TR_OK;
-  for (size_t i = 0; i < m->nparams; i++) {
-    float *g = ac_tensor_f32(&m->params[i]->grad);
-    int rc = ac_affine(be, m->params[i]->grad.numel, (float)(clip / norm), g, 0.0f, g);
-    if (rc != AC_OK) return tr__accel(err, rc, "gradient clipping");
-  }
-  return TR_OK;
 }
 
 int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
@@ -1097,9 +975,11 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
       sm.status = "diverged";
     }
     double lr = base_lr;
-    if (opts->warmup > 0 && (double)step < opts->warmup) lr *= (double)step / opts->warmup;
+    if (opts->warmup > 0) lr = ac_lr_linear_warmup(base_lr, step, opts->warmup);
     tr_step_info info = {NAN, -1, 0};
-    if (rc == TR_OK && opts->clip > 0) rc = tr__clip(be, model, opts->clip, err);
+    if (rc == TR_OK && opts->clip > 0)
+      rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
+                     "gradient clipping");
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
     double dt = tr__now() - t0;

@@ -64,14 +64,16 @@ typedef struct {
   double eps;              /* AdamW epsilon (1e-8) */
   double weight_decay;     /* decoupled for AdamW and Shampoo, L2 for SGD (0) */
   double clip;             /* global gradient-norm clip; 0: off (default 0) */
-  double warmup;           /* linear warm-up steps (default 0); then constant lr */
+  long warmup;             /* linear warm-up steps (default 0); then constant lr */
+  int nesterov;            /* Nesterov momentum (SGD, Shampoo) */
   /* Shampoo */
-  long block_size;         /* daemon block size (default 128) */
+  long block_size;         /* block size, the same on worker and daemon (default 128) */
   double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum; default 0.95) */
-  long root_exponent;      /* p in L^(-1/p) (default 4) */
-  double shampoo_eps;      /* relative ridge (default 1e-6) */
+  double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
+  int graft;               /* pc_graft: the grafted step (default PC_GRAFT_ADAM_NORMED) */
+  double shampoo_momentum; /* momentum on the grafted direction (default 0) */
   long stat_every;         /* push statistics every N steps (default 1) */
-  long max_staleness;      /* a root staler than this many steps is not used; 0: no bound */
+  long precond_start;      /* first step that may use roots (default 1) */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
   char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR) */
   char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
@@ -207,15 +209,18 @@ typedef struct {
 
 typedef struct tr_shampoo tr_shampoo;
 
+/* The optimizers are accel's (ac_sgd, ac_adamw, ac_shampoo); this wraps the one chosen and,
+ * for Shampoo, the link to precondd. */
 typedef struct {
   tr_optimizer_kind kind;
   ac_backend *be;           /* borrowed */
   size_t nparams;
   ac_param **params;        /* borrowed array of borrowed params */
-  float **state1, **state2; /* per param: momentum / Adam moments (device), owned */
-  double lr;
   tr_options opts;          /* copy */
-  tr_shampoo *shampoo;      /* owned; NULL unless Shampoo */
+  ac_sgd *sgd;              /* owned; the one of kind, others NULL */
+  ac_adamw *adamw;
+  ac_shampoo *shampoo_opt;
+  tr_shampoo *shampoo;      /* owned; the precondd link, NULL unless Shampoo */
 } tr_optimizer;
 
 /* Sets up the optimizer for the nparams parameters params[] (borrowed: they must outlive
@@ -226,11 +231,13 @@ typedef struct {
 int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
                       ac_param **params, size_t nparams, const char *model_name, tr_error *err);
 
-/* One update from the gradients in params[i]->grad at step (1-based); lr is the rate of this
- * step (warm-up applied by the caller). Shampoo: queues this step's statistics (every
- * stat_every steps), takes the newest roots libprecond holds and applies
- * P = L^(-1/p) G R^(-1/p) per block, grafted to the norm of the Adam step of the same block;
- * blocks without a usable root take the Adam step itself (fallback). info may be NULL. */
+/* One update from the gradients in params[i]->grad at step (1-based, consecutive); lr is
+ * the rate of this step (warm-up applied by the caller). Shampoo: queues this step's
+ * statistics (every stat_every steps) with libprecond, hands ac_shampoo the newest roots
+ * libprecond holds, and steps: P = L^(-1/4) G R^(-1/4) per block, grafted to the norm of
+ * the grafted step of the same block; blocks without roots take the grafted step itself
+ * (the fallback). info (may be NULL) gets the staleness of the roots used and whether any
+ * block fell back. */
 int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                       tr_error *err);
 

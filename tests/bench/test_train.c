@@ -1,7 +1,12 @@
-/* test_train.c -- the training harness (bench/train.c) without a daemon: option parsing,
- * ETA and progress formatting, median, the CSV and JSON writers, and the loop with SGD and
- * AdamW on a small softmax-regression model built from accel primitives (loss must fall;
- * the same seed must give the same losses; a diverging loss must stop the run cleanly). */
+/* test_train.c -- the training harness (bench/train.c).
+ *
+ * Without arguments (suite unit): option parsing, ETA and progress formatting, median, the
+ * CSV and JSON writers, and the loop with SGD and AdamW on a small softmax-regression model
+ * built from accel primitives (loss must fall; the same seed must give the same losses; a
+ * diverging loss must stop the run cleanly).
+ * With the path of precondd as argument (suite integration): starts that daemon on a free
+ * port and trains the same model with Shampoo through it: statistics pushed, roots
+ * received and applied, staleness and fallback counted; --sync-roots runs are reproducible. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -10,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -89,6 +96,11 @@ static void test_options(void **state) {
   assert_int_equal(o.backend, AC_BACKEND_CUDA);
   assert_int_equal(o.sync_roots, 1);
 
+  assert_int_equal(parse(&o, &width, name, &err, 5, "--graft", "adagrad", "--warmup", "10"),
+                   TR_OK);
+  assert_int_equal(o.graft, PC_GRAFT_ADAGRAD);
+  assert_int_equal(o.warmup, 10);
+
   assert_int_equal(parse(&o, &width, name, &err, 3, "--epochs", "1.5"), TR_OK);
   assert_int_equal(o.steps, 0);
   assert_true(o.epochs == 1.5);
@@ -114,6 +126,9 @@ static void test_options(void **state) {
     {5, {"--steps", "3", "--epochs", "1"}, "not both"},
     {2, {"--quiet=1"}, "--quiet takes no value"},
     {3, {"--seed", "-4"}, "--seed: '-4'"},
+    {3, {"--graft", "lion"}, "--graft: 'lion' is not one of"},
+    {5, {"--optimizer=sgd", "--nesterov", "--momentum", "0"}, "--nesterov needs --momentum"},
+    {4, {"--optimizer=shampoo", "--daemon", ""}, "needs --daemon"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     memset(&err, 0, sizeof err);
@@ -274,6 +289,7 @@ typedef struct {
   int32_t *pred;
   size_t pos;
   int nan_at;                  /* step at which train_step reports NaN (0: never) */
+  int delay_us;                /* per step, to stand in for a real model's compute time */
   int steps;
 } toy;
 
@@ -311,6 +327,7 @@ static int toy_forward(toy *t, const float *x, const int32_t *y, size_t n, doubl
 static int toy_train_step(void *ctx, double *loss) {
   toy *t = ctx;
   t->steps++;
+  if (t->delay_us > 0) usleep((useconds_t)t->delay_us);
   if (t->pos + TOY_B > TOY_N) t->pos = 0;
   const float *x = t->x_train + t->pos * TOY_F;
   const int32_t *y = t->y_train + t->pos;
@@ -546,7 +563,138 @@ static void test_train_errors(void **state) {
   ac_backend_destroy(be);
 }
 
-int main(void) {
+/* ------------------------------------------------------------------------------------ */
+/* Shampoo through a real precondd                                                        */
+
+static const char *precondd_path;
+static pid_t daemon_pid;
+static char daemon_addr[64];
+
+static int daemon_setup(void **state) {
+  if (setup(state) != 0) return -1;
+  char port_file[128], log_file[128], state_dir[128];
+  snprintf(port_file, sizeof port_file, "%s/port", tmpdir);
+  snprintf(log_file, sizeof log_file, "%s/precondd.log", tmpdir);
+  snprintf(state_dir, sizeof state_dir, "%s/state", tmpdir);
+  daemon_pid = fork();
+  if (daemon_pid < 0) return -1;
+  if (daemon_pid == 0) {
+    FILE *lf = freopen(log_file, "w", stderr);
+    (void)lf;
+    execl(precondd_path, precondd_path, "--listen", "127.0.0.1:0", "--port-file", port_file,
+          "--state-dir", state_dir, "--threads", "1", "--log-level", "warn", (char *)NULL);
+    _exit(127);
+  }
+  for (int i = 0; i < 200; i++) {
+    FILE *f = fopen(port_file, "r");
+    int port = 0;
+    if (f != NULL) {
+      int got = fscanf(f, "%d", &port);
+      fclose(f);
+      if (got == 1 && port > 0) {
+        snprintf(daemon_addr, sizeof daemon_addr, "127.0.0.1:%d", port);
+        return 0;
+      }
+    }
+    usleep(50000);
+  }
+  fprintf(stderr, "precondd did not write %s within 10 s\n", port_file);
+  return -1;
+}
+
+static int daemon_teardown(void **state) {
+  if (daemon_pid > 0) {
+    kill(daemon_pid, SIGTERM);
+    int st = 0;
+    waitpid(daemon_pid, &st, 0);
+    daemon_pid = 0;
+  }
+  return teardown(state);
+}
+
+static void run_shampoo(int sync, const char *sub, long steps, tr_summary *sm, char **csv) {
+  ac_backend *be = NULL;
+  assert_int_equal(ac_backend_create(&be, NULL), AC_OK);
+  toy t;
+  toy_init(&t, be, 5);
+  /* Roots take a poll interval (20 ms) and a computation to come back: give the async run
+   * the pace of a small real model so that they arrive within it. */
+  t.delay_us = sync ? 0 : 5000;
+  tr_model m = toy_model(&t);
+  tr_options o;
+  tr_options_default(&o);
+  o.optimizer = TR_SHAMPOO;
+  o.steps = steps;
+  o.eval_every = 20;
+  o.quiet = 1;
+  o.lr = 0.02;
+  o.sync_roots = sync;
+  snprintf(o.daemon, sizeof o.daemon, "%s", daemon_addr);
+  snprintf(o.job, sizeof o.job, "toy-%s", sub);
+  snprintf(o.out, sizeof o.out, "%s/%s", tmpdir, sub);
+  tr_error err = {{0}};
+  int rc = tr_train(&o, be, &m, sm, &err);
+  if (rc != TR_OK) fail_msg("tr_train: %s", err.msg);
+  char path[600];
+  snprintf(path, sizeof path, "%s/train.csv", o.out);
+  *csv = read_file(path);
+  assert_non_null(*csv);
+  toy_destroy(&t);
+  ac_backend_destroy(be);
+}
+
+static void test_shampoo_async(void **state) {
+  (void)state;
+  tr_summary sm;
+  char *csv = NULL;
+  run_shampoo(0, "async", 60, &sm, &csv);
+  print_message("async: loss %.4f, staleness mean %.2f max %ld, %ld fallback steps, "
+                "%llu roots\n", sm.final_train_loss, sm.staleness_mean, sm.staleness_max,
+                sm.fallback_steps, (unsigned long long)sm.roots_received);
+  assert_int_equal(sm.steps, 60);
+  assert_true(sm.final_train_loss < 0.6);
+  assert_true(sm.final_eval_accuracy > 0.85);
+  /* toy.weight (4 x 16) is one block; the bias (rank 1) takes the grafted step only. */
+  assert_int_equal(sm.blocks, 1);
+  assert_int_equal(sm.stats_pushed, 60);
+  assert_true(sm.roots_received >= 1);
+  assert_true(sm.staleness_mean >= 0);
+  assert_true(sm.staleness_max >= 0);
+  /* Step 1 cannot have roots yet: its statistics are still on their way. */
+  assert_true(sm.fallback_steps >= 1);
+  assert_true(sm.fallback_steps < 60);
+  assert_non_null(strstr(csv, "\n1,"));
+  free(csv);
+}
+
+static void test_shampoo_sync(void **state) {
+  (void)state;
+  tr_summary a, b;
+  char *csv_a = NULL, *csv_b = NULL;
+  run_shampoo(1, "sync-a", 25, &a, &csv_a);
+  run_shampoo(1, "sync-b", 25, &b, &csv_b);
+  /* Every step waits for the roots of its own statistics. */
+  assert_int_equal(a.fallback_steps, 0);
+  assert_int_equal(a.staleness_max, 0);
+  assert_true(a.roots_received >= 25);
+  assert_true(a.final_train_loss < 1.0);
+  char col[8192], col2[8192];
+  csv_column(csv_a, 3, col, sizeof col);
+  csv_column(csv_b, 3, col2, sizeof col2);
+  assert_string_equal(col, col2);
+  free(csv_a);
+  free(csv_b);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1) {
+    precondd_path = argv[1];
+    const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_shampoo_async),
+      cmocka_unit_test(test_shampoo_sync),
+    };
+    return cmocka_run_group_tests(tests, daemon_setup, daemon_teardown);
+  }
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_options),
     cmocka_unit_test(test_progress),
