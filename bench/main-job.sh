@@ -37,6 +37,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$every" in ''|*[!0-9]*|0) die "--every '$every' is not a positive integer" ;; esac
+case "$steps" in ''|*[!0-9]*|0) die "--steps '$steps' is not a positive integer" ;; esac
 
 here=$(cd "$(dirname "$0")" && pwd)
 precondd="$build/host/precondd" precondctl="$build/client/precondctl"

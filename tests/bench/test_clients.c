@@ -181,9 +181,43 @@ static void smoke(const char *client, const char *opt, const char *lr) {
   free(csv);
 }
 
+/* Column 4 (train_loss) of every row, as text. */
+static char *loss_column(const char *csv) {
+  size_t cap = strlen(csv) + 1, used = 0;
+  char *out = malloc(cap);
+  assert_non_null(out);
+  const char *line = strchr(csv, '\n');
+  while (line != NULL && line[1] != '\0') {
+    line++;
+    const char *p = line;
+    for (int c = 0; c < 3; c++) p = strchr(p, ',') + 1;
+    size_t n = (size_t)(strchr(p, ',') - p);
+    memcpy(out + used, p, n);
+    used += n;
+    out[used++] = ';';
+    line = strchr(line, '\n');
+  }
+  out[used] = '\0';
+  return out;
+}
+
 static void test_transformer(void **state) {
   (void)state;
   smoke("transformer", "sgd", "0.5");
+  /* Same seed and backend, same numbers: a second SGD run repeats every loss. */
+  char path[256];
+  snprintf(path, sizeof path, "%s/transformer-sgd/train.csv", tmpdir);
+  char *csv1 = read_file(path);
+  assert_non_null(csv1);
+  smoke("transformer", "sgd", "0.5");
+  char *csv2 = read_file(path);
+  assert_non_null(csv2);
+  char *l1 = loss_column(csv1), *l2 = loss_column(csv2);
+  assert_string_equal(l1, l2);
+  free(l1);
+  free(l2);
+  free(csv1);
+  free(csv2);
   smoke("transformer", "adamw", "3e-3");
   smoke("transformer", "shampoo", "3e-3");
 }
