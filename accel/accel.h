@@ -570,14 +570,16 @@ int ac_posembed_forward(ac_posembed *l, const float *x, size_t batch, size_t t,
 int ac_posembed_backward(ac_posembed *l, const float *dy, const float **dx);
 
 /* Layer normalisation over the last axis: y = (x - mean) / sqrt(var + eps) * g + b per row
- * of x (rows, dim), var biased; g "<p>.weight" = 1, b "<p>.bias" = 0. */
+ * of x (rows, dim), var biased; g "<p>.weight" = 1, b "<p>.bias" = 0. One fused primitive
+ * each way (ac_layernorm_rows); caches x, the row means and 1/std. */
 typedef struct {
   ac_backend *be;
   size_t dim, max_rows, rows;
   float eps;
   int ready;
   ac_param weight, bias;
-  float *y, *xhat, *rstd, *dx, *tmp, *stat;
+  const float *x;
+  float *y, *mean, *rstd, *dx;
 } ac_layernorm;
 
 int ac_layernorm_init(ac_layernorm *l, ac_backend *be, const char *prefix, size_t dim,
@@ -645,7 +647,7 @@ typedef struct {
   size_t dim, heads, max_batch, max_t, batch, t;
   int ready;
   ac_linear qkv, proj;
-  float *qkvp, *probs, *ctx, *ctxp, *dctx, *dprobs, *dqkvp, *dqkv;
+  float *probs, *ctx, *dprobs, *dqkv;
 } ac_attention;
 
 int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim,
@@ -974,8 +976,8 @@ typedef struct ac_sgd ac_sgd;
 
 /* Creates an SGD optimizer over params (nparams >= 1 pointers, not owned, all on one
  * backend). opts NULL: defaults. On AC_OK *out is owned by the caller (ac_sgd_destroy);
- * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries), AC_EMISMATCH
- * (different backends), AC_ENOMEM. */
+ * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries, a parameter listed
+ * twice), AC_EMISMATCH (different backends), AC_ENOMEM. */
 int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams,
                   const ac_sgd_opts *opts);
 
@@ -1026,7 +1028,8 @@ void ac_adamw_destroy(ac_adamw *opt);
  * The update of a parameter at step t:
  *   D = grafted direction of the whole grad (pc_graft_direction_f32's formulas, on the
  *       device; normalisation over the whole tensor);
- *   for each block b: if t >= start_step and b holds a root,
+ *   for each block b: if t >= start_step, b holds a root, and its staleness
+ *       t - source_step is within max_staleness (when that is set),
  *       P_b = L_b^(-1/4) G_b R_b^(-1/4) (a missing side is the identity), rescaled to
  *       |D_b| (Frobenius; P_b replaced by D_b when |P_b| is 0 or not finite), else
  *       P_b = D_b (the grafted fallback, counted);
@@ -1043,6 +1046,9 @@ typedef struct {
   float weight_decay;     /* >= 0, decoupled. Default 0 */
   long stats_interval;    /* statistics at steps 1, 1 + k, 1 + 2k, ...; >= 1. Default 1 */
   long start_step;        /* first step that may use roots; >= 1. Default 1 */
+  long max_staleness;     /* a root older than this many steps (t - source_step) is not
+                             used: the block takes the grafted fallback. 0: no bound.
+                             >= 0. Default 0 */
   /* The daemon's: the statistics EMA (1 = sum) and the relative ridge of the roots. Kept
    * here so that one struct configures a run (the caller registers them with precondd);
    * the worker itself hands out raw G G^T increments and does not use them. */
@@ -1073,7 +1079,10 @@ typedef struct {
   size_t index;             /* block within that parameter's layout */
   pc_block block;           /* rows, cols and offsets in the parameter's 2-D view */
   uint64_t version;         /* version of the roots held; 0: none yet */
+  uint64_t source_step;     /* their source step (as handed in) */
   uint64_t fallback_steps;  /* steps this block took the grafted fallback */
+  long staleness;           /* t - source_step at the last step that used the roots; -1:
+                               never used */
 } ac_shampoo_block;
 
 /* Fills *info for block id b. AC_EINVAL for b out of range or NULL. */
@@ -1081,6 +1090,18 @@ int ac_shampoo_block_info(const ac_shampoo *s, size_t b, ac_shampoo_block *info)
 
 /* Block-steps that took the grafted fallback, summed over blocks. */
 uint64_t ac_shampoo_fallback_total(const ac_shampoo *s);
+
+/* What the last step did, for the clients' reports. */
+typedef struct {
+  long step;                /* its number; 0: no step yet (the rest is then zero) */
+  size_t preconditioned;    /* blocks that used roots */
+  size_t fallback;          /* blocks that took the grafted fallback */
+  double staleness_mean;    /* over the blocks that used roots; NaN if none did */
+  long staleness_max;       /* -1 if none did */
+} ac_shampoo_step_info;
+
+/* Fills *info about the last ac_shampoo_step. AC_EINVAL for NULL. */
+int ac_shampoo_last_step(const ac_shampoo *s, ac_shampoo_step_info *info);
 
 /* Steps taken so far. */
 long ac_shampoo_steps(const ac_shampoo *s);
@@ -1104,15 +1125,27 @@ typedef enum {
   AC_ROOT_PACKED = 1   /* packed upper, ac_packed_len(n) values */
 } ac_root_format;
 
-/* Hands block b the roots of one version: left ~ L^(-1/4) of order n_left (= the block's
- * rows), right ~ R^(-1/4) of order n_right (= its cols); a side may be NULL with its n 0
- * (one-sided: the identity there), not both. HOST pointers, copied to the device before
- * return. A version not newer than the one held is ignored (AC_OK, nothing changes).
- * Returns AC_OK; AC_EINVAL (b out of range, version 0, both sides NULL, a non-finite value:
- * nothing changes); AC_EMISMATCH (n_left or n_right not the block's); AC_ENOMEM. */
-int ac_shampoo_set_roots(ac_shampoo *s, size_t b, uint64_t version, ac_root_format fmt,
-                         size_t n_left, const float *left, size_t n_right,
-                         const float *right);
+/* One version of a block's roots, as a caller hands it in (the fields of libprecond's
+ * precond_roots map one to one). left ~ L^(-1/4) of order n_left (= the block's rows),
+ * right ~ R^(-1/4) of order n_right (= its cols); a side may be NULL with its n 0
+ * (one-sided: the identity there), not both. HOST pointers. */
+typedef struct {
+  uint64_t version;       /* > 0, increasing per block */
+  uint64_t source_step;   /* step of the newest statistics the roots come from */
+  ac_root_format format;
+  size_t n_left;
+  const float *left;
+  size_t n_right;
+  const float *right;
+} ac_shampoo_roots;
+
+/* Hands block b one version of its roots, copied to the device (kept dense) before return.
+ * A version not newer than the one held is ignored (AC_OK, nothing changes); a newer one
+ * replaces both sides (a side it lacks becomes the identity).
+ * Returns AC_OK; AC_EINVAL (NULL, b out of range, version 0, both sides NULL, a bad format,
+ * a non-finite value: nothing changes); AC_EMISMATCH (n_left or n_right not the block's);
+ * AC_ENOMEM or a device error (then the block holds no roots until the next version). */
+int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots);
 
 /* One step with learning rate lr (finite, >= 0), as described above. Grads are read, not
  * changed. Waits for the device once or twice per parameter (grafting norms). */

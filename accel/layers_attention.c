@@ -1,14 +1,16 @@
 /*
  * layers_attention.c -- causal multi-head self-attention with its input (qkv) and output
- * projections, written against the primitives of accel.h. Shapes, per batch of B sequences
- * of T tokens with H heads of Dh = D / H values:
+ * projections, written against the primitives of accel.h. Per batch of B sequences of T
+ * tokens, H heads of Dh = D / H values:
  *
- *   qkv  = x Wqkv^T + b             (B, T, 3, H, Dh)   ac_linear
- *   qkvp = permute(qkv)             (3, B, H, T, Dh)   heads become batch entries
- *   P    = softmax(mask(Q K^T / sqrt(Dh)))  (B H, T, T)
- *   ctx  = P V                      (B, H, T, Dh)
- *   ctxp = permute(ctx)             (B, T, H, Dh) = (B T, D)
- *   y    = ctxp Wproj^T + b         ac_linear
+ *   qkv = x Wqkv^T + b            (B T, 3 D): each token's row is [q | k | v], each (H, Dh)
+ *   P   = softmax(mask(Q K^T / sqrt(Dh)))      (B, H, T, T)
+ *   ctx = P V                     (B T, D): heads side by side, as the projection wants them
+ *   y   = ctx Wproj^T + b
+ *
+ * The heads are read and written in place through leading dimensions (a head of sequence b
+ * is a T x Dh block with row stride 3 D in qkv, D in ctx): one strided-batched gemm per
+ * head over the B sequences, and no transposes of activations at all.
  */
 #include <math.h>
 #include <string.h>
@@ -29,19 +31,15 @@ int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_
   l->heads = heads;
   l->max_t = max_t;
   l->max_batch = max_batch;
-  size_t rows = max_batch * max_t, n = rows * dim, nprob = max_batch * heads * max_t * max_t;
+  size_t rows = max_batch * max_t, nprob = max_batch * heads * max_t * max_t;
   AC__TRY(ac__join_name(name, sizeof name, prefix, "qkv"));
   AC__TRY(ac_linear_init(&l->qkv, be, name, dim, 3 * dim, 1, rows, ac__sub_seed(seed, 0)));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "proj"));
   AC__TRY(ac_linear_init(&l->proj, be, name, dim, dim, 1, rows, ac__sub_seed(seed, 1)));
-  AC__TRY(ac__layer_alloc(be, 3 * n, &l->qkvp));
   AC__TRY(ac__layer_alloc(be, nprob, &l->probs));
-  AC__TRY(ac__layer_alloc(be, n, &l->ctx));
-  AC__TRY(ac__layer_alloc(be, n, &l->ctxp));
-  AC__TRY(ac__layer_alloc(be, n, &l->dctx));
   AC__TRY(ac__layer_alloc(be, nprob, &l->dprobs));
-  AC__TRY(ac__layer_alloc(be, 3 * n, &l->dqkvp));
-  AC__TRY(ac__layer_alloc(be, 3 * n, &l->dqkv));
+  AC__TRY(ac__layer_alloc(be, rows * dim, &l->ctx));
+  AC__TRY(ac__layer_alloc(be, rows * 3 * dim, &l->dqkv));
   return AC_OK;
 fail:
   ac_attention_destroy(l);
@@ -54,8 +52,7 @@ void ac_attention_destroy(ac_attention *l)
     return;
   ac_linear_destroy(&l->qkv);
   ac_linear_destroy(&l->proj);
-  float **bufs[] = {&l->qkvp, &l->probs,  &l->ctx,   &l->ctxp,
-                    &l->dctx, &l->dprobs, &l->dqkvp, &l->dqkv};
+  float **bufs[] = {&l->probs, &l->dprobs, &l->ctx, &l->dqkv};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
@@ -75,25 +72,25 @@ int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t
     return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
-  size_t h = l->heads, dh = l->dim / h, bh = batch * h, tdh = t * dh, tt = t * t;
-  size_t sec = batch * t * l->dim; /* one of Q, K, V in qkvp */
+  size_t d = l->dim, h = l->heads, dh = d / h, tt = t * t;
+  size_t ld = 3 * d, seq = t * 3 * d; /* qkv: row stride, sequence stride */
   float scale = 1.0f / sqrtf((float)dh);
-  const float *qkv, *q = l->qkvp, *k = l->qkvp + sec, *v = l->qkvp + 2 * sec;
-  size_t shape5[5] = {batch, t, 3, h, dh};
-  static const int to_heads[5] = {2, 0, 3, 1, 4};
-  size_t shape4[4] = {batch, h, t, dh};
-  static const int to_tokens[4] = {0, 2, 1, 3};
+  const float *qkv;
 
   AC__TRY(ac_linear_forward(&l->qkv, x, batch * t, &qkv));
-  AC__TRY(ac_permute(be, 5, shape5, to_heads, qkv, l->qkvp));
-  AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, scale, q, dh, tdh, k, dh, tdh,
-                           0.0f, l->probs, t, tt, bh));
-  AC__TRY(ac_mask_causal(be, bh, t, l->probs, -INFINITY));
-  AC__TRY(ac_softmax_rows(be, bh * t, t, l->probs, l->probs));
-  AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs, t, tt, v,
-                           dh, tdh, 0.0f, l->ctx, dh, tdh, bh));
-  AC__TRY(ac_permute(be, 4, shape4, to_tokens, l->ctx, l->ctxp));
-  AC__TRY(ac_linear_forward(&l->proj, l->ctxp, batch * t, y));
+  for (size_t hd = 0; hd < h; hd++) {
+    const float *q = qkv + hd * dh, *k = qkv + d + hd * dh;
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, scale, q, ld, seq, k, ld,
+                             seq, 0.0f, l->probs + hd * tt, t, h * tt, batch));
+  }
+  AC__TRY(ac_mask_causal(be, batch * h, t, l->probs, -INFINITY));
+  AC__TRY(ac_softmax_rows(be, batch * h * t, t, l->probs, l->probs));
+  for (size_t hd = 0; hd < h; hd++) {
+    const float *v = qkv + 2 * d + hd * dh;
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs + hd * tt,
+                             t, h * tt, v, ld, seq, 0.0f, l->ctx + hd * dh, d, t * d, batch));
+  }
+  AC__TRY(ac_linear_forward(&l->proj, l->ctx, batch * t, y));
   l->batch = batch;
   l->t = t;
   l->ready = 1;
@@ -108,29 +105,30 @@ int ac_attention_backward(ac_attention *l, const float *dy, const float **dx)
     return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
-  size_t batch = l->batch, t = l->t, h = l->heads, dh = l->dim / h;
-  size_t bh = batch * h, tdh = t * dh, tt = t * t, sec = batch * t * l->dim;
+  size_t batch = l->batch, t = l->t, d = l->dim, h = l->heads, dh = d / h, tt = t * t;
+  size_t ld = 3 * d, seq = t * 3 * d;
   float scale = 1.0f / sqrtf((float)dh);
-  const float *q = l->qkvp, *k = l->qkvp + sec, *v = l->qkvp + 2 * sec, *dctxp;
-  float *dq = l->dqkvp, *dk = l->dqkvp + sec, *dv = l->dqkvp + 2 * sec;
-  size_t shape4[4] = {batch, t, h, dh};
-  static const int to_heads4[4] = {0, 2, 1, 3};
-  size_t shape5[5] = {3, batch, h, t, dh};
-  static const int to_tokens5[5] = {1, 3, 0, 2, 4};
+  const float *qkv = l->qkv.y, *dctx;
 
-  AC__TRY(ac_linear_backward(&l->proj, dy, &dctxp));
-  AC__TRY(ac_permute(be, 4, shape4, to_heads4, dctxp, l->dctx));
-  /* dV = P^T dctx; dP = dctx V^T; dS = softmax'(dP); dQ = s dS K; dK = s dS^T Q. */
-  AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs, t, tt,
-                           l->dctx, dh, tdh, 0.0f, dv, dh, tdh, bh));
-  AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, l->dctx, dh, tdh, v, dh,
-                           tdh, 0.0f, l->dprobs, t, tt, bh));
-  AC__TRY(ac_softmax_rows_backward(be, bh * t, t, l->probs, l->dprobs, l->dprobs));
-  AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, scale, l->dprobs, t, tt, k,
-                           dh, tdh, 0.0f, dq, dh, tdh, bh));
-  AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, scale, l->dprobs, t, tt, q,
-                           dh, tdh, 0.0f, dk, dh, tdh, bh));
-  AC__TRY(ac_permute(be, 5, shape5, to_tokens5, l->dqkvp, l->dqkv));
+  AC__TRY(ac_linear_backward(&l->proj, dy, &dctx));
+  /* Per head: dV = P^T dctx and dP = dctx V^T; then dS = softmax'(dP) for all heads;
+   * then dQ = s dS K and dK = s dS^T Q, each written into its slot of dqkv. */
+  for (size_t hd = 0; hd < h; hd++) {
+    const float *dc = dctx + hd * dh, *v = qkv + 2 * d + hd * dh;
+    AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs + hd * tt, t,
+                             h * tt, dc, d, t * d, 0.0f, l->dqkv + 2 * d + hd * dh, ld, seq,
+                             batch));
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, dc, d, t * d, v, ld,
+                             seq, 0.0f, l->dprobs + hd * tt, t, h * tt, batch));
+  }
+  AC__TRY(ac_softmax_rows_backward(be, batch * h * t, t, l->probs, l->dprobs, l->dprobs));
+  for (size_t hd = 0; hd < h; hd++) {
+    const float *q = qkv + hd * dh, *k = qkv + d + hd * dh, *ds = l->dprobs + hd * tt;
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, k,
+                             ld, seq, 0.0f, l->dqkv + hd * dh, ld, seq, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, q, ld,
+                             seq, 0.0f, l->dqkv + d + hd * dh, ld, seq, batch));
+  }
   AC__TRY(ac_linear_backward(&l->qkv, l->dqkv, dx));
   return AC_OK;
 fail:

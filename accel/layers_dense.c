@@ -351,11 +351,9 @@ int ac_layernorm_init(ac_layernorm *l, ac_backend *be, const char *prefix, size_
   AC__TRY(ac__param_named(&l->bias, be, prefix, "bias", 1, &dim));
   AC__TRY(ac_fill_f32(be, dim, ac_tensor_f32(&l->weight.value), 1.0f));
   AC__TRY(ac__layer_alloc(be, max_rows * dim, &l->y));
-  AC__TRY(ac__layer_alloc(be, max_rows * dim, &l->xhat));
   AC__TRY(ac__layer_alloc(be, max_rows * dim, &l->dx));
-  AC__TRY(ac__layer_alloc(be, max_rows * dim, &l->tmp));
+  AC__TRY(ac__layer_alloc(be, max_rows, &l->mean));
   AC__TRY(ac__layer_alloc(be, max_rows, &l->rstd));
-  AC__TRY(ac__layer_alloc(be, 2 * max_rows, &l->stat));
   return AC_OK;
 fail:
   ac_layernorm_destroy(l);
@@ -368,7 +366,7 @@ void ac_layernorm_destroy(ac_layernorm *l)
     return;
   ac_param_destroy(&l->weight);
   ac_param_destroy(&l->bias);
-  float **bufs[] = {&l->y, &l->xhat, &l->dx, &l->tmp, &l->rstd, &l->stat};
+  float **bufs[] = {&l->y, &l->dx, &l->mean, &l->rstd};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
@@ -384,56 +382,28 @@ int ac_layernorm_forward(ac_layernorm *l, const float *x, size_t rows, const flo
 {
   if (l->be == NULL || x == NULL || y == NULL || rows == 0 || rows > l->max_rows)
     return AC_EINVAL;
-  int rc;
-  ac_backend *be = l->be;
-  size_t d = l->dim;
-  float inv_d = 1.0f / (float)d;
-  /* Rows are the mid axis of (1, rows, d); gamma and beta the mid axis of (rows, d, 1). */
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, 1, rows, d, inv_d, x, 0.0f, l->stat));
-  AC__TRY(ac_bcast(be, AC_BIN_SUB, 1, rows, d, x, l->stat, l->tmp));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUMSQ, 1, rows, d, inv_d, l->tmp, 0.0f, l->rstd));
-  AC__TRY(ac_affine(be, rows, 1.0f, l->rstd, l->eps, l->rstd));
-  AC__TRY(ac_unary(be, AC_UNARY_RSQRT, rows, l->rstd, l->rstd));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, 1, rows, d, l->tmp, l->rstd, l->xhat));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, rows, d, 1, l->xhat, ac_tensor_f32(&l->weight.value),
-                   l->y));
-  AC__TRY(ac_bcast(be, AC_BIN_ADD, rows, d, 1, l->y, ac_tensor_f32(&l->bias.value), l->y));
+  int rc = ac_layernorm_rows(l->be, rows, l->dim, l->eps, x, ac_tensor_f32(&l->weight.value),
+                             ac_tensor_f32(&l->bias.value), l->y, l->mean, l->rstd);
+  if (rc != AC_OK)
+    return rc;
+  l->x = x;
   l->rows = rows;
   l->ready = 1;
   *y = l->y;
   return AC_OK;
-fail:
-  return rc;
 }
 
 int ac_layernorm_backward(ac_layernorm *l, const float *dy, const float **dx)
 {
   if (l->be == NULL || !l->ready || dy == NULL)
     return AC_EINVAL;
-  int rc;
-  ac_backend *be = l->be;
-  size_t rows = l->rows, d = l->dim, n = rows * d;
-  float inv_d = 1.0f / (float)d;
-  float *m1 = l->stat, *m2 = l->stat + rows;
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, rows, d, 1, 1.0f, dy, 1.0f,
-                    ac_tensor_f32(&l->bias.grad)));
-  AC__TRY(ac_binary(be, AC_BIN_MUL, n, dy, l->xhat, l->tmp));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, rows, d, 1, 1.0f, l->tmp, 1.0f,
-                    ac_tensor_f32(&l->weight.grad)));
-  if (dx == NULL)
-    return AC_OK;
-  /* dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy * gamma. */
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, rows, d, 1, dy, ac_tensor_f32(&l->weight.value), l->dx));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, 1, rows, d, inv_d, l->dx, 0.0f, m1));
-  AC__TRY(ac_binary(be, AC_BIN_MUL, n, l->dx, l->xhat, l->tmp));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, 1, rows, d, inv_d, l->tmp, 0.0f, m2));
-  AC__TRY(ac_bcast(be, AC_BIN_SUB, 1, rows, d, l->dx, m1, l->dx));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, 1, rows, d, l->xhat, m2, l->tmp));
-  AC__TRY(ac_binary(be, AC_BIN_SUB, n, l->dx, l->tmp, l->dx));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, 1, rows, d, l->dx, l->rstd, l->dx));
-  *dx = l->dx;
-  return AC_OK;
-fail:
+  /* The primitive always produces dx with the parameter gradients. */
+  int rc = ac_layernorm_rows_backward(l->be, l->rows, l->dim, l->x,
+                                      ac_tensor_f32(&l->weight.value), l->mean, l->rstd, dy,
+                                      l->dx, ac_tensor_f32(&l->weight.grad),
+                                      ac_tensor_f32(&l->bias.grad));
+  if (rc == AC_OK && dx != NULL)
+    *dx = l->dx;
   return rc;
 }
 

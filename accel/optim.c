@@ -41,6 +41,16 @@ int ac__optim_params_check(ac_param *const *params, size_t nparams, ac_backend *
   return AC_OK;
 }
 
+int ac__optim_params_distinct(ac_param *const *params, size_t nparams)
+{
+  for (size_t i = 1; i < nparams; i++)
+    for (size_t j = 0; j < i; j++)
+      if (params[i] == params[j] ||
+          (params[i]->value.data != NULL && params[i]->value.data == params[j]->value.data))
+        return AC_EINVAL;
+  return AC_OK;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Gradient clipping                                                                       */
 

@@ -75,6 +75,8 @@ int ac_adamw_create(ac_adamw **out, ac_param *const *params, size_t nparams,
     opts = &defaults;
   }
   rc = ac__optim_params_check(params, nparams, &be, NULL);
+  if (rc == AC_OK)
+    rc = ac__optim_params_distinct(params, nparams);
   if (rc != AC_OK)
     return rc;
   if (adamw_opts_check(opts) != AC_OK)

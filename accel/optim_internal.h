@@ -13,6 +13,10 @@
 int ac__optim_params_check(ac_param *const *params, size_t nparams, ac_backend **be,
                            size_t *max_numel);
 
+/* AC_OK if no parameter appears twice in the list (it would be updated twice per step),
+ * else AC_EINVAL. Quadratic: for create, not for every step. */
+int ac__optim_params_distinct(ac_param *const *params, size_t nparams);
+
 /* A rate or decay factor in [lo, hi). */
 int ac__optim_in_range(double x, double lo, double hi);
 

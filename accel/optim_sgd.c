@@ -64,6 +64,8 @@ int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams, const a
     opts = &defaults;
   }
   rc = ac__optim_params_check(params, nparams, &be, &max_numel);
+  if (rc == AC_OK)
+    rc = ac__optim_params_distinct(params, nparams);
   if (rc != AC_OK)
     return rc;
   if (sgd_opts_check(opts) != AC_OK)

@@ -25,7 +25,8 @@ typedef struct {
   size_t stats_off;      /* left statistic at stats + stats_off, right right after it */
   float *lroot, *rroot;  /* dense roots on the device; allocated with the first roots */
   int has_left, has_right;
-  uint64_t version, fallback;
+  uint64_t version, source_step, fallback;
+  long staleness;        /* at the last step that used the roots; -1: never used */
 } shampoo_block;
 
 typedef struct {
@@ -52,6 +53,7 @@ struct ac_shampoo {
   float *norms_dev, *norms_host; /* |P_b|, |D_b| of one parameter's blocks */
   long steps;
   uint64_t fallback_total;
+  ac_shampoo_step_info last; /* what the last step did */
 };
 
 void ac_shampoo_opts_default(ac_shampoo_opts *opts)
@@ -65,6 +67,7 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts)
   opts->weight_decay = 0.0f;
   opts->stats_interval = 1;
   opts->start_step = 1;
+  opts->max_staleness = 0;
   opts->beta2 = 1.0f;
   opts->epsilon = 1e-6;
 }
@@ -98,17 +101,21 @@ static int shampoo_opts_check(const ac_shampoo_opts *o)
       graft_opts_check(&o->graft) != AC_OK || !ac__optim_in_range(o->momentum, 0.0, 1.0) ||
       (o->nesterov != 0 && o->nesterov != 1) || (o->nesterov && o->momentum == 0.0f) ||
       !(o->weight_decay >= 0.0f) || !isfinite(o->weight_decay) || o->stats_interval < 1 ||
-      o->start_step < 1 || !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) ||
+      o->start_step < 1 || o->max_staleness < 0 || !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) ||
       !isfinite(o->epsilon))
     return AC_EINVAL;
   return AC_OK;
 }
 
-static int roots_check(const ac_shampoo *s, size_t b, uint64_t version, ac_root_format fmt,
-                       size_t n_left, const float *left, size_t n_right, const float *right)
+static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
 {
-  if (s == NULL || b >= s->nblocks || version == 0 ||
-      (fmt != AC_ROOT_DENSE && fmt != AC_ROOT_PACKED) || (left == NULL && right == NULL))
+  if (s == NULL || roots == NULL || b >= s->nblocks)
+    return AC_EINVAL;
+  const ac_root_format fmt = roots->format;
+  const size_t n_left = roots->n_left, n_right = roots->n_right;
+  const float *left = roots->left, *right = roots->right;
+  if (roots->version == 0 || (fmt != AC_ROOT_DENSE && fmt != AC_ROOT_PACKED) ||
+      (left == NULL && right == NULL))
     return AC_EINVAL;
   const pc_block *blk = &s->blocks[b].blk;
   if ((left != NULL && n_left != blk->rows) || (left == NULL && n_left != 0) ||
@@ -211,6 +218,7 @@ static int make_blocks(ac_shampoo *s)
       sb->index = k;
       sb->blk = l->blocks[k];
       sb->stats_off = off;
+      sb->staleness = -1;
       off += ac_packed_len(sb->blk.rows) + ac_packed_len(sb->blk.cols);
     }
   }
@@ -254,6 +262,8 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
     opts = &defaults;
   }
   rc = ac__optim_params_check(params, nparams, &be, &max_numel);
+  if (rc == AC_OK)
+    rc = ac__optim_params_distinct(params, nparams);
   if (rc != AC_OK)
     return rc;
   if (shampoo_opts_check(opts) != AC_OK)
@@ -323,7 +333,17 @@ int ac_shampoo_block_info(const ac_shampoo *s, size_t b, ac_shampoo_block *info)
   info->index = sb->index;
   info->block = sb->blk;
   info->version = sb->version;
+  info->source_step = sb->source_step;
   info->fallback_steps = sb->fallback;
+  info->staleness = sb->staleness;
+  return AC_OK;
+}
+
+int ac_shampoo_last_step(const ac_shampoo *s, ac_shampoo_step_info *info)
+{
+  if (s == NULL || info == NULL)
+    return AC_EINVAL;
+  *info = s->last;
   return AC_OK;
 }
 
@@ -405,14 +425,16 @@ static int upload_root(ac_shampoo *s, size_t n, ac_root_format fmt, const float 
   return rc == AC_OK ? ac_unpack_sym(s->be, n, s->stage, dst, n) : rc;
 }
 
-int ac_shampoo_set_roots(ac_shampoo *s, size_t b, uint64_t version, ac_root_format fmt,
-                         size_t n_left, const float *left, size_t n_right, const float *right)
+int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
 {
-  int rc = roots_check(s, b, version, fmt, n_left, left, n_right, right);
+  int rc = roots_check(s, b, roots);
   if (rc != AC_OK)
     return rc;
   shampoo_block *sb = &s->blocks[b];
-  if (version <= sb->version)
+  const ac_root_format fmt = roots->format;
+  const size_t n_left = roots->n_left, n_right = roots->n_right;
+  const float *left = roots->left, *right = roots->right;
+  if (roots->version <= sb->version)
     return AC_OK;
 
   /* Allocate both sides first, so that a failure changes nothing the step reads. */
@@ -435,7 +457,8 @@ int ac_shampoo_set_roots(ac_shampoo *s, size_t b, uint64_t version, ac_root_form
     return rc;
   sb->has_left = left != NULL;
   sb->has_right = right != NULL;
-  sb->version = version;
+  sb->version = roots->version;
+  sb->source_step = roots->source_step;
   return AC_OK;
 }
 
@@ -523,25 +546,42 @@ static int precondition_block(ac_shampoo *s, const shampoo_block *sb, const floa
                   c);
 }
 
+/* Whether block sb's roots are used at step t; if so, *staleness says how old they are. */
+static int roots_usable(const ac_shampoo *s, const shampoo_block *sb, long t, long *staleness)
+{
+  if (t < s->opts.start_step || sb->version == 0)
+    return 0;
+  /* Roots from a step ahead of this one (a worker restarted behind the daemon) count as
+   * fresh. */
+  *staleness = sb->source_step >= (uint64_t)t ? 0 : (long)((uint64_t)t - sb->source_step);
+  return s->opts.max_staleness == 0 || *staleness <= s->opts.max_staleness;
+}
+
 /* Overwrites the blocks of d (the parameter's grafted direction, its 2-D view) that hold
  * roots with their preconditioned direction rescaled to d's block norm; counts fallbacks. */
 static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d)
 {
   const size_t ld = sp->layout.cols;
   const float *g = ac_tensor_f32(&sp->p->grad);
-  const int may_use = t >= s->opts.start_step;
   size_t used = 0, off = 0;
+  long age = 0;
   int rc = AC_OK;
 
   /* Pass 1: P_b and D_b into contiguous scratch (a, b), their norms into norms_dev. */
   for (size_t k = 0; k < sp->layout.nblocks && rc == AC_OK; k++) {
     shampoo_block *sb = &s->blocks[sp->first_block + k];
     const size_t r = sb->blk.rows, c = sb->blk.cols, at = sb->blk.row0 * ld + sb->blk.col0;
-    if (!may_use || sb->version == 0) {
+    if (!roots_usable(s, sb, t, &age)) {
       sb->fallback++;
       s->fallback_total++;
+      s->last.fallback++;
       continue;
     }
+    sb->staleness = age;
+    s->last.preconditioned++;
+    s->last.staleness_mean += (double)age;
+    if (age > s->last.staleness_max)
+      s->last.staleness_max = age;
     rc = precondition_block(s, sb, g + at, ld, s->a + off);
     if (rc == AC_OK)
       rc = ac_copy2d(s->be, r, c, d + at, ld, s->b + off, c);
@@ -563,7 +603,7 @@ static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d
   for (size_t k = 0; k < sp->layout.nblocks && rc == AC_OK; k++) {
     const shampoo_block *sb = &s->blocks[sp->first_block + k];
     const size_t r = sb->blk.rows, c = sb->blk.cols, at = sb->blk.row0 * ld + sb->blk.col0;
-    if (!may_use || sb->version == 0)
+    if (!roots_usable(s, sb, t, &age))
       continue;
     const double np = s->norms_host[2 * used], nd = s->norms_host[2 * used + 1];
     const float scale = (float)(nd / np);
@@ -586,6 +626,9 @@ int ac_shampoo_step(ac_shampoo *s, float lr)
     return AC_EINVAL;
   const long t = s->steps + 1;
   const float mu = s->opts.momentum;
+  memset(&s->last, 0, sizeof s->last);
+  s->last.step = t;
+  s->last.staleness_max = -1;
   for (size_t i = 0; i < s->nparams; i++) {
     shampoo_param *sp = &s->params[i];
     const size_t n = sp->p->value.numel;
@@ -607,6 +650,9 @@ int ac_shampoo_step(ac_shampoo *s, float lr)
     if (rc != AC_OK)
       return rc;
   }
+  s->last.staleness_mean = s->last.preconditioned > 0
+                               ? s->last.staleness_mean / (double)s->last.preconditioned
+                               : NAN;
   s->steps++;
   return AC_OK;
 }

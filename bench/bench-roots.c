@@ -2,8 +2,11 @@
  * bench-roots -- cost and accuracy of precond's inverse p-th roots.
  *
  * For each size and spectrum it times every method (median of repeats), measures its error
- * against the fp64 root of the fp64 matrix, and expresses the time in units of one n x n x n
- * sgemm (dgemm for fp64 rows) timed in the same run: gemm_equiv. One row per case.
+ * against the fp64 root of the fp64 matrix (rel_err) and against the fp64 root of exactly the
+ * fp32 input (rel_err_in: the method's own error), and expresses the time in units of one
+ * n x n x n sgemm (dgemm for fp64 rows) timed right before the case: gemm_equiv. One row per
+ * case; cpu_ms is the process CPU time (all threads), steadier than wall time on a shared
+ * machine when --threads 1.
  *
  * Spectra: "well" = G G^T with G n x 1.5n Gaussian (Marchenko-Pastur, condition ~1e2);
  * "shampoo" = G G^T with G n x n/4 (rank n/4) plus the relative ridge 1e-6 (condition ~1e6).
@@ -13,7 +16,7 @@
  *   newton-sym          textbook start and steps, one-triangle products (syrk, panels)
  *   newton-scaled-gemm  scaled steps, full gemm products, fp32 throughout
  *   newton-fp32         scaled steps, one-triangle products, fp32 throughout
- *   newton-mixed-5/-3   newton with the fp64 phase ending at 1e-5 / 1e-3 instead of 1e-4
+ *   newton-mixed-4/-3   newton with the fp64 phase ending at 1e-4 / 1e-3 instead of 1e-5
  * fp64 rows exist for newton, newton-textbook and eigh (tolerance 1e-12 for Newton).
  *
  *   bench-roots [--csv] [--sizes 128,256,...] [--repeats N] [--methods a,b] [--precisions
@@ -48,8 +51,8 @@ static const bench_method all_methods[] = {
    {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0}},
   {"newton-mixed-3", 0, 0, PC_METHOD_NEWTON,
    {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-3}},
-  {"newton-mixed-5", 0, 0, PC_METHOD_NEWTON,
-   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-5}},
+  {"newton-mixed-4", 0, 0, PC_METHOD_NEWTON,
+   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4}},
   {"newton-textbook", 0, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
   {"eigh", 0, 1, PC_METHOD_EIGH, {0}},
   {"newton", 1, 1, PC_METHOD_NEWTON, {0}},
@@ -73,6 +76,14 @@ typedef struct {
 static double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* CPU time of the whole process (all threads): less sensitive than wall time to other
+ * programs sharing the cores, more to OpenBLAS threads spinning while they wait. */
+static double cpu_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
@@ -107,7 +118,7 @@ static void usage(FILE *f) {
           "  --repeats N           timed repeats per case, median reported (default 3; 1 at\n"
           "                        n >= 2048)\n"
           "  --methods LIST        any of newton,newton-fp32,newton-scaled-gemm,newton-sym,\n"
-          "                        newton-mixed-5,newton-mixed-3,newton-textbook,eigh\n"
+          "                        newton-mixed-4,newton-mixed-3,newton-textbook,eigh\n"
           "                        (default: all but the newton-mixed-* ones)\n"
           "  --precisions LIST     f32,f64 (default both; fp64 rows: newton, textbook, eigh)\n"
           "  --spectra LIST        well,shampoo (default both)\n"
@@ -235,13 +246,13 @@ static double rel_err(size_t n, const float *x32, const double *x64, const doubl
   return sqrt(num / den);
 }
 
-/* Median time of one n x n x n gemm in the given precision. */
-static double time_gemm(size_t n, int f64, int repeats) {
-  double t[64];
+/* Median wall and CPU time of one n x n x n gemm in the given precision. */
+static void time_gemm(size_t n, int f64, int repeats, double *wall, double *cpu) {
+  double t[64], c[64];
   int ni = (int)n;
   void *a = calloc(n * n, f64 ? 8 : 4), *b = calloc(n * n, f64 ? 8 : 4),
-       *c = calloc(n * n, f64 ? 8 : 4);
-  if (!a || !b || !c) abort();
+       *cc = calloc(n * n, f64 ? 8 : 4);
+  if (!a || !b || !cc) abort();
   if (f64) {
     for (size_t i = 0; i < n * n; i++) ((double *)a)[i] = ((double *)b)[i] = 1.0 / (1 + i % 7);
   } else {
@@ -249,23 +260,27 @@ static double time_gemm(size_t n, int f64, int repeats) {
   }
   int k = repeats + 2 > 64 ? 64 : repeats + 2;
   for (int r = 0; r <= k; r++) { /* the first call warms up */
-    double t0 = now_s();
+    double t0 = now_s(), c0 = cpu_s();
     if (f64)
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, c,
-                  ni);
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0,
+                  cc, ni);
     else
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, c,
-                  ni);
-    if (r > 0) t[r - 1] = now_s() - t0;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0,
+                  cc, ni);
+    if (r > 0) {
+      t[r - 1] = now_s() - t0;
+      c[r - 1] = cpu_s() - c0;
+    }
   }
-  free(a); free(b); free(c);
-  return median(t, k);
+  free(a); free(b); free(cc);
+  *wall = median(t, k);
+  *cpu = median(c, k);
 }
 
 static void print_header(const bench_opts *o) {
   if (o->csv) {
-    printf("n,spectrum,cond,p,method,precision,threads,ms,ms_min,iterations,status,error,"
-           "rel_err,rel_err_in,gemm_ms,gemm_equiv\n");
+    printf("n,spectrum,cond,p,method,precision,threads,ms,ms_min,cpu_ms,iterations,status,"
+           "error,rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
   } else {
     printf("%5s %-8s %8s %-19s %-4s %10s %5s %8s %9s %9s %9s %7s\n", "n", "spectrum", "cond",
            "method", "prec", "ms", "iters", "error", "rel_err", "rel_in", "gemm_ms",
@@ -285,7 +300,6 @@ int main(int argc, char **argv) {
   for (int si = 0; si < o.nsizes; si++) {
     size_t n = o.sizes[si];
     int repeats = o.repeats ? o.repeats : (n >= 2048 ? 1 : 3);
-    double gemm_s[2] = {time_gemm(n, 0, repeats), time_gemm(n, 1, repeats)};
     for (int sp = 0; sp < 2; sp++) {
       if (!listed(o.spectra, spectra[sp])) continue;
       fprintf(stderr, "bench-roots: n=%zu spectrum=%s: building matrix and references\n", n,
@@ -314,11 +328,17 @@ int main(int argc, char **argv) {
         pc_root_opts_default(&ro, o.p);
         ro.method = m->method;
         if (m->f64) ro.tol = 1e-12;
-        double t[64], tmin = INFINITY;
+        /* The reference product is timed next to each case, so that both see the same load
+         * from whatever else runs on the machine. */
+        double gms, gcpu;
+        time_gemm(n, m->f64, repeats, &gms, &gcpu);
+        gms *= 1e3;
+        gcpu *= 1e3;
+        double t[64], c[64], tmin = INFINITY;
         pc_root_info info;
         int st = PC_OK;
         for (int r = 0; r < repeats && r < 64; r++) {
-          double t0 = now_s();
+          double t0 = now_s(), c0 = cpu_s();
           if (m->public_method)
             st = m->f64 ? pc_inverse_root_f64(n, a, x64, &ro, &info)
                         : pc_inverse_root_f32(n, a32, x32, &ro, &info);
@@ -326,9 +346,11 @@ int main(int argc, char **argv) {
             st = m->f64 ? pc__newton_root_f64(n, a, x64, &ro, &m->variant, &info)
                         : pc__newton_root_f32(n, a32, x32, &ro, &m->variant, &info);
           t[r] = now_s() - t0;
+          c[r] = cpu_s() - c0;
           tmin = t[r] < tmin ? t[r] : tmin;
         }
         double ms = 1e3 * median(t, repeats < 64 ? repeats : 64);
+        double cpu_ms = 1e3 * median(c, repeats < 64 ? repeats : 64);
         double rel = NAN, rel_in = NAN;
         if (st >= 0) {
           eig_root(&e, info.ridge, o.p, scratch, ref);
@@ -338,12 +360,12 @@ int main(int argc, char **argv) {
             rel_in = rel_err(n, x32, NULL, ref);
           }
         }
-        double gms = 1e3 * gemm_s[m->f64];
         const char *prec = m->f64 ? "fp64" : "fp32";
         if (o.csv)
-          printf("%zu,%s,%.3g,%d,%s,%s,%d,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3g,%.3f,%.2f\n", n,
-                 spectra[sp], cond, o.p, m->name, prec, o.threads, ms, 1e3 * tmin, info.iters,
-                 st, info.error, rel, rel_in, gms, ms / gms);
+          printf("%zu,%s,%.3g,%d,%s,%s,%d,%.3f,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3g,%.3f,%.2f,%.3f,"
+                 "%.2f\n",
+                 n, spectra[sp], cond, o.p, m->name, prec, o.threads, ms, 1e3 * tmin, cpu_ms,
+                 info.iters, st, info.error, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
         else
           printf("%5zu %-8s %8.2g %-19s %-4s %10.2f %5d %8.2g %9.3g %9.3g %9.3f %7.2f\n", n,
                  spectra[sp], cond, m->name, prec, ms, info.iters, info.error, rel, rel_in, gms,

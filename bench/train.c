@@ -678,9 +678,11 @@ static int tr__shampoo_refresh(tr_optimizer *o, size_t b, tr_error *err) {
     return tr__fail(err, TR_EDAEMON, "precond_fetch block %u: %s", s->daemon_id[b],
                     precond_strerror(prc));
   if (r == NULL) return TR_OK;
-  int rc = ac_shampoo_set_roots(o->shampoo_opt, b, r->version, AC_ROOT_PACKED, r->n_left,
-                                r->n_left > 0 ? r->left : NULL, r->n_right,
-                                r->n_right > 0 ? r->right : NULL);
+  const ac_shampoo_roots roots = {
+    .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
+    .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
+    .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
+  int rc = ac_shampoo_set_roots(o->shampoo_opt, b, &roots);
   if (rc == AC_OK) {
     s->version[b] = r->version;
     s->source_step[b] = r->source_step;

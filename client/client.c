@@ -60,6 +60,7 @@ struct precond_client {
   precond__queue queue;
   size_t inflight;           /* items taken out for a send not yet answered */
   roots_obj **roots;         /* nblocks slots: newest version held, or NULL */
+  uint64_t *daemon_have;     /* nblocks: daemon version asked about (0 after re-register) */
   uint64_t newest_step;      /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
@@ -226,7 +227,8 @@ static roots_obj *roots_from_wire(const Precond__V1__BlockRoots *b)
   }
   atomic_init(&o->refs, 1);
   o->pub.block_id = b->block_id;
-  o->pub.version = b->version;
+  o->pub.version = 0;  /* set when published */
+  o->pub.daemon_version = b->version;
   o->pub.source_step = b->source_step;
   o->pub.error = b->error;
   o->pub.method = (precond_method)b->method;
@@ -295,6 +297,8 @@ static void job_clear(precond_client *c)
       if (c->roots[i] != NULL)
         precond_roots_release(&c->roots[i]->pub);
   free(c->roots);
+  free(c->daemon_have);
+  c->daemon_have = NULL;
   free(c->block_rows);
   free(c->block_cols);
   free(c->job);
@@ -397,11 +401,11 @@ static int poll_roots(precond_client *c)
   req.encoding = (Precond__V1__Encoding)c->opts.fetch_encoding;
   req.step = c->newest_step;
   for (uint32_t i = 0; i < nb; i++) {
-    if (c->roots[i] == NULL)
+    if (c->daemon_have[i] == 0)
       continue;
     precond__v1__block_version__init(&bv[req.n_have]);
     bv[req.n_have].block_id = i;
-    bv[req.n_have].version = c->roots[i]->pub.version;
+    bv[req.n_have].version = c->daemon_have[i];
     bvp[req.n_have] = &bv[req.n_have];
     req.n_have++;
   }
@@ -433,8 +437,10 @@ static int poll_roots(precond_client *c)
     if (o == NULL)
       continue;
     uint32_t id = o->pub.block_id;
-    if (c->job_gen == gen && (c->roots[id] == NULL || o->pub.version > c->roots[id]->pub.version)) {
+    if (c->job_gen == gen && o->pub.daemon_version > c->daemon_have[id]) {
       roots_obj *old = c->roots[id];
+      o->pub.version = old != NULL ? old->pub.version + 1 : 1;
+      c->daemon_have[id] = o->pub.daemon_version;
       c->roots[id] = o;
       published++;
       if (old != NULL)
@@ -464,20 +470,17 @@ static int poll_roots(precond_client *c)
   return st;
 }
 
-/* Push step: one batch from the queue. Called with mu held; returns with mu held. */
+/* Push step: one batch from the queue. Called with mu held; returns with mu held. On a
+ * transient failure (daemon away, or lost the job) the batch goes back into the queue and
+ * the status is returned so the caller can back off or register again. */
 static int push_some(precond_client *c)
 {
-  size_t cap = 256;
   precond__item *items[256];
-  size_t n = precond__queue_take(&c->queue, items, cap, c->opts.max_message_bytes / 2);
+  size_t n = precond__queue_take(&c->queue, items, 256, c->opts.max_message_bytes / 2);
   if (n == 0)
     return PRECOND_OK;
   uint64_t gen = c->job_gen;
   char *job = dup_str(c->job);
-  uint8_t *reg = NULL;
-  size_t reg_len = c->register_len;
-  if (c->register_msg != NULL && (reg = malloc(reg_len)) != NULL)
-    memcpy(reg, c->register_msg, reg_len);
   c->inflight = n;
   pthread_mutex_unlock(&c->mu);
 
@@ -485,16 +488,9 @@ static int push_some(precond_client *c)
   for (size_t i = 0; i < n; i++)
     bytes += precond__item_bytes(items[i]);
   int st = job ? send_batch(c, job, items, n) : PRECOND_ENOMEM;
-  int reregistered = 0;
-  if ((st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) && reg != NULL &&
-      reregister(c, reg, reg_len) == PRECOND_OK) {
-    reregistered = 1;
-    st = send_batch(c, job, items, n);
-  }
 
   pthread_mutex_lock(&c->mu);
   c->inflight = 0;
-  c->counters.reregistered += (uint64_t)reregistered;
   int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT ||
                   st == PRECOND_ENOMEM || st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
   if (transient && c->job_gen == gen && !c->stop) {
@@ -511,8 +507,29 @@ static int push_some(precond_client *c)
   }
   pthread_cond_broadcast(&c->progress);
   free(job);
-  free(reg);
   return transient ? st : PRECOND_OK;
+}
+
+/* The daemon lost the job (restart without its state): register again with the kept
+ * request, and forget the daemon versions held so its new roots are accepted whatever
+ * their numbers. Called with mu held; returns with mu held. */
+static int recover_job(precond_client *c)
+{
+  uint64_t gen = c->job_gen;
+  size_t len = c->register_len;
+  uint8_t *reg = malloc(len ? len : 1);
+  if (reg == NULL)
+    return PRECOND_ENOMEM;
+  memcpy(reg, c->register_msg, len);
+  pthread_mutex_unlock(&c->mu);
+  int st = reregister(c, reg, len);
+  free(reg);
+  pthread_mutex_lock(&c->mu);
+  if (st == PRECOND_OK && c->job_gen == gen) {
+    memset(c->daemon_have, 0, c->nblocks * sizeof(*c->daemon_have));
+    c->counters.reregistered++;
+  }
+  return st;
 }
 
 static void *thread_main(void *arg)
@@ -534,6 +551,12 @@ static void *thread_main(void *arg)
     } else if (c->queue.length > 0) {
       st = push_some(c);
       worked = 1;
+    }
+    if (st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
+      c->counters.retries++;
+      st = recover_job(c);
+      if (st == PRECOND_OK)
+        continue;  /* send or poll again at once */
     }
     if (st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
         st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
@@ -791,6 +814,7 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   uint8_t *packed = NULL;
   precond__queue q = {0};
   roots_obj **roots = NULL;
+  uint64_t *have = NULL;
   uint32_t *rows = NULL, *cols = NULL;
   char *job_copy = dup_str(job);
   int st = PRECOND_ENOMEM;
@@ -844,9 +868,10 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   layout->diagonal_tensors = calloc(resp->n_diagonal_tensors ? resp->n_diagonal_tensors : 1,
                                     sizeof(uint32_t));
   roots = calloc(nb ? nb : 1, sizeof(*roots));
+  have = calloc(nb ? nb : 1, sizeof(*have));
   rows = calloc(nb ? nb : 1, sizeof(*rows));
   cols = calloc(nb ? nb : 1, sizeof(*cols));
-  if (layout->blocks == NULL || layout->diagonal_tensors == NULL || roots == NULL ||
+  if (layout->blocks == NULL || layout->diagonal_tensors == NULL || roots == NULL || have == NULL ||
       rows == NULL || cols == NULL || precond__queue_init(&q, c->opts.queue_blocks, (uint32_t)nb) != 0) {
     precond_layout_destroy(layout);
     goto cleanup;
@@ -875,6 +900,7 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   c->block_rows = rows;
   c->block_cols = cols;
   c->roots = roots;
+  c->daemon_have = have;
   c->queue = q;
   c->job_gen++;
   pthread_cond_broadcast(&c->wake);
@@ -883,12 +909,14 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   packed = NULL;
   rows = cols = NULL;
   roots = NULL;
+  have = NULL;
   q = (precond__queue){0};
   st = PRECOND_OK;
 
 cleanup:
   precond__queue_destroy(&q);
   free(roots);
+  free(have);
   free(rows);
   free(cols);
   free(packed);
@@ -906,20 +934,18 @@ cleanup:
 int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
                  const float *left, uint32_t n_right, const float *right, precond_encoding enc)
 {
-  if (c == NULL || (n_left == 0) != (left == NULL) || (n_right == 0) != (right == NULL) ||
-      (n_left == 0 && n_right == 0) || (enc != PRECOND_FP32 && enc != PRECOND_BF16))
+  if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
+      (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int ok = c->thread_started && c->job != NULL && block_id < c->nblocks &&
-           (n_left == 0 || n_left == c->block_rows[block_id]) &&
-           (n_right == 0 || n_right == c->block_cols[block_id]);
+           n_left == c->block_rows[block_id] && n_right == c->block_cols[block_id];
   pthread_mutex_unlock(&c->mu);
   if (!ok)
     return PRECOND_EINVAL;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
-  if (!pc_all_finite_f32(cl, left ? left : (const float *)"") ||
-      !pc_all_finite_f32(cr, right ? right : (const float *)""))
+  if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
     return PRECOND_EINVAL;
   size_t es = enc == PRECOND_BF16 ? sizeof(uint16_t) : sizeof(float);
   precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
@@ -927,20 +953,16 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   if (it == NULL)
     return PRECOND_ENOMEM;
   if (enc == PRECOND_BF16) {
-    if (cl)
-      pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
-    if (cr)
-      pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
+    pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
+    pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
   } else {
-    if (cl)
-      memcpy(it->data, left, cl * es);
-    if (cr)
-      memcpy(it->data + cl * es, right, cr * es);
+    memcpy(it->data, left, cl * es);
+    memcpy(it->data + cl * es, right, cr * es);
   }
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
-  if (c->job == NULL || block_id >= c->nblocks || n_left != (n_left ? c->block_rows[block_id] : 0) ||
-      n_right != (n_right ? c->block_cols[block_id] : 0)) {
+  if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||
+      n_right != c->block_cols[block_id]) {
     pthread_mutex_unlock(&c->mu);
     precond__item_free(it);
     return PRECOND_EINVAL;

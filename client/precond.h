@@ -22,8 +22,10 @@
  * - Sends that fail because the daemon is unreachable are retried with exponential backoff
  *   (options.backoff_initial_ms doubling up to backoff_max_ms); the unsent blocks go back to
  *   the front of the queue unless a newer push for the same block has arrived meanwhile. If
- *   the daemon answers NOT_FOUND or FAILED_PRECONDITION (it restarted and lost the job), the
- *   thread registers again with the last registration and retries. Blocks the daemon rejects
+ *   the daemon answers NOT_FOUND or FAILED_PRECONDITION to a push or a fetch (it restarted and
+ *   lost the job), the thread registers again with the last registration and retries; it then
+ *   accepts the new daemon's roots whatever their version numbers (precond_roots.version, the
+ *   client's own count, keeps increasing). Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
  *
@@ -172,11 +174,13 @@ void precond_layout_destroy(precond_layout *layout);
 /* Push statistics (never blocks on the network)                                          */
 
 /* Queues the statistics increment of one block at a step: left is the packed upper triangle
- * of G G^T (n_left x n_left), right of G^T G (n_right x n_right); either may be NULL with
- * its n 0 (one-sided). Values are copied (and converted to bf16 if enc is PRECOND_BF16), so
- * the caller may reuse its buffers at once. Returns PRECOND_OK, PRECOND_EINVAL (bad sizes,
- * no job registered, block id outside the layout) or PRECOND_ENOMEM. The queue policy is
- * described at the top of this header. */
+ * of G G^T (n_left x n_left, n_left = the block's rows), right of G^T G (n_right = its
+ * cols); both are required (precondd stores a Shampoo block's two factors together). Values
+ * are copied (and converted to bf16 if enc is PRECOND_BF16), so the caller may reuse its
+ * buffers at once. Returns PRECOND_OK, PRECOND_EINVAL (sizes that do not match the layout,
+ * NULL, NaN or Inf in the values, no job registered, block id outside the layout, a client
+ * without background thread) or PRECOND_ENOMEM. The queue policy is described at the top of
+ * this header. */
 int precond_push(precond_client *client, uint64_t step, uint32_t block_id,
                  uint32_t n_left, const float *left, uint32_t n_right, const float *right,
                  precond_encoding enc);
@@ -195,7 +199,9 @@ int precond_flush(precond_client *client, int timeout_ms);
  * or the client is closed. */
 typedef struct {
   uint32_t block_id;
-  uint64_t version;            /* increases by one per published root of this block */
+  uint64_t version;            /* this client's count of roots received for the block: 1, 2,
+                                  ...; keeps increasing across daemon restarts */
+  uint64_t daemon_version;     /* the daemon's version number of these roots */
   uint64_t source_step;        /* step of the newest statistics the roots come from */
   double error;                /* residual error reported by the method */
   precond_method method;

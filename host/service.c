@@ -439,7 +439,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   pthread_rwlock_rdlock(&d->store.lock);
   size_t njobs = d->store.njobs, total_jobs = njobs;
   pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
+  if (jobs && njobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
   pthread_rwlock_unlock(&d->store.lock);
   if (only && jobs) {
     jobs[0] = only;

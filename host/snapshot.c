@@ -195,7 +195,7 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   pthread_rwlock_rdlock(&st->lock);
   size_t njobs = st->njobs;
   pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs) memcpy(jobs, st->jobs, njobs * sizeof *jobs);
+  if (jobs && njobs) memcpy(jobs, st->jobs, njobs * sizeof *jobs);
   pthread_rwlock_unlock(&st->lock);
   if (!jobs) return PD_ENOMEM;
 

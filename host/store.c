@@ -195,6 +195,27 @@ static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, siz
   return rc;
 }
 
+/* Counts the blocks the layout will produce (its documented rule: rows = dims[0], cols = the
+ * product of the rest, diagonal for rank 1 or a side above skip_limit, tiles of block_size)
+ * before any layout is allocated, so an absurd shape costs nothing. */
+static int pd__count_check(const pd_shampoo_opts *o, size_t ntensors, const pd_tensor *t,
+                           uint32_t max_blocks, char *err, size_t errlen) {
+  uint64_t total = 0, bs = o->block_size ? o->block_size : 1;
+  for (size_t i = 0; i < ntensors; i++) {
+    if (t[i].rank < 2) continue;
+    uint64_t rows = t[i].dims[0], cols = 1;
+    for (int k = 1; k < t[i].rank; k++) cols *= t[i].dims[k]; /* <= 2^48: checked */
+    if (rows > o->skip_limit || cols > o->skip_limit) continue;
+    uint64_t tr = (rows + bs - 1) / bs, tc = (cols + bs - 1) / bs;
+    if (tr > max_blocks || tc > max_blocks || (total += tr * tc) > max_blocks) {
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
+               max_blocks);
+      return PD_ELIMIT;
+    }
+  }
+  return PD_OK;
+}
+
 int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t ntensors,
                  const pd_tensor *tensors, uint32_t max_blocks, pd_job **out, char *err,
                  size_t errlen) {
@@ -208,6 +229,8 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
     return PD_EINVAL;
   }
   int rc = pd__tensors_check(ntensors, tensors, err, errlen);
+  if (rc != PD_OK) return rc;
+  rc = pd__count_check(opts, ntensors, tensors, max_blocks, err, errlen);
   if (rc != PD_OK) return rc;
 
   pd_job *job = calloc(1, sizeof *job);

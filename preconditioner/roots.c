@@ -25,9 +25,10 @@
 #define PC_RESIDUAL_COLS ((size_t)8)
 
 /* PC_METHOD_NEWTON: scaled steps, one-triangle products, and for fp32 input the steps in
- * fp64 until M's condition is below 1e4 (docs/roots.md has the measurements). */
+ * fp64 until M's condition is below 1e5 (two steps from a relative ridge of 1e-6; docs/roots.md
+ * has the measurements). */
 const pc__newton_variant PC__NEWTON_DEFAULT = {
-    .scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4};
+    .scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-5};
 static const pc__newton_variant NEWTON_TEXTBOOK = {.scaled = 0, .symmetric = 0, .floor = 0.0};
 
 void pc_root_opts_default(pc_root_opts *opts, int p) {
@@ -179,41 +180,38 @@ typedef struct {
  * rest in fp32, keeps that error out at the price of a few fp64 steps (docs/roots.md). */
 static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
                                   const pc__newton_variant *v, pc_root_info *info) {
-  float *ad = NULL;
   double lo = 0, hi = 0;
   info->iters = 0;
   info->error = INFINITY;
-  int st = newton_prepare_f32(n, a, opts->epsilon, &ad, &info->lambda_max, &info->ridge, &lo,
-                              &hi);
+  int st = newton_bounds_f32(n, a, opts->epsilon, info, &lo, &hi);
   if (st != PC_OK) return st;
   const size_t nn = n * n;
-  newton_ws_f32 w32;
+  double *buf = malloc(5 * nn * sizeof *buf);
+  if (!buf) return PC_ENOMEM;
   newton_ws_f64 w64;
-  double *ad64 = malloc(nn * sizeof *ad64);
-  int ok32 = newton_ws_init_f32(&w32, n) == PC_OK, ok64 = newton_ws_init_f64(&w64, n) == PC_OK;
-  if (!ad64 || !ok32 || !ok64) {
-    st = PC_ENOMEM;
-    goto done;
-  }
-  for (size_t i = 0; i < nn; i++) ad64[i] = a[i];
-  for (size_t i = 0; i < n; i++) ad64[i * n + i] += info->ridge;
+  newton_ws_carve_f64(&w64, buf, n);
+  for (size_t i = 0; i < nn; i++) w64.m[i] = a[i];
+  for (size_t i = 0; i < n; i++) w64.m[i * n + i] += info->ridge;
   newton_state ns;
-  newton_start_f64(n, ad64, opts->p, lo, hi, v, &w64, &ns);
+  newton_start_f64(n, opts->p, lo, hi, v, &w64, &ns);
   newton_steps_f64(n, opts->p, opts->tol, opts->max_iters, v->lo_f32, v, &w64, &ns);
+  /* The fp32 workspace takes the three fp64 buffers that M and X do not occupy (each holds
+   * two fp32 matrices), so no new memory is touched. */
+  newton_ws_f32 w32;
+  w32.m = (float *)w64.t;
+  w32.x = (float *)w64.t + nn;
+  w32.t = (float *)w64.pw;
+  w32.pw = (float *)w64.pw + nn;
+  w32.tmp = (float *)w64.tmp;
   for (size_t i = 0; i < nn; i++) w32.m[i] = (float)w64.m[i];
   if (ns.xscale == 0.0)
     for (size_t i = 0; i < nn; i++) w32.x[i] = (float)w64.x[i];
   newton_steps_f32(n, opts->p, opts->tol, opts->max_iters, 0.0, v, &w32, &ns);
   newton_result_f32(n, &w32, &ns, x);
+  free(buf);
   info->iters = ns.iters;
   info->error = ns.err;
-  st = ns.err <= opts->tol ? PC_OK : PC_NOT_CONVERGED;
-done:
-  if (ok32) newton_ws_free_f32(&w32);
-  if (ok64) newton_ws_free_f64(&w64);
-  free(ad64);
-  free(ad);
-  return st;
+  return ns.err <= opts->tol ? PC_OK : PC_NOT_CONVERGED;
 }
 
 /* ------------------------------------------------------------------------------------ */

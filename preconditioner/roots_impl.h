@@ -14,7 +14,9 @@
 
 /* Copies the upper triangle onto the lower one in 8 x 8 tiles: each lower row segment is
  * written contiguously from a column of the upper tile. Row strides of a page or more make
- * wider tiles thrash the TLB (64 x 64 tiles took 16 ms at n = 1024, 8 x 8 take 0.6 ms). */
+ * wider tiles thrash the TLB (64 x 64 tiles took 16 ms at n = 1024, 8 x 8 take 0.6 ms).
+ * Off-diagonal subnormals are flushed to zero on the way: OpenBLAS worker threads do not
+ * inherit the caller's flush-to-zero mode, so every product's inputs must be free of them. */
 static void SFX(mirror_upper)(size_t n, REAL *a) {
   const size_t b = 8;
   for (size_t j0 = 0; j0 < n; j0 += b) {
@@ -24,8 +26,12 @@ static void SFX(mirror_upper)(size_t n, REAL *a) {
       for (size_t j = j0; j < j1; j++) {
         size_t end = i1 < j ? i1 : j;
         REAL *dst = a + j * n;
-        const REAL *src = a + j;
-        for (size_t i = i0; i < end; i++) dst[i] = src[i * n];
+        REAL *src = a + j;
+        for (size_t i = i0; i < end; i++) {
+          REAL v = src[i * n];
+          if (fabs((double)v) < REAL_MIN) src[i * n] = v = 0;
+          dst[i] = v;
+        }
       }
     }
   }
@@ -136,33 +142,29 @@ static void SFX(flush_subnormals)(size_t count, REAL *a) {
  * chosen from an interval [lo, hi] known to hold M's spectrum so that both ends map to the
  * same value under m -> m ((p+1-m)/p)^p (the scalar model of one step); the interval is
  * carried through the steps by the same map and tightened by |M - I|_F.
- * The iterates live in a workspace (7 n x n buffers, pointers swapped as steps are accepted)
- * and a newton_state, so that a run can change precision half-way (see roots.c). */
+ * The iterates live in a workspace of five n x n buffers and a newton_state, so that a run
+ * can change precision half-way (see roots.c). A step writes T^p into pw (tmp as scratch),
+ * the new M into tmp and the new X into pw (T^p is dead by then); accepting the step swaps
+ * m with tmp and x with pw, rejecting it leaves m and x as they were. */
 typedef struct {
-  REAL *buf, *m, *mn, *t, *pw, *tmp, *x, *xn;
+  REAL *m, *x, *t, *pw, *tmp;
 } SFX(newton_ws);
 
-static int SFX(newton_ws_init)(SFX(newton_ws) *w, size_t n) {
+/* Points the workspace at five consecutive n x n blocks of buf. */
+static void SFX(newton_ws_carve)(SFX(newton_ws) *w, REAL *buf, size_t n) {
   const size_t nn = n * n;
-  w->buf = malloc(7 * nn * sizeof *w->buf);
-  if (!w->buf) return PC_ENOMEM;
-  w->m = w->buf;
-  w->mn = w->buf + nn;
-  w->t = w->buf + 2 * nn;
-  w->pw = w->buf + 3 * nn;
-  w->tmp = w->buf + 4 * nn;
-  w->x = w->buf + 5 * nn;
-  w->xn = w->buf + 6 * nn;
-  return PC_OK;
+  w->m = buf;
+  w->x = buf + nn;
+  w->t = buf + 2 * nn;
+  w->pw = buf + 3 * nn;
+  w->tmp = buf + 4 * nn;
 }
 
-static void SFX(newton_ws_free)(SFX(newton_ws) *w) { free(w->buf); }
-
-static void SFX(newton_start)(size_t n, const REAL *ad, int p, double lo, double hi,
+/* Starts the iteration on ad = A + ridge I, which the caller has written into w->m. */
+static void SFX(newton_start)(size_t n, int p, double lo, double hi,
                               const pc__newton_variant *v, SFX(newton_ws) *w,
                               newton_state *st) {
   const size_t nn = n * n;
-  memcpy(w->m, ad, nn * sizeof *w->m);
   st->lo = lo;
   st->hi = hi;
   st->iters = 0;
@@ -172,7 +174,7 @@ static void SFX(newton_start)(size_t n, const REAL *ad, int p, double lo, double
   st->xscale = 1.0;
   if (!v->scaled) {
     double f = 0.0;
-    for (size_t i = 0; i < nn; i++) f += (double)ad[i] * ad[i];
+    for (size_t i = 0; i < nn; i++) f += (double)w->m[i] * w->m[i];
     double z = (p + 1.0) / (2.0 * sqrt(f));
     for (size_t i = 0; i < nn; i++) w->m[i] = (REAL)(z * w->m[i]);
     st->xscale = pow(z, 1.0 / p);
@@ -205,17 +207,17 @@ static void SFX(newton_steps)(size_t n, int p, double tol, int max_iters, double
     double err_ref = dev_scaled(&st->dev, s);
     SFX(newton_t)(n, p, s, w->m, w->t);
     SFX(matpow)(n, p, w->t, w->pw, w->tmp, sym);
-    SFX(mul_sym)(n, s, w->pw, w->m, w->mn, sym);
-    SFX(flush_subnormals)(nn, w->mn);
+    SFX(mul_sym)(n, s, w->pw, w->m, w->tmp, sym); /* the new M */
+    SFX(flush_subnormals)(nn, w->tmp);
     double xs = pow(s, 1.0 / p);
-    if (st->xscale > 0.0) {
-      for (size_t i = 0; i < nn; i++) w->xn[i] = (REAL)(st->xscale * xs * w->t[i]);
+    if (st->xscale > 0.0) { /* the new X */
+      for (size_t i = 0; i < nn; i++) w->pw[i] = (REAL)(st->xscale * xs * w->t[i]);
     } else {
-      SFX(mul_sym)(n, xs, w->x, w->t, w->xn, sym);
+      SFX(mul_sym)(n, xs, w->x, w->t, w->pw, sym);
     }
     st->iters++;
     root_dev dn;
-    SFX(deviation)(n, w->mn, &dn);
+    SFX(deviation)(n, w->tmp, &dn);
     /* Divergence guard: in floating point the error eventually grows; keep the previous
      * iterate then. NaN fails the comparison and stops here too. */
     if (!(dn.maxdev <= 1.2 * err_ref) && (local || !isfinite(dn.maxdev))) {
@@ -223,11 +225,11 @@ static void SFX(newton_steps)(size_t n, int p, double tol, int max_iters, double
       break;
     }
     REAL *sw = w->m;
-    w->m = w->mn;
-    w->mn = sw;
+    w->m = w->tmp;
+    w->tmp = sw;
     sw = w->x;
-    w->x = w->xn;
-    w->xn = sw;
+    w->x = w->pw;
+    w->pw = sw;
     st->xscale = 0.0;
     st->dev = dn;
     st->err = dn.maxdev;
@@ -250,60 +252,51 @@ static void SFX(newton_result)(size_t n, const SFX(newton_ws) *w, const newton_s
   }
 }
 
-/* Power iteration for lambda_max, the ridge, ad = a + ridge I (allocated; the caller frees
- * it) and the interval [lo, hi] that holds ad's spectrum. Returns PC_OK, or
- * PC_ENONFINITE_RESULT when ad == 0 (the root is infinite), or an error. */
-static int SFX(newton_prepare)(size_t n, const REAL *a, double epsilon, REAL **ad_out,
-                               double *lmax_out, double *ridge_out, double *lo, double *hi) {
+/* Power iteration for lambda_max, the ridge, and an interval [lo, hi] that holds the
+ * spectrum of a + ridge I. Returns PC_OK, PC_ENONFINITE_RESULT when a + ridge I == 0 (the
+ * root is infinite), or an error. */
+static int SFX(newton_bounds)(size_t n, const REAL *a, double epsilon, pc_root_info *info,
+                              double *lo, double *hi) {
   double lmax = 0.0;
   int st = SFX(pc__power)(n, a, NULL, &lmax, NULL);
   if (st < 0) return st;
-  REAL *ad = malloc(n * n * sizeof *ad);
-  if (!ad) return PC_ENOMEM;
   double ridge = epsilon * (lmax > 1e-16 ? lmax : 1e-16);
-  memcpy(ad, a, n * n * sizeof *ad);
-  for (size_t i = 0; i < n; i++) ad[i * n + i] += (REAL)ridge;
-  /* Power iteration approaches lambda_max from below: allow a margin, and fall back on the
-   * Frobenius norm (a true upper bound) when it did not converge. */
+  info->lambda_max = lmax;
+  info->ridge = ridge;
+  /* Power iteration approaches lambda_max from below: allow a margin, and fall back on
+   * |a + ridge I|_F (a true upper bound) when it did not converge. */
   if (st == PC_OK && lmax > 0.0) {
     *hi = (lmax + ridge) * 1.01;
   } else {
-    double f = 0.0;
-    for (size_t i = 0; i < n * n; i++) f += (double)ad[i] * ad[i];
-    *hi = sqrt(f);
+    double f = 0.0, tr = 0.0;
+    for (size_t i = 0; i < n * n; i++) f += (double)a[i] * a[i];
+    for (size_t i = 0; i < n; i++) tr += a[i * n + i];
+    f += 2.0 * ridge * tr + (double)n * ridge * ridge;
+    *hi = sqrt(f > 0.0 ? f : 0.0);
   }
   *lo = 0.5 * ridge;
-  *lmax_out = lmax;
-  *ridge_out = ridge;
-  if (!(*hi > 0.0)) { /* a + ridge I == 0 */
-    free(ad);
-    return PC_ENONFINITE_RESULT;
-  }
-  *ad_out = ad;
-  return PC_OK;
+  return *hi > 0.0 ? PC_OK : PC_ENONFINITE_RESULT;
 }
 
 /* The whole iteration in one precision. */
 static int SFX(newton_route)(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,
                              const pc__newton_variant *v, pc_root_info *info) {
-  REAL *ad = NULL;
   double lo = 0, hi = 0;
   info->iters = 0;
   info->error = INFINITY;
-  int st = SFX(newton_prepare)(n, a, opts->epsilon, &ad, &info->lambda_max, &info->ridge, &lo,
-                               &hi);
+  int st = SFX(newton_bounds)(n, a, opts->epsilon, info, &lo, &hi);
   if (st != PC_OK) return st;
+  REAL *buf = malloc(5 * n * n * sizeof *buf);
+  if (!buf) return PC_ENOMEM;
   SFX(newton_ws) w;
-  if (SFX(newton_ws_init)(&w, n) != PC_OK) {
-    free(ad);
-    return PC_ENOMEM;
-  }
+  SFX(newton_ws_carve)(&w, buf, n);
+  memcpy(w.m, a, n * n * sizeof *a);
+  for (size_t i = 0; i < n; i++) w.m[i * n + i] += (REAL)info->ridge;
   newton_state ns;
-  SFX(newton_start)(n, ad, opts->p, lo, hi, v, &w, &ns);
+  SFX(newton_start)(n, opts->p, lo, hi, v, &w, &ns);
   SFX(newton_steps)(n, opts->p, opts->tol, opts->max_iters, 0.0, v, &w, &ns);
   SFX(newton_result)(n, &w, &ns, x);
-  SFX(newton_ws_free)(&w);
-  free(ad);
+  free(buf);
   info->iters = ns.iters;
   info->error = ns.err;
   return ns.err <= opts->tol ? PC_OK : PC_NOT_CONVERGED;

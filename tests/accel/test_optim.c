@@ -7,7 +7,6 @@
  * and, where a CUDA device exists, on CUDA against the same references; without a device
  * the CUDA group is skipped with a message.
  */
-#include <lapacke.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -319,6 +318,14 @@ static void test_bad_args(void **state)
   assert_int_equal(ac_adamw_create(&adam, pb.ptrs, NP, &ao), AC_EINVAL);
   assert_null(adam);
 
+  /* A parameter listed twice would be stepped twice. */
+  ac_param *twice[3] = {pb.ptrs[0], pb.ptrs[1], pb.ptrs[0]};
+  assert_int_equal(ac_sgd_create(&sgd, twice, 3, NULL), AC_EINVAL);
+  assert_int_equal(ac_adamw_create(&adam, twice, 3, NULL), AC_EINVAL);
+  ac_shampoo *sh = NULL;
+  assert_int_equal(ac_shampoo_create(&sh, twice, 3, NULL), AC_EINVAL);
+  assert_null(sh);
+
   /* Parameters on two backends. */
   ac_backend *other = NULL;
   ac_param q;
@@ -461,32 +468,16 @@ static double tiny_step(tiny *m)
   return sum / TN;
 }
 
-/* Inverse 4th root of the symmetric PSD matrix a (n x n, dense) with the relative ridge
- * of the references: (A + eps max(lambda_max, 1e-16) I)^(-1/4), by eigendecomposition. */
+/* Inverse 4th root of the symmetric PSD matrix a (n x n, dense) by the numerics core, as
+ * precondd computes it (its defaults: relative ridge 1e-6, coupled Newton). */
 static void root_f32(size_t n, const float *a, float *x)
 {
-  float *v = xcalloc(n * n, sizeof(float)), *w = xcalloc(n, sizeof(float));
-  memcpy(v, a, n * n * sizeof(float));
-  assert_int_equal(LAPACKE_ssyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, v, (lapack_int)n,
-                                  w), 0);
-  const double ridge = 1e-6 * fmax(w[n - 1], 1e-16);
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = 0; j < n; j++) {
-      double s = 0.0;
-      for (size_t k = 0; k < n; k++)
-        s += (double)v[i * n + k] * v[j * n + k] * pow(fmax(w[k], 0.0) + ridge, -0.25);
-      x[i * n + j] = (float)s;
-    }
-  free(v);
-  free(w);
-}
-
-/* Packed upper (row by row) to dense, both triangles. */
-static void unpack(size_t n, const float *packed, float *dense)
-{
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = i; j < n; j++)
-      dense[i * n + j] = dense[j * n + i] = *packed++;
+  pc_root_opts ro;
+  pc_root_info info;
+  pc_root_opts_default(&ro, 4);
+  int rc = pc_inverse_root_f32(n, a, x, &ro, &info);
+  if (rc != PC_OK && rc != PC_NOT_CONVERGED)
+    fail_msg("pc_inverse_root_f32: %s", pc_strerror(rc));
 }
 
 /* The daemon's part, done here: accumulate the pushed statistics (sum, beta2 = 1) and
@@ -495,6 +486,7 @@ typedef struct {
   size_t nblocks;
   float **left, **right;  /* accumulated packed statistics per block */
   uint64_t version;
+  uint64_t step;          /* the newest statistics pushed */
 } local_daemon;
 
 static void daemon_init(local_daemon *d, const ac_shampoo *s)
@@ -503,6 +495,7 @@ static void daemon_init(local_daemon *d, const ac_shampoo *s)
   d->left = xcalloc(d->nblocks, sizeof *d->left);
   d->right = xcalloc(d->nblocks, sizeof *d->right);
   d->version = 0;
+  d->step = 0;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
     OK(ac_shampoo_block_info(s, b, &info));
@@ -521,8 +514,9 @@ static void daemon_destroy(local_daemon *d)
   free(d->right);
 }
 
-static void daemon_push(local_daemon *d, const ac_shampoo *s)
+static void daemon_push(local_daemon *d, const ac_shampoo *s, long step)
 {
+  d->step = (uint64_t)step;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
     const float *l = NULL, *r = NULL;
@@ -542,11 +536,14 @@ static void daemon_publish(local_daemon *d, ac_shampoo *s)
     const size_t r = info.block.rows, c = info.block.cols;
     float *dense = xcalloc(r > c ? r * r : c * c, sizeof(float));
     float *lroot = xcalloc(r * r, sizeof(float)), *rroot = xcalloc(c * c, sizeof(float));
-    unpack(r, d->left[b], dense);
+    pc_unpack_f32(r, d->left[b], dense);
     root_f32(r, dense, lroot);
-    unpack(c, d->right[b], dense);
+    pc_unpack_f32(c, d->right[b], dense);
     root_f32(c, dense, rroot);
-    OK(ac_shampoo_set_roots(s, b, d->version, AC_ROOT_DENSE, r, lroot, c, rroot));
+    const ac_shampoo_roots roots = {.version = d->version, .source_step = d->step,
+                                    .format = AC_ROOT_DENSE, .n_left = r, .left = lroot,
+                                    .n_right = c, .right = rroot};
+    OK(ac_shampoo_set_roots(s, b, &roots));
     free(dense);
     free(lroot);
     free(rroot);
@@ -603,10 +600,14 @@ static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallb
       OK(ac_shampoo_compute_stats(sh, &due, &step));
       assert_true(due);
       assert_int_equal(step, t);
-      daemon_push(&d, sh);
+      daemon_push(&d, sh, step);
       if (t % ROOT_EVERY == 0)
         daemon_publish(&d, sh); /* used until the next publication: stale by design */
       OK(ac_shampoo_step(sh, lr));
+      ac_shampoo_step_info si;
+      OK(ac_shampoo_last_step(sh, &si));
+      assert_int_equal(si.preconditioned, t < ROOT_EVERY ? 0 : 4);
+      assert_int_equal(si.staleness_max, t < ROOT_EVERY ? -1 : t % ROOT_EVERY);
     }
   }
   if (fallbacks != NULL)
@@ -661,6 +662,25 @@ static void test_train_shampoo(void **state)
   check_training(backend(state), OPT_SHAMPOO, "shampoo");
 }
 
+/* The same training on this backend and on the CPU: the loss curves agree to rounding over
+ * the first steps (later, rounding differences may grow: training is not contracting). On
+ * the CPU group this compares the CPU with itself, bit for bit. */
+static void test_train_vs_cpu(void **state)
+{
+  ac_backend *be = backend(state), *cpu = NULL;
+  const int cuda = ac_backend_kind_of(be) == AC_BACKEND_CUDA;
+  OK(ac_backend_create(&cpu, NULL));
+  for (int k = OPT_SGD; k <= OPT_SHAMPOO; k++) {
+    double a[TSTEPS], b[TSTEPS];
+    train(be, (opt_kind)k, a, NULL);
+    train(cpu, (opt_kind)k, b, NULL);
+    for (int t = 0; t < 30; t++)
+      if (!(fabs(a[t] - b[t]) <= (cuda ? 1e-3 : 0.0) * (1.0 + fabs(b[t]))))
+        fail_msg("optimizer %d, step %d: loss %.9g here, %.9g on the CPU", k, t + 1, a[t], b[t]);
+  }
+  ac_backend_destroy(cpu);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
@@ -701,13 +721,10 @@ static int teardown(void **state)
 
 
 #define OPTIM_TESTS                                                                           \
-  cmocka_unit_test(test_sgd),                                            \
-  cmocka_unit_test(test_adamw),                                          \
-  cmocka_unit_test(test_clip),                                           \
-  cmocka_unit_test(test_bad_args),                                       \
-  cmocka_unit_test(test_train_sgd),                                      \
-  cmocka_unit_test(test_train_adamw),                                    \
-  cmocka_unit_test(test_train_shampoo)
+  cmocka_unit_test(test_sgd), cmocka_unit_test(test_adamw), cmocka_unit_test(test_clip),     \
+  cmocka_unit_test(test_bad_args), cmocka_unit_test(test_train_sgd),                         \
+  cmocka_unit_test(test_train_adamw), cmocka_unit_test(test_train_shampoo),                  \
+  cmocka_unit_test(test_train_vs_cpu)
 
 int main(void)
 {

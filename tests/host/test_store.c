@@ -99,6 +99,18 @@ static void test_layout_ids(void **state) {
   assert_null(build("", dims, ranks, 3, 4, 100, &rc, err));
   assert_int_equal(rc, PD_EINVAL);
   pd_job_free(job, NULL);
+
+  /* An absurd block count is refused before any layout is allocated. */
+  pd_shampoo_opts o;
+  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  o.block_size = 1;
+  o.skip_limit = UINT32_MAX;
+  uint64_t huge[2] = {(uint64_t)1 << 24, (uint64_t)1 << 24};
+  pd_tensor t = {(char *)"w", 2, huge};
+  pd_job *out = NULL;
+  assert_int_equal(pd_job_build("j", 0, &o, 1, &t, 65536, &out, err, sizeof err), PD_ELIMIT);
+  assert_null(out);
+  assert_non_null(strstr(err, "blocks"));
 }
 
 static void test_store_add_and_memory(void **state) {

@@ -1,0 +1,547 @@
+/*
+ * test_model.c -- the model blocks of accel/model.c: the Transformer block, the Transformer
+ * LM and the ResNet (basic blocks). The layers themselves are checked against fp64
+ * references in test_layers.c; here the question is whether the blocks wire them correctly,
+ * so every parameter tensor's gradient is checked against a central difference of the
+ * model's own fp32 loss along a random direction d of that tensor:
+ *   |g.d - (L(p + h d) - L(p - h d)) / 2h| <= TOL_DIR |g.d| + FLOOR,
+ * TOL_DIR = 2e-2, FLOOR = 2e-4, h one of 1e-3, 3e-4, 1e-4 (see check_directional). A missing or misrouted gradient is
+ * off by O(1). Also: parameter names, the loss at initialisation (about ln(classes)), a few
+ * SGD steps lowering the loss on a fixed batch, reproducible dropout, and CUDA against CPU
+ * (same seeds, same inputs) when a device exists.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "accel.h"
+
+#define TOL_DIR 2e-2
+#define FLOOR 2e-4
+#define TOL_XBE 1e-3
+
+typedef struct {
+  ac_backend *be;
+  ac_backend *cpu;
+} fixture;
+
+static uint64_t rng_state;
+
+static void rng_seed(uint64_t s)
+{
+  rng_state = s * 2685821657736338717ull + 88172645463325252ull;
+}
+
+static float frand(void)
+{
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+}
+
+static void *dev_upload(ac_backend *be, const void *h, size_t bytes)
+{
+  void *d = NULL;
+  assert_int_equal(ac_malloc(be, bytes, &d), AC_OK);
+  assert_int_equal(ac_memcpy_h2d(be, d, h, bytes), AC_OK);
+  return d;
+}
+
+static float *host_of(const ac_tensor *t)
+{
+  float *h = malloc(t->numel * sizeof *h);
+  assert_non_null(h);
+  assert_int_equal(ac_tensor_download(t, h), AC_OK);
+  return h;
+}
+
+/* A model behind two callbacks, so one gradient check serves both. */
+typedef struct {
+  int (*forward)(void *model, double *loss);
+  int (*backward)(void *model);
+  void *model;
+} model_ops;
+
+static double loss_now(const model_ops *m)
+{
+  double loss = 0.0;
+  assert_int_equal(m->forward(m->model, &loss), AC_OK);
+  return loss;
+}
+
+/* Central difference of the loss along direction d (n values) of parameter p, step h. */
+static double central_difference(const model_ops *m, ac_param *p, const float *v,
+                                 const double *d, float *w, double h)
+{
+  size_t n = p->value.numel;
+  for (size_t i = 0; i < n; i++)
+    w[i] = (float)(v[i] + h * d[i]);
+  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  double lp = loss_now(m);
+  for (size_t i = 0; i < n; i++)
+    w[i] = (float)(v[i] - h * d[i]);
+  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  double lm = loss_now(m);
+  assert_int_equal(ac_tensor_upload(&p->value, v), AC_OK);
+  return (lp - lm) / (2.0 * h);
+}
+
+/* The directional check of every parameter tensor in list (see the file comment). The
+ * fp32 loss limits the step from both sides: rounding noise grows as h shrinks, curvature
+ * and ReLU kinks crossed grow with h. A tensor passes when the difference at one of the
+ * steps 1e-3, 3e-4, 1e-4 agrees; a wrong gradient disagrees at all of them. */
+static void check_directional(const model_ops *m, ac_param_list *list)
+{
+  static const double steps[] = {1e-3, 3e-4, 1e-4};
+  assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+  (void)loss_now(m);
+  assert_int_equal(m->backward(m->model), AC_OK);
+  for (size_t k = 0; k < list->n; k++) {
+    ac_param *p = list->items[k];
+    size_t n = p->value.numel;
+    float *v = host_of(&p->value), *g = host_of(&p->grad), *w = malloc(n * sizeof *w);
+    double *d = malloc(n * sizeof *d);
+    assert_non_null(w);
+    assert_non_null(d);
+    double an = 0.0, fd = 0.0;
+    for (size_t i = 0; i < n; i++) {
+      d[i] = frand();
+      an += d[i] * g[i];
+    }
+    int ok = 0;
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0] && !ok; s++) {
+      fd = central_difference(m, p, v, d, w, steps[s]);
+      ok = fabs(fd - an) <= TOL_DIR * fabs(an) + FLOOR;
+    }
+    if (!ok)
+      fail_msg("%s: directional derivative %.6g, central difference %.6g", p->name, an, fd);
+    free(v);
+    free(g);
+    free(w);
+    free(d);
+  }
+}
+
+/* A few plain SGD steps on one batch must lower its loss. */
+static void check_sgd_lowers_loss(const model_ops *m, ac_param_list *list, float lr, int steps)
+{
+  double first = 0.0, last = 0.0;
+  for (int s = 0; s <= steps; s++) {
+    assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+    last = loss_now(m);
+    if (s == 0)
+      first = last;
+    if (s == steps)
+      break;
+    assert_int_equal(m->backward(m->model), AC_OK);
+    for (size_t k = 0; k < list->n; k++) {
+      ac_param *p = list->items[k];
+      assert_int_equal(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad),
+                                1.0f, ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)),
+                       AC_OK);
+    }
+  }
+  if (!(last < 0.8 * first))
+    fail_msg("SGD: loss %.4f -> %.4f after %d steps", first, last, steps);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Transformer LM                                                                          */
+
+typedef struct {
+  ac_lm lm;
+  int32_t *tokens, *targets;
+  size_t batch, t;
+  ac_mode mode;
+} lm_run;
+
+static int lm_fwd(void *p, double *loss)
+{
+  lm_run *r = p;
+  return ac_lm_forward(&r->lm, r->tokens, r->targets, r->batch, r->t, r->mode, loss);
+}
+
+static int lm_bwd(void *p)
+{
+  return ac_lm_backward(&((lm_run *)p)->lm);
+}
+
+static void lm_small_config(ac_lm_config *c)
+{
+  ac_lm_config_default(c);
+  c->vocab = 11;
+  c->ctx = 6;
+  c->dim = 8;
+  c->heads = 2;
+  c->layers = 2;
+  c->mlp = 16;
+  c->batch = 3;
+  c->seed = 7;
+}
+
+static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t batch, size_t t)
+{
+  int32_t tok[64], tgt[64];
+  assert_true(batch * t <= 64);
+  rng_seed(3);
+  for (size_t i = 0; i < batch * t; i++) {
+    tok[i] = (int32_t)((frand() + 1.0f) * 0.5f * (float)c->vocab) % (int32_t)c->vocab;
+    tgt[i] = (int32_t)((frand() + 1.0f) * 0.5f * (float)c->vocab) % (int32_t)c->vocab;
+  }
+  tgt[1] = -1; /* an ignored position */
+  memset(r, 0, sizeof *r);
+  assert_int_equal(ac_lm_init(&r->lm, be, c), AC_OK);
+  r->tokens = dev_upload(be, tok, batch * t * sizeof(int32_t));
+  r->targets = dev_upload(be, tgt, batch * t * sizeof(int32_t));
+  r->batch = batch;
+  r->t = t;
+  r->mode = AC_MODE_TRAIN;
+}
+
+static void lm_teardown(lm_run *r, ac_backend *be)
+{
+  ac_free(be, r->tokens);
+  ac_free(be, r->targets);
+  ac_lm_destroy(&r->lm);
+}
+
+static void test_lm_params(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  ac_lm lm;
+  ac_param_list list;
+  lm_small_config(&c);
+  ac_param_list_init(&list);
+  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_OK);
+  assert_int_equal(ac_lm_params(&lm, &list), AC_OK);
+  /* tok, pos, 2 x (ln1 2, attn 4, ln2 2, fc1 2, fc2 2), lnf 2, head 2 */
+  assert_int_equal(list.n, 2 + 2 * 12 + 4);
+  assert_string_equal(list.items[0]->name, "tok.weight");
+  assert_string_equal(list.items[1]->name, "pos.weight");
+  assert_string_equal(list.items[2]->name, "layer0.ln1.weight");
+  assert_non_null(ac_param_list_find(&list, "layer1.attn.qkv.weight"));
+  assert_non_null(ac_param_list_find(&list, "layer1.mlp.fc2.bias"));
+  assert_string_equal(list.items[list.n - 1]->name, "head.bias");
+  size_t d = c.dim, per_block = 4 * d + 3 * d * d + 3 * d + d * d + d + 2 * d * c.mlp + c.mlp + d;
+  assert_int_equal(ac_param_list_numel(&list),
+                   c.vocab * d + c.ctx * d + 2 * per_block + 2 * d + d * c.vocab + c.vocab);
+  ac_param_list_destroy(&list);
+  ac_lm_destroy(&lm);
+
+  c.heads = 3; /* dim 8 is not a multiple */
+  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_EINVAL);
+  ac_lm_destroy(&lm);
+}
+
+static void test_lm_gradients(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  lm_run r;
+  ac_param_list list;
+  lm_small_config(&c);
+  lm_setup(&r, f->be, &c, 2, 5); /* fewer than the maximum batch and context */
+  ac_param_list_init(&list);
+  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  model_ops m = {lm_fwd, lm_bwd, &r};
+  double loss = loss_now(&m);
+  assert_true(fabs(loss - log((double)c.vocab)) < 0.5);
+  rng_seed(11);
+  check_directional(&m, &list);
+  check_sgd_lowers_loss(&m, &list, 0.5f, 30);
+  r.mode = AC_MODE_EVAL;
+  assert_true(isfinite(loss_now(&m)));
+  ac_param_list_destroy(&list);
+  lm_teardown(&r, f->be);
+}
+
+/* Dropout: two models with the same seed give the same training losses; the dropped run
+ * differs from the run without dropout; eval mode ignores dropout. */
+static void test_lm_dropout(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  lm_run a, b, z;
+  lm_small_config(&c);
+  lm_setup(&z, f->be, &c, 3, 6);
+  c.dropout = 0.3f;
+  lm_setup(&a, f->be, &c, 3, 6);
+  lm_setup(&b, f->be, &c, 3, 6);
+  model_ops ma = {lm_fwd, lm_bwd, &a}, mb = {lm_fwd, lm_bwd, &b}, mz = {lm_fwd, lm_bwd, &z};
+  double la1 = loss_now(&ma), la2 = loss_now(&ma), lb1 = loss_now(&mb), lb2 = loss_now(&mb);
+  double lz = loss_now(&mz);
+  assert_true(la1 == lb1 && la2 == lb2);
+  assert_true(la1 != la2 && la1 != lz); /* fresh masks each step */
+  a.mode = AC_MODE_EVAL;
+  z.mode = AC_MODE_EVAL;
+  assert_true(loss_now(&ma) == loss_now(&mz));
+  lm_teardown(&a, f->be);
+  lm_teardown(&b, f->be);
+  lm_teardown(&z, f->be);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* ResNet                                                                                  */
+
+typedef struct {
+  ac_resnet net;
+  float *images;
+  int32_t *labels;
+  size_t batch;
+  ac_mode mode;
+} rn_run;
+
+static int rn_fwd(void *p, double *loss)
+{
+  rn_run *r = p;
+  return ac_resnet_forward(&r->net, r->images, r->labels, r->batch, r->mode, loss);
+}
+
+static int rn_bwd(void *p)
+{
+  return ac_resnet_backward(&((rn_run *)p)->net);
+}
+
+static void rn_small_config(ac_resnet_config *c)
+{
+  ac_resnet_config_default(c);
+  c->h = 9;
+  c->w = 8;
+  c->classes = 3;
+  c->stages = 2;
+  c->blocks = 2;
+  c->width[0] = 4;
+  c->width[1] = 6;
+  c->batch = 5;
+  c->chunk = 2;
+  c->seed = 5;
+}
+
+static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_t batch)
+{
+  size_t n = batch * c->in_c * c->h * c->w;
+  float *img = malloc(n * sizeof *img);
+  int32_t lab[16];
+  assert_non_null(img);
+  assert_true(batch <= 16);
+  rng_seed(4);
+  for (size_t i = 0; i < n; i++)
+    img[i] = frand();
+  for (size_t i = 0; i < batch; i++)
+    lab[i] = (int32_t)(i % c->classes);
+  memset(r, 0, sizeof *r);
+  assert_int_equal(ac_resnet_init(&r->net, be, c), AC_OK);
+  r->images = dev_upload(be, img, n * sizeof *img);
+  r->labels = dev_upload(be, lab, batch * sizeof(int32_t));
+  r->batch = batch;
+  r->mode = AC_MODE_TRAIN;
+  free(img);
+}
+
+static void rn_teardown(rn_run *r, ac_backend *be)
+{
+  ac_free(be, r->images);
+  ac_free(be, r->labels);
+  ac_resnet_destroy(&r->net);
+}
+
+static void test_resnet_params(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_resnet_config c;
+  ac_resnet net;
+  ac_param_list list;
+  ac_resnet_config_default(&c);
+  c.batch = 2;
+  ac_param_list_init(&list);
+  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_OK);
+  assert_int_equal(ac_resnet_params(&net, &list), AC_OK);
+  /* ResNet-20 for 28x28x1: stem conv+bn (3), 9 blocks x (conv, bn, conv, bn: 6) plus two
+   * projection shortcuts (3 each), fc (2). */
+  assert_int_equal(list.n, 3 + 9 * 6 + 2 * 3 + 2);
+  assert_string_equal(list.items[0]->name, "stem.conv.weight");
+  assert_non_null(ac_param_list_find(&list, "stage1.block0.short.conv.weight"));
+  assert_null(ac_param_list_find(&list, "stage1.block1.short.conv.weight"));
+  assert_non_null(ac_param_list_find(&list, "stage2.block2.bn2.bias"));
+  assert_string_equal(list.items[list.n - 1]->name, "fc.bias");
+  assert_int_equal(net.blocks[8].oh, 7);
+  assert_int_equal(net.blocks[8].ow, 7);
+  ac_param_list_destroy(&list);
+  ac_resnet_destroy(&net);
+  c.stages = AC_RESNET_MAX_STAGES + 1;
+  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_EINVAL);
+}
+
+static void test_resnet_gradients(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_resnet_config c;
+  rn_run r;
+  ac_param_list list;
+  rn_small_config(&c);
+  rn_setup(&r, f->be, &c, 5);
+  ac_param_list_init(&list);
+  assert_int_equal(ac_resnet_params(&r.net, &list), AC_OK);
+  model_ops m = {rn_fwd, rn_bwd, &r};
+  double loss = loss_now(&m);
+  assert_true(isfinite(loss) && loss > 0.0);
+  rng_seed(12);
+  check_directional(&m, &list);
+  check_sgd_lowers_loss(&m, &list, 0.1f, 20);
+  r.mode = AC_MODE_EVAL;
+  assert_true(isfinite(loss_now(&m)));
+  ac_param_list_destroy(&list);
+  rn_teardown(&r, f->be);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA against CPU: same seeds, same inputs, one training step                            */
+
+static void compare_lists(ac_param_list *a, ac_param_list *b)
+{
+  assert_int_equal(a->n, b->n);
+  for (size_t k = 0; k < a->n; k++) {
+    size_t n = a->items[k]->grad.numel;
+    float *ga = host_of(&a->items[k]->grad), *gb = host_of(&b->items[k]->grad);
+    double num = 0.0, den = 1e-3;
+    for (size_t i = 0; i < n; i++) {
+      num = fmax(num, fabs((double)ga[i] - gb[i]));
+      den = fmax(den, fabs((double)gb[i]));
+    }
+    if (!(num / den <= TOL_XBE))
+      fail_msg("%s: gradient differs from CPU (rel %.3g)", a->items[k]->name, num / den);
+    free(ga);
+    free(gb);
+  }
+}
+
+static void test_cross_backend(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL || f->cpu == NULL)
+    skip(); /* only in the CUDA group, with a device */
+  ac_lm_config lc;
+  lm_run la, lb;
+  ac_param_list pa, pb;
+  lm_small_config(&lc);
+  lm_setup(&la, f->be, &lc, 3, 6);
+  lm_setup(&lb, f->cpu, &lc, 3, 6);
+  ac_param_list_init(&pa);
+  ac_param_list_init(&pb);
+  assert_int_equal(ac_lm_params(&la.lm, &pa), AC_OK);
+  assert_int_equal(ac_lm_params(&lb.lm, &pb), AC_OK);
+  model_ops ma = {lm_fwd, lm_bwd, &la}, mb = {lm_fwd, lm_bwd, &lb};
+  assert_true(fabs(loss_now(&ma) - loss_now(&mb)) < 1e-4);
+  assert_int_equal(lm_bwd(&la), AC_OK);
+  assert_int_equal(lm_bwd(&lb), AC_OK);
+  compare_lists(&pa, &pb);
+  ac_param_list_destroy(&pa);
+  ac_param_list_destroy(&pb);
+  lm_teardown(&la, f->be);
+  lm_teardown(&lb, f->cpu);
+
+  ac_resnet_config rc;
+  rn_run ra, rb;
+  rn_small_config(&rc);
+  rn_setup(&ra, f->be, &rc, 5);
+  rn_setup(&rb, f->cpu, &rc, 5);
+  ac_param_list_init(&pa);
+  ac_param_list_init(&pb);
+  assert_int_equal(ac_resnet_params(&ra.net, &pa), AC_OK);
+  assert_int_equal(ac_resnet_params(&rb.net, &pb), AC_OK);
+  model_ops na = {rn_fwd, rn_bwd, &ra}, nb = {rn_fwd, rn_bwd, &rb};
+  assert_true(fabs(loss_now(&na) - loss_now(&nb)) < 1e-4);
+  assert_int_equal(rn_bwd(&ra), AC_OK);
+  assert_int_equal(rn_bwd(&rb), AC_OK);
+  compare_lists(&pa, &pb);
+  ac_param_list_destroy(&pa);
+  ac_param_list_destroy(&pb);
+  rn_teardown(&ra, f->be);
+  rn_teardown(&rb, f->cpu);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Groups                                                                                  */
+
+static int setup_cpu(void **state)
+{
+  fixture *f = calloc(1, sizeof *f);
+  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
+    free(f);
+    return -1;
+  }
+  *state = f;
+  return 0;
+}
+
+static int setup_cuda(void **state)
+{
+  fixture *f = calloc(1, sizeof *f);
+  if (f == NULL)
+    return -1;
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  opts.kind = AC_BACKEND_CUDA;
+  int rc = ac_backend_create(&f->be, &opts);
+  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
+    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
+    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
+                ac_strerror(rc), ac_backend_describe(NULL));
+    free(f);
+    return -1;
+  }
+  if (rc != AC_OK) {
+    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA model tests skipped\n",
+                  ac_strerror(rc), ac_backend_describe(NULL));
+  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
+    ac_backend_destroy(f->be);
+    free(f);
+    return -1;
+  }
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state)
+{
+  fixture *f = *state;
+  if (f == NULL)
+    return 0;
+  ac_backend_destroy(f->be);
+  ac_backend_destroy(f->cpu);
+  free(f);
+  return 0;
+}
+
+#define MODEL_TESTS                                                                       \
+  cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
+      cmocka_unit_test(test_lm_dropout), cmocka_unit_test(test_resnet_params),            \
+      cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_cross_backend)
+
+int main(void)
+{
+  const struct CMUnitTest cpu[] = {MODEL_TESTS};
+  const struct CMUnitTest cuda[] = {MODEL_TESTS};
+  int failed = cmocka_run_group_tests_name("model-cpu", cpu, setup_cpu, teardown);
+  failed += cmocka_run_group_tests_name("model-cuda", cuda, setup_cuda, teardown);
+  return failed;
+}

@@ -1,0 +1,561 @@
+/*
+ * test_client.c -- integration tests of libprecond and precondctl against a real precondd,
+ * started here over TCP loopback (a free port) and over a unix socket.
+ *
+ * The daemon and precondctl paths come from meson (PRECONDD, PRECONDCTL in the environment).
+ * Statistics are multiples of the identity, so the expected roots are known in closed form:
+ * (s I + ridge I)^(-1/4) with ridge = epsilon * s.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "precond.h"
+
+#define ROOT_WAIT_MS 30000
+#define EPSILON 1e-6
+
+static const char *daemon_path(void)
+{
+  const char *p = getenv("PRECONDD");
+  assert_non_null(p);
+  return p;
+}
+
+/* A port nobody listens on right now (bound and released; the daemon binds it next). */
+static int free_port(void)
+{
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t len = sizeof a;
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+typedef struct {
+  pid_t pid;
+  char addr[128];
+  char sock[96];
+  const char *token_file;  /* NULL: no token required */
+} daemon_proc;
+
+/* Starts precondd listening on addr; does not wait for it (the client's wait-for-ready
+ * does). Its output goes to the test log. */
+static void daemon_start(daemon_proc *d)
+{
+  fflush(NULL);
+  d->pid = fork();
+  assert_true(d->pid >= 0);
+  if (d->pid == 0) {
+    if (d->token_file != NULL)
+      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
+            "--grace-period", "1", "--token-file", d->token_file, (char *)NULL);
+    else
+      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
+            "--grace-period", "1", (char *)NULL);
+    perror("exec precondd");
+    _exit(127);
+  }
+}
+
+static void daemon_stop(daemon_proc *d)
+{
+  if (d->pid <= 0)
+    return;
+  kill(d->pid, SIGTERM);
+  int status = 0;
+  for (int i = 0; i < 100; i++) {
+    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+      d->pid = 0;
+      return;
+    }
+    struct timespec t = {0, 50 * 1000000L};
+    nanosleep(&t, NULL);
+  }
+  kill(d->pid, SIGKILL);
+  waitpid(d->pid, &status, 0);
+  d->pid = 0;
+}
+
+/* The daemon of the running test; the teardown stops it even when the test failed. */
+static daemon_proc g_d;
+
+static int stop_daemon(void **state)
+{
+  (void)state;
+  daemon_stop(&g_d);
+  if (g_d.sock[0] != '\0')
+    unlink(g_d.sock);
+  memset(&g_d, 0, sizeof g_d);
+  return 0;
+}
+
+static void tcp_daemon(daemon_proc *d)
+{
+  memset(d, 0, sizeof *d);
+  snprintf(d->addr, sizeof d->addr, "127.0.0.1:%d", free_port());
+  daemon_start(d);
+}
+
+static void unix_daemon(daemon_proc *d)
+{
+  memset(d, 0, sizeof *d);
+  snprintf(d->sock, sizeof d->sock, "/tmp/precond-test-%d.sock", (int)getpid());
+  unlink(d->sock);
+  snprintf(d->addr, sizeof d->addr, "unix:%s", d->sock);
+  daemon_start(d);
+}
+
+static precond_client *connect_to(const char *addr, precond_encoding fetch_enc)
+{
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = addr;
+  o.connect_timeout_ms = 20000;  /* the daemon is starting */
+  o.poll_interval_ms = 10;
+  o.fetch_encoding = fetch_enc;
+  precond_client *c = NULL;
+  int st = precond_connect(&o, &c);
+  assert_int_equal(st, PRECOND_OK);
+  return c;
+}
+
+/* Packed s * I of size n. */
+static float *scaled_identity(uint32_t n, float s)
+{
+  size_t len = (size_t)n * (n + 1) / 2;
+  float *p = calloc(len, sizeof(float));
+  assert_non_null(p);
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++)
+      p[k++] = i == j ? s : 0.0f;
+  return p;
+}
+
+/* Checks that packed x (n x n) is c I within rel (relative to c). */
+static void assert_scaled_identity(const float *x, uint32_t n, double c, double rel)
+{
+  assert_non_null(x);
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++, k++) {
+      double want = i == j ? c : 0.0;
+      if (fabs(x[k] - want) > rel * c) {
+        fprintf(stderr, "x[%u][%u] = %.8g, want %.8g\n", i, j, x[k], want);
+        fail();
+      }
+    }
+}
+
+static double expected_root(double s)
+{
+  return pow(s * (1.0 + EPSILON), -0.25);
+}
+
+/* Registers a 256 x 96 weight (two 128 x 96 blocks) and a bias (diagonal only). */
+static void register_job(precond_client *c, const char *job, precond_layout *layout)
+{
+  const uint64_t wshape[2] = {256, 96}, bshape[1] = {96};
+  precond_tensor t[2] = {{"dense.w", 2, wshape}, {"dense.b", 1, bshape}};
+  precond_shampoo_opts so = {.block_size = 128, .root_exponent = 4, .epsilon = EPSILON,
+                             .beta2 = 1.0f, .method = PRECOND_METHOD_EIGH};
+  int st = precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 2, t, &so, layout);
+  if (st != PRECOND_OK) {
+    char e[256];
+    precond_last_error(c, e, sizeof e);
+    fprintf(stderr, "register: %s (%s)\n", precond_strerror(st), e);
+  }
+  assert_int_equal(st, PRECOND_OK);
+  assert_int_equal(layout->nblocks, 2);
+  assert_int_equal(layout->ndiagonal, 1);
+  assert_int_equal(layout->diagonal_tensors[0], 1);
+  for (size_t i = 0; i < 2; i++) {
+    assert_int_equal(layout->blocks[i].block_id, i);
+    assert_int_equal(layout->blocks[i].rows, 128);
+    assert_int_equal(layout->blocks[i].cols, 96);
+    assert_int_equal(layout->blocks[i].row0, 128 * i);
+  }
+}
+
+/* Pushes s I for both factors of every block at step, flushes, and checks that the
+ * roots of the new version arrive and match (s_total I)^(-1/4). */
+static void push_and_check(precond_client *c, const precond_layout *layout, uint64_t step,
+                           float s, double s_total, precond_encoding enc, uint64_t *versions,
+                           double rel)
+{
+  for (size_t b = 0; b < layout->nblocks; b++) {
+    uint32_t nl = (uint32_t)layout->blocks[b].rows, nr = (uint32_t)layout->blocks[b].cols;
+    float *l = scaled_identity(nl, s), *r = scaled_identity(nr, 2.0f * s);
+    assert_int_equal(precond_push(c, step, (uint32_t)b, nl, l, nr, r, enc), PRECOND_OK);
+    free(l);
+    free(r);
+  }
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  for (size_t b = 0; b < layout->nblocks; b++) {
+    uint32_t id = (uint32_t)b;
+    /* Wait for a root computed from this step (an earlier version may arrive first). */
+    const precond_roots *r = NULL;
+    for (int tries = 0; tries < 1000; tries++) {
+      int st = precond_wait_roots(c, id, versions[b], ROOT_WAIT_MS);
+      if (st != PRECOND_OK) {
+        char e[256];
+        precond_last_error(c, e, sizeof e);
+        fprintf(stderr, "no roots for block %u: %s (%s)\n", id, precond_strerror(st), e);
+      }
+      assert_int_equal(st, PRECOND_OK);
+      assert_int_equal(precond_fetch(c, id, versions[b], &r), PRECOND_OK);
+      assert_non_null(r);
+      versions[b] = r->version;
+      if (r->source_step >= step)
+        break;
+      precond_roots_release(r);
+      r = NULL;
+    }
+    assert_non_null(r);
+    assert_int_equal(r->block_id, id);
+    assert_int_equal(r->source_step, step);
+    assert_int_equal(r->n_left, layout->blocks[b].rows);
+    assert_int_equal(r->n_right, layout->blocks[b].cols);
+    assert_scaled_identity(r->left, r->n_left, expected_root(s_total), rel);
+    assert_scaled_identity(r->right, r->n_right, expected_root(2.0 * s_total), rel);
+    /* Only newer versions come back: asking with the version held gives nothing. */
+    const precond_roots *again = (const precond_roots *)1;
+    assert_int_equal(precond_fetch(c, id, r->version, &again), PRECOND_OK);
+    assert_null(again);
+    precond_roots_release(r);
+  }
+}
+
+static void run_flow(const char *addr, precond_encoding enc, double rel)
+{
+  precond_client *c = connect_to(addr, enc);
+  precond_layout layout;
+  register_job(c, "itest", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 4.0f, 4.0, enc, versions, rel);
+  /* beta2 = 1: the daemon sums the increments, so the statistic is now 4 + 12 = 16 */
+  push_and_check(c, &layout, 2, 12.0f, 16.0, enc, versions, rel);
+
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushed, 4);
+  assert_int_equal(k.sent + k.coalesced + k.dropped, 4);
+  assert_int_equal(k.push_errors, 0);
+  assert_true(k.roots_received >= 4);
+  assert_int_equal(k.queued, 0);
+
+  precond_stats s;
+  assert_int_equal(precond_get_stats(c, "itest", 1, &s), PRECOND_OK);
+  assert_true(s.njobs >= 1);
+  assert_string_equal(s.job_stats[0].job, "itest");
+  assert_int_equal(s.nblocks, 2);
+  assert_true(s.roots_computed >= 4);
+  precond_stats_destroy(&s);
+
+  int serving = 0;
+  const char *name = NULL;
+  assert_int_equal(precond_health(c, "", &serving, &name), PRECOND_OK);
+  assert_int_equal(serving, 1);
+  assert_string_equal(name, "SERVING");
+  precond_layout_destroy(&layout);
+  precond_close(c);
+}
+
+static void test_tcp_register_push_fetch(void **state)
+{
+  (void)state;
+  tcp_daemon(&g_d);
+  run_flow(g_d.addr, PRECOND_FP32, 1e-4);
+  daemon_stop(&g_d);
+}
+
+static void test_unix_socket_bf16(void **state)
+{
+  (void)state;
+  unix_daemon(&g_d);
+  /* bf16 both ways: 8 bits of mantissa, so about 0.4% per value */
+  run_flow(g_d.addr, PRECOND_BF16, 1e-2);
+}
+
+static void test_bad_input_is_refused_locally(void **state)
+{
+  (void)state;
+  tcp_daemon(&g_d);
+  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
+  /* before register */
+  assert_int_equal(precond_push(c, 1, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  const precond_roots *got = NULL;
+  assert_int_equal(precond_fetch(c, 0, 0, &got), PRECOND_EINVAL);
+  precond_layout layout;
+  register_job(c, "bad", &layout);
+  /* block outside the layout, wrong factor sizes, nothing to push, NaN */
+  assert_int_equal(precond_push(c, 1, 2, 128, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 1, 0, 96, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 1, 0, 0, NULL, 0, NULL, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 1, 0, 128, NULL, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  l[5] = NAN;
+  assert_int_equal(precond_push(c, 1, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  l[5] = INFINITY;
+  assert_int_equal(precond_push(c, 1, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 1, 0, 128, l, 96, r, (precond_encoding)7), PRECOND_EINVAL);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushed, 0);
+  /* both factors are required */
+  assert_int_equal(precond_push(c, 1, 1, 0, NULL, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  /* a good push after all that goes through */
+  l[5] = 0.0f;
+  assert_int_equal(precond_push(c, 1, 1, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.push_errors, 0);
+  /* bad registrations */
+  const uint64_t zero[2] = {0, 4};
+  precond_tensor t = {"z", 2, zero};
+  precond_layout l2;
+  assert_int_equal(precond_register(c, "bad", PRECOND_MODE_SHAMPOO, NULL, 1, &t, NULL, &l2),
+                   PRECOND_EINVAL);
+  assert_int_equal(precond_register(c, "", PRECOND_MODE_SHAMPOO, NULL, 1, &t, NULL, &l2),
+                   PRECOND_EINVAL);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop(&g_d);
+}
+
+static void test_dead_address(void **state)
+{
+  (void)state;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", free_port());
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = addr;
+  o.connect_timeout_ms = 300;
+  precond_client *c = (precond_client *)1;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_EUNAVAILABLE);
+  /* without waiting at connect, a call with a short deadline fails cleanly */
+  o.connect_timeout_ms = 0;
+  o.call_timeout_ms = 300;
+  o.wait_for_ready = 0;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_stats s;
+  int st = precond_get_stats(c, NULL, 0, &s);
+  assert_true(st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT);
+  char e[256];
+  precond_last_error(c, e, sizeof e);
+  assert_true(strlen(e) > 0);
+  precond_close(c);
+  o.addr = "";
+  assert_int_equal(precond_connect(&o, &c), PRECOND_EINVAL);
+}
+
+/* The worker starts first, the daemon later; then the daemon restarts (losing the job) and
+ * the client registers again by itself and keeps getting roots. */
+static void test_reconnect_and_reregister(void **state)
+{
+  (void)state;
+  memset(&g_d, 0, sizeof g_d);
+  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 0;
+  o.poll_interval_ms = 10;
+  o.backoff_max_ms = 200;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  daemon_start(&g_d);
+  precond_layout layout;
+  register_job(c, "again", &layout);  /* waits for the daemon to come up */
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+
+  daemon_stop(&g_d);
+  float *l = scaled_identity(128, 2.0f), *r = scaled_identity(96, 4.0f);
+  /* pushed while the daemon is down: queued, retried with backoff */
+  assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(c, 300), PRECOND_ETIMEDOUT);
+  daemon_start(&g_d);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_true(k.retries >= 1);
+  assert_true(k.reregistered >= 1);
+  assert_int_equal(k.push_errors, 0);
+  /* the new daemon computes a root of the new statistic (2 I alone: it lost the old one) */
+  const precond_roots *got = NULL;
+  for (int tries = 0; tries < 3000; tries++) {
+    assert_int_equal(precond_fetch(c, 0, 0, &got), PRECOND_OK);
+    if (got != NULL && got->source_step == 2)
+      break;
+    precond_roots_release(got);
+    got = NULL;
+    struct timespec t = {0, 10 * 1000000L};
+    nanosleep(&t, NULL);
+  }
+  assert_non_null(got);
+  assert_scaled_identity(got->left, got->n_left, expected_root(2.0), 1e-4);
+  precond_roots_release(got);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop(&g_d);
+}
+
+/* precondctl against a live daemon (table and JSON) and a dead address. */
+static int run_ctl(const char *args, char *out, size_t len)
+{
+  const char *ctl = getenv("PRECONDCTL");
+  assert_non_null(ctl);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "'%s' %s 2>&1", ctl, args);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, len - 1, p);
+  out[n] = '\0';
+  int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void test_precondctl(void **state)
+{
+  (void)state;
+  tcp_daemon(&g_d);
+  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  precond_layout layout;
+  register_job(c, "ctljob", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+
+  static char out[65536];
+  char args[256];
+  snprintf(args, sizeof args, "--addr %s stats", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "ctljob"));
+  assert_non_null(strstr(out, "queue depth"));
+  snprintf(args, sizeof args, "--addr %s stats --json", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_int_equal(out[0], '{');
+  assert_non_null(strstr(out, "\"job\":\"ctljob\""));
+  snprintf(args, sizeof args, "--addr %s blocks", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "128x96"));
+  snprintf(args, sizeof args, "--json --addr %s blocks --job ctljob", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "\"block_id\":1,"));
+  snprintf(args, sizeof args, "--addr %s health", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "SERVING"));
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop(&g_d);
+
+  /* dead address: exit 2, one line naming the address */
+  snprintf(args, sizeof args, "--addr %s --timeout 500 stats", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  assert_non_null(strstr(out, "cannot reach precondd"));
+  assert_non_null(strstr(out, g_d.addr));
+  assert_int_equal(strchr(out, '\n'), out + strlen(out) - 1);
+  /* usage errors: exit 1 */
+  assert_int_equal(run_ctl("frobnicate", out, sizeof out), 1);
+  assert_int_equal(run_ctl("--timeout x stats", out, sizeof out), 1);
+  assert_int_equal(run_ctl("--token-file /nonexistent stats", out, sizeof out), 1);
+  assert_int_equal(run_ctl("--help", out, sizeof out), 0);
+  assert_non_null(strstr(out, "usage: precondctl"));
+}
+
+/* A daemon that requires a token: calls without it (or with a wrong one) fail with
+ * PRECOND_EAUTH, with it they work; precondctl's --token-file likewise. */
+static void test_token(void **state)
+{
+  (void)state;
+  char good[64], bad[64];
+  snprintf(good, sizeof good, "/tmp/precond-test-token-%d", (int)getpid());
+  snprintf(bad, sizeof bad, "/tmp/precond-test-badtoken-%d", (int)getpid());
+  FILE *f = fopen(good, "w");
+  assert_non_null(f);
+  fputs("s3cret-token\n", f);
+  fclose(f);
+  f = fopen(bad, "w");
+  assert_non_null(f);
+  fputs("wrong\n", f);
+  fclose(f);
+  memset(&g_d, 0, sizeof g_d);
+  g_d.token_file = good;
+  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
+  daemon_start(&g_d);
+
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_stats s;
+  assert_int_equal(precond_get_stats(c, NULL, 0, &s), PRECOND_EAUTH);
+  precond_close(c);
+  o.token = "s3cret-token";
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_layout layout;
+  register_job(c, "tok", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+
+  static char out[65536];
+  char args[512];
+  snprintf(args, sizeof args, "--addr %s stats", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  assert_non_null(strstr(out, "authentication"));
+  snprintf(args, sizeof args, "--addr %s --token-file %s stats", g_d.addr, bad);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  snprintf(args, sizeof args, "--addr %s --token-file %s stats", g_d.addr, good);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "tok"));
+  unlink(good);
+  unlink(bad);
+}
+
+int main(void)
+{
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+    cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
+    cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
+    cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
+    cmocka_unit_test_teardown(test_dead_address, stop_daemon),
+    cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
+    cmocka_unit_test_teardown(test_precondctl, stop_daemon),
+    cmocka_unit_test_teardown(test_token, stop_daemon),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
