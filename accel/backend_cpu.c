@@ -185,12 +185,63 @@ static int cpu_pack_sym(ac_backend *be, size_t n, const float *dense, size_t ld,
   return AC_OK;
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Elementwise kernels. The op's switch sits outside the element loop, so that each loop is
+ * one statement over contiguous arrays that the compiler vectorises. Outputs may equal an
+ * input exactly (in place, as accel.h allows): these loops read element i before writing
+ * it, and GCC's runtime overlap check keeps exact aliasing on the vector path. */
+
+/* out[i] = a[i] op b[i] */
+static void binary_vv(ac_binary_op op, size_t n, const float *a, const float *b, float *out)
+{
+  switch (op) {
+  case AC_BIN_ADD:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] + b[i];
+    break;
+  case AC_BIN_SUB:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] - b[i];
+    break;
+  case AC_BIN_MUL:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] * b[i];
+    break;
+  default:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] / b[i];
+    break;
+  }
+}
+
+/* out[i] = a[i] op s */
+static void binary_vs(ac_binary_op op, size_t n, const float *a, float s, float *out)
+{
+  switch (op) {
+  case AC_BIN_ADD:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] + s;
+    break;
+  case AC_BIN_SUB:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] - s;
+    break;
+  case AC_BIN_MUL:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] * s;
+    break;
+  default:
+    for (size_t i = 0; i < n; i++)
+      out[i] = a[i] / s;
+    break;
+  }
+}
+
 static int cpu_binary(ac_backend *be, ac_binary_op op, size_t n, const float *a,
                       const float *b, float *out)
 {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    out[i] = ac__binary_value(op, a[i], b[i]);
+  binary_vv(op, n, a, b, out);
   return AC_OK;
 }
 
@@ -212,11 +263,101 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
   return AC_OK;
 }
 
+/* GCC keeps a clamp followed by arithmetic as a branch (so the loop stays scalar) while
+ * floating-point traps are honoured; nothing here reads the exception flags. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define AC__CPU_VEC __attribute__((optimize("no-trapping-math")))
+#else
+#define AC__CPU_VEC
+#endif
+
+/* e^x for x in [-87, 89] (callers clamp), written to vectorise: x = n ln2 + r with
+ * |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two so that n ln2 is exact
+ * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
+ * 2^n built in the exponent bits. Relative error about 2 ulp; x >= 88.4 gives +Inf
+ * (n = 128 lands in the exponent of Inf), the overflow GELU relies on. */
+AC__CPU_VEC static inline float exp_poly(float x)
+{
+  float t = x * 1.44269504088896341f + 12582912.0f;
+  float n = t - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t tb; /* t's low mantissa bits hold n + 2^22: no float-to-int conversion */
+  memcpy(&tb, &t, sizeof tb);
+  int32_t bits = (tb - 0x4B400000 + 127) * (1 << 23);
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* GELU, tanh form, as x s(2u) with s the logistic function and u = sqrt(2/pi) (x + c x^3):
+ * 0.5 (1 + tanh u) = s(2u) = 1 / (1 + e), e = e^(-2u). This form keeps a small relative
+ * error also where GELU is tiny (x very negative), unlike 1 + tanh(u), which cancels there.
+ * The clamps let NaN through; e overflows to Inf (s = 0) below x = -5.9 or so. Accuracy
+ * against the same formula in double (test_backend's gelu_accuracy): relative error under
+ * 3e-7 (1 + |2u|) (the |2u| part is the rounding of u itself, amplified by e^(-2u)). */
+AC__CPU_VEC static inline float gelu_exp(float x)
+{
+  float m2u = -2.0f * AC__GELU_S * (x + AC__GELU_C * x * x * x);
+  m2u = m2u < -87.0f ? -87.0f : m2u;
+  m2u = m2u > 89.0f ? 89.0f : m2u;
+  return exp_poly(m2u);
+}
+
+AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out)
+{
+  for (size_t i = 0; i < n; i++) {
+    float v = x[i];
+    out[i] = v / (1.0f + gelu_exp(v));
+  }
+}
+
+/* d/dx [x s(2u)] = s + 2 x s (1 - s) u', with 1 - s = e s (no cancellation as s -> 1). The
+ * second term is below 1e-33 for |x| > 40, so x is clamped there to keep x u' finite, and
+ * it is 0 where s is (e = Inf would make it Inf * 0). */
+AC__CPU_VEC static void gelu_backward(size_t n, const float *x, const float *dy, float *dx)
+{
+  for (size_t i = 0; i < n; i++) {
+    float v = x[i], e = gelu_exp(v), s = 1.0f / (1.0f + e);
+    float xc = v < -40.0f ? -40.0f : v;
+    xc = xc > 40.0f ? 40.0f : xc;
+    float du = AC__GELU_S * (1.0f + 3.0f * AC__GELU_C * xc * xc);
+    float term = 2.0f * xc * (e * s * s) * du;
+    dx[i] = dy[i] * (s + (s == 0.0f ? 0.0f : term));
+  }
+}
+
 static int cpu_unary(ac_backend *be, ac_unary_op op, size_t n, const float *x, float *out)
 {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    out[i] = ac__unary_value(op, x[i]);
+  switch (op) {
+  case AC_UNARY_RELU:
+    for (size_t i = 0; i < n; i++)
+      out[i] = x[i] > 0.0f ? x[i] : 0.0f;
+    break;
+  case AC_UNARY_GELU:
+    gelu_forward(n, x, out);
+    break;
+  case AC_UNARY_SQUARE:
+    for (size_t i = 0; i < n; i++)
+      out[i] = x[i] * x[i];
+    break;
+  case AC_UNARY_NEG:
+    for (size_t i = 0; i < n; i++)
+      out[i] = -x[i];
+    break;
+  default: /* libm ops: not on a hot path */
+    for (size_t i = 0; i < n; i++)
+      out[i] = ac__unary_value(op, x[i]);
+    break;
+  }
   return AC_OK;
 }
 
@@ -224,26 +365,66 @@ static int cpu_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const fl
                               const float *dy, float *dx)
 {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    dx[i] = dy[i] * ac__unary_deriv(op, x[i]);
+  switch (op) {
+  case AC_UNARY_RELU:
+    for (size_t i = 0; i < n; i++)
+      dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+    break;
+  case AC_UNARY_GELU:
+    gelu_backward(n, x, dy, dx);
+    break;
+  default:
+    for (size_t i = 0; i < n; i++)
+      dx[i] = dy[i] * ac__unary_deriv(op, x[i]);
+    break;
+  }
   return AC_OK;
 }
 
+/* Rows of inner values against one scalar each; inner == 1 (a bias over rows of mid
+ * values) runs along mid instead, so that both shapes have a long contiguous loop. */
 static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, size_t inner,
                      const float *x, const float *v, float *out)
 {
   (void)be;
+  if (inner == 1) {
+    for (size_t o = 0; o < outer; o++)
+      binary_vv(op, mid, x + o * mid, v, out + o * mid);
+    return AC_OK;
+  }
   for (size_t o = 0; o < outer; o++)
     for (size_t m = 0; m < mid; m++) {
       size_t base = (o * mid + m) * inner;
-      for (size_t i = 0; i < inner; i++)
-        out[base + i] = ac__binary_value(op, x[base + i], v[m]);
+      binary_vs(op, inner, x + base, v[m], out + base);
     }
   return AC_OK;
 }
 
-/* One pass in memory order into per-mid double accumulators, so every shape (bias
- * gradients reduce down columns) streams through x once. */
+/* Sum (or sum of squares) of one contiguous row in double, in 8 interleaved partial sums so
+ * that the loop vectorises (the order differs from a left-to-right sum; all in double). */
+static double row_sum(size_t n, const float *x, int squares)
+{
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  if (squares) {
+    for (; i + 8 <= n; i += 8)
+      for (size_t j = 0; j < 8; j++)
+        part[j] += (double)x[i + j] * (double)x[i + j];
+  } else {
+    for (; i + 8 <= n; i += 8)
+      for (size_t j = 0; j < 8; j++)
+        part[j] += (double)x[i + j];
+  }
+  double acc = ((part[0] + part[4]) + (part[1] + part[5])) +
+               ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; i < n; i++)
+    acc += squares ? (double)x[i] * (double)x[i] : (double)x[i];
+  return acc;
+}
+
+/* Into per-mid double accumulators. Rows of inner values are summed along the row;
+ * inner == 1 (bias gradients reduce down columns) adds whole rows of mid values at once,
+ * so both stream through x once with a contiguous inner loop. */
 static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
                       float alpha, const float *x, float beta, float *out)
 {
@@ -253,21 +434,34 @@ static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid,
     return AC_ENOMEM;
   for (size_t m = 0; m < mid; m++)
     acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
-  for (size_t o = 0; o < outer; o++)
-    for (size_t m = 0; m < mid; m++) {
-      const float *row = x + (o * mid + m) * inner;
-      double a = acc[m];
-      for (size_t i = 0; i < inner; i++) {
-        double e = row[i];
-        if (op == AC_REDUCE_SUM)
-          a += e;
-        else if (op == AC_REDUCE_MAX)
+  if (op == AC_REDUCE_MAX) {
+    for (size_t o = 0; o < outer; o++)
+      for (size_t m = 0; m < mid; m++) {
+        const float *row = x + (o * mid + m) * inner;
+        double a = acc[m];
+        for (size_t i = 0; i < inner; i++) {
+          double e = row[i];
           a = e > a || isnan(e) ? e : a;
-        else
-          a += e * e;
+        }
+        acc[m] = a;
       }
-      acc[m] = a;
+  } else if (inner == 1) {
+    int sq = op != AC_REDUCE_SUM;
+    for (size_t o = 0; o < outer; o++) {
+      const float *row = x + o * mid;
+      if (sq)
+        for (size_t m = 0; m < mid; m++)
+          acc[m] += (double)row[m] * (double)row[m];
+      else
+        for (size_t m = 0; m < mid; m++)
+          acc[m] += (double)row[m];
     }
+  } else {
+    int sq = op != AC_REDUCE_SUM;
+    for (size_t o = 0; o < outer; o++)
+      for (size_t m = 0; m < mid; m++)
+        acc[m] += row_sum(inner, x + (o * mid + m) * inner, sq);
+  }
   for (size_t m = 0; m < mid; m++) {
     double a = op == AC_REDUCE_NORM2 ? sqrt(acc[m]) : acc[m];
     float r = alpha * (float)a;
