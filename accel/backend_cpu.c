@@ -662,33 +662,62 @@ static size_t in_coord(size_t o, size_t stride, size_t p, size_t pad)
   return o * stride + p - pad;
 }
 
+/* The output columns xo whose input column xo*stride + q - pad lies inside [0, w):
+ * [*lo, *hi), so that a row of the column matrix is zeros, a (strided) copy, zeros. */
+static void valid_cols(size_t w, size_t ow, size_t stride, size_t q, size_t pad, size_t *lo,
+                       size_t *hi)
+{
+  size_t l = q >= pad ? 0 : (pad - q + stride - 1) / stride;
+  size_t h = w + pad <= q ? 0 : (w + pad - q + stride - 1) / stride;
+  *lo = l < ow ? l : ow;
+  *hi = h < ow ? h : ow;
+  if (*hi < *lo)
+    *hi = *lo;
+}
+
+/* One row of the column matrix per (channel, tap); each output row y is one input row
+ * (or zeros in the padding), copied over its valid columns. */
 static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
                       const float *x, float *col)
 {
   (void)be;
-  size_t ohw = oh * ow;
+  size_t ohw = oh * ow, sw = g->stride_w;
   for (size_t b = 0; b < g->n; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       const float *plane = x + (b * g->c + ch) * g->h * g->w;
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
           float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
-          for (size_t y = 0; y < oh; y++)
-            for (size_t xo = 0; xo < ow; xo++) {
-              size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
-              size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
-              row[y * ow + xo] = iy < g->h && ix < g->w ? plane[iy * g->w + ix] : 0.0f;
+          size_t lo, hi;
+          valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
+          for (size_t y = 0; y < oh; y++) {
+            float *dst = row + y * ow;
+            size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
+            if (iy >= g->h || hi == lo) {
+              memset(dst, 0, ow * sizeof *dst);
+              continue;
             }
+            const float *src = plane + iy * g->w + (lo * sw + q - g->pad_w);
+            memset(dst, 0, lo * sizeof *dst);
+            if (sw == 1)
+              memcpy(dst + lo, src, (hi - lo) * sizeof *dst);
+            else
+              for (size_t i = 0; i < hi - lo; i++)
+                dst[lo + i] = src[i * sw];
+            memset(dst + hi, 0, (ow - hi) * sizeof *dst);
+          }
         }
     }
   return AC_OK;
 }
 
+/* The transpose of im2col: every row of the column matrix added back over its valid
+ * columns. */
 static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
                       const float *col, float *x)
 {
   (void)be;
-  size_t ohw = oh * ow;
+  size_t ohw = oh * ow, sw = g->stride_w;
   memset(x, 0, g->n * g->c * g->h * g->w * sizeof(float));
   for (size_t b = 0; b < g->n; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
@@ -696,13 +725,21 @@ static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
           const float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
-          for (size_t y = 0; y < oh; y++)
-            for (size_t xo = 0; xo < ow; xo++) {
-              size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
-              size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
-              if (iy < g->h && ix < g->w)
-                plane[iy * g->w + ix] += row[y * ow + xo];
-            }
+          size_t lo, hi;
+          valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
+          for (size_t y = 0; y < oh; y++) {
+            size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
+            if (iy >= g->h || hi == lo)
+              continue;
+            const float *src = row + y * ow + lo;
+            float *dst = plane + iy * g->w + (lo * sw + q - g->pad_w);
+            if (sw == 1)
+              for (size_t i = 0; i < hi - lo; i++)
+                dst[i] += src[i];
+            else
+              for (size_t i = 0; i < hi - lo; i++)
+                dst[i * sw] += src[i];
+          }
         }
     }
   return AC_OK;

@@ -1068,6 +1068,66 @@ static void test_gather_scatter(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Convolution and pooling                                                                 */
 
+/* im2col and col2im over geometries that exercise every edge of the row-wise copies
+ * (strides 1-3 each way, padding up to kernel size - 1 and wider than the image, 1x1 and
+ * non-square kernels, a tap with no valid column), against direct loops in the test. */
+static void test_im2col_geometries(void **state)
+{
+  ac_backend *be = BE(state);
+  NEED_BACKEND(state);
+  const ac_conv2d_geom geoms[] = {
+      {.n = 2, .c = 2, .h = 7, .w = 9, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 2,
+       .pad_h = 1, .pad_w = 1},
+      {.n = 1, .c = 3, .h = 6, .w = 8, .kh = 1, .kw = 1, .stride_h = 2, .stride_w = 2},
+      {.n = 1, .c = 2, .h = 5, .w = 11, .kh = 3, .kw = 5, .stride_h = 3, .stride_w = 3,
+       .pad_h = 2, .pad_w = 4},
+      {.n = 2, .c = 1, .h = 3, .w = 1, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 1,
+       .pad_h = 2, .pad_w = 2},
+      {.n = 1, .c = 2, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 1},
+  };
+  for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
+    const ac_conv2d_geom *g = &geoms[gi];
+    size_t oh, ow;
+    assert_int_equal(ac_conv2d_out_hw(g, &oh, &ow), AC_OK);
+    size_t nx = g->n * g->c * g->h * g->w, rows = g->n * g->c * g->kh * g->kw;
+    size_t ncol = rows * oh * ow;
+    float *hx = host_rand(nx), *hc = host_rand(ncol);
+    float *want = host_zeros(ncol);
+    double *wantx = dzeros(nx);
+    for (size_t r = 0; r < rows; r++) {
+      size_t q = r % g->kw, p = r / g->kw % g->kh, plane = r / (g->kh * g->kw);
+      for (size_t y = 0; y < oh; y++)
+        for (size_t xo = 0; xo < ow; xo++) {
+          long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
+          long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
+          size_t o = (r * oh + y) * ow + xo;
+          if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
+            continue;
+          size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
+          want[o] = hx[i];
+          wantx[i] += hc[o];
+        }
+    }
+    float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
+    float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+    assert_int_equal(ac_im2col(be, g, x, col), AC_OK);
+    assert_int_equal(ac_col2im(be, g, c, dx), AC_OK);
+    float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
+    assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
+    expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
+    free(got);
+    free(gotx);
+    ac_free(be, x);
+    ac_free(be, c);
+    ac_free(be, col);
+    ac_free(be, dx);
+    free(hx);
+    free(hc);
+    free(want);
+    free(wantx);
+  }
+}
+
 static void test_conv_im2col(void **state)
 {
   ac_backend *be = BE(state);
@@ -1711,7 +1771,8 @@ static int teardown(void **state)
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
       cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
       cmocka_unit_test(test_gather_scatter),                                            \
-      cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_pool),                  \
+      cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_im2col_geometries), \
+      cmocka_unit_test(test_pool),                  \
       cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
 
 int main(void)
