@@ -367,8 +367,10 @@ static int cpu_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const fl
   (void)be;
   switch (op) {
   case AC_UNARY_RELU:
-    for (size_t i = 0; i < n; i++)
-      dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+    for (size_t i = 0; i < n; i++) {
+      float d = dy[i]; /* loaded unconditionally, so that the select vectorises */
+      dx[i] = x[i] > 0.0f ? d : 0.0f;
+    }
     break;
   case AC_UNARY_GELU:
     gelu_backward(n, x, dy, dx);
