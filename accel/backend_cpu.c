@@ -498,17 +498,27 @@ static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float
   return AC_OK;
 }
 
-/* Softmax of one row; returns the log of the normaliser plus the max (the log-sum-exp). */
+/* e^x for every x <= 0 (softmax's shifted logits): exp_poly, with exact zeros below the
+ * smallest normal result (masked entries are -Inf). NaN stays NaN. */
+AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y)
+{
+  for (size_t i = 0; i < n; i++) {
+    float v = x[i], c = v < -87.0f ? -87.0f : v;
+    float e = exp_poly(c);
+    y[i] = v < -87.0f ? 0.0f : e;
+  }
+}
+
+/* Softmax of one row; returns the log of the normaliser plus the max (the log-sum-exp).
+ * The exponentials are exp_poly's (about 2 ulp); the sum is in double. */
 static float softmax_row(size_t cols, const float *x, float *y)
 {
   float mx = -INFINITY;
   for (size_t j = 0; j < cols; j++)
     mx = x[j] > mx ? x[j] : mx;
-  double sum = 0.0;
-  for (size_t j = 0; j < cols; j++) {
-    y[j] = expf(x[j] - mx);
-    sum += y[j];
-  }
+  binary_vs(AC_BIN_SUB, cols, x, mx, y);
+  exp_nonpos(cols, y, y);
+  double sum = row_sum(cols, y, 0);
   float inv = (float)(1.0 / sum);
   for (size_t j = 0; j < cols; j++)
     y[j] *= inv;
