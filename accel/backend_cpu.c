@@ -271,6 +271,15 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
 #define AC__CPU_VEC
 #endif
 
+/* The exp-bound loops (GELU, softmax) are compute-bound: on x86-64, GCC also compiles them
+ * for AVX2 and picks the clone at load time (ifunc). Same operations, no FMA contraction
+ * (ISO C mode) and no reductions, so both clones compute the same values. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define AC__CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define AC__CPU_CLONES
+#endif
+
 /* e^x for x in [-87, 89] (callers clamp), written to vectorise: x = n ln2 + r with
  * |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two so that n ln2 is exact
  * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
@@ -311,7 +320,7 @@ AC__CPU_VEC static inline float gelu_exp(float x)
   return exp_poly(m2u);
 }
 
-AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out)
+AC__CPU_CLONES AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out)
 {
   for (size_t i = 0; i < n; i++) {
     float v = x[i];
@@ -322,7 +331,7 @@ AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out)
 /* d/dx [x s(2u)] = s + 2 x s (1 - s) u', with 1 - s = e s (no cancellation as s -> 1). The
  * second term is below 1e-33 for |x| > 40, so x is clamped there to keep x u' finite, and
  * it is 0 where s is (e = Inf would make it Inf * 0). */
-AC__CPU_VEC static void gelu_backward(size_t n, const float *x, const float *dy, float *dx)
+AC__CPU_CLONES AC__CPU_VEC static void gelu_backward(size_t n, const float *x, const float *dy, float *dx)
 {
   for (size_t i = 0; i < n; i++) {
     float v = x[i], e = gelu_exp(v), s = 1.0f / (1.0f + e);
@@ -500,7 +509,7 @@ static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float
 
 /* e^x for every x <= 0 (softmax's shifted logits): exp_poly, with exact zeros below the
  * smallest normal result (masked entries are -Inf). NaN stays NaN. */
-AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y)
+AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y)
 {
   for (size_t i = 0; i < n; i++) {
     float v = x[i], c = v < -87.0f ? -87.0f : v;
