@@ -718,14 +718,18 @@ static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t
               memset(dst, 0, ow * sizeof *dst);
               continue;
             }
+            /* Short rows (a few dozen values): plain loops beat library calls here. */
             const float *src = plane + iy * g->w + (lo * sw + q - g->pad_w);
-            memset(dst, 0, lo * sizeof *dst);
+            for (size_t i = 0; i < lo; i++)
+              dst[i] = 0.0f;
             if (sw == 1)
-              memcpy(dst + lo, src, (hi - lo) * sizeof *dst);
+              for (size_t i = 0; i < hi - lo; i++)
+                dst[lo + i] = src[i];
             else
               for (size_t i = 0; i < hi - lo; i++)
                 dst[lo + i] = src[i * sw];
-            memset(dst + hi, 0, (ow - hi) * sizeof *dst);
+            for (size_t i = hi; i < ow; i++)
+              dst[i] = 0.0f;
           }
         }
     }
