@@ -552,14 +552,14 @@ static void *thread_main(void *arg)
       st = push_some(c);
       worked = 1;
     }
+    int retry = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM;
     if (st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
-      c->counters.retries++;
-      st = recover_job(c);
-      if (st == PRECOND_OK)
-        continue;  /* send or poll again at once */
+      /* The daemon lost the job: register again, then retry after the backoff below (also
+       * when registering worked, so a daemon that keeps refusing is not hammered). */
+      recover_job(c);
+      retry = 1;
     }
-    if (st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
-        st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
+    if (retry) {
       /* The daemon is away (or has not got the job yet): back off before trying again,
        * doubling up to the cap; a successful call resets it. */
       c->counters.retries++;
