@@ -87,6 +87,7 @@ void tr_options_default(tr_options *o) {
   o->shampoo_momentum = 0;
   o->stat_every = 1;
   o->precond_start = 1;
+  o->max_staleness = 0;
   o->sync_roots = 0;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
@@ -121,7 +122,7 @@ typedef struct {
   const char *help;
 } tr__spec;
 
-#define TR__NCOMMON 31
+#define TR__NCOMMON 32
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
@@ -150,6 +151,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->precond_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
+  SPEC("max-staleness", K_LONG, &o->max_staleness, 0, 1e9,
+       "roots older than N steps are not used (grafted step instead); 0: no bound");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
@@ -738,22 +741,15 @@ static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info 
     rc = wait ? tr__shampoo_wait(o, b, t, err) : tr__shampoo_refresh(o, b, err);
     if (rc != TR_OK) return rc;
   }
-  uint64_t fb0 = ac_shampoo_fallback_total(o->shampoo_opt);
   rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
   if (rc != TR_OK) return rc;
   if (info != NULL) {
-    double sum = 0;
-    long n = 0, mx = -1;
-    for (size_t b = 0; step >= s->start_step && b < s->nblocks; b++) {
-      if (s->version[b] == 0) continue;
-      long age = step - (long)s->source_step[b];
-      sum += (double)age;
-      n++;
-      if (age > mx) mx = age;
-    }
-    info->staleness = n > 0 ? sum / (double)n : NAN;
-    info->staleness_max = mx;
-    info->fallback = ac_shampoo_fallback_total(o->shampoo_opt) > fb0;
+    ac_shampoo_step_info si;
+    rc = tr__accel(err, ac_shampoo_last_step(o->shampoo_opt, &si), "ac_shampoo_last_step");
+    if (rc != TR_OK) return rc;
+    info->staleness = si.preconditioned > 0 ? si.staleness_mean : NAN;
+    info->staleness_max = si.staleness_max;
+    info->fallback = si.fallback > 0;
   }
   return TR_OK;
 }
@@ -804,6 +800,7 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
     so.weight_decay = (float)opts->weight_decay;
     so.stats_interval = opts->stat_every;
     so.start_step = opts->precond_start;
+    so.max_staleness = opts->max_staleness;
     so.beta2 = (float)opts->stat_beta2;
     so.epsilon = opts->shampoo_eps;
     rc = tr__accel(err, ac_shampoo_create(&o->shampoo_opt, params, nparams, &so), "Shampoo");

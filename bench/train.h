@@ -74,6 +74,7 @@ typedef struct {
   double shampoo_momentum; /* momentum on the grafted direction (default 0) */
   long stat_every;         /* push statistics every N steps (default 1) */
   long precond_start;      /* first step that may use roots (default 1) */
+  long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
   char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR) */
   char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */

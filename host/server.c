@@ -213,7 +213,14 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   for (int m = 0; m < PD_M_COUNT; m++)
     srv->methods[m] = grpc_server_register_method(srv->server, pd_method_paths[m], NULL,
                                                   GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds;
+  if (d->cfg.tls_cert) {
+    grpc_ssl_pem_key_cert_pair pair = {d->cfg.tls_key, d->cfg.tls_cert};
+    creds = grpc_ssl_server_credentials_create(d->cfg.tls_client_ca, &pair, 1,
+                                               d->cfg.tls_client_ca != NULL, NULL);
+  } else {
+    creds = grpc_insecure_server_credentials_create();
+  }
   int bound = grpc_server_add_http2_port(srv->server, d->cfg.listen, creds);
   grpc_server_credentials_release(creds);
   if (bound == 0) {
