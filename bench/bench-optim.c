@@ -10,8 +10,11 @@
  * Roots are identities scaled by 0.5: the cost does not depend on their values.
  * Compare rows as ratios within one run; absolute numbers depend on the machine's load.
  *
- * Usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] [--quick]
+ * Usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] [--clock wall|cpu]
+ *                    [--quick]
  *   --threads: OpenBLAS threads of the CPU backend (default 1)
+ *   --clock:   wall time (default), or this process's CPU time, steadier for the CPU backend
+ *              on a shared machine (with 1 thread it is the work done; wrong for CUDA)
  *   --dim:     model width (default 512; MLP 4x); block size 128
  *   --quick:   width 64 and 3 iterations (CI smoke run)
  * A backend that cannot be created (no CUDA device) is reported on stderr and skipped.
@@ -25,10 +28,12 @@
 
 enum { NPARAM = 8 };
 
+static clockid_t clock_id = CLOCK_MONOTONIC;
+
 static double now_s(void)
 {
   struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
+  clock_gettime(clock_id, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -183,11 +188,15 @@ int main(int argc, char **argv)
       threads = atoi(argv[++i]);
     else if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc)
       dim = (size_t)strtoul(argv[++i], NULL, 10);
+    else if (strcmp(argv[i], "--clock") == 0 && i + 1 < argc && strcmp(argv[i + 1], "cpu") == 0)
+      clock_id = CLOCK_PROCESS_CPUTIME_ID, i++;
+    else if (strcmp(argv[i], "--clock") == 0 && i + 1 < argc && strcmp(argv[i + 1], "wall") == 0)
+      clock_id = CLOCK_MONOTONIC, i++;
     else if (strcmp(argv[i], "--quick") == 0)
       quick = 1;
     else {
       fprintf(stderr, "usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] "
-                      "[--quick]\n");
+                      "[--clock wall|cpu] [--quick]\n");
       return 2;
     }
   }

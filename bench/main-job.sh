@@ -14,7 +14,7 @@ Usage: bench/main-job.sh [--build DIR] [--out DIR] [--steps N] [--every S] [--he
 
   --build DIR   the Meson build directory (default $PRECOND_BUILD or ./build)
   --out DIR     results directory (default out/main-job)
-  --steps N     step budget of every run (default 250)
+  --steps N     step budget of every run (default 200)
   --every S     seconds between precondctl reports while training (default 60)
 Any other options go to bench/compare (e.g. --lrs-adamw 1e-3,3e-3 --lrs-shampoo 1e-3,3e-3).
 EOF
@@ -22,7 +22,7 @@ EOF
 
 die() { echo "main-job: $*" >&2; exit 2; }
 
-build="${PRECOND_BUILD:-build}" out="out/main-job" steps=250 every=60
+build="${PRECOND_BUILD:-build}" out="out/main-job" steps=200 every=60
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,6 +37,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$every" in ''|*[!0-9]*|0) die "--every '$every' is not a positive integer" ;; esac
+case "$steps" in ''|*[!0-9]*|0) die "--steps '$steps' is not a positive integer" ;; esac
 
 here=$(cd "$(dirname "$0")" && pwd)
 precondd="$build/host/precondd" precondctl="$build/client/precondctl"
@@ -75,7 +76,7 @@ echo "main-job: precondd (pid $daemon_pid) at $addr, state in $tmp/state" >&2
 # The comparison: AdamW and Shampoo, two learning rates each, same seed and budget, on the
 # default model (context 64, d_model 128, 4 heads, 2 layers, batch 32).
 OPENBLAS_NUM_THREADS=1 "$here/compare" --model transformer --out "$out" --build "$build" \
-  --daemon "$addr" --steps "$steps" --eval-every $(( steps / 5 > 0 ? steps / 5 : 1 )) \
+  --daemon "$addr" --steps "$steps" --eval-every $(( steps / 10 > 0 ? steps / 10 : 1 )) \
   --lrs-adamw 1e-3,3e-3 --lrs-shampoo 1e-3,3e-3 "${extra[@]}" \
   -- --eval-batches 8 >"$out/compare.out" &
 compare_pid=$!

@@ -54,6 +54,13 @@ static double tr__now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* CPU seconds of this process, all threads. */
+static double tr__cpu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 const char *tr_optimizer_name(tr_optimizer_kind kind) {
   switch (kind) {
     case TR_SGD: return "sgd";
@@ -87,6 +94,7 @@ void tr_options_default(tr_options *o) {
   o->shampoo_momentum = 0;
   o->stat_every = 1;
   o->precond_start = 1;
+  o->max_staleness = 0;
   o->sync_roots = 0;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
@@ -121,7 +129,7 @@ typedef struct {
   const char *help;
 } tr__spec;
 
-#define TR__NCOMMON 31
+#define TR__NCOMMON 32
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
@@ -150,6 +158,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->precond_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
+  SPEC("max-staleness", K_LONG, &o->max_staleness, 0, 1e9,
+       "roots older than N steps are not used (grafted step instead); 0: no bound");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
@@ -447,7 +457,9 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->lr, 6);
   fputc(',', f);
   tr__csv_num(f, r->staleness, 4);
-  return fprintf(f, ",%d\n", r->fallback ? 1 : 0) < 0 ? TR_EIO : TR_OK;
+  fprintf(f, ",%d,", r->fallback ? 1 : 0);
+  tr__csv_num(f, r->cpu_ms, 5);
+  return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
 void tr_json_string(FILE *f, const char *s) {
@@ -502,6 +514,7 @@ int tr_json_summary(FILE *f, const tr_summary *s) {
   tr__json_num(f, "total_s", s->total_s, 0);
   tr__json_num(f, "median_step_ms", s->median_step_ms, 0);
   tr__json_num(f, "mean_step_ms", s->mean_step_ms, 0);
+  tr__json_num(f, "median_step_cpu_ms", s->median_step_cpu_ms, 0);
   tr__json_num(f, "items_per_s", s->items_per_s, 0);
   tr__json_str(f, "item_unit", s->item_unit);
   tr__json_num(f, "staleness_mean", s->staleness_mean, 0);
@@ -738,22 +751,15 @@ static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info 
     rc = wait ? tr__shampoo_wait(o, b, t, err) : tr__shampoo_refresh(o, b, err);
     if (rc != TR_OK) return rc;
   }
-  uint64_t fb0 = ac_shampoo_fallback_total(o->shampoo_opt);
   rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
   if (rc != TR_OK) return rc;
   if (info != NULL) {
-    double sum = 0;
-    long n = 0, mx = -1;
-    for (size_t b = 0; step >= s->start_step && b < s->nblocks; b++) {
-      if (s->version[b] == 0) continue;
-      long age = step - (long)s->source_step[b];
-      sum += (double)age;
-      n++;
-      if (age > mx) mx = age;
-    }
-    info->staleness = n > 0 ? sum / (double)n : NAN;
-    info->staleness_max = mx;
-    info->fallback = ac_shampoo_fallback_total(o->shampoo_opt) > fb0;
+    ac_shampoo_step_info si;
+    rc = tr__accel(err, ac_shampoo_last_step(o->shampoo_opt, &si), "ac_shampoo_last_step");
+    if (rc != TR_OK) return rc;
+    info->staleness = si.preconditioned > 0 ? si.staleness_mean : NAN;
+    info->staleness_max = si.staleness_max;
+    info->fallback = si.fallback > 0;
   }
   return TR_OK;
 }
@@ -804,6 +810,7 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
     so.weight_decay = (float)opts->weight_decay;
     so.stats_interval = opts->stat_every;
     so.start_step = opts->precond_start;
+    so.max_staleness = opts->max_staleness;
     so.beta2 = (float)opts->stat_beta2;
     so.epsilon = opts->shampoo_eps;
     rc = tr__accel(err, ac_shampoo_create(&o->shampoo_opt, params, nparams, &so), "Shampoo");
@@ -914,7 +921,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   double base_lr = tr_effective_lr(opts);
   int rc = TR_OK;
   FILE *csv = NULL;
-  double *step_ms = NULL, *losses = NULL, *stale = NULL;
+  double *step_ms = NULL, *cpu_ms = NULL, *losses = NULL, *stale = NULL;
   long nstale = 0;
   tr_optimizer opt;
   memset(&opt, 0, sizeof opt);
@@ -928,14 +935,16 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   sm.item_unit = model->item_unit;
   sm.final_eval_loss = sm.final_eval_accuracy = sm.best_eval_loss = NAN;
   sm.staleness_mean = sm.staleness_median = NAN;
+  sm.median_step_ms = sm.mean_step_ms = sm.median_step_cpu_ms = NAN;
   sm.staleness_max = -1;
   sm.status = "ok";
   for (size_t i = 0; i < model->nparams; i++) sm.params += (long)model->params[i]->value.numel;
 
   step_ms = malloc((size_t)total * sizeof *step_ms);
+  cpu_ms = malloc((size_t)total * sizeof *cpu_ms);
   losses = malloc((size_t)total * sizeof *losses);
   stale = malloc((size_t)total * sizeof *stale);
-  if (step_ms == NULL || losses == NULL || stale == NULL) {
+  if (step_ms == NULL || cpu_ms == NULL || losses == NULL || stale == NULL) {
     rc = tr__fail(err, TR_ENOMEM, "no memory for %ld steps of figures", total);
     goto done;
   }
@@ -961,7 +970,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   long step = 0;
   while (step < total) {
     step++;
-    double t0 = tr__now();
+    double t0 = tr__now(), c0 = tr__cpu_now();
     double loss = NAN;
     int mrc = model->train_step(model->ctx, &loss);
     if (mrc != 0) {
@@ -982,9 +991,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
                      "gradient clipping");
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
-    double dt = tr__now() - t0;
+    double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
     step_ms[step - 1] = dt * 1e3;
+    cpu_ms[step - 1] = dc * 1e3;
     losses[step - 1] = loss;
     if (isfinite(info.staleness)) {
       stale[nstale++] = info.staleness;
@@ -993,7 +1003,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step, train_s, dt * 1e3, loss, NAN, NAN, lr, info.staleness, info.fallback};
+    tr_row row = {step,  train_s,        dt * 1e3,      loss,    NAN,
+                  NAN,   lr,             info.staleness, info.fallback, dc * 1e3};
     int eval_now = rc == TR_OK &&
                    (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);
@@ -1031,6 +1042,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   for (long i = sm.steps - tail; i < sm.steps; i++) acc += losses[i];
   sm.final_train_loss = tail > 0 ? acc / (double)tail : NAN;
   tr_median(step_ms, (size_t)sm.steps, &sm.median_step_ms);
+  tr_median(cpu_ms, (size_t)sm.steps, &sm.median_step_cpu_ms);
   sm.mean_step_ms = sm.steps > 0 ? train_s * 1e3 / (double)sm.steps : NAN;
   sm.items_per_s = train_s > 0 ? model->items_per_step * (double)sm.steps / train_s : NAN;
   if (nstale > 0) {
@@ -1057,6 +1069,7 @@ done:
     if (wrc != TR_OK && rc == TR_OK) rc = tr__fail(err, TR_EIO, "%s: write failed", path);
   }
   free(step_ms);
+  free(cpu_ms);
   free(losses);
   free(stale);
   if (summary != NULL) *summary = sm;

@@ -662,6 +662,25 @@ static void test_train_shampoo(void **state)
   check_training(backend(state), OPT_SHAMPOO, "shampoo");
 }
 
+/* The same training on this backend and on the CPU: the loss curves agree to rounding over
+ * the first steps (later, rounding differences may grow: training is not contracting). On
+ * the CPU group this compares the CPU with itself, bit for bit. */
+static void test_train_vs_cpu(void **state)
+{
+  ac_backend *be = backend(state), *cpu = NULL;
+  const int cuda = ac_backend_kind_of(be) == AC_BACKEND_CUDA;
+  OK(ac_backend_create(&cpu, NULL));
+  for (int k = OPT_SGD; k <= OPT_SHAMPOO; k++) {
+    double a[TSTEPS], b[TSTEPS];
+    train(be, (opt_kind)k, a, NULL);
+    train(cpu, (opt_kind)k, b, NULL);
+    for (int t = 0; t < 30; t++)
+      if (!(fabs(a[t] - b[t]) <= (cuda ? 1e-3 : 0.0) * (1.0 + fabs(b[t]))))
+        fail_msg("optimizer %d, step %d: loss %.9g here, %.9g on the CPU", k, t + 1, a[t], b[t]);
+  }
+  ac_backend_destroy(cpu);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
@@ -702,13 +721,10 @@ static int teardown(void **state)
 
 
 #define OPTIM_TESTS                                                                           \
-  cmocka_unit_test(test_sgd),                                            \
-  cmocka_unit_test(test_adamw),                                          \
-  cmocka_unit_test(test_clip),                                           \
-  cmocka_unit_test(test_bad_args),                                       \
-  cmocka_unit_test(test_train_sgd),                                      \
-  cmocka_unit_test(test_train_adamw),                                    \
-  cmocka_unit_test(test_train_shampoo)
+  cmocka_unit_test(test_sgd), cmocka_unit_test(test_adamw), cmocka_unit_test(test_clip),     \
+  cmocka_unit_test(test_bad_args), cmocka_unit_test(test_train_sgd),                         \
+  cmocka_unit_test(test_train_adamw), cmocka_unit_test(test_train_shampoo),                  \
+  cmocka_unit_test(test_train_vs_cpu)
 
 int main(void)
 {

@@ -734,6 +734,35 @@ static void test_create_errors(void **state)
   world_destroy(&w);
 }
 
+/* A scalar parameter (rank 0) is laid out as shape {1}: diagonal, grafted step only. */
+static void test_scalar_param(void **state)
+{
+  ac_backend *be = backend(state);
+  ac_param p;
+  ac_param *ptr = &p;
+  ac_shampoo *s = NULL;
+  ac_shampoo_opts o;
+  const float v0 = 2.0f, g = 0.5f;
+  float v = 0.0f;
+
+  OK(ac_param_init(&p, be, "scale", 0, NULL));
+  OK(ac_tensor_upload(&p.value, &v0));
+  OK(ac_tensor_upload(&p.grad, &g));
+  base_opts(&o, PC_GRAFT_SGD);
+  OK(ac_shampoo_create(&s, &ptr, 1, &o));
+  assert_int_equal(ac_shampoo_nblocks(s), 0);
+  assert_true(ac_shampoo_layout(s, 0)->diagonal);
+  int due = -1;
+  OK(ac_shampoo_compute_stats(s, &due, NULL)); /* due, with nothing to compute */
+  assert_int_equal(due, 1);
+  OK(ac_shampoo_step(s, 0.1f));
+  OK(ac_tensor_download(&p.value, &v));
+  assert_true(fabsf(v - (v0 - 0.1f * g)) <= 1e-6f);
+  assert_int_equal(ac_shampoo_fallback_total(s), 0);
+  ac_shampoo_destroy(s);
+  ac_param_destroy(&p);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
@@ -776,7 +805,8 @@ static int teardown(void **state)
   cmocka_unit_test(test_layout_and_stats), cmocka_unit_test(test_apply_each_graft),          \
   cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_staleness),             \
   cmocka_unit_test(test_zero_and_tiny_grads),                                                 \
-  cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors)
+  cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors),    \
+  cmocka_unit_test(test_scalar_param)
 
 int main(void)
 {
