@@ -54,23 +54,6 @@ static int direction_check(size_t rows, size_t cols, const void *lroot, const vo
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Packing (row-major upper triangle, as the header defines it)                           */
-
-static void pack_upper_f32(size_t n, const float *dense, float *packed) {
-  for (size_t i = 0; i < n; i++) {
-    memcpy(packed, dense + i * n + i, (n - i) * sizeof *packed);
-    packed += n - i;
-  }
-}
-
-static void pack_upper_f64(size_t n, const double *dense, double *packed) {
-  for (size_t i = 0; i < n; i++) {
-    memcpy(packed, dense + i * n + i, (n - i) * sizeof *packed);
-    packed += n - i;
-  }
-}
-
-/* ------------------------------------------------------------------------------------ */
 /* Gram matrices                                                                          */
 
 int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld, float *left_packed,
@@ -85,12 +68,12 @@ int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld, float *left
   if (left_packed != NULL) {
     cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)rows, (int)cols, 1.0f, g,
                 (int)ld, 0.0f, c, (int)rows);
-    pack_upper_f32(rows, c, left_packed);
+    pc_pack_f32(rows, c, left_packed);
   }
   if (right_packed != NULL) {
     cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)cols, (int)rows, 1.0f, g,
                 (int)ld, 0.0f, c, (int)cols);
-    pack_upper_f32(cols, c, right_packed);
+    pc_pack_f32(cols, c, right_packed);
   }
   free(c);
   return PC_OK;
@@ -107,12 +90,12 @@ int pc_gram_f64(size_t rows, size_t cols, const double *g, size_t ld, double *le
   if (left_packed != NULL) {
     cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)rows, (int)cols, 1.0, g,
                 (int)ld, 0.0, c, (int)rows);
-    pack_upper_f64(rows, c, left_packed);
+    pc_pack_f64(rows, c, left_packed);
   }
   if (right_packed != NULL) {
     cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)cols, (int)rows, 1.0, g,
                 (int)ld, 0.0, c, (int)cols);
-    pack_upper_f64(cols, c, right_packed);
+    pc_pack_f64(cols, c, right_packed);
   }
   free(c);
   return PC_OK;
