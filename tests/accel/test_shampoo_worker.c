@@ -191,12 +191,11 @@ static void make_roots(world *w, int b, int left, int right)
   }
 }
 
+/* The packed upper triangle of dense (n x n), in a new buffer the caller frees. */
 static float *pack(size_t n, const float *dense)
 {
-  float *p = xcalloc(ac_packed_len(n), sizeof(float)), *o = p;
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = i; j < n; j++)
-      *o++ = dense[i * n + j];
+  float *p = xcalloc(ac_packed_len(n), sizeof(float));
+  pc_pack_f32(n, dense, p);
   return p;
 }
 
