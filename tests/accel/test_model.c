@@ -161,11 +161,16 @@ typedef struct {
   int32_t *tokens, *targets;
   size_t batch, t;
   ac_mode mode;
+  int fixed_masks; /* rewind the dropout streams before each forward: the same masks */
 } lm_run;
 
 static int lm_fwd(void *p, double *loss)
 {
   lm_run *r = p;
+  for (size_t i = 0; r->fixed_masks && i < r->lm.cfg.layers; i++) {
+    r->lm.blocks[i].drop1.offset = 0;
+    r->lm.blocks[i].drop2.offset = 0;
+  }
   return ac_lm_forward(&r->lm, r->tokens, r->targets, r->batch, r->t, r->mode, loss);
 }
 
@@ -264,6 +269,30 @@ static void test_lm_gradients(void **state)
   check_sgd_lowers_loss(&m, &list, 0.5f, 30);
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
+  ac_param_list_destroy(&list);
+  lm_teardown(&r, f->be);
+}
+
+/* With dropout active and the masks held fixed, the gradients still match: the masks are
+ * applied on the way back too. */
+static void test_lm_gradients_dropout(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  lm_run r;
+  ac_param_list list;
+  lm_small_config(&c);
+  c.dropout = 0.2f;
+  lm_setup(&r, f->be, &c, 3, 6);
+  r.fixed_masks = 1;
+  ac_param_list_init(&list);
+  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  model_ops m = {lm_fwd, lm_bwd, &r};
+  assert_true(loss_now(&m) == loss_now(&m));
+  rng_seed(13);
+  check_directional(&m, &list);
   ac_param_list_destroy(&list);
   lm_teardown(&r, f->be);
 }
@@ -600,6 +629,7 @@ static int teardown(void **state)
 
 #define MODEL_TESTS                                                                       \
   cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
+      cmocka_unit_test(test_lm_gradients_dropout),                                        \
       cmocka_unit_test(test_lm_dropout), cmocka_unit_test(test_resnet_params),            \
       cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_bad_input),            \
       cmocka_unit_test(test_cross_backend)
