@@ -714,7 +714,7 @@ typedef struct {
   ac_mode mode;
   ac_param weight, bias;
   ac_tensor running_mean, running_var;
-  float *y, *xhat, *dx, *tmp, *mean, *rstd, *s1, *s2;
+  float *y, *xhat, *dx, *mean, *rstd, *s1, *s2;
 } ac_batchnorm;
 
 int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c,

@@ -165,7 +165,6 @@ int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_
   AC__TRY(ac__layer_alloc(be, n, &l->y));
   AC__TRY(ac__layer_alloc(be, n, &l->xhat));
   AC__TRY(ac__layer_alloc(be, n, &l->dx));
-  AC__TRY(ac__layer_alloc(be, n, &l->tmp));
   AC__TRY(ac__layer_alloc(be, c, &l->mean));
   AC__TRY(ac__layer_alloc(be, c, &l->rstd));
   AC__TRY(ac__layer_alloc(be, c, &l->s1));
@@ -184,7 +183,7 @@ void ac_batchnorm_destroy(ac_batchnorm *l)
   ac_param_destroy(&l->bias);
   ac_tensor_destroy(&l->running_mean);
   ac_tensor_destroy(&l->running_var);
-  float **bufs[] = {&l->y, &l->xhat, &l->dx, &l->tmp, &l->mean, &l->rstd, &l->s1, &l->s2};
+  float **bufs[] = {&l->y, &l->xhat, &l->dx, &l->mean, &l->rstd, &l->s1, &l->s2};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
@@ -206,20 +205,21 @@ int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode 
   ac_backend *be = l->be;
   size_t n = batch, c = l->c, hw = l->hw, m = n * hw;
   float *rmean = ac_tensor_f32(&l->running_mean), *rvar = ac_tensor_f32(&l->running_var);
+  /* y holds x - mean until it is overwritten with the output. */
   if (mode == AC_MODE_TRAIN) {
     float mom = l->momentum, unbias = m > 1 ? (float)m / (float)(m - 1) : 1.0f;
     AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f / (float)m, x, 0.0f, l->mean));
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, l->mean, l->tmp));
-    AC__TRY(ac_reduce(be, AC_REDUCE_SUMSQ, n, c, hw, 1.0f / (float)m, l->tmp, 0.0f, l->s1));
+    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, l->mean, l->y));
+    AC__TRY(ac_reduce(be, AC_REDUCE_SUMSQ, n, c, hw, 1.0f / (float)m, l->y, 0.0f, l->s1));
     AC__TRY(ac_axpby(be, c, mom, l->mean, 1.0f - mom, rmean, rmean));
     AC__TRY(ac_axpby(be, c, mom * unbias, l->s1, 1.0f - mom, rvar, rvar));
     AC__TRY(ac_affine(be, c, 1.0f, l->s1, l->eps, l->rstd));
   } else {
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, rmean, l->tmp));
+    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, rmean, l->y));
     AC__TRY(ac_affine(be, c, 1.0f, rvar, l->eps, l->rstd));
   }
   AC__TRY(ac_unary(be, AC_UNARY_RSQRT, c, l->rstd, l->rstd));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->tmp, l->rstd, l->xhat));
+  AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->y, l->rstd, l->xhat));
   AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->xhat, ac_tensor_f32(&l->weight.value), l->y));
   AC__TRY(ac_bcast(be, AC_BIN_ADD, n, c, hw, l->y, ac_tensor_f32(&l->bias.value), l->y));
   l->batch = batch;
@@ -238,23 +238,29 @@ int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx)
   int rc;
   ac_backend *be = l->be;
   size_t n = l->batch, c = l->c, hw = l->hw, m = n * hw, total = n * c * hw;
-  const float *gamma = ac_tensor_f32(&l->weight.value);
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, dy, 1.0f, ac_tensor_f32(&l->bias.grad)));
-  AC__TRY(ac_binary(be, AC_BIN_MUL, total, dy, l->xhat, l->tmp));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, l->tmp, 1.0f,
-                    ac_tensor_f32(&l->weight.grad)));
+  float inv_m = 1.0f / (float)m;
+  float *s_dy = l->mean, *s_dyx = l->s2; /* per-channel sums of dy and dy xhat */
+  /* One reduction each, shared by the parameter gradients and the input gradient; dx is
+   * the scratch for dy xhat until it is overwritten. */
+  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, dy, 0.0f, s_dy));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, total, dy, l->xhat, l->dx));
+  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, l->dx, 0.0f, s_dyx));
+  AC__TRY(ac_axpby(be, c, 1.0f, s_dy, 1.0f, ac_tensor_f32(&l->bias.grad),
+                   ac_tensor_f32(&l->bias.grad)));
+  AC__TRY(ac_axpby(be, c, 1.0f, s_dyx, 1.0f, ac_tensor_f32(&l->weight.grad),
+                   ac_tensor_f32(&l->weight.grad)));
   if (dx == NULL)
     return AC_OK;
   /* s1 = gamma rstd per channel: the whole gradient in eval mode, where the statistics are
    * constants; training mode adds the terms through the batch mean and variance:
    * dx = gamma rstd (dy - mean(dy) - xhat mean(dy xhat)). */
-  AC__TRY(ac_binary(be, AC_BIN_MUL, c, gamma, l->rstd, l->s1));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, ac_tensor_f32(&l->weight.value), l->rstd, l->s1));
   if (l->mode == AC_MODE_TRAIN) {
-    AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f / (float)m, dy, 0.0f, l->mean));
-    AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f / (float)m, l->tmp, 0.0f, l->s2));
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, dy, l->mean, l->dx));
-    AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->xhat, l->s2, l->tmp));
-    AC__TRY(ac_binary(be, AC_BIN_SUB, total, l->dx, l->tmp, l->dx));
+    AC__TRY(ac_affine(be, c, inv_m, s_dy, 0.0f, s_dy));
+    AC__TRY(ac_affine(be, c, inv_m, s_dyx, 0.0f, s_dyx));
+    AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->xhat, s_dyx, l->dx));
+    AC__TRY(ac_binary(be, AC_BIN_SUB, total, dy, l->dx, l->dx));
+    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, l->dx, s_dy, l->dx));
     AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->dx, l->s1, l->dx));
   } else {
     AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, dy, l->s1, l->dx));

@@ -25,6 +25,9 @@
 
 static int csv;
 static int reps = 5;
+/* --quick: one small case of each section, one repetition, so that a test can run the
+ * benchmark in a second and it cannot rot. Figures from it mean nothing. */
+static int quick;
 static double peak_gflops;
 static ac_backend *be;
 
@@ -133,7 +136,7 @@ static int32_t *dev_tokens(size_t n, size_t vocab, uint64_t seed)
 static void bench_sgemm_peak(void)
 {
   static const size_t sizes[] = {512, 1024, 1536};
-  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+  for (size_t i = 0; i < (quick ? 1 : sizeof sizes / sizeof sizes[0]); i++) {
     size_t n = sizes[i];
     float *a = dev_random(n * n, 1), *b = dev_random(n * n, 2), *c = dev_random(n * n, 3);
     double ms;
@@ -192,7 +195,7 @@ static int attn_gemms(ac_attention *a, int backward)
 /* The Transformer block at width d: each layer forward and backward, then the block. */
 static void bench_tblock(size_t d)
 {
-  const size_t batch = 32, t = 64, heads = 4, mlp = 4 * d, rows = batch * t;
+  const size_t batch = quick ? 2 : 32, t = 64, heads = 4, mlp = 4 * d, rows = batch * t;
   char cfg[64];
   snprintf(cfg, sizeof cfg, "d=%zu,B=%zu,T=%zu", d, batch, t);
   ac_tblock blk;
@@ -294,7 +297,7 @@ static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
 /* A ResNet basic block at batch 128. */
 static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride, size_t chunk)
 {
-  const size_t batch = 128;
+  const size_t batch = quick ? 4 : 128;
   char cfg[64];
   snprintf(cfg, sizeof cfg, "%zu->%zu,%zux%zu,s%zu,N%zu", in_c, out_c, hw, hw, stride, batch);
   size_t wsn = ac_basicblock_workspace_floats(in_c, out_c, hw, hw, stride, chunk);
@@ -369,6 +372,8 @@ static void bench_models(size_t chunk)
   double ms;
   char cfg[96];
   ac_lm_config_default(&lc);
+  if (quick)
+    lc.batch = 2;
   check(ac_lm_init(&lm, be, &lc), "lm init");
   ac_param_list_init(&pl);
   check(ac_lm_params(&lm, &pl), "lm params");
@@ -385,6 +390,8 @@ static void bench_models(size_t chunk)
   ac_resnet_config rc;
   ac_resnet net;
   ac_resnet_config_default(&rc);
+  if (quick)
+    rc.batch = 4;
   rc.chunk = chunk;
   check(ac_resnet_init(&net, be, &rc), "resnet init");
   ac_param_list_init(&pl);
@@ -405,7 +412,7 @@ static void usage(FILE *out)
   fprintf(out,
           "usage: bench-accel [--csv] [--backend cpu|cuda] [--threads N] [--reps N]\n"
           "                   [--chunk N] [--only peak|tblock|resblock|models]\n"
-          "                   [--clock wall|cpu] [--help]\n"
+          "                   [--clock wall|cpu] [--quick] [--help]\n"
           "  --csv       CSV output (section,config,item,pass,ms,min_ms,gflop,gflops,\n"
           "              peak_gflops,ratio_to_peak); a table otherwise\n"
           "  --backend   cpu (default) or cuda\n"
@@ -414,7 +421,8 @@ static void usage(FILE *out)
           "  --chunk     images per im2col pass in the conv layers (default 8; 0: batch)\n"
           "  --only      run one section (the sgemm peak always runs)\n"
           "  --clock     wall (default) or cpu: process CPU time, for a CPU backend on a\n"
-          "              shared machine (counts every thread)\n",
+          "              shared machine (counts every thread)\n"
+          "  --quick     tiny batches, one repetition: a smoke test, not a measurement\n",
           MAX_REPS);
 }
 
@@ -429,6 +437,9 @@ int main(int argc, char **argv)
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       usage(stdout);
       return 0;
+    } else if (strcmp(a, "--quick") == 0) {
+      quick = 1;
+      reps = 1;
     } else if (strcmp(a, "--csv") == 0) {
       csv = 1;
     } else if (strcmp(a, "--backend") == 0 && v != NULL) {
@@ -469,6 +480,11 @@ int main(int argc, char **argv)
       }
       i++;
     } else if (strcmp(a, "--only") == 0 && v != NULL) {
+      if (strcmp(v, "peak") != 0 && strcmp(v, "tblock") != 0 && strcmp(v, "resblock") != 0 &&
+          strcmp(v, "models") != 0) {
+        fprintf(stderr, "bench-accel: --only must be peak, tblock, resblock or models\n");
+        return 2;
+      }
       only = v;
       i++;
     } else {
@@ -491,7 +507,7 @@ int main(int argc, char **argv)
            clock_id == CLOCK_MONOTONIC ? "wall" : "process CPU");
   bench_sgemm_peak();
   if (only == NULL || strcmp(only, "tblock") == 0)
-    for (size_t d = 128; d <= 512; d += 128)
+    for (size_t d = 128; d <= (quick ? 128 : 512); d += 128)
       bench_tblock(d);
   if (only == NULL || strcmp(only, "resblock") == 0) {
     bench_basicblock(16, 16, 28, 1, chunk);

@@ -51,7 +51,7 @@ grep -E "SKIPPED|FAILED" "$out/testlog.txt" | sort | uniq -c | head -40 || true
 step "benchmarks (CSV)"
 [ -x build-cuda/bench/bench-accel-prims ] || { echo "bench-accel-prims did not build"; exit 1; }
 if [ -x build-cuda/bench/bench-accel ]; then
-  build-cuda/bench/bench-accel | tee "$out/bench-accel.csv" || status=1
+  build-cuda/bench/bench-accel --csv --backend cuda --chunk 0 --reps 3 | tee "$out/bench-accel.csv" || status=1
 fi
 build-cuda/bench/bench-accel-prims --backend all --threads "$OPENBLAS_NUM_THREADS" \
   | tee "$out/bench-accel-prims.csv" || status=1

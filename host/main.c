@@ -15,19 +15,11 @@
 
 #include "preconditioner.h"
 
-void pd_config_default(pd_config *cfg) {
-  memset(cfg, 0, sizeof *cfg);
-  snprintf(cfg->listen, sizeof cfg->listen, "127.0.0.1:50551");
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  cfg->threads = cores > 0 ? (int)cores : 1;
-  cfg->io_threads = 4;
-  cfg->max_message_bytes = (size_t)256 << 20;
-  cfg->memory_limit_bytes = (size_t)4096 << 20;
-  cfg->max_blocks_per_job = 65536;
-  cfg->snapshot_interval_s = 60;
-  cfg->failure_threshold = 0.1;
-  cfg->grace_s = 5;
-  cfg->log_level = PD_LOG_INFO;
+static void pd__config_free(pd_config *cfg) {
+  free(cfg->tls_cert);
+  free(cfg->tls_key);
+  free(cfg->tls_client_ca);
+  cfg->tls_cert = cfg->tls_key = cfg->tls_client_ca = NULL;
 }
 
 static void pd__usage(FILE *f) {
@@ -41,7 +33,11 @@ static void pd__usage(FILE *f) {
 "                           address is refused unless --token-file is given.\n"
 "  --token-file FILE        require metadata 'authorization: Bearer TOKEN' on every call\n"
 "                           (health check excepted); TOKEN is the file's first line.\n"
-"                           TLS is not supported yet.\n"
+
+"  --tls-cert FILE          serve TLS with this PEM certificate chain (with --tls-key);\n"
+"                           a non-loopback address is then allowed without a token\n"
+"  --tls-key FILE           the PEM private key of --tls-cert\n"
+"  --tls-client-ca FILE     with TLS: require client certificates signed by this CA\n"
 "  --port-file FILE         write the bound TCP port to FILE once listening\n"
 "  --state-dir DIR          snapshot directory (created if missing); without it nothing\n"
 "                           survives a restart\n"
@@ -74,6 +70,38 @@ static int pd__parse_num(const char *opt, const char *s, double lo, double hi, d
   }
   *out = v;
   return 0;
+}
+
+/* Reads a whole (PEM) file into a malloc'd string; NULL with a message on failure. */
+static char *pd__read_file(const char *opt, const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    fprintf(stderr, "precondd: %s %s: %s\n", opt, path, strerror(errno));
+    return NULL;
+  }
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  for (size_t k; buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
+    n += k;
+    if (n + 1 == cap) {
+      char *nb = cap < ((size_t)1 << 24) ? realloc(buf, cap * 2) : NULL;
+      if (!nb) {
+        free(buf);
+        buf = NULL;
+        break;
+      }
+      buf = nb;
+      cap *= 2;
+    }
+  }
+  fclose(f);
+  if (!buf || n == 0) {
+    fprintf(stderr, "precondd: %s %s: empty, unreadable or above 16 MiB\n", opt, path);
+    free(buf);
+    return NULL;
+  }
+  buf[n] = '\0';
+  return buf;
 }
 
 static int pd__read_token(const char *path, char *out, size_t len) {
@@ -109,7 +137,7 @@ static int pd__is_local(const char *addr) {
 
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
-         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION };
+         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -122,6 +150,9 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"failure-threshold", required_argument, NULL, O_FAIL},
       {"grace-period", required_argument, NULL, O_GRACE},
       {"token-file", required_argument, NULL, O_TOKEN},
+      {"tls-cert", required_argument, NULL, O_CERT},
+      {"tls-key", required_argument, NULL, O_KEY},
+      {"tls-client-ca", required_argument, NULL, O_CA},
       {"port-file", required_argument, NULL, O_PORTFILE},
       {"log-level", required_argument, NULL, O_LOG},
       {"help", no_argument, NULL, O_HELP},
@@ -179,6 +210,18 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_TOKEN:
       if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
       break;
+    case O_CERT:
+      free(cfg->tls_cert);
+      if (!(cfg->tls_cert = pd__read_file("--tls-cert", optarg))) return 2;
+      break;
+    case O_KEY:
+      free(cfg->tls_key);
+      if (!(cfg->tls_key = pd__read_file("--tls-key", optarg))) return 2;
+      break;
+    case O_CA:
+      free(cfg->tls_client_ca);
+      if (!(cfg->tls_client_ca = pd__read_file("--tls-client-ca", optarg))) return 2;
+      break;
     case O_LOG:
       if (pd_log_parse_level(optarg, &cfg->log_level) != 0) {
         fprintf(stderr, "precondd: --log-level: '%s' is not error, warn, info or debug\n",
@@ -199,9 +242,17 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     fprintf(stderr, "precondd: unexpected argument '%s'\n", argv[optind]);
     return 2;
   }
-  if (!pd__is_local(cfg->listen) && !*cfg->token) {
+  if (!cfg->tls_cert != !cfg->tls_key) {
+    fprintf(stderr, "precondd: --tls-cert and --tls-key go together\n");
+    return 2;
+  }
+  if (cfg->tls_client_ca && !cfg->tls_cert) {
+    fprintf(stderr, "precondd: --tls-client-ca needs --tls-cert and --tls-key\n");
+    return 2;
+  }
+  if (!pd__is_local(cfg->listen) && !*cfg->token && !cfg->tls_cert) {
     fprintf(stderr, "precondd: refusing to listen on non-loopback address %s without "
-            "--token-file (TLS is not supported yet)\n", cfg->listen);
+            "--token-file or --tls-cert/--tls-key\n", cfg->listen);
     return 2;
   }
   return 0;
@@ -279,7 +330,10 @@ int main(int argc, char **argv) {
   static pd_daemon d;
   pd_config_default(&d.cfg);
   int prc = pd__parse(argc, argv, &d.cfg);
-  if (prc) return prc == 1 ? 0 : 2;
+  if (prc) {
+    pd__config_free(&d.cfg);
+    return prc == 1 ? 0 : 2;
+  }
   pd_log_set_level(d.cfg.log_level);
 
   /* Signals are taken synchronously by the main thread (sigtimedwait): block them before
@@ -298,6 +352,7 @@ int main(int argc, char **argv) {
       pd_store_init(&d.store, &d.stats, d.cfg.memory_limit_bytes, d.cfg.max_blocks_per_job) !=
           PD_OK) {
     pd_log(PD_LOG_ERROR, "out of memory at startup");
+    pd__config_free(&d.cfg);
     return 1;
   }
   if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
@@ -311,8 +366,10 @@ int main(int argc, char **argv) {
   pd__requeue(&d);
   int port = 0;
   if (pd_server_start(&d, &srv, &port) != PD_OK) goto done;
-  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%d%s (max message %zu MiB, memory limit "
+  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%d%s%s (max message %zu MiB, memory limit "
          "%zu MiB)", PD_VERSION, d.cfg.listen, port ? " (port " : "", port, port ? ")" : "",
+         d.cfg.tls_cert ? (d.cfg.tls_client_ca ? " with TLS and client certificates"
+                                                : " with TLS") : "",
          d.cfg.max_message_bytes >> 20, d.cfg.memory_limit_bytes >> 20);
   if (*d.cfg.port_file && pd__write_port_file(d.cfg.port_file, port) != 0) {
     pd_log(PD_LOG_ERROR, "--port-file %s: %s", d.cfg.port_file, strerror(errno));
@@ -353,6 +410,7 @@ done:
   if (status == 0 && *d.cfg.state_dir) pd__snapshot(&d);
   pd_store_destroy(&d.store);
   pd_stats_destroy(&d.stats);
+  pd__config_free(&d.cfg);
   if (status == 0) pd_log(PD_LOG_INFO, "stopped");
   return status;
 }

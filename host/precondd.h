@@ -3,6 +3,7 @@
  *
  * The daemon's parts, one file each:
  *   main.c      options, signals, the periodic snapshot loop
+ *   config.c    the defaults of every option
  *   log.c       leveled, timestamped logging to stderr
  *   server.c    gRPC core plumbing: completion-queue pollers, armed calls, auth, shutdown
  *   service.c   the RPCs: Register, PushStatistics, FetchPreconditioners, GetStats, Health
@@ -67,6 +68,8 @@ typedef struct {
   char state_dir[1024];         /* "" : no snapshots */
   char token[512];              /* "" : no token required */
   char port_file[1024];         /* "" : none; else the bound port is written here */
+  char *tls_cert, *tls_key;     /* PEM text (malloc'd) of the server's chain and key, or NULL */
+  char *tls_client_ca;          /* PEM text: clients must present a certificate it signed */
   int threads;                  /* root workers */
   int io_threads;               /* completion-queue pollers */
   size_t max_message_bytes;

@@ -116,6 +116,7 @@ static void SFX(deviation)(size_t n, const REAL *m, root_dev *d) {
   d->offmax = off;
   d->frob = sqrt(frob);
   d->maxdev = dev_scaled(d, 1.0);
+  if (isnan(d->frob)) d->maxdev = NAN; /* the max comparisons above skip NaNs; the sum keeps them */
 }
 
 /* t = ((p + 1) I - s m) / p, with subnormals flushed so that no BLAS thread sees one. */
@@ -286,7 +287,7 @@ static int SFX(newton_route)(size_t n, const REAL *a, REAL *x, const pc_root_opt
   info->error = INFINITY;
   int st = SFX(newton_bounds)(n, a, opts->epsilon, info, &lo, &hi);
   if (st != PC_OK) return st;
-  REAL *buf = malloc(5 * n * n * sizeof *buf);
+  REAL *buf = scratch_alloc(5 * n * n * sizeof *buf);
   if (!buf) return PC_ENOMEM;
   SFX(newton_ws) w;
   SFX(newton_ws_carve)(&w, buf, n);
@@ -342,7 +343,7 @@ done:
 static int SFX(eigh)(size_t n, const REAL *a, REAL *x, int p, double epsilon,
                      pc_root_info *info) {
   int status = PC_ENOMEM;
-  REAL *vt = malloc((n * n + n) * sizeof *vt);
+  REAL *vt = scratch_alloc((n * n + n) * sizeof *vt);
   if (!vt) goto done;
   REAL *w = vt + n * n;
   memcpy(vt, a, n * n * sizeof *vt);

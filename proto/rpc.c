@@ -124,6 +124,23 @@ grpc_channel *rpc_channel_create(const char *target, size_t max_message_bytes) {
   return channel;
 }
 
+grpc_channel *rpc_channel_create_tls(const char *target, size_t max_message_bytes,
+                                     const char *root_pem, const char *cert_pem,
+                                     const char *key_pem) {
+  if (!target || !*target || (!cert_pem != !key_pem)) return NULL;
+  grpc_init();
+  grpc_arg arg[2];
+  grpc_channel_args args;
+  rpc_size_args(&args, arg, max_message_bytes);
+  grpc_ssl_pem_key_cert_pair pair = {key_pem, cert_pem};
+  grpc_channel_credentials *creds =
+      grpc_ssl_credentials_create(root_pem, cert_pem ? &pair : NULL, NULL, NULL);
+  grpc_channel *channel = creds ? grpc_channel_create(target, creds, &args) : NULL;
+  if (creds) grpc_channel_credentials_release(creds);
+  if (!channel) grpc_shutdown();
+  return channel;
+}
+
 void rpc_channel_destroy(grpc_channel *channel) {
   if (!channel) return;
   grpc_channel_destroy(channel);

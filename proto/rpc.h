@@ -93,6 +93,14 @@ int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
  * Release it with rpc_channel_destroy. */
 grpc_channel *rpc_channel_create(const char *target, size_t max_message_bytes);
 
+/* rpc_channel_create over TLS: root_pem (PEM text of the CA that signed the server's
+ * certificate; NULL for gRPC's default roots) and optionally the client's own cert_pem and
+ * key_pem (both or neither, for a server that requires client certificates). The strings are
+ * copied by gRPC. NULL on a bad argument. Release with rpc_channel_destroy. */
+grpc_channel *rpc_channel_create_tls(const char *target, size_t max_message_bytes,
+                                     const char *root_pem, const char *cert_pem,
+                                     const char *key_pem);
+
 /* Destroys a channel from rpc_channel_create and drops its gRPC library reference.
  * NULL is a no-op. No call on the channel may be in flight. */
 void rpc_channel_destroy(grpc_channel *channel);

@@ -161,11 +161,16 @@ typedef struct {
   int32_t *tokens, *targets;
   size_t batch, t;
   ac_mode mode;
+  int fixed_masks; /* rewind the dropout streams before each forward: the same masks */
 } lm_run;
 
 static int lm_fwd(void *p, double *loss)
 {
   lm_run *r = p;
+  for (size_t i = 0; r->fixed_masks && i < r->lm.cfg.layers; i++) {
+    r->lm.blocks[i].drop1.offset = 0;
+    r->lm.blocks[i].drop2.offset = 0;
+  }
   return ac_lm_forward(&r->lm, r->tokens, r->targets, r->batch, r->t, r->mode, loss);
 }
 
@@ -264,6 +269,30 @@ static void test_lm_gradients(void **state)
   check_sgd_lowers_loss(&m, &list, 0.5f, 30);
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
+  ac_param_list_destroy(&list);
+  lm_teardown(&r, f->be);
+}
+
+/* With dropout active and the masks held fixed, the gradients still match: the masks are
+ * applied on the way back too. */
+static void test_lm_gradients_dropout(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  lm_run r;
+  ac_param_list list;
+  lm_small_config(&c);
+  c.dropout = 0.2f;
+  lm_setup(&r, f->be, &c, 3, 6);
+  r.fixed_masks = 1;
+  ac_param_list_init(&list);
+  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  model_ops m = {lm_fwd, lm_bwd, &r};
+  assert_true(loss_now(&m) == loss_now(&m));
+  rng_seed(13);
+  check_directional(&m, &list);
   ac_param_list_destroy(&list);
   lm_teardown(&r, f->be);
 }
@@ -413,6 +442,72 @@ static void test_resnet_gradients(void **state)
   rn_teardown(&r, f->be);
 }
 
+/* Bad calls get AC_EINVAL and change nothing; a batch whose targets are all ignored has
+ * loss 0 and zero gradients. */
+static void test_bad_input(void **state)
+{
+  fixture *f = *state;
+  if (f->be == NULL)
+    skip();
+  ac_lm_config c;
+  lm_run r;
+  ac_param_list list;
+  double loss = -1.0;
+  lm_small_config(&c);
+  lm_setup(&r, f->be, &c, 3, 6);
+  assert_int_equal(ac_lm_backward(&r.lm), AC_EINVAL); /* before any forward */
+  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 4, 6, AC_MODE_TRAIN, &loss),
+                   AC_EINVAL);
+  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 7, AC_MODE_TRAIN, &loss),
+                   AC_EINVAL);
+  assert_int_equal(ac_lm_forward(&r.lm, NULL, r.targets, 3, 6, AC_MODE_TRAIN, &loss),
+                   AC_EINVAL);
+  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, (ac_mode)7, &loss),
+                   AC_EINVAL);
+  assert_true(loss == -1.0);
+
+  int32_t ignored[18];
+  for (int i = 0; i < 18; i++)
+    ignored[i] = i % 2 ? -1 : (int32_t)c.vocab; /* both sides of the range */
+  assert_int_equal(ac_memcpy_h2d(f->be, r.targets, ignored, sizeof ignored), AC_OK);
+  ac_param_list_init(&list);
+  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
+  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, AC_MODE_TRAIN, &loss),
+                   AC_OK);
+  assert_true(loss == 0.0);
+  assert_int_equal(ac_lm_backward(&r.lm), AC_OK);
+  for (size_t k = 0; k < list.n; k++) {
+    double sq = -1.0;
+    assert_int_equal(ac_sumsq_to_host(f->be, list.items[k]->grad.numel,
+                                      ac_tensor_f32(&list.items[k]->grad), &sq),
+                     AC_OK);
+    assert_true(sq == 0.0);
+  }
+  ac_param_list_destroy(&list);
+  lm_teardown(&r, f->be);
+
+  ac_resnet_config rc;
+  ac_resnet net;
+  rn_small_config(&rc);
+  rc.width[1] = 0;
+  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_EINVAL);
+  ac_resnet_destroy(&net);
+  rn_small_config(&rc);
+  rc.h = 1; /* one row: every 3x3, pad 1 conv (stride 1 or 2) keeps one row */
+  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_OK);
+  ac_resnet_destroy(&net);
+  rn_run rr;
+  rn_small_config(&rc);
+  rn_setup(&rr, f->be, &rc, 5);
+  assert_int_equal(ac_resnet_backward(&rr.net), AC_EINVAL);
+  assert_int_equal(ac_resnet_forward(&rr.net, rr.images, rr.labels, 6, AC_MODE_TRAIN, &loss),
+                   AC_EINVAL);
+  assert_int_equal(ac_resnet_forward(&rr.net, rr.images, NULL, 5, AC_MODE_TRAIN, &loss),
+                   AC_EINVAL);
+  rn_teardown(&rr, f->be);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* CUDA against CPU: same seeds, same inputs, one training step                            */
 
@@ -534,8 +629,10 @@ static int teardown(void **state)
 
 #define MODEL_TESTS                                                                       \
   cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
+      cmocka_unit_test(test_lm_gradients_dropout),                                        \
       cmocka_unit_test(test_lm_dropout), cmocka_unit_test(test_resnet_params),            \
-      cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_cross_backend)
+      cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_bad_input),            \
+      cmocka_unit_test(test_cross_backend)
 
 int main(void)
 {

@@ -16,6 +16,7 @@
 #include <arpa/inet.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -403,9 +404,18 @@ static void test_reconnect_and_reregister(void **state)
   assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, 300), PRECOND_ETIMEDOUT);
   daemon_start(&g_d);
-  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  int st = precond_flush(c, ROOT_WAIT_MS);
   precond_counters k;
   precond_get_counters(c, &k);
+  if (st != PRECOND_OK) {
+    char e[256];
+    precond_last_error(c, e, sizeof e);
+    fprintf(stderr, "flush after restart: %s; queued %zu, sent %llu, retries %llu, "
+            "reregistered %llu; last error: %s\n", precond_strerror(st), k.queued,
+            (unsigned long long)k.sent, (unsigned long long)k.retries,
+            (unsigned long long)k.reregistered, e);
+  }
+  assert_int_equal(st, PRECOND_OK);
   assert_true(k.retries >= 1);
   assert_true(k.reregistered >= 1);
   assert_int_equal(k.push_errors, 0);
@@ -492,6 +502,93 @@ static void test_precondctl(void **state)
   assert_non_null(strstr(out, "usage: precondctl"));
 }
 
+/* Several threads push and fetch on one client with a queue of 2 blocks: every push is
+ * accounted for (sent, coalesced or dropped), nothing is refused, and the last step's roots
+ * arrive. */
+typedef struct {
+  precond_client *c;
+  uint32_t block;
+  int steps;
+  const float *l, *r;
+  int failures;
+} pusher;
+
+static void *pusher_main(void *arg)
+{
+  pusher *p = arg;
+  uint64_t held = 0;
+  for (int s = 1; s <= p->steps; s++) {
+    if (precond_push(p->c, (uint64_t)s, p->block, 128, p->l, 96, p->r, PRECOND_FP32) !=
+        PRECOND_OK)
+      p->failures++;
+    const precond_roots *r = NULL;
+    if (precond_fetch(p->c, p->block, held, &r) != PRECOND_OK)
+      p->failures++;
+    if (r != NULL) {
+      if (r->version <= held || r->left == NULL || !(r->left[0] > 0.0f))
+        p->failures++;
+      held = r->version;
+      precond_roots_release(r);
+    }
+  }
+  return NULL;
+}
+
+static void test_concurrent_pushes_small_queue(void **state)
+{
+  (void)state;
+  tcp_daemon(&g_d);
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  o.poll_interval_ms = 5;
+  o.queue_blocks = 2;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  const uint64_t shape[2] = {512, 96};  /* four 128 x 96 blocks */
+  precond_tensor t = {"w", 2, shape};
+  precond_shampoo_opts so = {.block_size = 128, .epsilon = EPSILON, .method = PRECOND_METHOD_EIGH};
+  precond_layout layout;
+  assert_int_equal(precond_register(c, "conc", PRECOND_MODE_SHAMPOO, NULL, 1, &t, &so, &layout),
+                   PRECOND_OK);
+  assert_int_equal(layout.nblocks, 4);
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
+  pusher p[4];
+  pthread_t th[4];
+  for (uint32_t i = 0; i < 4; i++) {
+    p[i] = (pusher){.c = c, .block = i, .steps = 200, .l = l, .r = r};
+    assert_int_equal(pthread_create(&th[i], NULL, pusher_main, &p[i]), 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(th[i], NULL);
+    assert_int_equal(p[i].failures, 0);
+  }
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushed, 800);
+  assert_int_equal(k.sent + k.coalesced + k.dropped, 800);
+  assert_int_equal(k.push_errors, 0);
+  assert_int_equal(k.queued, 0);
+  /* With room for 2 of 4 blocks, drop-oldest may have lost any block's last pushes; one
+   * more step per block, flushed one at a time, always gets through. */
+  for (uint32_t i = 0; i < 4; i++) {
+    assert_int_equal(precond_push(c, 201, i, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+    assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  }
+  precond_stats st;
+  assert_int_equal(precond_get_stats(c, "conc", 1, &st), PRECOND_OK);
+  assert_int_equal(st.nblocks, 4);
+  for (size_t i = 0; i < st.nblocks; i++)
+    assert_int_equal(st.block_stats[i].stat_step, 201);
+  precond_stats_destroy(&st);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+}
+
 /* A daemon that requires a token: calls without it (or with a wrong one) fail with
  * PRECOND_EAUTH, with it they work; precondctl's --token-file likewise. */
 static void test_token(void **state)
@@ -556,6 +653,7 @@ int main(void)
     cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
     cmocka_unit_test_teardown(test_precondctl, stop_daemon),
     cmocka_unit_test_teardown(test_token, stop_daemon),
+    cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

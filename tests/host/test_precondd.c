@@ -24,6 +24,7 @@
 
 #include <cblas.h>
 #include <grpc/byte_buffer.h>
+#include <grpc/support/time.h>
 
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
@@ -408,12 +409,24 @@ static void test_health_unimplemented_unix(void **state) {
   assert_int_equal(code, GRPC_STATUS_UNIMPLEMENTED);
   assert_non_null(strstr(details, "Nope"));
   free(details);
+  char taken[64];
+  snprintf(taken, sizeof taken, "127.0.0.1:%d", d.port);
+  daemon_t d3 = {0};
+  snprintf(d3.dir, sizeof d3.dir, "%s", d.dir);
+  assert_int_equal(start_daemon_opts(&d3, taken, NULL), 1000 + 1);
+  check_health(&d);
   assert_int_equal(stop_daemon(&d, SIGINT), 0);
 
   /* The same daemon on a unix socket. */
   char sock[300];
   snprintf(sock, sizeof sock, "unix:%s/sock", d.dir);
   assert_int_equal(start_daemon_opts(&d, sock, NULL), 0);
+  check_health(&d);
+  /* A second daemon on the same socket, or on the same TCP port, is refused (gRPC would
+   * unlink the socket, or share the port through SO_REUSEPORT). */
+  daemon_t d2 = {0};
+  snprintf(d2.dir, sizeof d2.dir, "%s", d.dir);
+  assert_int_equal(start_daemon_opts(&d2, sock, NULL), 1000 + 1);
   check_health(&d);
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_string_equal(st->version, PD_VERSION);
@@ -749,6 +762,115 @@ static void test_token_and_listen_rules(void **state) {
   remove_tree(d.dir);
 }
 
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  char *buf = calloc(1, 65536);
+  size_t n = fread(buf, 1, 65535, f);
+  fclose(f);
+  assert_true(n > 0);
+  return buf;
+}
+
+/* TLS: a self-signed certificate made with the openssl CLI (the test is skipped without
+ * it); a non-loopback listen address is accepted with TLS alone; plaintext clients fail,
+ * TLS clients that trust the certificate succeed. */
+static void test_tls(void **state) {
+  (void)state;
+  if (system("openssl version >/dev/null 2>&1") != 0) skip();
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  char cmd[1024], cert[256], key[256];
+  snprintf(cert, sizeof cert, "%s/cert.pem", d.dir);
+  snprintf(key, sizeof key, "%s/key.pem", d.dir);
+  snprintf(cmd, sizeof cmd,
+           "openssl req -x509 -newkey rsa:2048 -nodes -keyout '%s' -out '%s' -days 1 "
+           "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 "
+           ">/dev/null 2>&1", key, cert);
+  assert_int_equal(system(cmd), 0);
+  /* Half a TLS configuration is refused. */
+  const char *half[] = {"--tls-cert", cert, NULL};
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", half), 1000 + 2);
+  const char *extra[] = {"--tls-cert", cert, "--tls-key", key, NULL};
+  assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", extra), 0);
+  assert_true(log_contains(&d, "with TLS"));
+
+  /* The plaintext channel start_daemon made cannot talk to it. */
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           5000, 0, &resp, &code, &details);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  free(details);
+  rpc_channel_destroy(d.ch);
+
+  char *pem = read_text(cert);
+  char target[64];
+  /* An IP literal: no DNS lookup (c-ares leaks a few bytes per lookup under LSan); the
+   * certificate names 127.0.0.1 too. */
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  d.ch = rpc_channel_create_tls(target, 0, pem, NULL, NULL);
+  assert_non_null(d.ch);
+  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
+                            &details),
+                   RPC_OK);
+  free(details);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  check_health(&d);
+  assert_null(rpc_channel_create_tls(target, 0, pem, pem, NULL)); /* cert without key */
+  free(pem);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+
+  /* Mutual TLS: a CA signs the server's and a client's certificates; the daemon requires
+   * client certificates from that CA. */
+  snprintf(cmd, sizeof cmd,
+           "(cd '%s' && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+           "-days 1 -subj /CN=test-ca && "
+           "openssl req -newkey rsa:2048 -nodes -keyout srv.key -out srv.csr -subj /CN=localhost "
+           "&& printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > srv.ext && "
+           "openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+           "-extfile srv.ext -out srv.pem && "
+           "openssl req -newkey rsa:2048 -nodes -keyout cli.key -out cli.csr -subj /CN=worker "
+           "&& openssl x509 -req -in cli.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+           "-out cli.pem) >/dev/null 2>&1", d.dir);
+  assert_int_equal(system(cmd), 0);
+  char f_ca[256], f_srv[256], f_srvkey[256], f_cli[256], f_clikey[256];
+  snprintf(f_ca, sizeof f_ca, "%s/ca.pem", d.dir);
+  snprintf(f_srv, sizeof f_srv, "%s/srv.pem", d.dir);
+  snprintf(f_srvkey, sizeof f_srvkey, "%s/srv.key", d.dir);
+  snprintf(f_cli, sizeof f_cli, "%s/cli.pem", d.dir);
+  snprintf(f_clikey, sizeof f_clikey, "%s/cli.key", d.dir);
+  const char *mtls[] = {"--tls-cert", f_srv, "--tls-key", f_srvkey, "--tls-client-ca", f_ca,
+                        NULL};
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", mtls), 0);
+  rpc_channel_destroy(d.ch);
+  char *ca = read_text(f_ca), *cli = read_text(f_cli), *clikey = read_text(f_clikey);
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  /* Without a client certificate: refused. */
+  d.ch = rpc_channel_create_tls(target, 0, ca, NULL, NULL);
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           10000, 0, &resp, &code, &details);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  free(details);
+  rpc_channel_destroy(d.ch);
+  /* With one: served. */
+  d.ch = rpc_channel_create_tls(target, 0, ca, cli, clikey);
+  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
+                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
+                            &details),
+                   RPC_OK);
+  free(details);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  free(ca);
+  free(cli);
+  free(clikey);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.dir);
+}
+
 /* ---- 32 concurrent clients ------------------------------------------------------------ */
 
 typedef struct {
@@ -940,7 +1062,7 @@ static void test_crash_loses_one_interval(void **state) {
   sleep_ms(800); /* several intervals */
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_true(st->snapshots_written >= 1);
-  assert_true(st->last_snapshot_age_s < 0.8);
+  assert_true(st->last_snapshot_age_s > 0); /* written only when something changed */
   protobuf_c_message_free_unpacked(&st->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL);
   start_daemon(&d, extra);
@@ -1089,6 +1211,68 @@ static void test_graceful_shutdown(void **state) {
   remove_tree(d.dir);
 }
 
+/* A call that never sends its message stays in flight; shutdown ends it after the grace
+ * period (2 s in these tests) and the daemon still exits 0. */
+static void test_shutdown_cancels_stuck_call(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  check_health(&d); /* connected */
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_slice method = grpc_slice_from_static_string(RPC_METHOD_PUSH_STATISTICS);
+  grpc_call *c = grpc_channel_create_call(d.ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method,
+                                          NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  assert_non_null(c);
+  grpc_metadata_array trailing;
+  grpc_metadata_array_init(&trailing);
+  grpc_status_code code = GRPC_STATUS_OK;
+  grpc_slice details;
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[1].data.recv_status_on_client.trailing_metadata = &trailing;
+  ops[1].data.recv_status_on_client.status = &code;
+  ops[1].data.recv_status_on_client.status_details = &details;
+  assert_int_equal(grpc_call_start_batch(c, ops, 2, &code, NULL), GRPC_CALL_OK);
+  sleep_ms(300);
+  double t0 = pd_now();
+  kill(d.pid, SIGTERM);
+  int st = 0, exited = 0;
+  for (int i = 0; i < 1500 && !exited; i++) {
+    exited = waitpid(d.pid, &st, WNOHANG) == d.pid;
+    if (!exited) sleep_ms(10);
+  }
+  double took = pd_now() - t0;
+  assert_true(exited);
+  track(d.pid, 0);
+  d.pid = 0;
+  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  /* It waited for the call through the grace period, then cancelled it. */
+  assert_true(took >= 1.9 && took < 15);
+  assert_true(log_contains(&d, "cancelling them"));
+  /* (Only the server side is checked: this gRPC client did not report the dropped call
+   * before its own deadline, so it is cancelled here.) */
+  grpc_call_cancel(c, NULL);
+  grpc_event ev = grpc_completion_queue_next(
+      cq, gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(20, GPR_TIMESPAN)),
+      NULL);
+  assert_int_equal(ev.type, GRPC_OP_COMPLETE);
+  assert_int_not_equal(code, GRPC_STATUS_OK);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&trailing);
+  grpc_call_unref(c);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  rpc_channel_destroy(d.ch);
+  d.ch = NULL;
+  remove_tree(d.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1117,11 +1301,13 @@ int main(void) {
       cmocka_unit_test(test_register_push_fetch),
       cmocka_unit_test(test_bad_inputs),
       cmocka_unit_test(test_token_and_listen_rules),
+      cmocka_unit_test(test_tls),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_restart_bit_exact),
       cmocka_unit_test(test_crash_loses_one_interval),
       cmocka_unit_test(test_corrupt_snapshot_set_aside),
       cmocka_unit_test(test_graceful_shutdown),
+      cmocka_unit_test(test_shutdown_cancels_stuck_call),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   kill_leftovers();

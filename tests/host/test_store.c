@@ -197,22 +197,6 @@ static void test_block_update(void **state) {
   pd_stats_destroy(&stats);
 }
 
-static void test_stats_percentiles(void **state) {
-  (void)state;
-  pd_stats s;
-  assert_int_equal(pd_stats_init(&s), PD_OK);
-  double p50, p90, p99;
-  pd_stats_percentiles(&s, &p50, &p90, &p99);
-  assert_true(p50 == 0 && p99 == 0);
-  for (int i = 1; i <= 100; i++) pd_stats_add_compute_ms(&s, (double)i);
-  pd_stats_percentiles(&s, &p50, &p90, &p99);
-  assert_true(p50 == 50 && p90 == 90 && p99 == 99);
-  for (int i = 0; i < 2 * PD_STATS_WINDOW; i++) pd_stats_add_compute_ms(&s, 1000);
-  pd_stats_percentiles(&s, &p50, &p90, &p99);
-  assert_true(p50 == 1000); /* the window forgot the old ones */
-  pd_stats_destroy(&s);
-}
-
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -220,7 +204,6 @@ int main(void) {
       cmocka_unit_test(test_layout_ids),
       cmocka_unit_test(test_store_add_and_memory),
       cmocka_unit_test(test_block_update),
-      cmocka_unit_test(test_stats_percentiles),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

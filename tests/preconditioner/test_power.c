@@ -104,6 +104,36 @@ static void test_not_converged(void **state) {
   free(w); free(a);
 }
 
+/* Against the eigendecomposition route's lambda_max (LAPACK syevd) on a Shampoo-like
+ * statistic G G^T, rank n/4. */
+static void test_against_eigh(void **state) {
+  (void)state;
+  size_t n = 96, k = 24;
+  double *g = malloc(n * k * sizeof *g), *a = malloc(n * n * sizeof *a);
+  double *x = malloc(n * n * sizeof *x);
+  float *af = malloc(n * n * sizeof *af);
+  assert_non_null(g); assert_non_null(a); assert_non_null(x); assert_non_null(af);
+  uint64_t seed = 17;
+  for (size_t i = 0; i < n * k; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    g[i] = (double)(seed >> 11) * 0x1.0p-53 - 0.5;
+  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k,
+              g, (int)k, 0, a, (int)n);
+  for (size_t i = 0; i < n * n; i++) af[i] = (float)a[i];
+  pc_root_opts o;
+  pc_root_opts_default(&o, 2);
+  o.method = PC_METHOD_EIGH;
+  pc_root_info info;
+  assert_int_equal(pc_inverse_root_f64(n, a, x, &o, &info), PC_OK);
+  double l64 = 0, l32 = 0;
+  assert_int_equal(pc_power_iteration_f64(n, a, NULL, &l64, NULL), PC_OK);
+  assert_int_equal(pc_power_iteration_f32(n, af, NULL, &l32, NULL), PC_OK);
+  assert_true(fabs(l64 - info.lambda_max) <= 1e-5 * info.lambda_max);
+  assert_true(fabs(l32 - info.lambda_max) <= 1e-5 * info.lambda_max);
+  free(g); free(a); free(x); free(af);
+}
+
 static void test_zero_matrix(void **state) {
   (void)state;
   float z[9] = {0};
@@ -136,7 +166,8 @@ int main(void) {
   openblas_set_num_threads(1);
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_known_spectrum), cmocka_unit_test(test_reproducible),
-    cmocka_unit_test(test_not_converged),  cmocka_unit_test(test_zero_matrix),
+    cmocka_unit_test(test_not_converged),  cmocka_unit_test(test_against_eigh),
+    cmocka_unit_test(test_zero_matrix),
     cmocka_unit_test(test_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

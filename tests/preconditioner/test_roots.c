@@ -458,6 +458,34 @@ static void test_nonfinite_result(void **state) {
   }
 }
 
+/* Inputs near the ends of the fp32 range: either a correct root or a clear error, never a
+ * silent non-finite result. */
+static void test_extreme_scales(void **state) {
+  (void)state;
+  const double scales[] = {1e-30, 1e30, 1e38};
+  size_t n = 8;
+  float a[64], x[64];
+  for (size_t c = 0; c < 3; c++)
+    for (size_t m = 0; m < NMETHODS; m++) {
+      memset(a, 0, sizeof a);
+      for (size_t i = 0; i < n; i++) a[i * n + i] = (float)(scales[c] * (1.0 + (double)i) / n);
+      pc_root_opts o;
+      pc_root_opts_default(&o, 2);
+      o.method = methods[m];
+      pc_root_info info;
+      int st = pc_inverse_root_f32(n, a, x, &o, &info);
+      if (getenv("VERBOSE"))
+        print_message("scale %g %s: status %d\n", scales[c], pc_method_name(methods[m]), st);
+      assert_true(st == PC_OK || st == PC_NOT_CONVERGED || st == PC_ENONFINITE_RESULT);
+      if (st == PC_ENONFINITE_RESULT) continue;
+      assert_true(pc_all_finite_f32(n * n, x));
+      for (size_t i = 0; i < n; i++) {
+        double want = pow((double)a[i * n + i] + info.ridge, -0.5);
+        assert_true(fabs(x[i * n + i] - want) <= 1e-4 * want);
+      }
+    }
+}
+
 /* An iteration cap too small to meet the tolerance: PC_NOT_CONVERGED, with the best iterate
  * (finite) and its error; and an indefinite input is never reported as a good root. */
 static void test_not_converged(void **state) {
@@ -555,6 +583,7 @@ int main(void) {
     cmocka_unit_test(test_large),
     cmocka_unit_test(test_nonfinite_input),
     cmocka_unit_test(test_nonfinite_result),
+    cmocka_unit_test(test_extreme_scales),
     cmocka_unit_test(test_not_converged),
     cmocka_unit_test(test_bad_arguments),
     cmocka_unit_test(test_names),

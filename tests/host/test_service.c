@@ -1,0 +1,297 @@
+/* test_service.c -- unit tests of host/service.c, in process (no sockets): every RPC's
+ * answers and status codes, validation before storage, and mutated requests, so that the
+ * request handling runs under the sanitizers with the unit suite. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+
+#include "health.pb-c.h"
+#include "precondd.h"
+#include "preconditioner.h"
+#include "rpc.h"
+
+static pd_daemon *daemon_new(size_t memory_mb) {
+  pd_daemon *d = calloc(1, sizeof *d);
+  pd_config_default(&d->cfg);
+  d->cfg.threads = 1;
+  d->cfg.memory_limit_bytes = memory_mb << 20;
+  d->cfg.max_message_bytes = (size_t)4 << 20;
+  assert_int_equal(pd_stats_init(&d->stats), PD_OK);
+  assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
+                                 d->cfg.max_blocks_per_job),
+                   PD_OK);
+  assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, d->cfg.failure_threshold), PD_OK);
+  return d;
+}
+
+static void daemon_free(pd_daemon *d) {
+  pd_sched_stop(&d->sched);
+  pd_store_destroy(&d->store);
+  assert_int_equal(atomic_load(&d->stats.memory_bytes), 0);
+  pd_stats_destroy(&d->stats);
+  free(d);
+}
+
+/* Runs one call with msg (or raw bytes when msg is NULL); returns the code and, on OK and
+ * when out is given, the parsed response. */
+static grpc_status_code handle(pd_daemon *d, pd_method m, const ProtobufCMessage *msg,
+                               const void *raw, size_t rawlen,
+                               const ProtobufCMessageDescriptor *desc, ProtobufCMessage **out,
+                               char *why) {
+  grpc_byte_buffer *bb = NULL;
+  if (msg) {
+    assert_int_equal(rpc_pack(msg, 0, &bb), RPC_OK);
+  } else {
+    grpc_slice s = grpc_slice_from_copied_buffer(raw, rawlen);
+    bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+  }
+  pd_reply rep;
+  pd_service_handle(d, m, bb, &rep);
+  grpc_byte_buffer_destroy(bb);
+  if (why) snprintf(why, 512, "%s", rep.message);
+  if (rep.code == GRPC_STATUS_OK) {
+    assert_non_null(rep.payload);
+    if (out) assert_int_equal(rpc_unpack(rep.payload, desc, 0, out), RPC_OK);
+    grpc_byte_buffer_destroy(rep.payload);
+  } else {
+    assert_null(rep.payload);
+    assert_true(strlen(rep.message) > 0);
+  }
+  return rep.code;
+}
+
+static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t c,
+                            uint32_t bs, Precond__V1__RegisterResponse **out, char *why) {
+  uint64_t shape[2] = {r, c};
+  Precond__V1__TensorSpec t = PRECOND__V1__TENSOR_SPEC__INIT;
+  t.name = (char *)"w";
+  t.n_shape = 2;
+  t.shape = shape;
+  Precond__V1__TensorSpec *tp = &t;
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = bs;
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.job = (char *)job;
+  req.n_tensors = 1;
+  req.tensors = &tp;
+  req.shampoo = &so;
+  return handle(d, PD_M_REGISTER, &req.base, NULL, 0,
+                &precond__v1__register_response__descriptor, (ProtobufCMessage **)out, why);
+}
+
+/* Identity-plus statistics of order n, packed. */
+static float *stat(size_t n, float scale) {
+  float *p = calloc(pc_packed_len(n), sizeof *p);
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i; j < n; j++) p[k++] = (i == j ? 2.0f : 0.1f) * scale;
+  return p;
+}
+
+static grpc_status_code push2(pd_daemon *d, const char *job, uint64_t step, const float *l,
+                              size_t nl, const float *r, size_t nr, uint32_t id1, char *why) {
+  Precond__V1__PackedMatrix ml = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__PackedMatrix mr = PRECOND__V1__PACKED_MATRIX__INIT;
+  ml.n = (uint32_t)nl;
+  ml.data.data = (uint8_t *)l;
+  ml.data.len = pc_packed_len(nl) * 4;
+  mr.n = (uint32_t)nr;
+  mr.data.data = (uint8_t *)r;
+  mr.data.len = pc_packed_len(nr) * 4;
+  Precond__V1__BlockStatistics b[2] = {PRECOND__V1__BLOCK_STATISTICS__INIT,
+                                       PRECOND__V1__BLOCK_STATISTICS__INIT};
+  b[0].left = b[1].left = &ml;
+  b[0].right = b[1].right = &mr;
+  b[1].block_id = id1;
+  Precond__V1__BlockStatistics *bp[2] = {&b[0], &b[1]};
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = 2;
+  req.blocks = bp;
+  return handle(d, PD_M_PUSH, &req.base, NULL, 0, NULL, NULL, why);
+}
+
+static void test_register(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  Precond__V1__RegisterResponse *r = NULL;
+  assert_int_equal(reg(d, "j", 8, 12, 4, &r, why), GRPC_STATUS_OK);
+  assert_int_equal(r->n_blocks, 6);
+  assert_int_equal(r->blocks[5]->row0, 4);
+  assert_int_equal(r->blocks[5]->col0, 8);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  assert_int_equal(reg(d, "j", 8, 12, 4, NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(reg(d, "j", 8, 12, 8, NULL, why), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(reg(d, "j2", 8, 0, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(reg(d, "", 8, 8, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(reg(d, "big", 4096, 4096, 4096, NULL, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  Precond__V1__RegisterRequest kfac = PRECOND__V1__REGISTER_REQUEST__INIT;
+  kfac.job = (char *)"k";
+  kfac.mode = PRECOND__V1__MODE__MODE_KFAC;
+  assert_int_equal(handle(d, PD_M_REGISTER, &kfac.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_UNIMPLEMENTED);
+  assert_int_equal(handle(d, PD_M_REGISTER, NULL, "\xff\xff", 2, NULL, NULL, why),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  pd_reply rep;
+  pd_service_handle(d, PD_M_REGISTER, NULL, &rep); /* no message at all */
+  assert_int_equal(rep.code, GRPC_STATUS_INVALID_ARGUMENT);
+  daemon_free(d);
+}
+
+static void test_push_fetch_stats(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  assert_int_equal(reg(d, "j", 4, 8, 4, NULL, why), GRPC_STATUS_OK); /* blocks 0, 1 */
+  float *l = stat(4, 1), *bad = stat(4, 1);
+  bad[2] = NAN;
+  assert_int_equal(push2(d, "nope", 1, l, 4, l, 4, 1, why), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(push2(d, "j", 1, l, 4, l, 4, 0, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(why, "twice"));
+  assert_int_equal(push2(d, "j", 1, l, 4, l, 4, 2, why), GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(push2(d, "j", 1, l, 4, l, 3, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(why, "right.n"));
+  assert_int_equal(push2(d, "j", 1, l, 4, bad, 4, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
+  /* Nothing of the refused pushes was stored. */
+  pd_job *job = pd_store_find(&d->store, "j");
+  assert_int_equal(job->blocks[0].pushes, 0);
+  assert_int_equal(atomic_load(&d->stats.rejected_pushes), 5);
+
+  assert_int_equal(push2(d, "j", 3, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
+  assert_int_equal(job->blocks[0].pushes, 1);
+  assert_int_equal(job->blocks[1].pushes, 1);
+  for (int i = 0; i < 2000 && atomic_load(&d->stats.roots_computed) < 2; i++) {
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(atomic_load(&d->stats.roots_computed), 2);
+
+  Precond__V1__BlockVersion v = PRECOND__V1__BLOCK_VERSION__INIT;
+  v.block_id = 1;
+  v.version = 1;
+  Precond__V1__BlockVersion *vp = &v;
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  fr.job = (char *)"j";
+  fr.n_have = 1;
+  fr.have = &vp;
+  fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  Precond__V1__FetchResponse *f = NULL;
+  assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0,
+                          &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&f,
+                          why),
+                   GRPC_STATUS_OK);
+  assert_int_equal(f->n_preconditioners, 1); /* block 1 is held at version 1 */
+  assert_int_equal(f->preconditioners[0]->block_id, 0);
+  assert_int_equal(f->preconditioners[0]->source_step, 3);
+  assert_int_equal(f->preconditioners[0]->left->data.len, pc_packed_len(4) * 2);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  fr.encoding = (Precond__V1__Encoding)5;
+  assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  fr.encoding = PRECOND__V1__ENCODING__ENCODING_FP32;
+  v.block_id = 9;
+  assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_NOT_FOUND);
+
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.blocks = 1;
+  Precond__V1__StatsResponse *st = NULL;
+  assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
+                          why),
+                   GRPC_STATUS_OK);
+  assert_int_equal(st->jobs, 1);
+  assert_int_equal(st->n_block_stats, 2);
+  assert_int_equal(st->block_stats[1]->stat_step, 3);
+  assert_int_equal(st->block_stats[1]->staleness, 0);
+  assert_int_equal(st->rejected_pushes, 5);
+  assert_int_equal(st->roots_computed, 2);
+  assert_true(st->memory_bytes > 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  Grpc__Health__V1__HealthCheckRequest hr = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  Grpc__Health__V1__HealthCheckResponse *h = NULL;
+  assert_int_equal(handle(d, PD_M_HEALTH, &hr.base, NULL, 0,
+                          &grpc__health__v1__health_check_response__descriptor,
+                          (ProtobufCMessage **)&h, why),
+                   GRPC_STATUS_OK);
+  assert_int_equal(h->status, GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
+  protobuf_c_message_free_unpacked(&h->base, NULL);
+  free(l);
+  free(bad);
+  daemon_free(d);
+}
+
+/* Mutations of a valid push (bytes changed or cut): every answer is a documented code. */
+static void test_mutated_requests(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  assert_int_equal(reg(d, "j", 4, 8, 4, NULL, why), GRPC_STATUS_OK);
+  float *l = stat(4, 1);
+  Precond__V1__PackedMatrix m = PRECOND__V1__PACKED_MATRIX__INIT;
+  m.n = 4;
+  m.data.data = (uint8_t *)l;
+  m.data.len = pc_packed_len(4) * 4;
+  Precond__V1__BlockStatistics b[2] = {PRECOND__V1__BLOCK_STATISTICS__INIT,
+                                       PRECOND__V1__BLOCK_STATISTICS__INIT};
+  b[0].left = b[0].right = b[1].left = b[1].right = &m;
+  b[1].block_id = 1;
+  Precond__V1__BlockStatistics *bp[2] = {&b[0], &b[1]};
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)"j";
+  req.step = 2;
+  req.n_blocks = 2;
+  req.blocks = bp;
+  size_t n = protobuf_c_message_get_packed_size(&req.base);
+  uint8_t *valid = malloc(n), *mut = malloc(n);
+  protobuf_c_message_pack(&req.base, valid);
+  uint64_t s = 5;
+  const pd_method methods[5] = {PD_M_PUSH, PD_M_REGISTER, PD_M_FETCH, PD_M_STATS, PD_M_HEALTH};
+  for (int it = 0; it < 3000; it++) {
+    memcpy(mut, valid, n);
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    size_t len = n;
+    if (it % 5 == 0) {
+      len = (size_t)(s >> 33) % n;
+    } else {
+      for (int k = 0; k <= it % 3; k++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        mut[(s >> 33) % n] = (uint8_t)(s >> 20);
+      }
+    }
+    grpc_status_code c = handle(d, methods[it % 5], NULL, mut, len, NULL, NULL, why);
+    assert_true(c == GRPC_STATUS_OK || c == GRPC_STATUS_INVALID_ARGUMENT ||
+                c == GRPC_STATUS_NOT_FOUND || c == GRPC_STATUS_FAILED_PRECONDITION ||
+                c == GRPC_STATUS_RESOURCE_EXHAUSTED || c == GRPC_STATUS_UNIMPLEMENTED);
+  }
+  free(valid);
+  free(mut);
+  free(l);
+  daemon_free(d);
+}
+
+int main(void) {
+  pd_log_set_level(PD_LOG_ERROR);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_register),
+      cmocka_unit_test(test_push_fetch_stats),
+      cmocka_unit_test(test_mutated_requests),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
