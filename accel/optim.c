@@ -1,6 +1,6 @@
 /*
- * optim.c -- what every optimizer shares (the parameter-list check) and gradient clipping
- * by global norm.
+ * optim.c -- what every optimizer shares (the parameter-list and option checks, zeroed
+ * state buffers, momentum) and gradient clipping by global norm.
  */
 #include <math.h>
 #include <stddef.h>
@@ -10,6 +10,35 @@
 int ac__optim_in_range(double x, double lo, double hi)
 {
   return x >= lo && x < hi; /* false for NaN */
+}
+
+int ac__optim_lr_ok(float lr)
+{
+  return lr >= 0.0f && isfinite(lr);
+}
+
+int ac__optim_momentum_opts_ok(float momentum, int nesterov, float weight_decay)
+{
+  return ac__optim_in_range(momentum, 0.0, 1.0) && (nesterov == 0 || nesterov == 1) &&
+         !(nesterov && momentum == 0.0f) && weight_decay >= 0.0f && isfinite(weight_decay);
+}
+
+int ac__optim_zeros(ac_backend *be, size_t n, float **out)
+{
+  int rc = ac_malloc(be, n * sizeof(float), (void **)out);
+  return rc == AC_OK ? ac_fill_f32(be, n, *out, 0.0f) : rc;
+}
+
+int ac__optim_momentum(ac_backend *be, size_t n, float mu, int nesterov, const float *d,
+                       float *buf, float *out, const float **u)
+{
+  int rc = ac_axpby(be, n, 1.0f, d, mu, buf, buf);
+  *u = buf;
+  if (rc == AC_OK && nesterov) {
+    rc = ac_axpby(be, n, mu, buf, 1.0f, d, out);
+    *u = out;
+  }
+  return rc;
 }
 
 int ac__optim_params_check(ac_param *const *params, size_t nparams, ac_backend **be,
@@ -41,7 +70,8 @@ int ac__optim_params_check(ac_param *const *params, size_t nparams, ac_backend *
   return AC_OK;
 }
 
-int ac__optim_params_distinct(ac_param *const *params, size_t nparams)
+/* AC_OK if no parameter (or parameter storage) appears twice in the list, else AC_EINVAL. */
+static int params_distinct(ac_param *const *params, size_t nparams)
 {
   for (size_t i = 1; i < nparams; i++)
     for (size_t j = 0; j < i; j++)
@@ -49,6 +79,13 @@ int ac__optim_params_distinct(ac_param *const *params, size_t nparams)
           (params[i]->value.data != NULL && params[i]->value.data == params[j]->value.data))
         return AC_EINVAL;
   return AC_OK;
+}
+
+int ac__optim_params_usable(ac_param *const *params, size_t nparams, ac_backend **be,
+                            size_t *max_numel)
+{
+  int rc = ac__optim_params_check(params, nparams, be, max_numel);
+  return rc == AC_OK ? params_distinct(params, nparams) : rc;
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -52,13 +52,6 @@ void ac_adamw_destroy(ac_adamw *opt)
   free(opt);
 }
 
-/* A zeroed device buffer of n floats. */
-static int zeros(ac_backend *be, size_t n, float **out)
-{
-  int rc = ac_malloc(be, n * sizeof(float), (void **)out);
-  return rc == AC_OK ? ac_fill_f32(be, n, *out, 0.0f) : rc;
-}
-
 int ac_adamw_create(ac_adamw **out, ac_param *const *params, size_t nparams,
                     const ac_adamw_opts *opts)
 {
@@ -74,9 +67,7 @@ int ac_adamw_create(ac_adamw **out, ac_param *const *params, size_t nparams,
     ac_adamw_opts_default(&defaults);
     opts = &defaults;
   }
-  rc = ac__optim_params_check(params, nparams, &be, NULL);
-  if (rc == AC_OK)
-    rc = ac__optim_params_distinct(params, nparams);
+  rc = ac__optim_params_usable(params, nparams, &be, NULL);
   if (rc != AC_OK)
     return rc;
   if (adamw_opts_check(opts) != AC_OK)
@@ -97,9 +88,9 @@ int ac_adamw_create(ac_adamw **out, ac_param *const *params, size_t nparams,
   for (size_t i = 0; i < nparams; i++) {
     size_t n = params[i]->value.numel;
     opt->params[i] = params[i];
-    rc = zeros(be, n, &opt->m[i]);
+    rc = ac__optim_zeros(be, n, &opt->m[i]);
     if (rc == AC_OK)
-      rc = zeros(be, n, &opt->v[i]);
+      rc = ac__optim_zeros(be, n, &opt->v[i]);
     if (rc != AC_OK)
       goto fail;
   }
@@ -113,7 +104,7 @@ fail:
 
 int ac_adamw_step(ac_adamw *opt, float lr)
 {
-  if (opt == NULL || !(lr >= 0.0f) || !isfinite(lr))
+  if (opt == NULL || !ac__optim_lr_ok(lr))
     return AC_EINVAL;
   const ac_adamw_args args = {
     .lr = lr,

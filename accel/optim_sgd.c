@@ -28,11 +28,8 @@ void ac_sgd_opts_default(ac_sgd_opts *opts)
 
 static int sgd_opts_check(const ac_sgd_opts *o)
 {
-  if (!ac__optim_in_range(o->momentum, 0.0, 1.0) || !(o->weight_decay >= 0.0f) ||
-      !isfinite(o->weight_decay) || (o->nesterov != 0 && o->nesterov != 1) ||
-      (o->nesterov && o->momentum == 0.0f))
-    return AC_EINVAL;
-  return AC_OK;
+  return ac__optim_momentum_opts_ok(o->momentum, o->nesterov, o->weight_decay) ? AC_OK
+                                                                                : AC_EINVAL;
 }
 
 void ac_sgd_destroy(ac_sgd *opt)
@@ -63,9 +60,7 @@ int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams, const a
     ac_sgd_opts_default(&defaults);
     opts = &defaults;
   }
-  rc = ac__optim_params_check(params, nparams, &be, &max_numel);
-  if (rc == AC_OK)
-    rc = ac__optim_params_distinct(params, nparams);
+  rc = ac__optim_params_usable(params, nparams, &be, &max_numel);
   if (rc != AC_OK)
     return rc;
   if (sgd_opts_check(opts) != AC_OK)
@@ -85,10 +80,7 @@ int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams, const a
   for (size_t i = 0; i < nparams; i++) {
     opt->params[i] = params[i];
     if (opts->momentum > 0.0f) {
-      size_t n = params[i]->value.numel;
-      rc = ac_malloc(be, n * sizeof(float), (void **)&opt->buf[i]);
-      if (rc == AC_OK)
-        rc = ac_fill_f32(be, n, opt->buf[i], 0.0f);
+      rc = ac__optim_zeros(be, params[i]->value.numel, &opt->buf[i]);
       if (rc != AC_OK)
         goto fail;
     }
@@ -116,15 +108,8 @@ static int sgd_update(ac_backend *be, size_t n, float *p, const float *g, float 
     rc = ac_axpby(be, n, o->weight_decay, p, 1.0f, g, scratch);
     d = scratch;
   }
-  if (rc == AC_OK && buf != NULL) {
-    rc = ac_axpby(be, n, 1.0f, d, o->momentum, buf, buf);
-    if (rc == AC_OK && o->nesterov) {
-      rc = ac_axpby(be, n, o->momentum, buf, 1.0f, d, scratch);
-      d = scratch;
-    } else {
-      d = buf;
-    }
-  }
+  if (rc == AC_OK && buf != NULL)
+    rc = ac__optim_momentum(be, n, o->momentum, o->nesterov, d, buf, scratch, &d);
   if (rc == AC_OK)
     rc = ac_axpby(be, n, -lr, d, 1.0f, p, p);
   return rc;
@@ -132,7 +117,7 @@ static int sgd_update(ac_backend *be, size_t n, float *p, const float *g, float 
 
 int ac_sgd_step(ac_sgd *opt, float lr)
 {
-  if (opt == NULL || !(lr >= 0.0f) || !isfinite(lr))
+  if (opt == NULL || !ac__optim_lr_ok(lr))
     return AC_EINVAL;
   for (size_t i = 0; i < opt->nparams; i++) {
     ac_param *p = opt->params[i];

@@ -98,11 +98,10 @@ static int graft_opts_check(const pc_graft_opts *g)
 static int shampoo_opts_check(const ac_shampoo_opts *o)
 {
   if (o->layout.block_size == 0 || o->layout.skip_limit == 0 ||
-      graft_opts_check(&o->graft) != AC_OK || !ac__optim_in_range(o->momentum, 0.0, 1.0) ||
-      (o->nesterov != 0 && o->nesterov != 1) || (o->nesterov && o->momentum == 0.0f) ||
-      !(o->weight_decay >= 0.0f) || !isfinite(o->weight_decay) || o->stats_interval < 1 ||
-      o->start_step < 1 || o->max_staleness < 0 || !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) ||
-      !isfinite(o->epsilon))
+      graft_opts_check(&o->graft) != AC_OK ||
+      !ac__optim_momentum_opts_ok(o->momentum, o->nesterov, o->weight_decay) ||
+      o->stats_interval < 1 || o->start_step < 1 || o->max_staleness < 0 ||
+      !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) || !isfinite(o->epsilon))
     return AC_EINVAL;
   return AC_OK;
 }
@@ -124,12 +123,9 @@ static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *ro
   /* The daemon checks too, but a NaN root would silently poison every later step. */
   size_t nl = fmt == AC_ROOT_PACKED ? ac_packed_len(n_left) : n_left * n_left;
   size_t nr = fmt == AC_ROOT_PACKED ? ac_packed_len(n_right) : n_right * n_right;
-  for (size_t i = 0; left != NULL && i < nl; i++)
-    if (!isfinite(left[i]))
-      return AC_EINVAL;
-  for (size_t i = 0; right != NULL && i < nr; i++)
-    if (!isfinite(right[i]))
-      return AC_EINVAL;
+  if ((left != NULL && !pc_all_finite_f32(nl, left)) ||
+      (right != NULL && !pc_all_finite_f32(nr, right)))
+    return AC_EINVAL;
   return AC_OK;
 }
 
@@ -163,12 +159,6 @@ void ac_shampoo_destroy(ac_shampoo *s)
   free(s->blocks);
   free(s->params);
   free(s);
-}
-
-static int zeros(ac_backend *be, size_t n, float **out)
-{
-  int rc = ac_malloc(be, n * sizeof(float), (void **)out);
-  return rc == AC_OK ? ac_fill_f32(be, n, *out, 0.0f) : rc;
 }
 
 /* Lays out every parameter and counts what the blocks need. */
@@ -234,11 +224,11 @@ static int make_state(ac_shampoo *s)
     size_t n = sp->p->value.numel;
     int rc = AC_OK;
     if (kind == PC_GRAFT_ADAM_NORMED)
-      rc = zeros(s->be, n, &sp->m);
+      rc = ac__optim_zeros(s->be, n, &sp->m);
     if (rc == AC_OK && kind != PC_GRAFT_SGD)
-      rc = zeros(s->be, n, &sp->v);
+      rc = ac__optim_zeros(s->be, n, &sp->v);
     if (rc == AC_OK && s->opts.momentum > 0.0f)
-      rc = zeros(s->be, n, &sp->buf);
+      rc = ac__optim_zeros(s->be, n, &sp->buf);
     if (rc != AC_OK)
       return rc;
   }
@@ -261,9 +251,7 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
     ac_shampoo_opts_default(&defaults);
     opts = &defaults;
   }
-  rc = ac__optim_params_check(params, nparams, &be, &max_numel);
-  if (rc == AC_OK)
-    rc = ac__optim_params_distinct(params, nparams);
+  rc = ac__optim_params_usable(params, nparams, &be, &max_numel);
   if (rc != AC_OK)
     return rc;
   if (shampoo_opts_check(opts) != AC_OK)
@@ -622,7 +610,7 @@ static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d
 
 int ac_shampoo_step(ac_shampoo *s, float lr)
 {
-  if (s == NULL || !(lr >= 0.0f) || !isfinite(lr))
+  if (s == NULL || !ac__optim_lr_ok(lr))
     return AC_EINVAL;
   const long t = s->steps + 1;
   const float mu = s->opts.momentum;
@@ -632,18 +620,14 @@ int ac_shampoo_step(ac_shampoo *s, float lr)
   for (size_t i = 0; i < s->nparams; i++) {
     shampoo_param *sp = &s->params[i];
     const size_t n = sp->p->value.numel;
-    float *p = ac_tensor_f32(&sp->p->value), *u = s->d;
+    float *p = ac_tensor_f32(&sp->p->value);
+    const float *u = s->d;
     int rc = graft_direction(s, n, ac_tensor_f32(&sp->p->grad), sp->m, sp->v, t, s->d);
     if (rc == AC_OK && !sp->layout.diagonal)
       rc = precondition_param(s, sp, t, s->d);
     /* buf = mu buf + P; U = nesterov ? P + mu buf : buf */
-    if (rc == AC_OK && sp->buf != NULL) {
-      rc = ac_axpby(s->be, n, 1.0f, s->d, mu, sp->buf, sp->buf);
-      if (rc == AC_OK && s->opts.nesterov)
-        rc = ac_axpby(s->be, n, mu, sp->buf, 1.0f, s->d, s->d);
-      else
-        u = sp->buf;
-    }
+    if (rc == AC_OK && sp->buf != NULL)
+      rc = ac__optim_momentum(s->be, n, mu, s->opts.nesterov, s->d, sp->buf, s->d, &u);
     /* p -= lr (U + wd p) */
     if (rc == AC_OK)
       rc = ac_axpby(s->be, n, -lr, u, 1.0f - lr * s->opts.weight_decay, p, p);

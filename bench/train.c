@@ -54,6 +54,13 @@ static double tr__now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* CPU seconds of this process, all threads. */
+static double tr__cpu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 const char *tr_optimizer_name(tr_optimizer_kind kind) {
   switch (kind) {
     case TR_SGD: return "sgd";
@@ -450,7 +457,9 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->lr, 6);
   fputc(',', f);
   tr__csv_num(f, r->staleness, 4);
-  return fprintf(f, ",%d\n", r->fallback ? 1 : 0) < 0 ? TR_EIO : TR_OK;
+  fprintf(f, ",%d,", r->fallback ? 1 : 0);
+  tr__csv_num(f, r->cpu_ms, 5);
+  return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
 void tr_json_string(FILE *f, const char *s) {
@@ -505,6 +514,7 @@ int tr_json_summary(FILE *f, const tr_summary *s) {
   tr__json_num(f, "total_s", s->total_s, 0);
   tr__json_num(f, "median_step_ms", s->median_step_ms, 0);
   tr__json_num(f, "mean_step_ms", s->mean_step_ms, 0);
+  tr__json_num(f, "median_step_cpu_ms", s->median_step_cpu_ms, 0);
   tr__json_num(f, "items_per_s", s->items_per_s, 0);
   tr__json_str(f, "item_unit", s->item_unit);
   tr__json_num(f, "staleness_mean", s->staleness_mean, 0);
@@ -911,7 +921,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   double base_lr = tr_effective_lr(opts);
   int rc = TR_OK;
   FILE *csv = NULL;
-  double *step_ms = NULL, *losses = NULL, *stale = NULL;
+  double *step_ms = NULL, *cpu_ms = NULL, *losses = NULL, *stale = NULL;
   long nstale = 0;
   tr_optimizer opt;
   memset(&opt, 0, sizeof opt);
@@ -925,14 +935,16 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   sm.item_unit = model->item_unit;
   sm.final_eval_loss = sm.final_eval_accuracy = sm.best_eval_loss = NAN;
   sm.staleness_mean = sm.staleness_median = NAN;
+  sm.median_step_ms = sm.mean_step_ms = sm.median_step_cpu_ms = NAN;
   sm.staleness_max = -1;
   sm.status = "ok";
   for (size_t i = 0; i < model->nparams; i++) sm.params += (long)model->params[i]->value.numel;
 
   step_ms = malloc((size_t)total * sizeof *step_ms);
+  cpu_ms = malloc((size_t)total * sizeof *cpu_ms);
   losses = malloc((size_t)total * sizeof *losses);
   stale = malloc((size_t)total * sizeof *stale);
-  if (step_ms == NULL || losses == NULL || stale == NULL) {
+  if (step_ms == NULL || cpu_ms == NULL || losses == NULL || stale == NULL) {
     rc = tr__fail(err, TR_ENOMEM, "no memory for %ld steps of figures", total);
     goto done;
   }
@@ -958,7 +970,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   long step = 0;
   while (step < total) {
     step++;
-    double t0 = tr__now();
+    double t0 = tr__now(), c0 = tr__cpu_now();
     double loss = NAN;
     int mrc = model->train_step(model->ctx, &loss);
     if (mrc != 0) {
@@ -979,9 +991,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
                      "gradient clipping");
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
-    double dt = tr__now() - t0;
+    double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
     step_ms[step - 1] = dt * 1e3;
+    cpu_ms[step - 1] = dc * 1e3;
     losses[step - 1] = loss;
     if (isfinite(info.staleness)) {
       stale[nstale++] = info.staleness;
@@ -990,7 +1003,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step, train_s, dt * 1e3, loss, NAN, NAN, lr, info.staleness, info.fallback};
+    tr_row row = {step,  train_s,        dt * 1e3,      loss,    NAN,
+                  NAN,   lr,             info.staleness, info.fallback, dc * 1e3};
     int eval_now = rc == TR_OK &&
                    (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);
@@ -1028,6 +1042,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   for (long i = sm.steps - tail; i < sm.steps; i++) acc += losses[i];
   sm.final_train_loss = tail > 0 ? acc / (double)tail : NAN;
   tr_median(step_ms, (size_t)sm.steps, &sm.median_step_ms);
+  tr_median(cpu_ms, (size_t)sm.steps, &sm.median_step_cpu_ms);
   sm.mean_step_ms = sm.steps > 0 ? train_s * 1e3 / (double)sm.steps : NAN;
   sm.items_per_s = train_s > 0 ? model->items_per_step * (double)sm.steps / train_s : NAN;
   if (nstale > 0) {
@@ -1054,6 +1069,7 @@ done:
     if (wrc != TR_OK && rc == TR_OK) rc = tr__fail(err, TR_EIO, "%s: write failed", path);
   }
   free(step_ms);
+  free(cpu_ms);
   free(losses);
   free(stale);
   if (summary != NULL) *summary = sm;

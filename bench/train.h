@@ -154,10 +154,13 @@ typedef struct {
   double lr;
   double staleness;     /* mean over the blocks that used a root; NAN: none */
   int fallback;         /* 1 if a preconditioned block used the grafted step */
+  double cpu_ms;        /* CPU time of the whole worker process (all its threads, libprecond's
+                           included) during this step: unlike step_ms, it does not grow when
+                           other processes compete for the cores */
 } tr_row;
 
 #define TR_CSV_HEADER \
-  "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback"
+  "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback,cpu_ms"
 
 /* Writes the header (tr_csv_header) or one row to f. Returns TR_OK or TR_EIO. */
 int tr_csv_header(FILE *f);
@@ -180,6 +183,7 @@ typedef struct {
   double total_s;             /* whole run */
   double median_step_ms;
   double mean_step_ms;
+  double median_step_cpu_ms;  /* process CPU time per step (see tr_row.cpu_ms) */
   double items_per_s;
   const char *item_unit;
   /* Shampoo (zero for the others) */

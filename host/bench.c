@@ -12,7 +12,8 @@
  *   root_ms                    from a push to the first fetch that returns a newer root
  *                              (median of the repetitions)
  *   fetch_ms                   FetchPreconditioners of one fresh root pair (median)
- *   snapshot_ms                (only with --daemon) the final snapshot as the daemon logs it
+ * With --snapshot-mb M (and --daemon) it measures instead the snapshot of about M MiB of
+ * statistics: written at SIGTERM and restored at the next start, as the daemon logs them.
  * Output: CSV on stdout, one row per (n, encoding). OpenBLAS threads of the daemon follow its
  * --threads; this process does no BLAS work.
  */
@@ -47,19 +48,26 @@ static double bench__median(double *v, size_t n) {
 }
 
 /* Starts the daemon; returns its pid and writes the address. */
-static pid_t bench__start(const char *bin, const char *dir, const char *threads, char *addr,
-                          size_t len) {
+static pid_t bench__start(const char *bin, const char *dir, const char *threads,
+                          const char *memory_mb, char *addr, size_t len) {
   char portfile[300], state[300], logfile[300];
   snprintf(portfile, sizeof portfile, "%s/port", dir);
   snprintf(state, sizeof state, "%s/state", dir);
   snprintf(logfile, sizeof logfile, "%s/log", dir);
+  unlink(portfile); /* a restart must not read the previous run's port */
   pid_t pid = fork();
   if (pid < 0) return -1;
   if (pid == 0) {
     int fd = open(logfile, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (fd >= 0) dup2(fd, 2);
-    execl(bin, bin, "--listen", "127.0.0.1:0", "--port-file", portfile, "--state-dir", state,
-          "--threads", threads, "--snapshot-interval", "0", (char *)NULL);
+    const char *argv[16] = {bin, "--listen", "127.0.0.1:0", "--port-file", portfile,
+                            "--state-dir", state, "--threads", threads,
+                            "--snapshot-interval", "0", NULL};
+    if (memory_mb) {
+      argv[11] = "--memory-limit-mb";
+      argv[12] = memory_mb;
+    }
+    execv(bin, (char *const *)argv);
     _exit(127);
   }
   for (int i = 0; i < 1000; i++) {
@@ -205,10 +213,124 @@ static void bench__stat(size_t n, float *p) {
     }
 }
 
+/* The seconds of the last log line of dir/log that contains key and ends "in X s". */
+static double bench__log_seconds(const char *dir, const char *key) {
+  char path[300], line[2048];
+  snprintf(path, sizeof path, "%s/log", dir);
+  FILE *f = fopen(path, "r");
+  double out = -1;
+  while (f && fgets(line, sizeof line, f)) {
+    const char *in = strstr(line, key) ? strstr(line, " in ") : NULL;
+    if (in) out = atof(in + 4);
+  }
+  if (f) fclose(f);
+  return out;
+}
+
+static int bench__stop(pid_t pid) {
+  kill(pid, SIGTERM);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+/* Snapshot write and restore of about mb MiB of statistics (blocks of 256 x 256, one
+ * statistic pushed per block; some roots get computed meanwhile and are saved too). */
+static int bench__snapshot(const char *bin, const char *threads, size_t mb) {
+  char dir[64], addr[300], path[300];
+  snprintf(dir, sizeof dir, "/tmp/precondd-bench-XXXXXX");
+  if (!mkdtemp(dir)) return 1;
+  char mem[32];
+  snprintf(mem, sizeof mem, "%zu", 2 * mb + 64); /* statistics and a root pair per block */
+  pid_t pid = bench__start(bin, dir, threads, mem, addr, sizeof addr);
+  if (pid <= 0) return 1;
+  size_t per_block = 2 * pc_packed_len(256) * 4;
+  size_t nblocks = (mb << 20) / per_block + 1;
+  grpc_channel *ch = rpc_channel_create(addr, 0);
+  bench_ctx c = {ch, "snap", 256, malloc(pc_packed_len(256) * 4), NULL};
+  int status = 0;
+  /* One tensor of 256 rows and 256 * nblocks columns: nblocks blocks of 256 x 256. */
+  uint64_t shape[2] = {256, 256 * (uint64_t)nblocks};
+  Precond__V1__TensorSpec t = PRECOND__V1__TENSOR_SPEC__INIT;
+  t.name = (char *)"w";
+  t.n_shape = 2;
+  t.shape = shape;
+  Precond__V1__TensorSpec *tp = &t;
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = 256;
+  so.skip_limit = (uint32_t)(256 * nblocks);
+  Precond__V1__RegisterRequest rr = PRECOND__V1__REGISTER_REQUEST__INIT;
+  rr.job = (char *)"snap";
+  rr.n_tensors = 1;
+  rr.tensors = &tp;
+  rr.shampoo = &so;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code;
+  char *details = NULL;
+  if (rpc_call(ch, RPC_METHOD_REGISTER, &rr.base, &precond__v1__register_response__descriptor,
+               60000, 1, &resp, &code, &details) != RPC_OK) {
+    fprintf(stderr, "register: %s: %s\n", rpc_status_name(code), details);
+    status = 1;
+  }
+  free(details);
+  if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+  bench__stat(256, c.stat);
+  Precond__V1__PackedMatrix m = PRECOND__V1__PACKED_MATRIX__INIT;
+  m.n = 256;
+  m.data.data = (uint8_t *)c.stat;
+  m.data.len = pc_packed_len(256) * 4;
+  enum { B = 8 };
+  Precond__V1__BlockStatistics b[B], *bp[B];
+  for (size_t i = 0; !status && i < nblocks; i += B) {
+    size_t k = 0;
+    for (; k < B && i + k < nblocks; k++) {
+      precond__v1__block_statistics__init(&b[k]);
+      b[k].block_id = (uint32_t)(i + k);
+      b[k].left = b[k].right = &m;
+      bp[k] = &b[k];
+    }
+    Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+    req.job = (char *)"snap";
+    req.step = 1;
+    req.n_blocks = k;
+    req.blocks = bp;
+    if (rpc_call(ch, RPC_METHOD_PUSH_STATISTICS, &req.base,
+                 &precond__v1__push_response__descriptor, 60000, 0, &resp, &code,
+                 &details) != RPC_OK) {
+      fprintf(stderr, "push: %s: %s\n", rpc_status_name(code), details);
+      status = 1;
+    }
+    free(details);
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  rpc_channel_destroy(ch);
+  free(c.stat);
+  if (bench__stop(pid) != 0) status = 1;
+  double write_s = bench__log_seconds(dir, "snapshot written");
+  snprintf(path, sizeof path, "%s/state/%s", dir, PD_SNAPSHOT_FILE);
+  FILE *f = fopen(path, "rb");
+  double file_mb = 0;
+  if (f) {
+    fseek(f, 0, SEEK_END);
+    file_mb = (double)ftell(f) / 1048576.0;
+    fclose(f);
+  }
+  pid = bench__start(bin, dir, threads, mem, addr, sizeof addr);
+  double restore_s = pid > 0 ? bench__log_seconds(dir, "restored") : -1;
+  if (pid <= 0 || bench__stop(pid) != 0) status = 1;
+  printf("snapshot_blocks,file_mb,write_s,restore_s\n%zu,%.1f,%.3f,%.3f\n", nblocks, file_mb,
+         write_s, restore_s);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) status = 1;
+  return status;
+}
+
 int main(int argc, char **argv) {
   const char *daemon_bin = NULL, *connect = NULL, *threads = "2", *sizes = "128,512,1024";
   double seconds = 1.0;
   int reps = 5;
+  size_t snapshot_mb = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--daemon") && v) daemon_bin = argv[++i];
@@ -217,9 +339,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--sizes") && v) sizes = argv[++i];
     else if (!strcmp(a, "--seconds") && v) seconds = atof(argv[++i]);
     else if (!strcmp(a, "--reps") && v) reps = atoi(argv[++i]);
+    else if (!strcmp(a, "--snapshot-mb") && v) snapshot_mb = strtoul(argv[++i], NULL, 10);
     else {
       fprintf(stderr, "usage: precondd-bench (--daemon PATH [--threads N] | --connect ADDR) "
-              "[--sizes 128,512,1024] [--seconds S] [--reps R]\n");
+              "[--sizes 128,512,1024] [--seconds S] [--reps R] [--snapshot-mb M]\n");
       return 2;
     }
   }
@@ -228,12 +351,19 @@ int main(int argc, char **argv) {
     return 2;
   }
   pd_log_set_level(PD_LOG_WARN);
+  if (snapshot_mb > 0) {
+    if (!daemon_bin || snapshot_mb > 4096) {
+      fprintf(stderr, "precondd-bench: --snapshot-mb (1 to 4096) needs --daemon\n");
+      return 2;
+    }
+    return bench__snapshot(daemon_bin, threads, snapshot_mb);
+  }
   char dir[64] = "", addr[300];
   pid_t pid = 0;
   if (daemon_bin) {
     snprintf(dir, sizeof dir, "/tmp/precondd-bench-XXXXXX");
     if (!mkdtemp(dir)) return 1;
-    pid = bench__start(daemon_bin, dir, threads, addr, sizeof addr);
+    pid = bench__start(daemon_bin, dir, threads, NULL, addr, sizeof addr);
     if (pid <= 0) {
       fprintf(stderr, "precondd-bench: cannot start %s (log in %s/log)\n", daemon_bin, dir);
       return 1;

@@ -15,6 +15,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -195,18 +198,44 @@ static void *pd__poll(void *arg) {
   return NULL;
 }
 
+/* 1 if something accepts connections on the unix socket path: gRPC unlinks an existing
+ * socket file before binding, which would silently take the path from a running daemon. */
+static int pd__unix_in_use(const char *path) {
+  struct sockaddr_un sa;
+  if (strlen(path) >= sizeof sa.sun_path) return 0;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  memcpy(sa.sun_path, path, strlen(path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  int in_use = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+  close(fd);
+  return in_use;
+}
+
 int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   *out = NULL;
   *port = 0;
+  if (strncmp(d->cfg.listen, "unix:", 5) == 0 && pd__unix_in_use(d->cfg.listen + 5)) {
+    pd_log(PD_LOG_ERROR, "cannot listen on %s: another process is accepting connections there",
+           d->cfg.listen);
+    return PD_EIO;
+  }
   pd_server *srv = calloc(1, sizeof *srv);
   if (!srv) return PD_ENOMEM;
   grpc_init();
   srv->d = d;
   pthread_mutex_init(&srv->lock, NULL);
   pthread_cond_init(&srv->cond, NULL);
-  grpc_arg arg[2];
+  /* Size limits, and no SO_REUSEPORT: gRPC sets it by default, which would let a second
+   * daemon bind the same port and take half of the connections (and their statistics). */
+  grpc_arg arg[3];
   grpc_channel_args args;
   rpc_size_args(&args, arg, d->cfg.max_message_bytes);
+  arg[2].type = GRPC_ARG_INTEGER;
+  arg[2].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
+  arg[2].value.integer = 0;
+  args.num_args = 3;
   srv->server = grpc_server_create(&args, NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);

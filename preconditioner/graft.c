@@ -54,8 +54,7 @@ static int graft_check(size_t count, const float *g, const pc_graft_opts *opts, 
     default:
       return PC_EINVAL;
   }
-  for (size_t i = 0; i < count; i++)
-    if (!isfinite(g[i])) return PC_ENONFINITE_INPUT;
+  if (!pc_all_finite_f32(count, g)) return PC_ENONFINITE_INPUT;
   return PC_OK;
 }
 

@@ -90,7 +90,8 @@ int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts,
 /* Inverse p-th roots                                                                     */
 
 typedef enum {
-  PC_METHOD_NEWTON = 0,       /* precond's fastest coupled Newton variant (the default) */
+  PC_METHOD_NEWTON = 0,       /* precond's coupled Newton: scaled steps, one-triangle products,
+                                 fp64 first steps for fp32 input (docs/roots.md); the default */
   PC_METHOD_NEWTON_TEXTBOOK,  /* the reference iteration of Anil et al. 2020, for comparison */
   PC_METHOD_EIGH              /* LAPACK syevd, then V diag(w^(-1/p)) V^T */
 } pc_method;
@@ -110,9 +111,9 @@ typedef struct {
 void pc_root_opts_default(pc_root_opts *opts, int p);
 
 typedef struct {
-  int iters;          /* Newton iterations taken (0 for eigh) */
-  double error;       /* final max|M - I| for Newton; for eigh the same residual measure
-                         of the computed root (see roots.c) */
+  int iters;          /* Newton steps computed, a rejected one included (0 for eigh) */
+  double error;       /* final max|M - I| for Newton; for eigh max|X^p (A + ridge I) - I|
+                         over 8 evenly spaced columns, in fp64 (see roots.c) */
   double lambda_max;  /* largest eigenvalue estimate of the input */
   double ridge;       /* absolute ridge added: epsilon * max(lambda_max, 1e-16) */
 } pc_root_info;

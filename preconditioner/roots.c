@@ -128,11 +128,14 @@ static void interval_tighten(double *lo, double *hi, double f) {
 
 /* The scale s for which phi(s lo) == phi(s hi): after the step both ends of the interval
  * sit at the same height, the best a single step can lift the low end. s is capped so that
- * T = ((p+1) I - s M)/p keeps T^p >= top_floor at the top of the spectrum: a step that nearly
- * annihilates the top of M costs fp32 accuracy (measured in docs/roots.md). */
+ * T = ((p+1) I - s M)/p keeps T^p >= top_floor and T >= 0.1 at the top of the spectrum: a
+ * step that nearly annihilates the top of M costs fp32 accuracy (measured in docs/roots.md;
+ * the second bound is the one that binds for p = 1). */
 static double equalizing_scale(double lo, double hi, int p, double top_floor) {
   if (hi - lo <= 1e-12 * hi) return 2.0 / (lo + hi); /* a point: map it to 1 */
-  double a = 1.0 / hi, b = (p + 1.0 - p * pow(top_floor, 1.0 / p)) / hi;
+  double t_top = pow(top_floor, 1.0 / p);
+  if (top_floor > 0.0 && t_top < 0.1) t_top = 0.1;
+  double a = 1.0 / hi, b = (p + 1.0 - p * t_top) / hi;
   if (phi(b * lo, p) <= phi(b * hi, p)) return b;
   for (int i = 0; i < 80; i++) { /* phi(s lo) - phi(s hi) grows with s on [a, b] */
     double c = sqrt(a * b);

@@ -6,6 +6,7 @@
  *   P  = L^(-1/4) G R^(-1/4).
  *
  * The roots come from roots.c (or the daemon); here they are plain dense matrices.
+ * The kernels live in shampoo_impl.h, instantiated here for fp32 and fp64.
  */
 #include <cblas.h>
 #include <stdint.h>
@@ -54,95 +55,7 @@ static int direction_check(size_t rows, size_t cols, const void *lroot, const vo
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Packing (row-major upper triangle, as the header defines it)                           */
-
-static void pack_upper_f32(size_t n, const float *dense, float *packed) {
-  for (size_t i = 0; i < n; i++) {
-    memcpy(packed, dense + i * n + i, (n - i) * sizeof *packed);
-    packed += n - i;
-  }
-}
-
-static void pack_upper_f64(size_t n, const double *dense, double *packed) {
-  for (size_t i = 0; i < n; i++) {
-    memcpy(packed, dense + i * n + i, (n - i) * sizeof *packed);
-    packed += n - i;
-  }
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Gram matrices                                                                          */
-
-int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld, float *left_packed,
-                float *right_packed) {
-  int rc = gram_check(rows, cols, g, ld);
-  if (rc != PC_OK) return rc;
-  size_t n = rows > cols ? rows : cols;
-  float *c = malloc(n * n * sizeof *c);
-  if (c == NULL) return PC_ENOMEM;
-
-  /* syrk fills the upper triangle only: exactly what the packed form keeps. */
-  if (left_packed != NULL) {
-    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)rows, (int)cols, 1.0f, g,
-                (int)ld, 0.0f, c, (int)rows);
-    pack_upper_f32(rows, c, left_packed);
-  }
-  if (right_packed != NULL) {
-    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)cols, (int)rows, 1.0f, g,
-                (int)ld, 0.0f, c, (int)cols);
-    pack_upper_f32(cols, c, right_packed);
-  }
-  free(c);
-  return PC_OK;
-}
-
-int pc_gram_f64(size_t rows, size_t cols, const double *g, size_t ld, double *left_packed,
-                double *right_packed) {
-  int rc = gram_check(rows, cols, g, ld);
-  if (rc != PC_OK) return rc;
-  size_t n = rows > cols ? rows : cols;
-  double *c = malloc(n * n * sizeof *c);
-  if (c == NULL) return PC_ENOMEM;
-
-  if (left_packed != NULL) {
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)rows, (int)cols, 1.0, g,
-                (int)ld, 0.0, c, (int)rows);
-    pack_upper_f64(rows, c, left_packed);
-  }
-  if (right_packed != NULL) {
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)cols, (int)rows, 1.0, g,
-                (int)ld, 0.0, c, (int)cols);
-    pack_upper_f64(cols, c, right_packed);
-  }
-  free(c);
-  return PC_OK;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Statistics                                                                             */
-
-void pc_stat_update_f32(size_t count, float *s, const float *inc, float beta2) {
-  if (s == NULL || inc == NULL) return;
-  if (beta2 == 1.0f) {
-    for (size_t i = 0; i < count; i++) s[i] += inc[i];
-    return;
-  }
-  const float w = 1.0f - beta2;
-  for (size_t i = 0; i < count; i++) s[i] = beta2 * s[i] + w * inc[i];
-}
-
-void pc_stat_update_f64(size_t count, double *s, const double *inc, double beta2) {
-  if (s == NULL || inc == NULL) return;
-  if (beta2 == 1.0) {
-    for (size_t i = 0; i < count; i++) s[i] += inc[i];
-    return;
-  }
-  const double w = 1.0 - beta2;
-  for (size_t i = 0; i < count; i++) s[i] = beta2 * s[i] + w * inc[i];
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Preconditioned direction                                                               */
+/* Helpers of the direction                                                               */
 
 /* p (stride ld) <- g (stride ld); p is g or apart from it (direction_check). */
 static void copy_rows(size_t rows, size_t cols, const void *g, size_t ld, void *p, size_t sz) {
@@ -151,79 +64,17 @@ static void copy_rows(size_t rows, size_t cols, const void *g, size_t ld, void *
     memcpy((char *)p + i * ld * sz, (const char *)g + i * ld * sz, cols * sz);
 }
 
-int pc_direction_f32(size_t rows, size_t cols, const float *lroot, const float *g, size_t ld,
-                     const float *rroot, float *p) {
-  int rc = direction_check(rows, cols, lroot, g, ld, rroot, p, sizeof *p);
-  if (rc != PC_OK) return rc;
-  const int m = (int)rows, n = (int)cols, ldg = (int)ld;
-  if (lroot == NULL && rroot == NULL) {
-    copy_rows(rows, cols, g, ld, p, sizeof *p);
-    return PC_OK;
-  }
-  /* gemm must not write what it reads: go through t unless exactly one product is taken
-   * and p is apart from g (p is either g or apart from it, see direction_check). */
-  int direct = (lroot == NULL || rroot == NULL) && p != g;
-  float *t = NULL;
-  if (!direct) {
-    t = malloc(rows * cols * sizeof *t);
-    if (t == NULL) return PC_ENOMEM;
-  }
+/* ------------------------------------------------------------------------------------ */
+/* Gram matrices, statistics and the preconditioned direction, one instance per precision */
 
-  if (lroot != NULL && rroot != NULL) {
-    /* t = L g; p = t R */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0f, lroot, m, g, ldg,
-                0.0f, t, n);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0f, t, n, rroot, n,
-                0.0f, p, ldg);
-  } else {
-    float *out = direct ? p : t;
-    const int ldo = direct ? ldg : n;
-    if (lroot != NULL)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0f, lroot, m, g, ldg,
-                  0.0f, out, ldo);
-    else
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0f, g, ldg, rroot, n,
-                  0.0f, out, ldo);
-    if (!direct)
-      for (size_t i = 0; i < rows; i++) memcpy(p + i * ld, t + i * cols, cols * sizeof *p);
-  }
-  free(t);
-  return PC_OK;
-}
+#define REAL float
+#define SFX(name) name##_f32
+#define GEMM cblas_sgemm
+#define SYRK cblas_ssyrk
+#include "shampoo_impl.h"
 
-int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double *g, size_t ld,
-                     const double *rroot, double *p) {
-  int rc = direction_check(rows, cols, lroot, g, ld, rroot, p, sizeof *p);
-  if (rc != PC_OK) return rc;
-  const int m = (int)rows, n = (int)cols, ldg = (int)ld;
-  if (lroot == NULL && rroot == NULL) {
-    copy_rows(rows, cols, g, ld, p, sizeof *p);
-    return PC_OK;
-  }
-  int direct = (lroot == NULL || rroot == NULL) && p != g;
-  double *t = NULL;
-  if (!direct) {
-    t = malloc(rows * cols * sizeof *t);
-    if (t == NULL) return PC_ENOMEM;
-  }
-
-  if (lroot != NULL && rroot != NULL) {
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0, lroot, m, g, ldg,
-                0.0, t, n);
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0, t, n, rroot, n, 0.0,
-                p, ldg);
-  } else {
-    double *out = direct ? p : t;
-    const int ldo = direct ? ldg : n;
-    if (lroot != NULL)
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0, lroot, m, g, ldg,
-                  0.0, out, ldo);
-    else
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0, g, ldg, rroot, n,
-                  0.0, out, ldo);
-    if (!direct)
-      for (size_t i = 0; i < rows; i++) memcpy(p + i * ld, t + i * cols, cols * sizeof *p);
-  }
-  free(t);
-  return PC_OK;
-}
+#define REAL double
+#define SFX(name) name##_f64
+#define GEMM cblas_dgemm
+#define SYRK cblas_dsyrk
+#include "shampoo_impl.h"

@@ -19,44 +19,22 @@
 #include <cmocka.h>
 
 #include "accel.h"
-
-typedef struct {
-  ac_backend *be;
-} fixture;
+#include "test_util.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* Helpers                                                                                 */
-
-/* The group's backend; skips the test when it does not exist (the setup said why). */
-static ac_backend *backend(void **state)
-{
-  ac_backend *be = ((fixture *)*state)->be;
-  if (be == NULL)
-    skip();
-  return be;
-}
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+  return xorshift_frand(&rng_state);
 }
 
 static void fill_rand(size_t n, float *x, float scale)
 {
   for (size_t i = 0; i < n; i++)
     x[i] = scale * frand();
-}
-
-static void *xcalloc(size_t n, size_t sz)
-{
-  void *p = calloc(n ? n : 1, sz);
-  assert_non_null(p);
-  return p;
 }
 
 static void param_init(ac_param *p, ac_backend *be, const char *name, int ndim,
@@ -435,7 +413,6 @@ static void tiny_destroy(tiny *m)
   ac_free(m->be, m->labels);
 }
 
-#define OK(call) assert_int_equal((call), AC_OK)
 
 /* Forward and backward on the whole batch; returns the mean loss, grads filled. */
 static double tiny_step(tiny *m)
@@ -683,42 +660,6 @@ static void test_train_vs_cpu(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_kind(void **state, ac_backend_kind kind)
-{
-  static fixture fx[2];
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = kind;
-  fixture *f = &fx[kind == AC_BACKEND_CUDA];
-  f->be = NULL;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK)
-    print_message("[  SKIP    ] %s backend unavailable (%s: %s): its tests are skipped\n",
-                  kind == AC_BACKEND_CUDA ? "CUDA" : "CPU", ac_strerror(rc),
-                  ac_backend_describe(NULL));
-  *state = f;
-  return 0;
-}
-
-static int setup_cpu(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CPU);
-}
-
-static int setup_cuda(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CUDA);
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  ac_backend_destroy(f->be);
-  f->be = NULL;
-  return 0;
-}
-
 
 #define OPTIM_TESTS                                                                           \
   cmocka_unit_test(test_sgd), cmocka_unit_test(test_adamw), cmocka_unit_test(test_clip),     \

@@ -20,36 +20,13 @@
 #include <cmocka.h>
 
 #include "accel.h"
-
-typedef struct {
-  ac_backend *be;
-} fixture;
-
-#define OK(call) assert_int_equal((call), AC_OK)
-
-static ac_backend *backend(void **state)
-{
-  ac_backend *be = ((fixture *)*state)->be;
-  if (be == NULL)
-    skip();
-  return be;
-}
+#include "test_util.h"
 
 static uint64_t rng_state = 0x853C49E6748FEA9Bull;
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
-
-static void *xcalloc(size_t n, size_t sz)
-{
-  void *p = calloc(n ? n : 1, sz);
-  assert_non_null(p);
-  return p;
+  return xorshift_frand(&rng_state);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -214,12 +191,11 @@ static void make_roots(world *w, int b, int left, int right)
   }
 }
 
+/* The packed upper triangle of dense (n x n), in a new buffer the caller frees. */
 static float *pack(size_t n, const float *dense)
 {
-  float *p = xcalloc(ac_packed_len(n), sizeof(float)), *o = p;
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = i; j < n; j++)
-      *o++ = dense[i * n + j];
+  float *p = xcalloc(ac_packed_len(n), sizeof(float));
+  pc_pack_f32(n, dense, p);
   return p;
 }
 
@@ -765,41 +741,6 @@ static void test_scalar_param(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_kind(void **state, ac_backend_kind kind)
-{
-  static fixture fx[2];
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = kind;
-  fixture *f = &fx[kind == AC_BACKEND_CUDA];
-  f->be = NULL;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK)
-    print_message("[  SKIP    ] %s backend unavailable (%s: %s): its tests are skipped\n",
-                  kind == AC_BACKEND_CUDA ? "CUDA" : "CPU", ac_strerror(rc),
-                  ac_backend_describe(NULL));
-  *state = f;
-  return 0;
-}
-
-static int setup_cpu(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CPU);
-}
-
-static int setup_cuda(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CUDA);
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  ac_backend_destroy(f->be);
-  f->be = NULL;
-  return 0;
-}
 
 #define WORKER_TESTS                                                                          \
   cmocka_unit_test(test_layout_and_stats), cmocka_unit_test(test_apply_each_graft),          \

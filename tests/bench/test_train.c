@@ -213,15 +213,15 @@ static void test_csv_json(void **state) {
   snprintf(path, sizeof path, "%s/rows.csv", tmpdir);
   FILE *f = fopen(path, "w");
   assert_int_equal(tr_csv_header(f), TR_OK);
-  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1};
-  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0};
+  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1, 11.5};
+  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0, NAN};
   assert_int_equal(tr_csv_row(f, &r1), TR_OK);
   assert_int_equal(tr_csv_row(f, &r2), TR_OK);
   fclose(f);
   char *csv = read_file(path);
   assert_string_equal(csv, TR_CSV_HEADER "\n"
-                      "1,0.5,12.25,2.5,,,0.001,,1\n"
-                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0\n");
+                      "1,0.5,12.25,2.5,,,0.001,,1,11.5\n"
+                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0,\n");
   free(csv);
 
   snprintf(path, sizeof path, "%s/s.json", tmpdir);
@@ -471,6 +471,7 @@ static void test_train_loop(void **state) {
     assert_true(a.final_eval_loss < 0.6);
     assert_true(a.final_eval_accuracy > 0.85);
     assert_true(a.median_step_ms > 0);
+    assert_true(a.median_step_cpu_ms >= 0);
     assert_int_equal(a.fallback_steps, 0);
     assert_true(isnan(a.staleness_mean));
 

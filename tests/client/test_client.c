@@ -404,9 +404,18 @@ static void test_reconnect_and_reregister(void **state)
   assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, 300), PRECOND_ETIMEDOUT);
   daemon_start(&g_d);
-  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  int st = precond_flush(c, ROOT_WAIT_MS);
   precond_counters k;
   precond_get_counters(c, &k);
+  if (st != PRECOND_OK) {
+    char e[256];
+    precond_last_error(c, e, sizeof e);
+    fprintf(stderr, "flush after restart: %s; queued %zu, sent %llu, retries %llu, "
+            "reregistered %llu; last error: %s\n", precond_strerror(st), k.queued,
+            (unsigned long long)k.sent, (unsigned long long)k.retries,
+            (unsigned long long)k.reregistered, e);
+  }
+  assert_int_equal(st, PRECOND_OK);
   assert_true(k.retries >= 1);
   assert_true(k.reregistered >= 1);
   assert_int_equal(k.push_errors, 0);

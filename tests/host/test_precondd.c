@@ -409,12 +409,24 @@ static void test_health_unimplemented_unix(void **state) {
   assert_int_equal(code, GRPC_STATUS_UNIMPLEMENTED);
   assert_non_null(strstr(details, "Nope"));
   free(details);
+  char taken[64];
+  snprintf(taken, sizeof taken, "127.0.0.1:%d", d.port);
+  daemon_t d3 = {0};
+  snprintf(d3.dir, sizeof d3.dir, "%s", d.dir);
+  assert_int_equal(start_daemon_opts(&d3, taken, NULL), 1000 + 1);
+  check_health(&d);
   assert_int_equal(stop_daemon(&d, SIGINT), 0);
 
   /* The same daemon on a unix socket. */
   char sock[300];
   snprintf(sock, sizeof sock, "unix:%s/sock", d.dir);
   assert_int_equal(start_daemon_opts(&d, sock, NULL), 0);
+  check_health(&d);
+  /* A second daemon on the same socket, or on the same TCP port, is refused (gRPC would
+   * unlink the socket, or share the port through SO_REUSEPORT). */
+  daemon_t d2 = {0};
+  snprintf(d2.dir, sizeof d2.dir, "%s", d.dir);
+  assert_int_equal(start_daemon_opts(&d2, sock, NULL), 1000 + 1);
   check_health(&d);
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_string_equal(st->version, PD_VERSION);

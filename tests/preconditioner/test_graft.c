@@ -10,18 +10,9 @@
 #include <cmocka.h>
 
 #include "preconditioner.h"
+#include "test_util.h"
 
 enum { N = 41, STEPS = 6 };
-
-static uint64_t rng_state;
-
-static double uniform(void) { /* xorshift64*, in [-1, 1) */
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  uint64_t r = rng_state * 2685821657736338717ull;
-  return (double)(r >> 11) / 9007199254740992.0 * 2.0 - 1.0;
-}
 
 /* Gradient of step s: a different scale each step, so normalisation matters. */
 static void gradient(int s, float *g) {

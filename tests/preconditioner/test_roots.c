@@ -179,6 +179,41 @@ static void test_well_conditioned_f32(void **state) {
   free(w); free(a); free(q.v);
 }
 
+/* p = 1 (a K-FAC inverse) and p = 2 of a dense Wishart matrix G G^T / k, G n x 1.5n
+ * (condition ~1e2, eigenvalues crowded at the top so that power iteration stops short and
+ * the Frobenius bound is used). The scaled iteration then meets the local regime with M's
+ * spectrum still spread, where max|M - I| falls slowly; it must not mistake that for the
+ * rounding floor (it did: p = 1 stopped at 13 steps with error 2e-2). */
+static void test_wishart_low_p(void **state) {
+  (void)state;
+  size_t n = 512, k = 768;
+  uint64_t seed = 7;
+  double *g = xmalloc(n * k * sizeof *g), *a = xmalloc(n * n * sizeof *a);
+  double *ref = xmalloc(n * n * sizeof *ref);
+  float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
+  for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k,
+              g, (int)k, g, (int)k, 0, a, (int)n);
+  to_f32(n * n, a, af);
+  for (int p = 1; p <= 2; p++) {
+    pc_root_opts o, r;
+    pc_root_opts_default(&o, p);
+    pc_root_info info, rinfo;
+    int st = pc_inverse_root_f32(n, af, x, &o, &info);
+    pc_root_opts_default(&r, p);
+    r.method = PC_METHOD_EIGH;
+    assert_int_equal(pc_inverse_root_f64(n, a, ref, &r, &rinfo), PC_OK);
+    r.epsilon = info.ridge / rinfo.lambda_max;
+    assert_int_equal(pc_inverse_root_f64(n, a, ref, &r, NULL), PC_OK);
+    double e = rel_err_f32(n, x, ref);
+    if (getenv("VERBOSE") || st != PC_OK || e > 1e-4)
+      print_message("wishart p %d: status %d err %.3g iters %d\n", p, st, e, info.iters);
+    assert_int_equal(st, PC_OK);
+    assert_true(e <= 1e-4);
+  }
+  free(g); free(a); free(ref); free(af); free(x);
+}
+
 /* fp32 at condition 1e4 and 1e6: the Newton variants within 1.5 x the error of the fp32 eigh
  * route on the same matrix (all measured against the exact root of the fp64 matrix that was
  * rounded to make the fp32 input). */
@@ -573,6 +608,7 @@ int main(void) {
   openblas_set_num_threads(1);
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_well_conditioned_f32),
+    cmocka_unit_test(test_wishart_low_p),
     cmocka_unit_test(test_ill_conditioned_f32),
     cmocka_unit_test(test_ill_conditioned_f64),
     cmocka_unit_test(test_rank_deficient),

@@ -13,19 +13,10 @@
 #include <lapacke.h>
 
 #include "preconditioner.h"
+#include "test_util.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* Helpers                                                                                */
-
-static uint64_t rng_state;
-
-static double uniform(void) { /* xorshift64*, in [-1, 1) */
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  uint64_t r = rng_state * 2685821657736338717ull;
-  return (double)(r >> 11) / 9007199254740992.0 * 2.0 - 1.0;
-}
 
 static void fill_f64(size_t count, double *x) {
   for (size_t i = 0; i < count; i++) x[i] = uniform();
@@ -221,6 +212,17 @@ static void test_stat_of_grams(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Direction                                                                              */
 
+/* The fp64 result p and the fp32 result pf (both rows x cols, stride ld) against want
+ * (stride cols), relative to scale = max |want|. */
+static void assert_direction(size_t rows, size_t cols, size_t ld, const double *p,
+                             const float *pf, const double *want, double scale) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) {
+      assert_true(fabs(p[i * ld + j] - want[i * cols + j]) <= 1e-12 * scale);
+      assert_true(fabs(pf[i * ld + j] - want[i * cols + j]) <= 1e-5 * scale);
+    }
+}
+
 /* P = L^(-1/4) G R^(-1/4) with statistics and roots built here in fp64. */
 static void check_direction(size_t rows, size_t cols, size_t ld) {
   double *lst = malloc(rows * rows * sizeof(double)), *rst = malloc(cols * cols * sizeof(double));
@@ -262,11 +264,8 @@ static void check_direction(size_t rows, size_t cols, size_t ld) {
   for (size_t i = 0; i < rows * ld; i++) p[i] = pf[i] = -7.0f;
   assert_int_equal(pc_direction_f64(rows, cols, lr, g, ld, rr, p), PC_OK);
   assert_int_equal(pc_direction_f32(rows, cols, lrf, gf, ld, rrf, pf), PC_OK);
+  assert_direction(rows, cols, ld, p, pf, want, scale);
   for (size_t i = 0; i < rows; i++) {
-    for (size_t j = 0; j < cols; j++) {
-      assert_true(fabs(p[i * ld + j] - want[i * cols + j]) <= 1e-12 * scale);
-      assert_true(fabs(pf[i * ld + j] - want[i * cols + j]) <= 1e-5 * scale);
-    }
     for (size_t j = cols; j < ld; j++) { /* padding is not written */
       assert_true(p[i * ld + j] == -7.0);
       assert_true(pf[i * ld + j] == -7.0f);
@@ -278,20 +277,12 @@ static void check_direction(size_t rows, size_t cols, size_t ld) {
   scale = max_abs_f64(rows * cols, want);
   assert_int_equal(pc_direction_f64(rows, cols, lr, g, ld, NULL, p), PC_OK);
   assert_int_equal(pc_direction_f32(rows, cols, lrf, gf, ld, NULL, pf), PC_OK);
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < cols; j++) {
-      assert_true(fabs(p[i * ld + j] - want[i * cols + j]) <= 1e-12 * scale);
-      assert_true(fabs(pf[i * ld + j] - want[i * cols + j]) <= 1e-5 * scale);
-    }
+  assert_direction(rows, cols, ld, p, pf, want, scale);
   matmul(rows, cols, cols, g, ld, rr, cols, want);
   scale = max_abs_f64(rows * cols, want);
   assert_int_equal(pc_direction_f64(rows, cols, NULL, g, ld, rr, p), PC_OK);
   assert_int_equal(pc_direction_f32(rows, cols, NULL, gf, ld, rrf, pf), PC_OK);
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < cols; j++) {
-      assert_true(fabs(p[i * ld + j] - want[i * cols + j]) <= 1e-12 * scale);
-      assert_true(fabs(pf[i * ld + j] - want[i * cols + j]) <= 1e-5 * scale);
-    }
+  assert_direction(rows, cols, ld, p, pf, want, scale);
   assert_int_equal(pc_direction_f64(rows, cols, NULL, g, ld, NULL, p), PC_OK);
   assert_int_equal(pc_direction_f32(rows, cols, NULL, gf, ld, NULL, pf), PC_OK);
   for (size_t i = 0; i < rows; i++)
