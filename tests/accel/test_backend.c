@@ -15,6 +15,8 @@
 
 #include <cmocka.h>
 
+#include <cblas.h> /* openblas_get_num_threads: the CPU backend's thread count */
+
 #include "accel.h"
 
 typedef struct {
@@ -110,6 +112,50 @@ static double *dzeros(size_t n)
 
 /* ------------------------------------------------------------------------------------ */
 /* Backend lifecycle and errors                                                            */
+
+/* A CPU backend with 2 threads: small products run with OpenBLAS on one thread and the
+ * backend's count is restored after them; large and small products, batched, match a
+ * direct double loop. */
+static void test_cpu_threads(void **state)
+{
+  (void)state;
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  opts.threads = 2;
+  ac_backend *be = NULL;
+  assert_int_equal(ac_backend_create(&be, &opts), AC_OK);
+  const size_t sizes[][3] = {{5, 7, 3}, {160, 170, 180}}; /* below / above the threshold */
+  for (size_t t = 0; t < 2; t++) {
+    size_t m = sizes[t][0], n = sizes[t][1], k = sizes[t][2], batch = 3;
+    float *ha = host_rand(batch * m * k), *hb = host_rand(k * n);
+    double *want = dzeros(batch * m * n);
+    for (size_t i = 0; i < batch; i++)
+      for (size_t r = 0; r < m; r++)
+        for (size_t j = 0; j < n; j++) {
+          double acc = 0;
+          for (size_t p = 0; p < k; p++)
+            acc += (double)ha[(i * m + r) * k + p] * hb[p * n + j];
+          want[(i * m + r) * n + j] = acc;
+        }
+    float *a = dev_up(be, ha, batch * m * k), *b = dev_up(be, hb, k * n);
+    float *c = dev_alloc(be, batch * m * n * sizeof(float));
+    assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, m, n, k, 1.0f, a, k,
+                                      m * k, b, n, 0, 0.0f, c, n, m * n, batch),
+                     AC_OK);
+    float *got = dev_down(be, c, batch * m * n);
+    expect_close("sgemm on 2 threads", got, want, batch * m * n, 1e-4, 1e-5);
+    assert_non_null(strstr(ac_backend_describe(be), "2 threads"));
+    assert_int_equal(openblas_get_num_threads(), 2);
+    free(got);
+    free(want);
+    free(ha);
+    free(hb);
+    ac_free(be, a);
+    ac_free(be, b);
+    ac_free(be, c);
+  }
+  ac_backend_destroy(be);
+}
 
 static void test_strerror_and_create(void **state)
 {
@@ -1777,7 +1823,8 @@ static int teardown(void **state)
 
 int main(void)
 {
-  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create)};
+  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
+                                         cmocka_unit_test(test_cpu_threads)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
