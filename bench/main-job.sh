@@ -14,7 +14,7 @@ Usage: bench/main-job.sh [--build DIR] [--out DIR] [--steps N] [--every S] [--he
 
   --build DIR   the Meson build directory (default $PRECOND_BUILD or ./build)
   --out DIR     results directory (default out/main-job)
-  --steps N     step budget of every run (default 200)
+  --steps N     step budget of every run (default 800)
   --every S     seconds between precondctl reports while training (default 60)
 Any other options go to bench/compare (e.g. --lrs-adamw 1e-3,3e-3 --lrs-shampoo 1e-3,3e-3).
 EOF
@@ -22,7 +22,7 @@ EOF
 
 die() { echo "main-job: $*" >&2; exit 2; }
 
-build="${PRECOND_BUILD:-build}" out="out/main-job" steps=200 every=60
+build="${PRECOND_BUILD:-build}" out="out/main-job" steps=800 every=60
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
