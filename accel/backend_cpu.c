@@ -317,9 +317,10 @@ AC__CPU_VEC static inline float exp_poly(float x)
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t tb; /* t's low mantissa bits hold n + 2^22: no float-to-int conversion */
+  uint32_t tb; /* t's low mantissa bits hold n + 2^22: no float-to-int conversion */
   memcpy(&tb, &t, sizeof tb);
-  int32_t bits = (tb - 0x4B400000 + 127) * (1 << 23);
+  /* Unsigned, so a NaN input (garbage bits, NaN result anyway) is not signed overflow. */
+  uint32_t bits = (tb - 0x4B400000u + 127u) << 23;
   float scale;
   memcpy(&scale, &bits, sizeof scale);
   return p * scale;
