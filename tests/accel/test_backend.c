@@ -18,11 +18,7 @@
 #include <cblas.h> /* openblas_get_num_threads: the CPU backend's thread count */
 
 #include "accel.h"
-
-typedef struct {
-  ac_backend *be;
-  ac_backend_kind kind;
-} fixture;
+#include "test_util.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* Helpers                                                                                 */
@@ -31,10 +27,7 @@ static uint64_t rng_state = 88172645463325252ull;
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+  return xorshift_frand(&rng_state);
 }
 
 static float *host_rand(size_t n)
@@ -48,9 +41,7 @@ static float *host_rand(size_t n)
 
 static float *host_zeros(size_t n)
 {
-  float *x = calloc(n ? n : 1, sizeof *x);
-  assert_non_null(x);
-  return x;
+  return xcalloc(n, sizeof(float));
 }
 
 static void *dev_alloc(ac_backend *be, size_t bytes)
@@ -96,19 +87,9 @@ static void expect_close(const char *what, const float *got, const double *want,
 
 static double *dzeros(size_t n)
 {
-  double *x = calloc(n ? n : 1, sizeof *x);
-  assert_non_null(x);
-  return x;
+  return xcalloc(n, sizeof(double));
 }
 
-#define BE(state) (((fixture *)*(state))->be)
-
-/* Skips a CUDA test when no device was found (the group setup printed why). */
-#define NEED_BACKEND(state)                                                             \
-  do {                                                                                  \
-    if (BE(state) == NULL)                                                              \
-      skip();                                                                           \
-  } while (0)
 
 /* ------------------------------------------------------------------------------------ */
 /* Backend lifecycle and errors                                                            */
@@ -208,8 +189,7 @@ static void test_strerror_and_create(void **state)
 
 static void test_invalid_arguments(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   float *d = dev_alloc(be, 64 * sizeof(float));
   int32_t *di = dev_alloc(be, 64 * sizeof(int32_t));
   void *p = (void *)0x1;
@@ -305,8 +285,7 @@ static void test_invalid_arguments(void **state)
 
 static void test_memory(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 1000;
   float *h = host_rand(n);
   float *a = dev_up(be, h, n);
@@ -352,8 +331,7 @@ static void test_memory(void **state)
 
 static void test_permute(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* Attention heads: (B, T, 3, H, Dh) -> (3, B, H, T, Dh). */
   const size_t shape[5] = {2, 5, 3, 4, 6};
   const int perm[5] = {2, 0, 3, 1, 4};
@@ -409,8 +387,7 @@ static void naive_gemm(ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, d
 
 static void test_sgemm(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t m = 13, n = 17, k = 11, batch = 3;
   const size_t lda = 20, ldb = 21, ldc = 19; /* padded leading dimensions */
   const size_t sa = 20 * 20, sb = 21 * 21, sc = 19 * 14;
@@ -480,8 +457,7 @@ static size_t packed_at(size_t n, size_t i, size_t j)
 
 static void test_syrk_packed(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* A block of rows x cols at (1, 2) inside a 12 x 15 gradient (row stride 15). */
   const size_t rows = 9, cols = 6, ld = 15;
   float *hg = host_rand(12 * ld);
@@ -545,8 +521,7 @@ static void test_syrk_packed(void **state)
 
 static void test_binary_axpby_affine(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 777;
   float *ha = host_rand(n), *hb = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -639,8 +614,7 @@ static int positive_domain(ac_unary_op op)
 
 static void test_unary(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 501;
   float *hx = host_rand(n), *hdy = host_rand(n);
   double *want = dzeros(n);
@@ -702,8 +676,7 @@ static void test_unary(void **state)
 
 static void test_bcast_reduce(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
   const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
   for (size_t s = 0; s < 5; s++) {
@@ -773,8 +746,7 @@ static void test_bcast_reduce(void **state)
 
 static void test_scalar_reductions_argmax(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 100003;
   float *h = host_rand(n);
   float *x = dev_up(be, h, n);
@@ -820,8 +792,7 @@ static void ref_softmax(size_t cols, const float *x, double *y)
 
 static void test_softmax_mask(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t batch = 3, t = 17, rows = batch * t, cols = t, n = rows * cols;
   float *hx = host_rand(n), *hdy = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -883,8 +854,7 @@ static void test_softmax_mask(void **state)
 
 static void test_xent(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t rows = 29, cols = 1000, n = rows * cols;
   float *hx = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -956,8 +926,7 @@ static double ref_layernorm_row(size_t cols, const double *x, const float *gamma
 
 static void test_layernorm(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t rows = 9, cols = 300, n = rows * cols;
   const float eps = 1e-5f;
   float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
@@ -1069,8 +1038,7 @@ static void test_layernorm(void **state)
 
 static void test_gather_scatter(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t vocab = 50, cols = 24, n = 40;
   float *ht = host_rand(vocab * cols), *hs = host_rand(n * cols);
   int32_t hi[40];
@@ -1119,8 +1087,7 @@ static void test_gather_scatter(void **state)
  * non-square kernels, a tap with no valid column), against direct loops in the test. */
 static void test_im2col_geometries(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom geoms[] = {
       {.n = 2, .c = 2, .h = 7, .w = 9, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 2,
        .pad_h = 1, .pad_w = 1},
@@ -1176,8 +1143,7 @@ static void test_im2col_geometries(void **state)
 
 static void test_conv_im2col(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 9, .w = 7, .kh = 3, .kw = 2, .stride_h = 2,
                             .stride_w = 1, .pad_h = 1, .pad_w = 1};
   size_t oh, ow;
@@ -1258,8 +1224,7 @@ static void test_conv_im2col(void **state)
 
 static void test_pool(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 8, .w = 7, .kh = 3, .kw = 3, .stride_h = 2,
                             .stride_w = 2, .pad_h = 1, .pad_w = 1};
   size_t oh, ow;
@@ -1355,8 +1320,7 @@ static uint64_t ref_mix(uint64_t seed, uint64_t c)
 
 static void test_random(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 200000;
   const uint64_t seed = 0xC0FFEEull, offset = 12345;
   float *o = dev_alloc(be, n * sizeof(float));
@@ -1424,8 +1388,7 @@ static void test_random(void **state)
 
 static void test_adamw(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 1025;
   float *hp = host_rand(n), *hg = host_rand(n), *hm = host_rand(n), *hv = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -1528,8 +1491,7 @@ static void scen_blas(ac_backend *be, outbuf *o)
  * 3e-7 absolute. NaN stays NaN. */
 static void test_gelu_accuracy(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const float extremes[] = {-1e30f, -1e4f, -100.0f, -30.0f, -9.5f, 0.0f, 1e-20f, 30.0f,
                             100.0f, 1e4f, 1e30f};
   const size_t ngrid = 24001, nx = sizeof extremes / sizeof extremes[0];
@@ -1723,9 +1685,8 @@ static void scen_normal(ac_backend *be, outbuf *o)
 
 static void test_cuda_matches_cpu(void **state)
 {
-  ac_backend *gpu = BE(state), *cpu = NULL;
-  NEED_BACKEND(state);
-  assert_int_equal(ac_backend_create(&cpu, NULL), AC_OK);
+  ac_backend *gpu = backend(state);
+  ac_backend *cpu = ((fixture *)*state)->cpu; /* the CUDA group's CPU reference */
   const struct {
     const char *name;
     void (*run)(ac_backend *, outbuf *);
@@ -1753,61 +1714,10 @@ static void test_cuda_matches_cpu(void **state)
     free(oc.data);
     free(og.data);
   }
-  ac_backend_destroy(cpu);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_kind(void **state, ac_backend_kind kind)
-{
-  fixture *f = calloc(1, sizeof *f);
-  *state = NULL;
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = kind;
-  f->kind = kind;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK) {
-    if (kind == AC_BACKEND_CPU) {
-      free(f);
-      return -1;
-    }
-    if (getenv("AC_REQUIRE_CUDA") != NULL) {
-      /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-      print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-      free(f);
-      return -1;
-    }
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU tests skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cpu(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CPU);
-}
-
-static int setup_cuda(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CUDA);
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL) /* cmocka tears down a group whose setup failed, too */
-    return 0;
-  ac_backend_destroy(f->be);
-  free(f);
-  return 0;
-}
 
 #define PRIMITIVE_TESTS                                                                 \
   cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),              \

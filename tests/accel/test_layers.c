@@ -27,6 +27,7 @@
 #include <cmocka.h>
 
 #include "accel.h"
+#include "test_util.h"
 
 #define TOL_FWD 1e-4
 #define TOL_GRAD 5e-4
@@ -35,10 +36,6 @@
 #define MAX_IN 6
 #define MAX_EXTRA 2
 
-typedef struct {
-  ac_backend *be;   /* backend under test (NULL: unavailable) */
-  ac_backend *cpu;  /* CUDA group: a CPU backend to compare against; NULL in the CPU group */
-} fixture;
 
 /* ------------------------------------------------------------------------------------ */
 /* Cases: host inputs, a reference, and what the backend produced                          */
@@ -75,10 +72,7 @@ static void rng_seed(uint64_t s)
 
 static double frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+  return (double)xorshift_frand(&rng_state);
 }
 
 static double *dalloc(size_t n)
@@ -248,13 +242,12 @@ static void check_close_f(const char *name, const char *what, const float *a, co
 static void run_case(void **state, const char *name, case_fn c)
 {
   fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   refcase rc;
   result res;
   memset(&rc, 0, sizeof rc);
   memset(&res, 0, sizeof res);
-  c(f->be, &rc, &res);
+  c(be, &rc, &res);
   check_case(name, &rc, &res);
   if (f->cpu != NULL) {
     refcase rc2;
@@ -754,10 +747,7 @@ static void test_attention(void **state)
 /* Causality on its own: changing the last token must not change earlier outputs. */
 static void test_attention_causal(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
-  ac_backend *be = f->be;
+  ac_backend *be = backend(state);
   size_t t = 6, d = 8, n = t * d;
   double *x = dalloc(n);
   rng_seed(81);
@@ -1161,10 +1151,7 @@ static void test_gap(void **state)
 
 static void test_invalid(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
-  ac_backend *be = f->be;
+  ac_backend *be = backend(state);
   ac_linear lin;
   ac_attention at;
   ac_conv2d cv;
@@ -1198,13 +1185,11 @@ static void test_invalid(void **state)
 
 static void test_param_names(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_attention at;
   ac_param_list list;
   ac_param_list_init(&list);
-  assert_int_equal(ac_attention_init(&at, f->be, "layer0.attn", 8, 2, 4, 2, 1), AC_OK);
+  assert_int_equal(ac_attention_init(&at, be, "layer0.attn", 8, 2, 4, 2, 1), AC_OK);
   assert_int_equal(ac_attention_params(&at, &list), AC_OK);
   assert_int_equal(list.n, 4);
   assert_string_equal(list.items[0]->name, "layer0.attn.qkv.weight");
@@ -1215,7 +1200,7 @@ static void test_param_names(void **state)
   assert_ptr_equal(ac_param_list_find(&list, "layer0.attn.proj.weight"), &at.proj.weight);
   assert_null(ac_param_list_find(&list, "nope"));
   /* zero_grad clears accumulated gradients */
-  assert_int_equal(ac_fill_f32(f->be, 8, ac_tensor_f32(&at.proj.bias.grad), 3.0f), AC_OK);
+  assert_int_equal(ac_fill_f32(be, 8, ac_tensor_f32(&at.proj.bias.grad), 3.0f), AC_OK);
   assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
   float g[8];
   assert_int_equal(ac_tensor_download(&at.proj.bias.grad, g), AC_OK);
@@ -1227,57 +1212,6 @@ static void test_param_names(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_cpu(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cuda(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = AC_BACKEND_CUDA;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
-    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                ac_strerror(rc), ac_backend_describe(NULL));
-    free(f);
-    return -1;
-  }
-  if (rc != AC_OK) {
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU layer tests "
-                  "skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
-    ac_backend_destroy(f->be);
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL)
-    return 0;
-  ac_backend_destroy(f->be);
-  ac_backend_destroy(f->cpu);
-  free(f);
-  return 0;
-}
 
 #define LAYER_TESTS                                                                       \
   cmocka_unit_test(test_linear), cmocka_unit_test(test_embedding),                        \

@@ -22,15 +22,12 @@
 #include <cmocka.h>
 
 #include "accel.h"
+#include "test_util.h"
 
 #define TOL_DIR 2e-2
 #define FLOOR 2e-4
 #define TOL_XBE 1e-3
 
-typedef struct {
-  ac_backend *be;
-  ac_backend *cpu;
-} fixture;
 
 static uint64_t rng_state;
 
@@ -41,10 +38,7 @@ static void rng_seed(uint64_t s)
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+  return xorshift_frand(&rng_state);
 }
 
 static void *dev_upload(ac_backend *be, const void *h, size_t bytes)
@@ -220,15 +214,13 @@ static void lm_teardown(lm_run *r, ac_backend *be)
 
 static void test_lm_params(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   ac_lm lm;
   ac_param_list list;
   lm_small_config(&c);
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_OK);
+  assert_int_equal(ac_lm_init(&lm, be, &c), AC_OK);
   assert_int_equal(ac_lm_params(&lm, &list), AC_OK);
   /* tok, pos, 2 x (ln1 2, attn 4, ln2 2, fc1 2, fc2 2), lnf 2, head 2 */
   assert_int_equal(list.n, 2 + 2 * 12 + 4);
@@ -245,20 +237,18 @@ static void test_lm_params(void **state)
   ac_lm_destroy(&lm);
 
   c.heads = 3; /* dim 8 is not a multiple */
-  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_EINVAL);
+  assert_int_equal(ac_lm_init(&lm, be, &c), AC_EINVAL);
   ac_lm_destroy(&lm);
 }
 
 static void test_lm_gradients(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   lm_small_config(&c);
-  lm_setup(&r, f->be, &c, 2, 5); /* fewer than the maximum batch and context */
+  lm_setup(&r, be, &c, 2, 5); /* fewer than the maximum batch and context */
   ac_param_list_init(&list);
   assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
   model_ops m = {lm_fwd, lm_bwd, &r};
@@ -270,22 +260,20 @@ static void test_lm_gradients(void **state)
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 }
 
 /* With dropout active and the masks held fixed, the gradients still match: the masks are
  * applied on the way back too. */
 static void test_lm_gradients_dropout(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   lm_small_config(&c);
   c.dropout = 0.2f;
-  lm_setup(&r, f->be, &c, 3, 6);
+  lm_setup(&r, be, &c, 3, 6);
   r.fixed_masks = 1;
   ac_param_list_init(&list);
   assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
@@ -294,23 +282,21 @@ static void test_lm_gradients_dropout(void **state)
   rng_seed(13);
   check_directional(&m, &list);
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 }
 
 /* Dropout: two models with the same seed give the same training losses; the dropped run
  * differs from the run without dropout; eval mode ignores dropout. */
 static void test_lm_dropout(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run a, b, z;
   lm_small_config(&c);
-  lm_setup(&z, f->be, &c, 3, 6);
+  lm_setup(&z, be, &c, 3, 6);
   c.dropout = 0.3f;
-  lm_setup(&a, f->be, &c, 3, 6);
-  lm_setup(&b, f->be, &c, 3, 6);
+  lm_setup(&a, be, &c, 3, 6);
+  lm_setup(&b, be, &c, 3, 6);
   model_ops ma = {lm_fwd, lm_bwd, &a}, mb = {lm_fwd, lm_bwd, &b}, mz = {lm_fwd, lm_bwd, &z};
   double la1 = loss_now(&ma), la2 = loss_now(&ma), lb1 = loss_now(&mb), lb2 = loss_now(&mb);
   double lz = loss_now(&mz);
@@ -319,9 +305,9 @@ static void test_lm_dropout(void **state)
   a.mode = AC_MODE_EVAL;
   z.mode = AC_MODE_EVAL;
   assert_true(loss_now(&ma) == loss_now(&mz));
-  lm_teardown(&a, f->be);
-  lm_teardown(&b, f->be);
-  lm_teardown(&z, f->be);
+  lm_teardown(&a, be);
+  lm_teardown(&b, be);
+  lm_teardown(&z, be);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -391,16 +377,14 @@ static void rn_teardown(rn_run *r, ac_backend *be)
 
 static void test_resnet_params(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_resnet_config c;
   ac_resnet net;
   ac_param_list list;
   ac_resnet_config_default(&c);
   c.batch = 2;
   ac_param_list_init(&list);
-  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_OK);
+  assert_int_equal(ac_resnet_init(&net, be, &c), AC_OK);
   assert_int_equal(ac_resnet_params(&net, &list), AC_OK);
   /* ResNet-20 for 28x28x1: stem conv+bn (3), 9 blocks x (conv, bn, conv, bn: 6) plus two
    * projection shortcuts (3 each), fc (2). */
@@ -415,19 +399,17 @@ static void test_resnet_params(void **state)
   ac_param_list_destroy(&list);
   ac_resnet_destroy(&net);
   c.stages = AC_RESNET_MAX_STAGES + 1;
-  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_EINVAL);
+  assert_int_equal(ac_resnet_init(&net, be, &c), AC_EINVAL);
 }
 
 static void test_resnet_gradients(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_resnet_config c;
   rn_run r;
   ac_param_list list;
   rn_small_config(&c);
-  rn_setup(&r, f->be, &c, 5);
+  rn_setup(&r, be, &c, 5);
   ac_param_list_init(&list);
   assert_int_equal(ac_resnet_params(&r.net, &list), AC_OK);
   model_ops m = {rn_fwd, rn_bwd, &r};
@@ -439,22 +421,20 @@ static void test_resnet_gradients(void **state)
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
   ac_param_list_destroy(&list);
-  rn_teardown(&r, f->be);
+  rn_teardown(&r, be);
 }
 
 /* Bad calls get AC_EINVAL and change nothing; a batch whose targets are all ignored has
  * loss 0 and zero gradients. */
 static void test_bad_input(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   double loss = -1.0;
   lm_small_config(&c);
-  lm_setup(&r, f->be, &c, 3, 6);
+  lm_setup(&r, be, &c, 3, 6);
   assert_int_equal(ac_lm_backward(&r.lm), AC_EINVAL); /* before any forward */
   assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 4, 6, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
@@ -469,7 +449,7 @@ static void test_bad_input(void **state)
   int32_t ignored[18];
   for (int i = 0; i < 18; i++)
     ignored[i] = i % 2 ? -1 : (int32_t)c.vocab; /* both sides of the range */
-  assert_int_equal(ac_memcpy_h2d(f->be, r.targets, ignored, sizeof ignored), AC_OK);
+  assert_int_equal(ac_memcpy_h2d(be, r.targets, ignored, sizeof ignored), AC_OK);
   ac_param_list_init(&list);
   assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
   assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
@@ -479,33 +459,33 @@ static void test_bad_input(void **state)
   assert_int_equal(ac_lm_backward(&r.lm), AC_OK);
   for (size_t k = 0; k < list.n; k++) {
     double sq = -1.0;
-    assert_int_equal(ac_sumsq_to_host(f->be, list.items[k]->grad.numel,
+    assert_int_equal(ac_sumsq_to_host(be, list.items[k]->grad.numel,
                                       ac_tensor_f32(&list.items[k]->grad), &sq),
                      AC_OK);
     assert_true(sq == 0.0);
   }
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 
   ac_resnet_config rc;
   ac_resnet net;
   rn_small_config(&rc);
   rc.width[1] = 0;
-  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_EINVAL);
+  assert_int_equal(ac_resnet_init(&net, be, &rc), AC_EINVAL);
   ac_resnet_destroy(&net);
   rn_small_config(&rc);
   rc.h = 1; /* one row: every 3x3, pad 1 conv (stride 1 or 2) keeps one row */
-  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_OK);
+  assert_int_equal(ac_resnet_init(&net, be, &rc), AC_OK);
   ac_resnet_destroy(&net);
   rn_run rr;
   rn_small_config(&rc);
-  rn_setup(&rr, f->be, &rc, 5);
+  rn_setup(&rr, be, &rc, 5);
   assert_int_equal(ac_resnet_backward(&rr.net), AC_EINVAL);
   assert_int_equal(ac_resnet_forward(&rr.net, rr.images, rr.labels, 6, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
   assert_int_equal(ac_resnet_forward(&rr.net, rr.images, NULL, 5, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
-  rn_teardown(&rr, f->be);
+  rn_teardown(&rr, be);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -576,56 +556,6 @@ static void test_cross_backend(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_cpu(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cuda(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = AC_BACKEND_CUDA;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
-    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                ac_strerror(rc), ac_backend_describe(NULL));
-    free(f);
-    return -1;
-  }
-  if (rc != AC_OK) {
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA model tests skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
-    ac_backend_destroy(f->be);
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL)
-    return 0;
-  ac_backend_destroy(f->be);
-  ac_backend_destroy(f->cpu);
-  free(f);
-  return 0;
-}
 
 #define MODEL_TESTS                                                                       \
   cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
