@@ -121,15 +121,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "resnet: --batch %ld is larger than the training set\n", a.batch);
     goto done;
   }
-  ac_backend_opts bo;
-  ac_backend_opts_default(&bo);
-  bo.kind = opts.backend;
-  bo.threads = opts.threads;
-  int arc = ac_backend_create(&be, &bo);
-  if (arc != AC_OK) {
-    fprintf(stderr, "resnet: backend %s: %s (%s)\n",
-            opts.backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(arc),
-            ac_backend_describe(NULL));
+  if (tr_backend_create(&opts, &be, &err) != TR_OK) {
+    fprintf(stderr, "resnet: %s\n", err.msg);
     goto done;
   }
 
@@ -149,7 +142,7 @@ int main(int argc, char **argv) {
   c.be = be;
   c.eval = &test;
   c.batch = (size_t)a.batch;
-  arc = ac_resnet_init(&c.net, be, &cfg);
+  int arc = ac_resnet_init(&c.net, be, &cfg);
   if (arc == AC_OK) arc = ac_resnet_params(&c.net, &c.params);
   if (arc != AC_OK) {
     fprintf(stderr, "resnet: model: %s\n", ac_strerror(arc));

@@ -569,6 +569,18 @@ static int tr__accel(tr_error *err, int rc, const char *what) {
   return tr__fail(err, TR_EACCEL, "%s: %s", what, ac_strerror(rc));
 }
 
+int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err) {
+  ac_backend_opts bo;
+  ac_backend_opts_default(&bo);
+  bo.kind = opts->backend;
+  bo.threads = opts->threads;
+  int rc = ac_backend_create(out, &bo);
+  if (rc == AC_OK) return TR_OK;
+  return tr__fail(err, TR_EACCEL, "backend %s: %s (%s)",
+                  opts->backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(rc),
+                  ac_backend_describe(NULL));
+}
+
 static void tr__shampoo_free(tr_shampoo *s) {
   if (s == NULL) return;
   free(s->daemon_id);

@@ -228,6 +228,11 @@ typedef struct {
   tr_shampoo *shampoo;      /* owned; the precondd link, NULL unless Shampoo */
 } tr_optimizer;
 
+/* Creates the backend opts->backend asks for, with opts->threads. On TR_OK *out is a new
+ * backend the caller owns (ac_backend_destroy); on TR_EACCEL *out is NULL and err says
+ * which backend and why. */
+int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err);
+
 /* Sets up the optimizer for the nparams parameters params[] (borrowed: they must outlive
  * the optimizer). For Shampoo it connects to opts->daemon, registers the job (job name
  * opts->job, or model_name-shampoo-PID) with every parameter as a tensor, and starts

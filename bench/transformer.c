@@ -123,15 +123,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "transformer: %s (%s)\n", derr.msg, ds_strerror(drc));
     goto done;
   }
-  ac_backend_opts bo;
-  ac_backend_opts_default(&bo);
-  bo.kind = opts.backend;
-  bo.threads = opts.threads;
-  int arc = ac_backend_create(&be, &bo);
-  if (arc != AC_OK) {
-    fprintf(stderr, "transformer: backend %s: %s (%s)\n",
-            opts.backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(arc),
-            ac_backend_describe(NULL));
+  if (tr_backend_create(&opts, &be, &err) != TR_OK) {
+    fprintf(stderr, "transformer: %s\n", err.msg);
     goto done;
   }
 
@@ -151,7 +144,7 @@ int main(int argc, char **argv) {
   c.batch = (size_t)a.batch;
   c.t = (size_t)a.context;
   c.eval_seed = opts.seed ^ 0x5eed5eedULL;
-  arc = ac_lm_init(&c.lm, be, &cfg);
+  int arc = ac_lm_init(&c.lm, be, &cfg);
   if (arc == AC_OK) arc = ac_lm_params(&c.lm, &c.params);
   if (arc != AC_OK) {
     fprintf(stderr, "transformer: model: %s\n", ac_strerror(arc));
