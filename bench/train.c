@@ -881,6 +881,22 @@ long tr_total_steps(const tr_options *opts, const tr_model *model) {
   return t < 1 ? 1 : t > 1e12 ? (long)1e12 : (long)t;
 }
 
+void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model *model) {
+  if (opts->quiet) return;
+  size_t numel = 0;
+  for (size_t i = 0; i < model->nparams; i++) numel += model->params[i]->value.numel;
+  fprintf(stderr, "%s: %zu parameters in %zu tensors, %s, %s, %ld steps\n", model->name, numel,
+          model->nparams, ac_backend_describe(be), tr_optimizer_name(opts->optimizer),
+          tr_total_steps(opts, model));
+}
+
+void tr_print_result_end(const tr_options *opts, const tr_summary *summary) {
+  if (opts->optimizer == TR_SHAMPOO)
+    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", summary->staleness_mean,
+           summary->staleness_max, summary->fallback_steps);
+  printf("\n");
+}
+
 /* The progress line: redrawn in place on a terminal (at most 4 times a second), one line
  * per tenth of the run otherwise (logs stay short). */
 typedef struct {

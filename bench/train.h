@@ -280,6 +280,14 @@ typedef struct {
 /* Steps the run will take: opts->steps, or ceil(epochs * steps_per_epoch). */
 long tr_total_steps(const tr_options *opts, const tr_model *model);
 
+/* Unless opts->quiet: the line on stderr that opens a client's run ("<model>: N parameters
+ * in M tensors, <backend>, <optimizer>, S steps"). */
+void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model *model);
+
+/* Ends a client's result line on stdout: for Shampoo the staleness and fallback figures of
+ * summary, then the newline. */
+void tr_print_result_end(const tr_options *opts, const tr_summary *summary);
+
 /* Runs the whole training: builds the optimizer, trains for tr_total_steps steps with the
  * progress line on stderr, evaluates every eval_every steps and at the end, writes
  * OUT/train.csv and OUT/summary.json when opts->out is set (the directory is created), and

@@ -170,10 +170,7 @@ int main(int argc, char **argv) {
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
   tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
                     (double)n, "tok", (long)(train_len / n)};
-  if (!opts.quiet)
-    fprintf(stderr, "transformer: %zu parameters in %zu tensors, %s, %s, %ld steps\n",
-            ac_param_list_numel(&c.params), c.params.n, ac_backend_describe(be),
-            tr_optimizer_name(opts.optimizer), tr_total_steps(&opts, &model));
+  tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
   if (rc != TR_OK) {
@@ -184,10 +181,7 @@ int main(int argc, char **argv) {
          "%.1f ms",
          sm.optimizer, sm.final_eval_loss, sm.final_eval_loss / log(2.0), sm.steps,
          sm.median_step_ms);
-  if (opts.optimizer == TR_SHAMPOO)
-    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", sm.staleness_mean,
-           sm.staleness_max, sm.fallback_steps);
-  printf("\n");
+  tr_print_result_end(&opts, &sm);
   status = 0;
 done:
   ac_free(be, c.d_in);
