@@ -44,8 +44,8 @@ static float frand(void)
 static void *dev_upload(ac_backend *be, const void *h, size_t bytes)
 {
   void *d = NULL;
-  assert_int_equal(ac_malloc(be, bytes, &d), AC_OK);
-  assert_int_equal(ac_memcpy_h2d(be, d, h, bytes), AC_OK);
+  OK(ac_malloc(be, bytes, &d));
+  OK(ac_memcpy_h2d(be, d, h, bytes));
   return d;
 }
 
@@ -53,7 +53,7 @@ static float *host_of(const ac_tensor *t)
 {
   float *h = malloc(t->numel * sizeof *h);
   assert_non_null(h);
-  assert_int_equal(ac_tensor_download(t, h), AC_OK);
+  OK(ac_tensor_download(t, h));
   return h;
 }
 
@@ -67,7 +67,7 @@ typedef struct {
 static double loss_now(const model_ops *m)
 {
   double loss = 0.0;
-  assert_int_equal(m->forward(m->model, &loss), AC_OK);
+  OK(m->forward(m->model, &loss));
   return loss;
 }
 
@@ -78,13 +78,13 @@ static double central_difference(const model_ops *m, ac_param *p, const float *v
   size_t n = p->value.numel;
   for (size_t i = 0; i < n; i++)
     w[i] = (float)(v[i] + h * d[i]);
-  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  OK(ac_tensor_upload(&p->value, w));
   double lp = loss_now(m);
   for (size_t i = 0; i < n; i++)
     w[i] = (float)(v[i] - h * d[i]);
-  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  OK(ac_tensor_upload(&p->value, w));
   double lm = loss_now(m);
-  assert_int_equal(ac_tensor_upload(&p->value, v), AC_OK);
+  OK(ac_tensor_upload(&p->value, v));
   return (lp - lm) / (2.0 * h);
 }
 
@@ -95,9 +95,9 @@ static double central_difference(const model_ops *m, ac_param *p, const float *v
 static void check_directional(const model_ops *m, ac_param_list *list)
 {
   static const double steps[] = {1e-3, 3e-4, 1e-4};
-  assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+  OK(ac_param_list_zero_grad(list));
   (void)loss_now(m);
-  assert_int_equal(m->backward(m->model), AC_OK);
+  OK(m->backward(m->model));
   for (size_t k = 0; k < list->n; k++) {
     ac_param *p = list->items[k];
     size_t n = p->value.numel;
@@ -129,18 +129,17 @@ static void check_sgd_lowers_loss(const model_ops *m, ac_param_list *list, float
 {
   double first = 0.0, last = 0.0;
   for (int s = 0; s <= steps; s++) {
-    assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+    OK(ac_param_list_zero_grad(list));
     last = loss_now(m);
     if (s == 0)
       first = last;
     if (s == steps)
       break;
-    assert_int_equal(m->backward(m->model), AC_OK);
+    OK(m->backward(m->model));
     for (size_t k = 0; k < list->n; k++) {
       ac_param *p = list->items[k];
-      assert_int_equal(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad),
-                                1.0f, ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)),
-                       AC_OK);
+      OK(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad), 1.0f,
+         ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)));
     }
   }
   if (!(last < 0.8 * first))
@@ -197,7 +196,7 @@ static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t ba
   }
   tgt[1] = -1; /* an ignored position */
   memset(r, 0, sizeof *r);
-  assert_int_equal(ac_lm_init(&r->lm, be, c), AC_OK);
+  OK(ac_lm_init(&r->lm, be, c));
   r->tokens = dev_upload(be, tok, batch * t * sizeof(int32_t));
   r->targets = dev_upload(be, tgt, batch * t * sizeof(int32_t));
   r->batch = batch;
@@ -220,8 +219,8 @@ static void test_lm_params(void **state)
   ac_param_list list;
   lm_small_config(&c);
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_init(&lm, be, &c), AC_OK);
-  assert_int_equal(ac_lm_params(&lm, &list), AC_OK);
+  OK(ac_lm_init(&lm, be, &c));
+  OK(ac_lm_params(&lm, &list));
   /* tok, pos, 2 x (ln1 2, attn 4, ln2 2, fc1 2, fc2 2), lnf 2, head 2 */
   assert_int_equal(list.n, 2 + 2 * 12 + 4);
   assert_string_equal(list.items[0]->name, "tok.weight");
@@ -250,7 +249,7 @@ static void test_lm_gradients(void **state)
   lm_small_config(&c);
   lm_setup(&r, be, &c, 2, 5); /* fewer than the maximum batch and context */
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
   model_ops m = {lm_fwd, lm_bwd, &r};
   double loss = loss_now(&m);
   assert_true(fabs(loss - log((double)c.vocab)) < 0.5);
@@ -276,7 +275,7 @@ static void test_lm_gradients_dropout(void **state)
   lm_setup(&r, be, &c, 3, 6);
   r.fixed_masks = 1;
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
   model_ops m = {lm_fwd, lm_bwd, &r};
   assert_true(loss_now(&m) == loss_now(&m));
   rng_seed(13);
@@ -360,7 +359,7 @@ static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_
   for (size_t i = 0; i < batch; i++)
     lab[i] = (int32_t)(i % c->classes);
   memset(r, 0, sizeof *r);
-  assert_int_equal(ac_resnet_init(&r->net, be, c), AC_OK);
+  OK(ac_resnet_init(&r->net, be, c));
   r->images = dev_upload(be, img, n * sizeof *img);
   r->labels = dev_upload(be, lab, batch * sizeof(int32_t));
   r->batch = batch;
@@ -384,8 +383,8 @@ static void test_resnet_params(void **state)
   ac_resnet_config_default(&c);
   c.batch = 2;
   ac_param_list_init(&list);
-  assert_int_equal(ac_resnet_init(&net, be, &c), AC_OK);
-  assert_int_equal(ac_resnet_params(&net, &list), AC_OK);
+  OK(ac_resnet_init(&net, be, &c));
+  OK(ac_resnet_params(&net, &list));
   /* ResNet-20 for 28x28x1: stem conv+bn (3), 9 blocks x (conv, bn, conv, bn: 6) plus two
    * projection shortcuts (3 each), fc (2). */
   assert_int_equal(list.n, 3 + 9 * 6 + 2 * 3 + 2);
@@ -411,7 +410,7 @@ static void test_resnet_gradients(void **state)
   rn_small_config(&c);
   rn_setup(&r, be, &c, 5);
   ac_param_list_init(&list);
-  assert_int_equal(ac_resnet_params(&r.net, &list), AC_OK);
+  OK(ac_resnet_params(&r.net, &list));
   model_ops m = {rn_fwd, rn_bwd, &r};
   double loss = loss_now(&m);
   assert_true(isfinite(loss) && loss > 0.0);
@@ -449,19 +448,16 @@ static void test_bad_input(void **state)
   int32_t ignored[18];
   for (int i = 0; i < 18; i++)
     ignored[i] = i % 2 ? -1 : (int32_t)c.vocab; /* both sides of the range */
-  assert_int_equal(ac_memcpy_h2d(be, r.targets, ignored, sizeof ignored), AC_OK);
+  OK(ac_memcpy_h2d(be, r.targets, ignored, sizeof ignored));
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
-  assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
-  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, AC_MODE_TRAIN, &loss),
-                   AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
+  OK(ac_param_list_zero_grad(&list));
+  OK(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, AC_MODE_TRAIN, &loss));
   assert_true(loss == 0.0);
-  assert_int_equal(ac_lm_backward(&r.lm), AC_OK);
+  OK(ac_lm_backward(&r.lm));
   for (size_t k = 0; k < list.n; k++) {
     double sq = -1.0;
-    assert_int_equal(ac_sumsq_to_host(be, list.items[k]->grad.numel,
-                                      ac_tensor_f32(&list.items[k]->grad), &sq),
-                     AC_OK);
+    OK(ac_sumsq_to_host(be, list.items[k]->grad.numel, ac_tensor_f32(&list.items[k]->grad), &sq));
     assert_true(sq == 0.0);
   }
   ac_param_list_destroy(&list);
@@ -475,7 +471,7 @@ static void test_bad_input(void **state)
   ac_resnet_destroy(&net);
   rn_small_config(&rc);
   rc.h = 1; /* one row: every 3x3, pad 1 conv (stride 1 or 2) keeps one row */
-  assert_int_equal(ac_resnet_init(&net, be, &rc), AC_OK);
+  OK(ac_resnet_init(&net, be, &rc));
   ac_resnet_destroy(&net);
   rn_run rr;
   rn_small_config(&rc);
@@ -522,12 +518,12 @@ static void test_cross_backend(void **state)
   lm_setup(&lb, f->cpu, &lc, 3, 6);
   ac_param_list_init(&pa);
   ac_param_list_init(&pb);
-  assert_int_equal(ac_lm_params(&la.lm, &pa), AC_OK);
-  assert_int_equal(ac_lm_params(&lb.lm, &pb), AC_OK);
+  OK(ac_lm_params(&la.lm, &pa));
+  OK(ac_lm_params(&lb.lm, &pb));
   model_ops ma = {lm_fwd, lm_bwd, &la}, mb = {lm_fwd, lm_bwd, &lb};
   assert_true(fabs(loss_now(&ma) - loss_now(&mb)) < 1e-4);
-  assert_int_equal(lm_bwd(&la), AC_OK);
-  assert_int_equal(lm_bwd(&lb), AC_OK);
+  OK(lm_bwd(&la));
+  OK(lm_bwd(&lb));
   compare_lists(&pa, &pb);
   ac_param_list_destroy(&pa);
   ac_param_list_destroy(&pb);
@@ -541,12 +537,12 @@ static void test_cross_backend(void **state)
   rn_setup(&rb, f->cpu, &rc, 5);
   ac_param_list_init(&pa);
   ac_param_list_init(&pb);
-  assert_int_equal(ac_resnet_params(&ra.net, &pa), AC_OK);
-  assert_int_equal(ac_resnet_params(&rb.net, &pb), AC_OK);
+  OK(ac_resnet_params(&ra.net, &pa));
+  OK(ac_resnet_params(&rb.net, &pb));
   model_ops na = {rn_fwd, rn_bwd, &ra}, nb = {rn_fwd, rn_bwd, &rb};
   assert_true(fabs(loss_now(&na) - loss_now(&nb)) < 1e-4);
-  assert_int_equal(rn_bwd(&ra), AC_OK);
-  assert_int_equal(rn_bwd(&rb), AC_OK);
+  OK(rn_bwd(&ra));
+  OK(rn_bwd(&rb));
   compare_lists(&pa, &pb);
   ac_param_list_destroy(&pa);
   ac_param_list_destroy(&pb);
