@@ -121,15 +121,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "resnet: --batch %ld is larger than the training set\n", a.batch);
     goto done;
   }
-  ac_backend_opts bo;
-  ac_backend_opts_default(&bo);
-  bo.kind = opts.backend;
-  bo.threads = opts.threads;
-  int arc = ac_backend_create(&be, &bo);
-  if (arc != AC_OK) {
-    fprintf(stderr, "resnet: backend %s: %s (%s)\n",
-            opts.backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(arc),
-            ac_backend_describe(NULL));
+  if (tr_backend_create(&opts, &be, &err) != TR_OK) {
+    fprintf(stderr, "resnet: %s\n", err.msg);
     goto done;
   }
 
@@ -149,7 +142,7 @@ int main(int argc, char **argv) {
   c.be = be;
   c.eval = &test;
   c.batch = (size_t)a.batch;
-  arc = ac_resnet_init(&c.net, be, &cfg);
+  int arc = ac_resnet_init(&c.net, be, &cfg);
   if (arc == AC_OK) arc = ac_resnet_params(&c.net, &c.params);
   if (arc != AC_OK) {
     fprintf(stderr, "resnet: model: %s\n", ac_strerror(arc));
@@ -174,10 +167,7 @@ int main(int argc, char **argv) {
 
   tr_model model = {"resnet", &c, c.params.n, c.params.items, rn_train_step, rn_evaluate,
                     (double)b, "img", (long)(train.count / b)};
-  if (!opts.quiet)
-    fprintf(stderr, "resnet: %zu parameters in %zu tensors, %s, %s, %ld steps\n",
-            ac_param_list_numel(&c.params), c.params.n, ac_backend_describe(be),
-            tr_optimizer_name(opts.optimizer), tr_total_steps(&opts, &model));
+  tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
   if (rc != TR_OK) {
@@ -186,10 +176,7 @@ int main(int argc, char **argv) {
   }
   printf("resnet %s: final test accuracy %.4f, eval loss %.4f, %ld steps, median step %.1f ms",
          sm.optimizer, sm.final_eval_accuracy, sm.final_eval_loss, sm.steps, sm.median_step_ms);
-  if (opts.optimizer == TR_SHAMPOO)
-    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", sm.staleness_mean,
-           sm.staleness_max, sm.fallback_steps);
-  printf("\n");
+  tr_print_result_end(&opts, &sm);
   status = 0;
 done:
   ac_free(be, c.d_x);

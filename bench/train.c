@@ -569,6 +569,18 @@ static int tr__accel(tr_error *err, int rc, const char *what) {
   return tr__fail(err, TR_EACCEL, "%s: %s", what, ac_strerror(rc));
 }
 
+int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err) {
+  ac_backend_opts bo;
+  ac_backend_opts_default(&bo);
+  bo.kind = opts->backend;
+  bo.threads = opts->threads;
+  int rc = ac_backend_create(out, &bo);
+  if (rc == AC_OK) return TR_OK;
+  return tr__fail(err, TR_EACCEL, "backend %s: %s (%s)",
+                  opts->backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(rc),
+                  ac_backend_describe(NULL));
+}
+
 static void tr__shampoo_free(tr_shampoo *s) {
   if (s == NULL) return;
   free(s->daemon_id);
@@ -867,6 +879,22 @@ long tr_total_steps(const tr_options *opts, const tr_model *model) {
   double spe = model != NULL && model->steps_per_epoch > 0 ? (double)model->steps_per_epoch : 1;
   double t = ceil(opts->epochs * spe);
   return t < 1 ? 1 : t > 1e12 ? (long)1e12 : (long)t;
+}
+
+void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model *model) {
+  if (opts->quiet) return;
+  size_t numel = 0;
+  for (size_t i = 0; i < model->nparams; i++) numel += model->params[i]->value.numel;
+  fprintf(stderr, "%s: %zu parameters in %zu tensors, %s, %s, %ld steps\n", model->name, numel,
+          model->nparams, ac_backend_describe(be), tr_optimizer_name(opts->optimizer),
+          tr_total_steps(opts, model));
+}
+
+void tr_print_result_end(const tr_options *opts, const tr_summary *summary) {
+  if (opts->optimizer == TR_SHAMPOO)
+    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", summary->staleness_mean,
+           summary->staleness_max, summary->fallback_steps);
+  printf("\n");
 }
 
 /* The progress line: redrawn in place on a terminal (at most 4 times a second), one line

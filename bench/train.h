@@ -228,6 +228,11 @@ typedef struct {
   tr_shampoo *shampoo;      /* owned; the precondd link, NULL unless Shampoo */
 } tr_optimizer;
 
+/* Creates the backend opts->backend asks for, with opts->threads. On TR_OK *out is a new
+ * backend the caller owns (ac_backend_destroy); on TR_EACCEL *out is NULL and err says
+ * which backend and why. */
+int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err);
+
 /* Sets up the optimizer for the nparams parameters params[] (borrowed: they must outlive
  * the optimizer). For Shampoo it connects to opts->daemon, registers the job (job name
  * opts->job, or model_name-shampoo-PID) with every parameter as a tensor, and starts
@@ -274,6 +279,14 @@ typedef struct {
 
 /* Steps the run will take: opts->steps, or ceil(epochs * steps_per_epoch). */
 long tr_total_steps(const tr_options *opts, const tr_model *model);
+
+/* Unless opts->quiet: the line on stderr that opens a client's run ("<model>: N parameters
+ * in M tensors, <backend>, <optimizer>, S steps"). */
+void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model *model);
+
+/* Ends a client's result line on stdout: for Shampoo the staleness and fallback figures of
+ * summary, then the newline. */
+void tr_print_result_end(const tr_options *opts, const tr_summary *summary);
 
 /* Runs the whole training: builds the optimizer, trains for tr_total_steps steps with the
  * progress line on stderr, evaluates every eval_every steps and at the end, writes

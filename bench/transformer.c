@@ -123,15 +123,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "transformer: %s (%s)\n", derr.msg, ds_strerror(drc));
     goto done;
   }
-  ac_backend_opts bo;
-  ac_backend_opts_default(&bo);
-  bo.kind = opts.backend;
-  bo.threads = opts.threads;
-  int arc = ac_backend_create(&be, &bo);
-  if (arc != AC_OK) {
-    fprintf(stderr, "transformer: backend %s: %s (%s)\n",
-            opts.backend == AC_BACKEND_CUDA ? "cuda" : "cpu", ac_strerror(arc),
-            ac_backend_describe(NULL));
+  if (tr_backend_create(&opts, &be, &err) != TR_OK) {
+    fprintf(stderr, "transformer: %s\n", err.msg);
     goto done;
   }
 
@@ -151,7 +144,7 @@ int main(int argc, char **argv) {
   c.batch = (size_t)a.batch;
   c.t = (size_t)a.context;
   c.eval_seed = opts.seed ^ 0x5eed5eedULL;
-  arc = ac_lm_init(&c.lm, be, &cfg);
+  int arc = ac_lm_init(&c.lm, be, &cfg);
   if (arc == AC_OK) arc = ac_lm_params(&c.lm, &c.params);
   if (arc != AC_OK) {
     fprintf(stderr, "transformer: model: %s\n", ac_strerror(arc));
@@ -177,10 +170,7 @@ int main(int argc, char **argv) {
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
   tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
                     (double)n, "tok", (long)(train_len / n)};
-  if (!opts.quiet)
-    fprintf(stderr, "transformer: %zu parameters in %zu tensors, %s, %s, %ld steps\n",
-            ac_param_list_numel(&c.params), c.params.n, ac_backend_describe(be),
-            tr_optimizer_name(opts.optimizer), tr_total_steps(&opts, &model));
+  tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
   if (rc != TR_OK) {
@@ -191,10 +181,7 @@ int main(int argc, char **argv) {
          "%.1f ms",
          sm.optimizer, sm.final_eval_loss, sm.final_eval_loss / log(2.0), sm.steps,
          sm.median_step_ms);
-  if (opts.optimizer == TR_SHAMPOO)
-    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", sm.staleness_mean,
-           sm.staleness_max, sm.fallback_steps);
-  printf("\n");
+  tr_print_result_end(&opts, &sm);
   status = 0;
 done:
   ac_free(be, c.d_in);

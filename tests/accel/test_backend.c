@@ -18,11 +18,7 @@
 #include <cblas.h> /* openblas_get_num_threads: the CPU backend's thread count */
 
 #include "accel.h"
-
-typedef struct {
-  ac_backend *be;
-  ac_backend_kind kind;
-} fixture;
+#include "test_util.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* Helpers                                                                                 */
@@ -31,10 +27,7 @@ static uint64_t rng_state = 88172645463325252ull;
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+  return xorshift_frand(&rng_state);
 }
 
 static float *host_rand(size_t n)
@@ -48,36 +41,34 @@ static float *host_rand(size_t n)
 
 static float *host_zeros(size_t n)
 {
-  float *x = calloc(n ? n : 1, sizeof *x);
-  assert_non_null(x);
-  return x;
+  return xcalloc(n, sizeof(float));
 }
 
 static void *dev_alloc(ac_backend *be, size_t bytes)
 {
   void *p = NULL;
-  assert_int_equal(ac_malloc(be, bytes, &p), AC_OK);
+  OK(ac_malloc(be, bytes, &p));
   return p;
 }
 
 static float *dev_up(ac_backend *be, const float *h, size_t n)
 {
   float *d = dev_alloc(be, n * sizeof *d);
-  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof *d), AC_OK);
+  OK(ac_memcpy_h2d(be, d, h, n * sizeof *d));
   return d;
 }
 
 static int32_t *dev_up_i32(ac_backend *be, const int32_t *h, size_t n)
 {
   int32_t *d = dev_alloc(be, n * sizeof *d);
-  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof *d), AC_OK);
+  OK(ac_memcpy_h2d(be, d, h, n * sizeof *d));
   return d;
 }
 
 static float *dev_down(ac_backend *be, const float *d, size_t n)
 {
   float *h = host_zeros(n);
-  assert_int_equal(ac_memcpy_d2h(be, h, d, n * sizeof *h), AC_OK);
+  OK(ac_memcpy_d2h(be, h, d, n * sizeof *h));
   return h;
 }
 
@@ -96,19 +87,9 @@ static void expect_close(const char *what, const float *got, const double *want,
 
 static double *dzeros(size_t n)
 {
-  double *x = calloc(n ? n : 1, sizeof *x);
-  assert_non_null(x);
-  return x;
+  return xcalloc(n, sizeof(double));
 }
 
-#define BE(state) (((fixture *)*(state))->be)
-
-/* Skips a CUDA test when no device was found (the group setup printed why). */
-#define NEED_BACKEND(state)                                                             \
-  do {                                                                                  \
-    if (BE(state) == NULL)                                                              \
-      skip();                                                                           \
-  } while (0)
 
 /* ------------------------------------------------------------------------------------ */
 /* Backend lifecycle and errors                                                            */
@@ -123,7 +104,7 @@ static void test_cpu_threads(void **state)
   ac_backend_opts_default(&opts);
   opts.threads = 2;
   ac_backend *be = NULL;
-  assert_int_equal(ac_backend_create(&be, &opts), AC_OK);
+  OK(ac_backend_create(&be, &opts));
   const size_t sizes[][3] = {{5, 7, 3}, {160, 170, 180}}; /* below / above the threshold */
   for (size_t t = 0; t < 2; t++) {
     size_t m = sizes[t][0], n = sizes[t][1], k = sizes[t][2], batch = 3;
@@ -139,9 +120,8 @@ static void test_cpu_threads(void **state)
         }
     float *a = dev_up(be, ha, batch * m * k), *b = dev_up(be, hb, k * n);
     float *c = dev_alloc(be, batch * m * n * sizeof(float));
-    assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, m, n, k, 1.0f, a, k,
-                                      m * k, b, n, 0, 0.0f, c, n, m * n, batch),
-                     AC_OK);
+    OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, m, n, k, 1.0f, a, k, m * k, b, n, 0, 0.0f, c,
+       n, m * n, batch));
     float *got = dev_down(be, c, batch * m * n);
     expect_close("sgemm on 2 threads", got, want, batch * m * n, 1e-4, 1e-5);
     assert_non_null(strstr(ac_backend_describe(be), "2 threads"));
@@ -183,12 +163,12 @@ static void test_strerror_and_create(void **state)
   opts.threads = -1;
   assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
 
-  assert_int_equal(ac_backend_create(&be, NULL), AC_OK);
+  OK(ac_backend_create(&be, NULL));
   assert_non_null(be);
   assert_int_equal(ac_backend_kind_of(be), AC_BACKEND_CPU);
   assert_string_equal(ac_backend_name(be), "cpu");
   assert_non_null(strstr(ac_backend_describe(be), "OpenBLAS"));
-  assert_int_equal(ac_sync(be), AC_OK);
+  OK(ac_sync(be));
   ac_backend_destroy(be);
   ac_backend_destroy(NULL);
 
@@ -208,15 +188,14 @@ static void test_strerror_and_create(void **state)
 
 static void test_invalid_arguments(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   float *d = dev_alloc(be, 64 * sizeof(float));
   int32_t *di = dev_alloc(be, 64 * sizeof(int32_t));
   void *p = (void *)0x1;
 
   assert_int_equal(ac_malloc(NULL, 16, &p), AC_EINVAL);
   assert_int_equal(ac_malloc(be, 16, NULL), AC_EINVAL);
-  assert_int_equal(ac_malloc(be, 0, &p), AC_OK);
+  OK(ac_malloc(be, 0, &p));
   assert_null(p);
   assert_int_equal(ac_memcpy_h2d(be, NULL, d, 4), AC_EINVAL);
   assert_int_equal(ac_fill_f32(be, 4, NULL, 1.0f), AC_EINVAL);
@@ -255,7 +234,7 @@ static void test_invalid_arguments(void **state)
   ac_conv2d_geom g = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
                       .stride_w = 1, .pad_h = 1, .pad_w = 1};
   size_t oh = 0, ow = 0;
-  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 4);
   assert_int_equal(ow, 4);
   g.stride_h = 0;
@@ -288,11 +267,10 @@ static void test_invalid_arguments(void **state)
   assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, NULL), AC_EINVAL);
 
   /* Zero sizes are valid and touch nothing. */
-  assert_int_equal(ac_binary(be, AC_BIN_ADD, 0, NULL, NULL, NULL), AC_OK);
-  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 0, 3, 3, 1, NULL, 3, NULL, 3, 0,
-                            NULL, 3), AC_OK);
+  OK(ac_binary(be, AC_BIN_ADD, 0, NULL, NULL, NULL));
+  OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 0, 3, 3, 1, NULL, 3, NULL, 3, 0, NULL, 3));
   double s = -1.0;
-  assert_int_equal(ac_sum_to_host(be, 0, NULL, &s), AC_OK);
+  OK(ac_sum_to_host(be, 0, NULL, &s));
   assert_true(s == 0.0);
 
   ac_free(be, d);
@@ -305,20 +283,19 @@ static void test_invalid_arguments(void **state)
 
 static void test_memory(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 1000;
   float *h = host_rand(n);
   float *a = dev_up(be, h, n);
   float *b = dev_alloc(be, n * sizeof *b);
   assert_int_equal((uintptr_t)a % 256, 0);
 
-  assert_int_equal(ac_memcpy_d2d(be, b, a, n * sizeof *b), AC_OK);
+  OK(ac_memcpy_d2d(be, b, a, n * sizeof *b));
   float *back = dev_down(be, b, n);
   assert_memory_equal(back, h, n * sizeof *h);
   free(back);
 
-  assert_int_equal(ac_fill_f32(be, n - 1, b + 1, 2.5f), AC_OK);
+  OK(ac_fill_f32(be, n - 1, b + 1, 2.5f));
   back = dev_down(be, b, n);
   assert_true(back[0] == h[0]);
   for (size_t i = 1; i < n; i++)
@@ -326,16 +303,16 @@ static void test_memory(void **state)
   free(back);
 
   int32_t *di = dev_alloc(be, 10 * sizeof *di), hi[10];
-  assert_int_equal(ac_fill_i32(be, 10, di, -7), AC_OK);
-  assert_int_equal(ac_memcpy_d2h(be, hi, di, sizeof hi), AC_OK);
+  OK(ac_fill_i32(be, 10, di, -7));
+  OK(ac_memcpy_d2h(be, hi, di, sizeof hi));
   for (int i = 0; i < 10; i++)
     assert_int_equal(hi[i], -7);
 
   /* copy2d: a 3 x 5 block out of a 10 x 20 matrix at (2, 4), into a 3 x 5 (ld 7) buffer. */
   float *big = dev_up(be, h, 200);
   float *blk = dev_alloc(be, 21 * sizeof *blk);
-  assert_int_equal(ac_fill_f32(be, 21, blk, -1.0f), AC_OK);
-  assert_int_equal(ac_copy2d(be, 3, 5, big + 2 * 20 + 4, 20, blk, 7), AC_OK);
+  OK(ac_fill_f32(be, 21, blk, -1.0f));
+  OK(ac_copy2d(be, 3, 5, big + 2 * 20 + 4, 20, blk, 7));
   back = dev_down(be, blk, 21);
   for (size_t i = 0; i < 3; i++)
     for (size_t j = 0; j < 7; j++)
@@ -352,15 +329,14 @@ static void test_memory(void **state)
 
 static void test_permute(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* Attention heads: (B, T, 3, H, Dh) -> (3, B, H, T, Dh). */
   const size_t shape[5] = {2, 5, 3, 4, 6};
   const int perm[5] = {2, 0, 3, 1, 4};
   const size_t n = 2 * 5 * 3 * 4 * 6;
   float *h = host_rand(n);
   float *x = dev_up(be, h, n), *y = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_permute(be, 5, shape, perm, x, y), AC_OK);
+  OK(ac_permute(be, 5, shape, perm, x, y));
   float *got = dev_down(be, y, n);
   double *want = dzeros(n);
   size_t o = 0;
@@ -377,7 +353,7 @@ static void test_permute(void **state)
   /* 2-D transpose. */
   const size_t s2[2] = {7, 9};
   const int p2[2] = {1, 0};
-  assert_int_equal(ac_permute(be, 2, s2, p2, x, y), AC_OK);
+  OK(ac_permute(be, 2, s2, p2, x, y));
   got = dev_down(be, y, 63);
   for (size_t i = 0; i < 9; i++)
     for (size_t j = 0; j < 7; j++)
@@ -409,8 +385,7 @@ static void naive_gemm(ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, d
 
 static void test_sgemm(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t m = 13, n = 17, k = 11, batch = 3;
   const size_t lda = 20, ldb = 21, ldc = 19; /* padded leading dimensions */
   const size_t sa = 20 * 20, sb = 21 * 21, sc = 19 * 14;
@@ -422,9 +397,8 @@ static void test_sgemm(void **state)
       for (int shared_b = 0; shared_b < 2; shared_b++) {
         float *c = dev_up(be, hc, sc * batch);
         size_t stride_b = shared_b ? 0 : sb;
-        assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 0.75f, a,
-                                          lda, sa, b, ldb, stride_b, -0.5f, c, ldc, sc, batch),
-                         AC_OK);
+        OK(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 0.75f, a, lda, sa, b, ldb,
+           stride_b, -0.5f, c, ldc, sc, batch));
         float *got = dev_down(be, c, sc * batch);
         for (size_t i = 0; i < batch; i++) {
           double *want = dzeros(sc);
@@ -444,15 +418,13 @@ static void test_sgemm(void **state)
   for (size_t i = 0; i < m * n; i++)
     hnan[i] = NAN;
   float *c = dev_up(be, hnan, m * n);
-  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
-                            n), AC_OK);
+  OK(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, n));
   float *got = dev_down(be, c, m * n);
   double *want = dzeros(m * n);
   naive_gemm(AC_NO_TRANS, AC_TRANS, m, n, k, 1.0, ha, lda, hb, ldb, 0.0, NULL, n, want);
   expect_close("sgemm beta=0", got, want, m * n, 1e-5, 1e-5);
   free(got);
-  assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, 0, 1.0f, NULL, 0, NULL, 0,
-                            2.0f, c, n), AC_OK);
+  OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, 0, 1.0f, NULL, 0, NULL, 0, 2.0f, c, n));
   got = dev_down(be, c, m * n);
   for (size_t i = 0; i < m * n; i++)
     want[i] *= 2.0;
@@ -480,8 +452,7 @@ static size_t packed_at(size_t n, size_t i, size_t j)
 
 static void test_syrk_packed(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* A block of rows x cols at (1, 2) inside a 12 x 15 gradient (row stride 15). */
   const size_t rows = 9, cols = 6, ld = 15;
   float *hg = host_rand(12 * ld);
@@ -495,8 +466,7 @@ static void test_syrk_packed(void **state)
     float *hc = host_rand(len);
     float *c = dev_up(be, hc, len);
     /* EMA form: c = 0.1 g g^T + 0.9 c. */
-    assert_int_equal(ac_syrk_packed(be, (ac_trans)t, n, k, 0.1f, g + 1 * ld + 2, ld, 0.9f, c),
-                     AC_OK);
+    OK(ac_syrk_packed(be, (ac_trans)t, n, k, 0.1f, g + 1 * ld + 2, ld, 0.9f, c));
     float *got = dev_down(be, c, len);
     double *want = dzeros(len);
     for (size_t i = 0; i < n; i++)
@@ -511,12 +481,11 @@ static void test_syrk_packed(void **state)
     expect_close(t == 0 ? "syrk G G^T" : "syrk G^T G", got, want, len, 1e-5, 1e-5);
 
     /* beta = 0 overwrites; then unpack and pack round-trip. */
-    assert_int_equal(ac_syrk_packed(be, (ac_trans)t, n, k, 1.0f, g + 1 * ld + 2, ld, 0.0f, c),
-                     AC_OK);
+    OK(ac_syrk_packed(be, (ac_trans)t, n, k, 1.0f, g + 1 * ld + 2, ld, 0.0f, c));
     free(got);
     got = dev_down(be, c, len);
     float *dense = dev_alloc(be, n * (n + 3) * sizeof(float));
-    assert_int_equal(ac_unpack_sym(be, n, c, dense, n + 3), AC_OK);
+    OK(ac_unpack_sym(be, n, c, dense, n + 3));
     float *hd = dev_down(be, dense, n * (n + 3));
     for (size_t i = 0; i < n; i++)
       for (size_t j = 0; j < n; j++) {
@@ -524,7 +493,7 @@ static void test_syrk_packed(void **state)
         assert_true(hd[i * (n + 3) + j] == got[at]);
       }
     float *c2 = dev_alloc(be, len * sizeof(float));
-    assert_int_equal(ac_pack_sym(be, n, dense, n + 3, c2), AC_OK);
+    OK(ac_pack_sym(be, n, dense, n + 3, c2));
     float *back = dev_down(be, c2, len);
     assert_memory_equal(back, got, len * sizeof(float));
     free(back);
@@ -545,8 +514,7 @@ static void test_syrk_packed(void **state)
 
 static void test_binary_axpby_affine(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 777;
   float *ha = host_rand(n), *hb = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -555,7 +523,7 @@ static void test_binary_axpby_affine(void **state)
   double *want = dzeros(n);
 
   for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
-    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, a, b, o), AC_OK);
+    OK(ac_binary(be, (ac_binary_op)op, n, a, b, o));
     float *got = dev_down(be, o, n);
     for (size_t i = 0; i < n; i++) {
       double x = ha[i], y = hb[i];
@@ -567,8 +535,8 @@ static void test_binary_axpby_affine(void **state)
   }
 
   /* In place: o = o * b. */
-  assert_int_equal(ac_memcpy_d2d(be, o, a, n * sizeof(float)), AC_OK);
-  assert_int_equal(ac_binary(be, AC_BIN_MUL, n, o, b, o), AC_OK);
+  OK(ac_memcpy_d2d(be, o, a, n * sizeof(float)));
+  OK(ac_binary(be, AC_BIN_MUL, n, o, b, o));
   float *got = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++)
     want[i] = (double)ha[i] * hb[i];
@@ -576,27 +544,27 @@ static void test_binary_axpby_affine(void **state)
   free(got);
 
   /* axpy in place on y, and scale with y NULL. */
-  assert_int_equal(ac_memcpy_d2d(be, o, b, n * sizeof(float)), AC_OK);
-  assert_int_equal(ac_axpby(be, n, 2.0f, a, 1.0f, o, o), AC_OK);
+  OK(ac_memcpy_d2d(be, o, b, n * sizeof(float)));
+  OK(ac_axpby(be, n, 2.0f, a, 1.0f, o, o));
   got = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++)
     want[i] = 2.0 * ha[i] + hb[i];
   expect_close("axpy", got, want, n, 1e-6, 1e-6);
   free(got);
-  assert_int_equal(ac_axpby(be, n, -3.0f, a, 0.0f, NULL, o), AC_OK);
+  OK(ac_axpby(be, n, -3.0f, a, 0.0f, NULL, o));
   got = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++)
     want[i] = -3.0 * ha[i];
   expect_close("scale", got, want, n, 1e-6, 1e-6);
   free(got);
-  assert_int_equal(ac_axpby(be, n, 0.5f, a, -0.25f, b, o), AC_OK);
+  OK(ac_axpby(be, n, 0.5f, a, -0.25f, b, o));
   got = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++)
     want[i] = 0.5 * ha[i] - 0.25 * hb[i];
   expect_close("axpby", got, want, n, 1e-6, 1e-6);
   free(got);
 
-  assert_int_equal(ac_affine(be, n, 3.0f, a, 1e-3f, o), AC_OK);
+  OK(ac_affine(be, n, 3.0f, a, 1e-3f, o));
   got = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++)
     want[i] = 3.0 * ha[i] + 1e-3;
@@ -639,8 +607,7 @@ static int positive_domain(ac_unary_op op)
 
 static void test_unary(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 501;
   float *hx = host_rand(n), *hdy = host_rand(n);
   double *want = dzeros(n);
@@ -660,7 +627,7 @@ static void test_unary(void **state)
     }
     float *x = dev_up(be, h, n);
     assert_true(strlen(ac_unary_name((ac_unary_op)op)) > 1);
-    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, x, o), AC_OK);
+    OK(ac_unary(be, (ac_unary_op)op, n, x, o));
     float *got = dev_down(be, o, n);
     for (size_t i = 0; i < n; i++)
       want[i] = ref_unary((ac_unary_op)op, h[i]);
@@ -668,7 +635,7 @@ static void test_unary(void **state)
     free(got);
 
     /* Backward against a central difference of the double reference. */
-    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, x, dy, dx), AC_OK);
+    OK(ac_unary_backward(be, (ac_unary_op)op, n, x, dy, dx));
     got = dev_down(be, dx, n);
     for (size_t i = 0; i < n; i++) {
       double e = 1e-6 * (1 + fabs(h[i]));
@@ -681,7 +648,7 @@ static void test_unary(void **state)
 
     /* In place: dx aliases dy. */
     float *dyc = dev_up(be, hdy, n);
-    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, x, dyc, dyc), AC_OK);
+    OK(ac_unary_backward(be, (ac_unary_op)op, n, x, dyc, dyc));
     got = dev_down(be, dyc, n);
     expect_close("unary backward in place", got, want, n, 1e-5, 1e-4);
     free(got);
@@ -702,8 +669,7 @@ static void test_unary(void **state)
 
 static void test_bcast_reduce(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
   const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
   for (size_t s = 0; s < 5; s++) {
@@ -716,7 +682,7 @@ static void test_bcast_reduce(void **state)
     double *want = dzeros(n);
 
     for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
-      assert_int_equal(ac_bcast(be, (ac_binary_op)op, outer, mid, inner, x, v, y), AC_OK);
+      OK(ac_bcast(be, (ac_binary_op)op, outer, mid, inner, x, v, y));
       float *got = dev_down(be, y, n);
       for (size_t o = 0; o < outer; o++)
         for (size_t m = 0; m < mid; m++)
@@ -730,8 +696,8 @@ static void test_bcast_reduce(void **state)
       free(got);
     }
     /* In place. */
-    assert_int_equal(ac_memcpy_d2d(be, y, x, n * sizeof(float)), AC_OK);
-    assert_int_equal(ac_bcast(be, AC_BIN_DIV, outer, mid, inner, y, v, y), AC_OK);
+    OK(ac_memcpy_d2d(be, y, x, n * sizeof(float)));
+    OK(ac_bcast(be, AC_BIN_DIV, outer, mid, inner, y, v, y));
     float *got = dev_down(be, y, n);
     expect_close("bcast in place", got, want, n, 1e-7, 1e-6);
     free(got);
@@ -740,9 +706,8 @@ static void test_bcast_reduce(void **state)
     for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++)
       for (int acc = 0; acc < 2; acc++) {
         double beta = acc ? 0.5 : 0.0;
-        assert_int_equal(ac_memcpy_h2d(be, r, hout, mid * sizeof(float)), AC_OK);
-        assert_int_equal(ac_reduce(be, (ac_reduce_op)op, outer, mid, inner, 2.0f, x,
-                                   (float)beta, r), AC_OK);
+        OK(ac_memcpy_h2d(be, r, hout, mid * sizeof(float)));
+        OK(ac_reduce(be, (ac_reduce_op)op, outer, mid, inner, 2.0f, x, (float)beta, r));
         got = dev_down(be, r, mid);
         double *rw = dzeros(mid);
         for (size_t m = 0; m < mid; m++) {
@@ -773,8 +738,7 @@ static void test_bcast_reduce(void **state)
 
 static void test_scalar_reductions_argmax(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 100003;
   float *h = host_rand(n);
   float *x = dev_up(be, h, n);
@@ -783,8 +747,8 @@ static void test_scalar_reductions_argmax(void **state)
     sum += h[i];
     sumsq += (double)h[i] * h[i];
   }
-  assert_int_equal(ac_sum_to_host(be, n, x, &s), AC_OK);
-  assert_int_equal(ac_sumsq_to_host(be, n, x, &q), AC_OK);
+  OK(ac_sum_to_host(be, n, x, &s));
+  OK(ac_sumsq_to_host(be, n, x, &q));
   assert_true(fabs(s - sum) <= 1e-3);
   assert_true(fabs(q - sumsq) <= 1e-6 * sumsq);
 
@@ -793,10 +757,10 @@ static void test_scalar_reductions_argmax(void **state)
   for (size_t r = 0; r < rows; r++)
     h[r * cols + (r * 7) % cols] = 2.0f;
   h[5 * cols + 50] = 2.0f; /* row 5's first 2.0 is at 35 */
-  assert_int_equal(ac_memcpy_h2d(be, x, h, rows * cols * sizeof(float)), AC_OK);
+  OK(ac_memcpy_h2d(be, x, h, rows * cols * sizeof(float)));
   int32_t *idx = dev_alloc(be, rows * sizeof(int32_t)), hidx[37];
-  assert_int_equal(ac_argmax_rows(be, rows, cols, x, idx), AC_OK);
-  assert_int_equal(ac_memcpy_d2h(be, hidx, idx, sizeof hidx), AC_OK);
+  OK(ac_argmax_rows(be, rows, cols, x, idx));
+  OK(ac_memcpy_d2h(be, hidx, idx, sizeof hidx));
   for (size_t r = 0; r < rows; r++)
     assert_int_equal(hidx[r], (int32_t)((r * 7) % cols));
   ac_free(be, idx);
@@ -820,8 +784,7 @@ static void ref_softmax(size_t cols, const float *x, double *y)
 
 static void test_softmax_mask(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t batch = 3, t = 17, rows = batch * t, cols = t, n = rows * cols;
   float *hx = host_rand(n), *hdy = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -829,7 +792,7 @@ static void test_softmax_mask(void **state)
   float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
   float *dy = dev_up(be, hdy, n);
 
-  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
+  OK(ac_mask_causal(be, batch, t, x, -INFINITY));
   float *masked = dev_down(be, x, n);
   for (size_t b = 0; b < batch; b++)
     for (size_t i = 0; i < t; i++)
@@ -841,7 +804,7 @@ static void test_softmax_mask(void **state)
           assert_true(masked[at] == hx[at]);
       }
 
-  assert_int_equal(ac_softmax_rows(be, rows, cols, x, y), AC_OK);
+  OK(ac_softmax_rows(be, rows, cols, x, y));
   float *got = dev_down(be, y, n);
   double *want = dzeros(n);
   for (size_t r = 0; r < rows; r++)
@@ -850,7 +813,7 @@ static void test_softmax_mask(void **state)
 
   /* Backward from the output. */
   float *dx = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_softmax_rows_backward(be, rows, cols, y, dy, dx), AC_OK);
+  OK(ac_softmax_rows_backward(be, rows, cols, y, dy, dx));
   float *gdx = dev_down(be, dx, n);
   double *wdx = dzeros(n);
   for (size_t r = 0; r < rows; r++) {
@@ -863,7 +826,7 @@ static void test_softmax_mask(void **state)
   expect_close("softmax backward", gdx, wdx, n, 1e-6, 1e-5);
 
   /* In place forward. */
-  assert_int_equal(ac_softmax_rows(be, rows, cols, x, x), AC_OK);
+  OK(ac_softmax_rows(be, rows, cols, x, x));
   free(got);
   got = dev_down(be, x, n);
   expect_close("softmax in place", got, want, n, 1e-6, 1e-5);
@@ -883,8 +846,7 @@ static void test_softmax_mask(void **state)
 
 static void test_xent(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t rows = 29, cols = 1000, n = rows * cols;
   float *hx = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -898,7 +860,7 @@ static void test_xent(void **state)
   int32_t *labels = dev_up_i32(be, hl, rows);
 
   /* probs aliases logits. */
-  assert_int_equal(ac_xent_forward(be, rows, cols, x, labels, x, loss), AC_OK);
+  OK(ac_xent_forward(be, rows, cols, x, labels, x, loss));
   float *gl = dev_down(be, loss, rows), *gp = dev_down(be, x, n);
   double *wp = dzeros(n), wl[29];
   for (size_t r = 0; r < rows; r++) {
@@ -910,7 +872,7 @@ static void test_xent(void **state)
   expect_close("xent loss", gl, wl, rows, 1e-4, 1e-5);
 
   float *d = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_xent_backward(be, rows, cols, x, labels, 0.25f, d), AC_OK);
+  OK(ac_xent_backward(be, rows, cols, x, labels, 0.25f, d));
   float *gd = dev_down(be, d, n);
   for (size_t r = 0; r < rows; r++) {
     int counted = hl[r] >= 0 && (size_t)hl[r] < cols;
@@ -956,8 +918,7 @@ static double ref_layernorm_row(size_t cols, const double *x, const float *gamma
 
 static void test_layernorm(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t rows = 9, cols = 300, n = rows * cols;
   const float eps = 1e-5f;
   float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
@@ -969,7 +930,7 @@ static void test_layernorm(void **state)
   float *dx = dev_alloc(be, n * sizeof(float));
   float *dg = dev_alloc(be, cols * sizeof(float)), *db = dev_alloc(be, cols * sizeof(float));
 
-  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, b, y, mean, rstd), AC_OK);
+  OK(ac_layernorm_rows(be, rows, cols, eps, x, g, b, y, mean, rstd));
   float *gy = dev_down(be, y, n);
   double *wy = dzeros(n), *row = dzeros(cols);
   for (size_t r = 0; r < rows; r++) {
@@ -980,10 +941,9 @@ static void test_layernorm(void **state)
   expect_close("layernorm forward", gy, wy, n, 1e-5, 1e-5);
 
   /* Backward against central differences of the double forward; gradients accumulate. */
-  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
-  assert_int_equal(ac_fill_f32(be, cols, db, 1.0f), AC_OK);
-  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db),
-                   AC_OK);
+  OK(ac_fill_f32(be, cols, dg, 1.0f));
+  OK(ac_fill_f32(be, cols, db, 1.0f));
+  OK(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, db));
   float *gdx = dev_down(be, dx, n), *gdg = dev_down(be, dg, cols), *gdb = dev_down(be, db, cols);
   double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
   float *gp = malloc(cols * sizeof *gp);
@@ -1020,15 +980,14 @@ static void test_layernorm(void **state)
   expect_close("layernorm dbeta", gdb, wdb, cols, 1e-5, 1e-5);
 
   /* No beta; in place forward (y = x) and backward (dx = dy). */
-  assert_int_equal(ac_layernorm_rows(be, rows, cols, eps, x, g, NULL, x, mean, rstd), AC_OK);
+  OK(ac_layernorm_rows(be, rows, cols, eps, x, g, NULL, x, mean, rstd));
   float *gx = dev_down(be, x, n);
   for (size_t i = 0; i < n; i++)
     wy[i] -= hb[i % cols];
   expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
-  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
-  assert_int_equal(ac_fill_f32(be, cols, dg, 1.0f), AC_OK);
-  assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL),
-                   AC_OK);
+  OK(ac_memcpy_h2d(be, x, hx, n * sizeof(float)));
+  OK(ac_fill_f32(be, cols, dg, 1.0f));
+  OK(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dy, dg, NULL));
   free(gdx);
   gdx = dev_down(be, dy, n);
   expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
@@ -1069,8 +1028,7 @@ static void test_layernorm(void **state)
 
 static void test_gather_scatter(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t vocab = 50, cols = 24, n = 40;
   float *ht = host_rand(vocab * cols), *hs = host_rand(n * cols);
   int32_t hi[40];
@@ -1082,7 +1040,7 @@ static void test_gather_scatter(void **state)
   float *out = dev_alloc(be, n * cols * sizeof(float));
   int32_t *idx = dev_up_i32(be, hi, n);
 
-  assert_int_equal(ac_gather_rows(be, n, cols, table, vocab, idx, out), AC_OK);
+  OK(ac_gather_rows(be, n, cols, table, vocab, idx, out));
   float *got = dev_down(be, out, n * cols);
   for (size_t r = 0; r < n; r++)
     for (size_t j = 0; j < cols; j++) {
@@ -1091,7 +1049,7 @@ static void test_gather_scatter(void **state)
     }
   free(got);
 
-  assert_int_equal(ac_scatter_add_rows(be, n, cols, src, idx, table, vocab), AC_OK);
+  OK(ac_scatter_add_rows(be, n, cols, src, idx, table, vocab));
   got = dev_down(be, table, vocab * cols);
   double *want = dzeros(vocab * cols);
   for (size_t e = 0; e < vocab * cols; e++)
@@ -1119,8 +1077,7 @@ static void test_gather_scatter(void **state)
  * non-square kernels, a tap with no valid column), against direct loops in the test. */
 static void test_im2col_geometries(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom geoms[] = {
       {.n = 2, .c = 2, .h = 7, .w = 9, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 2,
        .pad_h = 1, .pad_w = 1},
@@ -1134,7 +1091,7 @@ static void test_im2col_geometries(void **state)
   for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
     const ac_conv2d_geom *g = &geoms[gi];
     size_t oh, ow;
-    assert_int_equal(ac_conv2d_out_hw(g, &oh, &ow), AC_OK);
+    OK(ac_conv2d_out_hw(g, &oh, &ow));
     size_t nx = g->n * g->c * g->h * g->w, rows = g->n * g->c * g->kh * g->kw;
     size_t ncol = rows * oh * ow;
     float *hx = host_rand(nx), *hc = host_rand(ncol);
@@ -1156,8 +1113,8 @@ static void test_im2col_geometries(void **state)
     }
     float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
     float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
-    assert_int_equal(ac_im2col(be, g, x, col), AC_OK);
-    assert_int_equal(ac_col2im(be, g, c, dx), AC_OK);
+    OK(ac_im2col(be, g, x, col));
+    OK(ac_col2im(be, g, c, dx));
     float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
     assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
     expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
@@ -1176,12 +1133,11 @@ static void test_im2col_geometries(void **state)
 
 static void test_conv_im2col(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 9, .w = 7, .kh = 3, .kw = 2, .stride_h = 2,
                             .stride_w = 1, .pad_h = 1, .pad_w = 1};
   size_t oh, ow;
-  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 5); /* (9 + 2 - 3) / 2 + 1 */
   assert_int_equal(ow, 8); /* (7 + 2 - 2) / 1 + 1 */
   const size_t oc = 4, ckk = g.c * g.kh * g.kw, ohw = oh * ow;
@@ -1191,9 +1147,9 @@ static void test_conv_im2col(void **state)
   float *col = dev_alloc(be, ncol * sizeof(float)), *y = dev_alloc(be, ny * sizeof(float));
 
   /* Conv forward as im2col + batched gemm (the recipe in accel.h) against a direct loop. */
-  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
-  assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0,
-                                    col, ohw, ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n), AC_OK);
+  OK(ac_im2col(be, &g, x, col));
+  OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0, col, ohw,
+     ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n));
   float *got = dev_down(be, y, ny);
   double *want = dzeros(ny);
   for (size_t b = 0; b < g.n; b++)
@@ -1220,8 +1176,8 @@ static void test_conv_im2col(void **state)
   /* col2im is the adjoint of im2col: <im2col(x), c> == <x, col2im(c)>. */
   float *hc = host_rand(ncol);
   float *c = dev_up(be, hc, ncol), *xb = dev_alloc(be, nx * sizeof(float));
-  assert_int_equal(ac_fill_f32(be, nx, xb, NAN), AC_OK); /* overwritten, never read */
-  assert_int_equal(ac_col2im(be, &g, c, xb), AC_OK);
+  OK(ac_fill_f32(be, nx, xb, NAN)); /* overwritten, never read */
+  OK(ac_col2im(be, &g, c, xb));
   float *gcol = dev_down(be, col, ncol), *gxb = dev_down(be, xb, nx);
   double lhs = 0, rhs = 0;
   for (size_t i = 0; i < ncol; i++)
@@ -1234,8 +1190,8 @@ static void test_conv_im2col(void **state)
   const ac_conv2d_geom g1 = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
                              .stride_w = 1, .pad_h = 0, .pad_w = 0};
   float *ones = dev_alloc(be, 9 * 4 * sizeof(float)), *cnt = dev_alloc(be, 16 * sizeof(float));
-  assert_int_equal(ac_fill_f32(be, 36, ones, 1.0f), AC_OK);
-  assert_int_equal(ac_col2im(be, &g1, ones, cnt), AC_OK);
+  OK(ac_fill_f32(be, 36, ones, 1.0f));
+  OK(ac_col2im(be, &g1, ones, cnt));
   float *hcnt = dev_down(be, cnt, 16);
   const float expect_cnt[16] = {1, 2, 2, 1, 2, 4, 4, 2, 2, 4, 4, 2, 1, 2, 2, 1};
   assert_memory_equal(hcnt, expect_cnt, sizeof expect_cnt);
@@ -1258,12 +1214,11 @@ static void test_conv_im2col(void **state)
 
 static void test_pool(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 8, .w = 7, .kh = 3, .kw = 3, .stride_h = 2,
                             .stride_w = 2, .pad_h = 1, .pad_w = 1};
   size_t oh, ow;
-  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  OK(ac_conv2d_out_hw(&g, &oh, &ow));
   const size_t planes = g.n * g.c, nx = planes * g.h * g.w, ny = planes * oh * ow;
   float *hx = host_rand(nx), *hdy = host_rand(ny);
   for (size_t i = 0; i < nx; i++)
@@ -1273,8 +1228,8 @@ static void test_pool(void **state)
   int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
 
   for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
-    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
-    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, dy, am, dx), AC_OK);
+    OK(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am));
+    OK(ac_pool2d_backward(be, (ac_pool_op)op, &g, dy, am, dx));
     float *gy = dev_down(be, y, ny), *gdx = dev_down(be, dx, nx);
     double *wy = dzeros(ny), *wdx = dzeros(nx);
     for (size_t pl = 0; pl < planes; pl++)
@@ -1321,8 +1276,7 @@ static void test_pool(void **state)
   }
   /* Global average pooling is a reduce. */
   float *gap = dev_alloc(be, planes * sizeof(float));
-  assert_int_equal(ac_reduce(be, AC_REDUCE_SUM, 1, planes, g.h * g.w, 1.0f / (float)(g.h * g.w),
-                             x, 0.0f, gap), AC_OK);
+  OK(ac_reduce(be, AC_REDUCE_SUM, 1, planes, g.h * g.w, 1.0f / (float)(g.h * g.w), x, 0.0f, gap));
   float *gg = dev_down(be, gap, planes);
   for (size_t pl = 0; pl < planes; pl++) {
     double s = 0;
@@ -1355,14 +1309,13 @@ static uint64_t ref_mix(uint64_t seed, uint64_t c)
 
 static void test_random(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 200000;
   const uint64_t seed = 0xC0FFEEull, offset = 12345;
   float *o = dev_alloc(be, n * sizeof(float));
 
   /* Uniforms are bit-exact against the definition. */
-  assert_int_equal(ac_rand_uniform(be, seed, offset, n, -2.0f, 3.0f, o), AC_OK);
+  OK(ac_rand_uniform(be, seed, offset, n, -2.0f, 3.0f, o));
   float *u = dev_down(be, o, n);
   for (size_t i = 0; i < n; i++) {
     float r = (float)(ref_mix(seed, offset + i) >> 40) * (1.0f / 16777216.0f);
@@ -1374,7 +1327,7 @@ static void test_random(void **state)
   }
   /* Counter-based: a call at offset + 100 continues the same stream. */
   float *o2 = dev_alloc(be, 50 * sizeof(float));
-  assert_int_equal(ac_rand_uniform(be, seed, offset + 100, 50, -2.0f, 3.0f, o2), AC_OK);
+  OK(ac_rand_uniform(be, seed, offset + 100, 50, -2.0f, 3.0f, o2));
   float *u2 = dev_down(be, o2, 50);
   assert_memory_equal(u2, u + 100, 50 * sizeof(float));
   free(u2);
@@ -1382,7 +1335,7 @@ static void test_random(void **state)
   free(u);
 
   /* Normals: the formula to a few ulps, and the moments. */
-  assert_int_equal(ac_rand_normal(be, seed, offset, n, 1.0f, 2.0f, o), AC_OK);
+  OK(ac_rand_normal(be, seed, offset, n, 1.0f, 2.0f, o));
   float *z = dev_down(be, o, n);
   double mean = 0, var = 0;
   for (size_t i = 0; i < n; i++) {
@@ -1405,7 +1358,7 @@ static void test_random(void **state)
 
   /* Dropout: values 0 or 1/(1-p), the kept fraction near 1-p, exact per element. */
   const float p = 0.3f;
-  assert_int_equal(ac_dropout_mask(be, seed, offset, n, p, o), AC_OK);
+  OK(ac_dropout_mask(be, seed, offset, n, p, o));
   float *mk = dev_down(be, o, n);
   size_t kept = 0;
   for (size_t i = 0; i < n; i++) {
@@ -1424,8 +1377,7 @@ static void test_random(void **state)
 
 static void test_adamw(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const size_t n = 1025;
   float *hp = host_rand(n), *hg = host_rand(n), *hm = host_rand(n), *hv = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -1434,7 +1386,7 @@ static void test_adamw(void **state)
   float *v = dev_up(be, hv, n);
   const ac_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-6f,
                            .weight_decay = 0.1f, .step = 3};
-  assert_int_equal(ac_adamw_update(be, n, p, g, m, v, &a), AC_OK);
+  OK(ac_adamw_update(be, n, p, g, m, v, &a));
   float *gp = dev_down(be, p, n), *gm = dev_down(be, m, n), *gv = dev_down(be, v, n);
   double *wp = dzeros(n), *wm = dzeros(n), *wv = dzeros(n);
   for (size_t i = 0; i < n; i++) {
@@ -1482,7 +1434,7 @@ static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
     o->data = realloc(o->data, o->cap * sizeof *o->data);
     assert_non_null(o->data);
   }
-  assert_int_equal(ac_memcpy_d2h(be, o->data + o->n, dev, n * sizeof(float)), AC_OK);
+  OK(ac_memcpy_d2h(be, o->data + o->n, dev, n * sizeof(float)));
   o->n += n;
 }
 
@@ -1494,21 +1446,20 @@ static void scen_blas(ac_backend *be, outbuf *o)
   float *c = dev_alloc(be, m * n * batch * sizeof(float));
   for (int t = 0; t < 4; t++) {
     int ta = t & 1, tb = t >> 1;
-    assert_int_equal(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a,
-                                      ta ? m : k, m * k, b, tb ? k : n, k * n, 0.0f, c, n,
-                                      m * n, batch), AC_OK);
+    OK(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a, ta ? m : k, m * k, b,
+       tb ? k : n, k * n, 0.0f, c, n, m * n, batch));
     out_take(o, be, c, m * n * batch);
   }
   float *l = dev_alloc(be, ac_packed_len(m) * sizeof(float));
   float *r = dev_alloc(be, ac_packed_len(k) * sizeof(float));
-  assert_int_equal(ac_fill_f32(be, ac_packed_len(m), l, 1.0f), AC_OK);
-  assert_int_equal(ac_fill_f32(be, ac_packed_len(k), r, 1.0f), AC_OK);
-  assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, m, k, 0.1f, a, k, 0.9f, l), AC_OK);
-  assert_int_equal(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r), AC_OK);
+  OK(ac_fill_f32(be, ac_packed_len(m), l, 1.0f));
+  OK(ac_fill_f32(be, ac_packed_len(k), r, 1.0f));
+  OK(ac_syrk_packed(be, AC_NO_TRANS, m, k, 0.1f, a, k, 0.9f, l));
+  OK(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r));
   out_take(o, be, l, ac_packed_len(m));
   out_take(o, be, r, ac_packed_len(k));
   float *dense = dev_alloc(be, k * k * sizeof(float));
-  assert_int_equal(ac_unpack_sym(be, k, r, dense, k), AC_OK);
+  OK(ac_unpack_sym(be, k, r, dense, k));
   out_take(o, be, dense, k * k);
   ac_free(be, dense);
   ac_free(be, l);
@@ -1528,8 +1479,7 @@ static void scen_blas(ac_backend *be, outbuf *o)
  * 3e-7 absolute. NaN stays NaN. */
 static void test_gelu_accuracy(void **state)
 {
-  ac_backend *be = BE(state);
-  NEED_BACKEND(state);
+  ac_backend *be = backend(state);
   const float extremes[] = {-1e30f, -1e4f, -100.0f, -30.0f, -9.5f, 0.0f, 1e-20f, 30.0f,
                             100.0f, 1e4f, 1e30f};
   const size_t ngrid = 24001, nx = sizeof extremes / sizeof extremes[0];
@@ -1541,8 +1491,8 @@ static void test_gelu_accuracy(void **state)
   }
   float *x = dev_up(be, h, n), *dy = dev_up(be, ones, n);
   float *y = dev_alloc(be, n * sizeof(float)), *dx = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_unary(be, AC_UNARY_GELU, n, x, y), AC_OK);
-  assert_int_equal(ac_unary_backward(be, AC_UNARY_GELU, n, x, dy, dx), AC_OK);
+  OK(ac_unary(be, AC_UNARY_GELU, n, x, y));
+  OK(ac_unary_backward(be, AC_UNARY_GELU, n, x, dy, dx));
   float *got = dev_down(be, y, n), *dgot = dev_down(be, dx, n);
   for (size_t i = 0; i < n; i++) {
     double v = h[i], u = sqrt(2 / M_PI) * (v + 0.044715 * v * v * v);
@@ -1562,11 +1512,11 @@ static void test_gelu_accuracy(void **state)
   free(dgot);
   const float nan_in = NAN;
   float nan_out = 0.0f, nan_d = 0.0f;
-  assert_int_equal(ac_memcpy_h2d(be, x, &nan_in, sizeof nan_in), AC_OK);
-  assert_int_equal(ac_unary(be, AC_UNARY_GELU, 1, x, y), AC_OK);
-  assert_int_equal(ac_unary_backward(be, AC_UNARY_GELU, 1, x, dy, dx), AC_OK);
-  assert_int_equal(ac_memcpy_d2h(be, &nan_out, y, sizeof nan_out), AC_OK);
-  assert_int_equal(ac_memcpy_d2h(be, &nan_d, dx, sizeof nan_d), AC_OK);
+  OK(ac_memcpy_h2d(be, x, &nan_in, sizeof nan_in));
+  OK(ac_unary(be, AC_UNARY_GELU, 1, x, y));
+  OK(ac_unary_backward(be, AC_UNARY_GELU, 1, x, dy, dx));
+  OK(ac_memcpy_d2h(be, &nan_out, y, sizeof nan_out));
+  OK(ac_memcpy_d2h(be, &nan_d, dx, sizeof nan_d));
   assert_true(isnan(nan_out) && isnan(nan_d));
   ac_free(be, x);
   ac_free(be, dy);
@@ -1584,27 +1534,27 @@ static void scen_elementwise(ac_backend *be, outbuf *o)
     hy[i] = 0.5f + fabsf(hy[i]); /* positive: every unary op is defined on it */
   float *x = dev_up(be, hx, n), *y = dev_up(be, hy, n), *z = dev_alloc(be, n * sizeof(float));
   for (int op = 0; op < AC_UNARY_COUNT; op++) {
-    assert_int_equal(ac_unary(be, (ac_unary_op)op, n, y, z), AC_OK);
+    OK(ac_unary(be, (ac_unary_op)op, n, y, z));
     out_take(o, be, z, n);
-    assert_int_equal(ac_unary_backward(be, (ac_unary_op)op, n, y, x, z), AC_OK);
+    OK(ac_unary_backward(be, (ac_unary_op)op, n, y, x, z));
     out_take(o, be, z, n);
   }
   for (int op = AC_BIN_ADD; op <= AC_BIN_DIV; op++) {
-    assert_int_equal(ac_binary(be, (ac_binary_op)op, n, x, y, z), AC_OK);
+    OK(ac_binary(be, (ac_binary_op)op, n, x, y, z));
     out_take(o, be, z, n);
-    assert_int_equal(ac_bcast(be, (ac_binary_op)op, 3, 1000, 1, x, y, z), AC_OK);
+    OK(ac_bcast(be, (ac_binary_op)op, 3, 1000, 1, x, y, z));
     out_take(o, be, z, 3000);
   }
-  assert_int_equal(ac_axpby(be, n, 0.3f, x, -0.7f, y, z), AC_OK);
+  OK(ac_axpby(be, n, 0.3f, x, -0.7f, y, z));
   out_take(o, be, z, n);
   for (int op = AC_REDUCE_SUM; op <= AC_REDUCE_NORM2; op++) {
-    assert_int_equal(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z), AC_OK);
+    OK(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z));
     out_take(o, be, z, 10);
   }
   ac_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                      .weight_decay = 0.01f, .step = 5};
   float *m = dev_up(be, hx, n), *v = dev_up(be, hy, n);
-  assert_int_equal(ac_adamw_update(be, n, z, x, m, v, &a), AC_OK);
+  OK(ac_adamw_update(be, n, z, x, m, v, &a));
   out_take(o, be, z, n);
   out_take(o, be, m, n);
   out_take(o, be, v, n);
@@ -1627,25 +1577,24 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o)
   float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
   float *loss = dev_alloc(be, rows * sizeof(float));
   int32_t *labels = dev_up_i32(be, hl, rows);
-  assert_int_equal(ac_mask_causal(be, batch, t, x, -INFINITY), AC_OK);
-  assert_int_equal(ac_softmax_rows(be, rows, t, x, y), AC_OK);
+  OK(ac_mask_causal(be, batch, t, x, -INFINITY));
+  OK(ac_softmax_rows(be, rows, t, x, y));
   out_take(o, be, y, n);
-  assert_int_equal(ac_softmax_rows_backward(be, rows, t, y, y, x), AC_OK);
+  OK(ac_softmax_rows_backward(be, rows, t, y, y, x));
   out_take(o, be, x, n);
-  assert_int_equal(ac_memcpy_h2d(be, x, hx, n * sizeof(float)), AC_OK);
-  assert_int_equal(ac_xent_forward(be, rows, t, x, labels, y, loss), AC_OK);
+  OK(ac_memcpy_h2d(be, x, hx, n * sizeof(float)));
+  OK(ac_xent_forward(be, rows, t, x, labels, y, loss));
   out_take(o, be, loss, rows);
-  assert_int_equal(ac_xent_backward(be, rows, t, y, labels, 0.5f, y), AC_OK);
+  OK(ac_xent_backward(be, rows, t, y, labels, 0.5f, y));
   out_take(o, be, y, n);
   /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
   float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
-  assert_int_equal(ac_fill_f32(be, 2 * t, dgb, 0.0f), AC_OK);
-  assert_int_equal(ac_layernorm_rows(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats,
-                                        stats + rows), AC_OK);
+  OK(ac_fill_f32(be, 2 * t, dgb, 0.0f));
+  OK(ac_layernorm_rows(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats, stats + rows));
   out_take(o, be, y, n);
   out_take(o, be, stats, 2 * rows);
-  assert_int_equal(ac_layernorm_rows_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y,
-                                         dgb, dgb + t), AC_OK);
+  OK(ac_layernorm_rows_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y, dgb,
+     dgb + t));
   out_take(o, be, y, n);
   out_take(o, be, dgb, 2 * t);
   ac_free(be, stats);
@@ -1662,20 +1611,20 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
   const ac_conv2d_geom g = {.n = 3, .c = 4, .h = 11, .w = 10, .kh = 3, .kw = 3, .stride_h = 2,
                             .stride_w = 2, .pad_h = 1, .pad_w = 2};
   size_t oh, ow;
-  assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_OK);
+  OK(ac_conv2d_out_hw(&g, &oh, &ow));
   size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;
   float *hx = host_rand(nx);
   float *x = dev_up(be, hx, nx), *col = dev_alloc(be, ncol * sizeof(float));
   float *y = dev_alloc(be, ny * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
   int32_t *am = dev_alloc(be, ny * sizeof(int32_t));
-  assert_int_equal(ac_im2col(be, &g, x, col), AC_OK);
+  OK(ac_im2col(be, &g, x, col));
   out_take(o, be, col, ncol);
-  assert_int_equal(ac_col2im(be, &g, col, dx), AC_OK);
+  OK(ac_col2im(be, &g, col, dx));
   out_take(o, be, dx, nx);
   for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
-    assert_int_equal(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am), AC_OK);
+    OK(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am));
     out_take(o, be, y, ny);
-    assert_int_equal(ac_pool2d_backward(be, (ac_pool_op)op, &g, y, am, dx), AC_OK);
+    OK(ac_pool2d_backward(be, (ac_pool_op)op, &g, y, am, dx));
     out_take(o, be, dx, nx);
   }
   int32_t hi[64];
@@ -1683,13 +1632,13 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
     hi[r] = (r * 5) % 23 - 1;
   int32_t *idx = dev_up_i32(be, hi, 64);
   float *e = dev_alloc(be, 64 * 8 * sizeof(float));
-  assert_int_equal(ac_gather_rows(be, 64, 8, x, 20, idx, e), AC_OK);
+  OK(ac_gather_rows(be, 64, 8, x, 20, idx, e));
   out_take(o, be, e, 64 * 8);
-  assert_int_equal(ac_scatter_add_rows(be, 64, 8, e, idx, x, 20), AC_OK);
+  OK(ac_scatter_add_rows(be, 64, 8, e, idx, x, 20));
   out_take(o, be, x, 160);
   const size_t shape[4] = {3, 4, 11, 10};
   const int perm[4] = {1, 3, 0, 2};
-  assert_int_equal(ac_permute(be, 4, shape, perm, x, dx), AC_OK);
+  OK(ac_permute(be, 4, shape, perm, x, dx));
   out_take(o, be, dx, nx);
   ac_free(be, idx);
   ac_free(be, e);
@@ -1705,9 +1654,9 @@ static void scen_random(ac_backend *be, outbuf *o)
 {
   const size_t n = 10007;
   float *z = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z), AC_OK);
+  OK(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z));
   out_take(o, be, z, n);
-  assert_int_equal(ac_dropout_mask(be, 99, 7, n, 0.1f, z), AC_OK);
+  OK(ac_dropout_mask(be, 99, 7, n, 0.1f, z));
   out_take(o, be, z, n);
   ac_free(be, z);
 }
@@ -1716,16 +1665,15 @@ static void scen_normal(ac_backend *be, outbuf *o)
 {
   const size_t n = 10007;
   float *z = dev_alloc(be, n * sizeof(float));
-  assert_int_equal(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z), AC_OK);
+  OK(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z));
   out_take(o, be, z, n);
   ac_free(be, z);
 }
 
 static void test_cuda_matches_cpu(void **state)
 {
-  ac_backend *gpu = BE(state), *cpu = NULL;
-  NEED_BACKEND(state);
-  assert_int_equal(ac_backend_create(&cpu, NULL), AC_OK);
+  ac_backend *gpu = backend(state);
+  ac_backend *cpu = ((fixture *)*state)->cpu; /* the CUDA group's CPU reference */
   const struct {
     const char *name;
     void (*run)(ac_backend *, outbuf *);
@@ -1753,61 +1701,10 @@ static void test_cuda_matches_cpu(void **state)
     free(oc.data);
     free(og.data);
   }
-  ac_backend_destroy(cpu);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_kind(void **state, ac_backend_kind kind)
-{
-  fixture *f = calloc(1, sizeof *f);
-  *state = NULL;
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = kind;
-  f->kind = kind;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK) {
-    if (kind == AC_BACKEND_CPU) {
-      free(f);
-      return -1;
-    }
-    if (getenv("AC_REQUIRE_CUDA") != NULL) {
-      /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-      print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-      free(f);
-      return -1;
-    }
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU tests skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cpu(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CPU);
-}
-
-static int setup_cuda(void **state)
-{
-  return setup_kind(state, AC_BACKEND_CUDA);
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL) /* cmocka tears down a group whose setup failed, too */
-    return 0;
-  ac_backend_destroy(f->be);
-  free(f);
-  return 0;
-}
 
 #define PRIMITIVE_TESTS                                                                 \
   cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),              \

@@ -27,6 +27,7 @@
 #include <cmocka.h>
 
 #include "accel.h"
+#include "test_util.h"
 
 #define TOL_FWD 1e-4
 #define TOL_GRAD 5e-4
@@ -35,10 +36,6 @@
 #define MAX_IN 6
 #define MAX_EXTRA 2
 
-typedef struct {
-  ac_backend *be;   /* backend under test (NULL: unavailable) */
-  ac_backend *cpu;  /* CUDA group: a CPU backend to compare against; NULL in the CPU group */
-} fixture;
 
 /* ------------------------------------------------------------------------------------ */
 /* Cases: host inputs, a reference, and what the backend produced                          */
@@ -75,10 +72,7 @@ static void rng_seed(uint64_t s)
 
 static double frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+  return (double)xorshift_frand(&rng_state);
 }
 
 static double *dalloc(size_t n)
@@ -127,8 +121,8 @@ static float *dev_upload(ac_backend *be, const double *x, size_t n)
 {
   void *d = NULL;
   float *h = to_f32(x, n);
-  assert_int_equal(ac_malloc(be, n * sizeof(float), &d), AC_OK);
-  assert_int_equal(ac_memcpy_h2d(be, d, h, n * sizeof(float)), AC_OK);
+  OK(ac_malloc(be, n * sizeof(float), &d));
+  OK(ac_memcpy_h2d(be, d, h, n * sizeof(float)));
   free(h);
   return d;
 }
@@ -136,15 +130,15 @@ static float *dev_upload(ac_backend *be, const double *x, size_t n)
 static int32_t *dev_upload_i32(ac_backend *be, const int32_t *x, size_t n)
 {
   void *d = NULL;
-  assert_int_equal(ac_malloc(be, n * sizeof(int32_t), &d), AC_OK);
-  assert_int_equal(ac_memcpy_h2d(be, d, x, n * sizeof(int32_t)), AC_OK);
+  OK(ac_malloc(be, n * sizeof(int32_t), &d));
+  OK(ac_memcpy_h2d(be, d, x, n * sizeof(int32_t)));
   return d;
 }
 
 static float *dev_download(ac_backend *be, const float *d, size_t n)
 {
   float *h = falloc(n);
-  assert_int_equal(ac_memcpy_d2h(be, h, d, n * sizeof(float)), AC_OK);
+  OK(ac_memcpy_d2h(be, h, d, n * sizeof(float)));
   return h;
 }
 
@@ -152,14 +146,14 @@ static void param_set(ac_param *p, const double *x)
 {
   assert_int_equal(p->value.numel > 0, 1);
   float *h = to_f32(x, p->value.numel);
-  assert_int_equal(ac_tensor_upload(&p->value, h), AC_OK);
+  OK(ac_tensor_upload(&p->value, h));
   free(h);
 }
 
 static float *param_grad(const ac_param *p)
 {
   float *h = falloc(p->grad.numel);
-  assert_int_equal(ac_tensor_download(&p->grad, h), AC_OK);
+  OK(ac_tensor_download(&p->grad, h));
   return h;
 }
 
@@ -248,13 +242,12 @@ static void check_close_f(const char *name, const char *what, const float *a, co
 static void run_case(void **state, const char *name, case_fn c)
 {
   fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   refcase rc;
   result res;
   memset(&rc, 0, sizeof rc);
   memset(&res, 0, sizeof res);
-  c(f->be, &rc, &res);
+  c(be, &rc, &res);
   check_case(name, &rc, &res);
   if (f->cpu != NULL) {
     refcase rc2;
@@ -274,7 +267,7 @@ static void run_case(void **state, const char *name, case_fn c)
 /* Downloads the layer output into res->y after syncing. */
 static void take_y(ac_backend *be, result *res, const float *y, size_t ny)
 {
-  assert_int_equal(ac_sync(be), AC_OK);
+  OK(ac_sync(be));
   res->y = dev_download(be, y, ny);
 }
 
@@ -309,16 +302,16 @@ static void case_linear(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_linear l;
-  assert_int_equal(ac_linear_init(&l, be, "fc", cfg.in, cfg.out, 1, 8, 3), AC_OK);
+  OK(ac_linear_init(&l, be, "fc", cfg.in, cfg.out, 1, 8, 3));
   param_set(&l.weight, w);
   param_set(&l.bias, b);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_linear_forward(&l, xd, cfg.rows, &y), AC_OK);
+  OK(ac_linear_forward(&l, xd, cfg.rows, &y));
   take_y(be, res, y, rc->ny);
   /* Twice: parameter gradients must accumulate (then halved), dx must not. */
-  assert_int_equal(ac_linear_backward(&l, dr, &dx), AC_OK);
-  assert_int_equal(ac_linear_backward(&l, dr, &dx), AC_OK);
+  OK(ac_linear_backward(&l, dr, &dx));
+  OK(ac_linear_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
@@ -363,14 +356,14 @@ static void case_embedding(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_embedding l;
-  assert_int_equal(ac_embedding_init(&l, be, "tok", cfg.vocab, cfg.dim, cfg.rows, 3), AC_OK);
+  OK(ac_embedding_init(&l, be, "tok", cfg.vocab, cfg.dim, cfg.rows, 3));
   param_set(&l.weight, w);
   int32_t *idx = dev_upload_i32(be, cfg.idx, cfg.rows);
   float *dr = dev_upload(be, rc->r, rc->ny);
   const float *y;
-  assert_int_equal(ac_embedding_forward(&l, idx, cfg.rows, &y), AC_OK);
+  OK(ac_embedding_forward(&l, idx, cfg.rows, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_embedding_backward(&l, dr), AC_OK);
+  OK(ac_embedding_backward(&l, dr));
   res->grad[0] = param_grad(&l.weight);
   ac_free(be, idx);
   ac_free(be, dr);
@@ -408,13 +401,13 @@ static void case_posembed(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_posembed l;
-  assert_int_equal(ac_posembed_init(&l, be, "pos", cfg.max_t, cfg.dim, 4, 3), AC_OK);
+  OK(ac_posembed_init(&l, be, "pos", cfg.max_t, cfg.dim, 4, 3));
   param_set(&l.weight, p);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_posembed_forward(&l, xd, cfg.batch, cfg.t, &y), AC_OK);
+  OK(ac_posembed_forward(&l, xd, cfg.batch, cfg.t, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_posembed_backward(&l, dr, &dx), AC_OK);
+  OK(ac_posembed_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   ac_free(be, xd);
@@ -464,14 +457,14 @@ static void case_layernorm(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_layernorm l;
-  assert_int_equal(ac_layernorm_init(&l, be, "ln", cfg.dim, (float)cfg.eps, 6), AC_OK);
+  OK(ac_layernorm_init(&l, be, "ln", cfg.dim, (float)cfg.eps, 6));
   param_set(&l.weight, g);
   param_set(&l.bias, b);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_layernorm_forward(&l, xd, cfg.rows, &y), AC_OK);
+  OK(ac_layernorm_forward(&l, xd, cfg.rows, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_layernorm_backward(&l, dr, &dx), AC_OK);
+  OK(ac_layernorm_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
@@ -515,13 +508,12 @@ static void case_activation(ac_backend *be, refcase *rc, result *res, const act_
   rc->cfg = cfg;
 
   ac_activation l;
-  assert_int_equal(
-      ac_activation_init(&l, be, cfg->gelu ? AC_UNARY_GELU : AC_UNARY_RELU, cfg->n + 3), AC_OK);
+  OK( ac_activation_init(&l, be, cfg->gelu ? AC_UNARY_GELU : AC_UNARY_RELU, cfg->n + 3));
   float *xd = dev_upload(be, x, cfg->n), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_activation_forward(&l, xd, cfg->n, &y), AC_OK);
+  OK(ac_activation_forward(&l, xd, cfg->n, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_activation_backward(&l, dr, &dx), AC_OK);
+  OK(ac_activation_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, cfg->n);
   ac_free(be, xd);
   ac_free(be, dr);
@@ -571,13 +563,13 @@ static void case_residual(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &n;
 
   ac_residual l;
-  assert_int_equal(ac_residual_init(&l, be, n), AC_OK);
+  OK(ac_residual_init(&l, be, n));
   float *ad = dev_upload(be, a, n), *bd = dev_upload(be, b, n);
   float *dr = dev_upload(be, rc->r, n);
   const float *y, *da, *db;
-  assert_int_equal(ac_residual_forward(&l, ad, bd, n, &y), AC_OK);
+  OK(ac_residual_forward(&l, ad, bd, n, &y));
   take_y(be, res, y, n);
-  assert_int_equal(ac_residual_backward(&l, dr, &da, &db), AC_OK);
+  OK(ac_residual_backward(&l, dr, &da, &db));
   res->grad[0] = dev_download(be, da, n);
   res->grad[1] = dev_download(be, db, n);
   ac_free(be, ad);
@@ -632,19 +624,19 @@ static void case_dropout(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_dropout l;
-  assert_int_equal(ac_dropout_init(&l, be, (float)cfg.p, cfg.seed, cfg.n), AC_OK);
+  OK(ac_dropout_init(&l, be, (float)cfg.p, cfg.seed, cfg.n));
   float *xd = dev_upload(be, x, cfg.n), *dr = dev_upload(be, rc->r, cfg.n);
   const float *y, *dx;
-  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_EVAL, &y), AC_OK);
+  OK(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_EVAL, &y));
   assert_ptr_equal(y, xd); /* eval: identity, and the offset does not move */
-  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y), AC_OK);
-  assert_int_equal(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y), AC_OK);
+  OK(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y));
+  OK(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y));
   take_y(be, res, y, cfg.n);
   size_t zeros = 0;
   for (size_t i = 0; i < cfg.n; i++)
     zeros += res->y[i] == 0.0f;
   assert_true(zeros > 4 && zeros < 32); /* about p n = 16 dropped */
-  assert_int_equal(ac_dropout_backward(&l, dr, &dx), AC_OK);
+  OK(ac_dropout_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, cfg.n);
   ac_free(be, xd);
   ac_free(be, dr);
@@ -726,16 +718,16 @@ static void case_attention(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_attention l;
-  assert_int_equal(ac_attention_init(&l, be, "attn", d, cfg.heads, 7, 3, 9), AC_OK);
+  OK(ac_attention_init(&l, be, "attn", d, cfg.heads, 7, 3, 9));
   param_set(&l.qkv.weight, wq);
   param_set(&l.qkv.bias, bq);
   param_set(&l.proj.weight, wp);
   param_set(&l.proj.bias, bp);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_attention_forward(&l, xd, cfg.batch, cfg.t, &y), AC_OK);
+  OK(ac_attention_forward(&l, xd, cfg.batch, cfg.t, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_attention_backward(&l, dr, &dx), AC_OK);
+  OK(ac_attention_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.qkv.weight);
   res->grad[2] = param_grad(&l.qkv.bias);
@@ -754,26 +746,23 @@ static void test_attention(void **state)
 /* Causality on its own: changing the last token must not change earlier outputs. */
 static void test_attention_causal(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
-  ac_backend *be = f->be;
+  ac_backend *be = backend(state);
   size_t t = 6, d = 8, n = t * d;
   double *x = dalloc(n);
   rng_seed(81);
   for (size_t i = 0; i < n; i++)
     x[i] = frand();
   ac_attention l;
-  assert_int_equal(ac_attention_init(&l, be, "attn", d, 4, t, 1, 5), AC_OK);
+  OK(ac_attention_init(&l, be, "attn", d, 4, t, 1, 5));
   float *xd = dev_upload(be, x, n);
   const float *y;
-  assert_int_equal(ac_attention_forward(&l, xd, 1, t, &y), AC_OK);
+  OK(ac_attention_forward(&l, xd, 1, t, &y));
   float *y1 = dev_download(be, y, n);
   for (size_t j = 0; j < d; j++)
     x[(t - 1) * d + j] += 1.0;
   ac_free(be, xd);
   xd = dev_upload(be, x, n);
-  assert_int_equal(ac_attention_forward(&l, xd, 1, t, &y), AC_OK);
+  OK(ac_attention_forward(&l, xd, 1, t, &y));
   float *y2 = dev_download(be, y, n);
   assert_memory_equal(y1, y2, (n - d) * sizeof(float));
   assert_true(memcmp(y1 + n - d, y2 + n - d, d * sizeof(float)) != 0);
@@ -824,16 +813,16 @@ static void case_celoss(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_celoss l;
-  assert_int_equal(ac_celoss_init(&l, be, cfg.classes, 8), AC_OK);
+  OK(ac_celoss_init(&l, be, cfg.classes, 8));
   float *zd = dev_upload(be, z, rc->len[0]);
   int32_t *lab = dev_upload_i32(be, cfg.labels, cfg.rows);
   double loss = 0.0;
   const float *dz;
-  assert_int_equal(ac_celoss_forward(&l, zd, lab, cfg.rows, &loss), AC_OK);
+  OK(ac_celoss_forward(&l, zd, lab, cfg.rows, &loss));
   assert_int_equal(l.counted, 4);
   res->y = falloc(1);
   res->y[0] = (float)loss;
-  assert_int_equal(ac_celoss_backward(&l, &dz), AC_OK);
+  OK(ac_celoss_backward(&l, &dz));
   res->grad[0] = dev_download(be, dz, rc->len[0]);
   ac_free(be, zd);
   ac_free(be, lab);
@@ -888,18 +877,17 @@ static void case_conv(ac_backend *be, refcase *rc, result *res)
   rc->cfg = &cfg;
 
   ac_conv2d l;
-  assert_int_equal(ac_conv2d_init(&l, be, "conv", cfg.c, cfg.oc, cfg.h, cfg.w, cfg.k,
-                                  cfg.stride, cfg.pad, 1, 4, 2, NULL, 11),
-                   AC_OK);
+  OK(ac_conv2d_init(&l, be, "conv", cfg.c, cfg.oc, cfg.h, cfg.w, cfg.k, cfg.stride, cfg.pad, 1, 4,
+     2, NULL, 11));
   assert_int_equal(l.oh, cfg.oh);
   assert_int_equal(l.ow, cfg.ow);
   param_set(&l.weight, w);
   param_set(&l.bias, b);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_conv2d_forward(&l, xd, cfg.n, &y), AC_OK);
+  OK(ac_conv2d_forward(&l, xd, cfg.n, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_conv2d_backward(&l, dr, &dx), AC_OK);
+  OK(ac_conv2d_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
@@ -968,15 +956,13 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   rc->cfg = cfg;
 
   ac_batchnorm l;
-  assert_int_equal(ac_batchnorm_init(&l, be, "bn", cfg->c, cfg->hw, (float)cfg->eps,
-                                     (float)cfg->momentum, 5),
-                   AC_OK);
+  OK(ac_batchnorm_init(&l, be, "bn", cfg->c, cfg->hw, (float)cfg->eps, (float)cfg->momentum, 5));
   param_set(&l.weight, g);
   param_set(&l.bias, b);
   if (cfg->eval) {
     float *rm = to_f32(cfg->rmean, cfg->c), *rv = to_f32(cfg->rvar, cfg->c);
-    assert_int_equal(ac_tensor_upload(&l.running_mean, rm), AC_OK);
-    assert_int_equal(ac_tensor_upload(&l.running_var, rv), AC_OK);
+    OK(ac_tensor_upload(&l.running_mean, rm));
+    OK(ac_tensor_upload(&l.running_var, rv));
     free(rm);
     free(rv);
   } else {
@@ -997,11 +983,9 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   }
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_batchnorm_forward(&l, xd, cfg->n, cfg->eval ? AC_MODE_EVAL : AC_MODE_TRAIN,
-                                        &y),
-                   AC_OK);
+  OK(ac_batchnorm_forward(&l, xd, cfg->n, cfg->eval ? AC_MODE_EVAL : AC_MODE_TRAIN, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_batchnorm_backward(&l, dr, &dx), AC_OK);
+  OK(ac_batchnorm_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
@@ -1075,16 +1059,15 @@ static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *
   rc->cfg = cfg;
 
   ac_pool l;
-  assert_int_equal(ac_pool_init(&l, be, cfg->max ? AC_POOL_MAX : AC_POOL_AVG, cfg->c, cfg->h,
-                                cfg->w, cfg->k, cfg->stride, cfg->pad, 3),
-                   AC_OK);
+  OK(ac_pool_init(&l, be, cfg->max ? AC_POOL_MAX : AC_POOL_AVG, cfg->c, cfg->h, cfg->w, cfg->k,
+     cfg->stride, cfg->pad, 3));
   assert_int_equal(l.oh, cfg->oh);
   assert_int_equal(l.ow, cfg->ow);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_pool_forward(&l, xd, cfg->n, &y), AC_OK);
+  OK(ac_pool_forward(&l, xd, cfg->n, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_pool_backward(&l, dr, &dx), AC_OK);
+  OK(ac_pool_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   ac_free(be, xd);
   ac_free(be, dr);
@@ -1139,12 +1122,12 @@ static void case_gap(ac_backend *be, refcase *rc, result *res)
   rc->f = ref_gap;
   rc->cfg = &cfg;
   ac_gap l;
-  assert_int_equal(ac_gap_init(&l, be, cfg.c, cfg.hw, 4), AC_OK);
+  OK(ac_gap_init(&l, be, cfg.c, cfg.hw, 4));
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
-  assert_int_equal(ac_gap_forward(&l, xd, cfg.n, &y), AC_OK);
+  OK(ac_gap_forward(&l, xd, cfg.n, &y));
   take_y(be, res, y, rc->ny);
-  assert_int_equal(ac_gap_backward(&l, dr, &dx), AC_OK);
+  OK(ac_gap_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   ac_free(be, xd);
   ac_free(be, dr);
@@ -1161,10 +1144,7 @@ static void test_gap(void **state)
 
 static void test_invalid(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
-  ac_backend *be = f->be;
+  ac_backend *be = backend(state);
   ac_linear lin;
   ac_attention at;
   ac_conv2d cv;
@@ -1179,7 +1159,7 @@ static void test_invalid(void **state)
   ac_linear_destroy(&lin); /* safe after a failed init */
   assert_int_equal(ac_linear_init(&lin, be, longname, 2, 3, 1, 4, 1), AC_EINVAL);
   assert_int_equal(ac_linear_init(&lin, be, NULL, 2, 3, 1, 4, 1), AC_EINVAL);
-  assert_int_equal(ac_linear_init(&lin, be, "fc", 2, 3, 1, 4, 1), AC_OK);
+  OK(ac_linear_init(&lin, be, "fc", 2, 3, 1, 4, 1));
   assert_int_equal(ac_linear_backward(&lin, lin.y, &y), AC_EINVAL); /* before forward */
   assert_int_equal(ac_linear_forward(&lin, lin.dx, 5, &y), AC_EINVAL); /* rows > max */
   assert_int_equal(ac_linear_forward(&lin, NULL, 1, &y), AC_EINVAL);
@@ -1198,14 +1178,12 @@ static void test_invalid(void **state)
 
 static void test_param_names(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_attention at;
   ac_param_list list;
   ac_param_list_init(&list);
-  assert_int_equal(ac_attention_init(&at, f->be, "layer0.attn", 8, 2, 4, 2, 1), AC_OK);
-  assert_int_equal(ac_attention_params(&at, &list), AC_OK);
+  OK(ac_attention_init(&at, be, "layer0.attn", 8, 2, 4, 2, 1));
+  OK(ac_attention_params(&at, &list));
   assert_int_equal(list.n, 4);
   assert_string_equal(list.items[0]->name, "layer0.attn.qkv.weight");
   assert_string_equal(list.items[1]->name, "layer0.attn.qkv.bias");
@@ -1215,10 +1193,10 @@ static void test_param_names(void **state)
   assert_ptr_equal(ac_param_list_find(&list, "layer0.attn.proj.weight"), &at.proj.weight);
   assert_null(ac_param_list_find(&list, "nope"));
   /* zero_grad clears accumulated gradients */
-  assert_int_equal(ac_fill_f32(f->be, 8, ac_tensor_f32(&at.proj.bias.grad), 3.0f), AC_OK);
-  assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
+  OK(ac_fill_f32(be, 8, ac_tensor_f32(&at.proj.bias.grad), 3.0f));
+  OK(ac_param_list_zero_grad(&list));
   float g[8];
-  assert_int_equal(ac_tensor_download(&at.proj.bias.grad, g), AC_OK);
+  OK(ac_tensor_download(&at.proj.bias.grad, g));
   for (int i = 0; i < 8; i++)
     assert_true(g[i] == 0.0f);
   ac_param_list_destroy(&list);
@@ -1227,57 +1205,6 @@ static void test_param_names(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_cpu(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cuda(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = AC_BACKEND_CUDA;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
-    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                ac_strerror(rc), ac_backend_describe(NULL));
-    free(f);
-    return -1;
-  }
-  if (rc != AC_OK) {
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA-vs-CPU layer tests "
-                  "skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
-    ac_backend_destroy(f->be);
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL)
-    return 0;
-  ac_backend_destroy(f->be);
-  ac_backend_destroy(f->cpu);
-  free(f);
-  return 0;
-}
 
 #define LAYER_TESTS                                                                       \
   cmocka_unit_test(test_linear), cmocka_unit_test(test_embedding),                        \

@@ -22,15 +22,12 @@
 #include <cmocka.h>
 
 #include "accel.h"
+#include "test_util.h"
 
 #define TOL_DIR 2e-2
 #define FLOOR 2e-4
 #define TOL_XBE 1e-3
 
-typedef struct {
-  ac_backend *be;
-  ac_backend *cpu;
-} fixture;
 
 static uint64_t rng_state;
 
@@ -41,17 +38,14 @@ static void rng_seed(uint64_t s)
 
 static float frand(void)
 {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((double)(rng_state >> 40) * (1.0 / 16777216.0) * 2.0 - 1.0);
+  return xorshift_frand(&rng_state);
 }
 
 static void *dev_upload(ac_backend *be, const void *h, size_t bytes)
 {
   void *d = NULL;
-  assert_int_equal(ac_malloc(be, bytes, &d), AC_OK);
-  assert_int_equal(ac_memcpy_h2d(be, d, h, bytes), AC_OK);
+  OK(ac_malloc(be, bytes, &d));
+  OK(ac_memcpy_h2d(be, d, h, bytes));
   return d;
 }
 
@@ -59,7 +53,7 @@ static float *host_of(const ac_tensor *t)
 {
   float *h = malloc(t->numel * sizeof *h);
   assert_non_null(h);
-  assert_int_equal(ac_tensor_download(t, h), AC_OK);
+  OK(ac_tensor_download(t, h));
   return h;
 }
 
@@ -73,7 +67,7 @@ typedef struct {
 static double loss_now(const model_ops *m)
 {
   double loss = 0.0;
-  assert_int_equal(m->forward(m->model, &loss), AC_OK);
+  OK(m->forward(m->model, &loss));
   return loss;
 }
 
@@ -84,13 +78,13 @@ static double central_difference(const model_ops *m, ac_param *p, const float *v
   size_t n = p->value.numel;
   for (size_t i = 0; i < n; i++)
     w[i] = (float)(v[i] + h * d[i]);
-  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  OK(ac_tensor_upload(&p->value, w));
   double lp = loss_now(m);
   for (size_t i = 0; i < n; i++)
     w[i] = (float)(v[i] - h * d[i]);
-  assert_int_equal(ac_tensor_upload(&p->value, w), AC_OK);
+  OK(ac_tensor_upload(&p->value, w));
   double lm = loss_now(m);
-  assert_int_equal(ac_tensor_upload(&p->value, v), AC_OK);
+  OK(ac_tensor_upload(&p->value, v));
   return (lp - lm) / (2.0 * h);
 }
 
@@ -101,9 +95,9 @@ static double central_difference(const model_ops *m, ac_param *p, const float *v
 static void check_directional(const model_ops *m, ac_param_list *list)
 {
   static const double steps[] = {1e-3, 3e-4, 1e-4};
-  assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+  OK(ac_param_list_zero_grad(list));
   (void)loss_now(m);
-  assert_int_equal(m->backward(m->model), AC_OK);
+  OK(m->backward(m->model));
   for (size_t k = 0; k < list->n; k++) {
     ac_param *p = list->items[k];
     size_t n = p->value.numel;
@@ -135,18 +129,17 @@ static void check_sgd_lowers_loss(const model_ops *m, ac_param_list *list, float
 {
   double first = 0.0, last = 0.0;
   for (int s = 0; s <= steps; s++) {
-    assert_int_equal(ac_param_list_zero_grad(list), AC_OK);
+    OK(ac_param_list_zero_grad(list));
     last = loss_now(m);
     if (s == 0)
       first = last;
     if (s == steps)
       break;
-    assert_int_equal(m->backward(m->model), AC_OK);
+    OK(m->backward(m->model));
     for (size_t k = 0; k < list->n; k++) {
       ac_param *p = list->items[k];
-      assert_int_equal(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad),
-                                1.0f, ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)),
-                       AC_OK);
+      OK(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad), 1.0f,
+         ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)));
     }
   }
   if (!(last < 0.8 * first))
@@ -203,7 +196,7 @@ static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t ba
   }
   tgt[1] = -1; /* an ignored position */
   memset(r, 0, sizeof *r);
-  assert_int_equal(ac_lm_init(&r->lm, be, c), AC_OK);
+  OK(ac_lm_init(&r->lm, be, c));
   r->tokens = dev_upload(be, tok, batch * t * sizeof(int32_t));
   r->targets = dev_upload(be, tgt, batch * t * sizeof(int32_t));
   r->batch = batch;
@@ -220,16 +213,14 @@ static void lm_teardown(lm_run *r, ac_backend *be)
 
 static void test_lm_params(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   ac_lm lm;
   ac_param_list list;
   lm_small_config(&c);
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_OK);
-  assert_int_equal(ac_lm_params(&lm, &list), AC_OK);
+  OK(ac_lm_init(&lm, be, &c));
+  OK(ac_lm_params(&lm, &list));
   /* tok, pos, 2 x (ln1 2, attn 4, ln2 2, fc1 2, fc2 2), lnf 2, head 2 */
   assert_int_equal(list.n, 2 + 2 * 12 + 4);
   assert_string_equal(list.items[0]->name, "tok.weight");
@@ -245,22 +236,20 @@ static void test_lm_params(void **state)
   ac_lm_destroy(&lm);
 
   c.heads = 3; /* dim 8 is not a multiple */
-  assert_int_equal(ac_lm_init(&lm, f->be, &c), AC_EINVAL);
+  assert_int_equal(ac_lm_init(&lm, be, &c), AC_EINVAL);
   ac_lm_destroy(&lm);
 }
 
 static void test_lm_gradients(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   lm_small_config(&c);
-  lm_setup(&r, f->be, &c, 2, 5); /* fewer than the maximum batch and context */
+  lm_setup(&r, be, &c, 2, 5); /* fewer than the maximum batch and context */
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
   model_ops m = {lm_fwd, lm_bwd, &r};
   double loss = loss_now(&m);
   assert_true(fabs(loss - log((double)c.vocab)) < 0.5);
@@ -270,47 +259,43 @@ static void test_lm_gradients(void **state)
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 }
 
 /* With dropout active and the masks held fixed, the gradients still match: the masks are
  * applied on the way back too. */
 static void test_lm_gradients_dropout(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   lm_small_config(&c);
   c.dropout = 0.2f;
-  lm_setup(&r, f->be, &c, 3, 6);
+  lm_setup(&r, be, &c, 3, 6);
   r.fixed_masks = 1;
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
   model_ops m = {lm_fwd, lm_bwd, &r};
   assert_true(loss_now(&m) == loss_now(&m));
   rng_seed(13);
   check_directional(&m, &list);
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 }
 
 /* Dropout: two models with the same seed give the same training losses; the dropped run
  * differs from the run without dropout; eval mode ignores dropout. */
 static void test_lm_dropout(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run a, b, z;
   lm_small_config(&c);
-  lm_setup(&z, f->be, &c, 3, 6);
+  lm_setup(&z, be, &c, 3, 6);
   c.dropout = 0.3f;
-  lm_setup(&a, f->be, &c, 3, 6);
-  lm_setup(&b, f->be, &c, 3, 6);
+  lm_setup(&a, be, &c, 3, 6);
+  lm_setup(&b, be, &c, 3, 6);
   model_ops ma = {lm_fwd, lm_bwd, &a}, mb = {lm_fwd, lm_bwd, &b}, mz = {lm_fwd, lm_bwd, &z};
   double la1 = loss_now(&ma), la2 = loss_now(&ma), lb1 = loss_now(&mb), lb2 = loss_now(&mb);
   double lz = loss_now(&mz);
@@ -319,9 +304,9 @@ static void test_lm_dropout(void **state)
   a.mode = AC_MODE_EVAL;
   z.mode = AC_MODE_EVAL;
   assert_true(loss_now(&ma) == loss_now(&mz));
-  lm_teardown(&a, f->be);
-  lm_teardown(&b, f->be);
-  lm_teardown(&z, f->be);
+  lm_teardown(&a, be);
+  lm_teardown(&b, be);
+  lm_teardown(&z, be);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -374,7 +359,7 @@ static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_
   for (size_t i = 0; i < batch; i++)
     lab[i] = (int32_t)(i % c->classes);
   memset(r, 0, sizeof *r);
-  assert_int_equal(ac_resnet_init(&r->net, be, c), AC_OK);
+  OK(ac_resnet_init(&r->net, be, c));
   r->images = dev_upload(be, img, n * sizeof *img);
   r->labels = dev_upload(be, lab, batch * sizeof(int32_t));
   r->batch = batch;
@@ -391,17 +376,15 @@ static void rn_teardown(rn_run *r, ac_backend *be)
 
 static void test_resnet_params(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_resnet_config c;
   ac_resnet net;
   ac_param_list list;
   ac_resnet_config_default(&c);
   c.batch = 2;
   ac_param_list_init(&list);
-  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_OK);
-  assert_int_equal(ac_resnet_params(&net, &list), AC_OK);
+  OK(ac_resnet_init(&net, be, &c));
+  OK(ac_resnet_params(&net, &list));
   /* ResNet-20 for 28x28x1: stem conv+bn (3), 9 blocks x (conv, bn, conv, bn: 6) plus two
    * projection shortcuts (3 each), fc (2). */
   assert_int_equal(list.n, 3 + 9 * 6 + 2 * 3 + 2);
@@ -415,21 +398,19 @@ static void test_resnet_params(void **state)
   ac_param_list_destroy(&list);
   ac_resnet_destroy(&net);
   c.stages = AC_RESNET_MAX_STAGES + 1;
-  assert_int_equal(ac_resnet_init(&net, f->be, &c), AC_EINVAL);
+  assert_int_equal(ac_resnet_init(&net, be, &c), AC_EINVAL);
 }
 
 static void test_resnet_gradients(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_resnet_config c;
   rn_run r;
   ac_param_list list;
   rn_small_config(&c);
-  rn_setup(&r, f->be, &c, 5);
+  rn_setup(&r, be, &c, 5);
   ac_param_list_init(&list);
-  assert_int_equal(ac_resnet_params(&r.net, &list), AC_OK);
+  OK(ac_resnet_params(&r.net, &list));
   model_ops m = {rn_fwd, rn_bwd, &r};
   double loss = loss_now(&m);
   assert_true(isfinite(loss) && loss > 0.0);
@@ -439,22 +420,20 @@ static void test_resnet_gradients(void **state)
   r.mode = AC_MODE_EVAL;
   assert_true(isfinite(loss_now(&m)));
   ac_param_list_destroy(&list);
-  rn_teardown(&r, f->be);
+  rn_teardown(&r, be);
 }
 
 /* Bad calls get AC_EINVAL and change nothing; a batch whose targets are all ignored has
  * loss 0 and zero gradients. */
 static void test_bad_input(void **state)
 {
-  fixture *f = *state;
-  if (f->be == NULL)
-    skip();
+  ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
   ac_param_list list;
   double loss = -1.0;
   lm_small_config(&c);
-  lm_setup(&r, f->be, &c, 3, 6);
+  lm_setup(&r, be, &c, 3, 6);
   assert_int_equal(ac_lm_backward(&r.lm), AC_EINVAL); /* before any forward */
   assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 4, 6, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
@@ -469,43 +448,40 @@ static void test_bad_input(void **state)
   int32_t ignored[18];
   for (int i = 0; i < 18; i++)
     ignored[i] = i % 2 ? -1 : (int32_t)c.vocab; /* both sides of the range */
-  assert_int_equal(ac_memcpy_h2d(f->be, r.targets, ignored, sizeof ignored), AC_OK);
+  OK(ac_memcpy_h2d(be, r.targets, ignored, sizeof ignored));
   ac_param_list_init(&list);
-  assert_int_equal(ac_lm_params(&r.lm, &list), AC_OK);
-  assert_int_equal(ac_param_list_zero_grad(&list), AC_OK);
-  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, AC_MODE_TRAIN, &loss),
-                   AC_OK);
+  OK(ac_lm_params(&r.lm, &list));
+  OK(ac_param_list_zero_grad(&list));
+  OK(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, AC_MODE_TRAIN, &loss));
   assert_true(loss == 0.0);
-  assert_int_equal(ac_lm_backward(&r.lm), AC_OK);
+  OK(ac_lm_backward(&r.lm));
   for (size_t k = 0; k < list.n; k++) {
     double sq = -1.0;
-    assert_int_equal(ac_sumsq_to_host(f->be, list.items[k]->grad.numel,
-                                      ac_tensor_f32(&list.items[k]->grad), &sq),
-                     AC_OK);
+    OK(ac_sumsq_to_host(be, list.items[k]->grad.numel, ac_tensor_f32(&list.items[k]->grad), &sq));
     assert_true(sq == 0.0);
   }
   ac_param_list_destroy(&list);
-  lm_teardown(&r, f->be);
+  lm_teardown(&r, be);
 
   ac_resnet_config rc;
   ac_resnet net;
   rn_small_config(&rc);
   rc.width[1] = 0;
-  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_EINVAL);
+  assert_int_equal(ac_resnet_init(&net, be, &rc), AC_EINVAL);
   ac_resnet_destroy(&net);
   rn_small_config(&rc);
   rc.h = 1; /* one row: every 3x3, pad 1 conv (stride 1 or 2) keeps one row */
-  assert_int_equal(ac_resnet_init(&net, f->be, &rc), AC_OK);
+  OK(ac_resnet_init(&net, be, &rc));
   ac_resnet_destroy(&net);
   rn_run rr;
   rn_small_config(&rc);
-  rn_setup(&rr, f->be, &rc, 5);
+  rn_setup(&rr, be, &rc, 5);
   assert_int_equal(ac_resnet_backward(&rr.net), AC_EINVAL);
   assert_int_equal(ac_resnet_forward(&rr.net, rr.images, rr.labels, 6, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
   assert_int_equal(ac_resnet_forward(&rr.net, rr.images, NULL, 5, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
-  rn_teardown(&rr, f->be);
+  rn_teardown(&rr, be);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -542,12 +518,12 @@ static void test_cross_backend(void **state)
   lm_setup(&lb, f->cpu, &lc, 3, 6);
   ac_param_list_init(&pa);
   ac_param_list_init(&pb);
-  assert_int_equal(ac_lm_params(&la.lm, &pa), AC_OK);
-  assert_int_equal(ac_lm_params(&lb.lm, &pb), AC_OK);
+  OK(ac_lm_params(&la.lm, &pa));
+  OK(ac_lm_params(&lb.lm, &pb));
   model_ops ma = {lm_fwd, lm_bwd, &la}, mb = {lm_fwd, lm_bwd, &lb};
   assert_true(fabs(loss_now(&ma) - loss_now(&mb)) < 1e-4);
-  assert_int_equal(lm_bwd(&la), AC_OK);
-  assert_int_equal(lm_bwd(&lb), AC_OK);
+  OK(lm_bwd(&la));
+  OK(lm_bwd(&lb));
   compare_lists(&pa, &pb);
   ac_param_list_destroy(&pa);
   ac_param_list_destroy(&pb);
@@ -561,12 +537,12 @@ static void test_cross_backend(void **state)
   rn_setup(&rb, f->cpu, &rc, 5);
   ac_param_list_init(&pa);
   ac_param_list_init(&pb);
-  assert_int_equal(ac_resnet_params(&ra.net, &pa), AC_OK);
-  assert_int_equal(ac_resnet_params(&rb.net, &pb), AC_OK);
+  OK(ac_resnet_params(&ra.net, &pa));
+  OK(ac_resnet_params(&rb.net, &pb));
   model_ops na = {rn_fwd, rn_bwd, &ra}, nb = {rn_fwd, rn_bwd, &rb};
   assert_true(fabs(loss_now(&na) - loss_now(&nb)) < 1e-4);
-  assert_int_equal(rn_bwd(&ra), AC_OK);
-  assert_int_equal(rn_bwd(&rb), AC_OK);
+  OK(rn_bwd(&ra));
+  OK(rn_bwd(&rb));
   compare_lists(&pa, &pb);
   ac_param_list_destroy(&pa);
   ac_param_list_destroy(&pb);
@@ -576,56 +552,6 @@ static void test_cross_backend(void **state)
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
-
-static int setup_cpu(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL || ac_backend_create(&f->be, NULL) != AC_OK) {
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int setup_cuda(void **state)
-{
-  fixture *f = calloc(1, sizeof *f);
-  if (f == NULL)
-    return -1;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
-  opts.kind = AC_BACKEND_CUDA;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK && getenv("AC_REQUIRE_CUDA") != NULL) {
-    /* bench/device-check.sh: on a GPU machine a missing backend is a failure. */
-    print_error("CUDA backend required (AC_REQUIRE_CUDA) but unavailable: %s: %s\n",
-                ac_strerror(rc), ac_backend_describe(NULL));
-    free(f);
-    return -1;
-  }
-  if (rc != AC_OK) {
-    print_message("[  SKIP    ] CUDA backend unavailable (%s: %s): CUDA model tests skipped\n",
-                  ac_strerror(rc), ac_backend_describe(NULL));
-  } else if (ac_backend_create(&f->cpu, NULL) != AC_OK) {
-    ac_backend_destroy(f->be);
-    free(f);
-    return -1;
-  }
-  *state = f;
-  return 0;
-}
-
-static int teardown(void **state)
-{
-  fixture *f = *state;
-  if (f == NULL)
-    return 0;
-  ac_backend_destroy(f->be);
-  ac_backend_destroy(f->cpu);
-  free(f);
-  return 0;
-}
 
 #define MODEL_TESTS                                                                       \
   cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \

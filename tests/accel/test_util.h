@@ -1,6 +1,6 @@
 /*
- * test_util.h -- what the optimizer tests of tests/accel/ share: the group fixture that runs
- * every test on the CPU backend and again on CUDA (a missing backend skips its group with a
+ * test_util.h -- what the tests of tests/accel/ share: the group fixture that runs every
+ * test on the CPU backend and again on CUDA (a missing CUDA backend skips its group with a
  * message), a reproducible random generator and checked allocation. Header-only (static
  * inline) so that each test stays one executable built from one file. Include it after
  * <cmocka.h> and "accel.h".
@@ -15,7 +15,8 @@
 #define OK(call) assert_int_equal((call), AC_OK)
 
 typedef struct {
-  ac_backend *be;
+  ac_backend *be;  /* backend under test; NULL: unavailable, its tests skip */
+  ac_backend *cpu; /* CUDA group with a device: a CPU backend to compare against; else NULL */
 } fixture;
 
 /* The group's backend; skips the test when it does not exist (the setup said why). */
@@ -45,21 +46,37 @@ static inline void *xcalloc(size_t n, size_t sz)
   return p;
 }
 
-/* Group setup: a backend of the kind asked, or NULL (with a message) where there is none. */
+/* Group setup: a backend of the kind asked, or NULL (with a message) where there is none.
+ * The CPU backend always exists, so its absence fails the group; so does a missing CUDA
+ * backend under AC_REQUIRE_CUDA (bench/device-check.sh: on a GPU machine every CUDA-vs-CPU
+ * test must run). A CUDA group with a device also gets a CPU backend to compare against. */
 static inline int setup_kind(void **state, ac_backend_kind kind)
 {
   static fixture fx[2];
+  const char *name = kind == AC_BACKEND_CUDA ? "CUDA" : "CPU";
   ac_backend_opts opts;
   ac_backend_opts_default(&opts);
   opts.kind = kind;
   fixture *f = &fx[kind == AC_BACKEND_CUDA];
   f->be = NULL;
-  int rc = ac_backend_create(&f->be, &opts);
-  if (rc != AC_OK)
-    print_message("[  SKIP    ] %s backend unavailable (%s: %s): its tests are skipped\n",
-                  kind == AC_BACKEND_CUDA ? "CUDA" : "CPU", ac_strerror(rc),
-                  ac_backend_describe(NULL));
+  f->cpu = NULL;
   *state = f;
+  int rc = ac_backend_create(&f->be, &opts);
+  if (rc != AC_OK) {
+    if (kind == AC_BACKEND_CPU || getenv("AC_REQUIRE_CUDA") != NULL) {
+      print_error("%s backend required but unavailable: %s: %s\n", name, ac_strerror(rc),
+                  ac_backend_describe(NULL));
+      return -1;
+    }
+    print_message("[  SKIP    ] %s backend unavailable (%s: %s): its tests are skipped\n", name,
+                  ac_strerror(rc), ac_backend_describe(NULL));
+    return 0;
+  }
+  if (kind == AC_BACKEND_CUDA && ac_backend_create(&f->cpu, NULL) != AC_OK) {
+    ac_backend_destroy(f->be);
+    f->be = NULL;
+    return -1;
+  }
   return 0;
 }
 
@@ -77,7 +94,9 @@ static inline int teardown(void **state)
 {
   fixture *f = *state;
   ac_backend_destroy(f->be);
+  ac_backend_destroy(f->cpu);
   f->be = NULL;
+  f->cpu = NULL;
   return 0;
 }
 
