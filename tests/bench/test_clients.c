@@ -22,6 +22,8 @@
 
 #include <cmocka.h>
 
+#include "precondd_util.h"
+
 static const char *precondd_path, *transformer_path, *resnet_path, *compare_path, *build_dir;
 static char tmpdir[64], daemon_addr[64], kjv_path[128];
 static pid_t daemon_pid;
@@ -66,42 +68,12 @@ static int setup(void **state) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/test_clients.XXXXXX");
   if (mkdtemp(tmpdir) == NULL) return -1;
   snprintf(kjv_path, sizeof kjv_path, "%s/kjv.txt", tmpdir);
-  char port_file[128], log_file[128], state_dir[128];
-  snprintf(port_file, sizeof port_file, "%s/port", tmpdir);
-  snprintf(log_file, sizeof log_file, "%s/precondd.log", tmpdir);
-  snprintf(state_dir, sizeof state_dir, "%s/state", tmpdir);
-  daemon_pid = fork();
-  if (daemon_pid < 0) return -1;
-  if (daemon_pid == 0) {
-    if (freopen(log_file, "w", stderr) == NULL) _exit(126);
-    execl(precondd_path, precondd_path, "--listen", "127.0.0.1:0", "--port-file", port_file,
-          "--state-dir", state_dir, "--threads", "1", "--log-level", "warn", (char *)NULL);
-    _exit(127);
-  }
-  for (int i = 0; i < 200; i++) {
-    FILE *f = fopen(port_file, "r");
-    int port = 0;
-    if (f != NULL) {
-      int got = fscanf(f, "%d", &port);
-      fclose(f);
-      if (got == 1 && port > 0) {
-        snprintf(daemon_addr, sizeof daemon_addr, "127.0.0.1:%d", port);
-        return 0;
-      }
-    }
-    usleep(50000);
-  }
-  fprintf(stderr, "precondd did not write %s within 10 s\n", port_file);
-  return -1;
+  return precondd_start(precondd_path, tmpdir, &daemon_pid, daemon_addr, sizeof daemon_addr);
 }
 
 static int teardown(void **state) {
   (void)state;
-  if (daemon_pid > 0) {
-    kill(daemon_pid, SIGTERM);
-    int st = 0;
-    waitpid(daemon_pid, &st, 0);
-  }
+  precondd_stop(&daemon_pid);
   char cmd[128];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
   return system(cmd) == 0 ? 0 : -1;

@@ -21,6 +21,8 @@
 
 #include <cmocka.h>
 
+#include "precondd_util.h"
+
 #include "train.h"
 
 static char tmpdir[64];
@@ -573,43 +575,11 @@ static char daemon_addr[64];
 
 static int daemon_setup(void **state) {
   if (setup(state) != 0) return -1;
-  char port_file[128], log_file[128], state_dir[128];
-  snprintf(port_file, sizeof port_file, "%s/port", tmpdir);
-  snprintf(log_file, sizeof log_file, "%s/precondd.log", tmpdir);
-  snprintf(state_dir, sizeof state_dir, "%s/state", tmpdir);
-  daemon_pid = fork();
-  if (daemon_pid < 0) return -1;
-  if (daemon_pid == 0) {
-    FILE *lf = freopen(log_file, "w", stderr);
-    (void)lf;
-    execl(precondd_path, precondd_path, "--listen", "127.0.0.1:0", "--port-file", port_file,
-          "--state-dir", state_dir, "--threads", "1", "--log-level", "warn", (char *)NULL);
-    _exit(127);
-  }
-  for (int i = 0; i < 200; i++) {
-    FILE *f = fopen(port_file, "r");
-    int port = 0;
-    if (f != NULL) {
-      int got = fscanf(f, "%d", &port);
-      fclose(f);
-      if (got == 1 && port > 0) {
-        snprintf(daemon_addr, sizeof daemon_addr, "127.0.0.1:%d", port);
-        return 0;
-      }
-    }
-    usleep(50000);
-  }
-  fprintf(stderr, "precondd did not write %s within 10 s\n", port_file);
-  return -1;
+  return precondd_start(precondd_path, tmpdir, &daemon_pid, daemon_addr, sizeof daemon_addr);
 }
 
 static int daemon_teardown(void **state) {
-  if (daemon_pid > 0) {
-    kill(daemon_pid, SIGTERM);
-    int st = 0;
-    waitpid(daemon_pid, &st, 0);
-    daemon_pid = 0;
-  }
+  precondd_stop(&daemon_pid);
   return teardown(state);
 }
 
