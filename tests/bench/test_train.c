@@ -429,12 +429,28 @@ static void csv_column(const char *csv, int col, char *out, size_t len) {
   }
 }
 
+/* Trains the toy model t with options o into tmpdir/sub, reads back its train.csv into *csv
+ * (caller frees), then releases t and be. */
+static void train_toy(tr_options *o, const char *sub, ac_backend *be, toy *t, tr_summary *sm,
+                      char **csv) {
+  tr_model m = toy_model(t);
+  snprintf(o->out, sizeof o->out, "%s/%s", tmpdir, sub);
+  tr_error err = {{0}};
+  int rc = tr_train(o, be, &m, sm, &err);
+  if (rc != TR_OK) fail_msg("tr_train: %s", err.msg);
+  char path[600];
+  snprintf(path, sizeof path, "%s/train.csv", o->out);
+  *csv = read_file(path);
+  assert_non_null(*csv);
+  toy_destroy(t);
+  ac_backend_destroy(be);
+}
+
 static void run_toy(tr_optimizer_kind kind, const char *sub, tr_summary *sm, char **csv) {
   ac_backend *be = NULL;
   assert_int_equal(ac_backend_create(&be, NULL), AC_OK);
   toy t;
   toy_init(&t, be, 5);
-  tr_model m = toy_model(&t);
   tr_options o;
   tr_options_default(&o);
   o.optimizer = kind;
@@ -442,16 +458,7 @@ static void run_toy(tr_optimizer_kind kind, const char *sub, tr_summary *sm, cha
   o.eval_every = 20;
   o.quiet = 1;
   o.lr = kind == TR_SGD ? 0.1 : 0.02;
-  snprintf(o.out, sizeof o.out, "%s/%s", tmpdir, sub);
-  tr_error err = {{0}};
-  int rc = tr_train(&o, be, &m, sm, &err);
-  if (rc != TR_OK) fail_msg("tr_train: %s", err.msg);
-  char path[600];
-  snprintf(path, sizeof path, "%s/train.csv", o.out);
-  *csv = read_file(path);
-  assert_non_null(*csv);
-  toy_destroy(&t);
-  ac_backend_destroy(be);
+  train_toy(&o, sub, be, &t, sm, csv);
 }
 
 static void test_train_loop(void **state) {
@@ -591,7 +598,6 @@ static void run_shampoo(int sync, const char *sub, long steps, tr_summary *sm, c
   /* Roots take a poll interval (20 ms) and a computation to come back: give the async run
    * the pace of a small real model so that they arrive within it. */
   t.delay_us = sync ? 0 : 5000;
-  tr_model m = toy_model(&t);
   tr_options o;
   tr_options_default(&o);
   o.optimizer = TR_SHAMPOO;
@@ -602,16 +608,7 @@ static void run_shampoo(int sync, const char *sub, long steps, tr_summary *sm, c
   o.sync_roots = sync;
   snprintf(o.daemon, sizeof o.daemon, "%s", daemon_addr);
   snprintf(o.job, sizeof o.job, "toy-%s", sub);
-  snprintf(o.out, sizeof o.out, "%s/%s", tmpdir, sub);
-  tr_error err = {{0}};
-  int rc = tr_train(&o, be, &m, sm, &err);
-  if (rc != TR_OK) fail_msg("tr_train: %s", err.msg);
-  char path[600];
-  snprintf(path, sizeof path, "%s/train.csv", o.out);
-  *csv = read_file(path);
-  assert_non_null(*csv);
-  toy_destroy(&t);
-  ac_backend_destroy(be);
+  train_toy(&o, sub, be, &t, sm, csv);
 }
 
 static void test_shampoo_async(void **state) {
