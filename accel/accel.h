@@ -783,17 +783,30 @@ int ac_tblock_forward(ac_tblock *b, const float *x, size_t batch, size_t t, ac_m
                       const float **y);
 int ac_tblock_backward(ac_tblock *b, const float *dy, const float **dx);
 
+/* Weight initialisation of a model's linear or conv layers, chosen in the model config.
+ * AC_INIT_LAYER keeps each layer's own (linear U(-1/sqrt(in), 1/sqrt(in)); conv He fan-in,
+ * N(0, 2 / (in_c k k))). AC_INIT_NORMAL002 (Transformer linears, as GPT-2): N(0, 0.02^2).
+ * AC_INIT_HE_FAN_OUT (ResNet convs, He et al. 2015 as torchvision's ResNet):
+ * N(0, 2 / (out_c k k)). Biases stay 0. */
+typedef enum { AC_INIT_LAYER = 0, AC_INIT_NORMAL002 = 1, AC_INIT_HE_FAN_OUT = 2 } ac_init;
+
 /* Decoder-only Transformer language model: token embedding "tok" + learned positional
  * embedding "pos", `layers` blocks "layer<i>", final layer norm "lnf", linear head "head"
- * (dim -> vocab, with bias), softmax cross-entropy against targets. */
+ * (dim -> vocab, with bias), softmax cross-entropy against targets. With tie_head the
+ * head's weight is the embedding matrix itself (as GPT-2): no "head.weight" parameter, and
+ * "tok.weight"'s gradient is the sum of its two uses. init: AC_INIT_LAYER or
+ * AC_INIT_NORMAL002 for every linear (attention, MLP, an untied head). */
 typedef struct {
   size_t vocab, ctx, dim, heads, layers, mlp, batch;
   float dropout;
   uint64_t seed;
+  int tie_head;
+  ac_init init;
 } ac_lm_config;
 
 /* The benchmark client's model: vocab 256, ctx 64, dim 128, 4 heads, 2 layers, mlp 512,
- * batch 32, dropout 0, seed 1. */
+ * batch 32, dropout 0, seed 1, tied head, linears N(0, 0.02^2) (docs/benchmarks.md has the
+ * measurements behind the last two). */
 void ac_lm_config_default(ac_lm_config *c);
 
 typedef struct {
@@ -858,10 +871,12 @@ typedef struct {
   size_t width[AC_RESNET_MAX_STAGES];
   float bn_eps, bn_momentum;
   uint64_t seed;
+  ac_init conv_init;   /* AC_INIT_LAYER (He fan-in) or AC_INIT_HE_FAN_OUT, every conv */
 } ac_resnet_config;
 
 /* The benchmark client's ResNet-20 for 28x28x1: 3 stages of 3 blocks, widths 16/32/64,
- * 10 classes, batch 128, im2col chunk 8 images, bn eps 1e-5, momentum 0.1, seed 1. */
+ * 10 classes, batch 128, im2col chunk 8 images, bn eps 1e-5, momentum 0.1, seed 1, convs
+ * He fan-out. */
 void ac_resnet_config_default(ac_resnet_config *c);
 
 typedef struct {

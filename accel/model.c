@@ -4,6 +4,7 @@
  * ResNet. Same conventions as the layers (caller-allocated structs, layer-owned
  * activations, gradients accumulated into the ac_params).
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,6 +136,25 @@ fail:
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* Initialisation chosen by the model config (ac_init)                                     */
+
+/* Redraws p's value from N(0, std^2) with its own seed: the layers drew their default first,
+ * and a model-level choice overrides it without the layers knowing about model policies. */
+static int redraw_normal(ac_param *p, uint64_t seed, float std)
+{
+  return ac_rand_normal(p->value.be, seed, 0, p->value.numel, 0.0f, std,
+                        ac_tensor_f32(&p->value));
+}
+
+/* He et al. (2015) with the fan-out mode: std sqrt(2 / (out_c k k)) for W (out_c, in_c, k,
+ * k), which keeps the backward pass's variance, as torchvision's ResNet does. */
+static int conv_fan_out(ac_conv2d *c, uint64_t seed)
+{
+  const size_t *sh = c->weight.value.shape;
+  return redraw_normal(&c->weight, seed, sqrtf(2.0f / (float)(sh[0] * sh[2] * sh[3])));
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Transformer language model                                                              */
 
 void ac_lm_config_default(ac_lm_config *c)
@@ -148,6 +168,43 @@ void ac_lm_config_default(ac_lm_config *c)
   c->batch = 32;
   c->dropout = 0.0f;
   c->seed = 1;
+  c->tie_head = 1;
+  c->init = AC_INIT_NORMAL002;
+}
+
+/* N(0, 0.02^2) for every linear of the model: the blocks' attention and MLP, and the head
+ * unless it is the (already N(0, 0.02^2)) embedding. */
+static int lm_init_normal002(ac_lm *m)
+{
+  int rc;
+  uint64_t s = ac__sub_seed(m->cfg.seed, 3);
+  for (size_t i = 0; i < m->cfg.layers; i++) {
+    ac_tblock *b = &m->blocks[i];
+    ac_param *w[] = {&b->attn.qkv.weight, &b->attn.proj.weight, &b->fc1.weight,
+                     &b->fc2.weight};
+    for (size_t k = 0; k < sizeof w / sizeof w[0]; k++)
+      AC__TRY(redraw_normal(w[k], ac__sub_seed(s, 4 * i + k), 0.02f));
+  }
+  if (!m->cfg.tie_head)
+    AC__TRY(redraw_normal(&m->head.weight, ac__sub_seed(s, 4 * m->cfg.layers), 0.02f));
+fail:
+  return rc;
+}
+
+/* Makes the head's weight a view of the embedding's (same (vocab, dim) layout). Both layers
+ * ADD into the shared grad, so its gradient is the sum of the two uses without further
+ * code; ac_param_destroy of a view frees nothing. */
+static int lm_tie_head(ac_lm *m)
+{
+  int rc;
+  ac_param *h = &m->head.weight, *e = &m->tok.weight;
+  size_t shape[2] = {m->cfg.vocab, m->cfg.dim};
+  ac_tensor_destroy(&h->value);
+  ac_tensor_destroy(&h->grad);
+  AC__TRY(ac_tensor_view(&h->value, m->be, AC_F32, 2, shape, ac_tensor_f32(&e->value)));
+  AC__TRY(ac_tensor_view(&h->grad, m->be, AC_F32, 2, shape, ac_tensor_f32(&e->grad)));
+fail:
+  return rc;
 }
 
 int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg)
@@ -155,7 +212,8 @@ int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg)
   int rc;
   char name[64];
   memset(m, 0, sizeof *m);
-  if (be == NULL || cfg == NULL || cfg->layers == 0 || cfg->batch == 0 || cfg->ctx == 0)
+  if (be == NULL || cfg == NULL || cfg->layers == 0 || cfg->batch == 0 || cfg->ctx == 0 ||
+      (cfg->init != AC_INIT_LAYER && cfg->init != AC_INIT_NORMAL002))
     return AC_EINVAL;
   m->be = be;
   m->cfg = *cfg;
@@ -177,6 +235,10 @@ int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg)
   AC__TRY(ac_layernorm_init(&m->lnf, be, "lnf", cfg->dim, 1e-5f, rows));
   AC__TRY(ac_linear_init(&m->head, be, "head", cfg->dim, cfg->vocab, 1, rows,
                          ac__sub_seed(s, 2)));
+  if (cfg->tie_head)
+    AC__TRY(lm_tie_head(m));
+  if (cfg->init == AC_INIT_NORMAL002)
+    AC__TRY(lm_init_normal002(m));
   AC__TRY(ac_celoss_init(&m->xent, be, cfg->vocab, rows));
   return AC_OK;
 fail:
@@ -207,7 +269,10 @@ int ac_lm_params(ac_lm *m, ac_param_list *list)
   for (size_t i = 0; i < m->cfg.layers; i++)
     AC__TRY(ac_tblock_params(&m->blocks[i], list));
   AC__TRY(ac_layernorm_params(&m->lnf, list));
-  AC__TRY(ac_linear_params(&m->head, list));
+  if (m->cfg.tie_head)
+    AC__TRY(ac_param_list_push(list, &m->head.bias));
+  else
+    AC__TRY(ac_linear_params(&m->head, list));
 fail:
   return rc;
 }
@@ -427,6 +492,24 @@ void ac_resnet_config_default(ac_resnet_config *c)
   c->bn_eps = 1e-5f;
   c->bn_momentum = 0.1f;
   c->seed = 1;
+  c->conv_init = AC_INIT_HE_FAN_OUT;
+}
+
+/* Every conv of the network: stem, and each block's two convs and projection shortcut. */
+static int resnet_conv_fan_out(ac_resnet *m)
+{
+  int rc;
+  uint64_t s = ac__sub_seed(m->cfg.seed, 2);
+  AC__TRY(conv_fan_out(&m->stem, ac__sub_seed(s, 0)));
+  for (size_t k = 0; k < m->nblocks; k++) {
+    ac_basicblock *b = &m->blocks[k];
+    AC__TRY(conv_fan_out(&b->conv1, ac__sub_seed(s, 3 * k + 1)));
+    AC__TRY(conv_fan_out(&b->conv2, ac__sub_seed(s, 3 * k + 2)));
+    if (b->has_short)
+      AC__TRY(conv_fan_out(&b->sconv, ac__sub_seed(s, 3 * k + 3)));
+  }
+fail:
+  return rc;
 }
 
 int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
@@ -435,7 +518,8 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
   char name[64];
   memset(m, 0, sizeof *m);
   if (be == NULL || cfg == NULL || cfg->stages == 0 || cfg->stages > AC_RESNET_MAX_STAGES ||
-      cfg->blocks == 0 || cfg->batch == 0 || cfg->classes == 0 || cfg->h == 0 || cfg->w == 0)
+      cfg->blocks == 0 || cfg->batch == 0 || cfg->classes == 0 || cfg->h == 0 || cfg->w == 0 ||
+      (cfg->conv_init != AC_INIT_LAYER && cfg->conv_init != AC_INIT_HE_FAN_OUT))
     return AC_EINVAL;
   for (size_t s = 0; s < cfg->stages; s++)
     if (cfg->width[s] == 0)
@@ -492,6 +576,8 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
   AC__TRY(ac_gap_init(&m->gap, be, c, h * w, cfg->batch));
   AC__TRY(ac_linear_init(&m->fc, be, "fc", c, cfg->classes, 1, cfg->batch,
                          ac__sub_seed(seed, 1)));
+  if (cfg->conv_init == AC_INIT_HE_FAN_OUT)
+    AC__TRY(resnet_conv_fan_out(m));
   AC__TRY(ac_celoss_init(&m->xent, be, cfg->classes, cfg->batch));
   return AC_OK;
 fail:

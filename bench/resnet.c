@@ -16,8 +16,13 @@
 
 typedef struct {
   long batch, width, blocks, chunk;
+  int conv_init;             /* index into rn_inits */
   char data[512];
 } rn_args;
+
+/* --conv-init, in the order of rn_init_kind. */
+static const char *const rn_inits[] = {"fan-in", "fan-out", NULL};
+static const ac_init rn_init_kind[] = {AC_INIT_LAYER, AC_INIT_HE_FAN_OUT};
 
 typedef struct {
   ac_backend *be;
@@ -79,17 +84,26 @@ static int rn_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
 int main(int argc, char **argv) {
   tr_options opts;
   tr_options_default(&opts);
+  opts.model = "resnet";
   opts.steps = 300;
   opts.eval_every = 100;
   opts.eval_batches = 10;
-  rn_args a = {128, 16, 3, 8, ""};
+  ac_resnet_config cfg;
+  ac_resnet_config_default(&cfg);
+  rn_args a = {128, 16, 3, 8, 0, ""};
+  while (rn_init_kind[a.conv_init] != cfg.conv_init) a.conv_init++;
   tr_arg extra[] = {
-    {"batch", TR_ARG_LONG, &a.batch, 1, 60000, "images per step"},
-    {"width", TR_ARG_LONG, &a.width, 1, 1024, "channels of the first stage (x2, x4 after)"},
-    {"blocks", TR_ARG_LONG, &a.blocks, 1, 64, "basic blocks per stage"},
-    {"chunk", TR_ARG_LONG, &a.chunk, 1, 60000, "images per im2col chunk (memory vs speed)"},
+    {"batch", TR_ARG_LONG, &a.batch, 1, 60000, "images per step", NULL},
+    {"width", TR_ARG_LONG, &a.width, 1, 1024, "channels of the first stage (x2, x4 after)",
+     NULL},
+    {"blocks", TR_ARG_LONG, &a.blocks, 1, 64, "basic blocks per stage", NULL},
+    {"chunk", TR_ARG_LONG, &a.chunk, 1, 60000, "images per im2col chunk (memory vs speed)",
+     NULL},
+    {"conv-init", TR_ARG_CHOICE, &a.conv_init, 0, 0,
+     "conv weights N(0, 2/fan) per He et al.: fan-in (in_c k k) or fan-out (out_c k k)",
+     rn_inits},
     {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
-     "Fashion-MNIST directory (default " DS_FMNIST_DIR ")"},
+     "Fashion-MNIST directory (default " DS_FMNIST_DIR ")", NULL},
   };
   size_t nextra = sizeof extra / sizeof extra[0];
   tr_error err = {{0}};
@@ -126,8 +140,6 @@ int main(int argc, char **argv) {
     goto done;
   }
 
-  ac_resnet_config cfg;
-  ac_resnet_config_default(&cfg);
   cfg.in_c = 1;
   cfg.h = cfg.w = DS_FMNIST_SIDE;
   cfg.classes = DS_FMNIST_CLASSES;
@@ -139,6 +151,7 @@ int main(int argc, char **argv) {
   cfg.batch = (size_t)a.batch;
   cfg.chunk = (size_t)a.chunk < (size_t)a.batch ? (size_t)a.chunk : (size_t)a.batch;
   cfg.seed = opts.seed;
+  cfg.conv_init = rn_init_kind[a.conv_init];
   c.be = be;
   c.eval = &test;
   c.batch = (size_t)a.batch;

@@ -75,18 +75,23 @@ const char *tr_optimizer_name(tr_optimizer_kind kind) {
 
 void tr_options_default(tr_options *o) {
   memset(o, 0, sizeof *o);
+  o->model = NULL;
   o->optimizer = TR_ADAMW;
   o->steps = 200;
   o->epochs = 0;
-  o->lr = -1;
-  o->momentum = 0.9;
-  o->beta1 = 0.9;
-  o->beta2 = 0.999;
+  o->lr = TR_UNSET;
+  o->momentum = TR_UNSET;
+  o->beta1 = TR_UNSET;
+  o->beta2 = TR_UNSET;
   o->eps = 1e-8;
-  o->weight_decay = 0;
+  o->weight_decay = TR_UNSET;
   o->clip = 0;
-  o->warmup = 0;
-  o->nesterov = 0;
+  o->warmup = -1;
+  o->schedule = AC_LR_COSINE;
+  o->lr_floor = 0;
+  o->step_size = 0;
+  o->step_gamma = 0.1;
+  o->nesterov = -1;
   o->block_size = 128;
   o->stat_beta2 = 0.95;
   o->shampoo_eps = 1e-6;
@@ -107,19 +112,89 @@ void tr_options_default(tr_options *o) {
   o->quiet = 0;
 }
 
+/* The defaults that depend on the model and the optimizer: the one table of them.
+ * - ResNet + SGD: momentum 0.9, Nesterov, weight decay 5e-4 (L2), lr 0.1: the CIFAR ResNet
+ *   recipe (He et al. 2016) as torchvision's references train it; no warm-up (batch norm).
+ * - Transformer + AdamW: betas 0.9/0.99 (beta2 0.99 as nanoGPT's small character-level
+ *   models: the second moment follows a fast-moving loss), 100 warm-up steps as the issue's
+ *   reference protocol; no weight decay (it measured without).
+ * - The generic rows (another model) keep each optimizer's textbook defaults.
+ * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the
+ * warm-up, tr_options_default) is the same for every optimizer. */
+typedef struct {
+  const char *model;      /* NULL: any model without a row of its own */
+  tr_optimizer_kind optimizer;
+  double lr, momentum, beta1, beta2, weight_decay;
+  int nesterov;
+  long warmup;
+} tr__preset;
+
+static const tr__preset tr__presets[] = {
+  /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup */
+  {"resnet",      TR_SGD,     0.1,  0.9, 0.9, 0.999, 5e-4, 1, 0},
+  {"resnet",      TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+  {"resnet",      TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+  {"transformer", TR_SGD,     0.1,  0.9, 0.9, 0.99,  0,    1, 100},
+  {"transformer", TR_ADAMW,   1e-3, 0.9, 0.9, 0.99,  0,    0, 100},
+  {"transformer", TR_SHAMPOO, 1e-3, 0.9, 0.9, 0.99,  0,    0, 100},
+  {NULL,          TR_SGD,     0.1,  0.9, 0.9, 0.999, 0,    0, 0},
+  {NULL,          TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+  {NULL,          TR_SHAMPOO, 1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+};
+#define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
+
+/* The row of (model, optimizer), else the generic row of the optimizer. */
+static const tr__preset *tr__preset_of(const char *model, tr_optimizer_kind kind) {
+  const tr__preset *generic = &tr__presets[0];
+  for (size_t i = 0; i < TR__NPRESETS; i++) {
+    const tr__preset *p = &tr__presets[i];
+    if (p->optimizer != kind) continue;
+    if (p->model == NULL) generic = p;
+    else if (model != NULL && strcmp(p->model, model) == 0) return p;
+  }
+  return generic;
+}
+
+void tr_options_resolve(tr_options *o) {
+  const tr__preset *p = tr__preset_of(o->model, o->optimizer);
+  if (o->lr < 0) o->lr = p->lr;
+  if (o->momentum < 0) o->momentum = p->momentum;
+  if (o->beta1 < 0) o->beta1 = p->beta1;
+  if (o->beta2 < 0) o->beta2 = p->beta2;
+  if (o->weight_decay < 0) o->weight_decay = p->weight_decay;
+  /* Nesterov needs momentum: a run told --momentum 0 drops the table's Nesterov. */
+  if (o->nesterov < 0) o->nesterov = p->nesterov && o->momentum > 0;
+  if (o->warmup < 0) {
+    /* The table's warm-up is for full-length runs: a short run warms up for a tenth. */
+    long cap = o->steps > 0 ? o->steps / 10 : p->warmup;
+    o->warmup = p->warmup < cap ? p->warmup : cap;
+  }
+}
+
 double tr_effective_lr(const tr_options *o) {
   if (o->lr >= 0) return o->lr;
-  switch (o->optimizer) {
-    case TR_SGD: return 0.1;
-    case TR_ADAMW: return 1e-3;
-    case TR_SHAMPOO: return 1e-3;
-  }
-  return 1e-3;
+  return tr__preset_of(o->model, o->optimizer)->lr;
 }
+
+int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
+  ac_lr_schedule_default(sched, tr_effective_lr(o));
+  long decay = total - o->warmup;
+  sched->warmup_steps = o->warmup;
+  sched->decay = (ac_lr_decay)o->schedule;
+  sched->decay_steps = decay > 1 ? decay : 1;
+  sched->min_lr = o->lr_floor * sched->base_lr;
+  sched->gamma = o->step_gamma;
+  sched->step_size = o->step_size > 0 ? o->step_size : decay >= 3 ? decay / 3 : 1;
+  return ac_lr_schedule_check(sched) == AC_OK ? TR_OK : TR_EINVAL;
+}
+
+/* "constant", "cosine", "step": indexed by ac_lr_decay. */
+static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum { K_LONG = TR_ARG_LONG, K_DOUBLE = TR_ARG_DOUBLE, K_STRING = TR_ARG_STRING,
-       K_FLAG = 100, K_OPTIMIZER, K_BACKEND, K_U64, K_INT, K_GRAFT };
+       K_FLAG = TR_ARG_FLAG, K_CHOICE = TR_ARG_CHOICE,
+       K_OPTIMIZER = 100, K_BACKEND, K_U64, K_INT, K_GRAFT };
 
 typedef struct {
   const char *name;
@@ -127,18 +202,19 @@ typedef struct {
   void *dest;
   double min, max;   /* range; for K_STRING max is the buffer size */
   const char *help;
+  const char *const *choices; /* K_CHOICE */
 } tr__spec;
 
-#define TR__NCOMMON 32
+#define TR__NCOMMON 40
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   size_t n = 0;
-#define SPEC(nm, k, d, lo, hi, h) s[n++] = (tr__spec){nm, k, d, lo, hi, h}
+#define SPEC(nm, k, d, lo, hi, h) s[n++] = (tr__spec){nm, k, d, lo, hi, h, NULL}
   SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw or shampoo");
   SPEC("steps", K_LONG, &o->steps, 1, 1e9, "training steps");
   SPEC("epochs", K_DOUBLE, &o->epochs, 1e-6, 1e4, "train for this many epochs instead of --steps");
-  SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "learning rate (default: sgd 0.1, adamw and shampoo 1e-3)");
+  SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "base learning rate");
   SPEC("momentum", K_DOUBLE, &o->momentum, 0, 0.999999, "SGD momentum");
   SPEC("beta1", K_DOUBLE, &o->beta1, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta1");
   SPEC("beta2", K_DOUBLE, &o->beta2, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta2");
@@ -147,7 +223,14 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
   SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
-  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo)");
+  s[n++] = (tr__spec){"schedule", K_CHOICE, &o->schedule, 0, 0,
+                      "learning rate after the warm-up: constant, cosine (to --lr-floor at "
+                      "the last step) or step", tr__schedules};
+  SPEC("lr-floor", K_DOUBLE, &o->lr_floor, 0, 1, "cosine: the final rate as a fraction of --lr");
+  SPEC("step-size", K_LONG, &o->step_size, 0, 1e9,
+       "step: steps between decays (0: a third of the steps after the warm-up)");
+  SPEC("step-gamma", K_DOUBLE, &o->step_gamma, 1e-6, 1, "step: factor at each decay");
+  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo); --no-nesterov");
   SPEC("block-size", K_LONG, &o->block_size, 1, 8192, "Shampoo block size");
   SPEC("stat-beta2", K_DOUBLE, &o->stat_beta2, 1e-6, 1, "Shampoo statistics EMA (1: sum)");
   SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 1e-12, 1, "Shampoo relative ridge");
@@ -180,6 +263,7 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
 
 static void tr__print_value(FILE *f, const tr__spec *s) {
   switch (s->kind) {
+    case K_CHOICE: fprintf(f, "%s", s->choices[*(const int *)s->dest]); break;
     case K_LONG: fprintf(f, "%ld", *(const long *)s->dest); break;
     case K_INT: fprintf(f, "%d", *(const int *)s->dest); break;
     case K_DOUBLE: fprintf(f, "%g", *(const double *)s->dest); break;
@@ -199,13 +283,20 @@ static void tr__print_value(FILE *f, const tr__spec *s) {
 static void tr__usage_line(FILE *f, const tr__spec *s) {
   char left[64];
   const char *meta = s->kind == K_FLAG ? "" : s->kind == K_STRING ? " S"
-                     : s->kind == K_DOUBLE ? " X" : s->kind == K_OPTIMIZER ? " NAME"
-                     : s->kind == K_BACKEND || s->kind == K_GRAFT ? " NAME" : " N";
+                     : s->kind == K_DOUBLE ? " X"
+                     : s->kind == K_OPTIMIZER || s->kind == K_BACKEND || s->kind == K_GRAFT ||
+                       s->kind == K_CHOICE ? " NAME" : " N";
   snprintf(left, sizeof left, "  --%s%s", s->name, meta);
   fprintf(f, "%-26s %s", left, s->help);
+  /* A table field still unset: its value depends on the model and optimizer. */
+  int unset = s->dest != NULL && ((s->kind == K_DOUBLE && *(const double *)s->dest < 0) ||
+                                  (s->kind == K_LONG && *(const long *)s->dest < 0) ||
+                                  (s->kind == K_FLAG && *(const int *)s->dest < 0));
   int show = s->dest != NULL && s->kind != K_FLAG &&
              !(s->kind == K_STRING && ((const char *)s->dest)[0] == '\0');
-  if (show) {
+  if (unset) {
+    fprintf(f, " [table]");
+  } else if (show) {
     fprintf(f, " [");
     tr__print_value(f, s);
     fprintf(f, "]");
@@ -222,11 +313,22 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
   if (nextra > 0) fprintf(f, "Model and data:\n");
   for (size_t i = 0; i < nextra; i++) {
     tr__spec s = {extra[i].name, (int)extra[i].type, extra[i].dest, extra[i].min, extra[i].max,
-                  extra[i].help};
+                  extra[i].help, extra[i].choices};
     tr__usage_line(f, &s);
   }
   fprintf(f, "Training:\n");
   for (size_t i = 0; i < n; i++) tr__usage_line(f, &specs[i]);
+  fprintf(f, "\n[table]: the default depends on the optimizer (%s):\n",
+          d.model != NULL ? d.model : "generic");
+  fprintf(f, "  %-9s %-7s %-8s %-10s %-12s %-8s %s\n", "optimizer", "lr", "momentum",
+          "betas", "weight-decay", "nesterov", "warmup (at most a tenth of the run)");
+  for (int k = TR_SGD; k <= TR_SHAMPOO; k++) {
+    const tr__preset *p = tr__preset_of(d.model, (tr_optimizer_kind)k);
+    char betas[32];
+    snprintf(betas, sizeof betas, "%g/%g", p->beta1, p->beta2);
+    fprintf(f, "  %-9s %-7g %-8g %-10s %-12g %-8s %ld\n", tr_optimizer_name(p->optimizer),
+            p->lr, p->momentum, betas, p->weight_decay, p->nesterov ? "yes" : "no", p->warmup);
+  }
   fprintf(f,
           "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
           "%s)\nand OUT/summary.json. Shampoo needs a running precondd (--daemon).\n",
@@ -286,6 +388,20 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
       tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo", v);
       return -1;
     }
+    case K_CHOICE: {
+      for (int k = 0; s->choices[k] != NULL; k++) {
+        if (strcmp(v, s->choices[k]) == 0) {
+          *(int *)s->dest = k;
+          return 0;
+        }
+      }
+      char list[256] = "";
+      for (int k = 0; s->choices[k] != NULL; k++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", k ? ", " : "",
+                 s->choices[k]);
+      tr__fail(err, TR_EINVAL, "--%s: '%s' is not one of %s", s->name, v, list);
+      return -1;
+    }
     case K_GRAFT: {
       for (int k = PC_GRAFT_SGD; k <= PC_GRAFT_ADAM_NORMED; k++) {
         if (strcmp(v, pc_graft_name((pc_graft)k)) == 0) {
@@ -332,7 +448,7 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     for (size_t k = 0; k < nextra && !have; k++) {
       if (strlen(extra[k].name) == nlen && strncmp(extra[k].name, name, nlen) == 0) {
         found = (tr__spec){extra[k].name, (int)extra[k].type, extra[k].dest, extra[k].min,
-                           extra[k].max, extra[k].help};
+                           extra[k].max, extra[k].help, extra[k].choices};
         have = 1;
       }
     }
@@ -342,15 +458,28 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
         have = 1;
       }
     }
+    /* --no-NAME turns the flag NAME off. */
+    int negated = 0;
+    for (size_t k = 0; k < nextra + n && !have && nlen > 3 && strncmp(name, "no-", 3) == 0;
+         k++) {
+      const char *fn = k < nextra ? extra[k].name : specs[k - nextra].name;
+      int kind = k < nextra ? (int)extra[k].type : specs[k - nextra].kind;
+      void *dest = k < nextra ? extra[k].dest : specs[k - nextra].dest;
+      if (kind == K_FLAG && dest != NULL && strlen(fn) == nlen - 3 &&
+          strncmp(fn, name + 3, nlen - 3) == 0) {
+        found = (tr__spec){fn, K_FLAG, dest, 0, 0, NULL, NULL};
+        have = negated = 1;
+      }
+    }
     if (!have) return tr__fail(err, TR_EINVAL, "unknown option '--%.*s' (see --help)",
                                (int)nlen, name);
     if (found.kind == K_FLAG) {
-      if (eq != NULL) return tr__fail(err, TR_EINVAL, "--%s takes no value", found.name);
+      if (eq != NULL) return tr__fail(err, TR_EINVAL, "--%.*s takes no value", (int)nlen, name);
       if (found.dest == NULL) {
         tr_usage(stdout, &defaults, extra, nextra, prog, summary);
         return TR_EHELP;
       }
-      *(int *)found.dest = 1;
+      *(int *)found.dest = !negated;
       continue;
     }
     const char *v;
@@ -369,6 +498,7 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
   if (saw_epochs) opts->steps = 0;
   if (opts->steps == 0 && !(opts->epochs > 0))
     return tr__fail(err, TR_EINVAL, "no training length: give --steps or --epochs");
+  tr_options_resolve(opts);
   if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
     return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
   if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
@@ -520,6 +650,18 @@ int tr_json_summary(FILE *f, const tr_summary *s) {
   tr__json_num(f, "staleness_mean", s->staleness_mean, 0);
   tr__json_num(f, "staleness_median", s->staleness_median, 0);
   tr__json_int(f, "staleness_max", s->staleness_max);
+  tr__json_num(f, "staleness_p50", s->staleness_p50, 0);
+  tr__json_num(f, "staleness_p90", s->staleness_p90, 0);
+  tr__json_num(f, "staleness_p99", s->staleness_p99, 0);
+  tr__json_int(f, "staleness_uses", (long long)s->staleness_uses);
+  /* hist[s] for s = 0 .. the last non-empty bucket (the last bucket holds s >= it) */
+  size_t last = 0;
+  for (size_t k = 0; k < TR_STALENESS_BUCKETS; k++)
+    if (s->staleness_hist[k] > 0) last = k + 1;
+  fputs("  \"staleness_hist\": [", f);
+  for (size_t k = 0; k < last; k++)
+    fprintf(f, "%s%llu", k ? ", " : "", (unsigned long long)s->staleness_hist[k]);
+  fputs("],\n", f);
   tr__json_int(f, "fallback_steps", s->fallback_steps);
   tr__json_int(f, "blocks", s->blocks);
   tr__json_int(f, "stats_pushed", (long long)s->stats_pushed);
@@ -562,6 +704,9 @@ struct tr_shampoo {
   uint64_t *source_step;    /* per block: statistics step those roots come from */
   uint64_t roots_received, roots_rejected;
   long start_step;
+  uint64_t *fallbacks;      /* per block: its fallback count after the previous step */
+  uint64_t hist[TR_STALENESS_BUCKETS]; /* block-steps that used a root, by staleness */
+  uint64_t uses;
 };
 
 static int tr__accel(tr_error *err, int rc, const char *what) {
@@ -586,6 +731,7 @@ static void tr__shampoo_free(tr_shampoo *s) {
   free(s->daemon_id);
   free(s->version);
   free(s->source_step);
+  free(s->fallbacks);
   precond_layout_destroy(&s->layout);
   precond_close(s->client);
   free(s);
@@ -657,7 +803,9 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   s->daemon_id = calloc(nb, sizeof *s->daemon_id);
   s->version = calloc(nb, sizeof *s->version);
   s->source_step = calloc(nb, sizeof *s->source_step);
-  if (s->daemon_id == NULL || s->version == NULL || s->source_step == NULL) {
+  s->fallbacks = calloc(nb, sizeof *s->fallbacks);
+  if (s->daemon_id == NULL || s->version == NULL || s->source_step == NULL ||
+      s->fallbacks == NULL) {
     rc = TR_ENOMEM;
     goto fail;
   }
@@ -765,6 +913,20 @@ static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info 
   }
   rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
   if (rc != TR_OK) return rc;
+  /* The distribution: a block used its root at this step when it holds one and its fallback
+   * count did not move. */
+  for (size_t b = 0; b < s->nblocks; b++) {
+    ac_shampoo_block bi;
+    rc = tr__accel(err, ac_shampoo_block_info(o->shampoo_opt, b, &bi), "ac_shampoo_block_info");
+    if (rc != TR_OK) return rc;
+    if (step >= s->start_step && bi.version > 0 && bi.staleness >= 0 &&
+        bi.fallback_steps == s->fallbacks[b]) {
+      long k = bi.staleness < TR_STALENESS_BUCKETS - 1 ? bi.staleness : TR_STALENESS_BUCKETS - 1;
+      s->hist[k]++;
+      s->uses++;
+    }
+    s->fallbacks[b] = bi.fallback_steps;
+  }
   if (info != NULL) {
     ac_shampoo_step_info si;
     rc = tr__accel(err, ac_shampoo_last_step(o->shampoo_opt, &si), "ac_shampoo_last_step");
@@ -793,6 +955,8 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
   o->params = params;
   o->nparams = nparams;
   o->opts = *opts;
+  tr_options_resolve(&o->opts);
+  opts = &o->opts;
   int rc;
   if (o->kind == TR_SGD) {
     ac_sgd_opts so;
@@ -862,6 +1026,28 @@ void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed
   if (roots_received) *roots_received = rr;
 }
 
+/* The smallest staleness s with at least q of the uses at or below it. */
+static double tr__hist_quantile(const uint64_t *hist, uint64_t uses, double q) {
+  uint64_t need = (uint64_t)ceil(q * (double)uses), acc = 0;
+  for (size_t k = 0; k < TR_STALENESS_BUCKETS; k++) {
+    acc += hist[k];
+    if (acc >= need && acc > 0) return (double)k;
+  }
+  return NAN;
+}
+
+void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *sm) {
+  const tr_shampoo *s = o != NULL ? o->shampoo : NULL;
+  memset(sm->staleness_hist, 0, sizeof sm->staleness_hist);
+  sm->staleness_uses = s != NULL ? s->uses : 0;
+  sm->staleness_p50 = sm->staleness_p90 = sm->staleness_p99 = NAN;
+  if (s == NULL || s->uses == 0) return;
+  memcpy(sm->staleness_hist, s->hist, sizeof sm->staleness_hist);
+  sm->staleness_p50 = tr__hist_quantile(s->hist, s->uses, 0.50);
+  sm->staleness_p90 = tr__hist_quantile(s->hist, s->uses, 0.90);
+  sm->staleness_p99 = tr__hist_quantile(s->hist, s->uses, 0.99);
+}
+
 void tr_optimizer_destroy(tr_optimizer *o) {
   if (o == NULL) return;
   tr__shampoo_free(o->shampoo);
@@ -892,8 +1078,9 @@ void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model
 
 void tr_print_result_end(const tr_options *opts, const tr_summary *summary) {
   if (opts->optimizer == TR_SHAMPOO)
-    printf(", staleness mean %.2f max %ld steps, %ld fallback steps", summary->staleness_mean,
-           summary->staleness_max, summary->fallback_steps);
+    printf(", staleness mean %.2f p50/p90/p99 %.0f/%.0f/%.0f max %ld steps, %ld fallback steps",
+           summary->staleness_mean, summary->staleness_p50, summary->staleness_p90,
+           summary->staleness_p99, summary->staleness_max, summary->fallback_steps);
   printf("\n");
 }
 
@@ -945,8 +1132,16 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
       model->evaluate == NULL || model->params == NULL || model->nparams == 0)
     return tr__fail(err, TR_EINVAL, "tr_train: bad arguments");
   double t_start = tr__now();
+  tr_options ropts = *opts;
+  tr_options_resolve(&ropts);
+  opts = &ropts;
   long total = tr_total_steps(opts, model);
   double base_lr = tr_effective_lr(opts);
+  ac_lr_schedule sched;
+  if (tr_schedule(opts, total, &sched) != TR_OK)
+    return tr__fail(err, TR_EINVAL, "the learning-rate schedule is invalid (--lr %g, "
+                    "--lr-floor %g, --step-gamma %g)", base_lr, opts->lr_floor,
+                    opts->step_gamma);
   int rc = TR_OK;
   FILE *csv = NULL;
   double *step_ms = NULL, *cpu_ms = NULL, *losses = NULL, *stale = NULL;
@@ -965,6 +1160,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   sm.staleness_mean = sm.staleness_median = NAN;
   sm.median_step_ms = sm.mean_step_ms = sm.median_step_cpu_ms = NAN;
   sm.staleness_max = -1;
+  sm.staleness_p50 = sm.staleness_p90 = sm.staleness_p99 = NAN;
   sm.status = "ok";
   for (size_t i = 0; i < model->nparams; i++) sm.params += (long)model->params[i]->value.numel;
 
@@ -1011,8 +1207,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
       rc = tr__fail(err, TR_ENONFINITE, "step %ld: training loss is %g; stopping", step, loss);
       sm.status = "diverged";
     }
-    double lr = base_lr;
-    if (opts->warmup > 0) lr = ac_lr_linear_warmup(base_lr, step, opts->warmup);
+    double lr = ac_lr_schedule_at(&sched, step);
     tr_step_info info = {NAN, -1, 0};
     if (rc == TR_OK && opts->clip > 0)
       rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
@@ -1081,6 +1276,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   }
   tr_optimizer_counters(&opt, &sm.blocks, &sm.stats_pushed, &sm.stats_dropped,
                         &sm.stats_coalesced, &sm.roots_received);
+  tr_optimizer_staleness(&opt, &sm);
   if (rc != TR_OK && strcmp(sm.status, "ok") == 0) sm.status = tr_strerror(rc);
 
 done:

@@ -54,18 +54,31 @@ typedef enum { TR_SGD = 0, TR_ADAMW = 1, TR_SHAMPOO = 2 } tr_optimizer_kind;
 /* "sgd", "adamw", "shampoo"; "?" otherwise. */
 const char *tr_optimizer_name(tr_optimizer_kind kind);
 
+/* Defaults that depend on the model and the optimizer (the common practice for each) come
+ * from one table in train.c, shown by --help: the fields marked "table" below hold
+ * TR_UNSET (or -1 for the integers) until tr_options_resolve fills them from the row of
+ * (opts->model, opts->optimizer); a value the user gave is kept. */
+#define TR_UNSET (-1.0)
+
 typedef struct {
+  const char *model;       /* the table's key: "transformer", "resnet"; NULL: generic rows
+                              (static text, not owned) */
   tr_optimizer_kind optimizer;
   long steps;              /* training steps; 0: from epochs */
   double epochs;           /* used when steps is 0 (rounded up to whole steps) */
-  double lr;               /* learning rate; < 0: the optimizer's default */
-  double momentum;         /* SGD heavy ball (default 0.9) */
-  double beta1, beta2;     /* AdamW, and Shampoo's grafted Adam (0.9, 0.999) */
+  double lr;               /* base learning rate (table) */
+  double momentum;         /* SGD heavy ball (table) */
+  double beta1, beta2;     /* AdamW, and Shampoo's grafted Adam (table) */
   double eps;              /* AdamW epsilon (1e-8) */
-  double weight_decay;     /* decoupled for AdamW and Shampoo, L2 for SGD (0) */
+  double weight_decay;     /* decoupled for AdamW and Shampoo, L2 for SGD (table) */
   double clip;             /* global gradient-norm clip; 0: off (default 0) */
-  long warmup;             /* linear warm-up steps (default 0); then constant lr */
-  int nesterov;            /* Nesterov momentum (SGD, Shampoo) */
+  long warmup;             /* linear warm-up steps (table; a table value is cut to a tenth
+                              of the run) */
+  int schedule;            /* ac_lr_decay after the warm-up (default AC_LR_COSINE) */
+  double lr_floor;         /* cosine: decays to lr_floor * lr (default 0) */
+  long step_size;          /* step: steps between decays; 0: a third of the decay (default) */
+  double step_gamma;       /* step: factor per decay (default 0.1) */
+  int nesterov;            /* Nesterov momentum (SGD, Shampoo) (table) */
   /* Shampoo */
   long block_size;         /* block size, the same on worker and daemon (default 128) */
   double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum; default 0.95) */
@@ -88,13 +101,27 @@ typedef struct {
   int quiet;               /* 1: no progress line */
 } tr_options;
 
-/* Fills the defaults listed above. */
+/* Fills the defaults listed above (table fields unset; model NULL). */
 void tr_options_default(tr_options *opts);
+
+/* Fills every unset table field of opts from the row of (opts->model, opts->optimizer), or
+ * the generic row of the optimizer when the model has none. Idempotent. tr_parse_args calls
+ * it; so do tr_optimizer_init and tr_train on their copies. */
+void tr_options_resolve(tr_options *opts);
+
+/* The learning-rate schedule of a run of total steps: warm-up opts->warmup, then
+ * opts->schedule over the remaining steps (cosine reaches lr_floor * lr at the last step).
+ * opts must be resolved. Returns TR_OK or TR_EINVAL (a field out of range). */
+int tr_schedule(const tr_options *opts, long total, ac_lr_schedule *sched);
 
 /* A client-specific option (model sizes, batch): the parser stores its value through dest.
  * TR_ARG_LONG: dest is long*, value in [min, max]; TR_ARG_DOUBLE: double*, in [min, max];
  * TR_ARG_STRING: char* of size max bytes (value must fit). */
-typedef enum { TR_ARG_LONG = 0, TR_ARG_DOUBLE = 1, TR_ARG_STRING = 2 } tr_arg_type;
+typedef enum {
+  TR_ARG_LONG = 0, TR_ARG_DOUBLE = 1, TR_ARG_STRING = 2,
+  TR_ARG_FLAG = 3,         /* dest is int*: --name sets 1, --no-name sets 0 */
+  TR_ARG_CHOICE = 4        /* dest is int*: the index of the value in choices */
+} tr_arg_type;
 
 typedef struct {
   const char *name;        /* without the dashes: "d-model" */
@@ -102,10 +129,12 @@ typedef struct {
   void *dest;
   double min, max;
   const char *help;        /* one line */
+  const char *const *choices; /* TR_ARG_CHOICE: the names, NULL-terminated */
 } tr_arg;
 
-/* Parses argv[1..argc-1] ("--name value" or "--name=value") into opts (which holds the
- * defaults on entry) and the extra options. Prints usage to stdout for --help and returns
+/* Parses argv[1..argc-1] ("--name value" or "--name=value"; a flag "--name" or
+ * "--no-name") into opts (which holds the defaults on entry) and the extra options, then
+ * tr_options_resolve(opts). Prints usage to stdout for --help and returns
  * TR_EHELP. Returns TR_OK, or TR_EINVAL with a message naming the option in err: an unknown
  * option, a missing or malformed value, a value out of range, a positional argument.
  * prog and summary head the usage text. */
@@ -116,8 +145,7 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
 void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t nextra,
               const char *prog, const char *summary);
 
-/* The learning rate the run uses: opts->lr, or the optimizer's default when it is < 0
- * (SGD 0.1, AdamW 1e-3, Shampoo 1e-3). */
+/* The base learning rate the run uses: opts->lr, or the table's when unset. */
 double tr_effective_lr(const tr_options *opts);
 
 /* ------------------------------------------------------------------------------------ */
@@ -166,6 +194,8 @@ typedef struct {
 int tr_csv_header(FILE *f);
 int tr_csv_row(FILE *f, const tr_row *row);
 
+#define TR_STALENESS_BUCKETS 257
+
 /* The end-of-run figures (summary.json). */
 typedef struct {
   const char *model;          /* "transformer", "resnet" */
@@ -190,6 +220,11 @@ typedef struct {
   double staleness_mean;      /* over the steps that used roots */
   double staleness_median;
   long staleness_max;
+  /* The distribution over block-steps (each use of a root by a block at a step): the
+   * percentiles, and hist[s] = block-steps with staleness s (the last bucket: s >= it). */
+  double staleness_p50, staleness_p90, staleness_p99;
+  uint64_t staleness_hist[TR_STALENESS_BUCKETS];
+  uint64_t staleness_uses;    /* block-steps in hist */
   long fallback_steps;        /* steps where some block used the grafted step */
   long blocks;                /* preconditioned blocks */
   uint64_t stats_pushed, stats_dropped, stats_coalesced, roots_received;
@@ -251,6 +286,10 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
 int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                       tr_error *err);
 
+/* The staleness distribution of the Shampoo glue so far into s (staleness_p50/p90/p99,
+ * staleness_hist, staleness_uses; NAN and zeros for the others or when no root was used). */
+void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *s);
+
 /* Counters of the Shampoo glue (zeros for the others). */
 void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
                            uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received);
@@ -284,8 +323,8 @@ long tr_total_steps(const tr_options *opts, const tr_model *model);
  * in M tensors, <backend>, <optimizer>, S steps"). */
 void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model *model);
 
-/* Ends a client's result line on stdout: for Shampoo the staleness and fallback figures of
- * summary, then the newline. */
+/* Ends a client's result line on stdout: for Shampoo the staleness (mean, p50/p90/p99,
+ * max) and fallback figures of summary, then the newline. */
 void tr_print_result_end(const tr_options *opts, const tr_summary *summary);
 
 /* Runs the whole training: builds the optimizer, trains for tr_total_steps steps with the

@@ -17,8 +17,13 @@
 typedef struct {
   long context, d_model, heads, layers, mlp, batch;
   double dropout;
+  int tie_head, init;        /* init: index into lm_inits */
   char data[512];
 } lm_args;
+
+/* --init: the linears' initialisation, in the order of lm_init_kind. */
+static const char *const lm_inits[] = {"uniform", "normal002", NULL};
+static const ac_init lm_init_kind[] = {AC_INIT_LAYER, AC_INIT_NORMAL002};
 
 typedef struct {
   ac_backend *be;
@@ -81,19 +86,29 @@ static int lm_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
 int main(int argc, char **argv) {
   tr_options opts;
   tr_options_default(&opts);
+  opts.model = "transformer";
   opts.steps = 500;
   opts.eval_every = 100;
-  lm_args a = {64, 128, 4, 2, 0, 32, 0.0, ""};
+  ac_lm_config cfg;
+  ac_lm_config_default(&cfg);
+  lm_args a = {64, 128, 4, 2, 0, 32, 0.0, cfg.tie_head, 0, ""};
+  while (lm_init_kind[a.init] != cfg.init) a.init++;
   tr_arg extra[] = {
-    {"context", TR_ARG_LONG, &a.context, 2, 4096, "context length in bytes"},
-    {"d-model", TR_ARG_LONG, &a.d_model, 4, 8192, "model width"},
-    {"heads", TR_ARG_LONG, &a.heads, 1, 256, "attention heads (divide --d-model)"},
-    {"layers", TR_ARG_LONG, &a.layers, 1, 256, "Transformer blocks"},
-    {"mlp", TR_ARG_LONG, &a.mlp, 0, 65536, "MLP width (0: 4 x d-model)"},
-    {"batch", TR_ARG_LONG, &a.batch, 1, 65536, "sequences per step"},
-    {"dropout", TR_ARG_DOUBLE, &a.dropout, 0, 0.95, "dropout probability"},
+    {"context", TR_ARG_LONG, &a.context, 2, 4096, "context length in bytes", NULL},
+    {"d-model", TR_ARG_LONG, &a.d_model, 4, 8192, "model width", NULL},
+    {"heads", TR_ARG_LONG, &a.heads, 1, 256, "attention heads (divide --d-model)", NULL},
+    {"layers", TR_ARG_LONG, &a.layers, 1, 256, "Transformer blocks", NULL},
+    {"mlp", TR_ARG_LONG, &a.mlp, 0, 65536, "MLP width (0: 4 x d-model)", NULL},
+    {"batch", TR_ARG_LONG, &a.batch, 1, 65536, "sequences per step", NULL},
+    {"dropout", TR_ARG_DOUBLE, &a.dropout, 0, 0.95, "dropout probability", NULL},
+    {"tie-head", TR_ARG_FLAG, &a.tie_head, 0, 0,
+     "output head = the embedding matrix (as GPT-2); --no-tie-head: its own", NULL},
+    {"init", TR_ARG_CHOICE, &a.init, 0, 0,
+     "linear weights: uniform (U(+-1/sqrt(fan-in))) or normal002 (N(0, 0.02^2), as GPT-2)",
+     lm_inits},
     {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
-     "KJV text cache (default $PRECOND_DATA_DIR/kjv.txt or data/kjv.txt; made with `bible`)"},
+     "KJV text cache (default $PRECOND_DATA_DIR/kjv.txt or data/kjv.txt; made with `bible`)",
+     NULL},
   };
   size_t nextra = sizeof extra / sizeof extra[0];
   tr_error err = {{0}};
@@ -128,8 +143,6 @@ int main(int argc, char **argv) {
     goto done;
   }
 
-  ac_lm_config cfg;
-  ac_lm_config_default(&cfg);
   cfg.vocab = DS_TEXT_VOCAB;
   cfg.ctx = (size_t)a.context;
   cfg.dim = (size_t)a.d_model;
@@ -139,6 +152,8 @@ int main(int argc, char **argv) {
   cfg.batch = (size_t)a.batch;
   cfg.dropout = (float)a.dropout;
   cfg.seed = opts.seed;
+  cfg.tie_head = a.tie_head;
+  cfg.init = lm_init_kind[a.init];
   c.be = be;
   c.text = &text;
   c.batch = (size_t)a.batch;

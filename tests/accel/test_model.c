@@ -183,6 +183,8 @@ static void lm_small_config(ac_lm_config *c)
   c->mlp = 16;
   c->batch = 3;
   c->seed = 7;
+  c->tie_head = 0;      /* the layers' own init and an untied head; the tied one below */
+  c->init = AC_INIT_LAYER;
 }
 
 static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t batch, size_t t)
@@ -260,6 +262,113 @@ static void test_lm_gradients(void **state)
   assert_true(isfinite(loss_now(&m)));
   ac_param_list_destroy(&list);
   lm_teardown(&r, be);
+}
+
+/* Sum of squares of a parameter's values (host copy). */
+static double sumsq(const ac_param *p)
+{
+  float *v = host_of(&p->value);
+  double s = 0.0;
+  for (size_t i = 0; i < p->value.numel; i++)
+    s += (double)v[i] * v[i];
+  free(v);
+  return s;
+}
+
+/* The tied head: no "head.weight" parameter, the gradient of "tok.weight" passes the
+ * directional check (finite differences of the loss moving the one shared matrix), and it
+ * equals the sum of the gradients of the embedding and of the head of an untied model whose
+ * head holds the same matrix. N(0, 0.02^2) init: every linear has std ~0.02. */
+static void test_lm_tied_head(void **state)
+{
+  ac_backend *be = backend(state);
+  ac_lm_config c;
+  lm_run r, u;
+  ac_param_list list, ulist;
+  lm_small_config(&c);
+  c.dim = 16;
+  c.mlp = 32;
+  c.tie_head = 1;
+  c.init = AC_INIT_NORMAL002;
+  lm_setup(&r, be, &c, 2, 5);
+  ac_param_list_init(&list);
+  OK(ac_lm_params(&r.lm, &list));
+  assert_int_equal(list.n, 2 + 2 * 12 + 2 + 1);
+  assert_null(ac_param_list_find(&list, "head.weight"));
+  assert_string_equal(list.items[list.n - 1]->name, "head.bias");
+  ac_param *tok = ac_param_list_find(&list, "tok.weight");
+  ac_param *fc1 = ac_param_list_find(&list, "layer1.mlp.fc1.weight");
+  double sd = sqrt(sumsq(fc1) / (double)fc1->value.numel);
+  assert_true(fabs(sd - 0.02) < 0.003); /* 512 draws: ~3% standard error */
+  model_ops m = {lm_fwd, lm_bwd, &r};
+  assert_true(fabs(loss_now(&m) - log((double)c.vocab)) < 0.1);
+  rng_seed(17);
+  check_directional(&m, &list);
+  check_sgd_lowers_loss(&m, &list, 0.5f, 30);
+
+  /* The sum of both uses, against an untied model holding the same numbers. */
+  c.tie_head = 0;
+  lm_setup(&u, be, &c, 2, 5);
+  ac_param_list_init(&ulist);
+  OK(ac_lm_params(&u.lm, &ulist));
+  assert_int_equal(ulist.n, list.n + 1);
+  for (size_t k = 0; k < list.n; k++) {
+    ac_param *dst = ac_param_list_find(&ulist, list.items[k]->name);
+    assert_non_null(dst);
+    float *v = host_of(&list.items[k]->value);
+    OK(ac_tensor_upload(&dst->value, v));
+    if (list.items[k] == tok)
+      OK(ac_tensor_upload(&ac_param_list_find(&ulist, "head.weight")->value, v));
+    free(v);
+  }
+  model_ops mu = {lm_fwd, lm_bwd, &u};
+  OK(ac_param_list_zero_grad(&list));
+  OK(ac_param_list_zero_grad(&ulist));
+  double lt = loss_now(&m), lu = loss_now(&mu);
+  assert_true(fabs(lt - lu) <= 1e-6 * fabs(lu));
+  OK(lm_bwd(&r));
+  OK(lm_bwd(&u));
+  float *gt = host_of(&tok->grad);
+  float *ge = host_of(&ac_param_list_find(&ulist, "tok.weight")->grad);
+  float *gh = host_of(&ac_param_list_find(&ulist, "head.weight")->grad);
+  double err = 0.0, norm = 0.0;
+  for (size_t i = 0; i < tok->grad.numel; i++) {
+    double want = (double)ge[i] + gh[i];
+    err = fmax(err, fabs(gt[i] - want));
+    norm = fmax(norm, fabs(want));
+  }
+  assert_true(norm > 0.0);
+  assert_true(err <= 1e-5 * norm);
+  free(gt);
+  free(ge);
+  free(gh);
+  ac_param_list_destroy(&ulist);
+  lm_teardown(&u, be);
+  ac_param_list_destroy(&list);
+  lm_teardown(&r, be);
+}
+
+/* ResNet convs He fan-out: std sqrt(2 / (out_c k k)) (fan-in: sqrt(2 / (in_c k k))), so a
+ * conv whose widths differ tells the two apart; any other init is refused. */
+static void test_resnet_conv_init(void **state)
+{
+  ac_backend *be = backend(state);
+  ac_resnet_config c;
+  ac_resnet net;
+  ac_resnet_config_default(&c);
+  c.batch = 2;
+  for (int fan_out = 0; fan_out <= 1; fan_out++) {
+    c.conv_init = fan_out ? AC_INIT_HE_FAN_OUT : AC_INIT_LAYER;
+    OK(ac_resnet_init(&net, be, &c));
+    ac_param *w = &net.blocks[3].conv1.weight; /* 16 -> 32 channels, 3x3 */
+    double sd = sqrt(sumsq(w) / (double)w->value.numel);
+    double want = sqrt(2.0 / ((fan_out ? 32.0 : 16.0) * 9.0));
+    if (fabs(sd - want) > 0.03 * want)
+      fail_msg("fan_out %d: std %.5f, want %.5f", fan_out, sd, want);
+    ac_resnet_destroy(&net);
+  }
+  c.conv_init = AC_INIT_NORMAL002;
+  assert_int_equal(ac_resnet_init(&net, be, &c), AC_EINVAL);
 }
 
 /* With dropout active and the masks held fixed, the gradients still match: the masks are
@@ -344,6 +453,7 @@ static void rn_small_config(ac_resnet_config *c)
   c->batch = 5;
   c->chunk = 2;
   c->seed = 5;
+  c->conv_init = AC_INIT_LAYER; /* the weights these checks were tuned on (ReLU kinks) */
 }
 
 static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_t batch)
@@ -555,7 +665,8 @@ static void test_cross_backend(void **state)
 
 #define MODEL_TESTS                                                                       \
   cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
-      cmocka_unit_test(test_lm_gradients_dropout),                                        \
+      cmocka_unit_test(test_lm_gradients_dropout), cmocka_unit_test(test_lm_tied_head),    \
+      cmocka_unit_test(test_resnet_conv_init),                                             \
       cmocka_unit_test(test_lm_dropout), cmocka_unit_test(test_resnet_params),            \
       cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_bad_input),            \
       cmocka_unit_test(test_cross_backend)

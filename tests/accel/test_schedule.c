@@ -94,6 +94,27 @@ static void test_schedule_composed(void **state)
   assert_close(ac_lr_schedule_at(&s, 50), 0.2 * 0.01);
 }
 
+/* The clients' default protocol for a 1000-step run (bench/train.c, tr_schedule): 100
+ * warm-up steps, then cosine to 0 over the 900 left: the base rate where the warm-up ends,
+ * half of it at the decay's midpoint, 0 at the last step and a little above just before. */
+static void test_schedule_run_protocol(void **state)
+{
+  (void)state;
+  ac_lr_schedule s;
+  ac_lr_schedule_default(&s, 3e-3);
+  s.warmup_steps = 100;
+  s.decay = AC_LR_COSINE;
+  s.decay_steps = 900;
+  assert_int_equal(ac_lr_schedule_check(&s), AC_OK);
+  assert_close(ac_lr_schedule_at(&s, 99), 3e-3 * 0.99);
+  assert_close(ac_lr_schedule_at(&s, 100), 3e-3);
+  assert_close(ac_lr_schedule_at(&s, 101), 3e-3 * 0.5 * (1.0 + cos(PI / 900.0)));
+  assert_close(ac_lr_schedule_at(&s, 550), 1.5e-3);
+  assert_close(ac_lr_schedule_at(&s, 1000), 0.0);
+  double before = ac_lr_schedule_at(&s, 999);
+  assert_true(before > 0.0 && before < 1e-7);
+}
+
 static void test_schedule_check(void **state)
 {
   (void)state;
@@ -129,6 +150,7 @@ int main(void)
     cmocka_unit_test(test_cosine_decay),
     cmocka_unit_test(test_step_decay),
     cmocka_unit_test(test_schedule_composed),
+    cmocka_unit_test(test_schedule_run_protocol),
     cmocka_unit_test(test_schedule_check),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -280,6 +280,30 @@ static void test_bad_options(void **state) {
   assert_int_equal(run(d, log), 0);
   s = read_file(log);
   assert_non_null(strstr(s, "--d-model N"));
+  assert_non_null(strstr(s, "--init NAME"));
+  assert_non_null(strstr(s, "[normal002]"));
+  assert_non_null(strstr(s, "adamw     0.001   0.9      0.9/0.99"));
+  free(s);
+  /* the protocol's options: a bad choice of each is refused with the list of good ones */
+  char *e[] = {(char *)transformer_path, "--schedule", "linear", NULL};
+  assert_int_equal(run(e, log), 2);
+  s = read_file(log);
+  assert_non_null(strstr(s, "'linear' is not one of constant, cosine, step"));
+  free(s);
+  char *f[] = {(char *)transformer_path, "--init", "xavier", NULL};
+  assert_int_equal(run(f, log), 2);
+  s = read_file(log);
+  assert_non_null(strstr(s, "'xavier' is not one of uniform, normal002"));
+  free(s);
+  char *g[] = {(char *)resnet_path, "--conv-init", "orthogonal", NULL};
+  assert_int_equal(run(g, log), 2);
+  s = read_file(log);
+  assert_non_null(strstr(s, "'orthogonal' is not one of fan-in, fan-out"));
+  free(s);
+  char *h[] = {(char *)resnet_path, "--optimizer", "sgd", "--no-nesterov=1", NULL};
+  assert_int_equal(run(h, log), 2);
+  s = read_file(log);
+  assert_non_null(strstr(s, "--no-nesterov takes no value"));
   free(s);
 }
 

@@ -66,10 +66,158 @@ static int parse(tr_options *o, long *width, char *name, tr_error *err, int argc
   va_end(ap);
   tr_options_default(o);
   tr_arg extra[] = {
-    {"width", TR_ARG_LONG, width, 1, 4096, "model width"},
-    {"name", TR_ARG_STRING, name, 0, 8, "a name"},
+    {"width", TR_ARG_LONG, width, 1, 4096, "model width", NULL},
+    {"name", TR_ARG_STRING, name, 0, 8, "a name", NULL},
   };
   return tr_parse_args(o, extra, 2, argc, argv, "prog", "test", err);
+}
+
+/* Parses argv (NULL-terminated, after the program name) for model with a client's kinds of
+ * extra options (a flag and a choice). */
+static int parse_model(tr_options *o, const char *model, int *flag, int *choice,
+                       tr_error *err, const char **args) {
+  static const char *const choices[] = {"red", "green", NULL};
+  char *argv[32] = {"prog"};
+  int argc = 1;
+  while (args[argc - 1] != NULL) {
+    argv[argc] = (char *)args[argc - 1];
+    argc++;
+  }
+  tr_options_default(o);
+  o->model = model;
+  *flag = 1;
+  *choice = 0;
+  tr_arg extra[] = {
+    {"tie", TR_ARG_FLAG, flag, 0, 0, "a flag", NULL},
+    {"colour", TR_ARG_CHOICE, choice, 0, 0, "a choice", choices},
+  };
+  return tr_parse_args(o, extra, 2, argc, argv, "prog", "test", err);
+}
+
+/* The defaults table per (model, optimizer), a user's value over the table's, --no-FLAG,
+ * choices, the schedule options. */
+static void test_defaults_table(void **state) {
+  (void)state;
+  tr_options o;
+  tr_error err = {{0}};
+  int flag, choice;
+
+  const char *rn_sgd[] = {"--optimizer", "sgd", "--steps", "468", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_sgd), TR_OK);
+  assert_true(o.lr == 0.1 && o.momentum == 0.9 && o.weight_decay == 5e-4);
+  assert_int_equal(o.nesterov, 1);
+  assert_int_equal(o.warmup, 0);
+  assert_int_equal(o.schedule, AC_LR_COSINE);
+  assert_true(o.lr_floor == 0);
+
+  const char *lm_adamw[] = {"--steps", "1000", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_adamw), TR_OK);
+  assert_int_equal(o.optimizer, TR_ADAMW);
+  assert_true(o.lr == 1e-3 && o.beta1 == 0.9 && o.beta2 == 0.99 && o.weight_decay == 0);
+  assert_int_equal(o.warmup, 100);
+  /* a short run warms up for a tenth of it; a given --warmup is kept whatever the length */
+  const char *lm_short[] = {"--steps", "200", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_short), TR_OK);
+  assert_int_equal(o.warmup, 20);
+  const char *lm_given[] = {"--steps", "200", "--warmup", "150", "--beta2", "0.95", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_given), TR_OK);
+  assert_int_equal(o.warmup, 150);
+  assert_true(o.beta2 == 0.95);
+
+  /* no row for the model: the optimizer's generic row */
+  const char *other[] = {"--optimizer", "sgd", NULL};
+  assert_int_equal(parse_model(&o, "mlp", &flag, &choice, &err, other), TR_OK);
+  assert_true(o.lr == 0.1 && o.weight_decay == 0);
+  assert_int_equal(o.nesterov, 0);
+
+  /* --no-nesterov, --momentum 0 drops the table's Nesterov, flags and choices */
+  const char *no_nest[] = {"--optimizer", "sgd", "--no-nesterov", "--no-tie", "--colour",
+                           "green", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, no_nest), TR_OK);
+  assert_int_equal(o.nesterov, 0);
+  assert_int_equal(flag, 0);
+  assert_int_equal(choice, 1);
+  const char *mom0[] = {"--optimizer", "sgd", "--momentum", "0", "--tie", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, mom0), TR_OK);
+  assert_int_equal(o.nesterov, 0);
+  assert_int_equal(flag, 1);
+
+  const char *sched[] = {"--schedule", "step", "--step-size", "30", "--step-gamma", "0.5",
+                         "--lr-floor", "0.1", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, sched), TR_OK);
+  assert_int_equal(o.schedule, AC_LR_STEP);
+  assert_int_equal(o.step_size, 30);
+  assert_true(o.step_gamma == 0.5 && o.lr_floor == 0.1);
+
+  struct {
+    const char *a[4];
+    const char *msg;
+  } bad[] = {
+    {{"--schedule", "linear"}, "--schedule: 'linear' is not one of constant, cosine, step"},
+    {{"--colour", "blue"}, "--colour: 'blue' is not one of red, green"},
+    {{"--lr-floor", "1.5"}, "--lr-floor: '1.5'"},
+    {{"--step-gamma", "0"}, "--step-gamma: '0'"},
+    {{"--no-lr"}, "unknown option '--no-lr'"},
+    {{"--no-tie=1"}, "--no-tie takes no value"},
+    {{"--optimizer", "sgd", "--momentum"}, "--momentum needs a value"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    memset(&err, 0, sizeof err);
+    assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, bad[i].a), TR_EINVAL);
+    if (strstr(err.msg, bad[i].msg) == NULL) fail_msg("case %zu: got '%s'", i, err.msg);
+  }
+  const char *nest0[] = {"--optimizer", "sgd", "--momentum", "0", "--nesterov", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, nest0), TR_EINVAL);
+  assert_non_null(strstr(err.msg, "--nesterov needs --momentum"));
+
+  /* The usage text shows the table of the client's model. */
+  char path[128];
+  snprintf(path, sizeof path, "%s/usage-table.txt", tmpdir);
+  FILE *f = fopen(path, "w");
+  tr_options d;
+  tr_options_default(&d);
+  d.model = "resnet";
+  tr_usage(f, &d, NULL, 0, "resnet", "summary");
+  fclose(f);
+  char *u = read_file(path);
+  assert_non_null(strstr(u, "--lr X"));
+  assert_non_null(strstr(u, "[table]"));
+  assert_non_null(strstr(u, "(resnet)"));
+  assert_non_null(strstr(u, "sgd       0.1     0.9      0.9/0.999  0.0005       yes"));
+  assert_non_null(strstr(u, "--schedule NAME"));
+  assert_non_null(strstr(u, "[cosine]"));
+  free(u);
+}
+
+/* The schedule a run gets: warm-up, then cosine to the floor at the last step (or step
+ * decay, or constant), over the run's total steps. */
+static void test_run_schedule(void **state) {
+  (void)state;
+  tr_options o;
+  ac_lr_schedule sc;
+  tr_options_default(&o);
+  o.lr = 0.5;
+  o.warmup = 10;
+  tr_options_resolve(&o);
+  assert_int_equal(tr_schedule(&o, 110, &sc), TR_OK);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 5) - 0.25) < 1e-12);
+  assert_true(ac_lr_schedule_at(&sc, 10) == 0.5);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 60) - 0.25) < 1e-12); /* midpoint of the decay */
+  assert_true(fabs(ac_lr_schedule_at(&sc, 110)) < 1e-12);       /* the last step */
+  o.lr_floor = 0.1;
+  assert_int_equal(tr_schedule(&o, 110, &sc), TR_OK);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 110) - 0.05) < 1e-12);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 60) - 0.275) < 1e-12);
+  o.schedule = AC_LR_CONSTANT;
+  assert_int_equal(tr_schedule(&o, 110, &sc), TR_OK);
+  assert_true(ac_lr_schedule_at(&sc, 110) == 0.5);
+  o.schedule = AC_LR_STEP; /* step_size 0: thirds of the 100 decay steps, gamma 0.1 */
+  assert_int_equal(tr_schedule(&o, 110, &sc), TR_OK);
+  assert_true(ac_lr_schedule_at(&sc, 42) == 0.5);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 43) - 0.05) < 1e-12);
+  assert_true(fabs(ac_lr_schedule_at(&sc, 110) - 0.0005) < 1e-12);
+  o.step_gamma = 2; /* out of range */
+  assert_int_equal(tr_schedule(&o, 110, &sc), TR_EINVAL);
 }
 
 static void test_options(void **state) {
@@ -156,7 +304,7 @@ static void test_options(void **state) {
   tr_options d;
   tr_options_default(&d);
   long w = 33;
-  tr_arg extra[] = {{"width", TR_ARG_LONG, &w, 1, 10, "model width"}};
+  tr_arg extra[] = {{"width", TR_ARG_LONG, &w, 1, 10, "model width", NULL}};
   tr_usage(f, &d, extra, 1, "prog", "summary");
   fclose(f);
   char *u = read_file(path);
@@ -665,6 +813,8 @@ int main(int argc, char **argv) {
   }
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_options),
+    cmocka_unit_test(test_defaults_table),
+    cmocka_unit_test(test_run_schedule),
     cmocka_unit_test(test_progress),
     cmocka_unit_test(test_csv_json),
     cmocka_unit_test(test_train_loop),
