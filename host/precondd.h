@@ -11,6 +11,7 @@
  *   scheduler.c the worker pool computing roots (dirty first, then stalest and largest)
  *   snapshot.c  atomic, checksummed snapshots of the store and their restore
  *   stats.c     daemon-wide counters and compute-time percentiles
+ *   limits.c    per-method request size and count limits, checked before parsing
  *
  * Prefix pd_. Functions return int: PD_OK (0) or a negative PD_E* code, with pd_strerror.
  * Locking order, where two locks nest: scheduler lock, then a block's lock. The store's
@@ -403,5 +404,20 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port);
 /* Stops accepting calls, lets calls in flight finish for up to grace_s, cancels the rest,
  * joins the pollers and frees the server. */
 void pd_server_stop(pd_server *srv, double grace_s);
+
+/* ------------------------------------------------------------------------------------ */
+/* limits.c                                                                               */
+
+#define PD_MAX_TENSORS 65536u                /* tensors in one job */
+#define PD_MAX_STEP ((uint64_t)1 << 53)      /* steps above are refused: exact in a double */
+
+/* The size limit of method m's requests: its own, never above cfg->max_message_bytes. */
+size_t pd_request_max_bytes(const pd_config *cfg, pd_method m);
+
+/* Checks payload (may be NULL; not consumed) against method m's size limit and the count
+ * limit of its repeated field (Register tensors, Push blocks, Fetch have) without parsing
+ * it. PD_OK, or PD_ELIMIT with a message in err. Allocates nothing but gRPC's reader. */
+int pd_request_admit(const pd_config *cfg, pd_method m, grpc_byte_buffer *payload, char *err,
+                     size_t errlen);
 
 #endif /* PRECOND_HOST_PRECONDD_H */

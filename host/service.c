@@ -245,6 +245,11 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     goto rejected;
   }
+  if (req->step > PD_MAX_STEP) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "step: %llu is above the limit 2^53",
+             (unsigned long long)req->step);
+    goto rejected;
+  }
   pd_job *job = pd_store_find(&d->store, req->job);
   if (!job) {
     pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
@@ -559,6 +564,11 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
   reply->payload = NULL;
   if (payload) atomic_fetch_add(&d->stats.bytes_in, grpc_byte_buffer_length(payload));
   ProtobufCMessage *req = NULL;
+  if (pd_request_admit(&d->cfg, m, payload, reply->message, sizeof reply->message) != PD_OK) {
+    reply->code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    if (m == PD_M_PUSH) atomic_fetch_add(&d->stats.rejected_pushes, 1);
+    return;
+  }
   int rc = rpc_unpack(payload, pd__req_desc[m], d->cfg.max_message_bytes, &req);
   if (rc != RPC_OK) {
     if (rc == RPC_ETOOBIG)

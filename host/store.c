@@ -67,7 +67,6 @@ void pd_root_unref(pd_root *r, pd_stats *stats) {
 
 /* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
 #define PD_MAX_BLOCK_SIZE 8192u
-#define PD_MAX_TENSORS 1000000u
 #define PD_MAX_RANK 8
 #define PD_MAX_NAME 256 /* job, tensor and worker names, bytes */
 
