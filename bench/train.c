@@ -634,6 +634,8 @@ int tr_json_summary(FILE *f, const tr_summary *s) {
   tr__json_str(f, "status", s->status != NULL ? s->status : "ok");
   tr__json_int(f, "seed", (long long)s->seed);
   tr__json_num(f, "lr", s->lr, 0);
+  tr__json_str(f, "schedule", s->schedule != NULL ? s->schedule : "?");
+  tr__json_int(f, "warmup", s->warmup);
   tr__json_int(f, "steps", s->steps);
   tr__json_int(f, "params", s->params);
   tr__json_num(f, "final_train_loss", s->final_train_loss, 0);
@@ -1155,6 +1157,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   sm.backend = ac_backend_name(be);
   sm.seed = opts->seed;
   sm.lr = base_lr;
+  sm.schedule = tr__schedules[opts->schedule];
+  sm.warmup = opts->warmup;
   sm.item_unit = model->item_unit;
   sm.final_eval_loss = sm.final_eval_accuracy = sm.best_eval_loss = NAN;
   sm.staleness_mean = sm.staleness_median = NAN;

@@ -202,7 +202,9 @@ typedef struct {
   const char *optimizer;
   const char *backend;
   uint64_t seed;
-  double lr;
+  double lr;                  /* the base rate */
+  const char *schedule;       /* "constant", "cosine", "step" (after the warm-up) */
+  long warmup;                /* warm-up steps */
   long steps;                 /* steps completed */
   long params;                /* trainable values */
   double final_train_loss;    /* mean over the last min(steps, 20) steps */

@@ -390,6 +390,14 @@ static void test_csv_json(void **state) {
   s.staleness_max = -1;
   s.fallback_steps = 7;
   s.roots_received = 9;
+  s.schedule = "cosine";
+  s.warmup = 10;
+  s.staleness_p50 = 1;
+  s.staleness_p90 = 3;
+  s.staleness_p99 = NAN;
+  s.staleness_hist[0] = 5;
+  s.staleness_hist[3] = 2;
+  s.staleness_uses = 7;
   assert_int_equal(tr_json_summary(f, &s), TR_OK);
   fclose(f);
   char *js = read_file(path);
@@ -402,6 +410,10 @@ static void test_csv_json(void **state) {
   assert_non_null(strstr(js, "\"median_step_ms\": 3.5,"));
   assert_non_null(strstr(js, "\"fallback_steps\": 7,"));
   assert_non_null(strstr(js, "\"roots_received\": 9\n}\n"));
+  assert_non_null(strstr(js, "\"schedule\": \"cosine\",\n  \"warmup\": 10,"));
+  assert_non_null(strstr(js, "\"staleness_p50\": 1,\n  \"staleness_p90\": 3,\n"
+                             "  \"staleness_p99\": null,\n  \"staleness_uses\": 7,\n"
+                             "  \"staleness_hist\": [5, 0, 0, 2],\n"));
   assert_true(js[0] == '{');
   free(js);
 
@@ -776,6 +788,14 @@ static void test_shampoo_async(void **state) {
   assert_true(sm.roots_received >= 1);
   assert_true(sm.staleness_mean >= 0);
   assert_true(sm.staleness_max >= 0);
+  /* the distribution over block-steps: ordered percentiles within the max, and the
+   * histogram holds every use */
+  assert_true(sm.staleness_uses > 0);
+  assert_true(sm.staleness_p50 <= sm.staleness_p90 && sm.staleness_p90 <= sm.staleness_p99);
+  assert_true(sm.staleness_p99 <= (double)sm.staleness_max);
+  uint64_t in_hist = 0;
+  for (size_t k = 0; k < TR_STALENESS_BUCKETS; k++) in_hist += sm.staleness_hist[k];
+  assert_true(in_hist == sm.staleness_uses);
   /* Step 1 cannot have roots yet: its statistics are still on their way. */
   assert_true(sm.fallback_steps >= 1);
   assert_true(sm.fallback_steps < 60);
@@ -792,6 +812,8 @@ static void test_shampoo_sync(void **state) {
   /* Every step waits for the roots of its own statistics. */
   assert_int_equal(a.fallback_steps, 0);
   assert_int_equal(a.staleness_max, 0);
+  assert_true(a.staleness_p99 == 0 && a.staleness_uses > 0);
+  assert_true(a.staleness_hist[0] == a.staleness_uses);
   assert_true(a.roots_received >= 25);
   assert_true(a.final_train_loss < 1.0);
   char col[8192], col2[8192];
