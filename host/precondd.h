@@ -146,7 +146,10 @@ typedef struct {
   uint64_t pushes;               /* statistics updates received */
   pd_root *root;                 /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed;
-  double last_error, last_compute_ms;
+  double last_error, last_compute_ms;  /* last_error NaN: the computation itself failed */
+  uint32_t failures_in_row;      /* reset to 0 by a published root */
+  uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
+  char last_failure[160];        /* why the last root was not published; "" if none */
   /* Read by the scheduler without the block lock. */
   _Atomic uint64_t stat_step;    /* newest statistics step */
   _Atomic uint64_t root_step;    /* source step of the published root */
@@ -238,6 +241,13 @@ void pd_job_note_worker(pd_job *job, const char *worker);
  * pc_packed_len(rows) and pc_packed_len(cols)). */
 void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step);
 
+/* Applies one push to n distinct blocks of job, all or nothing: blocks[i] gets the
+ * validated increments left[i], right[i] (pd_block_update's rule). If any updated statistic
+ * would hold a non-finite value (the sum of large finite pushes overflows), nothing is
+ * stored and PD_EINVAL is returned with *bad = that i. PD_ENOMEM. */
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
+                const float *const *right, uint64_t step, size_t *bad);
+
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
 
@@ -259,6 +269,10 @@ typedef struct {
   double failure_threshold;
   _Atomic uint64_t busy;
 } pd_sched;
+
+/* A block whose roots failed this many times in a row has its statistics zeroed (counted
+ * in resets, logged): nothing a later push adds could otherwise bring it back. */
+#define PD_FAILURES_BEFORE_RESET 4u
 
 /* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
  * threads does not exceed the online cores. */

@@ -7,6 +7,7 @@
  */
 #include "precondd.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -454,6 +455,60 @@ void pd_block_update(pd_block *b, const float *left, const float *right, uint64_
   b->pushes++;
   if (step > atomic_load(&b->stat_step)) atomic_store(&b->stat_step, step);
   pthread_mutex_unlock(&b->lock);
+}
+
+/* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
+ * double with a margin of 2^-20 below FLT_MAX, more than the rounding of the float kernel,
+ * so a statistic this admits can never become Inf when pc_stat_update_f32 applies inc. */
+static int pd__update_stays_finite(size_t count, const float *s, const float *inc,
+                                   float beta2) {
+  const double limit = (double)FLT_MAX * (1.0 - 1.0 / 1048576.0);
+  const double b = beta2, w = beta2 == 1.0f ? 1.0 : 1.0 - (double)beta2;
+  for (size_t i = 0; i < count; i++)
+    if (!(fabs(b * (double)s[i] + w * (double)inc[i]) <= limit)) return 0;
+  return 1;
+}
+
+typedef struct {
+  uint32_t id;
+  size_t index;
+} pd__by_id;
+
+static int pd__cmp_by_id(const void *a, const void *b) {
+  uint32_t x = ((const pd__by_id *)a)->id, y = ((const pd__by_id *)b)->id;
+  return (x > y) - (x < y);
+}
+
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
+                const float *const *right, uint64_t step, size_t *bad) {
+  *bad = 0;
+  pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
+  if (!order) return PD_ENOMEM;
+  for (size_t i = 0; i < n; i++) order[i] = (pd__by_id){blocks[i]->id, i};
+  qsort(order, n, sizeof *order, pd__cmp_by_id);
+  /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
+   * the update it admits see the same statistic. */
+  for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[order[k].index]->lock);
+  float beta2 = job->opts.beta2;
+  int rc = PD_OK;
+  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    const pd_block *b = blocks[i];
+    if (!pd__update_stays_finite(pc_packed_len(b->rows), b->stat_left, left[i], beta2) ||
+        !pd__update_stays_finite(pc_packed_len(b->cols), b->stat_right, right[i], beta2)) {
+      *bad = i;
+      rc = PD_EINVAL;
+    }
+  }
+  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    pd_block *b = blocks[i];
+    pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left[i], beta2);
+    pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right[i], beta2);
+    b->pushes++;
+    if (step > atomic_load(&b->stat_step)) atomic_store(&b->stat_step, step);
+  }
+  for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  free(order);
+  return rc;
 }
 
 pd_root *pd_block_root(pd_block *b) {
