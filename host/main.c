@@ -57,6 +57,9 @@ static void pd__usage(FILE *f) {
 "  --max-blocks-per-job N   (default 65536)\n"
 "  --failure-threshold X    roots with a larger residual error are not published\n"
 "                           (default 0.1); the previous root stays\n"
+"  --drift-threshold X      a block whose statistics moved less than X (relative, trace\n"
+"                           and random probes) since its root keeps it (default 0.01;\n"
+"                           0: always compute)\n"
 "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
 "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
 "  --help                   this text\n"
@@ -177,7 +180,8 @@ static int pd__is_local(const char *addr) {
 
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
-         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE };
+         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
+         O_DRIFT };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -188,6 +192,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
       {"snapshot-interval", required_argument, NULL, O_SNAP},
       {"failure-threshold", required_argument, NULL, O_FAIL},
+      {"drift-threshold", required_argument, NULL, O_DRIFT},
       {"grace-period", required_argument, NULL, O_GRACE},
       {"token-file", required_argument, NULL, O_TOKEN},
       {"insecure-token", no_argument, NULL, O_INSECURE},
@@ -243,6 +248,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_FAIL:
       if (pd__parse_num("--failure-threshold", optarg, 0, 1e30, &v)) return 2;
       cfg->failure_threshold = v;
+      break;
+    case O_DRIFT:
+      if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
+      cfg->drift_threshold = v;
       break;
     case O_GRACE:
       if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
@@ -412,7 +421,8 @@ int main(int argc, char **argv) {
   if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
   if (!*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
-  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, d.cfg.failure_threshold) != PD_OK) {
+  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold};
+  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
     goto done;
   }

@@ -289,7 +289,7 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   }
   for (size_t i = 0; i < nb; i++) blocks[i] = &job->blocks[req->blocks[i]->block_id];
   size_t bad = 0;
-  int prc = pd_job_push(job, nb, blocks, left, right, req->step, &bad);
+  int prc = pd_job_push(job, nb, blocks, left, right, req->step, &d->stats, &bad);
   if (prc != PD_OK) {
     if (prc == PD_EINVAL)
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
@@ -444,6 +444,15 @@ cleanup:
 
 /* ---- GetStats ------------------------------------------------------------------------- */
 
+static void pd__stale_wire(const pd_stale_summary *s, Precond__V1__StalenessStats *w) {
+  w->samples = s->count;
+  w->p50 = s->p50;
+  w->p90 = s->p90;
+  w->p99 = s->p99;
+  w->max = s->max;
+  w->mean = s->mean;
+}
+
 static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_reply *rep) {
   pd_job *only = NULL;
   if (req->job && *req->job) {
@@ -469,7 +478,8 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   Precond__V1__BlockStats *bs = calloc(nblk ? nblk : 1, sizeof *bs);
   Precond__V1__BlockStats **bsp = calloc(nblk ? nblk : 1, sizeof *bsp);
   char *texts = calloc(nblk ? nblk : 1, sizeof jobs[0]->blocks[0].last_failure);
-  if (!jobs || !js || !jsp || !bs || !bsp || !texts) {
+  Precond__V1__StalenessStats *bst = calloc(nblk ? nblk : 1, sizeof *bst);
+  if (!jobs || !js || !jsp || !bs || !bsp || !texts || !bst) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -490,6 +500,13 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.threads = (uint32_t)d->cfg.threads;
   resp.replicas = 1;
   resp.rank = 0;
+  resp.roots_skipped = atomic_load(&d->stats.roots_skipped);
+  resp.drift_threshold = d->cfg.drift_threshold;
+  pd_stale_summary all;
+  pd_stats_staleness(&d->stats, &all);
+  Precond__V1__StalenessStats all_w = PRECOND__V1__STALENESS_STATS__INIT;
+  pd__stale_wire(&all, &all_w);
+  resp.staleness = &all_w;
   resp.snapshots_written = atomic_load(&d->stats.snapshots_written);
   double snap = atomic_load(&d->stats.last_snapshot_time);
   resp.last_snapshot_age_s = snap > 0 ? pd_now() - snap : 0;
@@ -524,8 +541,15 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       o->resets = blk->resets;
       char *why = texts + k * sizeof blk->last_failure;
       memcpy(why, blk->last_failure, sizeof blk->last_failure);
+      o->roots_skipped = blk->roots_skipped;
+      o->last_drift = blk->last_drift;
+      pd_stale_summary sum;
+      pd_stale_hist_summary(&blk->stale, &sum);
       pthread_mutex_unlock(&blk->lock);
       o->last_failure = why;
+      precond__v1__staleness_stats__init(&bst[k]);
+      pd__stale_wire(&sum, &bst[k]);
+      o->staleness_dist = &bst[k];
       o->stat_step = atomic_load(&blk->stat_step);
       o->root_step = atomic_load(&blk->root_step);
       o->staleness = o->stat_step > o->root_step ? o->stat_step - o->root_step : 0;
@@ -546,6 +570,7 @@ cleanup:
   free(bs);
   free(bsp);
   free(texts);
+  free(bst);
 }
 
 /* ---- dispatch ------------------------------------------------------------------------- */

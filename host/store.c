@@ -292,6 +292,7 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
         pd_block *b = &job->blocks[job->nblocks];
         memset(b, 0, sizeof *b);
         pthread_mutex_init(&b->lock, NULL);
+        b->last_drift = NAN;
         b->job = job;
         b->id = (uint32_t)job->nblocks;
         b->tensor = (uint32_t)i;
@@ -447,14 +448,35 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* ---- blocks --------------------------------------------------------------------------- */
 
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step) {
+/* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
+ * is a staleness sample (to be added to the daemon's stats once the lock is released). */
+static int pd__apply_locked(pd_block *b, const float *left, const float *right, uint64_t step,
+                            uint64_t *age) {
   float beta2 = b->job->opts.beta2;
-  pthread_mutex_lock(&b->lock);
+  int sampled = 0;
   pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left, beta2);
   pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right, beta2);
   b->pushes++;
-  if (step > atomic_load(&b->stat_step)) atomic_store(&b->stat_step, step);
+  if (step > atomic_load(&b->stat_step)) {
+    atomic_store(&b->stat_step, step);
+    /* The worker of this step has the published root at best: its age now is what that
+     * worker sees (one sample per block and step; a repeated step is not sampled again). */
+    if (b->root && step > b->root->source_step) {
+      *age = step - b->root->source_step;
+      pd_stale_hist_add(&b->stale, *age);
+      sampled = 1;
+    }
+  }
+  return sampled;
+}
+
+void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
+                     pd_stats *stats) {
+  uint64_t age = 0;
+  pthread_mutex_lock(&b->lock);
+  int sampled = pd__apply_locked(b, left, right, step, &age);
   pthread_mutex_unlock(&b->lock);
+  if (sampled && stats) pd_stats_add_staleness(stats, age);
 }
 
 /* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
@@ -480,10 +502,16 @@ static int pd__cmp_by_id(const void *a, const void *b) {
 }
 
 int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
-                const float *const *right, uint64_t step, size_t *bad) {
+                const float *const *right, uint64_t step, pd_stats *stats, size_t *bad) {
   *bad = 0;
   pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
-  if (!order) return PD_ENOMEM;
+  uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
+  size_t nages = 0;
+  if (!order || !ages) {
+    free(order);
+    free(ages);
+    return PD_ENOMEM;
+  }
   for (size_t i = 0; i < n; i++) order[i] = (pd__by_id){blocks[i]->id, i};
   qsort(order, n, sizeof *order, pd__cmp_by_id);
   /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
@@ -499,15 +527,12 @@ int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *con
       rc = PD_EINVAL;
     }
   }
-  for (size_t i = 0; i < n && rc == PD_OK; i++) {
-    pd_block *b = blocks[i];
-    pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left[i], beta2);
-    pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right[i], beta2);
-    b->pushes++;
-    if (step > atomic_load(&b->stat_step)) atomic_store(&b->stat_step, step);
-  }
+  for (size_t i = 0; i < n && rc == PD_OK; i++)
+    nages += (size_t)pd__apply_locked(blocks[i], left[i], right[i], step, &ages[nages]);
   for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
   free(order);
+  free(ages);
   return rc;
 }
 

@@ -31,7 +31,8 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
                                  d->cfg.max_blocks_per_job),
                    PD_OK);
-  assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, d->cfg.failure_threshold), PD_OK);
+  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold};
+  assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
 
@@ -223,6 +224,36 @@ static void test_push_fetch_stats(void **state) {
   assert_int_equal(st->roots_computed, 2);
   assert_true(st->memory_bytes > 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* A push that leaves the statistics as they were (zeros into sums): the drift test keeps
+   * both roots, republished as of step 5 and counted; the push of step 5 met roots of
+   * step 3, a staleness sample of 2 per block. */
+  float *zero = calloc(pc_packed_len(4), sizeof *zero);
+  assert_int_equal(push2(d, "j", 5, zero, 4, zero, 4, 1, why), GRPC_STATUS_OK);
+  for (int i = 0; i < 2000 && atomic_load(&d->stats.roots_skipped) < 2; i++) {
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
+                          why),
+                   GRPC_STATUS_OK);
+  assert_int_equal(st->roots_skipped, 2);
+  assert_int_equal(st->roots_computed, 2);
+  assert_true(st->drift_threshold == d->cfg.drift_threshold);
+  assert_int_equal(st->staleness->samples, 2);
+  assert_true(st->staleness->p50 == 2 && st->staleness->p99 == 2);
+  assert_int_equal(st->staleness->max, 2);
+  for (int b = 0; b < 2; b++) {
+    assert_int_equal(st->block_stats[b]->roots_skipped, 1);
+    assert_int_equal(st->block_stats[b]->version, 2);
+    assert_int_equal(st->block_stats[b]->root_step, 5);
+    assert_true(st->block_stats[b]->last_drift == 0);
+    assert_int_equal(st->block_stats[b]->staleness_dist->samples, 1);
+    assert_true(st->block_stats[b]->staleness_dist->mean == 2);
+  }
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  free(zero);
 
   Grpc__Health__V1__HealthCheckRequest hr = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   Grpc__Health__V1__HealthCheckResponse *h = NULL;
