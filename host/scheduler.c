@@ -77,10 +77,10 @@ static void pd__probe(size_t n, const float *packed, float *v, double q[PD_DRIFT
 }
 
 /* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero. */
-static double pd__drift(const double q[2][PD_DRIFT_PROBES],
-                        const double ref[2][PD_DRIFT_PROBES]) {
+static double pd__drift(uint32_t nparts, const double q[PD_MAX_PARTS][PD_DRIFT_PROBES],
+                        const double ref[PD_MAX_PARTS][PD_DRIFT_PROBES]) {
   double worst = 0;
-  for (int f = 0; f < 2; f++)
+  for (uint32_t f = 0; f < nparts; f++)
     for (int k = 0; k < PD_DRIFT_PROBES; k++) {
       double diff = fabs(q[f][k] - ref[f][k]), base = fabs(ref[f][k]);
       double rel = diff == 0 ? 0 : base > 0 ? diff / base : INFINITY;
@@ -96,12 +96,12 @@ static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
   if (!old) return PD_OK;
   int rc = PD_OK;
   if (step > old->source_step) {
-    pd_root *r = pd_root_new(old->n_left, old->n_right, stats);
+    pd_root *r = pd_root_new(old->nparts, old->order, stats);
     if (!r) {
       rc = PD_ENOMEM;
     } else {
-      memcpy(r->left, old->left, pc_packed_len(old->n_left) * sizeof *r->left);
-      memcpy(r->right, old->right, pc_packed_len(old->n_right) * sizeof *r->right);
+      for (uint32_t k = 0; k < old->nparts; k++)
+        memcpy(r->part[k], old->part[k], pc_packed_len(old->order[k]) * sizeof(float));
       r->source_step = step;
       r->error = old->error;
       r->method = old->method;
@@ -115,47 +115,37 @@ static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
 
 /* ---- computing roots ------------------------------------------------------------------ */
 
-/* One factor: packed statistic -> packed root. Returns the pc_ status; info filled. */
-static int pd__factor_root(size_t n, const float *stat_packed, const pd_shampoo_opts *o,
-                           float *dense_a, float *dense_x, float *root_packed,
-                           pc_root_info *info) {
-  pc_root_opts ro;
-  pc_root_opts_default(&ro, (int)o->root_exponent);
-  ro.epsilon = o->epsilon;
-  ro.method = (pc_method)o->method;
-  pc_unpack_f32(n, stat_packed, dense_a);
-  int rc = pc_inverse_root_f32(n, dense_a, dense_x, &ro, info);
-  if (rc >= 0) pc_pack_f32(n, dense_x, root_packed);
-  return rc;
-}
-
 int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
                      pd_root_outcome *outcome) {
-  size_t nl = b->rows, nr = b->cols, nmax = nl > nr ? nl : nr;
-  size_t ll = pc_packed_len(nl), lr = pc_packed_len(nr);
-  float *sl = malloc(ll * sizeof *sl), *sr = malloc(lr * sizeof *sr);
-  size_t scratch = nmax * nmax > (PD_DRIFT_PROBES - 1) * nmax ? nmax * nmax
-                                                               : (PD_DRIFT_PROBES - 1) * nmax;
-  float *a = malloc(scratch * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
+  const pd_job *job = b->job;
+  const pd_mode *mode = job->mode;
+  float *state[PD_MAX_PARTS] = {NULL};
+  uint64_t nmax = 1;
+  int ok = 1;
+  for (uint32_t k = 0; k < b->nparts; k++) {
+    ok &= (state[k] = malloc(pc_packed_len(b->order[k]) * sizeof(float))) != NULL;
+    if (b->order[k] > nmax) nmax = b->order[k];
+  }
+  float *probe = malloc((PD_DRIFT_PROBES - 1) * nmax * sizeof *probe);
   pd_root *r = NULL;
   int rc = PD_ENOMEM;
-  if (!sl || !sr || !a || !x) goto cleanup;
+  if (!ok || !probe) goto cleanup;
 
   pthread_mutex_lock(&b->lock);
-  memcpy(sl, b->stat_left, ll * sizeof *sl);
-  memcpy(sr, b->stat_right, lr * sizeof *sr);
+  for (uint32_t k = 0; k < b->nparts; k++)
+    memcpy(state[k], b->stat[k], pc_packed_len(b->order[k]) * sizeof(float));
   uint64_t step = atomic_load(&b->stat_step);
   int has_ref = b->has_drift_ref && b->root != NULL;
-  double ref[2][PD_DRIFT_PROBES];
+  double ref[PD_MAX_PARTS][PD_DRIFT_PROBES];
   memcpy(ref, b->drift_ref, sizeof ref);
   pthread_mutex_unlock(&b->lock);
 
-  /* The drift test; a (scratch of it fits in a, which the roots overwrite after). */
-  double q[2][PD_DRIFT_PROBES];
-  pd__probe(nl, sl, a, q[0]);
-  pd__probe(nr, sr, a, q[1]);
-  if (has_ref) {
-    double drift = pd__drift((const double(*)[PD_DRIFT_PROBES])q,
+  /* The drift test. */
+  double q[PD_MAX_PARTS][PD_DRIFT_PROBES] = {{0}};
+  if (mode->drift_test)
+    for (uint32_t k = 0; k < b->nparts; k++) pd__probe(b->order[k], state[k], probe, q[k]);
+  if (mode->drift_test && has_ref) {
+    double drift = pd__drift(b->nparts, (const double(*)[PD_DRIFT_PROBES])q,
                              (const double(*)[PD_DRIFT_PROBES])ref);
     int skip = rules->drift_threshold > 0 && drift < rules->drift_threshold;
     if (skip && pd__republish(b, step, stats) != PD_OK) goto cleanup;
@@ -171,35 +161,27 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     }
   }
 
-  r = pd_root_new(nl, nr, stats);
+  r = pd_root_new(b->nparts, b->order, stats);
   if (!r) goto cleanup;
-  const pd_shampoo_opts *o = &b->job->opts;
   double t0 = pd_now();
-  pc_root_info il, ir;
-  memset(&il, 0, sizeof il);
-  memset(&ir, 0, sizeof ir);
-  int rcl = pd__factor_root(nl, sl, o, a, x, r->left, &il);
-  int rcr = rcl >= 0 ? pd__factor_root(nr, sr, o, a, x, r->right, &ir) : rcl;
+  pd_compute_info info;
+  int status = mode->compute(job->opts, b, (const float *const *)state, &b->mode_state, r->part,
+                             &info);
   double ms = 1e3 * (pd_now() - t0);
-
-  double err = fmax(il.error, ir.error);
-  /* The failure rule: no error code, a finite result, an error within the threshold. */
-  int ok = rcl >= 0 && rcr >= 0 && isfinite(il.error) && isfinite(ir.error) &&
-           err <= rules->failure_threshold && pc_all_finite_f32(ll, r->left) &&
-           pc_all_finite_f32(lr, r->right);
   pd_stats_add_compute_ms(stats, ms);
 
-  if (ok) {
+  if (mode->publishable(job->opts, b, status, &info, (const float *const *)r->part,
+                        rules->failure_threshold)) {
     r->source_step = step;
-    r->error = err;
-    r->method = o->method;
-    r->iterations = (uint32_t)(il.iters > ir.iters ? il.iters : ir.iters);
+    r->error = info.error;
+    r->method = info.method;
+    r->iterations = info.iterations;
     pthread_mutex_lock(&b->lock);
     b->roots_computed++;
-    b->last_error = err;
+    b->last_error = info.error;
     b->last_compute_ms = ms;
     memcpy(b->drift_ref, q, sizeof q);
-    b->has_drift_ref = 1;
+    b->has_drift_ref = mode->drift_test;
     pthread_mutex_unlock(&b->lock);
     pd_block_publish(b, r, stats);
     r = NULL;
@@ -208,27 +190,25 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
   } else {
     pthread_mutex_lock(&b->lock);
     b->roots_failed++;
-    b->last_error = isfinite(err) ? err : NAN;
+    b->last_error = isfinite(info.error) ? info.error : NAN;
     b->last_compute_ms = ms;
     pthread_mutex_unlock(&b->lock);
     atomic_fetch_add(&stats->roots_failed, 1);
     pd_log(PD_LOG_WARN,
-           "job %s block %u: root not published (left: %s, error %g; right: %s, error %g; "
-           "threshold %g); the previous root stays",
-           b->job->name, b->id, pc_strerror(rcl), il.error, pc_strerror(rcr), ir.error,
-           rules->failure_threshold);
+           "job %s block %u: %s result not published (%s, error %g, threshold %g); the "
+           "previous one stays",
+           job->name, b->id, mode->name, status < 0 ? pc_strerror(status) : "computed",
+           info.error, rules->failure_threshold);
     *outcome = PD_ROOT_FAILED;
   }
   rc = PD_OK;
 
 cleanup:
   if (rc != PD_OK)
-    pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots", b->job->name, b->id);
+    pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots", job->name, b->id);
   pd_root_unref(r, stats);
-  free(sl);
-  free(sr);
-  free(a);
-  free(x);
+  for (uint32_t k = 0; k < PD_MAX_PARTS; k++) free(state[k]);
+  free(probe);
   return rc;
 }
 

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "health.pb-c.h"
+#include "precond.pb-c.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
@@ -62,6 +63,36 @@ static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg)
 
 /* ---- Register ------------------------------------------------------------------------- */
 
+/* The daemon's mode ids are the wire's Mode values. */
+_Static_assert((int)PD_MODE_SHAMPOO == (int)PRECOND__V1__MODE__MODE_SHAMPOO, "mode ids");
+_Static_assert((int)PD_MODE_KFAC == (int)PRECOND__V1__MODE__MODE_KFAC, "mode ids");
+_Static_assert((int)PD_MODE_ABS == (int)PRECOND__V1__MODE__MODE_ABS, "mode ids");
+
+/* The request's mode and its options decoded into the daemon's own struct (zeroed first:
+ * options compare bytewise; zero fields take the mode's defaults in resolve). PD_EINVAL for
+ * a mode the daemon does not serve over the wire. */
+static int pd__decode_mode(const Precond__V1__RegisterRequest *req, const pd_mode **mode,
+                           unsigned char *opts) {
+  memset(opts, 0, PD_MODE_OPTS_MAX);
+  switch (req->mode) {
+  case PRECOND__V1__MODE__MODE_SHAMPOO: {
+    pd_shampoo_opts *o = (pd_shampoo_opts *)(void *)opts;
+    const Precond__V1__ShampooOptions *in = req->shampoo;
+    if (in) {
+      o->block_size = in->block_size;
+      o->skip_limit = in->skip_limit;
+      o->beta2 = in->beta2;
+      o->root_exponent = in->root_exponent;
+      o->epsilon = in->epsilon;
+      o->method = (int)in->method;
+    }
+    *mode = &pd_mode_shampoo;
+    return PD_OK;
+  }
+  default: return PD_EINVAL;
+  }
+}
+
 static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
                          pd_reply *rep) {
   char why[400];
@@ -69,13 +100,14 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     return;
   }
-  if (req->mode != PRECOND__V1__MODE__MODE_SHAMPOO) {
+  const pd_mode *mode = NULL;
+  _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
+  if (pd__decode_mode(req, &mode, opts) != PD_OK) {
     pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED, "mode: %d is not implemented (Shampoo only)",
              (int)req->mode);
     return;
   }
-  pd_shampoo_opts opts;
-  if (pd_shampoo_opts_resolve(req->shampoo, &opts, why, sizeof why) != PD_OK) {
+  if (mode->resolve(opts, why, sizeof why) != PD_OK) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "%s", why);
     return;
   }
@@ -92,7 +124,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     tensors[i].rank = req->tensors[i]->n_shape > 64 ? 65 : (int)req->tensors[i]->n_shape;
     tensors[i].dims = req->tensors[i]->shape;
   }
-  int rc = pd_job_build(req->job, (int)req->mode, &opts, req->n_tensors, tensors,
+  int rc = pd_job_build(req->job, mode, opts, req->n_tensors, tensors,
                         d->cfg.max_blocks_per_job, &job, why, sizeof why);
   if (rc != PD_OK) {
     pd__fail(rep, rc == PD_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
@@ -122,8 +154,10 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     pd_job_free(job, &d->stats); /* a restarted worker: answer with the job we hold */
     job = existing;
   } else {
-    pd_log(PD_LOG_INFO, "registered job %s: %zu tensors, %zu blocks, %zu diagonal", job->name,
-           job->ntensors, job->nblocks, job->ndiag);
+    char how[256];
+    job->mode->describe(job->opts, how, sizeof how);
+    pd_log(PD_LOG_INFO, "registered job %s (%s: %s): %zu tensors, %zu units, %zu diagonal",
+           job->name, job->mode->name, how, job->ntensors, job->nblocks, job->ndiag);
   }
   pd_job *held = job;
   job = NULL; /* owned by the store now */
@@ -165,6 +199,10 @@ cleanup:
 }
 
 /* ---- PushStatistics ------------------------------------------------------------------- */
+
+/* The wire's fields of a unit's parts, by index: BlockStatistics and BlockRoots carry part 0
+ * as left and part 1 as right. */
+static const char *const pd__part_names[PD_MAX_PARTS] = {"left", "right"};
 
 /* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
  * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned. */
@@ -257,12 +295,12 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     goto rejected;
   }
   size_t nb = req->n_blocks;
-  const float **left = calloc(nb ? nb : 1, sizeof *left);
-  const float **right = calloc(nb ? nb : 1, sizeof *right);
-  float **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  /* parts[PD_MAX_PARTS * i + k]: part k of the i-th block pushed, fp32. */
+  const float **parts = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *parts);
+  float **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
   int ok = 0;
-  if (!left || !right || !owned || !seen) {
+  if (!parts || !owned || !seen) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -282,13 +320,15 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     }
     seen[bs->block_id] = 1;
     const pd_block *b = &job->blocks[bs->block_id];
-    if (pd__decode(bs->left, b->rows, i, "left", &left[i], &owned[2 * i], rep) != 0 ||
-        pd__decode(bs->right, b->cols, i, "right", &right[i], &owned[2 * i + 1], rep) != 0)
-      goto cleanup;
+    const Precond__V1__PackedMatrix *wire[PD_MAX_PARTS] = {bs->left, bs->right};
+    for (uint32_t k = 0; k < b->nparts; k++)
+      if (pd__decode(wire[k], b->order[k], i, pd__part_names[k], &parts[PD_MAX_PARTS * i + k],
+                     &owned[PD_MAX_PARTS * i + k], rep) != 0)
+        goto cleanup;
   }
   for (size_t i = 0; i < nb; i++) {
     pd_block *b = &job->blocks[req->blocks[i]->block_id];
-    pd_block_update(b, left[i], right[i], req->step, &d->stats);
+    pd_block_update(b, &parts[PD_MAX_PARTS * i], req->step, &d->stats);
     if (pd_sched_mark(&d->sched, b) != PD_OK)
       pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name, b->id);
   }
@@ -303,10 +343,9 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   pd__answer(d, rep, &resp.base);
 
 cleanup:
-  for (size_t i = 0; owned && i < 2 * nb; i++) free(owned[i]);
+  for (size_t i = 0; owned && i < PD_MAX_PARTS * nb; i++) free(owned[i]);
   free(owned);
-  free(left);
-  free(right);
+  free(parts);
   free(seen);
   if (ok) return;
 rejected:
@@ -362,8 +401,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   pd_root **roots = calloc(nb ? nb : 1, sizeof *roots);
   Precond__V1__BlockRoots *out = calloc(nb ? nb : 1, sizeof *out);
   Precond__V1__BlockRoots **ptrs = calloc(nb ? nb : 1, sizeof *ptrs);
-  Precond__V1__PackedMatrix *mats = calloc(nb ? 2 * nb : 1, sizeof *mats);
-  uint16_t **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  Precond__V1__PackedMatrix *mats = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *mats);
+  uint16_t **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   size_t nout = 0;
   if (!have || !roots || !out || !ptrs || !mats || !owned) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
@@ -387,7 +426,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
       pd_root_unref(r, &d->stats);
       continue;
     }
-    size_t bytes = (pc_packed_len(r->n_left) + pc_packed_len(r->n_right)) * width + 128;
+    size_t bytes = 128;
+    for (uint32_t k = 0; k < r->nparts; k++) bytes += pc_packed_len(r->order[k]) * width;
     if (used + bytes > budget && nout > 0) {
       pd_root_unref(r, &d->stats);
       break;
@@ -402,15 +442,16 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     br->error = r->error;
     br->method = (Precond__V1__Method)r->method;
     br->iterations = r->iterations;
-    if (pd__encode(&mats[2 * nout], r->n_left, r->left, req->encoding, &owned[2 * nout]) ||
-        pd__encode(&mats[2 * nout + 1], r->n_right, r->right, req->encoding,
-                   &owned[2 * nout + 1])) {
-      nout++;
-      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
-      goto cleanup;
+    Precond__V1__PackedMatrix **wire[PD_MAX_PARTS] = {&br->left, &br->right};
+    for (uint32_t k = 0; k < r->nparts; k++) {
+      size_t m = PD_MAX_PARTS * nout + k;
+      if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
+        nout++;
+        pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
+        goto cleanup;
+      }
+      *wire[k] = &mats[m];
     }
-    br->left = &mats[2 * nout];
-    br->right = &mats[2 * nout + 1];
     ptrs[nout] = br;
     nout++;
   }
@@ -421,7 +462,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
 
 cleanup:
   for (size_t i = 0; roots && i < nout; i++) pd_root_unref(roots[i], &d->stats);
-  for (size_t i = 0; owned && i < 2 * nout; i++) free(owned[i]);
+  for (size_t i = 0; owned && i < PD_MAX_PARTS * nout; i++) free(owned[i]);
   free(have);
   free(roots);
   free(out);
@@ -503,7 +544,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     pd_job *j = jobs[i];
     precond__v1__job_stats__init(&js[i]);
     js[i].job = j->name;
-    js[i].mode = (Precond__V1__Mode)j->mode;
+    js[i].mode = (Precond__V1__Mode)j->mode->id;
     js[i].blocks = (uint32_t)j->nblocks;
     pthread_mutex_lock(&j->lock);
     js[i].workers = (uint32_t)j->nworkers;

@@ -1031,8 +1031,8 @@ static void test_restart_bit_exact(void **state) {
   load_snapshot(d.dir, &st, &stats);
   assert_int_equal(st.njobs, 1);
   pd_block *b = &st.jobs[0]->blocks[0];
-  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
-  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  assert_memory_equal(b->stat[0], el, ll * sizeof *el);
+  assert_memory_equal(b->stat[1], er, lr * sizeof *er);
   assert_int_equal(atomic_load(&b->stat_step), 5);
   assert_non_null(b->root);
   uint64_t version = b->root->version;
@@ -1052,8 +1052,8 @@ static void test_restart_bit_exact(void **state) {
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   load_snapshot(d.dir, &st, &stats);
   b = &st.jobs[0]->blocks[0];
-  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
-  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  assert_memory_equal(b->stat[0], el, ll * sizeof *el);
+  assert_memory_equal(b->stat[1], er, lr * sizeof *er);
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
   free(el);

@@ -42,18 +42,18 @@ static int setup(void **state) {
   char err[256];
   pd_stats_init(&f->stats);
   pd_store_init(&f->store, &f->stats, (size_t)1 << 30, 1000);
-  pd_shampoo_opts o;
-  pd_shampoo_opts_resolve(NULL, &o, err, sizeof err);
+  pd_shampoo_opts o = {0};
+  pd_mode_shampoo.resolve(&o, err, sizeof err);
   o.block_size = 6;
   uint64_t dims[2] = {12, 18};  /* 2 x 3 blocks of 6 x 6 */
   pd_tensor t = {(char *)"w", 2, dims};
   pd_job *existing;
-  assert_int_equal(pd_job_build("j", 0, &o, 1, &t, 100, &f->job, err, sizeof err), PD_OK);
+  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err), PD_OK);
   assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
   for (size_t i = 0; i < f->job->nblocks; i++) {
     pd_block *b = &f->job->blocks[i];
-    spd(b->rows, b->stat_left);
-    spd(b->cols, b->stat_right);
+    spd(b->rows, b->stat[0]);
+    spd(b->cols, b->stat[1]);
     atomic_store(&b->stat_step, 10);
     b->pushes = 1;
   }
@@ -104,8 +104,8 @@ static void test_compute_and_failure_rule(void **state) {
   assert_int_equal(b->root->version, 1);
   assert_int_equal(b->root->source_step, 10);
   assert_int_equal(atomic_load(&b->root_step), 10);
-  expect_root(b->rows, b->stat_left, b->root->left);
-  expect_root(b->cols, b->stat_right, b->root->right);
+  expect_root(b->rows, b->stat[0], b->root->part[0]);
+  expect_root(b->cols, b->stat[1], b->root->part[1]);
 
   /* A threshold nothing meets: not published, counted, the old root stays. */
   pd_root *before = b->root;
@@ -116,7 +116,7 @@ static void test_compute_and_failure_rule(void **state) {
   assert_int_equal(atomic_load(&f->stats.roots_failed), 1);
 
   /* Non-finite statistics (they cannot arrive through the service, which refuses them). */
-  b->stat_left[1] = NAN;
+  b->stat[0][1] = NAN;
   assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_FAILED);
   assert_ptr_equal(b->root, before);
   assert_int_equal(b->roots_failed, 2);
@@ -145,7 +145,7 @@ static void test_pool_computes_all(void **state) {
   for (size_t i = 0; i < f->job->nblocks; i++) {
     pd_block *b = &f->job->blocks[i];
     assert_non_null(b->root);
-    expect_root(b->rows, b->stat_left, b->root->left);
+    expect_root(b->rows, b->stat[0], b->root->part[0]);
   }
   assert_int_equal(atomic_load(&f->stats.roots_failed), 0);
   double p50, p90, p99;
@@ -167,7 +167,7 @@ static void test_drift_skip(void **state) {
   assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED); /* no reference yet */
   assert_true(isnan(b->last_drift));
   float *kept = malloc(pc_packed_len(b->rows) * sizeof *kept);
-  memcpy(kept, b->root->left, pc_packed_len(b->rows) * sizeof *kept);
+  memcpy(kept, b->root->part[0], pc_packed_len(b->rows) * sizeof *kept);
 
   atomic_store(&b->stat_step, 11); /* a push of nothing new */
   assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_SKIPPED);
@@ -178,7 +178,7 @@ static void test_drift_skip(void **state) {
   assert_int_equal(b->root->version, 2);
   assert_int_equal(b->root->source_step, 11);
   assert_int_equal(atomic_load(&b->root_step), 11);
-  assert_memory_equal(b->root->left, kept, pc_packed_len(b->rows) * sizeof *kept);
+  assert_memory_equal(b->root->part[0], kept, pc_packed_len(b->rows) * sizeof *kept);
 
   /* With the test off the same statistics are computed. */
   atomic_store(&b->stat_step, 12);
@@ -188,7 +188,7 @@ static void test_drift_skip(void **state) {
   /* 0.4% per push: skipped twice, the third push is 1.2% from the root's statistics. */
   pd_root_outcome seen[3];
   for (int k = 0; k < 3; k++) {
-    scale(b->rows, b->stat_left, 1.004f);
+    scale(b->rows, b->stat[0], 1.004f);
     atomic_store(&b->stat_step, 13 + (uint64_t)k);
     seen[k] = compute(b, &f->stats, &rules);
   }
@@ -197,10 +197,10 @@ static void test_drift_skip(void **state) {
   assert_int_equal(seen[2], PD_ROOT_PUBLISHED);
   assert_true(b->last_drift > 0.01 && b->last_drift < 0.013);
   assert_int_equal(b->roots_skipped, 3);
-  expect_root(b->rows, b->stat_left, b->root->left);
+  expect_root(b->rows, b->stat[0], b->root->part[0]);
 
   /* A change at the same trace (an off-diagonal coupling) is seen by the random probes. */
-  b->stat_right[1] += 0.2f * b->stat_right[0]; /* (0, 1): off-diagonal, trace unchanged */
+  b->stat[1][1] += 0.2f * b->stat[1][0]; /* (0, 1): off-diagonal, trace unchanged */
   atomic_store(&b->stat_step, 20);
   assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED);
   free(kept);

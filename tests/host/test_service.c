@@ -18,6 +18,7 @@
 
 #include "health.pb-c.h"
 #include "precondd.h"
+#include "precond.pb-c.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
