@@ -17,20 +17,7 @@
 
 #include <cblas.h>
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define PD_HAVE_MXCSR 1
-#endif
-
 #include "preconditioner.h"
-
-/* Late Newton iterations underflow into subnormals, which are very slow on x86: flush them
- * to zero in the threads that compute roots. */
-static void pd__flush_denormals(void) {
-#ifdef PD_HAVE_MXCSR
-  _mm_setcsr(_mm_getcsr() | 0x8040); /* FTZ | DAZ */
-#endif
-}
 
 static double pd__urgency_size(const pd_block *b) {
   double r = (double)b->rows, c = (double)b->cols;
@@ -213,8 +200,7 @@ cleanup:
 }
 
 static void *pd__worker(void *arg) {
-  pd_sched *s = arg;
-  pd__flush_denormals();
+  pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
   pthread_mutex_lock(&s->lock);
   for (;;) {
     while (!s->stopping && s->len == 0) pthread_cond_wait(&s->cond, &s->lock);
@@ -249,8 +235,11 @@ static void *pd__worker(void *arg) {
 int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules) {
   memset(s, 0, sizeof *s);
   if (nthreads < 1) nthreads = 1;
-  pthread_mutex_init(&s->lock, NULL);
-  pthread_cond_init(&s->cond, NULL);
+  if (pthread_mutex_init(&s->lock, NULL) != 0) return PD_ENOMEM;
+  if (pthread_cond_init(&s->cond, NULL) != 0) {
+    pthread_mutex_destroy(&s->lock);
+    return PD_ENOMEM;
+  }
   s->stats = stats;
   s->rules = *rules;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -261,7 +250,10 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
   if (blas < 1) blas = 1;
   openblas_set_num_threads(blas);
   s->threads = calloc((size_t)nthreads, sizeof *s->threads);
-  if (!s->threads) return PD_ENOMEM;
+  if (!s->threads) {
+    pd_sched_stop(s); /* joins none, releases the lock and condition */
+    return PD_ENOMEM;
+  }
   for (int i = 0; i < nthreads; i++) {
     if (pthread_create(&s->threads[i], NULL, pd__worker, s) != 0) {
       pd_sched_stop(s);

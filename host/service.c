@@ -67,6 +67,12 @@ static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg)
 _Static_assert((int)PD_MODE_SHAMPOO == (int)PRECOND__V1__MODE__MODE_SHAMPOO, "mode ids");
 _Static_assert((int)PD_MODE_KFAC == (int)PRECOND__V1__MODE__MODE_KFAC, "mode ids");
 _Static_assert((int)PD_MODE_ABS == (int)PRECOND__V1__MODE__MODE_ABS, "mode ids");
+/* Methods travel as the wire's Method and are used as pc_method (client.c checks its
+ * precond_method against the wire the same way). */
+_Static_assert((int)PC_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NEWTON, "methods");
+_Static_assert((int)PC_METHOD_NEWTON_TEXTBOOK == (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK,
+               "methods");
+_Static_assert((int)PC_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
 
 /* The request's mode and its options decoded into the daemon's own struct (zeroed first:
  * options compare bytewise; zero fields take the mode's defaults in resolve). PD_EINVAL for

@@ -184,8 +184,11 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
 
   pd_unit_shape *units = NULL;
   pd_job *job = calloc(1, sizeof *job);
+  if (job && pthread_mutex_init(&job->lock, NULL) != 0) {
+    free(job); /* pd_job_free would destroy the lock that failed */
+    job = NULL;
+  }
   if (!job) goto nomem;
-  pthread_mutex_init(&job->lock, NULL);
   job->mode = mode;
   memcpy(job->opts, opts, mode->opts_size);
   job->name = pd__strdup(name);
@@ -218,7 +221,7 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
   job->ndiag = ndiag;
   for (size_t k = 0; k < nunits; k++) {
     pd_block *b = &job->blocks[k];
-    pthread_mutex_init(&b->lock, NULL);
+    if (pthread_mutex_init(&b->lock, NULL) != 0) goto nomem; /* job->nblocks: the ones to free */
     b->last_drift = NAN;
     b->job = job;
     b->id = (uint32_t)k;
@@ -236,7 +239,7 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
   return PD_OK;
 
 nomem:
-  snprintf(err, errlen, "out of memory building the job");
+  snprintf(err, errlen, "out of memory building the job (or no lock could be made)");
   free(units);
   pd_job_free(job, NULL);
   return PD_ENOMEM;
