@@ -204,6 +204,12 @@ static void shampoo_describe(const void *opts, char *buf, size_t len) {
            o->method);
 }
 
+/* The ridge is relative (epsilon times the largest eigenvalue), so the root of c S is
+ * exactly c^(-1/p) times the root of S. */
+static double shampoo_scale_exponent(const void *opts) {
+  return -1.0 / (double)((const pd_shampoo_opts *)opts)->root_exponent;
+}
+
 const pd_mode pd_mode_shampoo = {
     .name = "shampoo",
     .id = PD_MODE_SHAMPOO,
@@ -219,4 +225,5 @@ const pd_mode pd_mode_shampoo = {
     .snap_read = shampoo_snap_read,
     .describe = shampoo_describe,
     .drift_test = 1,
+    .scale_exponent = shampoo_scale_exponent,
 };

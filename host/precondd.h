@@ -283,6 +283,10 @@ typedef struct {
   /* 1: the pool's drift test applies (parts are statistics that a small relative change
    * leaves the result close); 0: every push computes. */
   int drift_test;
+  /* The exponent e with result(c S) = c^e result(S) for a scalar c > 0, exactly (Shampoo with
+   * its relative ridge: -1/p); then the drift test ignores a part's uniform scale and
+   * rescales a kept result by it. NULL, or 0: a scale change is drift like any other. */
+  double (*scale_exponent)(const void *opts);
 } pd_mode;
 
 /* The mode of that id, or NULL. */
@@ -389,13 +393,16 @@ void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
  *   3. then the cheapest (smallest rows^3 + cols^3): among equally stale blocks, shortest
  *      first minimises the mean wait, hence the mean staleness.
  * Drift test: before the O(n^3) roots, the worker computes in O(n^2) the trace and three
- * fixed random quadratic forms v^T S v of both factors and compares them with those of the
- * statistics the published root came from. If every one moved by less than
- * drift_threshold (relative), the roots would move by about a quarter of that (for p = 4),
- * under the 1-3% at which any fp32 root already sits from the exact one: the root is kept,
- * republished as of the new step (same values, next version, so workers and --sync-roots
- * see it is current) and counted as skipped. The reference is not moved by a skip, so
- * drift that accumulates over several pushes still triggers a computation.
+ * fixed random quadratic forms v^T S v of each part and compares them with those of the
+ * statistics the published root came from. For a mode whose result scales exactly with
+ * its statistics (Shampoo: (c S)^(-1/p) = c^(-1/p) S^(-1/p) with a relative ridge), the
+ * forms are compared divided by the trace: a statistic that only grew (an EMA filling up,
+ * a sum) has not drifted, and its kept root is rescaled by the trace ratio^(-1/p). If every
+ * form moved by less than drift_threshold (relative), the roots would move by about a
+ * quarter of that (for p = 4), under the 1-3% at which any fp32 root already sits from the
+ * exact one: the root is kept, republished as of the new step (next version, so workers
+ * and --sync-roots see it is current) and counted as skipped. The reference is not moved
+ * by a skip, so drift that accumulates over several pushes still triggers a computation.
  */
 
 typedef struct {

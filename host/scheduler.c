@@ -63,22 +63,38 @@ static void pd__probe(size_t n, const float *packed, float *v, double q[PD_DRIFT
   }
 }
 
-/* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero. */
+/* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero.
+ * With scale_free, each part's forms are divided by its trace first (a uniform scale of a
+ * part is not drift: the mode rescales the kept result for it), and scale[f] gets the
+ * part's trace ratio (1 otherwise). */
 static double pd__drift(uint32_t nparts, const double q[PD_MAX_PARTS][PD_DRIFT_PROBES],
-                        const double ref[PD_MAX_PARTS][PD_DRIFT_PROBES]) {
+                        const double ref[PD_MAX_PARTS][PD_DRIFT_PROBES], int scale_free,
+                        double scale[PD_MAX_PARTS]) {
   double worst = 0;
-  for (uint32_t f = 0; f < nparts; f++)
-    for (int k = 0; k < PD_DRIFT_PROBES; k++) {
-      double diff = fabs(q[f][k] - ref[f][k]), base = fabs(ref[f][k]);
+  for (uint32_t f = 0; f < nparts; f++) {
+    scale[f] = 1;
+    double nq = 1, nr = 1;
+    if (scale_free) {
+      if (!(q[f][0] > 0 && ref[f][0] > 0)) return INFINITY; /* no trace: nothing to scale */
+      scale[f] = q[f][0] / ref[f][0];
+      nq = q[f][0];
+      nr = ref[f][0];
+    }
+    for (int k = scale_free ? 1 : 0; k < PD_DRIFT_PROBES; k++) {
+      double a = q[f][k] / nq, r = ref[f][k] / nr;
+      double diff = fabs(a - r), base = fabs(r);
       double rel = diff == 0 ? 0 : base > 0 ? diff / base : INFINITY;
       if (rel > worst) worst = rel;
     }
+  }
   return worst;
 }
 
-/* Republishes the block's root as of statistics step `step` (values copied: roots are
- * immutable). PD_ENOMEM leaves everything as it was. */
-static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
+/* Republishes the block's root as of statistics step `step`, each part multiplied by
+ * scale[k]^exponent (exponent 0: values copied as they are; roots are immutable).
+ * PD_ENOMEM leaves everything as it was. */
+static int pd__republish(pd_block *b, uint64_t step, const double *scale, double exponent,
+                         pd_stats *stats) {
   pd_root *old = pd_block_root(b);
   if (!old) return PD_OK;
   int rc = PD_OK;
@@ -87,8 +103,14 @@ static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
     if (!r) {
       rc = PD_ENOMEM;
     } else {
-      for (uint32_t k = 0; k < old->nparts; k++)
-        memcpy(r->part[k], old->part[k], pc_packed_len(old->order[k]) * sizeof(float));
+      for (uint32_t k = 0; k < old->nparts; k++) {
+        size_t n = pc_packed_len(old->order[k]);
+        float c = exponent != 0 ? (float)pow(scale[k], exponent) : 1.0f;
+        if (c == 1.0f)
+          memcpy(r->part[k], old->part[k], n * sizeof(float));
+        else
+          for (size_t i = 0; i < n; i++) r->part[k][i] = c * old->part[k][i];
+      }
       r->source_step = step;
       r->error = old->error;
       r->method = old->method;
@@ -132,10 +154,12 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
   if (mode->drift_test)
     for (uint32_t k = 0; k < b->nparts; k++) pd__probe(b->order[k], state[k], probe, q[k]);
   if (mode->drift_test && has_ref) {
+    double exponent = mode->scale_exponent ? mode->scale_exponent(job->opts) : 0;
+    double scale[PD_MAX_PARTS];
     double drift = pd__drift(b->nparts, (const double(*)[PD_DRIFT_PROBES])q,
-                             (const double(*)[PD_DRIFT_PROBES])ref);
+                             (const double(*)[PD_DRIFT_PROBES])ref, exponent != 0, scale);
     int skip = rules->drift_threshold > 0 && drift < rules->drift_threshold;
-    if (skip && pd__republish(b, step, stats) != PD_OK) goto cleanup;
+    if (skip && pd__republish(b, step, scale, exponent, stats) != PD_OK) goto cleanup;
     pthread_mutex_lock(&b->lock);
     b->last_drift = drift;
     if (skip) b->roots_skipped++;
