@@ -62,12 +62,20 @@ static void identity_fold(const void *opts, const pd_block *u, float *const *sta
   for (size_t i = 0; i < pc_packed_len(u->order[0]); i++) state[0][i] += inc[0][i];
 }
 
+static int identity_fold_fits(const void *opts, const pd_block *u, const float *const *state,
+                              const float *const *inc) {
+  (void)opts;
+  for (size_t i = 0; i < pc_packed_len(u->order[0]); i++)
+    if (!isfinite(state[0][i] + inc[0][i])) return 0;
+  return 1;
+}
+
 static int identity_compute(const void *opts, const pd_block *u, const float *const *state,
                             void **unit_state, float *const *out, pd_compute_info *info) {
   (void)unit_state;
   float scale = ((const identity_opts *)opts)->scale;
   for (size_t i = 0; i < pc_packed_len(u->order[0]); i++) out[0][i] = scale * state[0][i];
-  *info = (pd_compute_info){.error = 0, .iterations = 0, .method = 0};
+  *info = (pd_compute_info){.error = 0, .iterations = 0, .method = 0, .failed_part = -1};
   return PC_OK;
 }
 
@@ -98,10 +106,12 @@ static void identity_describe(const void *opts, char *buf, size_t len) {
 const pd_mode pd_mode_identity = {
     .name = "identity",
     .id = PD_MODE_IDENTITY,
+    .part_names = {"sum"},
     .opts_size = sizeof(identity_opts),
     .resolve = identity_resolve,
     .layout = identity_layout,
     .fold = identity_fold,
+    .fold_fits = identity_fold_fits,
     .compute = identity_compute,
     .unit_free = NULL,
     .publishable = identity_publishable,

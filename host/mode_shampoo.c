@@ -9,6 +9,7 @@
  */
 #include "precondd.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,6 +127,20 @@ static void shampoo_fold(const void *opts, const pd_block *u, float *const *stat
     pc_stat_update_f32(pc_packed_len(u->order[k]), state[k], inc[k], beta2);
 }
 
+/* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
+ * double with a margin of 2^-20 below FLT_MAX, more than the rounding of the float kernel,
+ * so a statistic this admits can never become Inf when pc_stat_update_f32 applies inc. */
+static int shampoo_fold_fits(const void *opts, const pd_block *u, const float *const *state,
+                             const float *const *inc) {
+  float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
+  const double limit = (double)FLT_MAX * (1.0 - 1.0 / 1048576.0);
+  const double b = beta2, w = beta2 == 1.0f ? 1.0 : 1.0 - (double)beta2;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    for (size_t i = 0; i < pc_packed_len(u->order[k]); i++)
+      if (!(fabs(b * (double)state[k][i] + w * (double)inc[k][i]) <= limit)) return 0;
+  return 1;
+}
+
 static int shampoo_compute(const void *opts, const pd_block *u, const float *const *state,
                            void **unit_state, float *const *out, pd_compute_info *info) {
   (void)unit_state;
@@ -135,6 +150,7 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
   int rc = PC_ENOMEM;
   memset(info, 0, sizeof *info);
   info->method = o->method;
+  info->failed_part = -1;
   if (!a || !x) goto cleanup;
   pc_root_opts ro;
   pc_root_opts_default(&ro, (int)o->root_exponent);
@@ -150,6 +166,7 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
     int rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
     if (rk >= 0) pc_pack_f32(n, x, out[k]);
     if (rk != PC_OK) rc = rk;
+    if (rk < 0) info->failed_part = (int)k;
     if (!(ri.error <= info->error)) info->error = ri.error; /* NaN wins */
     if ((uint32_t)ri.iters > info->iterations) info->iterations = (uint32_t)ri.iters;
   }
@@ -213,10 +230,12 @@ static double shampoo_scale_exponent(const void *opts) {
 const pd_mode pd_mode_shampoo = {
     .name = "shampoo",
     .id = PD_MODE_SHAMPOO,
+    .part_names = {"left factor", "right factor"},
     .opts_size = sizeof(pd_shampoo_opts),
     .resolve = shampoo_resolve,
     .layout = shampoo_layout,
     .fold = shampoo_fold,
+    .fold_fits = shampoo_fold_fits,
     .compute = shampoo_compute,
     .unit_free = NULL,
     .publishable = shampoo_publishable,

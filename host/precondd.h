@@ -188,11 +188,14 @@ typedef struct {
   uint64_t pushes;               /* statistics updates received */
   pd_root *root;                 /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
-  double last_error, last_compute_ms;
+  double last_error, last_compute_ms;  /* last_error NaN: the computation itself failed */
   double last_drift;             /* of the last drift test; NAN before one */
   int has_drift_ref;             /* drift_ref holds the published root's probes */
   double drift_ref[PD_MAX_PARTS][PD_DRIFT_PROBES];
   pd_stale_hist stale;           /* staleness at each push of a newer step */
+  uint32_t failures_in_row;      /* reset to 0 by a published root */
+  uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
+  char last_failure[160];        /* why the last root was not published; "" if none */
   /* The mode's own per-unit state (e.g. a warm start): only the thread computing the unit
    * touches it (one computation per unit at a time); freed by the mode's unit_free. */
   void *mode_state;
@@ -238,6 +241,7 @@ typedef struct {
   double error;
   uint32_t iterations;
   int method;
+  int failed_part; /* when compute returns < 0: the part it failed on, or -1 */
 } pd_compute_info;
 
 /* One entry of the mode table: everything precondd does that depends on the mode. The store,
@@ -246,6 +250,7 @@ typedef struct {
 typedef struct {
   const char *name;
   pd_mode_id id;
+  const char *part_names[PD_MAX_PARTS]; /* for messages ("left", "right") */
   size_t opts_size;
   /* Fills the defaults of zero fields of *opts and validates them: PD_OK, or PD_EINVAL with
    * a message naming the field in err. */
@@ -260,6 +265,10 @@ typedef struct {
    * under the unit's lock: a memcpy-sized operation. */
   void (*fold)(const void *opts, const pd_block *u, float *const *state,
                const float *const *inc);
+  /* 1 if fold would leave every value of state finite (a sum of large finite pushes can
+   * overflow); called under the unit's lock before any unit of a push is folded. */
+  int (*fold_fits)(const void *opts, const pd_block *u, const float *const *state,
+                   const float *const *inc);
   /* Computes a unit's result from a private copy of its state into out (parts of the
    * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state.
    * Returns a pc_ status: >= 0 when out holds a result (its quality in info), < 0 when it
@@ -375,6 +384,15 @@ void pd_job_note_worker(pd_job *job, const char *worker);
  * staleness sample, counted in the unit and in stats (may be NULL). */
 void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats);
 
+/* Applies one push to n distinct blocks of job, all or nothing: blocks[i] gets the
+ * validated increment parts inc[PD_MAX_PARTS * i + k] (pd_block_update's rule). If any
+ * updated statistic would hold a non-finite value (the sum of large finite pushes
+ * overflows: the mode's fold_fits), nothing is stored and PD_EINVAL is returned with
+ * *bad = that i. Staleness samples go to stats (may be NULL) as in pd_block_update.
+ * PD_ENOMEM. */
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                uint64_t step, pd_stats *stats, size_t *bad);
+
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
 
@@ -428,6 +446,10 @@ typedef struct {
   pd_sched_rules rules;
   _Atomic uint64_t busy;
 } pd_sched;
+
+/* A block whose roots failed this many times in a row has its statistics zeroed (counted
+ * in resets, logged): nothing a later push adds could otherwise bring it back. */
+#define PD_FAILURES_BEFORE_RESET 4u
 
 /* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
  * threads does not exceed the online cores. */

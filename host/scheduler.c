@@ -124,6 +124,41 @@ static int pd__republish(pd_block *b, uint64_t step, const double *scale, double
 
 /* ---- computing roots ------------------------------------------------------------------ */
 
+/* Records a failed computation of b: counts, the error (NaN when the computation itself
+ * failed, so stats never show a failure as error 0), and a reason in last_failure. After
+ * PD_FAILURES_BEFORE_RESET failures in a row the statistics are zeroed, since pushes only
+ * add to a statistic that is already unusable (indefinite, or badly conditioned). Returns 1
+ * when it reset them. */
+static int pd__note_failure(pd_block *b, int status, const pd_compute_info *info, double ms,
+                            double failure_threshold) {
+  const pd_mode *mode = b->job->mode;
+  double err = status >= 0 ? info->error : NAN;
+  pthread_mutex_lock(&b->lock);
+  b->roots_failed++;
+  b->last_error = isfinite(err) ? err : NAN;
+  b->last_compute_ms = ms;
+  if (status < 0)
+    snprintf(b->last_failure, sizeof b->last_failure, "%s: %s",
+             info->failed_part >= 0 && info->failed_part < (int)b->nparts
+                 ? mode->part_names[info->failed_part] : mode->name,
+             pc_strerror(status));
+  else if (!isfinite(err))
+    snprintf(b->last_failure, sizeof b->last_failure, "non-finite result or error");
+  else
+    snprintf(b->last_failure, sizeof b->last_failure, "error %g above the threshold %g", err,
+             failure_threshold);
+  int reset = ++b->failures_in_row >= PD_FAILURES_BEFORE_RESET;
+  if (reset) {
+    for (uint32_t k = 0; k < b->nparts; k++)
+      memset(b->stat[k], 0, pc_packed_len(b->order[k]) * sizeof(float));
+    b->failures_in_row = 0;
+    b->resets++;
+    b->has_drift_ref = 0; /* nothing published is a reference for what comes next */
+  }
+  pthread_mutex_unlock(&b->lock);
+  return reset;
+}
+
 int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
                      pd_root_outcome *outcome) {
   const pd_job *job = b->job;
@@ -191,6 +226,7 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     b->roots_computed++;
     b->last_error = info.error;
     b->last_compute_ms = ms;
+    b->failures_in_row = 0;
     memcpy(b->drift_ref, q, sizeof q);
     b->has_drift_ref = mode->drift_test;
     pthread_mutex_unlock(&b->lock);
@@ -199,17 +235,11 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     atomic_fetch_add(&stats->roots_computed, 1);
     *outcome = PD_ROOT_PUBLISHED;
   } else {
-    pthread_mutex_lock(&b->lock);
-    b->roots_failed++;
-    b->last_error = isfinite(info.error) ? info.error : NAN;
-    b->last_compute_ms = ms;
-    pthread_mutex_unlock(&b->lock);
+    int reset = pd__note_failure(b, status, &info, ms, rules->failure_threshold);
     atomic_fetch_add(&stats->roots_failed, 1);
-    pd_log(PD_LOG_WARN,
-           "job %s block %u: %s result not published (%s, error %g, threshold %g); the "
-           "previous one stays",
-           job->name, b->id, mode->name, status < 0 ? pc_strerror(status) : "computed",
-           info.error, rules->failure_threshold);
+    pd_log(PD_LOG_WARN, "job %s block %u: root not published (%s); the previous root stays%s",
+           job->name, b->id, b->last_failure,
+           reset ? "; statistics reset after repeated failures" : "");
     *outcome = PD_ROOT_FAILED;
   }
   rc = PD_OK;

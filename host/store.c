@@ -377,11 +377,12 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* ---- blocks --------------------------------------------------------------------------- */
 
-void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats) {
+/* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
+ * is a staleness sample (to be added to the daemon's stats once the lock is released). */
+static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step,
+                            uint64_t *age) {
   const pd_job *job = b->job;
   int sampled = 0;
-  uint64_t age = 0;
-  pthread_mutex_lock(&b->lock);
   job->mode->fold(job->opts, b, b->stat, inc);
   b->pushes++;
   if (step > atomic_load(&b->stat_step)) {
@@ -389,13 +390,64 @@ void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_sta
     /* The worker of this step has the published root at best: its age now is what that
      * worker sees (one sample per block and step; a repeated step is not sampled again). */
     if (b->root && step > b->root->source_step) {
-      age = step - b->root->source_step;
-      pd_stale_hist_add(&b->stale, age);
+      *age = step - b->root->source_step;
+      pd_stale_hist_add(&b->stale, *age);
       sampled = 1;
     }
   }
+  return sampled;
+}
+
+void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats) {
+  uint64_t age = 0;
+  pthread_mutex_lock(&b->lock);
+  int sampled = pd__apply_locked(b, inc, step, &age);
   pthread_mutex_unlock(&b->lock);
   if (sampled && stats) pd_stats_add_staleness(stats, age);
+}
+
+typedef struct {
+  uint32_t id;
+  size_t index;
+} pd__by_id;
+
+static int pd__cmp_by_id(const void *a, const void *b) {
+  uint32_t x = ((const pd__by_id *)a)->id, y = ((const pd__by_id *)b)->id;
+  return (x > y) - (x < y);
+}
+
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                uint64_t step, pd_stats *stats, size_t *bad) {
+  *bad = 0;
+  pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
+  uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
+  size_t nages = 0;
+  if (!order || !ages) {
+    free(order);
+    free(ages);
+    return PD_ENOMEM;
+  }
+  for (size_t i = 0; i < n; i++) order[i] = (pd__by_id){blocks[i]->id, i};
+  qsort(order, n, sizeof *order, pd__cmp_by_id);
+  /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
+   * the update it admits see the same statistic. */
+  for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[order[k].index]->lock);
+  const pd_mode *mode = job->mode;
+  int rc = PD_OK;
+  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    if (!mode->fold_fits(job->opts, blocks[i], (const float *const *)blocks[i]->stat,
+                         &inc[PD_MAX_PARTS * i])) {
+      *bad = i;
+      rc = PD_EINVAL;
+    }
+  }
+  for (size_t i = 0; i < n && rc == PD_OK; i++)
+    nages += (size_t)pd__apply_locked(blocks[i], &inc[PD_MAX_PARTS * i], step, &ages[nages]);
+  for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
+  free(order);
+  free(ages);
+  return rc;
 }
 
 pd_root *pd_block_root(pd_block *b) {
