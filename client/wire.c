@@ -47,14 +47,14 @@ precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, u
                                              uint32_t cols)
 {
   /* The answer's orders must be the block's: they size nothing here. */
-  if (b->left == NULL || b->right == NULL || b->left->n != rows || b->right->n != cols)
+  if ((b->left ? b->left->n : 0) != rows || (b->right ? b->right->n : 0) != cols)
     return NULL;
   size_t cl = pc_packed_len(rows), cr = pc_packed_len(cols);
   precond__roots_obj *o = malloc(sizeof(*o) + (cl + cr) * sizeof(float));
   if (o == NULL)
     return NULL;
-  if (decode_side(b->left, rows, o->values) != 0 ||
-      decode_side(b->right, cols, o->values + cl) != 0) {
+  if ((b->left && decode_side(b->left, rows, o->values) != 0) ||
+      (b->right && decode_side(b->right, cols, o->values + cl) != 0)) {
     free(o);
     return NULL;
   }

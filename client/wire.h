@@ -23,8 +23,8 @@ typedef struct {
 
 /* Decodes one BlockRoots answer for a block whose registered factors are rows x rows and
  * cols x cols. Returns a new object with one reference (the caller owns it and releases it
- * with precond_roots_release), or NULL when the answer is malformed (a side missing, an
- * order that is not the block's, a byte count that does not match the order and encoding,
+ * with precond_roots_release), or NULL when the answer is malformed (an order that is not
+ * the block's, a side missing unless its order is 0, a byte count that does not match the order and encoding,
  * an unknown encoding) or memory runs out. The size allocated is decided by rows and cols,
  * never by the answer. pub.version is 0: the caller numbers what it publishes. */
 precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
