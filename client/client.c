@@ -898,18 +898,13 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
   if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
     return PRECOND_EINVAL;
-  size_t es = enc == PRECOND_BF16 ? sizeof(uint16_t) : sizeof(float);
+  size_t es = rpc_packed_width((int)enc);
   precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
                                         cr * es);
   if (it == NULL)
     return PRECOND_ENOMEM;
-  if (enc == PRECOND_BF16) {
-    pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
-    pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
-  } else {
-    memcpy(it->data, left, cl * es);
-    memcpy(it->data + cl * es, right, cr * es);
-  }
+  rpc_packed_encode((int)enc, left, cl, it->data); /* enc checked above */
+  rpc_packed_encode((int)enc, right, cr, it->data + cl * es);
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
   if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 
 void precond_roots_release(const precond_roots *roots)
 {
@@ -18,29 +19,12 @@ void precond_roots_release(const precond_roots *roots)
 }
 
 /* Decodes one side of a BlockRoots answer of order n (already checked against the block)
- * into out (pc_packed_len(n) floats). Returns 0, or -1 if the bytes do not match n and the
- * encoding. */
+ * into out (pc_packed_len(n) floats) with proto/'s codec. Returns 0, or -1 if the bytes do
+ * not match n and the encoding. */
 static int decode_side(const Precond__V1__PackedMatrix *m, size_t n, float *out)
 {
-  size_t count = pc_packed_len(n);
-  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32) {
-    if (m->data.len != count * sizeof(float))
-      return -1;
-    memcpy(out, m->data.data, m->data.len);  /* little-endian on the wire and here */
-    return 0;
-  }
-  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_BF16) {
-    if (m->data.len != count * sizeof(uint16_t))
-      return -1;
-    uint16_t *tmp = malloc(m->data.len > 0 ? m->data.len : 1);
-    if (tmp == NULL)
-      return -1;
-    memcpy(tmp, m->data.data, m->data.len);
-    pc_bf16_to_f32(count, tmp, out);
-    free(tmp);
-    return 0;
-  }
-  return -1;
+  return rpc_packed_decode((int)m->encoding, m->data.data, m->data.len, pc_packed_len(n),
+                           out) == RPC_OK ? 0 : -1;
 }
 
 precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
