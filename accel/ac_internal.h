@@ -88,9 +88,10 @@ typedef struct ac__ops {
                      size_t table_rows, const int32_t *idx, float *out);
   int (*scatter_add_rows)(ac_backend *be, size_t n, size_t cols, const float *src,
                           const int32_t *idx, float *table, size_t table_rows);
-  int (*im2col)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *x,
-                float *col);
-  int (*col2im)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+  /* merged 0: ac_im2col's (n, ckk, ohw) layout; 1: ac_im2col_batch's (ckk, n ohw). */
+  int (*im2col)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                const float *x, float *col);
+  int (*col2im)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
                 const float *col, float *x);
   int (*pool2d_forward)(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,
                         size_t ow, const float *x, float *y, int32_t *argmax);

@@ -382,19 +382,28 @@ typedef struct {
  * kernel larger than the padded input). Host helper. */
 int ac_conv2d_out_hw(const ac_conv2d_geom *g, size_t *oh, size_t *ow);
 
-/* im2col for all n images into one column matrix of shape (c*kh*kw, n*oh*ow), so that a
- * whole batch (or chunk of images) is ONE gemm with a long N: row (ch*kh + p)*kw + q, column
- * b*oh*ow + y*ow + x holds x_in[b][ch][y*stride_h + p - pad_h][x*stride_w + q - pad_w], or 0
- * in the padding. Conv2d forward for weights W (oc x c*kh*kw) is then
- * ac_sgemm(NO_TRANS, NO_TRANS, oc, n*ohw, ckk, 1, W, ckk, col, n*ohw, 0, t, n*ohw), t in
- * (oc, n, ohw) order: ac_permute(shape {oc, n, ohw}, perm {1, 0, 2}) gives NCHW (for n == 1
- * t already is). No aliasing. */
+/* im2col for all n images: col has shape (n, c*kh*kw, oh*ow): for image b, row
+ * (ch*kh + p)*kw + q, column y*ow + x holds x_in[b][ch][y*stride_h + p - pad_h][x*stride_w
+ * + q - pad_w], or 0 in the padding. Then conv2d forward for weights W (oc x c*kh*kw) is
+ * ac_sgemm_batched(NO_TRANS, NO_TRANS, oc, oh*ow, c*kh*kw, 1, W, ckk, 0, col, ohw, ckk*ohw,
+ * 0, y, ohw, oc*ohw, n) with y in NCHW. No aliasing. */
 int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col);
 
 /* The adjoint of ac_im2col: x = sum of col entries that im2col would have read from each
  * input element (padding entries dropped). x (n, c, h, w) is overwritten. The conv2d input
  * gradient from dcol = W^T dy. No aliasing. */
 int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x);
+
+/* im2col of the n images into ONE column matrix of shape (c*kh*kw, n*oh*ow), so that a
+ * batch (or a chunk of images) is one gemm with a long N, not n small ones: row
+ * (ch*kh + p)*kw + q, column b*oh*ow + y*ow + x holds the same value as ac_im2col's. Conv2d
+ * forward is then ac_sgemm(NO_TRANS, NO_TRANS, oc, n*ohw, ckk, 1, W, ckk, col, n*ohw, 0, t,
+ * n*ohw), t in (oc, n, ohw) order, and ac_permute(shape {oc, n, ohw}, perm {1, 0, 2}) gives
+ * NCHW (for n == 1 t already is). The layout ac_conv2d uses. No aliasing. */
+int ac_im2col_batch(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col);
+
+/* The adjoint of ac_im2col_batch (as ac_col2im is of ac_im2col). No aliasing. */
+int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x);
 
 typedef enum { AC_POOL_MAX = 0, AC_POOL_AVG = 1 } ac_pool_op;
 
@@ -768,6 +777,10 @@ int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_
 void ac_batchnorm_destroy(ac_batchnorm *l);
 /* Fuses a ReLU into the output (allocates the buffer backward_res hands out). */
 int ac_batchnorm_fuse_relu(ac_batchnorm *l);
+/* The normalised input of the last forward, xhat = (x - mean) rstd (batch statistics in
+ * training mode, running ones in eval mode), into the caller's buffer of batch c hw floats
+ * (the layer no longer keeps it: backward recomputes what it needs from x). */
+int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat);
 int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list);
 int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode mode,
                          const float **y);

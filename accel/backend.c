@@ -662,7 +662,8 @@ int ac_conv2d_out_hw(const ac_conv2d_geom *g, size_t *oh, size_t *ow)
   return AC_OK;
 }
 
-int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+static int im2col(ac_backend *be, const ac_conv2d_geom *g, int merged, const float *x,
+                  float *col)
 {
   size_t oh, ow;
   if (!be_ok(be) || geom_check(g, &oh, &ow) != AC_OK)
@@ -671,10 +672,11 @@ int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *co
     return AC_OK;
   if (x == NULL || col == NULL || (const float *)col == x)
     return AC_EINVAL;
-  return be->ops->im2col(be, g, oh, ow, x, col);
+  return be->ops->im2col(be, g, oh, ow, merged, x, col);
 }
 
-int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+static int col2im(ac_backend *be, const ac_conv2d_geom *g, int merged, const float *col,
+                  float *x)
 {
   size_t oh, ow;
   if (!be_ok(be) || geom_check(g, &oh, &ow) != AC_OK)
@@ -683,7 +685,27 @@ int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *
     return AC_OK;
   if (x == NULL || col == NULL || (const float *)x == col)
     return AC_EINVAL;
-  return be->ops->col2im(be, g, oh, ow, col, x);
+  return be->ops->col2im(be, g, oh, ow, merged, col, x);
+}
+
+int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+{
+  return im2col(be, g, 0, x, col);
+}
+
+int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+{
+  return col2im(be, g, 0, col, x);
+}
+
+int ac_im2col_batch(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+{
+  return im2col(be, g, 1, x, col);
+}
+
+int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+{
+  return col2im(be, g, 1, col, x);
 }
 
 int ac_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, const float *x,

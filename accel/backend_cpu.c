@@ -1055,20 +1055,29 @@ static void valid_cols(size_t w, size_t ow, size_t stride, size_t q, size_t pad,
     *hi = *lo;
 }
 
-/* One row of the column matrix per (channel, tap), n*oh*ow long: image b's oh*ow outputs
- * sit at column b*oh*ow. Each output row y is one input row (or zeros in the padding),
- * copied over its valid columns. Images [b_lo, b_hi) only, so that workers can split a
- * batch: every image's columns are written by exactly one call. */
-static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, const float *x,
-                          float *col, size_t b_lo, size_t b_hi)
+/* Where row r = (ch, p, q) of image b starts in the column matrix: ac_im2col's layout
+ * (n, ckk, ohw) or ac_im2col_batch's (ckk, n ohw), where image b's outputs sit at column
+ * b ohw of rows n ohw long. */
+static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b, size_t r)
 {
-  size_t ohw = oh * ow, ld = g->n * ohw, sw = g->stride_w;
+  size_t ckk = g->c * g->kh * g->kw;
+  return merged ? r * g->n * ohw + b * ohw : (b * ckk + r) * ohw;
+}
+
+/* One row of the column matrix per (channel, tap) and image. Each output row y is one input
+ * row (or zeros in the padding), copied over its valid columns. Images [b_lo, b_hi) only,
+ * so that workers can split a batch: every image's columns are written by exactly one
+ * call. */
+static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                          const float *x, float *col, size_t b_lo, size_t b_hi)
+{
+  size_t ohw = oh * ow, sw = g->stride_w;
   for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       const float *plane = x + (b * g->c + ch) * g->h * g->w;
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
-          float *row = col + (ch * g->kh * g->kw + p * g->kw + q) * ld + b * ohw;
+          float *row = col + col_row(g, ohw, merged, b, (ch * g->kh + p) * g->kw + q);
           size_t lo, hi;
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
           for (size_t y = 0; y < oh; y++) {
@@ -1097,17 +1106,17 @@ static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, const f
 
 /* The transpose of im2col for images [b_lo, b_hi): every row segment of the column matrix
  * added back over its valid columns into the image, which is zeroed first. */
-static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, const float *col,
-                          float *x, size_t b_lo, size_t b_hi)
+static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                          const float *col, float *x, size_t b_lo, size_t b_hi)
 {
-  size_t ohw = oh * ow, ld = g->n * ohw, sw = g->stride_w, chw = g->c * g->h * g->w;
+  size_t ohw = oh * ow, sw = g->stride_w, chw = g->c * g->h * g->w;
   memset(x + b_lo * chw, 0, (b_hi - b_lo) * chw * sizeof(float));
   for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       float *plane = x + (b * g->c + ch) * g->h * g->w;
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
-          const float *row = col + (ch * g->kh * g->kw + p * g->kw + q) * ld + b * ohw;
+          const float *row = col + col_row(g, ohw, merged, b, (ch * g->kh + p) * g->kw + q);
           size_t lo, hi;
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
           for (size_t y = 0; y < oh; y++) {
@@ -1130,6 +1139,7 @@ static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, const f
 typedef struct lower_args {
   const ac_conv2d_geom *g;
   size_t oh, ow;
+  int merged;
   const float *src;
   float *dst;
 } lower_args;
@@ -1137,29 +1147,29 @@ typedef struct lower_args {
 static void im2col_slice(void *ctx, size_t lo, size_t hi)
 {
   const lower_args *a = ctx;
-  im2col_images(a->g, a->oh, a->ow, a->src, a->dst, lo, hi);
+  im2col_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
 
 static void col2im_slice(void *ctx, size_t lo, size_t hi)
 {
   const lower_args *a = ctx;
-  col2im_images(a->g, a->oh, a->ow, a->src, a->dst, lo, hi);
+  col2im_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
 
 /* Both split the batch by images across the pool. */
 static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      const float *x, float *col)
+                      int merged, const float *x, float *col)
 {
-  lower_args a = {g, oh, ow, x, col};
+  lower_args a = {g, oh, ow, merged, x, col};
   par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), im2col_slice,
           &a);
   return AC_OK;
 }
 
 static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      const float *col, float *x)
+                      int merged, const float *col, float *x)
 {
-  lower_args a = {g, oh, ow, col, x};
+  lower_args a = {g, oh, ow, merged, col, x};
   par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), col2im_slice,
           &a);
   return AC_OK;

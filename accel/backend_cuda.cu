@@ -560,25 +560,33 @@ geom make_geom(const ac_conv2d_geom *g, size_t oh, size_t ow)
               g->pad_h, g->pad_w, oh, ow};
 }
 
-/* One thread per col entry: row (ch, p, q), column (b, y, x) of the (c kh kw, n oh ow)
- * matrix. */
-__global__ void k_im2col(geom g, const float *x, float *col)
+/* Offset of row r = (ch, p, q) of image b in the column matrix: ac_im2col's (n, ckk, ohw)
+ * or, merged, ac_im2col_batch's (ckk, n ohw). */
+__device__ size_t col_row(const geom &g, int merged, size_t b, size_t r)
 {
-  size_t ohw = g.oh * g.ow, ld = g.n * ohw, total = g.c * g.kh * g.kw * ld;
+  size_t ohw = g.oh * g.ow;
+  return merged ? r * g.n * ohw + b * ohw : (b * g.c * g.kh * g.kw + r) * ohw;
+}
+
+/* One thread per col entry (b, ch, p, q, y, x). */
+__global__ void k_im2col(geom g, int merged, const float *x, float *col)
+{
+  size_t ohw = g.oh * g.ow, kk = g.kh * g.kw, total = g.n * g.c * kk * ohw;
   GRID_STRIDE(e, total) {
-    size_t cidx = e % ld, rowid = e / ld; /* rowid = ch*kh*kw + p*kw + q */
-    size_t b = cidx / ohw, pix = cidx % ohw;
-    size_t q = rowid % g.kw, p = (rowid / g.kw) % g.kh, ch = rowid / (g.kh * g.kw);
+    size_t pix = e % ohw, rest = e / ohw; /* rest = (b * c + ch) * kk + p * kw + q */
+    size_t q = rest % g.kw, p = (rest / g.kw) % g.kh, plane = rest / kk;
+    size_t b = plane / g.c, ch = plane % g.c;
     size_t yo = pix / g.ow, xo = pix % g.ow;
     size_t iy = yo * g.sh + p - g.ph, ix = xo * g.sw + q - g.pw; /* wraps in the padding */
-    col[e] = iy < g.h && ix < g.w ? x[((b * g.c + ch) * g.h + iy) * g.w + ix] : 0.0f;
+    col[col_row(g, merged, b, ch * kk + p * g.kw + q) + pix] =
+        iy < g.h && ix < g.w ? x[(plane * g.h + iy) * g.w + ix] : 0.0f;
   }
 }
 
 /* One thread per input pixel: the sum over the col entries that read it (no atomics). */
-__global__ void k_col2im(geom g, const float *col, float *x)
+__global__ void k_col2im(geom g, int merged, const float *col, float *x)
 {
-  size_t ohw = g.oh * g.ow, ld = g.n * ohw, total = g.n * g.c * g.h * g.w;
+  size_t total = g.n * g.c * g.h * g.w;
   GRID_STRIDE(e, total) {
     size_t ix = e % g.w, iy = (e / g.w) % g.h, plane = e / (g.h * g.w);
     size_t b = plane / g.c, ch = plane % g.c;
@@ -593,7 +601,7 @@ __global__ void k_col2im(geom g, const float *col, float *x)
         if (tx < q || (tx - q) % g.sw != 0 || (tx - q) / g.sw >= g.ow)
           continue;
         size_t xo = (tx - q) / g.sw;
-        s += col[((ch * g.kh + p) * g.kw + q) * ld + b * ohw + yo * g.ow + xo];
+        s += col[col_row(g, merged, b, (ch * g.kh + p) * g.kw + q) + yo * g.ow + xo];
       }
     }
     x[e] = s;
@@ -1030,18 +1038,18 @@ int cu_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src,
   LAUNCH(be, k_scatter_add_rows, blocks_for(n * cols), n, cols, src, idx, table, table_rows);
 }
 
-int cu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *x,
-              float *col)
+int cu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+              const float *x, float *col)
 {
   geom gg = make_geom(g, oh, ow);
-  LAUNCH(be, k_im2col, blocks_for(g->n * g->c * g->kh * g->kw * oh * ow), gg, x, col);
+  LAUNCH(be, k_im2col, blocks_for(g->n * g->c * g->kh * g->kw * oh * ow), gg, merged, x, col);
 }
 
-int cu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *col,
-              float *x)
+int cu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+              const float *col, float *x)
 {
   geom gg = make_geom(g, oh, ow);
-  LAUNCH(be, k_col2im, blocks_for(g->n * g->c * g->h * g->w), gg, col, x);
+  LAUNCH(be, k_col2im, blocks_for(g->n * g->c * g->h * g->w), gg, merged, col, x);
 }
 
 int cu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,

@@ -80,7 +80,7 @@ int ac_conv2d_params(ac_conv2d *l, ac_param_list *list)
 }
 
 /* Products of a chunk of nb images in (oc, nb, ohw) order <-> NCHW (nb, oc, ohw): the
- * permute of ac_im2col's recipe. to_nchw 0 goes the other way (dy into gemm order). */
+ * permute of ac_im2col_batch's recipe. to_nchw 0 goes the other way (dy into gemm order). */
 static int conv_reorder(ac_backend *be, size_t oc, size_t nb, size_t ohw, const float *src,
                         float *dst, int to_nchw)
 {
@@ -106,7 +106,7 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;
     size_t cols = g.n * ohw;
     float *col = l->ws, *prod = l->ws + ckk * cols, *yc = l->y + b0 * oc * ohw;
-    AC__TRY(ac_im2col(be, &g, x + b0 * chw, col));
+    AC__TRY(ac_im2col_batch(be, &g, x + b0 * chw, col));
     /* One image is already NCHW: no permute. */
     AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, cols, ckk, 1.0f, w, ckk, col, cols,
                      0.0f, g.n == 1 ? yc : prod, cols));
@@ -149,13 +149,13 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx)
       dyc = prod;
     }
     /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
-    AC__TRY(ac_im2col(be, &g, l->x + b0 * chw, col));
+    AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
     AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols,
                      1.0f, dw, ckk)); /* dW += dy col^T */
     if (dx != NULL) {   /* dcol = W^T dy, then scattered back to the images */
       AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f,
                        col, cols));
-      AC__TRY(ac_col2im(be, &g, col, l->dx + b0 * chw));
+      AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));
     }
   }
   if (dx != NULL)
@@ -227,6 +227,21 @@ int ac_batchnorm_fuse_relu(ac_batchnorm *l)
   }
   l->relu = 1;
   return AC_OK;
+}
+
+int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat)
+{
+  if (l->be == NULL || !l->ready || xhat == NULL)
+    return AC_EINVAL;
+  int rc;
+  size_t c = l->c;
+  const float *center = l->mode == AC_MODE_TRAIN ? l->mean : ac_tensor_f32(&l->running_mean);
+  AC__TRY(ac_binary(l->be, AC_BIN_MUL, c, center, l->rstd, l->coef));
+  AC__TRY(ac_affine(l->be, c, -1.0f, l->coef, 0.0f, l->coef));
+  AC__TRY(ac_channel_affine(l->be, l->batch, c, l->hw, l->x, l->rstd, l->coef, NULL, 0, xhat));
+  return AC_OK;
+fail:
+  return rc;
 }
 
 int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list)

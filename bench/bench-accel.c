@@ -288,8 +288,8 @@ static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
   for (size_t b0 = 0; b0 < c->batch && rc == AC_OK; b0 += c->chunk) {
     ac_conv2d_geom g = c->g;
     g.n = c->batch - b0 < c->chunk ? c->batch - b0 : c->chunk;
-    rc = col2im ? ac_col2im(be, &g, c->ws, c->dx + b0 * chw)
-                : ac_im2col(be, &g, x + b0 * chw, c->ws);
+    rc = col2im ? ac_col2im_batch(be, &g, c->ws, c->dx + b0 * chw)
+                : ac_im2col_batch(be, &g, x + b0 * chw, c->ws);
   }
   return rc;
 }

@@ -156,15 +156,17 @@ static void test_cpu_pool_bitwise(void **state)
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
   float *out[2] = {NULL, NULL};
-  const size_t nout = ncol + 4 * nx + 4 * c;
+  const size_t nout = 2 * ncol + 5 * nx + 4 * c;
   for (int t = 0; t < 2; t++) {
     ac_backend *b = be[t];
     float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *p = dev_up(b, hp, 5 * c);
     float *col = dev_alloc(b, ncol * sizeof(float)), *r = dev_alloc(b, nout * sizeof(float));
-    OK(ac_im2col(b, &g, x, col));
+    OK(ac_im2col(b, &g, x, r + ncol));
+    OK(ac_col2im(b, &g, r + ncol, r + 2 * ncol + 4 * nx));
+    OK(ac_im2col_batch(b, &g, x, col));
     OK(ac_memcpy_d2d(b, r, col, ncol * sizeof(float)));
-    float *rx = r + ncol, *st = r + ncol + 4 * nx;
-    OK(ac_col2im(b, &g, col, rx));
+    float *rx = r + 2 * ncol, *st = r + 2 * ncol + 5 * nx;
+    OK(ac_col2im_batch(b, &g, col, rx));
     OK(ac_channel_moments(b, g.n, c, hw, x, st, st + c));
     OK(ac_channel_affine(b, g.n, c, hw, x, p, p + c, dy, 1, rx + nx));
     OK(ac_channel_grad_sums(b, g.n, c, hw, dy, rx + nx, x, p + 2 * c, rx + 2 * nx, st + 2 * c,
@@ -1154,35 +1156,40 @@ static void test_im2col_geometries(void **state)
     float *hx = host_rand(nx), *hc = host_rand(ncol);
     float *want = host_zeros(ncol);
     double *wantx = dzeros(nx);
-    for (size_t r = 0; r < rows; r++) {
-      size_t q = r % g->kw, p = r / g->kw % g->kh, plane = r / (g->kh * g->kw);
-      /* col row (ch, p, q), column (b, y, x): one matrix for the whole batch */
-      size_t b = plane / g->c, crow = r % (g->c * g->kh * g->kw);
-      for (size_t y = 0; y < oh; y++)
-        for (size_t xo = 0; xo < ow; xo++) {
-          long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
-          long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
-          size_t o = crow * g->n * oh * ow + (b * oh + y) * ow + xo;
-          if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
-            continue;
-          size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
-          want[o] = hx[i];
-          wantx[i] += hc[o];
-        }
+    for (int merged = 0; merged < 2; merged++) {
+      memset(want, 0, ncol * sizeof *want);
+      memset(wantx, 0, nx * sizeof *wantx);
+      for (size_t r = 0; r < rows; r++) {
+        size_t q = r % g->kw, p = r / g->kw % g->kh, plane = r / (g->kh * g->kw);
+        /* ac_im2col: rows (b, ch, p, q); ac_im2col_batch: row (ch, p, q), column (b, y, x) */
+        size_t b = plane / g->c, crow = r % (g->c * g->kh * g->kw);
+        for (size_t y = 0; y < oh; y++)
+          for (size_t xo = 0; xo < ow; xo++) {
+            long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
+            long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
+            size_t o = merged ? crow * g->n * oh * ow + (b * oh + y) * ow + xo
+                              : (r * oh + y) * ow + xo;
+            if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
+              continue;
+            size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
+            want[o] = hx[i];
+            wantx[i] += hc[o];
+          }
+      }
+      float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
+      float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+      OK(merged ? ac_im2col_batch(be, g, x, col) : ac_im2col(be, g, x, col));
+      OK(merged ? ac_col2im_batch(be, g, c, dx) : ac_col2im(be, g, c, dx));
+      float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
+      assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
+      expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
+      free(got);
+      free(gotx);
+      ac_free(be, x);
+      ac_free(be, c);
+      ac_free(be, col);
+      ac_free(be, dx);
     }
-    float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
-    float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
-    OK(ac_im2col(be, g, x, col));
-    OK(ac_col2im(be, g, c, dx));
-    float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
-    assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
-    expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
-    free(got);
-    free(gotx);
-    ac_free(be, x);
-    ac_free(be, c);
-    ac_free(be, col);
-    ac_free(be, dx);
     free(hx);
     free(hc);
     free(want);
@@ -1206,14 +1213,18 @@ static void test_conv_im2col(void **state)
   float *col = dev_alloc(be, ncol * sizeof(float)), *y = dev_alloc(be, ny * sizeof(float));
   float *t = dev_alloc(be, ny * sizeof(float));
 
-  /* Conv forward as im2col + one gemm over the batch + permute to NCHW (the recipe in
-   * accel.h) against a direct loop. */
+  /* Conv forward by both recipes of accel.h against a direct loop: im2col + batched gemm,
+   * and im2col_batch + one gemm over the batch + permute to NCHW. */
   const size_t tshape[3] = {oc, g.n, ohw};
   const int swap[3] = {1, 0, 2};
-  OK(ac_im2col(be, &g, x, col));
+  OK(ac_im2col_batch(be, &g, x, col));
   OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, g.n * ohw, ckk, 1.0f, w, ckk, col, g.n * ohw,
               0.0f, t, g.n * ohw));
   OK(ac_permute(be, 3, tshape, swap, t, y));
+  float *got_batch = dev_down(be, y, ny);
+  OK(ac_im2col(be, &g, x, col));
+  OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0, col, ohw,
+     ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n));
   float *got = dev_down(be, y, ny);
   double *want = dzeros(ny);
   for (size_t b = 0; b < g.n; b++)
@@ -1234,7 +1245,9 @@ static void test_conv_im2col(void **state)
           want[((b * oc + o) * oh + yy) * ow + xx] = s;
         }
   expect_close("conv via im2col", got, want, ny, 1e-5, 1e-5);
+  expect_close("conv via im2col_batch", got_batch, want, ny, 1e-5, 1e-5);
   free(got);
+  free(got_batch);
   free(want);
 
   /* col2im is the adjoint of im2col: <im2col(x), c> == <x, col2im(c)>. */
@@ -1796,6 +1809,10 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
   OK(ac_im2col(be, &g, x, col));
   out_take(o, be, col, ncol);
   OK(ac_col2im(be, &g, col, dx));
+  out_take(o, be, dx, nx);
+  OK(ac_im2col_batch(be, &g, x, col));
+  out_take(o, be, col, ncol);
+  OK(ac_col2im_batch(be, &g, col, dx));
   out_take(o, be, dx, nx);
   for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
     OK(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am));
