@@ -1157,21 +1157,24 @@ static void col2im_slice(void *ctx, size_t lo, size_t hi)
 }
 
 /* Both split the batch by images across the pool. */
+static void lower(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                  const float *src, float *dst, par_fn slice)
+{
+  lower_args a = {g, oh, ow, merged, src, dst};
+  par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), slice, &a);
+}
+
 static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
                       int merged, const float *x, float *col)
 {
-  lower_args a = {g, oh, ow, merged, x, col};
-  par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), im2col_slice,
-          &a);
+  lower(be, g, oh, ow, merged, x, col, im2col_slice);
   return AC_OK;
 }
 
 static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
                       int merged, const float *col, float *x)
 {
-  lower_args a = {g, oh, ow, merged, col, x};
-  par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), col2im_slice,
-          &a);
+  lower(be, g, oh, ow, merged, col, x, col2im_slice);
   return AC_OK;
 }
 

@@ -1014,36 +1014,37 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   ac_batchnorm_destroy(&l);
 }
 
+/* One batch-norm case: training (batch statistics) or eval mode (the running statistics
+ * below), plain or fused (relu(bn(x) + res), with the gradient reaching res). The cfg
+ * must outlive the case: static, one case at a time. */
+static void case_bn(ac_backend *be, refcase *rc, result *res, int eval, int fused,
+                    uint64_t seed)
+{
+  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
+  static bn_cfg cfg;
+  cfg = (bn_cfg){4, 3, 5, 1e-5, 0.1, eval, eval ? rmean : NULL, eval ? rvar : NULL, fused};
+  rng_seed(seed);
+  case_batchnorm(be, rc, res, &cfg);
+}
+
 static void case_bn_train(ac_backend *be, refcase *rc, result *res)
 {
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 0, NULL, NULL, 0};
-  rng_seed(11);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 0, 0, 11);
 }
 
 static void case_bn_eval(ac_backend *be, refcase *rc, result *res)
 {
-  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 1, rmean, rvar, 0};
-  rng_seed(12);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 1, 0, 12);
 }
 
-/* The ResNet block's fusion: relu(bn(x) + res), training and eval mode, with the gradient
- * reaching res. */
 static void case_bn_fused_train(ac_backend *be, refcase *rc, result *res)
 {
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 0, NULL, NULL, 1};
-  rng_seed(13);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 0, 1, 13);
 }
 
 static void case_bn_fused_eval(ac_backend *be, refcase *rc, result *res)
 {
-  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 1, rmean, rvar, 1};
-  rng_seed(14);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 1, 1, 14);
 }
 
 static void test_batchnorm_fused(void **state)
