@@ -1018,6 +1018,18 @@ void precond_stats_destroy(precond_stats *s)
   memset(s, 0, sizeof(*s));
 }
 
+static void staleness_copy(const Precond__V1__StalenessStats *w, precond_staleness *s)
+{
+  if (w == NULL)
+    return; /* an older daemon: no samples */
+  s->samples = w->samples;
+  s->max = w->max;
+  s->p50 = w->p50;
+  s->p90 = w->p90;
+  s->p99 = w->p99;
+  s->mean = w->mean;
+}
+
 /* Deep copy of a StatsResponse into the public struct. */
 static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
 {
@@ -1031,6 +1043,9 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
   s->queue_depth = r->queue_depth;
   s->roots_computed = r->roots_computed;
   s->roots_failed = r->roots_failed;
+  s->roots_skipped = r->roots_skipped;
+  s->drift_threshold = r->drift_threshold;
+  staleness_copy(r->staleness, &s->staleness);
   s->compute_ms_p50 = r->compute_ms_p50;
   s->compute_ms_p90 = r->compute_ms_p90;
   s->compute_ms_p99 = r->compute_ms_p99;
@@ -1071,6 +1086,9 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
     d->staleness = b->staleness;
     d->roots_computed = b->roots_computed;
     d->roots_failed = b->roots_failed;
+    d->roots_skipped = b->roots_skipped;
+    d->last_drift = b->last_drift;
+    staleness_copy(b->staleness_dist, &d->staleness_dist);
     d->last_error = b->last_error;
     d->last_compute_ms = b->last_compute_ms;
     d->owner = b->owner;

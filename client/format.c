@@ -106,6 +106,21 @@ static void human_bytes(char *buf, size_t len, uint64_t bytes)
     snprintf(buf, len, "%.1f %s", x, unit[u]);
 }
 
+/* "key":{"samples":..,"p50":..,"p90":..,"p99":..,"max":..,"mean":..} */
+static void json_staleness(FILE *f, const char *key, const precond_staleness *s, int *first)
+{
+  int inner = 1;
+  json_key(f, key, first);
+  fputc('{', f);
+  kv_u64(f, "samples", s->samples, &inner);
+  kv_dbl(f, "p50", s->p50, &inner);
+  kv_dbl(f, "p90", s->p90, &inner);
+  kv_dbl(f, "p99", s->p99, &inner);
+  kv_u64(f, "max", s->max, &inner);
+  kv_dbl(f, "mean", s->mean, &inner);
+  fputc('}', f);
+}
+
 static void json_job(FILE *f, const precond_job_stats *j)
 {
   int first = 1;
@@ -132,6 +147,9 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json)
     kv_u64(f, "queue_depth", s->queue_depth, &first);
     kv_u64(f, "roots_computed", s->roots_computed, &first);
     kv_u64(f, "roots_failed", s->roots_failed, &first);
+    kv_u64(f, "roots_skipped", s->roots_skipped, &first);
+    kv_dbl(f, "drift_threshold", s->drift_threshold, &first);
+    json_staleness(f, "staleness", &s->staleness, &first);
     kv_dbl(f, "compute_ms_p50", s->compute_ms_p50, &first);
     kv_dbl(f, "compute_ms_p90", s->compute_ms_p90, &first);
     kv_dbl(f, "compute_ms_p99", s->compute_ms_p99, &first);
@@ -159,8 +177,12 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json)
   fprintf(f, "precondd %s  up %.1f s  rank %d of %u replicas  %u threads\n",
           s->version ? s->version : "?", s->uptime_s, (int)s->rank, s->replicas, s->threads);
   fprintf(f, "%-20s %" PRIu64 "\n", "queue depth", s->queue_depth);
-  fprintf(f, "%-20s %" PRIu64 " computed, %" PRIu64 " failed\n", "roots", s->roots_computed,
-          s->roots_failed);
+  fprintf(f, "%-20s %" PRIu64 " computed, %" PRIu64 " failed, %" PRIu64
+          " skipped (drift < %g)\n", "roots", s->roots_computed, s->roots_failed,
+          s->roots_skipped, s->drift_threshold);
+  fprintf(f, "%-20s p50 %.0f  p90 %.0f  p99 %.0f  max %" PRIu64 "  mean %.2f  (%" PRIu64
+          " samples)\n", "staleness, steps", s->staleness.p50, s->staleness.p90,
+          s->staleness.p99, s->staleness.max, s->staleness.mean, s->staleness.samples);
   fprintf(f, "%-20s p50 %.3f  p90 %.3f  p99 %.3f\n", "compute ms", s->compute_ms_p50,
           s->compute_ms_p90, s->compute_ms_p99);
   fprintf(f, "%-20s in %s, out %s\n", "bytes", in, out);
@@ -200,6 +222,9 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
       kv_u64(f, "staleness", b->staleness, &first);
       kv_u64(f, "roots_computed", b->roots_computed, &first);
       kv_u64(f, "roots_failed", b->roots_failed, &first);
+      kv_u64(f, "roots_skipped", b->roots_skipped, &first);
+      kv_dbl(f, "last_drift", b->last_drift, &first);
+      json_staleness(f, "staleness_dist", &b->staleness_dist, &first);
       kv_dbl(f, "last_error", b->last_error, &first);
       kv_dbl(f, "last_compute_ms", b->last_compute_ms, &first);
       kv_i64(f, "owner", b->owner, &first);
@@ -209,19 +234,21 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
     return ferror(f) ? -1 : 0;
   }
 
-  fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %10s %9s %5s\n", "JOB", "BLOCK",
-          "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED", "ERROR",
-          "MS", "OWNER");
+  fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s\n", "JOB",
+          "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED",
+          "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER");
   for (size_t i = 0; i < s->nblocks; i++) {
     const precond_block_stats *b = &s->block_stats[i];
-    char shape[32];
+    char shape[32], age[48];
     snprintf(shape, sizeof shape, "%" PRIu64 "x%" PRIu64, b->rows, b->cols);
+    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
+             b->staleness_dist.p90, b->staleness_dist.max);
     fprintf(f,
             "%-16s %5u %-20s %11s %7" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6" PRIu64
-            " %7" PRIu64 " %6" PRIu64 " %10.2e %9.3f %5d\n",
+            " %7" PRIu64 " %6" PRIu64 " %6" PRIu64 " %14s %10.2e %9.3f %5d\n",
             b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", shape, b->version,
             b->stat_step, b->root_step, b->staleness, b->roots_computed, b->roots_failed,
-            b->last_error, b->last_compute_ms, (int)b->owner);
+            b->roots_skipped, age, b->last_error, b->last_compute_ms, (int)b->owner);
   }
   if (s->nblocks == 0)
     fputs("(no blocks)\n", f);

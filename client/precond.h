@@ -249,13 +249,23 @@ void precond_get_counters(precond_client *client, precond_counters *out);
 /* ------------------------------------------------------------------------------------ */
 /* Daemon stats and health (blocking, up to the call deadline)                            */
 
+/* How many steps old a block's root was when a push of a newer step arrived (the age a
+ * worker of that step sees): nearest-rank percentiles, max and mean over the samples. */
+typedef struct {
+  uint64_t samples, max;
+  double p50, p90, p99, mean;
+} precond_staleness;
+
 typedef struct {
   char *job;
   uint32_t block_id;
   char *tensor;
   uint64_t rows, cols, version, stat_step, root_step, staleness;
   uint64_t roots_computed, roots_failed;
+  uint64_t roots_skipped;           /* drift test: the statistics barely moved */
   double last_error, last_compute_ms;
+  double last_drift;                /* relative, of the last drift test; NaN before one */
+  precond_staleness staleness_dist;
   int32_t owner;
 } precond_block_stats;
 
@@ -271,7 +281,9 @@ typedef struct {
   double uptime_s;
   uint32_t jobs, threads, replicas;
   int32_t rank;
-  uint64_t queue_depth, roots_computed, roots_failed;
+  uint64_t queue_depth, roots_computed, roots_failed, roots_skipped;
+  double drift_threshold;
+  precond_staleness staleness;       /* daemon-wide, every block's samples */
   double compute_ms_p50, compute_ms_p90, compute_ms_p99;
   uint64_t bytes_in, bytes_out, memory_bytes, rejected_pushes, snapshots_written;
   double last_snapshot_age_s;

@@ -18,6 +18,10 @@ void pd_config_default(pd_config *cfg) {
   cfg->max_blocks_per_job = 65536;
   cfg->snapshot_interval_s = 60;
   cfg->failure_threshold = 0.1;
+  /* Statistics that moved by less than 1% (trace and random quadratic forms) keep their
+   * root: it would move by about 0.25% (p = 4), well under the 1-3% fp32 floor of any root
+   * (docs/precondd.md, "Root pool"). */
+  cfg->drift_threshold = 0.01;
   cfg->grace_s = 5;
   cfg->log_level = PD_LOG_INFO;
 }

@@ -6,6 +6,8 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,9 +32,13 @@ static void pd__usage(FILE *f) {
 "\n"
 "  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
 "                           127.0.0.1:50551; port 0 picks a free port). A non-loopback\n"
-"                           address is refused unless --token-file is given.\n"
+"                           address is refused unless --tls-cert/--tls-key is given\n"
+"                           (or --token-file with --insecure-token). Loopback means a\n"
+"                           unix socket or a host whose every address is loopback.\n"
 "  --token-file FILE        require metadata 'authorization: Bearer TOKEN' on every call\n"
 "                           (health check excepted); TOKEN is the file's first line.\n"
+"  --insecure-token         allow --token-file on a non-loopback address without TLS:\n"
+"                           the token then crosses the network in cleartext\n"
 
 "  --tls-cert FILE          serve TLS with this PEM certificate chain (with --tls-key);\n"
 "                           a non-loopback address is then allowed without a token\n"
@@ -51,6 +57,9 @@ static void pd__usage(FILE *f) {
 "  --max-blocks-per-job N   (default 65536)\n"
 "  --failure-threshold X    roots with a larger residual error are not published\n"
 "                           (default 0.1); the previous root stays\n"
+"  --drift-threshold X      a block whose statistics moved less than X (relative, trace\n"
+"                           and random probes) since its root keeps it (default 0.01;\n"
+"                           0: always compute)\n"
 "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
 "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
 "  --help                   this text\n"
@@ -124,20 +133,55 @@ static int pd__read_token(const char *path, char *out, size_t len) {
   return 0;
 }
 
-/* 1 for unix sockets and loopback hosts (127.0.0.0/8, localhost, ::1). */
+/* 1 when every address of a resolved host is loopback (127.0.0.0/8, ::1, or 127.0.0.0/8
+ * mapped into IPv6); 0 when it does not resolve. A name is resolved rather than matched by
+ * prefix: "127.0.0.1.example.com" is a host name, not a loopback address. */
+static int pd__host_is_loopback(const char *host) {
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host, NULL, &hints, &res) != 0 || !res) return 0;
+  int all = 1;
+  for (const struct addrinfo *a = res; a && all; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const struct sockaddr_in *v4 = (const struct sockaddr_in *)(const void *)a->ai_addr;
+      all = (ntohl(v4->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const struct in6_addr *v6 =
+          &((const struct sockaddr_in6 *)(const void *)a->ai_addr)->sin6_addr;
+      all = IN6_IS_ADDR_LOOPBACK(v6) || (IN6_IS_ADDR_V4MAPPED(v6) && v6->s6_addr[12] == 127);
+    } else {
+      all = 0;
+    }
+  }
+  freeaddrinfo(res);
+  return all;
+}
+
+/* 1 for unix sockets and hosts that are loopback (see pd__host_is_loopback). The address is
+ * HOST:PORT, [HOST]:PORT, or either after gRPC's "ipv4:" / "ipv6:" scheme. */
 static int pd__is_local(const char *addr) {
   if (strncmp(addr, "unix:", 5) == 0 || strncmp(addr, "unix-abstract:", 14) == 0) return 1;
-  if (strncmp(addr, "ipv4:", 5) == 0) addr += 5;
-  else if (strncmp(addr, "ipv6:", 5) == 0) addr += 5;
-  if (strncmp(addr, "127.", 4) == 0) return 1;
-  if (strncmp(addr, "localhost:", 10) == 0) return 1;
-  if (strncmp(addr, "[::1]:", 6) == 0) return 1;
-  return 0;
+  if (strncmp(addr, "ipv4:", 5) == 0 || strncmp(addr, "ipv6:", 5) == 0) addr += 5;
+  char host[512];
+  const char *end;
+  if (addr[0] == '[') {
+    addr++;
+    end = strchr(addr, ']');
+  } else {
+    end = strrchr(addr, ':');
+  }
+  if (!end || end == addr || (size_t)(end - addr) >= sizeof host) return 0;
+  memcpy(host, addr, (size_t)(end - addr));
+  host[end - addr] = '\0';
+  return pd__host_is_loopback(host);
 }
 
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
-         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA };
+         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
+         O_DRIFT };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -148,8 +192,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
       {"snapshot-interval", required_argument, NULL, O_SNAP},
       {"failure-threshold", required_argument, NULL, O_FAIL},
+      {"drift-threshold", required_argument, NULL, O_DRIFT},
       {"grace-period", required_argument, NULL, O_GRACE},
       {"token-file", required_argument, NULL, O_TOKEN},
+      {"insecure-token", no_argument, NULL, O_INSECURE},
       {"tls-cert", required_argument, NULL, O_CERT},
       {"tls-key", required_argument, NULL, O_KEY},
       {"tls-client-ca", required_argument, NULL, O_CA},
@@ -158,7 +204,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"help", no_argument, NULL, O_HELP},
       {"version", no_argument, NULL, O_VERSION},
       {NULL, 0, NULL, 0}};
-  int c;
+  int c, insecure_token = 0;
   double v;
   opterr = 0;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -203,12 +249,19 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       if (pd__parse_num("--failure-threshold", optarg, 0, 1e30, &v)) return 2;
       cfg->failure_threshold = v;
       break;
+    case O_DRIFT:
+      if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
+      cfg->drift_threshold = v;
+      break;
     case O_GRACE:
       if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
       cfg->grace_s = v;
       break;
     case O_TOKEN:
       if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
+      break;
+    case O_INSECURE:
+      insecure_token = 1;
       break;
     case O_CERT:
       free(cfg->tls_cert);
@@ -250,10 +303,20 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     fprintf(stderr, "precondd: --tls-client-ca needs --tls-cert and --tls-key\n");
     return 2;
   }
-  if (!pd__is_local(cfg->listen) && !*cfg->token && !cfg->tls_cert) {
-    fprintf(stderr, "precondd: refusing to listen on non-loopback address %s without "
-            "--token-file or --tls-cert/--tls-key\n", cfg->listen);
-    return 2;
+  if (!cfg->tls_cert && !pd__is_local(cfg->listen)) {
+    if (!*cfg->token) {
+      fprintf(stderr, "precondd: refusing to listen on non-loopback address %s without "
+              "--tls-cert/--tls-key or --token-file\n", cfg->listen);
+      return 2;
+    }
+    if (!insecure_token) {
+      fprintf(stderr, "precondd: refusing to send --token-file's token in cleartext on "
+              "non-loopback address %s: add --tls-cert/--tls-key, or --insecure-token\n",
+              cfg->listen);
+      return 2;
+    }
+    fprintf(stderr, "precondd: warning: --insecure-token: the token crosses %s unencrypted\n",
+            cfg->listen);
   }
   return 0;
 bad_value:
@@ -358,7 +421,8 @@ int main(int argc, char **argv) {
   if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
   if (!*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
-  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, d.cfg.failure_threshold) != PD_OK) {
+  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold};
+  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
     goto done;
   }

@@ -11,6 +11,7 @@
  *   scheduler.c the worker pool computing roots (dirty first, then stalest and largest)
  *   snapshot.c  atomic, checksummed snapshots of the store and their restore
  *   stats.c     daemon-wide counters and compute-time percentiles
+ *   limits.c    per-method request size and count limits, checked before parsing
  *
  * Prefix pd_. Functions return int: PD_OK (0) or a negative PD_E* code, with pd_strerror.
  * Locking order, where two locks nest: scheduler lock, then a block's lock. The store's
@@ -77,6 +78,7 @@ typedef struct {
   uint32_t max_blocks_per_job;
   double snapshot_interval_s;   /* <= 0: only at shutdown */
   double failure_threshold;     /* roots with a larger error are not published */
+  double drift_threshold;       /* statistics that moved less keep their root (scheduler.c) */
   double grace_s;               /* calls in flight get this long at shutdown */
   pd_log_level log_level;
 } pd_config;
@@ -88,17 +90,39 @@ void pd_config_default(pd_config *cfg);
 
 #define PD_STATS_WINDOW 1024  /* compute times kept for percentiles */
 
+/* Staleness samples: how many steps old the published root of a block was when a push of
+ * a newer step arrived (push step minus the root's source step), the age the worker sees.
+ * Exact counts for 0 .. PD_STALE_BINS - 2, the last bin holds everything larger (its
+ * percentiles report the exact max). Not thread-safe: the owner's lock guards it. */
+#define PD_STALE_BINS 64
+
+typedef struct {
+  uint32_t bins[PD_STALE_BINS];
+  uint64_t count, sum, max;
+} pd_stale_hist;
+
+typedef struct {
+  double p50, p90, p99, mean;
+  uint64_t max, count;
+} pd_stale_summary;
+
+void pd_stale_hist_add(pd_stale_hist *h, uint64_t staleness);
+/* Nearest-rank percentiles and the mean; all 0 when there are no samples. */
+void pd_stale_hist_summary(const pd_stale_hist *h, pd_stale_summary *out);
+
 typedef struct {
   _Atomic uint64_t roots_computed;
   _Atomic uint64_t roots_failed;
+  _Atomic uint64_t roots_skipped;  /* drift test: the statistics barely moved (scheduler.c) */
   _Atomic uint64_t bytes_in;
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
   _Atomic uint64_t snapshots_written;
   _Atomic int64_t memory_bytes;  /* statistics and roots currently allocated */
-  pthread_mutex_t lock;          /* guards the ring below */
+  pthread_mutex_t lock;          /* guards the ring and the staleness histogram below */
   double ring[PD_STATS_WINDOW];
   size_t ring_len, ring_next;
+  pd_stale_hist stale;           /* daemon-wide, all blocks of all jobs */
   double start_time;             /* monotonic seconds */
   _Atomic double last_snapshot_time; /* monotonic seconds; 0: never */
 } pd_stats;
@@ -108,6 +132,8 @@ void pd_stats_destroy(pd_stats *s);
 void pd_stats_add_compute_ms(pd_stats *s, double ms);
 /* Percentiles (q in [0,1]) of the last PD_STATS_WINDOW compute times; 0 when none. */
 void pd_stats_percentiles(pd_stats *s, double *p50, double *p90, double *p99);
+void pd_stats_add_staleness(pd_stats *s, uint64_t staleness);
+void pd_stats_staleness(pd_stats *s, pd_stale_summary *out);
 /* Monotonic clock in seconds. */
 double pd_now(void);
 
@@ -119,7 +145,8 @@ double pd_now(void);
 typedef struct {
   _Atomic int refs;
   uint64_t version;      /* 1, 2, ... per block */
-  uint64_t source_step;
+  uint64_t source_step;  /* statistics step it stands for (a drift-test skip republishes
+                          * a root as of a newer step: within drift_threshold of it) */
   double error;          /* max of the two factors' errors */
   int method;            /* pc_method */
   uint32_t iterations;   /* max of the two factors' iterations */
@@ -135,6 +162,10 @@ void pd_root_unref(pd_root *r, pd_stats *stats);
 
 typedef struct pd_job pd_job;
 
+/* Probes of the drift test (scheduler.c): the trace and three fixed random quadratic forms
+ * of each factor. */
+#define PD_DRIFT_PROBES 4
+
 typedef struct {
   pd_job *job;
   uint32_t id;
@@ -144,8 +175,12 @@ typedef struct {
   float *stat_left, *stat_right; /* packed, rows and cols orders */
   uint64_t pushes;               /* statistics updates received */
   pd_root *root;                 /* latest published; NULL before the first */
-  uint64_t roots_computed, roots_failed;
+  uint64_t roots_computed, roots_failed, roots_skipped;
   double last_error, last_compute_ms;
+  double last_drift;             /* of the last drift test; NAN before one */
+  int has_drift_ref;             /* drift_ref holds the published root's probes */
+  double drift_ref[2][PD_DRIFT_PROBES];
+  pd_stale_hist stale;           /* staleness at each push of a newer step */
   /* Read by the scheduler without the block lock. */
   _Atomic uint64_t stat_step;    /* newest statistics step */
   _Atomic uint64_t root_step;    /* source step of the published root */
@@ -234,8 +269,10 @@ pd_job *pd_store_find(pd_store *st, const char *name);
 void pd_job_note_worker(pd_job *job, const char *worker);
 
 /* Applies one validated statistics increment to block b (values already fp32, counts
- * pc_packed_len(rows) and pc_packed_len(cols)). */
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step);
+ * pc_packed_len(rows) and pc_packed_len(cols)). A push of a step newer than the published
+ * root's source step is a staleness sample, counted in the block and in stats (may be NULL). */
+void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
+                     pd_stats *stats);
 
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
@@ -245,6 +282,35 @@ void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
 
 /* ------------------------------------------------------------------------------------ */
 /* scheduler.c                                                                            */
+/*
+ * Policy of the root pool. A push queues each block it touched (once; a block being
+ * computed is queued again when that computation ends). A free worker takes, in order:
+ *   1. blocks with no root yet (a worker cannot precondition them at all);
+ *   2. then the stalest: the largest stat_step - root_step, the steps since the statistics
+ *      its current root came from (so under load every block's age stays bounded by about
+ *      one pass over the queue instead of the hot blocks starving the rest);
+ *   3. then the cheapest (smallest rows^3 + cols^3): among equally stale blocks, shortest
+ *      first minimises the mean wait, hence the mean staleness.
+ * Drift test: before the O(n^3) roots, the worker computes in O(n^2) the trace and three
+ * fixed random quadratic forms v^T S v of both factors and compares them with those of the
+ * statistics the published root came from. If every one moved by less than
+ * drift_threshold (relative), the roots would move by about a quarter of that (for p = 4),
+ * under the 1-3% at which any fp32 root already sits from the exact one: the root is kept,
+ * republished as of the new step (same values, next version, so workers and --sync-roots
+ * see it is current) and counted as skipped. The reference is not moved by a skip, so
+ * drift that accumulates over several pushes still triggers a computation.
+ */
+
+typedef struct {
+  double failure_threshold; /* a root with a larger error, or non-finite, is not published */
+  double drift_threshold;   /* <= 0: always compute */
+} pd_sched_rules;
+
+typedef enum {
+  PD_ROOT_PUBLISHED = 0, /* computed and published */
+  PD_ROOT_FAILED,        /* computed, refused by the failure rule; the previous root stays */
+  PD_ROOT_SKIPPED        /* drift below the threshold: the previous root republished */
+} pd_root_outcome;
 
 typedef struct {
   pthread_mutex_t lock;
@@ -255,13 +321,13 @@ typedef struct {
   int nthreads;
   pthread_t *threads;
   pd_stats *stats;
-  double failure_threshold;
+  pd_sched_rules rules;
   _Atomic uint64_t busy;
 } pd_sched;
 
 /* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
  * threads does not exceed the online cores. */
-int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, double failure_threshold);
+int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules);
 /* Queues a block whose statistics changed (no-op when already queued; a block being
  * computed is queued again when that computation ends). PD_ENOMEM if the queue cannot grow. */
 int pd_sched_mark(pd_sched *s, pd_block *b);
@@ -269,9 +335,13 @@ int pd_sched_mark(pd_sched *s, pd_block *b);
 uint64_t pd_sched_depth(pd_sched *s);
 /* Stops the workers after their current computation; queued blocks stay unqueued. */
 void pd_sched_stop(pd_sched *s);
-/* Computes and, if it passes the failure rule, publishes the roots of b now, on the
- * calling thread. Returns 1 if published, 0 if failed (counted), negative on no memory. */
-int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold);
+/* Runs the drift test and, unless it skips, computes the roots of b now, on the calling
+ * thread, publishing them if they pass the failure rule. PD_OK with *outcome set, or
+ * PD_ENOMEM (nothing changed). */
+int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
+                     pd_root_outcome *outcome);
+/* 1 if the pool takes a before b (the policy above); exposed for its unit test. */
+int pd_sched_before(pd_block *a, pd_block *b);
 
 /* ------------------------------------------------------------------------------------ */
 /* snapshot.c                                                                             */
@@ -334,5 +404,20 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port);
 /* Stops accepting calls, lets calls in flight finish for up to grace_s, cancels the rest,
  * joins the pollers and frees the server. */
 void pd_server_stop(pd_server *srv, double grace_s);
+
+/* ------------------------------------------------------------------------------------ */
+/* limits.c                                                                               */
+
+#define PD_MAX_TENSORS 65536u                /* tensors in one job */
+#define PD_MAX_STEP ((uint64_t)1 << 53)      /* steps above are refused: exact in a double */
+
+/* The size limit of method m's requests: its own, never above cfg->max_message_bytes. */
+size_t pd_request_max_bytes(const pd_config *cfg, pd_method m);
+
+/* Checks payload (may be NULL; not consumed) against method m's size limit and the count
+ * limit of its repeated field (Register tensors, Push blocks, Fetch have) without parsing
+ * it. PD_OK, or PD_ELIMIT with a message in err. Allocates nothing but gRPC's reader. */
+int pd_request_admit(const pd_config *cfg, pd_method m, grpc_byte_buffer *payload, char *err,
+                     size_t errlen);
 
 #endif /* PRECOND_HOST_PRECONDD_H */

@@ -1,12 +1,12 @@
 /*
  * scheduler.c -- the worker pool that turns statistics into published roots.
  *
- * Blocks whose statistics changed wait in one queue. A free worker takes the most urgent:
- * blocks with no root yet first, then the stalest (newest statistics step minus the step of
- * the published root), then the largest (n^3 cost). The worker copies the statistics under
- * the block lock, computes both roots without any lock, checks them (finite, error within the
- * failure threshold) and publishes a new immutable root; on failure the previous root stays
- * and the failure is counted.
+ * Blocks whose statistics changed wait in one queue; a free worker takes the most urgent by
+ * the policy written in precondd.h (no root yet, then the stalest, then the cheapest). The
+ * worker copies the statistics under the block lock, runs the drift test (a root whose
+ * statistics barely moved is republished as it is), else computes both roots without any
+ * lock, checks them (finite, error within the failure threshold) and publishes a new
+ * immutable root; on failure the previous root stays and the failure is counted.
  */
 #include "precondd.h"
 
@@ -37,15 +37,83 @@ static double pd__urgency_size(const pd_block *b) {
   return r * r * r + c * c * c;
 }
 
-/* 1 if a should be computed before b. */
-static int pd__before(pd_block *a, pd_block *b) {
+int pd_sched_before(pd_block *a, pd_block *b) {
   int ra = atomic_load(&a->has_root), rb = atomic_load(&b->has_root);
   if (ra != rb) return !ra;
   uint64_t sa = atomic_load(&a->stat_step) - atomic_load(&a->root_step);
   uint64_t sb = atomic_load(&b->stat_step) - atomic_load(&b->root_step);
   if (sa != sb) return sa > sb;
-  return pd__urgency_size(a) > pd__urgency_size(b);
+  return pd__urgency_size(a) < pd__urgency_size(b);
 }
+
+/* ---- the drift test ------------------------------------------------------------------- */
+
+/* The probe vectors' signs: fixed (a hash of probe and index), so the reference and the new
+ * statistics are probed alike, and independent of n's history. */
+static float pd__probe_sign(unsigned k, size_t i) {
+  uint64_t z = ((uint64_t)k << 40) + (uint64_t)i + 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return (z & 1) ? 1.0f : -1.0f;
+}
+
+/* q[0] = trace(S), q[k] = v_k^T S v_k (k >= 1) of a packed upper S, in one pass over it.
+ * v holds (PD_DRIFT_PROBES - 1) * n floats of scratch. */
+static void pd__probe(size_t n, const float *packed, float *v, double q[PD_DRIFT_PROBES]) {
+  enum { K = PD_DRIFT_PROBES - 1 };
+  for (unsigned k = 0; k < K; k++)
+    for (size_t i = 0; i < n; i++) v[k * n + i] = pd__probe_sign(k, i);
+  for (unsigned k = 0; k < PD_DRIFT_PROBES; k++) q[k] = 0;
+  const float *row = packed;
+  for (size_t i = 0; i < n; i++) {
+    double d = row[0], acc[K] = {0};
+    for (size_t j = 1; j < n - i; j++)
+      for (unsigned k = 0; k < K; k++) acc[k] += (double)v[k * n + i + j] * row[j];
+    q[0] += d;
+    for (unsigned k = 0; k < K; k++) q[k + 1] += v[k * n + i] * (d * v[k * n + i] + 2 * acc[k]);
+    row += n - i;
+  }
+}
+
+/* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero. */
+static double pd__drift(const double q[2][PD_DRIFT_PROBES],
+                        const double ref[2][PD_DRIFT_PROBES]) {
+  double worst = 0;
+  for (int f = 0; f < 2; f++)
+    for (int k = 0; k < PD_DRIFT_PROBES; k++) {
+      double diff = fabs(q[f][k] - ref[f][k]), base = fabs(ref[f][k]);
+      double rel = diff == 0 ? 0 : base > 0 ? diff / base : INFINITY;
+      if (rel > worst) worst = rel;
+    }
+  return worst;
+}
+
+/* Republishes the block's root as of statistics step `step` (values copied: roots are
+ * immutable). PD_ENOMEM leaves everything as it was. */
+static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
+  pd_root *old = pd_block_root(b);
+  if (!old) return PD_OK;
+  int rc = PD_OK;
+  if (step > old->source_step) {
+    pd_root *r = pd_root_new(old->n_left, old->n_right, stats);
+    if (!r) {
+      rc = PD_ENOMEM;
+    } else {
+      memcpy(r->left, old->left, pc_packed_len(old->n_left) * sizeof *r->left);
+      memcpy(r->right, old->right, pc_packed_len(old->n_right) * sizeof *r->right);
+      r->source_step = step;
+      r->error = old->error;
+      r->method = old->method;
+      r->iterations = old->iterations;
+      pd_block_publish(b, r, stats);
+    }
+  }
+  pd_root_unref(old, stats);
+  return rc;
+}
+
+/* ---- computing roots ------------------------------------------------------------------ */
 
 /* One factor: packed statistic -> packed root. Returns the pc_ status; info filled. */
 static int pd__factor_root(size_t n, const float *stat_packed, const pd_shampoo_opts *o,
@@ -61,21 +129,50 @@ static int pd__factor_root(size_t n, const float *stat_packed, const pd_shampoo_
   return rc;
 }
 
-int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold) {
+int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
+                     pd_root_outcome *outcome) {
   size_t nl = b->rows, nr = b->cols, nmax = nl > nr ? nl : nr;
   size_t ll = pc_packed_len(nl), lr = pc_packed_len(nr);
   float *sl = malloc(ll * sizeof *sl), *sr = malloc(lr * sizeof *sr);
-  float *a = malloc(nmax * nmax * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
-  pd_root *r = pd_root_new(nl, nr, stats);
-  int result = -1;
-  if (!sl || !sr || !a || !x || !r) goto cleanup;
+  size_t scratch = nmax * nmax > (PD_DRIFT_PROBES - 1) * nmax ? nmax * nmax
+                                                               : (PD_DRIFT_PROBES - 1) * nmax;
+  float *a = malloc(scratch * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
+  pd_root *r = NULL;
+  int rc = PD_ENOMEM;
+  if (!sl || !sr || !a || !x) goto cleanup;
 
   pthread_mutex_lock(&b->lock);
   memcpy(sl, b->stat_left, ll * sizeof *sl);
   memcpy(sr, b->stat_right, lr * sizeof *sr);
   uint64_t step = atomic_load(&b->stat_step);
+  int has_ref = b->has_drift_ref && b->root != NULL;
+  double ref[2][PD_DRIFT_PROBES];
+  memcpy(ref, b->drift_ref, sizeof ref);
   pthread_mutex_unlock(&b->lock);
 
+  /* The drift test; a (scratch of it fits in a, which the roots overwrite after). */
+  double q[2][PD_DRIFT_PROBES];
+  pd__probe(nl, sl, a, q[0]);
+  pd__probe(nr, sr, a, q[1]);
+  if (has_ref) {
+    double drift = pd__drift((const double(*)[PD_DRIFT_PROBES])q,
+                             (const double(*)[PD_DRIFT_PROBES])ref);
+    int skip = rules->drift_threshold > 0 && drift < rules->drift_threshold;
+    if (skip && pd__republish(b, step, stats) != PD_OK) goto cleanup;
+    pthread_mutex_lock(&b->lock);
+    b->last_drift = drift;
+    if (skip) b->roots_skipped++;
+    pthread_mutex_unlock(&b->lock);
+    if (skip) {
+      atomic_fetch_add(&stats->roots_skipped, 1);
+      *outcome = PD_ROOT_SKIPPED;
+      rc = PD_OK;
+      goto cleanup;
+    }
+  }
+
+  r = pd_root_new(nl, nr, stats);
+  if (!r) goto cleanup;
   const pd_shampoo_opts *o = &b->job->opts;
   double t0 = pd_now();
   pc_root_info il, ir;
@@ -88,7 +185,7 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold) {
   double err = fmax(il.error, ir.error);
   /* The failure rule: no error code, a finite result, an error within the threshold. */
   int ok = rcl >= 0 && rcr >= 0 && isfinite(il.error) && isfinite(ir.error) &&
-           err <= failure_threshold && pc_all_finite_f32(ll, r->left) &&
+           err <= rules->failure_threshold && pc_all_finite_f32(ll, r->left) &&
            pc_all_finite_f32(lr, r->right);
   pd_stats_add_compute_ms(stats, ms);
 
@@ -101,11 +198,13 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold) {
     b->roots_computed++;
     b->last_error = err;
     b->last_compute_ms = ms;
+    memcpy(b->drift_ref, q, sizeof q);
+    b->has_drift_ref = 1;
     pthread_mutex_unlock(&b->lock);
     pd_block_publish(b, r, stats);
     r = NULL;
     atomic_fetch_add(&stats->roots_computed, 1);
-    result = 1;
+    *outcome = PD_ROOT_PUBLISHED;
   } else {
     pthread_mutex_lock(&b->lock);
     b->roots_failed++;
@@ -117,19 +216,20 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, double failure_threshold) {
            "job %s block %u: root not published (left: %s, error %g; right: %s, error %g; "
            "threshold %g); the previous root stays",
            b->job->name, b->id, pc_strerror(rcl), il.error, pc_strerror(rcr), ir.error,
-           failure_threshold);
-    result = 0;
+           rules->failure_threshold);
+    *outcome = PD_ROOT_FAILED;
   }
+  rc = PD_OK;
 
 cleanup:
-  if (result < 0) pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots",
-                         b->job->name, b->id);
+  if (rc != PD_OK)
+    pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots", b->job->name, b->id);
   pd_root_unref(r, stats);
   free(sl);
   free(sr);
   free(a);
   free(x);
-  return result;
+  return rc;
 }
 
 static void *pd__worker(void *arg) {
@@ -141,7 +241,7 @@ static void *pd__worker(void *arg) {
     if (s->stopping) break;
     size_t best = 0;
     for (size_t i = 1; i < s->len; i++)
-      if (pd__before(s->queue[i], s->queue[best])) best = i;
+      if (pd_sched_before(s->queue[i], s->queue[best])) best = i;
     pd_block *b = s->queue[best];
     s->queue[best] = s->queue[--s->len];
     b->queued = 0;
@@ -149,7 +249,9 @@ static void *pd__worker(void *arg) {
     atomic_fetch_add(&s->busy, 1);
     pthread_mutex_unlock(&s->lock);
 
-    pd_sched_compute(b, s->stats, s->failure_threshold);
+    pd_root_outcome outcome;
+    pd_sched_compute(b, s->stats, &s->rules, &outcome); /* no memory: logged, retried at
+                                                          * the block's next push */
 
     pthread_mutex_lock(&s->lock);
     atomic_fetch_sub(&s->busy, 1);
@@ -164,13 +266,13 @@ static void *pd__worker(void *arg) {
   return NULL;
 }
 
-int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, double failure_threshold) {
+int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules) {
   memset(s, 0, sizeof *s);
   if (nthreads < 1) nthreads = 1;
   pthread_mutex_init(&s->lock, NULL);
   pthread_cond_init(&s->cond, NULL);
   s->stats = stats;
-  s->failure_threshold = failure_threshold;
+  s->rules = *rules;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (cores < 1) cores = 1;
   /* Workers run independent roots; BLAS threads inside each would only compete with the

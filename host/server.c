@@ -6,8 +6,11 @@
  * (grpc_server_request_call) that answer unknown methods with UNIMPLEMENTED instead of
  * leaving them hanging until their deadline. A slot's life:
  *   armed (phase 0) -> new call: re-arm a fresh slot for the method, check the deadline
- *   and the token, run the handler on this poller thread, start one send batch
- *   (phase 1) -> batch done: release the call and free the slot.
+ *   and the token; a call refused there is answered at once (phase 1) without its message
+ *   ever being read, so an unauthenticated client cannot make precondd buffer a large
+ *   request; an accepted one asks gRPC for its message (phase 2) -> message received: run
+ *   the handler on this poller thread, start one send batch (phase 1) -> batch done:
+ *   release the call and free the slot.
  * Handlers only touch the store (short locks) and never wait for a root computation, so
  * running them on the pollers keeps calls short and ordered.
  */
@@ -31,7 +34,7 @@
 typedef struct pd_slot {
   pd_server *srv;
   int method;  /* pd_method, or -1 for the catch-all */
-  int phase;   /* 0: armed, waiting for a call; 1: reply batch in flight */
+  int phase;   /* 0: armed; 1: reply batch in flight; 2: receiving the request */
   grpc_call *call;
   gpr_timespec deadline;
   grpc_metadata_array md;
@@ -80,8 +83,7 @@ static void pd__arm(pd_server *srv, int m) {
   grpc_call_error e;
   if (m >= 0) {
     e = grpc_server_request_registered_call(srv->server, srv->methods[m], &s->call,
-                                            &s->deadline, &s->md, &s->payload, srv->cq,
-                                            srv->cq, s);
+                                            &s->deadline, &s->md, NULL, srv->cq, srv->cq, s);
   } else {
     grpc_call_details_init(&s->details);
     e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq,
@@ -99,53 +101,33 @@ static int pd__slice_eq(grpc_slice s, const char *text) {
   return GRPC_SLICE_LENGTH(s) == n && memcmp(GRPC_SLICE_START_PTR(s), text, n) == 0;
 }
 
+/* 1 if slice s equals text. Takes the same time for every s of the same length, whatever
+ * bytes match: the token must not leak through how long a wrong guess takes. */
+static int pd__slice_eq_const_time(grpc_slice s, const char *text) {
+  size_t n = strlen(text);
+  if (GRPC_SLICE_LENGTH(s) != n) return 0;
+  const unsigned char *p = GRPC_SLICE_START_PTR(s);
+  unsigned char diff = 0;
+  for (size_t i = 0; i < n; i++) diff |= (unsigned char)(p[i] ^ (unsigned char)text[i]);
+  return diff == 0;
+}
+
 /* 1 if the call carries "authorization: Bearer TOKEN" with the configured token. */
 static int pd__authorized(const pd_server *srv, const grpc_metadata_array *md) {
   const char *token = srv->d->cfg.token;
   if (!*token) return 1;
   char want[600];
   snprintf(want, sizeof want, "Bearer %s", token);
+  int ok = 0;
   for (size_t i = 0; i < md->count; i++)
-    if (pd__slice_eq(md->metadata[i].key, "authorization") &&
-        pd__slice_eq(md->metadata[i].value, want))
-      return 1;
-  return 0;
+    if (pd__slice_eq(md->metadata[i].key, "authorization"))
+      ok |= pd__slice_eq_const_time(md->metadata[i].value, want);
+  return ok;
 }
 
-static void pd__handle(pd_slot *s) {
-  pd_server *srv = s->srv;
+/* Starts the one batch that answers the call with s->reply (phase 1). */
+static void pd__send(pd_slot *s) {
   pd_reply *rep = &s->reply;
-  rep->code = GRPC_STATUS_OK;
-  rep->message[0] = '\0';
-  rep->payload = NULL;
-  gpr_timespec now = gpr_now(GPR_CLOCK_MONOTONIC);
-  gpr_timespec deadline = gpr_convert_clock_type(s->deadline, GPR_CLOCK_MONOTONIC);
-
-  if (s->method < 0) {
-    char *name = grpc_slice_to_c_string(s->details.method);
-    rep->code = GRPC_STATUS_UNIMPLEMENTED;
-    snprintf(rep->message, sizeof rep->message, "method %s is not implemented by precondd",
-             name);
-    pd_log(PD_LOG_DEBUG, "unknown method %s", name);
-    gpr_free(name);
-  } else if (gpr_time_cmp(now, deadline) > 0) {
-    rep->code = GRPC_STATUS_DEADLINE_EXCEEDED;
-    snprintf(rep->message, sizeof rep->message, "deadline passed before the call started");
-  } else if (s->method != PD_M_HEALTH && !pd__authorized(srv, &s->md)) {
-    rep->code = GRPC_STATUS_UNAUTHENTICATED;
-    snprintf(rep->message, sizeof rep->message,
-             "metadata authorization: missing or wrong bearer token");
-  } else {
-    pd_service_handle(srv->d, (pd_method)s->method, s->payload, rep);
-    if (rep->code != GRPC_STATUS_OK)
-      pd_log(PD_LOG_DEBUG, "%s: %s: %s", pd_method_paths[s->method],
-             rpc_status_name(rep->code), rep->message);
-  }
-  if (s->payload) {
-    grpc_byte_buffer_destroy(s->payload); /* the request is no longer needed */
-    s->payload = NULL;
-  }
-
   grpc_op ops[3];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
@@ -171,6 +153,63 @@ static void pd__handle(pd_slot *s) {
   }
 }
 
+/* A new call (phase 0 done): refuses it at once (unknown method, deadline passed, missing
+ * or wrong token) or asks gRPC for its message (phase 2). */
+static void pd__admit(pd_slot *s) {
+  pd_server *srv = s->srv;
+  pd_reply *rep = &s->reply;
+  rep->code = GRPC_STATUS_OK;
+  rep->message[0] = '\0';
+  rep->payload = NULL;
+  gpr_timespec now = gpr_now(GPR_CLOCK_MONOTONIC);
+  gpr_timespec deadline = gpr_convert_clock_type(s->deadline, GPR_CLOCK_MONOTONIC);
+
+  if (s->method < 0) {
+    char *name = grpc_slice_to_c_string(s->details.method);
+    rep->code = GRPC_STATUS_UNIMPLEMENTED;
+    snprintf(rep->message, sizeof rep->message, "method %s is not implemented by precondd",
+             name);
+    pd_log(PD_LOG_DEBUG, "unknown method %s", name);
+    gpr_free(name);
+  } else if (gpr_time_cmp(now, deadline) > 0) {
+    rep->code = GRPC_STATUS_DEADLINE_EXCEEDED;
+    snprintf(rep->message, sizeof rep->message, "deadline passed before the call started");
+  } else if (s->method != PD_M_HEALTH && !pd__authorized(srv, &s->md)) {
+    rep->code = GRPC_STATUS_UNAUTHENTICATED;
+    snprintf(rep->message, sizeof rep->message,
+             "metadata authorization: missing or wrong bearer token");
+  }
+  if (rep->code != GRPC_STATUS_OK) {
+    pd__send(s);
+    return;
+  }
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &s->payload;
+  s->phase = 2;
+  grpc_call_error e = grpc_call_start_batch(s->call, &op, 1, s, NULL);
+  if (e != GRPC_CALL_OK) {
+    pd_log(PD_LOG_WARN, "server: receiving a request failed (grpc_call_error %d)", (int)e);
+    pd__slot_free(s);
+  }
+}
+
+/* The request arrived (phase 2 done; s->payload is NULL when the client sent none): runs
+ * the handler and answers. */
+static void pd__serve(pd_slot *s) {
+  pd_reply *rep = &s->reply;
+  pd_service_handle(s->srv->d, (pd_method)s->method, s->payload, rep);
+  if (rep->code != GRPC_STATUS_OK)
+    pd_log(PD_LOG_DEBUG, "%s: %s: %s", pd_method_paths[s->method], rpc_status_name(rep->code),
+           rep->message);
+  if (s->payload) {
+    grpc_byte_buffer_destroy(s->payload); /* the request is no longer needed */
+    s->payload = NULL;
+  }
+  pd__send(s);
+}
+
 static void *pd__poll(void *arg) {
   pd_server *srv = arg;
   for (;;) {
@@ -187,13 +226,17 @@ static void *pd__poll(void *arg) {
     }
     pd_slot *s = ev.tag;
     if (s->phase == 1 || !ev.success) {
-      /* A reply sent (or failed: the client went away), or an armed slot released by the
-       * server's shutdown. */
+      /* A reply sent (or failed: the client went away), a receive that failed, or an armed
+       * slot released by the server's shutdown. */
       pd__slot_free(s);
       continue;
     }
+    if (s->phase == 2) {
+      pd__serve(s);
+      continue;
+    }
     pd__arm(srv, s->method);
-    pd__handle(s);
+    pd__admit(s);
   }
   return NULL;
 }
@@ -241,7 +284,7 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   for (int m = 0; m < PD_M_COUNT; m++)
     srv->methods[m] = grpc_server_register_method(srv->server, pd_method_paths[m], NULL,
-                                                  GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+                                                  GRPC_SRM_PAYLOAD_NONE, 0);
   grpc_server_credentials *creds;
   if (d->cfg.tls_cert) {
     grpc_ssl_pem_key_cert_pair pair = {d->cfg.tls_key, d->cfg.tls_cert};

@@ -245,6 +245,11 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     goto rejected;
   }
+  if (req->step > PD_MAX_STEP) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "step: %llu is above the limit 2^53",
+             (unsigned long long)req->step);
+    goto rejected;
+  }
   pd_job *job = pd_store_find(&d->store, req->job);
   if (!job) {
     pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
@@ -283,7 +288,7 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   }
   for (size_t i = 0; i < nb; i++) {
     pd_block *b = &job->blocks[req->blocks[i]->block_id];
-    pd_block_update(b, left[i], right[i], req->step);
+    pd_block_update(b, left[i], right[i], req->step, &d->stats);
     if (pd_sched_mark(&d->sched, b) != PD_OK)
       pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name, b->id);
   }
@@ -427,6 +432,15 @@ cleanup:
 
 /* ---- GetStats ------------------------------------------------------------------------- */
 
+static void pd__stale_wire(const pd_stale_summary *s, Precond__V1__StalenessStats *w) {
+  w->samples = s->count;
+  w->p50 = s->p50;
+  w->p90 = s->p90;
+  w->p99 = s->p99;
+  w->max = s->max;
+  w->mean = s->mean;
+}
+
 static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_reply *rep) {
   pd_job *only = NULL;
   if (req->job && *req->job) {
@@ -451,7 +465,8 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   Precond__V1__JobStats **jsp = calloc(njobs ? njobs : 1, sizeof *jsp);
   Precond__V1__BlockStats *bs = calloc(nblk ? nblk : 1, sizeof *bs);
   Precond__V1__BlockStats **bsp = calloc(nblk ? nblk : 1, sizeof *bsp);
-  if (!jobs || !js || !jsp || !bs || !bsp) {
+  Precond__V1__StalenessStats *bst = calloc(nblk ? nblk : 1, sizeof *bst);
+  if (!jobs || !js || !jsp || !bs || !bsp || !bst) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -472,6 +487,13 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.threads = (uint32_t)d->cfg.threads;
   resp.replicas = 1;
   resp.rank = 0;
+  resp.roots_skipped = atomic_load(&d->stats.roots_skipped);
+  resp.drift_threshold = d->cfg.drift_threshold;
+  pd_stale_summary all;
+  pd_stats_staleness(&d->stats, &all);
+  Precond__V1__StalenessStats all_w = PRECOND__V1__STALENESS_STATS__INIT;
+  pd__stale_wire(&all, &all_w);
+  resp.staleness = &all_w;
   resp.snapshots_written = atomic_load(&d->stats.snapshots_written);
   double snap = atomic_load(&d->stats.last_snapshot_time);
   resp.last_snapshot_age_s = snap > 0 ? pd_now() - snap : 0;
@@ -503,7 +525,14 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       o->roots_failed = blk->roots_failed;
       o->last_error = blk->last_error;
       o->last_compute_ms = blk->last_compute_ms;
+      o->roots_skipped = blk->roots_skipped;
+      o->last_drift = blk->last_drift;
+      pd_stale_summary sum;
+      pd_stale_hist_summary(&blk->stale, &sum);
       pthread_mutex_unlock(&blk->lock);
+      precond__v1__staleness_stats__init(&bst[k]);
+      pd__stale_wire(&sum, &bst[k]);
+      o->staleness_dist = &bst[k];
       o->stat_step = atomic_load(&blk->stat_step);
       o->root_step = atomic_load(&blk->root_step);
       o->staleness = o->stat_step > o->root_step ? o->stat_step - o->root_step : 0;
@@ -523,6 +552,7 @@ cleanup:
   free(jsp);
   free(bs);
   free(bsp);
+  free(bst);
 }
 
 /* ---- dispatch ------------------------------------------------------------------------- */
@@ -534,6 +564,11 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
   reply->payload = NULL;
   if (payload) atomic_fetch_add(&d->stats.bytes_in, grpc_byte_buffer_length(payload));
   ProtobufCMessage *req = NULL;
+  if (pd_request_admit(&d->cfg, m, payload, reply->message, sizeof reply->message) != PD_OK) {
+    reply->code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    if (m == PD_M_PUSH) atomic_fetch_add(&d->stats.rejected_pushes, 1);
+    return;
+  }
   int rc = rpc_unpack(payload, pd__req_desc[m], d->cfg.max_message_bytes, &req);
   if (rc != RPC_OK) {
     if (rc == RPC_ETOOBIG)

@@ -214,8 +214,12 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
     rc = PD_ENOMEM;
     goto cleanup;
   }
-  w.f = fopen(tmp, "wb");
+  /* 0600 like the state directory: statistics are the job's data, not the world's. */
+  unlink(tmp); /* a leftover from a crash keeps its old mode through O_CREAT */
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  w.f = fd >= 0 ? fdopen(fd, "wb") : NULL;
   if (!w.f) {
+    if (fd >= 0) close(fd);
     pd_log(PD_LOG_ERROR, "snapshot: cannot create %s: %s", tmp, strerror(errno));
     rc = PD_EIO;
     goto cleanup;

@@ -67,7 +67,6 @@ void pd_root_unref(pd_root *r, pd_stats *stats) {
 
 /* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
 #define PD_MAX_BLOCK_SIZE 8192u
-#define PD_MAX_TENSORS 1000000u
 #define PD_MAX_RANK 8
 #define PD_MAX_NAME 256 /* job, tensor and worker names, bytes */
 
@@ -292,6 +291,7 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
         pd_block *b = &job->blocks[job->nblocks];
         memset(b, 0, sizeof *b);
         pthread_mutex_init(&b->lock, NULL);
+        b->last_drift = NAN;
         b->job = job;
         b->id = (uint32_t)job->nblocks;
         b->tensor = (uint32_t)i;
@@ -447,14 +447,27 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* ---- blocks --------------------------------------------------------------------------- */
 
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step) {
+void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
+                     pd_stats *stats) {
   float beta2 = b->job->opts.beta2;
+  int sampled = 0;
+  uint64_t age = 0;
   pthread_mutex_lock(&b->lock);
   pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left, beta2);
   pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right, beta2);
   b->pushes++;
-  if (step > atomic_load(&b->stat_step)) atomic_store(&b->stat_step, step);
+  if (step > atomic_load(&b->stat_step)) {
+    atomic_store(&b->stat_step, step);
+    /* The worker of this step has the published root at best: its age now is what that
+     * worker sees (one sample per block and step; a repeated step is not sampled again). */
+    if (b->root && step > b->root->source_step) {
+      age = step - b->root->source_step;
+      pd_stale_hist_add(&b->stale, age);
+      sampled = 1;
+    }
+  }
   pthread_mutex_unlock(&b->lock);
+  if (sampled && stats) pd_stats_add_staleness(stats, age);
 }
 
 pd_root *pd_block_root(pd_block *b) {

@@ -366,6 +366,140 @@ void pc_graft_rescale_f32(size_t count, float *p, const float *d);
 int pc_graft_rescale_block_f32(size_t rows, size_t cols, float *p, size_t ldp, const float *d,
                                size_t ldd);
 
+/* ------------------------------------------------------------------------------------ */
+/* K-FAC: factors, damping, damped inverses, eigen form, update, KL clipping              */
+/*                                                                                          */
+/* Martens & Grosse 2015; Grosse & Martens 2016 (convolutions); Osawa et al. 2018; KAISA    */
+/* (Pauloski et al. 2021). A layer with gradient matrix W_grad (out x in; the bias, if any,  */
+/* as a last column) has factors A (in x in, input covariance, a 1 appended for the bias)   */
+/* and G (out x out, output-gradient covariance), kept packed upper (pc_pack_f32's layout). */
+/* docs/kfac.md has the formulas, the normalisations and the measured method choice.        */
+
+/* How a damped factor is inverted. */
+typedef enum {
+  PC_KFAC_INV_CHOLESKY = 0,  /* LAPACK potrf + potri */
+  PC_KFAC_INV_EIGH,          /* LAPACK syevd, then Q diag(1 / (max(v, 0) + damping)) Q^T */
+  PC_KFAC_INV_NEWTON         /* precond's coupled Newton (pc_inverse_root_*) with p = 1 */
+} pc_kfac_inv;
+
+/* Short lowercase name ("cholesky", "eigh", "newton"); "unknown" outside the enum. */
+const char *pc_kfac_inv_name(pc_kfac_inv method);
+
+/* Every K-FAC default lives here (algorithms note, section 3). */
+typedef struct {
+  double factor_decay;      /* xi of F <- xi F + (1 - xi) F_batch; 0.95; [0, 1) */
+  double damping;           /* lambda (Tikhonov); 1e-3; > 0 */
+  int pi_damping;           /* 1: split lambda between A and G by pi (pc_kfac_damping_split);
+                               0: pi = 1. Default 1 */
+  double kl_clip;           /* c of the KL clip (pc_kfac_kl_scale); 1e-3; > 0 */
+  long inv_every;           /* inverses recomputed every this many factor folds; 10; >= 1 */
+  long factor_every_first;  /* factors every this many steps in the first epochs; 1; >= 1 */
+  long factor_every;        /* ... and every this many after them (Osawa's stale schedule);
+                               10; >= 1 */
+  long first_epochs;        /* epochs at factor_every_first; 1; >= 0 */
+  size_t eigh_min_n;        /* pc_kfac_inv_for_size: factors of order >= this use eigh, the
+                               smaller ones Cholesky (measured, docs/kfac.md); >= 1 */
+} pc_kfac_opts;
+
+/* Fills the defaults. NULL is a no-op. */
+void pc_kfac_opts_default(pc_kfac_opts *opts);
+
+/* PC_OK, or PC_EINVAL for NULL or a field outside the ranges above. */
+int pc_kfac_opts_check(const pc_kfac_opts *opts);
+
+/* 1 if factors are due at step (>= 1) for a run of steps_per_epoch (>= 1) steps per epoch,
+ * else 0: steps 1, 1 + f, 1 + 2f, ... with f = factor_every_first up to the end of epoch
+ * first_epochs, then every factor_every steps counted from the first step after it. For
+ * opts that passed pc_kfac_opts_check; a step < 1 or steps_per_epoch < 1 gives 0. */
+int pc_kfac_factor_due(const pc_kfac_opts *opts, long step, long steps_per_epoch);
+
+/* The inverse method for a factor of order n under opts (eigh_min_n). */
+pc_kfac_inv pc_kfac_inv_for_size(const pc_kfac_opts *opts, size_t n);
+
+/* Folds a batch factor into the running average, count packed values each:
+ * first != 0: f = batch (the first fold takes the batch factor as is: docs/kfac.md says why);
+ * else f <- decay f + (1 - decay) batch (pc_stat_update_*). decay in [0, 1) is checked where
+ * it is configured (pc_kfac_opts_check). f and batch may not overlap unless equal. NULL f or
+ * batch is a no-op. */
+void pc_kfac_fold_f32(size_t count, float *f, const float *batch, double decay, int first);
+void pc_kfac_fold_f64(size_t count, double *f, const double *batch, double decay, int first);
+
+/* Trace of the packed upper n x n matrix, summed in fp64. NULL or n == 0 gives 0. */
+double pc_kfac_trace_f32(size_t n, const float *packed);
+double pc_kfac_trace_f64(size_t n, const double *packed);
+
+/* The damping of one layer's two factors. */
+typedef struct {
+  double pi;       /* sqrt((tr A / dim A) / (tr G / dim G)), or 1 (see pi_fallback) */
+  double damp_a;   /* pi sqrt(lambda): A's inverse is (A + damp_a I)^-1 */
+  double damp_g;   /* sqrt(lambda) / pi: G's inverse is (G + damp_g I)^-1 */
+  int pi_fallback; /* 1: a trace was not positive (a dead layer or an all-zero factor), or
+                      pi came out 0 or not finite, so pi = 1 was used */
+} pc_kfac_damping;
+
+/* pi-damping (Martens & Grosse 2015, section 6.3) from the traces of A (order dim_a) and G
+ * (order dim_g). use_pi == 0 gives pi = 1. Returns PC_OK; PC_EINVAL for a NULL out, a zero
+ * dim, lambda not positive and finite; PC_ENONFINITE_INPUT for a trace that is NaN or Inf
+ * (out untouched). */
+int pc_kfac_damping_split(size_t dim_a, double tr_a, size_t dim_g, double tr_g,
+                          double lambda, int use_pi, pc_kfac_damping *out);
+
+typedef struct {
+  pc_kfac_inv method;  /* the method used */
+  int iters;           /* Newton steps (0 for Cholesky and eigh) */
+  double error;        /* Newton: its max|M - I|; Cholesky, eigh: max|X (F + d I) - I| over 8
+                          evenly spaced columns, in fp64 (pc_inverse_root's eigh measure) */
+} pc_kfac_inv_info;
+
+/* X = (F + damping I)^-1 of the symmetric PSD factor F (order n, packed upper) into x
+ * (dense n x n row-major, both triangles; caller-allocated). damping >= 0 and finite.
+ * info may be NULL. Returns PC_OK; PC_NOT_CONVERGED (Newton: x holds its best iterate);
+ * PC_EINVAL (n 0 or above 46340, NULL f or x, bad damping or method); PC_ENONFINITE_INPUT
+ * (x untouched); PC_ELAPACK (Cholesky: F + damping I is not positive definite); PC_ENOMEM;
+ * PC_ENONFINITE_RESULT. */
+int pc_kfac_inverse_f32(size_t n, const float *f, double damping, pc_kfac_inv method,
+                        float *x, pc_kfac_inv_info *info);
+int pc_kfac_inverse_f64(size_t n, const double *f, double damping, pc_kfac_inv method,
+                        double *x, pc_kfac_inv_info *info);
+
+/* Eigen form of a factor (KAISA's default): F = Q diag(v) Q^T, F of order n packed upper;
+ * q (n x n row-major, eigenvector j in COLUMN j) and v (n values, ascending, negative
+ * rounding noise clamped to 0) are caller-allocated. Returns PC_OK; PC_EINVAL (n 0 or above
+ * 46340, NULL argument); PC_ENONFINITE_INPUT; PC_ELAPACK; PC_ENOMEM. */
+int pc_kfac_eigen_f32(size_t n, const float *f, float *q, float *v);
+int pc_kfac_eigen_f64(size_t n, const double *f, double *q, double *v);
+
+/* The K-FAC update of one layer from the inverses: p = g_inv grad a_inv, grad and p
+ * out x in with row stride ld, g_inv out x out and a_inv in x in dense. The same product as
+ * pc_direction_* (one source): same contract and errors. */
+int pc_kfac_update_f32(size_t out, size_t in, const float *g_inv, const float *grad, size_t ld,
+                       const float *a_inv, float *p);
+int pc_kfac_update_f64(size_t out, size_t in, const double *g_inv, const double *grad,
+                       size_t ld, const double *a_inv, double *p);
+
+/* The K-FAC update of one layer from the eigen forms (pc_kfac_eigen_*):
+ *   p = Q_G [(Q_G^T grad Q_A) / (v_G v_A^T + lambda)] Q_A^T  (elementwise division),
+ * grad and p out x in with row stride ld (p may be grad), qg out x out, vg out values, qa
+ * in x in, va in values. lambda >= 0 and finite; a zero denominator gives Inf/NaN in p.
+ * Returns PC_OK; PC_EINVAL (a zero or too large dim, NULL argument, ld < in, bad lambda);
+ * PC_ENOMEM (two out x in scratch matrices). */
+int pc_kfac_eigen_update_f32(size_t out, size_t in, const float *qg, const float *vg,
+                             const float *grad, size_t ld, const float *qa, const float *va,
+                             double lambda, float *p);
+int pc_kfac_eigen_update_f64(size_t out, size_t in, const double *qg, const double *vg,
+                             const double *grad, size_t ld, const double *qa,
+                             const double *va, double lambda, double *p);
+
+/* sum_i a[i] b[i] in fp64: the <P_l, grad_l> of one layer for pc_kfac_kl_scale. */
+double pc_kfac_dot_f32(size_t count, const float *a, const float *b);
+
+/* KL clipping (KAISA; Ba et al. 2017): *nu = min(1, sqrt(kl_clip / |lr^2 vg_sum|)) with
+ * vg_sum = sum over layers of <P_l, grad_l>; every preconditioned gradient is then scaled by
+ * nu. *nu = 1 when lr^2 vg_sum is 0. Returns PC_OK; PC_EINVAL (NULL nu, kl_clip not
+ * positive and finite, lr negative or not finite); PC_ENONFINITE_INPUT (vg_sum NaN or Inf:
+ * *nu = 0, so that a caller that ignores the status applies no step). */
+int pc_kfac_kl_scale(double kl_clip, double lr, double vg_sum, double *nu);
+
 #ifdef __cplusplus
 }
 #endif

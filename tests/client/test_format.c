@@ -50,6 +50,10 @@ static precond_stats sample(void)
   s.roots_computed = 12345678901ULL;
   s.roots_failed = 2;
   s.compute_ms_p50 = 1.25;
+  s.roots_skipped = 7;
+  s.drift_threshold = 0.01;
+  s.staleness = (precond_staleness){.samples = 40, .p50 = 1, .p90 = 3, .p99 = 9, .max = 12,
+                                    .mean = 1.5};
   s.bytes_in = 3u << 20;
   s.memory_bytes = 1024;
   jobs[0] = (precond_job_stats){.job = "resnet", .mode = PRECOND_MODE_SHAMPOO, .blocks = 4,
@@ -60,7 +64,10 @@ static precond_stats sample(void)
   blocks[0] = (precond_block_stats){.job = "resnet", .block_id = 3, .tensor = "conv1.w",
                                     .rows = 64, .cols = 576, .version = 5, .stat_step = 99,
                                     .root_step = 97, .staleness = 2, .roots_computed = 5,
-                                    .last_error = 3.5e-7, .last_compute_ms = 0.75};
+                                    .last_error = 3.5e-7, .last_compute_ms = 0.75,
+                                    .roots_skipped = 4,
+                                    .staleness_dist = {.samples = 9, .p50 = 2, .p90 = 4,
+                                                       .max = 6}};
   blocks[1] = (precond_block_stats){.job = "resnet", .block_id = 4, .tensor = "fc.w",
                                     .rows = 10, .cols = 128};
   s.nblocks = 2;
@@ -77,7 +84,8 @@ static void test_stats_table(void **state)
   assert_int_equal(precond__format_stats(k.f, &s, 0), 0);
   char *out = sink_close(&k);
   assert_non_null(strstr(out, "precondd 0.1.0"));
-  assert_non_null(strstr(out, "12345678901 computed, 2 failed"));
+  assert_non_null(strstr(out, "12345678901 computed, 2 failed, 7 skipped (drift < 0.01)"));
+  assert_non_null(strstr(out, "p50 1  p90 3  p99 9  max 12  mean 1.50  (40 samples)"));
   assert_non_null(strstr(out, "in 3.0 MiB"));
   assert_non_null(strstr(out, "memory               1.0 KiB"));
   assert_non_null(strstr(out, "resnet"));
@@ -106,6 +114,9 @@ static void test_stats_json(void **state)
   assert_non_null(strstr(out, "\"roots_computed\":12345678901,"));
   assert_non_null(strstr(out, "\"uptime_s\":12.5,"));
   assert_non_null(strstr(out, "\"compute_ms_p50\":1.25,"));
+  assert_non_null(strstr(out, "\"roots_skipped\":7,\"drift_threshold\":0.01,"));
+  assert_non_null(strstr(out, "\"staleness\":{\"samples\":40,\"p50\":1,\"p90\":3,"
+                              "\"p99\":9,\"max\":12,\"mean\":1.5}"));
   assert_non_null(strstr(out, "\"job\":\"resnet\",\"mode\":\"shampoo\",\"blocks\":4"));
   /* quote, backslash and newline escaped */
   assert_non_null(strstr(out, "\"job\":\"we\\\"ird\\\\job\\n\""));
@@ -125,6 +136,7 @@ static void test_blocks_table_and_json(void **state)
   assert_non_null(strstr(out, "conv1.w"));
   assert_non_null(strstr(out, "64x576"));
   assert_non_null(strstr(out, "3.50e-07"));
+  assert_non_null(strstr(out, "     4          2/4/6"));
   free(out);
 
   sink_open(&k);
@@ -132,6 +144,8 @@ static void test_blocks_table_and_json(void **state)
   out = sink_close(&k);
   assert_non_null(strstr(out, "{\"blocks\":[{\"job\":\"resnet\",\"block_id\":3,"));
   assert_non_null(strstr(out, "\"staleness\":2,"));
+  assert_non_null(strstr(out, "\"roots_skipped\":4,"));
+  assert_non_null(strstr(out, "\"staleness_dist\":{\"samples\":9,\"p50\":2,\"p90\":4,"));
   assert_non_null(strstr(out, "\"last_error\":3.4999999999999998e-07,"));
   assert_non_null(strstr(out, "},{\"job\":\"resnet\",\"block_id\":4,"));
   free(out);

@@ -737,6 +737,17 @@ static void test_token_and_listen_rules(void **state) {
   fputs("s3cret\n", f);
   fclose(f);
   const char *extra[] = {"--token-file", tokfile, NULL};
+  /* A token on a non-loopback address without TLS would cross the network in cleartext:
+   * refused unless --insecure-token says so. */
+  assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", extra), 1000 + 2);
+  assert_true(log_contains(&d, "--insecure-token"));
+  const char *insecure[] = {"--token-file", tokfile, "--insecure-token", NULL};
+  assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", insecure), 0);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  /* Loopback is decided by the address, not by a "127." prefix of a host name. */
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1.invalid:0", NULL), 1000 + 2);
+  assert_int_equal(start_daemon_opts(&d, "localhost:0", NULL), 0);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   start_daemon(&d, extra);
   Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
   ProtobufCMessage *resp = NULL;
@@ -759,6 +770,12 @@ static void test_token_and_listen_rules(void **state) {
   protobuf_c_message_free_unpacked(resp, NULL);
   check_health(&d); /* probes need no token */
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  /* The final snapshot is readable by its owner only, like the state directory. */
+  char snap[300];
+  struct stat sb;
+  snprintf(snap, sizeof snap, "%s/state/%s", d.dir, PD_SNAPSHOT_FILE);
+  assert_int_equal(stat(snap, &sb), 0);
+  assert_int_equal(sb.st_mode & 0777, 0600);
   remove_tree(d.dir);
 }
 

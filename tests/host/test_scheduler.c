@@ -87,10 +87,19 @@ static void expect_root(size_t n, const float *stat, const float *root) {
   free(p);
 }
 
+/* Always compute (drift test off), with the default failure threshold, or one nothing meets. */
+static const pd_sched_rules compute_all = {0.1, 0}, refuse_all = {-1.0, 0};
+
+static pd_root_outcome compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules) {
+  pd_root_outcome out = (pd_root_outcome)-1;
+  assert_int_equal(pd_sched_compute(b, stats, rules, &out), PD_OK);
+  return out;
+}
+
 static void test_compute_and_failure_rule(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  assert_int_equal(pd_sched_compute(b, &f->stats, 0.1), 1);
+  assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_PUBLISHED);
   assert_non_null(b->root);
   assert_int_equal(b->root->version, 1);
   assert_int_equal(b->root->source_step, 10);
@@ -101,14 +110,14 @@ static void test_compute_and_failure_rule(void **state) {
   /* A threshold nothing meets: not published, counted, the old root stays. */
   pd_root *before = b->root;
   atomic_store(&b->stat_step, 11);
-  assert_int_equal(pd_sched_compute(b, &f->stats, -1.0), 0);
+  assert_int_equal(compute(b, &f->stats, &refuse_all), PD_ROOT_FAILED);
   assert_ptr_equal(b->root, before);
   assert_int_equal(b->roots_failed, 1);
   assert_int_equal(atomic_load(&f->stats.roots_failed), 1);
 
   /* Non-finite statistics (they cannot arrive through the service, which refuses them). */
   b->stat_left[1] = NAN;
-  assert_int_equal(pd_sched_compute(b, &f->stats, 0.1), 0);
+  assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_FAILED);
   assert_ptr_equal(b->root, before);
   assert_int_equal(b->roots_failed, 2);
 }
@@ -116,7 +125,7 @@ static void test_compute_and_failure_rule(void **state) {
 static void test_pool_computes_all(void **state) {
   fixture *f = *state;
   pd_sched s;
-  assert_int_equal(pd_sched_start(&s, 2, &f->stats, 0.1), PD_OK);
+  assert_int_equal(pd_sched_start(&s, 2, &f->stats, &compute_all), PD_OK);
   for (size_t i = 0; i < f->job->nblocks; i++)
     assert_int_equal(pd_sched_mark(&s, &f->job->blocks[i]), PD_OK);
   /* Marking twice while queued is a no-op. */
@@ -144,11 +153,85 @@ static void test_pool_computes_all(void **state) {
   assert_true(p50 > 0 && p50 <= p99);
 }
 
+static void scale(size_t n, float *packed, float by) {
+  for (size_t i = 0; i < pc_packed_len(n); i++) packed[i] *= by;
+}
+
+/* The drift test: statistics that did not move (or moved less than the threshold) keep
+ * their root, republished as of the new step and counted; a large move, or small moves
+ * that add up past the threshold, computes a new one. */
+static void test_drift_skip(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  const pd_sched_rules rules = {0.1, 0.01};
+  assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED); /* no reference yet */
+  assert_true(isnan(b->last_drift));
+  float *kept = malloc(pc_packed_len(b->rows) * sizeof *kept);
+  memcpy(kept, b->root->left, pc_packed_len(b->rows) * sizeof *kept);
+
+  atomic_store(&b->stat_step, 11); /* a push of nothing new */
+  assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_SKIPPED);
+  assert_int_equal(b->roots_skipped, 1);
+  assert_int_equal(atomic_load(&f->stats.roots_skipped), 1);
+  assert_int_equal(b->roots_computed, 1);
+  assert_true(b->last_drift == 0);
+  assert_int_equal(b->root->version, 2);
+  assert_int_equal(b->root->source_step, 11);
+  assert_int_equal(atomic_load(&b->root_step), 11);
+  assert_memory_equal(b->root->left, kept, pc_packed_len(b->rows) * sizeof *kept);
+
+  /* With the test off the same statistics are computed. */
+  atomic_store(&b->stat_step, 12);
+  assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_PUBLISHED);
+  assert_int_equal(b->roots_computed, 2);
+
+  /* 0.4% per push: skipped twice, the third push is 1.2% from the root's statistics. */
+  pd_root_outcome seen[3];
+  for (int k = 0; k < 3; k++) {
+    scale(b->rows, b->stat_left, 1.004f);
+    atomic_store(&b->stat_step, 13 + (uint64_t)k);
+    seen[k] = compute(b, &f->stats, &rules);
+  }
+  assert_int_equal(seen[0], PD_ROOT_SKIPPED);
+  assert_int_equal(seen[1], PD_ROOT_SKIPPED);
+  assert_int_equal(seen[2], PD_ROOT_PUBLISHED);
+  assert_true(b->last_drift > 0.01 && b->last_drift < 0.013);
+  assert_int_equal(b->roots_skipped, 3);
+  expect_root(b->rows, b->stat_left, b->root->left);
+
+  /* A change at the same trace (an off-diagonal coupling) is seen by the random probes. */
+  b->stat_right[1] += 0.2f * b->stat_right[0]; /* (0, 1): off-diagonal, trace unchanged */
+  atomic_store(&b->stat_step, 20);
+  assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED);
+  free(kept);
+}
+
+/* The pool's order: no root first, then the stalest, then the cheaper. */
+static void test_order(void **state) {
+  fixture *f = *state;
+  pd_block *a = &f->job->blocks[0], *b = &f->job->blocks[1];
+  atomic_store(&a->has_root, 1);
+  atomic_store(&b->has_root, 0);
+  assert_true(pd_sched_before(b, a) && !pd_sched_before(a, b));
+  atomic_store(&b->has_root, 1);
+  atomic_store(&a->stat_step, 20);
+  atomic_store(&a->root_step, 15); /* 5 steps stale */
+  atomic_store(&b->stat_step, 20);
+  atomic_store(&b->root_step, 18); /* 2 */
+  assert_true(pd_sched_before(a, b) && !pd_sched_before(b, a));
+  atomic_store(&b->root_step, 15);
+  b->cols = 3; /* equally stale, cheaper */
+  assert_true(pd_sched_before(b, a) && !pd_sched_before(a, b));
+  b->cols = 6;
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_compute_and_failure_rule, setup, teardown),
       cmocka_unit_test_setup_teardown(test_pool_computes_all, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_drift_skip, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_order, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -31,7 +31,8 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
                                  d->cfg.max_blocks_per_job),
                    PD_OK);
-  assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, d->cfg.failure_threshold), PD_OK);
+  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold};
+  assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
 
@@ -224,6 +225,36 @@ static void test_push_fetch_stats(void **state) {
   assert_true(st->memory_bytes > 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
 
+  /* A push that leaves the statistics as they were (zeros into sums): the drift test keeps
+   * both roots, republished as of step 5 and counted; the push of step 5 met roots of
+   * step 3, a staleness sample of 2 per block. */
+  float *zero = calloc(pc_packed_len(4), sizeof *zero);
+  assert_int_equal(push2(d, "j", 5, zero, 4, zero, 4, 1, why), GRPC_STATUS_OK);
+  for (int i = 0; i < 2000 && atomic_load(&d->stats.roots_skipped) < 2; i++) {
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
+                          why),
+                   GRPC_STATUS_OK);
+  assert_int_equal(st->roots_skipped, 2);
+  assert_int_equal(st->roots_computed, 2);
+  assert_true(st->drift_threshold == d->cfg.drift_threshold);
+  assert_int_equal(st->staleness->samples, 2);
+  assert_true(st->staleness->p50 == 2 && st->staleness->p99 == 2);
+  assert_int_equal(st->staleness->max, 2);
+  for (int b = 0; b < 2; b++) {
+    assert_int_equal(st->block_stats[b]->roots_skipped, 1);
+    assert_int_equal(st->block_stats[b]->version, 2);
+    assert_int_equal(st->block_stats[b]->root_step, 5);
+    assert_true(st->block_stats[b]->last_drift == 0);
+    assert_int_equal(st->block_stats[b]->staleness_dist->samples, 1);
+    assert_true(st->block_stats[b]->staleness_dist->mean == 2);
+  }
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  free(zero);
+
   Grpc__Health__V1__HealthCheckRequest hr = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   Grpc__Health__V1__HealthCheckResponse *h = NULL;
   assert_int_equal(handle(d, PD_M_HEALTH, &hr.base, NULL, 0,
@@ -286,12 +317,103 @@ static void test_mutated_requests(void **state) {
   daemon_free(d);
 }
 
+/* Raw request bytes: a job field "j", then count copies of the two bytes of an empty
+ * entry of field (length-delimited, length 0). The caller frees the buffer. */
+static uint8_t *empty_entries(uint32_t field, size_t count, size_t *len) {
+  *len = 3 + 2 * count;
+  uint8_t *p = malloc(*len);
+  assert_non_null(p);
+  memcpy(p, "\x0a\x01j", 3);
+  for (size_t i = 0; i < count; i++) {
+    p[3 + 2 * i] = (uint8_t)(field << 3 | 2);
+    p[4 + 2 * i] = 0;
+  }
+  return p;
+}
+
+/* handle() with the bytes cut into slices of `piece` bytes, as gRPC hands over a message
+ * that arrived in frames. */
+static grpc_status_code handle_sliced(pd_daemon *d, pd_method m, const uint8_t *raw,
+                                      size_t len, size_t piece, char *why) {
+  size_t ns = (len + piece - 1) / piece;
+  grpc_slice *sl = calloc(ns, sizeof *sl);
+  for (size_t i = 0; i < ns; i++)
+    sl[i] = grpc_slice_from_copied_buffer((const char *)raw + i * piece,
+                                          i + 1 < ns ? piece : len - i * piece);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(sl, ns);
+  for (size_t i = 0; i < ns; i++) grpc_slice_unref(sl[i]);
+  free(sl);
+  pd_reply rep;
+  pd_service_handle(d, m, bb, &rep);
+  grpc_byte_buffer_destroy(bb);
+  if (rep.payload) grpc_byte_buffer_destroy(rep.payload);
+  snprintf(why, 512, "%s", rep.message);
+  return rep.code;
+}
+
+/* Counts and sizes are refused before the request is parsed: a Register of more tensors
+ * than PD_MAX_TENSORS, a Push or a Fetch of more entries than --max-blocks-per-job, a
+ * small request above its own size limit, a step above PD_MAX_STEP. */
+static void test_request_limits(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  assert_int_equal(reg(d, "j", 4, 8, 4, NULL, why), GRPC_STATUS_OK);
+  size_t max = d->cfg.max_blocks_per_job, len;
+  uint8_t *raw = empty_entries(3, PD_MAX_TENSORS + 1, &len);
+  assert_int_equal(handle(d, PD_M_REGISTER, NULL, raw, len, NULL, NULL, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "tensors: more than"));
+  free(raw);
+  raw = empty_entries(3, max + 1, &len);
+  assert_int_equal(handle(d, PD_M_PUSH, NULL, raw, len, NULL, NULL, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "blocks: more than"));
+  assert_int_equal(atomic_load(&d->stats.rejected_pushes), 1);
+  free(raw);
+  /* Fetch: the limit itself passes, one more does not, however the bytes are sliced. */
+  raw = empty_entries(2, max, &len);
+  assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, 3, why), GRPC_STATUS_OK);
+  free(raw);
+  raw = empty_entries(2, max + 1, &len);
+  assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, 3, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "have: more than"));
+  assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, len, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  free(raw);
+  /* GetStats has no use for 100 KiB. */
+  size_t big = (size_t)100 << 10;
+  char *name = malloc(big + 1);
+  memset(name, 'x', big);
+  name[big] = '\0';
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.job = name;
+  assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_true(pd_request_max_bytes(&d->cfg, PD_M_STATS) < big);
+  assert_int_equal(pd_request_max_bytes(&d->cfg, PD_M_PUSH), d->cfg.max_message_bytes);
+  free(name);
+  /* A step that a double cannot hold exactly is refused, nothing stored. */
+  float *l = stat(4, 1);
+  assert_int_equal(push2(d, "j", UINT64_MAX, l, 4, l, 4, 1, why),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(why, "step"));
+  assert_int_equal(push2(d, "j", PD_MAX_STEP + 1, l, 4, l, 4, 1, why),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(pd_store_find(&d->store, "j")->blocks[0].pushes, 0);
+  assert_int_equal(push2(d, "j", PD_MAX_STEP, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
+  free(l);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_register),
       cmocka_unit_test(test_push_fetch_stats),
       cmocka_unit_test(test_mutated_requests),
+      cmocka_unit_test(test_request_limits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,6 +7,8 @@
 
 #include <cmocka.h>
 
+#include <string.h>
+
 #include "precondd.h"
 
 static void test_stats_percentiles(void **state) {
@@ -36,10 +38,33 @@ static void test_clock(void **state) {
   pd_stats_destroy(&s);
 }
 
+/* Staleness histogram: exact percentiles below the last bin, the exact max above it. */
+static void test_staleness_histogram(void **state) {
+  (void)state;
+  pd_stale_hist h;
+  memset(&h, 0, sizeof h);
+  pd_stale_summary sum;
+  pd_stale_hist_summary(&h, &sum);
+  assert_true(sum.p50 == 0 && sum.mean == 0 && sum.count == 0 && sum.max == 0);
+  for (uint64_t v = 0; v < 100; v++) pd_stale_hist_add(&h, 99 - v);
+  pd_stale_hist_summary(&h, &sum);
+  assert_true(sum.p50 == 49);   /* the 50th smallest of 0..99 */
+  assert_true(sum.p90 == 99);   /* 89 lies in the open last bin: its max stands for it */
+  assert_int_equal(sum.max, 99);
+  assert_int_equal(sum.count, 100);
+  assert_true(sum.mean == 49.5);
+  /* A bin about to overflow halves them all instead of wrapping. */
+  h.bins[3] = UINT32_MAX;
+  pd_stale_hist_add(&h, 3);
+  assert_int_equal(h.bins[3], UINT32_MAX / 2 + 1);
+  assert_int_equal(h.bins[4], 0); /* 1 / 2 */
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stats_percentiles),
       cmocka_unit_test(test_clock),
+      cmocka_unit_test(test_staleness_histogram),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

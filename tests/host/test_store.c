@@ -186,13 +186,30 @@ static void test_block_update(void **state) {
   assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
   pd_block *b = &job->blocks[0];
   float l[6] = {1, 2, 3, 4, 5, 6}, r[3] = {2, 4, 8};
-  pd_block_update(b, l, r, 7);
-  pd_block_update(b, l, r, 5); /* an older step does not move stat_step back */
+  pd_block_update(b, l, r, 7, &stats);
+  pd_block_update(b, l, r, 5, &stats); /* an older step does not move stat_step back */
   /* EMA from zero, twice: 0.5 * (0.5 * x) + 0.5 * x = 0.75 x */
   for (int i = 0; i < 6; i++) assert_true(b->stat_left[i] == 0.75f * l[i]);
   for (int i = 0; i < 3; i++) assert_true(b->stat_right[i] == 0.75f * r[i]);
   assert_int_equal(atomic_load(&b->stat_step), 7);
   assert_int_equal(b->pushes, 2);
+  assert_int_equal(b->stale.count, 0); /* no root yet: nothing to be stale */
+
+  /* With a root of step 7: a push of step 9 is one sample of 2, a repeated step 9 none. */
+  pd_root *root = pd_root_new(b->rows, b->cols, &stats);
+  root->source_step = 7;
+  pd_block_publish(b, root, &stats);
+  pd_block_update(b, l, r, 9, &stats);
+  pd_block_update(b, l, r, 9, &stats);
+  pd_block_update(b, l, r, 12, &stats);
+  assert_int_equal(b->stale.count, 2);
+  pd_stale_summary sum;
+  pd_stale_hist_summary(&b->stale, &sum);
+  assert_true(sum.p50 == 2 && sum.p99 == 5 && sum.mean == 3.5);
+  assert_int_equal(sum.max, 5);
+  pd_stats_staleness(&stats, &sum);
+  assert_int_equal(sum.count, 2);
+  assert_int_equal(sum.max, 5);
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
 }
