@@ -260,6 +260,15 @@ static void eig_destroy(eig64 *e) {
   free(e->w);
 }
 
+/* The references of a case: e of the fp64 matrix a, e_in of its fp32 rounding a_in. Returns
+ * a's condition number with the default relative ridge 1e-6. */
+static double refs_init(size_t n, const double *a, const double *a_in, eig64 *e, eig64 *e_in) {
+  eig_init(e, n, a);
+  eig_init(e_in, n, a_in);
+  double lmax = e->w[n - 1], ridge0 = 1e-6 * lmax;
+  return (lmax + ridge0) / ((e->w[0] > 0 ? e->w[0] : 0.0) + ridge0);
+}
+
 /* x = V diag((max(w,0) + ridge)^(-1/p)) V^T, the fp64 reference root. scratch: n x n. */
 static void eig_root(const eig64 *e, double ridge, int p, double *scratch, double *x) {
   size_t n = e->n;
@@ -442,10 +451,7 @@ static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t
                   o->beta2, o->ema_fresh, a);
     for (size_t i = 0; i < nn; i++) a_in[i] = a32[i] = (float)a[i];
     eig64 e, e_in;
-    eig_init(&e, n, a);
-    eig_init(&e_in, n, a_in);
-    double lmax = e.w[n - 1], ridge0 = 1e-6 * lmax;
-    double cond = (lmax + ridge0) / ((e.w[0] > 0 ? e.w[0] : 0.0) + ridge0);
+    double cond = refs_init(n, a, a_in, &e, &e_in);
     for (size_t mi = 0; mi < NEMA; mi++) {
       const ema_method *m = &ema_methods[mi];
       if (o->methods_set && !listed(o->methods, m->name)) continue;
@@ -541,10 +547,7 @@ int main(int argc, char **argv) {
         a_in[i] = a32[i];
       }
       eig64 e, e_in;
-      eig_init(&e, n, a);
-      eig_init(&e_in, n, a_in);
-      double lmax = e.w[n - 1], ridge0 = 1e-6 * lmax;
-      double cond = (lmax + ridge0) / ((e.w[0] > 0 ? e.w[0] : 0.0) + ridge0);
+      double cond = refs_init(n, a, a_in, &e, &e_in);
       for (size_t mi = 0; mi < NMETHODS; mi++) {
         const bench_method *m = &all_methods[mi];
         if (!listed(o.methods, m->name) || !listed(o.precisions, m->f64 ? "f64" : "f32"))

@@ -110,13 +110,6 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
 #define POTRF LAPACKE_spotrf
 #define WIDE 1
 #include "warm_impl.h"
-#undef REAL
-#undef SFX
-#undef GEMM
-#undef SYRK
-#undef TRSM
-#undef POTRF
-#undef WIDE
 
 #define REAL double
 #define SFX(name) name##_f64
@@ -126,13 +119,6 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
 #define POTRF LAPACKE_dpotrf
 #define WIDE 0
 #include "warm_impl.h"
-#undef REAL
-#undef SFX
-#undef GEMM
-#undef SYRK
-#undef TRSM
-#undef POTRF
-#undef WIDE
 
 /* ------------------------------------------------------------------------------------ */
 /* The basis and the entry points                                                         */

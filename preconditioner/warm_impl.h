@@ -5,6 +5,7 @@
  *   SFX(name)       name##_f32 or name##_f64
  *   GEMM, SYRK, TRSM, POTRF   the BLAS/LAPACKE routines of REAL
  *   WIDE            1 if B may be formed in fp64 wider than REAL (fp32), else 0
+ * and it undefines them at its end, ready for the next instance.
  *
  * Notation: V is the held basis, stored as vt (n x n row-major, row j = eigenvector j);
  * B = V A V^T is the statistic in that basis, kept in fp64, upper triangle only.
@@ -156,3 +157,11 @@ done:
   if (status < 0) basis->valid = 0;
   return status;
 }
+
+#undef REAL
+#undef SFX
+#undef GEMM
+#undef SYRK
+#undef TRSM
+#undef POTRF
+#undef WIDE

@@ -87,11 +87,15 @@ static double eigh_err(size_t n, const double *a, int p) {
   return e;
 }
 
+/* A held statistic a0, the moved a1, both in fp32 too, a root buffer, a basis, and the
+ * default options (p = 4). */
 typedef struct {
   size_t n;
   double *a0, *a1;
   float *a0f, *a1f, *x;
   pc_eigbasis_f32 basis;
+  pc_root_opts o;
+  pc_warm_opts wo;
 } fixture;
 
 static void fixture_make(fixture *f, size_t n, size_t k, double mix, uint64_t seed) {
@@ -105,6 +109,8 @@ static void fixture_make(fixture *f, size_t n, size_t k, double mix, uint64_t se
   to_f32(n * n, f->a0, f->a0f);
   to_f32(n * n, f->a1, f->a1f);
   assert_int_equal(pc_eigbasis_init_f32(&f->basis, n), PC_OK);
+  pc_root_opts_default(&f->o, 4);
+  pc_warm_opts_default(&f->wo);
 }
 
 static void fixture_free(fixture *f) {
@@ -162,10 +168,8 @@ static void test_skip(void **state) {
   fixture f;
   fixture_make(&f, 128, 32, 0.02, 21);
   size_t nn = f.n * f.n;
-  pc_root_opts o;
-  pc_root_opts_default(&o, 4);
-  pc_warm_opts wo;
-  pc_warm_opts_default(&wo);
+  pc_root_opts o = f.o;
+  pc_warm_opts wo = f.wo;
   pc_warm_info wi;
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a0f, f.x, &o, &wo, &f.basis, &wi), PC_OK);
   float *held = xmalloc(nn * sizeof *held), *x0 = xmalloc(nn * sizeof *x0);
@@ -199,10 +203,8 @@ static void test_guard(void **state) {
   fixture f, other;
   fixture_make(&f, 128, 32, 0.02, 31);
   fixture_make(&other, 128, 96, 0.02, 32);
-  pc_root_opts o;
-  pc_root_opts_default(&o, 4);
-  pc_warm_opts wo;
-  pc_warm_opts_default(&wo);
+  pc_root_opts o = f.o;
+  pc_warm_opts wo = f.wo;
   pc_warm_info wi;
   double e1 = eigh_err(f.n, f.a1, 4);
   for (int lifted = 0; lifted < 2; lifted++) {
@@ -285,10 +287,8 @@ static void test_bad_input(void **state) {
   fixture f;
   fixture_make(&f, 16, 8, 0.02, 51);
   size_t nn = f.n * f.n;
-  pc_root_opts o;
-  pc_root_opts_default(&o, 4);
-  pc_warm_opts wo;
-  pc_warm_opts_default(&wo);
+  pc_root_opts o = f.o;
+  pc_warm_opts wo = f.wo;
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a0f, f.x, &o, &wo, &f.basis, NULL), PC_OK);
   float *held = xmalloc(nn * sizeof *held), *x0 = xmalloc(nn * sizeof *x0);
   memcpy(held, f.basis.vt, nn * sizeof *held);
