@@ -1151,6 +1151,79 @@ int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
  * changed. Waits for the device once or twice per parameter (grafting norms). */
 int ac_shampoo_step(ac_shampoo *s, float lr);
 
+/* ---- K-FAC, the worker's kernels (accel/kfac.c; docs/kfac.md) ---- */
+/*
+ * Factors of one layer for precondd's running averages (packed upper, device memory), the
+ * batch-norm diagonal Fisher, and the preconditioned update from inverses the caller holds.
+ * Inputs are explicit device pointers (a layer's cached input, output gradient, im2col
+ * patches), so a layer hook only passes pointers; scratch is a caller-owned device buffer of
+ * the *_workspace_floats size (NULL where that size is 0). loss_scale is the count the loss
+ * is a mean over (the batch size; tokens for a language model): output gradients are scaled
+ * by it to per-example gradients. The bias, when present, is the LAST row/column of A and
+ * of the layer's gradient matrix (a 1 appended to each input).
+ */
+
+/* Dense layer, rows inputs a (rows x in, row stride lda): A = (1/rows) sum_r [a_r; 1][a_r; 1]^T
+ * (order in + has_bias). Overwrites a_packed. ws: ac_kfac_dense_workspace_floats. */
+size_t ac_kfac_dense_workspace_floats(size_t rows, size_t in, int has_bias);
+int ac_kfac_dense_factor_a(ac_backend *be, size_t rows, size_t in, const float *a, size_t lda,
+                           int has_bias, float *a_packed, float *ws);
+
+/* Dense layer, output gradients g (rows x out, row stride ldg) of the mean loss:
+ * G = (1/rows) sum_r (s g_r)(s g_r)^T, s = loss_scale (> 0). Overwrites g_packed. */
+int ac_kfac_dense_factor_g(ac_backend *be, size_t rows, size_t out, const float *g, size_t ldg,
+                           float loss_scale, float *g_packed);
+
+/* Convolution (KFC, Grosse & Martens 2016), over nimg images of a batch of `batch`, so that a
+ * batch im2col'd in chunks accumulates (accumulate 0 for the first chunk, 1 after):
+ *   A += (1/(batch npos)) sum_{b,t} [a_bt; 1][a_bt; 1]^T   (the mean over all patches)
+ *   G += (1/batch) sum_{b,t} (s dy_bt)(s dy_bt)^T           (per image, summed over positions)
+ * col is ac_im2col's (nimg, ckk, npos) with ckk = in_c k k; dy the output gradient (nimg,
+ * out_c, npos) NCHW. A (x) G is KFC's Omega (x) Gamma; the split is docs/kfac.md's. */
+size_t ac_kfac_conv_workspace_floats(size_t nimg, size_t ckk, size_t npos, int has_bias);
+int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos,
+                          const float *col, int has_bias, size_t batch, int accumulate,
+                          float *a_packed, float *ws);
+int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos,
+                          const float *dy, float loss_scale, size_t batch, int accumulate,
+                          float *g_packed);
+
+/* Batch norm (Osawa et al. 2019): the diagonal Fisher of (gamma, beta) per channel from the
+ * per-example gradients dgamma_n = s sum_hw dy xhat, dbeta_n = s sum_hw dy:
+ * f_gamma[c] = (1/n) sum_n dgamma_n[c]^2, f_beta likewise. dy and xhat are (n, c, hw) (the
+ * layer's output gradient and its cached xhat). Overwrites f_gamma, f_beta (c values each).
+ * Fold into a running average with ac_axpby; precondition with ac_kfac_bn_precondition. */
+size_t ac_kfac_bn_workspace_floats(size_t n, size_t c, size_t hw);
+int ac_kfac_bn_fisher(ac_backend *be, size_t n, size_t c, size_t hw, const float *dy,
+                      const float *xhat, float loss_scale, float *f_gamma, float *f_beta,
+                      float *ws);
+/* p[i] = grad[i] / (fisher[i] + damping) for i < count (damping > 0, finite); p may be grad.
+ * ws: count floats. */
+int ac_kfac_bn_precondition(ac_backend *be, size_t count, const float *grad,
+                            const float *fisher, float damping, float *p, float *ws);
+
+/* The K-FAC update of one layer from the damped inverses (dense on the device):
+ * [pw | pb] = g_inv [gw | gb] a_inv, gw and pw out x in, gb and pb out values (both NULL for a
+ * layer without bias), g_inv out x out, a_inv order in + (gb != NULL). Two products; pw may
+ * be gw and pb gb. ws: ac_kfac_precondition_workspace_floats. */
+size_t ac_kfac_precondition_workspace_floats(size_t out, size_t in, int has_bias);
+int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
+                         const float *gb, const float *g_inv, const float *a_inv, float *pw,
+                         float *pb, float *ws);
+
+/* One preconditioned tensor and its gradient, for the KL clip (count values each). */
+typedef struct {
+  size_t count;
+  float *p;
+  const float *grad;
+} ac_kfac_pg;
+
+/* KL clip over all layers: nu = pc_kfac_kl_scale(kl_clip, lr, sum_l <p_l, grad_l>), then every
+ * p_l *= nu (when nu < 1). *nu (host, may be NULL) gets it. dev1: one device float of scratch.
+ * Returns AC_OK; AC_EINVAL (bad arguments, or a non-finite sum: nothing scaled, *nu = 0). */
+int ac_kfac_kl_clip(ac_backend *be, const ac_kfac_pg *layers, size_t nlayers, double lr,
+                    double kl_clip, float *dev1, double *nu);
+
 /* ---- end of optimizers ---- */
 
 #ifdef __cplusplus

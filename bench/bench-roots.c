@@ -21,6 +21,15 @@
  *
  *   bench-roots [--csv] [--sizes 128,256,...] [--repeats N] [--methods a,b] [--precisions
  *               f32,f64] [--spectra well,shampoo] [--threads T] [--p P]
+ *
+ * --kfac measures K-FAC's damped inverses instead (pc_kfac_inverse_*: cholesky, eigh,
+ * newton with p = 1) on K-FAC-like factors, one row per size, factor and method; see
+ * kfac_main below. --sizes, --repeats, --threads, --precisions and --csv apply.
+ *
+ * --ema 1,10,100 measures the steady state instead (pc_inverse_root_warm_f32, fp32): the
+ * statistic k EMA steps after the one whose root and eigenbasis are held, each warm variant
+ * next to the seeded path, the stale root and cold newton and eigh on the same statistic;
+ * see ema_case below. --sizes, --spectra, --repeats, --threads, --p, --methods, --csv apply.
  */
 #include <math.h>
 #include <stdio.h>
@@ -68,6 +77,8 @@ typedef struct {
   int threads;
   int csv;
   int p;
+  int kfac;        /* 1: the K-FAC inverse section instead of the roots */
+  int sizes_given; /* --sizes was passed */
   char methods[256];
   char precisions[64];
   char spectra[64];
@@ -137,6 +148,9 @@ static void usage(FILE *f) {
           "  --ema-model M         stationary (default: gradients from a fixed distribution\n"
           "                        with the held statistic's spectrum) or fresh (isotropic\n"
           "                        gradients filling its null space)\n"
+          "  --kfac                K-FAC damped inverses (cholesky, eigh, newton p = 1) on\n"
+          "                        K-FAC-like factors A and G instead (default sizes\n"
+          "                        64,128,256,512,1024)\n"
           "  --help                this text\n"
           "Progress goes to stderr.\n");
 }
@@ -160,8 +174,11 @@ static int parse(int argc, char **argv, bench_opts *o) {
       exit(0);
     } else if (!strcmp(a, "--csv")) {
       o->csv = 1;
+    } else if (!strcmp(a, "--kfac")) {
+      o->kfac = 1;
     } else if (v && !strcmp(a, "--sizes")) {
       o->nsizes = 0;
+      o->sizes_given = 1;
       for (char *s = argv[++i]; *s && o->nsizes < 16;) {
         char *end;
         long n = strtol(s, &end, 10);
@@ -321,6 +338,139 @@ static void time_gemm(size_t n, int f64, int repeats, double *wall, double *cpu)
   free(a); free(b); free(cc);
   *wall = median(t, k);
   *cpu = median(c, k);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* --kfac: K-FAC's damped inverses                                                          */
+/*                                                                                          */
+/* Factors like a convolution's: A = (1/m) X^T X over m = 2n im2col-like patch rows, X =     */
+/* ReLU(Z M) with Z Gaussian and M a random mixing with decaying column scales (correlated    */
+/* inputs, a mean offset from the ReLU: one large eigenvalue and a decaying tail); G = (1/k)  */
+/* B B^T with B n x k Gaussian, k = n/8, scaled by 1e-4 (per-example output gradients: low    */
+/* rank, small). Each is damped as K-FAC does, pi-damping between the two factors of one    */
+/* size, with the default lambda 1e-3 (well conditioned after damping) and with 1e-6 (an   */
+/* ill-conditioned case: a small lambda or large factors), to see if the choice moves. The error is |X - X_ref|_F / |X_ref|_F against the fp64 inverse of   */
+/* exactly the input (fp32 inputs widened), by syevd.                                        */
+
+static void kfac_factor_a(size_t n, uint64_t seed, double *a) {
+  size_t m = 2 * n;
+  double *z = malloc(m * n * sizeof *z), *mix = malloc(n * n * sizeof *mix);
+  double *x = malloc(m * n * sizeof *x);
+  if (!z || !mix || !x) abort();
+  for (size_t i = 0; i < m * n; i++) z[i] = rng_normal(&seed);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < n; j++) mix[i * n + j] = rng_normal(&seed) / (1.0 + 0.1 * (double)j);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)n, 1.0 / sqrt((double)n),
+              z, (int)n, mix, (int)n, 0.0, x, (int)n);
+  for (size_t i = 0; i < m * n; i++) x[i] = x[i] > 0 ? x[i] : 0.0;
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)m, 1.0 / (double)m, x, (int)n,
+              0.0, a, (int)n);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
+  free(z); free(mix); free(x);
+}
+
+static void kfac_factor_g(size_t n, uint64_t seed, double *g) {
+  size_t k = n / 8 > 0 ? n / 8 : 1;
+  gram(n, k, seed, g);
+  for (size_t i = 0; i < n * n; i++) g[i] *= 1e-4;
+}
+
+static const pc_kfac_inv kfac_methods[] = {PC_KFAC_INV_CHOLESKY, PC_KFAC_INV_EIGH,
+                                           PC_KFAC_INV_NEWTON};
+
+/* One factor (dense fp64 f, damping d) through every method in each listed precision. */
+static void kfac_case(const bench_opts *o, size_t n, const char *name, const double *f,
+                      double lambda, double d, int repeats) {
+  size_t nn = n * n, np = pc_packed_len(n);
+  double *f32in = malloc(nn * sizeof *f32in), *ref = malloc(nn * sizeof *ref);
+  double *ref64 = malloc(nn * sizeof *ref64), *scratch = malloc(nn * sizeof *scratch);
+  double *p64 = malloc(np * sizeof *p64), *x64 = malloc(nn * sizeof *x64);
+  float *p32 = malloc(np * sizeof *p32), *x32 = malloc(nn * sizeof *x32);
+  if (!f32in || !ref || !ref64 || !scratch || !p64 || !x64 || !p32 || !x32) abort();
+  for (size_t i = 0; i < nn; i++) f32in[i] = (float)f[i];
+  pc_pack_f64(n, f, p64);
+  for (size_t i = 0; i < np; i++) p32[i] = (float)p64[i];
+  eig64 e, e32;
+  eig_init(&e, n, f);
+  eig_init(&e32, n, f32in);
+  eig_root(&e, d, 1, scratch, ref64);
+  eig_root(&e32, d, 1, scratch, ref);
+  double lmax = e.w[n - 1], cond = (lmax + d) / ((e.w[0] > 0 ? e.w[0] : 0.0) + d);
+  for (int prec = 0; prec < 2; prec++) {
+    if (!listed(o->precisions, prec ? "f64" : "f32")) continue;
+    for (size_t mi = 0; mi < sizeof kfac_methods / sizeof *kfac_methods; mi++) {
+      pc_kfac_inv m = kfac_methods[mi];
+      double gms, gcpu;
+      time_gemm(n, prec, repeats, &gms, &gcpu);
+      gms *= 1e3;
+      gcpu *= 1e3;
+      double t[64], c[64];
+      pc_kfac_inv_info info;
+      int st = PC_OK;
+      int k = repeats < 64 ? repeats : 64;
+      for (int r = 0; r < k; r++) {
+        double t0 = now_s(), c0 = cpu_s();
+        st = prec ? pc_kfac_inverse_f64(n, p64, d, m, x64, &info)
+                  : pc_kfac_inverse_f32(n, p32, d, m, x32, &info);
+        t[r] = now_s() - t0;
+        c[r] = cpu_s() - c0;
+      }
+      double ms = 1e3 * median(t, k), cpu_ms = 1e3 * median(c, k);
+      double rel = st >= 0 ? rel_err(n, prec ? NULL : x32, x64, prec ? ref64 : ref) : NAN;
+      const char *pn = prec ? "fp64" : "fp32";
+      if (o->csv)
+        printf("%zu,%s,%.3g,%.3g,%.3g,%s,%s,%d,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3f,%.2f,%.3f,%.2f\n",
+               n, name, lambda, d, cond, pc_kfac_inv_name(m), pn, o->threads, ms, cpu_ms, info.iters, st,
+               info.error, rel, gms, ms / gms, gcpu, cpu_ms / gcpu);
+      else
+        printf("%5zu %-2s %7.1g %9.3g %9.3g %-9s %-4s %9.2f %9.2f %5d %8.2g %9.3g %7.2f %7.2f\n",
+               n, name, lambda, d, cond, pc_kfac_inv_name(m), pn, ms, cpu_ms, info.iters, info.error, rel,
+               ms / gms, cpu_ms / gcpu);
+      fflush(stdout);
+      fprintf(stderr, "bench-roots --kfac: n=%zu %s %s %s: %.1f ms, status %d\n", n, name,
+              pc_kfac_inv_name(m), pn, ms, st);
+    }
+  }
+  eig_destroy(&e);
+  eig_destroy(&e32);
+  free(f32in); free(ref); free(ref64); free(scratch); free(p64); free(x64); free(p32); free(x32);
+}
+
+static int kfac_main(const bench_opts *o) {
+  static const size_t def[] = {64, 128, 256, 512, 1024};
+  const size_t *sizes = o->sizes_given ? o->sizes : def;
+  int nsizes = o->sizes_given ? o->nsizes : 5;
+  if (o->csv)
+    printf("n,factor,lambda,damping,cond,method,precision,threads,ms,cpu_ms,iterations,status,error,"
+           "rel_err,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
+  else
+    printf("%5s %-2s %7s %9s %9s %-9s %-4s %9s %9s %5s %8s %9s %7s %7s\n", "n", "f", "lambda",
+           "damping",
+           "cond", "method", "prec", "ms", "cpu_ms", "iters", "error", "rel_err", "gemm_eq",
+           "eq_cpu");
+  for (int si = 0; si < nsizes; si++) {
+    size_t n = sizes[si];
+    int repeats = o->repeats ? o->repeats : 3;
+    double *a = malloc(n * n * sizeof *a), *g = malloc(n * n * sizeof *g);
+    if (!a || !g) abort();
+    kfac_factor_a(n, 2000 + n, a);
+    kfac_factor_g(n, 3000 + n, g);
+    double tr_a = 0, tr_g = 0;
+    for (size_t i = 0; i < n; i++) tr_a += a[i * n + i], tr_g += g[i * n + i];
+    pc_kfac_opts ko;
+    pc_kfac_opts_default(&ko);
+    const double lambdas[2] = {ko.damping, 1e-6};
+    for (int li = 0; li < 2; li++) {
+      pc_kfac_damping dmp;
+      if (pc_kfac_damping_split(n, tr_a, n, tr_g, lambdas[li], 1, &dmp) != PC_OK) abort();
+      kfac_case(o, n, "A", a, lambdas[li], dmp.damp_a, repeats);
+      kfac_case(o, n, "G", g, lambdas[li], dmp.damp_g, repeats);
+    }
+    free(a);
+    free(g);
+  }
+  return 0;
 }
 
 static void print_header(const bench_opts *o) {
@@ -522,6 +672,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   openblas_set_num_threads(o.threads);
+  if (o.kfac) return kfac_main(&o);
   print_header(&o);
   const char *spectra[] = {"well", "shampoo"};
   for (int si = 0; si < o.nsizes; si++) {

@@ -176,11 +176,14 @@ typedef struct {
   uint64_t pushes;               /* statistics updates received */
   pd_root *root;                 /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
-  double last_error, last_compute_ms;
+  double last_error, last_compute_ms;  /* last_error NaN: the computation itself failed */
   double last_drift;             /* of the last drift test; NAN before one */
   int has_drift_ref;             /* drift_ref holds the published root's probes */
   double drift_ref[2][PD_DRIFT_PROBES];
   pd_stale_hist stale;           /* staleness at each push of a newer step */
+  uint32_t failures_in_row;      /* reset to 0 by a published root */
+  uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
+  char last_failure[160];        /* why the last root was not published; "" if none */
   /* Read by the scheduler without the block lock. */
   _Atomic uint64_t stat_step;    /* newest statistics step */
   _Atomic uint64_t root_step;    /* source step of the published root */
@@ -274,6 +277,14 @@ void pd_job_note_worker(pd_job *job, const char *worker);
 void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
                      pd_stats *stats);
 
+/* Applies one push to n distinct blocks of job, all or nothing: blocks[i] gets the
+ * validated increments left[i], right[i] (pd_block_update's rule). If any updated statistic
+ * would hold a non-finite value (the sum of large finite pushes overflows), nothing is
+ * stored and PD_EINVAL is returned with *bad = that i. Staleness samples go to stats (may be
+ * NULL) as in pd_block_update. PD_ENOMEM. */
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
+                const float *const *right, uint64_t step, pd_stats *stats, size_t *bad);
+
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
 
@@ -324,6 +335,10 @@ typedef struct {
   pd_sched_rules rules;
   _Atomic uint64_t busy;
 } pd_sched;
+
+/* A block whose roots failed this many times in a row has its statistics zeroed (counted
+ * in resets, logged): nothing a later push adds could otherwise bring it back. */
+#define PD_FAILURES_BEFORE_RESET 4u
 
 /* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
  * threads does not exceed the online cores. */

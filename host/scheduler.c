@@ -129,6 +129,37 @@ static int pd__factor_root(size_t n, const float *stat_packed, const pd_shampoo_
   return rc;
 }
 
+/* Records a failed computation of b: counts, the error (NaN when the computation itself
+ * failed, so stats never show a failure as error 0), and a reason in last_failure. After
+ * PD_FAILURES_BEFORE_RESET failures in a row the statistics are zeroed, since pushes only
+ * add to a statistic that is already unusable (indefinite, or badly conditioned). Returns 1
+ * when it reset them. */
+static int pd__note_failure(pd_block *b, int rcl, int rcr, double err, double ms,
+                            double failure_threshold) {
+  pthread_mutex_lock(&b->lock);
+  b->roots_failed++;
+  b->last_error = isfinite(err) ? err : NAN;
+  b->last_compute_ms = ms;
+  if (rcl < 0 || rcr < 0)
+    snprintf(b->last_failure, sizeof b->last_failure, "%s factor: %s",
+             rcl < 0 ? "left" : "right", pc_strerror(rcl < 0 ? rcl : rcr));
+  else if (!isfinite(err))
+    snprintf(b->last_failure, sizeof b->last_failure, "non-finite root or error");
+  else
+    snprintf(b->last_failure, sizeof b->last_failure, "error %g above the threshold %g", err,
+             failure_threshold);
+  int reset = ++b->failures_in_row >= PD_FAILURES_BEFORE_RESET;
+  if (reset) {
+    memset(b->stat_left, 0, pc_packed_len(b->rows) * sizeof *b->stat_left);
+    memset(b->stat_right, 0, pc_packed_len(b->cols) * sizeof *b->stat_right);
+    b->failures_in_row = 0;
+    b->resets++;
+    b->has_drift_ref = 0; /* nothing published is a reference for what comes next */
+  }
+  pthread_mutex_unlock(&b->lock);
+  return reset;
+}
+
 int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
                      pd_root_outcome *outcome) {
   size_t nl = b->rows, nr = b->cols, nmax = nl > nr ? nl : nr;
@@ -198,6 +229,7 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     b->roots_computed++;
     b->last_error = err;
     b->last_compute_ms = ms;
+    b->failures_in_row = 0;
     memcpy(b->drift_ref, q, sizeof q);
     b->has_drift_ref = 1;
     pthread_mutex_unlock(&b->lock);
@@ -206,17 +238,12 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     atomic_fetch_add(&stats->roots_computed, 1);
     *outcome = PD_ROOT_PUBLISHED;
   } else {
-    pthread_mutex_lock(&b->lock);
-    b->roots_failed++;
-    b->last_error = isfinite(err) ? err : NAN;
-    b->last_compute_ms = ms;
-    pthread_mutex_unlock(&b->lock);
+    int reset = pd__note_failure(b, rcl, rcr, rcl >= 0 && rcr >= 0 ? err : NAN, ms,
+                                 rules->failure_threshold);
     atomic_fetch_add(&stats->roots_failed, 1);
-    pd_log(PD_LOG_WARN,
-           "job %s block %u: root not published (left: %s, error %g; right: %s, error %g; "
-           "threshold %g); the previous root stays",
-           b->job->name, b->id, pc_strerror(rcl), il.error, pc_strerror(rcr), ir.error,
-           rules->failure_threshold);
+    pd_log(PD_LOG_WARN, "job %s block %u: root not published (%s); the previous root stays%s",
+           b->job->name, b->id, b->last_failure,
+           reset ? "; statistics reset after repeated failures" : "");
     *outcome = PD_ROOT_FAILED;
   }
   rc = PD_OK;

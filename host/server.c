@@ -42,6 +42,7 @@ typedef struct pd_slot {
   grpc_call_details details;  /* catch-all only */
   pd_reply reply;
   grpc_slice status_details;
+  int counted; /* counted in the server's calls in flight */
 } pd_slot;
 
 struct pd_server {
@@ -54,11 +55,17 @@ struct pd_server {
   pthread_mutex_t lock;
   pthread_cond_t cond;
   int shutdown_done;         /* guarded by lock */
+  size_t in_flight;          /* calls started and not yet released; guarded by lock */
   _Atomic int stopping;
   char shutdown_tag;         /* its address is the shutdown notification's tag */
 };
 
 static void pd__slot_free(pd_slot *s) {
+  if (s->counted) {
+    pthread_mutex_lock(&s->srv->lock);
+    if (--s->srv->in_flight == 0) pthread_cond_broadcast(&s->srv->cond);
+    pthread_mutex_unlock(&s->srv->lock);
+  }
   if (s->call) grpc_call_unref(s->call);
   if (s->payload) grpc_byte_buffer_destroy(s->payload);
   if (s->reply.payload) grpc_byte_buffer_destroy(s->reply.payload);
@@ -235,6 +242,10 @@ static void *pd__poll(void *arg) {
       pd__serve(s);
       continue;
     }
+    pthread_mutex_lock(&srv->lock);
+    srv->in_flight++;
+    s->counted = 1;
+    pthread_mutex_unlock(&srv->lock);
     pd__arm(srv, s->method);
     pd__admit(s);
   }
@@ -333,24 +344,25 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   return PD_OK;
 }
 
-/* Waits for the shutdown notification for at most timeout_s (< 0: no limit).
- * Returns 1 when it came. */
-static int pd__wait_shutdown(pd_server *srv, double timeout_s) {
+/* Waits until the shutdown notification came, or (when idle_too) no call is in flight, for
+ * at most timeout_s (< 0: no limit). Returns the number of calls in flight then (0 when the
+ * notification came). */
+static size_t pd__wait_shutdown(pd_server *srv, double timeout_s, int idle_too) {
   pthread_mutex_lock(&srv->lock);
-  if (timeout_s < 0) {
-    while (!srv->shutdown_done) pthread_cond_wait(&srv->cond, &srv->lock);
-  } else {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    double t = (double)until.tv_sec + 1e-9 * (double)until.tv_nsec + timeout_s;
-    until.tv_sec = (time_t)t;
-    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
-    while (!srv->shutdown_done)
-      if (pthread_cond_timedwait(&srv->cond, &srv->lock, &until) != 0) break;
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  double t = (double)until.tv_sec + 1e-9 * (double)until.tv_nsec + timeout_s;
+  until.tv_sec = (time_t)t;
+  until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
+  while (!srv->shutdown_done && !(idle_too && srv->in_flight == 0)) {
+    if (timeout_s < 0)
+      pthread_cond_wait(&srv->cond, &srv->lock);
+    else if (pthread_cond_timedwait(&srv->cond, &srv->lock, &until) != 0)
+      break;
   }
-  int done = srv->shutdown_done;
+  size_t left = srv->shutdown_done ? 0 : srv->in_flight;
   pthread_mutex_unlock(&srv->lock);
-  return done;
+  return left;
 }
 
 void pd_server_stop(pd_server *srv, double grace_s) {
@@ -358,12 +370,15 @@ void pd_server_stop(pd_server *srv, double grace_s) {
   atomic_store(&srv->stopping, 1);
   grpc_server_shutdown_and_notify(srv->server, srv->cq, &srv->shutdown_tag);
   if (srv->npollers > 0) {
-    if (!pd__wait_shutdown(srv, grace_s)) {
-      pd_log(PD_LOG_WARN, "shutdown: calls still in flight after %.1f s: cancelling them",
-             grace_s);
-      grpc_server_cancel_all_calls(srv->server);
-      pd__wait_shutdown(srv, -1);
-    }
+    /* gRPC's notification also waits for every connection to close, and an idle client
+     * keeps its connection: once no call is in flight there is nothing to wait for, and
+     * cancelling (which closes the connections) loses nothing. */
+    size_t left = pd__wait_shutdown(srv, grace_s, 1);
+    if (left > 0)
+      pd_log(PD_LOG_WARN, "shutdown: %zu calls still in flight after %.1f s: cancelling them",
+             left, grace_s);
+    grpc_server_cancel_all_calls(srv->server);
+    pd__wait_shutdown(srv, -1, 0);
   } else {
     grpc_server_cancel_all_calls(srv->server);
   }

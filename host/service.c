@@ -261,8 +261,9 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   const float **right = calloc(nb ? nb : 1, sizeof *right);
   float **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
   uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
+  pd_block **blocks = calloc(nb ? nb : 1, sizeof *blocks);
   int ok = 0;
-  if (!left || !right || !owned || !seen) {
+  if (!left || !right || !owned || !seen || !blocks) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -286,12 +287,22 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
         pd__decode(bs->right, b->cols, i, "right", &right[i], &owned[2 * i + 1], rep) != 0)
       goto cleanup;
   }
-  for (size_t i = 0; i < nb; i++) {
-    pd_block *b = &job->blocks[req->blocks[i]->block_id];
-    pd_block_update(b, left[i], right[i], req->step, &d->stats);
-    if (pd_sched_mark(&d->sched, b) != PD_OK)
-      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name, b->id);
+  for (size_t i = 0; i < nb; i++) blocks[i] = &job->blocks[req->blocks[i]->block_id];
+  size_t bad = 0;
+  int prc = pd_job_push(job, nb, blocks, left, right, req->step, &d->stats, &bad);
+  if (prc != PD_OK) {
+    if (prc == PD_EINVAL)
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu]: adding these statistics would overflow the stored statistic of "
+               "block %u to Inf; nothing of this push was stored", bad, blocks[bad]->id);
+    else
+      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto cleanup;
   }
+  for (size_t i = 0; i < nb; i++)
+    if (pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
+      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name,
+             blocks[i]->id);
   pthread_mutex_lock(&job->lock);
   if (req->step > job->last_step) job->last_step = req->step;
   pthread_mutex_unlock(&job->lock);
@@ -308,6 +319,7 @@ cleanup:
   free(left);
   free(right);
   free(seen);
+  free(blocks);
   if (ok) return;
 rejected:
   atomic_fetch_add(&d->stats.rejected_pushes, 1);
@@ -465,8 +477,9 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   Precond__V1__JobStats **jsp = calloc(njobs ? njobs : 1, sizeof *jsp);
   Precond__V1__BlockStats *bs = calloc(nblk ? nblk : 1, sizeof *bs);
   Precond__V1__BlockStats **bsp = calloc(nblk ? nblk : 1, sizeof *bsp);
+  char *texts = calloc(nblk ? nblk : 1, sizeof jobs[0]->blocks[0].last_failure);
   Precond__V1__StalenessStats *bst = calloc(nblk ? nblk : 1, sizeof *bst);
-  if (!jobs || !js || !jsp || !bs || !bsp || !bst) {
+  if (!jobs || !js || !jsp || !bs || !bsp || !texts || !bst) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -525,11 +538,15 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       o->roots_failed = blk->roots_failed;
       o->last_error = blk->last_error;
       o->last_compute_ms = blk->last_compute_ms;
+      o->resets = blk->resets;
+      char *why = texts + k * sizeof blk->last_failure;
+      memcpy(why, blk->last_failure, sizeof blk->last_failure);
       o->roots_skipped = blk->roots_skipped;
       o->last_drift = blk->last_drift;
       pd_stale_summary sum;
       pd_stale_hist_summary(&blk->stale, &sum);
       pthread_mutex_unlock(&blk->lock);
+      o->last_failure = why;
       precond__v1__staleness_stats__init(&bst[k]);
       pd__stale_wire(&sum, &bst[k]);
       o->staleness_dist = &bst[k];
@@ -552,6 +569,7 @@ cleanup:
   free(jsp);
   free(bs);
   free(bsp);
+  free(texts);
   free(bst);
 }
 

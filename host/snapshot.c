@@ -410,7 +410,9 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   so.method = (Precond__V1__Method)pd__ru32(r);
   uint64_t last_step = pd__ru64(r);
   ntensors = pd__ru32(r);
-  if (r->err || ntensors > r->left / 8) goto bad;
+  /* Everything read is held to the limits of a request (bad_quiet names them). */
+  if (r->err || ntensors > r->left / 8 || ntensors > PD_MAX_TENSORS || last_step > PD_MAX_STEP)
+    goto bad;
   tensors = calloc(ntensors ? ntensors : 1, sizeof *tensors);
   if (!tensors) goto bad;
   for (uint32_t i = 0; i < ntensors && !r->err; i++) {
@@ -433,7 +435,7 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   pd_shampoo_opts opts;
   char why[256];
   if (pd_shampoo_opts_resolve(&so, &opts, why, sizeof why) != PD_OK ||
-      pd_job_build(name, mode, &opts, ntensors, tensors, UINT32_MAX, &job, why,
+      pd_job_build(name, mode, &opts, ntensors, tensors, st->max_blocks_per_job, &job, why,
                    sizeof why) != PD_OK) {
     snprintf(err, errlen, "job \"%s\": %s", name ? name : "?", why);
     goto bad_quiet;
@@ -462,13 +464,17 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
                (unsigned long long)b->cols);
       goto bad_quiet;
     }
-    atomic_store(&b->stat_step, pd__ru64(r));
+    uint64_t stat_step = pd__ru64(r);
+    atomic_store(&b->stat_step, stat_step);
     b->pushes = pd__ru64(r);
     b->roots_computed = pd__ru64(r);
     b->roots_failed = pd__ru64(r);
     b->last_error = pd__rf64(r);
     b->last_compute_ms = pd__rf64(r);
     size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+    /* Allocate only what the file really holds: a header that claims a huge block in a
+     * tiny file costs nothing. */
+    if (r->err || stat_step > PD_MAX_STEP || (ll + lr) > r->left / sizeof(float)) goto bad;
     b->stat_left = malloc(ll * sizeof(float));
     b->stat_right = malloc(lr * sizeof(float));
     if (!b->stat_left || !b->stat_right) {
@@ -481,6 +487,7 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
     unsigned has_root = pd__ru8(r);
     if (has_root > 1) r->err = 1;
     if (has_root == 1 && !r->err) {
+      if ((ll + lr) > r->left / sizeof(float)) goto bad;
       pd_root *root = pd_root_new(b->rows, b->cols, st->stats);
       if (!root) {
         rc = PD_ENOMEM;
@@ -517,6 +524,33 @@ cleanup:
   free(tensors);
   free(name);
   return rc;
+}
+
+static int pd__cmp_job_name(const void *a, const void *b) {
+  return strcmp((*(pd_job *const *)a)->name, (*(pd_job *const *)b)->name);
+}
+
+/* Before any parsed job is added: a name stored twice is damage (PD_ECORRUPT, so the file is
+ * set aside and the daemon really starts empty); jobs that together pass the memory limit
+ * (lowered since the write) are PD_ELIMIT, which stops the start with the file in place.
+ * Sorts jobs by name. */
+static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err,
+                          size_t errlen) {
+  qsort(jobs, njobs, sizeof *jobs, pd__cmp_job_name);
+  size_t total = 0;
+  for (uint32_t i = 0; i < njobs; i++) {
+    if (i > 0 && strcmp(jobs[i - 1]->name, jobs[i]->name) == 0) {
+      snprintf(err, errlen, "job \"%s\": stored twice", jobs[i]->name);
+      return PD_ECORRUPT;
+    }
+    total += pd_job_bytes(jobs[i]);
+  }
+  if (total > st->memory_limit) {
+    snprintf(err, errlen, "its jobs need %zu bytes, over the memory limit of %zu bytes", total,
+             st->memory_limit);
+    return PD_ELIMIT;
+  }
+  return PD_OK;
 }
 
 int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
@@ -560,15 +594,16 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
     rc = PD_ECORRUPT;
     goto cleanup;
   }
+  rc = pd__check_jobs(st, jobs, njobs, err, errlen);
+  if (rc != PD_OK) goto cleanup;
   for (uint32_t i = 0; i < njobs; i++) {
     pd_job *existing = NULL;
     rc = pd_store_add(st, jobs[i], &existing);
-    if (rc == PD_OK && existing) rc = PD_ECORRUPT;
-    if (rc != PD_OK) {
-      snprintf(err, errlen, "job \"%s\": %s", jobs[i]->name,
-               rc == PD_ELIMIT ? "over the memory limit" : existing ? "stored twice"
-                                                                     : pd_strerror(rc));
-      /* Jobs added so far stay: this happens only for a limit lowered since the write. */
+    if (rc != PD_OK || existing) {
+      /* Only out of memory gets here (pd__check_jobs ruled out the rest); jobs added so
+       * far stay, and the caller stops. */
+      snprintf(err, errlen, "job \"%s\": %s", jobs[i]->name, pd_strerror(rc));
+      if (rc == PD_OK) rc = PD_ENOMEM;
       for (uint32_t k = i; k < njobs; k++) pd_job_free(jobs[k], st->stats);
       free(jobs);
       jobs = NULL;

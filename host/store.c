@@ -7,6 +7,7 @@
  */
 #include "precondd.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -447,12 +448,12 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* ---- blocks --------------------------------------------------------------------------- */
 
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
-                     pd_stats *stats) {
+/* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
+ * is a staleness sample (to be added to the daemon's stats once the lock is released). */
+static int pd__apply_locked(pd_block *b, const float *left, const float *right, uint64_t step,
+                            uint64_t *age) {
   float beta2 = b->job->opts.beta2;
   int sampled = 0;
-  uint64_t age = 0;
-  pthread_mutex_lock(&b->lock);
   pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left, beta2);
   pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right, beta2);
   b->pushes++;
@@ -461,13 +462,78 @@ void pd_block_update(pd_block *b, const float *left, const float *right, uint64_
     /* The worker of this step has the published root at best: its age now is what that
      * worker sees (one sample per block and step; a repeated step is not sampled again). */
     if (b->root && step > b->root->source_step) {
-      age = step - b->root->source_step;
-      pd_stale_hist_add(&b->stale, age);
+      *age = step - b->root->source_step;
+      pd_stale_hist_add(&b->stale, *age);
       sampled = 1;
     }
   }
+  return sampled;
+}
+
+void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
+                     pd_stats *stats) {
+  uint64_t age = 0;
+  pthread_mutex_lock(&b->lock);
+  int sampled = pd__apply_locked(b, left, right, step, &age);
   pthread_mutex_unlock(&b->lock);
   if (sampled && stats) pd_stats_add_staleness(stats, age);
+}
+
+/* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
+ * double with a margin of 2^-20 below FLT_MAX, more than the rounding of the float kernel,
+ * so a statistic this admits can never become Inf when pc_stat_update_f32 applies inc. */
+static int pd__update_stays_finite(size_t count, const float *s, const float *inc,
+                                   float beta2) {
+  const double limit = (double)FLT_MAX * (1.0 - 1.0 / 1048576.0);
+  const double b = beta2, w = beta2 == 1.0f ? 1.0 : 1.0 - (double)beta2;
+  for (size_t i = 0; i < count; i++)
+    if (!(fabs(b * (double)s[i] + w * (double)inc[i]) <= limit)) return 0;
+  return 1;
+}
+
+typedef struct {
+  uint32_t id;
+  size_t index;
+} pd__by_id;
+
+static int pd__cmp_by_id(const void *a, const void *b) {
+  uint32_t x = ((const pd__by_id *)a)->id, y = ((const pd__by_id *)b)->id;
+  return (x > y) - (x < y);
+}
+
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
+                const float *const *right, uint64_t step, pd_stats *stats, size_t *bad) {
+  *bad = 0;
+  pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
+  uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
+  size_t nages = 0;
+  if (!order || !ages) {
+    free(order);
+    free(ages);
+    return PD_ENOMEM;
+  }
+  for (size_t i = 0; i < n; i++) order[i] = (pd__by_id){blocks[i]->id, i};
+  qsort(order, n, sizeof *order, pd__cmp_by_id);
+  /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
+   * the update it admits see the same statistic. */
+  for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[order[k].index]->lock);
+  float beta2 = job->opts.beta2;
+  int rc = PD_OK;
+  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    const pd_block *b = blocks[i];
+    if (!pd__update_stays_finite(pc_packed_len(b->rows), b->stat_left, left[i], beta2) ||
+        !pd__update_stays_finite(pc_packed_len(b->cols), b->stat_right, right[i], beta2)) {
+      *bad = i;
+      rc = PD_EINVAL;
+    }
+  }
+  for (size_t i = 0; i < n && rc == PD_OK; i++)
+    nages += (size_t)pd__apply_locked(blocks[i], left[i], right[i], step, &ages[nages]);
+  for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
+  free(order);
+  free(ages);
+  return rc;
 }
 
 pd_root *pd_block_root(pd_block *b) {

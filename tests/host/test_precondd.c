@@ -17,6 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -1290,6 +1293,48 @@ static void test_shutdown_cancels_stuck_call(void **state) {
   remove_tree(d.dir);
 }
 
+/* An idle client keeps its connection open; SIGTERM must not wait the grace period for it
+ * (gRPC's shutdown notification waits for connections, not only calls), and must not log
+ * calls in flight when there are none. */
+static void test_shutdown_idle_client(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  /* gRPC alone would wait some 20 s for the connection, so past these 5 the old code
+   * logged calls in flight that did not exist. */
+  const char *extra[] = {"--grace-period", "5", NULL};
+  start_daemon(&d, extra);
+  /* An HTTP/2 client that completed its handshake and then ignores GOAWAY (as clients with
+   * keepalive, or busy ones, do for a while): gRPC's C client would close at once. */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons((uint16_t)d.port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  static const char hello[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
+  assert_int_equal(write(fd, hello, sizeof hello - 1), (ssize_t)(sizeof hello - 1));
+  check_health(&d);
+  sleep_ms(300);
+  kill(d.pid, SIGTERM);
+  int st = 0, exited = 0;
+  for (int i = 0; i < 3000 && !exited; i++) {
+    exited = waitpid(d.pid, &st, WNOHANG) == d.pid;
+    if (!exited) sleep_ms(10);
+  }
+  if (!exited) kill(d.pid, SIGKILL);
+  assert_true(exited);
+  track(d.pid, 0);
+  d.pid = 0;
+  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  assert_false(log_contains(&d, "still in flight"));
+  close(fd);
+  rpc_channel_destroy(d.ch);
+  d.ch = NULL;
+  remove_tree(d.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1325,6 +1370,7 @@ int main(void) {
       cmocka_unit_test(test_corrupt_snapshot_set_aside),
       cmocka_unit_test(test_graceful_shutdown),
       cmocka_unit_test(test_shutdown_cancels_stuck_call),
+      cmocka_unit_test(test_shutdown_idle_client),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   kill_leftovers();

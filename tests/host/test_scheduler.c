@@ -153,6 +153,36 @@ static void test_pool_computes_all(void **state) {
   assert_true(p50 > 0 && p50 <= p99);
 }
 
+/* A block whose statistic is negative definite can never get a root from later positive
+ * pushes added to it: its failures carry a reason and a NaN error (not 0), and after
+ * PD_FAILURES_BEFORE_RESET of them in a row its statistics are zeroed and the reset is
+ * counted, so that the pushes that follow give it roots again. */
+static void test_failing_block_recovers(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+  for (size_t i = 0; i < ll; i++) b->stat_left[i] = 0;
+  for (size_t i = 0, k = 0; i < b->rows; k += b->rows - i, i++) b->stat_left[k] = -1.0f;
+  for (unsigned i = 0; i < PD_FAILURES_BEFORE_RESET; i++) {
+    assert_int_equal(b->resets, 0);
+    assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_FAILED);
+    assert_true(strlen(b->last_failure) > 0);
+    assert_true(isnan(b->last_error) || b->last_error > 0.1);
+  }
+  assert_int_equal(b->resets, 1);
+  assert_int_equal(b->roots_failed, PD_FAILURES_BEFORE_RESET);
+  for (size_t i = 0; i < ll; i++) assert_true(b->stat_left[i] == 0.0f);
+  for (size_t i = 0; i < lr; i++) assert_true(b->stat_right[i] == 0.0f);
+  float *l = malloc(ll * sizeof *l), *r = malloc(lr * sizeof *r);
+  spd(b->rows, l);
+  spd(b->cols, r);
+  pd_block_update(b, l, r, 11, &f->stats);
+  assert_int_equal(compute(b, &f->stats, &compute_all), PD_ROOT_PUBLISHED);
+  assert_int_equal(b->failures_in_row, 0);
+  free(l);
+  free(r);
+}
+
 static void scale(size_t n, float *packed, float by) {
   for (size_t i = 0; i < pc_packed_len(n); i++) packed[i] *= by;
 }
@@ -230,6 +260,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_compute_and_failure_rule, setup, teardown),
       cmocka_unit_test_setup_teardown(test_pool_computes_all, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_failing_block_recovers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drift_skip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_order, setup, teardown),
   };

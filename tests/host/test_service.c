@@ -407,6 +407,32 @@ static void test_request_limits(void **state) {
   daemon_free(d);
 }
 
+/* Two pushes of 3e38 would make the stored sum Inf, and a block with an Inf statistic never
+ * gets a root again: the second push is refused whole and the statistic stays finite. */
+static void test_overflowing_push_refused(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  assert_int_equal(reg(d, "j", 4, 8, 4, NULL, why), GRPC_STATUS_OK);
+  float *ok = stat(4, 1), *huge = stat(4, 1.5e38f);
+  assert_int_equal(push2(d, "j", 1, huge, 4, ok, 4, 1, why), GRPC_STATUS_OK);
+  /* The third would take the right factors to 6e38: refused, nothing of it stored. */
+  assert_int_equal(push2(d, "j", 2, ok, 4, huge, 4, 1, why), GRPC_STATUS_OK);
+  assert_int_equal(push2(d, "j", 3, ok, 4, huge, 4, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(why, "overflow"));
+  pd_job *job = pd_store_find(&d->store, "j");
+  for (int b = 0; b < 2; b++) {
+    assert_int_equal(job->blocks[b].pushes, 2);
+    assert_int_equal(atomic_load(&job->blocks[b].stat_step), 2);
+    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat_left));
+    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat_right));
+  }
+  assert_int_equal(atomic_load(&d->stats.rejected_pushes), 1);
+  free(ok);
+  free(huge);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -414,6 +440,7 @@ int main(void) {
       cmocka_unit_test(test_push_fetch_stats),
       cmocka_unit_test(test_mutated_requests),
       cmocka_unit_test(test_request_limits),
+      cmocka_unit_test(test_overflowing_push_refused),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

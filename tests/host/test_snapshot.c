@@ -14,6 +14,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <zlib.h>
+
 #include "precondd.h"
 #include "preconditioner.h"
 
@@ -232,12 +234,139 @@ static void test_rewrite_replaces(void **state) {
   assert_int_equal(pd_snapshot_write(&f->store, "/nonexistent/dir"), PD_EIO);
 }
 
+/* A payload under construction, little-endian like the file. */
+typedef struct {
+  unsigned char *p;
+  size_t n, cap;
+} wbuf;
+
+static void put(wbuf *b, const void *src, size_t n) {
+  if (b->n + n > b->cap) {
+    b->cap = 2 * (b->n + n) + 64;
+    b->p = realloc(b->p, b->cap);
+    assert_non_null(b->p);
+  }
+  memcpy(b->p + b->n, src, n);
+  b->n += n;
+}
+static void put_le(wbuf *b, uint64_t v, int bytes) {
+  unsigned char x[8];
+  for (int i = 0; i < bytes; i++) x[i] = (unsigned char)(v >> (8 * i));
+  put(b, x, (size_t)bytes);
+}
+static void put_str(wbuf *b, const char *s) {
+  put_le(b, strlen(s), 4);
+  put(b, s, strlen(s));
+}
+
+/* Writes payload as f's snapshot with a valid header: magic, format, length and both
+ * checksums right, so that only the parser can object. */
+static void seal(const fixture *f, const wbuf *payload) {
+  wbuf file = {0};
+  put(&file, "PCDSNAP1", 8);
+  put_le(&file, 1, 4);
+  put_le(&file, 0, 4);
+  put_le(&file, payload->n, 8);
+  put_le(&file, crc32(crc32(0L, Z_NULL, 0), payload->p, (uInt)payload->n), 4);
+  put_le(&file, crc32(crc32(0L, Z_NULL, 0), file.p, 28), 4);
+  put(&file, payload->p, payload->n);
+  char path[128];
+  path_of(f, path, sizeof path);
+  spit(path, file.p, file.n);
+  free(file.p);
+}
+
+/* The header of one job record (options, last_step, one rank-2 tensor, no workers) up to
+ * and including its block count. */
+static void put_job_head(wbuf *b, const char *name, uint32_t block_size, uint64_t last_step,
+                         uint64_t rows, uint64_t cols, uint32_t nblocks) {
+  put_str(b, name);
+  put_le(b, 0, 4);          /* mode */
+  put_le(b, block_size, 4);
+  put_le(b, 0, 4);          /* skip_limit: default */
+  put_le(b, 0x3f800000, 4); /* beta2 1.0f */
+  put_le(b, 4, 4);          /* p */
+  double eps = 1e-6;
+  uint64_t u;
+  memcpy(&u, &eps, 8);
+  put_le(b, u, 8);
+  put_le(b, 0, 4);          /* method */
+  put_le(b, last_step, 8);
+  put_le(b, 1, 4);          /* tensors */
+  put_str(b, "w");
+  put_le(b, 2, 4);
+  put_le(b, rows, 8);
+  put_le(b, cols, 8);
+  put_le(b, 0, 4);          /* workers */
+  put_le(b, nblocks, 4);
+}
+
+/* Snapshots whose checksums are right but whose contents are hostile: each is refused as
+ * damage, nothing stays loaded, and nothing is allocated for sizes the file cannot hold. */
+static void test_hostile_contents(void **state) {
+  fixture *f = *state;
+  char path[128];
+  path_of(f, path, sizeof path);
+  size_t n;
+  unsigned char *orig = slurp(path, &n);
+  /* The real file's first job twice: refused whole (it used to keep one of them). */
+  wbuf b = {0};
+  put_le(&b, 2, 4);
+  size_t job_len = 0;
+  {
+    pd_store one;
+    pd_stats st1;
+    pd_stats_init(&st1);
+    pd_store_init(&one, &st1, (size_t)1 << 30, 1000);
+    add_job(&one, "twice", 6, 5, 4);
+    assert_int_equal(pd_snapshot_write(&one, f->dir), PD_OK);
+    pd_store_destroy(&one);
+    pd_stats_destroy(&st1);
+    size_t m;
+    unsigned char *single = slurp(path, &m);
+    job_len = m - 32 - 4;
+    put(&b, single + 36, job_len);
+    put(&b, single + 36, job_len);
+    free(single);
+  }
+  seal(f, &b);
+  expect_corrupt(f, "one job stored twice");
+  b.n = 0;
+  /* More blocks than the store's limit (1000): refused before the layout is built. */
+  put_le(&b, 1, 4);
+  put_job_head(&b, "many", 1, 0, 100, 100, 10000);
+  seal(f, &b);
+  expect_corrupt(f, "10000 blocks");
+  b.n = 0;
+  /* One 8192 x 8192 block in a file of a hundred bytes: no 256 MiB allocation first. */
+  put_le(&b, 1, 4);
+  put_job_head(&b, "huge", 8192, 0, 8192, 8192, 1);
+  put_le(&b, 0, 4);
+  put_le(&b, 8192, 8);
+  put_le(&b, 8192, 8);
+  for (int k = 0; k < 4; k++) put_le(&b, 0, 8);
+  put_le(&b, 0, 8);
+  put_le(&b, 0, 8);
+  seal(f, &b);
+  expect_corrupt(f, "8192 block in a tiny file");
+  b.n = 0;
+  /* A step no request may carry. */
+  put_le(&b, 1, 4);
+  put_job_head(&b, "late", 4, UINT64_MAX, 4, 4, 1);
+  seal(f, &b);
+  expect_corrupt(f, "last_step 2^64-1");
+  free(b.p);
+  spit(path, orig, n);
+  free(orig);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR + 0);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_roundtrip_bit_exact, setup, teardown),
       cmocka_unit_test_setup_teardown(test_damage_detected, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rewrite_replaces, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_hostile_contents, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
