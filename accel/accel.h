@@ -1211,6 +1211,17 @@ int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
                          const float *gb, const float *g_inv, const float *a_inv, float *pw,
                          float *pb, float *ws);
 
+/* The same update from the eigen forms (pc_kfac_eigen_*; KAISA's default):
+ *   [pw | pb] = Q_G [(Q_G^T [gw | gb] Q_A) / (v_G v_A^T + lambda)] Q_A^T,
+ * qg out x out, vg out values, qa and va of order in + (gb != NULL), lambda >= 0 and finite.
+ * Four products and an elementwise division; pw may be gw and pb gb. ws:
+ * ac_kfac_eigen_precondition_workspace_floats. */
+size_t ac_kfac_eigen_precondition_workspace_floats(size_t out, size_t in, int has_bias);
+int ac_kfac_eigen_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
+                               const float *gb, const float *qg, const float *vg,
+                               const float *qa, const float *va, float lambda, float *pw,
+                               float *pb, float *ws);
+
 /* One preconditioned tensor and its gradient, for the KL clip (count values each). */
 typedef struct {
   size_t count;

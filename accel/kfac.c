@@ -149,31 +149,77 @@ size_t ac_kfac_precondition_workspace_floats(size_t out, size_t in, int has_bias
   return 2 * out * (in + (has_bias ? 1 : 0));
 }
 
+/* [gw | gb] into a matrix the products can read: gw itself without a bias, else the bias
+ * gradient appended as a last column in the workspace buffer m (out x (in + 1)). */
+static int gather_grad(ac_backend *be, size_t out, size_t in, const float *gw, const float *gb,
+                       float *m, const float **grad) {
+  *grad = gw;
+  if (!gb) return AC_OK;
+  int rc = ac_copy2d(be, out, in, gw, in, m, in + 1);
+  if (rc == AC_OK) rc = ac_copy2d(be, out, 1, gb, 1, m + in, in + 1);
+  *grad = m;
+  return rc;
+}
+
+/* The inverse of gather_grad: [pw | pb] from the out x (in + 1) result r (bias case only). */
+static int scatter_update(ac_backend *be, size_t out, size_t in, const float *r, float *pw,
+                          float *pb) {
+  int rc = ac_copy2d(be, out, in, r, in + 1, pw, in);
+  return rc == AC_OK ? ac_copy2d(be, out, 1, r + in, in + 1, pb, 1) : rc;
+}
+
 int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
                          const float *gb, const float *g_inv, const float *a_inv, float *pw,
                          float *pb, float *ws) {
   if (!be || out == 0 || in == 0 || !gw || !g_inv || !a_inv || !pw || !ws) return AC_EINVAL;
   if ((gb == NULL) != (pb == NULL)) return AC_EINVAL;
   const size_t n = in + (gb ? 1 : 0);
-  float *grad = ws, *t = ws + out * n;
-  int rc = AC_OK;
-  if (gb) { /* [gw | gb]: the bias gradient as the last column */
-    rc = ac_copy2d(be, out, in, gw, in, grad, n);
-    if (rc == AC_OK) rc = ac_copy2d(be, out, 1, gb, 1, grad + in, n);
-  } else {
-    grad = (float *)gw; /* read only */
-  }
-  /* t = G^-1 grad; then grad A^-1 into pw directly, or into the workspace to split it. */
+  float *t = ws + out * n;
+  const float *grad = NULL;
+  int rc = gather_grad(be, out, in, gw, gb, ws, &grad);
+  /* t = G^-1 grad; then t A^-1 into pw directly, or into the workspace to split it. */
   if (rc == AC_OK)
     rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, g_inv, out, grad, n, 0.0f,
                   t, n);
   float *dst = gb ? ws : pw;
   if (rc == AC_OK)
     rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, n, 1.0f, t, n, a_inv, n, 0.0f, dst, n);
-  if (rc == AC_OK && gb) {
-    rc = ac_copy2d(be, out, in, dst, n, pw, in);
-    if (rc == AC_OK) rc = ac_copy2d(be, out, 1, dst + in, n, pb, 1);
-  }
+  if (rc == AC_OK && gb) rc = scatter_update(be, out, in, dst, pw, pb);
+  return rc;
+}
+
+size_t ac_kfac_eigen_precondition_workspace_floats(size_t out, size_t in, int has_bias) {
+  return 3 * out * (in + (has_bias ? 1 : 0));
+}
+
+int ac_kfac_eigen_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
+                               const float *gb, const float *qg, const float *vg,
+                               const float *qa, const float *va, float lambda, float *pw,
+                               float *pb, float *ws) {
+  if (!be || out == 0 || in == 0 || !gw || !qg || !vg || !qa || !va || !pw || !ws)
+    return AC_EINVAL;
+  if ((gb == NULL) != (pb == NULL) || !(lambda >= 0.0f) || !isfinite(lambda)) return AC_EINVAL;
+  const size_t n = in + (gb ? 1 : 0);
+  float *t = ws + out * n, *den = t + out * n;
+  const float *grad = NULL;
+  int rc = gather_grad(be, out, in, gw, gb, ws, &grad);
+  /* t = Q_G^T grad; ws = t Q_A (grad is dead once t exists, so ws may hold it). */
+  if (rc == AC_OK)
+    rc = ac_sgemm(be, AC_TRANS, AC_NO_TRANS, out, n, out, 1.0f, qg, out, grad, n, 0.0f, t, n);
+  if (rc == AC_OK)
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, n, 1.0f, t, n, qa, n, 0.0f, ws, n);
+  /* den = v_G v_A^T + lambda (a rank-1 product), then ws /= den elementwise. */
+  if (rc == AC_OK)
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, 1, 1.0f, vg, 1, va, n, 0.0f, den, n);
+  if (rc == AC_OK) rc = ac_affine(be, out * n, 1.0f, den, lambda, den);
+  if (rc == AC_OK) rc = ac_binary(be, AC_BIN_DIV, out * n, ws, den, ws);
+  /* Back: t = Q_G ws; result = t Q_A^T into pw directly, or into ws to split it. */
+  if (rc == AC_OK)
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, qg, out, ws, n, 0.0f, t, n);
+  float *dst = gb ? ws : pw;
+  if (rc == AC_OK)
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_TRANS, out, n, n, 1.0f, t, n, qa, n, 0.0f, dst, n);
+  if (rc == AC_OK && gb) rc = scatter_update(be, out, in, dst, pw, pb);
   return rc;
 }
 

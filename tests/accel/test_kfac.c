@@ -316,6 +316,65 @@ static void test_precondition(void **state) {
   }
 }
 
+/* The eigen-form update against the numerics core's pc_kfac_eigen_update_f64 on the same
+ * eigen forms (from pc_kfac_eigen_f32 of random factors), with and without a bias. */
+static void test_eigen_precondition(void **state) {
+  ac_backend *be = backend(state);
+  const size_t out = 4, in = 6;
+  const float lambda = 0.05f;
+  for (int bias = 0; bias < 2; bias++) {
+    size_t n = in + (size_t)bias;
+    float *fa = xcalloc(ac_packed_len(n), sizeof *fa), *fg = xcalloc(ac_packed_len(out), sizeof *fg);
+    float *ra = host_random(n * 2 * n), *rg = host_random(out * 2 * out);
+    for (size_t i = 0, k = 0; i < n; i++) /* packed (1/2n) R R^T */
+      for (size_t j = i; j < n; j++, k++)
+        for (size_t c = 0; c < 2 * n; c++) fa[k] += ra[i * 2 * n + c] * ra[j * 2 * n + c] / (2.0f * n);
+    for (size_t i = 0, k = 0; i < out; i++)
+      for (size_t j = i; j < out; j++, k++)
+        for (size_t c = 0; c < 2 * out; c++)
+          fg[k] += rg[i * 2 * out + c] * rg[j * 2 * out + c] / (2.0f * out);
+    float *qa = xcalloc(n * n, sizeof *qa), *va = xcalloc(n, sizeof *va);
+    float *qg = xcalloc(out * out, sizeof *qg), *vg = xcalloc(out, sizeof *vg);
+    assert_int_equal(pc_kfac_eigen_f32(n, fa, qa, va), PC_OK);
+    assert_int_equal(pc_kfac_eigen_f32(out, fg, qg, vg), PC_OK);
+    float *gw = host_random(out * in), *gb = host_random(out);
+    double *g64 = xcalloc(out * n, sizeof *g64), *p64 = xcalloc(out * n, sizeof *p64);
+    double *qa64 = xcalloc(n * n, sizeof *qa64), *va64 = xcalloc(n, sizeof *va64);
+    double *qg64 = xcalloc(out * out, sizeof *qg64), *vg64 = xcalloc(out, sizeof *vg64);
+    for (size_t i = 0; i < out; i++)
+      for (size_t j = 0; j < n; j++) g64[i * n + j] = j < in ? gw[i * in + j] : gb[i];
+    for (size_t i = 0; i < n * n; i++) qa64[i] = qa[i];
+    for (size_t i = 0; i < n; i++) va64[i] = va[i];
+    for (size_t i = 0; i < out * out; i++) qg64[i] = qg[i];
+    for (size_t i = 0; i < out; i++) vg64[i] = vg[i];
+    assert_int_equal(pc_kfac_eigen_update_f64(out, n, qg64, vg64, g64, n, qa64, va64, lambda, p64),
+                     PC_OK);
+    float *dgw = dev_upload(be, out * in, gw), *dgb = dev_upload(be, out, gb);
+    float *dqa = dev_upload(be, n * n, qa), *dva = dev_upload(be, n, va);
+    float *dqg = dev_upload(be, out * out, qg), *dvg = dev_upload(be, out, vg);
+    float *dpw = dev_alloc(be, out * in), *dpb = dev_alloc(be, out);
+    float *ws = dev_alloc(be, ac_kfac_eigen_precondition_workspace_floats(out, in, bias));
+    OK(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg, dqa, dva,
+                                  lambda, dpw, bias ? dpb : NULL, ws));
+    float *pw = download(be, out * in, dpw), *pb = download(be, out, dpb);
+    double scale = 0.0;
+    for (size_t i = 0; i < out * n; i++) scale = fmax(scale, fabs(p64[i]));
+    for (size_t i = 0; i < out; i++) {
+      for (size_t j = 0; j < in; j++)
+        assert_float_equal(pw[i * in + j], p64[i * n + j], 1e-5 * scale);
+      if (bias) assert_float_equal(pb[i], p64[i * n + in], 1e-5 * scale);
+    }
+    assert_int_equal(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg,
+                                                dqa, dva, -1.0f, dpw, bias ? dpb : NULL, ws),
+                     AC_EINVAL);
+    free(fa); free(fg); free(ra); free(rg); free(qa); free(va); free(qg); free(vg); free(gw);
+    free(gb); free(g64); free(p64); free(qa64); free(va64); free(qg64); free(vg64); free(pw);
+    free(pb);
+    ac_free(be, dgw); ac_free(be, dgb); ac_free(be, dqa); ac_free(be, dva); ac_free(be, dqg);
+    ac_free(be, dvg); ac_free(be, dpw); ac_free(be, dpb); ac_free(be, ws);
+  }
+}
+
 static void test_kl_clip(void **state) {
   ac_backend *be = backend(state);
   const size_t n1 = 7, n2 = 300;
@@ -447,7 +506,8 @@ static void test_least_squares_step(void **state) {
 #define KFAC_TESTS                                                                            \
   cmocka_unit_test(test_dense_factors), cmocka_unit_test(test_conv_factors),                  \
   cmocka_unit_test(test_bn_fisher_fd), cmocka_unit_test(test_precondition),                   \
-  cmocka_unit_test(test_kl_clip), cmocka_unit_test(test_least_squares_step)
+  cmocka_unit_test(test_eigen_precondition), cmocka_unit_test(test_kl_clip),                  \
+  cmocka_unit_test(test_least_squares_step)
 
 int main(void)
 {
