@@ -379,8 +379,10 @@ static void kfac_factor_g(size_t n, uint64_t seed, double *g) {
 static const pc_kfac_inv kfac_methods[] = {PC_KFAC_INV_CHOLESKY, PC_KFAC_INV_EIGH,
                                            PC_KFAC_INV_NEWTON};
 
-/* One factor (dense fp64 f, damping d) through every method in each listed precision. */
-static void kfac_case(const bench_opts *o, size_t n, const char *name, const double *f,
+/* One factor (dense fp64 f, damping d) through every method in each listed precision.
+ * Returns the number of cases that failed (an error status, or rel_err above 1e-3: far
+ * beyond any fp32 result at these conditions), so that the quick test can fail. */
+static int kfac_case(const bench_opts *o, size_t n, const char *name, const double *f,
                       double lambda, double d, int repeats) {
   size_t nn = n * n, np = pc_packed_len(n);
   double *f32in = malloc(nn * sizeof *f32in), *ref = malloc(nn * sizeof *ref);
@@ -397,6 +399,7 @@ static void kfac_case(const bench_opts *o, size_t n, const char *name, const dou
   eig_root(&e, d, 1, scratch, ref64);
   eig_root(&e32, d, 1, scratch, ref);
   double lmax = e.w[n - 1], cond = (lmax + d) / ((e.w[0] > 0 ? e.w[0] : 0.0) + d);
+  int failed = 0;
   for (int prec = 0; prec < 2; prec++) {
     if (!listed(o->precisions, prec ? "f64" : "f32")) continue;
     for (size_t mi = 0; mi < sizeof kfac_methods / sizeof *kfac_methods; mi++) {
@@ -430,17 +433,19 @@ static void kfac_case(const bench_opts *o, size_t n, const char *name, const dou
       fflush(stdout);
       fprintf(stderr, "bench-roots --kfac: n=%zu %s %s %s: %.1f ms, status %d\n", n, name,
               pc_kfac_inv_name(m), pn, ms, st);
+      failed += st < 0 || !(rel <= 1e-3);
     }
   }
   eig_destroy(&e);
   eig_destroy(&e32);
   free(f32in); free(ref); free(ref64); free(scratch); free(p64); free(x64); free(p32); free(x32);
+  return failed;
 }
 
 static int kfac_main(const bench_opts *o) {
   static const size_t def[] = {64, 128, 256, 512, 1024};
   const size_t *sizes = o->sizes_given ? o->sizes : def;
-  int nsizes = o->sizes_given ? o->nsizes : 5;
+  int nsizes = o->sizes_given ? o->nsizes : 5, failed = 0;
   if (o->csv)
     printf("n,factor,lambda,damping,cond,method,precision,threads,ms,cpu_ms,iterations,status,error,"
            "rel_err,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
@@ -464,13 +469,14 @@ static int kfac_main(const bench_opts *o) {
     for (int li = 0; li < 2; li++) {
       pc_kfac_damping dmp;
       if (pc_kfac_damping_split(n, tr_a, n, tr_g, lambdas[li], 1, &dmp) != PC_OK) abort();
-      kfac_case(o, n, "A", a, lambdas[li], dmp.damp_a, repeats);
-      kfac_case(o, n, "G", g, lambdas[li], dmp.damp_g, repeats);
+      failed += kfac_case(o, n, "A", a, lambdas[li], dmp.damp_a, repeats);
+      failed += kfac_case(o, n, "G", g, lambdas[li], dmp.damp_g, repeats);
     }
     free(a);
     free(g);
   }
-  return 0;
+  if (failed) fprintf(stderr, "bench-roots --kfac: %d case(s) failed\n", failed);
+  return failed ? 1 : 0;
 }
 
 static void print_header(const bench_opts *o) {
