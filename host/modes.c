@@ -10,6 +10,7 @@ extern const pd_mode pd_mode_identity;
 
 static const pd_mode *const pd__modes[] = {
     &pd_mode_shampoo,
+    &pd_mode_kfac,
     &pd_mode_identity,
 };
 
