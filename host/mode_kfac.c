@@ -190,16 +190,6 @@ static int kfac_compute(const void *opts, const pd_block *u, const float *const 
   return rc;
 }
 
-static int kfac_publishable(const void *opts, const pd_block *u, int status,
-                            const pd_compute_info *info, const float *const *out,
-                            double failure_threshold) {
-  (void)opts;
-  if (status < 0 || !isfinite(info->error) || !(info->error <= failure_threshold)) return 0;
-  for (uint32_t k = 0; k < u->nparts; k++)
-    if (!pc_all_finite_f32(pc_packed_len(u->order[k]), out[k])) return 0;
-  return 1;
-}
-
 static int kfac_compute_due(const void *opts, uint64_t pushes, int has_root) {
   uint32_t every = ((const pd_kfac_opts *)opts)->inv_every;
   return !has_root || pushes % every == 0;
@@ -253,7 +243,7 @@ const pd_mode pd_mode_kfac = {
     .fold_fits = kfac_fold_fits,
     .compute = kfac_compute,
     .unit_free = NULL,
-    .publishable = kfac_publishable,
+    .publishable = pd_publishable_finite, /* Shampoo's rule: the same for inverses */
     .snap_bytes = 32,
     .snap_write = kfac_snap_write,
     .snap_read = kfac_snap_read,

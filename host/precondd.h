@@ -309,6 +309,12 @@ typedef struct {
 /* The mode of that id, or NULL. */
 const pd_mode *pd_mode_find(int id);
 
+/* The publication rule of Shampoo and K-FAC (pd_mode.publishable): no error status, a
+ * finite error within failure_threshold, every value of every part finite. */
+int pd_publishable_finite(const void *opts, const pd_block *u, int status,
+                          const pd_compute_info *info, const float *const *out,
+                          double failure_threshold);
+
 /* Shampoo's options (mode_shampoo.c); service.c decodes the wire's into them. */
 typedef struct {
   uint32_t block_size;
