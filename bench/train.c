@@ -101,6 +101,7 @@ void tr_options_default(tr_options *o) {
   o->graft = (int)so.graft.kind;
   o->shampoo_momentum = so.momentum;
   o->shampoo_beta1 = so.beta1;
+  o->shampoo_nesterov = so.beta1_nesterov;
   o->one_sided = so.one_sided;
   o->stat_every = so.stats_interval;
   o->precond_start = so.start_step;
@@ -249,6 +250,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "momentum on Shampoo's grafted direction");
   SPEC("shampoo-beta1", K_DOUBLE, &o->shampoo_beta1, 0, 0.999999,
        "Shampoo's first moment: the filtered gradient, preconditioned and grafted (0: off)");
+  SPEC("shampoo-nesterov", K_INT, &o->shampoo_nesterov, 0, 1,
+       "Nesterov look-ahead of Shampoo's first moment (1: on, 0: off)");
   SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
        "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
@@ -514,9 +517,8 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
   tr_options_resolve(opts);
   if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
     return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
-  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0) &&
-      !(opts->shampoo_beta1 > 0))
-    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum or --shampoo-beta1 > 0");
+  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
   if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
     return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
   return TR_OK;
@@ -1001,7 +1003,7 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
     so.momentum = (float)opts->shampoo_momentum;
     so.nesterov = opts->nesterov && opts->shampoo_momentum > 0;
     so.beta1 = (float)opts->shampoo_beta1;
-    so.beta1_nesterov = opts->nesterov && !(opts->shampoo_momentum > 0);
+    so.beta1_nesterov = opts->shampoo_nesterov && so.beta1 > 0.0f;
     so.one_sided = opts->one_sided;
     so.weight_decay = (float)opts->weight_decay;
     so.stats_interval = opts->stat_every;
