@@ -367,13 +367,14 @@ void pd_job_free(pd_job *job, pd_stats *stats);
 /* Returns 1 when two jobs have the same mode, options and tensors. */
 int pd_job_same(const pd_job *a, const pd_job *b);
 
-/* Bytes the job needs: statistics and one result per unit. */
+/* Bytes the job needs: its records (names, shapes, blocks), statistics and one result per
+ * unit. */
 size_t pd_job_bytes(const pd_job *job);
 
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
  * its zeroed statistics if they are not allocated yet. *existing gets a job of the same
  * name if there is one (then nothing is added, PD_OK is returned and the caller keeps job).
- * PD_ELIMIT when over the memory limit, PD_ENOMEM. */
+ * PD_ELIMIT when over the memory limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
 /* The job of that name or NULL. Jobs are never freed while the store lives. */
@@ -540,6 +541,7 @@ void pd_server_stop(pd_server *srv, double grace_s);
 /* limits.c                                                                               */
 
 #define PD_MAX_TENSORS 65536u                /* tensors in one job */
+#define PD_MAX_JOBS 1024u                    /* jobs in the store */
 #define PD_MAX_STEP ((uint64_t)1 << 53)      /* steps above are refused: exact in a double */
 
 /* The size limit of method m's requests: its own, never above cfg->max_message_bytes. */

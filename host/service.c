@@ -141,9 +141,10 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
   rc = pd_store_add(&d->store, job, &existing);
   if (rc == PD_ELIMIT) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
-             "tensors: the job needs %zu bytes for statistics and roots, above what is left "
-             "of the memory limit of %zu bytes (--memory-limit-mb)",
-             pd_job_bytes(job), d->cfg.memory_limit_bytes);
+             "tensors: the job needs %zu bytes for its records, statistics and roots, above "
+             "what is left of the memory limit of %zu bytes (--memory-limit-mb), or the "
+             "daemon holds %u jobs already", pd_job_bytes(job), d->cfg.memory_limit_bytes,
+             PD_MAX_JOBS);
     goto cleanup;
   }
   if (rc != PD_OK) {
