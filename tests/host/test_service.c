@@ -142,10 +142,10 @@ static void test_register(void **state) {
   assert_int_equal(reg(d, "", 8, 8, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
   assert_int_equal(reg(d, "big", 4096, 4096, 4096, NULL, why),
                    GRPC_STATUS_RESOURCE_EXHAUSTED);
-  Precond__V1__RegisterRequest kfac = PRECOND__V1__REGISTER_REQUEST__INIT;
-  kfac.job = (char *)"k";
-  kfac.mode = PRECOND__V1__MODE__MODE_KFAC;
-  assert_int_equal(handle(d, PD_M_REGISTER, &kfac.base, NULL, 0, NULL, NULL, why),
+  Precond__V1__RegisterRequest abs = PRECOND__V1__REGISTER_REQUEST__INIT;
+  abs.job = (char *)"k";
+  abs.mode = PRECOND__V1__MODE__MODE_ABS;
+  assert_int_equal(handle(d, PD_M_REGISTER, &abs.base, NULL, 0, NULL, NULL, why),
                    GRPC_STATUS_UNIMPLEMENTED);
   assert_int_equal(handle(d, PD_M_REGISTER, NULL, "\xff\xff", 2, NULL, NULL, why),
                    GRPC_STATUS_INVALID_ARGUMENT);
