@@ -1026,11 +1026,15 @@ void ac_adamw_destroy(ac_adamw *opt);
  * the same order. A parameter the layout marks diagonal has no blocks.
  *
  * The update of a parameter at step t:
- *   D = grafted direction of the whole grad (pc_graft_direction_f32's formulas, on the
- *       device; normalisation over the whole tensor);
+ *   M = G, or with beta1 > 0 the first moment f = b1 f + (1 - b1) G, M = f / (1 - b1^t)
+ *       (beta1_nesterov: M = b1 f / (1 - b1^(t+1)) + (1 - b1) G / (1 - b1^t));
+ *   D = grafted direction of M (pc_graft_direction_f32's formulas, on the device; their
+ *       second moments from G; normalisation over the whole tensor; with beta1 > 0 the
+ *       Adam graft keeps no first moment of its own: M is it);
  *   for each block b: if t >= start_step, b holds a root, and its staleness
  *       t - source_step is within max_staleness (when that is set),
- *       P_b = L_b^(-1/4) G_b R_b^(-1/4) (a missing side is the identity), rescaled to
+ *       P_b = L_b^(-1/4) M_b R_b^(-1/4) (a missing side is the identity; one_sided: only
+ *       the root of the smaller side of order > 1), rescaled to
  *       |D_b| (Frobenius; P_b replaced by D_b when |P_b| is 0 or not finite), else
  *       P_b = D_b (the grafted fallback, counted);
  *   buf = mu buf + P;  U = nesterov ? P + mu buf : buf;  p -= lr (U + wd p).
@@ -1054,6 +1058,13 @@ typedef struct {
    * the worker itself hands out raw G G^T increments and does not use them. */
   float beta2;            /* [0, 1]. Default 1 */
   double epsilon;         /* > 0. Default 1e-6 */
+  float beta1;            /* first moment of the gradient in [0, 1); 0: off (M = G). Not
+                             with the normed grafts. Default 0 */
+  int beta1_nesterov;     /* Nesterov look-ahead of the first moment; needs beta1 > 0.
+                             Default 0 */
+  int one_sided;          /* 1: apply one root per block (the caller registers root
+                             exponent 2, so P_b = L_b^(-1/2) M_b or M_b R_b^(-1/2)).
+                             Default 0 */
 } ac_shampoo_opts;
 
 void ac_shampoo_opts_default(ac_shampoo_opts *opts);

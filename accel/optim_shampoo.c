@@ -3,8 +3,13 @@
  * statistics G G^T and G^T G of every block computed on the device and handed out packed,
  * roots received from the caller and kept on the device, and the update
  *
- *   P_b = L_b^(-1/4) G_b R_b^(-1/4),  grafted block by block to the norm of a simple
- *   optimizer's direction D (Agarwal et al. 2020), then momentum and weight decay.
+ *   M = the first moment of G (beta1 filter, bias-corrected; G itself when beta1 is 0),
+ *   P_b = L_b^(-1/4) M_b R_b^(-1/4),  grafted block by block to the norm of a simple
+ *   optimizer's direction D of M (Agarwal et al. 2020), then momentum and weight decay.
+ *
+ * The first moment is Distributed Shampoo's (Shi et al. 2023): one filtered gradient feeds
+ * both the Shampoo direction and the graft, while the statistics and the graft's second
+ * moment see the raw gradient.
  *
  * The block layout and the grafting rules are the numerics core's (pc_layout_init,
  * pc_graft_*), evaluated here with the backend's primitives instead of host loops. Grafting
@@ -34,6 +39,7 @@ typedef struct {
   pc_layout layout;
   size_t first_block;    /* id of its first block */
   float *m, *v, *buf;    /* graft moments and momentum (NULL where unused) */
+  float *f;              /* first moment of the gradient (NULL when beta1 is 0) */
 } shampoo_param;
 
 struct ac_shampoo {
@@ -47,6 +53,7 @@ struct ac_shampoo {
   float *stats_dev, *stats_host;
   int stats_valid;
   float *d, *a, *b;      /* scratch of max numel: the direction D and two temporaries */
+  float *x;              /* scratch of max numel: the (filtered) gradient M of the step */
   float *t;              /* scratch of the largest block: L G_b */
   float *stage;          /* packed roots on their way to the dense form */
   size_t max_blocks;     /* most blocks of one parameter */
@@ -70,6 +77,9 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts)
   opts->max_staleness = 0;
   opts->beta2 = 1.0f;
   opts->epsilon = 1e-6;
+  opts->beta1 = 0.0f;
+  opts->beta1_nesterov = 0;
+  opts->one_sided = 0;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -81,10 +91,12 @@ static int graft_opts_check(const pc_graft_opts *g)
   case PC_GRAFT_SGD:
     return AC_OK;
   case PC_GRAFT_ADAM_NORMED:
+  case PC_GRAFT_ADAM:
     if (!ac__optim_in_range(g->beta1, 0.0, 1.0))
       return AC_EINVAL;
     /* fall through */
   case PC_GRAFT_RMSPROP_NORMED:
+  case PC_GRAFT_RMSPROP:
     if (!ac__optim_in_range(g->beta2, 0.0, 1.0))
       return AC_EINVAL;
     /* fall through */
@@ -101,7 +113,14 @@ static int shampoo_opts_check(const ac_shampoo_opts *o)
       graft_opts_check(&o->graft) != AC_OK ||
       !ac__optim_momentum_opts_ok(o->momentum, o->nesterov, o->weight_decay) ||
       o->stats_interval < 1 || o->start_step < 1 || o->max_staleness < 0 ||
-      !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) || !isfinite(o->epsilon))
+      !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) || !isfinite(o->epsilon) ||
+      !ac__optim_in_range(o->beta1, 0.0, 1.0) || (o->beta1_nesterov != 0 && o->beta1_nesterov != 1) ||
+      (o->beta1_nesterov && o->beta1 == 0.0f) || (o->one_sided != 0 && o->one_sided != 1))
+    return AC_EINVAL;
+  /* The normed grafts divide by |G| of the raw gradient; the filtered one has no such norm
+   * that means the same thing, so they take the raw gradient only. */
+  if (o->beta1 > 0.0f &&
+      (o->graft.kind == PC_GRAFT_RMSPROP_NORMED || o->graft.kind == PC_GRAFT_ADAM_NORMED))
     return AC_EINVAL;
   return AC_OK;
 }
@@ -141,6 +160,7 @@ void ac_shampoo_destroy(ac_shampoo *s)
     ac_free(s->be, sp->m);
     ac_free(s->be, sp->v);
     ac_free(s->be, sp->buf);
+    ac_free(s->be, sp->f);
     pc_layout_destroy(&sp->layout);
   }
   for (size_t b = 0; s->blocks != NULL && b < s->nblocks; b++) {
@@ -151,6 +171,7 @@ void ac_shampoo_destroy(ac_shampoo *s)
   ac_free(s->be, s->d);
   ac_free(s->be, s->a);
   ac_free(s->be, s->b);
+  ac_free(s->be, s->x);
   ac_free(s->be, s->t);
   ac_free(s->be, s->stage);
   ac_free(s->be, s->norms_dev);
@@ -215,7 +236,15 @@ static int make_blocks(ac_shampoo *s)
   return AC_OK;
 }
 
-/* Per-parameter device state: graft moments as the kind needs them, and momentum. */
+/* Whether the graft keeps its own first moment: Adam's, unless the step's first moment is
+ * on, which then is the graft's too (Distributed Shampoo's Adam graft is RMSprop applied
+ * to the filtered gradient). */
+static int graft_own_m(const ac_shampoo_opts *o)
+{
+  return o->graft.kind == PC_GRAFT_ADAM_NORMED || (o->graft.kind == PC_GRAFT_ADAM && o->beta1 == 0.0f);
+}
+
+/* Per-parameter device state: graft moments as the kind needs them, first moment, momentum. */
 static int make_state(ac_shampoo *s)
 {
   const pc_graft kind = s->opts.graft.kind;
@@ -223,8 +252,10 @@ static int make_state(ac_shampoo *s)
     shampoo_param *sp = &s->params[i];
     size_t n = sp->p->value.numel;
     int rc = AC_OK;
-    if (kind == PC_GRAFT_ADAM_NORMED)
+    if (graft_own_m(&s->opts))
       rc = ac__optim_zeros(s->be, n, &sp->m);
+    if (rc == AC_OK && s->opts.beta1 > 0.0f)
+      rc = ac__optim_zeros(s->be, n, &sp->f);
     if (rc == AC_OK && kind != PC_GRAFT_SGD)
       rc = ac__optim_zeros(s->be, n, &sp->v);
     if (rc == AC_OK && s->opts.momentum > 0.0f)
@@ -283,9 +314,9 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
   s->norms_host = malloc((2 * s->max_blocks + 1) * sizeof(float));
   if (s->stats_host == NULL || s->norms_host == NULL)
     goto fail;
-  size_t nbytes[] = {max_numel, max_numel, max_numel, max_block, ac_packed_len(max_order),
-                     2 * s->max_blocks, s->stats_len};
-  float **bufs[] = {&s->d, &s->a, &s->b, &s->t, &s->stage, &s->norms_dev, &s->stats_dev};
+  size_t nbytes[] = {max_numel, max_numel, max_numel, max_numel, max_block,
+                     ac_packed_len(max_order), 2 * s->max_blocks, s->stats_len};
+  float **bufs[] = {&s->d, &s->a, &s->b, &s->x, &s->t, &s->stage, &s->norms_dev, &s->stats_dev};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
     rc = ac_malloc(be, nbytes[i] * sizeof(float), (void **)bufs[i]);
     if (rc != AC_OK)
@@ -453,21 +484,38 @@ int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
 /* ------------------------------------------------------------------------------------ */
 /* The step                                                                                */
 
-/* The grafted direction d of the whole gradient g (n values), with the formulas of
- * pc_graft_direction_f32, using the scratch buffers a and b. t is the step (>= 1). */
-static int graft_direction(ac_shampoo *s, size_t n, const float *g, float *m, float *v, long t,
-                           float *d)
+/* The first moment of gradient g (n values) at step t into x: f = b1 f + (1 - b1) g, then
+ * x = f / (1 - b1^t), or with Nesterov the look-ahead of Dozat (2016),
+ * x = b1 f / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t). */
+static int first_moment(ac_shampoo *s, size_t n, const float *g, float *f, long t, float *x)
+{
+  const double b1 = s->opts.beta1, c1 = 1.0 - pow(b1, (double)t);
+  int rc = ac_axpby(s->be, n, (float)(1.0 - b1), g, (float)b1, f, f);
+  if (rc != AC_OK)
+    return rc;
+  if (!s->opts.beta1_nesterov)
+    return ac_affine(s->be, n, (float)(1.0 / c1), f, 0.0f, x);
+  const double c1next = 1.0 - pow(b1, (double)(t + 1));
+  return ac_axpby(s->be, n, (float)((1.0 - b1) / c1), g, (float)(b1 / c1next), f, x);
+}
+
+/* The grafted direction d of the step's gradient x (the first moment, or g itself), with
+ * the formulas of pc_graft_direction_f32 (its second moment from the raw gradient g),
+ * using the scratch buffers a and b. t is the step (>= 1). */
+static int graft_direction(ac_shampoo *s, size_t n, const float *g, const float *x, float *m,
+                           float *v, long t, float *d)
 {
   ac_backend *be = s->be;
   const pc_graft_opts *o = &s->opts.graft;
+  const int normed = o->kind == PC_GRAFT_RMSPROP_NORMED || o->kind == PC_GRAFT_ADAM_NORMED;
   const float eps = (float)o->eps, b1 = (float)o->beta1, b2 = (float)o->beta2;
   float *a = s->a, *b = s->b;
-  const float *x = g; /* the gradient, or g / |g| for the normalised kinds */
   int rc = AC_OK;
 
   if (o->kind == PC_GRAFT_SGD)
-    return ac_memcpy_d2d(be, d, g, n * sizeof(float));
-  if (o->kind == PC_GRAFT_RMSPROP_NORMED || o->kind == PC_GRAFT_ADAM_NORMED) {
+    return ac_memcpy_d2d(be, d, x, n * sizeof(float));
+  if (normed) {
+    /* x is g here (create refuses a first moment with the normed kinds) */
     double sq = 0.0;
     rc = ac_sumsq_to_host(be, n, g, &sq);
     const double inv = sq > 0.0 ? 1.0 / sqrt(sq) : 0.0; /* a zero gradient stays zero */
@@ -480,54 +528,58 @@ static int graft_direction(ac_shampoo *s, size_t n, const float *g, float *m, fl
       if (rc == AC_OK)
         rc = ac_affine(be, n, (float)sqrt(inv), a, 0.0f, a);
     }
-    x = a;
+    g = x = a;
   }
-  /* b = x^2, then the second moment */
+  /* b = g^2, then the second moment */
   if (rc == AC_OK)
-    rc = ac_binary(be, AC_BIN_MUL, n, x, x, b);
+    rc = ac_binary(be, AC_BIN_MUL, n, g, g, b);
   if (rc == AC_OK)
     rc = o->kind == PC_GRAFT_ADAGRAD ? ac_axpby(be, n, 1.0f, b, 1.0f, v, v)
                                      : ac_axpby(be, n, 1.0f - b2, b, b2, v, v);
-  if (o->kind != PC_GRAFT_ADAM_NORMED) {
-    /* d = x / (sqrt(v) + eps) */
-    if (rc == AC_OK)
-      rc = ac_unary(be, AC_UNARY_SQRT, n, v, b);
-    if (rc == AC_OK)
-      rc = ac_affine(be, n, 1.0f, b, eps, b);
-    if (rc == AC_OK)
-      rc = ac_binary(be, AC_BIN_DIV, n, x, b, d);
-    return rc;
-  }
-  /* Adam: m = b1 m + (1 - b1) x; d = (m / c1) / (sqrt(v / c2) + eps) */
-  const double c1 = 1.0 - pow(o->beta1, (double)t), c2 = 1.0 - pow(o->beta2, (double)t);
-  if (rc == AC_OK)
-    rc = ac_axpby(be, n, 1.0f - b1, x, b1, m, m);
-  if (rc == AC_OK)
+  /* b = sqrt(v / c2) + eps; no bias correction for AdaGrad (a sum) and Lingvo's
+   * rmsprop-normed */
+  const int bias = o->kind != PC_GRAFT_ADAGRAD && o->kind != PC_GRAFT_RMSPROP_NORMED;
+  const double c2 = bias ? 1.0 - pow(o->beta2, (double)t) : 1.0;
+  if (rc == AC_OK && bias)
     rc = ac_affine(be, n, (float)(1.0 / c2), v, 0.0f, b);
   if (rc == AC_OK)
-    rc = ac_unary(be, AC_UNARY_SQRT, n, b, b);
+    rc = ac_unary(be, AC_UNARY_SQRT, n, bias ? b : v, b);
   if (rc == AC_OK)
     rc = ac_affine(be, n, 1.0f, b, eps, b);
+  if (rc == AC_OK && m != NULL) {
+    /* Adam's own first moment: m = b1 m + (1 - b1) x; the numerator m / c1 */
+    const double c1 = 1.0 - pow(o->beta1, (double)t);
+    rc = ac_axpby(be, n, 1.0f - b1, x, b1, m, m);
+    if (rc == AC_OK)
+      rc = ac_affine(be, n, (float)(1.0 / c1), m, 0.0f, d);
+    x = d;
+  }
   if (rc == AC_OK)
-    rc = ac_affine(be, n, (float)(1.0 / c1), m, 0.0f, d);
-  if (rc == AC_OK)
-    rc = ac_binary(be, AC_BIN_DIV, n, d, b, d);
+    rc = ac_binary(be, AC_BIN_DIV, n, x, b, d);
   return rc;
 }
 
-/* P_b = L G_b R into the contiguous rows x cols buffer p (a missing root: identity). */
+/* P_b = L G_b R into the contiguous rows x cols buffer p (a missing root: identity). One-sided:
+ * only the root of the smaller side of order > 1 (a rank-1 block's n x 1 view has a scalar
+ * right factor, which grafting would cancel anyway). */
 static int precondition_block(ac_shampoo *s, const shampoo_block *sb, const float *g, size_t ld,
                               float *p)
 {
   const size_t r = sb->blk.rows, c = sb->blk.cols;
-  if (sb->has_left && sb->has_right) {
+  int has_left = sb->has_left, has_right = sb->has_right;
+  if (s->opts.one_sided && has_left && has_right) {
+    const int left_side = c == 1 || (r <= c && r > 1);
+    has_left = left_side;
+    has_right = !left_side;
+  }
+  if (has_left && has_right) {
     int rc = ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, r, 1.0f, sb->lroot, r, g, ld,
                       0.0f, s->t, c);
     return rc == AC_OK ? ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, c, 1.0f, s->t, c,
                                   sb->rroot, c, 0.0f, p, c)
                        : rc;
   }
-  if (sb->has_left)
+  if (has_left)
     return ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, r, 1.0f, sb->lroot, r, g, ld, 0.0f,
                     p, c);
   return ac_sgemm(s->be, AC_NO_TRANS, AC_NO_TRANS, r, c, c, 1.0f, g, ld, sb->rroot, c, 0.0f, p,
@@ -546,11 +598,11 @@ static int roots_usable(const ac_shampoo *s, const shampoo_block *sb, long t, lo
 }
 
 /* Overwrites the blocks of d (the parameter's grafted direction, its 2-D view) that hold
- * roots with their preconditioned direction rescaled to d's block norm; counts fallbacks. */
-static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, float *d)
+ * roots with the preconditioned step gradient g (the first moment, or the raw gradient)
+ * rescaled to d's block norm; counts fallbacks. */
+static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, const float *g, float *d)
 {
   const size_t ld = sp->layout.cols;
-  const float *g = ac_tensor_f32(&sp->p->grad);
   size_t used = 0, off = 0;
   long age = 0;
   int rc = AC_OK;
@@ -621,10 +673,16 @@ int ac_shampoo_step(ac_shampoo *s, float lr)
     shampoo_param *sp = &s->params[i];
     const size_t n = sp->p->value.numel;
     float *p = ac_tensor_f32(&sp->p->value);
-    const float *u = s->d;
-    int rc = graft_direction(s, n, ac_tensor_f32(&sp->p->grad), sp->m, sp->v, t, s->d);
+    const float *u = s->d, *g = ac_tensor_f32(&sp->p->grad), *x = g;
+    int rc = AC_OK;
+    if (sp->f != NULL) {
+      rc = first_moment(s, n, g, sp->f, t, s->x);
+      x = s->x;
+    }
+    if (rc == AC_OK)
+      rc = graft_direction(s, n, g, x, sp->m, sp->v, t, s->d);
     if (rc == AC_OK && !sp->layout.diagonal)
-      rc = precondition_param(s, sp, t, s->d);
+      rc = precondition_param(s, sp, t, x, s->d);
     /* buf = mu buf + P; U = nesterov ? P + mu buf : buf */
     if (rc == AC_OK && sp->buf != NULL)
       rc = ac__optim_momentum(s->be, n, mu, s->opts.nesterov, s->d, sp->buf, s->d, &u);

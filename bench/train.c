@@ -123,7 +123,7 @@ typedef struct {
   const char *help;
 } tr__spec;
 
-#define TR__NCOMMON 32
+#define TR__NCOMMON 36
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
@@ -141,14 +141,19 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
   SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
-  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo)");
+  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0,
+       "Nesterov momentum (sgd; shampoo: on its momentum, else on its first moment)");
   SPEC("block-size", K_LONG, &o->block_size, 1, 8192, "Shampoo block size");
   SPEC("stat-beta2", K_DOUBLE, &o->stat_beta2, 1e-6, 1, "Shampoo statistics EMA (1: sum)");
   SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 1e-12, 1, "Shampoo relative ridge");
   SPEC("graft", K_GRAFT, &o->graft, 0, 0,
-       "Shampoo's grafted step: sgd, adagrad, rmsprop-normed, adam-normed");
+       "Shampoo's grafted step: sgd, adagrad, rmsprop-normed, adam-normed, rmsprop, adam");
   SPEC("shampoo-momentum", K_DOUBLE, &o->shampoo_momentum, 0, 0.999999,
        "momentum on Shampoo's grafted direction");
+  SPEC("shampoo-beta1", K_DOUBLE, &o->shampoo_beta1, 0, 0.999999,
+       "Shampoo's first moment: the filtered gradient, preconditioned and grafted (0: off)");
+  SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
+       "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->roots_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
@@ -281,14 +286,14 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
       return -1;
     }
     case K_GRAFT: {
-      for (int k = PC_GRAFT_SGD; k <= PC_GRAFT_ADAM_NORMED; k++) {
+      for (int k = PC_GRAFT_SGD; k < PC_GRAFT_COUNT; k++) {
         if (strcmp(v, pc_graft_name((pc_graft)k)) == 0) {
           *(int *)s->dest = k;
           return 0;
         }
       }
       tr__fail(err, TR_EINVAL, "--graft: '%s' is not one of sgd, adagrad, rmsprop-normed, "
-               "adam-normed", v);
+               "adam-normed, rmsprop, adam", v);
       return -1;
     }
     case K_BACKEND: {
@@ -365,8 +370,9 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     return tr__fail(err, TR_EINVAL, "no training length: give --steps or --epochs");
   if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
     return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
-  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
-    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
+  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0) &&
+      !(opts->shampoo_beta1 > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum or --shampoo-beta1 > 0");
   if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
     return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
   return TR_OK;
@@ -587,7 +593,10 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   so->graft.beta2 = opts->beta2;
   so->graft.eps = opts->eps;
   so->momentum = (float)opts->shampoo_momentum;
-  so->nesterov = opts->nesterov;
+  so->nesterov = opts->nesterov && opts->shampoo_momentum > 0;
+  so->beta1 = (float)opts->shampoo_beta1;
+  so->beta1_nesterov = opts->nesterov && !(opts->shampoo_momentum > 0);
+  so->one_sided = opts->one_sided;
   so->weight_decay = (float)opts->weight_decay;
   so->stats_interval = opts->stat_every;
   so->start_step = opts->roots_start;

@@ -72,6 +72,8 @@ typedef struct {
   double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
   int graft;               /* pc_graft: the grafted step (default PC_GRAFT_ADAM_NORMED) */
   double shampoo_momentum; /* momentum on the grafted direction (default 0) */
+  double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off */
+  int one_sided;           /* 1: one root per block, exponent 1/2 (default: 1/4 per side) */
   long stat_every;         /* push statistics every N steps (default 1) */
   long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */

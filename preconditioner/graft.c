@@ -19,6 +19,8 @@ const char *pc_graft_name(pc_graft kind) {
     case PC_GRAFT_ADAGRAD: return "adagrad";
     case PC_GRAFT_RMSPROP_NORMED: return "rmsprop-normed";
     case PC_GRAFT_ADAM_NORMED: return "adam-normed";
+    case PC_GRAFT_RMSPROP: return "rmsprop";
+    case PC_GRAFT_ADAM: return "adam";
   }
   return "unknown";
 }
@@ -41,10 +43,12 @@ static int graft_check(size_t count, const float *g, const pc_graft_opts *opts, 
     case PC_GRAFT_SGD:
       break;
     case PC_GRAFT_ADAM_NORMED:
+    case PC_GRAFT_ADAM:
       /* Adam needs everything RMSprop needs, and m. */
       if (m == NULL || !(opts->beta1 >= 0.0 && opts->beta1 < 1.0)) return PC_EINVAL;
       /* fall through */
     case PC_GRAFT_RMSPROP_NORMED:
+    case PC_GRAFT_RMSPROP:
       if (!(opts->beta2 >= 0.0 && opts->beta2 < 1.0)) return PC_EINVAL;
       /* fall through */
     case PC_GRAFT_ADAGRAD:
@@ -82,25 +86,20 @@ static void adagrad(size_t count, const float *g, double eps, float *v, float *d
   }
 }
 
-static void rmsprop_normed(size_t count, const float *g, double beta2, double eps, float *v,
-                           float *d) {
-  const double s = inv_norm(count, g);
+/* RMSprop (m NULL) or Adam of x = g * s: s = 1/|g| for the normed kinds, 1 for the plain
+ * ones. bias says whether v is bias-corrected (all but Lingvo's RMSPROP_NORMED). */
+static void moments(size_t count, const float *g, double s, double beta1, double beta2,
+                    double eps, long step, int bias, float *m, float *v, float *d) {
+  const double c1 = 1.0 - pow(beta1, (double)step);
+  const double c2 = bias ? 1.0 - pow(beta2, (double)step) : 1.0;
   for (size_t i = 0; i < count; i++) {
-    double gn = g[i] * s;
-    v[i] = (float)(beta2 * v[i] + (1.0 - beta2) * gn * gn);
-    d[i] = (float)(gn / (sqrt((double)v[i]) + eps));
-  }
-}
-
-static void adam_normed(size_t count, const float *g, double beta1, double beta2, double eps,
-                        long step, float *m, float *v, float *d) {
-  const double s = inv_norm(count, g);
-  const double c1 = 1.0 - pow(beta1, (double)step), c2 = 1.0 - pow(beta2, (double)step);
-  for (size_t i = 0; i < count; i++) {
-    double gn = g[i] * s;
-    m[i] = (float)(beta1 * m[i] + (1.0 - beta1) * gn);
-    v[i] = (float)(beta2 * v[i] + (1.0 - beta2) * gn * gn);
-    d[i] = (float)((m[i] / c1) / (sqrt(v[i] / c2) + eps));
+    double x = g[i] * s;
+    v[i] = (float)(beta2 * v[i] + (1.0 - beta2) * x * x);
+    if (m != NULL) {
+      m[i] = (float)(beta1 * m[i] + (1.0 - beta1) * x);
+      x = m[i] / c1;
+    }
+    d[i] = (float)(x / (sqrt(v[i] / c2) + eps));
   }
 }
 
@@ -116,10 +115,17 @@ int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *op
       adagrad(count, g, opts->eps, v, d);
       break;
     case PC_GRAFT_RMSPROP_NORMED:
-      rmsprop_normed(count, g, opts->beta2, opts->eps, v, d);
+      moments(count, g, inv_norm(count, g), 0.0, opts->beta2, opts->eps, step, 0, NULL, v, d);
       break;
     case PC_GRAFT_ADAM_NORMED:
-      adam_normed(count, g, opts->beta1, opts->beta2, opts->eps, step, m, v, d);
+      moments(count, g, inv_norm(count, g), opts->beta1, opts->beta2, opts->eps, step, 1, m, v,
+              d);
+      break;
+    case PC_GRAFT_RMSPROP:
+      moments(count, g, 1.0, 0.0, opts->beta2, opts->eps, step, 1, NULL, v, d);
+      break;
+    case PC_GRAFT_ADAM:
+      moments(count, g, 1.0, opts->beta1, opts->beta2, opts->eps, step, 1, m, v, d);
       break;
   }
   return PC_OK;

@@ -212,23 +212,33 @@ int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double
 /* The grafting rules, elementwise over the count values of one call, at step t >= 1.
  * |g| is the Frobenius norm of those count values, so normalisation is per call: call per
  * block to graft block by block, per tensor for a diagonal tensor. gn = g / |g|, and
- * gn = 0 when |g| = 0. b1, b2, eps come from pc_graft_opts.
+ * gn = 0 when |g| = 0. b1, b2, eps come from pc_graft_opts; c1 = 1 - b1^t, c2 = 1 - b2^t.
  *   SGD:              d = g
  *   ADAGRAD:          v <- v + g^2;                        d = g / (sqrt(v) + eps)
  *   RMSPROP_NORMED:   v <- b2 v + (1-b2) gn^2;             d = gn / (sqrt(v) + eps)
- *                     (no bias correction)
+ *                     (no bias correction: Lingvo's rule)
  *   ADAM_NORMED:      m <- b1 m + (1-b1) gn;  v <- b2 v + (1-b2) gn^2;
- *                     d = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+ *                     d = (m / c1) / (sqrt(v / c2) + eps)
+ *   RMSPROP:          v <- b2 v + (1-b2) g^2;              d = g / (sqrt(v / c2) + eps)
+ *   ADAM:             m <- b1 m + (1-b1) g;   v <- b2 v + (1-b2) g^2;
+ *                     d = (m / c1) / (sqrt(v / c2) + eps)   (Adam, Kingma & Ba 2015)
+ * The plain RMSPROP and ADAM are Distributed Shampoo's grafts (Shi et al. 2023): without
+ * the normalisation their step length is the optimizer's own, and the bias correction keeps
+ * the first steps from being 1/sqrt(1 - b2) too large.
  * State m, v is fp32; arithmetic is fp64 and rounded on store. */
 typedef enum {
   PC_GRAFT_SGD = 0,          /* d = g */
   PC_GRAFT_ADAGRAD,          /* v += g^2;                     d = g / (sqrt(v) + eps) */
   PC_GRAFT_RMSPROP_NORMED,   /* gn = g/|g|; v = b2 v + (1-b2) gn^2; d = gn / (sqrt(v) + eps) */
-  PC_GRAFT_ADAM_NORMED       /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
+  PC_GRAFT_ADAM_NORMED,      /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
+  PC_GRAFT_RMSPROP,          /* v = b2 v + (1-b2) g^2;  d = g / (sqrt(v / c2) + eps) */
+  PC_GRAFT_ADAM              /* m, v Adam moments of g (bias-corrected) */
 } pc_graft;
 
-/* Short lowercase name ("sgd", "adagrad", "rmsprop-normed", "adam-normed"); "unknown" for
- * a value outside the enum. Never NULL. */
+#define PC_GRAFT_COUNT 6   /* the kinds above are 0 .. PC_GRAFT_COUNT - 1 */
+
+/* Short lowercase name ("sgd", "adagrad", "rmsprop-normed", "adam-normed", "rmsprop",
+ * "adam"); "unknown" for a value outside the enum. Never NULL. */
 const char *pc_graft_name(pc_graft kind);
 
 typedef struct {

@@ -10,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ac_shampoo applies L^(-1/4) G R^(-1/4) (accel.h), so the daemon must compute 4th roots:
- * the exponent follows from the worker's formula, it is not a tunable. */
-enum { PT__SHAMPOO_ROOT_EXPONENT = 4 };
+/* The root exponent follows from the worker's formula (accel.h), it is not a tunable:
+ * ac_shampoo applies L^(-1/4) G R^(-1/4), or one side's ^(-1/2) when one_sided. */
+static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
+  return so->one_sided ? 2 : 4;
+}
 
 typedef struct {
   ac_shampoo *opt;          /* owned */
@@ -36,7 +38,7 @@ static void pt__shampoo_register_opts(const pt_trainer *t, precond_shampoo_opts 
   out->block_size = (uint32_t)so->layout.block_size;
   out->skip_limit = (uint32_t)so->layout.skip_limit;
   out->beta2 = so->beta2;
-  out->root_exponent = PT__SHAMPOO_ROOT_EXPONENT;
+  out->root_exponent = pt__shampoo_root_exponent(so);
   out->epsilon = so->epsilon;
   out->method = PRECOND_METHOD_NEWTON;
 }

@@ -36,7 +36,7 @@ static float frand(void)
  *   "a" 5 x 7      -> blocks 4x4, 4x3, 1x4, 1x3
  *   "b" 3 x 2 x 5  -> view 3 x 10, blocks 3x4, 3x4, 3x2
  *   "c" 6          -> rank 1: diagonal
- *   "d" 2 x 9      -> cols above the skip limit: diagonal */
+ *   "d" 2 x 13     -> cols above the skip limit: diagonal */
 enum { NPAR = 4, NBLK = 7 };
 static const int ranks[NPAR] = {2, 3, 1, 2};
 static const size_t dims[NPAR][3] = {{5, 7, 0}, {3, 2, 5}, {6, 0, 0}, {2, 13, 0}};
@@ -428,7 +428,7 @@ static void test_apply_each_graft(void **state)
 {
   ac_backend *be = backend(state);
   const pc_graft kinds[] = {PC_GRAFT_SGD, PC_GRAFT_ADAGRAD, PC_GRAFT_RMSPROP_NORMED,
-                            PC_GRAFT_ADAM_NORMED};
+                            PC_GRAFT_ADAM_NORMED, PC_GRAFT_RMSPROP, PC_GRAFT_ADAM};
   for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
     world w;
     ac_shampoo *s = NULL;
@@ -694,6 +694,19 @@ static void test_create_errors(void **state)
   o.momentum = 0.0f;
   o.nesterov = 1;
   assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);
+  o = good;
+  o.beta1_nesterov = 1; /* needs beta1 > 0 */
+  assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);
+  o.beta1 = 1.0f;
+  assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);
+  o.beta1 = 0.9f; /* the normed grafts take the raw gradient only */
+  assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);
+  o.graft.kind = PC_GRAFT_ADAM;
+  OK(ac_shampoo_create(&s, w.ptrs, NPAR, &o));
+  ac_shampoo_destroy(s);
+  s = NULL;
+  o.one_sided = 2;
+  assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);
   assert_int_equal(ac_shampoo_create(NULL, w.ptrs, NPAR, &good), AC_EINVAL);
   assert_int_equal(ac_shampoo_create(&s, NULL, NPAR, &good), AC_EINVAL);
   assert_int_equal(ac_shampoo_create(&s, w.ptrs, 0, &good), AC_EINVAL);
@@ -740,6 +753,153 @@ static void test_scalar_param(void **state)
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* First moment                                                                            */
+
+/* One 2 x 2 parameter (one block), grads g1 then g2, beta1 0.5, SGD graft (D = M), and a
+ * left root diag(1, 2) from step 1: each step must be -lr * P with P = L M rescaled to |M|,
+ * M the bias-corrected first moment worked out by hand below. */
+static void check_first_moment(ac_backend *be, int nesterov)
+{
+  static const float g[2][4] = {{1, 2, 3, 4}, {3, 2, 1, 0}};
+  /* f1 = 0.5 g1 = (.5, 1, 1.5, 2); f2 = 0.5 f1 + 0.5 g2 = (1.75, 1.5, 1.25, 1).
+   * Plain:    M1 = f1 / 0.5 = g1;  M2 = f2 / 0.75.
+   * Nesterov: M_t = 0.5 f_t / (1 - 0.5^(t+1)) + 0.5 g_t / (1 - 0.5^t):
+   *           M1 = f1 / 1.5 + g1;  M2 = f2 / 1.75 + g2 / 1.5. */
+  static const double plain[2][4] = {{1, 2, 3, 4},
+                                     {1.75 / 0.75, 1.5 / 0.75, 1.25 / 0.75, 1.0 / 0.75}};
+  static const double nest[2][4] = {{0.5 / 1.5 + 1, 1 / 1.5 + 2, 1.5 / 1.5 + 3, 2 / 1.5 + 4},
+                                    {1.75 / 1.75 + 2, 1.5 / 1.75 + 2 / 1.5,
+                                     1.25 / 1.75 + 1 / 1.5, 1.0 / 1.75}};
+  const size_t shape[2] = {2, 2};
+  const float lroot[4] = {1, 0, 0, 2}, lr = 0.1f;
+  ac_param p;
+  ac_param *ptr = &p;
+  ac_shampoo *s = NULL;
+  ac_shampoo_opts o;
+  float v[4] = {0}, before[4] = {0};
+
+  OK(ac_param_init(&p, be, "w", 2, shape));
+  OK(ac_tensor_upload(&p.value, v));
+  base_opts(&o, PC_GRAFT_SGD);
+  o.beta1 = 0.5f;
+  o.beta1_nesterov = nesterov;
+  OK(ac_shampoo_create(&s, &ptr, 1, &o));
+  const ac_shampoo_roots roots = {.version = 1, .source_step = 1, .format = AC_ROOT_DENSE,
+                                  .n_left = 2, .left = lroot};
+  OK(ac_shampoo_set_roots(s, 0, &roots));
+  for (int t = 0; t < 2; t++) {
+    const double *m = nesterov ? nest[t] : plain[t];
+    double lm[4], nm = 0.0, nlm = 0.0;
+    for (int k = 0; k < 4; k++) {
+      lm[k] = m[k] * (k < 2 ? 1.0 : 2.0); /* diag(1, 2) scales the second row */
+      nm += m[k] * m[k];
+      nlm += lm[k] * lm[k];
+    }
+    OK(ac_tensor_upload(&p.grad, g[t]));
+    memcpy(before, v, sizeof v);
+    OK(ac_shampoo_step(s, lr));
+    OK(ac_tensor_download(&p.value, v));
+    for (int k = 0; k < 4; k++) {
+      const double want = -lr * lm[k] * sqrt(nm / nlm);
+      if (!(fabs((v[k] - before[k]) - want) <= 1e-5 * fabs(want) + 1e-7))
+        fail_msg("nesterov %d, step %d, [%d]: step %.9g, want %.9g", nesterov, t + 1, k,
+                 v[k] - before[k], want);
+    }
+  }
+  ac_shampoo_destroy(s);
+  ac_param_destroy(&p);
+}
+
+/* The Adam graft with the first moment on: D = M / (sqrt(v / c2) + eps), v the second
+ * moment of the raw gradient, M the shared first moment (no second filtering). The
+ * parameter takes D: it has no factors (rank 1). */
+static void check_adam_graft_first_moment(ac_backend *be)
+{
+  static const float g[2][4] = {{1, 2, 3, 4}, {3, 2, 1, 0}};
+  /* beta1 = beta2 = 0.5: M as in check_first_moment; v1 = .5 g1^2, v1 / c2 = g1^2, so
+   * D1 = 1; v2 = .25 g1^2 + .5 g2^2 = (4.75, 3, 2.75, 4), c2 = .75. */
+  static const double v2[4] = {4.75, 3, 2.75, 4};
+  static const double m2[4] = {1.75 / 0.75, 1.5 / 0.75, 1.25 / 0.75, 1.0 / 0.75};
+  const size_t shape[1] = {4};
+  const float lr = 0.1f;
+  ac_param p;
+  ac_param *ptr = &p;
+  ac_shampoo *s = NULL;
+  ac_shampoo_opts o;
+  float v[4] = {0}, before[4];
+
+  OK(ac_param_init(&p, be, "b", 1, shape));
+  OK(ac_tensor_upload(&p.value, v));
+  base_opts(&o, PC_GRAFT_ADAM);
+  o.graft.beta2 = 0.5;
+  o.graft.eps = 1e-12;
+  o.beta1 = 0.5f;
+  OK(ac_shampoo_create(&s, &ptr, 1, &o));
+  for (int t = 0; t < 2; t++) {
+    OK(ac_tensor_upload(&p.grad, g[t]));
+    memcpy(before, v, sizeof v);
+    OK(ac_shampoo_step(s, lr));
+    OK(ac_tensor_download(&p.value, v));
+    for (int k = 0; k < 4; k++) {
+      const double d = t == 0 ? 1.0 : m2[k] / sqrt(v2[k] / 0.75), want = -lr * d;
+      if (!(fabs((v[k] - before[k]) - want) <= 1e-5 * fabs(want)))
+        fail_msg("step %d, [%d]: step %.9g, want %.9g", t + 1, k, v[k] - before[k], want);
+    }
+  }
+  ac_shampoo_destroy(s);
+  ac_param_destroy(&p);
+}
+
+static void test_first_moment(void **state)
+{
+  ac_backend *be = backend(state);
+  check_first_moment(be, 0);
+  check_first_moment(be, 1);
+  check_adam_graft_first_moment(be);
+}
+
+/* One-sided: only the root of the smaller side (of order > 1) is applied. A 2 x 4 block with
+ * roots on both sides uses the left one only; the right root here would change the result. */
+static void test_one_sided(void **state)
+{
+  ac_backend *be = backend(state);
+  const size_t shape[2] = {2, 4};
+  const float g[8] = {1, 2, 3, 4, 5, 6, 7, 8}, lroot[4] = {1, 0, 0, 3}, lr = 0.5f;
+  float rroot[16] = {0}, v[8] = {0};
+  for (int k = 0; k < 4; k++)
+    rroot[k * 4 + k] = (float)(k + 1);
+  ac_param p;
+  ac_param *ptr = &p;
+  ac_shampoo *s = NULL;
+  ac_shampoo_opts o;
+
+  OK(ac_param_init(&p, be, "w", 2, shape));
+  OK(ac_tensor_upload(&p.value, v));
+  OK(ac_tensor_upload(&p.grad, g));
+  base_opts(&o, PC_GRAFT_SGD);
+  o.one_sided = 1;
+  OK(ac_shampoo_create(&s, &ptr, 1, &o));
+  const ac_shampoo_roots roots = {.version = 1, .source_step = 1, .format = AC_ROOT_DENSE,
+                                  .n_left = 2, .left = lroot, .n_right = 4, .right = rroot};
+  OK(ac_shampoo_set_roots(s, 0, &roots));
+  OK(ac_shampoo_step(s, lr));
+  OK(ac_tensor_download(&p.value, v));
+  /* P = diag(1, 3) G rescaled to |G| */
+  double ng = 0.0, np = 0.0;
+  for (int k = 0; k < 8; k++) {
+    const double pk = g[k] * (k < 4 ? 1.0 : 3.0);
+    ng += (double)g[k] * g[k];
+    np += pk * pk;
+  }
+  for (int k = 0; k < 8; k++) {
+    const double want = -lr * g[k] * (k < 4 ? 1.0 : 3.0) * sqrt(ng / np);
+    assert_true(fabs(v[k] - want) <= 1e-5 * fabs(want));
+  }
+  ac_shampoo_destroy(s);
+  ac_param_destroy(&p);
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
 #define WORKER_TESTS                                                                          \
@@ -747,7 +907,8 @@ static void test_scalar_param(void **state)
   cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_staleness),             \
   cmocka_unit_test(test_zero_and_tiny_grads),                                                 \
   cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors),    \
-  cmocka_unit_test(test_scalar_param)
+  cmocka_unit_test(test_scalar_param), cmocka_unit_test(test_first_moment),                  \
+  cmocka_unit_test(test_one_sided)
 
 int main(void)
 {

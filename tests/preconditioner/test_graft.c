@@ -52,6 +52,17 @@ static void reference(pc_graft kind, double b1, double b2, double eps, int t, co
         d[i] = mh / (sqrt(vh) + eps);
         break;
       }
+      case PC_GRAFT_RMSPROP:
+        v[i] = b2 * v[i] + (1.0 - b2) * (double)g[i] * g[i];
+        d[i] = g[i] / (sqrt(v[i] / (1.0 - pow(b2, t))) + eps);
+        break;
+      case PC_GRAFT_ADAM: {
+        m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0 - b2) * (double)g[i] * g[i];
+        double mh = m[i] / (1.0 - pow(b1, t)), vh = v[i] / (1.0 - pow(b2, t));
+        d[i] = mh / (sqrt(vh) + eps);
+        break;
+      }
     }
   }
 }
@@ -94,6 +105,10 @@ static void test_rules(void **state) {
   check_rule(PC_GRAFT_RMSPROP_NORMED, 0.9, 0.5, 1e-3);
   check_rule(PC_GRAFT_ADAM_NORMED, 0.9, 0.999, 1e-8);
   check_rule(PC_GRAFT_ADAM_NORMED, 0.0, 0.9, 1e-2);
+  check_rule(PC_GRAFT_RMSPROP, 0.9, 0.999, 1e-8);
+  check_rule(PC_GRAFT_RMSPROP, 0.9, 0.5, 1e-3);
+  check_rule(PC_GRAFT_ADAM, 0.9, 0.999, 1e-8);
+  check_rule(PC_GRAFT_ADAM, 0.0, 0.9, 1e-2);
 }
 
 /* Properties that do not need a reference: normalised rules ignore the gradient's scale;
@@ -114,6 +129,20 @@ static void test_properties(void **state) {
     assert_true(fabsf(fabsf(d[i]) - 1.0f) <= 1e-3f);
     assert_true((d[i] > 0) == (g[i] > 0));
   }
+  /* Plain RMSprop's and Adam's first step is sign(g) up to eps whatever g's scale: the bias
+   * correction undoes the (1 - beta2) of the first v (without it: 1/sqrt(1 - b2) too large). */
+  const pc_graft plain[] = {PC_GRAFT_RMSPROP, PC_GRAFT_ADAM};
+  for (size_t k = 0; k < 2; k++) {
+    pc_graft_opts_default(&o, plain[k]);
+    memset(m, 0, sizeof m);
+    memset(v, 0, sizeof v);
+    assert_int_equal(pc_graft_direction_f32(N, g2, &o, 1, m, v, d), PC_OK);
+    for (size_t i = 0; i < N; i++) {
+      assert_true(fabsf(fabsf(d[i]) - 1.0f) <= 1e-5f);
+      assert_true((d[i] > 0) == (g2[i] > 0));
+    }
+  }
+  pc_graft_opts_default(&o, PC_GRAFT_ADAM_NORMED);
   /* a zero gradient gives a zero direction, not NaN */
   float z[N] = {0};
   memset(v, 0, sizeof v);
