@@ -1044,8 +1044,8 @@ void ac_adamw_destroy(ac_adamw *opt);
 
 typedef struct {
   pc_layout_opts layout;  /* block_size, skip_limit: must match the daemon's. Defaults */
-  pc_graft_opts graft;    /* grafting (the step length). Default AdaGrad, its defaults */
-  float momentum;         /* mu in [0, 1) on the grafted direction. Default 0.9 */
+  pc_graft_opts graft;    /* grafting (the step length). Default Adam, its defaults */
+  float momentum;         /* mu in [0, 1) on the grafted direction. Default 0 */
   int nesterov;           /* needs momentum > 0. Default 0 */
   float weight_decay;     /* >= 0, decoupled. Default 0 */
   long stats_interval;    /* statistics at steps 1, 1 + k, 1 + 2k, ...; >= 1. Default 1 */
@@ -1056,10 +1056,10 @@ typedef struct {
   /* The daemon's: the statistics EMA (1 = sum) and the relative ridge of the roots. Kept
    * here so that one struct configures a run (the caller registers them with precondd);
    * the worker itself hands out raw G G^T increments and does not use them. */
-  float beta2;            /* [0, 1]. Default 1 */
+  float beta2;            /* [0, 1]. Default 0.95 */
   double epsilon;         /* > 0. Default 1e-6 */
   float beta1;            /* first moment of the gradient in [0, 1); 0: off (M = G). Not
-                             with the normed grafts. Default 0 */
+                             with the normed grafts. Default 0.9 */
   int beta1_nesterov;     /* Nesterov look-ahead of the first moment; needs beta1 > 0.
                              Default 0 */
   int one_sided;          /* 1: apply one root per block (the caller registers root

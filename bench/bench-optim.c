@@ -160,8 +160,7 @@ static void run(bench *b)
   ac_sgd_destroy(sgd);
 
   ac_shampoo_opts o;
-  ac_shampoo_opts_default(&o);
-  pc_graft_opts_default(&o.graft, PC_GRAFT_ADAM_NORMED);
+  ac_shampoo_opts_default(&o); /* the clients' Shampoo */
   ac_shampoo *sh = NULL;
   check(ac_shampoo_create(&sh, b->ptrs, NPARAM, &o), "shampoo");
   const size_t nb = ac_shampoo_nblocks(sh);

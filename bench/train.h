@@ -68,10 +68,11 @@ typedef struct {
   int nesterov;            /* Nesterov momentum (SGD, Shampoo) */
   /* Shampoo */
   long block_size;         /* block size, the same on worker and daemon (default 128) */
-  double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum; default 0.95) */
+  /* Shampoo's defaults below are ac_shampoo_opts_default's (accel, the one table) */
+  double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum) */
   double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
-  int graft;               /* pc_graft: the grafted step (default PC_GRAFT_ADAM_NORMED) */
-  double shampoo_momentum; /* momentum on the grafted direction (default 0) */
+  int graft;               /* pc_graft: the grafted step */
+  double shampoo_momentum; /* momentum on the grafted direction */
   double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off */
   int one_sided;           /* 1: one root per block, exponent 1/2 (default: 1/4 per side) */
   long stat_every;         /* push statistics every N steps (default 1) */

@@ -31,6 +31,17 @@
 #include "queue.h"
 #include "rpc.h"
 
+/* The public enums are the wire's values (and pc_method's: host/service.c checks those). */
+_Static_assert((int)PRECOND_MODE_SHAMPOO == (int)PRECOND__V1__MODE__MODE_SHAMPOO, "modes");
+_Static_assert((int)PRECOND_MODE_KFAC == (int)PRECOND__V1__MODE__MODE_KFAC, "modes");
+_Static_assert((int)PRECOND_MODE_ABS == (int)PRECOND__V1__MODE__MODE_ABS, "modes");
+_Static_assert((int)PRECOND_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NEWTON, "methods");
+_Static_assert((int)PRECOND_METHOD_NEWTON_TEXTBOOK ==
+                   (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK, "methods");
+_Static_assert((int)PRECOND_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
+_Static_assert((int)PRECOND_FP32 == (int)PRECOND__V1__ENCODING__ENCODING_FP32, "encodings");
+_Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "encodings");
+
 /* A published version of a block's roots: the public view first, so a precond_roots pointer
  * is also a roots_obj pointer. */
 typedef struct {

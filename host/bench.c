@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "preconditioner.h"
+#include "precond.pb-c.h"
 #include "rpc.h"
 
 static void bench__sleep_ms(long ms) {

@@ -7,11 +7,15 @@
  *   log.c       leveled, timestamped logging to stderr
  *   server.c    gRPC core plumbing: completion-queue pollers, armed calls, auth, shutdown
  *   service.c   the RPCs: Register, PushStatistics, FetchPreconditioners, GetStats, Health
- *   store.c     jobs, blocks, statistics and refcounted immutable roots
- *   scheduler.c the worker pool computing roots (dirty first, then stalest and largest)
+ *   store.c     jobs, units (blocks), their state and refcounted immutable results
+ *   modes.c     the mode table; mode_shampoo.c, mode_identity.c: its entries
+ *   scheduler.c the pool computing results (no root first, then stalest, then cheapest)
  *   snapshot.c  atomic, checksummed snapshots of the store and their restore
  *   stats.c     daemon-wide counters and compute-time percentiles
  *   limits.c    per-method request size and count limits, checked before parsing
+ *
+ * No file here but service.c includes a generated wire header: the service decodes requests
+ * into the daemon's own types.
  *
  * Prefix pd_. Functions return int: PD_OK (0) or a negative PD_E* code, with pd_strerror.
  * Locking order, where two locks nest: scheduler lock, then a block's lock. The store's
@@ -28,8 +32,6 @@
 
 #include <grpc/grpc.h>
 #include <grpc/status.h>
-
-#include "precond.pb-c.h"
 
 #define PD_VERSION "0.1.0"
 
@@ -140,50 +142,63 @@ double pd_now(void);
 /* ------------------------------------------------------------------------------------ */
 /* store.c                                                                                */
 
-/* An immutable published root pair of one block; shared by readers through a reference
- * count and freed by the last pd_root_unref. */
+/* A unit's state and its published result are PD_MAX_PARTS at most packed symmetric matrices
+ * (upper triangle, row by row, pc_packed_len(order) floats each): Shampoo's L and R and their
+ * inverse roots; K-FAC's A and G and their damped inverses. Which part means what is the
+ * mode's business; the store, pool, snapshots and service move parts by index. */
+#define PD_MAX_PARTS 2
+
+/* An immutable published result of one unit (Shampoo: the root pair); shared by readers
+ * through a reference count and freed by the last pd_root_unref. */
 typedef struct {
   _Atomic int refs;
-  uint64_t version;      /* 1, 2, ... per block */
+  uint64_t version;      /* 1, 2, ... per unit */
   uint64_t source_step;  /* statistics step it stands for (a drift-test skip republishes
                           * a root as of a newer step: within drift_threshold of it) */
-  double error;          /* max of the two factors' errors */
-  int method;            /* pc_method */
-  uint32_t iterations;   /* max of the two factors' iterations */
-  size_t n_left, n_right;
-  float *left, *right;   /* packed upper, pc_packed_len(n) values each */
+  double error;          /* the mode's residual error (Shampoo: max over the factors) */
+  int method;            /* the mode's method (Shampoo: pc_method) */
+  uint32_t iterations;
+  uint32_t nparts;
+  uint64_t order[PD_MAX_PARTS];
+  float *part[PD_MAX_PARTS];
 } pd_root;
 
-/* A fresh root with refs = 1 and uninitialised left/right of the given orders; NULL on
- * out of memory. Counts its bytes in stats (may be NULL). */
-pd_root *pd_root_new(size_t n_left, size_t n_right, pd_stats *stats);
+/* A fresh result with refs = 1 and uninitialised parts of the given orders (nparts <=
+ * PD_MAX_PARTS); NULL on out of memory. Counts its bytes in stats (may be NULL). */
+pd_root *pd_root_new(uint32_t nparts, const uint64_t *order, pd_stats *stats);
 void pd_root_ref(pd_root *r);
 void pd_root_unref(pd_root *r, pd_stats *stats);
 
 typedef struct pd_job pd_job;
 
 /* Probes of the drift test (scheduler.c): the trace and three fixed random quadratic forms
- * of each factor. */
+ * of each part. */
 #define PD_DRIFT_PROBES 4
 
+/* One unit of work (a Shampoo block; a K-FAC layer; ABS's one job-level state). */
 typedef struct {
   pd_job *job;
   uint32_t id;
-  uint32_t tensor;
+  uint32_t tensor;               /* UINT32_MAX: a job-level unit */
   uint64_t row0, rows, col0, cols;
-  pthread_mutex_t lock;          /* guards stat_*, root, counters below */
-  float *stat_left, *stat_right; /* packed, rows and cols orders */
+  uint32_t nparts;
+  uint64_t order[PD_MAX_PARTS];  /* of each part of the state and of the result */
+  pthread_mutex_t lock;          /* guards stat, root, counters below */
+  float *stat[PD_MAX_PARTS];     /* the state pushes are folded into */
   uint64_t pushes;               /* statistics updates received */
   pd_root *root;                 /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
   double last_error, last_compute_ms;  /* last_error NaN: the computation itself failed */
   double last_drift;             /* of the last drift test; NAN before one */
   int has_drift_ref;             /* drift_ref holds the published root's probes */
-  double drift_ref[2][PD_DRIFT_PROBES];
+  double drift_ref[PD_MAX_PARTS][PD_DRIFT_PROBES];
   pd_stale_hist stale;           /* staleness at each push of a newer step */
   uint32_t failures_in_row;      /* reset to 0 by a published root */
   uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
   char last_failure[160];        /* why the last root was not published; "" if none */
+  /* The mode's own per-unit state (e.g. a warm start): only the thread computing the unit
+   * touches it (one computation per unit at a time); freed by the mode's unit_free. */
+  void *mode_state;
   /* Read by the scheduler without the block lock. */
   _Atomic uint64_t stat_step;    /* newest statistics step */
   _Atomic uint64_t root_step;    /* source step of the published root */
@@ -192,12 +207,101 @@ typedef struct {
   int queued, computing, redo;
 } pd_block;
 
+#define PD_MAX_RANK 8 /* tensors of a job: rank 1 .. PD_MAX_RANK (checked by the store) */
+
 typedef struct {
   char *name;
   int rank;
   uint64_t *dims;
 } pd_tensor;
 
+/* ---- modes (modes.c, mode_*.c) -------------------------------------------------------- */
+
+/* Mode ids: the wire's Mode values where the wire has the mode (service.c checks them at
+ * compile time); modes the wire cannot name (test modes) from 100 up. */
+typedef enum {
+  PD_MODE_SHAMPOO = 0,
+  PD_MODE_KFAC = 1,
+  PD_MODE_ABS = 2,
+  PD_MODE_IDENTITY = 100
+} pd_mode_id;
+
+#define PD_MODE_OPTS_MAX 128 /* bytes of a mode's resolved options in pd_job */
+
+/* The shape of one unit, as a mode's layout gives it. */
+typedef struct {
+  uint32_t tensor;
+  uint64_t row0, rows, col0, cols;
+  uint32_t nparts;
+  uint64_t order[PD_MAX_PARTS];
+} pd_unit_shape;
+
+/* What one computation reports besides its parts. */
+typedef struct {
+  double error;
+  uint32_t iterations;
+  int method;
+  int failed_part; /* when compute returns < 0: the part it failed on, or -1 */
+} pd_compute_info;
+
+/* One entry of the mode table: everything precondd does that depends on the mode. The store,
+ * pool, snapshots and service call these and know no mode's fields. Options are a plain
+ * struct of at most PD_MODE_OPTS_MAX bytes, compared bytewise (decoders zero them first). */
+typedef struct {
+  const char *name;
+  pd_mode_id id;
+  const char *part_names[PD_MAX_PARTS]; /* for messages ("left", "right") */
+  size_t opts_size;
+  /* Fills the defaults of zero fields of *opts and validates them: PD_OK, or PD_EINVAL with
+   * a message naming the field in err. */
+  int (*resolve)(void *opts, char *err, size_t errlen);
+  /* Lays out a job's units. With units == NULL only counts them (before anything is
+   * allocated: PD_ELIMIT above max_units); else fills units[*nunits] and the tensors with
+   * no unit in diag[*ndiag] (room for ntensors). PD_EINVAL/PD_ELIMIT/PD_ENOMEM with err. */
+  int (*layout)(const void *opts, size_t ntensors, const pd_tensor *tensors,
+                uint32_t max_units, pd_unit_shape *units, size_t *nunits, uint32_t *diag,
+                size_t *ndiag, char *err, size_t errlen);
+  /* Folds one validated increment (fp32 parts of the unit's orders) into state. Called
+   * under the unit's lock: a memcpy-sized operation. */
+  void (*fold)(const void *opts, const pd_block *u, float *const *state,
+               const float *const *inc);
+  /* 1 if fold would leave every value of state finite (a sum of large finite pushes can
+   * overflow); called under the unit's lock before any unit of a push is folded. */
+  int (*fold_fits)(const void *opts, const pd_block *u, const float *const *state,
+                   const float *const *inc);
+  /* Computes a unit's result from a private copy of its state into out (parts of the
+   * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state.
+   * Returns a pc_ status: >= 0 when out holds a result (its quality in info), < 0 when it
+   * does not (out of memory included: counted as a failed computation). */
+  int (*compute)(const void *opts, const pd_block *u, const float *const *state,
+                 void **unit_state, float *const *out, pd_compute_info *info);
+  /* Frees a unit's mode_state (may be NULL when the mode keeps none). */
+  void (*unit_free)(void *unit_state);
+  /* The publication rule: 1 if a result that compute returned status for may be published
+   * (Shampoo: no error code, finite, error within failure_threshold). */
+  int (*publishable)(const void *opts, const pd_block *u, int status,
+                     const pd_compute_info *info, const float *const *out,
+                     double failure_threshold);
+  /* The mode's section of a snapshot: snap_bytes bytes, little-endian. */
+  size_t snap_bytes;
+  void (*snap_write)(const void *opts, unsigned char *out);
+  /* Decodes a section (then resolve validates it). */
+  void (*snap_read)(const unsigned char *in, void *opts);
+  /* A one-line account of the options, for logs and stats. */
+  void (*describe)(const void *opts, char *buf, size_t len);
+  /* 1: the pool's drift test applies (parts are statistics that a small relative change
+   * leaves the result close); 0: every push computes. */
+  int drift_test;
+  /* The exponent e with result(c S) = c^e result(S) for a scalar c > 0, exactly (Shampoo with
+   * its relative ridge: -1/p); then the drift test ignores a part's uniform scale and
+   * rescales a kept result by it. NULL, or 0: a scale change is drift like any other. */
+  double (*scale_exponent)(const void *opts);
+} pd_mode;
+
+/* The mode of that id, or NULL. */
+const pd_mode *pd_mode_find(int id);
+
+/* Shampoo's options (mode_shampoo.c); service.c decodes the wire's into them. */
 typedef struct {
   uint32_t block_size;
   uint32_t skip_limit;
@@ -207,18 +311,26 @@ typedef struct {
   int method;
 } pd_shampoo_opts;
 
+extern const pd_mode pd_mode_shampoo;
+
+/* Little-endian fields of snapshot sections (snapshot.c). */
+void pd_le_put(unsigned char *out, uint64_t v, int bytes);
+uint64_t pd_le_get(const unsigned char *in, int bytes);
+
+/* ---- jobs and the store --------------------------------------------------------------- */
+
 #define PD_MAX_WORKER_NAMES 64
 
 struct pd_job {
   char *name;
-  int mode;
-  pd_shampoo_opts opts;
+  const pd_mode *mode;
+  _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX]; /* the mode's, resolved */
   size_t ntensors;
   pd_tensor *tensors;
   size_t nblocks;
   pd_block *blocks;
   size_t ndiag;
-  uint32_t *diag;                /* tensors with no blocks */
+  uint32_t *diag;                /* tensors with no units */
   int in_store;                  /* its statistics are counted in the daemon's memory */
   pthread_mutex_t lock;          /* guards last_step, workers */
   uint64_t last_step;
@@ -240,15 +352,11 @@ int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
                   uint32_t max_blocks_per_job);
 void pd_store_destroy(pd_store *st);
 
-/* Defaults of the wire's zero values resolved (block size 128, skip 4096, beta2 1, p 4,
- * epsilon 1e-6). Returns PD_EINVAL with a message naming the field in err. */
-int pd_shampoo_opts_resolve(const Precond__V1__ShampooOptions *in, pd_shampoo_opts *out,
-                            char *err, size_t errlen);
-
-/* Builds a job (layout from pc_layout_init per tensor) without adding it to the store.
- * On PD_OK the caller owns *out (pd_job_free or pd_store_add). PD_EINVAL / PD_ELIMIT with
- * a message in err. Memory for statistics is counted only when added. */
-int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t ntensors,
+/* Builds a job of mode with options opts (mode->opts_size bytes, resolved: the job copies
+ * them), units from the mode's layout, without adding it to the store. On PD_OK the caller
+ * owns *out (pd_job_free or pd_store_add). PD_EINVAL / PD_ELIMIT with a message in err.
+ * Memory for statistics is counted only when added. */
+int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t ntensors,
                  const pd_tensor *tensors, uint32_t max_blocks, pd_job **out, char *err,
                  size_t errlen);
 void pd_job_free(pd_job *job, pd_stats *stats);
@@ -256,7 +364,7 @@ void pd_job_free(pd_job *job, pd_stats *stats);
 /* Returns 1 when two jobs have the same mode, options and tensors. */
 int pd_job_same(const pd_job *a, const pd_job *b);
 
-/* Bytes the job needs: statistics and one root pair per block. */
+/* Bytes the job needs: statistics and one result per unit. */
 size_t pd_job_bytes(const pd_job *job);
 
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
@@ -271,19 +379,19 @@ pd_job *pd_store_find(pd_store *st, const char *name);
 /* Records a worker name for the job's stats (bounded). */
 void pd_job_note_worker(pd_job *job, const char *worker);
 
-/* Applies one validated statistics increment to block b (values already fp32, counts
- * pc_packed_len(rows) and pc_packed_len(cols)). A push of a step newer than the published
- * root's source step is a staleness sample, counted in the block and in stats (may be NULL). */
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
-                     pd_stats *stats);
+/* Folds one validated increment into unit b through its mode (parts already fp32, of the
+ * unit's orders). A push of a step newer than the published root's source step is a
+ * staleness sample, counted in the unit and in stats (may be NULL). */
+void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats);
 
 /* Applies one push to n distinct blocks of job, all or nothing: blocks[i] gets the
- * validated increments left[i], right[i] (pd_block_update's rule). If any updated statistic
- * would hold a non-finite value (the sum of large finite pushes overflows), nothing is
- * stored and PD_EINVAL is returned with *bad = that i. Staleness samples go to stats (may be
- * NULL) as in pd_block_update. PD_ENOMEM. */
-int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
-                const float *const *right, uint64_t step, pd_stats *stats, size_t *bad);
+ * validated increment parts inc[PD_MAX_PARTS * i + k] (pd_block_update's rule). If any
+ * updated statistic would hold a non-finite value (the sum of large finite pushes
+ * overflows: the mode's fold_fits), nothing is stored and PD_EINVAL is returned with
+ * *bad = that i. Staleness samples go to stats (may be NULL) as in pd_block_update.
+ * PD_ENOMEM. */
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                uint64_t step, pd_stats *stats, size_t *bad);
 
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
@@ -303,13 +411,16 @@ void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
  *   3. then the cheapest (smallest rows^3 + cols^3): among equally stale blocks, shortest
  *      first minimises the mean wait, hence the mean staleness.
  * Drift test: before the O(n^3) roots, the worker computes in O(n^2) the trace and three
- * fixed random quadratic forms v^T S v of both factors and compares them with those of the
- * statistics the published root came from. If every one moved by less than
- * drift_threshold (relative), the roots would move by about a quarter of that (for p = 4),
- * under the 1-3% at which any fp32 root already sits from the exact one: the root is kept,
- * republished as of the new step (same values, next version, so workers and --sync-roots
- * see it is current) and counted as skipped. The reference is not moved by a skip, so
- * drift that accumulates over several pushes still triggers a computation.
+ * fixed random quadratic forms v^T S v of each part and compares them with those of the
+ * statistics the published root came from. For a mode whose result scales exactly with
+ * its statistics (Shampoo: (c S)^(-1/p) = c^(-1/p) S^(-1/p) with a relative ridge), the
+ * forms are compared divided by the trace: a statistic that only grew (an EMA filling up,
+ * a sum) has not drifted, and its kept root is rescaled by the trace ratio^(-1/p). If every
+ * form moved by less than drift_threshold (relative), the roots would move by about a
+ * quarter of that (for p = 4), under the 1-3% at which any fp32 root already sits from the
+ * exact one: the root is kept, republished as of the new step (next version, so workers
+ * and --sync-roots see it is current) and counted as skipped. The reference is not moved
+ * by a skip, so drift that accumulates over several pushes still triggers a computation.
  */
 
 typedef struct {

@@ -17,20 +17,7 @@
 
 #include <cblas.h>
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define PD_HAVE_MXCSR 1
-#endif
-
 #include "preconditioner.h"
-
-/* Late Newton iterations underflow into subnormals, which are very slow on x86: flush them
- * to zero in the threads that compute roots. */
-static void pd__flush_denormals(void) {
-#ifdef PD_HAVE_MXCSR
-  _mm_setcsr(_mm_getcsr() | 0x8040); /* FTZ | DAZ */
-#endif
-}
 
 static double pd__urgency_size(const pd_block *b) {
   double r = (double)b->rows, c = (double)b->cols;
@@ -76,32 +63,54 @@ static void pd__probe(size_t n, const float *packed, float *v, double q[PD_DRIFT
   }
 }
 
-/* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero. */
-static double pd__drift(const double q[2][PD_DRIFT_PROBES],
-                        const double ref[2][PD_DRIFT_PROBES]) {
+/* The largest relative change of the probes; 0 when nothing moved, INFINITY from zero.
+ * With scale_free, each part's forms are divided by its trace first (a uniform scale of a
+ * part is not drift: the mode rescales the kept result for it), and scale[f] gets the
+ * part's trace ratio (1 otherwise). */
+static double pd__drift(uint32_t nparts, const double q[PD_MAX_PARTS][PD_DRIFT_PROBES],
+                        const double ref[PD_MAX_PARTS][PD_DRIFT_PROBES], int scale_free,
+                        double scale[PD_MAX_PARTS]) {
   double worst = 0;
-  for (int f = 0; f < 2; f++)
-    for (int k = 0; k < PD_DRIFT_PROBES; k++) {
-      double diff = fabs(q[f][k] - ref[f][k]), base = fabs(ref[f][k]);
+  for (uint32_t f = 0; f < nparts; f++) {
+    scale[f] = 1;
+    double nq = 1, nr = 1;
+    if (scale_free) {
+      if (!(q[f][0] > 0 && ref[f][0] > 0)) return INFINITY; /* no trace: nothing to scale */
+      scale[f] = q[f][0] / ref[f][0];
+      nq = q[f][0];
+      nr = ref[f][0];
+    }
+    for (int k = scale_free ? 1 : 0; k < PD_DRIFT_PROBES; k++) {
+      double a = q[f][k] / nq, r = ref[f][k] / nr;
+      double diff = fabs(a - r), base = fabs(r);
       double rel = diff == 0 ? 0 : base > 0 ? diff / base : INFINITY;
       if (rel > worst) worst = rel;
     }
+  }
   return worst;
 }
 
-/* Republishes the block's root as of statistics step `step` (values copied: roots are
- * immutable). PD_ENOMEM leaves everything as it was. */
-static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
+/* Republishes the block's root as of statistics step `step`, each part multiplied by
+ * scale[k]^exponent (exponent 0: values copied as they are; roots are immutable).
+ * PD_ENOMEM leaves everything as it was. */
+static int pd__republish(pd_block *b, uint64_t step, const double *scale, double exponent,
+                         pd_stats *stats) {
   pd_root *old = pd_block_root(b);
   if (!old) return PD_OK;
   int rc = PD_OK;
   if (step > old->source_step) {
-    pd_root *r = pd_root_new(old->n_left, old->n_right, stats);
+    pd_root *r = pd_root_new(old->nparts, old->order, stats);
     if (!r) {
       rc = PD_ENOMEM;
     } else {
-      memcpy(r->left, old->left, pc_packed_len(old->n_left) * sizeof *r->left);
-      memcpy(r->right, old->right, pc_packed_len(old->n_right) * sizeof *r->right);
+      for (uint32_t k = 0; k < old->nparts; k++) {
+        size_t n = pc_packed_len(old->order[k]);
+        float c = exponent != 0 ? (float)pow(scale[k], exponent) : 1.0f;
+        if (c == 1.0f)
+          memcpy(r->part[k], old->part[k], n * sizeof(float));
+        else
+          for (size_t i = 0; i < n; i++) r->part[k][i] = c * old->part[k][i];
+      }
       r->source_step = step;
       r->error = old->error;
       r->method = old->method;
@@ -115,43 +124,33 @@ static int pd__republish(pd_block *b, uint64_t step, pd_stats *stats) {
 
 /* ---- computing roots ------------------------------------------------------------------ */
 
-/* One factor: packed statistic -> packed root. Returns the pc_ status; info filled. */
-static int pd__factor_root(size_t n, const float *stat_packed, const pd_shampoo_opts *o,
-                           float *dense_a, float *dense_x, float *root_packed,
-                           pc_root_info *info) {
-  pc_root_opts ro;
-  pc_root_opts_default(&ro, (int)o->root_exponent);
-  ro.epsilon = o->epsilon;
-  ro.method = (pc_method)o->method;
-  pc_unpack_f32(n, stat_packed, dense_a);
-  int rc = pc_inverse_root_f32(n, dense_a, dense_x, &ro, info);
-  if (rc >= 0) pc_pack_f32(n, dense_x, root_packed);
-  return rc;
-}
-
 /* Records a failed computation of b: counts, the error (NaN when the computation itself
  * failed, so stats never show a failure as error 0), and a reason in last_failure. After
  * PD_FAILURES_BEFORE_RESET failures in a row the statistics are zeroed, since pushes only
  * add to a statistic that is already unusable (indefinite, or badly conditioned). Returns 1
  * when it reset them. */
-static int pd__note_failure(pd_block *b, int rcl, int rcr, double err, double ms,
+static int pd__note_failure(pd_block *b, int status, const pd_compute_info *info, double ms,
                             double failure_threshold) {
+  const pd_mode *mode = b->job->mode;
+  double err = status >= 0 ? info->error : NAN;
   pthread_mutex_lock(&b->lock);
   b->roots_failed++;
   b->last_error = isfinite(err) ? err : NAN;
   b->last_compute_ms = ms;
-  if (rcl < 0 || rcr < 0)
-    snprintf(b->last_failure, sizeof b->last_failure, "%s factor: %s",
-             rcl < 0 ? "left" : "right", pc_strerror(rcl < 0 ? rcl : rcr));
+  if (status < 0)
+    snprintf(b->last_failure, sizeof b->last_failure, "%s: %s",
+             info->failed_part >= 0 && info->failed_part < (int)b->nparts
+                 ? mode->part_names[info->failed_part] : mode->name,
+             pc_strerror(status));
   else if (!isfinite(err))
-    snprintf(b->last_failure, sizeof b->last_failure, "non-finite root or error");
+    snprintf(b->last_failure, sizeof b->last_failure, "non-finite result or error");
   else
     snprintf(b->last_failure, sizeof b->last_failure, "error %g above the threshold %g", err,
              failure_threshold);
   int reset = ++b->failures_in_row >= PD_FAILURES_BEFORE_RESET;
   if (reset) {
-    memset(b->stat_left, 0, pc_packed_len(b->rows) * sizeof *b->stat_left);
-    memset(b->stat_right, 0, pc_packed_len(b->cols) * sizeof *b->stat_right);
+    for (uint32_t k = 0; k < b->nparts; k++)
+      memset(b->stat[k], 0, pc_packed_len(b->order[k]) * sizeof(float));
     b->failures_in_row = 0;
     b->resets++;
     b->has_drift_ref = 0; /* nothing published is a reference for what comes next */
@@ -162,34 +161,40 @@ static int pd__note_failure(pd_block *b, int rcl, int rcr, double err, double ms
 
 int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
                      pd_root_outcome *outcome) {
-  size_t nl = b->rows, nr = b->cols, nmax = nl > nr ? nl : nr;
-  size_t ll = pc_packed_len(nl), lr = pc_packed_len(nr);
-  float *sl = malloc(ll * sizeof *sl), *sr = malloc(lr * sizeof *sr);
-  size_t scratch = nmax * nmax > (PD_DRIFT_PROBES - 1) * nmax ? nmax * nmax
-                                                               : (PD_DRIFT_PROBES - 1) * nmax;
-  float *a = malloc(scratch * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
+  const pd_job *job = b->job;
+  const pd_mode *mode = job->mode;
+  float *state[PD_MAX_PARTS] = {NULL};
+  uint64_t nmax = 1;
+  int ok = 1;
+  for (uint32_t k = 0; k < b->nparts; k++) {
+    ok &= (state[k] = malloc(pc_packed_len(b->order[k]) * sizeof(float))) != NULL;
+    if (b->order[k] > nmax) nmax = b->order[k];
+  }
+  float *probe = malloc((PD_DRIFT_PROBES - 1) * nmax * sizeof *probe);
   pd_root *r = NULL;
   int rc = PD_ENOMEM;
-  if (!sl || !sr || !a || !x) goto cleanup;
+  if (!ok || !probe) goto cleanup;
 
   pthread_mutex_lock(&b->lock);
-  memcpy(sl, b->stat_left, ll * sizeof *sl);
-  memcpy(sr, b->stat_right, lr * sizeof *sr);
+  for (uint32_t k = 0; k < b->nparts; k++)
+    memcpy(state[k], b->stat[k], pc_packed_len(b->order[k]) * sizeof(float));
   uint64_t step = atomic_load(&b->stat_step);
   int has_ref = b->has_drift_ref && b->root != NULL;
-  double ref[2][PD_DRIFT_PROBES];
+  double ref[PD_MAX_PARTS][PD_DRIFT_PROBES];
   memcpy(ref, b->drift_ref, sizeof ref);
   pthread_mutex_unlock(&b->lock);
 
-  /* The drift test; a (scratch of it fits in a, which the roots overwrite after). */
-  double q[2][PD_DRIFT_PROBES];
-  pd__probe(nl, sl, a, q[0]);
-  pd__probe(nr, sr, a, q[1]);
-  if (has_ref) {
-    double drift = pd__drift((const double(*)[PD_DRIFT_PROBES])q,
-                             (const double(*)[PD_DRIFT_PROBES])ref);
+  /* The drift test. */
+  double q[PD_MAX_PARTS][PD_DRIFT_PROBES] = {{0}};
+  if (mode->drift_test)
+    for (uint32_t k = 0; k < b->nparts; k++) pd__probe(b->order[k], state[k], probe, q[k]);
+  if (mode->drift_test && has_ref) {
+    double exponent = mode->scale_exponent ? mode->scale_exponent(job->opts) : 0;
+    double scale[PD_MAX_PARTS];
+    double drift = pd__drift(b->nparts, (const double(*)[PD_DRIFT_PROBES])q,
+                             (const double(*)[PD_DRIFT_PROBES])ref, exponent != 0, scale);
     int skip = rules->drift_threshold > 0 && drift < rules->drift_threshold;
-    if (skip && pd__republish(b, step, stats) != PD_OK) goto cleanup;
+    if (skip && pd__republish(b, step, scale, exponent, stats) != PD_OK) goto cleanup;
     pthread_mutex_lock(&b->lock);
     b->last_drift = drift;
     if (skip) b->roots_skipped++;
@@ -202,47 +207,38 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     }
   }
 
-  r = pd_root_new(nl, nr, stats);
+  r = pd_root_new(b->nparts, b->order, stats);
   if (!r) goto cleanup;
-  const pd_shampoo_opts *o = &b->job->opts;
   double t0 = pd_now();
-  pc_root_info il, ir;
-  memset(&il, 0, sizeof il);
-  memset(&ir, 0, sizeof ir);
-  int rcl = pd__factor_root(nl, sl, o, a, x, r->left, &il);
-  int rcr = rcl >= 0 ? pd__factor_root(nr, sr, o, a, x, r->right, &ir) : rcl;
+  pd_compute_info info;
+  int status = mode->compute(job->opts, b, (const float *const *)state, &b->mode_state, r->part,
+                             &info);
   double ms = 1e3 * (pd_now() - t0);
-
-  double err = fmax(il.error, ir.error);
-  /* The failure rule: no error code, a finite result, an error within the threshold. */
-  int ok = rcl >= 0 && rcr >= 0 && isfinite(il.error) && isfinite(ir.error) &&
-           err <= rules->failure_threshold && pc_all_finite_f32(ll, r->left) &&
-           pc_all_finite_f32(lr, r->right);
   pd_stats_add_compute_ms(stats, ms);
 
-  if (ok) {
+  if (mode->publishable(job->opts, b, status, &info, (const float *const *)r->part,
+                        rules->failure_threshold)) {
     r->source_step = step;
-    r->error = err;
-    r->method = o->method;
-    r->iterations = (uint32_t)(il.iters > ir.iters ? il.iters : ir.iters);
+    r->error = info.error;
+    r->method = info.method;
+    r->iterations = info.iterations;
     pthread_mutex_lock(&b->lock);
     b->roots_computed++;
-    b->last_error = err;
+    b->last_error = info.error;
     b->last_compute_ms = ms;
     b->failures_in_row = 0;
     memcpy(b->drift_ref, q, sizeof q);
-    b->has_drift_ref = 1;
+    b->has_drift_ref = mode->drift_test;
     pthread_mutex_unlock(&b->lock);
     pd_block_publish(b, r, stats);
     r = NULL;
     atomic_fetch_add(&stats->roots_computed, 1);
     *outcome = PD_ROOT_PUBLISHED;
   } else {
-    int reset = pd__note_failure(b, rcl, rcr, rcl >= 0 && rcr >= 0 ? err : NAN, ms,
-                                 rules->failure_threshold);
+    int reset = pd__note_failure(b, status, &info, ms, rules->failure_threshold);
     atomic_fetch_add(&stats->roots_failed, 1);
     pd_log(PD_LOG_WARN, "job %s block %u: root not published (%s); the previous root stays%s",
-           b->job->name, b->id, b->last_failure,
+           job->name, b->id, b->last_failure,
            reset ? "; statistics reset after repeated failures" : "");
     *outcome = PD_ROOT_FAILED;
   }
@@ -250,18 +246,15 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
 
 cleanup:
   if (rc != PD_OK)
-    pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots", b->job->name, b->id);
+    pd_log(PD_LOG_ERROR, "job %s block %u: out of memory computing roots", job->name, b->id);
   pd_root_unref(r, stats);
-  free(sl);
-  free(sr);
-  free(a);
-  free(x);
+  for (uint32_t k = 0; k < PD_MAX_PARTS; k++) free(state[k]);
+  free(probe);
   return rc;
 }
 
 static void *pd__worker(void *arg) {
-  pd_sched *s = arg;
-  pd__flush_denormals();
+  pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
   pthread_mutex_lock(&s->lock);
   for (;;) {
     while (!s->stopping && s->len == 0) pthread_cond_wait(&s->cond, &s->lock);
@@ -296,8 +289,11 @@ static void *pd__worker(void *arg) {
 int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules) {
   memset(s, 0, sizeof *s);
   if (nthreads < 1) nthreads = 1;
-  pthread_mutex_init(&s->lock, NULL);
-  pthread_cond_init(&s->cond, NULL);
+  if (pthread_mutex_init(&s->lock, NULL) != 0) return PD_ENOMEM;
+  if (pthread_cond_init(&s->cond, NULL) != 0) {
+    pthread_mutex_destroy(&s->lock);
+    return PD_ENOMEM;
+  }
   s->stats = stats;
   s->rules = *rules;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -308,7 +304,10 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
   if (blas < 1) blas = 1;
   openblas_set_num_threads(blas);
   s->threads = calloc((size_t)nthreads, sizeof *s->threads);
-  if (!s->threads) return PD_ENOMEM;
+  if (!s->threads) {
+    pd_sched_stop(s); /* joins none, releases the lock and condition */
+    return PD_ENOMEM;
+  }
   for (int i = 0; i < nthreads; i++) {
     if (pthread_create(&s->threads[i], NULL, pd__worker, s) != 0) {
       pd_sched_stop(s);

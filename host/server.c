@@ -277,10 +277,17 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   }
   pd_server *srv = calloc(1, sizeof *srv);
   if (!srv) return PD_ENOMEM;
+  if (pthread_mutex_init(&srv->lock, NULL) != 0) {
+    free(srv);
+    return PD_ENOMEM;
+  }
+  if (pthread_cond_init(&srv->cond, NULL) != 0) {
+    pthread_mutex_destroy(&srv->lock);
+    free(srv);
+    return PD_ENOMEM;
+  }
   grpc_init();
   srv->d = d;
-  pthread_mutex_init(&srv->lock, NULL);
-  pthread_cond_init(&srv->cond, NULL);
   /* Size limits, and no SO_REUSEPORT: gRPC sets it by default, which would let a second
    * daemon bind the same port and take half of the connections (and their statistics). */
   grpc_arg arg[3];

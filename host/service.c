@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "health.pb-c.h"
+#include "precond.pb-c.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
@@ -62,6 +63,42 @@ static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg)
 
 /* ---- Register ------------------------------------------------------------------------- */
 
+/* The daemon's mode ids are the wire's Mode values. */
+_Static_assert((int)PD_MODE_SHAMPOO == (int)PRECOND__V1__MODE__MODE_SHAMPOO, "mode ids");
+_Static_assert((int)PD_MODE_KFAC == (int)PRECOND__V1__MODE__MODE_KFAC, "mode ids");
+_Static_assert((int)PD_MODE_ABS == (int)PRECOND__V1__MODE__MODE_ABS, "mode ids");
+/* Methods travel as the wire's Method and are used as pc_method (client.c checks its
+ * precond_method against the wire the same way). */
+_Static_assert((int)PC_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NEWTON, "methods");
+_Static_assert((int)PC_METHOD_NEWTON_TEXTBOOK == (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK,
+               "methods");
+_Static_assert((int)PC_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
+
+/* The request's mode and its options decoded into the daemon's own struct (zeroed first:
+ * options compare bytewise; zero fields take the mode's defaults in resolve). PD_EINVAL for
+ * a mode the daemon does not serve over the wire. */
+static int pd__decode_mode(const Precond__V1__RegisterRequest *req, const pd_mode **mode,
+                           unsigned char *opts) {
+  memset(opts, 0, PD_MODE_OPTS_MAX);
+  switch (req->mode) {
+  case PRECOND__V1__MODE__MODE_SHAMPOO: {
+    pd_shampoo_opts *o = (pd_shampoo_opts *)(void *)opts;
+    const Precond__V1__ShampooOptions *in = req->shampoo;
+    if (in) {
+      o->block_size = in->block_size;
+      o->skip_limit = in->skip_limit;
+      o->beta2 = in->beta2;
+      o->root_exponent = in->root_exponent;
+      o->epsilon = in->epsilon;
+      o->method = (int)in->method;
+    }
+    *mode = &pd_mode_shampoo;
+    return PD_OK;
+  }
+  default: return PD_EINVAL;
+  }
+}
+
 static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
                          pd_reply *rep) {
   char why[400];
@@ -69,13 +106,14 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     return;
   }
-  if (req->mode != PRECOND__V1__MODE__MODE_SHAMPOO) {
+  const pd_mode *mode = NULL;
+  _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
+  if (pd__decode_mode(req, &mode, opts) != PD_OK) {
     pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED, "mode: %d is not implemented (Shampoo only)",
              (int)req->mode);
     return;
   }
-  pd_shampoo_opts opts;
-  if (pd_shampoo_opts_resolve(req->shampoo, &opts, why, sizeof why) != PD_OK) {
+  if (mode->resolve(opts, why, sizeof why) != PD_OK) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "%s", why);
     return;
   }
@@ -92,7 +130,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     tensors[i].rank = req->tensors[i]->n_shape > 64 ? 65 : (int)req->tensors[i]->n_shape;
     tensors[i].dims = req->tensors[i]->shape;
   }
-  int rc = pd_job_build(req->job, (int)req->mode, &opts, req->n_tensors, tensors,
+  int rc = pd_job_build(req->job, mode, opts, req->n_tensors, tensors,
                         d->cfg.max_blocks_per_job, &job, why, sizeof why);
   if (rc != PD_OK) {
     pd__fail(rep, rc == PD_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
@@ -122,8 +160,10 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     pd_job_free(job, &d->stats); /* a restarted worker: answer with the job we hold */
     job = existing;
   } else {
-    pd_log(PD_LOG_INFO, "registered job %s: %zu tensors, %zu blocks, %zu diagonal", job->name,
-           job->ntensors, job->nblocks, job->ndiag);
+    char how[256];
+    job->mode->describe(job->opts, how, sizeof how);
+    pd_log(PD_LOG_INFO, "registered job %s (%s: %s): %zu tensors, %zu units, %zu diagonal",
+           job->name, job->mode->name, how, job->ntensors, job->nblocks, job->ndiag);
   }
   pd_job *held = job;
   job = NULL; /* owned by the store now */
@@ -165,6 +205,10 @@ cleanup:
 }
 
 /* ---- PushStatistics ------------------------------------------------------------------- */
+
+/* The wire's fields of a unit's parts, by index: BlockStatistics and BlockRoots carry part 0
+ * as left and part 1 as right. */
+static const char *const pd__part_names[PD_MAX_PARTS] = {"left", "right"};
 
 /* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
  * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned. */
@@ -257,13 +301,13 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     goto rejected;
   }
   size_t nb = req->n_blocks;
-  const float **left = calloc(nb ? nb : 1, sizeof *left);
-  const float **right = calloc(nb ? nb : 1, sizeof *right);
-  float **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  /* parts[PD_MAX_PARTS * i + k]: part k of the i-th block pushed, fp32. */
+  const float **parts = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *parts);
+  float **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
   pd_block **blocks = calloc(nb ? nb : 1, sizeof *blocks);
   int ok = 0;
-  if (!left || !right || !owned || !seen || !blocks) {
+  if (!parts || !owned || !seen || !blocks) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -283,13 +327,15 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     }
     seen[bs->block_id] = 1;
     const pd_block *b = &job->blocks[bs->block_id];
-    if (pd__decode(bs->left, b->rows, i, "left", &left[i], &owned[2 * i], rep) != 0 ||
-        pd__decode(bs->right, b->cols, i, "right", &right[i], &owned[2 * i + 1], rep) != 0)
-      goto cleanup;
+    const Precond__V1__PackedMatrix *wire[PD_MAX_PARTS] = {bs->left, bs->right};
+    for (uint32_t k = 0; k < b->nparts; k++)
+      if (pd__decode(wire[k], b->order[k], i, pd__part_names[k], &parts[PD_MAX_PARTS * i + k],
+                     &owned[PD_MAX_PARTS * i + k], rep) != 0)
+        goto cleanup;
   }
   for (size_t i = 0; i < nb; i++) blocks[i] = &job->blocks[req->blocks[i]->block_id];
   size_t bad = 0;
-  int prc = pd_job_push(job, nb, blocks, left, right, req->step, &d->stats, &bad);
+  int prc = pd_job_push(job, nb, blocks, parts, req->step, &d->stats, &bad);
   if (prc != PD_OK) {
     if (prc == PD_EINVAL)
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
@@ -314,10 +360,9 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   pd__answer(d, rep, &resp.base);
 
 cleanup:
-  for (size_t i = 0; owned && i < 2 * nb; i++) free(owned[i]);
+  for (size_t i = 0; owned && i < PD_MAX_PARTS * nb; i++) free(owned[i]);
   free(owned);
-  free(left);
-  free(right);
+  free(parts);
   free(seen);
   free(blocks);
   if (ok) return;
@@ -374,8 +419,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   pd_root **roots = calloc(nb ? nb : 1, sizeof *roots);
   Precond__V1__BlockRoots *out = calloc(nb ? nb : 1, sizeof *out);
   Precond__V1__BlockRoots **ptrs = calloc(nb ? nb : 1, sizeof *ptrs);
-  Precond__V1__PackedMatrix *mats = calloc(nb ? 2 * nb : 1, sizeof *mats);
-  uint16_t **owned = calloc(nb ? 2 * nb : 1, sizeof *owned);
+  Precond__V1__PackedMatrix *mats = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *mats);
+  uint16_t **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   size_t nout = 0;
   if (!have || !roots || !out || !ptrs || !mats || !owned) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
@@ -399,7 +444,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
       pd_root_unref(r, &d->stats);
       continue;
     }
-    size_t bytes = (pc_packed_len(r->n_left) + pc_packed_len(r->n_right)) * width + 128;
+    size_t bytes = 128;
+    for (uint32_t k = 0; k < r->nparts; k++) bytes += pc_packed_len(r->order[k]) * width;
     if (used + bytes > budget && nout > 0) {
       pd_root_unref(r, &d->stats);
       break;
@@ -414,15 +460,16 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     br->error = r->error;
     br->method = (Precond__V1__Method)r->method;
     br->iterations = r->iterations;
-    if (pd__encode(&mats[2 * nout], r->n_left, r->left, req->encoding, &owned[2 * nout]) ||
-        pd__encode(&mats[2 * nout + 1], r->n_right, r->right, req->encoding,
-                   &owned[2 * nout + 1])) {
-      nout++;
-      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
-      goto cleanup;
+    Precond__V1__PackedMatrix **wire[PD_MAX_PARTS] = {&br->left, &br->right};
+    for (uint32_t k = 0; k < r->nparts; k++) {
+      size_t m = PD_MAX_PARTS * nout + k;
+      if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
+        nout++;
+        pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
+        goto cleanup;
+      }
+      *wire[k] = &mats[m];
     }
-    br->left = &mats[2 * nout];
-    br->right = &mats[2 * nout + 1];
     ptrs[nout] = br;
     nout++;
   }
@@ -433,7 +480,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
 
 cleanup:
   for (size_t i = 0; roots && i < nout; i++) pd_root_unref(roots[i], &d->stats);
-  for (size_t i = 0; owned && i < 2 * nout; i++) free(owned[i]);
+  for (size_t i = 0; owned && i < PD_MAX_PARTS * nout; i++) free(owned[i]);
   free(have);
   free(roots);
   free(out);
@@ -516,7 +563,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     pd_job *j = jobs[i];
     precond__v1__job_stats__init(&js[i]);
     js[i].job = j->name;
-    js[i].mode = (Precond__V1__Mode)j->mode;
+    js[i].mode = (Precond__V1__Mode)j->mode->id;
     js[i].blocks = (uint32_t)j->nblocks;
     pthread_mutex_lock(&j->lock);
     js[i].workers = (uint32_t)j->nworkers;

@@ -7,15 +7,16 @@
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
  *     u32 jobs, then per job:
- *       str name | u32 mode | u32 block_size | u32 skip_limit | f32 beta2 | u32 p |
- *       f64 epsilon | u32 method | u64 last_step |
+ *       str name | u32 mode | the mode's options section (its snap_bytes; Shampoo:
+ *       u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon | u32 method) |
+ *       u64 last_step |
  *       u32 tensors, each: str name | u32 rank | u64 dims[rank] |
  *       u32 workers, each: str name |
  *       u32 blocks, each: u32 id | u64 rows | u64 cols | u64 stat_step | u64 pushes |
  *         u64 roots_computed | u64 roots_failed | f64 last_error | f64 last_compute_ms |
- *         f32 left[rows(rows+1)/2] | f32 right[cols(cols+1)/2] |
+ *         f32 part[k][order_k(order_k+1)/2] for each of the unit's parts (Shampoo: L, R) |
  *         u8 has_root, and if 1: u64 version | u64 source_step | f64 error | u32 method |
- *           u32 iterations | f32 left[...] | f32 right[...]
+ *           u32 iterations | f32 part[k][...] for each part
  *   (str = u32 length, then that many bytes, no terminator)
  *
  * Reading checks the header, the size and the payload CRC in a first pass, then parses into
@@ -73,7 +74,7 @@ static void pd__put(pd__w *w, const void *p, size_t n) {
   }
 }
 
-static void pd__le(unsigned char *out, uint64_t v, int bytes) {
+void pd_le_put(unsigned char *out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; i++) out[i] = (unsigned char)(v >> (8 * i));
 }
 
@@ -83,18 +84,13 @@ static void pd__u8(pd__w *w, unsigned v) {
 }
 static void pd__u32(pd__w *w, uint32_t v) {
   unsigned char b[4];
-  pd__le(b, v, 4);
+  pd_le_put(b, v, 4);
   pd__put(w, b, 4);
 }
 static void pd__u64(pd__w *w, uint64_t v) {
   unsigned char b[8];
-  pd__le(b, v, 8);
+  pd_le_put(b, v, 8);
   pd__put(w, b, 8);
-}
-static void pd__f32(pd__w *w, float v) {
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  pd__u32(w, u);
 }
 static void pd__f64(pd__w *w, double v) {
   uint64_t u;
@@ -108,7 +104,11 @@ static void pd__str(pd__w *w, const char *s) {
 }
 static void pd__f32s(pd__w *w, const float *v, size_t n) {
 #if PD_BIG_ENDIAN
-  for (size_t i = 0; i < n; i++) pd__f32(w, v[i]);
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &v[i], 4);
+    pd__u32(w, u);
+  }
 #else
   pd__put(w, v, n * sizeof *v);
 #endif
@@ -122,12 +122,12 @@ static int pd__fsync_dir(const char *dir) {
   return rc;
 }
 
-static void pd__write_block(pd__w *w, pd_block *b, float *sl, float *sr) {
-  size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+/* scratch holds room for the largest unit's parts. */
+static void pd__write_block(pd__w *w, pd_block *b, float *const *scratch) {
   /* Copy under the lock, write without it: pushes to this block wait only for a memcpy. */
   pthread_mutex_lock(&b->lock);
-  memcpy(sl, b->stat_left, ll * sizeof *sl);
-  memcpy(sr, b->stat_right, lr * sizeof *sr);
+  for (uint32_t k = 0; k < b->nparts; k++)
+    memcpy(scratch[k], b->stat[k], pc_packed_len(b->order[k]) * sizeof(float));
   uint64_t stat_step = atomic_load(&b->stat_step), pushes = b->pushes;
   uint64_t computed = b->roots_computed, failed = b->roots_failed;
   double last_error = b->last_error, last_ms = b->last_compute_ms;
@@ -144,8 +144,7 @@ static void pd__write_block(pd__w *w, pd_block *b, float *sl, float *sr) {
   pd__u64(w, failed);
   pd__f64(w, last_error);
   pd__f64(w, last_ms);
-  pd__f32s(w, sl, ll);
-  pd__f32s(w, sr, lr);
+  for (uint32_t k = 0; k < b->nparts; k++) pd__f32s(w, scratch[k], pc_packed_len(b->order[k]));
   pd__u8(w, r != NULL);
   if (r) {
     pd__u64(w, r->version);
@@ -153,21 +152,17 @@ static void pd__write_block(pd__w *w, pd_block *b, float *sl, float *sr) {
     pd__f64(w, r->error);
     pd__u32(w, (uint32_t)r->method);
     pd__u32(w, r->iterations);
-    pd__f32s(w, r->left, ll);
-    pd__f32s(w, r->right, lr);
+    for (uint32_t k = 0; k < r->nparts; k++) pd__f32s(w, r->part[k], pc_packed_len(r->order[k]));
   }
   pd_root_unref(r, NULL);
 }
 
-static void pd__write_job(pd__w *w, pd_job *j, float *sl, float *sr) {
+static void pd__write_job(pd__w *w, pd_job *j, float *const *scratch) {
   pd__str(w, j->name);
-  pd__u32(w, (uint32_t)j->mode);
-  pd__u32(w, j->opts.block_size);
-  pd__u32(w, j->opts.skip_limit);
-  pd__f32(w, j->opts.beta2);
-  pd__u32(w, j->opts.root_exponent);
-  pd__f64(w, j->opts.epsilon);
-  pd__u32(w, (uint32_t)j->opts.method);
+  pd__u32(w, (uint32_t)j->mode->id);
+  unsigned char section[PD_MODE_OPTS_MAX * 2];
+  j->mode->snap_write(j->opts, section);
+  pd__put(w, section, j->mode->snap_bytes);
   pthread_mutex_lock(&j->lock);
   uint64_t last_step = j->last_step;
   size_t nworkers = j->nworkers;
@@ -183,7 +178,7 @@ static void pd__write_job(pd__w *w, pd_job *j, float *sl, float *sr) {
   pd__u32(w, (uint32_t)nworkers);
   for (size_t i = 0; i < nworkers; i++) pd__str(w, j->workers[i]);
   pd__u32(w, (uint32_t)j->nblocks);
-  for (size_t i = 0; i < j->nblocks; i++) pd__write_block(w, &j->blocks[i], sl, sr);
+  for (size_t i = 0; i < j->nblocks; i++) pd__write_block(w, &j->blocks[i], scratch);
 }
 
 int pd_snapshot_write(pd_store *st, const char *dir) {
@@ -199,18 +194,18 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   pthread_rwlock_unlock(&st->lock);
   if (!jobs) return PD_ENOMEM;
 
-  size_t nmax = 1;
+  uint64_t nmax = 1;
   for (size_t i = 0; i < njobs; i++)
-    for (size_t k = 0; k < jobs[i]->nblocks; k++) {
-      pd_block *b = &jobs[i]->blocks[k];
-      if (b->rows > nmax) nmax = b->rows;
-      if (b->cols > nmax) nmax = b->cols;
-    }
-  float *sl = malloc(pc_packed_len(nmax) * sizeof *sl);
-  float *sr = malloc(pc_packed_len(nmax) * sizeof *sr);
+    for (size_t k = 0; k < jobs[i]->nblocks; k++)
+      for (uint32_t p = 0; p < jobs[i]->blocks[k].nparts; p++)
+        if (jobs[i]->blocks[k].order[p] > nmax) nmax = jobs[i]->blocks[k].order[p];
+  float *scratch[PD_MAX_PARTS] = {NULL};
+  int ok = 1;
+  for (int p = 0; p < PD_MAX_PARTS; p++)
+    ok &= (scratch[p] = malloc(pc_packed_len(nmax) * sizeof(float))) != NULL;
   int rc = PD_OK;
   pd__w w = {NULL, crc32(0L, Z_NULL, 0), 0, 0};
-  if (!sl || !sr) {
+  if (!ok) {
     rc = PD_ENOMEM;
     goto cleanup;
   }
@@ -228,14 +223,14 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   memset(header, 0, sizeof header);
   if (fwrite(header, 1, sizeof header, w.f) != sizeof header) w.err = 1;
   pd__u32(&w, (uint32_t)njobs);
-  for (size_t i = 0; i < njobs; i++) pd__write_job(&w, jobs[i], sl, sr);
+  for (size_t i = 0; i < njobs; i++) pd__write_job(&w, jobs[i], scratch);
 
   memcpy(header, PD_SNAP_MAGIC, 8);
-  pd__le(header + 8, PD_SNAP_FORMAT, 4);
-  pd__le(header + 12, 0, 4);
-  pd__le(header + 16, w.n, 8);
-  pd__le(header + 24, w.crc, 4);
-  pd__le(header + 28, crc32(crc32(0L, Z_NULL, 0), header, 28), 4);
+  pd_le_put(header + 8, PD_SNAP_FORMAT, 4);
+  pd_le_put(header + 12, 0, 4);
+  pd_le_put(header + 16, w.n, 8);
+  pd_le_put(header + 24, w.crc, 4);
+  pd_le_put(header + 28, crc32(crc32(0L, Z_NULL, 0), header, 28), 4);
   if (!w.err && (fseek(w.f, 0, SEEK_SET) != 0 || fwrite(header, 1, sizeof header, w.f) != 32))
     w.err = 1;
   if (!w.err && (fflush(w.f) != 0 || fsync(fileno(w.f)) != 0)) w.err = 1;
@@ -260,8 +255,7 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
 
 cleanup:
   free(jobs);
-  free(sl);
-  free(sr);
+  for (int p = 0; p < PD_MAX_PARTS; p++) free(scratch[p]);
   return rc;
 }
 
@@ -285,7 +279,7 @@ fail:
   memset(p, 0, n);
 }
 
-static uint64_t pd__from_le(const unsigned char *b, int bytes) {
+uint64_t pd_le_get(const unsigned char *b, int bytes) {
   uint64_t v = 0;
   for (int i = bytes - 1; i >= 0; i--) v = (v << 8) | b[i];
   return v;
@@ -293,23 +287,17 @@ static uint64_t pd__from_le(const unsigned char *b, int bytes) {
 static uint32_t pd__ru32(pd__r *r) {
   unsigned char b[4];
   pd__get(r, b, 4);
-  return (uint32_t)pd__from_le(b, 4);
+  return (uint32_t)pd_le_get(b, 4);
 }
 static uint64_t pd__ru64(pd__r *r) {
   unsigned char b[8];
   pd__get(r, b, 8);
-  return pd__from_le(b, 8);
+  return pd_le_get(b, 8);
 }
 static unsigned pd__ru8(pd__r *r) {
   unsigned char b;
   pd__get(r, &b, 1);
   return b;
-}
-static float pd__rf32(pd__r *r) {
-  uint32_t u = pd__ru32(r);
-  float v;
-  memcpy(&v, &u, 4);
-  return v;
 }
 static double pd__rf64(pd__r *r) {
   uint64_t u = pd__ru64(r);
@@ -339,7 +327,10 @@ static void pd__rf32s(pd__r *r, float *v, size_t n) {
     return;
   }
 #if PD_BIG_ENDIAN
-  for (size_t i = 0; i < n; i++) v[i] = pd__rf32(r);
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u = pd__ru32(r);
+    memcpy(&v[i], &u, 4);
+  }
 #else
   pd__get(r, v, n * sizeof *v);
 #endif
@@ -356,18 +347,18 @@ static int pd__verify(FILE *f, uint64_t *payload, char *err, size_t errlen) {
     snprintf(err, errlen, "bad magic (not a precondd snapshot)");
     return PD_ECORRUPT;
   }
-  if ((uint32_t)pd__from_le(h + 28, 4) != (uint32_t)crc32(crc32(0L, Z_NULL, 0), h, 28)) {
+  if ((uint32_t)pd_le_get(h + 28, 4) != (uint32_t)crc32(crc32(0L, Z_NULL, 0), h, 28)) {
     snprintf(err, errlen, "header checksum mismatch");
     return PD_ECORRUPT;
   }
-  uint32_t format = (uint32_t)pd__from_le(h + 8, 4);
+  uint32_t format = (uint32_t)pd_le_get(h + 8, 4);
   if (format != PD_SNAP_FORMAT) {
     snprintf(err, errlen, "unknown format %u (this precondd reads %u)", format,
              PD_SNAP_FORMAT);
     return PD_ECORRUPT;
   }
-  *payload = pd__from_le(h + 16, 8);
-  uint32_t want = (uint32_t)pd__from_le(h + 24, 4);
+  *payload = pd_le_get(h + 16, 8);
+  uint32_t want = (uint32_t)pd_le_get(h + 24, 4);
   uLong crc = crc32(0L, Z_NULL, 0);
   unsigned char buf[1 << 16];
   uint64_t total = 0;
@@ -400,14 +391,19 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   pd_job *job = NULL;
   int rc = PD_ECORRUPT;
   char *name = pd__rstr(r, PD_SNAP_MAX_NAME);
-  int mode = (int)pd__ru32(r);
-  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
-  so.block_size = pd__ru32(r);
-  so.skip_limit = pd__ru32(r);
-  so.beta2 = pd__rf32(r);
-  so.root_exponent = pd__ru32(r);
-  so.epsilon = pd__rf64(r);
-  so.method = (Precond__V1__Method)pd__ru32(r);
+  uint32_t mode_id = pd__ru32(r);
+  const pd_mode *mode = pd_mode_find((int)mode_id);
+  if (!r->err && !mode) {
+    snprintf(err, errlen, "job \"%s\": unknown mode %u", name ? name : "?", mode_id);
+    goto bad_quiet;
+  }
+  _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
+  unsigned char section[PD_MODE_OPTS_MAX * 2];
+  memset(opts, 0, sizeof opts);
+  if (mode) {
+    pd__get(r, section, mode->snap_bytes);
+    mode->snap_read(section, opts);
+  }
   uint64_t last_step = pd__ru64(r);
   ntensors = pd__ru32(r);
   /* Everything read is held to the limits of a request (bad_quiet names them). */
@@ -432,10 +428,9 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   }
   if (r->err) goto bad;
 
-  pd_shampoo_opts opts;
   char why[256];
-  if (pd_shampoo_opts_resolve(&so, &opts, why, sizeof why) != PD_OK ||
-      pd_job_build(name, mode, &opts, ntensors, tensors, st->max_blocks_per_job, &job, why,
+  if (mode->resolve(opts, why, sizeof why) != PD_OK ||
+      pd_job_build(name, mode, opts, ntensors, tensors, st->max_blocks_per_job, &job, why,
                    sizeof why) != PD_OK) {
     snprintf(err, errlen, "job \"%s\": %s", name ? name : "?", why);
     goto bad_quiet;
@@ -471,24 +466,25 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
     b->roots_failed = pd__ru64(r);
     b->last_error = pd__rf64(r);
     b->last_compute_ms = pd__rf64(r);
-    size_t ll = pc_packed_len(b->rows), lr = pc_packed_len(b->cols);
+    size_t state_len = 0;
+    for (uint32_t k = 0; k < b->nparts; k++) state_len += pc_packed_len(b->order[k]);
     /* Allocate only what the file really holds: a header that claims a huge block in a
      * tiny file costs nothing. */
-    if (r->err || stat_step > PD_MAX_STEP || (ll + lr) > r->left / sizeof(float)) goto bad;
-    b->stat_left = malloc(ll * sizeof(float));
-    b->stat_right = malloc(lr * sizeof(float));
-    if (!b->stat_left || !b->stat_right) {
-      rc = PD_ENOMEM;
-      snprintf(err, errlen, "out of memory");
-      goto bad_quiet;
+    if (r->err || stat_step > PD_MAX_STEP || state_len > r->left / sizeof(float)) goto bad;
+    for (uint32_t k = 0; k < b->nparts; k++) {
+      b->stat[k] = malloc(pc_packed_len(b->order[k]) * sizeof(float));
+      if (!b->stat[k]) {
+        rc = PD_ENOMEM;
+        snprintf(err, errlen, "out of memory");
+        goto bad_quiet;
+      }
+      pd__rf32s(r, b->stat[k], pc_packed_len(b->order[k]));
     }
-    pd__rf32s(r, b->stat_left, ll);
-    pd__rf32s(r, b->stat_right, lr);
     unsigned has_root = pd__ru8(r);
     if (has_root > 1) r->err = 1;
     if (has_root == 1 && !r->err) {
-      if ((ll + lr) > r->left / sizeof(float)) goto bad;
-      pd_root *root = pd_root_new(b->rows, b->cols, st->stats);
+      if (state_len > r->left / sizeof(float)) goto bad;
+      pd_root *root = pd_root_new(b->nparts, b->order, st->stats);
       if (!root) {
         rc = PD_ENOMEM;
         snprintf(err, errlen, "out of memory");
@@ -500,8 +496,8 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
       root->error = pd__rf64(r);
       root->method = (int)pd__ru32(r);
       root->iterations = pd__ru32(r);
-      pd__rf32s(r, root->left, ll);
-      pd__rf32s(r, root->right, lr);
+      for (uint32_t k = 0; k < root->nparts; k++)
+        pd__rf32s(r, root->part[k], pc_packed_len(root->order[k]));
       atomic_store(&b->root_step, root->source_step);
       atomic_store(&b->has_root, 1);
     }

@@ -7,7 +7,6 @@
  */
 #include "precondd.h"
 
-#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,25 +28,33 @@ const char *pd_strerror(int code) {
 
 /* ---- roots ---------------------------------------------------------------------------- */
 
-static size_t pd__root_bytes(size_t nl, size_t nr) {
-  return sizeof(pd_root) + (pc_packed_len(nl) + pc_packed_len(nr)) * sizeof(float);
+/* Floats of the parts of a unit or result. */
+static size_t pd__parts_len(uint32_t nparts, const uint64_t *order) {
+  size_t n = 0;
+  for (uint32_t k = 0; k < nparts; k++) n += pc_packed_len(order[k]);
+  return n;
 }
 
-pd_root *pd_root_new(size_t n_left, size_t n_right, pd_stats *stats) {
+static size_t pd__root_bytes(const pd_root *r) {
+  return sizeof(pd_root) + pd__parts_len(r->nparts, r->order) * sizeof(float);
+}
+
+pd_root *pd_root_new(uint32_t nparts, const uint64_t *order, pd_stats *stats) {
+  if (nparts > PD_MAX_PARTS) return NULL;
   pd_root *r = calloc(1, sizeof *r);
   if (!r) return NULL;
-  r->left = malloc(pc_packed_len(n_left) * sizeof(float));
-  r->right = malloc(pc_packed_len(n_right) * sizeof(float));
-  if (!r->left || !r->right) {
-    free(r->left);
-    free(r->right);
-    free(r);
-    return NULL;
+  r->nparts = nparts;
+  for (uint32_t k = 0; k < nparts; k++) {
+    r->order[k] = order[k];
+    r->part[k] = malloc(pc_packed_len(order[k]) * sizeof(float));
+    if (!r->part[k]) {
+      for (uint32_t i = 0; i < k; i++) free(r->part[i]);
+      free(r);
+      return NULL;
+    }
   }
   atomic_init(&r->refs, 1);
-  r->n_left = n_left;
-  r->n_right = n_right;
-  if (stats) atomic_fetch_add(&stats->memory_bytes, (int64_t)pd__root_bytes(n_left, n_right));
+  if (stats) atomic_fetch_add(&stats->memory_bytes, (int64_t)pd__root_bytes(r));
   return r;
 }
 
@@ -57,62 +64,23 @@ void pd_root_ref(pd_root *r) {
 
 void pd_root_unref(pd_root *r, pd_stats *stats) {
   if (!r || atomic_fetch_sub(&r->refs, 1) != 1) return;
-  if (stats)
-    atomic_fetch_sub(&stats->memory_bytes, (int64_t)pd__root_bytes(r->n_left, r->n_right));
-  free(r->left);
-  free(r->right);
+  if (stats) atomic_fetch_sub(&stats->memory_bytes, (int64_t)pd__root_bytes(r));
+  for (uint32_t k = 0; k < r->nparts; k++) free(r->part[k]);
   free(r);
 }
 
 /* ---- options and jobs ---------------------------------------------------------------- */
 
-/* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
-#define PD_MAX_BLOCK_SIZE 8192u
-#define PD_MAX_RANK 8
 #define PD_MAX_NAME 256 /* job, tensor and worker names, bytes */
-
-int pd_shampoo_opts_resolve(const Precond__V1__ShampooOptions *in, pd_shampoo_opts *out,
-                            char *err, size_t errlen) {
-  Precond__V1__ShampooOptions zero = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
-  if (!in) in = &zero;
-  out->block_size = in->block_size ? in->block_size : 128;
-  out->skip_limit = in->skip_limit ? in->skip_limit : 4096;
-  out->beta2 = in->beta2 != 0.0f ? in->beta2 : 1.0f;
-  out->root_exponent = in->root_exponent ? in->root_exponent : 4;
-  out->epsilon = in->epsilon != 0.0 ? in->epsilon : 1e-6;
-  out->method = (int)in->method;
-  if (out->block_size > PD_MAX_BLOCK_SIZE) {
-    snprintf(err, errlen, "shampoo.block_size: %u is above the limit %u", out->block_size,
-             PD_MAX_BLOCK_SIZE);
-    return PD_EINVAL;
-  }
-  if (!(out->beta2 > 0.0f && out->beta2 <= 1.0f)) {
-    snprintf(err, errlen, "shampoo.beta2: %g is not in (0, 1]", (double)out->beta2);
-    return PD_EINVAL;
-  }
-  if (out->root_exponent > 64) {
-    snprintf(err, errlen, "shampoo.root_exponent: %u is not in [1, 64]", out->root_exponent);
-    return PD_EINVAL;
-  }
-  if (!(out->epsilon > 0.0 && out->epsilon < 1.0)) {
-    snprintf(err, errlen, "shampoo.epsilon: %g is not in (0, 1)", out->epsilon);
-    return PD_EINVAL;
-  }
-  if (out->method < PC_METHOD_NEWTON || out->method > PC_METHOD_EIGH) {
-    snprintf(err, errlen, "shampoo.method: %d is not a known method", out->method);
-    return PD_EINVAL;
-  }
-  return PD_OK;
-}
 
 /* Statistics are counted in stats only once their job is in the store (count_stats). */
 static void pd__block_free(pd_block *b, pd_stats *stats, int count_stats) {
-  free(b->stat_left);
-  free(b->stat_right);
-  if (b->stat_left && stats && count_stats)
+  if (b->stat[0] && stats && count_stats)
     atomic_fetch_sub(&stats->memory_bytes,
-                     (int64_t)((pc_packed_len(b->rows) + pc_packed_len(b->cols)) * 4));
+                     (int64_t)(pd__parts_len(b->nparts, b->order) * sizeof(float)));
+  for (uint32_t k = 0; k < b->nparts; k++) free(b->stat[k]);
   pd_root_unref(b->root, stats);
+  if (b->mode_state && b->job->mode->unit_free) b->job->mode->unit_free(b->mode_state);
   pthread_mutex_destroy(&b->lock);
 }
 
@@ -195,28 +163,7 @@ static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, siz
   return rc;
 }
 
-/* Counts the blocks the layout will produce (its documented rule: rows = dims[0], cols = the
- * product of the rest, diagonal for rank 1 or a side above skip_limit, tiles of block_size)
- * before any layout is allocated, so an absurd shape costs nothing. */
-static int pd__count_check(const pd_shampoo_opts *o, size_t ntensors, const pd_tensor *t,
-                           uint32_t max_blocks, char *err, size_t errlen) {
-  uint64_t total = 0, bs = o->block_size ? o->block_size : 1;
-  for (size_t i = 0; i < ntensors; i++) {
-    if (t[i].rank < 2) continue;
-    uint64_t rows = t[i].dims[0], cols = 1;
-    for (int k = 1; k < t[i].rank; k++) cols *= t[i].dims[k]; /* <= 2^48: checked */
-    if (rows > o->skip_limit || cols > o->skip_limit) continue;
-    uint64_t tr = (rows + bs - 1) / bs, tc = (cols + bs - 1) / bs;
-    if (tr > max_blocks || tc > max_blocks || (total += tr * tc) > max_blocks) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
-               max_blocks);
-      return PD_ELIMIT;
-    }
-  }
-  return PD_OK;
-}
-
-int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t ntensors,
+int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t ntensors,
                  const pd_tensor *tensors, uint32_t max_blocks, pd_job **out, char *err,
                  size_t errlen) {
   *out = NULL;
@@ -230,18 +177,26 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
   }
   int rc = pd__tensors_check(ntensors, tensors, err, errlen);
   if (rc != PD_OK) return rc;
-  rc = pd__count_check(opts, ntensors, tensors, max_blocks, err, errlen);
+  /* Counted first, so an absurd shape costs nothing. */
+  size_t nunits = 0, ndiag = 0;
+  rc = mode->layout(opts, ntensors, tensors, max_blocks, NULL, &nunits, NULL, NULL, err, errlen);
   if (rc != PD_OK) return rc;
 
+  pd_unit_shape *units = NULL;
   pd_job *job = calloc(1, sizeof *job);
+  if (job && pthread_mutex_init(&job->lock, NULL) != 0) {
+    free(job); /* pd_job_free would destroy the lock that failed */
+    job = NULL;
+  }
   if (!job) goto nomem;
-  pthread_mutex_init(&job->lock, NULL);
   job->mode = mode;
-  job->opts = *opts;
+  memcpy(job->opts, opts, mode->opts_size);
   job->name = pd__strdup(name);
   job->tensors = calloc(ntensors, sizeof *job->tensors);
   job->diag = calloc(ntensors, sizeof *job->diag);
-  if (!job->name || !job->tensors || !job->diag) goto nomem;
+  units = calloc(nunits ? nunits : 1, sizeof *units);
+  job->blocks = calloc(nunits ? nunits : 1, sizeof *job->blocks);
+  if (!job->name || !job->tensors || !job->diag || !units || !job->blocks) goto nomem;
   job->ntensors = ntensors;
   for (size_t i = 0; i < ntensors; i++) {
     job->tensors[i].rank = tensors[i].rank;
@@ -250,76 +205,49 @@ int pd_job_build(const char *name, int mode, const pd_shampoo_opts *opts, size_t
     if (!job->tensors[i].name || !job->tensors[i].dims) goto nomem;
     memcpy(job->tensors[i].dims, tensors[i].dims, (size_t)tensors[i].rank * sizeof(uint64_t));
   }
-
-  /* Block ids are numbered in tensor order, tiles row-major within a tensor (the layout's
-   * own order), so every worker and replica derives the same ids. */
-  pc_layout_opts lo;
-  pc_layout_opts_default(&lo);
-  lo.block_size = opts->block_size;
-  lo.skip_limit = opts->skip_limit;
-  size_t cap = 0;
-  for (size_t i = 0; i < ntensors; i++) {
-    size_t dims[PD_MAX_RANK];
-    for (int k = 0; k < tensors[i].rank; k++) dims[k] = (size_t)tensors[i].dims[k];
-    pc_layout lay;
-    int prc = pc_layout_init(&lay, tensors[i].rank, dims, &lo);
-    if (prc != PC_OK) {
-      snprintf(err, errlen, "tensors[%zu].shape: layout failed: %s", i, pc_strerror(prc));
-      pd_job_free(job, NULL);
-      return prc == PC_ENOMEM ? PD_ENOMEM : PD_EINVAL;
+  size_t got = 0;
+  rc = mode->layout(opts, ntensors, tensors, (uint32_t)nunits, units, &got, job->diag, &ndiag,
+                    err, errlen);
+  if (rc != PD_OK || got != nunits) {
+    if (rc == PD_OK) {
+      snprintf(err, errlen, "tensors: the %s layout counted %zu units, then gave %zu",
+               mode->name, nunits, got);
+      rc = PD_EINVAL;
     }
-    if (lay.diagonal || lay.nblocks == 0) {
-      job->diag[job->ndiag++] = (uint32_t)i;
-    } else if (job->nblocks + lay.nblocks > max_blocks) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
-               max_blocks);
-      pc_layout_destroy(&lay);
-      pd_job_free(job, NULL);
-      return PD_ELIMIT;
-    } else {
-      if (job->nblocks + lay.nblocks > cap) {
-        size_t ncap = cap ? cap : 16;
-        while (ncap < job->nblocks + lay.nblocks) ncap *= 2;
-        pd_block *nb = realloc(job->blocks, ncap * sizeof *nb);
-        if (!nb) {
-          pc_layout_destroy(&lay);
-          goto nomem;
-        }
-        job->blocks = nb;
-        cap = ncap;
-      }
-      for (size_t k = 0; k < lay.nblocks; k++) {
-        pd_block *b = &job->blocks[job->nblocks];
-        memset(b, 0, sizeof *b);
-        pthread_mutex_init(&b->lock, NULL);
-        b->last_drift = NAN;
-        b->job = job;
-        b->id = (uint32_t)job->nblocks;
-        b->tensor = (uint32_t)i;
-        b->row0 = lay.blocks[k].row0;
-        b->rows = lay.blocks[k].rows;
-        b->col0 = lay.blocks[k].col0;
-        b->cols = lay.blocks[k].cols;
-        job->nblocks++;
-      }
-    }
-    pc_layout_destroy(&lay);
+    free(units);
+    pd_job_free(job, NULL);
+    return rc;
   }
+  job->ndiag = ndiag;
+  for (size_t k = 0; k < nunits; k++) {
+    pd_block *b = &job->blocks[k];
+    if (pthread_mutex_init(&b->lock, NULL) != 0) goto nomem; /* job->nblocks: the ones to free */
+    b->last_drift = NAN;
+    b->job = job;
+    b->id = (uint32_t)k;
+    b->tensor = units[k].tensor;
+    b->row0 = units[k].row0;
+    b->rows = units[k].rows;
+    b->col0 = units[k].col0;
+    b->cols = units[k].cols;
+    b->nparts = units[k].nparts;
+    memcpy(b->order, units[k].order, sizeof b->order);
+    job->nblocks++;
+  }
+  free(units);
   *out = job;
   return PD_OK;
 
 nomem:
-  snprintf(err, errlen, "out of memory building the job");
+  snprintf(err, errlen, "out of memory building the job (or no lock could be made)");
+  free(units);
   pd_job_free(job, NULL);
   return PD_ENOMEM;
 }
 
 int pd_job_same(const pd_job *a, const pd_job *b) {
   if (a->mode != b->mode || a->ntensors != b->ntensors) return 0;
-  if (a->opts.block_size != b->opts.block_size || a->opts.skip_limit != b->opts.skip_limit || a->opts.beta2 != b->opts.beta2 ||
-      a->opts.root_exponent != b->opts.root_exponent || a->opts.epsilon != b->opts.epsilon ||
-      a->opts.method != b->opts.method)
-    return 0;
+  if (memcmp(a->opts, b->opts, a->mode->opts_size) != 0) return 0;
   for (size_t i = 0; i < a->ntensors; i++) {
     const pd_tensor *x = &a->tensors[i], *y = &b->tensors[i];
     if (strcmp(x->name, y->name) != 0 || x->rank != y->rank) return 0;
@@ -333,7 +261,7 @@ size_t pd_job_bytes(const pd_job *job) {
   for (size_t i = 0; i < job->nblocks; i++) {
     const pd_block *b = &job->blocks[i];
     /* statistics, plus one root pair */
-    total += 2 * (pc_packed_len(b->rows) + pc_packed_len(b->cols)) * sizeof(float);
+    total += 2 * pd__parts_len(b->nparts, b->order) * sizeof(float);
   }
   return total;
 }
@@ -374,15 +302,16 @@ pd_job *pd_store_find(pd_store *st, const char *name) {
 static int pd__alloc_stats(pd_job *job) {
   for (size_t i = 0; i < job->nblocks; i++) {
     pd_block *b = &job->blocks[i];
-    if (b->stat_left) continue;
-    b->stat_left = calloc(pc_packed_len(b->rows), sizeof(float));
-    b->stat_right = calloc(pc_packed_len(b->cols), sizeof(float));
-    if (!b->stat_left || !b->stat_right) {
-      for (size_t k = 0; k <= i; k++) {
-        free(job->blocks[k].stat_left);
-        free(job->blocks[k].stat_right);
-        job->blocks[k].stat_left = job->blocks[k].stat_right = NULL;
-      }
+    if (b->stat[0]) continue;
+    int ok = 1;
+    for (uint32_t p = 0; p < b->nparts; p++)
+      ok &= (b->stat[p] = calloc(pc_packed_len(b->order[p]), sizeof(float))) != NULL;
+    if (!ok) {
+      for (size_t k = 0; k <= i; k++)
+        for (uint32_t p = 0; p < job->blocks[k].nparts; p++) {
+          free(job->blocks[k].stat[p]);
+          job->blocks[k].stat[p] = NULL;
+        }
       return PD_ENOMEM;
     }
   }
@@ -392,7 +321,7 @@ static int pd__alloc_stats(pd_job *job) {
 static size_t pd__stat_bytes(const pd_job *job) {
   size_t total = 0;
   for (size_t i = 0; i < job->nblocks; i++)
-    total += (pc_packed_len(job->blocks[i].rows) + pc_packed_len(job->blocks[i].cols)) * 4;
+    total += pd__parts_len(job->blocks[i].nparts, job->blocks[i].order) * sizeof(float);
   return total;
 }
 
@@ -450,12 +379,11 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
  * is a staleness sample (to be added to the daemon's stats once the lock is released). */
-static int pd__apply_locked(pd_block *b, const float *left, const float *right, uint64_t step,
+static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step,
                             uint64_t *age) {
-  float beta2 = b->job->opts.beta2;
+  const pd_job *job = b->job;
   int sampled = 0;
-  pc_stat_update_f32(pc_packed_len(b->rows), b->stat_left, left, beta2);
-  pc_stat_update_f32(pc_packed_len(b->cols), b->stat_right, right, beta2);
+  job->mode->fold(job->opts, b, b->stat, inc);
   b->pushes++;
   if (step > atomic_load(&b->stat_step)) {
     atomic_store(&b->stat_step, step);
@@ -470,25 +398,12 @@ static int pd__apply_locked(pd_block *b, const float *left, const float *right, 
   return sampled;
 }
 
-void pd_block_update(pd_block *b, const float *left, const float *right, uint64_t step,
-                     pd_stats *stats) {
+void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats) {
   uint64_t age = 0;
   pthread_mutex_lock(&b->lock);
-  int sampled = pd__apply_locked(b, left, right, step, &age);
+  int sampled = pd__apply_locked(b, inc, step, &age);
   pthread_mutex_unlock(&b->lock);
   if (sampled && stats) pd_stats_add_staleness(stats, age);
-}
-
-/* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
- * double with a margin of 2^-20 below FLT_MAX, more than the rounding of the float kernel,
- * so a statistic this admits can never become Inf when pc_stat_update_f32 applies inc. */
-static int pd__update_stays_finite(size_t count, const float *s, const float *inc,
-                                   float beta2) {
-  const double limit = (double)FLT_MAX * (1.0 - 1.0 / 1048576.0);
-  const double b = beta2, w = beta2 == 1.0f ? 1.0 : 1.0 - (double)beta2;
-  for (size_t i = 0; i < count; i++)
-    if (!(fabs(b * (double)s[i] + w * (double)inc[i]) <= limit)) return 0;
-  return 1;
 }
 
 typedef struct {
@@ -501,8 +416,8 @@ static int pd__cmp_by_id(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *left,
-                const float *const *right, uint64_t step, pd_stats *stats, size_t *bad) {
+int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                uint64_t step, pd_stats *stats, size_t *bad) {
   *bad = 0;
   pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
   uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
@@ -517,18 +432,17 @@ int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *con
   /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
    * the update it admits see the same statistic. */
   for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[order[k].index]->lock);
-  float beta2 = job->opts.beta2;
+  const pd_mode *mode = job->mode;
   int rc = PD_OK;
   for (size_t i = 0; i < n && rc == PD_OK; i++) {
-    const pd_block *b = blocks[i];
-    if (!pd__update_stays_finite(pc_packed_len(b->rows), b->stat_left, left[i], beta2) ||
-        !pd__update_stays_finite(pc_packed_len(b->cols), b->stat_right, right[i], beta2)) {
+    if (!mode->fold_fits(job->opts, blocks[i], (const float *const *)blocks[i]->stat,
+                         &inc[PD_MAX_PARTS * i])) {
       *bad = i;
       rc = PD_EINVAL;
     }
   }
   for (size_t i = 0; i < n && rc == PD_OK; i++)
-    nages += (size_t)pd__apply_locked(blocks[i], left[i], right[i], step, &ages[nages]);
+    nages += (size_t)pd__apply_locked(blocks[i], &inc[PD_MAX_PARTS * i], step, &ages[nages]);
   for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
   for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
   free(order);

@@ -548,7 +548,6 @@ static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallb
     ac_shampoo_opts o;
     ac_shampoo_opts_default(&o);
     o.layout.block_size = 16; /* fc1.weight: 2 blocks 16 x 16; fc2.weight: 2 blocks 4 x 16 */
-    pc_graft_opts_default(&o.graft, PC_GRAFT_ADAM_NORMED);
     o.start_step = 5;
     OK(ac_shampoo_create(&sh, m.params, 4, &o));
     assert_int_equal(ac_shampoo_nblocks(sh), 4);

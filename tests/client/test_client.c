@@ -273,7 +273,9 @@ static void run_flow(const char *addr, precond_encoding enc, double rel)
   assert_true(s.njobs >= 1);
   assert_string_equal(s.job_stats[0].job, "itest");
   assert_int_equal(s.nblocks, 2);
-  assert_true(s.roots_computed >= 4);
+  /* 4 -> 16 is a pure scale: the daemon's drift test may answer it with the kept roots
+   * rescaled (checked above against expected_root) instead of computing them again. */
+  assert_true(s.roots_computed + s.roots_skipped >= 4);
   precond_stats_destroy(&s);
 
   int serving = 0;

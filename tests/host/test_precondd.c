@@ -534,7 +534,9 @@ static void test_register_push_fetch(void **state) {
   assert_int_equal(st->job_stats[0]->last_step, 2);
   assert_int_equal(st->job_stats[0]->workers, 1);
   assert_int_equal(st->n_block_stats, nb);
-  assert_true(st->roots_computed >= nb + 1);
+  /* Step 2 pushed the same statistic again (twice the sum): a pure scale, which the drift
+   * test answers with the kept root rescaled rather than a new computation. */
+  assert_true(st->roots_computed + st->roots_skipped >= nb + 1);
   assert_true(st->memory_bytes > 0);
   assert_true(st->bytes_in > 0 && st->bytes_out > 0);
   assert_true(st->compute_ms_p50 <= st->compute_ms_p99);
@@ -1034,8 +1036,8 @@ static void test_restart_bit_exact(void **state) {
   load_snapshot(d.dir, &st, &stats);
   assert_int_equal(st.njobs, 1);
   pd_block *b = &st.jobs[0]->blocks[0];
-  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
-  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  assert_memory_equal(b->stat[0], el, ll * sizeof *el);
+  assert_memory_equal(b->stat[1], er, lr * sizeof *er);
   assert_int_equal(atomic_load(&b->stat_step), 5);
   assert_non_null(b->root);
   uint64_t version = b->root->version;
@@ -1055,8 +1057,8 @@ static void test_restart_bit_exact(void **state) {
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   load_snapshot(d.dir, &st, &stats);
   b = &st.jobs[0]->blocks[0];
-  assert_memory_equal(b->stat_left, el, ll * sizeof *el);
-  assert_memory_equal(b->stat_right, er, lr * sizeof *er);
+  assert_memory_equal(b->stat[0], el, ll * sizeof *el);
+  assert_memory_equal(b->stat[1], er, lr * sizeof *er);
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
   free(el);

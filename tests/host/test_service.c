@@ -18,6 +18,7 @@
 
 #include "health.pb-c.h"
 #include "precondd.h"
+#include "precond.pb-c.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
@@ -424,8 +425,8 @@ static void test_overflowing_push_refused(void **state) {
   for (int b = 0; b < 2; b++) {
     assert_int_equal(job->blocks[b].pushes, 2);
     assert_int_equal(atomic_load(&job->blocks[b].stat_step), 2);
-    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat_left));
-    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat_right));
+    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat[0]));
+    assert_true(pc_all_finite_f32(pc_packed_len(4), job->blocks[b].stat[1]));
   }
   assert_int_equal(atomic_load(&d->stats.rejected_pushes), 1);
   free(ok);

@@ -34,28 +34,28 @@ static float rnd(void) {
 static pd_job *add_job(pd_store *st, const char *name, uint64_t rows, uint64_t cols,
                        uint32_t block_size) {
   char err[256];
-  pd_shampoo_opts o;
-  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_OK);
   o.block_size = block_size;
   o.beta2 = 0.99f;
   uint64_t dims[2] = {rows, cols};
   uint64_t bias[1] = {cols};
   pd_tensor t[2] = {{(char *)"w", 2, dims}, {(char *)"b", 1, bias}};
   pd_job *job = NULL, *existing = NULL;
-  assert_int_equal(pd_job_build(name, 0, &o, 2, t, 1000, &job, err, sizeof err), PD_OK);
+  assert_int_equal(pd_job_build(name, &pd_mode_shampoo, &o, 2, t, 1000, &job, err, sizeof err), PD_OK);
   assert_int_equal(pd_store_add(st, job, &existing), PD_OK);
   job->last_step = 42;
   pd_job_note_worker(job, "worker-a");
   for (size_t i = 0; i < job->nblocks; i++) {
     pd_block *b = &job->blocks[i];
-    for (size_t k = 0; k < pc_packed_len(b->rows); k++) b->stat_left[k] = rnd();
-    for (size_t k = 0; k < pc_packed_len(b->cols); k++) b->stat_right[k] = rnd();
+    for (size_t k = 0; k < pc_packed_len(b->rows); k++) b->stat[0][k] = rnd();
+    for (size_t k = 0; k < pc_packed_len(b->cols); k++) b->stat[1][k] = rnd();
     atomic_store(&b->stat_step, 40 + i);
     b->pushes = 3 + i;
     if (i % 2 == 0) {
-      pd_root *r = pd_root_new(b->rows, b->cols, st->stats);
-      for (size_t k = 0; k < pc_packed_len(b->rows); k++) r->left[k] = rnd();
-      for (size_t k = 0; k < pc_packed_len(b->cols); k++) r->right[k] = rnd();
+      pd_root *r = pd_root_new(b->nparts, b->order, st->stats);
+      for (size_t k = 0; k < pc_packed_len(b->rows); k++) r->part[0][k] = rnd();
+      for (size_t k = 0; k < pc_packed_len(b->cols); k++) r->part[1][k] = rnd();
       r->source_step = 39;
       r->error = 1e-3 * (double)i;
       r->iterations = 7;
@@ -112,8 +112,8 @@ static void test_roundtrip_bit_exact(void **state) {
     assert_int_equal(a->nblocks, b->nblocks);
     for (size_t i = 0; i < a->nblocks; i++) {
       pd_block *x = &a->blocks[i], *y = &b->blocks[i];
-      assert_memory_equal(x->stat_left, y->stat_left, pc_packed_len(x->rows) * 4);
-      assert_memory_equal(x->stat_right, y->stat_right, pc_packed_len(x->cols) * 4);
+      assert_memory_equal(x->stat[0], y->stat[0], pc_packed_len(x->rows) * 4);
+      assert_memory_equal(x->stat[1], y->stat[1], pc_packed_len(x->cols) * 4);
       assert_int_equal(atomic_load(&y->stat_step), atomic_load(&x->stat_step));
       assert_int_equal(y->pushes, x->pushes);
       assert_int_equal(!x->root, !y->root);
@@ -122,8 +122,8 @@ static void test_roundtrip_bit_exact(void **state) {
         assert_int_equal(y->root->source_step, 39);
         assert_true(y->root->error == x->root->error);
         assert_int_equal(y->root->iterations, 7);
-        assert_memory_equal(x->root->left, y->root->left, pc_packed_len(x->rows) * 4);
-        assert_memory_equal(x->root->right, y->root->right, pc_packed_len(x->cols) * 4);
+        assert_memory_equal(x->root->part[0], y->root->part[0], pc_packed_len(x->rows) * 4);
+        assert_memory_equal(x->root->part[1], y->root->part[1], pc_packed_len(x->cols) * 4);
         assert_int_equal(atomic_load(&y->root_step), 39);
       }
     }

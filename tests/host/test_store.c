@@ -17,36 +17,41 @@
 static void test_options(void **state) {
   (void)state;
   char err[256];
-  pd_shampoo_opts o;
-  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_OK);
   assert_int_equal(o.block_size, 128);
   assert_int_equal(o.skip_limit, 4096);
   assert_true(o.beta2 == 1.0f);
   assert_int_equal(o.root_exponent, 4);
   assert_true(o.epsilon == 1e-6);
-  Precond__V1__ShampooOptions in = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  pd_shampoo_opts in = {0};
   in.beta2 = 1.5f;
-  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  o = in;
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_EINVAL);
   assert_non_null(strstr(err, "beta2"));
   in.beta2 = NAN;
-  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  o = in;
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_EINVAL);
   in.beta2 = 0.9f;
   in.block_size = 100000;
-  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  o = in;
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_EINVAL);
   assert_non_null(strstr(err, "block_size"));
   in.block_size = 0;
-  in.method = (Precond__V1__Method)7;
-  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
-  in.method = PRECOND__V1__METHOD__METHOD_EIGH;
+  in.method = 7;
+  o = in;
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_EINVAL);
+  in.method = PC_METHOD_EIGH;
   in.epsilon = -1;
-  assert_int_equal(pd_shampoo_opts_resolve(&in, &o, err, sizeof err), PD_EINVAL);
+  o = in;
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_EINVAL);
   assert_non_null(strstr(err, "epsilon"));
 }
 
 static pd_job *build(const char *name, uint64_t (*dims)[2], const int *ranks, size_t n,
                      uint32_t block_size, uint32_t max_blocks, int *rc, char *err) {
-  pd_shampoo_opts o;
-  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, 256), PD_OK);
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, 256), PD_OK);
   o.block_size = block_size;
   pd_tensor t[8];
   static char names[8][24];
@@ -57,7 +62,7 @@ static pd_job *build(const char *name, uint64_t (*dims)[2], const int *ranks, si
     t[i].dims = dims[i];
   }
   pd_job *job = NULL;
-  *rc = pd_job_build(name, 0, &o, n, t, max_blocks, &job, err, 256);
+  *rc = pd_job_build(name, &pd_mode_shampoo, &o, n, t, max_blocks, &job, err, 256);
   return job;
 }
 
@@ -101,14 +106,14 @@ static void test_layout_ids(void **state) {
   pd_job_free(job, NULL);
 
   /* An absurd block count is refused before any layout is allocated. */
-  pd_shampoo_opts o;
-  assert_int_equal(pd_shampoo_opts_resolve(NULL, &o, err, sizeof err), PD_OK);
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_OK);
   o.block_size = 1;
   o.skip_limit = UINT32_MAX;
   uint64_t huge[2] = {(uint64_t)1 << 24, (uint64_t)1 << 24};
   pd_tensor t = {(char *)"w", 2, huge};
   pd_job *out = NULL;
-  assert_int_equal(pd_job_build("j", 0, &o, 1, &t, 65536, &out, err, sizeof err), PD_ELIMIT);
+  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 65536, &out, err, sizeof err), PD_ELIMIT);
   assert_null(out);
   assert_non_null(strstr(err, "blocks"));
 }
@@ -151,13 +156,13 @@ static void test_store_add_and_memory(void **state) {
 
   /* Roots: publication numbers versions, and a reader's reference outlives the swap. */
   pd_block *b = &job->blocks[0];
-  pd_root *r1 = pd_root_new(8, 8, &stats);
+  pd_root *r1 = pd_root_new(2, (const uint64_t[]){8, 8}, &stats);
   r1->source_step = 3;
   pd_block_publish(b, r1, &stats);
   pd_root *held = pd_block_root(b);
   assert_ptr_equal(held, r1);
   assert_int_equal(held->version, 1);
-  pd_root *r2 = pd_root_new(8, 8, &stats);
+  pd_root *r2 = pd_root_new(2, (const uint64_t[]){8, 8}, &stats);
   r2->source_step = 4;
   pd_block_publish(b, r2, &stats);
   assert_int_equal(r2->version, 2);
@@ -181,27 +186,27 @@ static void test_block_update(void **state) {
   uint64_t dims[1][2] = {{3, 2}};
   int ranks[1] = {2};
   pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
-  job->opts.beta2 = 0.5f;
+  ((pd_shampoo_opts *)(void *)job->opts)->beta2 = 0.5f;
   pd_job *existing;
   assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
   pd_block *b = &job->blocks[0];
   float l[6] = {1, 2, 3, 4, 5, 6}, r[3] = {2, 4, 8};
-  pd_block_update(b, l, r, 7, &stats);
-  pd_block_update(b, l, r, 5, &stats); /* an older step does not move stat_step back */
+  pd_block_update(b, (const float *[]){l, r}, 7, &stats);
+  pd_block_update(b, (const float *[]){l, r}, 5, &stats); /* an older step does not move stat_step back */
   /* EMA from zero, twice: 0.5 * (0.5 * x) + 0.5 * x = 0.75 x */
-  for (int i = 0; i < 6; i++) assert_true(b->stat_left[i] == 0.75f * l[i]);
-  for (int i = 0; i < 3; i++) assert_true(b->stat_right[i] == 0.75f * r[i]);
+  for (int i = 0; i < 6; i++) assert_true(b->stat[0][i] == 0.75f * l[i]);
+  for (int i = 0; i < 3; i++) assert_true(b->stat[1][i] == 0.75f * r[i]);
   assert_int_equal(atomic_load(&b->stat_step), 7);
   assert_int_equal(b->pushes, 2);
   assert_int_equal(b->stale.count, 0); /* no root yet: nothing to be stale */
 
   /* With a root of step 7: a push of step 9 is one sample of 2, a repeated step 9 none. */
-  pd_root *root = pd_root_new(b->rows, b->cols, &stats);
+  pd_root *root = pd_root_new(b->nparts, b->order, &stats);
   root->source_step = 7;
   pd_block_publish(b, root, &stats);
-  pd_block_update(b, l, r, 9, &stats);
-  pd_block_update(b, l, r, 9, &stats);
-  pd_block_update(b, l, r, 12, &stats);
+  pd_block_update(b, (const float *[]){l, r}, 9, &stats);
+  pd_block_update(b, (const float *[]){l, r}, 9, &stats);
+  pd_block_update(b, (const float *[]){l, r}, 12, &stats);
   assert_int_equal(b->stale.count, 2);
   pd_stale_summary sum;
   pd_stale_hist_summary(&b->stale, &sum);

@@ -1,0 +1,248 @@
+/*
+ * mode_shampoo.c -- Shampoo, the first entry of the mode table.
+ *
+ * Units are the blocks of pc_layout_init per tensor (the layout the worker uses too), with
+ * two parts: L (rows x rows) and R (cols x cols). A push folds increments G G^T and G^T G into
+ * them (S <- beta2 S + (1 - beta2) inc, or S += inc at beta2 = 1); a computation gives the
+ * pair L^(-1/p), R^(-1/p), published if both are finite with an error within the failure
+ * threshold.
+ */
+#include "precondd.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "preconditioner.h"
+
+_Static_assert(sizeof(pd_shampoo_opts) <= PD_MODE_OPTS_MAX, "pd_shampoo_opts too large");
+
+/* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
+#define PD_SHAMPOO_MAX_BLOCK 8192u
+
+static int shampoo_resolve(void *opts, char *err, size_t errlen) {
+  pd_shampoo_opts *o = opts;
+  if (!o->block_size) o->block_size = 128;
+  if (!o->skip_limit) o->skip_limit = 4096;
+  if (o->beta2 == 0.0f) o->beta2 = 1.0f;
+  if (!o->root_exponent) o->root_exponent = 4;
+  if (o->epsilon == 0.0) o->epsilon = 1e-6;
+  if (o->block_size > PD_SHAMPOO_MAX_BLOCK) {
+    snprintf(err, errlen, "shampoo.block_size: %u is above the limit %u", o->block_size,
+             PD_SHAMPOO_MAX_BLOCK);
+    return PD_EINVAL;
+  }
+  if (!(o->beta2 > 0.0f && o->beta2 <= 1.0f)) {
+    snprintf(err, errlen, "shampoo.beta2: %g is not in (0, 1]", (double)o->beta2);
+    return PD_EINVAL;
+  }
+  if (o->root_exponent > 64) {
+    snprintf(err, errlen, "shampoo.root_exponent: %u is not in [1, 64]", o->root_exponent);
+    return PD_EINVAL;
+  }
+  if (!(o->epsilon > 0.0 && o->epsilon < 1.0)) {
+    snprintf(err, errlen, "shampoo.epsilon: %g is not in (0, 1)", o->epsilon);
+    return PD_EINVAL;
+  }
+  if (o->method < PC_METHOD_NEWTON || o->method > PC_METHOD_EIGH) {
+    snprintf(err, errlen, "shampoo.method: %d is not a known method", o->method);
+    return PD_EINVAL;
+  }
+  return PD_OK;
+}
+
+/* Counts the blocks the layout will produce (its documented rule: rows = dims[0], cols = the
+ * product of the rest, diagonal for rank 1 or a side above skip_limit, tiles of block_size)
+ * before any layout is allocated, so an absurd shape costs nothing. */
+static int shampoo_count(const pd_shampoo_opts *o, size_t ntensors, const pd_tensor *t,
+                         uint32_t max_blocks, size_t *count, char *err, size_t errlen) {
+  uint64_t total = 0, bs = o->block_size ? o->block_size : 1;
+  for (size_t i = 0; i < ntensors; i++) {
+    if (t[i].rank < 2) continue;
+    uint64_t rows = t[i].dims[0], cols = 1;
+    for (int k = 1; k < t[i].rank; k++) cols *= t[i].dims[k]; /* <= 2^48: checked */
+    if (rows > o->skip_limit || cols > o->skip_limit) continue;
+    uint64_t tr = (rows + bs - 1) / bs, tc = (cols + bs - 1) / bs;
+    if (tr > max_blocks || tc > max_blocks || (total += tr * tc) > max_blocks) {
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
+               max_blocks);
+      return PD_ELIMIT;
+    }
+  }
+  *count = (size_t)total;
+  return PD_OK;
+}
+
+static int shampoo_layout(const void *opts, size_t ntensors, const pd_tensor *tensors,
+                          uint32_t max_units, pd_unit_shape *units, size_t *nunits,
+                          uint32_t *diag, size_t *ndiag, char *err, size_t errlen) {
+  const pd_shampoo_opts *o = opts;
+  if (!units) return shampoo_count(o, ntensors, tensors, max_units, nunits, err, errlen);
+  /* Block ids are numbered in tensor order, tiles row-major within a tensor (the layout's
+   * own order), so every worker and replica derives the same ids. */
+  pc_layout_opts lo;
+  pc_layout_opts_default(&lo);
+  lo.block_size = o->block_size;
+  lo.skip_limit = o->skip_limit;
+  *nunits = *ndiag = 0;
+  for (size_t i = 0; i < ntensors; i++) {
+    size_t dims[PD_MAX_RANK];
+    for (int k = 0; k < tensors[i].rank; k++) dims[k] = (size_t)tensors[i].dims[k];
+    pc_layout lay;
+    int prc = pc_layout_init(&lay, tensors[i].rank, dims, &lo);
+    if (prc != PC_OK) {
+      snprintf(err, errlen, "tensors[%zu].shape: layout failed: %s", i, pc_strerror(prc));
+      return prc == PC_ENOMEM ? PD_ENOMEM : PD_EINVAL;
+    }
+    if (lay.diagonal || lay.nblocks == 0) {
+      diag[(*ndiag)++] = (uint32_t)i;
+    } else if (*nunits + lay.nblocks > max_units) {
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
+               max_units);
+      pc_layout_destroy(&lay);
+      return PD_ELIMIT;
+    } else {
+      for (size_t k = 0; k < lay.nblocks; k++) {
+        pd_unit_shape *u = &units[(*nunits)++];
+        u->tensor = (uint32_t)i;
+        u->row0 = lay.blocks[k].row0;
+        u->rows = lay.blocks[k].rows;
+        u->col0 = lay.blocks[k].col0;
+        u->cols = lay.blocks[k].cols;
+        u->nparts = 2;
+        u->order[0] = u->rows;
+        u->order[1] = u->cols;
+      }
+    }
+    pc_layout_destroy(&lay);
+  }
+  return PD_OK;
+}
+
+static void shampoo_fold(const void *opts, const pd_block *u, float *const *state,
+                         const float *const *inc) {
+  float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    pc_stat_update_f32(pc_packed_len(u->order[k]), state[k], inc[k], beta2);
+}
+
+/* 1 if the statistic updated with inc (pc_stat_update's rule) stays finite. Computed in
+ * double with a margin of 2^-20 below FLT_MAX, more than the rounding of the float kernel,
+ * so a statistic this admits can never become Inf when pc_stat_update_f32 applies inc. */
+static int shampoo_fold_fits(const void *opts, const pd_block *u, const float *const *state,
+                             const float *const *inc) {
+  float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
+  const double limit = (double)FLT_MAX * (1.0 - 1.0 / 1048576.0);
+  const double b = beta2, w = beta2 == 1.0f ? 1.0 : 1.0 - (double)beta2;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    for (size_t i = 0; i < pc_packed_len(u->order[k]); i++)
+      if (!(fabs(b * (double)state[k][i] + w * (double)inc[k][i]) <= limit)) return 0;
+  return 1;
+}
+
+static int shampoo_compute(const void *opts, const pd_block *u, const float *const *state,
+                           void **unit_state, float *const *out, pd_compute_info *info) {
+  (void)unit_state;
+  const pd_shampoo_opts *o = opts;
+  uint64_t nmax = u->order[0] > u->order[1] ? u->order[0] : u->order[1];
+  float *a = malloc(nmax * nmax * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
+  int rc = PC_ENOMEM;
+  memset(info, 0, sizeof *info);
+  info->method = o->method;
+  info->failed_part = -1;
+  if (!a || !x) goto cleanup;
+  pc_root_opts ro;
+  pc_root_opts_default(&ro, (int)o->root_exponent);
+  ro.epsilon = o->epsilon;
+  ro.method = (pc_method)o->method;
+  rc = PC_OK;
+  /* Both factors, one after the other; the worst error and iteration count stand for both. */
+  for (uint32_t k = 0; k < u->nparts && rc >= 0; k++) {
+    size_t n = u->order[k];
+    pc_root_info ri;
+    memset(&ri, 0, sizeof ri);
+    pc_unpack_f32(n, state[k], a);
+    int rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
+    if (rk >= 0) pc_pack_f32(n, x, out[k]);
+    if (rk != PC_OK) rc = rk;
+    if (rk < 0) info->failed_part = (int)k;
+    if (!(ri.error <= info->error)) info->error = ri.error; /* NaN wins */
+    if ((uint32_t)ri.iters > info->iterations) info->iterations = (uint32_t)ri.iters;
+  }
+cleanup:
+  free(a);
+  free(x);
+  return rc;
+}
+
+static int shampoo_publishable(const void *opts, const pd_block *u, int status,
+                               const pd_compute_info *info, const float *const *out,
+                               double failure_threshold) {
+  (void)opts;
+  if (status < 0 || !isfinite(info->error) || !(info->error <= failure_threshold)) return 0;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    if (!pc_all_finite_f32(pc_packed_len(u->order[k]), out[k])) return 0;
+  return 1;
+}
+
+/* Snapshot section: u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon |
+ * u32 method (28 bytes). */
+static void shampoo_snap_write(const void *opts, unsigned char *out) {
+  const pd_shampoo_opts *o = opts;
+  uint32_t beta2;
+  uint64_t eps;
+  memcpy(&beta2, &o->beta2, 4);
+  memcpy(&eps, &o->epsilon, 8);
+  pd_le_put(out, o->block_size, 4);
+  pd_le_put(out + 4, o->skip_limit, 4);
+  pd_le_put(out + 8, beta2, 4);
+  pd_le_put(out + 12, o->root_exponent, 4);
+  pd_le_put(out + 16, eps, 8);
+  pd_le_put(out + 24, (uint32_t)o->method, 4);
+}
+
+static void shampoo_snap_read(const unsigned char *in, void *opts) {
+  pd_shampoo_opts *o = opts;
+  uint32_t beta2 = (uint32_t)pd_le_get(in + 8, 4);
+  uint64_t eps = pd_le_get(in + 16, 8);
+  o->block_size = (uint32_t)pd_le_get(in, 4);
+  o->skip_limit = (uint32_t)pd_le_get(in + 4, 4);
+  memcpy(&o->beta2, &beta2, 4);
+  o->root_exponent = (uint32_t)pd_le_get(in + 12, 4);
+  memcpy(&o->epsilon, &eps, 8);
+  o->method = (int)(int32_t)(uint32_t)pd_le_get(in + 24, 4);
+}
+
+static void shampoo_describe(const void *opts, char *buf, size_t len) {
+  const pd_shampoo_opts *o = opts;
+  snprintf(buf, len, "block size %u, skip limit %u, beta2 %g, p %u, epsilon %g, method %d",
+           o->block_size, o->skip_limit, (double)o->beta2, o->root_exponent, o->epsilon,
+           o->method);
+}
+
+/* The ridge is relative (epsilon times the largest eigenvalue), so the root of c S is
+ * exactly c^(-1/p) times the root of S. */
+static double shampoo_scale_exponent(const void *opts) {
+  return -1.0 / (double)((const pd_shampoo_opts *)opts)->root_exponent;
+}
+
+const pd_mode pd_mode_shampoo = {
+    .name = "shampoo",
+    .id = PD_MODE_SHAMPOO,
+    .part_names = {"left factor", "right factor"},
+    .opts_size = sizeof(pd_shampoo_opts),
+    .resolve = shampoo_resolve,
+    .layout = shampoo_layout,
+    .fold = shampoo_fold,
+    .fold_fits = shampoo_fold_fits,
+    .compute = shampoo_compute,
+    .unit_free = NULL,
+    .publishable = shampoo_publishable,
+    .snap_bytes = 28,
+    .snap_write = shampoo_snap_write,
+    .snap_read = shampoo_snap_read,
+    .describe = shampoo_describe,
+    .drift_test = 1,
+    .scale_exponent = shampoo_scale_exponent,
+};

@@ -1,0 +1,20 @@
+/*
+ * modes.c -- the mode table: one entry per mode precondd serves. Adding a mode is a file
+ * host/mode_NAME.c defining its pd_mode and one line here (see mode_identity.c). K-FAC
+ * (issue 10) comes in as mode_kfac.c: units per layer with parts A and G, results their
+ * damped inverses; ABS as mode_abs.c with one job-level unit (tensor UINT32_MAX).
+ */
+#include "precondd.h"
+
+extern const pd_mode pd_mode_identity;
+
+static const pd_mode *const pd__modes[] = {
+    &pd_mode_shampoo,
+    &pd_mode_identity,
+};
+
+const pd_mode *pd_mode_find(int id) {
+  for (size_t i = 0; i < sizeof pd__modes / sizeof pd__modes[0]; i++)
+    if ((int)pd__modes[i]->id == id) return pd__modes[i];
+  return NULL;
+}
