@@ -202,25 +202,8 @@ void precond_roots_release(const precond_roots *roots)
  * -1 if the bytes do not match n and the encoding. */
 static int decode_side(const Precond__V1__PackedMatrix *m, float *out)
 {
-  size_t count = pc_packed_len(m->n);
-  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32) {
-    if (m->data.len != count * sizeof(float))
-      return -1;
-    memcpy(out, m->data.data, m->data.len);  /* little-endian on the wire and here */
-    return 0;
-  }
-  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_BF16) {
-    if (m->data.len != count * sizeof(uint16_t))
-      return -1;
-    uint16_t *tmp = malloc(m->data.len > 0 ? m->data.len : 1);
-    if (tmp == NULL)
-      return -1;
-    memcpy(tmp, m->data.data, m->data.len);
-    pc_bf16_to_f32(count, tmp, out);
-    free(tmp);
-    return 0;
-  }
-  return -1;
+  return rpc_packed_decode((int)m->encoding, m->data.data, m->data.len, pc_packed_len(m->n),
+                           out) == RPC_OK ? 0 : -1;
 }
 
 /* Builds a roots object (one reference) from an answer, or NULL if it is malformed. */
@@ -958,18 +941,13 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
   if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
     return PRECOND_EINVAL;
-  size_t es = enc == PRECOND_BF16 ? sizeof(uint16_t) : sizeof(float);
+  size_t es = rpc_packed_width((int)enc);
   precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
                                         cr * es);
   if (it == NULL)
     return PRECOND_ENOMEM;
-  if (enc == PRECOND_BF16) {
-    pc_f32_to_bf16(cl, left, (uint16_t *)(void *)it->data);
-    pc_f32_to_bf16(cr, right, (uint16_t *)(void *)(it->data + cl * es));
-  } else {
-    memcpy(it->data, left, cl * es);
-    memcpy(it->data + cl * es, right, cr * es);
-  }
+  rpc_packed_encode((int)enc, left, cl, it->data); /* enc checked above */
+  rpc_packed_encode((int)enc, right, cr, it->data + cl * es);
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
   if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||

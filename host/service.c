@@ -226,12 +226,8 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
     return -1;
   }
   size_t count = pc_packed_len(n);
-  size_t width;
-  if (m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32) {
-    width = 4;
-  } else if (m->encoding == PRECOND__V1__ENCODING__ENCODING_BF16) {
-    width = 2;
-  } else {
+  size_t width = rpc_packed_width((int)m->encoding);
+  if (width == 0) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s.encoding: %d is unknown", i,
              side, (int)m->encoding);
     return -1;
@@ -242,35 +238,16 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
              m->data.len, count * width, count, width);
     return -1;
   }
-  int little = 1;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-  little = 0;
-#endif
-  if (width == 4 && little && ((uintptr_t)m->data.data % _Alignof(float)) == 0) {
+  /* The wire's bytes are the values themselves where the codec says so: no copy. */
+  if (rpc_packed_native((int)m->encoding) &&
+      ((uintptr_t)m->data.data % _Alignof(float)) == 0) {
     *vals = (const float *)(const void *)m->data.data;
   } else {
     float *buf = malloc(count * sizeof *buf);
-    if (!buf) {
+    if (!buf || rpc_packed_decode((int)m->encoding, m->data.data, m->data.len, count, buf)) {
+      free(buf);
       pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory decoding blocks[%zu]", i);
       return -1;
-    }
-    const uint8_t *p = m->data.data;
-    if (width == 4) {
-      for (size_t k = 0; k < count; k++) {
-        uint32_t u = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 |
-                     (uint32_t)p[4 * k + 2] << 16 | (uint32_t)p[4 * k + 3] << 24;
-        memcpy(&buf[k], &u, 4);
-      }
-    } else {
-      uint16_t *h = malloc(count * sizeof *h);
-      if (!h) {
-        free(buf);
-        pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory decoding blocks[%zu]", i);
-        return -1;
-      }
-      for (size_t k = 0; k < count; k++) h[k] = (uint16_t)(p[2 * k] | p[2 * k + 1] << 8);
-      pc_bf16_to_f32(count, h, buf);
-      free(h);
     }
     *vals = buf;
     *owned = buf;
@@ -373,26 +350,28 @@ rejected:
 
 /* ---- FetchPreconditioners -------------------------------------------------------------- */
 
-/* Fills m with root values of order n in the asked encoding; fp32 borrows vals (the root
- * is referenced until the response is packed), bf16 allocates *owned. */
+/* Fills m with root values of order n in the asked encoding: borrows vals where the codec's
+ * bytes are the floats themselves (the root is referenced until the response is packed),
+ * else encodes into *owned. */
 static int pd__encode(Precond__V1__PackedMatrix *m, size_t n, const float *vals,
-                      Precond__V1__Encoding enc, uint16_t **owned) {
-  size_t count = pc_packed_len(n);
+                      Precond__V1__Encoding enc, uint8_t **owned) {
+  size_t count = pc_packed_len(n), width = rpc_packed_width((int)enc);
   precond__v1__packed_matrix__init(m);
   m->n = (uint32_t)n;
   m->encoding = enc;
+  m->data.len = count * width;
   *owned = NULL;
-  if (enc == PRECOND__V1__ENCODING__ENCODING_FP32) {
+  if (rpc_packed_native((int)enc)) {
     m->data.data = (uint8_t *)(uintptr_t)vals;
-    m->data.len = count * 4;
     return 0;
   }
-  uint16_t *h = malloc(count * sizeof *h);
-  if (!h) return -1;
-  pc_f32_to_bf16(count, vals, h);
-  *owned = h;
-  m->data.data = (uint8_t *)h;
-  m->data.len = count * 2;
+  uint8_t *bytes = malloc(m->data.len ? m->data.len : 1);
+  if (!bytes || rpc_packed_encode((int)enc, vals, count, bytes) != RPC_OK) {
+    free(bytes);
+    return -1;
+  }
+  *owned = bytes;
+  m->data.data = bytes;
   return 0;
 }
 
@@ -401,11 +380,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     return;
   }
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#error "fetch sends fp32 roots as host-order bytes: a big-endian host needs a conversion"
-#endif
-  if (req->encoding != PRECOND__V1__ENCODING__ENCODING_FP32 &&
-      req->encoding != PRECOND__V1__ENCODING__ENCODING_BF16) {
+  if (rpc_packed_width((int)req->encoding) == 0) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "encoding: %d is unknown", (int)req->encoding);
     return;
   }
@@ -420,7 +395,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   Precond__V1__BlockRoots *out = calloc(nb ? nb : 1, sizeof *out);
   Precond__V1__BlockRoots **ptrs = calloc(nb ? nb : 1, sizeof *ptrs);
   Precond__V1__PackedMatrix *mats = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *mats);
-  uint16_t **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
+  uint8_t **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   size_t nout = 0;
   if (!have || !roots || !out || !ptrs || !mats || !owned) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
@@ -437,7 +412,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   }
   /* Newer roots until the response would pass the size limit; the rest come next fetch. */
   size_t budget = d->cfg.max_message_bytes - d->cfg.max_message_bytes / 16, used = 0;
-  size_t width = req->encoding == PRECOND__V1__ENCODING__ENCODING_FP32 ? 4 : 2;
+  size_t width = rpc_packed_width((int)req->encoding);
   for (size_t i = 0; i < nb; i++) {
     pd_root *r = pd_block_root(&job->blocks[i]);
     if (!r || r->version <= have[i]) {

@@ -141,6 +141,28 @@ int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, s
                  long deadline_ms, int wait_for_ready, const char *token,
                  grpc_byte_buffer **resp, grpc_status_code *status, char **details);
 
+/* ---- codec.c: PackedMatrix.data, the one codec of every side (daemon, client, tools) ---- */
+/*
+ * Values travel little-endian whatever the host: fp32 (encoding 0, the wire's ENCODING_FP32)
+ * as their IEEE 754 bits, bf16 (encoding 1) as the top half of an fp32, rounded to nearest
+ * even (preconditioner's pc_f32_to_bf16). The encoding numbers are the wire's Encoding.
+ */
+
+/* Bytes per value of an encoding: 4 (fp32), 2 (bf16), 0 if unknown. */
+size_t rpc_packed_width(int encoding);
+
+/* 1 if bytes of this encoding are the host's own float array (fp32 on a little-endian
+ * host): a reader may point into aligned data, a writer may send its floats as they are. */
+int rpc_packed_native(int encoding);
+
+/* Decodes count values from data (len bytes) into out. RPC_EINVAL for an unknown encoding
+ * or len != count * width; RPC_ENOMEM. */
+int rpc_packed_decode(int encoding, const void *data, size_t len, size_t count, float *out);
+
+/* Encodes count values of in into out (count * width bytes, any alignment). RPC_EINVAL for
+ * an unknown encoding. */
+int rpc_packed_encode(int encoding, const float *in, size_t count, void *out);
+
 #ifdef __cplusplus
 }
 #endif
