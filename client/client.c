@@ -30,6 +30,7 @@
 #include "preconditioner.h"
 #include "queue.h"
 #include "rpc.h"
+#include "wire.h"
 
 /* The public enums are the wire's values (and pc_method's: host/service.c checks those). */
 _Static_assert((int)PRECOND_MODE_SHAMPOO == (int)PRECOND__V1__MODE__MODE_SHAMPOO, "modes");
@@ -41,14 +42,6 @@ _Static_assert((int)PRECOND_METHOD_NEWTON_TEXTBOOK ==
 _Static_assert((int)PRECOND_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
 _Static_assert((int)PRECOND_FP32 == (int)PRECOND__V1__ENCODING__ENCODING_FP32, "encodings");
 _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "encodings");
-
-/* A published version of a block's roots: the public view first, so a precond_roots pointer
- * is also a roots_obj pointer. */
-typedef struct {
-  precond_roots pub;
-  atomic_int refs;
-  float values[];  /* left, then right */
-} roots_obj;
 
 struct precond_client {
   precond_options opts;
@@ -70,7 +63,7 @@ struct precond_client {
   uint32_t *block_rows, *block_cols;
   precond__queue queue;
   size_t inflight;           /* items taken out for a send not yet answered */
-  roots_obj **roots;         /* nblocks slots: newest version held, or NULL */
+  precond__roots_obj **roots;         /* nblocks slots: newest version held, or NULL */
   uint64_t *daemon_have;     /* nblocks: daemon version asked about (0 after re-register) */
   uint64_t newest_step;      /* newest step pushed, sent with fetches for staleness stats */
 
@@ -189,51 +182,6 @@ static int call(precond_client *c, const char *method, const ProtobufCMessage *r
 /* ------------------------------------------------------------------------------------ */
 /* Roots                                                                                  */
 
-void precond_roots_release(const precond_roots *roots)
-{
-  if (roots == NULL)
-    return;
-  roots_obj *o = (roots_obj *)(void *)(uintptr_t)roots;
-  if (atomic_fetch_sub_explicit(&o->refs, 1, memory_order_acq_rel) == 1)
-    free(o);
-}
-
-/* Decodes one side of a BlockRoots answer into out (pc_packed_len(n) floats). Returns 0, or
- * -1 if the bytes do not match n and the encoding. */
-static int decode_side(const Precond__V1__PackedMatrix *m, float *out)
-{
-  return rpc_packed_decode((int)m->encoding, m->data.data, m->data.len, pc_packed_len(m->n),
-                           out) == RPC_OK ? 0 : -1;
-}
-
-/* Builds a roots object (one reference) from an answer, or NULL if it is malformed. */
-static roots_obj *roots_from_wire(const Precond__V1__BlockRoots *b)
-{
-  uint32_t nl = b->left ? b->left->n : 0, nr = b->right ? b->right->n : 0;
-  size_t cl = pc_packed_len(nl), cr = pc_packed_len(nr);
-  roots_obj *o = malloc(sizeof(*o) + (cl + cr) * sizeof(float));
-  if (o == NULL)
-    return NULL;
-  if ((b->left && decode_side(b->left, o->values) != 0) ||
-      (b->right && decode_side(b->right, o->values + cl) != 0)) {
-    free(o);
-    return NULL;
-  }
-  atomic_init(&o->refs, 1);
-  o->pub.block_id = b->block_id;
-  o->pub.version = 0;  /* set when published */
-  o->pub.daemon_version = b->version;
-  o->pub.source_step = b->source_step;
-  o->pub.error = b->error;
-  o->pub.method = (precond_method)b->method;
-  o->pub.iterations = b->iterations;
-  o->pub.n_left = nl;
-  o->pub.n_right = nr;
-  o->pub.left = nl ? o->values : NULL;
-  o->pub.right = nr ? o->values + cl : NULL;
-  return o;
-}
-
 int precond_fetch(precond_client *c, uint32_t block_id, uint64_t have_version,
                   const precond_roots **out)
 {
@@ -245,7 +193,7 @@ int precond_fetch(precond_client *c, uint32_t block_id, uint64_t have_version,
   if (c->roots == NULL || block_id >= c->nblocks) {
     st = PRECOND_EINVAL;
   } else {
-    roots_obj *o = c->roots[block_id];
+    precond__roots_obj *o = c->roots[block_id];
     if (o != NULL && o->pub.version > have_version) {
       atomic_fetch_add_explicit(&o->refs, 1, memory_order_relaxed);
       *out = &o->pub;
@@ -384,12 +332,18 @@ static int poll_roots(precond_client *c)
   uint32_t nb = c->nblocks;
   Precond__V1__BlockVersion *bv = calloc(nb ? nb : 1, sizeof(*bv));
   Precond__V1__BlockVersion **bvp = calloc(nb ? nb : 1, sizeof(*bvp));
-  if (job == NULL || bv == NULL || bvp == NULL) {
+  /* The layout, copied: answers are decoded outside the lock, against the block shapes of
+   * the job they were asked for. */
+  uint32_t *shape = malloc(2 * (nb ? nb : 1) * sizeof(*shape));
+  if (job == NULL || bv == NULL || bvp == NULL || shape == NULL) {
     free(job);
     free(bv);
     free(bvp);
+    free(shape);
     return PRECOND_ENOMEM;
   }
+  memcpy(shape, c->block_rows, nb * sizeof(*shape));
+  memcpy(shape + nb, c->block_cols, nb * sizeof(*shape));
   Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
   req.job = job;
   req.encoding = (Precond__V1__Encoding)c->opts.fetch_encoding;
@@ -413,12 +367,14 @@ static int poll_roots(precond_client *c)
   /* Decode outside the lock: the copies are the expensive part. */
   Precond__V1__FetchResponse *resp = (Precond__V1__FetchResponse *)msg;
   size_t nr = resp ? resp->n_preconditioners : 0;
-  roots_obj **got = calloc(nr ? nr : 1, sizeof(*got));
+  precond__roots_obj **got = calloc(nr ? nr : 1, sizeof(*got));
   size_t bad = 0;
   uint64_t bytes = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
     const Precond__V1__BlockRoots *b = resp->preconditioners[i];
-    got[i] = b->block_id < nb ? roots_from_wire(b) : NULL;
+    got[i] = b->block_id < nb
+                 ? precond__roots_from_wire(b, shape[b->block_id], shape[nb + b->block_id])
+                 : NULL;
     if (got[i] == NULL)
       bad++;
     bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
@@ -427,12 +383,12 @@ static int poll_roots(precond_client *c)
   pthread_mutex_lock(&c->mu);
   size_t published = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
-    roots_obj *o = got[i];
+    precond__roots_obj *o = got[i];
     if (o == NULL)
       continue;
     uint32_t id = o->pub.block_id;
     if (c->job_gen == gen && o->pub.daemon_version > c->daemon_have[id]) {
-      roots_obj *old = c->roots[id];
+      precond__roots_obj *old = c->roots[id];
       o->pub.version = old != NULL ? old->pub.version + 1 : 1;
       c->daemon_have[id] = o->pub.daemon_version;
       c->roots[id] = o;
@@ -461,6 +417,7 @@ static int poll_roots(precond_client *c)
   free(job);
   free(bv);
   free(bvp);
+  free(shape);
   return st;
 }
 
@@ -807,7 +764,7 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   ProtobufCMessage *msg = NULL;
   uint8_t *packed = NULL;
   precond__queue q = {0};
-  roots_obj **roots = NULL;
+  precond__roots_obj **roots = NULL;
   uint64_t *have = NULL;
   uint32_t *rows = NULL, *cols = NULL;
   char *job_copy = dup_str(job);

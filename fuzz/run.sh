@@ -1,0 +1,21 @@
+#!/bin/sh
+# run.sh HARNESS [SECONDS] -- runs one libFuzzer harness (a fuzz_NAME binary of a
+# -Dfuzz=enabled build) for SECONDS (default 20) over its seed corpus fuzz/corpus/NAME,
+# which is read, never written: new inputs go to HARNESS's directory, corpus-NAME/, and
+# crashes to crash-NAME/ next to it. Exits non-zero on a crash, a leak, an OOM (above
+# 2 GiB RSS) or a timeout (10 s for one input), printing the executions libFuzzer reports.
+# A crash found becomes a regression test: add the input to fuzz/corpus/NAME (then every
+# run replays it) and a unit test in tests/ for the fix.
+#
+#   CC=clang-14 meson setup build-fuzz -Dfuzz=enabled -Db_sanitize=address,undefined \
+#       -Db_lundef=false -Dcuda=disabled -Dtests=disabled
+#   meson compile -C build-fuzz && fuzz/run.sh build-fuzz/fuzz/fuzz_service 3600
+set -eu
+exe=$1
+secs=${2:-20}
+name=$(basename "$exe" | sed 's/^fuzz_//')
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(dirname "$exe")
+mkdir -p "$work/corpus-$name" "$work/crash-$name"
+exec "$exe" -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+  -artifact_prefix="$work/crash-$name/" "$work/corpus-$name" "$here/corpus/$name"
