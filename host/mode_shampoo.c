@@ -21,13 +21,22 @@ _Static_assert(sizeof(pd_shampoo_opts) <= PD_MODE_OPTS_MAX, "pd_shampoo_opts too
 /* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
 #define PD_SHAMPOO_MAX_BLOCK 8192u
 
+/* Zero fields take the defaults. Block size, skip limit and epsilon are the numerics'
+ * own (pc_layout_opts_default, pc_root_opts_default), the ones the worker's layout and roots
+ * use, so the two ends cannot drift apart. p = 4 is Shampoo's two-sided rule for a 2-D
+ * block. beta2 0 means sums (beta2 = 1): the wire's zero cannot mean "the worker's EMA",
+ * which the daemon does not know, and libprecond's callers send their beta2 explicitly. */
 static int shampoo_resolve(void *opts, char *err, size_t errlen) {
   pd_shampoo_opts *o = opts;
-  if (!o->block_size) o->block_size = 128;
-  if (!o->skip_limit) o->skip_limit = 4096;
+  pc_layout_opts lo;
+  pc_layout_opts_default(&lo);
+  pc_root_opts ro;
+  pc_root_opts_default(&ro, 4);
+  if (!o->block_size) o->block_size = (uint32_t)lo.block_size;
+  if (!o->skip_limit) o->skip_limit = (uint32_t)lo.skip_limit;
   if (o->beta2 == 0.0f) o->beta2 = 1.0f;
-  if (!o->root_exponent) o->root_exponent = 4;
-  if (o->epsilon == 0.0) o->epsilon = 1e-6;
+  if (!o->root_exponent) o->root_exponent = (uint32_t)ro.p;
+  if (o->epsilon == 0.0) o->epsilon = ro.epsilon;
   if (o->block_size > PD_SHAMPOO_MAX_BLOCK) {
     snprintf(err, errlen, "shampoo.block_size: %u is above the limit %u", o->block_size,
              PD_SHAMPOO_MAX_BLOCK);
