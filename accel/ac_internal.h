@@ -57,6 +57,17 @@ typedef struct ac__ops {
                const float *x, const float *v, float *out);
   int (*reduce)(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
                 float alpha, const float *x, float beta, float *out);
+  int (*channel_moments)(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                         const float *x, float *mean, float *var);
+  int (*channel_affine)(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                        const float *x, const float *scale, const float *shift,
+                        const float *res, int relu, float *y);
+  int (*channel_grad_sums)(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                           const float *dy, const float *mask, const float *x,
+                           const float *center, float *gout, float *sum_g, float *sum_gx);
+  int (*channel_combine)(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                         const float *dy, const float *mask, const float *x, const float *a,
+                         const float *b, const float *c, float *dx);
   int (*sum_to_host)(ac_backend *be, size_t n, const float *x, int squares, double *out);
   int (*argmax_rows)(ac_backend *be, size_t rows, size_t cols, const float *x, int32_t *idx);
   int (*softmax_rows)(ac_backend *be, size_t rows, size_t cols, const float *x, float *y);
@@ -77,9 +88,10 @@ typedef struct ac__ops {
                      size_t table_rows, const int32_t *idx, float *out);
   int (*scatter_add_rows)(ac_backend *be, size_t n, size_t cols, const float *src,
                           const int32_t *idx, float *table, size_t table_rows);
-  int (*im2col)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *x,
-                float *col);
-  int (*col2im)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+  /* merged 0: ac_im2col's (n, ckk, ohw) layout; 1: ac_im2col_batch's (ckk, n ohw). */
+  int (*im2col)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                const float *x, float *col);
+  int (*col2im)(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
                 const float *col, float *x);
   int (*pool2d_forward)(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,
                         size_t ow, const float *x, float *y, int32_t *argmax);

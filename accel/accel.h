@@ -261,6 +261,39 @@ typedef enum {
 int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
               float alpha, const float *x, float beta, float *out);
 
+/* Per-channel passes of batch normalisation, on the same (outer, mid, inner) view with mid
+ * the channel ((N, C, H*W) for images). Each walks the tensor once where the ac_reduce /
+ * ac_bcast recipe walks it 3 to 6 times, and folds in the ReLU and residual add that follow
+ * a batch norm in a ResNet block. Sums are in double on the CPU (in a fixed order: results
+ * do not depend on the thread count), float per thread then a tree on CUDA. */
+
+/* mean[m] and the biased variance var[m] of the outer*inner values of channel m (var from
+ * the double sums of x and x^2, clamped at 0). No aliasing. */
+int ac_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *x, float *mean, float *var);
+
+/* y = x scale[m] + shift[m] (+ res, when res is not NULL), then max(., 0) when relu != 0:
+ * batch norm's output (scale = gamma rstd, shift = beta - mean scale), the residual add and
+ * the ReLU in one pass. y may alias x or res. */
+int ac_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                      const float *x, const float *scale, const float *shift,
+                      const float *res, int relu, float *y);
+
+/* The sums of batch norm's backward, with g = dy where mask is NULL or mask > 0, else 0
+ * (mask: the output of a fused ReLU): sum_g[m] = sum of g, sum_gx[m] = sum of
+ * g (x - center[m]) over channel m; g itself is written to gout when it is not NULL (the
+ * gradient a fused residual add hands on). gout may alias dy; nothing else aliases. */
+int ac_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                         const float *dy, const float *mask, const float *x,
+                         const float *center, float *gout, float *sum_g, float *sum_gx);
+
+/* dx = a[m] g + b[m] x + c[m], g masked as in ac_channel_grad_sums (mask may be NULL);
+ * b and c may be NULL (zero): batch norm's input gradient in one pass. dx may alias dy or
+ * x. */
+int ac_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *dy, const float *mask, const float *x, const float *a,
+                       const float *b, const float *c, float *dx);
+
 /* Reductions of n contiguous values to a host double (waits for earlier work):
  * sum and sum of squares. For global-norm clipping and grafting norms: a norm is
  * sqrt(sumsq). out is a HOST pointer. */
@@ -360,6 +393,17 @@ int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *co
  * input element (padding entries dropped). x (n, c, h, w) is overwritten. The conv2d input
  * gradient from dcol = W^T dy. No aliasing. */
 int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x);
+
+/* im2col of the n images into ONE column matrix of shape (c*kh*kw, n*oh*ow), so that a
+ * batch (or a chunk of images) is one gemm with a long N, not n small ones: row
+ * (ch*kh + p)*kw + q, column b*oh*ow + y*ow + x holds the same value as ac_im2col's. Conv2d
+ * forward is then ac_sgemm(NO_TRANS, NO_TRANS, oc, n*ohw, ckk, 1, W, ckk, col, n*ohw, 0, t,
+ * n*ohw), t in (oc, n, ohw) order, and ac_permute(shape {oc, n, ohw}, perm {1, 0, 2}) gives
+ * NCHW (for n == 1 t already is). The layout ac_conv2d uses. No aliasing. */
+int ac_im2col_batch(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col);
+
+/* The adjoint of ac_im2col_batch (as ac_col2im is of ac_im2col). No aliasing. */
+int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x);
 
 typedef enum { AC_POOL_MAX = 0, AC_POOL_AVG = 1 } ac_pool_op;
 
@@ -678,10 +722,12 @@ int ac_celoss_backward(ac_celoss *l, const float **dlogits);
 
 /* 2-D convolution, NCHW, by im2col + gemm: x (n, in_c, h, w) -> y (n, out_c, oh, ow) with
  * W (out_c, in_c, k, k) "<p>.weight" ~ N(0, 2 / (in_c k k)) (He) and optionally b (out_c)
- * "<p>.bias" = 0. The im2col matrix of `chunk` images at a time (0: max_batch) lives in a
- * workspace of ac_conv2d_workspace_floats() floats: pass a caller-owned device buffer to
- * share it between layers (used only inside forward and backward calls), or NULL to let
- * the layer allocate its own. Backward recomputes im2col rather than keeping it. */
+ * "<p>.bias" = 0. `chunk` images at a time (0: max_batch) are lowered into one column
+ * matrix and multiplied by ONE gemm (N = chunk oh ow), whose products are permuted to NCHW;
+ * both live in a workspace of ac_conv2d_workspace_floats() = chunk oh ow (in_c k k + out_c)
+ * floats: pass a caller-owned device buffer to share it between layers (used only inside
+ * forward and backward calls), or NULL to let the layer allocate its own. Backward
+ * recomputes im2col rather than keeping it. */
 typedef struct {
   ac_backend *be;
   ac_conv2d_geom g;       /* g.n is max_batch */
@@ -692,7 +738,8 @@ typedef struct {
   float *ws, *y, *dx;
 } ac_conv2d;
 
-size_t ac_conv2d_workspace_floats(size_t in_c, size_t k, size_t oh, size_t ow, size_t chunk);
+size_t ac_conv2d_workspace_floats(size_t in_c, size_t out_c, size_t k, size_t oh, size_t ow,
+                                  size_t chunk);
 int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c,
                    size_t out_c, size_t h, size_t w, size_t k, size_t stride, size_t pad,
                    int bias, size_t max_batch, size_t chunk, float *workspace, uint64_t seed);
@@ -705,25 +752,44 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx);
  * AC_MODE_TRAIN normalises with the batch mean and biased variance and updates
  * running = (1 - momentum) running + momentum batch (variance unbiased, n hw / (n hw - 1));
  * AC_MODE_EVAL uses the running statistics (mean 0, var 1 at init). g "<p>.weight" = 1,
- * b "<p>.bias" = 0. Backward follows the mode of the last forward. */
+ * b "<p>.bias" = 0. Backward follows the mode of the last forward. Like every layer it
+ * keeps the pointer x (not a copy) until backward. Two passes over the tensor forward, two
+ * backward (ac_channel_*).
+ * Fusions for a ResNet block: after ac_batchnorm_fuse_relu the output is
+ * relu(bn(x) [+ res]) and backward takes the gradient of that output;
+ * ac_batchnorm_forward_res adds a residual res (caller-owned, only read during the call)
+ * before the ReLU, and ac_batchnorm_backward_res also returns the gradient reaching res
+ * (dy itself without a fused ReLU, dy masked by it with one, in a layer-owned buffer). */
 typedef struct {
   ac_backend *be;
   size_t c, hw, max_batch, batch;
   float eps, momentum;
-  int ready;
+  int ready, relu;
   ac_mode mode;
   ac_param weight, bias;
   ac_tensor running_mean, running_var;
-  float *y, *xhat, *dx, *mean, *rstd, *s1, *s2;
+  const float *x;
+  float *y, *dx, *dres, *mean, *rstd, *s1, *s2, *coef;
 } ac_batchnorm;
 
 int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c,
                       size_t hw, float eps, float momentum, size_t max_batch);
 void ac_batchnorm_destroy(ac_batchnorm *l);
+/* Fuses a ReLU into the output (allocates the buffer backward_res hands out). */
+int ac_batchnorm_fuse_relu(ac_batchnorm *l);
+/* The normalised input of the last forward, xhat = (x - mean) rstd (batch statistics in
+ * training mode, running ones in eval mode), into the caller's buffer of batch c hw floats
+ * (the layer no longer keeps it: backward recomputes what it needs from x). */
+int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat);
 int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list);
 int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode mode,
                          const float **y);
+int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
+                             ac_mode mode, const float **y);
 int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx);
+/* dres may be NULL (then this is ac_batchnorm_backward); dx may be NULL too. */
+int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,
+                              const float **dres);
 
 /* Max or average pooling (ac_pool2d_forward) of x (n, c, h, w), window k, stride, pad. */
 typedef struct {
@@ -825,15 +891,15 @@ int ac_lm_backward(ac_lm *m);
  * conv1 3x3 with stride, conv2 3x3, s the identity or, when the stride is not 1 or the
  * width changes, a 1x1 conv with that stride and a batch norm ("<p>.short.conv",
  * "<p>.short.bn"). Convs have no bias. Convs share the caller's workspace (see ac_conv2d;
- * ac_basicblock_workspace_floats gives its size, NULL lets each conv own one). */
+ * ac_basicblock_workspace_floats gives its size, NULL lets each conv own one). relu1 is
+ * fused into bn1, the residual add and relu2 into bn2 (ac_batchnorm_fuse_relu,
+ * ac_batchnorm_forward_res). */
 typedef struct {
   ac_backend *be;
   size_t in_c, out_c, oh, ow, batch;
   int has_short, ready;
   ac_conv2d conv1, conv2, sconv;
   ac_batchnorm bn1, bn2, sbn;
-  ac_activation relu1, relu2;
-  ac_residual add;
   float *dx;
 } ac_basicblock;
 
@@ -872,7 +938,6 @@ typedef struct {
   float *ws;
   ac_conv2d stem;
   ac_batchnorm stem_bn;
-  ac_activation stem_relu;
   ac_basicblock *blocks;
   ac_gap gap;
   ac_linear fc;

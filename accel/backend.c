@@ -448,6 +448,66 @@ int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t 
   return mid == 0 ? AC_OK : be->ops->reduce(be, op, outer, mid, inner, alpha, x, beta, out);
 }
 
+/* A valid backend and (outer, mid, inner) view; *numel its size. */
+static int channel_view_ok(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                           size_t *numel)
+{
+  if (!be_ok(be) || !extent_ok(outer, mid, inner))
+    return 0;
+  *numel = outer * mid * inner;
+  return 1;
+}
+
+int ac_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *x, float *mean, float *var)
+{
+  size_t n;
+  if (!channel_view_ok(be, outer, mid, inner, &n) || !NEED(x, n) || !NEED(mean, mid) ||
+      !NEED(var, mid) || (mid > 0 && (mean == var || (const float *)mean == x ||
+                                      (const float *)var == x)))
+    return AC_EINVAL;
+  return mid == 0 ? AC_OK : be->ops->channel_moments(be, outer, mid, inner, x, mean, var);
+}
+
+int ac_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                      const float *x, const float *scale, const float *shift,
+                      const float *res, int relu, float *y)
+{
+  size_t n;
+  if (!channel_view_ok(be, outer, mid, inner, &n) || !NEED(x, n) || !NEED(y, n) ||
+      !NEED(scale, n > 0 ? mid : 0) || !NEED(shift, n > 0 ? mid : 0))
+    return AC_EINVAL;
+  return n == 0 ? AC_OK
+                : be->ops->channel_affine(be, outer, mid, inner, x, scale, shift, res,
+                                          relu != 0, y);
+}
+
+int ac_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                         const float *dy, const float *mask, const float *x,
+                         const float *center, float *gout, float *sum_g, float *sum_gx)
+{
+  size_t n;
+  if (!channel_view_ok(be, outer, mid, inner, &n) || !NEED(dy, n) || !NEED(x, n) ||
+      !NEED(center, mid) || !NEED(sum_g, mid) || !NEED(sum_gx, mid) ||
+      (mid > 0 && sum_g == sum_gx))
+    return AC_EINVAL;
+  return mid == 0 ? AC_OK
+                  : be->ops->channel_grad_sums(be, outer, mid, inner, dy, mask, x, center,
+                                               gout, sum_g, sum_gx);
+}
+
+int ac_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *dy, const float *mask, const float *x, const float *a,
+                       const float *b, const float *c, float *dx)
+{
+  size_t n;
+  if (!channel_view_ok(be, outer, mid, inner, &n) || !NEED(dy, n) || !NEED(x, n) ||
+      !NEED(dx, n) || !NEED(a, n > 0 ? mid : 0))
+    return AC_EINVAL;
+  return n == 0 ? AC_OK
+                : be->ops->channel_combine(be, outer, mid, inner, dy, mask, x, a, b, c, dx);
+}
+
 static int sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out)
 {
   if (out == NULL || !be_ok(be) || !extent_ok(n, 1, 1) || !NEED(x, n))
@@ -602,7 +662,8 @@ int ac_conv2d_out_hw(const ac_conv2d_geom *g, size_t *oh, size_t *ow)
   return AC_OK;
 }
 
-int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+static int im2col(ac_backend *be, const ac_conv2d_geom *g, int merged, const float *x,
+                  float *col)
 {
   size_t oh, ow;
   if (!be_ok(be) || geom_check(g, &oh, &ow) != AC_OK)
@@ -611,10 +672,11 @@ int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *co
     return AC_OK;
   if (x == NULL || col == NULL || (const float *)col == x)
     return AC_EINVAL;
-  return be->ops->im2col(be, g, oh, ow, x, col);
+  return be->ops->im2col(be, g, oh, ow, merged, x, col);
 }
 
-int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+static int col2im(ac_backend *be, const ac_conv2d_geom *g, int merged, const float *col,
+                  float *x)
 {
   size_t oh, ow;
   if (!be_ok(be) || geom_check(g, &oh, &ow) != AC_OK)
@@ -623,7 +685,27 @@ int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *
     return AC_OK;
   if (x == NULL || col == NULL || (const float *)x == col)
     return AC_EINVAL;
-  return be->ops->col2im(be, g, oh, ow, col, x);
+  return be->ops->col2im(be, g, oh, ow, merged, col, x);
+}
+
+int ac_im2col(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+{
+  return im2col(be, g, 0, x, col);
+}
+
+int ac_col2im(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+{
+  return col2im(be, g, 0, col, x);
+}
+
+int ac_im2col_batch(ac_backend *be, const ac_conv2d_geom *g, const float *x, float *col)
+{
+  return im2col(be, g, 1, x, col);
+}
+
+int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x)
+{
+  return col2im(be, g, 1, col, x);
 }
 
 int ac_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, const float *x,

@@ -9,6 +9,7 @@
  */
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,14 +24,176 @@ static int blas_int_ok(size_t a, size_t b, size_t c, size_t d)
   return a <= INT_MAX && b <= INT_MAX && c <= INT_MAX && d <= INT_MAX;
 }
 
-/* The backend's state: the thread count of its options (0: OpenBLAS's default). */
+/* ------------------------------------------------------------------------------------ */
+/* Worker threads for the memory-bound loops (im2col, col2im, batch norm's passes, ReLU):
+ * OpenBLAS threads only the gemms, and at 2 threads the second core otherwise idles through
+ * everything else. A loop over n items is cut into one contiguous slice per thread; the
+ * caller runs slice 0. Every kernel computes each item the same way whatever its slice
+ * (reductions are split by channel, never across one), so results do not depend on the
+ * thread count and runs repeat bit for bit. */
+
+typedef void (*par_fn)(void *ctx, size_t lo, size_t hi);
+
+typedef struct cpu_pool {
+  int nthreads;          /* including the caller; 1: no workers were started */
+  pthread_t *workers;    /* nthreads - 1 */
+  pthread_mutex_t mu;
+  pthread_cond_t go, done;
+  unsigned long gen;     /* bumped for every loop handed out */
+  int pending, stop;
+  par_fn fn;
+  void *ctx;
+  size_t n;
+} cpu_pool;
+
+typedef struct pool_worker_arg {
+  cpu_pool *pool;
+  int index;
+} pool_worker_arg;
+
+static void slice_of(size_t n, int parts, int i, size_t *lo, size_t *hi)
+{
+  *lo = n * (size_t)i / (size_t)parts;
+  *hi = n * (size_t)(i + 1) / (size_t)parts;
+}
+
+static void *pool_worker(void *arg)
+{
+  pool_worker_arg a = *(pool_worker_arg *)arg;
+  free(arg);
+  cpu_pool *p = a.pool;
+  unsigned long seen = 0;
+  pthread_mutex_lock(&p->mu);
+  for (;;) {
+    while (!p->stop && p->gen == seen)
+      pthread_cond_wait(&p->go, &p->mu);
+    if (p->stop)
+      break;
+    seen = p->gen;
+    par_fn fn = p->fn;
+    void *ctx = p->ctx;
+    size_t lo, hi;
+    slice_of(p->n, p->nthreads, a.index, &lo, &hi);
+    pthread_mutex_unlock(&p->mu);
+    if (lo < hi)
+      fn(ctx, lo, hi);
+    pthread_mutex_lock(&p->mu);
+    if (--p->pending == 0)
+      pthread_cond_signal(&p->done);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+/* Loops touching fewer floats than this run on the caller alone: waking a worker costs
+ * more than it saves. */
+#define PAR_MIN_FLOATS 32768.0
+
+/* fn over [0, n) split across the pool; work: floats read and written, to skip threading
+ * for small loops. */
+static void par_for(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx)
+{
+  if (p->nthreads <= 1 || n < 2 || work < PAR_MIN_FLOATS) {
+    if (n > 0)
+      fn(ctx, 0, n);
+    return;
+  }
+  pthread_mutex_lock(&p->mu);
+  p->fn = fn;
+  p->ctx = ctx;
+  p->n = n;
+  p->pending = p->nthreads - 1;
+  p->gen++;
+  pthread_cond_broadcast(&p->go);
+  pthread_mutex_unlock(&p->mu);
+  size_t lo, hi;
+  slice_of(n, p->nthreads, 0, &lo, &hi);
+  if (lo < hi)
+    fn(ctx, lo, hi);
+  pthread_mutex_lock(&p->mu);
+  while (p->pending > 0)
+    pthread_cond_wait(&p->done, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+}
+
+static void pool_stop(cpu_pool *p)
+{
+  if (p->nthreads > 1) {
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->nthreads - 1; i++)
+      pthread_join(p->workers[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+  }
+  free(p->workers);
+  p->workers = NULL;
+  p->nthreads = 1;
+}
+
+/* Starts nthreads - 1 workers; on any failure the pool runs everything on the caller
+ * (nthreads 1): slower, never wrong. */
+static void pool_start(cpu_pool *p, int nthreads)
+{
+  memset(p, 0, sizeof *p);
+  p->nthreads = 1;
+  if (nthreads <= 1)
+    return;
+  p->workers = calloc((size_t)nthreads - 1, sizeof *p->workers);
+  if (p->workers == NULL)
+    return;
+  if (pthread_mutex_init(&p->mu, NULL) != 0)
+    goto fail_mu;
+  if (pthread_cond_init(&p->go, NULL) != 0)
+    goto fail_go;
+  if (pthread_cond_init(&p->done, NULL) != 0)
+    goto fail_done;
+  p->nthreads = nthreads;
+  for (int i = 0; i < nthreads - 1; i++) {
+    pool_worker_arg *a = malloc(sizeof *a);
+    if (a != NULL) {
+      a->pool = p;
+      a->index = i + 1;
+    }
+    if (a == NULL || pthread_create(&p->workers[i], NULL, pool_worker, a) != 0) {
+      free(a);
+      /* Only the first i workers exist: stop them and fall back to the caller alone. */
+      p->nthreads = i + 1;
+      pool_stop(p);
+      return;
+    }
+  }
+  return;
+fail_done:
+  pthread_cond_destroy(&p->go);
+fail_go:
+  pthread_mutex_destroy(&p->mu);
+fail_mu:
+  free(p->workers);
+  p->workers = NULL;
+}
+
+/* The backend's state: the thread count of its options (0: OpenBLAS's default) and the
+ * pool of as many threads for the loops. */
 typedef struct cpu_impl {
   int threads;
+  cpu_pool pool;
 } cpu_impl;
+
+static cpu_pool *pool_of(ac_backend *be)
+{
+  return &((cpu_impl *)be->impl)->pool;
+}
 
 static void cpu_destroy(ac_backend *be)
 {
-  free(be->impl);
+  cpu_impl *impl = be->impl;
+  if (impl != NULL)
+    pool_stop(&impl->pool);
+  free(impl);
   be->impl = NULL;
 }
 
@@ -88,7 +251,9 @@ static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src
   return AC_OK;
 }
 
-/* y[idx] = x[idx'], idx'[perm[k]] = idx[k]: walk y in order, step x by its strides. */
+/* y[idx] = x[idx'], idx'[perm[k]] = idx[k]: walk y in order, step x by its strides. When
+ * the last axis stays last (a conv's (oc, n, ohw) -> (n, oc, ohw)), whole rows of it are
+ * copied at once. */
 static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
                        const float *x, float *y)
 {
@@ -100,17 +265,22 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
     xstride[d] = numel;
     numel *= shape[d];
   }
+  size_t run = perm[ndim - 1] == ndim - 1 ? shape[ndim - 1] : 1;
+  int outer = run > 1 ? ndim - 1 : ndim; /* the axes walked one index at a time */
   for (int d = 0; d < ndim; d++) {
     yshape[d] = shape[perm[d]];
     ystride[d] = xstride[perm[d]];
     idx[d] = 0;
   }
-  for (size_t o = 0; o < numel; o++) {
+  for (size_t o = 0; o < numel; o += run) {
     size_t src = 0;
-    for (int d = 0; d < ndim; d++)
+    for (int d = 0; d < outer; d++)
       src += idx[d] * ystride[d];
-    y[o] = x[src];
-    for (int d = ndim - 1; d >= 0; d--) {
+    if (run > 1)
+      memcpy(y + o, x + src, run * sizeof *y);
+    else
+      y[o] = x[src];
+    for (int d = outer - 1; d >= 0; d--) {
       if (++idx[d] < yshape[d])
         break;
       idx[d] = 0;
@@ -502,6 +672,175 @@ static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid,
   return AC_OK;
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Batch norm's per-channel passes. The reductions split the channels across the pool (one
+ * thread sums a whole channel, in a fixed order); the maps split the (outer, mid) rows. */
+
+typedef struct chan_args {
+  size_t outer, mid, inner;
+  const float *x, *y, *mask, *p0, *p1, *p2, *res;
+  float *out, *out0, *out1;
+  int relu;
+} chan_args;
+
+static void moments_slice(void *ctx, size_t lo, size_t hi)
+{
+  const chan_args *a = ctx;
+  double count = (double)(a->outer * a->inner);
+  for (size_t m = lo; m < hi; m++) {
+    double s = 0.0, q = 0.0;
+    for (size_t o = 0; o < a->outer; o++) {
+      const float *row = a->x + (o * a->mid + m) * a->inner;
+      s += row_sum(a->inner, row, 0);
+      q += row_sum(a->inner, row, 1);
+    }
+    double mu = count > 0 ? s / count : 0.0, var = count > 0 ? q / count - mu * mu : 0.0;
+    a->out0[m] = (float)mu;
+    a->out1[m] = (float)(var > 0.0 ? var : 0.0);
+  }
+}
+
+static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                               const float *x, float *mean, float *var)
+{
+  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .out0 = mean,
+                 .out1 = var};
+  par_for(pool_of(be), mid, (double)(outer * mid * inner), moments_slice, &a);
+  return AC_OK;
+}
+
+AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi)
+{
+  const chan_args *a = ctx;
+  for (size_t r = lo; r < hi; r++) {
+    size_t m = r % a->mid, base = r * a->inner;
+    float sc = a->p0[m], sh = a->p1[m];
+    const float *x = a->x + base, *res = a->res != NULL ? a->res + base : NULL;
+    float *y = a->out + base;
+    if (res != NULL && a->relu)
+      for (size_t i = 0; i < a->inner; i++) {
+        float v = x[i] * sc + sh + res[i];
+        y[i] = v > 0.0f ? v : 0.0f;
+      }
+    else if (res != NULL)
+      for (size_t i = 0; i < a->inner; i++)
+        y[i] = x[i] * sc + sh + res[i];
+    else if (a->relu)
+      for (size_t i = 0; i < a->inner; i++) {
+        float v = x[i] * sc + sh;
+        y[i] = v > 0.0f ? v : 0.0f;
+      }
+    else
+      for (size_t i = 0; i < a->inner; i++)
+        y[i] = x[i] * sc + sh;
+  }
+}
+
+static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                              const float *x, const float *scale, const float *shift,
+                              const float *res, int relu, float *y)
+{
+  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .p0 = scale,
+                 .p1 = shift, .res = res, .relu = relu, .out = y};
+  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (res ? 3 : 2),
+          affine_slice, &a);
+  return AC_OK;
+}
+
+/* The masked gradient g of a row (written to gout, or to a stack block when there is no
+ * gout; dy itself when neither a mask nor gout asks for a copy), then its two sums in
+ * double with 4 interleaved partials (vectorisable; a fixed order). */
+AC__CPU_VEC static void grad_sums_slice(void *ctx, size_t lo, size_t hi)
+{
+  const chan_args *a = ctx;
+  enum { BLOCK = 1024 };
+  float stack[BLOCK];
+  for (size_t m = lo; m < hi; m++) {
+    double sg = 0.0, sgx = 0.0;
+    float c = a->p0[m];
+    for (size_t o = 0; o < a->outer; o++) {
+      size_t base = (o * a->mid + m) * a->inner;
+      for (size_t i0 = 0; i0 < a->inner; i0 += BLOCK) {
+        size_t len = a->inner - i0 < BLOCK ? a->inner - i0 : BLOCK;
+        const float *dy = a->y + base + i0, *x = a->x + base + i0;
+        float *gw = a->out != NULL ? a->out + base + i0 : stack;
+        const float *g = gw;
+        if (a->mask != NULL) {
+          const float *mask = a->mask + base + i0;
+          for (size_t i = 0; i < len; i++) {
+            float d = dy[i];
+            gw[i] = mask[i] > 0.0f ? d : 0.0f;
+          }
+        } else if (a->out == NULL) {
+          g = dy;
+        } else if (gw != dy) {
+          memcpy(gw, dy, len * sizeof *gw);
+        }
+        double p[4] = {0, 0, 0, 0}, q[4] = {0, 0, 0, 0};
+        size_t i = 0;
+        for (; i + 4 <= len; i += 4)
+          for (size_t j = 0; j < 4; j++) {
+            p[j] += (double)g[i + j];
+            q[j] += (double)g[i + j] * (double)(x[i + j] - c);
+          }
+        for (; i < len; i++) {
+          p[0] += (double)g[i];
+          q[0] += (double)g[i] * (double)(x[i] - c);
+        }
+        sg += (p[0] + p[2]) + (p[1] + p[3]);
+        sgx += (q[0] + q[2]) + (q[1] + q[3]);
+      }
+    }
+    a->out0[m] = (float)sg;
+    a->out1[m] = (float)sgx;
+  }
+}
+
+static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                                 const float *dy, const float *mask, const float *x,
+                                 const float *center, float *gout, float *sum_g,
+                                 float *sum_gx)
+{
+  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .y = dy, .mask = mask, .x = x,
+                 .p0 = center, .out = gout, .out0 = sum_g, .out1 = sum_gx};
+  par_for(pool_of(be), mid, (double)(outer * mid * inner) * 3, grad_sums_slice, &a);
+  return AC_OK;
+}
+
+AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi)
+{
+  const chan_args *a = ctx;
+  for (size_t r = lo; r < hi; r++) {
+    size_t m = r % a->mid, base = r * a->inner;
+    float ca = a->p0[m], cb = a->p1 != NULL ? a->p1[m] : 0.0f;
+    float cc = a->p2 != NULL ? a->p2[m] : 0.0f;
+    const float *dy = a->y + base, *x = a->x + base;
+    float *dx = a->out + base;
+    if (a->mask != NULL) {
+      const float *mask = a->mask + base;
+      for (size_t i = 0; i < a->inner; i++) {
+        float g = dy[i];
+        g = mask[i] > 0.0f ? g : 0.0f;
+        dx[i] = ca * g + cb * x[i] + cc;
+      }
+    } else {
+      for (size_t i = 0; i < a->inner; i++)
+        dx[i] = ca * dy[i] + cb * x[i] + cc;
+    }
+  }
+}
+
+static int cpu_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                               const float *dy, const float *mask, const float *x,
+                               const float *a_, const float *b, const float *c, float *dx)
+{
+  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .y = dy, .mask = mask, .x = x,
+                 .p0 = a_, .p1 = b, .p2 = c, .out = dx};
+  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (mask ? 4 : 3),
+          combine_slice, &a);
+  return AC_OK;
+}
+
 static int cpu_sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out)
 {
   (void)be;
@@ -716,19 +1055,29 @@ static void valid_cols(size_t w, size_t ow, size_t stride, size_t q, size_t pad,
     *hi = *lo;
 }
 
-/* One row of the column matrix per (channel, tap); each output row y is one input row
- * (or zeros in the padding), copied over its valid columns. */
-static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      const float *x, float *col)
+/* Where row r = (ch, p, q) of image b starts in the column matrix: ac_im2col's layout
+ * (n, ckk, ohw) or ac_im2col_batch's (ckk, n ohw), where image b's outputs sit at column
+ * b ohw of rows n ohw long. */
+static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b, size_t r)
 {
-  (void)be;
+  size_t ckk = g->c * g->kh * g->kw;
+  return merged ? r * g->n * ohw + b * ohw : (b * ckk + r) * ohw;
+}
+
+/* One row of the column matrix per (channel, tap) and image. Each output row y is one input
+ * row (or zeros in the padding), copied over its valid columns. Images [b_lo, b_hi) only,
+ * so that workers can split a batch: every image's columns are written by exactly one
+ * call. */
+static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                          const float *x, float *col, size_t b_lo, size_t b_hi)
+{
   size_t ohw = oh * ow, sw = g->stride_w;
-  for (size_t b = 0; b < g->n; b++)
+  for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       const float *plane = x + (b * g->c + ch) * g->h * g->w;
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
-          float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
+          float *row = col + col_row(g, ohw, merged, b, (ch * g->kh + p) * g->kw + q);
           size_t lo, hi;
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
           for (size_t y = 0; y < oh; y++) {
@@ -753,23 +1102,21 @@ static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t
           }
         }
     }
-  return AC_OK;
 }
 
-/* The transpose of im2col: every row of the column matrix added back over its valid
- * columns. */
-static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      const float *col, float *x)
+/* The transpose of im2col for images [b_lo, b_hi): every row segment of the column matrix
+ * added back over its valid columns into the image, which is zeroed first. */
+static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                          const float *col, float *x, size_t b_lo, size_t b_hi)
 {
-  (void)be;
-  size_t ohw = oh * ow, sw = g->stride_w;
-  memset(x, 0, g->n * g->c * g->h * g->w * sizeof(float));
-  for (size_t b = 0; b < g->n; b++)
+  size_t ohw = oh * ow, sw = g->stride_w, chw = g->c * g->h * g->w;
+  memset(x + b_lo * chw, 0, (b_hi - b_lo) * chw * sizeof(float));
+  for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       float *plane = x + (b * g->c + ch) * g->h * g->w;
       for (size_t p = 0; p < g->kh; p++)
         for (size_t q = 0; q < g->kw; q++) {
-          const float *row = col + ((b * g->c + ch) * g->kh * g->kw + p * g->kw + q) * ohw;
+          const float *row = col + col_row(g, ohw, merged, b, (ch * g->kh + p) * g->kw + q);
           size_t lo, hi;
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
           for (size_t y = 0; y < oh; y++) {
@@ -787,6 +1134,47 @@ static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t
           }
         }
     }
+}
+
+typedef struct lower_args {
+  const ac_conv2d_geom *g;
+  size_t oh, ow;
+  int merged;
+  const float *src;
+  float *dst;
+} lower_args;
+
+static void im2col_slice(void *ctx, size_t lo, size_t hi)
+{
+  const lower_args *a = ctx;
+  im2col_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
+}
+
+static void col2im_slice(void *ctx, size_t lo, size_t hi)
+{
+  const lower_args *a = ctx;
+  col2im_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
+}
+
+/* Both split the batch by images across the pool. */
+static void lower(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                  const float *src, float *dst, par_fn slice)
+{
+  lower_args a = {g, oh, ow, merged, src, dst};
+  par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), slice, &a);
+}
+
+static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+                      int merged, const float *x, float *col)
+{
+  lower(be, g, oh, ow, merged, x, col, im2col_slice);
+  return AC_OK;
+}
+
+static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
+                      int merged, const float *col, float *x)
+{
+  lower(be, g, oh, ow, merged, col, x, col2im_slice);
   return AC_OK;
 }
 
@@ -900,6 +1288,10 @@ static const ac__ops cpu_ops = {
   .unary_backward = cpu_unary_backward,
   .bcast = cpu_bcast,
   .reduce = cpu_reduce,
+  .channel_moments = cpu_channel_moments,
+  .channel_affine = cpu_channel_affine,
+  .channel_grad_sums = cpu_channel_grad_sums,
+  .channel_combine = cpu_channel_combine,
   .sum_to_host = cpu_sum_to_host,
   .argmax_rows = cpu_argmax_rows,
   .softmax_rows = cpu_softmax_rows,
@@ -929,6 +1321,7 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
   impl->threads = opts->threads;
   if (opts->threads > 0)
     openblas_set_num_threads(opts->threads);
+  pool_start(&impl->pool, opts->threads > 0 ? opts->threads : openblas_get_num_threads());
   be->ops = &cpu_ops;
   be->impl = impl;
   snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s)",

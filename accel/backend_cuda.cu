@@ -269,6 +269,84 @@ __global__ void k_reduce_columns(int op, size_t outer, size_t mid, float alpha, 
   }
 }
 
+/* Batch norm's per-channel passes: the reductions run one block per channel (grid-stride
+ * over channels), the maps one thread per element. */
+__global__ void k_channel_moments(size_t outer, size_t mid, size_t inner, const float *x,
+                                  float *mean, float *var)
+{
+  for (size_t m = blockIdx.x; m < mid; m += gridDim.x) {
+    size_t count = outer * inner;
+    double s = 0.0, q = 0.0;
+    for (size_t t = threadIdx.x; t < count; t += blockDim.x) {
+      double e = x[((t / inner) * mid + m) * inner + t % inner];
+      s += e;
+      q += e * e;
+    }
+    s = block_reduce(s, add_op());
+    q = block_reduce(q, add_op());
+    if (threadIdx.x == 0) {
+      double mu = count > 0 ? s / (double)count : 0.0;
+      double v = count > 0 ? q / (double)count - mu * mu : 0.0;
+      mean[m] = (float)mu;
+      var[m] = (float)(v > 0.0 ? v : 0.0);
+    }
+  }
+}
+
+__global__ void k_channel_affine(size_t outer, size_t mid, size_t inner, const float *x,
+                                 const float *scale, const float *shift, const float *res,
+                                 int relu, float *y)
+{
+  GRID_STRIDE(e, outer * mid * inner) {
+    size_t m = (e / inner) % mid;
+    float v = AC__FADD(AC__FMUL(x[e], scale[m]), shift[m]);
+    if (res != nullptr)
+      v = AC__FADD(v, res[e]);
+    y[e] = relu && !(v > 0.0f) ? 0.0f : v;
+  }
+}
+
+__global__ void k_channel_grad_sums(size_t outer, size_t mid, size_t inner, const float *dy,
+                                    const float *mask, const float *x, const float *center,
+                                    float *gout, float *sum_g, float *sum_gx)
+{
+  for (size_t m = blockIdx.x; m < mid; m += gridDim.x) {
+    size_t count = outer * inner;
+    float c = center[m];
+    double sg = 0.0, sgx = 0.0;
+    for (size_t t = threadIdx.x; t < count; t += blockDim.x) {
+      size_t e = ((t / inner) * mid + m) * inner + t % inner;
+      float g = mask != nullptr && !(mask[e] > 0.0f) ? 0.0f : dy[e];
+      if (gout != nullptr)
+        gout[e] = g;
+      sg += g;
+      sgx += (double)g * (double)(x[e] - c);
+    }
+    sg = block_reduce(sg, add_op());
+    sgx = block_reduce(sgx, add_op());
+    if (threadIdx.x == 0) {
+      sum_g[m] = (float)sg;
+      sum_gx[m] = (float)sgx;
+    }
+  }
+}
+
+__global__ void k_channel_combine(size_t outer, size_t mid, size_t inner, const float *dy,
+                                  const float *mask, const float *x, const float *a,
+                                  const float *b, const float *c, float *dx)
+{
+  GRID_STRIDE(e, outer * mid * inner) {
+    size_t m = (e / inner) % mid;
+    float g = mask != nullptr && !(mask[e] > 0.0f) ? 0.0f : dy[e];
+    float v = AC__FMUL(a[m], g);
+    if (b != nullptr)
+      v = AC__FADD(v, AC__FMUL(b[m], x[e]));
+    if (c != nullptr)
+      v = AC__FADD(v, c[m]);
+    dx[e] = v;
+  }
+}
+
 __global__ void k_sum_partials(size_t n, const float *x, int squares, double *partials)
 {
   double acc = 0.0;
@@ -482,25 +560,36 @@ geom make_geom(const ac_conv2d_geom *g, size_t oh, size_t ow)
               g->pad_h, g->pad_w, oh, ow};
 }
 
-/* One thread per col entry: (b, ch, p, q, y, x). */
-__global__ void k_im2col(geom g, const float *x, float *col)
+/* Offset of row r = (ch, p, q) of image b in the column matrix: ac_im2col's (n, ckk, ohw)
+ * or, merged, ac_im2col_batch's (ckk, n ohw). */
+__device__ size_t col_row(const geom &g, int merged, size_t b, size_t r)
 {
-  size_t ohw = g.oh * g.ow, total = g.n * g.c * g.kh * g.kw * ohw;
+  size_t ohw = g.oh * g.ow;
+  return merged ? r * g.n * ohw + b * ohw : (b * g.c * g.kh * g.kw + r) * ohw;
+}
+
+/* One thread per col entry (b, ch, p, q, y, x). */
+__global__ void k_im2col(geom g, int merged, const float *x, float *col)
+{
+  size_t ohw = g.oh * g.ow, kk = g.kh * g.kw, total = g.n * g.c * kk * ohw;
   GRID_STRIDE(e, total) {
-    size_t pix = e % ohw, rowid = e / ohw; /* rowid = (b*c + ch)*kh*kw + p*kw + q */
-    size_t q = rowid % g.kw, p = (rowid / g.kw) % g.kh, plane = rowid / (g.kh * g.kw);
+    size_t pix = e % ohw, rest = e / ohw; /* rest = (b * c + ch) * kk + p * kw + q */
+    size_t q = rest % g.kw, p = (rest / g.kw) % g.kh, plane = rest / kk;
+    size_t b = plane / g.c, ch = plane % g.c;
     size_t yo = pix / g.ow, xo = pix % g.ow;
     size_t iy = yo * g.sh + p - g.ph, ix = xo * g.sw + q - g.pw; /* wraps in the padding */
-    col[e] = iy < g.h && ix < g.w ? x[(plane * g.h + iy) * g.w + ix] : 0.0f;
+    col[col_row(g, merged, b, ch * kk + p * g.kw + q) + pix] =
+        iy < g.h && ix < g.w ? x[(plane * g.h + iy) * g.w + ix] : 0.0f;
   }
 }
 
 /* One thread per input pixel: the sum over the col entries that read it (no atomics). */
-__global__ void k_col2im(geom g, const float *col, float *x)
+__global__ void k_col2im(geom g, int merged, const float *col, float *x)
 {
-  size_t ohw = g.oh * g.ow, total = g.n * g.c * g.h * g.w;
+  size_t total = g.n * g.c * g.h * g.w;
   GRID_STRIDE(e, total) {
     size_t ix = e % g.w, iy = (e / g.w) % g.h, plane = e / (g.h * g.w);
+    size_t b = plane / g.c, ch = plane % g.c;
     float s = 0.0f;
     for (size_t p = 0; p < g.kh; p++) {
       size_t ty = iy + g.ph; /* = yo * sh + p */
@@ -512,13 +601,14 @@ __global__ void k_col2im(geom g, const float *col, float *x)
         if (tx < q || (tx - q) % g.sw != 0 || (tx - q) / g.sw >= g.ow)
           continue;
         size_t xo = (tx - q) / g.sw;
-        s += col[((plane * g.kh + p) * g.kw + q) * ohw + yo * g.ow + xo];
+        s += col[col_row(g, merged, b, (ch * g.kh + p) * g.kw + q) + yo * g.ow + xo];
       }
     }
     x[e] = s;
   }
 }
 
+/* Max or average pooling: one thread per output. */
 __global__ void k_pool_forward(int op, geom g, const float *x, float *y, int32_t *argmax)
 {
   size_t total = g.n * g.c * g.oh * g.ow;
@@ -828,6 +918,36 @@ int cu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t 
   LAUNCH(be, k_reduce, row_blocks(mid), (int)op, outer, mid, inner, alpha, x, beta, out);
 }
 
+int cu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *x, float *mean, float *var)
+{
+  LAUNCH(be, k_channel_moments, row_blocks(mid), outer, mid, inner, x, mean, var);
+}
+
+int cu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner, const float *x,
+                      const float *scale, const float *shift, const float *res, int relu,
+                      float *y)
+{
+  LAUNCH(be, k_channel_affine, blocks_for(outer * mid * inner), outer, mid, inner, x, scale,
+         shift, res, relu, y);
+}
+
+int cu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                         const float *dy, const float *mask, const float *x,
+                         const float *center, float *gout, float *sum_g, float *sum_gx)
+{
+  LAUNCH(be, k_channel_grad_sums, row_blocks(mid), outer, mid, inner, dy, mask, x, center,
+         gout, sum_g, sum_gx);
+}
+
+int cu_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
+                       const float *dy, const float *mask, const float *x, const float *a,
+                       const float *b, const float *c, float *dx)
+{
+  LAUNCH(be, k_channel_combine, blocks_for(outer * mid * inner), outer, mid, inner, dy, mask,
+         x, a, b, c, dx);
+}
+
 int cu_sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out)
 {
   float *buf = nullptr;
@@ -918,18 +1038,18 @@ int cu_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src,
   LAUNCH(be, k_scatter_add_rows, blocks_for(n * cols), n, cols, src, idx, table, table_rows);
 }
 
-int cu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *x,
-              float *col)
+int cu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+              const float *x, float *col)
 {
   geom gg = make_geom(g, oh, ow);
-  LAUNCH(be, k_im2col, blocks_for(g->n * g->c * g->kh * g->kw * oh * ow), gg, x, col);
+  LAUNCH(be, k_im2col, blocks_for(g->n * g->c * g->kh * g->kw * oh * ow), gg, merged, x, col);
 }
 
-int cu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, const float *col,
-              float *x)
+int cu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+              const float *col, float *x)
 {
   geom gg = make_geom(g, oh, ow);
-  LAUNCH(be, k_col2im, blocks_for(g->n * g->c * g->h * g->w), gg, col, x);
+  LAUNCH(be, k_col2im, blocks_for(g->n * g->c * g->h * g->w), gg, merged, col, x);
 }
 
 int cu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,
@@ -992,6 +1112,10 @@ ac__ops make_ops()
   o.unary_backward = cu_unary_backward;
   o.bcast = cu_bcast;
   o.reduce = cu_reduce;
+  o.channel_moments = cu_channel_moments;
+  o.channel_affine = cu_channel_affine;
+  o.channel_grad_sums = cu_channel_grad_sums;
+  o.channel_combine = cu_channel_combine;
   o.sum_to_host = cu_sum_to_host;
   o.argmax_rows = cu_argmax_rows;
   o.softmax_rows = cu_softmax_rows;

@@ -11,9 +11,13 @@
 /* ------------------------------------------------------------------------------------ */
 /* 2-D convolution                                                                         */
 
-size_t ac_conv2d_workspace_floats(size_t in_c, size_t k, size_t oh, size_t ow, size_t chunk)
+/* A chunk's column matrix (in_c k k rows, chunk oh ow columns) followed by its products in
+ * (out_c, chunk, oh ow) order, before (forward) or after (backward) the permute that gives
+ * NCHW. */
+size_t ac_conv2d_workspace_floats(size_t in_c, size_t out_c, size_t k, size_t oh, size_t ow,
+                                  size_t chunk)
 {
-  return chunk * in_c * k * k * oh * ow;
+  return chunk * oh * ow * (in_c * k * k + out_c);
 }
 
 int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c,
@@ -41,7 +45,8 @@ int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c
   if (workspace != NULL) {
     l->ws = workspace;
   } else {
-    AC__TRY(ac__layer_alloc(be, ac_conv2d_workspace_floats(in_c, k, l->oh, l->ow, l->chunk),
+    AC__TRY(ac__layer_alloc(be, ac_conv2d_workspace_floats(in_c, out_c, k, l->oh, l->ow,
+                                                                l->chunk),
                             &l->ws));
     l->owns_ws = 1;
   }
@@ -74,6 +79,19 @@ int ac_conv2d_params(ac_conv2d *l, ac_param_list *list)
   return rc;
 }
 
+/* Products of a chunk of nb images in (oc, nb, ohw) order <-> NCHW (nb, oc, ohw): the
+ * permute of ac_im2col_batch's recipe. to_nchw 0 goes the other way (dy into gemm order). */
+static int conv_reorder(ac_backend *be, size_t oc, size_t nb, size_t ohw, const float *src,
+                        float *dst, int to_nchw)
+{
+  const size_t shape_gemm[3] = {oc, nb, ohw}, shape_nchw[3] = {nb, oc, ohw};
+  const int swap[3] = {1, 0, 2};
+  return ac_permute(be, 3, to_nchw ? shape_gemm : shape_nchw, swap, src, dst);
+}
+
+/* Each chunk of images is one im2col and ONE gemm with N = chunk*ohw (not one small gemm
+ * per image: 16 output channels make M short, so a long N is what keeps the gemm near its
+ * peak and lets OpenBLAS use its threads). */
 int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y)
 {
   if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->g.n)
@@ -86,10 +104,14 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   for (size_t b0 = 0; b0 < batch; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;
-    AC__TRY(ac_im2col(be, &g, x + b0 * chw, l->ws));
-    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0,
-                             l->ws, ohw, ckk * ohw, 0.0f, l->y + b0 * oc * ohw, ohw, oc * ohw,
-                             g.n));
+    size_t cols = g.n * ohw;
+    float *col = l->ws, *prod = l->ws + ckk * cols, *yc = l->y + b0 * oc * ohw;
+    AC__TRY(ac_im2col_batch(be, &g, x + b0 * chw, col));
+    /* One image is already NCHW: no permute. */
+    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, cols, ckk, 1.0f, w, ckk, col, cols,
+                     0.0f, g.n == 1 ? yc : prod, cols));
+    if (g.n > 1)
+      AC__TRY(conv_reorder(be, oc, g.n, ohw, prod, yc, 1));
   }
   if (l->has_bias)
     AC__TRY(ac_bcast(be, AC_BIN_ADD, batch, oc, ohw, l->y, ac_tensor_f32(&l->bias.value),
@@ -119,16 +141,21 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx)
   for (size_t b0 = 0; b0 < l->batch; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = l->batch - b0 < l->chunk ? l->batch - b0 : l->chunk;
+    size_t cols = g.n * ohw;
+    float *col = l->ws, *prod = l->ws + ckk * cols;
     const float *dyc = dy + b0 * oc * ohw;
+    if (g.n > 1) {
+      AC__TRY(conv_reorder(be, oc, g.n, ohw, dyc, prod, 0));
+      dyc = prod;
+    }
     /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
-    AC__TRY(ac_im2col(be, &g, l->x + b0 * chw, l->ws));
-    for (size_t i = 0; i < g.n; i++)   /* dW += dy_i col_i^T */
-      AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, ohw, 1.0f, dyc + i * oc * ohw, ohw,
-                       l->ws + i * ckk * ohw, ohw, 1.0f, dw, ckk));
-    if (dx != NULL) {   /* dcol = W^T dy, then scattered back to the image */
-      AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, ckk, ohw, oc, 1.0f, w, ckk, 0, dyc,
-                               ohw, oc * ohw, 0.0f, l->ws, ohw, ckk * ohw, g.n));
-      AC__TRY(ac_col2im(be, &g, l->ws, l->dx + b0 * chw));
+    AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
+    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols,
+                     1.0f, dw, ckk)); /* dW += dy col^T */
+    if (dx != NULL) {   /* dcol = W^T dy, then scattered back to the images */
+      AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f,
+                       col, cols));
+      AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));
     }
   }
   if (dx != NULL)
@@ -163,12 +190,12 @@ int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_
   AC__TRY(ac_tensor_init(&l->running_var, be, AC_F32, 1, &c));
   AC__TRY(ac_fill_f32(be, c, ac_tensor_f32(&l->running_var), 1.0f));
   AC__TRY(ac__layer_alloc(be, n, &l->y));
-  AC__TRY(ac__layer_alloc(be, n, &l->xhat));
   AC__TRY(ac__layer_alloc(be, n, &l->dx));
   AC__TRY(ac__layer_alloc(be, c, &l->mean));
   AC__TRY(ac__layer_alloc(be, c, &l->rstd));
   AC__TRY(ac__layer_alloc(be, c, &l->s1));
   AC__TRY(ac__layer_alloc(be, c, &l->s2));
+  AC__TRY(ac__layer_alloc(be, 3 * c, &l->coef));
   return AC_OK;
 fail:
   ac_batchnorm_destroy(l);
@@ -183,10 +210,38 @@ void ac_batchnorm_destroy(ac_batchnorm *l)
   ac_param_destroy(&l->bias);
   ac_tensor_destroy(&l->running_mean);
   ac_tensor_destroy(&l->running_var);
-  float **bufs[] = {&l->y, &l->xhat, &l->dx, &l->mean, &l->rstd, &l->s1, &l->s2};
+  float **bufs[] = {&l->y, &l->dx, &l->dres, &l->mean, &l->rstd, &l->s1, &l->s2, &l->coef};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
+}
+
+int ac_batchnorm_fuse_relu(ac_batchnorm *l)
+{
+  if (l->be == NULL)
+    return AC_EINVAL;
+  if (l->dres == NULL) {
+    int rc = ac__layer_alloc(l->be, l->max_batch * l->c * l->hw, &l->dres);
+    if (rc != AC_OK)
+      return rc;
+  }
+  l->relu = 1;
+  return AC_OK;
+}
+
+int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat)
+{
+  if (l->be == NULL || !l->ready || xhat == NULL)
+    return AC_EINVAL;
+  int rc;
+  size_t c = l->c;
+  const float *center = l->mode == AC_MODE_TRAIN ? l->mean : ac_tensor_f32(&l->running_mean);
+  AC__TRY(ac_binary(l->be, AC_BIN_MUL, c, center, l->rstd, l->coef));
+  AC__TRY(ac_affine(l->be, c, -1.0f, l->coef, 0.0f, l->coef));
+  AC__TRY(ac_channel_affine(l->be, l->batch, c, l->hw, l->x, l->rstd, l->coef, NULL, 0, xhat));
+  return AC_OK;
+fail:
+  return rc;
 }
 
 int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list)
@@ -195,8 +250,10 @@ int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list)
   return rc == AC_OK ? ac_param_list_push(list, &l->bias) : rc;
 }
 
-int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode mode,
-                         const float **y)
+/* Per channel: rstd = 1 / sqrt(var + eps), scale s1 = gamma rstd, shift s2 = beta - mean
+ * s1; the output is one ac_channel_affine pass (with the residual and ReLU folded in). */
+int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
+                             ac_mode mode, const float **y)
 {
   if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch ||
       (mode != AC_MODE_TRAIN && mode != AC_MODE_EVAL))
@@ -205,23 +262,22 @@ int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode 
   ac_backend *be = l->be;
   size_t n = batch, c = l->c, hw = l->hw, m = n * hw;
   float *rmean = ac_tensor_f32(&l->running_mean), *rvar = ac_tensor_f32(&l->running_var);
-  /* y holds x - mean until it is overwritten with the output. */
+  const float *mean = rmean, *var = rvar;
   if (mode == AC_MODE_TRAIN) {
     float mom = l->momentum, unbias = m > 1 ? (float)m / (float)(m - 1) : 1.0f;
-    AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f / (float)m, x, 0.0f, l->mean));
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, l->mean, l->y));
-    AC__TRY(ac_reduce(be, AC_REDUCE_SUMSQ, n, c, hw, 1.0f / (float)m, l->y, 0.0f, l->s1));
+    AC__TRY(ac_channel_moments(be, n, c, hw, x, l->mean, l->s2));
     AC__TRY(ac_axpby(be, c, mom, l->mean, 1.0f - mom, rmean, rmean));
-    AC__TRY(ac_axpby(be, c, mom * unbias, l->s1, 1.0f - mom, rvar, rvar));
-    AC__TRY(ac_affine(be, c, 1.0f, l->s1, l->eps, l->rstd));
-  } else {
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, x, rmean, l->y));
-    AC__TRY(ac_affine(be, c, 1.0f, rvar, l->eps, l->rstd));
+    AC__TRY(ac_axpby(be, c, mom * unbias, l->s2, 1.0f - mom, rvar, rvar));
+    mean = l->mean;
+    var = l->s2;
   }
+  AC__TRY(ac_affine(be, c, 1.0f, var, l->eps, l->rstd));
   AC__TRY(ac_unary(be, AC_UNARY_RSQRT, c, l->rstd, l->rstd));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->y, l->rstd, l->xhat));
-  AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->xhat, ac_tensor_f32(&l->weight.value), l->y));
-  AC__TRY(ac_bcast(be, AC_BIN_ADD, n, c, hw, l->y, ac_tensor_f32(&l->bias.value), l->y));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, ac_tensor_f32(&l->weight.value), l->rstd, l->s1));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, mean, l->s1, l->s2));
+  AC__TRY(ac_binary(be, AC_BIN_SUB, c, ac_tensor_f32(&l->bias.value), l->s2, l->s2));
+  AC__TRY(ac_channel_affine(be, n, c, hw, x, l->s1, l->s2, res, l->relu, l->y));
+  l->x = x;
   l->batch = batch;
   l->mode = mode;
   l->ready = 1;
@@ -231,44 +287,66 @@ fail:
   return rc;
 }
 
-int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx)
+int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode mode,
+                         const float **y)
+{
+  return ac_batchnorm_forward_res(l, x, NULL, batch, mode, y);
+}
+
+/* With g the gradient at the normalised output (dy, masked by a fused ReLU), xhat =
+ * (x - mean) rstd and k = gamma rstd: dbeta += sum g, dgamma += sum g xhat and, in training
+ * mode, dx = k (g - mean(g) - xhat mean(g xhat)) = A g + B x + C per channel with A = k,
+ * B = -k rstd mean(g xhat), C = -k mean(g) - B mean (in eval mode the statistics are
+ * constants: dx = k g). One pass for the sums, one for dx. */
+int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,
+                              const float **dres)
 {
   if (l->be == NULL || !l->ready || dy == NULL)
     return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
-  size_t n = l->batch, c = l->c, hw = l->hw, m = n * hw, total = n * c * hw;
+  size_t n = l->batch, c = l->c, hw = l->hw, m = n * hw;
   float inv_m = 1.0f / (float)m;
-  float *s_dy = l->mean, *s_dyx = l->s2; /* per-channel sums of dy and dy xhat */
-  /* One reduction each, shared by the parameter gradients and the input gradient; dx is
-   * the scratch for dy xhat until it is overwritten. */
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, dy, 0.0f, s_dy));
-  AC__TRY(ac_binary(be, AC_BIN_MUL, total, dy, l->xhat, l->dx));
-  AC__TRY(ac_reduce(be, AC_REDUCE_SUM, n, c, hw, 1.0f, l->dx, 0.0f, s_dyx));
-  AC__TRY(ac_axpby(be, c, 1.0f, s_dy, 1.0f, ac_tensor_f32(&l->bias.grad),
+  int train = l->mode == AC_MODE_TRAIN;
+  const float *mask = l->relu ? l->y : NULL;
+  const float *center = train ? l->mean : ac_tensor_f32(&l->running_mean);
+  float *sum_g = l->s1, *sum_gx = l->s2;
+  float *ca = l->coef, *cb = l->coef + c, *cc = l->coef + 2 * c;
+  /* With a fused ReLU and the residual's gradient asked for, g is written once and both
+   * the residual and the dx pass read it unmasked. */
+  float *gout = mask != NULL && dres != NULL ? l->dres : NULL;
+  AC__TRY(ac_channel_grad_sums(be, n, c, hw, dy, mask, l->x, center, gout, sum_g, sum_gx));
+  AC__TRY(ac_axpby(be, c, 1.0f, sum_g, 1.0f, ac_tensor_f32(&l->bias.grad),
                    ac_tensor_f32(&l->bias.grad)));
-  AC__TRY(ac_axpby(be, c, 1.0f, s_dyx, 1.0f, ac_tensor_f32(&l->weight.grad),
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->rstd, sum_gx, cc)); /* sum g xhat */
+  AC__TRY(ac_axpby(be, c, 1.0f, cc, 1.0f, ac_tensor_f32(&l->weight.grad),
                    ac_tensor_f32(&l->weight.grad)));
-  if (dx == NULL)
-    return AC_OK;
-  /* s1 = gamma rstd per channel: the whole gradient in eval mode, where the statistics are
-   * constants; training mode adds the terms through the batch mean and variance:
-   * dx = gamma rstd (dy - mean(dy) - xhat mean(dy xhat)). */
-  AC__TRY(ac_binary(be, AC_BIN_MUL, c, ac_tensor_f32(&l->weight.value), l->rstd, l->s1));
-  if (l->mode == AC_MODE_TRAIN) {
-    AC__TRY(ac_affine(be, c, inv_m, s_dy, 0.0f, s_dy));
-    AC__TRY(ac_affine(be, c, inv_m, s_dyx, 0.0f, s_dyx));
-    AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->xhat, s_dyx, l->dx));
-    AC__TRY(ac_binary(be, AC_BIN_SUB, total, dy, l->dx, l->dx));
-    AC__TRY(ac_bcast(be, AC_BIN_SUB, n, c, hw, l->dx, s_dy, l->dx));
-    AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, l->dx, l->s1, l->dx));
-  } else {
-    AC__TRY(ac_bcast(be, AC_BIN_MUL, n, c, hw, dy, l->s1, l->dx));
+  if (dx != NULL) {
+    const float *g = gout != NULL ? gout : dy, *gmask = gout != NULL ? NULL : mask;
+    AC__TRY(ac_binary(be, AC_BIN_MUL, c, ac_tensor_f32(&l->weight.value), l->rstd, ca));
+    if (train) {
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, l->rstd, cb));
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, cb, cc, cb));
+      AC__TRY(ac_affine(be, c, -inv_m, cb, 0.0f, cb));            /* B */
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, cb, center, cc));      /* B mean */
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, sum_g, sum_g));    /* k sum g */
+      AC__TRY(ac_axpby(be, c, -inv_m, sum_g, -1.0f, cc, cc));     /* C */
+      AC__TRY(ac_channel_combine(be, n, c, hw, g, gmask, l->x, ca, cb, cc, l->dx));
+    } else {
+      AC__TRY(ac_channel_combine(be, n, c, hw, g, gmask, l->x, ca, NULL, NULL, l->dx));
+    }
+    *dx = l->dx;
   }
-  *dx = l->dx;
+  if (dres != NULL)
+    *dres = gout != NULL ? gout : dy;
   return AC_OK;
 fail:
   return rc;
+}
+
+int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx)
+{
+  return ac_batchnorm_backward_res(l, dy, dx, NULL);
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -274,9 +274,9 @@ size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_
   if (stride == 0 || h == 0 || w == 0)
     return 0;
   size_t oh = conv_out(h, stride), ow = conv_out(w, stride);
-  return max3(ac_conv2d_workspace_floats(in_c, 3, oh, ow, chunk),
-              ac_conv2d_workspace_floats(out_c, 3, oh, ow, chunk),
-              ac_conv2d_workspace_floats(in_c, 1, oh, ow, chunk));
+  return max3(ac_conv2d_workspace_floats(in_c, out_c, 3, oh, ow, chunk),
+              ac_conv2d_workspace_floats(out_c, out_c, 3, oh, ow, chunk),
+              ac_conv2d_workspace_floats(in_c, out_c, 1, oh, ow, chunk));
 }
 
 int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, size_t in_c,
@@ -296,15 +296,16 @@ int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, siz
                          chunk, workspace, ac__sub_seed(seed, 0)));
   b->oh = b->conv1.oh;
   b->ow = b->conv1.ow;
-  size_t ohw = b->oh * b->ow, nout = max_batch * out_c * ohw;
+  size_t ohw = b->oh * b->ow;
   AC__TRY(ac__join_name(name, sizeof name, prefix, "bn1"));
   AC__TRY(ac_batchnorm_init(&b->bn1, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
-  AC__TRY(ac_activation_init(&b->relu1, be, AC_UNARY_RELU, nout));
+  AC__TRY(ac_batchnorm_fuse_relu(&b->bn1));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "conv2"));
   AC__TRY(ac_conv2d_init(&b->conv2, be, name, out_c, out_c, b->oh, b->ow, 3, 1, 1, 0,
                          max_batch, chunk, workspace, ac__sub_seed(seed, 1)));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "bn2"));
   AC__TRY(ac_batchnorm_init(&b->bn2, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
+  AC__TRY(ac_batchnorm_fuse_relu(&b->bn2)); /* relu(bn2(.) + shortcut) in one pass */
   b->has_short = stride != 1 || in_c != out_c;
   if (b->has_short) {
     AC__TRY(ac__join_name(name, sizeof name, prefix, "short.conv"));
@@ -313,8 +314,6 @@ int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, siz
     AC__TRY(ac__join_name(name, sizeof name, prefix, "short.bn"));
     AC__TRY(ac_batchnorm_init(&b->sbn, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
   }
-  AC__TRY(ac_residual_init(&b->add, be, nout));
-  AC__TRY(ac_activation_init(&b->relu2, be, AC_UNARY_RELU, nout));
   AC__TRY(ac__layer_alloc(be, max_batch * in_c * h * w, &b->dx));
   return AC_OK;
 fail:
@@ -328,13 +327,10 @@ void ac_basicblock_destroy(ac_basicblock *b)
     return;
   ac_conv2d_destroy(&b->conv1);
   ac_batchnorm_destroy(&b->bn1);
-  ac_activation_destroy(&b->relu1);
   ac_conv2d_destroy(&b->conv2);
   ac_batchnorm_destroy(&b->bn2);
   ac_conv2d_destroy(&b->sconv);
   ac_batchnorm_destroy(&b->sbn);
-  ac_residual_destroy(&b->add);
-  ac_activation_destroy(&b->relu2);
   ac__layer_free(b->be, &b->dx);
   memset(b, 0, sizeof *b);
 }
@@ -360,19 +356,15 @@ int ac_basicblock_forward(ac_basicblock *b, const float *x, size_t batch, ac_mod
   if (b->be == NULL || x == NULL || y == NULL)
     return AC_EINVAL;
   int rc;
-  size_t nout = batch * b->out_c * b->oh * b->ow;
   const float *a, *s = x;
   AC__TRY(ac_conv2d_forward(&b->conv1, x, batch, &a));
-  AC__TRY(ac_batchnorm_forward(&b->bn1, a, batch, mode, &a));
-  AC__TRY(ac_activation_forward(&b->relu1, a, nout, &a));
+  AC__TRY(ac_batchnorm_forward(&b->bn1, a, batch, mode, &a)); /* with relu1 */
   AC__TRY(ac_conv2d_forward(&b->conv2, a, batch, &a));
-  AC__TRY(ac_batchnorm_forward(&b->bn2, a, batch, mode, &a));
   if (b->has_short) {
     AC__TRY(ac_conv2d_forward(&b->sconv, x, batch, &s));
     AC__TRY(ac_batchnorm_forward(&b->sbn, s, batch, mode, &s));
   }
-  AC__TRY(ac_residual_forward(&b->add, a, s, nout, &a));
-  AC__TRY(ac_activation_forward(&b->relu2, a, nout, y));
+  AC__TRY(ac_batchnorm_forward_res(&b->bn2, a, s, batch, mode, y)); /* + s, relu2 */
   b->batch = batch;
   b->ready = 1;
   return AC_OK;
@@ -385,12 +377,9 @@ int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx)
   if (b->be == NULL || !b->ready || dy == NULL)
     return AC_EINVAL;
   int rc;
-  const float *g, *gm, *gs;
-  AC__TRY(ac_activation_backward(&b->relu2, dy, &g));
-  AC__TRY(ac_residual_backward(&b->add, g, &gm, &gs));
-  AC__TRY(ac_batchnorm_backward(&b->bn2, gm, &gm));
+  const float *gm, *gs;
+  AC__TRY(ac_batchnorm_backward_res(&b->bn2, dy, &gm, &gs));
   AC__TRY(ac_conv2d_backward(&b->conv2, gm, &gm));
-  AC__TRY(ac_activation_backward(&b->relu1, gm, &gm));
   AC__TRY(ac_batchnorm_backward(&b->bn1, gm, &gm));
   AC__TRY(ac_conv2d_backward(&b->conv1, gm, dx != NULL ? &gm : NULL));
   if (b->has_short) {
@@ -447,7 +436,8 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
   m->nblocks = cfg->stages * cfg->blocks;
 
   /* One im2col workspace for every conv: the largest any of them needs. */
-  size_t ws = ac_conv2d_workspace_floats(cfg->in_c, 3, cfg->h, cfg->w, chunk);
+  size_t ws = ac_conv2d_workspace_floats(cfg->in_c, cfg->width[0], 3, cfg->h, cfg->w,
+                                         chunk);
   size_t h = cfg->h, w = cfg->w, c = cfg->width[0];
   for (size_t s = 0; s < cfg->stages; s++)
     for (size_t i = 0; i < cfg->blocks; i++) {
@@ -470,8 +460,7 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
                          3, 1, 1, 0, cfg->batch, chunk, m->ws, ac__sub_seed(seed, 0)));
   AC__TRY(ac_batchnorm_init(&m->stem_bn, be, "stem.bn", cfg->width[0], cfg->h * cfg->w,
                             cfg->bn_eps, cfg->bn_momentum, cfg->batch));
-  AC__TRY(ac_activation_init(&m->stem_relu, be, AC_UNARY_RELU,
-                             cfg->batch * cfg->width[0] * cfg->h * cfg->w));
+  AC__TRY(ac_batchnorm_fuse_relu(&m->stem_bn));
   h = cfg->h;
   w = cfg->w;
   c = cfg->width[0];
@@ -505,7 +494,6 @@ void ac_resnet_destroy(ac_resnet *m)
     return;
   ac_conv2d_destroy(&m->stem);
   ac_batchnorm_destroy(&m->stem_bn);
-  ac_activation_destroy(&m->stem_relu);
   for (size_t i = 0; m->blocks != NULL && i < m->nblocks; i++)
     ac_basicblock_destroy(&m->blocks[i]);
   free(m->blocks);
@@ -536,10 +524,8 @@ int ac_resnet_forward(ac_resnet *m, const float *images, const int32_t *labels, 
     return AC_EINVAL;
   int rc;
   const float *h;
-  size_t n = batch * m->cfg.width[0] * m->cfg.h * m->cfg.w;
   AC__TRY(ac_conv2d_forward(&m->stem, images, batch, &h));
-  AC__TRY(ac_batchnorm_forward(&m->stem_bn, h, batch, mode, &h));
-  AC__TRY(ac_activation_forward(&m->stem_relu, h, n, &h));
+  AC__TRY(ac_batchnorm_forward(&m->stem_bn, h, batch, mode, &h)); /* with the ReLU */
   for (size_t i = 0; i < m->nblocks; i++)
     AC__TRY(ac_basicblock_forward(&m->blocks[i], h, batch, mode, &h));
   AC__TRY(ac_gap_forward(&m->gap, h, batch, &h));
@@ -563,7 +549,6 @@ int ac_resnet_backward(ac_resnet *m)
   AC__TRY(ac_gap_backward(&m->gap, g, &g));
   for (size_t i = m->nblocks; i-- > 0;)
     AC__TRY(ac_basicblock_backward(&m->blocks[i], g, &g));
-  AC__TRY(ac_activation_backward(&m->stem_relu, g, &g));
   AC__TRY(ac_batchnorm_backward(&m->stem_bn, g, &g));
   AC__TRY(ac_conv2d_backward(&m->stem, g, NULL)); /* the images need no gradient */
   return AC_OK;

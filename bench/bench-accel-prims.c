@@ -191,6 +191,9 @@ static void bench_im2col(bench *b, size_t n, size_t c, size_t hw)
   TIMED(b, iters, secs, check(ac_im2col(b->be, &g, x, col), "im2col"));
   snprintf(shape, sizeof shape, "%zux%zux%zux%zu,k3", n, c, hw, hw);
   report(b, "im2col", shape, iters, secs, (double)ncol * sizeof(float), "GB/s");
+  /* The conv layer's layout: one (c 9, n oh ow) matrix for the batch. */
+  TIMED(b, iters, secs, check(ac_im2col_batch(b->be, &g, x, col), "im2col_batch"));
+  report(b, "im2col_batch", shape, iters, secs, (double)ncol * sizeof(float), "GB/s");
   ac_free(b->be, x);
   ac_free(b->be, col);
 }

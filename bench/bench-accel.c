@@ -288,8 +288,8 @@ static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
   for (size_t b0 = 0; b0 < c->batch && rc == AC_OK; b0 += c->chunk) {
     ac_conv2d_geom g = c->g;
     g.n = c->batch - b0 < c->chunk ? c->batch - b0 : c->chunk;
-    rc = col2im ? ac_col2im(be, &g, c->ws, c->dx + b0 * chw)
-                : ac_im2col(be, &g, x + b0 * chw, c->ws);
+    rc = col2im ? ac_col2im_batch(be, &g, c->ws, c->dx + b0 * chw)
+                : ac_im2col_batch(be, &g, x + b0 * chw, c->ws);
   }
   return rc;
 }
@@ -319,14 +319,10 @@ static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride
   TIME_MS(ms, ac_conv2d_backward(&blk.conv1, dy, &g));
   emit("resblock", cfg, "conv1", "bwd", ms, 2 * f1);
   TIME_MS(ms, ac_batchnorm_forward(&blk.bn1, blk.conv1.y, batch, AC_MODE_TRAIN, &y));
-  emit("resblock", cfg, "batchnorm", "fwd", ms, 0);
+  emit("resblock", cfg, "batchnorm+relu", "fwd", ms, 0);
   TIME_MS(ms, ac_batchnorm_backward(&blk.bn1, dy, &g));
-  emit("resblock", cfg, "batchnorm", "bwd", ms, 0);
-  TIME_MS(ms, ac_activation_forward(&blk.relu1, blk.bn1.y, nout, &y));
-  emit("resblock", cfg, "relu", "fwd", ms, 0);
-  TIME_MS(ms, ac_activation_backward(&blk.relu1, dy, &g));
-  emit("resblock", cfg, "relu", "bwd", ms, 0);
-  TIME_MS(ms, ac_conv2d_forward(&blk.conv2, blk.relu1.y, batch, &y));
+  emit("resblock", cfg, "batchnorm+relu", "bwd", ms, 0);
+  TIME_MS(ms, ac_conv2d_forward(&blk.conv2, blk.bn1.y, batch, &y));
   emit("resblock", cfg, "conv2", "fwd", ms, f2);
   TIME_MS(ms, ac_conv2d_backward(&blk.conv2, dy, &g));
   emit("resblock", cfg, "conv2", "bwd", ms, 2 * f2);

@@ -137,6 +137,58 @@ static void test_cpu_threads(void **state)
   ac_backend_destroy(be);
 }
 
+/* The CPU backend's worker pool splits im2col, col2im and batch norm's passes across its
+ * threads: on 2 threads every result must be bit-identical to 1 thread (the tests of
+ * training check bit-exact reruns, and results must not depend on the machine's cores).
+ * Sizes above the pool's threshold, so that the work really is split. */
+static void test_cpu_pool_bitwise(void **state)
+{
+  (void)state;
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  ac_backend *be[2] = {NULL, NULL};
+  opts.threads = 1;
+  OK(ac_backend_create(&be[0], &opts));
+  opts.threads = 2;
+  OK(ac_backend_create(&be[1], &opts));
+  const ac_conv2d_geom g = {.n = 6, .c = 8, .h = 20, .w = 20, .kh = 3, .kw = 3,
+                            .stride_h = 1, .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
+  float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
+  float *out[2] = {NULL, NULL};
+  const size_t nout = 2 * ncol + 5 * nx + 4 * c;
+  for (int t = 0; t < 2; t++) {
+    ac_backend *b = be[t];
+    float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *p = dev_up(b, hp, 5 * c);
+    float *col = dev_alloc(b, ncol * sizeof(float)), *r = dev_alloc(b, nout * sizeof(float));
+    OK(ac_im2col(b, &g, x, r + ncol));
+    OK(ac_col2im(b, &g, r + ncol, r + 2 * ncol + 4 * nx));
+    OK(ac_im2col_batch(b, &g, x, col));
+    OK(ac_memcpy_d2d(b, r, col, ncol * sizeof(float)));
+    float *rx = r + 2 * ncol, *st = r + 2 * ncol + 5 * nx;
+    OK(ac_col2im_batch(b, &g, col, rx));
+    OK(ac_channel_moments(b, g.n, c, hw, x, st, st + c));
+    OK(ac_channel_affine(b, g.n, c, hw, x, p, p + c, dy, 1, rx + nx));
+    OK(ac_channel_grad_sums(b, g.n, c, hw, dy, rx + nx, x, p + 2 * c, rx + 2 * nx, st + 2 * c,
+                            st + 3 * c));
+    OK(ac_channel_combine(b, g.n, c, hw, dy, rx + nx, x, p + 3 * c, p + 4 * c, p, rx + 3 * nx));
+    out[t] = dev_down(b, r, nout);
+    ac_free(b, x);
+    ac_free(b, dy);
+    ac_free(b, p);
+    ac_free(b, col);
+    ac_free(b, r);
+  }
+  assert_memory_equal(out[0], out[1], nout * sizeof(float));
+  free(out[0]);
+  free(out[1]);
+  free(hx);
+  free(hdy);
+  free(hp);
+  ac_backend_destroy(be[0]);
+  ac_backend_destroy(be[1]);
+}
+
 static void test_strerror_and_create(void **state)
 {
   (void)state;
@@ -240,6 +292,13 @@ static void test_invalid_arguments(void **state)
   g.stride_h = 0;
   assert_int_equal(ac_conv2d_out_hw(&g, &oh, &ow), AC_EINVAL);
   assert_int_equal(ac_im2col(be, &g, d, d + 16), AC_EINVAL);
+  assert_int_equal(ac_channel_moments(be, 2, 2, 2, NULL, d, d + 4), AC_EINVAL);
+  assert_int_equal(ac_channel_moments(be, 2, 2, 2, d, d + 8, d + 8), AC_EINVAL);
+  assert_int_equal(ac_channel_affine(be, 2, 2, 2, d, NULL, d, NULL, 0, d + 8), AC_EINVAL);
+  assert_int_equal(ac_channel_grad_sums(be, 2, 2, 2, d, NULL, d, d, NULL, d + 8, d + 8),
+                   AC_EINVAL);
+  assert_int_equal(ac_channel_combine(be, 2, 2, 2, d, NULL, d, NULL, NULL, NULL, d + 8),
+                   AC_EINVAL);
   g.stride_h = 1;
   g.pad_w = 3; /* pad >= kernel */
   assert_int_equal(ac_pool2d_forward(be, AC_POOL_MAX, &g, d, d + 16, di), AC_EINVAL);
@@ -1097,33 +1156,40 @@ static void test_im2col_geometries(void **state)
     float *hx = host_rand(nx), *hc = host_rand(ncol);
     float *want = host_zeros(ncol);
     double *wantx = dzeros(nx);
-    for (size_t r = 0; r < rows; r++) {
-      size_t q = r % g->kw, p = r / g->kw % g->kh, plane = r / (g->kh * g->kw);
-      for (size_t y = 0; y < oh; y++)
-        for (size_t xo = 0; xo < ow; xo++) {
-          long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
-          long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
-          size_t o = (r * oh + y) * ow + xo;
-          if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
-            continue;
-          size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
-          want[o] = hx[i];
-          wantx[i] += hc[o];
-        }
+    for (int merged = 0; merged < 2; merged++) {
+      memset(want, 0, ncol * sizeof *want);
+      memset(wantx, 0, nx * sizeof *wantx);
+      for (size_t r = 0; r < rows; r++) {
+        size_t q = r % g->kw, p = r / g->kw % g->kh, plane = r / (g->kh * g->kw);
+        /* ac_im2col: rows (b, ch, p, q); ac_im2col_batch: row (ch, p, q), column (b, y, x) */
+        size_t b = plane / g->c, crow = r % (g->c * g->kh * g->kw);
+        for (size_t y = 0; y < oh; y++)
+          for (size_t xo = 0; xo < ow; xo++) {
+            long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
+            long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
+            size_t o = merged ? crow * g->n * oh * ow + (b * oh + y) * ow + xo
+                              : (r * oh + y) * ow + xo;
+            if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
+              continue;
+            size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
+            want[o] = hx[i];
+            wantx[i] += hc[o];
+          }
+      }
+      float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
+      float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
+      OK(merged ? ac_im2col_batch(be, g, x, col) : ac_im2col(be, g, x, col));
+      OK(merged ? ac_col2im_batch(be, g, c, dx) : ac_col2im(be, g, c, dx));
+      float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
+      assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
+      expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
+      free(got);
+      free(gotx);
+      ac_free(be, x);
+      ac_free(be, c);
+      ac_free(be, col);
+      ac_free(be, dx);
     }
-    float *x = dev_up(be, hx, nx), *c = dev_up(be, hc, ncol);
-    float *col = dev_alloc(be, ncol * sizeof(float)), *dx = dev_alloc(be, nx * sizeof(float));
-    OK(ac_im2col(be, g, x, col));
-    OK(ac_col2im(be, g, c, dx));
-    float *got = dev_down(be, col, ncol), *gotx = dev_down(be, dx, nx);
-    assert_memory_equal(got, want, ncol * sizeof(float)); /* a copy: exact */
-    expect_close("col2im", gotx, wantx, nx, 1e-6, 1e-6);
-    free(got);
-    free(gotx);
-    ac_free(be, x);
-    ac_free(be, c);
-    ac_free(be, col);
-    ac_free(be, dx);
     free(hx);
     free(hc);
     free(want);
@@ -1145,8 +1211,17 @@ static void test_conv_im2col(void **state)
   float *hx = host_rand(nx), *hw = host_rand(oc * ckk);
   float *x = dev_up(be, hx, nx), *w = dev_up(be, hw, oc * ckk);
   float *col = dev_alloc(be, ncol * sizeof(float)), *y = dev_alloc(be, ny * sizeof(float));
+  float *t = dev_alloc(be, ny * sizeof(float));
 
-  /* Conv forward as im2col + batched gemm (the recipe in accel.h) against a direct loop. */
+  /* Conv forward by both recipes of accel.h against a direct loop: im2col + batched gemm,
+   * and im2col_batch + one gemm over the batch + permute to NCHW. */
+  const size_t tshape[3] = {oc, g.n, ohw};
+  const int swap[3] = {1, 0, 2};
+  OK(ac_im2col_batch(be, &g, x, col));
+  OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, g.n * ohw, ckk, 1.0f, w, ckk, col, g.n * ohw,
+              0.0f, t, g.n * ohw));
+  OK(ac_permute(be, 3, tshape, swap, t, y));
+  float *got_batch = dev_down(be, y, ny);
   OK(ac_im2col(be, &g, x, col));
   OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0, col, ohw,
      ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n));
@@ -1170,7 +1245,9 @@ static void test_conv_im2col(void **state)
           want[((b * oc + o) * oh + yy) * ow + xx] = s;
         }
   expect_close("conv via im2col", got, want, ny, 1e-5, 1e-5);
+  expect_close("conv via im2col_batch", got_batch, want, ny, 1e-5, 1e-5);
   free(got);
+  free(got_batch);
   free(want);
 
   /* col2im is the adjoint of im2col: <im2col(x), c> == <x, col2im(c)>. */
@@ -1210,6 +1287,118 @@ static void test_conv_im2col(void **state)
   ac_free(be, w);
   ac_free(be, col);
   ac_free(be, y);
+  ac_free(be, t);
+}
+
+/* Batch norm's per-channel passes against double loops, over a row shape, rows longer than
+ * the CPU kernel's 1024-value blocks, and inner 1: moments of data with a mean far from 0,
+ * the affine map with and without the residual and the ReLU, the masked gradient sums
+ * (with and without gout) and the combine (with a mask and b, c; without, b, c NULL). */
+static void test_channel_ops(void **state)
+{
+  ac_backend *be = backend(state);
+  const size_t shapes[][3] = {{3, 5, 37}, {2, 3, 1100}, {4, 6, 1}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    size_t outer = shapes[si][0], mid = shapes[si][1], inner = shapes[si][2];
+    size_t n = outer * mid * inner;
+    float *hx = host_rand(n), *hdy = host_rand(n), *hmask = host_rand(n), *hres = host_rand(n);
+    float *hp = host_rand(6 * mid); /* scale, shift, center, a, b, c */
+    for (size_t i = 0; i < n; i++)
+      hx[i] = 3.0f * hx[i] + 5.0f;
+    float *x = dev_up(be, hx, n), *dy = dev_up(be, hdy, n), *mask = dev_up(be, hmask, n);
+    float *res = dev_up(be, hres, n), *p = dev_up(be, hp, 6 * mid);
+    float *st = dev_alloc(be, 4 * mid * sizeof(float)), *y = dev_alloc(be, n * sizeof(float));
+    float *g = dev_alloc(be, n * sizeof(float));
+    double *want = dzeros(n), *wst = dzeros(4 * mid);
+    const float *sc = hp, *sh = hp + mid, *ce = hp + 2 * mid, *ca = hp + 3 * mid;
+    const float *cb = hp + 4 * mid, *cc = hp + 5 * mid;
+#define AT(o, m, i) (((o) * mid + (m)) * inner + (i))
+
+    OK(ac_channel_moments(be, outer, mid, inner, x, st, st + mid));
+    for (size_t m = 0; m < mid; m++) {
+      double s = 0, q = 0, cnt = (double)(outer * inner);
+      for (size_t o = 0; o < outer; o++)
+        for (size_t i = 0; i < inner; i++)
+          s += hx[AT(o, m, i)];
+      for (size_t o = 0; o < outer; o++)
+        for (size_t i = 0; i < inner; i++)
+          q += (hx[AT(o, m, i)] - s / cnt) * (hx[AT(o, m, i)] - s / cnt);
+      wst[m] = s / cnt;
+      wst[mid + m] = q / cnt;
+    }
+    float *got = dev_down(be, st, 2 * mid);
+    expect_close("channel mean", got, wst, mid, 1e-6, 1e-6);
+    expect_close("channel var", got + mid, wst + mid, mid, 1e-6, 1e-5);
+    free(got);
+
+    for (int relu = 0; relu < 2; relu++)
+      for (int with_res = 0; with_res < 2; with_res++) {
+        OK(ac_channel_affine(be, outer, mid, inner, x, p, p + mid, with_res ? res : NULL, relu,
+                             y));
+        for (size_t e = 0; e < n; e++) {
+          size_t m = e / inner % mid;
+          double v = (double)hx[e] * sc[m] + sh[m] + (with_res ? hres[e] : 0.0);
+          want[e] = relu && v < 0 ? 0.0 : v;
+        }
+        got = dev_down(be, y, n);
+        expect_close("channel affine", got, want, n, 1e-5, 1e-5);
+        free(got);
+      }
+
+    for (int masked = 0; masked < 2; masked++) {
+      OK(ac_channel_grad_sums(be, outer, mid, inner, dy, masked ? mask : NULL, x, p + 2 * mid,
+                              masked ? g : NULL, st + 2 * mid, st + 3 * mid));
+      for (size_t m = 0; m < mid; m++) {
+        double s = 0, sx = 0;
+        for (size_t o = 0; o < outer; o++)
+          for (size_t i = 0; i < inner; i++) {
+            size_t e = AT(o, m, i);
+            double gv = masked && !(hmask[e] > 0) ? 0.0 : hdy[e];
+            s += gv;
+            sx += gv * ((double)hx[e] - ce[m]);
+          }
+        wst[2 * mid + m] = s;
+        wst[3 * mid + m] = sx;
+      }
+      got = dev_down(be, st, 4 * mid);
+      expect_close("channel sum g", got + 2 * mid, wst + 2 * mid, mid, 1e-5, 1e-5);
+      expect_close("channel sum g x", got + 3 * mid, wst + 3 * mid, mid, 1e-4, 1e-5);
+      free(got);
+    }
+    float *gg = dev_down(be, g, n); /* the masked gradient written by the last call: exact */
+    for (size_t e = 0; e < n; e++)
+      assert_true(gg[e] == (hmask[e] > 0 ? hdy[e] : 0.0f));
+    free(gg);
+
+    for (int full = 0; full < 2; full++) {
+      OK(ac_channel_combine(be, outer, mid, inner, dy, full ? mask : NULL, x, p + 3 * mid,
+                            full ? p + 4 * mid : NULL, full ? p + 5 * mid : NULL, y));
+      for (size_t e = 0; e < n; e++) {
+        size_t m = e / inner % mid;
+        double gv = full && !(hmask[e] > 0) ? 0.0 : hdy[e];
+        want[e] = ca[m] * gv + (full ? (double)cb[m] * hx[e] + cc[m] : 0.0);
+      }
+      got = dev_down(be, y, n);
+      expect_close("channel combine", got, want, n, 1e-5, 1e-5);
+      free(got);
+    }
+#undef AT
+    free(hx);
+    free(hdy);
+    free(hmask);
+    free(hres);
+    free(hp);
+    free(want);
+    free(wst);
+    ac_free(be, x);
+    ac_free(be, dy);
+    ac_free(be, mask);
+    ac_free(be, res);
+    ac_free(be, p);
+    ac_free(be, st);
+    ac_free(be, y);
+    ac_free(be, g);
+  }
 }
 
 static void test_pool(void **state)
@@ -1621,6 +1810,10 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
   out_take(o, be, col, ncol);
   OK(ac_col2im(be, &g, col, dx));
   out_take(o, be, dx, nx);
+  OK(ac_im2col_batch(be, &g, x, col));
+  out_take(o, be, col, ncol);
+  OK(ac_col2im_batch(be, &g, col, dx));
+  out_take(o, be, dx, nx);
   for (int op = AC_POOL_MAX; op <= AC_POOL_AVG; op++) {
     OK(ac_pool2d_forward(be, (ac_pool_op)op, &g, x, y, am));
     out_take(o, be, y, ny);
@@ -1648,6 +1841,34 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
   ac_free(be, y);
   ac_free(be, dx);
   free(hx);
+}
+
+static void scen_channel(ac_backend *be, outbuf *o)
+{
+  const size_t outer = 4, mid = 7, inner = 45, n = outer * mid * inner;
+  float *hx = host_rand(n), *hdy = host_rand(n), *hp = host_rand(6 * mid);
+  float *x = dev_up(be, hx, n), *dy = dev_up(be, hdy, n), *p = dev_up(be, hp, 6 * mid);
+  float *y = dev_alloc(be, n * sizeof(float)), *g = dev_alloc(be, n * sizeof(float));
+  float *dx = dev_alloc(be, n * sizeof(float)), *st = dev_alloc(be, 4 * mid * sizeof(float));
+  OK(ac_channel_moments(be, outer, mid, inner, x, st, st + mid));
+  OK(ac_channel_affine(be, outer, mid, inner, x, p, p + mid, dy, 1, y));
+  OK(ac_channel_grad_sums(be, outer, mid, inner, dy, y, x, st, g, st + 2 * mid, st + 3 * mid));
+  OK(ac_channel_combine(be, outer, mid, inner, dy, y, x, p + 3 * mid, p + 4 * mid, p + 5 * mid,
+                        dx));
+  out_take(o, be, st, 4 * mid);
+  out_take(o, be, y, n);
+  out_take(o, be, g, n);
+  out_take(o, be, dx, n);
+  free(hx);
+  free(hdy);
+  free(hp);
+  ac_free(be, x);
+  ac_free(be, dy);
+  ac_free(be, p);
+  ac_free(be, y);
+  ac_free(be, g);
+  ac_free(be, dx);
+  ac_free(be, st);
 }
 
 static void scen_random(ac_backend *be, outbuf *o)
@@ -1683,6 +1904,7 @@ static void test_cuda_matches_cpu(void **state)
     {"elementwise", scen_elementwise, 1e-5, 1e-5},
     {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
     {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
+    {"channel (batch norm passes)", scen_channel, 1e-4, 1e-5},
     {"random (bit-exact)", scen_random, 0, 0},
     {"normal", scen_normal, 1e-7, 1e-5},
   };
@@ -1715,13 +1937,14 @@ static void test_cuda_matches_cpu(void **state)
       cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
       cmocka_unit_test(test_gather_scatter),                                            \
       cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_im2col_geometries), \
-      cmocka_unit_test(test_pool),                  \
+      cmocka_unit_test(test_pool), cmocka_unit_test(test_channel_ops),                 \
       cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
 
 int main(void)
 {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
-                                         cmocka_unit_test(test_cpu_threads)};
+                                         cmocka_unit_test(test_cpu_threads),
+                                         cmocka_unit_test(test_cpu_pool_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

@@ -909,6 +909,7 @@ typedef struct {
   double eps, momentum;
   int eval;
   const double *rmean, *rvar;   /* eval mode: the running statistics used */
+  int fused;                    /* relu(bn(x) + res): ac_batchnorm_fuse_relu, _res calls */
 } bn_cfg;
 
 static void bn_stats(const bn_cfg *c, const double *x, size_t ch, double *mean, double *var)
@@ -942,6 +943,8 @@ static void ref_batchnorm(const void *cfg, double *const *in, double *y)
       for (size_t i = 0; i < c->hw; i++) {
         size_t at = (b * c->c + ch) * c->hw + i;
         y[at] = (in[0][at] - mean) / sqrt(var + c->eps) * in[1][ch] + in[2][ch];
+        if (c->fused)
+          y[at] = y[at] + in[3][at] > 0.0 ? y[at] + in[3][at] : 0.0;
       }
   }
 }
@@ -951,6 +954,7 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   double *x = add_input(rc, cfg->n * cfg->c * cfg->hw, -2, 2);
   double *g = add_input(rc, cfg->c, 0.5, 1.5);
   double *b = add_input(rc, cfg->c, -1, 1);
+  double *r = cfg->fused ? add_input(rc, rc->len[0], -1, 1) : NULL;
   set_output(rc, rc->len[0]);
   rc->f = ref_batchnorm;
   rc->cfg = cfg;
@@ -982,10 +986,20 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
     }
   }
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
-  const float *y, *dx;
-  OK(ac_batchnorm_forward(&l, xd, cfg->n, cfg->eval ? AC_MODE_EVAL : AC_MODE_TRAIN, &y));
-  take_y(be, res, y, rc->ny);
-  OK(ac_batchnorm_backward(&l, dr, &dx));
+  float *rd = r != NULL ? dev_upload(be, r, rc->len[0]) : NULL;
+  const float *y, *dx, *dres;
+  ac_mode mode = cfg->eval ? AC_MODE_EVAL : AC_MODE_TRAIN;
+  if (cfg->fused) {
+    OK(ac_batchnorm_fuse_relu(&l));
+    OK(ac_batchnorm_forward_res(&l, xd, rd, cfg->n, mode, &y));
+    take_y(be, res, y, rc->ny);
+    OK(ac_batchnorm_backward_res(&l, dr, &dx, &dres));
+    res->grad[3] = dev_download(be, dres, rc->len[0]);
+  } else {
+    OK(ac_batchnorm_forward(&l, xd, cfg->n, mode, &y));
+    take_y(be, res, y, rc->ny);
+    OK(ac_batchnorm_backward(&l, dr, &dx));
+  }
   res->grad[0] = dev_download(be, dx, rc->len[0]);
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
@@ -995,22 +1009,48 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   }
   ac_free(be, xd);
   ac_free(be, dr);
+  if (rd != NULL)
+    ac_free(be, rd);
   ac_batchnorm_destroy(&l);
+}
+
+/* One batch-norm case: training (batch statistics) or eval mode (the running statistics
+ * below), plain or fused (relu(bn(x) + res), with the gradient reaching res). The cfg
+ * must outlive the case: static, one case at a time. */
+static void case_bn(ac_backend *be, refcase *rc, result *res, int eval, int fused,
+                    uint64_t seed)
+{
+  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
+  static bn_cfg cfg;
+  cfg = (bn_cfg){4, 3, 5, 1e-5, 0.1, eval, eval ? rmean : NULL, eval ? rvar : NULL, fused};
+  rng_seed(seed);
+  case_batchnorm(be, rc, res, &cfg);
 }
 
 static void case_bn_train(ac_backend *be, refcase *rc, result *res)
 {
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 0, NULL, NULL};
-  rng_seed(11);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 0, 0, 11);
 }
 
 static void case_bn_eval(ac_backend *be, refcase *rc, result *res)
 {
-  static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
-  static bn_cfg cfg = {4, 3, 5, 1e-5, 0.1, 1, rmean, rvar};
-  rng_seed(12);
-  case_batchnorm(be, rc, res, &cfg);
+  case_bn(be, rc, res, 1, 0, 12);
+}
+
+static void case_bn_fused_train(ac_backend *be, refcase *rc, result *res)
+{
+  case_bn(be, rc, res, 0, 1, 13);
+}
+
+static void case_bn_fused_eval(ac_backend *be, refcase *rc, result *res)
+{
+  case_bn(be, rc, res, 1, 1, 14);
+}
+
+static void test_batchnorm_fused(void **state)
+{
+  run_case(state, "batchnorm+res+relu(train)", case_bn_fused_train);
+  run_case(state, "batchnorm+res+relu(eval)", case_bn_fused_eval);
 }
 
 static void test_batchnorm_train(void **state)
@@ -1214,6 +1254,7 @@ static void test_param_names(void **state)
       cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_causal),          \
       cmocka_unit_test(test_celoss), cmocka_unit_test(test_conv),                         \
       cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),      \
+      cmocka_unit_test(test_batchnorm_fused),      \
       cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool),                     \
       cmocka_unit_test(test_gap), cmocka_unit_test(test_invalid),                         \
       cmocka_unit_test(test_param_names)
