@@ -25,6 +25,11 @@
  * --kfac measures K-FAC's damped inverses instead (pc_kfac_inverse_*: cholesky, eigh,
  * newton with p = 1) on K-FAC-like factors, one row per size, factor and method; see
  * kfac_main below. --sizes, --repeats, --threads, --precisions and --csv apply.
+ *
+ * --ema 1,10,100 measures the steady state instead (pc_inverse_root_warm_f32, fp32): the
+ * statistic k EMA steps after the one whose root and eigenbasis are held, each warm variant
+ * next to the seeded path, the stale root and cold newton and eigh on the same statistic;
+ * see ema_case below. --sizes, --spectra, --repeats, --threads, --p, --methods, --csv apply.
  */
 #include <math.h>
 #include <stdio.h>
@@ -77,6 +82,10 @@ typedef struct {
   char methods[256];
   char precisions[64];
   char spectra[64];
+  int methods_set; /* --methods given */
+  int ema[8];      /* --ema: EMA step counts of the steady-state case (0 ends the list) */
+  double beta2;    /* --beta2 of those steps */
+  int ema_fresh;   /* --ema-model fresh (1) or stationary (0) */
 } bench_opts;
 
 static double now_s(void) {
@@ -130,6 +139,15 @@ static void usage(FILE *f) {
           "  --spectra LIST        well,shampoo (default both)\n"
           "  --threads T           OpenBLAS threads (default: all cores)\n"
           "  --p P                 root order (default 4)\n"
+          "  --ema LIST            the steady-state case instead: the statistic after k EMA\n"
+          "                        steps (each k of LIST, e.g. 1,10,100) from the one whose\n"
+          "                        root and eigenbasis are held; methods warm, warm-reuse,\n"
+          "                        warm-noskip, warm-narrow, warm-2sweeps, seed, stale,\n"
+          "                        newton, eigh (default: all); fp32\n"
+          "  --beta2 B             EMA factor of --ema (default 0.999)\n"
+          "  --ema-model M         stationary (default: gradients from a fixed distribution\n"
+          "                        with the held statistic's spectrum) or fresh (isotropic\n"
+          "                        gradients filling its null space)\n"
           "  --kfac                K-FAC damped inverses (cholesky, eigh, newton p = 1) on\n"
           "                        K-FAC-like factors A and G instead (default sizes\n"
           "                        64,128,256,512,1024)\n"
@@ -144,6 +162,7 @@ static int parse(int argc, char **argv, bench_opts *o) {
   o->nsizes = 5;
   o->threads = openblas_get_num_procs();
   o->p = 4;
+  o->beta2 = 0.999;
   strcpy(o->methods, "newton,newton-fp32,newton-scaled-gemm,newton-sym,newton-textbook,eigh");
   strcpy(o->precisions, "f32,f64");
   strcpy(o->spectra, "well,shampoo");
@@ -179,6 +198,23 @@ static int parse(int argc, char **argv, bench_opts *o) {
       if (o->p < 1 || o->p > 64) return -1;
     } else if (v && !strcmp(a, "--methods") && strlen(v) < sizeof o->methods) {
       strcpy(o->methods, argv[++i]);
+      o->methods_set = 1;
+    } else if (v && !strcmp(a, "--ema")) {
+      int k = 0;
+      for (char *s = argv[++i]; *s && k < 7;) {
+        char *end;
+        long e = strtol(s, &end, 10);
+        if (end == s || e < 1 || e > 100000 || (*end && *end != ',')) return -1;
+        o->ema[k++] = (int)e;
+        s = *end == ',' ? end + 1 : end;
+      }
+      o->ema[k] = 0;
+    } else if (v && !strcmp(a, "--ema-model")) {
+      o->ema_fresh = !strcmp(argv[++i], "fresh");
+      if (!o->ema_fresh && strcmp(argv[i], "stationary")) return -1;
+    } else if (v && !strcmp(a, "--beta2")) {
+      o->beta2 = atof(argv[++i]);
+      if (!(o->beta2 > 0.0 && o->beta2 < 1.0)) return -1;
     } else if (v && !strcmp(a, "--precisions") && strlen(v) < sizeof o->precisions) {
       strcpy(o->precisions, argv[++i]);
     } else if (v && !strcmp(a, "--spectra") && strlen(v) < sizeof o->spectra) {
@@ -201,11 +237,17 @@ static double rng_normal(uint64_t *s) {
   return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
-/* a = G G^T / k with G n x k Gaussian, in fp64. */
-static void gram(size_t n, size_t k, uint64_t seed, double *a) {
+/* g: n x k Gaussian from seed (the same seed gives the same G). */
+static double *gaussian(size_t n, size_t k, uint64_t seed) {
   double *g = malloc(n * k * sizeof *g);
   if (!g) abort();
   for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
+  return g;
+}
+
+/* a = G G^T / k with G n x k Gaussian, in fp64. */
+static void gram(size_t n, size_t k, uint64_t seed, double *a) {
+  double *g = gaussian(n, k, seed);
   cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)k, 1.0 / (double)k, g,
               (int)k, 0.0, a, (int)n);
   for (size_t i = 0; i < n; i++)
@@ -233,6 +275,15 @@ static void eig_init(eig64 *e, size_t n, const double *a) {
 static void eig_destroy(eig64 *e) {
   free(e->vt);
   free(e->w);
+}
+
+/* The references of a case: e of the fp64 matrix a, e_in of its fp32 rounding a_in. Returns
+ * a's condition number with the default relative ridge 1e-6. */
+static double refs_init(size_t n, const double *a, const double *a_in, eig64 *e, eig64 *e_in) {
+  eig_init(e, n, a);
+  eig_init(e_in, n, a_in);
+  double lmax = e->w[n - 1], ridge0 = 1e-6 * lmax;
+  return (lmax + ridge0) / ((e->w[0] > 0 ? e->w[0] : 0.0) + ridge0);
 }
 
 /* x = V diag((max(w,0) + ridge)^(-1/p)) V^T, the fp64 reference root. scratch: n x n. */
@@ -429,7 +480,14 @@ static int kfac_main(const bench_opts *o) {
 }
 
 static void print_header(const bench_opts *o) {
-  if (o->csv) {
+  if (o->ema[0] && o->csv) {
+    printf("n,spectrum,cond,p,ema_k,method,path,threads,ms,cpu_ms,status,offdiag,change,residual,"
+           "rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
+  } else if (o->ema[0]) {
+    printf("%5s %-8s %8s %5s %-13s %-8s %9s %9s %9s %9s %9s %9s %7s %7s\n", "n", "spectrum",
+           "cond", "ema_k", "method", "path", "ms", "cpu_ms", "offdiag", "change", "resid",
+           "rel_err", "gemm_eq", "eq_cpu");
+  } else if (o->csv) {
     printf("n,spectrum,cond,p,method,precision,threads,ms,ms_min,cpu_ms,iterations,status,"
            "error,rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
   } else {
@@ -437,6 +495,180 @@ static void print_header(const bench_opts *o) {
            "method", "prec", "ms", "iters", "error", "rel_err", "rel_in", "gemm_ms",
            "gemm_eq");
   }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The steady-state case (--ema)                                                          */
+
+/* Rows of the steady-state case. kind: 0 warm from the held basis, 1 seeded (no basis held:
+ * syevd and one refinement), 2 the stale root (the held one, as it is), 3 a cold root. */
+typedef struct {
+  const char *name;
+  int kind;
+  pc_method method;  /* kind 3 */
+  double skip_tol;   /* < 0: default */
+  int reuse_root, wide, sweeps;
+} ema_method;
+
+static const ema_method ema_methods[] = {
+  {"warm", 0, PC_METHOD_NEWTON, -1, 0, 1, 1},
+  {"warm-reuse", 0, PC_METHOD_NEWTON, -1, 1, 1, 1},
+  {"warm-noskip", 0, PC_METHOD_NEWTON, 0, 0, 1, 1},
+  {"warm-narrow", 0, PC_METHOD_NEWTON, -1, 0, 0, 1},
+  {"warm-2sweeps", 0, PC_METHOD_NEWTON, -1, 0, 1, 2},
+  {"seed", 1, PC_METHOD_NEWTON, -1, 0, 1, 1},
+  {"stale", 2, PC_METHOD_NEWTON, -1, 0, 1, 1},
+  {"newton", 3, PC_METHOD_NEWTON, -1, 0, 1, 1},
+  {"eigh", 3, PC_METHOD_EIGH, -1, 0, 1, 1},
+};
+#define NEMA (sizeof ema_methods / sizeof *ema_methods)
+
+/* The statistic after steps EMA steps A <- beta2 A + (1 - beta2) g g^T / m from
+ * a0 = G G^T / k (gram's G, same seed), with gradients g of m = 64 columns:
+ * - stationary (fresh == 0): g = G W / sqrt(k), W k x m Gaussian, so every g g^T / m has
+ *   expectation a0: gradients from a fixed distribution with a0's spectrum and range, and A
+ *   moves by the sampling noise alone (the steady state). Kept in G's coordinates:
+ *   A = G M G^T / k, M_0 = I, M <- beta2 M + (1 - beta2) W W^T / m.
+ * - fresh (fresh == 1): g n x m Gaussian, isotropic, mostly outside a0's range: the null
+ *   space of a rank-deficient a0 fills (a transient, the stress case for a held basis).
+ * The same seed continues the same path, so the k = 10 statistic extends the k = 1 one. */
+static void ema_statistic(size_t n, size_t k, uint64_t seed, int steps, double beta2,
+                          int fresh, double *a) {
+  const size_t m = 64;
+  if (fresh) {
+    double *w = malloc(n * m * sizeof *w);
+    if (!w) abort();
+    gram(n, k, seed, a);
+    uint64_t ws = seed ^ 0xf4e54ull;
+    for (int t = 0; t < steps; t++) {
+      for (size_t i = 0; i < n * m; i++) w[i] = rng_normal(&ws);
+      cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)m, (1.0 - beta2) / m,
+                  w, (int)m, beta2, a, (int)n);
+    }
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
+    free(w);
+    return;
+  }
+  double *g = gaussian(n, k, seed);
+  double *mk = calloc(k * k, sizeof *mk), *w = malloc(k * m * sizeof *w);
+  double *gm = malloc(n * k * sizeof *gm);
+  if (!mk || !w || !gm) abort();
+  for (size_t i = 0; i < k; i++) mk[i * k + i] = 1.0;
+  uint64_t ws = seed ^ 0x5eedf00dull;
+  for (int t = 0; t < steps; t++) {
+    for (size_t i = 0; i < k * m; i++) w[i] = rng_normal(&ws);
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)k, (int)m, (1.0 - beta2) / m, w,
+                (int)m, beta2, mk, (int)k);
+  }
+  for (size_t i = 0; i < k; i++)
+    for (size_t j = i + 1; j < k; j++) mk[j * k + i] = mk[i * k + j];
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)k, 1.0, g, (int)k,
+              mk, (int)k, 0.0, gm, (int)k);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k,
+              gm, (int)k, g, (int)k, 0.0, a, (int)n);
+  for (size_t i = 0; i < n; i++) /* exactly symmetric, as a statistic is */
+    for (size_t j = i + 1; j < n; j++)
+      a[i * n + j] = a[j * n + i] = 0.5 * (a[i * n + j] + a[j * n + i]);
+  free(g); free(mk); free(w); free(gm);
+}
+
+static void basis_copy(pc_eigbasis_f32 *dst, const pc_eigbasis_f32 *src) {
+  memcpy(dst->vt, src->vt, src->n * src->n * sizeof *dst->vt);
+  memcpy(dst->w, src->w, src->n * sizeof *dst->w);
+  dst->valid = src->valid;
+}
+
+/* One steady-state block: seed the basis on a0 (fp32), then for each k of --ema time every
+ * row on the statistic k steps later, from the same held basis every repeat. */
+static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t k,
+                     int repeats) {
+  const size_t nn = n * n;
+  double *a = malloc(nn * sizeof *a), *a_in = malloc(nn * sizeof *a_in);
+  double *ref = malloc(nn * sizeof *ref), *scratch = malloc(nn * sizeof *scratch);
+  float *a32 = malloc(nn * sizeof *a32), *x0 = malloc(nn * sizeof *x0);
+  float *x32 = malloc(nn * sizeof *x32);
+  if (!a || !a_in || !ref || !scratch || !a32 || !x0 || !x32) abort();
+  pc_eigbasis_f32 held, work;
+  if (pc_eigbasis_init_f32(&held, n) || pc_eigbasis_init_f32(&work, n)) abort();
+  pc_root_opts ro;
+  pc_root_opts_default(&ro, o->p);
+  pc_warm_info wi;
+  gram(n, k, 1000 + n + (uint64_t)(strcmp(spectrum, "shampoo") == 0), a);
+  for (size_t i = 0; i < nn; i++) a32[i] = (float)a[i];
+  if (pc_inverse_root_warm_f32(n, a32, x0, &ro, NULL, &held, &wi) != PC_OK || !held.valid)
+    abort();
+  const double ridge_held = wi.root.ridge;
+  for (int ki = 0; o->ema[ki]; ki++) {
+    int steps = o->ema[ki];
+    fprintf(stderr, "bench-roots: n=%zu %s ema %d: building statistic and references\n", n,
+            spectrum, steps);
+    ema_statistic(n, k, 1000 + n + (uint64_t)(strcmp(spectrum, "shampoo") == 0), steps,
+                  o->beta2, o->ema_fresh, a);
+    for (size_t i = 0; i < nn; i++) a_in[i] = a32[i] = (float)a[i];
+    eig64 e, e_in;
+    double cond = refs_init(n, a, a_in, &e, &e_in);
+    for (size_t mi = 0; mi < NEMA; mi++) {
+      const ema_method *m = &ema_methods[mi];
+      if (o->methods_set && !listed(o->methods, m->name)) continue;
+      pc_root_opts co = ro;
+      co.method = m->method;
+      pc_warm_opts wo;
+      pc_warm_opts_default(&wo);
+      if (m->skip_tol >= 0) wo.skip_tol = m->skip_tol;
+      wo.reuse_root = m->reuse_root;
+      wo.wide = m->wide;
+      wo.sweeps = m->sweeps;
+      double gms, gcpu;
+      time_gemm(n, 0, repeats, &gms, &gcpu);
+      gms *= 1e3;
+      gcpu *= 1e3;
+      double t[64], c[64];
+      int st = PC_OK, reps = repeats < 64 ? repeats : 64;
+      memset(&wi, 0, sizeof wi);
+      wi.offdiag = wi.change = wi.residual = NAN;
+      for (int r = 0; r < reps; r++) {
+        basis_copy(&work, &held);
+        if (m->kind == 1) work.valid = 0;
+        if (m->kind == 2 || m->reuse_root) memcpy(x32, x0, nn * sizeof *x32);
+        double t0 = now_s(), c0 = cpu_s();
+        if (m->kind == 0 || m->kind == 1)
+          st = pc_inverse_root_warm_f32(n, a32, x32, &ro, &wo, &work, &wi);
+        else if (m->kind == 3)
+          st = pc_inverse_root_f32(n, a32, x32, &co, &wi.root);
+        t[r] = now_s() - t0;
+        c[r] = cpu_s() - c0;
+      }
+      if (m->kind == 2) wi.root.ridge = ridge_held;
+      double ms = 1e3 * median(t, reps), cpu_ms = 1e3 * median(c, reps);
+      double rel = NAN, rel_in = NAN, resid = NAN;
+      if (st >= 0) {
+        if (pc__sampled_residual_f32(n, a32, wi.root.ridge, x32, o->p, &resid)) abort();
+        eig_root(&e, wi.root.ridge, o->p, scratch, ref);
+        rel = rel_err(n, x32, NULL, ref);
+        eig_root(&e_in, wi.root.ridge, o->p, scratch, ref);
+        rel_in = rel_err(n, x32, NULL, ref);
+      }
+      const char *path = m->kind <= 1 ? pc_warm_path_name(wi.path) : "-";
+      if (o->csv)
+        printf("%zu,%s,%.3g,%d,%d,%s,%s,%d,%.3f,%.3f,%d,%.3g,%.3g,%.3g,%.3g,%.3g,%.3f,%.2f,"
+               "%.3f,%.2f\n",
+               n, spectrum, cond, o->p, steps, m->name, path, o->threads, ms, cpu_ms, st,
+               wi.offdiag, wi.change, resid, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
+      else
+        printf("%5zu %-8s %8.2g %5d %-13s %-8s %9.2f %9.2f %9.3g %9.3g %9.3g %9.3g %7.2f %7.2f\n",
+               n, spectrum, cond, steps, m->name, path, ms, cpu_ms, wi.offdiag, wi.change, resid,
+               rel, ms / gms, cpu_ms / gcpu);
+      fflush(stdout);
+      fprintf(stderr, "bench-roots: n=%zu %s ema %d %s: %.1f ms, path %s, status %d\n", n,
+              spectrum, steps, m->name, ms, path, st);
+    }
+    eig_destroy(&e);
+    eig_destroy(&e_in);
+  }
+  pc_eigbasis_destroy_f32(&held);
+  pc_eigbasis_destroy_f32(&work);
+  free(a); free(a_in); free(ref); free(scratch); free(a32); free(x0); free(x32);
 }
 
 int main(int argc, char **argv) {
@@ -454,6 +686,10 @@ int main(int argc, char **argv) {
     int repeats = o.repeats ? o.repeats : (n >= 2048 ? 1 : 3);
     for (int sp = 0; sp < 2; sp++) {
       if (!listed(o.spectra, spectra[sp])) continue;
+      if (o.ema[0]) {
+        ema_case(&o, n, spectra[sp], sp == 0 ? n + n / 2 : (n / 4 > 0 ? n / 4 : 1), repeats);
+        continue;
+      }
       fprintf(stderr, "bench-roots: n=%zu spectrum=%s: building matrix and references\n", n,
               spectra[sp]);
       double *a = malloc(n * n * sizeof *a), *ref = malloc(n * n * sizeof *ref);
@@ -468,10 +704,7 @@ int main(int argc, char **argv) {
         a_in[i] = a32[i];
       }
       eig64 e, e_in;
-      eig_init(&e, n, a);
-      eig_init(&e_in, n, a_in);
-      double lmax = e.w[n - 1], ridge0 = 1e-6 * lmax;
-      double cond = (lmax + ridge0) / ((e.w[0] > 0 ? e.w[0] : 0.0) + ridge0);
+      double cond = refs_init(n, a, a_in, &e, &e_in);
       for (size_t mi = 0; mi < NMETHODS; mi++) {
         const bench_method *m = &all_methods[mi];
         if (!listed(o.methods, m->name) || !listed(o.precisions, m->f64 ? "f64" : "f32"))

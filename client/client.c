@@ -68,6 +68,7 @@ struct precond_client {
   uint64_t newest_step;      /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
+  uint64_t daemon_epoch;     /* of the last answer; 0 before one (or without a state dir) */
   char error[256];
 };
 
@@ -257,8 +258,27 @@ static void job_clear(precond_client *c)
 /* ------------------------------------------------------------------------------------ */
 /* The background thread                                                                  */
 
-/* Sends items as one PushRequest of job. Returns a PRECOND_* code. */
-static int send_batch(precond_client *c, const char *job, precond__item **items, size_t n)
+/* Notes the daemon epoch and resumed step of an answer: a changed epoch is a daemon
+ * restart, counted and logged once. Caller holds mu. */
+static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step)
+{
+  if (epoch == 0 || epoch == c->daemon_epoch)
+    return;
+  if (c->daemon_epoch != 0) {
+    c->counters.daemon_restarts++;
+    c->counters.resumed_step = resumed_step;
+    fprintf(stderr, "libprecond: precondd at %s restarted (epoch %llu -> %llu); job %s "
+            "resumed from step %llu: statistics pushed after it were lost\n", c->addr,
+            (unsigned long long)c->daemon_epoch, (unsigned long long)epoch,
+            c->job ? c->job : "?", (unsigned long long)resumed_step);
+  }
+  c->daemon_epoch = epoch;
+}
+
+/* Sends items as one PushRequest of job. Returns a PRECOND_* code; on PRECOND_OK daemon[0]
+ * and daemon[1] get the answer's daemon epoch and resumed step. */
+static int send_batch(precond_client *c, const char *job, precond__item **items, size_t n,
+                      uint64_t daemon[2])
 {
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
@@ -298,8 +318,11 @@ static int send_batch(precond_client *c, const char *job, precond__item **items,
   ProtobufCMessage *resp = NULL;
   st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
             0, &resp);
-  if (resp != NULL)
+  if (resp != NULL) {
+    daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
+    daemon[1] = ((Precond__V1__PushResponse *)resp)->resumed_step;
     protobuf_c_message_free_unpacked(resp, NULL);
+  }
 cleanup:
   free(bs);
   free(bp);
@@ -381,6 +404,8 @@ static int poll_roots(precond_client *c)
   }
 
   pthread_mutex_lock(&c->mu);
+  if (resp != NULL)
+    note_daemon(c, resp->daemon_epoch, resp->resumed_step);
   size_t published = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
     precond__roots_obj *o = got[i];
@@ -438,9 +463,11 @@ static int push_some(precond_client *c)
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++)
     bytes += precond__item_bytes(items[i]);
-  int st = job ? send_batch(c, job, items, n) : PRECOND_ENOMEM;
+  uint64_t daemon[2] = {0, 0};
+  int st = job ? send_batch(c, job, items, n, daemon) : PRECOND_ENOMEM;
 
   pthread_mutex_lock(&c->mu);
+  note_daemon(c, daemon[0], daemon[1]);
   c->inflight = 0;
   int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT ||
                   st == PRECOND_ENOMEM || st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;

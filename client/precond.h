@@ -242,6 +242,11 @@ typedef struct {
   uint64_t bytes_sent;         /* statistics payload bytes sent */
   uint64_t bytes_received;     /* roots payload bytes received */
   size_t queued;               /* blocks in the queue now */
+  uint64_t daemon_restarts;    /* times the daemon's epoch changed under this client (a
+                                  restart: what was pushed after resumed_step was lost;
+                                  logged once to stderr each time) */
+  uint64_t resumed_step;       /* the step the daemon resumed the job from at the last such
+                                  restart (0: none seen) */
 } precond_counters;
 
 void precond_get_counters(precond_client *client, precond_counters *out);

@@ -332,6 +332,8 @@ struct pd_job {
   size_t ndiag;
   uint32_t *diag;                /* tensors with no units */
   int in_store;                  /* its statistics are counted in the daemon's memory */
+  uint64_t version_base;         /* the store's epoch << 40: root versions start above it */
+  uint64_t resumed_step;         /* last_step in the snapshot it was restored from; 0 */
   pthread_mutex_t lock;          /* guards last_step, workers */
   uint64_t last_step;
   size_t nworkers;
@@ -346,6 +348,7 @@ typedef struct {
   size_t memory_limit;
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
+  uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
 } pd_store;
 
 int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
@@ -396,7 +399,9 @@ int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *con
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
 
-/* Publishes r (its reference passes to the block) with version = previous + 1. */
+/* Publishes r (its reference passes to the block) with version = previous + 1, or, for the
+ * first root of this daemon run, version_base + 1: versions never go backwards across a
+ * restart, whatever the clients held when the daemon died. */
 void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
 
 /* ------------------------------------------------------------------------------------ */

@@ -194,6 +194,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
   resp.diagonal_tensors = held->diag;
   pthread_mutex_lock(&held->lock);
   resp.resumed_step = held->last_step;
+  resp.daemon_epoch = d->store.epoch;
   pthread_mutex_unlock(&held->lock);
   pd__answer(d, rep, &resp.base);
 
@@ -334,6 +335,8 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
 
   Precond__V1__PushResponse resp = PRECOND__V1__PUSH_RESPONSE__INIT;
   resp.accepted = (uint32_t)nb;
+  resp.daemon_epoch = d->store.epoch;
+  resp.resumed_step = job->resumed_step;
   pd__answer(d, rep, &resp.base);
 
 cleanup:
@@ -451,6 +454,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   Precond__V1__FetchResponse resp = PRECOND__V1__FETCH_RESPONSE__INIT;
   resp.n_preconditioners = nout;
   resp.preconditioners = ptrs;
+  resp.daemon_epoch = d->store.epoch;
+  resp.resumed_step = job->resumed_step;
   pd__answer(d, rep, &resp.base);
 
 cleanup:

@@ -436,6 +436,7 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
     goto bad_quiet;
   }
   job->last_step = last_step;
+  job->resumed_step = last_step;
   uint32_t nworkers = pd__ru32(r);
   for (uint32_t i = 0; i < nworkers && !r->err; i++) {
     char *wname = pd__rstr(r, PD_SNAP_MAX_NAME);

@@ -356,6 +356,7 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   if (rc != PD_OK) goto done;
   if (st->stats) atomic_fetch_add(&st->stats->memory_bytes, (int64_t)pd__stat_bytes(job));
   job->in_store = 1;
+  job->version_base = st->epoch << 40;
   st->jobs[st->njobs++] = job;
   atomic_fetch_add(&st->generation, 1);
 done:
@@ -461,7 +462,8 @@ pd_root *pd_block_root(pd_block *b) {
 void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats) {
   pthread_mutex_lock(&b->lock);
   pd_root *old = b->root;
-  r->version = old ? old->version + 1 : 1;
+  uint64_t base = b->job->version_base;
+  r->version = old && old->version > base ? old->version + 1 : base + 1;
   b->root = r;
   atomic_store(&b->root_step, r->source_step);
   atomic_store(&b->has_root, 1);

@@ -129,6 +129,106 @@ int pc_inverse_root_f64(size_t n, const double *a, double *x, const pc_root_opts
                         pc_root_info *info);
 
 /* ------------------------------------------------------------------------------------ */
+/* Inverse p-th roots in the steady state: warm-started from the previous eigenbasis      */
+
+/* A statistic that moved a little since its last root is nearly diagonal in that root's
+ * eigenbasis V (rows: eigenvectors): B = V A V^T. pc_inverse_root_warm_* computes B (in fp64
+ * by default: it carries the ridge-level eigenvalues that fp32 products lose), and either
+ * keeps V (the skip test, Distributed Shampoo's: |B - diag B|_F <= skip_tol |B|_F) or rotates
+ * it by one Jacobi step on every pair at once followed by a Cholesky QR (a sweep), takes the
+ * eigenvalues to second order from B, and assembles x = V^T diag((max(w, 0) + ridge)^(-1/p)) V
+ * with the ridge rule of pc_inverse_root_*. An accuracy guard (B too far from diagonal for a
+ * first-order step, or a failed orthonormalisation, or the sampled residual of x above
+ * guard_tol) falls back to the cold root of opts->method (coupled Newton by default). docs/roots.md, "Steady state", has the costs. */
+
+/* The held eigenbasis of one statistic: owned by the caller's struct, its buffers by
+ * pc_eigbasis_init_* (freed by pc_eigbasis_destroy_*). */
+typedef struct {
+  size_t n;
+  float *vt;    /* n x n row-major, row j = eigenvector j */
+  double *w;    /* the n eigenvalues last computed with it (before the ridge) */
+  int valid;    /* 0: no basis yet (after init, or after a cold fallback dropped it) */
+} pc_eigbasis_f32;
+
+typedef struct {
+  size_t n;
+  double *vt;
+  double *w;
+  int valid;
+} pc_eigbasis_f64;
+
+/* Allocates the buffers of an n x n basis and marks it not valid. Returns PC_OK, PC_EINVAL
+ * (NULL basis, n 0 or above the roots' limit) or PC_ENOMEM (basis left empty, so destroy on
+ * it is harmless). */
+int pc_eigbasis_init_f32(pc_eigbasis_f32 *basis, size_t n);
+int pc_eigbasis_init_f64(pc_eigbasis_f64 *basis, size_t n);
+
+/* Frees the buffers and leaves the basis empty. NULL, or calling it twice, is a no-op. */
+void pc_eigbasis_destroy_f32(pc_eigbasis_f32 *basis);
+void pc_eigbasis_destroy_f64(pc_eigbasis_f64 *basis);
+
+/* Bytes an n x n basis holds (for memory budgets). */
+size_t pc_eigbasis_bytes_f32(size_t n);
+size_t pc_eigbasis_bytes_f64(size_t n);
+
+/* Which path a steady-state root took. */
+typedef enum {
+  PC_WARM_SEEDED = 0, /* no basis held: one built by syevd, then refined like a warm one */
+  PC_WARM_ROTATED,    /* the held basis rotated (sweeps) and the root rebuilt */
+  PC_WARM_SKIPPED,    /* the skip test held: basis kept, eigenvalues refreshed from diag B */
+  PC_WARM_REUSED,     /* the skip test held with reuse_root: x left as the caller had it */
+  PC_WARM_COLD        /* the guard fell back: opts->method's cold root, basis dropped */
+} pc_warm_path;
+
+/* Short lowercase name ("seeded", "rotated", "skipped", "reused", "cold"; "unknown"). */
+const char *pc_warm_path_name(pc_warm_path path);
+
+typedef struct {
+  double skip_tol;     /* keep the basis when |B - diag B|_F <= skip_tol |B|_F; default 1e-3;
+                          0 never skips */
+  int reuse_root;      /* 1: a skip leaves x untouched (x must hold the previous root);
+                          0 (default): a skip rebuilds x from diag B */
+  int sweeps;          /* rotations when the skip test fails (each one more B; the error
+                          falls quadratically once the rotations are small); default 1; 1..16 */
+  int wide;            /* fp32 only: 1 (default) forms B in fp64, 0 in fp32 */
+  double max_change;   /* guard: falls back at once when the off-diagonal part of B would
+                          change the root by more than this, relative, to first order (the
+                          held basis is too far; see pc_warm_info.change); default 0.1 */
+  double guard_tol;    /* guard: falls back when the sampled residual max|x^p (A + ridge I) - I|
+                          of the warm x exceeds it; default 0.25. A net for gross failures:
+                          in fp32 at condition 1e6 good warm roots measure 0.03-0.06, but
+                          the rounding of x alone can put an accurate root above 1 (cold
+                          Newton's do; docs/roots.md), so it is no accuracy measure */
+} pc_warm_opts;
+
+/* Fills the defaults. NULL is a no-op. */
+void pc_warm_opts_default(pc_warm_opts *opts);
+
+typedef struct {
+  pc_warm_path path;
+  double offdiag;       /* |B - diag B|_F / |B|_F in the held basis (NAN when none was held) */
+  double change;        /* first-order relative change of the root that B - diag B makes
+                           (Daleckii-Krein; about the held root's error; NAN when none) */
+  double residual;      /* the guard's sampled residual of the warm x (NAN if not reached) */
+  pc_root_info root;    /* the returned root: iters 0 unless cold; error = residual for warm
+                           paths; lambda_max and ridge as pc_inverse_root_* */
+} pc_warm_info;
+
+/* Inverse p-th root of the symmetric PSD n x n a (row-major, both triangles valid) into x,
+ * warm-started from basis (n must equal basis->n), which is updated to a's eigenbasis (or
+ * dropped after a cold fallback). opts as for pc_inverse_root_*: p, epsilon, and for the
+ * cold fallback tol, max_iters and method. wopts and info may be NULL (defaults, no report).
+ * Returns what the path's root returned: PC_OK, PC_NOT_CONVERGED (cold only), or an error:
+ * PC_EINVAL (bad sizes or options; nothing touched), PC_ENONFINITE_INPUT (basis and x
+ * untouched), PC_ENONFINITE_RESULT, PC_ENOMEM, PC_ELAPACK. On an error the basis is dropped. */
+int pc_inverse_root_warm_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
+                             const pc_warm_opts *wopts, pc_eigbasis_f32 *basis,
+                             pc_warm_info *info);
+int pc_inverse_root_warm_f64(size_t n, const double *a, double *x, const pc_root_opts *opts,
+                             const pc_warm_opts *wopts, pc_eigbasis_f64 *basis,
+                             pc_warm_info *info);
+
+/* ------------------------------------------------------------------------------------ */
 /* Shampoo: block layout                                                                  */
 
 /* A tensor of rank r >= 2 is viewed as a matrix rows = dims[0], cols = dims[1]*...*dims[r-1]

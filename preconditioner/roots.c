@@ -53,10 +53,8 @@ const char *pc_method_name(pc_method method) {
 /* ------------------------------------------------------------------------------------ */
 /* Argument checks                                                                        */
 
-/* The largest n whose n x n matrix BLAS can index with a 32-bit int. */
-#define PC_ROOT_MAX_N ((size_t)46340)
 
-static int root_check(size_t n, const void *a, const void *x, const pc_root_opts *opts) {
+int pc__root_check(size_t n, const void *a, const void *x, const pc_root_opts *opts) {
   if (n == 0 || n > PC_ROOT_MAX_N || !a || !x || !opts || a == x) return PC_EINVAL;
   if (opts->p < 1 || opts->p > 1024) return PC_EINVAL;
   if (!(opts->epsilon >= 0.0) || !isfinite(opts->epsilon)) return PC_EINVAL;
@@ -80,7 +78,11 @@ static int variant_check(const pc__newton_variant *v) {
  * on request): the Newton workspace is 5 n^2 values, fresh on every call, and faulting it in
  * 4 KiB pages took about a third of an n = 1024 run in this VM. Freed with free(). */
 #define PC_HUGE ((size_t)2 << 20)
-static void *scratch_alloc(size_t bytes) {
+double pc__ridge(double epsilon, double lambda_max) {
+  return epsilon * (lambda_max > 1e-16 ? lambda_max : 1e-16);
+}
+
+void *pc__scratch_alloc(size_t bytes) {
 #ifdef MADV_HUGEPAGE
   if (bytes >= 2 * PC_HUGE) {
     size_t rounded = (bytes + PC_HUGE - 1) / PC_HUGE * PC_HUGE;
@@ -196,6 +198,31 @@ typedef struct {
 #undef SYRK
 #undef SYEVD
 
+/* The kernels the steady-state roots (warm.c) share with these, without their checks. */
+void pc__mirror_upper_f32(size_t n, float *a) { mirror_upper_f32(n, a); }
+void pc__mirror_upper_f64(size_t n, double *a) { mirror_upper_f64(n, a); }
+int pc__eig_decompose_f32(size_t n, const float *a, float *vt, float *w) {
+  return eig_decompose_f32(n, a, vt, w);
+}
+int pc__eig_decompose_f64(size_t n, const double *a, double *vt, double *w) {
+  return eig_decompose_f64(n, a, vt, w);
+}
+void pc__eig_assemble_f32(size_t n, float *vt, const float *w, int p, double ridge, float *x) {
+  eig_assemble_f32(n, vt, w, p, ridge, x);
+}
+void pc__eig_assemble_f64(size_t n, double *vt, const double *w, int p, double ridge,
+                          double *x) {
+  eig_assemble_f64(n, vt, w, p, ridge, x);
+}
+int pc__sampled_residual_f32(size_t n, const float *a, double ridge, const float *x, int p,
+                             double *res) {
+  return sampled_residual_f32(n, a, ridge, x, p, res);
+}
+int pc__sampled_residual_f64(size_t n, const double *a, double ridge, const double *x, int p,
+                             double *res) {
+  return sampled_residual_f64(n, a, ridge, x, p, res);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Mixed precision: the first steps in fp64                                                */
 
@@ -211,7 +238,7 @@ static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_r
   int st = newton_bounds_f32(n, a, opts->epsilon, info, &lo, &hi);
   if (st != PC_OK) return st;
   const size_t nn = n * n;
-  double *buf = scratch_alloc(5 * nn * sizeof *buf);
+  double *buf = pc__scratch_alloc(5 * nn * sizeof *buf);
   if (!buf) return PC_ENOMEM;
   newton_ws_f64 w64;
   newton_ws_carve_f64(&w64, buf, n);
@@ -252,7 +279,7 @@ static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_r
   int pc__newton_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,   \
                              const pc__newton_variant *variant, pc_root_info *info) {      \
     pc_root_info scratch;                                                                  \
-    if (root_check(n, a, x, opts) != PC_OK || variant_check(variant) != PC_OK)             \
+    if (pc__root_check(n, a, x, opts) != PC_OK || variant_check(variant) != PC_OK)         \
       return PC_EINVAL;                                                                    \
     if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                       \
     if (!info) info = &scratch;                                                            \
@@ -266,7 +293,7 @@ static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_r
   int pc_inverse_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,   \
                              pc_root_info *info) {                                         \
     pc_root_info scratch;                                                                  \
-    if (root_check(n, a, x, opts) != PC_OK) return PC_EINVAL;                              \
+    if (pc__root_check(n, a, x, opts) != PC_OK) return PC_EINVAL;                          \
     if (opts->method != PC_METHOD_EIGH)                                                    \
       return pc__newton_root_##SFXN(n, a, x, opts,                                         \
                                     opts->method == PC_METHOD_NEWTON ? &PC__NEWTON_DEFAULT \

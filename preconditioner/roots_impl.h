@@ -264,7 +264,7 @@ static int SFX(newton_bounds)(size_t n, const REAL *a, double epsilon, pc_root_i
   double lmax = 0.0;
   int st = SFX(pc__power)(n, a, NULL, &lmax, NULL);
   if (st < 0) return st;
-  double ridge = epsilon * (lmax > 1e-16 ? lmax : 1e-16);
+  double ridge = pc__ridge(epsilon, lmax);
   info->lambda_max = lmax;
   info->ridge = ridge;
   /* Power iteration approaches lambda_max from below: allow a margin, and fall back on
@@ -290,7 +290,7 @@ static int SFX(newton_route)(size_t n, const REAL *a, REAL *x, const pc_root_opt
   info->error = INFINITY;
   int st = SFX(newton_bounds)(n, a, opts->epsilon, info, &lo, &hi);
   if (st != PC_OK) return st;
-  REAL *buf = scratch_alloc(5 * n * n * sizeof *buf);
+  REAL *buf = pc__scratch_alloc(5 * n * n * sizeof *buf);
   if (!buf) return PC_ENOMEM;
   SFX(newton_ws) w;
   SFX(newton_ws_carve)(&w, buf, n);
@@ -340,33 +340,43 @@ done:
   return status;
 }
 
-/* The eigendecomposition route: a = V diag(w) V^T (LAPACK syevd), then
- * x = V diag((max(w, 0) + ridge)^(-1/p)) V^T, i.e. the eigenvalues of a + ridge I floored at
- * the ridge. The ridge comes from the exact largest eigenvalue, so no power iteration. */
-static int SFX(eigh)(size_t n, const REAL *a, REAL *x, int p, double epsilon,
-                     pc_root_info *info) {
-  int status = PC_ENOMEM;
-  REAL *vt = scratch_alloc((n * n + n) * sizeof *vt);
-  if (!vt) goto done;
-  REAL *w = vt + n * n;
+/* a = V diag(w) V^T by LAPACK syevd: vt (n x n) gets V^T, row j = eigenvector j, and w the
+ * eigenvalues in ascending order. Returns PC_OK, PC_ENOMEM or PC_ELAPACK. */
+static int SFX(eig_decompose)(size_t n, const REAL *a, REAL *vt, REAL *w) {
   memcpy(vt, a, n * n * sizeof *vt);
   /* a is symmetric, so its row-major buffer is also its column-major one. The eigenvectors
    * come back as columns of a column-major V: row j of the row-major vt is eigenvector j. */
   lapack_int rc = SYEVD(LAPACK_COL_MAJOR, 'V', 'L', (lapack_int)n, vt, (lapack_int)n, w);
-  if (rc != 0) {
-    status = rc == LAPACK_WORK_MEMORY_ERROR ? PC_ENOMEM : PC_ELAPACK;
-    goto done;
-  }
-  double lmax = w[n - 1];
-  double ridge = epsilon * (lmax > 1e-16 ? lmax : 1e-16);
+  if (rc != 0) return rc == LAPACK_WORK_MEMORY_ERROR ? PC_ENOMEM : PC_ELAPACK;
+  return PC_OK;
+}
+
+/* x = V diag((max(w, 0) + ridge)^(-1/p)) V^T from the eigenvector rows vt, which are scaled
+ * in place: x = W^T W with W = diag(lam^(-1/2p)) V^T (one syrk). Negative eigenvalues are
+ * floored at 0, so the root's eigenvalues are those of a + ridge I floored at the ridge. */
+static void SFX(eig_assemble)(size_t n, REAL *vt, const REAL *w, int p, double ridge, REAL *x) {
   for (size_t j = 0; j < n; j++) {
     double lam = (w[j] > 0 ? (double)w[j] : 0.0) + ridge;
     REAL d = (REAL)pow(lam, -0.5 / p);
     for (size_t i = 0; i < n; i++) vt[j * n + i] *= d;
   }
-  /* x = W^T W with W = diag(lam^(-1/2p)) V^T. */
   SYRK(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)n, 1, vt, (int)n, 0, x, (int)n);
   SFX(mirror_upper)(n, x);
+}
+
+/* The eigendecomposition route: decompose, then assemble the root. The ridge comes from the
+ * exact largest eigenvalue, so no power iteration. */
+static int SFX(eigh)(size_t n, const REAL *a, REAL *x, int p, double epsilon,
+                     pc_root_info *info) {
+  int status = PC_ENOMEM;
+  REAL *vt = pc__scratch_alloc((n * n + n) * sizeof *vt);
+  if (!vt) goto done;
+  REAL *w = vt + n * n;
+  status = SFX(eig_decompose)(n, a, vt, w);
+  if (status != PC_OK) goto done;
+  double lmax = w[n - 1];
+  double ridge = pc__ridge(epsilon, lmax);
+  SFX(eig_assemble)(n, vt, w, p, ridge, x);
   double res = 0.0;
   status = SFX(sampled_residual)(n, a, ridge, x, p, &res);
   info->iters = 0;

@@ -60,6 +60,7 @@ typedef struct {
   char addr[128];
   char sock[96];
   const char *token_file;  /* NULL: no token required */
+  const char *state_dir;   /* NULL: none */
 } daemon_proc;
 
 /* Starts precondd listening on addr; does not wait for it (the client's wait-for-ready
@@ -70,12 +71,19 @@ static void daemon_start(daemon_proc *d)
   d->pid = fork();
   assert_true(d->pid >= 0);
   if (d->pid == 0) {
-    if (d->token_file != NULL)
-      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
-            "--grace-period", "1", "--token-file", d->token_file, (char *)NULL);
-    else
-      execl(daemon_path(), daemon_path(), "--listen", d->addr, "--threads", "1",
-            "--grace-period", "1", (char *)NULL);
+    const char *argv[16] = {daemon_path(), "--listen", d->addr, "--threads", "1",
+                            "--grace-period", "1"};
+    int argc = 7;
+    if (d->token_file != NULL) {
+      argv[argc++] = "--token-file";
+      argv[argc++] = d->token_file;
+    }
+    if (d->state_dir != NULL) {
+      argv[argc++] = "--state-dir";
+      argv[argc++] = d->state_dir;
+    }
+    argv[argc] = NULL;
+    execv(argv[0], (char *const *)argv);
     perror("exec precondd");
     _exit(127);
   }
@@ -442,6 +450,57 @@ static void test_reconnect_and_reregister(void **state)
   daemon_stop(&g_d);
 }
 
+/* The client is told when the daemon restarts: a clean restart and a kill -9 each count
+ * once, with the step the daemon resumed the job from (the snapshot's; what was pushed
+ * after it was lost), while pushing and fetching go on. */
+static void test_daemon_restart_is_told(void **state)
+{
+  (void)state;
+  char dir[64];
+  snprintf(dir, sizeof dir, "/tmp/precond-restart-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  memset(&g_d, 0, sizeof g_d);
+  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
+  g_d.state_dir = dir;
+  daemon_start(&g_d);
+  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  precond_layout layout;
+  register_job(c, "told", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.daemon_restarts, 0);
+
+  daemon_stop(&g_d); /* SIGTERM: the snapshot holds step 1 */
+  g_d.state_dir = dir;
+  daemon_start(&g_d);
+  float *l = scaled_identity(128, 2.0f), *r = scaled_identity(96, 4.0f);
+  assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.daemon_restarts, 1);
+  assert_int_equal(k.resumed_step, 1);
+
+  kill(g_d.pid, SIGKILL); /* step 2 was never snapshotted */
+  waitpid(g_d.pid, NULL, 0);
+  g_d.pid = 0;
+  daemon_start(&g_d);
+  assert_int_equal(precond_push(c, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.daemon_restarts, 2);
+  assert_int_equal(k.resumed_step, 1);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop(&g_d);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 /* precondctl against a live daemon (table and JSON) and a dead address. */
 static int run_ctl(const char *args, char *out, size_t len)
 {
@@ -653,6 +712,7 @@ int main(void)
     cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
     cmocka_unit_test_teardown(test_dead_address, stop_daemon),
     cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
+    cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
     cmocka_unit_test_teardown(test_precondctl, stop_daemon),
     cmocka_unit_test_teardown(test_token, stop_daemon),
     cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),

@@ -1337,6 +1337,51 @@ static void test_shutdown_idle_client(void **state) {
   remove_tree(d.dir);
 }
 
+/* Versions never go backwards across restarts, a crash included: a client that held a root
+ * published after the last snapshot still gets newer roots after kill -9 and a restart, and
+ * every answer says which daemon run (epoch) it comes from and the step it resumed from. */
+static void test_versions_survive_crash(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  const char *extra[] = {"--snapshot-interval", "0", NULL}; /* snapshots at shutdown only */
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "v", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *s = random_stat(8, 3);
+  blockstat bs = {0, 8, 8, s, s, 0};
+  assert_int_equal(do_push(&d, "v", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *f = wait_roots(&d, "v", 1, 1);
+  uint64_t v1 = f->preconditioners[0]->version, epoch1 = f->daemon_epoch;
+  assert_int_equal(f->resumed_step, 0);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0); /* the snapshot holds v1, step 1 */
+
+  start_daemon(&d, extra);
+  assert_int_equal(do_push(&d, "v", 2, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  f = wait_roots(&d, "v", 1, v1 + 1);
+  uint64_t v2 = f->preconditioners[0]->version;
+  assert_int_equal(f->daemon_epoch, epoch1 + 1);
+  assert_int_equal(f->resumed_step, 1);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL); /* v2 and step 2 are lost */
+
+  start_daemon(&d, extra);
+  assert_int_equal(do_fetch(&d, "v", &v2, 1, 0, &f, msg), GRPC_STATUS_OK);
+  assert_int_equal(f->daemon_epoch, epoch1 + 2);
+  assert_int_equal(f->resumed_step, 1);
+  assert_int_equal(f->n_preconditioners, 0); /* the restored root is older than v2 */
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(do_push(&d, "v", 3, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  f = wait_roots(&d, "v", 1, v2 + 1); /* used to restart from v1 + 1 = v2: never newer */
+  assert_true(f->preconditioners[0]->version > v2);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  free(s);
+  remove_tree(d.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1373,6 +1418,7 @@ int main(void) {
       cmocka_unit_test(test_graceful_shutdown),
       cmocka_unit_test(test_shutdown_cancels_stuck_call),
       cmocka_unit_test(test_shutdown_idle_client),
+      cmocka_unit_test(test_versions_survive_crash),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   kill_leftovers();
