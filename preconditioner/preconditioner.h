@@ -193,7 +193,7 @@ typedef struct {
   int wide;            /* fp32 only: 1 (default) forms B in fp64, 0 in fp32 */
   double max_change;   /* guard: falls back at once when the off-diagonal part of B would
                           change the root by more than this, relative, to first order (the
-                          held basis is too far; see pc_warm_info.change); default 0.1 */
+                          held basis is too far; see pc_warm_info.change); default 0.05 */
   double guard_tol;    /* guard: falls back when the sampled residual max|x^p (A + ridge I) - I|
                           of the warm x exceeds it; default 0.25. A net for gross failures:
                           in fp32 at condition 1e6 good warm roots measure 0.03-0.06, but

@@ -31,7 +31,7 @@ void pc_warm_opts_default(pc_warm_opts *opts) {
   opts->reuse_root = 0;
   opts->sweeps = 1;
   opts->wide = 1;
-  opts->max_change = 0.1;
+  opts->max_change = 0.05;
   opts->guard_tol = 0.25;
 }
 
