@@ -90,6 +90,7 @@ void tr_options_default(tr_options *o) {
   o->graft = (int)so.graft.kind;
   o->shampoo_momentum = so.momentum;
   o->shampoo_beta1 = so.beta1;
+  o->shampoo_nesterov = so.beta1_nesterov;
   o->one_sided = so.one_sided;
   o->stat_every = so.stats_interval;
   o->roots_start = so.start_step;
@@ -146,8 +147,7 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
   SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
-  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0,
-       "Nesterov momentum (sgd; shampoo: on its momentum, else on its first moment)");
+  SPEC("nesterov", K_FLAG, &o->nesterov, 0, 0, "Nesterov momentum (sgd, shampoo)");
   SPEC("block-size", K_LONG, &o->block_size, 1, 8192, "Shampoo block size");
   SPEC("stat-beta2", K_DOUBLE, &o->stat_beta2, 1e-6, 1, "Shampoo statistics EMA (1: sum)");
   SPEC("shampoo-eps", K_DOUBLE, &o->shampoo_eps, 1e-12, 1, "Shampoo relative ridge");
@@ -157,6 +157,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "momentum on Shampoo's grafted direction");
   SPEC("shampoo-beta1", K_DOUBLE, &o->shampoo_beta1, 0, 0.999999,
        "Shampoo's first moment: the filtered gradient, preconditioned and grafted (0: off)");
+  SPEC("shampoo-nesterov", K_INT, &o->shampoo_nesterov, 0, 1,
+       "Nesterov look-ahead of Shampoo's first moment (1: on, 0: off)");
   SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
        "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
@@ -375,9 +377,8 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     return tr__fail(err, TR_EINVAL, "no training length: give --steps or --epochs");
   if (opts->nesterov && opts->optimizer == TR_SGD && !(opts->momentum > 0))
     return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
-  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0) &&
-      !(opts->shampoo_beta1 > 0))
-    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum or --shampoo-beta1 > 0");
+  if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
+    return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
   if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
     return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
   return TR_OK;
@@ -600,7 +601,7 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   so->momentum = (float)opts->shampoo_momentum;
   so->nesterov = opts->nesterov && opts->shampoo_momentum > 0;
   so->beta1 = (float)opts->shampoo_beta1;
-  so->beta1_nesterov = opts->nesterov && !(opts->shampoo_momentum > 0);
+  so->beta1_nesterov = opts->shampoo_nesterov && so->beta1 > 0.0f;
   so->one_sided = opts->one_sided;
   so->weight_decay = (float)opts->weight_decay;
   so->stats_interval = opts->stat_every;

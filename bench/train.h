@@ -74,6 +74,7 @@ typedef struct {
   int graft;               /* pc_graft: the grafted step */
   double shampoo_momentum; /* momentum on the grafted direction */
   double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off */
+  int shampoo_nesterov;    /* 1: Nesterov look-ahead of that first moment */
   int one_sided;           /* 1: one root per block, exponent 1/2 (default: 1/4 per side) */
   long stat_every;         /* push statistics every N steps (default 1) */
   long roots_start;        /* first step that may use roots (default 1) */

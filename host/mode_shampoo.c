@@ -185,16 +185,6 @@ cleanup:
   return rc;
 }
 
-static int shampoo_publishable(const void *opts, const pd_block *u, int status,
-                               const pd_compute_info *info, const float *const *out,
-                               double failure_threshold) {
-  (void)opts;
-  if (status < 0 || !isfinite(info->error) || !(info->error <= failure_threshold)) return 0;
-  for (uint32_t k = 0; k < u->nparts; k++)
-    if (!pc_all_finite_f32(pc_packed_len(u->order[k]), out[k])) return 0;
-  return 1;
-}
-
 /* Snapshot section: u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon |
  * u32 method (28 bytes). */
 static void shampoo_snap_write(const void *opts, unsigned char *out) {
@@ -247,7 +237,7 @@ const pd_mode pd_mode_shampoo = {
     .fold_fits = shampoo_fold_fits,
     .compute = shampoo_compute,
     .unit_free = NULL,
-    .publishable = shampoo_publishable,
+    .publishable = pd_publishable_finite,
     .snap_bytes = 28,
     .snap_write = shampoo_snap_write,
     .snap_read = shampoo_snap_read,

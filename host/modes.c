@@ -6,10 +6,15 @@
  */
 #include "precondd.h"
 
+#include <math.h>
+
+#include "preconditioner.h"
+
 extern const pd_mode pd_mode_identity;
 
 static const pd_mode *const pd__modes[] = {
     &pd_mode_shampoo,
+    &pd_mode_kfac,
     &pd_mode_identity,
 };
 
@@ -17,4 +22,14 @@ const pd_mode *pd_mode_find(int id) {
   for (size_t i = 0; i < sizeof pd__modes / sizeof pd__modes[0]; i++)
     if ((int)pd__modes[i]->id == id) return pd__modes[i];
   return NULL;
+}
+
+int pd_publishable_finite(const void *opts, const pd_block *u, int status,
+                          const pd_compute_info *info, const float *const *out,
+                          double failure_threshold) {
+  (void)opts;
+  if (status < 0 || !isfinite(info->error) || !(info->error <= failure_threshold)) return 0;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    if (!pc_all_finite_f32(pc_packed_len(u->order[k]), out[k])) return 0;
+  return 1;
 }

@@ -148,6 +148,9 @@ double pd_now(void);
  * mode's business; the store, pool, snapshots and service move parts by index. */
 #define PD_MAX_PARTS 2
 
+/* Figures a mode reports with a result besides its error (pd_compute_info.aux). */
+#define PD_MODE_AUX 3
+
 /* An immutable published result of one unit (Shampoo: the root pair); shared by readers
  * through a reference count and freed by the last pd_root_unref. */
 typedef struct {
@@ -158,6 +161,7 @@ typedef struct {
   double error;          /* the mode's residual error (Shampoo: max over the factors) */
   int method;            /* the mode's method (Shampoo: pc_method) */
   uint32_t iterations;
+  double aux[PD_MODE_AUX]; /* pd_compute_info.aux of the computation (not in snapshots) */
   uint32_t nparts;
   uint64_t order[PD_MAX_PARTS];
   float *part[PD_MAX_PARTS];
@@ -242,6 +246,7 @@ typedef struct {
   uint32_t iterations;
   int method;
   int failed_part; /* when compute returns < 0: the part it failed on, or -1 */
+  double aux[PD_MODE_AUX]; /* the mode's own figures of this result (K-FAC: pi, damping) */
 } pd_compute_info;
 
 /* One entry of the mode table: everything precondd does that depends on the mode. The store,
@@ -296,10 +301,19 @@ typedef struct {
    * its relative ridge: -1/p); then the drift test ignores a part's uniform scale and
    * rescales a kept result by it. NULL, or 0: a scale change is drift like any other. */
   double (*scale_exponent)(const void *opts);
+  /* 1 if a push that brought a unit to `pushes` pushes queues a computation (K-FAC: every
+   * inv_every pushes, and every push before the first result). NULL: every push. */
+  int (*compute_due)(const void *opts, uint64_t pushes, int has_root);
 } pd_mode;
 
 /* The mode of that id, or NULL. */
 const pd_mode *pd_mode_find(int id);
+
+/* The publication rule of Shampoo and K-FAC (pd_mode.publishable): no error status, a
+ * finite error within failure_threshold, every value of every part finite. */
+int pd_publishable_finite(const void *opts, const pd_block *u, int status,
+                          const pd_compute_info *info, const float *const *out,
+                          double failure_threshold);
 
 /* Shampoo's options (mode_shampoo.c); service.c decodes the wire's into them. */
 typedef struct {
@@ -312,6 +326,26 @@ typedef struct {
 } pd_shampoo_opts;
 
 extern const pd_mode pd_mode_shampoo;
+
+/* K-FAC's options (mode_kfac.c); zero fields take pc_kfac_opts_default's values. */
+enum { /* inverse method: the wire's KfacInverse; pc_kfac_inv + 1 for the explicit ones */
+  PD_KFAC_INVERSE_AUTO = 0, /* pc_kfac_inv_for_size (Cholesky at every size, measured) */
+  PD_KFAC_INVERSE_CHOLESKY,
+  PD_KFAC_INVERSE_EIGH,
+  PD_KFAC_INVERSE_NEWTON
+};
+enum { PD_KFAC_AUX_PI = 0, PD_KFAC_AUX_DAMP_A, PD_KFAC_AUX_DAMP_G }; /* pd_root.aux */
+
+typedef struct {
+  double factor_decay;
+  double damping;       /* lambda */
+  uint32_t inv_every;   /* pushes between inverse computations */
+  int no_pi_damping;    /* 1: pi = 1 */
+  int inverse;          /* PD_KFAC_INVERSE_* */
+  uint32_t max_order;   /* layers with a larger factor get no unit (0: 4096) */
+} pd_kfac_opts;
+
+extern const pd_mode pd_mode_kfac;
 
 /* Little-endian fields of snapshot sections (snapshot.c). */
 void pd_le_put(unsigned char *out, uint64_t v, int bytes);
@@ -367,13 +401,14 @@ void pd_job_free(pd_job *job, pd_stats *stats);
 /* Returns 1 when two jobs have the same mode, options and tensors. */
 int pd_job_same(const pd_job *a, const pd_job *b);
 
-/* Bytes the job needs: statistics and one result per unit. */
+/* Bytes the job needs: its records (names, shapes, blocks), statistics and one result per
+ * unit. */
 size_t pd_job_bytes(const pd_job *job);
 
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
  * its zeroed statistics if they are not allocated yet. *existing gets a job of the same
  * name if there is one (then nothing is added, PD_OK is returned and the caller keeps job).
- * PD_ELIMIT when over the memory limit, PD_ENOMEM. */
+ * PD_ELIMIT when over the memory limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
 /* The job of that name or NULL. Jobs are never freed while the store lives. */
@@ -540,6 +575,7 @@ void pd_server_stop(pd_server *srv, double grace_s);
 /* limits.c                                                                               */
 
 #define PD_MAX_TENSORS 65536u                /* tensors in one job */
+#define PD_MAX_JOBS 1024u                    /* jobs in the store */
 #define PD_MAX_STEP ((uint64_t)1 << 53)      /* steps above are refused: exact in a double */
 
 /* The size limit of method m's requests: its own, never above cfg->max_message_bytes. */

@@ -222,6 +222,7 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
     r->error = info.error;
     r->method = info.method;
     r->iterations = info.iterations;
+    memcpy(r->aux, info.aux, sizeof r->aux);
     pthread_mutex_lock(&b->lock);
     b->roots_computed++;
     b->last_error = info.error;

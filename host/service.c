@@ -8,7 +8,7 @@
  *   FAILED_PRECONDITION  push for a job never registered; Register of an existing job with
  *                        different tensors or options
  *   RESOURCE_EXHAUSTED   over the message size, block count or memory limit
- *   UNIMPLEMENTED        modes other than Shampoo
+ *   UNIMPLEMENTED        modes other than Shampoo and K-FAC
  */
 #include "precondd.h"
 
@@ -73,14 +73,42 @@ _Static_assert((int)PC_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NEWTON,
 _Static_assert((int)PC_METHOD_NEWTON_TEXTBOOK == (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK,
                "methods");
 _Static_assert((int)PC_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
+/* K-FAC's inverse methods travel as the wire's KfacInverse. */
+_Static_assert((int)PD_KFAC_INVERSE_AUTO == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_AUTO &&
+                   (int)PD_KFAC_INVERSE_NEWTON ==
+                       (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_NEWTON,
+               "K-FAC inverse methods");
 
 /* The request's mode and its options decoded into the daemon's own struct (zeroed first:
  * options compare bytewise; zero fields take the mode's defaults in resolve). PD_EINVAL for
- * a mode the daemon does not serve over the wire. */
+ * a mode the daemon does not serve over the wire; PD_ELIMIT (message in why) for another
+ * mode's options in the request. */
 static int pd__decode_mode(const Precond__V1__RegisterRequest *req, const pd_mode **mode,
-                           unsigned char *opts) {
+                           unsigned char *opts, char *why, size_t len) {
   memset(opts, 0, PD_MODE_OPTS_MAX);
+  if (req->mode == PRECOND__V1__MODE__MODE_SHAMPOO && req->kfac) {
+    snprintf(why, len, "kfac: K-FAC options on a Shampoo job (mode MODE_SHAMPOO)");
+    return PD_ELIMIT;
+  }
+  if (req->mode == PRECOND__V1__MODE__MODE_KFAC && req->shampoo) {
+    snprintf(why, len, "shampoo: Shampoo options on a K-FAC job (mode MODE_KFAC)");
+    return PD_ELIMIT;
+  }
   switch (req->mode) {
+  case PRECOND__V1__MODE__MODE_KFAC: {
+    pd_kfac_opts *o = (pd_kfac_opts *)(void *)opts;
+    const Precond__V1__KfacOptions *in = req->kfac;
+    if (in) {
+      o->factor_decay = in->factor_decay;
+      o->damping = in->damping;
+      o->inv_every = in->inv_every;
+      o->no_pi_damping = in->no_pi_damping ? 1 : 0;
+      o->inverse = (int)in->inverse;
+      o->max_order = in->max_order;
+    }
+    *mode = &pd_mode_kfac;
+    return PD_OK;
+  }
   case PRECOND__V1__MODE__MODE_SHAMPOO: {
     pd_shampoo_opts *o = (pd_shampoo_opts *)(void *)opts;
     const Precond__V1__ShampooOptions *in = req->shampoo;
@@ -108,9 +136,14 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
   }
   const pd_mode *mode = NULL;
   _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
-  if (pd__decode_mode(req, &mode, opts) != PD_OK) {
-    pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED, "mode: %d is not implemented (Shampoo only)",
-             (int)req->mode);
+  int drc = pd__decode_mode(req, &mode, opts, why, sizeof why);
+  if (drc == PD_ELIMIT) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "%s", why);
+    return;
+  }
+  if (drc != PD_OK) {
+    pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED,
+             "mode: %d is not implemented (Shampoo and K-FAC only)", (int)req->mode);
     return;
   }
   if (mode->resolve(opts, why, sizeof why) != PD_OK) {
@@ -141,9 +174,10 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
   rc = pd_store_add(&d->store, job, &existing);
   if (rc == PD_ELIMIT) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
-             "tensors: the job needs %zu bytes for statistics and roots, above what is left "
-             "of the memory limit of %zu bytes (--memory-limit-mb)",
-             pd_job_bytes(job), d->cfg.memory_limit_bytes);
+             "tensors: the job needs %zu bytes for its records, statistics and roots, above "
+             "what is left of the memory limit of %zu bytes (--memory-limit-mb), or the "
+             "daemon holds %u jobs already", pd_job_bytes(job), d->cfg.memory_limit_bytes,
+             PD_MAX_JOBS);
     goto cleanup;
   }
   if (rc != PD_OK) {
@@ -208,8 +242,31 @@ cleanup:
 /* ---- PushStatistics ------------------------------------------------------------------- */
 
 /* The wire's fields of a unit's parts, by index: BlockStatistics and BlockRoots carry part 0
- * as left and part 1 as right. */
+ * as left and part 1 as right (Shampoo), as a and g, a_inv and g_inv (K-FAC). */
 static const char *const pd__part_names[PD_MAX_PARTS] = {"left", "right"};
+static const char *const pd__kfac_part_names[PD_MAX_PARTS] = {"a", "g"};
+
+/* Where block i of a push keeps its parts for a job of mode id, in wire[] and their field
+ * names in names[]; 1, else 0 with rep failed when the block carries the other mode's
+ * fields (the request is refused whole, nothing stored). */
+static int pd__push_parts(const pd_job *job, const Precond__V1__BlockStatistics *bs, size_t i,
+                          const Precond__V1__PackedMatrix **wire, const char *const **names,
+                          pd_reply *rep) {
+  int kfac = job->mode->id == PD_MODE_KFAC;
+  const Precond__V1__PackedMatrix *foreign = kfac ? (bs->left ? bs->left : bs->right)
+                                                  : (bs->a ? bs->a : bs->g);
+  if (foreign) {
+    const char *field = kfac ? (bs->left ? "left" : "right") : (bs->a ? "a" : "g");
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+             "blocks[%zu].%s: a %s field on a %s job; nothing of this push was stored", i,
+             field, kfac ? "Shampoo" : "K-FAC", job->mode->name);
+    return 0;
+  }
+  wire[0] = kfac ? bs->a : bs->left;
+  wire[1] = kfac ? bs->g : bs->right;
+  *names = kfac ? pd__kfac_part_names : pd__part_names;
+  return 1;
+}
 
 /* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
  * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned. */
@@ -262,6 +319,15 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
   return 0;
 }
 
+/* 1 if the push just stored in b queues a computation (the mode's compute_due). */
+static int pd__due(const pd_job *job, pd_block *b) {
+  if (!job->mode->compute_due) return 1;
+  pthread_mutex_lock(&b->lock);
+  uint64_t pushes = b->pushes;
+  pthread_mutex_unlock(&b->lock);
+  return job->mode->compute_due(job->opts, pushes, atomic_load(&b->has_root));
+}
+
 static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply *rep) {
   if (!req->job || !*req->job) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
@@ -305,9 +371,11 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     }
     seen[bs->block_id] = 1;
     const pd_block *b = &job->blocks[bs->block_id];
-    const Precond__V1__PackedMatrix *wire[PD_MAX_PARTS] = {bs->left, bs->right};
+    const Precond__V1__PackedMatrix *wire[PD_MAX_PARTS];
+    const char *const *names;
+    if (!pd__push_parts(job, bs, i, wire, &names, rep)) goto cleanup;
     for (uint32_t k = 0; k < b->nparts; k++)
-      if (pd__decode(wire[k], b->order[k], i, pd__part_names[k], &parts[PD_MAX_PARTS * i + k],
+      if (pd__decode(wire[k], b->order[k], i, names[k], &parts[PD_MAX_PARTS * i + k],
                      &owned[PD_MAX_PARTS * i + k], rep) != 0)
         goto cleanup;
   }
@@ -324,7 +392,7 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     goto cleanup;
   }
   for (size_t i = 0; i < nb; i++)
-    if (pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
+    if (pd__due(job, blocks[i]) && pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
       pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name,
              blocks[i]->id);
   pthread_mutex_lock(&job->lock);
@@ -439,6 +507,13 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     br->method = (Precond__V1__Method)r->method;
     br->iterations = r->iterations;
     Precond__V1__PackedMatrix **wire[PD_MAX_PARTS] = {&br->left, &br->right};
+    if (job->mode->id == PD_MODE_KFAC) {
+      br->method = PRECOND__V1__METHOD__METHOD_NEWTON; /* Shampoo's field: unused */
+      br->inverse = (Precond__V1__KfacInverse)(r->method + 1);
+      br->pi = r->aux[PD_KFAC_AUX_PI];
+      wire[0] = &br->a_inv;
+      wire[1] = &br->g_inv;
+    }
     for (uint32_t k = 0; k < r->nparts; k++) {
       size_t m = PD_MAX_PARTS * nout + k;
       if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
@@ -570,6 +645,15 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       memcpy(why, blk->last_failure, sizeof blk->last_failure);
       o->roots_skipped = blk->roots_skipped;
       o->last_drift = blk->last_drift;
+      if (j->mode->id == PD_MODE_KFAC) {
+        o->a_order = blk->order[0];
+        o->g_order = blk->order[1];
+        if (blk->root) {
+          o->pi = blk->root->aux[PD_KFAC_AUX_PI];
+          o->damping_a = blk->root->aux[PD_KFAC_AUX_DAMP_A];
+          o->damping_g = blk->root->aux[PD_KFAC_AUX_DAMP_G];
+        }
+      }
       pd_stale_summary sum;
       pd_stale_hist_summary(&blk->stale, &sum);
       pthread_mutex_unlock(&blk->lock);

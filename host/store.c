@@ -73,6 +73,17 @@ void pd_root_unref(pd_root *r, pd_stats *stats) {
 
 #define PD_MAX_NAME 256 /* job, tensor and worker names, bytes */
 
+/* Bytes of a job's own records: names, shapes, block records. A job of rank-1 tensors has
+ * no statistics at all, and these are all it holds: counted, so that such jobs cannot grow
+ * the daemon without limit. */
+static size_t pd__meta_bytes(const pd_job *job) {
+  size_t total = sizeof *job + strlen(job->name) + 1 + job->nblocks * sizeof(pd_block) +
+                 job->ntensors * (sizeof(pd_tensor) + sizeof(uint32_t));
+  for (size_t i = 0; i < job->ntensors; i++)
+    total += strlen(job->tensors[i].name) + 1 + (size_t)job->tensors[i].rank * sizeof(uint64_t);
+  return total;
+}
+
 /* Statistics are counted in stats only once their job is in the store (count_stats). */
 static void pd__block_free(pd_block *b, pd_stats *stats, int count_stats) {
   if (b->stat[0] && stats && count_stats)
@@ -86,6 +97,8 @@ static void pd__block_free(pd_block *b, pd_stats *stats, int count_stats) {
 
 void pd_job_free(pd_job *job, pd_stats *stats) {
   if (!job) return;
+  if (job->in_store && stats)
+    atomic_fetch_sub(&stats->memory_bytes, (int64_t)pd__meta_bytes(job));
   for (size_t i = 0; i < job->nblocks; i++) pd__block_free(&job->blocks[i], stats, job->in_store);
   free(job->blocks);
   for (size_t i = 0; i < job->ntensors; i++) {
@@ -257,7 +270,7 @@ int pd_job_same(const pd_job *a, const pd_job *b) {
 }
 
 size_t pd_job_bytes(const pd_job *job) {
-  size_t total = 0;
+  size_t total = pd__meta_bytes(job);
   for (size_t i = 0; i < job->nblocks; i++) {
     const pd_block *b = &job->blocks[i];
     /* statistics, plus one root pair */
@@ -338,7 +351,7 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
    * root pair per block), so a running job never fails for memory later. */
   size_t held = 0;
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
-  if (held + pd_job_bytes(job) > st->memory_limit) {
+  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS) {
     rc = PD_ELIMIT;
     goto done;
   }
@@ -354,7 +367,9 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   }
   rc = pd__alloc_stats(job);
   if (rc != PD_OK) goto done;
-  if (st->stats) atomic_fetch_add(&st->stats->memory_bytes, (int64_t)pd__stat_bytes(job));
+  if (st->stats)
+    atomic_fetch_add(&st->stats->memory_bytes,
+                     (int64_t)(pd__stat_bytes(job) + pd__meta_bytes(job)));
   job->in_store = 1;
   job->version_base = st->epoch << 40;
   st->jobs[st->njobs++] = job;

@@ -333,6 +333,7 @@ static void base_opts(ac_shampoo_opts *o, pc_graft kind)
   o->graft.eps = 1e-6;
   o->momentum = 0.0f;
   o->beta1 = 0.0f; /* the raw gradient: the reference grafts it (first moment: own test) */
+  o->beta1_nesterov = 0;
 }
 
 /* ------------------------------------------------------------------------------------ */

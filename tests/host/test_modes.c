@@ -22,7 +22,7 @@ static void test_lookup(void **state) {
   const pd_mode *id = pd_mode_find(PD_MODE_IDENTITY);
   assert_non_null(id);
   assert_string_equal(id->name, "identity");
-  assert_null(pd_mode_find(PD_MODE_KFAC)); /* issue 10 adds it */
+  assert_ptr_equal(pd_mode_find(PD_MODE_KFAC), &pd_mode_kfac);
   assert_null(pd_mode_find(-1));
 }
 

@@ -205,9 +205,10 @@ typedef struct {
   size_t rank;
 } tspec;
 
-static grpc_status_code do_register(daemon_t *d, const char *job, const tspec *ts, size_t nt,
-                                    uint32_t block_size, float beta2,
-                                    Precond__V1__RegisterResponse **resp, char *msg) {
+/* Sends req (its mode and options set) for job with tensors ts. */
+static grpc_status_code register_job(daemon_t *d, Precond__V1__RegisterRequest *req,
+                                     const char *job, const tspec *ts, size_t nt,
+                                     Precond__V1__RegisterResponse **resp, char *msg) {
   Precond__V1__TensorSpec specs[8], *ptrs[8];
   for (size_t i = 0; i < nt; i++) {
     precond__v1__tensor_spec__init(&specs[i]);
@@ -216,17 +217,23 @@ static grpc_status_code do_register(daemon_t *d, const char *job, const tspec *t
     specs[i].shape = (uint64_t *)ts[i].shape;
     ptrs[i] = &specs[i];
   }
+  req->job = (char *)job;
+  req->n_tensors = nt;
+  req->tensors = ptrs;
+  req->worker = (char *)"test";
+  return call(d, RPC_METHOD_REGISTER, &req->base, &precond__v1__register_response__descriptor,
+              (ProtobufCMessage **)resp, msg, msg ? 512 : 0);
+}
+
+static grpc_status_code do_register(daemon_t *d, const char *job, const tspec *ts, size_t nt,
+                                    uint32_t block_size, float beta2,
+                                    Precond__V1__RegisterResponse **resp, char *msg) {
   Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
   so.block_size = block_size;
   so.beta2 = beta2;
   Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
-  req.job = (char *)job;
-  req.n_tensors = nt;
-  req.tensors = ptrs;
   req.shampoo = &so;
-  req.worker = (char *)"test";
-  return call(d, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
-              (ProtobufCMessage **)resp, msg, msg ? 512 : 0);
+  return register_job(d, &req, job, ts, nt, resp, msg);
 }
 
 /* Deterministic pseudo-random numbers in [-1, 1). */
@@ -1400,6 +1407,275 @@ static void test_help(void **state) {
   assert_int_equal(WEXITSTATUS(system(cmd)), 2);
 }
 
+/* ---- K-FAC (mode MODE_KFAC) ------------------------------------------------------------ */
+
+/* Registers a K-FAC job with inverses every inv_every pushes; with_shampoo adds Shampoo
+ * options too (refused). */
+static grpc_status_code kfac_register(daemon_t *d, const char *job, const tspec *ts, size_t nt,
+                                      uint32_t inv_every, int with_shampoo,
+                                      Precond__V1__RegisterResponse **resp, char *msg) {
+  Precond__V1__KfacOptions ko = PRECOND__V1__KFAC_OPTIONS__INIT;
+  ko.inv_every = inv_every;
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.mode = PRECOND__V1__MODE__MODE_KFAC;
+  req.kfac = &ko;
+  req.shampoo = with_shampoo ? &so : NULL;
+  return register_job(d, &req, job, ts, nt, resp, msg);
+}
+
+/* One K-FAC push of nb layers' A and G (fp32) through the wire's a and g fields; a
+ * layer with as_left set sends A as Shampoo's left field instead. */
+typedef struct {
+  uint32_t id;
+  size_t na, ng;
+  const float *a, *g;
+  int as_left;
+} kfacstat;
+
+static grpc_status_code kfac_push(daemon_t *d, const char *job, uint64_t step,
+                                  const kfacstat *ks, size_t nb, char *msg) {
+  Precond__V1__PackedMatrix a[8], g[8];
+  Precond__V1__BlockStatistics b[8], *ptrs[8];
+  assert_true(nb <= 8);
+  for (size_t i = 0; i < nb; i++) {
+    precond__v1__packed_matrix__init(&a[i]);
+    precond__v1__packed_matrix__init(&g[i]);
+    a[i].n = (uint32_t)ks[i].na;
+    a[i].data.data = (uint8_t *)ks[i].a;
+    a[i].data.len = pc_packed_len(ks[i].na) * 4;
+    g[i].n = (uint32_t)ks[i].ng;
+    g[i].data.data = (uint8_t *)ks[i].g;
+    g[i].data.len = pc_packed_len(ks[i].ng) * 4;
+    precond__v1__block_statistics__init(&b[i]);
+    b[i].block_id = ks[i].id;
+    if (ks[i].as_left)
+      b[i].left = &a[i];
+    else
+      b[i].a = &a[i];
+    b[i].g = &g[i];
+    ptrs[i] = &b[i];
+  }
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = nb;
+  req.blocks = ptrs;
+  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+              NULL, msg, msg ? 512 : 0);
+}
+
+/* The job's two layers as the test holds them: running averages folded here with
+ * pc_kfac_fold_f32 exactly as the daemon does, and the inverses computed from them with
+ * the library's defaults (lambda 1e-3, pi-damping, Cholesky). */
+typedef struct {
+  size_t n[2][2]; /* [layer][A, G] */
+  float *f[2][2];
+  uint64_t pushes;
+} kfac_local;
+
+static void kfac_local_push(kfac_local *l, uint64_t step, kfacstat *ks) {
+  pc_kfac_opts o;
+  pc_kfac_opts_default(&o);
+  for (int u = 0; u < 2; u++) {
+    float *inc[2] = {random_stat(l->n[u][0], 100 * step + 10 * u),
+                     random_stat(l->n[u][1], 100 * step + 10 * u + 1)};
+    for (int k = 0; k < 2; k++) {
+      if (!l->f[u][k]) l->f[u][k] = calloc(pc_packed_len(l->n[u][k]), sizeof(float));
+      pc_kfac_fold_f32(pc_packed_len(l->n[u][k]), l->f[u][k], inc[k], o.factor_decay,
+                       l->pushes == 0);
+    }
+    ks[u] = (kfacstat){(uint32_t)u, l->n[u][0], l->n[u][1], inc[0], inc[1], 0};
+  }
+  l->pushes++;
+}
+
+static void kfac_check_roots(const kfac_local *l, const Precond__V1__FetchResponse *f) {
+  pc_kfac_opts o;
+  pc_kfac_opts_default(&o);
+  assert_int_equal(f->n_preconditioners, 2);
+  for (size_t i = 0; i < 2; i++) {
+    const Precond__V1__BlockRoots *br = f->preconditioners[i];
+    size_t u = br->block_id, na = l->n[u][0], ng = l->n[u][1];
+    pc_kfac_damping dmp;
+    assert_int_equal(pc_kfac_damping_split(na, pc_kfac_trace_f32(na, l->f[u][0]), ng,
+                                           pc_kfac_trace_f32(ng, l->f[u][1]), o.damping,
+                                           o.pi_damping, &dmp),
+                     PC_OK);
+    assert_float_equal(br->pi, dmp.pi, 1e-9 * dmp.pi);
+    assert_int_equal(br->inverse, PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_CHOLESKY);
+    assert_null(br->left);
+    const Precond__V1__PackedMatrix *wire[2] = {br->a_inv, br->g_inv};
+    const double damp[2] = {dmp.damp_a, dmp.damp_g};
+    for (int k = 0; k < 2; k++) {
+      size_t n = l->n[u][k];
+      assert_non_null(wire[k]);
+      assert_int_equal(wire[k]->n, n);
+      assert_int_equal(wire[k]->data.len, pc_packed_len(n) * 4);
+      float *x = malloc(n * n * sizeof *x), *p = malloc(pc_packed_len(n) * sizeof *p);
+      assert_int_equal(pc_kfac_inverse_f32(n, l->f[u][k], damp[k], PC_KFAC_INV_CHOLESKY, x,
+                                           NULL),
+                       PC_OK);
+      pc_pack_f32(n, x, p);
+      float *got = malloc(pc_packed_len(n) * sizeof *got);
+      memcpy(got, wire[k]->data.data, pc_packed_len(n) * 4);
+      assert_true(rel_diff(n, got, p) < 1e-5);
+      free(x);
+      free(p);
+      free(got);
+    }
+  }
+}
+
+static void kfac_free_incs(kfacstat *ks) {
+  for (int u = 0; u < 2; u++) {
+    free((void *)ks[u].a);
+    free((void *)ks[u].g);
+  }
+}
+
+static const Precond__V1__BlockStats *kfac_block_stats(const Precond__V1__StatsResponse *s,
+                                                       uint32_t id) {
+  for (size_t i = 0; i < s->n_block_stats; i++)
+    if (s->block_stats[i]->block_id == id) return s->block_stats[i];
+  fail_msg("no stats of block %u", id);
+  return NULL;
+}
+
+/* Register, push A and G of two layers, fetch the damped inverses and check them against
+ * pc_kfac_* here; inverses every 2 pushes; every bad input refused whole; snapshot and
+ * restart resume the running averages. */
+static void test_kfac(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.dir, sizeof d.dir);
+  start_daemon(&d, NULL);
+  char msg[512];
+  /* fc: out 4, in 5 + bias; conv: out 3, in 2 x 2 x 2; bn: diagonal, on the worker. */
+  tspec ts[3] = {{"fc", {4, 6}, 2}, {"conv", {3, 2, 2, 2}, 4}, {"bn", {3}, 1}};
+  Precond__V1__RegisterResponse *reg = NULL;
+  assert_int_equal(kfac_register(&d, "kf", ts, 3, 2, 0, &reg, msg), GRPC_STATUS_OK);
+  assert_int_equal(reg->n_blocks, 2);
+  assert_int_equal(reg->blocks[0]->rows, 4);
+  assert_int_equal(reg->blocks[0]->cols, 6);
+  assert_int_equal(reg->blocks[1]->cols, 8);
+  assert_int_equal(reg->n_diagonal_tensors, 1);
+  assert_int_equal(reg->diagonal_tensors[0], 2);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  kfac_local l = {{{6, 4}, {8, 3}}, {{NULL}}, 0};
+  kfacstat ks[2];
+
+  /* First push: inverses at once (no inverse yet), of the batch factors as they are. */
+  kfac_local_push(&l, 1, ks);
+  assert_int_equal(kfac_push(&d, "kf", 1, ks, 2, msg), GRPC_STATUS_OK);
+  kfac_free_incs(ks);
+  Precond__V1__FetchResponse *f = wait_roots(&d, "kf", 2, 1);
+  kfac_check_roots(&l, f);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  /* Second push: the running average, inverses due (2 pushes). */
+  kfac_local_push(&l, 2, ks);
+  assert_int_equal(kfac_push(&d, "kf", 2, ks, 2, msg), GRPC_STATUS_OK);
+  kfac_free_incs(ks);
+  f = wait_roots(&d, "kf", 2, 2);
+  kfac_check_roots(&l, f);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  /* Third push: folded, no inverse due. */
+  kfac_local_push(&l, 3, ks);
+  assert_int_equal(kfac_push(&d, "kf", 3, ks, 2, msg), GRPC_STATUS_OK);
+
+  Precond__V1__StatsResponse *s = get_stats(&d, "kf");
+  assert_int_equal(s->job_stats[0]->mode, PRECOND__V1__MODE__MODE_KFAC);
+  const Precond__V1__BlockStats *b1 = kfac_block_stats(s, 1);
+  assert_int_equal(b1->a_order, 8);
+  assert_int_equal(b1->g_order, 3);
+  assert_int_equal(b1->stat_step, 3);
+  assert_int_equal(b1->roots_computed, 2);
+  assert_true(b1->pi > 0 && b1->damping_a > 0);
+  assert_float_equal(b1->damping_a * b1->damping_g, 1e-3, 1e-12); /* pi s * s / pi */
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+
+  /* Bad input, each refused whole: block 0 is valid in every request, and is not stored. */
+  kfacstat bad[2] = {ks[0], ks[1]};
+  bad[1].na = 5; /* wrong factor size for the layer */
+  assert_int_equal(kfac_push(&d, "kf", 9, bad, 2, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[1].a.n"));
+  float *nan_g = malloc(pc_packed_len(3) * sizeof *nan_g);
+  memcpy(nan_g, ks[1].g, pc_packed_len(3) * sizeof *nan_g);
+  nan_g[2] = NAN;
+  bad[1] = ks[1];
+  bad[1].g = nan_g;
+  assert_int_equal(kfac_push(&d, "kf", 9, bad, 2, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[1].g"));
+  free(nan_g);
+  bad[1] = ks[1];
+  bad[1].id = 7; /* unknown layer */
+  assert_int_equal(kfac_push(&d, "kf", 9, bad, 2, msg), GRPC_STATUS_NOT_FOUND);
+  assert_non_null(strstr(msg, "blocks[1].block_id"));
+  bad[1] = ks[1];
+  bad[1].as_left = 1; /* a Shampoo field on a K-FAC job */
+  assert_int_equal(kfac_push(&d, "kf", 9, bad, 2, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[1].left"));
+  /* K-FAC fields on a Shampoo job; Shampoo options on a K-FAC job. */
+  tspec sts[1] = {{"w", {4, 6}, 2}};
+  assert_int_equal(do_register(&d, "sh", sts, 1, 8, 0.0f, NULL, msg), GRPC_STATUS_OK);
+  kfacstat onsh = {0, 6, 4, ks[0].a, ks[0].g, 0};
+  assert_int_equal(kfac_push(&d, "sh", 1, &onsh, 1, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].a"));
+  assert_int_equal(kfac_register(&d, "both", ts, 3, 2, 1, NULL, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "shampoo"));
+  s = get_stats(&d, NULL);
+  for (size_t i = 0; i < s->n_job_stats; i++)
+    assert_string_not_equal(s->job_stats[i]->job, "both");
+  assert_int_equal(kfac_block_stats(s, 0)->stat_step, 3); /* nothing of step 9 stored */
+  assert_int_equal(s->rejected_pushes, 5);
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  kfac_free_incs(ks);
+
+  /* Snapshot at shutdown: the running averages exactly as folded here. */
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d.dir, &st, &stats);
+  pd_job *job = pd_store_find(&st, "kf");
+  assert_non_null(job);
+  assert_ptr_equal(job->mode, &pd_mode_kfac);
+  for (int u = 0; u < 2; u++)
+    for (int k = 0; k < 2; k++)
+      assert_memory_equal(job->blocks[u].stat[k], l.f[u][k],
+                          pc_packed_len(l.n[u][k]) * sizeof(float));
+  assert_int_equal(job->blocks[0].pushes, 3);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+
+  /* Restart: the job resumes at step 3 with its inverses; the fourth push is due. */
+  start_daemon(&d, NULL);
+  assert_int_equal(kfac_register(&d, "kf", ts, 3, 2, 0, &reg, msg), GRPC_STATUS_OK);
+  assert_int_equal(reg->resumed_step, 3);
+  protobuf_c_message_free_unpacked(&reg->base, NULL);
+  f = wait_roots(&d, "kf", 2, 2);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  kfac_local_push(&l, 4, ks);
+  assert_int_equal(kfac_push(&d, "kf", 4, ks, 2, msg), GRPC_STATUS_OK);
+  kfac_free_incs(ks);
+  /* The restored daemon may first recompute the step-3 inverses (their statistics are newer
+   * than the published ones): wait for those of step 4. */
+  for (int tries = 0;; tries++) {
+    f = wait_roots(&d, "kf", 2, 3);
+    if (f->preconditioners[0]->source_step == 4 && f->preconditioners[1]->source_step == 4)
+      break;
+    assert_true(tries < 1000);
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+    sleep_ms(20);
+  }
+  kfac_check_roots(&l, f);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  for (int u = 0; u < 2; u++)
+    for (int k = 0; k < 2; k++) free(l.f[u][k]);
+  remove_tree(d.dir);
+}
+
 int main(void) {
   openblas_set_num_threads(1);
   atexit(kill_leftovers);
@@ -1419,6 +1695,7 @@ int main(void) {
       cmocka_unit_test(test_shutdown_cancels_stuck_call),
       cmocka_unit_test(test_shutdown_idle_client),
       cmocka_unit_test(test_versions_survive_crash),
+      cmocka_unit_test(test_kfac),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   kill_leftovers();

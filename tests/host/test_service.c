@@ -142,10 +142,10 @@ static void test_register(void **state) {
   assert_int_equal(reg(d, "", 8, 8, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
   assert_int_equal(reg(d, "big", 4096, 4096, 4096, NULL, why),
                    GRPC_STATUS_RESOURCE_EXHAUSTED);
-  Precond__V1__RegisterRequest kfac = PRECOND__V1__REGISTER_REQUEST__INIT;
-  kfac.job = (char *)"k";
-  kfac.mode = PRECOND__V1__MODE__MODE_KFAC;
-  assert_int_equal(handle(d, PD_M_REGISTER, &kfac.base, NULL, 0, NULL, NULL, why),
+  Precond__V1__RegisterRequest abs = PRECOND__V1__REGISTER_REQUEST__INIT;
+  abs.job = (char *)"k";
+  abs.mode = PRECOND__V1__MODE__MODE_ABS;
+  assert_int_equal(handle(d, PD_M_REGISTER, &abs.base, NULL, 0, NULL, NULL, why),
                    GRPC_STATUS_UNIMPLEMENTED);
   assert_int_equal(handle(d, PD_M_REGISTER, NULL, "\xff\xff", 2, NULL, NULL, why),
                    GRPC_STATUS_INVALID_ARGUMENT);
@@ -434,6 +434,42 @@ static void test_overflowing_push_refused(void **state) {
   daemon_free(d);
 }
 
+/* Jobs of rank-1 tensors have no statistics, but their records are memory too: counted in
+ * memory_bytes and against --memory-limit-mb (they used to count 0 bytes, so such jobs
+ * could grow the daemon without limit). */
+static void test_rank1_jobs_counted(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(1);
+  enum { NT = 1000 };
+  Precond__V1__TensorSpec specs[NT], *ptrs[NT];
+  char names[NT][32];
+  uint64_t shape[1] = {1000};
+  for (int i = 0; i < NT; i++) {
+    precond__v1__tensor_spec__init(&specs[i]);
+    snprintf(names[i], sizeof names[i], "bias-%04d-of-a-long-layer", i);
+    specs[i].name = names[i];
+    specs[i].n_shape = 1;
+    specs[i].shape = shape;
+    ptrs[i] = &specs[i];
+  }
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.n_tensors = NT;
+  req.tensors = ptrs;
+  char job[32], why[512];
+  int registered = 0;
+  grpc_status_code code = GRPC_STATUS_OK;
+  for (; registered < 200 && code == GRPC_STATUS_OK; registered++) {
+    snprintf(job, sizeof job, "j%d", registered);
+    req.job = job;
+    code = handle(d, PD_M_REGISTER, &req.base, NULL, 0, NULL, NULL, why);
+    if (registered == 0) assert_true(atomic_load(&d->stats.memory_bytes) > NT * 30);
+  }
+  assert_int_equal(code, GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_true(registered < 100);
+  assert_true(atomic_load(&d->stats.memory_bytes) <= (int64_t)1 << 20);
+  daemon_free(d); /* and every byte counted is given back */
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -442,6 +478,7 @@ int main(void) {
       cmocka_unit_test(test_mutated_requests),
       cmocka_unit_test(test_request_limits),
       cmocka_unit_test(test_overflowing_push_refused),
+      cmocka_unit_test(test_rank1_jobs_counted),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
