@@ -61,25 +61,38 @@ static int shampoo_resolve(void *opts, char *err, size_t errlen) {
   return PD_OK;
 }
 
-/* Counts the blocks the layout will produce (its documented rule: rows = dims[0], cols = the
- * product of the rest, diagonal for rank 1 or a side above skip_limit, tiles of block_size)
- * before any layout is allocated, so an absurd shape costs nothing. */
+/* The layout options and dims of tensor t as the numerics take them: the count and the
+ * layout below go through pc_layout_count / pc_layout_init, the rule's one source. */
+static void shampoo_layout_args(const pd_shampoo_opts *o, const pd_tensor *t,
+                                pc_layout_opts *lo, size_t dims[PD_MAX_RANK]) {
+  pc_layout_opts_default(lo);
+  lo->block_size = o->block_size;
+  lo->skip_limit = o->skip_limit;
+  for (int k = 0; k < t->rank; k++) dims[k] = (size_t)t->dims[k];
+}
+
+/* Counts the blocks before any layout is allocated (pc_layout_count is O(rank) and does not
+ * allocate), so an absurd shape costs nothing. */
 static int shampoo_count(const pd_shampoo_opts *o, size_t ntensors, const pd_tensor *t,
                          uint32_t max_blocks, size_t *count, char *err, size_t errlen) {
-  uint64_t total = 0, bs = o->block_size ? o->block_size : 1;
+  size_t total = 0;
   for (size_t i = 0; i < ntensors; i++) {
-    if (t[i].rank < 2) continue;
-    uint64_t rows = t[i].dims[0], cols = 1;
-    for (int k = 1; k < t[i].rank; k++) cols *= t[i].dims[k]; /* <= 2^48: checked */
-    if (rows > o->skip_limit || cols > o->skip_limit) continue;
-    uint64_t tr = (rows + bs - 1) / bs, tc = (cols + bs - 1) / bs;
-    if (tr > max_blocks || tc > max_blocks || (total += tr * tc) > max_blocks) {
+    pc_layout_opts lo;
+    size_t dims[PD_MAX_RANK], n;
+    shampoo_layout_args(o, &t[i], &lo, dims);
+    int prc = pc_layout_count(t[i].rank, dims, &lo, &n);
+    if (prc != PC_OK) {
+      snprintf(err, errlen, "tensors[%zu].shape: layout failed: %s", i, pc_strerror(prc));
+      return PD_EINVAL;
+    }
+    if (n > max_blocks - total) {
       snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
                max_blocks);
       return PD_ELIMIT;
     }
+    total += n;
   }
-  *count = (size_t)total;
+  *count = total;
   return PD_OK;
 }
 
@@ -90,14 +103,11 @@ static int shampoo_layout(const void *opts, size_t ntensors, const pd_tensor *te
   if (!units) return shampoo_count(o, ntensors, tensors, max_units, nunits, err, errlen);
   /* Block ids are numbered in tensor order, tiles row-major within a tensor (the layout's
    * own order), so every worker and replica derives the same ids. */
-  pc_layout_opts lo;
-  pc_layout_opts_default(&lo);
-  lo.block_size = o->block_size;
-  lo.skip_limit = o->skip_limit;
   *nunits = *ndiag = 0;
   for (size_t i = 0; i < ntensors; i++) {
+    pc_layout_opts lo;
     size_t dims[PD_MAX_RANK];
-    for (int k = 0; k < tensors[i].rank; k++) dims[k] = (size_t)tensors[i].dims[k];
+    shampoo_layout_args(o, &tensors[i], &lo, dims);
     pc_layout lay;
     int prc = pc_layout_init(&lay, tensors[i].rank, dims, &lo);
     if (prc != PC_OK) {

@@ -27,9 +27,9 @@ void pc_layout_opts_default(pc_layout_opts *opts) {
 
 /* Checks the arguments and computes the 2-D view. A product of dims that overflows size_t
  * is an error (no tensor that large can exist), not a silent wrap-around. */
-static int layout_check(const pc_layout *layout, int rank, const size_t *dims,
-                        const pc_layout_opts *opts, size_t *rows, size_t *cols) {
-  if (layout == NULL || dims == NULL || rank < 1) return PC_EINVAL;
+static int layout_check(int rank, const size_t *dims, const pc_layout_opts *opts, size_t *rows,
+                        size_t *cols) {
+  if (dims == NULL || rank < 1) return PC_EINVAL;
   if (opts->block_size == 0 || opts->skip_limit == 0) return PC_EINVAL;
   for (int i = 0; i < rank; i++)
     if (dims[i] == 0) return PC_EINVAL;
@@ -46,32 +46,57 @@ static int layout_check(const pc_layout *layout, int rank, const size_t *dims,
 
 static size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
 
-int pc_layout_init(pc_layout *layout, int rank, const size_t *dims, const pc_layout_opts *opts) {
+/* The one statement of the cutting rule: the view, whether it is diagonal, and the tiles per
+ * axis. pc_layout_init lays the tiles out; pc_layout_count only counts them, so a daemon can
+ * refuse an absurd job before allocating anything and still agree with every worker. */
+static int layout_tiles(int rank, const size_t *dims, const pc_layout_opts *opts, size_t *rows,
+                        size_t *cols, size_t *tr, size_t *tc) {
+  int rc = layout_check(rank, dims, opts, rows, cols);
+  if (rc != PC_OK) return rc;
+  *tr = *tc = 0; /* diagonal: no tiles */
+  if (rank == 1 || *rows > opts->skip_limit || *cols > opts->skip_limit) return PC_OK;
+  *tr = ceil_div(*rows, opts->block_size);
+  *tc = ceil_div(*cols, opts->block_size);
+  /* rows, cols <= skip_limit here, but skip_limit is the caller's: keep the count honest. */
+  if (*tr > SIZE_MAX / *tc || *tr * *tc > SIZE_MAX / sizeof(pc_block)) return PC_EINVAL;
+  return PC_OK;
+}
+
+int pc_layout_count(int rank, const size_t *dims, const pc_layout_opts *opts, size_t *nblocks) {
   pc_layout_opts defaults;
-  size_t rows = 0, cols = 0;
+  size_t rows, cols, tr, tc;
+  if (nblocks == NULL) return PC_EINVAL;
+  *nblocks = 0;
   if (opts == NULL) {
     pc_layout_opts_default(&defaults);
     opts = &defaults;
   }
-  if (layout != NULL) {
-    layout->rows = layout->cols = 0;
-    layout->diagonal = 0;
-    layout->nblocks = 0;
-    layout->blocks = NULL;
+  int rc = layout_tiles(rank, dims, opts, &rows, &cols, &tr, &tc);
+  if (rc == PC_OK) *nblocks = tr * tc;
+  return rc;
+}
+
+int pc_layout_init(pc_layout *layout, int rank, const size_t *dims, const pc_layout_opts *opts) {
+  pc_layout_opts defaults;
+  size_t rows = 0, cols = 0, tr = 0, tc = 0;
+  if (layout == NULL) return PC_EINVAL;
+  if (opts == NULL) {
+    pc_layout_opts_default(&defaults);
+    opts = &defaults;
   }
-  int rc = layout_check(layout, rank, dims, opts, &rows, &cols);
+  layout->rows = layout->cols = 0;
+  layout->diagonal = 0;
+  layout->nblocks = 0;
+  layout->blocks = NULL;
+  int rc = layout_tiles(rank, dims, opts, &rows, &cols, &tr, &tc);
   if (rc != PC_OK) return rc;
 
   layout->rows = rows;
   layout->cols = cols;
-  if (rank == 1 || rows > opts->skip_limit || cols > opts->skip_limit) {
+  if (tr == 0) {
     layout->diagonal = 1;
     return PC_OK;
   }
-
-  /* rows, cols <= skip_limit here, but skip_limit is the caller's: keep the count honest. */
-  size_t tr = ceil_div(rows, opts->block_size), tc = ceil_div(cols, opts->block_size);
-  if (tr > SIZE_MAX / tc || tr * tc > SIZE_MAX / sizeof(pc_block)) return PC_EINVAL;
   pc_block *blocks = malloc(tr * tc * sizeof *blocks);
   if (blocks == NULL) return PC_ENOMEM;
 

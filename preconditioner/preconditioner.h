@@ -267,6 +267,12 @@ typedef struct {
  * (nblocks 0, blocks NULL), so pc_layout_destroy on it is harmless. */
 int pc_layout_init(pc_layout *layout, int rank, const size_t *dims, const pc_layout_opts *opts);
 
+/* Stores in *nblocks the number of blocks pc_layout_init would make for the same arguments
+ * (0 for a diagonal tensor), in O(rank) and without allocating: for callers that must bound
+ * a job's size before laying it out. Returns pc_layout_init's errors except PC_ENOMEM, and
+ * PC_EINVAL for a NULL nblocks; *nblocks is 0 on failure. */
+int pc_layout_count(int rank, const size_t *dims, const pc_layout_opts *opts, size_t *nblocks);
+
 /* Frees the blocks and leaves the layout empty. NULL, or calling it twice, is a no-op. */
 void pc_layout_destroy(pc_layout *layout);
 

@@ -41,6 +41,9 @@ static void check_tiling(int rank, const size_t *dims, size_t block_size, size_t
   for (size_t e = 0; e < l.rows * l.cols; e++) assert_int_equal(hits[e], 1);
   size_t tr = (l.rows + block_size - 1) / block_size, tc = (l.cols + block_size - 1) / block_size;
   assert_int_equal(l.nblocks, tr * tc);
+  size_t n = 0;
+  assert_int_equal(pc_layout_count(rank, dims, &o, &n), PC_OK);
+  assert_int_equal(n, l.nblocks);
   free(hits);
   pc_layout_destroy(&l);
   assert_null(l.blocks);
@@ -121,6 +124,61 @@ static void test_diagonal(void **state) {
   pc_layout_destroy(NULL);
 }
 
+/* pc_layout_count must agree with pc_layout_init block for block: the daemon bounds a job
+ * with the count and then lays it out, and the worker lays it out with init. */
+static void check_count(int rank, const size_t *dims, size_t block_size, size_t skip_limit,
+                        size_t expect) {
+  pc_layout_opts o = {.block_size = block_size, .skip_limit = skip_limit};
+  pc_layout l;
+  size_t n = 12345;
+  assert_int_equal(pc_layout_init(&l, rank, dims, &o), PC_OK);
+  assert_int_equal(pc_layout_count(rank, dims, &o, &n), PC_OK);
+  assert_int_equal(n, l.nblocks);
+  assert_int_equal(n, expect);
+  pc_layout_destroy(&l);
+}
+
+static void test_count(void **state) {
+  (void)state;
+  const size_t v[1] = {50}, big_v[1] = {100000};
+  const size_t sq[2] = {300, 200}, edge[2] = {100, 100}, over[2] = {101, 3};
+  const size_t wide[3] = {3, 10, 11}, conv[4] = {17, 3, 3, 5}, unit[4] = {2, 3, 1, 1};
+  const size_t tiny[2] = {1, 1};
+  check_count(1, v, 8, 100, 0);          /* rank 1: diagonal */
+  check_count(1, big_v, 8, 100, 0);      /* rank 1 above the skip limit */
+  check_count(2, sq, 128, 4096, 6);      /* the defaults' 3 x 2 */
+  check_count(2, sq, 1, 4096, 300 * 200);
+  check_count(2, sq, 1000, 4096, 1);
+  check_count(2, edge, 8, 100, 13 * 13); /* at the skip limit: blocked */
+  check_count(2, over, 8, 100, 0);       /* rows above the skip limit */
+  check_count(3, wide, 8, 100, 0);       /* cols 110 above the skip limit */
+  check_count(3, wide, 8, 110, 1 * 14);
+  check_count(4, conv, 16, 4096, 2 * 3);
+  check_count(4, conv, 7, 4096, 3 * 7);
+  check_count(4, unit, 2, 4096, 1 * 2);
+  check_count(2, tiny, 1, 1, 1);
+
+  /* NULL opts means the defaults, as for init. */
+  size_t n = 99;
+  assert_int_equal(pc_layout_count(2, sq, NULL, &n), PC_OK);
+  assert_int_equal(n, 6);
+
+  /* Same errors as init; the count is 0 on failure. */
+  const size_t zero[3] = {4, 0, 4}, huge[3] = {SIZE_MAX / 2, 4, 4};
+  pc_layout_opts bad = {.block_size = 0, .skip_limit = 10};
+  assert_int_equal(pc_layout_count(2, sq, NULL, NULL), PC_EINVAL);
+  n = 99;
+  assert_int_equal(pc_layout_count(2, NULL, NULL, &n), PC_EINVAL);
+  assert_int_equal(n, 0);
+  assert_int_equal(pc_layout_count(0, sq, NULL, &n), PC_EINVAL);
+  assert_int_equal(pc_layout_count(3, zero, NULL, &n), PC_EINVAL);
+  assert_int_equal(pc_layout_count(3, huge, NULL, &n), PC_EINVAL);
+  assert_int_equal(pc_layout_count(2, sq, &bad, &n), PC_EINVAL);
+  bad.block_size = 4;
+  bad.skip_limit = 0;
+  assert_int_equal(pc_layout_count(2, sq, &bad, &n), PC_EINVAL);
+}
+
 static void test_bad_arguments(void **state) {
   (void)state;
   pc_layout l;
@@ -147,6 +205,7 @@ int main(void) {
       cmocka_unit_test(test_defaults),
       cmocka_unit_test(test_awkward_shapes),
       cmocka_unit_test(test_diagonal),
+      cmocka_unit_test(test_count),
       cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
