@@ -1,13 +1,8 @@
 /*
  * train.c -- the training harness of the benchmark clients: options, loop, progress line,
- * CSV/JSON output, and the glue between accel's Shampoo and precondd.
- *
- * The Shampoo step follows Anil et al. (2020) as the architecture splits it: the worker
- * (ac_shampoo) computes each block's Gram matrices G G^T and G^T G on the device; this file
- * queues them with libprecond, which sends them in the background; precondd accumulates them
- * and computes the inverse roots; libprecond fetches them, and this file hands the newest to
- * ac_shampoo, which applies P = L^(-1/4) G R^(-1/4) grafted to the norm of a simple step.
- * A block whose roots have not arrived yet takes the grafted step itself: the fallback.
+ * CSV/JSON output, and the optimizers as the clients name their options. Shampoo runs
+ * through the trainer library (trainer/trainer.h: accel's worker half joined to precondd);
+ * this file only maps the harness's options onto it and reports its figures.
  */
 #include "train.h"
 
@@ -21,7 +16,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "precond.h"
 
 const char *tr_strerror(int status) {
   switch (status) {
@@ -104,7 +98,7 @@ void tr_options_default(tr_options *o) {
   o->shampoo_nesterov = so.beta1_nesterov;
   o->one_sided = so.one_sided;
   o->stat_every = so.stats_interval;
-  o->precond_start = so.start_step;
+  o->roots_start = so.start_step;
   o->max_staleness = so.max_staleness;
   o->sync_roots = 0;
   const char *addr = getenv("PRECOND_ADDR");
@@ -255,7 +249,7 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
        "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
-  SPEC("precond-start", K_LONG, &o->precond_start, 1, 1e9,
+  SPEC("precond-start", K_LONG, &o->roots_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
   SPEC("max-staleness", K_LONG, &o->max_staleness, 0, 1e9,
        "roots older than N steps are not used (grafted step instead); 0: no bound");
@@ -707,25 +701,7 @@ int tr_mkdirs(const char *path) {
 }
 
 /* ==================================================================================== */
-/* Shampoo <-> precondd glue                                                              */
-/*                                                                                        */
-/* accel's Shampoo (ac_shampoo, team optim) computes the statistics on the device and     */
-/* applies roots it is handed; this glue pushes the statistics through libprecond and     */
-/* hands over the newest roots libprecond has fetched, tracking their source step.        */
-
-struct tr_shampoo {
-  precond_client *client;
-  precond_layout layout;
-  size_t nblocks;
-  uint32_t *daemon_id;      /* per ac_shampoo block: the daemon's block id */
-  uint64_t *version;        /* per block: version handed to ac_shampoo; 0: none */
-  uint64_t *source_step;    /* per block: statistics step those roots come from */
-  uint64_t roots_received, roots_rejected;
-  long start_step;
-  uint64_t *fallbacks;      /* per block: its fallback count after the previous step */
-  uint64_t hist[TR_STALENESS_BUCKETS]; /* block-steps that used a root, by staleness */
-  uint64_t uses;
-};
+/* Optimizers                                                                             */
 
 static int tr__accel(tr_error *err, int rc, const char *what) {
   if (rc == AC_OK) return TR_OK;
@@ -744,221 +720,78 @@ int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err) {
                   ac_backend_describe(NULL));
 }
 
-static void tr__shampoo_free(tr_shampoo *s) {
-  if (s == NULL) return;
-  free(s->daemon_id);
-  free(s->version);
-  free(s->source_step);
-  free(s->fallbacks);
-  precond_layout_destroy(&s->layout);
-  precond_close(s->client);
-  free(s);
+/* The trainer library's statuses as the harness reports them. */
+static int tr__trainer(tr_error *err, int prc, const pt_error *perr) {
+  if (prc == PT_OK) return TR_OK;
+  int rc = prc == PT_EINVAL ? TR_EINVAL : prc == PT_ENOMEM ? TR_ENOMEM
+         : prc == PT_EACCEL ? TR_EACCEL : TR_EDAEMON;
+  return tr__fail(err, rc, "%s", perr->msg[0] ? perr->msg : pt_strerror(prc));
 }
 
-/* Connects, registers every parameter as a tensor, and matches the daemon's blocks to
- * ac_shampoo's (same tensor, same rows and columns of its 2-D view). */
+/* Shampoo's options as the harness names them, for the trainer library. */
 static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *err) {
   const tr_options *opts = &o->opts;
-  int rc = TR_OK;
-  precond_tensor *tensors = NULL;
-  uint64_t *shapes = NULL;
-  tr_shampoo *s = calloc(1, sizeof *s);
-  if (s == NULL) return TR_ENOMEM;
-  s->start_step = opts->precond_start;
-
-  precond_options po;
-  precond_options_default(&po);
-  po.addr = opts->daemon;
-  po.connect_timeout_ms = 5000;
-  int prc = precond_connect(&po, &s->client);
-  if (prc != PRECOND_OK) {
-    rc = tr__fail(err, TR_EDAEMON, "cannot reach precondd at %s: %s (start one with "
-                  "build/host/precondd --listen %s)", opts->daemon, precond_strerror(prc),
-                  opts->daemon);
-    goto fail;
-  }
-  tensors = calloc(o->nparams, sizeof *tensors);
-  shapes = calloc(o->nparams * AC_MAX_DIMS, sizeof *shapes);
-  if (tensors == NULL || shapes == NULL) {
-    rc = TR_ENOMEM;
-    goto fail;
-  }
-  for (size_t i = 0; i < o->nparams; i++) {
-    const ac_tensor *v = &o->params[i]->value;
-    int rank = v->ndim < 1 ? 1 : v->ndim;
-    for (int d = 0; d < rank; d++) shapes[i * AC_MAX_DIMS + (size_t)d] = v->shape[d];
-    tensors[i] = (precond_tensor){o->params[i]->name, rank, &shapes[i * AC_MAX_DIMS]};
-  }
   char job[160];
   if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
   else snprintf(job, sizeof job, "%s-shampoo-%ld", model_name, (long)getpid());
-  pc_layout_opts lo;
-  pc_layout_opts_default(&lo);
-  precond_shampoo_opts so = {0};
-  so.block_size = (uint32_t)opts->block_size;
-  so.skip_limit = (uint32_t)lo.skip_limit;
-  so.beta2 = (float)opts->stat_beta2;
-  /* ac_shampoo applies L^(-1/4) and R^(-1/4), or one side's ^(-1/2) */
-  so.root_exponent = opts->one_sided ? 2 : 4;
-  so.epsilon = opts->shampoo_eps;
-  so.method = PRECOND_METHOD_NEWTON;
-  prc = precond_register(s->client, job, PRECOND_MODE_SHAMPOO, model_name, o->nparams, tensors,
-                         &so, &s->layout);
-  if (prc != PRECOND_OK) {
-    char msg[256];
-    precond_last_error(s->client, msg, sizeof msg);
-    rc = tr__fail(err, TR_EDAEMON, "precondd at %s refused to register job %s: %s%s%s",
-                  opts->daemon, job, precond_strerror(prc), msg[0] ? ": " : "", msg);
-    goto fail;
-  }
-
-  s->nblocks = ac_shampoo_nblocks(o->shampoo_opt);
-  if (s->layout.nblocks != s->nblocks) {
-    rc = tr__fail(err, TR_EDAEMON, "precondd cut the tensors into %zu blocks, the worker into "
-                  "%zu (different block size or skip limit?)", s->layout.nblocks, s->nblocks);
-    goto fail;
-  }
-  size_t nb = s->nblocks > 0 ? s->nblocks : 1;
-  s->daemon_id = calloc(nb, sizeof *s->daemon_id);
-  s->version = calloc(nb, sizeof *s->version);
-  s->source_step = calloc(nb, sizeof *s->source_step);
-  s->fallbacks = calloc(nb, sizeof *s->fallbacks);
-  if (s->daemon_id == NULL || s->version == NULL || s->source_step == NULL ||
-      s->fallbacks == NULL) {
-    rc = TR_ENOMEM;
-    goto fail;
-  }
-  for (size_t b = 0; b < s->nblocks; b++) {
-    ac_shampoo_block bi;
-    int found = 0;
-    rc = tr__accel(err, ac_shampoo_block_info(o->shampoo_opt, b, &bi), "ac_shampoo_block_info");
-    if (rc != TR_OK) goto fail;
-    for (size_t k = 0; k < s->layout.nblocks && !found; k++) {
-      const precond_block *pb = &s->layout.blocks[k];
-      if (pb->tensor == bi.param && pb->row0 == bi.block.row0 && pb->rows == bi.block.rows &&
-          pb->col0 == bi.block.col0 && pb->cols == bi.block.cols) {
-        s->daemon_id[b] = pb->block_id;
-        found = 1;
-      }
-    }
-    if (!found) {
-      rc = tr__fail(err, TR_EDAEMON, "precondd's layout has no block for rows %zu+%zu, cols "
-                    "%zu+%zu of %s", bi.block.row0, bi.block.rows, bi.block.col0, bi.block.cols,
-                    o->params[bi.param]->name);
-      goto fail;
-    }
-  }
-  free(tensors);
-  free(shapes);
-  o->shampoo = s;
-  return TR_OK;
-fail:
-  free(tensors);
-  free(shapes);
-  tr__shampoo_free(s);
-  return rc;
-}
-
-/* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
- * worker refuses (non-finite, wrong size) are counted and skipped: the block keeps its
- * previous roots or the grafted step. */
-static int tr__shampoo_refresh(tr_optimizer *o, size_t b, tr_error *err) {
-  tr_shampoo *s = o->shampoo;
-  const precond_roots *r = NULL;
-  int prc = precond_fetch(s->client, s->daemon_id[b], s->version[b], &r);
-  if (prc != PRECOND_OK)
-    return tr__fail(err, TR_EDAEMON, "precond_fetch block %u: %s", s->daemon_id[b],
-                    precond_strerror(prc));
-  if (r == NULL) return TR_OK;
-  const ac_shampoo_roots roots = {
-    .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
-    .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
-    .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
-  int rc = ac_shampoo_set_roots(o->shampoo_opt, b, &roots);
-  if (rc == AC_OK) {
-    s->version[b] = r->version;
-    s->source_step[b] = r->source_step;
-    s->roots_received++;
-  } else if (rc == AC_EINVAL || rc == AC_EMISMATCH) {
-    s->roots_rejected++;
-    s->version[b] = r->version; /* do not offer the same bad version again */
-    rc = AC_OK;
-  }
-  precond_roots_release(r);
-  return tr__accel(err, rc, "ac_shampoo_set_roots");
-}
-
-/* --sync-roots: waits until block b holds roots computed from the statistics of step. */
-static int tr__shampoo_wait(tr_optimizer *o, size_t b, long step, tr_error *err) {
-  tr_shampoo *s = o->shampoo;
-  double deadline = tr__now() + 60.0;
-  for (;;) {
-    int rc = tr__shampoo_refresh(o, b, err);
-    if (rc != TR_OK) return rc;
-    if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return TR_OK;
-    int left_ms = (int)((deadline - tr__now()) * 1000.0);
-    if (left_ms <= 0 || precond_wait_roots(s->client, s->daemon_id[b], s->version[b],
-                                           left_ms) == PRECOND_ETIMEDOUT)
-      return tr__fail(err, TR_EDAEMON, "--sync-roots: no roots of step %ld for block %u "
-                      "within 60 s", step, s->daemon_id[b]);
-  }
+  pt_options po;
+  pt_options_default(&po, PT_MODE_SHAMPOO);
+  po.daemon = opts->daemon;
+  po.job = job;
+  po.worker = model_name;
+  po.sync_roots = opts->sync_roots;
+  ac_shampoo_opts *so = &po.shampoo;
+  so->layout.block_size = (size_t)opts->block_size;
+  pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
+  so->graft.beta1 = opts->beta1;
+  so->graft.beta2 = opts->beta2;
+  so->graft.eps = opts->eps;
+  so->momentum = (float)opts->shampoo_momentum;
+  so->nesterov = opts->nesterov && opts->shampoo_momentum > 0;
+  so->beta1 = (float)opts->shampoo_beta1;
+  so->beta1_nesterov = opts->shampoo_nesterov && so->beta1 > 0.0f;
+  so->one_sided = opts->one_sided;
+  so->weight_decay = (float)opts->weight_decay;
+  so->stats_interval = opts->stat_every;
+  so->start_step = opts->roots_start;
+  so->max_staleness = opts->max_staleness;
+  so->beta2 = (float)opts->stat_beta2;
+  so->epsilon = opts->shampoo_eps;
+  pt_error perr = {""};
+  return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
 }
 
 static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                             tr_error *err) {
-  tr_shampoo *s = o->shampoo;
-  int due = 0, rc;
-  long t = 0;
-  rc = tr__accel(err, ac_shampoo_compute_stats(o->shampoo_opt, &due, &t), "Shampoo statistics");
-  if (rc != TR_OK) return rc;
-  for (size_t b = 0; due && b < s->nblocks; b++) {
-    const float *l = NULL, *r = NULL;
-    ac_shampoo_block bi;
-    rc = ac_shampoo_block_stats(o->shampoo_opt, b, &l, &r);
-    if (rc == AC_OK) rc = ac_shampoo_block_info(o->shampoo_opt, b, &bi);
-    if (rc != AC_OK) return tr__accel(err, rc, "Shampoo statistics");
-    int prc = precond_push(s->client, (uint64_t)t, s->daemon_id[b], (uint32_t)bi.block.rows, l,
-                           (uint32_t)bi.block.cols, r, PRECOND_FP32);
-    if (prc != PRECOND_OK)
-      return tr__fail(err, TR_EDAEMON, "precond_push block %u: %s", s->daemon_id[b],
-                      precond_strerror(prc));
-  }
-  int wait = due && o->opts.sync_roots && step >= s->start_step;
-  if (wait && precond_flush(s->client, 60000) != PRECOND_OK)
-    return tr__fail(err, TR_EDAEMON, "--sync-roots: statistics not sent within 60 s");
-  for (size_t b = 0; b < s->nblocks; b++) {
-    rc = wait ? tr__shampoo_wait(o, b, t, err) : tr__shampoo_refresh(o, b, err);
-    if (rc != TR_OK) return rc;
-  }
-  rc = tr__accel(err, ac_shampoo_step(o->shampoo_opt, (float)lr), "Shampoo step");
+  pt_step_info si;
+  pt_error perr = {""};
+  int rc = tr__trainer(err, pt_step(o->trainer, step, lr, &si, &perr), &perr);
   if (rc != TR_OK) return rc;
   /* The distribution: a block used its root at this step when it holds one and its fallback
    * count did not move. */
-  for (size_t b = 0; b < s->nblocks; b++) {
+  const ac_shampoo *sh = pt_shampoo(o->trainer);
+  size_t nb = ac_shampoo_nblocks(sh);
+  if (o->fallbacks == NULL && (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
+    return TR_ENOMEM;
+  for (size_t b = 0; b < nb; b++) {
     ac_shampoo_block bi;
-    rc = tr__accel(err, ac_shampoo_block_info(o->shampoo_opt, b, &bi), "ac_shampoo_block_info");
+    rc = tr__accel(err, ac_shampoo_block_info(sh, b, &bi), "ac_shampoo_block_info");
     if (rc != TR_OK) return rc;
-    if (step >= s->start_step && bi.version > 0 && bi.staleness >= 0 &&
-        bi.fallback_steps == s->fallbacks[b]) {
+    if (step >= o->opts.roots_start && bi.version > 0 && bi.staleness >= 0 &&
+        bi.fallback_steps == o->fallbacks[b]) {
       long k = bi.staleness < TR_STALENESS_BUCKETS - 1 ? bi.staleness : TR_STALENESS_BUCKETS - 1;
-      s->hist[k]++;
-      s->uses++;
+      o->hist[k]++;
+      o->uses++;
     }
-    s->fallbacks[b] = bi.fallback_steps;
+    o->fallbacks[b] = bi.fallback_steps;
   }
   if (info != NULL) {
-    ac_shampoo_step_info si;
-    rc = tr__accel(err, ac_shampoo_last_step(o->shampoo_opt, &si), "ac_shampoo_last_step");
-    if (rc != TR_OK) return rc;
-    info->staleness = si.preconditioned > 0 ? si.staleness_mean : NAN;
+    info->staleness = si.staleness_mean;
     info->staleness_max = si.staleness_max;
     info->fallback = si.fallback > 0;
   }
-  return TR_OK;
+  return rc;
 }
-
-/* ==================================================================================== */
-/* Optimizers                                                                             */
 
 int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
                       ac_param **params, size_t nparams, const char *model_name, tr_error *err) {
@@ -993,26 +826,7 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
     ao.weight_decay = (float)opts->weight_decay;
     rc = tr__accel(err, ac_adamw_create(&o->adamw, params, nparams, &ao), "AdamW");
   } else {
-    ac_shampoo_opts so;
-    ac_shampoo_opts_default(&so);
-    so.layout.block_size = (size_t)opts->block_size;
-    pc_graft_opts_default(&so.graft, (pc_graft)opts->graft);
-    so.graft.beta1 = opts->beta1;
-    so.graft.beta2 = opts->beta2;
-    so.graft.eps = opts->eps;
-    so.momentum = (float)opts->shampoo_momentum;
-    so.nesterov = opts->nesterov && opts->shampoo_momentum > 0;
-    so.beta1 = (float)opts->shampoo_beta1;
-    so.beta1_nesterov = opts->shampoo_nesterov && so.beta1 > 0.0f;
-    so.one_sided = opts->one_sided;
-    so.weight_decay = (float)opts->weight_decay;
-    so.stats_interval = opts->stat_every;
-    so.start_step = opts->precond_start;
-    so.max_staleness = opts->max_staleness;
-    so.beta2 = (float)opts->stat_beta2;
-    so.epsilon = opts->shampoo_eps;
-    rc = tr__accel(err, ac_shampoo_create(&o->shampoo_opt, params, nparams, &so), "Shampoo");
-    if (rc == TR_OK) rc = tr__shampoo_init(o, model_name, err);
+    rc = tr__shampoo_init(o, model_name, err);
   }
   if (rc != TR_OK) tr_optimizer_destroy(o);
   return rc;
@@ -1033,19 +847,13 @@ int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
 
 void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
                            uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received) {
-  precond_counters c = {0};
-  long nb = 0;
-  uint64_t rr = 0;
-  if (o != NULL && o->shampoo != NULL) {
-    precond_get_counters(o->shampoo->client, &c);
-    nb = (long)o->shampoo->nblocks;
-    rr = o->shampoo->roots_received;
-  }
-  if (blocks) *blocks = nb;
+  pt_counters c;
+  pt_get_counters(o != NULL ? o->trainer : NULL, &c);
+  if (blocks) *blocks = (long)c.units;
   if (pushed) *pushed = c.pushed;
   if (dropped) *dropped = c.dropped;
   if (coalesced) *coalesced = c.coalesced;
-  if (roots_received) *roots_received = rr;
+  if (roots_received) *roots_received = c.results_applied;
 }
 
 /* The smallest staleness s with at least q of the uses at or below it. */
@@ -1059,23 +867,22 @@ static double tr__hist_quantile(const uint64_t *hist, uint64_t uses, double q) {
 }
 
 void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *sm) {
-  const tr_shampoo *s = o != NULL ? o->shampoo : NULL;
   memset(sm->staleness_hist, 0, sizeof sm->staleness_hist);
-  sm->staleness_uses = s != NULL ? s->uses : 0;
+  sm->staleness_uses = o != NULL ? o->uses : 0;
   sm->staleness_p50 = sm->staleness_p90 = sm->staleness_p99 = NAN;
-  if (s == NULL || s->uses == 0) return;
-  memcpy(sm->staleness_hist, s->hist, sizeof sm->staleness_hist);
-  sm->staleness_p50 = tr__hist_quantile(s->hist, s->uses, 0.50);
-  sm->staleness_p90 = tr__hist_quantile(s->hist, s->uses, 0.90);
-  sm->staleness_p99 = tr__hist_quantile(s->hist, s->uses, 0.99);
+  if (o == NULL || o->uses == 0) return;
+  memcpy(sm->staleness_hist, o->hist, sizeof sm->staleness_hist);
+  sm->staleness_p50 = tr__hist_quantile(o->hist, o->uses, 0.50);
+  sm->staleness_p90 = tr__hist_quantile(o->hist, o->uses, 0.90);
+  sm->staleness_p99 = tr__hist_quantile(o->hist, o->uses, 0.99);
 }
 
 void tr_optimizer_destroy(tr_optimizer *o) {
   if (o == NULL) return;
-  tr__shampoo_free(o->shampoo);
+  pt_destroy(o->trainer);
+  free(o->fallbacks);
   ac_sgd_destroy(o->sgd);
   ac_adamw_destroy(o->adamw);
-  ac_shampoo_destroy(o->shampoo_opt);
   memset(o, 0, sizeof *o);
 }
 

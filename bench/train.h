@@ -1,8 +1,8 @@
 /*
  * train.h -- the training harness shared by the benchmark clients (bench/transformer.c,
  * bench/resnet.c): command-line options, the training loop, the progress line, the CSV and
- * JSON writers, and the optimizers as the clients drive them, including the glue between
- * Shampoo's worker half and libprecond (statistics pushed to precondd, roots fetched from it).
+ * JSON writers, and the optimizers as the clients drive them (Shampoo through the trainer
+ * library, trainer/trainer.h, which joins its worker half to precondd).
  * The one public header of bench/train.c; public names carry the prefix tr_.
  *
  * Conventions
@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "accel.h"
+#include "trainer.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -90,7 +90,7 @@ typedef struct {
   int shampoo_nesterov;    /* 1: Nesterov look-ahead of that first moment */
   int one_sided;           /* 1: one root per block, exponent 1/2 (default: 1/4 per side) */
   long stat_every;         /* push statistics every N steps (default 1) */
-  long precond_start;      /* first step that may use roots (default 1) */
+  long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
   char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR) */
@@ -253,10 +253,8 @@ typedef struct {
   int fallback;          /* some preconditioned block used the grafted step */
 } tr_step_info;
 
-typedef struct tr_shampoo tr_shampoo;
-
-/* The optimizers are accel's (ac_sgd, ac_adamw, ac_shampoo); this wraps the one chosen and,
- * for Shampoo, the link to precondd. */
+/* The optimizers are accel's (ac_sgd, ac_adamw) or, for Shampoo, the trainer library's
+ * (accel's worker half joined to precondd); this wraps the one chosen. */
 typedef struct {
   tr_optimizer_kind kind;
   ac_backend *be;           /* borrowed */
@@ -265,8 +263,10 @@ typedef struct {
   tr_options opts;          /* copy */
   ac_sgd *sgd;              /* owned; the one of kind, others NULL */
   ac_adamw *adamw;
-  ac_shampoo *shampoo_opt;
-  tr_shampoo *shampoo;      /* owned; the precondd link, NULL unless Shampoo */
+  pt_trainer *trainer;      /* Shampoo: worker half and precondd link */
+  uint64_t *fallbacks;      /* Shampoo, owned: per block, its fallback count one step ago */
+  uint64_t hist[TR_STALENESS_BUCKETS]; /* Shampoo: block-steps that used a root, by staleness */
+  uint64_t uses;            /* Shampoo: the sum of hist */
 } tr_optimizer;
 
 /* Creates the backend opts->backend asks for, with opts->threads. On TR_OK *out is a new
@@ -275,19 +275,17 @@ typedef struct {
 int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err);
 
 /* Sets up the optimizer for the nparams parameters params[] (borrowed: they must outlive
- * the optimizer). For Shampoo it connects to opts->daemon, registers the job (job name
- * opts->job, or model_name-shampoo-PID) with every parameter as a tensor, and starts
- * libprecond's background thread. Returns TR_OK (call tr_optimizer_destroy), TR_EINVAL,
+ * the optimizer). For Shampoo it creates a trainer (pt_create) for opts->daemon and the job
+ * opts->job, or model_name-shampoo-PID. Returns TR_OK (call tr_optimizer_destroy), TR_EINVAL,
  * TR_ENOMEM, TR_EACCEL, TR_EDAEMON (with the daemon's message in err). */
 int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
                       ac_param **params, size_t nparams, const char *model_name, tr_error *err);
 
 /* One update from the gradients in params[i]->grad at step (1-based, consecutive); lr is
- * the rate of this step (warm-up applied by the caller). Shampoo: queues this step's
- * statistics (every stat_every steps) with libprecond, hands ac_shampoo the newest roots
- * libprecond holds, and steps: P = L^(-1/4) G R^(-1/4) per block, grafted to the norm of
- * the grafted step of the same block; blocks without roots take the grafted step itself
- * (the fallback). info (may be NULL) gets the staleness of the roots used and whether any
+ * the rate of this step (warm-up applied by the caller). Shampoo: pt_step (statistics
+ * pushed every stat_every steps, the newest roots applied: P = L^(-1/4) G R^(-1/4) per
+ * block, grafted to the norm of the grafted step of the same block; blocks without roots
+ * take the grafted step itself, the fallback). info (may be NULL) gets the staleness of the roots used and whether any
  * block fell back. */
 int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
                       tr_error *err);
@@ -296,7 +294,7 @@ int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
  * staleness_hist, staleness_uses; NAN and zeros for the others or when no root was used). */
 void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *s);
 
-/* Counters of the Shampoo glue (zeros for the others). */
+/* Counters of the Shampoo trainer (zeros for the others). */
 void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
                            uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received);
 

@@ -281,7 +281,7 @@ static void test_bad_options(void **state) {
   s = read_file(log);
   assert_non_null(strstr(s, "--d-model N"));
   assert_non_null(strstr(s, "--init NAME"));
-  assert_non_null(strstr(s, "[normal002]"));
+  assert_non_null(strstr(s, "[uniform]"));
   assert_non_null(strstr(s, "adamw     0.001   0.9      0.9/0.99"));
   free(s);
   /* the protocol's options: a bad choice of each is refused with the list of good ones */

@@ -1,0 +1,247 @@
+/* test_trainer.c -- the trainer library (trainer/) against a real precondd.
+ *
+ * Argument: the path of precondd; the test starts it on a free loopback port. A toy model
+ * (a 2-D weight cut into several blocks, a small matrix, a diagonal vector) with gradients
+ * set directly: the layout taken from the daemon, statistics pushed and received there,
+ * roots received and applied, sync_roots reproducible, fallback counted; bad cases: daemon
+ * absent, bad options. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../bench/precondd_util.h"
+#include "precond.h"
+#include "trainer.h"
+
+static const char *precondd_path;
+static char tmpdir[64], addr[64];
+static pid_t daemon_pid;
+
+enum { NPARAMS = 3 };
+
+typedef struct {
+  ac_backend *be;
+  ac_param p[NPARAMS];
+  ac_param *list[NPARAMS];
+} toy;
+
+/* w (12, 10): with block size 8, four blocks (two ragged); u (3, 5): one block; d (5000):
+ * a vector, so diagonal (no block). */
+static void toy_init(toy *m) {
+  static const size_t w_shape[2] = {12, 10}, u_shape[2] = {3, 5}, d_shape[1] = {5000};
+  assert_int_equal(ac_backend_create(&m->be, NULL), AC_OK);
+  assert_int_equal(ac_param_init(&m->p[0], m->be, "w", 2, w_shape), AC_OK);
+  assert_int_equal(ac_param_init(&m->p[1], m->be, "u", 2, u_shape), AC_OK);
+  assert_int_equal(ac_param_init(&m->p[2], m->be, "d", 1, d_shape), AC_OK);
+  for (int i = 0; i < NPARAMS; i++) m->list[i] = &m->p[i];
+}
+
+/* Gradients that depend on the step and the parameter values (so that a root applied
+ * differently would show in later steps). */
+static void toy_grads(toy *m, long step) {
+  for (int i = 0; i < NPARAMS; i++) {
+    size_t n = m->p[i].value.numel;
+    float *v = malloc(n * sizeof *v), *g = malloc(n * sizeof *g);
+    assert_non_null(v);
+    assert_non_null(g);
+    assert_int_equal(ac_tensor_download(&m->p[i].value, v), AC_OK);
+    for (size_t k = 0; k < n; k++)
+      g[k] = (float)(sin(0.37 * (double)k + 0.11 * (double)step + i) + 0.5 * v[k]);
+    assert_int_equal(ac_tensor_upload(&m->p[i].grad, g), AC_OK);
+    free(v);
+    free(g);
+  }
+}
+
+static void toy_destroy(toy *m) {
+  for (int i = 0; i < NPARAMS; i++) ac_param_destroy(&m->p[i]);
+  ac_backend_destroy(m->be);
+}
+
+static void opts_for(pt_options *o, const char *job) {
+  pt_options_default(o, PT_MODE_SHAMPOO);
+  o->daemon = addr;
+  o->job = job;
+  o->shampoo.layout.block_size = 8;
+  o->shampoo.momentum = 0;
+}
+
+static int setup(void **state) {
+  (void)state;
+  snprintf(tmpdir, sizeof tmpdir, "/tmp/test_trainer.XXXXXX");
+  if (mkdtemp(tmpdir) == NULL) return -1;
+  return precondd_start(precondd_path, tmpdir, &daemon_pid, addr, sizeof addr);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  precondd_stop(&daemon_pid);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+  return system(cmd) == 0 ? 0 : -1;
+}
+
+/* The worker's blocks are the daemon's: same count, and the daemon's job holds exactly
+ * those blocks of those tensors. */
+static void test_layout_from_daemon(void **state) {
+  (void)state;
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, "layout");
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_OK);
+  pt_counters c;
+  pt_get_counters(t, &c);
+  assert_int_equal(c.units, 5); /* w: 2 x 2, u: 1, d: none */
+  assert_int_equal(c.units, ac_shampoo_nblocks(pt_shampoo(t)));
+  assert_int_equal(c.resumed_step, 0);
+
+  precond_client *cl = NULL;
+  precond_options po;
+  precond_options_default(&po);
+  po.addr = addr;
+  po.background = 0;
+  assert_int_equal(precond_connect(&po, &cl), PRECOND_OK);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(cl, "layout", 1, &st), PRECOND_OK);
+  assert_int_equal(st.nblocks, c.units);
+  size_t on_w = 0;
+  for (size_t k = 0; k < st.nblocks; k++) on_w += strcmp(st.block_stats[k].tensor, "w") == 0;
+  assert_int_equal(on_w, 4);
+  precond_stats_destroy(&st);
+  precond_close(cl);
+  pt_destroy(t);
+  toy_destroy(&m);
+}
+
+/* Runs steps steps of a sync_roots (or async) job; returns the final w and the counters. */
+static void run(const char *job, int sync, long start_step, long steps, float *w_out,
+                pt_counters *c, long *fallback_steps, double *staleness_max) {
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, job);
+  o.sync_roots = sync;
+  o.shampoo.start_step = start_step;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_OK);
+  *fallback_steps = 0;
+  *staleness_max = -1;
+  for (long s = 1; s <= steps; s++) {
+    toy_grads(&m, s);
+    pt_step_info info;
+    int rc = pt_step(t, s, 0.01, &info, &err);
+    if (rc != PT_OK) fail_msg("pt_step %ld: %s", s, err.msg);
+    assert_true(info.pushed);
+    assert_int_equal(info.preconditioned + info.fallback, 5);
+    *fallback_steps += info.fallback > 0;
+    if (info.staleness_max > *staleness_max) *staleness_max = (double)info.staleness_max;
+    if (sync && s >= start_step) {
+      assert_int_equal(info.preconditioned, 5); /* the roots of this very step */
+      assert_int_equal(info.staleness_max, 0);
+    }
+  }
+  pt_get_counters(t, c);
+  if (w_out != NULL) assert_int_equal(ac_tensor_download(&m.p[0].value, w_out), AC_OK);
+  pt_destroy(t);
+  toy_destroy(&m);
+}
+
+/* Pushes arrive (the daemon's job reaches the last step), roots arrive and are applied. */
+static void test_push_and_roots(void **state) {
+  (void)state;
+  pt_counters c;
+  long fb;
+  double smax;
+  run("push", 1, 1, 4, NULL, &c, &fb, &smax);
+  assert_int_equal(c.pushed, 4 * 5);
+  assert_int_equal(c.dropped, 0);
+  assert_int_equal(c.push_errors, 0);
+  assert_true(c.results_applied >= 4 * 5);
+  assert_int_equal(c.results_rejected, 0);
+  assert_int_equal(fb, 0);
+}
+
+/* Two sync_roots runs of the same model give the same weights; the weights moved. */
+static void test_sync_reproducible(void **state) {
+  (void)state;
+  float w1[120], w2[120];
+  pt_counters c;
+  long fb;
+  double smax;
+  run("repro-a", 1, 1, 5, w1, &c, &fb, &smax);
+  run("repro-b", 1, 1, 5, w2, &c, &fb, &smax);
+  assert_memory_equal(w1, w2, sizeof w1);
+}
+
+/* Before start_step every block takes the grafted fallback, and it is counted. */
+static void test_fallback_counted(void **state) {
+  (void)state;
+  pt_counters c;
+  long fb;
+  double smax;
+  run("fallback", 1, 3, 4, NULL, &c, &fb, &smax);
+  assert_int_equal(fb, 2);
+}
+
+/* No daemon at the address: a clear error naming it, nothing left allocated. */
+static void test_daemon_absent(void **state) {
+  (void)state;
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, "absent");
+  o.daemon = "127.0.0.1:1";
+  o.connect_timeout_ms = 300;
+  pt_trainer *t = (pt_trainer *)&o;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EDAEMON);
+  assert_null(t);
+  assert_non_null(strstr(err.msg, "127.0.0.1:1"));
+  toy_destroy(&m);
+}
+
+static void test_bad_arguments(void **state) {
+  (void)state;
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, "");
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "job"));
+  opts_for(&o, "bad");
+  o.mode = (pt_mode)7;
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  opts_for(&o, "bad");
+  assert_int_equal(pt_create(&t, &o, m.list, 0, &err), PT_EINVAL);
+  assert_int_equal(pt_step(NULL, 1, 0.1, NULL, &err), PT_EINVAL);
+  assert_string_equal(pt_mode_name(PT_MODE_SHAMPOO), "shampoo");
+  toy_destroy(&m);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s PRECONDD\n", argv[0]);
+    return 2;
+  }
+  precondd_path = argv[1];
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_layout_from_daemon), cmocka_unit_test(test_push_and_roots),
+      cmocka_unit_test(test_sync_reproducible), cmocka_unit_test(test_fallback_counted),
+      cmocka_unit_test(test_daemon_absent),      cmocka_unit_test(test_bad_arguments),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

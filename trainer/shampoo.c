@@ -1,0 +1,202 @@
+/*
+ * shampoo.c -- the Shampoo mode of the trainer library. The worker half is accel's
+ * ac_shampoo (statistics on the device, roots applied there); the daemon computes the
+ * inverse roots. Per step: statistics of every block pushed when due, the newest roots
+ * libprecond holds handed to ac_shampoo, then ac_shampoo_step.
+ */
+#include "trainer_internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The root exponent follows from the worker's formula (accel.h), it is not a tunable:
+ * ac_shampoo applies L^(-1/4) G R^(-1/4), or one side's ^(-1/2) when one_sided. */
+static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
+  return so->one_sided ? 2 : 4;
+}
+
+typedef struct {
+  ac_shampoo *opt;          /* owned */
+  size_t nblocks;
+  uint32_t *block_id;       /* per worker block: the daemon's id (its layout, same order) */
+  uint64_t *version;        /* per block: libprecond version handed to ac_shampoo; 0: none */
+  uint64_t *source_step;    /* per block: statistics step those roots come from */
+  uint64_t applied, rejected;
+} pt__shampoo;
+
+static int pt__shampoo_create(pt_trainer *t, pt_error *err) {
+  pt__shampoo *s = calloc(1, sizeof *s);
+  if (s == NULL) return PT_ENOMEM;
+  t->state = s;
+  return pt__accel(err, ac_shampoo_create(&s->opt, t->params, t->nparams, &t->opts.shampoo),
+                   "Shampoo worker");
+}
+
+static void pt__shampoo_register_opts(const pt_trainer *t, precond_shampoo_opts *out) {
+  const ac_shampoo_opts *so = &t->opts.shampoo;
+  out->block_size = (uint32_t)so->layout.block_size;
+  out->skip_limit = (uint32_t)so->layout.skip_limit;
+  out->beta2 = so->beta2;
+  out->root_exponent = pt__shampoo_root_exponent(so);
+  out->epsilon = so->epsilon;
+  out->method = PRECOND_METHOD_NEWTON;
+}
+
+/* Takes the daemon's block ids. Both sides number blocks tensor by tensor with the same
+ * layout rule, so block k of the daemon is block k of the worker; a difference (another
+ * block size, skip limit or daemon version) is refused rather than papered over. */
+static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
+  pt__shampoo *s = t->state;
+  const precond_layout *lay = &t->layout;
+  s->nblocks = ac_shampoo_nblocks(s->opt);
+  if (lay->nblocks != s->nblocks)
+    return pt__fail(err, PT_EDAEMON, "precondd cut the tensors into %zu blocks, the worker "
+                    "into %zu (different block size or skip limit?)", lay->nblocks,
+                    s->nblocks);
+  size_t nb = s->nblocks > 0 ? s->nblocks : 1;
+  s->block_id = calloc(nb, sizeof *s->block_id);
+  s->version = calloc(nb, sizeof *s->version);
+  s->source_step = calloc(nb, sizeof *s->source_step);
+  if (s->block_id == NULL || s->version == NULL || s->source_step == NULL) return PT_ENOMEM;
+  for (size_t b = 0; b < s->nblocks; b++) {
+    ac_shampoo_block bi;
+    int rc = pt__accel(err, ac_shampoo_block_info(s->opt, b, &bi), "ac_shampoo_block_info");
+    if (rc != PT_OK) return rc;
+    const precond_block *pb = &lay->blocks[b];
+    if (pb->tensor != bi.param || pb->row0 != bi.block.row0 || pb->rows != bi.block.rows ||
+        pb->col0 != bi.block.col0 || pb->cols != bi.block.cols)
+      return pt__fail(err, PT_EDAEMON, "precondd's block %zu (tensor %u, rows %llu+%llu, "
+                      "cols %llu+%llu) is not the worker's (%s, rows %zu+%zu, cols %zu+%zu)",
+                      b, pb->tensor, (unsigned long long)pb->row0,
+                      (unsigned long long)pb->rows, (unsigned long long)pb->col0,
+                      (unsigned long long)pb->cols, t->params[bi.param]->name, bi.block.row0,
+                      bi.block.rows, bi.block.col0, bi.block.cols);
+    s->block_id[b] = pb->block_id;
+  }
+  return PT_OK;
+}
+
+/* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
+ * worker refuses (non-finite, wrong size) are counted and skipped: the block keeps its
+ * previous roots or the grafted step. */
+static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
+  pt__shampoo *s = t->state;
+  const precond_roots *r = NULL;
+  int rc = pt__daemon(t, err, precond_fetch(t->client, s->block_id[b], s->version[b], &r),
+                      "precond_fetch");
+  if (rc != PT_OK || r == NULL) return rc;
+  const ac_shampoo_roots roots = {
+      .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
+      .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
+      .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
+  int arc = ac_shampoo_set_roots(s->opt, b, &roots);
+  if (arc == AC_OK) {
+    s->version[b] = r->version;
+    s->source_step[b] = r->source_step;
+    s->applied++;
+  } else if (arc == AC_EINVAL || arc == AC_EMISMATCH) {
+    s->rejected++;
+    s->version[b] = r->version; /* do not offer the same bad version again */
+    arc = AC_OK;
+  }
+  precond_roots_release(r);
+  return pt__accel(err, arc, "ac_shampoo_set_roots");
+}
+
+/* sync_roots: waits until block b holds roots computed from the statistics of step. */
+static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
+  pt__shampoo *s = t->state;
+  double deadline = pt__now() + t->opts.sync_timeout_ms / 1000.0;
+  for (;;) {
+    int rc = pt__shampoo_refresh(t, b, err);
+    if (rc != PT_OK) return rc;
+    if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return PT_OK;
+    int left_ms = (int)((deadline - pt__now()) * 1000.0);
+    if (left_ms <= 0 ||
+        precond_wait_roots(t->client, s->block_id[b], s->version[b], left_ms) ==
+            PRECOND_ETIMEDOUT)
+      return pt__fail(err, PT_ETIMEDOUT, "sync_roots: no roots of step %ld for block %u "
+                      "within %d ms", step, s->block_id[b], t->opts.sync_timeout_ms);
+  }
+}
+
+static int pt__shampoo_push(pt_trainer *t, long step, pt_error *err) {
+  pt__shampoo *s = t->state;
+  for (size_t b = 0; b < s->nblocks; b++) {
+    const float *l = NULL, *r = NULL;
+    ac_shampoo_block bi;
+    int arc = ac_shampoo_block_stats(s->opt, b, &l, &r);
+    if (arc == AC_OK) arc = ac_shampoo_block_info(s->opt, b, &bi);
+    if (arc != AC_OK) return pt__accel(err, arc, "Shampoo statistics");
+    int rc = pt__daemon(t, err, precond_push(t->client, (uint64_t)step, s->block_id[b],
+                                             (uint32_t)bi.block.rows, l,
+                                             (uint32_t)bi.block.cols, r, PRECOND_FP32),
+                        "precond_push");
+    if (rc != PT_OK) return rc;
+  }
+  return PT_OK;
+}
+
+static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *info,
+                            pt_error *err) {
+  pt__shampoo *s = t->state;
+  int due = 0;
+  long stat_step = 0;
+  int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step),
+                     "Shampoo statistics");
+  if (rc == PT_OK && due) rc = pt__shampoo_push(t, stat_step, err);
+  if (rc != PT_OK) return rc;
+  /* Waiting before start_step would only slow the steps whose update ignores roots. */
+  int wait = due && t->opts.sync_roots && step >= t->opts.shampoo.start_step;
+  if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
+    return pt__fail(err, PT_ETIMEDOUT, "sync_roots: statistics not sent within %d ms",
+                    t->opts.sync_timeout_ms);
+  for (size_t b = 0; b < s->nblocks && rc == PT_OK; b++)
+    rc = wait ? pt__shampoo_wait(t, b, stat_step, err) : pt__shampoo_refresh(t, b, err);
+  if (rc == PT_OK) rc = pt__accel(err, ac_shampoo_step(s->opt, (float)lr), "Shampoo step");
+  if (rc != PT_OK || info == NULL) return rc;
+  ac_shampoo_step_info si;
+  rc = pt__accel(err, ac_shampoo_last_step(s->opt, &si), "ac_shampoo_last_step");
+  if (rc != PT_OK) return rc;
+  info->pushed = due;
+  info->preconditioned = si.preconditioned;
+  info->fallback = si.fallback;
+  info->staleness_mean = si.preconditioned > 0 ? si.staleness_mean : (double)NAN;
+  info->staleness_max = si.staleness_max;
+  return PT_OK;
+}
+
+static void pt__shampoo_counters(const pt_trainer *t, pt_counters *out) {
+  const pt__shampoo *s = t->state;
+  out->units = s->nblocks;
+  out->results_applied = s->applied;
+  out->results_rejected = s->rejected;
+}
+
+static void pt__shampoo_destroy(pt_trainer *t) {
+  pt__shampoo *s = t->state;
+  if (s == NULL) return;
+  ac_shampoo_destroy(s->opt);
+  free(s->block_id);
+  free(s->version);
+  free(s->source_step);
+  free(s);
+  t->state = NULL;
+}
+
+const pt__mode pt__shampoo_mode = {
+    .name = "shampoo",
+    .wire = PRECOND_MODE_SHAMPOO,
+    .create = pt__shampoo_create,
+    .register_opts = pt__shampoo_register_opts,
+    .bind = pt__shampoo_bind,
+    .step = pt__shampoo_step,
+    .counters = pt__shampoo_counters,
+    .destroy = pt__shampoo_destroy,
+};
+
+ac_shampoo *pt_shampoo(const pt_trainer *t) {
+  if (t == NULL || t->mode != &pt__shampoo_mode || t->state == NULL) return NULL;
+  return ((const pt__shampoo *)t->state)->opt;
+}

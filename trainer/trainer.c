@@ -1,0 +1,198 @@
+/*
+ * trainer.c -- the mode-independent part of the trainer library: options, the mode table,
+ * connect and register (every parameter as a tensor), counters, errors. The mode files
+ * (shampoo.c) hold what differs per mode.
+ */
+#include "trainer_internal.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* The table: a new mode is one file and one line here (and its pt_mode number). */
+static const pt__mode *const pt__modes[] = {
+    [PT_MODE_SHAMPOO] = &pt__shampoo_mode,
+};
+#define PT__NMODES (sizeof pt__modes / sizeof pt__modes[0])
+
+static const pt__mode *pt__mode_of(pt_mode mode) {
+  return (unsigned)mode < PT__NMODES ? pt__modes[mode] : NULL;
+}
+
+const char *pt_strerror(int status) {
+  switch (status) {
+    case PT_OK: return "ok";
+    case PT_EINVAL: return "invalid argument";
+    case PT_ENOMEM: return "out of memory";
+    case PT_EACCEL: return "worker optimizer (accel) failed";
+    case PT_EDAEMON: return "precondd unreachable, refused the call, or disagrees";
+    case PT_ETIMEDOUT: return "results did not arrive in time";
+    default: return "unknown status";
+  }
+}
+
+const char *pt_mode_name(pt_mode mode) {
+  const pt__mode *m = pt__mode_of(mode);
+  return m != NULL ? m->name : "?";
+}
+
+int pt__fail(pt_error *err, int status, const char *fmt, ...) {
+  if (err != NULL) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+int pt__accel(pt_error *err, int rc, const char *what) {
+  if (rc == AC_OK) return PT_OK;
+  return pt__fail(err, PT_EACCEL, "%s: %s", what, ac_strerror(rc));
+}
+
+int pt__daemon(const pt_trainer *t, pt_error *err, int prc, const char *what) {
+  if (prc == PRECOND_OK) return PT_OK;
+  char msg[256] = "";
+  if (t->client != NULL) precond_last_error(t->client, msg, sizeof msg);
+  return pt__fail(err, PT_EDAEMON, "%s: %s%s%s", what, precond_strerror(prc),
+                  msg[0] ? ": " : "", msg);
+}
+
+double pt__now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void pt_options_default(pt_options *opts, pt_mode mode) {
+  if (opts == NULL) return;
+  memset(opts, 0, sizeof *opts);
+  opts->mode = mode;
+  opts->connect_timeout_ms = 5000;
+  opts->sync_timeout_ms = 60000;
+  ac_shampoo_opts_default(&opts->shampoo);
+}
+
+/* Registers every parameter as a tensor (a scalar as shape {1}) and keeps the daemon's
+ * layout in t->layout. */
+static int pt__register(pt_trainer *t, pt_error *err) {
+  int rc = PT_OK;
+  precond_tensor *tensors = calloc(t->nparams, sizeof *tensors);
+  uint64_t *shapes = calloc(t->nparams * AC_MAX_DIMS, sizeof *shapes);
+  if (tensors == NULL || shapes == NULL) {
+    rc = PT_ENOMEM;
+    goto done;
+  }
+  for (size_t i = 0; i < t->nparams; i++) {
+    const ac_tensor *v = &t->params[i]->value;
+    int rank = v->ndim < 1 ? 1 : v->ndim;
+    uint64_t *shape = &shapes[i * AC_MAX_DIMS];
+    for (int d = 0; d < rank; d++) shape[d] = v->ndim < 1 ? 1 : v->shape[d];
+    tensors[i] = (precond_tensor){t->params[i]->name, rank, shape};
+  }
+  precond_shampoo_opts so;
+  memset(&so, 0, sizeof so);
+  t->mode->register_opts(t, &so);
+  int prc = precond_register(t->client, t->job, t->mode->wire, t->opts.worker, t->nparams,
+                             tensors, &so, &t->layout);
+  if (prc != PRECOND_OK) {
+    char what[384];
+    snprintf(what, sizeof what, "precondd at %s refused to register job %s",
+             t->opts.daemon != NULL ? t->opts.daemon : "(default)", t->job);
+    rc = pt__daemon(t, err, prc, what);
+  }
+done:
+  free(tensors);
+  free(shapes);
+  return rc;
+}
+
+static int pt__validate(const pt_options *opts, ac_param *const *params, size_t nparams,
+                        pt_error *err) {
+  if (opts == NULL || params == NULL || nparams == 0)
+    return pt__fail(err, PT_EINVAL, "pt_create: options and parameters are required");
+  if (pt__mode_of(opts->mode) == NULL)
+    return pt__fail(err, PT_EINVAL, "pt_create: unknown mode %d", (int)opts->mode);
+  if (opts->job == NULL || opts->job[0] == '\0' || strlen(opts->job) >= 256)
+    return pt__fail(err, PT_EINVAL, "pt_create: a job name of 1 to 255 bytes is required");
+  if (opts->sync_roots && opts->sync_timeout_ms <= 0)
+    return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
+  const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;
+  for (size_t i = 0; i < nparams; i++)
+    if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0)
+      return pt__fail(err, PT_EINVAL, "parameter %zu is empty or on another backend", i);
+  return PT_OK;
+}
+
+int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
+              size_t nparams, pt_error *err) {
+  if (out == NULL) return pt__fail(err, PT_EINVAL, "pt_create: out is NULL");
+  *out = NULL;
+  int rc = pt__validate(opts, params, nparams, err);
+  if (rc != PT_OK) return rc;
+  pt_trainer *t = calloc(1, sizeof *t);
+  if (t == NULL) return PT_ENOMEM;
+  t->mode = pt__mode_of(opts->mode);
+  t->opts = *opts;
+  snprintf(t->job, sizeof t->job, "%s", opts->job);
+  t->opts.job = t->job;
+  t->opts.daemon = NULL; /* the caller's string is only needed until connected */
+  t->params = params;
+  t->nparams = nparams;
+
+  rc = t->mode->create(t, err);
+  if (rc != PT_OK) goto fail;
+  precond_options po;
+  precond_options_default(&po);
+  if (opts->daemon != NULL) po.addr = opts->daemon;
+  po.connect_timeout_ms = opts->connect_timeout_ms;
+  int prc = precond_connect(&po, &t->client);
+  if (prc != PRECOND_OK) {
+    rc = pt__fail(err, PT_EDAEMON, "cannot reach precondd at %s: %s (start one with "
+                  "build/host/precondd --listen %s)", po.addr, precond_strerror(prc), po.addr);
+    goto fail;
+  }
+  rc = pt__register(t, err);
+  if (rc == PT_OK) rc = t->mode->bind(t, err);
+  if (rc != PT_OK) goto fail;
+  *out = t;
+  return PT_OK;
+fail:
+  pt_destroy(t);
+  return rc;
+}
+
+void pt_destroy(pt_trainer *t) {
+  if (t == NULL) return;
+  t->mode->destroy(t);
+  precond_layout_destroy(&t->layout);
+  precond_close(t->client);
+  free(t);
+}
+
+int pt_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err) {
+  if (t == NULL || step < 1 || !(lr >= 0) || lr > 1e30)
+    return pt__fail(err, PT_EINVAL, "pt_step: bad arguments (step %ld, lr %g)", step, lr);
+  if (info != NULL) *info = (pt_step_info){0, 0, 0, (double)NAN, -1};
+  return t->mode->step(t, step, lr, info, err);
+}
+
+void pt_get_counters(const pt_trainer *t, pt_counters *out) {
+  if (out == NULL) return;
+  memset(out, 0, sizeof *out);
+  if (t == NULL) return;
+  precond_counters c;
+  memset(&c, 0, sizeof c);
+  precond_get_counters(t->client, &c);
+  out->pushed = c.pushed;
+  out->dropped = c.dropped;
+  out->coalesced = c.coalesced;
+  out->push_errors = c.push_errors;
+  out->daemon_restarts = c.reregistered;
+  out->resumed_step = t->layout.resumed_step;
+  t->mode->counters(t, out);
+}

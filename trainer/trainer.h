@@ -1,0 +1,127 @@
+/*
+ * trainer.h -- the trainer library: joins an accel model's parameters and the worker half of
+ * a second-order optimizer to precondd, for any mode. The one public header of trainer/;
+ * public names carry the prefix pt_, internal ones pt__ (trainer_internal.h, not for outside
+ * code).
+ *
+ * Arrows: trainer depends on accel (the optimizer's worker half) and on libprecond (the
+ * daemon); neither of those depends on it, and callers (bench/, examples/) need no other
+ * link to precondd. This header does not include libprecond's.
+ *
+ * The model
+ * - pt_create builds the mode's worker optimizer over the caller's parameters, connects to
+ *   precondd, registers the job with every parameter as a tensor, and takes the daemon's
+ *   answer as the layout (the daemon's block ids, in the daemon's order; a worker whose own
+ *   cut disagrees is refused, never re-matched).
+ * - pt_step, after the backward pass, is one training step: pushes what the mode needs
+ *   (Shampoo: G G^T and G^T G of every block, when due), picks up the newest results
+ *   libprecond holds, hands them to the worker, and updates the parameters. It never waits
+ *   on the network, except with sync_roots (reproducible runs: it waits for the results of
+ *   this step's statistics).
+ * - A mode is one entry of a small table inside the library (trainer.c) and one file
+ *   (shampoo.c today; K-FAC and ABS are additions of the same shape).
+ *
+ * Conventions
+ * - Functions return int: PT_OK (0) or a negative PT_E* code; pt_strerror turns a code into
+ *   a static message. Calls that can fail for a reason worth telling also write one line
+ *   into a caller-provided pt_error (may be NULL).
+ * - The caller owns the pt_trainer (pt_destroy) and keeps the parameters alive until then.
+ */
+#ifndef PRECOND_TRAINER_TRAINER_H
+#define PRECOND_TRAINER_TRAINER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "accel.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  PT_OK = 0,
+  PT_EINVAL = -1,   /* bad argument or option */
+  PT_ENOMEM = -2,   /* allocation failed */
+  PT_EACCEL = -3,   /* the worker optimizer (accel) failed */
+  PT_EDAEMON = -4,  /* precondd unreachable, refused a call, or its layout disagrees */
+  PT_ETIMEDOUT = -5 /* sync_roots: the results did not arrive in time */
+};
+
+const char *pt_strerror(int status);
+
+typedef struct {
+  char msg[512];
+} pt_error;
+
+/* The modes the library drives (numbers are the library's own). */
+typedef enum { PT_MODE_SHAMPOO = 0 } pt_mode;
+
+/* "shampoo"; "?" otherwise. */
+const char *pt_mode_name(pt_mode mode);
+
+typedef struct {
+  pt_mode mode;
+  const char *daemon;      /* "host:port" or "unix:/path"; NULL: libprecond's default */
+  const char *job;         /* job name on the daemon (required, copied) */
+  const char *worker;      /* worker name sent at register; may be NULL */
+  int connect_timeout_ms;  /* wait this long for the daemon at pt_create (default 5000) */
+  int sync_roots;          /* 1: a step that pushes waits for the results of its own
+                              statistics before updating (reproducible; default 0) */
+  int sync_timeout_ms;     /* sync_roots' bound per wait (default 60000) */
+  /* Shampoo: the worker's options, and the ones it registers with the daemon (block size,
+   * skip limit, statistics EMA beta2, ridge epsilon): one struct configures both halves. */
+  ac_shampoo_opts shampoo;
+} pt_options;
+
+/* Fills the defaults above for mode (Shampoo: ac_shampoo_opts_default). */
+void pt_options_default(pt_options *opts, pt_mode mode);
+
+typedef struct pt_trainer pt_trainer;
+
+/* Creates the trainer: the mode's worker optimizer over params[0..nparams-1] (borrowed: they
+ * must outlive the trainer; every one on the same backend), the connection, the job. On
+ * PT_OK the caller owns *out (pt_destroy). PT_EINVAL, PT_ENOMEM, PT_EACCEL, PT_EDAEMON (the
+ * daemon is unreachable, refused the job, or cut the tensors otherwise than the worker: err
+ * says which); then *out is NULL. */
+int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
+              size_t nparams, pt_error *err);
+
+void pt_destroy(pt_trainer *t);
+
+/* What one step did. */
+typedef struct {
+  int pushed;              /* statistics of this step were queued for the daemon */
+  size_t preconditioned;   /* units (Shampoo: blocks) that used the daemon's results */
+  size_t fallback;         /* units that took the fallback step (no usable results) */
+  double staleness_mean;   /* steps between the results used and this step; NaN: none */
+  long staleness_max;      /* -1: none used */
+} pt_step_info;
+
+/* One training step at step (1-based, consecutive) with learning rate lr (finite, >= 0),
+ * after the backward pass filled every parameter's grad. info may be NULL. */
+int pt_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err);
+
+/* Counters since pt_create. */
+typedef struct {
+  size_t units;            /* Shampoo: preconditioned blocks */
+  uint64_t pushed;         /* statistics blocks queued */
+  uint64_t dropped;        /* dropped by a full queue */
+  uint64_t coalesced;      /* replaced in the queue by a newer push of the same block */
+  uint64_t push_errors;    /* blocks the daemon rejected */
+  uint64_t results_applied;  /* result versions handed to the worker */
+  uint64_t results_rejected; /* versions the worker refused (non-finite, wrong size) */
+  uint64_t daemon_restarts;  /* times the job was registered again (daemon lost it) */
+  uint64_t resumed_step;     /* last step whose statistics the daemon held at register */
+} pt_counters;
+
+void pt_get_counters(const pt_trainer *t, pt_counters *out);
+
+/* The worker optimizer of a Shampoo trainer (owned by t), for inspection; NULL otherwise. */
+ac_shampoo *pt_shampoo(const pt_trainer *t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PRECOND_TRAINER_TRAINER_H */

@@ -1,0 +1,52 @@
+/*
+ * trainer_internal.h -- what trainer.c (the mode-independent part) and the mode files
+ * (shampoo.c) share. Internal names carry the prefix pt__; not for outside code.
+ */
+#ifndef PRECOND_TRAINER_INTERNAL_H
+#define PRECOND_TRAINER_INTERNAL_H
+
+#include "precond.h"
+#include "trainer.h"
+
+/* One mode: what the library does differently for Shampoo, K-FAC or ABS. trainer.c calls
+ * these in this order: create (the worker optimizer), register_opts (what the mode tells
+ * the daemon at register), bind (take the daemon's layout), then step per training step,
+ * and destroy (safe after any failed stage). */
+typedef struct {
+  const char *name;
+  precond_mode wire;
+  int (*create)(pt_trainer *t, pt_error *err);
+  void (*register_opts)(const pt_trainer *t, precond_shampoo_opts *out);
+  int (*bind)(pt_trainer *t, pt_error *err);
+  int (*step)(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err);
+  void (*counters)(const pt_trainer *t, pt_counters *out);
+  void (*destroy)(pt_trainer *t);
+} pt__mode;
+
+struct pt_trainer {
+  const pt__mode *mode;
+  pt_options opts;          /* copy; opts.job points at job below */
+  char job[256];
+  ac_param *const *params;  /* borrowed */
+  size_t nparams;
+  precond_client *client;   /* owned */
+  precond_layout layout;    /* the daemon's answer to register; owned */
+  void *state;              /* the mode's; owned by it (destroy) */
+};
+
+extern const pt__mode pt__shampoo_mode;
+
+/* Writes the formatted message into err (when not NULL) and returns status. */
+int pt__fail(pt_error *err, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* PT_OK for AC_OK, else PT_EACCEL with "what: accel's message" in err. */
+int pt__accel(pt_error *err, int rc, const char *what);
+
+/* PT_OK for PRECOND_OK, else PT_EDAEMON with "what: libprecond's and the daemon's message". */
+int pt__daemon(const pt_trainer *t, pt_error *err, int prc, const char *what);
+
+/* Monotonic seconds. */
+double pt__now(void);
+
+#endif /* PRECOND_TRAINER_INTERNAL_H */
