@@ -24,15 +24,15 @@ static pd_daemon *g_d;
 /* Registers job "j" (one 12 x 18 tensor in 6 x 6 blocks, one rank-1 tensor), pushes a
  * positive definite statistic to every block and computes its roots on this thread. */
 static void fixture_fill(pd_daemon *d) {
-  pd_shampoo_opts o;
+  pd_shampoo_opts o = {0};
   char err[256];
-  pd_shampoo_opts_resolve(NULL, &o, err, sizeof err);
+  if (pd_mode_shampoo.resolve(&o, err, sizeof err) != PD_OK) abort();
   o.block_size = 6;
   uint64_t w[2] = {12, 18}, bias[1] = {18};
   pd_tensor t[2] = {{(char *)"w", 2, w}, {(char *)"b", 1, bias}};
   pd_job *job = NULL, *existing = NULL;
-  if (pd_job_build("j", 0, &o, 2, t, d->cfg.max_blocks_per_job, &job, err, sizeof err) !=
-          PD_OK ||
+  if (pd_job_build("j", &pd_mode_shampoo, &o, 2, t, d->cfg.max_blocks_per_job, &job, err,
+                   sizeof err) != PD_OK ||
       pd_store_add(&d->store, job, &existing) != PD_OK)
     abort();
   for (size_t i = 0; i < job->nblocks; i++) {
@@ -41,7 +41,7 @@ static void fixture_fill(pd_daemon *d) {
     float *l = calloc(ll, sizeof *l), *r = calloc(lr, sizeof *r);
     for (size_t k = 0, p = 0; k < b->rows; p += b->rows - k, k++) l[p] = 1.0f + (float)k;
     for (size_t k = 0, p = 0; k < b->cols; p += b->cols - k, k++) r[p] = 2.0f + (float)k;
-    pd_block_update(b, l, r, 5, &d->stats);
+    pd_block_update(b, (const float *[]){l, r}, 5, &d->stats);
     pd_root_outcome out;
     pd_sched_compute(b, &d->stats, &d->sched.rules, &out);
     free(l);
