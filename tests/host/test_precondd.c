@@ -1326,21 +1326,9 @@ static void test_shutdown_idle_client(void **state) {
   assert_int_equal(write(fd, hello, sizeof hello - 1), (ssize_t)(sizeof hello - 1));
   check_health(&d);
   sleep_ms(300);
-  kill(d.pid, SIGTERM);
-  int st = 0, exited = 0;
-  for (int i = 0; i < 3000 && !exited; i++) {
-    exited = waitpid(d.pid, &st, WNOHANG) == d.pid;
-    if (!exited) sleep_ms(10);
-  }
-  if (!exited) kill(d.pid, SIGKILL);
-  assert_true(exited);
-  track(d.pid, 0);
-  d.pid = 0;
-  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   assert_false(log_contains(&d, "still in flight"));
   close(fd);
-  rpc_channel_destroy(d.ch);
-  d.ch = NULL;
   remove_tree(d.dir);
 }
 
