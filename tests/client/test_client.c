@@ -211,6 +211,34 @@ static void register_job(precond_client *c, const char *job, precond_layout *lay
   }
 }
 
+/* Waits for a version of block id newer than *version computed from step (an earlier one
+ * may arrive first) and returns it (the caller releases it); *version becomes its version. */
+static const precond_roots *wait_step(precond_client *c, uint32_t id, uint64_t step,
+                                      uint64_t *version)
+{
+  const precond_roots *r = NULL;
+  for (int tries = 0; tries < 1000; tries++) {
+    int st = precond_wait_roots(c, id, *version, ROOT_WAIT_MS);
+    if (st != PRECOND_OK) {
+      char e[256];
+      precond_last_error(c, e, sizeof e);
+      fprintf(stderr, "no roots for block %u: %s (%s)\n", id, precond_strerror(st), e);
+    }
+    assert_int_equal(st, PRECOND_OK);
+    assert_int_equal(precond_fetch(c, id, *version, &r), PRECOND_OK);
+    assert_non_null(r);
+    *version = r->version;
+    if (r->source_step >= step)
+      break;
+    precond_roots_release(r);
+    r = NULL;
+  }
+  assert_non_null(r);
+  assert_int_equal(r->block_id, id);
+  assert_int_equal(r->source_step, step);
+  return r;
+}
+
 /* Pushes s I for both factors of every block at step, flushes, and checks that the
  * roots of the new version arrive and match (s_total I)^(-1/4). */
 static void push_and_check(precond_client *c, const precond_layout *layout, uint64_t step,
@@ -227,27 +255,7 @@ static void push_and_check(precond_client *c, const precond_layout *layout, uint
   assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
   for (size_t b = 0; b < layout->nblocks; b++) {
     uint32_t id = (uint32_t)b;
-    /* Wait for a root computed from this step (an earlier version may arrive first). */
-    const precond_roots *r = NULL;
-    for (int tries = 0; tries < 1000; tries++) {
-      int st = precond_wait_roots(c, id, versions[b], ROOT_WAIT_MS);
-      if (st != PRECOND_OK) {
-        char e[256];
-        precond_last_error(c, e, sizeof e);
-        fprintf(stderr, "no roots for block %u: %s (%s)\n", id, precond_strerror(st), e);
-      }
-      assert_int_equal(st, PRECOND_OK);
-      assert_int_equal(precond_fetch(c, id, versions[b], &r), PRECOND_OK);
-      assert_non_null(r);
-      versions[b] = r->version;
-      if (r->source_step >= step)
-        break;
-      precond_roots_release(r);
-      r = NULL;
-    }
-    assert_non_null(r);
-    assert_int_equal(r->block_id, id);
-    assert_int_equal(r->source_step, step);
+    const precond_roots *r = wait_step(c, id, step, &versions[b]);
     assert_int_equal(r->n_left, layout->blocks[b].rows);
     assert_int_equal(r->n_right, layout->blocks[b].cols);
     assert_scaled_identity(r->left, r->n_left, expected_root(s_total), rel);
@@ -791,19 +799,7 @@ static void kfac_fold(kfac_layer *l, const float *a, const float *g)
 static void kfac_check(precond_client *c, uint32_t id, const kfac_layer *l, uint64_t step,
                        double damping, uint64_t *version)
 {
-  const precond_roots *r = NULL;
-  for (int tries = 0; tries < 1000; tries++) {
-    assert_int_equal(precond_wait_roots(c, id, *version, ROOT_WAIT_MS), PRECOND_OK);
-    assert_int_equal(precond_fetch(c, id, *version, &r), PRECOND_OK);
-    assert_non_null(r);
-    *version = r->version;
-    if (r->source_step >= step)
-      break;
-    precond_roots_release(r);
-    r = NULL;
-  }
-  assert_non_null(r);
-  assert_int_equal(r->source_step, step);
+  const precond_roots *r = wait_step(c, id, step, version);
   assert_int_equal(r->n_a, l->na);
   assert_int_equal(r->n_g, l->ng);
   assert_int_equal(r->n_left, 0);
