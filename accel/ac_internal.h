@@ -11,7 +11,7 @@
 
 #include <math.h>
 
-#include "accel.h"
+#include "backend.h"
 
 #ifdef __cplusplus
 extern "C" {

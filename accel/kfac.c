@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 
-#include "accel.h"
+#include "optim.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* Argument checks                                                                        */

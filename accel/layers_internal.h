@@ -5,7 +5,7 @@
 #ifndef PRECOND_ACCEL_LAYERS_INTERNAL_H
 #define PRECOND_ACCEL_LAYERS_INTERNAL_H
 
-#include "accel.h"
+#include "layers.h"
 
 /* Runs a status-returning call and jumps to the function's one cleanup label on error. */
 #define AC__TRY(expr)        \

@@ -5,7 +5,7 @@
 #ifndef PRECOND_AC_OPTIM_INTERNAL_H
 #define PRECOND_AC_OPTIM_INTERNAL_H
 
-#include "accel.h"
+#include "optim.h"
 
 /* Checks a parameter list: nparams >= 1 non-NULL entries whose value and grad are f32 of
  * one numel on one backend. On AC_OK writes that backend (*be) and the largest numel

@@ -5,7 +5,7 @@
  */
 #include <math.h>
 
-#include "accel.h"
+#include "optim.h"
 
 #define PI 3.14159265358979323846
 

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "accel.h"
+#include "backend.h"
 
 #define NAME_MAX_BYTES 256
 

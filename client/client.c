@@ -40,6 +40,13 @@ _Static_assert((int)PRECOND_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NE
 _Static_assert((int)PRECOND_METHOD_NEWTON_TEXTBOOK ==
                    (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK, "methods");
 _Static_assert((int)PRECOND_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
+_Static_assert((int)PRECOND_KFAC_INVERSE_AUTO == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_AUTO &&
+                   (int)PRECOND_KFAC_INVERSE_CHOLESKY ==
+                       (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_CHOLESKY &&
+                   (int)PRECOND_KFAC_INVERSE_EIGH == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_EIGH &&
+                   (int)PRECOND_KFAC_INVERSE_NEWTON ==
+                       (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_NEWTON,
+               "K-FAC inverse methods");
 _Static_assert((int)PRECOND_FP32 == (int)PRECOND__V1__ENCODING__ENCODING_FP32, "encodings");
 _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "encodings");
 
@@ -56,6 +63,7 @@ struct precond_client {
 
   /* the job (under mu) */
   char *job;
+  precond_mode mode;         /* of the job: where a push's two parts go on the wire */
   uint64_t job_gen;          /* bumped by each precond_register: stale sends are discarded */
   uint8_t *register_msg;     /* the packed RegisterRequest, to register again */
   size_t register_len;
@@ -275,10 +283,11 @@ static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step
   c->daemon_epoch = epoch;
 }
 
-/* Sends items as one PushRequest of job. Returns a PRECOND_* code; on PRECOND_OK daemon[0]
- * and daemon[1] get the answer's daemon epoch and resumed step. */
-static int send_batch(precond_client *c, const char *job, precond__item **items, size_t n,
-                      uint64_t daemon[2])
+/* Sends items as one PushRequest of job. An item's two parts travel as left and right
+ * (Shampoo) or as a and g (K-FAC). Returns a PRECOND_* code; on PRECOND_OK daemon[0] and
+ * daemon[1] get the answer's daemon epoch and resumed step. */
+static int send_batch(precond_client *c, const char *job, precond_mode mode,
+                      precond__item **items, size_t n, uint64_t daemon[2])
 {
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
@@ -301,7 +310,10 @@ static int send_batch(precond_client *c, const char *job, precond__item **items,
       pm[2 * i].encoding = (Precond__V1__Encoding)it->encoding;
       pm[2 * i].data.data = it->data;
       pm[2 * i].data.len = it->left_bytes;
-      bs[i].left = &pm[2 * i];
+      if (mode == PRECOND_MODE_KFAC)
+        bs[i].a = &pm[2 * i];
+      else
+        bs[i].left = &pm[2 * i];
     }
     if (it->n_right) {
       precond__v1__packed_matrix__init(&pm[2 * i + 1]);
@@ -309,7 +321,10 @@ static int send_batch(precond_client *c, const char *job, precond__item **items,
       pm[2 * i + 1].encoding = (Precond__V1__Encoding)it->encoding;
       pm[2 * i + 1].data.data = it->data + it->left_bytes;
       pm[2 * i + 1].data.len = it->right_bytes;
-      bs[i].right = &pm[2 * i + 1];
+      if (mode == PRECOND_MODE_KFAC)
+        bs[i].g = &pm[2 * i + 1];
+      else
+        bs[i].right = &pm[2 * i + 1];
     }
     bp[i] = &bs[i];
   }
@@ -352,6 +367,7 @@ static int poll_roots(precond_client *c)
 {
   uint64_t gen = c->job_gen;
   char *job = dup_str(c->job);
+  int kfac = c->mode == PRECOND_MODE_KFAC;
   uint32_t nb = c->nblocks;
   Precond__V1__BlockVersion *bv = calloc(nb ? nb : 1, sizeof(*bv));
   Precond__V1__BlockVersion **bvp = calloc(nb ? nb : 1, sizeof(*bvp));
@@ -395,12 +411,17 @@ static int poll_roots(precond_client *c)
   uint64_t bytes = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
     const Precond__V1__BlockRoots *b = resp->preconditioners[i];
-    got[i] = b->block_id < nb
-                 ? precond__roots_from_wire(b, shape[b->block_id], shape[nb + b->block_id])
-                 : NULL;
+    if (b->block_id >= nb)
+      got[i] = NULL;
+    else if (kfac)
+      got[i] = precond__kfac_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
+    else
+      got[i] = precond__roots_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
     if (got[i] == NULL)
       bad++;
-    bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
+    const Precond__V1__PackedMatrix *sides[4] = {b->left, b->right, b->a_inv, b->g_inv};
+    for (int k = 0; k < 4; k++)
+      bytes += sides[k] ? sides[k]->data.len : 0;
   }
 
   pthread_mutex_lock(&c->mu);
@@ -457,6 +478,7 @@ static int push_some(precond_client *c)
     return PRECOND_OK;
   uint64_t gen = c->job_gen;
   char *job = dup_str(c->job);
+  precond_mode mode = c->mode;
   c->inflight = n;
   pthread_mutex_unlock(&c->mu);
 
@@ -464,7 +486,7 @@ static int push_some(precond_client *c)
   for (size_t i = 0; i < n; i++)
     bytes += precond__item_bytes(items[i]);
   uint64_t daemon[2] = {0, 0};
-  int st = job ? send_batch(c, job, items, n, daemon) : PRECOND_ENOMEM;
+  int st = job ? send_batch(c, job, mode, items, n, daemon) : PRECOND_ENOMEM;
 
   pthread_mutex_lock(&c->mu);
   note_daemon(c, daemon[0], daemon[1]);
@@ -777,15 +799,20 @@ void precond_layout_destroy(precond_layout *layout)
   memset(layout, 0, sizeof(*layout));
 }
 
-int precond_register(precond_client *c, const char *job, precond_mode mode,
-                     const char *worker, size_t ntensors, const precond_tensor *tensors,
-                     const precond_shampoo_opts *opts, precond_layout *layout)
+/* Register of either mode: a Shampoo job always carries Shampoo options (opts NULL: all
+ * zero, the daemon's defaults), a K-FAC job its options when kopts is not NULL. */
+static int register_job(precond_client *c, const char *job, precond_mode mode,
+                        const char *worker, size_t ntensors, const precond_tensor *tensors,
+                        const precond_shampoo_opts *opts, const precond_kfac_opts *kopts,
+                        precond_layout *layout)
 {
-  if (c == NULL || register_check(job, ntensors, tensors, layout) != PRECOND_OK)
+  if (c == NULL || register_check(job, ntensors, tensors, layout) != PRECOND_OK ||
+      (mode == PRECOND_MODE_KFAC && opts != NULL) || (mode != PRECOND_MODE_KFAC && kopts != NULL))
     return PRECOND_EINVAL;
   memset(layout, 0, sizeof(*layout));
   Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
   Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  Precond__V1__KfacOptions ko = PRECOND__V1__KFAC_OPTIONS__INIT;
   Precond__V1__TensorSpec *ts = calloc(ntensors, sizeof(*ts));
   Precond__V1__TensorSpec **tp = calloc(ntensors, sizeof(*tp));
   ProtobufCMessage *msg = NULL;
@@ -817,7 +844,17 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   req.mode = (Precond__V1__Mode)mode;
   req.n_tensors = ntensors;
   req.tensors = tp;
-  req.shampoo = &so;
+  if (kopts != NULL) {
+    ko.factor_decay = kopts->factor_decay;
+    ko.damping = kopts->damping;
+    ko.inv_every = kopts->inv_every;
+    ko.no_pi_damping = kopts->no_pi_damping != 0;
+    ko.inverse = (Precond__V1__KfacInverse)kopts->inverse;
+    ko.max_order = kopts->max_order;
+    req.kfac = &ko;
+  }
+  if (mode != PRECOND_MODE_KFAC)
+    req.shampoo = &so;
   req.worker = (char *)(worker ? worker : "");
   size_t plen = protobuf_c_message_get_packed_size(&req.base);
   packed = malloc(plen ? plen : 1);
@@ -872,6 +909,7 @@ int precond_register(precond_client *c, const char *job, precond_mode mode,
   pthread_mutex_lock(&c->mu);
   job_clear(c);
   c->job = job_copy;
+  c->mode = mode;
   c->register_msg = packed;
   c->register_len = plen;
   c->nblocks = (uint32_t)nb;
@@ -906,18 +944,47 @@ cleanup:
   return st;
 }
 
+int precond_register(precond_client *c, const char *job, precond_mode mode,
+                     const char *worker, size_t ntensors, const precond_tensor *tensors,
+                     const precond_shampoo_opts *opts, precond_layout *layout)
+{
+  return register_job(c, job, mode, worker, ntensors, tensors, opts, NULL, layout);
+}
+
+int precond_register_kfac(precond_client *c, const char *job, const char *worker,
+                          size_t ntensors, const precond_tensor *tensors,
+                          const precond_kfac_opts *opts, precond_layout *layout)
+{
+  return register_job(c, job, PRECOND_MODE_KFAC, worker, ntensors, tensors, NULL, opts,
+                      layout);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Push and flush                                                                         */
 
-int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
-                 const float *left, uint32_t n_right, const float *right, precond_encoding enc)
+/* 1 if the current job is of a mode whose push parts are kfac's (kfac = 1: A of order cols,
+ * then G of order rows) or Shampoo's (left of order rows, then right of order cols), and the
+ * block exists with parts of orders n0 and n1. Caller holds mu. */
+static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint32_t n0,
+                     uint32_t n1)
+{
+  if (c->job == NULL || block_id >= c->nblocks || (c->mode == PRECOND_MODE_KFAC) != kfac)
+    return 0;
+  uint32_t rows = c->block_rows[block_id], cols = c->block_cols[block_id];
+  return kfac ? n0 == cols && n1 == rows : n0 == rows && n1 == cols;
+}
+
+/* Queues one block's two packed parts (see push_fits for their order): the body of
+ * precond_push and precond_push_kfac. */
+static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block_id,
+                      uint32_t n_left, const float *left, uint32_t n_right, const float *right,
+                      precond_encoding enc)
 {
   if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
       (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
-  int ok = c->thread_started && c->job != NULL && block_id < c->nblocks &&
-           n_left == c->block_rows[block_id] && n_right == c->block_cols[block_id];
+  int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
   pthread_mutex_unlock(&c->mu);
   if (!ok)
     return PRECOND_EINVAL;
@@ -934,8 +1001,7 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   rpc_packed_encode((int)enc, right, cr, it->data + cl * es);
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
-  if (c->job == NULL || block_id >= c->nblocks || n_left != c->block_rows[block_id] ||
-      n_right != c->block_cols[block_id]) {
+  if (!push_fits(c, kfac, block_id, n_left, n_right)) {
     pthread_mutex_unlock(&c->mu);
     precond__item_free(it);
     return PRECOND_EINVAL;
@@ -951,6 +1017,18 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
   pthread_cond_signal(&c->wake);
   pthread_mutex_unlock(&c->mu);
   return PRECOND_OK;
+}
+
+int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
+                 const float *left, uint32_t n_right, const float *right, precond_encoding enc)
+{
+  return push_parts(c, 0, step, block_id, n_left, left, n_right, right, enc);
+}
+
+int precond_push_kfac(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_a,
+                      const float *a, uint32_t n_g, const float *g, precond_encoding enc)
+{
+  return push_parts(c, 1, step, block_id, n_a, a, n_g, g, enc);
 }
 
 int precond_flush(precond_client *c, int timeout_ms)
@@ -1065,6 +1143,11 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
     d->last_error = b->last_error;
     d->last_compute_ms = b->last_compute_ms;
     d->owner = b->owner;
+    d->a_order = b->a_order;
+    d->g_order = b->g_order;
+    d->pi = b->pi;
+    d->damping_a = b->damping_a;
+    d->damping_g = b->damping_g;
     if (d->job == NULL || d->tensor == NULL)
       goto fail;
   }

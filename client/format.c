@@ -228,17 +228,30 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
       kv_dbl(f, "last_error", b->last_error, &first);
       kv_dbl(f, "last_compute_ms", b->last_compute_ms, &first);
       kv_i64(f, "owner", b->owner, &first);
+      if (b->a_order > 0) { /* a K-FAC layer */
+        kv_u64(f, "a_order", b->a_order, &first);
+        kv_u64(f, "g_order", b->g_order, &first);
+        kv_dbl(f, "pi", b->pi, &first);
+        kv_dbl(f, "damping_a", b->damping_a, &first);
+        kv_dbl(f, "damping_g", b->damping_g, &first);
+      }
       fputc('}', f);
     }
     fputs("]}\n", f);
     return ferror(f) ? -1 : 0;
   }
 
-  fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s\n", "JOB",
-          "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED",
-          "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER");
+  size_t nkfac = 0;
+  for (size_t i = 0; i < s->nblocks; i++)
+    nkfac += s->block_stats[i].a_order > 0;
+  if (nkfac < s->nblocks || s->nblocks == 0)
+    fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s\n", "JOB",
+            "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED",
+            "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER");
   for (size_t i = 0; i < s->nblocks; i++) {
     const precond_block_stats *b = &s->block_stats[i];
+    if (b->a_order > 0)
+      continue; /* K-FAC layers have their own table below */
     char shape[32], age[48];
     snprintf(shape, sizeof shape, "%" PRIu64 "x%" PRIu64, b->rows, b->cols);
     snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
@@ -252,6 +265,27 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
   }
   if (s->nblocks == 0)
     fputs("(no blocks)\n", f);
+  if (nkfac == 0)
+    return ferror(f) ? -1 : 0;
+  /* K-FAC layers: the factor orders, the damping split of the published inverses, and
+   * their age (staleness: steps between the newest factors and the inverses' source). */
+  fprintf(f, "%s%-16s %5s %-20s %6s %6s %7s %10s %10s %10s %6s %14s %8s %6s %10s %9s\n",
+          nkfac < s->nblocks ? "\n" : "", "JOB", "LAYER", "TENSOR", "A", "G", "VERSION", "PI",
+          "DAMP A", "DAMP G", "AGE", "AGE p50/90/MAX", "INVERSES", "FAILED", "ERROR", "MS");
+  for (size_t i = 0; i < s->nblocks; i++) {
+    const precond_block_stats *b = &s->block_stats[i];
+    if (b->a_order == 0)
+      continue;
+    char age[48];
+    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
+             b->staleness_dist.p90, b->staleness_dist.max);
+    fprintf(f,
+            "%-16s %5u %-20s %6" PRIu64 " %6" PRIu64 " %7" PRIu64 " %10.4g %10.3e %10.3e %6" PRIu64
+            " %14s %8" PRIu64 " %6" PRIu64 " %10.2e %9.3f\n",
+            b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", b->a_order,
+            b->g_order, b->version, b->pi, b->damping_a, b->damping_g, b->staleness, age,
+            b->roots_computed, b->roots_failed, b->last_error, b->last_compute_ms);
+  }
   return ferror(f) ? -1 : 0;
 }
 

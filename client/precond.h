@@ -79,6 +79,14 @@ typedef enum {
   PRECOND_METHOD_NEWTON_TEXTBOOK = 1,
   PRECOND_METHOD_EIGH = 2
 } precond_method;
+/* K-FAC's inverse method per factor (the wire's KfacInverse). AUTO: the daemon chooses by
+ * size (Cholesky at every size measured; docs/kfac.md). */
+typedef enum {
+  PRECOND_KFAC_INVERSE_AUTO = 0,
+  PRECOND_KFAC_INVERSE_CHOLESKY = 1,
+  PRECOND_KFAC_INVERSE_EIGH = 2,
+  PRECOND_KFAC_INVERSE_NEWTON = 3
+} precond_kfac_inverse;
 
 /* ------------------------------------------------------------------------------------ */
 /* Connection                                                                             */
@@ -143,6 +151,21 @@ typedef struct {
   precond_method method;
 } precond_shampoo_opts;
 
+/* K-FAC's options (mode PRECOND_MODE_KFAC); 0 takes the daemon's default, which is
+ * preconditioner.h's pc_kfac_opts_default (one source). */
+typedef struct {
+  double factor_decay;         /* running average of A and G; 0: 0.95 */
+  double damping;              /* lambda of the Tikhonov damping; 0: 1e-3 */
+  uint32_t inv_every;          /* damped inverses recomputed every this many pushes; 0: 10 */
+  int no_pi_damping;           /* 1: pi = 1 (no pi-damping) */
+  precond_kfac_inverse inverse;
+  uint32_t max_order;          /* layers with a larger factor are diagonal; 0: 4096 */
+} precond_kfac_opts;
+
+/* One unit of the daemon's layout. Shampoo: a block of a tensor's 2-D view. K-FAC: one
+ * layer (a tensor of rank >= 2 whose shape is its gradient matrix [out, in...], the bias, if
+ * any, as one more input column): rows = the order of G (out), cols = the order of A (the
+ * product of the other dims), row0 = col0 = 0. */
 typedef struct {
   uint32_t block_id;
   uint32_t tensor;             /* index into the registered tensors */
@@ -154,7 +177,9 @@ typedef struct {
   size_t nblocks;
   precond_block *blocks;       /* owned by the layout */
   size_t ndiagonal;
-  uint32_t *diagonal_tensors;  /* tensors with no blocks (grafted step only); owned */
+  uint32_t *diagonal_tensors;  /* tensors with no blocks (Shampoo: grafted step only;
+                                  K-FAC: rank-1 tensors such as batch norm's, and layers
+                                  above max_order: the worker's own diagonal); owned */
   uint64_t resumed_step;       /* last step whose statistics the daemon holds (0: new) */
 } precond_layout;
 
@@ -162,10 +187,20 @@ typedef struct {
  * daemon, blocking up to the call deadline. On success fills *layout, which the caller owns
  * and frees with precond_layout_destroy; the client remembers the job (later pushes and
  * fetches are for it) and the request (to register again if the daemon loses the job).
- * worker may be NULL. Registering again replaces the job and drops the roots held. */
+ * worker may be NULL. Registering again replaces the job and drops the roots held.
+ * With mode PRECOND_MODE_KFAC, opts must be NULL (the daemon's K-FAC defaults; use
+ * precond_register_kfac to set them). */
 int precond_register(precond_client *client, const char *job, precond_mode mode,
                      const char *worker, size_t ntensors, const precond_tensor *tensors,
                      const precond_shampoo_opts *opts, precond_layout *layout);
+
+/* precond_register for a K-FAC job (mode PRECOND_MODE_KFAC) with K-FAC options (opts NULL:
+ * the daemon's defaults). The layout has one block per layer (see precond_block); the daemon
+ * refuses bad options with PRECOND_EREJECTED and a message naming the field
+ * (precond_last_error, e.g. "kfac.damping: -1 is not positive and finite"). */
+int precond_register_kfac(precond_client *client, const char *job, const char *worker,
+                          size_t ntensors, const precond_tensor *tensors,
+                          const precond_kfac_opts *opts, precond_layout *layout);
 
 /* Frees what precond_register put in layout; NULL or a zeroed layout is a no-op. */
 void precond_layout_destroy(precond_layout *layout);
@@ -185,6 +220,14 @@ int precond_push(precond_client *client, uint64_t step, uint32_t block_id,
                  uint32_t n_left, const float *left, uint32_t n_right, const float *right,
                  precond_encoding enc);
 
+/* K-FAC: queues one layer's batch factors at a step: a is the packed upper triangle of A
+ * (n_a = the layer's cols), g of G (n_g = its rows); both are required. The daemon folds
+ * them into its running averages (the first push taken as is). Same copying, encoding,
+ * errors and queue policy as precond_push; PRECOND_EINVAL also on a job that is not K-FAC
+ * (and precond_push on a K-FAC job). */
+int precond_push_kfac(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n_a,
+                      const float *a, uint32_t n_g, const float *g, precond_encoding enc);
+
 /* Waits until the queue is empty and no send is in flight (every queued block answered by
  * the daemon, accepted or not, or dropped), or timeout_ms passes: PRECOND_OK or
  * PRECOND_ETIMEDOUT. Pushes from other threads meanwhile extend the wait. */
@@ -193,10 +236,11 @@ int precond_flush(precond_client *client, int timeout_ms);
 /* ------------------------------------------------------------------------------------ */
 /* Fetch preconditioners (never blocks on the network)                                    */
 
-/* One published version of one block's roots. Immutable and reference-counted: whoever
- * receives one from precond_fetch owns one reference and gives it back with
- * precond_roots_release; the data stays valid until then, even after newer versions arrive
- * or the client is closed. */
+/* One published version of one block's roots (Shampoo) or one layer's damped inverses
+ * (K-FAC). Immutable and reference-counted: whoever receives one from precond_fetch owns one
+ * reference and gives it back with precond_roots_release; the data stays valid until then,
+ * even after newer versions arrive or the client is closed. A K-FAC layer's update is
+ * g_inv * grad * a_inv (grad: its rows x cols gradient matrix). */
 typedef struct {
   uint32_t block_id;
   uint64_t version;            /* this client's count of roots received for the block: 1, 2,
@@ -209,6 +253,12 @@ typedef struct {
   uint32_t n_left, n_right;    /* 0 where that side has no root */
   const float *left;           /* packed upper L^(-1/p), pc_packed_len(n_left) values */
   const float *right;          /* packed upper R^(-1/p) */
+  /* K-FAC jobs (then n_left = n_right = 0, left = right = NULL; Shampoo: all 0/NULL): */
+  uint32_t n_a, n_g;           /* the layer's cols and rows */
+  const float *a_inv;          /* packed upper (A + pi sqrt(lambda) I)^-1 */
+  const float *g_inv;          /* packed upper (G + sqrt(lambda) / pi I)^-1 */
+  double pi;                   /* of the damping split (1 without pi-damping) */
+  precond_kfac_inverse inverse; /* the method of A's inverse */
 } precond_roots;
 
 /* If the client holds a version of block_id newer than have_version, stores a new reference
@@ -272,6 +322,10 @@ typedef struct {
   double last_drift;                /* relative, of the last drift test; NaN before one */
   precond_staleness staleness_dist;
   int32_t owner;
+  /* K-FAC layers (0 for Shampoo blocks): factor orders, and pi and the dampings of the
+   * published inverses (0 before the first). The inverse's age is staleness. */
+  uint64_t a_order, g_order;
+  double pi, damping_a, damping_g;
 } precond_block_stats;
 
 typedef struct {

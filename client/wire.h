@@ -18,7 +18,7 @@
 typedef struct {
   precond_roots pub;
   atomic_int refs;
-  float values[];  /* left, then right */
+  float values[];  /* left, then right (K-FAC: a_inv, then g_inv) */
 } precond__roots_obj;
 
 /* Decodes one BlockRoots answer for a block whose registered factors are rows x rows and
@@ -29,5 +29,12 @@ typedef struct {
  * never by the answer. pub.version is 0: the caller numbers what it publishes. */
 precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
                                              uint32_t cols);
+
+/* The same for one K-FAC layer of rows x cols (G of order rows, A of order cols): both
+ * a_inv (order cols) and g_inv (order rows) are required and no Shampoo side may be present;
+ * pub.a_inv, pub.g_inv, pub.pi and pub.inverse are filled, left and right stay NULL. NULL
+ * when malformed (an unknown inverse method or a non-finite pi included) or out of memory. */
+precond__roots_obj *precond__kfac_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
+                                            uint32_t cols);
 
 #endif /* PRECOND_CLIENT_WIRE_H */

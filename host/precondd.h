@@ -165,7 +165,7 @@ typedef struct {
   double error;          /* the mode's residual error (Shampoo: max over the factors) */
   int method;            /* the mode's method (Shampoo: pc_method) */
   uint32_t iterations;
-  double aux[PD_MODE_AUX]; /* pd_compute_info.aux of the computation (not in snapshots) */
+  double aux[PD_MODE_AUX]; /* pd_compute_info.aux of the computation (in snapshots) */
   uint32_t nparts;
   uint64_t order[PD_MAX_PARTS];
   float *part[PD_MAX_PARTS];

@@ -3,7 +3,7 @@
  *
  * File layout (all integers little-endian; floats as their IEEE 754 bits):
  *   header, 32 bytes:
- *     magic "PCDSNAP1" | u32 format (1) | u32 reserved (0) | u64 payload bytes |
+ *     magic "PCDSNAP1" | u32 format (2; 1 is still read) | u32 reserved (0) | u64 payload bytes |
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
  *     u32 jobs, then per job:
@@ -16,7 +16,9 @@
  *         u64 roots_computed | u64 roots_failed | f64 last_error | f64 last_compute_ms |
  *         f32 part[k][order_k(order_k+1)/2] for each of the unit's parts (Shampoo: L, R) |
  *         u8 has_root, and if 1: u64 version | u64 source_step | f64 error | u32 method |
- *           u32 iterations | f32 part[k][...] for each part
+ *           u32 iterations | f64 aux[PD_MODE_AUX] (format 2 only: the mode's figures of the
+ *           result, K-FAC's pi and dampings; format 1 reads them as 0) |
+ *           f32 part[k][...] for each part
  *   (str = u32 length, then that many bytes, no terminator)
  *
  * Reading checks the header, the size and the payload CRC in a first pass, then parses into
@@ -39,7 +41,9 @@
 #include "preconditioner.h"
 
 #define PD_SNAP_MAGIC "PCDSNAP1"
-#define PD_SNAP_FORMAT 1u
+#define PD_SNAP_FORMAT 2u
+#define PD_SNAP_FORMAT_NO_AUX 1u /* the format before results kept their aux figures */
+_Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -152,6 +156,7 @@ static void pd__write_block(pd__w *w, pd_block *b, float *const *scratch) {
     pd__f64(w, r->error);
     pd__u32(w, (uint32_t)r->method);
     pd__u32(w, r->iterations);
+    for (int k = 0; k < PD_MODE_AUX; k++) pd__f64(w, r->aux[k]);
     for (uint32_t k = 0; k < r->nparts; k++) pd__f32s(w, r->part[k], pc_packed_len(r->order[k]));
   }
   pd_root_unref(r, NULL);
@@ -265,6 +270,7 @@ typedef struct {
   FILE *f;
   uint64_t left; /* payload bytes not read yet */
   int err;
+  uint32_t format;
 } pd__r;
 
 static void pd__get(pd__r *r, void *p, size_t n) {
@@ -337,7 +343,8 @@ static void pd__rf32s(pd__r *r, float *v, size_t n) {
 }
 
 /* First pass: header fields, file size and payload CRC. */
-static int pd__verify(FILE *f, uint64_t *payload, char *err, size_t errlen) {
+static int pd__verify(FILE *f, uint64_t *payload, uint32_t *format_out, char *err,
+                      size_t errlen) {
   unsigned char h[PD_SNAP_HEADER];
   if (fread(h, 1, sizeof h, f) != sizeof h) {
     snprintf(err, errlen, "truncated header (file shorter than %d bytes)", PD_SNAP_HEADER);
@@ -352,11 +359,12 @@ static int pd__verify(FILE *f, uint64_t *payload, char *err, size_t errlen) {
     return PD_ECORRUPT;
   }
   uint32_t format = (uint32_t)pd_le_get(h + 8, 4);
-  if (format != PD_SNAP_FORMAT) {
-    snprintf(err, errlen, "unknown format %u (this precondd reads %u)", format,
-             PD_SNAP_FORMAT);
+  if (format != PD_SNAP_FORMAT && format != PD_SNAP_FORMAT_NO_AUX) {
+    snprintf(err, errlen, "unknown format %u (this precondd reads %u and %u)", format,
+             PD_SNAP_FORMAT_NO_AUX, PD_SNAP_FORMAT);
     return PD_ECORRUPT;
   }
+  *format_out = format;
   *payload = pd_le_get(h + 16, 8);
   uint32_t want = (uint32_t)pd_le_get(h + 24, 4);
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -497,6 +505,8 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
       root->error = pd__rf64(r);
       root->method = (int)pd__ru32(r);
       root->iterations = pd__ru32(r);
+      for (int k = 0; r->format != PD_SNAP_FORMAT_NO_AUX && k < PD_MODE_AUX; k++)
+        root->aux[k] = pd__rf64(r);
       for (uint32_t k = 0; k < root->nparts; k++)
         pd__rf32s(r, root->part[k], pc_packed_len(root->order[k]));
       atomic_store(&b->root_step, root->source_step);
@@ -561,15 +571,15 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
   }
   uint64_t payload = 0;
   pd_job **jobs = NULL;
-  uint32_t njobs = 0, nread = 0;
-  int rc = pd__verify(f, &payload, err, errlen);
+  uint32_t njobs = 0, nread = 0, format = 0;
+  int rc = pd__verify(f, &payload, &format, err, errlen);
   if (rc != PD_OK) goto cleanup;
   if (fseek(f, PD_SNAP_HEADER, SEEK_SET) != 0) {
     snprintf(err, errlen, "cannot seek in %s", path);
     rc = PD_EIO;
     goto cleanup;
   }
-  pd__r r = {f, payload, 0};
+  pd__r r = {f, payload, 0, format};
   njobs = pd__ru32(&r);
   if (r.err || njobs > payload / 8) {
     snprintf(err, errlen, "bad job count");

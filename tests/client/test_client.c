@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <lapacke.h>
+
 #include "precond.h"
 
 #define ROOT_WAIT_MS 30000
@@ -209,6 +211,34 @@ static void register_job(precond_client *c, const char *job, precond_layout *lay
   }
 }
 
+/* Waits for a version of block id newer than *version computed from step (an earlier one
+ * may arrive first) and returns it (the caller releases it); *version becomes its version. */
+static const precond_roots *wait_step(precond_client *c, uint32_t id, uint64_t step,
+                                      uint64_t *version)
+{
+  const precond_roots *r = NULL;
+  for (int tries = 0; tries < 1000; tries++) {
+    int st = precond_wait_roots(c, id, *version, ROOT_WAIT_MS);
+    if (st != PRECOND_OK) {
+      char e[256];
+      precond_last_error(c, e, sizeof e);
+      fprintf(stderr, "no roots for block %u: %s (%s)\n", id, precond_strerror(st), e);
+    }
+    assert_int_equal(st, PRECOND_OK);
+    assert_int_equal(precond_fetch(c, id, *version, &r), PRECOND_OK);
+    assert_non_null(r);
+    *version = r->version;
+    if (r->source_step >= step)
+      break;
+    precond_roots_release(r);
+    r = NULL;
+  }
+  assert_non_null(r);
+  assert_int_equal(r->block_id, id);
+  assert_int_equal(r->source_step, step);
+  return r;
+}
+
 /* Pushes s I for both factors of every block at step, flushes, and checks that the
  * roots of the new version arrive and match (s_total I)^(-1/4). */
 static void push_and_check(precond_client *c, const precond_layout *layout, uint64_t step,
@@ -225,27 +255,7 @@ static void push_and_check(precond_client *c, const precond_layout *layout, uint
   assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
   for (size_t b = 0; b < layout->nblocks; b++) {
     uint32_t id = (uint32_t)b;
-    /* Wait for a root computed from this step (an earlier version may arrive first). */
-    const precond_roots *r = NULL;
-    for (int tries = 0; tries < 1000; tries++) {
-      int st = precond_wait_roots(c, id, versions[b], ROOT_WAIT_MS);
-      if (st != PRECOND_OK) {
-        char e[256];
-        precond_last_error(c, e, sizeof e);
-        fprintf(stderr, "no roots for block %u: %s (%s)\n", id, precond_strerror(st), e);
-      }
-      assert_int_equal(st, PRECOND_OK);
-      assert_int_equal(precond_fetch(c, id, versions[b], &r), PRECOND_OK);
-      assert_non_null(r);
-      versions[b] = r->version;
-      if (r->source_step >= step)
-        break;
-      precond_roots_release(r);
-      r = NULL;
-    }
-    assert_non_null(r);
-    assert_int_equal(r->block_id, id);
-    assert_int_equal(r->source_step, step);
+    const precond_roots *r = wait_step(c, id, step, &versions[b]);
     assert_int_equal(r->n_left, layout->blocks[b].rows);
     assert_int_equal(r->n_right, layout->blocks[b].cols);
     assert_scaled_identity(r->left, r->n_left, expected_root(s_total), rel);
@@ -703,6 +713,232 @@ static void test_token(void **state)
   unlink(bad);
 }
 
+/* ---- K-FAC ------------------------------------------------------------------------- */
+
+/* Packed upper n x n of (1/8) X^T X for an m x n X of small integers from seed: every entry
+ * is a multiple of 1/8 below 256, exactly representable in bf16, so fp32 and bf16 pushes
+ * carry the same factor and the expected inverses need no rounding model. */
+static float *int_factor(uint32_t n, uint32_t m, unsigned seed)
+{
+  int *x = malloc((size_t)m * n * sizeof *x);
+  float *p = malloc((size_t)n * (n + 1) / 2 * sizeof *p);
+  assert_non_null(x);
+  assert_non_null(p);
+  for (size_t i = 0; i < (size_t)m * n; i++) {
+    seed = seed * 1103515245u + 12345u;
+    x[i] = (int)((seed >> 16) % 5) - 2;
+  }
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++) {
+      int acc = 0;
+      for (uint32_t r = 0; r < m; r++)
+        acc += x[r * n + i] * x[r * n + j];
+      p[k++] = (float)acc / 8.0f;
+    }
+  free(x);
+  return p;
+}
+
+static double packed_trace(uint32_t n, const double *p)
+{
+  double t = 0.0;
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; k += n - i, i++)
+    t += p[k];
+  return t;
+}
+
+/* Checks packed inv (fp32, from the daemon) against (F + d I)^-1 in double by LAPACK
+ * (potrf + potri) of the packed double factor f, within rel of the largest entry. */
+static void assert_damped_inverse(uint32_t n, const double *f, double d, const float *inv,
+                                  double rel)
+{
+  double *x = calloc((size_t)n * n, sizeof *x);
+  assert_non_null(x);
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++, k++)
+      x[i * n + j] = f[k] + (i == j ? d : 0.0);
+  assert_int_equal(LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', (lapack_int)n, x, (lapack_int)n), 0);
+  assert_int_equal(LAPACKE_dpotri(LAPACK_ROW_MAJOR, 'U', (lapack_int)n, x, (lapack_int)n), 0);
+  double big = 0.0;
+  for (size_t i = 0; i < (size_t)n * n; i++)
+    big = fmax(big, fabs(x[i]));
+  k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++, k++)
+      if (fabs(inv[k] - x[i * n + j]) > rel * big) {
+        fprintf(stderr, "inverse[%u][%u] = %.8g, LAPACK %.8g\n", i, j, inv[k], x[i * n + j]);
+        fail();
+      }
+  free(x);
+}
+
+/* One K-FAC layer as the test keeps it: the running averages in double, as the daemon's
+ * pc_kfac_fold does them (the first push taken as is, then F <- 0.95 F + 0.05 F_batch). */
+typedef struct {
+  uint32_t na, ng;
+  double *a, *g;
+  int folds;
+} kfac_layer;
+
+static void kfac_fold(kfac_layer *l, const float *a, const float *g)
+{
+  size_t la = (size_t)l->na * (l->na + 1) / 2, lg = (size_t)l->ng * (l->ng + 1) / 2;
+  double keep = l->folds == 0 ? 0.0 : 0.95;
+  for (size_t i = 0; i < la; i++)
+    l->a[i] = keep * l->a[i] + (1.0 - keep) * a[i];
+  for (size_t i = 0; i < lg; i++)
+    l->g[i] = keep * l->g[i] + (1.0 - keep) * g[i];
+  l->folds++;
+}
+
+/* Waits for the inverses of layer id computed from step (newer than *version) and checks
+ * them against LAPACK with the pi-damping computed here (lambda = damping). */
+static void kfac_check(precond_client *c, uint32_t id, const kfac_layer *l, uint64_t step,
+                       double damping, uint64_t *version)
+{
+  const precond_roots *r = wait_step(c, id, step, version);
+  assert_int_equal(r->n_a, l->na);
+  assert_int_equal(r->n_g, l->ng);
+  assert_int_equal(r->n_left, 0);
+  assert_null(r->left);
+  assert_null(r->right);
+  assert_int_equal(r->inverse, PRECOND_KFAC_INVERSE_CHOLESKY); /* AUTO: by size */
+  /* pi = sqrt((tr A / dim A) / (tr G / dim G)) (Martens & Grosse 2015, 6.3). */
+  double pi = sqrt((packed_trace(l->na, l->a) / l->na) / (packed_trace(l->ng, l->g) / l->ng));
+  assert_float_equal(r->pi, pi, 1e-5 * pi);
+  assert_damped_inverse(l->na, l->a, pi * sqrt(damping), r->a_inv, 1e-4);
+  assert_damped_inverse(l->ng, l->g, sqrt(damping) / pi, r->g_inv, 1e-4);
+  precond_roots_release(r);
+}
+
+/* Register a K-FAC job (a dense layer with bias, a convolution, a batch norm), push A and G
+ * in fp32 then bf16, fetch the damped inverses and check them against LAPACK in double;
+ * precondctl's K-FAC table; every bad input refused, named where the daemon answers. */
+static void test_kfac_register_push_fetch(void **state)
+{
+  (void)state;
+  tcp_daemon(&g_d);
+  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  /* fc: out 4, in 5 + bias (A of order 6); conv: out 3, in 2 x 3 x 3 (A of order 18). */
+  const uint64_t fc[2] = {4, 6}, conv[4] = {3, 2, 3, 3}, bn[1] = {3};
+  precond_tensor t[3] = {{"fc", 2, fc}, {"conv", 4, conv}, {"bn", 1, bn}};
+  precond_kfac_opts ko = {.damping = 2e-3, .inv_every = 2};
+  precond_layout layout;
+  char e[512];
+
+  /* Bad options: refused by the daemon, the field named; nothing registered. */
+  precond_kfac_opts bad = ko;
+  bad.damping = -1.0;
+  assert_int_equal(precond_register_kfac(c, "kf", "w0", 3, t, &bad, &layout), PRECOND_EREJECTED);
+  precond_last_error(c, e, sizeof e);
+  assert_non_null(strstr(e, "kfac.damping"));
+  bad = ko;
+  bad.factor_decay = 1.5;
+  assert_int_equal(precond_register_kfac(c, "kf", "w0", 3, t, &bad, &layout), PRECOND_EREJECTED);
+  precond_last_error(c, e, sizeof e);
+  assert_non_null(strstr(e, "kfac.factor_decay"));
+  /* Shampoo options on a K-FAC job: refused here. */
+  precond_shampoo_opts so = {.block_size = 128};
+  assert_int_equal(precond_register(c, "kf", PRECOND_MODE_KFAC, NULL, 3, t, &so, &layout),
+                   PRECOND_EINVAL);
+
+  assert_int_equal(precond_register_kfac(c, "kf", "w0", 3, t, &ko, &layout), PRECOND_OK);
+  assert_int_equal(layout.nblocks, 2);
+  assert_int_equal(layout.blocks[0].rows, 4);
+  assert_int_equal(layout.blocks[0].cols, 6);
+  assert_int_equal(layout.blocks[1].tensor, 1);
+  assert_int_equal(layout.blocks[1].rows, 3);
+  assert_int_equal(layout.blocks[1].cols, 18);
+  assert_int_equal(layout.ndiagonal, 1);
+  assert_int_equal(layout.diagonal_tensors[0], 2);
+
+  kfac_layer l[2] = {{6, 4, NULL, NULL, 0}, {18, 3, NULL, NULL, 0}};
+  for (int u = 0; u < 2; u++) {
+    l[u].a = calloc((size_t)l[u].na * (l[u].na + 1) / 2, sizeof(double));
+    l[u].g = calloc((size_t)l[u].ng * (l[u].ng + 1) / 2, sizeof(double));
+    assert_non_null(l[u].a);
+    assert_non_null(l[u].g);
+  }
+  uint64_t version[2] = {0, 0};
+  /* Step 1 (fp32): inverses at once (none yet). Step 2 (bf16): the running average, due
+   * (inv_every 2). Step 3: folded, not due. Step 4: due again. */
+  for (uint64_t step = 1; step <= 4; step++) {
+    precond_encoding enc = step % 2 ? PRECOND_FP32 : PRECOND_BF16;
+    for (uint32_t u = 0; u < 2; u++) {
+      float *a = int_factor(l[u].na, 2 * l[u].na, (unsigned)(10 * step + u));
+      float *g = int_factor(l[u].ng, 16, (unsigned)(100 * step + u));
+      assert_int_equal(precond_push_kfac(c, step, u, l[u].na, a, l[u].ng, g, enc), PRECOND_OK);
+      kfac_fold(&l[u], a, g);
+      free(a);
+      free(g);
+    }
+    assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+    if (step != 3)
+      for (uint32_t u = 0; u < 2; u++)
+        kfac_check(c, u, &l[u], step, ko.damping, &version[u]);
+  }
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.push_errors, 0);
+  assert_int_equal(k.sent + k.coalesced, 8);
+
+  /* Bad pushes, refused here before anything is queued. */
+  float *a = int_factor(6, 12, 1), *g = int_factor(4, 16, 2);
+  assert_int_equal(precond_push_kfac(c, 5, 0, 5, a, 4, g, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push_kfac(c, 5, 0, 4, g, 6, a, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push_kfac(c, 5, 7, 6, a, 4, g, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 5, 0, 4, g, 6, a, PRECOND_FP32), PRECOND_EINVAL);
+  a[3] = NAN;
+  assert_int_equal(precond_push_kfac(c, 5, 0, 6, a, 4, g, PRECOND_FP32), PRECOND_EINVAL);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushed, 8);
+
+  /* GetStats and precondctl: factor orders, pi, dampings (product lambda), inverse age. */
+  precond_stats s;
+  assert_int_equal(precond_get_stats(c, "kf", 1, &s), PRECOND_OK);
+  assert_int_equal(s.job_stats[0].mode, PRECOND_MODE_KFAC);
+  assert_int_equal(s.nblocks, 2);
+  assert_int_equal(s.block_stats[1].a_order, 18);
+  assert_int_equal(s.block_stats[1].g_order, 3);
+  assert_true(s.block_stats[1].pi > 0);
+  assert_float_equal(s.block_stats[1].damping_a * s.block_stats[1].damping_g, ko.damping,
+                     1e-12);
+  assert_int_equal(s.block_stats[1].roots_computed, 3);
+  precond_stats_destroy(&s);
+  static char out[65536];
+  char args[256];
+  snprintf(args, sizeof args, "--addr %s blocks --job kf", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "LAYER"));
+  assert_non_null(strstr(out, "DAMP A"));
+  assert_null(strstr(out, "SHAPE")); /* no Shampoo table for a K-FAC job */
+  snprintf(args, sizeof args, "--json --addr %s blocks --job kf", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "\"a_order\":18,\"g_order\":3,\"pi\":"));
+
+  /* A K-FAC push on a Shampoo job is refused here too. */
+  precond_layout shl;
+  register_job(c, "sh", &shl);
+  free(a);
+  free(g);
+  a = scaled_identity(96, 1.0f);
+  g = scaled_identity(128, 1.0f);
+  assert_int_equal(precond_push_kfac(c, 1, 0, 96, a, 128, g, PRECOND_FP32), PRECOND_EINVAL);
+  assert_int_equal(precond_push(c, 1, 0, 128, g, 96, a, PRECOND_FP32), PRECOND_OK);
+  precond_layout_destroy(&shl);
+  free(a);
+  free(g);
+  for (int u = 0; u < 2; u++) {
+    free(l[u].a);
+    free(l[u].g);
+  }
+  precond_layout_destroy(&layout);
+  precond_close(c);
+}
+
 int main(void)
 {
   signal(SIGPIPE, SIG_IGN);
@@ -716,6 +952,7 @@ int main(void)
     cmocka_unit_test_teardown(test_precondctl, stop_daemon),
     cmocka_unit_test_teardown(test_token, stop_daemon),
     cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
+    cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

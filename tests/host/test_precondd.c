@@ -1566,6 +1566,7 @@ static void test_kfac(void **state) {
   kfac_free_incs(ks);
   f = wait_roots(&d, "kf", 2, 2);
   kfac_check_roots(&l, f);
+  double pi2[2] = {f->preconditioners[0]->pi, f->preconditioners[1]->pi};
   protobuf_c_message_free_unpacked(&f->base, NULL);
   /* Third push: folded, no inverse due. */
   kfac_local_push(&l, 3, ks);
@@ -1633,6 +1634,14 @@ static void test_kfac(void **state) {
       assert_memory_equal(job->blocks[u].stat[k], l.f[u][k],
                           pc_packed_len(l.n[u][k]) * sizeof(float));
   assert_int_equal(job->blocks[0].pushes, 3);
+  /* The published inverses keep their damping split: pi of the step-2 computation, and
+   * dampings whose product is lambda. */
+  for (int u = 0; u < 2; u++) {
+    const pd_root *r = job->blocks[u].root;
+    assert_non_null(r);
+    assert_true(r->aux[PD_KFAC_AUX_PI] == pi2[u]);
+    assert_float_equal(r->aux[PD_KFAC_AUX_DAMP_A] * r->aux[PD_KFAC_AUX_DAMP_G], 1e-3, 1e-12);
+  }
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
 
@@ -1642,6 +1651,8 @@ static void test_kfac(void **state) {
   assert_int_equal(reg->resumed_step, 3);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
   f = wait_roots(&d, "kf", 2, 2);
+  for (size_t u = 0; u < f->n_preconditioners; u++) /* restored, or already recomputed */
+    assert_true(f->preconditioners[u]->pi > 0);
   protobuf_c_message_free_unpacked(&f->base, NULL);
   kfac_local_push(&l, 4, ks);
   assert_int_equal(kfac_push(&d, "kf", 4, ks, 2, msg), GRPC_STATUS_OK);
