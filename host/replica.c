@@ -688,7 +688,7 @@ int pd_replica_start(pd_replica *x, pd_daemon *d) {
   pthread_rwlock_rdlock(&d->store.lock); /* the server runs: a Register may add a job */
   size_t njobs = d->store.njobs;
   pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
+  if (jobs && njobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
   pthread_rwlock_unlock(&d->store.lock);
   if (!jobs) return PD_ENOMEM;
   for (size_t i = 0; i < njobs; i++) {

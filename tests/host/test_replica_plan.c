@@ -18,7 +18,7 @@
 static pd_job *make_job(void) {
   static uint64_t dims[][2] = {{64, 32}, {32, 20}, {48, 16}, {8, 12}, {40, 40}, {100, 3}};
   pd_tensor t[6];
-  char names[6][4];
+  char names[6][16];
   for (int i = 0; i < 6; i++) {
     snprintf(names[i], sizeof names[i], "t%d", i);
     t[i] = (pd_tensor){names[i], 2, dims[i]};

@@ -230,7 +230,7 @@ static const uint64_t g_shapes[][2] = {{64, 32}, {32, 20}, {48, 16}, {8, 12}, {4
 static grpc_status_code do_register(grpc_channel *ch, const char *job, size_t nt,
                                     Precond__V1__RegisterResponse **resp, char *msg) {
   Precond__V1__TensorSpec specs[NT], *ptrs[NT];
-  char names[NT][8];
+  char names[NT][24];
   for (size_t i = 0; i < nt; i++) {
     precond__v1__tensor_spec__init(&specs[i]);
     snprintf(names[i], sizeof names[i], "t%zu", i);
