@@ -22,11 +22,11 @@
 
 #include <cmocka.h>
 
-#include "precondd_util.h"
+#include "precondd_proc.h"
 
 static const char *precondd_path, *transformer_path, *resnet_path, *compare_path, *build_dir;
-static char tmpdir[64], daemon_addr[64], kjv_path[128];
-static pid_t daemon_pid;
+static char tmpdir[64], kjv_path[128];
+static pdproc precondd;
 
 static char *read_file(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -68,12 +68,12 @@ static int setup(void **state) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/test_clients.XXXXXX");
   if (mkdtemp(tmpdir) == NULL) return -1;
   snprintf(kjv_path, sizeof kjv_path, "%s/kjv.txt", tmpdir);
-  return precondd_start(precondd_path, tmpdir, &daemon_pid, daemon_addr, sizeof daemon_addr);
+  return pdproc_start_in(&precondd, precondd_path, tmpdir);
 }
 
 static int teardown(void **state) {
   (void)state;
-  precondd_stop(&daemon_pid);
+  pdproc_stop(&precondd, SIGTERM);
   char cmd[128];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
   return system(cmd) == 0 ? 0 : -1;
@@ -114,11 +114,11 @@ static void smoke(const char *client, const char *opt, const char *lr) {
   char *lm[] = {(char *)transformer_path, "--optimizer", (char *)opt, "--lr", (char *)lr,
                 "--steps", steps, "--eval-every", "8", "--eval-batches", "2", "--context",
                 "16", "--d-model", "32", "--heads", "2", "--layers", "1", "--batch", "8",
-                "--data", kjv_path, "--daemon", daemon_addr, "--sync-roots", "--out", out,
+                "--data", kjv_path, "--daemon", precondd.addr, "--sync-roots", "--out", out,
                 NULL};
   char *rn[] = {(char *)resnet_path, "--optimizer", (char *)opt, "--lr", (char *)lr,
                 "--steps", steps, "--eval-every", "8", "--eval-batches", "2", "--batch", "16",
-                "--width", "4", "--blocks", "1", "--daemon", daemon_addr, "--sync-roots",
+                "--width", "4", "--blocks", "1", "--daemon", precondd.addr, "--sync-roots",
                 "--out", out, NULL};
   int rc = run(is_lm ? lm : rn, log);
   if (rc != 0) {
@@ -212,7 +212,7 @@ static void compare_tiny(const char *model, const char *client_args, int nopt) {
   snprintf(cmd, sizeof cmd,
            "exec '%s' --model %s --out '%s' --build '%s' --daemon '%s' --steps 6 "
            "--eval-every 3 --lrs-sgd 0.05 --lrs-adamw 3e-3 --lrs-shampoo 3e-3 -- %s",
-           compare_path, model, out, build_dir, daemon_addr, client_args);
+           compare_path, model, out, build_dir, precondd.addr, client_args);
   argv[2] = cmd;
   int rc = run(argv, log);
   if (rc != 0) {

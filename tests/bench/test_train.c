@@ -21,7 +21,7 @@
 
 #include <cmocka.h>
 
-#include "precondd_util.h"
+#include "precondd_proc.h"
 
 #include "train.h"
 
@@ -737,16 +737,15 @@ static void test_train_errors(void **state) {
 /* Shampoo through a real precondd                                                        */
 
 static const char *precondd_path;
-static pid_t daemon_pid;
-static char daemon_addr[64];
+static pdproc precondd;
 
 static int daemon_setup(void **state) {
   if (setup(state) != 0) return -1;
-  return precondd_start(precondd_path, tmpdir, &daemon_pid, daemon_addr, sizeof daemon_addr);
+  return pdproc_start_in(&precondd, precondd_path, tmpdir);
 }
 
 static int daemon_teardown(void **state) {
-  precondd_stop(&daemon_pid);
+  pdproc_stop(&precondd, SIGTERM);
   return teardown(state);
 }
 
@@ -766,7 +765,7 @@ static void run_shampoo(int sync, const char *sub, long steps, tr_summary *sm, c
   o.quiet = 1;
   o.lr = 0.02;
   o.sync_roots = sync;
-  snprintf(o.daemon, sizeof o.daemon, "%s", daemon_addr);
+  snprintf(o.daemon, sizeof o.daemon, "%s", precondd.addr);
   snprintf(o.job, sizeof o.job, "toy-%s", sub);
   train_toy(&o, sub, be, &t, sm, csv);
 }

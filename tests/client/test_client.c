@@ -13,15 +13,12 @@
 
 #include <cmocka.h>
 
-#include <arpa/inet.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,114 +26,69 @@
 #include <lapacke.h>
 
 #include "precond.h"
+#include "precondd_proc.h"
 
 #define ROOT_WAIT_MS 30000
 #define EPSILON 1e-6
 
-static const char *daemon_path(void)
+/* The daemon of the running test, started in a directory of its own; the teardown stops it
+ * and removes that directory even when the test failed. */
+static pdproc g_d;
+static char g_sock[96];
+
+/* Starts g_d on listen (NULL: a free loopback port) with one root thread, a 1 s grace period
+ * and its output in the test log; requires the token in token_file when not NULL; keeps its
+ * state in its directory when with_state, else has none (a restart then loses every job). */
+static void daemon_start(const char *listen, const char *token_file, int with_state)
 {
-  const char *p = getenv("PRECONDD");
-  assert_non_null(p);
-  return p;
+  pdproc_opts o;
+  pdproc_opts_default(&o);
+  o.listen = listen;
+  o.grace_period = 1;
+  o.inherit_stderr = 1;
+  o.state_dir = with_state ? NULL : "";
+  const char *extra[] = {"--token-file", token_file, NULL};
+  if (token_file != NULL)
+    o.extra = extra;
+  assert_int_equal(pdproc_start(&g_d, &o), 0);
 }
 
-/* A port nobody listens on right now (bound and released; the daemon binds it next). */
-static int free_port(void)
+static void daemon_stop(void)
 {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  assert_true(fd >= 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof a);
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-  socklen_t len = sizeof a;
-  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-  close(fd);
-  return ntohs(a.sin_port);
+  pdproc_stop(&g_d, SIGTERM);
 }
-
-typedef struct {
-  pid_t pid;
-  char addr[128];
-  char sock[96];
-  const char *token_file;  /* NULL: no token required */
-  const char *state_dir;   /* NULL: none */
-} daemon_proc;
-
-/* Starts precondd listening on addr; does not wait for it (the client's wait-for-ready
- * does). Its output goes to the test log. */
-static void daemon_start(daemon_proc *d)
-{
-  fflush(NULL);
-  d->pid = fork();
-  assert_true(d->pid >= 0);
-  if (d->pid == 0) {
-    const char *argv[16] = {daemon_path(), "--listen", d->addr, "--threads", "1",
-                            "--grace-period", "1"};
-    int argc = 7;
-    if (d->token_file != NULL) {
-      argv[argc++] = "--token-file";
-      argv[argc++] = d->token_file;
-    }
-    if (d->state_dir != NULL) {
-      argv[argc++] = "--state-dir";
-      argv[argc++] = d->state_dir;
-    }
-    argv[argc] = NULL;
-    execv(argv[0], (char *const *)argv);
-    perror("exec precondd");
-    _exit(127);
-  }
-}
-
-static void daemon_stop(daemon_proc *d)
-{
-  if (d->pid <= 0)
-    return;
-  kill(d->pid, SIGTERM);
-  int status = 0;
-  for (int i = 0; i < 100; i++) {
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
-      d->pid = 0;
-      return;
-    }
-    struct timespec t = {0, 50 * 1000000L};
-    nanosleep(&t, NULL);
-  }
-  kill(d->pid, SIGKILL);
-  waitpid(d->pid, &status, 0);
-  d->pid = 0;
-}
-
-/* The daemon of the running test; the teardown stops it even when the test failed. */
-static daemon_proc g_d;
 
 static int stop_daemon(void **state)
 {
   (void)state;
-  daemon_stop(&g_d);
-  if (g_d.sock[0] != '\0')
-    unlink(g_d.sock);
+  pdproc_destroy(&g_d);
+  if (g_sock[0] != '\0')
+    unlink(g_sock);
   memset(&g_d, 0, sizeof g_d);
+  g_sock[0] = '\0';
   return 0;
 }
 
-static void tcp_daemon(daemon_proc *d)
+static void tcp_daemon(void)
 {
-  memset(d, 0, sizeof *d);
-  snprintf(d->addr, sizeof d->addr, "127.0.0.1:%d", free_port());
-  daemon_start(d);
+  daemon_start(NULL, NULL, 0);
 }
 
-static void unix_daemon(daemon_proc *d)
+static void unix_daemon(void)
 {
-  memset(d, 0, sizeof *d);
-  snprintf(d->sock, sizeof d->sock, "/tmp/precond-test-%d.sock", (int)getpid());
-  unlink(d->sock);
-  snprintf(d->addr, sizeof d->addr, "unix:%s", d->sock);
-  daemon_start(d);
+  char listen[128];
+  snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
+  unlink(g_sock);
+  snprintf(listen, sizeof listen, "unix:%s", g_sock);
+  daemon_start(listen, NULL, 0);
+}
+
+/* "127.0.0.1:PORT" with a port nobody listens on right now, for a daemon started later. */
+static void later_addr(char *addr, size_t len)
+{
+  int port = pdproc_free_port();
+  assert_true(port > 0);
+  snprintf(addr, len, "127.0.0.1:%d", port);
 }
 
 static precond_client *connect_to(const char *addr, precond_encoding fetch_enc)
@@ -308,15 +260,15 @@ static void run_flow(const char *addr, precond_encoding enc, double rel)
 static void test_tcp_register_push_fetch(void **state)
 {
   (void)state;
-  tcp_daemon(&g_d);
+  tcp_daemon();
   run_flow(g_d.addr, PRECOND_FP32, 1e-4);
-  daemon_stop(&g_d);
+  daemon_stop();
 }
 
 static void test_unix_socket_bf16(void **state)
 {
   (void)state;
-  unix_daemon(&g_d);
+  unix_daemon();
   /* bf16 both ways: 8 bits of mantissa, so about 0.4% per value */
   run_flow(g_d.addr, PRECOND_BF16, 1e-2);
 }
@@ -324,7 +276,7 @@ static void test_unix_socket_bf16(void **state)
 static void test_bad_input_is_refused_locally(void **state)
 {
   (void)state;
-  tcp_daemon(&g_d);
+  tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
   float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
   /* before register */
@@ -367,14 +319,14 @@ static void test_bad_input_is_refused_locally(void **state)
   free(r);
   precond_layout_destroy(&layout);
   precond_close(c);
-  daemon_stop(&g_d);
+  daemon_stop();
 }
 
 static void test_dead_address(void **state)
 {
   (void)state;
   char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", free_port());
+  later_addr(addr, sizeof addr);
   precond_options o;
   precond_options_default(&o);
   o.addr = addr;
@@ -402,28 +354,28 @@ static void test_dead_address(void **state)
 static void test_reconnect_and_reregister(void **state)
 {
   (void)state;
-  memset(&g_d, 0, sizeof g_d);
-  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
+  char addr[64];
+  later_addr(addr, sizeof addr);
   precond_options o;
   precond_options_default(&o);
-  o.addr = g_d.addr;
+  o.addr = addr;
   o.connect_timeout_ms = 0;
   o.poll_interval_ms = 10;
   o.backoff_max_ms = 200;
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
-  daemon_start(&g_d);
+  daemon_start(addr, NULL, 0);
   precond_layout layout;
   register_job(c, "again", &layout);  /* waits for the daemon to come up */
   uint64_t versions[2] = {0, 0};
   push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
 
-  daemon_stop(&g_d);
+  daemon_stop();
   float *l = scaled_identity(128, 2.0f), *r = scaled_identity(96, 4.0f);
   /* pushed while the daemon is down: queued, retried with backoff */
   assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, 300), PRECOND_ETIMEDOUT);
-  daemon_start(&g_d);
+  daemon_start(addr, NULL, 0);
   int st = precond_flush(c, ROOT_WAIT_MS);
   precond_counters k;
   precond_get_counters(c, &k);
@@ -457,7 +409,7 @@ static void test_reconnect_and_reregister(void **state)
   free(r);
   precond_layout_destroy(&layout);
   precond_close(c);
-  daemon_stop(&g_d);
+  daemon_stop();
 }
 
 /* The client is told when the daemon restarts: a clean restart and a kill -9 each count
@@ -466,14 +418,10 @@ static void test_reconnect_and_reregister(void **state)
 static void test_daemon_restart_is_told(void **state)
 {
   (void)state;
-  char dir[64];
-  snprintf(dir, sizeof dir, "/tmp/precond-restart-XXXXXX");
-  assert_non_null(mkdtemp(dir));
-  memset(&g_d, 0, sizeof g_d);
-  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
-  g_d.state_dir = dir;
-  daemon_start(&g_d);
-  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  char addr[64];
+  later_addr(addr, sizeof addr); /* the restarts listen where the client dials */
+  daemon_start(addr, NULL, 1);
+  precond_client *c = connect_to(addr, PRECOND_FP32);
   precond_layout layout;
   register_job(c, "told", &layout);
   uint64_t versions[2] = {0, 0};
@@ -482,9 +430,8 @@ static void test_daemon_restart_is_told(void **state)
   precond_get_counters(c, &k);
   assert_int_equal(k.daemon_restarts, 0);
 
-  daemon_stop(&g_d); /* SIGTERM: the snapshot holds step 1 */
-  g_d.state_dir = dir;
-  daemon_start(&g_d);
+  daemon_stop(); /* SIGTERM: the snapshot holds step 1 */
+  daemon_start(addr, NULL, 1);
   float *l = scaled_identity(128, 2.0f), *r = scaled_identity(96, 4.0f);
   assert_int_equal(precond_push(c, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
@@ -492,10 +439,8 @@ static void test_daemon_restart_is_told(void **state)
   assert_int_equal(k.daemon_restarts, 1);
   assert_int_equal(k.resumed_step, 1);
 
-  kill(g_d.pid, SIGKILL); /* step 2 was never snapshotted */
-  waitpid(g_d.pid, NULL, 0);
-  g_d.pid = 0;
-  daemon_start(&g_d);
+  pdproc_stop(&g_d, SIGKILL); /* step 2 was never snapshotted */
+  daemon_start(addr, NULL, 1);
   assert_int_equal(precond_push(c, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
   precond_get_counters(c, &k);
@@ -505,10 +450,7 @@ static void test_daemon_restart_is_told(void **state)
   free(r);
   precond_layout_destroy(&layout);
   precond_close(c);
-  daemon_stop(&g_d);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  assert_int_equal(system(cmd), 0);
+  daemon_stop();
 }
 
 /* precondctl against a live daemon (table and JSON) and a dead address. */
@@ -529,7 +471,7 @@ static int run_ctl(const char *args, char *out, size_t len)
 static void test_precondctl(void **state)
 {
   (void)state;
-  tcp_daemon(&g_d);
+  tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
   precond_layout layout;
   register_job(c, "ctljob", &layout);
@@ -557,7 +499,7 @@ static void test_precondctl(void **state)
   assert_non_null(strstr(out, "SERVING"));
   precond_layout_destroy(&layout);
   precond_close(c);
-  daemon_stop(&g_d);
+  daemon_stop();
 
   /* dead address: exit 2, one line naming the address */
   snprintf(args, sizeof args, "--addr %s --timeout 500 stats", g_d.addr);
@@ -608,7 +550,7 @@ static void *pusher_main(void *arg)
 static void test_concurrent_pushes_small_queue(void **state)
 {
   (void)state;
-  tcp_daemon(&g_d);
+  tcp_daemon();
   precond_options o;
   precond_options_default(&o);
   o.addr = g_d.addr;
@@ -676,10 +618,7 @@ static void test_token(void **state)
   assert_non_null(f);
   fputs("wrong\n", f);
   fclose(f);
-  memset(&g_d, 0, sizeof g_d);
-  g_d.token_file = good;
-  snprintf(g_d.addr, sizeof g_d.addr, "127.0.0.1:%d", free_port());
-  daemon_start(&g_d);
+  daemon_start(NULL, good, 0);
 
   precond_options o;
   precond_options_default(&o);
@@ -820,7 +759,7 @@ static void kfac_check(precond_client *c, uint32_t id, const kfac_layer *l, uint
 static void test_kfac_register_push_fetch(void **state)
 {
   (void)state;
-  tcp_daemon(&g_d);
+  tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
   /* fc: out 4, in 5 + bias (A of order 6); conv: out 3, in 2 x 3 x 3 (A of order 18). */
   const uint64_t fc[2] = {4, 6}, conv[4] = {3, 2, 3, 3}, bn[1] = {3};

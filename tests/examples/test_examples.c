@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-#include "../bench/precondd_util.h"
+#include "precondd_proc.h"
 
 static const char *precondd_path;
 static char **examples;
@@ -22,28 +22,23 @@ static int nexamples;
 
 static void test_examples_run(void **state) {
   (void)state;
-  char dir[64] = "/tmp/test_examples.XXXXXX", addr[64];
-  pid_t daemon = 0;
-  assert_non_null(mkdtemp(dir));
-  assert_int_equal(precondd_start(precondd_path, dir, &daemon, addr, sizeof addr), 0);
+  pdproc precondd = {0};
+  assert_int_equal(pdproc_start_in(&precondd, precondd_path, NULL), 0);
   for (int i = 0; i < nexamples; i++) {
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
-      execl(examples[i], examples[i], addr, (char *)NULL);
+      execl(examples[i], examples[i], precondd.addr, (char *)NULL);
       _exit(127);
     }
     int st = 0;
     assert_int_equal(waitpid(pid, &st, 0), pid);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-      precondd_stop(&daemon);
+      pdproc_destroy(&precondd);
       fail_msg("%s exited with status %d", examples[i], WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     }
   }
-  precondd_stop(&daemon);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  assert_int_equal(system(cmd), 0);
+  pdproc_destroy(&precondd);
 }
 
 int main(int argc, char **argv) {

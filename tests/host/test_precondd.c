@@ -32,43 +32,16 @@
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
 #include "precondd.h"
+#include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
 /* ---- daemon control ------------------------------------------------------------------- */
 
 typedef struct {
-  pid_t pid;
-  int port;
-  char dir[128];
-  char addr[256];
-  grpc_channel *ch;
+  pdproc p;          /* the process (tests/util/precondd_proc.h); p.dir is the test's */
+  grpc_channel *ch;  /* a plaintext channel to it, made by start */
 } daemon_t;
-
-/* Daemons still running when a test fails: killed at exit so none outlives the suite. */
-static pid_t g_pids[16];
-
-static void kill_leftovers(void) {
-  for (size_t i = 0; i < 16; i++)
-    if (g_pids[i] > 0) {
-      kill(g_pids[i], SIGKILL);
-      waitpid(g_pids[i], NULL, 0);
-      g_pids[i] = 0;
-    }
-}
-
-static void track(pid_t pid, int add) {
-  for (size_t i = 0; i < 16; i++) {
-    if (add && g_pids[i] == 0) {
-      g_pids[i] = pid;
-      return;
-    }
-    if (!add && g_pids[i] == pid) {
-      g_pids[i] = 0;
-      return;
-    }
-  }
-}
 
 static const char *bin(void) {
   const char *b = getenv("PRECONDD");
@@ -86,53 +59,20 @@ static void sleep_ms(long ms) {
   nanosleep(&ts, NULL);
 }
 
-/* Starts precondd on listen ("127.0.0.1:0" or "unix:PATH") with dir/state as state dir and
- * the extra options (NULL-terminated); waits until it has written its port. Returns 0, or
- * the daemon's exit status + 1000 if it exited first. */
+/* Starts precondd on listen ("127.0.0.1:0" or "unix:PATH") with dir/state as state dir, two
+ * root threads, four I/O threads, a 2 s grace period and the extra options (NULL-terminated);
+ * waits until it listens. Returns 0, or the daemon's exit status + 1000 if it exited first. */
 static int start_daemon_opts(daemon_t *d, const char *listen, const char *const *extra) {
-  char portfile[256], state[256], logfile[256];
-  snprintf(portfile, sizeof portfile, "%s/port", d->dir);
-  snprintf(state, sizeof state, "%s/state", d->dir);
-  snprintf(logfile, sizeof logfile, "%s/log", d->dir);
-  unlink(portfile);
-  const char *argv[40] = {bin(), "--listen", listen, "--port-file", portfile, "--state-dir",
-                          state, "--threads", "2", "--io-threads", "4", "--grace-period", "2"};
-  int argc = 13;
-  for (int i = 0; extra && extra[i]; i++) argv[argc++] = extra[i];
-  argv[argc] = NULL;
-  pid_t pid = fork();
-  assert_true(pid >= 0);
-  if (pid == 0) {
-    int fd = open(logfile, O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (fd >= 0) dup2(fd, 2);
-    int nul = open("/dev/null", O_RDWR);
-    if (nul >= 0) dup2(nul, 1); /* never hold the test runner's stdout pipe */
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  d->pid = pid;
-  track(pid, 1);
-  for (int i = 0; i < 1500; i++) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      track(pid, 0);
-      d->pid = 0;
-      return 1000 + (WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
-    }
-    FILE *f = fopen(portfile, "r");
-    if (f) {
-      int ok = fscanf(f, "%d", &d->port) == 1;
-      fclose(f);
-      if (ok) break;
-    }
-    sleep_ms(10);
-  }
-  assert_true(d->port >= 0);
-  if (strncmp(listen, "unix:", 5) == 0)
-    snprintf(d->addr, sizeof d->addr, "%s", listen);
-  else
-    snprintf(d->addr, sizeof d->addr, "127.0.0.1:%d", d->port);
-  d->ch = rpc_channel_create(d->addr, 0);
+  pdproc_opts o;
+  pdproc_opts_default(&o);
+  o.listen = listen;
+  o.threads = 2;
+  o.io_threads = 4;
+  o.grace_period = 2;
+  o.extra = extra;
+  int st = pdproc_start(&d->p, &o);
+  if (st != 0) return st;
+  d->ch = rpc_channel_create(d->p.addr, 0);
   assert_non_null(d->ch);
   return 0;
 }
@@ -141,38 +81,15 @@ static void start_daemon(daemon_t *d, const char *const *extra) {
   assert_int_equal(start_daemon_opts(d, "127.0.0.1:0", extra), 0);
 }
 
-/* Sends sig and waits (at most 30 s) for the exit; returns the exit status. */
+/* Sends sig and waits (at most 30 s) for the exit; returns the exit status (-1 if it was not
+ * running). */
 static int stop_daemon(daemon_t *d, int sig) {
   if (d->ch) rpc_channel_destroy(d->ch);
   d->ch = NULL;
-  if (!d->pid) return -1;
-  kill(d->pid, sig);
-  int st = 0;
-  for (int i = 0; i < 3000; i++) {
-    if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-      track(d->pid, 0);
-      d->pid = 0;
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    }
-    sleep_ms(10);
-  }
-  kill(d->pid, SIGKILL);
-  waitpid(d->pid, &st, 0);
-  track(d->pid, 0);
-  d->pid = 0;
-  fail_msg("precondd did not exit within 30 s of signal %d", sig);
-  return -1;
-}
-
-static int log_contains(const daemon_t *d, const char *needle) {
-  char path[256], buf[65536];
-  snprintf(path, sizeof path, "%s/log", d->dir);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = '\0';
-  return strstr(buf, needle) != NULL;
+  if (!d->p.pid) return -1;
+  int st = pdproc_stop(&d->p, sig);
+  if (st < 0) fail_msg("precondd did not exit within 30 s of signal %d", sig);
+  return st;
 }
 
 static void remove_tree(const char *dir) {
@@ -407,7 +324,7 @@ static float *local_root(size_t n, const float *stat) {
 static void test_health_unimplemented_unix(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   check_health(&d);
   grpc_byte_buffer *resp = NULL;
@@ -420,35 +337,35 @@ static void test_health_unimplemented_unix(void **state) {
   assert_non_null(strstr(details, "Nope"));
   free(details);
   char taken[64];
-  snprintf(taken, sizeof taken, "127.0.0.1:%d", d.port);
+  snprintf(taken, sizeof taken, "127.0.0.1:%d", d.p.port);
   daemon_t d3 = {0};
-  snprintf(d3.dir, sizeof d3.dir, "%s", d.dir);
+  snprintf(d3.p.dir, sizeof d3.p.dir, "%s", d.p.dir);
   assert_int_equal(start_daemon_opts(&d3, taken, NULL), 1000 + 1);
   check_health(&d);
   assert_int_equal(stop_daemon(&d, SIGINT), 0);
 
   /* The same daemon on a unix socket. */
   char sock[300];
-  snprintf(sock, sizeof sock, "unix:%s/sock", d.dir);
+  snprintf(sock, sizeof sock, "unix:%s/sock", d.p.dir);
   assert_int_equal(start_daemon_opts(&d, sock, NULL), 0);
   check_health(&d);
   /* A second daemon on the same socket, or on the same TCP port, is refused (gRPC would
    * unlink the socket, or share the port through SO_REUSEPORT). */
   daemon_t d2 = {0};
-  snprintf(d2.dir, sizeof d2.dir, "%s", d.dir);
+  snprintf(d2.p.dir, sizeof d2.p.dir, "%s", d.p.dir);
   assert_int_equal(start_daemon_opts(&d2, sock, NULL), 1000 + 1);
   check_health(&d);
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_string_equal(st->version, PD_VERSION);
   protobuf_c_message_free_unpacked(&st->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static void test_register_push_fetch(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
 
   /* [6, 10] in blocks of 4: rows 4+2, cols 4+4+2 -> 6 blocks; a rank-1 bias is diagonal. */
@@ -557,13 +474,13 @@ static void test_register_push_fetch(void **state) {
   pc_layout_destroy(&lay);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static void test_bad_inputs(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--memory-limit-mb", "8", "--max-message-mb", "1", NULL};
   start_daemon(&d, extra);
   char msg[512];
@@ -734,17 +651,17 @@ static void test_bad_inputs(void **state) {
   free(s4);
   free(bad);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static void test_token_and_listen_rules(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   /* A non-loopback address without a token is refused at startup. */
   assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", NULL), 1000 + 2);
   char tokfile[256];
-  snprintf(tokfile, sizeof tokfile, "%s/token", d.dir);
+  snprintf(tokfile, sizeof tokfile, "%s/token", d.p.dir);
   FILE *f = fopen(tokfile, "w");
   fputs("s3cret\n", f);
   fclose(f);
@@ -752,7 +669,7 @@ static void test_token_and_listen_rules(void **state) {
   /* A token on a non-loopback address without TLS would cross the network in cleartext:
    * refused unless --insecure-token says so. */
   assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", extra), 1000 + 2);
-  assert_true(log_contains(&d, "--insecure-token"));
+  assert_true(pdproc_log_contains(&d.p, "--insecure-token"));
   const char *insecure[] = {"--token-file", tokfile, "--insecure-token", NULL};
   assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", insecure), 0);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
@@ -785,10 +702,10 @@ static void test_token_and_listen_rules(void **state) {
   /* The final snapshot is readable by its owner only, like the state directory. */
   char snap[300];
   struct stat sb;
-  snprintf(snap, sizeof snap, "%s/state/%s", d.dir, PD_SNAPSHOT_FILE);
+  snprintf(snap, sizeof snap, "%s/state/%s", d.p.dir, PD_SNAPSHOT_FILE);
   assert_int_equal(stat(snap, &sb), 0);
   assert_int_equal(sb.st_mode & 0777, 0600);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static char *read_text(const char *path) {
@@ -808,10 +725,10 @@ static void test_tls(void **state) {
   (void)state;
   if (system("openssl version >/dev/null 2>&1") != 0) skip();
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   char cmd[1024], cert[256], key[256];
-  snprintf(cert, sizeof cert, "%s/cert.pem", d.dir);
-  snprintf(key, sizeof key, "%s/key.pem", d.dir);
+  snprintf(cert, sizeof cert, "%s/cert.pem", d.p.dir);
+  snprintf(key, sizeof key, "%s/key.pem", d.p.dir);
   snprintf(cmd, sizeof cmd,
            "openssl req -x509 -newkey rsa:2048 -nodes -keyout '%s' -out '%s' -days 1 "
            "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 "
@@ -822,7 +739,7 @@ static void test_tls(void **state) {
   assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", half), 1000 + 2);
   const char *extra[] = {"--tls-cert", cert, "--tls-key", key, NULL};
   assert_int_equal(start_daemon_opts(&d, "0.0.0.0:0", extra), 0);
-  assert_true(log_contains(&d, "with TLS"));
+  assert_true(pdproc_log_contains(&d.p, "with TLS"));
 
   /* The plaintext channel start_daemon made cannot talk to it. */
   Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
@@ -839,7 +756,7 @@ static void test_tls(void **state) {
   char target[64];
   /* An IP literal: no DNS lookup (c-ares leaks a few bytes per lookup under LSan); the
    * certificate names 127.0.0.1 too. */
-  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.p.port);
   d.ch = rpc_channel_create_tls(target, 0, pem, NULL, NULL);
   assert_non_null(d.ch);
   assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
@@ -864,20 +781,20 @@ static void test_tls(void **state) {
            "-extfile srv.ext -out srv.pem && "
            "openssl req -newkey rsa:2048 -nodes -keyout cli.key -out cli.csr -subj /CN=worker "
            "&& openssl x509 -req -in cli.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
-           "-out cli.pem) >/dev/null 2>&1", d.dir);
+           "-out cli.pem) >/dev/null 2>&1", d.p.dir);
   assert_int_equal(system(cmd), 0);
   char f_ca[256], f_srv[256], f_srvkey[256], f_cli[256], f_clikey[256];
-  snprintf(f_ca, sizeof f_ca, "%s/ca.pem", d.dir);
-  snprintf(f_srv, sizeof f_srv, "%s/srv.pem", d.dir);
-  snprintf(f_srvkey, sizeof f_srvkey, "%s/srv.key", d.dir);
-  snprintf(f_cli, sizeof f_cli, "%s/cli.pem", d.dir);
-  snprintf(f_clikey, sizeof f_clikey, "%s/cli.key", d.dir);
+  snprintf(f_ca, sizeof f_ca, "%s/ca.pem", d.p.dir);
+  snprintf(f_srv, sizeof f_srv, "%s/srv.pem", d.p.dir);
+  snprintf(f_srvkey, sizeof f_srvkey, "%s/srv.key", d.p.dir);
+  snprintf(f_cli, sizeof f_cli, "%s/cli.pem", d.p.dir);
+  snprintf(f_clikey, sizeof f_clikey, "%s/cli.key", d.p.dir);
   const char *mtls[] = {"--tls-cert", f_srv, "--tls-key", f_srvkey, "--tls-client-ca", f_ca,
                         NULL};
   assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", mtls), 0);
   rpc_channel_destroy(d.ch);
   char *ca = read_text(f_ca), *cli = read_text(f_cli), *clikey = read_text(f_clikey);
-  snprintf(target, sizeof target, "127.0.0.1:%d", d.port);
+  snprintf(target, sizeof target, "127.0.0.1:%d", d.p.port);
   /* Without a client certificate: refused. */
   d.ch = rpc_channel_create_tls(target, 0, ca, NULL, NULL);
   rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
@@ -897,7 +814,7 @@ static void test_tls(void **state) {
   free(cli);
   free(clikey);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* ---- 32 concurrent clients ------------------------------------------------------------ */
@@ -912,7 +829,7 @@ typedef struct {
 
 static void *client_main(void *p) {
   client_arg *a = p;
-  grpc_channel *ch = rpc_channel_create(a->d->addr, 0);
+  grpc_channel *ch = rpc_channel_create(a->d->p.addr, 0);
   daemon_t mine = *a->d;
   mine.ch = ch;
   char msg[512];
@@ -972,7 +889,7 @@ out:
 static void test_concurrent_clients(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   enum { N = 32 };
   pthread_t th[N];
@@ -997,7 +914,7 @@ static void test_concurrent_clients(void **state) {
   check_health(&d);
   print_message("# 32 clients: %d calls in 3 s\n", calls);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* ---- snapshots ------------------------------------------------------------------------ */
@@ -1015,7 +932,7 @@ static void load_snapshot(const char *dir, pd_store *st, pd_stats *stats) {
 static void test_restart_bit_exact(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   tspec ts[1] = {{"w", {5, 7}, 2}};
   char msg[512];
@@ -1036,11 +953,11 @@ static void test_restart_bit_exact(void **state) {
   Precond__V1__FetchResponse *f = wait_roots(&d, "ema", 1, 1);
   protobuf_c_message_free_unpacked(&f->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  assert_true(log_contains(&d, "snapshot written"));
+  assert_true(pdproc_log_contains(&d.p, "snapshot written"));
 
   pd_stats stats;
   pd_store st;
-  load_snapshot(d.dir, &st, &stats);
+  load_snapshot(d.p.dir, &st, &stats);
   assert_int_equal(st.njobs, 1);
   pd_block *b = &st.jobs[0]->blocks[0];
   assert_memory_equal(b->stat[0], el, ll * sizeof *el);
@@ -1062,7 +979,7 @@ static void test_restart_bit_exact(void **state) {
   assert_true(f->preconditioners[0]->version >= version);
   protobuf_c_message_free_unpacked(&f->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  load_snapshot(d.dir, &st, &stats);
+  load_snapshot(d.p.dir, &st, &stats);
   b = &st.jobs[0]->blocks[0];
   assert_memory_equal(b->stat[0], el, ll * sizeof *el);
   assert_memory_equal(b->stat[1], er, lr * sizeof *er);
@@ -1070,14 +987,14 @@ static void test_restart_bit_exact(void **state) {
   pd_stats_destroy(&stats);
   free(el);
   free(er);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* A crash (SIGKILL: no final snapshot) loses at most one snapshot interval. */
 static void test_crash_loses_one_interval(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0.2", NULL};
   start_daemon(&d, extra);
   tspec ts[1] = {{"w", {4, 4}, 2}};
@@ -1101,7 +1018,7 @@ static void test_crash_loses_one_interval(void **state) {
   protobuf_c_message_free_unpacked(&reg->base, NULL);
   free(s4);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static int count_set_aside(const char *dir) {
@@ -1119,7 +1036,7 @@ static int count_set_aside(const char *dir) {
 static void test_corrupt_snapshot_set_aside(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   tspec ts[1] = {{"w", {4, 4}, 2}};
   char msg[512];
@@ -1128,7 +1045,7 @@ static void test_corrupt_snapshot_set_aside(void **state) {
 
   /* Flip one byte in the payload. */
   char path[300];
-  snprintf(path, sizeof path, "%s/state/precondd.snap", d.dir);
+  snprintf(path, sizeof path, "%s/state/precondd.snap", d.p.dir);
   FILE *fp = fopen(path, "r+b");
   assert_non_null(fp);
   fseek(fp, 40, SEEK_SET);
@@ -1138,8 +1055,8 @@ static void test_corrupt_snapshot_set_aside(void **state) {
   fclose(fp);
 
   start_daemon(&d, NULL);
-  assert_true(log_contains(&d, "is corrupt"));
-  assert_int_equal(count_set_aside(d.dir), 1);
+  assert_true(pdproc_log_contains(&d.p, "is corrupt"));
+  assert_int_equal(count_set_aside(d.p.dir), 1);
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_int_equal(st->jobs, 0); /* nothing loaded */
   protobuf_c_message_free_unpacked(&st->base, NULL);
@@ -1151,12 +1068,12 @@ static void test_corrupt_snapshot_set_aside(void **state) {
   assert_int_equal(stat(path, &sb), 0);
   assert_int_equal(truncate(path, sb.st_size / 2), 0);
   start_daemon(&d, NULL);
-  assert_int_equal(count_set_aside(d.dir), 2);
+  assert_int_equal(count_set_aside(d.p.dir), 2);
   st = get_stats(&d, NULL);
   assert_int_equal(st->jobs, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* ---- graceful shutdown ---------------------------------------------------------------- */
@@ -1169,7 +1086,7 @@ typedef struct {
 static void *busy_client(void *p) {
   busy_arg *a = p;
   daemon_t mine = *a->d;
-  mine.ch = rpc_channel_create(a->d->addr, 0);
+  mine.ch = rpc_channel_create(a->d->p.addr, 0);
   float *s = random_stat(64, 3);
   for (int i = 0; i < 100000; i++) {
     blockstat bs = {0, 64, 64, s, s, 0};
@@ -1194,7 +1111,7 @@ static void *busy_client(void *p) {
 static void test_graceful_shutdown(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   tspec ts[1] = {{"w", {64, 64}, 2}};
   char msg[512];
@@ -1207,15 +1124,8 @@ static void test_graceful_shutdown(void **state) {
     pthread_create(&th[i], NULL, busy_client, &args[i]);
   }
   sleep_ms(500);
-  pid_t pid = d.pid;
-  kill(pid, SIGTERM);
-  int st = 0;
   double t0 = pd_now();
-  assert_int_equal(waitpid(pid, &st, 0), pid);
-  track(pid, 0);
-  d.pid = 0;
-  assert_true(WIFEXITED(st));
-  assert_int_equal(WEXITSTATUS(st), 0);
+  assert_int_equal(pdproc_stop(&d.p, SIGTERM), 0);
   assert_true(pd_now() - t0 < 15);
   int ok = 0;
   for (int i = 0; i < N; i++) {
@@ -1230,14 +1140,14 @@ static void test_graceful_shutdown(void **state) {
   /* Every acknowledged push is in the final snapshot. */
   pd_stats stats;
   pd_store sto;
-  load_snapshot(d.dir, &sto, &stats);
+  load_snapshot(d.p.dir, &sto, &stats);
   /* A push refused during shutdown may still have been applied if only its answer was
    * lost; at most one per client. */
   assert_true(sto.jobs[0]->blocks[0].pushes >= (uint64_t)ok);
   assert_true(sto.jobs[0]->blocks[0].pushes <= (uint64_t)ok + N);
   pd_store_destroy(&sto);
   pd_stats_destroy(&stats);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* A call that never sends its message stays in flight; shutdown ends it after the grace
@@ -1245,7 +1155,7 @@ static void test_graceful_shutdown(void **state) {
 static void test_shutdown_cancels_stuck_call(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   check_health(&d); /* connected */
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
@@ -1267,20 +1177,12 @@ static void test_shutdown_cancels_stuck_call(void **state) {
   assert_int_equal(grpc_call_start_batch(c, ops, 2, &code, NULL), GRPC_CALL_OK);
   sleep_ms(300);
   double t0 = pd_now();
-  kill(d.pid, SIGTERM);
-  int st = 0, exited = 0;
-  for (int i = 0; i < 1500 && !exited; i++) {
-    exited = waitpid(d.pid, &st, WNOHANG) == d.pid;
-    if (!exited) sleep_ms(10);
-  }
+  int st = pdproc_stop(&d.p, SIGTERM);
   double took = pd_now() - t0;
-  assert_true(exited);
-  track(d.pid, 0);
-  d.pid = 0;
-  assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  assert_int_equal(st, 0);
   /* It waited for the call through the grace period, then cancelled it. */
   assert_true(took >= 1.9 && took < 15);
-  assert_true(log_contains(&d, "cancelling them"));
+  assert_true(pdproc_log_contains(&d.p, "cancelling them"));
   /* (Only the server side is checked: this gRPC client did not report the dropped call
    * before its own deadline, so it is cancelled here.) */
   grpc_call_cancel(c, NULL);
@@ -1299,7 +1201,7 @@ static void test_shutdown_cancels_stuck_call(void **state) {
   grpc_completion_queue_destroy(cq);
   rpc_channel_destroy(d.ch);
   d.ch = NULL;
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* An idle client keeps its connection open; SIGTERM must not wait the grace period for it
@@ -1308,7 +1210,7 @@ static void test_shutdown_cancels_stuck_call(void **state) {
 static void test_shutdown_idle_client(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   /* gRPC alone would wait some 20 s for the connection, so past these 5 the old code
    * logged calls in flight that did not exist. */
   const char *extra[] = {"--grace-period", "5", NULL};
@@ -1319,7 +1221,7 @@ static void test_shutdown_idle_client(void **state) {
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);
   sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)d.port);
+  sa.sin_port = htons((uint16_t)d.p.port);
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
   static const char hello[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
@@ -1327,9 +1229,9 @@ static void test_shutdown_idle_client(void **state) {
   check_health(&d);
   sleep_ms(300);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  assert_false(log_contains(&d, "still in flight"));
+  assert_false(pdproc_log_contains(&d.p, "still in flight"));
   close(fd);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 /* Versions never go backwards across restarts, a crash included: a client that held a root
@@ -1338,7 +1240,7 @@ static void test_shutdown_idle_client(void **state) {
 static void test_versions_survive_crash(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0", NULL}; /* snapshots at shutdown only */
   start_daemon(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
@@ -1374,7 +1276,7 @@ static void test_versions_survive_crash(void **state) {
   protobuf_c_message_free_unpacked(&f->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   free(s);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 static void test_help(void **state) {
@@ -1536,7 +1438,7 @@ static const Precond__V1__BlockStats *kfac_block_stats(const Precond__V1__StatsR
 static void test_kfac(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.dir, sizeof d.dir);
+  make_dir(d.p.dir, sizeof d.p.dir);
   start_daemon(&d, NULL);
   char msg[512];
   /* fc: out 4, in 5 + bias; conv: out 3, in 2 x 2 x 2; bn: diagonal, on the worker. */
@@ -1625,7 +1527,7 @@ static void test_kfac(void **state) {
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   pd_stats stats;
   pd_store st;
-  load_snapshot(d.dir, &st, &stats);
+  load_snapshot(d.p.dir, &st, &stats);
   pd_job *job = pd_store_find(&st, "kf");
   assert_non_null(job);
   assert_ptr_equal(job->mode, &pd_mode_kfac);
@@ -1672,12 +1574,11 @@ static void test_kfac(void **state) {
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   for (int u = 0; u < 2; u++)
     for (int k = 0; k < 2; k++) free(l.f[u][k]);
-  remove_tree(d.dir);
+  remove_tree(d.p.dir);
 }
 
 int main(void) {
   openblas_set_num_threads(1);
-  atexit(kill_leftovers);
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_help),
@@ -1696,7 +1597,5 @@ int main(void) {
       cmocka_unit_test(test_versions_survive_crash),
       cmocka_unit_test(test_kfac),
   };
-  int failed = cmocka_run_group_tests(tests, NULL, NULL);
-  kill_leftovers();
-  return failed;
+  return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -11,19 +11,20 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
-#include "../bench/precondd_util.h"
+#include "precondd_proc.h"
 #include "precond.h"
 #include "trainer.h"
 
 static const char *precondd_path;
-static char tmpdir[64], addr[64];
-static pid_t daemon_pid;
+static char tmpdir[64];
+static pdproc precondd;
 
 enum { NPARAMS = 3 };
 
@@ -68,7 +69,7 @@ static void toy_destroy(toy *m) {
 
 static void opts_for(pt_options *o, const char *job) {
   pt_options_default(o, PT_MODE_SHAMPOO);
-  o->daemon = addr;
+  o->daemon = precondd.addr;
   o->job = job;
   o->shampoo.layout.block_size = 8;
   o->shampoo.momentum = 0;
@@ -78,12 +79,12 @@ static int setup(void **state) {
   (void)state;
   snprintf(tmpdir, sizeof tmpdir, "/tmp/test_trainer.XXXXXX");
   if (mkdtemp(tmpdir) == NULL) return -1;
-  return precondd_start(precondd_path, tmpdir, &daemon_pid, addr, sizeof addr);
+  return pdproc_start_in(&precondd, precondd_path, tmpdir);
 }
 
 static int teardown(void **state) {
   (void)state;
-  precondd_stop(&daemon_pid);
+  pdproc_stop(&precondd, SIGTERM);
   char cmd[128];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
   return system(cmd) == 0 ? 0 : -1;
@@ -109,7 +110,7 @@ static void test_layout_from_daemon(void **state) {
   precond_client *cl = NULL;
   precond_options po;
   precond_options_default(&po);
-  po.addr = addr;
+  po.addr = precondd.addr;
   po.background = 0;
   assert_int_equal(precond_connect(&po, &cl), PRECOND_OK);
   precond_stats st;
