@@ -312,6 +312,7 @@ static void pd__on_job(pd_replica *x, pd__rd *r) {
     if (!pd_job_same(existing, job))
       pd_log(PD_LOG_ERROR, "replicas: job %s came from another rank with different tensors or "
              "options than the one registered here; this rank keeps its own", name);
+    pd_job_unref(existing, &d->stats);
     pd_job_free(job, &d->stats);
   } else {
     pd_log(PD_LOG_INFO, "replicas: job %s (%zu units) registered by another rank", name,
@@ -332,20 +333,22 @@ done:
   free(name);
 }
 
-/* The job and unit a STAT or ROOT message names; NULL with *unknown_job set when the job is
- * not here yet, NULL alone when the unit does not exist. */
-static pd_block *pd__unit_of(pd_replica *x, pd__rd *r, int *unknown_job) {
+/* The unit a STAT or ROOT message names, with a reference to its job in *job (the caller
+ * drops it); NULL with *unknown_job set when the job is not here yet, NULL alone when the
+ * unit does not exist. Traffic counts as the job's activity: a rank whose workers never
+ * call for a job still keeps it while the others use it. */
+static pd_block *pd__unit_of(pd_replica *x, pd__rd *r, pd_job **job, int *unknown_job) {
   *unknown_job = 0;
   char *name = pd__get_str(r);
   uint32_t id = (uint32_t)pd__get(r, 4);
-  pd_job *job = name ? pd_store_find(&x->d->store, name) : NULL;
+  *job = name && !r->bad ? pd_store_get(&x->d->store, name, 1) : NULL;
   free(name);
   if (r->bad) return NULL;
-  if (!job) {
+  if (!*job) {
     *unknown_job = 1;
     return NULL;
   }
-  return id < job->nblocks ? &job->blocks[id] : NULL;
+  return id < (*job)->nblocks ? &(*job)->blocks[id] : NULL;
 }
 
 static void pd__on_stat(pd_replica *x, pd_block *b, pd__rd *r) {
@@ -415,16 +418,16 @@ static void pd__on_root(pd_replica *x, pd_block *b, pd__rd *r) {
 static int pd__on_unit_msg(pd_replica *x, int tag, const unsigned char *buf, size_t len) {
   pd__rd r = {buf, len, 0};
   int unknown = 0;
-  pd_block *b = pd__unit_of(x, &r, &unknown);
+  pd_job *job = NULL;
+  pd_block *b = pd__unit_of(x, &r, &job, &unknown);
   if (unknown) return 1;
-  if (!b) {
+  if (!b)
     pd_log(PD_LOG_ERROR, "replicas: a message for a unit that does not exist (tag %d)", tag);
-    return 0;
-  }
-  if (tag == PD__TAG_STAT)
+  else if (tag == PD__TAG_STAT)
     pd__on_stat(x, b, &r);
   else
     pd__on_root(x, b, &r);
+  pd_job_unref(job, &x->d->stats);
   return 0;
 }
 
@@ -685,14 +688,11 @@ int pd_replica_start(pd_replica *x, pd_daemon *d) {
   x->marking = 1;
   /* Roots restored from this rank's snapshot go out again: the others may hold older ones
    * (their own snapshots), and nothing else would send them before the next push. */
-  pthread_rwlock_rdlock(&d->store.lock); /* the server runs: a Register may add a job */
-  size_t njobs = d->store.njobs;
-  pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs && njobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
-  pthread_rwlock_unlock(&d->store.lock);
+  size_t njobs = 0;
+  pd_job **jobs = pd_store_list(&d->store, &njobs); /* the server runs: jobs may come, go */
   if (!jobs) return PD_ENOMEM;
   for (size_t i = 0; i < njobs; i++) {
-    pd_job *job = jobs[i]; /* jobs live as long as the store */
+    pd_job *job = jobs[i];
     for (size_t k = 0; k < job->nblocks; k++) {
       pd_block *b = &job->blocks[k];
       if ((int)b->owner != x->link.rank) continue;
@@ -701,7 +701,7 @@ int pd_replica_start(pd_replica *x, pd_daemon *d) {
       pd_root_unref(r, &d->stats);
     }
   }
-  free(jobs);
+  pd_store_list_free(jobs, njobs, &d->stats);
   if (pthread_create(&x->thread, NULL, pd__comm, x) != 0) return PD_ENOMEM;
   x->started = 1;
   return PD_OK;
