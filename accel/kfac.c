@@ -108,6 +108,40 @@ int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos
   return syrk_images(be, nimg, out_c, npos, dy, alpha, accumulate, g_packed);
 }
 
+size_t ac_kfac_conv_cols_workspace_floats(size_t ckk, size_t cols, int has_bias) {
+  return has_bias ? (ckk + 1) * cols : 0;
+}
+
+/* The columns hold every position of the chunk side by side, so the sum over images and
+ * positions is one syrk of the (n, cols) matrix: no per-image calls. */
+int ac_kfac_conv_cols_factor_a(ac_backend *be, size_t ckk, size_t cols, const float *col,
+                               size_t ldc, size_t npos, int has_bias, size_t batch,
+                               int accumulate, float *a_packed, float *ws) {
+  if (dense_check(be, ckk, cols, col, ldc, a_packed) != AC_OK || npos == 0 || batch == 0 ||
+      (has_bias && !ws))
+    return AC_EINVAL;
+  const float alpha = (float)(1.0 / ((double)batch * (double)npos));
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (!has_bias)
+    return ac_syrk_packed(be, AC_NO_TRANS, ckk, cols, alpha, col, ldc, beta, a_packed);
+  /* A row of ones under the columns: one fill, then the copy over all but the last row. */
+  int rc = ac_fill_f32(be, (ckk + 1) * cols, ws, 1.0f);
+  if (rc == AC_OK) rc = ac_copy2d(be, ckk, cols, col, ldc, ws, cols);
+  if (rc != AC_OK) return rc;
+  return ac_syrk_packed(be, AC_NO_TRANS, ckk + 1, cols, alpha, ws, cols, beta, a_packed);
+}
+
+int ac_kfac_conv_cols_factor_g(ac_backend *be, size_t out_c, size_t cols, const float *dyc,
+                               size_t ldd, float loss_scale, size_t batch, int accumulate,
+                               float *g_packed) {
+  if (dense_check(be, out_c, cols, dyc, ldd, g_packed) != AC_OK || batch == 0 ||
+      !scale_ok(loss_scale))
+    return AC_EINVAL;
+  const float alpha = (float)((double)loss_scale * loss_scale / (double)batch);
+  return ac_syrk_packed(be, AC_NO_TRANS, out_c, cols, alpha, dyc, ldd,
+                        accumulate ? 1.0f : 0.0f, g_packed);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Batch norm: diagonal Fisher                                                            */
 

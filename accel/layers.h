@@ -58,8 +58,49 @@ size_t ac_param_list_numel(const ac_param_list *l);
 /* The parameter with this name, or NULL. */
 ac_param *ac_param_list_find(const ac_param_list *l, const char *name);
 
+/* Curvature hooks (K-FAC, docs/kfac.md): a dense, conv or batch-norm layer with a hook set
+ * calls it during backward with read access to what a curvature estimate needs, in the
+ * layer's own buffers (no copy is made for the hook; with no hook set the layer does
+ * exactly what it did without). The pointers are device memory, read-only and valid only
+ * during the call; the hook may use the layer's backend, and decides itself whether this
+ * step needs anything (a K-FAC worker computes factors every few steps only).
+ * - AC_HOOK_DENSE (ac_linear, at the start of backward): a = the layer input, rows x in
+ *   (row stride lda); g = the output gradient, rows x out (row stride ldg). batch = rows.
+ * - AC_HOOK_CONV (ac_conv2d, once per im2col chunk, chunks in order, first = the chunk's
+ *   first image, 0 for the first chunk of a step): a = the chunk's im2col columns as
+ *   ac_im2col_batch lays them out, in = c k k rows of cols = nimg npos values (row stride
+ *   lda); g = the chunk's output gradient channel-major, out rows of cols values (row
+ *   stride ldg; the layout the weight gradient's gemm reads). batch = images of the step.
+ * - AC_HOOK_BATCHNORM (ac_batchnorm, at the start of backward): g = the gradient of the
+ *   layer's output (batch, c, hw) as backward received it; relu_y = the layer's output
+ *   when a ReLU is fused (the gradient at the affine output is g where relu_y > 0), else
+ *   NULL; bn = the layer (ac_batchnorm_xhat gives the normalised input). in = out = c,
+ *   npos = hw.
+ * weight and bias identify the layer (bias NULL when it has none). A non-zero return is
+ * an AC_E* code that fails the backward pass with it. */
+typedef enum { AC_HOOK_DENSE = 0, AC_HOOK_CONV = 1, AC_HOOK_BATCHNORM = 2 } ac_hook_kind;
+
+struct ac_batchnorm;
+
+typedef struct {
+  ac_hook_kind kind;
+  const ac_param *weight, *bias;
+  size_t batch, first, nimg;   /* conv: images of the step, the chunk's first, its count */
+  size_t rows, cols;           /* dense: rows (cols = 0); conv: cols = nimg npos */
+  size_t in, out, npos;
+  const float *a, *g, *relu_y;
+  size_t lda, ldg;
+  struct ac_batchnorm *bn;
+} ac_hook_view;
+
+typedef struct {
+  int (*fn)(void *ctx, const ac_hook_view *view);  /* NULL: no hook */
+  void *ctx;                                        /* the hook's own, passed back */
+} ac_hook;
+
 /* Linear: y = x W^T + b, x (rows, in), W (out, in) "<p>.weight", b (out) "<p>.bias" (when
- * bias != 0). W ~ U(-1/sqrt(in), 1/sqrt(in)), b = 0. */
+ * bias != 0). W ~ U(-1/sqrt(in), 1/sqrt(in)), b = 0. hook: see the curvature hooks above
+ * (set it directly; zero after init). */
 typedef struct {
   ac_backend *be;
   size_t in, out, max_rows, rows;
@@ -67,6 +108,7 @@ typedef struct {
   ac_param weight, bias;
   const float *x;
   float *y, *dx;
+  ac_hook hook;
 } ac_linear;
 
 int ac_linear_init(ac_linear *l, ac_backend *be, const char *prefix, size_t in, size_t out,
@@ -236,6 +278,7 @@ typedef struct {
   ac_param weight, bias;
   const float *x;
   float *ws, *y, *dx;
+  ac_hook hook;           /* curvature hook (see above); zero after init */
 } ac_conv2d;
 
 size_t ac_conv2d_workspace_floats(size_t in_c, size_t out_c, size_t k, size_t oh, size_t ow,
@@ -260,7 +303,7 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx);
  * ac_batchnorm_forward_res adds a residual res (caller-owned, only read during the call)
  * before the ReLU, and ac_batchnorm_backward_res also returns the gradient reaching res
  * (dy itself without a fused ReLU, dy masked by it with one, in a layer-owned buffer). */
-typedef struct {
+typedef struct ac_batchnorm {
   ac_backend *be;
   size_t c, hw, max_batch, batch;
   float eps, momentum;
@@ -270,6 +313,7 @@ typedef struct {
   ac_tensor running_mean, running_var;
   const float *x;
   float *y, *dx, *dres, *mean, *rstd, *s1, *s2, *coef;
+  ac_hook hook;           /* curvature hook (see above); zero after init */
 } ac_batchnorm;
 
 int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c,
@@ -398,6 +442,10 @@ int ac_lm_forward(ac_lm *m, const int32_t *tokens, const int32_t *targets, size_
                   size_t t, ac_mode mode, double *loss);
 /* Adds d(mean loss)/d(param) to every grad. */
 int ac_lm_backward(ac_lm *m);
+/* Sets hook on every linear layer of the model: attention qkv and proj, MLP fc1 and fc2,
+ * and the head when it is not tied (a zero hook clears them). Embeddings and layer norms
+ * have no hook. */
+void ac_lm_set_hook(ac_lm *m, const ac_hook *hook);
 
 /* ResNet basic block on x (n, in_c, h, w):
  *   y = relu(bn2(conv2(relu(bn1(conv1(x))))) + s(x)),
@@ -468,6 +516,9 @@ int ac_resnet_params(ac_resnet *m, ac_param_list *list);
 int ac_resnet_forward(ac_resnet *m, const float *images, const int32_t *labels, size_t batch,
                       ac_mode mode, double *loss);
 int ac_resnet_backward(ac_resnet *m);
+/* Sets hook on every conv, batch norm and the linear head of the model (a zero hook
+ * clears them). */
+void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook);
 
 /* ---- end of layers ---- */
 

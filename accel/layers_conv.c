@@ -150,6 +150,13 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx)
     }
     /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
     AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
+    if (l->hook.fn != NULL) { /* before the dx product reuses col */
+      ac_hook_view v = {.kind = AC_HOOK_CONV, .weight = &l->weight,
+                        .bias = l->has_bias ? &l->bias : NULL, .batch = l->batch,
+                        .first = b0, .nimg = g.n, .cols = cols, .in = ckk, .out = oc,
+                        .npos = ohw, .a = col, .lda = cols, .g = dyc, .ldg = cols};
+      AC__TRY(l->hook.fn(l->hook.ctx, &v));
+    }
     AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols,
                      1.0f, dw, ckk)); /* dW += dy col^T */
     if (dx != NULL) {   /* dcol = W^T dy, then scattered back to the images */
@@ -315,6 +322,12 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
   /* With a fused ReLU and the residual's gradient asked for, g is written once and both
    * the residual and the dx pass read it unmasked. */
   float *gout = mask != NULL && dres != NULL ? l->dres : NULL;
+  if (l->hook.fn != NULL) { /* first: ac_batchnorm_xhat uses coef, which is free until below */
+    ac_hook_view v = {.kind = AC_HOOK_BATCHNORM, .weight = &l->weight, .bias = &l->bias,
+                      .batch = n, .rows = n, .in = c, .out = c, .npos = hw, .g = dy,
+                      .relu_y = mask, .bn = l};
+    AC__TRY(l->hook.fn(l->hook.ctx, &v));
+  }
   AC__TRY(ac_channel_grad_sums(be, n, c, hw, dy, mask, l->x, center, gout, sum_g, sum_gx));
   AC__TRY(ac_axpby(be, c, 1.0f, sum_g, 1.0f, ac_tensor_f32(&l->bias.grad),
                    ac_tensor_f32(&l->bias.grad)));

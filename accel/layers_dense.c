@@ -187,6 +187,13 @@ int ac_linear_backward(ac_linear *l, const float *dy, const float **dx)
   if (l->be == NULL || !l->ready || dy == NULL)
     return AC_EINVAL;
   int rc;
+  if (l->hook.fn != NULL) {
+    ac_hook_view v = {.kind = AC_HOOK_DENSE, .weight = &l->weight,
+                      .bias = l->has_bias ? &l->bias : NULL, .batch = l->rows,
+                      .rows = l->rows, .in = l->in, .out = l->out, .a = l->x, .lda = l->in,
+                      .g = dy, .ldg = l->out};
+    AC__TRY(l->hook.fn(l->hook.ctx, &v));
+  }
   /* dW += dy^T x; db += column sums of dy; dx = dy W. */
   AC__TRY(ac_sgemm(l->be, AC_TRANS, AC_NO_TRANS, l->out, l->in, l->rows, 1.0f, dy, l->out,
                    l->x, l->in, 1.0f, ac_tensor_f32(&l->weight.grad), l->in));

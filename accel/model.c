@@ -646,3 +646,35 @@ int ac_resnet_backward(ac_resnet *m)
 fail:
   return rc;
 }
+
+/* ------------------------------------------------------------------------------------ */
+/* Curvature hooks                                                                         */
+
+void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook)
+{
+  ac_hook h = hook != NULL ? *hook : (ac_hook){NULL, NULL};
+  m->stem.hook = h;
+  m->stem_bn.hook = h;
+  for (size_t i = 0; m->blocks != NULL && i < m->nblocks; i++) {
+    ac_basicblock *b = &m->blocks[i];
+    b->conv1.hook = b->conv2.hook = h;
+    b->bn1.hook = b->bn2.hook = h;
+    if (b->has_short) {
+      b->sconv.hook = h;
+      b->sbn.hook = h;
+    }
+  }
+  m->fc.hook = h;
+}
+
+void ac_lm_set_hook(ac_lm *m, const ac_hook *hook)
+{
+  ac_hook h = hook != NULL ? *hook : (ac_hook){NULL, NULL};
+  for (size_t i = 0; m->blocks != NULL && i < m->cfg.layers; i++) {
+    ac_tblock *b = &m->blocks[i];
+    b->attn.qkv.hook = b->attn.proj.hook = h;
+    b->fc1.hook = b->fc2.hook = h;
+  }
+  /* A tied head's weight is the embedding matrix: no layer of its own to precondition. */
+  m->head.hook = m->cfg.tie_head ? (ac_hook){NULL, NULL} : h;
+}

@@ -320,6 +320,20 @@ int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos
                           const float *dy, float loss_scale, size_t batch, int accumulate,
                           float *g_packed);
 
+/* The same conv factors from what conv2d's curvature hook shows (AC_HOOK_CONV, layers.h):
+ * one chunk's im2col columns col as ac_im2col_batch lays them out (ckk rows of cols = nimg
+ * npos values, row stride ldc) and its output gradient channel-major dyc (out_c rows of cols
+ * values, row stride ldd). One syrk each for the whole chunk:
+ *   A += (1/(batch npos)) [col; 1][col; 1]^T,   G += (s^2 / batch) dyc dyc^T.
+ * ws: ac_kfac_conv_cols_workspace_floats (0 without a bias). */
+size_t ac_kfac_conv_cols_workspace_floats(size_t ckk, size_t cols, int has_bias);
+int ac_kfac_conv_cols_factor_a(ac_backend *be, size_t ckk, size_t cols, const float *col,
+                               size_t ldc, size_t npos, int has_bias, size_t batch,
+                               int accumulate, float *a_packed, float *ws);
+int ac_kfac_conv_cols_factor_g(ac_backend *be, size_t out_c, size_t cols, const float *dyc,
+                               size_t ldd, float loss_scale, size_t batch, int accumulate,
+                               float *g_packed);
+
 /* Batch norm (Osawa et al. 2019): the diagonal Fisher of (gamma, beta) per channel from the
  * per-example gradients dgamma_n = s sum_hw dy xhat, dbeta_n = s sum_hw dy:
  * f_gamma[c] = (1/n) sum_n dgamma_n[c]^2, f_beta likewise. dy and xhat are (n, c, hw) (the

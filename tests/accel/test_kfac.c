@@ -129,6 +129,36 @@ static void patch(const ac_conv2d_geom *g, const float *x, size_t b, size_t oy, 
   v[k] = 1.0;
 }
 
+/* The conv factors fa (order ckk + bias) and fg (order oc) against brute force in double
+ * over nimg images x (NCHW) and output gradients dy (NCHW) with loss scale s. */
+static void check_conv_factors(ac_backend *be, const ac_conv2d_geom *g, const float *x,
+                               const float *dy, size_t nimg, size_t oc, float s, int bias,
+                               const float *fa, const float *fg) {
+  size_t oh, ow;
+  OK(ac_conv2d_out_hw(g, &oh, &ow));
+  const size_t npos = oh * ow, n = g->c * g->kh * g->kw + (size_t)bias;
+  double *ref = xcalloc(n * n, sizeof *ref), v[32];
+  for (size_t b = 0; b < nimg; b++)
+    for (size_t oy = 0; oy < oh; oy++)
+      for (size_t ox = 0; ox < ow; ox++) { /* one position at a time */
+        patch(g, x, b, oy, ox, v);
+        outer_add(n, v, 1.0 / (double)(nimg * npos), ref);
+      }
+  float *h = download(be, ac_packed_len(n), fa);
+  assert_true(packed_err(n, h, ref) < 1e-6);
+  free(h);
+  memset(ref, 0, n * n * sizeof *ref);
+  for (size_t b = 0; b < nimg; b++)
+    for (size_t t = 0; t < npos; t++) {
+      for (size_t o = 0; o < oc; o++) v[o] = s * dy[(b * oc + o) * npos + t];
+      outer_add(oc, v, 1.0 / (double)nimg, ref);
+    }
+  h = download(be, ac_packed_len(oc), fg);
+  assert_true(packed_err(oc, h, ref) < 1e-6);
+  free(h);
+  free(ref);
+}
+
 static void conv_case(ac_backend *be, size_t stride, int bias) {
   ac_conv2d_geom g = {.n = 3, .c = 2, .h = 5, .w = 4, .kh = 3, .kw = 3,
                       .stride_h = stride, .stride_w = stride, .pad_h = 1, .pad_w = 1};
@@ -148,30 +178,12 @@ static void conv_case(ac_backend *be, size_t stride, int bias) {
   OK(ac_kfac_conv_factor_a(be, 1, ckk, npos, col + 2 * ckk * npos, bias, nimg, 1, fa, ws));
   OK(ac_kfac_conv_factor_g(be, 2, oc, npos, ddy, s, nimg, 0, fg));
   OK(ac_kfac_conv_factor_g(be, 1, oc, npos, ddy + 2 * oc * npos, s, nimg, 1, fg));
-  double *ref = xcalloc(n * n, sizeof *ref), v[32];
-  for (size_t b = 0; b < nimg; b++)
-    for (size_t oy = 0; oy < oh; oy++)
-      for (size_t ox = 0; ox < ow; ox++) { /* one position at a time */
-        patch(&g, x, b, oy, ox, v);
-        outer_add(n, v, 1.0 / (double)(nimg * npos), ref);
-      }
-  float *h = download(be, ac_packed_len(n), fa);
-  assert_true(packed_err(n, h, ref) < 1e-6);
-  free(h);
-  memset(ref, 0, n * n * sizeof *ref);
-  for (size_t b = 0; b < nimg; b++)
-    for (size_t t = 0; t < npos; t++) {
-      for (size_t o = 0; o < oc; o++) v[o] = s * dy[(b * oc + o) * npos + t];
-      outer_add(oc, v, 1.0 / (double)nimg, ref);
-    }
-  h = download(be, ac_packed_len(oc), fg);
-  assert_true(packed_err(oc, h, ref) < 1e-6);
-  free(h);
+  check_conv_factors(be, &g, x, dy, nimg, oc, s, bias, fa, fg);
   assert_int_equal(ac_kfac_conv_factor_a(be, 4, ckk, npos, col, bias, 3, 0, fa, ws), AC_EINVAL);
   assert_int_equal(ac_kfac_conv_factor_g(be, 1, oc, npos, ddy, -1.0f, 3, 0, fg), AC_EINVAL);
   ac_free(be, dx); ac_free(be, ddy); ac_free(be, col); ac_free(be, ws); ac_free(be, fa);
   ac_free(be, fg);
-  free(x); free(dy); free(ref);
+  free(x); free(dy);
 }
 
 static void test_conv_factors(void **state) {
@@ -503,13 +515,171 @@ static void test_least_squares_step(void **state) {
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* Layer hooks: the factors from what dense, conv and batch-norm layers show in backward    */
+
+typedef struct {
+  ac_backend *be;
+  int calls[3];
+  size_t first_seen;
+  float s;
+  float *fa, *fg, *ws;                  /* dense and conv factors */
+  float *gmask, *xhat, *fgam, *fbeta, *bnws; /* batch norm */
+} hook_rec;
+
+/* A K-FAC worker's hook in miniature: every view turned into its factors. */
+static int record_hook(void *ctx, const ac_hook_view *v) {
+  hook_rec *r = ctx;
+  int rc = AC_OK, bias = v->bias != NULL;
+  r->calls[v->kind]++;
+  switch (v->kind) {
+  case AC_HOOK_DENSE:
+    rc = ac_kfac_dense_factor_a(r->be, v->rows, v->in, v->a, v->lda, bias, r->fa, r->ws);
+    if (rc == AC_OK) rc = ac_kfac_dense_factor_g(r->be, v->rows, v->out, v->g, v->ldg, r->s, r->fg);
+    break;
+  case AC_HOOK_CONV:
+    r->first_seen += v->first;
+    rc = ac_kfac_conv_cols_factor_a(r->be, v->in, v->cols, v->a, v->lda, v->npos, bias,
+                                    v->batch, v->first > 0, r->fa, r->ws);
+    if (rc == AC_OK)
+      rc = ac_kfac_conv_cols_factor_g(r->be, v->out, v->cols, v->g, v->ldg, r->s, v->batch,
+                                      v->first > 0, r->fg);
+    break;
+  case AC_HOOK_BATCHNORM: {
+    size_t count = v->batch * v->in * v->npos;
+    const float *g = v->g;
+    if (v->relu_y != NULL) { /* the gradient at the affine output: masked by the ReLU */
+      rc = ac_unary_backward(r->be, AC_UNARY_RELU, count, v->relu_y, v->g, r->gmask);
+      g = r->gmask;
+    }
+    if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, r->xhat);
+    if (rc == AC_OK)
+      rc = ac_kfac_bn_fisher(r->be, v->batch, v->in, v->npos, g, r->xhat, r->s, r->fgam,
+                             r->fbeta, r->bnws);
+    break;
+  }
+  }
+  return rc;
+}
+
+static void test_layer_hooks(void **state) {
+  ac_backend *be = backend(state);
+  hook_rec r = {.be = be, .s = 3.0f};
+  r.fa = dev_alloc(be, ac_packed_len(19));
+  r.fg = dev_alloc(be, ac_packed_len(4));
+  r.ws = dev_alloc(be, 19 * 60);
+  ac_hook hook = {record_hook, &r};
+
+  /* Convolution with a bias, 3 images in chunks of 2: the first chunk's gradient reaches
+   * the hook reordered channel-major, the second's as the NCHW slice. */
+  ac_conv2d conv;
+  OK(ac_conv2d_init(&conv, be, "c", 2, 4, 5, 4, 3, 1, 1, 1, 3, 2, NULL, 7));
+  ac_conv2d_geom g = conv.g;
+  g.n = 3;
+  size_t npos = conv.oh * conv.ow;
+  float *x = host_random(3 * 2 * 5 * 4), *dy = host_random(3 * 4 * npos);
+  float *dx = dev_upload(be, 3 * 2 * 5 * 4, x), *ddy = dev_upload(be, 3 * 4 * npos, dy);
+  const float *y = NULL, *gx = NULL;
+  OK(ac_conv2d_forward(&conv, dx, 3, &y));
+  OK(ac_conv2d_backward(&conv, ddy, &gx)); /* no hook: nothing called */
+  assert_int_equal(r.calls[AC_HOOK_CONV], 0);
+  conv.hook = hook;
+  OK(ac_conv2d_backward(&conv, ddy, &gx));
+  assert_int_equal(r.calls[AC_HOOK_CONV], 2);
+  assert_int_equal(r.first_seen, 2);
+  check_conv_factors(be, &g, x, dy, 3, 4, r.s, 1, r.fa, r.fg);
+  ac_conv2d_destroy(&conv);
+
+  /* Dense: the factors of the layer's own input and output gradient. */
+  ac_linear fc;
+  OK(ac_linear_init(&fc, be, "fc", 5, 4, 1, 9, 3));
+  float *xa = host_random(9 * 5), *ga = host_random(9 * 4);
+  float *dxa = dev_upload(be, 9 * 5, xa), *dga = dev_upload(be, 9 * 4, ga);
+  float *fa2 = dev_alloc(be, ac_packed_len(6)), *fg2 = dev_alloc(be, ac_packed_len(4));
+  OK(ac_linear_forward(&fc, dxa, 9, &y));
+  fc.hook = hook;
+  OK(ac_linear_backward(&fc, dga, &gx));
+  assert_int_equal(r.calls[AC_HOOK_DENSE], 1);
+  OK(ac_kfac_dense_factor_a(be, 9, 5, dxa, 5, 1, fa2, r.ws));
+  OK(ac_kfac_dense_factor_g(be, 9, 4, dga, 4, r.s, fg2));
+  float *h1 = download(be, ac_packed_len(6), r.fa), *h2 = download(be, ac_packed_len(6), fa2);
+  assert_memory_equal(h1, h2, ac_packed_len(6) * sizeof(float));
+  free(h1); free(h2);
+  h1 = download(be, ac_packed_len(4), r.fg);
+  h2 = download(be, ac_packed_len(4), fg2);
+  assert_memory_equal(h1, h2, ac_packed_len(4) * sizeof(float));
+  free(h1); free(h2);
+  ac_linear_destroy(&fc);
+
+  /* Batch norm with a fused ReLU: the diagonal Fisher of the gradient at the affine output
+   * (masked by the ReLU) against per-example sums in double on the host. */
+  const size_t n = 5, c = 3, hw = 4, cnt = n * c * hw;
+  ac_batchnorm bn;
+  OK(ac_batchnorm_init(&bn, be, "bn", c, hw, 1e-5f, 0.1f, n));
+  OK(ac_batchnorm_fuse_relu(&bn));
+  r.gmask = dev_alloc(be, cnt);
+  r.xhat = dev_alloc(be, cnt);
+  r.fgam = dev_alloc(be, c);
+  r.fbeta = dev_alloc(be, c);
+  r.bnws = dev_alloc(be, ac_kfac_bn_workspace_floats(n, c, hw));
+  float *xb = host_random(cnt), *gb = host_random(cnt);
+  float *dxb = dev_upload(be, cnt, xb), *dgb = dev_upload(be, cnt, gb);
+  OK(ac_batchnorm_forward(&bn, dxb, n, AC_MODE_TRAIN, &y));
+  float *hy = download(be, cnt, y);
+  bn.hook = hook;
+  OK(ac_batchnorm_backward(&bn, dgb, &gx));
+  assert_int_equal(r.calls[AC_HOOK_BATCHNORM], 1);
+  float *hg = download(be, c, r.fgam), *hb = download(be, c, r.fbeta);
+  for (size_t ch = 0; ch < c; ch++) {
+    double mean = 0.0, var = 0.0, fgam = 0.0, fbeta = 0.0;
+    for (size_t b = 0; b < n; b++)
+      for (size_t i = 0; i < hw; i++) mean += xb[(b * c + ch) * hw + i] / (double)(n * hw);
+    for (size_t b = 0; b < n; b++)
+      for (size_t i = 0; i < hw; i++) {
+        double d = xb[(b * c + ch) * hw + i] - mean;
+        var += d * d / (double)(n * hw);
+      }
+    for (size_t b = 0; b < n; b++) {
+      double dg = 0.0, db = 0.0;
+      for (size_t i = 0; i < hw; i++) {
+        size_t k = (b * c + ch) * hw + i;
+        double gm = hy[k] > 0.0f ? gb[k] : 0.0;
+        dg += r.s * gm * (xb[k] - mean) / sqrt(var + 1e-5);
+        db += r.s * gm;
+      }
+      fgam += dg * dg / (double)n;
+      fbeta += db * db / (double)n;
+    }
+    assert_true(fabs(hg[ch] - fgam) <= 1e-4 * fmax(fgam, 1e-3));
+    assert_true(fabs(hb[ch] - fbeta) <= 1e-4 * fmax(fbeta, 1e-3));
+  }
+  free(hg); free(hb); free(hy);
+  ac_batchnorm_destroy(&bn);
+
+  /* A failing hook fails backward with its code. */
+  ac_linear fc2;
+  OK(ac_linear_init(&fc2, be, "fc2", 5, 4, 0, 9, 3));
+  OK(ac_linear_forward(&fc2, dxa, 9, &y));
+  float *fa_keep = r.fa;
+  r.fa = NULL; /* the dense factor refuses a NULL output */
+  fc2.hook = hook;
+  assert_int_equal(ac_linear_backward(&fc2, dga, &gx), AC_EINVAL);
+  ac_linear_destroy(&fc2);
+
+  ac_free(be, fa_keep); ac_free(be, r.fg); ac_free(be, r.ws); ac_free(be, fa2); ac_free(be, fg2);
+  ac_free(be, r.gmask); ac_free(be, r.xhat); ac_free(be, r.fgam); ac_free(be, r.fbeta);
+  ac_free(be, r.bnws); ac_free(be, dx); ac_free(be, ddy); ac_free(be, dxa); ac_free(be, dga);
+  ac_free(be, dxb); ac_free(be, dgb);
+  free(x); free(dy); free(xa); free(ga); free(xb); free(gb);
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
 #define KFAC_TESTS                                                                            \
   cmocka_unit_test(test_dense_factors), cmocka_unit_test(test_conv_factors),                  \
   cmocka_unit_test(test_bn_fisher_fd), cmocka_unit_test(test_precondition),                   \
   cmocka_unit_test(test_eigen_precondition), cmocka_unit_test(test_kl_clip),                  \
-  cmocka_unit_test(test_least_squares_step)
+  cmocka_unit_test(test_least_squares_step), cmocka_unit_test(test_layer_hooks)
 
 int main(void)
 {
