@@ -58,6 +58,10 @@ static void pd__usage(FILE *f) {
 "  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
 "  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
 "                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
+"  --job-memory-limit-mb N  what one job may reserve (records, statistics, a root\n"
+"                           per block) in MiB; a Register above it gets\n"
+"                           RESOURCE_EXHAUSTED naming the job (default 0: no limit\n"
+"                           beyond --memory-limit-mb)\n"
 "  --max-blocks-per-job N   (default 65536)\n"
 "  --failure-threshold X    roots with a larger residual error are not published\n"
 "                           (default 0.1); the previous root stays\n"
@@ -187,7 +191,7 @@ static int pd__is_local(const char *addr) {
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
          O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
-         O_DRIFT, O_EXPIRY };
+         O_DRIFT, O_EXPIRY, O_JOBMEM };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -195,6 +199,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"io-threads", required_argument, NULL, O_IO},
       {"max-message-mb", required_argument, NULL, O_MSG},
       {"memory-limit-mb", required_argument, NULL, O_MEM},
+      {"job-memory-limit-mb", required_argument, NULL, O_JOBMEM},
       {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
       {"snapshot-interval", required_argument, NULL, O_SNAP},
       {"failure-threshold", required_argument, NULL, O_FAIL},
@@ -243,6 +248,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_MEM:
       if (pd__parse_num("--memory-limit-mb", optarg, 1, 1e9, &v)) return 2;
       cfg->memory_limit_bytes = (size_t)(v * 1048576.0);
+      break;
+    case O_JOBMEM:
+      if (pd__parse_num("--job-memory-limit-mb", optarg, 0, 1e9, &v)) return 2;
+      cfg->job_memory_limit_bytes = (size_t)(v * 1048576.0);
       break;
     case O_BLOCKS:
       if (pd__parse_num("--max-blocks-per-job", optarg, 1, 1e8, &v)) return 2;
@@ -466,6 +475,7 @@ int main(int argc, char **argv) {
     pd__config_free(&d.cfg);
     return 1;
   }
+  d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
   if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
   if (!*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");

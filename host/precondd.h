@@ -77,6 +77,8 @@ typedef struct {
   int io_threads;               /* completion-queue pollers */
   size_t max_message_bytes;
   size_t memory_limit_bytes;    /* statistics and roots held */
+  size_t job_memory_limit_bytes; /* what one job may reserve (pd_job_bytes); 0: no limit
+                                 * beyond memory_limit_bytes */
   uint32_t max_blocks_per_job;
   double snapshot_interval_s;   /* <= 0: only at shutdown */
   double failure_threshold;     /* roots with a larger error are not published */
@@ -390,6 +392,7 @@ typedef struct {
   pd_job **jobs;
   pd_stats *stats;
   size_t memory_limit;
+  size_t job_memory_limit;       /* 0: none; set after pd_store_init (main.c) */
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
   uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
@@ -423,11 +426,14 @@ int pd_job_same(const pd_job *a, const pd_job *b);
  * unit. */
 size_t pd_job_bytes(const pd_job *job);
 
+/* 1 if job's reservation (pd_job_bytes) is above the store's per-job limit. */
+int pd_store_job_over_limit(const pd_store *st, const pd_job *job);
+
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
  * its zeroed statistics if they are not allocated yet. *existing gets a new reference to a
  * job of the same name if there is one (then nothing is added, PD_OK is returned, the caller
  * keeps job and drops *existing with pd_job_unref; the lookup is that job's activity).
- * PD_ELIMIT when over the memory limit or PD_MAX_JOBS, PD_ENOMEM. */
+ * PD_ELIMIT when over the memory limit, the per-job limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
 /* A new reference to the job of that name (release it with pd_job_unref), or NULL. With

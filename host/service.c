@@ -174,6 +174,13 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
                                   : GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", why);
     goto cleanup;
   }
+  if (pd_store_job_over_limit(&d->store, job)) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "job \"%s\": needs %zu bytes for its records, statistics and roots, above the "
+             "per-job memory limit of %zu bytes (--job-memory-limit-mb)", req->job,
+             pd_job_bytes(job), d->store.job_memory_limit);
+    goto cleanup;
+  }
   pd_job *existing = NULL;
   rc = pd_store_add(&d->store, job, &existing);
   if (rc == PD_ELIMIT) {
@@ -629,6 +636,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.jobs_ended = atomic_load(&d->stats.jobs_ended);
   resp.jobs_expired = atomic_load(&d->stats.jobs_expired);
   resp.job_idle_expiry_s = d->cfg.job_idle_expiry_s > 0 ? d->cfg.job_idle_expiry_s : 0;
+  resp.job_memory_limit_bytes = d->store.job_memory_limit;
 
   size_t k = 0;
   for (size_t i = 0; i < njobs; i++) {
@@ -638,6 +646,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     js[i].mode = (Precond__V1__Mode)j->mode->id;
     js[i].blocks = (uint32_t)j->nblocks;
     js[i].idle_s = now - atomic_load(&j->last_active);
+    js[i].memory_bytes = pd_job_bytes(j);
     pthread_mutex_lock(&j->lock);
     js[i].workers = (uint32_t)j->nworkers;
     js[i].last_step = j->last_step;

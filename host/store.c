@@ -392,6 +392,10 @@ static size_t pd__stat_bytes(const pd_job *job) {
   return total;
 }
 
+int pd_store_job_over_limit(const pd_store *st, const pd_job *job) {
+  return st->job_memory_limit > 0 && pd_job_bytes(job) > st->job_memory_limit;
+}
+
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   *existing = NULL;
   pthread_rwlock_wrlock(&st->lock);
@@ -407,7 +411,8 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
    * root pair per block), so a running job never fails for memory later. */
   size_t held = 0;
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
-  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS) {
+  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
+      pd_store_job_over_limit(st, job)) {
     rc = PD_ELIMIT;
     goto done;
   }
