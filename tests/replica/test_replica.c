@@ -124,15 +124,21 @@ static int wait_exit(pid_t pid, long ms) {
   return -1;
 }
 
-static int log_has(const cluster *c, const char *needle) {
-  char path[128], buf[1 << 16];
-  snprintf(path, sizeof path, "%s/log", c->dir);
+/* 1 if the file's first 64 KiB hold needle. */
+static int file_has(const char *path, const char *needle) {
+  char buf[1 << 16];
   FILE *f = fopen(path, "r");
   if (!f) return 0;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
   fclose(f);
   buf[n] = '\0';
   return strstr(buf, needle) != NULL;
+}
+
+static int log_has(const cluster *c, const char *needle) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/log", c->dir);
+  return file_has(path, needle);
 }
 
 static void dump_log(const cluster *c) {
@@ -604,16 +610,6 @@ static int run_transformer(const char *dir, const char *out, int nworkers, const
     if (system(cmd) != 0) fprintf(stderr, "(no log)\n");
   }
   return st;
-}
-
-static int file_has(const char *path, const char *needle) {
-  char buf[1 << 14];
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = '\0';
-  return strstr(buf, needle) != NULL;
 }
 
 /* Two data-parallel workers, each on its own rank of two daemon replicas, with roots
