@@ -32,7 +32,7 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
                                  d->cfg.max_blocks_per_job),
                    PD_OK);
-  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold};
+  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, d->cfg.warm_roots};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
