@@ -60,6 +60,7 @@ struct precond_client {
   pthread_cond_t progress;   /* waiters: a send finished, roots arrived */
   pthread_t thread;
   int thread_started, stop;
+  int busy;                  /* the thread is in a round of calls for the job (mu released) */
 
   /* the job (under mu) */
   char *job;
@@ -515,6 +516,8 @@ static int push_some(precond_client *c)
  * their numbers. Called with mu held; returns with mu held. */
 static int recover_job(precond_client *c)
 {
+  if (c->job == NULL)
+    return PRECOND_OK; /* ended meanwhile (precond_end_job): nothing to bring back */
   uint64_t gen = c->job_gen;
   size_t len = c->register_len;
   uint8_t *reg = malloc(len ? len : 1);
@@ -544,6 +547,7 @@ static void *thread_main(void *arg)
       continue;
     }
     int st = PRECOND_OK, worked = 0;
+    c->busy = 1;
     if (passed(&next_poll)) {
       st = poll_roots(c);
       next_poll = deadline_in(c->opts.poll_interval_ms);
@@ -559,6 +563,8 @@ static void *thread_main(void *arg)
       recover_job(c);
       retry = 1;
     }
+    c->busy = 0;
+    pthread_cond_broadcast(&c->progress);
     if (retry) {
       /* The daemon is away (or has not got the job yet): back off before trying again,
        * doubling up to the cap; a successful call resets it. */
@@ -1155,6 +1161,42 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
 fail:
   precond_stats_destroy(s);
   return PRECOND_ENOMEM;
+}
+
+int precond_end_job(precond_client *c, const char *job, precond_ended *out)
+{
+  if (c == NULL)
+    return PRECOND_EINVAL;
+  pthread_mutex_lock(&c->mu);
+  const char *target = job != NULL ? job : c->job;
+  char *name = dup_str(target);
+  if (name == NULL) {
+    pthread_mutex_unlock(&c->mu);
+    return target == NULL ? PRECOND_EINVAL : PRECOND_ENOMEM;
+  }
+  if (c->job != NULL && strcmp(name, c->job) == 0) {
+    /* Our own job: forget it, and let a round of calls in flight for it finish, so the
+     * background thread cannot register it again after the daemon ended it. */
+    job_clear(c);
+    c->job_gen++;
+    struct timespec until = deadline_in(c->opts.call_timeout_ms);
+    while (c->busy && pthread_cond_timedwait(&c->progress, &c->mu, &until) != ETIMEDOUT) {
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  Precond__V1__EndJobRequest req = PRECOND__V1__END_JOB_REQUEST__INIT;
+  req.job = name;
+  ProtobufCMessage *msg = NULL;
+  int st = call(c, RPC_METHOD_END_JOB, &req.base, &precond__v1__end_job_response__descriptor,
+                c->opts.wait_for_ready, &msg);
+  if (st == PRECOND_OK && out != NULL) {
+    const Precond__V1__EndJobResponse *r = (const Precond__V1__EndJobResponse *)msg;
+    *out = (precond_ended){.blocks = r->blocks, .last_step = r->last_step, .bytes = r->bytes};
+  }
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  free(name);
+  return st;
 }
 
 int precond_get_stats(precond_client *c, const char *job, int blocks, precond_stats *out)

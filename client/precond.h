@@ -302,6 +302,24 @@ typedef struct {
 void precond_get_counters(precond_client *client, precond_counters *out);
 
 /* ------------------------------------------------------------------------------------ */
+/* Ending a job (blocking, up to the call deadline)                                       */
+
+/* What an ended job held. */
+typedef struct {
+  uint32_t blocks;             /* its units */
+  uint64_t last_step;          /* its newest step pushed */
+  uint64_t bytes;              /* its reservation under the daemon's memory limit, now free */
+} precond_ended;
+
+/* EndJob: the daemon frees job (NULL: this client's registered job) and leaves it out of its
+ * snapshots; PRECOND_ENOTFOUND if it holds no such job. When it is this client's job, the
+ * client forgets it first (pushes still queued are discarded, roots held stay valid until
+ * released; push and fetch then fail with EINVAL until precond_register), so its background
+ * thread does not register it again. Another client still working on the job will: end a
+ * job once its workers are done. out may be NULL. */
+int precond_end_job(precond_client *client, const char *job, precond_ended *out);
+
+/* ------------------------------------------------------------------------------------ */
 /* Daemon stats and health (blocking, up to the call deadline)                            */
 
 /* How many steps old a block's root was when a push of a newer step arrived (the age a

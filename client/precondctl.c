@@ -1,6 +1,6 @@
 /*
- * precondctl.c -- the operator's CLI for precondd: daemon stats, per-block figures and a
- * health probe, as tables (default) or JSON (--json), built on libprecond.
+ * precondctl.c -- the operator's CLI for precondd: daemon stats, per-block figures, a
+ * health probe and ending a job, as tables (default) or JSON (--json), built on libprecond.
  *
  * Exit status: 0 success (health: SERVING); 1 usage error; 2 daemon unreachable or an RPC
  * failed (one line on stderr says why); 3 health answered but not SERVING.
@@ -20,13 +20,15 @@ static void usage(FILE *f)
 {
   fprintf(f,
           "usage: precondctl [--addr A] [--token-file F] [--timeout MS] [--job J] [--json]\n"
-          "                  stats|health|blocks\n"
+          "                  stats|health|blocks|end-job JOB\n"
           "\n"
           "  stats    daemon-wide figures and the job table (GetStats)\n"
           "  blocks   per-block figures: versions, staleness, roots, errors (GetStats);\n"
           "           K-FAC layers in their own table: factor orders A and G, pi, the\n"
           "           dampings and age of the published inverses, compute time\n"
           "  health   grpc.health.v1 check; exit 0 if SERVING, 3 otherwise\n"
+          "  end-job JOB  EndJob: the daemon frees the job's statistics and roots and\n"
+          "           leaves it out of its snapshots (end a job once its workers are done)\n"
           "\n"
           "  --addr A        daemon address, host:port or unix:/path (default %s,\n"
           "                  or $PRECOND_ADDR)\n"
@@ -70,7 +72,7 @@ static char *read_token(const char *path)
 int main(int argc, char **argv)
 {
   const char *addr = getenv("PRECOND_ADDR");
-  const char *token_file = NULL, *job = NULL, *cmd = NULL;
+  const char *token_file = NULL, *job = NULL, *cmd = NULL, *arg = NULL;
   int json = 0, timeout_ms = 2000;
   if (addr == NULL || addr[0] == '\0')
     addr = DEFAULT_ADDR;
@@ -109,6 +111,8 @@ int main(int argc, char **argv)
       return EXIT_USAGE;
     } else if (cmd == NULL) {
       cmd = a;
+    } else if (arg == NULL && strcmp(cmd, "end-job") == 0) {
+      arg = a;
     } else {
       fprintf(stderr, "precondctl: one command only, got '%s' and '%s'\n", cmd, a);
       return EXIT_USAGE;
@@ -119,9 +123,14 @@ int main(int argc, char **argv)
     return EXIT_USAGE;
   }
   int is_stats = strcmp(cmd, "stats") == 0, is_blocks = strcmp(cmd, "blocks") == 0;
-  int is_health = strcmp(cmd, "health") == 0;
-  if (!is_stats && !is_blocks && !is_health) {
-    fprintf(stderr, "precondctl: unknown command '%s' (stats, health or blocks)\n", cmd);
+  int is_health = strcmp(cmd, "health") == 0, is_end = strcmp(cmd, "end-job") == 0;
+  if (!is_stats && !is_blocks && !is_health && !is_end) {
+    fprintf(stderr, "precondctl: unknown command '%s' (stats, health, blocks or end-job)\n",
+            cmd);
+    return EXIT_USAGE;
+  }
+  if (is_end && (arg == NULL || arg[0] == '\0')) {
+    fprintf(stderr, "precondctl: end-job needs the job's name (see --help)\n");
     return EXIT_USAGE;
   }
 
@@ -148,7 +157,22 @@ int main(int argc, char **argv)
     goto cleanup;
   }
 
-  if (is_health) {
+  if (is_end) {
+    precond_ended e;
+    st = precond_end_job(client, arg, &e);
+    if (st == PRECOND_OK) {
+      if (json) {
+        printf("{\"job\": ");
+        precond__json_string(stdout, arg);
+        printf(", \"ended\": true, \"blocks\": %u, \"last_step\": %llu, \"bytes\": %llu}\n",
+               e.blocks, (unsigned long long)e.last_step, (unsigned long long)e.bytes);
+      } else
+        printf("ended job %s: %u blocks, last step %llu, %llu bytes freed\n", arg, e.blocks,
+               (unsigned long long)e.last_step, (unsigned long long)e.bytes);
+      rc = 0;
+      goto cleanup;
+    }
+  } else if (is_health) {
     int serving = 0;
     const char *name = NULL;
     st = precond_health(client, "", &serving, &name);

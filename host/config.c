@@ -23,5 +23,6 @@ void pd_config_default(pd_config *cfg) {
    * (docs/precondd.md, "Root pool"). */
   cfg->drift_threshold = 0.01;
   cfg->grace_s = 5;
+  cfg->job_idle_expiry_s = 0; /* off: a paused job (a checkpointed run) keeps its statistics */
   cfg->log_level = PD_LOG_INFO;
 }

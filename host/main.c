@@ -65,6 +65,8 @@ static void pd__usage(FILE *f) {
 "                           and random probes) since its root keeps it (default 0.01;\n"
 "                           0: always compute)\n"
 "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
+"  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
+"                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
 "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
 "  --help                   this text\n"
 "  --version                print the version\n"
@@ -185,7 +187,7 @@ static int pd__is_local(const char *addr) {
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
          O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
-         O_DRIFT };
+         O_DRIFT, O_EXPIRY };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -198,6 +200,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"failure-threshold", required_argument, NULL, O_FAIL},
       {"drift-threshold", required_argument, NULL, O_DRIFT},
       {"grace-period", required_argument, NULL, O_GRACE},
+      {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
       {"token-file", required_argument, NULL, O_TOKEN},
       {"insecure-token", no_argument, NULL, O_INSECURE},
       {"tls-cert", required_argument, NULL, O_CERT},
@@ -260,6 +263,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_GRACE:
       if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
       cfg->grace_s = v;
+      break;
+    case O_EXPIRY:
+      if (pd__parse_num("--job-idle-expiry", optarg, 0, 1e9, &v)) return 2;
+      cfg->job_idle_expiry_s = v;
       break;
     case O_TOKEN:
       if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
@@ -483,12 +490,15 @@ int main(int argc, char **argv) {
 
   uint64_t seen_gen = atomic_load(&d.store.generation);
   uint64_t seen_roots = atomic_load(&d.stats.roots_computed);
+  uint64_t seen_removed = atomic_load(&d.store.removed);
   double next = pd_now() + d.cfg.snapshot_interval_s;
   for (;;) {
+    /* At least once a second: the idle expiry, and ended jobs written out. */
     double wait = 1.0;
     if (*d.cfg.state_dir && d.cfg.snapshot_interval_s > 0) {
       wait = next - pd_now();
       if (wait < 0.001) wait = 0.001;
+      if (wait > 1.0) wait = 1.0;
     }
     struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
     int sig = sigtimedwait(&set, NULL, &ts);
@@ -496,7 +506,13 @@ int main(int argc, char **argv) {
       pd_log(PD_LOG_INFO, "%s received: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
       break;
     }
+    pd_service_expire(&d, pd_now());
+    /* An ended job must not come back after a crash: the snapshot without it is written
+     * now rather than an interval later. */
+    uint64_t removed = atomic_load(&d.store.removed);
+    if (removed != seen_removed) next = pd_now();
     if (*d.cfg.state_dir && d.cfg.snapshot_interval_s > 0 && pd_now() >= next) {
+      seen_removed = removed;
       uint64_t gen = atomic_load(&d.store.generation);
       uint64_t roots = atomic_load(&d.stats.roots_computed);
       if (gen != seen_gen || roots != seen_roots) {

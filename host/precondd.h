@@ -82,6 +82,8 @@ typedef struct {
   double failure_threshold;     /* roots with a larger error are not published */
   double drift_threshold;       /* statistics that moved less keep their root (scheduler.c) */
   double grace_s;               /* calls in flight get this long at shutdown */
+  double job_idle_expiry_s;     /* a job with no Register, push or fetch for this long is
+                                 * ended (main.c checks once a second); <= 0: never */
   pd_log_level log_level;
 } pd_config;
 
@@ -120,6 +122,8 @@ typedef struct {
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
   _Atomic uint64_t snapshots_written;
+  _Atomic uint64_t jobs_ended;     /* by EndJob */
+  _Atomic uint64_t jobs_expired;   /* by the idle expiry */
   _Atomic int64_t memory_bytes;  /* statistics and roots currently allocated */
   pthread_mutex_t lock;          /* guards the ring and the staleness histogram below */
   double ring[PD_STATS_WINDOW];
@@ -355,7 +359,13 @@ uint64_t pd_le_get(const unsigned char *in, int bytes);
 
 #define PD_MAX_WORKER_NAMES 64
 
+/* A job is reference-counted: the store holds one reference while the job is listed, and
+ * every call or queued computation that uses it holds one (pd_store_get, pd_job_ref), so an
+ * ended job is freed by whoever drops the last reference, never under a reader. */
 struct pd_job {
+  _Atomic int refs;              /* 1 from pd_job_build: its builder's */
+  _Atomic int ended;             /* removed from the store: queued work for it is skipped */
+  _Atomic double last_active;    /* pd_now() of its last Register, push or fetch */
   char *name;
   const pd_mode *mode;
   _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX]; /* the mode's, resolved */
@@ -375,7 +385,7 @@ struct pd_job {
 };
 
 typedef struct {
-  pthread_rwlock_t lock;         /* guards the job list; jobs live until pd_store_destroy */
+  pthread_rwlock_t lock;         /* guards the job list (each listed job: one reference) */
   size_t njobs, cap;
   pd_job **jobs;
   pd_stats *stats;
@@ -383,6 +393,7 @@ typedef struct {
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
   uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
+  _Atomic uint64_t removed;      /* jobs removed (ended or expired): main.c snapshots soon */
 } pd_store;
 
 int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
@@ -396,7 +407,14 @@ void pd_store_destroy(pd_store *st);
 int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t ntensors,
                  const pd_tensor *tensors, uint32_t max_blocks, pd_job **out, char *err,
                  size_t errlen);
+/* Frees a job whose only reference its caller holds (one it built and did not add, or one
+ * nothing else can reach any more). NULL is a no-op. */
 void pd_job_free(pd_job *job, pd_stats *stats);
+/* Takes one more reference to job. */
+void pd_job_ref(pd_job *job);
+/* Drops one reference; the last frees the job (pd_job_free, its memory uncounted from
+ * stats). NULL is a no-op. */
+void pd_job_unref(pd_job *job, pd_stats *stats);
 
 /* Returns 1 when two jobs have the same mode, options and tensors. */
 int pd_job_same(const pd_job *a, const pd_job *b);
@@ -406,13 +424,27 @@ int pd_job_same(const pd_job *a, const pd_job *b);
 size_t pd_job_bytes(const pd_job *job);
 
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
- * its zeroed statistics if they are not allocated yet. *existing gets a job of the same
- * name if there is one (then nothing is added, PD_OK is returned and the caller keeps job).
+ * its zeroed statistics if they are not allocated yet. *existing gets a new reference to a
+ * job of the same name if there is one (then nothing is added, PD_OK is returned, the caller
+ * keeps job and drops *existing with pd_job_unref; the lookup is that job's activity).
  * PD_ELIMIT when over the memory limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
-/* The job of that name or NULL. Jobs are never freed while the store lives. */
-pd_job *pd_store_find(pd_store *st, const char *name);
+/* A new reference to the job of that name (release it with pd_job_unref), or NULL. With
+ * touch, the lookup counts as the job's activity (its idle clock restarts): workers' calls
+ * touch, GetStats does not. */
+pd_job *pd_store_get(pd_store *st, const char *name, int touch);
+
+/* The jobs listed now, in the store's order, each with a new reference; *n gets their
+ * count. NULL on out of memory. The caller releases them with pd_store_list_free. */
+pd_job **pd_store_list(pd_store *st, size_t *n);
+void pd_store_list_free(pd_job **jobs, size_t n, pd_stats *stats);
+
+/* Removes the job of that name from the store and returns the store's reference to it (the
+ * caller drops it with pd_job_unref once nothing is queued for it), or NULL if there is none.
+ * With idle_s > 0 only a job idle for longer than idle_s at time now is removed, and name
+ * NULL takes the first such job. The job is marked ended; generation and removed count it. */
+pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double now);
 
 /* Records a worker name for the job's stats (bounded). */
 void pd_job_note_worker(pd_job *job, const char *worker);
@@ -501,6 +533,9 @@ int pd_sched_mark(pd_sched *s, pd_block *b);
 uint64_t pd_sched_depth(pd_sched *s);
 /* Stops the workers after their current computation; queued blocks stay unqueued. */
 void pd_sched_stop(pd_sched *s);
+/* Unqueues every block of job (an ended job) and drops the references their queue entries
+ * held; a block being computed finishes and is not queued again. */
+void pd_sched_forget(pd_sched *s, pd_job *job);
 /* Runs the drift test and, unless it skips, computes the roots of b now, on the calling
  * thread, publishing them if they pass the failure rule. PD_OK with *outcome set, or
  * PD_ENOMEM (nothing changed). */
@@ -544,6 +579,7 @@ typedef enum {
   PD_M_FETCH,
   PD_M_STATS,
   PD_M_HEALTH,
+  PD_M_END_JOB,  /* after the first five: the fuzz corpus picks methods by index */
   PD_M_COUNT
 } pd_method;
 
@@ -561,6 +597,24 @@ typedef struct {
  * reply. Never fails otherwise: every error becomes a status. */
 void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
                        pd_reply *reply);
+
+/* What an ended job held, for the EndJob answer and the log. */
+typedef struct {
+  uint32_t blocks;
+  uint64_t last_step;
+  uint64_t bytes;   /* pd_job_bytes: its reservation under the memory limit, now free */
+} pd_job_ended;
+
+/* Ends the job of that name (or with idle_s > 0, the first job idle for longer than idle_s
+ * at time now, when name is NULL): removed from the store, its queued computations dropped,
+ * freed once the calls in flight for it finish; counted in stats (ended or expired) and
+ * logged. PD_OK with *out filled, or PD_ENOENT. */
+int pd_service_end_job(pd_daemon *d, const char *name, double idle_s, double now,
+                       pd_job_ended *out);
+
+/* Ends every job idle for longer than cfg.job_idle_expiry_s at time now (no-op when that is
+ * off); returns how many. main.c calls it once a second. */
+size_t pd_service_expire(pd_daemon *d, double now);
 
 typedef struct pd_server pd_server;
 

@@ -271,16 +271,24 @@ static void *pd__worker(void *arg) {
     pthread_mutex_unlock(&s->lock);
 
     pd_root_outcome outcome;
-    pd_sched_compute(b, s->stats, &s->rules, &outcome); /* no memory: logged, retried at
-                                                          * the block's next push */
+    if (!atomic_load(&b->job->ended)) /* an ended job's roots would go nowhere */
+      pd_sched_compute(b, s->stats, &s->rules, &outcome); /* no memory: logged, retried at
+                                                            * the block's next push */
 
     pthread_mutex_lock(&s->lock);
     atomic_fetch_sub(&s->busy, 1);
     b->computing = 0;
-    if (b->redo && !s->stopping) {
+    if (b->redo && !s->stopping && !atomic_load(&b->job->ended)) {
       b->redo = 0;
       b->queued = 1;
-      s->queue[s->len++] = b; /* room: the slot this block left is still counted in cap */
+      s->queue[s->len++] = b; /* room: the slot this block left is still counted in cap;
+                               * the queue entry keeps the job reference */
+    } else {
+      b->redo = 0;
+      /* The entry's job reference; the last one frees an ended job, not under the lock. */
+      pthread_mutex_unlock(&s->lock);
+      pd_job_unref(b->job, s->stats);
+      pthread_mutex_lock(&s->lock);
     }
   }
   pthread_mutex_unlock(&s->lock);
@@ -343,6 +351,7 @@ int pd_sched_mark(pd_sched *s, pd_block *b) {
     s->cap = ncap;
   }
   b->queued = 1;
+  pd_job_ref(b->job); /* dropped when the computation ends: the job outlives its entries */
   s->queue[s->len++] = b;
   pthread_cond_signal(&s->cond);
 done:
@@ -357,13 +366,47 @@ uint64_t pd_sched_depth(pd_sched *s) {
   return n;
 }
 
+/* Drops the job references of queue entries taken out (their blocks unqueued under the
+ * lock); called without the lock, since a last reference frees the job. */
+static void pd__drop_entries(pd_sched *s, pd_block **taken, size_t n) {
+  for (size_t i = 0; i < n; i++) pd_job_unref(taken[i]->job, s->stats);
+}
+
+void pd_sched_forget(pd_sched *s, pd_job *job) {
+  pthread_mutex_lock(&s->lock);
+  /* The entries of job are taken out under the lock and their references dropped after. */
+  size_t keep = 0, n = 0;
+  pd_block **taken = malloc((s->len ? s->len : 1) * sizeof *taken);
+  for (size_t i = 0; i < s->len; i++) {
+    pd_block *b = s->queue[i];
+    if (b->job == job && taken) {
+      b->queued = 0;
+      taken[n++] = b;
+    } else {
+      s->queue[keep++] = b;
+    }
+  }
+  s->len = keep;
+  for (size_t i = 0; i < job->nblocks; i++) job->blocks[i].redo = 0;
+  pthread_mutex_unlock(&s->lock);
+  /* Without memory for the list, the entries stay and the workers skip them (ended). */
+  pd__drop_entries(s, taken, n);
+  free(taken);
+}
+
 void pd_sched_stop(pd_sched *s) {
   pthread_mutex_lock(&s->lock);
   s->stopping = 1;
-  for (size_t i = 0; i < s->len; i++) s->queue[i]->queued = 0;
+  pd_block **taken = s->queue;
+  size_t n = s->len;
+  for (size_t i = 0; i < n; i++) taken[i]->queued = 0;
+  s->queue = NULL;
+  s->cap = 0;
   s->len = 0;
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
+  pd__drop_entries(s, taken, n);
+  free(taken);
   for (int i = 0; i < s->nthreads; i++) pthread_join(s->threads[i], NULL);
   free(s->threads);
   free(s->queue);

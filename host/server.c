@@ -353,7 +353,9 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
 
 /* Waits until the shutdown notification came, or (when idle_too) no call is in flight, for
  * at most timeout_s (< 0: no limit). Returns the number of calls in flight then (0 when the
- * notification came). */
+ * notification came). With idle_too < 0 it waits for both: the notification can come while
+ * a cancelled call's handler still runs and is about to start its reply batch, which must
+ * not reach a completion queue already shut down (gRPC asserts). */
 static size_t pd__wait_shutdown(pd_server *srv, double timeout_s, int idle_too) {
   pthread_mutex_lock(&srv->lock);
   struct timespec until;
@@ -361,7 +363,8 @@ static size_t pd__wait_shutdown(pd_server *srv, double timeout_s, int idle_too) 
   double t = (double)until.tv_sec + 1e-9 * (double)until.tv_nsec + timeout_s;
   until.tv_sec = (time_t)t;
   until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
-  while (!srv->shutdown_done && !(idle_too && srv->in_flight == 0)) {
+  while (idle_too < 0 ? !(srv->shutdown_done && srv->in_flight == 0)
+                      : !srv->shutdown_done && !(idle_too && srv->in_flight == 0)) {
     if (timeout_s < 0)
       pthread_cond_wait(&srv->cond, &srv->lock);
     else if (pthread_cond_timedwait(&srv->cond, &srv->lock, &until) != 0)
@@ -385,7 +388,7 @@ void pd_server_stop(pd_server *srv, double grace_s) {
       pd_log(PD_LOG_WARN, "shutdown: %zu calls still in flight after %.1f s: cancelling them",
              left, grace_s);
     grpc_server_cancel_all_calls(srv->server);
-    pd__wait_shutdown(srv, -1, 0);
+    pd__wait_shutdown(srv, -1, -1);
   } else {
     grpc_server_cancel_all_calls(srv->server);
   }

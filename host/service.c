@@ -9,6 +9,8 @@
  *                        different tensors or options
  *   RESOURCE_EXHAUSTED   over the message size, block count or memory limit
  *   UNIMPLEMENTED        modes other than Shampoo and K-FAC
+ * Handlers hold a reference to the job they serve (pd_store_get), so an EndJob or an idle
+ * expiry meanwhile frees the job only when they are done with it.
  */
 #include "precondd.h"
 
@@ -23,12 +25,13 @@
 
 const char *const pd_method_paths[PD_M_COUNT] = {
     RPC_METHOD_REGISTER, RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_FETCH_PRECONDITIONERS,
-    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK};
+    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK, RPC_METHOD_END_JOB};
 
 static const ProtobufCMessageDescriptor *const pd__req_desc[PD_M_COUNT] = {
     &precond__v1__register_request__descriptor, &precond__v1__push_request__descriptor,
     &precond__v1__fetch_request__descriptor, &precond__v1__stats_request__descriptor,
-    &grpc__health__v1__health_check_request__descriptor};
+    &grpc__health__v1__health_check_request__descriptor,
+    &precond__v1__end_job_request__descriptor};
 
 static void pd__fail(pd_reply *rep, grpc_status_code code, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -151,7 +154,8 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     return;
   }
   pd_tensor *tensors = calloc(req->n_tensors ? req->n_tensors : 1, sizeof *tensors);
-  pd_job *job = NULL;
+  pd_job *job = NULL;  /* built here, until the store takes it */
+  pd_job *held = NULL; /* this call's reference to the job in the store */
   Precond__V1__BlockInfo *infos = NULL;
   Precond__V1__BlockInfo **info_ptrs = NULL;
   if (!tensors) {
@@ -185,6 +189,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     goto cleanup;
   }
   if (existing) {
+    held = existing; /* the reference pd_store_add took for us */
     if (!pd_job_same(existing, job)) {
       pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
                "job: \"%s\" is already registered with different tensors or options",
@@ -192,15 +197,15 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
       goto cleanup;
     }
     pd_job_free(job, &d->stats); /* a restarted worker: answer with the job we hold */
-    job = existing;
   } else {
+    held = job; /* owned by the store now; this call takes its own reference */
+    pd_job_ref(held);
     char how[256];
-    job->mode->describe(job->opts, how, sizeof how);
+    held->mode->describe(held->opts, how, sizeof how);
     pd_log(PD_LOG_INFO, "registered job %s (%s: %s): %zu tensors, %zu units, %zu diagonal",
-           job->name, job->mode->name, how, job->ntensors, job->nblocks, job->ndiag);
+           held->name, held->mode->name, how, held->ntensors, held->nblocks, held->ndiag);
   }
-  pd_job *held = job;
-  job = NULL; /* owned by the store now */
+  job = NULL;
   pd_job_note_worker(held, req->worker);
 
   Precond__V1__RegisterResponse resp = PRECOND__V1__REGISTER_RESPONSE__INIT;
@@ -234,6 +239,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
 
 cleanup:
   if (job) pd_job_free(job, &d->stats);
+  pd_job_unref(held, &d->stats);
   free(tensors);
   free(infos);
   free(info_ptrs);
@@ -338,7 +344,7 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
              (unsigned long long)req->step);
     goto rejected;
   }
-  pd_job *job = pd_store_find(&d->store, req->job);
+  pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
     pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
              "job: \"%s\" is not registered (call Register before PushStatistics)", req->job);
@@ -413,6 +419,7 @@ cleanup:
   free(parts);
   free(seen);
   free(blocks);
+  pd_job_unref(job, &d->stats);
   if (ok) return;
 rejected:
   atomic_fetch_add(&d->stats.rejected_pushes, 1);
@@ -455,7 +462,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "encoding: %d is unknown", (int)req->encoding);
     return;
   }
-  pd_job *job = pd_store_find(&d->store, req->job);
+  pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
     pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
     return;
@@ -542,6 +549,7 @@ cleanup:
   free(ptrs);
   free(mats);
   free(owned);
+  pd_job_unref(job, &d->stats);
 }
 
 /* ---- GetStats ------------------------------------------------------------------------- */
@@ -556,23 +564,29 @@ static void pd__stale_wire(const pd_stale_summary *s, Precond__V1__StalenessStat
 }
 
 static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_reply *rep) {
-  pd_job *only = NULL;
+  /* Every job listed, or the one asked for, each referenced until the answer is packed. */
+  size_t njobs = 0, total_jobs;
+  pd_job **jobs = NULL;
   if (req->job && *req->job) {
-    only = pd_store_find(&d->store, req->job);
+    pd_job *only = pd_store_get(&d->store, req->job, 0); /* a look is no activity */
     if (!only) {
       pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
       return;
     }
+    if ((jobs = malloc(sizeof *jobs)) != NULL) {
+      jobs[0] = only;
+      njobs = 1;
+    } else {
+      pd_job_unref(only, &d->stats);
+    }
+    pthread_rwlock_rdlock(&d->store.lock);
+    total_jobs = d->store.njobs;
+    pthread_rwlock_unlock(&d->store.lock);
+  } else {
+    jobs = pd_store_list(&d->store, &njobs);
+    total_jobs = njobs;
   }
-  pthread_rwlock_rdlock(&d->store.lock);
-  size_t njobs = d->store.njobs, total_jobs = njobs;
-  pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs && njobs) memcpy(jobs, d->store.jobs, njobs * sizeof *jobs);
-  pthread_rwlock_unlock(&d->store.lock);
-  if (only && jobs) {
-    jobs[0] = only;
-    njobs = 1;
-  }
+  double now = pd_now();
   size_t nblk = 0;
   for (size_t i = 0; jobs && req->blocks && i < njobs; i++) nblk += jobs[i]->nblocks;
   Precond__V1__JobStats *js = calloc(njobs ? njobs : 1, sizeof *js);
@@ -612,6 +626,9 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.snapshots_written = atomic_load(&d->stats.snapshots_written);
   double snap = atomic_load(&d->stats.last_snapshot_time);
   resp.last_snapshot_age_s = snap > 0 ? pd_now() - snap : 0;
+  resp.jobs_ended = atomic_load(&d->stats.jobs_ended);
+  resp.jobs_expired = atomic_load(&d->stats.jobs_expired);
+  resp.job_idle_expiry_s = d->cfg.job_idle_expiry_s > 0 ? d->cfg.job_idle_expiry_s : 0;
 
   size_t k = 0;
   for (size_t i = 0; i < njobs; i++) {
@@ -620,6 +637,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     js[i].job = j->name;
     js[i].mode = (Precond__V1__Mode)j->mode->id;
     js[i].blocks = (uint32_t)j->nblocks;
+    js[i].idle_s = now - atomic_load(&j->last_active);
     pthread_mutex_lock(&j->lock);
     js[i].workers = (uint32_t)j->nworkers;
     js[i].last_step = j->last_step;
@@ -675,13 +693,67 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   pd__answer(d, rep, &resp.base);
 
 cleanup:
-  free(jobs);
+  pd_store_list_free(jobs, njobs, &d->stats);
   free(js);
   free(jsp);
   free(bs);
   free(bsp);
   free(texts);
   free(bst);
+}
+
+/* ---- EndJob and the idle expiry -------------------------------------------------------- */
+
+int pd_service_end_job(pd_daemon *d, const char *name, double idle_s, double now,
+                       pd_job_ended *out) {
+  pd_job *job = pd_store_remove(&d->store, name, idle_s, now);
+  if (!job) return PD_ENOENT;
+  pthread_mutex_lock(&job->lock);
+  out->last_step = job->last_step;
+  pthread_mutex_unlock(&job->lock);
+  out->blocks = (uint32_t)job->nblocks;
+  out->bytes = pd_job_bytes(job);
+  int expired = idle_s > 0;
+  atomic_fetch_add(expired ? &d->stats.jobs_expired : &d->stats.jobs_ended, 1);
+  if (expired)
+    pd_log(PD_LOG_INFO, "job %s expired: idle for %.1f s (--job-idle-expiry %g); %u units, "
+           "last step %llu, %llu bytes freed", job->name, now - atomic_load(&job->last_active),
+           idle_s, out->blocks, (unsigned long long)out->last_step,
+           (unsigned long long)out->bytes);
+  else
+    pd_log(PD_LOG_INFO, "job %s ended: %u units, last step %llu, %llu bytes freed", job->name,
+           out->blocks, (unsigned long long)out->last_step, (unsigned long long)out->bytes);
+  /* Queued roots of the job are dropped; calls in flight keep their references, and the
+   * last one frees the job. */
+  pd_sched_forget(&d->sched, job);
+  pd_job_unref(job, &d->stats);
+  return PD_OK;
+}
+
+size_t pd_service_expire(pd_daemon *d, double now) {
+  size_t n = 0;
+  pd_job_ended info;
+  while (d->cfg.job_idle_expiry_s > 0 &&
+         pd_service_end_job(d, NULL, d->cfg.job_idle_expiry_s, now, &info) == PD_OK)
+    n++;
+  return n;
+}
+
+static void pd__end_job(pd_daemon *d, const Precond__V1__EndJobRequest *req, pd_reply *rep) {
+  if (!req->job || !*req->job) {
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
+    return;
+  }
+  pd_job_ended info;
+  if (pd_service_end_job(d, req->job, 0, 0, &info) != PD_OK) {
+    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    return;
+  }
+  Precond__V1__EndJobResponse resp = PRECOND__V1__END_JOB_RESPONSE__INIT;
+  resp.blocks = info.blocks;
+  resp.last_step = info.last_step;
+  resp.bytes = info.bytes;
+  pd__answer(d, rep, &resp.base);
 }
 
 /* ---- dispatch ------------------------------------------------------------------------- */
@@ -715,6 +787,7 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
   case PD_M_PUSH: pd__push(d, (Precond__V1__PushRequest *)req, reply); break;
   case PD_M_FETCH: pd__fetch(d, (Precond__V1__FetchRequest *)req, reply); break;
   case PD_M_STATS: pd__stats(d, (Precond__V1__StatsRequest *)req, reply); break;
+  case PD_M_END_JOB: pd__end_job(d, (Precond__V1__EndJobRequest *)req, reply); break;
   case PD_M_HEALTH: {
     Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
     resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;

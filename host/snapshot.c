@@ -191,12 +191,10 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, PD_SNAPSHOT_FILE);
 
-  /* The job list only grows and jobs live as long as the store: copy the pointers. */
-  pthread_rwlock_rdlock(&st->lock);
-  size_t njobs = st->njobs;
-  pd_job **jobs = malloc((njobs ? njobs : 1) * sizeof *jobs);
-  if (jobs && njobs) memcpy(jobs, st->jobs, njobs * sizeof *jobs);
-  pthread_rwlock_unlock(&st->lock);
+  /* The jobs listed now, each referenced: one ended meanwhile is still written whole (it
+   * is gone from the next snapshot, which its removal asks for). */
+  size_t njobs = 0;
+  pd_job **jobs = pd_store_list(st, &njobs);
   if (!jobs) return PD_ENOMEM;
 
   uint64_t nmax = 1;
@@ -259,7 +257,7 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
          (unsigned long long)(w.n + PD_SNAP_HEADER), njobs);
 
 cleanup:
-  free(jobs);
+  pd_store_list_free(jobs, njobs, st->stats);
   for (int p = 0; p < PD_MAX_PARTS; p++) free(scratch[p]);
   return rc;
 }
@@ -611,6 +609,7 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
        * far stay, and the caller stops. */
       snprintf(err, errlen, "job \"%s\": %s", jobs[i]->name, pd_strerror(rc));
       if (rc == PD_OK) rc = PD_ENOMEM;
+      pd_job_unref(existing, st->stats);
       for (uint32_t k = i; k < njobs; k++) pd_job_free(jobs[k], st->stats);
       free(jobs);
       jobs = NULL;

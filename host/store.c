@@ -3,7 +3,9 @@
  *
  * A job's tensors, options and layout never change after it is added; only the block
  * contents do, each under its own lock. Roots are immutable and refcounted: a reader takes a
- * reference under the block lock (a pointer copy) and never waits for a computation.
+ * reference under the block lock (a pointer copy) and never waits for a computation. Jobs
+ * are refcounted too: removing one from the store (EndJob, idle expiry) drops the store's
+ * reference, and the call or computation that holds the last one frees it.
  */
 #include "precondd.h"
 
@@ -93,6 +95,14 @@ static void pd__block_free(pd_block *b, pd_stats *stats, int count_stats) {
   pd_root_unref(b->root, stats);
   if (b->mode_state && b->job->mode->unit_free) b->job->mode->unit_free(b->mode_state);
   pthread_mutex_destroy(&b->lock);
+}
+
+void pd_job_ref(pd_job *job) {
+  atomic_fetch_add(&job->refs, 1);
+}
+
+void pd_job_unref(pd_job *job, pd_stats *stats) {
+  if (job && atomic_fetch_sub(&job->refs, 1) == 1) pd_job_free(job, stats);
 }
 
 void pd_job_free(pd_job *job, pd_stats *stats) {
@@ -202,6 +212,7 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
     job = NULL;
   }
   if (!job) goto nomem;
+  atomic_init(&job->refs, 1);
   job->mode = mode;
   memcpy(job->opts, opts, mode->opts_size);
   job->name = pd__strdup(name);
@@ -292,7 +303,7 @@ int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
 }
 
 void pd_store_destroy(pd_store *st) {
-  for (size_t i = 0; i < st->njobs; i++) pd_job_free(st->jobs[i], st->stats);
+  for (size_t i = 0; i < st->njobs; i++) pd_job_unref(st->jobs[i], st->stats);
   free(st->jobs);
   pthread_rwlock_destroy(&st->lock);
 }
@@ -303,10 +314,53 @@ static pd_job *pd__find_locked(pd_store *st, const char *name) {
   return NULL;
 }
 
-pd_job *pd_store_find(pd_store *st, const char *name) {
+pd_job *pd_store_get(pd_store *st, const char *name, int touch) {
   if (!name) return NULL;
   pthread_rwlock_rdlock(&st->lock);
   pd_job *j = pd__find_locked(st, name);
+  if (j) {
+    pd_job_ref(j);
+    /* Under the list lock: an expiry (write lock) sees the touch or runs before the get. */
+    if (touch) atomic_store(&j->last_active, pd_now());
+  }
+  pthread_rwlock_unlock(&st->lock);
+  return j;
+}
+
+pd_job **pd_store_list(pd_store *st, size_t *n) {
+  pthread_rwlock_rdlock(&st->lock);
+  *n = st->njobs;
+  pd_job **jobs = malloc((*n ? *n : 1) * sizeof *jobs);
+  for (size_t i = 0; jobs && i < *n; i++) {
+    jobs[i] = st->jobs[i];
+    pd_job_ref(jobs[i]);
+  }
+  pthread_rwlock_unlock(&st->lock);
+  if (!jobs) *n = 0;
+  return jobs;
+}
+
+void pd_store_list_free(pd_job **jobs, size_t n, pd_stats *stats) {
+  for (size_t i = 0; jobs && i < n; i++) pd_job_unref(jobs[i], stats);
+  free(jobs);
+}
+
+pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double now) {
+  pthread_rwlock_wrlock(&st->lock);
+  pd_job *j = NULL;
+  for (size_t i = 0; i < st->njobs && !j; i++) {
+    pd_job *c = st->jobs[i];
+    if (name && strcmp(c->name, name) != 0) continue;
+    if (idle_s > 0 && !(now - atomic_load(&c->last_active) > idle_s)) continue;
+    j = c;
+    memmove(&st->jobs[i], &st->jobs[i + 1], (st->njobs - i - 1) * sizeof *st->jobs);
+    st->njobs--; /* the others keep their order (stats list jobs in it) */
+  }
+  if (j) {
+    atomic_store(&j->ended, 1);
+    atomic_fetch_add(&st->generation, 1);
+    atomic_fetch_add(&st->removed, 1);
+  }
   pthread_rwlock_unlock(&st->lock);
   return j;
 }
@@ -344,6 +398,8 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   int rc = PD_OK;
   pd_job *old = pd__find_locked(st, job->name);
   if (old) {
+    pd_job_ref(old);
+    atomic_store(&old->last_active, pd_now()); /* a worker registering again is activity */
     *existing = old;
     goto done;
   }
@@ -372,6 +428,7 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
                      (int64_t)(pd__stat_bytes(job) + pd__meta_bytes(job)));
   job->in_store = 1;
   job->version_base = st->epoch << 40;
+  atomic_store(&job->last_active, pd_now()); /* a restored job's idle clock starts now */
   st->jobs[st->njobs++] = job;
   atomic_fetch_add(&st->generation, 1);
 done:

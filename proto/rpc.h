@@ -57,6 +57,7 @@ const char *rpc_status_name(grpc_status_code code);
 #define RPC_METHOD_PUSH_STATISTICS "/precond.v1.Preconditioner/PushStatistics"
 #define RPC_METHOD_FETCH_PRECONDITIONERS "/precond.v1.Preconditioner/FetchPreconditioners"
 #define RPC_METHOD_GET_STATS "/precond.v1.Preconditioner/GetStats"
+#define RPC_METHOD_END_JOB "/precond.v1.Preconditioner/EndJob"
 #define RPC_METHOD_HEALTH_CHECK "/grpc.health.v1.Health/Check"
 
 /* Default message size limit (both directions): 256 MiB, room for a push of one

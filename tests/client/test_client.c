@@ -515,6 +515,56 @@ static void test_precondctl(void **state)
   assert_non_null(strstr(out, "usage: precondctl"));
 }
 
+/* EndJob: a client ending its own job forgets it, so its background thread does not
+ * register it again; the daemon no longer knows it. precondctl end-job ends another. */
+static void test_end_job(void **state)
+{
+  (void)state;
+  tcp_daemon();
+  precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
+  precond_client *other = connect_to(g_d.addr, PRECOND_FP32);
+  precond_layout layout, layout2;
+  register_job(c, "mine", &layout);
+  register_job(other, "other", &layout2);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 7, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+
+  precond_ended e = {0};
+  assert_int_equal(precond_end_job(c, NULL, &e), PRECOND_OK);
+  assert_int_equal(e.blocks, 2);
+  assert_int_equal(e.last_step, 7);
+  assert_true(e.bytes > 2 * 2 * (128 * 129 / 2 + 96 * 97 / 2) * sizeof(float));
+  /* Many poll intervals later the job is still gone: nothing registered it again. */
+  struct timespec t = {0, 300 * 1000000L};
+  nanosleep(&t, NULL);
+  precond_stats s;
+  assert_int_equal(precond_get_stats(c, "mine", 0, &s), PRECOND_ENOTFOUND);
+  assert_int_equal(precond_get_stats(c, NULL, 0, &s), PRECOND_OK);
+  assert_int_equal(s.njobs, 1);
+  precond_stats_destroy(&s);
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
+  assert_int_equal(precond_push(c, 8, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EINVAL);
+  free(l);
+  free(r);
+  assert_int_equal(precond_end_job(c, "mine", NULL), PRECOND_ENOTFOUND);
+  assert_int_equal(precond_end_job(c, NULL, NULL), PRECOND_EINVAL); /* no job of its own */
+
+  /* precondctl: the other job, once its worker is done. */
+  precond_close(other);
+  static char out[4096];
+  char args[256];
+  snprintf(args, sizeof args, "--addr %s end-job other", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "ended job other: 2 blocks"));
+  snprintf(args, sizeof args, "--addr %s --json end-job other", g_d.addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 2);
+  assert_non_null(strstr(out, "unknown job"));
+  assert_int_equal(run_ctl("end-job", out, sizeof out), 1);
+  precond_layout_destroy(&layout);
+  precond_layout_destroy(&layout2);
+  precond_close(c);
+}
+
 /* Several threads push and fetch on one client with a queue of 2 blocks: every push is
  * accounted for (sent, coalesced or dropped), nothing is refused, and the last step's roots
  * arrive. */
@@ -889,6 +939,7 @@ int main(void)
     cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
     cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
     cmocka_unit_test_teardown(test_precondctl, stop_daemon),
+    cmocka_unit_test_teardown(test_end_job, stop_daemon),
     cmocka_unit_test_teardown(test_token, stop_daemon),
     cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
     cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),

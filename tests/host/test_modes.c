@@ -104,7 +104,7 @@ static void test_identity_through_the_core(void **state) {
   assert_int_equal(pd_stats_init(&stats2), PD_OK);
   assert_int_equal(pd_store_init(&st2, &stats2, (size_t)1 << 30, 100), PD_OK);
   assert_int_equal(pd_snapshot_read(&st2, dir, err, sizeof err), PD_OK);
-  pd_job *back = pd_store_find(&st2, "id");
+  pd_job *back = pd_store_get(&st2, "id", 0);
   assert_non_null(back);
   assert_ptr_equal(back->mode, pd_mode_find(PD_MODE_IDENTITY));
   assert_true(pd_job_same(job, back));
@@ -118,6 +118,7 @@ static void test_identity_through_the_core(void **state) {
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   unlink(path);
   rmdir(dir);
+  pd_job_unref(back, &stats2);
   pd_store_destroy(&st2);
   pd_stats_destroy(&stats2);
   pd_store_destroy(&st);

@@ -1279,6 +1279,98 @@ static void test_versions_survive_crash(void **state) {
   remove_tree(d.p.dir);
 }
 
+static grpc_status_code end_job(daemon_t *d, const char *job,
+                                Precond__V1__EndJobResponse **resp, char *msg) {
+  Precond__V1__EndJobRequest req = PRECOND__V1__END_JOB_REQUEST__INIT;
+  req.job = (char *)job;
+  return call(d, RPC_METHOD_END_JOB, &req.base, &precond__v1__end_job_response__descriptor,
+              (ProtobufCMessage **)resp, msg, msg ? 512 : 0);
+}
+
+/* Waits (at most 10 s) until the daemon has written more than n snapshots. */
+static void wait_snapshots(daemon_t *d, uint64_t n) {
+  for (int i = 0; i < 500; i++) {
+    Precond__V1__StatsResponse *st = get_stats(d, NULL);
+    uint64_t w = st->snapshots_written;
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    if (w > n) return;
+    sleep_ms(20);
+  }
+  fail_msg("no snapshot within 10 s");
+}
+
+/* EndJob over the wire: the job is gone for every call, its ending reaches the snapshot at
+ * once (not an interval later), so a crash right after does not bring it back; the idle
+ * expiry ends a job nobody calls for, also for good. */
+static void test_end_job_and_idle_expiry(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  const char *extra[] = {"--snapshot-interval", "3600", NULL};
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  char msg[512];
+  float *s = random_stat(8, 5);
+  blockstat bs = {0, 8, 8, s, s, 0};
+  const char *jobs[3] = {"gone", "stays", "idle"};
+  for (int j = 0; j < 3; j++) {
+    assert_int_equal(do_register(&d, jobs[j], ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+    assert_int_equal(do_push(&d, jobs[j], 4, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  }
+  Precond__V1__FetchResponse *f = wait_roots(&d, "gone", 1, 1);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  Precond__V1__EndJobResponse *e = NULL;
+  assert_int_equal(end_job(&d, "gone", &e, msg), GRPC_STATUS_OK);
+  assert_int_equal(e->blocks, 1);
+  assert_int_equal(e->last_step, 4);
+  assert_true(e->bytes > 4 * pc_packed_len(8) * sizeof(float));
+  protobuf_c_message_free_unpacked(&e->base, NULL);
+  assert_int_equal(end_job(&d, "gone", NULL, msg), GRPC_STATUS_NOT_FOUND);
+  assert_non_null(strstr(msg, "gone"));
+  assert_int_equal(do_push(&d, "gone", 5, &bs, 1, NULL, msg), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(do_fetch(&d, "gone", NULL, 0, 0, NULL, msg), GRPC_STATUS_NOT_FOUND);
+  wait_snapshots(&d, 0); /* the interval is an hour: this one is the ending's */
+  assert_int_equal(stop_daemon(&d, SIGKILL), 128 + SIGKILL);
+
+  /* Restarted with the idle expiry: "gone" stays gone; "idle" expires while "stays" is
+   * fetched for. */
+  const char *expiring[] = {"--snapshot-interval", "3600", "--job-idle-expiry", "1", NULL};
+  start_daemon(&d, expiring);
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.job = (char *)"gone";
+  assert_int_equal(call(&d, RPC_METHOD_GET_STATS, &sr.base,
+                        &precond__v1__stats_response__descriptor, NULL, msg, sizeof msg),
+                   GRPC_STATUS_NOT_FOUND);
+  Precond__V1__StatsResponse *st = get_stats(&d, NULL);
+  assert_int_equal(st->jobs, 2);
+  assert_int_equal(st->job_idle_expiry_s, 1);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  int expired = 0;
+  for (int i = 0; i < 100 && !expired; i++) { /* at most 10 s */
+    assert_int_equal(do_fetch(&d, "stays", NULL, 0, 0, NULL, msg), GRPC_STATUS_OK);
+    st = get_stats(&d, NULL);
+    expired = st->jobs_expired == 1;
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    sleep_ms(100);
+  }
+  assert_true(expired);
+  st = get_stats(&d, NULL);
+  assert_int_equal(st->jobs, 1);
+  assert_string_equal(st->job_stats[0]->job, "stays");
+  assert_true(st->job_stats[0]->idle_s < 1);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_true(pdproc_log_contains(&d.p, "job idle expired"));
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  start_daemon(&d, NULL);
+  st = get_stats(&d, NULL);
+  assert_int_equal(st->jobs, 1);
+  assert_string_equal(st->job_stats[0]->job, "stays");
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  free(s);
+  remove_tree(d.p.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1528,7 +1620,7 @@ static void test_kfac(void **state) {
   pd_stats stats;
   pd_store st;
   load_snapshot(d.p.dir, &st, &stats);
-  pd_job *job = pd_store_find(&st, "kf");
+  pd_job *job = pd_store_get(&st, "kf", 0);
   assert_non_null(job);
   assert_ptr_equal(job->mode, &pd_mode_kfac);
   for (int u = 0; u < 2; u++)
@@ -1544,6 +1636,7 @@ static void test_kfac(void **state) {
     assert_true(r->aux[PD_KFAC_AUX_PI] == pi2[u]);
     assert_float_equal(r->aux[PD_KFAC_AUX_DAMP_A] * r->aux[PD_KFAC_AUX_DAMP_G], 1e-3, 1e-12);
   }
+  pd_job_unref(job, &stats);
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
 
@@ -1595,6 +1688,7 @@ int main(void) {
       cmocka_unit_test(test_shutdown_cancels_stuck_call),
       cmocka_unit_test(test_shutdown_idle_client),
       cmocka_unit_test(test_versions_survive_crash),
+      cmocka_unit_test(test_end_job_and_idle_expiry),
       cmocka_unit_test(test_kfac),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

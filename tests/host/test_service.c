@@ -47,6 +47,13 @@ static void daemon_free(pd_daemon *d) {
 
 /* Runs one call with msg (or raw bytes when msg is NULL); returns the code and, on OK and
  * when out is given, the parsed response. */
+/* The job of that name, borrowed: the store keeps it alive while the test does not end it. */
+static pd_job *job_of(pd_daemon *d, const char *name) {
+  pd_job *j = pd_store_get(&d->store, name, 0);
+  pd_job_unref(j, &d->stats);
+  return j;
+}
+
 static grpc_status_code handle(pd_daemon *d, pd_method m, const ProtobufCMessage *msg,
                                const void *raw, size_t rawlen,
                                const ProtobufCMessageDescriptor *desc, ProtobufCMessage **out,
@@ -170,7 +177,7 @@ static void test_push_fetch_stats(void **state) {
   assert_non_null(strstr(why, "right.n"));
   assert_int_equal(push2(d, "j", 1, l, 4, bad, 4, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
   /* Nothing of the refused pushes was stored. */
-  pd_job *job = pd_store_find(&d->store, "j");
+  pd_job *job = job_of(d, "j");
   assert_int_equal(job->blocks[0].pushes, 0);
   assert_int_equal(atomic_load(&d->stats.rejected_pushes), 5);
 
@@ -402,7 +409,7 @@ static void test_request_limits(void **state) {
   assert_non_null(strstr(why, "step"));
   assert_int_equal(push2(d, "j", PD_MAX_STEP + 1, l, 4, l, 4, 1, why),
                    GRPC_STATUS_INVALID_ARGUMENT);
-  assert_int_equal(pd_store_find(&d->store, "j")->blocks[0].pushes, 0);
+  assert_int_equal(job_of(d, "j")->blocks[0].pushes, 0);
   assert_int_equal(push2(d, "j", PD_MAX_STEP, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
   free(l);
   daemon_free(d);
@@ -421,7 +428,7 @@ static void test_overflowing_push_refused(void **state) {
   assert_int_equal(push2(d, "j", 2, ok, 4, huge, 4, 1, why), GRPC_STATUS_OK);
   assert_int_equal(push2(d, "j", 3, ok, 4, huge, 4, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(why, "overflow"));
-  pd_job *job = pd_store_find(&d->store, "j");
+  pd_job *job = job_of(d, "j");
   for (int b = 0; b < 2; b++) {
     assert_int_equal(job->blocks[b].pushes, 2);
     assert_int_equal(atomic_load(&job->blocks[b].stat_step), 2);
@@ -470,6 +477,120 @@ static void test_rank1_jobs_counted(void **state) {
   daemon_free(d); /* and every byte counted is given back */
 }
 
+static grpc_status_code end_job(pd_daemon *d, const char *job,
+                                Precond__V1__EndJobResponse **out, char *why) {
+  Precond__V1__EndJobRequest req = PRECOND__V1__END_JOB_REQUEST__INIT;
+  req.job = (char *)job;
+  return handle(d, PD_M_END_JOB, &req.base, NULL, 0, &precond__v1__end_job_response__descriptor,
+                (ProtobufCMessage **)out, why);
+}
+
+static Precond__V1__StatsResponse *stats_of(pd_daemon *d) {
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  Precond__V1__StatsResponse *st = NULL;
+  assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
+                          NULL),
+                   GRPC_STATUS_OK);
+  return st;
+}
+
+/* EndJob frees a job whose blocks are queued, while a call in flight (a reference taken as a
+ * handler takes it) and a root handed out stay valid; the memory comes back to 0 once they
+ * are released. The job is unknown afterwards and registers anew, empty. */
+static void test_end_job(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  assert_int_equal(end_job(d, "j", NULL, why), GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(end_job(d, "", NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(reg(d, "j", 8, 4, 4, NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(reg(d, "keep", 4, 4, 4, NULL, why), GRPC_STATUS_OK);
+  float *l = stat(4, 1);
+  for (uint64_t step = 1; step <= 20; step++) /* some queued, some computing */
+    assert_int_equal(push2(d, "j", step, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
+  pd_job *inflight = pd_store_get(&d->store, "j", 0);
+  pd_root *held = NULL;
+  for (int i = 0; i < 4000 && !held; i++) {
+    held = pd_block_root(&inflight->blocks[0]);
+    if (!held) nanosleep(&(struct timespec){0, 1000000}, NULL);
+  }
+  assert_non_null(held);
+  int64_t before = atomic_load(&d->stats.memory_bytes);
+
+  Precond__V1__EndJobResponse *e = NULL;
+  assert_int_equal(end_job(d, "j", &e, why), GRPC_STATUS_OK);
+  assert_int_equal(e->blocks, 2);
+  assert_int_equal(e->last_step, 20);
+  assert_int_equal(e->bytes, pd_job_bytes(inflight));
+  protobuf_c_message_free_unpacked(&e->base, NULL);
+  assert_true(atomic_load(&inflight->ended));
+  /* Unknown to every call now; the reference still reads the job. */
+  assert_int_equal(end_job(d, "j", NULL, why), GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(push2(d, "j", 21, l, 4, l, 4, 1, why), GRPC_STATUS_FAILED_PRECONDITION);
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  fr.job = (char *)"j";
+  assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(inflight->nblocks, 2);
+  assert_true(held->version > 0);
+  Precond__V1__StatsResponse *st = stats_of(d);
+  assert_int_equal(st->jobs, 1);
+  assert_string_equal(st->job_stats[0]->job, "keep");
+  assert_int_equal(st->jobs_ended, 1);
+  assert_int_equal(st->jobs_expired, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* The queue lets go of it (the pool finishes the block it computes, then drops it). */
+  for (int i = 0; i < 4000 && pd_sched_depth(&d->sched) > 0; i++)
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  assert_int_equal(pd_sched_depth(&d->sched), 0);
+  assert_int_equal(atomic_load(&d->stats.memory_bytes), before); /* the reference holds it */
+  pd_job_unref(inflight, &d->stats);
+  assert_true(atomic_load(&d->stats.memory_bytes) < before);
+  pd_root_unref(held, &d->stats);
+
+  /* Registered again: a new, empty job. */
+  assert_int_equal(reg(d, "j", 8, 4, 4, NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(job_of(d, "j")->blocks[0].pushes, 0);
+  free(l);
+  daemon_free(d);
+}
+
+/* The idle expiry ends jobs with no Register, push or fetch for longer than the option;
+ * GetStats is not activity, a push is. */
+static void test_idle_expiry(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  d->cfg.job_idle_expiry_s = 10;
+  char why[512];
+  assert_int_equal(reg(d, "idle", 4, 4, 4, NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(reg(d, "busy", 8, 4, 4, NULL, why), GRPC_STATUS_OK);
+  double t0 = pd_now();
+  assert_int_equal(pd_service_expire(d, t0 + 5), 0);
+  /* Both were last active 100 s ago; then a push to one of them. */
+  atomic_store(&job_of(d, "idle")->last_active, t0 - 100);
+  atomic_store(&job_of(d, "busy")->last_active, t0 - 100);
+  float *l = stat(4, 1);
+  assert_int_equal(push2(d, "busy", 1, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
+  Precond__V1__StatsResponse *st = stats_of(d); /* a look: no activity */
+  assert_int_equal(st->job_idle_expiry_s, 10);
+  assert_true(st->job_stats[0]->idle_s >= 100);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  assert_int_equal(pd_service_expire(d, pd_now()), 1);
+  st = stats_of(d);
+  assert_int_equal(st->jobs, 1);
+  assert_string_equal(st->job_stats[0]->job, "busy");
+  assert_int_equal(st->jobs_expired, 1);
+  assert_int_equal(st->jobs_ended, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  /* Off: nothing expires. */
+  d->cfg.job_idle_expiry_s = 0;
+  assert_int_equal(pd_service_expire(d, pd_now() + 1e6), 0);
+  free(l);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -479,6 +600,8 @@ int main(void) {
       cmocka_unit_test(test_request_limits),
       cmocka_unit_test(test_overflowing_push_refused),
       cmocka_unit_test(test_rank1_jobs_counted),
+      cmocka_unit_test(test_end_job),
+      cmocka_unit_test(test_idle_expiry),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

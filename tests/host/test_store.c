@@ -140,13 +140,16 @@ static void test_store_add_and_memory(void **state) {
   assert_int_equal(pd_store_init(&st, &stats, need, 100), PD_OK);
   assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
   assert_null(existing);
-  assert_ptr_equal(pd_store_find(&st, "a"), job);
-  assert_null(pd_store_find(&st, "b"));
+  pd_job *got = pd_store_get(&st, "a", 0);
+  assert_ptr_equal(got, job);
+  pd_job_unref(got, &stats);
+  assert_null(pd_store_get(&st, "b", 0));
   /* Held now: the records and the statistics; the root pair reserved is not allocated. */
   assert_int_equal(atomic_load(&stats.memory_bytes), need - 2 * pc_packed_len(8) * sizeof(float));
   pd_job *again = build("a", dims, ranks, 1, 8, 100, &rc, err);
   assert_int_equal(pd_store_add(&st, again, &existing), PD_OK);
   assert_ptr_equal(existing, job);
+  pd_job_unref(existing, &stats);
   pd_job_free(again, &stats);
 
   /* Workers are counted once per name. */
