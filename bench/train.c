@@ -766,18 +766,26 @@ static int tr__trainer(tr_error *err, int prc, const pt_error *perr) {
   return tr__fail(err, rc, "%s", perr->msg[0] ? perr->msg : pt_strerror(prc));
 }
 
+/* The trainer library's options every mode shares: the mode's defaults, the daemon, the
+ * job (opts->job, or MODEL-MODE-PID written into job), the worker name, sync_roots. */
+static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *model_name,
+                             char *job, size_t joblen, pt_options *po) {
+  const tr_options *opts = &o->opts;
+  if (opts->job[0] != '\0') snprintf(job, joblen, "%s", opts->job);
+  else snprintf(job, joblen, "%s-%s-%ld", model_name, pt_mode_name(mode), (long)getpid());
+  pt_options_default(po, mode);
+  po->daemon = opts->daemon;
+  po->job = job;
+  po->worker = model_name;
+  po->sync_roots = opts->sync_roots;
+}
+
 /* Shampoo's options as the harness names them, for the trainer library. */
 static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *err) {
   const tr_options *opts = &o->opts;
   char job[160];
-  if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
-  else snprintf(job, sizeof job, "%s-shampoo-%ld", model_name, (long)getpid());
   pt_options po;
-  pt_options_default(&po, PT_MODE_SHAMPOO);
-  po.daemon = opts->daemon;
-  po.job = job;
-  po.worker = model_name;
-  po.sync_roots = opts->sync_roots;
+  tr__trainer_opts(o, PT_MODE_SHAMPOO, model_name, job, sizeof job, &po);
   ac_shampoo_opts *so = &po.shampoo;
   so->layout.block_size = (size_t)opts->block_size;
   pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
@@ -799,50 +807,12 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
 }
 
-static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
-                            tr_error *err) {
-  pt_step_info si;
-  pt_error perr = {""};
-  int rc = tr__trainer(err, pt_step(o->trainer, step, lr, &si, &perr), &perr);
-  if (rc != TR_OK) return rc;
-  /* The distribution: a block used its root at this step when it holds one and its fallback
-   * count did not move. */
-  const ac_shampoo *sh = pt_shampoo(o->trainer);
-  size_t nb = ac_shampoo_nblocks(sh);
-  if (o->fallbacks == NULL && (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
-    return TR_ENOMEM;
-  for (size_t b = 0; b < nb; b++) {
-    ac_shampoo_block bi;
-    rc = tr__accel(err, ac_shampoo_block_info(sh, b, &bi), "ac_shampoo_block_info");
-    if (rc != TR_OK) return rc;
-    if (step >= o->opts.roots_start && bi.version > 0 && bi.staleness >= 0 &&
-        bi.fallback_steps == o->fallbacks[b]) {
-      long k = bi.staleness < TR_STALENESS_BUCKETS - 1 ? bi.staleness : TR_STALENESS_BUCKETS - 1;
-      o->hist[k]++;
-      o->uses++;
-    }
-    o->fallbacks[b] = bi.fallback_steps;
-  }
-  if (info != NULL) {
-    info->staleness = si.staleness_mean;
-    info->staleness_max = si.staleness_max;
-    info->fallback = si.fallback > 0;
-  }
-  return rc;
-}
-
 /* K-FAC's options as the harness names them, for the trainer library. */
 static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err) {
   const tr_options *opts = &o->opts;
   char job[160];
-  if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
-  else snprintf(job, sizeof job, "%s-kfac-%ld", model_name, (long)getpid());
   pt_options po;
-  pt_options_default(&po, PT_MODE_KFAC);
-  po.daemon = opts->daemon;
-  po.job = job;
-  po.worker = model_name;
-  po.sync_roots = opts->sync_roots;
+  tr__trainer_opts(o, PT_MODE_KFAC, model_name, job, sizeof job, &po);
   pt_kfac_opts *ko = &po.kfac;
   ko->k.damping = opts->kfac_damping;
   ko->k.factor_decay = opts->kfac_decay;
@@ -862,26 +832,53 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
 }
 
-static int tr__kfac_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
-                         tr_error *err) {
+/* Shampoo's part of the staleness distribution of a step: a block used its root at this
+ * step when it holds one and its fallback count did not move. */
+static int tr__shampoo_hist(tr_optimizer *o, long step, tr_error *err) {
+  const ac_shampoo *sh = pt_shampoo(o->trainer);
+  size_t nb = ac_shampoo_nblocks(sh);
+  if (o->fallbacks == NULL && (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
+    return TR_ENOMEM;
+  for (size_t b = 0; b < nb; b++) {
+    ac_shampoo_block bi;
+    int rc = tr__accel(err, ac_shampoo_block_info(sh, b, &bi), "ac_shampoo_block_info");
+    if (rc != TR_OK) return rc;
+    if (step >= o->opts.roots_start && bi.version > 0 && bi.staleness >= 0 &&
+        bi.fallback_steps == o->fallbacks[b]) {
+      long k = bi.staleness < TR_STALENESS_BUCKETS - 1 ? bi.staleness : TR_STALENESS_BUCKETS - 1;
+      o->hist[k]++;
+      o->uses++;
+    }
+    o->fallbacks[b] = bi.fallback_steps;
+  }
+  return TR_OK;
+}
+
+/* K-FAC's: each preconditioned layer at the step's mean age (the layers' inverses come from
+ * the same pushes, so their ages agree but for a late one). */
+static void tr__kfac_hist(tr_optimizer *o, const pt_step_info *si) {
+  if (si->preconditioned == 0 || !(si->staleness_mean >= 0)) return;
+  long k = lround(si->staleness_mean);
+  if (k > TR_STALENESS_BUCKETS - 1) k = TR_STALENESS_BUCKETS - 1;
+  o->hist[k] += si->preconditioned;
+  o->uses += si->preconditioned;
+}
+
+/* One step of an optimizer of the trainer library (Shampoo, K-FAC): pt_step, the staleness
+ * distribution, info. */
+static int tr__trainer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
+                            tr_error *err) {
   pt_step_info si;
   pt_error perr = {""};
   int rc = tr__trainer(err, pt_step(o->trainer, step, lr, &si, &perr), &perr);
-  if (rc != TR_OK) return rc;
-  /* The distribution: each preconditioned layer at this step, at the step's mean age (the
-   * layers' inverses come from the same pushes, so their ages agree but for a late one). */
-  if (si.preconditioned > 0 && si.staleness_mean >= 0) {
-    long k = lround(si.staleness_mean);
-    if (k > TR_STALENESS_BUCKETS - 1) k = TR_STALENESS_BUCKETS - 1;
-    o->hist[k] += si.preconditioned;
-    o->uses += si.preconditioned;
-  }
-  if (info != NULL) {
+  if (rc == TR_OK && o->kind == TR_SHAMPOO) rc = tr__shampoo_hist(o, step, err);
+  if (rc == TR_OK && o->kind == TR_KFAC) tr__kfac_hist(o, &si);
+  if (rc == TR_OK && info != NULL) {
     info->staleness = si.staleness_mean;
     info->staleness_max = si.staleness_max;
     info->fallback = si.fallback > 0;
   }
-  return TR_OK;
+  return rc;
 }
 
 int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
@@ -933,8 +930,8 @@ int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
   switch (o->kind) {
     case TR_SGD: return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
     case TR_ADAMW: return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
-    case TR_SHAMPOO: return tr__shampoo_step(o, step, lr, info, err);
-    case TR_KFAC: return tr__kfac_step(o, step, lr, info, err);
+    case TR_SHAMPOO:
+    case TR_KFAC: return tr__trainer_step(o, step, lr, info, err);
   }
   return TR_EINVAL;
 }

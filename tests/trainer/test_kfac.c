@@ -24,7 +24,6 @@
 #include "trainer.h"
 
 static const char *precondd_path;
-static char tmpdir[64];
 static pdproc precondd;
 
 enum { N = 24, C = 4, HW = 6, CLASSES = 3, STEPS = 14 };
@@ -224,19 +223,17 @@ static void test_kfac_bad_use(void **state) {
   net_destroy(&m);
 }
 
+/* One daemon for the group, in a directory of the helper's own (removed by destroy). */
 static int setup(void **state) {
   (void)state;
-  snprintf(tmpdir, sizeof tmpdir, "/tmp/test_kfac.XXXXXX");
-  if (mkdtemp(tmpdir) == NULL) return -1;
-  return pdproc_start_in(&precondd, precondd_path, tmpdir);
+  return pdproc_start_in(&precondd, precondd_path, NULL);
 }
 
 static int teardown(void **state) {
   (void)state;
   pdproc_stop(&precondd, SIGTERM);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-  return system(cmd) == 0 ? 0 : -1;
+  pdproc_destroy(&precondd);
+  return 0;
 }
 
 int main(int argc, char **argv) {
