@@ -89,6 +89,7 @@ def service():
     write("service", "stats-blocks", bytes([3]) + s(1, "j") + u(2, 1))
     write("service", "stats-all", bytes([3]) + u(2, 1))
     write("service", "health", bytes([4]))
+    write("service", "end-job", bytes([5]) + s(1, "j"))
 
 
 def snapshot():

@@ -15,6 +15,9 @@ void pd_config_default(pd_config *cfg) {
   cfg->io_threads = 4;
   cfg->max_message_bytes = (size_t)256 << 20;
   cfg->memory_limit_bytes = (size_t)4096 << 20;
+  /* Off: a per-host daemon usually serves one job, which may use the whole budget; a daemon
+   * shared by several jobs sets one so that none can take it all. */
+  cfg->job_memory_limit_bytes = 0;
   cfg->max_blocks_per_job = 65536;
   cfg->snapshot_interval_s = 60;
   cfg->failure_threshold = 0.1;

@@ -32,7 +32,8 @@ static void pd__usage(FILE *f) {
 "workers over gRPC (service precond.v1.Preconditioner; health: grpc.health.v1.Health).\n"
 "\n"
 "  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
-"                           127.0.0.1:50551; port 0 picks a free port). A non-loopback\n"
+"                           127.0.0.1:50551; port 0 picks a free port; %%r: the MPI\n"
+"                           rank). A non-loopback\n"
 "                           address is refused unless --tls-cert/--tls-key is given\n"
 "                           (or --token-file with --insecure-token). Loopback means a\n"
 "                           unix socket or a host whose every address is loopback.\n"
@@ -58,6 +59,10 @@ static void pd__usage(FILE *f) {
 "  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
 "  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
 "                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
+"  --job-memory-limit-mb N  what one job may reserve (records, statistics, a root\n"
+"                           per block) in MiB; a Register above it gets\n"
+"                           RESOURCE_EXHAUSTED naming the job (default 0: no limit\n"
+"                           beyond --memory-limit-mb)\n"
 "  --max-blocks-per-job N   (default 65536)\n"
 "  --failure-threshold X    roots with a larger residual error are not published\n"
 "                           (default 0.1); the previous root stays\n"
@@ -70,6 +75,13 @@ static void pd__usage(FILE *f) {
 "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
 "  --help                   this text\n"
 "  --version                print the version\n"
+"\n"
+"Replicas: under mpirun (mpirun -np R precondd --listen unix:/tmp/pd-%%r.sock\n"
+"--state-dir state-%%r ...) each rank is a daemon; %%r in --listen, --state-dir and\n"
+"--port-file becomes the rank (0 without mpirun; --state-dir needs it with R > 1). Every\n"
+"rank computes the roots of the blocks it owns (a greedy balance of n^3 per side, the\n"
+"same on every rank) and sends them to the others; a worker uses its local rank only.\n"
+"See docs/replicas.md.\n"
 "\n"
 "SIGTERM or SIGINT: stop accepting calls, finish those in flight, write a final snapshot,\n"
 "exit 0. See docs/precondd.md.\n");
@@ -187,7 +199,7 @@ static int pd__is_local(const char *addr) {
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
          O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
-         O_DRIFT, O_EXPIRY };
+         O_DRIFT, O_EXPIRY, O_JOBMEM };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -195,6 +207,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"io-threads", required_argument, NULL, O_IO},
       {"max-message-mb", required_argument, NULL, O_MSG},
       {"memory-limit-mb", required_argument, NULL, O_MEM},
+      {"job-memory-limit-mb", required_argument, NULL, O_JOBMEM},
       {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
       {"snapshot-interval", required_argument, NULL, O_SNAP},
       {"failure-threshold", required_argument, NULL, O_FAIL},
@@ -243,6 +256,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_MEM:
       if (pd__parse_num("--memory-limit-mb", optarg, 1, 1e9, &v)) return 2;
       cfg->memory_limit_bytes = (size_t)(v * 1048576.0);
+      break;
+    case O_JOBMEM:
+      if (pd__parse_num("--job-memory-limit-mb", optarg, 0, 1e9, &v)) return 2;
+      cfg->job_memory_limit_bytes = (size_t)(v * 1048576.0);
       break;
     case O_BLOCKS:
       if (pd__parse_num("--max-blocks-per-job", optarg, 1, 1e8, &v)) return 2;
@@ -420,7 +437,7 @@ static void pd__requeue(pd_daemon *d) {
     pd_job *j = d->store.jobs[i];
     for (size_t k = 0; k < j->nblocks; k++) {
       pd_block *b = &j->blocks[k];
-      if (b->pushes > 0 && (!atomic_load(&b->has_root) ||
+      if (b->pushes > 0 && pd_replica_owns(j->link, b) && (!atomic_load(&b->has_root) ||
                             atomic_load(&b->stat_step) > atomic_load(&b->root_step)))
         pd_sched_mark(&d->sched, b);
     }
@@ -437,6 +454,49 @@ static void pd__snapshot(pd_daemon *d) {
   }
 }
 
+/* Replicas: MPI starts only when an MPI launcher started this process (a daemon started
+ * alone never initialises MPI: Open MPI's singleton init would start a helper process for
+ * nothing), then %r in the paths becomes the rank. Returns 0, or an exit status. */
+static int pd__replicas_init(int *argc, char ***argv, pd_config *cfg, void **rep,
+                             pd_replica_link **link) {
+  int size = 1, rank = 0;
+  int launched = pd_replica_launched(&size);
+  *rep = NULL;
+  *link = NULL;
+  if (launched && size > 1 && *cfg->state_dir && !strstr(cfg->state_dir, "%r")) {
+    fprintf(stderr, "precondd: %d ranks would share --state-dir %s: put %%r in it (it becomes "
+            "the rank)\n", size, cfg->state_dir);
+    return 2;
+  }
+#ifdef PD_HAVE_MPI
+  if (launched) {
+    pd_replica *x = NULL;
+    if (pd_replica_init(argc, argv, &x, &rank, &size) != PD_OK) return 1;
+    *rep = x;
+    *link = pd_replica_link_of(x);
+    pd_log_set_rank(rank);
+  }
+#else
+  (void)argc;
+  (void)argv;
+  if (launched && size > 1) {
+    fprintf(stderr, "precondd: started by an MPI launcher with %d ranks, but built without "
+            "MPI (meson -Dmpi=enabled, with libopenmpi-dev): each rank would be a separate "
+            "daemon\n", size);
+    return 2;
+  }
+#endif
+  if (pd_replica_subst(cfg->listen, sizeof cfg->listen, rank) != 0 ||
+      pd_replica_subst(cfg->state_dir, sizeof cfg->state_dir, rank) != 0 ||
+      pd_replica_subst(cfg->port_file, sizeof cfg->port_file, rank) != 0) {
+    fprintf(stderr, "precondd: --listen, --state-dir or --port-file too long with %%r\n");
+    return 2;
+  }
+  if (*link)
+    pd_log(PD_LOG_INFO, "replica rank %d of %d (listen %s)", rank, size, cfg->listen);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   static pd_daemon d;
   pd_config_default(&d.cfg);
@@ -446,6 +506,13 @@ int main(int argc, char **argv) {
     return prc == 1 ? 0 : 2;
   }
   pd_log_set_level(d.cfg.log_level);
+  void *rep = NULL; /* pd_replica under mpirun */
+  pd_replica_link *link = NULL;
+  prc = pd__replicas_init(&argc, &argv, &d.cfg, &rep, &link);
+  if (prc) {
+    pd__config_free(&d.cfg);
+    return prc;
+  }
 
   /* Signals are taken synchronously by the main thread (sigtimedwait): block them before
    * any thread starts so that none of them receives one. */
@@ -456,7 +523,7 @@ int main(int argc, char **argv) {
   pthread_sigmask(SIG_BLOCK, &set, NULL);
   signal(SIGPIPE, SIG_IGN);
 
-  int status = 1;
+  int status = 1, ok = 1;
   pd_server *srv = NULL;
   int sched_started = 0;
   if (pd_stats_init(&d.stats) != PD_OK ||
@@ -466,20 +533,37 @@ int main(int argc, char **argv) {
     pd__config_free(&d.cfg);
     return 1;
   }
-  if (*d.cfg.state_dir && pd__restore(&d) != 0) goto done;
-  if (!*d.cfg.state_dir)
+  d.store.link = link; /* before any job: ownership is planned when a job is added */
+  d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
+  if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
+  if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
   pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold};
-  if (pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
+  if (ok && pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
-    goto done;
+    ok = 0;
   }
-  sched_started = 1;
-  pd__requeue(&d);
+  sched_started = ok;
+  if (ok) pd__requeue(&d);
   int port = 0;
-  if (pd_server_start(&d, &srv, &port) != PD_OK) goto done;
-  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%d%s%s (max message %zu MiB, memory limit "
-         "%zu MiB)", PD_VERSION, d.cfg.listen, port ? " (port " : "", port, port ? ")" : "",
+  if (ok && pd_server_start(&d, &srv, &port) != PD_OK) ok = 0;
+#ifdef PD_HAVE_MPI
+  /* Every rank reaches this point, started or not: one that failed stops them all, with a
+   * message, instead of leaving the others waiting for its roots. */
+  if (rep && !pd_replica_agree(rep, ok)) {
+    if (ok) pd_log(PD_LOG_ERROR, "another replica failed to start (see its log): stopping");
+    ok = 0;
+  }
+  if (ok && rep && pd_replica_start(rep, &d) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "replicas: cannot start the communication thread: computing alone");
+    atomic_store(&link->alone, 1);
+  }
+#endif
+  if (!ok) goto done;
+  char bound[32] = ""; /* the port that port 0 picked; nothing for a unix socket */
+  if (port) snprintf(bound, sizeof bound, " (port %d)", port);
+  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%s (max message %zu MiB, memory limit "
+         "%zu MiB)", PD_VERSION, d.cfg.listen, bound,
          d.cfg.tls_cert ? (d.cfg.tls_client_ca ? " with TLS and client certificates"
                                                 : " with TLS") : "",
          d.cfg.max_message_bytes >> 20, d.cfg.memory_limit_bytes >> 20);
@@ -527,11 +611,22 @@ int main(int argc, char **argv) {
 
 done:
   if (srv) pd_server_stop(srv, d.cfg.grace_s);
+#ifdef PD_HAVE_MPI
+  pd_replica_quiesce(rep);
+#endif
   if (sched_started) pd_sched_stop(&d.sched);
+#ifdef PD_HAVE_MPI
+  /* After the pool: the roots it published last still go out; before the snapshot: what
+   * the other ranks still send is in it. */
+  pd_replica_stop(rep, d.cfg.grace_s + 5);
+#endif
   if (status == 0 && *d.cfg.state_dir) pd__snapshot(&d);
   pd_store_destroy(&d.store);
   pd_stats_destroy(&d.stats);
   pd__config_free(&d.cfg);
   if (status == 0) pd_log(PD_LOG_INFO, "stopped");
+#ifdef PD_HAVE_MPI
+  pd_replica_finalize(rep);
+#endif
   return status;
 }

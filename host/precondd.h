@@ -13,6 +13,8 @@
  *   snapshot.c  atomic, checksummed snapshots of the store and their restore
  *   stats.c     daemon-wide counters and compute-time percentiles
  *   limits.c    per-method request size and count limits, checked before parsing
+ *   replica_plan.c  which replica (MPI rank) computes each unit; the replica link
+ *   replica.c   daemon replicas over MPI: the communication thread (built with MPI only)
  *
  * No file here but service.c includes a generated wire header: the service decodes requests
  * into the daemon's own types.
@@ -54,6 +56,8 @@ typedef enum { PD_LOG_ERROR = 0, PD_LOG_WARN, PD_LOG_INFO, PD_LOG_DEBUG } pd_log
 
 /* Sets the threshold (messages above it are dropped). Thread-safe. */
 void pd_log_set_level(pd_log_level level);
+/* Under mpirun: every line names the rank ("precondd[1]: ..."); -1 (the default): none. */
+void pd_log_set_rank(int rank);
 /* Parses "error", "warn", "info", "debug"; returns 0 or -1. */
 int pd_log_parse_level(const char *s, pd_log_level *out);
 /* One line "2026-01-01T12:00:00.123Z LEVEL message" to stderr; thread-safe. */
@@ -77,6 +81,8 @@ typedef struct {
   int io_threads;               /* completion-queue pollers */
   size_t max_message_bytes;
   size_t memory_limit_bytes;    /* statistics and roots held */
+  size_t job_memory_limit_bytes; /* what one job may reserve (pd_job_bytes); 0: no limit
+                                 * beyond memory_limit_bytes */
   uint32_t max_blocks_per_job;
   double snapshot_interval_s;   /* <= 0: only at shutdown */
   double failure_threshold;     /* roots with a larger error are not published */
@@ -191,6 +197,7 @@ typedef struct {
   uint64_t row0, rows, col0, cols;
   uint32_t nparts;
   uint64_t order[PD_MAX_PARTS];  /* of each part of the state and of the result */
+  uint32_t owner;                /* the replica (MPI rank) computing its results; 0 alone */
   pthread_mutex_t lock;          /* guards stat, root, counters below */
   float *stat[PD_MAX_PARTS];     /* the state pushes are folded into */
   uint64_t pushes;               /* statistics updates received */
@@ -377,6 +384,8 @@ struct pd_job {
   uint32_t *diag;                /* tensors with no units */
   int in_store;                  /* its statistics are counted in the daemon's memory */
   uint64_t version_base;         /* the store's epoch << 40: root versions start above it */
+  const struct pd_replica_link *link; /* the store's (NULL: one daemon) */
+  double *rank_load;             /* estimated cost owned per rank (pd_replica_plan) */
   uint64_t resumed_step;         /* last_step in the snapshot it was restored from; 0 */
   pthread_mutex_t lock;          /* guards last_step, workers */
   uint64_t last_step;
@@ -390,9 +399,11 @@ typedef struct {
   pd_job **jobs;
   pd_stats *stats;
   size_t memory_limit;
+  size_t job_memory_limit;       /* 0: none; set after pd_store_init (main.c) */
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
   uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
+  const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
   _Atomic uint64_t removed;      /* jobs removed (ended or expired): main.c snapshots soon */
 } pd_store;
 
@@ -423,11 +434,14 @@ int pd_job_same(const pd_job *a, const pd_job *b);
  * unit. */
 size_t pd_job_bytes(const pd_job *job);
 
+/* 1 if job's reservation (pd_job_bytes) is above the store's per-job limit. */
+int pd_store_job_over_limit(const pd_store *st, const pd_job *job);
+
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
  * its zeroed statistics if they are not allocated yet. *existing gets a new reference to a
  * job of the same name if there is one (then nothing is added, PD_OK is returned, the caller
  * keeps job and drops *existing with pd_job_unref; the lookup is that job's activity).
- * PD_ELIMIT when over the memory limit or PD_MAX_JOBS, PD_ENOMEM. */
+ * PD_ELIMIT when over the memory limit, the per-job limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
 /* A new reference to the job of that name (release it with pd_job_unref), or NULL. With
@@ -470,6 +484,89 @@ pd_root *pd_block_root(pd_block *b);
  * first root of this daemon run, version_base + 1: versions never go backwards across a
  * restart, whatever the clients held when the daemon died. */
 void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
+
+/* Publishes r, a result another replica computed, under its owner's version r->version
+ * (never renumbered, never sent on). Returns 1 when published (the reference passes to the
+ * block); 0 when the block already holds that version or a newer one (r is released). */
+int pd_block_publish_as(pd_block *b, pd_root *r, pd_stats *stats);
+
+/* 1 if a push that brought unit b to its current push count queues a computation (the
+ * mode's compute_due; every push without one). */
+int pd_block_due(pd_block *b);
+
+/* ------------------------------------------------------------------------------------ */
+/* replica_plan.c: daemon replicas (docs/replicas.md)                                     */
+/*
+ * Under mpirun each rank runs one precondd. Every rank computes the same ownership from a
+ * job's layout (pd_replica_plan), computes results only for the units it owns, sends each
+ * one to every other rank, and forwards statistics pushed to it for a unit it does not own
+ * to that unit's owner. A worker thus pushes to and fetches from its local daemon only.
+ * The MPI side lives in replica.c; the store and the service see it only through this link,
+ * so that they (and their unit tests) need no MPI.
+ */
+
+typedef struct pd_replica_link {
+  int rank, nranks;
+  void *ctx;
+  /* A job registered here first: every other rank gets it too. Never blocks. */
+  void (*job_added)(void *ctx, const pd_job *job);
+  /* This rank published r for unit b (its owner): it goes to every other rank. */
+  void (*published)(void *ctx, const pd_block *b, const pd_root *r);
+  /* Statistics pushed here for a unit another rank owns (fp32 parts of its orders, copied
+   * before it returns): they go to the owner. PD_OK or PD_ENOMEM. */
+  int (*forward)(void *ctx, const pd_block *b, const float *const *parts, uint64_t step);
+  /* 1 once MPI failed on this rank: it then computes every unit itself (results of the
+   * other ranks no longer arrive). */
+  _Atomic int alone;
+  _Atomic uint64_t roots_sent, roots_received, stats_forwarded, stats_received, mpi_errors;
+} pd_replica_link;
+
+/* 1 if this daemon computes unit b's results: no link, MPI gone, or b's owner. */
+int pd_replica_owns(const pd_replica_link *link, const pd_block *b);
+
+/* The estimated cost of computing unit b's result: the sum of its parts' order^3 (an
+ * inverse root, an inverse, an eigendecomposition of order n: O(n^3) each). */
+double pd_replica_cost(const pd_block *b);
+
+/* Assigns every unit of job an owner among nranks >= 1 ranks, deterministically from the
+ * layout alone (so every rank agrees without talking): units by decreasing cost (ties: lower
+ * id first) each to the rank with the least cost so far (ties: lower rank). Greedy bound:
+ * the most loaded rank exceeds the least loaded by at most the largest unit's cost. Fills
+ * b->owner and job->rank_load (nranks entries, allocated here, freed with the job).
+ * PD_OK, PD_EINVAL (nranks < 1), PD_ENOMEM. */
+int pd_replica_plan(pd_job *job, int nranks);
+
+/* 1 when this process was started by an MPI launcher (OMPI_COMM_WORLD_SIZE or PMI_SIZE in
+ * the environment), with the world size it announces in *size. */
+int pd_replica_launched(int *size);
+
+/* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
+int pd_replica_subst(char *s, size_t cap, int rank);
+
+/* ---- replica.c (only when precondd is built with MPI) ---- */
+
+typedef struct pd_replica pd_replica;
+typedef struct pd_daemon pd_daemon;
+
+/* Initialises MPI (MPI_THREAD_SERIALIZED: only one thread calls MPI at a time: the main
+ * thread before pd_replica_start and after pd_replica_stop, the communication thread in
+ * between), with MPI_ERRORS_RETURN on its communicator. *out (owned; pd_replica_finalize)
+ * holds the link; *rank and *nranks are set. PD_EIO with a message logged. */
+int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *nranks);
+pd_replica_link *pd_replica_link_of(pd_replica *x);
+/* Collective over all ranks: 1 if every rank passes ok != 0 (startup agreement: a rank that
+ * failed to start makes them all stop instead of waiting for it). */
+int pd_replica_agree(pd_replica *x, int ok);
+/* Starts the communication thread serving d (its pool running), after queueing this rank's
+ * restored roots for the others. PD_OK or PD_ENOMEM. */
+int pd_replica_start(pd_replica *x, pd_daemon *d);
+/* Before the pool stops: statistics received from then on are folded but queue nothing. */
+void pd_replica_quiesce(pd_replica *x);
+/* Sends what is queued, tells every rank this one is done, takes what they still send until
+ * each said so (at most grace_s seconds), and joins the thread. */
+void pd_replica_stop(pd_replica *x, double grace_s);
+/* MPI_Finalize and free. */
+void pd_replica_finalize(pd_replica *x);
 
 /* ------------------------------------------------------------------------------------ */
 /* scheduler.c                                                                            */
@@ -566,12 +663,12 @@ int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
 /* ------------------------------------------------------------------------------------ */
 /* service.c and server.c                                                                 */
 
-typedef struct {
+struct pd_daemon {
   pd_config cfg;
   pd_stats stats;
   pd_store store;
   pd_sched sched;
-} pd_daemon;
+};
 
 typedef enum {
   PD_M_REGISTER = 0,

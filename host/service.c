@@ -174,6 +174,21 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
                                   : GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", why);
     goto cleanup;
   }
+  const pd_replica_link *link = d->store.link;
+  if (link && link->nranks > 1 && job->nblocks < (size_t)link->nranks) {
+    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+             "tensors: the job has %zu units for %d daemon replicas: every replica needs at "
+             "least one (start fewer ranks: mpirun -np %zu at most)", job->nblocks,
+             link->nranks, job->nblocks);
+    goto cleanup;
+  }
+  if (pd_store_job_over_limit(&d->store, job)) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "job \"%s\": needs %zu bytes for its records, statistics and roots, above the "
+             "per-job memory limit of %zu bytes (--job-memory-limit-mb)", req->job,
+             pd_job_bytes(job), d->store.job_memory_limit);
+    goto cleanup;
+  }
   pd_job *existing = NULL;
   rc = pd_store_add(&d->store, job, &existing);
   if (rc == PD_ELIMIT) {
@@ -204,6 +219,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     held->mode->describe(held->opts, how, sizeof how);
     pd_log(PD_LOG_INFO, "registered job %s (%s: %s): %zu tensors, %zu units, %zu diagonal",
            held->name, held->mode->name, how, held->ntensors, held->nblocks, held->ndiag);
+    if (link && link->nranks > 1) link->job_added(link->ctx, held); /* the other replicas */
   }
   job = NULL;
   pd_job_note_worker(held, req->worker);
@@ -224,7 +240,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     infos[i].rows = b->rows;
     infos[i].col0 = b->col0;
     infos[i].cols = b->cols;
-    infos[i].owner = 0;
+    infos[i].owner = (int32_t)b->owner;
     info_ptrs[i] = &infos[i];
   }
   resp.n_blocks = held->nblocks;
@@ -325,15 +341,6 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
   return 0;
 }
 
-/* 1 if the push just stored in b queues a computation (the mode's compute_due). */
-static int pd__due(const pd_job *job, pd_block *b) {
-  if (!job->mode->compute_due) return 1;
-  pthread_mutex_lock(&b->lock);
-  uint64_t pushes = b->pushes;
-  pthread_mutex_unlock(&b->lock);
-  return job->mode->compute_due(job->opts, pushes, atomic_load(&b->has_root));
-}
-
 static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply *rep) {
   if (!req->job || !*req->job) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
@@ -353,11 +360,12 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   size_t nb = req->n_blocks;
   /* parts[PD_MAX_PARTS * i + k]: part k of the i-th block pushed, fp32. */
   const float **parts = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *parts);
+  const float **local = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *local); /* folded here */
   float **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
   pd_block **blocks = calloc(nb ? nb : 1, sizeof *blocks);
   int ok = 0;
-  if (!parts || !owned || !seen || !blocks) {
+  if (!parts || !local || !owned || !seen || !blocks) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -385,20 +393,36 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
                      &owned[PD_MAX_PARTS * i + k], rep) != 0)
         goto cleanup;
   }
-  for (size_t i = 0; i < nb; i++) blocks[i] = &job->blocks[req->blocks[i]->block_id];
+  /* Units another replica owns go to it (replica_plan.c); the rest are folded here. */
+  size_t nlocal = 0;
+  for (size_t i = 0; i < nb; i++) {
+    pd_block *b = &job->blocks[req->blocks[i]->block_id];
+    if (!pd_replica_owns(job->link, b)) continue;
+    memcpy(&local[PD_MAX_PARTS * nlocal], &parts[PD_MAX_PARTS * i], sizeof *parts * PD_MAX_PARTS);
+    blocks[nlocal++] = b;
+  }
   size_t bad = 0;
-  int prc = pd_job_push(job, nb, blocks, parts, req->step, &d->stats, &bad);
+  int prc = pd_job_push(job, nlocal, blocks, local, req->step, &d->stats, &bad);
   if (prc != PD_OK) {
     if (prc == PD_EINVAL)
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
-               "blocks[%zu]: adding these statistics would overflow the stored statistic of "
-               "block %u to Inf; nothing of this push was stored", bad, blocks[bad]->id);
+               "block %u: adding these statistics would overflow the stored statistic to "
+               "Inf; nothing of this push was stored", blocks[bad]->id);
     else
       pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
-  for (size_t i = 0; i < nb; i++)
-    if (pd__due(job, blocks[i]) && pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
+  /* The owner folds forwarded statistics under its own overflow check: past this point a
+   * push is stored here and queued for the others, not all or nothing across replicas. */
+  for (size_t i = 0; i < nb; i++) {
+    pd_block *b = &job->blocks[req->blocks[i]->block_id];
+    if (pd_replica_owns(job->link, b)) continue;
+    if (job->link->forward(job->link->ctx, b, &parts[PD_MAX_PARTS * i], req->step) != PD_OK)
+      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory forwarding statistics to rank %u",
+             job->name, b->id, b->owner);
+  }
+  for (size_t i = 0; i < nlocal; i++)
+    if (pd_block_due(blocks[i]) && pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
       pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name,
              blocks[i]->id);
   pthread_mutex_lock(&job->lock);
@@ -417,6 +441,7 @@ cleanup:
   for (size_t i = 0; owned && i < PD_MAX_PARTS * nb; i++) free(owned[i]);
   free(owned);
   free(parts);
+  free(local);
   free(seen);
   free(blocks);
   pd_job_unref(job, &d->stats);
@@ -614,10 +639,21 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.memory_bytes = mem > 0 ? (uint64_t)mem : 0;
   resp.rejected_pushes = atomic_load(&d->stats.rejected_pushes);
   resp.threads = (uint32_t)d->cfg.threads;
-  resp.replicas = 1;
-  resp.rank = 0;
+  const pd_replica_link *link = d->store.link;
+  resp.replicas = link ? (uint32_t)link->nranks : 1;
+  resp.rank = link ? link->rank : 0;
   resp.roots_skipped = atomic_load(&d->stats.roots_skipped);
   resp.drift_threshold = d->cfg.drift_threshold;
+  Precond__V1__ReplicaStats rs = PRECOND__V1__REPLICA_STATS__INIT;
+  if (link && link->nranks > 1) {
+    rs.roots_sent = atomic_load(&link->roots_sent);
+    rs.roots_received = atomic_load(&link->roots_received);
+    rs.stats_forwarded = atomic_load(&link->stats_forwarded);
+    rs.stats_received = atomic_load(&link->stats_received);
+    rs.mpi_errors = atomic_load(&link->mpi_errors);
+    rs.alone = atomic_load(&link->alone) != 0;
+    resp.replica = &rs;
+  }
   pd_stale_summary all;
   pd_stats_staleness(&d->stats, &all);
   Precond__V1__StalenessStats all_w = PRECOND__V1__STALENESS_STATS__INIT;
@@ -629,6 +665,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.jobs_ended = atomic_load(&d->stats.jobs_ended);
   resp.jobs_expired = atomic_load(&d->stats.jobs_expired);
   resp.job_idle_expiry_s = d->cfg.job_idle_expiry_s > 0 ? d->cfg.job_idle_expiry_s : 0;
+  resp.job_memory_limit_bytes = d->store.job_memory_limit;
 
   size_t k = 0;
   for (size_t i = 0; i < njobs; i++) {
@@ -638,6 +675,9 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
     js[i].mode = (Precond__V1__Mode)j->mode->id;
     js[i].blocks = (uint32_t)j->nblocks;
     js[i].idle_s = now - atomic_load(&j->last_active);
+    js[i].memory_bytes = pd_job_bytes(j);
+    js[i].n_rank_load = j->rank_load ? (size_t)(link ? link->nranks : 1) : 0;
+    js[i].rank_load = j->rank_load;
     pthread_mutex_lock(&j->lock);
     js[i].workers = (uint32_t)j->nworkers;
     js[i].last_step = j->last_step;
@@ -682,7 +722,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       o->stat_step = atomic_load(&blk->stat_step);
       o->root_step = atomic_load(&blk->root_step);
       o->staleness = o->stat_step > o->root_step ? o->stat_step - o->root_step : 0;
-      o->owner = 0;
+      o->owner = (int32_t)blk->owner;
       bsp[k] = o;
     }
   }

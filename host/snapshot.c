@@ -537,7 +537,7 @@ static int pd__cmp_job_name(const void *a, const void *b) {
 
 /* Before any parsed job is added: a name stored twice is damage (PD_ECORRUPT, so the file is
  * set aside and the daemon really starts empty); jobs that together pass the memory limit
- * (lowered since the write) are PD_ELIMIT, which stops the start with the file in place.
+ * (lowered since the write), or one job over the per-job limit, are PD_ELIMIT, which stops the start with the file in place.
  * Sorts jobs by name. */
 static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err,
                           size_t errlen) {
@@ -549,6 +549,11 @@ static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err
       return PD_ECORRUPT;
     }
     total += pd_job_bytes(jobs[i]);
+    if (pd_store_job_over_limit(st, jobs[i])) {
+      snprintf(err, errlen, "job \"%s\" needs %zu bytes, over the per-job memory limit of %zu "
+               "bytes", jobs[i]->name, pd_job_bytes(jobs[i]), st->job_memory_limit);
+      return PD_ELIMIT;
+    }
   }
   if (total > st->memory_limit) {
     snprintf(err, errlen, "its jobs need %zu bytes, over the memory limit of %zu bytes", total,

@@ -117,6 +117,7 @@ void pd_job_free(pd_job *job, pd_stats *stats) {
   }
   free(job->tensors);
   free(job->diag);
+  free(job->rank_load);
   for (size_t i = 0; i < job->nworkers; i++) free(job->workers[i]);
   pthread_mutex_destroy(&job->lock);
   free(job->name);
@@ -392,6 +393,10 @@ static size_t pd__stat_bytes(const pd_job *job) {
   return total;
 }
 
+int pd_store_job_over_limit(const pd_store *st, const pd_job *job) {
+  return st->job_memory_limit > 0 && pd_job_bytes(job) > st->job_memory_limit;
+}
+
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   *existing = NULL;
   pthread_rwlock_wrlock(&st->lock);
@@ -407,7 +412,8 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
    * root pair per block), so a running job never fails for memory later. */
   size_t held = 0;
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
-  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS) {
+  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
+      pd_store_job_over_limit(st, job)) {
     rc = PD_ELIMIT;
     goto done;
   }
@@ -421,6 +427,9 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
     st->jobs = nj;
     st->cap = ncap;
   }
+  /* Every rank plans the same ownership from the same layout (replica_plan.c). */
+  rc = pd_replica_plan(job, st->link ? st->link->nranks : 1);
+  if (rc != PD_OK) goto done;
   rc = pd__alloc_stats(job);
   if (rc != PD_OK) goto done;
   if (st->stats)
@@ -428,6 +437,7 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
                      (int64_t)(pd__stat_bytes(job) + pd__meta_bytes(job)));
   job->in_store = 1;
   job->version_base = st->epoch << 40;
+  job->link = st->link;
   atomic_store(&job->last_active, pd_now()); /* a restored job's idle clock starts now */
   st->jobs[st->njobs++] = job;
   atomic_fetch_add(&st->generation, 1);
@@ -531,14 +541,47 @@ pd_root *pd_block_root(pd_block *b) {
   return r;
 }
 
-void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats) {
-  pthread_mutex_lock(&b->lock);
+/* Installs r as b's root with b's lock held; returns the root it replaces. */
+static pd_root *pd__install_locked(pd_block *b, pd_root *r) {
   pd_root *old = b->root;
-  uint64_t base = b->job->version_base;
-  r->version = old && old->version > base ? old->version + 1 : base + 1;
   b->root = r;
   atomic_store(&b->root_step, r->source_step);
   atomic_store(&b->has_root, 1);
+  return old;
+}
+
+void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats) {
+  const pd_replica_link *link = b->job->link;
+  pthread_mutex_lock(&b->lock);
+  uint64_t base = b->job->version_base;
+  r->version = b->root && b->root->version > base ? b->root->version + 1 : base + 1;
+  pd_root *old = pd__install_locked(b, r);
+  int share = link && link->nranks > 1 && !atomic_load(&link->alone);
+  if (share) pd_root_ref(r);
   pthread_mutex_unlock(&b->lock);
   pd_root_unref(old, stats);
+  /* The owner's result goes to the other replicas: queued (a copy), never sent from here.
+   * One pool thread computes a unit at a time, so its versions are queued in order. */
+  if (share) {
+    link->published(link->ctx, b, r);
+    pd_root_unref(r, stats);
+  }
+}
+
+int pd_block_publish_as(pd_block *b, pd_root *r, pd_stats *stats) {
+  pthread_mutex_lock(&b->lock);
+  int newer = !b->root || r->version > b->root->version;
+  pd_root *old = newer ? pd__install_locked(b, r) : r;
+  pthread_mutex_unlock(&b->lock);
+  pd_root_unref(old, stats);
+  return newer;
+}
+
+int pd_block_due(pd_block *b) {
+  const pd_job *job = b->job;
+  if (!job->mode->compute_due) return 1;
+  pthread_mutex_lock(&b->lock);
+  uint64_t pushes = b->pushes;
+  pthread_mutex_unlock(&b->lock);
+  return job->mode->compute_due(job->opts, pushes, atomic_load(&b->has_root));
 }

@@ -1382,7 +1382,7 @@ static void test_help(void **state) {
   assert_int_equal(pclose(p), 0);
   const char *opts[] = {"--listen", "--state-dir", "--threads", "--max-message-mb",
                         "--memory-limit-mb", "--snapshot-interval", "--log-level",
-                        "--token-file"};
+                        "--token-file", "--job-memory-limit-mb", "--job-idle-expiry"};
   for (size_t i = 0; i < sizeof opts / sizeof *opts; i++)
     assert_non_null(strstr(buf, opts[i]));
   snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());

@@ -591,6 +591,32 @@ static void test_idle_expiry(void **state) {
   daemon_free(d);
 }
 
+/* A per-job memory limit: one job cannot take the daemon's whole budget; a Register above
+ * it is RESOURCE_EXHAUSTED naming the job and the option, and nothing is held for it. */
+static void test_job_memory_limit(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  char why[512];
+  /* 64 x 64 in blocks of 64: statistics and a root pair, 4 x 2080 floats, 33 KB. */
+  d->store.job_memory_limit = 40000;
+  assert_int_equal(reg(d, "small", 64, 64, 64, NULL, why), GRPC_STATUS_OK);
+  int64_t held = atomic_load(&d->stats.memory_bytes);
+  assert_int_equal(reg(d, "large", 128, 64, 64, NULL, why), GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "\"large\""));
+  assert_non_null(strstr(why, "--job-memory-limit-mb"));
+  assert_int_equal(atomic_load(&d->stats.memory_bytes), held);
+  Precond__V1__StatsResponse *st = stats_of(d);
+  assert_int_equal(st->jobs, 1);
+  assert_int_equal(st->job_memory_limit_bytes, 40000);
+  assert_true(st->job_stats[0]->memory_bytes > 4 * 2080 * sizeof(float));
+  assert_true(st->job_stats[0]->memory_bytes <= 40000);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  /* Off: the same job fits the daemon-wide budget. */
+  d->store.job_memory_limit = 0;
+  assert_int_equal(reg(d, "large", 128, 64, 64, NULL, why), GRPC_STATUS_OK);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -602,6 +628,7 @@ int main(void) {
       cmocka_unit_test(test_rank1_jobs_counted),
       cmocka_unit_test(test_end_job),
       cmocka_unit_test(test_idle_expiry),
+      cmocka_unit_test(test_job_memory_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

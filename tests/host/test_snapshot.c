@@ -213,6 +213,25 @@ static void test_damage_detected(void **state) {
   free(buf);
 }
 
+/* A snapshot whose job is above a per-job memory limit lowered since it was written stops
+ * the start (PD_ELIMIT naming the job), loading nothing, like the daemon-wide limit. */
+static void test_job_over_lowered_limit(void **state) {
+  fixture *f = *state;
+  pd_stats stats;
+  pd_store st;
+  char err[256] = "";
+  pd_stats_init(&stats);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.job_memory_limit = pd_job_bytes(f->store.jobs[0]) - 1; /* alpha no longer fits */
+  assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_ELIMIT);
+  assert_non_null(strstr(err, "alpha"));
+  assert_non_null(strstr(err, "per-job"));
+  assert_int_equal(st.njobs, 0);
+  pd_store_destroy(&st);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+}
+
 static void test_rewrite_replaces(void **state) {
   fixture *f = *state;
   /* A second write replaces the file and leaves no temporary behind. */
@@ -366,6 +385,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_roundtrip_bit_exact, setup, teardown),
       cmocka_unit_test_setup_teardown(test_damage_detected, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rewrite_replaces, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_job_over_lowered_limit, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hostile_contents, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,0 +1,752 @@
+/*
+ * replica.c -- daemon replicas over MPI: the communication thread.
+ *
+ * Under `mpirun -np R precondd ...` each rank is a whole precondd with its own listen
+ * address and state directory. What crosses ranks, all of it on this file's one thread:
+ *   JOB   a job registered on one rank (name, mode, options as in snapshots, tensors): every
+ *         other rank adds it, so a worker can use any rank;
+ *   STAT  statistics pushed on one rank for a unit another owns: the owner folds them;
+ *   ROOT  a result the owner published: every other rank publishes it under the owner's
+ *         version, so a worker fetches every root from its local daemon;
+ *   BYE   this rank sends nothing more (shutdown).
+ * Handlers and pool threads only queue copies (the link's hooks) and never call MPI: the
+ * thread sends them with MPI_Isend, polls MPI_Iprobe, and sleeps briefly when idle. MPI
+ * keeps the messages of one sender in order, so a unit's versions arrive in order and a
+ * job arrives before anything of it from the same rank; anything for a job not known yet
+ * (sent by a third rank) waits in a bounded list until that job arrives.
+ *
+ * Errors: MPI's default handler on a communicator is MPI_ERRORS_ARE_FATAL (any error aborts
+ * every rank of the job). This file sets MPI_ERRORS_RETURN: an MPI error is logged and
+ * counted, and the rank goes on alone (pd_replica_link.alone: it computes every unit
+ * itself from the statistics it gets, and its workers keep training). Open MPI without
+ * ULFM still ends the whole job when a rank dies; docs/replicas.md says what that means.
+ */
+#include "precondd.h"
+
+#include <mpi.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "preconditioner.h"
+#include "rpc.h"
+
+enum { PD__TAG_JOB = 1, PD__TAG_STAT, PD__TAG_ROOT, PD__TAG_BYE };
+
+#define PD__MAX_DEFERRED 4096 /* messages held for a job not known yet */
+
+/* An encoded message; refs: one per send in flight plus the queue's. */
+typedef struct pd__msg {
+  struct pd__msg *next;
+  int tag, dest; /* dest -1: every other rank */
+  int refs;
+  size_t len, cap;
+  unsigned char *buf;
+} pd__msg;
+
+typedef struct {
+  MPI_Request req;
+  pd__msg *msg;
+} pd__send;
+
+struct pd_replica {
+  pd_replica_link link;
+  pd_daemon *d;
+  MPI_Comm comm;
+  pthread_t thread;
+  int started;
+  pthread_mutex_t lock; /* guards the queue and stopping */
+  pthread_cond_t cond;
+  pd__msg *head, *tail;
+  int stopping;
+  int marking; /* the pool runs: forwarded statistics may queue computations */
+  /* The communication thread's own. */
+  pd__send *sends;
+  size_t nsends, capsends;
+  pd__msg *deferred, *deferred_tail;
+  size_t ndeferred;
+  double grace_s;
+};
+
+/* ---- encoding (little-endian, as snapshots; floats through the one packed codec) -------- */
+
+static pd__msg *pd__msg_new(int tag, int dest, size_t cap) {
+  pd__msg *m = calloc(1, sizeof *m);
+  if (!m) return NULL;
+  m->buf = malloc(cap ? cap : 1);
+  if (!m->buf) {
+    free(m);
+    return NULL;
+  }
+  m->tag = tag;
+  m->dest = dest;
+  m->cap = cap;
+  m->refs = 1;
+  return m;
+}
+
+static void pd__msg_unref(pd__msg *m) {
+  if (m && --m->refs == 0) {
+    free(m->buf);
+    free(m);
+  }
+}
+
+/* Appends v as `bytes` little-endian bytes; the capacity was sized by the caller. */
+static void pd__put(pd__msg *m, uint64_t v, int bytes) {
+  pd_le_put(m->buf + m->len, v, bytes);
+  m->len += (size_t)bytes;
+}
+
+static void pd__put_f64(pd__msg *m, double x) {
+  uint64_t v;
+  memcpy(&v, &x, sizeof v);
+  pd__put(m, v, 8);
+}
+
+static void pd__put_str(pd__msg *m, const char *s) {
+  size_t n = strlen(s);
+  pd__put(m, n, 4);
+  memcpy(m->buf + m->len, s, n);
+  m->len += n;
+}
+
+static void pd__put_floats(pd__msg *m, uint64_t order, const float *vals) {
+  size_t count = pc_packed_len(order);
+  pd__put(m, order, 8);
+  rpc_packed_encode(0, vals, count, m->buf + m->len); /* fp32: cannot fail */
+  m->len += count * 4;
+}
+
+/* A bounds-checked reader; any short read sets bad. */
+typedef struct {
+  const unsigned char *p;
+  size_t left;
+  int bad;
+} pd__rd;
+
+static uint64_t pd__get(pd__rd *r, int bytes) {
+  if (r->bad || r->left < (size_t)bytes) {
+    r->bad = 1;
+    return 0;
+  }
+  uint64_t v = pd_le_get(r->p, bytes);
+  r->p += bytes;
+  r->left -= (size_t)bytes;
+  return v;
+}
+
+static double pd__get_f64(pd__rd *r) {
+  uint64_t v = pd__get(r, 8);
+  double x;
+  memcpy(&x, &v, sizeof x);
+  return x;
+}
+
+/* A copy of the next string (malloc'd; NULL when bad). */
+static char *pd__get_str(pd__rd *r) {
+  uint64_t n = pd__get(r, 4);
+  if (r->bad || n > r->left || n > 4096) {
+    r->bad = 1;
+    return NULL;
+  }
+  char *s = malloc(n + 1);
+  if (!s) {
+    r->bad = 1;
+    return NULL;
+  }
+  memcpy(s, r->p, n);
+  s[n] = '\0';
+  r->p += n;
+  r->left -= n;
+  return s;
+}
+
+/* Decodes the next packed part of the expected order into out. */
+static int pd__get_floats(pd__rd *r, uint64_t order, float *out) {
+  uint64_t n = pd__get(r, 8);
+  size_t count = pc_packed_len(order);
+  if (r->bad || n != order || r->left < count * 4) {
+    r->bad = 1;
+    return -1;
+  }
+  rpc_packed_decode(0, r->p, count * 4, count, out);
+  r->p += count * 4;
+  r->left -= count * 4;
+  return 0;
+}
+
+static size_t pd__parts_bytes(uint32_t nparts, const uint64_t *order) {
+  size_t n = 0;
+  for (uint32_t k = 0; k < nparts; k++) n += 8 + pc_packed_len(order[k]) * 4;
+  return n;
+}
+
+/* ---- the queue (any thread) ---------------------------------------------------------- */
+
+static void pd__enqueue(pd_replica *x, pd__msg *m) {
+  pthread_mutex_lock(&x->lock);
+  if (x->tail)
+    x->tail->next = m;
+  else
+    x->head = m;
+  x->tail = m;
+  pthread_cond_signal(&x->cond);
+  pthread_mutex_unlock(&x->lock);
+}
+
+static void pd__hook_job(void *ctx, const pd_job *job) {
+  pd_replica *x = ctx;
+  const pd_mode *mode = job->mode;
+  size_t cap = 16 + mode->snap_bytes + 4 + strlen(job->name) + 4;
+  for (size_t i = 0; i < job->ntensors; i++)
+    cap += 8 + strlen(job->tensors[i].name) + 8 * (size_t)job->tensors[i].rank;
+  pd__msg *m = pd__msg_new(PD__TAG_JOB, -1, cap);
+  if (!m) {
+    pd_log(PD_LOG_ERROR, "replicas: out of memory sending job %s", job->name);
+    return;
+  }
+  pd__put(m, (uint64_t)mode->id, 4);
+  pd__put(m, mode->snap_bytes, 4);
+  mode->snap_write(job->opts, m->buf + m->len);
+  m->len += mode->snap_bytes;
+  pd__put_str(m, job->name);
+  pd__put(m, job->ntensors, 4);
+  for (size_t i = 0; i < job->ntensors; i++) {
+    pd__put_str(m, job->tensors[i].name);
+    pd__put(m, (uint64_t)job->tensors[i].rank, 4);
+    for (int k = 0; k < job->tensors[i].rank; k++) pd__put(m, job->tensors[i].dims[k], 8);
+  }
+  pd__enqueue(x, m);
+}
+
+static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
+  pd_replica *x = ctx;
+  size_t cap = 4 + strlen(b->job->name) + 4 + 8 * 3 + 4 + 4 + 8 * PD_MODE_AUX + 4 +
+               pd__parts_bytes(r->nparts, r->order);
+  pd__msg *m = pd__msg_new(PD__TAG_ROOT, -1, cap);
+  if (!m) {
+    pd_log(PD_LOG_ERROR, "replicas: out of memory sending a root of job %s block %u",
+           b->job->name, b->id);
+    return;
+  }
+  pd__put_str(m, b->job->name);
+  pd__put(m, b->id, 4);
+  pd__put(m, r->version, 8);
+  pd__put(m, r->source_step, 8);
+  pd__put_f64(m, r->error);
+  pd__put(m, (uint32_t)r->method, 4);
+  pd__put(m, r->iterations, 4);
+  for (int k = 0; k < PD_MODE_AUX; k++) pd__put_f64(m, r->aux[k]);
+  pd__put(m, r->nparts, 4);
+  for (uint32_t k = 0; k < r->nparts; k++) pd__put_floats(m, r->order[k], r->part[k]);
+  atomic_fetch_add(&x->link.roots_sent, 1);
+  pd__enqueue(x, m);
+}
+
+static int pd__hook_stat(void *ctx, const pd_block *b, const float *const *parts,
+                         uint64_t step) {
+  pd_replica *x = ctx;
+  size_t cap = 4 + strlen(b->job->name) + 4 + 8 + 4 + pd__parts_bytes(b->nparts, b->order);
+  pd__msg *m = pd__msg_new(PD__TAG_STAT, (int)b->owner, cap);
+  if (!m) return PD_ENOMEM;
+  pd__put_str(m, b->job->name);
+  pd__put(m, b->id, 4);
+  pd__put(m, step, 8);
+  pd__put(m, b->nparts, 4);
+  for (uint32_t k = 0; k < b->nparts; k++) pd__put_floats(m, b->order[k], parts[k]);
+  atomic_fetch_add(&x->link.stats_forwarded, 1);
+  pd__enqueue(x, m);
+  return PD_OK;
+}
+
+/* ---- handling what arrives (communication thread) ------------------------------------ */
+
+/* Adds the job a JOB message describes. */
+static void pd__on_job(pd_replica *x, pd__rd *r) {
+  pd_daemon *d = x->d;
+  int mode_id = (int)pd__get(r, 4);
+  size_t snap = (size_t)pd__get(r, 4);
+  const pd_mode *mode = pd_mode_find(mode_id);
+  char *name = NULL, why[400] = "";
+  pd_tensor *t = NULL;
+  size_t nt = 0;
+  pd_job *job = NULL;
+  _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
+  if (!mode || snap != mode->snap_bytes || r->left < snap) {
+    snprintf(why, sizeof why, "unknown mode %d or options of %zu bytes", mode_id, snap);
+    goto bad;
+  }
+  memset(opts, 0, sizeof opts);
+  mode->snap_read(r->p, opts);
+  r->p += snap;
+  r->left -= snap;
+  name = pd__get_str(r);
+  nt = (size_t)pd__get(r, 4);
+  if (r->bad || nt == 0 || nt > PD_MAX_TENSORS || mode->resolve(opts, why, sizeof why) != PD_OK)
+    goto bad;
+  t = calloc(nt, sizeof *t);
+  if (!t) goto bad;
+  for (size_t i = 0; i < nt && !r->bad; i++) {
+    t[i].name = pd__get_str(r);
+    t[i].rank = (int)pd__get(r, 4);
+    if (t[i].rank < 1 || t[i].rank > PD_MAX_RANK) {
+      r->bad = 1;
+      break;
+    }
+    t[i].dims = calloc((size_t)t[i].rank, sizeof *t[i].dims);
+    if (!t[i].dims) r->bad = 1;
+    for (int k = 0; k < t[i].rank && !r->bad; k++) t[i].dims[k] = pd__get(r, 8);
+  }
+  if (r->bad) goto bad;
+  if (pd_job_build(name, mode, opts, nt, t, d->cfg.max_blocks_per_job, &job, why,
+                   sizeof why) != PD_OK)
+    goto bad;
+  pd_job *existing = NULL;
+  int rc = pd_store_add(&d->store, job, &existing);
+  if (rc != PD_OK) {
+    snprintf(why, sizeof why, "%s", pd_strerror(rc));
+    goto bad;
+  }
+  if (existing) {
+    if (!pd_job_same(existing, job))
+      pd_log(PD_LOG_ERROR, "replicas: job %s came from another rank with different tensors or "
+             "options than the one registered here; this rank keeps its own", name);
+    pd_job_unref(existing, &d->stats);
+    pd_job_free(job, &d->stats);
+  } else {
+    pd_log(PD_LOG_INFO, "replicas: job %s (%zu units) registered by another rank", name,
+           job->nblocks);
+  }
+  job = NULL;
+  goto done;
+bad:
+  pd_log(PD_LOG_ERROR, "replicas: a job from another rank was not added: %s",
+         *why ? why : "malformed message");
+done:
+  if (job) pd_job_free(job, &d->stats);
+  for (size_t i = 0; t && i < nt; i++) {
+    free(t[i].name);
+    free(t[i].dims);
+  }
+  free(t);
+  free(name);
+}
+
+/* The unit a STAT or ROOT message names, with a reference to its job in *job (the caller
+ * drops it); NULL with *unknown_job set when the job is not here yet, NULL alone when the
+ * unit does not exist. Traffic counts as the job's activity: a rank whose workers never
+ * call for a job still keeps it while the others use it. */
+static pd_block *pd__unit_of(pd_replica *x, pd__rd *r, pd_job **job, int *unknown_job) {
+  *unknown_job = 0;
+  char *name = pd__get_str(r);
+  uint32_t id = (uint32_t)pd__get(r, 4);
+  *job = name && !r->bad ? pd_store_get(&x->d->store, name, 1) : NULL;
+  free(name);
+  if (r->bad) return NULL;
+  if (!*job) {
+    *unknown_job = 1;
+    return NULL;
+  }
+  return id < (*job)->nblocks ? &(*job)->blocks[id] : NULL;
+}
+
+static void pd__on_stat(pd_replica *x, pd_block *b, pd__rd *r) {
+  pd_daemon *d = x->d;
+  uint64_t step = pd__get(r, 8);
+  uint32_t nparts = (uint32_t)pd__get(r, 4);
+  float *inc[PD_MAX_PARTS] = {NULL};
+  int ok = !r->bad && nparts == b->nparts;
+  for (uint32_t k = 0; ok && k < nparts; k++)
+    ok = (inc[k] = malloc(pc_packed_len(b->order[k]) * sizeof(float))) != NULL &&
+         pd__get_floats(r, b->order[k], inc[k]) == 0;
+  if (ok) {
+    size_t bad = 0;
+    pd_block *one[1] = {b};
+    int rc = pd_job_push(b->job, 1, one, (const float *const *)inc, step, &d->stats, &bad);
+    if (rc == PD_OK) {
+      atomic_fetch_add(&x->link.stats_received, 1);
+      pthread_mutex_lock(&b->job->lock);
+      if (step > b->job->last_step) b->job->last_step = step;
+      pthread_mutex_unlock(&b->job->lock);
+      atomic_fetch_add(&d->store.generation, 1);
+      /* Under the queue's lock: pd_replica_quiesce waits for a mark in progress, so none
+       * reaches the pool once it is stopping. */
+      pthread_mutex_lock(&x->lock);
+      if (x->marking && pd_block_due(b) && pd_sched_mark(&d->sched, b) != PD_OK)
+        pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", b->job->name, b->id);
+      pthread_mutex_unlock(&x->lock);
+    } else {
+      atomic_fetch_add(&d->stats.rejected_pushes, 1);
+      pd_log(PD_LOG_WARN, "replicas: forwarded statistics of job %s block %u refused: %s",
+             b->job->name, b->id, rc == PD_EINVAL ? "they would overflow to Inf"
+                                                  : "out of memory");
+    }
+  } else {
+    pd_log(PD_LOG_ERROR, "replicas: malformed statistics for job %s block %u", b->job->name,
+           b->id);
+  }
+  for (uint32_t k = 0; k < PD_MAX_PARTS; k++) free(inc[k]);
+}
+
+static void pd__on_root(pd_replica *x, pd_block *b, pd__rd *r) {
+  pd_daemon *d = x->d;
+  pd_root *root = pd_root_new(b->nparts, b->order, &d->stats);
+  if (!root) {
+    pd_log(PD_LOG_ERROR, "replicas: out of memory receiving a root of job %s block %u",
+           b->job->name, b->id);
+    return;
+  }
+  root->version = pd__get(r, 8);
+  root->source_step = pd__get(r, 8);
+  root->error = pd__get_f64(r);
+  root->method = (int)(uint32_t)pd__get(r, 4);
+  root->iterations = (uint32_t)pd__get(r, 4);
+  for (int k = 0; k < PD_MODE_AUX; k++) root->aux[k] = pd__get_f64(r);
+  int ok = (uint32_t)pd__get(r, 4) == b->nparts;
+  for (uint32_t k = 0; ok && k < b->nparts; k++)
+    ok = pd__get_floats(r, b->order[k], root->part[k]) == 0;
+  if (!ok || r->bad) {
+    pd_log(PD_LOG_ERROR, "replicas: malformed root for job %s block %u", b->job->name, b->id);
+    pd_root_unref(root, &d->stats);
+    return;
+  }
+  if (pd_block_publish_as(b, root, &d->stats)) atomic_fetch_add(&x->link.roots_received, 1);
+}
+
+/* Handles one STAT or ROOT message; 1 when its job is not here yet (keep it). */
+static int pd__on_unit_msg(pd_replica *x, int tag, const unsigned char *buf, size_t len) {
+  pd__rd r = {buf, len, 0};
+  int unknown = 0;
+  pd_job *job = NULL;
+  pd_block *b = pd__unit_of(x, &r, &job, &unknown);
+  if (unknown) return 1;
+  if (!b)
+    pd_log(PD_LOG_ERROR, "replicas: a message for a unit that does not exist (tag %d)", tag);
+  else if (tag == PD__TAG_STAT)
+    pd__on_stat(x, b, &r);
+  else
+    pd__on_root(x, b, &r);
+  pd_job_unref(job, &x->d->stats);
+  return 0;
+}
+
+/* Keeps a message for a job not known yet (the oldest goes beyond PD__MAX_DEFERRED). */
+static void pd__defer(pd_replica *x, int tag, unsigned char *buf, size_t len) {
+  pd__msg *m = calloc(1, sizeof *m);
+  if (!m) {
+    free(buf);
+    return;
+  }
+  m->tag = tag;
+  m->buf = buf;
+  m->len = len;
+  m->refs = 1;
+  if (x->deferred_tail)
+    x->deferred_tail->next = m;
+  else
+    x->deferred = m;
+  x->deferred_tail = m;
+  if (++x->ndeferred > PD__MAX_DEFERRED) {
+    pd__msg *old = x->deferred;
+    x->deferred = old->next;
+    x->ndeferred--;
+    pd_log(PD_LOG_WARN, "replicas: dropped a message for a job this rank never received");
+    pd__msg_unref(old);
+  }
+}
+
+/* Retries the deferred messages after a job arrived. */
+static void pd__retry_deferred(pd_replica *x) {
+  pd__msg *list = x->deferred;
+  x->deferred = x->deferred_tail = NULL;
+  x->ndeferred = 0;
+  while (list) {
+    pd__msg *m = list;
+    list = m->next;
+    m->next = NULL;
+    if (pd__on_unit_msg(x, m->tag, m->buf, m->len)) {
+      pd__defer(x, m->tag, m->buf, m->len);
+      m->buf = NULL;
+    }
+    pd__msg_unref(m);
+  }
+}
+
+static void pd__mpi_failed(pd_replica *x, const char *what, int err) {
+  char text[MPI_MAX_ERROR_STRING] = "";
+  int n = 0;
+  MPI_Error_string(err, text, &n);
+  atomic_fetch_add(&x->link.mpi_errors, 1);
+  if (!atomic_exchange(&x->link.alone, 1))
+    pd_log(PD_LOG_ERROR, "replicas: %s failed (%s): rank %d now computes every unit itself",
+           what, text, x->link.rank);
+}
+
+/* Receives and handles everything waiting. Counts BYEs in *byes. Returns 1 if anything
+ * arrived. */
+static int pd__receive(pd_replica *x, int *byes) {
+  int any = 0;
+  while (!atomic_load(&x->link.alone)) {
+    int flag = 0, count = 0;
+    MPI_Status st;
+    int err = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, x->comm, &flag, &st);
+    if (err != MPI_SUCCESS) {
+      pd__mpi_failed(x, "MPI_Iprobe", err);
+      break;
+    }
+    if (!flag) break;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    unsigned char *buf = malloc(count > 0 ? (size_t)count : 1);
+    if (!buf) {
+      pd__mpi_failed(x, "a receive buffer", MPI_ERR_NO_MEM);
+      break;
+    }
+    err = MPI_Recv(buf, count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, x->comm, MPI_STATUS_IGNORE);
+    if (err != MPI_SUCCESS) {
+      free(buf);
+      pd__mpi_failed(x, "MPI_Recv", err);
+      break;
+    }
+    any = 1;
+    if (st.MPI_TAG == PD__TAG_BYE) {
+      (*byes)++;
+      free(buf);
+    } else if (st.MPI_TAG == PD__TAG_JOB) {
+      pd__rd r = {buf, (size_t)count, 0};
+      pd__on_job(x, &r);
+      free(buf);
+      pd__retry_deferred(x);
+    } else if (pd__on_unit_msg(x, st.MPI_TAG, buf, (size_t)count)) {
+      pd__defer(x, st.MPI_TAG, buf, (size_t)count);
+    } else {
+      free(buf);
+    }
+  }
+  return any;
+}
+
+/* Starts the sends of every queued message. Returns 1 if there were any. */
+static int pd__send_queued(pd_replica *x) {
+  pthread_mutex_lock(&x->lock);
+  pd__msg *list = x->head;
+  x->head = x->tail = NULL;
+  pthread_mutex_unlock(&x->lock);
+  int any = list != NULL;
+  while (list) {
+    pd__msg *m = list;
+    list = m->next;
+    for (int dest = 0; dest < x->link.nranks && !atomic_load(&x->link.alone); dest++) {
+      if (dest == x->link.rank || (m->dest >= 0 && dest != m->dest)) continue;
+      if (x->nsends == x->capsends) {
+        size_t ncap = x->capsends ? 2 * x->capsends : 64;
+        pd__send *ns = realloc(x->sends, ncap * sizeof *ns);
+        if (!ns) {
+          pd__mpi_failed(x, "a send record", MPI_ERR_NO_MEM);
+          break;
+        }
+        x->sends = ns;
+        x->capsends = ncap;
+      }
+      pd__send *s = &x->sends[x->nsends];
+      int err = MPI_Isend(m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm, &s->req);
+      if (err != MPI_SUCCESS) {
+        pd__mpi_failed(x, "MPI_Isend", err);
+        break;
+      }
+      s->msg = m;
+      m->refs++;
+      x->nsends++;
+    }
+    pd__msg_unref(m);
+  }
+  return any;
+}
+
+/* Completes finished sends. Returns 1 if any finished. */
+static int pd__test_sends(pd_replica *x) {
+  int any = 0;
+  for (size_t i = 0; i < x->nsends;) {
+    int done = 0;
+    int err = MPI_Test(&x->sends[i].req, &done, MPI_STATUS_IGNORE);
+    if (err != MPI_SUCCESS) {
+      pd__mpi_failed(x, "MPI_Test", err);
+      done = 1;
+    }
+    if (done) {
+      pd__msg_unref(x->sends[i].msg);
+      x->sends[i] = x->sends[--x->nsends];
+      any = 1;
+    } else {
+      i++;
+    }
+  }
+  return any;
+}
+
+static void pd__sleep_us(long us) {
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  nanosleep(&ts, NULL);
+}
+
+static void *pd__comm(void *arg) {
+  pd_replica *x = arg;
+  int byes = 0;
+  long idle_us = 50;
+  for (;;) {
+    int busy = pd__receive(x, &byes);
+    busy |= pd__send_queued(x);
+    busy |= pd__test_sends(x);
+    pthread_mutex_lock(&x->lock);
+    int stop = x->stopping && !x->head;
+    if (!busy && !stop) {
+      /* Idle: a queued message wakes the thread at once; arrivals are polled, at most
+       * 2 ms apart (a received root is then at most that much later than it could be). */
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_nsec += idle_us * 1000;
+      until.tv_sec += until.tv_nsec / 1000000000;
+      until.tv_nsec %= 1000000000;
+      pthread_cond_timedwait(&x->cond, &x->lock, &until);
+    }
+    pthread_mutex_unlock(&x->lock);
+    idle_us = busy ? 50 : (idle_us < 2000 ? idle_us * 2 : 2000);
+    if (stop) break;
+  }
+  /* Shutdown: BYE after everything this rank sent (MPI keeps them in order); then take what
+   * the others send until each said BYE, and finish the sends (a peer keeps receiving
+   * until it has our BYE, so they complete). */
+  pd__msg *bye = pd__msg_new(PD__TAG_BYE, -1, 1);
+  if (bye) {
+    pd__enqueue(x, bye);
+    pd__send_queued(x);
+  }
+  double until = pd_now() + x->grace_s;
+  while (!atomic_load(&x->link.alone) && (byes < x->link.nranks - 1 || x->nsends > 0)) {
+    if (pd_now() > until) {
+      pd_log(PD_LOG_WARN, "replicas: %d of %d other ranks did not finish within %.0f s; "
+             "stopping without them", x->link.nranks - 1 - byes, x->link.nranks - 1,
+             x->grace_s);
+      break;
+    }
+    int busy = pd__receive(x, &byes) | pd__test_sends(x);
+    if (!busy) pd__sleep_us(500);
+  }
+  return NULL;
+}
+
+/* ---- lifecycle (main thread) ---------------------------------------------------------- */
+
+int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *nranks) {
+  *out = NULL;
+  int provided = 0;
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
+    pd_log(PD_LOG_ERROR, "replicas: MPI_Init_thread failed");
+    return PD_EIO;
+  }
+  if (provided < MPI_THREAD_SERIALIZED) {
+    pd_log(PD_LOG_ERROR, "replicas: this MPI library gives thread level %d, below "
+           "MPI_THREAD_SERIALIZED (the communication thread is not the main thread)",
+           provided);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return PD_EIO;
+  }
+  pd_replica *x = calloc(1, sizeof *x);
+  if (!x || pthread_mutex_init(&x->lock, NULL) != 0 || pthread_cond_init(&x->cond, NULL) != 0) {
+    pd_log(PD_LOG_ERROR, "replicas: out of memory");
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return PD_EIO;
+  }
+  /* Our own communicator, so no library traffic can match our wildcard receives; its
+   * errors come back to us (the default, MPI_ERRORS_ARE_FATAL, aborts every rank). */
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_dup(MPI_COMM_WORLD, &x->comm);
+  MPI_Comm_set_errhandler(x->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(x->comm, &x->link.rank);
+  MPI_Comm_size(x->comm, &x->link.nranks);
+  x->link.ctx = x;
+  x->link.job_added = pd__hook_job;
+  x->link.published = pd__hook_root;
+  x->link.forward = pd__hook_stat;
+  x->grace_s = 10;
+  *rank = x->link.rank;
+  *nranks = x->link.nranks;
+  *out = x;
+  return PD_OK;
+}
+
+pd_replica_link *pd_replica_link_of(pd_replica *x) { return &x->link; }
+
+int pd_replica_agree(pd_replica *x, int ok) {
+  int mine = ok ? 1 : 0, all = 0;
+  if (MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, x->comm) != MPI_SUCCESS) return 0;
+  return all;
+}
+
+int pd_replica_start(pd_replica *x, pd_daemon *d) {
+  x->d = d;
+  x->marking = 1;
+  /* Roots restored from this rank's snapshot go out again: the others may hold older ones
+   * (their own snapshots), and nothing else would send them before the next push. */
+  size_t njobs = 0;
+  pd_job **jobs = pd_store_list(&d->store, &njobs); /* the server runs: jobs may come, go */
+  if (!jobs) return PD_ENOMEM;
+  for (size_t i = 0; i < njobs; i++) {
+    pd_job *job = jobs[i];
+    for (size_t k = 0; k < job->nblocks; k++) {
+      pd_block *b = &job->blocks[k];
+      if ((int)b->owner != x->link.rank) continue;
+      pd_root *r = pd_block_root(b);
+      if (r) pd__hook_root(x, b, r);
+      pd_root_unref(r, &d->stats);
+    }
+  }
+  pd_store_list_free(jobs, njobs, &d->stats);
+  if (pthread_create(&x->thread, NULL, pd__comm, x) != 0) return PD_ENOMEM;
+  x->started = 1;
+  return PD_OK;
+}
+
+void pd_replica_quiesce(pd_replica *x) {
+  if (!x) return;
+  pthread_mutex_lock(&x->lock);
+  x->marking = 0;
+  pthread_mutex_unlock(&x->lock);
+}
+
+void pd_replica_stop(pd_replica *x, double grace_s) {
+  if (!x || !x->started) return;
+  pthread_mutex_lock(&x->lock);
+  x->stopping = 1;
+  x->grace_s = grace_s;
+  pthread_cond_signal(&x->cond);
+  pthread_mutex_unlock(&x->lock);
+  pthread_join(x->thread, NULL);
+  x->started = 0;
+}
+
+void pd_replica_finalize(pd_replica *x) {
+  if (!x) return;
+  /* Sends still in flight (a peer gone) are cancelled before their buffers go. */
+  for (size_t i = 0; i < x->nsends; i++) {
+    MPI_Cancel(&x->sends[i].req);
+    MPI_Request_free(&x->sends[i].req);
+    pd__msg_unref(x->sends[i].msg);
+  }
+  free(x->sends);
+  while (x->head) {
+    pd__msg *m = x->head;
+    x->head = m->next;
+    pd__msg_unref(m);
+  }
+  while (x->deferred) {
+    pd__msg *m = x->deferred;
+    x->deferred = m->next;
+    pd__msg_unref(m);
+  }
+  MPI_Comm_free(&x->comm);
+  MPI_Finalize();
+  pthread_cond_destroy(&x->cond);
+  pthread_mutex_destroy(&x->lock);
+  free(x);
+}

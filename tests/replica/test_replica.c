@@ -1,0 +1,578 @@
+/* test_replica.c -- integration tests of daemon replicas: precondd started by a real
+ * `mpirun --oversubscribe -np R` (argv[1]: mpirun, argv[2]: precondd), each rank on its own
+ * unix socket, clients through proto/rpc.c. Every wait is bounded: a hang fails the test. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "precond.pb-c.h"
+#include "preconditioner.h"
+#include "rpc.h"
+
+#define MAX_RANKS 4
+
+static const char *g_mpirun, *g_precondd;
+
+typedef struct {
+  pid_t pid;              /* mpirun, or precondd alone */
+  int nranks;             /* 0: precondd without mpirun */
+  char dir[64];
+  char addr[MAX_RANKS][128];
+  grpc_channel *ch[MAX_RANKS];
+} cluster;
+
+static pid_t g_live[8]; /* killed at exit when a failed assertion skipped the stop */
+
+static void kill_live(void) {
+  for (int i = 0; i < 8; i++)
+    if (g_live[i] > 0) {
+      kill(g_live[i], SIGKILL);
+      waitpid(g_live[i], NULL, 0);
+    }
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Runs `mpirun ... precondd` (nranks > 0) or precondd alone (nranks 0) with the usual
+ * options plus extra (NULL-terminated), output into dir/log. Returns the pid. */
+static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
+  char sock[128], state[128], port[128], log[128], np[8];
+  snprintf(sock, sizeof sock, "unix:%s/s-%%r.sock", c->dir);
+  snprintf(state, sizeof state, "%s/d-%%r", c->dir);
+  snprintf(port, sizeof port, "%s/p-%%r", c->dir);
+  snprintf(log, sizeof log, "%s/log", c->dir);
+  snprintf(np, sizeof np, "%d", nranks);
+  const char *argv[48];
+  int n = 0;
+  if (nranks > 0) {
+    argv[n++] = g_mpirun;
+    if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
+    argv[n++] = "--oversubscribe";
+    argv[n++] = "-np";
+    argv[n++] = np;
+  }
+  const char *const common[] = {g_precondd, "--listen", sock, "--state-dir", state,
+                                "--port-file", port, "--threads", "1", "--grace-period", "2",
+                                "--drift-threshold", "0"};
+  for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
+  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    execv(argv[0], (char *const *)argv);
+    fprintf(stderr, "cannot run %s\n", argv[0]);
+    _exit(127);
+  }
+  for (int i = 0; i < 8; i++)
+    if (g_live[i] == 0) {
+      g_live[i] = pid;
+      break;
+    }
+  return pid;
+}
+
+static void forget(pid_t pid) {
+  for (int i = 0; i < 8; i++)
+    if (g_live[i] == pid) g_live[i] = 0;
+}
+
+/* Waits at most ms for pid to exit; its exit status, or -1 if it still runs. */
+static int wait_exit(pid_t pid, long ms) {
+  for (long t = 0; t <= ms; t += 20) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      forget(pid);
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    sleep_ms(20);
+  }
+  return -1;
+}
+
+static int log_has(const cluster *c, const char *needle) {
+  char path[128], buf[1 << 16];
+  snprintf(path, sizeof path, "%s/log", c->dir);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  return strstr(buf, needle) != NULL;
+}
+
+static void dump_log(const cluster *c) {
+  char cmd[160];
+  snprintf(cmd, sizeof cmd, "tail -n 40 %s/log >&2", c->dir);
+  if (system(cmd) != 0) fprintf(stderr, "(no log)\n");
+}
+
+/* Starts c->nranks ranks (0: one daemon without mpirun) in c->dir and waits (60 s at most)
+ * until every rank wrote its port file; then opens a channel to each. */
+static void cluster_run(cluster *c) {
+  int n = c->nranks > 0 ? c->nranks : 1;
+  for (int r = 0; r < n; r++) {
+    char pf[128];
+    snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
+    unlink(pf);
+  }
+  c->pid = spawn(c, c->nranks, NULL);
+  for (int r = 0; r < n; r++) {
+    char pf[128];
+    snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
+    int t = 0;
+    for (; t < 3000 && access(pf, R_OK) != 0; t++) {
+      if (wait_exit(c->pid, 0) >= 0) {
+        dump_log(c);
+        fail_msg("the daemons exited before listening");
+      }
+      sleep_ms(20);
+    }
+    if (t == 3000) {
+      dump_log(c);
+      fail_msg("rank %d did not listen within 60 s", r);
+    }
+    snprintf(c->addr[r], sizeof c->addr[r], "unix:%s/s-%d.sock", c->dir, r);
+    c->ch[r] = rpc_channel_create(c->addr[r], 0);
+    assert_non_null(c->ch[r]);
+  }
+}
+
+/* Starts nranks ranks in a new temporary directory. */
+static void cluster_start(cluster *c, int nranks) {
+  memset(c, 0, sizeof *c);
+  snprintf(c->dir, sizeof c->dir, "/tmp/pdrep-XXXXXX");
+  assert_non_null(mkdtemp(c->dir));
+  c->nranks = nranks;
+  cluster_run(c);
+}
+
+/* Sends sig to every rank: the children of mpirun (mpirun forwards a SIGTERM of its own
+ * too, but then exits 1 whatever the ranks did), or the daemon started alone. */
+static void signal_ranks(const cluster *c, int sig) {
+  if (c->nranks == 0) {
+    kill(c->pid, sig);
+    return;
+  }
+  char cmd[64];
+  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)c->pid);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  int pid, n = 0;
+  while (fscanf(p, "%d", &pid) == 1) n += kill(pid, sig) == 0;
+  pclose(p);
+  assert_int_equal(n, c->nranks);
+}
+
+/* SIGTERM to every rank; all must exit 0 within 30 s (mpirun's status says so). The
+ * directory stays (cluster_run starts them again on their snapshots). */
+static void cluster_halt(cluster *c) {
+  for (int r = 0; r < MAX_RANKS; r++) {
+    if (c->ch[r]) rpc_channel_destroy(c->ch[r]);
+    c->ch[r] = NULL;
+  }
+  signal_ranks(c, SIGTERM);
+  int st = wait_exit(c->pid, 30000);
+  if (st != 0) dump_log(c);
+  assert_int_equal(st, 0);
+}
+
+/* cluster_halt, and the directory removed. */
+static void cluster_stop(cluster *c) {
+  cluster_halt(c);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+/* ---- calls ---------------------------------------------------------------------------- */
+
+static grpc_status_code call(grpc_channel *ch, const char *method, ProtobufCMessage *req,
+                             const ProtobufCMessageDescriptor *desc, void *resp, char *msg) {
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  ProtobufCMessage *r = NULL;
+  rpc_call(ch, method, req, desc, 20000, 0, &r, &code, &details);
+  if (msg) snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  *(ProtobufCMessage **)resp = r;
+  return code;
+}
+
+/* The job of these tests: tensors whose blocks (block size 32) have unequal costs. */
+static const uint64_t g_shapes[][2] = {{64, 32}, {32, 20}, {48, 16}, {8, 12}, {40, 40}};
+#define NT (sizeof g_shapes / sizeof g_shapes[0])
+
+static grpc_status_code do_register(grpc_channel *ch, const char *job, size_t nt,
+                                    Precond__V1__RegisterResponse **resp, char *msg) {
+  Precond__V1__TensorSpec specs[NT], *ptrs[NT];
+  char names[NT][24];
+  for (size_t i = 0; i < nt; i++) {
+    precond__v1__tensor_spec__init(&specs[i]);
+    snprintf(names[i], sizeof names[i], "t%zu", i);
+    specs[i].name = names[i];
+    specs[i].n_shape = 2;
+    specs[i].shape = (uint64_t *)g_shapes[i];
+    ptrs[i] = &specs[i];
+  }
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = 32;
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.shampoo = &so;
+  req.job = (char *)job;
+  req.n_tensors = nt;
+  req.tensors = ptrs;
+  req.worker = (char *)"test";
+  return call(ch, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
+              resp, msg);
+}
+
+/* Deterministic pseudo-random numbers in [-1, 1). */
+static float rnd(uint64_t *s) {
+  *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+  return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* Packed G G^T of a random n x (n + 3) matrix. */
+static float *random_stat(size_t n, uint64_t seed) {
+  size_t k = n + 3;
+  float *g = malloc(n * k * sizeof *g), *p = malloc(pc_packed_len(n) * sizeof *p);
+  assert_true(g && p);
+  for (size_t i = 0; i < n * k; i++) g[i] = rnd(&seed);
+  assert_int_equal(pc_gram_f32(n, k, g, k, p, NULL), PC_OK);
+  free(g);
+  return p;
+}
+
+/* Pushes step's statistics of every block of the layout (seeded by block and step) to ch. */
+static void push_all(grpc_channel *ch, const char *job, const Precond__V1__RegisterResponse *lay,
+                     uint64_t step) {
+  size_t nb = lay->n_blocks;
+  Precond__V1__PackedMatrix *m = calloc(2 * nb, sizeof *m);
+  Precond__V1__BlockStatistics *b = calloc(nb, sizeof *b), **ptrs = calloc(nb, sizeof *ptrs);
+  float **vals = calloc(2 * nb, sizeof *vals);
+  assert_true(m && b && ptrs && vals);
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockInfo *bi = lay->blocks[i];
+    uint64_t n[2] = {bi->rows, bi->cols};
+    precond__v1__block_statistics__init(&b[i]);
+    b[i].block_id = bi->block_id;
+    for (int k = 0; k < 2; k++) {
+      vals[2 * i + k] = random_stat(n[k], 1000 * step + 10 * i + (uint64_t)k);
+      precond__v1__packed_matrix__init(&m[2 * i + k]);
+      m[2 * i + k].n = (uint32_t)n[k];
+      m[2 * i + k].data.data = (uint8_t *)vals[2 * i + k];
+      m[2 * i + k].data.len = pc_packed_len(n[k]) * 4;
+    }
+    b[i].left = &m[2 * i];
+    b[i].right = &m[2 * i + 1];
+    ptrs[i] = &b[i];
+  }
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = nb;
+  req.blocks = ptrs;
+  Precond__V1__PushResponse *resp = NULL;
+  char msg[512];
+  assert_int_equal(call(ch, RPC_METHOD_PUSH_STATISTICS, &req.base,
+                        &precond__v1__push_response__descriptor, &resp, msg),
+                   GRPC_STATUS_OK);
+  assert_int_equal(resp->accepted, nb);
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  for (size_t i = 0; i < 2 * nb; i++) free(vals[i]);
+  free(vals);
+  free(m);
+  free(b);
+  free(ptrs);
+}
+
+/* Fetches (have = nothing) until every one of nb blocks has a root of source step >= step
+ * (30 s at most); the answer, blocks in id order. */
+static Precond__V1__FetchResponse *wait_roots(grpc_channel *ch, const char *job, size_t nb,
+                                              uint64_t step) {
+  for (int tries = 0; tries < 1500; tries++) {
+    Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+    req.job = (char *)job;
+    Precond__V1__FetchResponse *f = NULL;
+    assert_int_equal(call(ch, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+                          &precond__v1__fetch_response__descriptor, &f, NULL),
+                     GRPC_STATUS_OK);
+    size_t ok = 0;
+    for (size_t i = 0; i < f->n_preconditioners; i++)
+      ok += f->preconditioners[i]->source_step >= step;
+    if (ok == nb) return f;
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+    sleep_ms(20);
+  }
+  fail_msg("job %s: roots of step %llu did not arrive within 30 s", job,
+           (unsigned long long)step);
+  return NULL;
+}
+
+static Precond__V1__StatsResponse *get_stats(grpc_channel *ch, const char *job) {
+  Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
+  req.job = (char *)job;
+  req.blocks = 1;
+  Precond__V1__StatsResponse *s = NULL;
+  assert_int_equal(call(ch, RPC_METHOD_GET_STATS, &req.base,
+                        &precond__v1__stats_response__descriptor, &s, NULL),
+                   GRPC_STATUS_OK);
+  return s;
+}
+
+/* max |a - b| / max |b| over n packed values. */
+static double rel_diff(size_t n, const uint8_t *a, const uint8_t *b) {
+  double md = 0, mb = 0;
+  for (size_t i = 0; i < n; i++) {
+    float x, y;
+    memcpy(&x, a + 4 * i, 4);
+    memcpy(&y, b + 4 * i, 4);
+    md = fmax(md, fabs((double)x - y));
+    mb = fmax(mb, fabs((double)y));
+  }
+  return mb > 0 ? md / mb : md;
+}
+
+/* ---- tests ---------------------------------------------------------------------------- */
+
+/* R ranks: the ownership every rank answers is the same partition, balanced within the
+ * greedy bound and reported per rank in GetStats; statistics pushed to rank 0 alone reach
+ * each owner, and every rank then serves every root: the owner's, bit for bit, under the
+ * owner's version, equal (fp32 tolerance) to what one daemon alone computes from the same
+ * statistics. */
+static void check_replicas(int nranks) {
+  const char *job = "rep";
+  cluster one, c;
+  cluster_start(&one, 0);
+  cluster_start(&c, nranks);
+
+  Precond__V1__RegisterResponse *lay[MAX_RANKS] = {NULL}, *lay1 = NULL;
+  char msg[512];
+  for (int r = 0; r < nranks; r++)
+    assert_int_equal(do_register(c.ch[r], job, NT, &lay[r], msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(one.ch[0], job, NT, &lay1, msg), GRPC_STATUS_OK);
+  size_t nb = lay[0]->n_blocks;
+  assert_int_equal(lay1->n_blocks, nb);
+  assert_true(nb >= (size_t)nranks);
+
+  /* A partition: one owner per block, the same on every rank; every rank owns some. */
+  double load[MAX_RANKS] = {0}, maxcost = 0;
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockInfo *b = lay[0]->blocks[i];
+    assert_true(b->owner >= 0 && b->owner < nranks);
+    for (int r = 1; r < nranks; r++) assert_int_equal(lay[r]->blocks[i]->owner, b->owner);
+    assert_int_equal(lay1->blocks[i]->owner, 0);
+    double cost = pow((double)b->rows, 3) + pow((double)b->cols, 3);
+    load[b->owner] += cost;
+    maxcost = fmax(maxcost, cost);
+  }
+  double lo = INFINITY, hi = 0;
+  for (int r = 0; r < nranks; r++) {
+    assert_true(load[r] > 0);
+    lo = fmin(lo, load[r]);
+    hi = fmax(hi, load[r]);
+  }
+  assert_true(hi - lo <= maxcost); /* the greedy bound */
+
+  push_all(c.ch[0], job, lay[0], 1);
+  push_all(one.ch[0], job, lay1, 1);
+  Precond__V1__FetchResponse *ref = wait_roots(one.ch[0], job, nb, 1);
+  Precond__V1__FetchResponse *f[MAX_RANKS];
+  for (int r = 0; r < nranks; r++) f[r] = wait_roots(c.ch[r], job, nb, 1);
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockRoots *a = f[0]->preconditioners[i];
+    assert_int_equal(a->block_id, i);
+    for (int r = 1; r < nranks; r++) {
+      const Precond__V1__BlockRoots *o = f[r]->preconditioners[i];
+      assert_int_equal(o->version, a->version);
+      assert_int_equal(o->left->data.len, a->left->data.len);
+      assert_memory_equal(o->left->data.data, a->left->data.data, a->left->data.len);
+      assert_memory_equal(o->right->data.data, a->right->data.data, a->right->data.len);
+    }
+    const Precond__V1__BlockRoots *s = ref->preconditioners[i];
+    assert_true(rel_diff(a->left->data.len / 4, a->left->data.data, s->left->data.data) < 1e-4);
+    assert_true(rel_diff(a->right->data.len / 4, a->right->data.data, s->right->data.data) <
+                1e-4);
+  }
+
+  /* Each rank reports itself, the ownership and the per-rank load; roots crossed ranks. */
+  for (int r = 0; r < nranks; r++) {
+    Precond__V1__StatsResponse *s = get_stats(c.ch[r], job);
+    assert_int_equal(s->replicas, nranks);
+    assert_int_equal(s->rank, r);
+    assert_non_null(s->replica);
+    assert_true(s->replica->roots_received > 0);
+    assert_true(s->replica->roots_sent > 0);
+    assert_int_equal(s->n_block_stats, nb);
+    for (size_t i = 0; i < nb; i++)
+      assert_int_equal(s->block_stats[i]->owner, lay[0]->blocks[i]->owner);
+    assert_int_equal(s->job_stats[0]->n_rank_load, nranks);
+    for (int k = 0; k < nranks; k++) assert_true(s->job_stats[0]->rank_load[k] == load[k]);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+  }
+  Precond__V1__StatsResponse *s0 = get_stats(c.ch[0], job);
+  assert_true(s0->replica->stats_forwarded > 0); /* rank 0 got every push */
+  assert_int_equal(s0->replica->mpi_errors, 0);
+  protobuf_c_message_free_unpacked(&s0->base, NULL);
+
+  for (int r = 0; r < nranks; r++) {
+    protobuf_c_message_free_unpacked(&f[r]->base, NULL);
+    protobuf_c_message_free_unpacked(&lay[r]->base, NULL);
+  }
+  protobuf_c_message_free_unpacked(&ref->base, NULL);
+  protobuf_c_message_free_unpacked(&lay1->base, NULL);
+  cluster_stop(&c);
+  cluster_stop(&one);
+}
+
+static void test_two_ranks(void **state) {
+  (void)state;
+  check_replicas(2);
+}
+
+/* Three ranks; and a job with fewer units than ranks is refused with a clear message. */
+static void test_three_ranks(void **state) {
+  (void)state;
+  check_replicas(3);
+  cluster c;
+  cluster_start(&c, 3);
+  Precond__V1__RegisterResponse *lay = NULL;
+  char msg[512];
+  /* t0 alone: 64 x 32 is two blocks of 32 x 32. */
+  assert_int_equal(do_register(c.ch[1], "small", 1, &lay, msg), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(msg, "2 units for 3 daemon replicas"));
+  cluster_stop(&c);
+}
+
+/* A job registered on rank 0 alone reaches rank 1 (it serves it without a Register); after
+ * a restart of the whole job every rank serves the roots it held, under the same versions,
+ * from its own snapshot, and new statistics give new roots everywhere. */
+static void test_restart(void **state) {
+  (void)state;
+  const char *job = "again";
+  cluster c;
+  cluster_start(&c, 2);
+  Precond__V1__RegisterResponse *lay = NULL;
+  char msg[512];
+  assert_int_equal(do_register(c.ch[0], job, NT, &lay, msg), GRPC_STATUS_OK);
+  size_t nb = lay->n_blocks;
+  Precond__V1__FetchResponse *f = NULL;
+  for (int t = 0; t < 500; t++) { /* the job reaches rank 1 through MPI, not a Register */
+    Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+    req.job = (char *)job;
+    if (call(c.ch[1], RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+             &precond__v1__fetch_response__descriptor, &f, NULL) == GRPC_STATUS_OK)
+      break;
+    sleep_ms(20);
+  }
+  assert_non_null(f);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  push_all(c.ch[1], job, lay, 1);
+  Precond__V1__FetchResponse *before[2];
+  for (int r = 0; r < 2; r++) before[r] = wait_roots(c.ch[r], job, nb, 1);
+  cluster_halt(&c);
+  cluster_run(&c);
+  for (int r = 0; r < 2; r++) {
+    Precond__V1__FetchResponse *after = wait_roots(c.ch[r], job, nb, 1);
+    for (size_t i = 0; i < nb; i++) {
+      assert_int_equal(after->preconditioners[i]->version,
+                       before[r]->preconditioners[i]->version);
+      assert_int_equal(after->preconditioners[i]->version,
+                       before[0]->preconditioners[i]->version);
+    }
+    protobuf_c_message_free_unpacked(&after->base, NULL);
+  }
+  for (int r = 0; r < 2; r++) protobuf_c_message_free_unpacked(&before[r]->base, NULL);
+  push_all(c.ch[0], job, lay, 2);
+  for (int r = 0; r < 2; r++) {
+    Precond__V1__FetchResponse *next = wait_roots(c.ch[r], job, nb, 2);
+    protobuf_c_message_free_unpacked(&next->base, NULL);
+  }
+  protobuf_c_message_free_unpacked(&lay->base, NULL);
+  cluster_stop(&c);
+}
+
+/* Misconfigurations end every rank with a message, never a hang: ranks sharing a state
+ * directory are refused at once; a rank that cannot bind (two ranks, one socket) stops the
+ * others through the startup agreement. */
+static void test_bad_starts(void **state) {
+  (void)state;
+  cluster c;
+  memset(&c, 0, sizeof c);
+  snprintf(c.dir, sizeof c.dir, "/tmp/pdrep-XXXXXX");
+  assert_non_null(mkdtemp(c.dir));
+  char shared[128];
+  snprintf(shared, sizeof shared, "%s/shared", c.dir);
+  const char *const same_state[] = {"--state-dir", shared, NULL};
+  c.pid = spawn(&c, 2, same_state);
+  int st = wait_exit(c.pid, 30000);
+  assert_true(st > 0);
+  assert_true(log_has(&c, "put %r in it"));
+
+  /* A free TCP port both ranks ask for (precondd turns SO_REUSEPORT off: one bind fails). */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {0};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  close(fd);
+  char sock[64];
+  snprintf(sock, sizeof sock, "127.0.0.1:%d", ntohs(sa.sin_port));
+  const char *const same_socket[] = {"--listen", sock, NULL};
+  c.pid = spawn(&c, 2, same_socket);
+  st = wait_exit(c.pid, 60000);
+  if (st <= 0) dump_log(&c);
+  assert_true(st > 0);
+  assert_true(log_has(&c, "another replica failed to start"));
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", c.dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD\n");
+    return 2;
+  }
+  g_mpirun = argv[1];
+  g_precondd = argv[2];
+  if (access(g_mpirun, X_OK) != 0) {
+    fprintf(stderr, "test_replica: mpirun not found at %s (install openmpi-bin)\n", g_mpirun);
+    return 77; /* meson: skipped */
+  }
+  atexit(kill_live);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_two_ranks),
+      cmocka_unit_test(test_three_ranks),
+      cmocka_unit_test(test_restart),
+      cmocka_unit_test(test_bad_starts),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
