@@ -1,24 +1,33 @@
 /*
- * bench-daemon.c -- precondd's transport and pool throughput, as CSV on stdout.
+ * bench-daemon.c -- precondd's transport, root latency, pool and snapshot figures, as CSV on
+ * stdout: the one daemon benchmark.
  *
  * Against a running daemon (--addr) or daemons it starts itself (--spawn PATH: one on a TCP
  * loopback port, one on a unix socket), it measures:
- *   push   PushStatistics of one n x n block (both packed fp32 factors), 1..16 clients
- *          each on its own channel, back to back for --seconds: MB/s and latency
- *          percentiles, next to a single-threaded memcpy of the same bytes (the limit);
+ *   push   PushStatistics of one n x n block (both packed factors, fp32 or with --bf16 bf16),
+ *          1..16 clients each on its own channel, back to back for --seconds: MB/s and
+ *          latency percentiles, next to a single-threaded memcpy of the same bytes (the limit);
  *   fetch  FetchPreconditioners of one n x n block's roots (the same job for every client),
  *          MB/s and latency, next to memcpy of the same bytes;
+ *   root   the time from one push to the first fetch that returns roots computed from it
+ *          (--reps round trips on one channel, each once the daemon's queue is empty), next
+ *          to one thread computing the same two roots in this process;
  *   pool   roots per second of the daemon's worker pool on --pool-blocks blocks of 256
  *          (Gram matrices of Gaussian gradients, default Newton method), next to one thread
- *          computing the same roots in this process with pc_inverse_root_f32.
+ *          computing the same roots in this process with pc_inverse_root_f32;
+ *   snapshot-write, snapshot-restore (--snapshot-mb M, with --spawn) the daemon's own times
+ *          to write its snapshot of about M MiB of statistics at SIGTERM and to restore it at
+ *          the next start.
  * All ratios come from the same run. The memcpy rates are measured at the start, before any
  * daemon computes roots, so they are the machine's limit rather than a loaded figure.
  *
- * Rows (clients = the daemon's pool threads in pool rows): bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,
+ * Rows: bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,
  *       baseline,baseline_value,ratio
- * (ratio = mb_per_s / memcpy MB/s for push and fetch, ops_per_s / single-thread roots/s for
- * pool). Notes (skipped cells, daemon paths) go to stderr.
+ * (clients = the daemon's pool threads in pool and snapshot rows; ratio = mb_per_s / memcpy
+ * MB/s for push and fetch, ops_per_s / single-thread rate for root and pool; snapshot rows
+ * have no baseline). Notes (skipped cells, daemon paths) go to stderr.
  */
+#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -34,6 +43,7 @@
 #include <grpc/grpc_security.h>
 
 #include "precond.pb-c.h"
+#include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
 
@@ -54,6 +64,9 @@ typedef struct {
   double max_inflight_mb;
   int transports;  /* bit 1: tcp, bit 2: unix (spawn only) */
   int window_mb;   /* HTTP/2 receive window of the bench's channels; 0: gRPC's default */
+  int bf16;        /* statistics pushed and roots fetched as bf16 (else fp32) */
+  int reps;        /* root rows: push-to-root round trips per size; 0: none */
+  size_t snapshot_mb;  /* snapshot rows: MiB of statistics; 0: none (spawn only) */
   double memcpy_mb_s[MAX_LIST];  /* per size, measured before any daemon runs */
 } bench_opts;
 
@@ -108,6 +121,12 @@ static void usage(FILE *f)
           "  --tcp-only          with --spawn, skip the unix socket daemon\n"
           "  --window-mb W       HTTP/2 receive window of the client channels in MiB\n"
           "                      (default 0: gRPC's own, which starts at 64 KiB)\n"
+          "  --bf16              push statistics and fetch roots as bf16 (rows push-bf16, ...)\n"
+          "  --reps R            root rows: push-to-root round trips per size up to\n"
+          "                      --fetch-max (default 5; 0 skips them)\n"
+          "  --snapshot-mb M     with --spawn, snapshot rows: a daemon holding about M MiB of\n"
+          "                      statistics is stopped (snapshot written) and restarted\n"
+          "                      (restored); its own times (default: none)\n"
           "  --help\n"
           "\n"
           "Pushes leave dirty blocks: the daemon computes their roots afterwards (with --addr,\n"
@@ -137,89 +156,41 @@ static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n)
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Daemon processes                                                                       */
+/* Daemon processes (started with the tests' starter, tests/util/precondd_proc.h)          */
 
-typedef struct {
-  pid_t pid;
-  char addr[160];
-  char sock[128];
-  char port_file[128];
-} daemon_proc;
-
-static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, daemon_proc *d)
+/* Starts o->spawn with nthreads pool threads on a TCP loopback port or a unix socket in its
+ * own directory; the daemon writes to this process's stderr unless log_to_file (then
+ * d->log, which the snapshot rows read). extra: more options or NULL. */
+static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, int log_to_file,
+                        const char *const *extra, pdproc *d)
 {
   memset(d, 0, sizeof *d);
-  char listen[160], threads[16];
-  snprintf(threads, sizeof threads, "%d", nthreads);
-  snprintf(d->port_file, sizeof d->port_file, "/tmp/bench-daemon-%d.port", (int)getpid());
-  unlink(d->port_file);
+  pdproc_opts po;
+  pdproc_opts_default(&po);
+  po.path = o->spawn;
+  po.threads = nthreads;
+  po.grace_period = 1;
+  po.log_level = log_to_file ? NULL : "warn";
+  po.inherit_stderr = !log_to_file;
+  po.state_dir = log_to_file ? NULL : "";
+  po.extra = extra;
+  char listen[sizeof d->dir + 16];
   if (unix_socket) {
-    snprintf(d->sock, sizeof d->sock, "/tmp/bench-daemon-%d.sock", (int)getpid());
-    unlink(d->sock);
-    snprintf(listen, sizeof listen, "unix:%s", d->sock);
-    snprintf(d->addr, sizeof d->addr, "%s", listen);
-  } else {
-    snprintf(listen, sizeof listen, "127.0.0.1:0");
-  }
-  fflush(NULL);
-  d->pid = fork();
-  if (d->pid < 0)
-    return -1;
-  if (d->pid == 0) {
-    execl(o->spawn, o->spawn, "--listen", listen, "--port-file", d->port_file, "--threads",
-          threads, "--grace-period", "1", "--log-level", "warn", (char *)NULL);
-    perror("bench-daemon: exec");
-    _exit(127);
-  }
-  /* Ready when the port file appears (TCP) or the socket exists (unix). */
-  for (int i = 0; i < 400; i++) {
-    struct stat st;
-    int status;
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
-      fprintf(stderr, "bench-daemon: %s exited at startup\n", o->spawn);
-      d->pid = 0;
+    /* The directory exists only after a first start: make it here for the socket. */
+    snprintf(d->dir, sizeof d->dir, "/tmp/bench-daemon-XXXXXX");
+    if (mkdtemp(d->dir) == NULL)
       return -1;
-    }
-    if (unix_socket && stat(d->sock, &st) == 0)
-      return 0;
-    if (!unix_socket) {
-      FILE *f = fopen(d->port_file, "r");
-      int port = 0;
-      if (f != NULL) {
-        int ok = fscanf(f, "%d", &port) == 1;
-        fclose(f);
-        if (ok && port > 0) {
-          snprintf(d->addr, sizeof d->addr, "127.0.0.1:%d", port);
-          return 0;
-        }
-      }
-    }
-    struct timespec t = {0, 25 * 1000000L};
-    nanosleep(&t, NULL);
+    d->own_dir = 1;
+    snprintf(listen, sizeof listen, "unix:%s/sock", d->dir);
+    po.listen = listen;
   }
-  fprintf(stderr, "bench-daemon: %s did not come up within 10 s\n", o->spawn);
-  return -1;
-}
-
-static void stop_daemon(daemon_proc *d)
-{
-  if (d->pid <= 0)
-    return;
-  kill(d->pid, SIGTERM);
-  int status;
-  for (int i = 0; i < 200; i++) {
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid)
-      goto done;
-    struct timespec t = {0, 25 * 1000000L};
-    nanosleep(&t, NULL);
+  int rc = pdproc_start(d, &po);
+  if (rc != 0) {
+    fprintf(stderr, "bench-daemon: %s did not come up (%d)\n", o->spawn, rc);
+    pdproc_destroy(d);
+    return -1;
   }
-  kill(d->pid, SIGKILL);
-  waitpid(d->pid, &status, 0);
-done:
-  d->pid = 0;
-  if (d->sock[0])
-    unlink(d->sock);
-  unlink(d->port_file);
+  return 0;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -296,7 +267,15 @@ static int register_job(grpc_channel *ch, const char *job, size_t n, int ntensor
   return rc;
 }
 
-/* A one-block push request whose two factors both point at packed (n(n+1)/2 floats). */
+/* One n x n statistic as a request carries it: packed fp32, or its bf16 rounding. */
+typedef struct {
+  size_t n;
+  const void *data;   /* packed upper, n(n+1)/2 values */
+  size_t bytes;
+  int bf16;
+} payload;
+
+/* A one-block push request whose two factors both point at the payload. */
 typedef struct {
   Precond__V1__PushRequest req;
   Precond__V1__BlockStatistics bs;
@@ -304,15 +283,17 @@ typedef struct {
   Precond__V1__PackedMatrix l, r;
 } push_msg;
 
-static void push_init(push_msg *m, const char *job, uint32_t block, size_t n, float *packed)
+static void push_init(push_msg *m, const char *job, uint32_t block, const payload *pl)
 {
   precond__v1__push_request__init(&m->req);
   precond__v1__block_statistics__init(&m->bs);
   precond__v1__packed_matrix__init(&m->l);
   precond__v1__packed_matrix__init(&m->r);
-  m->l.n = m->r.n = (uint32_t)n;
-  m->l.data.data = m->r.data.data = (uint8_t *)packed;
-  m->l.data.len = m->r.data.len = pc_packed_len(n) * sizeof(float);
+  m->l.n = m->r.n = (uint32_t)pl->n;
+  m->l.data.data = m->r.data.data = (uint8_t *)pl->data;
+  m->l.data.len = m->r.data.len = pl->bytes;
+  if (pl->bf16)
+    m->l.encoding = m->r.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   m->bs.block_id = block;
   m->bs.left = &m->l;
   m->bs.right = &m->r;
@@ -330,8 +311,7 @@ typedef struct {
   const char *addr;
   const char *job;
   uint32_t block;
-  size_t n;
-  float *packed;     /* shared, read-only */
+  const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
   double until;      /* stop time */
   pthread_barrier_t *start;
@@ -346,9 +326,11 @@ static void *worker_main(void *arg)
   worker *w = arg;
   grpc_channel *ch = bench_channel(w->addr);
   push_msg pm;
-  push_init(&pm, w->job, w->block, w->n, w->packed);
+  push_init(&pm, w->job, w->block, w->pl);
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   fr.job = (char *)w->job;
+  if (w->pl->bf16)
+    fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   /* Warm the connection before the clock starts. */
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   sr.job = (char *)w->job;
@@ -446,14 +428,14 @@ static void print_row(const char *bench, const char *transport, size_t n, int cl
 {
   printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f\n", bench, transport, n,
          clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline,
-         base_value, base_value > 0 ? (strcmp(bench, "pool") == 0 ? ops_s : mbs) / base_value
+         base_value, base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value
                                     : 0.0);
   fflush(stdout);
 }
 
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, const char *transport, int fetch,
-                    const char *job, size_t n, int k, float *packed, double memcpy_rate)
+                    const char *job, int k, const payload *pl, double memcpy_rate)
 {
   worker *w = calloc((size_t)k, sizeof(*w));
   pthread_t *th = calloc((size_t)k, sizeof(*th));
@@ -465,8 +447,8 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     return -1;
   }
   for (int i = 0; i < k; i++) {
-    w[i] = (worker){.addr = addr, .job = job, .block = fetch ? 0 : (uint32_t)i, .n = n,
-                    .packed = packed, .fetch = fetch, .start = &start};
+    w[i] = (worker){.addr = addr, .job = job, .block = fetch ? 0 : (uint32_t)i, .pl = pl,
+                    .fetch = fetch, .start = &start};
     if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0)
       break;
     started++;
@@ -504,7 +486,8 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
-    print_row(fetch ? "fetch" : "push", transport, n, k, total, secs,
+    print_row(fetch ? (pl->bf16 ? "fetch-bf16" : "fetch") : (pl->bf16 ? "push-bf16" : "push"),
+              transport, pl->n, k, total, secs,
               (double)bytes / secs / 1e6, (double)total / secs, p, "memcpy", memcpy_rate);
     rc = 0;
   }
@@ -562,6 +545,29 @@ static int wait_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_
   return -1;
 }
 
+/* A block's two packed statistics: left = G1 G1^T with G1 n x k, right = G2^T G2 with G2
+ * k x n, G1 and G2 Gaussian-ish (sums of 4 uniforms; g: k n floats of scratch). k = n gives
+ * the conditioning of one square gradient's Gram matrix; k = 4n that of a sum over four
+ * steps, well enough conditioned for its bf16 rounding to stay positive definite. New ones
+ * from every seed *s (which advances). */
+static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, float *right)
+{
+  for (int f = 0; f < 2; f++) {
+    for (size_t i = 0; i < n * k; i++) {
+      double acc = 0;
+      for (int d = 0; d < 4; d++) {
+        *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+        acc += (double)(*s >> 40) / (double)(1ULL << 24) - 0.5;
+      }
+      g[i] = (float)acc;
+    }
+    if (f == 0)
+      pc_gram_f32(n, k, g, k, left, NULL);
+    else
+      pc_gram_f32(k, n, g, n, NULL, right);
+  }
+}
+
 /* Pool rows: the daemon's roots/s on B blocks of 256 against one thread here. */
 static int run_pool(const bench_opts *o, const char *addr, const char *transport)
 {
@@ -575,19 +581,9 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
   int rc = -1;
   if (g == NULL || lp == NULL || rp == NULL || dense == NULL || x == NULL)
     goto cleanup;
-  /* Gram matrices of Gaussian-ish gradients (sum of 4 uniforms): realistic conditioning. */
   uint64_t s = 12345;
-  for (int b = 0; b < B; b++) {
-    for (size_t i = 0; i < n * n; i++) {
-      double acc = 0;
-      for (int k = 0; k < 4; k++) {
-        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
-        acc += (double)(s >> 40) / (double)(1ULL << 24) - 0.5;
-      }
-      g[i] = (float)acc;
-    }
-    pc_gram_f32(n, n, g, n, lp + (size_t)b * len, rp + (size_t)b * len);
-  }
+  for (int b = 0; b < B; b++)
+    random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
 
   /* One thread in this process: both roots of every block. */
   openblas_set_num_threads(1);
@@ -676,13 +672,274 @@ cleanup:
   return rc;
 }
 
+/* Blocks waiting for or in a root computation, as the daemon reports them. */
+static int queue_depth(grpc_channel *ch, uint64_t *depth)
+{
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  if (call_ok(ch, RPC_METHOD_GET_STATS, &sr.base, &precond__v1__stats_response__descriptor,
+              &resp) != 0)
+    return -1;
+  *depth = ((const Precond__V1__StatsResponse *)resp)->queue_depth;
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+/* The newest roots of block 0 of job newer than *version: updates *version and *source
+ * (both untouched when nothing newer came). */
+static int fetch_newer(grpc_channel *ch, const char *job, int bf16, uint64_t *version,
+                       uint64_t *source)
+{
+  Precond__V1__BlockVersion bv = PRECOND__V1__BLOCK_VERSION__INIT;
+  Precond__V1__BlockVersion *bvp = &bv;
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  bv.version = *version;
+  fr.job = (char *)job;
+  fr.n_have = 1;
+  fr.have = &bvp;
+  if (bf16)
+    fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  ProtobufCMessage *resp = NULL;
+  if (call_ok(ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
+              &precond__v1__fetch_response__descriptor, &resp) != 0)
+    return -1;
+  const Precond__V1__FetchResponse *r = (const Precond__V1__FetchResponse *)resp;
+  if (r->n_preconditioners > 0) {
+    *version = r->preconditioners[0]->version;
+    *source = r->preconditioners[0]->source_step;
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+/* Root rows: the time from a push of one block's statistics to the first fetch that returns
+ * roots computed from them, o->reps times, each once the daemon's queue is empty (the cells
+ * before leave dirty blocks) and with new Gram statistics (the same ones again would pass the
+ * daemon's drift test and be skipped), against one thread computing the first two roots
+ * here. bf16 as the payload says. */
+static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport,
+                    const payload *like)
+{
+  size_t n = like->n, len = pc_packed_len(n);
+  char job[96];
+  snprintf(job, sizeof job, "bench-root-%d-%s-%zu", (int)getpid(), transport, n);
+  double *lat = calloc((size_t)o->reps, sizeof(double));
+  float *g = malloc(4 * n * n * sizeof(float)), *x = malloc(n * n * sizeof(float));
+  float *side[2] = {malloc(len * sizeof(float)), malloc(len * sizeof(float))};
+  uint16_t *half[2] = {malloc(len * sizeof(uint16_t)), malloc(len * sizeof(uint16_t))};
+  int rc = -1, done = 0;
+  if (lat == NULL || g == NULL || x == NULL || side[0] == NULL || side[1] == NULL ||
+      half[0] == NULL || half[1] == NULL || register_job(ch, job, n, 1) != 0)
+    goto cleanup;
+  openblas_set_num_threads(1);
+  pc_root_opts ro;
+  pc_root_opts_default(&ro, 4);
+  uint64_t seed = 777, version = 0, source = 0;
+  double local_s = 0;
+  for (; done < o->reps; done++) {
+    random_gram(n, 4 * n, &seed, g, side[0], side[1]);
+    if (done == 0) {
+      double t0 = now_s();
+      for (int f = 0; f < 2; f++) {
+        pc_unpack_f32(n, side[f], g);
+        if (pc_inverse_root_f32(n, g, x, &ro, NULL) < 0)
+          fprintf(stderr, "bench-daemon: local root failed\n");
+      }
+      local_s = now_s() - t0;
+    }
+    payload pl[2];
+    for (int f = 0; f < 2; f++) {
+      pl[f] = (payload){n, side[f], len * sizeof(float), 0};
+      if (like->bf16) {
+        pc_f32_to_bf16(len, side[f], half[f]);
+        pl[f] = (payload){n, half[f], len * sizeof(uint16_t), 1};
+      }
+    }
+    push_msg pm;
+    push_init(&pm, job, 0, &pl[0]);
+    pm.r.data.data = (uint8_t *)pl[1].data;
+    pm.req.step = (uint64_t)done + 1;
+    uint64_t depth = 1;
+    double until = now_s() + 600;
+    while (now_s() < until && queue_depth(ch, &depth) == 0 && depth > 0) {
+      struct timespec t = {0, 2 * 1000000L};
+      nanosleep(&t, NULL);
+    }
+    if (depth > 0 || fetch_newer(ch, job, like->bf16, &version, &source) != 0)
+      goto cleanup;
+    ProtobufCMessage *resp = NULL;
+    double t0 = now_s();
+    if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+                &precond__v1__push_response__descriptor, &resp) != 0)
+      goto cleanup;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    while (source < pm.req.step && now_s() - t0 < 600) {
+      if (fetch_newer(ch, job, like->bf16, &version, &source) != 0)
+        goto cleanup;
+      if (source < pm.req.step) {
+        struct timespec t = {0, 1000000L}; /* 1 ms between polls, as a worker's poller */
+        nanosleep(&t, NULL);
+      }
+    }
+    if (source < pm.req.step) {
+      fprintf(stderr, "bench-daemon: %s: no root within 600 s\n", job);
+      goto cleanup;
+    }
+    lat[done] = 1e3 * (now_s() - t0);
+  }
+  double sum_ms = 0;
+  for (int i = 0; i < done; i++)
+    sum_ms += lat[i];
+  qsort(lat, (size_t)done, sizeof(double), cmp_double);
+  double p[3] = {percentile(lat, (size_t)done, 0.5), percentile(lat, (size_t)done, 0.9),
+                 percentile(lat, (size_t)done, 0.99)};
+  print_row(like->bf16 ? "root-bf16" : "root", transport, n, 1, (uint64_t)done, sum_ms / 1e3,
+            0.0, 1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s);
+  rc = 0;
+
+cleanup:
+  free(lat);
+  free(g);
+  free(x);
+  for (int f = 0; f < 2; f++) {
+    free(side[f]);
+    free(half[f]);
+  }
+  return rc;
+}
+
+/* The seconds of the last line of the log that holds key and ends "in X s"; -1 if none. */
+static double log_seconds(const char *log, const char *key)
+{
+  char line[2048];
+  double out = -1;
+  FILE *f = fopen(log, "r");
+  while (f != NULL && fgets(line, sizeof line, f) != NULL) {
+    const char *in = strstr(line, key) != NULL ? strstr(line, " in ") : NULL;
+    if (in != NULL)
+      out = atof(in + 4);
+  }
+  if (f != NULL)
+    fclose(f);
+  return out;
+}
+
+/* Bytes of the regular files in dir (the snapshot and its epoch file). */
+static double dir_mb(const char *dir)
+{
+  DIR *d = opendir(dir);
+  double bytes = 0;
+  struct dirent *e;
+  while (d != NULL && (e = readdir(d)) != NULL) {
+    char path[512];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    if (stat(path, &st) == 0 && S_ISREG(st.st_mode))
+      bytes += (double)st.st_size;
+  }
+  if (d != NULL)
+    closedir(d);
+  return bytes / 1048576.0;
+}
+
+/* Snapshot rows: a daemon of its own holds about o->snapshot_mb MiB of statistics (blocks of
+ * 256 x 256, one push each; roots computed meanwhile are saved too), is stopped with SIGTERM
+ * (the snapshot is written) and started again (it is restored); the times are the daemon's
+ * own, from its log. mb_per_s is the file's size over that time. */
+static int run_snapshot(const bench_opts *o)
+{
+  const size_t n = 256;
+  size_t per_block = 2 * pc_packed_len(n) * sizeof(float);
+  size_t nblocks = (o->snapshot_mb << 20) / per_block + 1;
+  char mem[32];
+  snprintf(mem, sizeof mem, "%zu", 2 * o->snapshot_mb + 64); /* statistics and roots */
+  const char *extra[] = {"--memory-limit-mb", mem, "--snapshot-interval", "0", NULL};
+  pdproc d;
+  if (spawn_daemon(o, 0, o->threads, 1, extra, &d) != 0)
+    return -1;
+  int rc = -1;
+  float *packed = dominant_packed(n, 7);
+  grpc_channel *ch = rpc_channel_create(d.addr, 0);
+  if (packed == NULL || ch == NULL)
+    goto cleanup;
+  /* One tensor of 256 rows and 256 nblocks columns: nblocks blocks of 256 x 256. */
+  {
+    uint64_t shape[2] = {n, n * (uint64_t)nblocks};
+    Precond__V1__TensorSpec t = PRECOND__V1__TENSOR_SPEC__INIT;
+    Precond__V1__TensorSpec *tp = &t;
+    Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+    Precond__V1__RegisterRequest rr = PRECOND__V1__REGISTER_REQUEST__INIT;
+    t.name = (char *)"w";
+    t.n_shape = 2;
+    t.shape = shape;
+    so.block_size = (uint32_t)n;
+    so.skip_limit = (uint32_t)(n * nblocks);
+    rr.job = (char *)"snap";
+    rr.n_tensors = 1;
+    rr.tensors = &tp;
+    rr.shampoo = &so;
+    ProtobufCMessage *resp = NULL;
+    if (call_ok(ch, RPC_METHOD_REGISTER, &rr.base, &precond__v1__register_response__descriptor,
+                &resp) != 0)
+      goto cleanup;
+    protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  payload pl = {n, packed, pc_packed_len(n) * sizeof(float), 0};
+  enum { B = 8 };
+  push_msg pm[B];
+  Precond__V1__BlockStatistics *bsp[B];
+  for (size_t i = 0; i < nblocks; i += B) {
+    size_t k = 0;
+    for (; k < B && i + k < nblocks; k++) {
+      push_init(&pm[k], "snap", (uint32_t)(i + k), &pl);
+      bsp[k] = &pm[k].bs;
+    }
+    pm[0].req.n_blocks = k;
+    pm[0].req.blocks = bsp;
+    ProtobufCMessage *resp = NULL;
+    if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm[0].req.base,
+                &precond__v1__push_response__descriptor, &resp) != 0)
+      goto cleanup;
+    protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  rpc_channel_destroy(ch);
+  ch = NULL;
+  if (pdproc_stop(&d, SIGTERM) != 0)
+    goto cleanup;
+  double write_s = log_seconds(d.log, "snapshot written");
+  char state[200];
+  snprintf(state, sizeof state, "%s/state", d.dir);
+  double file_mb = dir_mb(state);
+  pdproc_opts po;
+  pdproc_opts_default(&po);
+  po.path = o->spawn;
+  po.threads = o->threads;
+  po.extra = extra;
+  if (pdproc_start(&d, &po) != 0 || pdproc_stop(&d, SIGTERM) != 0)
+    goto cleanup;
+  double restore_s = log_seconds(d.log, "restored");
+  double zero[3] = {0, 0, 0};
+  print_row("snapshot-write", "tcp", n, o->threads, nblocks, write_s, file_mb * 1.048576 / write_s,
+            (double)nblocks / write_s, zero, "none", 0.0);
+  print_row("snapshot-restore", "tcp", n, o->threads, nblocks, restore_s,
+            file_mb * 1.048576 / restore_s, (double)nblocks / restore_s, zero, "none", 0.0);
+  rc = write_s > 0 && restore_s > 0 ? 0 : -1;
+
+cleanup:
+  if (ch != NULL)
+    rpc_channel_destroy(ch);
+  free(packed);
+  pdproc_destroy(&d);
+  return rc;
+}
+
 /* Every push and fetch cell of one daemon. */
 static int run_transport(const bench_opts *o, const char *addr, const char *transport)
 {
   int rc = 0;
   for (int si = 0; si < o->nsizes; si++) {
     size_t n = o->sizes[si];
-    size_t req_bytes = 2 * pc_packed_len(n) * sizeof(float);
+    size_t req_bytes = 2 * pc_packed_len(n) * (o->bf16 ? 2 : 4);
     /* The push job has one block per client of the largest cell that runs at this size
      * (the daemon allocates statistics for every registered block). */
     int maxc = 1;
@@ -690,8 +947,16 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
       if (o->clients[i] > maxc && (double)o->clients[i] * (double)req_bytes / 1e6 <= o->max_inflight_mb)
         maxc = o->clients[i];
     float *packed = dominant_packed(n, n);
-    if (packed == NULL)
+    uint16_t *half = o->bf16 ? malloc(pc_packed_len(n) * sizeof(uint16_t)) : NULL;
+    if (packed == NULL || (o->bf16 && half == NULL)) {
+      free(packed);
       return -1;
+    }
+    payload pl = {n, packed, pc_packed_len(n) * sizeof(float), 0};
+    if (o->bf16) {
+      pc_f32_to_bf16(pc_packed_len(n), packed, half);
+      pl = (payload){n, half, pc_packed_len(n) * sizeof(uint16_t), 1};
+    }
     double mc = o->memcpy_mb_s[si];
     grpc_channel *ch = rpc_channel_create(addr, 0);
     char pjob[96], fjob[96];
@@ -702,7 +967,7 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
       rc = -1;
     } else if (n <= o->fetch_max && register_job(ch, fjob, n, 1) == 0) {
       push_msg pm;
-      push_init(&pm, fjob, 0, n, packed);
+      push_init(&pm, fjob, 0, &pl);
       ProtobufCMessage *resp = NULL;
       if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
                   &precond__v1__push_response__descriptor, &resp) == 0 &&
@@ -722,14 +987,18 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
                 o->max_inflight_mb);
         continue;
       }
-      if (have_fetch && run_cell(o, addr, transport, 1, fjob, n, k, packed, mc) != 0)
+      if (have_fetch && run_cell(o, addr, transport, 1, fjob, k, &pl, mc) != 0)
         rc = -1;
-      if (run_cell(o, addr, transport, 0, pjob, n, k, packed, mc) != 0)
+      if (run_cell(o, addr, transport, 0, pjob, k, &pl, mc) != 0)
         rc = -1;
     }
+    if (ch != NULL && o->reps > 0 && n <= o->fetch_max &&
+        run_root(o, ch, transport, &pl) != 0)
+      rc = -1;
     if (ch != NULL)
       rpc_channel_destroy(ch);
     free(packed);
+    free(half);
   }
   return rc;
 }
@@ -739,7 +1008,7 @@ int main(int argc, char **argv)
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   bench_opts o = {.seconds = 1.0, .fetch_max = 1024, .pool_blocks = 16,
                   .threads = cores > 0 ? (int)cores : 1,
-                  .max_inflight_mb = 256, .transports = 3};
+                  .max_inflight_mb = 256, .transports = 3, .reps = 5};
   parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
   parse_list("1,4,16", NULL, o.clients, &o.nclients);
   for (int i = 1; i < argc; i++) {
@@ -751,6 +1020,9 @@ int main(int argc, char **argv)
       return 0;
     } else if (strcmp(a, "--tcp-only") == 0) {
       o.transports = 1;
+      continue;
+    } else if (strcmp(a, "--bf16") == 0) {
+      o.bf16 = 1;
       continue;
     }
     if (v == NULL) {
@@ -776,6 +1048,10 @@ int main(int argc, char **argv)
       bad = (o.threads = atoi(v)) < 1 || o.threads > 1024;
     else if (strcmp(a, "--window-mb") == 0)
       bad = (o.window_mb = atoi(v)) < 0 || o.window_mb > 1024;
+    else if (strcmp(a, "--reps") == 0)
+      bad = (o.reps = atoi(v)) < 0 || o.reps > 1000;
+    else if (strcmp(a, "--snapshot-mb") == 0)
+      bad = (o.snapshot_mb = (size_t)atol(v)) == 0 || o.snapshot_mb > 4096;
     else if (strcmp(a, "--max-inflight-mb") == 0)
       bad = (o.max_inflight_mb = atof(v)) <= 0;
     else {
@@ -796,11 +1072,15 @@ int main(int argc, char **argv)
     fprintf(stderr, "bench-daemon: give exactly one of --addr and --spawn (see --help)\n");
     return 2;
   }
+  if (o.snapshot_mb > 0 && o.spawn == NULL) {
+    fprintf(stderr, "bench-daemon: --snapshot-mb needs --spawn (it restarts the daemon)\n");
+    return 2;
+  }
   signal(SIGPIPE, SIG_IGN);
   g_window_mb = o.window_mb;
   /* The memcpy limit is taken first, before any daemon computes roots on this machine. */
   for (int si = 0; si < o.nsizes; si++)
-    o.memcpy_mb_s[si] = memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * sizeof(float));
+    o.memcpy_mb_s[si] = memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4));
   printf("bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
          "baseline,baseline_value,ratio\n");
   int rc = 0;
@@ -814,16 +1094,16 @@ int main(int argc, char **argv)
     /* The pool rows get a daemon of their own with all its threads; the push and fetch
      * daemons get one pool thread, so the roots their pushes trigger leave a core to the
      * transport being measured. */
-    daemon_proc d;
+    pdproc d;
     if (o.pool_blocks > 0) {
-      if (spawn_daemon(&o, 0, o.threads, &d) != 0 || run_pool(&o, d.addr, "tcp") != 0)
+      if (spawn_daemon(&o, 0, o.threads, 0, NULL, &d) != 0 || run_pool(&o, d.addr, "tcp") != 0)
         rc = -1;
-      stop_daemon(&d);
+      pdproc_destroy(&d);
     }
     for (int t = 0; t < 2; t++) {
       if (!(o.transports & (1 << t)))
         continue;
-      if (spawn_daemon(&o, t == 1, 1, &d) != 0) {
+      if (spawn_daemon(&o, t == 1, 1, 0, NULL, &d) != 0) {
         rc = -1;
         continue;
       }
@@ -831,8 +1111,10 @@ int main(int argc, char **argv)
               (int)d.pid);
       if (run_transport(&o, d.addr, t ? "unix" : "tcp") != 0)
         rc = -1;
-      stop_daemon(&d);
+      pdproc_destroy(&d);
     }
+    if (o.snapshot_mb > 0 && run_snapshot(&o) != 0)
+      rc = -1;
   }
   return rc == 0 ? 0 : 1;
 }

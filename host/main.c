@@ -538,7 +538,7 @@ int main(int argc, char **argv) {
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
-  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold};
+  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold, &d.store};
   if (ok && pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
     ok = 0;

@@ -128,6 +128,9 @@ typedef struct {
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
   _Atomic uint64_t snapshots_written;
+  _Atomic uint64_t scratch_bytes;  /* pool scratch of the computations running now (bound) */
+  _Atomic uint64_t scratch_peak;   /* the most scratch_bytes has been */
+  _Atomic uint64_t scratch_waits;  /* times a pool thread waited for scratch room */
   _Atomic uint64_t jobs_ended;     /* by EndJob */
   _Atomic uint64_t jobs_expired;   /* by the idle expiry */
   _Atomic int64_t memory_bytes;  /* statistics and roots currently allocated */
@@ -383,6 +386,7 @@ struct pd_job {
   size_t ndiag;
   uint32_t *diag;                /* tensors with no units */
   int in_store;                  /* its statistics are counted in the daemon's memory */
+  size_t scratch_max;            /* pd_unit_scratch_bytes of its largest unit */
   uint64_t version_base;         /* the store's epoch << 40: root versions start above it */
   const struct pd_replica_link *link; /* the store's (NULL: one daemon) */
   double *rank_load;             /* estimated cost owned per rank (pd_replica_plan) */
@@ -400,6 +404,11 @@ typedef struct {
   pd_stats *stats;
   size_t memory_limit;
   size_t job_memory_limit;       /* 0: none; set after pd_store_init (main.c) */
+  /* The budget the pool computes in (scheduler.c): memory_limit minus the listed jobs'
+   * reservations. Register keeps room in it for the largest unit's scratch of any job, so
+   * one computation always fits; more run at once only while their scratch fits too. */
+  _Atomic size_t reserved;       /* pd_job_bytes of the listed jobs */
+  _Atomic size_t scratch_max;    /* the largest scratch_max of the listed jobs */
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
   uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
@@ -595,7 +604,15 @@ void pd_replica_finalize(pd_replica *x);
 typedef struct {
   double failure_threshold; /* a root with a larger error, or non-finite, is not published */
   double drift_threshold;   /* <= 0: always compute */
+  pd_store *budget;         /* scratch admitted within its free budget; NULL: no limit */
 } pd_sched_rules;
+
+/* A bound on the memory one computation of unit u takes besides the unit's own state and
+ * its published result: the pool's private copy of the state and the new result, and the
+ * dense numerics (80 n^2 bytes for the largest order n: the fp32 Newton keeps five n x n
+ * fp64 iterates and an fp64 copy for its residual, the mode two fp32 n x n matrices; eigh
+ * and K-FAC's inverses take less). */
+size_t pd_unit_scratch_bytes(const pd_block *u);
 
 typedef enum {
   PD_ROOT_PUBLISHED = 0, /* computed and published */
@@ -614,6 +631,7 @@ typedef struct {
   pd_stats *stats;
   pd_sched_rules rules;
   _Atomic uint64_t busy;
+  size_t scratch_in_use;    /* of the computations running now; guarded by lock */
 } pd_sched;
 
 /* A block whose roots failed this many times in a row has its statistics zeroed (counted

@@ -254,20 +254,61 @@ cleanup:
   return rc;
 }
 
+size_t pd_unit_scratch_bytes(const pd_block *u) {
+  size_t nmax = 1, parts = 0;
+  for (uint32_t k = 0; k < u->nparts; k++) {
+    if (u->order[k] > nmax) nmax = (size_t)u->order[k];
+    parts += pc_packed_len(u->order[k]);
+  }
+  /* The state's copy and the new result (parts), the drift probes, the dense numerics. */
+  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) +
+         80 * nmax * nmax;
+}
+
+/* The queue entry a free worker takes (the policy above) among those whose scratch fits in
+ * the budget's free room, or any when nothing runs (one computation always may: Register
+ * kept room for it); s->len when none may start now. *need gets its scratch. Under lock. */
+static size_t pd__pick(pd_sched *s, size_t *need) {
+  size_t avail = SIZE_MAX;
+  if (s->rules.budget) {
+    size_t limit = s->rules.budget->memory_limit;
+    size_t used = atomic_load(&s->rules.budget->reserved) + s->scratch_in_use;
+    avail = limit > used ? limit - used : 0;
+  }
+  size_t best = s->len;
+  for (size_t i = 0; i < s->len; i++) {
+    size_t n = pd_unit_scratch_bytes(s->queue[i]);
+    if (n > avail && s->scratch_in_use > 0) continue;
+    if (best == s->len || pd_sched_before(s->queue[i], s->queue[best])) {
+      best = i;
+      *need = n;
+    }
+  }
+  return best;
+}
+
 static void *pd__worker(void *arg) {
   pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
   pthread_mutex_lock(&s->lock);
   for (;;) {
     while (!s->stopping && s->len == 0) pthread_cond_wait(&s->cond, &s->lock);
     if (s->stopping) break;
-    size_t best = 0;
-    for (size_t i = 1; i < s->len; i++)
-      if (pd_sched_before(s->queue[i], s->queue[best])) best = i;
+    size_t need = 0, best = pd__pick(s, &need);
+    if (best == s->len) { /* no room for any queued computation: wait for one to end */
+      atomic_fetch_add(&s->stats->scratch_waits, 1);
+      pthread_cond_wait(&s->cond, &s->lock);
+      continue;
+    }
     pd_block *b = s->queue[best];
     s->queue[best] = s->queue[--s->len];
     b->queued = 0;
     b->computing = 1;
     atomic_fetch_add(&s->busy, 1);
+    s->scratch_in_use += need;
+    uint64_t now = atomic_fetch_add(&s->stats->scratch_bytes, need) + need;
+    for (uint64_t peak = atomic_load(&s->stats->scratch_peak);
+         now > peak && !atomic_compare_exchange_weak(&s->stats->scratch_peak, &peak, now);) {
+    }
     pthread_mutex_unlock(&s->lock);
 
     pd_root_outcome outcome;
@@ -277,6 +318,9 @@ static void *pd__worker(void *arg) {
 
     pthread_mutex_lock(&s->lock);
     atomic_fetch_sub(&s->busy, 1);
+    s->scratch_in_use -= need;
+    atomic_fetch_sub(&s->stats->scratch_bytes, need);
+    if (s->rules.budget) pthread_cond_broadcast(&s->cond); /* room for a waiting worker */
     b->computing = 0;
     if (b->redo && !s->stopping && !atomic_load(&b->job->ended)) {
       b->redo = 0;

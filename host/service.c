@@ -193,10 +193,10 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
   rc = pd_store_add(&d->store, job, &existing);
   if (rc == PD_ELIMIT) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
-             "tensors: the job needs %zu bytes for its records, statistics and roots, above "
-             "what is left of the memory limit of %zu bytes (--memory-limit-mb), or the "
-             "daemon holds %u jobs already", pd_job_bytes(job), d->cfg.memory_limit_bytes,
-             PD_MAX_JOBS);
+             "tensors: the job needs %zu bytes for its records, statistics and roots (and %zu "
+             "of scratch to compute its largest block), above what is left of the memory "
+             "limit of %zu bytes (--memory-limit-mb), or the daemon holds %u jobs already",
+             pd_job_bytes(job), job->scratch_max, d->cfg.memory_limit_bytes, PD_MAX_JOBS);
     goto cleanup;
   }
   if (rc != PD_OK) {
@@ -666,6 +666,9 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.jobs_expired = atomic_load(&d->stats.jobs_expired);
   resp.job_idle_expiry_s = d->cfg.job_idle_expiry_s > 0 ? d->cfg.job_idle_expiry_s : 0;
   resp.job_memory_limit_bytes = d->store.job_memory_limit;
+  resp.scratch_bytes = atomic_load(&d->stats.scratch_bytes);
+  resp.scratch_peak_bytes = atomic_load(&d->stats.scratch_peak);
+  resp.scratch_waits = atomic_load(&d->stats.scratch_waits);
 
   size_t k = 0;
   for (size_t i = 0; i < njobs; i++) {

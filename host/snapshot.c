@@ -542,8 +542,9 @@ static int pd__cmp_job_name(const void *a, const void *b) {
 static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err,
                           size_t errlen) {
   qsort(jobs, njobs, sizeof *jobs, pd__cmp_job_name);
-  size_t total = 0;
+  size_t total = 0, scratch = 0;
   for (uint32_t i = 0; i < njobs; i++) {
+    if (jobs[i]->scratch_max > scratch) scratch = jobs[i]->scratch_max;
     if (i > 0 && strcmp(jobs[i - 1]->name, jobs[i]->name) == 0) {
       snprintf(err, errlen, "job \"%s\": stored twice", jobs[i]->name);
       return PD_ECORRUPT;
@@ -555,9 +556,9 @@ static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err
       return PD_ELIMIT;
     }
   }
-  if (total > st->memory_limit) {
-    snprintf(err, errlen, "its jobs need %zu bytes, over the memory limit of %zu bytes", total,
-             st->memory_limit);
+  if (total + scratch > st->memory_limit) {
+    snprintf(err, errlen, "its jobs need %zu bytes and %zu of scratch for their largest block, "
+             "over the memory limit of %zu bytes", total, scratch, st->memory_limit);
     return PD_ELIMIT;
   }
   return PD_OK;

@@ -258,6 +258,8 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
     b->nparts = units[k].nparts;
     memcpy(b->order, units[k].order, sizeof b->order);
     job->nblocks++;
+    size_t scratch = pd_unit_scratch_bytes(b);
+    if (scratch > job->scratch_max) job->scratch_max = scratch;
   }
   free(units);
   *out = job;
@@ -358,6 +360,13 @@ pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double no
     st->njobs--; /* the others keep their order (stats list jobs in it) */
   }
   if (j) {
+    size_t held = 0, scratch = 0;
+    for (size_t i = 0; i < st->njobs; i++) {
+      held += pd_job_bytes(st->jobs[i]);
+      if (st->jobs[i]->scratch_max > scratch) scratch = st->jobs[i]->scratch_max;
+    }
+    atomic_store(&st->reserved, held);
+    atomic_store(&st->scratch_max, scratch);
     atomic_store(&j->ended, 1);
     atomic_fetch_add(&st->generation, 1);
     atomic_fetch_add(&st->removed, 1);
@@ -410,9 +419,12 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   }
   /* The memory limit is checked against the budget the job can reach (statistics and a
    * root pair per block), so a running job never fails for memory later. */
-  size_t held = 0;
+  /* Room is kept for the scratch of one computation of the largest unit, so the pool can
+   * always compute (scheduler.c admits more at once only within what is left). */
+  size_t held = 0, scratch = atomic_load(&st->scratch_max);
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
-  if (held + pd_job_bytes(job) > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
+  if (job->scratch_max > scratch) scratch = job->scratch_max;
+  if (held + pd_job_bytes(job) + scratch > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
       pd_store_job_over_limit(st, job)) {
     rc = PD_ELIMIT;
     goto done;
@@ -437,6 +449,8 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
                      (int64_t)(pd__stat_bytes(job) + pd__meta_bytes(job)));
   job->in_store = 1;
   job->version_base = st->epoch << 40;
+  atomic_store(&st->reserved, held + pd_job_bytes(job));
+  atomic_store(&st->scratch_max, scratch);
   job->link = st->link;
   atomic_store(&job->last_active, pd_now()); /* a restored job's idle clock starts now */
   st->jobs[st->njobs++] = job;

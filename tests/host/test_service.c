@@ -32,7 +32,7 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
                                  d->cfg.max_blocks_per_job),
                    PD_OK);
-  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold};
+  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
@@ -617,6 +617,52 @@ static void test_job_memory_limit(void **state) {
   daemon_free(d);
 }
 
+/* The pool's scratch is in the budget: Register keeps room to compute the job's largest
+ * block (a job whose records fit but whose computation would not is refused), and the pool
+ * runs only as many computations at once as the free budget holds, queueing the rest. */
+static void test_scratch_in_budget(void **state) {
+  (void)state;
+  pd_daemon *d = daemon_new(64);
+  pd_sched_stop(&d->sched); /* two pool threads, which could compute two blocks at once */
+  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store};
+  assert_int_equal(pd_sched_start(&d->sched, 2, &d->stats, &rules), PD_OK);
+  char why[512];
+  assert_int_equal(reg(d, "j", 256, 64, 64, NULL, why), GRPC_STATUS_OK); /* 4 blocks */
+  pd_job *job = job_of(d, "j");
+  size_t one = pd_unit_scratch_bytes(&job->blocks[0]);
+  assert_int_equal(job->scratch_max, one);
+  assert_true(one > 80 * 64 * 64);
+  /* Room for the job and one computation and a half. */
+  size_t reserved = atomic_load(&d->store.reserved);
+  assert_int_equal(reserved, pd_job_bytes(job));
+  d->store.memory_limit = reserved + one + one / 2;
+  float *l = stat(64, 1);
+  for (uint32_t id1 = 1; id1 < 4; id1++)
+    assert_int_equal(push2(d, "j", id1, l, 64, l, 64, id1, why), GRPC_STATUS_OK);
+  for (int i = 0; i < 20000 && (pd_sched_depth(&d->sched) > 0 ||
+                                atomic_load(&d->stats.roots_computed) < 4); i++)
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  assert_true(atomic_load(&d->stats.roots_computed) >= 4);
+  for (int b = 0; b < 4; b++) assert_true(atomic_load(&job->blocks[b].has_root));
+  /* One computation at a time: never two blocks' scratch together. */
+  assert_int_equal(atomic_load(&d->stats.scratch_peak), one);
+  assert_int_equal(atomic_load(&d->stats.scratch_bytes), 0);
+  Precond__V1__StatsResponse *st = stats_of(d);
+  assert_int_equal(st->scratch_peak_bytes, one);
+  assert_int_equal(st->scratch_bytes, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* A second job whose records fit in what is left but not with room to compute its block
+   * (64 x 64 in one block: its own scratch is the same as the first's) is refused. */
+  d->store.memory_limit = reserved + one + 1000;
+  assert_int_equal(reg(d, "k", 64, 64, 64, NULL, why), GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "scratch"));
+  d->store.memory_limit = (size_t)64 << 20;
+  assert_int_equal(reg(d, "k", 64, 64, 64, NULL, why), GRPC_STATUS_OK);
+  free(l);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -629,6 +675,7 @@ int main(void) {
       cmocka_unit_test(test_end_job),
       cmocka_unit_test(test_idle_expiry),
       cmocka_unit_test(test_job_memory_limit),
+      cmocka_unit_test(test_scratch_in_budget),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

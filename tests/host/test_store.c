@@ -129,7 +129,10 @@ static void test_store_add_and_memory(void **state) {
   uint64_t dims[1][2] = {{8, 8}};
   int ranks[1] = {2};
   pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
-  size_t need = pd_job_bytes(job);
+  /* Its reservation, and room to compute its largest block (the pool's scratch). */
+  size_t need = pd_job_bytes(job) + job->scratch_max;
+  assert_int_equal(job->scratch_max, pd_unit_scratch_bytes(&job->blocks[0]));
+  assert_true(job->scratch_max >= 80 * 8 * 8);
   /* A limit one byte short refuses the job and leaves it to the caller. */
   assert_int_equal(pd_store_init(&st, &stats, need - 1, 100), PD_OK);
   pd_job *existing = NULL;
@@ -145,7 +148,10 @@ static void test_store_add_and_memory(void **state) {
   pd_job_unref(got, &stats);
   assert_null(pd_store_get(&st, "b", 0));
   /* Held now: the records and the statistics; the root pair reserved is not allocated. */
-  assert_int_equal(atomic_load(&stats.memory_bytes), need - 2 * pc_packed_len(8) * sizeof(float));
+  assert_int_equal(atomic_load(&stats.memory_bytes),
+                   pd_job_bytes(job) - 2 * pc_packed_len(8) * sizeof(float));
+  assert_int_equal(atomic_load(&st.reserved), pd_job_bytes(job));
+  assert_int_equal(atomic_load(&st.scratch_max), job->scratch_max);
   pd_job *again = build("a", dims, ranks, 1, 8, 100, &rc, err);
   assert_int_equal(pd_store_add(&st, again, &existing), PD_OK);
   assert_ptr_equal(existing, job);
