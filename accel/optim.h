@@ -245,6 +245,12 @@ long ac_shampoo_steps(const ac_shampoo *s);
  * Waits for the device (one download for all blocks). */
 int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step);
 
+/* Data-parallel workers share the statistics: with mask (nblocks bytes, copied) only the
+ * blocks whose byte is non-zero are computed by ac_shampoo_compute_stats (the others' host
+ * statistics are then stale: not to be pushed). NULL: every block (the default).
+ * AC_EINVAL for s NULL, AC_ENOMEM. */
+int ac_shampoo_set_stats_mask(ac_shampoo *s, const uint8_t *mask);
+
 /* The host statistics of block b from the last ac_shampoo_compute_stats that computed:
  * *left = packed G G^T (ac_packed_len(rows) values), *right = packed G^T G
  * (ac_packed_len(cols)); owned by s, valid until the next compute or destroy. Either

@@ -182,8 +182,10 @@ int main(int argc, char **argv) {
     goto done;
   }
 
+  /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
+   * would not train the model one worker trains (docs/replicas.md). */
   tr_model model = {"resnet", &c, c.params.n, c.params.items, rn_train_step, rn_evaluate,
-                    (double)b, "img", (long)(train.count / b), rn_set_hook};
+                    (double)b, "img", (long)(train.count / b), NULL, rn_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

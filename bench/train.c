@@ -786,6 +786,8 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   char job[160];
   pt_options po;
   tr__trainer_opts(o, PT_MODE_SHAMPOO, model_name, job, sizeof job, &po);
+  po.shard_rank = opts->dp_rank;
+  po.shard_size = opts->dp_size;
   ac_shampoo_opts *so = &po.shampoo;
   so->layout.block_size = (size_t)opts->block_size;
   pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
@@ -812,6 +814,8 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   const tr_options *opts = &o->opts;
   char job[160];
   pt_options po;
+  if (opts->dp_size > 1) /* every worker would push its own share's factors as the layer's */
+    return tr__fail(err, TR_EINVAL, "--optimizer kfac: no data parallelism yet (one worker)");
   tr__trainer_opts(o, PT_MODE_KFAC, model_name, job, sizeof job, &po);
   pt_kfac_opts *ko = &po.kfac;
   ko->k.damping = opts->kfac_damping;
@@ -1046,6 +1050,46 @@ static void tr__progress_note(tr__progress *p, const char *fmt, ...) {
   fflush(stderr);
 }
 
+/* Under mpirun: joins the data-parallel workers (pt_dp), gives the model its share of the
+ * batch, makes the job name (rank 0's pid) and the daemon address (%r: this rank) each
+ * worker's, and lets rank 0 alone print progress and write --out. Alone: *dp = NULL. */
+static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
+                             tr_error *err) {
+  pt_error perr = {""};
+  int rc = tr__trainer(err, pt_dp_init(dp, &perr), &perr);
+  if (rc != TR_OK || *dp == NULL) return rc;
+  o->dp_rank = pt_dp_rank(*dp);
+  o->dp_size = pt_dp_size(*dp);
+  if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size) != 0) {
+    rc = tr__fail(err, TR_EINVAL, "%s: %s with %d data-parallel workers", model->name,
+                  model->shard == NULL ? "cannot be trained data-parallel"
+                                       : "its batch does not divide", o->dp_size);
+    pt_dp_finalize(*dp);
+    *dp = NULL;
+    return rc;
+  }
+  long id = (long)getpid();
+  pt_dp_broadcast(*dp, &id);
+  if (o->job[0] == '\0') snprintf(o->job, sizeof o->job, "%s-dp-%ld", model->name, id);
+  char addr[sizeof o->daemon];
+  size_t n = 0;
+  for (const char *p = o->daemon; *p && n + 12 < sizeof addr; p++) {
+    if (p[0] == '%' && p[1] == 'r') {
+      n += (size_t)snprintf(addr + n, sizeof addr - n, "%d", o->dp_rank);
+      p++;
+    } else {
+      addr[n++] = *p;
+    }
+  }
+  addr[n] = '\0';
+  snprintf(o->daemon, sizeof o->daemon, "%s", addr);
+  if (o->dp_rank > 0) {
+    o->quiet = 1;
+    o->out[0] = '\0';
+  }
+  return TR_OK;
+}
+
 int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
              tr_summary *summary, tr_error *err) {
   if (opts == NULL || be == NULL || model == NULL || model->train_step == NULL ||
@@ -1056,6 +1100,9 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   tr_options_resolve(&ropts);
   if (ropts.epoch_steps == 0) ropts.epoch_steps = model->steps_per_epoch;
   opts = &ropts;
+  pt_dp *dp = NULL;
+  int drc = tr__data_parallel(&ropts, model, &dp, err);
+  if (drc != TR_OK) return drc;
   long total = tr_total_steps(opts, model);
   double base_lr = tr_effective_lr(opts);
   ac_lr_schedule sched;
@@ -1143,6 +1190,11 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
       rc = tr__fail(err, TR_ENONFINITE, "step %ld: training loss is %g; stopping", step, loss);
       sm.status = "diverged";
     }
+    if (rc == TR_OK && dp != NULL) {
+      pt_error perr = {""};
+      rc = tr__trainer(err, pt_dp_average(dp, be, model->params, model->nparams, &loss, &perr),
+                       &perr);
+    }
     double lr = ac_lr_schedule_at(&sched, step);
     tr_step_info info = {NAN, -1, 0};
     if (rc == TR_OK && opts->clip > 0)
@@ -1215,10 +1267,20 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   tr_optimizer_staleness(&opt, &sm);
   if (rc != TR_OK && strcmp(sm.status, "ok") == 0) sm.status = tr_strerror(rc);
 
+  if (dp != NULL && sm.steps > 0) {
+    pt_counters pc = {0};
+    if (opt.trainer != NULL) pt_get_counters(opt.trainer, &pc);
+    printf("data-parallel worker %d of %d: statistics %.3f ms CPU per step (%zu of %zu "
+           "blocks), gradient averaging %.3f ms per step\n", pt_dp_rank(dp), pt_dp_size(dp),
+           pc.stats_s * 1e3 / (double)sm.steps, pc.units_mine, pc.units,
+           pt_dp_seconds(dp) * 1e3 / (double)sm.steps);
+  }
+
 done:
   if (opts->optimizer == TR_KFAC && model->set_hook != NULL)
     model->set_hook(model->ctx, NULL); /* the hook's trainer goes next */
   tr_optimizer_destroy(&opt);
+  pt_dp_finalize(dp);
   sm.total_s = tr__now() - t_start;
   if (csv != NULL && fclose(csv) != 0 && rc == TR_OK)
     rc = tr__fail(err, TR_EIO, "%s/train.csv: write failed", opts->out);

@@ -104,7 +104,8 @@ typedef struct {
   long factor_first_epochs;/* epochs on factor_every_first */
   long epoch_steps;        /* the schedule's epoch; 0: the data's (tr_train fills it) */
   int kfac_bf16;           /* 1: factors travel as bf16 */
-  char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR) */
+  char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
+                              %r: the data-parallel rank (docs/replicas.md) */
   char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
   /* Run */
   uint64_t seed;           /* default 1 */
@@ -114,6 +115,7 @@ typedef struct {
   long eval_every;         /* evaluate every N steps (and at the end); 0: only at the end */
   long eval_batches;       /* batches per evaluation; 0: the model's default */
   int quiet;               /* 1: no progress line */
+  int dp_rank, dp_size;     /* set by tr_train under mpirun (data parallelism); 0, 1 */
 } tr_options;
 
 /* Fills the defaults listed above (table fields unset; model NULL). */
@@ -329,6 +331,10 @@ typedef struct {
   double items_per_step;    /* for the throughput: tokens or images per step */
   const char *item_unit;    /* "tok", "img" */
   long steps_per_epoch;     /* for --epochs */
+  /* Data parallelism (mpirun -np W): from now on train_step takes worker rank's share of
+   * each global batch (the loss and gradients of its mean over that share). NULL: the model
+   * cannot be trained data-parallel. Non-zero when size does not divide the batch. */
+  int (*shard)(void *ctx, int rank, int size);
   /* Sets a curvature hook on the model's layers (ac_resnet_set_hook, ac_lm_set_hook); NULL:
    * the model has none (K-FAC is then refused). */
   void (*set_hook)(void *ctx, const ac_hook *hook);

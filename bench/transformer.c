@@ -33,6 +33,7 @@ typedef struct {
   ds_text_sampler train;
   uint64_t eval_seed;
   size_t batch, t;
+  size_t lo, local;          /* data parallelism: this worker's rows of each batch */
   uint8_t *in8, *tg8;        /* host, batch x t */
   int32_t *in32, *tg32;      /* host */
   int32_t *d_in, *d_tg;      /* device */
@@ -55,10 +56,26 @@ static int lm_train_step(void *ctx, double *loss) {
   if (ds_text_sampler_next(&c->train, c->batch, c->in8, c->tg8) != DS_OK) return -1;
   int rc = lm_upload(c);
   if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
+  /* Every worker draws the same global batch (same seed) and trains on its rows. */
   if (rc == AC_OK)
-    rc = ac_lm_forward(&c->lm, c->d_in, c->d_tg, c->batch, c->t, AC_MODE_TRAIN, loss);
+    rc = ac_lm_forward(&c->lm, c->d_in + c->lo * c->t, c->d_tg + c->lo * c->t, c->local, c->t,
+                       AC_MODE_TRAIN, loss);
   if (rc == AC_OK) rc = ac_lm_backward(&c->lm);
   return rc;
+}
+
+/* Data parallelism: rank's equal share of the batch's sequences, so that the mean over
+ * the workers of their mean losses is the batch's mean. */
+static int lm_shard(void *ctx, int rank, int size) {
+  lm_ctx *c = ctx;
+  if (size < 1 || c->batch % (size_t)size != 0) {
+    fprintf(stderr, "transformer: --batch %zu does not divide among %d data-parallel "
+            "workers\n", c->batch, size);
+    return -1;
+  }
+  c->local = c->batch / (size_t)size;
+  c->lo = (size_t)rank * c->local;
+  return 0;
 }
 
 /* The same eval windows every time (a sampler re-seeded per evaluation), so evaluations
@@ -161,6 +178,7 @@ int main(int argc, char **argv) {
   c.be = be;
   c.text = &text;
   c.batch = (size_t)a.batch;
+  c.local = c.batch;
   c.t = (size_t)a.context;
   c.eval_seed = opts.seed ^ 0x5eed5eedULL;
   int arc = ac_lm_init(&c.lm, be, &cfg);
@@ -188,7 +206,7 @@ int main(int argc, char **argv) {
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
   tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
-                    (double)n, "tok", (long)(train_len / n), lm_set_hook};
+                    (double)n, "tok", (long)(train_len / n), lm_shard, lm_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

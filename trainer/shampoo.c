@@ -9,11 +9,19 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The root exponent follows from the worker's formula (accel.h), it is not a tunable:
  * ac_shampoo applies L^(-1/4) G R^(-1/4), or one side's ^(-1/2) when one_sided. */
 static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
   return so->one_sided ? 2 : 4;
+}
+
+/* CPU seconds of the calling thread (statistics run on it: syrk with the worker's BLAS). */
+static double pt__cpu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 typedef struct {
@@ -22,8 +30,32 @@ typedef struct {
   uint32_t *block_id;       /* per worker block: the daemon's id (its layout, same order) */
   uint64_t *version;        /* per block: libprecond version handed to ac_shampoo; 0: none */
   uint64_t *source_step;    /* per block: statistics step those roots come from */
+  uint8_t *mine;            /* per block: this worker computes and pushes its statistics */
+  size_t nmine;
+  double stats_s;            /* CPU seconds of this thread: 2 cores shared, wall is noise */
   uint64_t applied, rejected;
 } pt__shampoo;
+
+/* This worker's share of the blocks (pt_options.shard_*): with one daemon replica per
+ * worker, the blocks its rank's daemon owns (nothing is forwarded); else every
+ * shard_size-th block. */
+static int pt__shampoo_shard(pt_trainer *t, pt_error *err) {
+  pt__shampoo *s = t->state;
+  int w = t->opts.shard_rank, nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
+  int32_t replicas = 0;
+  for (size_t b = 0; b < s->nblocks; b++)
+    if (t->layout.blocks[b].owner + 1 > replicas) replicas = t->layout.blocks[b].owner + 1;
+  s->nmine = 0;
+  for (size_t b = 0; b < s->nblocks; b++) {
+    s->mine[b] = nw == 1 ? 1
+                 : replicas == nw ? t->layout.blocks[b].owner == w
+                                  : (int)(b % (size_t)nw) == w;
+    s->nmine += s->mine[b];
+  }
+  return nw == 1 ? PT_OK
+                 : pt__accel(err, ac_shampoo_set_stats_mask(s->opt, s->mine),
+                             "ac_shampoo_set_stats_mask");
+}
 
 static int pt__shampoo_create(pt_trainer *t, pt_error *err) {
   pt__shampoo *s = calloc(1, sizeof *s);
@@ -58,7 +90,9 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   s->block_id = calloc(nb, sizeof *s->block_id);
   s->version = calloc(nb, sizeof *s->version);
   s->source_step = calloc(nb, sizeof *s->source_step);
-  if (s->block_id == NULL || s->version == NULL || s->source_step == NULL) return PT_ENOMEM;
+  s->mine = calloc(nb, sizeof *s->mine);
+  if (s->block_id == NULL || s->version == NULL || s->source_step == NULL || s->mine == NULL)
+    return PT_ENOMEM;
   for (size_t b = 0; b < s->nblocks; b++) {
     ac_shampoo_block bi;
     int rc = pt__accel(err, ac_shampoo_block_info(s->opt, b, &bi), "ac_shampoo_block_info");
@@ -74,7 +108,7 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
                       bi.block.rows, bi.block.col0, bi.block.cols);
     s->block_id[b] = pb->block_id;
   }
-  return PT_OK;
+  return pt__shampoo_shard(t, err);
 }
 
 /* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
@@ -124,6 +158,7 @@ static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
 static int pt__shampoo_push(pt_trainer *t, long step, pt_error *err) {
   pt__shampoo *s = t->state;
   for (size_t b = 0; b < s->nblocks; b++) {
+    if (!s->mine[b]) continue; /* another worker's share */
     const float *l = NULL, *r = NULL;
     ac_shampoo_block bi;
     int arc = ac_shampoo_block_stats(s->opt, b, &l, &r);
@@ -143,9 +178,11 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   pt__shampoo *s = t->state;
   int due = 0;
   long stat_step = 0;
+  double t0 = pt__cpu_now();
   int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step),
                      "Shampoo statistics");
   if (rc == PT_OK && due) rc = pt__shampoo_push(t, stat_step, err);
+  s->stats_s += pt__cpu_now() - t0;
   if (rc != PT_OK) return rc;
   /* Waiting before start_step would only slow the steps whose update ignores roots. */
   int wait = due && t->opts.sync_roots && step >= t->opts.shampoo.start_step;
@@ -172,6 +209,8 @@ static void pt__shampoo_counters(const pt_trainer *t, pt_counters *out) {
   out->units = s->nblocks;
   out->results_applied = s->applied;
   out->results_rejected = s->rejected;
+  out->units_mine = s->nmine;
+  out->stats_s = s->stats_s;
 }
 
 static void pt__shampoo_destroy(pt_trainer *t) {
@@ -181,6 +220,7 @@ static void pt__shampoo_destroy(pt_trainer *t) {
   free(s->block_id);
   free(s->version);
   free(s->source_step);
+  free(s->mine);
   free(s);
   t->state = NULL;
 }

@@ -75,6 +75,7 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
   opts->mode = mode;
   opts->connect_timeout_ms = 5000;
   opts->sync_timeout_ms = 60000;
+  opts->shard_size = 1;
   ac_shampoo_opts_default(&opts->shampoo);
   pc_kfac_opts_default(&opts->kfac.k);
   ac_sgd_opts_default(&opts->kfac.sgd);
@@ -122,6 +123,9 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
     return pt__fail(err, PT_EINVAL, "pt_create: unknown mode %d", (int)opts->mode);
   if (opts->job == NULL || opts->job[0] == '\0' || strlen(opts->job) >= 256)
     return pt__fail(err, PT_EINVAL, "pt_create: a job name of 1 to 255 bytes is required");
+  if (opts->shard_size > 1 && (opts->shard_rank < 0 || opts->shard_rank >= opts->shard_size))
+    return pt__fail(err, PT_EINVAL, "pt_create: shard_rank %d is not in [0, %d)",
+                    opts->shard_rank, opts->shard_size);
   if (opts->sync_roots && opts->sync_timeout_ms <= 0)
     return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
   const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;

@@ -89,6 +89,12 @@ typedef struct {
   int sync_roots;          /* 1: a step that pushes waits for the results of its own
                               statistics before updating (reproducible; default 0) */
   int sync_timeout_ms;     /* sync_roots' bound per wait (default 60000) */
+  /* Data-parallel workers (pt_dp): this worker computes and pushes the statistics of its
+   * share of the units only, and fetches every result. shard_size 1 (default): all. The
+   * share: with as many daemon replicas as workers (the layout's owners), the units the
+   * daemon of rank shard_rank owns; otherwise unit ids i with i % shard_size == shard_rank
+   * (the daemon forwards them to their owners). */
+  int shard_rank, shard_size;
   /* Shampoo: the worker's options, and the ones it registers with the daemon (block size,
    * skip limit, statistics EMA beta2, ridge epsilon): one struct configures both halves. */
   ac_shampoo_opts shampoo;
@@ -135,9 +141,37 @@ typedef struct {
   uint64_t results_rejected; /* versions the worker refused (non-finite, wrong size) */
   uint64_t daemon_restarts;  /* times the job was registered again (daemon lost it) */
   uint64_t resumed_step;     /* last step whose statistics the daemon held at register */
+  size_t units_mine;         /* units whose statistics this worker computes (shards) */
+  double stats_s;            /* seconds spent computing and queueing statistics */
 } pt_counters;
 
 void pt_get_counters(const pt_trainer *t, pt_counters *out);
+
+/* ---- data parallelism (dp.c) ---- */
+/*
+ * Workers started by `mpirun -np W` train one model: each takes its share of the global
+ * batch, pt_dp_average averages the gradients (and the loss) over the workers so that every
+ * one applies the same update, and pt_options.shard_rank / shard_size split the statistics.
+ * MPI is initialised only when an MPI launcher started the process (as precondd does);
+ * a worker started alone gets no pt_dp and trains alone.
+ */
+typedef struct pt_dp pt_dp;
+
+/* *out: NULL when not started by an MPI launcher (one worker); else owned (pt_dp_finalize).
+ * PT_EINVAL when started by one with W > 1 but built without MPI. */
+int pt_dp_init(pt_dp **out, pt_error *err);
+/* This worker's rank and the worker count (0 and 1 for NULL). */
+int pt_dp_rank(const pt_dp *dp);
+int pt_dp_size(const pt_dp *dp);
+/* Averages every params[i]->grad over the workers, in buckets of at most 4 MiB (one
+ * MPI_Allreduce each), and *loss with them. A no-op for NULL. PT_EACCEL, PT_EINVAL (MPI). */
+int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams,
+                  double *loss, pt_error *err);
+/* Rank 0's value of *v on every worker (a job name's number, a seed). */
+int pt_dp_broadcast(pt_dp *dp, long *v);
+/* Seconds spent in pt_dp_average. */
+double pt_dp_seconds(const pt_dp *dp);
+void pt_dp_finalize(pt_dp *dp);
 
 /* The worker optimizer of a Shampoo trainer (owned by t), for inspection; NULL otherwise. */
 ac_shampoo *pt_shampoo(const pt_trainer *t);

@@ -27,7 +27,7 @@
 
 #define MAX_RANKS 4
 
-static const char *g_mpirun, *g_precondd;
+static const char *g_mpirun, *g_precondd, *g_transformer;
 
 typedef struct {
   pid_t pid;              /* mpirun, or precondd alone */
@@ -52,30 +52,9 @@ static void sleep_ms(long ms) {
   nanosleep(&ts, NULL);
 }
 
-/* Runs `mpirun ... precondd` (nranks > 0) or precondd alone (nranks 0) with the usual
- * options plus extra (NULL-terminated), output into dir/log. Returns the pid. */
-static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
-  char sock[128], state[128], port[128], log[128], np[8];
-  snprintf(sock, sizeof sock, "unix:%s/s-%%r.sock", c->dir);
-  snprintf(state, sizeof state, "%s/d-%%r", c->dir);
-  snprintf(port, sizeof port, "%s/p-%%r", c->dir);
-  snprintf(log, sizeof log, "%s/log", c->dir);
-  snprintf(np, sizeof np, "%d", nranks);
-  const char *argv[48];
-  int n = 0;
-  if (nranks > 0) {
-    argv[n++] = g_mpirun;
-    if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
-    argv[n++] = "--oversubscribe";
-    argv[n++] = "-np";
-    argv[n++] = np;
-  }
-  const char *const common[] = {g_precondd, "--listen", sock, "--state-dir", state,
-                                "--port-file", port, "--threads", "1", "--grace-period", "2",
-                                "--drift-threshold", "0"};
-  for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
-  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
-  argv[n] = NULL;
+/* Runs argv (NULL-terminated) with stdout and stderr appended to log; returns the pid,
+ * killed at exit if still running. */
+static pid_t spawn_argv(const char *const *argv, const char *log) {
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
@@ -96,6 +75,37 @@ static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
   return pid;
 }
 
+/* The start of an mpirun command line for np ranks, in argv; returns its length. */
+static int mpirun_argv(const char **argv, char *np, size_t nplen, int nranks) {
+  int n = 0;
+  snprintf(np, nplen, "%d", nranks);
+  argv[n++] = g_mpirun;
+  if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
+  argv[n++] = "--oversubscribe";
+  argv[n++] = "-np";
+  argv[n++] = np;
+  return n;
+}
+
+/* Runs `mpirun ... precondd` (nranks > 0) or precondd alone (nranks 0) with the usual
+ * options plus extra (NULL-terminated), output into dir/log. Returns the pid. */
+static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
+  char sock[128], state[128], port[128], log[128], np[16];
+  snprintf(sock, sizeof sock, "unix:%s/s-%%r.sock", c->dir);
+  snprintf(state, sizeof state, "%s/d-%%r", c->dir);
+  snprintf(port, sizeof port, "%s/p-%%r", c->dir);
+  snprintf(log, sizeof log, "%s/log", c->dir);
+  const char *argv[48];
+  int n = nranks > 0 ? mpirun_argv(argv, np, sizeof np, nranks) : 0;
+  const char *const common[] = {g_precondd, "--listen", sock, "--state-dir", state,
+                                "--port-file", port, "--threads", "1", "--grace-period", "2",
+                                "--drift-threshold", "0"};
+  for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
+  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  return spawn_argv(argv, log);
+}
+
 static void forget(pid_t pid) {
   for (int i = 0; i < 8; i++)
     if (g_live[i] == pid) g_live[i] = 0;
@@ -114,15 +124,21 @@ static int wait_exit(pid_t pid, long ms) {
   return -1;
 }
 
-static int log_has(const cluster *c, const char *needle) {
-  char path[128], buf[1 << 16];
-  snprintf(path, sizeof path, "%s/log", c->dir);
+/* 1 if the file's first 64 KiB hold needle. */
+static int file_has(const char *path, const char *needle) {
+  char buf[1 << 16];
   FILE *f = fopen(path, "r");
   if (!f) return 0;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
   fclose(f);
   buf[n] = '\0';
   return strstr(buf, needle) != NULL;
+}
+
+static int log_has(const cluster *c, const char *needle) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/log", c->dir);
+  return file_has(path, needle);
 }
 
 static void dump_log(const cluster *c) {
@@ -556,13 +572,105 @@ static void test_bad_starts(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* Column 4 (train_loss) of every data line of dir/train.csv into loss[]; their count. */
+static int read_losses(const char *dir, double *loss, int max) {
+  char path[160], line[512];
+  snprintf(path, sizeof path, "%s/train.csv", dir);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  int n = 0;
+  while (fgets(line, sizeof line, f) && n < max) {
+    double step, wall, ms, l;
+    if (sscanf(line, "%lf,%lf,%lf,%lf", &step, &wall, &ms, &l) == 4) loss[n++] = l;
+  }
+  fclose(f);
+  return n;
+}
+
+/* Runs the Transformer (tiny: one layer, width 64, batch 8, 20 steps, roots synchronous)
+ * against daemon, alone (nworkers 0) or as nworkers data-parallel workers; output in
+ * dir/out and dir/<out>.log. Returns the exit status (-1: not within 240 s). */
+static int run_transformer(const char *dir, const char *out, int nworkers, const char *daemon) {
+  char outdir[128], log[160], np[16];
+  snprintf(outdir, sizeof outdir, "%s/%s", dir, out);
+  snprintf(log, sizeof log, "%s/%s.log", dir, out);
+  const char *argv[64];
+  int n = nworkers > 0 ? mpirun_argv(argv, np, sizeof np, nworkers) : 0;
+  const char *const args[] = {g_transformer, "--optimizer", "shampoo", "--sync-roots",
+                              "--steps", "20", "--batch", "8", "--context", "32",
+                              "--d-model", "64", "--layers", "1", "--block-size", "32",
+                              "--eval-every", "0", "--eval-batches", "2", "--quiet",
+                              "--daemon", daemon, "--out", outdir};
+  for (size_t i = 0; i < sizeof args / sizeof args[0]; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  int st = wait_exit(spawn_argv(argv, log), 240000);
+  if (st != 0) {
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "tail -n 30 %s >&2", log);
+    if (system(cmd) != 0) fprintf(stderr, "(no log)\n");
+  }
+  return st;
+}
+
+/* Two data-parallel workers, each on its own rank of two daemon replicas, with roots
+ * synchronous, train the model one worker trains with one daemon: every step's loss equal
+ * within 1e-4 relative (float reduction order: the batch's mean is the mean of two halves'
+ * means, the gradients are averaged by MPI_Allreduce). Each worker computes the statistics
+ * of half the blocks. A worker count that does not divide the batch is refused. */
+static void test_data_parallel(void **state) {
+  (void)state;
+  cluster one, two;
+  cluster_start(&one, 0);
+  cluster_start(&two, 2);
+  char daemon1[160], daemon2[160];
+  snprintf(daemon1, sizeof daemon1, "unix:%s/s-0.sock", one.dir);
+  snprintf(daemon2, sizeof daemon2, "unix:%s/s-%%r.sock", two.dir);
+  assert_int_equal(run_transformer(one.dir, "w1", 0, daemon1), 0);
+  assert_int_equal(run_transformer(two.dir, "w2", 2, daemon2), 0);
+  double a[32], b[32];
+  char d1[128], d2[128], log2[160];
+  snprintf(d1, sizeof d1, "%s/w1", one.dir);
+  snprintf(d2, sizeof d2, "%s/w2", two.dir);
+  int na = read_losses(d1, a, 32), nb = read_losses(d2, b, 32);
+  assert_int_equal(na, 20);
+  assert_int_equal(nb, 20);
+  double worst = 0;
+  for (int i = 0; i < na; i++) worst = fmax(worst, fabs(a[i] - b[i]) / fabs(a[i]));
+  fprintf(stderr, "data-parallel: largest relative loss difference %.3g over 20 steps\n",
+          worst);
+  assert_true(worst <= 1e-4);
+  assert_true(a[na - 1] < a[0]); /* it trained */
+  snprintf(log2, sizeof log2, "%s/w2.log", two.dir);
+  assert_true(file_has(log2, "data-parallel worker 0 of 2"));
+  assert_true(file_has(log2, "data-parallel worker 1 of 2"));
+  Precond__V1__StatsResponse *s = get_stats(two.ch[0], "");
+  assert_int_equal(s->replica->stats_forwarded, 0); /* each pushed its own rank's blocks */
+  assert_true(s->replica->roots_received > 0);
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+
+  char np[16], log3[160];
+  snprintf(log3, sizeof log3, "%s/w3.log", two.dir);
+  const char *argv[32];
+  int n = mpirun_argv(argv, np, sizeof np, 3);
+  const char *const args[] = {g_transformer, "--optimizer", "shampoo", "--steps", "2",
+                              "--batch", "8", "--daemon", daemon2, "--quiet", NULL};
+  for (size_t i = 0; args[i]; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  int st = wait_exit(spawn_argv(argv, log3), 60000);
+  assert_true(st > 0);
+  assert_true(file_has(log3, "does not divide among 3 data-parallel workers"));
+  cluster_stop(&two);
+  cluster_stop(&one);
+}
+
 int main(int argc, char **argv) {
-  if (argc < 3) {
-    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD\n");
+  if (argc < 4) {
+    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER\n");
     return 2;
   }
   g_mpirun = argv[1];
   g_precondd = argv[2];
+  g_transformer = argv[3];
   if (access(g_mpirun, X_OK) != 0) {
     fprintf(stderr, "test_replica: mpirun not found at %s (install openmpi-bin)\n", g_mpirun);
     return 77; /* meson: skipped */
@@ -572,6 +680,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_two_ranks),
       cmocka_unit_test(test_three_ranks),
       cmocka_unit_test(test_restart),
+      cmocka_unit_test(test_data_parallel),
       cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
