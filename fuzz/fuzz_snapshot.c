@@ -1,6 +1,7 @@
 /*
- * fuzz_snapshot.c -- libFuzzer harness: precondd's snapshot reader. The input is a payload;
- * the harness writes it behind a header whose magic, format, length and both CRC-32s are
+ * fuzz_snapshot.c -- libFuzzer harness: precondd's snapshot reader. The input is one byte
+ * choosing the format (1 + byte % 3: every format the reader takes), then a payload; the
+ * harness writes it behind a header whose magic, format, length and both CRC-32s are
  * right, so every input reaches the parser instead of stopping at the checksum. Each read
  * goes into a fresh store under the daemon's own limits; anything loaded is freed again.
  */
@@ -32,9 +33,13 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  if (size < 1) return 0;
+  unsigned format = 1u + data[0] % 3u;
+  data++;
+  size--;
   unsigned char h[32];
   memcpy(h, "PCDSNAP1", 8);
-  le(h + 8, 1, 4);
+  le(h + 8, format, 4);
   le(h + 12, 0, 4);
   le(h + 16, size, 8);
   le(h + 24, crc32(crc32(0L, Z_NULL, 0), data, (uInt)size), 4);

@@ -103,15 +103,25 @@ def snapshot():
            le("d", 1e-6) + le("I", 0) + le("Q", 3) +
            le("I", 1) + st("w") + le("I", 2) + le("QQ", 4, 8) +
            le("I", 1) + st("worker"))
-    job += le("I", 2)
     vals = identity_packed(4)
-    for bid in range(2):
-        job += le("I", bid) + le("QQ", 4, 4) + le("QQQQ", 3, 1, 1, 0) + le("dd", 1e-4, 0.5)
-        job += le("%df" % len(vals), *vals) * 2
-        job += bytes([1]) + le("QQ", 1, 3) + le("d", 1e-4) + le("II", 0, 5)
-        job += le("%df" % len(vals), *vals) * 2
-    write("snapshot", "one-job-two-blocks", le("I", 1) + job)
-    write("snapshot", "empty", le("I", 0))
+
+    def blocks(fmt):
+        out = le("I", 2)
+        for bid in range(2):
+            out += le("I", bid) + le("QQ", 4, 4) + le("QQQQ", 3, 1, 1, 0) + le("dd", 1e-4, 0.5)
+            if fmt >= 3:  # resets, failures in a row, last failure
+                out += le("Q", 1) + le("I", 2) + st("left: not converged")
+            out += le("%df" % len(vals), *vals) * 2
+            out += bytes([1]) + le("QQ", 1, 3) + le("d", 1e-4) + le("II", 0, 5)
+            if fmt >= 2:  # the result's aux figures
+                out += le("ddd", 1.0, 0.0, 0.0)
+            out += le("%df" % len(vals), *vals) * 2
+        return out
+
+    # First byte: the format, 1 + byte % 3 (fuzz_snapshot.c).
+    write("snapshot", "one-job-two-blocks", bytes([0]) + le("I", 1) + job + blocks(1))
+    write("snapshot", "format-3", bytes([2]) + le("I", 1) + job + blocks(3))
+    write("snapshot", "empty", bytes([0]) + le("I", 0))
 
 
 def fetch_decode():

@@ -3,7 +3,8 @@
  *
  * File layout (all integers little-endian; floats as their IEEE 754 bits):
  *   header, 32 bytes:
- *     magic "PCDSNAP1" | u32 format (2; 1 is still read) | u32 reserved (0) | u64 payload bytes |
+ *     magic "PCDSNAP1" | u32 format (3; 1 and 2 are still read) | u32 reserved (0) |
+ *     u64 payload bytes |
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
  *     u32 jobs, then per job:
@@ -14,9 +15,11 @@
  *       u32 workers, each: str name |
  *       u32 blocks, each: u32 id | u64 rows | u64 cols | u64 stat_step | u64 pushes |
  *         u64 roots_computed | u64 roots_failed | f64 last_error | f64 last_compute_ms |
+ *         (format 3 only: u64 resets | u32 failures_in_row | str last_failure; earlier
+ *         formats read them as 0 and "") |
  *         f32 part[k][order_k(order_k+1)/2] for each of the unit's parts (Shampoo: L, R) |
  *         u8 has_root, and if 1: u64 version | u64 source_step | f64 error | u32 method |
- *           u32 iterations | f64 aux[PD_MODE_AUX] (format 2 only: the mode's figures of the
+ *           u32 iterations | f64 aux[PD_MODE_AUX] (format 2 on: the mode's figures of the
  *           result, K-FAC's pi and dampings; format 1 reads them as 0) |
  *           f32 part[k][...] for each part
  *   (str = u32 length, then that many bytes, no terminator)
@@ -41,8 +44,9 @@
 #include "preconditioner.h"
 
 #define PD_SNAP_MAGIC "PCDSNAP1"
-#define PD_SNAP_FORMAT 2u
-#define PD_SNAP_FORMAT_NO_AUX 1u /* the format before results kept their aux figures */
+#define PD_SNAP_FORMAT 3u
+#define PD_SNAP_FORMAT_NO_AUX 1u      /* before results kept their aux figures */
+#define PD_SNAP_FORMAT_NO_FAILURES 2u /* before blocks kept resets and the last failure */
 _Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
 
@@ -135,6 +139,11 @@ static void pd__write_block(pd__w *w, pd_block *b, float *const *scratch) {
   uint64_t stat_step = atomic_load(&b->stat_step), pushes = b->pushes;
   uint64_t computed = b->roots_computed, failed = b->roots_failed;
   double last_error = b->last_error, last_ms = b->last_compute_ms;
+  uint64_t resets = b->resets;
+  uint32_t in_row = b->failures_in_row;
+  char why[sizeof b->last_failure];
+  memcpy(why, b->last_failure, sizeof why);
+  why[sizeof why - 1] = '\0';
   pd_root *r = b->root;
   pd_root_ref(r);
   pthread_mutex_unlock(&b->lock);
@@ -148,6 +157,9 @@ static void pd__write_block(pd__w *w, pd_block *b, float *const *scratch) {
   pd__u64(w, failed);
   pd__f64(w, last_error);
   pd__f64(w, last_ms);
+  pd__u64(w, resets);
+  pd__u32(w, in_row);
+  pd__str(w, why);
   for (uint32_t k = 0; k < b->nparts; k++) pd__f32s(w, scratch[k], pc_packed_len(b->order[k]));
   pd__u8(w, r != NULL);
   if (r) {
@@ -357,8 +369,8 @@ static int pd__verify(FILE *f, uint64_t *payload, uint32_t *format_out, char *er
     return PD_ECORRUPT;
   }
   uint32_t format = (uint32_t)pd_le_get(h + 8, 4);
-  if (format != PD_SNAP_FORMAT && format != PD_SNAP_FORMAT_NO_AUX) {
-    snprintf(err, errlen, "unknown format %u (this precondd reads %u and %u)", format,
+  if (format < PD_SNAP_FORMAT_NO_AUX || format > PD_SNAP_FORMAT) {
+    snprintf(err, errlen, "unknown format %u (this precondd reads %u to %u)", format,
              PD_SNAP_FORMAT_NO_AUX, PD_SNAP_FORMAT);
     return PD_ECORRUPT;
   }
@@ -473,6 +485,14 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
     b->roots_failed = pd__ru64(r);
     b->last_error = pd__rf64(r);
     b->last_compute_ms = pd__rf64(r);
+    if (r->format > PD_SNAP_FORMAT_NO_FAILURES) {
+      b->resets = pd__ru64(r);
+      b->failures_in_row = pd__ru32(r);
+      char *reason = pd__rstr(r, sizeof b->last_failure - 1);
+      if (reason) memcpy(b->last_failure, reason, strlen(reason) + 1);
+      free(reason);
+      if (b->failures_in_row >= PD_FAILURES_BEFORE_RESET) r->err = 1;
+    }
     size_t state_len = 0;
     for (uint32_t k = 0; k < b->nparts; k++) state_len += pc_packed_len(b->order[k]);
     /* Allocate only what the file really holds: a header that claims a huge block in a

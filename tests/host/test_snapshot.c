@@ -52,6 +52,10 @@ static pd_job *add_job(pd_store *st, const char *name, uint64_t rows, uint64_t c
     for (size_t k = 0; k < pc_packed_len(b->cols); k++) b->stat[1][k] = rnd();
     atomic_store(&b->stat_step, 40 + i);
     b->pushes = 3 + i;
+    /* Failure history: it used to restart at zero, so a block that kept failing looked new. */
+    b->resets = 2 + i;
+    b->failures_in_row = (uint32_t)(i % 3);
+    snprintf(b->last_failure, sizeof b->last_failure, "left: not converged (%zu)", i);
     if (i % 2 == 0) {
       pd_root *r = pd_root_new(b->nparts, b->order, st->stats);
       for (size_t k = 0; k < pc_packed_len(b->rows); k++) r->part[0][k] = rnd();
@@ -116,6 +120,9 @@ static void test_roundtrip_bit_exact(void **state) {
       assert_memory_equal(x->stat[1], y->stat[1], pc_packed_len(x->cols) * 4);
       assert_int_equal(atomic_load(&y->stat_step), atomic_load(&x->stat_step));
       assert_int_equal(y->pushes, x->pushes);
+      assert_int_equal(y->resets, x->resets);
+      assert_int_equal(y->failures_in_row, x->failures_in_row);
+      assert_string_equal(y->last_failure, x->last_failure);
       assert_int_equal(!x->root, !y->root);
       if (x->root) {
         assert_int_equal(y->root->version, x->root->version);
