@@ -1154,6 +1154,10 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
     d->pi = b->pi;
     d->damping_a = b->damping_a;
     d->damping_g = b->damping_g;
+    d->roots_warm = b->roots_warm;
+    d->roots_warm_skipped = b->roots_warm_skipped;
+    d->roots_seeded = b->roots_seeded;
+    d->roots_cold = b->roots_cold;
     if (d->job == NULL || d->tensor == NULL)
       goto fail;
   }

@@ -228,6 +228,12 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
       kv_dbl(f, "last_error", b->last_error, &first);
       kv_dbl(f, "last_compute_ms", b->last_compute_ms, &first);
       kv_i64(f, "owner", b->owner, &first);
+      if (b->a_order == 0) { /* a Shampoo block */
+        kv_u64(f, "roots_warm", b->roots_warm, &first);
+        kv_u64(f, "roots_warm_skipped", b->roots_warm_skipped, &first);
+        kv_u64(f, "roots_seeded", b->roots_seeded, &first);
+        kv_u64(f, "roots_cold", b->roots_cold, &first);
+      }
       if (b->a_order > 0) { /* a K-FAC layer */
         kv_u64(f, "a_order", b->a_order, &first);
         kv_u64(f, "g_order", b->g_order, &first);
@@ -245,23 +251,25 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
   for (size_t i = 0; i < s->nblocks; i++)
     nkfac += s->block_stats[i].a_order > 0;
   if (nkfac < s->nblocks || s->nblocks == 0)
-    fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s\n", "JOB",
-            "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED",
-            "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER");
+    fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s %s\n",
+            "JOB", "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS",
+            "FAILED", "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER", "WARM/SKIP/SEED/COLD");
   for (size_t i = 0; i < s->nblocks; i++) {
     const precond_block_stats *b = &s->block_stats[i];
     if (b->a_order > 0)
       continue; /* K-FAC layers have their own table below */
-    char shape[32], age[48];
+    char shape[32], age[48], paths[96];
     snprintf(shape, sizeof shape, "%" PRIu64 "x%" PRIu64, b->rows, b->cols);
+    snprintf(paths, sizeof paths, "%" PRIu64 "/%" PRIu64 "/%" PRIu64 "/%" PRIu64, b->roots_warm,
+             b->roots_warm_skipped, b->roots_seeded, b->roots_cold);
     snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
              b->staleness_dist.p90, b->staleness_dist.max);
     fprintf(f,
             "%-16s %5u %-20s %11s %7" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6" PRIu64
-            " %7" PRIu64 " %6" PRIu64 " %6" PRIu64 " %14s %10.2e %9.3f %5d\n",
+            " %7" PRIu64 " %6" PRIu64 " %6" PRIu64 " %14s %10.2e %9.3f %5d %s\n",
             b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", shape, b->version,
             b->stat_step, b->root_step, b->staleness, b->roots_computed, b->roots_failed,
-            b->roots_skipped, age, b->last_error, b->last_compute_ms, (int)b->owner);
+            b->roots_skipped, age, b->last_error, b->last_compute_ms, (int)b->owner, paths);
   }
   if (s->nblocks == 0)
     fputs("(no blocks)\n", f);

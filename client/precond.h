@@ -344,6 +344,10 @@ typedef struct {
    * published inverses (0 before the first). The inverse's age is staleness. */
   uint64_t a_order, g_order;
   double pi, damping_a, damping_g;
+  /* Shampoo blocks: how their factor roots were computed, one count per factor root (the
+   * wire's BlockStats fields of the same names): warm-started from the block's last
+   * eigenbasis, skipped by the warm path's skip test, seeded (no basis held), cold. */
+  uint64_t roots_warm, roots_warm_skipped, roots_seeded, roots_cold;
 } precond_block_stats;
 
 typedef struct {

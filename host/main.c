@@ -69,6 +69,12 @@ static void pd__usage(FILE *f) {
 "  --drift-threshold X      a block whose statistics moved less than X (relative, trace\n"
 "                           and random probes) since its root keeps it (default 0.01;\n"
 "                           0: always compute)\n"
+  );
+  /* Two strings: one would pass the 4095 characters C99 compilers must accept. */
+  fprintf(f,
+"  --warm-roots on|off      on: a block keeps the eigenbasis of its last roots and starts\n"
+"                           the next ones from it (docs/roots.md, \"Steady state\");\n"
+"                           off (default): every root is computed cold\n"
 "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
 "  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
 "                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
@@ -199,7 +205,7 @@ static int pd__is_local(const char *addr) {
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
   enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
          O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
-         O_DRIFT, O_EXPIRY, O_JOBMEM };
+         O_DRIFT, O_EXPIRY, O_JOBMEM, O_WARM };
   static const struct option opts[] = {
       {"listen", required_argument, NULL, O_LISTEN},
       {"state-dir", required_argument, NULL, O_STATE},
@@ -212,6 +218,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       {"snapshot-interval", required_argument, NULL, O_SNAP},
       {"failure-threshold", required_argument, NULL, O_FAIL},
       {"drift-threshold", required_argument, NULL, O_DRIFT},
+      {"warm-roots", required_argument, NULL, O_WARM},
       {"grace-period", required_argument, NULL, O_GRACE},
       {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
       {"token-file", required_argument, NULL, O_TOKEN},
@@ -276,6 +283,13 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     case O_DRIFT:
       if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
       cfg->drift_threshold = v;
+      break;
+    case O_WARM:
+      if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
+        fprintf(stderr, "precondd: --warm-roots takes on or off, not %s\n", optarg);
+        return 2;
+      }
+      cfg->warm_roots = strcmp(optarg, "on") == 0;
       break;
     case O_GRACE:
       if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
@@ -538,7 +552,8 @@ int main(int argc, char **argv) {
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
-  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold, &d.store};
+  pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold, &d.store,
+                          d.cfg.warm_roots};
   if (ok && pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
     ok = 0;

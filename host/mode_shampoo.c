@@ -5,7 +5,10 @@
  * two parts: L (rows x rows) and R (cols x cols). A push folds increments G G^T and G^T G into
  * them (S <- beta2 S + (1 - beta2) inc, or S += inc at beta2 = 1); a computation gives the
  * pair L^(-1/p), R^(-1/p), published if both are finite with an error within the failure
- * threshold.
+ * threshold. With --warm-roots on a block keeps the eigenbasis of each factor's last root
+ * and starts the next one from it (warm, or skipped when the statistic is still diagonal in
+ * it; seeded by one eigendecomposition when none is held; cold by the job's method when the
+ * accuracy guard falls back), counted per factor root in the block's tallies.
  */
 #include "precondd.h"
 
@@ -160,21 +163,67 @@ static int shampoo_fold_fits(const void *opts, const pd_block *u, const float *c
   return 1;
 }
 
+/* What a block keeps between computations with --warm-roots on: the eigenbasis of each
+ * factor's last root, so that the next root of a statistic that moved a little starts from
+ * it (pc_inverse_root_warm_f32; docs/roots.md, "Steady state"). */
+typedef struct {
+  uint32_t nparts;
+  size_t bytes;                     /* what it holds, for the daemon's memory count */
+  pc_eigbasis_f32 basis[PD_MAX_PARTS];
+} shampoo_unit;
+
+static size_t shampoo_unit_free(void *unit_state) {
+  shampoo_unit *w = unit_state;
+  if (!w) return 0;
+  size_t bytes = w->bytes;
+  for (uint32_t k = 0; k < w->nparts; k++) pc_eigbasis_destroy_f32(&w->basis[k]);
+  free(w);
+  return bytes;
+}
+
+/* The block's warm state, made at its first computation; NULL when the daemon keeps none
+ * (unit_state NULL) or it cannot be allocated (then this computation is cold, the next one
+ * tries again). */
+static shampoo_unit *shampoo_unit_get(const pd_block *u, void **unit_state,
+                                      pd_compute_info *info) {
+  if (!unit_state) return NULL;
+  if (*unit_state) return *unit_state;
+  shampoo_unit *w = calloc(1, sizeof *w);
+  if (!w) return NULL;
+  w->nparts = u->nparts;
+  w->bytes = sizeof *w;
+  for (uint32_t k = 0; k < u->nparts; k++) {
+    if (pc_eigbasis_init_f32(&w->basis[k], u->order[k]) != PC_OK) {
+      shampoo_unit_free(w);
+      return NULL;
+    }
+    w->bytes += pc_eigbasis_bytes_f32(u->order[k]);
+  }
+  info->state_bytes += (int64_t)w->bytes;
+  *unit_state = w;
+  return w;
+}
+
 static int shampoo_compute(const void *opts, const pd_block *u, const float *const *state,
                            void **unit_state, float *const *out, pd_compute_info *info) {
-  (void)unit_state;
   const pd_shampoo_opts *o = opts;
   uint64_t nmax = u->order[0] > u->order[1] ? u->order[0] : u->order[1];
   float *a = malloc(nmax * nmax * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
   int rc = PC_ENOMEM;
-  memset(info, 0, sizeof *info);
   info->method = o->method;
   info->failed_part = -1;
   if (!a || !x) goto cleanup;
   pc_root_opts ro;
   pc_root_opts_default(&ro, (int)o->root_exponent);
   ro.epsilon = o->epsilon;
-  ro.method = (pc_method)o->method;
+  ro.method = (pc_method)o->method; /* the cold method, and the warm path's fallback */
+  shampoo_unit *w = shampoo_unit_get(u, unit_state, info);
+  pc_warm_opts wo;
+  pc_warm_opts_default(&wo);
+  /* The guard at the daemon's default failure threshold (same measure: the sampled
+   * max|x^p (A + ridge I) - I|), so that a warm root it lets through is publishable and
+   * one it would not publish is recomputed cold instead of failing the block. */
+  wo.guard_tol = 0.1;
   rc = PC_OK;
   /* Both factors, one after the other; the worst error and iteration count stand for both. */
   for (uint32_t k = 0; k < u->nparts && rc >= 0; k++) {
@@ -182,7 +231,20 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
     pc_root_info ri;
     memset(&ri, 0, sizeof ri);
     pc_unpack_f32(n, state[k], a);
-    int rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
+    int rk;
+    if (w) {
+      pc_warm_info wi;
+      rk = pc_inverse_root_warm_f32(n, a, x, &ro, &wo, &w->basis[k], &wi);
+      ri = wi.root;
+      if (rk >= 0)
+        info->counts[wi.path == PC_WARM_ROTATED   ? PD_SHAMPOO_WARM
+                     : wi.path == PC_WARM_SEEDED  ? PD_SHAMPOO_SEEDED
+                     : wi.path == PC_WARM_COLD    ? PD_SHAMPOO_COLD
+                                                  : PD_SHAMPOO_SKIPPED]++; /* skipped, reused */
+    } else {
+      rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
+      if (rk >= 0) info->counts[PD_SHAMPOO_COLD]++;
+    }
     if (rk >= 0) pc_pack_f32(n, x, out[k]);
     if (rk != PC_OK) rc = rk;
     if (rk < 0) info->failed_part = (int)k;
@@ -246,7 +308,8 @@ const pd_mode pd_mode_shampoo = {
     .fold = shampoo_fold,
     .fold_fits = shampoo_fold_fits,
     .compute = shampoo_compute,
-    .unit_free = NULL,
+    .unit_free = shampoo_unit_free,
+    .count_names = {"warm", "skipped", "seeded", "cold"},
     .publishable = pd_publishable_finite,
     .snap_bytes = 28,
     .snap_write = shampoo_snap_write,

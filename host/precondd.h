@@ -87,6 +87,8 @@ typedef struct {
   double snapshot_interval_s;   /* <= 0: only at shutdown */
   double failure_threshold;     /* roots with a larger error are not published */
   double drift_threshold;       /* statistics that moved less keep their root (scheduler.c) */
+  int warm_roots;               /* 1: modes keep per-unit state between computations (Shampoo:
+                                 * the eigenbasis of the last roots, a warm start); 0: cold */
   double grace_s;               /* calls in flight get this long at shutdown */
   double job_idle_expiry_s;     /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
@@ -164,6 +166,10 @@ double pd_now(void);
 /* Figures a mode reports with a result besides its error (pd_compute_info.aux). */
 #define PD_MODE_AUX 3
 
+/* Tallies a mode keeps per unit (pd_compute_info.counts, pd_block.mode_counts; Shampoo: how
+ * its factor roots were computed: warm, skipped, seeded, cold). */
+#define PD_MODE_COUNTS 4
+
 /* An immutable published result of one unit (Shampoo: the root pair); shared by readers
  * through a reference count and freed by the last pd_root_unref. */
 typedef struct {
@@ -214,6 +220,8 @@ typedef struct {
   uint32_t failures_in_row;      /* reset to 0 by a published root */
   uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
   char last_failure[160];        /* why the last root was not published; "" if none */
+  uint64_t mode_counts[PD_MODE_COUNTS]; /* the mode's tallies (pd_mode.count_names), summed
+                                 * over computations; not in snapshots */
   /* The mode's own per-unit state (e.g. a warm start): only the thread computing the unit
    * touches it (one computation per unit at a time); freed by the mode's unit_free. */
   void *mode_state;
@@ -261,6 +269,9 @@ typedef struct {
   int method;
   int failed_part; /* when compute returns < 0: the part it failed on, or -1 */
   double aux[PD_MODE_AUX]; /* the mode's own figures of this result (K-FAC: pi, damping) */
+  uint32_t counts[PD_MODE_COUNTS]; /* added to the unit's mode_counts */
+  int64_t state_bytes;     /* bytes the unit's mode_state grew by (counted in the daemon's
+                            * memory; unit_free returns what it held) */
 } pd_compute_info;
 
 /* One entry of the mode table: everything precondd does that depends on the mode. The store,
@@ -289,13 +300,19 @@ typedef struct {
   int (*fold_fits)(const void *opts, const pd_block *u, const float *const *state,
                    const float *const *inc);
   /* Computes a unit's result from a private copy of its state into out (parts of the
-   * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state.
-   * Returns a pc_ status: >= 0 when out holds a result (its quality in info), < 0 when it
-   * does not (out of memory included: counted as a failed computation). */
+   * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state,
+   * which the mode may allocate and keep (reporting its bytes in info->state_bytes), or
+   * unit_state is NULL when the daemon keeps no per-unit state (--warm-roots off).
+   * info is zeroed by the caller. Returns a pc_ status: >= 0 when out holds a result (its
+   * quality in info), < 0 when it does not (out of memory included: counted as a failed
+   * computation). */
   int (*compute)(const void *opts, const pd_block *u, const float *const *state,
                  void **unit_state, float *const *out, pd_compute_info *info);
-  /* Frees a unit's mode_state (may be NULL when the mode keeps none). */
-  void (*unit_free)(void *unit_state);
+  /* Frees a unit's mode_state and returns the bytes it held (NULL when the mode keeps
+   * none). */
+  size_t (*unit_free)(void *unit_state);
+  /* Names of the mode's per-unit tallies (pd_block.mode_counts); NULL: unused. */
+  const char *count_names[PD_MODE_COUNTS];
   /* The publication rule: 1 if a result that compute returned status for may be published
    * (Shampoo: no error code, finite, error within failure_threshold). */
   int (*publishable)(const void *opts, const pd_block *u, int status,
@@ -340,6 +357,10 @@ typedef struct {
 } pd_shampoo_opts;
 
 extern const pd_mode pd_mode_shampoo;
+
+/* Shampoo's per-block tallies (pd_block.mode_counts), one per factor root: warm-started,
+ * skipped by the warm path's skip test, seeded (no basis held), cold (the job's method). */
+enum { PD_SHAMPOO_WARM = 0, PD_SHAMPOO_SKIPPED = 1, PD_SHAMPOO_SEEDED = 2, PD_SHAMPOO_COLD = 3 };
 
 /* K-FAC's options (mode_kfac.c); zero fields take pc_kfac_opts_default's values. */
 enum { /* inverse method: the wire's KfacInverse; pc_kfac_inv + 1 for the explicit ones */
@@ -605,6 +626,8 @@ typedef struct {
   double failure_threshold; /* a root with a larger error, or non-finite, is not published */
   double drift_threshold;   /* <= 0: always compute */
   pd_store *budget;         /* scratch admitted within its free budget; NULL: no limit */
+  int warm_start;           /* 1: compute gets the unit's mode_state to keep between
+                             * computations (--warm-roots on); 0: NULL, every one is cold */
 } pd_sched_rules;
 
 /* A bound on the memory one computation of unit u takes besides the unit's own state and

@@ -211,10 +211,16 @@ int pd_sched_compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules,
   if (!r) goto cleanup;
   double t0 = pd_now();
   pd_compute_info info;
-  int status = mode->compute(job->opts, b, (const float *const *)state, &b->mode_state, r->part,
-                             &info);
+  memset(&info, 0, sizeof info);
+  /* Only this thread computes b now, so mode_state needs no lock. */
+  int status = mode->compute(job->opts, b, (const float *const *)state,
+                             rules->warm_start ? &b->mode_state : NULL, r->part, &info);
   double ms = 1e3 * (pd_now() - t0);
   pd_stats_add_compute_ms(stats, ms);
+  if (info.state_bytes) atomic_fetch_add(&stats->memory_bytes, info.state_bytes);
+  pthread_mutex_lock(&b->lock);
+  for (int k = 0; k < PD_MODE_COUNTS; k++) b->mode_counts[k] += info.counts[k];
+  pthread_mutex_unlock(&b->lock);
 
   if (mode->publishable(job->opts, b, status, &info, (const float *const *)r->part,
                         rules->failure_threshold)) {

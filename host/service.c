@@ -706,6 +706,12 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
       memcpy(why, blk->last_failure, sizeof blk->last_failure);
       o->roots_skipped = blk->roots_skipped;
       o->last_drift = blk->last_drift;
+      if (j->mode->id == PD_MODE_SHAMPOO) {
+        o->roots_warm = blk->mode_counts[PD_SHAMPOO_WARM];
+        o->roots_warm_skipped = blk->mode_counts[PD_SHAMPOO_SKIPPED];
+        o->roots_seeded = blk->mode_counts[PD_SHAMPOO_SEEDED];
+        o->roots_cold = blk->mode_counts[PD_SHAMPOO_COLD];
+      }
       if (j->mode->id == PD_MODE_KFAC) {
         o->a_order = blk->order[0];
         o->g_order = blk->order[1];

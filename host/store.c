@@ -93,7 +93,10 @@ static void pd__block_free(pd_block *b, pd_stats *stats, int count_stats) {
                      (int64_t)(pd__parts_len(b->nparts, b->order) * sizeof(float)));
   for (uint32_t k = 0; k < b->nparts; k++) free(b->stat[k]);
   pd_root_unref(b->root, stats);
-  if (b->mode_state && b->job->mode->unit_free) b->job->mode->unit_free(b->mode_state);
+  if (b->mode_state && b->job->mode->unit_free) {
+    size_t held = b->job->mode->unit_free(b->mode_state);
+    if (stats) atomic_fetch_sub(&stats->memory_bytes, (int64_t)held);
+  }
   pthread_mutex_destroy(&b->lock);
 }
 

@@ -65,7 +65,9 @@ static precond_stats sample(void)
                                     .rows = 64, .cols = 576, .version = 5, .stat_step = 99,
                                     .root_step = 97, .staleness = 2, .roots_computed = 5,
                                     .last_error = 3.5e-7, .last_compute_ms = 0.75,
-                                    .roots_skipped = 4,
+                                    .roots_skipped = 4, .roots_warm = 6,
+                                    .roots_warm_skipped = 1, .roots_seeded = 2,
+                                    .roots_cold = 1,
                                     .staleness_dist = {.samples = 9, .p50 = 2, .p90 = 4,
                                                        .max = 6}};
   blocks[1] = (precond_block_stats){.job = "resnet", .block_id = 4, .tensor = "fc.w",
@@ -137,6 +139,8 @@ static void test_blocks_table_and_json(void **state)
   assert_non_null(strstr(out, "64x576"));
   assert_non_null(strstr(out, "3.50e-07"));
   assert_non_null(strstr(out, "     4          2/4/6"));
+  assert_non_null(strstr(out, "WARM/SKIP/SEED/COLD"));
+  assert_non_null(strstr(out, " 6/1/2/1\n"));
   free(out);
 
   sink_open(&k);
@@ -145,6 +149,8 @@ static void test_blocks_table_and_json(void **state)
   assert_non_null(strstr(out, "{\"blocks\":[{\"job\":\"resnet\",\"block_id\":3,"));
   assert_non_null(strstr(out, "\"staleness\":2,"));
   assert_non_null(strstr(out, "\"roots_skipped\":4,"));
+  assert_non_null(strstr(out, "\"roots_warm\":6,\"roots_warm_skipped\":1,\"roots_seeded\":2,"
+                              "\"roots_cold\":1"));
   assert_non_null(strstr(out, "\"staleness_dist\":{\"samples\":9,\"p50\":2,\"p90\":4,"));
   assert_non_null(strstr(out, "\"last_error\":3.4999999999999998e-07,"));
   assert_non_null(strstr(out, "},{\"job\":\"resnet\",\"block_id\":4,"));

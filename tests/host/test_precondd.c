@@ -1371,6 +1371,78 @@ static void test_end_job_and_idle_expiry(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* One 32 x 32 block pushed five steps of an EMA (beta2 0.99) through a daemon with the
+ * given extra options; returns its BlockStats (the caller frees resp). The increments are
+ * one statistic plus 0.1% noise, so the EMA's eigenbasis barely moves (a run's steady state);
+ * every push is computed (drift test off) and waited for. */
+static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *extra,
+                                              Precond__V1__StatsResponse **resp) {
+  make_dir(d->p.dir, sizeof d->p.dir);
+  start_daemon(d, extra);
+  tspec ts[1] = {{"w", {32, 32}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(d, "warm", ts, 1, 32, 0.99f, NULL, msg), GRPC_STATUS_OK);
+  float *base[2] = {random_stat(32, 10), random_stat(32, 11)};
+  for (uint64_t step = 1; step <= 5; step++) {
+    float *l = random_stat(32, 10 * step + 2), *r = random_stat(32, 10 * step + 3);
+    for (size_t i = 0; i < pc_packed_len(32); i++) {
+      l[i] = base[0][i] + 1e-3f * l[i];
+      r[i] = base[1][i] + 1e-3f * r[i];
+    }
+    blockstat bs = {0, 32, 32, l, r, 0};
+    assert_int_equal(do_push(d, "warm", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+    /* The root of this step (versions start above the daemon's epoch, so wait on the
+     * source step). */
+    int done = 0;
+    for (int tries = 0; tries < 1000 && !done; tries++) {
+      Precond__V1__FetchResponse *f = NULL;
+      assert_int_equal(do_fetch(d, "warm", NULL, 0, 0, &f, NULL), GRPC_STATUS_OK);
+      if (f->n_preconditioners == 1 && f->preconditioners[0]->source_step >= step) {
+        assert_true(f->preconditioners[0]->error <= 0.1);
+        done = 1;
+      }
+      protobuf_c_message_free_unpacked(&f->base, NULL);
+      if (!done) sleep_ms(20);
+    }
+    assert_true(done);
+    free(l);
+    free(r);
+  }
+  free(base[0]);
+  free(base[1]);
+  *resp = get_stats(d, "warm");
+  assert_int_equal((*resp)->n_block_stats, 1);
+  const Precond__V1__BlockStats *b = (*resp)->block_stats[0];
+  assert_int_equal(b->roots_computed, 5);
+  return b;
+}
+
+/* --warm-roots on: the first root of each factor is seeded, the next ones start from the
+ * held eigenbasis (warm or skipped, or cold where the guard falls back), counted per factor
+ * root in GetStats; off (the default): every factor root is cold. */
+static void test_warm_roots(void **state) {
+  (void)state;
+  const char *const on[] = {"--warm-roots", "on", "--drift-threshold", "0", NULL};
+  const char *const off[] = {"--drift-threshold", "0", NULL};
+  daemon_t d = {0};
+  Precond__V1__StatsResponse *resp = NULL;
+  const Precond__V1__BlockStats *b = warm_run(&d, on, &resp);
+  assert_int_equal(b->roots_seeded, 2);
+  assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_cold, 8);
+  assert_true(b->roots_warm + b->roots_warm_skipped >= 6);
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+
+  daemon_t d2 = {0};
+  b = warm_run(&d2, off, &resp);
+  assert_int_equal(b->roots_cold, 10);
+  assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_seeded, 0);
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  assert_int_equal(stop_daemon(&d2, SIGTERM), 0);
+  remove_tree(d2.p.dir);
+}
+
 static void test_help(void **state) {
   (void)state;
   char cmd[600];
@@ -1675,6 +1747,7 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_help),
+      cmocka_unit_test(test_warm_roots),
       cmocka_unit_test(test_health_unimplemented_unix),
       cmocka_unit_test(test_register_push_fetch),
       cmocka_unit_test(test_bad_inputs),

@@ -88,7 +88,8 @@ static void expect_root(size_t n, const float *stat, const float *root) {
 }
 
 /* Always compute (drift test off), with the default failure threshold, or one nothing meets. */
-static const pd_sched_rules compute_all = {0.1, 0, NULL}, refuse_all = {-1.0, 0, NULL};
+static const pd_sched_rules compute_all = {0.1, 0, NULL, 0},
+                             refuse_all = {-1.0, 0, NULL, 0};
 
 static pd_root_outcome compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules) {
   pd_root_outcome out = (pd_root_outcome)-1;
@@ -193,7 +194,7 @@ static void scale(size_t n, float *packed, float by) {
 static void test_drift_skip(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  const pd_sched_rules rules = {0.1, 0.01, NULL};
+  const pd_sched_rules rules = {0.1, 0.01, NULL, 0};
   assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED); /* no reference yet */
   assert_true(isnan(b->last_drift));
   float *kept = malloc(pc_packed_len(b->rows) * sizeof *kept);

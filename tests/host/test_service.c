@@ -32,7 +32,8 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
                                  d->cfg.max_blocks_per_job),
                    PD_OK);
-  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store};
+  pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store,
+                          d->cfg.warm_roots};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
@@ -624,7 +625,7 @@ static void test_scratch_in_budget(void **state) {
   (void)state;
   pd_daemon *d = daemon_new(64);
   pd_sched_stop(&d->sched); /* two pool threads, which could compute two blocks at once */
-  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store};
+  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
   assert_int_equal(pd_sched_start(&d->sched, 2, &d->stats, &rules), PD_OK);
   char why[512];
   assert_int_equal(reg(d, "j", 256, 64, 64, NULL, why), GRPC_STATUS_OK); /* 4 blocks */

@@ -1,0 +1,187 @@
+/* test_mode_shampoo.c -- unit tests of host/mode_shampoo.c through the pool's compute
+ * (pd_sched_compute): warm-started roots (--warm-roots on) take the seeded, warm/skipped and
+ * cold paths as the statistics move, counted per factor root; their roots stay close to the
+ * cold ones; the held eigenbases are counted in the daemon's memory and given back; with
+ * warm starts off every root is cold and nothing is held. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "precondd.h"
+#include "preconditioner.h"
+
+#define N 48 /* one block of N x N: both factors of order N */
+
+static uint64_t seed = 7;
+static float rnd(void) {
+  seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+  return (float)((double)(seed >> 11) / 9007199254740992.0) - 0.5f;
+}
+
+/* Packed G G^T of a random N x 4N G: a statistic summed over a few steps. */
+static void gram(float *packed) {
+  size_t k = 4 * N;
+  float *g = malloc(N * k * sizeof *g);
+  assert_non_null(g);
+  for (size_t i = 0; i < N * k; i++) g[i] = rnd();
+  assert_int_equal(pc_gram_f32(N, k, g, k, packed, NULL), PC_OK);
+  free(g);
+}
+
+typedef struct {
+  pd_stats stats;
+  pd_store store;
+  pd_job *job;
+} fixture;
+
+static int setup(void **state) {
+  fixture *f = calloc(1, sizeof *f);
+  char err[256];
+  pd_stats_init(&f->stats);
+  pd_store_init(&f->store, &f->stats, (size_t)1 << 30, 1000);
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_OK);
+  o.block_size = N;
+  uint64_t dims[2] = {N, N};
+  pd_tensor t = {(char *)"w", 2, dims};
+  pd_job *existing;
+  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err),
+                   PD_OK);
+  assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
+  assert_int_equal(f->job->nblocks, 1);
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fixture *f = *state;
+  pd_store_destroy(&f->store);
+  /* Statistics, roots and the held eigenbases all given back. */
+  assert_int_equal(atomic_load(&f->stats.memory_bytes), 0);
+  pd_stats_destroy(&f->stats);
+  free(f);
+  return 0;
+}
+
+/* Sets both factors of block b to s, or moves them a little towards s: the statistics EMA
+ * with beta2 0.99, the steady state of a run. */
+static void set_stats(pd_block *b, const float *s, int ema, uint64_t step) {
+  for (uint32_t k = 0; k < 2; k++)
+    for (size_t i = 0; i < pc_packed_len(N); i++)
+      b->stat[k][i] = ema ? 0.99f * b->stat[k][i] + 0.01f * s[i] : s[i];
+  atomic_store(&b->stat_step, step);
+}
+
+/* max |root - cold root| / max |cold root| over both factors of b's published root. */
+static double diff_to_cold(const pd_block *b) {
+  float *a = malloc(N * N * 4), *x = malloc(N * N * 4), *p = malloc(pc_packed_len(N) * 4);
+  pc_root_opts o;
+  pc_root_opts_default(&o, 4);
+  double worst = 0;
+  for (uint32_t k = 0; k < 2; k++) {
+    pc_unpack_f32(N, b->stat[k], a);
+    assert_true(pc_inverse_root_f32(N, a, x, &o, NULL) >= 0);
+    pc_pack_f32(N, x, p);
+    double md = 0, mx = 0;
+    for (size_t i = 0; i < pc_packed_len(N); i++) {
+      md = fmax(md, fabs((double)p[i] - b->root->part[k][i]));
+      mx = fmax(mx, fabs((double)p[i]));
+    }
+    worst = fmax(worst, md / mx);
+  }
+  free(a);
+  free(x);
+  free(p);
+  return worst;
+}
+
+static void compute(fixture *f, const pd_sched_rules *rules) {
+  pd_root_outcome out = (pd_root_outcome)-1;
+  assert_int_equal(pd_sched_compute(&f->job->blocks[0], &f->stats, rules, &out), PD_OK);
+  assert_int_equal(out, PD_ROOT_PUBLISHED);
+}
+
+static uint64_t count(const pd_block *b, int k) {
+  return b->mode_counts[k];
+}
+
+static void test_warm_paths(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  const pd_sched_rules warm = {0.1, 0, NULL, 1}; /* drift test off: every compute reaches the mode */
+  float *s = malloc(pc_packed_len(N) * sizeof *s);
+  assert_non_null(s);
+  assert_string_equal(pd_mode_shampoo.count_names[PD_SHAMPOO_WARM], "warm");
+
+  /* No basis held: one eigendecomposition per factor seeds it, held in the daemon's memory. */
+  gram(s);
+  set_stats(b, s, 0, 1);
+  int64_t before = atomic_load(&f->stats.memory_bytes);
+  compute(f, &warm);
+  assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 2);
+  assert_non_null(b->mode_state);
+  assert_true(atomic_load(&f->stats.memory_bytes) - before >=
+              (int64_t)(2 * pc_eigbasis_bytes_f32(N)));
+  assert_true(diff_to_cold(b) < 1e-2);
+
+  /* The steady state: small EMA steps start from the held basis, warm or skipped. */
+  for (uint64_t step = 2; step <= 6; step++) {
+    gram(s);
+    set_stats(b, s, 1, step);
+    compute(f, &warm);
+    assert_true(diff_to_cold(b) < 1e-2);
+  }
+  assert_int_equal(count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED), 10);
+  assert_true(count(b, PD_SHAMPOO_WARM) > 0);
+  assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 2);
+  assert_int_equal(count(b, PD_SHAMPOO_COLD), 0);
+
+  /* A statistic unrelated to the held basis: the guard falls back to the cold method and
+   * drops the basis, so the next root is seeded again. */
+  gram(s);
+  for (size_t i = 0; i < N; i++) s[i * N - i * (i - 1) / 2] *= (float)(1 + 20 * (i % 3));
+  set_stats(b, s, 0, 7);
+  compute(f, &warm);
+  assert_int_equal(count(b, PD_SHAMPOO_COLD), 2);
+  assert_true(diff_to_cold(b) < 1e-5);
+  set_stats(b, s, 1, 8);
+  compute(f, &warm);
+  assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 4);
+  free(s);
+}
+
+static void test_warm_off(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  const pd_sched_rules cold = {0.1, 0, NULL, 0};
+  float *s = malloc(pc_packed_len(N) * sizeof *s);
+  assert_non_null(s);
+  for (uint64_t step = 1; step <= 3; step++) {
+    gram(s);
+    set_stats(b, s, step > 1, step);
+    compute(f, &cold);
+    assert_true(diff_to_cold(b) < 1e-5); /* the cold root itself */
+  }
+  assert_int_equal(count(b, PD_SHAMPOO_COLD), 6);
+  assert_int_equal(count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) +
+                       count(b, PD_SHAMPOO_SEEDED),
+                   0);
+  assert_null(b->mode_state);
+  free(s);
+}
+
+int main(void) {
+  pd_log_set_level(PD_LOG_ERROR);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_warm_paths, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_warm_off, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
