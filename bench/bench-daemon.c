@@ -74,6 +74,10 @@ typedef struct {
   const char *mpirun;  /* replica rows: mpirun's path; NULL: none (spawn only) */
   int ranks[MAX_LIST]; /* replica rows: daemon ranks, e.g. 1,2 */
   int nranks;
+  double root_noise;   /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
+                          x times a fresh one (a block in its steady state) */
+  const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
+  int ndaemon_args;
   double memcpy_mb_s[MAX_LIST];  /* per size, measured before any daemon runs */
 } bench_opts;
 
@@ -131,6 +135,10 @@ static void usage(FILE *f)
           "  --bf16              push statistics and fetch roots as bf16 (rows push-bf16, ...)\n"
           "  --reps R            root rows: push-to-root round trips per size up to\n"
           "                      --fetch-max (default 5; 0 skips them)\n"
+          "  --root-noise X      root rows push one statistic plus X times a fresh one each\n"
+          "                      trip (a block in its steady state; default 0: fresh ones)\n"
+          "  --daemon-arg A      one more option of the spawned daemons (repeat, up to 8;\n"
+          "                      e.g. --daemon-arg --warm-roots --daemon-arg on)\n"
           "  --snapshot-mb M     with --spawn, snapshot rows: a daemon holding about M MiB of\n"
           "                      statistics is stopped (snapshot written) and restarted\n"
           "                      (restored); its own times (default: none)\n"
@@ -185,7 +193,14 @@ static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, int 
   po.log_level = log_to_file ? NULL : "warn";
   po.inherit_stderr = !log_to_file;
   po.state_dir = log_to_file ? NULL : "";
-  po.extra = extra;
+  const char *args[24];
+  int nargs = 0;
+  for (int i = 0; i < o->ndaemon_args; i++)
+    args[nargs++] = o->daemon_args[i];
+  for (int i = 0; extra != NULL && extra[i] != NULL && nargs < 23; i++)
+    args[nargs++] = extra[i];
+  args[nargs] = NULL;
+  po.extra = args;
   char listen[sizeof d->dir + 16];
   if (unix_socket) {
     /* The directory exists only after a first start: make it here for the socket. */
@@ -745,6 +760,7 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
   float *g = malloc(4 * n * n * sizeof(float)), *x = malloc(n * n * sizeof(float));
   float *side[2] = {malloc(len * sizeof(float)), malloc(len * sizeof(float))};
   uint16_t *half[2] = {malloc(len * sizeof(uint16_t)), malloc(len * sizeof(uint16_t))};
+  float *base[2] = {NULL, NULL}; /* --root-noise: the steady statistic */
   int rc = -1, done = 0;
   if (lat == NULL || g == NULL || x == NULL || side[0] == NULL || side[1] == NULL ||
       half[0] == NULL || half[1] == NULL || register_job(ch, job, n, 1) != 0)
@@ -754,8 +770,18 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
   pc_root_opts_default(&ro, 4);
   uint64_t seed = 777, version = 0, source = 0;
   double local_s = 0;
+  if (o->root_noise > 0) {
+    base[0] = malloc(len * sizeof(float));
+    base[1] = malloc(len * sizeof(float));
+    if (base[0] == NULL || base[1] == NULL)
+      goto cleanup;
+    random_gram(n, 4 * n, &seed, g, base[0], base[1]);
+  }
   for (; done < o->reps; done++) {
     random_gram(n, 4 * n, &seed, g, side[0], side[1]);
+    for (int f = 0; base[0] != NULL && f < 2; f++)
+      for (size_t i = 0; i < len; i++)
+        side[f][i] = base[f][i] + (float)o->root_noise * side[f][i];
     if (done == 0) {
       double t0 = now_s();
       for (int f = 0; f < 2; f++) {
@@ -822,6 +848,7 @@ cleanup:
   for (int f = 0; f < 2; f++) {
     free(side[f]);
     free(half[f]);
+    free(base[f]);
   }
   return rc;
 }
@@ -1189,7 +1216,13 @@ int main(int argc, char **argv)
       bad = (o.threads = atoi(v)) < 1 || o.threads > 1024;
     else if (strcmp(a, "--window-mb") == 0)
       bad = (o.window_mb = atoi(v)) < 0 || o.window_mb > 1024;
-    else if (strcmp(a, "--reps") == 0)
+    else if (strcmp(a, "--root-noise") == 0)
+      bad = !((o.root_noise = atof(v)) >= 0) || o.root_noise > 1e6;
+    else if (strcmp(a, "--daemon-arg") == 0) {
+      bad = o.ndaemon_args == 8;
+      if (!bad)
+        o.daemon_args[o.ndaemon_args++] = v;
+    } else if (strcmp(a, "--reps") == 0)
       bad = (o.reps = atoi(v)) < 0 || o.reps > 1000;
     else if (strcmp(a, "--snapshot-mb") == 0)
       bad = (o.snapshot_mb = (size_t)atol(v)) == 0 || o.snapshot_mb > 4096;
