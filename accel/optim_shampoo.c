@@ -67,8 +67,9 @@ struct ac_shampoo {
 /* The one table of Shampoo's defaults (the clients take theirs from here). The measured
  * winners on the main job's Transformer, docs/optimizers.md "Measured defaults": a first
  * moment of 0.9 under the plain Adam graft (Distributed Shampoo's recipe) instead of
- * momentum on the grafted direction; statistics EMA 0.95; relative ridge 1e-6; roots used
- * from step 1 and whatever their age. */
+ * momentum on the grafted direction, with Nesterov's look-ahead on it (ahead on two seeds
+ * with synchronous roots); statistics EMA 0.95; relative ridge 1e-6; roots used from step 1
+ * and whatever their age. */
 void ac_shampoo_opts_default(ac_shampoo_opts *opts)
 {
   if (opts == NULL)
@@ -84,7 +85,7 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts)
   opts->beta2 = 0.95f;
   opts->epsilon = 1e-6;
   opts->beta1 = 0.9f;
-  opts->beta1_nesterov = 0;
+  opts->beta1_nesterov = 1;
   opts->one_sided = 0;
 }
 
