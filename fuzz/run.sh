@@ -3,7 +3,10 @@
 # -Dfuzz=enabled build) for SECONDS (default 20) over its seed corpus fuzz/corpus/NAME,
 # which is read, never written: new inputs go to HARNESS's directory, corpus-NAME/, and
 # crashes to crash-NAME/ next to it. Exits non-zero on a crash, a leak, an OOM (above
-# 2 GiB RSS) or a timeout (10 s for one input), printing the executions libFuzzer reports.
+# 2 GiB RSS) or a timeout (FUZZ_TIMEOUT seconds for one input, default 10), printing the
+# executions libFuzzer reports. The timeout is wall-clock: a run at nice 19 on a loaded
+# machine can be starved for longer than 10 s and report a false timeout (an input that
+# then runs in milliseconds), so long runs there take FUZZ_TIMEOUT=60.
 # A crash found becomes a regression test: add the input to fuzz/corpus/NAME (then every
 # run replays it) and a unit test in tests/ for the fix.
 #
@@ -17,5 +20,6 @@ name=$(basename "$exe" | sed 's/^fuzz_//')
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(dirname "$exe")
 mkdir -p "$work/corpus-$name" "$work/crash-$name"
-exec "$exe" -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+exec "$exe" -max_total_time="$secs" -rss_limit_mb=2048 -timeout="${FUZZ_TIMEOUT:-10}" \
+  -print_final_stats=1 \
   -artifact_prefix="$work/crash-$name/" "$work/corpus-$name" "$here/corpus/$name"
