@@ -292,6 +292,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("epoch-steps", K_LONG, &o->epoch_steps, 0, 1e12,
        "K-FAC: steps per epoch of the factor schedule (0: the training set's)");
   SPEC("kfac-bf16", K_FLAG, &o->kfac_bf16, 0, 0, "K-FAC: push the factors as bf16");
+  SPEC("kfac-a-images", K_LONG, &o->kfac_a_images, 0, 1e9,
+       "K-FAC: conv layers' A from the first N images of the batch only (0: all)");
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
        "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
   SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
@@ -832,6 +834,7 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   ko->sgd.nesterov = opts->nesterov && opts->momentum > 0;
   ko->sgd.weight_decay = (float)opts->weight_decay;
   ko->push_bf16 = opts->kfac_bf16;
+  ko->a_images = (size_t)opts->kfac_a_images;
   ko->quiet = opts->quiet;
   pt_error perr = {""};
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);

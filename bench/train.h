@@ -104,6 +104,7 @@ typedef struct {
   long factor_first_epochs;/* epochs on factor_every_first */
   long epoch_steps;        /* the schedule's epoch; 0: the data's (tr_train fills it) */
   int kfac_bf16;           /* 1: factors travel as bf16 */
+  long kfac_a_images;      /* conv A from this many images of the batch; 0: all */
   char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
                               %r: the data-parallel rank (docs/replicas.md) */
   char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */

@@ -187,15 +187,20 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       if (rc == AC_OK)
         rc = ac_kfac_dense_factor_g(s->be, v->rows, v->out, v->g, v->ldg, scale, l->fg);
       break;
-    case AC_HOOK_CONV:
+    case AC_HOOK_CONV: {
+      /* A from the first a_images images (the chunk's columns are image-major, so a prefix
+       * of them is a prefix of its images); G from all. */
+      size_t na = o->a_images > 0 && o->a_images < v->batch ? o->a_images : v->batch;
+      size_t use = v->first >= na ? 0 : na - v->first < v->nimg ? na - v->first : v->nimg;
       rc = pt__ws(s, ac_kfac_conv_cols_workspace_floats(v->in, v->cols, bias));
-      if (rc == AC_OK)
-        rc = ac_kfac_conv_cols_factor_a(s->be, v->in, v->cols, v->a, v->lda, v->npos, bias,
-                                        v->batch, v->first > 0, l->fa, s->ws);
+      if (rc == AC_OK && use > 0)
+        rc = ac_kfac_conv_cols_factor_a(s->be, v->in, use * v->npos, v->a, v->lda, v->npos,
+                                        bias, na, v->first > 0, l->fa, s->ws);
       if (rc == AC_OK)
         rc = ac_kfac_conv_cols_factor_g(s->be, v->out, v->cols, v->g, v->ldg, scale, v->batch,
                                         v->first > 0, l->fg);
       break;
+    }
     case AC_HOOK_BATCHNORM:
       rc = pt__hook_bn(s, o, l, v);
       break;

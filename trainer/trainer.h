@@ -74,6 +74,9 @@ typedef struct {
   float loss_scale;        /* the count the loss is a mean over; 0: each layer's batch
                               (images, or rows: tokens for a language model) */
   int push_bf16;           /* 1: factors travel as bf16 (half the bytes); default 0 */
+  size_t a_images;         /* conv layers: A from the first a_images images of the batch
+                              only (KFC's expectation from a subset: the A syrk is most
+                              of a factor step's cost); 0 (default): the whole batch */
   int quiet;               /* 1: do not list each layer's treatment on stderr at start */
 } pt_kfac_opts;
 

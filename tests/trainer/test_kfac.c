@@ -128,11 +128,12 @@ typedef struct {
   float fc_w[CLASSES * C];
 } run_out;
 
-static void train(const char *job, int sync, run_out *out) {
+static void train(const char *job, int sync, size_t a_images, run_out *out) {
   convnet m;
   net_init(&m);
   pt_options o;
   opts_for(&o, job, sync);
+  o.kfac.a_images = a_images;
   pt_trainer *t = NULL;
   pt_error err = {""};
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
@@ -157,8 +158,8 @@ static void train(const char *job, int sync, run_out *out) {
 
 static void test_kfac_trains(void **state) {
   (void)state;
-  run_out a, b, c;
-  train("kfac-a", 1, &a);
+  run_out a, b, c, d;
+  train("kfac-a", 1, 0, &a);
   /* sync_roots: every push that makes the daemon compute waits for those inverses, so even
    * step 1 is preconditioned (conv and fc; batch norm is the worker's diagonal). */
   assert_int_equal(a.c.units, 2);
@@ -179,18 +180,23 @@ static void test_kfac_trains(void **state) {
   /* The loss falls. */
   assert_true(a.loss[STEPS - 1] < 0.5 * a.loss[0]);
   /* A second sync_roots run: the same losses and weights, to the bit. */
-  train("kfac-b", 1, &b);
+  train("kfac-b", 1, 0, &b);
   assert_memory_equal(a.loss, b.loss, sizeof a.loss);
   assert_memory_equal(a.fc_w, b.fc_w, sizeof a.fc_w);
   /* Asynchronous: step 1 cannot have inverses (its factors are only queued): plain SGD for
    * both layers, counted as fallback; they arrive and are applied later in the run. */
-  train("kfac-c", 0, &c);
+  train("kfac-c", 0, 0, &c);
   assert_int_equal(c.info[0].pushed, 1);
   assert_int_equal(c.info[0].preconditioned, 0);
   assert_int_equal(c.info[0].fallback, 2);
   assert_int_equal(c.info[STEPS - 1].preconditioned, 2);
   assert_true(c.c.results_applied >= 2);
   assert_true(c.loss[STEPS - 1] < c.loss[0]);
+  /* A from the first 4 images of 24 (half a chunk): other factors, still a falling loss. */
+  train("kfac-d", 1, 4, &d);
+  assert_int_equal(d.info[STEPS - 1].preconditioned, 2);
+  assert_true(d.loss[STEPS - 1] < 0.5 * d.loss[0]);
+  assert_memory_not_equal(d.fc_w, a.fc_w, sizeof a.fc_w);
 }
 
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
