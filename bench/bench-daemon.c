@@ -17,7 +17,11 @@
  *          computing the same roots in this process with pc_inverse_root_f32;
  *   snapshot-write, snapshot-restore (--snapshot-mb M, with --spawn) the daemon's own times
  *          to write its snapshot of about M MiB of statistics at SIGTERM and to restore it at
- *          the next start.
+ *          the next start;
+ *   replicas (--mpirun PATH, with --spawn; alone) daemon replicas: mpirun -np R precondd
+ *          for each R of --ranks, one pool thread per rank; per step the --pool-blocks blocks
+ *          of 256 pushed to rank 0, timed until every rank holds every root: roots/s (ratio
+ *          to the first R's) and p50/p90 of that time over 3 steps (docs/replicas.md).
  * All ratios come from the same run. The memcpy rates are measured at the start, before any
  * daemon computes roots, so they are the machine's limit rather than a loaded figure.
  *
@@ -67,6 +71,9 @@ typedef struct {
   int bf16;        /* statistics pushed and roots fetched as bf16 (else fp32) */
   int reps;        /* root rows: push-to-root round trips per size; 0: none */
   size_t snapshot_mb;  /* snapshot rows: MiB of statistics; 0: none (spawn only) */
+  const char *mpirun;  /* replica rows: mpirun's path; NULL: none (spawn only) */
+  int ranks[MAX_LIST]; /* replica rows: daemon ranks, e.g. 1,2 */
+  int nranks;
   double root_noise;   /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
@@ -135,6 +142,11 @@ static void usage(FILE *f)
           "  --snapshot-mb M     with --spawn, snapshot rows: a daemon holding about M MiB of\n"
           "                      statistics is stopped (snapshot written) and restarted\n"
           "                      (restored); its own times (default: none)\n"
+          "  --mpirun PATH       with --spawn, replica rows only: mpirun -np R PATH (one pool\n"
+          "                      thread per rank) for each R of --ranks; --pool-blocks blocks\n"
+          "                      of 256 pushed to rank 0 per step (3 steps): roots/s, and the\n"
+          "                      time from a step's push to every rank holding every root\n"
+          "  --ranks LIST        daemon ranks of the replica rows (default 1,2)\n"
           "  --help\n"
           "\n"
           "Pushes leave dirty blocks: the daemon computes their roots afterwards (with --addr,\n"
@@ -583,6 +595,47 @@ static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, 
   }
 }
 
+/* Pushes the statistics of blocks 0..B-1 of job (packed n x n, block b's at lp/rp + b len)
+ * at step in one request. 0 or -1. */
+static int push_all(grpc_channel *ch, const char *job, size_t n, int B, const float *lp,
+                    const float *rp, uint64_t step)
+{
+  size_t len = pc_packed_len(n);
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  Precond__V1__BlockStatistics *bs = calloc((size_t)B, sizeof(*bs));
+  Precond__V1__BlockStatistics **bsp = calloc((size_t)B, sizeof(*bsp));
+  Precond__V1__PackedMatrix *pm = calloc(2 * (size_t)B, sizeof(*pm));
+  int rc = -1;
+  if (bs != NULL && bsp != NULL && pm != NULL) {
+    for (int b = 0; b < B; b++) {
+      precond__v1__block_statistics__init(&bs[b]);
+      precond__v1__packed_matrix__init(&pm[2 * b]);
+      precond__v1__packed_matrix__init(&pm[2 * b + 1]);
+      pm[2 * b].n = pm[2 * b + 1].n = (uint32_t)n;
+      pm[2 * b].data.data = (uint8_t *)(uintptr_t)(lp + (size_t)b * len);
+      pm[2 * b + 1].data.data = (uint8_t *)(uintptr_t)(rp + (size_t)b * len);
+      pm[2 * b].data.len = pm[2 * b + 1].data.len = len * sizeof(float);
+      bs[b].block_id = (uint32_t)b;
+      bs[b].left = &pm[2 * b];
+      bs[b].right = &pm[2 * b + 1];
+      bsp[b] = &bs[b];
+    }
+    req.job = (char *)job;
+    req.step = step;
+    req.n_blocks = (size_t)B;
+    req.blocks = bsp;
+    ProtobufCMessage *resp = NULL;
+    rc = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &req.base,
+                 &precond__v1__push_response__descriptor, &resp);
+    if (resp != NULL)
+      protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  free(bs);
+  free(bsp);
+  free(pm);
+  return rc;
+}
+
 /* Pool rows: the daemon's roots/s on B blocks of 256 against one thread here. */
 static int run_pool(const bench_opts *o, const char *addr, const char *transport)
 {
@@ -632,43 +685,8 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
     pool_threads = (int)((const Precond__V1__StatsResponse *)st)->threads;
     protobuf_c_message_free_unpacked(st, NULL);
   }
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  Precond__V1__BlockStatistics *bs = calloc((size_t)B, sizeof(*bs));
-  Precond__V1__BlockStatistics **bsp = calloc((size_t)B, sizeof(*bsp));
-  Precond__V1__PackedMatrix *pm = calloc(2 * (size_t)B, sizeof(*pm));
-  if (bs == NULL || bsp == NULL || pm == NULL) {
-    free(bs);
-    free(bsp);
-    free(pm);
-    goto cleanup;
-  }
-  for (int b = 0; b < B; b++) {
-    precond__v1__block_statistics__init(&bs[b]);
-    precond__v1__packed_matrix__init(&pm[2 * b]);
-    precond__v1__packed_matrix__init(&pm[2 * b + 1]);
-    pm[2 * b].n = pm[2 * b + 1].n = (uint32_t)n;
-    pm[2 * b].data.data = (uint8_t *)(lp + (size_t)b * len);
-    pm[2 * b + 1].data.data = (uint8_t *)(rp + (size_t)b * len);
-    pm[2 * b].data.len = pm[2 * b + 1].data.len = len * sizeof(float);
-    bs[b].block_id = (uint32_t)b;
-    bs[b].left = &pm[2 * b];
-    bs[b].right = &pm[2 * b + 1];
-    bsp[b] = &bs[b];
-  }
-  req.job = job;
-  req.step = 1;
-  req.n_blocks = (size_t)B;
-  req.blocks = bsp;
-  ProtobufCMessage *resp = NULL;
   t0 = now_s();
-  int pushed = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &req.base,
-                       &precond__v1__push_response__descriptor, &resp);
-  if (resp != NULL)
-    protobuf_c_message_free_unpacked(resp, NULL);
-  free(bs);
-  free(bsp);
-  free(pm);
-  if (pushed != 0 || wait_roots(ch, job, (size_t)B, 1, 600.0) != 0)
+  if (push_all(ch, job, n, B, lp, rp, 1) != 0 || wait_roots(ch, job, (size_t)B, 1, 600.0) != 0)
     goto cleanup;
   double daemon_s = now_s() - t0;
   double zero[3] = {0, 0, 0};
@@ -961,6 +979,128 @@ cleanup:
 }
 
 /* Every push and fetch cell of one daemon. */
+/* ------------------------------------------------------------------------------------ */
+/* Replica rows (docs/replicas.md)                                                        */
+
+/* Starts `mpirun -np R precondd` in dir (unix sockets dir/r-K.sock, one pool thread per
+ * rank) and waits (60 s) for every rank's port file; the pid of mpirun, or -1. */
+static pid_t start_ranks(const bench_opts *o, const char *dir, int R)
+{
+  char np[16], sock[160], port[160];
+  snprintf(np, sizeof np, "%d", R);
+  snprintf(sock, sizeof sock, "unix:%s/r-%%r.sock", dir);
+  snprintf(port, sizeof port, "%s/p-%%r", dir);
+  const char *argv[24];
+  int n = 0;
+  argv[n++] = o->mpirun;
+  if (geteuid() == 0)
+    argv[n++] = "--allow-run-as-root";
+  const char *const rest[] = {"--oversubscribe", "-np", np, o->spawn, "--listen", sock,
+                              "--port-file", port, "--threads", "1", "--drift-threshold",
+                              "0", "--log-level", "warn", "--grace-period", "1", NULL};
+  for (int i = 0; rest[i] != NULL; i++)
+    argv[n++] = rest[i];
+  argv[n] = NULL;
+  pid_t pid = fork();
+  if (pid == 0) {
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  for (int r = 0; pid > 0 && r < R; r++) {
+    char pf[200];
+    snprintf(pf, sizeof pf, "%s/p-%d", dir, r);
+    int t = 0;
+    while (access(pf, R_OK) != 0 && t++ < 3000 && waitpid(pid, NULL, WNOHANG) == 0) {
+      struct timespec ts = {0, 20 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+    if (access(pf, R_OK) != 0) {
+      fprintf(stderr, "bench-daemon: rank %d of %d did not listen\n", r, R);
+      kill(pid, SIGKILL);
+      waitpid(pid, NULL, 0);
+      return -1;
+    }
+  }
+  return pid;
+}
+
+/* SIGTERM to every rank (the children of mpirun), then waits for mpirun. */
+static void stop_ranks(pid_t mpirun)
+{
+  char cmd[64];
+  snprintf(cmd, sizeof cmd, "pkill -TERM -P %d", (int)mpirun);
+  if (system(cmd) != 0)
+    kill(mpirun, SIGTERM);
+  waitpid(mpirun, NULL, 0);
+}
+
+/* Replica rows: for each R of --ranks, B blocks of 256 (equal costs: B/R per rank) pushed to
+ * rank 0 at each of 3 steps (new statistics each step; rank 0 forwards the other ranks'
+ * blocks); the time from the push to every rank holding every root of that step. */
+static int run_replicas(const bench_opts *o)
+{
+  const size_t n = 256;
+  const int B = o->pool_blocks > 0 ? o->pool_blocks : 16, steps = 3;
+  size_t len = pc_packed_len(n);
+  float *g = malloc(n * n * sizeof(float));
+  float *lp = malloc((size_t)B * len * sizeof(float)), *rp = malloc((size_t)B * len * sizeof(float));
+  int rc = g != NULL && lp != NULL && rp != NULL ? 0 : -1;
+  double rate1 = 0;
+  for (int ri = 0; rc == 0 && ri < o->nranks; ri++) {
+    int R = o->ranks[ri];
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/bench-replicas-XXXXXX");
+    if (R < 1 || R > 64 || mkdtemp(dir) == NULL) {
+      rc = -1;
+      break;
+    }
+    pid_t pid = start_ranks(o, dir, R);
+    grpc_channel *ch[64] = {NULL};
+    char job[64];
+    snprintf(job, sizeof job, "bench-replicas-%d", (int)getpid());
+    double ms[3], total = 0;
+    for (int r = 0; pid > 0 && r < R; r++) {
+      char addr[160];
+      snprintf(addr, sizeof addr, "unix:%s/r-%d.sock", dir, r);
+      ch[r] = rpc_channel_create(addr, 0);
+    }
+    rc = pid > 0 && register_job(ch[0], job, n, B) == 0 ? 0 : -1;
+    uint64_t s = 777;
+    for (int k = 0; rc == 0 && k < steps; k++) {
+      for (int b = 0; b < B; b++)
+        random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
+      double t0 = now_s();
+      rc = push_all(ch[0], job, n, B, lp, rp, (uint64_t)k + 1);
+      for (int r = 0; rc == 0 && r < R; r++)
+        rc = wait_roots(ch[r], job, (size_t)B, (uint64_t)k + 1, 600.0);
+      ms[k] = 1e3 * (now_s() - t0);
+      total += ms[k] / 1e3;
+    }
+    if (rc == 0) {
+      double rate = (double)B * steps / total;
+      if (ri == 0)
+        rate1 = rate;
+      qsort(ms, steps, sizeof ms[0], cmp_double);
+      double pct[3] = {ms[1], ms[2], ms[2]};
+      print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
+                "first_ranks_row", rate1);
+    }
+    for (int r = 0; r < R; r++)
+      if (ch[r] != NULL)
+        rpc_channel_destroy(ch[r]);
+    if (pid > 0)
+      stop_ranks(pid);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0)
+      fprintf(stderr, "bench-daemon: could not remove %s\n", dir);
+  }
+  free(g);
+  free(lp);
+  free(rp);
+  return rc;
+}
+
 static int run_transport(const bench_opts *o, const char *addr, const char *transport)
 {
   int rc = 0;
@@ -1038,6 +1178,7 @@ int main(int argc, char **argv)
                   .max_inflight_mb = 256, .transports = 3, .reps = 5};
   parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
   parse_list("1,4,16", NULL, o.clients, &o.nclients);
+  parse_list("1,2", NULL, o.ranks, &o.nranks);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1085,6 +1226,10 @@ int main(int argc, char **argv)
       bad = (o.reps = atoi(v)) < 0 || o.reps > 1000;
     else if (strcmp(a, "--snapshot-mb") == 0)
       bad = (o.snapshot_mb = (size_t)atol(v)) == 0 || o.snapshot_mb > 4096;
+    else if (strcmp(a, "--mpirun") == 0)
+      o.mpirun = v;
+    else if (strcmp(a, "--ranks") == 0)
+      bad = parse_list(v, NULL, o.ranks, &o.nranks);
     else if (strcmp(a, "--max-inflight-mb") == 0)
       bad = (o.max_inflight_mb = atof(v)) <= 0;
     else {
@@ -1105,6 +1250,10 @@ int main(int argc, char **argv)
     fprintf(stderr, "bench-daemon: give exactly one of --addr and --spawn (see --help)\n");
     return 2;
   }
+  if (o.mpirun != NULL && o.spawn == NULL) {
+    fprintf(stderr, "bench-daemon: --mpirun needs --spawn (the precondd it starts)\n");
+    return 2;
+  }
   if (o.snapshot_mb > 0 && o.spawn == NULL) {
     fprintf(stderr, "bench-daemon: --snapshot-mb needs --spawn (it restarts the daemon)\n");
     return 2;
@@ -1117,6 +1266,8 @@ int main(int argc, char **argv)
   printf("bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
          "baseline,baseline_value,ratio\n");
   int rc = 0;
+  if (o.mpirun != NULL)
+    return run_replicas(&o) == 0 ? 0 : 1;
   if (o.addr != NULL) {
     const char *transport = strncmp(o.addr, "unix:", 5) == 0 ? "unix" : "tcp";
     if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0)

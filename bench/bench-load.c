@@ -34,6 +34,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -93,6 +95,17 @@ static pid_t daemon_start(const opts_t *o, const char *dir, int *port) {
   pid_t pid = fork();
   if (pid < 0) return -1;
   if (pid == 0) {
+    /* Its output to dir/log, and it dies with us: a daemon left holding our stdout would
+     * keep a test runner waiting after we failed. */
+    char logfile[520];
+    snprintf(logfile, sizeof logfile, "%s/log", dir);
+    int fd = open(logfile, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     execv(argv[0], (char *const *)argv);
     _exit(127);
   }
@@ -110,6 +123,17 @@ static pid_t daemon_start(const opts_t *o, const char *dir, int *port) {
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   return -1;
+}
+
+/* Removes the daemon's directory, or on failure keeps it and names its log. */
+static void finish_dir(const char *dir, int failed) {
+  if (failed) {
+    fprintf(stderr, "bench-load: the daemon's log is %s/log\n", dir);
+    return;
+  }
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) fprintf(stderr, "bench-load: could not remove %s\n", dir);
 }
 
 /* Resident set of pid in KiB (VmRSS), or -1. */
@@ -492,9 +516,7 @@ static int run_kill9(const opts_t *o) {
   precond_close(c);
   kill(pid, SIGTERM);
   waitpid(pid, NULL, 0);
-  char cmd[600];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  if (system(cmd) != 0) fprintf(stderr, "bench-load: could not remove %s\n", dir);
+  finish_dir(dir, failed);
   return failed ? 1 : 0;
 }
 
@@ -573,9 +595,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench-load: the daemon exited with status %d\n", st);
     rc = 1;
   }
-  char portfile[64];
-  snprintf(portfile, sizeof portfile, "%s/port", dir);
-  unlink(portfile);
-  rmdir(dir);
+  finish_dir(dir, rc != 0);
   return rc;
 }

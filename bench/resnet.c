@@ -81,6 +81,10 @@ static int rn_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
   return 0;
 }
 
+static void rn_set_hook(void *ctx, const ac_hook *hook) {
+  ac_resnet_set_hook(&((rn_ctx *)ctx)->net, hook);
+}
+
 int main(int argc, char **argv) {
   tr_options opts;
   tr_options_default(&opts);
@@ -181,7 +185,7 @@ int main(int argc, char **argv) {
   /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
    * would not train the model one worker trains (docs/replicas.md). */
   tr_model model = {"resnet", &c, c.params.n, c.params.items, rn_train_step, rn_evaluate,
-                    (double)b, "img", (long)(train.count / b), NULL};
+                    (double)b, "img", (long)(train.count / b), NULL, rn_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

@@ -60,6 +60,7 @@ const char *tr_optimizer_name(tr_optimizer_kind kind) {
     case TR_SGD: return "sgd";
     case TR_ADAMW: return "adamw";
     case TR_SHAMPOO: return "shampoo";
+    case TR_KFAC: return "kfac";
   }
   return "?";
 }
@@ -101,6 +102,18 @@ void tr_options_default(tr_options *o) {
   o->roots_start = so.start_step;
   o->max_staleness = so.max_staleness;
   o->sync_roots = 0;
+  pc_kfac_opts ko;
+  pc_kfac_opts_default(&ko);
+  o->kfac_damping = ko.damping;
+  o->kfac_decay = ko.factor_decay;
+  o->kl_clip = ko.kl_clip;
+  o->kfac_pi = ko.pi_damping;
+  o->inv_every = ko.inv_every;
+  o->factor_every = ko.factor_every;
+  o->factor_every_first = ko.factor_every_first;
+  o->factor_first_epochs = ko.first_epochs;
+  o->epoch_steps = 0;
+  o->kfac_bf16 = 0;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
            addr != NULL && addr[0] != '\0' ? addr : "127.0.0.1:50551");
@@ -120,6 +133,9 @@ void tr_options_default(tr_options *o) {
  *   reference protocol; no weight decay (it measured without).
  * - Shampoo: lr 3e-3 and its graft's betas 0.9/0.999, the measured winners
  *   (docs/optimizers.md; the rest of its defaults are ac_shampoo_opts_default's).
+ * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
+ *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
+ *   on the ResNet. The Transformer row is SGD's, not tuned.
  * - The generic rows (another model) keep each optimizer's textbook defaults.
  * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the
  * warm-up, tr_options_default) is the same for every optimizer. */
@@ -136,12 +152,15 @@ static const tr__preset tr__presets[] = {
   {"resnet",      TR_SGD,     0.1,  0.9, 0.9, 0.999, 5e-4, 1, 0},
   {"resnet",      TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
   {"resnet",      TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+  {"resnet",      TR_KFAC,    0.1,  0.9, 0.9, 0.999, 5e-4, 0, 0},
   {"transformer", TR_SGD,     0.1,  0.9, 0.9, 0.99,  0,    1, 100},
   {"transformer", TR_ADAMW,   1e-3, 0.9, 0.9, 0.99,  0,    0, 100},
   {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 100},
+  {"transformer", TR_KFAC,    0.1,  0.9, 0.9, 0.99,  0,    0, 100},
   {NULL,          TR_SGD,     0.1,  0.9, 0.9, 0.999, 0,    0, 0},
   {NULL,          TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
   {NULL,          TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 0},
+  {NULL,          TR_KFAC,    0.1,  0.9, 0.9, 0.999, 0,    0, 0},
 };
 #define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
 
@@ -207,22 +226,22 @@ typedef struct {
   const char *const *choices; /* K_CHOICE */
 } tr__spec;
 
-#define TR__NCOMMON 42
+#define TR__NCOMMON 56
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   size_t n = 0;
 #define SPEC(nm, k, d, lo, hi, h) s[n++] = (tr__spec){nm, k, d, lo, hi, h, NULL}
-  SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw or shampoo");
+  SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw, shampoo or kfac");
   SPEC("steps", K_LONG, &o->steps, 1, 1e9, "training steps");
   SPEC("epochs", K_DOUBLE, &o->epochs, 1e-6, 1e4, "train for this many epochs instead of --steps");
   SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "base learning rate");
-  SPEC("momentum", K_DOUBLE, &o->momentum, 0, 0.999999, "SGD momentum");
+  SPEC("momentum", K_DOUBLE, &o->momentum, 0, 0.999999, "SGD momentum (sgd, kfac)");
   SPEC("beta1", K_DOUBLE, &o->beta1, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta1");
   SPEC("beta2", K_DOUBLE, &o->beta2, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta2");
   SPEC("eps", K_DOUBLE, &o->eps, 1e-30, 1, "AdamW epsilon");
   SPEC("weight-decay", K_DOUBLE, &o->weight_decay, 0, 10,
-       "decoupled weight decay (AdamW, Shampoo); L2 for SGD");
+       "decoupled weight decay (AdamW, Shampoo); L2 for SGD and K-FAC");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
   SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
   s[n++] = (tr__spec){"schedule", K_CHOICE, &o->schedule, 0, 0,
@@ -255,6 +274,26 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "roots older than N steps are not used (grafted step instead); 0: no bound");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
+  SPEC("kfac-damping", K_DOUBLE, &o->kfac_damping, 1e-12, 1e6,
+       "K-FAC: lambda of the Tikhonov damping (A + pi sqrt(lambda) I, G + sqrt(lambda)/pi I)");
+  SPEC("kfac-decay", K_DOUBLE, &o->kfac_decay, 0, 0.999999,
+       "K-FAC: running average of A and G on the daemon (F <- d F + (1 - d) F_batch)");
+  SPEC("kl-clip", K_DOUBLE, &o->kl_clip, 1e-12, 1e6,
+       "K-FAC: KL clip c, steps scaled by min(1, sqrt(c / (lr^2 sum <P, grad>)))");
+  SPEC("kfac-pi", K_INT, &o->kfac_pi, 0, 1, "K-FAC: pi-damping (1: on, 0: pi = 1)");
+  SPEC("inv-every", K_LONG, &o->inv_every, 1, 1e9,
+       "K-FAC: the daemon recomputes the damped inverses every N pushes");
+  SPEC("factor-every", K_LONG, &o->factor_every, 1, 1e9,
+       "K-FAC: factors every N steps after the first epochs (Osawa's stale factors)");
+  SPEC("factor-every-first", K_LONG, &o->factor_every_first, 1, 1e9,
+       "K-FAC: factors every N steps in the first epochs");
+  SPEC("factor-first-epochs", K_LONG, &o->factor_first_epochs, 0, 1e9,
+       "K-FAC: epochs at --factor-every-first");
+  SPEC("epoch-steps", K_LONG, &o->epoch_steps, 0, 1e12,
+       "K-FAC: steps per epoch of the factor schedule (0: the training set's)");
+  SPEC("kfac-bf16", K_FLAG, &o->kfac_bf16, 0, 0, "K-FAC: push the factors as bf16");
+  SPEC("kfac-a-images", K_LONG, &o->kfac_a_images, 0, 1e9,
+       "K-FAC: conv layers' A from the first N images of the batch only (0: all)");
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
        "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
   SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
@@ -332,7 +371,7 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
           d.model != NULL ? d.model : "generic");
   fprintf(f, "  %-9s %-7s %-8s %-10s %-12s %-8s %s\n", "optimizer", "lr", "momentum",
           "betas", "weight-decay", "nesterov", "warmup (at most a tenth of the run)");
-  for (int k = TR_SGD; k <= TR_SHAMPOO; k++) {
+  for (int k = TR_SGD; k <= TR_KFAC; k++) {
     const tr__preset *p = tr__preset_of(d.model, (tr_optimizer_kind)k);
     char betas[32];
     snprintf(betas, sizeof betas, "%g/%g", p->beta1, p->beta2);
@@ -389,13 +428,13 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
       return 0;
     }
     case K_OPTIMIZER: {
-      for (int k = TR_SGD; k <= TR_SHAMPOO; k++) {
+      for (int k = TR_SGD; k <= TR_KFAC; k++) {
         if (strcmp(v, tr_optimizer_name((tr_optimizer_kind)k)) == 0) {
           *(tr_optimizer_kind *)s->dest = (tr_optimizer_kind)k;
           return 0;
         }
       }
-      tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo", v);
+      tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo, kfac", v);
       return -1;
     }
     case K_CHOICE: {
@@ -513,8 +552,9 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     return tr__fail(err, TR_EINVAL, "--nesterov needs --momentum > 0");
   if (opts->nesterov && opts->optimizer == TR_SHAMPOO && !(opts->shampoo_momentum > 0))
     return tr__fail(err, TR_EINVAL, "--nesterov needs --shampoo-momentum > 0");
-  if (opts->optimizer == TR_SHAMPOO && opts->daemon[0] == '\0')
-    return tr__fail(err, TR_EINVAL, "--optimizer shampoo needs --daemon ADDRESS");
+  if ((opts->optimizer == TR_SHAMPOO || opts->optimizer == TR_KFAC) && opts->daemon[0] == '\0')
+    return tr__fail(err, TR_EINVAL, "--optimizer %s needs --daemon ADDRESS",
+                    tr_optimizer_name(opts->optimizer));
   return TR_OK;
 }
 
@@ -728,20 +768,29 @@ static int tr__trainer(tr_error *err, int prc, const pt_error *perr) {
   return tr__fail(err, rc, "%s", perr->msg[0] ? perr->msg : pt_strerror(prc));
 }
 
+/* The trainer library's options every mode shares: the mode's defaults, the daemon, the
+ * job (opts->job, or MODEL-MODE-PID written into job), the worker name, sync_roots. */
+static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *model_name,
+                             char *job, size_t joblen, pt_options *po) {
+  const tr_options *opts = &o->opts;
+  if (opts->job[0] != '\0') snprintf(job, joblen, "%s", opts->job);
+  else snprintf(job, joblen, "%s-%s-%ld", model_name, pt_mode_name(mode), (long)getpid());
+  pt_options_default(po, mode);
+  po->daemon = opts->daemon;
+  po->job = job;
+  po->worker = model_name;
+  po->sync_roots = opts->sync_roots;
+}
+
 /* Shampoo's options as the harness names them, for the trainer library. */
 static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *err) {
   const tr_options *opts = &o->opts;
   char job[160];
-  if (opts->job[0] != '\0') snprintf(job, sizeof job, "%s", opts->job);
-  else snprintf(job, sizeof job, "%s-shampoo-%ld", model_name, (long)getpid());
   pt_options po;
-  pt_options_default(&po, PT_MODE_SHAMPOO);
-  po.daemon = opts->daemon;
-  po.job = job;
-  po.worker = model_name;
-  po.sync_roots = opts->sync_roots;
+  tr__trainer_opts(o, PT_MODE_SHAMPOO, model_name, job, sizeof job, &po);
   po.shard_rank = opts->dp_rank;
   po.shard_size = opts->dp_size;
+  po.dp = opts->dp;
   ac_shampoo_opts *so = &po.shampoo;
   so->layout.block_size = (size_t)opts->block_size;
   pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
@@ -763,21 +812,44 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
 }
 
-static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
-                            tr_error *err) {
-  pt_step_info si;
+/* K-FAC's options as the harness names them, for the trainer library. */
+static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err) {
+  const tr_options *opts = &o->opts;
+  char job[160];
+  pt_options po;
+  if (opts->dp_size > 1) /* every worker would push its own share's factors as the layer's */
+    return tr__fail(err, TR_EINVAL, "--optimizer kfac: no data parallelism yet (one worker)");
+  tr__trainer_opts(o, PT_MODE_KFAC, model_name, job, sizeof job, &po);
+  pt_kfac_opts *ko = &po.kfac;
+  ko->k.damping = opts->kfac_damping;
+  ko->k.factor_decay = opts->kfac_decay;
+  ko->k.kl_clip = opts->kl_clip;
+  ko->k.pi_damping = opts->kfac_pi;
+  ko->k.inv_every = opts->inv_every;
+  ko->k.factor_every = opts->factor_every;
+  ko->k.factor_every_first = opts->factor_every_first;
+  ko->k.first_epochs = opts->factor_first_epochs;
+  ko->steps_per_epoch = opts->epoch_steps > 0 ? opts->epoch_steps : 1;
+  ko->sgd.momentum = (float)opts->momentum;
+  ko->sgd.nesterov = opts->nesterov && opts->momentum > 0;
+  ko->sgd.weight_decay = (float)opts->weight_decay;
+  ko->push_bf16 = opts->kfac_bf16;
+  ko->a_images = (size_t)opts->kfac_a_images;
+  ko->quiet = opts->quiet;
   pt_error perr = {""};
-  int rc = tr__trainer(err, pt_step(o->trainer, step, lr, &si, &perr), &perr);
-  if (rc != TR_OK) return rc;
-  /* The distribution: a block used its root at this step when it holds one and its fallback
-   * count did not move. */
+  return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
+}
+
+/* Shampoo's part of the staleness distribution of a step: a block used its root at this
+ * step when it holds one and its fallback count did not move. */
+static int tr__shampoo_hist(tr_optimizer *o, long step, tr_error *err) {
   const ac_shampoo *sh = pt_shampoo(o->trainer);
   size_t nb = ac_shampoo_nblocks(sh);
   if (o->fallbacks == NULL && (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
     return TR_ENOMEM;
   for (size_t b = 0; b < nb; b++) {
     ac_shampoo_block bi;
-    rc = tr__accel(err, ac_shampoo_block_info(sh, b, &bi), "ac_shampoo_block_info");
+    int rc = tr__accel(err, ac_shampoo_block_info(sh, b, &bi), "ac_shampoo_block_info");
     if (rc != TR_OK) return rc;
     if (step >= o->opts.roots_start && bi.version > 0 && bi.staleness >= 0 &&
         bi.fallback_steps == o->fallbacks[b]) {
@@ -787,7 +859,29 @@ static int tr__shampoo_step(tr_optimizer *o, long step, double lr, tr_step_info 
     }
     o->fallbacks[b] = bi.fallback_steps;
   }
-  if (info != NULL) {
+  return TR_OK;
+}
+
+/* K-FAC's: each preconditioned layer at the step's mean age (the layers' inverses come from
+ * the same pushes, so their ages agree but for a late one). */
+static void tr__kfac_hist(tr_optimizer *o, const pt_step_info *si) {
+  if (si->preconditioned == 0 || !(si->staleness_mean >= 0)) return;
+  long k = lround(si->staleness_mean);
+  if (k > TR_STALENESS_BUCKETS - 1) k = TR_STALENESS_BUCKETS - 1;
+  o->hist[k] += si->preconditioned;
+  o->uses += si->preconditioned;
+}
+
+/* One step of an optimizer of the trainer library (Shampoo, K-FAC): pt_step, the staleness
+ * distribution, info. */
+static int tr__trainer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
+                            tr_error *err) {
+  pt_step_info si;
+  pt_error perr = {""};
+  int rc = tr__trainer(err, pt_step(o->trainer, step, lr, &si, &perr), &perr);
+  if (rc == TR_OK && o->kind == TR_SHAMPOO) rc = tr__shampoo_hist(o, step, err);
+  if (rc == TR_OK && o->kind == TR_KFAC) tr__kfac_hist(o, &si);
+  if (rc == TR_OK && info != NULL) {
     info->staleness = si.staleness_mean;
     info->staleness_max = si.staleness_max;
     info->fallback = si.fallback > 0;
@@ -827,6 +921,8 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
     ao.eps = (float)opts->eps;
     ao.weight_decay = (float)opts->weight_decay;
     rc = tr__accel(err, ac_adamw_create(&o->adamw, params, nparams, &ao), "AdamW");
+  } else if (o->kind == TR_KFAC) {
+    rc = tr__kfac_init(o, model_name, err);
   } else {
     rc = tr__shampoo_init(o, model_name, err);
   }
@@ -842,7 +938,8 @@ int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
   switch (o->kind) {
     case TR_SGD: return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
     case TR_ADAMW: return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
-    case TR_SHAMPOO: return tr__shampoo_step(o, step, lr, info, err);
+    case TR_SHAMPOO:
+    case TR_KFAC: return tr__trainer_step(o, step, lr, info, err);
   }
   return TR_EINVAL;
 }
@@ -908,7 +1005,7 @@ void tr_print_start(const tr_options *opts, const ac_backend *be, const tr_model
 }
 
 void tr_print_result_end(const tr_options *opts, const tr_summary *summary) {
-  if (opts->optimizer == TR_SHAMPOO)
+  if (opts->optimizer == TR_SHAMPOO || opts->optimizer == TR_KFAC)
     printf(", staleness mean %.2f p50/p90/p99 %.0f/%.0f/%.0f max %ld steps, %ld fallback steps",
            summary->staleness_mean, summary->staleness_p50, summary->staleness_p90,
            summary->staleness_p99, summary->staleness_max, summary->fallback_steps);
@@ -965,6 +1062,7 @@ static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
   pt_error perr = {""};
   int rc = tr__trainer(err, pt_dp_init(dp, &perr), &perr);
   if (rc != TR_OK || *dp == NULL) return rc;
+  o->dp = *dp;
   o->dp_rank = pt_dp_rank(*dp);
   o->dp_size = pt_dp_size(*dp);
   if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size) != 0) {
@@ -1005,6 +1103,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   double t_start = tr__now();
   tr_options ropts = *opts;
   tr_options_resolve(&ropts);
+  if (ropts.epoch_steps == 0) ropts.epoch_steps = model->steps_per_epoch;
   opts = &ropts;
   pt_dp *dp = NULL;
   int drc = tr__data_parallel(&ropts, model, &dp, err);
@@ -1062,8 +1161,21 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
       goto done;
     }
   }
+  if (opts->optimizer == TR_KFAC && model->set_hook == NULL) {
+    rc = tr__fail(err, TR_EINVAL, "--optimizer kfac: the %s model has no curvature hooks",
+                  model->name);
+    goto done;
+  }
   rc = tr_optimizer_init(&opt, opts, be, model->params, model->nparams, model->name, err);
   if (rc != TR_OK) goto done;
+  if (opts->optimizer == TR_KFAC) { /* the hook computes the factors in backward */
+    ac_hook hook;
+    if (pt_kfac_hook(opt.trainer, &hook) != PT_OK) {
+      rc = tr__fail(err, TR_EINVAL, "K-FAC: no hook");
+      goto done;
+    }
+    model->set_hook(model->ctx, &hook);
+  }
 
   tr__progress prog = {isatty(STDERR_FILENO), 0, total >= 10 ? total / 10 : 1, 0};
   double train_s = 0;
@@ -1170,6 +1282,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   }
 
 done:
+  if (opts->optimizer == TR_KFAC && model->set_hook != NULL)
+    model->set_hook(model->ctx, NULL); /* the hook's trainer goes next */
   tr_optimizer_destroy(&opt);
   pt_dp_finalize(dp);
   sm.total_s = tr__now() - t_start;

@@ -49,9 +49,9 @@ typedef struct {
 /* ------------------------------------------------------------------------------------ */
 /* Options                                                                                */
 
-typedef enum { TR_SGD = 0, TR_ADAMW = 1, TR_SHAMPOO = 2 } tr_optimizer_kind;
+typedef enum { TR_SGD = 0, TR_ADAMW = 1, TR_SHAMPOO = 2, TR_KFAC = 3 } tr_optimizer_kind;
 
-/* "sgd", "adamw", "shampoo"; "?" otherwise. */
+/* "sgd", "adamw", "shampoo", "kfac"; "?" otherwise. */
 const char *tr_optimizer_name(tr_optimizer_kind kind);
 
 /* Defaults that depend on the model and the optimizer (the common practice for each) come
@@ -93,6 +93,18 @@ typedef struct {
   long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
+  /* K-FAC (trainer/kfac.c); the defaults are pc_kfac_opts_default's (the one table) */
+  double kfac_damping;     /* lambda of the Tikhonov damping */
+  double kfac_decay;       /* running average of the factors on the daemon */
+  double kl_clip;          /* c of the KL clip */
+  int kfac_pi;             /* 1: pi-damping (split lambda between A and G) */
+  long inv_every;          /* inverses every N pushes (the daemon) */
+  long factor_every;       /* factors every N steps after the first epochs */
+  long factor_every_first; /* ... and every N steps in them */
+  long factor_first_epochs;/* epochs on factor_every_first */
+  long epoch_steps;        /* the schedule's epoch; 0: the data's (tr_train fills it) */
+  int kfac_bf16;           /* 1: factors travel as bf16 */
+  long kfac_a_images;      /* conv A from this many images of the batch; 0: all */
   char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
                               %r: the data-parallel rank (docs/replicas.md) */
   char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
@@ -105,6 +117,7 @@ typedef struct {
   long eval_batches;       /* batches per evaluation; 0: the model's default */
   int quiet;               /* 1: no progress line */
   int dp_rank, dp_size;     /* set by tr_train under mpirun (data parallelism); 0, 1 */
+  struct pt_dp *dp;         /* set by tr_train under mpirun: the workers; NULL alone */
 } tr_options;
 
 /* Fills the defaults listed above (table fields unset; model NULL). */
@@ -265,7 +278,7 @@ typedef struct {
   tr_options opts;          /* copy */
   ac_sgd *sgd;              /* owned; the one of kind, others NULL */
   ac_adamw *adamw;
-  pt_trainer *trainer;      /* Shampoo: worker half and precondd link */
+  pt_trainer *trainer;      /* Shampoo, K-FAC: worker half and precondd link */
   uint64_t *fallbacks;      /* Shampoo, owned: per block, its fallback count one step ago */
   uint64_t hist[TR_STALENESS_BUCKETS]; /* Shampoo: block-steps that used a root, by staleness */
   uint64_t uses;            /* Shampoo: the sum of hist */
@@ -324,6 +337,9 @@ typedef struct {
    * each global batch (the loss and gradients of its mean over that share). NULL: the model
    * cannot be trained data-parallel. Non-zero when size does not divide the batch. */
   int (*shard)(void *ctx, int rank, int size);
+  /* Sets a curvature hook on the model's layers (ac_resnet_set_hook, ac_lm_set_hook); NULL:
+   * the model has none (K-FAC is then refused). */
+  void (*set_hook)(void *ctx, const ac_hook *hook);
 } tr_model;
 
 /* Steps the run will take: opts->steps, or ceil(epochs * steps_per_epoch). */

@@ -100,6 +100,10 @@ static int lm_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
   return 0;
 }
 
+static void lm_set_hook(void *ctx, const ac_hook *hook) {
+  ac_lm_set_hook(&((lm_ctx *)ctx)->lm, hook);
+}
+
 int main(int argc, char **argv) {
   tr_options opts;
   tr_options_default(&opts);
@@ -202,7 +206,7 @@ int main(int argc, char **argv) {
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
   tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
-                    (double)n, "tok", (long)(train_len / n), lm_shard};
+                    (double)n, "tok", (long)(train_len / n), lm_shard, lm_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

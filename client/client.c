@@ -907,8 +907,9 @@ static int register_job(precond_client *c, const char *job, precond_mode mode,
   }
   layout->nblocks = nb;
   layout->ndiagonal = resp->n_diagonal_tensors;
-  memcpy(layout->diagonal_tensors, resp->diagonal_tensors,
-         resp->n_diagonal_tensors * sizeof(uint32_t));
+  if (resp->n_diagonal_tensors > 0) /* none: the field is NULL, which memcpy may not take */
+    memcpy(layout->diagonal_tensors, resp->diagonal_tensors,
+           resp->n_diagonal_tensors * sizeof(uint32_t));
   layout->resumed_step = resp->resumed_step;
 
   /* Swap the new job in; the old one's queue and roots are freed with it. */

@@ -15,6 +15,7 @@
 /* The table: a new mode is one file and one line here (and its pt_mode number). */
 static const pt__mode *const pt__modes[] = {
     [PT_MODE_SHAMPOO] = &pt__shampoo_mode,
+    [PT_MODE_KFAC] = &pt__kfac_mode,
 };
 #define PT__NMODES (sizeof pt__modes / sizeof pt__modes[0])
 
@@ -76,6 +77,8 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
   opts->sync_timeout_ms = 60000;
   opts->shard_size = 1;
   ac_shampoo_opts_default(&opts->shampoo);
+  pc_kfac_opts_default(&opts->kfac.k);
+  ac_sgd_opts_default(&opts->kfac.sgd);
 }
 
 /* Registers every parameter as a tensor (a scalar as shape {1}) and keeps the daemon's
@@ -160,8 +163,8 @@ int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
                   "build/host/precondd --listen %s)", po.addr, precond_strerror(prc), po.addr);
     goto fail;
   }
-  rc = pt__register(t, err);
-  if (rc == PT_OK) rc = t->mode->bind(t, err);
+  if (!t->mode->lazy_register) rc = pt__register(t, err);
+  if (rc == PT_OK && !t->mode->lazy_register) rc = t->mode->bind(t, err);
   if (rc != PT_OK) goto fail;
   *out = t;
   return PT_OK;

@@ -55,9 +55,32 @@ typedef struct {
 } pt_error;
 
 /* The modes the library drives (numbers are the library's own). */
-typedef enum { PT_MODE_SHAMPOO = 0 } pt_mode;
+typedef enum { PT_MODE_SHAMPOO = 0, PT_MODE_KFAC = 1 } pt_mode;
 
-/* "shampoo"; "?" otherwise. */
+/* K-FAC (trainer/kfac.c, docs/kfac.md). The worker computes each layer's factors A and G
+ * through the layers' curvature hooks (install pt_kfac_hook's hook on the model), pushes
+ * them, and preconditions with the newest damped inverses: G^-1 grad A^-1 per dense or conv
+ * layer, grad / (F + lambda) per batch norm with its diagonal Fisher kept on the worker,
+ * then the KL clip over all of them, then SGD with momentum and weight decay. Every other
+ * parameter (embeddings, layer norms, a layer with no hook) takes the SGD step on its plain
+ * gradient, as does every layer until its first inverses arrive (counted as fallback). */
+typedef struct {
+  pc_kfac_opts k;          /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
+                              factor schedule: pc_kfac_opts_default (one source) */
+  long steps_per_epoch;    /* the schedule's epoch (factors every factor_every_first steps
+                              in the first first_epochs epochs); required, >= 1 */
+  ac_sgd_opts sgd;         /* momentum and weight decay of the final step
+                              (ac_sgd_opts_default) */
+  float loss_scale;        /* the count the loss is a mean over; 0: each layer's batch
+                              (images, or rows: tokens for a language model) */
+  int push_bf16;           /* 1: factors travel as bf16 (half the bytes); default 0 */
+  size_t a_images;         /* conv layers: A from the first a_images images of the batch
+                              only (KFC's expectation from a subset: the A syrk is most
+                              of a factor step's cost); 0 (default): the whole batch */
+  int quiet;               /* 1: do not list each layer's treatment on stderr at start */
+} pt_kfac_opts;
+
+/* "shampoo", "kfac"; "?" otherwise. */
 const char *pt_mode_name(pt_mode mode);
 
 typedef struct {
@@ -75,12 +98,18 @@ typedef struct {
    * daemon of rank shard_rank owns; otherwise unit ids i with i % shard_size == shard_rank
    * (the daemon forwards them to their owners). */
   int shard_rank, shard_size;
+  /* Data-parallel workers (borrowed; NULL: alone): without sync_roots every worker hands
+   * its optimizer a block's roots only when all workers hold the same version (one
+   * agreement per step, pt_dp_agree), so that every one applies the same update. */
+  struct pt_dp *dp;
   /* Shampoo: the worker's options, and the ones it registers with the daemon (block size,
    * skip limit, statistics EMA beta2, ridge epsilon): one struct configures both halves. */
   ac_shampoo_opts shampoo;
+  pt_kfac_opts kfac;       /* K-FAC's (PT_MODE_KFAC) */
 } pt_options;
 
-/* Fills the defaults above for mode (Shampoo: ac_shampoo_opts_default). */
+/* Fills the defaults above for mode (Shampoo: ac_shampoo_opts_default; K-FAC:
+ * pc_kfac_opts_default, ac_sgd_opts_default). */
 void pt_options_default(pt_options *opts, pt_mode mode);
 
 typedef struct pt_trainer pt_trainer;
@@ -110,7 +139,7 @@ int pt_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *e
 
 /* Counters since pt_create. */
 typedef struct {
-  size_t units;            /* Shampoo: preconditioned blocks */
+  size_t units;            /* Shampoo: preconditioned blocks; K-FAC: layers the daemon serves */
   uint64_t pushed;         /* statistics blocks queued */
   uint64_t dropped;        /* dropped by a full queue */
   uint64_t coalesced;      /* replaced in the queue by a newer push of the same block */
@@ -145,6 +174,9 @@ int pt_dp_size(const pt_dp *dp);
  * MPI_Allreduce each), and *loss with them. A no-op for NULL. PT_EACCEL, PT_EINVAL (MPI). */
 int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams,
                   double *loss, pt_error *err);
+/* For each i: v[i] where every worker passed the same value, else 0 (on every worker). A
+ * no-op for NULL. PT_EINVAL (MPI). */
+int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n);
 /* Rank 0's value of *v on every worker (a job name's number, a seed). */
 int pt_dp_broadcast(pt_dp *dp, long *v);
 /* Seconds spent in pt_dp_average. */
@@ -153,6 +185,16 @@ void pt_dp_finalize(pt_dp *dp);
 
 /* The worker optimizer of a Shampoo trainer (owned by t), for inspection; NULL otherwise. */
 ac_shampoo *pt_shampoo(const pt_trainer *t);
+
+/* K-FAC: the curvature hook to install on the model's layers (ac_resnet_set_hook,
+ * ac_lm_set_hook, or a layer's hook field) before the first backward pass. The hook
+ * computes factors in backward on the steps the schedule makes due (and does nothing on
+ * the others). A K-FAC job registers with precondd at the first pt_step, once that
+ * backward pass has shown which parameters are dense, conv and batch-norm layers; the
+ * treatment of every parameter is then listed on stderr (unless kfac.quiet). pt_step
+ * overwrites the grads of preconditioned parameters with their preconditioned values.
+ * PT_EINVAL for a trainer of another mode. */
+int pt_kfac_hook(pt_trainer *t, ac_hook *out);
 
 #ifdef __cplusplus
 }

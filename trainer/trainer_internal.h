@@ -21,6 +21,9 @@ typedef struct {
   int (*step)(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err);
   void (*counters)(const pt_trainer *t, pt_counters *out);
   void (*destroy)(pt_trainer *t);
+  /* 1: pt_create neither registers nor binds; the mode does both in its first step (K-FAC:
+   * its layers are known only after a backward pass through the hooks). */
+  int lazy_register;
 } pt__mode;
 
 struct pt_trainer {
@@ -35,6 +38,7 @@ struct pt_trainer {
 };
 
 extern const pt__mode pt__shampoo_mode;
+extern const pt__mode pt__kfac_mode;
 
 /* Writes the formatted message into err (when not NULL) and returns status. */
 int pt__fail(pt_error *err, int status, const char *fmt, ...)

@@ -211,7 +211,8 @@ static void compare_tiny(const char *model, const char *client_args, int nopt) {
   char cmd[1024];
   snprintf(cmd, sizeof cmd,
            "exec '%s' --model %s --out '%s' --build '%s' --daemon '%s' --steps 6 "
-           "--eval-every 3 --lrs-sgd 0.05 --lrs-adamw 3e-3 --lrs-shampoo 3e-3 -- %s",
+           "--eval-every 3 --lrs-sgd 0.05 --lrs-adamw 3e-3 --lrs-shampoo 3e-3 --lrs-kfac 0.1 "
+           "-- %s",
            compare_path, model, out, build_dir, precondd.addr, client_args);
   argv[2] = cmd;
   int rc = run(argv, log);
@@ -225,8 +226,9 @@ static void compare_tiny(const char *model, const char *client_args, int nopt) {
   assert_non_null(md);
   assert_non_null(strstr(md, "| adamw | 3e-3 |"));
   assert_non_null(strstr(md, "| shampoo | 3e-3 |"));
+  assert_non_null(strstr(md, "| kfac | 0.1 |"));
   assert_non_null(strstr(md, "Best baseline: `runs/"));
-  if (nopt == 3) {
+  if (nopt == 4) {
     assert_non_null(strstr(md, "| sgd | 0.05 |"));
     assert_non_null(strstr(md, "test accuracy"));
   }
@@ -253,8 +255,8 @@ static void test_compare(void **state) {
   char args[300];
   snprintf(args, sizeof args, "--context 16 --d-model 32 --heads 2 --layers 1 --batch 8 "
            "--eval-batches 2 --data '%s'", kjv_path);
-  compare_tiny("transformer", args, 2);
-  compare_tiny("resnet", "--batch 16 --width 4 --blocks 1 --eval-batches 2", 3);
+  compare_tiny("transformer", args, 3);
+  compare_tiny("resnet", "--batch 16 --width 4 --blocks 1 --eval-batches 2", 4);
 }
 
 static void test_bad_options(void **state) {

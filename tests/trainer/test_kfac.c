@@ -1,0 +1,256 @@
+/* test_kfac.c -- the trainer library's K-FAC mode (trainer/kfac.c) against a real precondd.
+ *
+ * Argument: the path of precondd; the test starts it on a free loopback port. A small conv
+ * net (conv with bias -> batch norm with a fused ReLU -> global average pooling -> linear ->
+ * softmax cross-entropy) on a fixed batch of synthetic images, trained through the layers'
+ * curvature hooks: layers found by the first backward and registered, plain SGD counted as
+ * fallback until the first inverses, then inverses that arrive and are applied to both
+ * layers, the loss falling, and two sync_roots runs identical to the bit. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "precond.h"
+#include "precondd_proc.h"
+#include "trainer.h"
+
+static const char *precondd_path;
+static pdproc precondd;
+
+enum { N = 24, C = 4, HW = 6, CLASSES = 3, STEPS = 14 };
+
+typedef struct {
+  ac_backend *be;
+  ac_conv2d conv;
+  ac_batchnorm bn;
+  ac_gap gap;
+  ac_linear fc;
+  ac_celoss xent;
+  ac_param_list params;
+  float *x;
+  int32_t *y;
+} convnet;
+
+/* Images of class k: a bright row k (of 6) plus deterministic noise. */
+static void net_init(convnet *m) {
+  memset(m, 0, sizeof *m);
+  assert_int_equal(ac_backend_create(&m->be, NULL), AC_OK);
+  assert_int_equal(ac_conv2d_init(&m->conv, m->be, "conv", 1, C, HW, HW, 3, 1, 1, 1, N, 8,
+                                  NULL, 11), AC_OK);
+  assert_int_equal(ac_batchnorm_init(&m->bn, m->be, "bn", C, HW * HW, 1e-5f, 0.1f, N), AC_OK);
+  assert_int_equal(ac_batchnorm_fuse_relu(&m->bn), AC_OK);
+  assert_int_equal(ac_gap_init(&m->gap, m->be, C, HW * HW, N), AC_OK);
+  assert_int_equal(ac_linear_init(&m->fc, m->be, "fc", C, CLASSES, 1, N, 12), AC_OK);
+  assert_int_equal(ac_celoss_init(&m->xent, m->be, CLASSES, N), AC_OK);
+  ac_param_list_init(&m->params);
+  assert_int_equal(ac_conv2d_params(&m->conv, &m->params), AC_OK);
+  assert_int_equal(ac_batchnorm_params(&m->bn, &m->params), AC_OK);
+  assert_int_equal(ac_linear_params(&m->fc, &m->params), AC_OK);
+  float x[N * HW * HW];
+  int32_t y[N];
+  uint32_t seed = 7;
+  for (int b = 0; b < N; b++) {
+    y[b] = b % CLASSES;
+    for (int i = 0; i < HW * HW; i++) {
+      seed = seed * 1664525u + 1013904223u;
+      x[b * HW * HW + i] = (float)((seed >> 8) % 1000) / 1000.0f - 0.5f +
+                           (i / HW == 2 * y[b] ? 2.0f : 0.0f);
+    }
+  }
+  void *p = NULL;
+  assert_int_equal(ac_malloc(m->be, sizeof x, &p), AC_OK);
+  m->x = p;
+  assert_int_equal(ac_malloc(m->be, sizeof y, &p), AC_OK);
+  m->y = p;
+  assert_int_equal(ac_memcpy_h2d(m->be, m->x, x, sizeof x), AC_OK);
+  assert_int_equal(ac_memcpy_h2d(m->be, m->y, y, sizeof y), AC_OK);
+}
+
+static void net_set_hook(convnet *m, const ac_hook *h) {
+  m->conv.hook = m->bn.hook = m->fc.hook = *h;
+}
+
+/* Forward and backward of the batch: the grads zeroed first, the loss returned. */
+static double net_fwd_bwd(convnet *m) {
+  const float *h = NULL;
+  double loss = 0.0;
+  assert_int_equal(ac_param_list_zero_grad(&m->params), AC_OK);
+  assert_int_equal(ac_conv2d_forward(&m->conv, m->x, N, &h), AC_OK);
+  assert_int_equal(ac_batchnorm_forward(&m->bn, h, N, AC_MODE_TRAIN, &h), AC_OK);
+  assert_int_equal(ac_gap_forward(&m->gap, h, N, &h), AC_OK);
+  assert_int_equal(ac_linear_forward(&m->fc, h, N, &h), AC_OK);
+  assert_int_equal(ac_celoss_forward(&m->xent, h, m->y, N, &loss), AC_OK);
+  const float *g = NULL;
+  assert_int_equal(ac_celoss_backward(&m->xent, &g), AC_OK);
+  assert_int_equal(ac_linear_backward(&m->fc, g, &g), AC_OK);
+  assert_int_equal(ac_gap_backward(&m->gap, g, &g), AC_OK);
+  assert_int_equal(ac_batchnorm_backward(&m->bn, g, &g), AC_OK);
+  assert_int_equal(ac_conv2d_backward(&m->conv, g, NULL), AC_OK);
+  return loss;
+}
+
+static void net_destroy(convnet *m) {
+  ac_free(m->be, m->x);
+  ac_free(m->be, m->y);
+  ac_param_list_destroy(&m->params);
+  ac_conv2d_destroy(&m->conv);
+  ac_batchnorm_destroy(&m->bn);
+  ac_gap_destroy(&m->gap);
+  ac_linear_destroy(&m->fc);
+  ac_celoss_destroy(&m->xent);
+  ac_backend_destroy(m->be);
+}
+
+static void opts_for(pt_options *o, const char *job, int sync) {
+  pt_options_default(o, PT_MODE_KFAC);
+  o->daemon = precondd.addr;
+  o->job = job;
+  o->sync_roots = sync;
+  o->kfac.steps_per_epoch = 4;   /* factors every step in the first epoch, then every 3 */
+  o->kfac.k.factor_every = 3;
+  o->kfac.k.inv_every = 2;
+  o->kfac.quiet = 1;
+}
+
+typedef struct {
+  double loss[STEPS];
+  pt_step_info info[STEPS];
+  pt_counters c;
+  float fc_w[CLASSES * C];
+} run_out;
+
+static void train(const char *job, int sync, size_t a_images, run_out *out) {
+  convnet m;
+  net_init(&m);
+  pt_options o;
+  opts_for(&o, job, sync);
+  o.kfac.a_images = a_images;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
+  ac_hook h;
+  assert_int_equal(pt_kfac_hook(t, &h), PT_OK);
+  net_set_hook(&m, &h);
+  for (long s = 1; s <= STEPS; s++) {
+    out->loss[s - 1] = net_fwd_bwd(&m);
+    int rc = pt_step(t, s, 0.2, &out->info[s - 1], &err);
+    if (rc != PT_OK) fprintf(stderr, "pt_step %ld: %s\n", s, err.msg);
+    assert_int_equal(rc, PT_OK);
+    if (!sync) { /* async: steps far slower than the daemon, as in a real run */
+      struct timespec ts = {0, 30 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+  }
+  pt_get_counters(t, &out->c);
+  assert_int_equal(ac_tensor_download(&m.fc.weight.value, out->fc_w), AC_OK);
+  pt_destroy(t);
+  net_destroy(&m);
+}
+
+static void test_kfac_trains(void **state) {
+  (void)state;
+  run_out a, b, c, d;
+  train("kfac-a", 1, 0, &a);
+  /* sync_roots: every push that makes the daemon compute waits for those inverses, so even
+   * step 1 is preconditioned (conv and fc; batch norm is the worker's diagonal). */
+  assert_int_equal(a.c.units, 2);
+  assert_true(a.c.results_applied >= 2);
+  assert_int_equal(a.c.results_rejected, 0);
+  assert_int_equal(a.c.push_errors, 0);
+  for (int s = 0; s < STEPS; s++) {
+    assert_int_equal(a.info[s].preconditioned, 2);
+    assert_int_equal(a.info[s].fallback, 0);
+    assert_true(a.info[s].staleness_max >= 0 && a.info[s].staleness_max <= 6);
+  }
+  /* Factors every step in the first epoch (4 steps), then every 3: 5, 8, 11, 14. */
+  assert_int_equal(a.info[3].pushed, 1);
+  assert_int_equal(a.info[4].pushed, 1);
+  assert_int_equal(a.info[5].pushed, 0);
+  assert_int_equal(a.info[6].pushed, 0);
+  assert_int_equal(a.info[7].pushed, 1);
+  /* The loss falls. */
+  assert_true(a.loss[STEPS - 1] < 0.5 * a.loss[0]);
+  /* A second sync_roots run: the same losses and weights, to the bit. */
+  train("kfac-b", 1, 0, &b);
+  assert_memory_equal(a.loss, b.loss, sizeof a.loss);
+  assert_memory_equal(a.fc_w, b.fc_w, sizeof a.fc_w);
+  /* Asynchronous: step 1 cannot have inverses (its factors are only queued): plain SGD for
+   * both layers, counted as fallback; they arrive and are applied later in the run. */
+  train("kfac-c", 0, 0, &c);
+  assert_int_equal(c.info[0].pushed, 1);
+  assert_int_equal(c.info[0].preconditioned, 0);
+  assert_int_equal(c.info[0].fallback, 2);
+  assert_int_equal(c.info[STEPS - 1].preconditioned, 2);
+  assert_true(c.c.results_applied >= 2);
+  assert_true(c.loss[STEPS - 1] < c.loss[0]);
+  /* A from the first 4 images of 24 (half a chunk): other factors, still a falling loss. */
+  train("kfac-d", 1, 4, &d);
+  assert_int_equal(d.info[STEPS - 1].preconditioned, 2);
+  assert_true(d.loss[STEPS - 1] < 0.5 * d.loss[0]);
+  assert_memory_not_equal(d.fc_w, a.fc_w, sizeof a.fc_w);
+}
+
+/* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
+static void test_kfac_bad_use(void **state) {
+  (void)state;
+  convnet m;
+  net_init(&m);
+  pt_options o;
+  opts_for(&o, "kfac-bad", 0);
+  o.kfac.steps_per_epoch = 0;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "steps_per_epoch"));
+  /* No hook installed: the first step says so. */
+  opts_for(&o, "kfac-nohook", 0);
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
+  net_fwd_bwd(&m);
+  assert_int_equal(pt_step(t, 1, 0.1, NULL, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "hook"));
+  ac_hook h;
+  pt_destroy(t);
+  pt_options_default(&o, PT_MODE_SHAMPOO);
+  o.daemon = precondd.addr;
+  o.job = "kfac-shampoo";
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
+  assert_int_equal(pt_kfac_hook(t, &h), PT_EINVAL);
+  assert_string_equal(pt_mode_name(PT_MODE_KFAC), "kfac");
+  pt_destroy(t);
+  net_destroy(&m);
+}
+
+/* One daemon for the group, in a directory of the helper's own (removed by destroy). */
+static int setup(void **state) {
+  (void)state;
+  return pdproc_start_in(&precondd, precondd_path, NULL);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  pdproc_stop(&precondd, SIGTERM);
+  pdproc_destroy(&precondd);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s PRECONDD\n", argv[0]);
+    return 2;
+  }
+  precondd_path = argv[1];
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_kfac_trains),
+      cmocka_unit_test(test_kfac_bad_use),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

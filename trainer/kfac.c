@@ -1,0 +1,540 @@
+/*
+ * kfac.c -- the K-FAC mode of the trainer library (docs/kfac.md). The worker half: factors
+ * A and G of every dense and conv layer computed in backward through the layers' curvature
+ * hooks (accel/kfac.c's kernels on the layer's own buffers), pushed to precondd, which keeps
+ * their running averages and computes the damped inverses; batch norm's diagonal Fisher
+ * kept here. Per step: push when the schedule made factors due, pick up the newest
+ * inverses, precondition (G^-1 grad A^-1; grad / (F + lambda) for batch norm), KL clip over
+ * everything preconditioned, then SGD with momentum and weight decay. A layer without
+ * inverses yet takes the SGD step on its plain gradient (fallback).
+ *
+ * Layers are found by the first backward pass: the hook sees each layer's weight and bias
+ * (the accel parameters), so registering waits for the first pt_step. The daemon's tensor
+ * of a layer is its gradient matrix [out, in (+1 for the bias)], named after its weight.
+ */
+#include "trainer_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum { PT__KFAC_LAYER = 0, PT__KFAC_BN = 1 } pt__kfac_kind;
+
+typedef struct {
+  pt__kfac_kind kind;
+  ac_hook_kind hook_kind;
+  ac_param *weight, *bias;   /* borrowed; bias NULL when none */
+  size_t windex;             /* index of weight in t->params: the order of registration */
+  size_t out, in;            /* gradient matrix out x in (bias not counted); BN: c, c */
+  size_t na, ng;             /* factor orders: in + has_bias, out */
+  uint32_t block_id;         /* the daemon's; UINT32_MAX: not served (SGD) */
+  float *fa, *fg;            /* device, packed: this step's factors (BN: fisher gamma, beta) */
+  float *ra, *rg;            /* BN: running averages of the fisher (device, c each) */
+  int folds;                 /* BN: fisher folds so far */
+  float *a_inv, *g_inv;      /* device, dense: the inverses held (NULL before the first) */
+  float *p;                  /* device: preconditioned grad, weights then bias */
+  uint64_t version, source_step;
+  int due_seen;              /* the hook filled fa/fg at the current step */
+} pt__kfac_layer;
+
+typedef struct {
+  ac_backend *be;
+  ac_sgd *sgd;               /* owned: the final step over every parameter */
+  pt__kfac_layer *layers;
+  size_t nlayers, cap;
+  int registered;
+  long next_step;            /* the step the coming backward belongs to */
+  int due;                   /* factors due at next_step (the hook computes them) */
+  float *ws;                 /* device scratch shared by the kernels */
+  size_t ws_floats;
+  float *stage;              /* device staging for packed inverses */
+  size_t stage_floats;
+  float *host;               /* host buffer for downloads of packed factors */
+  size_t host_floats;
+  float *dev1;               /* one device float for the KL clip */
+  ac_kfac_pg *pg;            /* nlayers entries: the KL clip's list */
+  uint64_t applied, rejected, pushes;
+  int hook_rc;               /* the first error a hook met (returned by pt_step too) */
+} pt__kfac;
+
+/* ---- buffers ---------------------------------------------------------------------- */
+
+static int pt__dev(ac_backend *be, size_t floats, float **out) {
+  void *p = NULL;
+  int rc = ac_malloc(be, (floats ? floats : 1) * sizeof(float), &p);
+  *out = p;
+  return rc;
+}
+
+/* Grows the shared device scratch to at least floats. */
+static int pt__ws(pt__kfac *s, size_t floats) {
+  if (floats <= s->ws_floats) return AC_OK;
+  ac_free(s->be, s->ws);
+  s->ws = NULL;
+  s->ws_floats = 0;
+  int rc = pt__dev(s->be, floats, &s->ws);
+  if (rc == AC_OK) s->ws_floats = floats;
+  return rc;
+}
+
+static int pt__grow_host(pt__kfac *s, size_t floats) {
+  if (floats <= s->host_floats) return AC_OK;
+  float *h = realloc(s->host, floats * sizeof *h);
+  if (h == NULL) return AC_ENOMEM;
+  s->host = h;
+  s->host_floats = floats;
+  return AC_OK;
+}
+
+/* ---- the hook --------------------------------------------------------------------- */
+
+static size_t pt__param_index(const pt_trainer *t, const ac_param *p) {
+  for (size_t i = 0; i < t->nparams; i++)
+    if (t->params[i] == p) return i;
+  return SIZE_MAX;
+}
+
+/* The layer record of view v, created at its first sight (before registration only: the
+ * daemon's layout is fixed after it). NULL for a layer whose weight is not one of the
+ * trainer's parameters (it keeps whatever the caller does with it). */
+static pt__kfac_layer *pt__layer_of(pt_trainer *t, const ac_hook_view *v, int *rc) {
+  pt__kfac *s = t->state;
+  *rc = AC_OK;
+  for (size_t i = 0; i < s->nlayers; i++)
+    if (s->layers[i].weight == v->weight) return &s->layers[i];
+  size_t wi = pt__param_index(t, v->weight);
+  if (wi == SIZE_MAX || s->registered) return NULL;
+  if (s->nlayers == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 16;
+    pt__kfac_layer *l = realloc(s->layers, cap * sizeof *l);
+    if (l == NULL) {
+      *rc = AC_ENOMEM;
+      return NULL;
+    }
+    s->layers = l;
+    s->cap = cap;
+  }
+  pt__kfac_layer *l = &s->layers[s->nlayers];
+  memset(l, 0, sizeof *l);
+  l->hook_kind = v->kind;
+  l->kind = v->kind == AC_HOOK_BATCHNORM ? PT__KFAC_BN : PT__KFAC_LAYER;
+  l->weight = (ac_param *)(uintptr_t)v->weight;
+  l->bias = (ac_param *)(uintptr_t)v->bias;
+  l->windex = wi;
+  l->out = v->out;
+  l->in = v->in;
+  l->block_id = UINT32_MAX;
+  if (l->bias != NULL && pt__param_index(t, l->bias) == SIZE_MAX) l->bias = NULL;
+  if (l->kind == PT__KFAC_BN) {
+    l->na = l->ng = v->in;
+    if ((*rc = pt__dev(s->be, v->in, &l->fa)) == AC_OK &&
+        (*rc = pt__dev(s->be, v->in, &l->fg)) == AC_OK &&
+        (*rc = pt__dev(s->be, v->in, &l->ra)) == AC_OK)
+      *rc = pt__dev(s->be, v->in, &l->rg);
+  } else {
+    l->na = v->in + (v->bias != NULL);
+    l->ng = v->out;
+    if ((*rc = pt__dev(s->be, ac_packed_len(l->na), &l->fa)) == AC_OK)
+      *rc = pt__dev(s->be, ac_packed_len(l->ng), &l->fg);
+  }
+  if (*rc == AC_OK) *rc = pt__dev(s->be, v->weight->value.numel + (l->bias ? l->out : 0), &l->p);
+  s->nlayers++; /* even on error: destroy frees what was allocated */
+  return *rc == AC_OK ? l : NULL;
+}
+
+/* Batch norm: the batch's diagonal Fisher, folded into the running average here. */
+static int pt__hook_bn(pt__kfac *s, const pt_kfac_opts *o, pt__kfac_layer *l,
+                       const ac_hook_view *v) {
+  size_t count = v->batch * v->in * v->npos;
+  float scale = o->loss_scale > 0.0f ? o->loss_scale : (float)v->batch;
+  int rc = pt__ws(s, 2 * count + ac_kfac_bn_workspace_floats(v->batch, v->in, v->npos));
+  if (rc != AC_OK) return rc;
+  float *gmask = s->ws, *xhat = s->ws + count, *ws = s->ws + 2 * count;
+  const float *g = v->g;
+  if (v->relu_y != NULL) { /* the gradient at the affine output: the fused ReLU's mask */
+    rc = ac_unary_backward(s->be, AC_UNARY_RELU, count, v->relu_y, v->g, gmask);
+    g = gmask;
+  }
+  if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, xhat);
+  if (rc == AC_OK)
+    rc = ac_kfac_bn_fisher(s->be, v->batch, v->in, v->npos, g, xhat, scale, l->fa, l->fg, ws);
+  if (rc != AC_OK) return rc;
+  /* The running average as the daemon keeps A and G (pc_kfac_fold: the first as is). */
+  float keep = l->folds == 0 ? 0.0f : (float)o->k.factor_decay;
+  rc = ac_axpby(s->be, v->in, 1.0f - keep, l->fa, keep, l->ra, l->ra);
+  if (rc == AC_OK) rc = ac_axpby(s->be, v->in, 1.0f - keep, l->fg, keep, l->rg, l->rg);
+  if (rc == AC_OK) l->folds++;
+  return rc;
+}
+
+static int pt__hook(void *ctx, const ac_hook_view *v) {
+  pt_trainer *t = ctx;
+  pt__kfac *s = t->state;
+  const pt_kfac_opts *o = &t->opts.kfac;
+  if (!s->due) return AC_OK; /* most steps after the first epoch: nothing to do */
+  int rc = AC_OK;
+  pt__kfac_layer *l = pt__layer_of(t, v, &rc);
+  if (l == NULL) return rc;
+  l->due_seen = 1;
+  float scale = o->loss_scale > 0.0f ? o->loss_scale : (float)v->batch;
+  int bias = l->bias != NULL;
+  switch (v->kind) {
+    case AC_HOOK_DENSE:
+      rc = pt__ws(s, ac_kfac_dense_workspace_floats(v->rows, v->in, bias));
+      if (rc == AC_OK)
+        rc = ac_kfac_dense_factor_a(s->be, v->rows, v->in, v->a, v->lda, bias, l->fa, s->ws);
+      if (rc == AC_OK)
+        rc = ac_kfac_dense_factor_g(s->be, v->rows, v->out, v->g, v->ldg, scale, l->fg);
+      break;
+    case AC_HOOK_CONV: {
+      /* A from the first a_images images (the chunk's columns are image-major, so a prefix
+       * of them is a prefix of its images); G from all. */
+      size_t na = o->a_images > 0 && o->a_images < v->batch ? o->a_images : v->batch;
+      size_t use = v->first >= na ? 0 : na - v->first < v->nimg ? na - v->first : v->nimg;
+      rc = pt__ws(s, ac_kfac_conv_cols_workspace_floats(v->in, v->cols, bias));
+      if (rc == AC_OK && use > 0)
+        rc = ac_kfac_conv_cols_factor_a(s->be, v->in, use * v->npos, v->a, v->lda, v->npos,
+                                        bias, na, v->first > 0, l->fa, s->ws);
+      if (rc == AC_OK)
+        rc = ac_kfac_conv_cols_factor_g(s->be, v->out, v->cols, v->g, v->ldg, scale, v->batch,
+                                        v->first > 0, l->fg);
+      break;
+    }
+    case AC_HOOK_BATCHNORM:
+      rc = pt__hook_bn(s, o, l, v);
+      break;
+  }
+  if (rc != AC_OK && s->hook_rc == AC_OK) s->hook_rc = rc;
+  return rc;
+}
+
+int pt_kfac_hook(pt_trainer *t, ac_hook *out) {
+  if (t == NULL || out == NULL || t->mode != &pt__kfac_mode) return PT_EINVAL;
+  *out = (ac_hook){pt__hook, t};
+  return PT_OK;
+}
+
+/* ---- create, register, bind ------------------------------------------------------- */
+
+static int pt__kfac_create(pt_trainer *t, pt_error *err) {
+  const pt_kfac_opts *o = &t->opts.kfac;
+  if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 ||
+      !(o->loss_scale >= 0.0f) || !isfinite(o->loss_scale))
+    return pt__fail(err, PT_EINVAL, "K-FAC options: pc_kfac_opts_check refused them, or "
+                    "steps_per_epoch < 1, or a bad loss_scale");
+  pt__kfac *s = calloc(1, sizeof *s);
+  if (s == NULL) return PT_ENOMEM;
+  t->state = s;
+  s->be = t->params[0]->value.be;
+  s->next_step = 1;
+  s->due = pc_kfac_factor_due(&o->k, 1, o->steps_per_epoch);
+  int rc = pt__accel(err, ac_sgd_create(&s->sgd, t->params, t->nparams, &o->sgd), "SGD");
+  if (rc == PT_OK) rc = pt__accel(err, pt__dev(s->be, 1, &s->dev1), "K-FAC scratch");
+  return rc;
+}
+
+static int pt__cmp_layer(const void *a, const void *b) {
+  const pt__kfac_layer *x = a, *y = b;
+  return x->windex < y->windex ? -1 : x->windex > y->windex;
+}
+
+/* The treatment of every parameter, on stderr: what the issue asks to be listed at start. */
+static void pt__kfac_list(const pt_trainer *t) {
+  const pt__kfac *s = t->state;
+  fprintf(stderr, "kfac: %zu parameters; treatment of each:\n", t->nparams);
+  for (size_t i = 0; i < t->nparams; i++) {
+    const ac_param *p = t->params[i];
+    const char *how = "SGD (no curvature hook: embedding, layer norm or a layer K-FAC does "
+                      "not model; its plain gradient)";
+    char buf[160];
+    for (size_t k = 0; k < s->nlayers; k++) {
+      const pt__kfac_layer *l = &s->layers[k];
+      if (l->weight != p && l->bias != p) continue;
+      if (l->kind == PT__KFAC_BN) {
+        how = "batch norm: diagonal Fisher on the worker, grad / (F + lambda)";
+      } else if (l->block_id == UINT32_MAX) {
+        how = "SGD (a factor above the daemon's max_order)";
+      } else {
+        snprintf(buf, sizeof buf, "K-FAC %s, A %zu x %zu, G %zu x %zu%s",
+                 l->hook_kind == AC_HOOK_CONV ? "conv" : "dense", l->na, l->na, l->ng, l->ng,
+                 l->bias == p ? " (the bias: A's last row)" : "");
+        how = buf;
+      }
+    }
+    fprintf(stderr, "kfac:   %-32s %s\n", p->name, how);
+  }
+}
+
+/* Registers the layers the first backward found, in parameter order, and binds the
+ * daemon's answer (its block ids; a layer it leaves diagonal stays on SGD). */
+static int pt__kfac_register(pt_trainer *t, pt_error *err) {
+  pt__kfac *s = t->state;
+  if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
+  qsort(s->layers, s->nlayers, sizeof *s->layers, pt__cmp_layer);
+  size_t nk = 0;
+  for (size_t i = 0; i < s->nlayers; i++) nk += s->layers[i].kind == PT__KFAC_LAYER;
+  if (nk == 0)
+    return pt__fail(err, PT_EINVAL, "K-FAC: the backward pass showed no dense or conv layer "
+                    "(is pt_kfac_hook's hook installed on the model?)");
+  precond_tensor *ts = calloc(nk, sizeof *ts);
+  uint64_t *shapes = calloc(2 * nk, sizeof *shapes);
+  int rc = PT_OK;
+  if (ts == NULL || shapes == NULL) {
+    rc = PT_ENOMEM;
+    goto done;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < s->nlayers; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind != PT__KFAC_LAYER) continue;
+    shapes[2 * k] = l->ng;
+    shapes[2 * k + 1] = l->na;
+    ts[k] = (precond_tensor){l->weight->name, 2, &shapes[2 * k]};
+    k++;
+  }
+  const pc_kfac_opts *ko = &t->opts.kfac.k;
+  precond_kfac_opts po = {.factor_decay = ko->factor_decay, .damping = ko->damping,
+                          .inv_every = (uint32_t)ko->inv_every,
+                          .no_pi_damping = !ko->pi_damping};
+  int prc = precond_register_kfac(t->client, t->job, t->opts.worker, nk, ts, &po, &t->layout);
+  if (prc != PRECOND_OK) {
+    rc = pt__daemon(t, err, prc, "precondd refused to register the K-FAC job");
+    goto done;
+  }
+  /* The daemon numbers the layers it serves in tensor order; the others are diagonal. */
+  for (size_t b = 0; b < t->layout.nblocks; b++) {
+    const precond_block *pb = &t->layout.blocks[b];
+    size_t seen = 0;
+    for (size_t i = 0; i < s->nlayers; i++) {
+      pt__kfac_layer *l = &s->layers[i];
+      if (l->kind != PT__KFAC_LAYER) continue;
+      if (seen++ != pb->tensor) continue;
+      if (pb->rows != l->ng || pb->cols != l->na) {
+        rc = pt__fail(err, PT_EDAEMON, "precondd's layer %u is %llux%llu, the worker's %s "
+                      "%zux%zu", pb->block_id, (unsigned long long)pb->rows,
+                      (unsigned long long)pb->cols, l->weight->name, l->ng, l->na);
+        goto done;
+      }
+      l->block_id = pb->block_id;
+    }
+  }
+  s->registered = 1;
+  s->pg = calloc(2 * s->nlayers, sizeof *s->pg);
+  if (s->pg == NULL) rc = PT_ENOMEM;
+  if (rc == PT_OK && !t->opts.kfac.quiet) pt__kfac_list(t);
+done:
+  free(ts);
+  free(shapes);
+  return rc;
+}
+
+/* ---- a step ----------------------------------------------------------------------- */
+
+/* Pushes the factors the hook computed at step. */
+static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
+  pt__kfac *s = t->state;
+  precond_encoding enc = t->opts.kfac.push_bf16 ? PRECOND_BF16 : PRECOND_FP32;
+  for (size_t i = 0; i < s->nlayers; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX || !l->due_seen) continue;
+    size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+    int rc = pt__accel(err, pt__grow_host(s, la + lg), "K-FAC host buffer");
+    if (rc == PT_OK)
+      rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host, l->fa, la * sizeof(float)), "A");
+    if (rc == PT_OK)
+      rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host + la, l->fg, lg * sizeof(float)), "G");
+    if (rc == PT_OK)
+      rc = pt__daemon(t, err, precond_push_kfac(t->client, (uint64_t)step, l->block_id,
+                                                (uint32_t)l->na, s->host, (uint32_t)l->ng,
+                                                s->host + la, enc),
+                      "precond_push_kfac");
+    if (rc != PT_OK) return rc;
+  }
+  s->pushes++;
+  return PT_OK;
+}
+
+/* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
+static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
+  pt__kfac *s = t->state;
+  const precond_roots *r = NULL;
+  int rc = pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r),
+                      "precond_fetch");
+  if (rc != PT_OK || r == NULL) return rc;
+  int arc = AC_OK;
+  if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
+    s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
+  } else {
+    size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+    if (l->a_inv == NULL) {
+      arc = pt__dev(s->be, l->na * l->na, &l->a_inv);
+      if (arc == AC_OK) arc = pt__dev(s->be, l->ng * l->ng, &l->g_inv);
+    }
+    if (arc == AC_OK && la + lg > s->stage_floats) {
+      ac_free(s->be, s->stage);
+      s->stage = NULL;
+      s->stage_floats = 0;
+      arc = pt__dev(s->be, la + lg, &s->stage);
+      if (arc == AC_OK) s->stage_floats = la + lg;
+    }
+    if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage, r->a_inv, la * sizeof(float));
+    if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage + la, r->g_inv, lg * sizeof(float));
+    if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->na, s->stage, l->a_inv, l->na);
+    if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->ng, s->stage + la, l->g_inv, l->ng);
+    if (arc == AC_OK) s->applied++;
+  }
+  l->version = r->version; /* a refused version is not offered again */
+  l->source_step = r->source_step;
+  precond_roots_release(r);
+  return pt__accel(err, arc, "K-FAC inverses to the device");
+}
+
+/* sync_roots: waits until layer l holds inverses computed from the factors of step. */
+static int pt__kfac_wait(pt_trainer *t, pt__kfac_layer *l, long step, pt_error *err) {
+  double deadline = pt__now() + t->opts.sync_timeout_ms / 1000.0;
+  for (;;) {
+    int rc = pt__kfac_refresh(t, l, err);
+    if (rc != PT_OK) return rc;
+    if (l->a_inv != NULL && l->source_step >= (uint64_t)step) return PT_OK;
+    int left_ms = (int)((deadline - pt__now()) * 1000.0);
+    if (left_ms <= 0 ||
+        precond_wait_roots(t->client, l->block_id, l->version, left_ms) == PRECOND_ETIMEDOUT)
+      return pt__fail(err, PT_ETIMEDOUT, "sync_roots: no inverses of step %ld for %s within "
+                      "%d ms", step, l->weight->name, t->opts.sync_timeout_ms);
+  }
+}
+
+/* Preconditions every layer that can be into l->p, KL-clips them together and copies the
+ * result over the grads (the SGD step then reads it). Counts what was preconditioned. */
+static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_info *info,
+                                 pt_error *err) {
+  pt__kfac *s = t->state;
+  const pc_kfac_opts *ko = &t->opts.kfac.k;
+  size_t m = 0, nk = 0, npre = 0;
+  double stale_sum = 0.0;
+  long stale_max = -1;
+  int arc = AC_OK;
+  for (size_t i = 0; i < s->nlayers && arc == AC_OK; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    float *gw = ac_tensor_f32(&l->weight->grad);
+    float *gb = l->bias ? ac_tensor_f32(&l->bias->grad) : NULL;
+    size_t nw = l->weight->value.numel;
+    nk += l->kind == PT__KFAC_LAYER;
+    if (l->kind == PT__KFAC_BN) {
+      if (l->folds == 0) continue;
+      arc = pt__ws(s, l->in);
+      if (arc == AC_OK)
+        arc = ac_kfac_bn_precondition(s->be, l->in, gw, l->ra, (float)ko->damping, l->p, s->ws);
+      if (arc == AC_OK && gb)
+        arc = ac_kfac_bn_precondition(s->be, l->in, gb, l->rg, (float)ko->damping, l->p + nw,
+                                      s->ws);
+    } else {
+      if (l->a_inv == NULL) continue;
+      arc = pt__ws(s, ac_kfac_precondition_workspace_floats(l->out, l->in, gb != NULL));
+      if (arc == AC_OK)
+        arc = ac_kfac_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->a_inv, l->p,
+                                   gb ? l->p + nw : NULL, s->ws);
+      long age = step - (long)l->source_step;
+      stale_sum += (double)age;
+      stale_max = age > stale_max ? age : stale_max;
+      npre++;
+    }
+    /* <p, grad> by tensor: the layer's p is one buffer, its grads are two tensors. */
+    s->pg[m++] = (ac_kfac_pg){nw, l->p, gw};
+    if (gb) s->pg[m++] = (ac_kfac_pg){l->out, l->p + nw, gb};
+  }
+  int rc = pt__accel(err, arc, "K-FAC precondition");
+  if (rc == PT_OK && m > 0)
+    rc = pt__accel(err, ac_kfac_kl_clip(s->be, s->pg, m, lr, ko->kl_clip, s->dev1, NULL),
+                   "K-FAC KL clip");
+  for (size_t j = 0; j < m && rc == PT_OK; j++)
+    rc = pt__accel(err, ac_memcpy_d2d(s->be, (float *)(uintptr_t)s->pg[j].grad, s->pg[j].p,
+                                      s->pg[j].count * sizeof(float)), "K-FAC result");
+  if (info != NULL) {
+    info->preconditioned = npre;
+    info->fallback = nk - npre;
+    info->staleness_mean = npre ? stale_sum / (double)npre : (double)NAN;
+    info->staleness_max = stale_max;
+  }
+  return rc;
+}
+
+static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info,
+                         pt_error *err) {
+  pt__kfac *s = t->state;
+  const pt_kfac_opts *o = &t->opts.kfac;
+  if (step != s->next_step)
+    return pt__fail(err, PT_EINVAL, "K-FAC: step %ld, expected %ld (steps are consecutive: "
+                    "the hook computed this backward's factors for step %ld)", step,
+                    s->next_step, s->next_step);
+  if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
+  int rc = s->registered ? PT_OK : pt__kfac_register(t, err);
+  int pushed = 0;
+  if (rc == PT_OK && s->due) {
+    rc = pt__kfac_push(t, step, err);
+    pushed = 1;
+  }
+  if (rc != PT_OK) return rc;
+  /* sync_roots waits where the daemon computes: every inv_every pushes, and every push
+   * until the first inverses (the daemon's counter, which pushes keep in step with here). */
+  int wait = pushed && t->opts.sync_roots;
+  if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
+    return pt__fail(err, PT_ETIMEDOUT, "sync_roots: factors not sent within %d ms",
+                    t->opts.sync_timeout_ms);
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX) continue;
+    int computes = l->a_inv == NULL || s->pushes % (uint64_t)o->k.inv_every == 0;
+    rc = wait && computes ? pt__kfac_wait(t, l, step, err) : pt__kfac_refresh(t, l, err);
+  }
+  if (rc == PT_OK) rc = pt__kfac_precondition(t, lr, step, info, err);
+  if (rc == PT_OK) rc = pt__accel(err, ac_sgd_step(s->sgd, (float)lr), "SGD step");
+  if (rc != PT_OK) return rc;
+  for (size_t i = 0; i < s->nlayers; i++) s->layers[i].due_seen = 0;
+  s->next_step = step + 1;
+  s->due = pc_kfac_factor_due(&o->k, s->next_step, o->steps_per_epoch);
+  if (info != NULL) info->pushed = pushed;
+  return PT_OK;
+}
+
+static void pt__kfac_counters(const pt_trainer *t, pt_counters *out) {
+  const pt__kfac *s = t->state;
+  size_t n = 0;
+  for (size_t i = 0; i < s->nlayers; i++)
+    n += s->layers[i].kind == PT__KFAC_LAYER && s->layers[i].block_id != UINT32_MAX;
+  out->units = n;
+  out->results_applied = s->applied;
+  out->results_rejected = s->rejected;
+}
+
+static void pt__kfac_destroy(pt_trainer *t) {
+  pt__kfac *s = t->state;
+  if (s == NULL) return;
+  for (size_t i = 0; i < s->nlayers; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_inv, l->g_inv, l->p};
+    for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) ac_free(s->be, bufs[k]);
+  }
+  ac_free(s->be, s->ws);
+  ac_free(s->be, s->stage);
+  ac_free(s->be, s->dev1);
+  ac_sgd_destroy(s->sgd);
+  free(s->layers);
+  free(s->pg);
+  free(s->host);
+  free(s);
+  t->state = NULL;
+}
+
+const pt__mode pt__kfac_mode = {
+    .name = "kfac",
+    .wire = PRECOND_MODE_KFAC,
+    .create = pt__kfac_create,
+    .register_opts = NULL, /* lazy_register: pt__kfac_register at the first step */
+    .bind = NULL,
+    .step = pt__kfac_step,
+    .counters = pt__kfac_counters,
+    .destroy = pt__kfac_destroy,
+    .lazy_register = 1,
+};
