@@ -790,6 +790,7 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   tr__trainer_opts(o, PT_MODE_SHAMPOO, model_name, job, sizeof job, &po);
   po.shard_rank = opts->dp_rank;
   po.shard_size = opts->dp_size;
+  po.dp = opts->dp;
   ac_shampoo_opts *so = &po.shampoo;
   so->layout.block_size = (size_t)opts->block_size;
   pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
@@ -1061,6 +1062,7 @@ static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
   pt_error perr = {""};
   int rc = tr__trainer(err, pt_dp_init(dp, &perr), &perr);
   if (rc != TR_OK || *dp == NULL) return rc;
+  o->dp = *dp;
   o->dp_rank = pt_dp_rank(*dp);
   o->dp_size = pt_dp_size(*dp);
   if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size) != 0) {

@@ -117,6 +117,7 @@ typedef struct {
   long eval_batches;       /* batches per evaluation; 0: the model's default */
   int quiet;               /* 1: no progress line */
   int dp_rank, dp_size;     /* set by tr_train under mpirun (data parallelism); 0, 1 */
+  struct pt_dp *dp;         /* set by tr_train under mpirun: the workers; NULL alone */
 } tr_options;
 
 /* Fills the defaults listed above (table fields unset; model NULL). */

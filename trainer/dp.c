@@ -150,6 +150,23 @@ int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t npa
 #endif
 }
 
+int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n) {
+  if (dp == NULL || n == 0) return PT_OK;
+#ifdef PT_HAVE_MPI
+  uint64_t *lo = malloc(2 * n * sizeof *lo);
+  if (lo == NULL) return PT_ENOMEM;
+  uint64_t *hi = lo + n;
+  int ok = MPI_Allreduce(v, lo, (int)n, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD) == MPI_SUCCESS &&
+           MPI_Allreduce(v, hi, (int)n, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD) == MPI_SUCCESS;
+  for (size_t i = 0; ok && i < n; i++) v[i] = lo[i] == hi[i] ? lo[i] : 0;
+  free(lo);
+  return ok ? PT_OK : PT_EINVAL;
+#else
+  (void)v;
+  return PT_EINVAL;
+#endif
+}
+
 int pt_dp_broadcast(pt_dp *dp, long *v) {
   if (dp == NULL) return PT_OK;
 #ifdef PT_HAVE_MPI

@@ -30,6 +30,9 @@ typedef struct {
   uint32_t *block_id;       /* per worker block: the daemon's id (its layout, same order) */
   uint64_t *version;        /* per block: libprecond version handed to ac_shampoo; 0: none */
   uint64_t *source_step;    /* per block: statistics step those roots come from */
+  uint64_t *daemon_version; /* per block: precondd's version of those roots (the owner's,
+                               the same on every daemon rank; libprecond's own numbering is
+                               per client) */
   uint8_t *mine;            /* per block: this worker computes and pushes its statistics */
   size_t nmine;
   double stats_s;            /* CPU seconds of this thread: 2 cores shared, wall is noise */
@@ -91,7 +94,9 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   s->version = calloc(nb, sizeof *s->version);
   s->source_step = calloc(nb, sizeof *s->source_step);
   s->mine = calloc(nb, sizeof *s->mine);
-  if (s->block_id == NULL || s->version == NULL || s->source_step == NULL || s->mine == NULL)
+  s->daemon_version = calloc(nb, sizeof *s->daemon_version);
+  if (s->block_id == NULL || s->version == NULL || s->source_step == NULL || s->mine == NULL ||
+      s->daemon_version == NULL)
     return PT_ENOMEM;
   for (size_t b = 0; b < s->nblocks; b++) {
     ac_shampoo_block bi;
@@ -111,15 +116,12 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   return pt__shampoo_shard(t, err);
 }
 
-/* Hands block b the newest roots libprecond holds, if newer than those it has. Roots the
- * worker refuses (non-finite, wrong size) are counted and skipped: the block keeps its
- * previous roots or the grafted step. */
-static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
+/* Hands block b roots r (a reference from precond_fetch, released here; NULL: nothing).
+ * Roots the worker refuses (non-finite, wrong size) are counted and skipped: the block keeps
+ * its previous roots or the grafted step. */
+static int pt__shampoo_apply(pt_trainer *t, size_t b, const precond_roots *r, pt_error *err) {
   pt__shampoo *s = t->state;
-  const precond_roots *r = NULL;
-  int rc = pt__daemon(t, err, precond_fetch(t->client, s->block_id[b], s->version[b], &r),
-                      "precond_fetch");
-  if (rc != PT_OK || r == NULL) return rc;
+  if (r == NULL) return PT_OK;
   const ac_shampoo_roots roots = {
       .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
       .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
@@ -128,6 +130,7 @@ static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
   if (arc == AC_OK) {
     s->version[b] = r->version;
     s->source_step[b] = r->source_step;
+    s->daemon_version[b] = r->daemon_version;
     s->applied++;
   } else if (arc == AC_EINVAL || arc == AC_EMISMATCH) {
     s->rejected++;
@@ -136,6 +139,45 @@ static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
   }
   precond_roots_release(r);
   return pt__accel(err, arc, "ac_shampoo_set_roots");
+}
+
+/* Hands block b the newest roots libprecond holds, if newer than those it has. */
+static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
+  pt__shampoo *s = t->state;
+  const precond_roots *r = NULL;
+  int rc = pt__daemon(t, err, precond_fetch(t->client, s->block_id[b], s->version[b], &r),
+                      "precond_fetch");
+  return rc == PT_OK ? pt__shampoo_apply(t, b, r, err) : rc;
+}
+
+/* Data-parallel workers without sync_roots: each block takes the daemon version every worker
+ * holds (libprecond's newest here, agreed with pt_dp_agree), else keeps what it has; the
+ * references taken before the agreement are the ones applied, so a version arriving
+ * meanwhile cannot make one worker apply another root. */
+static int pt__shampoo_refresh_agreed(pt_trainer *t, pt_error *err) {
+  pt__shampoo *s = t->state;
+  size_t nb = s->nblocks;
+  const precond_roots **held = calloc(nb ? nb : 1, sizeof *held);
+  uint64_t *v = calloc(nb ? nb : 1, sizeof *v);
+  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
+  for (size_t b = 0; rc == PT_OK && b < nb; b++) {
+    rc = pt__daemon(t, err, precond_fetch(t->client, s->block_id[b], s->version[b], &held[b]),
+                    "precond_fetch");
+    v[b] = held[b] != NULL ? held[b]->daemon_version : s->daemon_version[b];
+  }
+  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, nb) != PT_OK)
+    rc = pt__fail(err, PT_EINVAL, "data parallelism: the workers' root versions could not "
+                  "be compared (MPI)");
+  for (size_t b = 0; b < nb && held != NULL; b++) {
+    const precond_roots *r = held[b];
+    if (rc == PT_OK && r != NULL && r->daemon_version == v[b])
+      rc = pt__shampoo_apply(t, b, r, err); /* releases r */
+    else
+      precond_roots_release(r);
+  }
+  free(held);
+  free(v);
+  return rc;
 }
 
 /* sync_roots: waits until block b holds roots computed from the statistics of step. */
@@ -189,7 +231,9 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: statistics not sent within %d ms",
                     t->opts.sync_timeout_ms);
-  for (size_t b = 0; b < s->nblocks && rc == PT_OK; b++)
+  int agreed = !wait && pt_dp_size(t->opts.dp) > 1; /* pt_dp_size(NULL) is 1 */
+  if (agreed) rc = pt__shampoo_refresh_agreed(t, err);
+  for (size_t b = 0; b < s->nblocks && rc == PT_OK && !agreed; b++)
     rc = wait ? pt__shampoo_wait(t, b, stat_step, err) : pt__shampoo_refresh(t, b, err);
   if (rc == PT_OK) rc = pt__accel(err, ac_shampoo_step(s->opt, (float)lr), "Shampoo step");
   if (rc != PT_OK || info == NULL) return rc;
@@ -221,6 +265,7 @@ static void pt__shampoo_destroy(pt_trainer *t) {
   free(s->version);
   free(s->source_step);
   free(s->mine);
+  free(s->daemon_version);
   free(s);
   t->state = NULL;
 }

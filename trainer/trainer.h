@@ -98,6 +98,10 @@ typedef struct {
    * daemon of rank shard_rank owns; otherwise unit ids i with i % shard_size == shard_rank
    * (the daemon forwards them to their owners). */
   int shard_rank, shard_size;
+  /* Data-parallel workers (borrowed; NULL: alone): without sync_roots every worker hands
+   * its optimizer a block's roots only when all workers hold the same version (one
+   * agreement per step, pt_dp_agree), so that every one applies the same update. */
+  struct pt_dp *dp;
   /* Shampoo: the worker's options, and the ones it registers with the daemon (block size,
    * skip limit, statistics EMA beta2, ridge epsilon): one struct configures both halves. */
   ac_shampoo_opts shampoo;
@@ -170,6 +174,9 @@ int pt_dp_size(const pt_dp *dp);
  * MPI_Allreduce each), and *loss with them. A no-op for NULL. PT_EACCEL, PT_EINVAL (MPI). */
 int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams,
                   double *loss, pt_error *err);
+/* For each i: v[i] where every worker passed the same value, else 0 (on every worker). A
+ * no-op for NULL. PT_EINVAL (MPI). */
+int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n);
 /* Rank 0's value of *v on every worker (a job name's number, a seed). */
 int pt_dp_broadcast(pt_dp *dp, long *v);
 /* Seconds spent in pt_dp_average. */
