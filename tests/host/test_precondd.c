@@ -276,21 +276,38 @@ static void check_health(daemon_t *d) {
 
 /* Waits until every one of nb blocks has a root of version >= min_version; returns the
  * last fetch (all blocks, have = 0). */
-static Precond__V1__FetchResponse *wait_roots(daemon_t *d, const char *job, size_t nb,
-                                              uint64_t min_version) {
+/* Fetch until nb blocks hold roots with version >= min (by_step 0) or computed from the
+ * statistics of step >= min (by_step 1). Versions carry the daemon epoch in their high bits
+ * (epoch << 40), so a small min_version is met by any root: waiting for the roots of a step
+ * needs the source step. */
+static Precond__V1__FetchResponse *wait_roots_by(daemon_t *d, const char *job, size_t nb,
+                                                 uint64_t min, int by_step) {
   for (int tries = 0; tries < 1000; tries++) {
     Precond__V1__FetchResponse *f = NULL;
     assert_int_equal(do_fetch(d, job, NULL, 0, 0, &f, NULL), GRPC_STATUS_OK);
     size_t ok = 0;
-    for (size_t i = 0; i < f->n_preconditioners; i++)
-      ok += f->preconditioners[i]->version >= min_version;
+    for (size_t i = 0; i < f->n_preconditioners; i++) {
+      const Precond__V1__BlockRoots *r = f->preconditioners[i];
+      ok += (by_step ? r->source_step : r->version) >= min;
+    }
     if (ok == nb) return f;
     protobuf_c_message_free_unpacked(&f->base, NULL);
     sleep_ms(20);
   }
-  fail_msg("roots of job %s did not reach version %llu within 20 s", job,
-           (unsigned long long)min_version);
+  fail_msg("roots of job %s did not reach %s %llu within 20 s", job,
+           by_step ? "source step" : "version", (unsigned long long)min);
   return NULL;
+}
+
+static Precond__V1__FetchResponse *wait_roots(daemon_t *d, const char *job, size_t nb,
+                                              uint64_t min_version) {
+  return wait_roots_by(d, job, nb, min_version, 0);
+}
+
+/* The roots of step min_step (or later) of every one of nb blocks. */
+static Precond__V1__FetchResponse *wait_step_roots(daemon_t *d, const char *job, size_t nb,
+                                                   uint64_t min_step) {
+  return wait_roots_by(d, job, nb, min_step, 1);
 }
 
 /* max |a - b| / max |b| over the packed values of an order-n matrix. */
@@ -1623,14 +1640,14 @@ static void test_kfac(void **state) {
   kfac_local_push(&l, 1, ks);
   assert_int_equal(kfac_push(&d, "kf", 1, ks, 2, msg), GRPC_STATUS_OK);
   kfac_free_incs(ks);
-  Precond__V1__FetchResponse *f = wait_roots(&d, "kf", 2, 1);
+  Precond__V1__FetchResponse *f = wait_step_roots(&d, "kf", 2, 1);
   kfac_check_roots(&l, f);
   protobuf_c_message_free_unpacked(&f->base, NULL);
   /* Second push: the running average, inverses due (2 pushes). */
   kfac_local_push(&l, 2, ks);
   assert_int_equal(kfac_push(&d, "kf", 2, ks, 2, msg), GRPC_STATUS_OK);
   kfac_free_incs(ks);
-  f = wait_roots(&d, "kf", 2, 2);
+  f = wait_step_roots(&d, "kf", 2, 2);
   kfac_check_roots(&l, f);
   double pi2[2] = {f->preconditioners[0]->pi, f->preconditioners[1]->pi};
   protobuf_c_message_free_unpacked(&f->base, NULL);
@@ -1717,7 +1734,7 @@ static void test_kfac(void **state) {
   assert_int_equal(kfac_register(&d, "kf", ts, 3, 2, 0, &reg, msg), GRPC_STATUS_OK);
   assert_int_equal(reg->resumed_step, 3);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
-  f = wait_roots(&d, "kf", 2, 2);
+  f = wait_step_roots(&d, "kf", 2, 2);
   for (size_t u = 0; u < f->n_preconditioners; u++) /* restored, or already recomputed */
     assert_true(f->preconditioners[u]->pi > 0);
   protobuf_c_message_free_unpacked(&f->base, NULL);
@@ -1726,14 +1743,7 @@ static void test_kfac(void **state) {
   kfac_free_incs(ks);
   /* The restored daemon may first recompute the step-3 inverses (their statistics are newer
    * than the published ones): wait for those of step 4. */
-  for (int tries = 0;; tries++) {
-    f = wait_roots(&d, "kf", 2, 3);
-    if (f->preconditioners[0]->source_step == 4 && f->preconditioners[1]->source_step == 4)
-      break;
-    assert_true(tries < 1000);
-    protobuf_c_message_free_unpacked(&f->base, NULL);
-    sleep_ms(20);
-  }
+  f = wait_step_roots(&d, "kf", 2, 4);
   kfac_check_roots(&l, f);
   protobuf_c_message_free_unpacked(&f->base, NULL);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
