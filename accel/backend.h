@@ -51,12 +51,12 @@ extern "C" {
 
 enum {
   AC_OK = 0,
-  AC_EINVAL = -1,     /* bad argument (null pointer, size, stride, option out of range) */
-  AC_ENOMEM = -2,     /* host or device allocation failed */
-  AC_ENODEV = -3,     /* the backend is compiled in but no usable device exists */
-  AC_ENOTSUP = -4,    /* the backend (or feature) is not compiled into this build */
-  AC_EDEVICE = -5,    /* the device runtime, driver or a library (cuBLAS) reported an error */
-  AC_EMISMATCH = -6   /* objects from different backends, or shapes that do not match */
+  AC_EINVAL = -1,   /* bad argument (null pointer, size, stride, option out of range) */
+  AC_ENOMEM = -2,   /* host or device allocation failed */
+  AC_ENODEV = -3,   /* the backend is compiled in but no usable device exists */
+  AC_ENOTSUP = -4,  /* the backend (or feature) is not compiled into this build */
+  AC_EDEVICE = -5,  /* the device runtime, driver or a library (cuBLAS) reported an error */
+  AC_EMISMATCH = -6 /* objects from different backends, or shapes that do not match */
 };
 
 /* Returns a static, human-readable message for a status code. Never returns NULL. */
@@ -66,8 +66,8 @@ const char *ac_strerror(int status);
 /* Backends                                                                               */
 
 typedef enum {
-  AC_BACKEND_CPU = 0,   /* host memory, OpenBLAS; always available */
-  AC_BACKEND_CUDA = 1   /* one CUDA device, cuBLAS + own kernels; needs -Dcuda and a GPU */
+  AC_BACKEND_CPU = 0, /* host memory, OpenBLAS; always available */
+  AC_BACKEND_CUDA = 1 /* one CUDA device, cuBLAS + own kernels; needs -Dcuda and a GPU */
 } ac_backend_kind;
 
 typedef struct {
@@ -135,15 +135,15 @@ int ac_fill_i32(ac_backend *be, size_t n, int32_t *x, int32_t value);
 
 /* Strided 2-D copy: dst[i*ldd + j] = src[i*lds + j] for i < rows, j < cols (lds, ldd >= cols).
  * Extracts or inserts a block of a matrix. No aliasing. */
-int ac_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src, size_t lds,
-              float *dst, size_t ldd);
+int ac_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src, size_t lds, float *dst,
+              size_t ldd);
 
 /* Transpose of a C-contiguous tensor of ndim (1..AC_MAX_DIMS) dimensions shape[]: y has
  * shape y_shape[k] = shape[perm[k]] and y[idx] = x[idx'] where idx'[perm[k]] = idx[k].
  * perm must be a permutation of 0..ndim-1. No aliasing.
  * Example: attention heads, (B, T, 3, H, Dh) with perm {2, 0, 3, 1, 4} -> (3, B, H, T, Dh). */
-int ac_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
-               const float *x, float *y);
+int ac_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm, const float *x,
+               float *y);
 
 /* ------------------------------------------------------------------------------------ */
 /* Dense linear algebra                                                                   */
@@ -159,14 +159,14 @@ typedef enum { AC_NO_TRANS = 0, AC_TRANS = 1 } ac_trans;
  * batch > 1 (AC_EINVAL otherwise: accumulate across a batch by looping with beta = 1).
  * C must not overlap A or B. k == 0 gives C = beta C. */
 int ac_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k,
-                     float alpha, const float *a, size_t lda, size_t stride_a,
-                     const float *b, size_t ldb, size_t stride_b,
-                     float beta, float *c, size_t ldc, size_t stride_c, size_t batch);
+                     float alpha, const float *a, size_t lda, size_t stride_a, const float *b,
+                     size_t ldb, size_t stride_b, float beta, float *c, size_t ldc, size_t stride_c,
+                     size_t batch);
 
 /* ac_sgemm_batched with batch 1. */
-int ac_sgemm(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k,
-             float alpha, const float *a, size_t lda, const float *b, size_t ldb,
-             float beta, float *c, size_t ldc);
+int ac_sgemm(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, float alpha,
+             const float *a, size_t lda, const float *b, size_t ldb, float beta, float *c,
+             size_t ldc);
 
 /* Gram matrix into a packed upper triangle (the Shampoo statistics of a block):
  *   trans == AC_NO_TRANS: C = alpha A A^T + beta C, A is n x k (lda >= k): C = G G^T
@@ -174,8 +174,8 @@ int ac_sgemm(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_
  * C is n x n symmetric, packed upper (n(n+1)/2 values, ac_packed_len). EMA of statistics:
  * alpha = 1 - beta2, beta = beta2. Block of a larger gradient: a points at its first element
  * with lda the full row stride. No aliasing between A and C. */
-int ac_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
-                   const float *a, size_t lda, float beta, float *c_packed);
+int ac_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha, const float *a,
+                   size_t lda, float beta, float *c_packed);
 
 /* Packed upper (n(n+1)/2) to dense row-major n x n (ld >= n; both triangles written), and
  * dense (upper triangle read) to packed. For preconditioners fetched packed from precondd. */
@@ -189,10 +189,10 @@ size_t ac_packed_len(size_t n);
 /* Elementwise maps (n elements, contiguous; in-place allowed)                            */
 
 typedef enum {
-  AC_BIN_ADD = 0,  /* a + b */
-  AC_BIN_SUB,      /* a - b */
-  AC_BIN_MUL,      /* a * b */
-  AC_BIN_DIV       /* a / b (IEEE: x/0 is +-Inf or NaN) */
+  AC_BIN_ADD = 0, /* a + b */
+  AC_BIN_SUB,     /* a - b */
+  AC_BIN_MUL,     /* a * b */
+  AC_BIN_DIV      /* a / b (IEEE: x/0 is +-Inf or NaN) */
 } ac_binary_op;
 
 /* out[i] = a[i] op b[i]. */
@@ -201,25 +201,25 @@ int ac_binary(ac_backend *be, ac_binary_op op, size_t n, const float *a, const f
 
 /* out[i] = alpha x[i] + beta y[i]. axpy: out = y, beta = 1. scale: beta = 0 (y not read,
  * may be NULL). Residual add, gradient accumulation, SGD momentum, Nesterov lookahead. */
-int ac_axpby(ac_backend *be, size_t n, float alpha, const float *x, float beta,
-             const float *y, float *out);
+int ac_axpby(ac_backend *be, size_t n, float alpha, const float *x, float beta, const float *y,
+             float *out);
 
 /* out[i] = alpha x[i] + beta (scalar beta): scale and shift, e.g. var + eps. */
 int ac_affine(ac_backend *be, size_t n, float alpha, const float *x, float beta, float *out);
 
 typedef enum {
-  AC_UNARY_RELU = 0,  /* max(x, 0);                  d/dx: x > 0 ? 1 : 0 */
-  AC_UNARY_GELU,      /* tanh form: 0.5x(1 + tanh(s(x + 0.044715x^3))), s = sqrt(2/pi) */
-  AC_UNARY_EXP,       /* e^x */
-  AC_UNARY_LOG,       /* ln x */
-  AC_UNARY_SQRT,      /* sqrt x */
-  AC_UNARY_RSQRT,     /* 1/sqrt x */
+  AC_UNARY_RELU = 0, /* max(x, 0);                  d/dx: x > 0 ? 1 : 0 */
+  AC_UNARY_GELU,     /* tanh form: 0.5x(1 + tanh(s(x + 0.044715x^3))), s = sqrt(2/pi) */
+  AC_UNARY_EXP,      /* e^x */
+  AC_UNARY_LOG,      /* ln x */
+  AC_UNARY_SQRT,     /* sqrt x */
+  AC_UNARY_RSQRT,    /* 1/sqrt x */
   AC_UNARY_TANH,
-  AC_UNARY_SIGMOID,   /* 1/(1+e^-x) */
-  AC_UNARY_SQUARE,    /* x^2 */
-  AC_UNARY_ABS,       /* |x|;                         d/dx: sign(x), 0 at 0 */
-  AC_UNARY_NEG,       /* -x */
-  AC_UNARY_RECIP,     /* 1/x */
+  AC_UNARY_SIGMOID, /* 1/(1+e^-x) */
+  AC_UNARY_SQUARE,  /* x^2 */
+  AC_UNARY_ABS,     /* |x|;                         d/dx: sign(x), 0 at 0 */
+  AC_UNARY_NEG,     /* -x */
+  AC_UNARY_RECIP,   /* 1/x */
   AC_UNARY_COUNT
 } ac_unary_op;
 
@@ -231,8 +231,8 @@ int ac_unary(ac_backend *be, ac_unary_op op, size_t n, const float *x, float *ou
 
 /* Backward of ac_unary: dx[i] = dy[i] f'(x[i]), with x the forward INPUT. dx may alias dy
  * (or x). */
-int ac_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const float *x,
-                      const float *dy, float *dx);
+int ac_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const float *x, const float *dy,
+                      float *dx);
 
 /* ------------------------------------------------------------------------------------ */
 /* Broadcasts and reductions over a 3-axis view (outer, mid, inner) of a contiguous tensor:  */
@@ -248,10 +248,10 @@ int ac_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, size_t i
              const float *x, const float *v, float *out);
 
 typedef enum {
-  AC_REDUCE_SUM = 0,  /* sum */
-  AC_REDUCE_SUMSQ,    /* sum of squares */
-  AC_REDUCE_MAX,      /* maximum (-Inf for an empty set) */
-  AC_REDUCE_NORM2     /* sqrt of the sum of squares */
+  AC_REDUCE_SUM = 0, /* sum */
+  AC_REDUCE_SUMSQ,   /* sum of squares */
+  AC_REDUCE_MAX,     /* maximum (-Inf for an empty set) */
+  AC_REDUCE_NORM2    /* sqrt of the sum of squares */
 } ac_reduce_op;
 
 /* out[m] = alpha * R_{o,i} x[o][m][i] + beta * out[m], R the reduction op. beta = 0
@@ -259,8 +259,8 @@ typedef enum {
  * and must not alias x. Accumulation precision and order are backend-specific (CPU: double,
  * CUDA: float per thread, then a tree): results agree across backends to rounding, not
  * bitwise. */
-int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
-              float alpha, const float *x, float beta, float *out);
+int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner, float alpha,
+              const float *x, float beta, float *out);
 
 /* Per-channel passes of batch normalisation, on the same (outer, mid, inner) view with mid
  * the channel ((N, C, H*W) for images). Each walks the tensor once where the ac_reduce /
@@ -270,30 +270,29 @@ int ac_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t 
 
 /* mean[m] and the biased variance var[m] of the outer*inner values of channel m (var from
  * the double sums of x and x^2, clamped at 0). No aliasing. */
-int ac_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                       const float *x, float *mean, float *var);
+int ac_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner, const float *x,
+                       float *mean, float *var);
 
 /* y = x scale[m] + shift[m] (+ res, when res is not NULL), then max(., 0) when relu != 0:
  * batch norm's output (scale = gamma rstd, shift = beta - mean scale), the residual add and
  * the ReLU in one pass. y may alias x or res. */
-int ac_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                      const float *x, const float *scale, const float *shift,
-                      const float *res, int relu, float *y);
+int ac_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner, const float *x,
+                      const float *scale, const float *shift, const float *res, int relu, float *y);
 
 /* The sums of batch norm's backward, with g = dy where mask is NULL or mask > 0, else 0
  * (mask: the output of a fused ReLU): sum_g[m] = sum of g, sum_gx[m] = sum of
  * g (x - center[m]) over channel m; g itself is written to gout when it is not NULL (the
  * gradient a fused residual add hands on). gout may alias dy; nothing else aliases. */
-int ac_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                         const float *dy, const float *mask, const float *x,
-                         const float *center, float *gout, float *sum_g, float *sum_gx);
+int ac_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner, const float *dy,
+                         const float *mask, const float *x, const float *center, float *gout,
+                         float *sum_g, float *sum_gx);
 
 /* dx = a[m] g + b[m] x + c[m], g masked as in ac_channel_grad_sums (mask may be NULL);
  * b and c may be NULL (zero): batch norm's input gradient in one pass. dx may alias dy or
  * x. */
-int ac_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                       const float *dy, const float *mask, const float *x, const float *a,
-                       const float *b, const float *c, float *dx);
+int ac_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner, const float *dy,
+                       const float *mask, const float *x, const float *a, const float *b,
+                       const float *c, float *dx);
 
 /* Reductions of n contiguous values to a host double (waits for earlier work):
  * sum and sum of squares. For global-norm clipping and grafting norms: a norm is
@@ -343,39 +342,38 @@ int ac_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *prob
  * be NULL for none). mean and rstd (rows values each) are saved for the backward pass.
  * eps > 0. y may alias x. */
 int ac_layernorm_rows(ac_backend *be, size_t rows, size_t cols, float eps, const float *x,
-                         const float *gamma, const float *beta, float *y, float *mean,
-                         float *rstd);
+                      const float *gamma, const float *beta, float *y, float *mean, float *rstd);
 
 /* Backward of ac_layernorm_rows, with xhat = (x - mean) rstd and g = dy gamma:
  *   dx = rstd (g - mean_cols(g) - xhat mean_cols(g xhat)),
  *   dgamma += sum_rows(dy xhat), dbeta += sum_rows(dy)   (accumulated: zero them first).
  * dbeta may be NULL (no beta). dx may alias dy; nothing else aliases. */
 int ac_layernorm_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
-                          const float *gamma, const float *mean, const float *rstd,
-                          const float *dy, float *dx, float *dgamma, float *dbeta);
+                               const float *gamma, const float *mean, const float *rstd,
+                               const float *dy, float *dx, float *dgamma, float *dbeta);
 
 /* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters (embeddings)                                                      */
 
 /* out[r][:] = table[idx[r]][:] for r < n; table is table_rows x cols, out is n x cols,
  * idx device int32. An index outside [0, table_rows) writes a zero row. No aliasing. */
-int ac_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,
-                   size_t table_rows, const int32_t *idx, float *out);
+int ac_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table, size_t table_rows,
+                   const int32_t *idx, float *out);
 
 /* table[idx[r]][:] += src[r][:] for r < n (repeated indices add up; order, and therefore
  * rounding, is backend-specific). An index outside [0, table_rows) is skipped. The embedding
  * gradient: zero the table gradient first. No aliasing. */
-int ac_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src,
-                        const int32_t *idx, float *table, size_t table_rows);
+int ac_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src, const int32_t *idx,
+                        float *table, size_t table_rows);
 
 /* ------------------------------------------------------------------------------------ */
 /* Convolution and pooling (NCHW)                                                         */
 
 typedef struct {
-  size_t n, c, h, w;              /* input batch, channels, height, width */
-  size_t kh, kw;                  /* kernel (or pooling window) height and width, >= 1 */
-  size_t stride_h, stride_w;      /* >= 1 */
-  size_t pad_h, pad_w;            /* zero padding on each side; < kernel size */
+  size_t n, c, h, w;         /* input batch, channels, height, width */
+  size_t kh, kw;             /* kernel (or pooling window) height and width, >= 1 */
+  size_t stride_h, stride_w; /* >= 1 */
+  size_t pad_h, pad_w;       /* zero padding on each side; < kernel size */
 } ac_conv2d_geom;
 
 /* Output height and width: (h + 2 pad_h - kh) / stride_h + 1, likewise w. Returns AC_EINVAL
@@ -418,8 +416,8 @@ int ac_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, co
 
 /* Backward of ac_pool2d_forward: dx (n, c, h, w) is overwritten with the gradient from dy
  * (n, c, oh, ow). MAX needs the argmax of the forward pass. No aliasing. */
-int ac_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
-                       const float *dy, const int32_t *argmax, float *dx);
+int ac_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, const float *dy,
+                       const int32_t *argmax, float *dx);
 
 /* ------------------------------------------------------------------------------------ */
 /* Random numbers: counter-based, so every backend gives the same numbers                  */
@@ -430,27 +428,26 @@ int ac_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
 /* log/cos and agree to a few ulps. Advance offset by n between calls for fresh numbers.   */
 
 /* out[i] = lo + (hi - lo) u_i. */
-int ac_rand_uniform(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float lo,
-                    float hi, float *out);
+int ac_rand_uniform(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float lo, float hi,
+                    float *out);
 
 /* out[i] = mean + std * sqrt(-2 ln(1 - u_i)) cos(2 pi v_i), v_i from the low 24 bits of z. */
-int ac_rand_normal(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float mean,
-                   float std, float *out);
+int ac_rand_normal(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float mean, float std,
+                   float *out);
 
 /* Inverted dropout mask: mask[i] = u_i >= p ? 1 / (1 - p) : 0, 0 <= p < 1. Then y = x * mask
  * and dx = dy * mask with ac_binary(MUL). */
-int ac_dropout_mask(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float p,
-                    float *mask);
+int ac_dropout_mask(ac_backend *be, uint64_t seed, uint64_t offset, size_t n, float p, float *mask);
 
 /* ------------------------------------------------------------------------------------ */
 /* Fused optimizer step                                                                   */
 
 typedef struct {
-  float lr;            /* learning rate */
-  float beta1, beta2;  /* moment decays, in [0, 1) */
-  float eps;           /* > 0 */
-  float weight_decay;  /* decoupled (AdamW): p -= lr * wd * p; 0 for Adam */
-  long step;           /* 1-based step count, for the bias corrections 1 - beta^step */
+  float lr;           /* learning rate */
+  float beta1, beta2; /* moment decays, in [0, 1) */
+  float eps;          /* > 0 */
+  float weight_decay; /* decoupled (AdamW): p -= lr * wd * p; 0 for Adam */
+  long step;          /* 1-based step count, for the bias corrections 1 - beta^step */
 } ac_adamw_args;
 
 /* AdamW on n values, in place: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
@@ -468,13 +465,13 @@ typedef enum { AC_F32 = 0, AC_I32 = 1 } ac_dtype;
 /* A device tensor: C-contiguous data of numel elements. Fields are read-only for users;
  * set them with the functions below. */
 typedef struct {
-  ac_backend *be;               /* the backend holding data (not owned) */
+  ac_backend *be; /* the backend holding data (not owned) */
   ac_dtype dtype;
-  int ndim;                     /* 0 (scalar: numel 1) .. AC_MAX_DIMS */
-  size_t shape[AC_MAX_DIMS];    /* unused entries are 1 */
+  int ndim;                  /* 0 (scalar: numel 1) .. AC_MAX_DIMS */
+  size_t shape[AC_MAX_DIMS]; /* unused entries are 1 */
   size_t numel;
-  void *data;                   /* device pointer; NULL when numel == 0 */
-  int owns;                     /* 1 if ac_tensor_destroy frees data */
+  void *data; /* device pointer; NULL when numel == 0 */
+  int owns;   /* 1 if ac_tensor_destroy frees data */
 } ac_tensor;
 
 /* Allocates a zero-filled tensor on be (caller-allocated struct t; free with
@@ -502,9 +499,9 @@ int ac_tensor_download(const ac_tensor *t, void *host);
 /* A trainable parameter: value and gradient of the same shape on one backend, and a name
  * (the name precondd knows the tensor by, e.g. "block3.attn.qkv.weight"). */
 typedef struct {
-  char *name;         /* owned copy */
-  ac_tensor value;    /* f32 */
-  ac_tensor grad;     /* f32, same shape; zeroed at init */
+  char *name;      /* owned copy */
+  ac_tensor value; /* f32 */
+  ac_tensor grad;  /* f32, same shape; zeroed at init */
 } ac_param;
 
 /* Allocates value and grad (both zero) and copies name (non-empty, < 256 bytes). Free with

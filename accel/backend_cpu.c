@@ -19,8 +19,7 @@
 #include "ac_internal.h"
 
 /* cblas takes int sizes; the generic checks allow size_t. */
-static int blas_int_ok(size_t a, size_t b, size_t c, size_t d)
-{
+static int blas_int_ok(size_t a, size_t b, size_t c, size_t d) {
   return a <= INT_MAX && b <= INT_MAX && c <= INT_MAX && d <= INT_MAX;
 }
 
@@ -35,11 +34,11 @@ static int blas_int_ok(size_t a, size_t b, size_t c, size_t d)
 typedef void (*par_fn)(void *ctx, size_t lo, size_t hi);
 
 typedef struct cpu_pool {
-  int nthreads;          /* including the caller; 1: no workers were started */
-  pthread_t *workers;    /* nthreads - 1 */
+  int nthreads;       /* including the caller; 1: no workers were started */
+  pthread_t *workers; /* nthreads - 1 */
   pthread_mutex_t mu;
   pthread_cond_t go, done;
-  unsigned long gen;     /* bumped for every loop handed out */
+  unsigned long gen; /* bumped for every loop handed out */
   int pending, stop;
   par_fn fn;
   void *ctx;
@@ -51,35 +50,29 @@ typedef struct pool_worker_arg {
   int index;
 } pool_worker_arg;
 
-static void slice_of(size_t n, int parts, int i, size_t *lo, size_t *hi)
-{
+static void slice_of(size_t n, int parts, int i, size_t *lo, size_t *hi) {
   *lo = n * (size_t)i / (size_t)parts;
   *hi = n * (size_t)(i + 1) / (size_t)parts;
 }
 
-static void *pool_worker(void *arg)
-{
+static void *pool_worker(void *arg) {
   pool_worker_arg a = *(pool_worker_arg *)arg;
   free(arg);
   cpu_pool *p = a.pool;
   unsigned long seen = 0;
   pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (!p->stop && p->gen == seen)
-      pthread_cond_wait(&p->go, &p->mu);
-    if (p->stop)
-      break;
+    while (!p->stop && p->gen == seen) pthread_cond_wait(&p->go, &p->mu);
+    if (p->stop) break;
     seen = p->gen;
     par_fn fn = p->fn;
     void *ctx = p->ctx;
     size_t lo, hi;
     slice_of(p->n, p->nthreads, a.index, &lo, &hi);
     pthread_mutex_unlock(&p->mu);
-    if (lo < hi)
-      fn(ctx, lo, hi);
+    if (lo < hi) fn(ctx, lo, hi);
     pthread_mutex_lock(&p->mu);
-    if (--p->pending == 0)
-      pthread_cond_signal(&p->done);
+    if (--p->pending == 0) pthread_cond_signal(&p->done);
   }
   pthread_mutex_unlock(&p->mu);
   return NULL;
@@ -91,11 +84,9 @@ static void *pool_worker(void *arg)
 
 /* fn over [0, n) split across the pool; work: floats read and written, to skip threading
  * for small loops. */
-static void par_for(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx)
-{
+static void par_for(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx) {
   if (p->nthreads <= 1 || n < 2 || work < PAR_MIN_FLOATS) {
-    if (n > 0)
-      fn(ctx, 0, n);
+    if (n > 0) fn(ctx, 0, n);
     return;
   }
   pthread_mutex_lock(&p->mu);
@@ -108,23 +99,19 @@ static void par_for(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx)
   pthread_mutex_unlock(&p->mu);
   size_t lo, hi;
   slice_of(n, p->nthreads, 0, &lo, &hi);
-  if (lo < hi)
-    fn(ctx, lo, hi);
+  if (lo < hi) fn(ctx, lo, hi);
   pthread_mutex_lock(&p->mu);
-  while (p->pending > 0)
-    pthread_cond_wait(&p->done, &p->mu);
+  while (p->pending > 0) pthread_cond_wait(&p->done, &p->mu);
   pthread_mutex_unlock(&p->mu);
 }
 
-static void pool_stop(cpu_pool *p)
-{
+static void pool_stop(cpu_pool *p) {
   if (p->nthreads > 1) {
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
-    for (int i = 0; i < p->nthreads - 1; i++)
-      pthread_join(p->workers[i], NULL);
+    for (int i = 0; i < p->nthreads - 1; i++) pthread_join(p->workers[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->go);
     pthread_cond_destroy(&p->done);
@@ -136,21 +123,15 @@ static void pool_stop(cpu_pool *p)
 
 /* Starts nthreads - 1 workers; on any failure the pool runs everything on the caller
  * (nthreads 1): slower, never wrong. */
-static void pool_start(cpu_pool *p, int nthreads)
-{
+static void pool_start(cpu_pool *p, int nthreads) {
   memset(p, 0, sizeof *p);
   p->nthreads = 1;
-  if (nthreads <= 1)
-    return;
+  if (nthreads <= 1) return;
   p->workers = calloc((size_t)nthreads - 1, sizeof *p->workers);
-  if (p->workers == NULL)
-    return;
-  if (pthread_mutex_init(&p->mu, NULL) != 0)
-    goto fail_mu;
-  if (pthread_cond_init(&p->go, NULL) != 0)
-    goto fail_go;
-  if (pthread_cond_init(&p->done, NULL) != 0)
-    goto fail_done;
+  if (p->workers == NULL) return;
+  if (pthread_mutex_init(&p->mu, NULL) != 0) goto fail_mu;
+  if (pthread_cond_init(&p->go, NULL) != 0) goto fail_go;
+  if (pthread_cond_init(&p->done, NULL) != 0) goto fail_done;
   p->nthreads = nthreads;
   for (int i = 0; i < nthreads - 1; i++) {
     pool_worker_arg *a = malloc(sizeof *a);
@@ -183,71 +164,57 @@ typedef struct cpu_impl {
   cpu_pool pool;
 } cpu_impl;
 
-static cpu_pool *pool_of(ac_backend *be)
-{
+static cpu_pool *pool_of(ac_backend *be) {
   return &((cpu_impl *)be->impl)->pool;
 }
 
-static void cpu_destroy(ac_backend *be)
-{
+static void cpu_destroy(ac_backend *be) {
   cpu_impl *impl = be->impl;
-  if (impl != NULL)
-    pool_stop(&impl->pool);
+  if (impl != NULL) pool_stop(&impl->pool);
   free(impl);
   be->impl = NULL;
 }
 
-static int cpu_sync(ac_backend *be)
-{
+static int cpu_sync(ac_backend *be) {
   (void)be;
   return AC_OK;
 }
 
-static int cpu_malloc(ac_backend *be, size_t bytes, void **out)
-{
+static int cpu_malloc(ac_backend *be, size_t bytes, void **out) {
   (void)be;
   size_t rounded = (bytes + 255u) / 256u * 256u;
-  if (rounded < bytes)
-    return AC_ENOMEM;
+  if (rounded < bytes) return AC_ENOMEM;
   *out = aligned_alloc(256, rounded);
   return *out != NULL ? AC_OK : AC_ENOMEM;
 }
 
-static void cpu_free(ac_backend *be, void *p)
-{
+static void cpu_free(ac_backend *be, void *p) {
   (void)be;
   free(p);
 }
 
-static int cpu_memcpy(ac_backend *be, void *dst, const void *src, size_t bytes)
-{
+static int cpu_memcpy(ac_backend *be, void *dst, const void *src, size_t bytes) {
   (void)be;
   memcpy(dst, src, bytes);
   return AC_OK;
 }
 
-static int cpu_fill_f32(ac_backend *be, size_t n, float *x, float value)
-{
+static int cpu_fill_f32(ac_backend *be, size_t n, float *x, float value) {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    x[i] = value;
+  for (size_t i = 0; i < n; i++) x[i] = value;
   return AC_OK;
 }
 
-static int cpu_fill_i32(ac_backend *be, size_t n, int32_t *x, int32_t value)
-{
+static int cpu_fill_i32(ac_backend *be, size_t n, int32_t *x, int32_t value) {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    x[i] = value;
+  for (size_t i = 0; i < n; i++) x[i] = value;
   return AC_OK;
 }
 
 static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src, size_t lds,
-                      float *dst, size_t ldd)
-{
+                      float *dst, size_t ldd) {
   (void)be;
-  for (size_t i = 0; i < rows; i++)
-    memcpy(dst + i * ldd, src + i * lds, cols * sizeof(float));
+  for (size_t i = 0; i < rows; i++) memcpy(dst + i * ldd, src + i * lds, cols * sizeof(float));
   return AC_OK;
 }
 
@@ -255,8 +222,7 @@ static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src
  * the last axis stays last (a conv's (oc, n, ohw) -> (n, oc, ohw)), whole rows of it are
  * copied at once. */
 static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
-                       const float *x, float *y)
-{
+                       const float *x, float *y) {
   (void)be;
   size_t xstride[AC_MAX_DIMS], ystride[AC_MAX_DIMS], yshape[AC_MAX_DIMS], idx[AC_MAX_DIMS];
   size_t numel = 1;
@@ -274,15 +240,13 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
   }
   for (size_t o = 0; o < numel; o += run) {
     size_t src = 0;
-    for (int d = 0; d < outer; d++)
-      src += idx[d] * ystride[d];
+    for (int d = 0; d < outer; d++) src += idx[d] * ystride[d];
     if (run > 1)
       memcpy(y + o, x + src, run * sizeof *y);
     else
       y[o] = x[src];
     for (int d = outer - 1; d >= 0; d--) {
-      if (++idx[d] < yshape[d])
-        break;
+      if (++idx[d] < yshape[d]) break;
       idx[d] = 0;
     }
   }
@@ -295,17 +259,14 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
  * (ResNet-20 step, wall clock, --threads 2: 680 -> 530 ms with this). */
 #define SMALL_GEMM_MACS 4000000.0
 
-static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n,
-                             size_t k, float alpha, const float *a, size_t lda,
-                             size_t stride_a, const float *b, size_t ldb, size_t stride_b,
-                             float beta, float *c, size_t ldc, size_t stride_c, size_t batch)
-{
+static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k,
+                             float alpha, const float *a, size_t lda, size_t stride_a,
+                             const float *b, size_t ldb, size_t stride_b, float beta, float *c,
+                             size_t ldc, size_t stride_c, size_t batch) {
   const cpu_impl *impl = be->impl;
-  if (!blas_int_ok(m, n, k, 1) || !blas_int_ok(lda, ldb, ldc, 1))
-    return AC_EINVAL;
+  if (!blas_int_ok(m, n, k, 1) || !blas_int_ok(lda, ldb, ldc, 1)) return AC_EINVAL;
   int one_thread = impl->threads > 1 && (double)m * (double)n * (double)k < SMALL_GEMM_MACS;
-  if (one_thread)
-    openblas_set_num_threads(1);
+  if (one_thread) openblas_set_num_threads(1);
   for (size_t i = 0; i < batch; i++) {
     float *ci = c + i * stride_c;
     if (k == 0) {
@@ -319,26 +280,22 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
                 tb == AC_TRANS ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k, alpha,
                 a + i * stride_a, (int)lda, b + i * stride_b, (int)ldb, beta, ci, (int)ldc);
   }
-  if (one_thread)
-    openblas_set_num_threads(impl->threads);
+  if (one_thread) openblas_set_num_threads(impl->threads);
   return AC_OK;
 }
 
 /* Dense n x n Gram matrix (upper triangle) by ssyrk into scratch, then packed with beta. */
 static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
-                           const float *a, size_t lda, float beta, float *c_packed)
-{
+                           const float *a, size_t lda, float beta, float *c_packed) {
   (void)be;
   float *dense = NULL;
 
-  if (!blas_int_ok(n, k, lda, 1))
-    return AC_EINVAL;
+  if (!blas_int_ok(n, k, lda, 1)) return AC_EINVAL;
   if (k > 0) {
     dense = calloc(n * n, sizeof *dense); /* zeroed: BLAS may scale C by beta = 0 */
-    if (dense == NULL)
-      return AC_ENOMEM;
-    cblas_ssyrk(CblasRowMajor, CblasUpper, trans == AC_TRANS ? CblasTrans : CblasNoTrans,
-                (int)n, (int)k, alpha, a, (int)lda, 0.0f, dense, (int)n);
+    if (dense == NULL) return AC_ENOMEM;
+    cblas_ssyrk(CblasRowMajor, CblasUpper, trans == AC_TRANS ? CblasTrans : CblasNoTrans, (int)n,
+                (int)k, alpha, a, (int)lda, 0.0f, dense, (int)n);
   }
   size_t p = 0;
   for (size_t i = 0; i < n; i++)
@@ -350,9 +307,7 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
   return AC_OK;
 }
 
-static int cpu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense,
-                          size_t ld)
-{
+static int cpu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld) {
   (void)be;
   size_t p = 0;
   for (size_t i = 0; i < n; i++)
@@ -363,14 +318,11 @@ static int cpu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *
   return AC_OK;
 }
 
-static int cpu_pack_sym(ac_backend *be, size_t n, const float *dense, size_t ld,
-                        float *packed)
-{
+static int cpu_pack_sym(ac_backend *be, size_t n, const float *dense, size_t ld, float *packed) {
   (void)be;
   size_t p = 0;
   for (size_t i = 0; i < n; i++)
-    for (size_t j = i; j < n; j++, p++)
-      packed[p] = dense[i * ld + j];
+    for (size_t j = i; j < n; j++, p++) packed[p] = dense[i * ld + j];
   return AC_OK;
 }
 
@@ -381,74 +333,59 @@ static int cpu_pack_sym(ac_backend *be, size_t n, const float *dense, size_t ld,
  * it, and GCC's runtime overlap check keeps exact aliasing on the vector path. */
 
 /* out[i] = a[i] op b[i] */
-static void binary_vv(ac_binary_op op, size_t n, const float *a, const float *b, float *out)
-{
+static void binary_vv(ac_binary_op op, size_t n, const float *a, const float *b, float *out) {
   switch (op) {
-  case AC_BIN_ADD:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] + b[i];
-    break;
-  case AC_BIN_SUB:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] - b[i];
-    break;
-  case AC_BIN_MUL:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] * b[i];
-    break;
-  default:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] / b[i];
-    break;
+    case AC_BIN_ADD:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+      break;
+    case AC_BIN_SUB:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] - b[i];
+      break;
+    case AC_BIN_MUL:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+      break;
+    default:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] / b[i];
+      break;
   }
 }
 
 /* out[i] = a[i] op s */
-static void binary_vs(ac_binary_op op, size_t n, const float *a, float s, float *out)
-{
+static void binary_vs(ac_binary_op op, size_t n, const float *a, float s, float *out) {
   switch (op) {
-  case AC_BIN_ADD:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] + s;
-    break;
-  case AC_BIN_SUB:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] - s;
-    break;
-  case AC_BIN_MUL:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] * s;
-    break;
-  default:
-    for (size_t i = 0; i < n; i++)
-      out[i] = a[i] / s;
-    break;
+    case AC_BIN_ADD:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] + s;
+      break;
+    case AC_BIN_SUB:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] - s;
+      break;
+    case AC_BIN_MUL:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] * s;
+      break;
+    default:
+      for (size_t i = 0; i < n; i++) out[i] = a[i] / s;
+      break;
   }
 }
 
-static int cpu_binary(ac_backend *be, ac_binary_op op, size_t n, const float *a,
-                      const float *b, float *out)
-{
+static int cpu_binary(ac_backend *be, ac_binary_op op, size_t n, const float *a, const float *b,
+                      float *out) {
   (void)be;
   binary_vv(op, n, a, b, out);
   return AC_OK;
 }
 
 static int cpu_axpby(ac_backend *be, size_t n, float alpha, const float *x, float beta,
-                     const float *y, float *out)
-{
+                     const float *y, float *out) {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    out[i] = beta == 0.0f ? alpha * x[i] : alpha * x[i] + beta * y[i];
+  for (size_t i = 0; i < n; i++) out[i] = beta == 0.0f ? alpha * x[i] : alpha * x[i] + beta * y[i];
   return AC_OK;
 }
 
 static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, float beta,
-                      float *out)
-{
+                      float *out) {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    out[i] = alpha * x[i] + beta;
+  for (size_t i = 0; i < n; i++) out[i] = alpha * x[i] + beta;
   return AC_OK;
 }
 
@@ -474,8 +411,7 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
  * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
  * 2^n built in the exponent bits. Relative error about 2 ulp; x >= 88.4 gives +Inf
  * (n = 128 lands in the exponent of Inf), the overflow GELU relies on. */
-AC__CPU_VEC static inline float exp_poly(float x)
-{
+AC__CPU_VEC static inline float exp_poly(float x) {
   float t = x * 1.44269504088896341f + 12582912.0f;
   float n = t - 12582912.0f;
   float r = x - n * 0.693359375f;
@@ -502,16 +438,14 @@ AC__CPU_VEC static inline float exp_poly(float x)
  * The clamps let NaN through; e overflows to Inf (s = 0) below x = -5.9 or so. Accuracy
  * against the same formula in double (test_backend's gelu_accuracy): relative error under
  * 3e-7 (1 + |2u|) (the |2u| part is the rounding of u itself, amplified by e^(-2u)). */
-AC__CPU_VEC static inline float gelu_exp(float x)
-{
+AC__CPU_VEC static inline float gelu_exp(float x) {
   float m2u = -2.0f * AC__GELU_S * (x + AC__GELU_C * x * x * x);
   m2u = m2u < -87.0f ? -87.0f : m2u;
   m2u = m2u > 89.0f ? 89.0f : m2u;
   return exp_poly(m2u);
 }
 
-AC__CPU_CLONES AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out)
-{
+AC__CPU_CLONES AC__CPU_VEC static void gelu_forward(size_t n, const float *x, float *out) {
   for (size_t i = 0; i < n; i++) {
     float v = x[i];
     out[i] = v / (1.0f + gelu_exp(v));
@@ -521,8 +455,8 @@ AC__CPU_CLONES AC__CPU_VEC static void gelu_forward(size_t n, const float *x, fl
 /* d/dx [x s(2u)] = s + 2 x s (1 - s) u', with 1 - s = e s (no cancellation as s -> 1). The
  * second term is below 1e-33 for |x| > 40, so x is clamped there to keep x u' finite, and
  * it is 0 where s is (e = Inf would make it Inf * 0). */
-AC__CPU_CLONES AC__CPU_VEC static void gelu_backward(size_t n, const float *x, const float *dy, float *dx)
-{
+AC__CPU_CLONES AC__CPU_VEC static void gelu_backward(size_t n, const float *x, const float *dy,
+                                                     float *dx) {
   for (size_t i = 0; i < n; i++) {
     float v = x[i], e = gelu_exp(v), s = 1.0f / (1.0f + e);
     float xc = v < -40.0f ? -40.0f : v;
@@ -533,51 +467,44 @@ AC__CPU_CLONES AC__CPU_VEC static void gelu_backward(size_t n, const float *x, c
   }
 }
 
-static int cpu_unary(ac_backend *be, ac_unary_op op, size_t n, const float *x, float *out)
-{
+static int cpu_unary(ac_backend *be, ac_unary_op op, size_t n, const float *x, float *out) {
   (void)be;
   switch (op) {
-  case AC_UNARY_RELU:
-    for (size_t i = 0; i < n; i++)
-      out[i] = x[i] > 0.0f ? x[i] : 0.0f;
-    break;
-  case AC_UNARY_GELU:
-    gelu_forward(n, x, out);
-    break;
-  case AC_UNARY_SQUARE:
-    for (size_t i = 0; i < n; i++)
-      out[i] = x[i] * x[i];
-    break;
-  case AC_UNARY_NEG:
-    for (size_t i = 0; i < n; i++)
-      out[i] = -x[i];
-    break;
-  default: /* libm ops: not on a hot path */
-    for (size_t i = 0; i < n; i++)
-      out[i] = ac__unary_value(op, x[i]);
-    break;
+    case AC_UNARY_RELU:
+      for (size_t i = 0; i < n; i++) out[i] = x[i] > 0.0f ? x[i] : 0.0f;
+      break;
+    case AC_UNARY_GELU:
+      gelu_forward(n, x, out);
+      break;
+    case AC_UNARY_SQUARE:
+      for (size_t i = 0; i < n; i++) out[i] = x[i] * x[i];
+      break;
+    case AC_UNARY_NEG:
+      for (size_t i = 0; i < n; i++) out[i] = -x[i];
+      break;
+    default: /* libm ops: not on a hot path */
+      for (size_t i = 0; i < n; i++) out[i] = ac__unary_value(op, x[i]);
+      break;
   }
   return AC_OK;
 }
 
 static int cpu_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const float *x,
-                              const float *dy, float *dx)
-{
+                              const float *dy, float *dx) {
   (void)be;
   switch (op) {
-  case AC_UNARY_RELU:
-    for (size_t i = 0; i < n; i++) {
-      float d = dy[i]; /* loaded unconditionally, so that the select vectorises */
-      dx[i] = x[i] > 0.0f ? d : 0.0f;
-    }
-    break;
-  case AC_UNARY_GELU:
-    gelu_backward(n, x, dy, dx);
-    break;
-  default:
-    for (size_t i = 0; i < n; i++)
-      dx[i] = dy[i] * ac__unary_deriv(op, x[i]);
-    break;
+    case AC_UNARY_RELU:
+      for (size_t i = 0; i < n; i++) {
+        float d = dy[i]; /* loaded unconditionally, so that the select vectorises */
+        dx[i] = x[i] > 0.0f ? d : 0.0f;
+      }
+      break;
+    case AC_UNARY_GELU:
+      gelu_backward(n, x, dy, dx);
+      break;
+    default:
+      for (size_t i = 0; i < n; i++) dx[i] = dy[i] * ac__unary_deriv(op, x[i]);
+      break;
   }
   return AC_OK;
 }
@@ -585,12 +512,10 @@ static int cpu_unary_backward(ac_backend *be, ac_unary_op op, size_t n, const fl
 /* Rows of inner values against one scalar each; inner == 1 (a bias over rows of mid
  * values) runs along mid instead, so that both shapes have a long contiguous loop. */
 static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, size_t inner,
-                     const float *x, const float *v, float *out)
-{
+                     const float *x, const float *v, float *out) {
   (void)be;
   if (inner == 1) {
-    for (size_t o = 0; o < outer; o++)
-      binary_vv(op, mid, x + o * mid, v, out + o * mid);
+    for (size_t o = 0; o < outer; o++) binary_vv(op, mid, x + o * mid, v, out + o * mid);
     return AC_OK;
   }
   for (size_t o = 0; o < outer; o++)
@@ -603,23 +528,19 @@ static int cpu_bcast(ac_backend *be, ac_binary_op op, size_t outer, size_t mid, 
 
 /* Sum (or sum of squares) of one contiguous row in double, in 8 interleaved partial sums so
  * that the loop vectorises (the order differs from a left-to-right sum; all in double). */
-static double row_sum(size_t n, const float *x, int squares)
-{
+static double row_sum(size_t n, const float *x, int squares) {
   double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   size_t i = 0;
   if (squares) {
     for (; i + 8 <= n; i += 8)
-      for (size_t j = 0; j < 8; j++)
-        part[j] += (double)x[i + j] * (double)x[i + j];
+      for (size_t j = 0; j < 8; j++) part[j] += (double)x[i + j] * (double)x[i + j];
   } else {
     for (; i + 8 <= n; i += 8)
-      for (size_t j = 0; j < 8; j++)
-        part[j] += (double)x[i + j];
+      for (size_t j = 0; j < 8; j++) part[j] += (double)x[i + j];
   }
-  double acc = ((part[0] + part[4]) + (part[1] + part[5])) +
-               ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; i < n; i++)
-    acc += squares ? (double)x[i] * (double)x[i] : (double)x[i];
+  double acc =
+      ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; i < n; i++) acc += squares ? (double)x[i] * (double)x[i] : (double)x[i];
   return acc;
 }
 
@@ -627,14 +548,11 @@ static double row_sum(size_t n, const float *x, int squares)
  * inner == 1 (bias gradients reduce down columns) adds whole rows of mid values at once,
  * so both stream through x once with a contiguous inner loop. */
 static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid, size_t inner,
-                      float alpha, const float *x, float beta, float *out)
-{
+                      float alpha, const float *x, float beta, float *out) {
   (void)be;
   double *acc = malloc(mid * sizeof *acc);
-  if (acc == NULL)
-    return AC_ENOMEM;
-  for (size_t m = 0; m < mid; m++)
-    acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
+  if (acc == NULL) return AC_ENOMEM;
+  for (size_t m = 0; m < mid; m++) acc[m] = op == AC_REDUCE_MAX ? -INFINITY : 0.0;
   if (op == AC_REDUCE_MAX) {
     for (size_t o = 0; o < outer; o++)
       for (size_t m = 0; m < mid; m++) {
@@ -651,17 +569,14 @@ static int cpu_reduce(ac_backend *be, ac_reduce_op op, size_t outer, size_t mid,
     for (size_t o = 0; o < outer; o++) {
       const float *row = x + o * mid;
       if (sq)
-        for (size_t m = 0; m < mid; m++)
-          acc[m] += (double)row[m] * (double)row[m];
+        for (size_t m = 0; m < mid; m++) acc[m] += (double)row[m] * (double)row[m];
       else
-        for (size_t m = 0; m < mid; m++)
-          acc[m] += (double)row[m];
+        for (size_t m = 0; m < mid; m++) acc[m] += (double)row[m];
     }
   } else {
     int sq = op != AC_REDUCE_SUM;
     for (size_t o = 0; o < outer; o++)
-      for (size_t m = 0; m < mid; m++)
-        acc[m] += row_sum(inner, x + (o * mid + m) * inner, sq);
+      for (size_t m = 0; m < mid; m++) acc[m] += row_sum(inner, x + (o * mid + m) * inner, sq);
   }
   for (size_t m = 0; m < mid; m++) {
     double a = op == AC_REDUCE_NORM2 ? sqrt(acc[m]) : acc[m];
@@ -683,8 +598,7 @@ typedef struct chan_args {
   int relu;
 } chan_args;
 
-static void moments_slice(void *ctx, size_t lo, size_t hi)
-{
+static void moments_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
   double count = (double)(a->outer * a->inner);
   for (size_t m = lo; m < hi; m++) {
@@ -701,16 +615,13 @@ static void moments_slice(void *ctx, size_t lo, size_t hi)
 }
 
 static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                               const float *x, float *mean, float *var)
-{
-  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .out0 = mean,
-                 .out1 = var};
+                               const float *x, float *mean, float *var) {
+  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .out0 = mean, .out1 = var};
   par_for(pool_of(be), mid, (double)(outer * mid * inner), moments_slice, &a);
   return AC_OK;
 }
 
-AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi)
-{
+AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -723,35 +634,38 @@ AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi)
         y[i] = v > 0.0f ? v : 0.0f;
       }
     else if (res != NULL)
-      for (size_t i = 0; i < a->inner; i++)
-        y[i] = x[i] * sc + sh + res[i];
+      for (size_t i = 0; i < a->inner; i++) y[i] = x[i] * sc + sh + res[i];
     else if (a->relu)
       for (size_t i = 0; i < a->inner; i++) {
         float v = x[i] * sc + sh;
         y[i] = v > 0.0f ? v : 0.0f;
       }
     else
-      for (size_t i = 0; i < a->inner; i++)
-        y[i] = x[i] * sc + sh;
+      for (size_t i = 0; i < a->inner; i++) y[i] = x[i] * sc + sh;
   }
 }
 
 static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t inner,
                               const float *x, const float *scale, const float *shift,
-                              const float *res, int relu, float *y)
-{
-  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .p0 = scale,
-                 .p1 = shift, .res = res, .relu = relu, .out = y};
-  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (res ? 3 : 2),
-          affine_slice, &a);
+                              const float *res, int relu, float *y) {
+  chan_args a = {.outer = outer,
+                 .mid = mid,
+                 .inner = inner,
+                 .x = x,
+                 .p0 = scale,
+                 .p1 = shift,
+                 .res = res,
+                 .relu = relu,
+                 .out = y};
+  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (res ? 3 : 2), affine_slice,
+          &a);
   return AC_OK;
 }
 
 /* The masked gradient g of a row (written to gout, or to a stack block when there is no
  * gout; dy itself when neither a mask nor gout asks for a copy), then its two sums in
  * double with 4 interleaved partials (vectorisable; a fixed order). */
-AC__CPU_VEC static void grad_sums_slice(void *ctx, size_t lo, size_t hi)
-{
+AC__CPU_VEC static void grad_sums_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
   enum { BLOCK = 1024 };
   float stack[BLOCK];
@@ -798,17 +712,22 @@ AC__CPU_VEC static void grad_sums_slice(void *ctx, size_t lo, size_t hi)
 
 static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_t inner,
                                  const float *dy, const float *mask, const float *x,
-                                 const float *center, float *gout, float *sum_g,
-                                 float *sum_gx)
-{
-  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .y = dy, .mask = mask, .x = x,
-                 .p0 = center, .out = gout, .out0 = sum_g, .out1 = sum_gx};
+                                 const float *center, float *gout, float *sum_g, float *sum_gx) {
+  chan_args a = {.outer = outer,
+                 .mid = mid,
+                 .inner = inner,
+                 .y = dy,
+                 .mask = mask,
+                 .x = x,
+                 .p0 = center,
+                 .out = gout,
+                 .out0 = sum_g,
+                 .out1 = sum_gx};
   par_for(pool_of(be), mid, (double)(outer * mid * inner) * 3, grad_sums_slice, &a);
   return AC_OK;
 }
 
-AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi)
-{
+AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -824,43 +743,44 @@ AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi)
         dx[i] = ca * g + cb * x[i] + cc;
       }
     } else {
-      for (size_t i = 0; i < a->inner; i++)
-        dx[i] = ca * dy[i] + cb * x[i] + cc;
+      for (size_t i = 0; i < a->inner; i++) dx[i] = ca * dy[i] + cb * x[i] + cc;
     }
   }
 }
 
 static int cpu_channel_combine(ac_backend *be, size_t outer, size_t mid, size_t inner,
-                               const float *dy, const float *mask, const float *x,
-                               const float *a_, const float *b, const float *c, float *dx)
-{
-  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .y = dy, .mask = mask, .x = x,
-                 .p0 = a_, .p1 = b, .p2 = c, .out = dx};
-  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (mask ? 4 : 3),
-          combine_slice, &a);
+                               const float *dy, const float *mask, const float *x, const float *a_,
+                               const float *b, const float *c, float *dx) {
+  chan_args a = {.outer = outer,
+                 .mid = mid,
+                 .inner = inner,
+                 .y = dy,
+                 .mask = mask,
+                 .x = x,
+                 .p0 = a_,
+                 .p1 = b,
+                 .p2 = c,
+                 .out = dx};
+  par_for(pool_of(be), outer * mid, (double)(outer * mid * inner) * (mask ? 4 : 3), combine_slice,
+          &a);
   return AC_OK;
 }
 
-static int cpu_sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out)
-{
+static int cpu_sum_to_host(ac_backend *be, size_t n, const float *x, int squares, double *out) {
   (void)be;
   double acc = 0.0;
-  for (size_t i = 0; i < n; i++)
-    acc += squares ? (double)x[i] * x[i] : (double)x[i];
+  for (size_t i = 0; i < n; i++) acc += squares ? (double)x[i] * x[i] : (double)x[i];
   *out = acc;
   return AC_OK;
 }
 
-static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x,
-                           int32_t *idx)
-{
+static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, int32_t *idx) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     const float *row = x + r * cols;
     size_t best = 0;
     for (size_t j = 1; j < cols; j++)
-      if (row[j] > row[best])
-        best = j;
+      if (row[j] > row[best]) best = j;
     idx[r] = (int32_t)best;
   }
   return AC_OK;
@@ -868,8 +788,7 @@ static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float
 
 /* e^x for every x <= 0 (softmax's shifted logits): exp_poly, with exact zeros below the
  * smallest normal result (masked entries are -Inf). NaN stays NaN. */
-AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y)
-{
+AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y) {
   for (size_t i = 0; i < n; i++) {
     float v = x[i], c = v < -87.0f ? -87.0f : v;
     float e = exp_poly(c);
@@ -879,58 +798,46 @@ AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, floa
 
 /* Softmax of one row; returns the log of the normaliser plus the max (the log-sum-exp).
  * The exponentials are exp_poly's (about 2 ulp); the sum is in double. */
-static float softmax_row(size_t cols, const float *x, float *y)
-{
+static float softmax_row(size_t cols, const float *x, float *y) {
   float mx = -INFINITY;
-  for (size_t j = 0; j < cols; j++)
-    mx = x[j] > mx ? x[j] : mx;
+  for (size_t j = 0; j < cols; j++) mx = x[j] > mx ? x[j] : mx;
   binary_vs(AC_BIN_SUB, cols, x, mx, y);
   exp_nonpos(cols, y, y);
   double sum = row_sum(cols, y, 0);
   float inv = (float)(1.0 / sum);
-  for (size_t j = 0; j < cols; j++)
-    y[j] *= inv;
+  for (size_t j = 0; j < cols; j++) y[j] *= inv;
   return mx + (float)log(sum);
 }
 
-static int cpu_softmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x,
-                            float *y)
-{
+static int cpu_softmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, float *y) {
   (void)be;
-  for (size_t r = 0; r < rows; r++)
-    softmax_row(cols, x + r * cols, y + r * cols);
+  for (size_t r = 0; r < rows; r++) softmax_row(cols, x + r * cols, y + r * cols);
   return AC_OK;
 }
 
 static int cpu_softmax_rows_backward(ac_backend *be, size_t rows, size_t cols, const float *y,
-                                     const float *dy, float *dx)
-{
+                                     const float *dy, float *dx) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     const float *yr = y + r * cols, *dyr = dy + r * cols;
     float *dxr = dx + r * cols;
     double dot = 0.0;
-    for (size_t j = 0; j < cols; j++)
-      dot += (double)dyr[j] * yr[j];
-    for (size_t j = 0; j < cols; j++)
-      dxr[j] = yr[j] * (dyr[j] - (float)dot);
+    for (size_t j = 0; j < cols; j++) dot += (double)dyr[j] * yr[j];
+    for (size_t j = 0; j < cols; j++) dxr[j] = yr[j] * (dyr[j] - (float)dot);
   }
   return AC_OK;
 }
 
-static int cpu_mask_causal(ac_backend *be, size_t batch, size_t t, float *x, float value)
-{
+static int cpu_mask_causal(ac_backend *be, size_t batch, size_t t, float *x, float value) {
   (void)be;
   for (size_t b = 0; b < batch; b++)
     for (size_t i = 0; i < t; i++)
-      for (size_t j = i + 1; j < t; j++)
-        x[(b * t + i) * t + j] = value;
+      for (size_t j = i + 1; j < t; j++) x[(b * t + i) * t + j] = value;
   return AC_OK;
 }
 
 static int cpu_xent_forward(ac_backend *be, size_t rows, size_t cols, const float *logits,
-                            const int32_t *labels, float *probs, float *loss)
-{
+                            const int32_t *labels, float *probs, float *loss) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     const float *x = logits + r * cols;
@@ -944,8 +851,7 @@ static int cpu_xent_forward(ac_backend *be, size_t rows, size_t cols, const floa
 }
 
 static int cpu_xent_backward(ac_backend *be, size_t rows, size_t cols, const float *probs,
-                             const int32_t *labels, float scale, float *dlogits)
-{
+                             const int32_t *labels, float scale, float *dlogits) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     int32_t label = labels[r];
@@ -959,19 +865,16 @@ static int cpu_xent_backward(ac_backend *be, size_t rows, size_t cols, const flo
 }
 
 static int cpu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float eps,
-                                 const float *x, const float *gamma, const float *beta,
-                                 float *y, float *mean, float *rstd)
-{
+                                 const float *x, const float *gamma, const float *beta, float *y,
+                                 float *mean, float *rstd) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     const float *xr = x + r * cols;
     float *yr = y + r * cols;
     double s = 0.0, q = 0.0;
-    for (size_t j = 0; j < cols; j++)
-      s += xr[j];
+    for (size_t j = 0; j < cols; j++) s += xr[j];
     double mu = s / (double)cols;
-    for (size_t j = 0; j < cols; j++)
-      q += (xr[j] - mu) * (xr[j] - mu);
+    for (size_t j = 0; j < cols; j++) q += (xr[j] - mu) * (xr[j] - mu);
     float m = (float)mu, rs = (float)(1.0 / sqrt(q / (double)cols + eps));
     mean[r] = m;
     rstd[r] = rs;
@@ -983,8 +886,7 @@ static int cpu_layernorm_forward(ac_backend *be, size_t rows, size_t cols, float
 
 static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, const float *x,
                                   const float *gamma, const float *mean, const float *rstd,
-                                  const float *dy, float *dx, float *dgamma, float *dbeta)
-{
+                                  const float *dy, float *dx, float *dgamma, float *dbeta) {
   (void)be;
   for (size_t r = 0; r < rows; r++) {
     const float *xr = x + r * cols, *dyr = dy + r * cols;
@@ -996,8 +898,7 @@ static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, cons
       sg += g;
       sgx += (double)g * xhat;
       dgamma[j] += dyr[j] * xhat;
-      if (dbeta != NULL)
-        dbeta[j] += dyr[j];
+      if (dbeta != NULL) dbeta[j] += dyr[j];
     }
     float mg = (float)(sg / (double)cols), mgx = (float)(sgx / (double)cols);
     for (size_t j = 0; j < cols; j++) {
@@ -1009,8 +910,7 @@ static int cpu_layernorm_backward(ac_backend *be, size_t rows, size_t cols, cons
 }
 
 static int cpu_gather_rows(ac_backend *be, size_t n, size_t cols, const float *table,
-                           size_t table_rows, const int32_t *idx, float *out)
-{
+                           size_t table_rows, const int32_t *idx, float *out) {
   (void)be;
   for (size_t r = 0; r < n; r++) {
     if (idx[r] >= 0 && (size_t)idx[r] < table_rows)
@@ -1022,44 +922,37 @@ static int cpu_gather_rows(ac_backend *be, size_t n, size_t cols, const float *t
 }
 
 static int cpu_scatter_add_rows(ac_backend *be, size_t n, size_t cols, const float *src,
-                                const int32_t *idx, float *table, size_t table_rows)
-{
+                                const int32_t *idx, float *table, size_t table_rows) {
   (void)be;
   for (size_t r = 0; r < n; r++) {
-    if (idx[r] < 0 || (size_t)idx[r] >= table_rows)
-      continue;
+    if (idx[r] < 0 || (size_t)idx[r] >= table_rows) continue;
     float *dst = table + (size_t)idx[r] * cols;
-    for (size_t j = 0; j < cols; j++)
-      dst[j] += src[r * cols + j];
+    for (size_t j = 0; j < cols; j++) dst[j] += src[r * cols + j];
   }
   return AC_OK;
 }
 
 /* Input coordinate of output coordinate o and kernel tap p: o*stride + p - pad, which is
  * negative (as a wrapped size_t: >= size) in the padding. */
-static size_t in_coord(size_t o, size_t stride, size_t p, size_t pad)
-{
+static size_t in_coord(size_t o, size_t stride, size_t p, size_t pad) {
   return o * stride + p - pad;
 }
 
 /* The output columns xo whose input column xo*stride + q - pad lies inside [0, w):
  * [*lo, *hi), so that a row of the column matrix is zeros, a (strided) copy, zeros. */
 static void valid_cols(size_t w, size_t ow, size_t stride, size_t q, size_t pad, size_t *lo,
-                       size_t *hi)
-{
+                       size_t *hi) {
   size_t l = q >= pad ? 0 : (pad - q + stride - 1) / stride;
   size_t h = w + pad <= q ? 0 : (w + pad - q + stride - 1) / stride;
   *lo = l < ow ? l : ow;
   *hi = h < ow ? h : ow;
-  if (*hi < *lo)
-    *hi = *lo;
+  if (*hi < *lo) *hi = *lo;
 }
 
 /* Where row r = (ch, p, q) of image b starts in the column matrix: ac_im2col's layout
  * (n, ckk, ohw) or ac_im2col_batch's (ckk, n ohw), where image b's outputs sit at column
  * b ohw of rows n ohw long. */
-static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b, size_t r)
-{
+static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b, size_t r) {
   size_t ckk = g->c * g->kh * g->kw;
   return merged ? r * g->n * ohw + b * ohw : (b * ckk + r) * ohw;
 }
@@ -1068,9 +961,8 @@ static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b,
  * row (or zeros in the padding), copied over its valid columns. Images [b_lo, b_hi) only,
  * so that workers can split a batch: every image's columns are written by exactly one
  * call. */
-static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
-                          const float *x, float *col, size_t b_lo, size_t b_hi)
-{
+static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged, const float *x,
+                          float *col, size_t b_lo, size_t b_hi) {
   size_t ohw = oh * ow, sw = g->stride_w;
   for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
@@ -1089,16 +981,12 @@ static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int mer
             }
             /* Short rows (a few dozen values): plain loops beat library calls here. */
             const float *src = plane + iy * g->w + (lo * sw + q - g->pad_w);
-            for (size_t i = 0; i < lo; i++)
-              dst[i] = 0.0f;
+            for (size_t i = 0; i < lo; i++) dst[i] = 0.0f;
             if (sw == 1)
-              for (size_t i = 0; i < hi - lo; i++)
-                dst[lo + i] = src[i];
+              for (size_t i = 0; i < hi - lo; i++) dst[lo + i] = src[i];
             else
-              for (size_t i = 0; i < hi - lo; i++)
-                dst[lo + i] = src[i * sw];
-            for (size_t i = hi; i < ow; i++)
-              dst[i] = 0.0f;
+              for (size_t i = 0; i < hi - lo; i++) dst[lo + i] = src[i * sw];
+            for (size_t i = hi; i < ow; i++) dst[i] = 0.0f;
           }
         }
     }
@@ -1107,8 +995,7 @@ static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int mer
 /* The transpose of im2col for images [b_lo, b_hi): every row segment of the column matrix
  * added back over its valid columns into the image, which is zeroed first. */
 static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
-                          const float *col, float *x, size_t b_lo, size_t b_hi)
-{
+                          const float *col, float *x, size_t b_lo, size_t b_hi) {
   size_t ohw = oh * ow, sw = g->stride_w, chw = g->c * g->h * g->w;
   memset(x + b_lo * chw, 0, (b_hi - b_lo) * chw * sizeof(float));
   for (size_t b = b_lo; b < b_hi; b++)
@@ -1121,16 +1008,13 @@ static void col2im_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int mer
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
           for (size_t y = 0; y < oh; y++) {
             size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
-            if (iy >= g->h || hi == lo)
-              continue;
+            if (iy >= g->h || hi == lo) continue;
             const float *src = row + y * ow + lo;
             float *dst = plane + iy * g->w + (lo * sw + q - g->pad_w);
             if (sw == 1)
-              for (size_t i = 0; i < hi - lo; i++)
-                dst[i] += src[i];
+              for (size_t i = 0; i < hi - lo; i++) dst[i] += src[i];
             else
-              for (size_t i = 0; i < hi - lo; i++)
-                dst[i * sw] += src[i];
+              for (size_t i = 0; i < hi - lo; i++) dst[i * sw] += src[i];
           }
         }
     }
@@ -1144,43 +1028,37 @@ typedef struct lower_args {
   float *dst;
 } lower_args;
 
-static void im2col_slice(void *ctx, size_t lo, size_t hi)
-{
+static void im2col_slice(void *ctx, size_t lo, size_t hi) {
   const lower_args *a = ctx;
   im2col_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
 
-static void col2im_slice(void *ctx, size_t lo, size_t hi)
-{
+static void col2im_slice(void *ctx, size_t lo, size_t hi) {
   const lower_args *a = ctx;
   col2im_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
 
 /* Both split the batch by images across the pool. */
 static void lower(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
-                  const float *src, float *dst, par_fn slice)
-{
+                  const float *src, float *dst, par_fn slice) {
   lower_args a = {g, oh, ow, merged, src, dst};
   par_for(pool_of(be), g->n, (double)(g->n * g->c * g->kh * g->kw * oh * ow), slice, &a);
 }
 
-static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      int merged, const float *x, float *col)
-{
+static int cpu_im2col(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                      const float *x, float *col) {
   lower(be, g, oh, ow, merged, x, col, im2col_slice);
   return AC_OK;
 }
 
-static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow,
-                      int merged, const float *col, float *x)
-{
+static int cpu_col2im(ac_backend *be, const ac_conv2d_geom *g, size_t oh, size_t ow, int merged,
+                      const float *col, float *x) {
   lower(be, g, oh, ow, merged, col, x, col2im_slice);
   return AC_OK;
 }
 
-static int cpu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
-                              size_t oh, size_t ow, const float *x, float *y, int32_t *argmax)
-{
+static int cpu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,
+                              size_t ow, const float *x, float *y, int32_t *argmax) {
   (void)be;
   float inv = 1.0f / (float)(g->kh * g->kw);
   for (size_t pl = 0; pl < g->n * g->c; pl++) {
@@ -1193,8 +1071,7 @@ static int cpu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geo
           for (size_t q = 0; q < g->kw; q++) {
             size_t iy = in_coord(yo, g->stride_h, p, g->pad_h);
             size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
-            if (iy >= g->h || ix >= g->w)
-              continue;
+            if (iy >= g->h || ix >= g->w) continue;
             float v = plane[iy * g->w + ix];
             sum += v;
             if (besti == SIZE_MAX || v > best) {
@@ -1204,17 +1081,14 @@ static int cpu_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geo
           }
         size_t o = (pl * oh + yo) * ow + xo;
         y[o] = op == AC_POOL_MAX ? best : sum * inv;
-        if (argmax != NULL)
-          argmax[o] = (int32_t)besti;
+        if (argmax != NULL) argmax[o] = (int32_t)besti;
       }
   }
   return AC_OK;
 }
 
-static int cpu_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g,
-                               size_t oh, size_t ow, const float *dy, const int32_t *argmax,
-                               float *dx)
-{
+static int cpu_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, size_t oh,
+                               size_t ow, const float *dy, const int32_t *argmax, float *dx) {
   (void)be;
   size_t hw = g->h * g->w;
   float inv = 1.0f / (float)(g->kh * g->kw);
@@ -1226,35 +1100,30 @@ static int cpu_pool2d_backward(ac_backend *be, ac_pool_op op, const ac_conv2d_ge
         size_t o = (pl * oh + yo) * ow + xo;
         if (op == AC_POOL_MAX) {
           /* argmax comes from device memory: an index outside the plane is ignored. */
-          if (argmax[o] >= 0 && (size_t)argmax[o] < hw)
-            plane[argmax[o]] += dy[o];
+          if (argmax[o] >= 0 && (size_t)argmax[o] < hw) plane[argmax[o]] += dy[o];
           continue;
         }
         for (size_t p = 0; p < g->kh; p++)
           for (size_t q = 0; q < g->kw; q++) {
             size_t iy = in_coord(yo, g->stride_h, p, g->pad_h);
             size_t ix = in_coord(xo, g->stride_w, q, g->pad_w);
-            if (iy < g->h && ix < g->w)
-              plane[iy * g->w + ix] += dy[o] * inv;
+            if (iy < g->h && ix < g->w) plane[iy * g->w + ix] += dy[o] * inv;
           }
       }
   }
   return AC_OK;
 }
 
-static int cpu_rand(ac_backend *be, int dist, uint64_t seed, uint64_t offset, size_t n,
-                    float a, float b, float *out)
-{
+static int cpu_rand(ac_backend *be, int dist, uint64_t seed, uint64_t offset, size_t n, float a,
+                    float b, float *out) {
   (void)be;
-  for (size_t i = 0; i < n; i++)
-    out[i] = ac__rand_value(dist, seed, offset + i, a, b);
+  for (size_t i = 0; i < n; i++) out[i] = ac__rand_value(dist, seed, offset + i, a, b);
   return AC_OK;
 }
 
-static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m,
-                            float *v, float lr, float beta1, float beta2, float eps, float wd,
-                            float bc1, float bc2)
-{
+static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m, float *v,
+                            float lr, float beta1, float beta2, float eps, float wd, float bc1,
+                            float bc2) {
   (void)be;
   for (size_t i = 0; i < n; i++) {
     m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
@@ -1266,61 +1135,59 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
 }
 
 static const ac__ops cpu_ops = {
-  .destroy = cpu_destroy,
-  .sync = cpu_sync,
-  .malloc_ = cpu_malloc,
-  .free_ = cpu_free,
-  .memcpy_h2d = cpu_memcpy,
-  .memcpy_d2h = cpu_memcpy,
-  .memcpy_d2d = cpu_memcpy,
-  .fill_f32 = cpu_fill_f32,
-  .fill_i32 = cpu_fill_i32,
-  .copy2d = cpu_copy2d,
-  .permute = cpu_permute,
-  .sgemm_batched = cpu_sgemm_batched,
-  .syrk_packed = cpu_syrk_packed,
-  .unpack_sym = cpu_unpack_sym,
-  .pack_sym = cpu_pack_sym,
-  .binary = cpu_binary,
-  .axpby = cpu_axpby,
-  .affine = cpu_affine,
-  .unary = cpu_unary,
-  .unary_backward = cpu_unary_backward,
-  .bcast = cpu_bcast,
-  .reduce = cpu_reduce,
-  .channel_moments = cpu_channel_moments,
-  .channel_affine = cpu_channel_affine,
-  .channel_grad_sums = cpu_channel_grad_sums,
-  .channel_combine = cpu_channel_combine,
-  .sum_to_host = cpu_sum_to_host,
-  .argmax_rows = cpu_argmax_rows,
-  .softmax_rows = cpu_softmax_rows,
-  .softmax_rows_backward = cpu_softmax_rows_backward,
-  .mask_causal = cpu_mask_causal,
-  .xent_forward = cpu_xent_forward,
-  .xent_backward = cpu_xent_backward,
-  .layernorm_forward = cpu_layernorm_forward,
-  .layernorm_backward = cpu_layernorm_backward,
-  .gather_rows = cpu_gather_rows,
-  .scatter_add_rows = cpu_scatter_add_rows,
-  .im2col = cpu_im2col,
-  .col2im = cpu_col2im,
-  .pool2d_forward = cpu_pool2d_forward,
-  .pool2d_backward = cpu_pool2d_backward,
-  .rand = cpu_rand,
-  .adamw_update = cpu_adamw_update,
+    .destroy = cpu_destroy,
+    .sync = cpu_sync,
+    .malloc_ = cpu_malloc,
+    .free_ = cpu_free,
+    .memcpy_h2d = cpu_memcpy,
+    .memcpy_d2h = cpu_memcpy,
+    .memcpy_d2d = cpu_memcpy,
+    .fill_f32 = cpu_fill_f32,
+    .fill_i32 = cpu_fill_i32,
+    .copy2d = cpu_copy2d,
+    .permute = cpu_permute,
+    .sgemm_batched = cpu_sgemm_batched,
+    .syrk_packed = cpu_syrk_packed,
+    .unpack_sym = cpu_unpack_sym,
+    .pack_sym = cpu_pack_sym,
+    .binary = cpu_binary,
+    .axpby = cpu_axpby,
+    .affine = cpu_affine,
+    .unary = cpu_unary,
+    .unary_backward = cpu_unary_backward,
+    .bcast = cpu_bcast,
+    .reduce = cpu_reduce,
+    .channel_moments = cpu_channel_moments,
+    .channel_affine = cpu_channel_affine,
+    .channel_grad_sums = cpu_channel_grad_sums,
+    .channel_combine = cpu_channel_combine,
+    .sum_to_host = cpu_sum_to_host,
+    .argmax_rows = cpu_argmax_rows,
+    .softmax_rows = cpu_softmax_rows,
+    .softmax_rows_backward = cpu_softmax_rows_backward,
+    .mask_causal = cpu_mask_causal,
+    .xent_forward = cpu_xent_forward,
+    .xent_backward = cpu_xent_backward,
+    .layernorm_forward = cpu_layernorm_forward,
+    .layernorm_backward = cpu_layernorm_backward,
+    .gather_rows = cpu_gather_rows,
+    .scatter_add_rows = cpu_scatter_add_rows,
+    .im2col = cpu_im2col,
+    .col2im = cpu_col2im,
+    .pool2d_forward = cpu_pool2d_forward,
+    .pool2d_backward = cpu_pool2d_backward,
+    .rand = cpu_rand,
+    .adamw_update = cpu_adamw_update,
 };
 
-int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen)
-{
+int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen) {
   cpu_impl *impl = malloc(sizeof *impl);
   if (impl == NULL) {
     snprintf(err, errlen, "cpu backend: out of memory");
     return AC_ENOMEM;
   }
   impl->threads = opts->threads;
-  if (opts->threads > 0)
-    openblas_set_num_threads(opts->threads);
+  if (opts->threads > 0) openblas_set_num_threads(opts->threads);
   pool_start(&impl->pool, opts->threads > 0 ? opts->threads : openblas_get_num_threads());
   be->ops = &cpu_ops;
   be->impl = impl;

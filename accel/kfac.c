@@ -13,7 +13,9 @@
 /* ------------------------------------------------------------------------------------ */
 /* Argument checks                                                                        */
 
-static int scale_ok(float s) { return s > 0.0f && isfinite(s); }
+static int scale_ok(float s) {
+  return s > 0.0f && isfinite(s);
+}
 
 static int dense_check(const ac_backend *be, size_t rows, size_t n, const void *x, size_t ld,
                        const void *out) {
@@ -44,11 +46,9 @@ static int append_ones(ac_backend *be, size_t rows, size_t in, const float *a, s
 
 int ac_kfac_dense_factor_a(ac_backend *be, size_t rows, size_t in, const float *a, size_t lda,
                            int has_bias, float *a_packed, float *ws) {
-  if (dense_check(be, rows, in, a, lda, a_packed) != AC_OK || (has_bias && !ws))
-    return AC_EINVAL;
+  if (dense_check(be, rows, in, a, lda, a_packed) != AC_OK || (has_bias && !ws)) return AC_EINVAL;
   const float alpha = 1.0f / (float)rows;
-  if (!has_bias)
-    return ac_syrk_packed(be, AC_TRANS, in, rows, alpha, a, lda, 0.0f, a_packed);
+  if (!has_bias) return ac_syrk_packed(be, AC_TRANS, in, rows, alpha, a, lda, 0.0f, a_packed);
   int rc = append_ones(be, rows, in, a, lda, ws);
   if (rc != AC_OK) return rc;
   return ac_syrk_packed(be, AC_TRANS, in + 1, rows, alpha, ws, in + 1, 0.0f, a_packed);
@@ -77,16 +77,14 @@ static int syrk_images(ac_backend *be, size_t nimg, size_t n, size_t npos, const
                        float alpha, int accumulate, float *packed) {
   for (size_t b = 0; b < nimg; b++) {
     float beta = accumulate || b > 0 ? 1.0f : 0.0f;
-    int rc = ac_syrk_packed(be, AC_NO_TRANS, n, npos, alpha, x + b * n * npos, npos, beta,
-                            packed);
+    int rc = ac_syrk_packed(be, AC_NO_TRANS, n, npos, alpha, x + b * n * npos, npos, beta, packed);
     if (rc != AC_OK) return rc;
   }
   return AC_OK;
 }
 
-int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos,
-                          const float *col, int has_bias, size_t batch, int accumulate,
-                          float *a_packed, float *ws) {
+int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos, const float *col,
+                          int has_bias, size_t batch, int accumulate, float *a_packed, float *ws) {
   if (conv_check(be, nimg, ckk, npos, col, batch, a_packed) != AC_OK || (has_bias && !ws))
     return AC_EINVAL;
   const float alpha = (float)(1.0 / ((double)batch * (double)npos));
@@ -99,9 +97,8 @@ int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos,
   return syrk_images(be, nimg, ckk + 1, npos, ws, alpha, accumulate, a_packed);
 }
 
-int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos,
-                          const float *dy, float loss_scale, size_t batch, int accumulate,
-                          float *g_packed) {
+int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos, const float *dy,
+                          float loss_scale, size_t batch, int accumulate, float *g_packed) {
   if (conv_check(be, nimg, out_c, npos, dy, batch, g_packed) != AC_OK || !scale_ok(loss_scale))
     return AC_EINVAL;
   const float alpha = (float)((double)loss_scale * loss_scale / (double)batch);
@@ -115,15 +112,14 @@ size_t ac_kfac_conv_cols_workspace_floats(size_t ckk, size_t cols, int has_bias)
 /* The columns hold every position of the chunk side by side, so the sum over images and
  * positions is one syrk of the (n, cols) matrix: no per-image calls. */
 int ac_kfac_conv_cols_factor_a(ac_backend *be, size_t ckk, size_t cols, const float *col,
-                               size_t ldc, size_t npos, int has_bias, size_t batch,
-                               int accumulate, float *a_packed, float *ws) {
+                               size_t ldc, size_t npos, int has_bias, size_t batch, int accumulate,
+                               float *a_packed, float *ws) {
   if (dense_check(be, ckk, cols, col, ldc, a_packed) != AC_OK || npos == 0 || batch == 0 ||
       (has_bias && !ws))
     return AC_EINVAL;
   const float alpha = (float)(1.0 / ((double)batch * (double)npos));
   const float beta = accumulate ? 1.0f : 0.0f;
-  if (!has_bias)
-    return ac_syrk_packed(be, AC_NO_TRANS, ckk, cols, alpha, col, ldc, beta, a_packed);
+  if (!has_bias) return ac_syrk_packed(be, AC_NO_TRANS, ckk, cols, alpha, col, ldc, beta, a_packed);
   /* A row of ones under the columns: one fill, then the copy over all but the last row. */
   int rc = ac_fill_f32(be, (ckk + 1) * cols, ws, 1.0f);
   if (rc == AC_OK) rc = ac_copy2d(be, ckk, cols, col, ldc, ws, cols);
@@ -138,22 +134,23 @@ int ac_kfac_conv_cols_factor_g(ac_backend *be, size_t out_c, size_t cols, const 
       !scale_ok(loss_scale))
     return AC_EINVAL;
   const float alpha = (float)((double)loss_scale * loss_scale / (double)batch);
-  return ac_syrk_packed(be, AC_NO_TRANS, out_c, cols, alpha, dyc, ldd,
-                        accumulate ? 1.0f : 0.0f, g_packed);
+  return ac_syrk_packed(be, AC_NO_TRANS, out_c, cols, alpha, dyc, ldd, accumulate ? 1.0f : 0.0f,
+                        g_packed);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Batch norm: diagonal Fisher                                                            */
 
-size_t ac_kfac_bn_workspace_floats(size_t n, size_t c, size_t hw) { return n * c * hw + n * c; }
+size_t ac_kfac_bn_workspace_floats(size_t n, size_t c, size_t hw) {
+  return n * c * hw + n * c;
+}
 
 /* f[c] = (s^2 / n) sum_n (sum_hw x[n][c][hw])^2, with ws the n * c per-example sums. */
-static int per_example_sumsq(ac_backend *be, size_t n, size_t c, size_t hw, const float *x,
-                             float s, float *f, float *ws) {
+static int per_example_sumsq(ac_backend *be, size_t n, size_t c, size_t hw, const float *x, float s,
+                             float *f, float *ws) {
   int rc = ac_reduce(be, AC_REDUCE_SUM, 1, n * c, hw, 1.0f, x, 0.0f, ws);
   if (rc != AC_OK) return rc;
-  return ac_reduce(be, AC_REDUCE_SUMSQ, n, c, 1, (float)((double)s * s / (double)n), ws, 0.0f,
-                   f);
+  return ac_reduce(be, AC_REDUCE_SUMSQ, n, c, 1, (float)((double)s * s / (double)n), ws, 0.0f, f);
 }
 
 int ac_kfac_bn_fisher(ac_backend *be, size_t n, size_t c, size_t hw, const float *dy,
@@ -169,8 +166,8 @@ int ac_kfac_bn_fisher(ac_backend *be, size_t n, size_t c, size_t hw, const float
   return rc;
 }
 
-int ac_kfac_bn_precondition(ac_backend *be, size_t count, const float *grad,
-                            const float *fisher, float damping, float *p, float *ws) {
+int ac_kfac_bn_precondition(ac_backend *be, size_t count, const float *grad, const float *fisher,
+                            float damping, float *p, float *ws) {
   if (!be || !grad || !fisher || !p || !ws || !scale_ok(damping)) return AC_EINVAL;
   int rc = ac_affine(be, count, 1.0f, fisher, damping, ws);
   return rc == AC_OK ? ac_binary(be, AC_BIN_DIV, count, grad, ws, p) : rc;
@@ -202,9 +199,8 @@ static int scatter_update(ac_backend *be, size_t out, size_t in, const float *r,
   return rc == AC_OK ? ac_copy2d(be, out, 1, r + in, in + 1, pb, 1) : rc;
 }
 
-int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
-                         const float *gb, const float *g_inv, const float *a_inv, float *pw,
-                         float *pb, float *ws) {
+int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw, const float *gb,
+                         const float *g_inv, const float *a_inv, float *pw, float *pb, float *ws) {
   if (!be || out == 0 || in == 0 || !gw || !g_inv || !a_inv || !pw || !ws) return AC_EINVAL;
   if ((gb == NULL) != (pb == NULL)) return AC_EINVAL;
   const size_t n = in + (gb ? 1 : 0);
@@ -213,8 +209,7 @@ int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
   int rc = gather_grad(be, out, in, gw, gb, ws, &grad);
   /* t = G^-1 grad; then t A^-1 into pw directly, or into the workspace to split it. */
   if (rc == AC_OK)
-    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, g_inv, out, grad, n, 0.0f,
-                  t, n);
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, g_inv, out, grad, n, 0.0f, t, n);
   float *dst = gb ? ws : pw;
   if (rc == AC_OK)
     rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, n, 1.0f, t, n, a_inv, n, 0.0f, dst, n);
@@ -227,11 +222,9 @@ size_t ac_kfac_eigen_precondition_workspace_floats(size_t out, size_t in, int ha
 }
 
 int ac_kfac_eigen_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
-                               const float *gb, const float *qg, const float *vg,
-                               const float *qa, const float *va, float lambda, float *pw,
-                               float *pb, float *ws) {
-  if (!be || out == 0 || in == 0 || !gw || !qg || !vg || !qa || !va || !pw || !ws)
-    return AC_EINVAL;
+                               const float *gb, const float *qg, const float *vg, const float *qa,
+                               const float *va, float lambda, float *pw, float *pb, float *ws) {
+  if (!be || out == 0 || in == 0 || !gw || !qg || !vg || !qa || !va || !pw || !ws) return AC_EINVAL;
   if ((gb == NULL) != (pb == NULL) || !(lambda >= 0.0f) || !isfinite(lambda)) return AC_EINVAL;
   const size_t n = in + (gb ? 1 : 0);
   float *t = ws + out * n, *den = t + out * n;
@@ -268,8 +261,8 @@ int ac_kfac_kl_clip(ac_backend *be, const ac_kfac_pg *layers, size_t nlayers, do
   for (size_t l = 0; l < nlayers && rc == AC_OK; l++) {
     size_t k = layers[l].count;
     if (k > 0)
-      rc = ac_sgemm(be, AC_NO_TRANS, AC_TRANS, 1, 1, k, 1.0f, layers[l].p, k, layers[l].grad,
-                    k, 1.0f, dev1, 1);
+      rc = ac_sgemm(be, AC_NO_TRANS, AC_TRANS, 1, 1, k, 1.0f, layers[l].p, k, layers[l].grad, k,
+                    1.0f, dev1, 1);
   }
   float sum = 0.0f;
   if (rc == AC_OK) rc = ac_memcpy_d2h(be, &sum, dev1, sizeof sum);

@@ -85,8 +85,8 @@ struct ac_batchnorm;
 typedef struct {
   ac_hook_kind kind;
   const ac_param *weight, *bias;
-  size_t batch, first, nimg;   /* conv: images of the step, the chunk's first, its count */
-  size_t rows, cols;           /* dense: rows (cols = 0); conv: cols = nimg npos */
+  size_t batch, first, nimg; /* conv: images of the step, the chunk's first, its count */
+  size_t rows, cols;         /* dense: rows (cols = 0); conv: cols = nimg npos */
   size_t in, out, npos;
   const float *a, *g, *relu_y;
   size_t lda, ldg;
@@ -94,8 +94,8 @@ typedef struct {
 } ac_hook_view;
 
 typedef struct {
-  int (*fn)(void *ctx, const ac_hook_view *view);  /* NULL: no hook */
-  void *ctx;                                        /* the hook's own, passed back */
+  int (*fn)(void *ctx, const ac_hook_view *view); /* NULL: no hook */
+  void *ctx;                                      /* the hook's own, passed back */
 } ac_hook;
 
 /* Linear: y = x W^T + b, x (rows, in), W (out, in) "<p>.weight", b (out) "<p>.bias" (when
@@ -130,8 +130,8 @@ typedef struct {
   float *y;
 } ac_embedding;
 
-int ac_embedding_init(ac_embedding *l, ac_backend *be, const char *prefix, size_t vocab,
-                      size_t dim, size_t max_rows, uint64_t seed);
+int ac_embedding_init(ac_embedding *l, ac_backend *be, const char *prefix, size_t vocab, size_t dim,
+                      size_t max_rows, uint64_t seed);
 void ac_embedding_destroy(ac_embedding *l);
 int ac_embedding_params(ac_embedding *l, ac_param_list *list);
 int ac_embedding_forward(ac_embedding *l, const int32_t *idx, size_t rows, const float **y);
@@ -147,12 +147,11 @@ typedef struct {
   float *y;
 } ac_posembed;
 
-int ac_posembed_init(ac_posembed *l, ac_backend *be, const char *prefix, size_t max_t,
-                     size_t dim, size_t max_batch, uint64_t seed);
+int ac_posembed_init(ac_posembed *l, ac_backend *be, const char *prefix, size_t max_t, size_t dim,
+                     size_t max_batch, uint64_t seed);
 void ac_posembed_destroy(ac_posembed *l);
 int ac_posembed_params(ac_posembed *l, ac_param_list *list);
-int ac_posembed_forward(ac_posembed *l, const float *x, size_t batch, size_t t,
-                        const float **y);
+int ac_posembed_forward(ac_posembed *l, const float *x, size_t batch, size_t t, const float **y);
 int ac_posembed_backward(ac_posembed *l, const float *dy, const float **dx);
 
 /* Layer normalisation over the last axis: y = (x - mean) / sqrt(var + eps) * g + b per row
@@ -168,8 +167,8 @@ typedef struct {
   float *y, *mean, *rstd, *dx;
 } ac_layernorm;
 
-int ac_layernorm_init(ac_layernorm *l, ac_backend *be, const char *prefix, size_t dim,
-                      float eps, size_t max_rows);
+int ac_layernorm_init(ac_layernorm *l, ac_backend *be, const char *prefix, size_t dim, float eps,
+                      size_t max_rows);
 void ac_layernorm_destroy(ac_layernorm *l);
 int ac_layernorm_params(ac_layernorm *l, ac_param_list *list);
 int ac_layernorm_forward(ac_layernorm *l, const float *x, size_t rows, const float **y);
@@ -201,8 +200,7 @@ typedef struct {
 
 int ac_residual_init(ac_residual *l, ac_backend *be, size_t max_n);
 void ac_residual_destroy(ac_residual *l);
-int ac_residual_forward(ac_residual *l, const float *a, const float *b, size_t n,
-                        const float **y);
+int ac_residual_forward(ac_residual *l, const float *a, const float *b, size_t n, const float **y);
 int ac_residual_backward(ac_residual *l, const float *dy, const float **da, const float **db);
 
 /* Inverted dropout with probability p (0 <= p < 1): in AC_MODE_TRAIN y = x * mask with the
@@ -236,12 +234,11 @@ typedef struct {
   float *probs, *ctx, *dprobs, *dqkv;
 } ac_attention;
 
-int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim,
-                      size_t heads, size_t max_t, size_t max_batch, uint64_t seed);
+int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim, size_t heads,
+                      size_t max_t, size_t max_batch, uint64_t seed);
 void ac_attention_destroy(ac_attention *l);
 int ac_attention_params(ac_attention *l, ac_param_list *list);
-int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t,
-                         const float **y);
+int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t, const float **y);
 int ac_attention_backward(ac_attention *l, const float *dy, const float **dx);
 
 /* Softmax cross-entropy over a vocabulary: logits (rows, classes), labels device int32 (a
@@ -259,7 +256,7 @@ typedef struct {
 int ac_celoss_init(ac_celoss *l, ac_backend *be, size_t classes, size_t max_rows);
 void ac_celoss_destroy(ac_celoss *l);
 int ac_celoss_forward(ac_celoss *l, const float *logits, const int32_t *labels, size_t rows,
-                    double *loss);
+                      double *loss);
 int ac_celoss_backward(ac_celoss *l, const float **dlogits);
 
 /* 2-D convolution, NCHW, by im2col + gemm: x (n, in_c, h, w) -> y (n, out_c, oh, ow) with
@@ -272,20 +269,20 @@ int ac_celoss_backward(ac_celoss *l, const float **dlogits);
  * recomputes im2col rather than keeping it. */
 typedef struct {
   ac_backend *be;
-  ac_conv2d_geom g;       /* g.n is max_batch */
+  ac_conv2d_geom g; /* g.n is max_batch */
   size_t out_c, oh, ow, chunk, batch;
   int has_bias, ready, owns_ws;
   ac_param weight, bias;
   const float *x;
   float *ws, *y, *dx;
-  ac_hook hook;           /* curvature hook (see above); zero after init */
+  ac_hook hook; /* curvature hook (see above); zero after init */
 } ac_conv2d;
 
 size_t ac_conv2d_workspace_floats(size_t in_c, size_t out_c, size_t k, size_t oh, size_t ow,
                                   size_t chunk);
-int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c,
-                   size_t out_c, size_t h, size_t w, size_t k, size_t stride, size_t pad,
-                   int bias, size_t max_batch, size_t chunk, float *workspace, uint64_t seed);
+int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c, size_t out_c,
+                   size_t h, size_t w, size_t k, size_t stride, size_t pad, int bias,
+                   size_t max_batch, size_t chunk, float *workspace, uint64_t seed);
 void ac_conv2d_destroy(ac_conv2d *l);
 int ac_conv2d_params(ac_conv2d *l, ac_param_list *list);
 int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y);
@@ -313,11 +310,11 @@ typedef struct ac_batchnorm {
   ac_tensor running_mean, running_var;
   const float *x;
   float *y, *dx, *dres, *mean, *rstd, *s1, *s2, *coef;
-  ac_hook hook;           /* curvature hook (see above); zero after init */
+  ac_hook hook; /* curvature hook (see above); zero after init */
 } ac_batchnorm;
 
-int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c,
-                      size_t hw, float eps, float momentum, size_t max_batch);
+int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c, size_t hw,
+                      float eps, float momentum, size_t max_batch);
 void ac_batchnorm_destroy(ac_batchnorm *l);
 /* Fuses a ReLU into the output (allocates the buffer backward_res hands out). */
 int ac_batchnorm_fuse_relu(ac_batchnorm *l);
@@ -339,15 +336,15 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
 typedef struct {
   ac_backend *be;
   ac_pool_op op;
-  ac_conv2d_geom g;       /* g.n is max_batch */
+  ac_conv2d_geom g; /* g.n is max_batch */
   size_t oh, ow, batch;
   int ready;
   int32_t *argmax;
   float *y, *dx;
 } ac_pool;
 
-int ac_pool_init(ac_pool *l, ac_backend *be, ac_pool_op op, size_t c, size_t h, size_t w,
-                   size_t k, size_t stride, size_t pad, size_t max_batch);
+int ac_pool_init(ac_pool *l, ac_backend *be, ac_pool_op op, size_t c, size_t h, size_t w, size_t k,
+                 size_t stride, size_t pad, size_t max_batch);
 void ac_pool_destroy(ac_pool *l);
 int ac_pool_forward(ac_pool *l, const float *x, size_t batch, const float **y);
 int ac_pool_backward(ac_pool *l, const float *dy, const float **dx);
@@ -430,7 +427,7 @@ typedef struct {
   ac_layernorm lnf;
   ac_linear head;
   ac_celoss xent;
-  const float *logits;   /* (batch * t, vocab) of the last forward, owned by head */
+  const float *logits; /* (batch * t, vocab) of the last forward, owned by head */
 } ac_lm;
 
 int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg);
@@ -438,8 +435,8 @@ void ac_lm_destroy(ac_lm *m);
 int ac_lm_params(ac_lm *m, ac_param_list *list);
 /* tokens and targets: device int32 (batch, t), caller-owned and kept until backward;
  * *loss (host) is the mean cross-entropy over targets inside [0, vocab). */
-int ac_lm_forward(ac_lm *m, const int32_t *tokens, const int32_t *targets, size_t batch,
-                  size_t t, ac_mode mode, double *loss);
+int ac_lm_forward(ac_lm *m, const int32_t *tokens, const int32_t *targets, size_t batch, size_t t,
+                  ac_mode mode, double *loss);
 /* Adds d(mean loss)/d(param) to every grad. */
 int ac_lm_backward(ac_lm *m);
 /* Sets hook on every linear layer of the model: attention qkv and proj, MLP fc1 and fc2,
@@ -464,8 +461,8 @@ typedef struct {
   float *dx;
 } ac_basicblock;
 
-size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_t w,
-                                      size_t stride, size_t chunk);
+size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_t w, size_t stride,
+                                      size_t chunk);
 int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, size_t in_c,
                        size_t out_c, size_t h, size_t w, size_t stride, size_t max_batch,
                        size_t chunk, float *workspace, uint64_t seed);
@@ -485,7 +482,7 @@ typedef struct {
   size_t width[AC_RESNET_MAX_STAGES];
   float bn_eps, bn_momentum;
   uint64_t seed;
-  ac_init conv_init;   /* AC_INIT_LAYER (He fan-in) or AC_INIT_HE_FAN_OUT, every conv */
+  ac_init conv_init; /* AC_INIT_LAYER (He fan-in) or AC_INIT_HE_FAN_OUT, every conv */
 } ac_resnet_config;
 
 /* The benchmark client's ResNet-20 for 28x28x1: 3 stages of 3 blocks, widths 16/32/64,
@@ -505,7 +502,7 @@ typedef struct {
   ac_gap gap;
   ac_linear fc;
   ac_celoss xent;
-  const float *logits;   /* (batch, classes) of the last forward, owned by fc */
+  const float *logits; /* (batch, classes) of the last forward, owned by fc */
 } ac_resnet;
 
 int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg);

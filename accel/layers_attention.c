@@ -17,14 +17,12 @@
 
 #include "layers_internal.h"
 
-int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim,
-                      size_t heads, size_t max_t, size_t max_batch, uint64_t seed)
-{
+int ac_attention_init(ac_attention *l, ac_backend *be, const char *prefix, size_t dim, size_t heads,
+                      size_t max_t, size_t max_batch, uint64_t seed) {
   int rc;
   char name[256];
   memset(l, 0, sizeof *l);
-  if (be == NULL || dim == 0 || heads == 0 || dim % heads != 0 || max_t == 0 ||
-      max_batch == 0)
+  if (be == NULL || dim == 0 || heads == 0 || dim % heads != 0 || max_t == 0 || max_batch == 0)
     return AC_EINVAL;
   l->be = be;
   l->dim = dim;
@@ -46,29 +44,23 @@ fail:
   return rc;
 }
 
-void ac_attention_destroy(ac_attention *l)
-{
-  if (l->be == NULL)
-    return;
+void ac_attention_destroy(ac_attention *l) {
+  if (l->be == NULL) return;
   ac_linear_destroy(&l->qkv);
   ac_linear_destroy(&l->proj);
   float **bufs[] = {&l->probs, &l->dprobs, &l->ctx, &l->dqkv};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-    ac__layer_free(l->be, bufs[i]);
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
 }
 
-int ac_attention_params(ac_attention *l, ac_param_list *list)
-{
+int ac_attention_params(ac_attention *l, ac_param_list *list) {
   int rc = ac_linear_params(&l->qkv, list);
   return rc == AC_OK ? ac_linear_params(&l->proj, list) : rc;
 }
 
-int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t,
-                         const float **y)
-{
-  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch ||
-      t == 0 || t > l->max_t)
+int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t, const float **y) {
+  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch || t == 0 ||
+      t > l->max_t)
     return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
@@ -80,15 +72,15 @@ int ac_attention_forward(ac_attention *l, const float *x, size_t batch, size_t t
   AC__TRY(ac_linear_forward(&l->qkv, x, batch * t, &qkv));
   for (size_t hd = 0; hd < h; hd++) {
     const float *q = qkv + hd * dh, *k = qkv + d + hd * dh;
-    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, scale, q, ld, seq, k, ld,
-                             seq, 0.0f, l->probs + hd * tt, t, h * tt, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, scale, q, ld, seq, k, ld, seq,
+                             0.0f, l->probs + hd * tt, t, h * tt, batch));
   }
   AC__TRY(ac_mask_causal(be, batch * h, t, l->probs, -INFINITY));
   AC__TRY(ac_softmax_rows(be, batch * h * t, t, l->probs, l->probs));
   for (size_t hd = 0; hd < h; hd++) {
     const float *v = qkv + 2 * d + hd * dh;
-    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs + hd * tt,
-                             t, h * tt, v, ld, seq, 0.0f, l->ctx + hd * dh, d, t * d, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs + hd * tt, t,
+                             h * tt, v, ld, seq, 0.0f, l->ctx + hd * dh, d, t * d, batch));
   }
   AC__TRY(ac_linear_forward(&l->proj, l->ctx, batch * t, y));
   l->batch = batch;
@@ -99,10 +91,8 @@ fail:
   return rc;
 }
 
-int ac_attention_backward(ac_attention *l, const float *dy, const float **dx)
-{
-  if (l->be == NULL || !l->ready || dy == NULL)
-    return AC_EINVAL;
+int ac_attention_backward(ac_attention *l, const float *dy, const float **dx) {
+  if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
   size_t batch = l->batch, t = l->t, d = l->dim, h = l->heads, dh = d / h, tt = t * t;
@@ -118,16 +108,16 @@ int ac_attention_backward(ac_attention *l, const float *dy, const float **dx)
     AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, l->probs + hd * tt, t,
                              h * tt, dc, d, t * d, 0.0f, l->dqkv + 2 * d + hd * dh, ld, seq,
                              batch));
-    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, dc, d, t * d, v, ld,
-                             seq, 0.0f, l->dprobs + hd * tt, t, h * tt, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, dc, d, t * d, v, ld, seq,
+                             0.0f, l->dprobs + hd * tt, t, h * tt, batch));
   }
   AC__TRY(ac_softmax_rows_backward(be, batch * h * t, t, l->probs, l->dprobs, l->dprobs));
   for (size_t hd = 0; hd < h; hd++) {
     const float *q = qkv + hd * dh, *k = qkv + d + hd * dh, *ds = l->dprobs + hd * tt;
-    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, k,
-                             ld, seq, 0.0f, l->dqkv + hd * dh, ld, seq, batch));
-    AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, q, ld,
-                             seq, 0.0f, l->dqkv + d + hd * dh, ld, seq, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, k, ld,
+                             seq, 0.0f, l->dqkv + hd * dh, ld, seq, batch));
+    AC__TRY(ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, scale, ds, t, h * tt, q, ld, seq,
+                             0.0f, l->dqkv + d + hd * dh, ld, seq, batch));
   }
   AC__TRY(ac_linear_backward(&l->qkv, l->dqkv, dx));
   return AC_OK;

@@ -15,19 +15,16 @@
  * (out_c, chunk, oh ow) order, before (forward) or after (backward) the permute that gives
  * NCHW. */
 size_t ac_conv2d_workspace_floats(size_t in_c, size_t out_c, size_t k, size_t oh, size_t ow,
-                                  size_t chunk)
-{
+                                  size_t chunk) {
   return chunk * oh * ow * (in_c * k * k + out_c);
 }
 
-int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c,
-                   size_t out_c, size_t h, size_t w, size_t k, size_t stride, size_t pad,
-                   int bias, size_t max_batch, size_t chunk, float *workspace, uint64_t seed)
-{
+int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c, size_t out_c,
+                   size_t h, size_t w, size_t k, size_t stride, size_t pad, int bias,
+                   size_t max_batch, size_t chunk, float *workspace, uint64_t seed) {
   int rc;
   memset(l, 0, sizeof *l);
-  if (be == NULL || in_c == 0 || out_c == 0 || max_batch == 0)
-    return AC_EINVAL;
+  if (be == NULL || in_c == 0 || out_c == 0 || max_batch == 0) return AC_EINVAL;
   ac_conv2d_geom g = {max_batch, in_c, h, w, k, k, stride, stride, pad, pad};
   AC__TRY(ac_conv2d_out_hw(&g, &l->oh, &l->ow));
   l->be = be;
@@ -38,15 +35,13 @@ int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c
   size_t ckk = in_c * k * k;
   size_t wshape[4] = {out_c, in_c, k, k};
   AC__TRY(ac__param_named(&l->weight, be, prefix, "weight", 4, wshape));
-  if (l->has_bias)
-    AC__TRY(ac__param_named(&l->bias, be, prefix, "bias", 1, &out_c));
+  if (l->has_bias) AC__TRY(ac__param_named(&l->bias, be, prefix, "bias", 1, &out_c));
   AC__TRY(ac_rand_normal(be, seed, 0, out_c * ckk, 0.0f, sqrtf(2.0f / (float)ckk),
                          ac_tensor_f32(&l->weight.value)));
   if (workspace != NULL) {
     l->ws = workspace;
   } else {
-    AC__TRY(ac__layer_alloc(be, ac_conv2d_workspace_floats(in_c, out_c, k, l->oh, l->ow,
-                                                                l->chunk),
+    AC__TRY(ac__layer_alloc(be, ac_conv2d_workspace_floats(in_c, out_c, k, l->oh, l->ow, l->chunk),
                             &l->ws));
     l->owns_ws = 1;
   }
@@ -58,32 +53,26 @@ fail:
   return rc;
 }
 
-void ac_conv2d_destroy(ac_conv2d *l)
-{
-  if (l->be == NULL)
-    return;
+void ac_conv2d_destroy(ac_conv2d *l) {
+  if (l->be == NULL) return;
   ac_param_destroy(&l->weight);
   ac_param_destroy(&l->bias);
-  if (l->owns_ws)
-    ac__layer_free(l->be, &l->ws);
+  if (l->owns_ws) ac__layer_free(l->be, &l->ws);
   ac__layer_free(l->be, &l->y);
   ac__layer_free(l->be, &l->dx);
   memset(l, 0, sizeof *l);
 }
 
-int ac_conv2d_params(ac_conv2d *l, ac_param_list *list)
-{
+int ac_conv2d_params(ac_conv2d *l, ac_param_list *list) {
   int rc = ac_param_list_push(list, &l->weight);
-  if (rc == AC_OK && l->has_bias)
-    rc = ac_param_list_push(list, &l->bias);
+  if (rc == AC_OK && l->has_bias) rc = ac_param_list_push(list, &l->bias);
   return rc;
 }
 
 /* Products of a chunk of nb images in (oc, nb, ohw) order <-> NCHW (nb, oc, ohw): the
  * permute of ac_im2col_batch's recipe. to_nchw 0 goes the other way (dy into gemm order). */
 static int conv_reorder(ac_backend *be, size_t oc, size_t nb, size_t ohw, const float *src,
-                        float *dst, int to_nchw)
-{
+                        float *dst, int to_nchw) {
   const size_t shape_gemm[3] = {oc, nb, ohw}, shape_nchw[3] = {nb, oc, ohw};
   const int swap[3] = {1, 0, 2};
   return ac_permute(be, 3, to_nchw ? shape_gemm : shape_nchw, swap, src, dst);
@@ -92,10 +81,8 @@ static int conv_reorder(ac_backend *be, size_t oc, size_t nb, size_t ohw, const 
 /* Each chunk of images is one im2col and ONE gemm with N = chunk*ohw (not one small gemm
  * per image: 16 output channels make M short, so a long N is what keeps the gemm near its
  * peak and lets OpenBLAS use its threads). */
-int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y)
-{
-  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->g.n)
-    return AC_EINVAL;
+int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y) {
+  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->g.n) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
   size_t ckk = l->g.c * l->g.kh * l->g.kw, ohw = l->oh * l->ow, oc = l->out_c;
@@ -108,14 +95,12 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
     float *col = l->ws, *prod = l->ws + ckk * cols, *yc = l->y + b0 * oc * ohw;
     AC__TRY(ac_im2col_batch(be, &g, x + b0 * chw, col));
     /* One image is already NCHW: no permute. */
-    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, cols, ckk, 1.0f, w, ckk, col, cols,
-                     0.0f, g.n == 1 ? yc : prod, cols));
-    if (g.n > 1)
-      AC__TRY(conv_reorder(be, oc, g.n, ohw, prod, yc, 1));
+    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, cols, ckk, 1.0f, w, ckk, col, cols, 0.0f,
+                     g.n == 1 ? yc : prod, cols));
+    if (g.n > 1) AC__TRY(conv_reorder(be, oc, g.n, ohw, prod, yc, 1));
   }
   if (l->has_bias)
-    AC__TRY(ac_bcast(be, AC_BIN_ADD, batch, oc, ohw, l->y, ac_tensor_f32(&l->bias.value),
-                     l->y));
+    AC__TRY(ac_bcast(be, AC_BIN_ADD, batch, oc, ohw, l->y, ac_tensor_f32(&l->bias.value), l->y));
   l->x = x;
   l->batch = batch;
   l->ready = 1;
@@ -125,10 +110,8 @@ fail:
   return rc;
 }
 
-int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx)
-{
-  if (l->be == NULL || !l->ready || dy == NULL)
-    return AC_EINVAL;
+int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
+  if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
   size_t ckk = l->g.c * l->g.kh * l->g.kw, ohw = l->oh * l->ow, oc = l->out_c;
@@ -151,22 +134,31 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx)
     /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
     AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
     if (l->hook.fn != NULL) { /* before the dx product reuses col */
-      ac_hook_view v = {.kind = AC_HOOK_CONV, .weight = &l->weight,
-                        .bias = l->has_bias ? &l->bias : NULL, .batch = l->batch,
-                        .first = b0, .nimg = g.n, .cols = cols, .in = ckk, .out = oc,
-                        .npos = ohw, .a = col, .lda = cols, .g = dyc, .ldg = cols};
+      ac_hook_view v = {.kind = AC_HOOK_CONV,
+                        .weight = &l->weight,
+                        .bias = l->has_bias ? &l->bias : NULL,
+                        .batch = l->batch,
+                        .first = b0,
+                        .nimg = g.n,
+                        .cols = cols,
+                        .in = ckk,
+                        .out = oc,
+                        .npos = ohw,
+                        .a = col,
+                        .lda = cols,
+                        .g = dyc,
+                        .ldg = cols};
       AC__TRY(l->hook.fn(l->hook.ctx, &v));
     }
-    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols,
-                     1.0f, dw, ckk)); /* dW += dy col^T */
-    if (dx != NULL) {   /* dcol = W^T dy, then scattered back to the images */
-      AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f,
-                       col, cols));
+    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols, 1.0f, dw,
+                     ckk)); /* dW += dy col^T */
+    if (dx != NULL) {       /* dcol = W^T dy, then scattered back to the images */
+      AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f, col,
+                       cols));
       AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));
     }
   }
-  if (dx != NULL)
-    *dx = l->dx;
+  if (dx != NULL) *dx = l->dx;
   return AC_OK;
 fail:
   return rc;
@@ -175,9 +167,8 @@ fail:
 /* ------------------------------------------------------------------------------------ */
 /* Batch normalisation                                                                     */
 
-int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c,
-                      size_t hw, float eps, float momentum, size_t max_batch)
-{
+int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c, size_t hw,
+                      float eps, float momentum, size_t max_batch) {
   int rc;
   memset(l, 0, sizeof *l);
   if (be == NULL || c == 0 || hw == 0 || max_batch == 0 || !(eps > 0.0f) ||
@@ -209,37 +200,29 @@ fail:
   return rc;
 }
 
-void ac_batchnorm_destroy(ac_batchnorm *l)
-{
-  if (l->be == NULL)
-    return;
+void ac_batchnorm_destroy(ac_batchnorm *l) {
+  if (l->be == NULL) return;
   ac_param_destroy(&l->weight);
   ac_param_destroy(&l->bias);
   ac_tensor_destroy(&l->running_mean);
   ac_tensor_destroy(&l->running_var);
   float **bufs[] = {&l->y, &l->dx, &l->dres, &l->mean, &l->rstd, &l->s1, &l->s2, &l->coef};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-    ac__layer_free(l->be, bufs[i]);
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
 }
 
-int ac_batchnorm_fuse_relu(ac_batchnorm *l)
-{
-  if (l->be == NULL)
-    return AC_EINVAL;
+int ac_batchnorm_fuse_relu(ac_batchnorm *l) {
+  if (l->be == NULL) return AC_EINVAL;
   if (l->dres == NULL) {
     int rc = ac__layer_alloc(l->be, l->max_batch * l->c * l->hw, &l->dres);
-    if (rc != AC_OK)
-      return rc;
+    if (rc != AC_OK) return rc;
   }
   l->relu = 1;
   return AC_OK;
 }
 
-int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat)
-{
-  if (l->be == NULL || !l->ready || xhat == NULL)
-    return AC_EINVAL;
+int ac_batchnorm_xhat(ac_batchnorm *l, float *xhat) {
+  if (l->be == NULL || !l->ready || xhat == NULL) return AC_EINVAL;
   int rc;
   size_t c = l->c;
   const float *center = l->mode == AC_MODE_TRAIN ? l->mean : ac_tensor_f32(&l->running_mean);
@@ -251,8 +234,7 @@ fail:
   return rc;
 }
 
-int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list)
-{
+int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list) {
   int rc = ac_param_list_push(list, &l->weight);
   return rc == AC_OK ? ac_param_list_push(list, &l->bias) : rc;
 }
@@ -260,8 +242,7 @@ int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list)
 /* Per channel: rstd = 1 / sqrt(var + eps), scale s1 = gamma rstd, shift s2 = beta - mean
  * s1; the output is one ac_channel_affine pass (with the residual and ReLU folded in). */
 int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
-                             ac_mode mode, const float **y)
-{
+                             ac_mode mode, const float **y) {
   if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch ||
       (mode != AC_MODE_TRAIN && mode != AC_MODE_EVAL))
     return AC_EINVAL;
@@ -295,8 +276,7 @@ fail:
 }
 
 int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode mode,
-                         const float **y)
-{
+                         const float **y) {
   return ac_batchnorm_forward_res(l, x, NULL, batch, mode, y);
 }
 
@@ -306,10 +286,8 @@ int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode 
  * B = -k rstd mean(g xhat), C = -k mean(g) - B mean (in eval mode the statistics are
  * constants: dx = k g). One pass for the sums, one for dx. */
 int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,
-                              const float **dres)
-{
-  if (l->be == NULL || !l->ready || dy == NULL)
-    return AC_EINVAL;
+                              const float **dres) {
+  if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
   size_t n = l->batch, c = l->c, hw = l->hw, m = n * hw;
@@ -323,9 +301,17 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
    * the residual and the dx pass read it unmasked. */
   float *gout = mask != NULL && dres != NULL ? l->dres : NULL;
   if (l->hook.fn != NULL) { /* first: ac_batchnorm_xhat uses coef, which is free until below */
-    ac_hook_view v = {.kind = AC_HOOK_BATCHNORM, .weight = &l->weight, .bias = &l->bias,
-                      .batch = n, .rows = n, .in = c, .out = c, .npos = hw, .g = dy,
-                      .relu_y = mask, .bn = l};
+    ac_hook_view v = {.kind = AC_HOOK_BATCHNORM,
+                      .weight = &l->weight,
+                      .bias = &l->bias,
+                      .batch = n,
+                      .rows = n,
+                      .in = c,
+                      .out = c,
+                      .npos = hw,
+                      .g = dy,
+                      .relu_y = mask,
+                      .bn = l};
     AC__TRY(l->hook.fn(l->hook.ctx, &v));
   }
   AC__TRY(ac_channel_grad_sums(be, n, c, hw, dy, mask, l->x, center, gout, sum_g, sum_gx));
@@ -340,34 +326,31 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
     if (train) {
       AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, l->rstd, cb));
       AC__TRY(ac_binary(be, AC_BIN_MUL, c, cb, cc, cb));
-      AC__TRY(ac_affine(be, c, -inv_m, cb, 0.0f, cb));            /* B */
-      AC__TRY(ac_binary(be, AC_BIN_MUL, c, cb, center, cc));      /* B mean */
-      AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, sum_g, sum_g));    /* k sum g */
-      AC__TRY(ac_axpby(be, c, -inv_m, sum_g, -1.0f, cc, cc));     /* C */
+      AC__TRY(ac_affine(be, c, -inv_m, cb, 0.0f, cb));         /* B */
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, cb, center, cc));   /* B mean */
+      AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, sum_g, sum_g)); /* k sum g */
+      AC__TRY(ac_axpby(be, c, -inv_m, sum_g, -1.0f, cc, cc));  /* C */
       AC__TRY(ac_channel_combine(be, n, c, hw, g, gmask, l->x, ca, cb, cc, l->dx));
     } else {
       AC__TRY(ac_channel_combine(be, n, c, hw, g, gmask, l->x, ca, NULL, NULL, l->dx));
     }
     *dx = l->dx;
   }
-  if (dres != NULL)
-    *dres = gout != NULL ? gout : dy;
+  if (dres != NULL) *dres = gout != NULL ? gout : dy;
   return AC_OK;
 fail:
   return rc;
 }
 
-int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx)
-{
+int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx) {
   return ac_batchnorm_backward_res(l, dy, dx, NULL);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Pooling                                                                                 */
 
-int ac_pool_init(ac_pool *l, ac_backend *be, ac_pool_op op, size_t c, size_t h, size_t w,
-                 size_t k, size_t stride, size_t pad, size_t max_batch)
-{
+int ac_pool_init(ac_pool *l, ac_backend *be, ac_pool_op op, size_t c, size_t h, size_t w, size_t k,
+                 size_t stride, size_t pad, size_t max_batch) {
   int rc;
   memset(l, 0, sizeof *l);
   if (be == NULL || c == 0 || max_batch == 0 || (op != AC_POOL_MAX && op != AC_POOL_AVG))
@@ -391,55 +374,43 @@ fail:
   return rc;
 }
 
-void ac_pool_destroy(ac_pool *l)
-{
-  if (l->be == NULL)
-    return;
+void ac_pool_destroy(ac_pool *l) {
+  if (l->be == NULL) return;
   ac__layer_free(l->be, &l->y);
   ac__layer_free(l->be, &l->dx);
-  if (l->argmax != NULL)
-    ac_free(l->be, l->argmax);
+  if (l->argmax != NULL) ac_free(l->be, l->argmax);
   memset(l, 0, sizeof *l);
 }
 
-int ac_pool_forward(ac_pool *l, const float *x, size_t batch, const float **y)
-{
-  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->g.n)
-    return AC_EINVAL;
+int ac_pool_forward(ac_pool *l, const float *x, size_t batch, const float **y) {
+  if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->g.n) return AC_EINVAL;
   ac_conv2d_geom g = l->g;
   g.n = batch;
   int rc = ac_pool2d_forward(l->be, l->op, &g, x, l->y, l->argmax);
-  if (rc != AC_OK)
-    return rc;
+  if (rc != AC_OK) return rc;
   l->batch = batch;
   l->ready = 1;
   *y = l->y;
   return AC_OK;
 }
 
-int ac_pool_backward(ac_pool *l, const float *dy, const float **dx)
-{
-  if (l->be == NULL || !l->ready || dy == NULL)
-    return AC_EINVAL;
-  if (dx == NULL)
-    return AC_OK;
+int ac_pool_backward(ac_pool *l, const float *dy, const float **dx) {
+  if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
+  if (dx == NULL) return AC_OK;
   ac_conv2d_geom g = l->g;
   g.n = l->batch;
   int rc = ac_pool2d_backward(l->be, l->op, &g, dy, l->argmax, l->dx);
-  if (rc == AC_OK)
-    *dx = l->dx;
+  if (rc == AC_OK) *dx = l->dx;
   return rc;
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Global average pooling                                                                  */
 
-int ac_gap_init(ac_gap *l, ac_backend *be, size_t c, size_t hw, size_t max_batch)
-{
+int ac_gap_init(ac_gap *l, ac_backend *be, size_t c, size_t hw, size_t max_batch) {
   int rc;
   memset(l, 0, sizeof *l);
-  if (be == NULL || c == 0 || hw == 0 || max_batch == 0)
-    return AC_EINVAL;
+  if (be == NULL || c == 0 || hw == 0 || max_batch == 0) return AC_EINVAL;
   l->be = be;
   l->c = c;
   l->hw = hw;
@@ -452,35 +423,28 @@ fail:
   return rc;
 }
 
-void ac_gap_destroy(ac_gap *l)
-{
-  if (l->be == NULL)
-    return;
+void ac_gap_destroy(ac_gap *l) {
+  if (l->be == NULL) return;
   ac__layer_free(l->be, &l->y);
   ac__layer_free(l->be, &l->dx);
   memset(l, 0, sizeof *l);
 }
 
-int ac_gap_forward(ac_gap *l, const float *x, size_t batch, const float **y)
-{
+int ac_gap_forward(ac_gap *l, const float *x, size_t batch, const float **y) {
   if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch)
     return AC_EINVAL;
-  int rc = ac_reduce(l->be, AC_REDUCE_SUM, 1, batch * l->c, l->hw, 1.0f / (float)l->hw, x,
-                     0.0f, l->y);
-  if (rc != AC_OK)
-    return rc;
+  int rc =
+      ac_reduce(l->be, AC_REDUCE_SUM, 1, batch * l->c, l->hw, 1.0f / (float)l->hw, x, 0.0f, l->y);
+  if (rc != AC_OK) return rc;
   l->batch = batch;
   l->ready = 1;
   *y = l->y;
   return AC_OK;
 }
 
-int ac_gap_backward(ac_gap *l, const float *dy, const float **dx)
-{
-  if (l->be == NULL || !l->ready || dy == NULL)
-    return AC_EINVAL;
-  if (dx == NULL)
-    return AC_OK;
+int ac_gap_backward(ac_gap *l, const float *dy, const float **dx) {
+  if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
+  if (dx == NULL) return AC_OK;
   int rc;
   size_t nc = l->batch * l->c;
   AC__TRY(ac_fill_f32(l->be, nc * l->hw, l->dx, 1.0f / (float)l->hw));

@@ -8,11 +8,10 @@
 #include "layers.h"
 
 /* Runs a status-returning call and jumps to the function's one cleanup label on error. */
-#define AC__TRY(expr)        \
-  do {                       \
-    rc = (expr);             \
-    if (rc != AC_OK)         \
-      goto fail;             \
+#define AC__TRY(expr)           \
+  do {                          \
+    rc = (expr);                \
+    if (rc != AC_OK) goto fail; \
   } while (0)
 
 /* n floats of device memory into *out (NULL for n == 0); the caller frees with
@@ -23,8 +22,8 @@ void ac__layer_free(ac_backend *be, float **p);
 
 /* Initialises p as "<prefix>.<suffix>" with the given shape (value and grad zero).
  * AC_EINVAL if the joined name is too long. */
-int ac__param_named(ac_param *p, ac_backend *be, const char *prefix, const char *suffix,
-                    int ndim, const size_t *shape);
+int ac__param_named(ac_param *p, ac_backend *be, const char *prefix, const char *suffix, int ndim,
+                    const size_t *shape);
 
 /* Joins "<prefix>.<suffix>" into buf (size bytes); AC_EINVAL if it does not fit. */
 int ac__join_name(char *buf, size_t size, const char *prefix, const char *suffix);

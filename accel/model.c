@@ -15,13 +15,11 @@
 /* Transformer block                                                                       */
 
 int ac_tblock_init(ac_tblock *b, ac_backend *be, const char *prefix, size_t dim, size_t heads,
-                   size_t mlp, size_t max_t, size_t max_batch, float dropout, uint64_t seed)
-{
+                   size_t mlp, size_t max_t, size_t max_batch, float dropout, uint64_t seed) {
   int rc;
   char name[256];
   memset(b, 0, sizeof *b);
-  if (be == NULL || dim == 0 || mlp == 0 || max_t == 0 || max_batch == 0)
-    return AC_EINVAL;
+  if (be == NULL || dim == 0 || mlp == 0 || max_t == 0 || max_batch == 0) return AC_EINVAL;
   b->be = be;
   b->dim = dim;
   b->max_t = max_t;
@@ -30,8 +28,8 @@ int ac_tblock_init(ac_tblock *b, ac_backend *be, const char *prefix, size_t dim,
   AC__TRY(ac__join_name(name, sizeof name, prefix, "ln1"));
   AC__TRY(ac_layernorm_init(&b->ln1, be, name, dim, 1e-5f, rows));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "attn"));
-  AC__TRY(ac_attention_init(&b->attn, be, name, dim, heads, max_t, max_batch,
-                            ac__sub_seed(seed, 0)));
+  AC__TRY(
+      ac_attention_init(&b->attn, be, name, dim, heads, max_t, max_batch, ac__sub_seed(seed, 0)));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "ln2"));
   AC__TRY(ac_layernorm_init(&b->ln2, be, name, dim, 1e-5f, rows));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "mlp.fc1"));
@@ -51,10 +49,8 @@ fail:
   return rc;
 }
 
-void ac_tblock_destroy(ac_tblock *b)
-{
-  if (b->be == NULL)
-    return;
+void ac_tblock_destroy(ac_tblock *b) {
+  if (b->be == NULL) return;
   ac_layernorm_destroy(&b->ln1);
   ac_attention_destroy(&b->attn);
   ac_layernorm_destroy(&b->ln2);
@@ -70,8 +66,7 @@ void ac_tblock_destroy(ac_tblock *b)
   memset(b, 0, sizeof *b);
 }
 
-int ac_tblock_params(ac_tblock *b, ac_param_list *list)
-{
+int ac_tblock_params(ac_tblock *b, ac_param_list *list) {
   int rc;
   AC__TRY(ac_layernorm_params(&b->ln1, list));
   AC__TRY(ac_attention_params(&b->attn, list));
@@ -83,10 +78,9 @@ fail:
 }
 
 int ac_tblock_forward(ac_tblock *b, const float *x, size_t batch, size_t t, ac_mode mode,
-                      const float **y)
-{
-  if (b->be == NULL || x == NULL || y == NULL || batch == 0 || batch > b->max_batch ||
-      t == 0 || t > b->max_t)
+                      const float **y) {
+  if (b->be == NULL || x == NULL || y == NULL || batch == 0 || batch > b->max_batch || t == 0 ||
+      t > b->max_t)
     return AC_EINVAL;
   int rc;
   size_t rows = batch * t, n = rows * b->dim;
@@ -109,10 +103,8 @@ fail:
   return rc;
 }
 
-int ac_tblock_backward(ac_tblock *b, const float *dy, const float **dx)
-{
-  if (b->be == NULL || !b->ready || dy == NULL)
-    return AC_EINVAL;
+int ac_tblock_backward(ac_tblock *b, const float *dy, const float **dx) {
+  if (b->be == NULL || !b->ready || dy == NULL) return AC_EINVAL;
   int rc;
   size_t n = b->batch * b->t * b->dim;
   const float *g;
@@ -128,8 +120,7 @@ int ac_tblock_backward(ac_tblock *b, const float *dy, const float **dx)
   AC__TRY(ac_attention_backward(&b->attn, g, &g));
   AC__TRY(ac_layernorm_backward(&b->ln1, g, &g));
   AC__TRY(ac_axpby(b->be, n, 1.0f, b->dh, 1.0f, g, b->dx));
-  if (dx != NULL)
-    *dx = b->dx;
+  if (dx != NULL) *dx = b->dx;
   return AC_OK;
 fail:
   return rc;
@@ -140,16 +131,13 @@ fail:
 
 /* Redraws p's value from N(0, std^2) with its own seed: the layers drew their default first,
  * and a model-level choice overrides it without the layers knowing about model policies. */
-static int redraw_normal(ac_param *p, uint64_t seed, float std)
-{
-  return ac_rand_normal(p->value.be, seed, 0, p->value.numel, 0.0f, std,
-                        ac_tensor_f32(&p->value));
+static int redraw_normal(ac_param *p, uint64_t seed, float std) {
+  return ac_rand_normal(p->value.be, seed, 0, p->value.numel, 0.0f, std, ac_tensor_f32(&p->value));
 }
 
 /* He et al. (2015) with the fan-out mode: std sqrt(2 / (out_c k k)) for W (out_c, in_c, k,
  * k), which keeps the backward pass's variance, as torchvision's ResNet does. */
-static int conv_fan_out(ac_conv2d *c, uint64_t seed)
-{
+static int conv_fan_out(ac_conv2d *c, uint64_t seed) {
   const size_t *sh = c->weight.value.shape;
   return redraw_normal(&c->weight, seed, sqrtf(2.0f / (float)(sh[0] * sh[2] * sh[3])));
 }
@@ -157,8 +145,7 @@ static int conv_fan_out(ac_conv2d *c, uint64_t seed)
 /* ------------------------------------------------------------------------------------ */
 /* Transformer language model                                                              */
 
-void ac_lm_config_default(ac_lm_config *c)
-{
+void ac_lm_config_default(ac_lm_config *c) {
   c->vocab = 256;
   c->ctx = 64;
   c->dim = 128;
@@ -179,14 +166,12 @@ void ac_lm_config_default(ac_lm_config *c)
 
 /* N(0, 0.02^2) for every linear of the model: the blocks' attention and MLP, and the head
  * unless it is the (already N(0, 0.02^2)) embedding. */
-static int lm_init_normal002(ac_lm *m)
-{
+static int lm_init_normal002(ac_lm *m) {
   int rc;
   uint64_t s = ac__sub_seed(m->cfg.seed, 3);
   for (size_t i = 0; i < m->cfg.layers; i++) {
     ac_tblock *b = &m->blocks[i];
-    ac_param *w[] = {&b->attn.qkv.weight, &b->attn.proj.weight, &b->fc1.weight,
-                     &b->fc2.weight};
+    ac_param *w[] = {&b->attn.qkv.weight, &b->attn.proj.weight, &b->fc1.weight, &b->fc2.weight};
     for (size_t k = 0; k < sizeof w / sizeof w[0]; k++)
       AC__TRY(redraw_normal(w[k], ac__sub_seed(s, 4 * i + k), 0.02f));
   }
@@ -199,8 +184,7 @@ fail:
 /* Makes the head's weight a view of the embedding's (same (vocab, dim) layout). Both layers
  * ADD into the shared grad, so its gradient is the sum of the two uses without further
  * code; ac_param_destroy of a view frees nothing. */
-static int lm_tie_head(ac_lm *m)
-{
+static int lm_tie_head(ac_lm *m) {
   int rc;
   ac_param *h = &m->head.weight, *e = &m->tok.weight;
   size_t shape[2] = {m->cfg.vocab, m->cfg.dim};
@@ -212,8 +196,7 @@ fail:
   return rc;
 }
 
-int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg)
-{
+int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg) {
   int rc;
   char name[64];
   memset(m, 0, sizeof *m);
@@ -230,20 +213,16 @@ int ac_lm_init(ac_lm *m, ac_backend *be, const ac_lm_config *cfg)
     goto fail;
   }
   AC__TRY(ac_embedding_init(&m->tok, be, "tok", cfg->vocab, cfg->dim, rows, ac__sub_seed(s, 0)));
-  AC__TRY(ac_posembed_init(&m->pos, be, "pos", cfg->ctx, cfg->dim, cfg->batch,
-                           ac__sub_seed(s, 1)));
+  AC__TRY(ac_posembed_init(&m->pos, be, "pos", cfg->ctx, cfg->dim, cfg->batch, ac__sub_seed(s, 1)));
   for (size_t i = 0; i < cfg->layers; i++) {
     snprintf(name, sizeof name, "layer%zu", i);
     AC__TRY(ac_tblock_init(&m->blocks[i], be, name, cfg->dim, cfg->heads, cfg->mlp, cfg->ctx,
                            cfg->batch, cfg->dropout, ac__sub_seed(s, 10 + i)));
   }
   AC__TRY(ac_layernorm_init(&m->lnf, be, "lnf", cfg->dim, 1e-5f, rows));
-  AC__TRY(ac_linear_init(&m->head, be, "head", cfg->dim, cfg->vocab, 1, rows,
-                         ac__sub_seed(s, 2)));
-  if (cfg->tie_head)
-    AC__TRY(lm_tie_head(m));
-  if (cfg->init == AC_INIT_NORMAL002)
-    AC__TRY(lm_init_normal002(m));
+  AC__TRY(ac_linear_init(&m->head, be, "head", cfg->dim, cfg->vocab, 1, rows, ac__sub_seed(s, 2)));
+  if (cfg->tie_head) AC__TRY(lm_tie_head(m));
+  if (cfg->init == AC_INIT_NORMAL002) AC__TRY(lm_init_normal002(m));
   AC__TRY(ac_celoss_init(&m->xent, be, cfg->vocab, rows));
   return AC_OK;
 fail:
@@ -251,14 +230,11 @@ fail:
   return rc;
 }
 
-void ac_lm_destroy(ac_lm *m)
-{
-  if (m->be == NULL)
-    return;
+void ac_lm_destroy(ac_lm *m) {
+  if (m->be == NULL) return;
   ac_embedding_destroy(&m->tok);
   ac_posembed_destroy(&m->pos);
-  for (size_t i = 0; m->blocks != NULL && i < m->cfg.layers; i++)
-    ac_tblock_destroy(&m->blocks[i]);
+  for (size_t i = 0; m->blocks != NULL && i < m->cfg.layers; i++) ac_tblock_destroy(&m->blocks[i]);
   free(m->blocks);
   ac_layernorm_destroy(&m->lnf);
   ac_linear_destroy(&m->head);
@@ -266,13 +242,11 @@ void ac_lm_destroy(ac_lm *m)
   memset(m, 0, sizeof *m);
 }
 
-int ac_lm_params(ac_lm *m, ac_param_list *list)
-{
+int ac_lm_params(ac_lm *m, ac_param_list *list) {
   int rc;
   AC__TRY(ac_embedding_params(&m->tok, list));
   AC__TRY(ac_posembed_params(&m->pos, list));
-  for (size_t i = 0; i < m->cfg.layers; i++)
-    AC__TRY(ac_tblock_params(&m->blocks[i], list));
+  for (size_t i = 0; i < m->cfg.layers; i++) AC__TRY(ac_tblock_params(&m->blocks[i], list));
   AC__TRY(ac_layernorm_params(&m->lnf, list));
   if (m->cfg.tie_head)
     AC__TRY(ac_param_list_push(list, &m->head.bias));
@@ -282,9 +256,8 @@ fail:
   return rc;
 }
 
-int ac_lm_forward(ac_lm *m, const int32_t *tokens, const int32_t *targets, size_t batch,
-                  size_t t, ac_mode mode, double *loss)
-{
+int ac_lm_forward(ac_lm *m, const int32_t *tokens, const int32_t *targets, size_t batch, size_t t,
+                  ac_mode mode, double *loss) {
   if (m->be == NULL || tokens == NULL || targets == NULL || loss == NULL || batch == 0 ||
       batch > m->cfg.batch || t == 0 || t > m->cfg.ctx)
     return AC_EINVAL;
@@ -306,17 +279,14 @@ fail:
   return rc;
 }
 
-int ac_lm_backward(ac_lm *m)
-{
-  if (m->be == NULL || !m->ready)
-    return AC_EINVAL;
+int ac_lm_backward(ac_lm *m) {
+  if (m->be == NULL || !m->ready) return AC_EINVAL;
   int rc;
   const float *g;
   AC__TRY(ac_celoss_backward(&m->xent, &g));
   AC__TRY(ac_linear_backward(&m->head, g, &g));
   AC__TRY(ac_layernorm_backward(&m->lnf, g, &g));
-  for (size_t i = m->cfg.layers; i-- > 0;)
-    AC__TRY(ac_tblock_backward(&m->blocks[i], g, &g));
+  for (size_t i = m->cfg.layers; i-- > 0;) AC__TRY(ac_tblock_backward(&m->blocks[i], g, &g));
   AC__TRY(ac_posembed_backward(&m->pos, g, &g));
   AC__TRY(ac_embedding_backward(&m->tok, g));
   return AC_OK;
@@ -327,22 +297,18 @@ fail:
 /* ------------------------------------------------------------------------------------ */
 /* ResNet basic block                                                                      */
 
-static size_t conv_out(size_t x, size_t stride)
-{
+static size_t conv_out(size_t x, size_t stride) {
   return (x + 2 - 3) / stride + 1; /* 3x3, pad 1 */
 }
 
-static size_t max3(size_t a, size_t b, size_t c)
-{
+static size_t max3(size_t a, size_t b, size_t c) {
   size_t m = a > b ? a : b;
   return m > c ? m : c;
 }
 
-size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_t w,
-                                      size_t stride, size_t chunk)
-{
-  if (stride == 0 || h == 0 || w == 0)
-    return 0;
+size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_t w, size_t stride,
+                                      size_t chunk) {
+  if (stride == 0 || h == 0 || w == 0) return 0;
   size_t oh = conv_out(h, stride), ow = conv_out(w, stride);
   return max3(ac_conv2d_workspace_floats(in_c, out_c, 3, oh, ow, chunk),
               ac_conv2d_workspace_floats(out_c, out_c, 3, oh, ow, chunk),
@@ -351,19 +317,17 @@ size_t ac_basicblock_workspace_floats(size_t in_c, size_t out_c, size_t h, size_
 
 int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, size_t in_c,
                        size_t out_c, size_t h, size_t w, size_t stride, size_t max_batch,
-                       size_t chunk, float *workspace, uint64_t seed)
-{
+                       size_t chunk, float *workspace, uint64_t seed) {
   int rc;
   char name[256];
   memset(b, 0, sizeof *b);
-  if (be == NULL || in_c == 0 || out_c == 0 || max_batch == 0 || stride == 0)
-    return AC_EINVAL;
+  if (be == NULL || in_c == 0 || out_c == 0 || max_batch == 0 || stride == 0) return AC_EINVAL;
   b->be = be;
   b->in_c = in_c;
   b->out_c = out_c;
   AC__TRY(ac__join_name(name, sizeof name, prefix, "conv1"));
-  AC__TRY(ac_conv2d_init(&b->conv1, be, name, in_c, out_c, h, w, 3, stride, 1, 0, max_batch,
-                         chunk, workspace, ac__sub_seed(seed, 0)));
+  AC__TRY(ac_conv2d_init(&b->conv1, be, name, in_c, out_c, h, w, 3, stride, 1, 0, max_batch, chunk,
+                         workspace, ac__sub_seed(seed, 0)));
   b->oh = b->conv1.oh;
   b->ow = b->conv1.ow;
   size_t ohw = b->oh * b->ow;
@@ -371,8 +335,8 @@ int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, siz
   AC__TRY(ac_batchnorm_init(&b->bn1, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
   AC__TRY(ac_batchnorm_fuse_relu(&b->bn1));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "conv2"));
-  AC__TRY(ac_conv2d_init(&b->conv2, be, name, out_c, out_c, b->oh, b->ow, 3, 1, 1, 0,
-                         max_batch, chunk, workspace, ac__sub_seed(seed, 1)));
+  AC__TRY(ac_conv2d_init(&b->conv2, be, name, out_c, out_c, b->oh, b->ow, 3, 1, 1, 0, max_batch,
+                         chunk, workspace, ac__sub_seed(seed, 1)));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "bn2"));
   AC__TRY(ac_batchnorm_init(&b->bn2, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
   AC__TRY(ac_batchnorm_fuse_relu(&b->bn2)); /* relu(bn2(.) + shortcut) in one pass */
@@ -391,10 +355,8 @@ fail:
   return rc;
 }
 
-void ac_basicblock_destroy(ac_basicblock *b)
-{
-  if (b->be == NULL)
-    return;
+void ac_basicblock_destroy(ac_basicblock *b) {
+  if (b->be == NULL) return;
   ac_conv2d_destroy(&b->conv1);
   ac_batchnorm_destroy(&b->bn1);
   ac_conv2d_destroy(&b->conv2);
@@ -405,8 +367,7 @@ void ac_basicblock_destroy(ac_basicblock *b)
   memset(b, 0, sizeof *b);
 }
 
-int ac_basicblock_params(ac_basicblock *b, ac_param_list *list)
-{
+int ac_basicblock_params(ac_basicblock *b, ac_param_list *list) {
   int rc;
   AC__TRY(ac_conv2d_params(&b->conv1, list));
   AC__TRY(ac_batchnorm_params(&b->bn1, list));
@@ -421,10 +382,8 @@ fail:
 }
 
 int ac_basicblock_forward(ac_basicblock *b, const float *x, size_t batch, ac_mode mode,
-                          const float **y)
-{
-  if (b->be == NULL || x == NULL || y == NULL)
-    return AC_EINVAL;
+                          const float **y) {
+  if (b->be == NULL || x == NULL || y == NULL) return AC_EINVAL;
   int rc;
   const float *a, *s = x;
   AC__TRY(ac_conv2d_forward(&b->conv1, x, batch, &a));
@@ -442,10 +401,8 @@ fail:
   return rc;
 }
 
-int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx)
-{
-  if (b->be == NULL || !b->ready || dy == NULL)
-    return AC_EINVAL;
+int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx) {
+  if (b->be == NULL || !b->ready || dy == NULL) return AC_EINVAL;
   int rc;
   const float *gm, *gs;
   AC__TRY(ac_batchnorm_backward_res(&b->bn2, dy, &gm, &gs));
@@ -457,8 +414,8 @@ int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx)
     AC__TRY(ac_conv2d_backward(&b->sconv, gs, dx != NULL ? &gs : NULL));
   }
   if (dx != NULL) {
-    AC__TRY(ac_axpby(b->be, b->batch * b->in_c * b->conv1.g.h * b->conv1.g.w, 1.0f, gm, 1.0f,
-                     gs, b->dx));
+    AC__TRY(ac_axpby(b->be, b->batch * b->in_c * b->conv1.g.h * b->conv1.g.w, 1.0f, gm, 1.0f, gs,
+                     b->dx));
     *dx = b->dx;
   }
   return AC_OK;
@@ -469,8 +426,7 @@ fail:
 /* ------------------------------------------------------------------------------------ */
 /* ResNet                                                                                  */
 
-void ac_resnet_config_default(ac_resnet_config *c)
-{
+void ac_resnet_config_default(ac_resnet_config *c) {
   memset(c, 0, sizeof *c);
   c->in_c = 1;
   c->h = 28;
@@ -490,8 +446,7 @@ void ac_resnet_config_default(ac_resnet_config *c)
 }
 
 /* Every conv of the network: stem, and each block's two convs and projection shortcut. */
-static int resnet_conv_fan_out(ac_resnet *m)
-{
+static int resnet_conv_fan_out(ac_resnet *m) {
   int rc;
   uint64_t s = ac__sub_seed(m->cfg.seed, 2);
   AC__TRY(conv_fan_out(&m->stem, ac__sub_seed(s, 0)));
@@ -499,15 +454,13 @@ static int resnet_conv_fan_out(ac_resnet *m)
     ac_basicblock *b = &m->blocks[k];
     AC__TRY(conv_fan_out(&b->conv1, ac__sub_seed(s, 3 * k + 1)));
     AC__TRY(conv_fan_out(&b->conv2, ac__sub_seed(s, 3 * k + 2)));
-    if (b->has_short)
-      AC__TRY(conv_fan_out(&b->sconv, ac__sub_seed(s, 3 * k + 3)));
+    if (b->has_short) AC__TRY(conv_fan_out(&b->sconv, ac__sub_seed(s, 3 * k + 3)));
   }
 fail:
   return rc;
 }
 
-int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
-{
+int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg) {
   int rc;
   char name[64];
   memset(m, 0, sizeof *m);
@@ -516,8 +469,7 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
       (cfg->conv_init != AC_INIT_LAYER && cfg->conv_init != AC_INIT_HE_FAN_OUT))
     return AC_EINVAL;
   for (size_t s = 0; s < cfg->stages; s++)
-    if (cfg->width[s] == 0)
-      return AC_EINVAL;
+    if (cfg->width[s] == 0) return AC_EINVAL;
   m->be = be;
   m->cfg = *cfg;
   size_t chunk = cfg->chunk == 0 || cfg->chunk > cfg->batch ? cfg->batch : cfg->chunk;
@@ -525,8 +477,7 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
   m->nblocks = cfg->stages * cfg->blocks;
 
   /* One im2col workspace for every conv: the largest any of them needs. */
-  size_t ws = ac_conv2d_workspace_floats(cfg->in_c, cfg->width[0], 3, cfg->h, cfg->w,
-                                         chunk);
+  size_t ws = ac_conv2d_workspace_floats(cfg->in_c, cfg->width[0], 3, cfg->h, cfg->w, chunk);
   size_t h = cfg->h, w = cfg->w, c = cfg->width[0];
   for (size_t s = 0; s < cfg->stages; s++)
     for (size_t i = 0; i < cfg->blocks; i++) {
@@ -545,10 +496,10 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
     goto fail;
   }
   uint64_t seed = cfg->seed;
-  AC__TRY(ac_conv2d_init(&m->stem, be, "stem.conv", cfg->in_c, cfg->width[0], cfg->h, cfg->w,
-                         3, 1, 1, 0, cfg->batch, chunk, m->ws, ac__sub_seed(seed, 0)));
-  AC__TRY(ac_batchnorm_init(&m->stem_bn, be, "stem.bn", cfg->width[0], cfg->h * cfg->w,
-                            cfg->bn_eps, cfg->bn_momentum, cfg->batch));
+  AC__TRY(ac_conv2d_init(&m->stem, be, "stem.conv", cfg->in_c, cfg->width[0], cfg->h, cfg->w, 3, 1,
+                         1, 0, cfg->batch, chunk, m->ws, ac__sub_seed(seed, 0)));
+  AC__TRY(ac_batchnorm_init(&m->stem_bn, be, "stem.bn", cfg->width[0], cfg->h * cfg->w, cfg->bn_eps,
+                            cfg->bn_momentum, cfg->batch));
   AC__TRY(ac_batchnorm_fuse_relu(&m->stem_bn));
   h = cfg->h;
   w = cfg->w;
@@ -568,10 +519,8 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg)
       c = cfg->width[s];
     }
   AC__TRY(ac_gap_init(&m->gap, be, c, h * w, cfg->batch));
-  AC__TRY(ac_linear_init(&m->fc, be, "fc", c, cfg->classes, 1, cfg->batch,
-                         ac__sub_seed(seed, 1)));
-  if (cfg->conv_init == AC_INIT_HE_FAN_OUT)
-    AC__TRY(resnet_conv_fan_out(m));
+  AC__TRY(ac_linear_init(&m->fc, be, "fc", c, cfg->classes, 1, cfg->batch, ac__sub_seed(seed, 1)));
+  if (cfg->conv_init == AC_INIT_HE_FAN_OUT) AC__TRY(resnet_conv_fan_out(m));
   AC__TRY(ac_celoss_init(&m->xent, be, cfg->classes, cfg->batch));
   return AC_OK;
 fail:
@@ -579,14 +528,11 @@ fail:
   return rc;
 }
 
-void ac_resnet_destroy(ac_resnet *m)
-{
-  if (m->be == NULL)
-    return;
+void ac_resnet_destroy(ac_resnet *m) {
+  if (m->be == NULL) return;
   ac_conv2d_destroy(&m->stem);
   ac_batchnorm_destroy(&m->stem_bn);
-  for (size_t i = 0; m->blocks != NULL && i < m->nblocks; i++)
-    ac_basicblock_destroy(&m->blocks[i]);
+  for (size_t i = 0; m->blocks != NULL && i < m->nblocks; i++) ac_basicblock_destroy(&m->blocks[i]);
   free(m->blocks);
   ac_gap_destroy(&m->gap);
   ac_linear_destroy(&m->fc);
@@ -595,21 +541,18 @@ void ac_resnet_destroy(ac_resnet *m)
   memset(m, 0, sizeof *m);
 }
 
-int ac_resnet_params(ac_resnet *m, ac_param_list *list)
-{
+int ac_resnet_params(ac_resnet *m, ac_param_list *list) {
   int rc;
   AC__TRY(ac_conv2d_params(&m->stem, list));
   AC__TRY(ac_batchnorm_params(&m->stem_bn, list));
-  for (size_t i = 0; i < m->nblocks; i++)
-    AC__TRY(ac_basicblock_params(&m->blocks[i], list));
+  for (size_t i = 0; i < m->nblocks; i++) AC__TRY(ac_basicblock_params(&m->blocks[i], list));
   AC__TRY(ac_linear_params(&m->fc, list));
 fail:
   return rc;
 }
 
 int ac_resnet_forward(ac_resnet *m, const float *images, const int32_t *labels, size_t batch,
-                      ac_mode mode, double *loss)
-{
+                      ac_mode mode, double *loss) {
   if (m->be == NULL || images == NULL || labels == NULL || loss == NULL || batch == 0 ||
       batch > m->cfg.batch)
     return AC_EINVAL;
@@ -629,17 +572,14 @@ fail:
   return rc;
 }
 
-int ac_resnet_backward(ac_resnet *m)
-{
-  if (m->be == NULL || !m->ready)
-    return AC_EINVAL;
+int ac_resnet_backward(ac_resnet *m) {
+  if (m->be == NULL || !m->ready) return AC_EINVAL;
   int rc;
   const float *g;
   AC__TRY(ac_celoss_backward(&m->xent, &g));
   AC__TRY(ac_linear_backward(&m->fc, g, &g));
   AC__TRY(ac_gap_backward(&m->gap, g, &g));
-  for (size_t i = m->nblocks; i-- > 0;)
-    AC__TRY(ac_basicblock_backward(&m->blocks[i], g, &g));
+  for (size_t i = m->nblocks; i-- > 0;) AC__TRY(ac_basicblock_backward(&m->blocks[i], g, &g));
   AC__TRY(ac_batchnorm_backward(&m->stem_bn, g, &g));
   AC__TRY(ac_conv2d_backward(&m->stem, g, NULL)); /* the images need no gradient */
   return AC_OK;
@@ -650,8 +590,7 @@ fail:
 /* ------------------------------------------------------------------------------------ */
 /* Curvature hooks                                                                         */
 
-void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook)
-{
+void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook) {
   ac_hook h = hook != NULL ? *hook : (ac_hook){NULL, NULL};
   m->stem.hook = h;
   m->stem_bn.hook = h;
@@ -667,8 +606,7 @@ void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook)
   m->fc.hook = h;
 }
 
-void ac_lm_set_hook(ac_lm *m, const ac_hook *hook)
-{
+void ac_lm_set_hook(ac_lm *m, const ac_hook *hook) {
   ac_hook h = hook != NULL ? *hook : (ac_hook){NULL, NULL};
   for (size_t i = 0; m->blocks != NULL && i < m->cfg.layers; i++) {
     ac_tblock *b = &m->blocks[i];

@@ -41,22 +41,22 @@ double ac_lr_cosine_decay(double base_lr, double min_lr, long step, long decay_s
 double ac_lr_step_decay(double base_lr, double gamma, long step, long step_size);
 
 typedef enum {
-  AC_LR_CONSTANT = 0,  /* base_lr after the warmup */
-  AC_LR_COSINE,        /* ac_lr_cosine_decay over decay_steps after the warmup */
-  AC_LR_STEP           /* ac_lr_step_decay: times gamma every step_size steps after it */
+  AC_LR_CONSTANT = 0, /* base_lr after the warmup */
+  AC_LR_COSINE,       /* ac_lr_cosine_decay over decay_steps after the warmup */
+  AC_LR_STEP          /* ac_lr_step_decay: times gamma every step_size steps after it */
 } ac_lr_decay;
 
 /* A warmup followed by a decay. At step t >= 1: t <= warmup_steps gives
  * ac_lr_linear_warmup(base_lr, t, warmup_steps); after it the decay runs on
  * s = t - warmup_steps (so the decay starts from base_lr exactly where the warmup ends). */
 typedef struct {
-  double base_lr;      /* > 0 */
-  long warmup_steps;   /* >= 0 */
+  double base_lr;    /* > 0 */
+  long warmup_steps; /* >= 0 */
   ac_lr_decay decay;
-  long decay_steps;    /* COSINE: > 0 */
-  double min_lr;       /* COSINE: in [0, base_lr] */
-  long step_size;      /* STEP: > 0 */
-  double gamma;        /* STEP: in (0, 1] */
+  long decay_steps; /* COSINE: > 0 */
+  double min_lr;    /* COSINE: in [0, base_lr] */
+  long step_size;   /* STEP: > 0 */
+  double gamma;     /* STEP: in (0, 1] */
 } ac_lr_schedule;
 
 /* A constant base_lr with no warmup (decay_steps 1, step_size 1, gamma 1: valid if the
@@ -83,9 +83,9 @@ int ac_clip_grad_norm(ac_param *const *params, size_t nparams, double max_norm, 
 /* ---- SGD with momentum ---- */
 
 typedef struct {
-  float momentum;      /* mu in [0, 1); 0: plain SGD, no buffer. Default 0.9 */
-  int nesterov;        /* 1: Nesterov lookahead (needs momentum > 0). Default 0 */
-  float weight_decay;  /* >= 0; L2 coupled into the gradient as in classic SGD. Default 0 */
+  float momentum;     /* mu in [0, 1); 0: plain SGD, no buffer. Default 0.9 */
+  int nesterov;       /* 1: Nesterov lookahead (needs momentum > 0). Default 0 */
+  float weight_decay; /* >= 0; L2 coupled into the gradient as in classic SGD. Default 0 */
 } ac_sgd_opts;
 
 void ac_sgd_opts_default(ac_sgd_opts *opts);
@@ -99,8 +99,7 @@ typedef struct ac_sgd ac_sgd;
  * backend). opts NULL: defaults. On AC_OK *out is owned by the caller (ac_sgd_destroy);
  * on error *out is NULL. Errors: AC_EINVAL (bad options, NULL entries, a parameter listed
  * twice), AC_EMISMATCH (different backends), AC_ENOMEM. */
-int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams,
-                  const ac_sgd_opts *opts);
+int ac_sgd_create(ac_sgd **out, ac_param *const *params, size_t nparams, const ac_sgd_opts *opts);
 
 /* One step with learning rate lr (finite, >= 0). Grads are read, not changed. */
 int ac_sgd_step(ac_sgd *opt, float lr);
@@ -114,9 +113,9 @@ void ac_sgd_destroy(ac_sgd *opt);
 /* ---- AdamW ---- */
 
 typedef struct {
-  float beta1, beta2;  /* [0, 1); defaults 0.9, 0.999 */
-  float eps;           /* > 0; default 1e-8 */
-  float weight_decay;  /* >= 0, decoupled: p -= lr wd p; default 0.01 */
+  float beta1, beta2; /* [0, 1); defaults 0.9, 0.999 */
+  float eps;          /* > 0; default 1e-8 */
+  float weight_decay; /* >= 0, decoupled: p -= lr wd p; default 0.01 */
 } ac_adamw_opts;
 
 void ac_adamw_opts_default(ac_adamw_opts *opts);
@@ -164,26 +163,26 @@ void ac_adamw_destroy(ac_adamw *opt);
  */
 
 typedef struct {
-  pc_layout_opts layout;  /* block_size, skip_limit: must match the daemon's. Defaults */
-  pc_graft_opts graft;    /* grafting (the step length). Default Adam, its defaults */
-  float momentum;         /* mu in [0, 1) on the grafted direction. Default 0 */
-  int nesterov;           /* needs momentum > 0. Default 0 */
-  float weight_decay;     /* >= 0, decoupled. Default 0 */
-  long stats_interval;    /* statistics at steps 1, 1 + k, 1 + 2k, ...; >= 1. Default 1 */
-  long start_step;        /* first step that may use roots; >= 1. Default 1 */
-  long max_staleness;     /* a root older than this many steps (t - source_step) is not
+  pc_layout_opts layout; /* block_size, skip_limit: must match the daemon's. Defaults */
+  pc_graft_opts graft;   /* grafting (the step length). Default Adam, its defaults */
+  float momentum;        /* mu in [0, 1) on the grafted direction. Default 0 */
+  int nesterov;          /* needs momentum > 0. Default 0 */
+  float weight_decay;    /* >= 0, decoupled. Default 0 */
+  long stats_interval;   /* statistics at steps 1, 1 + k, 1 + 2k, ...; >= 1. Default 1 */
+  long start_step;       /* first step that may use roots; >= 1. Default 1 */
+  long max_staleness;    /* a root older than this many steps (t - source_step) is not
                              used: the block takes the grafted fallback. 0: no bound.
                              >= 0. Default 0 */
   /* The daemon's: the statistics EMA (1 = sum) and the relative ridge of the roots. Kept
    * here so that one struct configures a run (the caller registers them with precondd);
    * the worker itself hands out raw G G^T increments and does not use them. */
-  float beta2;            /* [0, 1]. Default 0.95 */
-  double epsilon;         /* > 0. Default 1e-6 */
-  float beta1;            /* first moment of the gradient in [0, 1); 0: off (M = G). Not
+  float beta2;        /* [0, 1]. Default 0.95 */
+  double epsilon;     /* > 0. Default 1e-6 */
+  float beta1;        /* first moment of the gradient in [0, 1); 0: off (M = G). Not
                              with the normed grafts. Default 0.9 */
-  int beta1_nesterov;     /* Nesterov look-ahead of the first moment; needs beta1 > 0.
+  int beta1_nesterov; /* Nesterov look-ahead of the first moment; needs beta1 > 0.
                              Default 0 */
-  int one_sided;          /* 1: apply one root per block (the caller registers root
+  int one_sided;      /* 1: apply one root per block (the caller registers root
                              exponent 2, so P_b = L_b^(-1/2) M_b or M_b R_b^(-1/2)).
                              Default 0 */
 } ac_shampoo_opts;
@@ -207,13 +206,13 @@ size_t ac_shampoo_nblocks(const ac_shampoo *s);
 const pc_layout *ac_shampoo_layout(const ac_shampoo *s, size_t param);
 
 typedef struct {
-  size_t param;             /* index into the params given at create */
-  size_t index;             /* block within that parameter's layout */
-  pc_block block;           /* rows, cols and offsets in the parameter's 2-D view */
-  uint64_t version;         /* version of the roots held; 0: none yet */
-  uint64_t source_step;     /* their source step (as handed in) */
-  uint64_t fallback_steps;  /* steps this block took the grafted fallback */
-  long staleness;           /* t - source_step at the last step that used the roots; -1:
+  size_t param;            /* index into the params given at create */
+  size_t index;            /* block within that parameter's layout */
+  pc_block block;          /* rows, cols and offsets in the parameter's 2-D view */
+  uint64_t version;        /* version of the roots held; 0: none yet */
+  uint64_t source_step;    /* their source step (as handed in) */
+  uint64_t fallback_steps; /* steps this block took the grafted fallback */
+  long staleness;          /* t - source_step at the last step that used the roots; -1:
                                never used */
 } ac_shampoo_block;
 
@@ -225,11 +224,11 @@ uint64_t ac_shampoo_fallback_total(const ac_shampoo *s);
 
 /* What the last step did, for the clients' reports. */
 typedef struct {
-  long step;                /* its number; 0: no step yet (the rest is then zero) */
-  size_t preconditioned;    /* blocks that used roots */
-  size_t fallback;          /* blocks that took the grafted fallback */
-  double staleness_mean;    /* over the blocks that used roots; NaN if none did */
-  long staleness_max;       /* -1 if none did */
+  long step;             /* its number; 0: no step yet (the rest is then zero) */
+  size_t preconditioned; /* blocks that used roots */
+  size_t fallback;       /* blocks that took the grafted fallback */
+  double staleness_mean; /* over the blocks that used roots; NaN if none did */
+  long staleness_max;    /* -1 if none did */
 } ac_shampoo_step_info;
 
 /* Fills *info about the last ac_shampoo_step. AC_EINVAL for NULL. */
@@ -255,12 +254,11 @@ int ac_shampoo_set_stats_mask(ac_shampoo *s, const uint8_t *mask);
  * *left = packed G G^T (ac_packed_len(rows) values), *right = packed G^T G
  * (ac_packed_len(cols)); owned by s, valid until the next compute or destroy. Either
  * pointer argument may be NULL. AC_EINVAL if b is out of range or nothing was computed yet. */
-int ac_shampoo_block_stats(const ac_shampoo *s, size_t b, const float **left,
-                           const float **right);
+int ac_shampoo_block_stats(const ac_shampoo *s, size_t b, const float **left, const float **right);
 
 typedef enum {
-  AC_ROOT_DENSE = 0,   /* n x n row-major */
-  AC_ROOT_PACKED = 1   /* packed upper, ac_packed_len(n) values */
+  AC_ROOT_DENSE = 0, /* n x n row-major */
+  AC_ROOT_PACKED = 1 /* packed upper, ac_packed_len(n) values */
 } ac_root_format;
 
 /* One version of a block's roots, as a caller hands it in (the fields of libprecond's
@@ -268,8 +266,8 @@ typedef enum {
  * right ~ R^(-1/4) of order n_right (= its cols); a side may be NULL with its n 0
  * (one-sided: the identity there), not both. HOST pointers. */
 typedef struct {
-  uint64_t version;       /* > 0, increasing per block */
-  uint64_t source_step;   /* step of the newest statistics the roots come from */
+  uint64_t version;     /* > 0, increasing per block */
+  uint64_t source_step; /* step of the newest statistics the roots come from */
   ac_root_format format;
   size_t n_left;
   const float *left;
@@ -319,12 +317,10 @@ int ac_kfac_dense_factor_g(ac_backend *be, size_t rows, size_t out, const float 
  * col is ac_im2col's (nimg, ckk, npos) with ckk = in_c k k; dy the output gradient (nimg,
  * out_c, npos) NCHW. A (x) G is KFC's Omega (x) Gamma; the split is docs/kfac.md's. */
 size_t ac_kfac_conv_workspace_floats(size_t nimg, size_t ckk, size_t npos, int has_bias);
-int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos,
-                          const float *col, int has_bias, size_t batch, int accumulate,
-                          float *a_packed, float *ws);
-int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos,
-                          const float *dy, float loss_scale, size_t batch, int accumulate,
-                          float *g_packed);
+int ac_kfac_conv_factor_a(ac_backend *be, size_t nimg, size_t ckk, size_t npos, const float *col,
+                          int has_bias, size_t batch, int accumulate, float *a_packed, float *ws);
+int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos, const float *dy,
+                          float loss_scale, size_t batch, int accumulate, float *g_packed);
 
 /* The same conv factors from what conv2d's curvature hook shows (AC_HOOK_CONV, layers.h):
  * one chunk's im2col columns col as ac_im2col_batch lays them out (ckk rows of cols = nimg
@@ -334,8 +330,8 @@ int ac_kfac_conv_factor_g(ac_backend *be, size_t nimg, size_t out_c, size_t npos
  * ws: ac_kfac_conv_cols_workspace_floats (0 without a bias). */
 size_t ac_kfac_conv_cols_workspace_floats(size_t ckk, size_t cols, int has_bias);
 int ac_kfac_conv_cols_factor_a(ac_backend *be, size_t ckk, size_t cols, const float *col,
-                               size_t ldc, size_t npos, int has_bias, size_t batch,
-                               int accumulate, float *a_packed, float *ws);
+                               size_t ldc, size_t npos, int has_bias, size_t batch, int accumulate,
+                               float *a_packed, float *ws);
 int ac_kfac_conv_cols_factor_g(ac_backend *be, size_t out_c, size_t cols, const float *dyc,
                                size_t ldd, float loss_scale, size_t batch, int accumulate,
                                float *g_packed);
@@ -351,17 +347,16 @@ int ac_kfac_bn_fisher(ac_backend *be, size_t n, size_t c, size_t hw, const float
                       float *ws);
 /* p[i] = grad[i] / (fisher[i] + damping) for i < count (damping > 0, finite); p may be grad.
  * ws: count floats. */
-int ac_kfac_bn_precondition(ac_backend *be, size_t count, const float *grad,
-                            const float *fisher, float damping, float *p, float *ws);
+int ac_kfac_bn_precondition(ac_backend *be, size_t count, const float *grad, const float *fisher,
+                            float damping, float *p, float *ws);
 
 /* The K-FAC update of one layer from the damped inverses (dense on the device):
  * [pw | pb] = g_inv [gw | gb] a_inv, gw and pw out x in, gb and pb out values (both NULL for a
  * layer without bias), g_inv out x out, a_inv order in + (gb != NULL). Two products; pw may
  * be gw and pb gb. ws: ac_kfac_precondition_workspace_floats. */
 size_t ac_kfac_precondition_workspace_floats(size_t out, size_t in, int has_bias);
-int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
-                         const float *gb, const float *g_inv, const float *a_inv, float *pw,
-                         float *pb, float *ws);
+int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw, const float *gb,
+                         const float *g_inv, const float *a_inv, float *pw, float *pb, float *ws);
 
 /* The same update from the eigen forms (pc_kfac_eigen_*; KAISA's default):
  *   [pw | pb] = Q_G [(Q_G^T [gw | gb] Q_A) / (v_G v_A^T + lambda)] Q_A^T,
@@ -370,9 +365,8 @@ int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
  * ac_kfac_eigen_precondition_workspace_floats. */
 size_t ac_kfac_eigen_precondition_workspace_floats(size_t out, size_t in, int has_bias);
 int ac_kfac_eigen_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
-                               const float *gb, const float *qg, const float *vg,
-                               const float *qa, const float *va, float lambda, float *pw,
-                               float *pb, float *ws);
+                               const float *gb, const float *qg, const float *vg, const float *qa,
+                               const float *va, float lambda, float *pw, float *pb, float *ws);
 
 /* One preconditioned tensor and its gradient, for the KL clip (count values each). */
 typedef struct {

@@ -35,7 +35,7 @@ int ac__optim_zeros(ac_backend *be, size_t n, float **out);
 
 /* Heavy-ball momentum on n values of direction d: buf = mu buf + d, then the update
  * direction *u is buf, or with nesterov d + mu buf written to out (which may be d). */
-int ac__optim_momentum(ac_backend *be, size_t n, float mu, int nesterov, const float *d,
-                       float *buf, float *out, const float **u);
+int ac__optim_momentum(ac_backend *be, size_t n, float mu, int nesterov, const float *d, float *buf,
+                       float *out, const float **u);
 
 #endif /* PRECOND_AC_OPTIM_INTERNAL_H */

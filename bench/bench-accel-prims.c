@@ -26,15 +26,13 @@ typedef struct {
   int quick;
 } bench;
 
-static double now_s(void)
-{
+static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static float *dev_random(bench *b, size_t n, uint64_t seed)
-{
+static float *dev_random(bench *b, size_t n, uint64_t seed) {
   void *p = NULL;
   if (ac_malloc(b->be, (n ? n : 1) * sizeof(float), &p) != AC_OK) {
     fprintf(stderr, "bench: out of device memory for %zu floats\n", n);
@@ -47,8 +45,7 @@ static float *dev_random(bench *b, size_t n, uint64_t seed)
   return p;
 }
 
-static void check(int rc, const char *what)
-{
+static void check(int rc, const char *what) {
   if (rc != AC_OK) {
     fprintf(stderr, "bench: %s: %s\n", what, ac_strerror(rc));
     exit(1);
@@ -56,41 +53,37 @@ static void check(int rc, const char *what)
 }
 
 static void report(bench *b, const char *prim, const char *shape, int iters, double secs,
-                   double work, const char *unit)
-{
+                   double work, const char *unit) {
   double per = secs / iters;
-  printf("%s,%s,%s,%d,%.4f,%.2f,%s\n", b->name, prim, shape, iters, per * 1e3,
-         work / per / 1e9, unit);
+  printf("%s,%s,%s,%d,%.4f,%.2f,%s\n", b->name, prim, shape, iters, per * 1e3, work / per / 1e9,
+         unit);
   fflush(stdout);
 }
 
 /* Iterations for about 0.25 s, from the time of one warm-up call; 3 in --quick. */
-static int iters_for(bench *b, double warm_s)
-{
-  if (b->quick)
-    return 3;
+static int iters_for(bench *b, double warm_s) {
+  if (b->quick) return 3;
   double it = 0.25 / (warm_s > 1e-7 ? warm_s : 1e-7);
   return it < 3 ? 3 : (it > 2000 ? 2000 : (int)it);
 }
 
 /* Times one warm-up call, picks iters, runs body iters times, syncs; secs is the total. */
-#define TIMED(b, iters, secs, body)                                                      \
-  do {                                                                                   \
-    check(ac_sync((b)->be), "sync");                                                     \
-    double w0_ = now_s();                                                                \
-    body;                                                                                \
-    check(ac_sync((b)->be), "sync");                                                     \
-    (iters) = iters_for((b), now_s() - w0_);                                             \
-    double t0_ = now_s();                                                                \
-    for (int it_ = 0; it_ < (iters); it_++) {                                            \
-      body;                                                                              \
-    }                                                                                    \
-    check(ac_sync((b)->be), "sync");                                                     \
-    (secs) = now_s() - t0_;                                                              \
+#define TIMED(b, iters, secs, body)           \
+  do {                                        \
+    check(ac_sync((b)->be), "sync");          \
+    double w0_ = now_s();                     \
+    body;                                     \
+    check(ac_sync((b)->be), "sync");          \
+    (iters) = iters_for((b), now_s() - w0_);  \
+    double t0_ = now_s();                     \
+    for (int it_ = 0; it_ < (iters); it_++) { \
+      body;                                   \
+    }                                         \
+    check(ac_sync((b)->be), "sync");          \
+    (secs) = now_s() - t0_;                   \
   } while (0)
 
-static void bench_gemm(bench *b, size_t n)
-{
+static void bench_gemm(bench *b, size_t n) {
   float *x = dev_random(b, n * n, 1), *y = dev_random(b, n * n, 2), *z = dev_random(b, n * n, 3);
   double flops = 2.0 * n * n * n, secs;
   int iters = 0;
@@ -106,16 +99,16 @@ static void bench_gemm(bench *b, size_t n)
 }
 
 /* Attention-shaped batched gemm: (B*H) x (T x Dh) (Dh x T). */
-static void bench_gemm_batched(bench *b, size_t batch, size_t t, size_t dh)
-{
+static void bench_gemm_batched(bench *b, size_t batch, size_t t, size_t dh) {
   float *q = dev_random(b, batch * t * dh, 4), *k = dev_random(b, batch * t * dh, 5);
   float *s = dev_random(b, batch * t * t, 6);
   double flops = 2.0 * batch * t * t * dh, secs;
   int iters = 0;
   char shape[64];
   TIMED(b, iters, secs,
-        check(ac_sgemm_batched(b->be, AC_NO_TRANS, AC_TRANS, t, t, dh, 0.125f, q, dh, t * dh,
-                               k, dh, t * dh, 0.0f, s, t, t * t, batch), "sgemm_batched"));
+        check(ac_sgemm_batched(b->be, AC_NO_TRANS, AC_TRANS, t, t, dh, 0.125f, q, dh, t * dh, k, dh,
+                               t * dh, 0.0f, s, t, t * t, batch),
+              "sgemm_batched"));
   snprintf(shape, sizeof shape, "%zux(%zux%zux%zu)", batch, t, t, dh);
   report(b, "sgemm_batched", shape, iters, secs, flops, "GFLOP/s");
   TIMED(b, iters, secs, check(ac_softmax_rows(b->be, batch * t, t, s, s), "softmax"));
@@ -127,8 +120,7 @@ static void bench_gemm_batched(bench *b, size_t batch, size_t t, size_t dh)
 }
 
 /* Shampoo statistics of a rows x cols block: both Gram matrices, EMA into packed storage. */
-static void bench_syrk(bench *b, size_t rows, size_t cols)
-{
+static void bench_syrk(bench *b, size_t rows, size_t cols) {
   float *g = dev_random(b, rows * cols, 7);
   float *l = dev_random(b, ac_packed_len(rows), 8), *r = dev_random(b, ac_packed_len(cols), 9);
   double flops = 1.0 * rows * rows * cols + 1.0 * cols * cols * rows, secs;
@@ -145,8 +137,7 @@ static void bench_syrk(bench *b, size_t rows, size_t cols)
   ac_free(b->be, r);
 }
 
-static void bench_elementwise(bench *b, size_t n)
-{
+static void bench_elementwise(bench *b, size_t n) {
   float *x = dev_random(b, n, 10), *y = dev_random(b, n, 11), *m = dev_random(b, n, 12);
   float *v = dev_random(b, n, 13);
   double secs;
@@ -158,8 +149,8 @@ static void bench_elementwise(bench *b, size_t n)
   TIMED(b, iters, secs, check(ac_unary(b->be, AC_UNARY_GELU, n, x, y), "gelu"));
   report(b, "gelu", shape, iters, secs, 2.0 * n * sizeof(float), "GB/s");
   check(ac_unary(b->be, AC_UNARY_ABS, n, v, v), "abs");
-  ac_adamw_args a = {.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                     .weight_decay = 0.01f, .step = 10};
+  ac_adamw_args a = {
+      .lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f, .step = 10};
   TIMED(b, iters, secs, check(ac_adamw_update(b->be, n, x, y, m, v, &a), "adamw"));
   report(b, "adamw_update", shape, iters, secs, 7.0 * n * sizeof(float), "GB/s");
   double s;
@@ -177,10 +168,17 @@ static void bench_elementwise(bench *b, size_t n)
   ac_free(b->be, v);
 }
 
-static void bench_im2col(bench *b, size_t n, size_t c, size_t hw)
-{
-  ac_conv2d_geom g = {.n = n, .c = c, .h = hw, .w = hw, .kh = 3, .kw = 3, .stride_h = 1,
-                      .stride_w = 1, .pad_h = 1, .pad_w = 1};
+static void bench_im2col(bench *b, size_t n, size_t c, size_t hw) {
+  ac_conv2d_geom g = {.n = n,
+                      .c = c,
+                      .h = hw,
+                      .w = hw,
+                      .kh = 3,
+                      .kw = 3,
+                      .stride_h = 1,
+                      .stride_w = 1,
+                      .pad_h = 1,
+                      .pad_w = 1};
   size_t oh, ow;
   check(ac_conv2d_out_hw(&g, &oh, &ow), "geometry");
   size_t ncol = n * c * 9 * oh * ow;
@@ -198,8 +196,7 @@ static void bench_im2col(bench *b, size_t n, size_t c, size_t hw)
   ac_free(b->be, col);
 }
 
-static void run(bench *b)
-{
+static void run(bench *b) {
   if (b->quick) {
     bench_gemm(b, 128);
     bench_gemm_batched(b, 8, 64, 32);
@@ -218,8 +215,7 @@ static void run(bench *b)
   bench_im2col(b, gpu ? 64 : 8, 64, 32);
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
   const char *which = "all";
   int threads = 1, quick = 0;
   for (int i = 1; i < argc; i++) {
@@ -234,8 +230,8 @@ int main(int argc, char **argv)
       return 2;
     }
   }
-  if (threads < 1 || (strcmp(which, "cpu") != 0 && strcmp(which, "cuda") != 0 &&
-                      strcmp(which, "all") != 0)) {
+  if (threads < 1 ||
+      (strcmp(which, "cpu") != 0 && strcmp(which, "cuda") != 0 && strcmp(which, "all") != 0)) {
     fprintf(stderr, "bench-accel-prims: bad --backend or --threads\n");
     return 2;
   }
@@ -244,8 +240,7 @@ int main(int argc, char **argv)
   for (int k = 0; k < 2; k++) {
     ac_backend_kind kind = k == 0 ? AC_BACKEND_CPU : AC_BACKEND_CUDA;
     const char *name = k == 0 ? "cpu" : "cuda";
-    if (strcmp(which, "all") != 0 && strcmp(which, name) != 0)
-      continue;
+    if (strcmp(which, "all") != 0 && strcmp(which, name) != 0) continue;
     ac_backend_opts opts;
     ac_backend_opts_default(&opts);
     opts.kind = kind;
@@ -253,8 +248,8 @@ int main(int argc, char **argv)
     bench b = {.name = name, .quick = quick};
     int rc = ac_backend_create(&b.be, &opts);
     if (rc != AC_OK) {
-      fprintf(stderr, "bench-accel-prims: %s backend skipped: %s (%s)\n", name,
-              ac_strerror(rc), ac_backend_describe(NULL));
+      fprintf(stderr, "bench-accel-prims: %s backend skipped: %s (%s)\n", name, ac_strerror(rc),
+              ac_backend_describe(NULL));
       continue;
     }
     fprintf(stderr, "bench-accel-prims: %s\n", ac_backend_describe(b.be));

@@ -36,27 +36,23 @@ static ac_backend *be;
  * backend; with N threads it counts all of them). */
 static clockid_t clock_id = CLOCK_MONOTONIC;
 
-static double now_s(void)
-{
+static double now_s(void) {
   struct timespec ts;
   clock_gettime(clock_id, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
+static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
 }
 
-static double median(double *t, int n)
-{
+static double median(double *t, int n) {
   qsort(t, (size_t)n, sizeof *t, cmp_double);
   return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
 }
 
-static void check(int rc, const char *what)
-{
+static void check(int rc, const char *what) {
   if (rc != AC_OK) {
     fprintf(stderr, "bench-accel: %s: %s\n", what, ac_strerror(rc));
     exit(1);
@@ -67,60 +63,52 @@ static void check(int rc, const char *what)
  * into last_min_ms. GFLOP/s figures, the peak's included, use the median: on a shared
  * machine one lucky short run would otherwise set the peak. */
 static double last_min_ms;
-#define TIME_MS(out, expr)                                  \
-  do {                                                      \
-    double ts_[MAX_REPS];                                   \
-    for (int r_ = -1; r_ < reps; r_++) {                    \
-      double t0_ = now_s();                                 \
-      check((expr), #expr);                                 \
-      check(ac_sync(be), "sync");                           \
-      if (r_ >= 0)                                          \
-        ts_[r_] = 1e3 * (now_s() - t0_);                    \
-    }                                                       \
-    (out) = median(ts_, reps);                              \
-    last_min_ms = ts_[0];                                   \
+#define TIME_MS(out, expr)                          \
+  do {                                              \
+    double ts_[MAX_REPS];                           \
+    for (int r_ = -1; r_ < reps; r_++) {            \
+      double t0_ = now_s();                         \
+      check((expr), #expr);                         \
+      check(ac_sync(be), "sync");                   \
+      if (r_ >= 0) ts_[r_] = 1e3 * (now_s() - t0_); \
+    }                                               \
+    (out) = median(ts_, reps);                      \
+    last_min_ms = ts_[0];                           \
   } while (0)
 
 /* One figure: median ms and best ms of the last TIME_MS (ms is its median, or a sum of
  * medians with min_ms the sum of bests), GFLOP/s from the median. */
 static void emit2(const char *section, const char *config, const char *item, const char *pass,
-                  double ms, double min_ms, double flop)
-{
+                  double ms, double min_ms, double flop) {
   double gf = flop > 0 ? flop / (ms * 1e-3) * 1e-9 : 0.0;
   if (csv) {
-    printf("%s,%s,%s,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.3f\n", section, config, item, pass, ms,
-           min_ms, flop * 1e-9, gf, peak_gflops,
-           peak_gflops > 0 && gf > 0 ? gf / peak_gflops : 0.0);
+    printf("%s,%s,%s,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.3f\n", section, config, item, pass, ms, min_ms,
+           flop * 1e-9, gf, peak_gflops, peak_gflops > 0 && gf > 0 ? gf / peak_gflops : 0.0);
   } else if (gf > 0) {
-    printf("  %-8s %-20s %-15s %-7s %9.3f ms %9.3f ms %8.2f GFLOP/s (%5.1f%% of peak)\n",
-           section, config, item, pass, ms, min_ms, gf, 100.0 * gf / peak_gflops);
+    printf("  %-8s %-20s %-15s %-7s %9.3f ms %9.3f ms %8.2f GFLOP/s (%5.1f%% of peak)\n", section,
+           config, item, pass, ms, min_ms, gf, 100.0 * gf / peak_gflops);
   } else {
-    printf("  %-8s %-20s %-15s %-7s %9.3f ms %9.3f ms\n", section, config, item, pass, ms,
-           min_ms);
+    printf("  %-8s %-20s %-15s %-7s %9.3f ms %9.3f ms\n", section, config, item, pass, ms, min_ms);
   }
   fflush(stdout);
 }
 
 static void emit(const char *section, const char *config, const char *item, const char *pass,
-                 double ms, double flop)
-{
+                 double ms, double flop) {
   emit2(section, config, item, pass, ms, last_min_ms, flop);
 }
 
-static float *dev_random(size_t n, uint64_t seed)
-{
+static float *dev_random(size_t n, uint64_t seed) {
   void *p = NULL;
   check(ac_malloc(be, n * sizeof(float), &p), "malloc");
   check(ac_rand_uniform(be, seed, 0, n, -1.0f, 1.0f, p), "rand");
   return p;
 }
 
-static int32_t *dev_tokens(size_t n, size_t vocab, uint64_t seed)
-{
+static int32_t *dev_tokens(size_t n, size_t vocab, uint64_t seed) {
   int32_t *h = malloc(n * sizeof *h);
   void *d = NULL;
-  if (h == NULL)
-    exit(1);
+  if (h == NULL) exit(1);
   for (size_t i = 0; i < n; i++) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
     h[i] = (int32_t)((seed >> 33) % vocab);
@@ -133,8 +121,7 @@ static int32_t *dev_tokens(size_t n, size_t vocab, uint64_t seed)
 
 /* ------------------------------------------------------------------------------------ */
 
-static void bench_sgemm_peak(void)
-{
+static void bench_sgemm_peak(void) {
   static const size_t sizes[] = {512, 1024, 1536};
   for (size_t i = 0; i < (quick ? 1 : sizeof sizes / sizeof sizes[0]); i++) {
     size_t n = sizes[i];
@@ -143,8 +130,7 @@ static void bench_sgemm_peak(void)
     TIME_MS(ms, ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n));
     double flop = 2.0 * (double)n * (double)n * (double)n;
     double gf = flop / (ms * 1e-3) * 1e-9;
-    if (gf > peak_gflops)
-      peak_gflops = gf;
+    if (gf > peak_gflops) peak_gflops = gf;
     char cfg[32];
     snprintf(cfg, sizeof cfg, "n=%zu", n);
     emit("sgemm", cfg, "sgemm", "fwd", ms, flop);
@@ -152,14 +138,12 @@ static void bench_sgemm_peak(void)
     ac_free(be, b);
     ac_free(be, c);
   }
-  if (!csv)
-    printf("  sgemm peak: %.2f GFLOP/s\n", peak_gflops);
+  if (!csv) printf("  sgemm peak: %.2f GFLOP/s\n", peak_gflops);
 }
 
 /* The attention core's matrix products as ac_attention issues them (one strided-batched
  * gemm per head over the sequences): forward Q K^T and P V, or the four of backward. */
-static int attn_gemms(ac_attention *a, int backward)
-{
+static int attn_gemms(ac_attention *a, int backward) {
   size_t b = a->batch, t = a->t, d = a->dim, h = a->heads, dh = d / h, tt = t * t;
   size_t ld = 3 * d, seq = t * 3 * d;
   const float *qkv = a->qkv.y;
@@ -169,32 +153,31 @@ static int attn_gemms(ac_attention *a, int backward)
     float *p = a->probs + i * tt, *dp = a->dprobs + i * tt, *c = a->ctx + i * dh;
     float *dq = a->dqkv + i * dh;
     if (!backward) {
-      rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, q, ld, seq, k, ld, seq,
-                            0.0f, dp, t, h * tt, b);
+      rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, q, ld, seq, k, ld, seq, 0.0f,
+                            dp, t, h * tt, b);
       if (rc == AC_OK)
-        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, v,
-                              ld, seq, 0.0f, c, d, t * d, b);
+        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, v, ld,
+                              seq, 0.0f, c, d, t * d, b);
     } else {
       /* the same four shapes as the backward pass (outputs into scratch) */
-      rc = ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, c, d,
-                            t * d, 0.0f, dq, ld, seq, b);
+      rc = ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, c, d, t * d,
+                            0.0f, dq, ld, seq, b);
       if (rc == AC_OK)
-        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, c, d, t * d, v, ld,
-                              seq, 0.0f, dp, t, h * tt, b);
+        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_TRANS, t, t, dh, 1.0f, c, d, t * d, v, ld, seq,
+                              0.0f, dp, t, h * tt, b);
       if (rc == AC_OK)
-        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, k,
-                              ld, seq, 0.0f, dq, ld, seq, b);
+        rc = ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, k, ld,
+                              seq, 0.0f, dq, ld, seq, b);
       if (rc == AC_OK)
-        rc = ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, q, ld,
-                              seq, 0.0f, a->dqkv + d + i * dh, ld, seq, b);
+        rc = ac_sgemm_batched(be, AC_TRANS, AC_NO_TRANS, t, dh, t, 1.0f, p, t, h * tt, q, ld, seq,
+                              0.0f, a->dqkv + d + i * dh, ld, seq, b);
     }
   }
   return rc;
 }
 
 /* The Transformer block at width d: each layer forward and backward, then the block. */
-static void bench_tblock(size_t d)
-{
+static void bench_tblock(size_t d) {
   const size_t batch = quick ? 2 : 32, t = 64, heads = 4, mlp = 4 * d, rows = batch * t;
   char cfg[64];
   snprintf(cfg, sizeof cfg, "d=%zu,B=%zu,T=%zu", d, batch, t);
@@ -281,8 +264,7 @@ static void bench_tblock(size_t d)
   ac_tblock_destroy(&blk);
 }
 
-static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
-{
+static int conv_lowering(ac_conv2d *c, const float *x, int col2im) {
   size_t chw = c->g.c * c->g.h * c->g.w;
   int rc = AC_OK;
   for (size_t b0 = 0; b0 < c->batch && rc == AC_OK; b0 += c->chunk) {
@@ -295,8 +277,7 @@ static int conv_lowering(ac_conv2d *c, const float *x, int col2im)
 }
 
 /* A ResNet basic block at batch 128. */
-static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride, size_t chunk)
-{
+static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride, size_t chunk) {
   const size_t batch = quick ? 4 : 128;
   char cfg[64];
   snprintf(cfg, sizeof cfg, "%zu->%zu,%zux%zu,s%zu,N%zu", in_c, out_c, hw, hw, stride, batch);
@@ -342,34 +323,28 @@ static void bench_basicblock(size_t in_c, size_t out_c, size_t hw, size_t stride
   ac_free(be, ws);
 }
 
-static int lm_step(ac_lm *m, ac_param_list *pl, const int32_t *tok, const int32_t *tgt)
-{
+static int lm_step(ac_lm *m, ac_param_list *pl, const int32_t *tok, const int32_t *tgt) {
   double loss;
   int rc = ac_param_list_zero_grad(pl);
-  if (rc == AC_OK)
-    rc = ac_lm_forward(m, tok, tgt, m->cfg.batch, m->cfg.ctx, AC_MODE_TRAIN, &loss);
+  if (rc == AC_OK) rc = ac_lm_forward(m, tok, tgt, m->cfg.batch, m->cfg.ctx, AC_MODE_TRAIN, &loss);
   return rc == AC_OK ? ac_lm_backward(m) : rc;
 }
 
-static int resnet_step(ac_resnet *m, ac_param_list *pl, const float *img, const int32_t *lab)
-{
+static int resnet_step(ac_resnet *m, ac_param_list *pl, const float *img, const int32_t *lab) {
   double loss;
   int rc = ac_param_list_zero_grad(pl);
-  if (rc == AC_OK)
-    rc = ac_resnet_forward(m, img, lab, m->cfg.batch, AC_MODE_TRAIN, &loss);
+  if (rc == AC_OK) rc = ac_resnet_forward(m, img, lab, m->cfg.batch, AC_MODE_TRAIN, &loss);
   return rc == AC_OK ? ac_resnet_backward(m) : rc;
 }
 
-static void bench_models(size_t chunk)
-{
+static void bench_models(size_t chunk) {
   ac_lm_config lc;
   ac_lm lm;
   ac_param_list pl;
   double ms;
   char cfg[96];
   ac_lm_config_default(&lc);
-  if (quick)
-    lc.batch = 2;
+  if (quick) lc.batch = 2;
   check(ac_lm_init(&lm, be, &lc), "lm init");
   ac_param_list_init(&pl);
   check(ac_lm_params(&lm, &pl), "lm params");
@@ -386,8 +361,7 @@ static void bench_models(size_t chunk)
   ac_resnet_config rc;
   ac_resnet net;
   ac_resnet_config_default(&rc);
-  if (quick)
-    rc.batch = 4;
+  if (quick) rc.batch = 4;
   rc.chunk = chunk;
   check(ac_resnet_init(&net, be, &rc), "resnet init");
   ac_param_list_init(&pl);
@@ -403,8 +377,7 @@ static void bench_models(size_t chunk)
   ac_resnet_destroy(&net);
 }
 
-static void usage(FILE *out)
-{
+static void usage(FILE *out) {
   fprintf(out,
           "usage: bench-accel [--csv] [--backend cpu|cuda] [--threads N] [--reps N]\n"
           "                   [--chunk N] [--only peak|tblock|resblock|models]\n"
@@ -422,8 +395,7 @@ static void usage(FILE *out)
           MAX_REPS);
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
   ac_backend_opts opts;
   const char *only = NULL;
   size_t chunk = 8;
@@ -498,19 +470,18 @@ int main(int argc, char **argv)
   if (csv)
     printf("section,config,item,pass,ms,min_ms,gflop,gflops,peak_gflops,ratio_to_peak\n");
   else
-    printf("bench-accel on %s, %d reps, %s clock: median ms, best ms, GFLOP/s of the "
-           "median\n", ac_backend_describe(be), reps,
-           clock_id == CLOCK_MONOTONIC ? "wall" : "process CPU");
+    printf(
+        "bench-accel on %s, %d reps, %s clock: median ms, best ms, GFLOP/s of the "
+        "median\n",
+        ac_backend_describe(be), reps, clock_id == CLOCK_MONOTONIC ? "wall" : "process CPU");
   bench_sgemm_peak();
   if (only == NULL || strcmp(only, "tblock") == 0)
-    for (size_t d = 128; d <= (quick ? 128 : 512); d += 128)
-      bench_tblock(d);
+    for (size_t d = 128; d <= (quick ? 128 : 512); d += 128) bench_tblock(d);
   if (only == NULL || strcmp(only, "resblock") == 0) {
     bench_basicblock(16, 16, 28, 1, chunk);
     bench_basicblock(16, 32, 28, 2, chunk);
   }
-  if (only == NULL || strcmp(only, "models") == 0)
-    bench_models(chunk);
+  if (only == NULL || strcmp(only, "models") == 0) bench_models(chunk);
   ac_backend_destroy(be);
   return 0;
 }

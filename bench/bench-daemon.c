@@ -52,7 +52,7 @@
 #include "rpc.h"
 
 #define MAX_LIST 16
-#define CALL_MS 120000
+#define CALL_MS  120000
 
 typedef struct {
   const char *addr;
@@ -66,19 +66,19 @@ typedef struct {
   int pool_blocks;
   int threads;
   double max_inflight_mb;
-  int transports;  /* bit 1: tcp, bit 2: unix (spawn only) */
-  int window_mb;   /* HTTP/2 receive window of the bench's channels; 0: gRPC's default */
-  int bf16;        /* statistics pushed and roots fetched as bf16 (else fp32) */
-  int reps;        /* root rows: push-to-root round trips per size; 0: none */
+  int transports;      /* bit 1: tcp, bit 2: unix (spawn only) */
+  int window_mb;       /* HTTP/2 receive window of the bench's channels; 0: gRPC's default */
+  int bf16;            /* statistics pushed and roots fetched as bf16 (else fp32) */
+  int reps;            /* root rows: push-to-root round trips per size; 0: none */
   size_t snapshot_mb;  /* snapshot rows: MiB of statistics; 0: none (spawn only) */
   const char *mpirun;  /* replica rows: mpirun's path; NULL: none (spawn only) */
   int ranks[MAX_LIST]; /* replica rows: daemon ranks, e.g. 1,2 */
   int nranks;
-  double root_noise;   /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
+  double root_noise;          /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
   int ndaemon_args;
-  double memcpy_mb_s[MAX_LIST];  /* per size, measured before any daemon runs */
+  double memcpy_mb_s[MAX_LIST]; /* per size, measured before any daemon runs */
 } bench_opts;
 
 static int g_window_mb;
@@ -86,10 +86,8 @@ static int g_window_mb;
 /* A channel with the size limits of rpc_channel_create and, with --window-mb, a larger
  * HTTP/2 receive window (lookahead): a big answer then needs fewer WINDOW_UPDATE round
  * trips. Released with rpc_channel_destroy (which gives back this grpc_init). */
-static grpc_channel *bench_channel(const char *addr)
-{
-  if (g_window_mb <= 0)
-    return rpc_channel_create(addr, 0);
+static grpc_channel *bench_channel(const char *addr) {
+  if (g_window_mb <= 0) return rpc_channel_create(addr, 0);
   grpc_arg args[3];
   grpc_channel_args ca;
   rpc_size_args(&ca, args, 0);
@@ -105,15 +103,13 @@ static grpc_channel *bench_channel(const char *addr)
   return ch;
 }
 
-static double now_s(void)
-{
+static double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void usage(FILE *f)
-{
+static void usage(FILE *f) {
   fprintf(f,
           "usage: bench-daemon (--addr A | --spawn PATH) [options]\n"
           "\n"
@@ -153,18 +149,14 @@ static void usage(FILE *f)
           "that work stays on the daemon). CSV on stdout, notes on stderr.\n");
 }
 
-static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n)
-{
+static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n) {
   *n = 0;
   while (*s) {
     char *end = NULL;
     long v = strtol(s, &end, 10);
-    if (end == s || v <= 0 || v > 65536 || *n >= MAX_LIST)
-      return -1;
-    if (out_sz)
-      out_sz[*n] = (size_t)v;
-    if (out_int)
-      out_int[*n] = (int)v;
+    if (end == s || v <= 0 || v > 65536 || *n >= MAX_LIST) return -1;
+    if (out_sz) out_sz[*n] = (size_t)v;
+    if (out_int) out_int[*n] = (int)v;
     (*n)++;
     if (*end == ',')
       end++;
@@ -182,8 +174,7 @@ static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n)
  * own directory; the daemon writes to this process's stderr unless log_to_file (then
  * d->log, which the snapshot rows read). extra: more options or NULL. */
 static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, int log_to_file,
-                        const char *const *extra, pdproc *d)
-{
+                        const char *const *extra, pdproc *d) {
   memset(d, 0, sizeof *d);
   pdproc_opts po;
   pdproc_opts_default(&po);
@@ -195,18 +186,15 @@ static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, int 
   po.state_dir = log_to_file ? NULL : "";
   const char *args[24];
   int nargs = 0;
-  for (int i = 0; i < o->ndaemon_args; i++)
-    args[nargs++] = o->daemon_args[i];
-  for (int i = 0; extra != NULL && extra[i] != NULL && nargs < 23; i++)
-    args[nargs++] = extra[i];
+  for (int i = 0; i < o->ndaemon_args; i++) args[nargs++] = o->daemon_args[i];
+  for (int i = 0; extra != NULL && extra[i] != NULL && nargs < 23; i++) args[nargs++] = extra[i];
   args[nargs] = NULL;
   po.extra = args;
   char listen[sizeof d->dir + 16];
   if (unix_socket) {
     /* The directory exists only after a first start: make it here for the socket. */
     snprintf(d->dir, sizeof d->dir, "/tmp/bench-daemon-XXXXXX");
-    if (mkdtemp(d->dir) == NULL)
-      return -1;
+    if (mkdtemp(d->dir) == NULL) return -1;
     d->own_dir = 1;
     snprintf(listen, sizeof listen, "unix:%s/sock", d->dir);
     po.listen = listen;
@@ -225,11 +213,9 @@ static int spawn_daemon(const bench_opts *o, int unix_socket, int nthreads, int 
 
 /* Packed upper triangle of a diagonally dominant symmetric matrix (diag n, off-diagonal in
  * [-0.5, 0.5)): positive definite by Gershgorin, cheap to make at n = 4096. */
-static float *dominant_packed(size_t n, uint64_t seed)
-{
+static float *dominant_packed(size_t n, uint64_t seed) {
   float *p = malloc(pc_packed_len(n) * sizeof(float));
-  if (p == NULL)
-    return NULL;
+  if (p == NULL) return NULL;
   uint64_t s = seed * 6364136223846793005ULL + 1442695040888963407ULL;
   size_t k = 0;
   for (size_t i = 0; i < n; i++)
@@ -241,8 +227,7 @@ static float *dominant_packed(size_t n, uint64_t seed)
 }
 
 static int call_ok(grpc_channel *ch, const char *method, const ProtobufCMessage *req,
-                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
-{
+                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp) {
   grpc_status_code code;
   char *details = NULL;
   int rc = rpc_call(ch, method, req, desc, CALL_MS, 1, resp, &code, &details);
@@ -254,16 +239,14 @@ static int call_ok(grpc_channel *ch, const char *method, const ProtobufCMessage 
 }
 
 /* Registers job with ntensors n x n tensors, block size n: block i is tensor i. */
-static int register_job(grpc_channel *ch, const char *job, size_t n, int ntensors)
-{
+static int register_job(grpc_channel *ch, const char *job, size_t n, int ntensors) {
   Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
   Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
   Precond__V1__TensorSpec ts[MAX_LIST + 256];
   Precond__V1__TensorSpec *tp[MAX_LIST + 256];
   uint64_t shape[2] = {n, n};
   char names[MAX_LIST + 256][16];
-  if (ntensors > MAX_LIST + 256)
-    return -1;
+  if (ntensors > MAX_LIST + 256) return -1;
   for (int i = 0; i < ntensors; i++) {
     precond__v1__tensor_spec__init(&ts[i]);
     snprintf(names[i], sizeof names[i], "w%d", i);
@@ -285,8 +268,7 @@ static int register_job(grpc_channel *ch, const char *job, size_t n, int ntensor
   if (resp != NULL) {
     const Precond__V1__RegisterResponse *r = (const Precond__V1__RegisterResponse *)resp;
     if (r->n_blocks != (size_t)ntensors) {
-      fprintf(stderr, "bench-daemon: %s: %zu blocks, expected %d\n", job, r->n_blocks,
-              ntensors);
+      fprintf(stderr, "bench-daemon: %s: %zu blocks, expected %d\n", job, r->n_blocks, ntensors);
       rc = -1;
     }
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -297,7 +279,7 @@ static int register_job(grpc_channel *ch, const char *job, size_t n, int ntensor
 /* One n x n statistic as a request carries it: packed fp32, or its bf16 rounding. */
 typedef struct {
   size_t n;
-  const void *data;   /* packed upper, n(n+1)/2 values */
+  const void *data; /* packed upper, n(n+1)/2 values */
   size_t bytes;
   int bf16;
 } payload;
@@ -310,8 +292,7 @@ typedef struct {
   Precond__V1__PackedMatrix l, r;
 } push_msg;
 
-static void push_init(push_msg *m, const char *job, uint32_t block, const payload *pl)
-{
+static void push_init(push_msg *m, const char *job, uint32_t block, const payload *pl) {
   precond__v1__push_request__init(&m->req);
   precond__v1__block_statistics__init(&m->bs);
   precond__v1__packed_matrix__init(&m->l);
@@ -319,8 +300,7 @@ static void push_init(push_msg *m, const char *job, uint32_t block, const payloa
   m->l.n = m->r.n = (uint32_t)pl->n;
   m->l.data.data = m->r.data.data = (uint8_t *)pl->data;
   m->l.data.len = m->r.data.len = pl->bytes;
-  if (pl->bf16)
-    m->l.encoding = m->r.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  if (pl->bf16) m->l.encoding = m->r.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   m->bs.block_id = block;
   m->bs.left = &m->l;
   m->bs.right = &m->r;
@@ -342,22 +322,20 @@ typedef struct {
   int fetch;         /* 0: push, 1: fetch */
   double until;      /* stop time */
   pthread_barrier_t *start;
-  double *lat;       /* latencies in ms */
+  double *lat; /* latencies in ms */
   size_t nlat, caplat;
   uint64_t bytes;
   int failed;
 } worker;
 
-static void *worker_main(void *arg)
-{
+static void *worker_main(void *arg) {
   worker *w = arg;
   grpc_channel *ch = bench_channel(w->addr);
   push_msg pm;
   push_init(&pm, w->job, w->block, w->pl);
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   fr.job = (char *)w->job;
-  if (w->pl->bf16)
-    fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  if (w->pl->bf16) fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   /* Warm the connection before the clock starts. */
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   sr.job = (char *)w->job;
@@ -365,8 +343,7 @@ static void *worker_main(void *arg)
   if (ch == NULL || call_ok(ch, RPC_METHOD_GET_STATS, &sr.base,
                             &precond__v1__stats_response__descriptor, &resp) != 0)
     w->failed = 1;
-  if (resp != NULL)
-    protobuf_c_message_free_unpacked(resp, NULL);
+  if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
   pthread_barrier_wait(w->start);
   uint64_t step = 1;
   while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
@@ -392,8 +369,7 @@ static void *worker_main(void *arg)
       }
       w->bytes += 2 * pm.l.data.len;
     }
-    if (resp != NULL)
-      protobuf_c_message_free_unpacked(resp, NULL);
+    if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     if (w->nlat == w->caplat) {
       size_t cap = w->caplat ? 2 * w->caplat : 1024;
       double *nl = realloc(w->lat, cap * sizeof(double));
@@ -410,23 +386,19 @@ static void *worker_main(void *arg)
   return NULL;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
+static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
 
-static double percentile(const double *sorted, size_t n, double q)
-{
-  if (n == 0)
-    return 0.0;
+static double percentile(const double *sorted, size_t n, double q) {
+  if (n == 0) return 0.0;
   size_t i = (size_t)(q * (double)(n - 1) + 0.5);
   return sorted[i < n ? i : n - 1];
 }
 
 /* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s). */
-static double memcpy_mb_s(size_t bytes)
-{
+static double memcpy_mb_s(size_t bytes) {
   unsigned char *a = malloc(bytes), *b = malloc(bytes);
   if (a == NULL || b == NULL) {
     free(a);
@@ -439,7 +411,7 @@ static double memcpy_mb_s(size_t bytes)
   double t0 = now_s(), t;
   do {
     memcpy(b, a, bytes);
-    a[reps % bytes] = b[(reps * 7) % bytes];  /* keep the copies observable */
+    a[reps % bytes] = b[(reps * 7) % bytes]; /* keep the copies observable */
     reps++;
     t = now_s();
   } while (t - t0 < 0.2 || reps < 3);
@@ -449,21 +421,18 @@ static double memcpy_mb_s(size_t bytes)
   return mbs;
 }
 
-static void print_row(const char *bench, const char *transport, size_t n, int clients,
-                      uint64_t ops, double secs, double mbs, double ops_s, const double *p,
-                      const char *baseline, double base_value)
-{
+static void print_row(const char *bench, const char *transport, size_t n, int clients, uint64_t ops,
+                      double secs, double mbs, double ops_s, const double *p, const char *baseline,
+                      double base_value) {
   printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f\n", bench, transport, n,
-         clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline,
-         base_value, base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value
-                                    : 0.0);
+         clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline, base_value,
+         base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0);
   fflush(stdout);
 }
 
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, const char *transport, int fetch,
-                    const char *job, int k, const payload *pl, double memcpy_rate)
-{
+                    const char *job, int k, const payload *pl, double memcpy_rate) {
   worker *w = calloc((size_t)k, sizeof(*w));
   pthread_t *th = calloc((size_t)k, sizeof(*th));
   pthread_barrier_t start;
@@ -474,10 +443,13 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     return -1;
   }
   for (int i = 0; i < k; i++) {
-    w[i] = (worker){.addr = addr, .job = job, .block = fetch ? 0 : (uint32_t)i, .pl = pl,
-                    .fetch = fetch, .start = &start};
-    if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0)
-      break;
+    w[i] = (worker){.addr = addr,
+                    .job = job,
+                    .block = fetch ? 0 : (uint32_t)i,
+                    .pl = pl,
+                    .fetch = fetch,
+                    .start = &start};
+    if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0) break;
     started++;
   }
   if (started < k) {
@@ -486,12 +458,10 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     exit(1);
   }
   double t0 = now_s();
-  for (int i = 0; i < k; i++)
-    w[i].until = t0 + o->seconds;
+  for (int i = 0; i < k; i++) w[i].until = t0 + o->seconds;
   pthread_barrier_wait(&start);
   t0 = now_s();
-  for (int i = 0; i < k; i++)
-    pthread_join(th[i], NULL);
+  for (int i = 0; i < k; i++) pthread_join(th[i], NULL);
   double secs = now_s() - t0;
   pthread_barrier_destroy(&start);
 
@@ -514,13 +484,12 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
     print_row(fetch ? (pl->bf16 ? "fetch-bf16" : "fetch") : (pl->bf16 ? "push-bf16" : "push"),
-              transport, pl->n, k, total, secs,
-              (double)bytes / secs / 1e6, (double)total / secs, p, "memcpy", memcpy_rate);
+              transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
+              "memcpy", memcpy_rate);
     rc = 0;
   }
   free(all);
-  for (int i = 0; i < k; i++)
-    free(w[i].lat);
+  for (int i = 0; i < k; i++) free(w[i].lat);
   free(w);
   free(th);
   return rc;
@@ -528,15 +497,13 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
 
 /* Waits until the daemon has a root of every block of job computed from step or later. */
 static int wait_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_t step,
-                      double timeout_s)
-{
+                      double timeout_s) {
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   Precond__V1__BlockVersion bv[256], *bvp[256];
   uint64_t ver[256] = {0}, src[256] = {0};
-  if (nblocks > 256)
-    return -1;
+  if (nblocks > 256) return -1;
   fr.job = (char *)job;
-  fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;  /* only versions matter here */
+  fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16; /* only versions matter here */
   double until = now_s() + timeout_s;
   while (now_s() < until) {
     fr.n_have = 0;
@@ -561,10 +528,8 @@ static int wait_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     size_t done = 0;
-    for (size_t i = 0; i < nblocks; i++)
-      done += src[i] >= step && ver[i] > 0;
-    if (done == nblocks)
-      return 0;
+    for (size_t i = 0; i < nblocks; i++) done += src[i] >= step && ver[i] > 0;
+    if (done == nblocks) return 0;
     struct timespec t = {0, 5 * 1000000L};
     nanosleep(&t, NULL);
   }
@@ -577,8 +542,7 @@ static int wait_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_
  * the conditioning of one square gradient's Gram matrix; k = 4n that of a sum over four
  * steps, well enough conditioned for its bf16 rounding to stay positive definite. New ones
  * from every seed *s (which advances). */
-static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, float *right)
-{
+static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, float *right) {
   for (int f = 0; f < 2; f++) {
     for (size_t i = 0; i < n * k; i++) {
       double acc = 0;
@@ -598,8 +562,7 @@ static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, 
 /* Pushes the statistics of blocks 0..B-1 of job (packed n x n, block b's at lp/rp + b len)
  * at step in one request. 0 or -1. */
 static int push_all(grpc_channel *ch, const char *job, size_t n, int B, const float *lp,
-                    const float *rp, uint64_t step)
-{
+                    const float *rp, uint64_t step) {
   size_t len = pc_packed_len(n);
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc((size_t)B, sizeof(*bs));
@@ -625,10 +588,9 @@ static int push_all(grpc_channel *ch, const char *job, size_t n, int B, const fl
     req.n_blocks = (size_t)B;
     req.blocks = bsp;
     ProtobufCMessage *resp = NULL;
-    rc = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &req.base,
-                 &precond__v1__push_response__descriptor, &resp);
-    if (resp != NULL)
-      protobuf_c_message_free_unpacked(resp, NULL);
+    rc = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+                 &resp);
+    if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
   }
   free(bs);
   free(bsp);
@@ -637,21 +599,19 @@ static int push_all(grpc_channel *ch, const char *job, size_t n, int B, const fl
 }
 
 /* Pool rows: the daemon's roots/s on B blocks of 256 against one thread here. */
-static int run_pool(const bench_opts *o, const char *addr, const char *transport)
-{
+static int run_pool(const bench_opts *o, const char *addr, const char *transport) {
   const size_t n = 256;
   int B = o->pool_blocks;
   size_t len = pc_packed_len(n);
   float *g = malloc(n * n * sizeof(float));
-  float *lp = malloc((size_t)B * len * sizeof(float)), *rp = malloc((size_t)B * len * sizeof(float));
+  float *lp = malloc((size_t)B * len * sizeof(float)),
+        *rp = malloc((size_t)B * len * sizeof(float));
   float *dense = malloc(n * n * sizeof(float)), *x = malloc(n * n * sizeof(float));
   grpc_channel *ch = NULL;
   int rc = -1;
-  if (g == NULL || lp == NULL || rp == NULL || dense == NULL || x == NULL)
-    goto cleanup;
+  if (g == NULL || lp == NULL || rp == NULL || dense == NULL || x == NULL) goto cleanup;
   uint64_t s = 12345;
-  for (int b = 0; b < B; b++)
-    random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
+  for (int b = 0; b < B; b++) random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
 
   /* One thread in this process: both roots of every block. */
   openblas_set_num_threads(1);
@@ -673,9 +633,8 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
   ch = rpc_channel_create(addr, 0);
   char job[64];
   snprintf(job, sizeof job, "bench-pool-%d-%s", (int)getpid(), transport);
-  if (ch == NULL || register_job(ch, job, n, B) != 0)
-    goto cleanup;
-  int pool_threads = 0;  /* as the daemon reports it */
+  if (ch == NULL || register_job(ch, job, n, B) != 0) goto cleanup;
+  int pool_threads = 0; /* as the daemon reports it */
   {
     Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
     ProtobufCMessage *st = NULL;
@@ -690,13 +649,12 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
     goto cleanup;
   double daemon_s = now_s() - t0;
   double zero[3] = {0, 0, 0};
-  print_row("pool", transport, n, pool_threads, (uint64_t)B, daemon_s, 0.0,
-            (double)B / daemon_s, zero, "single_thread", local_rate);
+  print_row("pool", transport, n, pool_threads, (uint64_t)B, daemon_s, 0.0, (double)B / daemon_s,
+            zero, "single_thread", local_rate);
   rc = 0;
 
 cleanup:
-  if (ch != NULL)
-    rpc_channel_destroy(ch);
+  if (ch != NULL) rpc_channel_destroy(ch);
   free(g);
   free(lp);
   free(rp);
@@ -706,8 +664,7 @@ cleanup:
 }
 
 /* Blocks waiting for or in a root computation, as the daemon reports them. */
-static int queue_depth(grpc_channel *ch, uint64_t *depth)
-{
+static int queue_depth(grpc_channel *ch, uint64_t *depth) {
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   ProtobufCMessage *resp = NULL;
   if (call_ok(ch, RPC_METHOD_GET_STATS, &sr.base, &precond__v1__stats_response__descriptor,
@@ -721,8 +678,7 @@ static int queue_depth(grpc_channel *ch, uint64_t *depth)
 /* The newest roots of block 0 of job newer than *version: updates *version and *source
  * (both untouched when nothing newer came). */
 static int fetch_newer(grpc_channel *ch, const char *job, int bf16, uint64_t *version,
-                       uint64_t *source)
-{
+                       uint64_t *source) {
   Precond__V1__BlockVersion bv = PRECOND__V1__BLOCK_VERSION__INIT;
   Precond__V1__BlockVersion *bvp = &bv;
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
@@ -730,8 +686,7 @@ static int fetch_newer(grpc_channel *ch, const char *job, int bf16, uint64_t *ve
   fr.job = (char *)job;
   fr.n_have = 1;
   fr.have = &bvp;
-  if (bf16)
-    fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  if (bf16) fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   ProtobufCMessage *resp = NULL;
   if (call_ok(ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
               &precond__v1__fetch_response__descriptor, &resp) != 0)
@@ -751,8 +706,7 @@ static int fetch_newer(grpc_channel *ch, const char *job, int bf16, uint64_t *ve
  * daemon's drift test and be skipped), against one thread computing the first two roots
  * here. bf16 as the payload says. */
 static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport,
-                    const payload *like)
-{
+                    const payload *like) {
   size_t n = like->n, len = pc_packed_len(n);
   char job[96];
   snprintf(job, sizeof job, "bench-root-%d-%s-%zu", (int)getpid(), transport, n);
@@ -773,15 +727,13 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
   if (o->root_noise > 0) {
     base[0] = malloc(len * sizeof(float));
     base[1] = malloc(len * sizeof(float));
-    if (base[0] == NULL || base[1] == NULL)
-      goto cleanup;
+    if (base[0] == NULL || base[1] == NULL) goto cleanup;
     random_gram(n, 4 * n, &seed, g, base[0], base[1]);
   }
   for (; done < o->reps; done++) {
     random_gram(n, 4 * n, &seed, g, side[0], side[1]);
     for (int f = 0; base[0] != NULL && f < 2; f++)
-      for (size_t i = 0; i < len; i++)
-        side[f][i] = base[f][i] + (float)o->root_noise * side[f][i];
+      for (size_t i = 0; i < len; i++) side[f][i] = base[f][i] + (float)o->root_noise * side[f][i];
     if (done == 0) {
       double t0 = now_s();
       for (int f = 0; f < 2; f++) {
@@ -809,8 +761,7 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
       struct timespec t = {0, 2 * 1000000L};
       nanosleep(&t, NULL);
     }
-    if (depth > 0 || fetch_newer(ch, job, like->bf16, &version, &source) != 0)
-      goto cleanup;
+    if (depth > 0 || fetch_newer(ch, job, like->bf16, &version, &source) != 0) goto cleanup;
     ProtobufCMessage *resp = NULL;
     double t0 = now_s();
     if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
@@ -818,8 +769,7 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
       goto cleanup;
     protobuf_c_message_free_unpacked(resp, NULL);
     while (source < pm.req.step && now_s() - t0 < 600) {
-      if (fetch_newer(ch, job, like->bf16, &version, &source) != 0)
-        goto cleanup;
+      if (fetch_newer(ch, job, like->bf16, &version, &source) != 0) goto cleanup;
       if (source < pm.req.step) {
         struct timespec t = {0, 1000000L}; /* 1 ms between polls, as a worker's poller */
         nanosleep(&t, NULL);
@@ -832,13 +782,12 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
     lat[done] = 1e3 * (now_s() - t0);
   }
   double sum_ms = 0;
-  for (int i = 0; i < done; i++)
-    sum_ms += lat[i];
+  for (int i = 0; i < done; i++) sum_ms += lat[i];
   qsort(lat, (size_t)done, sizeof(double), cmp_double);
   double p[3] = {percentile(lat, (size_t)done, 0.5), percentile(lat, (size_t)done, 0.9),
                  percentile(lat, (size_t)done, 0.99)};
-  print_row(like->bf16 ? "root-bf16" : "root", transport, n, 1, (uint64_t)done, sum_ms / 1e3,
-            0.0, 1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s);
+  print_row(like->bf16 ? "root-bf16" : "root", transport, n, 1, (uint64_t)done, sum_ms / 1e3, 0.0,
+            1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s);
   rc = 0;
 
 cleanup:
@@ -854,24 +803,20 @@ cleanup:
 }
 
 /* The seconds of the last line of the log that holds key and ends "in X s"; -1 if none. */
-static double log_seconds(const char *log, const char *key)
-{
+static double log_seconds(const char *log, const char *key) {
   char line[2048];
   double out = -1;
   FILE *f = fopen(log, "r");
   while (f != NULL && fgets(line, sizeof line, f) != NULL) {
     const char *in = strstr(line, key) != NULL ? strstr(line, " in ") : NULL;
-    if (in != NULL)
-      out = atof(in + 4);
+    if (in != NULL) out = atof(in + 4);
   }
-  if (f != NULL)
-    fclose(f);
+  if (f != NULL) fclose(f);
   return out;
 }
 
 /* Bytes of the regular files in dir (the snapshot and its epoch file). */
-static double dir_mb(const char *dir)
-{
+static double dir_mb(const char *dir) {
   DIR *d = opendir(dir);
   double bytes = 0;
   struct dirent *e;
@@ -879,11 +824,9 @@ static double dir_mb(const char *dir)
     char path[512];
     struct stat st;
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    if (stat(path, &st) == 0 && S_ISREG(st.st_mode))
-      bytes += (double)st.st_size;
+    if (stat(path, &st) == 0 && S_ISREG(st.st_mode)) bytes += (double)st.st_size;
   }
-  if (d != NULL)
-    closedir(d);
+  if (d != NULL) closedir(d);
   return bytes / 1048576.0;
 }
 
@@ -891,8 +834,7 @@ static double dir_mb(const char *dir)
  * 256 x 256, one push each; roots computed meanwhile are saved too), is stopped with SIGTERM
  * (the snapshot is written) and started again (it is restored); the times are the daemon's
  * own, from its log. mb_per_s is the file's size over that time. */
-static int run_snapshot(const bench_opts *o)
-{
+static int run_snapshot(const bench_opts *o) {
   const size_t n = 256;
   size_t per_block = 2 * pc_packed_len(n) * sizeof(float);
   size_t nblocks = (o->snapshot_mb << 20) / per_block + 1;
@@ -900,13 +842,11 @@ static int run_snapshot(const bench_opts *o)
   snprintf(mem, sizeof mem, "%zu", 2 * o->snapshot_mb + 64); /* statistics and roots */
   const char *extra[] = {"--memory-limit-mb", mem, "--snapshot-interval", "0", NULL};
   pdproc d;
-  if (spawn_daemon(o, 0, o->threads, 1, extra, &d) != 0)
-    return -1;
+  if (spawn_daemon(o, 0, o->threads, 1, extra, &d) != 0) return -1;
   int rc = -1;
   float *packed = dominant_packed(n, 7);
   grpc_channel *ch = rpc_channel_create(d.addr, 0);
-  if (packed == NULL || ch == NULL)
-    goto cleanup;
+  if (packed == NULL || ch == NULL) goto cleanup;
   /* One tensor of 256 rows and 256 nblocks columns: nblocks blocks of 256 x 256. */
   {
     uint64_t shape[2] = {n, n * (uint64_t)nblocks};
@@ -949,8 +889,7 @@ static int run_snapshot(const bench_opts *o)
   }
   rpc_channel_destroy(ch);
   ch = NULL;
-  if (pdproc_stop(&d, SIGTERM) != 0)
-    goto cleanup;
+  if (pdproc_stop(&d, SIGTERM) != 0) goto cleanup;
   double write_s = log_seconds(d.log, "snapshot written");
   char state[200];
   snprintf(state, sizeof state, "%s/state", d.dir);
@@ -960,8 +899,7 @@ static int run_snapshot(const bench_opts *o)
   po.path = o->spawn;
   po.threads = o->threads;
   po.extra = extra;
-  if (pdproc_start(&d, &po) != 0 || pdproc_stop(&d, SIGTERM) != 0)
-    goto cleanup;
+  if (pdproc_start(&d, &po) != 0 || pdproc_stop(&d, SIGTERM) != 0) goto cleanup;
   double restore_s = log_seconds(d.log, "restored");
   double zero[3] = {0, 0, 0};
   print_row("snapshot-write", "tcp", n, o->threads, nblocks, write_s, file_mb * 1.048576 / write_s,
@@ -971,8 +909,7 @@ static int run_snapshot(const bench_opts *o)
   rc = write_s > 0 && restore_s > 0 ? 0 : -1;
 
 cleanup:
-  if (ch != NULL)
-    rpc_channel_destroy(ch);
+  if (ch != NULL) rpc_channel_destroy(ch);
   free(packed);
   pdproc_destroy(&d);
   return rc;
@@ -984,8 +921,7 @@ cleanup:
 
 /* Starts `mpirun -np R precondd` in dir (unix sockets dir/r-K.sock, one pool thread per
  * rank) and waits (60 s) for every rank's port file; the pid of mpirun, or -1. */
-static pid_t start_ranks(const bench_opts *o, const char *dir, int R)
-{
+static pid_t start_ranks(const bench_opts *o, const char *dir, int R) {
   char np[16], sock[160], port[160];
   snprintf(np, sizeof np, "%d", R);
   snprintf(sock, sizeof sock, "unix:%s/r-%%r.sock", dir);
@@ -993,13 +929,25 @@ static pid_t start_ranks(const bench_opts *o, const char *dir, int R)
   const char *argv[24];
   int n = 0;
   argv[n++] = o->mpirun;
-  if (geteuid() == 0)
-    argv[n++] = "--allow-run-as-root";
-  const char *const rest[] = {"--oversubscribe", "-np", np, o->spawn, "--listen", sock,
-                              "--port-file", port, "--threads", "1", "--drift-threshold",
-                              "0", "--log-level", "warn", "--grace-period", "1", NULL};
-  for (int i = 0; rest[i] != NULL; i++)
-    argv[n++] = rest[i];
+  if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
+  const char *const rest[] = {"--oversubscribe",
+                              "-np",
+                              np,
+                              o->spawn,
+                              "--listen",
+                              sock,
+                              "--port-file",
+                              port,
+                              "--threads",
+                              "1",
+                              "--drift-threshold",
+                              "0",
+                              "--log-level",
+                              "warn",
+                              "--grace-period",
+                              "1",
+                              NULL};
+  for (int i = 0; rest[i] != NULL; i++) argv[n++] = rest[i];
   argv[n] = NULL;
   pid_t pid = fork();
   if (pid == 0) {
@@ -1025,25 +973,23 @@ static pid_t start_ranks(const bench_opts *o, const char *dir, int R)
 }
 
 /* SIGTERM to every rank (the children of mpirun), then waits for mpirun. */
-static void stop_ranks(pid_t mpirun)
-{
+static void stop_ranks(pid_t mpirun) {
   char cmd[64];
   snprintf(cmd, sizeof cmd, "pkill -TERM -P %d", (int)mpirun);
-  if (system(cmd) != 0)
-    kill(mpirun, SIGTERM);
+  if (system(cmd) != 0) kill(mpirun, SIGTERM);
   waitpid(mpirun, NULL, 0);
 }
 
 /* Replica rows: for each R of --ranks, B blocks of 256 (equal costs: B/R per rank) pushed to
  * rank 0 at each of 3 steps (new statistics each step; rank 0 forwards the other ranks'
  * blocks); the time from the push to every rank holding every root of that step. */
-static int run_replicas(const bench_opts *o)
-{
+static int run_replicas(const bench_opts *o) {
   const size_t n = 256;
   const int B = o->pool_blocks > 0 ? o->pool_blocks : 16, steps = 3;
   size_t len = pc_packed_len(n);
   float *g = malloc(n * n * sizeof(float));
-  float *lp = malloc((size_t)B * len * sizeof(float)), *rp = malloc((size_t)B * len * sizeof(float));
+  float *lp = malloc((size_t)B * len * sizeof(float)),
+        *rp = malloc((size_t)B * len * sizeof(float));
   int rc = g != NULL && lp != NULL && rp != NULL ? 0 : -1;
   double rate1 = 0;
   for (int ri = 0; rc == 0 && ri < o->nranks; ri++) {
@@ -1078,22 +1024,18 @@ static int run_replicas(const bench_opts *o)
     }
     if (rc == 0) {
       double rate = (double)B * steps / total;
-      if (ri == 0)
-        rate1 = rate;
+      if (ri == 0) rate1 = rate;
       qsort(ms, steps, sizeof ms[0], cmp_double);
       double pct[3] = {ms[1], ms[2], ms[2]};
       print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
                 "first_ranks_row", rate1);
     }
     for (int r = 0; r < R; r++)
-      if (ch[r] != NULL)
-        rpc_channel_destroy(ch[r]);
-    if (pid > 0)
-      stop_ranks(pid);
+      if (ch[r] != NULL) rpc_channel_destroy(ch[r]);
+    if (pid > 0) stop_ranks(pid);
     char cmd[96];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0)
-      fprintf(stderr, "bench-daemon: could not remove %s\n", dir);
+    if (system(cmd) != 0) fprintf(stderr, "bench-daemon: could not remove %s\n", dir);
   }
   free(g);
   free(lp);
@@ -1101,8 +1043,7 @@ static int run_replicas(const bench_opts *o)
   return rc;
 }
 
-static int run_transport(const bench_opts *o, const char *addr, const char *transport)
-{
+static int run_transport(const bench_opts *o, const char *addr, const char *transport) {
   int rc = 0;
   for (int si = 0; si < o->nsizes; si++) {
     size_t n = o->sizes[si];
@@ -1111,7 +1052,8 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
      * (the daemon allocates statistics for every registered block). */
     int maxc = 1;
     for (int i = 0; i < o->nclients; i++)
-      if (o->clients[i] > maxc && (double)o->clients[i] * (double)req_bytes / 1e6 <= o->max_inflight_mb)
+      if (o->clients[i] > maxc &&
+          (double)o->clients[i] * (double)req_bytes / 1e6 <= o->max_inflight_mb)
         maxc = o->clients[i];
     float *packed = dominant_packed(n, n);
     uint16_t *half = o->bf16 ? malloc(pc_packed_len(n) * sizeof(uint16_t)) : NULL;
@@ -1140,8 +1082,7 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
                   &precond__v1__push_response__descriptor, &resp) == 0 &&
           wait_roots(ch, fjob, 1, 1, 600.0) == 0)
         have_fetch = 1;
-      if (resp != NULL)
-        protobuf_c_message_free_unpacked(resp, NULL);
+      if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     } else if (n > o->fetch_max) {
       fprintf(stderr, "bench-daemon: no fetch rows for n = %zu (above --fetch-max %zu)\n", n,
               o->fetch_max);
@@ -1149,33 +1090,33 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
     for (int ci = 0; ci < o->nclients && ch != NULL; ci++) {
       int k = o->clients[ci];
       if ((double)k * (double)req_bytes / 1e6 > o->max_inflight_mb) {
-        fprintf(stderr, "bench-daemon: skip n = %zu with %d clients (%.0f MB in flight > "
-                        "--max-inflight-mb %.0f)\n", n, k, (double)k * (double)req_bytes / 1e6,
-                o->max_inflight_mb);
+        fprintf(stderr,
+                "bench-daemon: skip n = %zu with %d clients (%.0f MB in flight > "
+                "--max-inflight-mb %.0f)\n",
+                n, k, (double)k * (double)req_bytes / 1e6, o->max_inflight_mb);
         continue;
       }
-      if (have_fetch && run_cell(o, addr, transport, 1, fjob, k, &pl, mc) != 0)
-        rc = -1;
-      if (run_cell(o, addr, transport, 0, pjob, k, &pl, mc) != 0)
-        rc = -1;
+      if (have_fetch && run_cell(o, addr, transport, 1, fjob, k, &pl, mc) != 0) rc = -1;
+      if (run_cell(o, addr, transport, 0, pjob, k, &pl, mc) != 0) rc = -1;
     }
-    if (ch != NULL && o->reps > 0 && n <= o->fetch_max &&
-        run_root(o, ch, transport, &pl) != 0)
+    if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
       rc = -1;
-    if (ch != NULL)
-      rpc_channel_destroy(ch);
+    if (ch != NULL) rpc_channel_destroy(ch);
     free(packed);
     free(half);
   }
   return rc;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  bench_opts o = {.seconds = 1.0, .fetch_max = 1024, .pool_blocks = 16,
+  bench_opts o = {.seconds = 1.0,
+                  .fetch_max = 1024,
+                  .pool_blocks = 16,
                   .threads = cores > 0 ? (int)cores : 1,
-                  .max_inflight_mb = 256, .transports = 3, .reps = 5};
+                  .max_inflight_mb = 256,
+                  .transports = 3,
+                  .reps = 5};
   parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
   parse_list("1,4,16", NULL, o.clients, &o.nclients);
   parse_list("1,2", NULL, o.ranks, &o.nranks);
@@ -1220,8 +1161,7 @@ int main(int argc, char **argv)
       bad = !((o.root_noise = atof(v)) >= 0) || o.root_noise > 1e6;
     else if (strcmp(a, "--daemon-arg") == 0) {
       bad = o.ndaemon_args == 8;
-      if (!bad)
-        o.daemon_args[o.ndaemon_args++] = v;
+      if (!bad) o.daemon_args[o.ndaemon_args++] = v;
     } else if (strcmp(a, "--reps") == 0)
       bad = (o.reps = atoi(v)) < 0 || o.reps > 1000;
     else if (strcmp(a, "--snapshot-mb") == 0)
@@ -1263,17 +1203,15 @@ int main(int argc, char **argv)
   /* The memcpy limit is taken first, before any daemon computes roots on this machine. */
   for (int si = 0; si < o.nsizes; si++)
     o.memcpy_mb_s[si] = memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4));
-  printf("bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
-         "baseline,baseline_value,ratio\n");
+  printf(
+      "bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
+      "baseline,baseline_value,ratio\n");
   int rc = 0;
-  if (o.mpirun != NULL)
-    return run_replicas(&o) == 0 ? 0 : 1;
+  if (o.mpirun != NULL) return run_replicas(&o) == 0 ? 0 : 1;
   if (o.addr != NULL) {
     const char *transport = strncmp(o.addr, "unix:", 5) == 0 ? "unix" : "tcp";
-    if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0)
-      rc = -1;
-    if (run_transport(&o, o.addr, transport) != 0)
-      rc = -1;
+    if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0) rc = -1;
+    if (run_transport(&o, o.addr, transport) != 0) rc = -1;
   } else {
     /* The pool rows get a daemon of their own with all its threads; the push and fetch
      * daemons get one pool thread, so the roots their pushes trigger leave a core to the
@@ -1285,20 +1223,17 @@ int main(int argc, char **argv)
       pdproc_destroy(&d);
     }
     for (int t = 0; t < 2; t++) {
-      if (!(o.transports & (1 << t)))
-        continue;
+      if (!(o.transports & (1 << t))) continue;
       if (spawn_daemon(&o, t == 1, 1, 0, NULL, &d) != 0) {
         rc = -1;
         continue;
       }
       fprintf(stderr, "bench-daemon: %s daemon at %s (pid %d)\n", t ? "unix" : "tcp", d.addr,
               (int)d.pid);
-      if (run_transport(&o, d.addr, t ? "unix" : "tcp") != 0)
-        rc = -1;
+      if (run_transport(&o, d.addr, t ? "unix" : "tcp") != 0) rc = -1;
       pdproc_destroy(&d);
     }
-    if (o.snapshot_mb > 0 && run_snapshot(&o) != 0)
-      rc = -1;
+    if (o.snapshot_mb > 0 && run_snapshot(&o) != 0) rc = -1;
   }
   return rc == 0 ? 0 : 1;
 }

@@ -48,14 +48,14 @@
 #include "preconditioner.h"
 #include "rpc.h"
 
-#define RING 64          /* statistics kept per block: roots of older steps are not checked */
-#define ROOT_TOL 1e-3    /* relative max difference of a root to the local one */
+#define RING     64   /* statistics kept per block: roots of older steps are not checked */
+#define ROOT_TOL 1e-3 /* relative max difference of a root to the local one */
 
 typedef struct {
   const char *spawn, *addr, *rss_csv;
   int clients, seconds, block, threads, rss_ms, kill9;
   double snapshot_s;
-  pid_t pid;             /* daemon to sample (spawned, or --pid) */
+  pid_t pid; /* daemon to sample (spawned, or --pid) */
 } opts_t;
 
 static double now_s(void) {
@@ -82,8 +82,9 @@ static pid_t daemon_start(const opts_t *o, const char *dir, int *port) {
   char state[520];
   snprintf(state, sizeof state, "%s/state", dir);
   unlink(portfile);
-  const char *argv[24] = {o->spawn, "--listen", listen, "--port-file", portfile, "--threads",
-                          threads, "--drift-threshold", "0", "--log-level", "warn"};
+  const char *argv[24] = {o->spawn, "--listen",    listen,  "--port-file",
+                          portfile, "--threads",   threads, "--drift-threshold",
+                          "0",      "--log-level", "warn"};
   int argc = 11;
   if (o->kill9) {
     argv[argc++] = "--state-dir";
@@ -360,8 +361,7 @@ static int run_load(const opts_t *o, const char *addr) {
   pthread_t *th = calloc((size_t)o->clients, sizeof *th);
   FILE *csv = o->rss_csv ? fopen(o->rss_csv, "w") : NULL;
   if (!cs || !th || (o->rss_csv && !csv)) {
-    fprintf(stderr, "bench-load: out of memory or cannot write %s\n",
-            o->rss_csv ? o->rss_csv : "");
+    fprintf(stderr, "bench-load: out of memory or cannot write %s\n", o->rss_csv ? o->rss_csv : "");
     return 1;
   }
   if (csv) fprintf(csv, "t_s,rss_kib\n");
@@ -404,14 +404,15 @@ static int run_load(const opts_t *o, const char *addr) {
   double secs = now_s() - t0;
   if (csv) fclose(csv);
   uint64_t requests = tot.pushes + tot.fetches + tot.stats + (uint64_t)started;
-  printf("clients=%d seconds=%.1f block=%d requests=%llu pushes=%llu fetches=%llu stats=%llu "
-         "requests_per_s=%.1f errors=%llu roots=%llu checked=%llu unchecked=%llu bad=%llu "
-         "worst_rel_diff=%.3g rss_start_kib=%ld rss_max_kib=%ld rss_end_kib=%ld\n",
-         started, secs, o->block, (unsigned long long)requests, (unsigned long long)tot.pushes,
-         (unsigned long long)tot.fetches, (unsigned long long)tot.stats, requests / secs,
-         (unsigned long long)tot.errors, (unsigned long long)tot.roots,
-         (unsigned long long)tot.checked, (unsigned long long)tot.unchecked,
-         (unsigned long long)tot.bad, tot.worst, rss0, rss_max, rss_end);
+  printf(
+      "clients=%d seconds=%.1f block=%d requests=%llu pushes=%llu fetches=%llu stats=%llu "
+      "requests_per_s=%.1f errors=%llu roots=%llu checked=%llu unchecked=%llu bad=%llu "
+      "worst_rel_diff=%.3g rss_start_kib=%ld rss_max_kib=%ld rss_end_kib=%ld\n",
+      started, secs, o->block, (unsigned long long)requests, (unsigned long long)tot.pushes,
+      (unsigned long long)tot.fetches, (unsigned long long)tot.stats, requests / secs,
+      (unsigned long long)tot.errors, (unsigned long long)tot.roots,
+      (unsigned long long)tot.checked, (unsigned long long)tot.unchecked,
+      (unsigned long long)tot.bad, tot.worst, rss0, rss_max, rss_end);
   if (first) fprintf(stderr, "bench-load: first error: %s\n", first);
   int ok = started == o->clients && tot.errors == 0 && tot.bad == 0 && tot.checked > 0;
   free(cs);
@@ -504,11 +505,12 @@ static int run_kill9(const opts_t *o) {
     precond_get_counters(c, &k);
     int told = k.daemon_restarts == (uint64_t)kill_no;
     uint64_t v_after = versions[0] > versions[1] ? versions[0] : versions[1];
-    printf("kill=%d step_at_kill=%llu resumed_step=%llu steps_lost=%llu recover_s=%.3f "
-           "version_before=%llu version_after=%llu told=%d backwards=%d\n", kill_no,
-           (unsigned long long)at_kill, (unsigned long long)k.resumed_step,
-           (unsigned long long)(at_kill - k.resumed_step), recovered,
-           (unsigned long long)v_before, (unsigned long long)v_after, told, backwards);
+    printf(
+        "kill=%d step_at_kill=%llu resumed_step=%llu steps_lost=%llu recover_s=%.3f "
+        "version_before=%llu version_after=%llu told=%d backwards=%d\n",
+        kill_no, (unsigned long long)at_kill, (unsigned long long)k.resumed_step,
+        (unsigned long long)(at_kill - k.resumed_step), recovered, (unsigned long long)v_before,
+        (unsigned long long)v_after, told, backwards);
     fflush(stdout);
     if (!told || backwards || recovered < 0) failed = 1;
   }
@@ -536,8 +538,8 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
-  opts_t o = {.clients = 64, .seconds = 10, .block = 32, .threads = 2, .rss_ms = 1000,
-              .snapshot_s = 1};
+  opts_t o = {
+      .clients = 64, .seconds = 10, .block = 32, .threads = 2, .rss_ms = 1000, .snapshot_s = 1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(a, "--help") == 0) {
@@ -549,26 +551,37 @@ int main(int argc, char **argv) {
       return 2;
     }
     i++;
-    if (strcmp(a, "--spawn") == 0) o.spawn = v;
-    else if (strcmp(a, "--addr") == 0) o.addr = v;
-    else if (strcmp(a, "--rss-csv") == 0) o.rss_csv = v;
-    else if (strcmp(a, "--pid") == 0) o.pid = (pid_t)atoi(v);
-    else if (strcmp(a, "--clients") == 0) o.clients = atoi(v);
-    else if (strcmp(a, "--seconds") == 0) o.seconds = atoi(v);
-    else if (strcmp(a, "--block") == 0) o.block = atoi(v);
-    else if (strcmp(a, "--threads") == 0) o.threads = atoi(v);
-    else if (strcmp(a, "--rss-ms") == 0) o.rss_ms = atoi(v);
-    else if (strcmp(a, "--kill9") == 0) o.kill9 = atoi(v);
-    else if (strcmp(a, "--snapshot-s") == 0) o.snapshot_s = atof(v);
+    if (strcmp(a, "--spawn") == 0)
+      o.spawn = v;
+    else if (strcmp(a, "--addr") == 0)
+      o.addr = v;
+    else if (strcmp(a, "--rss-csv") == 0)
+      o.rss_csv = v;
+    else if (strcmp(a, "--pid") == 0)
+      o.pid = (pid_t)atoi(v);
+    else if (strcmp(a, "--clients") == 0)
+      o.clients = atoi(v);
+    else if (strcmp(a, "--seconds") == 0)
+      o.seconds = atoi(v);
+    else if (strcmp(a, "--block") == 0)
+      o.block = atoi(v);
+    else if (strcmp(a, "--threads") == 0)
+      o.threads = atoi(v);
+    else if (strcmp(a, "--rss-ms") == 0)
+      o.rss_ms = atoi(v);
+    else if (strcmp(a, "--kill9") == 0)
+      o.kill9 = atoi(v);
+    else if (strcmp(a, "--snapshot-s") == 0)
+      o.snapshot_s = atof(v);
     else {
       fprintf(stderr, "bench-load: unknown option %s\n", a);
       usage(stderr);
       return 2;
     }
   }
-  if (!o.spawn == !o.addr || o.clients < 1 || o.clients > 4096 || o.seconds < 1 ||
-      o.block < 2 || o.block > 1024 || o.threads < 1 || o.rss_ms < 10 || o.kill9 < 0 ||
-      (o.kill9 && !o.spawn) || !(o.snapshot_s >= 0)) {
+  if (!o.spawn == !o.addr || o.clients < 1 || o.clients > 4096 || o.seconds < 1 || o.block < 2 ||
+      o.block > 1024 || o.threads < 1 || o.rss_ms < 10 || o.kill9 < 0 || (o.kill9 && !o.spawn) ||
+      !(o.snapshot_s >= 0)) {
     usage(stderr);
     return 2;
   }

@@ -30,15 +30,13 @@ enum { NPARAM = 8 };
 
 static clockid_t clock_id = CLOCK_MONOTONIC;
 
-static double now_s(void)
-{
+static double now_s(void) {
   struct timespec ts;
   clock_gettime(clock_id, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void check(int rc, const char *what)
-{
+static void check(int rc, const char *what) {
   if (rc != AC_OK) {
     fprintf(stderr, "bench-optim: %s: %s\n", what, ac_strerror(rc));
     exit(1);
@@ -56,43 +54,47 @@ typedef struct {
 } bench;
 
 /* A Transformer block's parameters at width d: qkv, proj, mlp in/out weights and biases. */
-static void make_params(bench *b)
-{
+static void make_params(bench *b) {
   const size_t d = b->dim;
-  const size_t shapes[NPARAM][2] = {{3 * d, d}, {3 * d, 1}, {d, d}, {d, 1},
+  const size_t shapes[NPARAM][2] = {{3 * d, d}, {3 * d, 1}, {d, d},     {d, 1},
                                     {4 * d, d}, {4 * d, 1}, {d, 4 * d}, {d, 1}};
   const char *names[NPARAM] = {"qkv.w", "qkv.b", "proj.w", "proj.b",
-                               "fc1.w", "fc1.b", "fc2.w", "fc2.b"};
+                               "fc1.w", "fc1.b", "fc2.w",  "fc2.b"};
   b->numel = 0;
   for (int i = 0; i < NPARAM; i++) {
     const int rank = shapes[i][1] == 1 ? 1 : 2;
     check(ac_param_init(&b->params[i], b->be, names[i], rank, shapes[i]), "param");
     b->ptrs[i] = &b->params[i];
     size_t n = b->params[i].value.numel;
-    check(ac_rand_uniform(b->be, 1, b->numel, n, -1.0f, 1.0f,
-                          ac_tensor_f32(&b->params[i].value)), "init");
-    check(ac_rand_uniform(b->be, 2, b->numel, n, -1e-2f, 1e-2f,
-                          ac_tensor_f32(&b->params[i].grad)), "grad");
+    check(ac_rand_uniform(b->be, 1, b->numel, n, -1.0f, 1.0f, ac_tensor_f32(&b->params[i].value)),
+          "init");
+    check(ac_rand_uniform(b->be, 2, b->numel, n, -1e-2f, 1e-2f, ac_tensor_f32(&b->params[i].grad)),
+          "grad");
     b->numel += n;
   }
 }
 
-static void free_params(bench *b)
-{
-  for (int i = 0; i < NPARAM; i++)
-    ac_param_destroy(&b->params[i]);
+static void free_params(bench *b) {
+  for (int i = 0; i < NPARAM; i++) ac_param_destroy(&b->params[i]);
 }
 
 typedef int (*step_fn)(void *opt);
 
-static int sgd_step(void *o) { return ac_sgd_step(o, 1e-3f); }
-static int adamw_step(void *o) { return ac_adamw_step(o, 1e-3f); }
-static int shampoo_step(void *o) { return ac_shampoo_step(o, 1e-3f); }
-static int shampoo_stats(void *o) { return ac_shampoo_compute_stats(o, NULL, NULL); }
+static int sgd_step(void *o) {
+  return ac_sgd_step(o, 1e-3f);
+}
+static int adamw_step(void *o) {
+  return ac_adamw_step(o, 1e-3f);
+}
+static int shampoo_step(void *o) {
+  return ac_shampoo_step(o, 1e-3f);
+}
+static int shampoo_stats(void *o) {
+  return ac_shampoo_compute_stats(o, NULL, NULL);
+}
 
 /* ms per call of fn: iterations for about 0.25 s from one warm-up call (3 in --quick). */
-static double time_ms(bench *b, step_fn fn, void *opt, int *iters)
-{
+static double time_ms(bench *b, step_fn fn, void *opt, int *iters) {
   check(ac_sync(b->be), "sync");
   double t0 = now_s();
   check(fn(opt), "warm-up step");
@@ -101,49 +103,47 @@ static double time_ms(bench *b, step_fn fn, void *opt, int *iters)
   int n = b->quick ? 3 : (int)(0.25 / (warm > 1e-7 ? warm : 1e-7));
   n = n < 3 ? 3 : n > 2000 ? 2000 : n;
   t0 = now_s();
-  for (int i = 0; i < n; i++)
-    check(fn(opt), "step");
+  for (int i = 0; i < n; i++) check(fn(opt), "step");
   check(ac_sync(b->be), "sync");
   *iters = n;
   return (now_s() - t0) * 1e3 / n;
 }
 
-static void row(bench *b, const char *opt, size_t blocks, int iters, double ms, double adamw)
-{
-  printf("%s,block-d%zu,%s,%zu,%zu,%d,%.4f,%.3f\n", b->name, b->dim, opt, b->numel, blocks,
-         iters, ms, ms / adamw);
+static void row(bench *b, const char *opt, size_t blocks, int iters, double ms, double adamw) {
+  printf("%s,block-d%zu,%s,%zu,%zu,%d,%.4f,%.3f\n", b->name, b->dim, opt, b->numel, blocks, iters,
+         ms, ms / adamw);
   fflush(stdout);
 }
 
 /* 0.5 I of order n (caller frees). */
-static float *half_eye(size_t n)
-{
+static float *half_eye(size_t n) {
   float *x = calloc(n * n, sizeof *x);
-  if (x == NULL)
-    check(AC_ENOMEM, "roots");
-  for (size_t i = 0; i < n; i++)
-    x[i * n + i] = 0.5f;
+  if (x == NULL) check(AC_ENOMEM, "roots");
+  for (size_t i = 0; i < n; i++) x[i * n + i] = 0.5f;
   return x;
 }
 
 /* Hands every block 0.5 I on both sides. */
-static void give_roots(ac_shampoo *s)
-{
+static void give_roots(ac_shampoo *s) {
   for (size_t k = 0; k < ac_shampoo_nblocks(s); k++) {
     ac_shampoo_block info;
     check(ac_shampoo_block_info(s, k, &info), "block info");
     const size_t r = info.block.rows, c = info.block.cols;
     float *l = half_eye(r), *rr = half_eye(c);
-    const ac_shampoo_roots roots = {.version = 1, .source_step = 1, .format = AC_ROOT_DENSE,
-                                    .n_left = r, .left = l, .n_right = c, .right = rr};
+    const ac_shampoo_roots roots = {.version = 1,
+                                    .source_step = 1,
+                                    .format = AC_ROOT_DENSE,
+                                    .n_left = r,
+                                    .left = l,
+                                    .n_right = c,
+                                    .right = rr};
     check(ac_shampoo_set_roots(s, k, &roots), "roots");
     free(l);
     free(rr);
   }
 }
 
-static void run(bench *b)
-{
+static void run(bench *b) {
   int iters = 0;
   make_params(b);
 
@@ -175,8 +175,7 @@ static void run(bench *b)
   free_params(b);
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
   const char *which = "cpu";
   int threads = 1, quick = 0;
   size_t dim = 512;
@@ -194,8 +193,9 @@ int main(int argc, char **argv)
     else if (strcmp(argv[i], "--quick") == 0)
       quick = 1;
     else {
-      fprintf(stderr, "usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] "
-                      "[--clock wall|cpu] [--quick]\n");
+      fprintf(stderr,
+              "usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] "
+              "[--clock wall|cpu] [--quick]\n");
       return 2;
     }
   }
@@ -203,14 +203,12 @@ int main(int argc, char **argv)
     fprintf(stderr, "bench-optim: --threads must be >= 1 and --dim in 1..8192\n");
     return 2;
   }
-  if (quick)
-    dim = 64;
+  if (quick) dim = 64;
   printf("backend,model,optimizer,params,blocks,iters,ms_per_step,ratio_to_adamw\n");
   const ac_backend_kind kinds[2] = {AC_BACKEND_CPU, AC_BACKEND_CUDA};
   const char *names[2] = {"cpu", "cuda"};
   for (int k = 0; k < 2; k++) {
-    if (strcmp(which, "all") != 0 && strcmp(which, names[k]) != 0)
-      continue;
+    if (strcmp(which, "all") != 0 && strcmp(which, names[k]) != 0) continue;
     ac_backend_opts bo;
     ac_backend_opts_default(&bo);
     bo.kind = kinds[k];

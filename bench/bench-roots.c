@@ -45,35 +45,47 @@
 
 typedef struct {
   const char *name;
-  int f64;                       /* 0: fp32, 1: fp64 */
-  int public_method;             /* 1: pc_inverse_root with method; 0: variant */
+  int f64;           /* 0: fp32, 1: fp64 */
+  int public_method; /* 1: pc_inverse_root with method; 0: variant */
   pc_method method;
   pc__newton_variant variant;
 } bench_method;
 
 static const bench_method all_methods[] = {
-  {"newton", 0, 1, PC_METHOD_NEWTON, {0}},
-  {"newton-scaled-gemm", 0, 0, PC_METHOD_NEWTON,
-   {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0}},
-  {"newton-sym", 0, 0, PC_METHOD_NEWTON, {.scaled = 0, .symmetric = 1, .floor = 0}},
-  {"newton-fp32", 0, 0, PC_METHOD_NEWTON,
-   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0}},
-  {"newton-mixed-3", 0, 0, PC_METHOD_NEWTON,
-   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-3}},
-  {"newton-mixed-4", 0, 0, PC_METHOD_NEWTON,
-   {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4}},
-  {"newton-textbook", 0, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
-  {"eigh", 0, 1, PC_METHOD_EIGH, {0}},
-  {"newton", 1, 1, PC_METHOD_NEWTON, {0}},
-  {"newton-textbook", 1, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
-  {"eigh", 1, 1, PC_METHOD_EIGH, {0}},
+    {"newton", 0, 1, PC_METHOD_NEWTON, {0}},
+    {"newton-scaled-gemm",
+     0,
+     0,
+     PC_METHOD_NEWTON,
+     {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0}},
+    {"newton-sym", 0, 0, PC_METHOD_NEWTON, {.scaled = 0, .symmetric = 1, .floor = 0}},
+    {"newton-fp32",
+     0,
+     0,
+     PC_METHOD_NEWTON,
+     {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0}},
+    {"newton-mixed-3",
+     0,
+     0,
+     PC_METHOD_NEWTON,
+     {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-3}},
+    {"newton-mixed-4",
+     0,
+     0,
+     PC_METHOD_NEWTON,
+     {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 1e-4}},
+    {"newton-textbook", 0, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
+    {"eigh", 0, 1, PC_METHOD_EIGH, {0}},
+    {"newton", 1, 1, PC_METHOD_NEWTON, {0}},
+    {"newton-textbook", 1, 1, PC_METHOD_NEWTON_TEXTBOOK, {0}},
+    {"eigh", 1, 1, PC_METHOD_EIGH, {0}},
 };
 #define NMETHODS (sizeof all_methods / sizeof *all_methods)
 
 typedef struct {
   size_t sizes[16];
   int nsizes;
-  int repeats;     /* 0: default (3, or 1 at n >= 2048) */
+  int repeats; /* 0: default (3, or 1 at n >= 2048) */
   int threads;
   int csv;
   int p;
@@ -248,8 +260,8 @@ static double *gaussian(size_t n, size_t k, uint64_t seed) {
 /* a = G G^T / k with G n x k Gaussian, in fp64. */
 static void gram(size_t n, size_t k, uint64_t seed, double *a) {
   double *g = gaussian(n, k, seed);
-  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)k, 1.0 / (double)k, g,
-              (int)k, 0.0, a, (int)n);
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)k, 1.0 / (double)k, g, (int)k,
+              0.0, a, (int)n);
   for (size_t i = 0; i < n; i++)
     for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
   free(g);
@@ -293,8 +305,8 @@ static void eig_root(const eig64 *e, double ridge, int p, double *scratch, doubl
     double d = pow((e->w[j] > 0 ? e->w[j] : 0.0) + ridge, -0.5 / p);
     for (size_t i = 0; i < n; i++) scratch[j * n + i] = d * e->vt[j * n + i];
   }
-  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)n, 1.0, scratch, (int)n, 0.0,
-              x, (int)n);
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)n, 1.0, scratch, (int)n, 0.0, x,
+              (int)n);
   for (size_t i = 0; i < n; i++)
     for (size_t j = i + 1; j < n; j++) x[j * n + i] = x[i * n + j];
 }
@@ -325,17 +337,19 @@ static void time_gemm(size_t n, int f64, int repeats, double *wall, double *cpu)
   for (int r = 0; r <= k; r++) { /* the first call warms up */
     double t0 = now_s(), c0 = cpu_s();
     if (f64)
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0,
-                  cc, ni);
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, cc,
+                  ni);
     else
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0,
-                  cc, ni);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, a, ni, b, ni, 0, cc,
+                  ni);
     if (r > 0) {
       t[r - 1] = now_s() - t0;
       c[r - 1] = cpu_s() - c0;
     }
   }
-  free(a); free(b); free(cc);
+  free(a);
+  free(b);
+  free(cc);
   *wall = median(t, k);
   *cpu = median(c, k);
 }
@@ -360,14 +374,16 @@ static void kfac_factor_a(size_t n, uint64_t seed, double *a) {
   for (size_t i = 0; i < m * n; i++) z[i] = rng_normal(&seed);
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) mix[i * n + j] = rng_normal(&seed) / (1.0 + 0.1 * (double)j);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)n, 1.0 / sqrt((double)n),
-              z, (int)n, mix, (int)n, 0.0, x, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)n,
+              1.0 / sqrt((double)n), z, (int)n, mix, (int)n, 0.0, x, (int)n);
   for (size_t i = 0; i < m * n; i++) x[i] = x[i] > 0 ? x[i] : 0.0;
   cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)n, (int)m, 1.0 / (double)m, x, (int)n,
               0.0, a, (int)n);
   for (size_t i = 0; i < n; i++)
     for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
-  free(z); free(mix); free(x);
+  free(z);
+  free(mix);
+  free(x);
 }
 
 static void kfac_factor_g(size_t n, uint64_t seed, double *g) {
@@ -383,7 +399,7 @@ static const pc_kfac_inv kfac_methods[] = {PC_KFAC_INV_CHOLESKY, PC_KFAC_INV_EIG
  * Returns the number of cases that failed (an error status, or rel_err above 1e-3: far
  * beyond any fp32 result at these conditions), so that the quick test can fail. */
 static int kfac_case(const bench_opts *o, size_t n, const char *name, const double *f,
-                      double lambda, double d, int repeats) {
+                     double lambda, double d, int repeats) {
   size_t nn = n * n, np = pc_packed_len(n);
   double *f32in = malloc(nn * sizeof *f32in), *ref = malloc(nn * sizeof *ref);
   double *ref64 = malloc(nn * sizeof *ref64), *scratch = malloc(nn * sizeof *scratch);
@@ -423,13 +439,13 @@ static int kfac_case(const bench_opts *o, size_t n, const char *name, const doub
       double rel = st >= 0 ? rel_err(n, prec ? NULL : x32, x64, prec ? ref64 : ref) : NAN;
       const char *pn = prec ? "fp64" : "fp32";
       if (o->csv)
-        printf("%zu,%s,%.3g,%.3g,%.3g,%s,%s,%d,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3f,%.2f,%.3f,%.2f\n",
-               n, name, lambda, d, cond, pc_kfac_inv_name(m), pn, o->threads, ms, cpu_ms, info.iters, st,
-               info.error, rel, gms, ms / gms, gcpu, cpu_ms / gcpu);
+        printf("%zu,%s,%.3g,%.3g,%.3g,%s,%s,%d,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3f,%.2f,%.3f,%.2f\n", n,
+               name, lambda, d, cond, pc_kfac_inv_name(m), pn, o->threads, ms, cpu_ms, info.iters,
+               st, info.error, rel, gms, ms / gms, gcpu, cpu_ms / gcpu);
       else
-        printf("%5zu %-2s %7.1g %9.3g %9.3g %-9s %-4s %9.2f %9.2f %5d %8.2g %9.3g %7.2f %7.2f\n",
-               n, name, lambda, d, cond, pc_kfac_inv_name(m), pn, ms, cpu_ms, info.iters, info.error, rel,
-               ms / gms, cpu_ms / gcpu);
+        printf("%5zu %-2s %7.1g %9.3g %9.3g %-9s %-4s %9.2f %9.2f %5d %8.2g %9.3g %7.2f %7.2f\n", n,
+               name, lambda, d, cond, pc_kfac_inv_name(m), pn, ms, cpu_ms, info.iters, info.error,
+               rel, ms / gms, cpu_ms / gcpu);
       fflush(stdout);
       fprintf(stderr, "bench-roots --kfac: n=%zu %s %s %s: %.1f ms, status %d\n", n, name,
               pc_kfac_inv_name(m), pn, ms, st);
@@ -438,7 +454,14 @@ static int kfac_case(const bench_opts *o, size_t n, const char *name, const doub
   }
   eig_destroy(&e);
   eig_destroy(&e32);
-  free(f32in); free(ref); free(ref64); free(scratch); free(p64); free(x64); free(p32); free(x32);
+  free(f32in);
+  free(ref);
+  free(ref64);
+  free(scratch);
+  free(p64);
+  free(x64);
+  free(p32);
+  free(x32);
   return failed;
 }
 
@@ -447,13 +470,13 @@ static int kfac_main(const bench_opts *o) {
   const size_t *sizes = o->sizes_given ? o->sizes : def;
   int nsizes = o->sizes_given ? o->nsizes : 5, failed = 0;
   if (o->csv)
-    printf("n,factor,lambda,damping,cond,method,precision,threads,ms,cpu_ms,iterations,status,error,"
-           "rel_err,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
+    printf(
+        "n,factor,lambda,damping,cond,method,precision,threads,ms,cpu_ms,iterations,status,error,"
+        "rel_err,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
   else
     printf("%5s %-2s %7s %9s %9s %-9s %-4s %9s %9s %5s %8s %9s %7s %7s\n", "n", "f", "lambda",
-           "damping",
-           "cond", "method", "prec", "ms", "cpu_ms", "iters", "error", "rel_err", "gemm_eq",
-           "eq_cpu");
+           "damping", "cond", "method", "prec", "ms", "cpu_ms", "iters", "error", "rel_err",
+           "gemm_eq", "eq_cpu");
   for (int si = 0; si < nsizes; si++) {
     size_t n = sizes[si];
     int repeats = o->repeats ? o->repeats : 3;
@@ -481,19 +504,20 @@ static int kfac_main(const bench_opts *o) {
 
 static void print_header(const bench_opts *o) {
   if (o->ema[0] && o->csv) {
-    printf("n,spectrum,cond,p,ema_k,method,path,threads,ms,cpu_ms,status,offdiag,change,residual,"
-           "rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
+    printf(
+        "n,spectrum,cond,p,ema_k,method,path,threads,ms,cpu_ms,status,offdiag,change,residual,"
+        "rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
   } else if (o->ema[0]) {
-    printf("%5s %-8s %8s %5s %-13s %-8s %9s %9s %9s %9s %9s %9s %7s %7s\n", "n", "spectrum",
-           "cond", "ema_k", "method", "path", "ms", "cpu_ms", "offdiag", "change", "resid",
-           "rel_err", "gemm_eq", "eq_cpu");
+    printf("%5s %-8s %8s %5s %-13s %-8s %9s %9s %9s %9s %9s %9s %7s %7s\n", "n", "spectrum", "cond",
+           "ema_k", "method", "path", "ms", "cpu_ms", "offdiag", "change", "resid", "rel_err",
+           "gemm_eq", "eq_cpu");
   } else if (o->csv) {
-    printf("n,spectrum,cond,p,method,precision,threads,ms,ms_min,cpu_ms,iterations,status,"
-           "error,rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
+    printf(
+        "n,spectrum,cond,p,method,precision,threads,ms,ms_min,cpu_ms,iterations,status,"
+        "error,rel_err,rel_err_in,gemm_ms,gemm_equiv,gemm_cpu_ms,gemm_equiv_cpu\n");
   } else {
     printf("%5s %-8s %8s %-19s %-4s %10s %5s %8s %9s %9s %9s %7s\n", "n", "spectrum", "cond",
-           "method", "prec", "ms", "iters", "error", "rel_err", "rel_in", "gemm_ms",
-           "gemm_eq");
+           "method", "prec", "ms", "iters", "error", "rel_err", "rel_in", "gemm_ms", "gemm_eq");
   }
 }
 
@@ -505,21 +529,21 @@ static void print_header(const bench_opts *o) {
 typedef struct {
   const char *name;
   int kind;
-  pc_method method;  /* kind 3 */
-  double skip_tol;   /* < 0: default */
+  pc_method method; /* kind 3 */
+  double skip_tol;  /* < 0: default */
   int reuse_root, wide, sweeps;
 } ema_method;
 
 static const ema_method ema_methods[] = {
-  {"warm", 0, PC_METHOD_NEWTON, -1, 0, 1, 1},
-  {"warm-reuse", 0, PC_METHOD_NEWTON, -1, 1, 1, 1},
-  {"warm-noskip", 0, PC_METHOD_NEWTON, 0, 0, 1, 1},
-  {"warm-narrow", 0, PC_METHOD_NEWTON, -1, 0, 0, 1},
-  {"warm-2sweeps", 0, PC_METHOD_NEWTON, -1, 0, 1, 2},
-  {"seed", 1, PC_METHOD_NEWTON, -1, 0, 1, 1},
-  {"stale", 2, PC_METHOD_NEWTON, -1, 0, 1, 1},
-  {"newton", 3, PC_METHOD_NEWTON, -1, 0, 1, 1},
-  {"eigh", 3, PC_METHOD_EIGH, -1, 0, 1, 1},
+    {"warm", 0, PC_METHOD_NEWTON, -1, 0, 1, 1},
+    {"warm-reuse", 0, PC_METHOD_NEWTON, -1, 1, 1, 1},
+    {"warm-noskip", 0, PC_METHOD_NEWTON, 0, 0, 1, 1},
+    {"warm-narrow", 0, PC_METHOD_NEWTON, -1, 0, 0, 1},
+    {"warm-2sweeps", 0, PC_METHOD_NEWTON, -1, 0, 1, 2},
+    {"seed", 1, PC_METHOD_NEWTON, -1, 0, 1, 1},
+    {"stale", 2, PC_METHOD_NEWTON, -1, 0, 1, 1},
+    {"newton", 3, PC_METHOD_NEWTON, -1, 0, 1, 1},
+    {"eigh", 3, PC_METHOD_EIGH, -1, 0, 1, 1},
 };
 #define NEMA (sizeof ema_methods / sizeof *ema_methods)
 
@@ -532,8 +556,8 @@ static const ema_method ema_methods[] = {
  * - fresh (fresh == 1): g n x m Gaussian, isotropic, mostly outside a0's range: the null
  *   space of a rank-deficient a0 fills (a transient, the stress case for a held basis).
  * The same seed continues the same path, so the k = 10 statistic extends the k = 1 one. */
-static void ema_statistic(size_t n, size_t k, uint64_t seed, int steps, double beta2,
-                          int fresh, double *a) {
+static void ema_statistic(size_t n, size_t k, uint64_t seed, int steps, double beta2, int fresh,
+                          double *a) {
   const size_t m = 64;
   if (fresh) {
     double *w = malloc(n * m * sizeof *w);
@@ -542,8 +566,8 @@ static void ema_statistic(size_t n, size_t k, uint64_t seed, int steps, double b
     uint64_t ws = seed ^ 0xf4e54ull;
     for (int t = 0; t < steps; t++) {
       for (size_t i = 0; i < n * m; i++) w[i] = rng_normal(&ws);
-      cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)m, (1.0 - beta2) / m,
-                  w, (int)m, beta2, a, (int)n);
+      cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)n, (int)m, (1.0 - beta2) / m, w,
+                  (int)m, beta2, a, (int)n);
     }
     for (size_t i = 0; i < n; i++)
       for (size_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
@@ -563,14 +587,17 @@ static void ema_statistic(size_t n, size_t k, uint64_t seed, int steps, double b
   }
   for (size_t i = 0; i < k; i++)
     for (size_t j = i + 1; j < k; j++) mk[j * k + i] = mk[i * k + j];
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)k, 1.0, g, (int)k,
-              mk, (int)k, 0.0, gm, (int)k);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k,
-              gm, (int)k, g, (int)k, 0.0, a, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)k, 1.0, g, (int)k, mk,
+              (int)k, 0.0, gm, (int)k);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k, gm,
+              (int)k, g, (int)k, 0.0, a, (int)n);
   for (size_t i = 0; i < n; i++) /* exactly symmetric, as a statistic is */
     for (size_t j = i + 1; j < n; j++)
       a[i * n + j] = a[j * n + i] = 0.5 * (a[i * n + j] + a[j * n + i]);
-  free(g); free(mk); free(w); free(gm);
+  free(g);
+  free(mk);
+  free(w);
+  free(gm);
 }
 
 static void basis_copy(pc_eigbasis_f32 *dst, const pc_eigbasis_f32 *src) {
@@ -581,8 +608,7 @@ static void basis_copy(pc_eigbasis_f32 *dst, const pc_eigbasis_f32 *src) {
 
 /* One steady-state block: seed the basis on a0 (fp32), then for each k of --ema time every
  * row on the statistic k steps later, from the same held basis every repeat. */
-static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t k,
-                     int repeats) {
+static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t k, int repeats) {
   const size_t nn = n * n;
   double *a = malloc(nn * sizeof *a), *a_in = malloc(nn * sizeof *a_in);
   double *ref = malloc(nn * sizeof *ref), *scratch = malloc(nn * sizeof *scratch);
@@ -596,15 +622,14 @@ static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t
   pc_warm_info wi;
   gram(n, k, 1000 + n + (uint64_t)(strcmp(spectrum, "shampoo") == 0), a);
   for (size_t i = 0; i < nn; i++) a32[i] = (float)a[i];
-  if (pc_inverse_root_warm_f32(n, a32, x0, &ro, NULL, &held, &wi) != PC_OK || !held.valid)
-    abort();
+  if (pc_inverse_root_warm_f32(n, a32, x0, &ro, NULL, &held, &wi) != PC_OK || !held.valid) abort();
   const double ridge_held = wi.root.ridge;
   for (int ki = 0; o->ema[ki]; ki++) {
     int steps = o->ema[ki];
     fprintf(stderr, "bench-roots: n=%zu %s ema %d: building statistic and references\n", n,
             spectrum, steps);
-    ema_statistic(n, k, 1000 + n + (uint64_t)(strcmp(spectrum, "shampoo") == 0), steps,
-                  o->beta2, o->ema_fresh, a);
+    ema_statistic(n, k, 1000 + n + (uint64_t)(strcmp(spectrum, "shampoo") == 0), steps, o->beta2,
+                  o->ema_fresh, a);
     for (size_t i = 0; i < nn; i++) a_in[i] = a32[i] = (float)a[i];
     eig64 e, e_in;
     double cond = refs_init(n, a, a_in, &e, &e_in);
@@ -651,24 +676,31 @@ static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t
       }
       const char *path = m->kind <= 1 ? pc_warm_path_name(wi.path) : "-";
       if (o->csv)
-        printf("%zu,%s,%.3g,%d,%d,%s,%s,%d,%.3f,%.3f,%d,%.3g,%.3g,%.3g,%.3g,%.3g,%.3f,%.2f,"
-               "%.3f,%.2f\n",
-               n, spectrum, cond, o->p, steps, m->name, path, o->threads, ms, cpu_ms, st,
-               wi.offdiag, wi.change, resid, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
+        printf(
+            "%zu,%s,%.3g,%d,%d,%s,%s,%d,%.3f,%.3f,%d,%.3g,%.3g,%.3g,%.3g,%.3g,%.3f,%.2f,"
+            "%.3f,%.2f\n",
+            n, spectrum, cond, o->p, steps, m->name, path, o->threads, ms, cpu_ms, st, wi.offdiag,
+            wi.change, resid, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
       else
         printf("%5zu %-8s %8.2g %5d %-13s %-8s %9.2f %9.2f %9.3g %9.3g %9.3g %9.3g %7.2f %7.2f\n",
                n, spectrum, cond, steps, m->name, path, ms, cpu_ms, wi.offdiag, wi.change, resid,
                rel, ms / gms, cpu_ms / gcpu);
       fflush(stdout);
-      fprintf(stderr, "bench-roots: n=%zu %s ema %d %s: %.1f ms, path %s, status %d\n", n,
-              spectrum, steps, m->name, ms, path, st);
+      fprintf(stderr, "bench-roots: n=%zu %s ema %d %s: %.1f ms, path %s, status %d\n", n, spectrum,
+              steps, m->name, ms, path, st);
     }
     eig_destroy(&e);
     eig_destroy(&e_in);
   }
   pc_eigbasis_destroy_f32(&held);
   pc_eigbasis_destroy_f32(&work);
-  free(a); free(a_in); free(ref); free(scratch); free(a32); free(x0); free(x32);
+  free(a);
+  free(a_in);
+  free(ref);
+  free(scratch);
+  free(a32);
+  free(x0);
+  free(x32);
 }
 
 int main(int argc, char **argv) {
@@ -707,8 +739,7 @@ int main(int argc, char **argv) {
       double cond = refs_init(n, a, a_in, &e, &e_in);
       for (size_t mi = 0; mi < NMETHODS; mi++) {
         const bench_method *m = &all_methods[mi];
-        if (!listed(o.methods, m->name) || !listed(o.precisions, m->f64 ? "f64" : "f32"))
-          continue;
+        if (!listed(o.methods, m->name) || !listed(o.precisions, m->f64 ? "f64" : "f32")) continue;
         pc_root_opts ro;
         pc_root_opts_default(&ro, o.p);
         ro.method = m->method;
@@ -747,10 +778,11 @@ int main(int argc, char **argv) {
         }
         const char *prec = m->f64 ? "fp64" : "fp32";
         if (o.csv)
-          printf("%zu,%s,%.3g,%d,%s,%s,%d,%.3f,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3g,%.3f,%.2f,%.3f,"
-                 "%.2f\n",
-                 n, spectra[sp], cond, o.p, m->name, prec, o.threads, ms, 1e3 * tmin, cpu_ms,
-                 info.iters, st, info.error, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
+          printf(
+              "%zu,%s,%.3g,%d,%s,%s,%d,%.3f,%.3f,%.3f,%d,%d,%.3g,%.3g,%.3g,%.3f,%.2f,%.3f,"
+              "%.2f\n",
+              n, spectra[sp], cond, o.p, m->name, prec, o.threads, ms, 1e3 * tmin, cpu_ms,
+              info.iters, st, info.error, rel, rel_in, gms, ms / gms, gcpu, cpu_ms / gcpu);
         else
           printf("%5zu %-8s %8.2g %-19s %-4s %10.2f %5d %8.2g %9.3g %9.3g %9.3f %7.2f\n", n,
                  spectra[sp], cond, m->name, prec, ms, info.iters, info.error, rel, rel_in, gms,
@@ -761,7 +793,13 @@ int main(int argc, char **argv) {
       }
       eig_destroy(&e);
       eig_destroy(&e_in);
-      free(a); free(ref); free(scratch); free(x64); free(a_in); free(a32); free(x32);
+      free(a);
+      free(ref);
+      free(scratch);
+      free(x64);
+      free(a_in);
+      free(a32);
+      free(x32);
     }
   }
   return 0;

@@ -20,12 +20,18 @@
 
 const char *ds_strerror(int status) {
   switch (status) {
-    case DS_OK: return "success";
-    case DS_EINVAL: return "invalid argument";
-    case DS_EIO: return "file missing or unreadable";
-    case DS_EFORMAT: return "file damaged or not in the expected format";
-    case DS_ENOMEM: return "out of memory";
-    case DS_ECMD: return "the bible command failed (are bible-kjv and bible-kjv-text installed?)";
+    case DS_OK:
+      return "success";
+    case DS_EINVAL:
+      return "invalid argument";
+    case DS_EIO:
+      return "file missing or unreadable";
+    case DS_EFORMAT:
+      return "file damaged or not in the expected format";
+    case DS_ENOMEM:
+      return "out of memory";
+    case DS_ECMD:
+      return "the bible command failed (are bible-kjv and bible-kjv-text installed?)";
   }
   return "unknown status";
 }
@@ -71,8 +77,8 @@ uint64_t ds_rng_below(ds_rng *rng, uint64_t n) {
 /* Text                                                                                   */
 
 #define KJV_COMMAND "bible -l79 'gen1:1-rev22:21'"
-#define KJV_HEAD "\nGenesis 1\n"
-#define KJV_TAIL "Amen.\n"
+#define KJV_HEAD    "\nGenesis 1\n"
+#define KJV_TAIL    "Amen.\n"
 #define KJV_MIN_LEN ((size_t)1 << 20)
 
 int ds_text_default_cache(char *buf, size_t bufsize) {
@@ -95,8 +101,7 @@ static int text_check(const uint8_t *b, size_t len, const char *path, ds_error *
   if (memcmp(b + len - nt, KJV_TAIL, nt) != 0)
     return fail(err, DS_EFORMAT, path, "does not end with Revelation 22:21 (truncated?)");
   for (size_t i = 0; i < len; i++)
-    if (b[i] >= 0x80)
-      return fail(err, DS_EFORMAT, path, "byte %zu is not 7-bit ASCII", i);
+    if (b[i] >= 0x80) return fail(err, DS_EFORMAT, path, "byte %zu is not 7-bit ASCII", i);
   return DS_OK;
 }
 
@@ -350,8 +355,8 @@ static int gz_read_exact(gzFile f, void *buf, size_t n, const char *path, const 
     size_t want = n - done < ((size_t)1 << 24) ? n - done : ((size_t)1 << 24);
     int got = gzread(f, p + done, (unsigned)want);
     if (got <= 0)
-      return fail(err, DS_EFORMAT, path, "%s: %s after %zu of %zu bytes", what, gz_reason(f),
-                  done, n);
+      return fail(err, DS_EFORMAT, path, "%s: %s after %zu of %zu bytes", what, gz_reason(f), done,
+                  n);
     done += (size_t)got;
   }
   return DS_OK;
@@ -382,10 +387,10 @@ static int gz_check_trailer(gzFile f, const char *path, uint32_t crc, uint64_t t
   if (raw == NULL) return fail(err, DS_EIO, path, "cannot reopen: %s", strerror(errno));
   int ok = fseek(raw, -8, SEEK_END) == 0 && fread(t, 1, 8, raw) == 8;
   fclose(raw);
-  uint32_t tcrc = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 |
-                  (uint32_t)t[3] << 24;
-  uint32_t tlen = (uint32_t)t[4] | (uint32_t)t[5] << 8 | (uint32_t)t[6] << 16 |
-                  (uint32_t)t[7] << 24;
+  uint32_t tcrc =
+      (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+  uint32_t tlen =
+      (uint32_t)t[4] | (uint32_t)t[5] << 8 | (uint32_t)t[6] << 16 | (uint32_t)t[7] << 24;
   if (!ok || tcrc != crc || tlen != (uint32_t)total)
     return fail(err, DS_EFORMAT, path, "gzip trailer missing or wrong (truncated?)");
   return DS_OK;
@@ -439,8 +444,7 @@ static int load_images(ds_images *set, const char *path, size_t want, ds_error *
     rc = fail(err, DS_ENOMEM, path, "cannot allocate the pixels");
     goto cleanup;
   }
-  if ((rc = gz_read_exact(f, set->pixels, want * DS_FMNIST_PIXELS, path, "pixels", err)) !=
-      DS_OK)
+  if ((rc = gz_read_exact(f, set->pixels, want * DS_FMNIST_PIXELS, path, "pixels", err)) != DS_OK)
     goto cleanup;
   if ((rc = gz_expect_end(f, path, err)) != DS_OK) goto cleanup;
   uint32_t crc = crc_of(crc_of(0, h, sizeof h), set->pixels, want * DS_FMNIST_PIXELS);
@@ -473,8 +477,7 @@ static int load_labels(ds_images *set, const char *path, size_t want, ds_error *
   if ((rc = gz_read_exact(f, set->labels, want, path, "labels", err)) != DS_OK) goto cleanup;
   if ((rc = gz_expect_end(f, path, err)) != DS_OK) goto cleanup;
   uint32_t crc = crc_of(crc_of(0, h, sizeof h), set->labels, want);
-  if ((rc = gz_check_trailer(f, path, crc, sizeof h + (uint64_t)want, err)) != DS_OK)
-    goto cleanup;
+  if ((rc = gz_check_trailer(f, path, crc, sizeof h + (uint64_t)want, err)) != DS_OK) goto cleanup;
   for (size_t i = 0; i < want; i++)
     if (set->labels[i] >= DS_FMNIST_CLASSES) {
       rc = fail(err, DS_EFORMAT, path, "label %zu is %u, outside 0..9", i, set->labels[i]);
@@ -544,8 +547,7 @@ static void shuffle(uint32_t *perm, size_t n, ds_rng *rng) {
 
 int ds_image_sampler_init(ds_image_sampler *s, const ds_images *set, uint64_t seed) {
   if (s != NULL) memset(s, 0, sizeof *s);
-  if (s == NULL || set == NULL || set->pixels == NULL || set->count == 0 ||
-      set->count > UINT32_MAX)
+  if (s == NULL || set == NULL || set->pixels == NULL || set->count == 0 || set->count > UINT32_MAX)
     return DS_EINVAL;
   s->perm = malloc(set->count * sizeof *s->perm);
   if (s->perm == NULL) return DS_ENOMEM;

@@ -26,11 +26,11 @@ extern "C" {
 
 enum {
   DS_OK = 0,
-  DS_EINVAL = -1,   /* bad argument (NULL, zero size, batch larger than the data) */
-  DS_EIO = -2,      /* a file is missing or cannot be read or written */
-  DS_EFORMAT = -3,  /* a file is damaged: bad magic, size, count, truncation, checksum */
-  DS_ENOMEM = -4,   /* allocation failed */
-  DS_ECMD = -5      /* the `bible` command failed or is not installed */
+  DS_EINVAL = -1,  /* bad argument (NULL, zero size, batch larger than the data) */
+  DS_EIO = -2,     /* a file is missing or cannot be read or written */
+  DS_EFORMAT = -3, /* a file is damaged: bad magic, size, count, truncation, checksum */
+  DS_ENOMEM = -4,  /* allocation failed */
+  DS_ECMD = -5     /* the `bible` command failed or is not installed */
 };
 
 /* Static message for a status code. Never NULL. */
@@ -43,7 +43,7 @@ typedef struct {
 
 typedef enum {
   DS_SPLIT_TRAIN = 0,
-  DS_SPLIT_EVAL   /* the text's last 10%; Fashion-MNIST's 10,000-image test set */
+  DS_SPLIT_EVAL /* the text's last 10%; Fashion-MNIST's 10,000-image test set */
 } ds_split;
 
 /* Seeded generator (splitmix64) shared by the samplers; exposed so that clients can draw
@@ -60,7 +60,7 @@ uint64_t ds_rng_below(ds_rng *rng, uint64_t n);
 /* ------------------------------------------------------------------------------------ */
 /* Text: the King James Bible, byte-level                                                 */
 
-#define DS_TEXT_VOCAB 256          /* a token is a byte */
+#define DS_TEXT_VOCAB      256 /* a token is a byte */
 #define DS_TEXT_CACHE_NAME "kjv.txt"
 
 /* The corpus is the output of `bible -l79 "gen1:1-rev22:21"` (packages bible-kjv and
@@ -68,9 +68,9 @@ uint64_t ds_rng_below(ds_rng *rng, uint64_t n);
  * otherwise follows $COLUMNS and the corpus must not depend on the terminal. It is cached
  * as a plain text file so that benchmarks read it without running bible. */
 typedef struct {
-  uint8_t *bytes;    /* len bytes, owned; freed by ds_text_destroy */
+  uint8_t *bytes; /* len bytes, owned; freed by ds_text_destroy */
   size_t len;
-  size_t train_len;  /* len * 9 / 10: train = bytes[0, train_len), eval = the rest */
+  size_t train_len; /* len * 9 / 10: train = bytes[0, train_len), eval = the rest */
 } ds_text;
 
 /* Writes the default cache path into buf (bufsize bytes, NUL-terminated):
@@ -101,7 +101,7 @@ const uint8_t *ds_text_split(const ds_text *t, ds_split split, size_t *len);
  * [0, split_len - context - 1], input = x[s .. s+context-1] and target = x[s+1 .. s+context]
  * (the next byte of every position). */
 typedef struct {
-  const uint8_t *data;  /* borrowed from the ds_text */
+  const uint8_t *data; /* borrowed from the ds_text */
   size_t len;
   size_t context;
   ds_rng rng;
@@ -119,12 +119,12 @@ int ds_text_sampler_next(ds_text_sampler *s, size_t batch, uint8_t *input, uint8
 /* ------------------------------------------------------------------------------------ */
 /* Images: Fashion-MNIST                                                                  */
 
-#define DS_FMNIST_DIR "/usr/share/datasets/fashion-mnist"
-#define DS_FMNIST_SIDE 28
-#define DS_FMNIST_PIXELS (DS_FMNIST_SIDE * DS_FMNIST_SIDE)
-#define DS_FMNIST_CLASSES 10
+#define DS_FMNIST_DIR         "/usr/share/datasets/fashion-mnist"
+#define DS_FMNIST_SIDE        28
+#define DS_FMNIST_PIXELS      (DS_FMNIST_SIDE * DS_FMNIST_SIDE)
+#define DS_FMNIST_CLASSES     10
 #define DS_FMNIST_TRAIN_COUNT 60000
-#define DS_FMNIST_EVAL_COUNT 10000
+#define DS_FMNIST_EVAL_COUNT  10000
 
 typedef struct {
   size_t count;      /* 60,000 (train) or 10,000 (eval) */
@@ -151,10 +151,10 @@ int ds_images_batch(const ds_images *set, size_t first, size_t n, float *x, uint
  * never straddles two epochs (the remainder of an epoch that does not fill a batch is
  * skipped, and the next epoch starts). */
 typedef struct {
-  const ds_images *set;  /* borrowed */
-  uint32_t *perm;        /* count entries, owned */
-  size_t pos;            /* next index into perm */
-  uint64_t epoch;        /* the current epoch, from 0 */
+  const ds_images *set; /* borrowed */
+  uint32_t *perm;       /* count entries, owned */
+  size_t pos;           /* next index into perm */
+  uint64_t epoch;       /* the current epoch, from 0 */
   ds_rng rng;
 } ds_image_sampler;
 

@@ -16,7 +16,7 @@
 
 typedef struct {
   long batch, width, blocks, chunk;
-  int conv_init;             /* index into rn_inits */
+  int conv_init; /* index into rn_inits */
   char data[512];
 } rn_args;
 
@@ -31,11 +31,11 @@ typedef struct {
   const ds_images *eval;
   ds_image_sampler train;
   size_t batch;
-  float *x;                  /* host, batch images */
-  uint8_t *y8;               /* host labels */
-  int32_t *y32, *pred;       /* host */
-  float *d_x;                /* device */
-  int32_t *d_y, *d_pred;     /* device */
+  float *x;              /* host, batch images */
+  uint8_t *y8;           /* host labels */
+  int32_t *y32, *pred;   /* host */
+  float *d_x;            /* device */
+  int32_t *d_y, *d_pred; /* device */
 } rn_ctx;
 
 static int rn_upload(rn_ctx *c, size_t n) {
@@ -50,8 +50,7 @@ static int rn_train_step(void *ctx, double *loss) {
   if (ds_image_sampler_next(&c->train, c->batch, c->x, c->y8) != DS_OK) return -1;
   int rc = rn_upload(c, c->batch);
   if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
-  if (rc == AC_OK)
-    rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_TRAIN, loss);
+  if (rc == AC_OK) rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_TRAIN, loss);
   if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
   return rc;
 }
@@ -97,17 +96,15 @@ int main(int argc, char **argv) {
   rn_args a = {128, 16, 3, 8, 0, ""};
   while (rn_init_kind[a.conv_init] != cfg.conv_init) a.conv_init++;
   tr_arg extra[] = {
-    {"batch", TR_ARG_LONG, &a.batch, 1, 60000, "images per step", NULL},
-    {"width", TR_ARG_LONG, &a.width, 1, 1024, "channels of the first stage (x2, x4 after)",
-     NULL},
-    {"blocks", TR_ARG_LONG, &a.blocks, 1, 64, "basic blocks per stage", NULL},
-    {"chunk", TR_ARG_LONG, &a.chunk, 1, 60000, "images per im2col chunk (memory vs speed)",
-     NULL},
-    {"conv-init", TR_ARG_CHOICE, &a.conv_init, 0, 0,
-     "conv weights N(0, 2/fan) per He et al.: fan-in (in_c k k) or fan-out (out_c k k)",
-     rn_inits},
-    {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
-     "Fashion-MNIST directory (default " DS_FMNIST_DIR ")", NULL},
+      {"batch", TR_ARG_LONG, &a.batch, 1, 60000, "images per step", NULL},
+      {"width", TR_ARG_LONG, &a.width, 1, 1024, "channels of the first stage (x2, x4 after)", NULL},
+      {"blocks", TR_ARG_LONG, &a.blocks, 1, 64, "basic blocks per stage", NULL},
+      {"chunk", TR_ARG_LONG, &a.chunk, 1, 60000, "images per im2col chunk (memory vs speed)", NULL},
+      {"conv-init", TR_ARG_CHOICE, &a.conv_init, 0, 0,
+       "conv weights N(0, 2/fan) per He et al.: fan-in (in_c k k) or fan-out (out_c k k)",
+       rn_inits},
+      {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
+       "Fashion-MNIST directory (default " DS_FMNIST_DIR ")", NULL},
   };
   size_t nextra = sizeof extra / sizeof extra[0];
   tr_error err = {{0}};
@@ -184,8 +181,9 @@ int main(int argc, char **argv) {
 
   /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
    * would not train the model one worker trains (docs/replicas.md). */
-  tr_model model = {"resnet", &c, c.params.n, c.params.items, rn_train_step, rn_evaluate,
-                    (double)b, "img", (long)(train.count / b), NULL, rn_set_hook};
+  tr_model model = {"resnet",    &c,        c.params.n, c.params.items,          rn_train_step,
+                    rn_evaluate, (double)b, "img",      (long)(train.count / b), NULL,
+                    rn_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

@@ -16,18 +16,26 @@
 #include <time.h>
 #include <unistd.h>
 
-
 const char *tr_strerror(int status) {
   switch (status) {
-    case TR_OK: return "success";
-    case TR_EINVAL: return "invalid argument";
-    case TR_EIO: return "file could not be written";
-    case TR_ENOMEM: return "out of memory";
-    case TR_EACCEL: return "accelerator call failed";
-    case TR_EDAEMON: return "precondd unreachable or refused the call";
-    case TR_EMODEL: return "model step failed";
-    case TR_ENONFINITE: return "training loss is not finite";
-    case TR_EHELP: return "help requested";
+    case TR_OK:
+      return "success";
+    case TR_EINVAL:
+      return "invalid argument";
+    case TR_EIO:
+      return "file could not be written";
+    case TR_ENOMEM:
+      return "out of memory";
+    case TR_EACCEL:
+      return "accelerator call failed";
+    case TR_EDAEMON:
+      return "precondd unreachable or refused the call";
+    case TR_EMODEL:
+      return "model step failed";
+    case TR_ENONFINITE:
+      return "training loss is not finite";
+    case TR_EHELP:
+      return "help requested";
   }
   return "unknown status";
 }
@@ -57,10 +65,14 @@ static double tr__cpu_now(void) {
 
 const char *tr_optimizer_name(tr_optimizer_kind kind) {
   switch (kind) {
-    case TR_SGD: return "sgd";
-    case TR_ADAMW: return "adamw";
-    case TR_SHAMPOO: return "shampoo";
-    case TR_KFAC: return "kfac";
+    case TR_SGD:
+      return "sgd";
+    case TR_ADAMW:
+      return "adamw";
+    case TR_SHAMPOO:
+      return "shampoo";
+    case TR_KFAC:
+      return "kfac";
   }
   return "?";
 }
@@ -140,7 +152,7 @@ void tr_options_default(tr_options *o) {
  * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the
  * warm-up, tr_options_default) is the same for every optimizer. */
 typedef struct {
-  const char *model;      /* NULL: any model without a row of its own */
+  const char *model; /* NULL: any model without a row of its own */
   tr_optimizer_kind optimizer;
   double lr, momentum, beta1, beta2, weight_decay;
   int nesterov;
@@ -148,19 +160,19 @@ typedef struct {
 } tr__preset;
 
 static const tr__preset tr__presets[] = {
-  /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup */
-  {"resnet",      TR_SGD,     0.1,  0.9, 0.9, 0.999, 5e-4, 1, 0},
-  {"resnet",      TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
-  {"resnet",      TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 0},
-  {"resnet",      TR_KFAC,    0.1,  0.9, 0.9, 0.999, 5e-4, 0, 0},
-  {"transformer", TR_SGD,     0.1,  0.9, 0.9, 0.99,  0,    1, 100},
-  {"transformer", TR_ADAMW,   1e-3, 0.9, 0.9, 0.99,  0,    0, 100},
-  {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 100},
-  {"transformer", TR_KFAC,    0.1,  0.9, 0.9, 0.99,  0,    0, 100},
-  {NULL,          TR_SGD,     0.1,  0.9, 0.9, 0.999, 0,    0, 0},
-  {NULL,          TR_ADAMW,   1e-3, 0.9, 0.9, 0.999, 0,    0, 0},
-  {NULL,          TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0,    0, 0},
-  {NULL,          TR_KFAC,    0.1,  0.9, 0.9, 0.999, 0,    0, 0},
+    /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup */
+    {"resnet", TR_SGD, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0},
+    {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0},
+    {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0},
+    {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0},
+    {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100},
+    {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100},
+    {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 100},
+    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100},
+    {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0},
+    {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0},
+    {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0},
+    {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0},
 };
 #define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
 
@@ -170,8 +182,10 @@ static const tr__preset *tr__preset_of(const char *model, tr_optimizer_kind kind
   for (size_t i = 0; i < TR__NPRESETS; i++) {
     const tr__preset *p = &tr__presets[i];
     if (p->optimizer != kind) continue;
-    if (p->model == NULL) generic = p;
-    else if (model != NULL && strcmp(p->model, model) == 0) return p;
+    if (p->model == NULL)
+      generic = p;
+    else if (model != NULL && strcmp(p->model, model) == 0)
+      return p;
   }
   return generic;
 }
@@ -213,15 +227,24 @@ int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
 static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
-enum { K_LONG = TR_ARG_LONG, K_DOUBLE = TR_ARG_DOUBLE, K_STRING = TR_ARG_STRING,
-       K_FLAG = TR_ARG_FLAG, K_CHOICE = TR_ARG_CHOICE,
-       K_OPTIMIZER = 100, K_BACKEND, K_U64, K_INT, K_GRAFT };
+enum {
+  K_LONG = TR_ARG_LONG,
+  K_DOUBLE = TR_ARG_DOUBLE,
+  K_STRING = TR_ARG_STRING,
+  K_FLAG = TR_ARG_FLAG,
+  K_CHOICE = TR_ARG_CHOICE,
+  K_OPTIMIZER = 100,
+  K_BACKEND,
+  K_U64,
+  K_INT,
+  K_GRAFT
+};
 
 typedef struct {
   const char *name;
   int kind;
   void *dest;
-  double min, max;   /* range; for K_STRING max is the buffer size */
+  double min, max; /* range; for K_STRING max is the buffer size */
   const char *help;
   const char *const *choices; /* K_CHOICE */
 } tr__spec;
@@ -244,9 +267,14 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "decoupled weight decay (AdamW, Shampoo); L2 for SGD and K-FAC");
   SPEC("clip", K_DOUBLE, &o->clip, 0, 1e9, "clip the global gradient norm to this (0: off)");
   SPEC("warmup", K_LONG, &o->warmup, 0, 1e9, "linear learning-rate warm-up steps");
-  s[n++] = (tr__spec){"schedule", K_CHOICE, &o->schedule, 0, 0,
+  s[n++] = (tr__spec){"schedule",
+                      K_CHOICE,
+                      &o->schedule,
+                      0,
+                      0,
                       "learning rate after the warm-up: constant, cosine (to --lr-floor at "
-                      "the last step) or step", tr__schedules};
+                      "the last step) or step",
+                      tr__schedules};
   SPEC("lr-floor", K_DOUBLE, &o->lr_floor, 0, 1, "cosine: the final rate as a fraction of --lr");
   SPEC("step-size", K_LONG, &o->step_size, 0, 1e9,
        "step: steps between decays (0: a third of the steps after the warm-up)");
@@ -312,29 +340,47 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
 
 static void tr__print_value(FILE *f, const tr__spec *s) {
   switch (s->kind) {
-    case K_CHOICE: fprintf(f, "%s", s->choices[*(const int *)s->dest]); break;
-    case K_LONG: fprintf(f, "%ld", *(const long *)s->dest); break;
-    case K_INT: fprintf(f, "%d", *(const int *)s->dest); break;
-    case K_DOUBLE: fprintf(f, "%g", *(const double *)s->dest); break;
-    case K_U64: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)s->dest); break;
-    case K_STRING: fprintf(f, "%s", (const char *)s->dest); break;
+    case K_CHOICE:
+      fprintf(f, "%s", s->choices[*(const int *)s->dest]);
+      break;
+    case K_LONG:
+      fprintf(f, "%ld", *(const long *)s->dest);
+      break;
+    case K_INT:
+      fprintf(f, "%d", *(const int *)s->dest);
+      break;
+    case K_DOUBLE:
+      fprintf(f, "%g", *(const double *)s->dest);
+      break;
+    case K_U64:
+      fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)s->dest);
+      break;
+    case K_STRING:
+      fprintf(f, "%s", (const char *)s->dest);
+      break;
     case K_OPTIMIZER:
       fprintf(f, "%s", tr_optimizer_name(*(const tr_optimizer_kind *)s->dest));
       break;
     case K_BACKEND:
       fprintf(f, "%s", *(const ac_backend_kind *)s->dest == AC_BACKEND_CUDA ? "cuda" : "cpu");
       break;
-    case K_GRAFT: fprintf(f, "%s", pc_graft_name((pc_graft)*(const int *)s->dest)); break;
-    default: break;
+    case K_GRAFT:
+      fprintf(f, "%s", pc_graft_name((pc_graft) * (const int *)s->dest));
+      break;
+    default:
+      break;
   }
 }
 
 static void tr__usage_line(FILE *f, const tr__spec *s) {
   char left[64];
-  const char *meta = s->kind == K_FLAG ? "" : s->kind == K_STRING ? " S"
-                     : s->kind == K_DOUBLE ? " X"
-                     : s->kind == K_OPTIMIZER || s->kind == K_BACKEND || s->kind == K_GRAFT ||
-                       s->kind == K_CHOICE ? " NAME" : " N";
+  const char *meta =
+      s->kind == K_FLAG     ? ""
+      : s->kind == K_STRING ? " S"
+      : s->kind == K_DOUBLE ? " X"
+      : s->kind == K_OPTIMIZER || s->kind == K_BACKEND || s->kind == K_GRAFT || s->kind == K_CHOICE
+          ? " NAME"
+          : " N";
   snprintf(left, sizeof left, "  --%s%s", s->name, meta);
   fprintf(f, "%-26s %s", left, s->help);
   /* A table field still unset: its value depends on the model and optimizer. */
@@ -361,22 +407,22 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
   fprintf(f, "Usage: %s [OPTION]...\n%s\n\n", prog, summary != NULL ? summary : "");
   if (nextra > 0) fprintf(f, "Model and data:\n");
   for (size_t i = 0; i < nextra; i++) {
-    tr__spec s = {extra[i].name, (int)extra[i].type, extra[i].dest, extra[i].min, extra[i].max,
-                  extra[i].help, extra[i].choices};
+    tr__spec s = {extra[i].name, (int)extra[i].type, extra[i].dest,   extra[i].min,
+                  extra[i].max,  extra[i].help,      extra[i].choices};
     tr__usage_line(f, &s);
   }
   fprintf(f, "Training:\n");
   for (size_t i = 0; i < n; i++) tr__usage_line(f, &specs[i]);
   fprintf(f, "\n[table]: the default depends on the optimizer (%s):\n",
           d.model != NULL ? d.model : "generic");
-  fprintf(f, "  %-9s %-7s %-8s %-10s %-12s %-8s %s\n", "optimizer", "lr", "momentum",
-          "betas", "weight-decay", "nesterov", "warmup (at most a tenth of the run)");
+  fprintf(f, "  %-9s %-7s %-8s %-10s %-12s %-8s %s\n", "optimizer", "lr", "momentum", "betas",
+          "weight-decay", "nesterov", "warmup (at most a tenth of the run)");
   for (int k = TR_SGD; k <= TR_KFAC; k++) {
     const tr__preset *p = tr__preset_of(d.model, (tr_optimizer_kind)k);
     char betas[32];
     snprintf(betas, sizeof betas, "%g/%g", p->beta1, p->beta2);
-    fprintf(f, "  %-9s %-7g %-8g %-10s %-12g %-8s %ld\n", tr_optimizer_name(p->optimizer),
-            p->lr, p->momentum, betas, p->weight_decay, p->nesterov ? "yes" : "no", p->warmup);
+    fprintf(f, "  %-9s %-7g %-8g %-10s %-12g %-8s %ld\n", tr_optimizer_name(p->optimizer), p->lr,
+            p->momentum, betas, p->weight_decay, p->nesterov ? "yes" : "no", p->warmup);
   }
   fprintf(f,
           "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
@@ -393,12 +439,14 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
     case K_INT: {
       long x = strtol(v, &end, 10);
       if (errno || end == v || *end != '\0' || (double)x < s->min || (double)x > s->max) {
-        tr__fail(err, TR_EINVAL, "--%s: '%s' is not an integer in [%.0f, %.0f]", s->name, v,
-                 s->min, s->max);
+        tr__fail(err, TR_EINVAL, "--%s: '%s' is not an integer in [%.0f, %.0f]", s->name, v, s->min,
+                 s->max);
         return -1;
       }
-      if (s->kind == K_LONG) *(long *)s->dest = x;
-      else *(int *)s->dest = (int)x;
+      if (s->kind == K_LONG)
+        *(long *)s->dest = x;
+      else
+        *(int *)s->dest = (int)x;
       return 0;
     }
     case K_U64: {
@@ -458,20 +506,25 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
           return 0;
         }
       }
-      tr__fail(err, TR_EINVAL, "--graft: '%s' is not one of sgd, adagrad, rmsprop-normed, "
-               "adam-normed, rmsprop, adam", v);
+      tr__fail(err, TR_EINVAL,
+               "--graft: '%s' is not one of sgd, adagrad, rmsprop-normed, "
+               "adam-normed, rmsprop, adam",
+               v);
       return -1;
     }
     case K_BACKEND: {
-      if (strcmp(v, "cpu") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CPU;
-      else if (strcmp(v, "cuda") == 0) *(ac_backend_kind *)s->dest = AC_BACKEND_CUDA;
+      if (strcmp(v, "cpu") == 0)
+        *(ac_backend_kind *)s->dest = AC_BACKEND_CPU;
+      else if (strcmp(v, "cuda") == 0)
+        *(ac_backend_kind *)s->dest = AC_BACKEND_CUDA;
       else {
         tr__fail(err, TR_EINVAL, "--backend: '%s' is not one of cpu, cuda", v);
         return -1;
       }
       return 0;
     }
-    default: break;
+    default:
+      break;
   }
   tr__fail(err, TR_EINVAL, "--%s: '%s' is not a valid value", s->name, v);
   return -1;
@@ -496,8 +549,8 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     int have = 0;
     for (size_t k = 0; k < nextra && !have; k++) {
       if (strlen(extra[k].name) == nlen && strncmp(extra[k].name, name, nlen) == 0) {
-        found = (tr__spec){extra[k].name, (int)extra[k].type, extra[k].dest, extra[k].min,
-                           extra[k].max, extra[k].help, extra[k].choices};
+        found = (tr__spec){extra[k].name, (int)extra[k].type, extra[k].dest,   extra[k].min,
+                           extra[k].max,  extra[k].help,      extra[k].choices};
         have = 1;
       }
     }
@@ -509,8 +562,7 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
     }
     /* --no-NAME turns the flag NAME off. */
     int negated = 0;
-    for (size_t k = 0; k < nextra + n && !have && nlen > 3 && strncmp(name, "no-", 3) == 0;
-         k++) {
+    for (size_t k = 0; k < nextra + n && !have && nlen > 3 && strncmp(name, "no-", 3) == 0; k++) {
       const char *fn = k < nextra ? extra[k].name : specs[k - nextra].name;
       int kind = k < nextra ? (int)extra[k].type : specs[k - nextra].kind;
       void *dest = k < nextra ? extra[k].dest : specs[k - nextra].dest;
@@ -520,8 +572,8 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
         have = negated = 1;
       }
     }
-    if (!have) return tr__fail(err, TR_EINVAL, "unknown option '--%.*s' (see --help)",
-                               (int)nlen, name);
+    if (!have)
+      return tr__fail(err, TR_EINVAL, "unknown option '--%.*s' (see --help)", (int)nlen, name);
     if (found.kind == K_FLAG) {
       if (eq != NULL) return tr__fail(err, TR_EINVAL, "--%.*s takes no value", (int)nlen, name);
       if (found.dest == NULL) {
@@ -574,9 +626,12 @@ void tr_format_duration(char *buf, size_t len, double s) {
     return;
   }
   long t = (long)(s + 0.5);
-  if (t < 60) snprintf(buf, len, "%lds", t);
-  else if (t < 3600) snprintf(buf, len, "%ldm%02lds", t / 60, t % 60);
-  else snprintf(buf, len, "%ldh%02ldm", t / 3600, (t % 3600) / 60);
+  if (t < 60)
+    snprintf(buf, len, "%lds", t);
+  else if (t < 3600)
+    snprintf(buf, len, "%ldm%02lds", t / 60, t % 60);
+  else
+    snprintf(buf, len, "%ldh%02ldm", t / 3600, (t % 3600) / 60);
 }
 
 void tr_format_progress(char *buf, size_t len, long step, long total, double loss,
@@ -584,10 +639,14 @@ void tr_format_progress(char *buf, size_t len, long step, long total, double los
   char el[32], eta[32], rate[32];
   tr_format_duration(el, sizeof el, elapsed_s);
   tr_format_duration(eta, sizeof eta, eta_s);
-  if (!(items_per_s >= 0) || !isfinite(items_per_s)) snprintf(rate, sizeof rate, "?");
-  else if (items_per_s >= 1e6) snprintf(rate, sizeof rate, "%.1fM", items_per_s / 1e6);
-  else if (items_per_s >= 1e4) snprintf(rate, sizeof rate, "%.1fk", items_per_s / 1e3);
-  else snprintf(rate, sizeof rate, "%.1f", items_per_s);
+  if (!(items_per_s >= 0) || !isfinite(items_per_s))
+    snprintf(rate, sizeof rate, "?");
+  else if (items_per_s >= 1e6)
+    snprintf(rate, sizeof rate, "%.1fM", items_per_s / 1e6);
+  else if (items_per_s >= 1e4)
+    snprintf(rate, sizeof rate, "%.1fk", items_per_s / 1e3);
+  else
+    snprintf(rate, sizeof rate, "%.1f", items_per_s);
   snprintf(buf, len, "step %ld/%ld  loss %.4f  %s %s/s  elapsed %s  eta %s", step, total, loss,
            rate, unit != NULL ? unit : "items", el, eta);
 }
@@ -618,8 +677,10 @@ int tr_csv_header(FILE *f) {
 
 /* A CSV field: empty for NaN, else %.*g. */
 static void tr__csv_num(FILE *f, double v, int digits) {
-  if (isfinite(v)) fprintf(f, "%.*g", digits, v);
-  else if (!isnan(v)) fprintf(f, "%s", v > 0 ? "inf" : "-inf");
+  if (isfinite(v))
+    fprintf(f, "%.*g", digits, v);
+  else if (!isnan(v))
+    fprintf(f, "%s", v > 0 ? "inf" : "-inf");
 }
 
 int tr_csv_row(FILE *f, const tr_row *r) {
@@ -646,14 +707,26 @@ void tr_json_string(FILE *f, const char *s) {
   fputc('"', f);
   for (const unsigned char *p = (const unsigned char *)(s != NULL ? s : ""); *p; p++) {
     switch (*p) {
-      case '"': fputs("\\\"", f); break;
-      case '\\': fputs("\\\\", f); break;
-      case '\n': fputs("\\n", f); break;
-      case '\r': fputs("\\r", f); break;
-      case '\t': fputs("\\t", f); break;
+      case '"':
+        fputs("\\\"", f);
+        break;
+      case '\\':
+        fputs("\\\\", f);
+        break;
+      case '\n':
+        fputs("\\n", f);
+        break;
+      case '\r':
+        fputs("\\r", f);
+        break;
+      case '\t':
+        fputs("\\t", f);
+        break;
       default:
-        if (*p < 0x20) fprintf(f, "\\u%04x", *p);
-        else fputc(*p, f);
+        if (*p < 0x20)
+          fprintf(f, "\\u%04x", *p);
+        else
+          fputc(*p, f);
     }
   }
   fputc('"', f);
@@ -661,8 +734,10 @@ void tr_json_string(FILE *f, const char *s) {
 
 static void tr__json_num(FILE *f, const char *key, double v, int last) {
   fprintf(f, "  \"%s\": ", key);
-  if (isfinite(v)) fprintf(f, "%.9g", v);
-  else fputs("null", f);
+  if (isfinite(v))
+    fprintf(f, "%.9g", v);
+  else
+    fputs("null", f);
   fputs(last ? "\n" : ",\n", f);
 }
 
@@ -763,18 +838,22 @@ int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err) {
 /* The trainer library's statuses as the harness reports them. */
 static int tr__trainer(tr_error *err, int prc, const pt_error *perr) {
   if (prc == PT_OK) return TR_OK;
-  int rc = prc == PT_EINVAL ? TR_EINVAL : prc == PT_ENOMEM ? TR_ENOMEM
-         : prc == PT_EACCEL ? TR_EACCEL : TR_EDAEMON;
+  int rc = prc == PT_EINVAL   ? TR_EINVAL
+           : prc == PT_ENOMEM ? TR_ENOMEM
+           : prc == PT_EACCEL ? TR_EACCEL
+                              : TR_EDAEMON;
   return tr__fail(err, rc, "%s", perr->msg[0] ? perr->msg : pt_strerror(prc));
 }
 
 /* The trainer library's options every mode shares: the mode's defaults, the daemon, the
  * job (opts->job, or MODEL-MODE-PID written into job), the worker name, sync_roots. */
-static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *model_name,
-                             char *job, size_t joblen, pt_options *po) {
+static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *model_name, char *job,
+                             size_t joblen, pt_options *po) {
   const tr_options *opts = &o->opts;
-  if (opts->job[0] != '\0') snprintf(job, joblen, "%s", opts->job);
-  else snprintf(job, joblen, "%s-%s-%ld", model_name, pt_mode_name(mode), (long)getpid());
+  if (opts->job[0] != '\0')
+    snprintf(job, joblen, "%s", opts->job);
+  else
+    snprintf(job, joblen, "%s-%s-%ld", model_name, pt_mode_name(mode), (long)getpid());
   pt_options_default(po, mode);
   po->daemon = opts->daemon;
   po->job = job;
@@ -845,7 +924,8 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
 static int tr__shampoo_hist(tr_optimizer *o, long step, tr_error *err) {
   const ac_shampoo *sh = pt_shampoo(o->trainer);
   size_t nb = ac_shampoo_nblocks(sh);
-  if (o->fallbacks == NULL && (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
+  if (o->fallbacks == NULL &&
+      (o->fallbacks = calloc(nb > 0 ? nb : 1, sizeof *o->fallbacks)) == NULL)
     return TR_ENOMEM;
   for (size_t b = 0; b < nb; b++) {
     ac_shampoo_block bi;
@@ -889,8 +969,8 @@ static int tr__trainer_step(tr_optimizer *o, long step, double lr, tr_step_info 
   return rc;
 }
 
-int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
-                      ac_param **params, size_t nparams, const char *model_name, tr_error *err) {
+int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be, ac_param **params,
+                      size_t nparams, const char *model_name, tr_error *err) {
   if (o == NULL) return TR_EINVAL;
   memset(o, 0, sizeof *o);
   if (opts == NULL || be == NULL || params == NULL || nparams == 0 || model_name == NULL)
@@ -930,22 +1010,24 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
   return rc;
 }
 
-int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
-                      tr_error *err) {
+int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info, tr_error *err) {
   if (o == NULL || o->params == NULL || step < 1 || !(lr >= 0) || !isfinite(lr))
     return tr__fail(err, TR_EINVAL, "tr_optimizer_step: bad arguments");
   if (info != NULL) *info = (tr_step_info){NAN, -1, 0};
   switch (o->kind) {
-    case TR_SGD: return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
-    case TR_ADAMW: return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
+    case TR_SGD:
+      return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
+    case TR_ADAMW:
+      return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
     case TR_SHAMPOO:
-    case TR_KFAC: return tr__trainer_step(o, step, lr, info, err);
+    case TR_KFAC:
+      return tr__trainer_step(o, step, lr, info, err);
   }
   return TR_EINVAL;
 }
 
-void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
-                           uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received) {
+void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed, uint64_t *dropped,
+                           uint64_t *coalesced, uint64_t *roots_received) {
   pt_counters c;
   pt_get_counters(o != NULL ? o->trainer : NULL, &c);
   if (blocks) *blocks = (long)c.units;
@@ -1057,8 +1139,7 @@ static void tr__progress_note(tr__progress *p, const char *fmt, ...) {
 /* Under mpirun: joins the data-parallel workers (pt_dp), gives the model its share of the
  * batch, makes the job name (rank 0's pid) and the daemon address (%r: this rank) each
  * worker's, and lets rank 0 alone print progress and write --out. Alone: *dp = NULL. */
-static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
-                             tr_error *err) {
+static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp, tr_error *err) {
   pt_error perr = {""};
   int rc = tr__trainer(err, pt_dp_init(dp, &perr), &perr);
   if (rc != TR_OK || *dp == NULL) return rc;
@@ -1066,9 +1147,10 @@ static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
   o->dp_rank = pt_dp_rank(*dp);
   o->dp_size = pt_dp_size(*dp);
   if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size) != 0) {
-    rc = tr__fail(err, TR_EINVAL, "%s: %s with %d data-parallel workers", model->name,
-                  model->shard == NULL ? "cannot be trained data-parallel"
-                                       : "its batch does not divide", o->dp_size);
+    rc = tr__fail(
+        err, TR_EINVAL, "%s: %s with %d data-parallel workers", model->name,
+        model->shard == NULL ? "cannot be trained data-parallel" : "its batch does not divide",
+        o->dp_size);
     pt_dp_finalize(*dp);
     *dp = NULL;
     return rc;
@@ -1095,8 +1177,8 @@ static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp,
   return TR_OK;
 }
 
-int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
-             tr_summary *summary, tr_error *err) {
+int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_summary *summary,
+             tr_error *err) {
   if (opts == NULL || be == NULL || model == NULL || model->train_step == NULL ||
       model->evaluate == NULL || model->params == NULL || model->nparams == 0)
     return tr__fail(err, TR_EINVAL, "tr_train: bad arguments");
@@ -1112,9 +1194,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
   double base_lr = tr_effective_lr(opts);
   ac_lr_schedule sched;
   if (tr_schedule(opts, total, &sched) != TR_OK)
-    return tr__fail(err, TR_EINVAL, "the learning-rate schedule is invalid (--lr %g, "
-                    "--lr-floor %g, --step-gamma %g)", base_lr, opts->lr_floor,
-                    opts->step_gamma);
+    return tr__fail(err, TR_EINVAL,
+                    "the learning-rate schedule is invalid (--lr %g, "
+                    "--lr-floor %g, --step-gamma %g)",
+                    base_lr, opts->lr_floor, opts->step_gamma);
   int rc = TR_OK;
   FILE *csv = NULL;
   double *step_ms = NULL, *cpu_ms = NULL, *losses = NULL, *stale = NULL;
@@ -1219,10 +1302,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step,  train_s,        dt * 1e3,      loss,    NAN,
-                  NAN,   lr,             info.staleness, info.fallback, dc * 1e3};
-    int eval_now = rc == TR_OK &&
-                   (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
+    tr_row row = {step, train_s, dt * 1e3,       loss,          NAN,
+                  NAN,  lr,      info.staleness, info.fallback, dc * 1e3};
+    int eval_now =
+        rc == TR_OK && (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);
     if (eval_now) {
       double el = NAN, ea = NAN;
@@ -1237,8 +1320,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
         if (isfinite(el) && !(el >= sm.best_eval_loss)) sm.best_eval_loss = el;
         if (!opts->quiet) {
           if (isfinite(ea))
-            tr__progress_note(&prog, "eval at step %ld: loss %.4f  accuracy %.4f\n", step, el,
-                              ea);
+            tr__progress_note(&prog, "eval at step %ld: loss %.4f  accuracy %.4f\n", step, el, ea);
           else
             tr__progress_note(&prog, "eval at step %ld: loss %.4f\n", step, el);
         }
@@ -1267,18 +1349,19 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
     sm.staleness_mean = ssum / (double)nstale;
     tr_median(stale, (size_t)nstale, &sm.staleness_median);
   }
-  tr_optimizer_counters(&opt, &sm.blocks, &sm.stats_pushed, &sm.stats_dropped,
-                        &sm.stats_coalesced, &sm.roots_received);
+  tr_optimizer_counters(&opt, &sm.blocks, &sm.stats_pushed, &sm.stats_dropped, &sm.stats_coalesced,
+                        &sm.roots_received);
   tr_optimizer_staleness(&opt, &sm);
   if (rc != TR_OK && strcmp(sm.status, "ok") == 0) sm.status = tr_strerror(rc);
 
   if (dp != NULL && sm.steps > 0) {
     pt_counters pc = {0};
     if (opt.trainer != NULL) pt_get_counters(opt.trainer, &pc);
-    printf("data-parallel worker %d of %d: statistics %.3f ms CPU per step (%zu of %zu "
-           "blocks), gradient averaging %.3f ms per step\n", pt_dp_rank(dp), pt_dp_size(dp),
-           pc.stats_s * 1e3 / (double)sm.steps, pc.units_mine, pc.units,
-           pt_dp_seconds(dp) * 1e3 / (double)sm.steps);
+    printf(
+        "data-parallel worker %d of %d: statistics %.3f ms CPU per step (%zu of %zu "
+        "blocks), gradient averaging %.3f ms per step\n",
+        pt_dp_rank(dp), pt_dp_size(dp), pc.stats_s * 1e3 / (double)sm.steps, pc.units_mine,
+        pc.units, pt_dp_seconds(dp) * 1e3 / (double)sm.steps);
   }
 
 done:

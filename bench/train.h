@@ -30,14 +30,14 @@ extern "C" {
 
 enum {
   TR_OK = 0,
-  TR_EINVAL = -1,    /* bad argument or option value */
-  TR_EIO = -2,       /* a file could not be written */
-  TR_ENOMEM = -3,    /* allocation failed */
-  TR_EACCEL = -4,    /* an accel call failed */
-  TR_EDAEMON = -5,   /* precondd unreachable or refused a call */
-  TR_EMODEL = -6,    /* the model's step or evaluation failed */
-  TR_ENONFINITE = -7,/* the training loss became NaN or Inf */
-  TR_EHELP = -8      /* --help was given (the text is printed): exit 0 */
+  TR_EINVAL = -1,     /* bad argument or option value */
+  TR_EIO = -2,        /* a file could not be written */
+  TR_ENOMEM = -3,     /* allocation failed */
+  TR_EACCEL = -4,     /* an accel call failed */
+  TR_EDAEMON = -5,    /* precondd unreachable or refused a call */
+  TR_EMODEL = -6,     /* the model's step or evaluation failed */
+  TR_ENONFINITE = -7, /* the training loss became NaN or Inf */
+  TR_EHELP = -8       /* --help was given (the text is printed): exit 0 */
 };
 
 const char *tr_strerror(int status);
@@ -61,26 +61,26 @@ const char *tr_optimizer_name(tr_optimizer_kind kind);
 #define TR_UNSET (-1.0)
 
 typedef struct {
-  const char *model;       /* the table's key: "transformer", "resnet"; NULL: generic rows
+  const char *model; /* the table's key: "transformer", "resnet"; NULL: generic rows
                               (static text, not owned) */
   tr_optimizer_kind optimizer;
-  long steps;              /* training steps; 0: from epochs */
-  double epochs;           /* used when steps is 0 (rounded up to whole steps) */
-  double lr;               /* base learning rate (table) */
-  double momentum;         /* SGD heavy ball (table) */
-  double beta1, beta2;     /* AdamW, and Shampoo's grafted Adam (table) */
-  double eps;              /* AdamW epsilon (1e-8) */
-  double weight_decay;     /* decoupled for AdamW and Shampoo, L2 for SGD (table) */
-  double clip;             /* global gradient-norm clip; 0: off (default 0) */
-  long warmup;             /* linear warm-up steps (table; a table value is cut to a tenth
+  long steps;          /* training steps; 0: from epochs */
+  double epochs;       /* used when steps is 0 (rounded up to whole steps) */
+  double lr;           /* base learning rate (table) */
+  double momentum;     /* SGD heavy ball (table) */
+  double beta1, beta2; /* AdamW, and Shampoo's grafted Adam (table) */
+  double eps;          /* AdamW epsilon (1e-8) */
+  double weight_decay; /* decoupled for AdamW and Shampoo, L2 for SGD (table) */
+  double clip;         /* global gradient-norm clip; 0: off (default 0) */
+  long warmup;         /* linear warm-up steps (table; a table value is cut to a tenth
                               of the run) */
-  int schedule;            /* ac_lr_decay after the warm-up (default AC_LR_COSINE) */
-  double lr_floor;         /* cosine: decays to lr_floor * lr (default 0) */
-  long step_size;          /* step: steps between decays; 0: a third of the decay (default) */
-  double step_gamma;       /* step: factor per decay (default 0.1) */
-  int nesterov;            /* Nesterov momentum (SGD, Shampoo) (table) */
+  int schedule;        /* ac_lr_decay after the warm-up (default AC_LR_COSINE) */
+  double lr_floor;     /* cosine: decays to lr_floor * lr (default 0) */
+  long step_size;      /* step: steps between decays; 0: a third of the decay (default) */
+  double step_gamma;   /* step: factor per decay (default 0.1) */
+  int nesterov;        /* Nesterov momentum (SGD, Shampoo) (table) */
   /* Shampoo */
-  long block_size;         /* block size, the same on worker and daemon (default 128) */
+  long block_size; /* block size, the same on worker and daemon (default 128) */
   /* Shampoo's defaults below are ac_shampoo_opts_default's (accel, the one table) */
   double stat_beta2;       /* EMA of the statistics on the daemon (1 = sum) */
   double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
@@ -94,20 +94,20 @@ typedef struct {
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
   /* K-FAC (trainer/kfac.c); the defaults are pc_kfac_opts_default's (the one table) */
-  double kfac_damping;     /* lambda of the Tikhonov damping */
-  double kfac_decay;       /* running average of the factors on the daemon */
-  double kl_clip;          /* c of the KL clip */
-  int kfac_pi;             /* 1: pi-damping (split lambda between A and G) */
-  long inv_every;          /* inverses every N pushes (the daemon) */
-  long factor_every;       /* factors every N steps after the first epochs */
-  long factor_every_first; /* ... and every N steps in them */
-  long factor_first_epochs;/* epochs on factor_every_first */
-  long epoch_steps;        /* the schedule's epoch; 0: the data's (tr_train fills it) */
-  int kfac_bf16;           /* 1: factors travel as bf16 */
-  long kfac_a_images;      /* conv A from this many images of the batch; 0: all */
-  char daemon[256];        /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
+  double kfac_damping;      /* lambda of the Tikhonov damping */
+  double kfac_decay;        /* running average of the factors on the daemon */
+  double kl_clip;           /* c of the KL clip */
+  int kfac_pi;              /* 1: pi-damping (split lambda between A and G) */
+  long inv_every;           /* inverses every N pushes (the daemon) */
+  long factor_every;        /* factors every N steps after the first epochs */
+  long factor_every_first;  /* ... and every N steps in them */
+  long factor_first_epochs; /* epochs on factor_every_first */
+  long epoch_steps;         /* the schedule's epoch; 0: the data's (tr_train fills it) */
+  int kfac_bf16;            /* 1: factors travel as bf16 */
+  long kfac_a_images;       /* conv A from this many images of the batch; 0: all */
+  char daemon[256];         /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
                               %r: the data-parallel rank (docs/replicas.md) */
-  char job[128];           /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
+  char job[128];            /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
   /* Run */
   uint64_t seed;           /* default 1 */
   ac_backend_kind backend; /* cpu (default) or cuda */
@@ -116,8 +116,8 @@ typedef struct {
   long eval_every;         /* evaluate every N steps (and at the end); 0: only at the end */
   long eval_batches;       /* batches per evaluation; 0: the model's default */
   int quiet;               /* 1: no progress line */
-  int dp_rank, dp_size;     /* set by tr_train under mpirun (data parallelism); 0, 1 */
-  struct pt_dp *dp;         /* set by tr_train under mpirun: the workers; NULL alone */
+  int dp_rank, dp_size;    /* set by tr_train under mpirun (data parallelism); 0, 1 */
+  struct pt_dp *dp;        /* set by tr_train under mpirun: the workers; NULL alone */
 } tr_options;
 
 /* Fills the defaults listed above (table fields unset; model NULL). */
@@ -137,17 +137,19 @@ int tr_schedule(const tr_options *opts, long total, ac_lr_schedule *sched);
  * TR_ARG_LONG: dest is long*, value in [min, max]; TR_ARG_DOUBLE: double*, in [min, max];
  * TR_ARG_STRING: char* of size max bytes (value must fit). */
 typedef enum {
-  TR_ARG_LONG = 0, TR_ARG_DOUBLE = 1, TR_ARG_STRING = 2,
-  TR_ARG_FLAG = 3,         /* dest is int*: --name sets 1, --no-name sets 0 */
-  TR_ARG_CHOICE = 4        /* dest is int*: the index of the value in choices */
+  TR_ARG_LONG = 0,
+  TR_ARG_DOUBLE = 1,
+  TR_ARG_STRING = 2,
+  TR_ARG_FLAG = 3,  /* dest is int*: --name sets 1, --no-name sets 0 */
+  TR_ARG_CHOICE = 4 /* dest is int*: the index of the value in choices */
 } tr_arg_type;
 
 typedef struct {
-  const char *name;        /* without the dashes: "d-model" */
+  const char *name; /* without the dashes: "d-model" */
   tr_arg_type type;
   void *dest;
   double min, max;
-  const char *help;        /* one line */
+  const char *help;           /* one line */
   const char *const *choices; /* TR_ARG_CHOICE: the names, NULL-terminated */
 } tr_arg;
 
@@ -193,15 +195,15 @@ int tr_median(const double *vals, size_t n, double *out);
  * are written empty; staleness is empty when no root was used. */
 typedef struct {
   long step;
-  double wall_s;        /* training time so far (evaluation excluded) */
-  double step_ms;       /* this step: batch, forward, backward, optimizer */
+  double wall_s;  /* training time so far (evaluation excluded) */
+  double step_ms; /* this step: batch, forward, backward, optimizer */
   double train_loss;
   double eval_loss;     /* NAN: not evaluated at this step */
   double eval_accuracy; /* NAN: not evaluated, or not a classifier */
   double lr;
-  double staleness;     /* mean over the blocks that used a root; NAN: none */
-  int fallback;         /* 1 if a preconditioned block used the grafted step */
-  double cpu_ms;        /* CPU time of the whole worker process (all its threads, libprecond's
+  double staleness; /* mean over the blocks that used a root; NAN: none */
+  int fallback;     /* 1 if a preconditioned block used the grafted step */
+  double cpu_ms;    /* CPU time of the whole worker process (all its threads, libprecond's
                            included) during this step: unlike step_ms, it does not grow when
                            other processes compete for the cores */
 } tr_row;
@@ -217,39 +219,39 @@ int tr_csv_row(FILE *f, const tr_row *row);
 
 /* The end-of-run figures (summary.json). */
 typedef struct {
-  const char *model;          /* "transformer", "resnet" */
+  const char *model; /* "transformer", "resnet" */
   const char *optimizer;
   const char *backend;
   uint64_t seed;
-  double lr;                  /* the base rate */
-  const char *schedule;       /* "constant", "cosine", "step" (after the warm-up) */
-  long warmup;                /* warm-up steps */
-  long steps;                 /* steps completed */
-  long params;                /* trainable values */
-  double final_train_loss;    /* mean over the last min(steps, 20) steps */
+  double lr;               /* the base rate */
+  const char *schedule;    /* "constant", "cosine", "step" (after the warm-up) */
+  long warmup;             /* warm-up steps */
+  long steps;              /* steps completed */
+  long params;             /* trainable values */
+  double final_train_loss; /* mean over the last min(steps, 20) steps */
   double final_eval_loss;
   double final_eval_accuracy; /* NAN for the language model */
   double best_eval_loss;
-  double wall_s;              /* training time (evaluation excluded) */
-  double total_s;             /* whole run */
+  double wall_s;  /* training time (evaluation excluded) */
+  double total_s; /* whole run */
   double median_step_ms;
   double mean_step_ms;
-  double median_step_cpu_ms;  /* process CPU time per step (see tr_row.cpu_ms) */
+  double median_step_cpu_ms; /* process CPU time per step (see tr_row.cpu_ms) */
   double items_per_s;
   const char *item_unit;
   /* Shampoo (zero for the others) */
-  double staleness_mean;      /* over the steps that used roots */
+  double staleness_mean; /* over the steps that used roots */
   double staleness_median;
   long staleness_max;
   /* The distribution over block-steps (each use of a root by a block at a step): the
    * percentiles, and hist[s] = block-steps with staleness s (the last bucket: s >= it). */
   double staleness_p50, staleness_p90, staleness_p99;
   uint64_t staleness_hist[TR_STALENESS_BUCKETS];
-  uint64_t staleness_uses;    /* block-steps in hist */
-  long fallback_steps;        /* steps where some block used the grafted step */
-  long blocks;                /* preconditioned blocks */
+  uint64_t staleness_uses; /* block-steps in hist */
+  long fallback_steps;     /* steps where some block used the grafted step */
+  long blocks;             /* preconditioned blocks */
   uint64_t stats_pushed, stats_dropped, stats_coalesced, roots_received;
-  const char *status;         /* "ok", or why the run stopped early */
+  const char *status; /* "ok", or why the run stopped early */
 } tr_summary;
 
 /* Writes the summary as one JSON object (NaN as null) to f. Returns TR_OK or TR_EIO. */
@@ -263,25 +265,25 @@ void tr_json_string(FILE *f, const char *s);
 
 /* Per-step figures an optimizer reports. */
 typedef struct {
-  double staleness;      /* mean staleness of the roots used (NAN: none used) */
-  long staleness_max;    /* -1 if none used */
-  int fallback;          /* some preconditioned block used the grafted step */
+  double staleness;   /* mean staleness of the roots used (NAN: none used) */
+  long staleness_max; /* -1 if none used */
+  int fallback;       /* some preconditioned block used the grafted step */
 } tr_step_info;
 
 /* The optimizers are accel's (ac_sgd, ac_adamw) or, for Shampoo, the trainer library's
  * (accel's worker half joined to precondd); this wraps the one chosen. */
 typedef struct {
   tr_optimizer_kind kind;
-  ac_backend *be;           /* borrowed */
+  ac_backend *be; /* borrowed */
   size_t nparams;
-  ac_param **params;        /* borrowed array of borrowed params */
-  tr_options opts;          /* copy */
-  ac_sgd *sgd;              /* owned; the one of kind, others NULL */
+  ac_param **params; /* borrowed array of borrowed params */
+  tr_options opts;   /* copy */
+  ac_sgd *sgd;       /* owned; the one of kind, others NULL */
   ac_adamw *adamw;
-  pt_trainer *trainer;      /* Shampoo, K-FAC: worker half and precondd link */
-  uint64_t *fallbacks;      /* Shampoo, owned: per block, its fallback count one step ago */
+  pt_trainer *trainer; /* Shampoo, K-FAC: worker half and precondd link */
+  uint64_t *fallbacks; /* Shampoo, owned: per block, its fallback count one step ago */
   uint64_t hist[TR_STALENESS_BUCKETS]; /* Shampoo: block-steps that used a root, by staleness */
-  uint64_t uses;            /* Shampoo: the sum of hist */
+  uint64_t uses;                       /* Shampoo: the sum of hist */
 } tr_optimizer;
 
 /* Creates the backend opts->backend asks for, with opts->threads. On TR_OK *out is a new
@@ -293,8 +295,8 @@ int tr_backend_create(const tr_options *opts, ac_backend **out, tr_error *err);
  * the optimizer). For Shampoo it creates a trainer (pt_create) for opts->daemon and the job
  * opts->job, or model_name-shampoo-PID. Returns TR_OK (call tr_optimizer_destroy), TR_EINVAL,
  * TR_ENOMEM, TR_EACCEL, TR_EDAEMON (with the daemon's message in err). */
-int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
-                      ac_param **params, size_t nparams, const char *model_name, tr_error *err);
+int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be, ac_param **params,
+                      size_t nparams, const char *model_name, tr_error *err);
 
 /* One update from the gradients in params[i]->grad at step (1-based, consecutive); lr is
  * the rate of this step (warm-up applied by the caller). Shampoo: pt_step (statistics
@@ -302,16 +304,15 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be,
  * block, grafted to the norm of the grafted step of the same block; blocks without roots
  * take the grafted step itself, the fallback). info (may be NULL) gets the staleness of the roots used and whether any
  * block fell back. */
-int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
-                      tr_error *err);
+int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info, tr_error *err);
 
 /* The staleness distribution of the Shampoo glue so far into s (staleness_p50/p90/p99,
  * staleness_hist, staleness_uses; NAN and zeros for the others or when no root was used). */
 void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *s);
 
 /* Counters of the Shampoo trainer (zeros for the others). */
-void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed,
-                           uint64_t *dropped, uint64_t *coalesced, uint64_t *roots_received);
+void tr_optimizer_counters(const tr_optimizer *o, long *blocks, uint64_t *pushed, uint64_t *dropped,
+                           uint64_t *coalesced, uint64_t *roots_received);
 
 void tr_optimizer_destroy(tr_optimizer *o);
 
@@ -320,19 +321,19 @@ void tr_optimizer_destroy(tr_optimizer *o);
 
 /* A model as the loop drives it; the client fills it from its model and data. */
 typedef struct {
-  const char *name;         /* "transformer", "resnet" */
+  const char *name; /* "transformer", "resnet" */
   void *ctx;
   size_t nparams;
-  ac_param **params;        /* borrowed */
+  ac_param **params; /* borrowed */
   /* Draws the next training batch, runs forward and backward: the gradients of the mean
    * loss are written into every params[i]->grad; the mean loss into *loss. */
   int (*train_step)(void *ctx, double *loss);
   /* Held-out evaluation over batches batches (0: model default): mean loss and accuracy
    * (NAN if not a classifier). */
   int (*evaluate)(void *ctx, long batches, double *loss, double *accuracy);
-  double items_per_step;    /* for the throughput: tokens or images per step */
-  const char *item_unit;    /* "tok", "img" */
-  long steps_per_epoch;     /* for --epochs */
+  double items_per_step; /* for the throughput: tokens or images per step */
+  const char *item_unit; /* "tok", "img" */
+  long steps_per_epoch;  /* for --epochs */
   /* Data parallelism (mpirun -np W): from now on train_step takes worker rank's share of
    * each global batch (the loss and gradients of its mean over that share). NULL: the model
    * cannot be trained data-parallel. Non-zero when size does not divide the batch. */
@@ -358,8 +359,8 @@ void tr_print_result_end(const tr_options *opts, const tr_summary *summary);
  * OUT/train.csv and OUT/summary.json when opts->out is set (the directory is created), and
  * fills *summary (may be NULL; its strings point at static or opts-owned text). A loss that
  * becomes NaN or Inf stops the run with TR_ENONFINITE after writing what was done. */
-int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model,
-             tr_summary *summary, tr_error *err);
+int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_summary *summary,
+             tr_error *err);
 
 /* Creates directory path and its missing parents (mode 0777 before umask). TR_OK or TR_EIO. */
 int tr_mkdirs(const char *path);

@@ -17,7 +17,7 @@
 typedef struct {
   long context, d_model, heads, layers, mlp, batch;
   double dropout;
-  int tie_head, init;        /* init: index into lm_inits */
+  int tie_head, init; /* init: index into lm_inits */
   char data[512];
 } lm_args;
 
@@ -33,10 +33,10 @@ typedef struct {
   ds_text_sampler train;
   uint64_t eval_seed;
   size_t batch, t;
-  size_t lo, local;          /* data parallelism: this worker's rows of each batch */
-  uint8_t *in8, *tg8;        /* host, batch x t */
-  int32_t *in32, *tg32;      /* host */
-  int32_t *d_in, *d_tg;      /* device */
+  size_t lo, local;     /* data parallelism: this worker's rows of each batch */
+  uint8_t *in8, *tg8;   /* host, batch x t */
+  int32_t *in32, *tg32; /* host */
+  int32_t *d_in, *d_tg; /* device */
 } lm_ctx;
 
 /* Uploads one batch of windows as int32 token and target ids. */
@@ -69,8 +69,10 @@ static int lm_train_step(void *ctx, double *loss) {
 static int lm_shard(void *ctx, int rank, int size) {
   lm_ctx *c = ctx;
   if (size < 1 || c->batch % (size_t)size != 0) {
-    fprintf(stderr, "transformer: --batch %zu does not divide among %d data-parallel "
-            "workers\n", c->batch, size);
+    fprintf(stderr,
+            "transformer: --batch %zu does not divide among %d data-parallel "
+            "workers\n",
+            c->batch, size);
     return -1;
   }
   c->local = c->batch / (size_t)size;
@@ -90,8 +92,7 @@ static int lm_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
     double l = 0;
     if (ds_text_sampler_next(&ev, c->batch, c->in8, c->tg8) != DS_OK) return -1;
     int rc = lm_upload(c);
-    if (rc == AC_OK)
-      rc = ac_lm_forward(&c->lm, c->d_in, c->d_tg, c->batch, c->t, AC_MODE_EVAL, &l);
+    if (rc == AC_OK) rc = ac_lm_forward(&c->lm, c->d_in, c->d_tg, c->batch, c->t, AC_MODE_EVAL, &l);
     if (rc != AC_OK) return rc;
     sum += l;
   }
@@ -115,27 +116,27 @@ int main(int argc, char **argv) {
   lm_args a = {64, 128, 4, 2, 0, 32, 0.0, cfg.tie_head, 0, ""};
   while (lm_init_kind[a.init] != cfg.init) a.init++;
   tr_arg extra[] = {
-    {"context", TR_ARG_LONG, &a.context, 2, 4096, "context length in bytes", NULL},
-    {"d-model", TR_ARG_LONG, &a.d_model, 4, 8192, "model width", NULL},
-    {"heads", TR_ARG_LONG, &a.heads, 1, 256, "attention heads (divide --d-model)", NULL},
-    {"layers", TR_ARG_LONG, &a.layers, 1, 256, "Transformer blocks", NULL},
-    {"mlp", TR_ARG_LONG, &a.mlp, 0, 65536, "MLP width (0: 4 x d-model)", NULL},
-    {"batch", TR_ARG_LONG, &a.batch, 1, 65536, "sequences per step", NULL},
-    {"dropout", TR_ARG_DOUBLE, &a.dropout, 0, 0.95, "dropout probability", NULL},
-    {"tie-head", TR_ARG_FLAG, &a.tie_head, 0, 0,
-     "output head = the embedding matrix (as GPT-2); --no-tie-head: its own", NULL},
-    {"init", TR_ARG_CHOICE, &a.init, 0, 0,
-     "linear weights: uniform (U(+-1/sqrt(fan-in))) or normal002 (N(0, 0.02^2), as GPT-2)",
-     lm_inits},
-    {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
-     "KJV text cache (default $PRECOND_DATA_DIR/kjv.txt or data/kjv.txt; made with `bible`)",
-     NULL},
+      {"context", TR_ARG_LONG, &a.context, 2, 4096, "context length in bytes", NULL},
+      {"d-model", TR_ARG_LONG, &a.d_model, 4, 8192, "model width", NULL},
+      {"heads", TR_ARG_LONG, &a.heads, 1, 256, "attention heads (divide --d-model)", NULL},
+      {"layers", TR_ARG_LONG, &a.layers, 1, 256, "Transformer blocks", NULL},
+      {"mlp", TR_ARG_LONG, &a.mlp, 0, 65536, "MLP width (0: 4 x d-model)", NULL},
+      {"batch", TR_ARG_LONG, &a.batch, 1, 65536, "sequences per step", NULL},
+      {"dropout", TR_ARG_DOUBLE, &a.dropout, 0, 0.95, "dropout probability", NULL},
+      {"tie-head", TR_ARG_FLAG, &a.tie_head, 0, 0,
+       "output head = the embedding matrix (as GPT-2); --no-tie-head: its own", NULL},
+      {"init", TR_ARG_CHOICE, &a.init, 0, 0,
+       "linear weights: uniform (U(+-1/sqrt(fan-in))) or normal002 (N(0, 0.02^2), as GPT-2)",
+       lm_inits},
+      {"data", TR_ARG_STRING, a.data, 0, sizeof a.data,
+       "KJV text cache (default $PRECOND_DATA_DIR/kjv.txt or data/kjv.txt; made with `bible`)",
+       NULL},
   };
   size_t nextra = sizeof extra / sizeof extra[0];
   tr_error err = {{0}};
-  int rc = tr_parse_args(&opts, extra, nextra, argc, argv, "transformer",
-                         "Trains a byte-level decoder-only Transformer on the King James Bible.",
-                         &err);
+  int rc =
+      tr_parse_args(&opts, extra, nextra, argc, argv, "transformer",
+                    "Trains a byte-level decoder-only Transformer on the King James Bible.", &err);
   if (rc == TR_EHELP) return 0;
   if (rc != TR_OK) {
     fprintf(stderr, "transformer: %s\n", err.msg);
@@ -205,8 +206,9 @@ int main(int argc, char **argv) {
 
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
-  tr_model model = {"transformer", &c, c.params.n, c.params.items, lm_train_step, lm_evaluate,
-                    (double)n, "tok", (long)(train_len / n), lm_shard, lm_set_hook};
+  tr_model model = {"transformer",         &c,          c.params.n, c.params.items,
+                    lm_train_step,         lm_evaluate, (double)n,  "tok",
+                    (long)(train_len / n), lm_shard,    lm_set_hook};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
@@ -214,10 +216,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "transformer: %s\n", err.msg);
     goto done;
   }
-  printf("transformer %s: final eval loss %.4f (%.3f bits/byte), %ld steps, median step "
-         "%.1f ms",
-         sm.optimizer, sm.final_eval_loss, sm.final_eval_loss / log(2.0), sm.steps,
-         sm.median_step_ms);
+  printf(
+      "transformer %s: final eval loss %.4f (%.3f bits/byte), %ld steps, median step "
+      "%.1f ms",
+      sm.optimizer, sm.final_eval_loss, sm.final_eval_loss / log(2.0), sm.steps, sm.median_step_ms);
   tr_print_result_end(&opts, &sm);
   status = 0;
 done:

@@ -38,15 +38,16 @@ _Static_assert((int)PRECOND_MODE_KFAC == (int)PRECOND__V1__MODE__MODE_KFAC, "mod
 _Static_assert((int)PRECOND_MODE_ABS == (int)PRECOND__V1__MODE__MODE_ABS, "modes");
 _Static_assert((int)PRECOND_METHOD_NEWTON == (int)PRECOND__V1__METHOD__METHOD_NEWTON, "methods");
 _Static_assert((int)PRECOND_METHOD_NEWTON_TEXTBOOK ==
-                   (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK, "methods");
+                   (int)PRECOND__V1__METHOD__METHOD_NEWTON_TEXTBOOK,
+               "methods");
 _Static_assert((int)PRECOND_METHOD_EIGH == (int)PRECOND__V1__METHOD__METHOD_EIGH, "methods");
-_Static_assert((int)PRECOND_KFAC_INVERSE_AUTO == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_AUTO &&
-                   (int)PRECOND_KFAC_INVERSE_CHOLESKY ==
-                       (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_CHOLESKY &&
-                   (int)PRECOND_KFAC_INVERSE_EIGH == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_EIGH &&
-                   (int)PRECOND_KFAC_INVERSE_NEWTON ==
-                       (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_NEWTON,
-               "K-FAC inverse methods");
+_Static_assert(
+    (int)PRECOND_KFAC_INVERSE_AUTO == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_AUTO &&
+        (int)PRECOND_KFAC_INVERSE_CHOLESKY ==
+            (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_CHOLESKY &&
+        (int)PRECOND_KFAC_INVERSE_EIGH == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_EIGH &&
+        (int)PRECOND_KFAC_INVERSE_NEWTON == (int)PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_NEWTON,
+    "K-FAC inverse methods");
 _Static_assert((int)PRECOND_FP32 == (int)PRECOND__V1__ENCODING__ENCODING_FP32, "encodings");
 _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "encodings");
 
@@ -56,94 +57,109 @@ struct precond_client {
   grpc_channel *channel;
 
   pthread_mutex_t mu;
-  pthread_cond_t wake;       /* the thread: work queued, stop, or a new job */
-  pthread_cond_t progress;   /* waiters: a send finished, roots arrived */
+  pthread_cond_t wake;     /* the thread: work queued, stop, or a new job */
+  pthread_cond_t progress; /* waiters: a send finished, roots arrived */
   pthread_t thread;
   int thread_started, stop;
-  int busy;                  /* the thread is in a round of calls for the job (mu released) */
+  int busy; /* the thread is in a round of calls for the job (mu released) */
 
   /* the job (under mu) */
   char *job;
-  precond_mode mode;         /* of the job: where a push's two parts go on the wire */
-  uint64_t job_gen;          /* bumped by each precond_register: stale sends are discarded */
-  uint8_t *register_msg;     /* the packed RegisterRequest, to register again */
+  precond_mode mode;     /* of the job: where a push's two parts go on the wire */
+  uint64_t job_gen;      /* bumped by each precond_register: stale sends are discarded */
+  uint8_t *register_msg; /* the packed RegisterRequest, to register again */
   size_t register_len;
   uint32_t nblocks;
   uint32_t *block_rows, *block_cols;
   precond__queue queue;
-  size_t inflight;           /* items taken out for a send not yet answered */
-  precond__roots_obj **roots;         /* nblocks slots: newest version held, or NULL */
-  uint64_t *daemon_have;     /* nblocks: daemon version asked about (0 after re-register) */
-  uint64_t newest_step;      /* newest step pushed, sent with fetches for staleness stats */
+  size_t inflight;            /* items taken out for a send not yet answered */
+  precond__roots_obj **roots; /* nblocks slots: newest version held, or NULL */
+  uint64_t *daemon_have;      /* nblocks: daemon version asked about (0 after re-register) */
+  uint64_t newest_step;       /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
-  uint64_t daemon_epoch;     /* of the last answer; 0 before one (or without a state dir) */
+  uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
   char error[256];
 };
 
 /* ------------------------------------------------------------------------------------ */
 /* Status codes                                                                           */
 
-const char *precond_strerror(int status)
-{
+const char *precond_strerror(int status) {
   switch (status) {
-  case PRECOND_OK: return "success";
-  case PRECOND_EINVAL: return "invalid argument";
-  case PRECOND_ENOMEM: return "out of memory";
-  case PRECOND_EUNAVAILABLE: return "daemon unavailable";
-  case PRECOND_ETIMEDOUT: return "deadline exceeded";
-  case PRECOND_EREJECTED: return "request rejected by the daemon";
-  case PRECOND_ENOTFOUND: return "unknown job or block";
-  case PRECOND_ESTATE: return "failed precondition (not registered?)";
-  case PRECOND_ELIMIT: return "size limit or memory budget exceeded";
-  case PRECOND_EAUTH: return "authentication failed (token missing or wrong)";
-  case PRECOND_EPROTO: return "unexpected answer from the daemon";
-  case PRECOND_ETHREAD: return "could not start the background thread";
-  default: return "unknown error";
+    case PRECOND_OK:
+      return "success";
+    case PRECOND_EINVAL:
+      return "invalid argument";
+    case PRECOND_ENOMEM:
+      return "out of memory";
+    case PRECOND_EUNAVAILABLE:
+      return "daemon unavailable";
+    case PRECOND_ETIMEDOUT:
+      return "deadline exceeded";
+    case PRECOND_EREJECTED:
+      return "request rejected by the daemon";
+    case PRECOND_ENOTFOUND:
+      return "unknown job or block";
+    case PRECOND_ESTATE:
+      return "failed precondition (not registered?)";
+    case PRECOND_ELIMIT:
+      return "size limit or memory budget exceeded";
+    case PRECOND_EAUTH:
+      return "authentication failed (token missing or wrong)";
+    case PRECOND_EPROTO:
+      return "unexpected answer from the daemon";
+    case PRECOND_ETHREAD:
+      return "could not start the background thread";
+    default:
+      return "unknown error";
   }
 }
 
-static int from_grpc(grpc_status_code code)
-{
+static int from_grpc(grpc_status_code code) {
   switch (code) {
-  case GRPC_STATUS_OK: return PRECOND_OK;
-  case GRPC_STATUS_UNAVAILABLE: return PRECOND_EUNAVAILABLE;
-  case GRPC_STATUS_DEADLINE_EXCEEDED: return PRECOND_ETIMEDOUT;
-  case GRPC_STATUS_INVALID_ARGUMENT:
-  case GRPC_STATUS_OUT_OF_RANGE: return PRECOND_EREJECTED;
-  case GRPC_STATUS_NOT_FOUND: return PRECOND_ENOTFOUND;
-  case GRPC_STATUS_FAILED_PRECONDITION: return PRECOND_ESTATE;
-  case GRPC_STATUS_RESOURCE_EXHAUSTED: return PRECOND_ELIMIT;
-  case GRPC_STATUS_UNAUTHENTICATED:
-  case GRPC_STATUS_PERMISSION_DENIED: return PRECOND_EAUTH;
-  default: return PRECOND_EPROTO;
+    case GRPC_STATUS_OK:
+      return PRECOND_OK;
+    case GRPC_STATUS_UNAVAILABLE:
+      return PRECOND_EUNAVAILABLE;
+    case GRPC_STATUS_DEADLINE_EXCEEDED:
+      return PRECOND_ETIMEDOUT;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+    case GRPC_STATUS_OUT_OF_RANGE:
+      return PRECOND_EREJECTED;
+    case GRPC_STATUS_NOT_FOUND:
+      return PRECOND_ENOTFOUND;
+    case GRPC_STATUS_FAILED_PRECONDITION:
+      return PRECOND_ESTATE;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+      return PRECOND_ELIMIT;
+    case GRPC_STATUS_UNAUTHENTICATED:
+    case GRPC_STATUS_PERMISSION_DENIED:
+      return PRECOND_EAUTH;
+    default:
+      return PRECOND_EPROTO;
   }
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Small helpers                                                                          */
 
-static char *dup_str(const char *s)
-{
-  if (s == NULL)
-    return NULL;
+static char *dup_str(const char *s) {
+  if (s == NULL) return NULL;
   size_t n = strlen(s) + 1;
   char *d = malloc(n);
-  if (d != NULL)
-    memcpy(d, s, n);
+  if (d != NULL) memcpy(d, s, n);
   return d;
 }
 
-static void set_error(precond_client *c, const char *what, const char *detail)
-{
+static void set_error(precond_client *c, const char *what, const char *detail) {
   pthread_mutex_lock(&c->mu);
   snprintf(c->error, sizeof c->error, "%s: %s", what, detail ? detail : "");
   pthread_mutex_unlock(&c->mu);
 }
 
 /* Absolute CLOCK_MONOTONIC time ms from now, for pthread_cond_timedwait. */
-static struct timespec deadline_in(long ms)
-{
+static struct timespec deadline_in(long ms) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   t.tv_sec += ms / 1000;
@@ -155,8 +171,7 @@ static struct timespec deadline_in(long ms)
   return t;
 }
 
-static int passed(const struct timespec *t)
-{
+static int passed(const struct timespec *t) {
   struct timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
   return now.tv_sec > t->tv_sec || (now.tv_sec == t->tv_sec && now.tv_nsec >= t->tv_nsec);
@@ -165,12 +180,11 @@ static int passed(const struct timespec *t)
 /* One unary call; maps the outcome to a PRECOND_* code and keeps the daemon's message. */
 static int call(precond_client *c, const char *method, const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *desc, int wait_for_ready,
-                ProtobufCMessage **resp)
-{
+                ProtobufCMessage **resp) {
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
   char *details = NULL;
-  int rc = rpc_call_token(c->channel, method, req, desc, c->opts.call_timeout_ms,
-                          wait_for_ready, c->token, resp, &code, &details);
+  int rc = rpc_call_token(c->channel, method, req, desc, c->opts.call_timeout_ms, wait_for_ready,
+                          c->token, resp, &code, &details);
   int st = PRECOND_OK;
   if (rc != RPC_OK) {
     if (rc == RPC_ESTATUS)
@@ -193,10 +207,8 @@ static int call(precond_client *c, const char *method, const ProtobufCMessage *r
 /* Roots                                                                                  */
 
 int precond_fetch(precond_client *c, uint32_t block_id, uint64_t have_version,
-                  const precond_roots **out)
-{
-  if (c == NULL || out == NULL)
-    return PRECOND_EINVAL;
+                  const precond_roots **out) {
+  if (c == NULL || out == NULL) return PRECOND_EINVAL;
   *out = NULL;
   pthread_mutex_lock(&c->mu);
   int st = PRECOND_OK;
@@ -214,10 +226,8 @@ int precond_fetch(precond_client *c, uint32_t block_id, uint64_t have_version,
 }
 
 int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_version,
-                       int timeout_ms)
-{
-  if (c == NULL)
-    return PRECOND_EINVAL;
+                       int timeout_ms) {
+  if (c == NULL) return PRECOND_EINVAL;
   struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
   int st = PRECOND_ETIMEDOUT;
   pthread_mutex_lock(&c->mu);
@@ -230,8 +240,7 @@ int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_versi
       st = PRECOND_OK;
       break;
     }
-    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT)
-      break;
+    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT) break;
   }
   pthread_mutex_unlock(&c->mu);
   return st;
@@ -241,13 +250,11 @@ int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_versi
 /* Job state                                                                              */
 
 /* Frees the job's queue, roots and layout copy; caller holds mu (or is the only user). */
-static void job_clear(precond_client *c)
-{
+static void job_clear(precond_client *c) {
   precond__queue_destroy(&c->queue);
   if (c->roots != NULL)
     for (uint32_t i = 0; i < c->nblocks; i++)
-      if (c->roots[i] != NULL)
-        precond_roots_release(&c->roots[i]->pub);
+      if (c->roots[i] != NULL) precond_roots_release(&c->roots[i]->pub);
   free(c->roots);
   free(c->daemon_have);
   c->daemon_have = NULL;
@@ -269,16 +276,15 @@ static void job_clear(precond_client *c)
 
 /* Notes the daemon epoch and resumed step of an answer: a changed epoch is a daemon
  * restart, counted and logged once. Caller holds mu. */
-static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step)
-{
-  if (epoch == 0 || epoch == c->daemon_epoch)
-    return;
+static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step) {
+  if (epoch == 0 || epoch == c->daemon_epoch) return;
   if (c->daemon_epoch != 0) {
     c->counters.daemon_restarts++;
     c->counters.resumed_step = resumed_step;
-    fprintf(stderr, "libprecond: precondd at %s restarted (epoch %llu -> %llu); job %s "
-            "resumed from step %llu: statistics pushed after it were lost\n", c->addr,
-            (unsigned long long)c->daemon_epoch, (unsigned long long)epoch,
+    fprintf(stderr,
+            "libprecond: precondd at %s restarted (epoch %llu -> %llu); job %s "
+            "resumed from step %llu: statistics pushed after it were lost\n",
+            c->addr, (unsigned long long)c->daemon_epoch, (unsigned long long)epoch,
             c->job ? c->job : "?", (unsigned long long)resumed_step);
   }
   c->daemon_epoch = epoch;
@@ -287,24 +293,21 @@ static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step
 /* Sends items as one PushRequest of job. An item's two parts travel as left and right
  * (Shampoo) or as a and g (K-FAC). Returns a PRECOND_* code; on PRECOND_OK daemon[0] and
  * daemon[1] get the answer's daemon epoch and resumed step. */
-static int send_batch(precond_client *c, const char *job, precond_mode mode,
-                      precond__item **items, size_t n, uint64_t daemon[2])
-{
+static int send_batch(precond_client *c, const char *job, precond_mode mode, precond__item **items,
+                      size_t n, uint64_t daemon[2]) {
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
   Precond__V1__BlockStatistics **bp = calloc(n, sizeof(*bp));
   Precond__V1__PackedMatrix *pm = calloc(2 * n, sizeof(*pm));
   int st = PRECOND_ENOMEM;
-  if (bs == NULL || bp == NULL || pm == NULL)
-    goto cleanup;
+  if (bs == NULL || bp == NULL || pm == NULL) goto cleanup;
   req.job = (char *)job;
   req.step = 0;
   for (size_t i = 0; i < n; i++) {
     precond__item *it = items[i];
     precond__v1__block_statistics__init(&bs[i]);
     bs[i].block_id = it->block_id;
-    if (it->step > req.step)
-      req.step = it->step;
+    if (it->step > req.step) req.step = it->step;
     if (it->n_left) {
       precond__v1__packed_matrix__init(&pm[2 * i]);
       pm[2 * i].n = it->n_left;
@@ -332,8 +335,8 @@ static int send_batch(precond_client *c, const char *job, precond_mode mode,
   req.n_blocks = n;
   req.blocks = bp;
   ProtobufCMessage *resp = NULL;
-  st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
-            0, &resp);
+  st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor, 0,
+            &resp);
   if (resp != NULL) {
     daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
     daemon[1] = ((Precond__V1__PushResponse *)resp)->resumed_step;
@@ -347,25 +350,20 @@ cleanup:
 }
 
 /* Registers again with the kept request after the daemon lost the job. */
-static int reregister(precond_client *c, const uint8_t *msg, size_t len)
-{
-  ProtobufCMessage *req = protobuf_c_message_unpack(&precond__v1__register_request__descriptor,
-                                                    NULL, len, msg);
-  if (req == NULL)
-    return PRECOND_ENOMEM;
+static int reregister(precond_client *c, const uint8_t *msg, size_t len) {
+  ProtobufCMessage *req =
+      protobuf_c_message_unpack(&precond__v1__register_request__descriptor, NULL, len, msg);
+  if (req == NULL) return PRECOND_ENOMEM;
   ProtobufCMessage *resp = NULL;
-  int st = call(c, RPC_METHOD_REGISTER, req, &precond__v1__register_response__descriptor, 0,
-                &resp);
-  if (resp != NULL)
-    protobuf_c_message_free_unpacked(resp, NULL);
+  int st = call(c, RPC_METHOD_REGISTER, req, &precond__v1__register_response__descriptor, 0, &resp);
+  if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
   protobuf_c_message_free_unpacked(req, NULL);
   return st;
 }
 
 /* Fetch step: asks for blocks newer than the held versions and publishes the answers.
  * Called with mu held; returns with mu held. */
-static int poll_roots(precond_client *c)
-{
+static int poll_roots(precond_client *c) {
   uint64_t gen = c->job_gen;
   char *job = dup_str(c->job);
   int kfac = c->mode == PRECOND_MODE_KFAC;
@@ -389,8 +387,7 @@ static int poll_roots(precond_client *c)
   req.encoding = (Precond__V1__Encoding)c->opts.fetch_encoding;
   req.step = c->newest_step;
   for (uint32_t i = 0; i < nb; i++) {
-    if (c->daemon_have[i] == 0)
-      continue;
+    if (c->daemon_have[i] == 0) continue;
     precond__v1__block_version__init(&bv[req.n_have]);
     bv[req.n_have].block_id = i;
     bv[req.n_have].version = c->daemon_have[i];
@@ -418,21 +415,17 @@ static int poll_roots(precond_client *c)
       got[i] = precond__kfac_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
     else
       got[i] = precond__roots_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
-    if (got[i] == NULL)
-      bad++;
+    if (got[i] == NULL) bad++;
     const Precond__V1__PackedMatrix *sides[4] = {b->left, b->right, b->a_inv, b->g_inv};
-    for (int k = 0; k < 4; k++)
-      bytes += sides[k] ? sides[k]->data.len : 0;
+    for (int k = 0; k < 4; k++) bytes += sides[k] ? sides[k]->data.len : 0;
   }
 
   pthread_mutex_lock(&c->mu);
-  if (resp != NULL)
-    note_daemon(c, resp->daemon_epoch, resp->resumed_step);
+  if (resp != NULL) note_daemon(c, resp->daemon_epoch, resp->resumed_step);
   size_t published = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
     precond__roots_obj *o = got[i];
-    if (o == NULL)
-      continue;
+    if (o == NULL) continue;
     uint32_t id = o->pub.block_id;
     if (c->job_gen == gen && o->pub.daemon_version > c->daemon_have[id]) {
       precond__roots_obj *old = c->roots[id];
@@ -440,8 +433,7 @@ static int poll_roots(precond_client *c)
       c->daemon_have[id] = o->pub.daemon_version;
       c->roots[id] = o;
       published++;
-      if (old != NULL)
-        precond_roots_release(&old->pub);
+      if (old != NULL) precond_roots_release(&old->pub);
     } else {
       precond_roots_release(&o->pub);
     }
@@ -449,18 +441,13 @@ static int poll_roots(precond_client *c)
   c->counters.roots_received += published;
   c->counters.bytes_received += bytes;
   if (bad > 0) {
-    snprintf(c->error, sizeof c->error, "FetchPreconditioners: %zu malformed block answers",
-             bad);
-    if (st == PRECOND_OK)
-      st = PRECOND_EPROTO;
+    snprintf(c->error, sizeof c->error, "FetchPreconditioners: %zu malformed block answers", bad);
+    if (st == PRECOND_OK) st = PRECOND_EPROTO;
   }
-  if (published > 0)
-    pthread_cond_broadcast(&c->progress);
-  if (got == NULL && st == PRECOND_OK)
-    st = PRECOND_ENOMEM;
+  if (published > 0) pthread_cond_broadcast(&c->progress);
+  if (got == NULL && st == PRECOND_OK) st = PRECOND_ENOMEM;
   free(got);
-  if (msg != NULL)
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   free(job);
   free(bv);
   free(bvp);
@@ -471,12 +458,10 @@ static int poll_roots(precond_client *c)
 /* Push step: one batch from the queue. Called with mu held; returns with mu held. On a
  * transient failure (daemon away, or lost the job) the batch goes back into the queue and
  * the status is returned so the caller can back off or register again. */
-static int push_some(precond_client *c)
-{
+static int push_some(precond_client *c) {
   precond__item *items[256];
   size_t n = precond__queue_take(&c->queue, items, 256, c->opts.max_message_bytes / 2);
-  if (n == 0)
-    return PRECOND_OK;
+  if (n == 0) return PRECOND_OK;
   uint64_t gen = c->job_gen;
   char *job = dup_str(c->job);
   precond_mode mode = c->mode;
@@ -484,16 +469,15 @@ static int push_some(precond_client *c)
   pthread_mutex_unlock(&c->mu);
 
   uint64_t bytes = 0;
-  for (size_t i = 0; i < n; i++)
-    bytes += precond__item_bytes(items[i]);
+  for (size_t i = 0; i < n; i++) bytes += precond__item_bytes(items[i]);
   uint64_t daemon[2] = {0, 0};
   int st = job ? send_batch(c, job, mode, items, n, daemon) : PRECOND_ENOMEM;
 
   pthread_mutex_lock(&c->mu);
   note_daemon(c, daemon[0], daemon[1]);
   c->inflight = 0;
-  int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT ||
-                  st == PRECOND_ENOMEM || st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
+  int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
+                  st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
   if (transient && c->job_gen == gen && !c->stop) {
     precond__queue_requeue(&c->queue, items, n, &c->counters.coalesced, &c->counters.dropped);
   } else {
@@ -503,8 +487,7 @@ static int push_some(precond_client *c)
     } else if (c->job_gen == gen) {
       c->counters.push_errors += n;
     }
-    for (size_t i = 0; i < n; i++)
-      precond__item_free(items[i]);
+    for (size_t i = 0; i < n; i++) precond__item_free(items[i]);
   }
   pthread_cond_broadcast(&c->progress);
   free(job);
@@ -514,15 +497,13 @@ static int push_some(precond_client *c)
 /* The daemon lost the job (restart without its state): register again with the kept
  * request, and forget the daemon versions held so its new roots are accepted whatever
  * their numbers. Called with mu held; returns with mu held. */
-static int recover_job(precond_client *c)
-{
+static int recover_job(precond_client *c) {
   if (c->job == NULL)
     return PRECOND_OK; /* ended meanwhile (precond_end_job): nothing to bring back */
   uint64_t gen = c->job_gen;
   size_t len = c->register_len;
   uint8_t *reg = malloc(len ? len : 1);
-  if (reg == NULL)
-    return PRECOND_ENOMEM;
+  if (reg == NULL) return PRECOND_ENOMEM;
   memcpy(reg, c->register_msg, len);
   pthread_mutex_unlock(&c->mu);
   int st = reregister(c, reg, len);
@@ -535,8 +516,7 @@ static int recover_job(precond_client *c)
   return st;
 }
 
-static void *thread_main(void *arg)
-{
+static void *thread_main(void *arg) {
   precond_client *c = arg;
   long backoff = 0;
   struct timespec next_poll = deadline_in(0);
@@ -570,16 +550,14 @@ static void *thread_main(void *arg)
        * doubling up to the cap; a successful call resets it. */
       c->counters.retries++;
       backoff = backoff == 0 ? c->opts.backoff_initial_ms : 2 * backoff;
-      if (backoff > c->opts.backoff_max_ms)
-        backoff = c->opts.backoff_max_ms;
+      if (backoff > c->opts.backoff_max_ms) backoff = c->opts.backoff_max_ms;
       struct timespec until = deadline_in(backoff);
       while (!c->stop && pthread_cond_timedwait(&c->wake, &c->mu, &until) != ETIMEDOUT) {
       }
       next_poll = deadline_in(0);
       continue;
     }
-    if (st == PRECOND_OK)
-      backoff = 0;
+    if (st == PRECOND_OK) backoff = 0;
     if (!worked && !c->stop && c->queue.length == 0)
       pthread_cond_timedwait(&c->wake, &c->mu, &next_poll);
   }
@@ -590,8 +568,7 @@ static void *thread_main(void *arg)
 /* ------------------------------------------------------------------------------------ */
 /* Connection                                                                             */
 
-void precond_options_default(precond_options *o)
-{
+void precond_options_default(precond_options *o) {
   memset(o, 0, sizeof(*o));
   o->addr = "127.0.0.1:50551";
   o->token = NULL;
@@ -607,10 +584,9 @@ void precond_options_default(precond_options *o)
   o->background = 1;
 }
 
-static int options_check(const precond_options *o)
-{
-  if (o->addr == NULL || o->addr[0] == '\0' || o->call_timeout_ms <= 0 ||
-      o->queue_blocks == 0 || o->poll_interval_ms <= 0 || o->backoff_initial_ms <= 0 ||
+static int options_check(const precond_options *o) {
+  if (o->addr == NULL || o->addr[0] == '\0' || o->call_timeout_ms <= 0 || o->queue_blocks == 0 ||
+      o->poll_interval_ms <= 0 || o->backoff_initial_ms <= 0 ||
       o->backoff_max_ms < o->backoff_initial_ms || o->max_message_bytes < 1024 ||
       o->max_message_bytes > RPC_MAX_MESSAGE_BYTES_CAP ||
       (o->fetch_encoding != PRECOND_FP32 && o->fetch_encoding != PRECOND_BF16))
@@ -618,8 +594,7 @@ static int options_check(const precond_options *o)
   return PRECOND_OK;
 }
 
-static grpc_channel *channel_create(const precond_options *o)
-{
+static grpc_channel *channel_create(const precond_options *o) {
   grpc_arg args[4];
   grpc_channel_args ca;
   rpc_size_args(&ca, args, o->max_message_bytes);
@@ -642,11 +617,10 @@ static grpc_channel *channel_create(const precond_options *o)
 }
 
 /* Waits until the channel is READY or timeout_ms passes. */
-static int channel_wait_ready(grpc_channel *ch, int timeout_ms)
-{
+static int channel_wait_ready(grpc_channel *ch, int timeout_ms) {
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-  gpr_timespec until = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                    gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+  gpr_timespec until =
+      gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
   int ready = 0;
   for (;;) {
     grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch, 1);
@@ -654,8 +628,7 @@ static int channel_wait_ready(grpc_channel *ch, int timeout_ms)
       ready = 1;
       break;
     }
-    if (gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), until) >= 0 || s == GRPC_CHANNEL_SHUTDOWN)
-      break;
+    if (gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), until) >= 0 || s == GRPC_CHANNEL_SHUTDOWN) break;
     grpc_channel_watch_connectivity_state(ch, s, until, cq, NULL);
     grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
   }
@@ -667,19 +640,16 @@ static int channel_wait_ready(grpc_channel *ch, int timeout_ms)
   return ready;
 }
 
-int precond_connect(const precond_options *opts, precond_client **out)
-{
+int precond_connect(const precond_options *opts, precond_client **out) {
   precond_options defaults;
   if (opts == NULL) {
     precond_options_default(&defaults);
     opts = &defaults;
   }
-  if (out == NULL || options_check(opts) != PRECOND_OK)
-    return PRECOND_EINVAL;
+  if (out == NULL || options_check(opts) != PRECOND_OK) return PRECOND_EINVAL;
   *out = NULL;
   precond_client *c = calloc(1, sizeof(*c));
-  if (c == NULL)
-    return PRECOND_ENOMEM;
+  if (c == NULL) return PRECOND_ENOMEM;
   int st = PRECOND_ENOMEM;
   int mu_ok = 0, wake_ok = 0, progress_ok = 0, grpc_ok = 0;
   c->opts = *opts;
@@ -687,8 +657,7 @@ int precond_connect(const precond_options *opts, precond_client **out)
   c->token = opts->token && opts->token[0] ? dup_str(opts->token) : NULL;
   c->opts.addr = c->addr;
   c->opts.token = c->token;
-  if (c->addr == NULL || (opts->token && opts->token[0] && c->token == NULL))
-    goto fail;
+  if (c->addr == NULL || (opts->token && opts->token[0] && c->token == NULL)) goto fail;
   mu_ok = pthread_mutex_init(&c->mu, NULL) == 0;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -696,13 +665,11 @@ int precond_connect(const precond_options *opts, precond_client **out)
   wake_ok = pthread_cond_init(&c->wake, &ca) == 0;
   progress_ok = pthread_cond_init(&c->progress, &ca) == 0;
   pthread_condattr_destroy(&ca);
-  if (!mu_ok || !wake_ok || !progress_ok)
-    goto fail;
+  if (!mu_ok || !wake_ok || !progress_ok) goto fail;
   grpc_init();
   grpc_ok = 1;
   c->channel = channel_create(&c->opts);
-  if (c->channel == NULL)
-    goto fail;
+  if (c->channel == NULL) goto fail;
   if (opts->connect_timeout_ms > 0 && !channel_wait_ready(c->channel, opts->connect_timeout_ms)) {
     st = PRECOND_EUNAVAILABLE;
     goto fail;
@@ -718,26 +685,19 @@ int precond_connect(const precond_options *opts, precond_client **out)
   return PRECOND_OK;
 
 fail:
-  if (c->channel != NULL)
-    grpc_channel_destroy(c->channel);
-  if (grpc_ok)
-    grpc_shutdown();
-  if (progress_ok)
-    pthread_cond_destroy(&c->progress);
-  if (wake_ok)
-    pthread_cond_destroy(&c->wake);
-  if (mu_ok)
-    pthread_mutex_destroy(&c->mu);
+  if (c->channel != NULL) grpc_channel_destroy(c->channel);
+  if (grpc_ok) grpc_shutdown();
+  if (progress_ok) pthread_cond_destroy(&c->progress);
+  if (wake_ok) pthread_cond_destroy(&c->wake);
+  if (mu_ok) pthread_mutex_destroy(&c->mu);
   free(c->addr);
   free(c->token);
   free(c);
   return st;
 }
 
-void precond_close(precond_client *c)
-{
-  if (c == NULL)
-    return;
+void precond_close(precond_client *c) {
+  if (c == NULL) return;
   if (c->thread_started) {
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
@@ -756,22 +716,17 @@ void precond_close(precond_client *c)
   free(c);
 }
 
-void precond_last_error(precond_client *c, char *buf, size_t len)
-{
-  if (buf == NULL || len == 0)
-    return;
+void precond_last_error(precond_client *c, char *buf, size_t len) {
+  if (buf == NULL || len == 0) return;
   buf[0] = '\0';
-  if (c == NULL)
-    return;
+  if (c == NULL) return;
   pthread_mutex_lock(&c->mu);
   snprintf(buf, len, "%s", c->error);
   pthread_mutex_unlock(&c->mu);
 }
 
-void precond_get_counters(precond_client *c, precond_counters *out)
-{
-  if (c == NULL || out == NULL)
-    return;
+void precond_get_counters(precond_client *c, precond_counters *out) {
+  if (c == NULL || out == NULL) return;
   pthread_mutex_lock(&c->mu);
   *out = c->counters;
   out->queued = c->queue.length;
@@ -782,24 +737,20 @@ void precond_get_counters(precond_client *c, precond_counters *out)
 /* Register                                                                               */
 
 static int register_check(const char *job, size_t ntensors, const precond_tensor *tensors,
-                          const precond_layout *layout)
-{
+                          const precond_layout *layout) {
   if (job == NULL || job[0] == '\0' || layout == NULL || ntensors == 0 || tensors == NULL)
     return PRECOND_EINVAL;
   for (size_t i = 0; i < ntensors; i++) {
     if (tensors[i].name == NULL || tensors[i].rank < 1 || tensors[i].shape == NULL)
       return PRECOND_EINVAL;
     for (int d = 0; d < tensors[i].rank; d++)
-      if (tensors[i].shape[d] == 0)
-        return PRECOND_EINVAL;
+      if (tensors[i].shape[d] == 0) return PRECOND_EINVAL;
   }
   return PRECOND_OK;
 }
 
-void precond_layout_destroy(precond_layout *layout)
-{
-  if (layout == NULL)
-    return;
+void precond_layout_destroy(precond_layout *layout) {
+  if (layout == NULL) return;
   free(layout->blocks);
   free(layout->diagonal_tensors);
   memset(layout, 0, sizeof(*layout));
@@ -807,11 +758,10 @@ void precond_layout_destroy(precond_layout *layout)
 
 /* Register of either mode: a Shampoo job always carries Shampoo options (opts NULL: all
  * zero, the daemon's defaults), a K-FAC job its options when kopts is not NULL. */
-static int register_job(precond_client *c, const char *job, precond_mode mode,
-                        const char *worker, size_t ntensors, const precond_tensor *tensors,
+static int register_job(precond_client *c, const char *job, precond_mode mode, const char *worker,
+                        size_t ntensors, const precond_tensor *tensors,
                         const precond_shampoo_opts *opts, const precond_kfac_opts *kopts,
-                        precond_layout *layout)
-{
+                        precond_layout *layout) {
   if (c == NULL || register_check(job, ntensors, tensors, layout) != PRECOND_OK ||
       (mode == PRECOND_MODE_KFAC && opts != NULL) || (mode != PRECOND_MODE_KFAC && kopts != NULL))
     return PRECOND_EINVAL;
@@ -829,8 +779,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode,
   uint32_t *rows = NULL, *cols = NULL;
   char *job_copy = dup_str(job);
   int st = PRECOND_ENOMEM;
-  if (ts == NULL || tp == NULL || job_copy == NULL)
-    goto cleanup;
+  if (ts == NULL || tp == NULL || job_copy == NULL) goto cleanup;
   for (size_t i = 0; i < ntensors; i++) {
     precond__v1__tensor_spec__init(&ts[i]);
     ts[i].name = (char *)tensors[i].name;
@@ -859,19 +808,16 @@ static int register_job(precond_client *c, const char *job, precond_mode mode,
     ko.max_order = kopts->max_order;
     req.kfac = &ko;
   }
-  if (mode != PRECOND_MODE_KFAC)
-    req.shampoo = &so;
+  if (mode != PRECOND_MODE_KFAC) req.shampoo = &so;
   req.worker = (char *)(worker ? worker : "");
   size_t plen = protobuf_c_message_get_packed_size(&req.base);
   packed = malloc(plen ? plen : 1);
-  if (packed == NULL)
-    goto cleanup;
+  if (packed == NULL) goto cleanup;
   protobuf_c_message_pack(&req.base, packed);
 
   st = call(c, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
             c->opts.wait_for_ready, &msg);
-  if (st != PRECOND_OK)
-    goto cleanup;
+  if (st != PRECOND_OK) goto cleanup;
   const Precond__V1__RegisterResponse *resp = (const Precond__V1__RegisterResponse *)msg;
   size_t nb = resp->n_blocks;
   st = PRECOND_EPROTO;
@@ -886,22 +832,27 @@ static int register_job(precond_client *c, const char *job, precond_mode mode,
   }
   st = PRECOND_ENOMEM;
   layout->blocks = calloc(nb ? nb : 1, sizeof(*layout->blocks));
-  layout->diagonal_tensors = calloc(resp->n_diagonal_tensors ? resp->n_diagonal_tensors : 1,
-                                    sizeof(uint32_t));
+  layout->diagonal_tensors =
+      calloc(resp->n_diagonal_tensors ? resp->n_diagonal_tensors : 1, sizeof(uint32_t));
   roots = calloc(nb ? nb : 1, sizeof(*roots));
   have = calloc(nb ? nb : 1, sizeof(*have));
   rows = calloc(nb ? nb : 1, sizeof(*rows));
   cols = calloc(nb ? nb : 1, sizeof(*cols));
   if (layout->blocks == NULL || layout->diagonal_tensors == NULL || roots == NULL || have == NULL ||
-      rows == NULL || cols == NULL || precond__queue_init(&q, c->opts.queue_blocks, (uint32_t)nb) != 0) {
+      rows == NULL || cols == NULL ||
+      precond__queue_init(&q, c->opts.queue_blocks, (uint32_t)nb) != 0) {
     precond_layout_destroy(layout);
     goto cleanup;
   }
   for (size_t i = 0; i < nb; i++) {
     const Precond__V1__BlockInfo *b = resp->blocks[i];
-    layout->blocks[i] = (precond_block){.block_id = b->block_id, .tensor = b->tensor,
-                                        .row0 = b->row0, .rows = b->rows, .col0 = b->col0,
-                                        .cols = b->cols, .owner = b->owner};
+    layout->blocks[i] = (precond_block){.block_id = b->block_id,
+                                        .tensor = b->tensor,
+                                        .row0 = b->row0,
+                                        .rows = b->rows,
+                                        .col0 = b->col0,
+                                        .cols = b->cols,
+                                        .owner = b->owner};
     rows[i] = (uint32_t)b->rows;
     cols[i] = (uint32_t)b->cols;
   }
@@ -946,24 +897,20 @@ cleanup:
   free(job_copy);
   free(ts);
   free(tp);
-  if (msg != NULL)
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   return st;
 }
 
-int precond_register(precond_client *c, const char *job, precond_mode mode,
-                     const char *worker, size_t ntensors, const precond_tensor *tensors,
-                     const precond_shampoo_opts *opts, precond_layout *layout)
-{
+int precond_register(precond_client *c, const char *job, precond_mode mode, const char *worker,
+                     size_t ntensors, const precond_tensor *tensors,
+                     const precond_shampoo_opts *opts, precond_layout *layout) {
   return register_job(c, job, mode, worker, ntensors, tensors, opts, NULL, layout);
 }
 
-int precond_register_kfac(precond_client *c, const char *job, const char *worker,
-                          size_t ntensors, const precond_tensor *tensors,
-                          const precond_kfac_opts *opts, precond_layout *layout)
-{
-  return register_job(c, job, PRECOND_MODE_KFAC, worker, ntensors, tensors, NULL, opts,
-                      layout);
+int precond_register_kfac(precond_client *c, const char *job, const char *worker, size_t ntensors,
+                          const precond_tensor *tensors, const precond_kfac_opts *opts,
+                          precond_layout *layout) {
+  return register_job(c, job, PRECOND_MODE_KFAC, worker, ntensors, tensors, NULL, opts, layout);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -973,10 +920,8 @@ int precond_register_kfac(precond_client *c, const char *job, const char *worker
  * then G of order rows) or Shampoo's (left of order rows, then right of order cols), and the
  * block exists with parts of orders n0 and n1. Caller holds mu. */
 static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint32_t n0,
-                     uint32_t n1)
-{
-  if (c->job == NULL || block_id >= c->nblocks || (c->mode == PRECOND_MODE_KFAC) != kfac)
-    return 0;
+                     uint32_t n1) {
+  if (c->job == NULL || block_id >= c->nblocks || (c->mode == PRECOND_MODE_KFAC) != kfac) return 0;
   uint32_t rows = c->block_rows[block_id], cols = c->block_cols[block_id];
   return kfac ? n0 == cols && n1 == rows : n0 == rows && n1 == cols;
 }
@@ -985,25 +930,21 @@ static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint3
  * precond_push and precond_push_kfac. */
 static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block_id,
                       uint32_t n_left, const float *left, uint32_t n_right, const float *right,
-                      precond_encoding enc)
-{
+                      precond_encoding enc) {
   if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
       (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
   pthread_mutex_unlock(&c->mu);
-  if (!ok)
-    return PRECOND_EINVAL;
+  if (!ok) return PRECOND_EINVAL;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
-  if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right))
-    return PRECOND_EINVAL;
+  if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right)) return PRECOND_EINVAL;
   size_t es = rpc_packed_width((int)enc);
-  precond__item *it = precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right,
-                                        cr * es);
-  if (it == NULL)
-    return PRECOND_ENOMEM;
+  precond__item *it =
+      precond__item_new(block_id, step, (int)enc, n_left, cl * es, n_right, cr * es);
+  if (it == NULL) return PRECOND_ENOMEM;
   rpc_packed_encode((int)enc, left, cl, it->data); /* enc checked above */
   rpc_packed_encode((int)enc, right, cr, it->data + cl * es);
   pthread_mutex_lock(&c->mu);
@@ -1019,29 +960,24 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
     c->counters.coalesced++;
   else if (r == PRECOND__DROPPED_OLDEST)
     c->counters.dropped++;
-  if (step > c->newest_step)
-    c->newest_step = step;
+  if (step > c->newest_step) c->newest_step = step;
   pthread_cond_signal(&c->wake);
   pthread_mutex_unlock(&c->mu);
   return PRECOND_OK;
 }
 
 int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
-                 const float *left, uint32_t n_right, const float *right, precond_encoding enc)
-{
+                 const float *left, uint32_t n_right, const float *right, precond_encoding enc) {
   return push_parts(c, 0, step, block_id, n_left, left, n_right, right, enc);
 }
 
 int precond_push_kfac(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_a,
-                      const float *a, uint32_t n_g, const float *g, precond_encoding enc)
-{
+                      const float *a, uint32_t n_g, const float *g, precond_encoding enc) {
   return push_parts(c, 1, step, block_id, n_a, a, n_g, g, enc);
 }
 
-int precond_flush(precond_client *c, int timeout_ms)
-{
-  if (c == NULL)
-    return PRECOND_EINVAL;
+int precond_flush(precond_client *c, int timeout_ms) {
+  if (c == NULL) return PRECOND_EINVAL;
   struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
   int st = PRECOND_ETIMEDOUT;
   pthread_mutex_lock(&c->mu);
@@ -1050,8 +986,7 @@ int precond_flush(precond_client *c, int timeout_ms)
       st = PRECOND_OK;
       break;
     }
-    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT)
-      break;
+    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT) break;
   }
   pthread_mutex_unlock(&c->mu);
   return st;
@@ -1060,12 +995,9 @@ int precond_flush(precond_client *c, int timeout_ms)
 /* ------------------------------------------------------------------------------------ */
 /* Stats and health                                                                       */
 
-void precond_stats_destroy(precond_stats *s)
-{
-  if (s == NULL)
-    return;
-  for (size_t i = 0; i < s->njobs && s->job_stats; i++)
-    free(s->job_stats[i].job);
+void precond_stats_destroy(precond_stats *s) {
+  if (s == NULL) return;
+  for (size_t i = 0; i < s->njobs && s->job_stats; i++) free(s->job_stats[i].job);
   for (size_t i = 0; i < s->nblocks && s->block_stats; i++) {
     free(s->block_stats[i].job);
     free(s->block_stats[i].tensor);
@@ -1076,10 +1008,8 @@ void precond_stats_destroy(precond_stats *s)
   memset(s, 0, sizeof(*s));
 }
 
-static void staleness_copy(const Precond__V1__StalenessStats *w, precond_staleness *s)
-{
-  if (w == NULL)
-    return; /* an older daemon: no samples */
+static void staleness_copy(const Precond__V1__StalenessStats *w, precond_staleness *s) {
+  if (w == NULL) return; /* an older daemon: no samples */
   s->samples = w->samples;
   s->max = w->max;
   s->p50 = w->p50;
@@ -1089,8 +1019,7 @@ static void staleness_copy(const Precond__V1__StalenessStats *w, precond_stalene
 }
 
 /* Deep copy of a StatsResponse into the public struct. */
-static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
-{
+static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
   memset(s, 0, sizeof(*s));
   s->version = dup_str(r->version ? r->version : "");
   s->uptime_s = r->uptime_s;
@@ -1115,8 +1044,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
   s->last_snapshot_age_s = r->last_snapshot_age_s;
   s->job_stats = calloc(r->n_job_stats ? r->n_job_stats : 1, sizeof(*s->job_stats));
   s->block_stats = calloc(r->n_block_stats ? r->n_block_stats : 1, sizeof(*s->block_stats));
-  if (s->version == NULL || s->job_stats == NULL || s->block_stats == NULL)
-    goto fail;
+  if (s->version == NULL || s->job_stats == NULL || s->block_stats == NULL) goto fail;
   for (size_t i = 0; i < r->n_job_stats; i++) {
     const Precond__V1__JobStats *j = r->job_stats[i];
     precond_job_stats *d = &s->job_stats[i];
@@ -1126,8 +1054,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
     d->blocks = j->blocks;
     d->workers = j->workers;
     d->last_step = j->last_step;
-    if (d->job == NULL)
-      goto fail;
+    if (d->job == NULL) goto fail;
   }
   for (size_t i = 0; i < r->n_block_stats; i++) {
     const Precond__V1__BlockStats *b = r->block_stats[i];
@@ -1159,8 +1086,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s)
     d->roots_warm_skipped = b->roots_warm_skipped;
     d->roots_seeded = b->roots_seeded;
     d->roots_cold = b->roots_cold;
-    if (d->job == NULL || d->tensor == NULL)
-      goto fail;
+    if (d->job == NULL || d->tensor == NULL) goto fail;
   }
   return PRECOND_OK;
 fail:
@@ -1168,10 +1094,8 @@ fail:
   return PRECOND_ENOMEM;
 }
 
-int precond_end_job(precond_client *c, const char *job, precond_ended *out)
-{
-  if (c == NULL)
-    return PRECOND_EINVAL;
+int precond_end_job(precond_client *c, const char *job, precond_ended *out) {
+  if (c == NULL) return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   const char *target = job != NULL ? job : c->job;
   char *name = dup_str(target);
@@ -1198,16 +1122,13 @@ int precond_end_job(precond_client *c, const char *job, precond_ended *out)
     const Precond__V1__EndJobResponse *r = (const Precond__V1__EndJobResponse *)msg;
     *out = (precond_ended){.blocks = r->blocks, .last_step = r->last_step, .bytes = r->bytes};
   }
-  if (msg != NULL)
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   free(name);
   return st;
 }
 
-int precond_get_stats(precond_client *c, const char *job, int blocks, precond_stats *out)
-{
-  if (c == NULL || out == NULL)
-    return PRECOND_EINVAL;
+int precond_get_stats(precond_client *c, const char *job, int blocks, precond_stats *out) {
+  if (c == NULL || out == NULL) return PRECOND_EINVAL;
   memset(out, 0, sizeof(*out));
   Precond__V1__StatsRequest req = PRECOND__V1__STATS_REQUEST__INIT;
   req.job = (char *)(job ? job : "");
@@ -1215,49 +1136,38 @@ int precond_get_stats(precond_client *c, const char *job, int blocks, precond_st
   ProtobufCMessage *msg = NULL;
   int st = call(c, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
                 c->opts.wait_for_ready, &msg);
-  if (st == PRECOND_OK)
-    st = stats_copy((const Precond__V1__StatsResponse *)msg, out);
-  if (msg != NULL)
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (st == PRECOND_OK) st = stats_copy((const Precond__V1__StatsResponse *)msg, out);
+  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   return st;
 }
 
-int precond_health(precond_client *c, const char *service, int *serving,
-                   const char **status_name)
-{
-  if (c == NULL || serving == NULL)
-    return PRECOND_EINVAL;
+int precond_health(precond_client *c, const char *service, int *serving, const char **status_name) {
+  if (c == NULL || serving == NULL) return PRECOND_EINVAL;
   *serving = 0;
-  if (status_name != NULL)
-    *status_name = "UNKNOWN";
+  if (status_name != NULL) *status_name = "UNKNOWN";
   Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   req.service = (char *)(service ? service : "");
   ProtobufCMessage *msg = NULL;
   int st = call(c, RPC_METHOD_HEALTH_CHECK, &req.base,
-                &grpc__health__v1__health_check_response__descriptor, c->opts.wait_for_ready,
-                &msg);
+                &grpc__health__v1__health_check_response__descriptor, c->opts.wait_for_ready, &msg);
   if (st == PRECOND_OK) {
     const Grpc__Health__V1__HealthCheckResponse *r =
         (const Grpc__Health__V1__HealthCheckResponse *)msg;
     switch (r->status) {
-    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING:
-      *serving = 1;
-      if (status_name != NULL)
-        *status_name = "SERVING";
-      break;
-    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING:
-      if (status_name != NULL)
-        *status_name = "NOT_SERVING";
-      break;
-    case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN:
-      if (status_name != NULL)
-        *status_name = "SERVICE_UNKNOWN";
-      break;
-    default:
-      break;
+      case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING:
+        *serving = 1;
+        if (status_name != NULL) *status_name = "SERVING";
+        break;
+      case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING:
+        if (status_name != NULL) *status_name = "NOT_SERVING";
+        break;
+      case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN:
+        if (status_name != NULL) *status_name = "SERVICE_UNKNOWN";
+        break;
+      default:
+        break;
     }
   }
-  if (msg != NULL)
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   return st;
 }

@@ -10,89 +10,96 @@
 #include <inttypes.h>
 #include <math.h>
 
-const char *precond__mode_name(int mode)
-{
+const char *precond__mode_name(int mode) {
   switch (mode) {
-  case PRECOND_MODE_SHAMPOO: return "shampoo";
-  case PRECOND_MODE_KFAC: return "kfac";
-  case PRECOND_MODE_ABS: return "abs";
-  default: return "unknown";
+    case PRECOND_MODE_SHAMPOO:
+      return "shampoo";
+    case PRECOND_MODE_KFAC:
+      return "kfac";
+    case PRECOND_MODE_ABS:
+      return "abs";
+    default:
+      return "unknown";
   }
 }
 
-const char *precond__method_name(int method)
-{
+const char *precond__method_name(int method) {
   switch (method) {
-  case PRECOND_METHOD_NEWTON: return "newton";
-  case PRECOND_METHOD_NEWTON_TEXTBOOK: return "newton-textbook";
-  case PRECOND_METHOD_EIGH: return "eigh";
-  default: return "unknown";
+    case PRECOND_METHOD_NEWTON:
+      return "newton";
+    case PRECOND_METHOD_NEWTON_TEXTBOOK:
+      return "newton-textbook";
+    case PRECOND_METHOD_EIGH:
+      return "eigh";
+    default:
+      return "unknown";
   }
 }
 
-void precond__json_string(FILE *f, const char *s)
-{
+void precond__json_string(FILE *f, const char *s) {
   fputc('"', f);
   for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
     switch (*p) {
-    case '"': fputs("\\\"", f); break;
-    case '\\': fputs("\\\\", f); break;
-    case '\n': fputs("\\n", f); break;
-    case '\r': fputs("\\r", f); break;
-    case '\t': fputs("\\t", f); break;
-    default:
-      if (*p < 0x20)
-        fprintf(f, "\\u%04x", *p);
-      else
-        fputc(*p, f);
+      case '"':
+        fputs("\\\"", f);
+        break;
+      case '\\':
+        fputs("\\\\", f);
+        break;
+      case '\n':
+        fputs("\\n", f);
+        break;
+      case '\r':
+        fputs("\\r", f);
+        break;
+      case '\t':
+        fputs("\\t", f);
+        break;
+      default:
+        if (*p < 0x20)
+          fprintf(f, "\\u%04x", *p);
+        else
+          fputc(*p, f);
     }
   }
   fputc('"', f);
 }
 
-static void json_double(FILE *f, double x)
-{
+static void json_double(FILE *f, double x) {
   if (isfinite(x))
     fprintf(f, "%.17g", x);
   else
     fputs("null", f);
 }
 
-static void json_key(FILE *f, const char *key, int *first)
-{
-  if (!*first)
-    fputc(',', f);
+static void json_key(FILE *f, const char *key, int *first) {
+  if (!*first) fputc(',', f);
   *first = 0;
   fprintf(f, "\"%s\":", key);
 }
 
-static void kv_u64(FILE *f, const char *key, uint64_t v, int *first)
-{
+static void kv_u64(FILE *f, const char *key, uint64_t v, int *first) {
   json_key(f, key, first);
   fprintf(f, "%" PRIu64, v);
 }
 
-static void kv_i64(FILE *f, const char *key, int64_t v, int *first)
-{
+static void kv_i64(FILE *f, const char *key, int64_t v, int *first) {
   json_key(f, key, first);
   fprintf(f, "%" PRId64, v);
 }
 
-static void kv_dbl(FILE *f, const char *key, double v, int *first)
-{
+static void kv_dbl(FILE *f, const char *key, double v, int *first) {
   json_key(f, key, first);
   json_double(f, v);
 }
 
-static void kv_str(FILE *f, const char *key, const char *v, int *first)
-{
+static void kv_str(FILE *f, const char *key, const char *v, int *first) {
   json_key(f, key, first);
   precond__json_string(f, v);
 }
 
 /* Human-readable byte count: "12.3 MiB". */
-static void human_bytes(char *buf, size_t len, uint64_t bytes)
-{
+static void human_bytes(char *buf, size_t len, uint64_t bytes) {
   static const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double x = (double)bytes;
   int u = 0;
@@ -107,8 +114,7 @@ static void human_bytes(char *buf, size_t len, uint64_t bytes)
 }
 
 /* "key":{"samples":..,"p50":..,"p90":..,"p99":..,"max":..,"mean":..} */
-static void json_staleness(FILE *f, const char *key, const precond_staleness *s, int *first)
-{
+static void json_staleness(FILE *f, const char *key, const precond_staleness *s, int *first) {
   int inner = 1;
   json_key(f, key, first);
   fputc('{', f);
@@ -121,8 +127,7 @@ static void json_staleness(FILE *f, const char *key, const precond_staleness *s,
   fputc('}', f);
 }
 
-static void json_job(FILE *f, const precond_job_stats *j)
-{
+static void json_job(FILE *f, const precond_job_stats *j) {
   int first = 1;
   fputc('{', f);
   kv_str(f, "job", j->job, &first);
@@ -133,8 +138,7 @@ static void json_job(FILE *f, const precond_job_stats *j)
   fputc('}', f);
 }
 
-int precond__format_stats(FILE *f, const precond_stats *s, int json)
-{
+int precond__format_stats(FILE *f, const precond_stats *s, int json) {
   if (json) {
     int first = 1;
     fputc('{', f);
@@ -162,8 +166,7 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json)
     json_key(f, "job_stats", &first);
     fputc('[', f);
     for (size_t i = 0; i < s->njobs; i++) {
-      if (i > 0)
-        fputc(',', f);
+      if (i > 0) fputc(',', f);
       json_job(f, &s->job_stats[i]);
     }
     fputs("]}\n", f);
@@ -177,39 +180,36 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json)
   fprintf(f, "precondd %s  up %.1f s  rank %d of %u replicas  %u threads\n",
           s->version ? s->version : "?", s->uptime_s, (int)s->rank, s->replicas, s->threads);
   fprintf(f, "%-20s %" PRIu64 "\n", "queue depth", s->queue_depth);
-  fprintf(f, "%-20s %" PRIu64 " computed, %" PRIu64 " failed, %" PRIu64
-          " skipped (drift < %g)\n", "roots", s->roots_computed, s->roots_failed,
-          s->roots_skipped, s->drift_threshold);
-  fprintf(f, "%-20s p50 %.0f  p90 %.0f  p99 %.0f  max %" PRIu64 "  mean %.2f  (%" PRIu64
-          " samples)\n", "staleness, steps", s->staleness.p50, s->staleness.p90,
-          s->staleness.p99, s->staleness.max, s->staleness.mean, s->staleness.samples);
+  fprintf(f, "%-20s %" PRIu64 " computed, %" PRIu64 " failed, %" PRIu64 " skipped (drift < %g)\n",
+          "roots", s->roots_computed, s->roots_failed, s->roots_skipped, s->drift_threshold);
+  fprintf(f,
+          "%-20s p50 %.0f  p90 %.0f  p99 %.0f  max %" PRIu64 "  mean %.2f  (%" PRIu64 " samples)\n",
+          "staleness, steps", s->staleness.p50, s->staleness.p90, s->staleness.p99,
+          s->staleness.max, s->staleness.mean, s->staleness.samples);
   fprintf(f, "%-20s p50 %.3f  p90 %.3f  p99 %.3f\n", "compute ms", s->compute_ms_p50,
           s->compute_ms_p90, s->compute_ms_p99);
   fprintf(f, "%-20s in %s, out %s\n", "bytes", in, out);
   fprintf(f, "%-20s %s\n", "memory", mem);
   fprintf(f, "%-20s %" PRIu64 "\n", "rejected pushes", s->rejected_pushes);
-  fprintf(f, "%-20s %" PRIu64 " written, last %.1f s ago\n", "snapshots",
-          s->snapshots_written, s->last_snapshot_age_s);
+  fprintf(f, "%-20s %" PRIu64 " written, last %.1f s ago\n", "snapshots", s->snapshots_written,
+          s->last_snapshot_age_s);
   fprintf(f, "\n%-24s %-8s %8s %8s %12s\n", "JOB", "MODE", "BLOCKS", "WORKERS", "LAST STEP");
   for (size_t i = 0; i < s->njobs; i++) {
     const precond_job_stats *j = &s->job_stats[i];
     fprintf(f, "%-24s %-8s %8u %8u %12" PRIu64 "\n", j->job ? j->job : "",
             precond__mode_name(j->mode), j->blocks, j->workers, j->last_step);
   }
-  if (s->njobs == 0)
-    fputs("(no jobs)\n", f);
+  if (s->njobs == 0) fputs("(no jobs)\n", f);
   return ferror(f) ? -1 : 0;
 }
 
-int precond__format_blocks(FILE *f, const precond_stats *s, int json)
-{
+int precond__format_blocks(FILE *f, const precond_stats *s, int json) {
   if (json) {
     fputs("{\"blocks\":[", f);
     for (size_t i = 0; i < s->nblocks; i++) {
       const precond_block_stats *b = &s->block_stats[i];
       int first = 1;
-      if (i > 0)
-        fputc(',', f);
+      if (i > 0) fputc(',', f);
       fputc('{', f);
       kv_str(f, "job", b->job, &first);
       kv_u64(f, "block_id", b->block_id, &first);
@@ -248,33 +248,29 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
   }
 
   size_t nkfac = 0;
-  for (size_t i = 0; i < s->nblocks; i++)
-    nkfac += s->block_stats[i].a_order > 0;
+  for (size_t i = 0; i < s->nblocks; i++) nkfac += s->block_stats[i].a_order > 0;
   if (nkfac < s->nblocks || s->nblocks == 0)
-    fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s %s\n",
-            "JOB", "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS",
-            "FAILED", "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER", "WARM/SKIP/SEED/COLD");
+    fprintf(f, "%-16s %5s %-20s %11s %7s %8s %8s %6s %7s %6s %6s %14s %10s %9s %5s %s\n", "JOB",
+            "BLOCK", "TENSOR", "SHAPE", "VERSION", "STAT", "ROOT", "STALE", "ROOTS", "FAILED",
+            "SKIP", "AGE p50/90/MAX", "ERROR", "MS", "OWNER", "WARM/SKIP/SEED/COLD");
   for (size_t i = 0; i < s->nblocks; i++) {
     const precond_block_stats *b = &s->block_stats[i];
-    if (b->a_order > 0)
-      continue; /* K-FAC layers have their own table below */
+    if (b->a_order > 0) continue; /* K-FAC layers have their own table below */
     char shape[32], age[48], paths[96];
     snprintf(shape, sizeof shape, "%" PRIu64 "x%" PRIu64, b->rows, b->cols);
     snprintf(paths, sizeof paths, "%" PRIu64 "/%" PRIu64 "/%" PRIu64 "/%" PRIu64, b->roots_warm,
              b->roots_warm_skipped, b->roots_seeded, b->roots_cold);
-    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
-             b->staleness_dist.p90, b->staleness_dist.max);
+    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50, b->staleness_dist.p90,
+             b->staleness_dist.max);
     fprintf(f,
-            "%-16s %5u %-20s %11s %7" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6" PRIu64
-            " %7" PRIu64 " %6" PRIu64 " %6" PRIu64 " %14s %10.2e %9.3f %5d %s\n",
+            "%-16s %5u %-20s %11s %7" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6" PRIu64 " %7" PRIu64
+            " %6" PRIu64 " %6" PRIu64 " %14s %10.2e %9.3f %5d %s\n",
             b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", shape, b->version,
             b->stat_step, b->root_step, b->staleness, b->roots_computed, b->roots_failed,
             b->roots_skipped, age, b->last_error, b->last_compute_ms, (int)b->owner, paths);
   }
-  if (s->nblocks == 0)
-    fputs("(no blocks)\n", f);
-  if (nkfac == 0)
-    return ferror(f) ? -1 : 0;
+  if (s->nblocks == 0) fputs("(no blocks)\n", f);
+  if (nkfac == 0) return ferror(f) ? -1 : 0;
   /* K-FAC layers: the factor orders, the damping split of the published inverses, and
    * their age (staleness: steps between the newest factors and the inverses' source). */
   fprintf(f, "%s%-16s %5s %-20s %6s %6s %7s %10s %10s %10s %6s %14s %8s %6s %10s %9s\n",
@@ -282,23 +278,21 @@ int precond__format_blocks(FILE *f, const precond_stats *s, int json)
           "DAMP A", "DAMP G", "AGE", "AGE p50/90/MAX", "INVERSES", "FAILED", "ERROR", "MS");
   for (size_t i = 0; i < s->nblocks; i++) {
     const precond_block_stats *b = &s->block_stats[i];
-    if (b->a_order == 0)
-      continue;
+    if (b->a_order == 0) continue;
     char age[48];
-    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50,
-             b->staleness_dist.p90, b->staleness_dist.max);
+    snprintf(age, sizeof age, "%.0f/%.0f/%" PRIu64, b->staleness_dist.p50, b->staleness_dist.p90,
+             b->staleness_dist.max);
     fprintf(f,
             "%-16s %5u %-20s %6" PRIu64 " %6" PRIu64 " %7" PRIu64 " %10.4g %10.3e %10.3e %6" PRIu64
             " %14s %8" PRIu64 " %6" PRIu64 " %10.2e %9.3f\n",
-            b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", b->a_order,
-            b->g_order, b->version, b->pi, b->damping_a, b->damping_g, b->staleness, age,
-            b->roots_computed, b->roots_failed, b->last_error, b->last_compute_ms);
+            b->job ? b->job : "", b->block_id, b->tensor ? b->tensor : "", b->a_order, b->g_order,
+            b->version, b->pi, b->damping_a, b->damping_g, b->staleness, age, b->roots_computed,
+            b->roots_failed, b->last_error, b->last_compute_ms);
   }
   return ferror(f) ? -1 : 0;
 }
 
-int precond__format_health(FILE *f, const char *addr, const char *status_name, int json)
-{
+int precond__format_health(FILE *f, const char *addr, const char *status_name, int json) {
   if (json) {
     int first = 1;
     fputc('{', f);

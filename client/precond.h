@@ -53,17 +53,17 @@ extern "C" {
 
 enum {
   PRECOND_OK = 0,
-  PRECOND_EINVAL = -1,         /* bad argument (NULL, size, state: e.g. push before register) */
-  PRECOND_ENOMEM = -2,         /* allocation failed */
-  PRECOND_EUNAVAILABLE = -3,   /* daemon unreachable or shutting down (gRPC UNAVAILABLE) */
-  PRECOND_ETIMEDOUT = -4,      /* deadline passed (a call's, or precond_flush's) */
-  PRECOND_EREJECTED = -5,      /* daemon refused the request (INVALID_ARGUMENT, OUT_OF_RANGE) */
-  PRECOND_ENOTFOUND = -6,      /* unknown job or block (NOT_FOUND) */
-  PRECOND_ESTATE = -7,         /* FAILED_PRECONDITION: e.g. push before register */
-  PRECOND_ELIMIT = -8,         /* RESOURCE_EXHAUSTED: size limit or memory budget */
-  PRECOND_EAUTH = -9,          /* UNAUTHENTICATED or PERMISSION_DENIED: token missing/wrong */
-  PRECOND_EPROTO = -10,        /* malformed answer, or another gRPC status */
-  PRECOND_ETHREAD = -11        /* could not start the background thread */
+  PRECOND_EINVAL = -1,       /* bad argument (NULL, size, state: e.g. push before register) */
+  PRECOND_ENOMEM = -2,       /* allocation failed */
+  PRECOND_EUNAVAILABLE = -3, /* daemon unreachable or shutting down (gRPC UNAVAILABLE) */
+  PRECOND_ETIMEDOUT = -4,    /* deadline passed (a call's, or precond_flush's) */
+  PRECOND_EREJECTED = -5,    /* daemon refused the request (INVALID_ARGUMENT, OUT_OF_RANGE) */
+  PRECOND_ENOTFOUND = -6,    /* unknown job or block (NOT_FOUND) */
+  PRECOND_ESTATE = -7,       /* FAILED_PRECONDITION: e.g. push before register */
+  PRECOND_ELIMIT = -8,       /* RESOURCE_EXHAUSTED: size limit or memory budget */
+  PRECOND_EAUTH = -9,        /* UNAUTHENTICATED or PERMISSION_DENIED: token missing/wrong */
+  PRECOND_EPROTO = -10,      /* malformed answer, or another gRPC status */
+  PRECOND_ETHREAD = -11      /* could not start the background thread */
 };
 
 /* Static, human-readable message for a status code. Never returns NULL. */
@@ -92,22 +92,22 @@ typedef enum {
 /* Connection                                                                             */
 
 typedef struct {
-  const char *addr;            /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
-  const char *token;           /* shared token sent as "authorization: Bearer TOKEN"; NULL:
+  const char *addr;         /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
+  const char *token;        /* shared token sent as "authorization: Bearer TOKEN"; NULL:
                                   none. Copied by precond_connect. */
-  int wait_for_ready;          /* 1 (default): calls wait (up to their deadline) for the
+  int wait_for_ready;       /* 1 (default): calls wait (up to their deadline) for the
                                   daemon to come up instead of failing at once */
-  int connect_timeout_ms;      /* precond_connect waits this long for the channel; <= 0:
+  int connect_timeout_ms;   /* precond_connect waits this long for the channel; <= 0:
                                   don't wait (the first call finds out). Default 5000 */
-  int call_timeout_ms;         /* deadline of each RPC; default 10000 */
-  size_t queue_blocks;         /* push queue capacity in blocks; default 1024 */
-  size_t max_message_bytes;    /* gRPC send/receive limit and push batch size; default 256 MiB */
-  int poll_interval_ms;        /* FetchPreconditioners poll period; default 20 */
-  int backoff_initial_ms;      /* first retry delay after an unreachable daemon; default 50 */
-  int backoff_max_ms;          /* retry delay cap; default 2000 */
+  int call_timeout_ms;      /* deadline of each RPC; default 10000 */
+  size_t queue_blocks;      /* push queue capacity in blocks; default 1024 */
+  size_t max_message_bytes; /* gRPC send/receive limit and push batch size; default 256 MiB */
+  int poll_interval_ms;     /* FetchPreconditioners poll period; default 20 */
+  int backoff_initial_ms;   /* first retry delay after an unreachable daemon; default 50 */
+  int backoff_max_ms;       /* retry delay cap; default 2000 */
   precond_encoding fetch_encoding; /* encoding asked for roots (decoded to fp32 on arrival);
                                       default PRECOND_FP32 */
-  int background;              /* 1 (default): start the push/fetch thread. 0: no thread;
+  int background;                  /* 1 (default): start the push/fetch thread. 0: no thread;
                                   precond_push and precond_fetch then fail with EINVAL
                                   (for tools such as precondctl that only read stats) */
 } precond_options;
@@ -137,29 +137,29 @@ void precond_last_error(precond_client *client, char *buf, size_t len);
 /* Register                                                                               */
 
 typedef struct {
-  const char *name;            /* unique within the job */
-  int rank;                    /* >= 1 */
-  const uint64_t *shape;       /* rank dims, row-major */
+  const char *name;      /* unique within the job */
+  int rank;              /* >= 1 */
+  const uint64_t *shape; /* rank dims, row-major */
 } precond_tensor;
 
 typedef struct {
-  uint32_t block_size;         /* 0: daemon default (128) */
-  uint32_t skip_limit;         /* 0: daemon default (4096) */
-  float beta2;                 /* statistic EMA; 1 = sum; 0: default 1 */
-  uint32_t root_exponent;      /* p in A^(-1/p); 0: default 4 */
-  double epsilon;              /* relative ridge; 0: default 1e-6 */
+  uint32_t block_size;    /* 0: daemon default (128) */
+  uint32_t skip_limit;    /* 0: daemon default (4096) */
+  float beta2;            /* statistic EMA; 1 = sum; 0: default 1 */
+  uint32_t root_exponent; /* p in A^(-1/p); 0: default 4 */
+  double epsilon;         /* relative ridge; 0: default 1e-6 */
   precond_method method;
 } precond_shampoo_opts;
 
 /* K-FAC's options (mode PRECOND_MODE_KFAC); 0 takes the daemon's default, which is
  * preconditioner.h's pc_kfac_opts_default (one source). */
 typedef struct {
-  double factor_decay;         /* running average of A and G; 0: 0.95 */
-  double damping;              /* lambda of the Tikhonov damping; 0: 1e-3 */
-  uint32_t inv_every;          /* damped inverses recomputed every this many pushes; 0: 10 */
-  int no_pi_damping;           /* 1: pi = 1 (no pi-damping) */
+  double factor_decay; /* running average of A and G; 0: 0.95 */
+  double damping;      /* lambda of the Tikhonov damping; 0: 1e-3 */
+  uint32_t inv_every;  /* damped inverses recomputed every this many pushes; 0: 10 */
+  int no_pi_damping;   /* 1: pi = 1 (no pi-damping) */
   precond_kfac_inverse inverse;
-  uint32_t max_order;          /* layers with a larger factor are diagonal; 0: 4096 */
+  uint32_t max_order; /* layers with a larger factor are diagonal; 0: 4096 */
 } precond_kfac_opts;
 
 /* One unit of the daemon's layout. Shampoo: a block of a tensor's 2-D view. K-FAC: one
@@ -168,19 +168,19 @@ typedef struct {
  * product of the other dims), row0 = col0 = 0. */
 typedef struct {
   uint32_t block_id;
-  uint32_t tensor;             /* index into the registered tensors */
+  uint32_t tensor; /* index into the registered tensors */
   uint64_t row0, rows, col0, cols;
-  int32_t owner;               /* replica computing its roots */
+  int32_t owner; /* replica computing its roots */
 } precond_block;
 
 typedef struct {
   size_t nblocks;
-  precond_block *blocks;       /* owned by the layout */
+  precond_block *blocks; /* owned by the layout */
   size_t ndiagonal;
-  uint32_t *diagonal_tensors;  /* tensors with no blocks (Shampoo: grafted step only;
+  uint32_t *diagonal_tensors; /* tensors with no blocks (Shampoo: grafted step only;
                                   K-FAC: rank-1 tensors such as batch norm's, and layers
                                   above max_order: the worker's own diagonal); owned */
-  uint64_t resumed_step;       /* last step whose statistics the daemon holds (0: new) */
+  uint64_t resumed_step;      /* last step whose statistics the daemon holds (0: new) */
 } precond_layout;
 
 /* Registers job (mode, worker name, tensors, Shampoo options; opts NULL: defaults) with the
@@ -190,8 +190,8 @@ typedef struct {
  * worker may be NULL. Registering again replaces the job and drops the roots held.
  * With mode PRECOND_MODE_KFAC, opts must be NULL (the daemon's K-FAC defaults; use
  * precond_register_kfac to set them). */
-int precond_register(precond_client *client, const char *job, precond_mode mode,
-                     const char *worker, size_t ntensors, const precond_tensor *tensors,
+int precond_register(precond_client *client, const char *job, precond_mode mode, const char *worker,
+                     size_t ntensors, const precond_tensor *tensors,
                      const precond_shampoo_opts *opts, precond_layout *layout);
 
 /* precond_register for a K-FAC job (mode PRECOND_MODE_KFAC) with K-FAC options (opts NULL:
@@ -216,9 +216,8 @@ void precond_layout_destroy(precond_layout *layout);
  * NULL, NaN or Inf in the values, no job registered, block id outside the layout, a client
  * without background thread) or PRECOND_ENOMEM. The queue policy is described at the top of
  * this header. */
-int precond_push(precond_client *client, uint64_t step, uint32_t block_id,
-                 uint32_t n_left, const float *left, uint32_t n_right, const float *right,
-                 precond_encoding enc);
+int precond_push(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n_left,
+                 const float *left, uint32_t n_right, const float *right, precond_encoding enc);
 
 /* K-FAC: queues one layer's batch factors at a step: a is the packed upper triangle of A
  * (n_a = the layer's cols), g of G (n_g = its rows); both are required. The daemon folds
@@ -243,21 +242,21 @@ int precond_flush(precond_client *client, int timeout_ms);
  * g_inv * grad * a_inv (grad: its rows x cols gradient matrix). */
 typedef struct {
   uint32_t block_id;
-  uint64_t version;            /* this client's count of roots received for the block: 1, 2,
+  uint64_t version;        /* this client's count of roots received for the block: 1, 2,
                                   ...; keeps increasing across daemon restarts */
-  uint64_t daemon_version;     /* the daemon's version number of these roots */
-  uint64_t source_step;        /* step of the newest statistics the roots come from */
-  double error;                /* residual error reported by the method */
+  uint64_t daemon_version; /* the daemon's version number of these roots */
+  uint64_t source_step;    /* step of the newest statistics the roots come from */
+  double error;            /* residual error reported by the method */
   precond_method method;
   uint32_t iterations;
-  uint32_t n_left, n_right;    /* 0 where that side has no root */
-  const float *left;           /* packed upper L^(-1/p), pc_packed_len(n_left) values */
-  const float *right;          /* packed upper R^(-1/p) */
+  uint32_t n_left, n_right; /* 0 where that side has no root */
+  const float *left;        /* packed upper L^(-1/p), pc_packed_len(n_left) values */
+  const float *right;       /* packed upper R^(-1/p) */
   /* K-FAC jobs (then n_left = n_right = 0, left = right = NULL; Shampoo: all 0/NULL): */
-  uint32_t n_a, n_g;           /* the layer's cols and rows */
-  const float *a_inv;          /* packed upper (A + pi sqrt(lambda) I)^-1 */
-  const float *g_inv;          /* packed upper (G + sqrt(lambda) / pi I)^-1 */
-  double pi;                   /* of the damping split (1 without pi-damping) */
+  uint32_t n_a, n_g;            /* the layer's cols and rows */
+  const float *a_inv;           /* packed upper (A + pi sqrt(lambda) I)^-1 */
+  const float *g_inv;           /* packed upper (G + sqrt(lambda) / pi I)^-1 */
+  double pi;                    /* of the damping split (1 without pi-damping) */
   precond_kfac_inverse inverse; /* the method of A's inverse */
 } precond_roots;
 
@@ -280,22 +279,22 @@ int precond_wait_roots(precond_client *client, uint32_t block_id, uint64_t have_
 /* Counters of this client                                                                */
 
 typedef struct {
-  uint64_t pushed;             /* blocks accepted into the queue */
-  uint64_t sent;               /* blocks the daemon answered for */
-  uint64_t coalesced;          /* queued blocks replaced by a newer push of the same block */
-  uint64_t dropped;            /* queued blocks dropped because the queue was full */
-  uint64_t push_errors;        /* blocks the daemon rejected */
-  uint64_t retries;            /* send or poll attempts that failed and were retried */
-  uint64_t reregistered;       /* times the job was registered again after NOT_FOUND */
-  uint64_t fetch_calls;        /* FetchPreconditioners calls */
-  uint64_t roots_received;     /* block versions received */
-  uint64_t bytes_sent;         /* statistics payload bytes sent */
-  uint64_t bytes_received;     /* roots payload bytes received */
-  size_t queued;               /* blocks in the queue now */
-  uint64_t daemon_restarts;    /* times the daemon's epoch changed under this client (a
+  uint64_t pushed;          /* blocks accepted into the queue */
+  uint64_t sent;            /* blocks the daemon answered for */
+  uint64_t coalesced;       /* queued blocks replaced by a newer push of the same block */
+  uint64_t dropped;         /* queued blocks dropped because the queue was full */
+  uint64_t push_errors;     /* blocks the daemon rejected */
+  uint64_t retries;         /* send or poll attempts that failed and were retried */
+  uint64_t reregistered;    /* times the job was registered again after NOT_FOUND */
+  uint64_t fetch_calls;     /* FetchPreconditioners calls */
+  uint64_t roots_received;  /* block versions received */
+  uint64_t bytes_sent;      /* statistics payload bytes sent */
+  uint64_t bytes_received;  /* roots payload bytes received */
+  size_t queued;            /* blocks in the queue now */
+  uint64_t daemon_restarts; /* times the daemon's epoch changed under this client (a
                                   restart: what was pushed after resumed_step was lost;
                                   logged once to stderr each time) */
-  uint64_t resumed_step;       /* the step the daemon resumed the job from at the last such
+  uint64_t resumed_step;    /* the step the daemon resumed the job from at the last such
                                   restart (0: none seen) */
 } precond_counters;
 
@@ -306,9 +305,9 @@ void precond_get_counters(precond_client *client, precond_counters *out);
 
 /* What an ended job held. */
 typedef struct {
-  uint32_t blocks;             /* its units */
-  uint64_t last_step;          /* its newest step pushed */
-  uint64_t bytes;              /* its reservation under the daemon's memory limit, now free */
+  uint32_t blocks;    /* its units */
+  uint64_t last_step; /* its newest step pushed */
+  uint64_t bytes;     /* its reservation under the daemon's memory limit, now free */
 } precond_ended;
 
 /* EndJob: the daemon frees job (NULL: this client's registered job) and leaves it out of its
@@ -335,9 +334,9 @@ typedef struct {
   char *tensor;
   uint64_t rows, cols, version, stat_step, root_step, staleness;
   uint64_t roots_computed, roots_failed;
-  uint64_t roots_skipped;           /* drift test: the statistics barely moved */
+  uint64_t roots_skipped; /* drift test: the statistics barely moved */
   double last_error, last_compute_ms;
-  double last_drift;                /* relative, of the last drift test; NaN before one */
+  double last_drift; /* relative, of the last drift test; NaN before one */
   precond_staleness staleness_dist;
   int32_t owner;
   /* K-FAC layers (0 for Shampoo blocks): factor orders, and pi and the dampings of the
@@ -364,14 +363,14 @@ typedef struct {
   int32_t rank;
   uint64_t queue_depth, roots_computed, roots_failed, roots_skipped;
   double drift_threshold;
-  precond_staleness staleness;       /* daemon-wide, every block's samples */
+  precond_staleness staleness; /* daemon-wide, every block's samples */
   double compute_ms_p50, compute_ms_p90, compute_ms_p99;
   uint64_t bytes_in, bytes_out, memory_bytes, rejected_pushes, snapshots_written;
   double last_snapshot_age_s;
   size_t njobs;
-  precond_job_stats *job_stats;      /* owned by the stats */
+  precond_job_stats *job_stats; /* owned by the stats */
   size_t nblocks;
-  precond_block_stats *block_stats;  /* owned by the stats; empty unless asked */
+  precond_block_stats *block_stats; /* owned by the stats; empty unless asked */
 } precond_stats;
 
 /* GetStats for job (NULL or "": all jobs), with per-block figures if blocks is non-zero.

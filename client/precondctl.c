@@ -16,8 +16,7 @@ enum { EXIT_USAGE = 1, EXIT_RPC = 2, EXIT_NOT_SERVING = 3 };
 
 #define DEFAULT_ADDR "127.0.0.1:50551"
 
-static void usage(FILE *f)
-{
+static void usage(FILE *f) {
   fprintf(f,
           "usage: precondctl [--addr A] [--token-file F] [--timeout MS] [--job J] [--json]\n"
           "                  stats|health|blocks|end-job JOB\n"
@@ -44,8 +43,7 @@ static void usage(FILE *f)
 
 /* Reads the first line of path into a malloc'd string without surrounding whitespace.
  * Returns NULL (with a message on stderr) if the file cannot be read or holds no token. */
-static char *read_token(const char *path)
-{
+static char *read_token(const char *path) {
   FILE *f = fopen(path, "r");
   if (f == NULL) {
     fprintf(stderr, "precondctl: cannot read token file %s\n", path);
@@ -55,27 +53,22 @@ static char *read_token(const char *path)
   char *tok = NULL;
   if (fgets(line, sizeof line, f) != NULL) {
     char *s = line;
-    while (*s == ' ' || *s == '\t')
-      s++;
+    while (*s == ' ' || *s == '\t') s++;
     size_t n = strlen(s);
     while (n > 0 && (s[n - 1] == '\n' || s[n - 1] == '\r' || s[n - 1] == ' ' || s[n - 1] == '\t'))
       s[--n] = '\0';
-    if (n > 0 && (tok = malloc(n + 1)) != NULL)
-      memcpy(tok, s, n + 1);
+    if (n > 0 && (tok = malloc(n + 1)) != NULL) memcpy(tok, s, n + 1);
   }
   fclose(f);
-  if (tok == NULL)
-    fprintf(stderr, "precondctl: token file %s holds no token\n", path);
+  if (tok == NULL) fprintf(stderr, "precondctl: token file %s holds no token\n", path);
   return tok;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
   const char *addr = getenv("PRECOND_ADDR");
   const char *token_file = NULL, *job = NULL, *cmd = NULL, *arg = NULL;
   int json = 0, timeout_ms = 2000;
-  if (addr == NULL || addr[0] == '\0')
-    addr = DEFAULT_ADDR;
+  if (addr == NULL || addr[0] == '\0') addr = DEFAULT_ADDR;
 
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -125,8 +118,7 @@ int main(int argc, char **argv)
   int is_stats = strcmp(cmd, "stats") == 0, is_blocks = strcmp(cmd, "blocks") == 0;
   int is_health = strcmp(cmd, "health") == 0, is_end = strcmp(cmd, "end-job") == 0;
   if (!is_stats && !is_blocks && !is_health && !is_end) {
-    fprintf(stderr, "precondctl: unknown command '%s' (stats, health, blocks or end-job)\n",
-            cmd);
+    fprintf(stderr, "precondctl: unknown command '%s' (stats, health, blocks or end-job)\n", cmd);
     return EXIT_USAGE;
   }
   if (is_end && (arg == NULL || arg[0] == '\0')) {
@@ -138,15 +130,14 @@ int main(int argc, char **argv)
   char *token = NULL;
   precond_client *client = NULL;
   precond_stats stats = {0};
-  if (token_file != NULL && (token = read_token(token_file)) == NULL)
-    return EXIT_USAGE;
+  if (token_file != NULL && (token = read_token(token_file)) == NULL) return EXIT_USAGE;
 
   precond_options opts;
   precond_options_default(&opts);
   opts.addr = addr;
   opts.token = token;
   opts.background = 0;
-  opts.connect_timeout_ms = 0;  /* the call itself finds out, within its deadline */
+  opts.connect_timeout_ms = 0; /* the call itself finds out, within its deadline */
   /* Fail fast: a refused connection is UNAVAILABLE at once rather than at the deadline
    * (a daemon that is up but slow still has the whole deadline to answer). */
   opts.wait_for_ready = 0;

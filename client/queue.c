@@ -5,13 +5,10 @@
 
 #include <stdlib.h>
 
-precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding,
-                                 uint32_t n_left, size_t left_bytes,
-                                 uint32_t n_right, size_t right_bytes)
-{
+precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                 size_t left_bytes, uint32_t n_right, size_t right_bytes) {
   precond__item *item = malloc(sizeof(*item) + left_bytes + right_bytes);
-  if (item == NULL)
-    return NULL;
+  if (item == NULL) return NULL;
   item->prev = item->next = NULL;
   item->block_id = block_id;
   item->step = step;
@@ -23,38 +20,32 @@ precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding,
   return item;
 }
 
-void precond__item_free(precond__item *item)
-{
+void precond__item_free(precond__item *item) {
   free(item);
 }
 
-size_t precond__item_bytes(const precond__item *item)
-{
+size_t precond__item_bytes(const precond__item *item) {
   return item->left_bytes + item->right_bytes;
 }
 
-int precond__queue_init(precond__queue *q, size_t capacity, uint32_t nblocks)
-{
+int precond__queue_init(precond__queue *q, size_t capacity, uint32_t nblocks) {
   q->head = q->tail = NULL;
   q->length = 0;
   q->bytes = 0;
   q->capacity = 0;
   q->nblocks = 0;
   q->by_block = NULL;
-  if (capacity == 0)
-    return -1;
+  if (capacity == 0) return -1;
   if (nblocks > 0) {
     q->by_block = calloc(nblocks, sizeof(*q->by_block));
-    if (q->by_block == NULL)
-      return -1;
+    if (q->by_block == NULL) return -1;
   }
   q->nblocks = nblocks;
   q->capacity = capacity;
   return 0;
 }
 
-static void unlink_item(precond__queue *q, precond__item *item)
-{
+static void unlink_item(precond__queue *q, precond__item *item) {
   if (item->prev != NULL)
     item->prev->next = item->next;
   else
@@ -69,8 +60,7 @@ static void unlink_item(precond__queue *q, precond__item *item)
   q->bytes -= precond__item_bytes(item);
 }
 
-static void link_tail(precond__queue *q, precond__item *item)
-{
+static void link_tail(precond__queue *q, precond__item *item) {
   item->next = NULL;
   item->prev = q->tail;
   if (q->tail != NULL)
@@ -83,8 +73,7 @@ static void link_tail(precond__queue *q, precond__item *item)
   q->bytes += precond__item_bytes(item);
 }
 
-static void link_head(precond__queue *q, precond__item *item)
-{
+static void link_head(precond__queue *q, precond__item *item) {
   item->prev = NULL;
   item->next = q->head;
   if (q->head != NULL)
@@ -97,8 +86,7 @@ static void link_head(precond__queue *q, precond__item *item)
   q->bytes += precond__item_bytes(item);
 }
 
-void precond__queue_destroy(precond__queue *q)
-{
+void precond__queue_destroy(precond__queue *q) {
   precond__item *item = q->head;
   while (item != NULL) {
     precond__item *next = item->next;
@@ -112,8 +100,7 @@ void precond__queue_destroy(precond__queue *q)
   q->nblocks = 0;
 }
 
-int precond__queue_put(precond__queue *q, precond__item *item)
-{
+int precond__queue_put(precond__queue *q, precond__item *item) {
   precond__item *old = q->by_block[item->block_id];
   if (old != NULL) {
     /* Replace in place: the block keeps its turn, so a hot block cannot starve others by
@@ -145,13 +132,11 @@ int precond__queue_put(precond__queue *q, precond__item *item)
 }
 
 size_t precond__queue_take(precond__queue *q, precond__item **out, size_t max_items,
-                           size_t max_bytes)
-{
+                           size_t max_bytes) {
   size_t n = 0, bytes = 0;
   while (n < max_items && q->head != NULL) {
     size_t sz = precond__item_bytes(q->head);
-    if (n > 0 && bytes + sz > max_bytes)
-      break;
+    if (n > 0 && bytes + sz > max_bytes) break;
     out[n] = q->head;
     unlink_item(q, q->head);
     bytes += sz;
@@ -160,20 +145,17 @@ size_t precond__queue_take(precond__queue *q, precond__item **out, size_t max_it
   return n;
 }
 
-void precond__queue_requeue(precond__queue *q, precond__item **items, size_t n,
-                            uint64_t *coalesced, uint64_t *dropped)
-{
+void precond__queue_requeue(precond__queue *q, precond__item **items, size_t n, uint64_t *coalesced,
+                            uint64_t *dropped) {
   /* Walk backwards so that pushing each at the head restores the original order. */
   for (size_t i = n; i-- > 0;) {
     precond__item *item = items[i];
     if (item->block_id >= q->nblocks || q->by_block[item->block_id] != NULL) {
       precond__item_free(item);
-      if (coalesced != NULL)
-        (*coalesced)++;
+      if (coalesced != NULL) (*coalesced)++;
     } else if (q->length >= q->capacity) {
       precond__item_free(item);
-      if (dropped != NULL)
-        (*dropped)++;
+      if (dropped != NULL) (*dropped)++;
     } else {
       link_head(q, item);
     }

@@ -16,30 +16,29 @@
 
 /* One queued block: header, then n_left then n_right packed values of elem_size bytes. */
 typedef struct precond__item {
-  struct precond__item *prev, *next;  /* queue links; owned by the queue while queued */
+  struct precond__item *prev, *next; /* queue links; owned by the queue while queued */
   uint32_t block_id;
   uint64_t step;
-  int encoding;                        /* precond_encoding */
+  int encoding; /* precond_encoding */
   uint32_t n_left, n_right;
-  size_t left_bytes, right_bytes;      /* payload sizes */
-  unsigned char data[];                /* left bytes, then right bytes */
+  size_t left_bytes, right_bytes; /* payload sizes */
+  unsigned char data[];           /* left bytes, then right bytes */
 } precond__item;
 
 /* Allocates an item with room for left_bytes + right_bytes of payload (not filled). The
  * caller owns it until it hands it to precond__queue_put; free with precond__item_free.
  * Returns NULL on out of memory. */
-precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding,
-                                 uint32_t n_left, size_t left_bytes,
-                                 uint32_t n_right, size_t right_bytes);
+precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                 size_t left_bytes, uint32_t n_right, size_t right_bytes);
 void precond__item_free(precond__item *item);
 size_t precond__item_bytes(const precond__item *item);
 
 typedef struct {
-  precond__item *head, *tail;   /* oldest at head */
-  precond__item **by_block;     /* nblocks entries: the queued item of each block or NULL */
+  precond__item *head, *tail; /* oldest at head */
+  precond__item **by_block;   /* nblocks entries: the queued item of each block or NULL */
   uint32_t nblocks;
   size_t length, capacity;
-  size_t bytes;                 /* payload bytes queued */
+  size_t bytes; /* payload bytes queued */
 } precond__queue;
 
 /* Result of a put. */
@@ -68,7 +67,7 @@ size_t precond__queue_take(precond__queue *q, precond__item **out, size_t max_it
  * item whose block has been queued again meanwhile is freed instead (the newer push wins,
  * counted in *coalesced); an item that finds the queue full is freed (it is older than
  * everything queued; counted in *dropped). Takes ownership of all n items. */
-void precond__queue_requeue(precond__queue *q, precond__item **items, size_t n,
-                            uint64_t *coalesced, uint64_t *dropped);
+void precond__queue_requeue(precond__queue *q, precond__item **items, size_t n, uint64_t *coalesced,
+                            uint64_t *dropped);
 
 #endif /* PRECOND_CLIENT_QUEUE_H */

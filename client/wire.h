@@ -18,7 +18,7 @@
 typedef struct {
   precond_roots pub;
   atomic_int refs;
-  float values[];  /* left, then right (K-FAC: a_inv, then g_inv) */
+  float values[]; /* left, then right (K-FAC: a_inv, then g_inv) */
 } precond__roots_obj;
 
 /* Decodes one BlockRoots answer for a block whose registered factors are rows x rows and

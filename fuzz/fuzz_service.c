@@ -58,8 +58,8 @@ static pd_daemon *fixture_new(void) {
   d->cfg.max_blocks_per_job = 4096;
   pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
   if (pd_stats_init(&d->stats) != PD_OK ||
-      pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
-                    d->cfg.max_blocks_per_job) != PD_OK ||
+      pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes, d->cfg.max_blocks_per_job) !=
+          PD_OK ||
       pd_sched_start(&d->sched, 1, &d->stats, &rules) != PD_OK)
     abort();
   fixture_fill(d);

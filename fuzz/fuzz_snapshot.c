@@ -47,8 +47,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   char path[128];
   snprintf(path, sizeof path, "%s/%s", g_dir, PD_SNAPSHOT_FILE);
   FILE *f = fopen(path, "wb");
-  if (!f || fwrite(h, 1, sizeof h, f) != sizeof h || fwrite(data, 1, size, f) != size)
-    abort();
+  if (!f || fwrite(h, 1, sizeof h, f) != sizeof h || fwrite(data, 1, size, f) != size) abort();
   fclose(f);
   pd_stats stats;
   pd_store st;

@@ -30,7 +30,7 @@
 
 typedef struct {
   size_t max_bytes;
-  uint32_t field;    /* the repeated top-level field counted; 0: none */
+  uint32_t field; /* the repeated top-level field counted; 0: none */
   size_t max_count;
   const char *name;  /* of that field, for the message */
   const char *limit; /* the option or constant behind max_count */
@@ -40,18 +40,19 @@ static pd__rule pd__rule_of(const pd_config *cfg, pd_method m) {
   pd__rule r = {PD__SMALL_REQUEST_BYTES, 0, 0, "", ""};
   size_t cap = cfg->max_message_bytes;
   switch (m) {
-  case PD_M_REGISTER:
-    r = (pd__rule){PD__REGISTER_BYTES, 3, PD_MAX_TENSORS, "tensors", "PD_MAX_TENSORS"};
-    break;
-  case PD_M_PUSH:
-    r = (pd__rule){cap, 3, cfg->max_blocks_per_job, "blocks", "--max-blocks-per-job"};
-    break;
-  case PD_M_FETCH:
-    r = (pd__rule){PD__SMALL_REQUEST_BYTES +
-                       (size_t)cfg->max_blocks_per_job * PD__FETCH_BYTES_PER_BLOCK,
-                   2, cfg->max_blocks_per_job, "have", "--max-blocks-per-job"};
-    break;
-  default: break;
+    case PD_M_REGISTER:
+      r = (pd__rule){PD__REGISTER_BYTES, 3, PD_MAX_TENSORS, "tensors", "PD_MAX_TENSORS"};
+      break;
+    case PD_M_PUSH:
+      r = (pd__rule){cap, 3, cfg->max_blocks_per_job, "blocks", "--max-blocks-per-job"};
+      break;
+    case PD_M_FETCH:
+      r = (pd__rule){
+          PD__SMALL_REQUEST_BYTES + (size_t)cfg->max_blocks_per_job * PD__FETCH_BYTES_PER_BLOCK, 2,
+          cfg->max_blocks_per_job, "have", "--max-blocks-per-job"};
+      break;
+    default:
+      break;
   }
   if (r.max_bytes > cap) r.max_bytes = cap;
   return r;
@@ -64,10 +65,10 @@ size_t pd_request_max_bytes(const pd_config *cfg, pd_method m) {
 /* The scan's state between slices. */
 typedef struct {
   enum { PD__TAG, PD__VARINT, PD__LENGTH, PD__SKIP, PD__DONE } state;
-  uint64_t acc;      /* varint being read */
+  uint64_t acc; /* varint being read */
   int shift;
-  uint64_t skip;     /* bytes left to skip */
-  size_t count;      /* occurrences of the counted field */
+  uint64_t skip; /* bytes left to skip */
+  size_t count;  /* occurrences of the counted field */
 } pd__scan;
 
 /* Feeds n bytes to the scan; stops (PD__DONE) on anything malformed, which protobuf-c will
@@ -103,11 +104,23 @@ static void pd__scan_feed(pd__scan *s, const pd__rule *r, const uint8_t *p, size
       unsigned wire = (unsigned)(v & 7);
       if (r->field && field == r->field && wire == 2) s->count++;
       switch (wire) {
-      case 0: s->state = PD__VARINT; break;
-      case 1: s->skip = 8; s->state = PD__SKIP; break;
-      case 2: s->state = PD__LENGTH; break;
-      case 5: s->skip = 4; s->state = PD__SKIP; break;
-      default: s->state = PD__DONE; break; /* groups or garbage */
+        case 0:
+          s->state = PD__VARINT;
+          break;
+        case 1:
+          s->skip = 8;
+          s->state = PD__SKIP;
+          break;
+        case 2:
+          s->state = PD__LENGTH;
+          break;
+        case 5:
+          s->skip = 4;
+          s->state = PD__SKIP;
+          break;
+        default:
+          s->state = PD__DONE;
+          break; /* groups or garbage */
       }
     }
   }
@@ -131,8 +144,10 @@ int pd_request_admit(const pd_config *cfg, pd_method m, grpc_byte_buffer *payloa
   while (grpc_byte_buffer_reader_next(&rd, &sl)) {
     size_t n = GRPC_SLICE_LENGTH(sl);
     total += n;
-    if (total > r.max_bytes) over_bytes = 1;
-    else if (r.field) pd__scan_feed(&s, &r, GRPC_SLICE_START_PTR(sl), n);
+    if (total > r.max_bytes)
+      over_bytes = 1;
+    else if (r.field)
+      pd__scan_feed(&s, &r, GRPC_SLICE_START_PTR(sl), n);
     grpc_slice_unref(sl);
     if (over_bytes || s.count > r.max_count) break;
   }

@@ -13,9 +13,13 @@ static _Atomic int pd__log_rank = -1; /* under mpirun: lines say which rank wrot
 
 static const char *const pd__level_names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
 
-void pd_log_set_level(pd_log_level level) { atomic_store(&pd__log_threshold, (int)level); }
+void pd_log_set_level(pd_log_level level) {
+  atomic_store(&pd__log_threshold, (int)level);
+}
 
-void pd_log_set_rank(int rank) { atomic_store(&pd__log_rank, rank); }
+void pd_log_set_rank(int rank) {
+  atomic_store(&pd__log_rank, rank);
+}
 
 int pd_log_parse_level(const char *s, pd_log_level *out) {
   static const char *const names[] = {"error", "warn", "info", "debug"};
@@ -42,7 +46,7 @@ void pd_log(pd_log_level level, const char *fmt, ...) {
   char who[32] = "";
   int rank = atomic_load(&pd__log_rank);
   if (rank >= 0) snprintf(who, sizeof who, "[%d]", rank);
-  fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s precondd%s: %s\n",
-          tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-          ts.tv_nsec / 1000000, pd__level_names[level], who, msg);
+  fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s precondd%s: %s\n", tm.tm_year + 1900,
+          tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+          pd__level_names[level], who, msg);
 }

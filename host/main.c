@@ -26,71 +26,72 @@ static void pd__config_free(pd_config *cfg) {
 }
 
 static void pd__usage(FILE *f) {
-  fprintf(f,
-"Usage: precondd [OPTION]...\n"
-"Per-host daemon computing Shampoo preconditioners (inverse matrix roots) for training\n"
-"workers over gRPC (service precond.v1.Preconditioner; health: grpc.health.v1.Health).\n"
-"\n"
-"  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
-"                           127.0.0.1:50551; port 0 picks a free port; %%r: the MPI\n"
-"                           rank). A non-loopback\n"
-"                           address is refused unless --tls-cert/--tls-key is given\n"
-"                           (or --token-file with --insecure-token). Loopback means a\n"
-"                           unix socket or a host whose every address is loopback.\n"
-"  --token-file FILE        require metadata 'authorization: Bearer TOKEN' on every call\n"
-"                           (health check excepted); TOKEN is the file's first line.\n"
-"  --insecure-token         allow --token-file on a non-loopback address without TLS:\n"
-"                           the token then crosses the network in cleartext\n"
+  fprintf(
+      f,
+      "Usage: precondd [OPTION]...\n"
+      "Per-host daemon computing Shampoo preconditioners (inverse matrix roots) for training\n"
+      "workers over gRPC (service precond.v1.Preconditioner; health: grpc.health.v1.Health).\n"
+      "\n"
+      "  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
+      "                           127.0.0.1:50551; port 0 picks a free port; %%r: the MPI\n"
+      "                           rank). A non-loopback\n"
+      "                           address is refused unless --tls-cert/--tls-key is given\n"
+      "                           (or --token-file with --insecure-token). Loopback means a\n"
+      "                           unix socket or a host whose every address is loopback.\n"
+      "  --token-file FILE        require metadata 'authorization: Bearer TOKEN' on every call\n"
+      "                           (health check excepted); TOKEN is the file's first line.\n"
+      "  --insecure-token         allow --token-file on a non-loopback address without TLS:\n"
+      "                           the token then crosses the network in cleartext\n"
 
-"  --tls-cert FILE          serve TLS with this PEM certificate chain (with --tls-key);\n"
-"                           a non-loopback address is then allowed without a token\n"
-"  --tls-key FILE           the PEM private key of --tls-cert\n"
-"  --tls-client-ca FILE     with TLS: require client certificates signed by this CA\n"
-"  --port-file FILE         write the bound TCP port to FILE once listening\n"
-"  --state-dir DIR          snapshot directory (created if missing); without it nothing\n"
-"                           survives a restart\n"
-"  --snapshot-interval S    seconds between snapshots (default 60; 0: only at shutdown).\n"
-"                           A crash (kill -9, power loss) loses what was pushed since the\n"
-"                           last snapshot: at most one interval; clients are told (the\n"
-"                           daemon epoch and the step it resumed from, in every answer)\n"
-"  --threads N              root worker threads (default: online cores); OpenBLAS gets\n"
-"                           cores/N threads each so the two never oversubscribe\n"
-"  --io-threads N           gRPC completion-queue pollers (default 4)\n"
-"  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
-"  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
-"                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
-"  --job-memory-limit-mb N  what one job may reserve (records, statistics, a root\n"
-"                           per block) in MiB; a Register above it gets\n"
-"                           RESOURCE_EXHAUSTED naming the job (default 0: no limit\n"
-"                           beyond --memory-limit-mb)\n"
-"  --max-blocks-per-job N   (default 65536)\n"
-"  --failure-threshold X    roots with a larger residual error are not published\n"
-"                           (default 0.1); the previous root stays\n"
-"  --drift-threshold X      a block whose statistics moved less than X (relative, trace\n"
-"                           and random probes) since its root keeps it (default 0.01;\n"
-"                           0: always compute)\n"
-  );
+      "  --tls-cert FILE          serve TLS with this PEM certificate chain (with --tls-key);\n"
+      "                           a non-loopback address is then allowed without a token\n"
+      "  --tls-key FILE           the PEM private key of --tls-cert\n"
+      "  --tls-client-ca FILE     with TLS: require client certificates signed by this CA\n"
+      "  --port-file FILE         write the bound TCP port to FILE once listening\n"
+      "  --state-dir DIR          snapshot directory (created if missing); without it nothing\n"
+      "                           survives a restart\n"
+      "  --snapshot-interval S    seconds between snapshots (default 60; 0: only at shutdown).\n"
+      "                           A crash (kill -9, power loss) loses what was pushed since the\n"
+      "                           last snapshot: at most one interval; clients are told (the\n"
+      "                           daemon epoch and the step it resumed from, in every answer)\n"
+      "  --threads N              root worker threads (default: online cores); OpenBLAS gets\n"
+      "                           cores/N threads each so the two never oversubscribe\n"
+      "  --io-threads N           gRPC completion-queue pollers (default 4)\n"
+      "  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
+      "  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
+      "                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
+      "  --job-memory-limit-mb N  what one job may reserve (records, statistics, a root\n"
+      "                           per block) in MiB; a Register above it gets\n"
+      "                           RESOURCE_EXHAUSTED naming the job (default 0: no limit\n"
+      "                           beyond --memory-limit-mb)\n"
+      "  --max-blocks-per-job N   (default 65536)\n"
+      "  --failure-threshold X    roots with a larger residual error are not published\n"
+      "                           (default 0.1); the previous root stays\n"
+      "  --drift-threshold X      a block whose statistics moved less than X (relative, trace\n"
+      "                           and random probes) since its root keeps it (default 0.01;\n"
+      "                           0: always compute)\n");
   /* Two strings: one would pass the 4095 characters C99 compilers must accept. */
-  fprintf(f,
-"  --warm-roots on|off      on: a block keeps the eigenbasis of its last roots and starts\n"
-"                           the next ones from it (docs/roots.md, \"Steady state\");\n"
-"                           off (default): every root is computed cold\n"
-"  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
-"  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
-"                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
-"  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
-"  --help                   this text\n"
-"  --version                print the version\n"
-"\n"
-"Replicas: under mpirun (mpirun -np R precondd --listen unix:/tmp/pd-%%r.sock\n"
-"--state-dir state-%%r ...) each rank is a daemon; %%r in --listen, --state-dir and\n"
-"--port-file becomes the rank (0 without mpirun; --state-dir needs it with R > 1). Every\n"
-"rank computes the roots of the blocks it owns (a greedy balance of n^3 per side, the\n"
-"same on every rank) and sends them to the others; a worker uses its local rank only.\n"
-"See docs/replicas.md.\n"
-"\n"
-"SIGTERM or SIGINT: stop accepting calls, finish those in flight, write a final snapshot,\n"
-"exit 0. See docs/precondd.md.\n");
+  fprintf(
+      f,
+      "  --warm-roots on|off      on: a block keeps the eigenbasis of its last roots and starts\n"
+      "                           the next ones from it (docs/roots.md, \"Steady state\");\n"
+      "                           off (default): every root is computed cold\n"
+      "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
+      "  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
+      "                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
+      "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
+      "  --help                   this text\n"
+      "  --version                print the version\n"
+      "\n"
+      "Replicas: under mpirun (mpirun -np R precondd --listen unix:/tmp/pd-%%r.sock\n"
+      "--state-dir state-%%r ...) each rank is a daemon; %%r in --listen, --state-dir and\n"
+      "--port-file becomes the rank (0 without mpirun; --state-dir needs it with R > 1). Every\n"
+      "rank computes the roots of the blocks it owns (a greedy balance of n^3 per side, the\n"
+      "same on every rank) and sends them to the others; a worker uses its local rank only.\n"
+      "See docs/replicas.md.\n"
+      "\n"
+      "SIGTERM or SIGINT: stop accepting calls, finish those in flight, write a final snapshot,\n"
+      "exit 0. See docs/precondd.md.\n");
 }
 
 static int pd__parse_num(const char *opt, const char *s, double lo, double hi, double *out) {
@@ -149,8 +150,10 @@ static int pd__read_token(const char *path, char *out, size_t len) {
   size_t n = strcspn(line, "\r\n");
   line[n] = '\0';
   if (n == 0 || n >= len) {
-    fprintf(stderr, "precondd: --token-file %s: the first line must hold a token of 1 to %zu "
-            "bytes\n", path, len - 1);
+    fprintf(stderr,
+            "precondd: --token-file %s: the first line must hold a token of 1 to %zu "
+            "bytes\n",
+            path, len - 1);
     return -1;
   }
   memcpy(out, line, n + 1);
@@ -203,134 +206,159 @@ static int pd__is_local(const char *addr) {
 }
 
 static int pd__parse(int argc, char **argv, pd_config *cfg) {
-  enum { O_LISTEN = 256, O_STATE, O_THREADS, O_IO, O_MSG, O_MEM, O_BLOCKS, O_SNAP, O_FAIL,
-         O_GRACE, O_TOKEN, O_PORTFILE, O_LOG, O_HELP, O_VERSION, O_CERT, O_KEY, O_CA, O_INSECURE,
-         O_DRIFT, O_EXPIRY, O_JOBMEM, O_WARM };
-  static const struct option opts[] = {
-      {"listen", required_argument, NULL, O_LISTEN},
-      {"state-dir", required_argument, NULL, O_STATE},
-      {"threads", required_argument, NULL, O_THREADS},
-      {"io-threads", required_argument, NULL, O_IO},
-      {"max-message-mb", required_argument, NULL, O_MSG},
-      {"memory-limit-mb", required_argument, NULL, O_MEM},
-      {"job-memory-limit-mb", required_argument, NULL, O_JOBMEM},
-      {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
-      {"snapshot-interval", required_argument, NULL, O_SNAP},
-      {"failure-threshold", required_argument, NULL, O_FAIL},
-      {"drift-threshold", required_argument, NULL, O_DRIFT},
-      {"warm-roots", required_argument, NULL, O_WARM},
-      {"grace-period", required_argument, NULL, O_GRACE},
-      {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
-      {"token-file", required_argument, NULL, O_TOKEN},
-      {"insecure-token", no_argument, NULL, O_INSECURE},
-      {"tls-cert", required_argument, NULL, O_CERT},
-      {"tls-key", required_argument, NULL, O_KEY},
-      {"tls-client-ca", required_argument, NULL, O_CA},
-      {"port-file", required_argument, NULL, O_PORTFILE},
-      {"log-level", required_argument, NULL, O_LOG},
-      {"help", no_argument, NULL, O_HELP},
-      {"version", no_argument, NULL, O_VERSION},
-      {NULL, 0, NULL, 0}};
+  enum {
+    O_LISTEN = 256,
+    O_STATE,
+    O_THREADS,
+    O_IO,
+    O_MSG,
+    O_MEM,
+    O_BLOCKS,
+    O_SNAP,
+    O_FAIL,
+    O_GRACE,
+    O_TOKEN,
+    O_PORTFILE,
+    O_LOG,
+    O_HELP,
+    O_VERSION,
+    O_CERT,
+    O_KEY,
+    O_CA,
+    O_INSECURE,
+    O_DRIFT,
+    O_EXPIRY,
+    O_JOBMEM,
+    O_WARM
+  };
+  static const struct option opts[] = {{"listen", required_argument, NULL, O_LISTEN},
+                                       {"state-dir", required_argument, NULL, O_STATE},
+                                       {"threads", required_argument, NULL, O_THREADS},
+                                       {"io-threads", required_argument, NULL, O_IO},
+                                       {"max-message-mb", required_argument, NULL, O_MSG},
+                                       {"memory-limit-mb", required_argument, NULL, O_MEM},
+                                       {"job-memory-limit-mb", required_argument, NULL, O_JOBMEM},
+                                       {"max-blocks-per-job", required_argument, NULL, O_BLOCKS},
+                                       {"snapshot-interval", required_argument, NULL, O_SNAP},
+                                       {"failure-threshold", required_argument, NULL, O_FAIL},
+                                       {"drift-threshold", required_argument, NULL, O_DRIFT},
+                                       {"warm-roots", required_argument, NULL, O_WARM},
+                                       {"grace-period", required_argument, NULL, O_GRACE},
+                                       {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
+                                       {"token-file", required_argument, NULL, O_TOKEN},
+                                       {"insecure-token", no_argument, NULL, O_INSECURE},
+                                       {"tls-cert", required_argument, NULL, O_CERT},
+                                       {"tls-key", required_argument, NULL, O_KEY},
+                                       {"tls-client-ca", required_argument, NULL, O_CA},
+                                       {"port-file", required_argument, NULL, O_PORTFILE},
+                                       {"log-level", required_argument, NULL, O_LOG},
+                                       {"help", no_argument, NULL, O_HELP},
+                                       {"version", no_argument, NULL, O_VERSION},
+                                       {NULL, 0, NULL, 0}};
   int c, insecure_token = 0;
   double v;
   opterr = 0;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
-    case O_LISTEN:
-      if (!*optarg || strlen(optarg) >= sizeof cfg->listen) goto bad_value;
-      snprintf(cfg->listen, sizeof cfg->listen, "%s", optarg);
-      break;
-    case O_STATE:
-      if (!*optarg || strlen(optarg) >= sizeof cfg->state_dir) goto bad_value;
-      snprintf(cfg->state_dir, sizeof cfg->state_dir, "%s", optarg);
-      break;
-    case O_PORTFILE:
-      if (!*optarg || strlen(optarg) >= sizeof cfg->port_file) goto bad_value;
-      snprintf(cfg->port_file, sizeof cfg->port_file, "%s", optarg);
-      break;
-    case O_THREADS:
-      if (pd__parse_num("--threads", optarg, 1, 1024, &v)) return 2;
-      cfg->threads = (int)v;
-      break;
-    case O_IO:
-      if (pd__parse_num("--io-threads", optarg, 1, 256, &v)) return 2;
-      cfg->io_threads = (int)v;
-      break;
-    case O_MSG:
-      if (pd__parse_num("--max-message-mb", optarg, 1, 2047, &v)) return 2;
-      cfg->max_message_bytes = (size_t)(v * 1048576.0);
-      break;
-    case O_MEM:
-      if (pd__parse_num("--memory-limit-mb", optarg, 1, 1e9, &v)) return 2;
-      cfg->memory_limit_bytes = (size_t)(v * 1048576.0);
-      break;
-    case O_JOBMEM:
-      if (pd__parse_num("--job-memory-limit-mb", optarg, 0, 1e9, &v)) return 2;
-      cfg->job_memory_limit_bytes = (size_t)(v * 1048576.0);
-      break;
-    case O_BLOCKS:
-      if (pd__parse_num("--max-blocks-per-job", optarg, 1, 1e8, &v)) return 2;
-      cfg->max_blocks_per_job = (uint32_t)v;
-      break;
-    case O_SNAP:
-      if (pd__parse_num("--snapshot-interval", optarg, 0, 1e7, &v)) return 2;
-      cfg->snapshot_interval_s = v;
-      break;
-    case O_FAIL:
-      if (pd__parse_num("--failure-threshold", optarg, 0, 1e30, &v)) return 2;
-      cfg->failure_threshold = v;
-      break;
-    case O_DRIFT:
-      if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
-      cfg->drift_threshold = v;
-      break;
-    case O_WARM:
-      if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
-        fprintf(stderr, "precondd: --warm-roots takes on or off, not %s\n", optarg);
+      case O_LISTEN:
+        if (!*optarg || strlen(optarg) >= sizeof cfg->listen) goto bad_value;
+        snprintf(cfg->listen, sizeof cfg->listen, "%s", optarg);
+        break;
+      case O_STATE:
+        if (!*optarg || strlen(optarg) >= sizeof cfg->state_dir) goto bad_value;
+        snprintf(cfg->state_dir, sizeof cfg->state_dir, "%s", optarg);
+        break;
+      case O_PORTFILE:
+        if (!*optarg || strlen(optarg) >= sizeof cfg->port_file) goto bad_value;
+        snprintf(cfg->port_file, sizeof cfg->port_file, "%s", optarg);
+        break;
+      case O_THREADS:
+        if (pd__parse_num("--threads", optarg, 1, 1024, &v)) return 2;
+        cfg->threads = (int)v;
+        break;
+      case O_IO:
+        if (pd__parse_num("--io-threads", optarg, 1, 256, &v)) return 2;
+        cfg->io_threads = (int)v;
+        break;
+      case O_MSG:
+        if (pd__parse_num("--max-message-mb", optarg, 1, 2047, &v)) return 2;
+        cfg->max_message_bytes = (size_t)(v * 1048576.0);
+        break;
+      case O_MEM:
+        if (pd__parse_num("--memory-limit-mb", optarg, 1, 1e9, &v)) return 2;
+        cfg->memory_limit_bytes = (size_t)(v * 1048576.0);
+        break;
+      case O_JOBMEM:
+        if (pd__parse_num("--job-memory-limit-mb", optarg, 0, 1e9, &v)) return 2;
+        cfg->job_memory_limit_bytes = (size_t)(v * 1048576.0);
+        break;
+      case O_BLOCKS:
+        if (pd__parse_num("--max-blocks-per-job", optarg, 1, 1e8, &v)) return 2;
+        cfg->max_blocks_per_job = (uint32_t)v;
+        break;
+      case O_SNAP:
+        if (pd__parse_num("--snapshot-interval", optarg, 0, 1e7, &v)) return 2;
+        cfg->snapshot_interval_s = v;
+        break;
+      case O_FAIL:
+        if (pd__parse_num("--failure-threshold", optarg, 0, 1e30, &v)) return 2;
+        cfg->failure_threshold = v;
+        break;
+      case O_DRIFT:
+        if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
+        cfg->drift_threshold = v;
+        break;
+      case O_WARM:
+        if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
+          fprintf(stderr, "precondd: --warm-roots takes on or off, not %s\n", optarg);
+          return 2;
+        }
+        cfg->warm_roots = strcmp(optarg, "on") == 0;
+        break;
+      case O_GRACE:
+        if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
+        cfg->grace_s = v;
+        break;
+      case O_EXPIRY:
+        if (pd__parse_num("--job-idle-expiry", optarg, 0, 1e9, &v)) return 2;
+        cfg->job_idle_expiry_s = v;
+        break;
+      case O_TOKEN:
+        if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
+        break;
+      case O_INSECURE:
+        insecure_token = 1;
+        break;
+      case O_CERT:
+        free(cfg->tls_cert);
+        if (!(cfg->tls_cert = pd__read_file("--tls-cert", optarg))) return 2;
+        break;
+      case O_KEY:
+        free(cfg->tls_key);
+        if (!(cfg->tls_key = pd__read_file("--tls-key", optarg))) return 2;
+        break;
+      case O_CA:
+        free(cfg->tls_client_ca);
+        if (!(cfg->tls_client_ca = pd__read_file("--tls-client-ca", optarg))) return 2;
+        break;
+      case O_LOG:
+        if (pd_log_parse_level(optarg, &cfg->log_level) != 0) {
+          fprintf(stderr, "precondd: --log-level: '%s' is not error, warn, info or debug\n",
+                  optarg);
+          return 2;
+        }
+        break;
+      case O_HELP:
+        pd__usage(stdout);
+        return 1;
+      case O_VERSION:
+        printf("precondd %s\n", PD_VERSION);
+        return 1;
+      default:
+        fprintf(stderr, "precondd: unknown option or missing value: %s\n",
+                optind > 0 && optind <= argc ? argv[optind - 1] : "?");
+        pd__usage(stderr);
         return 2;
-      }
-      cfg->warm_roots = strcmp(optarg, "on") == 0;
-      break;
-    case O_GRACE:
-      if (pd__parse_num("--grace-period", optarg, 0, 3600, &v)) return 2;
-      cfg->grace_s = v;
-      break;
-    case O_EXPIRY:
-      if (pd__parse_num("--job-idle-expiry", optarg, 0, 1e9, &v)) return 2;
-      cfg->job_idle_expiry_s = v;
-      break;
-    case O_TOKEN:
-      if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
-      break;
-    case O_INSECURE:
-      insecure_token = 1;
-      break;
-    case O_CERT:
-      free(cfg->tls_cert);
-      if (!(cfg->tls_cert = pd__read_file("--tls-cert", optarg))) return 2;
-      break;
-    case O_KEY:
-      free(cfg->tls_key);
-      if (!(cfg->tls_key = pd__read_file("--tls-key", optarg))) return 2;
-      break;
-    case O_CA:
-      free(cfg->tls_client_ca);
-      if (!(cfg->tls_client_ca = pd__read_file("--tls-client-ca", optarg))) return 2;
-      break;
-    case O_LOG:
-      if (pd_log_parse_level(optarg, &cfg->log_level) != 0) {
-        fprintf(stderr, "precondd: --log-level: '%s' is not error, warn, info or debug\n",
-                optarg);
-        return 2;
-      }
-      break;
-    case O_HELP: pd__usage(stdout); return 1;
-    case O_VERSION: printf("precondd %s\n", PD_VERSION); return 1;
-    default:
-      fprintf(stderr, "precondd: unknown option or missing value: %s\n",
-              optind > 0 && optind <= argc ? argv[optind - 1] : "?");
-      pd__usage(stderr);
-      return 2;
     }
   }
   if (optind < argc) {
@@ -347,12 +375,15 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
   }
   if (!cfg->tls_cert && !pd__is_local(cfg->listen)) {
     if (!*cfg->token) {
-      fprintf(stderr, "precondd: refusing to listen on non-loopback address %s without "
-              "--tls-cert/--tls-key or --token-file\n", cfg->listen);
+      fprintf(stderr,
+              "precondd: refusing to listen on non-loopback address %s without "
+              "--tls-cert/--tls-key or --token-file\n",
+              cfg->listen);
       return 2;
     }
     if (!insecure_token) {
-      fprintf(stderr, "precondd: refusing to send --token-file's token in cleartext on "
+      fprintf(stderr,
+              "precondd: refusing to send --token-file's token in cleartext on "
               "non-loopback address %s: add --tls-cert/--tls-key, or --insecure-token\n",
               cfg->listen);
       return 2;
@@ -451,8 +482,8 @@ static void pd__requeue(pd_daemon *d) {
     pd_job *j = d->store.jobs[i];
     for (size_t k = 0; k < j->nblocks; k++) {
       pd_block *b = &j->blocks[k];
-      if (b->pushes > 0 && pd_replica_owns(j->link, b) && (!atomic_load(&b->has_root) ||
-                            atomic_load(&b->stat_step) > atomic_load(&b->root_step)))
+      if (b->pushes > 0 && pd_replica_owns(j->link, b) &&
+          (!atomic_load(&b->has_root) || atomic_load(&b->stat_step) > atomic_load(&b->root_step)))
         pd_sched_mark(&d->sched, b);
     }
   }
@@ -463,8 +494,8 @@ static void pd__snapshot(pd_daemon *d) {
   if (pd_snapshot_write(&d->store, d->cfg.state_dir) == PD_OK) {
     atomic_fetch_add(&d->stats.snapshots_written, 1);
     atomic_store(&d->stats.last_snapshot_time, pd_now());
-    pd_log(PD_LOG_INFO, "snapshot written to %s/%s in %.3f s", d->cfg.state_dir,
-           PD_SNAPSHOT_FILE, pd_now() - t0);
+    pd_log(PD_LOG_INFO, "snapshot written to %s/%s in %.3f s", d->cfg.state_dir, PD_SNAPSHOT_FILE,
+           pd_now() - t0);
   }
 }
 
@@ -478,8 +509,10 @@ static int pd__replicas_init(int *argc, char ***argv, pd_config *cfg, void **rep
   *rep = NULL;
   *link = NULL;
   if (launched && size > 1 && *cfg->state_dir && !strstr(cfg->state_dir, "%r")) {
-    fprintf(stderr, "precondd: %d ranks would share --state-dir %s: put %%r in it (it becomes "
-            "the rank)\n", size, cfg->state_dir);
+    fprintf(stderr,
+            "precondd: %d ranks would share --state-dir %s: put %%r in it (it becomes "
+            "the rank)\n",
+            size, cfg->state_dir);
     return 2;
   }
 #ifdef PD_HAVE_MPI
@@ -494,9 +527,11 @@ static int pd__replicas_init(int *argc, char ***argv, pd_config *cfg, void **rep
   (void)argc;
   (void)argv;
   if (launched && size > 1) {
-    fprintf(stderr, "precondd: started by an MPI launcher with %d ranks, but built without "
+    fprintf(stderr,
+            "precondd: started by an MPI launcher with %d ranks, but built without "
             "MPI (meson -Dmpi=enabled, with libopenmpi-dev): each rank would be a separate "
-            "daemon\n", size);
+            "daemon\n",
+            size);
     return 2;
   }
 #endif
@@ -506,8 +541,7 @@ static int pd__replicas_init(int *argc, char ***argv, pd_config *cfg, void **rep
     fprintf(stderr, "precondd: --listen, --state-dir or --port-file too long with %%r\n");
     return 2;
   }
-  if (*link)
-    pd_log(PD_LOG_INFO, "replica rank %d of %d (listen %s)", rank, size, cfg->listen);
+  if (*link) pd_log(PD_LOG_INFO, "replica rank %d of %d (listen %s)", rank, size, cfg->listen);
   return 0;
 }
 
@@ -577,10 +611,12 @@ int main(int argc, char **argv) {
   if (!ok) goto done;
   char bound[32] = ""; /* the port that port 0 picked; nothing for a unix socket */
   if (port) snprintf(bound, sizeof bound, " (port %d)", port);
-  pd_log(PD_LOG_INFO, "precondd %s listening on %s%s%s (max message %zu MiB, memory limit "
-         "%zu MiB)", PD_VERSION, d.cfg.listen, bound,
-         d.cfg.tls_cert ? (d.cfg.tls_client_ca ? " with TLS and client certificates"
-                                                : " with TLS") : "",
+  pd_log(PD_LOG_INFO,
+         "precondd %s listening on %s%s%s (max message %zu MiB, memory limit "
+         "%zu MiB)",
+         PD_VERSION, d.cfg.listen, bound,
+         d.cfg.tls_cert ? (d.cfg.tls_client_ca ? " with TLS and client certificates" : " with TLS")
+                        : "",
          d.cfg.max_message_bytes >> 20, d.cfg.memory_limit_bytes >> 20);
   if (*d.cfg.port_file && pd__write_port_file(d.cfg.port_file, port) != 0) {
     pd_log(PD_LOG_ERROR, "--port-file %s: %s", d.cfg.port_file, strerror(errno));

@@ -32,8 +32,8 @@ static int identity_resolve(void *opts, char *err, size_t errlen) {
 }
 
 static int identity_layout(const void *opts, size_t ntensors, const pd_tensor *tensors,
-                           uint32_t max_units, pd_unit_shape *units, size_t *nunits,
-                           uint32_t *diag, size_t *ndiag, char *err, size_t errlen) {
+                           uint32_t max_units, pd_unit_shape *units, size_t *nunits, uint32_t *diag,
+                           size_t *ndiag, char *err, size_t errlen) {
   (void)opts;
   size_t n = 0, nd = 0;
   for (size_t i = 0; i < ntensors; i++) {
@@ -42,13 +42,15 @@ static int identity_layout(const void *opts, size_t ntensors, const pd_tensor *t
       continue;
     }
     if (n + 1 > max_units) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u units", i,
-               max_units);
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u units", i, max_units);
       return PD_ELIMIT;
     }
     if (units)
-      units[n] = (pd_unit_shape){.tensor = (uint32_t)i, .rows = tensors[i].dims[0],
-                                 .cols = 1, .nparts = 1, .order = {tensors[i].dims[0]}};
+      units[n] = (pd_unit_shape){.tensor = (uint32_t)i,
+                                 .rows = tensors[i].dims[0],
+                                 .cols = 1,
+                                 .nparts = 1,
+                                 .order = {tensors[i].dims[0]}};
     n++;
   }
   *nunits = n;

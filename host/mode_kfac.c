@@ -81,8 +81,7 @@ static int kfac_resolve(void *opts, char *err, size_t errlen) {
 
 /* A's and G's orders of tensor t, or 0 when the tensor has no unit (rank 1, a factor
  * above max_order, or a zero dim). Products of dims are bounded by the store's checks. */
-static void kfac_orders(const pd_kfac_opts *o, const pd_tensor *t, uint64_t *na,
-                        uint64_t *ng) {
+static void kfac_orders(const pd_kfac_opts *o, const pd_tensor *t, uint64_t *na, uint64_t *ng) {
   *na = *ng = 0;
   if (t->rank < 2) return;
   uint64_t in = 1;
@@ -93,8 +92,8 @@ static void kfac_orders(const pd_kfac_opts *o, const pd_tensor *t, uint64_t *na,
 }
 
 static int kfac_layout(const void *opts, size_t ntensors, const pd_tensor *tensors,
-                       uint32_t max_units, pd_unit_shape *units, size_t *nunits,
-                       uint32_t *diag, size_t *ndiag, char *err, size_t errlen) {
+                       uint32_t max_units, pd_unit_shape *units, size_t *nunits, uint32_t *diag,
+                       size_t *ndiag, char *err, size_t errlen) {
   const pd_kfac_opts *o = opts;
   size_t n = 0, nd = 0;
   for (size_t i = 0; i < ntensors; i++) {
@@ -105,14 +104,18 @@ static int kfac_layout(const void *opts, size_t ntensors, const pd_tensor *tenso
       continue;
     }
     if (n + 1 > max_units) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u layers", i,
-               max_units);
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u layers", i, max_units);
       return PD_ELIMIT;
     }
     /* rows x cols is the layer's gradient matrix (out x in), as Shampoo's block of it. */
     if (units)
-      units[n] = (pd_unit_shape){.tensor = (uint32_t)i, .row0 = 0, .rows = ng, .col0 = 0,
-                                 .cols = na, .nparts = 2, .order = {na, ng}};
+      units[n] = (pd_unit_shape){.tensor = (uint32_t)i,
+                                 .row0 = 0,
+                                 .rows = ng,
+                                 .col0 = 0,
+                                 .cols = na,
+                                 .nparts = 2,
+                                 .order = {na, ng}};
     n++;
   }
   *nunits = n;
@@ -157,9 +160,9 @@ static int kfac_compute(const void *opts, const pd_block *u, const float *const 
   memset(info, 0, sizeof *info);
   info->failed_part = -1;
   pc_kfac_damping dmp;
-  int rc = pc_kfac_damping_split(u->order[0], pc_kfac_trace_f32(u->order[0], state[0]),
-                                 u->order[1], pc_kfac_trace_f32(u->order[1], state[1]),
-                                 o->damping, !o->no_pi_damping, &dmp);
+  int rc = pc_kfac_damping_split(u->order[0], pc_kfac_trace_f32(u->order[0], state[0]), u->order[1],
+                                 pc_kfac_trace_f32(u->order[1], state[1]), o->damping,
+                                 !o->no_pi_damping, &dmp);
   if (rc < 0) {
     info->error = NAN;
     return rc;

@@ -66,8 +66,8 @@ static int shampoo_resolve(void *opts, char *err, size_t errlen) {
 
 /* The layout options and dims of tensor t as the numerics take them: the count and the
  * layout below go through pc_layout_count / pc_layout_init, the rule's one source. */
-static void shampoo_layout_args(const pd_shampoo_opts *o, const pd_tensor *t,
-                                pc_layout_opts *lo, size_t dims[PD_MAX_RANK]) {
+static void shampoo_layout_args(const pd_shampoo_opts *o, const pd_tensor *t, pc_layout_opts *lo,
+                                size_t dims[PD_MAX_RANK]) {
   pc_layout_opts_default(lo);
   lo->block_size = o->block_size;
   lo->skip_limit = o->skip_limit;
@@ -89,8 +89,7 @@ static int shampoo_count(const pd_shampoo_opts *o, size_t ntensors, const pd_ten
       return PD_EINVAL;
     }
     if (n > max_blocks - total) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
-               max_blocks);
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i, max_blocks);
       return PD_ELIMIT;
     }
     total += n;
@@ -100,8 +99,8 @@ static int shampoo_count(const pd_shampoo_opts *o, size_t ntensors, const pd_ten
 }
 
 static int shampoo_layout(const void *opts, size_t ntensors, const pd_tensor *tensors,
-                          uint32_t max_units, pd_unit_shape *units, size_t *nunits,
-                          uint32_t *diag, size_t *ndiag, char *err, size_t errlen) {
+                          uint32_t max_units, pd_unit_shape *units, size_t *nunits, uint32_t *diag,
+                          size_t *ndiag, char *err, size_t errlen) {
   const pd_shampoo_opts *o = opts;
   if (!units) return shampoo_count(o, ntensors, tensors, max_units, nunits, err, errlen);
   /* Block ids are numbered in tensor order, tiles row-major within a tensor (the layout's
@@ -120,8 +119,7 @@ static int shampoo_layout(const void *opts, size_t ntensors, const pd_tensor *te
     if (lay.diagonal || lay.nblocks == 0) {
       diag[(*ndiag)++] = (uint32_t)i;
     } else if (*nunits + lay.nblocks > max_units) {
-      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i,
-               max_units);
+      snprintf(err, errlen, "tensors[%zu]: the job would have more than %u blocks", i, max_units);
       pc_layout_destroy(&lay);
       return PD_ELIMIT;
     } else {
@@ -168,7 +166,7 @@ static int shampoo_fold_fits(const void *opts, const pd_block *u, const float *c
  * it (pc_inverse_root_warm_f32; docs/roots.md, "Steady state"). */
 typedef struct {
   uint32_t nparts;
-  size_t bytes;                     /* what it holds, for the daemon's memory count */
+  size_t bytes; /* what it holds, for the daemon's memory count */
   pc_eigbasis_f32 basis[PD_MAX_PARTS];
 } shampoo_unit;
 
@@ -184,8 +182,7 @@ static size_t shampoo_unit_free(void *unit_state) {
 /* The block's warm state, made at its first computation; NULL when the daemon keeps none
  * (unit_state NULL) or it cannot be allocated (then this computation is cold, the next one
  * tries again). */
-static shampoo_unit *shampoo_unit_get(const pd_block *u, void **unit_state,
-                                      pd_compute_info *info) {
+static shampoo_unit *shampoo_unit_get(const pd_block *u, void **unit_state, pd_compute_info *info) {
   if (!unit_state) return NULL;
   if (*unit_state) return *unit_state;
   shampoo_unit *w = calloc(1, sizeof *w);
@@ -237,10 +234,10 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
       rk = pc_inverse_root_warm_f32(n, a, x, &ro, &wo, &w->basis[k], &wi);
       ri = wi.root;
       if (rk >= 0)
-        info->counts[wi.path == PC_WARM_ROTATED   ? PD_SHAMPOO_WARM
-                     : wi.path == PC_WARM_SEEDED  ? PD_SHAMPOO_SEEDED
-                     : wi.path == PC_WARM_COLD    ? PD_SHAMPOO_COLD
-                                                  : PD_SHAMPOO_SKIPPED]++; /* skipped, reused */
+        info->counts[wi.path == PC_WARM_ROTATED  ? PD_SHAMPOO_WARM
+                     : wi.path == PC_WARM_SEEDED ? PD_SHAMPOO_SEEDED
+                     : wi.path == PC_WARM_COLD   ? PD_SHAMPOO_COLD
+                                                 : PD_SHAMPOO_SKIPPED]++; /* skipped, reused */
     } else {
       rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
       if (rk >= 0) info->counts[PD_SHAMPOO_COLD]++;
@@ -288,8 +285,7 @@ static void shampoo_snap_read(const unsigned char *in, void *opts) {
 static void shampoo_describe(const void *opts, char *buf, size_t len) {
   const pd_shampoo_opts *o = opts;
   snprintf(buf, len, "block size %u, skip limit %u, beta2 %g, p %u, epsilon %g, method %d",
-           o->block_size, o->skip_limit, (double)o->beta2, o->root_exponent, o->epsilon,
-           o->method);
+           o->block_size, o->skip_limit, (double)o->beta2, o->root_exponent, o->epsilon, o->method);
 }
 
 /* The ridge is relative (epsilon times the largest eigenvalue), so the root of c S is

@@ -39,12 +39,12 @@
 
 enum {
   PD_OK = 0,
-  PD_EINVAL = -1,    /* bad argument or input */
-  PD_ENOMEM = -2,    /* allocation failed */
-  PD_EIO = -3,       /* file or socket error (errno-style detail is logged) */
-  PD_ECORRUPT = -4,  /* a snapshot failed its checks */
-  PD_ENOENT = -5,    /* no such file (no snapshot yet) */
-  PD_ELIMIT = -6     /* a configured limit would be exceeded */
+  PD_EINVAL = -1,   /* bad argument or input */
+  PD_ENOMEM = -2,   /* allocation failed */
+  PD_EIO = -3,      /* file or socket error (errno-style detail is logged) */
+  PD_ECORRUPT = -4, /* a snapshot failed its checks */
+  PD_ENOENT = -5,   /* no such file (no snapshot yet) */
+  PD_ELIMIT = -6    /* a configured limit would be exceeded */
 };
 
 const char *pd_strerror(int code);
@@ -71,26 +71,26 @@ void pd_log(pd_log_level level, const char *fmt, ...)
 /* Configuration (main.c fills it; everything else reads it)                              */
 
 typedef struct {
-  char listen[512];             /* "127.0.0.1:50551", "unix:/path", "[::1]:0" */
-  char state_dir[1024];         /* "" : no snapshots */
-  char token[512];              /* "" : no token required */
-  char port_file[1024];         /* "" : none; else the bound port is written here */
-  char *tls_cert, *tls_key;     /* PEM text (malloc'd) of the server's chain and key, or NULL */
-  char *tls_client_ca;          /* PEM text: clients must present a certificate it signed */
-  int threads;                  /* root workers */
-  int io_threads;               /* completion-queue pollers */
+  char listen[512];         /* "127.0.0.1:50551", "unix:/path", "[::1]:0" */
+  char state_dir[1024];     /* "" : no snapshots */
+  char token[512];          /* "" : no token required */
+  char port_file[1024];     /* "" : none; else the bound port is written here */
+  char *tls_cert, *tls_key; /* PEM text (malloc'd) of the server's chain and key, or NULL */
+  char *tls_client_ca;      /* PEM text: clients must present a certificate it signed */
+  int threads;              /* root workers */
+  int io_threads;           /* completion-queue pollers */
   size_t max_message_bytes;
-  size_t memory_limit_bytes;    /* statistics and roots held */
+  size_t memory_limit_bytes;     /* statistics and roots held */
   size_t job_memory_limit_bytes; /* what one job may reserve (pd_job_bytes); 0: no limit
                                  * beyond memory_limit_bytes */
   uint32_t max_blocks_per_job;
-  double snapshot_interval_s;   /* <= 0: only at shutdown */
-  double failure_threshold;     /* roots with a larger error are not published */
-  double drift_threshold;       /* statistics that moved less keep their root (scheduler.c) */
-  int warm_roots;               /* 1: modes keep per-unit state between computations (Shampoo:
+  double snapshot_interval_s; /* <= 0: only at shutdown */
+  double failure_threshold;   /* roots with a larger error are not published */
+  double drift_threshold;     /* statistics that moved less keep their root (scheduler.c) */
+  int warm_roots;             /* 1: modes keep per-unit state between computations (Shampoo:
                                  * the eigenbasis of the last roots, a warm start); 0: cold */
-  double grace_s;               /* calls in flight get this long at shutdown */
-  double job_idle_expiry_s;     /* a job with no Register, push or fetch for this long is
+  double grace_s;             /* calls in flight get this long at shutdown */
+  double job_idle_expiry_s;   /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
   pd_log_level log_level;
 } pd_config;
@@ -100,7 +100,7 @@ void pd_config_default(pd_config *cfg);
 /* ------------------------------------------------------------------------------------ */
 /* stats.c                                                                                */
 
-#define PD_STATS_WINDOW 1024  /* compute times kept for percentiles */
+#define PD_STATS_WINDOW 1024 /* compute times kept for percentiles */
 
 /* Staleness samples: how many steps old the published root of a block was when a push of
  * a newer step arrived (push step minus the root's source step), the age the worker sees.
@@ -125,22 +125,22 @@ void pd_stale_hist_summary(const pd_stale_hist *h, pd_stale_summary *out);
 typedef struct {
   _Atomic uint64_t roots_computed;
   _Atomic uint64_t roots_failed;
-  _Atomic uint64_t roots_skipped;  /* drift test: the statistics barely moved (scheduler.c) */
+  _Atomic uint64_t roots_skipped; /* drift test: the statistics barely moved (scheduler.c) */
   _Atomic uint64_t bytes_in;
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
   _Atomic uint64_t snapshots_written;
-  _Atomic uint64_t scratch_bytes;  /* pool scratch of the computations running now (bound) */
-  _Atomic uint64_t scratch_peak;   /* the most scratch_bytes has been */
-  _Atomic uint64_t scratch_waits;  /* times a pool thread waited for scratch room */
-  _Atomic uint64_t jobs_ended;     /* by EndJob */
-  _Atomic uint64_t jobs_expired;   /* by the idle expiry */
-  _Atomic int64_t memory_bytes;  /* statistics and roots currently allocated */
-  pthread_mutex_t lock;          /* guards the ring and the staleness histogram below */
+  _Atomic uint64_t scratch_bytes; /* pool scratch of the computations running now (bound) */
+  _Atomic uint64_t scratch_peak;  /* the most scratch_bytes has been */
+  _Atomic uint64_t scratch_waits; /* times a pool thread waited for scratch room */
+  _Atomic uint64_t jobs_ended;    /* by EndJob */
+  _Atomic uint64_t jobs_expired;  /* by the idle expiry */
+  _Atomic int64_t memory_bytes;   /* statistics and roots currently allocated */
+  pthread_mutex_t lock;           /* guards the ring and the staleness histogram below */
   double ring[PD_STATS_WINDOW];
   size_t ring_len, ring_next;
-  pd_stale_hist stale;           /* daemon-wide, all blocks of all jobs */
-  double start_time;             /* monotonic seconds */
+  pd_stale_hist stale;               /* daemon-wide, all blocks of all jobs */
+  double start_time;                 /* monotonic seconds */
   _Atomic double last_snapshot_time; /* monotonic seconds; 0: never */
 } pd_stats;
 
@@ -174,11 +174,11 @@ double pd_now(void);
  * through a reference count and freed by the last pd_root_unref. */
 typedef struct {
   _Atomic int refs;
-  uint64_t version;      /* 1, 2, ... per unit */
-  uint64_t source_step;  /* statistics step it stands for (a drift-test skip republishes
+  uint64_t version;     /* 1, 2, ... per unit */
+  uint64_t source_step; /* statistics step it stands for (a drift-test skip republishes
                           * a root as of a newer step: within drift_threshold of it) */
-  double error;          /* the mode's residual error (Shampoo: max over the factors) */
-  int method;            /* the mode's method (Shampoo: pc_method) */
+  double error;         /* the mode's residual error (Shampoo: max over the factors) */
+  int method;           /* the mode's method (Shampoo: pc_method) */
   uint32_t iterations;
   double aux[PD_MODE_AUX]; /* pd_compute_info.aux of the computation (in snapshots) */
   uint32_t nparts;
@@ -202,32 +202,32 @@ typedef struct pd_job pd_job;
 typedef struct {
   pd_job *job;
   uint32_t id;
-  uint32_t tensor;               /* UINT32_MAX: a job-level unit */
+  uint32_t tensor; /* UINT32_MAX: a job-level unit */
   uint64_t row0, rows, col0, cols;
   uint32_t nparts;
-  uint64_t order[PD_MAX_PARTS];  /* of each part of the state and of the result */
-  uint32_t owner;                /* the replica (MPI rank) computing its results; 0 alone */
-  pthread_mutex_t lock;          /* guards stat, root, counters below */
-  float *stat[PD_MAX_PARTS];     /* the state pushes are folded into */
-  uint64_t pushes;               /* statistics updates received */
-  pd_root *root;                 /* latest published; NULL before the first */
+  uint64_t order[PD_MAX_PARTS]; /* of each part of the state and of the result */
+  uint32_t owner;               /* the replica (MPI rank) computing its results; 0 alone */
+  pthread_mutex_t lock;         /* guards stat, root, counters below */
+  float *stat[PD_MAX_PARTS];    /* the state pushes are folded into */
+  uint64_t pushes;              /* statistics updates received */
+  pd_root *root;                /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
-  double last_error, last_compute_ms;  /* last_error NaN: the computation itself failed */
-  double last_drift;             /* of the last drift test; NAN before one */
-  int has_drift_ref;             /* drift_ref holds the published root's probes */
+  double last_error, last_compute_ms; /* last_error NaN: the computation itself failed */
+  double last_drift;                  /* of the last drift test; NAN before one */
+  int has_drift_ref;                  /* drift_ref holds the published root's probes */
   double drift_ref[PD_MAX_PARTS][PD_DRIFT_PROBES];
-  pd_stale_hist stale;           /* staleness at each push of a newer step */
-  uint32_t failures_in_row;      /* reset to 0 by a published root */
-  uint64_t resets;               /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
-  char last_failure[160];        /* why the last root was not published; "" if none */
+  pd_stale_hist stale;                  /* staleness at each push of a newer step */
+  uint32_t failures_in_row;             /* reset to 0 by a published root */
+  uint64_t resets;                      /* statistics zeroed after PD_FAILURES_BEFORE_RESET */
+  char last_failure[160];               /* why the last root was not published; "" if none */
   uint64_t mode_counts[PD_MODE_COUNTS]; /* the mode's tallies (pd_mode.count_names), summed
                                  * over computations; not in snapshots */
   /* The mode's own per-unit state (e.g. a warm start): only the thread computing the unit
    * touches it (one computation per unit at a time); freed by the mode's unit_free. */
   void *mode_state;
   /* Read by the scheduler without the block lock. */
-  _Atomic uint64_t stat_step;    /* newest statistics step */
-  _Atomic uint64_t root_step;    /* source step of the published root */
+  _Atomic uint64_t stat_step; /* newest statistics step */
+  _Atomic uint64_t root_step; /* source step of the published root */
   _Atomic int has_root;
   /* Guarded by the scheduler lock. */
   int queued, computing, redo;
@@ -267,10 +267,10 @@ typedef struct {
   double error;
   uint32_t iterations;
   int method;
-  int failed_part; /* when compute returns < 0: the part it failed on, or -1 */
-  double aux[PD_MODE_AUX]; /* the mode's own figures of this result (K-FAC: pi, damping) */
+  int failed_part;                 /* when compute returns < 0: the part it failed on, or -1 */
+  double aux[PD_MODE_AUX];         /* the mode's own figures of this result (K-FAC: pi, damping) */
   uint32_t counts[PD_MODE_COUNTS]; /* added to the unit's mode_counts */
-  int64_t state_bytes;     /* bytes the unit's mode_state grew by (counted in the daemon's
+  int64_t state_bytes;             /* bytes the unit's mode_state grew by (counted in the daemon's
                             * memory; unit_free returns what it held) */
 } pd_compute_info;
 
@@ -288,13 +288,12 @@ typedef struct {
   /* Lays out a job's units. With units == NULL only counts them (before anything is
    * allocated: PD_ELIMIT above max_units); else fills units[*nunits] and the tensors with
    * no unit in diag[*ndiag] (room for ntensors). PD_EINVAL/PD_ELIMIT/PD_ENOMEM with err. */
-  int (*layout)(const void *opts, size_t ntensors, const pd_tensor *tensors,
-                uint32_t max_units, pd_unit_shape *units, size_t *nunits, uint32_t *diag,
-                size_t *ndiag, char *err, size_t errlen);
+  int (*layout)(const void *opts, size_t ntensors, const pd_tensor *tensors, uint32_t max_units,
+                pd_unit_shape *units, size_t *nunits, uint32_t *diag, size_t *ndiag, char *err,
+                size_t errlen);
   /* Folds one validated increment (fp32 parts of the unit's orders) into state. Called
    * under the unit's lock: a memcpy-sized operation. */
-  void (*fold)(const void *opts, const pd_block *u, float *const *state,
-               const float *const *inc);
+  void (*fold)(const void *opts, const pd_block *u, float *const *state, const float *const *inc);
   /* 1 if fold would leave every value of state finite (a sum of large finite pushes can
    * overflow); called under the unit's lock before any unit of a push is folded. */
   int (*fold_fits)(const void *opts, const pd_block *u, const float *const *state,
@@ -306,8 +305,8 @@ typedef struct {
    * info is zeroed by the caller. Returns a pc_ status: >= 0 when out holds a result (its
    * quality in info), < 0 when it does not (out of memory included: counted as a failed
    * computation). */
-  int (*compute)(const void *opts, const pd_block *u, const float *const *state,
-                 void **unit_state, float *const *out, pd_compute_info *info);
+  int (*compute)(const void *opts, const pd_block *u, const float *const *state, void **unit_state,
+                 float *const *out, pd_compute_info *info);
   /* Frees a unit's mode_state and returns the bytes it held (NULL when the mode keeps
    * none). */
   size_t (*unit_free)(void *unit_state);
@@ -315,9 +314,8 @@ typedef struct {
   const char *count_names[PD_MODE_COUNTS];
   /* The publication rule: 1 if a result that compute returned status for may be published
    * (Shampoo: no error code, finite, error within failure_threshold). */
-  int (*publishable)(const void *opts, const pd_block *u, int status,
-                     const pd_compute_info *info, const float *const *out,
-                     double failure_threshold);
+  int (*publishable)(const void *opts, const pd_block *u, int status, const pd_compute_info *info,
+                     const float *const *out, double failure_threshold);
   /* The mode's section of a snapshot: snap_bytes bytes, little-endian. */
   size_t snap_bytes;
   void (*snap_write)(const void *opts, unsigned char *out);
@@ -364,20 +362,20 @@ enum { PD_SHAMPOO_WARM = 0, PD_SHAMPOO_SKIPPED = 1, PD_SHAMPOO_SEEDED = 2, PD_SH
 
 /* K-FAC's options (mode_kfac.c); zero fields take pc_kfac_opts_default's values. */
 enum { /* inverse method: the wire's KfacInverse; pc_kfac_inv + 1 for the explicit ones */
-  PD_KFAC_INVERSE_AUTO = 0, /* pc_kfac_inv_for_size (Cholesky at every size, measured) */
-  PD_KFAC_INVERSE_CHOLESKY,
-  PD_KFAC_INVERSE_EIGH,
-  PD_KFAC_INVERSE_NEWTON
+       PD_KFAC_INVERSE_AUTO = 0, /* pc_kfac_inv_for_size (Cholesky at every size, measured) */
+       PD_KFAC_INVERSE_CHOLESKY,
+       PD_KFAC_INVERSE_EIGH,
+       PD_KFAC_INVERSE_NEWTON
 };
 enum { PD_KFAC_AUX_PI = 0, PD_KFAC_AUX_DAMP_A, PD_KFAC_AUX_DAMP_G }; /* pd_root.aux */
 
 typedef struct {
   double factor_decay;
-  double damping;       /* lambda */
-  uint32_t inv_every;   /* pushes between inverse computations */
-  int no_pi_damping;    /* 1: pi = 1 */
-  int inverse;          /* PD_KFAC_INVERSE_* */
-  uint32_t max_order;   /* layers with a larger factor get no unit (0: 4096) */
+  double damping;     /* lambda */
+  uint32_t inv_every; /* pushes between inverse computations */
+  int no_pi_damping;  /* 1: pi = 1 */
+  int inverse;        /* PD_KFAC_INVERSE_* */
+  uint32_t max_order; /* layers with a larger factor get no unit (0: 4096) */
 } pd_kfac_opts;
 
 extern const pd_mode pd_mode_kfac;
@@ -394,9 +392,9 @@ uint64_t pd_le_get(const unsigned char *in, int bytes);
  * every call or queued computation that uses it holds one (pd_store_get, pd_job_ref), so an
  * ended job is freed by whoever drops the last reference, never under a reader. */
 struct pd_job {
-  _Atomic int refs;              /* 1 from pd_job_build: its builder's */
-  _Atomic int ended;             /* removed from the store: queued work for it is skipped */
-  _Atomic double last_active;    /* pd_now() of its last Register, push or fetch */
+  _Atomic int refs;           /* 1 from pd_job_build: its builder's */
+  _Atomic int ended;          /* removed from the store: queued work for it is skipped */
+  _Atomic double last_active; /* pd_now() of its last Register, push or fetch */
   char *name;
   const pd_mode *mode;
   _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX]; /* the mode's, resolved */
@@ -405,40 +403,39 @@ struct pd_job {
   size_t nblocks;
   pd_block *blocks;
   size_t ndiag;
-  uint32_t *diag;                /* tensors with no units */
-  int in_store;                  /* its statistics are counted in the daemon's memory */
-  size_t scratch_max;            /* pd_unit_scratch_bytes of its largest unit */
-  uint64_t version_base;         /* the store's epoch << 40: root versions start above it */
+  uint32_t *diag;                     /* tensors with no units */
+  int in_store;                       /* its statistics are counted in the daemon's memory */
+  size_t scratch_max;                 /* pd_unit_scratch_bytes of its largest unit */
+  uint64_t version_base;              /* the store's epoch << 40: root versions start above it */
   const struct pd_replica_link *link; /* the store's (NULL: one daemon) */
-  double *rank_load;             /* estimated cost owned per rank (pd_replica_plan) */
-  uint64_t resumed_step;         /* last_step in the snapshot it was restored from; 0 */
-  pthread_mutex_t lock;          /* guards last_step, workers */
+  double *rank_load;                  /* estimated cost owned per rank (pd_replica_plan) */
+  uint64_t resumed_step;              /* last_step in the snapshot it was restored from; 0 */
+  pthread_mutex_t lock;               /* guards last_step, workers */
   uint64_t last_step;
   size_t nworkers;
   char *workers[PD_MAX_WORKER_NAMES];
 };
 
 typedef struct {
-  pthread_rwlock_t lock;         /* guards the job list (each listed job: one reference) */
+  pthread_rwlock_t lock; /* guards the job list (each listed job: one reference) */
   size_t njobs, cap;
   pd_job **jobs;
   pd_stats *stats;
   size_t memory_limit;
-  size_t job_memory_limit;       /* 0: none; set after pd_store_init (main.c) */
+  size_t job_memory_limit; /* 0: none; set after pd_store_init (main.c) */
   /* The budget the pool computes in (scheduler.c): memory_limit minus the listed jobs'
    * reservations. Register keeps room in it for the largest unit's scratch of any job, so
    * one computation always fits; more run at once only while their scratch fits too. */
-  _Atomic size_t reserved;       /* pd_job_bytes of the listed jobs */
-  _Atomic size_t scratch_max;    /* the largest scratch_max of the listed jobs */
+  _Atomic size_t reserved;    /* pd_job_bytes of the listed jobs */
+  _Atomic size_t scratch_max; /* the largest scratch_max of the listed jobs */
   uint32_t max_blocks_per_job;
-  _Atomic uint64_t generation;   /* bumped by every change: snapshots skip when unchanged */
-  uint64_t epoch;                /* daemon starts with this state dir (main.c); 0 without */
+  _Atomic uint64_t generation;        /* bumped by every change: snapshots skip when unchanged */
+  uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
   const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
-  _Atomic uint64_t removed;      /* jobs removed (ended or expired): main.c snapshots soon */
+  _Atomic uint64_t removed;           /* jobs removed (ended or expired): main.c snapshots soon */
 } pd_store;
 
-int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
-                  uint32_t max_blocks_per_job);
+int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit, uint32_t max_blocks_per_job);
 void pd_store_destroy(pd_store *st);
 
 /* Builds a job of mode with options opts (mode->opts_size bytes, resolved: the job copies
@@ -654,7 +651,7 @@ typedef struct {
   pd_stats *stats;
   pd_sched_rules rules;
   _Atomic uint64_t busy;
-  size_t scratch_in_use;    /* of the computations running now; guarded by lock */
+  size_t scratch_in_use; /* of the computations running now; guarded by lock */
 } pd_sched;
 
 /* A block whose roots failed this many times in a row has its statistics zeroed (counted
@@ -717,7 +714,7 @@ typedef enum {
   PD_M_FETCH,
   PD_M_STATS,
   PD_M_HEALTH,
-  PD_M_END_JOB,  /* after the first five: the fuzz corpus picks methods by index */
+  PD_M_END_JOB, /* after the first five: the fuzz corpus picks methods by index */
   PD_M_COUNT
 } pd_method;
 
@@ -728,19 +725,18 @@ extern const char *const pd_method_paths[PD_M_COUNT];
 typedef struct {
   grpc_status_code code;
   char message[512];
-  grpc_byte_buffer *payload;  /* owned by the reply until sent */
+  grpc_byte_buffer *payload; /* owned by the reply until sent */
 } pd_reply;
 
 /* Handles one unary call of method m with request bytes payload (may be NULL); fills
  * reply. Never fails otherwise: every error becomes a status. */
-void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
-                       pd_reply *reply);
+void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_reply *reply);
 
 /* What an ended job held, for the EndJob answer and the log. */
 typedef struct {
   uint32_t blocks;
   uint64_t last_step;
-  uint64_t bytes;   /* pd_job_bytes: its reservation under the memory limit, now free */
+  uint64_t bytes; /* pd_job_bytes: its reservation under the memory limit, now free */
 } pd_job_ended;
 
 /* Ends the job of that name (or with idle_s > 0, the first job idle for longer than idle_s
@@ -766,9 +762,9 @@ void pd_server_stop(pd_server *srv, double grace_s);
 /* ------------------------------------------------------------------------------------ */
 /* limits.c                                                                               */
 
-#define PD_MAX_TENSORS 65536u                /* tensors in one job */
-#define PD_MAX_JOBS 1024u                    /* jobs in the store */
-#define PD_MAX_STEP ((uint64_t)1 << 53)      /* steps above are refused: exact in a double */
+#define PD_MAX_TENSORS 65536u              /* tensors in one job */
+#define PD_MAX_JOBS    1024u               /* jobs in the store */
+#define PD_MAX_STEP    ((uint64_t)1 << 53) /* steps above are refused: exact in a double */
 
 /* The size limit of method m's requests: its own, never above cfg->max_message_bytes. */
 size_t pd_request_max_bytes(const pd_config *cfg, pd_method m);

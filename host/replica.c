@@ -226,8 +226,8 @@ static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
                pd__parts_bytes(r->nparts, r->order);
   pd__msg *m = pd__msg_new(PD__TAG_ROOT, -1, cap);
   if (!m) {
-    pd_log(PD_LOG_ERROR, "replicas: out of memory sending a root of job %s block %u",
-           b->job->name, b->id);
+    pd_log(PD_LOG_ERROR, "replicas: out of memory sending a root of job %s block %u", b->job->name,
+           b->id);
     return;
   }
   pd__put_str(m, b->job->name);
@@ -244,8 +244,7 @@ static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
   pd__enqueue(x, m);
 }
 
-static int pd__hook_stat(void *ctx, const pd_block *b, const float *const *parts,
-                         uint64_t step) {
+static int pd__hook_stat(void *ctx, const pd_block *b, const float *const *parts, uint64_t step) {
   pd_replica *x = ctx;
   size_t cap = 4 + strlen(b->job->name) + 4 + 8 + 4 + pd__parts_bytes(b->nparts, b->order);
   pd__msg *m = pd__msg_new(PD__TAG_STAT, (int)b->owner, cap);
@@ -299,8 +298,8 @@ static void pd__on_job(pd_replica *x, pd__rd *r) {
     for (int k = 0; k < t[i].rank && !r->bad; k++) t[i].dims[k] = pd__get(r, 8);
   }
   if (r->bad) goto bad;
-  if (pd_job_build(name, mode, opts, nt, t, d->cfg.max_blocks_per_job, &job, why,
-                   sizeof why) != PD_OK)
+  if (pd_job_build(name, mode, opts, nt, t, d->cfg.max_blocks_per_job, &job, why, sizeof why) !=
+      PD_OK)
     goto bad;
   pd_job *existing = NULL;
   int rc = pd_store_add(&d->store, job, &existing);
@@ -310,8 +309,10 @@ static void pd__on_job(pd_replica *x, pd__rd *r) {
   }
   if (existing) {
     if (!pd_job_same(existing, job))
-      pd_log(PD_LOG_ERROR, "replicas: job %s came from another rank with different tensors or "
-             "options than the one registered here; this rank keeps its own", name);
+      pd_log(PD_LOG_ERROR,
+             "replicas: job %s came from another rank with different tensors or "
+             "options than the one registered here; this rank keeps its own",
+             name);
     pd_job_unref(existing, &d->stats);
     pd_job_free(job, &d->stats);
   } else {
@@ -379,12 +380,10 @@ static void pd__on_stat(pd_replica *x, pd_block *b, pd__rd *r) {
     } else {
       atomic_fetch_add(&d->stats.rejected_pushes, 1);
       pd_log(PD_LOG_WARN, "replicas: forwarded statistics of job %s block %u refused: %s",
-             b->job->name, b->id, rc == PD_EINVAL ? "they would overflow to Inf"
-                                                  : "out of memory");
+             b->job->name, b->id, rc == PD_EINVAL ? "they would overflow to Inf" : "out of memory");
     }
   } else {
-    pd_log(PD_LOG_ERROR, "replicas: malformed statistics for job %s block %u", b->job->name,
-           b->id);
+    pd_log(PD_LOG_ERROR, "replicas: malformed statistics for job %s block %u", b->job->name, b->id);
   }
   for (uint32_t k = 0; k < PD_MAX_PARTS; k++) free(inc[k]);
 }
@@ -479,8 +478,8 @@ static void pd__mpi_failed(pd_replica *x, const char *what, int err) {
   MPI_Error_string(err, text, &n);
   atomic_fetch_add(&x->link.mpi_errors, 1);
   if (!atomic_exchange(&x->link.alone, 1))
-    pd_log(PD_LOG_ERROR, "replicas: %s failed (%s): rank %d now computes every unit itself",
-           what, text, x->link.rank);
+    pd_log(PD_LOG_ERROR, "replicas: %s failed (%s): rank %d now computes every unit itself", what,
+           text, x->link.rank);
 }
 
 /* Receives and handles everything waiting. Counts BYEs in *byes. Returns 1 if anything
@@ -624,9 +623,10 @@ static void *pd__comm(void *arg) {
   double until = pd_now() + x->grace_s;
   while (!atomic_load(&x->link.alone) && (byes < x->link.nranks - 1 || x->nsends > 0)) {
     if (pd_now() > until) {
-      pd_log(PD_LOG_WARN, "replicas: %d of %d other ranks did not finish within %.0f s; "
-             "stopping without them", x->link.nranks - 1 - byes, x->link.nranks - 1,
-             x->grace_s);
+      pd_log(PD_LOG_WARN,
+             "replicas: %d of %d other ranks did not finish within %.0f s; "
+             "stopping without them",
+             x->link.nranks - 1 - byes, x->link.nranks - 1, x->grace_s);
       break;
     }
     int busy = pd__receive(x, &byes) | pd__test_sends(x);
@@ -645,7 +645,8 @@ int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *n
     return PD_EIO;
   }
   if (provided < MPI_THREAD_SERIALIZED) {
-    pd_log(PD_LOG_ERROR, "replicas: this MPI library gives thread level %d, below "
+    pd_log(PD_LOG_ERROR,
+           "replicas: this MPI library gives thread level %d, below "
            "MPI_THREAD_SERIALIZED (the communication thread is not the main thread)",
            provided);
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -675,7 +676,9 @@ int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *n
   return PD_OK;
 }
 
-pd_replica_link *pd_replica_link_of(pd_replica *x) { return &x->link; }
+pd_replica_link *pd_replica_link_of(pd_replica *x) {
+  return &x->link;
+}
 
 int pd_replica_agree(pd_replica *x, int ok) {
   int mine = ok ? 1 : 0, all = 0;

@@ -9,8 +9,7 @@
 #include <string.h>
 
 int pd_replica_owns(const pd_replica_link *link, const pd_block *b) {
-  return !link || link->nranks <= 1 || atomic_load(&link->alone) ||
-         (int)b->owner == link->rank;
+  return !link || link->nranks <= 1 || atomic_load(&link->alone) || (int)b->owner == link->rank;
 }
 
 double pd_replica_cost(const pd_block *b) {

@@ -140,7 +140,8 @@ static int pd__note_failure(pd_block *b, int status, const pd_compute_info *info
   if (status < 0)
     snprintf(b->last_failure, sizeof b->last_failure, "%s: %s",
              info->failed_part >= 0 && info->failed_part < (int)b->nparts
-                 ? mode->part_names[info->failed_part] : mode->name,
+                 ? mode->part_names[info->failed_part]
+                 : mode->name,
              pc_strerror(status));
   else if (!isfinite(err))
     snprintf(b->last_failure, sizeof b->last_failure, "non-finite result or error");
@@ -267,8 +268,7 @@ size_t pd_unit_scratch_bytes(const pd_block *u) {
     parts += pc_packed_len(u->order[k]);
   }
   /* The state's copy and the new result (parts), the drift probes, the dense numerics. */
-  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) +
-         80 * nmax * nmax;
+  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) + 80 * nmax * nmax;
 }
 
 /* The queue entry a free worker takes (the policy above) among those whose scratch fits in
@@ -374,8 +374,8 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
     }
     s->nthreads++;
   }
-  pd_log(PD_LOG_INFO, "scheduler: %d root workers, %d BLAS thread(s) each, %ld cores",
-         nthreads, blas, cores);
+  pd_log(PD_LOG_INFO, "scheduler: %d root workers, %d BLAS thread(s) each, %ld cores", nthreads,
+         blas, cores);
   return PD_OK;
 }
 

@@ -28,18 +28,18 @@
 
 #include "rpc.h"
 
-#define PD_ARMED 4       /* armed requests per method */
-#define PD_ARMED_ANY 2   /* armed catch-all requests */
+#define PD_ARMED     4 /* armed requests per method */
+#define PD_ARMED_ANY 2 /* armed catch-all requests */
 
 typedef struct pd_slot {
   pd_server *srv;
-  int method;  /* pd_method, or -1 for the catch-all */
-  int phase;   /* 0: armed; 1: reply batch in flight; 2: receiving the request */
+  int method; /* pd_method, or -1 for the catch-all */
+  int phase;  /* 0: armed; 1: reply batch in flight; 2: receiving the request */
   grpc_call *call;
   gpr_timespec deadline;
   grpc_metadata_array md;
   grpc_byte_buffer *payload;
-  grpc_call_details details;  /* catch-all only */
+  grpc_call_details details; /* catch-all only */
   pd_reply reply;
   grpc_slice status_details;
   int counted; /* counted in the server's calls in flight */
@@ -54,10 +54,10 @@ struct pd_server {
   pthread_t *pollers;
   pthread_mutex_t lock;
   pthread_cond_t cond;
-  int shutdown_done;         /* guarded by lock */
-  size_t in_flight;          /* calls started and not yet released; guarded by lock */
+  int shutdown_done; /* guarded by lock */
+  size_t in_flight;  /* calls started and not yet released; guarded by lock */
   _Atomic int stopping;
-  char shutdown_tag;         /* its address is the shutdown notification's tag */
+  char shutdown_tag; /* its address is the shutdown notification's tag */
 };
 
 static void pd__slot_free(pd_slot *s) {
@@ -89,12 +89,11 @@ static void pd__arm(pd_server *srv, int m) {
   grpc_metadata_array_init(&s->md);
   grpc_call_error e;
   if (m >= 0) {
-    e = grpc_server_request_registered_call(srv->server, srv->methods[m], &s->call,
-                                            &s->deadline, &s->md, NULL, srv->cq, srv->cq, s);
+    e = grpc_server_request_registered_call(srv->server, srv->methods[m], &s->call, &s->deadline,
+                                            &s->md, NULL, srv->cq, srv->cq, s);
   } else {
     grpc_call_details_init(&s->details);
-    e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq,
-                                 s);
+    e = grpc_server_request_call(srv->server, &s->call, &s->details, &s->md, srv->cq, srv->cq, s);
   }
   if (e != GRPC_CALL_OK) {
     if (!atomic_load(&srv->stopping))
@@ -174,8 +173,7 @@ static void pd__admit(pd_slot *s) {
   if (s->method < 0) {
     char *name = grpc_slice_to_c_string(s->details.method);
     rep->code = GRPC_STATUS_UNIMPLEMENTED;
-    snprintf(rep->message, sizeof rep->message, "method %s is not implemented by precondd",
-             name);
+    snprintf(rep->message, sizeof rep->message, "method %s is not implemented by precondd", name);
     pd_log(PD_LOG_DEBUG, "unknown method %s", name);
     gpr_free(name);
   } else if (gpr_time_cmp(now, deadline) > 0) {
@@ -220,8 +218,7 @@ static void pd__serve(pd_slot *s) {
 static void *pd__poll(void *arg) {
   pd_server *srv = arg;
   for (;;) {
-    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                               NULL);
+    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     if (ev.tag == &srv->shutdown_tag) {
@@ -385,8 +382,8 @@ void pd_server_stop(pd_server *srv, double grace_s) {
      * cancelling (which closes the connections) loses nothing. */
     size_t left = pd__wait_shutdown(srv, grace_s, 1);
     if (left > 0)
-      pd_log(PD_LOG_WARN, "shutdown: %zu calls still in flight after %.1f s: cancelling them",
-             left, grace_s);
+      pd_log(PD_LOG_WARN, "shutdown: %zu calls still in flight after %.1f s: cancelling them", left,
+             grace_s);
     grpc_server_cancel_all_calls(srv->server);
     pd__wait_shutdown(srv, -1, -1);
   } else {
@@ -398,8 +395,7 @@ void pd_server_stop(pd_server *srv, double grace_s) {
   if (srv->npollers == 0) {
     /* Nobody polled: drain here so every slot is released. */
     for (;;) {
-      grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                                 NULL);
+      grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
       if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
       if (ev.type == GRPC_OP_COMPLETE && ev.tag != &srv->shutdown_tag) pd__slot_free(ev.tag);
     }

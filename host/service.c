@@ -24,12 +24,14 @@
 #include "rpc.h"
 
 const char *const pd_method_paths[PD_M_COUNT] = {
-    RPC_METHOD_REGISTER, RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_FETCH_PRECONDITIONERS,
-    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK, RPC_METHOD_END_JOB};
+    RPC_METHOD_REGISTER,  RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_FETCH_PRECONDITIONERS,
+    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK,    RPC_METHOD_END_JOB};
 
 static const ProtobufCMessageDescriptor *const pd__req_desc[PD_M_COUNT] = {
-    &precond__v1__register_request__descriptor, &precond__v1__push_request__descriptor,
-    &precond__v1__fetch_request__descriptor, &precond__v1__stats_request__descriptor,
+    &precond__v1__register_request__descriptor,
+    &precond__v1__push_request__descriptor,
+    &precond__v1__fetch_request__descriptor,
+    &precond__v1__stats_request__descriptor,
     &grpc__health__v1__health_check_request__descriptor,
     &precond__v1__end_job_request__descriptor};
 
@@ -98,40 +100,40 @@ static int pd__decode_mode(const Precond__V1__RegisterRequest *req, const pd_mod
     return PD_ELIMIT;
   }
   switch (req->mode) {
-  case PRECOND__V1__MODE__MODE_KFAC: {
-    pd_kfac_opts *o = (pd_kfac_opts *)(void *)opts;
-    const Precond__V1__KfacOptions *in = req->kfac;
-    if (in) {
-      o->factor_decay = in->factor_decay;
-      o->damping = in->damping;
-      o->inv_every = in->inv_every;
-      o->no_pi_damping = in->no_pi_damping ? 1 : 0;
-      o->inverse = (int)in->inverse;
-      o->max_order = in->max_order;
+    case PRECOND__V1__MODE__MODE_KFAC: {
+      pd_kfac_opts *o = (pd_kfac_opts *)(void *)opts;
+      const Precond__V1__KfacOptions *in = req->kfac;
+      if (in) {
+        o->factor_decay = in->factor_decay;
+        o->damping = in->damping;
+        o->inv_every = in->inv_every;
+        o->no_pi_damping = in->no_pi_damping ? 1 : 0;
+        o->inverse = (int)in->inverse;
+        o->max_order = in->max_order;
+      }
+      *mode = &pd_mode_kfac;
+      return PD_OK;
     }
-    *mode = &pd_mode_kfac;
-    return PD_OK;
-  }
-  case PRECOND__V1__MODE__MODE_SHAMPOO: {
-    pd_shampoo_opts *o = (pd_shampoo_opts *)(void *)opts;
-    const Precond__V1__ShampooOptions *in = req->shampoo;
-    if (in) {
-      o->block_size = in->block_size;
-      o->skip_limit = in->skip_limit;
-      o->beta2 = in->beta2;
-      o->root_exponent = in->root_exponent;
-      o->epsilon = in->epsilon;
-      o->method = (int)in->method;
+    case PRECOND__V1__MODE__MODE_SHAMPOO: {
+      pd_shampoo_opts *o = (pd_shampoo_opts *)(void *)opts;
+      const Precond__V1__ShampooOptions *in = req->shampoo;
+      if (in) {
+        o->block_size = in->block_size;
+        o->skip_limit = in->skip_limit;
+        o->beta2 = in->beta2;
+        o->root_exponent = in->root_exponent;
+        o->epsilon = in->epsilon;
+        o->method = (int)in->method;
+      }
+      *mode = &pd_mode_shampoo;
+      return PD_OK;
     }
-    *mode = &pd_mode_shampoo;
-    return PD_OK;
-  }
-  default: return PD_EINVAL;
+    default:
+      return PD_EINVAL;
   }
 }
 
-static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
-                         pd_reply *rep) {
+static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req, pd_reply *rep) {
   char why[400];
   if (!req->job || !*req->job) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
@@ -145,8 +147,8 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     return;
   }
   if (drc != PD_OK) {
-    pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED,
-             "mode: %d is not implemented (Shampoo and K-FAC only)", (int)req->mode);
+    pd__fail(rep, GRPC_STATUS_UNIMPLEMENTED, "mode: %d is not implemented (Shampoo and K-FAC only)",
+             (int)req->mode);
     return;
   }
   if (mode->resolve(opts, why, sizeof why) != PD_OK) {
@@ -167,26 +169,26 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     tensors[i].rank = req->tensors[i]->n_shape > 64 ? 65 : (int)req->tensors[i]->n_shape;
     tensors[i].dims = req->tensors[i]->shape;
   }
-  int rc = pd_job_build(req->job, mode, opts, req->n_tensors, tensors,
-                        d->cfg.max_blocks_per_job, &job, why, sizeof why);
+  int rc = pd_job_build(req->job, mode, opts, req->n_tensors, tensors, d->cfg.max_blocks_per_job,
+                        &job, why, sizeof why);
   if (rc != PD_OK) {
-    pd__fail(rep, rc == PD_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
-                                  : GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", why);
+    pd__fail(rep, rc == PD_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT : GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "%s", why);
     goto cleanup;
   }
   const pd_replica_link *link = d->store.link;
   if (link && link->nranks > 1 && job->nblocks < (size_t)link->nranks) {
     pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
              "tensors: the job has %zu units for %d daemon replicas: every replica needs at "
-             "least one (start fewer ranks: mpirun -np %zu at most)", job->nblocks,
-             link->nranks, job->nblocks);
+             "least one (start fewer ranks: mpirun -np %zu at most)",
+             job->nblocks, link->nranks, job->nblocks);
     goto cleanup;
   }
   if (pd_store_job_over_limit(&d->store, job)) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
              "job \"%s\": needs %zu bytes for its records, statistics and roots, above the "
-             "per-job memory limit of %zu bytes (--job-memory-limit-mb)", req->job,
-             pd_job_bytes(job), d->store.job_memory_limit);
+             "per-job memory limit of %zu bytes (--job-memory-limit-mb)",
+             req->job, pd_job_bytes(job), d->store.job_memory_limit);
     goto cleanup;
   }
   pd_job *existing = NULL;
@@ -207,8 +209,7 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req,
     held = existing; /* the reference pd_store_add took for us */
     if (!pd_job_same(existing, job)) {
       pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
-               "job: \"%s\" is already registered with different tensors or options",
-               req->job);
+               "job: \"%s\" is already registered with different tensors or options", req->job);
       goto cleanup;
     }
     pd_job_free(job, &d->stats); /* a restarted worker: answer with the job we hold */
@@ -275,13 +276,13 @@ static int pd__push_parts(const pd_job *job, const Precond__V1__BlockStatistics 
                           const Precond__V1__PackedMatrix **wire, const char *const **names,
                           pd_reply *rep) {
   int kfac = job->mode->id == PD_MODE_KFAC;
-  const Precond__V1__PackedMatrix *foreign = kfac ? (bs->left ? bs->left : bs->right)
-                                                  : (bs->a ? bs->a : bs->g);
+  const Precond__V1__PackedMatrix *foreign =
+      kfac ? (bs->left ? bs->left : bs->right) : (bs->a ? bs->a : bs->g);
   if (foreign) {
     const char *field = kfac ? (bs->left ? "left" : "right") : (bs->a ? "a" : "g");
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
-             "blocks[%zu].%s: a %s field on a %s job; nothing of this push was stored", i,
-             field, kfac ? "Shampoo" : "K-FAC", job->mode->name);
+             "blocks[%zu].%s: a %s field on a %s job; nothing of this push was stored", i, field,
+             kfac ? "Shampoo" : "K-FAC", job->mode->name);
     return 0;
   }
   wire[0] = kfac ? bs->a : bs->left;
@@ -308,8 +309,8 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
   size_t count = pc_packed_len(n);
   size_t width = rpc_packed_width((int)m->encoding);
   if (width == 0) {
-    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s.encoding: %d is unknown", i,
-             side, (int)m->encoding);
+    pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s.encoding: %d is unknown", i, side,
+             (int)m->encoding);
     return -1;
   }
   if (m->data.len != count * width) {
@@ -319,8 +320,7 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
     return -1;
   }
   /* The wire's bytes are the values themselves where the codec says so: no copy. */
-  if (rpc_packed_native((int)m->encoding) &&
-      ((uintptr_t)m->data.data % _Alignof(float)) == 0) {
+  if (rpc_packed_native((int)m->encoding) && ((uintptr_t)m->data.data % _Alignof(float)) == 0) {
     *vals = (const float *)(const void *)m->data.data;
   } else {
     float *buf = malloc(count * sizeof *buf);
@@ -335,7 +335,8 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
   if (!pc_all_finite_f32(count, *vals)) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
              "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
-             "stored", i, side);
+             "stored",
+             i, side);
     return -1;
   }
   return 0;
@@ -407,7 +408,8 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
     if (prc == PD_EINVAL)
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
                "block %u: adding these statistics would overflow the stored statistic to "
-               "Inf; nothing of this push was stored", blocks[bad]->id);
+               "Inf; nothing of this push was stored",
+               blocks[bad]->id);
     else
       pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
@@ -423,8 +425,7 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
   }
   for (size_t i = 0; i < nlocal; i++)
     if (pd_block_due(blocks[i]) && pd_sched_mark(&d->sched, blocks[i]) != PD_OK)
-      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name,
-             blocks[i]->id);
+      pd_log(PD_LOG_ERROR, "job %s block %u: out of memory queueing it", job->name, blocks[i]->id);
   pthread_mutex_lock(&job->lock);
   if (req->step > job->last_step) job->last_step = req->step;
   pthread_mutex_unlock(&job->lock);
@@ -631,8 +632,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.queue_depth = pd_sched_depth(&d->sched);
   resp.roots_computed = atomic_load(&d->stats.roots_computed);
   resp.roots_failed = atomic_load(&d->stats.roots_failed);
-  pd_stats_percentiles(&d->stats, &resp.compute_ms_p50, &resp.compute_ms_p90,
-                       &resp.compute_ms_p99);
+  pd_stats_percentiles(&d->stats, &resp.compute_ms_p50, &resp.compute_ms_p90, &resp.compute_ms_p99);
   resp.bytes_in = atomic_load(&d->stats.bytes_in);
   resp.bytes_out = atomic_load(&d->stats.bytes_out);
   int64_t mem = atomic_load(&d->stats.memory_bytes);
@@ -765,10 +765,11 @@ int pd_service_end_job(pd_daemon *d, const char *name, double idle_s, double now
   int expired = idle_s > 0;
   atomic_fetch_add(expired ? &d->stats.jobs_expired : &d->stats.jobs_ended, 1);
   if (expired)
-    pd_log(PD_LOG_INFO, "job %s expired: idle for %.1f s (--job-idle-expiry %g); %u units, "
-           "last step %llu, %llu bytes freed", job->name, now - atomic_load(&job->last_active),
-           idle_s, out->blocks, (unsigned long long)out->last_step,
-           (unsigned long long)out->bytes);
+    pd_log(PD_LOG_INFO,
+           "job %s expired: idle for %.1f s (--job-idle-expiry %g); %u units, "
+           "last step %llu, %llu bytes freed",
+           job->name, now - atomic_load(&job->last_active), idle_s, out->blocks,
+           (unsigned long long)out->last_step, (unsigned long long)out->bytes);
   else
     pd_log(PD_LOG_INFO, "job %s ended: %u units, last step %llu, %llu bytes freed", job->name,
            out->blocks, (unsigned long long)out->last_step, (unsigned long long)out->bytes);
@@ -807,8 +808,7 @@ static void pd__end_job(pd_daemon *d, const Precond__V1__EndJobRequest *req, pd_
 
 /* ---- dispatch ------------------------------------------------------------------------- */
 
-void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
-                       pd_reply *reply) {
+void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_reply *reply) {
   reply->code = GRPC_STATUS_OK;
   reply->message[0] = '\0';
   reply->payload = NULL;
@@ -832,18 +832,30 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload,
     return;
   }
   switch (m) {
-  case PD_M_REGISTER: pd__register(d, (Precond__V1__RegisterRequest *)req, reply); break;
-  case PD_M_PUSH: pd__push(d, (Precond__V1__PushRequest *)req, reply); break;
-  case PD_M_FETCH: pd__fetch(d, (Precond__V1__FetchRequest *)req, reply); break;
-  case PD_M_STATS: pd__stats(d, (Precond__V1__StatsRequest *)req, reply); break;
-  case PD_M_END_JOB: pd__end_job(d, (Precond__V1__EndJobRequest *)req, reply); break;
-  case PD_M_HEALTH: {
-    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
-    pd__answer(d, reply, &resp.base);
-    break;
-  }
-  default: pd__fail(reply, GRPC_STATUS_UNIMPLEMENTED, "unknown method"); break;
+    case PD_M_REGISTER:
+      pd__register(d, (Precond__V1__RegisterRequest *)req, reply);
+      break;
+    case PD_M_PUSH:
+      pd__push(d, (Precond__V1__PushRequest *)req, reply);
+      break;
+    case PD_M_FETCH:
+      pd__fetch(d, (Precond__V1__FetchRequest *)req, reply);
+      break;
+    case PD_M_STATS:
+      pd__stats(d, (Precond__V1__StatsRequest *)req, reply);
+      break;
+    case PD_M_END_JOB:
+      pd__end_job(d, (Precond__V1__EndJobRequest *)req, reply);
+      break;
+    case PD_M_HEALTH: {
+      Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+      resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+      pd__answer(d, reply, &resp.base);
+      break;
+    }
+    default:
+      pd__fail(reply, GRPC_STATUS_UNIMPLEMENTED, "unknown method");
+      break;
   }
   protobuf_c_message_free_unpacked(req, NULL);
 }

@@ -43,9 +43,9 @@
 
 #include "preconditioner.h"
 
-#define PD_SNAP_MAGIC "PCDSNAP1"
-#define PD_SNAP_FORMAT 3u
-#define PD_SNAP_FORMAT_NO_AUX 1u      /* before results kept their aux figures */
+#define PD_SNAP_MAGIC              "PCDSNAP1"
+#define PD_SNAP_FORMAT             3u
+#define PD_SNAP_FORMAT_NO_AUX      1u /* before results kept their aux figures */
 #define PD_SNAP_FORMAT_NO_FAILURES 2u /* before blocks kept resets and the last failure */
 _Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
@@ -353,8 +353,7 @@ static void pd__rf32s(pd__r *r, float *v, size_t n) {
 }
 
 /* First pass: header fields, file size and payload CRC. */
-static int pd__verify(FILE *f, uint64_t *payload, uint32_t *format_out, char *err,
-                      size_t errlen) {
+static int pd__verify(FILE *f, uint64_t *payload, uint32_t *format_out, char *err, size_t errlen) {
   unsigned char h[PD_SNAP_HEADER];
   if (fread(h, 1, sizeof h, f) != sizeof h) {
     snprintf(err, errlen, "truncated header (file shorter than %d bytes)", PD_SNAP_HEADER);
@@ -391,8 +390,8 @@ static int pd__verify(FILE *f, uint64_t *payload, uint32_t *format_out, char *er
     return PD_ECORRUPT;
   }
   if ((uint32_t)crc != want) {
-    snprintf(err, errlen, "payload checksum mismatch (crc32 %08x, header says %08x)",
-             (unsigned)crc, (unsigned)want);
+    snprintf(err, errlen, "payload checksum mismatch (crc32 %08x, header says %08x)", (unsigned)crc,
+             (unsigned)want);
     return PD_ECORRUPT;
   }
   return PD_OK;
@@ -463,8 +462,8 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   }
   uint32_t nblocks = pd__ru32(r);
   if (r->err || nblocks != job->nblocks) {
-    snprintf(err, errlen, "job \"%s\": %u blocks stored, the layout gives %zu", job->name,
-             nblocks, job->nblocks);
+    snprintf(err, errlen, "job \"%s\": %u blocks stored, the layout gives %zu", job->name, nblocks,
+             job->nblocks);
     goto bad_quiet;
   }
   for (uint32_t i = 0; i < nblocks && !r->err; i++) {
@@ -472,10 +471,11 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
     uint32_t id = pd__ru32(r);
     uint64_t rows = pd__ru64(r), cols = pd__ru64(r);
     if (r->err || id != b->id || rows != b->rows || cols != b->cols) {
-      snprintf(err, errlen, "job \"%s\" block %u: stored shape %llux%llu does not match the "
-               "layout's %llux%llu", job->name, i, (unsigned long long)rows,
-               (unsigned long long)cols, (unsigned long long)b->rows,
-               (unsigned long long)b->cols);
+      snprintf(err, errlen,
+               "job \"%s\" block %u: stored shape %llux%llu does not match the "
+               "layout's %llux%llu",
+               job->name, i, (unsigned long long)rows, (unsigned long long)cols,
+               (unsigned long long)b->rows, (unsigned long long)b->cols);
       goto bad_quiet;
     }
     uint64_t stat_step = pd__ru64(r);
@@ -559,8 +559,7 @@ static int pd__cmp_job_name(const void *a, const void *b) {
  * set aside and the daemon really starts empty); jobs that together pass the memory limit
  * (lowered since the write), or one job over the per-job limit, are PD_ELIMIT, which stops the start with the file in place.
  * Sorts jobs by name. */
-static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err,
-                          size_t errlen) {
+static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err, size_t errlen) {
   qsort(jobs, njobs, sizeof *jobs, pd__cmp_job_name);
   size_t total = 0, scratch = 0;
   for (uint32_t i = 0; i < njobs; i++) {
@@ -571,14 +570,18 @@ static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err
     }
     total += pd_job_bytes(jobs[i]);
     if (pd_store_job_over_limit(st, jobs[i])) {
-      snprintf(err, errlen, "job \"%s\" needs %zu bytes, over the per-job memory limit of %zu "
-               "bytes", jobs[i]->name, pd_job_bytes(jobs[i]), st->job_memory_limit);
+      snprintf(err, errlen,
+               "job \"%s\" needs %zu bytes, over the per-job memory limit of %zu "
+               "bytes",
+               jobs[i]->name, pd_job_bytes(jobs[i]), st->job_memory_limit);
       return PD_ELIMIT;
     }
   }
   if (total + scratch > st->memory_limit) {
-    snprintf(err, errlen, "its jobs need %zu bytes and %zu of scratch for their largest block, "
-             "over the memory limit of %zu bytes", total, scratch, st->memory_limit);
+    snprintf(err, errlen,
+             "its jobs need %zu bytes and %zu of scratch for their largest block, "
+             "over the memory limit of %zu bytes",
+             total, scratch, st->memory_limit);
     return PD_ELIMIT;
   }
   return PD_OK;
@@ -620,8 +623,7 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
     if (rc != PD_OK) goto cleanup;
   }
   if (r.left != 0) {
-    snprintf(err, errlen, "%llu bytes left over after the last job",
-             (unsigned long long)r.left);
+    snprintf(err, errlen, "%llu bytes left over after the last job", (unsigned long long)r.left);
     rc = PD_ECORRUPT;
     goto cleanup;
   }

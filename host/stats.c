@@ -21,7 +21,9 @@ int pd_stats_init(pd_stats *s) {
   return PD_OK;
 }
 
-void pd_stats_destroy(pd_stats *s) { pthread_mutex_destroy(&s->lock); }
+void pd_stats_destroy(pd_stats *s) {
+  pthread_mutex_destroy(&s->lock);
+}
 
 void pd_stats_add_compute_ms(pd_stats *s, double ms) {
   pthread_mutex_lock(&s->lock);

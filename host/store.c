@@ -17,14 +17,22 @@
 
 const char *pd_strerror(int code) {
   switch (code) {
-  case PD_OK: return "success";
-  case PD_EINVAL: return "invalid argument";
-  case PD_ENOMEM: return "out of memory";
-  case PD_EIO: return "I/O error";
-  case PD_ECORRUPT: return "snapshot corrupt";
-  case PD_ENOENT: return "no such file";
-  case PD_ELIMIT: return "limit exceeded";
-  default: return "unknown precondd error";
+    case PD_OK:
+      return "success";
+    case PD_EINVAL:
+      return "invalid argument";
+    case PD_ENOMEM:
+      return "out of memory";
+    case PD_EIO:
+      return "I/O error";
+    case PD_ECORRUPT:
+      return "snapshot corrupt";
+    case PD_ENOENT:
+      return "no such file";
+    case PD_ELIMIT:
+      return "limit exceeded";
+    default:
+      return "unknown precondd error";
   }
 }
 
@@ -110,8 +118,7 @@ void pd_job_unref(pd_job *job, pd_stats *stats) {
 
 void pd_job_free(pd_job *job, pd_stats *stats) {
   if (!job) return;
-  if (job->in_store && stats)
-    atomic_fetch_sub(&stats->memory_bytes, (int64_t)pd__meta_bytes(job));
+  if (job->in_store && stats) atomic_fetch_sub(&stats->memory_bytes, (int64_t)pd__meta_bytes(job));
   for (size_t i = 0; i < job->nblocks; i++) pd__block_free(&job->blocks[i], stats, job->in_store);
   free(job->blocks);
   for (size_t i = 0; i < job->ntensors; i++) {
@@ -145,14 +152,12 @@ static int pd__tensors_check(size_t ntensors, const pd_tensor *t, char *err, siz
     return PD_EINVAL;
   }
   if (ntensors > PD_MAX_TENSORS) {
-    snprintf(err, errlen, "tensors: %zu tensors is above the limit %u", ntensors,
-             PD_MAX_TENSORS);
+    snprintf(err, errlen, "tensors: %zu tensors is above the limit %u", ntensors, PD_MAX_TENSORS);
     return PD_ELIMIT;
   }
   for (size_t i = 0; i < ntensors; i++) {
     if (!t[i].name || !*t[i].name || strlen(t[i].name) > PD_MAX_NAME) {
-      snprintf(err, errlen, "tensors[%zu].name: empty or longer than %d bytes", i,
-               PD_MAX_NAME);
+      snprintf(err, errlen, "tensors[%zu].name: empty or longer than %d bytes", i, PD_MAX_NAME);
       return PD_EINVAL;
     }
     if (t[i].rank < 1 || t[i].rank > PD_MAX_RANK) {
@@ -234,12 +239,12 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
     memcpy(job->tensors[i].dims, tensors[i].dims, (size_t)tensors[i].rank * sizeof(uint64_t));
   }
   size_t got = 0;
-  rc = mode->layout(opts, ntensors, tensors, (uint32_t)nunits, units, &got, job->diag, &ndiag,
-                    err, errlen);
+  rc = mode->layout(opts, ntensors, tensors, (uint32_t)nunits, units, &got, job->diag, &ndiag, err,
+                    errlen);
   if (rc != PD_OK || got != nunits) {
     if (rc == PD_OK) {
-      snprintf(err, errlen, "tensors: the %s layout counted %zu units, then gave %zu",
-               mode->name, nunits, got);
+      snprintf(err, errlen, "tensors: the %s layout counted %zu units, then gave %zu", mode->name,
+               nunits, got);
       rc = PD_EINVAL;
     }
     free(units);
@@ -298,8 +303,7 @@ size_t pd_job_bytes(const pd_job *job) {
 
 /* ---- the store ------------------------------------------------------------------------ */
 
-int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit,
-                  uint32_t max_blocks_per_job) {
+int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit, uint32_t max_blocks_per_job) {
   memset(st, 0, sizeof *st);
   if (pthread_rwlock_init(&st->lock, NULL) != 0) return PD_ENOMEM;
   st->stats = stats;
@@ -479,8 +483,7 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
  * is a staleness sample (to be added to the daemon's stats once the lock is released). */
-static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step,
-                            uint64_t *age) {
+static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step, uint64_t *age) {
   const pd_job *job = b->job;
   int sampled = 0;
   job->mode->fold(job->opts, b, b->stat, inc);

@@ -15,12 +15,18 @@
 
 const char *pc_graft_name(pc_graft kind) {
   switch (kind) {
-    case PC_GRAFT_SGD: return "sgd";
-    case PC_GRAFT_ADAGRAD: return "adagrad";
-    case PC_GRAFT_RMSPROP_NORMED: return "rmsprop-normed";
-    case PC_GRAFT_ADAM_NORMED: return "adam-normed";
-    case PC_GRAFT_RMSPROP: return "rmsprop";
-    case PC_GRAFT_ADAM: return "adam";
+    case PC_GRAFT_SGD:
+      return "sgd";
+    case PC_GRAFT_ADAGRAD:
+      return "adagrad";
+    case PC_GRAFT_RMSPROP_NORMED:
+      return "rmsprop-normed";
+    case PC_GRAFT_ADAM_NORMED:
+      return "adam-normed";
+    case PC_GRAFT_RMSPROP:
+      return "rmsprop";
+    case PC_GRAFT_ADAM:
+      return "adam";
   }
   return "unknown";
 }
@@ -88,8 +94,8 @@ static void adagrad(size_t count, const float *g, double eps, float *v, float *d
 
 /* RMSprop (m NULL) or Adam of x = g * s: s = 1/|g| for the normed kinds, 1 for the plain
  * ones. bias says whether v is bias-corrected (all but Lingvo's RMSPROP_NORMED). */
-static void moments(size_t count, const float *g, double s, double beta1, double beta2,
-                    double eps, long step, int bias, float *m, float *v, float *d) {
+static void moments(size_t count, const float *g, double s, double beta1, double beta2, double eps,
+                    long step, int bias, float *m, float *v, float *d) {
   const double c1 = 1.0 - pow(beta1, (double)step);
   const double c2 = bias ? 1.0 - pow(beta2, (double)step) : 1.0;
   for (size_t i = 0; i < count; i++) {
@@ -118,8 +124,7 @@ int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *op
       moments(count, g, inv_norm(count, g), 0.0, opts->beta2, opts->eps, step, 0, NULL, v, d);
       break;
     case PC_GRAFT_ADAM_NORMED:
-      moments(count, g, inv_norm(count, g), opts->beta1, opts->beta2, opts->eps, step, 1, m, v,
-              d);
+      moments(count, g, inv_norm(count, g), opts->beta1, opts->beta2, opts->eps, step, 1, m, v, d);
       break;
     case PC_GRAFT_RMSPROP:
       moments(count, g, 1.0, 0.0, opts->beta2, opts->eps, step, 1, NULL, v, d);

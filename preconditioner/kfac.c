@@ -31,7 +31,9 @@ void pc_kfac_opts_default(pc_kfac_opts *opts) {
   opts->eigh_min_n = SIZE_MAX;
 }
 
-static int positive_finite(double x) { return x > 0.0 && isfinite(x); }
+static int positive_finite(double x) {
+  return x > 0.0 && isfinite(x);
+}
 
 int pc_kfac_opts_check(const pc_kfac_opts *opts) {
   if (!opts) return PC_EINVAL;
@@ -60,18 +62,22 @@ pc_kfac_inv pc_kfac_inv_for_size(const pc_kfac_opts *opts, size_t n) {
 
 const char *pc_kfac_inv_name(pc_kfac_inv method) {
   switch (method) {
-  case PC_KFAC_INV_CHOLESKY: return "cholesky";
-  case PC_KFAC_INV_EIGH: return "eigh";
-  case PC_KFAC_INV_NEWTON: return "newton";
-  default: return "unknown";
+    case PC_KFAC_INV_CHOLESKY:
+      return "cholesky";
+    case PC_KFAC_INV_EIGH:
+      return "eigh";
+    case PC_KFAC_INV_NEWTON:
+      return "newton";
+    default:
+      return "unknown";
   }
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* pi-damping and the KL clip: scalar rules                                               */
 
-int pc_kfac_damping_split(size_t dim_a, double tr_a, size_t dim_g, double tr_g,
-                          double lambda, int use_pi, pc_kfac_damping *out) {
+int pc_kfac_damping_split(size_t dim_a, double tr_a, size_t dim_g, double tr_g, double lambda,
+                          int use_pi, pc_kfac_damping *out) {
   if (!out || dim_a == 0 || dim_g == 0 || !positive_finite(lambda)) return PC_EINVAL;
   if (!isfinite(tr_a) || !isfinite(tr_g)) return PC_ENONFINITE_INPUT;
   double pi = 1.0;
@@ -119,15 +125,14 @@ double pc_kfac_dot_f32(size_t count, const float *a, const float *b) {
 /* Argument checks                                                                        */
 
 /* The largest n whose n x n matrix BLAS and LAPACK can index with a 32-bit int. */
-#define KFAC_MAX_N ((size_t)46340)
+#define KFAC_MAX_N         ((size_t)46340)
 #define KFAC_RESIDUAL_COLS ((size_t)8)
 
 static int inverse_check(size_t n, const void *f, double damping, pc_kfac_inv method,
                          const void *x) {
   if (n == 0 || n > KFAC_MAX_N || !f || !x) return PC_EINVAL;
   if (!(damping >= 0.0) || !isfinite(damping)) return PC_EINVAL;
-  if (method != PC_KFAC_INV_CHOLESKY && method != PC_KFAC_INV_EIGH &&
-      method != PC_KFAC_INV_NEWTON)
+  if (method != PC_KFAC_INV_CHOLESKY && method != PC_KFAC_INV_EIGH && method != PC_KFAC_INV_NEWTON)
     return PC_EINVAL;
   return PC_OK;
 }
@@ -150,22 +155,22 @@ static int eigen_update_check(size_t out, size_t in, const void *qg, const void 
 /* ------------------------------------------------------------------------------------ */
 /* Kernels, one instance per precision                                                    */
 
-#define REAL float
-#define SFX(name) name##_f32
-#define GEMM cblas_sgemm
-#define SYRK cblas_ssyrk
-#define SYEVD LAPACKE_ssyevd
-#define POTRF LAPACKE_spotrf
-#define POTRI LAPACKE_spotri
+#define REAL       float
+#define SFX(name)  name##_f32
+#define GEMM       cblas_sgemm
+#define SYRK       cblas_ssyrk
+#define SYEVD      LAPACKE_ssyevd
+#define POTRF      LAPACKE_spotrf
+#define POTRI      LAPACKE_spotri
 #define NEWTON_TOL 1e-6
 #include "kfac_impl.h"
 
-#define REAL double
-#define SFX(name) name##_f64
-#define GEMM cblas_dgemm
-#define SYRK cblas_dsyrk
-#define SYEVD LAPACKE_dsyevd
-#define POTRF LAPACKE_dpotrf
-#define POTRI LAPACKE_dpotri
+#define REAL       double
+#define SFX(name)  name##_f64
+#define GEMM       cblas_dgemm
+#define SYRK       cblas_dsyrk
+#define SYEVD      LAPACKE_dsyevd
+#define POTRF      LAPACKE_dpotrf
+#define POTRI      LAPACKE_dpotri
 #define NEWTON_TOL 1e-12
 #include "kfac_impl.h"

@@ -48,8 +48,7 @@ static void SFX(kfac_dense_damped)(size_t n, const REAL *f, double damping, REAL
 }
 
 /* max|X (F + damping I) - I| over KFAC_RESIDUAL_COLS evenly spaced columns, in fp64. */
-static int SFX(kfac_residual)(size_t n, const REAL *f, double damping, const REAL *x,
-                              double *res) {
+static int SFX(kfac_residual)(size_t n, const REAL *f, double damping, const REAL *x, double *res) {
   size_t k = n < KFAC_RESIDUAL_COLS ? n : KFAC_RESIDUAL_COLS;
   double *xd = malloc((n * n + 2 * n * k) * sizeof *xd);
   if (!xd) return PC_ENOMEM;
@@ -62,8 +61,8 @@ static int SFX(kfac_residual)(size_t n, const REAL *f, double damping, const REA
       e[i * k + c] = (double)f[lo * n - lo * (lo - 1) / 2 + (hi - lo)] + (i == col ? damping : 0);
     }
   }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)n, 1.0, xd,
-              (int)n, e, (int)k, 0.0, r, (int)k);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)n, 1.0, xd, (int)n, e,
+              (int)k, 0.0, r, (int)k);
   double m = 0.0;
   for (size_t c = 0; c < k; c++) {
     size_t col = k > 1 ? c * (n - 1) / (k - 1) : 0;
@@ -187,8 +186,7 @@ int SFX(pc_kfac_update)(size_t out, size_t in, const REAL *g_inv, const REAL *gr
 int SFX(pc_kfac_eigen_update)(size_t out, size_t in, const REAL *qg, const REAL *vg,
                               const REAL *grad, size_t ld, const REAL *qa, const REAL *va,
                               double lambda, REAL *p) {
-  if (eigen_update_check(out, in, qg, vg, grad, ld, qa, va, lambda, p) != PC_OK)
-    return PC_EINVAL;
+  if (eigen_update_check(out, in, qg, vg, grad, ld, qa, va, lambda, p) != PC_OK) return PC_EINVAL;
   REAL *t = malloc(2 * out * in * sizeof *t);
   if (!t) return PC_ENOMEM;
   REAL *u = t + out * in;

@@ -17,7 +17,7 @@
 
 /* Defaults of the header; 4096 matches Lingvo's skip limit. */
 #define PC_LAYOUT_DEFAULT_BLOCK 128
-#define PC_LAYOUT_DEFAULT_SKIP 4096
+#define PC_LAYOUT_DEFAULT_SKIP  4096
 
 void pc_layout_opts_default(pc_layout_opts *opts) {
   if (opts == NULL) return;
@@ -44,7 +44,9 @@ static int layout_check(int rank, const size_t *dims, const pc_layout_opts *opts
   return PC_OK;
 }
 
-static size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
+static size_t ceil_div(size_t a, size_t b) {
+  return a / b + (a % b != 0);
+}
 
 /* The one statement of the cutting rule: the view, whether it is diagonal, and the tiles per
  * axis. pc_layout_init lays the tiles out; pc_layout_count only counts them, so a daemon can

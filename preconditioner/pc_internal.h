@@ -17,19 +17,17 @@ unsigned pc__ftz_enter(void);
 void pc__ftz_leave(unsigned saved);
 
 /* Power iteration without argument checks (the callers have checked a is finite). */
-int pc__power_f32(size_t n, const float *a, const pc_power_opts *opts, double *lambda,
-                  int *iters);
-int pc__power_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda,
-                  int *iters);
+int pc__power_f32(size_t n, const float *a, const pc_power_opts *opts, double *lambda, int *iters);
+int pc__power_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda, int *iters);
 
 /* Variants of the coupled Newton iteration, selectable by the benchmark to measure what
  * each change buys. PC_METHOD_NEWTON uses PC__NEWTON_DEFAULT. */
 typedef struct {
-  int scaled;      /* 1: per-step scalar rescaling from spectral bounds; 0: Frobenius start */
-  int symmetric;   /* 1: syrk squarings and one-triangle products; 0: full gemm */
-  double floor;    /* scaled steps keep T's smallest eigenvalue^p >= floor, i.e. they map
+  int scaled;    /* 1: per-step scalar rescaling from spectral bounds; 0: Frobenius start */
+  int symmetric; /* 1: syrk squarings and one-triangle products; 0: full gemm */
+  double floor;  /* scaled steps keep T's smallest eigenvalue^p >= floor, i.e. they map
                      the top of M's spectrum no lower than about floor */
-  double lo_f32;   /* fp32 inputs: > 0 runs the steps in fp64 until M's spectrum lies in
+  double lo_f32; /* fp32 inputs: > 0 runs the steps in fp64 until M's spectrum lies in
                      [lo, hi] with lo / hi >= lo_f32, then in fp32; 0: fp32 throughout */
 } pc__newton_variant;
 
@@ -68,8 +66,7 @@ int pc__eig_decompose_f64(size_t n, const double *a, double *vt, double *w);
 
 /* x = V diag((max(w, 0) + ridge)^(-1/p)) V^T from eigenvector rows vt (scaled in place). */
 void pc__eig_assemble_f32(size_t n, float *vt, const float *w, int p, double ridge, float *x);
-void pc__eig_assemble_f64(size_t n, double *vt, const double *w, int p, double ridge,
-                          double *x);
+void pc__eig_assemble_f64(size_t n, double *vt, const double *w, int p, double ridge, double *x);
 
 /* max|X^p (A + ridge I) - I| over 8 evenly spaced columns (all when n < 8), in fp64: the
  * residual eigh reports, and the steady-state roots' accuracy guard. PC_OK or PC_ENOMEM. */

@@ -94,8 +94,8 @@ int pc_power_iteration_f32(size_t n, const float *a, const pc_power_opts *opts, 
   return pc__power_f32(n, a, opts, lambda, iters);
 }
 
-int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts,
-                           double *lambda, int *iters) {
+int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda,
+                           int *iters) {
   if (n == 0 || n > (size_t)INT32_MAX || !a || !lambda) return PC_EINVAL;
   if (opts && power_opts_check(opts) != PC_OK) return PC_EINVAL;
   if (!pc_all_finite_f64(n * n, a)) return PC_ENONFINITE_INPUT;

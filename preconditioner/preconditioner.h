@@ -71,9 +71,9 @@ int pc_all_finite_f64(size_t count, const double *x);
 /* Largest eigenvalue by power iteration                                                  */
 
 typedef struct {
-  int max_iters;  /* default 100 */
-  double tol;     /* relative change of the estimate that stops it; default 1e-6 */
-  uint64_t seed;  /* start vector seed: fixed, so results are reproducible; default 1 */
+  int max_iters; /* default 100 */
+  double tol;    /* relative change of the estimate that stops it; default 1e-6 */
+  uint64_t seed; /* start vector seed: fixed, so results are reproducible; default 1 */
 } pc_power_opts;
 
 void pc_power_opts_default(pc_power_opts *opts);
@@ -81,41 +81,41 @@ void pc_power_opts_default(pc_power_opts *opts);
 /* Largest eigenvalue of the symmetric PSD n x n dense matrix a. Writes *lambda and, if
  * iters is not NULL, the number of iterations. Returns PC_OK, PC_NOT_CONVERGED (estimate
  * written) or an error. opts may be NULL for the defaults. */
-int pc_power_iteration_f32(size_t n, const float *a, const pc_power_opts *opts,
-                           double *lambda, int *iters);
-int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts,
-                           double *lambda, int *iters);
+int pc_power_iteration_f32(size_t n, const float *a, const pc_power_opts *opts, double *lambda,
+                           int *iters);
+int pc_power_iteration_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda,
+                           int *iters);
 
 /* ------------------------------------------------------------------------------------ */
 /* Inverse p-th roots                                                                     */
 
 typedef enum {
-  PC_METHOD_NEWTON = 0,       /* precond's coupled Newton: scaled steps, one-triangle products,
+  PC_METHOD_NEWTON = 0,      /* precond's coupled Newton: scaled steps, one-triangle products,
                                  fp64 first steps for fp32 input (docs/roots.md); the default */
-  PC_METHOD_NEWTON_TEXTBOOK,  /* the reference iteration of Anil et al. 2020, for comparison */
-  PC_METHOD_EIGH              /* LAPACK syevd, then V diag(w^(-1/p)) V^T */
+  PC_METHOD_NEWTON_TEXTBOOK, /* the reference iteration of Anil et al. 2020, for comparison */
+  PC_METHOD_EIGH             /* LAPACK syevd, then V diag(w^(-1/p)) V^T */
 } pc_method;
 
 /* Short lowercase name of a method ("newton", "newton-textbook", "eigh"). */
 const char *pc_method_name(pc_method method);
 
 typedef struct {
-  int p;                /* root order: the result approximates (A + ridge I)^(-1/p); p >= 1 */
-  double epsilon;       /* relative ridge: ridge = epsilon * max(lambda_max, 1e-16); 1e-6 */
-  double tol;           /* stop when max|M - I| <= tol; default 1e-6 (fp32), tighter in fp64 */
-  int max_iters;        /* iteration cap; default 100 */
-  pc_method method;     /* default PC_METHOD_NEWTON */
+  int p;            /* root order: the result approximates (A + ridge I)^(-1/p); p >= 1 */
+  double epsilon;   /* relative ridge: ridge = epsilon * max(lambda_max, 1e-16); 1e-6 */
+  double tol;       /* stop when max|M - I| <= tol; default 1e-6 (fp32), tighter in fp64 */
+  int max_iters;    /* iteration cap; default 100 */
+  pc_method method; /* default PC_METHOD_NEWTON */
 } pc_root_opts;
 
 /* Fills the published defaults for root order p (see the algorithms note, section 1). */
 void pc_root_opts_default(pc_root_opts *opts, int p);
 
 typedef struct {
-  int iters;          /* Newton steps computed, a rejected one included (0 for eigh) */
-  double error;       /* final max|M - I| for Newton; for eigh max|X^p (A + ridge I) - I|
+  int iters;         /* Newton steps computed, a rejected one included (0 for eigh) */
+  double error;      /* final max|M - I| for Newton; for eigh max|X^p (A + ridge I) - I|
                          over 8 evenly spaced columns, in fp64 (see roots.c) */
-  double lambda_max;  /* largest eigenvalue estimate of the input */
-  double ridge;       /* absolute ridge added: epsilon * max(lambda_max, 1e-16) */
+  double lambda_max; /* largest eigenvalue estimate of the input */
+  double ridge;      /* absolute ridge added: epsilon * max(lambda_max, 1e-16) */
 } pc_root_info;
 
 /* Inverse p-th root of the symmetric PSD n x n dense matrix a (row-major, both triangles
@@ -145,9 +145,9 @@ int pc_inverse_root_f64(size_t n, const double *a, double *x, const pc_root_opts
  * pc_eigbasis_init_* (freed by pc_eigbasis_destroy_*). */
 typedef struct {
   size_t n;
-  float *vt;    /* n x n row-major, row j = eigenvector j */
-  double *w;    /* the n eigenvalues last computed with it (before the ridge) */
-  int valid;    /* 0: no basis yet (after init, or after a cold fallback dropped it) */
+  float *vt; /* n x n row-major, row j = eigenvector j */
+  double *w; /* the n eigenvalues last computed with it (before the ridge) */
+  int valid; /* 0: no basis yet (after init, or after a cold fallback dropped it) */
 } pc_eigbasis_f32;
 
 typedef struct {
@@ -184,17 +184,17 @@ typedef enum {
 const char *pc_warm_path_name(pc_warm_path path);
 
 typedef struct {
-  double skip_tol;     /* keep the basis when |B - diag B|_F <= skip_tol |B|_F; default 1e-3;
+  double skip_tol;   /* keep the basis when |B - diag B|_F <= skip_tol |B|_F; default 1e-3;
                           0 never skips */
-  int reuse_root;      /* 1: a skip leaves x untouched (x must hold the previous root);
+  int reuse_root;    /* 1: a skip leaves x untouched (x must hold the previous root);
                           0 (default): a skip rebuilds x from diag B */
-  int sweeps;          /* rotations when the skip test fails (each one more B; the error
+  int sweeps;        /* rotations when the skip test fails (each one more B; the error
                           falls quadratically once the rotations are small); default 1; 1..16 */
-  int wide;            /* fp32 only: 1 (default) forms B in fp64, 0 in fp32 */
-  double max_change;   /* guard: falls back at once when the off-diagonal part of B would
+  int wide;          /* fp32 only: 1 (default) forms B in fp64, 0 in fp32 */
+  double max_change; /* guard: falls back at once when the off-diagonal part of B would
                           change the root by more than this, relative, to first order (the
                           held basis is too far; see pc_warm_info.change); default 0.05 */
-  double guard_tol;    /* guard: falls back when the sampled residual max|x^p (A + ridge I) - I|
+  double guard_tol;  /* guard: falls back when the sampled residual max|x^p (A + ridge I) - I|
                           of the warm x exceeds it; default 0.25. A net for gross failures:
                           in fp32 at condition 1e6 good warm roots measure 0.03-0.06, but
                           the rounding of x alone can put an accurate root above 1 (cold
@@ -206,11 +206,11 @@ void pc_warm_opts_default(pc_warm_opts *opts);
 
 typedef struct {
   pc_warm_path path;
-  double offdiag;       /* |B - diag B|_F / |B|_F in the held basis (NAN when none was held) */
-  double change;        /* first-order relative change of the root that B - diag B makes
+  double offdiag;    /* |B - diag B|_F / |B|_F in the held basis (NAN when none was held) */
+  double change;     /* first-order relative change of the root that B - diag B makes
                            (Daleckii-Krein; about the held root's error; NAN when none) */
-  double residual;      /* the guard's sampled residual of the warm x (NAN if not reached) */
-  pc_root_info root;    /* the returned root: iters 0 unless cold; error = residual for warm
+  double residual;   /* the guard's sampled residual of the warm x (NAN if not reached) */
+  pc_root_info root; /* the returned root: iters 0 unless cold; error = residual for warm
                            paths; lambda_max and ridge as pc_inverse_root_* */
 } pc_warm_info;
 
@@ -222,11 +222,9 @@ typedef struct {
  * PC_EINVAL (bad sizes or options; nothing touched), PC_ENONFINITE_INPUT (basis and x
  * untouched), PC_ENONFINITE_RESULT, PC_ENOMEM, PC_ELAPACK. On an error the basis is dropped. */
 int pc_inverse_root_warm_f32(size_t n, const float *a, float *x, const pc_root_opts *opts,
-                             const pc_warm_opts *wopts, pc_eigbasis_f32 *basis,
-                             pc_warm_info *info);
+                             const pc_warm_opts *wopts, pc_eigbasis_f32 *basis, pc_warm_info *info);
 int pc_inverse_root_warm_f64(size_t n, const double *a, double *x, const pc_root_opts *opts,
-                             const pc_warm_opts *wopts, pc_eigbasis_f64 *basis,
-                             pc_warm_info *info);
+                             const pc_warm_opts *wopts, pc_eigbasis_f64 *basis, pc_warm_info *info);
 
 /* ------------------------------------------------------------------------------------ */
 /* Shampoo: block layout                                                                  */
@@ -241,23 +239,23 @@ int pc_inverse_root_warm_f64(size_t n, const double *a, double *x, const pc_root
  * the grafted (diagonal) step only (pc_graft_direction_f32 over the whole tensor). Every
  * worker and daemon computes the same layout from the same shape and options. */
 typedef struct {
-  size_t block_size;   /* default 128; >= 1 */
-  size_t skip_limit;   /* default 4096; >= 1 */
+  size_t block_size; /* default 128; >= 1 */
+  size_t skip_limit; /* default 4096; >= 1 */
 } pc_layout_opts;
 
 /* Fills the defaults. NULL is a no-op. */
 void pc_layout_opts_default(pc_layout_opts *opts);
 
 typedef struct {
-  size_t row0, rows;   /* rows of the 2-D view covered by this block */
-  size_t col0, cols;   /* columns of the 2-D view covered by this block */
+  size_t row0, rows; /* rows of the 2-D view covered by this block */
+  size_t col0, cols; /* columns of the 2-D view covered by this block */
 } pc_block;
 
 typedef struct {
-  size_t rows, cols;   /* the 2-D view */
-  int diagonal;        /* 1: no blocks (nblocks == 0) */
+  size_t rows, cols; /* the 2-D view */
+  int diagonal;      /* 1: no blocks (nblocks == 0) */
   size_t nblocks;
-  pc_block *blocks;    /* owned by the layout; freed by pc_layout_destroy */
+  pc_block *blocks; /* owned by the layout; freed by pc_layout_destroy */
 } pc_layout;
 
 /* Computes the layout of a tensor of the given rank and dims. On success the caller owns
@@ -287,10 +285,10 @@ void pc_layout_destroy(pc_layout *layout);
  * the output (the daemon rejects them on push). Returns PC_OK; PC_EINVAL for rows or
  * cols 0, g NULL, ld < cols or a dim above INT_MAX (BLAS takes int); PC_ENOMEM (scratch of
  * max(rows, cols)^2 values). */
-int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld,
-                float *left_packed, float *right_packed);
-int pc_gram_f64(size_t rows, size_t cols, const double *g, size_t ld,
-                double *left_packed, double *right_packed);
+int pc_gram_f32(size_t rows, size_t cols, const float *g, size_t ld, float *left_packed,
+                float *right_packed);
+int pc_gram_f64(size_t rows, size_t cols, const double *g, size_t ld, double *left_packed,
+                double *right_packed);
 
 /* Statistic update on packed storage of count values: s <- beta2 s + (1 - beta2) inc,
  * except beta2 == 1, which sums: s <- s + inc. beta2 must be in [0, 1]; the caller checks
@@ -333,15 +331,15 @@ int pc_direction_f64(size_t rows, size_t cols, const double *lroot, const double
  * the first steps from being 1/sqrt(1 - b2) too large.
  * State m, v is fp32; arithmetic is fp64 and rounded on store. */
 typedef enum {
-  PC_GRAFT_SGD = 0,          /* d = g */
-  PC_GRAFT_ADAGRAD,          /* v += g^2;                     d = g / (sqrt(v) + eps) */
-  PC_GRAFT_RMSPROP_NORMED,   /* gn = g/|g|; v = b2 v + (1-b2) gn^2; d = gn / (sqrt(v) + eps) */
-  PC_GRAFT_ADAM_NORMED,      /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
-  PC_GRAFT_RMSPROP,          /* v = b2 v + (1-b2) g^2;  d = g / (sqrt(v / c2) + eps) */
-  PC_GRAFT_ADAM              /* m, v Adam moments of g (bias-corrected) */
+  PC_GRAFT_SGD = 0,        /* d = g */
+  PC_GRAFT_ADAGRAD,        /* v += g^2;                     d = g / (sqrt(v) + eps) */
+  PC_GRAFT_RMSPROP_NORMED, /* gn = g/|g|; v = b2 v + (1-b2) gn^2; d = gn / (sqrt(v) + eps) */
+  PC_GRAFT_ADAM_NORMED, /* gn = g/|g|; m, v Adam moments of gn (bias-corrected); d = m / (sqrt(v)+eps) */
+  PC_GRAFT_RMSPROP, /* v = b2 v + (1-b2) g^2;  d = g / (sqrt(v / c2) + eps) */
+  PC_GRAFT_ADAM     /* m, v Adam moments of g (bias-corrected) */
 } pc_graft;
 
-#define PC_GRAFT_COUNT 6   /* the kinds above are 0 .. PC_GRAFT_COUNT - 1 */
+#define PC_GRAFT_COUNT 6 /* the kinds above are 0 .. PC_GRAFT_COUNT - 1 */
 
 /* Short lowercase name ("sgd", "adagrad", "rmsprop-normed", "adam-normed", "rmsprop",
  * "adam"); "unknown" for a value outside the enum. Never NULL. */
@@ -349,9 +347,9 @@ const char *pc_graft_name(pc_graft kind);
 
 typedef struct {
   pc_graft kind;
-  double beta1;   /* Adam first moment; default 0.9; [0, 1) */
-  double beta2;   /* second moment; default 0.999; [0, 1) */
-  double eps;     /* default 1e-8; > 0 (unused by SGD) */
+  double beta1; /* Adam first moment; default 0.9; [0, 1) */
+  double beta2; /* second moment; default 0.999; [0, 1) */
+  double eps;   /* default 1e-8; > 0 (unused by SGD) */
 } pc_graft_opts;
 
 /* Fills the defaults for kind. NULL is a no-op. */
@@ -364,8 +362,8 @@ void pc_graft_opts_default(pc_graft_opts *opts, pc_graft kind);
  * Returns PC_OK; PC_EINVAL for count 0, g, d or opts NULL, step < 1, an unknown kind, a
  * needed state NULL, or a beta or eps out of range; PC_ENONFINITE_INPUT if g holds NaN or
  * Inf (checked first: state and d untouched). */
-int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *opts,
-                           long step, float *m, float *v, float *d);
+int pc_graft_direction_f32(size_t count, const float *g, const pc_graft_opts *opts, long step,
+                           float *m, float *v, float *d);
 
 /* Rescales p in place to the Frobenius norm of d (the grafted norm): p *= |d| / |p|.
  * If |p| is 0 or not finite, p becomes d (a direction with no usable norm is replaced by
@@ -394,9 +392,9 @@ int pc_graft_rescale_block_f32(size_t rows, size_t cols, float *p, size_t ldp, c
 
 /* How a damped factor is inverted. */
 typedef enum {
-  PC_KFAC_INV_CHOLESKY = 0,  /* LAPACK potrf + potri */
-  PC_KFAC_INV_EIGH,          /* LAPACK syevd, then Q diag(1 / (max(v, 0) + damping)) Q^T */
-  PC_KFAC_INV_NEWTON         /* precond's coupled Newton (pc_inverse_root_*) with p = 1 */
+  PC_KFAC_INV_CHOLESKY = 0, /* LAPACK potrf + potri */
+  PC_KFAC_INV_EIGH,         /* LAPACK syevd, then Q diag(1 / (max(v, 0) + damping)) Q^T */
+  PC_KFAC_INV_NEWTON        /* precond's coupled Newton (pc_inverse_root_*) with p = 1 */
 } pc_kfac_inv;
 
 /* Short lowercase name ("cholesky", "eigh", "newton"); "unknown" outside the enum. */
@@ -404,17 +402,17 @@ const char *pc_kfac_inv_name(pc_kfac_inv method);
 
 /* Every K-FAC default lives here (algorithms note, section 3). */
 typedef struct {
-  double factor_decay;      /* xi of F <- xi F + (1 - xi) F_batch; 0.95; [0, 1) */
-  double damping;           /* lambda (Tikhonov); 1e-3; > 0 */
-  int pi_damping;           /* 1: split lambda between A and G by pi (pc_kfac_damping_split);
+  double factor_decay;     /* xi of F <- xi F + (1 - xi) F_batch; 0.95; [0, 1) */
+  double damping;          /* lambda (Tikhonov); 1e-3; > 0 */
+  int pi_damping;          /* 1: split lambda between A and G by pi (pc_kfac_damping_split);
                                0: pi = 1. Default 1 */
-  double kl_clip;           /* c of the KL clip (pc_kfac_kl_scale); 1e-3; > 0 */
-  long inv_every;           /* inverses recomputed every this many factor folds; 10; >= 1 */
-  long factor_every_first;  /* factors every this many steps in the first epochs; 1; >= 1 */
-  long factor_every;        /* ... and every this many after them (Osawa's stale schedule);
+  double kl_clip;          /* c of the KL clip (pc_kfac_kl_scale); 1e-3; > 0 */
+  long inv_every;          /* inverses recomputed every this many factor folds; 10; >= 1 */
+  long factor_every_first; /* factors every this many steps in the first epochs; 1; >= 1 */
+  long factor_every;       /* ... and every this many after them (Osawa's stale schedule);
                                10; >= 1 */
-  long first_epochs;        /* epochs at factor_every_first; 1; >= 0 */
-  size_t eigh_min_n;        /* pc_kfac_inv_for_size: factors of order >= this use eigh, the
+  long first_epochs;       /* epochs at factor_every_first; 1; >= 0 */
+  size_t eigh_min_n;       /* pc_kfac_inv_for_size: factors of order >= this use eigh, the
                                smaller ones Cholesky (measured, docs/kfac.md); >= 1 */
 } pc_kfac_opts;
 
@@ -458,13 +456,13 @@ typedef struct {
  * (order dim_g). use_pi == 0 gives pi = 1. Returns PC_OK; PC_EINVAL for a NULL out, a zero
  * dim, lambda not positive and finite; PC_ENONFINITE_INPUT for a trace that is NaN or Inf
  * (out untouched). */
-int pc_kfac_damping_split(size_t dim_a, double tr_a, size_t dim_g, double tr_g,
-                          double lambda, int use_pi, pc_kfac_damping *out);
+int pc_kfac_damping_split(size_t dim_a, double tr_a, size_t dim_g, double tr_g, double lambda,
+                          int use_pi, pc_kfac_damping *out);
 
 typedef struct {
-  pc_kfac_inv method;  /* the method used */
-  int iters;           /* Newton steps (0 for Cholesky and eigh) */
-  double error;        /* Newton: its max|M - I|; Cholesky, eigh: max|X (F + d I) - I| over 8
+  pc_kfac_inv method; /* the method used */
+  int iters;          /* Newton steps (0 for Cholesky and eigh) */
+  double error;       /* Newton: its max|M - I|; Cholesky, eigh: max|X (F + d I) - I| over 8
                           evenly spaced columns, in fp64 (pc_inverse_root's eigh measure) */
 } pc_kfac_inv_info;
 
@@ -474,10 +472,10 @@ typedef struct {
  * PC_EINVAL (n 0 or above 46340, NULL f or x, bad damping or method); PC_ENONFINITE_INPUT
  * (x untouched); PC_ELAPACK (Cholesky: F + damping I is not positive definite); PC_ENOMEM;
  * PC_ENONFINITE_RESULT. */
-int pc_kfac_inverse_f32(size_t n, const float *f, double damping, pc_kfac_inv method,
-                        float *x, pc_kfac_inv_info *info);
-int pc_kfac_inverse_f64(size_t n, const double *f, double damping, pc_kfac_inv method,
-                        double *x, pc_kfac_inv_info *info);
+int pc_kfac_inverse_f32(size_t n, const float *f, double damping, pc_kfac_inv method, float *x,
+                        pc_kfac_inv_info *info);
+int pc_kfac_inverse_f64(size_t n, const double *f, double damping, pc_kfac_inv method, double *x,
+                        pc_kfac_inv_info *info);
 
 /* Eigen form of a factor (KAISA's default): F = Q diag(v) Q^T, F of order n packed upper;
  * q (n x n row-major, eigenvector j in COLUMN j) and v (n values, ascending, negative
@@ -491,8 +489,8 @@ int pc_kfac_eigen_f64(size_t n, const double *f, double *q, double *v);
  * pc_direction_* (one source): same contract and errors. */
 int pc_kfac_update_f32(size_t out, size_t in, const float *g_inv, const float *grad, size_t ld,
                        const float *a_inv, float *p);
-int pc_kfac_update_f64(size_t out, size_t in, const double *g_inv, const double *grad,
-                       size_t ld, const double *a_inv, double *p);
+int pc_kfac_update_f64(size_t out, size_t in, const double *g_inv, const double *grad, size_t ld,
+                       const double *a_inv, double *p);
 
 /* The K-FAC update of one layer from the eigen forms (pc_kfac_eigen_*):
  *   p = Q_G [(Q_G^T grad Q_A) / (v_G v_A^T + lambda)] Q_A^T  (elementwise division),
@@ -504,8 +502,8 @@ int pc_kfac_eigen_update_f32(size_t out, size_t in, const float *qg, const float
                              const float *grad, size_t ld, const float *qa, const float *va,
                              double lambda, float *p);
 int pc_kfac_eigen_update_f64(size_t out, size_t in, const double *qg, const double *vg,
-                             const double *grad, size_t ld, const double *qa,
-                             const double *va, double lambda, double *p);
+                             const double *grad, size_t ld, const double *qa, const double *va,
+                             double lambda, double *p);
 
 /* sum_i a[i] b[i] in fp64: the <P_l, grad_l> of one layer for pc_kfac_kl_scale. */
 double pc_kfac_dot_f32(size_t count, const float *a, const float *b);

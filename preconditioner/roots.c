@@ -22,8 +22,8 @@
 #include "pc_internal.h"
 
 /* Panel height of the one-triangle product, and the size below which a plain gemm wins. */
-#define PC_PANEL ((size_t)128)
-#define PC_PANEL_MIN_N ((size_t)256)
+#define PC_PANEL         ((size_t)128)
+#define PC_PANEL_MIN_N   ((size_t)256)
 #define PC_RESIDUAL_COLS ((size_t)8)
 
 /* PC_METHOD_NEWTON: scaled steps, one-triangle products, and for fp32 input the steps in
@@ -43,16 +43,19 @@ void pc_root_opts_default(pc_root_opts *opts, int p) {
 
 const char *pc_method_name(pc_method method) {
   switch (method) {
-  case PC_METHOD_NEWTON: return "newton";
-  case PC_METHOD_NEWTON_TEXTBOOK: return "newton-textbook";
-  case PC_METHOD_EIGH: return "eigh";
-  default: return "unknown";
+    case PC_METHOD_NEWTON:
+      return "newton";
+    case PC_METHOD_NEWTON_TEXTBOOK:
+      return "newton-textbook";
+    case PC_METHOD_EIGH:
+      return "eigh";
+    default:
+      return "unknown";
   }
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Argument checks                                                                        */
-
 
 int pc__root_check(size_t n, const void *a, const void *x, const pc_root_opts *opts) {
   if (n == 0 || n > PC_ROOT_MAX_N || !a || !x || !opts || a == x) return PC_EINVAL;
@@ -113,7 +116,9 @@ static double dev_scaled(const root_dev *d, double s) {
 
 /* One Newton step maps an eigenvalue m of M to phi(m) = m ((p+1-m)/p)^p: increasing on
  * (0, 1), decreasing on (1, p+1), with phi(1) = 1 its maximum. */
-static double phi(double m, int p) { return m * pow((p + 1.0 - m) / p, p); }
+static double phi(double m, int p) {
+  return m * pow((p + 1.0 - m) / p, p);
+}
 
 /* |M - I|_2 <= |M - I|_F = f, so M's spectrum lies in [1 - f, 1 + f] as well. */
 static void interval_tighten(double *lo, double *hi, double f) {
@@ -170,12 +175,12 @@ typedef struct {
 /* ------------------------------------------------------------------------------------ */
 /* Kernels, one instance per precision                                                    */
 
-#define REAL float
-#define REAL_MIN FLT_MIN
+#define REAL      float
+#define REAL_MIN  FLT_MIN
 #define SFX(name) name##_f32
-#define GEMM cblas_sgemm
-#define SYRK cblas_ssyrk
-#define SYEVD LAPACKE_ssyevd
+#define GEMM      cblas_sgemm
+#define SYRK      cblas_ssyrk
+#define SYEVD     LAPACKE_ssyevd
 #include "roots_impl.h"
 #undef REAL
 #undef REAL_MIN
@@ -184,12 +189,12 @@ typedef struct {
 #undef SYRK
 #undef SYEVD
 
-#define REAL double
-#define REAL_MIN DBL_MIN
+#define REAL      double
+#define REAL_MIN  DBL_MIN
 #define SFX(name) name##_f64
-#define GEMM cblas_dgemm
-#define SYRK cblas_dsyrk
-#define SYEVD LAPACKE_dsyevd
+#define GEMM      cblas_dgemm
+#define SYRK      cblas_dsyrk
+#define SYEVD     LAPACKE_dsyevd
 #include "roots_impl.h"
 #undef REAL
 #undef REAL_MIN
@@ -199,8 +204,12 @@ typedef struct {
 #undef SYEVD
 
 /* The kernels the steady-state roots (warm.c) share with these, without their checks. */
-void pc__mirror_upper_f32(size_t n, float *a) { mirror_upper_f32(n, a); }
-void pc__mirror_upper_f64(size_t n, double *a) { mirror_upper_f64(n, a); }
+void pc__mirror_upper_f32(size_t n, float *a) {
+  mirror_upper_f32(n, a);
+}
+void pc__mirror_upper_f64(size_t n, double *a) {
+  mirror_upper_f64(n, a);
+}
 int pc__eig_decompose_f32(size_t n, const float *a, float *vt, float *w) {
   return eig_decompose_f32(n, a, vt, w);
 }
@@ -210,8 +219,7 @@ int pc__eig_decompose_f64(size_t n, const double *a, double *vt, double *w) {
 void pc__eig_assemble_f32(size_t n, float *vt, const float *w, int p, double ridge, float *x) {
   eig_assemble_f32(n, vt, w, p, ridge, x);
 }
-void pc__eig_assemble_f64(size_t n, double *vt, const double *w, int p, double ridge,
-                          double *x) {
+void pc__eig_assemble_f64(size_t n, double *vt, const double *w, int p, double ridge, double *x) {
   eig_assemble_f64(n, vt, w, p, ridge, x);
 }
 int pc__sampled_residual_f32(size_t n, const float *a, double ridge, const float *x, int p,
@@ -270,42 +278,41 @@ static int newton_mixed_route_f32(size_t n, const float *a, float *x, const pc_r
 /* Public entry points                                                                    */
 
 /* fp32 runs change precision half-way when the variant asks for it. */
-#define NEWTON_ROUTE_f32(n, a, x, opts, v, info)                                            \
-  ((v)->lo_f32 > 0.0 ? newton_mixed_route_f32(n, a, x, opts, v, info)                      \
+#define NEWTON_ROUTE_f32(n, a, x, opts, v, info)                      \
+  ((v)->lo_f32 > 0.0 ? newton_mixed_route_f32(n, a, x, opts, v, info) \
                      : newton_route_f32(n, a, x, opts, v, info))
 #define NEWTON_ROUTE_f64 newton_route_f64
 
-#define PC_ROOT_ENTRY(REAL, SFXN)                                                          \
-  int pc__newton_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,   \
-                             const pc__newton_variant *variant, pc_root_info *info) {      \
-    pc_root_info scratch;                                                                  \
-    if (pc__root_check(n, a, x, opts) != PC_OK || variant_check(variant) != PC_OK)         \
-      return PC_EINVAL;                                                                    \
-    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                       \
-    if (!info) info = &scratch;                                                            \
-    unsigned fp = pc__ftz_enter();                                                         \
-    int st = NEWTON_ROUTE_##SFXN(n, a, x, opts, variant, info);                            \
-    pc__ftz_leave(fp);                                                                     \
-    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) st = PC_ENONFINITE_RESULT;             \
-    return st;                                                                             \
-  }                                                                                        \
-                                                                                           \
-  int pc_inverse_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,   \
-                             pc_root_info *info) {                                         \
-    pc_root_info scratch;                                                                  \
-    if (pc__root_check(n, a, x, opts) != PC_OK) return PC_EINVAL;                          \
-    if (opts->method != PC_METHOD_EIGH)                                                    \
-      return pc__newton_root_##SFXN(n, a, x, opts,                                         \
-                                    opts->method == PC_METHOD_NEWTON ? &PC__NEWTON_DEFAULT \
-                                                                     : &NEWTON_TEXTBOOK,   \
-                                    info);                                                 \
-    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                       \
-    if (!info) info = &scratch;                                                            \
-    unsigned fp = pc__ftz_enter();                                                         \
-    int st = eigh_##SFXN(n, a, x, opts->p, opts->epsilon, info);                           \
-    pc__ftz_leave(fp);                                                                     \
-    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) st = PC_ENONFINITE_RESULT;             \
-    return st;                                                                             \
+#define PC_ROOT_ENTRY(REAL, SFXN)                                                           \
+  int pc__newton_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,    \
+                             const pc__newton_variant *variant, pc_root_info *info) {       \
+    pc_root_info scratch;                                                                   \
+    if (pc__root_check(n, a, x, opts) != PC_OK || variant_check(variant) != PC_OK)          \
+      return PC_EINVAL;                                                                     \
+    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                        \
+    if (!info) info = &scratch;                                                             \
+    unsigned fp = pc__ftz_enter();                                                          \
+    int st = NEWTON_ROUTE_##SFXN(n, a, x, opts, variant, info);                             \
+    pc__ftz_leave(fp);                                                                      \
+    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) st = PC_ENONFINITE_RESULT;              \
+    return st;                                                                              \
+  }                                                                                         \
+                                                                                            \
+  int pc_inverse_root_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,    \
+                             pc_root_info *info) {                                          \
+    pc_root_info scratch;                                                                   \
+    if (pc__root_check(n, a, x, opts) != PC_OK) return PC_EINVAL;                           \
+    if (opts->method != PC_METHOD_EIGH)                                                     \
+      return pc__newton_root_##SFXN(                                                        \
+          n, a, x, opts,                                                                    \
+          opts->method == PC_METHOD_NEWTON ? &PC__NEWTON_DEFAULT : &NEWTON_TEXTBOOK, info); \
+    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                        \
+    if (!info) info = &scratch;                                                             \
+    unsigned fp = pc__ftz_enter();                                                          \
+    int st = eigh_##SFXN(n, a, x, opts->p, opts->epsilon, info);                            \
+    pc__ftz_leave(fp);                                                                      \
+    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) st = PC_ENONFINITE_RESULT;              \
+    return st;                                                                              \
   }
 
 PC_ROOT_ENTRY(float, f32)
@@ -322,8 +329,14 @@ unsigned pc__ftz_enter(void) {
   _mm_setcsr(saved | 0x8040u);
   return saved;
 }
-void pc__ftz_leave(unsigned saved) { _mm_setcsr(saved); }
+void pc__ftz_leave(unsigned saved) {
+  _mm_setcsr(saved);
+}
 #else
-unsigned pc__ftz_enter(void) { return 0; }
-void pc__ftz_leave(unsigned saved) { (void)saved; }
+unsigned pc__ftz_enter(void) {
+  return 0;
+}
+void pc__ftz_leave(unsigned saved) {
+  (void)saved;
+}
 #endif

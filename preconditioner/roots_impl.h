@@ -41,8 +41,8 @@ static void SFX(mirror_upper)(size_t n, REAL *a) {
 static void SFX(square)(size_t n, double alpha, const REAL *a, REAL *c, int sym) {
   int ni = (int)n;
   if (!sym) {
-    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, (REAL)alpha, a, ni, a, ni, 0,
-         c, ni);
+    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, (REAL)alpha, a, ni, a, ni, 0, c,
+         ni);
     return;
   }
   SYRK(CblasRowMajor, CblasUpper, CblasNoTrans, ni, ni, (REAL)alpha, a, ni, 0, c, ni);
@@ -52,12 +52,11 @@ static void SFX(square)(size_t n, double alpha, const REAL *a, REAL *c, int sym)
 /* c = alpha a b for commuting symmetric a, b. The symmetric version computes the upper
  * triangle as panels of PC_PANEL rows, c[i0:i0+h, i0:n] = a[i0:i0+h, :] b[:, i0:n], each one
  * gemm call, about (1 + PC_PANEL/n)/2 of the full product's flops. */
-static void SFX(mul_sym)(size_t n, double alpha, const REAL *a, const REAL *b, REAL *c,
-                         int sym) {
+static void SFX(mul_sym)(size_t n, double alpha, const REAL *a, const REAL *b, REAL *c, int sym) {
   int ni = (int)n;
   if (!sym || n < PC_PANEL_MIN_N) {
-    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, (REAL)alpha, a, ni, b, ni, 0,
-         c, ni);
+    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, (REAL)alpha, a, ni, b, ni, 0, c,
+         ni);
     /* Keep the iterates exactly symmetric: syrk squares T as T T^T, which would cancel an
      * antisymmetric rounding part of M in T^p and so let it survive in T^p M. */
     if (sym) SFX(mirror_upper)(n, c);
@@ -152,7 +151,7 @@ typedef struct {
 } SFX(newton_ws);
 
 /* Points the workspace at five consecutive n x n blocks of buf. */
-static void SFX(newton_ws_carve)(SFX(newton_ws) *w, REAL *buf, size_t n) {
+static void SFX(newton_ws_carve)(SFX(newton_ws) * w, REAL *buf, size_t n) {
   const size_t nn = n * n;
   w->m = buf;
   w->x = buf + nn;
@@ -162,9 +161,8 @@ static void SFX(newton_ws_carve)(SFX(newton_ws) *w, REAL *buf, size_t n) {
 }
 
 /* Starts the iteration on ad = A + ridge I, which the caller has written into w->m. */
-static void SFX(newton_start)(size_t n, int p, double lo, double hi,
-                              const pc__newton_variant *v, SFX(newton_ws) *w,
-                              newton_state *st) {
+static void SFX(newton_start)(size_t n, int p, double lo, double hi, const pc__newton_variant *v,
+                              SFX(newton_ws) * w, newton_state *st) {
   const size_t nn = n * n;
   st->lo = lo;
   st->hi = hi;
@@ -192,8 +190,7 @@ static void SFX(newton_start)(size_t n, int p, double lo, double hi,
 /* Takes steps until max|M - I| <= tol, max_iters steps in all, the divergence guard or the
  * rounding floor stops it, or (stop_lo > 0) the interval's lo / hi reaches stop_lo. */
 static void SFX(newton_steps)(size_t n, int p, double tol, int max_iters, double stop_lo,
-                              const pc__newton_variant *v, SFX(newton_ws) *w,
-                              newton_state *st) {
+                              const pc__newton_variant *v, SFX(newton_ws) * w, newton_state *st) {
   const size_t nn = n * n;
   const int sym = v->symmetric;
   while (st->err > tol && st->iters < max_iters && !st->stopped &&
@@ -246,7 +243,7 @@ static void SFX(newton_steps)(size_t n, int p, double tol, int max_iters, double
 }
 
 /* X of the accepted iterate into out. */
-static void SFX(newton_result)(size_t n, const SFX(newton_ws) *w, const newton_state *st,
+static void SFX(newton_result)(size_t n, const SFX(newton_ws) * w, const newton_state *st,
                                REAL *out) {
   if (st->xscale > 0.0) { /* no step accepted: X is still the starting multiple of I */
     memset(out, 0, n * n * sizeof *out);
@@ -322,9 +319,11 @@ static int SFX(sampled_residual)(size_t n, const REAL *a, double ridge, const RE
     for (size_t c = 0; c < k; c++)
       e[i * k + c] = (double)a[i * n + col[c]] + (i == col[c] ? ridge : 0.0);
   for (int j = 0; j < p; j++) {
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)n, 1.0, xd,
-                (int)n, e, (int)k, 0.0, f, (int)k);
-    double *sw = e; e = f; f = sw;
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)k, (int)n, 1.0, xd, (int)n,
+                e, (int)k, 0.0, f, (int)k);
+    double *sw = e;
+    e = f;
+    f = sw;
   }
   double r = 0.0;
   for (size_t i = 0; i < n; i++)
@@ -366,8 +365,7 @@ static void SFX(eig_assemble)(size_t n, REAL *vt, const REAL *w, int p, double r
 
 /* The eigendecomposition route: decompose, then assemble the root. The ridge comes from the
  * exact largest eigenvalue, so no power iteration. */
-static int SFX(eigh)(size_t n, const REAL *a, REAL *x, int p, double epsilon,
-                     pc_root_info *info) {
+static int SFX(eigh)(size_t n, const REAL *a, REAL *x, int p, double epsilon, pc_root_info *info) {
   int status = PC_ENOMEM;
   REAL *vt = pc__scratch_alloc((n * n + n) * sizeof *vt);
   if (!vt) goto done;

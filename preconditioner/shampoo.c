@@ -39,8 +39,8 @@ static size_t span(size_t rows, size_t cols, size_t ld, size_t sz) {
   return ((rows - 1) * ld + cols) * sz;
 }
 
-static int direction_check(size_t rows, size_t cols, const void *lroot, const void *g,
-                           size_t ld, const void *rroot, const void *p, size_t sz) {
+static int direction_check(size_t rows, size_t cols, const void *lroot, const void *g, size_t ld,
+                           const void *rroot, const void *p, size_t sz) {
   if (rows == 0 || cols == 0 || g == NULL || p == NULL || ld < cols) return PC_EINVAL;
   if (rows > INT32_MAX || cols > INT32_MAX || ld > INT32_MAX) return PC_EINVAL;
   if (rows > SIZE_MAX / ld / sz || rows > SIZE_MAX / rows / sz || cols > SIZE_MAX / cols / sz)
@@ -67,14 +67,14 @@ static void copy_rows(size_t rows, size_t cols, const void *g, size_t ld, void *
 /* ------------------------------------------------------------------------------------ */
 /* Gram matrices, statistics and the preconditioned direction, one instance per precision */
 
-#define REAL float
+#define REAL      float
 #define SFX(name) name##_f32
-#define GEMM cblas_sgemm
-#define SYRK cblas_ssyrk
+#define GEMM      cblas_sgemm
+#define SYRK      cblas_ssyrk
 #include "shampoo_impl.h"
 
-#define REAL double
+#define REAL      double
 #define SFX(name) name##_f64
-#define GEMM cblas_dgemm
-#define SYRK cblas_dsyrk
+#define GEMM      cblas_dgemm
+#define SYRK      cblas_dsyrk
 #include "shampoo_impl.h"

@@ -67,11 +67,9 @@ int SFX(pc_direction)(size_t rows, size_t cols, const REAL *lroot, const REAL *g
     REAL *out = direct ? p : t;
     const int ldo = direct ? ldg : n;
     if (lroot != NULL)
-      GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1, lroot, m, g, ldg, 0, out,
-           ldo);
+      GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1, lroot, m, g, ldg, 0, out, ldo);
     else
-      GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1, g, ldg, rroot, n, 0, out,
-           ldo);
+      GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1, g, ldg, rroot, n, 0, out, ldo);
     if (!direct)
       for (size_t i = 0; i < rows; i++) memcpy(p + i * ld, t + i * cols, cols * sizeof *p);
   }

@@ -4,7 +4,9 @@
 
 #include "preconditioner.h"
 
-size_t pc_packed_len(size_t n) { return n * (n + 1) / 2; }
+size_t pc_packed_len(size_t n) {
+  return n * (n + 1) / 2;
+}
 
 /* Row i of the packed upper triangle holds a[i][i..n-1]: n - i values. */
 void pc_pack_f32(size_t n, const float *dense, float *packed) {

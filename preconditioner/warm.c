@@ -37,12 +37,18 @@ void pc_warm_opts_default(pc_warm_opts *opts) {
 
 const char *pc_warm_path_name(pc_warm_path path) {
   switch (path) {
-  case PC_WARM_SEEDED: return "seeded";
-  case PC_WARM_ROTATED: return "rotated";
-  case PC_WARM_SKIPPED: return "skipped";
-  case PC_WARM_REUSED: return "reused";
-  case PC_WARM_COLD: return "cold";
-  default: return "unknown";
+    case PC_WARM_SEEDED:
+      return "seeded";
+    case PC_WARM_ROTATED:
+      return "rotated";
+    case PC_WARM_SKIPPED:
+      return "skipped";
+    case PC_WARM_REUSED:
+      return "reused";
+    case PC_WARM_COLD:
+      return "cold";
+    default:
+      return "unknown";
   }
 }
 
@@ -59,8 +65,7 @@ static int warm_opts_check(const pc_warm_opts *w) {
 }
 
 static int warm_check(size_t n, const void *a, const void *x, const pc_root_opts *opts,
-                      const pc_warm_opts *wopts, size_t basis_n, const void *vt,
-                      const double *w) {
+                      const pc_warm_opts *wopts, size_t basis_n, const void *vt, const double *w) {
   if (pc__root_check(n, a, x, opts) != PC_OK) return PC_EINVAL;
   if (basis_n != n || !vt || !w) return PC_EINVAL;
   return warm_opts_check(wopts);
@@ -96,9 +101,12 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
       double bij = b[i * n + j], dj = b[j * n + j];
       off += bij * bij;
       double dd;
-      if (di != dj && (di > 0.0 || dj > 0.0)) dd = (f[i] - f[j]) / (di - dj);
-      else if (di > 0.0) dd = -f[i] / (p * (di + ridge));
-      else dd = 0.0; /* both floored at the ridge: f is flat there */
+      if (di != dj && (di > 0.0 || dj > 0.0))
+        dd = (f[i] - f[j]) / (di - dj);
+      else if (di > 0.0)
+        dd = -f[i] / (p * (di + ridge));
+      else
+        dd = 0.0; /* both floored at the ridge: f is flat there */
       dsq += bij * bij * dd * dd;
     }
   }
@@ -107,75 +115,75 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
   *change = fsq > 0.0 ? sqrt(2.0 * dsq / fsq) : 0.0;
 }
 
-#define REAL float
+#define REAL      float
 #define SFX(name) name##_f32
-#define GEMM cblas_sgemm
-#define SYRK cblas_ssyrk
-#define TRSM cblas_strsm
-#define POTRF LAPACKE_spotrf
-#define WIDE 1
+#define GEMM      cblas_sgemm
+#define SYRK      cblas_ssyrk
+#define TRSM      cblas_strsm
+#define POTRF     LAPACKE_spotrf
+#define WIDE      1
 #include "warm_impl.h"
 
-#define REAL double
+#define REAL      double
 #define SFX(name) name##_f64
-#define GEMM cblas_dgemm
-#define SYRK cblas_dsyrk
-#define TRSM cblas_dtrsm
-#define POTRF LAPACKE_dpotrf
-#define WIDE 0
+#define GEMM      cblas_dgemm
+#define SYRK      cblas_dsyrk
+#define TRSM      cblas_dtrsm
+#define POTRF     LAPACKE_dpotrf
+#define WIDE      0
 #include "warm_impl.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* The basis and the entry points                                                         */
 
-#define PC_WARM_ENTRY(REAL, SFXN)                                                          \
-  size_t pc_eigbasis_bytes_##SFXN(size_t n) {                                              \
-    return n * n * sizeof(REAL) + n * sizeof(double);                                      \
-  }                                                                                        \
-                                                                                           \
-  int pc_eigbasis_init_##SFXN(pc_eigbasis_##SFXN *basis, size_t n) {                       \
-    if (!basis) return PC_EINVAL;                                                          \
-    memset(basis, 0, sizeof *basis);                                                       \
-    if (n == 0 || n > PC_ROOT_MAX_N) return PC_EINVAL;                                     \
-    basis->vt = malloc(n * n * sizeof *basis->vt);                                         \
-    basis->w = malloc(n * sizeof *basis->w);                                               \
-    if (!basis->vt || !basis->w) {                                                         \
-      pc_eigbasis_destroy_##SFXN(basis);                                                   \
-      return PC_ENOMEM;                                                                    \
-    }                                                                                      \
-    basis->n = n;                                                                          \
-    return PC_OK;                                                                          \
-  }                                                                                        \
-                                                                                           \
-  void pc_eigbasis_destroy_##SFXN(pc_eigbasis_##SFXN *basis) {                             \
-    if (!basis) return;                                                                    \
-    free(basis->vt);                                                                       \
-    free(basis->w);                                                                        \
-    memset(basis, 0, sizeof *basis);                                                       \
-  }                                                                                        \
-                                                                                           \
-  int pc_inverse_root_warm_##SFXN(size_t n, const REAL *a, REAL *x,                        \
-                                  const pc_root_opts *opts, const pc_warm_opts *wopts,     \
-                                  pc_eigbasis_##SFXN *basis, pc_warm_info *info) {         \
-    pc_warm_opts defaults;                                                                 \
-    pc_warm_info scratch;                                                                  \
-    if (!wopts) {                                                                          \
-      pc_warm_opts_default(&defaults);                                                     \
-      wopts = &defaults;                                                                   \
-    }                                                                                      \
-    if (!basis || warm_check(n, a, x, opts, wopts, basis->n, basis->vt, basis->w))         \
-      return PC_EINVAL;                                                                    \
-    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                       \
-    if (!info) info = &scratch;                                                            \
-    memset(info, 0, sizeof *info);                                                         \
-    unsigned fp = pc__ftz_enter();                                                         \
-    int st = warm_route_##SFXN(n, a, x, opts, wopts, basis, info);                         \
-    pc__ftz_leave(fp);                                                                     \
-    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) {                                      \
-      st = PC_ENONFINITE_RESULT;                                                           \
-      basis->valid = 0;                                                                    \
-    }                                                                                      \
-    return st;                                                                             \
+#define PC_WARM_ENTRY(REAL, SFXN)                                                             \
+  size_t pc_eigbasis_bytes_##SFXN(size_t n) {                                                 \
+    return n * n * sizeof(REAL) + n * sizeof(double);                                         \
+  }                                                                                           \
+                                                                                              \
+  int pc_eigbasis_init_##SFXN(pc_eigbasis_##SFXN *basis, size_t n) {                          \
+    if (!basis) return PC_EINVAL;                                                             \
+    memset(basis, 0, sizeof *basis);                                                          \
+    if (n == 0 || n > PC_ROOT_MAX_N) return PC_EINVAL;                                        \
+    basis->vt = malloc(n * n * sizeof *basis->vt);                                            \
+    basis->w = malloc(n * sizeof *basis->w);                                                  \
+    if (!basis->vt || !basis->w) {                                                            \
+      pc_eigbasis_destroy_##SFXN(basis);                                                      \
+      return PC_ENOMEM;                                                                       \
+    }                                                                                         \
+    basis->n = n;                                                                             \
+    return PC_OK;                                                                             \
+  }                                                                                           \
+                                                                                              \
+  void pc_eigbasis_destroy_##SFXN(pc_eigbasis_##SFXN *basis) {                                \
+    if (!basis) return;                                                                       \
+    free(basis->vt);                                                                          \
+    free(basis->w);                                                                           \
+    memset(basis, 0, sizeof *basis);                                                          \
+  }                                                                                           \
+                                                                                              \
+  int pc_inverse_root_warm_##SFXN(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts, \
+                                  const pc_warm_opts *wopts, pc_eigbasis_##SFXN *basis,       \
+                                  pc_warm_info *info) {                                       \
+    pc_warm_opts defaults;                                                                    \
+    pc_warm_info scratch;                                                                     \
+    if (!wopts) {                                                                             \
+      pc_warm_opts_default(&defaults);                                                        \
+      wopts = &defaults;                                                                      \
+    }                                                                                         \
+    if (!basis || warm_check(n, a, x, opts, wopts, basis->n, basis->vt, basis->w))            \
+      return PC_EINVAL;                                                                       \
+    if (!pc_all_finite_##SFXN(n * n, a)) return PC_ENONFINITE_INPUT;                          \
+    if (!info) info = &scratch;                                                               \
+    memset(info, 0, sizeof *info);                                                            \
+    unsigned fp = pc__ftz_enter();                                                            \
+    int st = warm_route_##SFXN(n, a, x, opts, wopts, basis, info);                            \
+    pc__ftz_leave(fp);                                                                        \
+    if (st >= 0 && !pc_all_finite_##SFXN(n * n, x)) {                                         \
+      st = PC_ENONFINITE_RESULT;                                                              \
+      basis->valid = 0;                                                                       \
+    }                                                                                         \
+    return st;                                                                                \
   }
 
 PC_WARM_ENTRY(float, f32)

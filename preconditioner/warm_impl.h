@@ -27,12 +27,12 @@ static void SFX(warm_rayleigh)(size_t n, const REAL *a, const REAL *vt, int wide
       a64[i] = a[i];
       v64[i] = vt[i];
     }
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, v64, ni, a64, ni, 0,
-                d, ni);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1, v64, ni, a64, ni, 0, d,
+                ni);
     for (size_t i0 = 0; i0 < n; i0 += PC_WARM_PANEL) {
       size_t h = n - i0 < PC_WARM_PANEL ? n - i0 : PC_WARM_PANEL;
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)h, (int)(n - i0), ni, 1,
-                  d + i0 * n, ni, v64 + i0 * n, ni, 0, b + i0 * n + i0, ni);
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)h, (int)(n - i0), ni, 1, d + i0 * n,
+                  ni, v64 + i0 * n, ni, 0, b + i0 * n + i0, ni);
     }
     return;
   }
@@ -101,7 +101,7 @@ static int SFX(warm_rotate)(size_t n, const REAL *nmat, REAL *vt, REAL *v1, REAL
 
 /* The steady-state route (the contract is pc_inverse_root_warm_*'s; arguments checked). */
 static int SFX(warm_route)(size_t n, const REAL *a, REAL *x, const pc_root_opts *opts,
-                           const pc_warm_opts *wo, SFX(pc_eigbasis) *basis, pc_warm_info *info) {
+                           const pc_warm_opts *wo, SFX(pc_eigbasis) * basis, pc_warm_info *info) {
   const size_t nn = n * n;
   const int wide = WIDE && wo->wide;
   int status = PC_ENOMEM;

@@ -35,8 +35,8 @@ int rpc_packed_decode(int encoding, const void *data, size_t len, size_t count, 
     memcpy(out, p, len);
   } else if (encoding == RPC__FP32) {
     for (size_t k = 0; k < count; k++, p += 4) {
-      uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                   (uint32_t)p[3] << 24;
+      uint32_t u =
+          (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
       memcpy(&out[k], &u, 4);
     }
   } else {

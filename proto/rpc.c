@@ -16,37 +16,63 @@
 
 const char *rpc_strerror(int code) {
   switch (code) {
-  case RPC_OK: return "success";
-  case RPC_EINVAL: return "invalid argument";
-  case RPC_ENOMEM: return "out of memory";
-  case RPC_ETOOBIG: return "message above the size limit";
-  case RPC_EPARSE: return "message does not parse";
-  case RPC_ESTATUS: return "RPC failed with a non-OK status";
-  case RPC_ECALL: return "gRPC refused to start the call";
-  default: return "unknown rpc error code";
+    case RPC_OK:
+      return "success";
+    case RPC_EINVAL:
+      return "invalid argument";
+    case RPC_ENOMEM:
+      return "out of memory";
+    case RPC_ETOOBIG:
+      return "message above the size limit";
+    case RPC_EPARSE:
+      return "message does not parse";
+    case RPC_ESTATUS:
+      return "RPC failed with a non-OK status";
+    case RPC_ECALL:
+      return "gRPC refused to start the call";
+    default:
+      return "unknown rpc error code";
   }
 }
 
 const char *rpc_status_name(grpc_status_code code) {
   switch (code) {
-  case GRPC_STATUS_OK: return "OK";
-  case GRPC_STATUS_CANCELLED: return "CANCELLED";
-  case GRPC_STATUS_UNKNOWN: return "UNKNOWN";
-  case GRPC_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-  case GRPC_STATUS_DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-  case GRPC_STATUS_NOT_FOUND: return "NOT_FOUND";
-  case GRPC_STATUS_ALREADY_EXISTS: return "ALREADY_EXISTS";
-  case GRPC_STATUS_PERMISSION_DENIED: return "PERMISSION_DENIED";
-  case GRPC_STATUS_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-  case GRPC_STATUS_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-  case GRPC_STATUS_ABORTED: return "ABORTED";
-  case GRPC_STATUS_OUT_OF_RANGE: return "OUT_OF_RANGE";
-  case GRPC_STATUS_UNIMPLEMENTED: return "UNIMPLEMENTED";
-  case GRPC_STATUS_INTERNAL: return "INTERNAL";
-  case GRPC_STATUS_UNAVAILABLE: return "UNAVAILABLE";
-  case GRPC_STATUS_DATA_LOSS: return "DATA_LOSS";
-  case GRPC_STATUS_UNAUTHENTICATED: return "UNAUTHENTICATED";
-  default: return "UNKNOWN_STATUS_CODE";
+    case GRPC_STATUS_OK:
+      return "OK";
+    case GRPC_STATUS_CANCELLED:
+      return "CANCELLED";
+    case GRPC_STATUS_UNKNOWN:
+      return "UNKNOWN";
+    case GRPC_STATUS_INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case GRPC_STATUS_DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case GRPC_STATUS_NOT_FOUND:
+      return "NOT_FOUND";
+    case GRPC_STATUS_ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case GRPC_STATUS_PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case GRPC_STATUS_FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case GRPC_STATUS_ABORTED:
+      return "ABORTED";
+    case GRPC_STATUS_OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case GRPC_STATUS_UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case GRPC_STATUS_INTERNAL:
+      return "INTERNAL";
+    case GRPC_STATUS_UNAVAILABLE:
+      return "UNAVAILABLE";
+    case GRPC_STATUS_DATA_LOSS:
+      return "DATA_LOSS";
+    case GRPC_STATUS_UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN_STATUS_CODE";
   }
 }
 
@@ -83,8 +109,8 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
   return *out ? RPC_OK : RPC_ENOMEM;
 }
 
-int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
-               size_t max_bytes, ProtobufCMessage **out) {
+int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
+               ProtobufCMessage **out) {
   if (out) *out = NULL;
   if (!desc || !out) return RPC_EINVAL;
   if (!buf) return RPC_EPARSE;
@@ -174,16 +200,15 @@ static int rpc__fail(int rc, grpc_status_code code, const char *msg, grpc_status
 
 /* The call itself: sends send_buf (not consumed), waits, fills *recv_buf with the
  * response bytes (owned by the caller) on an OK status. */
-static int rpc__call_buffer(grpc_channel *channel, const char *method,
-                            grpc_byte_buffer *send_buf, long deadline_ms, int wait_for_ready,
-                            const char *token, grpc_byte_buffer **recv_out,
-                            grpc_status_code *status, char **details) {
+static int rpc__call_buffer(grpc_channel *channel, const char *method, grpc_byte_buffer *send_buf,
+                            long deadline_ms, int wait_for_ready, const char *token,
+                            grpc_byte_buffer **recv_out, grpc_status_code *status, char **details) {
   *recv_out = NULL;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-  gpr_timespec deadline =
-      deadline_ms > 0 ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                     gpr_time_from_millis(deadline_ms, GPR_TIMESPAN))
-                      : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+  gpr_timespec deadline = deadline_ms > 0
+                              ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                             gpr_time_from_millis(deadline_ms, GPR_TIMESPAN))
+                              : gpr_inf_future(GPR_CLOCK_MONOTONIC);
   grpc_slice method_slice = grpc_slice_from_copied_string(method);
   grpc_call *call = grpc_channel_create_call(channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                              method_slice, NULL, deadline, NULL);
@@ -210,8 +235,7 @@ static int rpc__call_buffer(grpc_channel *channel, const char *method,
     size_t n = strlen(token);
     auth_value = malloc(n + 8);
     if (!auth_value) {
-      rc = rpc__fail(RPC_ENOMEM, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", status,
-                     details);
+      rc = rpc__fail(RPC_ENOMEM, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", status, details);
       goto cleanup;
     }
     memcpy(auth_value, "Bearer ", 7);
@@ -227,8 +251,8 @@ static int rpc__call_buffer(grpc_channel *channel, const char *method,
   ops[0].data.send_initial_metadata.count = have_auth ? 1 : 0;
   ops[0].data.send_initial_metadata.metadata = have_auth ? &auth : NULL;
   if (wait_for_ready)
-    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY |
-                   GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
+    ops[0].flags =
+        GRPC_INITIAL_METADATA_WAIT_FOR_READY | GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = send_buf;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -245,8 +269,8 @@ static int rpc__call_buffer(grpc_channel *channel, const char *method,
   int tag_storage = 0;
   void *tag = &tag_storage;
   if (grpc_call_start_batch(call, ops, 6, tag, NULL) != GRPC_CALL_OK) {
-    rc = rpc__fail(RPC_ECALL, GRPC_STATUS_INTERNAL, "grpc_call_start_batch failed", status,
-                   details);
+    rc =
+        rpc__fail(RPC_ECALL, GRPC_STATUS_INTERNAL, "grpc_call_start_batch failed", status, details);
     goto cleanup;
   }
   /* The call's deadline bounds this wait; the batch always completes (success = 1 even
@@ -286,8 +310,8 @@ cleanup:
 }
 
 int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
-                 long deadline_ms, int wait_for_ready, const char *token,
-                 grpc_byte_buffer **resp, grpc_status_code *status, char **details) {
+                 long deadline_ms, int wait_for_ready, const char *token, grpc_byte_buffer **resp,
+                 grpc_status_code *status, char **details) {
   if (details) *details = NULL;
   if (resp) *resp = NULL;
   if (!channel || !method || !*method || (!bytes && len) || !resp)
@@ -296,8 +320,8 @@ int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, s
   grpc_slice slice = grpc_slice_from_copied_buffer(bytes, len);
   grpc_byte_buffer *send_buf = grpc_raw_byte_buffer_create(&slice, 1);
   grpc_slice_unref(slice);
-  int rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
-                            resp, status, details);
+  int rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token, resp,
+                            status, details);
   grpc_byte_buffer_destroy(send_buf);
   if (rc == RPC_OK && details) *details = rpc__strdup("");
   return rc;
@@ -310,20 +334,19 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
   if (details) *details = NULL;
   if (resp) *resp = NULL;
   if (!channel || !method || !*method || !req || !resp_desc || !resp)
-    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call: invalid argument",
-                     status, details);
+    return rpc__fail(RPC_EINVAL, GRPC_STATUS_INVALID_ARGUMENT, "rpc_call: invalid argument", status,
+                     details);
 
   grpc_byte_buffer *send_buf = NULL;
   int rc = rpc_pack(req, 0, &send_buf);
   if (rc != RPC_OK)
-    return rpc__fail(rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT
-                                          : GRPC_STATUS_RESOURCE_EXHAUSTED,
-                     rc == RPC_ETOOBIG ? "request above the message size limit"
-                                       : rpc_strerror(rc),
-                     status, details);
+    return rpc__fail(
+        rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT : GRPC_STATUS_RESOURCE_EXHAUSTED,
+        rc == RPC_ETOOBIG ? "request above the message size limit" : rpc_strerror(rc), status,
+        details);
   grpc_byte_buffer *recv_buf = NULL;
-  rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token,
-                        &recv_buf, status, details);
+  rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token, &recv_buf,
+                        status, details);
   grpc_byte_buffer_destroy(send_buf);
   if (rc != RPC_OK) return rc;
   rc = rpc_unpack(recv_buf, resp_desc, RPC_MAX_MESSAGE_BYTES_CAP, resp);
@@ -337,6 +360,6 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
 int rpc_call(grpc_channel *channel, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, long deadline_ms, int wait_for_ready,
              ProtobufCMessage **resp, grpc_status_code *status, char **details) {
-  return rpc_call_token(channel, method, req, resp_desc, deadline_ms, wait_for_ready, NULL,
-                        resp, status, details);
+  return rpc_call_token(channel, method, req, resp_desc, deadline_ms, wait_for_ready, NULL, resp,
+                        status, details);
 }

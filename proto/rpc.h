@@ -38,12 +38,12 @@ extern "C" {
 
 enum {
   RPC_OK = 0,
-  RPC_EINVAL = -1,    /* bad argument (NULL pointer, empty target or method) */
-  RPC_ENOMEM = -2,    /* allocation failed */
-  RPC_ETOOBIG = -3,   /* message above the size limit */
-  RPC_EPARSE = -4,    /* bytes are not a valid message of the expected type */
-  RPC_ESTATUS = -5,   /* the RPC ended with a non-OK gRPC status (see *status, *details) */
-  RPC_ECALL = -6      /* gRPC refused to start the call (channel or batch error) */
+  RPC_EINVAL = -1,  /* bad argument (NULL pointer, empty target or method) */
+  RPC_ENOMEM = -2,  /* allocation failed */
+  RPC_ETOOBIG = -3, /* message above the size limit */
+  RPC_EPARSE = -4,  /* bytes are not a valid message of the expected type */
+  RPC_ESTATUS = -5, /* the RPC ended with a non-OK gRPC status (see *status, *details) */
+  RPC_ECALL = -6    /* gRPC refused to start the call (channel or batch error) */
 };
 
 /* Static message for an RPC_* code. Never NULL. */
@@ -53,12 +53,12 @@ const char *rpc_strerror(int code);
 const char *rpc_status_name(grpc_status_code code);
 
 /* Method paths of service precond.v1.Preconditioner and of the standard health check. */
-#define RPC_METHOD_REGISTER "/precond.v1.Preconditioner/Register"
-#define RPC_METHOD_PUSH_STATISTICS "/precond.v1.Preconditioner/PushStatistics"
+#define RPC_METHOD_REGISTER              "/precond.v1.Preconditioner/Register"
+#define RPC_METHOD_PUSH_STATISTICS       "/precond.v1.Preconditioner/PushStatistics"
 #define RPC_METHOD_FETCH_PRECONDITIONERS "/precond.v1.Preconditioner/FetchPreconditioners"
-#define RPC_METHOD_GET_STATS "/precond.v1.Preconditioner/GetStats"
-#define RPC_METHOD_END_JOB "/precond.v1.Preconditioner/EndJob"
-#define RPC_METHOD_HEALTH_CHECK "/grpc.health.v1.Health/Check"
+#define RPC_METHOD_GET_STATS             "/precond.v1.Preconditioner/GetStats"
+#define RPC_METHOD_END_JOB               "/precond.v1.Preconditioner/EndJob"
+#define RPC_METHOD_HEALTH_CHECK          "/grpc.health.v1.Health/Check"
 
 /* Default message size limit (both directions): 256 MiB, room for a push of one
  * 4096 x 4096 block (two packed fp32 factors, about 64 MiB) several times over. */
@@ -84,8 +84,8 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
  * A NULL buf (no message received) is RPC_EPARSE. Returns RPC_ETOOBIG if the (decompressed)
  * payload is above max_bytes (0: the default), RPC_EPARSE on bytes that do not parse,
  * RPC_EINVAL, RPC_ENOMEM; *out is NULL then. */
-int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
-               size_t max_bytes, ProtobufCMessage **out);
+int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
+               ProtobufCMessage **out);
 
 /* Opens an insecure channel to target: "host:port" (e.g. "127.0.0.1:50551") or
  * "unix:/path/to.sock", with send and receive limits of max_message_bytes (0: the default).
@@ -139,8 +139,8 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
  * response: on RPC_OK the caller owns *resp (grpc_byte_buffer_destroy). For tests that send
  * malformed messages, and for forwarding. Other outputs as in rpc_call. */
 int rpc_call_raw(grpc_channel *channel, const char *method, const void *bytes, size_t len,
-                 long deadline_ms, int wait_for_ready, const char *token,
-                 grpc_byte_buffer **resp, grpc_status_code *status, char **details);
+                 long deadline_ms, int wait_for_ready, const char *token, grpc_byte_buffer **resp,
+                 grpc_status_code *status, char **details);
 
 /* ---- codec.c: PackedMatrix.data, the one codec of every side (daemon, client, tools) ---- */
 /*

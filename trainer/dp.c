@@ -62,22 +62,30 @@ int pt_dp_init(pt_dp **out, pt_error *err) {
   return PT_OK;
 #else
   if (size > 1)
-    return pt__fail(err, PT_EINVAL, "started by an MPI launcher with %d workers, but built "
+    return pt__fail(err, PT_EINVAL,
+                    "started by an MPI launcher with %d workers, but built "
                     "without MPI (meson -Dmpi=enabled with libopenmpi-dev): each would train "
-                    "alone", size);
+                    "alone",
+                    size);
   return PT_OK;
 #endif
 }
 
-int pt_dp_rank(const pt_dp *dp) { return dp != NULL ? dp->rank : 0; }
-int pt_dp_size(const pt_dp *dp) { return dp != NULL ? dp->size : 1; }
-double pt_dp_seconds(const pt_dp *dp) { return dp != NULL ? dp->seconds : 0; }
+int pt_dp_rank(const pt_dp *dp) {
+  return dp != NULL ? dp->rank : 0;
+}
+int pt_dp_size(const pt_dp *dp) {
+  return dp != NULL ? dp->size : 1;
+}
+double pt_dp_seconds(const pt_dp *dp) {
+  return dp != NULL ? dp->seconds : 0;
+}
 
 #ifdef PT_HAVE_MPI
 /* Sums bucket[0..n) over the workers, divides by their count, and copies the pieces back
  * into the gradients they came from (params[first..last], offsets in off). */
-static int pt__flush(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t first,
-                     size_t last, size_t n, pt_error *err) {
+static int pt__flush(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t first, size_t last,
+                     size_t n, pt_error *err) {
   if (n == 0) return PT_OK;
   if (MPI_Allreduce(MPI_IN_PLACE, dp->bucket, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) !=
       MPI_SUCCESS)
@@ -87,9 +95,9 @@ static int pt__flush(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t 
   size_t at = 0;
   for (size_t p = first; p <= last; p++) {
     size_t k = params[p]->grad.numel;
-    int rc = pt__accel(err, ac_memcpy_h2d(be, ac_tensor_f32(&params[p]->grad),
-                                          dp->bucket + at, k * sizeof(float)),
-                       "data parallelism: gradient upload");
+    int rc = pt__accel(
+        err, ac_memcpy_h2d(be, ac_tensor_f32(&params[p]->grad), dp->bucket + at, k * sizeof(float)),
+        "data parallelism: gradient upload");
     if (rc != PT_OK) return rc;
     at += k;
   }
@@ -97,8 +105,8 @@ static int pt__flush(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t 
 }
 #endif
 
-int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams,
-                  double *loss, pt_error *err) {
+int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams, double *loss,
+                  pt_error *err) {
   if (dp == NULL) return PT_OK;
 #ifdef PT_HAVE_MPI
   double t0 = pt__wall();
@@ -113,24 +121,27 @@ int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t npa
     }
     if (rc == PT_OK && k > PT__BUCKET) { /* a parameter larger than a bucket: by itself */
       float *g = malloc(k * sizeof *g);
-      rc = g == NULL ? PT_ENOMEM
-                     : pt__accel(err, ac_memcpy_d2h(be, g, ac_tensor_f32(&params[p]->grad),
-                                                    k * sizeof *g), "gradient download");
+      rc =
+          g == NULL
+              ? PT_ENOMEM
+              : pt__accel(err, ac_memcpy_d2h(be, g, ac_tensor_f32(&params[p]->grad), k * sizeof *g),
+                          "gradient download");
       if (rc == PT_OK &&
-          MPI_Allreduce(MPI_IN_PLACE, g, (int)k, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) !=
-              MPI_SUCCESS)
+          MPI_Allreduce(MPI_IN_PLACE, g, (int)k, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS)
         rc = pt__fail(err, PT_EINVAL, "data parallelism: MPI_Allreduce failed");
       for (size_t i = 0; rc == PT_OK && i < k; i++) g[i] /= (float)dp->size;
       if (rc == PT_OK)
-        rc = pt__accel(err, ac_memcpy_h2d(be, ac_tensor_f32(&params[p]->grad), g,
-                                          k * sizeof *g), "gradient upload");
+        rc = pt__accel(err, ac_memcpy_h2d(be, ac_tensor_f32(&params[p]->grad), g, k * sizeof *g),
+                       "gradient upload");
       free(g);
       first = p + 1;
       continue;
     }
     if (rc == PT_OK)
-      rc = pt__accel(err, ac_memcpy_d2h(be, dp->bucket + n, ac_tensor_f32(&params[p]->grad),
-                                        k * sizeof(float)), "gradient download");
+      rc = pt__accel(
+          err,
+          ac_memcpy_d2h(be, dp->bucket + n, ac_tensor_f32(&params[p]->grad), k * sizeof(float)),
+          "gradient download");
     n += k;
   }
   if (rc == PT_OK && n > 0) rc = pt__flush(dp, be, params, first, nparams - 1, n, err);

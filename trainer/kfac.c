@@ -24,38 +24,38 @@ typedef enum { PT__KFAC_LAYER = 0, PT__KFAC_BN = 1 } pt__kfac_kind;
 typedef struct {
   pt__kfac_kind kind;
   ac_hook_kind hook_kind;
-  ac_param *weight, *bias;   /* borrowed; bias NULL when none */
-  size_t windex;             /* index of weight in t->params: the order of registration */
-  size_t out, in;            /* gradient matrix out x in (bias not counted); BN: c, c */
-  size_t na, ng;             /* factor orders: in + has_bias, out */
-  uint32_t block_id;         /* the daemon's; UINT32_MAX: not served (SGD) */
-  float *fa, *fg;            /* device, packed: this step's factors (BN: fisher gamma, beta) */
-  float *ra, *rg;            /* BN: running averages of the fisher (device, c each) */
-  int folds;                 /* BN: fisher folds so far */
-  float *a_inv, *g_inv;      /* device, dense: the inverses held (NULL before the first) */
-  float *p;                  /* device: preconditioned grad, weights then bias */
+  ac_param *weight, *bias; /* borrowed; bias NULL when none */
+  size_t windex;           /* index of weight in t->params: the order of registration */
+  size_t out, in;          /* gradient matrix out x in (bias not counted); BN: c, c */
+  size_t na, ng;           /* factor orders: in + has_bias, out */
+  uint32_t block_id;       /* the daemon's; UINT32_MAX: not served (SGD) */
+  float *fa, *fg;          /* device, packed: this step's factors (BN: fisher gamma, beta) */
+  float *ra, *rg;          /* BN: running averages of the fisher (device, c each) */
+  int folds;               /* BN: fisher folds so far */
+  float *a_inv, *g_inv;    /* device, dense: the inverses held (NULL before the first) */
+  float *p;                /* device: preconditioned grad, weights then bias */
   uint64_t version, source_step;
-  int due_seen;              /* the hook filled fa/fg at the current step */
+  int due_seen; /* the hook filled fa/fg at the current step */
 } pt__kfac_layer;
 
 typedef struct {
   ac_backend *be;
-  ac_sgd *sgd;               /* owned: the final step over every parameter */
+  ac_sgd *sgd; /* owned: the final step over every parameter */
   pt__kfac_layer *layers;
   size_t nlayers, cap;
   int registered;
-  long next_step;            /* the step the coming backward belongs to */
-  int due;                   /* factors due at next_step (the hook computes them) */
-  float *ws;                 /* device scratch shared by the kernels */
+  long next_step; /* the step the coming backward belongs to */
+  int due;        /* factors due at next_step (the hook computes them) */
+  float *ws;      /* device scratch shared by the kernels */
   size_t ws_floats;
-  float *stage;              /* device staging for packed inverses */
+  float *stage; /* device staging for packed inverses */
   size_t stage_floats;
-  float *host;               /* host buffer for downloads of packed factors */
+  float *host; /* host buffer for downloads of packed factors */
   size_t host_floats;
-  float *dev1;               /* one device float for the KL clip */
-  ac_kfac_pg *pg;            /* nlayers entries: the KL clip's list */
+  float *dev1;    /* one device float for the KL clip */
+  ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
-  int hook_rc;               /* the first error a hook met (returned by pt_step too) */
+  int hook_rc; /* the first error a hook met (returned by pt_step too) */
 } pt__kfac;
 
 /* ---- buffers ---------------------------------------------------------------------- */
@@ -194,8 +194,8 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       size_t use = v->first >= na ? 0 : na - v->first < v->nimg ? na - v->first : v->nimg;
       rc = pt__ws(s, ac_kfac_conv_cols_workspace_floats(v->in, v->cols, bias));
       if (rc == AC_OK && use > 0)
-        rc = ac_kfac_conv_cols_factor_a(s->be, v->in, use * v->npos, v->a, v->lda, v->npos,
-                                        bias, na, v->first > 0, l->fa, s->ws);
+        rc = ac_kfac_conv_cols_factor_a(s->be, v->in, use * v->npos, v->a, v->lda, v->npos, bias,
+                                        na, v->first > 0, l->fa, s->ws);
       if (rc == AC_OK)
         rc = ac_kfac_conv_cols_factor_g(s->be, v->out, v->cols, v->g, v->ldg, scale, v->batch,
                                         v->first > 0, l->fg);
@@ -219,9 +219,10 @@ int pt_kfac_hook(pt_trainer *t, ac_hook *out) {
 
 static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   const pt_kfac_opts *o = &t->opts.kfac;
-  if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 ||
-      !(o->loss_scale >= 0.0f) || !isfinite(o->loss_scale))
-    return pt__fail(err, PT_EINVAL, "K-FAC options: pc_kfac_opts_check refused them, or "
+  if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 || !(o->loss_scale >= 0.0f) ||
+      !isfinite(o->loss_scale))
+    return pt__fail(err, PT_EINVAL,
+                    "K-FAC options: pc_kfac_opts_check refused them, or "
                     "steps_per_epoch < 1, or a bad loss_scale");
   pt__kfac *s = calloc(1, sizeof *s);
   if (s == NULL) return PT_ENOMEM;
@@ -245,8 +246,9 @@ static void pt__kfac_list(const pt_trainer *t) {
   fprintf(stderr, "kfac: %zu parameters; treatment of each:\n", t->nparams);
   for (size_t i = 0; i < t->nparams; i++) {
     const ac_param *p = t->params[i];
-    const char *how = "SGD (no curvature hook: embedding, layer norm or a layer K-FAC does "
-                      "not model; its plain gradient)";
+    const char *how =
+        "SGD (no curvature hook: embedding, layer norm or a layer K-FAC does "
+        "not model; its plain gradient)";
     char buf[160];
     for (size_t k = 0; k < s->nlayers; k++) {
       const pt__kfac_layer *l = &s->layers[k];
@@ -275,7 +277,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
   size_t nk = 0;
   for (size_t i = 0; i < s->nlayers; i++) nk += s->layers[i].kind == PT__KFAC_LAYER;
   if (nk == 0)
-    return pt__fail(err, PT_EINVAL, "K-FAC: the backward pass showed no dense or conv layer "
+    return pt__fail(err, PT_EINVAL,
+                    "K-FAC: the backward pass showed no dense or conv layer "
                     "(is pt_kfac_hook's hook installed on the model?)");
   precond_tensor *ts = calloc(nk, sizeof *ts);
   uint64_t *shapes = calloc(2 * nk, sizeof *shapes);
@@ -294,7 +297,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
     k++;
   }
   const pc_kfac_opts *ko = &t->opts.kfac.k;
-  precond_kfac_opts po = {.factor_decay = ko->factor_decay, .damping = ko->damping,
+  precond_kfac_opts po = {.factor_decay = ko->factor_decay,
+                          .damping = ko->damping,
                           .inv_every = (uint32_t)ko->inv_every,
                           .no_pi_damping = !ko->pi_damping};
   int prc = precond_register_kfac(t->client, t->job, t->opts.worker, nk, ts, &po, &t->layout);
@@ -311,9 +315,11 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
       if (l->kind != PT__KFAC_LAYER) continue;
       if (seen++ != pb->tensor) continue;
       if (pb->rows != l->ng || pb->cols != l->na) {
-        rc = pt__fail(err, PT_EDAEMON, "precondd's layer %u is %llux%llu, the worker's %s "
-                      "%zux%zu", pb->block_id, (unsigned long long)pb->rows,
-                      (unsigned long long)pb->cols, l->weight->name, l->ng, l->na);
+        rc = pt__fail(err, PT_EDAEMON,
+                      "precondd's layer %u is %llux%llu, the worker's %s "
+                      "%zux%zu",
+                      pb->block_id, (unsigned long long)pb->rows, (unsigned long long)pb->cols,
+                      l->weight->name, l->ng, l->na);
         goto done;
       }
       l->block_id = pb->block_id;
@@ -345,9 +351,9 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     if (rc == PT_OK)
       rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host + la, l->fg, lg * sizeof(float)), "G");
     if (rc == PT_OK)
-      rc = pt__daemon(t, err, precond_push_kfac(t->client, (uint64_t)step, l->block_id,
-                                                (uint32_t)l->na, s->host, (uint32_t)l->ng,
-                                                s->host + la, enc),
+      rc = pt__daemon(t, err,
+                      precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
+                                        s->host, (uint32_t)l->ng, s->host + la, enc),
                       "precond_push_kfac");
     if (rc != PT_OK) return rc;
   }
@@ -359,8 +365,8 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
 static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
   pt__kfac *s = t->state;
   const precond_roots *r = NULL;
-  int rc = pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r),
-                      "precond_fetch");
+  int rc =
+      pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r), "precond_fetch");
   if (rc != PT_OK || r == NULL) return rc;
   int arc = AC_OK;
   if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
@@ -400,8 +406,10 @@ static int pt__kfac_wait(pt_trainer *t, pt__kfac_layer *l, long step, pt_error *
     int left_ms = (int)((deadline - pt__now()) * 1000.0);
     if (left_ms <= 0 ||
         precond_wait_roots(t->client, l->block_id, l->version, left_ms) == PRECOND_ETIMEDOUT)
-      return pt__fail(err, PT_ETIMEDOUT, "sync_roots: no inverses of step %ld for %s within "
-                      "%d ms", step, l->weight->name, t->opts.sync_timeout_ms);
+      return pt__fail(err, PT_ETIMEDOUT,
+                      "sync_roots: no inverses of step %ld for %s within "
+                      "%d ms",
+                      step, l->weight->name, t->opts.sync_timeout_ms);
   }
 }
 
@@ -427,8 +435,8 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
       if (arc == AC_OK)
         arc = ac_kfac_bn_precondition(s->be, l->in, gw, l->ra, (float)ko->damping, l->p, s->ws);
       if (arc == AC_OK && gb)
-        arc = ac_kfac_bn_precondition(s->be, l->in, gb, l->rg, (float)ko->damping, l->p + nw,
-                                      s->ws);
+        arc =
+            ac_kfac_bn_precondition(s->be, l->in, gb, l->rg, (float)ko->damping, l->p + nw, s->ws);
     } else {
       if (l->a_inv == NULL) continue;
       arc = pt__ws(s, ac_kfac_precondition_workspace_floats(l->out, l->in, gb != NULL));
@@ -449,8 +457,10 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
     rc = pt__accel(err, ac_kfac_kl_clip(s->be, s->pg, m, lr, ko->kl_clip, s->dev1, NULL),
                    "K-FAC KL clip");
   for (size_t j = 0; j < m && rc == PT_OK; j++)
-    rc = pt__accel(err, ac_memcpy_d2d(s->be, (float *)(uintptr_t)s->pg[j].grad, s->pg[j].p,
-                                      s->pg[j].count * sizeof(float)), "K-FAC result");
+    rc = pt__accel(err,
+                   ac_memcpy_d2d(s->be, (float *)(uintptr_t)s->pg[j].grad, s->pg[j].p,
+                                 s->pg[j].count * sizeof(float)),
+                   "K-FAC result");
   if (info != NULL) {
     info->preconditioned = npre;
     info->fallback = nk - npre;
@@ -460,14 +470,14 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
   return rc;
 }
 
-static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info,
-                         pt_error *err) {
+static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
   if (step != s->next_step)
-    return pt__fail(err, PT_EINVAL, "K-FAC: step %ld, expected %ld (steps are consecutive: "
-                    "the hook computed this backward's factors for step %ld)", step,
-                    s->next_step, s->next_step);
+    return pt__fail(err, PT_EINVAL,
+                    "K-FAC: step %ld, expected %ld (steps are consecutive: "
+                    "the hook computed this backward's factors for step %ld)",
+                    step, s->next_step, s->next_step);
   if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
   int rc = s->registered ? PT_OK : pt__kfac_register(t, err);
   int pushed = 0;

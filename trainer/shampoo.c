@@ -25,7 +25,7 @@ static double pt__cpu_now(void) {
 }
 
 typedef struct {
-  ac_shampoo *opt;          /* owned */
+  ac_shampoo *opt; /* owned */
   size_t nblocks;
   uint32_t *block_id;       /* per worker block: the daemon's id (its layout, same order) */
   uint64_t *version;        /* per block: libprecond version handed to ac_shampoo; 0: none */
@@ -35,7 +35,7 @@ typedef struct {
                                per client) */
   uint8_t *mine;            /* per block: this worker computes and pushes its statistics */
   size_t nmine;
-  double stats_s;            /* CPU seconds of this thread: 2 cores shared, wall is noise */
+  double stats_s; /* CPU seconds of this thread: 2 cores shared, wall is noise */
   uint64_t applied, rejected;
 } pt__shampoo;
 
@@ -50,7 +50,7 @@ static int pt__shampoo_shard(pt_trainer *t, pt_error *err) {
     if (t->layout.blocks[b].owner + 1 > replicas) replicas = t->layout.blocks[b].owner + 1;
   s->nmine = 0;
   for (size_t b = 0; b < s->nblocks; b++) {
-    s->mine[b] = nw == 1 ? 1
+    s->mine[b] = nw == 1          ? 1
                  : replicas == nw ? t->layout.blocks[b].owner == w
                                   : (int)(b % (size_t)nw) == w;
     s->nmine += s->mine[b];
@@ -86,9 +86,10 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   const precond_layout *lay = &t->layout;
   s->nblocks = ac_shampoo_nblocks(s->opt);
   if (lay->nblocks != s->nblocks)
-    return pt__fail(err, PT_EDAEMON, "precondd cut the tensors into %zu blocks, the worker "
-                    "into %zu (different block size or skip limit?)", lay->nblocks,
-                    s->nblocks);
+    return pt__fail(err, PT_EDAEMON,
+                    "precondd cut the tensors into %zu blocks, the worker "
+                    "into %zu (different block size or skip limit?)",
+                    lay->nblocks, s->nblocks);
   size_t nb = s->nblocks > 0 ? s->nblocks : 1;
   s->block_id = calloc(nb, sizeof *s->block_id);
   s->version = calloc(nb, sizeof *s->version);
@@ -105,12 +106,13 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
     const precond_block *pb = &lay->blocks[b];
     if (pb->tensor != bi.param || pb->row0 != bi.block.row0 || pb->rows != bi.block.rows ||
         pb->col0 != bi.block.col0 || pb->cols != bi.block.cols)
-      return pt__fail(err, PT_EDAEMON, "precondd's block %zu (tensor %u, rows %llu+%llu, "
+      return pt__fail(err, PT_EDAEMON,
+                      "precondd's block %zu (tensor %u, rows %llu+%llu, "
                       "cols %llu+%llu) is not the worker's (%s, rows %zu+%zu, cols %zu+%zu)",
-                      b, pb->tensor, (unsigned long long)pb->row0,
-                      (unsigned long long)pb->rows, (unsigned long long)pb->col0,
-                      (unsigned long long)pb->cols, t->params[bi.param]->name, bi.block.row0,
-                      bi.block.rows, bi.block.col0, bi.block.cols);
+                      b, pb->tensor, (unsigned long long)pb->row0, (unsigned long long)pb->rows,
+                      (unsigned long long)pb->col0, (unsigned long long)pb->cols,
+                      t->params[bi.param]->name, bi.block.row0, bi.block.rows, bi.block.col0,
+                      bi.block.cols);
     s->block_id[b] = pb->block_id;
   }
   return pt__shampoo_shard(t, err);
@@ -122,10 +124,13 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
 static int pt__shampoo_apply(pt_trainer *t, size_t b, const precond_roots *r, pt_error *err) {
   pt__shampoo *s = t->state;
   if (r == NULL) return PT_OK;
-  const ac_shampoo_roots roots = {
-      .version = r->version, .source_step = r->source_step, .format = AC_ROOT_PACKED,
-      .n_left = r->n_left, .left = r->n_left > 0 ? r->left : NULL,
-      .n_right = r->n_right, .right = r->n_right > 0 ? r->right : NULL};
+  const ac_shampoo_roots roots = {.version = r->version,
+                                  .source_step = r->source_step,
+                                  .format = AC_ROOT_PACKED,
+                                  .n_left = r->n_left,
+                                  .left = r->n_left > 0 ? r->left : NULL,
+                                  .n_right = r->n_right,
+                                  .right = r->n_right > 0 ? r->right : NULL};
   int arc = ac_shampoo_set_roots(s->opt, b, &roots);
   if (arc == AC_OK) {
     s->version[b] = r->version;
@@ -166,7 +171,8 @@ static int pt__shampoo_refresh_agreed(pt_trainer *t, pt_error *err) {
     v[b] = held[b] != NULL ? held[b]->daemon_version : s->daemon_version[b];
   }
   if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, nb) != PT_OK)
-    rc = pt__fail(err, PT_EINVAL, "data parallelism: the workers' root versions could not "
+    rc = pt__fail(err, PT_EINVAL,
+                  "data parallelism: the workers' root versions could not "
                   "be compared (MPI)");
   for (size_t b = 0; b < nb && held != NULL; b++) {
     const precond_roots *r = held[b];
@@ -190,10 +196,11 @@ static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
     if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return PT_OK;
     int left_ms = (int)((deadline - pt__now()) * 1000.0);
     if (left_ms <= 0 ||
-        precond_wait_roots(t->client, s->block_id[b], s->version[b], left_ms) ==
-            PRECOND_ETIMEDOUT)
-      return pt__fail(err, PT_ETIMEDOUT, "sync_roots: no roots of step %ld for block %u "
-                      "within %d ms", step, s->block_id[b], t->opts.sync_timeout_ms);
+        precond_wait_roots(t->client, s->block_id[b], s->version[b], left_ms) == PRECOND_ETIMEDOUT)
+      return pt__fail(err, PT_ETIMEDOUT,
+                      "sync_roots: no roots of step %ld for block %u "
+                      "within %d ms",
+                      step, s->block_id[b], t->opts.sync_timeout_ms);
   }
 }
 
@@ -206,10 +213,11 @@ static int pt__shampoo_push(pt_trainer *t, long step, pt_error *err) {
     int arc = ac_shampoo_block_stats(s->opt, b, &l, &r);
     if (arc == AC_OK) arc = ac_shampoo_block_info(s->opt, b, &bi);
     if (arc != AC_OK) return pt__accel(err, arc, "Shampoo statistics");
-    int rc = pt__daemon(t, err, precond_push(t->client, (uint64_t)step, s->block_id[b],
-                                             (uint32_t)bi.block.rows, l,
-                                             (uint32_t)bi.block.cols, r, PRECOND_FP32),
-                        "precond_push");
+    int rc =
+        pt__daemon(t, err,
+                   precond_push(t->client, (uint64_t)step, s->block_id[b], (uint32_t)bi.block.rows,
+                                l, (uint32_t)bi.block.cols, r, PRECOND_FP32),
+                   "precond_push");
     if (rc != PT_OK) return rc;
   }
   return PT_OK;
@@ -221,8 +229,7 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   int due = 0;
   long stat_step = 0;
   double t0 = pt__cpu_now();
-  int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step),
-                     "Shampoo statistics");
+  int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step), "Shampoo statistics");
   if (rc == PT_OK && due) rc = pt__shampoo_push(t, stat_step, err);
   s->stats_s += pt__cpu_now() - t0;
   if (rc != PT_OK) return rc;

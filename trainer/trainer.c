@@ -25,13 +25,20 @@ static const pt__mode *pt__mode_of(pt_mode mode) {
 
 const char *pt_strerror(int status) {
   switch (status) {
-    case PT_OK: return "ok";
-    case PT_EINVAL: return "invalid argument";
-    case PT_ENOMEM: return "out of memory";
-    case PT_EACCEL: return "worker optimizer (accel) failed";
-    case PT_EDAEMON: return "precondd unreachable, refused the call, or disagrees";
-    case PT_ETIMEDOUT: return "results did not arrive in time";
-    default: return "unknown status";
+    case PT_OK:
+      return "ok";
+    case PT_EINVAL:
+      return "invalid argument";
+    case PT_ENOMEM:
+      return "out of memory";
+    case PT_EACCEL:
+      return "worker optimizer (accel) failed";
+    case PT_EDAEMON:
+      return "precondd unreachable, refused the call, or disagrees";
+    case PT_ETIMEDOUT:
+      return "results did not arrive in time";
+    default:
+      return "unknown status";
   }
 }
 
@@ -59,8 +66,8 @@ int pt__daemon(const pt_trainer *t, pt_error *err, int prc, const char *what) {
   if (prc == PRECOND_OK) return PT_OK;
   char msg[256] = "";
   if (t->client != NULL) precond_last_error(t->client, msg, sizeof msg);
-  return pt__fail(err, PT_EDAEMON, "%s: %s%s%s", what, precond_strerror(prc),
-                  msg[0] ? ": " : "", msg);
+  return pt__fail(err, PT_EDAEMON, "%s: %s%s%s", what, precond_strerror(prc), msg[0] ? ": " : "",
+                  msg);
 }
 
 double pt__now(void) {
@@ -101,8 +108,8 @@ static int pt__register(pt_trainer *t, pt_error *err) {
   precond_shampoo_opts so;
   memset(&so, 0, sizeof so);
   t->mode->register_opts(t, &so);
-  int prc = precond_register(t->client, t->job, t->mode->wire, t->opts.worker, t->nparams,
-                             tensors, &so, &t->layout);
+  int prc = precond_register(t->client, t->job, t->mode->wire, t->opts.worker, t->nparams, tensors,
+                             &so, &t->layout);
   if (prc != PRECOND_OK) {
     char what[384];
     snprintf(what, sizeof what, "precondd at %s refused to register job %s",
@@ -124,8 +131,8 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
   if (opts->job == NULL || opts->job[0] == '\0' || strlen(opts->job) >= 256)
     return pt__fail(err, PT_EINVAL, "pt_create: a job name of 1 to 255 bytes is required");
   if (opts->shard_size > 1 && (opts->shard_rank < 0 || opts->shard_rank >= opts->shard_size))
-    return pt__fail(err, PT_EINVAL, "pt_create: shard_rank %d is not in [0, %d)",
-                    opts->shard_rank, opts->shard_size);
+    return pt__fail(err, PT_EINVAL, "pt_create: shard_rank %d is not in [0, %d)", opts->shard_rank,
+                    opts->shard_size);
   if (opts->sync_roots && opts->sync_timeout_ms <= 0)
     return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
   const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;
@@ -135,8 +142,8 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
   return PT_OK;
 }
 
-int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
-              size_t nparams, pt_error *err) {
+int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params, size_t nparams,
+              pt_error *err) {
   if (out == NULL) return pt__fail(err, PT_EINVAL, "pt_create: out is NULL");
   *out = NULL;
   int rc = pt__validate(opts, params, nparams, err);
@@ -159,8 +166,10 @@ int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
   po.connect_timeout_ms = opts->connect_timeout_ms;
   int prc = precond_connect(&po, &t->client);
   if (prc != PRECOND_OK) {
-    rc = pt__fail(err, PT_EDAEMON, "cannot reach precondd at %s: %s (start one with "
-                  "build/host/precondd --listen %s)", po.addr, precond_strerror(prc), po.addr);
+    rc = pt__fail(err, PT_EDAEMON,
+                  "cannot reach precondd at %s: %s (start one with "
+                  "build/host/precondd --listen %s)",
+                  po.addr, precond_strerror(prc), po.addr);
     goto fail;
   }
   if (!t->mode->lazy_register) rc = pt__register(t, err);

@@ -65,19 +65,19 @@ typedef enum { PT_MODE_SHAMPOO = 0, PT_MODE_KFAC = 1 } pt_mode;
  * parameter (embeddings, layer norms, a layer with no hook) takes the SGD step on its plain
  * gradient, as does every layer until its first inverses arrive (counted as fallback). */
 typedef struct {
-  pc_kfac_opts k;          /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
+  pc_kfac_opts k;       /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
                               factor schedule: pc_kfac_opts_default (one source) */
-  long steps_per_epoch;    /* the schedule's epoch (factors every factor_every_first steps
+  long steps_per_epoch; /* the schedule's epoch (factors every factor_every_first steps
                               in the first first_epochs epochs); required, >= 1 */
-  ac_sgd_opts sgd;         /* momentum and weight decay of the final step
+  ac_sgd_opts sgd;      /* momentum and weight decay of the final step
                               (ac_sgd_opts_default) */
-  float loss_scale;        /* the count the loss is a mean over; 0: each layer's batch
+  float loss_scale;     /* the count the loss is a mean over; 0: each layer's batch
                               (images, or rows: tokens for a language model) */
-  int push_bf16;           /* 1: factors travel as bf16 (half the bytes); default 0 */
-  size_t a_images;         /* conv layers: A from the first a_images images of the batch
+  int push_bf16;        /* 1: factors travel as bf16 (half the bytes); default 0 */
+  size_t a_images;      /* conv layers: A from the first a_images images of the batch
                               only (KFC's expectation from a subset: the A syrk is most
                               of a factor step's cost); 0 (default): the whole batch */
-  int quiet;               /* 1: do not list each layer's treatment on stderr at start */
+  int quiet;            /* 1: do not list each layer's treatment on stderr at start */
 } pt_kfac_opts;
 
 /* "shampoo", "kfac"; "?" otherwise. */
@@ -85,13 +85,13 @@ const char *pt_mode_name(pt_mode mode);
 
 typedef struct {
   pt_mode mode;
-  const char *daemon;      /* "host:port" or "unix:/path"; NULL: libprecond's default */
-  const char *job;         /* job name on the daemon (required, copied) */
-  const char *worker;      /* worker name sent at register; may be NULL */
-  int connect_timeout_ms;  /* wait this long for the daemon at pt_create (default 5000) */
-  int sync_roots;          /* 1: a step that pushes waits for the results of its own
+  const char *daemon;     /* "host:port" or "unix:/path"; NULL: libprecond's default */
+  const char *job;        /* job name on the daemon (required, copied) */
+  const char *worker;     /* worker name sent at register; may be NULL */
+  int connect_timeout_ms; /* wait this long for the daemon at pt_create (default 5000) */
+  int sync_roots;         /* 1: a step that pushes waits for the results of its own
                               statistics before updating (reproducible; default 0) */
-  int sync_timeout_ms;     /* sync_roots' bound per wait (default 60000) */
+  int sync_timeout_ms;    /* sync_roots' bound per wait (default 60000) */
   /* Data-parallel workers (pt_dp): this worker computes and pushes the statistics of its
    * share of the units only, and fetches every result. shard_size 1 (default): all. The
    * share: with as many daemon replicas as workers (the layout's owners), the units the
@@ -105,7 +105,7 @@ typedef struct {
   /* Shampoo: the worker's options, and the ones it registers with the daemon (block size,
    * skip limit, statistics EMA beta2, ridge epsilon): one struct configures both halves. */
   ac_shampoo_opts shampoo;
-  pt_kfac_opts kfac;       /* K-FAC's (PT_MODE_KFAC) */
+  pt_kfac_opts kfac; /* K-FAC's (PT_MODE_KFAC) */
 } pt_options;
 
 /* Fills the defaults above for mode (Shampoo: ac_shampoo_opts_default; K-FAC:
@@ -119,18 +119,18 @@ typedef struct pt_trainer pt_trainer;
  * PT_OK the caller owns *out (pt_destroy). PT_EINVAL, PT_ENOMEM, PT_EACCEL, PT_EDAEMON (the
  * daemon is unreachable, refused the job, or cut the tensors otherwise than the worker: err
  * says which); then *out is NULL. */
-int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
-              size_t nparams, pt_error *err);
+int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params, size_t nparams,
+              pt_error *err);
 
 void pt_destroy(pt_trainer *t);
 
 /* What one step did. */
 typedef struct {
-  int pushed;              /* statistics of this step were queued for the daemon */
-  size_t preconditioned;   /* units (Shampoo: blocks) that used the daemon's results */
-  size_t fallback;         /* units that took the fallback step (no usable results) */
-  double staleness_mean;   /* steps between the results used and this step; NaN: none */
-  long staleness_max;      /* -1: none used */
+  int pushed;            /* statistics of this step were queued for the daemon */
+  size_t preconditioned; /* units (Shampoo: blocks) that used the daemon's results */
+  size_t fallback;       /* units that took the fallback step (no usable results) */
+  double staleness_mean; /* steps between the results used and this step; NaN: none */
+  long staleness_max;    /* -1: none used */
 } pt_step_info;
 
 /* One training step at step (1-based, consecutive) with learning rate lr (finite, >= 0),
@@ -139,11 +139,11 @@ int pt_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *e
 
 /* Counters since pt_create. */
 typedef struct {
-  size_t units;            /* Shampoo: preconditioned blocks; K-FAC: layers the daemon serves */
-  uint64_t pushed;         /* statistics blocks queued */
-  uint64_t dropped;        /* dropped by a full queue */
-  uint64_t coalesced;      /* replaced in the queue by a newer push of the same block */
-  uint64_t push_errors;    /* blocks the daemon rejected */
+  size_t units;              /* Shampoo: preconditioned blocks; K-FAC: layers the daemon serves */
+  uint64_t pushed;           /* statistics blocks queued */
+  uint64_t dropped;          /* dropped by a full queue */
+  uint64_t coalesced;        /* replaced in the queue by a newer push of the same block */
+  uint64_t push_errors;      /* blocks the daemon rejected */
   uint64_t results_applied;  /* result versions handed to the worker */
   uint64_t results_rejected; /* versions the worker refused (non-finite, wrong size) */
   uint64_t daemon_restarts;  /* times the job was registered again (daemon lost it) */
@@ -172,8 +172,8 @@ int pt_dp_rank(const pt_dp *dp);
 int pt_dp_size(const pt_dp *dp);
 /* Averages every params[i]->grad over the workers, in buckets of at most 4 MiB (one
  * MPI_Allreduce each), and *loss with them. A no-op for NULL. PT_EACCEL, PT_EINVAL (MPI). */
-int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams,
-                  double *loss, pt_error *err);
+int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t nparams, double *loss,
+                  pt_error *err);
 /* For each i: v[i] where every worker passed the same value, else 0 (on every worker). A
  * no-op for NULL. PT_EINVAL (MPI). */
 int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n);

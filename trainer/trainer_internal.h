@@ -28,21 +28,20 @@ typedef struct {
 
 struct pt_trainer {
   const pt__mode *mode;
-  pt_options opts;          /* copy; opts.job points at job below */
+  pt_options opts; /* copy; opts.job points at job below */
   char job[256];
-  ac_param *const *params;  /* borrowed */
+  ac_param *const *params; /* borrowed */
   size_t nparams;
-  precond_client *client;   /* owned */
-  precond_layout layout;    /* the daemon's answer to register; owned */
-  void *state;              /* the mode's; owned by it (destroy) */
+  precond_client *client; /* owned */
+  precond_layout layout;  /* the daemon's answer to register; owned */
+  void *state;            /* the mode's; owned by it (destroy) */
 };
 
 extern const pt__mode pt__shampoo_mode;
 extern const pt__mode pt__kfac_mode;
 
 /* Writes the formatted message into err (when not NULL) and returns status. */
-int pt__fail(pt_error *err, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+int pt__fail(pt_error *err, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* PT_OK for AC_OK, else PT_EACCEL with "what: accel's message" in err. */
 int pt__accel(pt_error *err, int rc, const char *what);

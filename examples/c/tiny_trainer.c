@@ -40,8 +40,7 @@ int main(int argc, char **argv) {
   ac_param_list_init(&params);
   if (ac_backend_create(&be, NULL) != AC_OK ||
       ac_linear_init(&fc, be, "fc", IN, CLASSES, 1, BATCH, 1) != AC_OK ||
-      ac_celoss_init(&ce, be, CLASSES, BATCH) != AC_OK ||
-      ac_linear_params(&fc, &params) != AC_OK ||
+      ac_celoss_init(&ce, be, CLASSES, BATCH) != AC_OK || ac_linear_params(&fc, &params) != AC_OK ||
       ac_malloc(be, sizeof hx, (void **)&dx) != AC_OK ||
       ac_malloc(be, sizeof hy, (void **)&dy) != AC_OK) {
     fprintf(stderr, "tiny_trainer: accel setup failed\n");

@@ -25,48 +25,40 @@
 
 static uint64_t rng_state = 88172645463325252ull;
 
-static float frand(void)
-{
+static float frand(void) {
   return xorshift_frand(&rng_state);
 }
 
-static float *host_rand(size_t n)
-{
+static float *host_rand(size_t n) {
   float *x = malloc((n ? n : 1) * sizeof *x);
   assert_non_null(x);
-  for (size_t i = 0; i < n; i++)
-    x[i] = frand();
+  for (size_t i = 0; i < n; i++) x[i] = frand();
   return x;
 }
 
-static float *host_zeros(size_t n)
-{
+static float *host_zeros(size_t n) {
   return xcalloc(n, sizeof(float));
 }
 
-static void *dev_alloc(ac_backend *be, size_t bytes)
-{
+static void *dev_alloc(ac_backend *be, size_t bytes) {
   void *p = NULL;
   OK(ac_malloc(be, bytes, &p));
   return p;
 }
 
-static float *dev_up(ac_backend *be, const float *h, size_t n)
-{
+static float *dev_up(ac_backend *be, const float *h, size_t n) {
   float *d = dev_alloc(be, n * sizeof *d);
   OK(ac_memcpy_h2d(be, d, h, n * sizeof *d));
   return d;
 }
 
-static int32_t *dev_up_i32(ac_backend *be, const int32_t *h, size_t n)
-{
+static int32_t *dev_up_i32(ac_backend *be, const int32_t *h, size_t n) {
   int32_t *d = dev_alloc(be, n * sizeof *d);
   OK(ac_memcpy_h2d(be, d, h, n * sizeof *d));
   return d;
 }
 
-static float *dev_down(ac_backend *be, const float *d, size_t n)
-{
+static float *dev_down(ac_backend *be, const float *d, size_t n) {
   float *h = host_zeros(n);
   OK(ac_memcpy_d2h(be, h, d, n * sizeof *h));
   return h;
@@ -74,8 +66,7 @@ static float *dev_down(ac_backend *be, const float *d, size_t n)
 
 /* got[i] within atol + rtol |want[i]|; reports the first miss. */
 static void expect_close(const char *what, const float *got, const double *want, size_t n,
-                         double atol, double rtol)
-{
+                         double atol, double rtol) {
   for (size_t i = 0; i < n; i++) {
     double err = fabs((double)got[i] - want[i]);
     if (!(err <= atol + rtol * fabs(want[i]))) {
@@ -85,11 +76,9 @@ static void expect_close(const char *what, const float *got, const double *want,
   }
 }
 
-static double *dzeros(size_t n)
-{
+static double *dzeros(size_t n) {
   return xcalloc(n, sizeof(double));
 }
-
 
 /* ------------------------------------------------------------------------------------ */
 /* Backend lifecycle and errors                                                            */
@@ -97,8 +86,7 @@ static double *dzeros(size_t n)
 /* A CPU backend with 2 threads: small products run with OpenBLAS on one thread and the
  * backend's count is restored after them; large and small products, batched, match a
  * direct double loop. */
-static void test_cpu_threads(void **state)
-{
+static void test_cpu_threads(void **state) {
   (void)state;
   ac_backend_opts opts;
   ac_backend_opts_default(&opts);
@@ -114,14 +102,13 @@ static void test_cpu_threads(void **state)
       for (size_t r = 0; r < m; r++)
         for (size_t j = 0; j < n; j++) {
           double acc = 0;
-          for (size_t p = 0; p < k; p++)
-            acc += (double)ha[(i * m + r) * k + p] * hb[p * n + j];
+          for (size_t p = 0; p < k; p++) acc += (double)ha[(i * m + r) * k + p] * hb[p * n + j];
           want[(i * m + r) * n + j] = acc;
         }
     float *a = dev_up(be, ha, batch * m * k), *b = dev_up(be, hb, k * n);
     float *c = dev_alloc(be, batch * m * n * sizeof(float));
     OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, m, n, k, 1.0f, a, k, m * k, b, n, 0, 0.0f, c,
-       n, m * n, batch));
+                        n, m * n, batch));
     float *got = dev_down(be, c, batch * m * n);
     expect_close("sgemm on 2 threads", got, want, batch * m * n, 1e-4, 1e-5);
     assert_non_null(strstr(ac_backend_describe(be), "2 threads"));
@@ -141,8 +128,7 @@ static void test_cpu_threads(void **state)
  * threads: on 2 threads every result must be bit-identical to 1 thread (the tests of
  * training check bit-exact reruns, and results must not depend on the machine's cores).
  * Sizes above the pool's threshold, so that the work really is split. */
-static void test_cpu_pool_bitwise(void **state)
-{
+static void test_cpu_pool_bitwise(void **state) {
   (void)state;
   ac_backend_opts opts;
   ac_backend_opts_default(&opts);
@@ -151,8 +137,16 @@ static void test_cpu_pool_bitwise(void **state)
   OK(ac_backend_create(&be[0], &opts));
   opts.threads = 2;
   OK(ac_backend_create(&be[1], &opts));
-  const ac_conv2d_geom g = {.n = 6, .c = 8, .h = 20, .w = 20, .kh = 3, .kw = 3,
-                            .stride_h = 1, .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  const ac_conv2d_geom g = {.n = 6,
+                            .c = 8,
+                            .h = 20,
+                            .w = 20,
+                            .kh = 3,
+                            .kw = 3,
+                            .stride_h = 1,
+                            .stride_w = 1,
+                            .pad_h = 1,
+                            .pad_w = 1};
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
   float *out[2] = {NULL, NULL};
@@ -189,11 +183,10 @@ static void test_cpu_pool_bitwise(void **state)
   ac_backend_destroy(be[1]);
 }
 
-static void test_strerror_and_create(void **state)
-{
+static void test_strerror_and_create(void **state) {
   (void)state;
-  const int codes[] = {AC_OK, AC_EINVAL, AC_ENOMEM, AC_ENODEV, AC_ENOTSUP, AC_EDEVICE,
-                       AC_EMISMATCH, 12345};
+  const int codes[] = {AC_OK,      AC_EINVAL,  AC_ENOMEM,    AC_ENODEV,
+                       AC_ENOTSUP, AC_EDEVICE, AC_EMISMATCH, 12345};
   for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
     assert_non_null(ac_strerror(codes[i]));
     assert_true(strlen(ac_strerror(codes[i])) > 0);
@@ -238,8 +231,7 @@ static void test_strerror_and_create(void **state)
   }
 }
 
-static void test_invalid_arguments(void **state)
-{
+static void test_invalid_arguments(void **state) {
   ac_backend *be = backend(state);
   float *d = dev_alloc(be, 64 * sizeof(float));
   int32_t *di = dev_alloc(be, 64 * sizeof(int32_t));
@@ -260,8 +252,9 @@ static void test_invalid_arguments(void **state)
   assert_int_equal(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, NULL, 2, d, 2, 0, d + 8, 2),
                    AC_EINVAL);
   /* Overlapping C blocks in a batch are refused. */
-  assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, d, 2, 4, d + 8, 2,
-                                    4, 0, d + 16, 2, 0, 3), AC_EINVAL);
+  assert_int_equal(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, 2, 2, 2, 1, d, 2, 4, d + 8, 2, 4,
+                                    0, d + 16, 2, 0, 3),
+                   AC_EINVAL);
   assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, 4, 3, 1, d, 2, 0, d + 32), AC_EINVAL);
   assert_int_equal(ac_syrk_packed(be, AC_NO_TRANS, 4, 3, 1, d, 3, 0, NULL), AC_EINVAL);
   assert_int_equal(ac_unpack_sym(be, 4, d, d + 16, 3), AC_EINVAL);
@@ -283,8 +276,16 @@ static void test_invalid_arguments(void **state)
   assert_int_equal(ac_permute(be, 0, shape, perm, d, d + 32), AC_EINVAL);
   assert_int_equal(ac_permute(be, 3, shape, perm, d, d), AC_EINVAL);
 
-  ac_conv2d_geom g = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
-                      .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  ac_conv2d_geom g = {.n = 1,
+                      .c = 1,
+                      .h = 4,
+                      .w = 4,
+                      .kh = 3,
+                      .kw = 3,
+                      .stride_h = 1,
+                      .stride_w = 1,
+                      .pad_h = 1,
+                      .pad_w = 1};
   size_t oh = 0, ow = 0;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 4);
@@ -295,10 +296,8 @@ static void test_invalid_arguments(void **state)
   assert_int_equal(ac_channel_moments(be, 2, 2, 2, NULL, d, d + 4), AC_EINVAL);
   assert_int_equal(ac_channel_moments(be, 2, 2, 2, d, d + 8, d + 8), AC_EINVAL);
   assert_int_equal(ac_channel_affine(be, 2, 2, 2, d, NULL, d, NULL, 0, d + 8), AC_EINVAL);
-  assert_int_equal(ac_channel_grad_sums(be, 2, 2, 2, d, NULL, d, d, NULL, d + 8, d + 8),
-                   AC_EINVAL);
-  assert_int_equal(ac_channel_combine(be, 2, 2, 2, d, NULL, d, NULL, NULL, NULL, d + 8),
-                   AC_EINVAL);
+  assert_int_equal(ac_channel_grad_sums(be, 2, 2, 2, d, NULL, d, d, NULL, d + 8, d + 8), AC_EINVAL);
+  assert_int_equal(ac_channel_combine(be, 2, 2, 2, d, NULL, d, NULL, NULL, NULL, d + 8), AC_EINVAL);
   g.stride_h = 1;
   g.pad_w = 3; /* pad >= kernel */
   assert_int_equal(ac_pool2d_forward(be, AC_POOL_MAX, &g, d, d + 16, di), AC_EINVAL);
@@ -315,8 +314,8 @@ static void test_invalid_arguments(void **state)
   assert_int_equal(ac_rand_normal(be, 1, 0, 4, 0.0f, -1.0f, d), AC_EINVAL);
   assert_int_equal(ac_rand_uniform(be, 1, 0, 4, NAN, 1.0f, d), AC_EINVAL);
 
-  ac_adamw_args args = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                        .weight_decay = 0.0f, .step = 0};
+  ac_adamw_args args = {
+      .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f, .step = 0};
   assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, &args), AC_EINVAL);
   args.step = 1;
   args.beta1 = 1.0f;
@@ -340,8 +339,7 @@ static void test_invalid_arguments(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Memory                                                                                  */
 
-static void test_memory(void **state)
-{
+static void test_memory(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 1000;
   float *h = host_rand(n);
@@ -357,15 +355,13 @@ static void test_memory(void **state)
   OK(ac_fill_f32(be, n - 1, b + 1, 2.5f));
   back = dev_down(be, b, n);
   assert_true(back[0] == h[0]);
-  for (size_t i = 1; i < n; i++)
-    assert_true(back[i] == 2.5f);
+  for (size_t i = 1; i < n; i++) assert_true(back[i] == 2.5f);
   free(back);
 
   int32_t *di = dev_alloc(be, 10 * sizeof *di), hi[10];
   OK(ac_fill_i32(be, 10, di, -7));
   OK(ac_memcpy_d2h(be, hi, di, sizeof hi));
-  for (int i = 0; i < 10; i++)
-    assert_int_equal(hi[i], -7);
+  for (int i = 0; i < 10; i++) assert_int_equal(hi[i], -7);
 
   /* copy2d: a 3 x 5 block out of a 10 x 20 matrix at (2, 4), into a 3 x 5 (ld 7) buffer. */
   float *big = dev_up(be, h, 200);
@@ -386,8 +382,7 @@ static void test_memory(void **state)
   free(h);
 }
 
-static void test_permute(void **state)
-{
+static void test_permute(void **state) {
   ac_backend *be = backend(state);
   /* Attention heads: (B, T, 3, H, Dh) -> (3, B, H, T, Dh). */
   const size_t shape[5] = {2, 5, 3, 4, 6};
@@ -403,8 +398,7 @@ static void test_permute(void **state)
     for (size_t b = 0; b < 2; b++)
       for (size_t hh = 0; hh < 4; hh++)
         for (size_t t = 0; t < 5; t++)
-          for (size_t d = 0; d < 6; d++)
-            want[o++] = h[(((b * 5 + t) * 3 + s) * 4 + hh) * 6 + d];
+          for (size_t d = 0; d < 6; d++) want[o++] = h[(((b * 5 + t) * 3 + s) * 4 + hh) * 6 + d];
   expect_close("permute", got, want, n, 0, 0);
   free(got);
   free(want);
@@ -415,8 +409,7 @@ static void test_permute(void **state)
   OK(ac_permute(be, 2, s2, p2, x, y));
   got = dev_down(be, y, 63);
   for (size_t i = 0; i < 9; i++)
-    for (size_t j = 0; j < 7; j++)
-      assert_true(got[i * 7 + j] == h[j * 9 + i]);
+    for (size_t j = 0; j < 7; j++) assert_true(got[i * 7 + j] == h[j * 9 + i]);
   free(got);
   ac_free(be, x);
   ac_free(be, y);
@@ -428,8 +421,7 @@ static void test_permute(void **state)
 
 static void naive_gemm(ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, double alpha,
                        const float *a, size_t lda, const float *b, size_t ldb, double beta,
-                       const float *c0, size_t ldc, double *c)
-{
+                       const float *c0, size_t ldc, double *c) {
   for (size_t i = 0; i < m; i++)
     for (size_t j = 0; j < n; j++) {
       double s = 0.0;
@@ -442,8 +434,7 @@ static void naive_gemm(ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k, d
     }
 }
 
-static void test_sgemm(void **state)
-{
+static void test_sgemm(void **state) {
   ac_backend *be = backend(state);
   const size_t m = 13, n = 17, k = 11, batch = 3;
   const size_t lda = 20, ldb = 21, ldc = 19; /* padded leading dimensions */
@@ -457,14 +448,14 @@ static void test_sgemm(void **state)
         float *c = dev_up(be, hc, sc * batch);
         size_t stride_b = shared_b ? 0 : sb;
         OK(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 0.75f, a, lda, sa, b, ldb,
-           stride_b, -0.5f, c, ldc, sc, batch));
+                            stride_b, -0.5f, c, ldc, sc, batch));
         float *got = dev_down(be, c, sc * batch);
         for (size_t i = 0; i < batch; i++) {
           double *want = dzeros(sc);
           for (size_t e = 0; e < sc; e++)
             want[e] = hc[i * sc + e]; /* padding must stay untouched */
-          naive_gemm((ac_trans)ta, (ac_trans)tb, m, n, k, 0.75, ha + i * sa, lda,
-                     hb + i * stride_b, ldb, -0.5, hc + i * sc, ldc, want);
+          naive_gemm((ac_trans)ta, (ac_trans)tb, m, n, k, 0.75, ha + i * sa, lda, hb + i * stride_b,
+                     ldb, -0.5, hc + i * sc, ldc, want);
           expect_close("sgemm_batched", got + i * sc, want, sc, 1e-5, 1e-5);
           free(want);
         }
@@ -474,8 +465,7 @@ static void test_sgemm(void **state)
 
   /* beta = 0 ignores NaN in C; k = 0 gives beta C. */
   float *hnan = host_zeros(m * n);
-  for (size_t i = 0; i < m * n; i++)
-    hnan[i] = NAN;
+  for (size_t i = 0; i < m * n; i++) hnan[i] = NAN;
   float *c = dev_up(be, hnan, m * n);
   OK(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, n));
   float *got = dev_down(be, c, m * n);
@@ -485,8 +475,7 @@ static void test_sgemm(void **state)
   free(got);
   OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, 0, 1.0f, NULL, 0, NULL, 0, 2.0f, c, n));
   got = dev_down(be, c, m * n);
-  for (size_t i = 0; i < m * n; i++)
-    want[i] *= 2.0;
+  for (size_t i = 0; i < m * n; i++) want[i] *= 2.0;
   expect_close("sgemm k=0", got, want, m * n, 1e-5, 1e-5);
   free(got);
   free(want);
@@ -500,17 +489,14 @@ static void test_sgemm(void **state)
   free(hc);
 }
 
-static size_t packed_at(size_t n, size_t i, size_t j)
-{
+static size_t packed_at(size_t n, size_t i, size_t j) {
   /* Row i of the packed upper triangle starts after rows 0..i-1 of lengths n, n-1, ... */
   size_t start = 0;
-  for (size_t r = 0; r < i; r++)
-    start += n - r;
+  for (size_t r = 0; r < i; r++) start += n - r;
   return start + (j - i);
 }
 
-static void test_syrk_packed(void **state)
-{
+static void test_syrk_packed(void **state) {
   ac_backend *be = backend(state);
   /* A block of rows x cols at (1, 2) inside a 12 x 15 gradient (row stride 15). */
   const size_t rows = 9, cols = 6, ld = 15;
@@ -571,13 +557,11 @@ static void test_syrk_packed(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Elementwise                                                                             */
 
-static void test_binary_axpby_affine(void **state)
-{
+static void test_binary_axpby_affine(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 777;
   float *ha = host_rand(n), *hb = host_rand(n);
-  for (size_t i = 0; i < n; i++)
-    hb[i] += hb[i] >= 0 ? 0.5f : -0.5f; /* away from zero for DIV */
+  for (size_t i = 0; i < n; i++) hb[i] += hb[i] >= 0 ? 0.5f : -0.5f; /* away from zero for DIV */
   float *a = dev_up(be, ha, n), *b = dev_up(be, hb, n), *o = dev_alloc(be, n * sizeof(float));
   double *want = dzeros(n);
 
@@ -586,8 +570,10 @@ static void test_binary_axpby_affine(void **state)
     float *got = dev_down(be, o, n);
     for (size_t i = 0; i < n; i++) {
       double x = ha[i], y = hb[i];
-      want[i] = op == AC_BIN_ADD ? x + y : op == AC_BIN_SUB ? x - y : op == AC_BIN_MUL ? x * y
-                                                                                       : x / y;
+      want[i] = op == AC_BIN_ADD   ? x + y
+                : op == AC_BIN_SUB ? x - y
+                : op == AC_BIN_MUL ? x * y
+                                   : x / y;
     }
     expect_close("binary", got, want, n, 1e-7, 1e-6);
     free(got);
@@ -597,8 +583,7 @@ static void test_binary_axpby_affine(void **state)
   OK(ac_memcpy_d2d(be, o, a, n * sizeof(float)));
   OK(ac_binary(be, AC_BIN_MUL, n, o, b, o));
   float *got = dev_down(be, o, n);
-  for (size_t i = 0; i < n; i++)
-    want[i] = (double)ha[i] * hb[i];
+  for (size_t i = 0; i < n; i++) want[i] = (double)ha[i] * hb[i];
   expect_close("binary in place", got, want, n, 1e-7, 1e-6);
   free(got);
 
@@ -606,27 +591,23 @@ static void test_binary_axpby_affine(void **state)
   OK(ac_memcpy_d2d(be, o, b, n * sizeof(float)));
   OK(ac_axpby(be, n, 2.0f, a, 1.0f, o, o));
   got = dev_down(be, o, n);
-  for (size_t i = 0; i < n; i++)
-    want[i] = 2.0 * ha[i] + hb[i];
+  for (size_t i = 0; i < n; i++) want[i] = 2.0 * ha[i] + hb[i];
   expect_close("axpy", got, want, n, 1e-6, 1e-6);
   free(got);
   OK(ac_axpby(be, n, -3.0f, a, 0.0f, NULL, o));
   got = dev_down(be, o, n);
-  for (size_t i = 0; i < n; i++)
-    want[i] = -3.0 * ha[i];
+  for (size_t i = 0; i < n; i++) want[i] = -3.0 * ha[i];
   expect_close("scale", got, want, n, 1e-6, 1e-6);
   free(got);
   OK(ac_axpby(be, n, 0.5f, a, -0.25f, b, o));
   got = dev_down(be, o, n);
-  for (size_t i = 0; i < n; i++)
-    want[i] = 0.5 * ha[i] - 0.25 * hb[i];
+  for (size_t i = 0; i < n; i++) want[i] = 0.5 * ha[i] - 0.25 * hb[i];
   expect_close("axpby", got, want, n, 1e-6, 1e-6);
   free(got);
 
   OK(ac_affine(be, n, 3.0f, a, 1e-3f, o));
   got = dev_down(be, o, n);
-  for (size_t i = 0; i < n; i++)
-    want[i] = 3.0 * ha[i] + 1e-3;
+  for (size_t i = 0; i < n; i++) want[i] = 3.0 * ha[i] + 1e-3;
   expect_close("affine", got, want, n, 1e-6, 1e-6);
   free(got);
 
@@ -639,33 +620,42 @@ static void test_binary_axpby_affine(void **state)
 }
 
 /* The unary ops in double, written from their definitions. */
-static double ref_unary(ac_unary_op op, double x)
-{
+static double ref_unary(ac_unary_op op, double x) {
   switch (op) {
-  case AC_UNARY_RELU: return x > 0 ? x : 0;
-  case AC_UNARY_GELU: return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
-  case AC_UNARY_EXP: return exp(x);
-  case AC_UNARY_LOG: return log(x);
-  case AC_UNARY_SQRT: return sqrt(x);
-  case AC_UNARY_RSQRT: return 1 / sqrt(x);
-  case AC_UNARY_TANH: return tanh(x);
-  case AC_UNARY_SIGMOID: return 1 / (1 + exp(-x));
-  case AC_UNARY_SQUARE: return x * x;
-  case AC_UNARY_ABS: return fabs(x);
-  case AC_UNARY_NEG: return -x;
-  case AC_UNARY_RECIP: return 1 / x;
-  default: return NAN;
+    case AC_UNARY_RELU:
+      return x > 0 ? x : 0;
+    case AC_UNARY_GELU:
+      return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+    case AC_UNARY_EXP:
+      return exp(x);
+    case AC_UNARY_LOG:
+      return log(x);
+    case AC_UNARY_SQRT:
+      return sqrt(x);
+    case AC_UNARY_RSQRT:
+      return 1 / sqrt(x);
+    case AC_UNARY_TANH:
+      return tanh(x);
+    case AC_UNARY_SIGMOID:
+      return 1 / (1 + exp(-x));
+    case AC_UNARY_SQUARE:
+      return x * x;
+    case AC_UNARY_ABS:
+      return fabs(x);
+    case AC_UNARY_NEG:
+      return -x;
+    case AC_UNARY_RECIP:
+      return 1 / x;
+    default:
+      return NAN;
   }
 }
 
-static int positive_domain(ac_unary_op op)
-{
-  return op == AC_UNARY_LOG || op == AC_UNARY_SQRT || op == AC_UNARY_RSQRT ||
-         op == AC_UNARY_RECIP;
+static int positive_domain(ac_unary_op op) {
+  return op == AC_UNARY_LOG || op == AC_UNARY_SQRT || op == AC_UNARY_RSQRT || op == AC_UNARY_RECIP;
 }
 
-static void test_unary(void **state)
-{
+static void test_unary(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 501;
   float *hx = host_rand(n), *hdy = host_rand(n);
@@ -688,8 +678,7 @@ static void test_unary(void **state)
     assert_true(strlen(ac_unary_name((ac_unary_op)op)) > 1);
     OK(ac_unary(be, (ac_unary_op)op, n, x, o));
     float *got = dev_down(be, o, n);
-    for (size_t i = 0; i < n; i++)
-      want[i] = ref_unary((ac_unary_op)op, h[i]);
+    for (size_t i = 0; i < n; i++) want[i] = ref_unary((ac_unary_op)op, h[i]);
     expect_close(ac_unary_name((ac_unary_op)op), got, want, n, 1e-6, 2e-6);
     free(got);
 
@@ -698,8 +687,8 @@ static void test_unary(void **state)
     got = dev_down(be, dx, n);
     for (size_t i = 0; i < n; i++) {
       double e = 1e-6 * (1 + fabs(h[i]));
-      double d = (ref_unary((ac_unary_op)op, h[i] + e) - ref_unary((ac_unary_op)op, h[i] - e)) /
-                 (2 * e);
+      double d =
+          (ref_unary((ac_unary_op)op, h[i] + e) - ref_unary((ac_unary_op)op, h[i] - e)) / (2 * e);
       want[i] = hdy[i] * d;
     }
     expect_close(ac_unary_name((ac_unary_op)op), got, want, n, 1e-5, 1e-4);
@@ -726,8 +715,7 @@ static void test_unary(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Broadcasts and reductions                                                               */
 
-static void test_bcast_reduce(void **state)
-{
+static void test_bcast_reduce(void **state) {
   ac_backend *be = backend(state);
   /* The last shape is a bias gradient wide enough for CUDA's column kernel. */
   const size_t shapes[5][3] = {{7, 9, 1}, {1, 5, 33}, {3, 4, 10}, {2, 300, 1}, {5, 1100, 1}};
@@ -735,8 +723,7 @@ static void test_bcast_reduce(void **state)
     size_t outer = shapes[s][0], mid = shapes[s][1], inner = shapes[s][2];
     size_t n = outer * mid * inner;
     float *hx = host_rand(n), *hv = host_rand(mid), *hout = host_rand(mid);
-    for (size_t m = 0; m < mid; m++)
-      hv[m] += hv[m] >= 0 ? 0.5f : -0.5f;
+    for (size_t m = 0; m < mid; m++) hv[m] += hv[m] >= 0 ? 0.5f : -0.5f;
     float *x = dev_up(be, hx, n), *v = dev_up(be, hv, mid), *y = dev_alloc(be, n * sizeof(float));
     double *want = dzeros(n);
 
@@ -748,8 +735,10 @@ static void test_bcast_reduce(void **state)
           for (size_t i = 0; i < inner; i++) {
             size_t at = (o * mid + m) * inner + i;
             double a = hx[at], b = hv[m];
-            want[at] = op == AC_BIN_ADD ? a + b : op == AC_BIN_SUB ? a - b
-                     : op == AC_BIN_MUL ? a * b : a / b;
+            want[at] = op == AC_BIN_ADD   ? a + b
+                       : op == AC_BIN_SUB ? a - b
+                       : op == AC_BIN_MUL ? a * b
+                                          : a / b;
           }
       expect_close("bcast", got, want, n, 1e-7, 1e-6);
       free(got);
@@ -776,8 +765,7 @@ static void test_bcast_reduce(void **state)
               double e = hx[(o * mid + m) * inner + i];
               a = op == AC_REDUCE_SUM ? a + e : op == AC_REDUCE_MAX ? fmax(a, e) : a + e * e;
             }
-          if (op == AC_REDUCE_NORM2)
-            a = sqrt(a);
+          if (op == AC_REDUCE_NORM2) a = sqrt(a);
           rw[m] = 2.0 * a + beta * hout[m];
         }
         expect_close("reduce", got, rw, mid, 1e-5, 1e-5);
@@ -795,8 +783,7 @@ static void test_bcast_reduce(void **state)
   }
 }
 
-static void test_scalar_reductions_argmax(void **state)
-{
+static void test_scalar_reductions_argmax(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 100003;
   float *h = host_rand(n);
@@ -813,15 +800,13 @@ static void test_scalar_reductions_argmax(void **state)
 
   /* argmax with a tie: the first index wins. */
   const size_t rows = 37, cols = 53;
-  for (size_t r = 0; r < rows; r++)
-    h[r * cols + (r * 7) % cols] = 2.0f;
+  for (size_t r = 0; r < rows; r++) h[r * cols + (r * 7) % cols] = 2.0f;
   h[5 * cols + 50] = 2.0f; /* row 5's first 2.0 is at 35 */
   OK(ac_memcpy_h2d(be, x, h, rows * cols * sizeof(float)));
   int32_t *idx = dev_alloc(be, rows * sizeof(int32_t)), hidx[37];
   OK(ac_argmax_rows(be, rows, cols, x, idx));
   OK(ac_memcpy_d2h(be, hidx, idx, sizeof hidx));
-  for (size_t r = 0; r < rows; r++)
-    assert_int_equal(hidx[r], (int32_t)((r * 7) % cols));
+  for (size_t r = 0; r < rows; r++) assert_int_equal(hidx[r], (int32_t)((r * 7) % cols));
   ac_free(be, idx);
   ac_free(be, x);
   free(h);
@@ -830,24 +815,18 @@ static void test_scalar_reductions_argmax(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Softmax, mask, cross-entropy                                                            */
 
-static void ref_softmax(size_t cols, const float *x, double *y)
-{
+static void ref_softmax(size_t cols, const float *x, double *y) {
   double mx = -INFINITY, s = 0;
-  for (size_t j = 0; j < cols; j++)
-    mx = fmax(mx, x[j]);
-  for (size_t j = 0; j < cols; j++)
-    s += exp(x[j] - mx);
-  for (size_t j = 0; j < cols; j++)
-    y[j] = exp(x[j] - mx) / s;
+  for (size_t j = 0; j < cols; j++) mx = fmax(mx, x[j]);
+  for (size_t j = 0; j < cols; j++) s += exp(x[j] - mx);
+  for (size_t j = 0; j < cols; j++) y[j] = exp(x[j] - mx) / s;
 }
 
-static void test_softmax_mask(void **state)
-{
+static void test_softmax_mask(void **state) {
   ac_backend *be = backend(state);
   const size_t batch = 3, t = 17, rows = batch * t, cols = t, n = rows * cols;
   float *hx = host_rand(n), *hdy = host_rand(n);
-  for (size_t i = 0; i < n; i++)
-    hx[i] *= 30.0f; /* large logits: stability matters */
+  for (size_t i = 0; i < n; i++) hx[i] *= 30.0f; /* large logits: stability matters */
   float *x = dev_up(be, hx, n), *y = dev_alloc(be, n * sizeof(float));
   float *dy = dev_up(be, hdy, n);
 
@@ -866,8 +845,7 @@ static void test_softmax_mask(void **state)
   OK(ac_softmax_rows(be, rows, cols, x, y));
   float *got = dev_down(be, y, n);
   double *want = dzeros(n);
-  for (size_t r = 0; r < rows; r++)
-    ref_softmax(cols, masked + r * cols, want + r * cols);
+  for (size_t r = 0; r < rows; r++) ref_softmax(cols, masked + r * cols, want + r * cols);
   expect_close("softmax (causal)", got, want, n, 1e-6, 1e-5);
 
   /* Backward from the output. */
@@ -877,8 +855,7 @@ static void test_softmax_mask(void **state)
   double *wdx = dzeros(n);
   for (size_t r = 0; r < rows; r++) {
     double dot = 0;
-    for (size_t j = 0; j < cols; j++)
-      dot += (double)hdy[r * cols + j] * got[r * cols + j];
+    for (size_t j = 0; j < cols; j++) dot += (double)hdy[r * cols + j] * got[r * cols + j];
     for (size_t j = 0; j < cols; j++)
       wdx[r * cols + j] = got[r * cols + j] * (hdy[r * cols + j] - dot);
   }
@@ -903,17 +880,14 @@ static void test_softmax_mask(void **state)
   ac_free(be, dx);
 }
 
-static void test_xent(void **state)
-{
+static void test_xent(void **state) {
   ac_backend *be = backend(state);
   const size_t rows = 29, cols = 1000, n = rows * cols;
   float *hx = host_rand(n);
-  for (size_t i = 0; i < n; i++)
-    hx[i] *= 20.0f;
+  for (size_t i = 0; i < n; i++) hx[i] *= 20.0f;
   int32_t hl[29];
-  for (size_t r = 0; r < rows; r++)
-    hl[r] = (int32_t)((r * 37) % cols);
-  hl[3] = -1;          /* padding: ignored */
+  for (size_t r = 0; r < rows; r++) hl[r] = (int32_t)((r * 37) % cols);
+  hl[3] = -1;            /* padding: ignored */
   hl[7] = (int32_t)cols; /* out of range: ignored, no crash */
   float *x = dev_up(be, hx, n), *loss = dev_alloc(be, rows * sizeof(float));
   int32_t *labels = dev_up_i32(be, hl, rows);
@@ -955,34 +929,27 @@ static void test_xent(void **state)
 /* Layer normalisation                                                                     */
 
 /* Forward in double; returns sum_j w[j] y[j] of one row (the test's scalar loss). */
-static double ref_layernorm_row(size_t cols, const double *x, const float *gamma,
-                                const float *beta, double eps, double *y, const float *w)
-{
+static double ref_layernorm_row(size_t cols, const double *x, const float *gamma, const float *beta,
+                                double eps, double *y, const float *w) {
   double mu = 0, var = 0, loss = 0;
-  for (size_t j = 0; j < cols; j++)
-    mu += x[j];
+  for (size_t j = 0; j < cols; j++) mu += x[j];
   mu /= (double)cols;
-  for (size_t j = 0; j < cols; j++)
-    var += (x[j] - mu) * (x[j] - mu);
+  for (size_t j = 0; j < cols; j++) var += (x[j] - mu) * (x[j] - mu);
   var /= (double)cols;
   for (size_t j = 0; j < cols; j++) {
     double v = (x[j] - mu) / sqrt(var + eps) * gamma[j] + (beta ? beta[j] : 0.0);
-    if (y)
-      y[j] = v;
-    if (w)
-      loss += w[j] * v;
+    if (y) y[j] = v;
+    if (w) loss += w[j] * v;
   }
   return loss;
 }
 
-static void test_layernorm(void **state)
-{
+static void test_layernorm(void **state) {
   ac_backend *be = backend(state);
   const size_t rows = 9, cols = 300, n = rows * cols;
   const float eps = 1e-5f;
   float *hx = host_rand(n), *hg = host_rand(cols), *hb = host_rand(cols), *hdy = host_rand(n);
-  for (size_t i = 0; i < n; i++)
-    hx[i] = 3.0f * hx[i] + 1.0f; /* a mean to remove */
+  for (size_t i = 0; i < n; i++) hx[i] = 3.0f * hx[i] + 1.0f; /* a mean to remove */
   float *x = dev_up(be, hx, n), *g = dev_up(be, hg, cols), *b = dev_up(be, hb, cols);
   float *dy = dev_up(be, hdy, n), *y = dev_alloc(be, n * sizeof(float));
   float *mean = dev_alloc(be, rows * sizeof(float)), *rstd = dev_alloc(be, rows * sizeof(float));
@@ -993,8 +960,7 @@ static void test_layernorm(void **state)
   float *gy = dev_down(be, y, n);
   double *wy = dzeros(n), *row = dzeros(cols);
   for (size_t r = 0; r < rows; r++) {
-    for (size_t j = 0; j < cols; j++)
-      row[j] = hx[r * cols + j];
+    for (size_t j = 0; j < cols; j++) row[j] = hx[r * cols + j];
     ref_layernorm_row(cols, row, hg, hb, eps, wy + r * cols, NULL);
   }
   expect_close("layernorm forward", gy, wy, n, 1e-5, 1e-5);
@@ -1007,12 +973,10 @@ static void test_layernorm(void **state)
   double *wdx = dzeros(n), *wdg = dzeros(cols), *wdb = dzeros(cols);
   float *gp = malloc(cols * sizeof *gp);
   assert_non_null(gp);
-  for (size_t j = 0; j < cols; j++)
-    wdg[j] = wdb[j] = 1.0;
+  for (size_t j = 0; j < cols; j++) wdg[j] = wdb[j] = 1.0;
   for (size_t r = 0; r < rows; r++) {
     const float *w = hdy + r * cols;
-    for (size_t j = 0; j < cols; j++)
-      row[j] = hx[r * cols + j];
+    for (size_t j = 0; j < cols; j++) row[j] = hx[r * cols + j];
     for (size_t j = 0; j < cols; j++) {
       double h = 1e-4, keep = row[j];
       row[j] = keep + h;
@@ -1023,11 +987,9 @@ static void test_layernorm(void **state)
       wdx[r * cols + j] = (lp - lm) / (2 * h);
     }
     double mu = 0, var = 0;
-    for (size_t j = 0; j < cols; j++)
-      mu += row[j];
+    for (size_t j = 0; j < cols; j++) mu += row[j];
     mu /= (double)cols;
-    for (size_t j = 0; j < cols; j++)
-      var += (row[j] - mu) * (row[j] - mu);
+    for (size_t j = 0; j < cols; j++) var += (row[j] - mu) * (row[j] - mu);
     var /= (double)cols;
     for (size_t j = 0; j < cols; j++) {
       wdg[j] += w[j] * (row[j] - mu) / sqrt(var + eps);
@@ -1041,8 +1003,7 @@ static void test_layernorm(void **state)
   /* No beta; in place forward (y = x) and backward (dx = dy). */
   OK(ac_layernorm_rows(be, rows, cols, eps, x, g, NULL, x, mean, rstd));
   float *gx = dev_down(be, x, n);
-  for (size_t i = 0; i < n; i++)
-    wy[i] -= hb[i % cols];
+  for (size_t i = 0; i < n; i++) wy[i] -= hb[i % cols];
   expect_close("layernorm in place, no beta", gx, wy, n, 1e-5, 1e-5);
   OK(ac_memcpy_h2d(be, x, hx, n * sizeof(float)));
   OK(ac_fill_f32(be, cols, dg, 1.0f));
@@ -1050,8 +1011,7 @@ static void test_layernorm(void **state)
   free(gdx);
   gdx = dev_down(be, dy, n);
   expect_close("layernorm dx in place", gdx, wdx, n, 1e-4, 1e-3);
-  assert_int_equal(ac_layernorm_rows(be, rows, cols, 0.0f, x, g, b, y, mean, rstd),
-                   AC_EINVAL);
+  assert_int_equal(ac_layernorm_rows(be, rows, cols, 0.0f, x, g, b, y, mean, rstd), AC_EINVAL);
   assert_int_equal(ac_layernorm_rows_backward(be, rows, cols, x, g, mean, rstd, dy, dx, dg, dg),
                    AC_EINVAL);
 
@@ -1085,14 +1045,12 @@ static void test_layernorm(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Gathers and scatters                                                                    */
 
-static void test_gather_scatter(void **state)
-{
+static void test_gather_scatter(void **state) {
   ac_backend *be = backend(state);
   const size_t vocab = 50, cols = 24, n = 40;
   float *ht = host_rand(vocab * cols), *hs = host_rand(n * cols);
   int32_t hi[40];
-  for (size_t r = 0; r < n; r++)
-    hi[r] = (int32_t)((r * 13) % vocab) % 17; /* many repeats */
+  for (size_t r = 0; r < n; r++) hi[r] = (int32_t)((r * 13) % vocab) % 17; /* many repeats */
   hi[4] = -3;
   hi[9] = (int32_t)vocab;
   float *table = dev_up(be, ht, vocab * cols), *src = dev_up(be, hs, n * cols);
@@ -1111,12 +1069,10 @@ static void test_gather_scatter(void **state)
   OK(ac_scatter_add_rows(be, n, cols, src, idx, table, vocab));
   got = dev_down(be, table, vocab * cols);
   double *want = dzeros(vocab * cols);
-  for (size_t e = 0; e < vocab * cols; e++)
-    want[e] = ht[e];
+  for (size_t e = 0; e < vocab * cols; e++) want[e] = ht[e];
   for (size_t r = 0; r < n; r++)
     if (hi[r] >= 0 && (size_t)hi[r] < vocab)
-      for (size_t j = 0; j < cols; j++)
-        want[(size_t)hi[r] * cols + j] += hs[r * cols + j];
+      for (size_t j = 0; j < cols; j++) want[(size_t)hi[r] * cols + j] += hs[r * cols + j];
   expect_close("scatter_add", got, want, vocab * cols, 1e-5, 1e-6); /* atomics: any order */
   free(got);
   free(want);
@@ -1134,17 +1090,40 @@ static void test_gather_scatter(void **state)
 /* im2col and col2im over geometries that exercise every edge of the row-wise copies
  * (strides 1-3 each way, padding up to kernel size - 1 and wider than the image, 1x1 and
  * non-square kernels, a tap with no valid column), against direct loops in the test. */
-static void test_im2col_geometries(void **state)
-{
+static void test_im2col_geometries(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom geoms[] = {
-      {.n = 2, .c = 2, .h = 7, .w = 9, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 2,
-       .pad_h = 1, .pad_w = 1},
+      {.n = 2,
+       .c = 2,
+       .h = 7,
+       .w = 9,
+       .kh = 3,
+       .kw = 3,
+       .stride_h = 1,
+       .stride_w = 2,
+       .pad_h = 1,
+       .pad_w = 1},
       {.n = 1, .c = 3, .h = 6, .w = 8, .kh = 1, .kw = 1, .stride_h = 2, .stride_w = 2},
-      {.n = 1, .c = 2, .h = 5, .w = 11, .kh = 3, .kw = 5, .stride_h = 3, .stride_w = 3,
-       .pad_h = 2, .pad_w = 4},
-      {.n = 2, .c = 1, .h = 3, .w = 1, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 1,
-       .pad_h = 2, .pad_w = 2},
+      {.n = 1,
+       .c = 2,
+       .h = 5,
+       .w = 11,
+       .kh = 3,
+       .kw = 5,
+       .stride_h = 3,
+       .stride_w = 3,
+       .pad_h = 2,
+       .pad_w = 4},
+      {.n = 2,
+       .c = 1,
+       .h = 3,
+       .w = 1,
+       .kh = 3,
+       .kw = 3,
+       .stride_h = 1,
+       .stride_w = 1,
+       .pad_h = 2,
+       .pad_w = 2},
       {.n = 1, .c = 2, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 1},
   };
   for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
@@ -1167,10 +1146,9 @@ static void test_im2col_geometries(void **state)
           for (size_t xo = 0; xo < ow; xo++) {
             long iy = (long)(y * g->stride_h + p) - (long)g->pad_h;
             long ix = (long)(xo * g->stride_w + q) - (long)g->pad_w;
-            size_t o = merged ? crow * g->n * oh * ow + (b * oh + y) * ow + xo
-                              : (r * oh + y) * ow + xo;
-            if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w)
-              continue;
+            size_t o =
+                merged ? crow * g->n * oh * ow + (b * oh + y) * ow + xo : (r * oh + y) * ow + xo;
+            if (iy < 0 || ix < 0 || iy >= (long)g->h || ix >= (long)g->w) continue;
             size_t i = (plane * g->h + (size_t)iy) * g->w + (size_t)ix;
             want[o] = hx[i];
             wantx[i] += hc[o];
@@ -1197,11 +1175,18 @@ static void test_im2col_geometries(void **state)
   }
 }
 
-static void test_conv_im2col(void **state)
-{
+static void test_conv_im2col(void **state) {
   ac_backend *be = backend(state);
-  const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 9, .w = 7, .kh = 3, .kw = 2, .stride_h = 2,
-                            .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  const ac_conv2d_geom g = {.n = 2,
+                            .c = 3,
+                            .h = 9,
+                            .w = 7,
+                            .kh = 3,
+                            .kw = 2,
+                            .stride_h = 2,
+                            .stride_w = 1,
+                            .pad_h = 1,
+                            .pad_w = 1};
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 5); /* (9 + 2 - 3) / 2 + 1 */
@@ -1218,13 +1203,13 @@ static void test_conv_im2col(void **state)
   const size_t tshape[3] = {oc, g.n, ohw};
   const int swap[3] = {1, 0, 2};
   OK(ac_im2col_batch(be, &g, x, col));
-  OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, g.n * ohw, ckk, 1.0f, w, ckk, col, g.n * ohw,
-              0.0f, t, g.n * ohw));
+  OK(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, oc, g.n * ohw, ckk, 1.0f, w, ckk, col, g.n * ohw, 0.0f,
+              t, g.n * ohw));
   OK(ac_permute(be, 3, tshape, swap, t, y));
   float *got_batch = dev_down(be, y, ny);
   OK(ac_im2col(be, &g, x, col));
   OK(ac_sgemm_batched(be, AC_NO_TRANS, AC_NO_TRANS, oc, ohw, ckk, 1.0f, w, ckk, 0, col, ohw,
-     ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n));
+                      ckk * ohw, 0.0f, y, ohw, oc * ohw, g.n));
   float *got = dev_down(be, y, ny);
   double *want = dzeros(ny);
   for (size_t b = 0; b < g.n; b++)
@@ -1237,8 +1222,7 @@ static void test_conv_im2col(void **state)
               for (size_t q = 0; q < g.kw; q++) {
                 long iy = (long)(yy * g.stride_h + p) - (long)g.pad_h;
                 long ix = (long)(xx * g.stride_w + q) - (long)g.pad_w;
-                if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w)
-                  continue;
+                if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w) continue;
                 s += (double)hw[o * ckk + (ch * g.kh + p) * g.kw + q] *
                      hx[((b * g.c + ch) * g.h + (size_t)iy) * g.w + (size_t)ix];
               }
@@ -1257,15 +1241,21 @@ static void test_conv_im2col(void **state)
   OK(ac_col2im(be, &g, c, xb));
   float *gcol = dev_down(be, col, ncol), *gxb = dev_down(be, xb, nx);
   double lhs = 0, rhs = 0;
-  for (size_t i = 0; i < ncol; i++)
-    lhs += (double)gcol[i] * hc[i];
-  for (size_t i = 0; i < nx; i++)
-    rhs += (double)hx[i] * gxb[i];
+  for (size_t i = 0; i < ncol; i++) lhs += (double)gcol[i] * hc[i];
+  for (size_t i = 0; i < nx; i++) rhs += (double)hx[i] * gxb[i];
   assert_true(fabs(lhs - rhs) <= 1e-4 * (1 + fabs(lhs)));
   /* And col2im directly: the input (1, 1, 4, 4) interior pixel of a 3x3 stride-1 pad-0 conv
    * is covered by as many windows as overlap it. */
-  const ac_conv2d_geom g1 = {.n = 1, .c = 1, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1,
-                             .stride_w = 1, .pad_h = 0, .pad_w = 0};
+  const ac_conv2d_geom g1 = {.n = 1,
+                             .c = 1,
+                             .h = 4,
+                             .w = 4,
+                             .kh = 3,
+                             .kw = 3,
+                             .stride_h = 1,
+                             .stride_w = 1,
+                             .pad_h = 0,
+                             .pad_w = 0};
   float *ones = dev_alloc(be, 9 * 4 * sizeof(float)), *cnt = dev_alloc(be, 16 * sizeof(float));
   OK(ac_fill_f32(be, 36, ones, 1.0f));
   OK(ac_col2im(be, &g1, ones, cnt));
@@ -1294,8 +1284,7 @@ static void test_conv_im2col(void **state)
  * the CPU kernel's 1024-value blocks, and inner 1: moments of data with a mean far from 0,
  * the affine map with and without the residual and the ReLU, the masked gradient sums
  * (with and without gout) and the combine (with a mask and b, c; without, b, c NULL). */
-static void test_channel_ops(void **state)
-{
+static void test_channel_ops(void **state) {
   ac_backend *be = backend(state);
   const size_t shapes[][3] = {{3, 5, 37}, {2, 3, 1100}, {4, 6, 1}};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -1303,8 +1292,7 @@ static void test_channel_ops(void **state)
     size_t n = outer * mid * inner;
     float *hx = host_rand(n), *hdy = host_rand(n), *hmask = host_rand(n), *hres = host_rand(n);
     float *hp = host_rand(6 * mid); /* scale, shift, center, a, b, c */
-    for (size_t i = 0; i < n; i++)
-      hx[i] = 3.0f * hx[i] + 5.0f;
+    for (size_t i = 0; i < n; i++) hx[i] = 3.0f * hx[i] + 5.0f;
     float *x = dev_up(be, hx, n), *dy = dev_up(be, hdy, n), *mask = dev_up(be, hmask, n);
     float *res = dev_up(be, hres, n), *p = dev_up(be, hp, 6 * mid);
     float *st = dev_alloc(be, 4 * mid * sizeof(float)), *y = dev_alloc(be, n * sizeof(float));
@@ -1312,14 +1300,13 @@ static void test_channel_ops(void **state)
     double *want = dzeros(n), *wst = dzeros(4 * mid);
     const float *sc = hp, *sh = hp + mid, *ce = hp + 2 * mid, *ca = hp + 3 * mid;
     const float *cb = hp + 4 * mid, *cc = hp + 5 * mid;
-#define AT(o, m, i) (((o) * mid + (m)) * inner + (i))
+#define AT(o, m, i) (((o)*mid + (m)) * inner + (i))
 
     OK(ac_channel_moments(be, outer, mid, inner, x, st, st + mid));
     for (size_t m = 0; m < mid; m++) {
       double s = 0, q = 0, cnt = (double)(outer * inner);
       for (size_t o = 0; o < outer; o++)
-        for (size_t i = 0; i < inner; i++)
-          s += hx[AT(o, m, i)];
+        for (size_t i = 0; i < inner; i++) s += hx[AT(o, m, i)];
       for (size_t o = 0; o < outer; o++)
         for (size_t i = 0; i < inner; i++)
           q += (hx[AT(o, m, i)] - s / cnt) * (hx[AT(o, m, i)] - s / cnt);
@@ -1333,8 +1320,7 @@ static void test_channel_ops(void **state)
 
     for (int relu = 0; relu < 2; relu++)
       for (int with_res = 0; with_res < 2; with_res++) {
-        OK(ac_channel_affine(be, outer, mid, inner, x, p, p + mid, with_res ? res : NULL, relu,
-                             y));
+        OK(ac_channel_affine(be, outer, mid, inner, x, p, p + mid, with_res ? res : NULL, relu, y));
         for (size_t e = 0; e < n; e++) {
           size_t m = e / inner % mid;
           double v = (double)hx[e] * sc[m] + sh[m] + (with_res ? hres[e] : 0.0);
@@ -1366,8 +1352,7 @@ static void test_channel_ops(void **state)
       free(got);
     }
     float *gg = dev_down(be, g, n); /* the masked gradient written by the last call: exact */
-    for (size_t e = 0; e < n; e++)
-      assert_true(gg[e] == (hmask[e] > 0 ? hdy[e] : 0.0f));
+    for (size_t e = 0; e < n; e++) assert_true(gg[e] == (hmask[e] > 0 ? hdy[e] : 0.0f));
     free(gg);
 
     for (int full = 0; full < 2; full++) {
@@ -1401,11 +1386,18 @@ static void test_channel_ops(void **state)
   }
 }
 
-static void test_pool(void **state)
-{
+static void test_pool(void **state) {
   ac_backend *be = backend(state);
-  const ac_conv2d_geom g = {.n = 2, .c = 3, .h = 8, .w = 7, .kh = 3, .kw = 3, .stride_h = 2,
-                            .stride_w = 2, .pad_h = 1, .pad_w = 1};
+  const ac_conv2d_geom g = {.n = 2,
+                            .c = 3,
+                            .h = 8,
+                            .w = 7,
+                            .kh = 3,
+                            .kw = 3,
+                            .stride_h = 2,
+                            .stride_w = 2,
+                            .pad_h = 1,
+                            .pad_w = 1};
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   const size_t planes = g.n * g.c, nx = planes * g.h * g.w, ny = planes * oh * ow;
@@ -1430,8 +1422,7 @@ static void test_pool(void **state)
             for (size_t q = 0; q < g.kw; q++) {
               long iy = (long)(yy * g.stride_h + p) - (long)g.pad_h;
               long ix = (long)(xx * g.stride_w + q) - (long)g.pad_w;
-              if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w)
-                continue;
+              if (iy < 0 || ix < 0 || iy >= (long)g.h || ix >= (long)g.w) continue;
               size_t at = (size_t)iy * g.w + (size_t)ix;
               double v = hx[pl * g.h * g.w + at];
               sum += v;
@@ -1456,8 +1447,8 @@ static void test_pool(void **state)
           }
         }
     expect_close(op == AC_POOL_MAX ? "maxpool" : "avgpool", gy, wy, ny, 1e-6, 1e-6);
-    expect_close(op == AC_POOL_MAX ? "maxpool backward" : "avgpool backward", gdx, wdx, nx,
-                 1e-6, 1e-5);
+    expect_close(op == AC_POOL_MAX ? "maxpool backward" : "avgpool backward", gdx, wdx, nx, 1e-6,
+                 1e-5);
     free(gy);
     free(gdx);
     free(wy);
@@ -1469,8 +1460,7 @@ static void test_pool(void **state)
   float *gg = dev_down(be, gap, planes);
   for (size_t pl = 0; pl < planes; pl++) {
     double s = 0;
-    for (size_t i = 0; i < g.h * g.w; i++)
-      s += hx[pl * g.h * g.w + i];
+    for (size_t i = 0; i < g.h * g.w; i++) s += hx[pl * g.h * g.w + i];
     assert_true(fabs(gg[pl] - s / (double)(g.h * g.w)) < 1e-5);
   }
   free(gg);
@@ -1488,16 +1478,14 @@ static void test_pool(void **state)
 /* Random numbers                                                                          */
 
 /* The stream as accel.h defines it, written out again here. */
-static uint64_t ref_mix(uint64_t seed, uint64_t c)
-{
+static uint64_t ref_mix(uint64_t seed, uint64_t c) {
   uint64_t z = seed + (c + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-static void test_random(void **state)
-{
+static void test_random(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 200000;
   const uint64_t seed = 0xC0FFEEull, offset = 12345;
@@ -1538,8 +1526,7 @@ static void test_random(void **state)
     mean += z[i];
   }
   mean /= (double)n;
-  for (size_t i = 0; i < n; i++)
-    var += (z[i] - mean) * (z[i] - mean);
+  for (size_t i = 0; i < n; i++) var += (z[i] - mean) * (z[i] - mean);
   var /= (double)n;
   assert_true(fabs(mean - 1.0) < 0.02);
   assert_true(fabs(var - 4.0) < 0.08);
@@ -1564,17 +1551,15 @@ static void test_random(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Fused AdamW                                                                             */
 
-static void test_adamw(void **state)
-{
+static void test_adamw(void **state) {
   ac_backend *be = backend(state);
   const size_t n = 1025;
   float *hp = host_rand(n), *hg = host_rand(n), *hm = host_rand(n), *hv = host_rand(n);
-  for (size_t i = 0; i < n; i++)
-    hv[i] = fabsf(hv[i]) * 0.01f;
+  for (size_t i = 0; i < n; i++) hv[i] = fabsf(hv[i]) * 0.01f;
   float *p = dev_up(be, hp, n), *g = dev_up(be, hg, n), *m = dev_up(be, hm, n);
   float *v = dev_up(be, hv, n);
-  const ac_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-6f,
-                           .weight_decay = 0.1f, .step = 3};
+  const ac_adamw_args a = {
+      .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-6f, .weight_decay = 0.1f, .step = 3};
   OK(ac_adamw_update(be, n, p, g, m, v, &a));
   float *gp = dev_down(be, p, n), *gm = dev_down(be, m, n), *gv = dev_down(be, v, n);
   double *wp = dzeros(n), *wm = dzeros(n), *wv = dzeros(n);
@@ -1603,7 +1588,6 @@ static void test_adamw(void **state)
   ac_free(be, v);
 }
 
-
 /* ------------------------------------------------------------------------------------ */
 /* CUDA against CPU on identical inputs                                                    */
 /*                                                                                          */
@@ -1616,8 +1600,7 @@ typedef struct {
   size_t n, cap;
 } outbuf;
 
-static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
-{
+static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n) {
   if (o->n + n > o->cap) {
     o->cap = 2 * (o->n + n);
     o->data = realloc(o->data, o->cap * sizeof *o->data);
@@ -1627,8 +1610,7 @@ static void out_take(outbuf *o, ac_backend *be, const float *dev, size_t n)
   o->n += n;
 }
 
-static void scen_blas(ac_backend *be, outbuf *o)
-{
+static void scen_blas(ac_backend *be, outbuf *o) {
   const size_t m = 33, n = 65, k = 47, batch = 4;
   float *ha = host_rand(m * k * batch), *hb = host_rand(k * n * batch);
   float *a = dev_up(be, ha, m * k * batch), *b = dev_up(be, hb, k * n * batch);
@@ -1636,7 +1618,7 @@ static void scen_blas(ac_backend *be, outbuf *o)
   for (int t = 0; t < 4; t++) {
     int ta = t & 1, tb = t >> 1;
     OK(ac_sgemm_batched(be, (ac_trans)ta, (ac_trans)tb, m, n, k, 1.5f, a, ta ? m : k, m * k, b,
-       tb ? k : n, k * n, 0.0f, c, n, m * n, batch));
+                        tb ? k : n, k * n, 0.0f, c, n, m * n, batch));
     out_take(o, be, c, m * n * batch);
   }
   float *l = dev_alloc(be, ac_packed_len(m) * sizeof(float));
@@ -1666,11 +1648,10 @@ static void scen_blas(ac_backend *be, outbuf *o)
  * Forward: relative error under 3e-7 (1 + |2u|), the |2u| part being the rounding of u,
  * amplified by e^(-2u); 1e-36 absolute covers results in the subnormal range. Derivative:
  * 3e-7 absolute. NaN stays NaN. */
-static void test_gelu_accuracy(void **state)
-{
+static void test_gelu_accuracy(void **state) {
   ac_backend *be = backend(state);
-  const float extremes[] = {-1e30f, -1e4f, -100.0f, -30.0f, -9.5f, 0.0f, 1e-20f, 30.0f,
-                            100.0f, 1e4f, 1e30f};
+  const float extremes[] = {-1e30f, -1e4f, -100.0f, -30.0f, -9.5f, 0.0f,
+                            1e-20f, 30.0f, 100.0f,  1e4f,   1e30f};
   const size_t ngrid = 24001, nx = sizeof extremes / sizeof extremes[0];
   const size_t n = ngrid + nx;
   float *h = host_zeros(n), *ones = host_zeros(n);
@@ -1715,8 +1696,7 @@ static void test_gelu_accuracy(void **state)
   free(ones);
 }
 
-static void scen_elementwise(ac_backend *be, outbuf *o)
-{
+static void scen_elementwise(ac_backend *be, outbuf *o) {
   const size_t n = 4099;
   float *hx = host_rand(n), *hy = host_rand(n);
   for (size_t i = 0; i < n; i++)
@@ -1740,8 +1720,8 @@ static void scen_elementwise(ac_backend *be, outbuf *o)
     OK(ac_reduce(be, (ac_reduce_op)op, 4, 10, 100, 1.0f, x, 0.0f, z));
     out_take(o, be, z, 10);
   }
-  ac_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                     .weight_decay = 0.01f, .step = 5};
+  ac_adamw_args a = {
+      .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f, .step = 5};
   float *m = dev_up(be, hx, n), *v = dev_up(be, hy, n);
   OK(ac_adamw_update(be, n, z, x, m, v, &a));
   out_take(o, be, z, n);
@@ -1756,8 +1736,7 @@ static void scen_elementwise(ac_backend *be, outbuf *o)
   free(hy);
 }
 
-static void scen_softmax_xent(ac_backend *be, outbuf *o)
-{
+static void scen_softmax_xent(ac_backend *be, outbuf *o) {
   const size_t batch = 6, t = 40, rows = batch * t, n = rows * t;
   float *hx = host_rand(n);
   int32_t hl[240];
@@ -1777,13 +1756,14 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o)
   OK(ac_xent_backward(be, rows, t, y, labels, 0.5f, y));
   out_take(o, be, y, n);
   /* Layer norm over the same rows (mean and rstd into the loss buffer's neighbours). */
-  float *stats = dev_alloc(be, 2 * rows * sizeof(float)), *dgb = dev_alloc(be, 2 * t * sizeof(float));
+  float *stats = dev_alloc(be, 2 * rows * sizeof(float)),
+        *dgb = dev_alloc(be, 2 * t * sizeof(float));
   OK(ac_fill_f32(be, 2 * t, dgb, 0.0f));
   OK(ac_layernorm_rows(be, rows, t, 1e-5f, x, x + n - t, NULL, y, stats, stats + rows));
   out_take(o, be, y, n);
   out_take(o, be, stats, 2 * rows);
   OK(ac_layernorm_rows_backward(be, rows, t, x, x + n - t, stats, stats + rows, y, y, dgb,
-     dgb + t));
+                                dgb + t));
   out_take(o, be, y, n);
   out_take(o, be, dgb, 2 * t);
   ac_free(be, stats);
@@ -1795,10 +1775,17 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o)
   free(hx);
 }
 
-static void scen_conv_embed(ac_backend *be, outbuf *o)
-{
-  const ac_conv2d_geom g = {.n = 3, .c = 4, .h = 11, .w = 10, .kh = 3, .kw = 3, .stride_h = 2,
-                            .stride_w = 2, .pad_h = 1, .pad_w = 2};
+static void scen_conv_embed(ac_backend *be, outbuf *o) {
+  const ac_conv2d_geom g = {.n = 3,
+                            .c = 4,
+                            .h = 11,
+                            .w = 10,
+                            .kh = 3,
+                            .kw = 3,
+                            .stride_h = 2,
+                            .stride_w = 2,
+                            .pad_h = 1,
+                            .pad_w = 2};
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;
@@ -1821,8 +1808,7 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
     out_take(o, be, dx, nx);
   }
   int32_t hi[64];
-  for (int r = 0; r < 64; r++)
-    hi[r] = (r * 5) % 23 - 1;
+  for (int r = 0; r < 64; r++) hi[r] = (r * 5) % 23 - 1;
   int32_t *idx = dev_up_i32(be, hi, 64);
   float *e = dev_alloc(be, 64 * 8 * sizeof(float));
   OK(ac_gather_rows(be, 64, 8, x, 20, idx, e));
@@ -1843,8 +1829,7 @@ static void scen_conv_embed(ac_backend *be, outbuf *o)
   free(hx);
 }
 
-static void scen_channel(ac_backend *be, outbuf *o)
-{
+static void scen_channel(ac_backend *be, outbuf *o) {
   const size_t outer = 4, mid = 7, inner = 45, n = outer * mid * inner;
   float *hx = host_rand(n), *hdy = host_rand(n), *hp = host_rand(6 * mid);
   float *x = dev_up(be, hx, n), *dy = dev_up(be, hdy, n), *p = dev_up(be, hp, 6 * mid);
@@ -1871,8 +1856,7 @@ static void scen_channel(ac_backend *be, outbuf *o)
   ac_free(be, st);
 }
 
-static void scen_random(ac_backend *be, outbuf *o)
-{
+static void scen_random(ac_backend *be, outbuf *o) {
   const size_t n = 10007;
   float *z = dev_alloc(be, n * sizeof(float));
   OK(ac_rand_uniform(be, 99, 1u << 20, n, -1.0f, 1.0f, z));
@@ -1882,8 +1866,7 @@ static void scen_random(ac_backend *be, outbuf *o)
   ac_free(be, z);
 }
 
-static void scen_normal(ac_backend *be, outbuf *o)
-{
+static void scen_normal(ac_backend *be, outbuf *o) {
   const size_t n = 10007;
   float *z = dev_alloc(be, n * sizeof(float));
   OK(ac_rand_normal(be, 99, 3, n, 0.0f, 0.02f, z));
@@ -1891,8 +1874,7 @@ static void scen_normal(ac_backend *be, outbuf *o)
   ac_free(be, z);
 }
 
-static void test_cuda_matches_cpu(void **state)
-{
+static void test_cuda_matches_cpu(void **state) {
   ac_backend *gpu = backend(state);
   ac_backend *cpu = ((fixture *)*state)->cpu; /* the CUDA group's CPU reference */
   const struct {
@@ -1900,13 +1882,13 @@ static void test_cuda_matches_cpu(void **state)
     void (*run)(ac_backend *, outbuf *);
     double atol, rtol;
   } scen[] = {
-    {"blas", scen_blas, 1e-4, 1e-5},
-    {"elementwise", scen_elementwise, 1e-5, 1e-5},
-    {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
-    {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
-    {"channel (batch norm passes)", scen_channel, 1e-4, 1e-5},
-    {"random (bit-exact)", scen_random, 0, 0},
-    {"normal", scen_normal, 1e-7, 1e-5},
+      {"blas", scen_blas, 1e-4, 1e-5},
+      {"elementwise", scen_elementwise, 1e-5, 1e-5},
+      {"softmax_xent", scen_softmax_xent, 1e-5, 1e-5},
+      {"conv_embed", scen_conv_embed, 1e-5, 1e-5},
+      {"channel (batch norm passes)", scen_channel, 1e-4, 1e-5},
+      {"random (bit-exact)", scen_random, 0, 0},
+      {"normal", scen_normal, 1e-7, 1e-5},
   };
   for (size_t i = 0; i < sizeof scen / sizeof scen[0]; i++) {
     outbuf oc = {0}, og = {0};
@@ -1916,8 +1898,7 @@ static void test_cuda_matches_cpu(void **state)
     scen[i].run(gpu, &og);
     assert_int_equal(oc.n, og.n);
     double *want = dzeros(oc.n);
-    for (size_t j = 0; j < oc.n; j++)
-      want[j] = oc.data[j];
+    for (size_t j = 0; j < oc.n; j++) want[j] = oc.data[j];
     expect_close(scen[i].name, og.data, want, og.n, scen[i].atol, scen[i].rtol);
     free(want);
     free(oc.data);
@@ -1928,20 +1909,19 @@ static void test_cuda_matches_cpu(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
-#define PRIMITIVE_TESTS                                                                 \
-  cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),              \
-      cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                     \
-      cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),   \
-      cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                \
+#define PRIMITIVE_TESTS                                                                     \
+  cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),                  \
+      cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                         \
+      cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),       \
+      cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                    \
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
-      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                    \
-      cmocka_unit_test(test_gather_scatter),                                            \
-      cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_im2col_geometries), \
-      cmocka_unit_test(test_pool), cmocka_unit_test(test_channel_ops),                 \
-      cmocka_unit_test(test_random), cmocka_unit_test(test_adamw)
+      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                        \
+      cmocka_unit_test(test_gather_scatter), cmocka_unit_test(test_conv_im2col),            \
+      cmocka_unit_test(test_im2col_geometries), cmocka_unit_test(test_pool),                \
+      cmocka_unit_test(test_channel_ops), cmocka_unit_test(test_random),                    \
+      cmocka_unit_test(test_adamw)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
                                          cmocka_unit_test(test_cpu_threads),
                                          cmocka_unit_test(test_cpu_pool_bitwise)};

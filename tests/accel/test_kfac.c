@@ -106,8 +106,14 @@ static void test_dense_factors(void **state) {
   assert_int_equal(ac_kfac_dense_factor_g(be, rows, out, dg, ldg, 0.0f, fg), AC_EINVAL);
   assert_int_equal(ac_kfac_dense_factor_g(be, rows, out, dg, ldg, NAN, fg), AC_EINVAL);
   assert_int_equal(ac_kfac_dense_workspace_floats(rows, in, 0), 0);
-  ac_free(be, da); ac_free(be, dg); ac_free(be, ws); ac_free(be, fa); ac_free(be, fg);
-  free(a); free(g); free(ref);
+  ac_free(be, da);
+  ac_free(be, dg);
+  ac_free(be, ws);
+  ac_free(be, fa);
+  ac_free(be, fg);
+  free(a);
+  free(g);
+  free(ref);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -160,15 +166,24 @@ static void check_conv_factors(ac_backend *be, const ac_conv2d_geom *g, const fl
 }
 
 static void conv_case(ac_backend *be, size_t stride, int bias) {
-  ac_conv2d_geom g = {.n = 3, .c = 2, .h = 5, .w = 4, .kh = 3, .kw = 3,
-                      .stride_h = stride, .stride_w = stride, .pad_h = 1, .pad_w = 1};
+  ac_conv2d_geom g = {.n = 3,
+                      .c = 2,
+                      .h = 5,
+                      .w = 4,
+                      .kh = 3,
+                      .kw = 3,
+                      .stride_h = stride,
+                      .stride_w = stride,
+                      .pad_h = 1,
+                      .pad_w = 1};
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   const size_t npos = oh * ow, ckk = g.c * g.kh * g.kw, oc = 4, nimg = g.n;
   const size_t n = ckk + (size_t)bias;
   const float s = (float)nimg;
   float *x = host_random(nimg * g.c * g.h * g.w), *dy = host_random(nimg * oc * npos);
-  float *dx = dev_upload(be, nimg * g.c * g.h * g.w, x), *ddy = dev_upload(be, nimg * oc * npos, dy);
+  float *dx = dev_upload(be, nimg * g.c * g.h * g.w, x),
+        *ddy = dev_upload(be, nimg * oc * npos, dy);
   float *col = dev_alloc(be, nimg * ckk * npos);
   float *ws = dev_alloc(be, ac_kfac_conv_workspace_floats(2, ckk, npos, bias));
   float *fa = dev_alloc(be, ac_packed_len(n)), *fg = dev_alloc(be, ac_packed_len(oc));
@@ -181,9 +196,14 @@ static void conv_case(ac_backend *be, size_t stride, int bias) {
   check_conv_factors(be, &g, x, dy, nimg, oc, s, bias, fa, fg);
   assert_int_equal(ac_kfac_conv_factor_a(be, 4, ckk, npos, col, bias, 3, 0, fa, ws), AC_EINVAL);
   assert_int_equal(ac_kfac_conv_factor_g(be, 1, oc, npos, ddy, -1.0f, 3, 0, fg), AC_EINVAL);
-  ac_free(be, dx); ac_free(be, ddy); ac_free(be, col); ac_free(be, ws); ac_free(be, fa);
+  ac_free(be, dx);
+  ac_free(be, ddy);
+  ac_free(be, col);
+  ac_free(be, ws);
+  ac_free(be, fa);
   ac_free(be, fg);
-  free(x); free(dy);
+  free(x);
+  free(dy);
 }
 
 static void test_conv_factors(void **state) {
@@ -258,8 +278,8 @@ static void test_bn_fisher_fd(void **state) {
       }
       double got = which ? hb[ch] : hg[ch];
       if (fabs(got - f) > 2e-3 * f + 1e-6)
-        print_error("bn %s[%zu]: kernel %g, finite differences %g\n", which ? "beta" : "gamma",
-                    ch, got, f);
+        print_error("bn %s[%zu]: kernel %g, finite differences %g\n", which ? "beta" : "gamma", ch,
+                    got, f);
       assert_true(fabs(got - f) <= 2e-3 * f + 1e-6);
       assert_true(f > 1e-4); /* not a vacuous comparison */
     }
@@ -278,9 +298,22 @@ static void test_bn_fisher_fd(void **state) {
   assert_int_equal(ac_kfac_bn_precondition(be, c, dgr, fgam, 0.0f, dp, w3), AC_EINVAL);
   assert_int_equal(ac_kfac_bn_fisher(be, n, c, hw, ddy, xhat, (float)n, fgam, fbet, NULL),
                    AC_EINVAL);
-  free(hp); free(hg); free(hb); free(x); free(t); free(yh); free(dyh);
-  ac_free(be, dx); ac_free(be, ddy); ac_free(be, ws); ac_free(be, fgam); ac_free(be, fbet);
-  ac_free(be, dgr); ac_free(be, dp); ac_free(be, w3); ac_free(be, xhat);
+  free(hp);
+  free(hg);
+  free(hb);
+  free(x);
+  free(t);
+  free(yh);
+  free(dyh);
+  ac_free(be, dx);
+  ac_free(be, ddy);
+  ac_free(be, ws);
+  ac_free(be, fgam);
+  ac_free(be, fbet);
+  ac_free(be, dgr);
+  ac_free(be, dp);
+  ac_free(be, w3);
+  ac_free(be, xhat);
   ac_batchnorm_destroy(&bn);
 }
 
@@ -298,8 +331,8 @@ static void test_precondition(void **state) {
     float *dgi = dev_upload(be, out * out, gi), *dai = dev_upload(be, n * n, ai);
     float *dpw = dev_alloc(be, out * in), *dpb = dev_alloc(be, out);
     float *ws = dev_alloc(be, ac_kfac_precondition_workspace_floats(out, in, bias));
-    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dpw,
-                            bias ? dpb : NULL, ws));
+    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dpw, bias ? dpb : NULL,
+                            ws));
     /* Host: G^-1 [gw | gb] A^-1 in double. */
     double *m = xcalloc(out * n, sizeof *m), *t = xcalloc(out * n, sizeof *t);
     for (size_t i = 0; i < out; i++)
@@ -317,16 +350,28 @@ static void test_precondition(void **state) {
       if (bias) assert_float_equal(pb[i], m[i * n + in], 1e-5);
     }
     /* In place: pw = gw, pb = gb. */
-    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dgw,
-                            bias ? dgb : NULL, ws));
+    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dgw, bias ? dgb : NULL,
+                            ws));
     free(pw);
     pw = download(be, out * in, dgw);
     assert_float_equal(pw[3], m[3 / in * n + 3 % in], 1e-5);
     assert_int_equal(ac_kfac_precondition(be, out, in, dgw, dgb, dgi, dai, dpw, NULL, ws),
                      AC_EINVAL);
-    free(gw); free(gb); free(gi); free(ai); free(m); free(t); free(pw); free(pb);
-    ac_free(be, dgw); ac_free(be, dgb); ac_free(be, dgi); ac_free(be, dai); ac_free(be, dpw);
-    ac_free(be, dpb); ac_free(be, ws);
+    free(gw);
+    free(gb);
+    free(gi);
+    free(ai);
+    free(m);
+    free(t);
+    free(pw);
+    free(pb);
+    ac_free(be, dgw);
+    ac_free(be, dgb);
+    ac_free(be, dgi);
+    ac_free(be, dai);
+    ac_free(be, dpw);
+    ac_free(be, dpb);
+    ac_free(be, ws);
   }
 }
 
@@ -338,11 +383,13 @@ static void test_eigen_precondition(void **state) {
   const float lambda = 0.05f;
   for (int bias = 0; bias < 2; bias++) {
     size_t n = in + (size_t)bias;
-    float *fa = xcalloc(ac_packed_len(n), sizeof *fa), *fg = xcalloc(ac_packed_len(out), sizeof *fg);
+    float *fa = xcalloc(ac_packed_len(n), sizeof *fa),
+          *fg = xcalloc(ac_packed_len(out), sizeof *fg);
     float *ra = host_random(n * 2 * n), *rg = host_random(out * 2 * out);
     for (size_t i = 0, k = 0; i < n; i++) /* packed (1/2n) R R^T */
       for (size_t j = i; j < n; j++, k++)
-        for (size_t c = 0; c < 2 * n; c++) fa[k] += ra[i * 2 * n + c] * ra[j * 2 * n + c] / (2.0f * n);
+        for (size_t c = 0; c < 2 * n; c++)
+          fa[k] += ra[i * 2 * n + c] * ra[j * 2 * n + c] / (2.0f * n);
     for (size_t i = 0, k = 0; i < out; i++)
       for (size_t j = i; j < out; j++, k++)
         for (size_t c = 0; c < 2 * out; c++)
@@ -368,8 +415,8 @@ static void test_eigen_precondition(void **state) {
     float *dqg = dev_upload(be, out * out, qg), *dvg = dev_upload(be, out, vg);
     float *dpw = dev_alloc(be, out * in), *dpb = dev_alloc(be, out);
     float *ws = dev_alloc(be, ac_kfac_eigen_precondition_workspace_floats(out, in, bias));
-    OK(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg, dqa, dva,
-                                  lambda, dpw, bias ? dpb : NULL, ws));
+    OK(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg, dqa, dva, lambda,
+                                  dpw, bias ? dpb : NULL, ws));
     float *pw = download(be, out * in, dpw), *pb = download(be, out, dpb);
     double scale = 0.0;
     for (size_t i = 0; i < out * n; i++) scale = fmax(scale, fabs(p64[i]));
@@ -378,14 +425,36 @@ static void test_eigen_precondition(void **state) {
         assert_float_equal(pw[i * in + j], p64[i * n + j], 1e-5 * scale);
       if (bias) assert_float_equal(pb[i], p64[i * n + in], 1e-5 * scale);
     }
-    assert_int_equal(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg,
-                                                dqa, dva, -1.0f, dpw, bias ? dpb : NULL, ws),
+    assert_int_equal(ac_kfac_eigen_precondition(be, out, in, dgw, bias ? dgb : NULL, dqg, dvg, dqa,
+                                                dva, -1.0f, dpw, bias ? dpb : NULL, ws),
                      AC_EINVAL);
-    free(fa); free(fg); free(ra); free(rg); free(qa); free(va); free(qg); free(vg); free(gw);
-    free(gb); free(g64); free(p64); free(qa64); free(va64); free(qg64); free(vg64); free(pw);
+    free(fa);
+    free(fg);
+    free(ra);
+    free(rg);
+    free(qa);
+    free(va);
+    free(qg);
+    free(vg);
+    free(gw);
+    free(gb);
+    free(g64);
+    free(p64);
+    free(qa64);
+    free(va64);
+    free(qg64);
+    free(vg64);
+    free(pw);
     free(pb);
-    ac_free(be, dgw); ac_free(be, dgb); ac_free(be, dqa); ac_free(be, dva); ac_free(be, dqg);
-    ac_free(be, dvg); ac_free(be, dpw); ac_free(be, dpb); ac_free(be, ws);
+    ac_free(be, dgw);
+    ac_free(be, dgb);
+    ac_free(be, dqa);
+    ac_free(be, dva);
+    ac_free(be, dqg);
+    ac_free(be, dvg);
+    ac_free(be, dpw);
+    ac_free(be, dpb);
+    ac_free(be, ws);
   }
 }
 
@@ -421,8 +490,17 @@ static void test_kl_clip(void **state) {
   assert_true(nu == 0.0);
   assert_int_equal(ac_kfac_kl_clip(be, layers, 2, lr, 0.0, one, &nu), AC_EINVAL);
   assert_int_equal(ac_kfac_kl_clip(be, layers, 2, lr, 1e-3, NULL, &nu), AC_EINVAL);
-  free(p1); free(g1); free(p2); free(g2); free(h1); free(h2);
-  ac_free(be, d1); ac_free(be, e1); ac_free(be, d2); ac_free(be, e2); ac_free(be, one);
+  free(p1);
+  free(g1);
+  free(p2);
+  free(g2);
+  free(h1);
+  free(h2);
+  ac_free(be, d1);
+  ac_free(be, e1);
+  ac_free(be, d2);
+  ac_free(be, e2);
+  ac_free(be, one);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -486,16 +564,16 @@ static void test_least_squares_step(void **state) {
   /* Damped inverses on the host (the daemon's part), damping -> 0. */
   pc_kfac_damping d;
   assert_int_equal(pc_kfac_damping_split(n, pc_kfac_trace_f32(n, ha), out,
-                                         pc_kfac_trace_f32(out, hg), 1e-12, 1, &d), PC_OK);
+                                         pc_kfac_trace_f32(out, hg), 1e-12, 1, &d),
+                   PC_OK);
   float *ai = xcalloc(n * n, sizeof *ai), *gi = xcalloc(out * out, sizeof *gi);
   assert_int_equal(pc_kfac_inverse_f32(n, ha, d.damp_a, PC_KFAC_INV_CHOLESKY, ai, NULL), PC_OK);
-  assert_int_equal(pc_kfac_inverse_f32(out, hg, d.damp_g, PC_KFAC_INV_CHOLESKY, gi, NULL),
-                   PC_OK);
+  assert_int_equal(pc_kfac_inverse_f32(out, hg, d.damp_g, PC_KFAC_INV_CHOLESKY, gi, NULL), PC_OK);
   float *dai = dev_upload(be, n * n, ai), *dgi = dev_upload(be, out * out, gi);
   float *pw = dev_alloc(be, out * in), *pb = dev_alloc(be, out);
   float *pws = dev_alloc(be, ac_kfac_precondition_workspace_floats(out, in, 1));
-  OK(ac_kfac_precondition(be, out, in, ac_tensor_f32(&fc.weight.grad),
-                          ac_tensor_f32(&fc.bias.grad), dgi, dai, pw, pb, pws));
+  OK(ac_kfac_precondition(be, out, in, ac_tensor_f32(&fc.weight.grad), ac_tensor_f32(&fc.bias.grad),
+                          dgi, dai, pw, pb, pws));
   double res[2];
   res[0] = normal_residual(be, &fc, N, x, t);
   OK(ac_axpby(be, out * in, -1.0f, pw, 1.0f, ac_tensor_f32(&fc.weight.value),
@@ -506,10 +584,26 @@ static void test_least_squares_step(void **state) {
   print_message("least squares: normal-equation residual %.3g -> %.3g\n", res[0], res[1]);
   assert_true(res[0] > 1.0); /* the start is far from the solution */
   assert_true(res[1] < 1e-4 * res[0]);
-  free(x); free(t); free(b0); free(y); free(e); free(s); free(ha); free(hg); free(ai);
+  free(x);
+  free(t);
+  free(b0);
+  free(y);
+  free(e);
+  free(s);
+  free(ha);
+  free(hg);
+  free(ai);
   free(gi);
-  ac_free(be, dx); ac_free(be, de); ac_free(be, ws); ac_free(be, fa); ac_free(be, fg);
-  ac_free(be, ds); ac_free(be, dai); ac_free(be, dgi); ac_free(be, pw); ac_free(be, pb);
+  ac_free(be, dx);
+  ac_free(be, de);
+  ac_free(be, ws);
+  ac_free(be, fa);
+  ac_free(be, fg);
+  ac_free(be, ds);
+  ac_free(be, dai);
+  ac_free(be, dgi);
+  ac_free(be, pw);
+  ac_free(be, pb);
   ac_free(be, pws);
   ac_linear_destroy(&fc);
 }
@@ -522,7 +616,7 @@ typedef struct {
   int calls[3];
   size_t first_seen;
   float s;
-  float *fa, *fg, *ws;                  /* dense and conv factors */
+  float *fa, *fg, *ws;                       /* dense and conv factors */
   float *gmask, *xhat, *fgam, *fbeta, *bnws; /* batch norm */
 } hook_rec;
 
@@ -532,31 +626,32 @@ static int record_hook(void *ctx, const ac_hook_view *v) {
   int rc = AC_OK, bias = v->bias != NULL;
   r->calls[v->kind]++;
   switch (v->kind) {
-  case AC_HOOK_DENSE:
-    rc = ac_kfac_dense_factor_a(r->be, v->rows, v->in, v->a, v->lda, bias, r->fa, r->ws);
-    if (rc == AC_OK) rc = ac_kfac_dense_factor_g(r->be, v->rows, v->out, v->g, v->ldg, r->s, r->fg);
-    break;
-  case AC_HOOK_CONV:
-    r->first_seen += v->first;
-    rc = ac_kfac_conv_cols_factor_a(r->be, v->in, v->cols, v->a, v->lda, v->npos, bias,
-                                    v->batch, v->first > 0, r->fa, r->ws);
-    if (rc == AC_OK)
-      rc = ac_kfac_conv_cols_factor_g(r->be, v->out, v->cols, v->g, v->ldg, r->s, v->batch,
-                                      v->first > 0, r->fg);
-    break;
-  case AC_HOOK_BATCHNORM: {
-    size_t count = v->batch * v->in * v->npos;
-    const float *g = v->g;
-    if (v->relu_y != NULL) { /* the gradient at the affine output: masked by the ReLU */
-      rc = ac_unary_backward(r->be, AC_UNARY_RELU, count, v->relu_y, v->g, r->gmask);
-      g = r->gmask;
+    case AC_HOOK_DENSE:
+      rc = ac_kfac_dense_factor_a(r->be, v->rows, v->in, v->a, v->lda, bias, r->fa, r->ws);
+      if (rc == AC_OK)
+        rc = ac_kfac_dense_factor_g(r->be, v->rows, v->out, v->g, v->ldg, r->s, r->fg);
+      break;
+    case AC_HOOK_CONV:
+      r->first_seen += v->first;
+      rc = ac_kfac_conv_cols_factor_a(r->be, v->in, v->cols, v->a, v->lda, v->npos, bias, v->batch,
+                                      v->first > 0, r->fa, r->ws);
+      if (rc == AC_OK)
+        rc = ac_kfac_conv_cols_factor_g(r->be, v->out, v->cols, v->g, v->ldg, r->s, v->batch,
+                                        v->first > 0, r->fg);
+      break;
+    case AC_HOOK_BATCHNORM: {
+      size_t count = v->batch * v->in * v->npos;
+      const float *g = v->g;
+      if (v->relu_y != NULL) { /* the gradient at the affine output: masked by the ReLU */
+        rc = ac_unary_backward(r->be, AC_UNARY_RELU, count, v->relu_y, v->g, r->gmask);
+        g = r->gmask;
+      }
+      if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, r->xhat);
+      if (rc == AC_OK)
+        rc = ac_kfac_bn_fisher(r->be, v->batch, v->in, v->npos, g, r->xhat, r->s, r->fgam, r->fbeta,
+                               r->bnws);
+      break;
     }
-    if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, r->xhat);
-    if (rc == AC_OK)
-      rc = ac_kfac_bn_fisher(r->be, v->batch, v->in, v->npos, g, r->xhat, r->s, r->fgam,
-                             r->fbeta, r->bnws);
-    break;
-  }
   }
   return rc;
 }
@@ -603,11 +698,13 @@ static void test_layer_hooks(void **state) {
   OK(ac_kfac_dense_factor_g(be, 9, 4, dga, 4, r.s, fg2));
   float *h1 = download(be, ac_packed_len(6), r.fa), *h2 = download(be, ac_packed_len(6), fa2);
   assert_memory_equal(h1, h2, ac_packed_len(6) * sizeof(float));
-  free(h1); free(h2);
+  free(h1);
+  free(h2);
   h1 = download(be, ac_packed_len(4), r.fg);
   h2 = download(be, ac_packed_len(4), fg2);
   assert_memory_equal(h1, h2, ac_packed_len(4) * sizeof(float));
-  free(h1); free(h2);
+  free(h1);
+  free(h2);
   ac_linear_destroy(&fc);
 
   /* Batch norm with a fused ReLU: the diagonal Fisher of the gradient at the affine output
@@ -652,7 +749,9 @@ static void test_layer_hooks(void **state) {
     assert_true(fabs(hg[ch] - fgam) <= 1e-4 * fmax(fgam, 1e-3));
     assert_true(fabs(hb[ch] - fbeta) <= 1e-4 * fmax(fbeta, 1e-3));
   }
-  free(hg); free(hb); free(hy);
+  free(hg);
+  free(hb);
+  free(hy);
   ac_batchnorm_destroy(&bn);
 
   /* A failing hook fails backward with its code. */
@@ -665,24 +764,40 @@ static void test_layer_hooks(void **state) {
   assert_int_equal(ac_linear_backward(&fc2, dga, &gx), AC_EINVAL);
   ac_linear_destroy(&fc2);
 
-  ac_free(be, fa_keep); ac_free(be, r.fg); ac_free(be, r.ws); ac_free(be, fa2); ac_free(be, fg2);
-  ac_free(be, r.gmask); ac_free(be, r.xhat); ac_free(be, r.fgam); ac_free(be, r.fbeta);
-  ac_free(be, r.bnws); ac_free(be, dx); ac_free(be, ddy); ac_free(be, dxa); ac_free(be, dga);
-  ac_free(be, dxb); ac_free(be, dgb);
-  free(x); free(dy); free(xa); free(ga); free(xb); free(gb);
+  ac_free(be, fa_keep);
+  ac_free(be, r.fg);
+  ac_free(be, r.ws);
+  ac_free(be, fa2);
+  ac_free(be, fg2);
+  ac_free(be, r.gmask);
+  ac_free(be, r.xhat);
+  ac_free(be, r.fgam);
+  ac_free(be, r.fbeta);
+  ac_free(be, r.bnws);
+  ac_free(be, dx);
+  ac_free(be, ddy);
+  ac_free(be, dxa);
+  ac_free(be, dga);
+  ac_free(be, dxb);
+  ac_free(be, dgb);
+  free(x);
+  free(dy);
+  free(xa);
+  free(ga);
+  free(xb);
+  free(gb);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
-#define KFAC_TESTS                                                                            \
-  cmocka_unit_test(test_dense_factors), cmocka_unit_test(test_conv_factors),                  \
-  cmocka_unit_test(test_bn_fisher_fd), cmocka_unit_test(test_precondition),                   \
-  cmocka_unit_test(test_eigen_precondition), cmocka_unit_test(test_kl_clip),                  \
-  cmocka_unit_test(test_least_squares_step), cmocka_unit_test(test_layer_hooks)
+#define KFAC_TESTS                                                               \
+  cmocka_unit_test(test_dense_factors), cmocka_unit_test(test_conv_factors),     \
+      cmocka_unit_test(test_bn_fisher_fd), cmocka_unit_test(test_precondition),  \
+      cmocka_unit_test(test_eigen_precondition), cmocka_unit_test(test_kl_clip), \
+      cmocka_unit_test(test_least_squares_step), cmocka_unit_test(test_layer_hooks)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest cpu[] = {KFAC_TESTS};
   const struct CMUnitTest cuda[] = {KFAC_TESTS};
   int failed = cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);

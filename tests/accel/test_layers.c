@@ -29,13 +29,12 @@
 #include "accel.h"
 #include "test_util.h"
 
-#define TOL_FWD 1e-4
-#define TOL_GRAD 5e-4
-#define TOL_XBE 1e-4
-#define FD_STEP 1e-5
-#define MAX_IN 6
+#define TOL_FWD   1e-4
+#define TOL_GRAD  5e-4
+#define TOL_XBE   1e-4
+#define FD_STEP   1e-5
+#define MAX_IN    6
 #define MAX_EXTRA 2
-
 
 /* ------------------------------------------------------------------------------------ */
 /* Cases: host inputs, a reference, and what the backend produced                          */
@@ -44,20 +43,20 @@ typedef void (*ref_fn)(const void *cfg, double *const *in, double *y);
 
 typedef struct {
   int nin;
-  double *in[MAX_IN];      /* fp32-representable values, as doubles */
+  double *in[MAX_IN]; /* fp32-representable values, as doubles */
   size_t len[MAX_IN];
   size_t ny;
-  double *r;               /* upstream gradient (ny) */
+  double *r; /* upstream gradient (ny) */
   ref_fn f;
   const void *cfg;
-  int nextra;              /* extra outputs (running statistics) and their expected values */
+  int nextra; /* extra outputs (running statistics) and their expected values */
   double *extra_ref[MAX_EXTRA];
   size_t extra_len[MAX_EXTRA];
 } refcase;
 
 typedef struct {
-  float *y;                /* ny */
-  float *grad[MAX_IN];     /* len[k], NULL where not differentiable */
+  float *y;            /* ny */
+  float *grad[MAX_IN]; /* len[k], NULL where not differentiable */
   float *extra[MAX_EXTRA];
 } result;
 
@@ -65,33 +64,28 @@ typedef void (*case_fn)(ac_backend *be, refcase *rc, result *res);
 
 static uint64_t rng_state;
 
-static void rng_seed(uint64_t s)
-{
+static void rng_seed(uint64_t s) {
   rng_state = s * 2685821657736338717ull + 88172645463325252ull;
 }
 
-static double frand(void)
-{
+static double frand(void) {
   return (double)xorshift_frand(&rng_state);
 }
 
-static double *dalloc(size_t n)
-{
+static double *dalloc(size_t n) {
   double *p = calloc(n ? n : 1, sizeof *p);
   assert_non_null(p);
   return p;
 }
 
-static float *falloc(size_t n)
-{
+static float *falloc(size_t n) {
   float *p = calloc(n ? n : 1, sizeof *p);
   assert_non_null(p);
   return p;
 }
 
 /* Adds input k of n random values in [lo, hi). */
-static double *add_input(refcase *rc, size_t n, double lo, double hi)
-{
+static double *add_input(refcase *rc, size_t n, double lo, double hi) {
   int k = rc->nin++;
   assert_true(k < MAX_IN);
   rc->in[k] = dalloc(n);
@@ -101,24 +95,19 @@ static double *add_input(refcase *rc, size_t n, double lo, double hi)
   return rc->in[k];
 }
 
-static void set_output(refcase *rc, size_t ny)
-{
+static void set_output(refcase *rc, size_t ny) {
   rc->ny = ny;
   rc->r = dalloc(ny);
-  for (size_t i = 0; i < ny; i++)
-    rc->r[i] = frand();
+  for (size_t i = 0; i < ny; i++) rc->r[i] = frand();
 }
 
-static float *to_f32(const double *x, size_t n)
-{
+static float *to_f32(const double *x, size_t n) {
   float *f = falloc(n);
-  for (size_t i = 0; i < n; i++)
-    f[i] = (float)x[i];
+  for (size_t i = 0; i < n; i++) f[i] = (float)x[i];
   return f;
 }
 
-static float *dev_upload(ac_backend *be, const double *x, size_t n)
-{
+static float *dev_upload(ac_backend *be, const double *x, size_t n) {
   void *d = NULL;
   float *h = to_f32(x, n);
   OK(ac_malloc(be, n * sizeof(float), &d));
@@ -127,38 +116,33 @@ static float *dev_upload(ac_backend *be, const double *x, size_t n)
   return d;
 }
 
-static int32_t *dev_upload_i32(ac_backend *be, const int32_t *x, size_t n)
-{
+static int32_t *dev_upload_i32(ac_backend *be, const int32_t *x, size_t n) {
   void *d = NULL;
   OK(ac_malloc(be, n * sizeof(int32_t), &d));
   OK(ac_memcpy_h2d(be, d, x, n * sizeof(int32_t)));
   return d;
 }
 
-static float *dev_download(ac_backend *be, const float *d, size_t n)
-{
+static float *dev_download(ac_backend *be, const float *d, size_t n) {
   float *h = falloc(n);
   OK(ac_memcpy_d2h(be, h, d, n * sizeof(float)));
   return h;
 }
 
-static void param_set(ac_param *p, const double *x)
-{
+static void param_set(ac_param *p, const double *x) {
   assert_int_equal(p->value.numel > 0, 1);
   float *h = to_f32(x, p->value.numel);
   OK(ac_tensor_upload(&p->value, h));
   free(h);
 }
 
-static float *param_grad(const ac_param *p)
-{
+static float *param_grad(const ac_param *p) {
   float *h = falloc(p->grad.numel);
   OK(ac_tensor_download(&p->grad, h));
   return h;
 }
 
-static void free_case(refcase *rc, result *res)
-{
+static void free_case(refcase *rc, result *res) {
   for (int k = 0; k < MAX_IN; k++) {
     free(rc->in[k]);
     free(res->grad[k]);
@@ -174,8 +158,7 @@ static void free_case(refcase *rc, result *res)
 /* ------------------------------------------------------------------------------------ */
 /* Checks                                                                                  */
 
-static double rel_err(const float *a, const double *b, size_t n, double floor)
-{
+static double rel_err(const float *a, const double *b, size_t n, double floor) {
   double num = 0.0, den = floor;
   for (size_t i = 0; i < n; i++) {
     double d = fabs((double)a[i] - b[i]);
@@ -185,25 +168,20 @@ static double rel_err(const float *a, const double *b, size_t n, double floor)
   return num / den;
 }
 
-static double loss_of(const refcase *rc, double *y)
-{
+static double loss_of(const refcase *rc, double *y) {
   rc->f(rc->cfg, rc->in, y);
   double l = 0.0;
-  for (size_t i = 0; i < rc->ny; i++)
-    l += rc->r[i] * y[i];
+  for (size_t i = 0; i < rc->ny; i++) l += rc->r[i] * y[i];
   return l;
 }
 
-static void check_case(const char *name, const refcase *rc, const result *res)
-{
+static void check_case(const char *name, const refcase *rc, const result *res) {
   double *y = dalloc(rc->ny);
   rc->f(rc->cfg, rc->in, y);
   double e = rel_err(res->y, y, rc->ny, 1.0);
-  if (!(e <= TOL_FWD))
-    fail_msg("%s: forward rel err %.3g > %.1g", name, e, TOL_FWD);
+  if (!(e <= TOL_FWD)) fail_msg("%s: forward rel err %.3g > %.1g", name, e, TOL_FWD);
   for (int k = 0; k < rc->nin; k++) {
-    if (res->grad[k] == NULL)
-      continue;
+    if (res->grad[k] == NULL) continue;
     double *fd = dalloc(rc->len[k]);
     for (size_t i = 0; i < rc->len[k]; i++) {
       double keep = rc->in[k][i];
@@ -221,26 +199,22 @@ static void check_case(const char *name, const refcase *rc, const result *res)
   }
   for (int k = 0; k < rc->nextra; k++) {
     e = rel_err(res->extra[k], rc->extra_ref[k], rc->extra_len[k], 1.0);
-    if (!(e <= TOL_FWD))
-      fail_msg("%s: extra output %d rel err %.3g > %.1g", name, k, e, TOL_FWD);
+    if (!(e <= TOL_FWD)) fail_msg("%s: extra output %d rel err %.3g > %.1g", name, k, e, TOL_FWD);
   }
   free(y);
 }
 
 static void check_close_f(const char *name, const char *what, const float *a, const float *b,
-                          size_t n)
-{
+                          size_t n) {
   double *bd = dalloc(n);
-  for (size_t i = 0; i < n; i++)
-    bd[i] = b[i];
+  for (size_t i = 0; i < n; i++) bd[i] = b[i];
   double e = rel_err(a, bd, n, 1.0);
   free(bd);
   if (!(e <= TOL_XBE))
     fail_msg("%s: %s differs from the CPU backend: rel %.3g > %.1g", name, what, e, TOL_XBE);
 }
 
-static void run_case(void **state, const char *name, case_fn c)
-{
+static void run_case(void **state, const char *name, case_fn c) {
   fixture *f = *state;
   ac_backend *be = backend(state);
   refcase rc;
@@ -265,8 +239,7 @@ static void run_case(void **state, const char *name, case_fn c)
 }
 
 /* Downloads the layer output into res->y after syncing. */
-static void take_y(ac_backend *be, result *res, const float *y, size_t ny)
-{
+static void take_y(ac_backend *be, result *res, const float *y, size_t ny) {
   OK(ac_sync(be));
   res->y = dev_download(be, y, ny);
 }
@@ -278,20 +251,17 @@ typedef struct {
   size_t rows, in, out;
 } lin_cfg;
 
-static void ref_linear(const void *cfg, double *const *in, double *y)
-{
+static void ref_linear(const void *cfg, double *const *in, double *y) {
   const lin_cfg *c = cfg;
   for (size_t r = 0; r < c->rows; r++)
     for (size_t o = 0; o < c->out; o++) {
       double s = in[2][o];
-      for (size_t i = 0; i < c->in; i++)
-        s += in[0][r * c->in + i] * in[1][o * c->in + i];
+      for (size_t i = 0; i < c->in; i++) s += in[0][r * c->in + i] * in[1][o * c->in + i];
       y[r * c->out + o] = s;
     }
 }
 
-static void case_linear(ac_backend *be, refcase *rc, result *res)
-{
+static void case_linear(ac_backend *be, refcase *rc, result *res) {
   static const lin_cfg cfg = {5, 7, 4};
   rng_seed(1);
   double *x = add_input(rc, cfg.rows * cfg.in, -1, 1);
@@ -316,15 +286,13 @@ static void case_linear(ac_backend *be, refcase *rc, result *res)
   res->grad[1] = param_grad(&l.weight);
   res->grad[2] = param_grad(&l.bias);
   for (int k = 1; k <= 2; k++)
-    for (size_t i = 0; i < rc->len[k]; i++)
-      res->grad[k][i] *= 0.5f;
+    for (size_t i = 0; i < rc->len[k]; i++) res->grad[k][i] *= 0.5f;
   ac_free(be, xd);
   ac_free(be, dr);
   ac_linear_destroy(&l);
 }
 
-static void test_linear(void **state)
-{
+static void test_linear(void **state) {
   run_case(state, "linear", case_linear);
 }
 
@@ -336,8 +304,7 @@ typedef struct {
   int32_t idx[6];
 } emb_cfg;
 
-static void ref_embedding(const void *cfg, double *const *in, double *y)
-{
+static void ref_embedding(const void *cfg, double *const *in, double *y) {
   const emb_cfg *c = cfg;
   for (size_t r = 0; r < c->rows; r++)
     for (size_t j = 0; j < c->dim; j++) {
@@ -346,8 +313,7 @@ static void ref_embedding(const void *cfg, double *const *in, double *y)
     }
 }
 
-static void case_embedding(ac_backend *be, refcase *rc, result *res)
-{
+static void case_embedding(ac_backend *be, refcase *rc, result *res) {
   static const emb_cfg cfg = {6, 5, 3, {2, 0, 2, 4, -1, 5}};
   rng_seed(2);
   double *w = add_input(rc, cfg.vocab * cfg.dim, -1, 1);
@@ -370,8 +336,7 @@ static void case_embedding(ac_backend *be, refcase *rc, result *res)
   ac_embedding_destroy(&l);
 }
 
-static void test_embedding(void **state)
-{
+static void test_embedding(void **state) {
   run_case(state, "embedding", case_embedding);
 }
 
@@ -382,16 +347,14 @@ typedef struct {
   size_t batch, t, max_t, dim;
 } pos_cfg;
 
-static void ref_posembed(const void *cfg, double *const *in, double *y)
-{
+static void ref_posembed(const void *cfg, double *const *in, double *y) {
   const pos_cfg *c = cfg;
   for (size_t b = 0; b < c->batch; b++)
     for (size_t i = 0; i < c->t * c->dim; i++)
       y[b * c->t * c->dim + i] = in[0][b * c->t * c->dim + i] + in[1][i];
 }
 
-static void case_posembed(ac_backend *be, refcase *rc, result *res)
-{
+static void case_posembed(ac_backend *be, refcase *rc, result *res) {
   static const pos_cfg cfg = {3, 4, 6, 5};
   rng_seed(3);
   double *x = add_input(rc, cfg.batch * cfg.t * cfg.dim, -1, 1);
@@ -415,8 +378,7 @@ static void case_posembed(ac_backend *be, refcase *rc, result *res)
   ac_posembed_destroy(&l);
 }
 
-static void test_posembed(void **state)
-{
+static void test_posembed(void **state) {
   run_case(state, "posembed", case_posembed);
 }
 
@@ -428,25 +390,21 @@ typedef struct {
   double eps;
 } ln_cfg;
 
-static void ref_layernorm(const void *cfg, double *const *in, double *y)
-{
+static void ref_layernorm(const void *cfg, double *const *in, double *y) {
   const ln_cfg *c = cfg;
   for (size_t r = 0; r < c->rows; r++) {
     const double *x = in[0] + r * c->dim;
     double mean = 0.0, var = 0.0;
-    for (size_t j = 0; j < c->dim; j++)
-      mean += x[j];
+    for (size_t j = 0; j < c->dim; j++) mean += x[j];
     mean /= (double)c->dim;
-    for (size_t j = 0; j < c->dim; j++)
-      var += (x[j] - mean) * (x[j] - mean);
+    for (size_t j = 0; j < c->dim; j++) var += (x[j] - mean) * (x[j] - mean);
     var /= (double)c->dim;
     for (size_t j = 0; j < c->dim; j++)
       y[r * c->dim + j] = (x[j] - mean) / sqrt(var + c->eps) * in[1][j] + in[2][j];
   }
 }
 
-static void case_layernorm(ac_backend *be, refcase *rc, result *res)
-{
+static void case_layernorm(ac_backend *be, refcase *rc, result *res) {
   static const ln_cfg cfg = {4, 9, 1e-5};
   rng_seed(4);
   double *x = add_input(rc, cfg.rows * cfg.dim, -2, 2);
@@ -473,8 +431,7 @@ static void case_layernorm(ac_backend *be, refcase *rc, result *res)
   ac_layernorm_destroy(&l);
 }
 
-static void test_layernorm(void **state)
-{
+static void test_layernorm(void **state) {
   run_case(state, "layernorm", case_layernorm);
 }
 
@@ -486,8 +443,7 @@ typedef struct {
   int gelu;
 } act_cfg;
 
-static void ref_activation(const void *cfg, double *const *in, double *y)
-{
+static void ref_activation(const void *cfg, double *const *in, double *y) {
   const act_cfg *c = cfg;
   const double s = sqrt(2.0 / M_PI);
   for (size_t i = 0; i < c->n; i++) {
@@ -496,19 +452,17 @@ static void ref_activation(const void *cfg, double *const *in, double *y)
   }
 }
 
-static void case_activation(ac_backend *be, refcase *rc, result *res, const act_cfg *cfg)
-{
+static void case_activation(ac_backend *be, refcase *rc, result *res, const act_cfg *cfg) {
   rng_seed(5);
   double *x = add_input(rc, cfg->n, -3, 3);
   for (size_t i = 0; i < cfg->n; i++)
-    if (fabs(x[i]) < 0.01)
-      x[i] = 0.5;
+    if (fabs(x[i]) < 0.01) x[i] = 0.5;
   set_output(rc, cfg->n);
   rc->f = ref_activation;
   rc->cfg = cfg;
 
   ac_activation l;
-  OK( ac_activation_init(&l, be, cfg->gelu ? AC_UNARY_GELU : AC_UNARY_RELU, cfg->n + 3));
+  OK(ac_activation_init(&l, be, cfg->gelu ? AC_UNARY_GELU : AC_UNARY_RELU, cfg->n + 3));
   float *xd = dev_upload(be, x, cfg->n), *dr = dev_upload(be, rc->r, rc->ny);
   const float *y, *dx;
   OK(ac_activation_forward(&l, xd, cfg->n, &y));
@@ -520,40 +474,33 @@ static void case_activation(ac_backend *be, refcase *rc, result *res, const act_
   ac_activation_destroy(&l);
 }
 
-static void case_relu(ac_backend *be, refcase *rc, result *res)
-{
+static void case_relu(ac_backend *be, refcase *rc, result *res) {
   static const act_cfg cfg = {40, 0};
   case_activation(be, rc, res, &cfg);
 }
 
-static void case_gelu(ac_backend *be, refcase *rc, result *res)
-{
+static void case_gelu(ac_backend *be, refcase *rc, result *res) {
   static const act_cfg cfg = {40, 1};
   case_activation(be, rc, res, &cfg);
 }
 
-static void test_relu(void **state)
-{
+static void test_relu(void **state) {
   run_case(state, "relu", case_relu);
 }
 
-static void test_gelu(void **state)
-{
+static void test_gelu(void **state) {
   run_case(state, "gelu", case_gelu);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Residual add                                                                            */
 
-static void ref_residual(const void *cfg, double *const *in, double *y)
-{
+static void ref_residual(const void *cfg, double *const *in, double *y) {
   size_t n = *(const size_t *)cfg;
-  for (size_t i = 0; i < n; i++)
-    y[i] = in[0][i] + in[1][i];
+  for (size_t i = 0; i < n; i++) y[i] = in[0][i] + in[1][i];
 }
 
-static void case_residual(ac_backend *be, refcase *rc, result *res)
-{
+static void case_residual(ac_backend *be, refcase *rc, result *res) {
   static const size_t n = 17;
   rng_seed(6);
   double *a = add_input(rc, n, -1, 1);
@@ -578,8 +525,7 @@ static void case_residual(ac_backend *be, refcase *rc, result *res)
   ac_residual_destroy(&l);
 }
 
-static void test_residual(void **state)
-{
+static void test_residual(void **state) {
   run_case(state, "residual", case_residual);
 }
 
@@ -592,29 +538,24 @@ typedef struct {
   uint64_t seed, offset;
 } drop_cfg;
 
-static uint64_t splitmix_final(uint64_t z)
-{
+static uint64_t splitmix_final(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-static double ref_mask(const drop_cfg *c, size_t i)
-{
+static double ref_mask(const drop_cfg *c, size_t i) {
   uint64_t z = splitmix_final(c->seed + (c->offset + i + 1) * 0x9E3779B97F4A7C15ull);
   double u = (double)(z >> 40) * (1.0 / 16777216.0);
   return u >= c->p ? 1.0 / (1.0 - c->p) : 0.0;
 }
 
-static void ref_dropout(const void *cfg, double *const *in, double *y)
-{
+static void ref_dropout(const void *cfg, double *const *in, double *y) {
   const drop_cfg *c = cfg;
-  for (size_t i = 0; i < c->n; i++)
-    y[i] = in[0][i] * (double)(float)ref_mask(c, i);
+  for (size_t i = 0; i < c->n; i++) y[i] = in[0][i] * (double)(float)ref_mask(c, i);
 }
 
-static void case_dropout(ac_backend *be, refcase *rc, result *res)
-{
+static void case_dropout(ac_backend *be, refcase *rc, result *res) {
   /* The second training forward of the layer: offset advanced by n. */
   static const drop_cfg cfg = {64, 0.25, 42, 64};
   rng_seed(7);
@@ -633,8 +574,7 @@ static void case_dropout(ac_backend *be, refcase *rc, result *res)
   OK(ac_dropout_forward(&l, xd, cfg.n, AC_MODE_TRAIN, &y));
   take_y(be, res, y, cfg.n);
   size_t zeros = 0;
-  for (size_t i = 0; i < cfg.n; i++)
-    zeros += res->y[i] == 0.0f;
+  for (size_t i = 0; i < cfg.n; i++) zeros += res->y[i] == 0.0f;
   assert_true(zeros > 4 && zeros < 32); /* about p n = 16 dropped */
   OK(ac_dropout_backward(&l, dr, &dx));
   res->grad[0] = dev_download(be, dx, cfg.n);
@@ -643,8 +583,7 @@ static void case_dropout(ac_backend *be, refcase *rc, result *res)
   ac_dropout_destroy(&l);
 }
 
-static void test_dropout(void **state)
-{
+static void test_dropout(void **state) {
   run_case(state, "dropout", case_dropout);
 }
 
@@ -655,8 +594,7 @@ typedef struct {
   size_t batch, t, dim, heads;
 } attn_cfg;
 
-static void ref_attention(const void *cfg, double *const *in, double *y)
-{
+static void ref_attention(const void *cfg, double *const *in, double *y) {
   const attn_cfg *c = cfg;
   size_t d = c->dim, h = c->heads, dh = d / h, t = c->t;
   const double *x = in[0], *wq = in[1], *bq = in[2], *wp = in[3], *bp = in[4];
@@ -666,8 +604,7 @@ static void ref_attention(const void *cfg, double *const *in, double *y)
     for (size_t i = 0; i < t; i++)
       for (size_t o = 0; o < 3 * d; o++) {
         double s = bq[o];
-        for (size_t j = 0; j < d; j++)
-          s += xb[i * d + j] * wq[o * d + j];
+        for (size_t j = 0; j < d; j++) s += xb[i * d + j] * wq[o * d + j];
         qkv[i * 3 * d + o] = s;
       }
     for (size_t hh = 0; hh < h; hh++)
@@ -681,20 +618,17 @@ static void ref_attention(const void *cfg, double *const *in, double *y)
           p[j] = s / sqrt((double)dh);
           mx = p[j] > mx ? p[j] : mx;
         }
-        for (size_t j = 0; j <= i; j++)
-          sum += (p[j] = exp(p[j] - mx));
+        for (size_t j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - mx));
         for (size_t e = 0; e < dh; e++) {
           double s = 0.0;
-          for (size_t j = 0; j <= i; j++)
-            s += p[j] / sum * qkv[j * 3 * d + 2 * d + hh * dh + e];
+          for (size_t j = 0; j <= i; j++) s += p[j] / sum * qkv[j * 3 * d + 2 * d + hh * dh + e];
           ctx[i * d + hh * dh + e] = s;
         }
       }
     for (size_t i = 0; i < t; i++)
       for (size_t o = 0; o < d; o++) {
         double s = bp[o];
-        for (size_t j = 0; j < d; j++)
-          s += ctx[i * d + j] * wp[o * d + j];
+        for (size_t j = 0; j < d; j++) s += ctx[i * d + j] * wp[o * d + j];
         y[(b * t + i) * d + o] = s;
       }
   }
@@ -703,8 +637,7 @@ static void ref_attention(const void *cfg, double *const *in, double *y)
   free(p);
 }
 
-static void case_attention(ac_backend *be, refcase *rc, result *res)
-{
+static void case_attention(ac_backend *be, refcase *rc, result *res) {
   static const attn_cfg cfg = {2, 5, 8, 2};
   size_t d = cfg.dim;
   rng_seed(8);
@@ -738,28 +671,24 @@ static void case_attention(ac_backend *be, refcase *rc, result *res)
   ac_attention_destroy(&l);
 }
 
-static void test_attention(void **state)
-{
+static void test_attention(void **state) {
   run_case(state, "attention", case_attention);
 }
 
 /* Causality on its own: changing the last token must not change earlier outputs. */
-static void test_attention_causal(void **state)
-{
+static void test_attention_causal(void **state) {
   ac_backend *be = backend(state);
   size_t t = 6, d = 8, n = t * d;
   double *x = dalloc(n);
   rng_seed(81);
-  for (size_t i = 0; i < n; i++)
-    x[i] = frand();
+  for (size_t i = 0; i < n; i++) x[i] = frand();
   ac_attention l;
   OK(ac_attention_init(&l, be, "attn", d, 4, t, 1, 5));
   float *xd = dev_upload(be, x, n);
   const float *y;
   OK(ac_attention_forward(&l, xd, 1, t, &y));
   float *y1 = dev_download(be, y, n);
-  for (size_t j = 0; j < d; j++)
-    x[(t - 1) * d + j] += 1.0;
+  for (size_t j = 0; j < d; j++) x[(t - 1) * d + j] += 1.0;
   ac_free(be, xd);
   xd = dev_upload(be, x, n);
   OK(ac_attention_forward(&l, xd, 1, t, &y));
@@ -781,29 +710,24 @@ typedef struct {
   int32_t labels[5];
 } ce_cfg;
 
-static void ref_celoss(const void *cfg, double *const *in, double *y)
-{
+static void ref_celoss(const void *cfg, double *const *in, double *y) {
   const ce_cfg *c = cfg;
   double total = 0.0;
   size_t counted = 0;
   for (size_t r = 0; r < c->rows; r++) {
     int32_t lab = c->labels[r];
-    if (lab < 0 || (size_t)lab >= c->classes)
-      continue;
+    if (lab < 0 || (size_t)lab >= c->classes) continue;
     const double *z = in[0] + r * c->classes;
     double mx = -INFINITY, sum = 0.0;
-    for (size_t j = 0; j < c->classes; j++)
-      mx = z[j] > mx ? z[j] : mx;
-    for (size_t j = 0; j < c->classes; j++)
-      sum += exp(z[j] - mx);
+    for (size_t j = 0; j < c->classes; j++) mx = z[j] > mx ? z[j] : mx;
+    for (size_t j = 0; j < c->classes; j++) sum += exp(z[j] - mx);
     total += -(z[lab] - mx - log(sum));
     counted++;
   }
   y[0] = total / (double)counted;
 }
 
-static void case_celoss(ac_backend *be, refcase *rc, result *res)
-{
+static void case_celoss(ac_backend *be, refcase *rc, result *res) {
   static const ce_cfg cfg = {5, 7, {3, 0, -1, 6, 3}};
   rng_seed(9);
   double *z = add_input(rc, cfg.rows * cfg.classes, -3, 3);
@@ -829,8 +753,7 @@ static void case_celoss(ac_backend *be, refcase *rc, result *res)
   ac_celoss_destroy(&l);
 }
 
-static void test_celoss(void **state)
-{
+static void test_celoss(void **state) {
   run_case(state, "celoss", case_celoss);
 }
 
@@ -842,8 +765,7 @@ typedef struct {
   size_t n, c, h, w, oc, k, stride, pad, oh, ow;
 } conv_cfg;
 
-static void ref_conv(const void *cfg, double *const *in, double *y)
-{
+static void ref_conv(const void *cfg, double *const *in, double *y) {
   const conv_cfg *c = cfg;
   for (size_t b = 0; b < c->n; b++)
     for (size_t o = 0; o < c->oc; o++)
@@ -855,8 +777,7 @@ static void ref_conv(const void *cfg, double *const *in, double *y)
               for (size_t q = 0; q < c->k; q++) {
                 long iy = (long)(oy * c->stride + p) - (long)c->pad;
                 long ix = (long)(ox * c->stride + q) - (long)c->pad;
-                if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w)
-                  continue;
+                if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w) continue;
                 s += in[0][((b * c->c + ch) * c->h + (size_t)iy) * c->w + (size_t)ix] *
                      in[1][((o * c->c + ch) * c->k + p) * c->k + q];
               }
@@ -864,8 +785,7 @@ static void ref_conv(const void *cfg, double *const *in, double *y)
         }
 }
 
-static void case_conv(ac_backend *be, refcase *rc, result *res)
-{
+static void case_conv(ac_backend *be, refcase *rc, result *res) {
   /* oh = (7 + 2 - 3) / 2 + 1 = 4, ow = (6 + 2 - 3) / 2 + 1 = 3 */
   static const conv_cfg cfg = {3, 2, 7, 6, 3, 3, 2, 1, 4, 3};
   rng_seed(10);
@@ -878,7 +798,7 @@ static void case_conv(ac_backend *be, refcase *rc, result *res)
 
   ac_conv2d l;
   OK(ac_conv2d_init(&l, be, "conv", cfg.c, cfg.oc, cfg.h, cfg.w, cfg.k, cfg.stride, cfg.pad, 1, 4,
-     2, NULL, 11));
+                    2, NULL, 11));
   assert_int_equal(l.oh, cfg.oh);
   assert_int_equal(l.ow, cfg.ow);
   param_set(&l.weight, w);
@@ -896,8 +816,7 @@ static void case_conv(ac_backend *be, refcase *rc, result *res)
   ac_conv2d_destroy(&l);
 }
 
-static void test_conv(void **state)
-{
+static void test_conv(void **state) {
   run_case(state, "conv2d", case_conv);
 }
 
@@ -908,16 +827,14 @@ typedef struct {
   size_t n, c, hw;
   double eps, momentum;
   int eval;
-  const double *rmean, *rvar;   /* eval mode: the running statistics used */
-  int fused;                    /* relu(bn(x) + res): ac_batchnorm_fuse_relu, _res calls */
+  const double *rmean, *rvar; /* eval mode: the running statistics used */
+  int fused;                  /* relu(bn(x) + res): ac_batchnorm_fuse_relu, _res calls */
 } bn_cfg;
 
-static void bn_stats(const bn_cfg *c, const double *x, size_t ch, double *mean, double *var)
-{
+static void bn_stats(const bn_cfg *c, const double *x, size_t ch, double *mean, double *var) {
   double m = 0.0, v = 0.0, cnt = (double)(c->n * c->hw);
   for (size_t b = 0; b < c->n; b++)
-    for (size_t i = 0; i < c->hw; i++)
-      m += x[(b * c->c + ch) * c->hw + i];
+    for (size_t i = 0; i < c->hw; i++) m += x[(b * c->c + ch) * c->hw + i];
   m /= cnt;
   for (size_t b = 0; b < c->n; b++)
     for (size_t i = 0; i < c->hw; i++) {
@@ -928,8 +845,7 @@ static void bn_stats(const bn_cfg *c, const double *x, size_t ch, double *mean, 
   *var = v / cnt;
 }
 
-static void ref_batchnorm(const void *cfg, double *const *in, double *y)
-{
+static void ref_batchnorm(const void *cfg, double *const *in, double *y) {
   const bn_cfg *c = cfg;
   for (size_t ch = 0; ch < c->c; ch++) {
     double mean, var;
@@ -943,14 +859,12 @@ static void ref_batchnorm(const void *cfg, double *const *in, double *y)
       for (size_t i = 0; i < c->hw; i++) {
         size_t at = (b * c->c + ch) * c->hw + i;
         y[at] = (in[0][at] - mean) / sqrt(var + c->eps) * in[1][ch] + in[2][ch];
-        if (c->fused)
-          y[at] = y[at] + in[3][at] > 0.0 ? y[at] + in[3][at] : 0.0;
+        if (c->fused) y[at] = y[at] + in[3][at] > 0.0 ? y[at] + in[3][at] : 0.0;
       }
   }
 }
 
-static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg)
-{
+static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg) {
   double *x = add_input(rc, cfg->n * cfg->c * cfg->hw, -2, 2);
   double *g = add_input(rc, cfg->c, 0.5, 1.5);
   double *b = add_input(rc, cfg->c, -1, 1);
@@ -1009,17 +923,14 @@ static void case_batchnorm(ac_backend *be, refcase *rc, result *res, bn_cfg *cfg
   }
   ac_free(be, xd);
   ac_free(be, dr);
-  if (rd != NULL)
-    ac_free(be, rd);
+  if (rd != NULL) ac_free(be, rd);
   ac_batchnorm_destroy(&l);
 }
 
 /* One batch-norm case: training (batch statistics) or eval mode (the running statistics
  * below), plain or fused (relu(bn(x) + res), with the gradient reaching res). The cfg
  * must outlive the case: static, one case at a time. */
-static void case_bn(ac_backend *be, refcase *rc, result *res, int eval, int fused,
-                    uint64_t seed)
-{
+static void case_bn(ac_backend *be, refcase *rc, result *res, int eval, int fused, uint64_t seed) {
   static const double rmean[3] = {0.25, -0.5, 0.125}, rvar[3] = {0.5, 2.0, 1.25};
   static bn_cfg cfg;
   cfg = (bn_cfg){4, 3, 5, 1e-5, 0.1, eval, eval ? rmean : NULL, eval ? rvar : NULL, fused};
@@ -1027,39 +938,32 @@ static void case_bn(ac_backend *be, refcase *rc, result *res, int eval, int fuse
   case_batchnorm(be, rc, res, &cfg);
 }
 
-static void case_bn_train(ac_backend *be, refcase *rc, result *res)
-{
+static void case_bn_train(ac_backend *be, refcase *rc, result *res) {
   case_bn(be, rc, res, 0, 0, 11);
 }
 
-static void case_bn_eval(ac_backend *be, refcase *rc, result *res)
-{
+static void case_bn_eval(ac_backend *be, refcase *rc, result *res) {
   case_bn(be, rc, res, 1, 0, 12);
 }
 
-static void case_bn_fused_train(ac_backend *be, refcase *rc, result *res)
-{
+static void case_bn_fused_train(ac_backend *be, refcase *rc, result *res) {
   case_bn(be, rc, res, 0, 1, 13);
 }
 
-static void case_bn_fused_eval(ac_backend *be, refcase *rc, result *res)
-{
+static void case_bn_fused_eval(ac_backend *be, refcase *rc, result *res) {
   case_bn(be, rc, res, 1, 1, 14);
 }
 
-static void test_batchnorm_fused(void **state)
-{
+static void test_batchnorm_fused(void **state) {
   run_case(state, "batchnorm+res+relu(train)", case_bn_fused_train);
   run_case(state, "batchnorm+res+relu(eval)", case_bn_fused_eval);
 }
 
-static void test_batchnorm_train(void **state)
-{
+static void test_batchnorm_train(void **state) {
   run_case(state, "batchnorm(train)", case_bn_train);
 }
 
-static void test_batchnorm_eval(void **state)
-{
+static void test_batchnorm_eval(void **state) {
   run_case(state, "batchnorm(eval)", case_bn_eval);
 }
 
@@ -1071,8 +975,7 @@ typedef struct {
   int max;
 } pool_cfg;
 
-static void ref_pool(const void *cfg, double *const *in, double *y)
-{
+static void ref_pool(const void *cfg, double *const *in, double *y) {
   const pool_cfg *c = cfg;
   for (size_t p = 0; p < c->n * c->c; p++)
     for (size_t oy = 0; oy < c->oh; oy++)
@@ -1082,8 +985,7 @@ static void ref_pool(const void *cfg, double *const *in, double *y)
           for (size_t j = 0; j < c->k; j++) {
             long iy = (long)(oy * c->stride + i) - (long)c->pad;
             long ix = (long)(ox * c->stride + j) - (long)c->pad;
-            if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w)
-              continue;
+            if (iy < 0 || ix < 0 || iy >= (long)c->h || ix >= (long)c->w) continue;
             double v = in[0][(p * c->h + (size_t)iy) * c->w + (size_t)ix];
             acc = c->max ? (v > acc ? v : acc) : acc + v;
           }
@@ -1091,8 +993,7 @@ static void ref_pool(const void *cfg, double *const *in, double *y)
       }
 }
 
-static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *cfg)
-{
+static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *cfg) {
   double *x = add_input(rc, cfg->n * cfg->c * cfg->h * cfg->w, -1, 1);
   set_output(rc, cfg->n * cfg->c * cfg->oh * cfg->ow);
   rc->f = ref_pool;
@@ -1100,7 +1001,7 @@ static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *
 
   ac_pool l;
   OK(ac_pool_init(&l, be, cfg->max ? AC_POOL_MAX : AC_POOL_AVG, cfg->c, cfg->h, cfg->w, cfg->k,
-     cfg->stride, cfg->pad, 3));
+                  cfg->stride, cfg->pad, 3));
   assert_int_equal(l.oh, cfg->oh);
   assert_int_equal(l.ow, cfg->ow);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
@@ -1114,27 +1015,23 @@ static void case_pool(ac_backend *be, refcase *rc, result *res, const pool_cfg *
   ac_pool_destroy(&l);
 }
 
-static void case_maxpool(ac_backend *be, refcase *rc, result *res)
-{
+static void case_maxpool(ac_backend *be, refcase *rc, result *res) {
   static const pool_cfg cfg = {2, 2, 6, 5, 3, 2, 1, 3, 3, 1};
   rng_seed(13);
   case_pool(be, rc, res, &cfg);
 }
 
-static void case_avgpool(ac_backend *be, refcase *rc, result *res)
-{
+static void case_avgpool(ac_backend *be, refcase *rc, result *res) {
   static const pool_cfg cfg = {2, 3, 6, 4, 2, 2, 0, 3, 2, 0};
   rng_seed(14);
   case_pool(be, rc, res, &cfg);
 }
 
-static void test_maxpool(void **state)
-{
+static void test_maxpool(void **state) {
   run_case(state, "maxpool", case_maxpool);
 }
 
-static void test_avgpool(void **state)
-{
+static void test_avgpool(void **state) {
   run_case(state, "avgpool", case_avgpool);
 }
 
@@ -1142,19 +1039,16 @@ typedef struct {
   size_t n, c, hw;
 } gap_cfg;
 
-static void ref_gap(const void *cfg, double *const *in, double *y)
-{
+static void ref_gap(const void *cfg, double *const *in, double *y) {
   const gap_cfg *c = cfg;
   for (size_t p = 0; p < c->n * c->c; p++) {
     double s = 0.0;
-    for (size_t i = 0; i < c->hw; i++)
-      s += in[0][p * c->hw + i];
+    for (size_t i = 0; i < c->hw; i++) s += in[0][p * c->hw + i];
     y[p] = s / (double)c->hw;
   }
 }
 
-static void case_gap(ac_backend *be, refcase *rc, result *res)
-{
+static void case_gap(ac_backend *be, refcase *rc, result *res) {
   static const gap_cfg cfg = {3, 4, 6};
   rng_seed(15);
   double *x = add_input(rc, cfg.n * cfg.c * cfg.hw, -1, 1);
@@ -1174,16 +1068,14 @@ static void case_gap(ac_backend *be, refcase *rc, result *res)
   ac_gap_destroy(&l);
 }
 
-static void test_gap(void **state)
-{
+static void test_gap(void **state) {
   run_case(state, "global avg pool", case_gap);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Bad input, names, parameter lists                                                       */
 
-static void test_invalid(void **state)
-{
+static void test_invalid(void **state) {
   ac_backend *be = backend(state);
   ac_linear lin;
   ac_attention at;
@@ -1200,7 +1092,7 @@ static void test_invalid(void **state)
   assert_int_equal(ac_linear_init(&lin, be, longname, 2, 3, 1, 4, 1), AC_EINVAL);
   assert_int_equal(ac_linear_init(&lin, be, NULL, 2, 3, 1, 4, 1), AC_EINVAL);
   OK(ac_linear_init(&lin, be, "fc", 2, 3, 1, 4, 1));
-  assert_int_equal(ac_linear_backward(&lin, lin.y, &y), AC_EINVAL); /* before forward */
+  assert_int_equal(ac_linear_backward(&lin, lin.y, &y), AC_EINVAL);    /* before forward */
   assert_int_equal(ac_linear_forward(&lin, lin.dx, 5, &y), AC_EINVAL); /* rows > max */
   assert_int_equal(ac_linear_forward(&lin, NULL, 1, &y), AC_EINVAL);
   ac_linear_destroy(&lin);
@@ -1216,8 +1108,7 @@ static void test_invalid(void **state)
   ac_layernorm_destroy(&ln);
 }
 
-static void test_param_names(void **state)
-{
+static void test_param_names(void **state) {
   ac_backend *be = backend(state);
   ac_attention at;
   ac_param_list list;
@@ -1237,8 +1128,7 @@ static void test_param_names(void **state)
   OK(ac_param_list_zero_grad(&list));
   float g[8];
   OK(ac_tensor_download(&at.proj.bias.grad, g));
-  for (int i = 0; i < 8; i++)
-    assert_true(g[i] == 0.0f);
+  for (int i = 0; i < 8; i++) assert_true(g[i] == 0.0f);
   ac_param_list_destroy(&list);
   ac_attention_destroy(&at);
 }
@@ -1246,21 +1136,18 @@ static void test_param_names(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
-#define LAYER_TESTS                                                                       \
-  cmocka_unit_test(test_linear), cmocka_unit_test(test_embedding),                        \
-      cmocka_unit_test(test_posembed), cmocka_unit_test(test_layernorm),                  \
-      cmocka_unit_test(test_relu), cmocka_unit_test(test_gelu),                           \
-      cmocka_unit_test(test_residual), cmocka_unit_test(test_dropout),                    \
-      cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_causal),          \
-      cmocka_unit_test(test_celoss), cmocka_unit_test(test_conv),                         \
-      cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),      \
-      cmocka_unit_test(test_batchnorm_fused),      \
-      cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool),                     \
-      cmocka_unit_test(test_gap), cmocka_unit_test(test_invalid),                         \
-      cmocka_unit_test(test_param_names)
+#define LAYER_TESTS                                                                               \
+  cmocka_unit_test(test_linear), cmocka_unit_test(test_embedding),                                \
+      cmocka_unit_test(test_posembed), cmocka_unit_test(test_layernorm),                          \
+      cmocka_unit_test(test_relu), cmocka_unit_test(test_gelu), cmocka_unit_test(test_residual),  \
+      cmocka_unit_test(test_dropout), cmocka_unit_test(test_attention),                           \
+      cmocka_unit_test(test_attention_causal), cmocka_unit_test(test_celoss),                     \
+      cmocka_unit_test(test_conv), cmocka_unit_test(test_batchnorm_train),                        \
+      cmocka_unit_test(test_batchnorm_eval), cmocka_unit_test(test_batchnorm_fused),              \
+      cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
+      cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest cpu[] = {LAYER_TESTS};
   const struct CMUnitTest cuda[] = {LAYER_TESTS};
   int failed = cmocka_run_group_tests_name("layers-cpu", cpu, setup_cpu, teardown);

@@ -25,32 +25,27 @@
 #include "test_util.h"
 
 #define TOL_DIR 2e-2
-#define FLOOR 2e-4
+#define FLOOR   2e-4
 #define TOL_XBE 1e-3
-
 
 static uint64_t rng_state;
 
-static void rng_seed(uint64_t s)
-{
+static void rng_seed(uint64_t s) {
   rng_state = s * 2685821657736338717ull + 88172645463325252ull;
 }
 
-static float frand(void)
-{
+static float frand(void) {
   return xorshift_frand(&rng_state);
 }
 
-static void *dev_upload(ac_backend *be, const void *h, size_t bytes)
-{
+static void *dev_upload(ac_backend *be, const void *h, size_t bytes) {
   void *d = NULL;
   OK(ac_malloc(be, bytes, &d));
   OK(ac_memcpy_h2d(be, d, h, bytes));
   return d;
 }
 
-static float *host_of(const ac_tensor *t)
-{
+static float *host_of(const ac_tensor *t) {
   float *h = malloc(t->numel * sizeof *h);
   assert_non_null(h);
   OK(ac_tensor_download(t, h));
@@ -64,24 +59,20 @@ typedef struct {
   void *model;
 } model_ops;
 
-static double loss_now(const model_ops *m)
-{
+static double loss_now(const model_ops *m) {
   double loss = 0.0;
   OK(m->forward(m->model, &loss));
   return loss;
 }
 
 /* Central difference of the loss along direction d (n values) of parameter p, step h. */
-static double central_difference(const model_ops *m, ac_param *p, const float *v,
-                                 const double *d, float *w, double h)
-{
+static double central_difference(const model_ops *m, ac_param *p, const float *v, const double *d,
+                                 float *w, double h) {
   size_t n = p->value.numel;
-  for (size_t i = 0; i < n; i++)
-    w[i] = (float)(v[i] + h * d[i]);
+  for (size_t i = 0; i < n; i++) w[i] = (float)(v[i] + h * d[i]);
   OK(ac_tensor_upload(&p->value, w));
   double lp = loss_now(m);
-  for (size_t i = 0; i < n; i++)
-    w[i] = (float)(v[i] - h * d[i]);
+  for (size_t i = 0; i < n; i++) w[i] = (float)(v[i] - h * d[i]);
   OK(ac_tensor_upload(&p->value, w));
   double lm = loss_now(m);
   OK(ac_tensor_upload(&p->value, v));
@@ -92,8 +83,7 @@ static double central_difference(const model_ops *m, ac_param *p, const float *v
  * fp32 loss limits the step from both sides: rounding noise grows as h shrinks, curvature
  * and ReLU kinks crossed grow with h. A tensor passes when the difference at one of the
  * steps 1e-3, 3e-4, 1e-4 agrees; a wrong gradient disagrees at all of them. */
-static void check_directional(const model_ops *m, ac_param_list *list)
-{
+static void check_directional(const model_ops *m, ac_param_list *list) {
   static const double steps[] = {1e-3, 3e-4, 1e-4};
   OK(ac_param_list_zero_grad(list));
   (void)loss_now(m);
@@ -115,8 +105,7 @@ static void check_directional(const model_ops *m, ac_param_list *list)
       fd = central_difference(m, p, v, d, w, steps[s]);
       ok = fabs(fd - an) <= TOL_DIR * fabs(an) + FLOOR;
     }
-    if (!ok)
-      fail_msg("%s: directional derivative %.6g, central difference %.6g", p->name, an, fd);
+    if (!ok) fail_msg("%s: directional derivative %.6g, central difference %.6g", p->name, an, fd);
     free(v);
     free(g);
     free(w);
@@ -125,25 +114,21 @@ static void check_directional(const model_ops *m, ac_param_list *list)
 }
 
 /* A few plain SGD steps on one batch must lower its loss. */
-static void check_sgd_lowers_loss(const model_ops *m, ac_param_list *list, float lr, int steps)
-{
+static void check_sgd_lowers_loss(const model_ops *m, ac_param_list *list, float lr, int steps) {
   double first = 0.0, last = 0.0;
   for (int s = 0; s <= steps; s++) {
     OK(ac_param_list_zero_grad(list));
     last = loss_now(m);
-    if (s == 0)
-      first = last;
-    if (s == steps)
-      break;
+    if (s == 0) first = last;
+    if (s == steps) break;
     OK(m->backward(m->model));
     for (size_t k = 0; k < list->n; k++) {
       ac_param *p = list->items[k];
       OK(ac_axpby(p->value.be, p->value.numel, -lr, ac_tensor_f32(&p->grad), 1.0f,
-         ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)));
+                  ac_tensor_f32(&p->value), ac_tensor_f32(&p->value)));
     }
   }
-  if (!(last < 0.8 * first))
-    fail_msg("SGD: loss %.4f -> %.4f after %d steps", first, last, steps);
+  if (!(last < 0.8 * first)) fail_msg("SGD: loss %.4f -> %.4f after %d steps", first, last, steps);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -157,8 +142,7 @@ typedef struct {
   int fixed_masks; /* rewind the dropout streams before each forward: the same masks */
 } lm_run;
 
-static int lm_fwd(void *p, double *loss)
-{
+static int lm_fwd(void *p, double *loss) {
   lm_run *r = p;
   for (size_t i = 0; r->fixed_masks && i < r->lm.cfg.layers; i++) {
     r->lm.blocks[i].drop1.offset = 0;
@@ -167,13 +151,11 @@ static int lm_fwd(void *p, double *loss)
   return ac_lm_forward(&r->lm, r->tokens, r->targets, r->batch, r->t, r->mode, loss);
 }
 
-static int lm_bwd(void *p)
-{
+static int lm_bwd(void *p) {
   return ac_lm_backward(&((lm_run *)p)->lm);
 }
 
-static void lm_small_config(ac_lm_config *c)
-{
+static void lm_small_config(ac_lm_config *c) {
   ac_lm_config_default(c);
   c->vocab = 11;
   c->ctx = 6;
@@ -183,12 +165,11 @@ static void lm_small_config(ac_lm_config *c)
   c->mlp = 16;
   c->batch = 3;
   c->seed = 7;
-  c->tie_head = 0;      /* the layers' own init and an untied head; the tied one below */
+  c->tie_head = 0; /* the layers' own init and an untied head; the tied one below */
   c->init = AC_INIT_LAYER;
 }
 
-static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t batch, size_t t)
-{
+static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t batch, size_t t) {
   int32_t tok[64], tgt[64];
   assert_true(batch * t <= 64);
   rng_seed(3);
@@ -206,15 +187,13 @@ static void lm_setup(lm_run *r, ac_backend *be, const ac_lm_config *c, size_t ba
   r->mode = AC_MODE_TRAIN;
 }
 
-static void lm_teardown(lm_run *r, ac_backend *be)
-{
+static void lm_teardown(lm_run *r, ac_backend *be) {
   ac_free(be, r->tokens);
   ac_free(be, r->targets);
   ac_lm_destroy(&r->lm);
 }
 
-static void test_lm_params(void **state)
-{
+static void test_lm_params(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   ac_lm lm;
@@ -242,8 +221,7 @@ static void test_lm_params(void **state)
   ac_lm_destroy(&lm);
 }
 
-static void test_lm_gradients(void **state)
-{
+static void test_lm_gradients(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
@@ -265,12 +243,10 @@ static void test_lm_gradients(void **state)
 }
 
 /* Sum of squares of a parameter's values (host copy). */
-static double sumsq(const ac_param *p)
-{
+static double sumsq(const ac_param *p) {
   float *v = host_of(&p->value);
   double s = 0.0;
-  for (size_t i = 0; i < p->value.numel; i++)
-    s += (double)v[i] * v[i];
+  for (size_t i = 0; i < p->value.numel; i++) s += (double)v[i] * v[i];
   free(v);
   return s;
 }
@@ -279,8 +255,7 @@ static double sumsq(const ac_param *p)
  * directional check (finite differences of the loss moving the one shared matrix), and it
  * equals the sum of the gradients of the embedding and of the head of an untied model whose
  * head holds the same matrix. N(0, 0.02^2) init: every linear has std ~0.02. */
-static void test_lm_tied_head(void **state)
-{
+static void test_lm_tied_head(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r, u;
@@ -350,8 +325,7 @@ static void test_lm_tied_head(void **state)
 
 /* ResNet convs He fan-out: std sqrt(2 / (out_c k k)) (fan-in: sqrt(2 / (in_c k k))), so a
  * conv whose widths differ tells the two apart; any other init is refused. */
-static void test_resnet_conv_init(void **state)
-{
+static void test_resnet_conv_init(void **state) {
   ac_backend *be = backend(state);
   ac_resnet_config c;
   ac_resnet net;
@@ -373,8 +347,7 @@ static void test_resnet_conv_init(void **state)
 
 /* With dropout active and the masks held fixed, the gradients still match: the masks are
  * applied on the way back too. */
-static void test_lm_gradients_dropout(void **state)
-{
+static void test_lm_gradients_dropout(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
@@ -395,8 +368,7 @@ static void test_lm_gradients_dropout(void **state)
 
 /* Dropout: two models with the same seed give the same training losses; the dropped run
  * differs from the run without dropout; eval mode ignores dropout. */
-static void test_lm_dropout(void **state)
-{
+static void test_lm_dropout(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run a, b, z;
@@ -429,19 +401,16 @@ typedef struct {
   ac_mode mode;
 } rn_run;
 
-static int rn_fwd(void *p, double *loss)
-{
+static int rn_fwd(void *p, double *loss) {
   rn_run *r = p;
   return ac_resnet_forward(&r->net, r->images, r->labels, r->batch, r->mode, loss);
 }
 
-static int rn_bwd(void *p)
-{
+static int rn_bwd(void *p) {
   return ac_resnet_backward(&((rn_run *)p)->net);
 }
 
-static void rn_small_config(ac_resnet_config *c)
-{
+static void rn_small_config(ac_resnet_config *c) {
   ac_resnet_config_default(c);
   c->h = 9;
   c->w = 8;
@@ -456,18 +425,15 @@ static void rn_small_config(ac_resnet_config *c)
   c->conv_init = AC_INIT_LAYER; /* the weights these checks were tuned on (ReLU kinks) */
 }
 
-static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_t batch)
-{
+static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_t batch) {
   size_t n = batch * c->in_c * c->h * c->w;
   float *img = malloc(n * sizeof *img);
   int32_t lab[16];
   assert_non_null(img);
   assert_true(batch <= 16);
   rng_seed(4);
-  for (size_t i = 0; i < n; i++)
-    img[i] = frand();
-  for (size_t i = 0; i < batch; i++)
-    lab[i] = (int32_t)(i % c->classes);
+  for (size_t i = 0; i < n; i++) img[i] = frand();
+  for (size_t i = 0; i < batch; i++) lab[i] = (int32_t)(i % c->classes);
   memset(r, 0, sizeof *r);
   OK(ac_resnet_init(&r->net, be, c));
   r->images = dev_upload(be, img, n * sizeof *img);
@@ -477,15 +443,13 @@ static void rn_setup(rn_run *r, ac_backend *be, const ac_resnet_config *c, size_
   free(img);
 }
 
-static void rn_teardown(rn_run *r, ac_backend *be)
-{
+static void rn_teardown(rn_run *r, ac_backend *be) {
   ac_free(be, r->images);
   ac_free(be, r->labels);
   ac_resnet_destroy(&r->net);
 }
 
-static void test_resnet_params(void **state)
-{
+static void test_resnet_params(void **state) {
   ac_backend *be = backend(state);
   ac_resnet_config c;
   ac_resnet net;
@@ -511,8 +475,7 @@ static void test_resnet_params(void **state)
   assert_int_equal(ac_resnet_init(&net, be, &c), AC_EINVAL);
 }
 
-static void test_resnet_gradients(void **state)
-{
+static void test_resnet_gradients(void **state) {
   ac_backend *be = backend(state);
   ac_resnet_config c;
   rn_run r;
@@ -535,8 +498,7 @@ static void test_resnet_gradients(void **state)
 
 /* Bad calls get AC_EINVAL and change nothing; a batch whose targets are all ignored has
  * loss 0 and zero gradients. */
-static void test_bad_input(void **state)
-{
+static void test_bad_input(void **state) {
   ac_backend *be = backend(state);
   ac_lm_config c;
   lm_run r;
@@ -549,10 +511,8 @@ static void test_bad_input(void **state)
                    AC_EINVAL);
   assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 7, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
-  assert_int_equal(ac_lm_forward(&r.lm, NULL, r.targets, 3, 6, AC_MODE_TRAIN, &loss),
-                   AC_EINVAL);
-  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, (ac_mode)7, &loss),
-                   AC_EINVAL);
+  assert_int_equal(ac_lm_forward(&r.lm, NULL, r.targets, 3, 6, AC_MODE_TRAIN, &loss), AC_EINVAL);
+  assert_int_equal(ac_lm_forward(&r.lm, r.tokens, r.targets, 3, 6, (ac_mode)7, &loss), AC_EINVAL);
   assert_true(loss == -1.0);
 
   int32_t ignored[18];
@@ -589,16 +549,14 @@ static void test_bad_input(void **state)
   assert_int_equal(ac_resnet_backward(&rr.net), AC_EINVAL);
   assert_int_equal(ac_resnet_forward(&rr.net, rr.images, rr.labels, 6, AC_MODE_TRAIN, &loss),
                    AC_EINVAL);
-  assert_int_equal(ac_resnet_forward(&rr.net, rr.images, NULL, 5, AC_MODE_TRAIN, &loss),
-                   AC_EINVAL);
+  assert_int_equal(ac_resnet_forward(&rr.net, rr.images, NULL, 5, AC_MODE_TRAIN, &loss), AC_EINVAL);
   rn_teardown(&rr, be);
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* CUDA against CPU: same seeds, same inputs, one training step                            */
 
-static void compare_lists(ac_param_list *a, ac_param_list *b)
-{
+static void compare_lists(ac_param_list *a, ac_param_list *b) {
   assert_int_equal(a->n, b->n);
   for (size_t k = 0; k < a->n; k++) {
     size_t n = a->items[k]->grad.numel;
@@ -615,11 +573,9 @@ static void compare_lists(ac_param_list *a, ac_param_list *b)
   }
 }
 
-static void test_cross_backend(void **state)
-{
+static void test_cross_backend(void **state) {
   fixture *f = *state;
-  if (f->be == NULL || f->cpu == NULL)
-    skip(); /* only in the CUDA group, with a device */
+  if (f->be == NULL || f->cpu == NULL) skip(); /* only in the CUDA group, with a device */
   ac_lm_config lc;
   lm_run la, lb;
   ac_param_list pa, pb;
@@ -663,16 +619,14 @@ static void test_cross_backend(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
-#define MODEL_TESTS                                                                       \
-  cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                  \
-      cmocka_unit_test(test_lm_gradients_dropout), cmocka_unit_test(test_lm_tied_head),    \
-      cmocka_unit_test(test_resnet_conv_init),                                             \
-      cmocka_unit_test(test_lm_dropout), cmocka_unit_test(test_resnet_params),            \
-      cmocka_unit_test(test_resnet_gradients), cmocka_unit_test(test_bad_input),            \
-      cmocka_unit_test(test_cross_backend)
+#define MODEL_TESTS                                                                     \
+  cmocka_unit_test(test_lm_params), cmocka_unit_test(test_lm_gradients),                \
+      cmocka_unit_test(test_lm_gradients_dropout), cmocka_unit_test(test_lm_tied_head), \
+      cmocka_unit_test(test_resnet_conv_init), cmocka_unit_test(test_lm_dropout),       \
+      cmocka_unit_test(test_resnet_params), cmocka_unit_test(test_resnet_gradients),    \
+      cmocka_unit_test(test_bad_input), cmocka_unit_test(test_cross_backend)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest cpu[] = {MODEL_TESTS};
   const struct CMUnitTest cuda[] = {MODEL_TESTS};
   int failed = cmocka_run_group_tests_name("model-cpu", cpu, setup_cpu, teardown);

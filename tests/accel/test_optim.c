@@ -26,39 +26,33 @@
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
 
-static float frand(void)
-{
+static float frand(void) {
   return xorshift_frand(&rng_state);
 }
 
-static void fill_rand(size_t n, float *x, float scale)
-{
-  for (size_t i = 0; i < n; i++)
-    x[i] = scale * frand();
+static void fill_rand(size_t n, float *x, float scale) {
+  for (size_t i = 0; i < n; i++) x[i] = scale * frand();
 }
 
 static void param_init(ac_param *p, ac_backend *be, const char *name, int ndim,
-                       const size_t *shape)
-{
+                       const size_t *shape) {
   assert_int_equal(ac_param_init(p, be, name, ndim, shape), AC_OK);
 }
 
 /* max |got - want| <= tol * (1 + max |want|) over n values. */
-static void assert_close_vec(size_t n, const float *got, const double *want, double tol)
-{
+static void assert_close_vec(size_t n, const float *got, const double *want, double tol) {
   double scale = 1.0, err = 0.0;
   size_t at = 0;
   for (size_t i = 0; i < n; i++)
-    if (fabs(want[i]) > scale)
-      scale = fabs(want[i]);
+    if (fabs(want[i]) > scale) scale = fabs(want[i]);
   for (size_t i = 0; i < n; i++)
     if (fabs(got[i] - want[i]) > err) {
       err = fabs(got[i] - want[i]);
       at = i;
     }
   if (!(err <= tol * scale))
-    fail_msg("element %zu: got %.9g, want %.9g (max error %.3g > %.3g)", at, got[at], want[at],
-             err, tol * scale);
+    fail_msg("element %zu: got %.9g, want %.9g (max error %.3g > %.3g)", at, got[at], want[at], err,
+             tol * scale);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -71,12 +65,11 @@ typedef struct {
   ac_param params[NP];
   ac_param *ptrs[NP];
   size_t n[NP];
-  float *p[NP], *g[NP];     /* host */
-  double *ref[NP];          /* reference parameter values */
+  float *p[NP], *g[NP]; /* host */
+  double *ref[NP];      /* reference parameter values */
 } problem;
 
-static void problem_init(problem *pb, ac_backend *be)
-{
+static void problem_init(problem *pb, ac_backend *be) {
   memset(pb, 0, sizeof *pb);
   for (int i = 0; i < NP; i++) {
     param_init(&pb->params[i], be, i == 0 ? "w" : "b", i == 0 ? 2 : 1, shapes[i]);
@@ -86,31 +79,27 @@ static void problem_init(problem *pb, ac_backend *be)
     pb->g[i] = xcalloc(pb->n[i], sizeof(float));
     pb->ref[i] = xcalloc(pb->n[i], sizeof(double));
     fill_rand(pb->n[i], pb->p[i], 1.0f);
-    for (size_t k = 0; k < pb->n[i]; k++)
-      pb->ref[i][k] = pb->p[i][k];
+    for (size_t k = 0; k < pb->n[i]; k++) pb->ref[i][k] = pb->p[i][k];
     assert_int_equal(ac_tensor_upload(&pb->params[i].value, pb->p[i]), AC_OK);
   }
 }
 
 /* New random gradients, on the host and on the device. */
-static void problem_grads(problem *pb)
-{
+static void problem_grads(problem *pb) {
   for (int i = 0; i < NP; i++) {
     fill_rand(pb->n[i], pb->g[i], 0.5f);
     assert_int_equal(ac_tensor_upload(&pb->params[i].grad, pb->g[i]), AC_OK);
   }
 }
 
-static void problem_check(problem *pb, double tol)
-{
+static void problem_check(problem *pb, double tol) {
   for (int i = 0; i < NP; i++) {
     assert_int_equal(ac_tensor_download(&pb->params[i].value, pb->p[i]), AC_OK);
     assert_close_vec(pb->n[i], pb->p[i], pb->ref[i], tol);
   }
 }
 
-static void problem_destroy(problem *pb)
-{
+static void problem_destroy(problem *pb) {
   for (int i = 0; i < NP; i++) {
     ac_param_destroy(&pb->params[i]);
     free(pb->p[i]);
@@ -119,8 +108,7 @@ static void problem_destroy(problem *pb)
   }
 }
 
-static void run_sgd(ac_backend *be, float mu, int nesterov, float wd)
-{
+static void run_sgd(ac_backend *be, float mu, int nesterov, float wd) {
   problem pb;
   ac_sgd *opt = NULL;
   ac_sgd_opts o = {.momentum = mu, .nesterov = nesterov, .weight_decay = wd};
@@ -128,8 +116,7 @@ static void run_sgd(ac_backend *be, float mu, int nesterov, float wd)
 
   problem_init(&pb, be);
   assert_int_equal(ac_sgd_create(&opt, pb.ptrs, NP, &o), AC_OK);
-  for (int i = 0; i < NP; i++)
-    buf[i] = xcalloc(pb.n[i], sizeof(double));
+  for (int i = 0; i < NP; i++) buf[i] = xcalloc(pb.n[i], sizeof(double));
   for (int t = 1; t <= 5; t++) {
     const float lr = 0.1f / (float)t;
     problem_grads(&pb);
@@ -146,14 +133,12 @@ static void run_sgd(ac_backend *be, float mu, int nesterov, float wd)
     problem_check(&pb, 1e-5);
   }
   assert_int_equal(ac_sgd_steps(opt), 5);
-  for (int i = 0; i < NP; i++)
-    free(buf[i]);
+  for (int i = 0; i < NP; i++) free(buf[i]);
   ac_sgd_destroy(opt);
   problem_destroy(&pb);
 }
 
-static void test_sgd(void **state)
-{
+static void test_sgd(void **state) {
   ac_backend *be = backend(state);
   run_sgd(be, 0.0f, 0, 0.0f);
   run_sgd(be, 0.0f, 0, 0.01f);
@@ -162,8 +147,7 @@ static void test_sgd(void **state)
   run_sgd(be, 0.8f, 1, 0.05f);
 }
 
-static void test_adamw(void **state)
-{
+static void test_adamw(void **state) {
   ac_backend *be = backend(state);
   problem pb;
   ac_adamw *opt = NULL;
@@ -186,8 +170,7 @@ static void test_adamw(void **state)
         const double g = pb.g[i][k];
         m[i][k] = 0.8f * m[i][k] + (1.0 - 0.8f) * g;
         v[i][k] = 0.95f * v[i][k] + (1.0 - 0.95f) * g * g;
-        pb.ref[i][k] -= lr * (m[i][k] / c1 / (sqrt(v[i][k] / c2) + 1e-6f) +
-                              0.1f * pb.ref[i][k]);
+        pb.ref[i][k] -= lr * (m[i][k] / c1 / (sqrt(v[i][k] / c2) + 1e-6f) + 0.1f * pb.ref[i][k]);
       }
     problem_check(&pb, 1e-5);
   }
@@ -200,8 +183,7 @@ static void test_adamw(void **state)
   problem_destroy(&pb);
 }
 
-static void test_clip(void **state)
-{
+static void test_clip(void **state) {
   ac_backend *be = backend(state);
   problem pb;
   double norm = 0.0, sq = 0.0;
@@ -209,8 +191,7 @@ static void test_clip(void **state)
   problem_init(&pb, be);
   problem_grads(&pb);
   for (int i = 0; i < NP; i++)
-    for (size_t k = 0; k < pb.n[i]; k++)
-      sq += (double)pb.g[i][k] * pb.g[i][k];
+    for (size_t k = 0; k < pb.n[i]; k++) sq += (double)pb.g[i][k] * pb.g[i][k];
   const double want = sqrt(sq);
 
   /* Above the norm: measured, untouched. */
@@ -230,8 +211,7 @@ static void test_clip(void **state)
   for (int i = 0; i < NP; i++) {
     float *got = xcalloc(pb.n[i], sizeof(float));
     double *exp = xcalloc(pb.n[i], sizeof(double));
-    for (size_t k = 0; k < pb.n[i]; k++)
-      exp[k] = pb.g[i][k] * 0.25;
+    for (size_t k = 0; k < pb.n[i]; k++) exp[k] = pb.g[i][k] * 0.25;
     assert_int_equal(ac_tensor_download(&pb.params[i].grad, got), AC_OK);
     assert_close_vec(pb.n[i], got, exp, 1e-6);
     free(got);
@@ -262,8 +242,7 @@ static void test_clip(void **state)
   problem_destroy(&pb);
 }
 
-static void test_bad_args(void **state)
-{
+static void test_bad_args(void **state) {
   ac_backend *be = backend(state);
   problem pb;
   ac_sgd *sgd = (ac_sgd *)&pb; /* must be reset to NULL on failure */
@@ -340,12 +319,11 @@ typedef struct {
   ac_backend *be;
   ac_param w1, b1, w2, b2;
   ac_param *params[4];
-  float *x, *hpre, *hact, *logits, *probs, *loss, *dh;  /* device */
-  int32_t *labels;                                       /* device */
+  float *x, *hpre, *hact, *logits, *probs, *loss, *dh; /* device */
+  int32_t *labels;                                     /* device */
 } tiny;
 
-static float *dev(ac_backend *be, size_t n)
-{
+static float *dev(ac_backend *be, size_t n) {
   void *p = NULL;
   assert_int_equal(ac_malloc(be, n * sizeof(float), &p), AC_OK);
   return p;
@@ -353,8 +331,7 @@ static float *dev(ac_backend *be, size_t n)
 
 /* Weights from the backend's counter RNG (the same numbers on every backend); inputs and
  * labels (from a fixed random teacher) from a host generator with a fixed seed. */
-static void tiny_init(tiny *m, ac_backend *be)
-{
+static void tiny_init(tiny *m, ac_backend *be) {
   const size_t s_w1[2] = {TH, TI}, s_b1[1] = {TH}, s_w2[2] = {TO, TH}, s_b2[1] = {TO};
   memset(m, 0, sizeof *m);
   m->be = be;
@@ -366,10 +343,12 @@ static void tiny_init(tiny *m, ac_backend *be)
   m->params[1] = &m->b1;
   m->params[2] = &m->w2;
   m->params[3] = &m->b2;
-  assert_int_equal(ac_rand_normal(be, 7, 0, TH * TI, 0.0f, 1.0f / sqrtf(TI),
-                                  ac_tensor_f32(&m->w1.value)), AC_OK);
-  assert_int_equal(ac_rand_normal(be, 7, TH * TI, TO * TH, 0.0f, 1.0f / sqrtf(TH),
-                                  ac_tensor_f32(&m->w2.value)), AC_OK);
+  assert_int_equal(
+      ac_rand_normal(be, 7, 0, TH * TI, 0.0f, 1.0f / sqrtf(TI), ac_tensor_f32(&m->w1.value)),
+      AC_OK);
+  assert_int_equal(
+      ac_rand_normal(be, 7, TH * TI, TO * TH, 0.0f, 1.0f / sqrtf(TH), ac_tensor_f32(&m->w2.value)),
+      AC_OK);
 
   m->x = dev(be, TN * TI);
   m->hpre = dev(be, TN * TH);
@@ -390,8 +369,7 @@ static void tiny_init(tiny *m, ac_backend *be)
     double best = -INFINITY;
     for (int o = 0; o < TO; o++) {
       double z = 0.0;
-      for (int i = 0; i < TI; i++)
-        z += (double)x[n * TI + i] * teacher[o * TI + i];
+      for (int i = 0; i < TI; i++) z += (double)x[n * TI + i] * teacher[o * TI + i];
       if (z > best) {
         best = z;
         labels[n] = o;
@@ -403,20 +381,15 @@ static void tiny_init(tiny *m, ac_backend *be)
   assert_int_equal(ac_memcpy_h2d(be, m->labels, labels, sizeof labels), AC_OK);
 }
 
-static void tiny_destroy(tiny *m)
-{
-  for (int i = 0; i < 4; i++)
-    ac_param_destroy(m->params[i]);
+static void tiny_destroy(tiny *m) {
+  for (int i = 0; i < 4; i++) ac_param_destroy(m->params[i]);
   float *bufs[] = {m->x, m->hpre, m->hact, m->dh, m->logits, m->probs, m->loss};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-    ac_free(m->be, bufs[i]);
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ac_free(m->be, bufs[i]);
   ac_free(m->be, m->labels);
 }
 
-
 /* Forward and backward on the whole batch; returns the mean loss, grads filled. */
-static double tiny_step(tiny *m)
-{
+static double tiny_step(tiny *m) {
   ac_backend *be = m->be;
   float *w1 = ac_tensor_f32(&m->w1.value), *b1 = ac_tensor_f32(&m->b1.value);
   float *w2 = ac_tensor_f32(&m->w2.value), *b2 = ac_tensor_f32(&m->b2.value);
@@ -447,27 +420,24 @@ static double tiny_step(tiny *m)
 
 /* Inverse 4th root of the symmetric PSD matrix a (n x n, dense) by the numerics core, as
  * precondd computes it (its defaults: relative ridge 1e-6, coupled Newton). */
-static void root_f32(size_t n, const float *a, float *x)
-{
+static void root_f32(size_t n, const float *a, float *x) {
   pc_root_opts ro;
   pc_root_info info;
   pc_root_opts_default(&ro, 4);
   int rc = pc_inverse_root_f32(n, a, x, &ro, &info);
-  if (rc != PC_OK && rc != PC_NOT_CONVERGED)
-    fail_msg("pc_inverse_root_f32: %s", pc_strerror(rc));
+  if (rc != PC_OK && rc != PC_NOT_CONVERGED) fail_msg("pc_inverse_root_f32: %s", pc_strerror(rc));
 }
 
 /* The daemon's part, done here: accumulate the pushed statistics (sum, beta2 = 1) and
  * every ROOT_EVERY steps compute fresh roots of every block and hand them back. */
 typedef struct {
   size_t nblocks;
-  float **left, **right;  /* accumulated packed statistics per block */
+  float **left, **right; /* accumulated packed statistics per block */
   uint64_t version;
-  uint64_t step;          /* the newest statistics pushed */
+  uint64_t step; /* the newest statistics pushed */
 } local_daemon;
 
-static void daemon_init(local_daemon *d, const ac_shampoo *s)
-{
+static void daemon_init(local_daemon *d, const ac_shampoo *s) {
   d->nblocks = ac_shampoo_nblocks(s);
   d->left = xcalloc(d->nblocks, sizeof *d->left);
   d->right = xcalloc(d->nblocks, sizeof *d->right);
@@ -481,8 +451,7 @@ static void daemon_init(local_daemon *d, const ac_shampoo *s)
   }
 }
 
-static void daemon_destroy(local_daemon *d)
-{
+static void daemon_destroy(local_daemon *d) {
   for (size_t b = 0; b < d->nblocks; b++) {
     free(d->left[b]);
     free(d->right[b]);
@@ -491,8 +460,7 @@ static void daemon_destroy(local_daemon *d)
   free(d->right);
 }
 
-static void daemon_push(local_daemon *d, const ac_shampoo *s, long step)
-{
+static void daemon_push(local_daemon *d, const ac_shampoo *s, long step) {
   d->step = (uint64_t)step;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
@@ -504,8 +472,7 @@ static void daemon_push(local_daemon *d, const ac_shampoo *s, long step)
   }
 }
 
-static void daemon_publish(local_daemon *d, ac_shampoo *s)
-{
+static void daemon_publish(local_daemon *d, ac_shampoo *s) {
   d->version++;
   for (size_t b = 0; b < d->nblocks; b++) {
     ac_shampoo_block info;
@@ -517,9 +484,13 @@ static void daemon_publish(local_daemon *d, ac_shampoo *s)
     root_f32(r, dense, lroot);
     pc_unpack_f32(c, d->right[b], dense);
     root_f32(c, dense, rroot);
-    const ac_shampoo_roots roots = {.version = d->version, .source_step = d->step,
-                                    .format = AC_ROOT_DENSE, .n_left = r, .left = lroot,
-                                    .n_right = c, .right = rroot};
+    const ac_shampoo_roots roots = {.version = d->version,
+                                    .source_step = d->step,
+                                    .format = AC_ROOT_DENSE,
+                                    .n_left = r,
+                                    .left = lroot,
+                                    .n_right = c,
+                                    .right = rroot};
     OK(ac_shampoo_set_roots(s, b, &roots));
     free(dense);
     free(lroot);
@@ -530,8 +501,7 @@ static void daemon_publish(local_daemon *d, ac_shampoo *s)
 typedef enum { OPT_SGD, OPT_ADAMW, OPT_SHAMPOO } opt_kind;
 
 /* Trains a fresh tiny model for TSTEPS steps; losses[TSTEPS]. */
-static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallbacks)
-{
+static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallbacks) {
   tiny m;
   ac_sgd *sgd = NULL;
   ac_adamw *adam = NULL;
@@ -586,26 +556,21 @@ static void train(ac_backend *be, opt_kind kind, double *losses, uint64_t *fallb
       assert_int_equal(si.staleness_max, t < ROOT_EVERY ? -1 : t % ROOT_EVERY);
     }
   }
-  if (fallbacks != NULL)
-    *fallbacks = sh != NULL ? ac_shampoo_fallback_total(sh) : 0;
-  if (sh != NULL)
-    daemon_destroy(&d);
+  if (fallbacks != NULL) *fallbacks = sh != NULL ? ac_shampoo_fallback_total(sh) : 0;
+  if (sh != NULL) daemon_destroy(&d);
   ac_sgd_destroy(sgd);
   ac_adamw_destroy(adam);
   ac_shampoo_destroy(sh);
   tiny_destroy(&m);
 }
 
-static double mean(const double *x, size_t n)
-{
+static double mean(const double *x, size_t n) {
   double s = 0.0;
-  for (size_t i = 0; i < n; i++)
-    s += x[i];
+  for (size_t i = 0; i < n; i++) s += x[i];
   return s / (double)n;
 }
 
-static void check_training(ac_backend *be, opt_kind kind, const char *name)
-{
+static void check_training(ac_backend *be, opt_kind kind, const char *name) {
   double a[TSTEPS], b[TSTEPS];
   uint64_t fb = 0;
   train(be, kind, a, &fb);
@@ -623,26 +588,22 @@ static void check_training(ac_backend *be, opt_kind kind, const char *name)
   }
 }
 
-static void test_train_sgd(void **state)
-{
+static void test_train_sgd(void **state) {
   check_training(backend(state), OPT_SGD, "sgd");
 }
 
-static void test_train_adamw(void **state)
-{
+static void test_train_adamw(void **state) {
   check_training(backend(state), OPT_ADAMW, "adamw");
 }
 
-static void test_train_shampoo(void **state)
-{
+static void test_train_shampoo(void **state) {
   check_training(backend(state), OPT_SHAMPOO, "shampoo");
 }
 
 /* The same training on this backend and on the CPU: the loss curves agree to rounding over
  * the first steps (later, rounding differences may grow: training is not contracting). On
  * the CPU group this compares the CPU with itself, bit for bit. */
-static void test_train_vs_cpu(void **state)
-{
+static void test_train_vs_cpu(void **state) {
   ac_backend *be = backend(state), *cpu = NULL;
   const int cuda = ac_backend_kind_of(be) == AC_BACKEND_CUDA;
   OK(ac_backend_create(&cpu, NULL));
@@ -660,14 +621,13 @@ static void test_train_vs_cpu(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Groups                                                                                  */
 
-#define OPTIM_TESTS                                                                           \
-  cmocka_unit_test(test_sgd), cmocka_unit_test(test_adamw), cmocka_unit_test(test_clip),     \
-  cmocka_unit_test(test_bad_args), cmocka_unit_test(test_train_sgd),                         \
-  cmocka_unit_test(test_train_adamw), cmocka_unit_test(test_train_shampoo),                  \
-  cmocka_unit_test(test_train_vs_cpu)
+#define OPTIM_TESTS                                                                      \
+  cmocka_unit_test(test_sgd), cmocka_unit_test(test_adamw), cmocka_unit_test(test_clip), \
+      cmocka_unit_test(test_bad_args), cmocka_unit_test(test_train_sgd),                 \
+      cmocka_unit_test(test_train_adamw), cmocka_unit_test(test_train_shampoo),          \
+      cmocka_unit_test(test_train_vs_cpu)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest cpu[] = {OPTIM_TESTS};
   const struct CMUnitTest cuda[] = {OPTIM_TESTS};
   int failed = cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);

@@ -24,8 +24,7 @@
 
 static uint64_t rng_state = 0x853C49E6748FEA9Bull;
 
-static float frand(void)
-{
+static float frand(void) {
   return xorshift_frand(&rng_state);
 }
 
@@ -48,26 +47,24 @@ typedef struct {
   ac_param *ptrs[NPAR];
   size_t n[NPAR];
   pc_layout lay[NPAR];
-  float *g[NPAR];            /* host copies of the grads */
+  float *g[NPAR]; /* host copies of the grads */
   /* roots per block as handed to the worker (dense float), and as the reference uses
    * them (the same values in fp64); NULL: that side has none */
   float *lf[NBLK], *rf[NBLK];
   double *l64[NBLK], *r64[NBLK];
-  uint64_t src[NBLK];        /* their source step */
+  uint64_t src[NBLK]; /* their source step */
   /* reference state */
-  float *m[NPAR], *v[NPAR];  /* graft moments (pc_graft_direction_f32's) */
-  double *buf[NPAR];         /* momentum */
-  double *p[NPAR];           /* parameter values */
+  float *m[NPAR], *v[NPAR]; /* graft moments (pc_graft_direction_f32's) */
+  double *buf[NPAR];        /* momentum */
+  double *p[NPAR];          /* parameter values */
 } world;
 
-static void layout_opts(pc_layout_opts *lo)
-{
+static void layout_opts(pc_layout_opts *lo) {
   lo->block_size = 4;
   lo->skip_limit = 12;
 }
 
-static void world_init(world *w, ac_backend *be)
-{
+static void world_init(world *w, ac_backend *be) {
   pc_layout_opts lo;
   layout_opts(&lo);
   memset(w, 0, sizeof *w);
@@ -83,15 +80,13 @@ static void world_init(world *w, ac_backend *be)
     w->buf[i] = xcalloc(w->n[i], sizeof(double));
     w->p[i] = xcalloc(w->n[i], sizeof(double));
     float *host = xcalloc(w->n[i], sizeof(float));
-    for (size_t k = 0; k < w->n[i]; k++)
-      w->p[i][k] = host[k] = frand();
+    for (size_t k = 0; k < w->n[i]; k++) w->p[i][k] = host[k] = frand();
     OK(ac_tensor_upload(&w->params[i].value, host));
     free(host);
   }
 }
 
-static void world_destroy(world *w)
-{
+static void world_destroy(world *w) {
   for (int i = 0; i < NPAR; i++) {
     ac_param_destroy(&w->params[i]);
     pc_layout_destroy(&w->lay[i]);
@@ -110,18 +105,15 @@ static void world_destroy(world *w)
 }
 
 /* New gradients scaled by scale (0: zero gradients), on the host and the device. */
-static void world_grads(world *w, float scale)
-{
+static void world_grads(world *w, float scale) {
   for (int i = 0; i < NPAR; i++) {
-    for (size_t k = 0; k < w->n[i]; k++)
-      w->g[i][k] = scale * frand();
+    for (size_t k = 0; k < w->n[i]; k++) w->g[i][k] = scale * frand();
     OK(ac_tensor_upload(&w->params[i].grad, w->g[i]));
   }
 }
 
 /* Block id b -> its parameter and pc_block (the worker's numbering, checked elsewhere). */
-static const pc_block *block_of(const world *w, int b, int *param)
-{
+static const pc_block *block_of(const world *w, int b, int *param) {
   for (int i = 0; i < NPAR; i++) {
     if ((size_t)b < w->lay[i].nblocks) {
       *param = i;
@@ -134,27 +126,23 @@ static const pc_block *block_of(const world *w, int b, int *param)
 }
 
 /* X = (S)^(-1/4) in fp64 for a random well-conditioned SPD S = M M^T / k + 0.1 I. */
-static void random_root(size_t n, double *x)
-{
+static void random_root(size_t n, double *x) {
   const size_t k = n + 3;
   double *mtx = xcalloc(n * k, sizeof(double)), *s = xcalloc(n * n, sizeof(double));
   double *wv = xcalloc(n, sizeof(double));
-  for (size_t i = 0; i < n * k; i++)
-    mtx[i] = frand();
+  for (size_t i = 0; i < n * k; i++) mtx[i] = frand();
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) {
       double acc = i == j ? 0.1 : 0.0;
-      for (size_t q = 0; q < k; q++)
-        acc += mtx[i * k + q] * mtx[j * k + q] / (double)k;
+      for (size_t q = 0; q < k; q++) acc += mtx[i * k + q] * mtx[j * k + q] / (double)k;
       s[i * n + j] = acc;
     }
-  assert_int_equal(LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, s, (lapack_int)n,
-                                  wv), 0);
+  assert_int_equal(LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, s, (lapack_int)n, wv),
+                   0);
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) {
       double acc = 0.0;
-      for (size_t q = 0; q < n; q++)
-        acc += s[i * n + q] * s[j * n + q] * pow(wv[q], -0.25);
+      for (size_t q = 0; q < n; q++) acc += s[i * n + q] * s[j * n + q] * pow(wv[q], -0.25);
       x[i * n + j] = acc;
     }
   free(mtx);
@@ -163,8 +151,7 @@ static void random_root(size_t n, double *x)
 }
 
 /* Makes the roots of block b (sides as asked) in w->lf/rf and w->l64/r64. */
-static void make_roots(world *w, int b, int left, int right)
-{
+static void make_roots(world *w, int b, int left, int right) {
   int par;
   const pc_block *blk = block_of(w, b, &par);
   size_t sizes[2] = {blk->rows, blk->cols};
@@ -176,8 +163,7 @@ static void make_roots(world *w, int b, int left, int right)
     free(*d[s]);
     *f[s] = NULL;
     *d[s] = NULL;
-    if (!want[s])
-      continue;
+    if (!want[s]) continue;
     size_t n = sizes[s];
     double *x = xcalloc(n * n, sizeof(double));
     random_root(n, x);
@@ -192,16 +178,14 @@ static void make_roots(world *w, int b, int left, int right)
 }
 
 /* The packed upper triangle of dense (n x n), in a new buffer the caller frees. */
-static float *pack(size_t n, const float *dense)
-{
+static float *pack(size_t n, const float *dense) {
   float *p = xcalloc(ac_packed_len(n), sizeof(float));
   pc_pack_f32(n, dense, p);
   return p;
 }
 
 /* Hands block b's roots to the worker in format fmt, with source step w->src[b]. */
-static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_format fmt)
-{
+static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_format fmt) {
   int par;
   const pc_block *blk = block_of(w, b, &par);
   const float *l = w->lf[b], *r = w->rf[b];
@@ -211,13 +195,13 @@ static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_
     r = rp = r != NULL ? pack(blk->cols, r) : NULL;
   }
   const ac_shampoo_roots roots = {
-    .version = version,
-    .source_step = w->src[b],
-    .format = fmt,
-    .n_left = l != NULL ? blk->rows : 0,
-    .left = l,
-    .n_right = r != NULL ? blk->cols : 0,
-    .right = r,
+      .version = version,
+      .source_step = w->src[b],
+      .format = fmt,
+      .n_left = l != NULL ? blk->rows : 0,
+      .left = l,
+      .n_right = r != NULL ? blk->cols : 0,
+      .right = r,
   };
   int rc = ac_shampoo_set_roots(s, (size_t)b, &roots);
   free(lp);
@@ -225,26 +209,21 @@ static int give_roots(world *w, ac_shampoo *s, int b, uint64_t version, ac_root_
   return rc;
 }
 
-static double norm2(size_t n, const double *x)
-{
+static double norm2(size_t n, const double *x) {
   double s = 0.0;
-  for (size_t i = 0; i < n; i++)
-    s += x[i] * x[i];
+  for (size_t i = 0; i < n; i++) s += x[i] * x[i];
   return sqrt(s);
 }
 
 /* The reference update of step t: U[i] (fp64) for every parameter, from the host grads,
  * the reference graft state and the roots of blocks that are active at t. */
-static void ref_direction(world *w, const ac_shampoo_opts *o, long t, double **u)
-{
+static void ref_direction(world *w, const ac_shampoo_opts *o, long t, double **u) {
   int b0 = 0;
   for (int i = 0; i < NPAR; i++) {
     const size_t n = w->n[i];
     float *d = xcalloc(n, sizeof(float));
-    assert_int_equal(pc_graft_direction_f32(n, w->g[i], &o->graft, t, w->m[i], w->v[i], d),
-                     PC_OK);
-    for (size_t k = 0; k < n; k++)
-      u[i][k] = d[k];
+    assert_int_equal(pc_graft_direction_f32(n, w->g[i], &o->graft, t, w->m[i], w->v[i], d), PC_OK);
+    for (size_t k = 0; k < n; k++) u[i][k] = d[k];
     const size_t ld = w->lay[i].cols;
     for (size_t q = 0; q < w->lay[i].nblocks && t >= o->start_step; q++) {
       const int b = b0 + (int)q;
@@ -278,12 +257,10 @@ static void ref_direction(world *w, const ac_shampoo_opts *o, long t, double **u
 
 /* One step on the worker and on the reference; checks the parameters against it. */
 static void step_and_check(world *w, ac_shampoo *s, const ac_shampoo_opts *o, float lr,
-                           double tol)
-{
+                           double tol) {
   const long t = ac_shampoo_steps(s) + 1;
   double *u[NPAR];
-  for (int i = 0; i < NPAR; i++)
-    u[i] = xcalloc(w->n[i], sizeof(double));
+  for (int i = 0; i < NPAR; i++) u[i] = xcalloc(w->n[i], sizeof(double));
   ref_direction(w, o, t, u);
   OK(ac_shampoo_step(s, lr));
   assert_int_equal(ac_shampoo_steps(s), t);
@@ -306,8 +283,7 @@ static void step_and_check(world *w, ac_shampoo *s, const ac_shampoo_opts *o, fl
     OK(ac_tensor_download(&w->params[i].value, got));
     /* Compare the change of the parameter, relative to the largest change. */
     for (size_t k = 0; k < n; k++)
-      if (fabs(w->p[i][k] - before[k]) > scale)
-        scale = fabs(w->p[i][k] - before[k]);
+      if (fabs(w->p[i][k] - before[k]) > scale) scale = fabs(w->p[i][k] - before[k]);
     for (size_t k = 0; k < n; k++)
       if (fabs(got[k] - w->p[i][k]) > err) {
         err = fabs(got[k] - w->p[i][k]);
@@ -317,16 +293,14 @@ static void step_and_check(world *w, ac_shampoo *s, const ac_shampoo_opts *o, fl
       fail_msg("step %ld, param %s[%zu]: got %.9g, want %.9g (error %.3g, step size %.3g)", t,
                names[i], at, got[at], w->p[i][at], err, scale);
     /* Keep the reference on the worker's values, so that errors do not compound. */
-    for (size_t k = 0; k < n; k++)
-      w->p[i][k] = got[k];
+    for (size_t k = 0; k < n; k++) w->p[i][k] = got[k];
     free(got);
     free(before);
     free(u[i]);
   }
 }
 
-static void base_opts(ac_shampoo_opts *o, pc_graft kind)
-{
+static void base_opts(ac_shampoo_opts *o, pc_graft kind) {
   ac_shampoo_opts_default(o);
   layout_opts(&o->layout);
   pc_graft_opts_default(&o->graft, kind);
@@ -339,8 +313,7 @@ static void base_opts(ac_shampoo_opts *o, pc_graft kind)
 /* ------------------------------------------------------------------------------------ */
 /* Layout and statistics                                                                   */
 
-static void test_layout_and_stats(void **state)
-{
+static void test_layout_and_stats(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -393,8 +366,9 @@ static void test_layout_and_stats(void **state)
         float *l = xcalloc(ac_packed_len(blk->rows), sizeof(float));
         float *r = xcalloc(ac_packed_len(blk->cols), sizeof(float));
         const float *gl = NULL, *gr = NULL;
-        assert_int_equal(pc_gram_f32(blk->rows, blk->cols,
-                                     w.g[par] + blk->row0 * ld + blk->col0, ld, l, r), PC_OK);
+        assert_int_equal(
+            pc_gram_f32(blk->rows, blk->cols, w.g[par] + blk->row0 * ld + blk->col0, ld, l, r),
+            PC_OK);
         OK(ac_shampoo_block_stats(s, b, &gl, &gr));
         for (size_t k = 0; k < ac_packed_len(blk->rows); k++)
           assert_true(fabsf(gl[k] - l[k]) <= 1e-5f * (1.0f + fabsf(l[k])));
@@ -416,8 +390,7 @@ static void test_layout_and_stats(void **state)
 
 /* Blocks' roots: both sides dense, both packed, left only, right only, none (fallback),
  * then both for the rank-3 tensor's blocks. */
-static void give_all_roots(world *w, ac_shampoo *s, uint64_t version)
-{
+static void give_all_roots(world *w, ac_shampoo *s, uint64_t version) {
   const int left[NBLK] = {1, 1, 1, 0, 0, 1, 1}, right[NBLK] = {1, 1, 0, 1, 0, 1, 1};
   for (int b = 0; b < NBLK; b++) {
     make_roots(w, b, left[b], right[b]);
@@ -426,10 +399,9 @@ static void give_all_roots(world *w, ac_shampoo *s, uint64_t version)
   }
 }
 
-static void test_apply_each_graft(void **state)
-{
+static void test_apply_each_graft(void **state) {
   ac_backend *be = backend(state);
-  const pc_graft kinds[] = {PC_GRAFT_SGD, PC_GRAFT_ADAGRAD, PC_GRAFT_RMSPROP_NORMED,
+  const pc_graft kinds[] = {PC_GRAFT_SGD,         PC_GRAFT_ADAGRAD, PC_GRAFT_RMSPROP_NORMED,
                             PC_GRAFT_ADAM_NORMED, PC_GRAFT_RMSPROP, PC_GRAFT_ADAM};
   for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
     world w;
@@ -456,8 +428,7 @@ static void test_apply_each_graft(void **state)
   }
 }
 
-static void test_momentum_decay_start(void **state)
-{
+static void test_momentum_decay_start(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -490,8 +461,7 @@ static void test_momentum_decay_start(void **state)
 
 /* Roots from source step 2 with max_staleness 3: used up to step 5 (staleness 3; at steps
  * 1-2 they count as fresh), then every block falls back until newer roots arrive. */
-static void test_staleness(void **state)
-{
+static void test_staleness(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -505,16 +475,14 @@ static void test_staleness(void **state)
   OK(ac_shampoo_create(&s, w.ptrs, NPAR, &o));
   OK(ac_shampoo_last_step(s, &si));
   assert_int_equal(si.step, 0);
-  for (int b = 0; b < NBLK; b++)
-    w.src[b] = 2;
+  for (int b = 0; b < NBLK; b++) w.src[b] = 2;
   give_all_roots(&w, s, 1);
   OK(ac_shampoo_block_info(s, 0, &info));
   assert_int_equal(info.source_step, 2);
   assert_int_equal(info.staleness, -1);
   for (long t = 1; t <= 7; t++) {
     if (t == 7) {
-      for (int b = 0; b < NBLK; b++)
-        w.src[b] = 6;
+      for (int b = 0; b < NBLK; b++) w.src[b] = 6;
       give_all_roots(&w, s, 2);
     }
     world_grads(&w, 0.5f);
@@ -544,8 +512,7 @@ static void test_staleness(void **state)
 
 /* Zero gradients after some steps: P_b = 0 has no norm, so blocks take D_b (Adam's
  * momentum keeps it non-zero); nothing becomes NaN. Tiny gradients stay finite too. */
-static void test_zero_and_tiny_grads(void **state)
-{
+static void test_zero_and_tiny_grads(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -564,8 +531,7 @@ static void test_zero_and_tiny_grads(void **state)
   for (int i = 0; i < NPAR; i++) {
     float *got = xcalloc(w.n[i], sizeof(float));
     OK(ac_tensor_download(&w.params[i].value, got));
-    for (size_t k = 0; k < w.n[i]; k++)
-      assert_true(isfinite(got[k]));
+    for (size_t k = 0; k < w.n[i]; k++) assert_true(isfinite(got[k]));
     free(got);
   }
   ac_shampoo_destroy(s);
@@ -575,8 +541,7 @@ static void test_zero_and_tiny_grads(void **state)
 /* ------------------------------------------------------------------------------------ */
 /* Roots: versions and bad input                                                           */
 
-static void test_roots_versions_and_errors(void **state)
-{
+static void test_roots_versions_and_errors(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -619,12 +584,9 @@ static void test_roots_versions_and_errors(void **state)
 
   /* Bad input changes nothing. */
   float l16[16], l10[10];
-  for (int i = 0; i < 16; i++)
-    l16[i] = i == 0 || i == 5 || i == 10 || i == 15 ? 1.0f : 0.0f;
-  for (int i = 0; i < 10; i++)
-    l10[i] = 1.0f;
-  const ac_shampoo_roots ok4 = {.version = 9, .format = AC_ROOT_DENSE, .n_left = 4,
-                                .left = l16};
+  for (int i = 0; i < 16; i++) l16[i] = i == 0 || i == 5 || i == 10 || i == 15 ? 1.0f : 0.0f;
+  for (int i = 0; i < 10; i++) l10[i] = 1.0f;
+  const ac_shampoo_roots ok4 = {.version = 9, .format = AC_ROOT_DENSE, .n_left = 4, .left = l16};
   ac_shampoo_roots r;
   r = ok4, r.n_left = 3;
   assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EMISMATCH);
@@ -656,8 +618,7 @@ static void test_roots_versions_and_errors(void **state)
   world_destroy(&w);
 }
 
-static void test_create_errors(void **state)
-{
+static void test_create_errors(void **state) {
   ac_backend *be = backend(state);
   world w;
   ac_shampoo *s = NULL;
@@ -667,13 +628,13 @@ static void test_create_errors(void **state)
   base_opts(&good, PC_GRAFT_ADAM_NORMED);
   good.momentum = 0.9f;
 
-#define BAD(field, value)                                                                   \
-  do {                                                                                      \
-    o = good;                                                                               \
-    o.field = value;                                                                        \
-    s = (ac_shampoo *)&w;                                                                   \
-    assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL);                   \
-    assert_null(s);                                                                         \
+#define BAD(field, value)                                                 \
+  do {                                                                    \
+    o = good;                                                             \
+    o.field = value;                                                      \
+    s = (ac_shampoo *)&w;                                                 \
+    assert_int_equal(ac_shampoo_create(&s, w.ptrs, NPAR, &o), AC_EINVAL); \
+    assert_null(s);                                                       \
   } while (0)
   BAD(layout.block_size, 0);
   BAD(layout.skip_limit, 0);
@@ -726,8 +687,7 @@ static void test_create_errors(void **state)
 }
 
 /* A scalar parameter (rank 0) is laid out as shape {1}: diagonal, grafted step only. */
-static void test_scalar_param(void **state)
-{
+static void test_scalar_param(void **state) {
   ac_backend *be = backend(state);
   ac_param p;
   ac_param *ptr = &p;
@@ -760,8 +720,7 @@ static void test_scalar_param(void **state)
 /* One 2 x 2 parameter (one block), grads g1 then g2, beta1 0.5, SGD graft (D = M), and a
  * left root diag(1, 2) from step 1: each step must be -lr * P with P = L M rescaled to |M|,
  * M the bias-corrected first moment worked out by hand below. */
-static void check_first_moment(ac_backend *be, int nesterov)
-{
+static void check_first_moment(ac_backend *be, int nesterov) {
   static const float g[2][4] = {{1, 2, 3, 4}, {3, 2, 1, 0}};
   /* f1 = 0.5 g1 = (.5, 1, 1.5, 2); f2 = 0.5 f1 + 0.5 g2 = (1.75, 1.5, 1.25, 1).
    * Plain:    M1 = f1 / 0.5 = g1;  M2 = f2 / 0.75.
@@ -769,9 +728,9 @@ static void check_first_moment(ac_backend *be, int nesterov)
    *           M1 = f1 / 1.5 + g1;  M2 = f2 / 1.75 + g2 / 1.5. */
   static const double plain[2][4] = {{1, 2, 3, 4},
                                      {1.75 / 0.75, 1.5 / 0.75, 1.25 / 0.75, 1.0 / 0.75}};
-  static const double nest[2][4] = {{0.5 / 1.5 + 1, 1 / 1.5 + 2, 1.5 / 1.5 + 3, 2 / 1.5 + 4},
-                                    {1.75 / 1.75 + 2, 1.5 / 1.75 + 2 / 1.5,
-                                     1.25 / 1.75 + 1 / 1.5, 1.0 / 1.75}};
+  static const double nest[2][4] = {
+      {0.5 / 1.5 + 1, 1 / 1.5 + 2, 1.5 / 1.5 + 3, 2 / 1.5 + 4},
+      {1.75 / 1.75 + 2, 1.5 / 1.75 + 2 / 1.5, 1.25 / 1.75 + 1 / 1.5, 1.0 / 1.75}};
   const size_t shape[2] = {2, 2};
   const float lroot[4] = {1, 0, 0, 2}, lr = 0.1f;
   ac_param p;
@@ -786,8 +745,8 @@ static void check_first_moment(ac_backend *be, int nesterov)
   o.beta1 = 0.5f;
   o.beta1_nesterov = nesterov;
   OK(ac_shampoo_create(&s, &ptr, 1, &o));
-  const ac_shampoo_roots roots = {.version = 1, .source_step = 1, .format = AC_ROOT_DENSE,
-                                  .n_left = 2, .left = lroot};
+  const ac_shampoo_roots roots = {
+      .version = 1, .source_step = 1, .format = AC_ROOT_DENSE, .n_left = 2, .left = lroot};
   OK(ac_shampoo_set_roots(s, 0, &roots));
   for (int t = 0; t < 2; t++) {
     const double *m = nesterov ? nest[t] : plain[t];
@@ -815,8 +774,7 @@ static void check_first_moment(ac_backend *be, int nesterov)
 /* The Adam graft with the first moment on: D = M / (sqrt(v / c2) + eps), v the second
  * moment of the raw gradient, M the shared first moment (no second filtering). The
  * parameter takes D: it has no factors (rank 1). */
-static void check_adam_graft_first_moment(ac_backend *be)
-{
+static void check_adam_graft_first_moment(ac_backend *be) {
   static const float g[2][4] = {{1, 2, 3, 4}, {3, 2, 1, 0}};
   /* beta1 = beta2 = 0.5: M as in check_first_moment; v1 = .5 g1^2, v1 / c2 = g1^2, so
    * D1 = 1; v2 = .25 g1^2 + .5 g2^2 = (4.75, 3, 2.75, 4), c2 = .75. */
@@ -852,8 +810,7 @@ static void check_adam_graft_first_moment(ac_backend *be)
   ac_param_destroy(&p);
 }
 
-static void test_first_moment(void **state)
-{
+static void test_first_moment(void **state) {
   ac_backend *be = backend(state);
   check_first_moment(be, 0);
   check_first_moment(be, 1);
@@ -862,14 +819,12 @@ static void test_first_moment(void **state)
 
 /* One-sided: only the root of the smaller side (of order > 1) is applied. A 2 x 4 block with
  * roots on both sides uses the left one only; the right root here would change the result. */
-static void test_one_sided(void **state)
-{
+static void test_one_sided(void **state) {
   ac_backend *be = backend(state);
   const size_t shape[2] = {2, 4};
   const float g[8] = {1, 2, 3, 4, 5, 6, 7, 8}, lroot[4] = {1, 0, 0, 3}, lr = 0.5f;
   float rroot[16] = {0}, v[8] = {0};
-  for (int k = 0; k < 4; k++)
-    rroot[k * 4 + k] = (float)(k + 1);
+  for (int k = 0; k < 4; k++) rroot[k * 4 + k] = (float)(k + 1);
   ac_param p;
   ac_param *ptr = &p;
   ac_shampoo *s = NULL;
@@ -881,8 +836,13 @@ static void test_one_sided(void **state)
   base_opts(&o, PC_GRAFT_SGD);
   o.one_sided = 1;
   OK(ac_shampoo_create(&s, &ptr, 1, &o));
-  const ac_shampoo_roots roots = {.version = 1, .source_step = 1, .format = AC_ROOT_DENSE,
-                                  .n_left = 2, .left = lroot, .n_right = 4, .right = rroot};
+  const ac_shampoo_roots roots = {.version = 1,
+                                  .source_step = 1,
+                                  .format = AC_ROOT_DENSE,
+                                  .n_left = 2,
+                                  .left = lroot,
+                                  .n_right = 4,
+                                  .right = rroot};
   OK(ac_shampoo_set_roots(s, 0, &roots));
   OK(ac_shampoo_step(s, lr));
   OK(ac_tensor_download(&p.value, v));
@@ -905,15 +865,14 @@ static void test_one_sided(void **state)
 /* Groups                                                                                  */
 
 #define WORKER_TESTS                                                                          \
-  cmocka_unit_test(test_layout_and_stats), cmocka_unit_test(test_apply_each_graft),          \
-  cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_staleness),             \
-  cmocka_unit_test(test_zero_and_tiny_grads),                                                 \
-  cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors),    \
-  cmocka_unit_test(test_scalar_param), cmocka_unit_test(test_first_moment),                  \
-  cmocka_unit_test(test_one_sided)
+  cmocka_unit_test(test_layout_and_stats), cmocka_unit_test(test_apply_each_graft),           \
+      cmocka_unit_test(test_momentum_decay_start), cmocka_unit_test(test_staleness),          \
+      cmocka_unit_test(test_zero_and_tiny_grads),                                             \
+      cmocka_unit_test(test_roots_versions_and_errors), cmocka_unit_test(test_create_errors), \
+      cmocka_unit_test(test_scalar_param), cmocka_unit_test(test_first_moment),               \
+      cmocka_unit_test(test_one_sided)
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest cpu[] = {WORKER_TESTS};
   const struct CMUnitTest cuda[] = {WORKER_TESTS};
   int failed = cmocka_run_group_tests_name("cpu", cpu, setup_cpu, teardown);

@@ -13,23 +13,19 @@
 
 #include "accel.h"
 
-static int setup(void **state)
-{
+static int setup(void **state) {
   ac_backend *be = NULL;
-  if (ac_backend_create(&be, NULL) != AC_OK)
-    return -1;
+  if (ac_backend_create(&be, NULL) != AC_OK) return -1;
   *state = be;
   return 0;
 }
 
-static int teardown(void **state)
-{
+static int teardown(void **state) {
   ac_backend_destroy(*state);
   return 0;
 }
 
-static void test_tensor_init_upload(void **state)
-{
+static void test_tensor_init_upload(void **state) {
   ac_backend *be = *state;
   ac_tensor t;
   const size_t shape[3] = {2, 3, 4};
@@ -79,8 +75,7 @@ static void test_tensor_init_upload(void **state)
   ac_tensor_destroy(&t);
 }
 
-static void test_tensor_bad_input(void **state)
-{
+static void test_tensor_bad_input(void **state) {
   ac_backend *be = *state;
   ac_tensor t;
   const size_t huge[2] = {SIZE_MAX / 2, 4};
@@ -98,8 +93,7 @@ static void test_tensor_bad_input(void **state)
   ac_tensor_destroy(NULL);
 }
 
-static void test_param(void **state)
-{
+static void test_param(void **state) {
   ac_backend *be = *state;
   ac_param p;
   const size_t shape[2] = {8, 16};
@@ -110,8 +104,7 @@ static void test_param(void **state)
   assert_ptr_not_equal(p.value.data, p.grad.data);
   float back[128];
   assert_int_equal(ac_tensor_download(&p.grad, back), AC_OK);
-  for (int i = 0; i < 128; i++)
-    assert_true(back[i] == 0.0f);
+  for (int i = 0; i < 128; i++) assert_true(back[i] == 0.0f);
   ac_param_destroy(&p);
   assert_null(p.name);
   ac_param_destroy(&p);
@@ -127,12 +120,11 @@ static void test_param(void **state)
   assert_null(p.name); /* left empty, nothing leaked */
 }
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_tensor_init_upload),
-    cmocka_unit_test(test_tensor_bad_input),
-    cmocka_unit_test(test_param),
+      cmocka_unit_test(test_tensor_init_upload),
+      cmocka_unit_test(test_tensor_bad_input),
+      cmocka_unit_test(test_param),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -20,18 +20,15 @@ typedef struct {
 } fixture;
 
 /* The group's backend; skips the test when it does not exist (the setup said why). */
-static inline ac_backend *backend(void **state)
-{
+static inline ac_backend *backend(void **state) {
   ac_backend *be = ((fixture *)*state)->be;
-  if (be == NULL)
-    skip();
+  if (be == NULL) skip();
   return be;
 }
 
 /* xorshift64 on *state: the next value in [-1, 1), with 24 random bits. Each test file
  * keeps its own state, so that its values do not depend on the other files. */
-static inline float xorshift_frand(uint64_t *state)
-{
+static inline float xorshift_frand(uint64_t *state) {
   *state ^= *state << 13;
   *state ^= *state >> 7;
   *state ^= *state << 17;
@@ -39,8 +36,7 @@ static inline float xorshift_frand(uint64_t *state)
 }
 
 /* calloc that fails the test instead of returning NULL; n == 0 still gives a pointer. */
-static inline void *xcalloc(size_t n, size_t sz)
-{
+static inline void *xcalloc(size_t n, size_t sz) {
   void *p = calloc(n ? n : 1, sz);
   assert_non_null(p);
   return p;
@@ -50,8 +46,7 @@ static inline void *xcalloc(size_t n, size_t sz)
  * The CPU backend always exists, so its absence fails the group; so does a missing CUDA
  * backend under AC_REQUIRE_CUDA (bench/device-check.sh: on a GPU machine every CUDA-vs-CPU
  * test must run). A CUDA group with a device also gets a CPU backend to compare against. */
-static inline int setup_kind(void **state, ac_backend_kind kind)
-{
+static inline int setup_kind(void **state, ac_backend_kind kind) {
   static fixture fx[2];
   const char *name = kind == AC_BACKEND_CUDA ? "CUDA" : "CPU";
   ac_backend_opts opts;
@@ -80,18 +75,15 @@ static inline int setup_kind(void **state, ac_backend_kind kind)
   return 0;
 }
 
-static inline int setup_cpu(void **state)
-{
+static inline int setup_cpu(void **state) {
   return setup_kind(state, AC_BACKEND_CPU);
 }
 
-static inline int setup_cuda(void **state)
-{
+static inline int setup_cuda(void **state) {
   return setup_kind(state, AC_BACKEND_CUDA);
 }
 
-static inline int teardown(void **state)
-{
+static inline int teardown(void **state) {
   fixture *f = *state;
   ac_backend_destroy(f->be);
   ac_backend_destroy(f->cpu);

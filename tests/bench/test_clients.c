@@ -111,15 +111,58 @@ static void smoke(const char *client, const char *opt, const char *lr) {
   char out[160], log[200], steps[] = "16";
   snprintf(out, sizeof out, "%s/%s-%s", tmpdir, client, opt);
   snprintf(log, sizeof log, "%s.log", out);
-  char *lm[] = {(char *)transformer_path, "--optimizer", (char *)opt, "--lr", (char *)lr,
-                "--steps", steps, "--eval-every", "8", "--eval-batches", "2", "--context",
-                "16", "--d-model", "32", "--heads", "2", "--layers", "1", "--batch", "8",
-                "--data", kjv_path, "--daemon", precondd.addr, "--sync-roots", "--out", out,
+  char *lm[] = {(char *)transformer_path,
+                "--optimizer",
+                (char *)opt,
+                "--lr",
+                (char *)lr,
+                "--steps",
+                steps,
+                "--eval-every",
+                "8",
+                "--eval-batches",
+                "2",
+                "--context",
+                "16",
+                "--d-model",
+                "32",
+                "--heads",
+                "2",
+                "--layers",
+                "1",
+                "--batch",
+                "8",
+                "--data",
+                kjv_path,
+                "--daemon",
+                precondd.addr,
+                "--sync-roots",
+                "--out",
+                out,
                 NULL};
-  char *rn[] = {(char *)resnet_path, "--optimizer", (char *)opt, "--lr", (char *)lr,
-                "--steps", steps, "--eval-every", "8", "--eval-batches", "2", "--batch", "16",
-                "--width", "4", "--blocks", "1", "--daemon", precondd.addr, "--sync-roots",
-                "--out", out, NULL};
+  char *rn[] = {(char *)resnet_path,
+                "--optimizer",
+                (char *)opt,
+                "--lr",
+                (char *)lr,
+                "--steps",
+                steps,
+                "--eval-every",
+                "8",
+                "--eval-batches",
+                "2",
+                "--batch",
+                "16",
+                "--width",
+                "4",
+                "--blocks",
+                "1",
+                "--daemon",
+                precondd.addr,
+                "--sync-roots",
+                "--out",
+                out,
+                NULL};
   int rc = run(is_lm ? lm : rn, log);
   if (rc != 0) {
     show_log(log);
@@ -253,8 +296,10 @@ static void compare_tiny(const char *model, const char *client_args, int nopt) {
 static void test_compare(void **state) {
   (void)state;
   char args[300];
-  snprintf(args, sizeof args, "--context 16 --d-model 32 --heads 2 --layers 1 --batch 8 "
-           "--eval-batches 2 --data '%s'", kjv_path);
+  snprintf(args, sizeof args,
+           "--context 16 --d-model 32 --heads 2 --layers 1 --batch 8 "
+           "--eval-batches 2 --data '%s'",
+           kjv_path);
   compare_tiny("transformer", args, 3);
   compare_tiny("resnet", "--batch 16 --width 4 --blocks 1 --eval-batches 2", 4);
 }
@@ -320,10 +365,10 @@ int main(int argc, char **argv) {
   compare_path = argv[4];
   build_dir = argv[5];
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_bad_options),
-    cmocka_unit_test(test_transformer),
-    cmocka_unit_test(test_resnet),
-    cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_bad_options),
+      cmocka_unit_test(test_transformer),
+      cmocka_unit_test(test_resnet),
+      cmocka_unit_test(test_compare),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -73,10 +73,10 @@ static int teardown(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Text                                                                                   */
 
-#define KJV_LEN 4298239u
-#define KJV_CRC 0x79262628u
-#define KJV_CRC_HEAD 0xa47fcb0fu      /* first 4096 bytes */
-#define KJV_TRAIN_LEN 3868415u        /* len * 9 // 10 */
+#define KJV_LEN           4298239u
+#define KJV_CRC           0x79262628u
+#define KJV_CRC_HEAD      0xa47fcb0fu /* first 4096 bytes */
+#define KJV_TRAIN_LEN     3868415u    /* len * 9 // 10 */
 #define KJV_CRC_EVAL_HEAD 0x9a33d01cu /* first 4096 bytes of the eval split */
 
 static void test_text_cache_and_splits(void **state) {
@@ -358,8 +358,8 @@ static void test_image_sampler(void **state) {
 }
 
 /* Writes a gzipped IDX file: the header words, then n payload bytes. */
-static void write_idx_gz(const char *path, const uint32_t *words, int nwords, const uint8_t *payload,
-                         size_t n) {
+static void write_idx_gz(const char *path, const uint32_t *words, int nwords,
+                         const uint8_t *payload, size_t n) {
   gzFile f = gzopen(path, "wb");
   assert_non_null(f);
   for (int i = 0; i < nwords; i++) {
@@ -466,12 +466,9 @@ static void test_fmnist_damaged(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_text_cache_and_splits),
-      cmocka_unit_test(test_text_damaged),
-      cmocka_unit_test(test_text_sampler),
-      cmocka_unit_test(test_rng),
-      cmocka_unit_test(test_fmnist_package),
-      cmocka_unit_test(test_image_sampler),
+      cmocka_unit_test(test_text_cache_and_splits), cmocka_unit_test(test_text_damaged),
+      cmocka_unit_test(test_text_sampler),          cmocka_unit_test(test_rng),
+      cmocka_unit_test(test_fmnist_package),        cmocka_unit_test(test_image_sampler),
       cmocka_unit_test(test_fmnist_damaged),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

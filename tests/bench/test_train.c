@@ -66,16 +66,16 @@ static int parse(tr_options *o, long *width, char *name, tr_error *err, int argc
   va_end(ap);
   tr_options_default(o);
   tr_arg extra[] = {
-    {"width", TR_ARG_LONG, width, 1, 4096, "model width", NULL},
-    {"name", TR_ARG_STRING, name, 0, 8, "a name", NULL},
+      {"width", TR_ARG_LONG, width, 1, 4096, "model width", NULL},
+      {"name", TR_ARG_STRING, name, 0, 8, "a name", NULL},
   };
   return tr_parse_args(o, extra, 2, argc, argv, "prog", "test", err);
 }
 
 /* Parses argv (NULL-terminated, after the program name) for model with a client's kinds of
  * extra options (a flag and a choice). */
-static int parse_model(tr_options *o, const char *model, int *flag, int *choice,
-                       tr_error *err, const char **args) {
+static int parse_model(tr_options *o, const char *model, int *flag, int *choice, tr_error *err,
+                       const char **args) {
   static const char *const choices[] = {"red", "green", NULL};
   char *argv[32] = {"prog"};
   int argc = 1;
@@ -88,8 +88,8 @@ static int parse_model(tr_options *o, const char *model, int *flag, int *choice,
   *flag = 1;
   *choice = 0;
   tr_arg extra[] = {
-    {"tie", TR_ARG_FLAG, flag, 0, 0, "a flag", NULL},
-    {"colour", TR_ARG_CHOICE, choice, 0, 0, "a choice", choices},
+      {"tie", TR_ARG_FLAG, flag, 0, 0, "a flag", NULL},
+      {"colour", TR_ARG_CHOICE, choice, 0, 0, "a choice", choices},
   };
   return tr_parse_args(o, extra, 2, argc, argv, "prog", "test", err);
 }
@@ -132,7 +132,7 @@ static void test_defaults_table(void **state) {
 
   /* --no-nesterov, --momentum 0 drops the table's Nesterov, flags and choices */
   const char *no_nest[] = {"--optimizer", "sgd", "--no-nesterov", "--no-tie", "--colour",
-                           "green", NULL};
+                           "green",       NULL};
   assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, no_nest), TR_OK);
   assert_int_equal(o.nesterov, 0);
   assert_int_equal(flag, 0);
@@ -142,8 +142,8 @@ static void test_defaults_table(void **state) {
   assert_int_equal(o.nesterov, 0);
   assert_int_equal(flag, 1);
 
-  const char *sched[] = {"--schedule", "step", "--step-size", "30", "--step-gamma", "0.5",
-                         "--lr-floor", "0.1", NULL};
+  const char *sched[] = {"--schedule", "step",       "--step-size", "30", "--step-gamma",
+                         "0.5",        "--lr-floor", "0.1",         NULL};
   assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, sched), TR_OK);
   assert_int_equal(o.schedule, AC_LR_STEP);
   assert_int_equal(o.step_size, 30);
@@ -153,13 +153,13 @@ static void test_defaults_table(void **state) {
     const char *a[4];
     const char *msg;
   } bad[] = {
-    {{"--schedule", "linear"}, "--schedule: 'linear' is not one of constant, cosine, step"},
-    {{"--colour", "blue"}, "--colour: 'blue' is not one of red, green"},
-    {{"--lr-floor", "1.5"}, "--lr-floor: '1.5'"},
-    {{"--step-gamma", "0"}, "--step-gamma: '0'"},
-    {{"--no-lr"}, "unknown option '--no-lr'"},
-    {{"--no-tie=1"}, "--no-tie takes no value"},
-    {{"--optimizer", "sgd", "--momentum"}, "--momentum needs a value"},
+      {{"--schedule", "linear"}, "--schedule: 'linear' is not one of constant, cosine, step"},
+      {{"--colour", "blue"}, "--colour: 'blue' is not one of red, green"},
+      {{"--lr-floor", "1.5"}, "--lr-floor: '1.5'"},
+      {{"--step-gamma", "0"}, "--step-gamma: '0'"},
+      {{"--no-lr"}, "unknown option '--no-lr'"},
+      {{"--no-tie=1"}, "--no-tie takes no value"},
+      {{"--optimizer", "sgd", "--momentum"}, "--momentum needs a value"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     memset(&err, 0, sizeof err);
@@ -233,10 +233,10 @@ static void test_options(void **state) {
   assert_int_equal(o.backend, AC_BACKEND_CPU);
   assert_true(tr_effective_lr(&o) == 1e-3);
 
-  assert_int_equal(parse(&o, &width, name, &err, 12, "--optimizer", "sgd", "--steps=7",
-                         "--lr", "0.25", "--width", "64", "--name=abc", "--backend", "cuda",
-                         "--sync-roots"),
-                   TR_OK);
+  assert_int_equal(
+      parse(&o, &width, name, &err, 12, "--optimizer", "sgd", "--steps=7", "--lr", "0.25",
+            "--width", "64", "--name=abc", "--backend", "cuda", "--sync-roots"),
+      TR_OK);
   assert_int_equal(o.optimizer, TR_SGD);
   assert_int_equal(o.steps, 7);
   assert_true(o.lr == 0.25);
@@ -246,8 +246,7 @@ static void test_options(void **state) {
   assert_int_equal(o.backend, AC_BACKEND_CUDA);
   assert_int_equal(o.sync_roots, 1);
 
-  assert_int_equal(parse(&o, &width, name, &err, 5, "--graft", "adagrad", "--warmup", "10"),
-                   TR_OK);
+  assert_int_equal(parse(&o, &width, name, &err, 5, "--graft", "adagrad", "--warmup", "10"), TR_OK);
   assert_int_equal(o.graft, PC_GRAFT_ADAGRAD);
   assert_int_equal(o.warmup, 10);
 
@@ -262,23 +261,23 @@ static void test_options(void **state) {
     const char *a[4];
     const char *msg;
   } bad[] = {
-    {2, {"--frobnicate"}, "unknown option '--frobnicate'"},
-    {2, {"--steps"}, "--steps needs a value"},
-    {3, {"--steps", "0"}, "--steps: '0' is not an integer"},
-    {3, {"--steps", "12x"}, "--steps: '12x'"},
-    {3, {"--lr", "nan"}, "--lr: 'nan'"},
-    {3, {"--lr", "-1"}, "--lr: '-1'"},
-    {3, {"--optimizer", "lbfgs"}, "'lbfgs' is not one of sgd, adamw, shampoo"},
-    {3, {"--backend", "tpu"}, "'tpu' is not one of cpu, cuda"},
-    {3, {"--width", "5000"}, "--width: '5000'"},
-    {3, {"--name", "too-long-name"}, "--name: value longer"},
-    {2, {"stray"}, "unexpected argument 'stray'"},
-    {5, {"--steps", "3", "--epochs", "1"}, "not both"},
-    {2, {"--quiet=1"}, "--quiet takes no value"},
-    {3, {"--seed", "-4"}, "--seed: '-4'"},
-    {3, {"--graft", "lion"}, "--graft: 'lion' is not one of"},
-    {5, {"--optimizer=sgd", "--nesterov", "--momentum", "0"}, "--nesterov needs --momentum"},
-    {4, {"--optimizer=shampoo", "--daemon", ""}, "needs --daemon"},
+      {2, {"--frobnicate"}, "unknown option '--frobnicate'"},
+      {2, {"--steps"}, "--steps needs a value"},
+      {3, {"--steps", "0"}, "--steps: '0' is not an integer"},
+      {3, {"--steps", "12x"}, "--steps: '12x'"},
+      {3, {"--lr", "nan"}, "--lr: 'nan'"},
+      {3, {"--lr", "-1"}, "--lr: '-1'"},
+      {3, {"--optimizer", "lbfgs"}, "'lbfgs' is not one of sgd, adamw, shampoo"},
+      {3, {"--backend", "tpu"}, "'tpu' is not one of cpu, cuda"},
+      {3, {"--width", "5000"}, "--width: '5000'"},
+      {3, {"--name", "too-long-name"}, "--name: value longer"},
+      {2, {"stray"}, "unexpected argument 'stray'"},
+      {5, {"--steps", "3", "--epochs", "1"}, "not both"},
+      {2, {"--quiet=1"}, "--quiet takes no value"},
+      {3, {"--seed", "-4"}, "--seed: '-4'"},
+      {3, {"--graft", "lion"}, "--graft: 'lion' is not one of"},
+      {5, {"--optimizer=sgd", "--nesterov", "--momentum", "0"}, "--nesterov needs --momentum"},
+      {4, {"--optimizer=shampoo", "--daemon", ""}, "needs --daemon"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     memset(&err, 0, sizeof err);
@@ -369,7 +368,8 @@ static void test_csv_json(void **state) {
   assert_int_equal(tr_csv_row(f, &r2), TR_OK);
   fclose(f);
   char *csv = read_file(path);
-  assert_string_equal(csv, TR_CSV_HEADER "\n"
+  assert_string_equal(csv, TR_CSV_HEADER
+                      "\n"
                       "1,0.5,12.25,2.5,,,0.001,,1,11.5\n"
                       "2,1,10,2.25,2.125,0.75,0.001,1.5,0,\n");
   free(csv);
@@ -411,9 +411,10 @@ static void test_csv_json(void **state) {
   assert_non_null(strstr(js, "\"fallback_steps\": 7,"));
   assert_non_null(strstr(js, "\"roots_received\": 9\n}\n"));
   assert_non_null(strstr(js, "\"schedule\": \"cosine\",\n  \"warmup\": 10,"));
-  assert_non_null(strstr(js, "\"staleness_p50\": 1,\n  \"staleness_p90\": 3,\n"
-                             "  \"staleness_p99\": null,\n  \"staleness_uses\": 7,\n"
-                             "  \"staleness_hist\": [5, 0, 0, 2],\n"));
+  assert_non_null(strstr(js,
+                         "\"staleness_p50\": 1,\n  \"staleness_p90\": 3,\n"
+                         "  \"staleness_p99\": null,\n  \"staleness_uses\": 7,\n"
+                         "  \"staleness_hist\": [5, 0, 0, 2],\n"));
   assert_true(js[0] == '{');
   free(js);
 
@@ -445,13 +446,13 @@ typedef struct {
   ac_backend *be;
   ac_param w, b;
   ac_param *params[2];
-  float *x_train, *x_eval;     /* device, TOY_N x TOY_F */
-  int32_t *y_train, *y_eval;   /* device */
+  float *x_train, *x_eval;   /* device, TOY_N x TOY_F */
+  int32_t *y_train, *y_eval; /* device */
   float *logits, *probs, *loss;
   int32_t *pred;
   size_t pos;
-  int nan_at;                  /* step at which train_step reports NaN (0: never) */
-  int delay_us;                /* per step, to stand in for a real model's compute time */
+  int nan_at;   /* step at which train_step reports NaN (0: never) */
+  int delay_us; /* per step, to stand in for a real model's compute time */
   int steps;
 } toy;
 
@@ -470,7 +471,8 @@ static void toy_data(uint64_t seed, float *x, int32_t *y) {
   for (int i = 0; i < TOY_N; i++) {
     int c = i % TOY_C;
     y[i] = c;
-    for (int j = 0; j < TOY_F; j++) x[i * TOY_F + j] = toy_normal(&s) + (j % TOY_C == c ? 2.f : 0.f);
+    for (int j = 0; j < TOY_F; j++)
+      x[i * TOY_F + j] = toy_normal(&s) + (j % TOY_C == c ? 2.f : 0.f);
   }
 }
 
@@ -495,11 +497,10 @@ static int toy_train_step(void *ctx, double *loss) {
   const int32_t *y = t->y_train + t->pos;
   t->pos += TOY_B;
   int rc = toy_forward(t, x, y, TOY_B, loss);
+  if (rc == AC_OK) rc = ac_xent_backward(t->be, TOY_B, TOY_C, t->probs, y, 1.f / TOY_B, t->probs);
   if (rc == AC_OK)
-    rc = ac_xent_backward(t->be, TOY_B, TOY_C, t->probs, y, 1.f / TOY_B, t->probs);
-  if (rc == AC_OK)
-    rc = ac_sgemm(t->be, AC_TRANS, AC_NO_TRANS, TOY_C, TOY_F, TOY_B, 1.f, t->probs, TOY_C, x,
-                  TOY_F, 0.f, ac_tensor_f32(&t->w.grad), TOY_F);
+    rc = ac_sgemm(t->be, AC_TRANS, AC_NO_TRANS, TOY_C, TOY_F, TOY_B, 1.f, t->probs, TOY_C, x, TOY_F,
+                  0.f, ac_tensor_f32(&t->w.grad), TOY_F);
   if (rc == AC_OK)
     rc = ac_reduce(t->be, AC_REDUCE_SUM, TOY_B, TOY_C, 1, 1.f, t->probs, 0.f,
                    ac_tensor_f32(&t->b.grad));
@@ -527,8 +528,8 @@ static void toy_init(toy *t, ac_backend *be, uint64_t seed) {
   size_t ws[2] = {TOY_C, TOY_F}, bs[1] = {TOY_C};
   assert_int_equal(ac_param_init(&t->w, be, "toy.weight", 2, ws), AC_OK);
   assert_int_equal(ac_param_init(&t->b, be, "toy.bias", 1, bs), AC_OK);
-  assert_int_equal(ac_rand_normal(be, seed, 0, TOY_C * TOY_F, 0.f, 0.1f,
-                                  ac_tensor_f32(&t->w.value)), AC_OK);
+  assert_int_equal(
+      ac_rand_normal(be, seed, 0, TOY_C * TOY_F, 0.f, 0.1f, ac_tensor_f32(&t->w.value)), AC_OK);
   t->params[0] = &t->w;
   t->params[1] = &t->b;
   float *hx = malloc(sizeof(float) * TOY_N * TOY_F);
@@ -565,7 +566,7 @@ static void toy_destroy(toy *t) {
 }
 
 static tr_model toy_model(toy *t) {
-  return (tr_model){"toy", t, 2, t->params, toy_train_step, toy_evaluate, TOY_B, "ex",
+  return (tr_model){"toy",         t,    2,   t->params, toy_train_step, toy_evaluate, TOY_B, "ex",
                     TOY_N / TOY_B, NULL, NULL};
 }
 
@@ -775,9 +776,11 @@ static void test_shampoo_async(void **state) {
   tr_summary sm;
   char *csv = NULL;
   run_shampoo(0, "async", 60, &sm, &csv);
-  print_message("async: loss %.4f, staleness mean %.2f max %ld, %ld fallback steps, "
-                "%llu roots\n", sm.final_train_loss, sm.staleness_mean, sm.staleness_max,
-                sm.fallback_steps, (unsigned long long)sm.roots_received);
+  print_message(
+      "async: loss %.4f, staleness mean %.2f max %ld, %ld fallback steps, "
+      "%llu roots\n",
+      sm.final_train_loss, sm.staleness_mean, sm.staleness_max, sm.fallback_steps,
+      (unsigned long long)sm.roots_received);
   assert_int_equal(sm.steps, 60);
   assert_true(sm.final_train_loss < 0.6);
   assert_true(sm.final_eval_accuracy > 0.85);
@@ -827,19 +830,16 @@ int main(int argc, char **argv) {
   if (argc > 1) {
     precondd_path = argv[1];
     const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_shampoo_async),
-      cmocka_unit_test(test_shampoo_sync),
+        cmocka_unit_test(test_shampoo_async),
+        cmocka_unit_test(test_shampoo_sync),
     };
     return cmocka_run_group_tests(tests, daemon_setup, daemon_teardown);
   }
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_options),
-    cmocka_unit_test(test_defaults_table),
-    cmocka_unit_test(test_run_schedule),
-    cmocka_unit_test(test_progress),
-    cmocka_unit_test(test_csv_json),
-    cmocka_unit_test(test_train_loop),
-    cmocka_unit_test(test_train_errors),
+      cmocka_unit_test(test_options),      cmocka_unit_test(test_defaults_table),
+      cmocka_unit_test(test_run_schedule), cmocka_unit_test(test_progress),
+      cmocka_unit_test(test_csv_json),     cmocka_unit_test(test_train_loop),
+      cmocka_unit_test(test_train_errors),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

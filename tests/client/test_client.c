@@ -29,7 +29,7 @@
 #include "precondd_proc.h"
 
 #define ROOT_WAIT_MS 30000
-#define EPSILON 1e-6
+#define EPSILON      1e-6
 
 /* The daemon of the running test, started in a directory of its own; the teardown stops it
  * and removes that directory even when the test failed. */
@@ -39,8 +39,7 @@ static char g_sock[96];
 /* Starts g_d on listen (NULL: a free loopback port) with one root thread, a 1 s grace period
  * and its output in the test log; requires the token in token_file when not NULL; keeps its
  * state in its directory when with_state, else has none (a restart then loses every job). */
-static void daemon_start(const char *listen, const char *token_file, int with_state)
-{
+static void daemon_start(const char *listen, const char *token_file, int with_state) {
   pdproc_opts o;
   pdproc_opts_default(&o);
   o.listen = listen;
@@ -48,34 +47,28 @@ static void daemon_start(const char *listen, const char *token_file, int with_st
   o.inherit_stderr = 1;
   o.state_dir = with_state ? NULL : "";
   const char *extra[] = {"--token-file", token_file, NULL};
-  if (token_file != NULL)
-    o.extra = extra;
+  if (token_file != NULL) o.extra = extra;
   assert_int_equal(pdproc_start(&g_d, &o), 0);
 }
 
-static void daemon_stop(void)
-{
+static void daemon_stop(void) {
   pdproc_stop(&g_d, SIGTERM);
 }
 
-static int stop_daemon(void **state)
-{
+static int stop_daemon(void **state) {
   (void)state;
   pdproc_destroy(&g_d);
-  if (g_sock[0] != '\0')
-    unlink(g_sock);
+  if (g_sock[0] != '\0') unlink(g_sock);
   memset(&g_d, 0, sizeof g_d);
   g_sock[0] = '\0';
   return 0;
 }
 
-static void tcp_daemon(void)
-{
+static void tcp_daemon(void) {
   daemon_start(NULL, NULL, 0);
 }
 
-static void unix_daemon(void)
-{
+static void unix_daemon(void) {
   char listen[128];
   snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
   unlink(g_sock);
@@ -84,19 +77,17 @@ static void unix_daemon(void)
 }
 
 /* "127.0.0.1:PORT" with a port nobody listens on right now, for a daemon started later. */
-static void later_addr(char *addr, size_t len)
-{
+static void later_addr(char *addr, size_t len) {
   int port = pdproc_free_port();
   assert_true(port > 0);
   snprintf(addr, len, "127.0.0.1:%d", port);
 }
 
-static precond_client *connect_to(const char *addr, precond_encoding fetch_enc)
-{
+static precond_client *connect_to(const char *addr, precond_encoding fetch_enc) {
   precond_options o;
   precond_options_default(&o);
   o.addr = addr;
-  o.connect_timeout_ms = 20000;  /* the daemon is starting */
+  o.connect_timeout_ms = 20000; /* the daemon is starting */
   o.poll_interval_ms = 10;
   o.fetch_encoding = fetch_enc;
   precond_client *c = NULL;
@@ -106,21 +97,18 @@ static precond_client *connect_to(const char *addr, precond_encoding fetch_enc)
 }
 
 /* Packed s * I of size n. */
-static float *scaled_identity(uint32_t n, float s)
-{
+static float *scaled_identity(uint32_t n, float s) {
   size_t len = (size_t)n * (n + 1) / 2;
   float *p = calloc(len, sizeof(float));
   assert_non_null(p);
   size_t k = 0;
   for (uint32_t i = 0; i < n; i++)
-    for (uint32_t j = i; j < n; j++)
-      p[k++] = i == j ? s : 0.0f;
+    for (uint32_t j = i; j < n; j++) p[k++] = i == j ? s : 0.0f;
   return p;
 }
 
 /* Checks that packed x (n x n) is c I within rel (relative to c). */
-static void assert_scaled_identity(const float *x, uint32_t n, double c, double rel)
-{
+static void assert_scaled_identity(const float *x, uint32_t n, double c, double rel) {
   assert_non_null(x);
   size_t k = 0;
   for (uint32_t i = 0; i < n; i++)
@@ -133,18 +121,19 @@ static void assert_scaled_identity(const float *x, uint32_t n, double c, double 
     }
 }
 
-static double expected_root(double s)
-{
+static double expected_root(double s) {
   return pow(s * (1.0 + EPSILON), -0.25);
 }
 
 /* Registers a 256 x 96 weight (two 128 x 96 blocks) and a bias (diagonal only). */
-static void register_job(precond_client *c, const char *job, precond_layout *layout)
-{
+static void register_job(precond_client *c, const char *job, precond_layout *layout) {
   const uint64_t wshape[2] = {256, 96}, bshape[1] = {96};
   precond_tensor t[2] = {{"dense.w", 2, wshape}, {"dense.b", 1, bshape}};
-  precond_shampoo_opts so = {.block_size = 128, .root_exponent = 4, .epsilon = EPSILON,
-                             .beta2 = 1.0f, .method = PRECOND_METHOD_EIGH};
+  precond_shampoo_opts so = {.block_size = 128,
+                             .root_exponent = 4,
+                             .epsilon = EPSILON,
+                             .beta2 = 1.0f,
+                             .method = PRECOND_METHOD_EIGH};
   int st = precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 2, t, &so, layout);
   if (st != PRECOND_OK) {
     char e[256];
@@ -166,8 +155,7 @@ static void register_job(precond_client *c, const char *job, precond_layout *lay
 /* Waits for a version of block id newer than *version computed from step (an earlier one
  * may arrive first) and returns it (the caller releases it); *version becomes its version. */
 static const precond_roots *wait_step(precond_client *c, uint32_t id, uint64_t step,
-                                      uint64_t *version)
-{
+                                      uint64_t *version) {
   const precond_roots *r = NULL;
   for (int tries = 0; tries < 1000; tries++) {
     int st = precond_wait_roots(c, id, *version, ROOT_WAIT_MS);
@@ -180,8 +168,7 @@ static const precond_roots *wait_step(precond_client *c, uint32_t id, uint64_t s
     assert_int_equal(precond_fetch(c, id, *version, &r), PRECOND_OK);
     assert_non_null(r);
     *version = r->version;
-    if (r->source_step >= step)
-      break;
+    if (r->source_step >= step) break;
     precond_roots_release(r);
     r = NULL;
   }
@@ -193,10 +180,8 @@ static const precond_roots *wait_step(precond_client *c, uint32_t id, uint64_t s
 
 /* Pushes s I for both factors of every block at step, flushes, and checks that the
  * roots of the new version arrive and match (s_total I)^(-1/4). */
-static void push_and_check(precond_client *c, const precond_layout *layout, uint64_t step,
-                           float s, double s_total, precond_encoding enc, uint64_t *versions,
-                           double rel)
-{
+static void push_and_check(precond_client *c, const precond_layout *layout, uint64_t step, float s,
+                           double s_total, precond_encoding enc, uint64_t *versions, double rel) {
   for (size_t b = 0; b < layout->nblocks; b++) {
     uint32_t nl = (uint32_t)layout->blocks[b].rows, nr = (uint32_t)layout->blocks[b].cols;
     float *l = scaled_identity(nl, s), *r = scaled_identity(nr, 2.0f * s);
@@ -220,8 +205,7 @@ static void push_and_check(precond_client *c, const precond_layout *layout, uint
   }
 }
 
-static void run_flow(const char *addr, precond_encoding enc, double rel)
-{
+static void run_flow(const char *addr, precond_encoding enc, double rel) {
   precond_client *c = connect_to(addr, enc);
   precond_layout layout;
   register_job(c, "itest", &layout);
@@ -257,24 +241,21 @@ static void run_flow(const char *addr, precond_encoding enc, double rel)
   precond_close(c);
 }
 
-static void test_tcp_register_push_fetch(void **state)
-{
+static void test_tcp_register_push_fetch(void **state) {
   (void)state;
   tcp_daemon();
   run_flow(g_d.addr, PRECOND_FP32, 1e-4);
   daemon_stop();
 }
 
-static void test_unix_socket_bf16(void **state)
-{
+static void test_unix_socket_bf16(void **state) {
   (void)state;
   unix_daemon();
   /* bf16 both ways: 8 bits of mantissa, so about 0.4% per value */
   run_flow(g_d.addr, PRECOND_BF16, 1e-2);
 }
 
-static void test_bad_input_is_refused_locally(void **state)
-{
+static void test_bad_input_is_refused_locally(void **state) {
   (void)state;
   tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
@@ -322,8 +303,7 @@ static void test_bad_input_is_refused_locally(void **state)
   daemon_stop();
 }
 
-static void test_dead_address(void **state)
-{
+static void test_dead_address(void **state) {
   (void)state;
   char addr[64];
   later_addr(addr, sizeof addr);
@@ -351,8 +331,7 @@ static void test_dead_address(void **state)
 
 /* The worker starts first, the daemon later; then the daemon restarts (losing the job) and
  * the client registers again by itself and keeps getting roots. */
-static void test_reconnect_and_reregister(void **state)
-{
+static void test_reconnect_and_reregister(void **state) {
   (void)state;
   char addr[64];
   later_addr(addr, sizeof addr);
@@ -366,7 +345,7 @@ static void test_reconnect_and_reregister(void **state)
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
   daemon_start(addr, NULL, 0);
   precond_layout layout;
-  register_job(c, "again", &layout);  /* waits for the daemon to come up */
+  register_job(c, "again", &layout); /* waits for the daemon to come up */
   uint64_t versions[2] = {0, 0};
   push_and_check(c, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
 
@@ -382,10 +361,11 @@ static void test_reconnect_and_reregister(void **state)
   if (st != PRECOND_OK) {
     char e[256];
     precond_last_error(c, e, sizeof e);
-    fprintf(stderr, "flush after restart: %s; queued %zu, sent %llu, retries %llu, "
-            "reregistered %llu; last error: %s\n", precond_strerror(st), k.queued,
-            (unsigned long long)k.sent, (unsigned long long)k.retries,
-            (unsigned long long)k.reregistered, e);
+    fprintf(stderr,
+            "flush after restart: %s; queued %zu, sent %llu, retries %llu, "
+            "reregistered %llu; last error: %s\n",
+            precond_strerror(st), k.queued, (unsigned long long)k.sent,
+            (unsigned long long)k.retries, (unsigned long long)k.reregistered, e);
   }
   assert_int_equal(st, PRECOND_OK);
   assert_true(k.retries >= 1);
@@ -395,8 +375,7 @@ static void test_reconnect_and_reregister(void **state)
   const precond_roots *got = NULL;
   for (int tries = 0; tries < 3000; tries++) {
     assert_int_equal(precond_fetch(c, 0, 0, &got), PRECOND_OK);
-    if (got != NULL && got->source_step == 2)
-      break;
+    if (got != NULL && got->source_step == 2) break;
     precond_roots_release(got);
     got = NULL;
     struct timespec t = {0, 10 * 1000000L};
@@ -415,8 +394,7 @@ static void test_reconnect_and_reregister(void **state)
 /* The client is told when the daemon restarts: a clean restart and a kill -9 each count
  * once, with the step the daemon resumed the job from (the snapshot's; what was pushed
  * after it was lost), while pushing and fetching go on. */
-static void test_daemon_restart_is_told(void **state)
-{
+static void test_daemon_restart_is_told(void **state) {
   (void)state;
   char addr[64];
   later_addr(addr, sizeof addr); /* the restarts listen where the client dials */
@@ -454,8 +432,7 @@ static void test_daemon_restart_is_told(void **state)
 }
 
 /* precondctl against a live daemon (table and JSON) and a dead address. */
-static int run_ctl(const char *args, char *out, size_t len)
-{
+static int run_ctl(const char *args, char *out, size_t len) {
   const char *ctl = getenv("PRECONDCTL");
   assert_non_null(ctl);
   char cmd[1024];
@@ -468,8 +445,7 @@ static int run_ctl(const char *args, char *out, size_t len)
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-static void test_precondctl(void **state)
-{
+static void test_precondctl(void **state) {
   (void)state;
   tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
@@ -517,8 +493,7 @@ static void test_precondctl(void **state)
 
 /* EndJob: a client ending its own job forgets it, so its background thread does not
  * register it again; the daemon no longer knows it. precondctl end-job ends another. */
-static void test_end_job(void **state)
-{
+static void test_end_job(void **state) {
   (void)state;
   tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
@@ -576,20 +551,16 @@ typedef struct {
   int failures;
 } pusher;
 
-static void *pusher_main(void *arg)
-{
+static void *pusher_main(void *arg) {
   pusher *p = arg;
   uint64_t held = 0;
   for (int s = 1; s <= p->steps; s++) {
-    if (precond_push(p->c, (uint64_t)s, p->block, 128, p->l, 96, p->r, PRECOND_FP32) !=
-        PRECOND_OK)
+    if (precond_push(p->c, (uint64_t)s, p->block, 128, p->l, 96, p->r, PRECOND_FP32) != PRECOND_OK)
       p->failures++;
     const precond_roots *r = NULL;
-    if (precond_fetch(p->c, p->block, held, &r) != PRECOND_OK)
-      p->failures++;
+    if (precond_fetch(p->c, p->block, held, &r) != PRECOND_OK) p->failures++;
     if (r != NULL) {
-      if (r->version <= held || r->left == NULL || !(r->left[0] > 0.0f))
-        p->failures++;
+      if (r->version <= held || r->left == NULL || !(r->left[0] > 0.0f)) p->failures++;
       held = r->version;
       precond_roots_release(r);
     }
@@ -597,8 +568,7 @@ static void *pusher_main(void *arg)
   return NULL;
 }
 
-static void test_concurrent_pushes_small_queue(void **state)
-{
+static void test_concurrent_pushes_small_queue(void **state) {
   (void)state;
   tcp_daemon();
   precond_options o;
@@ -609,7 +579,7 @@ static void test_concurrent_pushes_small_queue(void **state)
   o.queue_blocks = 2;
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
-  const uint64_t shape[2] = {512, 96};  /* four 128 x 96 blocks */
+  const uint64_t shape[2] = {512, 96}; /* four 128 x 96 blocks */
   precond_tensor t = {"w", 2, shape};
   precond_shampoo_opts so = {.block_size = 128, .epsilon = EPSILON, .method = PRECOND_METHOD_EIGH};
   precond_layout layout;
@@ -643,8 +613,7 @@ static void test_concurrent_pushes_small_queue(void **state)
   precond_stats st;
   assert_int_equal(precond_get_stats(c, "conc", 1, &st), PRECOND_OK);
   assert_int_equal(st.nblocks, 4);
-  for (size_t i = 0; i < st.nblocks; i++)
-    assert_int_equal(st.block_stats[i].stat_step, 201);
+  for (size_t i = 0; i < st.nblocks; i++) assert_int_equal(st.block_stats[i].stat_step, 201);
   precond_stats_destroy(&st);
   free(l);
   free(r);
@@ -654,8 +623,7 @@ static void test_concurrent_pushes_small_queue(void **state)
 
 /* A daemon that requires a token: calls without it (or with a wrong one) fail with
  * PRECOND_EAUTH, with it they work; precondctl's --token-file likewise. */
-static void test_token(void **state)
-{
+static void test_token(void **state) {
   (void)state;
   char good[64], bad[64];
   snprintf(good, sizeof good, "/tmp/precond-test-token-%d", (int)getpid());
@@ -707,8 +675,7 @@ static void test_token(void **state)
 /* Packed upper n x n of (1/8) X^T X for an m x n X of small integers from seed: every entry
  * is a multiple of 1/8 below 256, exactly representable in bf16, so fp32 and bf16 pushes
  * carry the same factor and the expected inverses need no rounding model. */
-static float *int_factor(uint32_t n, uint32_t m, unsigned seed)
-{
+static float *int_factor(uint32_t n, uint32_t m, unsigned seed) {
   int *x = malloc((size_t)m * n * sizeof *x);
   float *p = malloc((size_t)n * (n + 1) / 2 * sizeof *p);
   assert_non_null(x);
@@ -721,39 +688,33 @@ static float *int_factor(uint32_t n, uint32_t m, unsigned seed)
   for (uint32_t i = 0; i < n; i++)
     for (uint32_t j = i; j < n; j++) {
       int acc = 0;
-      for (uint32_t r = 0; r < m; r++)
-        acc += x[r * n + i] * x[r * n + j];
+      for (uint32_t r = 0; r < m; r++) acc += x[r * n + i] * x[r * n + j];
       p[k++] = (float)acc / 8.0f;
     }
   free(x);
   return p;
 }
 
-static double packed_trace(uint32_t n, const double *p)
-{
+static double packed_trace(uint32_t n, const double *p) {
   double t = 0.0;
   size_t k = 0;
-  for (uint32_t i = 0; i < n; k += n - i, i++)
-    t += p[k];
+  for (uint32_t i = 0; i < n; k += n - i, i++) t += p[k];
   return t;
 }
 
 /* Checks packed inv (fp32, from the daemon) against (F + d I)^-1 in double by LAPACK
  * (potrf + potri) of the packed double factor f, within rel of the largest entry. */
 static void assert_damped_inverse(uint32_t n, const double *f, double d, const float *inv,
-                                  double rel)
-{
+                                  double rel) {
   double *x = calloc((size_t)n * n, sizeof *x);
   assert_non_null(x);
   size_t k = 0;
   for (uint32_t i = 0; i < n; i++)
-    for (uint32_t j = i; j < n; j++, k++)
-      x[i * n + j] = f[k] + (i == j ? d : 0.0);
+    for (uint32_t j = i; j < n; j++, k++) x[i * n + j] = f[k] + (i == j ? d : 0.0);
   assert_int_equal(LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', (lapack_int)n, x, (lapack_int)n), 0);
   assert_int_equal(LAPACKE_dpotri(LAPACK_ROW_MAJOR, 'U', (lapack_int)n, x, (lapack_int)n), 0);
   double big = 0.0;
-  for (size_t i = 0; i < (size_t)n * n; i++)
-    big = fmax(big, fabs(x[i]));
+  for (size_t i = 0; i < (size_t)n * n; i++) big = fmax(big, fabs(x[i]));
   k = 0;
   for (uint32_t i = 0; i < n; i++)
     for (uint32_t j = i; j < n; j++, k++)
@@ -772,22 +733,18 @@ typedef struct {
   int folds;
 } kfac_layer;
 
-static void kfac_fold(kfac_layer *l, const float *a, const float *g)
-{
+static void kfac_fold(kfac_layer *l, const float *a, const float *g) {
   size_t la = (size_t)l->na * (l->na + 1) / 2, lg = (size_t)l->ng * (l->ng + 1) / 2;
   double keep = l->folds == 0 ? 0.0 : 0.95;
-  for (size_t i = 0; i < la; i++)
-    l->a[i] = keep * l->a[i] + (1.0 - keep) * a[i];
-  for (size_t i = 0; i < lg; i++)
-    l->g[i] = keep * l->g[i] + (1.0 - keep) * g[i];
+  for (size_t i = 0; i < la; i++) l->a[i] = keep * l->a[i] + (1.0 - keep) * a[i];
+  for (size_t i = 0; i < lg; i++) l->g[i] = keep * l->g[i] + (1.0 - keep) * g[i];
   l->folds++;
 }
 
 /* Waits for the inverses of layer id computed from step (newer than *version) and checks
  * them against LAPACK with the pi-damping computed here (lambda = damping). */
 static void kfac_check(precond_client *c, uint32_t id, const kfac_layer *l, uint64_t step,
-                       double damping, uint64_t *version)
-{
+                       double damping, uint64_t *version) {
   const precond_roots *r = wait_step(c, id, step, version);
   assert_int_equal(r->n_a, l->na);
   assert_int_equal(r->n_g, l->ng);
@@ -806,8 +763,7 @@ static void kfac_check(precond_client *c, uint32_t id, const kfac_layer *l, uint
 /* Register a K-FAC job (a dense layer with bias, a convolution, a batch norm), push A and G
  * in fp32 then bf16, fetch the damped inverses and check them against LAPACK in double;
  * precondctl's K-FAC table; every bad input refused, named where the daemon answers. */
-static void test_kfac_register_push_fetch(void **state)
-{
+static void test_kfac_register_push_fetch(void **state) {
   (void)state;
   tcp_daemon();
   precond_client *c = connect_to(g_d.addr, PRECOND_FP32);
@@ -866,8 +822,7 @@ static void test_kfac_register_push_fetch(void **state)
     }
     assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
     if (step != 3)
-      for (uint32_t u = 0; u < 2; u++)
-        kfac_check(c, u, &l[u], step, ko.damping, &version[u]);
+      for (uint32_t u = 0; u < 2; u++) kfac_check(c, u, &l[u], step, ko.damping, &version[u]);
   }
   precond_counters k;
   precond_get_counters(c, &k);
@@ -893,8 +848,7 @@ static void test_kfac_register_push_fetch(void **state)
   assert_int_equal(s.block_stats[1].a_order, 18);
   assert_int_equal(s.block_stats[1].g_order, 3);
   assert_true(s.block_stats[1].pi > 0);
-  assert_float_equal(s.block_stats[1].damping_a * s.block_stats[1].damping_g, ko.damping,
-                     1e-12);
+  assert_float_equal(s.block_stats[1].damping_a * s.block_stats[1].damping_g, ko.damping, 1e-12);
   assert_int_equal(s.block_stats[1].roots_computed, 3);
   precond_stats_destroy(&s);
   static char out[65536];
@@ -928,21 +882,20 @@ static void test_kfac_register_push_fetch(void **state)
   precond_close(c);
 }
 
-int main(void)
-{
+int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
-    cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
-    cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
-    cmocka_unit_test_teardown(test_dead_address, stop_daemon),
-    cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
-    cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
-    cmocka_unit_test_teardown(test_precondctl, stop_daemon),
-    cmocka_unit_test_teardown(test_end_job, stop_daemon),
-    cmocka_unit_test_teardown(test_token, stop_daemon),
-    cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
-    cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),
+      cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
+      cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
+      cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
+      cmocka_unit_test_teardown(test_dead_address, stop_daemon),
+      cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
+      cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
+      cmocka_unit_test_teardown(test_precondctl, stop_daemon),
+      cmocka_unit_test_teardown(test_end_job, stop_daemon),
+      cmocka_unit_test_teardown(test_token, stop_daemon),
+      cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
+      cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

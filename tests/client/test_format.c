@@ -20,16 +20,14 @@ typedef struct {
   FILE *f;
 } sink;
 
-static void sink_open(sink *s)
-{
+static void sink_open(sink *s) {
   s->buf = NULL;
   s->len = 0;
   s->f = open_memstream(&s->buf, &s->len);
   assert_non_null(s->f);
 }
 
-static char *sink_close(sink *s)
-{
+static char *sink_close(sink *s) {
   assert_int_equal(fclose(s->f), 0);
   return s->buf;
 }
@@ -37,8 +35,7 @@ static char *sink_close(sink *s)
 static precond_job_stats jobs[2];
 static precond_block_stats blocks[2];
 
-static precond_stats sample(void)
-{
+static precond_stats sample(void) {
   precond_stats s;
   memset(&s, 0, sizeof s);
   s.version = "0.1.0";
@@ -52,33 +49,41 @@ static precond_stats sample(void)
   s.compute_ms_p50 = 1.25;
   s.roots_skipped = 7;
   s.drift_threshold = 0.01;
-  s.staleness = (precond_staleness){.samples = 40, .p50 = 1, .p90 = 3, .p99 = 9, .max = 12,
-                                    .mean = 1.5};
+  s.staleness =
+      (precond_staleness){.samples = 40, .p50 = 1, .p90 = 3, .p99 = 9, .max = 12, .mean = 1.5};
   s.bytes_in = 3u << 20;
   s.memory_bytes = 1024;
-  jobs[0] = (precond_job_stats){.job = "resnet", .mode = PRECOND_MODE_SHAMPOO, .blocks = 4,
-                                .workers = 2, .last_step = 99};
+  jobs[0] = (precond_job_stats){
+      .job = "resnet", .mode = PRECOND_MODE_SHAMPOO, .blocks = 4, .workers = 2, .last_step = 99};
   jobs[1] = (precond_job_stats){.job = "we\"ird\\job\n", .mode = PRECOND_MODE_KFAC};
   s.njobs = 2;
   s.job_stats = jobs;
-  blocks[0] = (precond_block_stats){.job = "resnet", .block_id = 3, .tensor = "conv1.w",
-                                    .rows = 64, .cols = 576, .version = 5, .stat_step = 99,
-                                    .root_step = 97, .staleness = 2, .roots_computed = 5,
-                                    .last_error = 3.5e-7, .last_compute_ms = 0.75,
-                                    .roots_skipped = 4, .roots_warm = 6,
-                                    .roots_warm_skipped = 1, .roots_seeded = 2,
+  blocks[0] = (precond_block_stats){.job = "resnet",
+                                    .block_id = 3,
+                                    .tensor = "conv1.w",
+                                    .rows = 64,
+                                    .cols = 576,
+                                    .version = 5,
+                                    .stat_step = 99,
+                                    .root_step = 97,
+                                    .staleness = 2,
+                                    .roots_computed = 5,
+                                    .last_error = 3.5e-7,
+                                    .last_compute_ms = 0.75,
+                                    .roots_skipped = 4,
+                                    .roots_warm = 6,
+                                    .roots_warm_skipped = 1,
+                                    .roots_seeded = 2,
                                     .roots_cold = 1,
-                                    .staleness_dist = {.samples = 9, .p50 = 2, .p90 = 4,
-                                                       .max = 6}};
-  blocks[1] = (precond_block_stats){.job = "resnet", .block_id = 4, .tensor = "fc.w",
-                                    .rows = 10, .cols = 128};
+                                    .staleness_dist = {.samples = 9, .p50 = 2, .p90 = 4, .max = 6}};
+  blocks[1] = (precond_block_stats){
+      .job = "resnet", .block_id = 4, .tensor = "fc.w", .rows = 10, .cols = 128};
   s.nblocks = 2;
   s.block_stats = blocks;
   return s;
 }
 
-static void test_stats_table(void **state)
-{
+static void test_stats_table(void **state) {
   (void)state;
   precond_stats s = sample();
   sink k;
@@ -103,8 +108,7 @@ static void test_stats_table(void **state)
   free(out);
 }
 
-static void test_stats_json(void **state)
-{
+static void test_stats_json(void **state) {
   (void)state;
   precond_stats s = sample();
   sink k;
@@ -117,8 +121,9 @@ static void test_stats_json(void **state)
   assert_non_null(strstr(out, "\"uptime_s\":12.5,"));
   assert_non_null(strstr(out, "\"compute_ms_p50\":1.25,"));
   assert_non_null(strstr(out, "\"roots_skipped\":7,\"drift_threshold\":0.01,"));
-  assert_non_null(strstr(out, "\"staleness\":{\"samples\":40,\"p50\":1,\"p90\":3,"
-                              "\"p99\":9,\"max\":12,\"mean\":1.5}"));
+  assert_non_null(strstr(out,
+                         "\"staleness\":{\"samples\":40,\"p50\":1,\"p90\":3,"
+                         "\"p99\":9,\"max\":12,\"mean\":1.5}"));
   assert_non_null(strstr(out, "\"job\":\"resnet\",\"mode\":\"shampoo\",\"blocks\":4"));
   /* quote, backslash and newline escaped */
   assert_non_null(strstr(out, "\"job\":\"we\\\"ird\\\\job\\n\""));
@@ -126,8 +131,7 @@ static void test_stats_json(void **state)
   free(out);
 }
 
-static void test_blocks_table_and_json(void **state)
-{
+static void test_blocks_table_and_json(void **state) {
   (void)state;
   precond_stats s = sample();
   sink k;
@@ -149,8 +153,9 @@ static void test_blocks_table_and_json(void **state)
   assert_non_null(strstr(out, "{\"blocks\":[{\"job\":\"resnet\",\"block_id\":3,"));
   assert_non_null(strstr(out, "\"staleness\":2,"));
   assert_non_null(strstr(out, "\"roots_skipped\":4,"));
-  assert_non_null(strstr(out, "\"roots_warm\":6,\"roots_warm_skipped\":1,\"roots_seeded\":2,"
-                              "\"roots_cold\":1"));
+  assert_non_null(strstr(out,
+                         "\"roots_warm\":6,\"roots_warm_skipped\":1,\"roots_seeded\":2,"
+                         "\"roots_cold\":1"));
   assert_non_null(strstr(out, "\"staleness_dist\":{\"samples\":9,\"p50\":2,\"p90\":4,"));
   assert_non_null(strstr(out, "\"last_error\":3.4999999999999998e-07,"));
   assert_non_null(strstr(out, "},{\"job\":\"resnet\",\"block_id\":4,"));
@@ -164,8 +169,7 @@ static void test_blocks_table_and_json(void **state)
   free(out);
 }
 
-static void test_health(void **state)
-{
+static void test_health(void **state) {
   (void)state;
   sink k;
   sink_open(&k);
@@ -180,26 +184,26 @@ static void test_health(void **state)
   free(out);
 }
 
-static void test_json_string_control_chars(void **state)
-{
+static void test_json_string_control_chars(void **state) {
   (void)state;
   sink k;
   sink_open(&k);
-  precond__json_string(k.f, "a\x01" "b\tc");
+  precond__json_string(k.f,
+                       "a\x01"
+                       "b\tc");
   precond__json_string(k.f, NULL);
   char *out = sink_close(&k);
   assert_string_equal(out, "\"a\\u0001b\\tc\"\"\"");
   free(out);
 }
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_stats_table),
-    cmocka_unit_test(test_stats_json),
-    cmocka_unit_test(test_blocks_table_and_json),
-    cmocka_unit_test(test_health),
-    cmocka_unit_test(test_json_string_control_chars),
+      cmocka_unit_test(test_stats_table),
+      cmocka_unit_test(test_stats_json),
+      cmocka_unit_test(test_blocks_table_and_json),
+      cmocka_unit_test(test_health),
+      cmocka_unit_test(test_json_string_control_chars),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

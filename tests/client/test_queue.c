@@ -14,16 +14,14 @@
 
 /* An item whose payload is `bytes` copies of the step's low byte, so tests can tell which
  * push survived. */
-static precond__item *make(uint32_t block, uint64_t step, size_t bytes)
-{
+static precond__item *make(uint32_t block, uint64_t step, size_t bytes) {
   precond__item *it = precond__item_new(block, step, 0, 1, bytes, 0, 0);
   assert_non_null(it);
   memset(it->data, (int)(step & 0xff), bytes);
   return it;
 }
 
-static void take_all(precond__queue *q, uint32_t *blocks, uint64_t *steps, size_t *n)
-{
+static void take_all(precond__queue *q, uint32_t *blocks, uint64_t *steps, size_t *n) {
   precond__item *out[64];
   *n = precond__queue_take(q, out, 64, SIZE_MAX);
   for (size_t i = 0; i < *n; i++) {
@@ -33,8 +31,7 @@ static void take_all(precond__queue *q, uint32_t *blocks, uint64_t *steps, size_
   }
 }
 
-static void test_fifo_order(void **state)
-{
+static void test_fifo_order(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 8, 8), 0);
@@ -57,8 +54,7 @@ static void test_fifo_order(void **state)
   precond__queue_destroy(&q);
 }
 
-static void test_coalesce_keeps_position_and_newest(void **state)
-{
+static void test_coalesce_keeps_position_and_newest(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 8, 8), 0);
@@ -82,13 +78,11 @@ static void test_coalesce_keeps_position_and_newest(void **state)
   assert_int_equal(out[1]->data[31], 2);
   assert_int_equal(out[2]->block_id, 2);
   assert_int_equal(out[2]->step, 3);
-  for (size_t i = 0; i < n; i++)
-    precond__item_free(out[i]);
+  for (size_t i = 0; i < n; i++) precond__item_free(out[i]);
   precond__queue_destroy(&q);
 }
 
-static void test_full_drops_oldest(void **state)
-{
+static void test_full_drops_oldest(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 3, 16), 0);
@@ -113,8 +107,7 @@ static void test_full_drops_oldest(void **state)
   precond__queue_destroy(&q);
 }
 
-static void test_take_respects_byte_budget(void **state)
-{
+static void test_take_respects_byte_budget(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 16, 16), 0);
@@ -135,8 +128,7 @@ static void test_take_respects_byte_budget(void **state)
   /* empty queue: nothing */
   assert_int_equal(precond__queue_take(&q, out, 8, 10), 0);
   /* max_items bound */
-  for (uint32_t b = 0; b < 5; b++)
-    precond__queue_put(&q, make(b, 1, 1));
+  for (uint32_t b = 0; b < 5; b++) precond__queue_put(&q, make(b, 1, 1));
   n = precond__queue_take(&q, out, 2, SIZE_MAX);
   assert_int_equal(n, 2);
   precond__item_free(out[0]);
@@ -145,13 +137,11 @@ static void test_take_respects_byte_budget(void **state)
   precond__queue_destroy(&q);
 }
 
-static void test_requeue_after_failed_send(void **state)
-{
+static void test_requeue_after_failed_send(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 4, 16), 0);
-  for (uint32_t b = 0; b < 3; b++)
-    precond__queue_put(&q, make(b, 1, 4));
+  for (uint32_t b = 0; b < 3; b++) precond__queue_put(&q, make(b, 1, 4));
   precond__item *out[8];
   size_t n = precond__queue_take(&q, out, 8, SIZE_MAX);
   assert_int_equal(n, 3);
@@ -178,13 +168,11 @@ static void test_requeue_after_failed_send(void **state)
   precond__queue_destroy(&q);
 }
 
-static void test_requeue_preserves_order(void **state)
-{
+static void test_requeue_preserves_order(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 8, 8), 0);
-  for (uint32_t b = 0; b < 4; b++)
-    precond__queue_put(&q, make(b, 1, 4));
+  for (uint32_t b = 0; b < 4; b++) precond__queue_put(&q, make(b, 1, 4));
   precond__item *out[8];
   size_t n = precond__queue_take(&q, out, 3, SIZE_MAX);
   assert_int_equal(n, 3);
@@ -193,13 +181,11 @@ static void test_requeue_preserves_order(void **state)
   uint64_t steps[64];
   take_all(&q, blocks, steps, &n);
   assert_int_equal(n, 4);
-  for (uint32_t b = 0; b < 4; b++)
-    assert_int_equal(blocks[b], b);
+  for (uint32_t b = 0; b < 4; b++) assert_int_equal(blocks[b], b);
   precond__queue_destroy(&q);
 }
 
-static void test_init_rejects_zero_capacity_and_destroy_frees(void **state)
-{
+static void test_init_rejects_zero_capacity_and_destroy_frees(void **state) {
   (void)state;
   precond__queue q;
   assert_int_equal(precond__queue_init(&q, 0, 4), -1);
@@ -212,16 +198,15 @@ static void test_init_rejects_zero_capacity_and_destroy_frees(void **state)
   assert_int_equal(q.length, 0);
 }
 
-int main(void)
-{
+int main(void) {
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_fifo_order),
-    cmocka_unit_test(test_coalesce_keeps_position_and_newest),
-    cmocka_unit_test(test_full_drops_oldest),
-    cmocka_unit_test(test_take_respects_byte_budget),
-    cmocka_unit_test(test_requeue_after_failed_send),
-    cmocka_unit_test(test_requeue_preserves_order),
-    cmocka_unit_test(test_init_rejects_zero_capacity_and_destroy_frees),
+      cmocka_unit_test(test_fifo_order),
+      cmocka_unit_test(test_coalesce_keeps_position_and_newest),
+      cmocka_unit_test(test_full_drops_oldest),
+      cmocka_unit_test(test_take_respects_byte_budget),
+      cmocka_unit_test(test_requeue_after_failed_send),
+      cmocka_unit_test(test_requeue_preserves_order),
+      cmocka_unit_test(test_init_rejects_zero_capacity_and_destroy_frees),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

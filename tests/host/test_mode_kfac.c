@@ -194,8 +194,12 @@ static void check_inverses(fixture *f, int no_pi) {
   }
 }
 
-static void test_inverses_against_lapack(void **state) { check_inverses(*state, 0); }
-static void test_inverses_without_pi(void **state) { check_inverses(*state, 1); }
+static void test_inverses_against_lapack(void **state) {
+  check_inverses(*state, 0);
+}
+static void test_inverses_without_pi(void **state) {
+  check_inverses(*state, 1);
+}
 
 static void test_inv_every(void **state) {
   fixture *f = *state;

@@ -115,7 +115,8 @@ static uint64_t count(const pd_block *b, int k) {
 static void test_warm_paths(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  const pd_sched_rules warm = {0.1, 0, NULL, 1}; /* drift test off: every compute reaches the mode */
+  const pd_sched_rules warm = {0.1, 0, NULL,
+                               1}; /* drift test off: every compute reaches the mode */
   float *s = malloc(pc_packed_len(N) * sizeof *s);
   assert_non_null(s);
   assert_string_equal(pd_mode_shampoo.count_names[PD_SHAMPOO_WARM], "warm");
@@ -170,9 +171,8 @@ static void test_warm_off(void **state) {
     assert_true(diff_to_cold(b) < 1e-5); /* the cold root itself */
   }
   assert_int_equal(count(b, PD_SHAMPOO_COLD), 6);
-  assert_int_equal(count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) +
-                       count(b, PD_SHAMPOO_SEEDED),
-                   0);
+  assert_int_equal(
+      count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) + count(b, PD_SHAMPOO_SEEDED), 0);
   assert_null(b->mode_state);
   free(s);
 }

@@ -39,8 +39,8 @@
 /* ---- daemon control ------------------------------------------------------------------- */
 
 typedef struct {
-  pdproc p;          /* the process (tests/util/precondd_proc.h); p.dir is the test's */
-  grpc_channel *ch;  /* a plaintext channel to it, made by start */
+  pdproc p;         /* the process (tests/util/precondd_proc.h); p.dir is the test's */
+  grpc_channel *ch; /* a plaintext channel to it, made by start */
 } daemon_t;
 
 static const char *bin(void) {
@@ -179,9 +179,8 @@ typedef struct {
   int bf16;
 } blockstat;
 
-static grpc_status_code do_push(daemon_t *d, const char *job, uint64_t step,
-                                const blockstat *bs, size_t nb, uint32_t *accepted,
-                                char *msg) {
+static grpc_status_code do_push(daemon_t *d, const char *job, uint64_t step, const blockstat *bs,
+                                size_t nb, uint32_t *accepted, char *msg) {
   Precond__V1__PackedMatrix l[64], r[64];
   Precond__V1__BlockStatistics b[64], *ptrs[64];
   uint16_t *h[128] = {0};
@@ -220,18 +219,17 @@ static grpc_status_code do_push(daemon_t *d, const char *job, uint64_t step,
   req.n_blocks = nb;
   req.blocks = ptrs;
   Precond__V1__PushResponse *resp = NULL;
-  grpc_status_code code = call(d, RPC_METHOD_PUSH_STATISTICS, &req.base,
-                               &precond__v1__push_response__descriptor,
-                               (ProtobufCMessage **)&resp, msg, msg ? 512 : 0);
+  grpc_status_code code =
+      call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+           (ProtobufCMessage **)&resp, msg, msg ? 512 : 0);
   if (accepted) *accepted = resp ? resp->accepted : 0;
   if (resp) protobuf_c_message_free_unpacked(&resp->base, NULL);
   for (size_t i = 0; i < 2 * nb; i++) free(h[i]);
   return code;
 }
 
-static grpc_status_code do_fetch(daemon_t *d, const char *job, const uint64_t *have,
-                                 size_t nhave, int bf16, Precond__V1__FetchResponse **resp,
-                                 char *msg) {
+static grpc_status_code do_fetch(daemon_t *d, const char *job, const uint64_t *have, size_t nhave,
+                                 int bf16, Precond__V1__FetchResponse **resp, char *msg) {
   Precond__V1__BlockVersion v[256], *ptrs[256];
   assert_true(nhave <= 256);
   for (size_t i = 0; i < nhave; i++) {
@@ -244,8 +242,7 @@ static grpc_status_code do_fetch(daemon_t *d, const char *job, const uint64_t *h
   req.job = (char *)job;
   req.n_have = nhave;
   req.have = ptrs;
-  req.encoding = bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16
-                      : PRECOND__V1__ENCODING__ENCODING_FP32;
+  req.encoding = bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32;
   return call(d, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
               &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)resp, msg,
               msg ? 512 : 0);
@@ -256,10 +253,10 @@ static Precond__V1__StatsResponse *get_stats(daemon_t *d, const char *job) {
   req.job = (char *)(job ? job : "");
   req.blocks = 1;
   Precond__V1__StatsResponse *resp = NULL;
-  assert_int_equal(call(d, RPC_METHOD_GET_STATS, &req.base,
-                        &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&resp,
-                        NULL, 0),
-                   GRPC_STATUS_OK);
+  assert_int_equal(
+      call(d, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+           (ProtobufCMessage **)&resp, NULL, 0),
+      GRPC_STATUS_OK);
   return resp;
 }
 
@@ -509,18 +506,15 @@ static void test_bad_inputs(void **state) {
   tspec other[1] = {{"w", {4, 8}, 2}};
   assert_int_equal(do_register(&d, "job", other, 1, 4, 1.0f, NULL, msg),
                    GRPC_STATUS_FAILED_PRECONDITION);
-  assert_int_equal(do_register(&d, "", ts, 1, 4, 1.0f, NULL, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_register(&d, "", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "job"));
   tspec zero[1] = {{"w", {4, 0}, 2}};
   assert_int_equal(do_register(&d, "j2", zero, 1, 4, 1.0f, NULL, msg),
                    GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "shape"));
   tspec dup[2] = {{"w", {4, 4}, 2}, {"w", {2, 2}, 2}};
-  assert_int_equal(do_register(&d, "j2", dup, 2, 4, 1.0f, NULL, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
-  assert_int_equal(do_register(&d, "j2", ts, 1, 4, 1.5f, NULL, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_register(&d, "j2", dup, 2, 4, 1.0f, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_register(&d, "j2", ts, 1, 4, 1.5f, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "beta2"));
   /* 8 MiB budget: a 1024 x 1024 tensor in one block needs about 8 MiB of statistics. */
   tspec big[1] = {{"w", {1024, 1024}, 2}};
@@ -531,14 +525,12 @@ static void test_bad_inputs(void **state) {
   float *s4 = random_stat(4, 1);
   blockstat good = {0, 4, 4, s4, s4, 0};
   uint32_t acc;
-  assert_int_equal(do_push(&d, "nojob", 1, &good, 1, &acc, msg),
-                   GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(do_push(&d, "nojob", 1, &good, 1, &acc, msg), GRPC_STATUS_FAILED_PRECONDITION);
   blockstat unknown = {7, 4, 4, s4, s4, 0};
   assert_int_equal(do_push(&d, "job", 1, &unknown, 1, &acc, msg), GRPC_STATUS_NOT_FOUND);
   assert_non_null(strstr(msg, "block_id"));
   blockstat wrong_n = {0, 3, 4, s4, s4, 0};
-  assert_int_equal(do_push(&d, "job", 1, &wrong_n, 1, &acc, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "job", 1, &wrong_n, 1, &acc, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "left.n"));
 
   /* NaN in the second block statistic of one push: nothing of the push is stored. The job
@@ -548,12 +540,10 @@ static void test_bad_inputs(void **state) {
   float *bad = random_stat(4, 2);
   bad[3] = NAN;
   blockstat nan_push[2] = {{0, 4, 4, s4, s4, 0}, {1, 4, 4, s4, bad, 0}};
-  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "blocks[1].right"));
   bad[3] = INFINITY;
-  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "two", 5, nan_push, 2, &acc, msg), GRPC_STATUS_INVALID_ARGUMENT);
   Precond__V1__StatsResponse *st = get_stats(&d, "two");
   assert_int_equal(st->block_stats[0]->stat_step, 0); /* block 0 untouched */
   assert_int_equal(st->job_stats[0]->last_step, 0);
@@ -585,9 +575,10 @@ static void test_bad_inputs(void **state) {
   grpc_byte_buffer *rb = NULL;
   grpc_status_code code;
   char *details = NULL;
-  const char garbage[] = "\x0a\x64" "abc";
-  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, garbage, 5, 5000, 0, NULL, &rb, &code,
-               &details);
+  const char garbage[] =
+      "\x0a\x64"
+      "abc";
+  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, garbage, 5, 5000, 0, NULL, &rb, &code, &details);
   assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
   free(details);
   rpc_call_raw(d.ch, RPC_METHOD_REGISTER, garbage, 5, 5000, 0, NULL, &rb, &code, &details);
@@ -595,8 +586,7 @@ static void test_bad_inputs(void **state) {
   free(details);
   size_t huge = (size_t)2 << 20;
   char *hb = calloc(1, huge);
-  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, hb, huge, 5000, 0, NULL, &rb, &code,
-               &details);
+  rpc_call_raw(d.ch, RPC_METHOD_PUSH_STATISTICS, hb, huge, 5000, 0, NULL, &rb, &code, &details);
   assert_int_equal(code, GRPC_STATUS_RESOURCE_EXHAUSTED);
   free(details);
   free(hb);
@@ -699,13 +689,12 @@ static void test_token_and_listen_rules(void **state) {
   ProtobufCMessage *resp = NULL;
   grpc_status_code code;
   char *details = NULL;
-  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
-           5000, 0, &resp, &code, &details);
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor, 5000, 0,
+           &resp, &code, &details);
   assert_int_equal(code, GRPC_STATUS_UNAUTHENTICATED);
   free(details);
-  rpc_call_token(d.ch, RPC_METHOD_GET_STATS, &req.base,
-                 &precond__v1__stats_response__descriptor, 5000, 0, "wrong", &resp, &code,
-                 &details);
+  rpc_call_token(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+                 5000, 0, "wrong", &resp, &code, &details);
   assert_int_equal(code, GRPC_STATUS_UNAUTHENTICATED);
   free(details);
   assert_int_equal(rpc_call_token(d.ch, RPC_METHOD_GET_STATS, &req.base,
@@ -749,7 +738,8 @@ static void test_tls(void **state) {
   snprintf(cmd, sizeof cmd,
            "openssl req -x509 -newkey rsa:2048 -nodes -keyout '%s' -out '%s' -days 1 "
            "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 "
-           ">/dev/null 2>&1", key, cert);
+           ">/dev/null 2>&1",
+           key, cert);
   assert_int_equal(system(cmd), 0);
   /* Half a TLS configuration is refused. */
   const char *half[] = {"--tls-cert", cert, NULL};
@@ -763,8 +753,8 @@ static void test_tls(void **state) {
   ProtobufCMessage *resp = NULL;
   grpc_status_code code;
   char *details = NULL;
-  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
-           5000, 0, &resp, &code, &details);
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor, 5000, 0,
+           &resp, &code, &details);
   assert_int_not_equal(code, GRPC_STATUS_OK);
   free(details);
   rpc_channel_destroy(d.ch);
@@ -776,10 +766,10 @@ static void test_tls(void **state) {
   snprintf(target, sizeof target, "127.0.0.1:%d", d.p.port);
   d.ch = rpc_channel_create_tls(target, 0, pem, NULL, NULL);
   assert_non_null(d.ch);
-  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
-                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
-                            &details),
-                   RPC_OK);
+  assert_int_equal(
+      rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+               10000, 0, &resp, &code, &details),
+      RPC_OK);
   free(details);
   protobuf_c_message_free_unpacked(resp, NULL);
   check_health(&d);
@@ -798,7 +788,8 @@ static void test_tls(void **state) {
            "-extfile srv.ext -out srv.pem && "
            "openssl req -newkey rsa:2048 -nodes -keyout cli.key -out cli.csr -subj /CN=worker "
            "&& openssl x509 -req -in cli.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
-           "-out cli.pem) >/dev/null 2>&1", d.p.dir);
+           "-out cli.pem) >/dev/null 2>&1",
+           d.p.dir);
   assert_int_equal(system(cmd), 0);
   char f_ca[256], f_srv[256], f_srvkey[256], f_cli[256], f_clikey[256];
   snprintf(f_ca, sizeof f_ca, "%s/ca.pem", d.p.dir);
@@ -806,25 +797,24 @@ static void test_tls(void **state) {
   snprintf(f_srvkey, sizeof f_srvkey, "%s/srv.key", d.p.dir);
   snprintf(f_cli, sizeof f_cli, "%s/cli.pem", d.p.dir);
   snprintf(f_clikey, sizeof f_clikey, "%s/cli.key", d.p.dir);
-  const char *mtls[] = {"--tls-cert", f_srv, "--tls-key", f_srvkey, "--tls-client-ca", f_ca,
-                        NULL};
+  const char *mtls[] = {"--tls-cert", f_srv, "--tls-key", f_srvkey, "--tls-client-ca", f_ca, NULL};
   assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", mtls), 0);
   rpc_channel_destroy(d.ch);
   char *ca = read_text(f_ca), *cli = read_text(f_cli), *clikey = read_text(f_clikey);
   snprintf(target, sizeof target, "127.0.0.1:%d", d.p.port);
   /* Without a client certificate: refused. */
   d.ch = rpc_channel_create_tls(target, 0, ca, NULL, NULL);
-  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
-           10000, 0, &resp, &code, &details);
+  rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor, 10000,
+           0, &resp, &code, &details);
   assert_int_not_equal(code, GRPC_STATUS_OK);
   free(details);
   rpc_channel_destroy(d.ch);
   /* With one: served. */
   d.ch = rpc_channel_create_tls(target, 0, ca, cli, clikey);
-  assert_int_equal(rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base,
-                            &precond__v1__stats_response__descriptor, 10000, 0, &resp, &code,
-                            &details),
-                   RPC_OK);
+  assert_int_equal(
+      rpc_call(d.ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+               10000, 0, &resp, &code, &details),
+      RPC_OK);
   free(details);
   protobuf_c_message_free_unpacked(resp, NULL);
   free(ca);
@@ -1044,8 +1034,7 @@ static int count_set_aside(const char *dir) {
   DIR *dd = opendir(state);
   int n = 0;
   struct dirent *e;
-  while (dd && (e = readdir(dd)))
-    n += strncmp(e->d_name, "precondd.snap.corrupt-", 22) == 0;
+  while (dd && (e = readdir(dd))) n += strncmp(e->d_name, "precondd.snap.corrupt-", 22) == 0;
   if (dd) closedir(dd);
   return n;
 }
@@ -1177,8 +1166,8 @@ static void test_shutdown_cancels_stuck_call(void **state) {
   check_health(&d); /* connected */
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   grpc_slice method = grpc_slice_from_static_string(RPC_METHOD_PUSH_STATISTICS);
-  grpc_call *c = grpc_channel_create_call(d.ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method,
-                                          NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  grpc_call *c = grpc_channel_create_call(d.ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method, NULL,
+                                          gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   assert_non_null(c);
   grpc_metadata_array trailing;
   grpc_metadata_array_init(&trailing);
@@ -1204,8 +1193,7 @@ static void test_shutdown_cancels_stuck_call(void **state) {
    * before its own deadline, so it is cancelled here.) */
   grpc_call_cancel(c, NULL);
   grpc_event ev = grpc_completion_queue_next(
-      cq, gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(20, GPR_TIMESPAN)),
-      NULL);
+      cq, gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(20, GPR_TIMESPAN)), NULL);
   assert_int_equal(ev.type, GRPC_OP_COMPLETE);
   assert_int_not_equal(code, GRPC_STATUS_OK);
   grpc_slice_unref(details);
@@ -1296,8 +1284,8 @@ static void test_versions_survive_crash(void **state) {
   remove_tree(d.p.dir);
 }
 
-static grpc_status_code end_job(daemon_t *d, const char *job,
-                                Precond__V1__EndJobResponse **resp, char *msg) {
+static grpc_status_code end_job(daemon_t *d, const char *job, Precond__V1__EndJobResponse **resp,
+                                char *msg) {
   Precond__V1__EndJobRequest req = PRECOND__V1__END_JOB_REQUEST__INIT;
   req.job = (char *)job;
   return call(d, RPC_METHOD_END_JOB, &req.base, &precond__v1__end_job_response__descriptor,
@@ -1393,7 +1381,7 @@ static void test_end_job_and_idle_expiry(void **state) {
  * one statistic plus 0.1% noise, so the EMA's eigenbasis barely moves (a run's steady state);
  * every push is computed (drift test off) and waited for. */
 static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *extra,
-                                              Precond__V1__StatsResponse **resp) {
+                                               Precond__V1__StatsResponse **resp) {
   make_dir(d->p.dir, sizeof d->p.dir);
   start_daemon(d, extra);
   tspec ts[1] = {{"w", {32, 32}, 2}};
@@ -1469,11 +1457,11 @@ static void test_help(void **state) {
   size_t n = fread(buf, 1, sizeof buf - 1, p);
   buf[n] = '\0';
   assert_int_equal(pclose(p), 0);
-  const char *opts[] = {"--listen", "--state-dir", "--threads", "--max-message-mb",
-                        "--memory-limit-mb", "--snapshot-interval", "--log-level",
-                        "--token-file", "--job-memory-limit-mb", "--job-idle-expiry"};
-  for (size_t i = 0; i < sizeof opts / sizeof *opts; i++)
-    assert_non_null(strstr(buf, opts[i]));
+  const char *opts[] = {"--listen",         "--state-dir",       "--threads",
+                        "--max-message-mb", "--memory-limit-mb", "--snapshot-interval",
+                        "--log-level",      "--token-file",      "--job-memory-limit-mb",
+                        "--job-idle-expiry"};
+  for (size_t i = 0; i < sizeof opts / sizeof *opts; i++) assert_non_null(strstr(buf, opts[i]));
   snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());
   assert_int_equal(WEXITSTATUS(system(cmd)), 2);
 }
@@ -1504,8 +1492,8 @@ typedef struct {
   int as_left;
 } kfacstat;
 
-static grpc_status_code kfac_push(daemon_t *d, const char *job, uint64_t step,
-                                  const kfacstat *ks, size_t nb, char *msg) {
+static grpc_status_code kfac_push(daemon_t *d, const char *job, uint64_t step, const kfacstat *ks,
+                                  size_t nb, char *msg) {
   Precond__V1__PackedMatrix a[8], g[8];
   Precond__V1__BlockStatistics b[8], *ptrs[8];
   assert_true(nb <= 8);
@@ -1569,10 +1557,10 @@ static void kfac_check_roots(const kfac_local *l, const Precond__V1__FetchRespon
     const Precond__V1__BlockRoots *br = f->preconditioners[i];
     size_t u = br->block_id, na = l->n[u][0], ng = l->n[u][1];
     pc_kfac_damping dmp;
-    assert_int_equal(pc_kfac_damping_split(na, pc_kfac_trace_f32(na, l->f[u][0]), ng,
-                                           pc_kfac_trace_f32(ng, l->f[u][1]), o.damping,
-                                           o.pi_damping, &dmp),
-                     PC_OK);
+    assert_int_equal(
+        pc_kfac_damping_split(na, pc_kfac_trace_f32(na, l->f[u][0]), ng,
+                              pc_kfac_trace_f32(ng, l->f[u][1]), o.damping, o.pi_damping, &dmp),
+        PC_OK);
     assert_float_equal(br->pi, dmp.pi, 1e-9 * dmp.pi);
     assert_int_equal(br->inverse, PRECOND__V1__KFAC_INVERSE__KFAC_INVERSE_CHOLESKY);
     assert_null(br->left);
@@ -1584,8 +1572,7 @@ static void kfac_check_roots(const kfac_local *l, const Precond__V1__FetchRespon
       assert_int_equal(wire[k]->n, n);
       assert_int_equal(wire[k]->data.len, pc_packed_len(n) * 4);
       float *x = malloc(n * n * sizeof *x), *p = malloc(pc_packed_len(n) * sizeof *p);
-      assert_int_equal(pc_kfac_inverse_f32(n, l->f[u][k], damp[k], PC_KFAC_INV_CHOLESKY, x,
-                                           NULL),
+      assert_int_equal(pc_kfac_inverse_f32(n, l->f[u][k], damp[k], PC_KFAC_INV_CHOLESKY, x, NULL),
                        PC_OK);
       pc_pack_f32(n, x, p);
       float *got = malloc(pc_packed_len(n) * sizeof *got);
@@ -1693,12 +1680,10 @@ static void test_kfac(void **state) {
   kfacstat onsh = {0, 6, 4, ks[0].a, ks[0].g, 0};
   assert_int_equal(kfac_push(&d, "sh", 1, &onsh, 1, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "blocks[0].a"));
-  assert_int_equal(kfac_register(&d, "both", ts, 3, 2, 1, NULL, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(kfac_register(&d, "both", ts, 3, 2, 1, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "shampoo"));
   s = get_stats(&d, NULL);
-  for (size_t i = 0; i < s->n_job_stats; i++)
-    assert_string_not_equal(s->job_stats[i]->job, "both");
+  for (size_t i = 0; i < s->n_job_stats; i++) assert_string_not_equal(s->job_stats[i]->job, "both");
   assert_int_equal(kfac_block_stats(s, 0)->stat_step, 3); /* nothing of step 9 stored */
   assert_int_equal(s->rejected_pushes, 5);
   protobuf_c_message_free_unpacked(&s->base, NULL);

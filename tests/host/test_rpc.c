@@ -64,13 +64,14 @@ static void test_pack_unpack_roundtrip(void **state) {
 static void test_unpack_garbage(void **state) {
   (void)state;
   /* Field 1 declared as a length-delimited string of 100 bytes, but only 3 follow. */
-  const char garbage[] = "\x0a\x64" "abc";
+  const char garbage[] =
+      "\x0a\x64"
+      "abc";
   grpc_slice s = grpc_slice_from_copied_buffer(garbage, sizeof garbage - 1);
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
   grpc_slice_unref(s);
   ProtobufCMessage *out = (ProtobufCMessage *)1;
-  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &out),
-                   RPC_EPARSE);
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &out), RPC_EPARSE);
   assert_null(out);
   grpc_byte_buffer_destroy(bb);
 
@@ -82,8 +83,7 @@ static void test_unpack_garbage(void **state) {
   protobuf_c_message_free_unpacked(out, NULL);
   grpc_byte_buffer_destroy(bb);
 
-  assert_int_equal(rpc_unpack(NULL, &precond__v1__push_request__descriptor, 0, &out),
-                   RPC_EPARSE);
+  assert_int_equal(rpc_unpack(NULL, &precond__v1__push_request__descriptor, 0, &out), RPC_EPARSE);
   assert_int_equal(rpc_unpack(bb, NULL, 0, &out), RPC_EINVAL);
   assert_int_equal(rpc_pack(NULL, 0, &bb), RPC_EINVAL);
 }
@@ -114,8 +114,8 @@ static void test_call_without_server(void **state) {
   ProtobufCMessage *resp = NULL;
   grpc_status_code code = GRPC_STATUS_OK;
   char *details = NULL;
-  int rc = rpc_call(ch, RPC_METHOD_GET_STATS, &req.base,
-                    &precond__v1__stats_response__descriptor, 5000, 0, &resp, &code, &details);
+  int rc = rpc_call(ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+                    5000, 0, &resp, &code, &details);
   assert_int_equal(rc, RPC_ESTATUS);
   assert_int_equal(code, GRPC_STATUS_UNAVAILABLE);
   assert_null(resp);
@@ -123,15 +123,14 @@ static void test_call_without_server(void **state) {
   free(details);
 
   /* Waiting for readiness: the deadline ends it. */
-  rc = rpc_call_token(ch, RPC_METHOD_GET_STATS, &req.base,
-                      &precond__v1__stats_response__descriptor, 200, 1, "tok", &resp, &code,
-                      &details);
+  rc = rpc_call_token(ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor,
+                      200, 1, "tok", &resp, &code, &details);
   assert_int_equal(rc, RPC_ESTATUS);
   assert_int_equal(code, GRPC_STATUS_DEADLINE_EXCEEDED);
   free(details);
 
-  rc = rpc_call(ch, "", &req.base, &precond__v1__stats_response__descriptor, 100, 0, &resp,
-                &code, &details);
+  rc = rpc_call(ch, "", &req.base, &precond__v1__stats_response__descriptor, 100, 0, &resp, &code,
+                &details);
   assert_int_equal(rc, RPC_EINVAL);
   assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
   free(details);

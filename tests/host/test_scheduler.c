@@ -45,10 +45,11 @@ static int setup(void **state) {
   pd_shampoo_opts o = {0};
   pd_mode_shampoo.resolve(&o, err, sizeof err);
   o.block_size = 6;
-  uint64_t dims[2] = {12, 18};  /* 2 x 3 blocks of 6 x 6 */
+  uint64_t dims[2] = {12, 18}; /* 2 x 3 blocks of 6 x 6 */
   pd_tensor t = {(char *)"w", 2, dims};
   pd_job *existing;
-  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err), PD_OK);
+  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err),
+                   PD_OK);
   assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
   for (size_t i = 0; i < f->job->nblocks; i++) {
     pd_block *b = &f->job->blocks[i];
@@ -88,8 +89,7 @@ static void expect_root(size_t n, const float *stat, const float *root) {
 }
 
 /* Always compute (drift test off), with the default failure threshold, or one nothing meets. */
-static const pd_sched_rules compute_all = {0.1, 0, NULL, 0},
-                             refuse_all = {-1.0, 0, NULL, 0};
+static const pd_sched_rules compute_all = {0.1, 0, NULL, 0}, refuse_all = {-1.0, 0, NULL, 0};
 
 static pd_root_outcome compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules) {
   pd_root_outcome out = (pd_root_outcome)-1;
@@ -131,8 +131,8 @@ static void test_pool_computes_all(void **state) {
     assert_int_equal(pd_sched_mark(&s, &f->job->blocks[i]), PD_OK);
   /* Marking twice while queued is a no-op. */
   pd_sched_mark(&s, &f->job->blocks[0]);
-  for (int tries = 0; tries < 1000 && atomic_load(&f->stats.roots_computed) <
-                                          f->job->nblocks; tries++) {
+  for (int tries = 0; tries < 1000 && atomic_load(&f->stats.roots_computed) < f->job->nblocks;
+       tries++) {
     struct timespec ts = {0, 10000000};
     nanosleep(&ts, NULL);
   }

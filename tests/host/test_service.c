@@ -29,9 +29,9 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   d->cfg.memory_limit_bytes = memory_mb << 20;
   d->cfg.max_message_bytes = (size_t)4 << 20;
   assert_int_equal(pd_stats_init(&d->stats), PD_OK);
-  assert_int_equal(pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes,
-                                 d->cfg.max_blocks_per_job),
-                   PD_OK);
+  assert_int_equal(
+      pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes, d->cfg.max_blocks_per_job),
+      PD_OK);
   pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store,
                           d->cfg.warm_roots};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
@@ -82,8 +82,8 @@ static grpc_status_code handle(pd_daemon *d, pd_method m, const ProtobufCMessage
   return rep.code;
 }
 
-static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t c,
-                            uint32_t bs, Precond__V1__RegisterResponse **out, char *why) {
+static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t c, uint32_t bs,
+                            Precond__V1__RegisterResponse **out, char *why) {
   uint64_t shape[2] = {r, c};
   Precond__V1__TensorSpec t = PRECOND__V1__TENSOR_SPEC__INIT;
   t.name = (char *)"w";
@@ -97,8 +97,8 @@ static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t 
   req.n_tensors = 1;
   req.tensors = &tp;
   req.shampoo = &so;
-  return handle(d, PD_M_REGISTER, &req.base, NULL, 0,
-                &precond__v1__register_response__descriptor, (ProtobufCMessage **)out, why);
+  return handle(d, PD_M_REGISTER, &req.base, NULL, 0, &precond__v1__register_response__descriptor,
+                (ProtobufCMessage **)out, why);
 }
 
 /* Identity-plus statistics of order n, packed. */
@@ -148,8 +148,7 @@ static void test_register(void **state) {
   assert_int_equal(reg(d, "j", 8, 12, 8, NULL, why), GRPC_STATUS_FAILED_PRECONDITION);
   assert_int_equal(reg(d, "j2", 8, 0, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
   assert_int_equal(reg(d, "", 8, 8, 4, NULL, why), GRPC_STATUS_INVALID_ARGUMENT);
-  assert_int_equal(reg(d, "big", 4096, 4096, 4096, NULL, why),
-                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_int_equal(reg(d, "big", 4096, 4096, 4096, NULL, why), GRPC_STATUS_RESOURCE_EXHAUSTED);
   Precond__V1__RegisterRequest abs = PRECOND__V1__REGISTER_REQUEST__INIT;
   abs.job = (char *)"k";
   abs.mode = PRECOND__V1__MODE__MODE_ABS;
@@ -202,8 +201,7 @@ static void test_push_fetch_stats(void **state) {
   fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   Precond__V1__FetchResponse *f = NULL;
   assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0,
-                          &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&f,
-                          why),
+                          &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&f, why),
                    GRPC_STATUS_OK);
   assert_int_equal(f->n_preconditioners, 1); /* block 1 is held at version 1 */
   assert_int_equal(f->preconditioners[0]->block_id, 0);
@@ -222,8 +220,7 @@ static void test_push_fetch_stats(void **state) {
   sr.blocks = 1;
   Precond__V1__StatsResponse *st = NULL;
   assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
-                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
-                          why),
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st, why),
                    GRPC_STATUS_OK);
   assert_int_equal(st->jobs, 1);
   assert_int_equal(st->n_block_stats, 2);
@@ -244,8 +241,7 @@ static void test_push_fetch_stats(void **state) {
     nanosleep(&ts, NULL);
   }
   assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
-                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
-                          why),
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st, why),
                    GRPC_STATUS_OK);
   assert_int_equal(st->roots_skipped, 2);
   assert_int_equal(st->roots_computed, 2);
@@ -266,10 +262,10 @@ static void test_push_fetch_stats(void **state) {
 
   Grpc__Health__V1__HealthCheckRequest hr = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   Grpc__Health__V1__HealthCheckResponse *h = NULL;
-  assert_int_equal(handle(d, PD_M_HEALTH, &hr.base, NULL, 0,
-                          &grpc__health__v1__health_check_response__descriptor,
-                          (ProtobufCMessage **)&h, why),
-                   GRPC_STATUS_OK);
+  assert_int_equal(
+      handle(d, PD_M_HEALTH, &hr.base, NULL, 0,
+             &grpc__health__v1__health_check_response__descriptor, (ProtobufCMessage **)&h, why),
+      GRPC_STATUS_OK);
   assert_int_equal(h->status, GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
   protobuf_c_message_free_unpacked(&h->base, NULL);
   free(l);
@@ -342,8 +338,8 @@ static uint8_t *empty_entries(uint32_t field, size_t count, size_t *len) {
 
 /* handle() with the bytes cut into slices of `piece` bytes, as gRPC hands over a message
  * that arrived in frames. */
-static grpc_status_code handle_sliced(pd_daemon *d, pd_method m, const uint8_t *raw,
-                                      size_t len, size_t piece, char *why) {
+static grpc_status_code handle_sliced(pd_daemon *d, pd_method m, const uint8_t *raw, size_t len,
+                                      size_t piece, char *why) {
   size_t ns = (len + piece - 1) / piece;
   grpc_slice *sl = calloc(ns, sizeof *sl);
   for (size_t i = 0; i < ns; i++)
@@ -385,8 +381,7 @@ static void test_request_limits(void **state) {
   assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, 3, why), GRPC_STATUS_OK);
   free(raw);
   raw = empty_entries(2, max + 1, &len);
-  assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, 3, why),
-                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, 3, why), GRPC_STATUS_RESOURCE_EXHAUSTED);
   assert_non_null(strstr(why, "have: more than"));
   assert_int_equal(handle_sliced(d, PD_M_FETCH, raw, len, len, why),
                    GRPC_STATUS_RESOURCE_EXHAUSTED);
@@ -405,8 +400,7 @@ static void test_request_limits(void **state) {
   free(name);
   /* A step that a double cannot hold exactly is refused, nothing stored. */
   float *l = stat(4, 1);
-  assert_int_equal(push2(d, "j", UINT64_MAX, l, 4, l, 4, 1, why),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(push2(d, "j", UINT64_MAX, l, 4, l, 4, 1, why), GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(why, "step"));
   assert_int_equal(push2(d, "j", PD_MAX_STEP + 1, l, 4, l, 4, 1, why),
                    GRPC_STATUS_INVALID_ARGUMENT);
@@ -478,8 +472,8 @@ static void test_rank1_jobs_counted(void **state) {
   daemon_free(d); /* and every byte counted is given back */
 }
 
-static grpc_status_code end_job(pd_daemon *d, const char *job,
-                                Precond__V1__EndJobResponse **out, char *why) {
+static grpc_status_code end_job(pd_daemon *d, const char *job, Precond__V1__EndJobResponse **out,
+                                char *why) {
   Precond__V1__EndJobRequest req = PRECOND__V1__END_JOB_REQUEST__INIT;
   req.job = (char *)job;
   return handle(d, PD_M_END_JOB, &req.base, NULL, 0, &precond__v1__end_job_response__descriptor,
@@ -490,8 +484,7 @@ static Precond__V1__StatsResponse *stats_of(pd_daemon *d) {
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   Precond__V1__StatsResponse *st = NULL;
   assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
-                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
-                          NULL),
+                          &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st, NULL),
                    GRPC_STATUS_OK);
   return st;
 }
@@ -640,8 +633,9 @@ static void test_scratch_in_budget(void **state) {
   float *l = stat(64, 1);
   for (uint32_t id1 = 1; id1 < 4; id1++)
     assert_int_equal(push2(d, "j", id1, l, 64, l, 64, id1, why), GRPC_STATUS_OK);
-  for (int i = 0; i < 20000 && (pd_sched_depth(&d->sched) > 0 ||
-                                atomic_load(&d->stats.roots_computed) < 4); i++)
+  for (int i = 0;
+       i < 20000 && (pd_sched_depth(&d->sched) > 0 || atomic_load(&d->stats.roots_computed) < 4);
+       i++)
     nanosleep(&(struct timespec){0, 1000000}, NULL);
   assert_true(atomic_load(&d->stats.roots_computed) >= 4);
   for (int b = 0; b < 4; b++) assert_true(atomic_load(&job->blocks[b].has_root));

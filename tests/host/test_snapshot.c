@@ -42,7 +42,8 @@ static pd_job *add_job(pd_store *st, const char *name, uint64_t rows, uint64_t c
   uint64_t bias[1] = {cols};
   pd_tensor t[2] = {{(char *)"w", 2, dims}, {(char *)"b", 1, bias}};
   pd_job *job = NULL, *existing = NULL;
-  assert_int_equal(pd_job_build(name, &pd_mode_shampoo, &o, 2, t, 1000, &job, err, sizeof err), PD_OK);
+  assert_int_equal(pd_job_build(name, &pd_mode_shampoo, &o, 2, t, 1000, &job, err, sizeof err),
+                   PD_OK);
   assert_int_equal(pd_store_add(st, job, &existing), PD_OK);
   job->last_step = 42;
   pd_job_note_worker(job, "worker-a");
@@ -307,7 +308,7 @@ static void seal(const fixture *f, const wbuf *payload) {
 static void put_job_head(wbuf *b, const char *name, uint32_t block_size, uint64_t last_step,
                          uint64_t rows, uint64_t cols, uint32_t nblocks) {
   put_str(b, name);
-  put_le(b, 0, 4);          /* mode */
+  put_le(b, 0, 4); /* mode */
   put_le(b, block_size, 4);
   put_le(b, 0, 4);          /* skip_limit: default */
   put_le(b, 0x3f800000, 4); /* beta2 1.0f */
@@ -316,14 +317,14 @@ static void put_job_head(wbuf *b, const char *name, uint32_t block_size, uint64_
   uint64_t u;
   memcpy(&u, &eps, 8);
   put_le(b, u, 8);
-  put_le(b, 0, 4);          /* method */
+  put_le(b, 0, 4); /* method */
   put_le(b, last_step, 8);
-  put_le(b, 1, 4);          /* tensors */
+  put_le(b, 1, 4); /* tensors */
   put_str(b, "w");
   put_le(b, 2, 4);
   put_le(b, rows, 8);
   put_le(b, cols, 8);
-  put_le(b, 0, 4);          /* workers */
+  put_le(b, 0, 4); /* workers */
   put_le(b, nblocks, 4);
 }
 

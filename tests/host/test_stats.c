@@ -48,8 +48,8 @@ static void test_staleness_histogram(void **state) {
   assert_true(sum.p50 == 0 && sum.mean == 0 && sum.count == 0 && sum.max == 0);
   for (uint64_t v = 0; v < 100; v++) pd_stale_hist_add(&h, 99 - v);
   pd_stale_hist_summary(&h, &sum);
-  assert_true(sum.p50 == 49);   /* the 50th smallest of 0..99 */
-  assert_true(sum.p90 == 99);   /* 89 lies in the open last bin: its max stands for it */
+  assert_true(sum.p50 == 49); /* the 50th smallest of 0..99 */
+  assert_true(sum.p90 == 99); /* 89 lies in the open last bin: its max stands for it */
   assert_int_equal(sum.max, 99);
   assert_int_equal(sum.count, 100);
   assert_true(sum.mean == 49.5);

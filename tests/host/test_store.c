@@ -114,7 +114,8 @@ static void test_layout_ids(void **state) {
   uint64_t huge[2] = {(uint64_t)1 << 24, (uint64_t)1 << 24};
   pd_tensor t = {(char *)"w", 2, huge};
   pd_job *out = NULL;
-  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 65536, &out, err, sizeof err), PD_ELIMIT);
+  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 65536, &out, err, sizeof err),
+                   PD_ELIMIT);
   assert_null(out);
   assert_non_null(strstr(err, "blocks"));
 }
@@ -203,7 +204,8 @@ static void test_block_update(void **state) {
   pd_block *b = &job->blocks[0];
   float l[6] = {1, 2, 3, 4, 5, 6}, r[3] = {2, 4, 8};
   pd_block_update(b, (const float *[]){l, r}, 7, &stats);
-  pd_block_update(b, (const float *[]){l, r}, 5, &stats); /* an older step does not move stat_step back */
+  pd_block_update(b, (const float *[]){l, r}, 5,
+                  &stats); /* an older step does not move stat_step back */
   /* EMA from zero, twice: 0.5 * (0.5 * x) + 0.5 * x = 0.75 x */
   for (int i = 0; i < 6; i++) assert_true(b->stat[0][i] == 0.75f * l[i]);
   for (int i = 0; i < 3; i++) assert_true(b->stat[1][i] == 0.75f * r[i]);

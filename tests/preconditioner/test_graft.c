@@ -307,12 +307,9 @@ static void test_bad_arguments(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_rules),
-      cmocka_unit_test(test_properties),
-      cmocka_unit_test(test_rescale),
-      cmocka_unit_test(test_rescale_blocks),
-      cmocka_unit_test(test_names),
-      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_rules),   cmocka_unit_test(test_properties),
+      cmocka_unit_test(test_rescale), cmocka_unit_test(test_rescale_blocks),
+      cmocka_unit_test(test_names),   cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -43,8 +43,8 @@ static void lu_inverse(size_t n, const double *a, double d, double *x) {
   assert_non_null(piv);
   memcpy(x, a, n * n * sizeof *x);
   for (size_t i = 0; i < n; i++) x[i * n + i] += d;
-  assert_int_equal(LAPACKE_dgetrf(LAPACK_ROW_MAJOR, (lapack_int)n, (lapack_int)n, x,
-                                  (lapack_int)n, piv), 0);
+  assert_int_equal(
+      LAPACKE_dgetrf(LAPACK_ROW_MAJOR, (lapack_int)n, (lapack_int)n, x, (lapack_int)n, piv), 0);
   assert_int_equal(LAPACKE_dgetri(LAPACK_ROW_MAJOR, (lapack_int)n, x, (lapack_int)n, piv), 0);
   free(piv);
 }
@@ -69,8 +69,8 @@ static double rel_diff_f32(size_t count, const float *x, const double *ref) {
 
 /* c = a b, dense row-major, a m x k, b k x n. */
 static void matmul(size_t m, size_t k, size_t n, const double *a, const double *b, double *c) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a,
-              (int)k, b, (int)n, 0.0, c, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k, 1.0, a, (int)k, b,
+              (int)n, 0.0, c, (int)n);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -118,8 +118,8 @@ static void test_factor_schedule(void **state) {
   int due[80];
   for (long t = 1; t <= 80; t++) due[t - 1] = pc_kfac_factor_due(&o, t, spe);
   for (long t = 1; t <= 25; t++) assert_int_equal(due[t - 1], 1);
-  for (long t = 26; t <= 80; t++) assert_int_equal(due[t - 1], t == 26 || t == 36 || t == 46 ||
-                                                                   t == 56 || t == 66 || t == 76);
+  for (long t = 26; t <= 80; t++)
+    assert_int_equal(due[t - 1], t == 26 || t == 36 || t == 46 || t == 56 || t == 66 || t == 76);
   o.first_epochs = 0;
   o.factor_every = 3;
   assert_int_equal(pc_kfac_factor_due(&o, 1, spe), 1);
@@ -186,8 +186,7 @@ static void test_pi_damping(void **state) {
   /* Errors. */
   d.pi = 7.0;
   assert_int_equal(pc_kfac_damping_split(2, NAN, 4, 4.0, 0.01, 1, &d), PC_ENONFINITE_INPUT);
-  assert_int_equal(pc_kfac_damping_split(2, 1.0, 4, INFINITY, 0.01, 1, &d),
-                   PC_ENONFINITE_INPUT);
+  assert_int_equal(pc_kfac_damping_split(2, 1.0, 4, INFINITY, 0.01, 1, &d), PC_ENONFINITE_INPUT);
   assert_true(d.pi == 7.0);
   assert_int_equal(pc_kfac_damping_split(0, 1.0, 4, 1.0, 0.01, 1, &d), PC_EINVAL);
   assert_int_equal(pc_kfac_damping_split(2, 1.0, 4, 1.0, 0.0, 1, &d), PC_EINVAL);
@@ -242,7 +241,9 @@ static void test_inverse_against_lapack(void **state) {
     for (size_t mi = 0; mi < 3; mi++) {
       pc_kfac_inv_info info;
       int st = pc_kfac_inverse_f64(n, p64, damp, methods[mi], x64, &info);
-      if (st != PC_OK) print_error("n=%zu %s f64 status %d error %g iters %d\n", n, pc_kfac_inv_name(methods[mi]), st, info.error, info.iters);
+      if (st != PC_OK)
+        print_error("n=%zu %s f64 status %d error %g iters %d\n", n, pc_kfac_inv_name(methods[mi]),
+                    st, info.error, info.iters);
       assert_int_equal(st, PC_OK);
       assert_int_equal(info.method, methods[mi]);
       double e = rel_diff_f64(nn, x64, ref);
@@ -259,7 +260,13 @@ static void test_inverse_against_lapack(void **state) {
       if (e > 1e-4) print_error("n=%zu %s f32 rel %g\n", n, pc_kfac_inv_name(methods[mi]), e);
       assert_true(e <= 1e-4);
     }
-    free(a); free(ref); free(x64); free(p64); free(x32); free(p32); free(a32);
+    free(a);
+    free(ref);
+    free(x64);
+    free(p64);
+    free(x32);
+    free(p32);
+    free(a32);
   }
 }
 
@@ -313,17 +320,22 @@ static void test_eigen_form(void **state) {
   /* Q diag(v) Q^T == A and Q^T Q == I. */
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) t[i * n + j] = q[i * n + j] * v[j];
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)n, 1.0, t, (int)n,
-              q, (int)n, 0.0, r, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)n, 1.0, t, (int)n, q,
+              (int)n, 0.0, r, (int)n);
   assert_true(rel_diff_f64(nn, r, a) < 1e-12);
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)n, (int)n, 1.0, q, (int)n,
-              q, (int)n, 0.0, r, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)n, (int)n, 1.0, q, (int)n, q,
+              (int)n, 0.0, r, (int)n);
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) assert_float_equal(r[i * n + j], i == j, 1e-12);
   assert_int_equal(pc_kfac_eigen_f64(0, p, q, v), PC_EINVAL);
   p[1] = NAN;
   assert_int_equal(pc_kfac_eigen_f64(n, p, q, v), PC_ENONFINITE_INPUT);
-  free(a); free(p); free(q); free(v); free(r); free(t);
+  free(a);
+  free(p);
+  free(q);
+  free(v);
+  free(r);
+  free(t);
 }
 
 /* Diagonal factors (Q = I): the eigen form is grad_ij / (g_i a_j + lambda), by hand. */
@@ -355,7 +367,8 @@ static void test_eigen_equals_inverse_form(void **state) {
   rng_state = 777;
   const size_t out = 12, in = 20;
   double *ga = malloc(out * out * sizeof *ga), *aa = malloc(in * in * sizeof *aa);
-  double *gp = malloc(pc_packed_len(out) * sizeof *gp), *ap = malloc(pc_packed_len(in) * sizeof *ap);
+  double *gp = malloc(pc_packed_len(out) * sizeof *gp),
+         *ap = malloc(pc_packed_len(in) * sizeof *ap);
   double *qg = malloc(out * out * sizeof *qg), *qa = malloc(in * in * sizeof *qa);
   double *vg = malloc(out * sizeof *vg), *va = malloc(in * sizeof *va);
   double *gi = malloc(out * out * sizeof *gi), *ai = malloc(in * in * sizeof *ai);
@@ -369,7 +382,8 @@ static void test_eigen_equals_inverse_form(void **state) {
   for (size_t i = 0; i < out * in; i++) grad[i] = uniform();
   pc_kfac_damping d;
   assert_int_equal(pc_kfac_damping_split(in, pc_kfac_trace_f64(in, ap), out,
-                                         pc_kfac_trace_f64(out, gp), 1e-2, 1, &d), PC_OK);
+                                         pc_kfac_trace_f64(out, gp), 1e-2, 1, &d),
+                   PC_OK);
   assert_int_equal(pc_kfac_inverse_f64(out, gp, d.damp_g, PC_KFAC_INV_CHOLESKY, gi, NULL), PC_OK);
   assert_int_equal(pc_kfac_inverse_f64(in, ap, d.damp_a, PC_KFAC_INV_CHOLESKY, ai, NULL), PC_OK);
   assert_int_equal(pc_kfac_update_f64(out, in, gi, grad, in, ai, p1), PC_OK);
@@ -395,7 +409,8 @@ static void test_eigen_equals_inverse_form(void **state) {
   assert_int_equal(pc_kfac_eigen_update_f64(out, in, qg, vg, tmp, in, qa, va, 0.0, tmp), PC_OK);
   assert_true(rel_diff_f64(out * in, tmp, p2) < 1e-14);
   /* fp32 instance of the same identity. */
-  float *g32 = malloc(pc_packed_len(out) * sizeof *g32), *a32 = malloc(pc_packed_len(in) * sizeof *a32);
+  float *g32 = malloc(pc_packed_len(out) * sizeof *g32),
+        *a32 = malloc(pc_packed_len(in) * sizeof *a32);
   float *q32g = malloc(out * out * sizeof *q32g), *q32a = malloc(in * in * sizeof *q32a);
   float *v32g = malloc(out * sizeof *v32g), *v32a = malloc(in * sizeof *v32a);
   float *gr32 = malloc(out * in * sizeof *gr32), *p32 = malloc(out * in * sizeof *p32);
@@ -410,9 +425,30 @@ static void test_eigen_equals_inverse_form(void **state) {
   assert_int_equal(pc_kfac_eigen_update_f32(out, in, q32g, v32g, gr32, in, q32a, v32a, 0.0, p32),
                    PC_OK);
   assert_true(rel_diff_f32(out * in, p32, p1) < 1e-4);
-  free(g32); free(a32); free(q32g); free(q32a); free(v32g); free(v32a); free(gr32); free(p32);
-  free(ga); free(aa); free(gp); free(ap); free(qg); free(qa); free(vg); free(va); free(gi);
-  free(ai); free(grad); free(p1); free(p2); free(tmp); free(lg); free(la);
+  free(g32);
+  free(a32);
+  free(q32g);
+  free(q32a);
+  free(v32g);
+  free(v32a);
+  free(gr32);
+  free(p32);
+  free(ga);
+  free(aa);
+  free(gp);
+  free(ap);
+  free(qg);
+  free(qa);
+  free(vg);
+  free(va);
+  free(gi);
+  free(ai);
+  free(grad);
+  free(p1);
+  free(p2);
+  free(tmp);
+  free(lg);
+  free(la);
 }
 
 int main(void) {

@@ -72,14 +72,14 @@ static void test_defaults(void **state) {
 
 static void test_awkward_shapes(void **state) {
   (void)state;
-  const size_t s1[2] = {1, 97};        /* 1 x n */
-  const size_t s2[2] = {97, 1};        /* n x 1 */
-  const size_t s3[2] = {131, 257};     /* primes above the block size */
-  const size_t s4[2] = {7, 11};        /* below the block size */
-  const size_t s5[2] = {64, 64};       /* exact multiple */
-  const size_t s6[3] = {13, 5, 7};     /* rank 3 */
-  const size_t s7[4] = {17, 3, 3, 5};  /* rank 4, a conv weight */
-  const size_t s8[4] = {2, 3, 1, 1};   /* unit trailing dims */
+  const size_t s1[2] = {1, 97};       /* 1 x n */
+  const size_t s2[2] = {97, 1};       /* n x 1 */
+  const size_t s3[2] = {131, 257};    /* primes above the block size */
+  const size_t s4[2] = {7, 11};       /* below the block size */
+  const size_t s5[2] = {64, 64};      /* exact multiple */
+  const size_t s6[3] = {13, 5, 7};    /* rank 3 */
+  const size_t s7[4] = {17, 3, 3, 5}; /* rank 4, a conv weight */
+  const size_t s8[4] = {2, 3, 1, 1};  /* unit trailing dims */
   check_tiling(2, s1, 32, 4096);
   check_tiling(2, s2, 32, 4096);
   check_tiling(2, s3, 32, 4096);
@@ -144,9 +144,9 @@ static void test_count(void **state) {
   const size_t sq[2] = {300, 200}, edge[2] = {100, 100}, over[2] = {101, 3};
   const size_t wide[3] = {3, 10, 11}, conv[4] = {17, 3, 3, 5}, unit[4] = {2, 3, 1, 1};
   const size_t tiny[2] = {1, 1};
-  check_count(1, v, 8, 100, 0);          /* rank 1: diagonal */
-  check_count(1, big_v, 8, 100, 0);      /* rank 1 above the skip limit */
-  check_count(2, sq, 128, 4096, 6);      /* the defaults' 3 x 2 */
+  check_count(1, v, 8, 100, 0);     /* rank 1: diagonal */
+  check_count(1, big_v, 8, 100, 0); /* rank 1 above the skip limit */
+  check_count(2, sq, 128, 4096, 6); /* the defaults' 3 x 2 */
   check_count(2, sq, 1, 4096, 300 * 200);
   check_count(2, sq, 1000, 4096, 1);
   check_count(2, edge, 8, 100, 13 * 13); /* at the skip limit: blocked */
@@ -202,10 +202,8 @@ static void test_bad_arguments(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_defaults),
-      cmocka_unit_test(test_awkward_shapes),
-      cmocka_unit_test(test_diagonal),
-      cmocka_unit_test(test_count),
+      cmocka_unit_test(test_defaults),      cmocka_unit_test(test_awkward_shapes),
+      cmocka_unit_test(test_diagonal),      cmocka_unit_test(test_count),
       cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

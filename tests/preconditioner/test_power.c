@@ -18,7 +18,8 @@ static void spd_with_spectrum(size_t n, const double *w, uint64_t seed, double *
   memset(a, 0, n * n * sizeof *a);
   for (size_t i = 0; i < n; i++) a[i * n + i] = w[i];
   double *v = malloc(n * sizeof *v), *av = malloc(n * sizeof *av);
-  assert_non_null(v); assert_non_null(av);
+  assert_non_null(v);
+  assert_non_null(av);
   for (int r = 0; r < 3; r++) {
     double nv = 0;
     for (size_t i = 0; i < n; i++) {
@@ -45,7 +46,9 @@ static void test_known_spectrum(void **state) {
     size_t n = sizes[s];
     double *w = malloc(n * sizeof *w), *a = malloc(n * n * sizeof *a);
     float *af = malloc(n * n * sizeof *af);
-    assert_non_null(w); assert_non_null(a); assert_non_null(af);
+    assert_non_null(w);
+    assert_non_null(a);
+    assert_non_null(af);
     for (size_t i = 0; i < n; i++) w[i] = 3.0 * pow(0.5, (double)i); /* gap ratio 1/2 */
     spd_with_spectrum(n, w, 7 + n, a);
     for (size_t i = 0; i < n * n; i++) af[i] = (float)a[i];
@@ -56,7 +59,9 @@ static void test_known_spectrum(void **state) {
     assert_true(it >= 1 && it <= 100);
     assert_int_equal(pc_power_iteration_f32(n, af, NULL, &lam, NULL), PC_OK);
     assert_true(fabs(lam - 3.0) <= 1e-5 * 3.0);
-    free(w); free(a); free(af);
+    free(w);
+    free(a);
+    free(af);
   }
 }
 
@@ -66,7 +71,8 @@ static void test_reproducible(void **state) {
   (void)state;
   size_t n = 100;
   double *w = malloc(n * sizeof *w), *a = malloc(n * n * sizeof *a);
-  assert_non_null(w); assert_non_null(a);
+  assert_non_null(w);
+  assert_non_null(a);
   for (size_t i = 0; i < n; i++) w[i] = 1.0 + (double)(n - i) / (double)n; /* close gaps */
   spd_with_spectrum(n, w, 3, a);
   pc_power_opts o;
@@ -82,14 +88,16 @@ static void test_reproducible(void **state) {
   assert_int_equal(i1, i2);
   assert_true(l1 <= 2.0 * (1 + 1e-12));
   assert_true(l1 >= 2.0 * 0.99);
-  free(w); free(a);
+  free(w);
+  free(a);
 }
 
 static void test_not_converged(void **state) {
   (void)state;
   size_t n = 50;
   double *w = malloc(n * sizeof *w), *a = malloc(n * n * sizeof *a);
-  assert_non_null(w); assert_non_null(a);
+  assert_non_null(w);
+  assert_non_null(a);
   for (size_t i = 0; i < n; i++) w[i] = 1.0 - 1e-3 * (double)i; /* tiny gaps: slow */
   spd_with_spectrum(n, w, 11, a);
   pc_power_opts o;
@@ -101,7 +109,8 @@ static void test_not_converged(void **state) {
   assert_int_equal(pc_power_iteration_f64(n, a, &o, &lam, &it), PC_NOT_CONVERGED);
   assert_int_equal(it, 2);
   assert_true(lam > 0.9 && lam <= 1.0 + 1e-12);
-  free(w); free(a);
+  free(w);
+  free(a);
 }
 
 /* Against the eigendecomposition route's lambda_max (LAPACK syevd) on a Shampoo-like
@@ -112,14 +121,17 @@ static void test_against_eigh(void **state) {
   double *g = malloc(n * k * sizeof *g), *a = malloc(n * n * sizeof *a);
   double *x = malloc(n * n * sizeof *x);
   float *af = malloc(n * n * sizeof *af);
-  assert_non_null(g); assert_non_null(a); assert_non_null(x); assert_non_null(af);
+  assert_non_null(g);
+  assert_non_null(a);
+  assert_non_null(x);
+  assert_non_null(af);
   uint64_t seed = 17;
   for (size_t i = 0; i < n * k; i++) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
     g[i] = (double)(seed >> 11) * 0x1.0p-53 - 0.5;
   }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k,
-              g, (int)k, 0, a, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k, g,
+              (int)k, 0, a, (int)n);
   for (size_t i = 0; i < n * n; i++) af[i] = (float)a[i];
   pc_root_opts o;
   pc_root_opts_default(&o, 2);
@@ -131,7 +143,10 @@ static void test_against_eigh(void **state) {
   assert_int_equal(pc_power_iteration_f32(n, af, NULL, &l32, NULL), PC_OK);
   assert_true(fabs(l64 - info.lambda_max) <= 1e-5 * info.lambda_max);
   assert_true(fabs(l32 - info.lambda_max) <= 1e-5 * info.lambda_max);
-  free(g); free(a); free(x); free(af);
+  free(g);
+  free(a);
+  free(x);
+  free(af);
 }
 
 static void test_zero_matrix(void **state) {
@@ -165,10 +180,9 @@ static void test_bad_input(void **state) {
 int main(void) {
   openblas_set_num_threads(1);
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_known_spectrum), cmocka_unit_test(test_reproducible),
-    cmocka_unit_test(test_not_converged),  cmocka_unit_test(test_against_eigh),
-    cmocka_unit_test(test_zero_matrix),
-    cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_known_spectrum), cmocka_unit_test(test_reproducible),
+      cmocka_unit_test(test_not_converged),  cmocka_unit_test(test_against_eigh),
+      cmocka_unit_test(test_zero_matrix),    cmocka_unit_test(test_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,8 +16,7 @@
 #include "pc_internal.h"
 #include "preconditioner.h"
 
-static const pc_method methods[] = {PC_METHOD_NEWTON, PC_METHOD_NEWTON_TEXTBOOK,
-                                    PC_METHOD_EIGH};
+static const pc_method methods[] = {PC_METHOD_NEWTON, PC_METHOD_NEWTON_TEXTBOOK, PC_METHOD_EIGH};
 #define NMETHODS (sizeof methods / sizeof *methods)
 
 static void *xmalloc(size_t size) {
@@ -114,15 +113,14 @@ static void to_f32(size_t count, const double *in, float *out) {
 }
 
 typedef struct {
-  double err;      /* relative Frobenius error against the exact root */
+  double err; /* relative Frobenius error against the exact root */
   int status;
   pc_root_info info;
 } outcome;
 
 /* Runs one method in fp32 on the rounded a and compares with the exact root of the fp64
  * matrix (same ridge as the method used). */
-static outcome run_f32(const reflectors *q, const double *w, const double *a, int p,
-                       pc_method m) {
+static outcome run_f32(const reflectors *q, const double *w, const double *a, int p, pc_method m) {
   size_t n = q->n;
   float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
   double *ref = xmalloc(n * n * sizeof *ref);
@@ -134,12 +132,14 @@ static outcome run_f32(const reflectors *q, const double *w, const double *a, in
   r.status = pc_inverse_root_f32(n, af, x, &o, &r.info);
   exact_root(q, w, r.info.ridge, p, ref);
   r.err = rel_err_f32(n, x, ref);
-  free(af); free(x); free(ref);
+  free(af);
+  free(x);
+  free(ref);
   return r;
 }
 
-static outcome run_f64(const reflectors *q, const double *w, const double *a, int p,
-                       pc_method m, double tol) {
+static outcome run_f64(const reflectors *q, const double *w, const double *a, int p, pc_method m,
+                       double tol) {
   size_t n = q->n;
   double *x = xmalloc(n * n * sizeof *x), *ref = xmalloc(n * n * sizeof *ref);
   pc_root_opts o;
@@ -150,7 +150,8 @@ static outcome run_f64(const reflectors *q, const double *w, const double *a, in
   r.status = pc_inverse_root_f64(n, a, x, &o, &r.info);
   exact_root(q, w, r.info.ridge, p, ref);
   r.err = rel_err_f64(n, x, ref);
-  free(x); free(ref);
+  free(x);
+  free(ref);
   return r;
 }
 
@@ -176,7 +177,9 @@ static void test_well_conditioned_f32(void **state) {
         if (methods[m] != PC_METHOD_EIGH) assert_true(r.info.error <= 1e-6);
       }
   }
-  free(w); free(a); free(q.v);
+  free(w);
+  free(a);
+  free(q.v);
 }
 
 /* p = 1 (a K-FAC inverse) and p = 2 of a dense Wishart matrix G G^T / k, G n x 1.5n
@@ -192,8 +195,8 @@ static void test_wishart_low_p(void **state) {
   double *ref = xmalloc(n * n * sizeof *ref);
   float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
   for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k,
-              g, (int)k, g, (int)k, 0, a, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k, g,
+              (int)k, g, (int)k, 0, a, (int)n);
   to_f32(n * n, a, af);
   for (int p = 1; p <= 2; p++) {
     pc_root_opts o, r;
@@ -211,7 +214,11 @@ static void test_wishart_low_p(void **state) {
     assert_int_equal(st, PC_OK);
     assert_true(e <= 1e-4);
   }
-  free(g); free(a); free(ref); free(af); free(x);
+  free(g);
+  free(a);
+  free(ref);
+  free(af);
+  free(x);
 }
 
 /* fp32 at condition 1e4 and 1e6: the Newton variants within 1.5 x the error of the fp32 eigh
@@ -229,8 +236,8 @@ static void test_ill_conditioned_f32(void **state) {
     outcome e = run_f32(&q, w, a, 4, PC_METHOD_EIGH);
     outcome nw = run_f32(&q, w, a, 4, PC_METHOD_NEWTON);
     outcome tb = run_f32(&q, w, a, 4, PC_METHOD_NEWTON_TEXTBOOK);
-    print_message("cond %g: eigh %.3g newton %.3g (%d it) textbook %.3g (%d it)\n", conds[c],
-                  e.err, nw.err, nw.info.iters, tb.err, tb.info.iters);
+    print_message("cond %g: eigh %.3g newton %.3g (%d it) textbook %.3g (%d it)\n", conds[c], e.err,
+                  nw.err, nw.info.iters, tb.err, tb.info.iters);
     assert_int_equal(e.status, PC_OK);
     assert_true(nw.status == PC_OK || nw.status == PC_NOT_CONVERGED);
     assert_true(nw.info.error <= 1e-5);
@@ -238,7 +245,9 @@ static void test_ill_conditioned_f32(void **state) {
     assert_true(nw.err <= 1.5 * tb.err + 1e-5);
     assert_true(tb.err <= 1.5 * e.err + 1e-5);
   }
-  free(w); free(a); free(q.v);
+  free(w);
+  free(a);
+  free(q.v);
 }
 
 /* fp64 with a tightened tolerance: within 1e-8 at condition 1e6 (newton and textbook), and
@@ -252,12 +261,14 @@ static void test_ill_conditioned_f64(void **state) {
   reflectors_apply(&q, w, a);
   for (size_t m = 0; m < NMETHODS; m++) {
     outcome r = run_f64(&q, w, a, 4, methods[m], 1e-12);
-    print_message("fp64 cond 1e6 %s: status %d err %.3g iters %d\n",
-                  pc_method_name(methods[m]), r.status, r.err, r.info.iters);
+    print_message("fp64 cond 1e6 %s: status %d err %.3g iters %d\n", pc_method_name(methods[m]),
+                  r.status, r.err, r.info.iters);
     assert_int_equal(r.status, PC_OK);
     assert_true(r.err <= 1e-8);
   }
-  free(w); free(a); free(q.v);
+  free(w);
+  free(a);
+  free(q.v);
 }
 
 /* Shampoo-like: G G^T (rank n/4) plus the relative ridge; reference: fp64 eigh. */
@@ -269,8 +280,8 @@ static void test_rank_deficient(void **state) {
   double *ref = xmalloc(n * n * sizeof *ref), *x64 = xmalloc(n * n * sizeof *x64);
   float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
   for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k,
-              g, (int)k, 0, a, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k, g,
+              (int)k, 0, a, (int)n);
   to_f32(n * n, a, af);
   pc_root_opts o, r;
   pc_root_opts_default(&o, 4);
@@ -289,8 +300,8 @@ static void test_rank_deficient(void **state) {
     r.epsilon = info.ridge / lmax;
     assert_int_equal(pc_inverse_root_f64(n, a, ref, &r, NULL), PC_OK);
     errs[m] = rel_err_f32(n, x, ref);
-    print_message("G G^T f32 %s: status %d err %.3g iters %d\n", pc_method_name(methods[m]),
-                  st, errs[m], info.iters);
+    print_message("G G^T f32 %s: status %d err %.3g iters %d\n", pc_method_name(methods[m]), st,
+                  errs[m], info.iters);
     assert_true(st == PC_OK || st == PC_NOT_CONVERGED);
     assert_true(errs[m] <= 0.05);
     /* fp64 Newton with a tight tolerance reproduces the fp64 eigh root. */
@@ -298,15 +309,20 @@ static void test_rank_deficient(void **state) {
     st = pc_inverse_root_f64(n, a, x64, &o, &info);
     r.epsilon = info.ridge / lmax;
     assert_int_equal(pc_inverse_root_f64(n, a, ref, &r, NULL), PC_OK);
-    print_message("G G^T f64 %s: status %d err %.3g iters %d\n", pc_method_name(methods[m]),
-                  st, rel_err_f64(n, x64, ref), info.iters);
+    print_message("G G^T f64 %s: status %d err %.3g iters %d\n", pc_method_name(methods[m]), st,
+                  rel_err_f64(n, x64, ref), info.iters);
     assert_int_equal(st, PC_OK);
     assert_true(rel_err_f64(n, x64, ref) <= 1e-8);
     o.tol = 1e-6;
   }
   assert_true(errs[0] <= 1.5 * errs[2]);
   assert_true(errs[1] <= 1.5 * errs[2]);
-  free(g); free(a); free(ref); free(x64); free(af); free(x);
+  free(g);
+  free(a);
+  free(ref);
+  free(x64);
+  free(af);
+  free(x);
 }
 
 /* The internal Newton variants (measured by bench-roots) agree with the exact root too:
@@ -314,10 +330,10 @@ static void test_rank_deficient(void **state) {
 static void test_variants(void **state) {
   (void)state;
   const pc__newton_variant variants[] = {
-    {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0},
-    {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0},
-    {.scaled = 0, .symmetric = 1, .floor = 0, .lo_f32 = 0},
-    {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 1e-3},
+      {.scaled = 1, .symmetric = 1, .floor = 1e-2, .lo_f32 = 0},
+      {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 0},
+      {.scaled = 0, .symmetric = 1, .floor = 0, .lo_f32 = 0},
+      {.scaled = 1, .symmetric = 0, .floor = 1e-2, .lo_f32 = 1e-3},
   };
   size_t n = 260; /* above the panel threshold, not a multiple of the panel height */
   double *w = xmalloc(n * sizeof *w), *a = xmalloc(n * n * sizeof *a);
@@ -342,7 +358,12 @@ static void test_variants(void **state) {
   pc_root_opts o;
   pc_root_opts_default(&o, 4);
   assert_int_equal(pc__newton_root_f32(n, af, x, &o, &bad, NULL), PC_EINVAL);
-  free(w); free(a); free(ref); free(af); free(x); free(q.v);
+  free(w);
+  free(a);
+  free(ref);
+  free(af);
+  free(x);
+  free(q.v);
 }
 
 /* Scaling the input by c scales the root by c^(-1/p) and changes nothing else: the
@@ -355,8 +376,8 @@ static void test_scale_invariance(void **state) {
   double *ref = xmalloc(n * n * sizeof *ref), *ca = xmalloc(n * n * sizeof *ca);
   float *af = xmalloc(n * n * sizeof *af), *x = xmalloc(n * n * sizeof *x);
   for (size_t i = 0; i < n * k; i++) g[i] = rng_normal(&seed);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k,
-              g, (int)k, 0, a, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1, g, (int)k, g,
+              (int)k, 0, a, (int)n);
   const double scales[] = {1e-6, 1.0, 1e6};
   for (size_t c = 0; c < 3; c++) {
     for (size_t i = 0; i < n * n; i++) ca[i] = scales[c] * a[i];
@@ -380,7 +401,12 @@ static void test_scale_invariance(void **state) {
     if (getenv("VERBOSE")) print_message("scale %g: err %.3g\n", scales[c], e);
     assert_true(e <= 3e-3);
   }
-  free(g); free(a); free(ref); free(ca); free(af); free(x);
+  free(g);
+  free(a);
+  free(ref);
+  free(ca);
+  free(af);
+  free(x);
 }
 
 /* Diagonal and identity inputs have exact roots; sizes from 1 up. */
@@ -413,7 +439,9 @@ static void test_diagonal_and_identity(void **state) {
           assert_true(e <= 1e-5);
         }
     }
-    free(a); free(x); free(ref);
+    free(a);
+    free(x);
+    free(ref);
   }
 }
 
@@ -446,7 +474,9 @@ static void test_large(void **state) {
                 r.info.iters);
   assert_int_equal(r.status, PC_OK);
   assert_true(r.err <= 1e-4);
-  free(w); free(a); free(q.v);
+  free(w);
+  free(a);
+  free(q.v);
 }
 
 /* NaN or Inf anywhere: PC_ENONFINITE_INPUT, x untouched, for every method and precision. */
@@ -553,7 +583,11 @@ static void test_not_converged(void **state) {
     int st = pc_inverse_root_f32(n, af, x, &o, &info);
     assert_true(st != PC_OK || info.error > 0.1);
   }
-  free(w); free(a); free(af); free(x); free(q.v);
+  free(w);
+  free(a);
+  free(af);
+  free(x);
+  free(q.v);
 }
 
 static void test_bad_arguments(void **state) {
@@ -594,8 +628,9 @@ static void test_names(void **state) {
   assert_string_equal(pc_method_name(PC_METHOD_NEWTON), "newton");
   assert_string_equal(pc_method_name(PC_METHOD_NEWTON_TEXTBOOK), "newton-textbook");
   assert_string_equal(pc_method_name(PC_METHOD_EIGH), "eigh");
-  const int codes[] = {PC_OK, PC_NOT_CONVERGED, PC_EINVAL, PC_ENONFINITE_INPUT,
-                       PC_ENONFINITE_RESULT, PC_ENOMEM, PC_ELAPACK};
+  const int codes[] = {
+      PC_OK,     PC_NOT_CONVERGED, PC_EINVAL, PC_ENONFINITE_INPUT, PC_ENONFINITE_RESULT,
+      PC_ENOMEM, PC_ELAPACK};
   for (size_t i = 0; i < sizeof codes / sizeof *codes; i++) {
     assert_non_null(pc_strerror(codes[i]));
     for (size_t j = 0; j < i; j++)
@@ -607,22 +642,22 @@ static void test_names(void **state) {
 int main(void) {
   openblas_set_num_threads(1);
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_well_conditioned_f32),
-    cmocka_unit_test(test_wishart_low_p),
-    cmocka_unit_test(test_ill_conditioned_f32),
-    cmocka_unit_test(test_ill_conditioned_f64),
-    cmocka_unit_test(test_rank_deficient),
-    cmocka_unit_test(test_variants),
-    cmocka_unit_test(test_scale_invariance),
-    cmocka_unit_test(test_diagonal_and_identity),
-    cmocka_unit_test(test_scalar),
-    cmocka_unit_test(test_large),
-    cmocka_unit_test(test_nonfinite_input),
-    cmocka_unit_test(test_nonfinite_result),
-    cmocka_unit_test(test_extreme_scales),
-    cmocka_unit_test(test_not_converged),
-    cmocka_unit_test(test_bad_arguments),
-    cmocka_unit_test(test_names),
+      cmocka_unit_test(test_well_conditioned_f32),
+      cmocka_unit_test(test_wishart_low_p),
+      cmocka_unit_test(test_ill_conditioned_f32),
+      cmocka_unit_test(test_ill_conditioned_f64),
+      cmocka_unit_test(test_rank_deficient),
+      cmocka_unit_test(test_variants),
+      cmocka_unit_test(test_scale_invariance),
+      cmocka_unit_test(test_diagonal_and_identity),
+      cmocka_unit_test(test_scalar),
+      cmocka_unit_test(test_large),
+      cmocka_unit_test(test_nonfinite_input),
+      cmocka_unit_test(test_nonfinite_result),
+      cmocka_unit_test(test_extreme_scales),
+      cmocka_unit_test(test_not_converged),
+      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_names),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

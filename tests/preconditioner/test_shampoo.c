@@ -23,10 +23,14 @@ static void fill_f64(size_t count, double *x) {
 }
 
 /* n(n+1)/2, written here so the test stands on its own. */
-static size_t packed_len(size_t n) { return n * (n + 1) / 2; }
+static size_t packed_len(size_t n) {
+  return n * (n + 1) / 2;
+}
 
 /* Index of (i, j), i <= j, in a packed row-major upper triangle of order n. */
-static size_t packed_index(size_t n, size_t i, size_t j) { return i * n - i * (i - 1) / 2 + (j - i); }
+static size_t packed_index(size_t n, size_t i, size_t j) {
+  return i * n - i * (i - 1) / 2 + (j - i);
+}
 
 static double max_abs_f64(size_t count, const double *x) {
   double m = 0.0;
@@ -56,7 +60,8 @@ static void inverse_fourth_root(size_t n, const double *a, double *x) {
   assert_non_null(v);
   assert_non_null(w);
   memcpy(v, a, n * n * sizeof *v);
-  assert_int_equal(LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, v, (lapack_int)n, w), 0);
+  assert_int_equal(LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)n, v, (lapack_int)n, w),
+                   0);
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < n; j++) {
       double s = 0.0;
@@ -166,8 +171,7 @@ static void test_stat_update(void **state) {
     double beta = betas[b];
     for (size_t i = 0; i < N; i++) {
       ref[i] = beta == 1.0 ? ref[i] + inc[i] : beta * ref[i] + (1.0 - beta) * inc[i];
-      reff[i] = beta == 1.0 ? reff[i] + incf[i]
-                            : (float)(beta * reff[i] + (1.0 - beta) * incf[i]);
+      reff[i] = beta == 1.0 ? reff[i] + incf[i] : (float)(beta * reff[i] + (1.0 - beta) * incf[i]);
     }
     pc_stat_update_f64(N, s, inc, beta);
     pc_stat_update_f32(N, sf, incf, (float)beta);
@@ -214,8 +218,8 @@ static void test_stat_of_grams(void **state) {
 
 /* The fp64 result p and the fp32 result pf (both rows x cols, stride ld) against want
  * (stride cols), relative to scale = max |want|. */
-static void assert_direction(size_t rows, size_t cols, size_t ld, const double *p,
-                             const float *pf, const double *want, double scale) {
+static void assert_direction(size_t rows, size_t cols, size_t ld, const double *p, const float *pf,
+                             const double *want, double scale) {
   for (size_t i = 0; i < rows; i++)
     for (size_t j = 0; j < cols; j++) {
       assert_true(fabs(p[i * ld + j] - want[i * cols + j]) <= 1e-12 * scale);
@@ -422,12 +426,9 @@ static void test_bad_arguments(void **state) {
 int main(void) {
   openblas_set_num_threads(1);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_gram),
-      cmocka_unit_test(test_stat_update),
-      cmocka_unit_test(test_stat_of_grams),
-      cmocka_unit_test(test_direction),
-      cmocka_unit_test(test_blocks_of_view),
-      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_gram),           cmocka_unit_test(test_stat_update),
+      cmocka_unit_test(test_stat_of_grams),  cmocka_unit_test(test_direction),
+      cmocka_unit_test(test_blocks_of_view), cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

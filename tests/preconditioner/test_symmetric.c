@@ -47,8 +47,12 @@ static void test_pack_round_trip(void **state) {
     double *p = malloc(pc_packed_len(n) * sizeof *p);
     float *af = malloc(n * n * sizeof *af), *bf = malloc(n * n * sizeof *bf);
     float *pf = malloc(pc_packed_len(n) * sizeof *pf);
-    assert_non_null(a); assert_non_null(b); assert_non_null(p);
-    assert_non_null(af); assert_non_null(bf); assert_non_null(pf);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_non_null(p);
+    assert_non_null(af);
+    assert_non_null(bf);
+    assert_non_null(pf);
     for (size_t i = 0; i < n; i++)
       for (size_t j = i; j < n; j++) {
         a[i * n + j] = a[j * n + i] = (double)(i * 1000 + j) + 0.25;
@@ -60,23 +64,31 @@ static void test_pack_round_trip(void **state) {
     pc_pack_f32(n, af, pf);
     pc_unpack_f32(n, pf, bf);
     assert_memory_equal(af, bf, n * n * sizeof *af);
-    free(a); free(b); free(p); free(af); free(bf); free(pf);
+    free(a);
+    free(b);
+    free(p);
+    free(af);
+    free(bf);
+    free(pf);
   }
 }
 
 static void test_bf16_rounding(void **state) {
   (void)state;
-  struct { uint32_t in; uint16_t out; } cases[] = {
-    {0x3f800000u, 0x3f80}, /* 1.0 exact */
-    {0x3f808000u, 0x3f80}, /* 1 + 2^-8: halfway, rounds to even (down) */
-    {0x3f818000u, 0x3f82}, /* 1 + 3 * 2^-8: halfway, rounds to even (up) */
-    {0x3f808001u, 0x3f81}, /* just above halfway: up */
-    {0x3f807fffu, 0x3f80}, /* just below halfway: down */
-    {0x80000000u, 0x8000}, /* -0 */
-    {0x7f800000u, 0x7f80}, /* +Inf */
-    {0xff800000u, 0xff80}, /* -Inf */
-    {0x7f7fffffu, 0x7f80}, /* FLT_MAX rounds up to Inf */
-    {0x00000001u, 0x0000}, /* tiny subnormal rounds to 0 */
+  struct {
+    uint32_t in;
+    uint16_t out;
+  } cases[] = {
+      {0x3f800000u, 0x3f80}, /* 1.0 exact */
+      {0x3f808000u, 0x3f80}, /* 1 + 2^-8: halfway, rounds to even (down) */
+      {0x3f818000u, 0x3f82}, /* 1 + 3 * 2^-8: halfway, rounds to even (up) */
+      {0x3f808001u, 0x3f81}, /* just above halfway: up */
+      {0x3f807fffu, 0x3f80}, /* just below halfway: down */
+      {0x80000000u, 0x8000}, /* -0 */
+      {0x7f800000u, 0x7f80}, /* +Inf */
+      {0xff800000u, 0xff80}, /* -Inf */
+      {0x7f7fffffu, 0x7f80}, /* FLT_MAX rounds up to Inf */
+      {0x00000001u, 0x0000}, /* tiny subnormal rounds to 0 */
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     float f = bits_to_f32(cases[i].in);
@@ -101,7 +113,9 @@ static void test_bf16_round_trip(void **state) {
   (void)state;
   uint16_t *in = malloc(65536 * sizeof *in), *out = malloc(65536 * sizeof *out);
   float *f = malloc(65536 * sizeof *f);
-  assert_non_null(in); assert_non_null(out); assert_non_null(f);
+  assert_non_null(in);
+  assert_non_null(out);
+  assert_non_null(f);
   for (uint32_t i = 0; i < 65536; i++) in[i] = (uint16_t)i;
   pc_bf16_to_f32(65536, in, f);
   pc_f32_to_bf16(65536, f, out);
@@ -119,7 +133,9 @@ static void test_bf16_round_trip(void **state) {
     pc_bf16_to_f32(1, &h, &y);
     assert_true(fabsf(x - y) <= fabsf(x) * (1.0f / 256.0f));
   }
-  free(in); free(out); free(f);
+  free(in);
+  free(out);
+  free(f);
 }
 
 static void test_finite(void **state) {
@@ -146,9 +162,9 @@ static void test_finite(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_packed_len),      cmocka_unit_test(test_pack_layout),
-    cmocka_unit_test(test_pack_round_trip), cmocka_unit_test(test_bf16_rounding),
-    cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite),
+      cmocka_unit_test(test_packed_len),      cmocka_unit_test(test_pack_layout),
+      cmocka_unit_test(test_pack_round_trip), cmocka_unit_test(test_bf16_rounding),
+      cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

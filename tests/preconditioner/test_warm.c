@@ -33,10 +33,10 @@ static void statistics(size_t n, size_t k, size_t m, double mix, uint64_t seed, 
   rng_state = seed;
   for (size_t i = 0; i < n * k; i++) g[i] = uniform() * 1.7320508075688772; /* variance 1 */
   for (size_t i = 0; i < k * m; i++) w[i] = uniform() * 1.7320508075688772;
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k,
-              g, (int)k, g, (int)k, 0, a0, (int)n);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)m, (int)k, 1.0, g, (int)k,
-              w, (int)m, 0, gw, (int)m);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)k, 1.0 / (double)k, g,
+              (int)k, g, (int)k, 0, a0, (int)n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)m, (int)k, 1.0, g, (int)k, w,
+              (int)m, 0, gw, (int)m);
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)m,
               mix / (double)(k * m), gw, (int)m, gw, (int)m, 0, a1, (int)n);
   for (size_t i = 0; i < n * n; i++) a1[i] += (1.0 - mix) * a0[i];
@@ -45,7 +45,9 @@ static void statistics(size_t n, size_t k, size_t m, double mix, uint64_t seed, 
       a0[j * n + i] = a0[i * n + j];
       a1[j * n + i] = a1[i * n + j];
     }
-  free(g); free(w); free(gw);
+  free(g);
+  free(w);
+  free(gw);
 }
 
 static void to_f32(size_t count, const double *in, float *out) {
@@ -83,7 +85,8 @@ static double eigh_err(size_t n, const double *a, int p) {
   pc_root_info info;
   assert_int_equal(pc_inverse_root_f32(n, af, x, &o, &info), PC_OK);
   double e = root_err(n, a, info.ridge, p, x, NULL);
-  free(af); free(x);
+  free(af);
+  free(x);
   return e;
 }
 
@@ -114,7 +117,11 @@ static void fixture_make(fixture *f, size_t n, size_t k, double mix, uint64_t se
 }
 
 static void fixture_free(fixture *f) {
-  free(f->a0); free(f->a1); free(f->a0f); free(f->a1f); free(f->x);
+  free(f->a0);
+  free(f->a1);
+  free(f->a0f);
+  free(f->a1f);
+  free(f->x);
   pc_eigbasis_destroy_f32(&f->basis);
 }
 
@@ -147,10 +154,11 @@ static void test_warm_moved(void **state) {
     assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &wo, &f.basis, &wi), PC_OK);
     double e_warm = root_err(f.n, f.a1, wi.root.ridge, ps[c], f.x, NULL);
     double e1 = eigh_err(f.n, f.a1, ps[c]);
-    print_message("k %zu, %d sweep(s): seeded %.3g (eigh %.3g); %s offdiag %.3g change %.3g "
-                  "held root's error %.3g; residual %.3g err %.3g (eigh %.3g)\n", ks[c],
-                  wo.sweeps, e_seed, e0, pc_warm_path_name(wi.path), wi.offdiag, wi.change,
-                  e_held, wi.residual, e_warm, e1);
+    print_message(
+        "k %zu, %d sweep(s): seeded %.3g (eigh %.3g); %s offdiag %.3g change %.3g "
+        "held root's error %.3g; residual %.3g err %.3g (eigh %.3g)\n",
+        ks[c], wo.sweeps, e_seed, e0, pc_warm_path_name(wi.path), wi.offdiag, wi.change, e_held,
+        wi.residual, e_warm, e1);
     /* change predicts the held root's error to first order, or more where B's ridge-level
      * block is rounding noise (the root is flat there): never much less */
     assert_true(wi.change >= 0.5 * e_held);
@@ -191,7 +199,8 @@ static void test_skip(void **state) {
   print_message("moved: %s offdiag %.3g\n", pc_warm_path_name(wi.path), wi.offdiag);
   assert_int_equal(wi.path, PC_WARM_ROTATED);
   assert_true(wi.offdiag > wo.skip_tol);
-  free(held); free(x0);
+  free(held);
+  free(x0);
   fixture_free(&f);
 }
 
@@ -210,23 +219,25 @@ static void test_guard(void **state) {
   double e1 = eigh_err(f.n, f.a1, 4);
   for (int lifted = 0; lifted < 2; lifted++) {
     assert_int_equal(
-        pc_inverse_root_warm_f32(other.n, other.a0f, other.x, &o, NULL, &other.basis, &wi),
-        PC_OK);
+        pc_inverse_root_warm_f32(other.n, other.a0f, other.x, &o, NULL, &other.basis, &wi), PC_OK);
     memcpy(f.basis.vt, other.basis.vt, f.n * f.n * sizeof *f.basis.vt);
     memcpy(f.basis.w, other.basis.w, f.n * sizeof *f.basis.w);
     f.basis.valid = 1;
     wo.max_change = lifted ? INFINITY : 0.1;
     int st = pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &wo, &f.basis, &wi);
     double e = root_err(f.n, f.a1, wi.root.ridge, 4, f.x, NULL);
-    print_message("foreign basis (change bound %g): %s change %.3g residual %.3g err %.3g "
-                  "(eigh %.3g)\n", wo.max_change, pc_warm_path_name(wi.path), wi.change,
-                  wi.residual, e, e1);
+    print_message(
+        "foreign basis (change bound %g): %s change %.3g residual %.3g err %.3g "
+        "(eigh %.3g)\n",
+        wo.max_change, pc_warm_path_name(wi.path), wi.change, wi.residual, e, e1);
     assert_int_equal(st, PC_OK);
     assert_int_equal(wi.path, PC_WARM_COLD);
     assert_false(f.basis.valid);
     assert_true(wi.root.iters > 0); /* Newton ran */
-    if (lifted) assert_true(wi.residual > wo.guard_tol);
-    else assert_true(wi.change > wo.max_change);
+    if (lifted)
+      assert_true(wi.residual > wo.guard_tol);
+    else
+      assert_true(wi.change > wo.max_change);
     assert_true(e <= 1.5 * e1 + 1e-5);
   }
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &wo, &f.basis, &wi), PC_OK);
@@ -279,7 +290,9 @@ static void test_sweeps_and_precision(void **state) {
   assert_int_equal(wi.path, PC_WARM_ROTATED);
   assert_true(e <= 2.0 * e1 + 1e-5);
   fixture_free(&f);
-  free(a0); free(a1); free(x);
+  free(a0);
+  free(a1);
+  free(x);
 }
 
 /* NaN or Inf input: nothing touched, the basis stays valid. Bad arguments: PC_EINVAL. */
@@ -308,25 +321,36 @@ static void test_bad_input(void **state) {
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &wo, NULL, NULL), PC_EINVAL);
   assert_int_equal(pc_inverse_root_warm_f32(f.n - 1, f.a1f, f.x, &o, &wo, &f.basis, NULL),
                    PC_EINVAL);
-  assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.a1f, &o, &wo, &f.basis, NULL),
-                   PC_EINVAL);
-  assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, NULL, &wo, &f.basis, NULL),
-                   PC_EINVAL);
+  assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.a1f, &o, &wo, &f.basis, NULL), PC_EINVAL);
+  assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, NULL, &wo, &f.basis, NULL), PC_EINVAL);
   pc_warm_opts w;
   const int nbad = 7;
   for (int k = 0; k < nbad; k++) {
     pc_warm_opts_default(&w);
     switch (k) {
-    case 0: w.sweeps = 0; break;
-    case 1: w.skip_tol = NAN; break;
-    case 2: w.skip_tol = -1; break;
-    case 3: w.guard_tol = 0; break;
-    case 4: w.max_change = NAN; break;
-    case 5: w.wide = 2; break;
-    default: w.reuse_root = -1; break;
+      case 0:
+        w.sweeps = 0;
+        break;
+      case 1:
+        w.skip_tol = NAN;
+        break;
+      case 2:
+        w.skip_tol = -1;
+        break;
+      case 3:
+        w.guard_tol = 0;
+        break;
+      case 4:
+        w.max_change = NAN;
+        break;
+      case 5:
+        w.wide = 2;
+        break;
+      default:
+        w.reuse_root = -1;
+        break;
     }
-    assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &w, &f.basis, NULL),
-                     PC_EINVAL);
+    assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &o, &w, &f.basis, NULL), PC_EINVAL);
   }
   pc_eigbasis_f32 e;
   assert_int_equal(pc_eigbasis_init_f32(&e, 0), PC_EINVAL);
@@ -341,17 +365,16 @@ static void test_bad_input(void **state) {
   assert_int_equal(pc_eigbasis_bytes_f64(4), 4 * 4 * sizeof(double) + 4 * sizeof(double));
   assert_string_equal(pc_warm_path_name(PC_WARM_COLD), "cold");
   assert_string_equal(pc_warm_path_name((pc_warm_path)99), "unknown");
-  free(held); free(x0);
+  free(held);
+  free(x0);
   fixture_free(&f);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_warm_moved),
-    cmocka_unit_test(test_skip),
-    cmocka_unit_test(test_guard),
-    cmocka_unit_test(test_sweeps_and_precision),
-    cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_warm_moved), cmocka_unit_test(test_skip),
+      cmocka_unit_test(test_guard),      cmocka_unit_test(test_sweeps_and_precision),
+      cmocka_unit_test(test_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

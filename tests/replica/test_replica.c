@@ -30,8 +30,8 @@
 static const char *g_mpirun, *g_precondd, *g_transformer;
 
 typedef struct {
-  pid_t pid;              /* mpirun, or precondd alone */
-  int nranks;             /* 0: precondd without mpirun */
+  pid_t pid;  /* mpirun, or precondd alone */
+  int nranks; /* 0: precondd without mpirun */
   char dir[64];
   char addr[MAX_RANKS][128];
   grpc_channel *ch[MAX_RANKS];
@@ -97,9 +97,10 @@ static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
   snprintf(log, sizeof log, "%s/log", c->dir);
   const char *argv[48];
   int n = nranks > 0 ? mpirun_argv(argv, np, sizeof np, nranks) : 0;
-  const char *const common[] = {g_precondd, "--listen", sock, "--state-dir", state,
-                                "--port-file", port, "--threads", "1", "--grace-period", "2",
-                                "--drift-threshold", "0"};
+  const char *const common[] = {g_precondd, "--listen",       sock, "--state-dir",
+                                state,      "--port-file",    port, "--threads",
+                                "1",        "--grace-period", "2",  "--drift-threshold",
+                                "0"};
   for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
   for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
   argv[n] = NULL;
@@ -263,8 +264,8 @@ static grpc_status_code do_register(grpc_channel *ch, const char *job, size_t nt
   req.n_tensors = nt;
   req.tensors = ptrs;
   req.worker = (char *)"test";
-  return call(ch, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor,
-              resp, msg);
+  return call(ch, RPC_METHOD_REGISTER, &req.base, &precond__v1__register_response__descriptor, resp,
+              msg);
 }
 
 /* Deterministic pseudo-random numbers in [-1, 1). */
@@ -345,8 +346,7 @@ static Precond__V1__FetchResponse *wait_roots(grpc_channel *ch, const char *job,
     protobuf_c_message_free_unpacked(&f->base, NULL);
     sleep_ms(20);
   }
-  fail_msg("job %s: roots of step %llu did not arrive within 30 s", job,
-           (unsigned long long)step);
+  fail_msg("job %s: roots of step %llu did not arrive within 30 s", job, (unsigned long long)step);
   return NULL;
 }
 
@@ -355,9 +355,9 @@ static Precond__V1__StatsResponse *get_stats(grpc_channel *ch, const char *job) 
   req.job = (char *)job;
   req.blocks = 1;
   Precond__V1__StatsResponse *s = NULL;
-  assert_int_equal(call(ch, RPC_METHOD_GET_STATS, &req.base,
-                        &precond__v1__stats_response__descriptor, &s, NULL),
-                   GRPC_STATUS_OK);
+  assert_int_equal(
+      call(ch, RPC_METHOD_GET_STATS, &req.base, &precond__v1__stats_response__descriptor, &s, NULL),
+      GRPC_STATUS_OK);
   return s;
 }
 
@@ -432,8 +432,7 @@ static void check_replicas(int nranks) {
     }
     const Precond__V1__BlockRoots *s = ref->preconditioners[i];
     assert_true(rel_diff(a->left->data.len / 4, a->left->data.data, s->left->data.data) < 1e-4);
-    assert_true(rel_diff(a->right->data.len / 4, a->right->data.data, s->right->data.data) <
-                1e-4);
+    assert_true(rel_diff(a->right->data.len / 4, a->right->data.data, s->right->data.data) < 1e-4);
   }
 
   /* Each rank reports itself, the ownership and the per-rank load; roots crossed ranks. */
@@ -516,10 +515,8 @@ static void test_restart(void **state) {
   for (int r = 0; r < 2; r++) {
     Precond__V1__FetchResponse *after = wait_roots(c.ch[r], job, nb, 1);
     for (size_t i = 0; i < nb; i++) {
-      assert_int_equal(after->preconditioners[i]->version,
-                       before[r]->preconditioners[i]->version);
-      assert_int_equal(after->preconditioners[i]->version,
-                       before[0]->preconditioners[i]->version);
+      assert_int_equal(after->preconditioners[i]->version, before[r]->preconditioners[i]->version);
+      assert_int_equal(after->preconditioners[i]->version, before[0]->preconditioners[i]->version);
     }
     protobuf_c_message_free_unpacked(&after->base, NULL);
   }
@@ -597,11 +594,11 @@ static int run_transformer(const char *dir, const char *out, int nworkers, const
   snprintf(log, sizeof log, "%s/%s.log", dir, out);
   const char *argv[64];
   int n = nworkers > 0 ? mpirun_argv(argv, np, sizeof np, nworkers) : 0;
-  const char *const args[] = {g_transformer, "--optimizer", "shampoo",
-                              "--steps", "20", "--batch", "8", "--context", "32",
-                              "--d-model", "64", "--layers", "1", "--block-size", "32",
-                              "--eval-every", "0", "--eval-batches", "2", "--quiet",
-                              "--daemon", daemon, "--out", outdir};
+  const char *const args[] = {
+      g_transformer, "--optimizer",  "shampoo",  "--steps",      "20",    "--batch",
+      "8",           "--context",    "32",       "--d-model",    "64",    "--layers",
+      "1",           "--block-size", "32",       "--eval-every", "0",     "--eval-batches",
+      "2",           "--quiet",      "--daemon", daemon,         "--out", outdir};
   for (size_t i = 0; i < sizeof args / sizeof args[0]; i++) argv[n++] = args[i];
   if (sync) argv[n++] = "--sync-roots";
   argv[n] = NULL;
@@ -638,8 +635,7 @@ static void test_data_parallel(void **state) {
   assert_int_equal(nb, 20);
   double worst = 0;
   for (int i = 0; i < na; i++) worst = fmax(worst, fabs(a[i] - b[i]) / fabs(a[i]));
-  fprintf(stderr, "data-parallel: largest relative loss difference %.3g over 20 steps\n",
-          worst);
+  fprintf(stderr, "data-parallel: largest relative loss difference %.3g over 20 steps\n", worst);
   assert_true(worst <= 1e-4);
   assert_true(a[na - 1] < a[0]); /* it trained */
   snprintf(log2, sizeof log2, "%s/w2.log", two.dir);
@@ -671,8 +667,8 @@ static void test_data_parallel(void **state) {
   snprintf(log3, sizeof log3, "%s/w3.log", two.dir);
   const char *argv[32];
   int n = mpirun_argv(argv, np, sizeof np, 3);
-  const char *const args[] = {g_transformer, "--optimizer", "shampoo", "--steps", "2",
-                              "--batch", "8", "--daemon", daemon2, "--quiet", NULL};
+  const char *const args[] = {g_transformer, "--optimizer", "shampoo", "--steps", "2", "--batch",
+                              "8",           "--daemon",    daemon2,   "--quiet", NULL};
   for (size_t i = 0; args[i]; i++) argv[n++] = args[i];
   argv[n] = NULL;
   int st = wait_exit(spawn_argv(argv, log3), 60000);
@@ -696,10 +692,8 @@ int main(int argc, char **argv) {
   }
   atexit(kill_live);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_two_ranks),
-      cmocka_unit_test(test_three_ranks),
-      cmocka_unit_test(test_restart),
-      cmocka_unit_test(test_data_parallel),
+      cmocka_unit_test(test_two_ranks),  cmocka_unit_test(test_three_ranks),
+      cmocka_unit_test(test_restart),    cmocka_unit_test(test_data_parallel),
       cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -44,8 +44,8 @@ typedef struct {
 static void net_init(convnet *m) {
   memset(m, 0, sizeof *m);
   assert_int_equal(ac_backend_create(&m->be, NULL), AC_OK);
-  assert_int_equal(ac_conv2d_init(&m->conv, m->be, "conv", 1, C, HW, HW, 3, 1, 1, 1, N, 8,
-                                  NULL, 11), AC_OK);
+  assert_int_equal(
+      ac_conv2d_init(&m->conv, m->be, "conv", 1, C, HW, HW, 3, 1, 1, 1, N, 8, NULL, 11), AC_OK);
   assert_int_equal(ac_batchnorm_init(&m->bn, m->be, "bn", C, HW * HW, 1e-5f, 0.1f, N), AC_OK);
   assert_int_equal(ac_batchnorm_fuse_relu(&m->bn), AC_OK);
   assert_int_equal(ac_gap_init(&m->gap, m->be, C, HW * HW, N), AC_OK);
@@ -62,8 +62,8 @@ static void net_init(convnet *m) {
     y[b] = b % CLASSES;
     for (int i = 0; i < HW * HW; i++) {
       seed = seed * 1664525u + 1013904223u;
-      x[b * HW * HW + i] = (float)((seed >> 8) % 1000) / 1000.0f - 0.5f +
-                           (i / HW == 2 * y[b] ? 2.0f : 0.0f);
+      x[b * HW * HW + i] =
+          (float)((seed >> 8) % 1000) / 1000.0f - 0.5f + (i / HW == 2 * y[b] ? 2.0f : 0.0f);
     }
   }
   void *p = NULL;
@@ -115,7 +115,7 @@ static void opts_for(pt_options *o, const char *job, int sync) {
   o->daemon = precondd.addr;
   o->job = job;
   o->sync_roots = sync;
-  o->kfac.steps_per_epoch = 4;   /* factors every step in the first epoch, then every 3 */
+  o->kfac.steps_per_epoch = 4; /* factors every step in the first epoch, then every 3 */
   o->kfac.k.factor_every = 3;
   o->kfac.k.inv_every = 2;
   o->kfac.quiet = 1;

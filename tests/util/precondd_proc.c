@@ -73,8 +73,8 @@ int pdproc_start(pdproc *d, const pdproc_opts *opts) {
   }
   const char *path = opts->path != NULL ? opts->path : getenv("PRECONDD");
   if (path == NULL || d->pid > 0) {
-    fprintf(stderr, "pdproc_start: %s\n", path == NULL ? "no precondd path ($PRECONDD)"
-                                                       : "the daemon is already running");
+    fprintf(stderr, "pdproc_start: %s\n",
+            path == NULL ? "no precondd path ($PRECONDD)" : "the daemon is already running");
     return -1;
   }
   if (d->dir[0] == '\0') {
@@ -173,8 +173,8 @@ int pdproc_start(pdproc *d, const pdproc_opts *opts) {
     }
     pdproc__sleep_ms(10);
   }
-  fprintf(stderr, "pdproc_start: precondd did not write %s within %d ms (log: %s)\n",
-          port_file, opts->wait_ms, d->log[0] ? d->log : "stderr");
+  fprintf(stderr, "pdproc_start: precondd did not write %s within %d ms (log: %s)\n", port_file,
+          opts->wait_ms, d->log[0] ? d->log : "stderr");
   pdproc_stop(d, SIGKILL);
   return -1;
 }
@@ -201,8 +201,8 @@ int pdproc_stop(pdproc *d, int sig) {
     pdproc__sleep_ms(10);
   }
   if (status < 0) {
-    fprintf(stderr, "pdproc_stop: precondd %d did not exit within 30 s of signal %d\n",
-            (int)pid, sig);
+    fprintf(stderr, "pdproc_stop: precondd %d did not exit within 30 s of signal %d\n", (int)pid,
+            sig);
     kill(pid, SIGKILL);
     waitpid(pid, &st, 0);
   }

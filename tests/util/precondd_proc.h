@@ -16,30 +16,30 @@
 #include <sys/types.h>
 
 typedef struct {
-  const char *path;          /* the precondd binary; NULL: $PRECONDD */
-  const char *listen;        /* --listen; NULL: "127.0.0.1:0" (a free port, read back) */
-  const char *state_dir;     /* NULL: <dir>/state; "": no --state-dir (nothing survives a
+  const char *path;         /* the precondd binary; NULL: $PRECONDD */
+  const char *listen;       /* --listen; NULL: "127.0.0.1:0" (a free port, read back) */
+  const char *state_dir;    /* NULL: <dir>/state; "": no --state-dir (nothing survives a
                                 restart) */
-  int threads;               /* --threads; default 1 */
-  int io_threads;            /* --io-threads; 0 (default): the daemon's */
-  int grace_period;          /* --grace-period in seconds; 0 (default): the daemon's */
-  const char *log_level;     /* --log-level; NULL (default): the daemon's */
-  int inherit_stderr;        /* 1: the daemon writes to this process's stderr (the test log)
+  int threads;              /* --threads; default 1 */
+  int io_threads;           /* --io-threads; 0 (default): the daemon's */
+  int grace_period;         /* --grace-period in seconds; 0 (default): the daemon's */
+  const char *log_level;    /* --log-level; NULL (default): the daemon's */
+  int inherit_stderr;       /* 1: the daemon writes to this process's stderr (the test log)
                                 instead of <dir>/precondd.log. Default 0 */
-  const char *const *extra;  /* more options, NULL-terminated; NULL for none */
-  int wait_ms;               /* how long start waits for the port file; default 20000 */
+  const char *const *extra; /* more options, NULL-terminated; NULL for none */
+  int wait_ms;              /* how long start waits for the port file; default 20000 */
 } pdproc_opts;
 
 typedef struct {
-  pid_t pid;       /* 0 when not running */
-  int port;        /* the bound TCP port of the last start; 0 for a unix socket */
-  char dir[160];   /* working directory: set it before the first start to use the caller's
+  pid_t pid;      /* 0 when not running */
+  int port;       /* the bound TCP port of the last start; 0 for a unix socket */
+  char dir[160];  /* working directory: set it before the first start to use the caller's
                       (which the caller removes), or leave it empty and start makes one
                       under /tmp that pdproc_destroy removes */
-  char addr[128];  /* what a client dials: "127.0.0.1:PORT", or the listen string for
+  char addr[128]; /* what a client dials: "127.0.0.1:PORT", or the listen string for
                       "unix:PATH" */
-  char log[192];   /* the log file (appended to across restarts); "" when inherited */
-  int own_dir;     /* 1 if start made dir */
+  char log[192];  /* the log file (appended to across restarts); "" when inherited */
+  int own_dir;    /* 1 if start made dir */
 } pdproc;
 
 /* Fills o with the defaults above. */
