@@ -16,6 +16,7 @@
 
 #include "precondd.h"
 #include "preconditioner.h"
+#include "shampoo_fixture.h"
 
 #define N 48 /* one block of N x N: both factors of order N */
 
@@ -35,26 +36,8 @@ static void gram(float *packed) {
   free(g);
 }
 
-typedef struct {
-  pd_stats stats;
-  pd_store store;
-  pd_job *job;
-} fixture;
-
 static int setup(void **state) {
-  fixture *f = calloc(1, sizeof *f);
-  char err[256];
-  pd_stats_init(&f->stats);
-  pd_store_init(&f->store, &f->stats, (size_t)1 << 30, 1000);
-  pd_shampoo_opts o = {0};
-  assert_int_equal(pd_mode_shampoo.resolve(&o, err, sizeof err), PD_OK);
-  o.block_size = N;
-  uint64_t dims[2] = {N, N};
-  pd_tensor t = {(char *)"w", 2, dims};
-  pd_job *existing;
-  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err),
-                   PD_OK);
-  assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
+  fixture *f = shampoo_fixture(N, N, N);
   assert_int_equal(f->job->nblocks, 1);
   *state = f;
   return 0;

@@ -15,6 +15,7 @@
 
 #include "precondd.h"
 #include "preconditioner.h"
+#include "shampoo_fixture.h"
 
 static uint64_t seed = 99;
 static float rnd(void) {
@@ -31,26 +32,8 @@ static void spd(size_t n, float *packed) {
   free(g);
 }
 
-typedef struct {
-  pd_stats stats;
-  pd_store store;
-  pd_job *job;
-} fixture;
-
 static int setup(void **state) {
-  fixture *f = calloc(1, sizeof *f);
-  char err[256];
-  pd_stats_init(&f->stats);
-  pd_store_init(&f->store, &f->stats, (size_t)1 << 30, 1000);
-  pd_shampoo_opts o = {0};
-  pd_mode_shampoo.resolve(&o, err, sizeof err);
-  o.block_size = 6;
-  uint64_t dims[2] = {12, 18}; /* 2 x 3 blocks of 6 x 6 */
-  pd_tensor t = {(char *)"w", 2, dims};
-  pd_job *existing;
-  assert_int_equal(pd_job_build("j", &pd_mode_shampoo, &o, 1, &t, 100, &f->job, err, sizeof err),
-                   PD_OK);
-  assert_int_equal(pd_store_add(&f->store, f->job, &existing), PD_OK);
+  fixture *f = shampoo_fixture(6, 12, 18); /* 2 x 3 blocks of 6 x 6 */
   for (size_t i = 0; i < f->job->nblocks; i++) {
     pd_block *b = &f->job->blocks[i];
     spd(b->rows, b->stat[0]);
