@@ -328,7 +328,8 @@ static int run_load(const opts_t *o, const char *addr) {
   pthread_t *th = calloc((size_t)o->clients, sizeof *th);
   FILE *csv = o->rss_csv ? fopen(o->rss_csv, "w") : NULL;
   if (!cs || !th || (o->rss_csv && !csv)) {
-    fprintf(stderr, "load-client: out of memory or cannot write %s\n", o->rss_csv ? o->rss_csv : "");
+    fprintf(stderr, "load-client: out of memory or cannot write %s\n",
+            o->rss_csv ? o->rss_csv : "");
     return 1;
   }
   if (csv) fprintf(csv, "t_s,rss_kib\n");
