@@ -27,6 +27,7 @@
 #define PRECOND_RPC_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include <grpc/grpc.h>
 #include <grpc/status.h>
@@ -163,6 +164,13 @@ int rpc_packed_decode(int encoding, const void *data, size_t len, size_t count, 
 /* Encodes count values of in into out (count * width bytes, any alignment). RPC_EINVAL for
  * an unknown encoding. */
 int rpc_packed_encode(int encoding, const float *in, size_t count, void *out);
+
+/* ---- json.c: the JSON string escaper of precondctl and the benchmark clients ---------- */
+
+/* Writes s to f as a JSON string literal: quotes, backslash escapes for '"', '\\', \n, \r,
+ * \t and \u00XX for the other control characters; other bytes (UTF-8 included) as they
+ * are. NULL writes "". Write errors are left in f's error flag (ferror). */
+void rpc_json_string(FILE *f, const char *s);
 
 #ifdef __cplusplus
 }
