@@ -79,28 +79,25 @@ typedef struct {
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
   int ndaemon_args;
   double memcpy_mb_s[MAX_LIST]; /* per size, measured before any daemon runs */
+  double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
+  int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
+  const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
+  int nchannel_args;
 } bench_opts;
 
 static int g_window_mb;
+static const bench_opts *g_opts; /* the measured channels read --channel-arg from here */
 
-/* A channel with the size limits of rpc_channel_create and, with --window-mb, a larger
- * HTTP/2 receive window (lookahead): a big answer then needs fewer WINDOW_UPDATE round
- * trips. Released with rpc_channel_destroy (which gives back this grpc_init). */
+/* A channel with the arguments of rpc_channel_create (size limits, transport defaults),
+ * then --window-mb as the HTTP/2 receive window (lookahead) and every --channel-arg.
+ * Released with rpc_channel_destroy (which gives back this grpc_init). */
 static grpc_channel *bench_channel(const char *addr) {
-  if (g_window_mb <= 0) return rpc_channel_create(addr, 0);
-  grpc_arg args[3];
-  grpc_channel_args ca;
-  rpc_size_args(&ca, args, 0);
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES;
-  args[2].value.integer = g_window_mb << 20;
-  ca.num_args = 3;
-  ca.args = args;
-  grpc_init();
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(addr, creds, &ca);
-  grpc_channel_credentials_release(creds);
-  return ch;
+  rpc_args a;
+  rpc_args_init(&a, 0);
+  if (g_window_mb > 0) rpc_args_set_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, g_window_mb << 20);
+  for (int i = 0; g_opts != NULL && i < g_opts->nchannel_args; i++)
+    rpc_args_parse(&a, g_opts->channel_args[i]); /* checked when parsed in main */
+  return rpc_channel_create_args(addr, &a);
 }
 
 static double now_s(void) {
@@ -143,10 +140,21 @@ static void usage(FILE *f) {
           "                      of 256 pushed to rank 0 per step (3 steps): roots/s, and the\n"
           "                      time from a step's push to every rank holding every root\n"
           "  --ranks LIST        daemon ranks of the replica rows (default 1,2)\n"
+          "  --wire              the wire alone: per size (default 128,256,...,4096: 64 KiB\n"
+          "                      to 64 MiB pushes) a memcpy row, then push and fetch rows per\n"
+          "                      transport; with --spawn pushes go to a daemon without a\n"
+          "                      pool (--threads 0), fetches to one whose roots were computed\n"
+          "                      before the clock starts (fetches queue no work); clients\n"
+          "                      default to 1, --fetch-max to 2048; no root or pool rows\n"
+          "  --channel-arg K=V   a gRPC argument (integer) of the measured channels over the\n"
+          "                      defaults (repeat, up to 8); the daemon's: --daemon-arg\n"
+          "                      --grpc-arg --daemon-arg K=V\n"
+          "  --json              rows as one JSON array of objects (the CSV header's keys)\n"
           "  --help\n"
           "\n"
           "Pushes leave dirty blocks: the daemon computes their roots afterwards (with --addr,\n"
-          "that work stays on the daemon). CSV on stdout, notes on stderr.\n");
+          "that work stays on the daemon; --wire with --spawn keeps it out). CSV on stdout,\n"
+          "notes on stderr.\n");
 }
 
 static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n) {
@@ -397,36 +405,65 @@ static double percentile(const double *sorted, size_t n, double q) {
   return sorted[i < n ? i : n - 1];
 }
 
-/* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s). */
-static double memcpy_mb_s(size_t bytes) {
+/* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s); pct (NULL: not wanted)
+ * gets the p50/p90/p99 of one copy in ms. */
+static double memcpy_mb_s(size_t bytes, double pct[3]) {
+  enum { MAXLAT = 1 << 16 };
   unsigned char *a = malloc(bytes), *b = malloc(bytes);
-  if (a == NULL || b == NULL) {
+  double *lat = malloc(MAXLAT * sizeof(double));
+  if (a == NULL || b == NULL || lat == NULL) {
     free(a);
     free(b);
+    free(lat);
     return 0.0;
   }
   memset(a, 1, bytes);
   memset(b, 0, bytes);
   size_t reps = 0;
-  double t0 = now_s(), t;
+  double t0 = now_s(), t = t0;
   do {
+    double c0 = t;
     memcpy(b, a, bytes);
     a[reps % bytes] = b[(reps * 7) % bytes]; /* keep the copies observable */
-    reps++;
     t = now_s();
+    if (reps < MAXLAT) lat[reps] = 1e3 * (t - c0);
+    reps++;
   } while (t - t0 < 0.2 || reps < 3);
   double mbs = (double)bytes * (double)reps / (t - t0) / 1e6;
+  if (pct != NULL) {
+    size_t m = reps < MAXLAT ? reps : MAXLAT;
+    qsort(lat, m, sizeof(double), cmp_double);
+    pct[0] = percentile(lat, m, 0.5);
+    pct[1] = percentile(lat, m, 0.9);
+    pct[2] = percentile(lat, m, 0.99);
+  }
   free(a);
   free(b);
+  free(lat);
   return mbs;
 }
 
+static int g_json, g_rows; /* --json: rows as objects of one array; rows printed so far */
+
+/* One row, CSV or (--json) an object with the CSV header's keys. payload_bytes: bytes of
+ * statistics or roots one operation carries (0 where rows count no bytes). */
 static void print_row(const char *bench, const char *transport, size_t n, int clients, uint64_t ops,
                       double secs, double mbs, double ops_s, const double *p, const char *baseline,
-                      double base_value) {
-  printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f\n", bench, transport, n,
-         clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline, base_value,
-         base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0);
+                      double base_value, size_t payload_bytes) {
+  double ratio =
+      base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0;
+  if (g_json)
+    printf("%s{\"bench\":\"%s\",\"transport\":\"%s\",\"block\":%zu,\"clients\":%d,"
+           "\"ops\":%llu,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"ops_per_s\":%.1f,"
+           "\"p50_ms\":%.3f,\"p90_ms\":%.3f,\"p99_ms\":%.3f,\"baseline\":\"%s\","
+           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"payload_bytes\":%zu}",
+           g_rows ? ",\n" : "", bench, transport, n, clients, (unsigned long long)ops, secs, mbs,
+           ops_s, p[0], p[1], p[2], baseline, base_value, ratio, payload_bytes);
+  else
+    printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f,%zu\n", bench, transport,
+           n, clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline,
+           base_value, ratio, payload_bytes);
+  g_rows++;
   fflush(stdout);
 }
 
@@ -485,7 +522,7 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
                    percentile(all, total, 0.99)};
     print_row(fetch ? (pl->bf16 ? "fetch-bf16" : "fetch") : (pl->bf16 ? "push-bf16" : "push"),
               transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
-              "memcpy", memcpy_rate);
+              "memcpy", memcpy_rate, 2 * pl->bytes);
     rc = 0;
   }
   free(all);
@@ -650,7 +687,7 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
   double daemon_s = now_s() - t0;
   double zero[3] = {0, 0, 0};
   print_row("pool", transport, n, pool_threads, (uint64_t)B, daemon_s, 0.0, (double)B / daemon_s,
-            zero, "single_thread", local_rate);
+            zero, "single_thread", local_rate, 0);
   rc = 0;
 
 cleanup:
@@ -787,7 +824,7 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
   double p[3] = {percentile(lat, (size_t)done, 0.5), percentile(lat, (size_t)done, 0.9),
                  percentile(lat, (size_t)done, 0.99)};
   print_row(like->bf16 ? "root-bf16" : "root", transport, n, 1, (uint64_t)done, sum_ms / 1e3, 0.0,
-            1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s);
+            1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s, 0);
   rc = 0;
 
 cleanup:
@@ -903,9 +940,9 @@ static int run_snapshot(const bench_opts *o) {
   double restore_s = log_seconds(d.log, "restored");
   double zero[3] = {0, 0, 0};
   print_row("snapshot-write", "tcp", n, o->threads, nblocks, write_s, file_mb * 1.048576 / write_s,
-            (double)nblocks / write_s, zero, "none", 0.0);
+            (double)nblocks / write_s, zero, "none", 0.0, 0);
   print_row("snapshot-restore", "tcp", n, o->threads, nblocks, restore_s,
-            file_mb * 1.048576 / restore_s, (double)nblocks / restore_s, zero, "none", 0.0);
+            file_mb * 1.048576 / restore_s, (double)nblocks / restore_s, zero, "none", 0.0, 0);
   rc = write_s > 0 && restore_s > 0 ? 0 : -1;
 
 cleanup:
@@ -915,7 +952,6 @@ cleanup:
   return rc;
 }
 
-/* Every push and fetch cell of one daemon. */
 /* ------------------------------------------------------------------------------------ */
 /* Replica rows (docs/replicas.md)                                                        */
 
@@ -1028,7 +1064,7 @@ static int run_replicas(const bench_opts *o) {
       qsort(ms, steps, sizeof ms[0], cmp_double);
       double pct[3] = {ms[1], ms[2], ms[2]};
       print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
-                "first_ranks_row", rate1);
+                "first_ranks_row", rate1, 0);
     }
     for (int r = 0; r < R; r++)
       if (ch[r] != NULL) rpc_channel_destroy(ch[r]);
@@ -1043,7 +1079,10 @@ static int run_replicas(const bench_opts *o) {
   return rc;
 }
 
-static int run_transport(const bench_opts *o, const char *addr, const char *transport) {
+/* Every push and fetch cell of one transport: pushes to push_addr, fetches from fetch_addr
+ * (the same daemon but with --wire --spawn), root rows on push_addr. */
+static int run_transport(const bench_opts *o, const char *push_addr, const char *fetch_addr,
+                         const char *transport) {
   int rc = 0;
   for (int si = 0; si < o->nsizes; si++) {
     size_t n = o->sizes[si];
@@ -1067,21 +1106,26 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
       pl = (payload){n, half, pc_packed_len(n) * sizeof(uint16_t), 1};
     }
     double mc = o->memcpy_mb_s[si];
-    grpc_channel *ch = rpc_channel_create(addr, 0);
+    grpc_channel *ch = rpc_channel_create(push_addr, 0);
+    grpc_channel *fch = strcmp(push_addr, fetch_addr) == 0 ? ch : rpc_channel_create(fetch_addr, 0);
     char pjob[96], fjob[96];
     snprintf(pjob, sizeof pjob, "bench-push-%d-%s-%zu", (int)getpid(), transport, n);
     snprintf(fjob, sizeof fjob, "bench-fetch-%d-%s-%zu", (int)getpid(), transport, n);
     int have_fetch = 0;
     if (ch == NULL || register_job(ch, pjob, n, maxc) != 0) {
       rc = -1;
-    } else if (n <= o->fetch_max && register_job(ch, fjob, n, 1) == 0) {
+    } else if (n <= o->fetch_max && fch != NULL && register_job(fch, fjob, n, 1) == 0) {
       push_msg pm;
       push_init(&pm, fjob, 0, &pl);
       ProtobufCMessage *resp = NULL;
-      if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+      uint64_t depth = 1;
+      if (call_ok(fch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
                   &precond__v1__push_response__descriptor, &resp) == 0 &&
-          wait_roots(ch, fjob, 1, 1, 600.0) == 0)
+          wait_roots(fch, fjob, 1, 1, 600.0) == 0 && queue_depth(fch, &depth) == 0)
         have_fetch = 1;
+      if (have_fetch && depth > 0)
+        fprintf(stderr, "bench-daemon: fetch daemon still has %llu blocks queued\n",
+                (unsigned long long)depth);
       if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     } else if (n > o->fetch_max) {
       fprintf(stderr, "bench-daemon: no fetch rows for n = %zu (above --fetch-max %zu)\n", n,
@@ -1096,11 +1140,12 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
                 n, k, (double)k * (double)req_bytes / 1e6, o->max_inflight_mb);
         continue;
       }
-      if (have_fetch && run_cell(o, addr, transport, 1, fjob, k, &pl, mc) != 0) rc = -1;
-      if (run_cell(o, addr, transport, 0, pjob, k, &pl, mc) != 0) rc = -1;
+      if (have_fetch && run_cell(o, fetch_addr, transport, 1, fjob, k, &pl, mc) != 0) rc = -1;
+      if (run_cell(o, push_addr, transport, 0, pjob, k, &pl, mc) != 0) rc = -1;
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
       rc = -1;
+    if (fch != NULL && fch != ch) rpc_channel_destroy(fch);
     if (ch != NULL) rpc_channel_destroy(ch);
     free(packed);
     free(half);
@@ -1117,8 +1162,7 @@ int main(int argc, char **argv) {
                   .max_inflight_mb = 256,
                   .transports = 3,
                   .reps = 5};
-  parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
-  parse_list("1,4,16", NULL, o.clients, &o.nclients);
+  int sizes_set = 0, clients_set = 0, fetch_set = 0;
   parse_list("1,2", NULL, o.ranks, &o.nranks);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -1133,6 +1177,12 @@ int main(int argc, char **argv) {
     } else if (strcmp(a, "--bf16") == 0) {
       o.bf16 = 1;
       continue;
+    } else if (strcmp(a, "--wire") == 0) {
+      o.wire = 1;
+      continue;
+    } else if (strcmp(a, "--json") == 0) {
+      g_json = 1;
+      continue;
     }
     if (v == NULL) {
       fprintf(stderr, "bench-daemon: %s needs a value (see --help)\n", a);
@@ -1144,13 +1194,13 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--spawn") == 0)
       o.spawn = v;
     else if (strcmp(a, "--sizes") == 0)
-      bad = parse_list(v, o.sizes, NULL, &o.nsizes);
+      bad = parse_list(v, o.sizes, NULL, &o.nsizes) || !(sizes_set = 1);
     else if (strcmp(a, "--clients") == 0)
-      bad = parse_list(v, NULL, o.clients, &o.nclients);
+      bad = parse_list(v, NULL, o.clients, &o.nclients) || !(clients_set = 1);
     else if (strcmp(a, "--seconds") == 0)
       bad = (o.seconds = atof(v)) <= 0 || o.seconds > 3600;
     else if (strcmp(a, "--fetch-max") == 0)
-      bad = (o.fetch_max = (size_t)atol(v)) == 0;
+      bad = (o.fetch_max = (size_t)atol(v)) == 0 || !(fetch_set = 1);
     else if (strcmp(a, "--pool-blocks") == 0)
       bad = (o.pool_blocks = atoi(v)) < 0 || o.pool_blocks > 256;
     else if (strcmp(a, "--threads") == 0)
@@ -1159,7 +1209,12 @@ int main(int argc, char **argv) {
       bad = (o.window_mb = atoi(v)) < 0 || o.window_mb > 1024;
     else if (strcmp(a, "--root-noise") == 0)
       bad = !((o.root_noise = atof(v)) >= 0) || o.root_noise > 1e6;
-    else if (strcmp(a, "--daemon-arg") == 0) {
+    else if (strcmp(a, "--channel-arg") == 0) {
+      rpc_args check;
+      rpc_args_init(&check, 0);
+      bad = o.nchannel_args == 8 || rpc_args_parse(&check, v) != RPC_OK;
+      if (!bad) o.channel_args[o.nchannel_args++] = v;
+    } else if (strcmp(a, "--daemon-arg") == 0) {
       bad = o.ndaemon_args == 8;
       if (!bad) o.daemon_args[o.ndaemon_args++] = v;
     } else if (strcmp(a, "--reps") == 0)
@@ -1181,6 +1236,13 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  /* --wire: message sizes 64 KiB (n = 128: 2 x 33 KB) to 64 MiB (n = 4096), one client,
+   * and only the wire's rows. */
+  if (!sizes_set) parse_list(o.wire ? "128,256,512,1024,2048,4096" : "256,1024,4096", o.sizes,
+                             NULL, &o.nsizes);
+  if (!clients_set) parse_list(o.wire ? "1" : "1,4,16", NULL, o.clients, &o.nclients);
+  if (o.wire && !fetch_set) o.fetch_max = 2048;
+  if (o.wire) o.reps = o.pool_blocks = 0;
   for (int i = 0; i < o.nclients; i++)
     if (o.clients[i] > MAX_LIST * 16) {
       fprintf(stderr, "bench-daemon: at most %d clients\n", MAX_LIST * 16);
@@ -1200,18 +1262,50 @@ int main(int argc, char **argv) {
   }
   signal(SIGPIPE, SIG_IGN);
   g_window_mb = o.window_mb;
+  g_opts = &o;
   /* The memcpy limit is taken first, before any daemon computes roots on this machine. */
   for (int si = 0; si < o.nsizes; si++)
-    o.memcpy_mb_s[si] = memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4));
-  printf(
-      "bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
-      "baseline,baseline_value,ratio\n");
+    o.memcpy_mb_s[si] =
+        memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4), o.memcpy_pct[si]);
+  if (g_json)
+    printf("[\n");
+  else
+    printf(
+        "bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
+        "baseline,baseline_value,ratio,payload_bytes\n");
+  for (int si = 0; o.wire && si < o.nsizes; si++) {
+    size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
+    print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si], o.memcpy_mb_s[si] * 1e6 /
+              (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+  }
   int rc = 0;
-  if (o.mpirun != NULL) return run_replicas(&o) == 0 ? 0 : 1;
-  if (o.addr != NULL) {
+  if (o.mpirun != NULL) {
+    rc = run_replicas(&o);
+  } else if (o.addr != NULL) {
     const char *transport = strncmp(o.addr, "unix:", 5) == 0 ? "unix" : "tcp";
     if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0) rc = -1;
-    if (run_transport(&o, o.addr, transport) != 0) rc = -1;
+    if (run_transport(&o, o.addr, o.addr, transport) != 0) rc = -1;
+  } else if (o.wire) {
+    /* Pushes to a daemon without a pool, so that no root competes with the transport for
+     * the cores; fetches from one with a pool thread, idle once the fetched roots exist. */
+    for (int t = 0; t < 2; t++) {
+      pdproc dp, df;
+      if (!(o.transports & (1 << t))) continue;
+      if (spawn_daemon(&o, t == 1, 0, 0, NULL, &dp) != 0) {
+        rc = -1;
+        continue;
+      }
+      if (spawn_daemon(&o, t == 1, 1, 0, NULL, &df) != 0) {
+        pdproc_destroy(&dp);
+        rc = -1;
+        continue;
+      }
+      fprintf(stderr, "bench-daemon: %s daemons: push %s (pid %d), fetch %s (pid %d)\n",
+              t ? "unix" : "tcp", dp.addr, (int)dp.pid, df.addr, (int)df.pid);
+      if (run_transport(&o, dp.addr, df.addr, t ? "unix" : "tcp") != 0) rc = -1;
+      pdproc_destroy(&dp);
+      pdproc_destroy(&df);
+    }
   } else {
     /* The pool rows get a daemon of their own with all its threads; the push and fetch
      * daemons get one pool thread, so the roots their pushes trigger leave a core to the
@@ -1230,10 +1324,11 @@ int main(int argc, char **argv) {
       }
       fprintf(stderr, "bench-daemon: %s daemon at %s (pid %d)\n", t ? "unix" : "tcp", d.addr,
               (int)d.pid);
-      if (run_transport(&o, d.addr, t ? "unix" : "tcp") != 0) rc = -1;
+      if (run_transport(&o, d.addr, d.addr, t ? "unix" : "tcp") != 0) rc = -1;
       pdproc_destroy(&d);
     }
     if (o.snapshot_mb > 0 && run_snapshot(&o) != 0) rc = -1;
   }
+  if (g_json) printf("\n]\n");
   return rc == 0 ? 0 : 1;
 }

@@ -10,7 +10,7 @@
  *
  * Channel: created here rather than with rpc_channel_create because the client sets gRPC's
  * reconnect backoff (its default grows to 120 s, far too slow after a daemon restart) next
- * to rpc_size_args' message limits. Calls go through rpc_call_token (proto/rpc.h).
+ * to rpc_args_init's message limits and transport defaults. Calls go through rpc_call_token (proto/rpc.h).
  */
 #include "precond.h"
 
@@ -595,23 +595,16 @@ static int options_check(const precond_options *o) {
 }
 
 static grpc_channel *channel_create(const precond_options *o) {
-  grpc_arg args[4];
-  grpc_channel_args ca;
-  rpc_size_args(&ca, args, o->max_message_bytes);
+  rpc_args ca; /* size limits and the transport defaults (proto/rpc.c) */
+  rpc_args_init(&ca, o->max_message_bytes);
   /* Reconnect quickly after a daemon restart; the thread's own backoff paces the calls.
    * GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: it is also the time a
    * connection attempt gets to finish its handshake, and at 50 ms a loaded machine never
    * connects (seen under ThreadSanitizer: "tcp handshaker shutdown" forever). */
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
-  args[2].value.integer = o->backoff_initial_ms;
-  args[3].type = GRPC_ARG_INTEGER;
-  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
-  args[3].value.integer = o->backoff_max_ms;
-  ca.num_args = 4;
-  ca.args = args;
+  rpc_args_set_int(&ca, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, o->backoff_initial_ms);
+  rpc_args_set_int(&ca, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, o->backoff_max_ms);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(o->addr, creds, &ca);
+  grpc_channel *ch = grpc_channel_create(o->addr, creds, rpc_args_get(&ca));
   grpc_channel_credentials_release(creds);
   return ch;
 }

@@ -93,6 +93,9 @@ typedef struct {
   double job_idle_expiry_s;   /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
   pd_log_level log_level;
+  char grpc_args[8][128]; /* --grpc-arg KEY=INTEGER: server channel arguments over the
+                           * defaults (proto/rpc.c), checked by main.c */
+  int ngrpc_args;
 } pd_config;
 
 void pd_config_default(pd_config *cfg);

@@ -73,6 +73,37 @@ const char *rpc_status_name(grpc_status_code code);
  * for channels here and for precondd's server. */
 void rpc_size_args(grpc_channel_args *args, grpc_arg arg[2], size_t max_bytes);
 
+/* Channel arguments of every channel and server of this project: the message size limits
+ * and the transport settings measured for large messages (RPC_TRANSPORT_ARGS in rpc.c; the
+ * table and its measurements are in docs/precondd.md, "Wire"), plus what the caller adds.
+ * Caller-allocated, nothing allocated: keys are copied into the struct. */
+#define RPC_ARGS_MAX     16
+#define RPC_ARG_KEY_BYTES 64
+typedef struct {
+  grpc_arg arg[RPC_ARGS_MAX];
+  char key[RPC_ARGS_MAX][RPC_ARG_KEY_BYTES];
+  size_t n;
+  grpc_channel_args args; /* filled by rpc_args_get */
+} rpc_args;
+
+/* The size limits of rpc_size_args (max_bytes as there) and the transport defaults. */
+void rpc_args_init(rpc_args *a, size_t max_bytes);
+
+/* Sets integer argument key to value, replacing an earlier value of the same key (the
+ * defaults included). RPC_EINVAL for a NULL, empty or too long key (RPC_ARG_KEY_BYTES - 1
+ * at most), RPC_ENOMEM when RPC_ARGS_MAX are set. */
+int rpc_args_set_int(rpc_args *a, const char *key, int value);
+
+/* "KEY=INTEGER" (precondd's --grpc-arg, bench-daemon's --channel-arg) as rpc_args_set_int;
+ * RPC_EINVAL for text of another form or a value outside int. */
+int rpc_args_parse(rpc_args *a, const char *key_eq_value);
+
+/* The arguments as gRPC takes them; valid while a lives and is not changed. */
+const grpc_channel_args *rpc_args_get(rpc_args *a);
+
+/* rpc_channel_create with the arguments a (insecure). NULL on a NULL or empty target. */
+grpc_channel *rpc_channel_create_args(const char *target, rpc_args *a);
+
 /* Serialises msg into a new byte buffer. On RPC_OK the caller owns *out and releases it
  * with grpc_byte_buffer_destroy. Returns RPC_EINVAL (NULL argument), RPC_ETOOBIG (packed
  * size above max_bytes; 0 means RPC_DEFAULT_MAX_MESSAGE_BYTES) or RPC_ENOMEM; *out is NULL

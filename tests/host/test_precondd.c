@@ -1464,6 +1464,44 @@ static void test_help(void **state) {
   for (size_t i = 0; i < sizeof opts / sizeof *opts; i++) assert_non_null(strstr(buf, opts[i]));
   snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());
   assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+  const char *bad_args[] = {"grpc.http2.max_frame_size", "=5", "grpc.http2.bdp_probe=x",
+                            "grpc.http2.lookahead_bytes=99999999999"};
+  for (size_t i = 0; i < sizeof bad_args / sizeof *bad_args; i++) {
+    snprintf(cmd, sizeof cmd, "'%s' --grpc-arg '%s' 2>/dev/null", bin(), bad_args[i]);
+    assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+  }
+}
+
+/* --threads 0 (bench-daemon --wire's push daemon): pushes are stored and queued, no root
+ * is ever computed; --grpc-arg reaches the server without stopping it. */
+static void test_no_pool(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  const char *extra[] = {"--threads", "0", "--grpc-arg", "grpc.http2.max_frame_size=1048576",
+                         NULL};
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "nopool", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *st = random_stat(8, 5);
+  blockstat bs = {0, 8, 8, st, st, 0};
+  uint32_t accepted = 0;
+  assert_int_equal(do_push(&d, "nopool", 1, &bs, 1, &accepted, msg), GRPC_STATUS_OK);
+  assert_int_equal(accepted, 1);
+  sleep_ms(300);
+  Precond__V1__StatsResponse *s = get_stats(&d, "nopool");
+  assert_int_equal(s->threads, 0);
+  assert_int_equal(s->queue_depth, 1);
+  assert_int_equal(s->roots_computed, 0);
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  Precond__V1__FetchResponse *f = NULL;
+  assert_int_equal(do_fetch(&d, "nopool", NULL, 0, 0, &f, msg), GRPC_STATUS_OK);
+  assert_int_equal(f->n_preconditioners, 0);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  free(st);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
 }
 
 /* ---- K-FAC (mode MODE_KFAC) ------------------------------------------------------------ */
@@ -1758,6 +1796,7 @@ int main(void) {
       cmocka_unit_test(test_versions_survive_crash),
       cmocka_unit_test(test_end_job_and_idle_expiry),
       cmocka_unit_test(test_kfac),
+      cmocka_unit_test(test_no_pool),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -103,6 +104,40 @@ static void test_size_args(void **state) {
   assert_true((size_t)4096 * 4097 / 2 * 4 * 2 < RPC_DEFAULT_MAX_MESSAGE_BYTES);
 }
 
+static void test_args(void **state) {
+  (void)state;
+  rpc_args a;
+  rpc_args_init(&a, 1000);
+  const grpc_channel_args *ca = rpc_args_get(&a);
+  assert_true(ca->num_args >= 2);
+  assert_string_equal(ca->args[0].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH);
+  assert_int_equal(ca->args[0].value.integer, 1000);
+  size_t n = ca->num_args;
+  /* A default replaced keeps the count; a new key adds one. */
+  assert_int_equal(rpc_args_parse(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH "=77"), RPC_OK);
+  assert_int_equal(rpc_args_set_int(&a, "grpc.test_only_key", -5), RPC_OK);
+  ca = rpc_args_get(&a);
+  assert_int_equal(ca->num_args, n + 1);
+  assert_int_equal(ca->args[1].value.integer, 77);
+  assert_string_equal(ca->args[n].key, "grpc.test_only_key");
+  assert_int_equal(ca->args[n].value.integer, -5);
+  assert_int_equal(ca->args[n].type, GRPC_ARG_INTEGER);
+  const char *bad[] = {"", "=1", "key", "key=", "key=1x", "key=3000000000",
+                       "a_key_longer_than_sixty_three_bytes_is_refused_as_it_would_be_cut=1"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+    assert_int_equal(rpc_args_parse(&a, bad[i]), RPC_EINVAL);
+  assert_int_equal(rpc_args_set_int(&a, "", 1), RPC_EINVAL);
+  assert_int_equal(rpc_args_get(&a)->num_args, n + 1);
+  char key[32];
+  int rc = RPC_OK;
+  for (int i = 0; rc == RPC_OK && i < RPC_ARGS_MAX + 1; i++) {
+    snprintf(key, sizeof key, "grpc.k%d", i);
+    rc = rpc_args_set_int(&a, key, i);
+  }
+  assert_int_equal(rc, RPC_ENOMEM);
+  assert_int_equal(rpc_args_get(&a)->num_args, RPC_ARGS_MAX);
+}
+
 static void test_call_without_server(void **state) {
   (void)state;
   assert_null(rpc_channel_create("", 0));
@@ -190,6 +225,7 @@ int main(void) {
       cmocka_unit_test(test_pack_unpack_roundtrip),
       cmocka_unit_test(test_unpack_garbage),
       cmocka_unit_test(test_size_args),
+      cmocka_unit_test(test_args),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
