@@ -5,6 +5,8 @@
  * Against a running daemon (--addr) or daemons it starts itself (--spawn PATH: one on a TCP
  * loopback port, one on a unix socket), it measures:
  *   push   PushStatistics of one n x n block (both packed factors, fp32 or with --bf16 bf16),
+ *          (--wire over a unix socket: push-shm and fetch-shm rows too, the matrices through
+ *          a shared-memory region, client/shm.h: a copy with its checksum each way)
  *          1..16 clients each on its own channel, back to back for --seconds: MB/s and
  *          latency percentiles, next to a single-threaded memcpy of the same bytes (the limit);
  *   fetch  FetchPreconditioners of one n x n block's roots (the same job for every client),
@@ -50,6 +52,7 @@
 #include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
+#include "shm.h"
 
 #define MAX_LIST 16
 #define CALL_MS  120000
@@ -81,6 +84,7 @@ typedef struct {
   double memcpy_mb_s[MAX_LIST]; /* per size, measured before any daemon runs */
   double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
+  int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
   const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
   int nchannel_args;
 } bench_opts;
@@ -98,6 +102,31 @@ static grpc_channel *bench_channel(const char *addr) {
   for (int i = 0; g_opts != NULL && i < g_opts->nchannel_args; i++)
     rpc_args_parse(&a, g_opts->channel_args[i]); /* checked when parsed in main */
   return rpc_channel_create_args(addr, &a);
+}
+
+/* CPU seconds (user + system) used so far by process pid (0: this one), from /proc; 0 if
+ * it cannot be read. */
+static double cpu_s(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid > 0 ? (int)pid : (int)getpid());
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return 0.0;
+  char buf[1024];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  unsigned long long ut = 0, st = 0;
+  if (p == NULL ||
+      sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+    return 0.0;
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double thread_cpu_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 static double now_s(void) {
@@ -150,6 +179,9 @@ static void usage(FILE *f) {
           "                      defaults (repeat, up to 8); the daemon's: --daemon-arg\n"
           "                      --grpc-arg --daemon-arg K=V\n"
           "  --json              rows as one JSON array of objects (the CSV header's keys)\n"
+          "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
+          "                      CPU second of this process and the daemon (with --spawn; a\n"
+          "                      loaded machine's waits left out; percentiles stay wall)\n"
           "  --help\n"
           "\n"
           "Pushes leave dirty blocks: the daemon computes their roots afterwards (with --addr,\n"
@@ -328,6 +360,7 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
+  int shm;           /* matrices through a shared-memory region (client/shm.h) */
   double until;      /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
@@ -344,6 +377,22 @@ static void *worker_main(void *arg) {
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   fr.job = (char *)w->job;
   if (w->pl->bf16) fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  /* Shared memory: a region with room for four of this cell's messages in each half. */
+  precond__shm shm = {.fd = -1};
+  Precond__V1__ShmSession sess;
+  Precond__V1__ShmRef refs[2];
+  if (w->shm && ch != NULL) {
+    grpc_status_code code;
+    char err[256];
+    if (precond__shm_open(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), &shm, &code, err,
+                          sizeof err) != RPC_OK) {
+      fprintf(stderr, "bench-daemon: %s\n", err);
+      w->failed = 1;
+    }
+    precond__shm_session(&shm, &sess);
+    pm.req.shm = &sess;
+    fr.shm = &sess;
+  }
   /* Warm the connection before the clock starts. */
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   sr.job = (char *)w->job;
@@ -363,19 +412,38 @@ static void *worker_main(void *arg) {
         w->failed = 1;
         break;
       }
-      const Precond__V1__FetchResponse *r = (const Precond__V1__FetchResponse *)resp;
+      Precond__V1__FetchResponse *r = (Precond__V1__FetchResponse *)resp;
+      char err[160];
+      if (w->shm && precond__shm_fetch_in(&shm, r, err, sizeof err) < 0) {
+        fprintf(stderr, "bench-daemon: %s\n", err);
+        w->failed = 1;
+      }
       for (size_t i = 0; i < r->n_preconditioners; i++) {
         const Precond__V1__BlockRoots *b = r->preconditioners[i];
         w->bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
       }
+      if (w->shm) precond__shm_fetch_done(r);
     } else {
       pm.req.step = step++;
+      if (w->shm) {
+        /* Each push writes its two factors into the region (copy and checksum), as a
+         * worker's would; the messages then carry the references only. */
+        pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
+        pm.l.data.len = pm.r.data.len = w->pl->bytes;
+        pm.l.shm = pm.r.shm = NULL;
+        if (precond__shm_put(&shm, &pm.l, &refs[0]) == 0 ||
+            precond__shm_put(&shm, &pm.r, &refs[1]) == 0) {
+          fprintf(stderr, "bench-daemon: a factor does not fit the region\n");
+          w->failed = 1;
+          break;
+        }
+      }
       if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
                   &precond__v1__push_response__descriptor, &resp) != 0) {
         w->failed = 1;
         break;
       }
-      w->bytes += 2 * pm.l.data.len;
+      w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     if (w->nlat == w->caplat) {
@@ -390,6 +458,7 @@ static void *worker_main(void *arg) {
     }
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
   }
+  precond__shm_close(&shm);
   rpc_channel_destroy(ch);
   return NULL;
 }
@@ -407,6 +476,8 @@ static double percentile(const double *sorted, size_t n, double q) {
 
 /* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s); pct (NULL: not wanted)
  * gets the p50/p90/p99 of one copy in ms. */
+static int g_cpu_clock; /* --clock cpu */
+
 static double memcpy_mb_s(size_t bytes, double pct[3]) {
   enum { MAXLAT = 1 << 16 };
   unsigned char *a = malloc(bytes), *b = malloc(bytes);
@@ -420,7 +491,7 @@ static double memcpy_mb_s(size_t bytes, double pct[3]) {
   memset(a, 1, bytes);
   memset(b, 0, bytes);
   size_t reps = 0;
-  double t0 = now_s(), t = t0;
+  double t0 = now_s(), t = t0, cpu0 = thread_cpu_s();
   do {
     double c0 = t;
     memcpy(b, a, bytes);
@@ -429,7 +500,8 @@ static double memcpy_mb_s(size_t bytes, double pct[3]) {
     if (reps < MAXLAT) lat[reps] = 1e3 * (t - c0);
     reps++;
   } while (t - t0 < 0.2 || reps < 3);
-  double mbs = (double)bytes * (double)reps / (t - t0) / 1e6;
+  double secs = g_cpu_clock ? thread_cpu_s() - cpu0 : t - t0;
+  double mbs = (double)bytes * (double)reps / secs / 1e6;
   if (pct != NULL) {
     size_t m = reps < MAXLAT ? reps : MAXLAT;
     qsort(lat, m, sizeof(double), cmp_double);
@@ -468,8 +540,9 @@ static void print_row(const char *bench, const char *transport, size_t n, int cl
 }
 
 /* One push or fetch cell: k clients for o->seconds. */
-static int run_cell(const bench_opts *o, const char *addr, const char *transport, int fetch,
-                    const char *job, int k, const payload *pl, double memcpy_rate) {
+static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
+                    int fetch, int shm, const char *job, int k, const payload *pl,
+                    double memcpy_rate) {
   worker *w = calloc((size_t)k, sizeof(*w));
   pthread_t *th = calloc((size_t)k, sizeof(*th));
   pthread_barrier_t start;
@@ -485,6 +558,7 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
                     .block = fetch ? 0 : (uint32_t)i,
                     .pl = pl,
                     .fetch = fetch,
+                    .shm = shm,
                     .start = &start};
     if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0) break;
     started++;
@@ -494,12 +568,19 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     fprintf(stderr, "bench-daemon: could not start %d threads\n", k);
     exit(1);
   }
+  /* --wire: the memcpy limit again right before the cell, so that the ratio compares two
+   * figures taken under the same load of a shared machine. */
+  if (o->wire) memcpy_rate = memcpy_mb_s(2 * pl->bytes, NULL);
   double t0 = now_s();
   for (int i = 0; i < k; i++) w[i].until = t0 + o->seconds;
   pthread_barrier_wait(&start);
   t0 = now_s();
+  double c0 = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0);
   for (int i = 0; i < k; i++) pthread_join(th[i], NULL);
   double secs = now_s() - t0;
+  /* --clock cpu: this process's and the daemon's CPU time instead of the wall clock, so a
+   * loaded machine's waits do not count (the latency percentiles stay wall-clock). */
+  if (o->cpu_clock) secs = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0) - c0;
   pthread_barrier_destroy(&start);
 
   size_t total = 0;
@@ -520,8 +601,10 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
-    print_row(fetch ? (pl->bf16 ? "fetch-bf16" : "fetch") : (pl->bf16 ? "push-bf16" : "push"),
-              transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
+    char name[32];
+    snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
+             shm ? "-shm" : "");
+    print_row(name, transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
               "memcpy", memcpy_rate, 2 * pl->bytes);
     rc = 0;
   }
@@ -1081,8 +1164,8 @@ static int run_replicas(const bench_opts *o) {
 
 /* Every push and fetch cell of one transport: pushes to push_addr, fetches from fetch_addr
  * (the same daemon but with --wire --spawn), root rows on push_addr. */
-static int run_transport(const bench_opts *o, const char *push_addr, const char *fetch_addr,
-                         const char *transport) {
+static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_pid,
+                         const char *fetch_addr, pid_t fetch_pid, const char *transport) {
   int rc = 0;
   for (int si = 0; si < o->nsizes; si++) {
     size_t n = o->sizes[si];
@@ -1140,8 +1223,13 @@ static int run_transport(const bench_opts *o, const char *push_addr, const char 
                 n, k, (double)k * (double)req_bytes / 1e6, o->max_inflight_mb);
         continue;
       }
-      if (have_fetch && run_cell(o, fetch_addr, transport, 1, fjob, k, &pl, mc) != 0) rc = -1;
-      if (run_cell(o, push_addr, transport, 0, pjob, k, &pl, mc) != 0) rc = -1;
+      /* --wire over a unix socket: the shared-memory path next to the gRPC bytes. */
+      for (int shm = 0; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
+        if (have_fetch &&
+            run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
+          rc = -1;
+        if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+      }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
       rc = -1;
@@ -1182,6 +1270,14 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--json") == 0) {
       g_json = 1;
+      continue;
+    }
+    if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "cpu") == 0) {
+      o.cpu_clock = g_cpu_clock = 1;
+      i++;
+      continue;
+    } else if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "wall") == 0) {
+      i++;
       continue;
     }
     if (v == NULL) {
@@ -1284,7 +1380,7 @@ int main(int argc, char **argv) {
   } else if (o.addr != NULL) {
     const char *transport = strncmp(o.addr, "unix:", 5) == 0 ? "unix" : "tcp";
     if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0) rc = -1;
-    if (run_transport(&o, o.addr, o.addr, transport) != 0) rc = -1;
+    if (run_transport(&o, o.addr, 0, o.addr, 0, transport) != 0) rc = -1;
   } else if (o.wire) {
     /* Pushes to a daemon without a pool, so that no root competes with the transport for
      * the cores; fetches from one with a pool thread, idle once the fetched roots exist. */
@@ -1302,7 +1398,7 @@ int main(int argc, char **argv) {
       }
       fprintf(stderr, "bench-daemon: %s daemons: push %s (pid %d), fetch %s (pid %d)\n",
               t ? "unix" : "tcp", dp.addr, (int)dp.pid, df.addr, (int)df.pid);
-      if (run_transport(&o, dp.addr, df.addr, t ? "unix" : "tcp") != 0) rc = -1;
+      if (run_transport(&o, dp.addr, dp.pid, df.addr, df.pid, t ? "unix" : "tcp") != 0) rc = -1;
       pdproc_destroy(&dp);
       pdproc_destroy(&df);
     }
@@ -1324,7 +1420,7 @@ int main(int argc, char **argv) {
       }
       fprintf(stderr, "bench-daemon: %s daemon at %s (pid %d)\n", t ? "unix" : "tcp", d.addr,
               (int)d.pid);
-      if (run_transport(&o, d.addr, d.addr, t ? "unix" : "tcp") != 0) rc = -1;
+      if (run_transport(&o, d.addr, d.pid, d.addr, d.pid, t ? "unix" : "tcp") != 0) rc = -1;
       pdproc_destroy(&d);
     }
     if (o.snapshot_mb > 0 && run_snapshot(&o) != 0) rc = -1;

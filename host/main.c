@@ -60,6 +60,8 @@ static void pd__usage(FILE *f) {
       "                           pool (statistics are stored, no root is computed: for\n"
       "                           transport benchmarks, bench-daemon --wire)\n"
       "  --io-threads N           gRPC completion-queue pollers (default 4)\n"
+      "  --shm-dir DIR|off        where same-host clients' shared-memory regions are made\n"
+      "                           (default /dev/shm; off: clients send bytes over gRPC)\n"
       "  --grpc-arg KEY=INTEGER   a gRPC server channel argument over the tuned defaults\n"
       "                           (docs/precondd.md, Wire); repeat, up to 8\n"
       "  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
@@ -235,7 +237,8 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     O_EXPIRY,
     O_JOBMEM,
     O_WARM,
-    O_GRPCARG
+    O_GRPCARG,
+    O_SHMDIR
   };
   static const struct option opts[] = {{"listen", required_argument, NULL, O_LISTEN},
                                        {"state-dir", required_argument, NULL, O_STATE},
@@ -250,6 +253,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
                                        {"drift-threshold", required_argument, NULL, O_DRIFT},
                                        {"warm-roots", required_argument, NULL, O_WARM},
                                        {"grpc-arg", required_argument, NULL, O_GRPCARG},
+                                       {"shm-dir", required_argument, NULL, O_SHMDIR},
                                        {"grace-period", required_argument, NULL, O_GRACE},
                                        {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
                                        {"token-file", required_argument, NULL, O_TOKEN},
@@ -295,6 +299,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
         snprintf(cfg->grpc_args[cfg->ngrpc_args++], sizeof cfg->grpc_args[0], "%s", optarg);
         break;
       }
+      case O_SHMDIR:
+        if (!*optarg || strlen(optarg) >= sizeof cfg->shm_dir) goto bad_value;
+        snprintf(cfg->shm_dir, sizeof cfg->shm_dir, "%s", strcmp(optarg, "off") ? optarg : "");
+        break;
       case O_IO:
         if (pd__parse_num("--io-threads", optarg, 1, 256, &v)) return 2;
         cfg->io_threads = (int)v;
@@ -602,6 +610,7 @@ int main(int argc, char **argv) {
   }
   d.store.link = link; /* before any job: ownership is planned when a job is added */
   d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
+  if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
@@ -681,6 +690,7 @@ int main(int argc, char **argv) {
 
 done:
   if (srv) pd_server_stop(srv, d.cfg.grace_s);
+  pd_shm_destroy(&d.shm); /* no call in flight any more */
 #ifdef PD_HAVE_MPI
   pd_replica_quiesce(rep);
 #endif
