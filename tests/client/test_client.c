@@ -68,12 +68,10 @@ static void tcp_daemon(void) {
   daemon_start(NULL, NULL, 0);
 }
 
+static void unix_daemon_with(const char *const *extra);
+
 static void unix_daemon(void) {
-  char listen[128];
-  snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
-  unlink(g_sock);
-  snprintf(listen, sizeof listen, "unix:%s", g_sock);
-  daemon_start(listen, NULL, 0);
+  unix_daemon_with(NULL);
 }
 
 /* "127.0.0.1:PORT" with a port nobody listens on right now, for a daemon started later. */
@@ -255,7 +253,8 @@ static void test_unix_socket_bf16(void **state) {
   run_flow(g_d.addr, PRECOND_BF16, 1e-2);
 }
 
-/* A unix-socket daemon with more options (NULL-terminated). */
+/* A daemon on a unix socket, as daemon_start without a token or state, with more options
+ * (NULL-terminated; NULL: none). */
 static void unix_daemon_with(const char *const *extra) {
   char listen[128];
   snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
