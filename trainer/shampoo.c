@@ -75,7 +75,7 @@ static void pt__shampoo_register_opts(const pt_trainer *t, precond_shampoo_opts 
   out->beta2 = so->beta2;
   out->root_exponent = pt__shampoo_root_exponent(so);
   out->epsilon = so->epsilon;
-  out->method = PRECOND_METHOD_NEWTON;
+  out->method = so->root_method == PC_METHOD_EIGH ? PRECOND_METHOD_EIGH : PRECOND_METHOD_NEWTON;
 }
 
 /* Takes the daemon's block ids. Both sides number blocks tensor by tensor with the same
