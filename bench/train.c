@@ -111,6 +111,7 @@ void tr_options_default(tr_options *o) {
   o->shampoo_nesterov = so.beta1_nesterov;
   o->one_sided = so.one_sided;
   o->root_method = so.root_method == PC_METHOD_EIGH;
+  o->root_exponent = so.root_exponent;
   o->stat_every = so.stats_interval;
   o->roots_start = so.start_step;
   o->max_staleness = so.max_staleness;
@@ -302,6 +303,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
                       "how precondd computes Shampoo's roots: newton (coupled iteration) or "
                       "eigh (eigendecomposition)",
                       tr__root_methods};
+  SPEC("root-exponent", K_INT, &o->root_exponent, 1, 64,
+       "Shampoo: p of L^(-1/p) G R^(-1/p) (4: Shampoo's; --one-sided takes 2)");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->roots_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
@@ -896,6 +899,7 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   so->beta1_nesterov = opts->shampoo_nesterov && so->beta1 > 0.0f;
   so->one_sided = opts->one_sided;
   so->root_method = opts->root_method ? PC_METHOD_EIGH : PC_METHOD_NEWTON;
+  so->root_exponent = opts->root_exponent;
   so->weight_decay = (float)opts->weight_decay;
   so->stats_interval = opts->stat_every;
   so->start_step = opts->roots_start;

@@ -24,6 +24,7 @@
 
 static const char *precondd_path;
 static pc_method root_method = PC_METHOD_NEWTON; /* opts_for's, changed by one test */
+static int root_exponent = 4;                    /* the same */
 static char tmpdir[64];
 static pdproc precondd;
 
@@ -75,6 +76,7 @@ static void opts_for(pt_options *o, const char *job) {
   o->shampoo.layout.block_size = 8;
   o->shampoo.momentum = 0;
   o->shampoo.root_method = root_method;
+  o->shampoo.root_exponent = root_exponent;
 }
 
 static int setup(void **state) {
@@ -188,7 +190,7 @@ static void test_sync_reproducible(void **state) {
   assert_memory_equal(w1, w2, sizeof w1);
 }
 
-/* root_method reaches the daemon: eigh's roots are the same roots as Newton's to float
+/* root_method and root_exponent reach the daemon: eigh's roots are the same roots as Newton's to float
  * accuracy, but not to the bit, so the weights after a few sync steps differ slightly. */
 static void test_root_method(void **state) {
   (void)state;
@@ -207,6 +209,15 @@ static void test_root_method(void **state) {
   }
   assert_true(diff > 0.0);
   assert_true(diff < 1e-3 * norm);
+
+  /* root_exponent reaches the daemon: square roots on both sides are other roots, so the
+   * weights move apart by more than float noise. */
+  root_exponent = 2;
+  run("exponent-2", 1, 1, 5, we, &c, &fb, &smax);
+  root_exponent = 4;
+  diff = 0.0;
+  for (int k = 0; k < 120; k++) diff = fmax(diff, fabs((double)we[k] - (double)wn[k]));
+  assert_true(diff > 1e-3 * norm);
 }
 
 /* Before start_step every block takes the grafted fallback, and it is counted. */
