@@ -32,4 +32,6 @@ void pd_config_default(pd_config *cfg) {
   cfg->grace_s = 5;
   cfg->job_idle_expiry_s = 0; /* off: a paused job (a checkpointed run) keeps its statistics */
   cfg->log_level = PD_LOG_INFO;
+  /* Same-host clients' regions: tmpfs where there is one (memory, not disk, behind them). */
+  if (access("/dev/shm", W_OK) == 0) snprintf(cfg->shm_dir, sizeof cfg->shm_dir, "/dev/shm");
 }
