@@ -168,7 +168,7 @@ static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n) {
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Daemon processes (started with the tests' starter, tests/util/precondd_proc.h)          */
+/* Daemon processes (started with the one starter, support/precondd_proc.h)               */
 
 /* Starts o->spawn with nthreads pool threads on a TCP loopback port or a unix socket in its
  * own directory; the daemon writes to this process's stderr unless log_to_file (then

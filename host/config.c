@@ -27,7 +27,7 @@ void pd_config_default(pd_config *cfg) {
   cfg->drift_threshold = 0.01;
   /* Warm-started roots (--warm-roots on) are off by default: measured against the cold
    * coupled-Newton roots they replace, they differ by up to 2% on the near-singular Gram
-   * sums of bench-load, above its 1e-3 check (docs/roots.md, "Steady state in precondd"). */
+   * sums of the load test (tests/load), above its 1e-3 check (docs/roots.md, "Steady state in precondd"). */
   cfg->warm_roots = 0;
   cfg->grace_s = 5;
   cfg->job_idle_expiry_s = 0; /* off: a paused job (a checkpointed run) keeps its statistics */

@@ -39,7 +39,7 @@
 /* ---- daemon control ------------------------------------------------------------------- */
 
 typedef struct {
-  pdproc p;         /* the process (tests/util/precondd_proc.h); p.dir is the test's */
+  pdproc p;         /* the process (support/precondd_proc.h); p.dir is the test's */
   grpc_channel *ch; /* a plaintext channel to it, made by start */
 } daemon_t;
 

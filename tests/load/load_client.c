@@ -1,5 +1,8 @@
 /*
- * bench-load.c -- precondd under load, and precondd killed with -9 under a training client.
+ * load_client.c -- precondd under load, and precondd killed with -9 under a training client.
+ * The load test of the hardening issue: a client of precondd's wire and of libprecond, not a
+ * trainer or a benchmark; its short runs are the integration tests `load` and `kill9`
+ * (tests/load/meson.build), its long ones tests/load/long_run.sh.
  *
  * Load (default): --clients N (64) threads, each on its own channel with its own job, register
  * a [2b, b] tensor (two b x b blocks), then loop for --seconds: push one step's statistics
@@ -22,8 +25,8 @@
  * Exit status: 0 when no call failed, every checked root matched, (kill9) versions never
  * went backwards and every restart was told; 1 otherwise; 2 for bad options.
  *
- *   bench-load --spawn build/host/precondd --clients 64 --seconds 600 --rss-csv rss.csv
- *   bench-load --spawn build/host/precondd --kill9 3 --seconds 5
+ *   build/tests/load/load-client --spawn build/host/precondd --clients 64 --seconds 600 --rss-csv rss.csv
+ *   build/tests/load/load-client --spawn build/host/precondd --kill9 3 --seconds 5
  */
 #include <errno.h>
 #include <math.h>
@@ -34,16 +37,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cblas.h>
 
 #include "precond.h"
+#include "precondd_proc.h"
 #include "precond.pb-c.h"
 #include "preconditioner.h"
 #include "rpc.h"
@@ -71,70 +71,37 @@ static void sleep_ms(long ms) {
 
 /* ---- the daemon ----------------------------------------------------------------------- */
 
-/* Starts precondd on 127.0.0.1:port (0: a free one) with the given state dir (NULL: none);
- * waits for its port file. Returns the pid, the port in *port; -1 on failure. */
-static pid_t daemon_start(const opts_t *o, const char *dir, int *port) {
-  char portfile[512], listen[64], threads[16], snap[32];
-  snprintf(portfile, sizeof portfile, "%s/port", dir);
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", *port);
-  snprintf(threads, sizeof threads, "%d", o->threads);
+/* Starts precondd with the one starter of the tests and benchmarks (support/precondd_proc.h)
+ * on 127.0.0.1:port (0: a free one), its files in d->dir (made on the first start and kept
+ * across restarts, so a restart finds the state directory). With --kill9 the daemon keeps a
+ * state directory and snapshots every --snapshot-s; without, it keeps none. Returns 0 once
+ * it listens (d->port, d->addr, d->pid set). */
+static int daemon_start(const opts_t *o, pdproc *d, int port) {
+  char listen[64], snap[32];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   snprintf(snap, sizeof snap, "%g", o->snapshot_s);
-  char state[520];
-  snprintf(state, sizeof state, "%s/state", dir);
-  unlink(portfile);
-  const char *argv[24] = {o->spawn, "--listen",    listen,  "--port-file",
-                          portfile, "--threads",   threads, "--drift-threshold",
-                          "0",      "--log-level", "warn"};
-  int argc = 11;
-  if (o->kill9) {
-    argv[argc++] = "--state-dir";
-    argv[argc++] = state;
-    argv[argc++] = "--snapshot-interval";
-    argv[argc++] = snap;
-  }
-  argv[argc] = NULL;
-  pid_t pid = fork();
-  if (pid < 0) return -1;
-  if (pid == 0) {
-    /* Its output to dir/log, and it dies with us: a daemon left holding our stdout would
-     * keep a test runner waiting after we failed. */
-    char logfile[520];
-    snprintf(logfile, sizeof logfile, "%s/log", dir);
-    int fd = open(logfile, O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-    }
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  for (int i = 0; i < 3000; i++) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) return -1;
-    FILE *f = fopen(portfile, "r");
-    if (f) {
-      int ok = fscanf(f, "%d", port) == 1;
-      fclose(f);
-      if (ok) return pid;
-    }
-    sleep_ms(10);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, NULL, 0);
-  return -1;
+  const char *extra[] = {"--drift-threshold", "0", "--snapshot-interval", snap, NULL};
+  if (!o->kill9) extra[2] = NULL;
+  pdproc_opts po;
+  pdproc_opts_default(&po);
+  po.path = o->spawn;
+  po.listen = listen;
+  po.state_dir = o->kill9 ? NULL : "";
+  po.threads = o->threads;
+  po.log_level = "warn";
+  po.extra = extra;
+  return pdproc_start(d, &po);
 }
 
-/* Removes the daemon's directory, or on failure keeps it and names its log. */
-static void finish_dir(const char *dir, int failed) {
+/* Stops the daemon and removes its directory, or on failure keeps the directory and names
+ * its log. */
+static void daemon_finish(pdproc *d, int failed) {
   if (failed) {
-    fprintf(stderr, "bench-load: the daemon's log is %s/log\n", dir);
+    pdproc_stop(d, SIGTERM);
+    fprintf(stderr, "load-client: the daemon's log is %s\n", d->log);
     return;
   }
-  char cmd[600];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  if (system(cmd) != 0) fprintf(stderr, "bench-load: could not remove %s\n", dir);
+  pdproc_destroy(d);
 }
 
 /* Resident set of pid in KiB (VmRSS), or -1. */
@@ -244,7 +211,7 @@ static void *client_main(void *arg) {
   rr.n_tensors = 1;
   rr.tensors = &tsp;
   rr.shampoo = &so;
-  rr.worker = (char *)"bench-load";
+  rr.worker = (char *)"load-client";
   Precond__V1__RegisterResponse *reg = NULL;
   if (!call(c, "Register", RPC_METHOD_REGISTER, &rr.base,
             &precond__v1__register_response__descriptor, (ProtobufCMessage **)&reg))
@@ -361,7 +328,8 @@ static int run_load(const opts_t *o, const char *addr) {
   pthread_t *th = calloc((size_t)o->clients, sizeof *th);
   FILE *csv = o->rss_csv ? fopen(o->rss_csv, "w") : NULL;
   if (!cs || !th || (o->rss_csv && !csv)) {
-    fprintf(stderr, "bench-load: out of memory or cannot write %s\n", o->rss_csv ? o->rss_csv : "");
+    fprintf(stderr, "load-client: out of memory or cannot write %s\n",
+            o->rss_csv ? o->rss_csv : "");
     return 1;
   }
   if (csv) fprintf(csv, "t_s,rss_kib\n");
@@ -413,7 +381,7 @@ static int run_load(const opts_t *o, const char *addr) {
       (unsigned long long)tot.errors, (unsigned long long)tot.roots,
       (unsigned long long)tot.checked, (unsigned long long)tot.unchecked,
       (unsigned long long)tot.bad, tot.worst, rss0, rss_max, rss_end);
-  if (first) fprintf(stderr, "bench-load: first error: %s\n", first);
+  if (first) fprintf(stderr, "load-client: first error: %s\n", first);
   int ok = started == o->clients && tot.errors == 0 && tot.bad == 0 && tot.checked > 0;
   free(cs);
   free(th);
@@ -449,16 +417,14 @@ static int train_step(precond_client *c, uint64_t step, size_t b, uint64_t *seed
 }
 
 static int run_kill9(const opts_t *o) {
-  char dir[] = "/tmp/bench-load-XXXXXX";
-  if (!mkdtemp(dir)) return 1;
-  int port = 0, failed = 0, backwards = 0;
-  pid_t pid = daemon_start(o, dir, &port);
-  if (pid < 0) {
-    fprintf(stderr, "bench-load: cannot start %s\n", o->spawn);
+  pdproc d = {0};
+  int failed = 0, backwards = 0;
+  if (daemon_start(o, &d, 0) != 0) {
+    fprintf(stderr, "load-client: cannot start %s\n", o->spawn);
+    daemon_finish(&d, 1);
     return 1;
   }
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  const char *addr = d.addr;
   precond_options po;
   precond_options_default(&po);
   po.addr = addr;
@@ -471,11 +437,10 @@ static int run_kill9(const opts_t *o) {
   precond_shampoo_opts so = {.block_size = (uint32_t)b};
   precond_layout layout = {0};
   if (precond_connect(&po, &c) != PRECOND_OK ||
-      precond_register(c, "kill9", PRECOND_MODE_SHAMPOO, "bench-load", 1, &t, &so, &layout) !=
+      precond_register(c, "kill9", PRECOND_MODE_SHAMPOO, "load-client", 1, &t, &so, &layout) !=
           PRECOND_OK) {
-    fprintf(stderr, "bench-load: cannot register with the daemon at %s\n", addr);
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    fprintf(stderr, "load-client: cannot register with the daemon at %s\n", addr);
+    daemon_finish(&d, 1);
     precond_close(c);
     return 1;
   }
@@ -485,12 +450,10 @@ static int run_kill9(const opts_t *o) {
     while (now_s() < until)
       if (train_step(c, ++step, b, &seed, versions, &backwards) != PRECOND_OK) failed = 1;
     uint64_t at_kill = step, v_before = versions[0] > versions[1] ? versions[0] : versions[1];
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    pdproc_stop(&d, SIGKILL);
     double t_restart = now_s();
-    pid = daemon_start(o, dir, &port);
-    if (pid < 0) {
-      fprintf(stderr, "bench-load: the daemon did not come back on port %d\n", port);
+    if (daemon_start(o, &d, d.port) != 0) {
+      fprintf(stderr, "load-client: the daemon did not come back on %s\n", addr);
       failed = 1;
       break;
     }
@@ -516,9 +479,7 @@ static int run_kill9(const opts_t *o) {
   }
   precond_layout_destroy(&layout);
   precond_close(c);
-  kill(pid, SIGTERM);
-  waitpid(pid, NULL, 0);
-  finish_dir(dir, failed);
+  daemon_finish(&d, failed);
   return failed ? 1 : 0;
 }
 
@@ -526,7 +487,7 @@ static int run_kill9(const opts_t *o) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: bench-load (--spawn PRECONDD | --addr HOST:PORT [--pid PID]) [options]\n"
+          "usage: load-client (--spawn PRECONDD | --addr HOST:PORT [--pid PID]) [options]\n"
           "  --clients N      concurrent clients, each with its own job (default 64)\n"
           "  --seconds S      load: run time; --kill9: training time before each kill (10)\n"
           "  --block N        block order b: each job is one [2b, b] tensor, 2 blocks (32)\n"
@@ -547,7 +508,7 @@ int main(int argc, char **argv) {
       return 0;
     }
     if (!v) {
-      fprintf(stderr, "bench-load: %s needs a value\n", a);
+      fprintf(stderr, "load-client: %s needs a value\n", a);
       return 2;
     }
     i++;
@@ -574,7 +535,7 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--snapshot-s") == 0)
       o.snapshot_s = atof(v);
     else {
-      fprintf(stderr, "bench-load: unknown option %s\n", a);
+      fprintf(stderr, "load-client: unknown option %s\n", a);
       usage(stderr);
       return 2;
     }
@@ -589,25 +550,19 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (o.kill9) return run_kill9(&o);
   if (!o.spawn) return run_load(&o, o.addr);
-  char dir[] = "/tmp/bench-load-XXXXXX";
-  if (!mkdtemp(dir)) return 1;
-  int port = 0;
-  pid_t pid = daemon_start(&o, dir, &port);
-  if (pid < 0) {
-    fprintf(stderr, "bench-load: cannot start %s\n", o.spawn);
+  pdproc d = {0};
+  if (daemon_start(&o, &d, 0) != 0) {
+    fprintf(stderr, "load-client: cannot start %s\n", o.spawn);
+    daemon_finish(&d, 1);
     return 1;
   }
-  o.pid = pid;
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  int rc = run_load(&o, addr);
-  kill(pid, SIGTERM);
-  int st = 0;
-  waitpid(pid, &st, 0);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-    fprintf(stderr, "bench-load: the daemon exited with status %d\n", st);
+  o.pid = d.pid;
+  int rc = run_load(&o, d.addr);
+  int st = pdproc_stop(&d, SIGTERM);
+  if (st != 0) {
+    fprintf(stderr, "load-client: the daemon exited with status %d\n", st);
     rc = 1;
   }
-  finish_dir(dir, rc != 0);
+  daemon_finish(&d, rc != 0);
   return rc;
 }

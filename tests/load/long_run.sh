@@ -1,5 +1,5 @@
 #!/bin/sh
-# load.sh [BUILD] [SECONDS] [CLIENTS] -- the long runs of bench-load (bench/bench-load.c)
+# long_run.sh [BUILD] [SECONDS] [CLIENTS] -- the long runs of the load client (load_client.c)
 # against BUILD/host/precondd (BUILD defaults to build): CLIENTS (64) clients for SECONDS
 # (600), every root checked and the daemon's RSS sampled each second, then the kill -9
 # harness (3 kills, 10 s of training before each, snapshots every 5 s). Both niced; their
@@ -13,10 +13,10 @@ clients=${3:-64}
 out=${OUT:-out/load}
 mkdir -p "$out"
 status=0
-nice -n 10 "$build/bench/bench-load" --spawn "$build/host/precondd" --clients "$clients" \
+nice -n 10 "$build/tests/load/load-client" --spawn "$build/host/precondd" --clients "$clients" \
   --seconds "$secs" --rss-csv "$out/rss.csv" > "$out/load.txt" || status=1
 cat "$out/load.txt"
-nice -n 10 "$build/bench/bench-load" --spawn "$build/host/precondd" --kill9 3 --seconds 10 \
+nice -n 10 "$build/tests/load/load-client" --spawn "$build/host/precondd" --kill9 3 --seconds 10 \
   --snapshot-s 5 > "$out/kill9.txt" || status=1
 cat "$out/kill9.txt"
 exit $status

@@ -1,4 +1,5 @@
-/* precondd_proc.c -- starting and stopping a real precondd for the tests (precondd_proc.h). */
+/* precondd_proc.c -- starting and stopping a real precondd for tests and benchmarks
+ * (precondd_proc.h). */
 #include "precondd_proc.h"
 
 #include <arpa/inet.h>

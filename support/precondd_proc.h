@@ -1,5 +1,6 @@
 /*
- * precondd_proc.h -- the one way tests start and stop a real precondd (prefix pdproc_).
+ * precondd_proc.h -- the one way tests and benchmarks start and stop a real precondd (prefix
+ * pdproc_). Lives in support/: shared by tests/ and bench/, never linked into a product.
  *
  * A daemon runs as a child process with its working files in one directory: the port file it
  * writes once listening (start waits for it, so a started daemon accepts calls), its log
@@ -10,8 +11,8 @@
  * No cmocka here: functions return a status, so a group setup can call them and a test
  * asserts on the result. Not thread-safe: start and stop daemons from one thread.
  */
-#ifndef PRECOND_TESTS_PRECONDD_PROC_H
-#define PRECOND_TESTS_PRECONDD_PROC_H
+#ifndef PRECOND_SUPPORT_PRECONDD_PROC_H
+#define PRECOND_SUPPORT_PRECONDD_PROC_H
 
 #include <sys/types.h>
 
@@ -72,4 +73,4 @@ int pdproc_log_contains(const pdproc *d, const char *needle);
  * that need an address before the daemon exists; 0 on error. */
 int pdproc_free_port(void);
 
-#endif /* PRECOND_TESTS_PRECONDD_PROC_H */
+#endif /* PRECOND_SUPPORT_PRECONDD_PROC_H */
