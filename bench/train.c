@@ -119,6 +119,7 @@ void tr_options_default(tr_options *o) {
   o->kfac_damping = ko.damping;
   o->kfac_decay = ko.factor_decay;
   o->kl_clip = ko.kl_clip;
+  o->kl_base_lr = ko.kl_base_lr;
   o->kfac_pi = ko.pi_damping;
   o->inv_every = ko.inv_every;
   o->factor_every = ko.factor_every;
@@ -308,6 +309,9 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "K-FAC: running average of A and G on the daemon (F <- d F + (1 - d) F_batch)");
   SPEC("kl-clip", K_DOUBLE, &o->kl_clip, 1e-12, 1e6,
        "K-FAC: KL clip c, steps scaled by min(1, sqrt(c / (lr^2 sum <P, grad>)))");
+  SPEC("kl-base-lr", K_INT, &o->kl_base_lr, 0, 1,
+       "K-FAC: the KL clip's lr (1: --lr, so the schedule scales the clipped step; 0: the "
+       "step's scheduled rate)");
   SPEC("kfac-pi", K_INT, &o->kfac_pi, 0, 1, "K-FAC: pi-damping (1: on, 0: pi = 1)");
   SPEC("inv-every", K_LONG, &o->inv_every, 1, 1e9,
        "K-FAC: the daemon recomputes the damped inverses every N pushes");
@@ -700,6 +704,8 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->staleness, 4);
   fprintf(f, ",%d,", r->fallback ? 1 : 0);
   tr__csv_num(f, r->cpu_ms, 5);
+  fputc(',', f);
+  tr__csv_num(f, r->kl_scale, 5);
   return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
@@ -903,6 +909,8 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   ko->k.damping = opts->kfac_damping;
   ko->k.factor_decay = opts->kfac_decay;
   ko->k.kl_clip = opts->kl_clip;
+  ko->k.kl_base_lr = opts->kl_base_lr;
+  ko->base_lr = tr_effective_lr(opts);
   ko->k.pi_damping = opts->kfac_pi;
   ko->k.inv_every = opts->inv_every;
   ko->k.factor_every = opts->factor_every;
@@ -965,6 +973,7 @@ static int tr__trainer_step(tr_optimizer *o, long step, double lr, tr_step_info 
     info->staleness = si.staleness_mean;
     info->staleness_max = si.staleness_max;
     info->fallback = si.fallback > 0;
+    info->kl_scale = si.kl_scale;
   }
   return rc;
 }
@@ -1013,7 +1022,7 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be, a
 int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info, tr_error *err) {
   if (o == NULL || o->params == NULL || step < 1 || !(lr >= 0) || !isfinite(lr))
     return tr__fail(err, TR_EINVAL, "tr_optimizer_step: bad arguments");
-  if (info != NULL) *info = (tr_step_info){NAN, -1, 0};
+  if (info != NULL) *info = (tr_step_info){NAN, -1, 0, NAN};
   switch (o->kind) {
     case TR_SGD:
       return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
@@ -1284,7 +1293,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
                        &perr);
     }
     double lr = ac_lr_schedule_at(&sched, step);
-    tr_step_info info = {NAN, -1, 0};
+    tr_step_info info = {NAN, -1, 0, NAN};
     if (rc == TR_OK && opts->clip > 0)
       rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
                      "gradient clipping");
@@ -1302,8 +1311,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step, train_s, dt * 1e3,       loss,          NAN,
-                  NAN,  lr,      info.staleness, info.fallback, dc * 1e3};
+    tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,          NAN,
+                  lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale};
     int eval_now =
         rc == TR_OK && (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);

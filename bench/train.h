@@ -97,6 +97,7 @@ typedef struct {
   double kfac_damping;      /* lambda of the Tikhonov damping */
   double kfac_decay;        /* running average of the factors on the daemon */
   double kl_clip;           /* c of the KL clip */
+  int kl_base_lr;           /* 1: the clip's lr is --lr (the schedule scales the clipped step) */
   int kfac_pi;              /* 1: pi-damping (split lambda between A and G) */
   long inv_every;           /* inverses every N pushes (the daemon) */
   long factor_every;        /* factors every N steps after the first epochs */
@@ -206,10 +207,11 @@ typedef struct {
   double cpu_ms;    /* CPU time of the whole worker process (all its threads, libprecond's
                            included) during this step: unlike step_ms, it does not grow when
                            other processes compete for the cores */
+  double kl_scale;  /* K-FAC: the KL clip's factor nu (1: not clipped); NAN: other optimizers */
 } tr_row;
 
 #define TR_CSV_HEADER \
-  "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback,cpu_ms"
+  "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback,cpu_ms,kl_scale"
 
 /* Writes the header (tr_csv_header) or one row to f. Returns TR_OK or TR_EIO. */
 int tr_csv_header(FILE *f);
@@ -268,6 +270,7 @@ typedef struct {
   double staleness;   /* mean staleness of the roots used (NAN: none used) */
   long staleness_max; /* -1 if none used */
   int fallback;       /* some preconditioned block used the grafted step */
+  double kl_scale;    /* K-FAC: the KL clip's factor (NAN: other optimizers) */
 } tr_step_info;
 
 /* The optimizers are accel's (ac_sgd, ac_adamw) or, for Shampoo, the trainer library's

@@ -22,6 +22,7 @@ void pc_kfac_opts_default(pc_kfac_opts *opts) {
   opts->damping = 1e-3;
   opts->pi_damping = 1;
   opts->kl_clip = 1e-3;
+  opts->kl_base_lr = 0;
   opts->inv_every = 10;
   opts->factor_every_first = 1;
   opts->factor_every = 10;
@@ -40,6 +41,7 @@ int pc_kfac_opts_check(const pc_kfac_opts *opts) {
   if (!(opts->factor_decay >= 0.0 && opts->factor_decay < 1.0)) return PC_EINVAL;
   if (!positive_finite(opts->damping) || !positive_finite(opts->kl_clip)) return PC_EINVAL;
   if (opts->pi_damping != 0 && opts->pi_damping != 1) return PC_EINVAL;
+  if (opts->kl_base_lr != 0 && opts->kl_base_lr != 1) return PC_EINVAL;
   if (opts->inv_every < 1 || opts->factor_every_first < 1 || opts->factor_every < 1)
     return PC_EINVAL;
   if (opts->first_epochs < 0 || opts->eigh_min_n < 1) return PC_EINVAL;

@@ -55,6 +55,7 @@ typedef struct {
   float *dev1;    /* one device float for the KL clip */
   ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
+  double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
   int hook_rc; /* the first error a hook met (returned by pt_step too) */
 } pt__kfac;
 
@@ -220,10 +221,10 @@ int pt_kfac_hook(pt_trainer *t, ac_hook *out) {
 static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   const pt_kfac_opts *o = &t->opts.kfac;
   if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 || !(o->loss_scale >= 0.0f) ||
-      !isfinite(o->loss_scale))
+      !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr))
     return pt__fail(err, PT_EINVAL,
                     "K-FAC options: pc_kfac_opts_check refused them, or "
-                    "steps_per_epoch < 1, or a bad loss_scale");
+                    "steps_per_epoch < 1, or a bad loss_scale or base_lr");
   pt__kfac *s = calloc(1, sizeof *s);
   if (s == NULL) return PT_ENOMEM;
   t->state = s;
@@ -453,8 +454,13 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
     if (gb) s->pg[m++] = (ac_kfac_pg){l->out, l->p + nw, gb};
   }
   int rc = pt__accel(err, arc, "K-FAC precondition");
+  /* kl_base_lr: nu from the base rate, then the step's rate scales nu p (the SGD step), so
+   * the warm-up and the decay act on a clipped step too. */
+  if (lr > s->lr_max) s->lr_max = lr;
+  double base = t->opts.kfac.base_lr > 0.0 ? t->opts.kfac.base_lr : s->lr_max;
+  double kl_lr = ko->kl_base_lr ? base : lr, nu = (double)NAN;
   if (rc == PT_OK && m > 0)
-    rc = pt__accel(err, ac_kfac_kl_clip(s->be, s->pg, m, lr, ko->kl_clip, s->dev1, NULL),
+    rc = pt__accel(err, ac_kfac_kl_clip(s->be, s->pg, m, kl_lr, ko->kl_clip, s->dev1, &nu),
                    "K-FAC KL clip");
   for (size_t j = 0; j < m && rc == PT_OK; j++)
     rc = pt__accel(err,
@@ -466,6 +472,7 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
     info->fallback = nk - npre;
     info->staleness_mean = npre ? stale_sum / (double)npre : (double)NAN;
     info->staleness_max = stale_max;
+    info->kl_scale = nu;
   }
   return rc;
 }

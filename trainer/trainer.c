@@ -193,7 +193,7 @@ void pt_destroy(pt_trainer *t) {
 int pt_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err) {
   if (t == NULL || step < 1 || !(lr >= 0) || lr > 1e30)
     return pt__fail(err, PT_EINVAL, "pt_step: bad arguments (step %ld, lr %g)", step, lr);
-  if (info != NULL) *info = (pt_step_info){0, 0, 0, (double)NAN, -1};
+  if (info != NULL) *info = (pt_step_info){0, 0, 0, (double)NAN, -1, (double)NAN};
   return t->mode->step(t, step, lr, info, err);
 }
 

@@ -78,6 +78,8 @@ typedef struct {
                               only (KFC's expectation from a subset: the A syrk is most
                               of a factor step's cost); 0 (default): the whole batch */
   int quiet;            /* 1: do not list each layer's treatment on stderr at start */
+  double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
+                              rate pt_step has been given so far */
 } pt_kfac_opts;
 
 /* "shampoo", "kfac"; "?" otherwise. */
@@ -131,6 +133,8 @@ typedef struct {
   size_t fallback;       /* units that took the fallback step (no usable results) */
   double staleness_mean; /* steps between the results used and this step; NaN: none */
   long staleness_max;    /* -1: none used */
+  double kl_scale;       /* K-FAC: the KL clip's factor nu applied this step (1: no clip); NaN:
+                            Shampoo, or nothing preconditioned */
 } pt_step_info;
 
 /* One training step at step (1-based, consecutive) with learning rate lr (finite, >= 0),

@@ -128,12 +128,25 @@ typedef struct {
   float fc_w[CLASSES * C];
 } run_out;
 
-static void train(const char *job, int sync, size_t a_images, run_out *out) {
+/* The KL clip's settings of a run; NULL: the defaults at lr 0.2. */
+typedef struct {
+  double lr, kl_clip, base_lr;
+  int kl_base_lr;
+} clip_cfg;
+
+static void train_clip(const char *job, int sync, size_t a_images, const clip_cfg *cc,
+                       run_out *out) {
   convnet m;
   net_init(&m);
   pt_options o;
   opts_for(&o, job, sync);
   o.kfac.a_images = a_images;
+  double lr = cc ? cc->lr : 0.2;
+  if (cc) {
+    o.kfac.k.kl_clip = cc->kl_clip;
+    o.kfac.k.kl_base_lr = cc->kl_base_lr;
+    o.kfac.base_lr = cc->base_lr;
+  }
   pt_trainer *t = NULL;
   pt_error err = {""};
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
@@ -142,7 +155,7 @@ static void train(const char *job, int sync, size_t a_images, run_out *out) {
   net_set_hook(&m, &h);
   for (long s = 1; s <= STEPS; s++) {
     out->loss[s - 1] = net_fwd_bwd(&m);
-    int rc = pt_step(t, s, 0.2, &out->info[s - 1], &err);
+    int rc = pt_step(t, s, lr, &out->info[s - 1], &err);
     if (rc != PT_OK) fprintf(stderr, "pt_step %ld: %s\n", s, err.msg);
     assert_int_equal(rc, PT_OK);
     if (!sync) { /* async: steps far slower than the daemon, as in a real run */
@@ -154,6 +167,10 @@ static void train(const char *job, int sync, size_t a_images, run_out *out) {
   assert_int_equal(ac_tensor_download(&m.fc.weight.value, out->fc_w), AC_OK);
   pt_destroy(t);
   net_destroy(&m);
+}
+
+static void train(const char *job, int sync, size_t a_images, run_out *out) {
+  train_clip(job, sync, a_images, NULL, out);
 }
 
 static void test_kfac_trains(void **state) {
@@ -170,6 +187,7 @@ static void test_kfac_trains(void **state) {
     assert_int_equal(a.info[s].preconditioned, 2);
     assert_int_equal(a.info[s].fallback, 0);
     assert_true(a.info[s].staleness_max >= 0 && a.info[s].staleness_max <= 6);
+    assert_true(a.info[s].kl_scale > 0.0 && a.info[s].kl_scale <= 1.0);
   }
   /* Factors every step in the first epoch (4 steps), then every 3: 5, 8, 11, 14. */
   assert_int_equal(a.info[3].pushed, 1);
@@ -189,6 +207,7 @@ static void test_kfac_trains(void **state) {
   assert_int_equal(c.info[0].pushed, 1);
   assert_int_equal(c.info[0].preconditioned, 0);
   assert_int_equal(c.info[0].fallback, 2);
+  assert_true(c.info[0].kl_scale > 0.0 && c.info[0].kl_scale <= 1.0); /* batch norm's */
   assert_int_equal(c.info[STEPS - 1].preconditioned, 2);
   assert_true(c.c.results_applied >= 2);
   assert_true(c.loss[STEPS - 1] < c.loss[0]);
@@ -197,6 +216,24 @@ static void test_kfac_trains(void **state) {
   assert_int_equal(d.info[STEPS - 1].preconditioned, 2);
   assert_true(d.loss[STEPS - 1] < 0.5 * d.loss[0]);
   assert_memory_not_equal(d.fc_w, a.fc_w, sizeof a.fc_w);
+}
+
+/* kl_base_lr: the clip's nu comes from the base rate, not the step's. A tiny kl_clip makes
+ * every step clip, where nu is proportional to 1 / lr: at step 1 (the same weights and
+ * factors in every run) nu at base 0.4 is half nu at the step's 0.2. Without a base_lr the
+ * base is the largest rate seen, which at a constant rate is the step's: the same run. */
+static void test_kfac_kl_base_lr(void **state) {
+  (void)state;
+  run_out e, f, g;
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0}, cf = {0.2, 1e-6, 0.4, 1}, cg = {0.2, 1e-6, 0.0, 1};
+  train_clip("kfac-kl-e", 1, 0, &ce, &e);
+  train_clip("kfac-kl-f", 1, 0, &cf, &f);
+  train_clip("kfac-kl-g", 1, 0, &cg, &g);
+  assert_true(e.info[0].kl_scale > 0.0 && e.info[0].kl_scale < 0.5); /* clipped */
+  assert_float_equal(f.info[0].kl_scale, 0.5 * e.info[0].kl_scale, 1e-6 * e.info[0].kl_scale);
+  assert_memory_not_equal(e.fc_w, f.fc_w, sizeof e.fc_w);
+  assert_memory_equal(e.loss, g.loss, sizeof e.loss);
+  assert_memory_equal(e.fc_w, g.fc_w, sizeof e.fc_w);
 }
 
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
@@ -250,6 +287,7 @@ int main(int argc, char **argv) {
   precondd_path = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_kfac_trains),
+      cmocka_unit_test(test_kfac_kl_base_lr),
       cmocka_unit_test(test_kfac_bad_use),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
