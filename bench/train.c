@@ -16,6 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "rpc.h" /* rpc_json_string: the one JSON escaper (proto/json.c says why there) */
+
 const char *tr_strerror(int status) {
   switch (status) {
     case TR_OK:
@@ -709,35 +711,6 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
-void tr_json_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)(s != NULL ? s : ""); *p; p++) {
-    switch (*p) {
-      case '"':
-        fputs("\\\"", f);
-        break;
-      case '\\':
-        fputs("\\\\", f);
-        break;
-      case '\n':
-        fputs("\\n", f);
-        break;
-      case '\r':
-        fputs("\\r", f);
-        break;
-      case '\t':
-        fputs("\\t", f);
-        break;
-      default:
-        if (*p < 0x20)
-          fprintf(f, "\\u%04x", *p);
-        else
-          fputc(*p, f);
-    }
-  }
-  fputc('"', f);
-}
-
 static void tr__json_num(FILE *f, const char *key, double v, int last) {
   fprintf(f, "  \"%s\": ", key);
   if (isfinite(v))
@@ -753,7 +726,7 @@ static void tr__json_int(FILE *f, const char *key, long long v) {
 
 static void tr__json_str(FILE *f, const char *key, const char *v) {
   fprintf(f, "  \"%s\": ", key);
-  tr_json_string(f, v);
+  rpc_json_string(f, v);
   fputs(",\n", f);
 }
 

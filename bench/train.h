@@ -259,9 +259,6 @@ typedef struct {
 /* Writes the summary as one JSON object (NaN as null) to f. Returns TR_OK or TR_EIO. */
 int tr_json_summary(FILE *f, const tr_summary *s);
 
-/* Writes s as a JSON string literal (quotes and escapes) to f. */
-void tr_json_string(FILE *f, const char *s);
-
 /* ------------------------------------------------------------------------------------ */
 /* Optimizers                                                                             */
 

@@ -98,6 +98,16 @@ typedef enum {
 /* ------------------------------------------------------------------------------------ */
 /* Connection                                                                             */
 
+/* How statistics and roots travel (docs/precondd.md, "Shared memory"). */
+typedef enum {
+  PRECOND_TRANSPORT_AUTO = 0, /* shared memory for a "unix:" address when the daemon offers
+                                 it (same host), else gRPC bytes; a region lost (daemon
+                                 restart) is replaced, bytes meanwhile */
+  PRECOND_TRANSPORT_GRPC = 1, /* always bytes in the gRPC messages */
+  PRECOND_TRANSPORT_SHM = 2   /* shared memory whatever the address; calls fail
+                                 (PRECOND_ESTATE, retried) while no region can be had */
+} precond_transport;
+
 typedef struct {
   const char *addr;         /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
   const char *token;        /* shared token sent as "authorization: Bearer TOKEN"; NULL:
@@ -122,6 +132,10 @@ typedef struct {
                                   PRECOND_ESTATE), starting it again from zero. Sent only by
                                   precond_register, never when the client registers again by
                                   itself. Default 0 */
+  precond_transport transport;     /* how matrices travel; default PRECOND_TRANSPORT_AUTO */
+  size_t shm_bytes;                /* shared-memory region asked for (its two halves: pushes,
+                                  roots); 0 (default): the daemon's (64 MiB). A matrix
+                                  larger than a half travels as bytes */
 } precond_options;
 
 /* Fills the defaults above. */
@@ -302,6 +316,8 @@ typedef struct {
   uint64_t roots_received;  /* block versions received */
   uint64_t bytes_sent;      /* statistics payload bytes sent */
   uint64_t bytes_received;  /* roots payload bytes received */
+  uint64_t shm_bytes;       /* of bytes_sent and bytes_received, those that went through
+                                  shared memory */
   size_t queued;            /* blocks in the queue now */
   uint64_t daemon_restarts; /* times the daemon's epoch changed under this client (a
                                   restart: what was pushed after resumed_step was lost;

@@ -35,4 +35,6 @@ void pd_config_default(pd_config *cfg) {
    * per-host daemon serves (PD_MAX_JOBS) to end once before the oldest is forgotten. */
   cfg->ended_jobs = 1024;
   cfg->log_level = PD_LOG_INFO;
+  /* Same-host clients' regions: tmpfs where there is one (memory, not disk, behind them). */
+  if (access("/dev/shm", W_OK) == 0) snprintf(cfg->shm_dir, sizeof cfg->shm_dir, "/dev/shm");
 }

@@ -455,7 +455,7 @@ pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double no
     st->njobs--; /* the others keep their order (stats list jobs in it) */
   }
   if (j) {
-    size_t held = 0, scratch = 0;
+    size_t held = st->extra, scratch = 0;
     for (size_t i = 0; i < st->njobs; i++) {
       held += pd_job_bytes(st->jobs[i]);
       if (st->jobs[i]->scratch_max > scratch) scratch = st->jobs[i]->scratch_max;
@@ -504,6 +504,26 @@ int pd_store_job_over_limit(const pd_store *st, const pd_job *job) {
   return st->job_memory_limit > 0 && pd_job_bytes(job) > st->job_memory_limit;
 }
 
+int pd_store_reserve_extra(pd_store *st, size_t bytes) {
+  pthread_rwlock_wrlock(&st->lock);
+  size_t held = st->extra;
+  for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
+  int rc = held + bytes + atomic_load(&st->scratch_max) > st->memory_limit ? PD_ELIMIT : PD_OK;
+  if (rc == PD_OK) {
+    st->extra += bytes;
+    atomic_store(&st->reserved, held + bytes);
+  }
+  pthread_rwlock_unlock(&st->lock);
+  return rc;
+}
+
+void pd_store_release_extra(pd_store *st, size_t bytes) {
+  pthread_rwlock_wrlock(&st->lock);
+  st->extra -= bytes < st->extra ? bytes : st->extra;
+  atomic_fetch_sub(&st->reserved, bytes);
+  pthread_rwlock_unlock(&st->lock);
+}
+
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   return pd_store_register(st, job, 1, existing, NULL);
 }
@@ -530,7 +550,7 @@ int pd_store_register(pd_store *st, pd_job *job, int reuse_ended, pd_job **exist
    * root pair per block), so a running job never fails for memory later. */
   /* Room is kept for the scratch of one computation of the largest unit, so the pool can
    * always compute (scheduler.c admits more at once only within what is left). */
-  size_t held = 0, scratch = atomic_load(&st->scratch_max);
+  size_t held = st->extra, scratch = atomic_load(&st->scratch_max);
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
   if (job->scratch_max > scratch) scratch = job->scratch_max;
   if (held + pd_job_bytes(job) + scratch > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
