@@ -11,6 +11,7 @@
 
 #include "format.h"
 #include "precond.h"
+#include "rpc.h"
 
 enum { EXIT_USAGE = 1, EXIT_RPC = 2, EXIT_NOT_SERVING = 3 };
 
@@ -154,7 +155,7 @@ int main(int argc, char **argv) {
     if (st == PRECOND_OK) {
       if (json) {
         printf("{\"job\": ");
-        precond__json_string(stdout, arg);
+        rpc_json_string(stdout, arg);
         printf(", \"ended\": true, \"blocks\": %u, \"last_step\": %llu, \"bytes\": %llu}\n",
                e.blocks, (unsigned long long)e.last_step, (unsigned long long)e.bytes);
       } else

@@ -28,6 +28,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <grpc/grpc.h>
 #include <grpc/status.h>
@@ -231,6 +232,13 @@ int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off)
  * No overflow for any input. */
 int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset, uint64_t length,
                       size_t expect);
+
+/* ---- json.c: the JSON string escaper of precondctl and the benchmark clients ---------- */
+
+/* Writes s to f as a JSON string literal: quotes, backslash escapes for '"', '\\', \n, \r,
+ * \t and \u00XX for the other control characters; other bytes (UTF-8 included) as they
+ * are. NULL writes "". Write errors are left in f's error flag (ferror). */
+void rpc_json_string(FILE *f, const char *s);
 
 #ifdef __cplusplus
 }

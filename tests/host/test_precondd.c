@@ -100,6 +100,18 @@ static void remove_tree(const char *dir) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* Most tests: a daemon of their own in a fresh directory (start_daemon's options) ... */
+static void daemon_up(daemon_t *d, const char *const *extra) {
+  make_dir(d->p.dir, sizeof d->p.dir);
+  start_daemon(d, extra);
+}
+
+/* ... that SIGTERM must stop cleanly (exit status 0), its directory removed after. */
+static void daemon_down(daemon_t *d) {
+  assert_int_equal(stop_daemon(d, SIGTERM), 0);
+  remove_tree(d->p.dir);
+}
+
 /* ---- messages ------------------------------------------------------------------------- */
 
 static grpc_status_code call(daemon_t *d, const char *method, ProtobufCMessage *req,
@@ -340,8 +352,7 @@ static float *local_root(size_t n, const float *stat) {
 static void test_health_unimplemented_unix(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   check_health(&d);
   grpc_byte_buffer *resp = NULL;
   grpc_status_code code;
@@ -374,15 +385,13 @@ static void test_health_unimplemented_unix(void **state) {
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_string_equal(st->version, PD_VERSION);
   protobuf_c_message_free_unpacked(&st->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_register_push_fetch(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
 
   /* [6, 10] in blocks of 4: rows 4+2, cols 4+4+2 -> 6 blocks; a rank-1 bias is diagonal. */
   tspec ts[2] = {{"w", {6, 10}, 2}, {"bias", {10}, 1}};
@@ -489,16 +498,14 @@ static void test_register_push_fetch(void **state) {
   }
   pc_layout_destroy(&lay);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_bad_inputs(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--memory-limit-mb", "8", "--max-message-mb", "1", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   char msg[512];
   tspec ts[1] = {{"w", {4, 4}, 2}};
   assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -659,8 +666,7 @@ static void test_bad_inputs(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
   free(s4);
   free(bad);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_token_and_listen_rules(void **state) {
@@ -822,8 +828,7 @@ static void test_tls(void **state) {
   free(ca);
   free(cli);
   free(clikey);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- 32 concurrent clients ------------------------------------------------------------ */
@@ -898,8 +903,7 @@ out:
 static void test_concurrent_clients(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   enum { N = 32 };
   pthread_t th[N];
   client_arg args[N];
@@ -922,8 +926,7 @@ static void test_concurrent_clients(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
   check_health(&d);
   print_message("# 32 clients: %d calls in 3 s\n", calls);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- snapshots ------------------------------------------------------------------------ */
@@ -941,8 +944,7 @@ static void load_snapshot(const char *dir, pd_store *st, pd_stats *stats) {
 static void test_restart_bit_exact(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {5, 7}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "ema", ts, 1, 8, 0.9f, NULL, msg), GRPC_STATUS_OK);
@@ -1003,9 +1005,8 @@ static void test_restart_bit_exact(void **state) {
 static void test_crash_loses_one_interval(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0.2", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {4, 4}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1026,8 +1027,7 @@ static void test_crash_loses_one_interval(void **state) {
   assert_int_equal(reg->resumed_step, 3);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
   free(s4);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static int count_set_aside(const char *dir) {
@@ -1044,8 +1044,7 @@ static int count_set_aside(const char *dir) {
 static void test_corrupt_snapshot_set_aside(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {4, 4}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1080,8 +1079,7 @@ static void test_corrupt_snapshot_set_aside(void **state) {
   st = get_stats(&d, NULL);
   assert_int_equal(st->jobs, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- graceful shutdown ---------------------------------------------------------------- */
@@ -1119,8 +1117,7 @@ static void *busy_client(void *p) {
 static void test_graceful_shutdown(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {64, 64}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "busy", ts, 1, 64, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1163,8 +1160,7 @@ static void test_graceful_shutdown(void **state) {
 static void test_shutdown_cancels_stuck_call(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   check_health(&d); /* connected */
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   grpc_slice method = grpc_slice_from_static_string(RPC_METHOD_PUSH_STATISTICS);
@@ -1247,9 +1243,8 @@ static void test_shutdown_idle_client(void **state) {
 static void test_versions_survive_crash(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0", NULL}; /* snapshots at shutdown only */
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "v", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1312,9 +1307,8 @@ static void wait_snapshots(daemon_t *d, uint64_t n) {
 static void test_end_job_and_idle_expiry(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "3600", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
   char msg[512];
   float *s = random_stat(8, 5);
@@ -1438,8 +1432,7 @@ static void test_warm_roots(void **state) {
   assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_cold, 8);
   assert_true(b->roots_warm + b->roots_warm_skipped >= 6);
   protobuf_c_message_free_unpacked(&resp->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 
   daemon_t d2 = {0};
   b = warm_run(&d2, off, &resp);
@@ -1855,8 +1848,7 @@ static const Precond__V1__BlockStats *kfac_block_stats(const Precond__V1__StatsR
 static void test_kfac(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   char msg[512];
   /* fc: out 4, in 5 + bias; conv: out 3, in 2 x 2 x 2; bn: diagonal, on the worker. */
   tspec ts[3] = {{"fc", {4, 6}, 2}, {"conv", {3, 2, 2, 2}, 4}, {"bn", {3}, 1}};

@@ -1,5 +1,6 @@
-/* test_rpc.c -- unit tests of proto/rpc.c: byte-buffer packing, size limits, channels, and
- * the blocking call's failure paths (no server: nothing listens on the port used). */
+/* test_rpc.c -- unit tests of proto/ (rpc.h): byte-buffer packing, size limits, channels, and
+ * the blocking call's failure paths (no server: nothing listens on the port used); the packed
+ * codec (codec.c) and the JSON string escaper (json.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -275,6 +276,21 @@ static void test_packed_codec(void **state) {
   free(h);
 }
 
+/* The JSON escaper of precondctl and the benchmark summaries (json.c): quotes, backslash,
+ * the named control characters and \u00XX for the rest; UTF-8 passes; NULL is "". */
+static void test_json_string(void **state) {
+  (void)state;
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  assert_non_null(f);
+  rpc_json_string(f, "a\"b\\c\nd\re\tf\x01g\x1f\xc3\xa9");
+  rpc_json_string(f, NULL);
+  assert_int_equal(fclose(f), 0);
+  assert_string_equal(buf, "\"a\\\"b\\\\c\\nd\\re\\tf\\u0001g\\u001f\xc3\xa9\"\"\"");
+  free(buf);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pack_unpack_roundtrip),
@@ -285,6 +301,7 @@ int main(void) {
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
+      cmocka_unit_test(test_json_string),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
