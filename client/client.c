@@ -84,7 +84,9 @@ struct precond_client {
   precond__shm shm;
   struct timespec shm_retry;
   uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
-  char error[256];
+  int refused;           /* the daemon refused to register the job again (it was ended):
+                          * nothing is sent for it until precond_register */
+  char error[512];       /* room for the daemon's message naming an ended job */
 };
 
 /* ------------------------------------------------------------------------------------ */
@@ -116,6 +118,8 @@ const char *precond_strerror(int status) {
       return "unexpected answer from the daemon";
     case PRECOND_ETHREAD:
       return "could not start the background thread";
+    case PRECOND_EENDED:
+      return "the daemon ended the job and refuses it";
     default:
       return "unknown error";
   }
@@ -239,6 +243,10 @@ int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_versi
   for (;;) {
     if (c->roots == NULL || block_id >= c->nblocks) {
       st = PRECOND_EINVAL;
+      break;
+    }
+    if (c->refused) {
+      st = PRECOND_EENDED;
       break;
     }
     if (c->roots[block_id] != NULL && c->roots[block_id]->pub.version > have_version) {
@@ -425,6 +433,8 @@ static int reregister(precond_client *c, const uint8_t *msg, size_t len) {
   ProtobufCMessage *req =
       protobuf_c_message_unpack(&precond__v1__register_request__descriptor, NULL, len, msg);
   if (req == NULL) return PRECOND_ENOMEM;
+  /* Never take over an ended job by ourselves: that is precond_register's call alone. */
+  ((Precond__V1__RegisterRequest *)req)->reuse_ended_job = 0;
   ProtobufCMessage *resp = NULL;
   int st = call(c, RPC_METHOD_REGISTER, req, &precond__v1__register_response__descriptor, 0, &resp);
   if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
@@ -610,6 +620,19 @@ static int recover_job(precond_client *c) {
     memset(c->daemon_have, 0, c->nblocks * sizeof(*c->daemon_have));
     c->counters.reregistered++;
   }
+  if (st == PRECOND_ESTATE && c->job_gen == gen) {
+    /* Refused for good (the job was ended under us): trying again would only loop. The
+     * queued blocks can never be sent; the caller hears PRECOND_EENDED. */
+    c->refused = 1;
+    precond__item *items[256];
+    size_t n;
+    while ((n = precond__queue_take(&c->queue, items, 256, SIZE_MAX)) > 0) {
+      c->counters.push_errors += n;
+      for (size_t i = 0; i < n; i++) precond__item_free(items[i]);
+    }
+    fprintf(stderr, "libprecond: precondd at %s refuses job %s; stopped sending it (%s)\n", c->addr,
+            c->job, c->error);
+  }
   return st;
 }
 
@@ -619,7 +642,7 @@ static void *thread_main(void *arg) {
   struct timespec next_poll = deadline_in(0);
   pthread_mutex_lock(&c->mu);
   while (!c->stop) {
-    if (c->job == NULL) {
+    if (c->job == NULL || c->refused) {
       pthread_cond_wait(&c->wake, &c->mu);
       continue;
     }
@@ -636,9 +659,10 @@ static void *thread_main(void *arg) {
     int retry = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM;
     if (st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
       /* The daemon lost the job: register again, then retry after the backoff below (also
-       * when registering worked, so a daemon that keeps refusing is not hammered). */
+       * when registering worked, so a daemon that keeps refusing is not hammered); a
+       * refusal of the Register itself stops the job (recover_job). */
       recover_job(c);
-      retry = 1;
+      retry = !c->refused;
     }
     c->busy = 0;
     pthread_cond_broadcast(&c->progress);
@@ -904,6 +928,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode, c
   }
   if (mode != PRECOND_MODE_KFAC) req.shampoo = &so;
   req.worker = (char *)(worker ? worker : "");
+  req.reuse_ended_job = c->opts.reuse_ended_job != 0;
   size_t plen = protobuf_c_message_get_packed_size(&req.base);
   packed = malloc(plen ? plen : 1);
   if (packed == NULL) goto cleanup;
@@ -960,6 +985,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode, c
   /* Swap the new job in; the old one's queue and roots are freed with it. */
   pthread_mutex_lock(&c->mu);
   job_clear(c);
+  c->refused = 0;
   c->job = job_copy;
   c->mode = mode;
   c->register_msg = packed;
@@ -1030,7 +1056,9 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
+  int refused = c->refused;
   pthread_mutex_unlock(&c->mu);
+  if (ok && refused) return PRECOND_EENDED;
   if (!ok) return PRECOND_EINVAL;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
@@ -1076,6 +1104,10 @@ int precond_flush(precond_client *c, int timeout_ms) {
   int st = PRECOND_ETIMEDOUT;
   pthread_mutex_lock(&c->mu);
   for (;;) {
+    if (c->refused) {
+      st = PRECOND_EENDED;
+      break;
+    }
     if (c->queue.length == 0 && c->inflight == 0) {
       st = PRECOND_OK;
       break;

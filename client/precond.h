@@ -25,7 +25,12 @@
  *   the daemon answers NOT_FOUND or FAILED_PRECONDITION to a push or a fetch (it restarted and
  *   lost the job), the thread registers again with the last registration and retries; it then
  *   accepts the new daemon's roots whatever their version numbers (precond_roots.version, the
- *   client's own count, keeps increasing). Blocks the daemon rejects
+ *   client's own count, keeps increasing). If that Register is refused with
+ *   FAILED_PRECONDITION (the job was ended under the client: precondctl end-job, EndJob, the
+ *   daemon's idle expiry; precondd remembers ended names), the client stops there: queued
+ *   blocks are dropped (push_errors), nothing is retried, and precond_push, precond_flush and
+ *   precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
+ *   logged once to stderr) until precond_register. Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
  *
@@ -63,7 +68,9 @@ enum {
   PRECOND_ELIMIT = -8,       /* RESOURCE_EXHAUSTED: size limit or memory budget */
   PRECOND_EAUTH = -9,        /* UNAUTHENTICATED or PERMISSION_DENIED: token missing/wrong */
   PRECOND_EPROTO = -10,      /* malformed answer, or another gRPC status */
-  PRECOND_ETHREAD = -11      /* could not start the background thread */
+  PRECOND_ETHREAD = -11,     /* could not start the background thread */
+  PRECOND_EENDED = -12       /* the daemon refuses the job for good: it was ended (EndJob,
+                                precondctl end-job, idle expiry); see precond_last_error */
 };
 
 /* Static, human-readable message for a status code. Never returns NULL. */
@@ -120,6 +127,11 @@ typedef struct {
   int background;                  /* 1 (default): start the push/fetch thread. 0: no thread;
                                   precond_push and precond_fetch then fail with EINVAL
                                   (for tools such as precondctl that only read stats) */
+  int reuse_ended_job;             /* 1: precond_register may take the name of a job that was
+                                  ended (precondd refuses it otherwise, FAILED_PRECONDITION:
+                                  PRECOND_ESTATE), starting it again from zero. Sent only by
+                                  precond_register, never when the client registers again by
+                                  itself. Default 0 */
   precond_transport transport;     /* how matrices travel; default PRECOND_TRANSPORT_AUTO */
   size_t shm_bytes;                /* shared-memory region asked for (its two halves: pushes,
                                   roots); 0 (default): the daemon's (64 MiB). A matrix
@@ -330,8 +342,10 @@ typedef struct {
  * snapshots; PRECOND_ENOTFOUND if it holds no such job. When it is this client's job, the
  * client forgets it first (pushes still queued are discarded, roots held stay valid until
  * released; push and fetch then fail with EINVAL until precond_register), so its background
- * thread does not register it again. Another client still working on the job will: end a
- * job once its workers are done. out may be NULL. */
+ * thread does not register it again. The daemon remembers the ended name (--ended-jobs):
+ * another client still working on the job is refused when it registers it again (its push
+ * and flush then return PRECOND_EENDED), and a new precond_register of that name needs
+ * precond_options.reuse_ended_job. out may be NULL. */
 int precond_end_job(precond_client *client, const char *job, precond_ended *out);
 
 /* ------------------------------------------------------------------------------------ */

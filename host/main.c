@@ -86,6 +86,10 @@ static void pd__usage(FILE *f) {
       "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
       "  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
       "                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
+      "  --ended-jobs N           remember the names of the last N ended jobs (EndJob, idle\n"
+      "                           expiry; default 1024, snapshotted): a Register of one is\n"
+      "                           FAILED_PRECONDITION unless it sets reuse_ended_job, so a\n"
+      "                           worker still running cannot bring an ended job back; 0: none\n"
       "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
       "  --help                   this text\n"
       "  --version                print the version\n"
@@ -235,6 +239,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     O_INSECURE,
     O_DRIFT,
     O_EXPIRY,
+    O_ENDED,
     O_JOBMEM,
     O_WARM,
     O_GRPCARG,
@@ -256,6 +261,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
                                        {"shm-dir", required_argument, NULL, O_SHMDIR},
                                        {"grace-period", required_argument, NULL, O_GRACE},
                                        {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
+                                       {"ended-jobs", required_argument, NULL, O_ENDED},
                                        {"token-file", required_argument, NULL, O_TOKEN},
                                        {"insecure-token", no_argument, NULL, O_INSECURE},
                                        {"tls-cert", required_argument, NULL, O_CERT},
@@ -349,6 +355,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       case O_EXPIRY:
         if (pd__parse_num("--job-idle-expiry", optarg, 0, 1e9, &v)) return 2;
         cfg->job_idle_expiry_s = v;
+        break;
+      case O_ENDED:
+        if (pd__parse_num("--ended-jobs", optarg, 0, PD_MAX_ENDED_JOBS, &v)) return 2;
+        cfg->ended_jobs = (uint32_t)v;
         break;
       case O_TOKEN:
         if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
@@ -610,6 +620,7 @@ int main(int argc, char **argv) {
   }
   d.store.link = link; /* before any job: ownership is planned when a job is added */
   d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
+  d.store.ended_max = d.cfg.ended_jobs;
   if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)

@@ -44,7 +44,8 @@ enum {
   PD_EIO = -3,      /* file or socket error (errno-style detail is logged) */
   PD_ECORRUPT = -4, /* a snapshot failed its checks */
   PD_ENOENT = -5,   /* no such file (no snapshot yet) */
-  PD_ELIMIT = -6    /* a configured limit would be exceeded */
+  PD_ELIMIT = -6,   /* a configured limit would be exceeded */
+  PD_EENDED = -7    /* the job's name belongs to a job that was ended (EndJob, idle expiry) */
 };
 
 const char *pd_strerror(int code);
@@ -92,6 +93,7 @@ typedef struct {
   double grace_s;             /* calls in flight get this long at shutdown */
   double job_idle_expiry_s;   /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
+  uint32_t ended_jobs;        /* names of ended jobs remembered (Register refuses them) */
   pd_log_level log_level;
   char shm_dir[1024];     /* --shm-dir: where same-host clients' regions are made; "": off */
   char grpc_args[8][128]; /* --grpc-arg KEY=INTEGER: server channel arguments over the
@@ -420,8 +422,21 @@ struct pd_job {
   char *workers[PD_MAX_WORKER_NAMES];
 };
 
+/* The name of a job that was ended: Register refuses it (PD_EENDED) unless the request
+ * asks to reuse it, so that a worker still running cannot bring back a job an operator
+ * ended (libprecond registers again by itself when the daemon lost its job). */
+typedef enum { PD_ENDED_BY_CALL = 0, PD_ENDED_IDLE = 1 } pd_ended_how;
+
 typedef struct {
-  pthread_rwlock_t lock; /* guards the job list (each listed job: one reference) */
+  char *name;       /* owned by the store (or by the array that holds the copy) */
+  int64_t ended_at; /* unix time, seconds */
+  uint32_t how;     /* pd_ended_how */
+} pd_ended_job;
+
+#define PD_MAX_ENDED_JOBS 65536u /* --ended-jobs at most; a snapshot holding more is damaged */
+
+typedef struct {
+  pthread_rwlock_t lock; /* guards the job list (each listed job: one reference) and ended */
   size_t njobs, cap;
   pd_job **jobs;
   pd_stats *stats;
@@ -437,6 +452,10 @@ typedef struct {
   uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
   const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
   _Atomic uint64_t removed;           /* jobs removed (ended or expired): main.c snapshots soon */
+  /* Names of ended jobs, oldest first, at most ended_max (set after pd_store_init; 0: none
+   * are remembered and an ended job can be registered again at once). */
+  pd_ended_job *ended;
+  size_t nended, ended_max;
   size_t extra; /* pd_store_reserve_extra's bytes, in reserved too; guarded by lock */
 } pd_store;
 
@@ -482,6 +501,26 @@ void pd_store_release_extra(pd_store *st, size_t bytes);
  * PD_ELIMIT when over the memory limit, the per-job limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
 
+/* pd_store_add for a Register: when no job of that name is listed but the name is one of an
+ * ended job, PD_EENDED (nothing added; *ended, if not NULL, gets when and how it ended, its
+ * name NULL) unless reuse_ended, which forgets the ended name and adds the job. pd_store_add
+ * (a restore, a replica's copy) always forgets it. */
+int pd_store_register(pd_store *st, pd_job *job, int reuse_ended, pd_job **existing,
+                      pd_ended_job *ended);
+
+/* 1 with *out filled (its name NULL) if name is one of an ended job, else 0. */
+int pd_store_ended(pd_store *st, const char *name, pd_ended_job *out);
+
+/* The ended names now, oldest first, copied (free with pd_ended_free), and with jobs not
+ * NULL the listed jobs as pd_store_list gives them, both under one lock (a snapshot never
+ * holds a job and its end). *nended gets their count; NULL on out of memory. */
+pd_ended_job *pd_store_list_ended(pd_store *st, size_t *nended, pd_job ***jobs, size_t *njobs);
+void pd_ended_free(pd_ended_job *ended, size_t n);
+
+/* Remembers ended names read from a snapshot (oldest first; ownership of the array and its
+ * names passes to the store): only the newest ended_max are kept. */
+void pd_store_restore_ended(pd_store *st, pd_ended_job *ended, size_t n);
+
 /* A new reference to the job of that name (release it with pd_job_unref), or NULL. With
  * touch, the lookup counts as the job's activity (its idle clock restarts): workers' calls
  * touch, GetStats does not. */
@@ -495,7 +534,8 @@ void pd_store_list_free(pd_job **jobs, size_t n, pd_stats *stats);
 /* Removes the job of that name from the store and returns the store's reference to it (the
  * caller drops it with pd_job_unref once nothing is queued for it), or NULL if there is none.
  * With idle_s > 0 only a job idle for longer than idle_s at time now is removed, and name
- * NULL takes the first such job. The job is marked ended; generation and removed count it. */
+ * NULL takes the first such job. The job is marked ended and its name remembered as ended
+ * (PD_ENDED_IDLE with idle_s > 0); generation and removed count it. */
 pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double now);
 
 /* Records a worker name for the job's stats (bounded). */

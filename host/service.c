@@ -6,7 +6,7 @@
  *   INVALID_ARGUMENT     malformed bytes, wrong sizes or counts, NaN/Inf, bad options
  *   NOT_FOUND            unknown job (Fetch, GetStats) or block id (Push, Fetch)
  *   FAILED_PRECONDITION  push for a job never registered; Register of an existing job with
- *                        different tensors or options
+ *                        different tensors or options, or of an ended job's name
  *   RESOURCE_EXHAUSTED   over the message size, block count or memory limit
  *   UNIMPLEMENTED        modes other than Shampoo and K-FAC
  * Handlers hold a reference to the job they serve (pd_store_get), so an EndJob or an idle
@@ -17,6 +17,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
@@ -66,6 +67,36 @@ static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg)
   }
   rep->code = GRPC_STATUS_OK;
   atomic_fetch_add(&d->stats.bytes_out, grpc_byte_buffer_length(rep->payload));
+}
+
+/* ---- unknown and ended jobs ----------------------------------------------------------- */
+
+/* "by EndJob at 2026-01-01T12:00:00Z" for an ended name's record. */
+static void pd__ended_how(const pd_ended_job *e, char *out, size_t len) {
+  time_t t = (time_t)e->ended_at;
+  struct tm tm;
+  char when[32] = "?";
+  if (gmtime_r(&t, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  snprintf(out, len, "%s at %s", e->how == PD_ENDED_IDLE ? "by the idle expiry" : "by EndJob",
+           when);
+}
+
+/* Fails rep with code for a call naming a job the store does not list: "is not registered"
+ * plus hint, or, if the name is one of an ended job, when and how it ended (a worker that
+ * registers it again is refused too, see pd__register). */
+static void pd__unknown_job(pd_daemon *d, pd_reply *rep, grpc_status_code code, const char *job,
+                            const char *hint) {
+  pd_ended_job e;
+  if (!pd_store_ended(&d->store, job, &e)) {
+    pd__fail(rep, code, "job: \"%s\" is not registered%s", job, hint);
+    return;
+  }
+  char how[96];
+  pd__ended_how(&e, how, sizeof how);
+  pd__fail(rep, code,
+           "job: \"%s\" was ended %s; its name is refused until a Register sets "
+           "reuse_ended_job",
+           job, how);
 }
 
 /* ---- Register ------------------------------------------------------------------------- */
@@ -194,7 +225,19 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req, 
     goto cleanup;
   }
   pd_job *existing = NULL;
-  rc = pd_store_add(&d->store, job, &existing);
+  pd_ended_job ended;
+  rc = pd_store_register(&d->store, job, req->reuse_ended_job, &existing, &ended);
+  if (rc == PD_EENDED) {
+    char how[96];
+    pd__ended_how(&ended, how, sizeof how);
+    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+             "job: \"%s\" was ended %s, and its name is refused so that a worker still "
+             "running cannot bring it back; to start it again from zero set "
+             "reuse_ended_job (libprecond: precond_options.reuse_ended_job), or use another "
+             "job name",
+             req->job, how);
+    goto cleanup;
+  }
   if (rc == PD_ELIMIT) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
              "tensors: the job needs %zu bytes for its records, statistics and roots (and %zu "
@@ -443,8 +486,8 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
   if (pd__shm_push_in(d, req, rep) != 0) goto rejected;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
-    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
-             "job: \"%s\" is not registered (call Register before PushStatistics)", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_FAILED_PRECONDITION, req->job,
+                    " (call Register before PushStatistics)");
     goto rejected;
   }
   size_t nb = req->n_blocks;
@@ -581,7 +624,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   if (req->shm && !shm) return;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
-    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
     pd_shm_put(&d->shm, shm);
     return;
   }
@@ -725,7 +768,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   if (req->job && *req->job) {
     pd_job *only = pd_store_get(&d->store, req->job, 0); /* a look is no activity */
     if (!only) {
-      pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+      pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
       return;
     }
     if ((jobs = malloc(sizeof *jobs)) != NULL) {
@@ -927,7 +970,7 @@ static void pd__end_job(pd_daemon *d, const Precond__V1__EndJobRequest *req, pd_
   }
   pd_job_ended info;
   if (pd_service_end_job(d, req->job, 0, 0, &info) != PD_OK) {
-    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
     return;
   }
   const pd_replica_link *link = d->store.link;

@@ -656,6 +656,98 @@ static void test_end_job(void **state) {
   precond_close(c);
 }
 
+/* A worker still running when an operator ends its job (precondctl end-job) must not bring
+ * it back: libprecond registers again by itself after a NOT_FOUND, and precondd used to
+ * accept that, so the job came back empty and kept training. Now the daemon remembers the
+ * ended name: the worker's next flush says PRECOND_EENDED with the daemon's reason, its
+ * thread stops (no retry loop), the job stays gone, also across a restart; a new run takes
+ * the name with reuse_ended_job. */
+static void test_ended_job_stays_ended(void **state) {
+  (void)state;
+  char addr[64];
+  later_addr(addr, sizeof addr); /* the restart below listens where the clients dial */
+  daemon_start(addr, NULL, 1);
+  precond_client *w = connect_to(addr, PRECOND_FP32);
+  precond_layout layout;
+  register_job(w, "run1", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(w, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+
+  static char out[4096];
+  char args[256];
+  snprintf(args, sizeof args, "--addr %s end-job run1", addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "ended job run1"));
+
+  /* The worker's next step: its push (or its thread's poll, whichever comes first) is
+   * refused, and so is the Register that follows. */
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
+  int pst = precond_push(w, 2, 0, 128, l, 96, r, PRECOND_FP32);
+  assert_true(pst == PRECOND_OK || pst == PRECOND_EENDED);
+  int st = precond_flush(w, ROOT_WAIT_MS);
+  char e[512];
+  precond_last_error(w, e, sizeof e);
+  if (st != PRECOND_EENDED) fprintf(stderr, "flush: %s (%s)\n", precond_strerror(st), e);
+  assert_int_equal(st, PRECOND_EENDED);
+  assert_non_null(strstr(e, "\"run1\" was ended by EndJob at"));
+  assert_non_null(strstr(e, "reuse_ended_job"));
+  assert_int_equal(precond_push(w, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EENDED);
+  assert_int_equal(precond_wait_roots(w, 0, versions[0], 100), PRECOND_EENDED);
+  precond_counters k1, k2;
+  precond_get_counters(w, &k1);
+  assert_int_equal(k1.reregistered, 0);
+  assert_int_equal(k1.push_errors, pst == PRECOND_OK); /* step 2's block, if queued: dropped */
+  assert_int_equal(k1.queued, 0);
+  /* No loop: many poll intervals and backoffs later nothing more was tried. */
+  nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+  precond_get_counters(w, &k2);
+  assert_int_equal(k2.retries, k1.retries);
+  assert_int_equal(k2.fetch_calls, k1.fetch_calls);
+  precond_stats s;
+  assert_int_equal(precond_get_stats(w, "run1", 0, &s), PRECOND_ENOTFOUND);
+
+  /* Remembered across a restart (the snapshot holds the name). */
+  daemon_stop();
+  daemon_start(addr, NULL, 1);
+  precond_client *n = connect_to(addr, PRECOND_FP32);
+  const uint64_t wshape[2] = {256, 96}, bshape[1] = {96};
+  precond_tensor t[2] = {{"dense.w", 2, wshape}, {"dense.b", 1, bshape}};
+  precond_shampoo_opts so = {.block_size = 128, .epsilon = EPSILON, .method = PRECOND_METHOD_EIGH};
+  precond_layout l2;
+  /* A call right after the restart can meet the old connection's end (UNAVAILABLE). */
+  int rst = PRECOND_EUNAVAILABLE;
+  for (int tries = 0; tries < 50 && rst == PRECOND_EUNAVAILABLE; tries++) {
+    if (tries > 0) nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    rst = precond_register(n, "run1", PRECOND_MODE_SHAMPOO, "test", 2, t, &so, &l2);
+  }
+  assert_int_equal(rst, PRECOND_ESTATE);
+  precond_last_error(n, e, sizeof e);
+  assert_non_null(strstr(e, "was ended by EndJob"));
+  precond_close(n);
+  /* A new run of the same name says so. */
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = addr;
+  o.connect_timeout_ms = 20000;
+  o.reuse_ended_job = 1;
+  assert_int_equal(precond_connect(&o, &n), PRECOND_OK);
+  register_job(n, "run1", &l2);
+  uint64_t v2[2] = {0, 0};
+  push_and_check(n, &l2, 1, 2.0f, 2.0, PRECOND_FP32, v2, 1e-4); /* from zero: 2 I alone */
+  /* The old worker registers again explicitly (a new run of its own): allowed while the
+   * job is there, and its pushes go through. */
+  register_job(w, "run1", &layout);
+  assert_int_equal(precond_push(w, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(w, ROOT_WAIT_MS), PRECOND_OK);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_layout_destroy(&l2);
+  precond_close(w);
+  precond_close(n);
+  daemon_stop();
+}
+
 /* Several threads push and fetch on one client with a queue of 2 blocks: every push is
  * accounted for (sent, coalesced or dropped), nothing is refused, and the last step's roots
  * arrive. */
@@ -1010,6 +1102,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
       cmocka_unit_test_teardown(test_precondctl, stop_daemon),
       cmocka_unit_test_teardown(test_end_job, stop_daemon),
+      cmocka_unit_test_teardown(test_ended_job_stays_ended, stop_daemon),
       cmocka_unit_test_teardown(test_token, stop_daemon),
       cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
       cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),
