@@ -70,8 +70,9 @@ struct ac_shampoo {
  * momentum on the grafted direction, with Nesterov's look-ahead on it (ahead on two seeds
  * with synchronous roots); square roots on both sides (L^(-1/2) G R^(-1/2): 0.034 lower
  * eval loss at mid-run than Shampoo's 1/4, about 0.52x AdamW's steps to its final loss
- * instead of 0.60x, seeds 1 and 2), computed by eigendecomposition (the same loss as
- * Newton's roots, about 5x cheaper at order 128); statistics EMA 0.95; the roots' relative ridge
+ * instead of 0.60x, seeds 1 and 2; measured with eigh roots, which train as Newton's do);
+ * coupled Newton roots (eigh, 5x cheaper at order 128, fell behind on small blocks with
+ * precondd's two BLAS threads: docs/optimizers.md); statistics EMA 0.95; the roots' relative ridge
  * (pc_root_opts_default, as precondd); roots used from step 1 and whatever their age. */
 void ac_shampoo_opts_default(ac_shampoo_opts *opts) {
   if (opts == NULL) return;
@@ -90,7 +91,7 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts) {
   opts->beta1 = 0.9f;
   opts->beta1_nesterov = 1;
   opts->one_sided = 0;
-  opts->root_method = PC_METHOD_EIGH;
+  opts->root_method = PC_METHOD_NEWTON;
   opts->root_exponent = 2;
 }
 

@@ -722,9 +722,7 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->cpu_ms, 5);
   fputc(',', f);
   tr__csv_num(f, r->kl_scale, 5);
-  if (fputc('\n', f) == EOF) return TR_EIO;
-  /* an evaluation row reaches the file at once, so a run can be followed (or stopped) live */
-  return isnan(r->eval_loss) || fflush(f) == 0 ? TR_OK : TR_EIO;
+  return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
 static void tr__json_num(FILE *f, const char *key, double v, int last) {
