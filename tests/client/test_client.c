@@ -735,7 +735,8 @@ static void test_ended_job_stays_ended(void **state) {
   uint64_t v2[2] = {0, 0};
   push_and_check(n, &l2, 1, 2.0f, 2.0, PRECOND_FP32, v2, 1e-4); /* from zero: 2 I alone */
   /* The old worker registers again explicitly (a new run of its own): allowed while the
-   * job is there, and its pushes go through. */
+   * job is there, and its pushes go through. The layout it gets back replaces the first. */
+  precond_layout_destroy(&layout);
   register_job(w, "run1", &layout);
   assert_int_equal(precond_push(w, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
   assert_int_equal(precond_flush(w, ROOT_WAIT_MS), PRECOND_OK);
