@@ -68,8 +68,8 @@ struct ac_shampoo {
  * winners on the main job's Transformer, docs/optimizers.md "Measured defaults": a first
  * moment of 0.9 under the plain Adam graft (Distributed Shampoo's recipe) instead of
  * momentum on the grafted direction, with Nesterov's look-ahead on it (ahead on two seeds
- * with synchronous roots); statistics EMA 0.95; relative ridge 1e-6; roots used from step 1
- * and whatever their age. */
+ * with synchronous roots); statistics EMA 0.95; the roots' relative ridge
+ * (pc_root_opts_default, as precondd); roots used from step 1 and whatever their age. */
 void ac_shampoo_opts_default(ac_shampoo_opts *opts) {
   if (opts == NULL) return;
   pc_layout_opts_default(&opts->layout);
@@ -81,7 +81,9 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts) {
   opts->start_step = 1;
   opts->max_staleness = 0;
   opts->beta2 = 0.95f;
-  opts->epsilon = 1e-6;
+  pc_root_opts ro; /* the relative ridge is the roots' own default: one source with precondd */
+  pc_root_opts_default(&ro, 4);
+  opts->epsilon = ro.epsilon;
   opts->beta1 = 0.9f;
   opts->beta1_nesterov = 1;
   opts->one_sided = 0;

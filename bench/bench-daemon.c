@@ -5,6 +5,8 @@
  * Against a running daemon (--addr) or daemons it starts itself (--spawn PATH: one on a TCP
  * loopback port, one on a unix socket), it measures:
  *   push   PushStatistics of one n x n block (both packed factors, fp32 or with --bf16 bf16),
+ *          (--wire over a unix socket: push-shm and fetch-shm rows too, the matrices through
+ *          a shared-memory region, client/shm.h: a copy with its checksum each way)
  *          1..16 clients each on its own channel, back to back for --seconds: MB/s and
  *          latency percentiles, next to a single-threaded memcpy of the same bytes (the limit);
  *   fetch  FetchPreconditioners of one n x n block's roots (the same job for every client),
@@ -50,6 +52,7 @@
 #include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
+#include "shm.h"
 
 #define MAX_LIST 16
 #define CALL_MS  120000
@@ -79,28 +82,51 @@ typedef struct {
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
   int ndaemon_args;
   double memcpy_mb_s[MAX_LIST]; /* per size, measured before any daemon runs */
+  double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
+  int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
+  int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
+  const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
+  int nchannel_args;
 } bench_opts;
 
 static int g_window_mb;
+static const bench_opts *g_opts; /* the measured channels read --channel-arg from here */
 
-/* A channel with the size limits of rpc_channel_create and, with --window-mb, a larger
- * HTTP/2 receive window (lookahead): a big answer then needs fewer WINDOW_UPDATE round
- * trips. Released with rpc_channel_destroy (which gives back this grpc_init). */
+/* A channel with the arguments of rpc_channel_create (size limits, transport defaults),
+ * then --window-mb as the HTTP/2 receive window (lookahead) and every --channel-arg.
+ * Released with rpc_channel_destroy (which gives back this grpc_init). */
 static grpc_channel *bench_channel(const char *addr) {
-  if (g_window_mb <= 0) return rpc_channel_create(addr, 0);
-  grpc_arg args[3];
-  grpc_channel_args ca;
-  rpc_size_args(&ca, args, 0);
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES;
-  args[2].value.integer = g_window_mb << 20;
-  ca.num_args = 3;
-  ca.args = args;
-  grpc_init();
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(addr, creds, &ca);
-  grpc_channel_credentials_release(creds);
-  return ch;
+  rpc_args a;
+  rpc_args_init(&a, 0);
+  if (g_window_mb > 0) rpc_args_set_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, g_window_mb << 20);
+  for (int i = 0; g_opts != NULL && i < g_opts->nchannel_args; i++)
+    rpc_args_parse(&a, g_opts->channel_args[i]); /* checked when parsed in main */
+  return rpc_channel_create_args(addr, &a);
+}
+
+/* CPU seconds (user + system) used so far by process pid (0: this one), from /proc; 0 if
+ * it cannot be read. */
+static double cpu_s(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid > 0 ? (int)pid : (int)getpid());
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return 0.0;
+  char buf[1024];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  unsigned long long ut = 0, st = 0;
+  if (p == NULL ||
+      sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+    return 0.0;
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double thread_cpu_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 static double now_s(void) {
@@ -143,10 +169,24 @@ static void usage(FILE *f) {
           "                      of 256 pushed to rank 0 per step (3 steps): roots/s, and the\n"
           "                      time from a step's push to every rank holding every root\n"
           "  --ranks LIST        daemon ranks of the replica rows (default 1,2)\n"
+          "  --wire              the wire alone: per size (default 128,256,...,4096: 64 KiB\n"
+          "                      to 64 MiB pushes) a memcpy row, then push and fetch rows per\n"
+          "                      transport; with --spawn pushes go to a daemon without a\n"
+          "                      pool (--threads 0), fetches to one whose roots were computed\n"
+          "                      before the clock starts (fetches queue no work); clients\n"
+          "                      default to 1, --fetch-max to 2048; no root or pool rows\n"
+          "  --channel-arg K=V   a gRPC argument (integer) of the measured channels over the\n"
+          "                      defaults (repeat, up to 8); the daemon's: --daemon-arg\n"
+          "                      --grpc-arg --daemon-arg K=V\n"
+          "  --json              rows as one JSON array of objects (the CSV header's keys)\n"
+          "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
+          "                      CPU second of this process and the daemon (with --spawn; a\n"
+          "                      loaded machine's waits left out; percentiles stay wall)\n"
           "  --help\n"
           "\n"
           "Pushes leave dirty blocks: the daemon computes their roots afterwards (with --addr,\n"
-          "that work stays on the daemon). CSV on stdout, notes on stderr.\n");
+          "that work stays on the daemon; --wire with --spawn keeps it out). CSV on stdout,\n"
+          "notes on stderr.\n");
 }
 
 static int parse_list(const char *s, size_t *out_sz, int *out_int, int *n) {
@@ -320,6 +360,7 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
+  int shm;           /* matrices through a shared-memory region (client/shm.h) */
   double until;      /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
@@ -336,6 +377,22 @@ static void *worker_main(void *arg) {
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   fr.job = (char *)w->job;
   if (w->pl->bf16) fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  /* Shared memory: a region with room for four of this cell's messages in each half. */
+  precond__shm shm = {.fd = -1};
+  Precond__V1__ShmSession sess;
+  Precond__V1__ShmRef refs[2];
+  if (w->shm && ch != NULL) {
+    grpc_status_code code;
+    char err[256];
+    if (precond__shm_open(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), &shm, &code, err,
+                          sizeof err) != RPC_OK) {
+      fprintf(stderr, "bench-daemon: %s\n", err);
+      w->failed = 1;
+    }
+    precond__shm_session(&shm, &sess);
+    pm.req.shm = &sess;
+    fr.shm = &sess;
+  }
   /* Warm the connection before the clock starts. */
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   sr.job = (char *)w->job;
@@ -355,19 +412,38 @@ static void *worker_main(void *arg) {
         w->failed = 1;
         break;
       }
-      const Precond__V1__FetchResponse *r = (const Precond__V1__FetchResponse *)resp;
+      Precond__V1__FetchResponse *r = (Precond__V1__FetchResponse *)resp;
+      char err[160];
+      if (w->shm && precond__shm_fetch_in(&shm, r, err, sizeof err) < 0) {
+        fprintf(stderr, "bench-daemon: %s\n", err);
+        w->failed = 1;
+      }
       for (size_t i = 0; i < r->n_preconditioners; i++) {
         const Precond__V1__BlockRoots *b = r->preconditioners[i];
         w->bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
       }
+      if (w->shm) precond__shm_fetch_done(r);
     } else {
       pm.req.step = step++;
+      if (w->shm) {
+        /* Each push writes its two factors into the region (copy and checksum), as a
+         * worker's would; the messages then carry the references only. */
+        pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
+        pm.l.data.len = pm.r.data.len = w->pl->bytes;
+        pm.l.shm = pm.r.shm = NULL;
+        if (precond__shm_put(&shm, &pm.l, &refs[0]) == 0 ||
+            precond__shm_put(&shm, &pm.r, &refs[1]) == 0) {
+          fprintf(stderr, "bench-daemon: a factor does not fit the region\n");
+          w->failed = 1;
+          break;
+        }
+      }
       if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
                   &precond__v1__push_response__descriptor, &resp) != 0) {
         w->failed = 1;
         break;
       }
-      w->bytes += 2 * pm.l.data.len;
+      w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     if (w->nlat == w->caplat) {
@@ -382,6 +458,7 @@ static void *worker_main(void *arg) {
     }
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
   }
+  precond__shm_close(&shm);
   rpc_channel_destroy(ch);
   return NULL;
 }
@@ -397,42 +474,75 @@ static double percentile(const double *sorted, size_t n, double q) {
   return sorted[i < n ? i : n - 1];
 }
 
-/* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s). */
-static double memcpy_mb_s(size_t bytes) {
+/* Single-threaded memcpy MB/s of bytes (repeated for about 0.2 s); pct (NULL: not wanted)
+ * gets the p50/p90/p99 of one copy in ms. */
+static int g_cpu_clock; /* --clock cpu */
+
+static double memcpy_mb_s(size_t bytes, double pct[3]) {
+  enum { MAXLAT = 1 << 16 };
   unsigned char *a = malloc(bytes), *b = malloc(bytes);
-  if (a == NULL || b == NULL) {
+  double *lat = malloc(MAXLAT * sizeof(double));
+  if (a == NULL || b == NULL || lat == NULL) {
     free(a);
     free(b);
+    free(lat);
     return 0.0;
   }
   memset(a, 1, bytes);
   memset(b, 0, bytes);
   size_t reps = 0;
-  double t0 = now_s(), t;
+  double t0 = now_s(), t = t0, cpu0 = thread_cpu_s();
   do {
+    double c0 = t;
     memcpy(b, a, bytes);
     a[reps % bytes] = b[(reps * 7) % bytes]; /* keep the copies observable */
-    reps++;
     t = now_s();
+    if (reps < MAXLAT) lat[reps] = 1e3 * (t - c0);
+    reps++;
   } while (t - t0 < 0.2 || reps < 3);
-  double mbs = (double)bytes * (double)reps / (t - t0) / 1e6;
+  double secs = g_cpu_clock ? thread_cpu_s() - cpu0 : t - t0;
+  double mbs = (double)bytes * (double)reps / secs / 1e6;
+  if (pct != NULL) {
+    size_t m = reps < MAXLAT ? reps : MAXLAT;
+    qsort(lat, m, sizeof(double), cmp_double);
+    pct[0] = percentile(lat, m, 0.5);
+    pct[1] = percentile(lat, m, 0.9);
+    pct[2] = percentile(lat, m, 0.99);
+  }
   free(a);
   free(b);
+  free(lat);
   return mbs;
 }
 
+static int g_json, g_rows; /* --json: rows as objects of one array; rows printed so far */
+
+/* One row, CSV or (--json) an object with the CSV header's keys. payload_bytes: bytes of
+ * statistics or roots one operation carries (0 where rows count no bytes). */
 static void print_row(const char *bench, const char *transport, size_t n, int clients, uint64_t ops,
                       double secs, double mbs, double ops_s, const double *p, const char *baseline,
-                      double base_value) {
-  printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f\n", bench, transport, n,
-         clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline, base_value,
-         base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0);
+                      double base_value, size_t payload_bytes) {
+  double ratio =
+      base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0;
+  if (g_json)
+    printf("%s{\"bench\":\"%s\",\"transport\":\"%s\",\"block\":%zu,\"clients\":%d,"
+           "\"ops\":%llu,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"ops_per_s\":%.1f,"
+           "\"p50_ms\":%.3f,\"p90_ms\":%.3f,\"p99_ms\":%.3f,\"baseline\":\"%s\","
+           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"payload_bytes\":%zu}",
+           g_rows ? ",\n" : "", bench, transport, n, clients, (unsigned long long)ops, secs, mbs,
+           ops_s, p[0], p[1], p[2], baseline, base_value, ratio, payload_bytes);
+  else
+    printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f,%zu\n", bench, transport,
+           n, clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline,
+           base_value, ratio, payload_bytes);
+  g_rows++;
   fflush(stdout);
 }
 
 /* One push or fetch cell: k clients for o->seconds. */
-static int run_cell(const bench_opts *o, const char *addr, const char *transport, int fetch,
-                    const char *job, int k, const payload *pl, double memcpy_rate) {
+static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
+                    int fetch, int shm, const char *job, int k, const payload *pl,
+                    double memcpy_rate) {
   worker *w = calloc((size_t)k, sizeof(*w));
   pthread_t *th = calloc((size_t)k, sizeof(*th));
   pthread_barrier_t start;
@@ -448,6 +558,7 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
                     .block = fetch ? 0 : (uint32_t)i,
                     .pl = pl,
                     .fetch = fetch,
+                    .shm = shm,
                     .start = &start};
     if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0) break;
     started++;
@@ -457,12 +568,19 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     fprintf(stderr, "bench-daemon: could not start %d threads\n", k);
     exit(1);
   }
+  /* --wire: the memcpy limit again right before the cell, so that the ratio compares two
+   * figures taken under the same load of a shared machine. */
+  if (o->wire) memcpy_rate = memcpy_mb_s(2 * pl->bytes, NULL);
   double t0 = now_s();
   for (int i = 0; i < k; i++) w[i].until = t0 + o->seconds;
   pthread_barrier_wait(&start);
   t0 = now_s();
+  double c0 = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0);
   for (int i = 0; i < k; i++) pthread_join(th[i], NULL);
   double secs = now_s() - t0;
+  /* --clock cpu: this process's and the daemon's CPU time instead of the wall clock, so a
+   * loaded machine's waits do not count (the latency percentiles stay wall-clock). */
+  if (o->cpu_clock) secs = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0) - c0;
   pthread_barrier_destroy(&start);
 
   size_t total = 0;
@@ -483,9 +601,11 @@ static int run_cell(const bench_opts *o, const char *addr, const char *transport
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
-    print_row(fetch ? (pl->bf16 ? "fetch-bf16" : "fetch") : (pl->bf16 ? "push-bf16" : "push"),
-              transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
-              "memcpy", memcpy_rate);
+    char name[32];
+    snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
+             shm ? "-shm" : "");
+    print_row(name, transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
+              "memcpy", memcpy_rate, 2 * pl->bytes);
     rc = 0;
   }
   free(all);
@@ -650,7 +770,7 @@ static int run_pool(const bench_opts *o, const char *addr, const char *transport
   double daemon_s = now_s() - t0;
   double zero[3] = {0, 0, 0};
   print_row("pool", transport, n, pool_threads, (uint64_t)B, daemon_s, 0.0, (double)B / daemon_s,
-            zero, "single_thread", local_rate);
+            zero, "single_thread", local_rate, 0);
   rc = 0;
 
 cleanup:
@@ -787,7 +907,7 @@ static int run_root(const bench_opts *o, grpc_channel *ch, const char *transport
   double p[3] = {percentile(lat, (size_t)done, 0.5), percentile(lat, (size_t)done, 0.9),
                  percentile(lat, (size_t)done, 0.99)};
   print_row(like->bf16 ? "root-bf16" : "root", transport, n, 1, (uint64_t)done, sum_ms / 1e3, 0.0,
-            1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s);
+            1e3 * done / sum_ms, p, "single_thread", 1.0 / local_s, 0);
   rc = 0;
 
 cleanup:
@@ -903,9 +1023,9 @@ static int run_snapshot(const bench_opts *o) {
   double restore_s = log_seconds(d.log, "restored");
   double zero[3] = {0, 0, 0};
   print_row("snapshot-write", "tcp", n, o->threads, nblocks, write_s, file_mb * 1.048576 / write_s,
-            (double)nblocks / write_s, zero, "none", 0.0);
+            (double)nblocks / write_s, zero, "none", 0.0, 0);
   print_row("snapshot-restore", "tcp", n, o->threads, nblocks, restore_s,
-            file_mb * 1.048576 / restore_s, (double)nblocks / restore_s, zero, "none", 0.0);
+            file_mb * 1.048576 / restore_s, (double)nblocks / restore_s, zero, "none", 0.0, 0);
   rc = write_s > 0 && restore_s > 0 ? 0 : -1;
 
 cleanup:
@@ -915,7 +1035,6 @@ cleanup:
   return rc;
 }
 
-/* Every push and fetch cell of one daemon. */
 /* ------------------------------------------------------------------------------------ */
 /* Replica rows (docs/replicas.md)                                                        */
 
@@ -1028,7 +1147,7 @@ static int run_replicas(const bench_opts *o) {
       qsort(ms, steps, sizeof ms[0], cmp_double);
       double pct[3] = {ms[1], ms[2], ms[2]};
       print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
-                "first_ranks_row", rate1);
+                "first_ranks_row", rate1, 0);
     }
     for (int r = 0; r < R; r++)
       if (ch[r] != NULL) rpc_channel_destroy(ch[r]);
@@ -1043,7 +1162,10 @@ static int run_replicas(const bench_opts *o) {
   return rc;
 }
 
-static int run_transport(const bench_opts *o, const char *addr, const char *transport) {
+/* Every push and fetch cell of one transport: pushes to push_addr, fetches from fetch_addr
+ * (the same daemon but with --wire --spawn), root rows on push_addr. */
+static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_pid,
+                         const char *fetch_addr, pid_t fetch_pid, const char *transport) {
   int rc = 0;
   for (int si = 0; si < o->nsizes; si++) {
     size_t n = o->sizes[si];
@@ -1067,21 +1189,26 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
       pl = (payload){n, half, pc_packed_len(n) * sizeof(uint16_t), 1};
     }
     double mc = o->memcpy_mb_s[si];
-    grpc_channel *ch = rpc_channel_create(addr, 0);
+    grpc_channel *ch = rpc_channel_create(push_addr, 0);
+    grpc_channel *fch = strcmp(push_addr, fetch_addr) == 0 ? ch : rpc_channel_create(fetch_addr, 0);
     char pjob[96], fjob[96];
     snprintf(pjob, sizeof pjob, "bench-push-%d-%s-%zu", (int)getpid(), transport, n);
     snprintf(fjob, sizeof fjob, "bench-fetch-%d-%s-%zu", (int)getpid(), transport, n);
     int have_fetch = 0;
     if (ch == NULL || register_job(ch, pjob, n, maxc) != 0) {
       rc = -1;
-    } else if (n <= o->fetch_max && register_job(ch, fjob, n, 1) == 0) {
+    } else if (n <= o->fetch_max && fch != NULL && register_job(fch, fjob, n, 1) == 0) {
       push_msg pm;
       push_init(&pm, fjob, 0, &pl);
       ProtobufCMessage *resp = NULL;
-      if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+      uint64_t depth = 1;
+      if (call_ok(fch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
                   &precond__v1__push_response__descriptor, &resp) == 0 &&
-          wait_roots(ch, fjob, 1, 1, 600.0) == 0)
+          wait_roots(fch, fjob, 1, 1, 600.0) == 0 && queue_depth(fch, &depth) == 0)
         have_fetch = 1;
+      if (have_fetch && depth > 0)
+        fprintf(stderr, "bench-daemon: fetch daemon still has %llu blocks queued\n",
+                (unsigned long long)depth);
       if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     } else if (n > o->fetch_max) {
       fprintf(stderr, "bench-daemon: no fetch rows for n = %zu (above --fetch-max %zu)\n", n,
@@ -1096,11 +1223,17 @@ static int run_transport(const bench_opts *o, const char *addr, const char *tran
                 n, k, (double)k * (double)req_bytes / 1e6, o->max_inflight_mb);
         continue;
       }
-      if (have_fetch && run_cell(o, addr, transport, 1, fjob, k, &pl, mc) != 0) rc = -1;
-      if (run_cell(o, addr, transport, 0, pjob, k, &pl, mc) != 0) rc = -1;
+      /* --wire over a unix socket: the shared-memory path next to the gRPC bytes. */
+      for (int shm = 0; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
+        if (have_fetch &&
+            run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
+          rc = -1;
+        if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+      }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
       rc = -1;
+    if (fch != NULL && fch != ch) rpc_channel_destroy(fch);
     if (ch != NULL) rpc_channel_destroy(ch);
     free(packed);
     free(half);
@@ -1117,8 +1250,7 @@ int main(int argc, char **argv) {
                   .max_inflight_mb = 256,
                   .transports = 3,
                   .reps = 5};
-  parse_list("256,1024,4096", o.sizes, NULL, &o.nsizes);
-  parse_list("1,4,16", NULL, o.clients, &o.nclients);
+  int sizes_set = 0, clients_set = 0, fetch_set = 0;
   parse_list("1,2", NULL, o.ranks, &o.nranks);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -1133,6 +1265,20 @@ int main(int argc, char **argv) {
     } else if (strcmp(a, "--bf16") == 0) {
       o.bf16 = 1;
       continue;
+    } else if (strcmp(a, "--wire") == 0) {
+      o.wire = 1;
+      continue;
+    } else if (strcmp(a, "--json") == 0) {
+      g_json = 1;
+      continue;
+    }
+    if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "cpu") == 0) {
+      o.cpu_clock = g_cpu_clock = 1;
+      i++;
+      continue;
+    } else if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "wall") == 0) {
+      i++;
+      continue;
     }
     if (v == NULL) {
       fprintf(stderr, "bench-daemon: %s needs a value (see --help)\n", a);
@@ -1144,13 +1290,13 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--spawn") == 0)
       o.spawn = v;
     else if (strcmp(a, "--sizes") == 0)
-      bad = parse_list(v, o.sizes, NULL, &o.nsizes);
+      bad = parse_list(v, o.sizes, NULL, &o.nsizes) || !(sizes_set = 1);
     else if (strcmp(a, "--clients") == 0)
-      bad = parse_list(v, NULL, o.clients, &o.nclients);
+      bad = parse_list(v, NULL, o.clients, &o.nclients) || !(clients_set = 1);
     else if (strcmp(a, "--seconds") == 0)
       bad = (o.seconds = atof(v)) <= 0 || o.seconds > 3600;
     else if (strcmp(a, "--fetch-max") == 0)
-      bad = (o.fetch_max = (size_t)atol(v)) == 0;
+      bad = (o.fetch_max = (size_t)atol(v)) == 0 || !(fetch_set = 1);
     else if (strcmp(a, "--pool-blocks") == 0)
       bad = (o.pool_blocks = atoi(v)) < 0 || o.pool_blocks > 256;
     else if (strcmp(a, "--threads") == 0)
@@ -1159,7 +1305,12 @@ int main(int argc, char **argv) {
       bad = (o.window_mb = atoi(v)) < 0 || o.window_mb > 1024;
     else if (strcmp(a, "--root-noise") == 0)
       bad = !((o.root_noise = atof(v)) >= 0) || o.root_noise > 1e6;
-    else if (strcmp(a, "--daemon-arg") == 0) {
+    else if (strcmp(a, "--channel-arg") == 0) {
+      rpc_args check;
+      rpc_args_init(&check, 0);
+      bad = o.nchannel_args == 8 || rpc_args_parse(&check, v) != RPC_OK;
+      if (!bad) o.channel_args[o.nchannel_args++] = v;
+    } else if (strcmp(a, "--daemon-arg") == 0) {
       bad = o.ndaemon_args == 8;
       if (!bad) o.daemon_args[o.ndaemon_args++] = v;
     } else if (strcmp(a, "--reps") == 0)
@@ -1181,6 +1332,13 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  /* --wire: message sizes 64 KiB (n = 128: 2 x 33 KB) to 64 MiB (n = 4096), one client,
+   * and only the wire's rows. */
+  if (!sizes_set) parse_list(o.wire ? "128,256,512,1024,2048,4096" : "256,1024,4096", o.sizes,
+                             NULL, &o.nsizes);
+  if (!clients_set) parse_list(o.wire ? "1" : "1,4,16", NULL, o.clients, &o.nclients);
+  if (o.wire && !fetch_set) o.fetch_max = 2048;
+  if (o.wire) o.reps = o.pool_blocks = 0;
   for (int i = 0; i < o.nclients; i++)
     if (o.clients[i] > MAX_LIST * 16) {
       fprintf(stderr, "bench-daemon: at most %d clients\n", MAX_LIST * 16);
@@ -1200,18 +1358,50 @@ int main(int argc, char **argv) {
   }
   signal(SIGPIPE, SIG_IGN);
   g_window_mb = o.window_mb;
+  g_opts = &o;
   /* The memcpy limit is taken first, before any daemon computes roots on this machine. */
   for (int si = 0; si < o.nsizes; si++)
-    o.memcpy_mb_s[si] = memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4));
-  printf(
-      "bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
-      "baseline,baseline_value,ratio\n");
+    o.memcpy_mb_s[si] =
+        memcpy_mb_s(2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4), o.memcpy_pct[si]);
+  if (g_json)
+    printf("[\n");
+  else
+    printf(
+        "bench,transport,block,clients,ops,seconds,mb_per_s,ops_per_s,p50_ms,p90_ms,p99_ms,"
+        "baseline,baseline_value,ratio,payload_bytes\n");
+  for (int si = 0; o.wire && si < o.nsizes; si++) {
+    size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
+    print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si], o.memcpy_mb_s[si] * 1e6 /
+              (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+  }
   int rc = 0;
-  if (o.mpirun != NULL) return run_replicas(&o) == 0 ? 0 : 1;
-  if (o.addr != NULL) {
+  if (o.mpirun != NULL) {
+    rc = run_replicas(&o);
+  } else if (o.addr != NULL) {
     const char *transport = strncmp(o.addr, "unix:", 5) == 0 ? "unix" : "tcp";
     if (o.pool_blocks > 0 && run_pool(&o, o.addr, transport) != 0) rc = -1;
-    if (run_transport(&o, o.addr, transport) != 0) rc = -1;
+    if (run_transport(&o, o.addr, 0, o.addr, 0, transport) != 0) rc = -1;
+  } else if (o.wire) {
+    /* Pushes to a daemon without a pool, so that no root competes with the transport for
+     * the cores; fetches from one with a pool thread, idle once the fetched roots exist. */
+    for (int t = 0; t < 2; t++) {
+      pdproc dp, df;
+      if (!(o.transports & (1 << t))) continue;
+      if (spawn_daemon(&o, t == 1, 0, 0, NULL, &dp) != 0) {
+        rc = -1;
+        continue;
+      }
+      if (spawn_daemon(&o, t == 1, 1, 0, NULL, &df) != 0) {
+        pdproc_destroy(&dp);
+        rc = -1;
+        continue;
+      }
+      fprintf(stderr, "bench-daemon: %s daemons: push %s (pid %d), fetch %s (pid %d)\n",
+              t ? "unix" : "tcp", dp.addr, (int)dp.pid, df.addr, (int)df.pid);
+      if (run_transport(&o, dp.addr, dp.pid, df.addr, df.pid, t ? "unix" : "tcp") != 0) rc = -1;
+      pdproc_destroy(&dp);
+      pdproc_destroy(&df);
+    }
   } else {
     /* The pool rows get a daemon of their own with all its threads; the push and fetch
      * daemons get one pool thread, so the roots their pushes trigger leave a core to the
@@ -1230,10 +1420,11 @@ int main(int argc, char **argv) {
       }
       fprintf(stderr, "bench-daemon: %s daemon at %s (pid %d)\n", t ? "unix" : "tcp", d.addr,
               (int)d.pid);
-      if (run_transport(&o, d.addr, t ? "unix" : "tcp") != 0) rc = -1;
+      if (run_transport(&o, d.addr, d.pid, d.addr, d.pid, t ? "unix" : "tcp") != 0) rc = -1;
       pdproc_destroy(&d);
     }
     if (o.snapshot_mb > 0 && run_snapshot(&o) != 0) rc = -1;
   }
+  if (g_json) printf("\n]\n");
   return rc == 0 ? 0 : 1;
 }

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,8 @@
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "rpc.h" /* rpc_json_string: the one JSON escaper (proto/json.c says why there) */
 
 const char *tr_strerror(int status) {
   switch (status) {
@@ -712,35 +715,6 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
-void tr_json_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)(s != NULL ? s : ""); *p; p++) {
-    switch (*p) {
-      case '"':
-        fputs("\\\"", f);
-        break;
-      case '\\':
-        fputs("\\\\", f);
-        break;
-      case '\n':
-        fputs("\\n", f);
-        break;
-      case '\r':
-        fputs("\\r", f);
-        break;
-      case '\t':
-        fputs("\\t", f);
-        break;
-      default:
-        if (*p < 0x20)
-          fprintf(f, "\\u%04x", *p);
-        else
-          fputc(*p, f);
-    }
-  }
-  fputc('"', f);
-}
-
 static void tr__json_num(FILE *f, const char *key, double v, int last) {
   fprintf(f, "  \"%s\": ", key);
   if (isfinite(v))
@@ -756,7 +730,7 @@ static void tr__json_int(FILE *f, const char *key, long long v) {
 
 static void tr__json_str(FILE *f, const char *key, const char *v) {
   fprintf(f, "  \"%s\": ", key);
-  tr_json_string(f, v);
+  rpc_json_string(f, v);
   fputs(",\n", f);
 }
 
@@ -1189,6 +1163,14 @@ static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp, t
   return TR_OK;
 }
 
+/* Set by SIGTERM or SIGINT during tr_train: stop after the step in progress. */
+static volatile sig_atomic_t tr__stop_asked;
+
+static void tr__on_stop(int sig) {
+  (void)sig;
+  tr__stop_asked = 1;
+}
+
 int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_summary *summary,
              tr_error *err) {
   if (opts == NULL || be == NULL || model == NULL || model->train_step == NULL ||
@@ -1251,6 +1233,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     }
     snprintf(path, sizeof path, "%s/train.csv", opts->out);
     csv = fopen(path, "w");
+    /* A line per step as it ends: a live run can be followed (tests/replica does). */
+    if (csv != NULL) setvbuf(csv, NULL, _IOLBF, 0);
     if (csv == NULL || tr_csv_header(csv) != TR_OK) {
       rc = tr__fail(err, TR_EIO, "%s: %s", path, strerror(errno));
       goto done;
@@ -1275,6 +1259,13 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   tr__progress prog = {isatty(STDERR_FILENO), 0, total >= 10 ? total / 10 : 1, 0};
   double train_s = 0;
   long step = 0;
+  struct sigaction stop_sa, old_term, old_int;
+  memset(&stop_sa, 0, sizeof stop_sa);
+  stop_sa.sa_handler = tr__on_stop;
+  sigemptyset(&stop_sa.sa_mask);
+  tr__stop_asked = 0;
+  sigaction(SIGTERM, &stop_sa, &old_term);
+  sigaction(SIGINT, &stop_sa, &old_int);
   while (step < total) {
     step++;
     double t0 = tr__now(), c0 = tr__cpu_now();
@@ -1302,6 +1293,11 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
                      "gradient clipping");
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
+    int stop = tr__stop_asked != 0;
+    if (rc == TR_OK && pt_dp_any(dp, &stop) != PT_OK)
+      rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
+    stop = stop && rc == TR_OK && step < total;
+    if (stop) sm.status = "stopped";
     double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
     step_ms[step - 1] = dt * 1e3;
@@ -1316,9 +1312,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
 
     tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,          NAN,
                   lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale};
-    int eval_now =
-        rc == TR_OK && (step == total || (opts->eval_every > 0 && step % opts->eval_every == 0));
-    if (!opts->quiet) tr__progress_show(&prog, model, step, total, loss, train_s, step == total);
+    int eval_now = rc == TR_OK && (step == total || stop ||
+                                   (opts->eval_every > 0 && step % opts->eval_every == 0));
+    if (!opts->quiet)
+      tr__progress_show(&prog, model, step, total, loss, train_s, step == total || stop);
     if (eval_now) {
       double el = NAN, ea = NAN;
       if (model->evaluate(model->ctx, opts->eval_batches, &el, &ea) != 0) {
@@ -1343,7 +1340,13 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       break;
     }
     if (rc != TR_OK) break;
+    if (stop) {
+      if (!opts->quiet) tr__progress_note(&prog, "stopped by a signal after step %ld\n", step);
+      break;
+    }
   }
+  sigaction(SIGTERM, &old_term, NULL);
+  sigaction(SIGINT, &old_int, NULL);
   if (prog.drawn) fputc('\n', stderr);
 
   sm.wall_s = train_s;

@@ -259,9 +259,6 @@ typedef struct {
 /* Writes the summary as one JSON object (NaN as null) to f. Returns TR_OK or TR_EIO. */
 int tr_json_summary(FILE *f, const tr_summary *s);
 
-/* Writes s as a JSON string literal (quotes and escapes) to f. */
-void tr_json_string(FILE *f, const char *s);
-
 /* ------------------------------------------------------------------------------------ */
 /* Optimizers                                                                             */
 
@@ -361,7 +358,11 @@ void tr_print_result_end(const tr_options *opts, const tr_summary *summary);
  * progress line on stderr, evaluates every eval_every steps and at the end, writes
  * OUT/train.csv and OUT/summary.json when opts->out is set (the directory is created), and
  * fills *summary (may be NULL; its strings point at static or opts-owned text). A loss that
- * becomes NaN or Inf stops the run with TR_ENONFINITE after writing what was done. */
+ * becomes NaN or Inf stops the run with TR_ENONFINITE after writing what was done. SIGTERM
+ * or SIGINT during the run (handlers installed for its length) ends it after the step in
+ * progress, evaluated and written like a last step, status "stopped", TR_OK; data-parallel
+ * workers agree on it each step (pt_dp_any), so a signal to any stops all after the same
+ * step. */
 int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_summary *summary,
              tr_error *err);
 

@@ -10,7 +10,7 @@
  *
  * Channel: created here rather than with rpc_channel_create because the client sets gRPC's
  * reconnect backoff (its default grows to 120 s, far too slow after a daemon restart) next
- * to rpc_size_args' message limits. Calls go through rpc_call_token (proto/rpc.h).
+ * to rpc_args_init's message limits and transport defaults. Calls go through rpc_call_token (proto/rpc.h).
  */
 #include "precond.h"
 
@@ -30,6 +30,7 @@
 #include "preconditioner.h"
 #include "queue.h"
 #include "rpc.h"
+#include "shm.h"
 #include "wire.h"
 
 /* The public enums are the wire's values (and pc_method's: host/service.c checks those). */
@@ -78,8 +79,14 @@ struct precond_client {
   uint64_t newest_step;       /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
+  /* Shared memory (the background thread's alone; shm.h): the region, and when to try
+   * to get one again after a failure. */
+  precond__shm shm;
+  struct timespec shm_retry;
   uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
-  char error[256];
+  int refused;           /* the daemon refused to register the job again (it was ended):
+                          * nothing is sent for it until precond_register */
+  char error[512];       /* room for the daemon's message naming an ended job */
 };
 
 /* ------------------------------------------------------------------------------------ */
@@ -111,6 +118,8 @@ const char *precond_strerror(int status) {
       return "unexpected answer from the daemon";
     case PRECOND_ETHREAD:
       return "could not start the background thread";
+    case PRECOND_EENDED:
+      return "the daemon ended the job and refuses it";
     default:
       return "unknown error";
   }
@@ -236,6 +245,10 @@ int precond_wait_roots(precond_client *c, uint32_t block_id, uint64_t have_versi
       st = PRECOND_EINVAL;
       break;
     }
+    if (c->refused) {
+      st = PRECOND_EENDED;
+      break;
+    }
     if (c->roots[block_id] != NULL && c->roots[block_id]->pub.version > have_version) {
       st = PRECOND_OK;
       break;
@@ -293,8 +306,64 @@ static void note_daemon(precond_client *c, uint64_t epoch, uint64_t resumed_step
 /* Sends items as one PushRequest of job. An item's two parts travel as left and right
  * (Shampoo) or as a and g (K-FAC). Returns a PRECOND_* code; on PRECOND_OK daemon[0] and
  * daemon[1] get the answer's daemon epoch and resumed step. */
+/* ---- shared memory ---------------------------------------------------------------------- */
+
+/* 1 if calls should use a region: a unix socket under AUTO, or SHM. */
+static int shm_wanted(const precond_client *c) {
+  return c->opts.transport == PRECOND_TRANSPORT_SHM ||
+         (c->opts.transport == PRECOND_TRANSPORT_AUTO && strncmp(c->addr, "unix:", 5) == 0);
+}
+
+/* The region, opened if wanted and none is held (at most every 10 s after a failure):
+ * PRECOND_OK with c->shm.map set, PRECOND_OK with it NULL (bytes: AUTO without a region),
+ * or PRECOND_ESTATE (SHM without a region). Background thread, mu not held. */
+static int shm_ensure(precond_client *c) {
+  if (!shm_wanted(c) || c->shm.map != NULL) return PRECOND_OK;
+  if (passed(&c->shm_retry)) {
+    grpc_status_code code;
+    char err[200];
+    if (precond__shm_open(c->channel, c->token, c->opts.call_timeout_ms, c->opts.shm_bytes,
+                          &c->shm, &code, err, sizeof err) != RPC_OK) {
+      c->shm_retry = deadline_in(10000);
+      set_error(c, "shared memory", err);
+    }
+  }
+  return c->shm.map != NULL || c->opts.transport != PRECOND_TRANSPORT_SHM ? PRECOND_OK
+                                                                           : PRECOND_ESTATE;
+}
+
+/* After a call that named the region failed with FAILED_PRECONDITION: the daemon may not
+ * know the region (it restarted): drop it; the next call opens a new one. */
+static void shm_lost(precond_client *c) {
+  precond__shm_close(&c->shm);
+  c->shm_retry = deadline_in(0);
+}
+
+static int send_batch_once(precond_client *c, const char *job, precond_mode mode,
+                           precond__item **items, size_t n, int use_shm, uint64_t daemon[2],
+                           uint64_t *shm_bytes);
+
+/* Sends a push batch, through the region when there is one; a push the daemon refused for
+ * the region's sake goes again as bytes at once. */
 static int send_batch(precond_client *c, const char *job, precond_mode mode, precond__item **items,
-                      size_t n, uint64_t daemon[2]) {
+                      size_t n, uint64_t daemon[2], uint64_t *shm_bytes) {
+  *shm_bytes = 0;
+  int st = shm_ensure(c);
+  if (st != PRECOND_OK) return st;
+  int use = c->shm.map != NULL;
+  st = send_batch_once(c, job, mode, items, n, use, daemon, shm_bytes);
+  if (use && st == PRECOND_ESTATE) {
+    shm_lost(c);
+    *shm_bytes = 0;
+    if (c->opts.transport != PRECOND_TRANSPORT_SHM)
+      st = send_batch_once(c, job, mode, items, n, 0, daemon, shm_bytes);
+  }
+  return st;
+}
+
+static int send_batch_once(precond_client *c, const char *job, precond_mode mode,
+                           precond__item **items, size_t n, int use_shm, uint64_t daemon[2],
+                           uint64_t *shm_bytes) {
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
   Precond__V1__BlockStatistics **bp = calloc(n, sizeof(*bp));
@@ -334,9 +403,19 @@ static int send_batch(precond_client *c, const char *job, precond_mode mode, pre
   }
   req.n_blocks = n;
   req.blocks = bp;
+  Precond__V1__ShmSession sess;
+  Precond__V1__ShmRef *refs = use_shm ? calloc(2 * n, sizeof(*refs)) : NULL;
+  if (use_shm && refs == NULL) goto cleanup;
+  for (size_t i = 0; use_shm && i < 2 * n; i++)
+    if (pm[i].data.len > 0) *shm_bytes += precond__shm_put(&c->shm, &pm[i], &refs[i]);
+  if (*shm_bytes > 0) {
+    precond__shm_session(&c->shm, &sess);
+    req.shm = &sess;
+  }
   ProtobufCMessage *resp = NULL;
   st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor, 0,
             &resp);
+  free(refs);
   if (resp != NULL) {
     daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
     daemon[1] = ((Precond__V1__PushResponse *)resp)->resumed_step;
@@ -354,6 +433,8 @@ static int reregister(precond_client *c, const uint8_t *msg, size_t len) {
   ProtobufCMessage *req =
       protobuf_c_message_unpack(&precond__v1__register_request__descriptor, NULL, len, msg);
   if (req == NULL) return PRECOND_ENOMEM;
+  /* Never take over an ended job by ourselves: that is precond_register's call alone. */
+  ((Precond__V1__RegisterRequest *)req)->reuse_ended_job = 0;
   ProtobufCMessage *resp = NULL;
   int st = call(c, RPC_METHOD_REGISTER, req, &precond__v1__register_response__descriptor, 0, &resp);
   if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
@@ -399,8 +480,31 @@ static int poll_roots(precond_client *c) {
   pthread_mutex_unlock(&c->mu);
 
   ProtobufCMessage *msg = NULL;
-  int st = call(c, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
-                &precond__v1__fetch_response__descriptor, 0, &msg);
+  Precond__V1__ShmSession sess;
+  int st = shm_ensure(c), use_shm = c->shm.map != NULL;
+  if (use_shm) {
+    precond__shm_session(&c->shm, &sess);
+    req.shm = &sess;
+  }
+  if (st == PRECOND_OK)
+    st = call(c, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+              &precond__v1__fetch_response__descriptor, 0, &msg);
+  if (use_shm && st == PRECOND_ESTATE) shm_lost(c); /* the next poll opens a new one */
+  /* Roots in the region are checked first (and decoded from there below); a reference
+   * out of place or a checksum that differs spoils the whole answer. */
+  long long shm_in = 0;
+  if (msg != NULL && use_shm) {
+    char err[160];
+    shm_in = precond__shm_fetch_in(&c->shm, (Precond__V1__FetchResponse *)msg, err, sizeof err);
+    if (shm_in < 0) {
+      set_error(c, "FetchPreconditioners", err);
+      precond__shm_fetch_done((Precond__V1__FetchResponse *)msg);
+      protobuf_c_message_free_unpacked(msg, NULL);
+      msg = NULL;
+      st = PRECOND_EPROTO;
+      shm_in = 0;
+    }
+  }
   /* Decode outside the lock: the copies are the expensive part. */
   Precond__V1__FetchResponse *resp = (Precond__V1__FetchResponse *)msg;
   size_t nr = resp ? resp->n_preconditioners : 0;
@@ -440,6 +544,7 @@ static int poll_roots(precond_client *c) {
   }
   c->counters.roots_received += published;
   c->counters.bytes_received += bytes;
+  c->counters.shm_bytes += (uint64_t)shm_in;
   if (bad > 0) {
     snprintf(c->error, sizeof c->error, "FetchPreconditioners: %zu malformed block answers", bad);
     if (st == PRECOND_OK) st = PRECOND_EPROTO;
@@ -447,6 +552,7 @@ static int poll_roots(precond_client *c) {
   if (published > 0) pthread_cond_broadcast(&c->progress);
   if (got == NULL && st == PRECOND_OK) st = PRECOND_ENOMEM;
   free(got);
+  if (msg != NULL && use_shm) precond__shm_fetch_done((Precond__V1__FetchResponse *)msg);
   if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   free(job);
   free(bv);
@@ -470,8 +576,8 @@ static int push_some(precond_client *c) {
 
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++) bytes += precond__item_bytes(items[i]);
-  uint64_t daemon[2] = {0, 0};
-  int st = job ? send_batch(c, job, mode, items, n, daemon) : PRECOND_ENOMEM;
+  uint64_t daemon[2] = {0, 0}, shm_bytes = 0;
+  int st = job ? send_batch(c, job, mode, items, n, daemon, &shm_bytes) : PRECOND_ENOMEM;
 
   pthread_mutex_lock(&c->mu);
   note_daemon(c, daemon[0], daemon[1]);
@@ -484,6 +590,7 @@ static int push_some(precond_client *c) {
     if (st == PRECOND_OK) {
       c->counters.sent += n;
       c->counters.bytes_sent += bytes;
+      c->counters.shm_bytes += shm_bytes;
     } else if (c->job_gen == gen) {
       c->counters.push_errors += n;
     }
@@ -513,6 +620,19 @@ static int recover_job(precond_client *c) {
     memset(c->daemon_have, 0, c->nblocks * sizeof(*c->daemon_have));
     c->counters.reregistered++;
   }
+  if (st == PRECOND_ESTATE && c->job_gen == gen) {
+    /* Refused for good (the job was ended under us): trying again would only loop. The
+     * queued blocks can never be sent; the caller hears PRECOND_EENDED. */
+    c->refused = 1;
+    precond__item *items[256];
+    size_t n;
+    while ((n = precond__queue_take(&c->queue, items, 256, SIZE_MAX)) > 0) {
+      c->counters.push_errors += n;
+      for (size_t i = 0; i < n; i++) precond__item_free(items[i]);
+    }
+    fprintf(stderr, "libprecond: precondd at %s refuses job %s; stopped sending it (%s)\n", c->addr,
+            c->job, c->error);
+  }
   return st;
 }
 
@@ -522,7 +642,7 @@ static void *thread_main(void *arg) {
   struct timespec next_poll = deadline_in(0);
   pthread_mutex_lock(&c->mu);
   while (!c->stop) {
-    if (c->job == NULL) {
+    if (c->job == NULL || c->refused) {
       pthread_cond_wait(&c->wake, &c->mu);
       continue;
     }
@@ -539,9 +659,10 @@ static void *thread_main(void *arg) {
     int retry = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM;
     if (st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE) {
       /* The daemon lost the job: register again, then retry after the backoff below (also
-       * when registering worked, so a daemon that keeps refusing is not hammered). */
+       * when registering worked, so a daemon that keeps refusing is not hammered); a
+       * refusal of the Register itself stops the job (recover_job). */
       recover_job(c);
-      retry = 1;
+      retry = !c->refused;
     }
     c->busy = 0;
     pthread_cond_broadcast(&c->progress);
@@ -589,29 +710,24 @@ static int options_check(const precond_options *o) {
       o->poll_interval_ms <= 0 || o->backoff_initial_ms <= 0 ||
       o->backoff_max_ms < o->backoff_initial_ms || o->max_message_bytes < 1024 ||
       o->max_message_bytes > RPC_MAX_MESSAGE_BYTES_CAP ||
-      (o->fetch_encoding != PRECOND_FP32 && o->fetch_encoding != PRECOND_BF16))
+      (o->fetch_encoding != PRECOND_FP32 && o->fetch_encoding != PRECOND_BF16) ||
+      (o->transport != PRECOND_TRANSPORT_AUTO && o->transport != PRECOND_TRANSPORT_GRPC &&
+       o->transport != PRECOND_TRANSPORT_SHM))
     return PRECOND_EINVAL;
   return PRECOND_OK;
 }
 
 static grpc_channel *channel_create(const precond_options *o) {
-  grpc_arg args[4];
-  grpc_channel_args ca;
-  rpc_size_args(&ca, args, o->max_message_bytes);
+  rpc_args ca; /* size limits and the transport defaults (proto/rpc.c) */
+  rpc_args_init(&ca, o->max_message_bytes);
   /* Reconnect quickly after a daemon restart; the thread's own backoff paces the calls.
    * GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: it is also the time a
    * connection attempt gets to finish its handshake, and at 50 ms a loaded machine never
    * connects (seen under ThreadSanitizer: "tcp handshaker shutdown" forever). */
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
-  args[2].value.integer = o->backoff_initial_ms;
-  args[3].type = GRPC_ARG_INTEGER;
-  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
-  args[3].value.integer = o->backoff_max_ms;
-  ca.num_args = 4;
-  ca.args = args;
+  rpc_args_set_int(&ca, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, o->backoff_initial_ms);
+  rpc_args_set_int(&ca, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, o->backoff_max_ms);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(o->addr, creds, &ca);
+  grpc_channel *ch = grpc_channel_create(o->addr, creds, rpc_args_get(&ca));
   grpc_channel_credentials_release(creds);
   return ch;
 }
@@ -653,6 +769,7 @@ int precond_connect(const precond_options *opts, precond_client **out) {
   int st = PRECOND_ENOMEM;
   int mu_ok = 0, wake_ok = 0, progress_ok = 0, grpc_ok = 0;
   c->opts = *opts;
+  c->shm.fd = -1;
   c->addr = dup_str(opts->addr);
   c->token = opts->token && opts->token[0] ? dup_str(opts->token) : NULL;
   c->opts.addr = c->addr;
@@ -706,6 +823,7 @@ void precond_close(precond_client *c) {
     pthread_join(c->thread, NULL);
   }
   job_clear(c);
+  precond__shm_close(&c->shm); /* the thread, its only user, is gone */
   grpc_channel_destroy(c->channel);
   grpc_shutdown();
   pthread_cond_destroy(&c->progress);
@@ -810,6 +928,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode, c
   }
   if (mode != PRECOND_MODE_KFAC) req.shampoo = &so;
   req.worker = (char *)(worker ? worker : "");
+  req.reuse_ended_job = c->opts.reuse_ended_job != 0;
   size_t plen = protobuf_c_message_get_packed_size(&req.base);
   packed = malloc(plen ? plen : 1);
   if (packed == NULL) goto cleanup;
@@ -866,6 +985,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode, c
   /* Swap the new job in; the old one's queue and roots are freed with it. */
   pthread_mutex_lock(&c->mu);
   job_clear(c);
+  c->refused = 0;
   c->job = job_copy;
   c->mode = mode;
   c->register_msg = packed;
@@ -936,7 +1056,9 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
+  int refused = c->refused;
   pthread_mutex_unlock(&c->mu);
+  if (ok && refused) return PRECOND_EENDED;
   if (!ok) return PRECOND_EINVAL;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
@@ -982,6 +1104,10 @@ int precond_flush(precond_client *c, int timeout_ms) {
   int st = PRECOND_ETIMEDOUT;
   pthread_mutex_lock(&c->mu);
   for (;;) {
+    if (c->refused) {
+      st = PRECOND_EENDED;
+      break;
+    }
     if (c->queue.length == 0 && c->inflight == 0) {
       st = PRECOND_OK;
       break;

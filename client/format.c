@@ -10,6 +10,8 @@
 #include <inttypes.h>
 #include <math.h>
 
+#include "rpc.h" /* rpc_json_string: the one escaper (proto/json.c says why there) */
+
 const char *precond__mode_name(int mode) {
   switch (mode) {
     case PRECOND_MODE_SHAMPOO:
@@ -34,35 +36,6 @@ const char *precond__method_name(int method) {
     default:
       return "unknown";
   }
-}
-
-void precond__json_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
-    switch (*p) {
-      case '"':
-        fputs("\\\"", f);
-        break;
-      case '\\':
-        fputs("\\\\", f);
-        break;
-      case '\n':
-        fputs("\\n", f);
-        break;
-      case '\r':
-        fputs("\\r", f);
-        break;
-      case '\t':
-        fputs("\\t", f);
-        break;
-      default:
-        if (*p < 0x20)
-          fprintf(f, "\\u%04x", *p);
-        else
-          fputc(*p, f);
-    }
-  }
-  fputc('"', f);
 }
 
 static void json_double(FILE *f, double x) {
@@ -95,7 +68,7 @@ static void kv_dbl(FILE *f, const char *key, double v, int *first) {
 
 static void kv_str(FILE *f, const char *key, const char *v, int *first) {
   json_key(f, key, first);
-  precond__json_string(f, v);
+  rpc_json_string(f, v);
 }
 
 /* Human-readable byte count: "12.3 MiB". */

@@ -19,9 +19,6 @@ int precond__format_blocks(FILE *f, const precond_stats *stats, int json);
 /* One health answer for addr. */
 int precond__format_health(FILE *f, const char *addr, const char *status_name, int json);
 
-/* Writes s as a JSON string literal (quotes and escapes included); NULL writes "". */
-void precond__json_string(FILE *f, const char *s);
-
 /* Short name of a mode ("shampoo", "kfac", "abs") or method ("newton", ...). */
 const char *precond__mode_name(int mode);
 const char *precond__method_name(int method);

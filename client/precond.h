@@ -25,7 +25,12 @@
  *   the daemon answers NOT_FOUND or FAILED_PRECONDITION to a push or a fetch (it restarted and
  *   lost the job), the thread registers again with the last registration and retries; it then
  *   accepts the new daemon's roots whatever their version numbers (precond_roots.version, the
- *   client's own count, keeps increasing). Blocks the daemon rejects
+ *   client's own count, keeps increasing). If that Register is refused with
+ *   FAILED_PRECONDITION (the job was ended under the client: precondctl end-job, EndJob, the
+ *   daemon's idle expiry; precondd remembers ended names), the client stops there: queued
+ *   blocks are dropped (push_errors), nothing is retried, and precond_push, precond_flush and
+ *   precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
+ *   logged once to stderr) until precond_register. Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
  *
@@ -63,7 +68,9 @@ enum {
   PRECOND_ELIMIT = -8,       /* RESOURCE_EXHAUSTED: size limit or memory budget */
   PRECOND_EAUTH = -9,        /* UNAUTHENTICATED or PERMISSION_DENIED: token missing/wrong */
   PRECOND_EPROTO = -10,      /* malformed answer, or another gRPC status */
-  PRECOND_ETHREAD = -11      /* could not start the background thread */
+  PRECOND_ETHREAD = -11,     /* could not start the background thread */
+  PRECOND_EENDED = -12       /* the daemon refuses the job for good: it was ended (EndJob,
+                                precondctl end-job, idle expiry); see precond_last_error */
 };
 
 /* Static, human-readable message for a status code. Never returns NULL. */
@@ -91,6 +98,16 @@ typedef enum {
 /* ------------------------------------------------------------------------------------ */
 /* Connection                                                                             */
 
+/* How statistics and roots travel (docs/precondd.md, "Shared memory"). */
+typedef enum {
+  PRECOND_TRANSPORT_AUTO = 0, /* shared memory for a "unix:" address when the daemon offers
+                                 it (same host), else gRPC bytes; a region lost (daemon
+                                 restart) is replaced, bytes meanwhile */
+  PRECOND_TRANSPORT_GRPC = 1, /* always bytes in the gRPC messages */
+  PRECOND_TRANSPORT_SHM = 2   /* shared memory whatever the address; calls fail
+                                 (PRECOND_ESTATE, retried) while no region can be had */
+} precond_transport;
+
 typedef struct {
   const char *addr;         /* "host:port" or "unix:/path"; default "127.0.0.1:50551" */
   const char *token;        /* shared token sent as "authorization: Bearer TOKEN"; NULL:
@@ -110,6 +127,15 @@ typedef struct {
   int background;                  /* 1 (default): start the push/fetch thread. 0: no thread;
                                   precond_push and precond_fetch then fail with EINVAL
                                   (for tools such as precondctl that only read stats) */
+  int reuse_ended_job;             /* 1: precond_register may take the name of a job that was
+                                  ended (precondd refuses it otherwise, FAILED_PRECONDITION:
+                                  PRECOND_ESTATE), starting it again from zero. Sent only by
+                                  precond_register, never when the client registers again by
+                                  itself. Default 0 */
+  precond_transport transport;     /* how matrices travel; default PRECOND_TRANSPORT_AUTO */
+  size_t shm_bytes;                /* shared-memory region asked for (its two halves: pushes,
+                                  roots); 0 (default): the daemon's (64 MiB). A matrix
+                                  larger than a half travels as bytes */
 } precond_options;
 
 /* Fills the defaults above. */
@@ -290,6 +316,8 @@ typedef struct {
   uint64_t roots_received;  /* block versions received */
   uint64_t bytes_sent;      /* statistics payload bytes sent */
   uint64_t bytes_received;  /* roots payload bytes received */
+  uint64_t shm_bytes;       /* of bytes_sent and bytes_received, those that went through
+                                  shared memory */
   size_t queued;            /* blocks in the queue now */
   uint64_t daemon_restarts; /* times the daemon's epoch changed under this client (a
                                   restart: what was pushed after resumed_step was lost;
@@ -314,8 +342,10 @@ typedef struct {
  * snapshots; PRECOND_ENOTFOUND if it holds no such job. When it is this client's job, the
  * client forgets it first (pushes still queued are discarded, roots held stay valid until
  * released; push and fetch then fail with EINVAL until precond_register), so its background
- * thread does not register it again. Another client still working on the job will: end a
- * job once its workers are done. out may be NULL. */
+ * thread does not register it again. The daemon remembers the ended name (--ended-jobs):
+ * another client still working on the job is refused when it registers it again (its push
+ * and flush then return PRECOND_EENDED), and a new precond_register of that name needs
+ * precond_options.reuse_ended_job. out may be NULL. */
 int precond_end_job(precond_client *client, const char *job, precond_ended *out);
 
 /* ------------------------------------------------------------------------------------ */

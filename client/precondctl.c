@@ -11,6 +11,7 @@
 
 #include "format.h"
 #include "precond.h"
+#include "rpc.h"
 
 enum { EXIT_USAGE = 1, EXIT_RPC = 2, EXIT_NOT_SERVING = 3 };
 
@@ -27,7 +28,9 @@ static void usage(FILE *f) {
           "           dampings and age of the published inverses, compute time\n"
           "  health   grpc.health.v1 check; exit 0 if SERVING, 3 otherwise\n"
           "  end-job JOB  EndJob: the daemon frees the job's statistics and roots and\n"
-          "           leaves it out of its snapshots (end a job once its workers are done)\n"
+          "           leaves it out of its snapshots; it remembers the name, so workers\n"
+          "           still running are refused instead of registering the job again\n"
+          "           (a new run of that name sets reuse_ended_job)\n"
           "\n"
           "  --addr A        daemon address, host:port or unix:/path (default %s,\n"
           "                  or $PRECOND_ADDR)\n"
@@ -154,7 +157,7 @@ int main(int argc, char **argv) {
     if (st == PRECOND_OK) {
       if (json) {
         printf("{\"job\": ");
-        precond__json_string(stdout, arg);
+        rpc_json_string(stdout, arg);
         printf(", \"ended\": true, \"blocks\": %u, \"last_step\": %llu, \"bytes\": %llu}\n",
                e.blocks, (unsigned long long)e.last_step, (unsigned long long)e.bytes);
       } else

@@ -1,6 +1,6 @@
 /*
  * fuzz_snapshot.c -- libFuzzer harness: precondd's snapshot reader. The input is one byte
- * choosing the format (1 + byte % 3: every format the reader takes), then a payload; the
+ * choosing the format (1 + byte % 4: every format the reader takes), then a payload; the
  * harness writes it behind a header whose magic, format, length and both CRC-32s are
  * right, so every input reaches the parser instead of stopping at the checksum. Each read
  * goes into a fresh store under the daemon's own limits; anything loaded is freed again.
@@ -34,7 +34,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1) return 0;
-  unsigned format = 1u + data[0] % 3u;
+  unsigned format = 1u + data[0] % 4u;
   data++;
   size--;
   unsigned char h[32];
@@ -55,6 +55,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (pd_stats_init(&stats) != PD_OK ||
       pd_store_init(&st, &stats, (size_t)256 << 20, 4096) != PD_OK)
     abort();
+  pd_config cfg;
+  pd_config_default(&cfg);
+  st.ended_max = cfg.ended_jobs; /* the ended names are kept as by the daemon */
   int rc = pd_snapshot_read(&st, g_dir, err, sizeof err);
   /* A refusal loads nothing. */
   if (rc != PD_OK && st.njobs != 0 && rc != PD_ENOMEM) abort();

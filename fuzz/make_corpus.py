@@ -80,6 +80,7 @@ def service():
     reg_new = s(1, "k") + s(3, tensor("w", [8, 12])) + s(4, u(1, 4) + field(3, 5, struct.pack("<f", 0.99)))
     write("service", "register-same", bytes([0]) + reg_same)
     write("service", "register-new", bytes([0]) + reg_new)
+    write("service", "register-reuse-ended", bytes([0]) + reg_new + u(6, 1))
     blk = u(1, 1) + s(2, matrix(6, identity_packed(6))) + s(3, matrix(6, identity_packed(6)))
     blk16 = u(1, 2) + s(2, matrix(6, identity_packed(6), True)) + s(3, matrix(6, identity_packed(6), True))
     write("service", "push-fp32", bytes([1]) + s(1, "j") + u(2, 6) + s(3, blk))
@@ -118,10 +119,13 @@ def snapshot():
             out += le("%df" % len(vals), *vals) * 2
         return out
 
-    # First byte: the format, 1 + byte % 3 (fuzz_snapshot.c).
+    # First byte: the format, 1 + byte % 4 (fuzz_snapshot.c).
     write("snapshot", "one-job-two-blocks", bytes([0]) + le("I", 1) + job + blocks(1))
     write("snapshot", "format-3", bytes([2]) + le("I", 1) + job + blocks(3))
     write("snapshot", "empty", bytes([0]) + le("I", 0))
+    # Format 4: the names of ended jobs follow the jobs (name, unix time, how).
+    ended = le("I", 2) + st("gone") + le("QI", 1764590400, 0) + st("idle") + le("QI", 1764590460, 1)
+    write("snapshot", "format-4-ended", bytes([3]) + le("I", 1) + job + blocks(3) + ended)
 
 
 def fetch_decode():

@@ -6,7 +6,8 @@
 # 2 GiB RSS) or a timeout (FUZZ_TIMEOUT seconds for one input, default 10), printing the
 # executions libFuzzer reports. The timeout is wall-clock: a run at nice 19 on a loaded
 # machine can be starved for longer than 10 s and report a false timeout (an input that
-# then runs in milliseconds), so long runs there take FUZZ_TIMEOUT=60.
+# then runs in milliseconds), so long runs there take FUZZ_TIMEOUT=60. FUZZ_RUNS=N stops
+# after N executions (whichever of N and SECONDS comes first), for an execution target.
 # A crash found becomes a regression test: add the input to fuzz/corpus/NAME (then every
 # run replays it) and a unit test in tests/ for the fix.
 #
@@ -21,5 +22,5 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=$(dirname "$exe")
 mkdir -p "$work/corpus-$name" "$work/crash-$name"
 exec "$exe" -max_total_time="$secs" -rss_limit_mb=2048 -timeout="${FUZZ_TIMEOUT:-10}" \
-  -print_final_stats=1 \
+  -print_final_stats=1 ${FUZZ_RUNS:+-runs="$FUZZ_RUNS"} \
   -artifact_prefix="$work/crash-$name/" "$work/corpus-$name" "$here/corpus/$name"

@@ -31,5 +31,10 @@ void pd_config_default(pd_config *cfg) {
   cfg->warm_roots = 0;
   cfg->grace_s = 5;
   cfg->job_idle_expiry_s = 0; /* off: a paused job (a checkpointed run) keeps its statistics */
+  /* Names of 1024 ended jobs (at most 256 KiB) are remembered: enough for every job a
+   * per-host daemon serves (PD_MAX_JOBS) to end once before the oldest is forgotten. */
+  cfg->ended_jobs = 1024;
   cfg->log_level = PD_LOG_INFO;
+  /* Same-host clients' regions: tmpfs where there is one (memory, not disk, behind them). */
+  if (access("/dev/shm", W_OK) == 0) snprintf(cfg->shm_dir, sizeof cfg->shm_dir, "/dev/shm");
 }

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 
 static void pd__config_free(pd_config *cfg) {
   free(cfg->tls_cert);
@@ -55,8 +56,14 @@ static void pd__usage(FILE *f) {
       "                           last snapshot: at most one interval; clients are told (the\n"
       "                           daemon epoch and the step it resumed from, in every answer)\n"
       "  --threads N              root worker threads (default: online cores); OpenBLAS gets\n"
-      "                           cores/N threads each so the two never oversubscribe\n"
+      "                           cores/N threads each so the two never oversubscribe; 0: no\n"
+      "                           pool (statistics are stored, no root is computed: for\n"
+      "                           transport benchmarks, bench-daemon --wire)\n"
       "  --io-threads N           gRPC completion-queue pollers (default 4)\n"
+      "  --shm-dir DIR|off        where same-host clients' shared-memory regions are made\n"
+      "                           (default /dev/shm; off: clients send bytes over gRPC)\n"
+      "  --grpc-arg KEY=INTEGER   a gRPC server channel argument over the tuned defaults\n"
+      "                           (docs/precondd.md, Wire); repeat, up to 8\n"
       "  --max-message-mb N       largest request or response in MiB (default 256, at most 2047)\n"
       "  --memory-limit-mb N      budget for statistics and roots in MiB (default 4096); a\n"
       "                           Register that would pass it gets RESOURCE_EXHAUSTED\n"
@@ -79,6 +86,10 @@ static void pd__usage(FILE *f) {
       "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
       "  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
       "                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
+      "  --ended-jobs N           remember the names of the last N ended jobs (EndJob, idle\n"
+      "                           expiry; default 1024, snapshotted): a Register of one is\n"
+      "                           FAILED_PRECONDITION unless it sets reuse_ended_job, so a\n"
+      "                           worker still running cannot bring an ended job back; 0: none\n"
       "  --log-level LEVEL        error, warn, info (default) or debug; logs go to stderr\n"
       "  --help                   this text\n"
       "  --version                print the version\n"
@@ -228,8 +239,11 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     O_INSECURE,
     O_DRIFT,
     O_EXPIRY,
+    O_ENDED,
     O_JOBMEM,
-    O_WARM
+    O_WARM,
+    O_GRPCARG,
+    O_SHMDIR
   };
   static const struct option opts[] = {{"listen", required_argument, NULL, O_LISTEN},
                                        {"state-dir", required_argument, NULL, O_STATE},
@@ -243,8 +257,11 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
                                        {"failure-threshold", required_argument, NULL, O_FAIL},
                                        {"drift-threshold", required_argument, NULL, O_DRIFT},
                                        {"warm-roots", required_argument, NULL, O_WARM},
+                                       {"grpc-arg", required_argument, NULL, O_GRPCARG},
+                                       {"shm-dir", required_argument, NULL, O_SHMDIR},
                                        {"grace-period", required_argument, NULL, O_GRACE},
                                        {"job-idle-expiry", required_argument, NULL, O_EXPIRY},
+                                       {"ended-jobs", required_argument, NULL, O_ENDED},
                                        {"token-file", required_argument, NULL, O_TOKEN},
                                        {"insecure-token", no_argument, NULL, O_INSECURE},
                                        {"tls-cert", required_argument, NULL, O_CERT},
@@ -273,8 +290,24 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
         snprintf(cfg->port_file, sizeof cfg->port_file, "%s", optarg);
         break;
       case O_THREADS:
-        if (pd__parse_num("--threads", optarg, 1, 1024, &v)) return 2;
+        if (pd__parse_num("--threads", optarg, 0, 1024, &v)) return 2;
         cfg->threads = (int)v;
+        break;
+      case O_GRPCARG: {
+        /* Checked here so a typo stops the start; server.c applies them. */
+        rpc_args check;
+        rpc_args_init(&check, 0);
+        if (cfg->ngrpc_args == 8 || strlen(optarg) >= sizeof cfg->grpc_args[0] ||
+            rpc_args_parse(&check, optarg) != RPC_OK) {
+          fprintf(stderr, "precondd: --grpc-arg wants KEY=INTEGER (at most 8): %s\n", optarg);
+          return 2;
+        }
+        snprintf(cfg->grpc_args[cfg->ngrpc_args++], sizeof cfg->grpc_args[0], "%s", optarg);
+        break;
+      }
+      case O_SHMDIR:
+        if (!*optarg || strlen(optarg) >= sizeof cfg->shm_dir) goto bad_value;
+        snprintf(cfg->shm_dir, sizeof cfg->shm_dir, "%s", strcmp(optarg, "off") ? optarg : "");
         break;
       case O_IO:
         if (pd__parse_num("--io-threads", optarg, 1, 256, &v)) return 2;
@@ -322,6 +355,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       case O_EXPIRY:
         if (pd__parse_num("--job-idle-expiry", optarg, 0, 1e9, &v)) return 2;
         cfg->job_idle_expiry_s = v;
+        break;
+      case O_ENDED:
+        if (pd__parse_num("--ended-jobs", optarg, 0, PD_MAX_ENDED_JOBS, &v)) return 2;
+        cfg->ended_jobs = (uint32_t)v;
         break;
       case O_TOKEN:
         if (pd__read_token(optarg, cfg->token, sizeof cfg->token)) return 2;
@@ -583,6 +620,8 @@ int main(int argc, char **argv) {
   }
   d.store.link = link; /* before any job: ownership is planned when a job is added */
   d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
+  d.store.ended_max = d.cfg.ended_jobs;
+  if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
@@ -662,6 +701,7 @@ int main(int argc, char **argv) {
 
 done:
   if (srv) pd_server_stop(srv, d.cfg.grace_s);
+  pd_shm_destroy(&d.shm); /* no call in flight any more */
 #ifdef PD_HAVE_MPI
   pd_replica_quiesce(rep);
 #endif

@@ -44,7 +44,8 @@ enum {
   PD_EIO = -3,      /* file or socket error (errno-style detail is logged) */
   PD_ECORRUPT = -4, /* a snapshot failed its checks */
   PD_ENOENT = -5,   /* no such file (no snapshot yet) */
-  PD_ELIMIT = -6    /* a configured limit would be exceeded */
+  PD_ELIMIT = -6,   /* a configured limit would be exceeded */
+  PD_EENDED = -7    /* the job's name belongs to a job that was ended (EndJob, idle expiry) */
 };
 
 const char *pd_strerror(int code);
@@ -92,7 +93,12 @@ typedef struct {
   double grace_s;             /* calls in flight get this long at shutdown */
   double job_idle_expiry_s;   /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
+  uint32_t ended_jobs;        /* names of ended jobs remembered (Register refuses them) */
   pd_log_level log_level;
+  char shm_dir[1024];     /* --shm-dir: where same-host clients' regions are made; "": off */
+  char grpc_args[8][128]; /* --grpc-arg KEY=INTEGER: server channel arguments over the
+                           * defaults (proto/rpc.c), checked by main.c */
+  int ngrpc_args;
 } pd_config;
 
 void pd_config_default(pd_config *cfg);
@@ -416,8 +422,21 @@ struct pd_job {
   char *workers[PD_MAX_WORKER_NAMES];
 };
 
+/* The name of a job that was ended: Register refuses it (PD_EENDED) unless the request
+ * asks to reuse it, so that a worker still running cannot bring back a job an operator
+ * ended (libprecond registers again by itself when the daemon lost its job). */
+typedef enum { PD_ENDED_BY_CALL = 0, PD_ENDED_IDLE = 1 } pd_ended_how;
+
 typedef struct {
-  pthread_rwlock_t lock; /* guards the job list (each listed job: one reference) */
+  char *name;       /* owned by the store (or by the array that holds the copy) */
+  int64_t ended_at; /* unix time, seconds */
+  uint32_t how;     /* pd_ended_how */
+} pd_ended_job;
+
+#define PD_MAX_ENDED_JOBS 65536u /* --ended-jobs at most; a snapshot holding more is damaged */
+
+typedef struct {
+  pthread_rwlock_t lock; /* guards the job list (each listed job: one reference) and ended */
   size_t njobs, cap;
   pd_job **jobs;
   pd_stats *stats;
@@ -433,6 +452,11 @@ typedef struct {
   uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
   const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
   _Atomic uint64_t removed;           /* jobs removed (ended or expired): main.c snapshots soon */
+  /* Names of ended jobs, oldest first, at most ended_max (set after pd_store_init; 0: none
+   * are remembered and an ended job can be registered again at once). */
+  pd_ended_job *ended;
+  size_t nended, ended_max;
+  size_t extra; /* pd_store_reserve_extra's bytes, in reserved too; guarded by lock */
 } pd_store;
 
 int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit, uint32_t max_blocks_per_job);
@@ -464,12 +488,38 @@ size_t pd_job_bytes(const pd_job *job);
 /* 1 if job's reservation (pd_job_bytes) is above the store's per-job limit. */
 int pd_store_job_over_limit(const pd_store *st, const pd_job *job);
 
+/* Reserves bytes besides the jobs' (shared-memory regions) in the memory budget, with the
+ * same room kept for the pool's scratch as pd_store_add keeps: PD_ELIMIT if they do not
+ * fit. Released with pd_store_release_extra. */
+int pd_store_reserve_extra(pd_store *st, size_t bytes);
+void pd_store_release_extra(pd_store *st, size_t bytes);
+
 /* Adds job (ownership passes to the store on PD_OK; on error the caller keeps it): allocates
  * its zeroed statistics if they are not allocated yet. *existing gets a new reference to a
  * job of the same name if there is one (then nothing is added, PD_OK is returned, the caller
  * keeps job and drops *existing with pd_job_unref; the lookup is that job's activity).
  * PD_ELIMIT when over the memory limit, the per-job limit or PD_MAX_JOBS, PD_ENOMEM. */
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing);
+
+/* pd_store_add for a Register: when no job of that name is listed but the name is one of an
+ * ended job, PD_EENDED (nothing added; *ended, if not NULL, gets when and how it ended, its
+ * name NULL) unless reuse_ended, which forgets the ended name and adds the job. pd_store_add
+ * (a restore, a replica's copy) always forgets it. */
+int pd_store_register(pd_store *st, pd_job *job, int reuse_ended, pd_job **existing,
+                      pd_ended_job *ended);
+
+/* 1 with *out filled (its name NULL) if name is one of an ended job, else 0. */
+int pd_store_ended(pd_store *st, const char *name, pd_ended_job *out);
+
+/* The ended names now, oldest first, copied (free with pd_ended_free), and with jobs not
+ * NULL the listed jobs as pd_store_list gives them, both under one lock (a snapshot never
+ * holds a job and its end). *nended gets their count; NULL on out of memory. */
+pd_ended_job *pd_store_list_ended(pd_store *st, size_t *nended, pd_job ***jobs, size_t *njobs);
+void pd_ended_free(pd_ended_job *ended, size_t n);
+
+/* Remembers ended names read from a snapshot (oldest first; ownership of the array and its
+ * names passes to the store): only the newest ended_max are kept. */
+void pd_store_restore_ended(pd_store *st, pd_ended_job *ended, size_t n);
 
 /* A new reference to the job of that name (release it with pd_job_unref), or NULL. With
  * touch, the lookup counts as the job's activity (its idle clock restarts): workers' calls
@@ -484,7 +534,8 @@ void pd_store_list_free(pd_job **jobs, size_t n, pd_stats *stats);
 /* Removes the job of that name from the store and returns the store's reference to it (the
  * caller drops it with pd_job_unref once nothing is queued for it), or NULL if there is none.
  * With idle_s > 0 only a job idle for longer than idle_s at time now is removed, and name
- * NULL takes the first such job. The job is marked ended; generation and removed count it. */
+ * NULL takes the first such job. The job is marked ended and its name remembered as ended
+ * (PD_ENDED_IDLE with idle_s > 0); generation and removed count it. */
 pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double now);
 
 /* Records a worker name for the job's stats (bounded). */
@@ -701,11 +752,65 @@ int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
 /* ------------------------------------------------------------------------------------ */
 /* service.c and server.c                                                                 */
 
+/* ------------------------------------------------------------------------------------ */
+/* shm.c: shared-memory regions of same-host clients (docs/precondd.md, "Shared memory")   */
+
+#define PD_SHM_MAX_SESSIONS  64
+#define PD_SHM_DEFAULT_BYTES ((uint64_t)64 << 20) /* two 32 MiB halves */
+#define PD_SHM_MAX_BYTES     ((uint64_t)1 << 31)
+
+typedef struct pd_shm_session pd_shm_session;
+
+typedef struct {
+  int inited;           /* 0 (a zeroed struct): shared memory is off */
+  char dir[1024];       /* where regions are made; "": off */
+  pthread_mutex_t lock; /* guards the list, next_id and every session's attached flag */
+  pd_shm_session *s[PD_SHM_MAX_SESSIONS];
+  size_t n;
+  uint64_t next_id;
+  pd_store *store; /* regions reserve their bytes in its budget */
+  pd_stats *stats; /* and count in memory_bytes */
+  _Atomic uint64_t opened, reaped;
+} pd_shm;
+
+/* Sets r up to make regions in dir ("" or NULL: off; OpenSharedMemory is then refused). */
+int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats);
+/* Frees every region (sessions still referenced are freed by their last pd_shm_put). */
+void pd_shm_destroy(pd_shm *r);
+/* Makes a region of want bytes (0: PD_SHM_DEFAULT_BYTES; rounded up to whole ring slots)
+ * and lists it. On PD_OK *out holds one reference for the caller (pd_shm_put). PD_EINVAL
+ * (off, or a size outside the limits), PD_ELIMIT (too many regions, or over the memory
+ * budget), PD_EIO, PD_ENOMEM, with a message in err. */
+int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_t errlen);
+/* What the client needs to attach: pointers into s, valid while the caller's reference. */
+void pd_shm_describe(const pd_shm_session *s, uint64_t *id, const unsigned char **secret,
+                     const char **path, size_t *bytes);
+/* The listed region with this id and secret (compared in constant time), with a new
+ * reference (pd_shm_put); the first such call marks it attached. NULL otherwise. */
+pd_shm_session *pd_shm_get(pd_shm *r, uint64_t id, const void *secret, size_t len);
+void pd_shm_put(pd_shm *r, pd_shm_session *s);
+/* A matrix the client wrote: [offset, offset + length) must lie in the region's first half
+ * and length be expect bytes. On PD_OK *out is a malloc'd copy (the caller owns it) whose
+ * CRC-32C was crc. PD_EINVAL with *why (a static phrase) when the reference is out of
+ * place or the checksum differs; PD_ENOMEM. */
+int pd_shm_copy_in(const pd_shm_session *s, uint64_t offset, uint64_t length, uint32_t crc,
+                   size_t expect, uint8_t **out, const char **why);
+/* Writes len bytes of src to the next place of the region's second half (its ring): the
+ * offset from the region's start and the CRC-32C out. PD_ELIMIT if len is above the half. */
+int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,
+                     uint32_t *crc);
+/* Frees regions whose client is gone (no shared flock left) or that were never used within
+ * 10 s of their making; returns how many. main.c's once-a-second loop (pd_service_expire). */
+size_t pd_shm_reap(pd_shm *r, double now);
+/* Regions listed now. */
+size_t pd_shm_count(pd_shm *r);
+
 struct pd_daemon {
   pd_config cfg;
   pd_stats stats;
   pd_store store;
   pd_sched sched;
+  pd_shm shm;
 };
 
 typedef enum {
@@ -715,6 +820,7 @@ typedef enum {
   PD_M_STATS,
   PD_M_HEALTH,
   PD_M_END_JOB, /* after the first five: the fuzz corpus picks methods by index */
+  PD_M_OPEN_SHM,
   PD_M_COUNT
 } pd_method;
 

@@ -347,7 +347,8 @@ static void *pd__worker(void *arg) {
 
 int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules) {
   memset(s, 0, sizeof *s);
-  if (nthreads < 1) nthreads = 1;
+  /* 0 threads: a daemon without a pool (--threads 0): blocks are queued, never computed. */
+  if (nthreads < 0) nthreads = 0;
   if (pthread_mutex_init(&s->lock, NULL) != 0) return PD_ENOMEM;
   if (pthread_cond_init(&s->cond, NULL) != 0) {
     pthread_mutex_destroy(&s->lock);
@@ -359,10 +360,10 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
   if (cores < 1) cores = 1;
   /* Workers run independent roots; BLAS threads inside each would only compete with the
    * other workers for the same cores. */
-  int blas = (int)(cores / nthreads);
+  int blas = (int)(cores / (nthreads > 0 ? nthreads : 1));
   if (blas < 1) blas = 1;
   openblas_set_num_threads(blas);
-  s->threads = calloc((size_t)nthreads, sizeof *s->threads);
+  s->threads = calloc(nthreads > 0 ? (size_t)nthreads : 1, sizeof *s->threads);
   if (!s->threads) {
     pd_sched_stop(s); /* joins none, releases the lock and condition */
     return PD_ENOMEM;

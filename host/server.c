@@ -287,14 +287,14 @@ int pd_server_start(pd_daemon *d, pd_server **out, int *port) {
   srv->d = d;
   /* Size limits, and no SO_REUSEPORT: gRPC sets it by default, which would let a second
    * daemon bind the same port and take half of the connections (and their statistics). */
-  grpc_arg arg[3];
-  grpc_channel_args args;
-  rpc_size_args(&args, arg, d->cfg.max_message_bytes);
-  arg[2].type = GRPC_ARG_INTEGER;
-  arg[2].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-  arg[2].value.integer = 0;
-  args.num_args = 3;
-  srv->server = grpc_server_create(&args, NULL);
+  rpc_args args; /* and the transport defaults (proto/rpc.c), then --grpc-arg's */
+  rpc_args_init(&args, d->cfg.max_message_bytes);
+  rpc_args_set_int(&args, GRPC_ARG_ALLOW_REUSEPORT, 0);
+  for (int i = 0; i < d->cfg.ngrpc_args; i++)
+    if (rpc_args_parse(&args, d->cfg.grpc_args[i]) != RPC_OK)
+      pd_log(PD_LOG_WARN, "--grpc-arg %s: not set (at most %d arguments)", d->cfg.grpc_args[i],
+             RPC_ARGS_MAX);
+  srv->server = grpc_server_create(rpc_args_get(&args), NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   for (int m = 0; m < PD_M_COUNT; m++)

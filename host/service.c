@@ -6,7 +6,7 @@
  *   INVALID_ARGUMENT     malformed bytes, wrong sizes or counts, NaN/Inf, bad options
  *   NOT_FOUND            unknown job (Fetch, GetStats) or block id (Push, Fetch)
  *   FAILED_PRECONDITION  push for a job never registered; Register of an existing job with
- *                        different tensors or options
+ *                        different tensors or options, or of an ended job's name
  *   RESOURCE_EXHAUSTED   over the message size, block count or memory limit
  *   UNIMPLEMENTED        modes other than Shampoo and K-FAC
  * Handlers hold a reference to the job they serve (pd_store_get), so an EndJob or an idle
@@ -17,6 +17,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
@@ -25,7 +26,8 @@
 
 const char *const pd_method_paths[PD_M_COUNT] = {
     RPC_METHOD_REGISTER,  RPC_METHOD_PUSH_STATISTICS, RPC_METHOD_FETCH_PRECONDITIONERS,
-    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK,    RPC_METHOD_END_JOB};
+    RPC_METHOD_GET_STATS, RPC_METHOD_HEALTH_CHECK,    RPC_METHOD_END_JOB,
+    RPC_METHOD_OPEN_SHM};
 
 static const ProtobufCMessageDescriptor *const pd__req_desc[PD_M_COUNT] = {
     &precond__v1__register_request__descriptor,
@@ -33,7 +35,8 @@ static const ProtobufCMessageDescriptor *const pd__req_desc[PD_M_COUNT] = {
     &precond__v1__fetch_request__descriptor,
     &precond__v1__stats_request__descriptor,
     &grpc__health__v1__health_check_request__descriptor,
-    &precond__v1__end_job_request__descriptor};
+    &precond__v1__end_job_request__descriptor,
+    &precond__v1__shm_open_request__descriptor};
 
 static void pd__fail(pd_reply *rep, grpc_status_code code, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -64,6 +67,36 @@ static void pd__answer(pd_daemon *d, pd_reply *rep, const ProtobufCMessage *msg)
   }
   rep->code = GRPC_STATUS_OK;
   atomic_fetch_add(&d->stats.bytes_out, grpc_byte_buffer_length(rep->payload));
+}
+
+/* ---- unknown and ended jobs ----------------------------------------------------------- */
+
+/* "by EndJob at 2026-01-01T12:00:00Z" for an ended name's record. */
+static void pd__ended_how(const pd_ended_job *e, char *out, size_t len) {
+  time_t t = (time_t)e->ended_at;
+  struct tm tm;
+  char when[32] = "?";
+  if (gmtime_r(&t, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  snprintf(out, len, "%s at %s", e->how == PD_ENDED_IDLE ? "by the idle expiry" : "by EndJob",
+           when);
+}
+
+/* Fails rep with code for a call naming a job the store does not list: "is not registered"
+ * plus hint, or, if the name is one of an ended job, when and how it ended (a worker that
+ * registers it again is refused too, see pd__register). */
+static void pd__unknown_job(pd_daemon *d, pd_reply *rep, grpc_status_code code, const char *job,
+                            const char *hint) {
+  pd_ended_job e;
+  if (!pd_store_ended(&d->store, job, &e)) {
+    pd__fail(rep, code, "job: \"%s\" is not registered%s", job, hint);
+    return;
+  }
+  char how[96];
+  pd__ended_how(&e, how, sizeof how);
+  pd__fail(rep, code,
+           "job: \"%s\" was ended %s; its name is refused until a Register sets "
+           "reuse_ended_job",
+           job, how);
 }
 
 /* ---- Register ------------------------------------------------------------------------- */
@@ -192,7 +225,19 @@ static void pd__register(pd_daemon *d, const Precond__V1__RegisterRequest *req, 
     goto cleanup;
   }
   pd_job *existing = NULL;
-  rc = pd_store_add(&d->store, job, &existing);
+  pd_ended_job ended;
+  rc = pd_store_register(&d->store, job, req->reuse_ended_job, &existing, &ended);
+  if (rc == PD_EENDED) {
+    char how[96];
+    pd__ended_how(&ended, how, sizeof how);
+    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+             "job: \"%s\" was ended %s, and its name is refused so that a worker still "
+             "running cannot bring it back; to start it again from zero set "
+             "reuse_ended_job (libprecond: precond_options.reuse_ended_job), or use another "
+             "job name",
+             req->job, how);
+    goto cleanup;
+  }
   if (rc == PD_ELIMIT) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
              "tensors: the job needs %zu bytes for its records, statistics and roots (and %zu "
@@ -342,7 +387,93 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
   return 0;
 }
 
-static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply *rep) {
+/* ---- shared memory (the same-host data path, host/shm.c) -------------------------------- */
+
+/* The region a request names, with a reference (pd_shm_put), or NULL with rep failed. */
+static pd_shm_session *pd__shm_session(pd_daemon *d, const Precond__V1__ShmSession *w,
+                                       pd_reply *rep) {
+  pd_shm_session *s = pd_shm_get(&d->shm, w->id, w->secret.data, w->secret.len);
+  if (!s)
+    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
+             "shm: no region %llu with this secret here (freed, or another daemon's): open a "
+             "new one or send the bytes",
+             (unsigned long long)w->id);
+  return s;
+}
+
+/* Replaces every shm reference of a push by the bytes it names, copied out of the region
+ * and checked against their CRC-32C: from here on the request is what a gRPC push of the
+ * same bytes would be, and pd__push's own checks (sizes, encodings, NaN/Inf) apply to it
+ * unchanged. 0, or -1 with rep failed naming the field. The copies belong to the request
+ * (protobuf_c_message_free_unpacked frees them with the rest). */
+static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep) {
+  pd_shm_session *s = NULL;
+  int rc = 0;
+  for (size_t i = 0; rc == 0 && i < req->n_blocks; i++) {
+    Precond__V1__BlockStatistics *bs = req->blocks[i];
+    Precond__V1__PackedMatrix *part[4] = {bs->left, bs->right, bs->a, bs->g};
+    static const char *const name[4] = {"left", "right", "a", "g"};
+    for (int k = 0; rc == 0 && k < 4; k++) {
+      Precond__V1__PackedMatrix *m = part[k];
+      if (!m || !m->shm) continue;
+      rc = -1;
+      if (m->data.len > 0) {
+        pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s: both data and shm are set",
+                 i, name[k]);
+        break;
+      }
+      if (!req->shm) {
+        pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+                 "blocks[%zu].%s.shm: the request names no region (shm)", i, name[k]);
+        break;
+      }
+      if (!s && !(s = pd__shm_session(d, req->shm, rep))) break;
+      const char *why = NULL;
+      uint8_t *bytes = NULL;
+      int e = pd_shm_copy_in(s, m->shm->offset, m->shm->length, m->shm->crc32c,
+                             (size_t)m->shm->length, &bytes, &why);
+      if (e != PD_OK) {
+        pd__fail(rep,
+                 e == PD_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT,
+                 "blocks[%zu].%s.shm: %s; nothing of this push was stored", i, name[k], why);
+        break;
+      }
+      m->data.data = bytes;
+      m->data.len = (size_t)m->shm->length;
+      rc = 0;
+    }
+  }
+  pd_shm_put(&d->shm, s);
+  return rc;
+}
+
+static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, pd_reply *rep) {
+  pd_shm_session *s = NULL;
+  char err[256];
+  int rc = pd_shm_open(&d->shm, req->bytes, &s, err, sizeof err);
+  if (rc != PD_OK) {
+    pd__fail(rep,
+             rc == PD_EINVAL && d->shm.dir[0] ? GRPC_STATUS_INVALID_ARGUMENT
+             : rc == PD_EINVAL                ? GRPC_STATUS_UNIMPLEMENTED
+             : rc == PD_EIO                   ? GRPC_STATUS_INTERNAL
+                                              : GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "%s", err);
+    return;
+  }
+  Precond__V1__ShmOpenResponse resp = PRECOND__V1__SHM_OPEN_RESPONSE__INIT;
+  const unsigned char *secret;
+  const char *path;
+  size_t bytes;
+  pd_shm_describe(s, &resp.id, &secret, &path, &bytes);
+  resp.secret.data = (uint8_t *)(uintptr_t)secret;
+  resp.secret.len = RPC_SHM_SECRET_BYTES;
+  resp.path = (char *)(uintptr_t)path;
+  resp.bytes = bytes;
+  pd__answer(d, rep, &resp.base);
+  pd_shm_put(&d->shm, s);
+}
+
+static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep) {
   if (!req->job || !*req->job) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     goto rejected;
@@ -352,10 +483,11 @@ static void pd__push(pd_daemon *d, const Precond__V1__PushRequest *req, pd_reply
              (unsigned long long)req->step);
     goto rejected;
   }
+  if (pd__shm_push_in(d, req, rep) != 0) goto rejected;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
-    pd__fail(rep, GRPC_STATUS_FAILED_PRECONDITION,
-             "job: \"%s\" is not registered (call Register before PushStatistics)", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_FAILED_PRECONDITION, req->job,
+                    " (call Register before PushStatistics)");
     goto rejected;
   }
   size_t nb = req->n_blocks;
@@ -488,12 +620,16 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "encoding: %d is unknown", (int)req->encoding);
     return;
   }
+  pd_shm_session *shm = req->shm ? pd__shm_session(d, req->shm, rep) : NULL;
+  if (req->shm && !shm) return;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
-    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
+    pd_shm_put(&d->shm, shm);
     return;
   }
   size_t nb = job->nblocks;
+  Precond__V1__ShmRef *refs = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *refs);
   uint64_t *have = calloc(nb ? nb : 1, sizeof *have);
   pd_root **roots = calloc(nb ? nb : 1, sizeof *roots);
   Precond__V1__BlockRoots *out = calloc(nb ? nb : 1, sizeof *out);
@@ -501,7 +637,7 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   Precond__V1__PackedMatrix *mats = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *mats);
   uint8_t **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   size_t nout = 0;
-  if (!have || !roots || !out || !ptrs || !mats || !owned) {
+  if (!have || !roots || !out || !ptrs || !mats || !owned || !refs) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -517,19 +653,41 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   /* Newer roots until the response would pass the size limit; the rest come next fetch. */
   size_t budget = d->cfg.max_message_bytes - d->cfg.max_message_bytes / 16, used = 0;
   size_t width = rpc_packed_width((int)req->encoding);
+  /* With a region, roots go to its answer half while this answer's fit there (a wrap
+   * within one answer would overwrite its own first roots); the rest travel as bytes. */
+  uint64_t shm_half = 0, shm_used = 0;
+  if (shm) {
+    const unsigned char *secret;
+    const char *path;
+    size_t rbytes;
+    uint64_t id;
+    pd_shm_describe(shm, &id, &secret, &path, &rbytes);
+    shm_half = rbytes / 2;
+  }
   for (size_t i = 0; i < nb; i++) {
     pd_root *r = pd_block_root(&job->blocks[i]);
     if (!r || r->version <= have[i]) {
       pd_root_unref(r, &d->stats);
       continue;
     }
-    size_t bytes = 128;
-    for (uint32_t k = 0; k < r->nparts; k++) bytes += pc_packed_len(r->order[k]) * width;
+    size_t bytes = 128, in_shm = 0;
+    int to_shm[PD_MAX_PARTS] = {0};
+    for (uint32_t k = 0; k < r->nparts; k++) {
+      size_t len = pc_packed_len(r->order[k]) * width;
+      size_t slot = (len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+      if (shm && shm_used + in_shm + slot <= shm_half) {
+        to_shm[k] = 1;
+        in_shm += slot;
+      } else {
+        bytes += len;
+      }
+    }
     if (used + bytes > budget && nout > 0) {
       pd_root_unref(r, &d->stats);
       break;
     }
     used += bytes;
+    shm_used += in_shm;
     roots[nout] = r;
     Precond__V1__BlockRoots *br = &out[nout];
     precond__v1__block_roots__init(br);
@@ -554,6 +712,18 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
         pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
         goto cleanup;
       }
+      uint64_t off = 0;
+      uint32_t crc = 0;
+      if (to_shm[k] &&
+          pd_shm_write_out(shm, mats[m].data.data, mats[m].data.len, &off, &crc) == PD_OK) {
+        precond__v1__shm_ref__init(&refs[m]);
+        refs[m].offset = off;
+        refs[m].length = mats[m].data.len;
+        refs[m].crc32c = crc;
+        mats[m].shm = &refs[m];
+        mats[m].data.data = NULL;
+        mats[m].data.len = 0;
+      }
       *wire[k] = &mats[m];
     }
     ptrs[nout] = br;
@@ -569,6 +739,8 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
 cleanup:
   for (size_t i = 0; roots && i < nout; i++) pd_root_unref(roots[i], &d->stats);
   for (size_t i = 0; owned && i < PD_MAX_PARTS * nout; i++) free(owned[i]);
+  pd_shm_put(&d->shm, shm);
+  free(refs);
   free(have);
   free(roots);
   free(out);
@@ -596,7 +768,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   if (req->job && *req->job) {
     pd_job *only = pd_store_get(&d->store, req->job, 0); /* a look is no activity */
     if (!only) {
-      pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+      pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
       return;
     }
     if ((jobs = malloc(sizeof *jobs)) != NULL) {
@@ -669,6 +841,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.scratch_bytes = atomic_load(&d->stats.scratch_bytes);
   resp.scratch_peak_bytes = atomic_load(&d->stats.scratch_peak);
   resp.scratch_waits = atomic_load(&d->stats.scratch_waits);
+  resp.shm_regions = (uint32_t)pd_shm_count(&d->shm);
 
   size_t k = 0;
   for (size_t i = 0; i < njobs; i++) {
@@ -786,6 +959,7 @@ size_t pd_service_expire(pd_daemon *d, double now) {
   while (d->cfg.job_idle_expiry_s > 0 &&
          pd_service_end_job(d, NULL, d->cfg.job_idle_expiry_s, now, &info) == PD_OK)
     n++;
+  pd_shm_reap(&d->shm, now); /* regions whose client is gone */
   return n;
 }
 
@@ -796,7 +970,7 @@ static void pd__end_job(pd_daemon *d, const Precond__V1__EndJobRequest *req, pd_
   }
   pd_job_ended info;
   if (pd_service_end_job(d, req->job, 0, 0, &info) != PD_OK) {
-    pd__fail(rep, GRPC_STATUS_NOT_FOUND, "job: \"%s\" is not registered", req->job);
+    pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
     return;
   }
   Precond__V1__EndJobResponse resp = PRECOND__V1__END_JOB_RESPONSE__INIT;
@@ -846,6 +1020,9 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_
       break;
     case PD_M_END_JOB:
       pd__end_job(d, (Precond__V1__EndJobRequest *)req, reply);
+      break;
+    case PD_M_OPEN_SHM:
+      pd__open_shm(d, (Precond__V1__ShmOpenRequest *)req, reply);
       break;
     case PD_M_HEALTH: {
       Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;

@@ -3,7 +3,7 @@
  *
  * File layout (all integers little-endian; floats as their IEEE 754 bits):
  *   header, 32 bytes:
- *     magic "PCDSNAP1" | u32 format (3; 1 and 2 are still read) | u32 reserved (0) |
+ *     magic "PCDSNAP1" | u32 format (4; 1 to 3 are still read) | u32 reserved (0) |
  *     u64 payload bytes |
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
@@ -22,6 +22,8 @@
  *           u32 iterations | f64 aux[PD_MODE_AUX] (format 2 on: the mode's figures of the
  *           result, K-FAC's pi and dampings; format 1 reads them as 0) |
  *           f32 part[k][...] for each part
+ *     (format 4 on) u32 ended, each: str name | u64 unix time it ended | u32 how (the names
+ *       of ended jobs, oldest first, that Register refuses; earlier formats hold none)
  *   (str = u32 length, then that many bytes, no terminator)
  *
  * Reading checks the header, the size and the payload CRC in a first pass, then parses into
@@ -44,9 +46,10 @@
 #include "preconditioner.h"
 
 #define PD_SNAP_MAGIC              "PCDSNAP1"
-#define PD_SNAP_FORMAT             3u
+#define PD_SNAP_FORMAT             4u
 #define PD_SNAP_FORMAT_NO_AUX      1u /* before results kept their aux figures */
 #define PD_SNAP_FORMAT_NO_FAILURES 2u /* before blocks kept resets and the last failure */
+#define PD_SNAP_FORMAT_NO_ENDED    3u /* before the names of ended jobs were kept */
 _Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
 
@@ -203,11 +206,13 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, PD_SNAPSHOT_FILE);
 
-  /* The jobs listed now, each referenced: one ended meanwhile is still written whole (it
-   * is gone from the next snapshot, which its removal asks for). */
-  size_t njobs = 0;
-  pd_job **jobs = pd_store_list(st, &njobs);
-  if (!jobs) return PD_ENOMEM;
+  /* The jobs listed now, each referenced, and the ended names, under one lock: a job ended
+   * meanwhile is still written whole without its end (it is gone from the next snapshot,
+   * which its removal asks for), never both. */
+  size_t njobs = 0, nended = 0;
+  pd_job **jobs = NULL;
+  pd_ended_job *ended = pd_store_list_ended(st, &nended, &jobs, &njobs);
+  if (!ended) return PD_ENOMEM;
 
   uint64_t nmax = 1;
   for (size_t i = 0; i < njobs; i++)
@@ -239,6 +244,12 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   if (fwrite(header, 1, sizeof header, w.f) != sizeof header) w.err = 1;
   pd__u32(&w, (uint32_t)njobs);
   for (size_t i = 0; i < njobs; i++) pd__write_job(&w, jobs[i], scratch);
+  pd__u32(&w, (uint32_t)nended);
+  for (size_t i = 0; i < nended; i++) {
+    pd__str(&w, ended[i].name);
+    pd__u64(&w, (uint64_t)ended[i].ended_at);
+    pd__u32(&w, ended[i].how);
+  }
 
   memcpy(header, PD_SNAP_MAGIC, 8);
   pd_le_put(header + 8, PD_SNAP_FORMAT, 4);
@@ -270,6 +281,7 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
 
 cleanup:
   pd_store_list_free(jobs, njobs, st->stats);
+  pd_ended_free(ended, nended);
   for (int p = 0; p < PD_MAX_PARTS; p++) free(scratch[p]);
   return rc;
 }
@@ -551,6 +563,58 @@ cleanup:
   return rc;
 }
 
+static int pd__cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The ended names (format 4 on), bounded like a request: at most PD_MAX_ENDED_JOBS, names of
+ * at most PD_SNAP_MAX_NAME bytes, none twice, none also a stored job's (a consistent writer
+ * never holds both). PD_OK with *out (oldest first, owned by the caller) and *n, or
+ * PD_ECORRUPT / PD_ENOMEM. */
+static int pd__read_ended(pd__r *r, pd_job *const *jobs, uint32_t njobs, pd_ended_job **out,
+                          size_t *n, char *err, size_t errlen) {
+  *out = NULL;
+  *n = 0;
+  if (r->format <= PD_SNAP_FORMAT_NO_ENDED) return PD_OK;
+  uint32_t count = pd__ru32(r);
+  /* each takes at least 16 bytes: checked before anything is allocated for them */
+  if (r->err || count > PD_MAX_ENDED_JOBS || count > r->left / 16) {
+    snprintf(err, errlen, "bad count of ended jobs (%u)", count);
+    return PD_ECORRUPT;
+  }
+  pd_ended_job *e = calloc(count ? count : 1, sizeof *e);
+  const char **names = malloc(((size_t)count + njobs + 1) * sizeof *names);
+  int rc = e && names ? PD_OK : PD_ENOMEM;
+  for (uint32_t k = 0; k < count && rc == PD_OK; k++) {
+    e[k].name = pd__rstr(r, PD_SNAP_MAX_NAME);
+    e[k].ended_at = (int64_t)pd__ru64(r);
+    e[k].how = pd__ru32(r);
+    if (r->err || !*e[k].name || e[k].how > PD_ENDED_IDLE) {
+      snprintf(err, errlen, "ended job %u: truncated, empty or of unknown kind", k);
+      rc = PD_ECORRUPT;
+    }
+  }
+  /* Sorted together, a name stored twice is next to itself. */
+  size_t m = 0;
+  for (uint32_t k = 0; k < count && rc == PD_OK; k++) names[m++] = e[k].name;
+  for (uint32_t i = 0; i < njobs && rc == PD_OK; i++) names[m++] = jobs[i]->name;
+  if (count == 0) m = 0; /* jobs alone: pd__check_jobs reports one stored twice */
+  if (rc == PD_OK) qsort(names, m, sizeof *names, pd__cmp_str);
+  for (size_t i = 1; i < m && rc == PD_OK; i++)
+    if (strcmp(names[i - 1], names[i]) == 0) {
+      snprintf(err, errlen, "ended job \"%s\": listed twice, or also a stored job", names[i]);
+      rc = PD_ECORRUPT;
+    }
+  free(names);
+  if (rc != PD_OK) {
+    pd_ended_free(e, e ? count : 0);
+    return rc;
+  }
+  *out = e;
+  *n = count;
+  return PD_OK;
+}
+
 static int pd__cmp_job_name(const void *a, const void *b) {
   return strcmp((*(pd_job *const *)a)->name, (*(pd_job *const *)b)->name);
 }
@@ -598,6 +662,8 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
   }
   uint64_t payload = 0;
   pd_job **jobs = NULL;
+  pd_ended_job *ended = NULL;
+  size_t nended = 0;
   uint32_t njobs = 0, nread = 0, format = 0;
   int rc = pd__verify(f, &payload, &format, err, errlen);
   if (rc != PD_OK) goto cleanup;
@@ -622,6 +688,8 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
     rc = pd__read_job(&r, st, &jobs[nread], err, errlen);
     if (rc != PD_OK) goto cleanup;
   }
+  rc = pd__read_ended(&r, jobs, njobs, &ended, &nended, err, errlen);
+  if (rc != PD_OK) goto cleanup;
   if (r.left != 0) {
     snprintf(err, errlen, "%llu bytes left over after the last job", (unsigned long long)r.left);
     rc = PD_ECORRUPT;
@@ -646,9 +714,13 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
   }
   free(jobs);
   jobs = NULL;
+  pd_store_restore_ended(st, ended, nended);
+  ended = NULL;
+  nended = 0;
   rc = PD_OK;
 
 cleanup:
+  pd_ended_free(ended, nended);
   if (jobs) {
     for (uint32_t i = 0; i < nread && i < njobs; i++) pd_job_free(jobs[i], st->stats);
     free(jobs);

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "preconditioner.h"
 
@@ -31,6 +32,8 @@ const char *pd_strerror(int code) {
       return "no such file";
     case PD_ELIMIT:
       return "limit exceeded";
+    case PD_EENDED:
+      return "the job was ended";
     default:
       return "unknown precondd error";
   }
@@ -315,6 +318,7 @@ int pd_store_init(pd_store *st, pd_stats *stats, size_t memory_limit, uint32_t m
 void pd_store_destroy(pd_store *st) {
   for (size_t i = 0; i < st->njobs; i++) pd_job_unref(st->jobs[i], st->stats);
   free(st->jobs);
+  pd_ended_free(st->ended, st->nended);
   pthread_rwlock_destroy(&st->lock);
 }
 
@@ -337,17 +341,101 @@ pd_job *pd_store_get(pd_store *st, const char *name, int touch) {
   return j;
 }
 
-pd_job **pd_store_list(pd_store *st, size_t *n) {
-  pthread_rwlock_rdlock(&st->lock);
+/* pd_store_list's work with the store's lock held. */
+static pd_job **pd__list_locked(pd_store *st, size_t *n) {
   *n = st->njobs;
   pd_job **jobs = malloc((*n ? *n : 1) * sizeof *jobs);
   for (size_t i = 0; jobs && i < *n; i++) {
     jobs[i] = st->jobs[i];
     pd_job_ref(jobs[i]);
   }
-  pthread_rwlock_unlock(&st->lock);
   if (!jobs) *n = 0;
   return jobs;
+}
+
+pd_job **pd_store_list(pd_store *st, size_t *n) {
+  pthread_rwlock_rdlock(&st->lock);
+  pd_job **jobs = pd__list_locked(st, n);
+  pthread_rwlock_unlock(&st->lock);
+  return jobs;
+}
+
+/* ---- ended jobs ----------------------------------------------------------------------- */
+
+void pd_ended_free(pd_ended_job *ended, size_t n) {
+  for (size_t i = 0; ended && i < n; i++) free(ended[i].name);
+  free(ended);
+}
+
+static size_t pd__ended_find_locked(const pd_store *st, const char *name) {
+  for (size_t i = 0; i < st->nended; i++)
+    if (strcmp(st->ended[i].name, name) == 0) return i;
+  return st->nended;
+}
+
+static void pd__ended_drop_locked(pd_store *st, size_t i) {
+  free(st->ended[i].name);
+  memmove(&st->ended[i], &st->ended[i + 1], (st->nended - i - 1) * sizeof *st->ended);
+  st->nended--;
+}
+
+/* Remembers e (its name is taken) as the newest ended name, forgetting the oldest beyond
+ * ended_max; with ended_max 0, or out of memory, frees the name (the job can then come back:
+ * logged). */
+static void pd__ended_add_locked(pd_store *st, pd_ended_job e) {
+  if (st->ended_max == 0 || !e.name) {
+    free(e.name);
+    return;
+  }
+  size_t old = pd__ended_find_locked(st, e.name);
+  if (old < st->nended) pd__ended_drop_locked(st, old);
+  while (st->nended >= st->ended_max) pd__ended_drop_locked(st, 0);
+  if (!st->ended) {
+    st->ended = malloc(st->ended_max * sizeof *st->ended);
+    if (!st->ended) {
+      pd_log(PD_LOG_WARN, "out of memory remembering that job %s ended: it can be registered again",
+             e.name);
+      free(e.name);
+      return;
+    }
+  }
+  st->ended[st->nended++] = e;
+}
+
+int pd_store_ended(pd_store *st, const char *name, pd_ended_job *out) {
+  if (!name) return 0;
+  pthread_rwlock_rdlock(&st->lock);
+  size_t i = pd__ended_find_locked(st, name);
+  int found = i < st->nended;
+  if (found && out) *out = (pd_ended_job){NULL, st->ended[i].ended_at, st->ended[i].how};
+  pthread_rwlock_unlock(&st->lock);
+  return found;
+}
+
+pd_ended_job *pd_store_list_ended(pd_store *st, size_t *nended, pd_job ***jobs, size_t *njobs) {
+  pthread_rwlock_rdlock(&st->lock);
+  size_t n = st->nended;
+  pd_ended_job *out = calloc(n ? n : 1, sizeof *out);
+  int ok = out != NULL;
+  for (size_t i = 0; ok && i < n; i++) {
+    out[i] = st->ended[i];
+    ok = (out[i].name = pd__strdup(st->ended[i].name)) != NULL;
+  }
+  if (ok && jobs) ok = (*jobs = pd__list_locked(st, njobs)) != NULL;
+  pthread_rwlock_unlock(&st->lock);
+  if (!ok) {
+    pd_ended_free(out, n);
+    return NULL;
+  }
+  *nended = n;
+  return out;
+}
+
+void pd_store_restore_ended(pd_store *st, pd_ended_job *ended, size_t n) {
+  pthread_rwlock_wrlock(&st->lock);
+  for (size_t i = 0; i < n; i++) pd__ended_add_locked(st, ended[i]);
+  pthread_rwlock_unlock(&st->lock);
+  free(ended);
 }
 
 void pd_store_list_free(pd_job **jobs, size_t n, pd_stats *stats) {
@@ -367,7 +455,7 @@ pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double no
     st->njobs--; /* the others keep their order (stats list jobs in it) */
   }
   if (j) {
-    size_t held = 0, scratch = 0;
+    size_t held = st->extra, scratch = 0;
     for (size_t i = 0; i < st->njobs; i++) {
       held += pd_job_bytes(st->jobs[i]);
       if (st->jobs[i]->scratch_max > scratch) scratch = st->jobs[i]->scratch_max;
@@ -375,6 +463,9 @@ pd_job *pd_store_remove(pd_store *st, const char *name, double idle_s, double no
     atomic_store(&st->reserved, held);
     atomic_store(&st->scratch_max, scratch);
     atomic_store(&j->ended, 1);
+    /* Under the same lock as the removal: no Register can slip in between. */
+    pd__ended_add_locked(st, (pd_ended_job){pd__strdup(j->name), (int64_t)time(NULL),
+                                            idle_s > 0 ? PD_ENDED_IDLE : PD_ENDED_BY_CALL});
     atomic_fetch_add(&st->generation, 1);
     atomic_fetch_add(&st->removed, 1);
   }
@@ -413,7 +504,32 @@ int pd_store_job_over_limit(const pd_store *st, const pd_job *job) {
   return st->job_memory_limit > 0 && pd_job_bytes(job) > st->job_memory_limit;
 }
 
+int pd_store_reserve_extra(pd_store *st, size_t bytes) {
+  pthread_rwlock_wrlock(&st->lock);
+  size_t held = st->extra;
+  for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
+  int rc = held + bytes + atomic_load(&st->scratch_max) > st->memory_limit ? PD_ELIMIT : PD_OK;
+  if (rc == PD_OK) {
+    st->extra += bytes;
+    atomic_store(&st->reserved, held + bytes);
+  }
+  pthread_rwlock_unlock(&st->lock);
+  return rc;
+}
+
+void pd_store_release_extra(pd_store *st, size_t bytes) {
+  pthread_rwlock_wrlock(&st->lock);
+  st->extra -= bytes < st->extra ? bytes : st->extra;
+  atomic_fetch_sub(&st->reserved, bytes);
+  pthread_rwlock_unlock(&st->lock);
+}
+
 int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
+  return pd_store_register(st, job, 1, existing, NULL);
+}
+
+int pd_store_register(pd_store *st, pd_job *job, int reuse_ended, pd_job **existing,
+                      pd_ended_job *ended) {
   *existing = NULL;
   pthread_rwlock_wrlock(&st->lock);
   int rc = PD_OK;
@@ -424,11 +540,17 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
     *existing = old;
     goto done;
   }
+  size_t tomb = pd__ended_find_locked(st, job->name);
+  if (tomb < st->nended && !reuse_ended) {
+    if (ended) *ended = (pd_ended_job){NULL, st->ended[tomb].ended_at, st->ended[tomb].how};
+    rc = PD_EENDED;
+    goto done;
+  }
   /* The memory limit is checked against the budget the job can reach (statistics and a
    * root pair per block), so a running job never fails for memory later. */
   /* Room is kept for the scratch of one computation of the largest unit, so the pool can
    * always compute (scheduler.c admits more at once only within what is left). */
-  size_t held = 0, scratch = atomic_load(&st->scratch_max);
+  size_t held = st->extra, scratch = atomic_load(&st->scratch_max);
   for (size_t i = 0; i < st->njobs; i++) held += pd_job_bytes(st->jobs[i]);
   if (job->scratch_max > scratch) scratch = job->scratch_max;
   if (held + pd_job_bytes(job) + scratch > st->memory_limit || st->njobs >= PD_MAX_JOBS ||
@@ -454,6 +576,7 @@ int pd_store_add(pd_store *st, pd_job *job, pd_job **existing) {
   if (st->stats)
     atomic_fetch_add(&st->stats->memory_bytes,
                      (int64_t)(pd__stat_bytes(job) + pd__meta_bytes(job)));
+  if (tomb < st->nended) pd__ended_drop_locked(st, tomb); /* reused: a job again */
   job->in_store = 1;
   job->version_base = st->epoch << 40;
   atomic_store(&st->reserved, held + pd_job_bytes(job));

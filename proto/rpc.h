@@ -27,6 +27,8 @@
 #define PRECOND_RPC_H
 
 #include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
 
 #include <grpc/grpc.h>
 #include <grpc/status.h>
@@ -72,6 +74,37 @@ const char *rpc_status_name(grpc_status_code code);
  * at RPC_MAX_MESSAGE_BYTES_CAP). No memory is allocated: the keys are static strings. Used
  * for channels here and for precondd's server. */
 void rpc_size_args(grpc_channel_args *args, grpc_arg arg[2], size_t max_bytes);
+
+/* Channel arguments of every channel and server of this project: the message size limits
+ * and the transport settings measured for large messages (RPC_TRANSPORT_ARGS in rpc.c; the
+ * table and its measurements are in docs/precondd.md, "Wire"), plus what the caller adds.
+ * Caller-allocated, nothing allocated: keys are copied into the struct. */
+#define RPC_ARGS_MAX     16
+#define RPC_ARG_KEY_BYTES 64
+typedef struct {
+  grpc_arg arg[RPC_ARGS_MAX];
+  char key[RPC_ARGS_MAX][RPC_ARG_KEY_BYTES];
+  size_t n;
+  grpc_channel_args args; /* filled by rpc_args_get */
+} rpc_args;
+
+/* The size limits of rpc_size_args (max_bytes as there) and the transport defaults. */
+void rpc_args_init(rpc_args *a, size_t max_bytes);
+
+/* Sets integer argument key to value, replacing an earlier value of the same key (the
+ * defaults included). RPC_EINVAL for a NULL, empty or too long key (RPC_ARG_KEY_BYTES - 1
+ * at most), RPC_ENOMEM when RPC_ARGS_MAX are set. */
+int rpc_args_set_int(rpc_args *a, const char *key, int value);
+
+/* "KEY=INTEGER" (precondd's --grpc-arg, bench-daemon's --channel-arg) as rpc_args_set_int;
+ * RPC_EINVAL for text of another form or a value outside int. */
+int rpc_args_parse(rpc_args *a, const char *key_eq_value);
+
+/* The arguments as gRPC takes them; valid while a lives and is not changed. */
+const grpc_channel_args *rpc_args_get(rpc_args *a);
+
+/* rpc_channel_create with the arguments a (insecure). NULL on a NULL or empty target. */
+grpc_channel *rpc_channel_create_args(const char *target, rpc_args *a);
 
 /* Serialises msg into a new byte buffer. On RPC_OK the caller owns *out and releases it
  * with grpc_byte_buffer_destroy. Returns RPC_EINVAL (NULL argument), RPC_ETOOBIG (packed
@@ -163,6 +196,49 @@ int rpc_packed_decode(int encoding, const void *data, size_t len, size_t count, 
 /* Encodes count values of in into out (count * width bytes, any alignment). RPC_EINVAL for
  * an unknown encoding. */
 int rpc_packed_encode(int encoding, const float *in, size_t count, void *out);
+
+/* ---- shm.c: the same-host shared-memory data path, the rules both sides share ---- */
+/*
+ * A region (ShmOpenResponse) of R bytes has two halves: [0, R/2) the client writes (push
+ * statistics), [R/2, R) the daemon writes (fetched roots). Each half is a ring: a matrix
+ * takes the next RPC_SHM_ALIGN-aligned bytes after the previous one, wrapping to the half's
+ * start when it does not fit before its end. A matrix there is named by a ShmRef
+ * (offset from the region's start, length, CRC-32C); a reader checks the reference against
+ * the half it must lie in and the checksum against the bytes it copied, so bytes a wrap
+ * overwrote are refused, never used.
+ */
+#define RPC_METHOD_OPEN_SHM "/precond.v1.Preconditioner/OpenSharedMemory"
+#define RPC_SHM_ALIGN       64
+#define RPC_SHM_SECRET_BYTES 16
+
+/* CRC-32C (Castagnoli) of len bytes, continuing crc (0 to start). Hardware where the CPU
+ * has it (SSE 4.2), else tables. Thread-safe. */
+uint32_t rpc_crc32c(uint32_t crc, const void *data, size_t len);
+
+/* Copies len bytes from src to dst (not overlapping) and returns the CRC-32C of the bytes
+ * written to dst, in one pass over memory. */
+uint32_t rpc_shm_copy_crc(void *dst, const void *src, size_t len);
+
+/* The CRC-32C of len bytes as rpc_shm_copy_crc gives it, without copying. */
+uint32_t rpc_shm_crc(const void *data, size_t len);
+
+/* Takes len bytes from a ring of area bytes whose next free offset (relative to the ring)
+ * is *pos: *off gets where they start, *pos moves past them. RPC_ETOOBIG if len > area;
+ * RPC_EINVAL for NULL pointers. */
+int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off);
+
+/* RPC_OK when [offset, offset + length) lies within [lo, hi) of a region of region bytes
+ * and length is expect (the bytes the matrix's order and encoding give), else RPC_EINVAL.
+ * No overflow for any input. */
+int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset, uint64_t length,
+                      size_t expect);
+
+/* ---- json.c: the JSON string escaper of precondctl and the benchmark clients ---------- */
+
+/* Writes s to f as a JSON string literal: quotes, backslash escapes for '"', '\\', \n, \r,
+ * \t and \u00XX for the other control characters; other bytes (UTF-8 included) as they
+ * are. NULL writes "". Write errors are left in f's error flag (ferror). */
+void rpc_json_string(FILE *f, const char *s);
 
 #ifdef __cplusplus
 }

@@ -178,6 +178,18 @@ int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n) {
 #endif
 }
 
+int pt_dp_any(pt_dp *dp, int *flag) {
+  if (dp == NULL) return PT_OK;
+#ifdef PT_HAVE_MPI
+  int mine = *flag != 0;
+  return MPI_Allreduce(&mine, flag, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) == MPI_SUCCESS ? PT_OK
+                                                                                      : PT_EINVAL;
+#else
+  (void)flag;
+  return PT_EINVAL;
+#endif
+}
+
 int pt_dp_broadcast(pt_dp *dp, long *v) {
   if (dp == NULL) return PT_OK;
 #ifdef PT_HAVE_MPI

@@ -181,6 +181,9 @@ int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t npa
 /* For each i: v[i] where every worker passed the same value, else 0 (on every worker). A
  * no-op for NULL. PT_EINVAL (MPI). */
 int pt_dp_agree(pt_dp *dp, uint64_t *v, size_t n);
+/* *flag = 1 on every worker if any worker passed a non-zero one, else 0 (a stop asked of
+ * one worker: all stop after the same step). A no-op for NULL. PT_EINVAL (MPI). */
+int pt_dp_any(pt_dp *dp, int *flag);
 /* Rank 0's value of *v on every worker (a job name's number, a seed). */
 int pt_dp_broadcast(pt_dp *dp, long *v);
 /* Seconds spent in pt_dp_average. */

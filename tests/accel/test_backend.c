@@ -64,6 +64,23 @@ static float *dev_down(ac_backend *be, const float *d, size_t n) {
   return h;
 }
 
+/* A conv or pooling geometry in one line: input (n, c, h, w), kernel kh x kw, strides,
+ * padding, in ac_conv2d_geom's order (the formatter spreads a designated initializer over
+ * ten lines, which made every test's setup a block of them). */
+static ac_conv2d_geom geom(size_t n, size_t c, size_t h, size_t w, size_t kh, size_t kw,
+                           size_t stride_h, size_t stride_w, size_t pad_h, size_t pad_w) {
+  return (ac_conv2d_geom){.n = n,
+                          .c = c,
+                          .h = h,
+                          .w = w,
+                          .kh = kh,
+                          .kw = kw,
+                          .stride_h = stride_h,
+                          .stride_w = stride_w,
+                          .pad_h = pad_h,
+                          .pad_w = pad_w};
+}
+
 /* got[i] within atol + rtol |want[i]|; reports the first miss. */
 static void expect_close(const char *what, const float *got, const double *want, size_t n,
                          double atol, double rtol) {
@@ -137,16 +154,7 @@ static void test_cpu_pool_bitwise(void **state) {
   OK(ac_backend_create(&be[0], &opts));
   opts.threads = 2;
   OK(ac_backend_create(&be[1], &opts));
-  const ac_conv2d_geom g = {.n = 6,
-                            .c = 8,
-                            .h = 20,
-                            .w = 20,
-                            .kh = 3,
-                            .kw = 3,
-                            .stride_h = 1,
-                            .stride_w = 1,
-                            .pad_h = 1,
-                            .pad_w = 1};
+  const ac_conv2d_geom g = geom(6, 8, 20, 20, 3, 3, 1, 1, 1, 1);
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
   float *out[2] = {NULL, NULL};
@@ -276,16 +284,7 @@ static void test_invalid_arguments(void **state) {
   assert_int_equal(ac_permute(be, 0, shape, perm, d, d + 32), AC_EINVAL);
   assert_int_equal(ac_permute(be, 3, shape, perm, d, d), AC_EINVAL);
 
-  ac_conv2d_geom g = {.n = 1,
-                      .c = 1,
-                      .h = 4,
-                      .w = 4,
-                      .kh = 3,
-                      .kw = 3,
-                      .stride_h = 1,
-                      .stride_w = 1,
-                      .pad_h = 1,
-                      .pad_w = 1};
+  ac_conv2d_geom g = geom(1, 1, 4, 4, 3, 3, 1, 1, 1, 1);
   size_t oh = 0, ow = 0;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 4);
@@ -1093,38 +1092,9 @@ static void test_gather_scatter(void **state) {
 static void test_im2col_geometries(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom geoms[] = {
-      {.n = 2,
-       .c = 2,
-       .h = 7,
-       .w = 9,
-       .kh = 3,
-       .kw = 3,
-       .stride_h = 1,
-       .stride_w = 2,
-       .pad_h = 1,
-       .pad_w = 1},
-      {.n = 1, .c = 3, .h = 6, .w = 8, .kh = 1, .kw = 1, .stride_h = 2, .stride_w = 2},
-      {.n = 1,
-       .c = 2,
-       .h = 5,
-       .w = 11,
-       .kh = 3,
-       .kw = 5,
-       .stride_h = 3,
-       .stride_w = 3,
-       .pad_h = 2,
-       .pad_w = 4},
-      {.n = 2,
-       .c = 1,
-       .h = 3,
-       .w = 1,
-       .kh = 3,
-       .kw = 3,
-       .stride_h = 1,
-       .stride_w = 1,
-       .pad_h = 2,
-       .pad_w = 2},
-      {.n = 1, .c = 2, .h = 4, .w = 4, .kh = 3, .kw = 3, .stride_h = 1, .stride_w = 1},
+      geom(2, 2, 7, 9, 3, 3, 1, 2, 1, 1),  geom(1, 3, 6, 8, 1, 1, 2, 2, 0, 0),
+      geom(1, 2, 5, 11, 3, 5, 3, 3, 2, 4), geom(2, 1, 3, 1, 3, 3, 1, 1, 2, 2),
+      geom(1, 2, 4, 4, 3, 3, 1, 1, 0, 0),
   };
   for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
     const ac_conv2d_geom *g = &geoms[gi];
@@ -1177,16 +1147,7 @@ static void test_im2col_geometries(void **state) {
 
 static void test_conv_im2col(void **state) {
   ac_backend *be = backend(state);
-  const ac_conv2d_geom g = {.n = 2,
-                            .c = 3,
-                            .h = 9,
-                            .w = 7,
-                            .kh = 3,
-                            .kw = 2,
-                            .stride_h = 2,
-                            .stride_w = 1,
-                            .pad_h = 1,
-                            .pad_w = 1};
+  const ac_conv2d_geom g = geom(2, 3, 9, 7, 3, 2, 2, 1, 1, 1);
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   assert_int_equal(oh, 5); /* (9 + 2 - 3) / 2 + 1 */
@@ -1246,16 +1207,7 @@ static void test_conv_im2col(void **state) {
   assert_true(fabs(lhs - rhs) <= 1e-4 * (1 + fabs(lhs)));
   /* And col2im directly: the input (1, 1, 4, 4) interior pixel of a 3x3 stride-1 pad-0 conv
    * is covered by as many windows as overlap it. */
-  const ac_conv2d_geom g1 = {.n = 1,
-                             .c = 1,
-                             .h = 4,
-                             .w = 4,
-                             .kh = 3,
-                             .kw = 3,
-                             .stride_h = 1,
-                             .stride_w = 1,
-                             .pad_h = 0,
-                             .pad_w = 0};
+  const ac_conv2d_geom g1 = geom(1, 1, 4, 4, 3, 3, 1, 1, 0, 0);
   float *ones = dev_alloc(be, 9 * 4 * sizeof(float)), *cnt = dev_alloc(be, 16 * sizeof(float));
   OK(ac_fill_f32(be, 36, ones, 1.0f));
   OK(ac_col2im(be, &g1, ones, cnt));
@@ -1388,16 +1340,7 @@ static void test_channel_ops(void **state) {
 
 static void test_pool(void **state) {
   ac_backend *be = backend(state);
-  const ac_conv2d_geom g = {.n = 2,
-                            .c = 3,
-                            .h = 8,
-                            .w = 7,
-                            .kh = 3,
-                            .kw = 3,
-                            .stride_h = 2,
-                            .stride_w = 2,
-                            .pad_h = 1,
-                            .pad_w = 1};
+  const ac_conv2d_geom g = geom(2, 3, 8, 7, 3, 3, 2, 2, 1, 1);
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   const size_t planes = g.n * g.c, nx = planes * g.h * g.w, ny = planes * oh * ow;
@@ -1776,16 +1719,7 @@ static void scen_softmax_xent(ac_backend *be, outbuf *o) {
 }
 
 static void scen_conv_embed(ac_backend *be, outbuf *o) {
-  const ac_conv2d_geom g = {.n = 3,
-                            .c = 4,
-                            .h = 11,
-                            .w = 10,
-                            .kh = 3,
-                            .kw = 3,
-                            .stride_h = 2,
-                            .stride_w = 2,
-                            .pad_h = 1,
-                            .pad_w = 2};
+  const ac_conv2d_geom g = geom(3, 4, 11, 10, 3, 3, 2, 2, 1, 2);
   size_t oh, ow;
   OK(ac_conv2d_out_hw(&g, &oh, &ow));
   size_t nx = g.n * g.c * g.h * g.w, ncol = g.n * g.c * 9 * oh * ow, ny = g.n * g.c * oh * ow;

@@ -25,7 +25,8 @@
 #include "precondd_proc.h"
 
 static const char *precondd_path, *transformer_path, *resnet_path, *compare_path, *build_dir;
-static char tmpdir[64], kjv_path[128];
+static char kjv_path[192];
+static const char *tmpdir; /* the daemon's directory, also the runs' (pdproc_destroy removes it) */
 static pdproc precondd;
 
 static char *read_file(const char *path) {
@@ -63,20 +64,19 @@ static void show_log(const char *log) {
   free(s);
 }
 
+/* One daemon for the group, in a directory of its own that the runs share. */
 static int setup(void **state) {
   (void)state;
-  snprintf(tmpdir, sizeof tmpdir, "/tmp/test_clients.XXXXXX");
-  if (mkdtemp(tmpdir) == NULL) return -1;
+  int rc = pdproc_start_in(&precondd, precondd_path, NULL);
+  tmpdir = precondd.dir;
   snprintf(kjv_path, sizeof kjv_path, "%s/kjv.txt", tmpdir);
-  return pdproc_start_in(&precondd, precondd_path, tmpdir);
+  return rc;
 }
 
 static int teardown(void **state) {
   (void)state;
-  pdproc_stop(&precondd, SIGTERM);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-  return system(cmd) == 0 ? 0 : -1;
+  pdproc_destroy(&precondd);
+  return 0;
 }
 
 /* Mean of the train_loss column (4th) over data rows [from, to) of a train.csv. */

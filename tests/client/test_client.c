@@ -68,12 +68,10 @@ static void tcp_daemon(void) {
   daemon_start(NULL, NULL, 0);
 }
 
+static void unix_daemon_with(const char *const *extra);
+
 static void unix_daemon(void) {
-  char listen[128];
-  snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
-  unlink(g_sock);
-  snprintf(listen, sizeof listen, "unix:%s", g_sock);
-  daemon_start(listen, NULL, 0);
+  unix_daemon_with(NULL);
 }
 
 /* "127.0.0.1:PORT" with a port nobody listens on right now, for a daemon started later. */
@@ -253,6 +251,124 @@ static void test_unix_socket_bf16(void **state) {
   unix_daemon();
   /* bf16 both ways: 8 bits of mantissa, so about 0.4% per value */
   run_flow(g_d.addr, PRECOND_BF16, 1e-2);
+}
+
+/* A daemon on a unix socket, as daemon_start without a token or state, with more options
+ * (NULL-terminated; NULL: none). */
+static void unix_daemon_with(const char *const *extra) {
+  char listen[128];
+  snprintf(g_sock, sizeof g_sock, "/tmp/precond-test-%d.sock", (int)getpid());
+  unlink(g_sock);
+  snprintf(listen, sizeof listen, "unix:%s", g_sock);
+  pdproc_opts o;
+  pdproc_opts_default(&o);
+  o.listen = listen;
+  o.grace_period = 1;
+  o.inherit_stderr = 1;
+  o.state_dir = "";
+  o.extra = extra;
+  assert_int_equal(pdproc_start(&g_d, &o), 0);
+}
+
+static precond_client *connect_transport(precond_transport t) {
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  o.poll_interval_ms = 10;
+  o.transport = t;
+  o.shm_bytes = 4 << 20;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  return c;
+}
+
+/* Packed G G^T of a pseudo-random n x n G (seeded): a statistic whose roots are not
+ * trivial, so bit-identical roots mean the same bytes reached the daemon. */
+static float *gram(uint32_t n, unsigned seed) {
+  float *g = malloc((size_t)n * n * sizeof(float)), *p = malloc((size_t)n * (n + 1) / 2 * 4);
+  assert_non_null(g);
+  assert_non_null(p);
+  uint64_t s = seed;
+  for (size_t i = 0; i < (size_t)n * n; i++) {
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    g[i] = (float)((double)(s >> 11) / 9007199254740992.0 - 0.5);
+  }
+  size_t k = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = i; j < n; j++, k++) {
+      double acc = 0;
+      for (uint32_t t = 0; t < n; t++) acc += (double)g[i * n + t] * g[j * n + t];
+      p[k] = (float)acc + (i == j ? 0.1f : 0.0f);
+    }
+  free(g);
+  return p;
+}
+
+/* The same-host data path through libprecond: over a unix socket (AUTO) pushes and roots go
+ * through shared memory and give the very roots the same pushes give as gRPC bytes (a
+ * second client forced to GRPC, its own job, the same daemon); a daemon without shared
+ * memory (--shm-dir off) gets bytes from an AUTO client, and the flow still works. */
+static void test_shm_same_roots_as_bytes(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
+  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  precond_layout ls, lb;
+  register_job(cs, "via-shm", &ls);
+  register_job(cb, "via-bytes", &lb);
+  uint64_t vs[2] = {0, 0}, vb[2] = {0, 0};
+  for (uint64_t step = 1; step <= 2; step++) {
+    for (uint32_t b = 0; b < 2; b++) {
+      float *l = gram(128, (unsigned)(10 * step + b)), *r = gram(96, (unsigned)(20 * step + b));
+      assert_int_equal(precond_push(cs, step, b, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+      assert_int_equal(precond_push(cb, step, b, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+      free(l);
+      free(r);
+    }
+    assert_int_equal(precond_flush(cs, ROOT_WAIT_MS), PRECOND_OK);
+    assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+    for (uint32_t b = 0; b < 2; b++) {
+      const precond_roots *rs = wait_step(cs, b, step, &vs[b]);
+      const precond_roots *rb = wait_step(cb, b, step, &vb[b]);
+      assert_memory_equal(rs->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+      assert_memory_equal(rs->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+      precond_roots_release(rs);
+      precond_roots_release(rb);
+    }
+  }
+  precond_counters ks, kb;
+  precond_get_counters(cs, &ks);
+  precond_get_counters(cb, &kb);
+  /* Every push went through the region (four blocks of two factors) and roots came back
+   * through it; the forced client never used one. */
+  assert_int_equal(ks.shm_bytes >= ks.bytes_sent, 1);
+  assert_true(ks.bytes_sent > 0 && ks.bytes_received > 0);
+  assert_true(ks.shm_bytes >= ks.bytes_sent + (uint64_t)2 * (128 * 129 / 2 + 96 * 97 / 2) * 4);
+  assert_int_equal(kb.shm_bytes, 0);
+  precond_layout_destroy(&ls);
+  precond_layout_destroy(&lb);
+  precond_close(cs);
+  precond_close(cb);
+  daemon_stop();
+  stop_daemon(NULL);
+
+  /* Fallback: no shared memory on the daemon, an AUTO client sends bytes. */
+  const char *off[] = {"--shm-dir", "off", NULL};
+  unix_daemon_with(off);
+  precond_client *c = connect_transport(PRECOND_TRANSPORT_AUTO);
+  precond_layout layout;
+  register_job(c, "fallback", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(c, &layout, 1, 4.0f, 4.0, PRECOND_FP32, versions, 1e-4);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.shm_bytes, 0);
+  assert_true(k.bytes_received > 0);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop();
 }
 
 static void test_bad_input_is_refused_locally(void **state) {
@@ -538,6 +654,98 @@ static void test_end_job(void **state) {
   precond_layout_destroy(&layout);
   precond_layout_destroy(&layout2);
   precond_close(c);
+}
+
+/* A worker still running when an operator ends its job (precondctl end-job) must not bring
+ * it back: libprecond registers again by itself after a NOT_FOUND, and precondd used to
+ * accept that, so the job came back empty and kept training. Now the daemon remembers the
+ * ended name: the worker's next flush says PRECOND_EENDED with the daemon's reason, its
+ * thread stops (no retry loop), the job stays gone, also across a restart; a new run takes
+ * the name with reuse_ended_job. */
+static void test_ended_job_stays_ended(void **state) {
+  (void)state;
+  char addr[64];
+  later_addr(addr, sizeof addr); /* the restart below listens where the clients dial */
+  daemon_start(addr, NULL, 1);
+  precond_client *w = connect_to(addr, PRECOND_FP32);
+  precond_layout layout;
+  register_job(w, "run1", &layout);
+  uint64_t versions[2] = {0, 0};
+  push_and_check(w, &layout, 1, 1.0f, 1.0, PRECOND_FP32, versions, 1e-4);
+
+  static char out[4096];
+  char args[256];
+  snprintf(args, sizeof args, "--addr %s end-job run1", addr);
+  assert_int_equal(run_ctl(args, out, sizeof out), 0);
+  assert_non_null(strstr(out, "ended job run1"));
+
+  /* The worker's next step: its push (or its thread's poll, whichever comes first) is
+   * refused, and so is the Register that follows. */
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 1.0f);
+  int pst = precond_push(w, 2, 0, 128, l, 96, r, PRECOND_FP32);
+  assert_true(pst == PRECOND_OK || pst == PRECOND_EENDED);
+  int st = precond_flush(w, ROOT_WAIT_MS);
+  char e[512];
+  precond_last_error(w, e, sizeof e);
+  if (st != PRECOND_EENDED) fprintf(stderr, "flush: %s (%s)\n", precond_strerror(st), e);
+  assert_int_equal(st, PRECOND_EENDED);
+  assert_non_null(strstr(e, "\"run1\" was ended by EndJob at"));
+  assert_non_null(strstr(e, "reuse_ended_job"));
+  assert_int_equal(precond_push(w, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_EENDED);
+  assert_int_equal(precond_wait_roots(w, 0, versions[0], 100), PRECOND_EENDED);
+  precond_counters k1, k2;
+  precond_get_counters(w, &k1);
+  assert_int_equal(k1.reregistered, 0);
+  assert_int_equal(k1.push_errors, pst == PRECOND_OK); /* step 2's block, if queued: dropped */
+  assert_int_equal(k1.queued, 0);
+  /* No loop: many poll intervals and backoffs later nothing more was tried. */
+  nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+  precond_get_counters(w, &k2);
+  assert_int_equal(k2.retries, k1.retries);
+  assert_int_equal(k2.fetch_calls, k1.fetch_calls);
+  precond_stats s;
+  assert_int_equal(precond_get_stats(w, "run1", 0, &s), PRECOND_ENOTFOUND);
+
+  /* Remembered across a restart (the snapshot holds the name). */
+  daemon_stop();
+  daemon_start(addr, NULL, 1);
+  precond_client *n = connect_to(addr, PRECOND_FP32);
+  const uint64_t wshape[2] = {256, 96}, bshape[1] = {96};
+  precond_tensor t[2] = {{"dense.w", 2, wshape}, {"dense.b", 1, bshape}};
+  precond_shampoo_opts so = {.block_size = 128, .epsilon = EPSILON, .method = PRECOND_METHOD_EIGH};
+  precond_layout l2;
+  /* A call right after the restart can meet the old connection's end (UNAVAILABLE). */
+  int rst = PRECOND_EUNAVAILABLE;
+  for (int tries = 0; tries < 50 && rst == PRECOND_EUNAVAILABLE; tries++) {
+    if (tries > 0) nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    rst = precond_register(n, "run1", PRECOND_MODE_SHAMPOO, "test", 2, t, &so, &l2);
+  }
+  assert_int_equal(rst, PRECOND_ESTATE);
+  precond_last_error(n, e, sizeof e);
+  assert_non_null(strstr(e, "was ended by EndJob"));
+  precond_close(n);
+  /* A new run of the same name says so. */
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = addr;
+  o.connect_timeout_ms = 20000;
+  o.reuse_ended_job = 1;
+  assert_int_equal(precond_connect(&o, &n), PRECOND_OK);
+  register_job(n, "run1", &l2);
+  uint64_t v2[2] = {0, 0};
+  push_and_check(n, &l2, 1, 2.0f, 2.0, PRECOND_FP32, v2, 1e-4); /* from zero: 2 I alone */
+  /* The old worker registers again explicitly (a new run of its own): allowed while the
+   * job is there, and its pushes go through. */
+  register_job(w, "run1", &layout);
+  assert_int_equal(precond_push(w, 2, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  assert_int_equal(precond_flush(w, ROOT_WAIT_MS), PRECOND_OK);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_layout_destroy(&l2);
+  precond_close(w);
+  precond_close(n);
+  daemon_stop();
 }
 
 /* Several threads push and fetch on one client with a queue of 2 blocks: every push is
@@ -887,12 +1095,14 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
       cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_same_roots_as_bytes, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
       cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
       cmocka_unit_test_teardown(test_daemon_restart_is_told, stop_daemon),
       cmocka_unit_test_teardown(test_precondctl, stop_daemon),
       cmocka_unit_test_teardown(test_end_job, stop_daemon),
+      cmocka_unit_test_teardown(test_ended_job_stays_ended, stop_daemon),
       cmocka_unit_test_teardown(test_token, stop_daemon),
       cmocka_unit_test_teardown(test_concurrent_pushes_small_queue, stop_daemon),
       cmocka_unit_test_teardown(test_kfac_register_push_fetch, stop_daemon),

@@ -184,26 +184,12 @@ static void test_health(void **state) {
   free(out);
 }
 
-static void test_json_string_control_chars(void **state) {
-  (void)state;
-  sink k;
-  sink_open(&k);
-  precond__json_string(k.f,
-                       "a\x01"
-                       "b\tc");
-  precond__json_string(k.f, NULL);
-  char *out = sink_close(&k);
-  assert_string_equal(out, "\"a\\u0001b\\tc\"\"\"");
-  free(out);
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stats_table),
       cmocka_unit_test(test_stats_json),
       cmocka_unit_test(test_blocks_table_and_json),
       cmocka_unit_test(test_health),
-      cmocka_unit_test(test_json_string_control_chars),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

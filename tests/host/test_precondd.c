@@ -19,6 +19,8 @@
 #include <string.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -96,6 +98,18 @@ static void remove_tree(const char *dir) {
   char cmd[300];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   assert_int_equal(system(cmd), 0);
+}
+
+/* Most tests: a daemon of their own in a fresh directory (start_daemon's options) ... */
+static void daemon_up(daemon_t *d, const char *const *extra) {
+  make_dir(d->p.dir, sizeof d->p.dir);
+  start_daemon(d, extra);
+}
+
+/* ... that SIGTERM must stop cleanly (exit status 0), its directory removed after. */
+static void daemon_down(daemon_t *d) {
+  assert_int_equal(stop_daemon(d, SIGTERM), 0);
+  remove_tree(d->p.dir);
 }
 
 /* ---- messages ------------------------------------------------------------------------- */
@@ -338,8 +352,7 @@ static float *local_root(size_t n, const float *stat) {
 static void test_health_unimplemented_unix(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   check_health(&d);
   grpc_byte_buffer *resp = NULL;
   grpc_status_code code;
@@ -372,15 +385,13 @@ static void test_health_unimplemented_unix(void **state) {
   Precond__V1__StatsResponse *st = get_stats(&d, NULL);
   assert_string_equal(st->version, PD_VERSION);
   protobuf_c_message_free_unpacked(&st->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_register_push_fetch(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
 
   /* [6, 10] in blocks of 4: rows 4+2, cols 4+4+2 -> 6 blocks; a rank-1 bias is diagonal. */
   tspec ts[2] = {{"w", {6, 10}, 2}, {"bias", {10}, 1}};
@@ -487,16 +498,14 @@ static void test_register_push_fetch(void **state) {
   }
   pc_layout_destroy(&lay);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_bad_inputs(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--memory-limit-mb", "8", "--max-message-mb", "1", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   char msg[512];
   tspec ts[1] = {{"w", {4, 4}, 2}};
   assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -657,8 +666,7 @@ static void test_bad_inputs(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
   free(s4);
   free(bad);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static void test_token_and_listen_rules(void **state) {
@@ -820,8 +828,7 @@ static void test_tls(void **state) {
   free(ca);
   free(cli);
   free(clikey);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- 32 concurrent clients ------------------------------------------------------------ */
@@ -896,8 +903,7 @@ out:
 static void test_concurrent_clients(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   enum { N = 32 };
   pthread_t th[N];
   client_arg args[N];
@@ -920,8 +926,7 @@ static void test_concurrent_clients(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
   check_health(&d);
   print_message("# 32 clients: %d calls in 3 s\n", calls);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- snapshots ------------------------------------------------------------------------ */
@@ -939,8 +944,7 @@ static void load_snapshot(const char *dir, pd_store *st, pd_stats *stats) {
 static void test_restart_bit_exact(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {5, 7}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "ema", ts, 1, 8, 0.9f, NULL, msg), GRPC_STATUS_OK);
@@ -1001,9 +1005,8 @@ static void test_restart_bit_exact(void **state) {
 static void test_crash_loses_one_interval(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0.2", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {4, 4}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "crash", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1024,8 +1027,7 @@ static void test_crash_loses_one_interval(void **state) {
   assert_int_equal(reg->resumed_step, 3);
   protobuf_c_message_free_unpacked(&reg->base, NULL);
   free(s4);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 static int count_set_aside(const char *dir) {
@@ -1042,8 +1044,7 @@ static int count_set_aside(const char *dir) {
 static void test_corrupt_snapshot_set_aside(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {4, 4}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "job", ts, 1, 4, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1078,8 +1079,7 @@ static void test_corrupt_snapshot_set_aside(void **state) {
   st = get_stats(&d, NULL);
   assert_int_equal(st->jobs, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 }
 
 /* ---- graceful shutdown ---------------------------------------------------------------- */
@@ -1117,8 +1117,7 @@ static void *busy_client(void *p) {
 static void test_graceful_shutdown(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   tspec ts[1] = {{"w", {64, 64}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "busy", ts, 1, 64, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1161,8 +1160,7 @@ static void test_graceful_shutdown(void **state) {
 static void test_shutdown_cancels_stuck_call(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   check_health(&d); /* connected */
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   grpc_slice method = grpc_slice_from_static_string(RPC_METHOD_PUSH_STATISTICS);
@@ -1245,9 +1243,8 @@ static void test_shutdown_idle_client(void **state) {
 static void test_versions_survive_crash(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "0", NULL}; /* snapshots at shutdown only */
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
   char msg[512];
   assert_int_equal(do_register(&d, "v", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1310,9 +1307,8 @@ static void wait_snapshots(daemon_t *d, uint64_t n) {
 static void test_end_job_and_idle_expiry(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
   const char *extra[] = {"--snapshot-interval", "3600", NULL};
-  start_daemon(&d, extra);
+  daemon_up(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
   char msg[512];
   float *s = random_stat(8, 5);
@@ -1436,8 +1432,7 @@ static void test_warm_roots(void **state) {
   assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_cold, 8);
   assert_true(b->roots_warm + b->roots_warm_skipped >= 6);
   protobuf_c_message_free_unpacked(&resp->base, NULL);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  remove_tree(d.p.dir);
+  daemon_down(&d);
 
   daemon_t d2 = {0};
   b = warm_run(&d2, off, &resp);
@@ -1464,6 +1459,253 @@ static void test_help(void **state) {
   for (size_t i = 0; i < sizeof opts / sizeof *opts; i++) assert_non_null(strstr(buf, opts[i]));
   snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());
   assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+  const char *bad_args[] = {"grpc.http2.max_frame_size", "=5", "grpc.http2.bdp_probe=x",
+                            "grpc.http2.lookahead_bytes=99999999999"};
+  for (size_t i = 0; i < sizeof bad_args / sizeof *bad_args; i++) {
+    snprintf(cmd, sizeof cmd, "'%s' --grpc-arg '%s' 2>/dev/null", bin(), bad_args[i]);
+    assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+  }
+}
+
+/* ---- shared memory (OpenSharedMemory, shm references) ------------------------------------ */
+
+/* A region as a client holds it: opened, share-locked, mapped. */
+typedef struct {
+  Precond__V1__ShmOpenResponse *r;
+  int fd;
+  unsigned char *map;
+} region_t;
+
+static grpc_status_code open_region(daemon_t *d, uint64_t bytes, region_t *g, char *msg) {
+  Precond__V1__ShmOpenRequest req = PRECOND__V1__SHM_OPEN_REQUEST__INIT;
+  req.bytes = bytes;
+  memset(g, 0, sizeof *g);
+  g->fd = -1;
+  grpc_status_code code = call(d, RPC_METHOD_OPEN_SHM, &req.base,
+                               &precond__v1__shm_open_response__descriptor,
+                               (ProtobufCMessage **)&g->r, msg, 512);
+  if (code != GRPC_STATUS_OK) return code;
+  assert_int_equal(g->r->secret.len, RPC_SHM_SECRET_BYTES);
+  g->fd = open(g->r->path, O_RDWR);
+  assert_true(g->fd >= 0);
+  struct stat st;
+  assert_int_equal(fstat(g->fd, &st), 0);
+  assert_int_equal(st.st_mode & 0777, 0600); /* only this user */
+  assert_int_equal((uint64_t)st.st_size, g->r->bytes);
+  assert_int_equal(flock(g->fd, LOCK_SH), 0);
+  g->map = mmap(NULL, g->r->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
+  assert_true(g->map != MAP_FAILED);
+  return code;
+}
+
+static void close_region(region_t *g) {
+  munmap(g->map, g->r->bytes);
+  close(g->fd);
+  protobuf_c_message_free_unpacked(&g->r->base, NULL);
+}
+
+/* A one-block push of left and right (n x n, fp32) through the region: left at offset
+ * off_l, right at off_r (from the region's start); corrupt: flip a byte of left after its
+ * checksum; secret_bad: a wrong secret. */
+static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint64_t step,
+                                 uint32_t n, const float *left, const float *right, uint64_t off_l,
+                                 uint64_t off_r, int corrupt, int secret_bad, char *msg) {
+  size_t len = pc_packed_len(n) * 4;
+  Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
+                            r = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__ShmRef rl = PRECOND__V1__SHM_REF__INIT, rr = PRECOND__V1__SHM_REF__INIT;
+  if (off_l + len <= g->r->bytes) {
+    memcpy(g->map + off_l, left, len);
+    rl.crc32c = rpc_crc32c(0, g->map + off_l, len);
+    if (corrupt) g->map[off_l + len / 2] ^= 0x40;
+  }
+  if (off_r + len <= g->r->bytes) {
+    memcpy(g->map + off_r, right, len);
+    rr.crc32c = rpc_crc32c(0, g->map + off_r, len);
+  }
+  rl.offset = off_l;
+  rr.offset = off_r;
+  rl.length = rr.length = len;
+  l.n = r.n = n;
+  l.shm = &rl;
+  r.shm = &rr;
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
+  b.left = &l;
+  b.right = &r;
+  uint8_t secret[RPC_SHM_SECRET_BYTES];
+  memcpy(secret, g->r->secret.data, sizeof secret);
+  secret[0] ^= (uint8_t)secret_bad;
+  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
+  sess.id = g->r->id;
+  sess.secret.data = secret;
+  sess.secret.len = sizeof secret;
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = 1;
+  req.blocks = &bp;
+  req.shm = &sess;
+  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+              NULL, msg, 512);
+}
+
+static uint32_t shm_regions(daemon_t *d) {
+  Precond__V1__StatsResponse *s = get_stats(d, NULL);
+  uint32_t n = s->shm_regions;
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return n;
+}
+
+/* The same-host data path through a real daemon: pushes and fetches through a region store
+ * and return what the same bytes over gRPC do; a bad checksum, a reference out of place or
+ * a wrong secret are refused naming the field, the bytes' own checks (sizes, NaN) apply
+ * unchanged; a region whose client closed it is freed; the memory limit holds; --shm-dir off
+ * turns the method off. */
+static void test_shm(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  char shm_dir[300], listen[300];
+  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
+  assert_int_equal(mkdir(shm_dir, 0700), 0);
+  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb", "64",
+                         NULL};
+  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  region_t g;
+  char msg[512];
+  assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
+  assert_int_equal(g.r->bytes, 1 << 20);
+  assert_int_equal(shm_regions(&d), 1);
+  const size_t n = 8, len = pc_packed_len(n) * 4, half = (size_t)g.r->bytes / 2;
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  assert_int_equal(do_register(&d, "viashm", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 11), *sr = random_stat(n, 12);
+
+  /* Refused, naming the field, nothing stored: */
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, 4096, 1, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* a checksum that differs */
+  assert_non_null(strstr(msg, "blocks[0].left.shm: checksum mismatch"));
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, half + 64, 0, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* in the daemon's half */
+  assert_non_null(strstr(msg, "blocks[0].right.shm: outside"));
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, (uint64_t)1 << 62, 0, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* past the region */
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, 4096, 0, 1, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION); /* a wrong secret */
+  assert_non_null(strstr(msg, "shm: no region"));
+  float *nan = random_stat(n, 13);
+  nan[3] = NAN;
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, nan, sr, 0, 4096, 0, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* the bytes' own check, the bytes' words */
+  assert_non_null(strstr(msg, "blocks[0].left.data: NaN or Inf in the statistics"));
+  blockstat bn = {0, n, n, nan, sr, 0};
+  char msg2[512];
+  assert_int_equal(do_push(&d, "viabytes", 1, &bn, 1, NULL, msg2), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(msg, msg2);
+  Precond__V1__StatsResponse *st = get_stats(&d, "viashm");
+  assert_int_equal(st->job_stats[0]->last_step, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* Stored: the same roots as the same bytes over gRPC, bit for bit. */
+  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, len + 100, 0, 0, msg),
+                   GRPC_STATUS_OK);
+  blockstat bs = {0, n, n, sl, sr, 0};
+  assert_int_equal(do_push(&d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 1);
+  protobuf_c_message_free_unpacked(&wait_step_roots(&d, "viashm", 1, 1)->base, NULL);
+  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
+  sess.id = g.r->id;
+  sess.secret = g.r->secret;
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  fr.job = (char *)"viashm";
+  fr.shm = &sess;
+  Precond__V1__FetchResponse *fs = NULL;
+  assert_int_equal(call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
+                        &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&fs, msg,
+                        sizeof msg),
+                   GRPC_STATUS_OK);
+  assert_int_equal(fs->n_preconditioners, 1);
+  const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
+                                              fs->preconditioners[0]->right};
+  const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
+                                               fb->preconditioners[0]->right};
+  for (int k = 0; k < 2; k++) {
+    const Precond__V1__ShmRef *ref = side[k]->shm;
+    assert_non_null(ref);
+    assert_int_equal(side[k]->data.len, 0);
+    assert_int_equal(ref->length, len);
+    assert_true(ref->offset >= half && ref->offset + len <= g.r->bytes);
+    assert_int_equal(rpc_crc32c(0, g.map + ref->offset, len), ref->crc32c);
+    assert_int_equal(bside[k]->data.len, len);
+    assert_memory_equal(g.map + ref->offset, bside[k]->data.data, len);
+  }
+  protobuf_c_message_free_unpacked(&fs->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+
+  /* The budget: a region above what --memory-limit-mb leaves is refused. */
+  region_t big;
+  assert_int_equal(open_region(&d, (uint64_t)256 << 20, &big, msg),
+                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(msg, "--memory-limit-mb"));
+  protobuf_c_message_free_unpacked(big.r ? &big.r->base : NULL, NULL);
+
+  /* The client lets go (as a dying process would): the region is freed within seconds. */
+  close_region(&g);
+  int tries = 0;
+  while (shm_regions(&d) > 0 && tries++ < 100) sleep_ms(100);
+  assert_int_equal(shm_regions(&d), 0);
+  free(sl);
+  free(sr);
+  free(nan);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  DIR *dir = opendir(shm_dir); /* nothing left behind */
+  assert_non_null(dir);
+  struct dirent *e;
+  int files = 0;
+  while ((e = readdir(dir)) != NULL) files += e->d_name[0] != '.';
+  closedir(dir);
+  assert_int_equal(files, 0);
+
+  /* Off: UNIMPLEMENTED (libprecond then sends bytes). */
+  const char *off[] = {"--shm-dir", "off", NULL};
+  assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", off), 0);
+  assert_int_equal(open_region(&d, 0, &g, msg), GRPC_STATUS_UNIMPLEMENTED);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+}
+
+/* --threads 0 (bench-daemon --wire's push daemon): pushes are stored and queued, no root
+ * is ever computed; --grpc-arg reaches the server without stopping it. */
+static void test_no_pool(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  const char *extra[] = {"--threads", "0", "--grpc-arg", "grpc.http2.max_frame_size=1048576",
+                         NULL};
+  start_daemon(&d, extra);
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  char msg[512];
+  assert_int_equal(do_register(&d, "nopool", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *st = random_stat(8, 5);
+  blockstat bs = {0, 8, 8, st, st, 0};
+  uint32_t accepted = 0;
+  assert_int_equal(do_push(&d, "nopool", 1, &bs, 1, &accepted, msg), GRPC_STATUS_OK);
+  assert_int_equal(accepted, 1);
+  sleep_ms(300);
+  Precond__V1__StatsResponse *s = get_stats(&d, "nopool");
+  assert_int_equal(s->threads, 0);
+  assert_int_equal(s->queue_depth, 1);
+  assert_int_equal(s->roots_computed, 0);
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  Precond__V1__FetchResponse *f = NULL;
+  assert_int_equal(do_fetch(&d, "nopool", NULL, 0, 0, &f, msg), GRPC_STATUS_OK);
+  assert_int_equal(f->n_preconditioners, 0);
+  protobuf_c_message_free_unpacked(&f->base, NULL);
+  free(st);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
 }
 
 /* ---- K-FAC (mode MODE_KFAC) ------------------------------------------------------------ */
@@ -1606,8 +1848,7 @@ static const Precond__V1__BlockStats *kfac_block_stats(const Precond__V1__StatsR
 static void test_kfac(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  start_daemon(&d, NULL);
+  daemon_up(&d, NULL);
   char msg[512];
   /* fc: out 4, in 5 + bias; conv: out 3, in 2 x 2 x 2; bn: diagonal, on the worker. */
   tspec ts[3] = {{"fc", {4, 6}, 2}, {"conv", {3, 2, 2, 2}, 4}, {"bn", {3}, 1}};
@@ -1758,6 +1999,8 @@ int main(void) {
       cmocka_unit_test(test_versions_survive_crash),
       cmocka_unit_test(test_end_job_and_idle_expiry),
       cmocka_unit_test(test_kfac),
+      cmocka_unit_test(test_no_pool),
+      cmocka_unit_test(test_shm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

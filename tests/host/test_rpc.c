@@ -1,11 +1,13 @@
-/* test_rpc.c -- unit tests of proto/rpc.c: byte-buffer packing, size limits, channels, and
- * the blocking call's failure paths (no server: nothing listens on the port used). */
+/* test_rpc.c -- unit tests of proto/ (rpc.h): byte-buffer packing, size limits, channels, and
+ * the blocking call's failure paths (no server: nothing listens on the port used); the packed
+ * codec (codec.c) and the JSON string escaper (json.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -103,6 +105,95 @@ static void test_size_args(void **state) {
   assert_true((size_t)4096 * 4097 / 2 * 4 * 2 < RPC_DEFAULT_MAX_MESSAGE_BYTES);
 }
 
+static void test_args(void **state) {
+  (void)state;
+  rpc_args a;
+  rpc_args_init(&a, 1000);
+  const grpc_channel_args *ca = rpc_args_get(&a);
+  assert_true(ca->num_args >= 2);
+  assert_string_equal(ca->args[0].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH);
+  assert_int_equal(ca->args[0].value.integer, 1000);
+  size_t n = ca->num_args;
+  /* A default replaced keeps the count; a new key adds one. */
+  assert_int_equal(rpc_args_parse(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH "=77"), RPC_OK);
+  assert_int_equal(rpc_args_set_int(&a, "grpc.test_only_key", -5), RPC_OK);
+  ca = rpc_args_get(&a);
+  assert_int_equal(ca->num_args, n + 1);
+  assert_int_equal(ca->args[1].value.integer, 77);
+  assert_string_equal(ca->args[n].key, "grpc.test_only_key");
+  assert_int_equal(ca->args[n].value.integer, -5);
+  assert_int_equal(ca->args[n].type, GRPC_ARG_INTEGER);
+  const char *bad[] = {"", "=1", "key", "key=", "key=1x", "key=3000000000",
+                       "a_key_longer_than_sixty_three_bytes_is_refused_as_it_would_be_cut=1"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+    assert_int_equal(rpc_args_parse(&a, bad[i]), RPC_EINVAL);
+  assert_int_equal(rpc_args_set_int(&a, "", 1), RPC_EINVAL);
+  assert_int_equal(rpc_args_get(&a)->num_args, n + 1);
+  char key[32];
+  int rc = RPC_OK;
+  for (int i = 0; rc == RPC_OK && i < RPC_ARGS_MAX + 1; i++) {
+    snprintf(key, sizeof key, "grpc.k%d", i);
+    rc = rpc_args_set_int(&a, key, i);
+  }
+  assert_int_equal(rc, RPC_ENOMEM);
+  assert_int_equal(rpc_args_get(&a)->num_args, RPC_ARGS_MAX);
+}
+
+/* proto/shm.c: the checksum (CRC-32C's check value, every split of the three-chain copy
+ * against the plain one), the ring and the reference check. */
+static void test_shm_rules(void **state) {
+  (void)state;
+  assert_int_equal(rpc_crc32c(0, "123456789", 9), 0xE3069283u); /* the published check */
+  assert_int_equal(rpc_crc32c(0, "", 0), 0);
+  enum { N = 200003 };
+  unsigned char *a = malloc(N), *b = malloc(N);
+  assert_non_null(a);
+  assert_non_null(b);
+  uint64_t s = 7;
+  for (size_t i = 0; i < N; i++) {
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    a[i] = (unsigned char)(s >> 56);
+  }
+  const size_t lens[] = {0, 1, 7, 8, 9, 49151, 49152, 49153, 49160, 65536, 100001, N};
+  for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+    memset(b, 0, N);
+    uint32_t want = rpc_crc32c(0, a, lens[i]);
+    /* In two calls: continuing a checksum is the checksum of the whole. */
+    assert_int_equal(rpc_crc32c(rpc_crc32c(0, a, lens[i] / 3), a + lens[i] / 3,
+                                lens[i] - lens[i] / 3),
+                     want);
+    assert_int_equal(rpc_shm_copy_crc(b, a, lens[i]), want);
+    assert_memory_equal(a, b, lens[i]);
+    assert_int_equal(rpc_shm_crc(a, lens[i]), want);
+  }
+  b[12345] ^= 1; /* one bit: another checksum */
+  assert_int_not_equal(rpc_shm_crc(b, N), rpc_shm_crc(a, N));
+  free(a);
+  free(b);
+
+  /* The ring: aligned takes, a wrap when the next one does not fit, too big refused. */
+  uint64_t pos = 0, off = 99;
+  assert_int_equal(rpc_shm_ring_take(&pos, 1024, 100, &off), RPC_OK);
+  assert_int_equal(off, 0);
+  assert_int_equal(pos, 128);
+  assert_int_equal(rpc_shm_ring_take(&pos, 1024, 896, &off), RPC_OK);
+  assert_int_equal(off, 128);
+  assert_int_equal(pos, 1024);
+  assert_int_equal(rpc_shm_ring_take(&pos, 1024, 1, &off), RPC_OK);
+  assert_int_equal(off, 0); /* wrapped */
+  assert_int_equal(rpc_shm_ring_take(&pos, 1024, 1025, &off), RPC_ETOOBIG);
+
+  /* References: inside [lo, hi) of the region and of the expected length, whatever the
+   * numbers (no overflow). */
+  assert_int_equal(rpc_shm_ref_check(1024, 0, 512, 0, 512, 512), RPC_OK);
+  assert_int_equal(rpc_shm_ref_check(1024, 0, 512, 8, 512, 512), RPC_EINVAL);
+  assert_int_equal(rpc_shm_ref_check(1024, 512, 1024, 500, 16, 16), RPC_EINVAL);
+  assert_int_equal(rpc_shm_ref_check(1024, 512, 1024, 512, 16, 8), RPC_EINVAL);
+  assert_int_equal(rpc_shm_ref_check(1024, 0, 2048, 0, 16, 16), RPC_EINVAL);
+  assert_int_equal(rpc_shm_ref_check(1024, 0, 512, UINT64_MAX - 4, 16, 16), RPC_EINVAL);
+  assert_int_equal(rpc_shm_ref_check(1024, 0, 512, 8, UINT64_MAX, (size_t)-1), RPC_EINVAL);
+}
+
 static void test_call_without_server(void **state) {
   (void)state;
   assert_null(rpc_channel_create("", 0));
@@ -185,14 +276,32 @@ static void test_packed_codec(void **state) {
   free(h);
 }
 
+/* The JSON escaper of precondctl and the benchmark summaries (json.c): quotes, backslash,
+ * the named control characters and \u00XX for the rest; UTF-8 passes; NULL is "". */
+static void test_json_string(void **state) {
+  (void)state;
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  assert_non_null(f);
+  rpc_json_string(f, "a\"b\\c\nd\re\tf\x01g\x1f\xc3\xa9");
+  rpc_json_string(f, NULL);
+  assert_int_equal(fclose(f), 0);
+  assert_string_equal(buf, "\"a\\\"b\\\\c\\nd\\re\\tf\\u0001g\\u001f\xc3\xa9\"\"\"");
+  free(buf);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pack_unpack_roundtrip),
       cmocka_unit_test(test_unpack_garbage),
       cmocka_unit_test(test_size_args),
+      cmocka_unit_test(test_args),
+      cmocka_unit_test(test_shm_rules),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
+      cmocka_unit_test(test_json_string),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -32,6 +32,7 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   assert_int_equal(
       pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes, d->cfg.max_blocks_per_job),
       PD_OK);
+  d->store.ended_max = d->cfg.ended_jobs; /* as main.c does */
   pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store,
                           d->cfg.warm_roots};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
@@ -82,8 +83,10 @@ static grpc_status_code handle(pd_daemon *d, pd_method m, const ProtobufCMessage
   return rep.code;
 }
 
-static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t c, uint32_t bs,
-                            Precond__V1__RegisterResponse **out, char *why) {
+/* Register of job (one r x c tensor "w" in bs blocks), taking over an ended job's name when
+ * reuse_ended. */
+static grpc_status_code reg_as(pd_daemon *d, const char *job, uint64_t r, uint64_t c, uint32_t bs,
+                               int reuse_ended, Precond__V1__RegisterResponse **out, char *why) {
   uint64_t shape[2] = {r, c};
   Precond__V1__TensorSpec t = PRECOND__V1__TENSOR_SPEC__INIT;
   t.name = (char *)"w";
@@ -97,8 +100,14 @@ static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t 
   req.n_tensors = 1;
   req.tensors = &tp;
   req.shampoo = &so;
+  req.reuse_ended_job = reuse_ended != 0;
   return handle(d, PD_M_REGISTER, &req.base, NULL, 0, &precond__v1__register_response__descriptor,
                 (ProtobufCMessage **)out, why);
+}
+
+static grpc_status_code reg(pd_daemon *d, const char *job, uint64_t r, uint64_t c, uint32_t bs,
+                            Precond__V1__RegisterResponse **out, char *why) {
+  return reg_as(d, job, r, c, bs, 0, out, why);
 }
 
 /* Identity-plus statistics of order n, packed. */
@@ -544,9 +553,27 @@ static void test_end_job(void **state) {
   assert_true(atomic_load(&d->stats.memory_bytes) < before);
   pd_root_unref(held, &d->stats);
 
-  /* Registered again: a new, empty job. */
-  assert_int_equal(reg(d, "j", 8, 4, 4, NULL, why), GRPC_STATUS_OK);
+  /* Its name is remembered: a worker registering it again (what libprecond does after a
+   * NOT_FOUND) is refused, saying when and how it ended and how to reuse the name; the
+   * calls that name it say it ended. */
+  assert_int_equal(reg(d, "j", 8, 4, 4, NULL, why), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(why, "\"j\" was ended by EndJob at 20"));
+  assert_non_null(strstr(why, "reuse_ended_job"));
+  assert_null(job_of(d, "j"));
+  assert_int_equal(push2(d, "j", 22, l, 4, l, 4, 1, why), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(why, "was ended by EndJob"));
+  assert_int_equal(handle(d, PD_M_FETCH, &fr.base, NULL, 0, NULL, NULL, why),
+                   GRPC_STATUS_NOT_FOUND);
+  assert_non_null(strstr(why, "was ended by EndJob"));
+  /* Registered again with reuse_ended_job: a new, empty job, and the name is free again. */
+  assert_int_equal(reg_as(d, "j", 8, 4, 4, 1, NULL, why), GRPC_STATUS_OK);
   assert_int_equal(job_of(d, "j")->blocks[0].pushes, 0);
+  assert_int_equal(reg(d, "j", 8, 4, 4, NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(pd_store_ended(&d->store, "j", NULL), 0);
+  /* With --ended-jobs 0 nothing is remembered: the old behaviour. */
+  d->store.ended_max = 0;
+  assert_int_equal(end_job(d, "keep", NULL, why), GRPC_STATUS_OK);
+  assert_int_equal(reg(d, "keep", 4, 4, 4, NULL, why), GRPC_STATUS_OK);
   free(l);
   daemon_free(d);
 }
@@ -578,6 +605,10 @@ static void test_idle_expiry(void **state) {
   assert_int_equal(st->jobs_expired, 1);
   assert_int_equal(st->jobs_ended, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
+  /* An expired job's worker that comes back is refused like an ended one, told why. */
+  assert_int_equal(reg(d, "idle", 4, 4, 4, NULL, why), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(why, "\"idle\" was ended by the idle expiry at"));
+  assert_int_equal(reg_as(d, "idle", 4, 4, 4, 1, NULL, why), GRPC_STATUS_OK);
   /* Off: nothing expires. */
   d->cfg.job_idle_expiry_s = 0;
   assert_int_equal(pd_service_expire(d, pd_now() + 1e6), 0);

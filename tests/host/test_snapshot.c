@@ -286,12 +286,12 @@ static void put_str(wbuf *b, const char *s) {
   put(b, s, strlen(s));
 }
 
-/* Writes payload as f's snapshot with a valid header: magic, format, length and both
- * checksums right, so that only the parser can object. */
-static void seal(const fixture *f, const wbuf *payload) {
+/* Writes payload as f's snapshot of that format with a valid header: magic, format, length
+ * and both checksums right, so that only the parser can object. */
+static void seal_as(const fixture *f, const wbuf *payload, uint32_t format) {
   wbuf file = {0};
   put(&file, "PCDSNAP1", 8);
-  put_le(&file, 1, 4);
+  put_le(&file, format, 4);
   put_le(&file, 0, 4);
   put_le(&file, payload->n, 8);
   put_le(&file, crc32(crc32(0L, Z_NULL, 0), payload->p, (uInt)payload->n), 4);
@@ -301,6 +301,10 @@ static void seal(const fixture *f, const wbuf *payload) {
   path_of(f, path, sizeof path);
   spit(path, file.p, file.n);
   free(file.p);
+}
+
+static void seal(const fixture *f, const wbuf *payload) {
+  seal_as(f, payload, 1);
 }
 
 /* The header of one job record (options, last_step, one rank-2 tensor, no workers) up to
@@ -328,6 +332,59 @@ static void put_job_head(wbuf *b, const char *name, uint32_t block_size, uint64_
   put_le(b, nblocks, 4);
 }
 
+/* The names of ended jobs are snapshotted (format 4): a restart, a crash included, still
+ * refuses them; a daemon that keeps fewer keeps the newest; format 3 files hold none. */
+static void test_ended_names(void **state) {
+  fixture *f = *state;
+  f->store.ended_max = 8;
+  pd_job_unref(pd_store_remove(&f->store, "beta", 0, 0), &f->stats);
+  add_job(&f->store, "gamma", 3, 3, 8);
+  pd_job_unref(pd_store_remove(&f->store, "gamma", 0, 0), &f->stats);
+  assert_int_equal(pd_snapshot_write(&f->store, f->dir), PD_OK);
+  pd_stats stats;
+  pd_store st;
+  char err[256] = "";
+  pd_stats_init(&stats);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.ended_max = 8;
+  assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_OK);
+  assert_int_equal(st.njobs, 1);
+  pd_ended_job e;
+  assert_int_equal(pd_store_ended(&st, "beta", &e), 1);
+  assert_int_equal(e.how, PD_ENDED_BY_CALL);
+  assert_int_equal(pd_store_ended(&st, "gamma", NULL), 1);
+  assert_int_equal(pd_store_ended(&st, "alpha", NULL), 0);
+  pd_store_destroy(&st);
+  /* Kept by a daemon that remembers one: the newest. */
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.ended_max = 1;
+  assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_OK);
+  assert_int_equal(pd_store_ended(&st, "beta", NULL), 0);
+  assert_int_equal(pd_store_ended(&st, "gamma", NULL), 1);
+  pd_store_destroy(&st);
+  /* The same file as format 3 (without the count of ended names): none remembered. */
+  char path[128];
+  path_of(f, path, sizeof path);
+  size_t n;
+  unsigned char *file = slurp(path, &n);
+  wbuf b = {0};
+  size_t jobs_end = n;
+  /* the ended section: u32 2, then "beta" and "gamma" with their time and kind */
+  jobs_end -= 4 + (4 + 4 + 12) + (4 + 5 + 12);
+  put(&b, file + 32, jobs_end - 32);
+  seal_as(f, &b, 3);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.ended_max = 8;
+  assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_OK);
+  assert_int_equal(st.njobs, 1);
+  assert_int_equal(st.nended, 0);
+  pd_store_destroy(&st);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+  free(b.p);
+  free(file);
+}
+
 /* Snapshots whose checksums are right but whose contents are hostile: each is refused as
  * damage, nothing stays loaded, and nothing is allocated for sizes the file cannot hold. */
 static void test_hostile_contents(void **state) {
@@ -340,6 +397,7 @@ static void test_hostile_contents(void **state) {
   wbuf b = {0};
   put_le(&b, 2, 4);
   size_t job_len = 0;
+  unsigned char *one_job = NULL; /* the bytes of job "twice" */
   {
     pd_store one;
     pd_stats st1;
@@ -351,12 +409,16 @@ static void test_hostile_contents(void **state) {
     pd_stats_destroy(&st1);
     size_t m;
     unsigned char *single = slurp(path, &m);
-    job_len = m - 32 - 4;
+    job_len = m - 32 - 4 - 4; /* less the job count and the count of ended names */
     put(&b, single + 36, job_len);
     put(&b, single + 36, job_len);
+    put_le(&b, 0, 4);
+    one_job = malloc(job_len);
+    assert_non_null(one_job);
+    memcpy(one_job, single + 36, job_len);
     free(single);
   }
-  seal(f, &b);
+  seal_as(f, &b, 4); /* the format it was written in */
   expect_corrupt(f, "one job stored twice");
   b.n = 0;
   /* More blocks than the store's limit (1000): refused before the layout is built. */
@@ -382,6 +444,65 @@ static void test_hostile_contents(void **state) {
   put_job_head(&b, "late", 4, UINT64_MAX, 4, 4, 1);
   seal(f, &b);
   expect_corrupt(f, "last_step 2^64-1");
+  /* Ended names (format 4): one also a stored job, one twice, more than any daemon keeps,
+   * an unknown kind. */
+  b.n = 0;
+  put_le(&b, 1, 4);
+  put(&b, one_job, job_len);
+  put_le(&b, 1, 4);
+  put_str(&b, "twice");
+  put_le(&b, 1764590400, 8);
+  put_le(&b, 0, 4);
+  seal_as(f, &b, 4);
+  expect_corrupt(f, "a job and its end");
+  b.n = 0;
+  put_le(&b, 0, 4);
+  put_le(&b, 2, 4);
+  for (int k = 0; k < 2; k++) {
+    put_str(&b, "gone");
+    put_le(&b, 1764590400, 8);
+    put_le(&b, 0, 4);
+  }
+  seal_as(f, &b, 4);
+  expect_corrupt(f, "an ended name twice");
+  b.n = 0;
+  put_le(&b, 0, 4);
+  put_le(&b, PD_MAX_ENDED_JOBS + 1, 4);
+  for (uint32_t k = 0; k < PD_MAX_ENDED_JOBS + 1; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "e%u", k);
+    put_str(&b, name);
+    put_le(&b, 1764590400, 8);
+    put_le(&b, 0, 4);
+  }
+  seal_as(f, &b, 4);
+  expect_corrupt(f, "more ended names than PD_MAX_ENDED_JOBS");
+  b.n = 0;
+  put_le(&b, 0, 4);
+  put_le(&b, 1, 4);
+  put_str(&b, "gone");
+  put_le(&b, 1764590400, 8);
+  put_le(&b, 7, 4);
+  seal_as(f, &b, 4);
+  expect_corrupt(f, "an ended name of unknown kind");
+  /* The same job with no ended name parses: the refusals above are the ended section's. */
+  b.n = 0;
+  put_le(&b, 1, 4);
+  put(&b, one_job, job_len);
+  put_le(&b, 0, 4);
+  seal_as(f, &b, 4);
+  {
+    pd_stats stats;
+    pd_store st;
+    char err[256] = "";
+    pd_stats_init(&stats);
+    pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+    assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_OK);
+    assert_int_equal(st.njobs, 1);
+    pd_store_destroy(&st);
+    pd_stats_destroy(&stats);
+  }
+  free(one_job);
   free(b.p);
   spit(path, orig, n);
   free(orig);
@@ -395,6 +516,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_rewrite_replaces, setup, teardown),
       cmocka_unit_test_setup_teardown(test_job_over_lowered_limit, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hostile_contents, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_ended_names, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

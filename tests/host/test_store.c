@@ -187,6 +187,67 @@ static void test_store_add_and_memory(void **state) {
   pd_stats_destroy(&stats);
 }
 
+/* The names of ended jobs: remembered under the removal's lock, bounded (the oldest are
+ * forgotten), refused by a Register unless it reuses the name, and listed for snapshots. */
+static void test_ended_names(void **state) {
+  (void)state;
+  pd_stats stats;
+  pd_store st;
+  char err[256];
+  int rc;
+  uint64_t dims[1][2] = {{4, 4}};
+  int ranks[1] = {2};
+  assert_int_equal(pd_stats_init(&stats), PD_OK);
+  assert_int_equal(pd_store_init(&st, &stats, (size_t)64 << 20, 100), PD_OK);
+  st.ended_max = 2;
+  const char *names[3] = {"a", "b", "c"};
+  pd_job *existing = NULL;
+  for (int i = 0; i < 3; i++) {
+    pd_job *j = build(names[i], dims, ranks, 1, 4, 100, &rc, err);
+    assert_int_equal(pd_store_add(&st, j, &existing), PD_OK);
+  }
+  pd_job_unref(pd_store_remove(&st, "a", 0, 0), &stats);
+  pd_job_unref(pd_store_remove(&st, "b", 0, 0), &stats);
+  /* c idle for 10 s at a time 100 s after its last activity: an expiry. */
+  pd_job *cj = pd_store_get(&st, "c", 0);
+  atomic_store(&cj->last_active, 0.0);
+  pd_job_unref(cj, &stats);
+  pd_job_unref(pd_store_remove(&st, NULL, 10, 100), &stats);
+  assert_int_equal(st.njobs, 0);
+  /* Two remembered: a, the oldest, is forgotten. */
+  pd_ended_job e = {0};
+  assert_int_equal(pd_store_ended(&st, "a", &e), 0);
+  assert_int_equal(pd_store_ended(&st, "b", &e), 1);
+  assert_int_equal(e.how, PD_ENDED_BY_CALL);
+  assert_true(e.ended_at > 1700000000); /* unix time, not a monotonic clock */
+  assert_int_equal(pd_store_ended(&st, "c", &e), 1);
+  assert_int_equal(e.how, PD_ENDED_IDLE);
+  size_t n = 0;
+  pd_ended_job *list = pd_store_list_ended(&st, &n, NULL, NULL);
+  assert_int_equal(n, 2);
+  assert_string_equal(list[0].name, "b"); /* oldest first */
+  assert_string_equal(list[1].name, "c");
+  pd_ended_free(list, n);
+
+  pd_job *b = build("b", dims, ranks, 1, 4, 100, &rc, err);
+  assert_int_equal(pd_store_register(&st, b, 0, &existing, &e), PD_EENDED);
+  assert_int_equal(e.how, PD_ENDED_BY_CALL);
+  assert_int_equal(st.njobs, 0);
+  assert_int_equal(pd_store_register(&st, b, 1, &existing, NULL), PD_OK); /* reused */
+  assert_null(existing);
+  assert_int_equal(pd_store_ended(&st, "b", NULL), 0);
+  pd_job *a = build("a", dims, ranks, 1, 4, 100, &rc, err);
+  assert_int_equal(pd_store_register(&st, a, 0, &existing, NULL), PD_OK); /* forgotten */
+  /* A restore or a replica's copy (pd_store_add) always takes the name. */
+  pd_job *c = build("c", dims, ranks, 1, 4, 100, &rc, err);
+  assert_int_equal(pd_store_add(&st, c, &existing), PD_OK);
+  assert_int_equal(pd_store_ended(&st, "c", NULL), 0);
+  assert_int_equal(st.nended, 0);
+  pd_store_destroy(&st);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+}
+
 static void test_block_update(void **state) {
   (void)state;
   pd_stats stats;
@@ -239,6 +300,7 @@ int main(void) {
       cmocka_unit_test(test_layout_ids),
       cmocka_unit_test(test_store_add_and_memory),
       cmocka_unit_test(test_block_update),
+      cmocka_unit_test(test_ended_names),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <math.h>
@@ -35,6 +36,7 @@ typedef struct {
   char dir[64];
   char addr[MAX_RANKS][128];
   grpc_channel *ch[MAX_RANKS];
+  const char *const *extra; /* more precondd options (NULL-terminated), or NULL */
 } cluster;
 
 static pid_t g_live[8]; /* killed at exit when a failed assertion skipped the stop */
@@ -157,7 +159,7 @@ static void cluster_run(cluster *c) {
     snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
     unlink(pf);
   }
-  c->pid = spawn(c, c->nranks, NULL);
+  c->pid = spawn(c, c->nranks, c->extra);
   for (int r = 0; r < n; r++) {
     char pf[128];
     snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
@@ -179,13 +181,53 @@ static void cluster_run(cluster *c) {
   }
 }
 
-/* Starts nranks ranks in a new temporary directory. */
-static void cluster_start(cluster *c, int nranks) {
+/* Starts nranks ranks in a new temporary directory, with the options extra (NULL: none). */
+static void cluster_start_with(cluster *c, int nranks, const char *const *extra) {
   memset(c, 0, sizeof *c);
   snprintf(c->dir, sizeof c->dir, "/tmp/pdrep-XXXXXX");
   assert_non_null(mkdtemp(c->dir));
   c->nranks = nranks;
+  c->extra = extra;
   cluster_run(c);
+}
+
+static void cluster_start(cluster *c, int nranks) {
+  cluster_start_with(c, nranks, NULL);
+}
+
+/* Sends sig to every child of parent (mpirun's: the ranks); how many took it. */
+static int signal_children(pid_t parent, int sig) {
+  char cmd[64];
+  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)parent);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  int pid, n = 0;
+  while (fscanf(p, "%d", &pid) == 1) n += kill(pid, sig) == 0;
+  pclose(p);
+  return n;
+}
+
+/* The pid of rank r among mpirun's children (OMPI_COMM_WORLD_RANK in its environment); -1
+ * if none is. */
+static pid_t rank_pid(pid_t mpirun, int r) {
+  char cmd[64], want[48];
+  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)mpirun);
+  snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", r);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  int pid, found = -1;
+  while (found < 0 && fscanf(p, "%d", &pid) == 1) {
+    char path[64], env[1 << 15];
+    snprintf(path, sizeof path, "/proc/%d/environ", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    size_t n = fread(env, 1, sizeof env, f);
+    fclose(f);
+    for (size_t at = 0; at < n; at += strnlen(env + at, n - at) + 1)
+      if (strncmp(env + at, want, n - at) == 0) found = pid; /* the whole entry, with its NUL */
+  }
+  pclose(p);
+  return found;
 }
 
 /* Sends sig to every rank: the children of mpirun (mpirun forwards a SIGTERM of its own
@@ -195,14 +237,7 @@ static void signal_ranks(const cluster *c, int sig) {
     kill(c->pid, sig);
     return;
   }
-  char cmd[64];
-  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)c->pid);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  int pid, n = 0;
-  while (fscanf(p, "%d", &pid) == 1) n += kill(pid, sig) == 0;
-  pclose(p);
-  assert_int_equal(n, c->nranks);
+  assert_int_equal(signal_children(c->pid, sig), c->nranks);
 }
 
 /* SIGTERM to every rank; all must exit 0 within 30 s (mpirun's status says so). The
@@ -584,31 +619,63 @@ static int read_losses(const char *dir, double *loss, int max) {
   return n;
 }
 
-/* Runs the Transformer (tiny: one layer, width 64, batch 8, 20 steps, roots synchronous)
- * against daemon, alone (nworkers 0) or as nworkers data-parallel workers; output in
- * dir/out and dir/<out>.log. Returns the exit status (-1: not within 240 s). */
-static int run_transformer(const char *dir, const char *out, int nworkers, const char *daemon,
-                           int sync) {
+/* Starts the Transformer (tiny: one layer, width 64, batch 8) for steps steps against
+ * daemon, alone (nworkers 0) or as nworkers data-parallel workers, with the options extra
+ * (NULL-terminated; NULL: none); output in dir/out and dir/<out>.log. Returns the pid. */
+static pid_t start_transformer(const char *dir, const char *out, int nworkers, const char *daemon,
+                               const char *steps, const char *const *extra) {
   char outdir[128], log[160], np[16];
   snprintf(outdir, sizeof outdir, "%s/%s", dir, out);
   snprintf(log, sizeof log, "%s/%s.log", dir, out);
   const char *argv[64];
   int n = nworkers > 0 ? mpirun_argv(argv, np, sizeof np, nworkers) : 0;
   const char *const args[] = {
-      g_transformer, "--optimizer",  "shampoo",  "--steps",      "20",    "--batch",
+      g_transformer, "--optimizer",  "shampoo",  "--steps",      steps,   "--batch",
       "8",           "--context",    "32",       "--d-model",    "64",    "--layers",
       "1",           "--block-size", "32",       "--eval-every", "0",     "--eval-batches",
       "2",           "--quiet",      "--daemon", daemon,         "--out", outdir};
   for (size_t i = 0; i < sizeof args / sizeof args[0]; i++) argv[n++] = args[i];
-  if (sync) argv[n++] = "--sync-roots";
+  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
   argv[n] = NULL;
-  int st = wait_exit(spawn_argv(argv, log), 240000);
+  return spawn_argv(argv, log);
+}
+
+/* Waits ms at most for the Transformer pid (output dir/out); its exit status, the log's
+ * tail on stderr when not 0 (-1: still running). */
+static int wait_transformer(pid_t pid, const char *dir, const char *out, long ms) {
+  int st = wait_exit(pid, ms);
   if (st != 0) {
     char cmd[200];
-    snprintf(cmd, sizeof cmd, "tail -n 30 %s >&2", log);
+    snprintf(cmd, sizeof cmd, "tail -n 30 %s/%s.log >&2", dir, out);
     if (system(cmd) != 0) fprintf(stderr, "(no log)\n");
   }
   return st;
+}
+
+/* The Transformer for 20 steps (roots synchronous if sync); its exit status (-1: not
+ * within 240 s). */
+static int run_transformer(const char *dir, const char *out, int nworkers, const char *daemon,
+                           int sync) {
+  const char *const sync_roots[] = {"--sync-roots", NULL};
+  pid_t pid = start_transformer(dir, out, nworkers, daemon, "20", sync ? sync_roots : NULL);
+  return wait_transformer(pid, dir, out, 240000);
+}
+
+/* Asserts that the log's two workers ("final eval loss" lines of a data-parallel run) end
+ * with the same model: the same evaluation, to the digit. */
+static void assert_same_final_eval(const char *log) {
+  char line[256], finals[2][256];
+  FILE *f = fopen(log, "r");
+  assert_non_null(f);
+  int nf = 0;
+  while (fgets(line, sizeof line, f))
+    if (strncmp(line, "transformer shampoo: final eval loss", 36) == 0 && nf < 2) {
+      line[strcspn(line, ",")] = '\0'; /* up to the loss, not the timings */
+      snprintf(finals[nf++], sizeof finals[0], "%s", line);
+    }
+  fclose(f);
+  assert_int_equal(nf, 2);
+  assert_string_equal(finals[0], finals[1]);
 }
 
 /* Two data-parallel workers, each on its own rank of two daemon replicas, with roots
@@ -649,19 +716,9 @@ static void test_data_parallel(void **state) {
   /* Roots asynchronous: the workers still apply the same daemon versions (agreed each
    * step), so both end with the same model: the same final evaluation, to the digit. */
   assert_int_equal(run_transformer(two.dir, "wa", 2, daemon2, 0), 0);
-  char loga[160], line[256], finals[2][256];
+  char loga[160];
   snprintf(loga, sizeof loga, "%s/wa.log", two.dir);
-  FILE *fa = fopen(loga, "r");
-  assert_non_null(fa);
-  int nf = 0;
-  while (fgets(line, sizeof line, fa))
-    if (strncmp(line, "transformer shampoo: final eval loss", 36) == 0 && nf < 2) {
-      line[strcspn(line, ",")] = '\0'; /* up to the loss, not the timings */
-      snprintf(finals[nf++], sizeof finals[0], "%s", line);
-    }
-  fclose(fa);
-  assert_int_equal(nf, 2);
-  assert_string_equal(finals[0], finals[1]);
+  assert_same_final_eval(loga);
 
   char np[16], log3[160];
   snprintf(log3, sizeof log3, "%s/w3.log", two.dir);
@@ -678,6 +735,171 @@ static void test_data_parallel(void **state) {
   cluster_stop(&one);
 }
 
+/* What a step of train.csv shows (rank 0 writes one line per step as it ends). */
+enum { ALL_ROOTS, SOME_ROOTS, FALLBACK };
+
+/* The rows of dir/train.csv so far: the step of the last, and in *found the first at step
+ * >= from that shows what (0: none). ALL_ROOTS: no block fell back (column 9, fallback, is
+ * 0); SOME_ROOTS: some block used roots (column 8, their mean staleness, is not empty);
+ * FALLBACK: some block took the grafted step. */
+static long csv_scan(const char *dir, long from, int what, long *found) {
+  char path[160], line[512];
+  snprintf(path, sizeof path, "%s/train.csv", dir);
+  *found = 0;
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  long last = 0;
+  while (fgets(line, sizeof line, f)) {
+    if (strchr(line, '\n') == NULL) break; /* a line being written */
+    const char *col[10] = {line};
+    int n = 1;
+    for (const char *p = line; n < 10 && (p = strchr(p, ',')) != NULL; p++) col[n++] = p + 1;
+    char *end;
+    long step = strtol(line, &end, 10);
+    if (n < 10 || end == line || *end != ',') continue; /* the header */
+    int fb = atoi(col[8]), roots = col[7][0] != ',';
+    last = step;
+    int hit = what == FALLBACK ? fb == 1 : what == ALL_ROOTS ? fb == 0 : roots;
+    if (*found == 0 && step >= from && hit) *found = step;
+  }
+  fclose(f);
+  return last;
+}
+
+/* Waits (ms at most, while the workers pid run) for a step >= from that shows what; that
+ * step, or 0. */
+static long wait_step(const char *dir, long from, int what, pid_t pid, long ms) {
+  long found = 0;
+  for (long t = 0; t <= ms; t += 20) {
+    csv_scan(dir, from, what, &found);
+    if (found > 0 || kill(pid, 0) != 0) break;
+    sleep_ms(20);
+  }
+  if (found == 0) csv_scan(dir, from, what, &found);
+  return found;
+}
+
+/* 1 once pid no longer runs (no such process, or a zombie: no longer our child). */
+static int gone(pid_t pid) {
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return kill(pid, 0) != 0 && errno == ESRCH;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* "pid (name) S ..." */
+  return p != NULL && p[1] == ' ' && p[2] == 'Z';
+}
+
+/* Occurrences of needle in the file. */
+static int file_count(const char *path, const char *needle) {
+  char line[1024];
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  int n = 0;
+  while (fgets(line, sizeof line, f)) n += strstr(line, needle) != NULL;
+  fclose(f);
+  return n;
+}
+
+/* The last step of dir/train.csv. */
+static long csv_last(const char *dir) {
+  long found;
+  return csv_scan(dir, 0, ALL_ROOTS, &found);
+}
+
+/* A daemon rank killed (SIGKILL) under two data-parallel workers (their own mpirun job,
+ * roots asynchronous, a root more than 15 steps old not used): Open MPI's mpirun ends the
+ * other daemon rank too; the workers keep training, every block taking the grafted step
+ * (fallback, counted), with no crash and no hang; the daemon job restarted on its per-rank
+ * snapshots resumes the job, and the workers reconnect and use new roots again (at a step
+ * more than 15 steps after the restart: only roots the restarted daemons computed are that
+ * new). Then a SIGTERM to one worker stops both after the same step: exit 0, the same
+ * model on both, and each saw the restart.
+ *
+ * The run is long (its --steps) and stopped by the test: a step that falls back takes 2 ms
+ * here, libprecond takes seconds to reconnect, and a loaded machine is 100 times slower, so
+ * no fixed length would both cover the restart and end in time. */
+static void test_killed_rank(void **state) {
+  (void)state;
+  static const char *const snapshots[] = {"--snapshot-interval", "1", NULL};
+  cluster c;
+  cluster_start_with(&c, 2, snapshots);
+  char daemon[160], out[160], log[160];
+  snprintf(daemon, sizeof daemon, "unix:%s/s-%%r.sock", c.dir);
+  snprintf(out, sizeof out, "%s/wk", c.dir);
+  snprintf(log, sizeof log, "%s/wk.log", c.dir);
+  const char *const stale[] = {"--max-staleness", "15", NULL};
+  pid_t w = start_transformer(c.dir, "wk", 2, daemon, "1000000", stale);
+  long used = wait_step(out, 20, ALL_ROOTS, w, 120000);
+  assert_true(used > 0);
+
+  /* A snapshot on each rank after that: the job and its roots are in it. */
+  for (int r = 0; r < 2; r++) {
+    Precond__V1__StatsResponse *s = get_stats(c.ch[r], "");
+    uint64_t seen = s->snapshots_written, now = seen;
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+    for (int t = 0; t < 1500 && now == seen; t++) {
+      sleep_ms(20);
+      s = get_stats(c.ch[r], "");
+      now = s->snapshots_written;
+      protobuf_c_message_free_unpacked(&s->base, NULL);
+    }
+    assert_true(now > seen);
+  }
+
+  pid_t r0 = rank_pid(c.pid, 0), r1 = rank_pid(c.pid, 1);
+  assert_true(r0 > 0 && r1 > 0);
+  for (int r = 0; r < 2; r++) {
+    rpc_channel_destroy(c.ch[r]);
+    c.ch[r] = NULL;
+  }
+  long at_kill = csv_last(out);
+  assert_int_equal(kill(r1, SIGKILL), 0);
+  int st = wait_exit(c.pid, 60000);
+  assert_true(st > 0); /* mpirun reports the lost rank */
+  /* It sent SIGTERM to the other one and exited at once: rank 0 still shuts down (waiting
+   * at most --grace-period + 5 s for the dead rank's goodbye) and writes its last snapshot,
+   * which the restart must not overtake. */
+  int t = 0;
+  for (; t < 1500 && !gone(r0); t++) sleep_ms(20);
+  assert_true(t < 1500);
+  /* The workers went on: past 15 steps without a daemon every block falls back. */
+  long fell = wait_step(out, at_kill + 16, FALLBACK, w, 120000);
+  assert_true(fell > 0);
+
+  cluster_run(&c); /* the same state directories */
+  long restarted = csv_last(out);
+  for (int r = 0; r < 2; r++) {
+    Precond__V1__StatsResponse *s = get_stats(c.ch[r], "");
+    assert_int_equal(s->n_job_stats, 1);
+    assert_true(s->job_stats[0]->last_step > 0);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+  }
+  long back = wait_step(out, restarted + 16, SOME_ROOTS, w, 120000);
+  if (back == 0) dump_log(&c);
+  assert_true(back > 0);
+  assert_true(wait_step(out, back + 20, ALL_ROOTS, w, 120000) > 0); /* trains on */
+
+  assert_true(rank_pid(w, 1) > 0);
+  assert_int_equal(kill(rank_pid(w, 1), SIGTERM), 0);
+  assert_int_equal(wait_transformer(w, c.dir, "wk", 120000), 0);
+  fprintf(stderr,
+          "killed rank: roots in use at step %ld, rank 1 killed at step %ld, every block "
+          "falling back at step %ld, daemons back at step %ld, new roots in use at step %ld, "
+          "stopped at step %ld\n",
+          used, at_kill, fell, restarted, back, csv_last(out));
+  /* Each worker saw the restart, and the job resumed from the snapshot (a step > 0). */
+  assert_int_equal(file_count(log, "restarted (epoch 1 -> 2)"), 2);
+  assert_int_equal(file_count(log, "resumed from step 0:"), 0);
+  char summary[200];
+  snprintf(summary, sizeof summary, "%s/summary.json", out);
+  assert_true(file_has(summary, "\"status\": \"stopped\""));
+  assert_same_final_eval(log);
+  cluster_stop(&c);
+}
+
 int main(int argc, char **argv) {
   if (argc < 4) {
     fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER\n");
@@ -691,10 +913,11 @@ int main(int argc, char **argv) {
     return 77; /* meson: skipped */
   }
   atexit(kill_live);
+  if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks),  cmocka_unit_test(test_three_ranks),
       cmocka_unit_test(test_restart),    cmocka_unit_test(test_data_parallel),
-      cmocka_unit_test(test_bad_starts),
+      cmocka_unit_test(test_killed_rank), cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -267,6 +267,7 @@ static void test_kfac_bad_use(void **state) {
 }
 
 /* One daemon for the group, in a directory of the helper's own (removed by destroy). */
+/* One daemon for the group, in a directory of its own that pdproc_destroy removes. */
 static int setup(void **state) {
   (void)state;
   return pdproc_start_in(&precondd, precondd_path, NULL);
@@ -274,7 +275,6 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
   (void)state;
-  pdproc_stop(&precondd, SIGTERM);
   pdproc_destroy(&precondd);
   return 0;
 }

@@ -23,7 +23,6 @@
 #include "trainer.h"
 
 static const char *precondd_path;
-static char tmpdir[64];
 static pdproc precondd;
 
 enum { NPARAMS = 3 };
@@ -75,19 +74,16 @@ static void opts_for(pt_options *o, const char *job) {
   o->shampoo.momentum = 0;
 }
 
+/* One daemon for the group, in a directory of its own that pdproc_destroy removes. */
 static int setup(void **state) {
   (void)state;
-  snprintf(tmpdir, sizeof tmpdir, "/tmp/test_trainer.XXXXXX");
-  if (mkdtemp(tmpdir) == NULL) return -1;
-  return pdproc_start_in(&precondd, precondd_path, tmpdir);
+  return pdproc_start_in(&precondd, precondd_path, NULL);
 }
 
 static int teardown(void **state) {
   (void)state;
-  pdproc_stop(&precondd, SIGTERM);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-  return system(cmd) == 0 ? 0 : -1;
+  pdproc_destroy(&precondd);
+  return 0;
 }
 
 /* The worker's blocks are the daemon's: same count, and the daemon's job holds exactly

@@ -1,0 +1,284 @@
+/*
+ * shm.c -- the same-host data path: shared-memory regions the daemon makes for its clients
+ * (OpenSharedMemory), found again by id and secret when a push or fetch names one, and
+ * freed when their client is gone. The rules both sides share (halves, ring, CRC-32C) are
+ * in proto/shm.c; the wire fields are read in service.c, which turns a region's bytes into
+ * the same PackedMatrix data a gRPC message carries, so every later check is the same.
+ *
+ * A region is a file of `bytes` bytes in --shm-dir, mode 0600, mapped here and by its
+ * client. The client takes a shared flock on its own open file for as long as it uses the
+ * region; a region is in use ("attached") from the first call that names it (the file's
+ * name is unlinked then: nothing else can open it any more). Once a second pd_shm_reap
+ * tries an exclusive flock on the daemon's descriptor: it succeeds only when no client
+ * holds the region, i.e. when its client closed it or died, and the region is freed. A
+ * region never attached is freed after PD_SHM_ATTACH_S seconds. Regions count against
+ * --memory-limit-mb like jobs (pd_store_reserve_extra).
+ */
+#include "precondd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "rpc.h"
+
+#define PD_SHM_ATTACH_S 10.0
+
+struct pd_shm_session {
+  uint64_t id;
+  unsigned char secret[RPC_SHM_SECRET_BYTES];
+  char path[1100];
+  int fd;
+  unsigned char *map;
+  size_t bytes;
+  double created;
+  int attached; /* guarded by the registry's lock */
+  int listed;   /* in the registry (guarded by its lock) */
+  atomic_int refs;
+  pthread_mutex_t lock; /* guards out_pos */
+  uint64_t out_pos;     /* the daemon's ring in the second half */
+};
+
+int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
+  memset(r, 0, sizeof *r);
+  if (pthread_mutex_init(&r->lock, NULL) != 0) return PD_ENOMEM;
+  snprintf(r->dir, sizeof r->dir, "%s", dir ? dir : "");
+  r->store = store;
+  r->stats = stats;
+  r->next_id = 1;
+  r->inited = 1;
+  return PD_OK;
+}
+
+/* Frees a session nothing references any more: unmaps, closes, gives the budget back. */
+static void pd__shm_free(pd_shm *r, pd_shm_session *s) {
+  if (!s->attached && s->path[0] && s->fd >= 0) unlink(s->path); /* only a file made here */
+  if (s->map) munmap(s->map, s->bytes);
+  if (s->fd >= 0) close(s->fd);
+  pd_store_release_extra(r->store, s->bytes);
+  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)s->bytes);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+void pd_shm_put(pd_shm *r, pd_shm_session *s) {
+  if (s && atomic_fetch_sub(&s->refs, 1) == 1) pd__shm_free(r, s);
+}
+
+/* Takes s out of the registry (lock held) and drops the registry's reference. */
+static void pd__shm_unlist_locked(pd_shm *r, size_t i) {
+  pd_shm_session *s = r->s[i];
+  r->s[i] = r->s[--r->n];
+  s->listed = 0;
+  if (!s->attached && s->path[0]) {
+    unlink(s->path);
+    s->path[0] = '\0';
+  }
+  pd_shm_put(r, s);
+}
+
+void pd_shm_destroy(pd_shm *r) {
+  if (!r->inited) return;
+  pthread_mutex_lock(&r->lock);
+  while (r->n > 0) pd__shm_unlist_locked(r, r->n - 1);
+  pthread_mutex_unlock(&r->lock);
+  pthread_mutex_destroy(&r->lock);
+  r->inited = 0;
+}
+
+int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_t errlen) {
+  *out = NULL;
+  if (!r->inited || !r->dir[0]) {
+    snprintf(err, errlen, "shared memory is off on this daemon (--shm-dir off)");
+    return PD_EINVAL;
+  }
+  if (want == 0) want = PD_SHM_DEFAULT_BYTES;
+  if (want < 2 * RPC_SHM_ALIGN || want > PD_SHM_MAX_BYTES) {
+    snprintf(err, errlen, "bytes: %llu, expected %d to %llu (0: the default %llu)",
+             (unsigned long long)want, 2 * RPC_SHM_ALIGN, (unsigned long long)PD_SHM_MAX_BYTES,
+             (unsigned long long)PD_SHM_DEFAULT_BYTES);
+    return PD_EINVAL;
+  }
+  size_t bytes = (size_t)(want + 2 * RPC_SHM_ALIGN - 1) / (2 * RPC_SHM_ALIGN) * (2 * RPC_SHM_ALIGN);
+  pd_shm_session *s = calloc(1, sizeof *s);
+  if (!s || pthread_mutex_init(&s->lock, NULL) != 0) {
+    free(s);
+    snprintf(err, errlen, "out of memory");
+    return PD_ENOMEM;
+  }
+  s->fd = -1;
+  atomic_init(&s->refs, 2); /* the registry's and the caller's */
+  int rc = PD_OK;
+  pthread_mutex_lock(&r->lock);
+  if (r->n == PD_SHM_MAX_SESSIONS) {
+    pthread_mutex_unlock(&r->lock);
+    snprintf(err, errlen, "%d shared-memory regions open already (the most a daemon keeps)",
+             PD_SHM_MAX_SESSIONS);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    return PD_ELIMIT;
+  }
+  s->id = r->next_id++;
+  pthread_mutex_unlock(&r->lock);
+  if (pd_store_reserve_extra(r->store, bytes) != PD_OK) {
+    snprintf(err, errlen, "bytes: a region of %zu bytes does not fit --memory-limit-mb", bytes);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    return PD_ELIMIT;
+  }
+  s->bytes = bytes;
+  atomic_fetch_add(&r->stats->memory_bytes, (int64_t)bytes);
+  if (getrandom(s->secret, sizeof s->secret, 0) != (ssize_t)sizeof s->secret) {
+    snprintf(err, errlen, "no random bytes for the region's secret");
+    rc = PD_EIO;
+    goto fail;
+  }
+  unsigned char name[8];
+  if (getrandom(name, sizeof name, 0) != (ssize_t)sizeof name) {
+    snprintf(err, errlen, "no random bytes for the region's name");
+    rc = PD_EIO;
+    goto fail;
+  }
+  snprintf(s->path, sizeof s->path, "%s/precondd-%d-%llu-%02x%02x%02x%02x%02x%02x%02x%02x", r->dir,
+           (int)getpid(), (unsigned long long)s->id, name[0], name[1], name[2], name[3], name[4],
+           name[5], name[6], name[7]);
+  s->fd = open(s->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (s->fd < 0 || ftruncate(s->fd, (off_t)bytes) != 0) {
+    pd_log(PD_LOG_ERROR, "shm: %s: %s", s->path, strerror(errno));
+    snprintf(err, errlen, "the daemon cannot create a region in --shm-dir (see its log)");
+    rc = PD_EIO;
+    goto fail;
+  }
+  s->map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
+  if (s->map == MAP_FAILED) {
+    s->map = NULL;
+    pd_log(PD_LOG_ERROR, "shm: mmap of %zu bytes: %s", bytes, strerror(errno));
+    snprintf(err, errlen, "the daemon cannot map a region of %zu bytes", bytes);
+    rc = PD_ENOMEM;
+    goto fail;
+  }
+  s->created = pd_now();
+  pthread_mutex_lock(&r->lock);
+  if (r->n == PD_SHM_MAX_SESSIONS) {
+    pthread_mutex_unlock(&r->lock);
+    snprintf(err, errlen, "%d shared-memory regions open already", PD_SHM_MAX_SESSIONS);
+    rc = PD_ELIMIT;
+    goto fail;
+  }
+  s->listed = 1;
+  r->s[r->n++] = s;
+  pthread_mutex_unlock(&r->lock);
+  atomic_fetch_add(&r->opened, 1);
+  *out = s;
+  return PD_OK;
+
+fail:
+  atomic_store(&s->refs, 1);
+  pd_shm_put(r, s); /* unlinks, unmaps, closes, gives the budget back */
+  return rc;
+}
+
+void pd_shm_describe(const pd_shm_session *s, uint64_t *id, const unsigned char **secret,
+                     const char **path, size_t *bytes) {
+  *id = s->id;
+  *secret = s->secret;
+  *path = s->path;
+  *bytes = s->bytes;
+}
+
+pd_shm_session *pd_shm_get(pd_shm *r, uint64_t id, const void *secret, size_t len) {
+  if (!r->inited) return NULL;
+  pd_shm_session *found = NULL;
+  pthread_mutex_lock(&r->lock);
+  for (size_t i = 0; i < r->n; i++) {
+    pd_shm_session *s = r->s[i];
+    if (s->id != id) continue;
+    /* Same time whatever bytes match: the secret must not leak through timing. */
+    unsigned char diff = len != sizeof s->secret;
+    for (size_t k = 0; k < sizeof s->secret; k++)
+      diff |= (unsigned char)(s->secret[k] ^ (k < len ? ((const unsigned char *)secret)[k] : 0));
+    if (diff) break;
+    if (!s->attached) {
+      /* The client has it open (and locked) by now: nobody else needs the name. */
+      s->attached = 1;
+      unlink(s->path);
+    }
+    atomic_fetch_add(&s->refs, 1);
+    found = s;
+    break;
+  }
+  pthread_mutex_unlock(&r->lock);
+  return found;
+}
+
+int pd_shm_copy_in(const pd_shm_session *s, uint64_t offset, uint64_t length, uint32_t crc,
+                   size_t expect, uint8_t **out, const char **why) {
+  *out = NULL;
+  if (rpc_shm_ref_check(s->bytes, 0, s->bytes / 2, offset, length, expect) != RPC_OK) {
+    *why = "outside the client's half of the region, or not the matrix's byte count";
+    return PD_EINVAL;
+  }
+  uint8_t *buf = malloc(length ? (size_t)length : 1);
+  if (!buf) {
+    *why = "out of memory";
+    return PD_ENOMEM;
+  }
+  if (rpc_shm_copy_crc(buf, s->map + offset, (size_t)length) != crc) {
+    free(buf);
+    *why = "checksum mismatch (CRC-32C of the region's bytes)";
+    return PD_EINVAL;
+  }
+  *out = buf;
+  return PD_OK;
+}
+
+int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,
+                     uint32_t *crc) {
+  uint64_t half = s->bytes / 2, off = 0;
+  pthread_mutex_lock(&s->lock);
+  int rc = rpc_shm_ring_take(&s->out_pos, half, len, &off);
+  pthread_mutex_unlock(&s->lock);
+  if (rc != RPC_OK) return PD_ELIMIT;
+  *offset = half + off;
+  *crc = rpc_shm_copy_crc(s->map + half + off, src, len);
+  return PD_OK;
+}
+
+size_t pd_shm_reap(pd_shm *r, double now) {
+  if (!r->inited) return 0;
+  size_t freed = 0;
+  pthread_mutex_lock(&r->lock);
+  for (size_t i = r->n; i-- > 0;) {
+    pd_shm_session *s = r->s[i];
+    int gone;
+    if (s->attached) {
+      /* Succeeds only when no client holds its shared lock any more. */
+      gone = flock(s->fd, LOCK_EX | LOCK_NB) == 0;
+      if (gone) flock(s->fd, LOCK_UN);
+    } else {
+      gone = now - s->created > PD_SHM_ATTACH_S;
+    }
+    if (gone) {
+      pd_log(PD_LOG_INFO, "shm: region %llu (%zu bytes) freed: %s", (unsigned long long)s->id,
+             s->bytes, s->attached ? "its client closed it or exited" : "never used");
+      pd__shm_unlist_locked(r, i);
+      freed++;
+    }
+  }
+  pthread_mutex_unlock(&r->lock);
+  atomic_fetch_add(&r->reaped, freed);
+  return freed;
+}
+
+size_t pd_shm_count(pd_shm *r) {
+  if (!r->inited) return 0;
+  pthread_mutex_lock(&r->lock);
+  size_t n = r->n;
+  pthread_mutex_unlock(&r->lock);
+  return n;
+}

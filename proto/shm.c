@@ -1,0 +1,190 @@
+/*
+ * shm.c -- the same-host data path's shared rules (libprecond and precondd): the CRC-32C
+ * of a region's bytes, the copy that checksums what it copied, and the ring each half of
+ * a region is written as. See docs/precondd.md, "Shared memory".
+ */
+#include "rpc.h"
+
+#include <pthread.h>
+#include <string.h>
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78): iSCSI's and ext4's, and the one
+ * x86's SSE 4.2 computes in hardware. */
+#define RPC__CRC32C_POLY 0x82F63B78u
+
+static uint32_t rpc__crc_table[8][256];
+static pthread_once_t rpc__crc_once = PTHREAD_ONCE_INIT;
+
+static void rpc__crc_init(void) {
+  for (uint32_t i = 0; i < 256; i++) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; k++) c = (c >> 1) ^ (RPC__CRC32C_POLY & (0u - (c & 1u)));
+    rpc__crc_table[0][i] = c;
+  }
+  for (uint32_t i = 0; i < 256; i++)
+    for (int t = 1; t < 8; t++)
+      rpc__crc_table[t][i] =
+          (rpc__crc_table[t - 1][i] >> 8) ^ rpc__crc_table[0][rpc__crc_table[t - 1][i] & 0xff];
+}
+
+/* Slicing-by-8 over the raw (pre/post-inverted by the caller) register. */
+static uint32_t rpc__crc_soft(uint32_t c, const unsigned char *p, size_t len) {
+  for (; len >= 8; p += 8, len -= 8) {
+    uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                       (uint32_t)p[3] << 24);
+    c = rpc__crc_table[7][lo & 0xff] ^ rpc__crc_table[6][(lo >> 8) & 0xff] ^
+        rpc__crc_table[5][(lo >> 16) & 0xff] ^ rpc__crc_table[4][lo >> 24] ^
+        rpc__crc_table[3][p[4]] ^ rpc__crc_table[2][p[5]] ^ rpc__crc_table[1][p[6]] ^
+        rpc__crc_table[0][p[7]];
+  }
+  while (len--) c = (c >> 8) ^ rpc__crc_table[0][(c ^ *p++) & 0xff];
+  return c;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("sse4.2"))) static uint32_t rpc__crc_hw(uint32_t c, const unsigned char *p,
+                                                               size_t len) {
+  uint64_t c64 = c;
+  for (; len >= 8; p += 8, len -= 8) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    c64 = __builtin_ia32_crc32di(c64, v);
+  }
+  c = (uint32_t)c64;
+  while (len--) c = __builtin_ia32_crc32qi(c, *p++);
+  return c;
+}
+/* Three chains over three pieces of k bytes (a multiple of 8), raw registers in c[]. */
+__attribute__((target("sse4.2"))) static void rpc__crc3(uint64_t c[3], const unsigned char *p0,
+                                                         const unsigned char *p1,
+                                                         const unsigned char *p2, size_t k) {
+  uint64_t a = c[0], b = c[1], e = c[2];
+  for (size_t i = 0; i < k; i += 8) {
+    uint64_t v0, v1, v2;
+    memcpy(&v0, p0 + i, 8);
+    memcpy(&v1, p1 + i, 8);
+    memcpy(&v2, p2 + i, 8);
+    a = __builtin_ia32_crc32di(a, v0);
+    b = __builtin_ia32_crc32di(b, v1);
+    e = __builtin_ia32_crc32di(e, v2);
+  }
+  c[0] = a;
+  c[1] = b;
+  c[2] = e;
+}
+#define RPC__HAVE_HW() __builtin_cpu_supports("sse4.2")
+#else
+__attribute__((unused)) static void rpc__crc3(uint64_t c[3], const unsigned char *p0, const unsigned char *p1,
+                      const unsigned char *p2, size_t k) {
+  c[0] = rpc__crc_soft((uint32_t)c[0], p0, k);
+  c[1] = rpc__crc_soft((uint32_t)c[1], p1, k);
+  c[2] = rpc__crc_soft((uint32_t)c[2], p2, k);
+}
+#define rpc__crc_hw    rpc__crc_soft
+#define RPC__HAVE_HW() 0
+#endif
+
+uint32_t rpc_crc32c(uint32_t crc, const void *data, size_t len) {
+  pthread_once(&rpc__crc_once, rpc__crc_init);
+  uint32_t c = ~crc;
+  c = RPC__HAVE_HW() ? rpc__crc_hw(c, data, len) : rpc__crc_soft(c, data, len);
+  return ~c;
+}
+
+/* CRC-32C of A || B from crc(A), crc(B) and |B| (GF(2) matrices of the CRC's shift by one
+ * zero bit, squared up to len2 bytes: O(32^2 log len2) work, a few microseconds). */
+static uint32_t rpc__gf2_times(const uint32_t *mat, uint32_t vec) {
+  uint32_t sum = 0;
+  for (; vec; vec >>= 1, mat++)
+    if (vec & 1) sum ^= *mat;
+  return sum;
+}
+
+static void rpc__gf2_square(uint32_t *square, const uint32_t *mat) {
+  for (int n = 0; n < 32; n++) square[n] = rpc__gf2_times(mat, mat[n]);
+}
+
+static uint32_t rpc__crc_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
+  uint32_t even[32], odd[32];
+  if (len2 == 0) return crc1;
+  odd[0] = RPC__CRC32C_POLY; /* the operator for one zero bit */
+  for (int n = 1; n < 32; n++) odd[n] = 1u << (n - 1);
+  rpc__gf2_square(even, odd); /* two zero bits */
+  rpc__gf2_square(odd, even); /* four */
+  do {
+    rpc__gf2_square(even, odd); /* first pass: one zero byte */
+    if (len2 & 1) crc1 = rpc__gf2_times(even, crc1);
+    len2 >>= 1;
+    if (len2 == 0) break;
+    rpc__gf2_square(odd, even);
+    if (len2 & 1) crc1 = rpc__gf2_times(odd, crc1);
+    len2 >>= 1;
+  } while (len2 != 0);
+  return crc1 ^ crc2;
+}
+
+/* A copy and its CRC-32C. Large buffers are split in three thirds whose checksums run as
+ * three independent chains (the hardware instruction has a latency of three and a
+ * throughput of one: one chain uses a third of it) and are combined at the end; the copy
+ * goes in pieces that stay in cache until their checksum is taken, so memory is crossed
+ * once, and the checksum is of the bytes that landed in dst whatever src does meanwhile.
+ * dst NULL: the checksum of src alone. */
+static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len) {
+  enum { PIECE = 16 << 10, SPLIT = 3 * PIECE };
+  unsigned char *d = dst;
+  const unsigned char *s = src;
+  pthread_once(&rpc__crc_once, rpc__crc_init);
+  if (len < SPLIT || !RPC__HAVE_HW()) {
+    uint32_t crc = 0;
+    for (size_t done = 0; done < len;) {
+      size_t k = len - done < PIECE ? len - done : PIECE;
+      if (d) memcpy(d + done, s + done, k);
+      crc = rpc_crc32c(crc, (d ? d : s) + done, k);
+      done += k;
+    }
+    return crc;
+  }
+  size_t third = len / 3 / 8 * 8, last = len - 2 * third;
+  uint64_t c[3] = {~0u, ~0u, ~0u};
+  const unsigned char *base = d ? d : s;
+  for (size_t done = 0; done < third;) {
+    size_t k = third - done < PIECE ? third - done : PIECE;
+    if (d)
+      for (int t = 0; t < 3; t++) memcpy(d + t * third + done, s + t * third + done, k);
+    const unsigned char *p0 = base + done, *p1 = p0 + third, *p2 = p1 + third;
+    rpc__crc3(c, p0, p1, p2, k);
+    done += k;
+  }
+  /* The last third also holds the bytes past 3 * third. */
+  size_t tail = last - third;
+  if (d && tail) memcpy(d + 3 * third, s + 3 * third, tail);
+  uint32_t c2 = (uint32_t)c[2];
+  if (tail) c2 = rpc__crc_hw(c2, base + 3 * third, tail);
+  uint32_t r0 = ~(uint32_t)c[0], r1 = ~(uint32_t)c[1], r2 = ~c2;
+  return rpc__crc_combine(rpc__crc_combine(r0, r1, third), r2, last);
+}
+
+uint32_t rpc_shm_copy_crc(void *dst, const void *src, size_t len) {
+  return rpc__copy_crc(dst, src, len);
+}
+
+uint32_t rpc_shm_crc(const void *data, size_t len) {
+  return rpc__copy_crc(NULL, data, len);
+}
+
+int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off) {
+  if (!pos || !off || len > area) return RPC_ETOOBIG;
+  if (*pos > area || area - *pos < len) *pos = 0; /* wrap: the oldest bytes go first */
+  *off = *pos;
+  uint64_t next = *pos + (len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  *pos = next > area ? area : next;
+  return RPC_OK;
+}
+
+int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset, uint64_t length,
+                      size_t expect) {
+  if (hi > region || lo > hi) return RPC_EINVAL;
+  if (length != expect) return RPC_EINVAL;
+  if (offset < lo || offset > hi || hi - offset < length) return RPC_EINVAL;
+  return RPC_OK;
+}
