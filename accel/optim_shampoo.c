@@ -87,6 +87,8 @@ void ac_shampoo_opts_default(ac_shampoo_opts *opts) {
   opts->beta1 = 0.9f;
   opts->beta1_nesterov = 1;
   opts->one_sided = 0;
+  opts->root_method = PC_METHOD_NEWTON;
+  opts->root_exponent = 4;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -119,7 +121,9 @@ static int shampoo_opts_check(const ac_shampoo_opts *o) {
       !(o->beta2 >= 0.0f && o->beta2 <= 1.0f) || !(o->epsilon > 0.0) || !isfinite(o->epsilon) ||
       !ac__optim_in_range(o->beta1, 0.0, 1.0) ||
       (o->beta1_nesterov != 0 && o->beta1_nesterov != 1) ||
-      (o->beta1_nesterov && o->beta1 == 0.0f) || (o->one_sided != 0 && o->one_sided != 1))
+      (o->beta1_nesterov && o->beta1 == 0.0f) || (o->one_sided != 0 && o->one_sided != 1) ||
+      (o->root_method != PC_METHOD_NEWTON && o->root_method != PC_METHOD_EIGH) ||
+      o->root_exponent < 1 || o->root_exponent > 64)
     return AC_EINVAL;
   /* The normed grafts divide by |G| of the raw gradient; the filtered one has no such norm
    * that means the same thing, so they take the raw gradient only. */

@@ -113,6 +113,8 @@ void tr_options_default(tr_options *o) {
   o->shampoo_beta1 = so.beta1;
   o->shampoo_nesterov = so.beta1_nesterov;
   o->one_sided = so.one_sided;
+  o->root_method = so.root_method == PC_METHOD_EIGH;
+  o->root_exponent = so.root_exponent;
   o->stat_every = so.stats_interval;
   o->roots_start = so.start_step;
   o->max_staleness = so.max_staleness;
@@ -232,6 +234,7 @@ int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
 
 /* "constant", "cosine", "step": indexed by ac_lr_decay. */
 static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
+static const char *const tr__root_methods[] = {"newton", "eigh", NULL}; /* root_method */
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum {
@@ -302,6 +305,12 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "Nesterov look-ahead of Shampoo's first moment (1: on, 0: off)");
   SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
        "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
+  s[n++] = (tr__spec){"root-method", K_CHOICE, &o->root_method, 0, 0,
+                      "how precondd computes Shampoo's roots: newton (coupled iteration) or "
+                      "eigh (eigendecomposition)",
+                      tr__root_methods};
+  SPEC("root-exponent", K_INT, &o->root_exponent, 1, 64,
+       "Shampoo: p of L^(-1/p) G R^(-1/p) (4: Shampoo's; --one-sided takes 2)");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->roots_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
@@ -712,7 +721,9 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->cpu_ms, 5);
   fputc(',', f);
   tr__csv_num(f, r->kl_scale, 5);
-  return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
+  if (fputc('\n', f) == EOF) return TR_EIO;
+  /* an evaluation row reaches the file at once, so a run can be followed (or stopped) live */
+  return isnan(r->eval_loss) || fflush(f) == 0 ? TR_OK : TR_EIO;
 }
 
 static void tr__json_num(FILE *f, const char *key, double v, int last) {
@@ -864,6 +875,8 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   so->beta1 = (float)opts->shampoo_beta1;
   so->beta1_nesterov = opts->shampoo_nesterov && so->beta1 > 0.0f;
   so->one_sided = opts->one_sided;
+  so->root_method = opts->root_method ? PC_METHOD_EIGH : PC_METHOD_NEWTON;
+  so->root_exponent = opts->root_exponent;
   so->weight_decay = (float)opts->weight_decay;
   so->stats_interval = opts->stat_every;
   so->start_step = opts->roots_start;

@@ -212,10 +212,16 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
   const pd_shampoo_opts *o = opts;
   uint64_t nmax = u->order[0] > u->order[1] ? u->order[0] : u->order[1];
   float *a = malloc(nmax * nmax * sizeof *a), *x = malloc(nmax * nmax * sizeof *x);
+  /* eigh runs in double: in float, eigenvalues near the ridge (1e-6 of the largest) carry
+   * errors of the same size, and the residual then often exceeds the failure threshold, so
+   * the block would publish nothing; syevd in double costs about the same at these orders. */
+  const int eigh64 = o->method == PC_METHOD_EIGH && !unit_state; /* warm roots: their own */
+  double *a64 = eigh64 ? malloc(nmax * nmax * sizeof *a64) : NULL;
+  double *x64 = eigh64 ? malloc(nmax * nmax * sizeof *x64) : NULL;
   int rc = PC_ENOMEM;
   info->method = o->method;
   info->failed_part = -1;
-  if (!a || !x) goto cleanup;
+  if (!a || !x || (eigh64 && (!a64 || !x64))) goto cleanup;
   pc_root_opts ro;
   pc_root_opts_default(&ro, (int)o->root_exponent);
   ro.epsilon = o->epsilon;
@@ -244,6 +250,11 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
                      : wi.path == PC_WARM_SEEDED ? PD_SHAMPOO_SEEDED
                      : wi.path == PC_WARM_COLD   ? PD_SHAMPOO_COLD
                                                  : PD_SHAMPOO_SKIPPED]++; /* skipped, reused */
+    } else if (eigh64) {
+      for (size_t i = 0; i < n * n; i++) a64[i] = a[i];
+      rk = pc_inverse_root_f64(n, a64, x64, &ro, &ri);
+      for (size_t i = 0; rk >= 0 && i < n * n; i++) x[i] = (float)x64[i];
+      if (rk >= 0) info->counts[PD_SHAMPOO_COLD]++;
     } else {
       rk = pc_inverse_root_f32(n, a, x, &ro, &ri);
       if (rk >= 0) info->counts[PD_SHAMPOO_COLD]++;
@@ -257,6 +268,8 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
 cleanup:
   free(a);
   free(x);
+  free(a64);
+  free(x64);
   return rc;
 }
 

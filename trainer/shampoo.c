@@ -11,10 +11,10 @@
 #include <string.h>
 #include <time.h>
 
-/* The root exponent follows from the worker's formula (accel.h), it is not a tunable:
- * ac_shampoo applies L^(-1/4) G R^(-1/4), or one side's ^(-1/2) when one_sided. */
+/* The root exponent of the worker's formula (accel.h): ac_shampoo applies
+ * L^(-1/p) G R^(-1/p) with p = root_exponent, or one side's ^(-1/2) when one_sided. */
 static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
-  return so->one_sided ? 2 : 4;
+  return so->one_sided ? 2 : (uint32_t)so->root_exponent;
 }
 
 /* CPU seconds of the calling thread (statistics run on it: syrk with the worker's BLAS). */
@@ -75,7 +75,7 @@ static void pt__shampoo_register_opts(const pt_trainer *t, precond_shampoo_opts 
   out->beta2 = so->beta2;
   out->root_exponent = pt__shampoo_root_exponent(so);
   out->epsilon = so->epsilon;
-  out->method = PRECOND_METHOD_NEWTON;
+  out->method = so->root_method == PC_METHOD_EIGH ? PRECOND_METHOD_EIGH : PRECOND_METHOD_NEWTON;
 }
 
 /* Takes the daemon's block ids. Both sides number blocks tensor by tensor with the same

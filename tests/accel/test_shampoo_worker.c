@@ -652,6 +652,10 @@ static void test_create_errors(void **state) {
   BAD(graft.eps, 1e-50); /* zero as a float */
   BAD(graft.beta1, 1.0);
   BAD(graft.beta2, -0.5);
+  BAD(root_method, PC_METHOD_NEWTON_TEXTBOOK); /* a comparison iteration, not a run's */
+  BAD(root_method, (pc_method)7);
+  BAD(root_exponent, 0);
+  BAD(root_exponent, 65);
 #undef BAD
   o = good;
   o.momentum = 0.0f;

@@ -2,7 +2,8 @@
  * (pd_sched_compute): warm-started roots (--warm-roots on) take the seeded, warm/skipped and
  * cold paths as the statistics move, counted per factor root; their roots stay close to the
  * cold ones; the held eigenbases are counted in the daemon's memory and given back; with
- * warm starts off every root is cold and nothing is held. */
+ * warm starts off every root is cold and nothing is held; eigh publishes the root of a
+ * low-rank statistic (computed in double). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -160,11 +161,48 @@ static void test_warm_off(void **state) {
   free(s);
 }
 
+/* eigh on a statistic of rank N/4 (a few steps of a block with fewer samples than rows):
+ * in float its eigenvalues near the ridge are noise and the residual fails the threshold;
+ * the mode computes it in double, so the root is published and matches an fp64 reference. */
+static void test_eigh_low_rank(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  pd_shampoo_opts *o = (pd_shampoo_opts *)f->job->opts;
+  o->method = PC_METHOD_EIGH;
+  const pd_sched_rules cold = {0.1, 0, NULL, 0};
+  float *s = malloc(pc_packed_len(N) * sizeof *s), *g = malloc(N * (N / 4) * sizeof *g);
+  double *a = malloc(N * N * sizeof *a), *x = malloc(N * N * sizeof *x);
+  assert_true(s && g && a && x);
+  for (size_t i = 0; i < N * (N / 4); i++) g[i] = rnd();
+  assert_int_equal(pc_gram_f32(N, N / 4, g, N / 4, s, NULL), PC_OK);
+  set_stats(b, s, 0, 1);
+  compute(f, &cold); /* published */
+  pc_root_opts ro;
+  pc_root_opts_default(&ro, 4);
+  ro.method = PC_METHOD_EIGH;
+  for (size_t i = 0, p = 0; i < N; i++)
+    for (size_t j = i; j < N; j++, p++) a[i * N + j] = a[j * N + i] = s[p];
+  assert_true(pc_inverse_root_f64(N, a, x, &ro, NULL) >= 0);
+  double md = 0, mx = 0;
+  for (uint32_t k = 0; k < 2; k++)
+    for (size_t i = 0, p = 0; i < N; i++)
+      for (size_t j = i; j < N; j++, p++) {
+        md = fmax(md, fabs(x[i * N + j] - (double)b->root->part[k][p]));
+        mx = fmax(mx, fabs(x[i * N + j]));
+      }
+  assert_true(md < 1e-5 * mx);
+  free(s);
+  free(g);
+  free(a);
+  free(x);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_warm_paths, setup, teardown),
       cmocka_unit_test_setup_teardown(test_warm_off, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_eigh_low_rank, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -23,6 +23,8 @@
 #include "trainer.h"
 
 static const char *precondd_path;
+static pc_method root_method = PC_METHOD_NEWTON; /* opts_for's, changed by one test */
+static int root_exponent = 4;                    /* the same */
 static pdproc precondd;
 
 enum { NPARAMS = 3 };
@@ -72,6 +74,8 @@ static void opts_for(pt_options *o, const char *job) {
   o->job = job;
   o->shampoo.layout.block_size = 8;
   o->shampoo.momentum = 0;
+  o->shampoo.root_method = root_method;
+  o->shampoo.root_exponent = root_exponent;
 }
 
 /* One daemon for the group, in a directory of its own that pdproc_destroy removes. */
@@ -182,6 +186,36 @@ static void test_sync_reproducible(void **state) {
   assert_memory_equal(w1, w2, sizeof w1);
 }
 
+/* root_method and root_exponent reach the daemon: eigh's roots are the same roots as Newton's to float
+ * accuracy, but not to the bit, so the weights after a few sync steps differ slightly. */
+static void test_root_method(void **state) {
+  (void)state;
+  float wn[120], we[120];
+  pt_counters c;
+  long fb;
+  double smax;
+  run("method-newton", 1, 1, 5, wn, &c, &fb, &smax);
+  root_method = PC_METHOD_EIGH;
+  run("method-eigh", 1, 1, 5, we, &c, &fb, &smax);
+  root_method = PC_METHOD_NEWTON;
+  double diff = 0.0, norm = 0.0;
+  for (int k = 0; k < 120; k++) {
+    diff = fmax(diff, fabs((double)we[k] - (double)wn[k]));
+    norm = fmax(norm, fabs((double)wn[k]));
+  }
+  assert_true(diff > 0.0);
+  assert_true(diff < 1e-3 * norm);
+
+  /* root_exponent reaches the daemon: square roots on both sides are other roots, so the
+   * weights move apart by more than float noise. */
+  root_exponent = 2;
+  run("exponent-2", 1, 1, 5, we, &c, &fb, &smax);
+  root_exponent = 4;
+  diff = 0.0;
+  for (int k = 0; k < 120; k++) diff = fmax(diff, fabs((double)we[k] - (double)wn[k]));
+  assert_true(diff > 1e-3 * norm);
+}
+
 /* Before start_step every block takes the grafted fallback, and it is counted. */
 static void test_fallback_counted(void **state) {
   (void)state;
@@ -237,7 +271,8 @@ int main(int argc, char **argv) {
   precondd_path = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout_from_daemon), cmocka_unit_test(test_push_and_roots),
-      cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_fallback_counted),
+      cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_root_method),
+      cmocka_unit_test(test_fallback_counted),
       cmocka_unit_test(test_daemon_absent),      cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
