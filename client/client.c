@@ -1123,7 +1123,10 @@ int precond_flush(precond_client *c, int timeout_ms) {
 
 void precond_stats_destroy(precond_stats *s) {
   if (s == NULL) return;
-  for (size_t i = 0; i < s->njobs && s->job_stats; i++) free(s->job_stats[i].job);
+  for (size_t i = 0; i < s->njobs && s->job_stats; i++) {
+    free(s->job_stats[i].job);
+    free(s->job_stats[i].rank_load);
+  }
   for (size_t i = 0; i < s->nblocks && s->block_stats; i++) {
     free(s->block_stats[i].job);
     free(s->block_stats[i].tensor);
@@ -1153,6 +1156,10 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
   s->threads = r->threads;
   s->replicas = r->replicas;
   s->rank = r->rank;
+  if (r->replica != NULL)
+    s->replica = (precond_replica_stats){r->replica->roots_sent,      r->replica->roots_received,
+                                         r->replica->stats_forwarded, r->replica->stats_received,
+                                         r->replica->mpi_errors,      r->replica->alone != 0};
   s->queue_depth = r->queue_depth;
   s->roots_computed = r->roots_computed;
   s->roots_failed = r->roots_failed;
@@ -1181,6 +1188,12 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
     d->workers = j->workers;
     d->last_step = j->last_step;
     if (d->job == NULL) goto fail;
+    if (j->n_rank_load > 0) {
+      d->rank_load = malloc(j->n_rank_load * sizeof *d->rank_load);
+      if (d->rank_load == NULL) goto fail;
+      memcpy(d->rank_load, j->rank_load, j->n_rank_load * sizeof *d->rank_load);
+      d->nrank_load = j->n_rank_load;
+    }
   }
   for (size_t i = 0; i < r->n_block_stats; i++) {
     const Precond__V1__BlockStats *b = r->block_stats[i];

@@ -108,7 +108,41 @@ static void json_job(FILE *f, const precond_job_stats *j) {
   kv_u64(f, "blocks", j->blocks, &first);
   kv_u64(f, "workers", j->workers, &first);
   kv_u64(f, "last_step", j->last_step, &first);
+  if (j->nrank_load > 0) {
+    json_key(f, "rank_load", &first);
+    fputc('[', f);
+    for (size_t r = 0; r < j->nrank_load; r++) {
+      if (r > 0) fputc(',', f);
+      json_double(f, j->rank_load[r]);
+    }
+    fputc(']', f);
+  }
   fputc('}', f);
+}
+
+/* Daemon replicas, in the table: what crossed ranks, and each job's load per rank (its
+ * units' estimated cost, sum of order^3, owned by each rank: the ownership's balance). */
+static void table_replicas(FILE *f, const precond_stats *s) {
+  const precond_replica_stats *x = &s->replica;
+  fprintf(f,
+          "%-20s rank %d of %u: roots %" PRIu64 " sent, %" PRIu64 " received; statistics %" PRIu64
+          " forwarded, %" PRIu64 " received; %" PRIu64 " MPI errors%s\n",
+          "replicas", (int)s->rank, s->replicas, x->roots_sent, x->roots_received,
+          x->stats_forwarded, x->stats_received, x->mpi_errors,
+          x->alone ? " (alone: computes every unit)" : "");
+  int header = 0;
+  for (size_t i = 0; i < s->njobs; i++) {
+    const precond_job_stats *j = &s->job_stats[i];
+    double total = 0;
+    for (size_t r = 0; r < j->nrank_load; r++) total += j->rank_load[r];
+    if (j->nrank_load == 0 || !(total > 0)) continue;
+    if (!header) fprintf(f, "\n%-24s %s\n", "JOB", "LOAD PER RANK (share of the units' n^3)");
+    header = 1;
+    fprintf(f, "%-24s", j->job ? j->job : "");
+    for (size_t r = 0; r < j->nrank_load; r++)
+      fprintf(f, " %zu: %.1f%%", r, 100.0 * j->rank_load[r] / total);
+    fputc('\n', f);
+  }
 }
 
 int precond__format_stats(FILE *f, const precond_stats *s, int json) {
@@ -121,6 +155,20 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json) {
     kv_u64(f, "threads", s->threads, &first);
     kv_u64(f, "replicas", s->replicas, &first);
     kv_i64(f, "rank", s->rank, &first);
+    if (s->replicas > 1) {
+      const precond_replica_stats *x = &s->replica;
+      int rf = 1;
+      json_key(f, "replica", &first);
+      fputc('{', f);
+      kv_u64(f, "roots_sent", x->roots_sent, &rf);
+      kv_u64(f, "roots_received", x->roots_received, &rf);
+      kv_u64(f, "stats_forwarded", x->stats_forwarded, &rf);
+      kv_u64(f, "stats_received", x->stats_received, &rf);
+      kv_u64(f, "mpi_errors", x->mpi_errors, &rf);
+      json_key(f, "alone", &rf);
+      fputs(x->alone ? "true" : "false", f);
+      fputc('}', f);
+    }
     kv_u64(f, "queue_depth", s->queue_depth, &first);
     kv_u64(f, "roots_computed", s->roots_computed, &first);
     kv_u64(f, "roots_failed", s->roots_failed, &first);
@@ -173,6 +221,7 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json) {
             precond__mode_name(j->mode), j->blocks, j->workers, j->last_step);
   }
   if (s->njobs == 0) fputs("(no jobs)\n", f);
+  if (s->replicas > 1) table_replicas(f, s);
   return ferror(f) ? -1 : 0;
 }
 

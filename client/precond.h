@@ -384,13 +384,28 @@ typedef struct {
   precond_mode mode;
   uint32_t blocks, workers;
   uint64_t last_step;
+  /* Daemon replicas: the estimated cost (sum of order^3) of the units each rank owns,
+   * nrank_load (= replicas) entries; 0 and NULL from a daemon alone. */
+  size_t nrank_load;
+  double *rank_load;
 } precond_job_stats;
+
+/* Daemon replicas (docs/replicas.md): what the answering rank sent and received. */
+typedef struct {
+  uint64_t roots_sent;      /* results it computed, sent to each other rank */
+  uint64_t roots_received;  /* results of other ranks published here */
+  uint64_t stats_forwarded; /* pushed blocks another rank owns, sent to it */
+  uint64_t stats_received;  /* forwarded statistics folded here */
+  uint64_t mpi_errors;
+  int alone; /* MPI failed: this rank computes every unit itself */
+} precond_replica_stats;
 
 typedef struct {
   char *version;
   double uptime_s;
   uint32_t jobs, threads, replicas;
   int32_t rank;
+  precond_replica_stats replica; /* zero unless replicas > 1 */
   uint64_t queue_depth, roots_computed, roots_failed, roots_skipped;
   double drift_threshold;
   precond_staleness staleness; /* daemon-wide, every block's samples */

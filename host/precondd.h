@@ -588,6 +588,8 @@ typedef struct pd_replica_link {
   void *ctx;
   /* A job registered here first: every other rank gets it too. Never blocks. */
   void (*job_added)(void *ctx, const pd_job *job);
+  /* A job ended here by EndJob: every other rank ends it too. Never blocks. */
+  void (*job_ended)(void *ctx, const char *name);
   /* This rank published r for unit b (its owner): it goes to every other rank. */
   void (*published)(void *ctx, const pd_block *b, const pd_root *r);
   /* Statistics pushed here for a unit another rank owns (fp32 parts of its orders, copied

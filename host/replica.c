@@ -31,7 +31,7 @@
 #include "preconditioner.h"
 #include "rpc.h"
 
-enum { PD__TAG_JOB = 1, PD__TAG_STAT, PD__TAG_ROOT, PD__TAG_BYE };
+enum { PD__TAG_JOB = 1, PD__TAG_STAT, PD__TAG_ROOT, PD__TAG_BYE, PD__TAG_END };
 
 #define PD__MAX_DEFERRED 4096 /* messages held for a job not known yet */
 
@@ -220,6 +220,17 @@ static void pd__hook_job(void *ctx, const pd_job *job) {
   pd__enqueue(x, m);
 }
 
+static void pd__hook_end(void *ctx, const char *name) {
+  pd_replica *x = ctx;
+  pd__msg *m = pd__msg_new(PD__TAG_END, -1, 4 + strlen(name));
+  if (!m) {
+    pd_log(PD_LOG_ERROR, "replicas: out of memory sending the end of job %s", name);
+    return;
+  }
+  pd__put_str(m, name);
+  pd__enqueue(x, m);
+}
+
 static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
   pd_replica *x = ctx;
   size_t cap = 4 + strlen(b->job->name) + 4 + 8 * 3 + 4 + 4 + 8 * PD_MODE_AUX + 4 +
@@ -388,6 +399,19 @@ static void pd__on_stat(pd_replica *x, pd_block *b, pd__rd *r) {
   for (uint32_t k = 0; k < PD_MAX_PARTS; k++) free(inc[k]);
 }
 
+/* An EndJob on another rank: the job ends here too (snapshotted without it at once, as
+ * after an EndJob here). Messages of it still in flight then find no job: a ROOT or STAT
+ * waits among the deferred ones until it ages out. */
+static void pd__on_end(pd_replica *x, pd__rd *r) {
+  char *name = pd__get_str(r);
+  pd_job_ended info;
+  if (!name || r->bad)
+    pd_log(PD_LOG_ERROR, "replicas: malformed end of a job");
+  else if (pd_service_end_job(x->d, name, 0, 0, &info) == PD_OK)
+    pd_log(PD_LOG_INFO, "replicas: job %s ended by another rank", name);
+  free(name);
+}
+
 static void pd__on_root(pd_replica *x, pd_block *b, pd__rd *r) {
   pd_daemon *d = x->d;
   pd_root *root = pd_root_new(b->nparts, b->order, &d->stats);
@@ -516,6 +540,10 @@ static int pd__receive(pd_replica *x, int *byes) {
       pd__on_job(x, &r);
       free(buf);
       pd__retry_deferred(x);
+    } else if (st.MPI_TAG == PD__TAG_END) {
+      pd__rd r = {buf, (size_t)count, 0};
+      pd__on_end(x, &r);
+      free(buf);
     } else if (pd__on_unit_msg(x, st.MPI_TAG, buf, (size_t)count)) {
       pd__defer(x, st.MPI_TAG, buf, (size_t)count);
     } else {
@@ -667,6 +695,7 @@ int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *n
   MPI_Comm_size(x->comm, &x->link.nranks);
   x->link.ctx = x;
   x->link.job_added = pd__hook_job;
+  x->link.job_ended = pd__hook_end;
   x->link.published = pd__hook_root;
   x->link.forward = pd__hook_stat;
   x->grace_s = 10;

@@ -973,6 +973,8 @@ static void pd__end_job(pd_daemon *d, const Precond__V1__EndJobRequest *req, pd_
     pd__unknown_job(d, rep, GRPC_STATUS_NOT_FOUND, req->job, "");
     return;
   }
+  const pd_replica_link *link = d->store.link;
+  if (link && link->nranks > 1) link->job_ended(link->ctx, req->job); /* the other replicas */
   Precond__V1__EndJobResponse resp = PRECOND__V1__END_JOB_RESPONSE__INIT;
   resp.blocks = info.blocks;
   resp.last_step = info.last_step;

@@ -131,6 +131,49 @@ static void test_stats_json(void **state) {
   free(out);
 }
 
+/* precond__format_stats of s into a string (caller frees). */
+static char *stats_out(const precond_stats *s, int json) {
+  sink k;
+  sink_open(&k);
+  assert_int_equal(precond__format_stats(k.f, s, json), 0);
+  return sink_close(&k);
+}
+
+/* A rank of daemon replicas: what crossed ranks and each job's load per rank, in the table
+ * (shares of the job's cost) and in JSON (the costs); a daemon alone shows neither. */
+static void test_stats_replicas(void **state) {
+  (void)state;
+  precond_stats s = sample();
+  char *out = stats_out(&s, 0);
+  assert_null(strstr(out, "LOAD PER RANK"));
+  free(out);
+  out = stats_out(&s, 1);
+  assert_null(strstr(out, "\"replica\""));
+  assert_null(strstr(out, "rank_load"));
+  free(out);
+
+  double load[2] = {3000, 1000};
+  s.replicas = 2;
+  s.rank = 1;
+  s.replica = (precond_replica_stats){5, 6, 7, 8, 0, 0};
+  jobs[0].nrank_load = 2;
+  jobs[0].rank_load = load;
+  out = stats_out(&s, 0);
+  assert_non_null(strstr(out, "rank 1 of 2 replicas"));
+  assert_non_null(strstr(out, "rank 1 of 2: roots 5 sent, 6 received; statistics 7 forwarded, "
+                              "8 received; 0 MPI errors\n"));
+  assert_non_null(strstr(out, "resnet                   0: 75.0% 1: 25.0%\n"));
+  free(out);
+  out = stats_out(&s, 1);
+  assert_non_null(strstr(out, "\"replica\":{\"roots_sent\":5,\"roots_received\":6,"
+                              "\"stats_forwarded\":7,\"stats_received\":8,\"mpi_errors\":0,"
+                              "\"alone\":false}"));
+  assert_non_null(strstr(out, "\"last_step\":99,\"rank_load\":[3000,1000]}"));
+  free(out);
+  jobs[0].nrank_load = 0;
+  jobs[0].rank_load = NULL;
+}
+
 static void test_blocks_table_and_json(void **state) {
   (void)state;
   precond_stats s = sample();
@@ -188,6 +231,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stats_table),
       cmocka_unit_test(test_stats_json),
+      cmocka_unit_test(test_stats_replicas),
       cmocka_unit_test(test_blocks_table_and_json),
       cmocka_unit_test(test_health),
   };

@@ -28,7 +28,7 @@
 
 #define MAX_RANKS 4
 
-static const char *g_mpirun, *g_precondd, *g_transformer;
+static const char *g_mpirun, *g_precondd, *g_transformer, *g_precondctl;
 
 typedef struct {
   pid_t pid;  /* mpirun, or precondd alone */
@@ -127,15 +127,21 @@ static int wait_exit(pid_t pid, long ms) {
   return -1;
 }
 
-/* 1 if the file's first 64 KiB hold needle. */
-static int file_has(const char *path, const char *needle) {
+/* Occurrences of needle in the file's first 64 KiB. */
+static int file_count(const char *path, const char *needle) {
   char buf[1 << 16];
   FILE *f = fopen(path, "r");
   if (!f) return 0;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
   fclose(f);
   buf[n] = '\0';
-  return strstr(buf, needle) != NULL;
+  int k = 0;
+  for (const char *p = buf; (p = strstr(p, needle)) != NULL; p++) k++;
+  return k;
+}
+
+static int file_has(const char *path, const char *needle) {
+  return file_count(path, needle) > 0;
 }
 
 static int log_has(const cluster *c, const char *needle) {
@@ -565,6 +571,74 @@ static void test_restart(void **state) {
   cluster_stop(&c);
 }
 
+/* precondctl stats on a rank shows the replicas, what crossed ranks and each job's load per
+ * rank (the shares of the GetStats rank_load), precondctl blocks each block's owner; an
+ * EndJob on one rank ends the job on every rank. */
+static void test_end_job_and_ctl(void **state) {
+  (void)state;
+  const char *job = "ending";
+  cluster c;
+  cluster_start(&c, 2);
+  Precond__V1__RegisterResponse *lay = NULL;
+  char msg[512];
+  assert_int_equal(do_register(c.ch[0], job, NT, &lay, msg), GRPC_STATUS_OK);
+  size_t nb = lay->n_blocks;
+  push_all(c.ch[0], job, lay, 1);
+  for (int r = 0; r < 2; r++) {
+    Precond__V1__FetchResponse *f = wait_roots(c.ch[r], job, nb, 1);
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+  }
+
+  double load[2] = {0, 0}, ones = 0;
+  for (size_t i = 0; i < nb; i++) {
+    const Precond__V1__BlockInfo *b = lay->blocks[i];
+    load[b->owner] += pow((double)b->rows, 3) + pow((double)b->cols, 3);
+    ones += b->owner == 1;
+  }
+  char out[160], cmd[512], want[160];
+  snprintf(out, sizeof out, "%s/ctl.txt", c.dir);
+  snprintf(cmd, sizeof cmd, "%s --addr %s stats > %s 2>&1", g_precondctl, c.addr[1], out);
+  assert_int_equal(system(cmd), 0);
+  assert_true(file_has(out, "rank 1 of 2 replicas"));
+  assert_true(file_has(out, "rank 1 of 2: roots "));
+  assert_true(file_has(out, "0 MPI errors"));
+  snprintf(want, sizeof want, "%-24s 0: %.1f%% 1: %.1f%%\n", job,
+           100 * load[0] / (load[0] + load[1]), 100 * load[1] / (load[0] + load[1]));
+  assert_true(file_has(out, want));
+  snprintf(cmd, sizeof cmd, "%s --addr %s --json blocks > %s 2>&1", g_precondctl, c.addr[1], out);
+  assert_int_equal(system(cmd), 0);
+  assert_int_equal(file_count(out, "\"owner\":1"), (int)ones);
+
+  /* EndJob on rank 1: rank 0 ends the job too (within 10 s), and knows it no more. */
+  Precond__V1__EndJobRequest end = PRECOND__V1__END_JOB_REQUEST__INIT;
+  end.job = (char *)job;
+  Precond__V1__EndJobResponse *er = NULL;
+  assert_int_equal(call(c.ch[1], RPC_METHOD_END_JOB, &end.base,
+                        &precond__v1__end_job_response__descriptor, &er, msg),
+                   GRPC_STATUS_OK);
+  assert_int_equal(er->blocks, nb);
+  protobuf_c_message_free_unpacked(&er->base, NULL);
+  grpc_status_code code = GRPC_STATUS_OK;
+  for (int t = 0; t < 500 && code == GRPC_STATUS_OK; t++) {
+    Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+    req.job = (char *)job;
+    Precond__V1__FetchResponse *f = NULL;
+    code = call(c.ch[0], RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
+                &precond__v1__fetch_response__descriptor, &f, NULL);
+    if (f) protobuf_c_message_free_unpacked(&f->base, NULL);
+    if (code == GRPC_STATUS_OK) sleep_ms(20);
+  }
+  assert_int_equal(code, GRPC_STATUS_NOT_FOUND);
+  er = NULL;
+  assert_int_equal(call(c.ch[0], RPC_METHOD_END_JOB, &end.base,
+                        &precond__v1__end_job_response__descriptor, &er, msg),
+                   GRPC_STATUS_NOT_FOUND);
+  if (er) protobuf_c_message_free_unpacked(&er->base, NULL);
+  assert_true(log_has(&c, "job ending ended by another rank"));
+  protobuf_c_message_free_unpacked(&lay->base, NULL);
+  cluster_stop(&c);
+}
+
 /* Misconfigurations end every rank with a message, never a hang: ranks sharing a state
  * directory are refused at once; a rank that cannot bind (two ranks, one socket) stops the
  * others through the startup agreement. */
@@ -792,16 +866,6 @@ static int gone(pid_t pid) {
   return p != NULL && p[1] == ' ' && p[2] == 'Z';
 }
 
-/* Occurrences of needle in the file. */
-static int file_count(const char *path, const char *needle) {
-  char line[1024];
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  int n = 0;
-  while (fgets(line, sizeof line, f)) n += strstr(line, needle) != NULL;
-  fclose(f);
-  return n;
-}
 
 /* The last step of dir/train.csv. */
 static long csv_last(const char *dir) {
@@ -901,13 +965,14 @@ static void test_killed_rank(void **state) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 4) {
-    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER\n");
+  if (argc < 5) {
+    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER PRECONDCTL\n");
     return 2;
   }
   g_mpirun = argv[1];
   g_precondd = argv[2];
   g_transformer = argv[3];
+  g_precondctl = argv[4];
   if (access(g_mpirun, X_OK) != 0) {
     fprintf(stderr, "test_replica: mpirun not found at %s (install openmpi-bin)\n", g_mpirun);
     return 77; /* meson: skipped */
@@ -916,7 +981,8 @@ int main(int argc, char **argv) {
   if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks),  cmocka_unit_test(test_three_ranks),
-      cmocka_unit_test(test_restart),    cmocka_unit_test(test_data_parallel),
+      cmocka_unit_test(test_restart),    cmocka_unit_test(test_end_job_and_ctl),
+      cmocka_unit_test(test_data_parallel),
       cmocka_unit_test(test_killed_rank), cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
