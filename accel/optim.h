@@ -153,8 +153,9 @@ void ac_adamw_destroy(ac_adamw *opt);
  *       Adam graft keeps no first moment of its own: M is it);
  *   for each block b: if t >= start_step, b holds a root, and its staleness
  *       t - source_step is within max_staleness (when that is set),
- *       P_b = L_b^(-1/4) M_b R_b^(-1/4) (a missing side is the identity; one_sided: only
- *       the root of the smaller side of order > 1), rescaled to
+ *       P_b = L_b^(-1/p) M_b R_b^(-1/p) with p = root_exponent, the roots as precondd
+ *       computes them (a missing side is the identity; one_sided: only the root of the
+ *       smaller side of order > 1), rescaled to
  *       |D_b| (Frobenius; P_b replaced by D_b when |P_b| is 0 or not finite), else
  *       P_b = D_b (the grafted fallback, counted);
  *   buf = mu buf + P;  U = nesterov ? P + mu buf : buf;  p -= lr (U + wd p).
@@ -176,20 +177,20 @@ typedef struct {
   /* The daemon's: the statistics EMA (1 = sum) and the relative ridge of the roots. Kept
    * here so that one struct configures a run (the caller registers them with precondd);
    * the worker itself hands out raw G G^T increments and does not use them. */
-  float beta2;        /* [0, 1]. Default 0.95 */
-  double epsilon;     /* > 0. Default 1e-6 */
-  float beta1;        /* first moment of the gradient in [0, 1); 0: off (M = G). Not
+  float beta2;           /* [0, 1]. Default 0.95 */
+  double epsilon;        /* > 0. Default 1e-6 */
+  float beta1;           /* first moment of the gradient in [0, 1); 0: off (M = G). Not
                              with the normed grafts. Default 0.9 */
-  int beta1_nesterov; /* Nesterov look-ahead of the first moment; needs beta1 > 0.
+  int beta1_nesterov;    /* Nesterov look-ahead of the first moment; needs beta1 > 0.
                              Default 0 */
-  int one_sided;      /* 1: apply one root per block (the caller registers root
+  int one_sided;         /* 1: apply one root per block (the caller registers root
                              exponent 2, so P_b = L_b^(-1/2) M_b or M_b R_b^(-1/2)).
                              Default 0 */
   pc_method root_method; /* the daemon's, as beta2 and epsilon: how it computes the roots
                              (PC_METHOD_NEWTON or PC_METHOD_EIGH). Default NEWTON */
   int root_exponent;     /* the daemon's: p of the roots A^(-1/p) applied on both sides,
                              in [1, 64]; 4 is Shampoo's L^(-1/4) G R^(-1/4), 2 the square
-                             root on each side. one_sided always takes p = 2. Default 4 */
+                             root on each side. one_sided always takes p = 2. Default 2 */
 } ac_shampoo_opts;
 
 void ac_shampoo_opts_default(ac_shampoo_opts *opts);

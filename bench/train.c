@@ -304,13 +304,17 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("shampoo-nesterov", K_INT, &o->shampoo_nesterov, 0, 1,
        "Nesterov look-ahead of Shampoo's first moment (1: on, 0: off)");
   SPEC("one-sided", K_FLAG, &o->one_sided, 0, 0,
-       "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default L^(-1/4) G R^(-1/4))");
-  s[n++] = (tr__spec){"root-method", K_CHOICE, &o->root_method, 0, 0,
+       "Shampoo: one root per block, L^(-1/2) G or G R^(-1/2) (default: both sides)");
+  s[n++] = (tr__spec){"root-method",
+                      K_CHOICE,
+                      &o->root_method,
+                      0,
+                      0,
                       "how precondd computes Shampoo's roots: newton (coupled iteration) or "
                       "eigh (eigendecomposition)",
                       tr__root_methods};
   SPEC("root-exponent", K_INT, &o->root_exponent, 1, 64,
-       "Shampoo: p of L^(-1/p) G R^(-1/p) (4: Shampoo's; --one-sided takes 2)");
+       "Shampoo: p of L^(-1/p) G R^(-1/p) (4: the original Shampoo; --one-sided takes 2)");
   SPEC("stat-every", K_LONG, &o->stat_every, 1, 1e9, "push Shampoo statistics every N steps");
   SPEC("precond-start", K_LONG, &o->roots_start, 1, 1e9,
        "first step that may use roots (the grafted step before)");
@@ -721,9 +725,7 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->cpu_ms, 5);
   fputc(',', f);
   tr__csv_num(f, r->kl_scale, 5);
-  if (fputc('\n', f) == EOF) return TR_EIO;
-  /* an evaluation row reaches the file at once, so a run can be followed (or stopped) live */
-  return isnan(r->eval_loss) || fflush(f) == 0 ? TR_OK : TR_EIO;
+  return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
 static void tr__json_num(FILE *f, const char *key, double v, int last) {

@@ -88,7 +88,7 @@ typedef struct {
   double shampoo_momentum; /* momentum on the grafted direction */
   double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off */
   int shampoo_nesterov;    /* 1: Nesterov look-ahead of that first moment */
-  int one_sided;           /* 1: one root per block, exponent 1/2 (default: 1/4 per side) */
+  int one_sided;           /* 1: one root per block, exponent 1/2 (default: both sides) */
   int root_method;         /* 0: the daemon's coupled Newton, 1: eigh (PC_METHOD_EIGH) */
   int root_exponent;       /* p of L^(-1/p) G R^(-1/p) */
   long stat_every;         /* push statistics every N steps (default 1) */

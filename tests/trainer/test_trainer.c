@@ -272,8 +272,8 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout_from_daemon), cmocka_unit_test(test_push_and_roots),
       cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_root_method),
-      cmocka_unit_test(test_fallback_counted),
-      cmocka_unit_test(test_daemon_absent),      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_fallback_counted),   cmocka_unit_test(test_daemon_absent),
+      cmocka_unit_test(test_bad_arguments),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
