@@ -621,6 +621,7 @@ int main(int argc, char **argv) {
   d.store.link = link; /* before any job: ownership is planned when a job is added */
   d.store.job_memory_limit = d.cfg.job_memory_limit_bytes;
   d.store.ended_max = d.cfg.ended_jobs;
+  d.store.warm_roots = d.cfg.warm_roots; /* Register keeps room for the warm route's scratch */
   if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
   if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
   if (ok && !*d.cfg.state_dir)

@@ -411,7 +411,8 @@ struct pd_job {
   size_t ndiag;
   uint32_t *diag;                     /* tensors with no units */
   int in_store;                       /* its statistics are counted in the daemon's memory */
-  size_t scratch_max;                 /* pd_unit_scratch_bytes of its largest unit */
+  size_t scratch_max;                 /* pd_unit_scratch_bytes of its largest unit (cold from
+                                       * pd_job_build; the store's warm rule once added) */
   uint64_t version_base;              /* the store's epoch << 40: root versions start above it */
   const struct pd_replica_link *link; /* the store's (NULL: one daemon) */
   double *rank_load;                  /* estimated cost owned per rank (pd_replica_plan) */
@@ -447,6 +448,8 @@ typedef struct {
    * one computation always fits; more run at once only while their scratch fits too. */
   _Atomic size_t reserved;    /* pd_job_bytes of the listed jobs */
   _Atomic size_t scratch_max; /* the largest scratch_max of the listed jobs */
+  int warm_roots;             /* the pool warm-starts roots (--warm-roots): their scratch
+                               * bound is the warm one (set after pd_store_init) */
   uint32_t max_blocks_per_job;
   _Atomic uint64_t generation;        /* bumped by every change: snapshots skip when unchanged */
   uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
@@ -484,6 +487,9 @@ int pd_job_same(const pd_job *a, const pd_job *b);
 /* Bytes the job needs: its records (names, shapes, blocks), statistics and one result per
  * unit. */
 size_t pd_job_bytes(const pd_job *job);
+
+/* The largest pd_unit_scratch_bytes(u, warm) of the job's units. */
+size_t pd_job_scratch_bytes(const pd_job *job, int warm);
 
 /* 1 if job's reservation (pd_job_bytes) is above the store's per-job limit. */
 int pd_store_job_over_limit(const pd_store *st, const pd_job *job);
@@ -684,8 +690,10 @@ typedef struct {
  * its published result: the pool's private copy of the state and the new result, and the
  * dense numerics (80 n^2 bytes for the largest order n: the fp32 Newton keeps five n x n
  * fp64 iterates and an fp64 copy for its residual, the mode two fp32 n x n matrices; eigh
- * and K-FAC's inverses take less). */
-size_t pd_unit_scratch_bytes(const pd_block *u);
+ * and K-FAC's inverses take less). With warm (--warm-roots on) and a mode that keeps
+ * per-unit state, 48 n^2 more: the warm route's own buffers, held while its cold fallback
+ * runs (scheduler.c). */
+size_t pd_unit_scratch_bytes(const pd_block *u, int warm);
 
 typedef enum {
   PD_ROOT_PUBLISHED = 0, /* computed and published */

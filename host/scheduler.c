@@ -261,14 +261,24 @@ cleanup:
   return rc;
 }
 
-size_t pd_unit_scratch_bytes(const pd_block *u) {
+/* The warm route's own buffers per n^2 bytes (preconditioner/warm_impl.h, warm_route: B in
+ * fp64, 8; N, V1 and G in fp32, 12; the fp64 Rayleigh products, 24; 4 more cover its 20 n
+ * bytes of vectors for n >= 5). They stay allocated while the route falls back to a cold
+ * root, so they come on top of the cold bound; the seeding eigendecomposition (syevd, about
+ * 8 n^2) and the guard's sampled residual (8 n^2) fit in the cold bound's share. */
+#define PD_WARM_SCRATCH_N2 48
+
+size_t pd_unit_scratch_bytes(const pd_block *u, int warm) {
   size_t nmax = 1, parts = 0;
   for (uint32_t k = 0; k < u->nparts; k++) {
     if (u->order[k] > nmax) nmax = (size_t)u->order[k];
     parts += pc_packed_len(u->order[k]);
   }
+  /* Only a mode that keeps per-unit state (Shampoo's eigenbases) has a warm route. */
+  size_t per_n2 = 80 + (warm && u->job->mode->unit_free ? PD_WARM_SCRATCH_N2 : 0);
   /* The state's copy and the new result (parts), the drift probes, the dense numerics. */
-  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) + 80 * nmax * nmax;
+  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) +
+         per_n2 * nmax * nmax;
 }
 
 /* The queue entry a free worker takes (the policy above) among those whose scratch fits in
@@ -283,7 +293,7 @@ static size_t pd__pick(pd_sched *s, size_t *need) {
   }
   size_t best = s->len;
   for (size_t i = 0; i < s->len; i++) {
-    size_t n = pd_unit_scratch_bytes(s->queue[i]);
+    size_t n = pd_unit_scratch_bytes(s->queue[i], s->rules.warm_start);
     if (n > avail && s->scratch_in_use > 0) continue;
     if (best == s->len || pd_sched_before(s->queue[i], s->queue[best])) {
       best = i;

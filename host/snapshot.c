@@ -627,7 +627,8 @@ static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err
   qsort(jobs, njobs, sizeof *jobs, pd__cmp_job_name);
   size_t total = 0, scratch = 0;
   for (uint32_t i = 0; i < njobs; i++) {
-    if (jobs[i]->scratch_max > scratch) scratch = jobs[i]->scratch_max;
+    size_t need = pd_job_scratch_bytes(jobs[i], st->warm_roots);
+    if (need > scratch) scratch = need;
     if (i > 0 && strcmp(jobs[i - 1]->name, jobs[i]->name) == 0) {
       snprintf(err, errlen, "job \"%s\": stored twice", jobs[i]->name);
       return PD_ECORRUPT;

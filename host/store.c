@@ -269,9 +269,8 @@ int pd_job_build(const char *name, const pd_mode *mode, const void *opts, size_t
     b->nparts = units[k].nparts;
     memcpy(b->order, units[k].order, sizeof b->order);
     job->nblocks++;
-    size_t scratch = pd_unit_scratch_bytes(b);
-    if (scratch > job->scratch_max) job->scratch_max = scratch;
   }
+  job->scratch_max = pd_job_scratch_bytes(job, 0);
   free(units);
   *out = job;
   return PD_OK;
@@ -292,6 +291,15 @@ int pd_job_same(const pd_job *a, const pd_job *b) {
     if (memcmp(x->dims, y->dims, (size_t)x->rank * sizeof *x->dims) != 0) return 0;
   }
   return 1;
+}
+
+size_t pd_job_scratch_bytes(const pd_job *job, int warm) {
+  size_t most = 0;
+  for (size_t i = 0; i < job->nblocks; i++) {
+    size_t n = pd_unit_scratch_bytes(&job->blocks[i], warm);
+    if (n > most) most = n;
+  }
+  return most;
 }
 
 size_t pd_job_bytes(const pd_job *job) {
@@ -540,6 +548,8 @@ int pd_store_register(pd_store *st, pd_job *job, int reuse_ended, pd_job **exist
     *existing = old;
     goto done;
   }
+  /* The pool's rule decides the scratch it keeps room for (warm roots take more). */
+  job->scratch_max = pd_job_scratch_bytes(job, st->warm_roots);
   size_t tomb = pd__ended_find_locked(st, job->name);
   if (tomb < st->nended && !reuse_ended) {
     if (ended) *ended = (pd_ended_job){NULL, st->ended[tomb].ended_at, st->ended[tomb].how};

@@ -642,19 +642,40 @@ static void test_job_memory_limit(void **state) {
   daemon_free(d);
 }
 
+/* Pushes 64 x 64 statistics l to every block of job (256 x 64 in 64 x 64 blocks: blocks 0
+ * and k at step k, k = 1..3) and waits until the pool has computed a root of each. */
+static void push_all_and_wait(pd_daemon *d, const char *job, const float *l, char *why) {
+  for (uint32_t id1 = 1; id1 < 4; id1++)
+    assert_int_equal(push2(d, job, id1, l, 64, l, 64, id1, why), GRPC_STATUS_OK);
+  for (int i = 0;
+       i < 20000 && (pd_sched_depth(&d->sched) > 0 || atomic_load(&d->stats.roots_computed) < 4);
+       i++)
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  assert_true(atomic_load(&d->stats.roots_computed) >= 4);
+}
+
+/* A daemon with warm roots on or off, two pool threads (which could compute two blocks at
+ * once) and job "j" registered: 256 x 64 in four 64 x 64 blocks. */
+static pd_daemon *scratch_daemon(int warm, char *why) {
+  pd_daemon *d = daemon_new(64);
+  d->cfg.warm_roots = warm;
+  d->store.warm_roots = d->cfg.warm_roots; /* as main.c does */
+  pd_sched_stop(&d->sched);
+  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
+  assert_int_equal(pd_sched_start(&d->sched, 2, &d->stats, &rules), PD_OK);
+  assert_int_equal(reg(d, "j", 256, 64, 64, NULL, why), GRPC_STATUS_OK);
+  return d;
+}
+
 /* The pool's scratch is in the budget: Register keeps room to compute the job's largest
  * block (a job whose records fit but whose computation would not is refused), and the pool
  * runs only as many computations at once as the free budget holds, queueing the rest. */
 static void test_scratch_in_budget(void **state) {
   (void)state;
-  pd_daemon *d = daemon_new(64);
-  pd_sched_stop(&d->sched); /* two pool threads, which could compute two blocks at once */
-  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
-  assert_int_equal(pd_sched_start(&d->sched, 2, &d->stats, &rules), PD_OK);
   char why[512];
-  assert_int_equal(reg(d, "j", 256, 64, 64, NULL, why), GRPC_STATUS_OK); /* 4 blocks */
+  pd_daemon *d = scratch_daemon(0, why);
   pd_job *job = job_of(d, "j");
-  size_t one = pd_unit_scratch_bytes(&job->blocks[0]);
+  size_t one = pd_unit_scratch_bytes(&job->blocks[0], 0);
   assert_int_equal(job->scratch_max, one);
   assert_true(one > 80 * 64 * 64);
   /* Room for the job and one computation and a half. */
@@ -662,13 +683,7 @@ static void test_scratch_in_budget(void **state) {
   assert_int_equal(reserved, pd_job_bytes(job));
   d->store.memory_limit = reserved + one + one / 2;
   float *l = stat(64, 1);
-  for (uint32_t id1 = 1; id1 < 4; id1++)
-    assert_int_equal(push2(d, "j", id1, l, 64, l, 64, id1, why), GRPC_STATUS_OK);
-  for (int i = 0;
-       i < 20000 && (pd_sched_depth(&d->sched) > 0 || atomic_load(&d->stats.roots_computed) < 4);
-       i++)
-    nanosleep(&(struct timespec){0, 1000000}, NULL);
-  assert_true(atomic_load(&d->stats.roots_computed) >= 4);
+  push_all_and_wait(d, "j", l, why);
   for (int b = 0; b < 4; b++) assert_true(atomic_load(&job->blocks[b].has_root));
   /* One computation at a time: never two blocks' scratch together. */
   assert_int_equal(atomic_load(&d->stats.scratch_peak), one);
@@ -689,6 +704,55 @@ static void test_scratch_in_budget(void **state) {
   daemon_free(d);
 }
 
+/* With --warm-roots on, a Shampoo computation's scratch is the warm bound: the warm route's
+ * buffers (48 n^2) stay allocated while it falls back to a cold root, on top of the cold
+ * bound. Register keeps room for it, the pool admits by it (two cold-bounded computations
+ * would fit in the budget below, one warm one does), and GetStats counts it. */
+static void test_warm_scratch_in_budget(void **state) {
+  (void)state;
+  char why[512];
+  pd_daemon *d = scratch_daemon(1, why);
+  pd_job *job = job_of(d, "j");
+  size_t cold = pd_unit_scratch_bytes(&job->blocks[0], 0);
+  size_t warm = pd_unit_scratch_bytes(&job->blocks[0], 1);
+  assert_int_equal(warm - cold, 48 * 64 * 64);
+  assert_int_equal(job->scratch_max, warm);
+  assert_int_equal(atomic_load(&d->store.scratch_max), warm);
+  size_t reserved = atomic_load(&d->store.reserved);
+  assert_true(2 * cold < warm + warm / 2);
+  d->store.memory_limit = reserved + warm + warm / 2;
+  float *l = stat(64, 1);
+  push_all_and_wait(d, "j", l, why);
+  for (int b = 0; b < 4; b++) {
+    assert_true(atomic_load(&job->blocks[b].has_root));
+    assert_non_null(job->blocks[b].mode_state); /* computed warm (seeded) */
+  }
+  /* One computation at a time, counted at the warm bound. */
+  assert_int_equal(atomic_load(&d->stats.scratch_peak), warm);
+  Precond__V1__StatsResponse *st = stats_of(d);
+  assert_int_equal(st->scratch_peak_bytes, warm);
+  assert_int_equal(st->scratch_bytes, 0);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  /* A second job (one 64 x 64 block: the same scratch) whose records fit with room for a
+   * cold computation but not a warm one is refused; with room for a warm one it is not. */
+  pd_shampoo_opts o = {0};
+  assert_int_equal(pd_mode_shampoo.resolve(&o, why, 512), PD_OK);
+  o.block_size = 64;
+  uint64_t dims[2] = {64, 64};
+  pd_tensor t = {(char *)"w", 2, dims};
+  pd_job *k = NULL;
+  assert_int_equal(pd_job_build("k", &pd_mode_shampoo, &o, 1, &t, 100, &k, why, 512), PD_OK);
+  size_t kbytes = pd_job_bytes(k);
+  pd_job_free(k, NULL);
+  d->store.memory_limit = atomic_load(&d->store.reserved) + kbytes + cold + 1000;
+  assert_int_equal(reg(d, "k", 64, 64, 64, NULL, why), GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(why, "scratch"));
+  d->store.memory_limit = atomic_load(&d->store.reserved) + kbytes + warm;
+  assert_int_equal(reg(d, "k", 64, 64, 64, NULL, why), GRPC_STATUS_OK);
+  free(l);
+  daemon_free(d);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -702,6 +766,7 @@ int main(void) {
       cmocka_unit_test(test_idle_expiry),
       cmocka_unit_test(test_job_memory_limit),
       cmocka_unit_test(test_scratch_in_budget),
+      cmocka_unit_test(test_warm_scratch_in_budget),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

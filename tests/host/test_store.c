@@ -132,7 +132,7 @@ static void test_store_add_and_memory(void **state) {
   pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
   /* Its reservation, and room to compute its largest block (the pool's scratch). */
   size_t need = pd_job_bytes(job) + job->scratch_max;
-  assert_int_equal(job->scratch_max, pd_unit_scratch_bytes(&job->blocks[0]));
+  assert_int_equal(job->scratch_max, pd_unit_scratch_bytes(&job->blocks[0], 0));
   assert_true(job->scratch_max >= 80 * 8 * 8);
   /* A limit one byte short refuses the job and leaves it to the caller. */
   assert_int_equal(pd_store_init(&st, &stats, need - 1, 100), PD_OK);
