@@ -132,6 +132,9 @@ void tr_options_default(tr_options *o) {
   o->factor_first_epochs = ko.first_epochs;
   o->epoch_steps = 0;
   o->kfac_bf16 = 0;
+  pt_options po; /* the trainer's own K-FAC defaults (pt_options_default: one source) */
+  pt_options_default(&po, PT_MODE_KFAC);
+  o->kfac_a_images = (long)po.kfac.a_images;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
            addr != NULL && addr[0] != '\0' ? addr : "127.0.0.1:50551");

@@ -410,7 +410,7 @@ typedef struct {
   int kl_base_lr;          /* 1: the clip's lr is the run's base (peak) rate, so it bounds the
                                unscheduled step and the schedule (warm-up, decay) scales the
                                clipped step; 0: the step's own rate (KAISA), under which a
-                               clipped step ignores the schedule (docs/kfac.md). Default 0 */
+                               clipped step ignores the schedule (docs/kfac.md). Default 1 */
   long inv_every;          /* inverses recomputed every this many factor folds; 10; >= 1 */
   long factor_every_first; /* factors every this many steps in the first epochs; 1; >= 1 */
   long factor_every;       /* ... and every this many after them (Osawa's stale schedule);

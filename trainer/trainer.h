@@ -76,7 +76,7 @@ typedef struct {
   int push_bf16;        /* 1: factors travel as bf16 (half the bytes); default 0 */
   size_t a_images;      /* conv layers: A from the first a_images images of the batch
                               only (KFC's expectation from a subset: the A syrk is most
-                              of a factor step's cost); 0 (default): the whole batch */
+                              of a factor step's cost); default 16; 0: the whole batch */
   int quiet;            /* 1: do not list each layer's treatment on stderr at start */
   double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
                               rate pt_step has been given so far */
