@@ -6,7 +6,7 @@
  * loopback port, one on a unix socket), it measures:
  *   push   PushStatistics of one n x n block (both packed factors, fp32 or with --bf16 bf16),
  *          (--wire over a unix socket: push-shm and fetch-shm rows too, the matrices through
- *          a shared-memory region, client/shm.h: a copy with its checksum each way)
+ *          a shared-memory region, proto/rpc.h: a copy with its checksum each way)
  *          1..16 clients each on its own channel, back to back for --seconds: MB/s and
  *          latency percentiles, next to a single-threaded memcpy of the same bytes (the limit);
  *   fetch  FetchPreconditioners of one n x n block's roots (the same job for every client),
@@ -52,7 +52,6 @@
 #include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
-#include "shm.h"
 
 #define MAX_LIST 16
 #define CALL_MS  120000
@@ -360,7 +359,7 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
-  int shm;           /* matrices through a shared-memory region (client/shm.h) */
+  int shm;           /* matrices through a shared-memory region (proto/rpc.h) */
   double until;      /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
@@ -378,18 +377,18 @@ static void *worker_main(void *arg) {
   fr.job = (char *)w->job;
   if (w->pl->bf16) fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   /* Shared memory: a region with room for four of this cell's messages in each half. */
-  precond__shm shm = {.fd = -1};
+  rpc_shm shm = {.fd = -1};
   Precond__V1__ShmSession sess;
   Precond__V1__ShmRef refs[2];
   if (w->shm && ch != NULL) {
     grpc_status_code code;
     char err[256];
-    if (precond__shm_open(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), &shm, &code, err,
-                          sizeof err) != RPC_OK) {
+    if (rpc_shm_open(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), &shm, &code, err,
+                     sizeof err) != RPC_OK) {
       fprintf(stderr, "bench-daemon: %s\n", err);
       w->failed = 1;
     }
-    precond__shm_session(&shm, &sess);
+    rpc_shm_session(&shm, &sess);
     pm.req.shm = &sess;
     fr.shm = &sess;
   }
@@ -414,7 +413,7 @@ static void *worker_main(void *arg) {
       }
       Precond__V1__FetchResponse *r = (Precond__V1__FetchResponse *)resp;
       char err[160];
-      if (w->shm && precond__shm_fetch_in(&shm, r, err, sizeof err) < 0) {
+      if (w->shm && rpc_shm_fetch_in(&shm, r, err, sizeof err) < 0) {
         fprintf(stderr, "bench-daemon: %s\n", err);
         w->failed = 1;
       }
@@ -422,7 +421,7 @@ static void *worker_main(void *arg) {
         const Precond__V1__BlockRoots *b = r->preconditioners[i];
         w->bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
       }
-      if (w->shm) precond__shm_fetch_done(r);
+      if (w->shm) rpc_shm_fetch_done(r);
     } else {
       pm.req.step = step++;
       if (w->shm) {
@@ -431,8 +430,7 @@ static void *worker_main(void *arg) {
         pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
         pm.l.data.len = pm.r.data.len = w->pl->bytes;
         pm.l.shm = pm.r.shm = NULL;
-        if (precond__shm_put(&shm, &pm.l, &refs[0]) == 0 ||
-            precond__shm_put(&shm, &pm.r, &refs[1]) == 0) {
+        if (rpc_shm_put(&shm, &pm.l, &refs[0]) == 0 || rpc_shm_put(&shm, &pm.r, &refs[1]) == 0) {
           fprintf(stderr, "bench-daemon: a factor does not fit the region\n");
           w->failed = 1;
           break;
@@ -458,7 +456,7 @@ static void *worker_main(void *arg) {
     }
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
   }
-  precond__shm_close(&shm);
+  rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
   return NULL;
 }

@@ -30,7 +30,6 @@
 #include "preconditioner.h"
 #include "queue.h"
 #include "rpc.h"
-#include "shm.h"
 #include "wire.h"
 
 /* The public enums are the wire's values (and pc_method's: host/service.c checks those). */
@@ -79,9 +78,9 @@ struct precond_client {
   uint64_t newest_step;       /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
-  /* Shared memory (the background thread's alone; shm.h): the region, and when to try
+  /* Shared memory (the background thread's alone; rpc.h rpc_shm_*): the region, and when to try
    * to get one again after a failure. */
-  precond__shm shm;
+  rpc_shm shm;
   struct timespec shm_retry;
   uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
   int refused;           /* the daemon refused to register the job again (it was ended):
@@ -322,8 +321,8 @@ static int shm_ensure(precond_client *c) {
   if (passed(&c->shm_retry)) {
     grpc_status_code code;
     char err[200];
-    if (precond__shm_open(c->channel, c->token, c->opts.call_timeout_ms, c->opts.shm_bytes,
-                          &c->shm, &code, err, sizeof err) != RPC_OK) {
+    if (rpc_shm_open(c->channel, c->token, c->opts.call_timeout_ms, c->opts.shm_bytes, &c->shm,
+                     &code, err, sizeof err) != RPC_OK) {
       c->shm_retry = deadline_in(10000);
       set_error(c, "shared memory", err);
     }
@@ -335,7 +334,7 @@ static int shm_ensure(precond_client *c) {
 /* After a call that named the region failed with FAILED_PRECONDITION: the daemon may not
  * know the region (it restarted): drop it; the next call opens a new one. */
 static void shm_lost(precond_client *c) {
-  precond__shm_close(&c->shm);
+  rpc_shm_close(&c->shm);
   c->shm_retry = deadline_in(0);
 }
 
@@ -407,9 +406,9 @@ static int send_batch_once(precond_client *c, const char *job, precond_mode mode
   Precond__V1__ShmRef *refs = use_shm ? calloc(2 * n, sizeof(*refs)) : NULL;
   if (use_shm && refs == NULL) goto cleanup;
   for (size_t i = 0; use_shm && i < 2 * n; i++)
-    if (pm[i].data.len > 0) *shm_bytes += precond__shm_put(&c->shm, &pm[i], &refs[i]);
+    if (pm[i].data.len > 0) *shm_bytes += rpc_shm_put(&c->shm, &pm[i], &refs[i]);
   if (*shm_bytes > 0) {
-    precond__shm_session(&c->shm, &sess);
+    rpc_shm_session(&c->shm, &sess);
     req.shm = &sess;
   }
   ProtobufCMessage *resp = NULL;
@@ -483,7 +482,7 @@ static int poll_roots(precond_client *c) {
   Precond__V1__ShmSession sess;
   int st = shm_ensure(c), use_shm = c->shm.map != NULL;
   if (use_shm) {
-    precond__shm_session(&c->shm, &sess);
+    rpc_shm_session(&c->shm, &sess);
     req.shm = &sess;
   }
   if (st == PRECOND_OK)
@@ -495,10 +494,10 @@ static int poll_roots(precond_client *c) {
   long long shm_in = 0;
   if (msg != NULL && use_shm) {
     char err[160];
-    shm_in = precond__shm_fetch_in(&c->shm, (Precond__V1__FetchResponse *)msg, err, sizeof err);
+    shm_in = rpc_shm_fetch_in(&c->shm, (Precond__V1__FetchResponse *)msg, err, sizeof err);
     if (shm_in < 0) {
       set_error(c, "FetchPreconditioners", err);
-      precond__shm_fetch_done((Precond__V1__FetchResponse *)msg);
+      rpc_shm_fetch_done((Precond__V1__FetchResponse *)msg);
       protobuf_c_message_free_unpacked(msg, NULL);
       msg = NULL;
       st = PRECOND_EPROTO;
@@ -552,7 +551,7 @@ static int poll_roots(precond_client *c) {
   if (published > 0) pthread_cond_broadcast(&c->progress);
   if (got == NULL && st == PRECOND_OK) st = PRECOND_ENOMEM;
   free(got);
-  if (msg != NULL && use_shm) precond__shm_fetch_done((Precond__V1__FetchResponse *)msg);
+  if (msg != NULL && use_shm) rpc_shm_fetch_done((Precond__V1__FetchResponse *)msg);
   if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
   free(job);
   free(bv);
@@ -845,7 +844,7 @@ void precond_close(precond_client *c) {
     pthread_join(c->thread, NULL);
   }
   job_clear(c);
-  precond__shm_close(&c->shm); /* the thread, its only user, is gone */
+  rpc_shm_close(&c->shm); /* the thread, its only user, is gone */
   grpc_channel_destroy(c->channel);
   grpc_shutdown();
   pthread_cond_destroy(&c->progress);

@@ -34,6 +34,8 @@
 #include <grpc/status.h>
 #include <protobuf-c/protobuf-c.h>
 
+#include "precond.pb-c.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -232,6 +234,50 @@ int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off)
  * No overflow for any input. */
 int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset, uint64_t length,
                       size_t expect);
+
+/* The client's side of a region (libprecond's background thread and bench-daemon's shm
+ * rows): one thread uses a region at a time. */
+typedef struct {
+  uint64_t id;
+  uint8_t secret[RPC_SHM_SECRET_BYTES];
+  unsigned char *map; /* NULL: no region */
+  size_t bytes;
+  int fd;
+  uint64_t in_pos; /* next free byte of the client's ring (the first half) */
+} rpc_shm;
+
+/* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
+ * names, takes a shared flock on it (held until rpc_shm_close: the daemon frees the
+ * region when no lock is left, e.g. when this process dies) and maps it. On RPC_OK *s is
+ * ready; otherwise *s is closed, *code has the gRPC status (UNIMPLEMENTED: a daemon without
+ * shared memory) and err a message. token as rpc_call_token's. Owns its mapping and
+ * descriptor until rpc_shm_close. */
+int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t want, rpc_shm *s,
+                 grpc_status_code *code, char *err, size_t errlen);
+
+/* Unmaps and closes (dropping the lock). A closed or zeroed *s is a no-op. */
+void rpc_shm_close(rpc_shm *s);
+
+/* The session fields a request carries. */
+void rpc_shm_session(const rpc_shm *s, Precond__V1__ShmSession *w);
+
+/* Moves the bytes of push matrix m into the region (its ring), if they fit the first half:
+ * sets m->shm to *ref (caller-provided, lives until the call is sent) and empties m->data.
+ * Returns the bytes moved (0: m keeps its bytes). */
+size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
+
+/* For every matrix of a fetch answer that names the region: checks that the reference lies
+ * in the daemon's half and that the bytes there have its CRC-32C, and points data at them
+ * (no copy: the caller decodes them into its own roots, the one copy the bytes path makes
+ * too). Returns the bytes checked, or -1 with a message naming the field in err (a
+ * reference out of place or a checksum that differs: the answer must not be used). Either
+ * way rpc_shm_fetch_done(r) must run before r is freed. */
+long long rpc_shm_fetch_in(const rpc_shm *s, Precond__V1__FetchResponse *r, char *err,
+                           size_t errlen);
+
+/* Detaches the data pointers rpc_shm_fetch_in set (they are the region's, not the
+ * answer's), so protobuf_c_message_free_unpacked(r) frees only what is r's. */
+void rpc_shm_fetch_done(Precond__V1__FetchResponse *r);
 
 /* ---- json.c: the JSON string escaper of precondctl and the benchmark clients ---------- */
 

@@ -1,6 +1,7 @@
 /* test_rpc.c -- unit tests of proto/ (rpc.h): byte-buffer packing, size limits, channels, and
  * the blocking call's failure paths (no server: nothing listens on the port used); the packed
- * codec (codec.c) and the JSON string escaper (json.c). */
+ * codec (codec.c), the shared-memory rules and client side (shm.c) and the JSON string
+ * escaper (json.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include <cmocka.h>
 
@@ -194,6 +196,88 @@ static void test_shm_rules(void **state) {
   assert_int_equal(rpc_shm_ref_check(1024, 0, 512, 8, UINT64_MAX, (size_t)-1), RPC_EINVAL);
 }
 
+/* proto/shm.c, the client's side on an anonymous mapping (no daemon): pushes go into the
+ * first half's ring with their checksum or stay as bytes; fetched references are taken from
+ * the daemon's half only, and only with a matching checksum. */
+static void test_shm_client(void **state) {
+  (void)state;
+  enum { R = 2048 };
+  rpc_shm s = {.fd = -1, .id = 42};
+  memset(s.secret, 0xAB, sizeof s.secret);
+  void *map = mmap(NULL, R, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_true(map != MAP_FAILED);
+  s.map = map;
+  s.bytes = R;
+
+  Precond__V1__ShmSession sess;
+  rpc_shm_session(&s, &sess);
+  assert_int_equal(sess.id, 42);
+  assert_int_equal(sess.secret.len, RPC_SHM_SECRET_BYTES);
+  assert_memory_equal(sess.secret.data, s.secret, RPC_SHM_SECRET_BYTES);
+
+  uint8_t bytes[100], big[R];
+  for (size_t i = 0; i < sizeof bytes; i++) bytes[i] = (uint8_t)(3 * i + 1);
+  Precond__V1__PackedMatrix m = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__ShmRef ref[2];
+  for (int k = 0; k < 2; k++) {
+    m.data.data = bytes;
+    m.data.len = sizeof bytes;
+    m.shm = NULL;
+    assert_int_equal(rpc_shm_put(&s, &m, &ref[k]), sizeof bytes);
+    assert_ptr_equal(m.shm, &ref[k]);
+    assert_null(m.data.data);
+    assert_int_equal(m.data.len, 0);
+    assert_int_equal(ref[k].offset, (uint64_t)k * 2 * RPC_SHM_ALIGN); /* 100 -> 128 aligned */
+    assert_int_equal(ref[k].length, sizeof bytes);
+    assert_int_equal(ref[k].crc32c, rpc_shm_crc(bytes, sizeof bytes));
+    assert_memory_equal(s.map + ref[k].offset, bytes, sizeof bytes);
+  }
+  memset(big, 7, sizeof big); /* more than the client's half: stays as bytes */
+  m.data.data = big;
+  m.data.len = R / 2 + 1;
+  m.shm = NULL;
+  assert_int_equal(rpc_shm_put(&s, &m, &ref[0]), 0);
+  assert_ptr_equal(m.data.data, big);
+  assert_null(m.shm);
+
+  /* A fetch answer naming the daemon's half. */
+  memset(s.map + R / 2, 0x5A, 64);
+  Precond__V1__ShmRef in = PRECOND__V1__SHM_REF__INIT;
+  in.offset = R / 2;
+  in.length = 64;
+  in.crc32c = rpc_shm_crc(s.map + R / 2, 64);
+  Precond__V1__PackedMatrix left = PRECOND__V1__PACKED_MATRIX__INIT;
+  left.shm = &in;
+  Precond__V1__BlockRoots b = PRECOND__V1__BLOCK_ROOTS__INIT;
+  b.left = &left;
+  Precond__V1__BlockRoots *bs[1] = {&b};
+  Precond__V1__FetchResponse r = PRECOND__V1__FETCH_RESPONSE__INIT;
+  r.n_preconditioners = 1;
+  r.preconditioners = bs;
+  char err[128] = "";
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), 64);
+  assert_ptr_equal(left.data.data, s.map + R / 2);
+  assert_int_equal(left.data.len, 64);
+  rpc_shm_fetch_done(&r);
+  assert_null(left.data.data);
+  assert_int_equal(left.data.len, 0);
+
+  s.map[R / 2 + 5] ^= 1; /* bytes a wrap overwrote: refused */
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), -1);
+  assert_non_null(strstr(err, "preconditioners[0].left.shm: checksum mismatch"));
+  rpc_shm_fetch_done(&r);
+  in.offset = 0; /* the client's own half */
+  in.crc32c = rpc_shm_crc(s.map, 64);
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), -1);
+  assert_non_null(strstr(err, "outside the daemon's half"));
+  rpc_shm_fetch_done(&r);
+
+  rpc_shm_close(&s); /* unmaps */
+  assert_null(s.map);
+  assert_int_equal(s.fd, -1);
+  rpc_shm_close(&s); /* a closed region: a no-op */
+}
+
 static void test_call_without_server(void **state) {
   (void)state;
   assert_null(rpc_channel_create("", 0));
@@ -298,6 +382,7 @@ int main(void) {
       cmocka_unit_test(test_size_args),
       cmocka_unit_test(test_args),
       cmocka_unit_test(test_shm_rules),
+      cmocka_unit_test(test_shm_client),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
