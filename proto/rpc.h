@@ -34,7 +34,13 @@
 #include <grpc/status.h>
 #include <protobuf-c/protobuf-c.h>
 
-#include "precond.pb-c.h"
+/* The wire messages the shared-memory helpers below take, declared, not defined: a file that
+ * builds or reads them includes the generated precond.pb-c.h itself, and the rest (in host/,
+ * everything but the service layer) stays free of generated headers. */
+typedef struct Precond__V1__ShmSession Precond__V1__ShmSession;
+typedef struct Precond__V1__PackedMatrix Precond__V1__PackedMatrix;
+typedef struct Precond__V1__ShmRef Precond__V1__ShmRef;
+typedef struct Precond__V1__FetchResponse Precond__V1__FetchResponse;
 
 #ifdef __cplusplus
 extern "C" {

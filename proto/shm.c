@@ -8,6 +8,8 @@
  */
 #include "rpc.h"
 
+#include "precond.pb-c.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
