@@ -80,7 +80,7 @@ typedef struct {
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
   int ndaemon_args;
-  double memcpy_mb_s[MAX_LIST]; /* per size, measured before any daemon runs */
+  double memcpy_mb_s[MAX_LIST];   /* per size, measured before any daemon runs */
   double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
   int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
@@ -97,7 +97,8 @@ static const bench_opts *g_opts; /* the measured channels read --channel-arg fro
 static grpc_channel *bench_channel(const char *addr) {
   rpc_args a;
   rpc_args_init(&a, 0);
-  if (g_window_mb > 0) rpc_args_set_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, g_window_mb << 20);
+  if (g_window_mb > 0)
+    rpc_args_set_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, g_window_mb << 20);
   for (int i = 0; g_opts != NULL && i < g_opts->nchannel_args; i++)
     rpc_args_parse(&a, g_opts->channel_args[i]); /* checked when parsed in main */
   return rpc_channel_create_args(addr, &a);
@@ -530,12 +531,13 @@ static void print_row(const char *bench, const char *transport, size_t n, int cl
   double ratio =
       base_value > 0 ? (strcmp(baseline, "memcpy") == 0 ? mbs : ops_s) / base_value : 0.0;
   if (g_json)
-    printf("%s{\"bench\":\"%s\",\"transport\":\"%s\",\"block\":%zu,\"clients\":%d,"
-           "\"ops\":%llu,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"ops_per_s\":%.1f,"
-           "\"p50_ms\":%.3f,\"p90_ms\":%.3f,\"p99_ms\":%.3f,\"baseline\":\"%s\","
-           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"payload_bytes\":%zu}",
-           g_rows ? ",\n" : "", bench, transport, n, clients, (unsigned long long)ops, secs, mbs,
-           ops_s, p[0], p[1], p[2], baseline, base_value, ratio, payload_bytes);
+    printf(
+        "%s{\"bench\":\"%s\",\"transport\":\"%s\",\"block\":%zu,\"clients\":%d,"
+        "\"ops\":%llu,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"ops_per_s\":%.1f,"
+        "\"p50_ms\":%.3f,\"p90_ms\":%.3f,\"p99_ms\":%.3f,\"baseline\":\"%s\","
+        "\"baseline_value\":%.1f,\"ratio\":%.4f,\"payload_bytes\":%zu}",
+        g_rows ? ",\n" : "", bench, transport, n, clients, (unsigned long long)ops, secs, mbs,
+        ops_s, p[0], p[1], p[2], baseline, base_value, ratio, payload_bytes);
   else
     printf("%s,%s,%zu,%d,%llu,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f,%s,%.1f,%.4f,%zu\n", bench, transport,
            n, clients, (unsigned long long)ops, secs, mbs, ops_s, p[0], p[1], p[2], baseline,
@@ -609,8 +611,8 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
              shm ? "-shm" : "");
-    print_row(name, transport, pl->n, k, total, secs, (double)bytes / secs / 1e6, (double)total / secs, p,
-              "memcpy", memcpy_rate, 2 * pl->bytes);
+    print_row(name, transport, pl->n, k, total, secs, (double)bytes / secs / 1e6,
+              (double)total / secs, p, "memcpy", memcpy_rate, 2 * pl->bytes);
     rc = 0;
   }
   free(all);
@@ -1339,8 +1341,8 @@ int main(int argc, char **argv) {
   }
   /* --wire: message sizes 64 KiB (n = 128: 2 x 33 KB) to 64 MiB (n = 4096), one client,
    * and only the wire's rows. */
-  if (!sizes_set) parse_list(o.wire ? "128,256,512,1024,2048,4096" : "256,1024,4096", o.sizes,
-                             NULL, &o.nsizes);
+  if (!sizes_set)
+    parse_list(o.wire ? "128,256,512,1024,2048,4096" : "256,1024,4096", o.sizes, NULL, &o.nsizes);
   if (!clients_set) parse_list(o.wire ? "1" : "1,4,16", NULL, o.clients, &o.nclients);
   if (o.wire && !fetch_set) o.fetch_max = 2048;
   if (o.wire) o.reps = o.pool_blocks = 0;
@@ -1376,8 +1378,8 @@ int main(int argc, char **argv) {
         "baseline,baseline_value,ratio,payload_bytes\n");
   for (int si = 0; o.wire && si < o.nsizes; si++) {
     size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
-    print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si], o.memcpy_mb_s[si] * 1e6 /
-              (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+    print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si],
+              o.memcpy_mb_s[si] * 1e6 / (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
   }
   int rc = 0;
   if (o.mpirun != NULL) {

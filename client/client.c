@@ -328,7 +328,7 @@ static int shm_ensure(precond_client *c) {
     }
   }
   return c->shm.map != NULL || c->opts.transport != PRECOND_TRANSPORT_SHM ? PRECOND_OK
-                                                                           : PRECOND_ESTATE;
+                                                                          : PRECOND_ESTATE;
 }
 
 /* After a call that named the region failed with FAILED_PRECONDITION: the daemon may not

@@ -277,8 +277,7 @@ size_t pd_unit_scratch_bytes(const pd_block *u, int warm) {
   /* Only a mode that keeps per-unit state (Shampoo's eigenbases) has a warm route. */
   size_t per_n2 = 80 + (warm && u->job->mode->unit_free ? PD_WARM_SCRATCH_N2 : 0);
   /* The state's copy and the new result (parts), the drift probes, the dense numerics. */
-  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) +
-         per_n2 * nmax * nmax;
+  return 2 * parts * sizeof(float) + PD_DRIFT_PROBES * nmax * sizeof(float) + per_n2 * nmax * nmax;
 }
 
 /* The queue entry a free worker takes (the policy above) among those whose scratch fits in

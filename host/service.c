@@ -418,8 +418,8 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply
       if (!m || !m->shm) continue;
       rc = -1;
       if (m->data.len > 0) {
-        pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s: both data and shm are set",
-                 i, name[k]);
+        pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s: both data and shm are set", i,
+                 name[k]);
         break;
       }
       if (!req->shm) {

@@ -142,8 +142,7 @@ int rpc_args_parse(rpc_args *a, const char *key_eq_value) {
   char *end = NULL;
   errno = 0;
   long v = strtol(eq + 1, &end, 10);
-  if (end == eq + 1 || *end != '\0' || errno != 0 || v < INT_MIN || v > INT_MAX)
-    return RPC_EINVAL;
+  if (end == eq + 1 || *end != '\0' || errno != 0 || v < INT_MIN || v > INT_MAX) return RPC_EINVAL;
   return rpc_args_set_int(a, key, (int)v);
 }
 

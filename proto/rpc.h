@@ -87,7 +87,7 @@ void rpc_size_args(grpc_channel_args *args, grpc_arg arg[2], size_t max_bytes);
  * and the transport settings measured for large messages (RPC_TRANSPORT_ARGS in rpc.c; the
  * table and its measurements are in docs/precondd.md, "Wire"), plus what the caller adds.
  * Caller-allocated, nothing allocated: keys are copied into the struct. */
-#define RPC_ARGS_MAX     16
+#define RPC_ARGS_MAX      16
 #define RPC_ARG_KEY_BYTES 64
 typedef struct {
   grpc_arg arg[RPC_ARGS_MAX];
@@ -215,8 +215,8 @@ int rpc_packed_encode(int encoding, const float *in, size_t count, void *out);
  * the half it must lie in and the checksum against the bytes it copied, so bytes a wrap
  * overwrote are refused, never used.
  */
-#define RPC_METHOD_OPEN_SHM "/precond.v1.Preconditioner/OpenSharedMemory"
-#define RPC_SHM_ALIGN       64
+#define RPC_METHOD_OPEN_SHM  "/precond.v1.Preconditioner/OpenSharedMemory"
+#define RPC_SHM_ALIGN        64
 #define RPC_SHM_SECRET_BYTES 16
 
 /* CRC-32C (Castagnoli) of len bytes, continuing crc (0 to start). Hardware where the CPU

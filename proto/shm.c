@@ -43,8 +43,8 @@ static void rpc__crc_init(void) {
 /* Slicing-by-8 over the raw (pre/post-inverted by the caller) register. */
 static uint32_t rpc__crc_soft(uint32_t c, const unsigned char *p, size_t len) {
   for (; len >= 8; p += 8, len -= 8) {
-    uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                       (uint32_t)p[3] << 24);
+    uint32_t lo =
+        c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
     c = rpc__crc_table[7][lo & 0xff] ^ rpc__crc_table[6][(lo >> 8) & 0xff] ^
         rpc__crc_table[5][(lo >> 16) & 0xff] ^ rpc__crc_table[4][lo >> 24] ^
         rpc__crc_table[3][p[4]] ^ rpc__crc_table[2][p[5]] ^ rpc__crc_table[1][p[6]] ^
@@ -56,7 +56,7 @@ static uint32_t rpc__crc_soft(uint32_t c, const unsigned char *p, size_t len) {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("sse4.2"))) static uint32_t rpc__crc_hw(uint32_t c, const unsigned char *p,
-                                                               size_t len) {
+                                                              size_t len) {
   uint64_t c64 = c;
   for (; len >= 8; p += 8, len -= 8) {
     uint64_t v;
@@ -69,8 +69,8 @@ __attribute__((target("sse4.2"))) static uint32_t rpc__crc_hw(uint32_t c, const 
 }
 /* Three chains over three pieces of k bytes (a multiple of 8), raw registers in c[]. */
 __attribute__((target("sse4.2"))) static void rpc__crc3(uint64_t c[3], const unsigned char *p0,
-                                                         const unsigned char *p1,
-                                                         const unsigned char *p2, size_t k) {
+                                                        const unsigned char *p1,
+                                                        const unsigned char *p2, size_t k) {
   uint64_t a = c[0], b = c[1], e = c[2];
   for (size_t i = 0; i < k; i += 8) {
     uint64_t v0, v1, v2;
@@ -87,8 +87,9 @@ __attribute__((target("sse4.2"))) static void rpc__crc3(uint64_t c[3], const uns
 }
 #define RPC__HAVE_HW() __builtin_cpu_supports("sse4.2")
 #else
-__attribute__((unused)) static void rpc__crc3(uint64_t c[3], const unsigned char *p0, const unsigned char *p1,
-                      const unsigned char *p2, size_t k) {
+__attribute__((unused)) static void rpc__crc3(uint64_t c[3], const unsigned char *p0,
+                                              const unsigned char *p1, const unsigned char *p2,
+                                              size_t k) {
   c[0] = rpc__crc_soft((uint32_t)c[0], p0, k);
   c[1] = rpc__crc_soft((uint32_t)c[1], p1, k);
   c[2] = rpc__crc_soft((uint32_t)c[2], p2, k);

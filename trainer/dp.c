@@ -183,7 +183,7 @@ int pt_dp_any(pt_dp *dp, int *flag) {
 #ifdef PT_HAVE_MPI
   int mine = *flag != 0;
   return MPI_Allreduce(&mine, flag, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) == MPI_SUCCESS ? PT_OK
-                                                                                      : PT_EINVAL;
+                                                                                        : PT_EINVAL;
 #else
   (void)flag;
   return PT_EINVAL;

@@ -56,7 +56,7 @@ typedef struct {
   ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
-  int hook_rc; /* the first error a hook met (returned by pt_step too) */
+  int hook_rc;   /* the first error a hook met (returned by pt_step too) */
 } pt__kfac;
 
 /* ---- buffers ---------------------------------------------------------------------- */

@@ -160,14 +160,16 @@ static void test_stats_replicas(void **state) {
   jobs[0].rank_load = load;
   out = stats_out(&s, 0);
   assert_non_null(strstr(out, "rank 1 of 2 replicas"));
-  assert_non_null(strstr(out, "rank 1 of 2: roots 5 sent, 6 received; statistics 7 forwarded, "
-                              "8 received; 0 MPI errors\n"));
+  assert_non_null(strstr(out,
+                         "rank 1 of 2: roots 5 sent, 6 received; statistics 7 forwarded, "
+                         "8 received; 0 MPI errors\n"));
   assert_non_null(strstr(out, "resnet                   0: 75.0% 1: 25.0%\n"));
   free(out);
   out = stats_out(&s, 1);
-  assert_non_null(strstr(out, "\"replica\":{\"roots_sent\":5,\"roots_received\":6,"
-                              "\"stats_forwarded\":7,\"stats_received\":8,\"mpi_errors\":0,"
-                              "\"alone\":false}"));
+  assert_non_null(strstr(out,
+                         "\"replica\":{\"roots_sent\":5,\"roots_received\":6,"
+                         "\"stats_forwarded\":7,\"stats_received\":8,\"mpi_errors\":0,"
+                         "\"alone\":false}"));
   assert_non_null(strstr(out, "\"last_step\":99,\"rank_load\":[3000,1000]}"));
   free(out);
   jobs[0].nrank_load = 0;
@@ -229,10 +231,8 @@ static void test_health(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_stats_table),
-      cmocka_unit_test(test_stats_json),
-      cmocka_unit_test(test_stats_replicas),
-      cmocka_unit_test(test_blocks_table_and_json),
+      cmocka_unit_test(test_stats_table),    cmocka_unit_test(test_stats_json),
+      cmocka_unit_test(test_stats_replicas), cmocka_unit_test(test_blocks_table_and_json),
       cmocka_unit_test(test_health),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1481,9 +1481,9 @@ static grpc_status_code open_region(daemon_t *d, uint64_t bytes, region_t *g, ch
   req.bytes = bytes;
   memset(g, 0, sizeof *g);
   g->fd = -1;
-  grpc_status_code code = call(d, RPC_METHOD_OPEN_SHM, &req.base,
-                               &precond__v1__shm_open_response__descriptor,
-                               (ProtobufCMessage **)&g->r, msg, 512);
+  grpc_status_code code =
+      call(d, RPC_METHOD_OPEN_SHM, &req.base, &precond__v1__shm_open_response__descriptor,
+           (ProtobufCMessage **)&g->r, msg, 512);
   if (code != GRPC_STATUS_OK) return code;
   assert_int_equal(g->r->secret.len, RPC_SHM_SECRET_BYTES);
   g->fd = open(g->r->path, O_RDWR);
@@ -1569,8 +1569,8 @@ static void test_shm(void **state) {
   snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
   assert_int_equal(mkdir(shm_dir, 0700), 0);
   snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb", "64",
-                         NULL};
+  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
+                         "64",        NULL};
   assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
   region_t g;
   char msg[512];
@@ -1622,10 +1622,10 @@ static void test_shm(void **state) {
   fr.job = (char *)"viashm";
   fr.shm = &sess;
   Precond__V1__FetchResponse *fs = NULL;
-  assert_int_equal(call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
-                        &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&fs, msg,
-                        sizeof msg),
-                   GRPC_STATUS_OK);
+  assert_int_equal(
+      call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
+           (ProtobufCMessage **)&fs, msg, sizeof msg),
+      GRPC_STATUS_OK);
   assert_int_equal(fs->n_preconditioners, 1);
   const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
                                               fs->preconditioners[0]->right};
@@ -1646,8 +1646,7 @@ static void test_shm(void **state) {
 
   /* The budget: a region above what --memory-limit-mb leaves is refused. */
   region_t big;
-  assert_int_equal(open_region(&d, (uint64_t)256 << 20, &big, msg),
-                   GRPC_STATUS_RESOURCE_EXHAUSTED);
+  assert_int_equal(open_region(&d, (uint64_t)256 << 20, &big, msg), GRPC_STATUS_RESOURCE_EXHAUSTED);
   assert_non_null(strstr(msg, "--memory-limit-mb"));
   protobuf_c_message_free_unpacked(big.r ? &big.r->base : NULL, NULL);
 
@@ -1682,8 +1681,7 @@ static void test_no_pool(void **state) {
   (void)state;
   daemon_t d = {0};
   make_dir(d.p.dir, sizeof d.p.dir);
-  const char *extra[] = {"--threads", "0", "--grpc-arg", "grpc.http2.max_frame_size=1048576",
-                         NULL};
+  const char *extra[] = {"--threads", "0", "--grpc-arg", "grpc.http2.max_frame_size=1048576", NULL};
   start_daemon(&d, extra);
   tspec ts[1] = {{"w", {8, 8}, 2}};
   char msg[512];

@@ -125,7 +125,12 @@ static void test_args(void **state) {
   assert_string_equal(ca->args[n].key, "grpc.test_only_key");
   assert_int_equal(ca->args[n].value.integer, -5);
   assert_int_equal(ca->args[n].type, GRPC_ARG_INTEGER);
-  const char *bad[] = {"", "=1", "key", "key=", "key=1x", "key=3000000000",
+  const char *bad[] = {"",
+                       "=1",
+                       "key",
+                       "key=",
+                       "key=1x",
+                       "key=3000000000",
                        "a_key_longer_than_sixty_three_bytes_is_refused_as_it_would_be_cut=1"};
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
     assert_int_equal(rpc_args_parse(&a, bad[i]), RPC_EINVAL);
@@ -161,9 +166,8 @@ static void test_shm_rules(void **state) {
     memset(b, 0, N);
     uint32_t want = rpc_crc32c(0, a, lens[i]);
     /* In two calls: continuing a checksum is the checksum of the whole. */
-    assert_int_equal(rpc_crc32c(rpc_crc32c(0, a, lens[i] / 3), a + lens[i] / 3,
-                                lens[i] - lens[i] / 3),
-                     want);
+    assert_int_equal(
+        rpc_crc32c(rpc_crc32c(0, a, lens[i] / 3), a + lens[i] / 3, lens[i] - lens[i] / 3), want);
     assert_int_equal(rpc_shm_copy_crc(b, a, lens[i]), want);
     assert_memory_equal(a, b, lens[i]);
     assert_int_equal(rpc_shm_crc(a, lens[i]), want);

@@ -866,7 +866,6 @@ static int gone(pid_t pid) {
   return p != NULL && p[1] == ' ' && p[2] == 'Z';
 }
 
-
 /* The last step of dir/train.csv. */
 static long csv_last(const char *dir) {
   long found;
@@ -980,10 +979,10 @@ int main(int argc, char **argv) {
   atexit(kill_live);
   if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_two_ranks),  cmocka_unit_test(test_three_ranks),
-      cmocka_unit_test(test_restart),    cmocka_unit_test(test_end_job_and_ctl),
-      cmocka_unit_test(test_data_parallel),
-      cmocka_unit_test(test_killed_rank), cmocka_unit_test(test_bad_starts),
+      cmocka_unit_test(test_two_ranks),     cmocka_unit_test(test_three_ranks),
+      cmocka_unit_test(test_restart),       cmocka_unit_test(test_end_job_and_ctl),
+      cmocka_unit_test(test_data_parallel), cmocka_unit_test(test_killed_rank),
+      cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
