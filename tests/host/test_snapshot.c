@@ -285,6 +285,12 @@ static void put_str(wbuf *b, const char *s) {
   put_le(b, strlen(s), 4);
   put(b, s, strlen(s));
 }
+/* One entry of the ended-names section: the name, when it ended (a fixed time), how (kind). */
+static void put_ended(wbuf *b, const char *name, uint32_t kind) {
+  put_str(b, name);
+  put_le(b, 1764590400, 8);
+  put_le(b, kind, 4);
+}
 
 /* Writes payload as f's snapshot of that format with a valid header: magic, format, length
  * and both checksums right, so that only the parser can object. */
@@ -450,18 +456,14 @@ static void test_hostile_contents(void **state) {
   put_le(&b, 1, 4);
   put(&b, one_job, job_len);
   put_le(&b, 1, 4);
-  put_str(&b, "twice");
-  put_le(&b, 1764590400, 8);
-  put_le(&b, 0, 4);
+  put_ended(&b, "twice", 0);
   seal_as(f, &b, 4);
   expect_corrupt(f, "a job and its end");
   b.n = 0;
   put_le(&b, 0, 4);
   put_le(&b, 2, 4);
   for (int k = 0; k < 2; k++) {
-    put_str(&b, "gone");
-    put_le(&b, 1764590400, 8);
-    put_le(&b, 0, 4);
+    put_ended(&b, "gone", 0);
   }
   seal_as(f, &b, 4);
   expect_corrupt(f, "an ended name twice");
@@ -471,18 +473,14 @@ static void test_hostile_contents(void **state) {
   for (uint32_t k = 0; k < PD_MAX_ENDED_JOBS + 1; k++) {
     char name[16];
     snprintf(name, sizeof name, "e%u", k);
-    put_str(&b, name);
-    put_le(&b, 1764590400, 8);
-    put_le(&b, 0, 4);
+    put_ended(&b, name, 0);
   }
   seal_as(f, &b, 4);
   expect_corrupt(f, "more ended names than PD_MAX_ENDED_JOBS");
   b.n = 0;
   put_le(&b, 0, 4);
   put_le(&b, 1, 4);
-  put_str(&b, "gone");
-  put_le(&b, 1764590400, 8);
-  put_le(&b, 7, 4);
+  put_ended(&b, "gone", 7);
   seal_as(f, &b, 4);
   expect_corrupt(f, "an ended name of unknown kind");
   /* The same job with no ended name parses: the refusals above are the ended section's. */
