@@ -53,6 +53,10 @@ typedef struct {
   float *host; /* host buffer for downloads of packed factors */
   size_t host_floats;
   float *dev1;    /* one device float for the KL clip */
+  float *u;       /* device uniforms of the model Fisher's draws (u_floats) */
+  size_t u_floats;
+  uint64_t draws; /* the draws' counter (ac_rand_uniform's offset) */
+  int sampling;   /* the model Fisher's backward is running: the hook computes factors */
   ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
@@ -174,6 +178,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
   if (!s->due) return AC_OK; /* most steps after the first epoch: nothing to do */
+  if (o->model_fisher && !s->sampling) return AC_OK; /* the batch's own backward */
   int rc = AC_OK;
   pt__kfac_layer *l = pt__layer_of(t, v, &rc);
   if (l == NULL) return rc;
@@ -213,6 +218,35 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
 int pt_kfac_hook(pt_trainer *t, ac_hook *out) {
   if (t == NULL || out == NULL || t->mode != &pt__kfac_mode) return PT_EINVAL;
   *out = (ac_hook){pt__hook, t};
+  return PT_OK;
+}
+
+int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *probs,
+                         int32_t *labels, int (*backward)(void *ctx), void *ctx, int *ran,
+                         pt_error *err) {
+  if (ran != NULL) *ran = 0;
+  if (t == NULL || t->mode != &pt__kfac_mode || ran == NULL || backward == NULL)
+    return pt__fail(err, PT_EINVAL, "pt_kfac_model_fisher: a K-FAC trainer and ran, backward");
+  pt__kfac *s = t->state;
+  if (!t->opts.kfac.model_fisher || !s->due) return PT_OK;
+  int rc = AC_OK;
+  if (rows > s->u_floats) {
+    ac_free(s->be, s->u);
+    s->u = NULL;
+    s->u_floats = 0;
+    if ((rc = pt__dev(s->be, rows, &s->u)) == AC_OK) s->u_floats = rows;
+  }
+  if (rc == AC_OK)
+    rc = ac_rand_uniform(s->be, t->opts.kfac.sample_seed, s->draws, rows, 0.0f, 1.0f, s->u);
+  if (rc == AC_OK) rc = ac_sample_rows(s->be, rows, cols, probs, s->u, labels);
+  if (rc != AC_OK) return pt__accel(err, rc, "the model Fisher's draws");
+  s->draws += rows;
+  s->sampling = 1;
+  int brc = backward(ctx);
+  s->sampling = 0;
+  if (brc != 0) return pt__fail(err, PT_EACCEL, "the model Fisher's backward pass failed (%d)", brc);
+  if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
+  *ran = 1;
   return PT_OK;
 }
 
@@ -536,6 +570,7 @@ static void pt__kfac_destroy(pt_trainer *t) {
   ac_free(s->be, s->ws);
   ac_free(s->be, s->stage);
   ac_free(s->be, s->dev1);
+  ac_free(s->be, s->u);
   ac_sgd_destroy(s->sgd);
   free(s->layers);
   free(s->pg);
