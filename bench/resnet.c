@@ -47,7 +47,9 @@ static int rn_upload(rn_ctx *c, size_t n) {
   return rc;
 }
 
-static int rn_backward(void *ctx) { return ac_resnet_backward(&((rn_ctx *)ctx)->net); }
+static int rn_backward(void *ctx) {
+  return ac_resnet_backward(&((rn_ctx *)ctx)->net);
+}
 
 static int rn_train_step(void *ctx, double *loss) {
   rn_ctx *c = ctx;
@@ -55,7 +57,8 @@ static int rn_train_step(void *ctx, double *loss) {
   int rc = rn_upload(c, c->batch);
   if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
   if (rc == AC_OK) rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_TRAIN, loss);
-  if (rc == AC_OK) rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
+  if (rc == AC_OK)
+    rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
   if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
   return rc;
 }
@@ -89,7 +92,9 @@ static void rn_set_hook(void *ctx, const ac_hook *hook) {
   ac_resnet_set_hook(&((rn_ctx *)ctx)->net, hook);
 }
 
-static void rn_set_trainer(void *ctx, pt_trainer *t) { ((rn_ctx *)ctx)->kfac = t; }
+static void rn_set_trainer(void *ctx, pt_trainer *t) {
+  ((rn_ctx *)ctx)->kfac = t;
+}
 
 int main(int argc, char **argv) {
   tr_options opts;
@@ -189,9 +194,18 @@ int main(int argc, char **argv) {
 
   /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
    * would not train the model one worker trains (docs/replicas.md). */
-  tr_model model = {"resnet",    &c,        c.params.n, c.params.items,          rn_train_step,
-                    rn_evaluate, (double)b, "img",      (long)(train.count / b), NULL,
-                    rn_set_hook, rn_set_trainer};
+  tr_model model = {"resnet",
+                    &c,
+                    c.params.n,
+                    c.params.items,
+                    rn_train_step,
+                    rn_evaluate,
+                    (double)b,
+                    "img",
+                    (long)(train.count / b),
+                    NULL,
+                    rn_set_hook,
+                    rn_set_trainer};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

@@ -235,7 +235,7 @@ int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
 /* "constant", "cosine", "step": indexed by ac_lr_decay. */
 static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
 static const char *const tr__root_methods[] = {"newton", "eigh", NULL}; /* root_method */
-static const char *const tr__fishers[] = {"empirical", "model", NULL}; /* kfac_fisher */
+static const char *const tr__fishers[] = {"empirical", "model", NULL};  /* kfac_fisher */
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum {

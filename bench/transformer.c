@@ -53,7 +53,9 @@ static int lm_upload(lm_ctx *c) {
   return rc;
 }
 
-static int lm_backward(void *ctx) { return ac_lm_backward(&((lm_ctx *)ctx)->lm); }
+static int lm_backward(void *ctx) {
+  return ac_lm_backward(&((lm_ctx *)ctx)->lm);
+}
 
 static int lm_train_step(void *ctx, double *loss) {
   lm_ctx *c = ctx;
@@ -64,7 +66,8 @@ static int lm_train_step(void *ctx, double *loss) {
   if (rc == AC_OK)
     rc = ac_lm_forward(&c->lm, c->d_in + c->lo * c->t, c->d_tg + c->lo * c->t, c->local, c->t,
                        AC_MODE_TRAIN, loss);
-  if (rc == AC_OK) rc = tr_kfac_model_fisher(c->kfac, &c->lm.xent, c->d_ts, &c->params, lm_backward, c);
+  if (rc == AC_OK)
+    rc = tr_kfac_model_fisher(c->kfac, &c->lm.xent, c->d_ts, &c->params, lm_backward, c);
   if (rc == AC_OK) rc = ac_lm_backward(&c->lm);
   return rc;
 }
@@ -110,7 +113,9 @@ static void lm_set_hook(void *ctx, const ac_hook *hook) {
   ac_lm_set_hook(&((lm_ctx *)ctx)->lm, hook);
 }
 
-static void lm_set_trainer(void *ctx, pt_trainer *t) { ((lm_ctx *)ctx)->kfac = t; }
+static void lm_set_trainer(void *ctx, pt_trainer *t) {
+  ((lm_ctx *)ctx)->kfac = t;
+}
 
 int main(int argc, char **argv) {
   tr_options opts;
@@ -214,8 +219,8 @@ int main(int argc, char **argv) {
 
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
-  tr_model model = {"transformer",         &c,          c.params.n, c.params.items,
-                    lm_train_step,         lm_evaluate, (double)n,  "tok",
+  tr_model model = {"transformer",         &c,          c.params.n,  c.params.items,
+                    lm_train_step,         lm_evaluate, (double)n,   "tok",
                     (long)(train_len / n), lm_shard,    lm_set_hook, lm_set_trainer};
   tr_print_start(&opts, be, &model);
   tr_summary sm;

@@ -52,8 +52,8 @@ typedef struct {
   size_t stage_floats;
   float *host; /* host buffer for downloads of packed factors */
   size_t host_floats;
-  float *dev1;    /* one device float for the KL clip */
-  float *u;       /* device uniforms of the model Fisher's draws (u_floats) */
+  float *dev1; /* one device float for the KL clip */
+  float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
   size_t u_floats;
   uint64_t draws; /* the draws' counter (ac_rand_uniform's offset) */
   int sampling;   /* the model Fisher's backward is running: the hook computes factors */
@@ -244,7 +244,8 @@ int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *p
   s->sampling = 1;
   int brc = backward(ctx);
   s->sampling = 0;
-  if (brc != 0) return pt__fail(err, PT_EACCEL, "the model Fisher's backward pass failed (%d)", brc);
+  if (brc != 0)
+    return pt__fail(err, PT_EACCEL, "the model Fisher's backward pass failed (%d)", brc);
   if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
   *ran = 1;
   return PT_OK;

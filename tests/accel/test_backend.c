@@ -818,21 +818,21 @@ static void test_sample_rows(void **state) {
   ac_backend *be = backend(state);
   enum { COLS = 5, ROWS = 12 };
   const float hp[ROWS * COLS] = {
-      0.25f, 0.25f, 0.5f, 0, 0, /* u 0: class 0 */
-      0.25f, 0.25f, 0.5f, 0, 0, /* u 0.25 = the first boundary: class 1 */
-      0.25f, 0.25f, 0.5f, 0, 0, /* u 0.4999: class 1 */
-      0.25f, 0.25f, 0.5f, 0, 0, /* u 0.5: class 2 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0: class 0 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.25 = the first boundary: class 1 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.4999: class 1 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.5: class 2 */
       0,     0.5f,  0,    0.5f, 0, /* u 0: never the zero-probability class 0: 1 */
       0,     0.5f,  0,    0.5f, 0, /* u 0.9999: 3, never 4 */
-      1,     1,     2,    0, 0,    /* unnormalised, u 0.5: target 2, class 2 */
-      1,     1,     2,    0, 0,    /* label -1 on entry: kept */
-      1,     1,     2,    0, 0,    /* label 7 (>= cols) on entry: kept */
-      0,     0,     0,    0, 0,    /* sum 0: the entry label kept */
+      1,     1,     2,    0,    0, /* unnormalised, u 0.5: target 2, class 2 */
+      1,     1,     2,    0,    0, /* label -1 on entry: kept */
+      1,     1,     2,    0,    0, /* label 7 (>= cols) on entry: kept */
+      0,     0,     0,    0,    0, /* sum 0: the entry label kept */
       0.1f,  0.2f,  0.3f, 0.4f, 0, /* u 0.3 lands on class 1's end (0.1 + 0.2): 2 */
       0.1f,  0.2f,  0.3f, 0.4f, 0, /* u 0.95: 3 */
   };
-  const float hu[ROWS] = {0, 0.25f, 0.4999f, 0.5f, 0, 0.9999f, 0.5f, 0.5f, 0.5f, 0.5f, 0.31f,
-                          0.95f};
+  const float hu[ROWS] = {0,    0.25f, 0.4999f, 0.5f, 0,     0.9999f,
+                          0.5f, 0.5f,  0.5f,    0.5f, 0.31f, 0.95f};
   const int32_t in[ROWS] = {0, 0, 0, 0, 0, 0, 0, -1, 7, 3, 0, 0};
   const int32_t want[ROWS] = {0, 1, 1, 2, 1, 3, 2, -1, 7, 3, 2, 3};
   float *p = dev_up(be, hp, ROWS * COLS), *u = dev_up(be, hu, ROWS);

@@ -157,8 +157,8 @@ typedef struct {
   pt_step_info info[STEPS];
   pt_counters c;
   float fc_w[CLASSES * C];
-  int fisher_ran[STEPS];   /* the model Fisher's pass ran at this step */
-  int32_t first_draw[N];   /* its draws at the first pass */
+  int fisher_ran[STEPS];    /* the model Fisher's pass ran at this step */
+  int32_t first_draw[N];    /* its draws at the first pass */
   float fc_g1[CLASSES * C]; /* fc's weight grad at step 1 as pt_step gets it */
 } run_out;
 
@@ -197,10 +197,9 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
     out->loss[s - 1] = net_forward(&m);
     int ran = 0;
     assert_int_equal(ac_memcpy_d2d(m.be, fp.drawn, m.y, N * sizeof(int32_t)), AC_OK);
-    assert_int_equal(
-        pt_kfac_model_fisher(t, N, CLASSES, m.xent.probs, fp.drawn, fisher_backward, &fp, &ran,
-                             &err),
-        PT_OK);
+    assert_int_equal(pt_kfac_model_fisher(t, N, CLASSES, m.xent.probs, fp.drawn, fisher_backward,
+                                          &fp, &ran, &err),
+                     PT_OK);
     out->fisher_ran[s - 1] = ran;
     if (ran) assert_int_equal(ac_param_list_zero_grad(&m.params), AC_OK);
     assert_int_equal(net_backward(&m), AC_OK);
@@ -295,7 +294,8 @@ static void test_kfac_kl_base_lr(void **state) {
  * give other factors, differ from the batch's labels, are reproducible, and still train. */
 static void test_kfac_model_fisher(void **state) {
   (void)state;
-  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1}, forced = {0.2, 0.0, 0.0, 0, 2};
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1},
+           forced = {0.2, 0.0, 0.0, 0, 2};
   run_out e, f, g, h;
   train_clip("kfac-fisher-e", 1, 0, &emp, &e);
   train_clip("kfac-fisher-f", 1, 0, &forced, &f);
