@@ -90,12 +90,6 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
    * reached SGD's 1-epoch accuracy in 0.7x its steps (docs/kfac.md, "Tuning"). */
   opts->kfac.a_images = 16;
   opts->kfac.sample_seed = 1;
-  /* K-FAC's inverses change every inv_every pushes (10 to 100 steps), yet libprecond's 20 ms
-   * poll is 50 calls a second whatever the step costs: about 40 ms of the client's CPU per
-   * ResNet step on the CPU backend, most of what K-FAC's steps between factor steps cost
-   * over SGD's (perf, docs/kfac.md "Step time"). 100 ms delays a new version by at most a
-   * tenth of a second. */
-  if (mode == PT_MODE_KFAC) opts->poll_interval_ms = 100;
 }
 
 /* Registers every parameter as a tensor (a scalar as shape {1}) and keeps the daemon's

@@ -99,8 +99,9 @@ typedef struct {
   int sync_roots;         /* 1: a step that pushes waits for the results of its own
                               statistics before updating (reproducible; default 0) */
   int sync_timeout_ms;    /* sync_roots' bound per wait (default 60000) */
-  int poll_interval_ms;   /* libprecond's FetchPreconditioners poll period; 0: libprecond's
-                              default (20 ms). K-FAC's default is 100 (pt_options_default) */
+  int poll_interval_ms;   /* libprecond's FetchPreconditioners poll period, ms; 0 (default):
+                              the mode's: Shampoo libprecond's 20; K-FAC half its mean step
+                              wall time, within 10..1000 (trainer/kfac.c) */
   /* Data-parallel workers (pt_dp): this worker computes and pushes the statistics of its
    * share of the units only, and fetches every result. shard_size 1 (default): all. The
    * share: with as many daemon replicas as workers (the layout's owners), the units the
