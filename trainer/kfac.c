@@ -55,11 +55,11 @@ typedef struct {
   float *dev1; /* one device float for the KL clip */
   float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
   size_t u_floats;
-  uint64_t draws; /* the draws' counter (ac_rand_uniform's offset) */
-  int sampling;   /* the model Fisher's backward is running: the hook computes factors */
+  uint64_t draws;        /* the draws' counter (ac_rand_uniform's offset) */
+  int sampling;          /* the model Fisher's backward is running: the hook computes factors */
   double last_t, step_s; /* wall time of the last pt_step; mean step time (EMA), s */
   int poll_ms;           /* the poll period last given to libprecond (0: its default) */
-  ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
+  ac_kfac_pg *pg;        /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
   int hook_rc;   /* the first error a hook met (returned by pt_step too) */
