@@ -713,14 +713,32 @@ typedef struct {
   pd_sched_rules rules;
   _Atomic uint64_t busy;
   size_t scratch_in_use; /* of the computations running now; guarded by lock */
+  int blas_wide;         /* OpenBLAS threads of a large block: cores / workers, at least 1 */
+  int blas_now;          /* what the pool last set (process-wide); guarded by lock */
 } pd_sched;
+
+/* Below this order (the largest side of a unit) a root computation runs on one OpenBLAS
+ * thread. Its level-3 calls are too small to split: on a loaded host the second thread
+ * spins waiting for its share (52% of a --threads 1 daemon's samples were in the kernel's
+ * scheduler, session 4). Measured with bench-roots (fp32 Newton and fp64 eigh, p = 2) on
+ * the shared 2-core host, 1 against 2 threads, two interleaved runs: 2 threads lost at
+ * orders 64, 128 and 256 in wall and CPU time (eigh fp64 at 128: 0.87-0.89 ms against
+ * 2.1-7.0 ms); at 512 each won some (docs/optimizers.md, precondd's BLAS threads). */
+#define PD_BLAS_WIDE_ORDER 512u
+
+/* The OpenBLAS threads the pool gives a computation whose largest order is order: wide
+ * (the pool's cores / workers) from PD_BLAS_WIDE_ORDER on, else 1. */
+int pd_sched_blas_threads(uint32_t order, int wide);
 
 /* A block whose roots failed this many times in a row has its statistics zeroed (counted
  * in resets, logged): nothing a later push adds could otherwise bring it back. */
 #define PD_FAILURES_BEFORE_RESET 4u
 
-/* Starts nthreads workers. Also sets OpenBLAS's thread count so that workers times BLAS
- * threads does not exceed the online cores. */
+/* Starts nthreads workers. OpenBLAS's thread count is process-wide: a worker sets it before
+ * each computation (pd_sched_blas_threads, under the pool's lock), never above cores /
+ * workers, so workers times BLAS threads does not exceed the online cores. With several
+ * workers a small block's 1 may briefly narrow a large block computing beside it: a cost in
+ * speed only. */
 int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_rules *rules);
 /* Queues a block whose statistics changed (no-op when already queued; a block being
  * computed is queued again when that computation ends). PD_ENOMEM if the queue cannot grow. */

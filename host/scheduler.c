@@ -302,6 +302,22 @@ static size_t pd__pick(pd_sched *s, size_t *need) {
   return best;
 }
 
+int pd_sched_blas_threads(uint32_t order, int wide) {
+  return order >= PD_BLAS_WIDE_ORDER && wide > 1 ? wide : 1;
+}
+
+/* Sets OpenBLAS's threads for b's computation when they change. Under lock: the setting is
+ * process-wide, so blas_now must say what OpenBLAS holds. */
+static void pd__blas_for(pd_sched *s, const pd_block *b) {
+  uint32_t order = 0;
+  for (uint32_t k = 0; k < b->nparts; k++)
+    if (b->order[k] > order) order = b->order[k];
+  int want = pd_sched_blas_threads(order, s->blas_wide);
+  if (want == s->blas_now) return;
+  openblas_set_num_threads(want);
+  s->blas_now = want;
+}
+
 static void *pd__worker(void *arg) {
   pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
   pthread_mutex_lock(&s->lock);
@@ -324,6 +340,7 @@ static void *pd__worker(void *arg) {
     for (uint64_t peak = atomic_load(&s->stats->scratch_peak);
          now > peak && !atomic_compare_exchange_weak(&s->stats->scratch_peak, &peak, now);) {
     }
+    pd__blas_for(s, b);
     pthread_mutex_unlock(&s->lock);
 
     pd_root_outcome outcome;
@@ -368,9 +385,11 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (cores < 1) cores = 1;
   /* Workers run independent roots; BLAS threads inside each would only compete with the
-   * other workers for the same cores. */
+   * other workers for the same cores. Small blocks take 1 (pd__blas_for). */
   int blas = (int)(cores / (nthreads > 0 ? nthreads : 1));
   if (blas < 1) blas = 1;
+  s->blas_wide = blas;
+  s->blas_now = blas;
   openblas_set_num_threads(blas);
   s->threads = calloc(nthreads > 0 ? (size_t)nthreads : 1, sizeof *s->threads);
   if (!s->threads) {
@@ -384,8 +403,9 @@ int pd_sched_start(pd_sched *s, int nthreads, pd_stats *stats, const pd_sched_ru
     }
     s->nthreads++;
   }
-  pd_log(PD_LOG_INFO, "scheduler: %d root workers, %d BLAS thread(s) each, %ld cores", nthreads,
-         blas, cores);
+  pd_log(PD_LOG_INFO,
+         "scheduler: %d root workers, %d BLAS thread(s) each from order %u (1 below), %ld cores",
+         nthreads, blas, PD_BLAS_WIDE_ORDER, cores);
   return PD_OK;
 }
 

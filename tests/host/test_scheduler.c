@@ -12,6 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
 
 #include "precondd.h"
 #include "preconditioner.h"
@@ -250,6 +253,29 @@ static void test_order(void **state) {
   b->cols = 6;
 }
 
+/* OpenBLAS threads: one below PD_BLAS_WIDE_ORDER, the pool's cores / workers from it on;
+ * and a pool of one worker on this host's cores leaves OpenBLAS on one thread after
+ * computing small blocks, where it started it on every core. */
+static void test_blas_threads(void **state) {
+  fixture *f = *state;
+  assert_int_equal(pd_sched_blas_threads(128, 2), 1);
+  assert_int_equal(pd_sched_blas_threads(PD_BLAS_WIDE_ORDER - 1, 4), 1);
+  assert_int_equal(pd_sched_blas_threads(PD_BLAS_WIDE_ORDER, 4), 4);
+  assert_int_equal(pd_sched_blas_threads(4096, 1), 1);
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  pd_sched s;
+  assert_int_equal(pd_sched_start(&s, 1, &f->stats, &compute_all), PD_OK);
+  assert_int_equal(s.blas_wide, cores > 1 ? (int)cores : 1);
+  assert_int_equal(pd_sched_mark(&s, &f->job->blocks[0]), PD_OK);
+  for (int tries = 0; tries < 1000 && atomic_load(&f->stats.roots_computed) < 1; tries++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  pd_sched_stop(&s);
+  assert_int_equal(atomic_load(&f->stats.roots_computed), 1);
+  assert_int_equal(openblas_get_num_threads(), 1);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -258,6 +284,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_failing_block_recovers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drift_skip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_order, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_blas_threads, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
