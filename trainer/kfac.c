@@ -36,6 +36,7 @@ typedef struct {
   float *p;                /* device: preconditioned grad, weights then bias */
   uint64_t version, source_step;
   int due_seen; /* the hook filled fa/fg at the current step */
+  int worker;   /* data parallelism: the worker that pushes its factors (pt__unit_worker) */
 } pt__kfac_layer;
 
 typedef struct {
@@ -55,8 +56,12 @@ typedef struct {
   float *dev1;    /* one device float for the KL clip */
   ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
-  double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
-  int hook_rc;   /* the first error a hook met (returned by pt_step too) */
+  double lr_max;    /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
+  int hook_rc;      /* the first error a hook met (returned by pt_step too) */
+  ac_bn_sync red;   /* data parallelism: the workers' mean (pt_dp_reduce); fn NULL alone */
+  double factors_s; /* CPU seconds computing, reducing and pushing factors */
+  double comm_s;    /* of which in reductions across the workers (MPI polls: CPU) */
+  size_t nmine;     /* layers whose factors this worker pushes */
 } pt__kfac;
 
 /* ---- buffers ---------------------------------------------------------------------- */
@@ -160,6 +165,12 @@ static int pt__hook_bn(pt__kfac *s, const pt_kfac_opts *o, pt__kfac_layer *l,
   if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, xhat);
   if (rc == AC_OK)
     rc = ac_kfac_bn_fisher(s->be, v->batch, v->in, v->npos, g, xhat, scale, l->fa, l->fg, ws);
+  /* Data parallelism: every worker folds the batch's Fisher (the mean of the shares'), so
+   * all precondition alike. */
+  double t0 = pt__cpu_now();
+  if (rc == AC_OK && s->red.fn != NULL) rc = s->red.fn(s->red.ctx, l->fa, v->in);
+  if (rc == AC_OK && s->red.fn != NULL) rc = s->red.fn(s->red.ctx, l->fg, v->in);
+  s->comm_s += pt__cpu_now() - t0;
   if (rc != AC_OK) return rc;
   /* The running average as the daemon keeps A and G (pc_kfac_fold: the first as is). */
   float keep = l->folds == 0 ? 0.0f : (float)o->k.factor_decay;
@@ -174,6 +185,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
   if (!s->due) return AC_OK; /* most steps after the first epoch: nothing to do */
+  double t0 = pt__cpu_now();
   int rc = AC_OK;
   pt__kfac_layer *l = pt__layer_of(t, v, &rc);
   if (l == NULL) return rc;
@@ -207,6 +219,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       break;
   }
   if (rc != AC_OK && s->hook_rc == AC_OK) s->hook_rc = rc;
+  s->factors_s += pt__cpu_now() - t0;
   return rc;
 }
 
@@ -231,6 +244,7 @@ static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   s->be = t->params[0]->value.be;
   s->next_step = 1;
   s->due = pc_kfac_factor_due(&o->k, 1, o->steps_per_epoch);
+  pt_dp_bn_sync(t->opts.shard_size > 1 ? t->opts.dp : NULL, s->be, &s->red);
   int rc = pt__accel(err, ac_sgd_create(&s->sgd, t->params, t->nparams, &o->sgd), "SGD");
   if (rc == PT_OK) rc = pt__accel(err, pt__dev(s->be, 1, &s->dev1), "K-FAC scratch");
   return rc;
@@ -324,6 +338,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
         goto done;
       }
       l->block_id = pb->block_id;
+      l->worker = pt__unit_worker(t, b);
+      s->nmine += l->worker == t->opts.shard_rank || t->opts.shard_size <= 1;
     }
   }
   s->registered = 1;
@@ -338,20 +354,29 @@ done:
 
 /* ---- a step ----------------------------------------------------------------------- */
 
-/* Pushes the factors the hook computed at step. */
+/* Pushes the factors the hook computed at step. Data-parallel: the factors of the batch
+ * are the mean of the shares' (equal shares; A and G are means over rows), reduced to the
+ * one worker that pushes the layer (pt__unit_worker), so the daemon sees one push per layer
+ * and step as from one worker. Every worker goes through the layers in the same order. */
 static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   pt__kfac *s = t->state;
   precond_encoding enc = t->opts.kfac.push_bf16 ? PRECOND_BF16 : PRECOND_FP32;
+  double t0 = pt__cpu_now();
   for (size_t i = 0; i < s->nlayers; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX || !l->due_seen) continue;
     size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+    int dp = t->opts.shard_size > 1, mine = !dp || l->worker == t->opts.shard_rank;
     int rc = pt__accel(err, pt__grow_host(s, la + lg), "K-FAC host buffer");
     if (rc == PT_OK)
       rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host, l->fa, la * sizeof(float)), "A");
     if (rc == PT_OK)
       rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host + la, l->fg, lg * sizeof(float)), "G");
-    if (rc == PT_OK)
+    double t1 = pt__cpu_now();
+    if (rc == PT_OK && dp && pt_dp_mean_to(t->opts.dp, s->host, la + lg, l->worker) != PT_OK)
+      rc = pt__fail(err, PT_EINVAL, "K-FAC: reducing the factors of %s failed", l->weight->name);
+    s->comm_s += pt__cpu_now() - t1;
+    if (rc == PT_OK && mine)
       rc = pt__daemon(t, err,
                       precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
                                         s->host, (uint32_t)l->ng, s->host + la, enc),
@@ -359,6 +384,7 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     if (rc != PT_OK) return rc;
   }
   s->pushes++;
+  s->factors_s += pt__cpu_now() - t0;
   return PT_OK;
 }
 
@@ -521,6 +547,8 @@ static void pt__kfac_counters(const pt_trainer *t, pt_counters *out) {
   for (size_t i = 0; i < s->nlayers; i++)
     n += s->layers[i].kind == PT__KFAC_LAYER && s->layers[i].block_id != UINT32_MAX;
   out->units = n;
+  out->units_mine = t->opts.shard_size > 1 ? s->nmine : n;
+  out->stats_s = s->factors_s - s->comm_s; /* the reductions are pt_dp_reduce_seconds' */
   out->results_applied = s->applied;
   out->results_rejected = s->rejected;
 }
