@@ -895,12 +895,6 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   const tr_options *opts = &o->opts;
   char job[160];
   pt_options po;
-  /* Data-parallel K-FAC applies the same inverses on every worker only when all wait for
-   * them: without sync_roots each worker's libprecond takes versions as they arrive. */
-  if (opts->dp_size > 1 && !opts->sync_roots)
-    return tr__fail(err, TR_EINVAL,
-                    "--optimizer kfac with %d data-parallel workers needs --sync-roots",
-                    opts->dp_size);
   tr__trainer_opts(o, PT_MODE_KFAC, model_name, job, sizeof job, &po);
   pt_kfac_opts *ko = &po.kfac;
   ko->k.damping = opts->kfac_damping;

@@ -37,6 +37,8 @@ typedef struct {
   uint64_t version, source_step;
   int due_seen; /* the hook filled fa/fg at the current step */
   int worker;   /* data parallelism: the worker that pushes its factors (pt__unit_worker) */
+  uint64_t daemon_version; /* of the inverses held (the daemon's numbering: the same on every
+                              worker, pt_dp_agree compares it) */
 } pt__kfac_layer;
 
 typedef struct {
@@ -388,13 +390,11 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   return PT_OK;
 }
 
-/* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
-static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
+/* Takes the inverses r (libprecond's, released here; NULL: nothing) of layer l onto the
+ * device. */
+static int pt__kfac_apply(pt_trainer *t, pt__kfac_layer *l, const precond_roots *r, pt_error *err) {
   pt__kfac *s = t->state;
-  const precond_roots *r = NULL;
-  int rc =
-      pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r), "precond_fetch");
-  if (rc != PT_OK || r == NULL) return rc;
+  if (r == NULL) return PT_OK;
   int arc = AC_OK;
   if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
     s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
@@ -419,8 +419,49 @@ static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
   }
   l->version = r->version; /* a refused version is not offered again */
   l->source_step = r->source_step;
+  l->daemon_version = r->daemon_version;
   precond_roots_release(r);
   return pt__accel(err, arc, "K-FAC inverses to the device");
+}
+
+/* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
+static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
+  const precond_roots *r = NULL;
+  int rc =
+      pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r), "precond_fetch");
+  return rc == PT_OK ? pt__kfac_apply(t, l, r, err) : rc;
+}
+
+/* Data-parallel workers without sync_roots: each layer takes the daemon version of its
+ * inverses that every worker holds (pt_dp_agree), else keeps what it has, as Shampoo's
+ * blocks do (trainer/shampoo.c): the references taken before the agreement are the ones
+ * applied, so every worker preconditions with the same inverses. */
+static int pt__kfac_refresh_agreed(pt_trainer *t, pt_error *err) {
+  pt__kfac *s = t->state;
+  size_t n = s->nlayers;
+  const precond_roots **held = calloc(n ? n : 1, sizeof *held);
+  uint64_t *v = calloc(n ? n : 1, sizeof *v);
+  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
+  for (size_t i = 0; rc == PT_OK && i < n; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind == PT__KFAC_LAYER && l->block_id != UINT32_MAX)
+      rc = pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &held[i]),
+                      "precond_fetch");
+    v[i] = held[i] != NULL ? held[i]->daemon_version : l->daemon_version;
+  }
+  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, n) != PT_OK)
+    rc = pt__fail(err, PT_EINVAL,
+                  "data parallelism: the workers' inverse versions could not "
+                  "be compared (MPI)");
+  for (size_t i = 0; i < n && held != NULL; i++) {
+    if (rc == PT_OK && held[i] != NULL && held[i]->daemon_version == v[i])
+      rc = pt__kfac_apply(t, &s->layers[i], held[i], err); /* releases it */
+    else
+      precond_roots_release(held[i]);
+  }
+  free(held);
+  free(v);
+  return rc;
 }
 
 /* sync_roots: waits until layer l holds inverses computed from the factors of step. */
@@ -525,7 +566,9 @@ static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: factors not sent within %d ms",
                     t->opts.sync_timeout_ms);
-  for (size_t i = 0; i < s->nlayers && rc == PT_OK; i++) {
+  int agreed = t->opts.shard_size > 1 && !t->opts.sync_roots;
+  if (agreed) rc = pt__kfac_refresh_agreed(t, err);
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK && !agreed; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX) continue;
     int computes = l->a_inv == NULL || s->pushes % (uint64_t)o->k.inv_every == 0;
