@@ -183,6 +183,9 @@ static void usage(FILE *f) {
           "                      defaults (repeat, up to 8); the daemon's: --daemon-arg\n"
           "                      --grpc-arg --daemon-arg K=V\n"
           "  --json              rows as one JSON array of objects (the CSV header's keys)\n"
+          "  --keep-freed-memory the client keeps freed memory for the next message\n"
+          "                      (rpc_keep_freed_memory, as precondd does; default: glibc's\n"
+          "                      own thresholds, as a worker without it has)\n"
           "  --hist              each cell's calls by latency on stderr, with how many of\n"
           "                      them the client spent mostly on the CPU\n"
           "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
@@ -1286,6 +1289,9 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--hist") == 0) {
       g_hist = 1;
+      continue;
+    } else if (strcmp(a, "--keep-freed-memory") == 0) {
+      rpc_keep_freed_memory(); /* this process, the client side (precondd does it itself) */
       continue;
     }
     if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "cpu") == 0) {
