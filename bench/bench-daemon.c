@@ -84,6 +84,7 @@ typedef struct {
   double memcpy_mb_s[MAX_LIST];   /* per size, measured before any daemon runs */
   double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
+  int shm_only;                   /* --shm-only: of those, the shared-memory rows alone */
   int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
   const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
   int nchannel_args;
@@ -153,6 +154,8 @@ static void usage(FILE *f) {
           "                      (default: online cores); the push/fetch daemons get 1\n"
           "  --max-inflight-mb M skip cells where clients x request size is above M (256)\n"
           "  --tcp-only          with --spawn, skip the unix socket daemon\n"
+          "  --unix-only         with --spawn, skip the TCP daemon\n"
+          "  --shm-only          with --wire, the shared-memory rows alone (unix socket)\n"
           "  --window-mb W       HTTP/2 receive window of the client channels in MiB\n"
           "                      (default 0: gRPC's own, which starts at 64 KiB)\n"
           "  --bf16              push statistics and fetch roots as bf16 (rows push-bf16, ...)\n"
@@ -1190,7 +1193,7 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
         continue;
       }
       /* --wire over a unix socket: the shared-memory path next to the gRPC bytes. */
-      for (int shm = 0; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
+      for (int shm = o->shm_only; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
         if (have_fetch &&
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
@@ -1227,6 +1230,13 @@ int main(int argc, char **argv) {
       return 0;
     } else if (strcmp(a, "--tcp-only") == 0) {
       o.transports = 1;
+      continue;
+    } else if (strcmp(a, "--unix-only") == 0) {
+      o.transports = 2;
+      continue;
+    } else if (strcmp(a, "--shm-only") == 0) {
+      o.transports = 2;
+      o.shm_only = 1;
       continue;
     } else if (strcmp(a, "--bf16") == 0) {
       o.bf16 = 1;
