@@ -858,6 +858,27 @@ static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float
   return AC_OK;
 }
 
+static int cpu_sample_rows(ac_backend *be, size_t rows, size_t cols, const float *probs,
+                           const float *u, int32_t *labels) {
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *row = probs + r * cols;
+    if (labels[r] < 0 || (size_t)labels[r] >= cols) continue; /* an ignored row */
+    float sum = 0.0f;
+    for (size_t j = 0; j < cols; j++) sum += row[j];
+    if (!(sum > 0.0f) || !isfinite(sum)) continue;
+    float target = u[r] * sum, acc = 0.0f;
+    int32_t pick = -1;
+    for (size_t j = 0; j < cols; j++) {
+      acc += row[j];
+      if (row[j] > 0.0f) pick = (int32_t)j; /* the last positive so far: rounding's answer */
+      if (target < acc && row[j] > 0.0f) break;
+    }
+    labels[r] = pick;
+  }
+  return AC_OK;
+}
+
 /* e^x for every x <= 0 (softmax's shifted logits): exp_poly, with exact zeros below the
  * smallest normal result (masked entries are -Inf). NaN stays NaN. */
 AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y) {
@@ -1266,6 +1287,7 @@ static const ac__ops cpu_ops = {
     .channel_combine = cpu_channel_combine,
     .sum_to_host = cpu_sum_to_host,
     .argmax_rows = cpu_argmax_rows,
+    .sample_rows = cpu_sample_rows,
     .softmax_rows = cpu_softmax_rows,
     .softmax_rows_backward = cpu_softmax_rows_backward,
     .mask_causal = cpu_mask_causal,
