@@ -70,6 +70,8 @@ typedef struct ac__ops {
                          const float *c, float *dx);
   int (*sum_to_host)(ac_backend *be, size_t n, const float *x, int squares, double *out);
   int (*argmax_rows)(ac_backend *be, size_t rows, size_t cols, const float *x, int32_t *idx);
+  int (*sample_rows)(ac_backend *be, size_t rows, size_t cols, const float *probs, const float *u,
+                     int32_t *labels);
   int (*softmax_rows)(ac_backend *be, size_t rows, size_t cols, const float *x, float *y);
   int (*softmax_rows_backward)(ac_backend *be, size_t rows, size_t cols, const float *y,
                                const float *dy, float *dx);

@@ -446,6 +446,14 @@ int ac_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, int
   return rows == 0 ? AC_OK : be->ops->argmax_rows(be, rows, cols, x, idx);
 }
 
+int ac_sample_rows(ac_backend *be, size_t rows, size_t cols, const float *probs, const float *u,
+                   int32_t *labels) {
+  if (!be_ok(be) || !extent_ok(rows, cols, 1) || (rows > 0 && cols == 0) ||
+      cols > (size_t)INT32_MAX || !NEED(probs, rows) || !NEED(u, rows) || !NEED(labels, rows))
+    return AC_EINVAL;
+  return rows == 0 ? AC_OK : be->ops->sample_rows(be, rows, cols, probs, u, labels);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Softmax and cross-entropy                                                               */
 

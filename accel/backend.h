@@ -304,6 +304,16 @@ int ac_sumsq_to_host(ac_backend *be, size_t n, const float *x, double *out);
  * (device int32; the first index on ties; cols >= 1). For accuracy. */
 int ac_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, int32_t *idx);
 
+/* One categorical draw per row (K-FAC's model Fisher: labels from the predictive
+ * distribution): labels[r] = the first j with u[r] S_r < p[r][0] + ... + p[r][j], where
+ * S_r = the row's sum, accumulated in float in column order (the same on every backend, so
+ * a draw is bit-identical across them). probs: rows x cols, contiguous, >= 0 (a softmax
+ * output); u: rows uniforms in [0, 1) (ac_rand_uniform); labels: device int32, in/out: a
+ * row whose label on entry is outside [0, cols) (a loss's ignored row) keeps it, so is a
+ * row whose sum is not positive and finite; rounding past the last positive entry takes it. */
+int ac_sample_rows(ac_backend *be, size_t rows, size_t cols, const float *probs, const float *u,
+                   int32_t *labels);
+
 /* ------------------------------------------------------------------------------------ */
 /* Softmax, attention mask, cross-entropy                                                 */
 

@@ -786,6 +786,27 @@ static int cpu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float
   return AC_OK;
 }
 
+static int cpu_sample_rows(ac_backend *be, size_t rows, size_t cols, const float *probs,
+                           const float *u, int32_t *labels) {
+  (void)be;
+  for (size_t r = 0; r < rows; r++) {
+    const float *row = probs + r * cols;
+    if (labels[r] < 0 || (size_t)labels[r] >= cols) continue; /* an ignored row */
+    float sum = 0.0f;
+    for (size_t j = 0; j < cols; j++) sum += row[j];
+    if (!(sum > 0.0f) || !isfinite(sum)) continue;
+    float target = u[r] * sum, acc = 0.0f;
+    int32_t pick = -1;
+    for (size_t j = 0; j < cols; j++) {
+      acc += row[j];
+      if (row[j] > 0.0f) pick = (int32_t)j; /* the last positive so far: rounding's answer */
+      if (target < acc && row[j] > 0.0f) break;
+    }
+    labels[r] = pick;
+  }
+  return AC_OK;
+}
+
 /* e^x for every x <= 0 (softmax's shifted logits): exp_poly, with exact zeros below the
  * smallest normal result (masked entries are -Inf). NaN stays NaN. */
 AC__CPU_CLONES AC__CPU_VEC static void exp_nonpos(size_t n, const float *x, float *y) {
@@ -957,6 +978,32 @@ static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b,
   return merged ? r * g->n * ohw + b * ohw : (b * ckk + r) * ohw;
 }
 
+/* Tap (p, q) of a stride-1 conv whose output rows are as long as the input's (ow == w, a
+ * "same" conv): its oh x w plane of the column matrix is the input plane shifted by p - pad_h
+ * rows and q - pad_w columns, so the valid rows are ONE contiguous copy (a long memcpy
+ * instead of oh short row loops, which cost im2col ~3x here); the columns that wrapped into
+ * the neighbouring row and the rows in the padding are zeroed after. lo, hi: the valid
+ * output columns (valid_cols). */
+static void im2col_plane_same(const ac_conv2d_geom *g, size_t oh, size_t p, size_t q, size_t lo,
+                              size_t hi, const float *plane, float *dst) {
+  size_t w = g->w, ylo = p >= g->pad_h ? 0 : g->pad_h - p;
+  size_t yhi = g->h + g->pad_h > p ? g->h + g->pad_h - p : 0;
+  yhi = yhi < oh ? yhi : oh;
+  if (ylo >= yhi || lo >= hi) {
+    memset(dst, 0, oh * w * sizeof *dst);
+    return;
+  }
+  size_t first = ylo * w + lo, last = (yhi - 1) * w + hi; /* dst range [first, last) */
+  memset(dst, 0, first * sizeof *dst);
+  memcpy(dst + first, plane + (ylo + p - g->pad_h) * w + (lo + q - g->pad_w),
+         (last - first) * sizeof *dst);
+  memset(dst + last, 0, (oh * w - last) * sizeof *dst);
+  for (size_t y = ylo; y < yhi; y++) {
+    for (size_t i = 0; i < lo; i++) dst[y * w + i] = 0.0f;
+    for (size_t i = hi; i < w; i++) dst[y * w + i] = 0.0f;
+  }
+}
+
 /* One row of the column matrix per (channel, tap) and image. Each output row y is one input
  * row (or zeros in the padding), copied over its valid columns. Images [b_lo, b_hi) only,
  * so that workers can split a batch: every image's columns are written by exactly one
@@ -964,6 +1011,7 @@ static size_t col_row(const ac_conv2d_geom *g, size_t ohw, int merged, size_t b,
 static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int merged, const float *x,
                           float *col, size_t b_lo, size_t b_hi) {
   size_t ohw = oh * ow, sw = g->stride_w;
+  int same = sw == 1 && g->stride_h == 1 && ow == g->w;
   for (size_t b = b_lo; b < b_hi; b++)
     for (size_t ch = 0; ch < g->c; ch++) {
       const float *plane = x + (b * g->c + ch) * g->h * g->w;
@@ -972,6 +1020,10 @@ static void im2col_images(const ac_conv2d_geom *g, size_t oh, size_t ow, int mer
           float *row = col + col_row(g, ohw, merged, b, (ch * g->kh + p) * g->kw + q);
           size_t lo, hi;
           valid_cols(g->w, ow, sw, q, g->pad_w, &lo, &hi);
+          if (same) {
+            im2col_plane_same(g, oh, p, q, lo, hi, plane, row);
+            continue;
+          }
           for (size_t y = 0; y < oh; y++) {
             float *dst = row + y * ow;
             size_t iy = in_coord(y, g->stride_h, p, g->pad_h);
@@ -1163,6 +1215,7 @@ static const ac__ops cpu_ops = {
     .channel_combine = cpu_channel_combine,
     .sum_to_host = cpu_sum_to_host,
     .argmax_rows = cpu_argmax_rows,
+    .sample_rows = cpu_sample_rows,
     .softmax_rows = cpu_softmax_rows,
     .softmax_rows_backward = cpu_softmax_rows_backward,
     .mask_causal = cpu_mask_causal,

@@ -325,6 +325,27 @@ struct argbest {
   int32_t i;
 };
 
+/* One thread per row: the scan in column order, as the CPU's (cpu_sample_rows). */
+__global__ void k_sample_rows(size_t rows, size_t cols, const float *probs, const float *u,
+                              int32_t *labels) {
+  for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+       r += (size_t)gridDim.x * blockDim.x) {
+    const float *row = probs + r * cols;
+    if (labels[r] < 0 || (size_t)labels[r] >= cols) continue;
+    float sum = 0.0f;
+    for (size_t j = 0; j < cols; j++) sum = __fadd_rn(sum, row[j]);
+    if (!(sum > 0.0f) || !isfinite(sum)) continue;
+    float target = __fmul_rn(u[r], sum), acc = 0.0f;
+    int32_t pick = -1;
+    for (size_t j = 0; j < cols; j++) {
+      acc = __fadd_rn(acc, row[j]);
+      if (row[j] > 0.0f) pick = (int32_t)j;
+      if (target < acc && row[j] > 0.0f) break;
+    }
+    labels[r] = pick;
+  }
+}
+
 __global__ void k_argmax_rows(size_t rows, size_t cols, const float *x, int32_t *idx) {
   __shared__ float sv[kThreads];
   __shared__ int32_t si[kThreads];
@@ -854,6 +875,11 @@ int cu_argmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, int
   LAUNCH(be, k_argmax_rows, row_blocks(rows), rows, cols, x, idx);
 }
 
+int cu_sample_rows(ac_backend *be, size_t rows, size_t cols, const float *probs, const float *u,
+                   int32_t *labels) {
+  LAUNCH(be, k_sample_rows, blocks_for(rows), rows, cols, probs, u, labels);
+}
+
 int cu_softmax_rows(ac_backend *be, size_t rows, size_t cols, const float *x, float *y) {
   LAUNCH(be, k_softmax_rows, row_blocks(rows), rows, cols, x, y);
 }
@@ -973,6 +999,7 @@ ac__ops make_ops() {
   o.channel_combine = cu_channel_combine;
   o.sum_to_host = cu_sum_to_host;
   o.argmax_rows = cu_argmax_rows;
+  o.sample_rows = cu_sample_rows;
   o.softmax_rows = cu_softmax_rows;
   o.softmax_rows_backward = cu_softmax_rows_backward;
   o.mask_causal = cu_mask_causal;

@@ -266,7 +266,11 @@ int ac_celoss_backward(ac_celoss *l, const float **dlogits);
  * both live in a workspace of ac_conv2d_workspace_floats() = chunk oh ow (in_c k k + out_c)
  * floats: pass a caller-owned device buffer to share it between layers (used only inside
  * forward and backward calls), or NULL to let the layer allocate its own. Backward
- * recomputes im2col rather than keeping it. */
+ * recomputes im2col rather than keeping it. The input gradient of a stride-1 conv is
+ * itself a stride-1 conv (of dy with the weights transposed and flipped, padding k-1-pad):
+ * im2col of dy and one gemm with K = out_c k k, no col2im, when its columns and products
+ * fit the workspace ((out_c k k + in_c) h w <= (in_c k k + out_c) oh ow per image, true
+ * for every conv with in_c == out_c); otherwise W^T dy and col2im. */
 typedef struct {
   ac_backend *be;
   ac_conv2d_geom g; /* g.n is max_batch */
@@ -275,6 +279,7 @@ typedef struct {
   ac_param weight, bias;
   const float *x;
   float *ws, *y, *dx;
+  float *wflip; /* stride-1 dx as a conv: W permuted (in_c, out_c, k k), then flipped */
   ac_hook hook; /* curvature hook (see above); zero after init */
 } ac_conv2d;
 

@@ -47,6 +47,8 @@ int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c
   }
   AC__TRY(ac__layer_alloc(be, max_batch * out_c * l->oh * l->ow, &l->y));
   AC__TRY(ac__layer_alloc(be, max_batch * in_c * h * w, &l->dx));
+  if (stride == 1 && (out_c * k * k + in_c) * h * w <= (ckk + out_c) * l->oh * l->ow)
+    AC__TRY(ac__layer_alloc(be, 2 * in_c * out_c * k * k, &l->wflip));
   return AC_OK;
 fail:
   ac_conv2d_destroy(l);
@@ -60,6 +62,7 @@ void ac_conv2d_destroy(ac_conv2d *l) {
   if (l->owns_ws) ac__layer_free(l->be, &l->ws);
   ac__layer_free(l->be, &l->y);
   ac__layer_free(l->be, &l->dx);
+  ac__layer_free(l->be, &l->wflip);
   memset(l, 0, sizeof *l);
 }
 
@@ -110,6 +113,43 @@ fail:
   return rc;
 }
 
+/* The weights of the input-gradient conv: wflip[ch][o][t] = W[o][ch][k k - 1 - t] (in <->
+ * out channels, the k x k taps reversed), through a permute into the upper half of wflip
+ * and one strided copy per tap. */
+static int conv_flip_weight(ac_conv2d *l) {
+  int rc;
+  size_t kk = l->g.kh * l->g.kw, c = l->g.c, oc = l->out_c;
+  float *perm = l->wflip + c * oc * kk;
+  const size_t shape[3] = {oc, c, kk};
+  const int swap[3] = {1, 0, 2};
+  AC__TRY(ac_permute(l->be, 3, shape, swap, ac_tensor_f32(&l->weight.value), perm));
+  for (size_t t = 0; t < kk; t++)
+    AC__TRY(ac_copy2d(l->be, c * oc, 1, perm + (kk - 1 - t), kk, l->wflip + t, kk));
+  return AC_OK;
+fail:
+  return rc;
+}
+
+/* dx of images [b0, b0 + nb) for a stride-1 conv: dx[ch][y][x] = sum over o, p, q of
+ * W[o][ch][p][q] dy[o][y + pad - p][x + pad - q], i.e. the conv of dy (padding k-1-pad)
+ * with wflip: dy's column matrix (out_c k k, nb h w) at the start of the workspace, the
+ * product (in_c, nb h w) after it, permuted to NCHW. */
+static int conv_dx_direct(ac_conv2d *l, const float *dy, size_t b0, size_t nb) {
+  int rc;
+  ac_backend *be = l->be;
+  size_t k = l->g.kh, c = l->g.c, oc = l->out_c, hw = l->g.h * l->g.w;
+  size_t cols = nb * hw, rows = oc * k * k;
+  ac_conv2d_geom gd = {nb, oc, l->oh, l->ow, k, k, 1, 1, k - 1 - l->g.pad_h, k - 1 - l->g.pad_w};
+  float *dcol = l->ws, *prod = l->ws + rows * cols, *dxc = l->dx + b0 * c * hw;
+  AC__TRY(ac_im2col_batch(be, &gd, dy + b0 * oc * l->oh * l->ow, dcol));
+  AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, c, cols, rows, 1.0f, l->wflip, rows, dcol, cols,
+                   0.0f, nb == 1 ? dxc : prod, cols));
+  if (nb > 1) AC__TRY(conv_reorder(be, c, nb, hw, prod, dxc, 1));
+  return AC_OK;
+fail:
+  return rc;
+}
+
 int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
   if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
@@ -121,6 +161,7 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
   if (l->has_bias)
     AC__TRY(ac_reduce(be, AC_REDUCE_SUM, l->batch, oc, ohw, 1.0f, dy, 1.0f,
                       ac_tensor_f32(&l->bias.grad)));
+  if (dx != NULL && l->wflip != NULL) AC__TRY(conv_flip_weight(l));
   for (size_t b0 = 0; b0 < l->batch; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = l->batch - b0 < l->chunk ? l->batch - b0 : l->chunk;
@@ -152,7 +193,9 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
     }
     AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols, 1.0f, dw,
                      ckk)); /* dW += dy col^T */
-    if (dx != NULL) {       /* dcol = W^T dy, then scattered back to the images */
+    if (dx != NULL && l->wflip != NULL) {
+      AC__TRY(conv_dx_direct(l, dy, b0, g.n)); /* dyc and col are no longer needed */
+    } else if (dx != NULL) { /* dcol = W^T dy, then scattered back to the images */
       AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f, col,
                        cols));
       AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));

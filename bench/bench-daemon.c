@@ -49,6 +49,7 @@
 #include <grpc/grpc_security.h>
 
 #include "precond.pb-c.h"
+#include "mpirun_proc.h"
 #include "precondd_proc.h"
 #include "preconditioner.h"
 #include "rpc.h"
@@ -83,6 +84,7 @@ typedef struct {
   double memcpy_mb_s[MAX_LIST];   /* per size, measured before any daemon runs */
   double memcpy_pct[MAX_LIST][3]; /* and the p50/p90/p99 of one copy (ms) */
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
+  int shm_only;                   /* --shm-only: of those, the shared-memory rows alone */
   int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
   const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
   int nchannel_args;
@@ -152,6 +154,8 @@ static void usage(FILE *f) {
           "                      (default: online cores); the push/fetch daemons get 1\n"
           "  --max-inflight-mb M skip cells where clients x request size is above M (256)\n"
           "  --tcp-only          with --spawn, skip the unix socket daemon\n"
+          "  --unix-only         with --spawn, skip the TCP daemon\n"
+          "  --shm-only          with --wire, the shared-memory rows alone (unix socket)\n"
           "  --window-mb W       HTTP/2 receive window of the client channels in MiB\n"
           "                      (default 0: gRPC's own, which starts at 64 KiB)\n"
           "  --bf16              push statistics and fetch roots as bf16 (rows push-bf16, ...)\n"
@@ -1045,65 +1049,22 @@ cleanup:
 /* ------------------------------------------------------------------------------------ */
 /* Replica rows (docs/replicas.md)                                                        */
 
-/* Starts `mpirun -np R precondd` in dir (unix sockets dir/r-K.sock, one pool thread per
- * rank) and waits (60 s) for every rank's port file; the pid of mpirun, or -1. */
-static pid_t start_ranks(const bench_opts *o, const char *dir, int R) {
-  char np[16], sock[160], port[160];
-  snprintf(np, sizeof np, "%d", R);
+/* Starts `mpirun -np R precondd` in m (support/mpirun_proc.h; unix sockets dir/r-K.sock,
+ * one pool thread per rank) and waits (60 s) for every rank's port file; 0, or -1 (then no
+ * rank runs). */
+static int start_ranks(const bench_opts *o, const char *dir, int R, mprun *m) {
+  char sock[160], port[160];
   snprintf(sock, sizeof sock, "unix:%s/r-%%r.sock", dir);
   snprintf(port, sizeof port, "%s/p-%%r", dir);
-  const char *argv[24];
-  int n = 0;
-  argv[n++] = o->mpirun;
-  if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
-  const char *const rest[] = {"--oversubscribe",
-                              "-np",
-                              np,
-                              o->spawn,
-                              "--listen",
-                              sock,
-                              "--port-file",
-                              port,
-                              "--threads",
-                              "1",
-                              "--drift-threshold",
-                              "0",
-                              "--log-level",
-                              "warn",
-                              "--grace-period",
-                              "1",
-                              NULL};
-  for (int i = 0; rest[i] != NULL; i++) argv[n++] = rest[i];
-  argv[n] = NULL;
-  pid_t pid = fork();
-  if (pid == 0) {
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  for (int r = 0; pid > 0 && r < R; r++) {
-    char pf[200];
-    snprintf(pf, sizeof pf, "%s/p-%d", dir, r);
-    int t = 0;
-    while (access(pf, R_OK) != 0 && t++ < 3000 && waitpid(pid, NULL, WNOHANG) == 0) {
-      struct timespec ts = {0, 20 * 1000000L};
-      nanosleep(&ts, NULL);
-    }
-    if (access(pf, R_OK) != 0) {
-      fprintf(stderr, "bench-daemon: rank %d of %d did not listen\n", r, R);
-      kill(pid, SIGKILL);
-      waitpid(pid, NULL, 0);
-      return -1;
-    }
-  }
-  return pid;
-}
-
-/* SIGTERM to every rank (the children of mpirun), then waits for mpirun. */
-static void stop_ranks(pid_t mpirun) {
-  char cmd[64];
-  snprintf(cmd, sizeof cmd, "pkill -TERM -P %d", (int)mpirun);
-  if (system(cmd) != 0) kill(mpirun, SIGTERM);
-  waitpid(mpirun, NULL, 0);
+  const char *const argv[] = {o->spawn,  "--listen",          sock, "--port-file",
+                              port,      "--threads",         "1",  "--drift-threshold",
+                              "0",       "--log-level",       "warn", "--grace-period",
+                              "1",       NULL};
+  if (mprun_start(m, o->mpirun, R, argv, NULL) != 0) return -1;
+  if (mprun_wait_files(m, port, 60000) == 0) return 0;
+  fprintf(stderr, "bench-daemon: %d ranks did not all listen\n", R);
+  mprun_stop(m, SIGKILL, 10000);
+  return -1;
 }
 
 /* Replica rows: for each R of --ranks, B blocks of 256 (equal costs: B/R per rank) pushed to
@@ -1126,17 +1087,18 @@ static int run_replicas(const bench_opts *o) {
       rc = -1;
       break;
     }
-    pid_t pid = start_ranks(o, dir, R);
+    mprun m;
+    int up = start_ranks(o, dir, R, &m) == 0;
     grpc_channel *ch[64] = {NULL};
     char job[64];
     snprintf(job, sizeof job, "bench-replicas-%d", (int)getpid());
     double ms[3], total = 0;
-    for (int r = 0; pid > 0 && r < R; r++) {
+    for (int r = 0; up && r < R; r++) {
       char addr[160];
       snprintf(addr, sizeof addr, "unix:%s/r-%d.sock", dir, r);
       ch[r] = rpc_channel_create(addr, 0);
     }
-    rc = pid > 0 && register_job(ch[0], job, n, B) == 0 ? 0 : -1;
+    rc = up && register_job(ch[0], job, n, B) == 0 ? 0 : -1;
     uint64_t s = 777;
     for (int k = 0; rc == 0 && k < steps; k++) {
       for (int b = 0; b < B; b++)
@@ -1158,7 +1120,7 @@ static int run_replicas(const bench_opts *o) {
     }
     for (int r = 0; r < R; r++)
       if (ch[r] != NULL) rpc_channel_destroy(ch[r]);
-    if (pid > 0) stop_ranks(pid);
+    if (up) mprun_stop(&m, SIGTERM, 60000);
     char cmd[96];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) fprintf(stderr, "bench-daemon: could not remove %s\n", dir);
@@ -1231,7 +1193,7 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
         continue;
       }
       /* --wire over a unix socket: the shared-memory path next to the gRPC bytes. */
-      for (int shm = 0; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
+      for (int shm = o->shm_only; shm <= (o->wire && strcmp(transport, "unix") == 0); shm++) {
         if (have_fetch &&
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
@@ -1268,6 +1230,13 @@ int main(int argc, char **argv) {
       return 0;
     } else if (strcmp(a, "--tcp-only") == 0) {
       o.transports = 1;
+      continue;
+    } else if (strcmp(a, "--unix-only") == 0) {
+      o.transports = 2;
+      continue;
+    } else if (strcmp(a, "--shm-only") == 0) {
+      o.transports = 2;
+      o.shm_only = 1;
       continue;
     } else if (strcmp(a, "--bf16") == 0) {
       o.bf16 = 1;

@@ -36,6 +36,8 @@ typedef struct {
   int32_t *y32, *pred;   /* host */
   float *d_x;            /* device */
   int32_t *d_y, *d_pred; /* device */
+  int32_t *d_ys;         /* device: K-FAC's model Fisher's drawn labels */
+  pt_trainer *kfac;      /* borrowed; set for the model Fisher (rn_set_trainer) */
 } rn_ctx;
 
 static int rn_upload(rn_ctx *c, size_t n) {
@@ -45,12 +47,18 @@ static int rn_upload(rn_ctx *c, size_t n) {
   return rc;
 }
 
+static int rn_backward(void *ctx) {
+  return ac_resnet_backward(&((rn_ctx *)ctx)->net);
+}
+
 static int rn_train_step(void *ctx, double *loss) {
   rn_ctx *c = ctx;
   if (ds_image_sampler_next(&c->train, c->batch, c->x, c->y8) != DS_OK) return -1;
   int rc = rn_upload(c, c->batch);
   if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
   if (rc == AC_OK) rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_TRAIN, loss);
+  if (rc == AC_OK)
+    rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
   if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
   return rc;
 }
@@ -82,6 +90,10 @@ static int rn_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
 
 static void rn_set_hook(void *ctx, const ac_hook *hook) {
   ac_resnet_set_hook(&((rn_ctx *)ctx)->net, hook);
+}
+
+static void rn_set_trainer(void *ctx, pt_trainer *t) {
+  ((rn_ctx *)ctx)->kfac = t;
 }
 
 int main(int argc, char **argv) {
@@ -174,6 +186,7 @@ int main(int argc, char **argv) {
   if (c.x == NULL || c.y8 == NULL || c.y32 == NULL || c.pred == NULL ||
       ac_malloc(be, b * DS_FMNIST_PIXELS * sizeof(float), (void **)&c.d_x) != AC_OK ||
       ac_malloc(be, b * sizeof(int32_t), (void **)&c.d_y) != AC_OK ||
+      ac_malloc(be, b * sizeof(int32_t), (void **)&c.d_ys) != AC_OK ||
       ac_malloc(be, b * sizeof(int32_t), (void **)&c.d_pred) != AC_OK) {
     fprintf(stderr, "resnet: out of memory for batch buffers\n");
     goto done;
@@ -181,9 +194,18 @@ int main(int argc, char **argv) {
 
   /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
    * would not train the model one worker trains (docs/replicas.md). */
-  tr_model model = {"resnet",    &c,        c.params.n, c.params.items,          rn_train_step,
-                    rn_evaluate, (double)b, "img",      (long)(train.count / b), NULL,
-                    rn_set_hook};
+  tr_model model = {"resnet",
+                    &c,
+                    c.params.n,
+                    c.params.items,
+                    rn_train_step,
+                    rn_evaluate,
+                    (double)b,
+                    "img",
+                    (long)(train.count / b),
+                    NULL,
+                    rn_set_hook,
+                    rn_set_trainer};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
@@ -198,6 +220,7 @@ int main(int argc, char **argv) {
 done:
   ac_free(be, c.d_x);
   ac_free(be, c.d_y);
+  ac_free(be, c.d_ys);
   ac_free(be, c.d_pred);
   free(c.x);
   free(c.y8);

@@ -235,6 +235,7 @@ int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
 /* "constant", "cosine", "step": indexed by ac_lr_decay. */
 static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
 static const char *const tr__root_methods[] = {"newton", "eigh", NULL}; /* root_method */
+static const char *const tr__fishers[] = {"empirical", "model", NULL};  /* kfac_fisher */
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum {
@@ -345,9 +346,19 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("kfac-bf16", K_FLAG, &o->kfac_bf16, 0, 0, "K-FAC: push the factors as bf16");
   SPEC("kfac-a-images", K_LONG, &o->kfac_a_images, 0, 1e9,
        "K-FAC: conv layers' A from the first N images of the batch only (0: all)");
+  s[n++] = (tr__spec){"kfac-fisher",
+                      K_CHOICE,
+                      &o->kfac_fisher,
+                      0,
+                      0,
+                      "K-FAC: empirical (factors from the batch's backward) or model (from one "
+                      "more backward on labels drawn from the model's predictive distribution)",
+                      tr__fishers};
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
        "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
   SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
+  SPEC("poll-ms", K_LONG, &o->poll_ms, 0, 1e6,
+       "libprecond's poll for new results, ms (0: the mode's: Shampoo 20, K-FAC half a step)");
   SPEC("seed", K_U64, &o->seed, 0, 0, "random seed (weights and batches)");
   SPEC("backend", K_BACKEND, &o->backend, 0, 0, "cpu or cuda");
   SPEC("threads", K_INT, &o->threads, 1, 256, "OpenBLAS threads of the cpu backend");
@@ -855,6 +866,7 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->job = job;
   po->worker = model_name;
   po->sync_roots = opts->sync_roots;
+  if (opts->poll_ms > 0) po->poll_interval_ms = (int)opts->poll_ms;
 }
 
 /* Shampoo's options as the harness names them, for the trainer library. */
@@ -914,9 +926,44 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   ko->sgd.weight_decay = (float)opts->weight_decay;
   ko->push_bf16 = opts->kfac_bf16;
   ko->a_images = (size_t)opts->kfac_a_images;
+  ko->model_fisher = opts->kfac_fisher;
+  ko->sample_seed = opts->seed;
   ko->quiet = opts->quiet;
   pt_error perr = {""};
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
+}
+
+typedef struct {
+  ac_celoss *xent;
+  int32_t *drawn;
+  int (*backward)(void *ctx);
+  void *ctx;
+} tr__drawn_pass;
+
+/* The model's backward with the loss reading the drawn labels for this pass only. */
+static int tr__drawn_backward(void *ctx) {
+  tr__drawn_pass *d = ctx;
+  const int32_t *own = d->xent->labels;
+  d->xent->labels = d->drawn;
+  int rc = d->backward(d->ctx);
+  d->xent->labels = own;
+  return rc;
+}
+
+int tr_kfac_model_fisher(pt_trainer *t, ac_celoss *xent, int32_t *drawn, ac_param_list *params,
+                         int (*backward)(void *ctx), void *ctx) {
+  if (t == NULL) return 0;
+  tr__drawn_pass d = {xent, drawn, backward, ctx};
+  int ran = 0, rc = ac_memcpy_d2d(xent->be, drawn, xent->labels, xent->rows * sizeof(int32_t));
+  pt_error err = {""};
+  if (rc == AC_OK && pt_kfac_model_fisher(t, xent->rows, xent->classes, xent->probs, drawn,
+                                          tr__drawn_backward, &d, &ran, &err) != PT_OK) {
+    fprintf(stderr, "K-FAC model Fisher: %s\n", err.msg);
+    return -1;
+  }
+  if (rc == AC_OK && ran) rc = ac_param_list_zero_grad(params);
+  if (rc != AC_OK) fprintf(stderr, "K-FAC model Fisher: %s\n", ac_strerror(rc));
+  return rc == AC_OK ? 0 : -1;
 }
 
 /* Shampoo's part of the staleness distribution of a step: a block used its root at this
@@ -1269,6 +1316,14 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       goto done;
     }
     model->set_hook(model->ctx, &hook);
+    if (opts->kfac_fisher) {
+      if (model->set_trainer == NULL) {
+        rc = tr__fail(err, TR_EINVAL, "--kfac-fisher model: the %s model has no such pass",
+                      model->name);
+        goto done;
+      }
+      model->set_trainer(model->ctx, opt.trainer);
+    }
   }
 
   tr__progress prog = {isatty(STDERR_FILENO), 0, total >= 10 ? total / 10 : 1, 0};

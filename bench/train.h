@@ -107,10 +107,12 @@ typedef struct {
   long factor_first_epochs; /* epochs on factor_every_first */
   long epoch_steps;         /* the schedule's epoch; 0: the data's (tr_train fills it) */
   int kfac_bf16;            /* 1: factors travel as bf16 */
+  int kfac_fisher;          /* 0: empirical, 1: the model's (tr_model.set_trainer's pass) */
   long kfac_a_images;       /* conv A from this many images of the batch; 0: all */
   char daemon[256];         /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
                               %r: the data-parallel rank (docs/replicas.md) */
   char job[128];            /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
+  long poll_ms;             /* libprecond's poll period; 0: the trainer's default for the mode */
   /* Run */
   uint64_t seed;           /* default 1 */
   ac_backend_kind backend; /* cpu (default) or cuda */
@@ -343,7 +345,20 @@ typedef struct {
   /* Sets a curvature hook on the model's layers (ac_resnet_set_hook, ac_lm_set_hook); NULL:
    * the model has none (K-FAC is then refused). */
   void (*set_hook)(void *ctx, const ac_hook *hook);
+  /* K-FAC's model Fisher (--kfac-fisher model): hands the model the trainer, whose
+   * pt_kfac_model_fisher train_step then calls between its forward and backward passes.
+   * NULL: the model has no such pass (the option is then refused). */
+  void (*set_trainer)(void *ctx, pt_trainer *t);
 } tr_model;
+
+/* K-FAC's model Fisher for a model whose loss is xent, called by its train_step between
+ * forward and backward (t: the trainer set_trainer gave; NULL: nothing to do): when the
+ * factors are due, labels drawn into drawn (device int32, xent's max_rows; the batch's
+ * labels copied first, so ignored rows stay ignored), backward(ctx) run with xent reading
+ * them, then the grads zeroed for the batch's own backward (pt_kfac_model_fisher). 0, or
+ * -1 with the message on stderr. */
+int tr_kfac_model_fisher(pt_trainer *t, ac_celoss *xent, int32_t *drawn, ac_param_list *params,
+                         int (*backward)(void *ctx), void *ctx);
 
 /* Steps the run will take: opts->steps, or ceil(epochs * steps_per_epoch). */
 long tr_total_steps(const tr_options *opts, const tr_model *model);

@@ -37,6 +37,8 @@ typedef struct {
   uint8_t *in8, *tg8;   /* host, batch x t */
   int32_t *in32, *tg32; /* host */
   int32_t *d_in, *d_tg; /* device */
+  int32_t *d_ts;        /* device: K-FAC's model Fisher's drawn targets */
+  pt_trainer *kfac;     /* borrowed; set for the model Fisher (lm_set_trainer) */
 } lm_ctx;
 
 /* Uploads one batch of windows as int32 token and target ids. */
@@ -51,6 +53,10 @@ static int lm_upload(lm_ctx *c) {
   return rc;
 }
 
+static int lm_backward(void *ctx) {
+  return ac_lm_backward(&((lm_ctx *)ctx)->lm);
+}
+
 static int lm_train_step(void *ctx, double *loss) {
   lm_ctx *c = ctx;
   if (ds_text_sampler_next(&c->train, c->batch, c->in8, c->tg8) != DS_OK) return -1;
@@ -60,6 +66,8 @@ static int lm_train_step(void *ctx, double *loss) {
   if (rc == AC_OK)
     rc = ac_lm_forward(&c->lm, c->d_in + c->lo * c->t, c->d_tg + c->lo * c->t, c->local, c->t,
                        AC_MODE_TRAIN, loss);
+  if (rc == AC_OK)
+    rc = tr_kfac_model_fisher(c->kfac, &c->lm.xent, c->d_ts, &c->params, lm_backward, c);
   if (rc == AC_OK) rc = ac_lm_backward(&c->lm);
   return rc;
 }
@@ -103,6 +111,10 @@ static int lm_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
 
 static void lm_set_hook(void *ctx, const ac_hook *hook) {
   ac_lm_set_hook(&((lm_ctx *)ctx)->lm, hook);
+}
+
+static void lm_set_trainer(void *ctx, pt_trainer *t) {
+  ((lm_ctx *)ctx)->kfac = t;
 }
 
 int main(int argc, char **argv) {
@@ -199,16 +211,17 @@ int main(int argc, char **argv) {
   c.tg32 = malloc(n * sizeof(int32_t));
   if (c.in8 == NULL || c.tg8 == NULL || c.in32 == NULL || c.tg32 == NULL ||
       ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_in) != AC_OK ||
-      ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_tg) != AC_OK) {
+      ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_tg) != AC_OK ||
+      ac_malloc(be, n * sizeof(int32_t), (void **)&c.d_ts) != AC_OK) {
     fprintf(stderr, "transformer: out of memory for batch buffers\n");
     goto done;
   }
 
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
-  tr_model model = {"transformer",         &c,          c.params.n, c.params.items,
-                    lm_train_step,         lm_evaluate, (double)n,  "tok",
-                    (long)(train_len / n), lm_shard,    lm_set_hook};
+  tr_model model = {"transformer",         &c,          c.params.n,  c.params.items,
+                    lm_train_step,         lm_evaluate, (double)n,   "tok",
+                    (long)(train_len / n), lm_shard,    lm_set_hook, lm_set_trainer};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);
@@ -225,6 +238,7 @@ int main(int argc, char **argv) {
 done:
   ac_free(be, c.d_in);
   ac_free(be, c.d_tg);
+  ac_free(be, c.d_ts);
   free(c.in8);
   free(c.tg8);
   free(c.in32);

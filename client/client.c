@@ -53,6 +53,7 @@ _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "
 
 struct precond_client {
   precond_options opts;
+  int poll_reset; /* precond_set_poll_interval changed the period: poll now, then at it */
   char *addr, *token;
   grpc_channel *channel;
 
@@ -668,6 +669,10 @@ static void *thread_main(void *arg) {
     }
     int st = PRECOND_OK, worked = 0;
     c->busy = 1;
+    if (c->poll_reset) {
+      c->poll_reset = 0;
+      next_poll = deadline_in(0);
+    }
     if (passed(&next_poll)) {
       st = poll_roots(c);
       next_poll = deadline_in(c->opts.poll_interval_ms);
@@ -709,6 +714,18 @@ static void *thread_main(void *arg) {
 
 /* ------------------------------------------------------------------------------------ */
 /* Connection                                                                             */
+
+int precond_set_poll_interval(precond_client *c, int ms) {
+  if (c == NULL || ms <= 0) return PRECOND_EINVAL;
+  pthread_mutex_lock(&c->mu);
+  if (c->opts.poll_interval_ms != ms) {
+    c->opts.poll_interval_ms = ms;
+    c->poll_reset = 1; /* a wait for the old period's next poll ends now */
+    pthread_cond_broadcast(&c->wake);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return PRECOND_OK;
+}
 
 void precond_options_default(precond_options *o) {
   memset(o, 0, sizeof(*o));

@@ -155,6 +155,11 @@ int precond_connect(const precond_options *opts, precond_client **out);
  * released. NULL is a no-op. */
 void precond_close(precond_client *client);
 
+/* Sets the FetchPreconditioners poll period to ms (> 0) from the next poll on (a worker
+ * that knows its step time polls about as often as it can use a result). PRECOND_EINVAL
+ * for ms <= 0. */
+int precond_set_poll_interval(precond_client *client, int ms);
+
 /* Copies the newest daemon or transport error message into buf (always NUL-terminated when
  * len > 0; "" if none). */
 void precond_last_error(precond_client *client, char *buf, size_t len);

@@ -817,12 +817,28 @@ void pd_shm_describe(const pd_shm_session *s, uint64_t *id, const unsigned char 
  * reference (pd_shm_put); the first such call marks it attached. NULL otherwise. */
 pd_shm_session *pd_shm_get(pd_shm *r, uint64_t id, const void *secret, size_t len);
 void pd_shm_put(pd_shm *r, pd_shm_session *s);
+/* A push's copies of the matrices its client wrote: into a buffer the session keeps from
+ * push to push (its pages stay mapped), or malloc'd ones when another push of the session
+ * holds it, the budget has no room for it or total is above the client's half. */
+typedef struct {
+  pd_shm_session *s;
+  unsigned char *buf; /* the session's buffer, held until pd_shm_in_end; NULL: malloc'd */
+  size_t cap, used;
+} pd_shm_in;
+/* Starts the copies of one push of total bytes (each matrix's rounded up to RPC_SHM_ALIGN).
+ * The caller holds a reference to s until pd_shm_in_end. */
+void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in);
+/* Ends them: the session's buffer (in->buf, when set) is free for the next push; copies
+ * into it must not be used or freed any more. */
+void pd_shm_in_end(pd_shm_in *in);
 /* A matrix the client wrote: [offset, offset + length) must lie in the region's first half
- * and length be expect bytes. On PD_OK *out is a malloc'd copy (the caller owns it) whose
- * CRC-32C was crc. PD_EINVAL with *why (a static phrase) when the reference is out of
- * place or the checksum differs; PD_ENOMEM. */
-int pd_shm_copy_in(const pd_shm_session *s, uint64_t offset, uint64_t length, uint32_t crc,
-                   size_t expect, uint8_t **out, const char **why);
+ * and length be expect bytes. On PD_OK *out is its copy, whose CRC-32C was crc: in in->buf
+ * when that is set (the session's: not to be freed), else malloc'd (the caller owns it).
+ * fp32: the bytes are fp32 values, and *finite gets 1 when the copy found them all finite
+ * (else 0: a NaN or Inf, or not looked at). PD_EINVAL with *why (a static phrase) when the
+ * reference is out of place or the checksum differs; PD_ENOMEM. */
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
+                   int fp32, uint8_t **out, int *finite, const char **why);
 /* Writes len bytes of src to the next place of the region's second half (its ring): the
  * offset from the region's start and the CRC-32C out. PD_ELIMIT if len is above the half. */
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,

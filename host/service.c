@@ -337,9 +337,11 @@ static int pd__push_parts(const pd_job *job, const Precond__V1__BlockStatistics 
 }
 
 /* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
- * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned. */
+ * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned.
+ * known_finite: these bytes were found all finite already (a region's copy), no pass for
+ * that here. */
 static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, const char *side,
-                      const float **vals, float **owned, pd_reply *rep) {
+                      int known_finite, const float **vals, float **owned, pd_reply *rep) {
   *vals = NULL;
   *owned = NULL;
   if (!m) {
@@ -377,7 +379,7 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
     *vals = buf;
     *owned = buf;
   }
-  if (!pc_all_finite_f32(count, *vals)) {
+  if (!known_finite && !pc_all_finite_f32(count, *vals)) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
              "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
              "stored",
@@ -401,50 +403,111 @@ static pd_shm_session *pd__shm_session(pd_daemon *d, const Precond__V1__ShmSessi
   return s;
 }
 
+/* A push's matrices in a region: the session, their copies, and which of them the copy
+ * found all finite (PD_SHM_PARTS per block, in pd__shm_part_names' order). */
+#define PD_SHM_PARTS 4
+static const char *const pd__shm_part_names[PD_SHM_PARTS] = {"left", "right", "a", "g"};
+typedef struct {
+  pd_shm_session *s;
+  pd_shm_in in;
+  uint8_t *finite;
+} pd__shm_push;
+
+static void pd__shm_parts(Precond__V1__BlockStatistics *bs,
+                          Precond__V1__PackedMatrix *part[PD_SHM_PARTS]) {
+  part[0] = bs->left;
+  part[1] = bs->right;
+  part[2] = bs->a;
+  part[3] = bs->g;
+}
+
 /* Replaces every shm reference of a push by the bytes it names, copied out of the region
  * and checked against their CRC-32C: from here on the request is what a gRPC push of the
  * same bytes would be, and pd__push's own checks (sizes, encodings, NaN/Inf) apply to it
- * unchanged. 0, or -1 with rep failed naming the field. The copies belong to the request
- * (protobuf_c_message_free_unpacked frees them with the rest). */
-static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep) {
-  pd_shm_session *s = NULL;
-  int rc = 0;
-  for (size_t i = 0; rc == 0 && i < req->n_blocks; i++) {
-    Precond__V1__BlockStatistics *bs = req->blocks[i];
-    Precond__V1__PackedMatrix *part[4] = {bs->left, bs->right, bs->a, bs->g};
-    static const char *const name[4] = {"left", "right", "a", "g"};
-    for (int k = 0; rc == 0 && k < 4; k++) {
-      Precond__V1__PackedMatrix *m = part[k];
-      if (!m || !m->shm) continue;
-      rc = -1;
-      if (m->data.len > 0) {
+ * unchanged; the NaN/Inf check is done in the copy for fp32 matrices found all finite
+ * (sp->finite), and again in pd__decode for the rest, so a bad value is reported where the
+ * bytes path reports it. 0, or -1 with rep failed naming the field. The copies are the
+ * session's (sp->in) or the request's; pd__shm_push_done, always, after the push. */
+static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_push *sp,
+                           pd_reply *rep) {
+  memset(sp, 0, sizeof *sp);
+  size_t total = 0, any = 0;
+  for (size_t i = 0; i < req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(req->blocks[i], part);
+    for (int k = 0; k < PD_SHM_PARTS; k++) {
+      if (!part[k] || !part[k]->shm) continue;
+      if (part[k]->data.len > 0) {
         pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "blocks[%zu].%s: both data and shm are set", i,
-                 name[k]);
-        break;
+                 pd__shm_part_names[k]);
+        return -1;
       }
       if (!req->shm) {
         pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
-                 "blocks[%zu].%s.shm: the request names no region (shm)", i, name[k]);
-        break;
+                 "blocks[%zu].%s.shm: the request names no region (shm)", i,
+                 pd__shm_part_names[k]);
+        return -1;
       }
-      if (!s && !(s = pd__shm_session(d, req->shm, rep))) break;
+      any++;
+      uint64_t len = part[k]->shm->length;
+      /* Sums past the half go to malloc'd copies (pd_shm_in_begin): no overflow here. */
+      total += len > ((uint64_t)1 << 40) ? ((size_t)1 << 40)
+                                         : (size_t)(len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN *
+                                               RPC_SHM_ALIGN;
+    }
+  }
+  if (any == 0) return 0;
+  if (!(sp->s = pd__shm_session(d, req->shm, rep))) return -1;
+  sp->finite = calloc(PD_SHM_PARTS * req->n_blocks, 1);
+  if (!sp->finite) {
+    pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return -1;
+  }
+  pd_shm_in_begin(&d->shm, sp->s, total, &sp->in);
+  for (size_t i = 0; i < req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(req->blocks[i], part);
+    for (int k = 0; k < PD_SHM_PARTS; k++) {
+      Precond__V1__PackedMatrix *m = part[k];
+      if (!m || !m->shm) continue;
       const char *why = NULL;
       uint8_t *bytes = NULL;
-      int e = pd_shm_copy_in(s, m->shm->offset, m->shm->length, m->shm->crc32c,
-                             (size_t)m->shm->length, &bytes, &why);
+      int finite = 0;
+      int e = pd_shm_copy_in(&sp->in, m->shm->offset, m->shm->length, m->shm->crc32c,
+                             (size_t)m->shm->length, rpc_packed_native((int)m->encoding), &bytes,
+                             &finite, &why);
       if (e != PD_OK) {
         pd__fail(rep,
                  e == PD_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT,
-                 "blocks[%zu].%s.shm: %s; nothing of this push was stored", i, name[k], why);
-        break;
+                 "blocks[%zu].%s.shm: %s; nothing of this push was stored", i,
+                 pd__shm_part_names[k], why);
+        return -1;
       }
       m->data.data = bytes;
       m->data.len = (size_t)m->shm->length;
-      rc = 0;
+      sp->finite[PD_SHM_PARTS * i + k] = (uint8_t)finite;
     }
   }
-  pd_shm_put(&d->shm, s);
-  return rc;
+  return 0;
+}
+
+/* After a push (whatever its outcome): copies in the session's buffer are detached from
+ * the request (the rest are the request's, freed with it), the buffer and the session let
+ * go. */
+static void pd__shm_push_done(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_push *sp) {
+  for (size_t i = 0; sp->in.buf && i < req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(req->blocks[i], part);
+    for (int k = 0; k < PD_SHM_PARTS; k++)
+      if (part[k] && part[k]->shm) {
+        part[k]->data.data = NULL;
+        part[k]->data.len = 0;
+      }
+  }
+  if (sp->s) pd_shm_in_end(&sp->in);
+  pd_shm_put(&d->shm, sp->s);
+  free(sp->finite);
+  memset(sp, 0, sizeof *sp);
 }
 
 static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, pd_reply *rep) {
@@ -474,6 +537,8 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
 }
 
 static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep) {
+  pd__shm_push sp;
+  memset(&sp, 0, sizeof sp);
   if (!req->job || !*req->job) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT, "job: empty");
     goto rejected;
@@ -483,7 +548,7 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
              (unsigned long long)req->step);
     goto rejected;
   }
-  if (pd__shm_push_in(d, req, rep) != 0) goto rejected;
+  if (pd__shm_push_in(d, req, &sp, rep) != 0) goto rejected;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
   if (!job) {
     pd__unknown_job(d, rep, GRPC_STATUS_FAILED_PRECONDITION, req->job,
@@ -521,9 +586,11 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
     const Precond__V1__PackedMatrix *wire[PD_MAX_PARTS];
     const char *const *names;
     if (!pd__push_parts(job, bs, i, wire, &names, rep)) goto cleanup;
+    /* Part k is left or right (Shampoo), a or g (K-FAC) in the region's order. */
+    size_t first = PD_SHM_PARTS * i + (job->mode->id == PD_MODE_KFAC ? 2 : 0);
     for (uint32_t k = 0; k < b->nparts; k++)
-      if (pd__decode(wire[k], b->order[k], i, names[k], &parts[PD_MAX_PARTS * i + k],
-                     &owned[PD_MAX_PARTS * i + k], rep) != 0)
+      if (pd__decode(wire[k], b->order[k], i, names[k], sp.finite && sp.finite[first + k],
+                     &parts[PD_MAX_PARTS * i + k], &owned[PD_MAX_PARTS * i + k], rep) != 0)
         goto cleanup;
   }
   /* Units another replica owns go to it (replica_plan.c); the rest are folded here. */
@@ -578,8 +645,12 @@ cleanup:
   free(seen);
   free(blocks);
   pd_job_unref(job, &d->stats);
-  if (ok) return;
+  if (ok) {
+    pd__shm_push_done(d, req, &sp);
+    return;
+  }
 rejected:
+  pd__shm_push_done(d, req, &sp);
   atomic_fetch_add(&d->stats.rejected_pushes, 1);
   pd_log(PD_LOG_DEBUG, "push rejected: %s", rep->message);
 }

@@ -42,6 +42,11 @@ struct pd_shm_session {
   atomic_int refs;
   pthread_mutex_t lock; /* guards out_pos */
   uint64_t out_pos;     /* the daemon's ring in the second half */
+  /* Where pushes copy the client's matrices to (pd_shm_in_begin): kept from push to push, so
+   * its pages stay mapped; a malloc'd buffer per push cost a page fault per 4 KiB. */
+  pthread_mutex_t in_lock; /* held by the push using in_buf */
+  unsigned char *in_buf;
+  size_t in_cap; /* bytes, counted in the budget and memory_bytes */
 };
 
 int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
@@ -60,8 +65,10 @@ static void pd__shm_free(pd_shm *r, pd_shm_session *s) {
   if (!s->attached && s->path[0] && s->fd >= 0) unlink(s->path); /* only a file made here */
   if (s->map) munmap(s->map, s->bytes);
   if (s->fd >= 0) close(s->fd);
-  pd_store_release_extra(r->store, s->bytes);
-  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)s->bytes);
+  pd_store_release_extra(r->store, s->bytes + s->in_cap);
+  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)(s->bytes + s->in_cap));
+  free(s->in_buf);
+  pthread_mutex_destroy(&s->in_lock);
   pthread_mutex_destroy(&s->lock);
   free(s);
 }
@@ -111,6 +118,12 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
     snprintf(err, errlen, "out of memory");
     return PD_ENOMEM;
   }
+  if (pthread_mutex_init(&s->in_lock, NULL) != 0) {
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    snprintf(err, errlen, "out of memory");
+    return PD_ENOMEM;
+  }
   s->fd = -1;
   atomic_init(&s->refs, 2); /* the registry's and the caller's */
   int rc = PD_OK;
@@ -119,6 +132,7 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
     pthread_mutex_unlock(&r->lock);
     snprintf(err, errlen, "%d shared-memory regions open already (the most a daemon keeps)",
              PD_SHM_MAX_SESSIONS);
+    pthread_mutex_destroy(&s->in_lock);
     pthread_mutex_destroy(&s->lock);
     free(s);
     return PD_ELIMIT;
@@ -127,6 +141,7 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
   pthread_mutex_unlock(&r->lock);
   if (pd_store_reserve_extra(r->store, bytes) != PD_OK) {
     snprintf(err, errlen, "bytes: a region of %zu bytes does not fit --memory-limit-mb", bytes);
+    pthread_mutex_destroy(&s->in_lock);
     pthread_mutex_destroy(&s->lock);
     free(s);
     return PD_ELIMIT;
@@ -216,24 +231,72 @@ pd_shm_session *pd_shm_get(pd_shm *r, uint64_t id, const void *secret, size_t le
   return found;
 }
 
-int pd_shm_copy_in(const pd_shm_session *s, uint64_t offset, uint64_t length, uint32_t crc,
-                   size_t expect, uint8_t **out, const char **why) {
+void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in) {
+  memset(in, 0, sizeof *in);
+  in->s = s;
+  /* More than the client's half is no push a client makes (references that overlap): those
+   * go to malloc'd copies, as when another push of the region holds the buffer. */
+  if (total == 0 || total > s->bytes / 2 || pthread_mutex_trylock(&s->in_lock) != 0) return;
+  if (s->in_cap < total) {
+    /* Grown to this push's size (at most the half), the budget first. */
+    free(s->in_buf);
+    s->in_buf = NULL;
+    pd_store_release_extra(r->store, s->in_cap);
+    atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)s->in_cap);
+    s->in_cap = 0;
+    if (pd_store_reserve_extra(r->store, total) != PD_OK) {
+      pthread_mutex_unlock(&s->in_lock);
+      return;
+    }
+    s->in_buf = malloc(total);
+    if (!s->in_buf) {
+      pd_store_release_extra(r->store, total);
+      pthread_mutex_unlock(&s->in_lock);
+      return;
+    }
+    s->in_cap = total;
+    atomic_fetch_add(&r->stats->memory_bytes, (int64_t)total);
+  }
+  in->buf = s->in_buf;
+  in->cap = total;
+}
+
+void pd_shm_in_end(pd_shm_in *in) {
+  if (in->buf) pthread_mutex_unlock(&in->s->in_lock);
+  in->buf = NULL;
+}
+
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
+                   int fp32, uint8_t **out, int *finite, const char **why) {
+  const pd_shm_session *s = in->s;
   *out = NULL;
+  *finite = 0;
   if (rpc_shm_ref_check(s->bytes, 0, s->bytes / 2, offset, length, expect) != RPC_OK) {
     *why = "outside the client's half of the region, or not the matrix's byte count";
     return PD_EINVAL;
   }
-  uint8_t *buf = malloc(length ? (size_t)length : 1);
-  if (!buf) {
+  size_t slot = ((size_t)length + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  uint8_t *buf;
+  if (in->buf && in->cap - in->used >= slot) {
+    buf = in->buf + in->used;
+  } else if (in->buf) {
+    *why = "more bytes than the push announced"; /* the caller's sum was wrong: a bug */
+    return PD_EINVAL;
+  } else if (!(buf = malloc(length ? (size_t)length : 1))) {
     *why = "out of memory";
     return PD_ENOMEM;
   }
-  if (rpc_shm_copy_crc(buf, s->map + offset, (size_t)length) != crc) {
-    free(buf);
+  int ok = 0;
+  uint32_t got = fp32 ? rpc_shm_copy_crc_finite(buf, s->map + offset, (size_t)length, &ok)
+                      : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length);
+  if (got != crc) {
+    if (!in->buf) free(buf);
     *why = "checksum mismatch (CRC-32C of the region's bytes)";
     return PD_EINVAL;
   }
+  if (in->buf) in->used += slot;
   *out = buf;
+  *finite = ok;
   return PD_OK;
 }
 

@@ -66,9 +66,22 @@ void pc_bf16_to_f32(size_t count, const uint16_t *in, float *out) {
   }
 }
 
+/* In blocks without a branch inside, so the loop vectorizes (and, add and or: SSE2 has
+ * them): the exponent's bits plus one carry into the sign bit exactly when they are all
+ * ones, an Inf or a NaN. The early-exit form ran at a third of a copy's speed, a whole
+ * pass over every push (daemon and client, docs/precondd.md "Wire"). */
 int pc_all_finite_f32(size_t count, const float *x) {
-  for (size_t i = 0; i < count; i++)
-    if (!isfinite(x[i])) return 0;
+  enum { BLOCK = 1024 };
+  for (size_t i0 = 0; i0 < count; i0 += BLOCK) {
+    size_t m = count - i0 < BLOCK ? count - i0 : BLOCK;
+    uint32_t bad = 0;
+    for (size_t i = 0; i < m; i++) {
+      uint32_t u;
+      memcpy(&u, &x[i0 + i], sizeof u);
+      bad |= (u & 0x7f800000u) + 0x00800000u;
+    }
+    if (bad & 0x80000000u) return 0;
+  }
   return 1;
 }
 

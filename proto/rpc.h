@@ -227,6 +227,11 @@ uint32_t rpc_crc32c(uint32_t crc, const void *data, size_t len);
  * written to dst, in one pass over memory. */
 uint32_t rpc_shm_copy_crc(void *dst, const void *src, size_t len);
 
+/* rpc_shm_copy_crc that also looks for NaN and Inf in the same pass, the bytes taken as
+ * fp32 values: *finite gets 1 when they are whole, aligned (dst) floats all finite, else 0
+ * (a NaN or Inf, or bytes that are not such floats: check them some other way). */
+uint32_t rpc_shm_copy_crc_finite(void *dst, const void *src, size_t len, int *finite);
+
 /* The CRC-32C of len bytes as rpc_shm_copy_crc gives it, without copying. */
 uint32_t rpc_shm_crc(const void *data, size_t len);
 

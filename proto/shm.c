@@ -9,6 +9,7 @@
 #include "rpc.h"
 
 #include "precond.pb-c.h"
+#include "preconditioner.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +27,7 @@
 #define RPC__CRC32C_POLY 0x82F63B78u
 
 static uint32_t rpc__crc_table[8][256];
+static void rpc__x2k_init(void);
 static pthread_once_t rpc__crc_once = PTHREAD_ONCE_INIT;
 
 static void rpc__crc_init(void) {
@@ -34,6 +36,7 @@ static void rpc__crc_init(void) {
     for (int k = 0; k < 8; k++) c = (c >> 1) ^ (RPC__CRC32C_POLY & (0u - (c & 1u)));
     rpc__crc_table[0][i] = c;
   }
+  rpc__x2k_init();
   for (uint32_t i = 0; i < 256; i++)
     for (int t = 1; t < 8; t++)
       rpc__crc_table[t][i] =
@@ -105,36 +108,37 @@ uint32_t rpc_crc32c(uint32_t crc, const void *data, size_t len) {
   return ~c;
 }
 
-/* CRC-32C of A || B from crc(A), crc(B) and |B| (GF(2) matrices of the CRC's shift by one
- * zero bit, squared up to len2 bytes: O(32^2 log len2) work, a few microseconds). */
-static uint32_t rpc__gf2_times(const uint32_t *mat, uint32_t vec) {
-  uint32_t sum = 0;
-  for (; vec; vec >>= 1, mat++)
-    if (vec & 1) sum ^= *mat;
-  return sum;
+/* CRC-32C of A || B from crc(A), crc(B) and |B|: crc(A) times x^(8 |B|) modulo the
+ * polynomial, plus crc(B). x^(8 |B|) is a product of the powers x^(2^k) of |B|'s bits (a
+ * table of 32 made once), each product 32 shift-and-add steps: well under a microsecond,
+ * where squaring 32 x 32 bit matrices per bit of |B| took tens of microseconds a copy. */
+static uint32_t rpc__x2k[64]; /* x^(2^k) mod P, reflected (x^0 is the top bit) */
+
+static uint32_t rpc__mulmod(uint32_t a, uint32_t b) {
+  uint32_t p = 0;
+  for (uint32_t m = 1u << 31; m != 0; m >>= 1) {
+    if (a & m) p ^= b;
+    b = (b >> 1) ^ (RPC__CRC32C_POLY & (0u - (b & 1u))); /* b times x */
+  }
+  return p;
 }
 
-static void rpc__gf2_square(uint32_t *square, const uint32_t *mat) {
-  for (int n = 0; n < 32; n++) square[n] = rpc__gf2_times(mat, mat[n]);
+static void rpc__x2k_init(void) {
+  rpc__x2k[0] = 1u << 30; /* x^1 */
+  for (int k = 1; k < 64; k++) rpc__x2k[k] = rpc__mulmod(rpc__x2k[k - 1], rpc__x2k[k - 1]);
 }
 
 static uint32_t rpc__crc_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
-  uint32_t even[32], odd[32];
-  if (len2 == 0) return crc1;
-  odd[0] = RPC__CRC32C_POLY; /* the operator for one zero bit */
-  for (int n = 1; n < 32; n++) odd[n] = 1u << (n - 1);
-  rpc__gf2_square(even, odd); /* two zero bits */
-  rpc__gf2_square(odd, even); /* four */
-  do {
-    rpc__gf2_square(even, odd); /* first pass: one zero byte */
-    if (len2 & 1) crc1 = rpc__gf2_times(even, crc1);
-    len2 >>= 1;
-    if (len2 == 0) break;
-    rpc__gf2_square(odd, even);
-    if (len2 & 1) crc1 = rpc__gf2_times(odd, crc1);
-    len2 >>= 1;
-  } while (len2 != 0);
-  return crc1 ^ crc2;
+  uint32_t shift = 1u << 31; /* x^0 */
+  uint64_t bits = (uint64_t)len2 << 3;
+  for (int k = 0; bits != 0; k++, bits >>= 1)
+    if (bits & 1) shift = rpc__mulmod(shift, rpc__x2k[k]);
+  return rpc__mulmod(shift, crc1) ^ crc2;
+}
+
+/* ok and the k bytes at p (whole aligned floats) all finite. */
+static int rpc__look(int ok, const unsigned char *p, size_t k) {
+  return ok && pc_all_finite_f32(k / sizeof(float), (const float *)(const void *)p);
 }
 
 /* A copy and its CRC-32C. Large buffers are split in three thirds whose checksums run as
@@ -142,11 +146,16 @@ static uint32_t rpc__crc_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
  * throughput of one: one chain uses a third of it) and are combined at the end; the copy
  * goes in pieces that stay in cache until their checksum is taken, so memory is crossed
  * once, and the checksum is of the bytes that landed in dst whatever src does meanwhile.
- * dst NULL: the checksum of src alone. */
-static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len) {
+ * dst NULL: the checksum of src alone. finite (NULL: not wanted) gets 1 when the bytes
+ * copied are fp32 values all finite, each piece looked at while it is in cache: the
+ * daemon's NaN/Inf check of a push without a pass of its own; 0 when some value is not,
+ * or the bytes are not whole aligned floats (their reader checks them itself then). */
+static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len, int *finite) {
   enum { PIECE = 16 << 10, SPLIT = 3 * PIECE };
   unsigned char *d = dst;
   const unsigned char *s = src;
+  int check = finite && d && (uintptr_t)d % _Alignof(float) == 0 && len % sizeof(float) == 0;
+  int ok = 1;
   pthread_once(&rpc__crc_once, rpc__crc_init);
   if (len < SPLIT || !RPC__HAVE_HW()) {
     uint32_t crc = 0;
@@ -154,8 +163,10 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len) {
       size_t k = len - done < PIECE ? len - done : PIECE;
       if (d) memcpy(d + done, s + done, k);
       crc = rpc_crc32c(crc, (d ? d : s) + done, k);
+      if (check) ok = rpc__look(ok, d + done, k);
       done += k;
     }
+    if (finite) *finite = check && ok;
     return crc;
   }
   size_t third = len / 3 / 8 * 8, last = len - 2 * third;
@@ -167,11 +178,14 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len) {
       for (int t = 0; t < 3; t++) memcpy(d + t * third + done, s + t * third + done, k);
     const unsigned char *p0 = base + done, *p1 = p0 + third, *p2 = p1 + third;
     rpc__crc3(c, p0, p1, p2, k);
+    for (int t = 0; check && t < 3; t++) ok = rpc__look(ok, d + t * third + done, k);
     done += k;
   }
   /* The last third also holds the bytes past 3 * third. */
   size_t tail = last - third;
   if (d && tail) memcpy(d + 3 * third, s + 3 * third, tail);
+  if (check && tail) ok = rpc__look(ok, d + 3 * third, tail);
+  if (finite) *finite = check && ok;
   uint32_t c2 = (uint32_t)c[2];
   if (tail) c2 = rpc__crc_hw(c2, base + 3 * third, tail);
   uint32_t r0 = ~(uint32_t)c[0], r1 = ~(uint32_t)c[1], r2 = ~c2;
@@ -179,11 +193,15 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len) {
 }
 
 uint32_t rpc_shm_copy_crc(void *dst, const void *src, size_t len) {
-  return rpc__copy_crc(dst, src, len);
+  return rpc__copy_crc(dst, src, len, NULL);
+}
+
+uint32_t rpc_shm_copy_crc_finite(void *dst, const void *src, size_t len, int *finite) {
+  return rpc__copy_crc(dst, src, len, finite);
 }
 
 uint32_t rpc_shm_crc(const void *data, size_t len) {
-  return rpc__copy_crc(NULL, data, len);
+  return rpc__copy_crc(NULL, data, len, NULL);
 }
 
 int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off) {

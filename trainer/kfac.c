@@ -52,8 +52,14 @@ typedef struct {
   size_t stage_floats;
   float *host; /* host buffer for downloads of packed factors */
   size_t host_floats;
-  float *dev1;    /* one device float for the KL clip */
-  ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
+  float *dev1; /* one device float for the KL clip */
+  float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
+  size_t u_floats;
+  uint64_t draws;        /* the draws' counter (ac_rand_uniform's offset) */
+  int sampling;          /* the model Fisher's backward is running: the hook computes factors */
+  double last_t, step_s; /* wall time of the last pt_step; mean step time (EMA), s */
+  int poll_ms;           /* the poll period last given to libprecond (0: its default) */
+  ac_kfac_pg *pg;        /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
   int hook_rc;   /* the first error a hook met (returned by pt_step too) */
@@ -174,6 +180,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
   if (!s->due) return AC_OK; /* most steps after the first epoch: nothing to do */
+  if (o->model_fisher && !s->sampling) return AC_OK; /* the batch's own backward */
   int rc = AC_OK;
   pt__kfac_layer *l = pt__layer_of(t, v, &rc);
   if (l == NULL) return rc;
@@ -213,6 +220,36 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
 int pt_kfac_hook(pt_trainer *t, ac_hook *out) {
   if (t == NULL || out == NULL || t->mode != &pt__kfac_mode) return PT_EINVAL;
   *out = (ac_hook){pt__hook, t};
+  return PT_OK;
+}
+
+int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *probs,
+                         int32_t *labels, int (*backward)(void *ctx), void *ctx, int *ran,
+                         pt_error *err) {
+  if (ran != NULL) *ran = 0;
+  if (t == NULL || t->mode != &pt__kfac_mode || ran == NULL || backward == NULL)
+    return pt__fail(err, PT_EINVAL, "pt_kfac_model_fisher: a K-FAC trainer and ran, backward");
+  pt__kfac *s = t->state;
+  if (!t->opts.kfac.model_fisher || !s->due) return PT_OK;
+  int rc = AC_OK;
+  if (rows > s->u_floats) {
+    ac_free(s->be, s->u);
+    s->u = NULL;
+    s->u_floats = 0;
+    if ((rc = pt__dev(s->be, rows, &s->u)) == AC_OK) s->u_floats = rows;
+  }
+  if (rc == AC_OK)
+    rc = ac_rand_uniform(s->be, t->opts.kfac.sample_seed, s->draws, rows, 0.0f, 1.0f, s->u);
+  if (rc == AC_OK) rc = ac_sample_rows(s->be, rows, cols, probs, s->u, labels);
+  if (rc != AC_OK) return pt__accel(err, rc, "the model Fisher's draws");
+  s->draws += rows;
+  s->sampling = 1;
+  int brc = backward(ctx);
+  s->sampling = 0;
+  if (brc != 0)
+    return pt__fail(err, PT_EACCEL, "the model Fisher's backward pass failed (%d)", brc);
+  if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
+  *ran = 1;
   return PT_OK;
 }
 
@@ -477,9 +514,29 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
   return rc;
 }
 
+/* libprecond polls for results every 20 ms by default: 50 calls a second whatever a step
+ * costs, about 40 ms of the client's CPU per ResNet step on the CPU backend (perf), and more
+ * the slower the wall clock runs, when K-FAC's inverses change every inv_every pushes. So
+ * (poll_interval_ms 0) the poll follows the step: half the mean step's wall time, 10 ms to
+ * 1 s, a new version waiting at most half a step more. */
+static void pt__kfac_poll_pace(pt_trainer *t) {
+  pt__kfac *s = t->state;
+  double now = pt__now();
+  if (t->opts.poll_interval_ms == 0 && s->last_t > 0.0) {
+    double dt = now - s->last_t;
+    s->step_s = s->step_s > 0.0 ? 0.8 * s->step_s + 0.2 * dt : dt;
+    double want = 500.0 * s->step_s;
+    int ms = want < 10.0 ? 10 : want > 1000.0 ? 1000 : (int)want;
+    if (4 * abs(ms - s->poll_ms) > s->poll_ms && precond_set_poll_interval(t->client, ms) == 0)
+      s->poll_ms = ms;
+  }
+  s->last_t = now;
+}
+
 static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
+  pt__kfac_poll_pace(t);
   if (step != s->next_step)
     return pt__fail(err, PT_EINVAL,
                     "K-FAC: step %ld, expected %ld (steps are consecutive: "
@@ -536,6 +593,7 @@ static void pt__kfac_destroy(pt_trainer *t) {
   ac_free(s->be, s->ws);
   ac_free(s->be, s->stage);
   ac_free(s->be, s->dev1);
+  ac_free(s->be, s->u);
   ac_sgd_destroy(s->sgd);
   free(s->layers);
   free(s->pg);

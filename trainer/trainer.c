@@ -89,6 +89,7 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
   /* Conv A from 16 images of the batch: the factor step's cost is the A syrk; 16 of 128
    * reached SGD's 1-epoch accuracy in 0.7x its steps (docs/kfac.md, "Tuning"). */
   opts->kfac.a_images = 16;
+  opts->kfac.sample_seed = 1;
 }
 
 /* Registers every parameter as a tensor (a scalar as shape {1}) and keeps the daemon's
@@ -136,6 +137,9 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
   if (opts->shard_size > 1 && (opts->shard_rank < 0 || opts->shard_rank >= opts->shard_size))
     return pt__fail(err, PT_EINVAL, "pt_create: shard_rank %d is not in [0, %d)", opts->shard_rank,
                     opts->shard_size);
+  if (opts->poll_interval_ms < 0)
+    return pt__fail(err, PT_EINVAL, "pt_create: poll_interval_ms %d is negative",
+                    opts->poll_interval_ms);
   if (opts->sync_roots && opts->sync_timeout_ms <= 0)
     return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
   const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;
@@ -167,6 +171,7 @@ int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
   precond_options_default(&po);
   if (opts->daemon != NULL) po.addr = opts->daemon;
   po.connect_timeout_ms = opts->connect_timeout_ms;
+  if (opts->poll_interval_ms > 0) po.poll_interval_ms = opts->poll_interval_ms;
   int prc = precond_connect(&po, &t->client);
   if (prc != PRECOND_OK) {
     rc = pt__fail(err, PT_EDAEMON,

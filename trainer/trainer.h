@@ -80,6 +80,11 @@ typedef struct {
   int quiet;            /* 1: do not list each layer's treatment on stderr at start */
   double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
                               rate pt_step has been given so far */
+  int model_fisher;     /* 1: the model's Fisher, factors from a backward pass on labels
+                              drawn from the model's predictive distribution (the client
+                              runs it: pt_kfac_model_fisher); 0 (default): the empirical
+                              Fisher, factors from the batch's own backward pass */
+  uint64_t sample_seed; /* the draws' seed (ac_rand_uniform's counter-based numbers) */
 } pt_kfac_opts;
 
 /* "shampoo", "kfac"; "?" otherwise. */
@@ -94,6 +99,9 @@ typedef struct {
   int sync_roots;         /* 1: a step that pushes waits for the results of its own
                               statistics before updating (reproducible; default 0) */
   int sync_timeout_ms;    /* sync_roots' bound per wait (default 60000) */
+  int poll_interval_ms;   /* libprecond's FetchPreconditioners poll period, ms; 0 (default):
+                              the mode's: Shampoo libprecond's 20; K-FAC half its mean step
+                              wall time, within 10..1000 (trainer/kfac.c) */
   /* Data-parallel workers (pt_dp): this worker computes and pushes the statistics of its
    * share of the units only, and fetches every result. shard_size 1 (default): all. The
    * share: with as many daemon replicas as workers (the layout's owners), the units the
@@ -202,6 +210,20 @@ ac_shampoo *pt_shampoo(const pt_trainer *t);
  * overwrites the grads of preconditioned parameters with their preconditioned values.
  * PT_EINVAL for a trainer of another mode. */
 int pt_kfac_hook(pt_trainer *t, ac_hook *out);
+
+/* K-FAC's model Fisher (kfac.model_fisher). Call after the forward pass of step's batch and
+ * before its backward. When the factors of the coming step are due: labels (device int32,
+ * rows; on entry the batch's own, so a loss's ignored rows stay ignored) get one draw per
+ * row from probs (device, rows x cols, the loss's softmax) by ac_sample_rows, the caller's
+ * backward(ctx) runs on them with the hook computing the factors, and *ran = 1: the caller
+ * then zeroes the grads and runs its own backward on the batch's labels, during which the
+ * hook does nothing. Otherwise (the empirical Fisher, or no factors due) nothing happens,
+ * *ran = 0, and the one backward computes the factors as usual. labels, probs and ctx stay
+ * the caller's. PT_EINVAL for a trainer of another mode; backward's nonzero return is
+ * PT_EACCEL. */
+int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *probs,
+                         int32_t *labels, int (*backward)(void *ctx), void *ctx, int *ran,
+                         pt_error *err);
 
 #ifdef __cplusplus
 }

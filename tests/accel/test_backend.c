@@ -811,6 +811,75 @@ static void test_scalar_reductions_argmax(void **state) {
   free(h);
 }
 
+/* Categorical draws: the inverse CDF on hand cases (boundaries, zero-probability classes,
+ * an unnormalised row, ignored rows kept), then 40,000 draws of one distribution from
+ * ac_rand_uniform against its probabilities (within 5 standard deviations). */
+static void test_sample_rows(void **state) {
+  ac_backend *be = backend(state);
+  enum { COLS = 5, ROWS = 12 };
+  const float hp[ROWS * COLS] = {
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0: class 0 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.25 = the first boundary: class 1 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.4999: class 1 */
+      0.25f, 0.25f, 0.5f, 0,    0, /* u 0.5: class 2 */
+      0,     0.5f,  0,    0.5f, 0, /* u 0: never the zero-probability class 0: 1 */
+      0,     0.5f,  0,    0.5f, 0, /* u 0.9999: 3, never 4 */
+      1,     1,     2,    0,    0, /* unnormalised, u 0.5: target 2, class 2 */
+      1,     1,     2,    0,    0, /* label -1 on entry: kept */
+      1,     1,     2,    0,    0, /* label 7 (>= cols) on entry: kept */
+      0,     0,     0,    0,    0, /* sum 0: the entry label kept */
+      0.1f,  0.2f,  0.3f, 0.4f, 0, /* u 0.3 lands on class 1's end (0.1 + 0.2): 2 */
+      0.1f,  0.2f,  0.3f, 0.4f, 0, /* u 0.95: 3 */
+  };
+  const float hu[ROWS] = {0,    0.25f, 0.4999f, 0.5f, 0,     0.9999f,
+                          0.5f, 0.5f,  0.5f,    0.5f, 0.31f, 0.95f};
+  const int32_t in[ROWS] = {0, 0, 0, 0, 0, 0, 0, -1, 7, 3, 0, 0};
+  const int32_t want[ROWS] = {0, 1, 1, 2, 1, 3, 2, -1, 7, 3, 2, 3};
+  float *p = dev_up(be, hp, ROWS * COLS), *u = dev_up(be, hu, ROWS);
+  int32_t *lab = dev_up_i32(be, in, ROWS), got[ROWS];
+  OK(ac_sample_rows(be, ROWS, COLS, p, u, lab));
+  OK(ac_memcpy_d2h(be, got, lab, sizeof got));
+  for (int r = 0; r < ROWS; r++) assert_int_equal(got[r], want[r]);
+  assert_int_equal(ac_sample_rows(be, ROWS, COLS, NULL, u, lab), AC_EINVAL);
+  assert_int_equal(ac_sample_rows(be, ROWS, 0, p, u, lab), AC_EINVAL);
+  OK(ac_sample_rows(be, 0, COLS, p, u, lab));
+  ac_free(be, p);
+  ac_free(be, u);
+  ac_free(be, lab);
+
+  /* Frequencies: one softmax row repeated, uniforms from the counter-based generator. */
+  enum { DRAWS = 40000 };
+  const float dist[COLS] = {0.05f, 0.15f, 0.3f, 0.4f, 0.1f};
+  float *hd = malloc(DRAWS * COLS * sizeof *hd);
+  int32_t *hl = malloc(DRAWS * sizeof *hl);
+  assert_non_null(hd);
+  assert_non_null(hl);
+  for (size_t r = 0; r < DRAWS; r++) {
+    memcpy(hd + r * COLS, dist, sizeof dist);
+    hl[r] = 0;
+  }
+  p = dev_up(be, hd, DRAWS * COLS);
+  u = dev_alloc(be, DRAWS * sizeof(float));
+  lab = dev_up_i32(be, hl, DRAWS);
+  OK(ac_rand_uniform(be, 99, 0, DRAWS, 0.0f, 1.0f, u));
+  OK(ac_sample_rows(be, DRAWS, COLS, p, u, lab));
+  OK(ac_memcpy_d2h(be, hl, lab, DRAWS * sizeof *hl));
+  size_t count[COLS] = {0};
+  for (size_t r = 0; r < DRAWS; r++) {
+    assert_true(hl[r] >= 0 && hl[r] < COLS);
+    count[hl[r]]++;
+  }
+  for (int j = 0; j < COLS; j++) {
+    double mean = DRAWS * (double)dist[j], sd = sqrt(mean * (1.0 - (double)dist[j]));
+    assert_true(fabs((double)count[j] - mean) < 5.0 * sd);
+  }
+  ac_free(be, p);
+  ac_free(be, u);
+  ac_free(be, lab);
+  free(hd);
+  free(hl);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Softmax, mask, cross-entropy                                                            */
 
@@ -1086,8 +1155,8 @@ static void test_gather_scatter(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Convolution and pooling                                                                 */
 
-/* im2col and col2im over geometries that exercise every edge of the row-wise copies
- * (strides 1-3 each way, padding up to kernel size - 1 and wider than the image, 1x1 and
+/* im2col and col2im over geometries that exercise every edge of the row-wise and plane-wise
+ * copies (strides 1-3 each way, padding up to kernel size - 1 and wider than the image, 1x1 and
  * non-square kernels, a tap with no valid column), against direct loops in the test. */
 static void test_im2col_geometries(void **state) {
   ac_backend *be = backend(state);
@@ -1095,6 +1164,10 @@ static void test_im2col_geometries(void **state) {
       geom(2, 2, 7, 9, 3, 3, 1, 2, 1, 1),  geom(1, 3, 6, 8, 1, 1, 2, 2, 0, 0),
       geom(1, 2, 5, 11, 3, 5, 3, 3, 2, 4), geom(2, 1, 3, 1, 3, 3, 1, 1, 2, 2),
       geom(1, 2, 4, 4, 3, 3, 1, 1, 0, 0),
+      /* stride 1 with ow == w: the CPU backend's one-copy-per-tap path (ragged rows that
+       * wrap, whole rows of padding, a tap with no valid column) */
+      geom(2, 2, 5, 6, 3, 3, 1, 1, 1, 1),  geom(1, 2, 4, 7, 5, 3, 1, 1, 1, 1),
+      geom(1, 1, 2, 5, 5, 1, 1, 1, 4, 0),  geom(1, 2, 3, 1, 3, 3, 1, 1, 1, 1),
   };
   for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
     const ac_conv2d_geom *g = &geoms[gi];
@@ -1853,7 +1926,7 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_gather_scatter), cmocka_unit_test(test_conv_im2col),            \
       cmocka_unit_test(test_im2col_geometries), cmocka_unit_test(test_pool),                \
       cmocka_unit_test(test_channel_ops), cmocka_unit_test(test_random),                    \
-      cmocka_unit_test(test_adamw)
+      cmocka_unit_test(test_sample_rows), cmocka_unit_test(test_adamw)
 
 int main(void) {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),

@@ -763,6 +763,7 @@ static void test_celoss(void **state) {
 
 typedef struct {
   size_t n, c, h, w, oc, k, stride, pad, oh, ow;
+  int dx_conv; /* whether the layer computes dx as a conv (wflip) */
 } conv_cfg;
 
 static void ref_conv(const void *cfg, double *const *in, double *y) {
@@ -785,22 +786,22 @@ static void ref_conv(const void *cfg, double *const *in, double *y) {
         }
 }
 
-static void case_conv(ac_backend *be, refcase *rc, result *res) {
-  /* oh = (7 + 2 - 3) / 2 + 1 = 4, ow = (6 + 2 - 3) / 2 + 1 = 3 */
-  static const conv_cfg cfg = {3, 2, 7, 6, 3, 3, 2, 1, 4, 3};
+static void conv_case(ac_backend *be, refcase *rc, result *res, const conv_cfg *cp) {
+  const conv_cfg cfg = *cp;
   rng_seed(10);
   double *x = add_input(rc, cfg.n * cfg.c * cfg.h * cfg.w, -1, 1);
   double *w = add_input(rc, cfg.oc * cfg.c * cfg.k * cfg.k, -1, 1);
   double *b = add_input(rc, cfg.oc, -1, 1);
   set_output(rc, cfg.n * cfg.oc * cfg.oh * cfg.ow);
   rc->f = ref_conv;
-  rc->cfg = &cfg;
+  rc->cfg = cp;
 
   ac_conv2d l;
   OK(ac_conv2d_init(&l, be, "conv", cfg.c, cfg.oc, cfg.h, cfg.w, cfg.k, cfg.stride, cfg.pad, 1, 4,
                     2, NULL, 11));
   assert_int_equal(l.oh, cfg.oh);
   assert_int_equal(l.ow, cfg.ow);
+  assert_int_equal(l.wflip != NULL, cfg.dx_conv);
   param_set(&l.weight, w);
   param_set(&l.bias, b);
   float *xd = dev_upload(be, x, rc->len[0]), *dr = dev_upload(be, rc->r, rc->ny);
@@ -816,8 +817,40 @@ static void case_conv(ac_backend *be, refcase *rc, result *res) {
   ac_conv2d_destroy(&l);
 }
 
+static void case_conv(ac_backend *be, refcase *rc, result *res) {
+  /* oh = (7 + 2 - 3) / 2 + 1 = 4, ow = (6 + 2 - 3) / 2 + 1 = 3 */
+  static const conv_cfg cfg = {3, 2, 7, 6, 3, 3, 2, 1, 4, 3, 0};
+  conv_case(be, rc, res, &cfg);
+}
+
 static void test_conv(void **state) {
   run_case(state, "conv2d", case_conv);
+}
+
+/* Stride 1: dx is the conv of dy with the flipped weights (ac_conv2d's wflip path). "Same"
+ * padding with fewer output than input channels, and padding 2 of a 3x3 kernel (oh > h,
+ * dy's conv unpadded). */
+static void case_conv_s1(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 3, 5, 6, 2, 3, 1, 1, 5, 6, 1};
+  conv_case(be, rc, res, &cfg);
+}
+
+static void case_conv_s1_pad2(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 2, 4, 5, 2, 3, 1, 2, 6, 7, 1};
+  conv_case(be, rc, res, &cfg);
+}
+
+/* Stride 1 with more output than input channels: dy's columns do not fit the workspace,
+ * so dx goes through W^T dy and col2im. */
+static void case_conv_s1_wide(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 2, 5, 4, 4, 3, 1, 1, 5, 4, 0};
+  conv_case(be, rc, res, &cfg);
+}
+
+static void test_conv_stride1(void **state) {
+  run_case(state, "conv2d stride 1", case_conv_s1);
+  run_case(state, "conv2d stride 1 pad 2", case_conv_s1_pad2);
+  run_case(state, "conv2d stride 1 wide", case_conv_s1_wide);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1142,7 +1175,7 @@ static void test_param_names(void **state) {
       cmocka_unit_test(test_relu), cmocka_unit_test(test_gelu), cmocka_unit_test(test_residual),  \
       cmocka_unit_test(test_dropout), cmocka_unit_test(test_attention),                           \
       cmocka_unit_test(test_attention_causal), cmocka_unit_test(test_celoss),                     \
-      cmocka_unit_test(test_conv), cmocka_unit_test(test_batchnorm_train),                        \
+      cmocka_unit_test(test_conv), cmocka_unit_test(test_conv_stride1), cmocka_unit_test(test_batchnorm_train),                        \
       cmocka_unit_test(test_batchnorm_eval), cmocka_unit_test(test_batchnorm_fused),              \
       cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
       cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)

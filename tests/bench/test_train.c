@@ -559,8 +559,8 @@ static void toy_destroy(toy *t) {
 }
 
 static tr_model toy_model(toy *t) {
-  return (tr_model){"toy",         t,    2,   t->params, toy_train_step, toy_evaluate, TOY_B, "ex",
-                    TOY_N / TOY_B, NULL, NULL};
+  return (tr_model){"toy",         t,    2,    t->params, toy_train_step, toy_evaluate, TOY_B, "ex",
+                    TOY_N / TOY_B, NULL, NULL, NULL};
 }
 
 /* Column col (0-based) of every data line of a CSV, as text. */

@@ -1087,6 +1087,21 @@ static void test_kfac_register_push_fetch(void **state) {
     free(l[u].a);
     free(l[u].g);
   }
+
+  /* precond_set_poll_interval: at 5 s the job is polled once (at the change) in 0.5 s; back
+   * at 10 ms, many times (the wait for the 5 s period's next poll ends at the change). */
+  assert_int_equal(precond_set_poll_interval(c, 0), PRECOND_EINVAL);
+  assert_int_equal(precond_set_poll_interval(c, 5000), PRECOND_OK);
+  precond_counters k0, k1, k2;
+  nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+  precond_get_counters(c, &k0);
+  nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+  precond_get_counters(c, &k1);
+  assert_true(k1.fetch_calls - k0.fetch_calls <= 1);
+  assert_int_equal(precond_set_poll_interval(c, 10), PRECOND_OK);
+  nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+  precond_get_counters(c, &k2);
+  assert_true(k2.fetch_calls - k1.fetch_calls >= 5);
   precond_layout_destroy(&layout);
   precond_close(c);
 }

@@ -1604,6 +1604,11 @@ static void test_shm(void **state) {
   char msg2[512];
   assert_int_equal(do_push(&d, "viabytes", 1, &bn, 1, NULL, msg2), GRPC_STATUS_INVALID_ARGUMENT);
   assert_string_equal(msg, msg2);
+  /* The NaN/Inf check in the region's copy reports nothing itself: what the bytes path
+   * answers first (here: no such job) is answered first. */
+  assert_int_equal(shm_push(&d, &g, "nosuchjob", 1, n, nan, sr, 0, 4096, 0, 0, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(msg, "is not registered"));
   Precond__V1__StatsResponse *st = get_stats(&d, "viashm");
   assert_int_equal(st->job_stats[0]->last_step, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);

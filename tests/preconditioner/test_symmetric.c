@@ -1,4 +1,5 @@
 /* test_symmetric.c -- packed layout, bf16 transport and finiteness checks. */
+#include <float.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -158,6 +159,23 @@ static void test_finite(void **state) {
       assert_false(pc_all_finite_f32(5, g));
       assert_false(pc_all_finite_f64(5, e));
     }
+  /* The f32 check goes in blocks of 1024: a bad value on either side of a block's edge, and
+   * in the last, short block; -FLT_MAX and negative NaNs too. */
+  enum { N = 2500 };
+  float *big = malloc(N * sizeof *big);
+  assert_non_null(big);
+  for (size_t i = 0; i < N; i++) big[i] = (i % 2 ? -FLT_MAX : FLT_MAX) / (float)(i + 1);
+  assert_true(pc_all_finite_f32(N, big));
+  const size_t at[] = {0, 1023, 1024, 2047, 2048, N - 1};
+  for (size_t a = 0; a < sizeof at / sizeof *at; a++)
+    for (int b = 0; b < 4; b++) {
+      float keep = big[at[a]];
+      big[at[a]] = b < 3 ? bad32[b] : -NAN;
+      assert_false(pc_all_finite_f32(N, big));
+      assert_true(pc_all_finite_f32(at[a], big)); /* the values before it are fine */
+      big[at[a]] = keep;
+    }
+  free(big);
 }
 
 int main(void) {

@@ -8,22 +8,20 @@
 
 #include <cmocka.h>
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "precond.pb-c.h"
 #include "preconditioner.h"
+#include "mpirun_proc.h"
+#include "precondd_proc.h"
 #include "rpc.h"
 
 #define MAX_RANKS 4
@@ -31,7 +29,7 @@
 static const char *g_mpirun, *g_precondd, *g_transformer, *g_precondctl;
 
 typedef struct {
-  pid_t pid;  /* mpirun, or precondd alone */
+  mprun run;  /* mpirun, or precondd alone */
   int nranks; /* 0: precondd without mpirun */
   char dir[64];
   char addr[MAX_RANKS][128];
@@ -39,66 +37,21 @@ typedef struct {
   const char *const *extra; /* more precondd options (NULL-terminated), or NULL */
 } cluster;
 
-static pid_t g_live[8]; /* killed at exit when a failed assertion skipped the stop */
-
-static void kill_live(void) {
-  for (int i = 0; i < 8; i++)
-    if (g_live[i] > 0) {
-      kill(g_live[i], SIGKILL);
-      waitpid(g_live[i], NULL, 0);
-    }
-}
-
 static void sleep_ms(long ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
 }
 
-/* Runs argv (NULL-terminated) with stdout and stderr appended to log; returns the pid,
- * killed at exit if still running. */
-static pid_t spawn_argv(const char *const *argv, const char *log) {
-  pid_t pid = fork();
-  assert_true(pid >= 0);
-  if (pid == 0) {
-    int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    execv(argv[0], (char *const *)argv);
-    fprintf(stderr, "cannot run %s\n", argv[0]);
-    _exit(127);
-  }
-  for (int i = 0; i < 8; i++)
-    if (g_live[i] == 0) {
-      g_live[i] = pid;
-      break;
-    }
-  return pid;
-}
-
-/* The start of an mpirun command line for np ranks, in argv; returns its length. */
-static int mpirun_argv(const char **argv, char *np, size_t nplen, int nranks) {
-  int n = 0;
-  snprintf(np, nplen, "%d", nranks);
-  argv[n++] = g_mpirun;
-  if (geteuid() == 0) argv[n++] = "--allow-run-as-root";
-  argv[n++] = "--oversubscribe";
-  argv[n++] = "-np";
-  argv[n++] = np;
-  return n;
-}
-
-/* Runs `mpirun ... precondd` (nranks > 0) or precondd alone (nranks 0) with the usual
- * options plus extra (NULL-terminated), output into dir/log. Returns the pid. */
-static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
-  char sock[128], state[128], port[128], log[128], np[16];
+/* Starts `mpirun ... precondd` (nranks > 0) or precondd alone (nranks 0) with the usual
+ * options plus extra (NULL-terminated), output into dir/log, in c->run. */
+static void spawn(cluster *c, int nranks, const char *const *extra) {
+  char sock[128], state[128], port[128], log[128];
   snprintf(sock, sizeof sock, "unix:%s/s-%%r.sock", c->dir);
   snprintf(state, sizeof state, "%s/d-%%r", c->dir);
   snprintf(port, sizeof port, "%s/p-%%r", c->dir);
   snprintf(log, sizeof log, "%s/log", c->dir);
   const char *argv[48];
-  int n = nranks > 0 ? mpirun_argv(argv, np, sizeof np, nranks) : 0;
+  int n = 0;
   const char *const common[] = {g_precondd, "--listen",       sock, "--state-dir",
                                 state,      "--port-file",    port, "--threads",
                                 "1",        "--grace-period", "2",  "--drift-threshold",
@@ -106,25 +59,7 @@ static pid_t spawn(cluster *c, int nranks, const char *const *extra) {
   for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
   for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
   argv[n] = NULL;
-  return spawn_argv(argv, log);
-}
-
-static void forget(pid_t pid) {
-  for (int i = 0; i < 8; i++)
-    if (g_live[i] == pid) g_live[i] = 0;
-}
-
-/* Waits at most ms for pid to exit; its exit status, or -1 if it still runs. */
-static int wait_exit(pid_t pid, long ms) {
-  for (long t = 0; t <= ms; t += 20) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      forget(pid);
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    }
-    sleep_ms(20);
-  }
-  return -1;
+  assert_int_equal(mprun_start(&c->run, g_mpirun, nranks, argv, log), 0);
 }
 
 /* Occurrences of needle in the file's first 64 KiB. */
@@ -160,27 +95,19 @@ static void dump_log(const cluster *c) {
  * until every rank wrote its port file; then opens a channel to each. */
 static void cluster_run(cluster *c) {
   int n = c->nranks > 0 ? c->nranks : 1;
+  char pf[128];
   for (int r = 0; r < n; r++) {
-    char pf[128];
     snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
     unlink(pf);
   }
-  c->pid = spawn(c, c->nranks, c->extra);
+  spawn(c, c->nranks, c->extra);
+  snprintf(pf, sizeof pf, "%s/p-%%r", c->dir);
+  int up = mprun_wait_files(&c->run, pf, 60000);
+  if (up != 0) {
+    dump_log(c);
+    fail_msg("%s", up > 0 ? "the daemons exited before listening" : "a rank did not listen within 60 s");
+  }
   for (int r = 0; r < n; r++) {
-    char pf[128];
-    snprintf(pf, sizeof pf, "%s/p-%d", c->dir, r);
-    int t = 0;
-    for (; t < 3000 && access(pf, R_OK) != 0; t++) {
-      if (wait_exit(c->pid, 0) >= 0) {
-        dump_log(c);
-        fail_msg("the daemons exited before listening");
-      }
-      sleep_ms(20);
-    }
-    if (t == 3000) {
-      dump_log(c);
-      fail_msg("rank %d did not listen within 60 s", r);
-    }
     snprintf(c->addr[r], sizeof c->addr[r], "unix:%s/s-%d.sock", c->dir, r);
     c->ch[r] = rpc_channel_create(c->addr[r], 0);
     assert_non_null(c->ch[r]);
@@ -201,51 +128,6 @@ static void cluster_start(cluster *c, int nranks) {
   cluster_start_with(c, nranks, NULL);
 }
 
-/* Sends sig to every child of parent (mpirun's: the ranks); how many took it. */
-static int signal_children(pid_t parent, int sig) {
-  char cmd[64];
-  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)parent);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  int pid, n = 0;
-  while (fscanf(p, "%d", &pid) == 1) n += kill(pid, sig) == 0;
-  pclose(p);
-  return n;
-}
-
-/* The pid of rank r among mpirun's children (OMPI_COMM_WORLD_RANK in its environment); -1
- * if none is. */
-static pid_t rank_pid(pid_t mpirun, int r) {
-  char cmd[64], want[48];
-  snprintf(cmd, sizeof cmd, "pgrep -P %d", (int)mpirun);
-  snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", r);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  int pid, found = -1;
-  while (found < 0 && fscanf(p, "%d", &pid) == 1) {
-    char path[64], env[1 << 15];
-    snprintf(path, sizeof path, "/proc/%d/environ", pid);
-    FILE *f = fopen(path, "r");
-    if (!f) continue;
-    size_t n = fread(env, 1, sizeof env, f);
-    fclose(f);
-    for (size_t at = 0; at < n; at += strnlen(env + at, n - at) + 1)
-      if (strncmp(env + at, want, n - at) == 0) found = pid; /* the whole entry, with its NUL */
-  }
-  pclose(p);
-  return found;
-}
-
-/* Sends sig to every rank: the children of mpirun (mpirun forwards a SIGTERM of its own
- * too, but then exits 1 whatever the ranks did), or the daemon started alone. */
-static void signal_ranks(const cluster *c, int sig) {
-  if (c->nranks == 0) {
-    kill(c->pid, sig);
-    return;
-  }
-  assert_int_equal(signal_children(c->pid, sig), c->nranks);
-}
-
 /* SIGTERM to every rank; all must exit 0 within 30 s (mpirun's status says so). The
  * directory stays (cluster_run starts them again on their snapshots). */
 static void cluster_halt(cluster *c) {
@@ -253,8 +135,9 @@ static void cluster_halt(cluster *c) {
     if (c->ch[r]) rpc_channel_destroy(c->ch[r]);
     c->ch[r] = NULL;
   }
-  signal_ranks(c, SIGTERM);
-  int st = wait_exit(c->pid, 30000);
+  /* To the ranks, not mpirun (which would exit 1 whatever they did). */
+  assert_int_equal(mprun_signal_ranks(&c->run, SIGTERM), c->nranks > 0 ? c->nranks : 1);
+  int st = mprun_wait(&c->run, 30000);
   if (st != 0) dump_log(c);
   assert_int_equal(st, 0);
 }
@@ -651,25 +534,19 @@ static void test_bad_starts(void **state) {
   char shared[128];
   snprintf(shared, sizeof shared, "%s/shared", c.dir);
   const char *const same_state[] = {"--state-dir", shared, NULL};
-  c.pid = spawn(&c, 2, same_state);
-  int st = wait_exit(c.pid, 30000);
+  spawn(&c, 2, same_state);
+  int st = mprun_wait(&c.run, 30000);
   assert_true(st > 0);
   assert_true(log_has(&c, "put %r in it"));
 
   /* A free TCP port both ranks ask for (precondd turns SO_REUSEPORT off: one bind fails). */
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {0};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-  assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
-  close(fd);
+  int port = pdproc_free_port();
+  assert_true(port > 0);
   char sock[64];
-  snprintf(sock, sizeof sock, "127.0.0.1:%d", ntohs(sa.sin_port));
+  snprintf(sock, sizeof sock, "127.0.0.1:%d", port);
   const char *const same_socket[] = {"--listen", sock, NULL};
-  c.pid = spawn(&c, 2, same_socket);
-  st = wait_exit(c.pid, 60000);
+  spawn(&c, 2, same_socket);
+  st = mprun_wait(&c.run, 60000);
   if (st <= 0) dump_log(&c);
   assert_true(st > 0);
   assert_true(log_has(&c, "another replica failed to start"));
@@ -695,14 +572,14 @@ static int read_losses(const char *dir, double *loss, int max) {
 
 /* Starts the Transformer (tiny: one layer, width 64, batch 8) for steps steps against
  * daemon, alone (nworkers 0) or as nworkers data-parallel workers, with the options extra
- * (NULL-terminated; NULL: none); output in dir/out and dir/<out>.log. Returns the pid. */
-static pid_t start_transformer(const char *dir, const char *out, int nworkers, const char *daemon,
-                               const char *steps, const char *const *extra) {
-  char outdir[128], log[160], np[16];
+ * (NULL-terminated; NULL: none); output in dir/out and dir/<out>.log, the process in w. */
+static void start_transformer(mprun *w, const char *dir, const char *out, int nworkers,
+                              const char *daemon, const char *steps, const char *const *extra) {
+  char outdir[128], log[160];
   snprintf(outdir, sizeof outdir, "%s/%s", dir, out);
   snprintf(log, sizeof log, "%s/%s.log", dir, out);
   const char *argv[64];
-  int n = nworkers > 0 ? mpirun_argv(argv, np, sizeof np, nworkers) : 0;
+  int n = 0;
   const char *const args[] = {
       g_transformer, "--optimizer",  "shampoo",  "--steps",      steps,   "--batch",
       "8",           "--context",    "32",       "--d-model",    "64",    "--layers",
@@ -711,13 +588,13 @@ static pid_t start_transformer(const char *dir, const char *out, int nworkers, c
   for (size_t i = 0; i < sizeof args / sizeof args[0]; i++) argv[n++] = args[i];
   for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
   argv[n] = NULL;
-  return spawn_argv(argv, log);
+  assert_int_equal(mprun_start(w, g_mpirun, nworkers, argv, log), 0);
 }
 
-/* Waits ms at most for the Transformer pid (output dir/out); its exit status, the log's
+/* Waits ms at most for the Transformer w (output dir/out); its exit status, the log's
  * tail on stderr when not 0 (-1: still running). */
-static int wait_transformer(pid_t pid, const char *dir, const char *out, long ms) {
-  int st = wait_exit(pid, ms);
+static int wait_transformer(mprun *w, const char *dir, const char *out, long ms) {
+  int st = mprun_wait(w, ms);
   if (st != 0) {
     char cmd[200];
     snprintf(cmd, sizeof cmd, "tail -n 30 %s/%s.log >&2", dir, out);
@@ -731,8 +608,9 @@ static int wait_transformer(pid_t pid, const char *dir, const char *out, long ms
 static int run_transformer(const char *dir, const char *out, int nworkers, const char *daemon,
                            int sync) {
   const char *const sync_roots[] = {"--sync-roots", NULL};
-  pid_t pid = start_transformer(dir, out, nworkers, daemon, "20", sync ? sync_roots : NULL);
-  return wait_transformer(pid, dir, out, 240000);
+  mprun w;
+  start_transformer(&w, dir, out, nworkers, daemon, "20", sync ? sync_roots : NULL);
+  return wait_transformer(&w, dir, out, 240000);
 }
 
 /* Asserts that the log's two workers ("final eval loss" lines of a data-parallel run) end
@@ -794,15 +672,13 @@ static void test_data_parallel(void **state) {
   snprintf(loga, sizeof loga, "%s/wa.log", two.dir);
   assert_same_final_eval(loga);
 
-  char np[16], log3[160];
+  char log3[160];
   snprintf(log3, sizeof log3, "%s/w3.log", two.dir);
-  const char *argv[32];
-  int n = mpirun_argv(argv, np, sizeof np, 3);
   const char *const args[] = {g_transformer, "--optimizer", "shampoo", "--steps", "2", "--batch",
                               "8",           "--daemon",    daemon2,   "--quiet", NULL};
-  for (size_t i = 0; args[i]; i++) argv[n++] = args[i];
-  argv[n] = NULL;
-  int st = wait_exit(spawn_argv(argv, log3), 60000);
+  mprun w3;
+  assert_int_equal(mprun_start(&w3, g_mpirun, 3, args, log3), 0);
+  int st = mprun_wait(&w3, 60000);
   assert_true(st > 0);
   assert_true(file_has(log3, "does not divide among 3 data-parallel workers"));
   cluster_stop(&two);
@@ -840,13 +716,13 @@ static long csv_scan(const char *dir, long from, int what, long *found) {
   return last;
 }
 
-/* Waits (ms at most, while the workers pid run) for a step >= from that shows what; that
+/* Waits (ms at most, while the workers w run) for a step >= from that shows what; that
  * step, or 0. */
-static long wait_step(const char *dir, long from, int what, pid_t pid, long ms) {
+static long wait_step(const char *dir, long from, int what, mprun *w, long ms) {
   long found = 0;
   for (long t = 0; t <= ms; t += 20) {
     csv_scan(dir, from, what, &found);
-    if (found > 0 || kill(pid, 0) != 0) break;
+    if (found > 0 || mprun_wait(w, 0) >= 0) break;
     sleep_ms(20);
   }
   if (found == 0) csv_scan(dir, from, what, &found);
@@ -894,8 +770,9 @@ static void test_killed_rank(void **state) {
   snprintf(out, sizeof out, "%s/wk", c.dir);
   snprintf(log, sizeof log, "%s/wk.log", c.dir);
   const char *const stale[] = {"--max-staleness", "15", NULL};
-  pid_t w = start_transformer(c.dir, "wk", 2, daemon, "1000000", stale);
-  long used = wait_step(out, 20, ALL_ROOTS, w, 120000);
+  mprun w;
+  start_transformer(&w, c.dir, "wk", 2, daemon, "1000000", stale);
+  long used = wait_step(out, 20, ALL_ROOTS, &w, 120000);
   assert_true(used > 0);
 
   /* A snapshot on each rank after that: the job and its roots are in it. */
@@ -912,7 +789,7 @@ static void test_killed_rank(void **state) {
     assert_true(now > seen);
   }
 
-  pid_t r0 = rank_pid(c.pid, 0), r1 = rank_pid(c.pid, 1);
+  pid_t r0 = mprun_rank_pid(&c.run, 0), r1 = mprun_rank_pid(&c.run, 1);
   assert_true(r0 > 0 && r1 > 0);
   for (int r = 0; r < 2; r++) {
     rpc_channel_destroy(c.ch[r]);
@@ -920,7 +797,7 @@ static void test_killed_rank(void **state) {
   }
   long at_kill = csv_last(out);
   assert_int_equal(kill(r1, SIGKILL), 0);
-  int st = wait_exit(c.pid, 60000);
+  int st = mprun_wait(&c.run, 60000);
   assert_true(st > 0); /* mpirun reports the lost rank */
   /* It sent SIGTERM to the other one and exited at once: rank 0 still shuts down (waiting
    * at most --grace-period + 5 s for the dead rank's goodbye) and writes its last snapshot,
@@ -929,7 +806,7 @@ static void test_killed_rank(void **state) {
   for (; t < 1500 && !gone(r0); t++) sleep_ms(20);
   assert_true(t < 1500);
   /* The workers went on: past 15 steps without a daemon every block falls back. */
-  long fell = wait_step(out, at_kill + 16, FALLBACK, w, 120000);
+  long fell = wait_step(out, at_kill + 16, FALLBACK, &w, 120000);
   assert_true(fell > 0);
 
   cluster_run(&c); /* the same state directories */
@@ -940,14 +817,15 @@ static void test_killed_rank(void **state) {
     assert_true(s->job_stats[0]->last_step > 0);
     protobuf_c_message_free_unpacked(&s->base, NULL);
   }
-  long back = wait_step(out, restarted + 16, SOME_ROOTS, w, 120000);
+  long back = wait_step(out, restarted + 16, SOME_ROOTS, &w, 120000);
   if (back == 0) dump_log(&c);
   assert_true(back > 0);
-  assert_true(wait_step(out, back + 20, ALL_ROOTS, w, 120000) > 0); /* trains on */
+  assert_true(wait_step(out, back + 20, ALL_ROOTS, &w, 120000) > 0); /* trains on */
 
-  assert_true(rank_pid(w, 1) > 0);
-  assert_int_equal(kill(rank_pid(w, 1), SIGTERM), 0);
-  assert_int_equal(wait_transformer(w, c.dir, "wk", 120000), 0);
+  pid_t w1 = mprun_rank_pid(&w, 1);
+  assert_true(w1 > 0);
+  assert_int_equal(kill(w1, SIGTERM), 0);
+  assert_int_equal(wait_transformer(&w, c.dir, "wk", 120000), 0);
   fprintf(stderr,
           "killed rank: roots in use at step %ld, rank 1 killed at step %ld, every block "
           "falling back at step %ld, daemons back at step %ld, new roots in use at step %ld, "
@@ -976,7 +854,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "test_replica: mpirun not found at %s (install openmpi-bin)\n", g_mpirun);
     return 77; /* meson: skipped */
   }
-  atexit(kill_live);
   if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks),     cmocka_unit_test(test_three_ranks),

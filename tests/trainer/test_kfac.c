@@ -79,8 +79,8 @@ static void net_set_hook(convnet *m, const ac_hook *h) {
   m->conv.hook = m->bn.hook = m->fc.hook = *h;
 }
 
-/* Forward and backward of the batch: the grads zeroed first, the loss returned. */
-static double net_fwd_bwd(convnet *m) {
+/* Forward of the batch: the grads zeroed first, the loss returned. */
+static double net_forward(convnet *m) {
   const float *h = NULL;
   double loss = 0.0;
   assert_int_equal(ac_param_list_zero_grad(&m->params), AC_OK);
@@ -89,13 +89,44 @@ static double net_fwd_bwd(convnet *m) {
   assert_int_equal(ac_gap_forward(&m->gap, h, N, &h), AC_OK);
   assert_int_equal(ac_linear_forward(&m->fc, h, N, &h), AC_OK);
   assert_int_equal(ac_celoss_forward(&m->xent, h, m->y, N, &loss), AC_OK);
-  const float *g = NULL;
-  assert_int_equal(ac_celoss_backward(&m->xent, &g), AC_OK);
-  assert_int_equal(ac_linear_backward(&m->fc, g, &g), AC_OK);
-  assert_int_equal(ac_gap_backward(&m->gap, g, &g), AC_OK);
-  assert_int_equal(ac_batchnorm_backward(&m->bn, g, &g), AC_OK);
-  assert_int_equal(ac_conv2d_backward(&m->conv, g, NULL), AC_OK);
   return loss;
+}
+
+static int net_backward(convnet *m) {
+  const float *g = NULL;
+  int rc = ac_celoss_backward(&m->xent, &g);
+  if (rc == AC_OK) rc = ac_linear_backward(&m->fc, g, &g);
+  if (rc == AC_OK) rc = ac_gap_backward(&m->gap, g, &g);
+  if (rc == AC_OK) rc = ac_batchnorm_backward(&m->bn, g, &g);
+  if (rc == AC_OK) rc = ac_conv2d_backward(&m->conv, g, NULL);
+  return rc;
+}
+
+static double net_fwd_bwd(convnet *m) {
+  double loss = net_forward(m);
+  assert_int_equal(net_backward(m), AC_OK);
+  return loss;
+}
+
+/* The model Fisher's pass as a client runs it (bench/train.c's tr_kfac_model_fisher): the
+ * loss reads the drawn labels, which the test keeps (or, force, overwrites with the
+ * batch's own first: then the run must be the empirical one's, to the bit). */
+typedef struct {
+  convnet *m;
+  int32_t *drawn;
+  int force, passes;
+  int32_t first[N]; /* the draws of the first pass */
+} fisher_pass;
+
+static int fisher_backward(void *ctx) {
+  fisher_pass *f = ctx;
+  if (f->force) assert_int_equal(ac_memcpy_d2d(f->m->be, f->drawn, f->m->y, N * 4), AC_OK);
+  if (f->passes++ == 0)
+    assert_int_equal(ac_memcpy_d2h(f->m->be, f->first, f->drawn, sizeof f->first), AC_OK);
+  f->m->xent.labels = f->drawn;
+  int rc = net_backward(f->m);
+  f->m->xent.labels = f->m->y;
+  return rc;
 }
 
 static void net_destroy(convnet *m) {
@@ -126,12 +157,16 @@ typedef struct {
   pt_step_info info[STEPS];
   pt_counters c;
   float fc_w[CLASSES * C];
+  int fisher_ran[STEPS];    /* the model Fisher's pass ran at this step */
+  int32_t first_draw[N];    /* its draws at the first pass */
+  float fc_g1[CLASSES * C]; /* fc's weight grad at step 1 as pt_step gets it */
 } run_out;
 
-/* The KL clip's settings of a run; NULL: the defaults at lr 0.2. */
+/* The KL clip's settings of a run; NULL: the defaults at lr 0.2. fisher: 0 empirical, 1 the
+ * model's, 2 the model's with the draws forced to the batch's labels. */
 typedef struct {
   double lr, kl_clip, base_lr;
-  int kl_base_lr;
+  int kl_base_lr, fisher;
 } clip_cfg;
 
 static void train_clip(const char *job, int sync, size_t a_images, const clip_cfg *cc,
@@ -142,11 +177,16 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
   opts_for(&o, job, sync);
   o.kfac.a_images = a_images;
   double lr = cc ? cc->lr : 0.2;
-  if (cc) {
+  if (cc && cc->kl_clip > 0.0) {
     o.kfac.k.kl_clip = cc->kl_clip;
     o.kfac.k.kl_base_lr = cc->kl_base_lr;
     o.kfac.base_lr = cc->base_lr;
   }
+  o.kfac.model_fisher = cc && cc->fisher > 0;
+  fisher_pass fp = {&m, NULL, cc && cc->fisher == 2, 0, {0}};
+  void *p = NULL;
+  assert_int_equal(ac_malloc(m.be, N * sizeof(int32_t), &p), AC_OK);
+  fp.drawn = p;
   pt_trainer *t = NULL;
   pt_error err = {""};
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
@@ -154,7 +194,16 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
   assert_int_equal(pt_kfac_hook(t, &h), PT_OK);
   net_set_hook(&m, &h);
   for (long s = 1; s <= STEPS; s++) {
-    out->loss[s - 1] = net_fwd_bwd(&m);
+    out->loss[s - 1] = net_forward(&m);
+    int ran = 0;
+    assert_int_equal(ac_memcpy_d2d(m.be, fp.drawn, m.y, N * sizeof(int32_t)), AC_OK);
+    assert_int_equal(pt_kfac_model_fisher(t, N, CLASSES, m.xent.probs, fp.drawn, fisher_backward,
+                                          &fp, &ran, &err),
+                     PT_OK);
+    out->fisher_ran[s - 1] = ran;
+    if (ran) assert_int_equal(ac_param_list_zero_grad(&m.params), AC_OK);
+    assert_int_equal(net_backward(&m), AC_OK);
+    if (s == 1) assert_int_equal(ac_tensor_download(&m.fc.weight.grad, out->fc_g1), AC_OK);
     int rc = pt_step(t, s, lr, &out->info[s - 1], &err);
     if (rc != PT_OK) fprintf(stderr, "pt_step %ld: %s\n", s, err.msg);
     assert_int_equal(rc, PT_OK);
@@ -163,6 +212,8 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
       nanosleep(&ts, NULL);
     }
   }
+  memcpy(out->first_draw, fp.first, sizeof fp.first);
+  ac_free(m.be, fp.drawn);
   pt_get_counters(t, &out->c);
   assert_int_equal(ac_tensor_download(&m.fc.weight.value, out->fc_w), AC_OK);
   pt_destroy(t);
@@ -225,7 +276,7 @@ static void test_kfac_trains(void **state) {
 static void test_kfac_kl_base_lr(void **state) {
   (void)state;
   run_out e, f, g;
-  clip_cfg ce = {0.2, 1e-6, 0.0, 0}, cf = {0.2, 1e-6, 0.4, 1}, cg = {0.2, 1e-6, 0.0, 1};
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0}, cg = {0.2, 1e-6, 0.0, 1, 0};
   train_clip("kfac-kl-e", 1, 0, &ce, &e);
   train_clip("kfac-kl-f", 1, 0, &cf, &f);
   train_clip("kfac-kl-g", 1, 0, &cg, &g);
@@ -234,6 +285,42 @@ static void test_kfac_kl_base_lr(void **state) {
   assert_memory_not_equal(e.fc_w, f.fc_w, sizeof e.fc_w);
   assert_memory_equal(e.loss, g.loss, sizeof e.loss);
   assert_memory_equal(e.fc_w, g.fc_w, sizeof e.fc_w);
+}
+
+/* The model's Fisher: a backward on labels drawn from the predictive distribution makes
+ * the factors, on the steps they are due only, and the batch's own backward the gradient.
+ * Draws forced to the batch's labels give the empirical run to the bit (factors from the
+ * drawn pass only, batch norm's Fisher folded once, the pass's grads discarded); real draws
+ * give other factors, differ from the batch's labels, are reproducible, and still train. */
+static void test_kfac_model_fisher(void **state) {
+  (void)state;
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1},
+           forced = {0.2, 0.0, 0.0, 0, 2};
+  run_out e, f, g, h;
+  train_clip("kfac-fisher-e", 1, 0, &emp, &e);
+  train_clip("kfac-fisher-f", 1, 0, &forced, &f);
+  train_clip("kfac-fisher-g", 1, 0, &model, &g);
+  train_clip("kfac-fisher-h", 1, 0, &model, &h);
+  for (int s = 0; s < STEPS; s++) {
+    assert_int_equal(e.fisher_ran[s], 0); /* the empirical Fisher: never */
+    /* factors every step in the first epoch (4 steps), then every 3: 5, 8, 11, 14 */
+    assert_int_equal(g.fisher_ran[s], s < 4 || s % 3 == 1);
+    assert_int_equal(g.info[s].preconditioned, 2);
+  }
+  assert_memory_equal(e.loss, f.loss, sizeof e.loss);
+  assert_memory_equal(e.fc_w, f.fc_w, sizeof e.fc_w);
+  /* The gradient pt_step gets is the batch's, whatever the drawn pass did before it. */
+  assert_memory_equal(e.fc_g1, g.fc_g1, sizeof e.fc_g1);
+  assert_memory_not_equal(e.fc_w, g.fc_w, sizeof e.fc_w);
+  int differ = 0;
+  for (int i = 0; i < N; i++) {
+    assert_true(g.first_draw[i] >= 0 && g.first_draw[i] < CLASSES);
+    differ += g.first_draw[i] != i % CLASSES;
+  }
+  assert_true(differ > 0);
+  assert_memory_equal(g.first_draw, h.first_draw, sizeof g.first_draw);
+  assert_memory_equal(g.loss, h.loss, sizeof g.loss);
+  assert_true(g.loss[STEPS - 1] < 0.5 * g.loss[0]);
 }
 
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
@@ -288,6 +375,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_kfac_trains),
       cmocka_unit_test(test_kfac_kl_base_lr),
+      cmocka_unit_test(test_kfac_model_fisher),
       cmocka_unit_test(test_kfac_bad_use),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
