@@ -98,6 +98,22 @@ typedef struct {
   void *ctx;                                      /* the hook's own, passed back */
 } ac_hook;
 
+/* Batch norm across data-parallel workers (sync BN): with fn set, a batch norm in training
+ * mode normalises with the statistics of the whole global batch, not of this worker's
+ * share, by two calls per step: forward, fn averages over the workers each channel's mean
+ * and mean square of the share; backward, the sums of the output gradient and of it times
+ * the normalised input (the weight and bias gradients stay the share's: the caller
+ * averages gradients anyway). fn replaces the n floats at v (device memory, the layer's,
+ * valid during the call) by their mean over the workers, every worker's share being the
+ * same size; workers is their count (for the running variance's unbiasing). The reduction
+ * is the caller's (the trainer's MPI), so accel needs none. fn NULL (default): the share
+ * alone. A non-zero return is an AC_E* code that fails the pass with it. */
+typedef struct {
+  int (*fn)(void *ctx, float *v, size_t n);
+  void *ctx;
+  int workers;
+} ac_bn_sync;
+
 /* Linear: y = x W^T + b, x (rows, in), W (out, in) "<p>.weight", b (out) "<p>.bias" (when
  * bias != 0). W ~ U(-1/sqrt(in), 1/sqrt(in)), b = 0. hook: see the curvature hooks above
  * (set it directly; zero after init). */
@@ -315,7 +331,8 @@ typedef struct ac_batchnorm {
   ac_tensor running_mean, running_var;
   const float *x;
   float *y, *dx, *dres, *mean, *rstd, *s1, *s2, *coef;
-  ac_hook hook; /* curvature hook (see above); zero after init */
+  ac_hook hook;    /* curvature hook (see above); zero after init */
+  ac_bn_sync sync; /* sync BN (see above); zero after init */
 } ac_batchnorm;
 
 int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c, size_t hw,
@@ -521,6 +538,9 @@ int ac_resnet_backward(ac_resnet *m);
 /* Sets hook on every conv, batch norm and the linear head of the model (a zero hook
  * clears them). */
 void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook);
+/* Sets the sync BN reduction (ac_bn_sync above) on every batch norm of the model (NULL
+ * clears it). */
+void ac_resnet_set_sync(ac_resnet *m, const ac_bn_sync *sync);
 
 /* ---- end of layers ---- */
 

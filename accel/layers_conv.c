@@ -282,6 +282,27 @@ int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list) {
   return rc == AC_OK ? ac_param_list_push(list, &l->bias) : rc;
 }
 
+/* Sync BN (ac_bn_sync): the share's mean (l->mean) and biased variance (l->s2) become the
+ * global batch's. With equal shares the batch's mean is the mean of the shares' means, and
+ * its mean square the mean of theirs: the workers average [mean, var + mean^2] per channel,
+ * then var = mean square - mean^2. In coef (3c floats, unused by forward). */
+static int ac__batchnorm_sync_moments(ac_batchnorm *l) {
+  int rc;
+  ac_backend *be = l->be;
+  size_t c = l->c;
+  float *v = l->coef, *sq = l->coef + 2 * c;
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->mean, l->mean, sq));
+  AC__TRY(ac_axpby(be, c, 1.0f, l->s2, 1.0f, sq, v + c));
+  AC__TRY(ac_memcpy_d2d(be, v, l->mean, c * sizeof(float)));
+  AC__TRY(l->sync.fn(l->sync.ctx, v, 2 * c));
+  AC__TRY(ac_memcpy_d2d(be, l->mean, v, c * sizeof(float)));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->mean, l->mean, sq));
+  AC__TRY(ac_binary(be, AC_BIN_SUB, c, v + c, sq, l->s2));
+  return AC_OK;
+fail:
+  return rc;
+}
+
 /* Per channel: rstd = 1 / sqrt(var + eps), scale s1 = gamma rstd, shift s2 = beta - mean
  * s1; the output is one ac_channel_affine pass (with the residual and ReLU folded in). */
 int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
@@ -295,8 +316,10 @@ int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, 
   float *rmean = ac_tensor_f32(&l->running_mean), *rvar = ac_tensor_f32(&l->running_var);
   const float *mean = rmean, *var = rvar;
   if (mode == AC_MODE_TRAIN) {
-    float mom = l->momentum, unbias = m > 1 ? (float)m / (float)(m - 1) : 1.0f;
+    size_t mt = l->sync.fn != NULL && l->sync.workers > 1 ? m * (size_t)l->sync.workers : m;
+    float mom = l->momentum, unbias = mt > 1 ? (float)mt / (float)(mt - 1) : 1.0f;
     AC__TRY(ac_channel_moments(be, n, c, hw, x, l->mean, l->s2));
+    if (l->sync.fn != NULL) AC__TRY(ac__batchnorm_sync_moments(l));
     AC__TRY(ac_axpby(be, c, mom, l->mean, 1.0f - mom, rmean, rmean));
     AC__TRY(ac_axpby(be, c, mom * unbias, l->s2, 1.0f - mom, rvar, rvar));
     mean = l->mean;
@@ -365,6 +388,16 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
                    ac_tensor_f32(&l->weight.grad)));
   if (dx != NULL) {
     const float *g = gout != NULL ? gout : dy, *gmask = gout != NULL ? NULL : mask;
+    if (train && l->sync.fn != NULL) {
+      /* Sync BN: mean(g) and mean(g xhat) over the global batch. The workers average
+       * [sum g, sum g xhat] of their equal shares, which inv_m (the share's count) then
+       * turns into the batch's means; the parameter gradients above stay the share's. */
+      AC__TRY(ac_memcpy_d2d(be, ca, sum_g, c * sizeof(float)));
+      AC__TRY(ac_memcpy_d2d(be, cb, cc, c * sizeof(float)));
+      AC__TRY(l->sync.fn(l->sync.ctx, ca, 2 * c));
+      AC__TRY(ac_memcpy_d2d(be, sum_g, ca, c * sizeof(float)));
+      AC__TRY(ac_memcpy_d2d(be, cc, cb, c * sizeof(float)));
+    }
     AC__TRY(ac_binary(be, AC_BIN_MUL, c, ac_tensor_f32(&l->weight.value), l->rstd, ca));
     if (train) {
       AC__TRY(ac_binary(be, AC_BIN_MUL, c, ca, l->rstd, cb));

@@ -606,6 +606,16 @@ void ac_resnet_set_hook(ac_resnet *m, const ac_hook *hook) {
   m->fc.hook = h;
 }
 
+void ac_resnet_set_sync(ac_resnet *m, const ac_bn_sync *sync) {
+  ac_bn_sync r = sync != NULL ? *sync : (ac_bn_sync){NULL, NULL, 0};
+  m->stem_bn.sync = r;
+  for (size_t i = 0; m->blocks != NULL && i < m->nblocks; i++) {
+    ac_basicblock *b = &m->blocks[i];
+    b->bn1.sync = b->bn2.sync = r;
+    if (b->has_short) b->sbn.sync = r;
+  }
+}
+
 void ac_lm_set_hook(ac_lm *m, const ac_hook *hook) {
   ac_hook h = hook != NULL ? *hook : (ac_hook){NULL, NULL};
   for (size_t i = 0; m->blocks != NULL && i < m->cfg.layers; i++) {

@@ -3,21 +3,25 @@
 #   roots.csv  daemon replicas: bench-daemon's replica rows (mpirun -np 1 and 2 precondd, one
 #              pool thread per rank, the same 16 blocks of 256 pushed to rank 0 per step):
 #              roots/s and the time from a step's push to every rank holding every root;
-#   dp.csv     data-parallel Transformer (the default model and global batch, --sync-roots so
-#              the losses compare): W workers on W daemon ranks for W = 1, 2 (both under
-#              mpirun): final train loss, the largest relative loss difference to W = 1,
-#              median step time, and per worker the CPU time of its statistics per step;
-#   dp-W/      each run's train.csv and summary.json (rank 0), its log.
+#   dp.csv     data-parallel training (the default models and global batches, --sync-roots so
+#              the losses compare): the Transformer with Shampoo, the ResNet with Shampoo
+#              and with K-FAC (batch norm across the workers), W workers on W daemon ranks
+#              for W = 1, 2 (both under mpirun): final train loss, the largest relative loss
+#              difference to W = 1, median step time, and per worker the CPU time of its
+#              statistics (K-FAC: factors) per step, the gradient averaging and the other
+#              reductions (batch norm, K-FAC factors) per step;
+#   dp-MODEL-OPT-W/  each run's train.csv and summary.json (rank 0), its log.
 # Run from the repository root after `meson compile -C build`. Needs mpirun (openmpi-bin).
 set -u
 
-build="${PRECOND_BUILD:-build}" out="out/replicas" steps=30
+build="${PRECOND_BUILD:-build}" out="out/replicas" steps=30 rsteps=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
-    --help) echo "Usage: bench/replicas.sh [--build DIR] [--out DIR] [--steps N (30)]"; exit 0 ;;
+    --resnet-steps) rsteps="$2"; shift 2 ;;
+    --help) echo "Usage: bench/replicas.sh [--build DIR] [--out DIR] [--steps N (30, Transformer)] [--resnet-steps N (10)]"; exit 0 ;;
     *) echo "replicas.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -32,28 +36,36 @@ echo "replicas.sh: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 tmp=$(mktemp -d /tmp/replicas-bench-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
-echo "workers,daemon_ranks,steps,final_train_loss,max_rel_loss_diff,median_step_ms,worker,stats_cpu_ms_per_step,blocks_mine,blocks,allreduce_ms_per_step" > "$out/dp.csv"
-for w in 1 2; do
-  "$mpirun" "${root[@]}" --oversubscribe -np "$w" "$build/host/precondd" \
-    --listen "unix:$tmp/d$w-%r.sock" --port-file "$tmp/p$w-%r" --threads 1 \
-    --log-level warn 2> "$out/daemons-$w.log" &
-  daemons=$!
-  for r in $(seq 0 $((w - 1))); do
-    for _ in $(seq 1 300); do [ -s "$tmp/p$w-$r" ] && break; sleep 0.1; done
+echo "model,optimizer,workers,daemon_ranks,steps,final_train_loss,max_rel_loss_diff,median_step_ms,worker,stats_cpu_ms_per_step,blocks_mine,blocks,allreduce_ms_per_step,reductions_ms_per_step" > "$out/dp.csv"
+for cfg in "transformer shampoo $steps" "resnet shampoo $rsteps" "resnet kfac $rsteps"; do
+  read -r model opt n <<< "$cfg"
+  for w in 1 2; do
+    name="$model-$opt-$w"
+    rm -f "$tmp"/p$w-*
+    "$mpirun" "${root[@]}" --oversubscribe -np "$w" "$build/host/precondd" \
+      --listen "unix:$tmp/d$w-%r.sock" --port-file "$tmp/p$w-%r" --threads 1 \
+      --log-level warn 2> "$out/daemons-$name.log" &
+    daemons=$!
+    for r in $(seq 0 $((w - 1))); do
+      for _ in $(seq 1 300); do [ -s "$tmp/p$w-$r" ] && break; sleep 0.1; done
+    done
+    rm -rf "$out/dp-$name"
+    "$mpirun" "${root[@]}" --oversubscribe -np "$w" "$build/bench/$model" \
+      --optimizer "$opt" --sync-roots --steps "$n" --eval-every 0 --eval-batches 2 \
+      --quiet --daemon "unix:$tmp/d$w-%r.sock" --out "$out/dp-$name" > "$out/dp-$name.log" 2>&1
+    pkill -TERM -P "$daemons"; wait "$daemons"
+    ref="$out/dp-$model-$opt-1/train.csv" cur="$out/dp-$name/train.csv"
+    diff=$(paste -d, <(tail -n +2 "$ref" | cut -d, -f4) <(tail -n +2 "$cur" | cut -d, -f4) |
+           awk -F, '{d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > m) m = d} END {printf "%.3g", m}')
+    final=$(tail -n 1 "$cur" | cut -d, -f4)
+    median=$(sed -n 's/.*median step \([0-9.]*\) ms.*/\1/p' "$out/dp-$name.log" | head -n 1)
+    # Per worker: its statistics line and (ResNet, K-FAC) its reductions line, by rank.
+    awk -v pre="$model,$opt,$w,$w,$n,$final,$diff,$median" '
+      /^data-parallel worker [0-9]+ of [0-9]+: statistics/ {
+        r = $3; st[r] = $7; mine[r] = substr($12, 2); all[r] = $14; ar[r] = $(NF - 3); seen[r] = 1 }
+      /^data-parallel worker [0-9]+ of [0-9]+: reductions across workers/ { red[$3] = $(NF - 5) }
+      END { for (r in seen) print r "," pre "," r "," st[r] "," mine[r] "," all[r] "," ar[r] "," (r in red ? red[r] : 0) }' \
+      "$out/dp-$name.log" | sort -n | cut -d, -f2- >> "$out/dp.csv"
   done
-  rm -rf "$out/dp-$w"
-  "$mpirun" "${root[@]}" --oversubscribe -np "$w" "$build/bench/transformer" \
-    --optimizer shampoo --sync-roots --steps "$steps" --eval-every 0 --eval-batches 2 \
-    --quiet --daemon "unix:$tmp/d$w-%r.sock" --out "$out/dp-$w" > "$out/dp-$w.log" 2>&1
-  pkill -TERM -P "$daemons"; wait "$daemons"
-  ref="$out/dp-1/train.csv" cur="$out/dp-$w/train.csv"
-  diff=$(paste -d, <(tail -n +2 "$ref" | cut -d, -f4) <(tail -n +2 "$cur" | cut -d, -f4) |
-         awk -F, '{d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > m) m = d} END {printf "%.3g", m}')
-  final=$(tail -n 1 "$cur" | cut -d, -f4)
-  median=$(sed -n 's/.*median step \([0-9.]*\) ms.*/\1/p' "$out/dp-$w.log" | head -n 1)
-  sed -n 's/^data-parallel worker \([0-9]*\) of [0-9]*: statistics \([0-9.]*\) ms CPU per step (\([0-9]*\) of \([0-9]*\) blocks), gradient averaging \([0-9.]*\) ms per step/\1,\2,\3,\4,\5/p' \
-    "$out/dp-$w.log" | sort -n | while IFS=, read -r rank st mine all ar; do
-      echo "$w,$w,$steps,$final,$diff,$median,$rank,$st,$mine,$all,$ar"
-    done >> "$out/dp.csv"
 done
 cat "$out/roots.csv" "$out/dp.csv"

@@ -31,6 +31,7 @@ typedef struct {
   const ds_images *eval;
   ds_image_sampler train;
   size_t batch;
+  size_t lo, local;      /* this worker's share of a batch: images lo .. lo + local - 1 */
   float *x;              /* host, batch images */
   uint8_t *y8;           /* host labels */
   int32_t *y32, *pred;   /* host */
@@ -56,7 +57,10 @@ static int rn_train_step(void *ctx, double *loss) {
   if (ds_image_sampler_next(&c->train, c->batch, c->x, c->y8) != DS_OK) return -1;
   int rc = rn_upload(c, c->batch);
   if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
-  if (rc == AC_OK) rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_TRAIN, loss);
+  /* Every worker draws the same global batch (same seed) and trains on its images. */
+  if (rc == AC_OK)
+    rc = ac_resnet_forward(&c->net, c->d_x + c->lo * DS_FMNIST_PIXELS, c->d_y + c->lo, c->local,
+                           AC_MODE_TRAIN, loss);
   if (rc == AC_OK)
     rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
   if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
@@ -85,6 +89,22 @@ static int rn_evaluate(void *ctx, long batches, double *loss, double *accuracy) 
   }
   *loss = sum / (double)total;
   *accuracy = (double)correct / (double)total;
+  return 0;
+}
+
+/* Data parallelism: rank's equal share of the batch's images, so that the mean over the
+ * workers of their mean losses is the batch's mean, and batch norm across the workers
+ * (sync), so that it normalises over the global batch as one worker does. */
+static int rn_shard(void *ctx, int rank, int size, const ac_bn_sync *sync) {
+  rn_ctx *c = ctx;
+  if (size < 1 || c->batch % (size_t)size != 0) {
+    fprintf(stderr, "resnet: --batch %zu does not divide among %d data-parallel workers\n",
+            c->batch, size);
+    return -1;
+  }
+  c->local = c->batch / (size_t)size;
+  c->lo = (size_t)rank * c->local;
+  ac_resnet_set_sync(&c->net, sync);
   return 0;
 }
 
@@ -167,7 +187,7 @@ int main(int argc, char **argv) {
   cfg.conv_init = rn_init_kind[a.conv_init];
   c.be = be;
   c.eval = &test;
-  c.batch = (size_t)a.batch;
+  c.batch = c.local = (size_t)a.batch;
   int arc = ac_resnet_init(&c.net, be, &cfg);
   if (arc == AC_OK) arc = ac_resnet_params(&c.net, &c.params);
   if (arc != AC_OK) {
@@ -192,8 +212,6 @@ int main(int argc, char **argv) {
     goto done;
   }
 
-  /* No data parallelism yet: batch norm over a worker's share is not over the batch, so it
-   * would not train the model one worker trains (docs/replicas.md). */
   tr_model model = {"resnet",
                     &c,
                     c.params.n,
@@ -203,7 +221,7 @@ int main(int argc, char **argv) {
                     (double)b,
                     "img",
                     (long)(train.count / b),
-                    NULL,
+                    rn_shard,
                     rn_set_hook,
                     rn_set_trainer};
   tr_print_start(&opts, be, &model);

@@ -853,7 +853,8 @@ static int tr__trainer(tr_error *err, int prc, const pt_error *perr) {
 }
 
 /* The trainer library's options every mode shares: the mode's defaults, the daemon, the
- * job (opts->job, or MODEL-MODE-PID written into job), the worker name, sync_roots. */
+ * job (opts->job, or MODEL-MODE-PID written into job), the worker name, sync_roots, the
+ * data-parallel worker (pt_dp and its share). */
 static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *model_name, char *job,
                              size_t joblen, pt_options *po) {
   const tr_options *opts = &o->opts;
@@ -866,6 +867,9 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->job = job;
   po->worker = model_name;
   po->sync_roots = opts->sync_roots;
+  po->shard_rank = opts->dp_rank; /* data parallelism: statistics and factors sharded */
+  po->shard_size = opts->dp_size;
+  po->dp = opts->dp;
   if (opts->poll_ms > 0) po->poll_interval_ms = (int)opts->poll_ms;
 }
 
@@ -875,9 +879,6 @@ static int tr__shampoo_init(tr_optimizer *o, const char *model_name, tr_error *e
   char job[160];
   pt_options po;
   tr__trainer_opts(o, PT_MODE_SHAMPOO, model_name, job, sizeof job, &po);
-  po.shard_rank = opts->dp_rank;
-  po.shard_size = opts->dp_size;
-  po.dp = opts->dp;
   ac_shampoo_opts *so = &po.shampoo;
   so->layout.block_size = (size_t)opts->block_size;
   pc_graft_opts_default(&so->graft, (pc_graft)opts->graft);
@@ -906,8 +907,6 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   const tr_options *opts = &o->opts;
   char job[160];
   pt_options po;
-  if (opts->dp_size > 1) /* every worker would push its own share's factors as the layer's */
-    return tr__fail(err, TR_EINVAL, "--optimizer kfac: no data parallelism yet (one worker)");
   tr__trainer_opts(o, PT_MODE_KFAC, model_name, job, sizeof job, &po);
   pt_kfac_opts *ko = &po.kfac;
   ko->k.damping = opts->kfac_damping;
@@ -1187,14 +1186,17 @@ static void tr__progress_note(tr__progress *p, const char *fmt, ...) {
 /* Under mpirun: joins the data-parallel workers (pt_dp), gives the model its share of the
  * batch, makes the job name (rank 0's pid) and the daemon address (%r: this rank) each
  * worker's, and lets rank 0 alone print progress and write --out. Alone: *dp = NULL. */
-static int tr__data_parallel(tr_options *o, const tr_model *model, pt_dp **dp, tr_error *err) {
+static int tr__data_parallel(tr_options *o, ac_backend *be, const tr_model *model, pt_dp **dp,
+                             tr_error *err) {
   pt_error perr = {""};
   int rc = tr__trainer(err, pt_dp_init(dp, &perr), &perr);
   if (rc != TR_OK || *dp == NULL) return rc;
   o->dp = *dp;
   o->dp_rank = pt_dp_rank(*dp);
   o->dp_size = pt_dp_size(*dp);
-  if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size) != 0) {
+  ac_bn_sync sync;
+  pt_dp_bn_sync(*dp, be, &sync);
+  if (model->shard == NULL || model->shard(model->ctx, o->dp_rank, o->dp_size, &sync) != 0) {
     rc = tr__fail(
         err, TR_EINVAL, "%s: %s with %d data-parallel workers", model->name,
         model->shard == NULL ? "cannot be trained data-parallel" : "its batch does not divide",
@@ -1244,7 +1246,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   if (ropts.epoch_steps == 0) ropts.epoch_steps = model->steps_per_epoch;
   opts = &ropts;
   pt_dp *dp = NULL;
-  int drc = tr__data_parallel(&ropts, model, &dp, err);
+  int drc = tr__data_parallel(&ropts, be, model, &dp, err);
   if (drc != TR_OK) return drc;
   long total = tr_total_steps(opts, model);
   double base_lr = tr_effective_lr(opts);
@@ -1447,6 +1449,13 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
         "blocks), gradient averaging %.3f ms per step\n",
         pt_dp_rank(dp), pt_dp_size(dp), pc.stats_s * 1e3 / (double)sm.steps, pc.units_mine,
         pc.units, pt_dp_seconds(dp) * 1e3 / (double)sm.steps);
+    long calls = 0;
+    double bn_s = pt_dp_reduce_seconds(dp, &calls);
+    if (calls > 0)
+      printf(
+          "data-parallel worker %d of %d: reductions across workers (batch norm, K-FAC "
+          "factors) %.3f ms per step (%ld calls)\n",
+          pt_dp_rank(dp), pt_dp_size(dp), bn_s * 1e3 / (double)sm.steps, calls);
   }
 
 done:

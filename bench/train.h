@@ -339,9 +339,11 @@ typedef struct {
   const char *item_unit; /* "tok", "img" */
   long steps_per_epoch;  /* for --epochs */
   /* Data parallelism (mpirun -np W): from now on train_step takes worker rank's share of
-   * each global batch (the loss and gradients of its mean over that share). NULL: the model
-   * cannot be trained data-parallel. Non-zero when size does not divide the batch. */
-  int (*shard)(void *ctx, int rank, int size);
+   * each global batch (the loss and gradients of its mean over that share). sync: the
+   * workers' sync BN reduction (pt_dp_bn_sync) for a model with batch norm to install
+   * (borrowed, valid for the run). NULL: the model cannot be trained data-parallel.
+   * Non-zero when size does not divide the batch. */
+  int (*shard)(void *ctx, int rank, int size, const ac_bn_sync *sync);
   /* Sets a curvature hook on the model's layers (ac_resnet_set_hook, ac_lm_set_hook); NULL:
    * the model has none (K-FAC is then refused). */
   void (*set_hook)(void *ctx, const ac_hook *hook);

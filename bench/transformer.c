@@ -74,7 +74,8 @@ static int lm_train_step(void *ctx, double *loss) {
 
 /* Data parallelism: rank's equal share of the batch's sequences, so that the mean over
  * the workers of their mean losses is the batch's mean. */
-static int lm_shard(void *ctx, int rank, int size) {
+static int lm_shard(void *ctx, int rank, int size, const ac_bn_sync *sync) {
+  (void)sync; /* no batch norm */
   lm_ctx *c = ctx;
   if (size < 1 || c->batch % (size_t)size != 0) {
     fprintf(stderr,

@@ -7,6 +7,8 @@
  * bucket instead of one per parameter (a Transformer has dozens of small ones: latency, not
  * bandwidth, dominates them), and the device copies are one per parameter either way. The
  * reduction runs after the backward pass: accel has no per-layer hook to overlap it with.
+ * Batch norm across workers (sync BN) is accel's, with pt_dp_reduce's averaging as its
+ * reduction, so accel itself needs no MPI.
  * MPI's default error handler (MPI_ERRORS_ARE_FATAL) is kept: a worker cannot go on alone
  * with a model the others no longer match.
  */
@@ -26,6 +28,9 @@ struct pt_dp {
   int rank, size;
   float *bucket;
   double seconds;
+  ac_backend *be; /* pt_dp_reduce's */
+  double reduce_seconds;
+  long reduce_calls;
 };
 
 /* 1 when an MPI launcher started this process, with its world size in *size. */
@@ -158,6 +163,74 @@ int pt_dp_average(pt_dp *dp, ac_backend *be, ac_param *const *params, size_t npa
   (void)nparams;
   (void)loss;
   return pt__fail(err, PT_EINVAL, "data parallelism: built without MPI");
+#endif
+}
+
+#ifdef PT_HAVE_MPI
+/* ac_bn_sync's fn: v (n device floats) becomes its mean over the workers. Through the
+ * bucket when it fits (a batch norm's 2c floats always do here), else a buffer of its own.
+ * An AC_E* code: AC_EDEVICE when MPI fails (accel has no code of its own for it). */
+static int pt__dp_mean(void *ctx, float *v, size_t n) {
+  pt_dp *dp = ctx;
+  double t0 = pt__wall();
+  float *h = n <= PT__BUCKET ? dp->bucket : malloc(n * sizeof *h);
+  if (h == NULL) return AC_ENOMEM;
+  int rc = ac_memcpy_d2h(dp->be, h, v, n * sizeof *h);
+  if (rc == AC_OK &&
+      MPI_Allreduce(MPI_IN_PLACE, h, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS)
+    rc = AC_EDEVICE;
+  const float scale = 1.0f / (float)dp->size;
+  for (size_t i = 0; rc == AC_OK && i < n; i++) h[i] *= scale;
+  if (rc == AC_OK) rc = ac_memcpy_h2d(dp->be, v, h, n * sizeof *h);
+  if (h != dp->bucket) free(h);
+  dp->reduce_seconds += pt__wall() - t0;
+  dp->reduce_calls++;
+  return rc;
+}
+#endif
+
+void pt_dp_bn_sync(pt_dp *dp, ac_backend *be, ac_bn_sync *out) {
+  *out = (ac_bn_sync){NULL, NULL, 1};
+  if (dp == NULL) return;
+#ifdef PT_HAVE_MPI
+  dp->be = be;
+  *out = (ac_bn_sync){pt__dp_mean, dp, dp->size};
+#else
+  (void)be;
+#endif
+}
+
+double pt_dp_reduce_seconds(const pt_dp *dp, long *calls) {
+  if (calls != NULL) *calls = dp != NULL ? dp->reduce_calls : 0;
+  return dp != NULL ? dp->reduce_seconds : 0;
+}
+
+int pt__unit_worker(const pt_trainer *t, size_t b) {
+  int nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
+  if (nw == 1 || b >= t->layout.nblocks) return 0;
+  int32_t replicas = 0;
+  for (size_t i = 0; i < t->layout.nblocks; i++)
+    if (t->layout.blocks[i].owner + 1 > replicas) replicas = t->layout.blocks[i].owner + 1;
+  return replicas == nw ? (int)t->layout.blocks[b].owner : (int)(b % (size_t)nw);
+}
+
+int pt_dp_mean_to(pt_dp *dp, float *h, size_t n, int root) {
+  if (dp == NULL || n == 0) return PT_OK;
+#ifdef PT_HAVE_MPI
+  double t0 = pt__wall();
+  int rc = MPI_Reduce(dp->rank == root ? MPI_IN_PLACE : h, h, (int)n, MPI_FLOAT, MPI_SUM, root,
+                      MPI_COMM_WORLD) == MPI_SUCCESS
+               ? PT_OK
+               : PT_EINVAL;
+  const float scale = 1.0f / (float)dp->size;
+  for (size_t i = 0; rc == PT_OK && dp->rank == root && i < n; i++) h[i] *= scale;
+  dp->reduce_seconds += pt__wall() - t0;
+  dp->reduce_calls++;
+  return rc;
+#else
+  (void)h;
+  (void)root;
+  return PT_EINVAL;
 #endif
 }
 

@@ -36,6 +36,9 @@ typedef struct {
   float *p;                /* device: preconditioned grad, weights then bias */
   uint64_t version, source_step;
   int due_seen; /* the hook filled fa/fg at the current step */
+  int worker;   /* data parallelism: the worker that pushes its factors (pt__unit_worker) */
+  uint64_t daemon_version; /* of the inverses held (the daemon's numbering: the same on every
+                              worker, pt_dp_agree compares it) */
 } pt__kfac_layer;
 
 typedef struct {
@@ -61,8 +64,12 @@ typedef struct {
   int poll_ms;           /* the poll period last given to libprecond (0: its default) */
   ac_kfac_pg *pg;        /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
-  double lr_max; /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
-  int hook_rc;   /* the first error a hook met (returned by pt_step too) */
+  double lr_max;    /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
+  int hook_rc;      /* the first error a hook met (returned by pt_step too) */
+  ac_bn_sync red;   /* data parallelism: the workers' mean (pt_dp_reduce); fn NULL alone */
+  double factors_s; /* CPU seconds computing, reducing and pushing factors */
+  double comm_s;    /* of which in reductions across the workers (MPI polls: CPU) */
+  size_t nmine;     /* layers whose factors this worker pushes */
 } pt__kfac;
 
 /* ---- buffers ---------------------------------------------------------------------- */
@@ -166,6 +173,12 @@ static int pt__hook_bn(pt__kfac *s, const pt_kfac_opts *o, pt__kfac_layer *l,
   if (rc == AC_OK) rc = ac_batchnorm_xhat(v->bn, xhat);
   if (rc == AC_OK)
     rc = ac_kfac_bn_fisher(s->be, v->batch, v->in, v->npos, g, xhat, scale, l->fa, l->fg, ws);
+  /* Data parallelism: every worker folds the batch's Fisher (the mean of the shares'), so
+   * all precondition alike. */
+  double t0 = pt__cpu_now();
+  if (rc == AC_OK && s->red.fn != NULL) rc = s->red.fn(s->red.ctx, l->fa, v->in);
+  if (rc == AC_OK && s->red.fn != NULL) rc = s->red.fn(s->red.ctx, l->fg, v->in);
+  s->comm_s += pt__cpu_now() - t0;
   if (rc != AC_OK) return rc;
   /* The running average as the daemon keeps A and G (pc_kfac_fold: the first as is). */
   float keep = l->folds == 0 ? 0.0f : (float)o->k.factor_decay;
@@ -181,6 +194,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
   const pt_kfac_opts *o = &t->opts.kfac;
   if (!s->due) return AC_OK; /* most steps after the first epoch: nothing to do */
   if (o->model_fisher && !s->sampling) return AC_OK; /* the batch's own backward */
+  double t0 = pt__cpu_now();
   int rc = AC_OK;
   pt__kfac_layer *l = pt__layer_of(t, v, &rc);
   if (l == NULL) return rc;
@@ -214,6 +228,7 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       break;
   }
   if (rc != AC_OK && s->hook_rc == AC_OK) s->hook_rc = rc;
+  s->factors_s += pt__cpu_now() - t0;
   return rc;
 }
 
@@ -268,6 +283,7 @@ static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   s->be = t->params[0]->value.be;
   s->next_step = 1;
   s->due = pc_kfac_factor_due(&o->k, 1, o->steps_per_epoch);
+  pt_dp_bn_sync(t->opts.shard_size > 1 ? t->opts.dp : NULL, s->be, &s->red);
   int rc = pt__accel(err, ac_sgd_create(&s->sgd, t->params, t->nparams, &o->sgd), "SGD");
   if (rc == PT_OK) rc = pt__accel(err, pt__dev(s->be, 1, &s->dev1), "K-FAC scratch");
   return rc;
@@ -361,6 +377,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
         goto done;
       }
       l->block_id = pb->block_id;
+      l->worker = pt__unit_worker(t, b);
+      s->nmine += l->worker == t->opts.shard_rank || t->opts.shard_size <= 1;
     }
   }
   s->registered = 1;
@@ -375,20 +393,29 @@ done:
 
 /* ---- a step ----------------------------------------------------------------------- */
 
-/* Pushes the factors the hook computed at step. */
+/* Pushes the factors the hook computed at step. Data-parallel: the factors of the batch
+ * are the mean of the shares' (equal shares; A and G are means over rows), reduced to the
+ * one worker that pushes the layer (pt__unit_worker), so the daemon sees one push per layer
+ * and step as from one worker. Every worker goes through the layers in the same order. */
 static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   pt__kfac *s = t->state;
   precond_encoding enc = t->opts.kfac.push_bf16 ? PRECOND_BF16 : PRECOND_FP32;
+  double t0 = pt__cpu_now();
   for (size_t i = 0; i < s->nlayers; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX || !l->due_seen) continue;
     size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+    int dp = t->opts.shard_size > 1, mine = !dp || l->worker == t->opts.shard_rank;
     int rc = pt__accel(err, pt__grow_host(s, la + lg), "K-FAC host buffer");
     if (rc == PT_OK)
       rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host, l->fa, la * sizeof(float)), "A");
     if (rc == PT_OK)
       rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host + la, l->fg, lg * sizeof(float)), "G");
-    if (rc == PT_OK)
+    double t1 = pt__cpu_now();
+    if (rc == PT_OK && dp && pt_dp_mean_to(t->opts.dp, s->host, la + lg, l->worker) != PT_OK)
+      rc = pt__fail(err, PT_EINVAL, "K-FAC: reducing the factors of %s failed", l->weight->name);
+    s->comm_s += pt__cpu_now() - t1;
+    if (rc == PT_OK && mine)
       rc = pt__daemon(t, err,
                       precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
                                         s->host, (uint32_t)l->ng, s->host + la, enc),
@@ -396,16 +423,15 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     if (rc != PT_OK) return rc;
   }
   s->pushes++;
+  s->factors_s += pt__cpu_now() - t0;
   return PT_OK;
 }
 
-/* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
-static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
+/* Takes the inverses r (libprecond's, released here; NULL: nothing) of layer l onto the
+ * device. */
+static int pt__kfac_apply(pt_trainer *t, pt__kfac_layer *l, const precond_roots *r, pt_error *err) {
   pt__kfac *s = t->state;
-  const precond_roots *r = NULL;
-  int rc =
-      pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r), "precond_fetch");
-  if (rc != PT_OK || r == NULL) return rc;
+  if (r == NULL) return PT_OK;
   int arc = AC_OK;
   if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
     s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
@@ -430,8 +456,49 @@ static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
   }
   l->version = r->version; /* a refused version is not offered again */
   l->source_step = r->source_step;
+  l->daemon_version = r->daemon_version;
   precond_roots_release(r);
   return pt__accel(err, arc, "K-FAC inverses to the device");
+}
+
+/* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
+static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
+  const precond_roots *r = NULL;
+  int rc =
+      pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &r), "precond_fetch");
+  return rc == PT_OK ? pt__kfac_apply(t, l, r, err) : rc;
+}
+
+/* Data-parallel workers without sync_roots: each layer takes the daemon version of its
+ * inverses that every worker holds (pt_dp_agree), else keeps what it has, as Shampoo's
+ * blocks do (trainer/shampoo.c): the references taken before the agreement are the ones
+ * applied, so every worker preconditions with the same inverses. */
+static int pt__kfac_refresh_agreed(pt_trainer *t, pt_error *err) {
+  pt__kfac *s = t->state;
+  size_t n = s->nlayers;
+  const precond_roots **held = calloc(n ? n : 1, sizeof *held);
+  uint64_t *v = calloc(n ? n : 1, sizeof *v);
+  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
+  for (size_t i = 0; rc == PT_OK && i < n; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind == PT__KFAC_LAYER && l->block_id != UINT32_MAX)
+      rc = pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &held[i]),
+                      "precond_fetch");
+    v[i] = held[i] != NULL ? held[i]->daemon_version : l->daemon_version;
+  }
+  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, n) != PT_OK)
+    rc = pt__fail(err, PT_EINVAL,
+                  "data parallelism: the workers' inverse versions could not "
+                  "be compared (MPI)");
+  for (size_t i = 0; i < n && held != NULL; i++) {
+    if (rc == PT_OK && held[i] != NULL && held[i]->daemon_version == v[i])
+      rc = pt__kfac_apply(t, &s->layers[i], held[i], err); /* releases it */
+    else
+      precond_roots_release(held[i]);
+  }
+  free(held);
+  free(v);
+  return rc;
 }
 
 /* sync_roots: waits until layer l holds inverses computed from the factors of step. */
@@ -556,7 +623,9 @@ static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: factors not sent within %d ms",
                     t->opts.sync_timeout_ms);
-  for (size_t i = 0; i < s->nlayers && rc == PT_OK; i++) {
+  int agreed = t->opts.shard_size > 1 && !t->opts.sync_roots;
+  if (agreed) rc = pt__kfac_refresh_agreed(t, err);
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK && !agreed; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX) continue;
     int computes = l->a_inv == NULL || s->pushes % (uint64_t)o->k.inv_every == 0;
@@ -578,6 +647,8 @@ static void pt__kfac_counters(const pt_trainer *t, pt_counters *out) {
   for (size_t i = 0; i < s->nlayers; i++)
     n += s->layers[i].kind == PT__KFAC_LAYER && s->layers[i].block_id != UINT32_MAX;
   out->units = n;
+  out->units_mine = t->opts.shard_size > 1 ? s->nmine : n;
+  out->stats_s = s->factors_s - s->comm_s; /* the reductions are pt_dp_reduce_seconds' */
   out->results_applied = s->applied;
   out->results_rejected = s->rejected;
 }

@@ -17,13 +17,6 @@ static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
   return so->one_sided ? 2 : (uint32_t)so->root_exponent;
 }
 
-/* CPU seconds of the calling thread (statistics run on it: syrk with the worker's BLAS). */
-static double pt__cpu_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 typedef struct {
   ac_shampoo *opt; /* owned */
   size_t nblocks;
@@ -39,20 +32,13 @@ typedef struct {
   uint64_t applied, rejected;
 } pt__shampoo;
 
-/* This worker's share of the blocks (pt_options.shard_*): with one daemon replica per
- * worker, the blocks its rank's daemon owns (nothing is forwarded); else every
- * shard_size-th block. */
+/* This worker's share of the blocks (pt_options.shard_*, pt__unit_worker). */
 static int pt__shampoo_shard(pt_trainer *t, pt_error *err) {
   pt__shampoo *s = t->state;
   int w = t->opts.shard_rank, nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
-  int32_t replicas = 0;
-  for (size_t b = 0; b < s->nblocks; b++)
-    if (t->layout.blocks[b].owner + 1 > replicas) replicas = t->layout.blocks[b].owner + 1;
   s->nmine = 0;
   for (size_t b = 0; b < s->nblocks; b++) {
-    s->mine[b] = nw == 1          ? 1
-                 : replicas == nw ? t->layout.blocks[b].owner == w
-                                  : (int)(b % (size_t)nw) == w;
+    s->mine[b] = nw == 1 || pt__unit_worker(t, b) == w;
     s->nmine += s->mine[b];
   }
   return nw == 1 ? PT_OK

@@ -76,6 +76,12 @@ double pt__now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+double pt__cpu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 void pt_options_default(pt_options *opts, pt_mode mode) {
   if (opts == NULL) return;
   memset(opts, 0, sizeof *opts);

@@ -161,7 +161,8 @@ typedef struct {
   uint64_t daemon_restarts;  /* times the job was registered again (daemon lost it) */
   uint64_t resumed_step;     /* last step whose statistics the daemon held at register */
   size_t units_mine;         /* units whose statistics this worker computes (shards) */
-  double stats_s;            /* seconds spent computing and queueing statistics */
+  double stats_s;            /* seconds spent computing and queueing statistics (K-FAC:
+                                factors, without the reductions across workers) */
 } pt_counters;
 
 void pt_get_counters(const pt_trainer *t, pt_counters *out);
@@ -196,6 +197,18 @@ int pt_dp_any(pt_dp *dp, int *flag);
 int pt_dp_broadcast(pt_dp *dp, long *v);
 /* Seconds spent in pt_dp_average. */
 double pt_dp_seconds(const pt_dp *dp);
+/* Batch norm across the workers (sync BN): fills *out with the reduction accel's batch norm
+ * calls (ac_bn_sync: the mean over the workers of n device floats, through host memory of
+ * dp on be; ac_resnet_set_sync installs it). dp and be must outlive its use; calls come
+ * in the same order on every worker (one forward and one backward pass each). dp NULL:
+ * out->fn NULL (one worker: the share is the batch). */
+void pt_dp_bn_sync(pt_dp *dp, ac_backend *be, ac_bn_sync *out);
+/* On worker root: the mean over the workers of h (n host floats, each worker's own); the
+ * others' h are left as they were (K-FAC factors reduced to the worker that pushes that
+ * layer). Every worker calls it with the same n and root. A no-op for NULL. PT_EINVAL (MPI). */
+int pt_dp_mean_to(pt_dp *dp, float *h, size_t n, int root);
+/* Seconds spent in the sync BN reduction and pt_dp_mean_to, and how many calls. */
+double pt_dp_reduce_seconds(const pt_dp *dp, long *calls);
 void pt_dp_finalize(pt_dp *dp);
 
 /* The worker optimizer of a Shampoo trainer (owned by t), for inspection; NULL otherwise. */

@@ -52,4 +52,13 @@ int pt__daemon(const pt_trainer *t, pt_error *err, int prc, const char *what);
 /* Monotonic seconds. */
 double pt__now(void);
 
+/* CPU seconds of the calling thread (statistics and factors are computed on it; with cores
+ * shared, wall time is noise). */
+double pt__cpu_now(void);
+
+/* Data parallelism (dp.c): the worker (0 .. shard_size - 1) that computes and pushes unit b
+ * of t->layout: with one daemon replica per worker, the worker of the rank whose daemon
+ * owns it (nothing is forwarded); else every shard_size-th unit. 0 with one worker. */
+int pt__unit_worker(const pt_trainer *t, size_t b);
+
 #endif /* PRECOND_TRAINER_INTERNAL_H */

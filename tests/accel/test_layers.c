@@ -16,6 +16,7 @@
  * against the CPU backend's results on identical inputs (rel <= TOL_XBE, 1e-4).
  */
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -996,6 +997,154 @@ static void test_batchnorm_train(void **state) {
   run_case(state, "batchnorm(train)", case_bn_train);
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Batch norm across data-parallel workers (sync BN: ac_bn_sync)                           */
+
+enum { SBN_N = 4, SBN_C = 3, SBN_HW = 5, SBN_LEN = SBN_N * SBN_C * SBN_HW };
+
+/* What one layer (fused ReLU and residual, training mode) gives on n images: outputs,
+ * input and residual gradients, weight and bias gradients, running statistics. */
+typedef struct {
+  float y[SBN_LEN], dx[SBN_LEN], dres[SBN_LEN], dg[SBN_C], db[SBN_C], rmean[SBN_C], rvar[SBN_C];
+} sbn_out;
+
+/* One training step of a fresh layer on be over n images of x, r (residual), dy (output
+ * gradient), with weight g and bias b and the reduction red (NULL: none); into *o. An AC_E*
+ * code. No cmocka here: workers call it on threads of their own. */
+static int sbn_layer(ac_backend *be, size_t n, const float *x, const float *r, const float *dy,
+                     const float *g, const float *b, const ac_bn_sync *red, sbn_out *o) {
+  ac_batchnorm l;
+  float *d[3] = {NULL, NULL, NULL};
+  const float *host[3] = {x, r, dy}, *y, *dx, *dres;
+  size_t len = n * SBN_C * SBN_HW, bytes = len * sizeof(float);
+  int rc = ac_batchnorm_init(&l, be, "bn", SBN_C, SBN_HW, 1e-5f, 0.1f, n);
+  if (rc != AC_OK) return rc;
+  if (red != NULL) l.sync = *red;
+  for (int k = 0; k < 3 && rc == AC_OK; k++) {
+    rc = ac_malloc(be, bytes, (void **)&d[k]);
+    if (rc == AC_OK) rc = ac_memcpy_h2d(be, d[k], host[k], bytes);
+  }
+  if (rc == AC_OK) rc = ac_batchnorm_fuse_relu(&l);
+  if (rc == AC_OK) rc = ac_tensor_upload(&l.weight.value, g);
+  if (rc == AC_OK) rc = ac_tensor_upload(&l.bias.value, b);
+  if (rc == AC_OK) rc = ac_batchnorm_forward_res(&l, d[0], d[1], n, AC_MODE_TRAIN, &y);
+  if (rc == AC_OK) rc = ac_memcpy_d2h(be, o->y, y, bytes);
+  if (rc == AC_OK) rc = ac_batchnorm_backward_res(&l, d[2], &dx, &dres);
+  if (rc == AC_OK) rc = ac_memcpy_d2h(be, o->dx, dx, bytes);
+  if (rc == AC_OK) rc = ac_memcpy_d2h(be, o->dres, dres, bytes);
+  if (rc == AC_OK) rc = ac_tensor_download(&l.weight.grad, o->dg);
+  if (rc == AC_OK) rc = ac_tensor_download(&l.bias.grad, o->db);
+  if (rc == AC_OK) rc = ac_tensor_download(&l.running_mean, o->rmean);
+  if (rc == AC_OK) rc = ac_tensor_download(&l.running_var, o->rvar);
+  for (int k = 0; k < 3; k++) ac_free(be, d[k]);
+  ac_batchnorm_destroy(&l);
+  return rc;
+}
+
+/* Two workers on threads of their own, each with its own backend; their reduction is
+ * MPI_Allreduce's mean done through host slots and a barrier. */
+typedef struct {
+  pthread_barrier_t *bar;
+  float (*slot)[2 * SBN_C]; /* [2]: each worker's values of the current call */
+  int rank, rc;
+  ac_backend_kind kind;
+  ac_backend *be;
+  const float *x, *r, *dy, *g, *b; /* the worker's share, the weights */
+  sbn_out out;
+} sbn_worker;
+
+static int sbn_mean(void *ctx, float *v, size_t n) {
+  sbn_worker *w = ctx;
+  float mean[2 * SBN_C];
+  if (n > 2 * SBN_C) return AC_EINVAL; /* before the barrier: the test fails, never hangs */
+  int rc = ac_memcpy_d2h(w->be, w->slot[w->rank], v, n * sizeof(float));
+  pthread_barrier_wait(w->bar);
+  for (size_t i = 0; i < n; i++) mean[i] = (w->slot[0][i] + w->slot[1][i]) / 2.0f;
+  pthread_barrier_wait(w->bar);
+  return rc == AC_OK ? ac_memcpy_h2d(w->be, v, mean, n * sizeof(float)) : rc;
+}
+
+static void *sbn_run(void *arg) {
+  sbn_worker *w = arg;
+  ac_backend_opts o;
+  ac_backend_opts_default(&o);
+  o.kind = w->kind;
+  w->rc = ac_backend_create(&w->be, &o);
+  ac_bn_sync red = {sbn_mean, w, 2};
+  if (w->rc == AC_OK)
+    w->rc = sbn_layer(w->be, SBN_N / 2, w->x, w->r, w->dy, w->g, w->b, &red, &w->out);
+  ac_backend_destroy(w->be);
+  return NULL;
+}
+
+static double sbn_rel(const float *a, const float *b, size_t n) {
+  double md = 0, mb = 0;
+  for (size_t i = 0; i < n; i++) {
+    md = fmax(md, fabs((double)a[i] - b[i]));
+    mb = fmax(mb, fabs((double)b[i]));
+  }
+  return md / fmax(mb, 1e-3);
+}
+
+/* Two workers, each on half the images with the reduction, give what one layer gives on
+ * the whole batch: the outputs, input and residual gradients of their images and the
+ * running statistics, and weight and bias gradients that add up to its. The halves have
+ * different means (an offset), so statistics of a half alone would fail every check. */
+static void test_batchnorm_sync(void **state) {
+  ac_backend *be = backend(state);
+  float x[SBN_LEN], r[SBN_LEN], dy[SBN_LEN], g[SBN_C], b[SBN_C];
+  rng_seed(41);
+  for (size_t i = 0; i < SBN_LEN; i++) {
+    x[i] = (float)(2.0 * frand() + (i < SBN_LEN / 2 ? 1.5 : -0.5));
+    r[i] = (float)frand();
+    dy[i] = (float)frand();
+  }
+  for (size_t i = 0; i < SBN_C; i++) {
+    g[i] = (float)(1.0 + 0.5 * frand());
+    b[i] = (float)(0.5 * frand());
+  }
+  sbn_out *ref = xcalloc(1, sizeof *ref);
+  OK(sbn_layer(be, SBN_N, x, r, dy, g, b, NULL, ref));
+
+  pthread_barrier_t bar;
+  float slot[2][2 * SBN_C];
+  sbn_worker *w = xcalloc(2, sizeof *w);
+  pthread_t th[2];
+  assert_int_equal(pthread_barrier_init(&bar, NULL, 2), 0);
+  size_t half = SBN_LEN / 2;
+  for (int k = 0; k < 2; k++) {
+    w[k].bar = &bar;
+    w[k].slot = slot;
+    w[k].rank = k;
+    w[k].kind = ac_backend_kind_of(be);
+    w[k].x = x + k * half;
+    w[k].r = r + k * half;
+    w[k].dy = dy + k * half;
+    w[k].g = g;
+    w[k].b = b;
+    assert_int_equal(pthread_create(&th[k], NULL, sbn_run, &w[k]), 0);
+  }
+  for (int k = 0; k < 2; k++) assert_int_equal(pthread_join(th[k], NULL), 0);
+  pthread_barrier_destroy(&bar);
+  float dg[SBN_C], db[SBN_C];
+  for (int k = 0; k < 2; k++) {
+    OK(w[k].rc);
+    assert_true(sbn_rel(w[k].out.y, ref->y + k * half, half) <= 1e-5);
+    assert_true(sbn_rel(w[k].out.dx, ref->dx + k * half, half) <= 1e-5);
+    assert_true(sbn_rel(w[k].out.dres, ref->dres + k * half, half) <= 1e-5);
+    assert_true(sbn_rel(w[k].out.rmean, ref->rmean, SBN_C) <= 1e-5);
+    assert_true(sbn_rel(w[k].out.rvar, ref->rvar, SBN_C) <= 1e-5);
+  }
+  for (size_t i = 0; i < SBN_C; i++) {
+    dg[i] = w[0].out.dg[i] + w[1].out.dg[i];
+    db[i] = w[0].out.db[i] + w[1].out.db[i];
+  }
+  assert_true(sbn_rel(dg, ref->dg, SBN_C) <= 1e-5);
+  assert_true(sbn_rel(db, ref->db, SBN_C) <= 1e-5);
+  free(w);
+  free(ref);
+}
+
 static void test_batchnorm_eval(void **state) {
   run_case(state, "batchnorm(eval)", case_bn_eval);
 }
@@ -1177,8 +1326,9 @@ static void test_param_names(void **state) {
       cmocka_unit_test(test_attention_causal), cmocka_unit_test(test_celoss),                     \
       cmocka_unit_test(test_conv), cmocka_unit_test(test_conv_stride1), cmocka_unit_test(test_batchnorm_train),                        \
       cmocka_unit_test(test_batchnorm_eval), cmocka_unit_test(test_batchnorm_fused),              \
-      cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
-      cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)
+      cmocka_unit_test(test_batchnorm_sync), cmocka_unit_test(test_maxpool),                      \
+      cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), cmocka_unit_test(test_invalid), \
+      cmocka_unit_test(test_param_names)
 
 int main(void) {
   const struct CMUnitTest cpu[] = {LAYER_TESTS};

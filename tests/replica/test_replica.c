@@ -26,7 +26,7 @@
 
 #define MAX_RANKS 4
 
-static const char *g_mpirun, *g_precondd, *g_transformer, *g_precondctl;
+static const char *g_mpirun, *g_precondd, *g_transformer, *g_precondctl, *g_resnet;
 
 typedef struct {
   mprun run;  /* mpirun, or precondd alone */
@@ -105,7 +105,8 @@ static void cluster_run(cluster *c) {
   int up = mprun_wait_files(&c->run, pf, 60000);
   if (up != 0) {
     dump_log(c);
-    fail_msg("%s", up > 0 ? "the daemons exited before listening" : "a rank did not listen within 60 s");
+    fail_msg("%s",
+             up > 0 ? "the daemons exited before listening" : "a rank did not listen within 60 s");
   }
   for (int r = 0; r < n; r++) {
     snprintf(c->addr[r], sizeof c->addr[r], "unix:%s/s-%d.sock", c->dir, r);
@@ -570,30 +571,40 @@ static int read_losses(const char *dir, double *loss, int max) {
   return n;
 }
 
-/* Starts the Transformer (tiny: one layer, width 64, batch 8) for steps steps against
- * daemon, alone (nworkers 0) or as nworkers data-parallel workers, with the options extra
- * (NULL-terminated; NULL: none); output in dir/out and dir/<out>.log, the process in w. */
-static void start_transformer(mprun *w, const char *dir, const char *out, int nworkers,
-                              const char *daemon, const char *steps, const char *const *extra) {
+/* Starts a benchmark client: model (NULL-terminated: the program and its model's options)
+ * with --daemon daemon --out dir/out and the options extra (NULL-terminated; NULL: none),
+ * alone (nworkers 0) or as nworkers data-parallel workers; its log in dir/<out>.log, the
+ * process in w. */
+static void start_client(mprun *w, const char *dir, const char *out, int nworkers,
+                         const char *daemon, const char *const *model, const char *const *extra) {
   char outdir[128], log[160];
   snprintf(outdir, sizeof outdir, "%s/%s", dir, out);
   snprintf(log, sizeof log, "%s/%s.log", dir, out);
   const char *argv[64];
   int n = 0;
-  const char *const args[] = {
-      g_transformer, "--optimizer",  "shampoo",  "--steps",      steps,   "--batch",
-      "8",           "--context",    "32",       "--d-model",    "64",    "--layers",
-      "1",           "--block-size", "32",       "--eval-every", "0",     "--eval-batches",
-      "2",           "--quiet",      "--daemon", daemon,         "--out", outdir};
-  for (size_t i = 0; i < sizeof args / sizeof args[0]; i++) argv[n++] = args[i];
+  for (int i = 0; model[i]; i++) argv[n++] = model[i];
+  const char *const common[] = {"--quiet", "--daemon", daemon, "--out", outdir};
+  for (size_t i = 0; i < sizeof common / sizeof common[0]; i++) argv[n++] = common[i];
   for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
   argv[n] = NULL;
   assert_int_equal(mprun_start(w, g_mpirun, nworkers, argv, log), 0);
 }
 
-/* Waits ms at most for the Transformer w (output dir/out); its exit status, the log's
+/* The Transformer (tiny: one layer, width 64, batch 8, Shampoo) for steps steps: as
+ * start_client. */
+static void start_transformer(mprun *w, const char *dir, const char *out, int nworkers,
+                              const char *daemon, const char *steps, const char *const *extra) {
+  const char *const model[] = {g_transformer, "--optimizer",    "shampoo", "--steps",
+                               steps,         "--batch",        "8",       "--context",
+                               "32",          "--d-model",      "64",      "--layers",
+                               "1",           "--block-size",   "32",      "--eval-every",
+                               "0",           "--eval-batches", "2",       NULL};
+  start_client(w, dir, out, nworkers, daemon, model, extra);
+}
+
+/* Waits ms at most for the client w (output dir/out); its exit status, the log's
  * tail on stderr when not 0 (-1: still running). */
-static int wait_transformer(mprun *w, const char *dir, const char *out, long ms) {
+static int wait_client(mprun *w, const char *dir, const char *out, long ms) {
   int st = mprun_wait(w, ms);
   if (st != 0) {
     char cmd[200];
@@ -610,24 +621,50 @@ static int run_transformer(const char *dir, const char *out, int nworkers, const
   const char *const sync_roots[] = {"--sync-roots", NULL};
   mprun w;
   start_transformer(&w, dir, out, nworkers, daemon, "20", sync ? sync_roots : NULL);
-  return wait_transformer(&w, dir, out, 240000);
+  return wait_client(&w, dir, out, 240000);
 }
 
-/* Asserts that the log's two workers ("final eval loss" lines of a data-parallel run) end
- * with the same model: the same evaluation, to the digit. */
+/* Asserts that the log's two workers (the result lines, "<model> <optimizer>: final ...",
+ * of a data-parallel run) end with the same model: the same evaluation, to the digit. */
 static void assert_same_final_eval(const char *log) {
   char line[256], finals[2][256];
   FILE *f = fopen(log, "r");
   assert_non_null(f);
   int nf = 0;
-  while (fgets(line, sizeof line, f))
-    if (strncmp(line, "transformer shampoo: final eval loss", 36) == 0 && nf < 2) {
-      line[strcspn(line, ",")] = '\0'; /* up to the loss, not the timings */
+  while (fgets(line, sizeof line, f)) {
+    char *median = strstr(line, ", median step");
+    if (strstr(line, ": final ") != NULL && median != NULL && nf < 2) {
+      *median = '\0'; /* the evaluation and the steps, not the timings */
       snprintf(finals[nf++], sizeof finals[0], "%s", line);
     }
+  }
   fclose(f);
   assert_int_equal(nf, 2);
   assert_string_equal(finals[0], finals[1]);
+}
+
+/* The largest relative difference between the per-step training losses of dir1/out1 and
+ * dir2/out2, which must both have steps steps. */
+static double loss_diff(const char *dir1, const char *out1, const char *dir2, const char *out2,
+                        int steps) {
+  double a[64], b[64];
+  char d1[160], d2[160];
+  snprintf(d1, sizeof d1, "%s/%s", dir1, out1);
+  snprintf(d2, sizeof d2, "%s/%s", dir2, out2);
+  assert_int_equal(read_losses(d1, a, 64), steps);
+  assert_int_equal(read_losses(d2, b, 64), steps);
+  double worst = 0;
+  for (int i = 0; i < steps; i++) worst = fmax(worst, fabs(a[i] - b[i]) / fabs(a[i]));
+  return worst;
+}
+
+/* One daemon alone (one) and 2 daemon ranks (two) for data-parallel comparisons; the
+ * addresses the clients take (daemon2 with %r: each worker its rank's), 160 bytes each. */
+static void dp_clusters(cluster *one, cluster *two, char *daemon1, char *daemon2) {
+  cluster_start(one, 0);
+  cluster_start(two, 2);
+  snprintf(daemon1, 160, "unix:%s/s-0.sock", one->dir);
+  snprintf(daemon2, 160, "unix:%s/s-%%r.sock", two->dir);
 }
 
 /* Two data-parallel workers, each on its own rank of two daemon replicas, with roots
@@ -638,24 +675,17 @@ static void assert_same_final_eval(const char *log) {
 static void test_data_parallel(void **state) {
   (void)state;
   cluster one, two;
-  cluster_start(&one, 0);
-  cluster_start(&two, 2);
   char daemon1[160], daemon2[160];
-  snprintf(daemon1, sizeof daemon1, "unix:%s/s-0.sock", one.dir);
-  snprintf(daemon2, sizeof daemon2, "unix:%s/s-%%r.sock", two.dir);
+  dp_clusters(&one, &two, daemon1, daemon2);
   assert_int_equal(run_transformer(one.dir, "w1", 0, daemon1, 1), 0);
   assert_int_equal(run_transformer(two.dir, "w2", 2, daemon2, 1), 0);
-  double a[32], b[32];
-  char d1[128], d2[128], log2[160];
-  snprintf(d1, sizeof d1, "%s/w1", one.dir);
-  snprintf(d2, sizeof d2, "%s/w2", two.dir);
-  int na = read_losses(d1, a, 32), nb = read_losses(d2, b, 32);
-  assert_int_equal(na, 20);
-  assert_int_equal(nb, 20);
-  double worst = 0;
-  for (int i = 0; i < na; i++) worst = fmax(worst, fabs(a[i] - b[i]) / fabs(a[i]));
+  double worst = loss_diff(one.dir, "w1", two.dir, "w2", 20);
   fprintf(stderr, "data-parallel: largest relative loss difference %.3g over 20 steps\n", worst);
   assert_true(worst <= 1e-4);
+  char d1[128], log2[160];
+  double a[32];
+  snprintf(d1, sizeof d1, "%s/w1", one.dir);
+  int na = read_losses(d1, a, 32);
   assert_true(a[na - 1] < a[0]); /* it trained */
   snprintf(log2, sizeof log2, "%s/w2.log", two.dir);
   assert_true(file_has(log2, "data-parallel worker 0 of 2"));
@@ -681,6 +711,56 @@ static void test_data_parallel(void **state) {
   int st = mprun_wait(&w3, 60000);
   assert_true(st > 0);
   assert_true(file_has(log3, "does not divide among 3 data-parallel workers"));
+  cluster_stop(&two);
+  cluster_stop(&one);
+}
+
+/* The data-parallel ResNet: 2 workers on 2 daemon ranks, roots synchronous, train the model
+ * 1 worker trains with 1 daemon, every step's loss within 1e-4 relative (float reduction
+ * order), with SGD, Shampoo and K-FAC. That takes every part: the shares of the batch,
+ * batch norm across the workers (normalising by one half's statistics alone would change
+ * the losses at the first step; accel's unit test checks sync BN itself exactly), averaged
+ * gradients, statistics and K-FAC factors sharded among the workers. K-FAC with inverses
+ * asynchronous keeps the workers' models equal too (the same final evaluation). */
+static void test_data_parallel_resnet(void **state) {
+  (void)state;
+  cluster one, two;
+  char daemon1[160], daemon2[160];
+  dp_clusters(&one, &two, daemon1, daemon2);
+  static const char *const optimizers[] = {"sgd", "shampoo", "kfac"};
+  for (int k = 0; k < 3; k++) {
+    const char *const model[] = {g_resnet, "--optimizer",  optimizers[k], "--steps",
+                                 "6",      "--batch",      "16",          "--width",
+                                 "4",      "--blocks",     "1",           "--chunk",
+                                 "8",      "--eval-every", "0",           "--eval-batches",
+                                 "1",      "--sync-roots", NULL};
+    char o1[32], o2[32], log2[200];
+    snprintf(o1, sizeof o1, "r1-%s", optimizers[k]);
+    snprintf(o2, sizeof o2, "r2-%s", optimizers[k]);
+    mprun w;
+    start_client(&w, one.dir, o1, 0, daemon1, model, NULL);
+    assert_int_equal(wait_client(&w, one.dir, o1, 240000), 0);
+    start_client(&w, two.dir, o2, 2, daemon2, model, NULL);
+    assert_int_equal(wait_client(&w, two.dir, o2, 240000), 0);
+    double worst = loss_diff(one.dir, o1, two.dir, o2, 6);
+    fprintf(stderr, "data-parallel resnet %s: largest relative loss difference %.3g over 6 steps\n",
+            optimizers[k], worst);
+    assert_true(worst <= 1e-4);
+    snprintf(log2, sizeof log2, "%s/%s.log", two.dir, o2);
+    assert_int_equal(file_count(log2, "reductions across workers (batch norm"), 2);
+  }
+  /* K-FAC with inverses asynchronous: the workers agree each step on the daemon versions
+   * they apply, so both end with the same model. */
+  const char *const kfac_async[] = {
+      g_resnet, "--optimizer",  "kfac", "--steps",        "12", "--batch",
+      "16",     "--width",      "4",    "--blocks",       "1",  "--chunk",
+      "8",      "--eval-every", "0",    "--eval-batches", "1",  NULL};
+  mprun w;
+  start_client(&w, two.dir, "r2-async", 2, daemon2, kfac_async, NULL);
+  assert_int_equal(wait_client(&w, two.dir, "r2-async", 240000), 0);
+  char loga[200];
+  snprintf(loga, sizeof loga, "%s/r2-async.log", two.dir);
+  assert_same_final_eval(loga);
   cluster_stop(&two);
   cluster_stop(&one);
 }
@@ -825,7 +905,7 @@ static void test_killed_rank(void **state) {
   pid_t w1 = mprun_rank_pid(&w, 1);
   assert_true(w1 > 0);
   assert_int_equal(kill(w1, SIGTERM), 0);
-  assert_int_equal(wait_transformer(&w, c.dir, "wk", 120000), 0);
+  assert_int_equal(wait_client(&w, c.dir, "wk", 120000), 0);
   fprintf(stderr,
           "killed rank: roots in use at step %ld, rank 1 killed at step %ld, every block "
           "falling back at step %ld, daemons back at step %ld, new roots in use at step %ld, "
@@ -842,14 +922,15 @@ static void test_killed_rank(void **state) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 5) {
-    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER PRECONDCTL\n");
+  if (argc < 6) {
+    fprintf(stderr, "usage: test_replica MPIRUN PRECONDD TRANSFORMER PRECONDCTL RESNET\n");
     return 2;
   }
   g_mpirun = argv[1];
   g_precondd = argv[2];
   g_transformer = argv[3];
   g_precondctl = argv[4];
+  g_resnet = argv[5];
   if (access(g_mpirun, X_OK) != 0) {
     fprintf(stderr, "test_replica: mpirun not found at %s (install openmpi-bin)\n", g_mpirun);
     return 77; /* meson: skipped */
@@ -858,8 +939,8 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks),     cmocka_unit_test(test_three_ranks),
       cmocka_unit_test(test_restart),       cmocka_unit_test(test_end_job_and_ctl),
-      cmocka_unit_test(test_data_parallel), cmocka_unit_test(test_killed_rank),
-      cmocka_unit_test(test_bad_starts),
+      cmocka_unit_test(test_data_parallel), cmocka_unit_test(test_data_parallel_resnet),
+      cmocka_unit_test(test_killed_rank),   cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
