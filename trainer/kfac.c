@@ -253,11 +253,15 @@ int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *p
     s->u_floats = 0;
     if ((rc = pt__dev(s->be, rows, &s->u)) == AC_OK) s->u_floats = rows;
   }
+  /* Data parallelism: a worker's rows are its share of the batch, so it takes their
+   * uniforms (counter-based) and the workers draw what one worker would. */
+  int nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1, w = nw > 1 ? t->opts.shard_rank : 0;
   if (rc == AC_OK)
-    rc = ac_rand_uniform(s->be, t->opts.kfac.sample_seed, s->draws, rows, 0.0f, 1.0f, s->u);
+    rc = ac_rand_uniform(s->be, t->opts.kfac.sample_seed, s->draws + (uint64_t)w * rows, rows, 0.0f,
+                         1.0f, s->u);
   if (rc == AC_OK) rc = ac_sample_rows(s->be, rows, cols, probs, s->u, labels);
   if (rc != AC_OK) return pt__accel(err, rc, "the model Fisher's draws");
-  s->draws += rows;
+  s->draws += (uint64_t)nw * rows;
   s->sampling = 1;
   int brc = backward(ctx);
   s->sampling = 0;

@@ -717,34 +717,53 @@ static void test_data_parallel(void **state) {
 
 /* The data-parallel ResNet: 2 workers on 2 daemon ranks, roots synchronous, train the model
  * 1 worker trains with 1 daemon, every step's loss within 1e-4 relative (float reduction
- * order), with SGD, Shampoo and K-FAC. That takes every part: the shares of the batch,
- * batch norm across the workers (normalising by one half's statistics alone would change
- * the losses at the first step; accel's unit test checks sync BN itself exactly), averaged
- * gradients, statistics and K-FAC factors sharded among the workers. K-FAC with inverses
+ * order), with SGD, Shampoo and K-FAC (empirical and model Fisher). That takes every part:
+ * the shares of the batch, batch norm across the workers (normalising by one half's
+ * statistics alone would change the losses at the first step; accel's unit test checks sync
+ * BN itself exactly), averaged gradients, statistics and K-FAC factors sharded among the
+ * workers, the model Fisher's draws of each worker's rows. K-FAC with inverses
  * asynchronous keeps the workers' models equal too (the same final evaluation). */
 static void test_data_parallel_resnet(void **state) {
   (void)state;
   cluster one, two;
   char daemon1[160], daemon2[160];
   dp_clusters(&one, &two, daemon1, daemon2);
-  static const char *const optimizers[] = {"sgd", "shampoo", "kfac"};
-  for (int k = 0; k < 3; k++) {
-    const char *const model[] = {g_resnet, "--optimizer",  optimizers[k], "--steps",
-                                 "6",      "--batch",      "16",          "--width",
-                                 "4",      "--blocks",     "1",           "--chunk",
-                                 "8",      "--eval-every", "0",           "--eval-batches",
-                                 "1",      "--sync-roots", NULL};
+  /* The optimizer, and the K-FAC Fisher (the model's: labels drawn, each worker its rows'). */
+  static const char *const optimizers[][2] = {
+      {"sgd", "empirical"}, {"shampoo", "empirical"}, {"kfac", "empirical"}, {"kfac", "model"}};
+  for (int k = 0; k < 4; k++) {
+    const char *const model[] = {g_resnet,
+                                 "--optimizer",
+                                 optimizers[k][0],
+                                 "--kfac-fisher",
+                                 optimizers[k][1],
+                                 "--steps",
+                                 "6",
+                                 "--batch",
+                                 "16",
+                                 "--width",
+                                 "4",
+                                 "--blocks",
+                                 "1",
+                                 "--chunk",
+                                 "8",
+                                 "--eval-every",
+                                 "0",
+                                 "--eval-batches",
+                                 "1",
+                                 "--sync-roots",
+                                 NULL};
     char o1[32], o2[32], log2[200];
-    snprintf(o1, sizeof o1, "r1-%s", optimizers[k]);
-    snprintf(o2, sizeof o2, "r2-%s", optimizers[k]);
+    snprintf(o1, sizeof o1, "r1-%s-%s", optimizers[k][0], optimizers[k][1]);
+    snprintf(o2, sizeof o2, "r2-%s-%s", optimizers[k][0], optimizers[k][1]);
     mprun w;
     start_client(&w, one.dir, o1, 0, daemon1, model, NULL);
     assert_int_equal(wait_client(&w, one.dir, o1, 240000), 0);
     start_client(&w, two.dir, o2, 2, daemon2, model, NULL);
     assert_int_equal(wait_client(&w, two.dir, o2, 240000), 0);
     double worst = loss_diff(one.dir, o1, two.dir, o2, 6);
-    fprintf(stderr, "data-parallel resnet %s: largest relative loss difference %.3g over 6 steps\n",
-            optimizers[k], worst);
+    fprintf(stderr, "data-parallel resnet %s (%s Fisher): largest relative loss difference %.3g\n",
+            optimizers[k][0], optimizers[k][1], worst);
     assert_true(worst <= 1e-4);
     snprintf(log2, sizeof log2, "%s/%s.log", two.dir, o2);
     assert_int_equal(file_count(log2, "reductions across workers (batch norm"), 2);
