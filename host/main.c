@@ -592,6 +592,8 @@ int main(int argc, char **argv) {
     return prc == 1 ? 0 : 2;
   }
   pd_log_set_level(d.cfg.log_level);
+  /* Large messages reuse freed memory instead of fresh pages at every call (rpc.h). */
+  if (rpc_keep_freed_memory() != RPC_OK) pd_log(PD_LOG_WARN, "malloc kept its own thresholds");
   void *rep = NULL; /* pd_replica under mpirun */
   pd_replica_link *link = NULL;
   prc = pd__replicas_init(&argc, &argv, &d.cfg, &rep, &link);
