@@ -253,11 +253,57 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
   return AC_OK;
 }
 
-/* Products below this many multiply-adds run on one OpenBLAS thread whatever the backend's
- * thread count: OpenBLAS synchronises its threads on every call, and the small products of
- * a conv (16 x 784 x 144 per image, thousands per step) ran slower on 2 threads than on 1
- * (ResNet-20 step, wall clock, --threads 2: 680 -> 530 ms with this). */
-#define SMALL_GEMM_MACS 4000000.0
+/* Products of a backend with more than one thread run on the backend's own pool, each
+ * thread calling single-threaded OpenBLAS on its share, never on OpenBLAS's threads:
+ * OpenBLAS synchronises its threads on every call and they spin-wait after it, so on a
+ * shared machine the small products of a conv (16 x 6272 x 144 per chunk, hundreds per
+ * step) lost more to the waiting than they gained (ResNet-20 step, --threads 2: 2152 ms CPU
+ * time against 642 on OpenBLAS's threads for the big products only). The pool's threads
+ * block on a condition variable instead. A product is cut into items = (batch index, block
+ * of rows or columns of C): the longer of m and n is cut (the other operand, packed again
+ * by every call, is then the smaller one), into at most GEMM_BLOCKS blocks of at least
+ * GEMM_MIN_CUT, a function of the shape alone; every item is its own OpenBLAS call
+ * whichever thread makes it. OpenBLAS's result for an element depends on the shape of the
+ * call it is in (its kernels and blocking differ at the edges), so only the same calls for
+ * any thread count give the same bits (test_cpu_pool_bitwise). Products under
+ * PAR_GEMM_MACS stay on the caller (cut the same way). */
+#define GEMM_BLOCKS 4
+#define GEMM_MIN_CUT 64
+#define PAR_GEMM_MACS 262144.0
+
+typedef struct gemm_args {
+  CBLAS_TRANSPOSE ta, tb;
+  size_t m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, block, nblocks;
+  int cut_rows; /* blocks of rows of C (of A) rather than columns (of B) */
+  float alpha, beta;
+  const float *a, *b;
+  float *c;
+} gemm_args;
+
+/* The items [lo, hi): C_i[r0:r1, :) from A's rows r0.. (its columns when A is transposed),
+ * or C_i[:, j0:j1) from B's columns j0.. (its rows when B is transposed). */
+static void gemm_slice(void *ctx, size_t lo, size_t hi) {
+  const gemm_args *g = ctx;
+  for (size_t it = lo; it < hi; it++) {
+    size_t i = it / g->nblocks, s0 = it % g->nblocks * g->block;
+    size_t len = g->cut_rows ? g->m : g->n;
+    size_t s1 = s0 + g->block < len ? s0 + g->block : len;
+    const float *a = g->a + i * g->stride_a, *b = g->b + i * g->stride_b;
+    float *c = g->c + i * g->stride_c;
+    size_t m = g->m, n = g->n;
+    if (g->cut_rows) {
+      a += g->ta == CblasTrans ? s0 : s0 * g->lda;
+      c += s0 * g->ldc;
+      m = s1 - s0;
+    } else {
+      b += g->tb == CblasTrans ? s0 * g->ldb : s0;
+      c += s0;
+      n = s1 - s0;
+    }
+    cblas_sgemm(CblasRowMajor, g->ta, g->tb, (int)m, (int)n, (int)g->k, g->alpha, a, (int)g->lda,
+                b, (int)g->ldb, g->beta, c, (int)g->ldc);
+  }
+}
 
 static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_t k,
                              float alpha, const float *a, size_t lda, size_t stride_a,
@@ -265,22 +311,48 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
                              size_t ldc, size_t stride_c, size_t batch) {
   const cpu_impl *impl = be->impl;
   if (!blas_int_ok(m, n, k, 1) || !blas_int_ok(lda, ldb, ldc, 1)) return AC_EINVAL;
-  int one_thread = impl->threads > 1 && (double)m * (double)n * (double)k < SMALL_GEMM_MACS;
-  if (one_thread) openblas_set_num_threads(1);
-  for (size_t i = 0; i < batch; i++) {
-    float *ci = c + i * stride_c;
-    if (k == 0) {
-      /* BLAS would demand lda >= 1 here; the result is just beta C. */
+  if (k == 0) {
+    /* BLAS would demand lda >= 1 here; the result is just beta C. */
+    for (size_t i = 0; i < batch; i++)
       for (size_t r = 0; r < m; r++)
-        for (size_t j = 0; j < n; j++)
-          ci[r * ldc + j] = beta == 0.0f ? 0.0f : beta * ci[r * ldc + j];
-      continue;
-    }
-    cblas_sgemm(CblasRowMajor, ta == AC_TRANS ? CblasTrans : CblasNoTrans,
-                tb == AC_TRANS ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k, alpha,
-                a + i * stride_a, (int)lda, b + i * stride_b, (int)ldb, beta, ci, (int)ldc);
+        for (size_t j = 0; j < n; j++) {
+          float *cij = c + i * stride_c + r * ldc + j;
+          *cij = beta == 0.0f ? 0.0f : beta * *cij;
+        }
+    return AC_OK;
   }
-  if (one_thread) openblas_set_num_threads(impl->threads);
+  gemm_args g = {ta == AC_TRANS ? CblasTrans : CblasNoTrans,
+                 tb == AC_TRANS ? CblasTrans : CblasNoTrans,
+                 m,
+                 n,
+                 k,
+                 lda,
+                 ldb,
+                 ldc,
+                 stride_a,
+                 stride_b,
+                 stride_c,
+                 0,
+                 0,
+                 m > n,
+                 alpha,
+                 beta,
+                 a,
+                 b,
+                 c};
+  size_t len = g.cut_rows ? m : n, block = ((len + GEMM_BLOCKS - 1) / GEMM_BLOCKS + 15) / 16 * 16;
+  g.block = block > GEMM_MIN_CUT ? block : GEMM_MIN_CUT;
+  g.nblocks = (len + g.block - 1) / g.block;
+  double macs = (double)m * (double)n * (double)k * (double)batch;
+  /* OpenBLAS's thread count is process-wide (another backend, or the roots, may have
+   * raised it): single-threaded for these calls whatever it is, restored after. */
+  int blas_threads = openblas_get_num_threads();
+  if (blas_threads != 1) openblas_set_num_threads(1);
+  if (impl->pool.nthreads <= 1 || macs < PAR_GEMM_MACS)
+    gemm_slice(&g, 0, batch * g.nblocks);
+  else
+    par_for(pool_of(be), batch * g.nblocks, macs, gemm_slice, &g);
+  if (blas_threads != 1) openblas_set_num_threads(blas_threads);
   return AC_OK;
 }
 

@@ -141,10 +141,12 @@ static void test_cpu_threads(void **state) {
   ac_backend_destroy(be);
 }
 
-/* The CPU backend's worker pool splits im2col, col2im and batch norm's passes across its
- * threads: on 2 threads every result must be bit-identical to 1 thread (the tests of
- * training check bit-exact reruns, and results must not depend on the machine's cores).
- * Sizes above the pool's threshold, so that the work really is split. */
+/* The CPU backend's worker pool splits im2col, col2im, batch norm's passes and the gemms
+ * (by blocks of columns and batch items) across its threads: on 2 threads every result
+ * must be bit-identical to 1 thread (the tests of training check bit-exact reruns, and
+ * results must not depend on the machine's cores). Sizes above the pool's thresholds, so
+ * that the work really is split; the gemms cut by columns (a count that is not a multiple of
+ * the block, B transposed, a strided batch) and by rows (A transposed). */
 static void test_cpu_pool_bitwise(void **state) {
   (void)state;
   ac_backend_opts opts;
@@ -158,7 +160,8 @@ static void test_cpu_pool_bitwise(void **state) {
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
   float *out[2] = {NULL, NULL};
-  const size_t nout = 2 * ncol + 5 * nx + 4 * c;
+  const size_t ng = 16 * 2400 + 16 * 72 + 6 * 8 * 400 + 2400 * 16;
+  const size_t nout = 2 * ncol + 5 * nx + 4 * c + ng;
   for (int t = 0; t < 2; t++) {
     ac_backend *b = be[t];
     float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *p = dev_up(b, hp, 5 * c);
@@ -174,6 +177,15 @@ static void test_cpu_pool_bitwise(void **state) {
     OK(ac_channel_grad_sums(b, g.n, c, hw, dy, rx + nx, x, p + 2 * c, rx + 2 * nx, st + 2 * c,
                             st + 3 * c));
     OK(ac_channel_combine(b, g.n, c, hw, dy, rx + nx, x, p + 3 * c, p + 4 * c, p, rx + 3 * nx));
+    float *gm = st + 4 * c; /* W (16 x 72) from dy; the batch-column matrix (72 x 2400) */
+    OK(ac_sgemm(b, AC_NO_TRANS, AC_NO_TRANS, 16, 2400, 72, 1.0f, dy, 72, col, 2400, 0.0f, gm,
+                2400));
+    OK(ac_sgemm(b, AC_NO_TRANS, AC_TRANS, 16, 72, 2400, 0.5f, gm, 2400, col, 2400, 0.0f,
+                gm + 16 * 2400, 72));
+    OK(ac_sgemm_batched(b, AC_NO_TRANS, AC_NO_TRANS, 8, 400, 72, 1.0f, dy, 72, 0, r + ncol, 400,
+                        72 * 400, 0.0f, gm + 16 * 2400 + 16 * 72, 400, 8 * 400, 6));
+    OK(ac_sgemm(b, AC_TRANS, AC_TRANS, 2400, 16, 72, 1.0f, col, 2400, dy, 72, 0.0f,
+                gm + 16 * 2400 + 16 * 72 + 6 * 8 * 400, 16)); /* m > n: cut by rows */
     out[t] = dev_down(b, r, nout);
     ac_free(b, x);
     ac_free(b, dy);
