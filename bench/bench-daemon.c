@@ -183,6 +183,11 @@ static void usage(FILE *f) {
           "                      defaults (repeat, up to 8); the daemon's: --daemon-arg\n"
           "                      --grpc-arg --daemon-arg K=V\n"
           "  --json              rows as one JSON array of objects (the CSV header's keys)\n"
+          "  --keep-freed-memory the client keeps freed memory for the next message\n"
+          "                      (rpc_keep_freed_memory, as precondd does; default: glibc's\n"
+          "                      own thresholds, as a worker without it has)\n"
+          "  --hist              each cell's calls by latency on stderr, with how many of\n"
+          "                      them the client spent mostly on the CPU\n"
           "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
           "                      CPU second of this process and the daemon (with --spawn; a\n"
           "                      loaded machine's waits left out; percentiles stay wall)\n"
@@ -368,6 +373,7 @@ typedef struct {
   double until;      /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
+  double *cpu; /* this thread's CPU time per call in ms (--hist) */
   size_t nlat, caplat;
   uint64_t bytes;
   int failed;
@@ -408,7 +414,7 @@ static void *worker_main(void *arg) {
   pthread_barrier_wait(w->start);
   uint64_t step = 1;
   while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
-    double t0 = now_s();
+    double t0 = now_s(), c0 = thread_cpu_s();
     resp = NULL;
     if (w->fetch) {
       if (call_ok(ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
@@ -452,13 +458,16 @@ static void *worker_main(void *arg) {
     if (w->nlat == w->caplat) {
       size_t cap = w->caplat ? 2 * w->caplat : 1024;
       double *nl = realloc(w->lat, cap * sizeof(double));
-      if (nl == NULL) {
+      if (nl != NULL) w->lat = nl;
+      double *nc = nl != NULL ? realloc(w->cpu, cap * sizeof(double)) : NULL;
+      if (nc == NULL) {
         w->failed = 1;
         break;
       }
-      w->lat = nl;
+      w->cpu = nc;
       w->caplat = cap;
     }
+    w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
   }
   rpc_shm_close(&shm);
@@ -550,6 +559,33 @@ static void print_row(const char *bench, const char *transport, size_t n, int cl
   fflush(stdout);
 }
 
+/* --hist: a cell's calls by wall-clock latency (buckets doubling from 0.05 ms) on stderr,
+ * with how many of each bucket the calling thread spent on the CPU for at least half their
+ * time: a slow call that did not run was waiting (for the daemon, a wake-up, or the
+ * neighbours on a shared machine), a slow call that ran was working. */
+static int g_hist;
+
+static void print_hist(const char *name, const char *transport, size_t n, const worker *w, int k) {
+  enum { NB = 12 };
+  size_t calls[NB] = {0}, busy[NB] = {0};
+  double cpu_sum[NB] = {0};
+  for (int i = 0; i < k; i++)
+    for (size_t j = 0; j < w[i].nlat; j++) {
+      int b = 0;
+      for (double edge = 0.05; b < NB - 1 && w[i].lat[j] >= edge; edge *= 2) b++;
+      calls[b]++;
+      busy[b] += w[i].cpu[j] >= 0.5 * w[i].lat[j];
+      cpu_sum[b] += w[i].cpu[j];
+    }
+  fprintf(stderr, "hist %s %s n=%zu: ms_below,calls,mostly_on_cpu,mean_client_cpu_ms\n", name,
+          transport, n);
+  double edge = 0.05;
+  for (int b = 0; b < NB; b++, edge *= 2)
+    if (calls[b] > 0)
+      fprintf(stderr, "  %s%.2f,%zu,%zu,%.3f\n", b == NB - 1 ? ">" : "", b == NB - 1 ? edge / 2 : edge,
+              calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
+}
+
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
                     int fetch, int shm, const char *job, int k, const payload *pl,
@@ -609,18 +645,22 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
       memcpy(all + m, w[i].lat, w[i].nlat * sizeof(double));
       m += w[i].nlat;
     }
-    qsort(all, total, sizeof(double), cmp_double);
-    double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
-                   percentile(all, total, 0.99)};
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
              shm ? "-shm" : "");
+    if (g_hist) print_hist(name, transport, pl->n, w, k);
+    qsort(all, total, sizeof(double), cmp_double);
+    double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
+                   percentile(all, total, 0.99)};
     print_row(name, transport, pl->n, k, total, secs, (double)bytes / secs / 1e6,
               (double)total / secs, p, "memcpy", memcpy_rate, 2 * pl->bytes);
     rc = 0;
   }
   free(all);
-  for (int i = 0; i < k; i++) free(w[i].lat);
+  for (int i = 0; i < k; i++) {
+    free(w[i].lat);
+    free(w[i].cpu);
+  }
   free(w);
   free(th);
   return rc;
@@ -1246,6 +1286,12 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--json") == 0) {
       g_json = 1;
+      continue;
+    } else if (strcmp(a, "--hist") == 0) {
+      g_hist = 1;
+      continue;
+    } else if (strcmp(a, "--keep-freed-memory") == 0) {
+      rpc_keep_freed_memory(); /* this process, the client side (precondd does it itself) */
       continue;
     }
     if (strcmp(a, "--clock") == 0 && v != NULL && strcmp(v, "cpu") == 0) {

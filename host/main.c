@@ -56,7 +56,8 @@ static void pd__usage(FILE *f) {
       "                           last snapshot: at most one interval; clients are told (the\n"
       "                           daemon epoch and the step it resumed from, in every answer)\n"
       "  --threads N              root worker threads (default: online cores); OpenBLAS gets\n"
-      "                           cores/N threads each so the two never oversubscribe; 0: no\n"
+      "                           cores/N threads for a block of order 512 and up, 1 below,\n"
+      "                           so the two never oversubscribe; 0: no\n"
       "                           pool (statistics are stored, no root is computed: for\n"
       "                           transport benchmarks, bench-daemon --wire)\n"
       "  --io-threads N           gRPC completion-queue pollers (default 4)\n"
@@ -591,6 +592,8 @@ int main(int argc, char **argv) {
     return prc == 1 ? 0 : 2;
   }
   pd_log_set_level(d.cfg.log_level);
+  /* Large messages reuse freed memory instead of fresh pages at every call (rpc.h). */
+  if (rpc_keep_freed_memory() != RPC_OK) pd_log(PD_LOG_WARN, "malloc kept its own thresholds");
   void *rep = NULL; /* pd_replica under mpirun */
   pd_replica_link *link = NULL;
   prc = pd__replicas_init(&argc, &argv, &d.cfg, &rep, &link);

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -188,6 +189,14 @@ int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, si
   /* For a compressed buffer this is the compressed size: checked again after readall. */
   if (grpc_byte_buffer_length(buf) > limit) return RPC_ETOOBIG;
 
+  /* One uncompressed slice (most small messages): parsed where it is, not flattened into
+   * a copy first. */
+  if (buf->type == GRPC_BB_RAW && buf->data.raw.compression == GRPC_COMPRESS_NONE &&
+      buf->data.raw.slice_buffer.count == 1) {
+    grpc_slice one = buf->data.raw.slice_buffer.slices[0];
+    *out = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(one), GRPC_SLICE_START_PTR(one));
+    return *out ? RPC_OK : RPC_EPARSE;
+  }
   grpc_byte_buffer_reader reader;
   if (!grpc_byte_buffer_reader_init(&reader, buf)) return RPC_EPARSE;
   grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
@@ -424,4 +433,17 @@ int rpc_call(grpc_channel *channel, const char *method, const ProtobufCMessage *
              ProtobufCMessage **resp, grpc_status_code *status, char **details) {
   return rpc_call_token(channel, method, req, resp_desc, deadline_ms, wait_for_ready, NULL, resp,
                         status, details);
+}
+
+int rpc_keep_freed_memory(void) {
+#if defined(__GLIBC__)
+  /* Blocks up to 32 MiB (glibc's largest threshold) from the heap rather than each its own
+   * fresh mapping, and up to one default message of free memory kept at the heap's top
+   * instead of handed back at every free. */
+  int ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
+           mallopt(M_TRIM_THRESHOLD, (int)RPC_DEFAULT_MAX_MESSAGE_BYTES) == 1;
+  return ok ? RPC_OK : RPC_EINVAL;
+#else
+  return RPC_OK;
+#endif
 }

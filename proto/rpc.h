@@ -128,6 +128,15 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
 int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                ProtobufCMessage **out);
 
+/* Makes glibc's malloc keep freed memory for the next large message instead of returning
+ * it at once: a 4 MB message otherwise takes fresh pages (a page fault per 4 KiB, cleared
+ * by the kernel) for gRPC's receive slices, the flattened copy and protobuf-c's bytes, at
+ * every call; measured 3-10x the CPU of a 4 MB call over TCP (docs/precondd.md, "Wire").
+ * Process-wide: precondd calls it at start; bench-daemon with --keep-freed-memory; a
+ * worker may. Up to 256 MiB of free memory stays mapped. RPC_OK (also where it is not
+ * glibc), RPC_EINVAL if glibc refused. */
+int rpc_keep_freed_memory(void);
+
 /* Opens an insecure channel to target: "host:port" (e.g. "127.0.0.1:50551") or
  * "unix:/path/to.sock", with send and receive limits of max_message_bytes (0: the default).
  * Takes a reference on the gRPC library (grpc_init). Returns NULL on a NULL or empty target.

@@ -3,7 +3,8 @@
  * cold paths as the statistics move, counted per factor root; their roots stay close to the
  * cold ones; the held eigenbases are counted in the daemon's memory and given back; with
  * warm starts off every root is cold and nothing is held; eigh publishes the root of a
- * low-rank statistic (computed in double). */
+ * low-rank statistic (computed in double); fold_fits admits what cannot overflow, refuses
+ * what can. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,12 +199,39 @@ static void test_eigh_low_rank(void **state) {
   free(x);
 }
 
+/* fold_fits: a float pass admits values below 2^126 (a sum of two stays below 2^127);
+ * larger ones go to the exact check, which admits what stays below the limit and refuses
+ * the rest, for a mix (beta2 < 1) and a sum (beta2 = 1). */
+static void test_fold_fits(void **state) {
+  fixture *f = *state;
+  const pd_block *b = &f->job->blocks[0];
+  size_t len = pc_packed_len(N);
+  float *s = malloc(len * sizeof *s), *x = malloc(len * sizeof *x);
+  assert_non_null(s);
+  assert_non_null(x);
+  const float *st[2] = {s, s}, *in[2] = {x, x};
+  pd_shampoo_opts o = {.beta2 = 1.0f};
+  for (size_t i = 0; i < len; i++) s[i] = x[i] = -8.0e37f; /* below 2^126 (8.5e37) */
+  assert_true(pd_mode_shampoo.fold_fits(&o, b, st, in));
+  x[len - 1] = 2.0e38f; /* above it: the exact check, the sum 1.2e38 finite */
+  assert_true(pd_mode_shampoo.fold_fits(&o, b, st, in));
+  s[len - 1] = 2.0e38f; /* the sum 4e38 is not */
+  assert_false(pd_mode_shampoo.fold_fits(&o, b, st, in));
+  o.beta2 = 0.5f; /* a mix of 2e38 and 2e38 is */
+  assert_true(pd_mode_shampoo.fold_fits(&o, b, st, in));
+  s[len - 1] = x[len - 1] = FLT_MAX; /* the mix is FLT_MAX: past the margin */
+  assert_false(pd_mode_shampoo.fold_fits(&o, b, st, in));
+  free(s);
+  free(x);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_warm_paths, setup, teardown),
       cmocka_unit_test_setup_teardown(test_warm_off, setup, teardown),
       cmocka_unit_test_setup_teardown(test_eigh_low_rank, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_fold_fits, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
