@@ -284,20 +284,23 @@ int ac_batchnorm_params(ac_batchnorm *l, ac_param_list *list) {
 
 /* Sync BN (ac_bn_sync): the share's mean (l->mean) and biased variance (l->s2) become the
  * global batch's. With equal shares the batch's mean is the mean of the shares' means, and
- * its mean square the mean of theirs: the workers average [mean, var + mean^2] per channel,
- * then var = mean square - mean^2. In coef (3c floats, unused by forward). */
+ * its variance the mean over the shares of var_w + (mean_w - mean)^2: two calls, the means
+ * first. (One call averaging the mean squares, var = E[x^2] - mean^2, would cancel in float
+ * where a channel's mean is large against its spread.) In coef (3c floats, unused by
+ * forward). */
 static int ac__batchnorm_sync_moments(ac_batchnorm *l) {
   int rc;
   ac_backend *be = l->be;
   size_t c = l->c;
-  float *v = l->coef, *sq = l->coef + 2 * c;
-  AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->mean, l->mean, sq));
-  AC__TRY(ac_axpby(be, c, 1.0f, l->s2, 1.0f, sq, v + c));
-  AC__TRY(ac_memcpy_d2d(be, v, l->mean, c * sizeof(float)));
-  AC__TRY(l->sync.fn(l->sync.ctx, v, 2 * c));
-  AC__TRY(ac_memcpy_d2d(be, l->mean, v, c * sizeof(float)));
-  AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->mean, l->mean, sq));
-  AC__TRY(ac_binary(be, AC_BIN_SUB, c, v + c, sq, l->s2));
+  float *mu = l->coef, *m2 = l->coef + c, *d = l->coef + 2 * c;
+  AC__TRY(ac_memcpy_d2d(be, mu, l->mean, c * sizeof(float)));
+  AC__TRY(l->sync.fn(l->sync.ctx, mu, c));
+  AC__TRY(ac_binary(be, AC_BIN_SUB, c, l->mean, mu, d));
+  AC__TRY(ac_binary(be, AC_BIN_MUL, c, d, d, d));
+  AC__TRY(ac_axpby(be, c, 1.0f, l->s2, 1.0f, d, m2));
+  AC__TRY(l->sync.fn(l->sync.ctx, m2, c));
+  AC__TRY(ac_memcpy_d2d(be, l->mean, mu, c * sizeof(float)));
+  AC__TRY(ac_memcpy_d2d(be, l->s2, m2, c * sizeof(float)));
   return AC_OK;
 fail:
   return rc;

@@ -582,8 +582,8 @@ static void print_hist(const char *name, const char *transport, size_t n, const 
   double edge = 0.05;
   for (int b = 0; b < NB; b++, edge *= 2)
     if (calls[b] > 0)
-      fprintf(stderr, "  %s%.2f,%zu,%zu,%.3f\n", b == NB - 1 ? ">" : "", b == NB - 1 ? edge / 2 : edge,
-              calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
+      fprintf(stderr, "  %s%.2f,%zu,%zu,%.3f\n", b == NB - 1 ? ">" : "",
+              b == NB - 1 ? edge / 2 : edge, calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
 }
 
 /* One push or fetch cell: k clients for o->seconds. */

@@ -821,6 +821,7 @@ int precond_connect(const precond_options *opts, precond_client **out) {
   progress_ok = pthread_cond_init(&c->progress, &ca) == 0;
   pthread_condattr_destroy(&ca);
   if (!mu_ok || !wake_ok || !progress_ok) goto fail;
+  if (opts->keep_freed_memory) rpc_keep_freed_memory(); /* glibc's refusal: its defaults */
   grpc_init();
   grpc_ok = 1;
   c->channel = channel_create(&c->opts);

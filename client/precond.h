@@ -136,6 +136,12 @@ typedef struct {
   size_t shm_bytes;                /* shared-memory region asked for (its two halves: pushes,
                                   roots); 0 (default): the daemon's (64 MiB). A matrix
                                   larger than a half travels as bytes */
+  int keep_freed_memory;           /* 1: at precond_connect, make this process's malloc keep
+                                  freed memory for the next large message (glibc: up to
+                                  256 MiB kept, blocks up to 32 MiB from the heap; whole
+                                  process, for good). Over TCP a 4 MB answer otherwise
+                                  takes fresh pages every call: 3-10x its CPU time
+                                  (docs/precondd.md, "Wire"). Default 0 */
 } precond_options;
 
 /* Fills the defaults above. */

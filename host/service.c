@@ -444,16 +444,15 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
       }
       if (!req->shm) {
         pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
-                 "blocks[%zu].%s.shm: the request names no region (shm)", i,
-                 pd__shm_part_names[k]);
+                 "blocks[%zu].%s.shm: the request names no region (shm)", i, pd__shm_part_names[k]);
         return -1;
       }
       any++;
       uint64_t len = part[k]->shm->length;
       /* Sums past the half go to malloc'd copies (pd_shm_in_begin): no overflow here. */
-      total += len > ((uint64_t)1 << 40) ? ((size_t)1 << 40)
-                                         : (size_t)(len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN *
-                                               RPC_SHM_ALIGN;
+      total += len > ((uint64_t)1 << 40)
+                   ? ((size_t)1 << 40)
+                   : (size_t)(len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
     }
   }
   if (any == 0) return 0;

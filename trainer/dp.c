@@ -6,7 +6,7 @@
  * Gradients go through host buckets of at most PT__BUCKET floats: one MPI_Allreduce per
  * bucket instead of one per parameter (a Transformer has dozens of small ones: latency, not
  * bandwidth, dominates them), and the device copies are one per parameter either way. The
- * reduction runs after the backward pass: accel has no per-layer hook to overlap it with.
+ * reduction runs after the backward pass (not overlapped: docs/replicas.md, benchmarks).
  * Batch norm across workers (sync BN) is accel's, with pt_dp_reduce's averaging as its
  * reduction, so accel itself needs no MPI.
  * MPI's default error handler (MPI_ERRORS_ARE_FATAL) is kept: a worker cannot go on alone

@@ -211,8 +211,12 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       break;
     case AC_HOOK_CONV: {
       /* A from the first a_images images (the chunk's columns are image-major, so a prefix
-       * of them is a prefix of its images); G from all. */
-      size_t na = o->a_images > 0 && o->a_images < v->batch ? o->a_images : v->batch;
+       * of them is a prefix of its images); G from all. Data-parallel: a_images of the
+       * global batch, each worker its 1/W of them from its share (the A work falls as 1/W;
+       * other images than one worker's first ones when the share holds more). */
+      int nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
+      size_t ai = (o->a_images + (size_t)nw - 1) / (size_t)nw;
+      size_t na = ai > 0 && ai < v->batch ? ai : v->batch;
       size_t use = v->first >= na ? 0 : na - v->first < v->nimg ? na - v->first : v->nimg;
       rc = pt__ws(s, ac_kfac_conv_cols_workspace_floats(v->in, v->cols, bias));
       if (rc == AC_OK && use > 0)
