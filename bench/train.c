@@ -736,6 +736,8 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->cpu_ms, 5);
   fputc(',', f);
   tr__csv_num(f, r->kl_scale, 5);
+  fputc(',', f);
+  tr__csv_num(f, r->opt_cpu_ms, 5);
   return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
@@ -1363,8 +1365,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     if (rc == TR_OK && opts->clip > 0)
       rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
                      "gradient clipping");
+    double c1 = tr__cpu_now();
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
+    double dco = tr__cpu_now() - c1;
     int stop = tr__stop_asked != 0;
     if (rc == TR_OK && pt_dp_any(dp, &stop) != PT_OK)
       rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
@@ -1382,8 +1386,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,          NAN,
-                  lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale};
+    tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,           NAN,
+                  lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale, dco * 1e3};
     int eval_now = rc == TR_OK && (step == total || stop ||
                                    (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet)

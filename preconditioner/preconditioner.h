@@ -406,7 +406,7 @@ typedef struct {
   double damping;          /* lambda (Tikhonov); 1e-3; > 0 */
   int pi_damping;          /* 1: split lambda between A and G by pi (pc_kfac_damping_split);
                                0: pi = 1. Default 1 */
-  double kl_clip;          /* c of the KL clip (pc_kfac_kl_scale); 1e-3; > 0 */
+  double kl_clip;          /* c of the KL clip (pc_kfac_kl_scale); 3e-4; > 0 */
   int kl_base_lr;          /* 1: the clip's lr is the run's base (peak) rate, so it bounds the
                                unscheduled step and the schedule (warm-up, decay) scales the
                                clipped step; 0: the step's own rate (KAISA), under which a

@@ -335,7 +335,8 @@ static void pt__kfac_list(const pt_trainer *t) {
 static int pt__kfac_register(pt_trainer *t, pt_error *err) {
   pt__kfac *s = t->state;
   if (s->hook_rc != AC_OK) return pt__accel(err, s->hook_rc, "K-FAC hook");
-  qsort(s->layers, s->nlayers, sizeof *s->layers, pt__cmp_layer);
+  if (s->nlayers > 1) /* qsort with NULL (no layer seen) is undefined */
+    qsort(s->layers, s->nlayers, sizeof *s->layers, pt__cmp_layer);
   size_t nk = 0;
   for (size_t i = 0; i < s->nlayers; i++) nk += s->layers[i].kind == PT__KFAC_LAYER;
   if (nk == 0)

@@ -362,16 +362,16 @@ static void test_csv_json(void **state) {
   snprintf(path, sizeof path, "%s/rows.csv", tmpdir);
   FILE *f = fopen(path, "w");
   assert_int_equal(tr_csv_header(f), TR_OK);
-  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1, 11.5, NAN};
-  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0, NAN, 0.25};
+  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1, 11.5, NAN, 0.75};
+  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0, NAN, 0.25, NAN};
   assert_int_equal(tr_csv_row(f, &r1), TR_OK);
   assert_int_equal(tr_csv_row(f, &r2), TR_OK);
   fclose(f);
   char *csv = read_file(path);
   assert_string_equal(csv, TR_CSV_HEADER
                       "\n"
-                      "1,0.5,12.25,2.5,,,0.001,,1,11.5,\n"
-                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0,,0.25\n");
+                      "1,0.5,12.25,2.5,,,0.001,,1,11.5,,0.75\n"
+                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0,,0.25,\n");
   free(csv);
 
   snprintf(path, sizeof path, "%s/s.json", tmpdir);

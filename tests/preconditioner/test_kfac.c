@@ -80,7 +80,7 @@ static void test_opts(void **state) {
   (void)state;
   pc_kfac_opts o;
   pc_kfac_opts_default(&o);
-  assert_true(o.factor_decay == 0.95 && o.damping == 1e-3 && o.kl_clip == 1e-3);
+  assert_true(o.factor_decay == 0.95 && o.damping == 1e-3 && o.kl_clip == 3e-4);
   assert_true(o.inv_every == 10 && o.factor_every_first == 1 && o.factor_every == 10);
   assert_int_equal(o.first_epochs, 1);
   assert_int_equal(o.kl_base_lr, 1);
