@@ -187,7 +187,7 @@ typedef struct {
                              exponent 2, so P_b = L_b^(-1/2) M_b or M_b R_b^(-1/2)).
                              Default 0 */
   pc_method root_method; /* the daemon's, as beta2 and epsilon: how it computes the roots
-                             (PC_METHOD_NEWTON or PC_METHOD_EIGH). Default NEWTON */
+                             (PC_METHOD_NEWTON or PC_METHOD_EIGH). Default EIGH */
   int root_exponent;     /* the daemon's: p of the roots A^(-1/p) applied on both sides,
                              in [1, 64]; 4 is Shampoo's L^(-1/4) G R^(-1/4), 2 the square
                              root on each side. one_sided always takes p = 2. Default 2 */
