@@ -267,8 +267,8 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
  * call it is in (its kernels and blocking differ at the edges), so only the same calls for
  * any thread count give the same bits (test_cpu_pool_bitwise). Products under
  * PAR_GEMM_MACS stay on the caller (cut the same way). */
-#define GEMM_BLOCKS 4
-#define GEMM_MIN_CUT 64
+#define GEMM_BLOCKS   4
+#define GEMM_MIN_CUT  64
 #define PAR_GEMM_MACS 262144.0
 
 typedef struct gemm_args {
@@ -300,8 +300,8 @@ static void gemm_slice(void *ctx, size_t lo, size_t hi) {
       c += s0;
       n = s1 - s0;
     }
-    cblas_sgemm(CblasRowMajor, g->ta, g->tb, (int)m, (int)n, (int)g->k, g->alpha, a, (int)g->lda,
-                b, (int)g->ldb, g->beta, c, (int)g->ldc);
+    cblas_sgemm(CblasRowMajor, g->ta, g->tb, (int)m, (int)n, (int)g->k, g->alpha, a, (int)g->lda, b,
+                (int)g->ldb, g->beta, c, (int)g->ldc);
   }
 }
 

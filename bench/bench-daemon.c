@@ -1096,10 +1096,10 @@ static int start_ranks(const bench_opts *o, const char *dir, int R, mprun *m) {
   char sock[160], port[160];
   snprintf(sock, sizeof sock, "unix:%s/r-%%r.sock", dir);
   snprintf(port, sizeof port, "%s/p-%%r", dir);
-  const char *const argv[] = {o->spawn,  "--listen",          sock, "--port-file",
-                              port,      "--threads",         "1",  "--drift-threshold",
-                              "0",       "--log-level",       "warn", "--grace-period",
-                              "1",       NULL};
+  const char *const argv[] = {o->spawn, "--listen",    sock,   "--port-file",
+                              port,     "--threads",   "1",    "--drift-threshold",
+                              "0",      "--log-level", "warn", "--grace-period",
+                              "1",      NULL};
   if (mprun_start(m, o->mpirun, R, argv, NULL) != 0) return -1;
   if (mprun_wait_files(m, port, 60000) == 0) return 0;
   fprintf(stderr, "bench-daemon: %d ranks did not all listen\n", R);

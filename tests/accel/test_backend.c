@@ -1173,13 +1173,17 @@ static void test_gather_scatter(void **state) {
 static void test_im2col_geometries(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom geoms[] = {
-      geom(2, 2, 7, 9, 3, 3, 1, 2, 1, 1),  geom(1, 3, 6, 8, 1, 1, 2, 2, 0, 0),
-      geom(1, 2, 5, 11, 3, 5, 3, 3, 2, 4), geom(2, 1, 3, 1, 3, 3, 1, 1, 2, 2),
+      geom(2, 2, 7, 9, 3, 3, 1, 2, 1, 1),
+      geom(1, 3, 6, 8, 1, 1, 2, 2, 0, 0),
+      geom(1, 2, 5, 11, 3, 5, 3, 3, 2, 4),
+      geom(2, 1, 3, 1, 3, 3, 1, 1, 2, 2),
       geom(1, 2, 4, 4, 3, 3, 1, 1, 0, 0),
       /* stride 1 with ow == w: the CPU backend's one-copy-per-tap path (ragged rows that
        * wrap, whole rows of padding, a tap with no valid column) */
-      geom(2, 2, 5, 6, 3, 3, 1, 1, 1, 1),  geom(1, 2, 4, 7, 5, 3, 1, 1, 1, 1),
-      geom(1, 1, 2, 5, 5, 1, 1, 1, 4, 0),  geom(1, 2, 3, 1, 3, 3, 1, 1, 1, 1),
+      geom(2, 2, 5, 6, 3, 3, 1, 1, 1, 1),
+      geom(1, 2, 4, 7, 5, 3, 1, 1, 1, 1),
+      geom(1, 1, 2, 5, 5, 1, 1, 1, 4, 0),
+      geom(1, 2, 3, 1, 3, 3, 1, 1, 1, 1),
   };
   for (size_t gi = 0; gi < sizeof geoms / sizeof geoms[0]; gi++) {
     const ac_conv2d_geom *g = &geoms[gi];

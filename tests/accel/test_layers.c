@@ -1324,11 +1324,11 @@ static void test_param_names(void **state) {
       cmocka_unit_test(test_relu), cmocka_unit_test(test_gelu), cmocka_unit_test(test_residual),  \
       cmocka_unit_test(test_dropout), cmocka_unit_test(test_attention),                           \
       cmocka_unit_test(test_attention_causal), cmocka_unit_test(test_celoss),                     \
-      cmocka_unit_test(test_conv), cmocka_unit_test(test_conv_stride1), cmocka_unit_test(test_batchnorm_train),                        \
-      cmocka_unit_test(test_batchnorm_eval), cmocka_unit_test(test_batchnorm_fused),              \
-      cmocka_unit_test(test_batchnorm_sync), cmocka_unit_test(test_maxpool),                      \
-      cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), cmocka_unit_test(test_invalid), \
-      cmocka_unit_test(test_param_names)
+      cmocka_unit_test(test_conv), cmocka_unit_test(test_conv_stride1),                           \
+      cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),              \
+      cmocka_unit_test(test_batchnorm_fused), cmocka_unit_test(test_batchnorm_sync),              \
+      cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
+      cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)
 
 int main(void) {
   const struct CMUnitTest cpu[] = {LAYER_TESTS};
