@@ -214,6 +214,32 @@ int pt__unit_worker(const pt_trainer *t, size_t b) {
   return replicas == nw ? (int)t->layout.blocks[b].owner : (int)(b % (size_t)nw);
 }
 
+int pt__refresh_agreed(pt_trainer *t, size_t n, const pt__agreed_units *u, pt_error *err) {
+  const precond_roots **held = calloc(n ? n : 1, sizeof *held);
+  uint64_t *v = calloc(n ? n : 1, sizeof *v);
+  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
+  for (size_t i = 0; rc == PT_OK && i < n; i++) {
+    uint32_t id;
+    uint64_t version, daemon_version;
+    if (u->unit(t, i, &id, &version, &daemon_version))
+      rc = pt__daemon(t, err, precond_fetch(t->client, id, version, &held[i]), "precond_fetch");
+    v[i] = held[i] != NULL ? held[i]->daemon_version : daemon_version;
+  }
+  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, n) != PT_OK)
+    rc =
+        pt__fail(err, PT_EINVAL,
+                 "data parallelism: the workers' %s versions could not be compared (MPI)", u->what);
+  for (size_t i = 0; i < n && held != NULL; i++) {
+    if (rc == PT_OK && held[i] != NULL && held[i]->daemon_version == v[i])
+      rc = u->apply(t, i, held[i], err); /* releases it */
+    else
+      precond_roots_release(held[i]);
+  }
+  free(held);
+  free(v);
+  return rc;
+}
+
 int pt_dp_mean_to(pt_dp *dp, float *h, size_t n, int root) {
   if (dp == NULL || n == 0) return PT_OK;
 #ifdef PT_HAVE_MPI

@@ -478,36 +478,23 @@ static int pt__kfac_refresh(pt_trainer *t, pt__kfac_layer *l, pt_error *err) {
   return rc == PT_OK ? pt__kfac_apply(t, l, r, err) : rc;
 }
 
-/* Data-parallel workers without sync_roots: each layer takes the daemon version of its
- * inverses that every worker holds (pt_dp_agree), else keeps what it has, as Shampoo's
- * blocks do (trainer/shampoo.c): the references taken before the agreement are the ones
- * applied, so every worker preconditions with the same inverses. */
+/* Data-parallel workers without sync_roots: the layers' inverses by pt__refresh_agreed. */
+static int pt__kfac_unit(pt_trainer *t, size_t i, uint32_t *block_id, uint64_t *version,
+                         uint64_t *daemon_version) {
+  const pt__kfac_layer *l = &((pt__kfac *)t->state)->layers[i];
+  *block_id = l->block_id;
+  *version = l->version;
+  *daemon_version = l->daemon_version;
+  return l->kind == PT__KFAC_LAYER && l->block_id != UINT32_MAX;
+}
+
+static int pt__kfac_apply_unit(pt_trainer *t, size_t i, const precond_roots *r, pt_error *err) {
+  return pt__kfac_apply(t, &((pt__kfac *)t->state)->layers[i], r, err);
+}
+
 static int pt__kfac_refresh_agreed(pt_trainer *t, pt_error *err) {
-  pt__kfac *s = t->state;
-  size_t n = s->nlayers;
-  const precond_roots **held = calloc(n ? n : 1, sizeof *held);
-  uint64_t *v = calloc(n ? n : 1, sizeof *v);
-  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
-  for (size_t i = 0; rc == PT_OK && i < n; i++) {
-    pt__kfac_layer *l = &s->layers[i];
-    if (l->kind == PT__KFAC_LAYER && l->block_id != UINT32_MAX)
-      rc = pt__daemon(t, err, precond_fetch(t->client, l->block_id, l->version, &held[i]),
-                      "precond_fetch");
-    v[i] = held[i] != NULL ? held[i]->daemon_version : l->daemon_version;
-  }
-  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, n) != PT_OK)
-    rc = pt__fail(err, PT_EINVAL,
-                  "data parallelism: the workers' inverse versions could not "
-                  "be compared (MPI)");
-  for (size_t i = 0; i < n && held != NULL; i++) {
-    if (rc == PT_OK && held[i] != NULL && held[i]->daemon_version == v[i])
-      rc = pt__kfac_apply(t, &s->layers[i], held[i], err); /* releases it */
-    else
-      precond_roots_release(held[i]);
-  }
-  free(held);
-  free(v);
-  return rc;
+  static const pt__agreed_units units = {pt__kfac_unit, pt__kfac_apply_unit, "inverse"};
+  return pt__refresh_agreed(t, ((pt__kfac *)t->state)->nlayers, &units, err);
 }
 
 /* sync_roots: waits until layer l holds inverses computed from the factors of step. */

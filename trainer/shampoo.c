@@ -141,35 +141,19 @@ static int pt__shampoo_refresh(pt_trainer *t, size_t b, pt_error *err) {
   return rc == PT_OK ? pt__shampoo_apply(t, b, r, err) : rc;
 }
 
-/* Data-parallel workers without sync_roots: each block takes the daemon version every worker
- * holds (libprecond's newest here, agreed with pt_dp_agree), else keeps what it has; the
- * references taken before the agreement are the ones applied, so a version arriving
- * meanwhile cannot make one worker apply another root. */
+/* Data-parallel workers without sync_roots: the blocks' roots by pt__refresh_agreed. */
+static int pt__shampoo_unit(pt_trainer *t, size_t b, uint32_t *block_id, uint64_t *version,
+                            uint64_t *daemon_version) {
+  const pt__shampoo *s = t->state;
+  *block_id = s->block_id[b];
+  *version = s->version[b];
+  *daemon_version = s->daemon_version[b];
+  return 1;
+}
+
 static int pt__shampoo_refresh_agreed(pt_trainer *t, pt_error *err) {
-  pt__shampoo *s = t->state;
-  size_t nb = s->nblocks;
-  const precond_roots **held = calloc(nb ? nb : 1, sizeof *held);
-  uint64_t *v = calloc(nb ? nb : 1, sizeof *v);
-  int rc = held != NULL && v != NULL ? PT_OK : PT_ENOMEM;
-  for (size_t b = 0; rc == PT_OK && b < nb; b++) {
-    rc = pt__daemon(t, err, precond_fetch(t->client, s->block_id[b], s->version[b], &held[b]),
-                    "precond_fetch");
-    v[b] = held[b] != NULL ? held[b]->daemon_version : s->daemon_version[b];
-  }
-  if (rc == PT_OK && pt_dp_agree(t->opts.dp, v, nb) != PT_OK)
-    rc = pt__fail(err, PT_EINVAL,
-                  "data parallelism: the workers' root versions could not "
-                  "be compared (MPI)");
-  for (size_t b = 0; b < nb && held != NULL; b++) {
-    const precond_roots *r = held[b];
-    if (rc == PT_OK && r != NULL && r->daemon_version == v[b])
-      rc = pt__shampoo_apply(t, b, r, err); /* releases r */
-    else
-      precond_roots_release(r);
-  }
-  free(held);
-  free(v);
-  return rc;
+  static const pt__agreed_units units = {pt__shampoo_unit, pt__shampoo_apply, "root"};
+  return pt__refresh_agreed(t, ((pt__shampoo *)t->state)->nblocks, &units, err);
 }
 
 /* sync_roots: waits until block b holds roots computed from the statistics of step. */

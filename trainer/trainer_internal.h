@@ -61,4 +61,21 @@ double pt__cpu_now(void);
  * owns it (nothing is forwarded); else every shard_size-th unit. 0 with one worker. */
 int pt__unit_worker(const pt_trainer *t, size_t b);
 
+/* A mode's units whose results data-parallel workers agree on (pt__refresh_agreed). */
+typedef struct {
+  /* Unit i's daemon block id, the libprecond version it holds and that version's daemon
+   * version; returns 0 for a unit with no results to fetch. */
+  int (*unit)(pt_trainer *t, size_t i, uint32_t *block_id, uint64_t *version,
+              uint64_t *daemon_version);
+  /* Hands unit i the results r (owned: apply releases them). */
+  int (*apply)(pt_trainer *t, size_t i, const precond_roots *r, pt_error *err);
+  const char *what; /* "root", "inverse": for the error message */
+} pt__agreed_units;
+
+/* Data-parallel workers without sync_roots (dp.c): each of the n units takes the daemon version
+ * of its results that every worker holds (libprecond's newest here, agreed with pt_dp_agree),
+ * else keeps what it has. The references taken before the agreement are the ones applied, so a
+ * version arriving meanwhile cannot make one worker apply other results than the rest. */
+int pt__refresh_agreed(pt_trainer *t, size_t n, const pt__agreed_units *u, pt_error *err);
+
 #endif /* PRECOND_TRAINER_INTERNAL_H */
