@@ -305,6 +305,15 @@ static void wait_roots_everywhere(const cluster *c, const char *job, size_t nb, 
   }
 }
 
+/* cluster_with_job on 2 ranks, statistics of step 1 pushed to rank 0, and every rank holding
+ * every root of them; the layout. */
+static Precond__V1__RegisterResponse *cluster_with_roots(cluster *c, const char *job) {
+  Precond__V1__RegisterResponse *lay = cluster_with_job(c, 2, NULL, job);
+  push_all(c->ch[0], job, lay, 1);
+  wait_roots_everywhere(c, job, lay->n_blocks, 1);
+  return lay;
+}
+
 /* max |a - b| / max |b| over n packed values. */
 static double rel_diff(size_t n, const uint8_t *a, const uint8_t *b) {
   double md = 0, mb = 0;
@@ -476,10 +485,7 @@ static void test_rank_count_change(void **state) {
   (void)state;
   const char *job = "resize";
   cluster c;
-  Precond__V1__RegisterResponse *lay = cluster_with_job(&c, 2, NULL, job);
-  size_t nb = lay->n_blocks;
-  push_all(c.ch[0], job, lay, 1);
-  wait_roots_everywhere(&c, job, nb, 1);
+  Precond__V1__RegisterResponse *lay = cluster_with_roots(&c, job);
   cluster_halt(&c); /* each rank writes its snapshot */
   spawn(&c, 3, c.extra);
   int st = mprun_wait(&c.run, 60000);
@@ -494,7 +500,7 @@ static void test_rank_count_change(void **state) {
   assert_true(st > 0);
   assert_true(log_has(&c, "written by rank 0 of 2 daemon replicas, and this is rank 0 of 1"));
   cluster_run(&c);
-  wait_roots_everywhere(&c, job, nb, 1);
+  wait_roots_everywhere(&c, job, lay->n_blocks, 1);
   protobuf_c_message_free_unpacked(&lay->base, NULL);
   cluster_stop(&c);
 }
@@ -506,11 +512,9 @@ static void test_end_job_and_ctl(void **state) {
   (void)state;
   const char *job = "ending";
   cluster c;
-  Precond__V1__RegisterResponse *lay = cluster_with_job(&c, 2, NULL, job);
+  Precond__V1__RegisterResponse *lay = cluster_with_roots(&c, job);
   size_t nb = lay->n_blocks;
   char msg[512];
-  push_all(c.ch[0], job, lay, 1);
-  wait_roots_everywhere(&c, job, nb, 1);
 
   double load[2] = {0, 0}, ones = 0;
   for (size_t i = 0; i < nb; i++) {
