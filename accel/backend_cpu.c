@@ -1300,22 +1300,6 @@ static size_t c3_chan_len(const c3_geom *g, size_t nb) {
   return (c3_nvec(g, nb) * 8 + 2 * g->wq + 2 + 7) / 8 * 8;
 }
 
-/* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
- * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
- * zeros elsewhere in [0, len). */
-static void c3_pack(const c3_geom *g, size_t nb, const float *src, size_t sstride, size_t off,
-                    float *dst, size_t len) {
-  size_t pos = 0;
-  for (size_t b = 0; b < nb; b++)
-    for (size_t y = 0; y < g->h; y++) {
-      size_t start = b * g->is + y * g->wq + off;
-      memset(dst + pos, 0, (start - pos) * sizeof *dst);
-      memcpy(dst + start, src + b * sstride + y * g->w, g->w * sizeof *dst);
-      pos = start + g->w;
-    }
-  memset(dst + pos, 0, (len - pos) * sizeof *dst);
-}
-
 /* wp[ob][ch][t][i] = W[4 ob + i][ch][t]: the 4 output channels of a block side by side, so
  * that a tap's 4 weights are consecutive broadcasts. */
 static void c3_pack_weights(size_t c, size_t oc, const float *w, float *wp) {
@@ -1329,6 +1313,29 @@ static void c3_pack_weights(size_t c, size_t oc, const float *w, float *wp) {
 #include <immintrin.h>
 #define C3_HAVE_KERNELS 1
 #define C3_TARGET       __attribute__((target("avx2,fma")))
+
+/* dst[0, n) = src[0, n): rows of 7-64 floats, where a memcpy call per row cost more than
+ * the copy (it was most of the packing's time); the tail through a mask. */
+C3_TARGET static void c3_copy(float *dst, const float *src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
+  if (i < n) {
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), idx);
+    _mm256_maskstore_ps(dst + i, mask, _mm256_maskload_ps(src + i, mask));
+  }
+}
+
+/* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
+ * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
+ * zeros elsewhere in [0, len). */
+C3_TARGET static void c3_pack(const c3_geom *g, size_t nb, const float *src, size_t sstride,
+                              size_t off, float *dst, size_t len) {
+  memset(dst, 0, len * sizeof *dst);
+  for (size_t b = 0; b < nb; b++)
+    for (size_t y = 0; y < g->h; y++)
+      c3_copy(dst + b * g->is + y * g->wq + off, src + b * sstride + y * g->w, g->w);
+}
 
 /* out[i][0, 8 nv) = sum over ch, t of wp[ch][t][i] xq[ch][j + off_t], i < 4: output
  * channels 4 at a time against 3 vectors of positions (12 accumulators), then 1. */
@@ -1490,8 +1497,8 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
         c3_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
         for (size_t i = 0; i < 4; i++)
           for (size_t y = 0; y < g->h; y++)
-            memcpy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
-                   g->w * sizeof(float));
+            c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
+                    g->w);
       }
     }
   }
