@@ -141,6 +141,16 @@ static void test_cpu_threads(void **state) {
   ac_backend_destroy(be);
 }
 
+/* be[0] on 1 thread and be[1] on 2, for the bit-for-bit comparisons. */
+static void cpu_pair(ac_backend *be[2]) {
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  for (int t = 0; t < 2; t++) {
+    opts.threads = t + 1;
+    OK(ac_backend_create(&be[t], &opts));
+  }
+}
+
 /* The CPU backend's worker pool splits im2col, col2im, batch norm's passes and the gemms
  * (by blocks of columns and batch items) across its threads: on 2 threads every result
  * must be bit-identical to 1 thread (the tests of training check bit-exact reruns, and
@@ -149,13 +159,8 @@ static void test_cpu_threads(void **state) {
  * the block, B transposed, a strided batch) and by rows (A transposed). */
 static void test_cpu_pool_bitwise(void **state) {
   (void)state;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
   ac_backend *be[2] = {NULL, NULL};
-  opts.threads = 1;
-  OK(ac_backend_create(&be[0], &opts));
-  opts.threads = 2;
-  OK(ac_backend_create(&be[1], &opts));
+  cpu_pair(be);
   const ac_conv2d_geom g = geom(6, 8, 20, 20, 3, 3, 1, 1, 1, 1);
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
@@ -1238,13 +1243,8 @@ static void test_im2col_geometries(void **state) {
  * images, the weight gradient by blocks of weights, over several chunks of images. */
 static void test_cpu_conv3x3_bitwise(void **state) {
   (void)state;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
   ac_backend *be[2] = {NULL, NULL};
-  opts.threads = 1;
-  OK(ac_backend_create(&be[0], &opts));
-  opts.threads = 2;
-  OK(ac_backend_create(&be[1], &opts));
+  cpu_pair(be);
   if (!ac_conv3x3_supported(be[0], 16, 16)) {
     print_message("conv3x3: no direct kernels on this CPU\n");
     ac_backend_destroy(be[0]);
