@@ -905,9 +905,10 @@ static long csv_last(const char *dir) {
  *
  * STALE is large because roots reach a worker some steps after the statistics they come
  * from (libprecond polls every 20 ms, both workers must hold a version before either uses
- * it, and a step takes 2-5 ms): with 15 (until session 6) a new root was often already too
- * old when both workers held it, and the test waited for a lucky step, which a loaded
- * machine could push past its 120 s (seen once). 100 steps leave 200-500 ms for the trip. */
+ * it, and a step takes 2-5 ms): with 15 (until session 6) a new root could already be too
+ * old when both workers held it, and the test waited for a step where it was not, which a
+ * loaded machine can push past its 120 s (the likely cause of one failure). 100 steps
+ * leave 200-500 ms for the trip. */
 enum { STALE = 100 };
 static void test_killed_rank(void **state) {
   (void)state;
