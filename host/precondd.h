@@ -867,7 +867,8 @@ void pd_shm_roots_describe(pd_shm *r, const char **path, size_t *bytes);
 /* Publishes part k of root (encoding enc: 0 fp32, 1 bf16; its len bytes at src) in the
  * roots area, unless it is there already: ref gets the offset, length, CRC-32C and
  * sequence number a fetch answers. PD_ELIMIT when there is no area or len does not fit it
- * (send the bytes another way). */
+ * (send the bytes another way), or with src NULL when it is not there already (encode it
+ * and call again). */
 int pd_shm_root_ref(pd_shm *r, pd_root *root, uint32_t k, int enc, const void *src, size_t len,
                     uint64_t *offset, uint64_t *length, uint32_t *crc, uint64_t *seq);
 /* 1 when a matrix of len bytes can go to the roots area (pd_shm_root_ref will not refuse

@@ -790,22 +790,30 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
       wire[1] = &br->g_inv;
     }
     for (uint32_t k = 0; k < r->nparts; k++) {
-      size_t m = PD_MAX_PARTS * nout + k;
-      if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
+      size_t m = PD_MAX_PARTS * nout + k, len = pc_packed_len(r->order[k]) * width;
+      uint64_t off = 0, got = 0, seq = 0;
+      uint32_t crc = 0;
+      int enc = req->encoding == PRECOND__V1__ENCODING__ENCODING_BF16;
+      /* A root published already needs no encoding (for bf16 a pass over it). */
+      int cached = to_shm[k] == 2 &&
+                   pd_shm_root_ref(&d->shm, r, k, enc, NULL, len, &off, &got, &crc, &seq) == PD_OK;
+      if (cached) {
+        precond__v1__packed_matrix__init(&mats[m]);
+        mats[m].n = (uint32_t)r->order[k];
+        mats[m].encoding = req->encoding;
+        mats[m].data.len = len;
+      } else if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
         nout++;
         pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
         goto cleanup;
       }
-      uint64_t off = 0, len = 0, seq = 0;
-      uint32_t crc = 0;
-      int enc = req->encoding == PRECOND__V1__ENCODING__ENCODING_BF16;
-      if ((to_shm[k] == 2 && pd_shm_root_ref(&d->shm, r, k, enc, mats[m].data.data,
-                                             mats[m].data.len, &off, &len, &crc, &seq) == PD_OK) ||
-          (to_shm[k] == 1 &&
-           pd_shm_write_out(shm, mats[m].data.data, mats[m].data.len, &off, &crc) == PD_OK)) {
+      if (cached ||
+          (to_shm[k] == 2 && pd_shm_root_ref(&d->shm, r, k, enc, mats[m].data.data, len, &off, &got,
+                                             &crc, &seq) == PD_OK) ||
+          (to_shm[k] == 1 && pd_shm_write_out(shm, mats[m].data.data, len, &off, &crc) == PD_OK)) {
         precond__v1__shm_ref__init(&refs[m]);
         refs[m].offset = off;
-        refs[m].length = mats[m].data.len;
+        refs[m].length = len;
         refs[m].crc32c = crc;
         refs[m].seq = seq;
         mats[m].shm = &refs[m];

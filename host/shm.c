@@ -156,7 +156,12 @@ int pd_shm_root_ref(pd_shm *r, pd_root *root, uint32_t k, int enc, const void *s
   }
   uint64_t n = root->shm_seq[enc][k];
   rpc_shm_entry *e = n ? pd__shm_entry(r, n) : NULL;
-  if (!e || __atomic_load_n(&e->seq, __ATOMIC_RELAXED) != n) {
+  int there = e && __atomic_load_n(&e->seq, __ATOMIC_RELAXED) == n;
+  if (!there && !src) {
+    pthread_mutex_unlock(&r->roots_lock);
+    return PD_ELIMIT;
+  }
+  if (!there) {
     /* Not there, or overwritten since: publish it as publication n. */
     n = ++r->roots_seq;
     uint64_t before = r->roots_pos, off = 0;

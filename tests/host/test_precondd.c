@@ -1558,6 +1558,24 @@ static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint
   return shm_push_as(d, g, job, step, n, left, right, off_l, off_r, corrupt, secret_bad, 0, msg);
 }
 
+/* Step 1 of left and right (n x n) pushed to job "viashm" through the region (unchecked:
+ * references without a checksum) and to "viabytes" as bytes; once both have roots, the
+ * bytes job's answer (the caller frees it). */
+static Precond__V1__FetchResponse *push_both_ways(daemon_t *d, region_t *g, uint32_t n,
+                                                  const float *left, const float *right,
+                                                  int unchecked) {
+  char msg[512];
+  size_t len = pc_packed_len(n) * 4;
+  assert_int_equal(
+      shm_push_as(d, g, "viashm", 1, n, left, right, 0, len + 100, 0, 0, unchecked, msg),
+      GRPC_STATUS_OK);
+  blockstat bs = {0, n, n, left, right, 0};
+  assert_int_equal(do_push(d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *fb = wait_step_roots(d, "viabytes", 1, 1);
+  protobuf_c_message_free_unpacked(&wait_step_roots(d, "viashm", 1, 1)->base, NULL);
+  return fb;
+}
+
 static uint32_t shm_regions(daemon_t *d) {
   Precond__V1__StatsResponse *s = get_stats(d, NULL);
   uint32_t n = s->shm_regions;
@@ -1623,12 +1641,7 @@ static void test_shm(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
 
   /* Stored: the same roots as the same bytes over gRPC, bit for bit. */
-  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, len + 100, 0, 0, msg),
-                   GRPC_STATUS_OK);
-  blockstat bs = {0, n, n, sl, sr, 0};
-  assert_int_equal(do_push(&d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
-  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 1);
-  protobuf_c_message_free_unpacked(&wait_step_roots(&d, "viashm", 1, 1)->base, NULL);
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 0);
   Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
   sess.id = g.r->id;
   sess.secret = g.r->secret;
@@ -1741,12 +1754,7 @@ static void test_shm_roots_area(void **state) {
                    GRPC_STATUS_INVALID_ARGUMENT);
   assert_int_equal(do_push(&d, "viabytes", 1, &bn, 1, NULL, msg2), GRPC_STATUS_INVALID_ARGUMENT);
   assert_string_equal(msg, msg2); /* blocks[0].right.data: NaN or Inf ... */
-  assert_int_equal(shm_push_as(&d, &g, "viashm", 1, n, sl, sr, 0, len + 100, 0, 0, 1, msg),
-                   GRPC_STATUS_OK);
-  blockstat bs = {0, n, n, sl, sr, 0};
-  assert_int_equal(do_push(&d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
-  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 1);
-  protobuf_c_message_free_unpacked(&wait_step_roots(&d, "viashm", 1, 1)->base, NULL);
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
 
   Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
   sess.id = g.r->id;
@@ -1756,9 +1764,10 @@ static void test_shm_roots_area(void **state) {
   fr.shm = &sess;
   fr.roots_area = 1;
   uint64_t seq[2][2] = {{0}};
-  for (int round = 0; round < 3; round++) {
+  for (int round = 0; round < 4; round++) { /* fp32 twice, bf16 twice */
+    int bf16 = round >= 2;
     fr.encoding =
-        round == 2 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32;
+        bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32;
     Precond__V1__FetchResponse *fs = NULL;
     assert_int_equal(
         call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
@@ -1773,14 +1782,14 @@ static void test_shm_roots_area(void **state) {
       const Precond__V1__ShmRef *ref = side[k]->shm;
       assert_non_null(ref);
       assert_int_equal(side[k]->data.len, 0);
-      assert_int_equal(ref->length, round == 2 ? len / 2 : len);
+      assert_int_equal(ref->length, bf16 ? len / 2 : len);
       assert_true(ref->seq != 0);
       assert_true(rpc_shm_entry_holds(area, g.r->roots_bytes, ref));
       assert_int_equal(rpc_crc32c(0, area + ref->offset, ref->length), ref->crc32c);
-      if (round < 2) assert_memory_equal(area + ref->offset, bside[k]->data.data, len);
-      if (round == 1) assert_int_equal(ref->seq, seq[0][k]); /* published once */
+      if (!bf16) assert_memory_equal(area + ref->offset, bside[k]->data.data, len);
+      if (round % 2) assert_int_equal(ref->seq, seq[bf16][k]); /* published once */
       if (round == 2) assert_true(ref->seq != seq[0][0] && ref->seq != seq[0][1]);
-      seq[round == 2][k] = ref->seq;
+      seq[bf16][k] = ref->seq;
     }
     protobuf_c_message_free_unpacked(&fs->base, NULL);
   }
