@@ -1576,6 +1576,27 @@ static Precond__V1__FetchResponse *push_both_ways(daemon_t *d, region_t *g, uint
   return fb;
 }
 
+/* Job "viashm"'s roots fetched naming the region g (roots_area: the client has the roots
+ * area mapped) in encoding enc: one block's answer (the caller frees it). */
+static Precond__V1__FetchResponse *shm_fetch(daemon_t *d, region_t *g, int roots_area, int enc) {
+  char msg[512];
+  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
+  sess.id = g->r->id;
+  sess.secret = g->r->secret;
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  fr.job = (char *)"viashm";
+  fr.shm = &sess;
+  fr.roots_area = roots_area != 0;
+  fr.encoding = (Precond__V1__Encoding)enc;
+  Precond__V1__FetchResponse *fs = NULL;
+  assert_int_equal(
+      call(d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
+           (ProtobufCMessage **)&fs, msg, sizeof msg),
+      GRPC_STATUS_OK);
+  assert_int_equal(fs->n_preconditioners, 1);
+  return fs;
+}
+
 static uint32_t shm_regions(daemon_t *d) {
   Precond__V1__StatsResponse *s = get_stats(d, NULL);
   uint32_t n = s->shm_regions;
@@ -1642,18 +1663,7 @@ static void test_shm(void **state) {
 
   /* Stored: the same roots as the same bytes over gRPC, bit for bit. */
   Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 0);
-  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
-  sess.id = g.r->id;
-  sess.secret = g.r->secret;
-  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
-  fr.job = (char *)"viashm";
-  fr.shm = &sess;
-  Precond__V1__FetchResponse *fs = NULL;
-  assert_int_equal(
-      call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
-           (ProtobufCMessage **)&fs, msg, sizeof msg),
-      GRPC_STATUS_OK);
-  assert_int_equal(fs->n_preconditioners, 1);
+  Precond__V1__FetchResponse *fs = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
   const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
                                               fs->preconditioners[0]->right};
   const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
@@ -1756,24 +1766,12 @@ static void test_shm_roots_area(void **state) {
   assert_string_equal(msg, msg2); /* blocks[0].right.data: NaN or Inf ... */
   Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
 
-  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
-  sess.id = g.r->id;
-  sess.secret = g.r->secret;
-  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
-  fr.job = (char *)"viashm";
-  fr.shm = &sess;
-  fr.roots_area = 1;
   uint64_t seq[2][2] = {{0}};
   for (int round = 0; round < 4; round++) { /* fp32 twice, bf16 twice */
     int bf16 = round >= 2;
-    fr.encoding =
-        bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32;
-    Precond__V1__FetchResponse *fs = NULL;
-    assert_int_equal(
-        call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
-             &precond__v1__fetch_response__descriptor, (ProtobufCMessage **)&fs, msg, sizeof msg),
-        GRPC_STATUS_OK);
-    assert_int_equal(fs->n_preconditioners, 1);
+    Precond__V1__FetchResponse *fs = shm_fetch(
+        &d, &g, 1,
+        bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32);
     const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
                                                 fs->preconditioners[0]->right};
     const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
@@ -1794,13 +1792,7 @@ static void test_shm_roots_area(void **state) {
     protobuf_c_message_free_unpacked(&fs->base, NULL);
   }
   /* Without roots_area (a client that could not map it): the region's half, as before. */
-  fr.roots_area = 0;
-  fr.encoding = PRECOND__V1__ENCODING__ENCODING_FP32;
-  Precond__V1__FetchResponse *fh = NULL;
-  assert_int_equal(
-      call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
-           (ProtobufCMessage **)&fh, msg, sizeof msg),
-      GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *fh = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
   assert_int_equal(fh->preconditioners[0]->left->shm->seq, 0);
   assert_true(fh->preconditioners[0]->left->shm->offset >= g.r->bytes / 2);
   protobuf_c_message_free_unpacked(&fh->base, NULL);
