@@ -236,6 +236,9 @@ int tr_schedule(const tr_options *o, long total, ac_lr_schedule *sched) {
 static const char *const tr__schedules[] = {"constant", "cosine", "step", NULL};
 static const char *const tr__root_methods[] = {"newton", "eigh", NULL}; /* root_method */
 static const char *const tr__fishers[] = {"empirical", "model", NULL};  /* kfac_fisher */
+/* kfac_inverse (the wire's KfacInverse numbering) and kfac_form (pt_kfac_form's). */
+static const char *const tr__inverses[] = {"auto", "cholesky", "eigh", "newton", NULL};
+static const char *const tr__forms[] = {"daemon", "worker-inverse", "worker-eigen", NULL};
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum {
@@ -260,7 +263,7 @@ typedef struct {
   const char *const *choices; /* K_CHOICE */
 } tr__spec;
 
-#define TR__NCOMMON 56
+#define TR__NCOMMON 64 /* at least the count of tr__common_specs' entries */
 
 /* The harness's options, pointing into o. */
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
@@ -354,6 +357,23 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
                       "K-FAC: empirical (factors from the batch's backward) or model (from one "
                       "more backward on labels drawn from the model's predictive distribution)",
                       tr__fishers};
+  s[n++] = (tr__spec){"kfac-inverse",
+                      K_CHOICE,
+                      &o->kfac_inverse,
+                      0,
+                      0,
+                      "K-FAC: the daemon's inverse method, auto (by size: Cholesky at every "
+                      "size measured), cholesky, eigh or newton",
+                      tr__inverses};
+  s[n++] = (tr__spec){"kfac-form",
+                      K_CHOICE,
+                      &o->kfac_form,
+                      0,
+                      0,
+                      "K-FAC: daemon (precondd's damped inverses), worker-inverse (the same "
+                      "computed on the worker) or worker-eigen (KAISA's eigen form, on the "
+                      "worker; one worker only): docs/kfac.md",
+                      tr__forms};
   SPEC("daemon", K_STRING, o->daemon, 0, sizeof o->daemon,
        "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
   SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
@@ -928,8 +948,12 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   ko->push_bf16 = opts->kfac_bf16;
   ko->a_images = (size_t)opts->kfac_a_images;
   ko->model_fisher = opts->kfac_fisher;
+  ko->inverse = opts->kfac_inverse;
+  ko->form = (pt_kfac_form)opts->kfac_form;
   ko->sample_seed = opts->seed;
-  ko->quiet = opts->quiet;
+  /* Each parameter's treatment is listed at start even with --quiet (no progress line):
+   * nothing falls back silently (issue 10). Once: by the first worker only. */
+  ko->quiet = opts->dp_rank > 0;
   pt_error perr = {""};
   return tr__trainer(err, pt_create(&o->trainer, &po, o->params, o->nparams, &perr), &perr);
 }

@@ -39,6 +39,12 @@ typedef struct {
   int worker;   /* data parallelism: the worker that pushes its factors (pt__unit_worker) */
   uint64_t daemon_version; /* of the inverses held (the daemon's numbering: the same on every
                               worker, pt_dp_agree compares it) */
+  /* The worker forms (pt_kfac_opts.form): the running averages of A and G on the host,
+   * packed, as precondd keeps them; folds so far; the eigenvalues on the device (the eigen
+   * form: a_inv and g_inv then hold Q_A and Q_G). */
+  float *ha, *hg;
+  uint64_t hfolds;
+  float *va, *vg;
 } pt__kfac_layer;
 
 typedef struct {
@@ -55,6 +61,8 @@ typedef struct {
   size_t stage_floats;
   float *host; /* host buffer for downloads of packed factors */
   size_t host_floats;
+  float *hx; /* the worker forms: host scratch (a dense factor's result, packed copies) */
+  size_t hx_floats;
   float *dev1; /* one device float for the KL clip */
   float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
   size_t u_floats;
@@ -280,10 +288,14 @@ int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *p
 static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   const pt_kfac_opts *o = &t->opts.kfac;
   if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 || !(o->loss_scale >= 0.0f) ||
-      !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr))
+      !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr) ||
+      o->inverse < 0 || o->inverse > PC_KFAC_INV_NEWTON + 1 || o->form < PT_KFAC_FORM_DAEMON ||
+      o->form > PT_KFAC_FORM_WORKER_EIGEN ||
+      (o->form != PT_KFAC_FORM_DAEMON && t->opts.shard_size > 1))
     return pt__fail(err, PT_EINVAL,
                     "K-FAC options: pc_kfac_opts_check refused them, or "
-                    "steps_per_epoch < 1, or a bad loss_scale or base_lr");
+                    "steps_per_epoch < 1, or a bad loss_scale, base_lr, inverse or form (the "
+                    "worker forms are for one worker)");
   pt__kfac *s = calloc(1, sizeof *s);
   if (s == NULL) return PT_ENOMEM;
   t->state = s;
@@ -310,7 +322,7 @@ static void pt__kfac_list(const pt_trainer *t) {
     const char *how =
         "SGD (no curvature hook: embedding, layer norm or a layer K-FAC does "
         "not model; its plain gradient)";
-    char buf[160];
+    char buf[200];
     for (size_t k = 0; k < s->nlayers; k++) {
       const pt__kfac_layer *l = &s->layers[k];
       if (l->weight != p && l->bias != p) continue;
@@ -319,9 +331,12 @@ static void pt__kfac_list(const pt_trainer *t) {
       } else if (l->block_id == UINT32_MAX) {
         how = "SGD (a factor above the daemon's max_order)";
       } else {
-        snprintf(buf, sizeof buf, "K-FAC %s, A %zu x %zu, G %zu x %zu%s",
+        static const char *const form[] = {"precondd's damped inverses",
+                                           "damped inverses on the worker",
+                                           "eigen form on the worker"};
+        snprintf(buf, sizeof buf, "K-FAC %s, A %zu x %zu, G %zu x %zu, %s%s",
                  l->hook_kind == AC_HOOK_CONV ? "conv" : "dense", l->na, l->na, l->ng, l->ng,
-                 l->bias == p ? " (the bias: A's last row)" : "");
+                 form[t->opts.kfac.form], l->bias == p ? " (the bias: A's last row)" : "");
         how = buf;
       }
     }
@@ -362,7 +377,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
   precond_kfac_opts po = {.factor_decay = ko->factor_decay,
                           .damping = ko->damping,
                           .inv_every = (uint32_t)ko->inv_every,
-                          .no_pi_damping = !ko->pi_damping};
+                          .no_pi_damping = !ko->pi_damping,
+                          .inverse = (precond_kfac_inverse)t->opts.kfac.inverse};
   int prc = precond_register_kfac(t->client, t->job, t->opts.worker, nk, ts, &po, &t->layout);
   if (prc != PRECOND_OK) {
     rc = pt__daemon(t, err, prc, "precondd refused to register the K-FAC job");
@@ -401,6 +417,22 @@ done:
 
 /* ---- a step ----------------------------------------------------------------------- */
 
+/* The worker forms: folds the batch factors in s->host (A, then G) into layer l's host
+ * running averages with precondd's rule (pc_kfac_fold_f32, the first as is), so that they
+ * are the daemon's to the bit. */
+static int pt__kfac_fold_local(pt__kfac *s, pt__kfac_layer *l, double decay) {
+  size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+  if (l->ha == NULL) {
+    l->ha = malloc(la * sizeof *l->ha);
+    l->hg = malloc(lg * sizeof *l->hg);
+    if (l->ha == NULL || l->hg == NULL) return AC_ENOMEM;
+  }
+  pc_kfac_fold_f32(la, l->ha, s->host, decay, l->hfolds == 0);
+  pc_kfac_fold_f32(lg, l->hg, s->host + la, decay, l->hfolds == 0);
+  l->hfolds++;
+  return AC_OK;
+}
+
 /* Pushes the factors the hook computed at step. Data-parallel: the factors of the batch
  * are the mean of the shares' (equal shares; A and G are means over rows), reduced to the
  * one worker that pushes the layer (pt__unit_worker), so the daemon sees one push per layer
@@ -423,6 +455,9 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     if (rc == PT_OK && dp && pt_dp_mean_to(t->opts.dp, s->host, la + lg, l->worker) != PT_OK)
       rc = pt__fail(err, PT_EINVAL, "K-FAC: reducing the factors of %s failed", l->weight->name);
     s->comm_s += pt__cpu_now() - t1;
+    if (rc == PT_OK && t->opts.kfac.form != PT_KFAC_FORM_DAEMON)
+      rc = pt__accel(err, pt__kfac_fold_local(s, l, t->opts.kfac.k.factor_decay),
+                     "K-FAC running averages on the worker");
     if (rc == PT_OK && mine)
       rc = pt__daemon(t, err,
                       precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
@@ -435,38 +470,107 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   return PT_OK;
 }
 
+/* The device's dense a_inv and g_inv of layer l (allocated at the first call). */
+static int pt__kfac_alloc_inv(pt__kfac *s, pt__kfac_layer *l) {
+  int arc = AC_OK;
+  if (l->a_inv == NULL) {
+    arc = pt__dev(s->be, l->na * l->na, &l->a_inv);
+    if (arc == AC_OK) arc = pt__dev(s->be, l->ng * l->ng, &l->g_inv);
+  }
+  return arc;
+}
+
+/* The packed inverses a and g (host) of layer l onto the device, unpacked. */
+static int pt__kfac_upload(pt__kfac *s, pt__kfac_layer *l, const float *a, const float *g) {
+  size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
+  int arc = pt__kfac_alloc_inv(s, l);
+  if (arc == AC_OK && la + lg > s->stage_floats) {
+    ac_free(s->be, s->stage);
+    s->stage = NULL;
+    s->stage_floats = 0;
+    arc = pt__dev(s->be, la + lg, &s->stage);
+    if (arc == AC_OK) s->stage_floats = la + lg;
+  }
+  if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage, a, la * sizeof(float));
+  if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage + la, g, lg * sizeof(float));
+  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->na, s->stage, l->a_inv, l->na);
+  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->ng, s->stage + la, l->g_inv, l->ng);
+  if (arc == AC_OK) s->applied++;
+  return arc;
+}
+
 /* Takes the inverses r (libprecond's, released here; NULL: nothing) of layer l onto the
  * device. */
 static int pt__kfac_apply(pt_trainer *t, pt__kfac_layer *l, const precond_roots *r, pt_error *err) {
   pt__kfac *s = t->state;
   if (r == NULL) return PT_OK;
   int arc = AC_OK;
-  if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
+  if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL)
     s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
-  } else {
-    size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
-    if (l->a_inv == NULL) {
-      arc = pt__dev(s->be, l->na * l->na, &l->a_inv);
-      if (arc == AC_OK) arc = pt__dev(s->be, l->ng * l->ng, &l->g_inv);
-    }
-    if (arc == AC_OK && la + lg > s->stage_floats) {
-      ac_free(s->be, s->stage);
-      s->stage = NULL;
-      s->stage_floats = 0;
-      arc = pt__dev(s->be, la + lg, &s->stage);
-      if (arc == AC_OK) s->stage_floats = la + lg;
-    }
-    if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage, r->a_inv, la * sizeof(float));
-    if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage + la, r->g_inv, lg * sizeof(float));
-    if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->na, s->stage, l->a_inv, l->na);
-    if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->ng, s->stage + la, l->g_inv, l->ng);
-    if (arc == AC_OK) s->applied++;
-  }
+  else
+    arc = pt__kfac_upload(s, l, r->a_inv, r->g_inv);
   l->version = r->version; /* a refused version is not offered again */
   l->source_step = r->source_step;
   l->daemon_version = r->daemon_version;
   precond_roots_release(r);
   return pt__accel(err, arc, "K-FAC inverses to the device");
+}
+
+/* The worker forms: layer l's preconditioner from its host running averages, as precondd
+ * computes it (pc_kfac_damping_split, pc_kfac_inverse_f32 by the same method rule, packed
+ * and unpacked as on the wire), or the eigen form (pc_kfac_eigen_f32 of A and G: Q onto
+ * a_inv and g_inv, the eigenvalues onto va and vg). A failed computation keeps what is held,
+ * counted as rejected (the daemon's rule). */
+static int pt__kfac_local(pt_trainer *t, pt__kfac_layer *l, long step, pt_error *err) {
+  pt__kfac *s = t->state;
+  const pt_kfac_opts *o = &t->opts.kfac;
+  size_t na = l->na, ng = l->ng, la = ac_packed_len(na), lg = ac_packed_len(ng);
+  size_t need = na * na + ng * ng + la + lg + na + ng;
+  if (need > s->hx_floats) {
+    float *h = realloc(s->hx, need * sizeof *h);
+    if (h == NULL) return pt__accel(err, AC_ENOMEM, "K-FAC worker form scratch");
+    s->hx = h;
+    s->hx_floats = need;
+  }
+  float *x = s->hx, *xg = x + na * na, *pa = xg + ng * ng, *pg = pa + la, *v = pg + lg;
+  int prc = PC_OK, arc = AC_OK;
+  if (o->form == PT_KFAC_FORM_WORKER_EIGEN) {
+    /* Both factors decomposed before anything is uploaded: a failure keeps the held pair. */
+    prc = pc_kfac_eigen_f32(na, l->ha, x, v);
+    if (prc >= 0) prc = pc_kfac_eigen_f32(ng, l->hg, xg, v + na);
+    if (prc >= 0) arc = pt__kfac_alloc_inv(s, l);
+    if (prc >= 0 && arc == AC_OK && l->va == NULL && (arc = pt__dev(s->be, na, &l->va)) == AC_OK)
+      arc = pt__dev(s->be, ng, &l->vg);
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->a_inv, x, na * na * sizeof(float));
+    if (prc >= 0 && arc == AC_OK)
+      arc = ac_memcpy_h2d(s->be, l->g_inv, xg, ng * ng * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->va, v, na * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->vg, v + na, ng * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) s->applied++;
+  } else {
+    pc_kfac_damping dmp;
+    prc = pc_kfac_damping_split(na, pc_kfac_trace_f32(na, l->ha), ng, pc_kfac_trace_f32(ng, l->hg),
+                                o->k.damping, o->k.pi_damping, &dmp);
+    const size_t n[2] = {na, ng};
+    const float *f[2] = {l->ha, l->hg};
+    float *packed[2] = {pa, pg};
+    const double damp[2] = {dmp.damp_a, dmp.damp_g};
+    for (int k = 0; k < 2 && prc >= 0; k++) {
+      pc_kfac_inv method = o->inverse ? (pc_kfac_inv)(o->inverse - 1)
+                                      : pc_kfac_inv_for_size(&o->k, n[k]);
+      pc_kfac_inv_info ii;
+      prc = pc_kfac_inverse_f32(n[k], f[k], damp[k], method, x, &ii);
+      if (prc >= 0) pc_pack_f32(n[k], x, packed[k]);
+    }
+    /* The daemon publishes a result with a warning (prc > 0) and keeps the old on an error. */
+    if (prc >= 0) arc = pt__kfac_upload(s, l, pa, pg);
+  }
+  if (prc < 0) s->rejected++;
+  if (prc >= 0 && arc == AC_OK) {
+    l->version++;
+    l->source_step = (uint64_t)step;
+  }
+  return pt__accel(err, arc, "K-FAC worker form");
 }
 
 /* Takes layer l's newest inverses from libprecond onto the device, if newer than held. */
@@ -539,10 +643,18 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
             ac_kfac_bn_precondition(s->be, l->in, gb, l->rg, (float)ko->damping, l->p + nw, s->ws);
     } else {
       if (l->a_inv == NULL) continue;
-      arc = pt__ws(s, ac_kfac_precondition_workspace_floats(l->out, l->in, gb != NULL));
-      if (arc == AC_OK)
-        arc = ac_kfac_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->a_inv, l->p,
-                                   gb ? l->p + nw : NULL, s->ws);
+      if (t->opts.kfac.form == PT_KFAC_FORM_WORKER_EIGEN) { /* a_inv, g_inv hold Q_A, Q_G */
+        arc = pt__ws(s, ac_kfac_eigen_precondition_workspace_floats(l->out, l->in, gb != NULL));
+        if (arc == AC_OK)
+          arc = ac_kfac_eigen_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->vg,
+                                           l->a_inv, l->va, (float)ko->damping, l->p,
+                                           gb ? l->p + nw : NULL, s->ws);
+      } else {
+        arc = pt__ws(s, ac_kfac_precondition_workspace_floats(l->out, l->in, gb != NULL));
+        if (arc == AC_OK)
+          arc = ac_kfac_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->a_inv, l->p,
+                                     gb ? l->p + nw : NULL, s->ws);
+      }
       long age = step - (long)l->source_step;
       stale_sum += (double)age;
       stale_max = age > stale_max ? age : stale_max;
@@ -594,14 +706,22 @@ static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info
   }
   if (rc != PT_OK) return rc;
   /* sync_roots waits where the daemon computes: every inv_every pushes, and every push
-   * until the first inverses (the daemon's counter, which pushes keep in step with here). */
-  int wait = pushed && t->opts.sync_roots;
+   * until the first inverses (the daemon's counter, which pushes keep in step with here).
+   * The worker forms compute at the same pushes, here: nothing to wait for or fetch. */
+  int local = o->form != PT_KFAC_FORM_DAEMON;
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK && local && pushed; i++) {
+    pt__kfac_layer *l = &s->layers[i];
+    if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX || !l->due_seen) continue;
+    if (l->a_inv == NULL || s->pushes % (uint64_t)o->k.inv_every == 0)
+      rc = pt__kfac_local(t, l, step, err);
+  }
+  int wait = pushed && t->opts.sync_roots && !local;
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: factors not sent within %d ms",
                     t->opts.sync_timeout_ms);
   int agreed = t->opts.shard_size > 1 && !t->opts.sync_roots;
   if (agreed) rc = pt__kfac_refresh_agreed(t, err);
-  for (size_t i = 0; i < s->nlayers && rc == PT_OK && !agreed; i++) {
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK && !agreed && !local; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX) continue;
     int computes = l->a_inv == NULL || s->pushes % (uint64_t)o->k.inv_every == 0;
@@ -634,8 +754,10 @@ static void pt__kfac_destroy(pt_trainer *t) {
   if (s == NULL) return;
   for (size_t i = 0; i < s->nlayers; i++) {
     pt__kfac_layer *l = &s->layers[i];
-    float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_inv, l->g_inv, l->p};
+    float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_inv, l->g_inv, l->p, l->va, l->vg};
     for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) ac_free(s->be, bufs[k]);
+    free(l->ha);
+    free(l->hg);
   }
   ac_free(s->be, s->ws);
   ac_free(s->be, s->stage);
@@ -645,6 +767,7 @@ static void pt__kfac_destroy(pt_trainer *t) {
   free(s->layers);
   free(s->pg);
   free(s->host);
+  free(s->hx);
   free(s);
   t->state = NULL;
 }

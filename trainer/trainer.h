@@ -64,6 +64,19 @@ typedef enum { PT_MODE_SHAMPOO = 0, PT_MODE_KFAC = 1 } pt_mode;
  * then the KL clip over all of them, then SGD with momentum and weight decay. Every other
  * parameter (embeddings, layer norms, a layer with no hook) takes the SGD step on its plain
  * gradient, as does every layer until its first inverses arrive (counted as fallback). */
+/* Where K-FAC's preconditioner comes from (pt_kfac_opts.form). */
+typedef enum {
+  PT_KFAC_FORM_DAEMON = 0, /* precondd's damped inverses (the default: docs/kfac.md, "The
+                              eigen form in training") */
+  PT_KFAC_FORM_WORKER_INVERSE = 1, /* the same damped inverses computed on the worker from
+                                      its own running averages of A and G, at the pushes where
+                                      precondd computes: with sync_roots the daemon's run to
+                                      the bit (the check of the worker path) */
+  PT_KFAC_FORM_WORKER_EIGEN = 2    /* KAISA's eigen form, Q_G [(Q_G^T grad Q_A) / (v_G v_A^T +
+                                      lambda)] Q_A^T, computed on the worker the same way:
+                                      precondd does not publish it (docs/kfac.md says why) */
+} pt_kfac_form;
+
 typedef struct {
   pc_kfac_opts k;       /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
                               factor schedule: pc_kfac_opts_default (one source) */
@@ -85,6 +98,11 @@ typedef struct {
                               runs it: pt_kfac_model_fisher); 0 (default): the empirical
                               Fisher, factors from the batch's own backward pass */
   uint64_t sample_seed; /* the draws' seed (ac_rand_uniform's counter-based numbers) */
+  int inverse;          /* the inverse method: 0 (default) by size (pc_kfac_inv_for_size,
+                              Cholesky at every size measured), else 1 + a pc_kfac_inv (the
+                              wire's KfacInverse numbering) */
+  pt_kfac_form form;    /* PT_KFAC_FORM_DAEMON (default); the worker forms refuse data
+                              parallelism (shard_size > 1) */
 } pt_kfac_opts;
 
 /* "shampoo", "kfac"; "?" otherwise. */

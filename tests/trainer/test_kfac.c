@@ -163,10 +163,11 @@ typedef struct {
 } run_out;
 
 /* The KL clip's settings of a run; NULL: the defaults at lr 0.2. fisher: 0 empirical, 1 the
- * model's, 2 the model's with the draws forced to the batch's labels. */
+ * model's, 2 the model's with the draws forced to the batch's labels. form and inverse:
+ * pt_kfac_opts'. */
 typedef struct {
   double lr, kl_clip, base_lr;
-  int kl_base_lr, fisher;
+  int kl_base_lr, fisher, form, inverse;
 } clip_cfg;
 
 static void train_clip(const char *job, int sync, size_t a_images, const clip_cfg *cc,
@@ -183,6 +184,8 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
     o.kfac.base_lr = cc->base_lr;
   }
   o.kfac.model_fisher = cc && cc->fisher > 0;
+  o.kfac.form = cc ? (pt_kfac_form)cc->form : PT_KFAC_FORM_DAEMON;
+  o.kfac.inverse = cc ? cc->inverse : 0;
   fisher_pass fp = {&m, NULL, cc && cc->fisher == 2, 0, {0}};
   void *p = NULL;
   assert_int_equal(ac_malloc(m.be, N * sizeof(int32_t), &p), AC_OK);
@@ -276,7 +279,7 @@ static void test_kfac_trains(void **state) {
 static void test_kfac_kl_base_lr(void **state) {
   (void)state;
   run_out e, f, g;
-  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0}, cg = {0.2, 1e-6, 0.0, 1, 0};
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0}, cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0};
   train_clip("kfac-kl-e", 1, 0, &ce, &e);
   train_clip("kfac-kl-f", 1, 0, &cf, &f);
   train_clip("kfac-kl-g", 1, 0, &cg, &g);
@@ -294,8 +297,8 @@ static void test_kfac_kl_base_lr(void **state) {
  * give other factors, differ from the batch's labels, are reproducible, and still train. */
 static void test_kfac_model_fisher(void **state) {
   (void)state;
-  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1},
-           forced = {0.2, 0.0, 0.0, 0, 2};
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0},
+           forced = {0.2, 0.0, 0.0, 0, 2, 0, 0};
   run_out e, f, g, h;
   train_clip("kfac-fisher-e", 1, 0, &emp, &e);
   train_clip("kfac-fisher-f", 1, 0, &forced, &f);
@@ -323,6 +326,46 @@ static void test_kfac_model_fisher(void **state) {
   assert_true(g.loss[STEPS - 1] < 0.5 * g.loss[0]);
 }
 
+/* The worker forms. The worker's damped inverses are precondd's to the bit (the same fold,
+ * damping split, method rule and packing, at the same pushes): with sync_roots the same
+ * run, for the method by size and for eigh asked by name (which the daemon then uses too:
+ * the option travels). The eigen form preconditions both layers from step 1 without
+ * waiting for the daemon, so an asynchronous run repeats exactly; it trains, and is not the
+ * inverse form. */
+static void test_kfac_worker_forms(void **state) {
+  (void)state;
+  clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0},
+           winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0},
+           deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH},
+           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH},
+           eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0};
+  run_out a, b, c, d, e, f;
+  train_clip("kfac-form-a", 1, 0, &daemon, &a);
+  train_clip("kfac-form-b", 1, 0, &winv, &b);
+  assert_memory_equal(a.loss, b.loss, sizeof a.loss);
+  assert_memory_equal(a.fc_w, b.fc_w, sizeof a.fc_w);
+  for (int s = 0; s < STEPS; s++) {
+    assert_int_equal(b.info[s].preconditioned, 2);
+    assert_int_equal(b.info[s].staleness_max, a.info[s].staleness_max);
+  }
+  train_clip("kfac-form-c", 1, 0, &deigh, &c);
+  train_clip("kfac-form-d", 1, 0, &weigh, &d);
+  assert_memory_equal(c.fc_w, d.fc_w, sizeof c.fc_w);
+  assert_memory_not_equal(a.fc_w, c.fc_w, sizeof a.fc_w); /* eigh is not Cholesky's rounding */
+  train_clip("kfac-form-e", 0, 0, &eigen, &e);
+  train_clip("kfac-form-f", 0, 0, &eigen, &f);
+  for (int s = 0; s < STEPS; s++) {
+    assert_int_equal(e.info[s].preconditioned, 2);
+    assert_int_equal(e.info[s].fallback, 0);
+  }
+  assert_true(e.c.results_applied >= 2);
+  assert_int_equal(e.c.results_rejected, 0);
+  assert_memory_equal(e.loss, f.loss, sizeof e.loss);
+  assert_memory_equal(e.fc_w, f.fc_w, sizeof e.fc_w);
+  assert_true(e.loss[STEPS - 1] < 0.5 * e.loss[0]);
+  assert_memory_not_equal(e.fc_w, a.fc_w, sizeof e.fc_w);
+}
+
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
 static void test_kfac_bad_use(void **state) {
   (void)state;
@@ -335,6 +378,14 @@ static void test_kfac_bad_use(void **state) {
   pt_error err = {""};
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
   assert_non_null(strstr(err.msg, "steps_per_epoch"));
+  opts_for(&o, "kfac-bad-form", 0);
+  o.kfac.form = (pt_kfac_form)3;
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "form"));
+  opts_for(&o, "kfac-bad-inverse", 0);
+  o.kfac.inverse = 1 + PC_KFAC_INV_NEWTON + 1;
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "inverse"));
   /* No hook installed: the first step says so. */
   opts_for(&o, "kfac-nohook", 0);
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
@@ -376,6 +427,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_kfac_trains),
       cmocka_unit_test(test_kfac_kl_base_lr),
       cmocka_unit_test(test_kfac_model_fisher),
+      cmocka_unit_test(test_kfac_worker_forms),
       cmocka_unit_test(test_kfac_bad_use),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
