@@ -225,36 +225,51 @@ static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src
 
 /* y[idx] = x[idx'], idx'[perm[k]] = idx[k]: walk y in order, step x by its strides. When
  * the last axis stays last (a conv's (oc, n, ohw) -> (n, oc, ohw)), whole rows of it are
- * copied at once. */
+ * copied at once. The rows of y are split across the pool (each row is copied the same way
+ * by whichever thread). */
+typedef struct perm_args {
+  int outer; /* the axes walked one index at a time */
+  size_t run;
+  size_t yshape[AC_MAX_DIMS], ystride[AC_MAX_DIMS];
+  const float *x;
+  float *y;
+} perm_args;
+
+static void permute_rows(void *ctx, size_t lo, size_t hi) {
+  const perm_args *a = ctx;
+  size_t idx[AC_MAX_DIMS], r = lo;
+  for (int d = a->outer - 1; d >= 0; d--) {
+    idx[d] = r % a->yshape[d];
+    r /= a->yshape[d];
+  }
+  for (size_t row = lo; row < hi; row++) {
+    size_t src = 0;
+    for (int d = 0; d < a->outer; d++) src += idx[d] * a->ystride[d];
+    if (a->run > 1)
+      memcpy(a->y + row * a->run, a->x + src, a->run * sizeof *a->y);
+    else
+      a->y[row] = a->x[src];
+    for (int d = a->outer - 1; d >= 0; d--) {
+      if (++idx[d] < a->yshape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
 static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
                        const float *x, float *y) {
-  (void)be;
-  size_t xstride[AC_MAX_DIMS], ystride[AC_MAX_DIMS], yshape[AC_MAX_DIMS], idx[AC_MAX_DIMS];
-  size_t numel = 1;
-
+  size_t xstride[AC_MAX_DIMS], numel = 1;
   for (int d = ndim - 1; d >= 0; d--) {
     xstride[d] = numel;
     numel *= shape[d];
   }
-  size_t run = perm[ndim - 1] == ndim - 1 ? shape[ndim - 1] : 1;
-  int outer = run > 1 ? ndim - 1 : ndim; /* the axes walked one index at a time */
+  perm_args a = {.run = perm[ndim - 1] == ndim - 1 ? shape[ndim - 1] : 1, .x = x, .y = y};
+  a.outer = a.run > 1 ? ndim - 1 : ndim;
   for (int d = 0; d < ndim; d++) {
-    yshape[d] = shape[perm[d]];
-    ystride[d] = xstride[perm[d]];
-    idx[d] = 0;
+    a.yshape[d] = shape[perm[d]];
+    a.ystride[d] = xstride[perm[d]];
   }
-  for (size_t o = 0; o < numel; o += run) {
-    size_t src = 0;
-    for (int d = 0; d < outer; d++) src += idx[d] * ystride[d];
-    if (run > 1)
-      memcpy(y + o, x + src, run * sizeof *y);
-    else
-      y[o] = x[src];
-    for (int d = outer - 1; d >= 0; d--) {
-      if (++idx[d] < yshape[d]) break;
-      idx[d] = 0;
-    }
-  }
+  par_for(pool_of(be), numel / a.run, 2.0 * (double)numel, permute_rows, &a);
   return AC_OK;
 }
 

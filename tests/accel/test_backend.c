@@ -1240,7 +1240,9 @@ static void test_im2col_geometries(void **state) {
 }
 
 /* The direct 3x3 convs on 2 threads give the bits of 1 thread: the forward split by
- * images, the weight gradient by blocks of weights, over several chunks of images. */
+ * images, the weight gradient by blocks of weights, over several chunks of images; and the
+ * permutes split by rows (a conv's (oc, n, ohw) -> (n, oc, ohw), and one that moves the
+ * last axis), checked against 1 thread and the index formula. */
 static void test_cpu_conv3x3_bitwise(void **state) {
   (void)state;
   ac_backend *be[2] = {NULL, NULL};
@@ -1257,17 +1259,29 @@ static void test_cpu_conv3x3_bitwise(void **state) {
   for (int t = 0; t < 2; t++) {
     ac_backend *b = be[t];
     float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *wt = dev_up(b, hwt, nw);
-    float *r = dev_alloc(b, (nx + nw) * sizeof(float));
+    float *r = dev_alloc(b, (3 * nx + nw) * sizeof(float));
     OK(ac_fill_f32(b, nw, r + nx, 0.0f));
     OK(ac_conv3x3(b, n, c, c, h, w, x, wt, r));
     OK(ac_conv3x3_wgrad(b, n, c, c, h, w, x, dy, r + nx));
-    out[t] = dev_down(b, r, nx + nw);
+    const size_t shape[3] = {n, c, h * w};
+    const int swap[3] = {1, 0, 2}, rot[3] = {2, 0, 1};
+    OK(ac_permute(b, 3, shape, swap, x, r + nx + nw));
+    OK(ac_permute(b, 3, shape, rot, x, r + 2 * nx + nw));
+    out[t] = dev_down(b, r, 3 * nx + nw);
     ac_free(b, x);
     ac_free(b, dy);
     ac_free(b, wt);
     ac_free(b, r);
   }
-  assert_memory_equal(out[0], out[1], (nx + nw) * sizeof(float));
+  assert_memory_equal(out[0], out[1], (3 * nx + nw) * sizeof(float));
+  const float *sw = out[1] + nx + nw, *rt = sw + nx;
+  for (size_t b = 0; b < n; b++)
+    for (size_t ch = 0; ch < c; ch++)
+      for (size_t i = 0; i < h * w; i++) {
+        float v = hx[(b * c + ch) * h * w + i];
+        assert_true(sw[(ch * n + b) * h * w + i] == v);
+        assert_true(rt[(i * n + b) * c + ch] == v);
+      }
   free(out[0]);
   free(out[1]);
   free(hx);
