@@ -629,6 +629,17 @@ int pd_replica_launched(int *size);
 /* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
 int pd_replica_subst(char *s, size_t cap, int rank);
 
+/* The rank count a state directory's snapshot belongs to: DIR/precondd.replicas holds
+ * "RANK NRANKS" of the daemon that last started on it. A snapshot's units were owned under
+ * that count, and each rank holds only its own units' statistics, so a rank that restored
+ * njobs > 0 jobs written under another rank or count would silently lose the statistics
+ * the other ranks held: PD_EINVAL, with why naming both (the startup agreement then stops
+ * every rank). Otherwise (a match, no jobs, or no such file: older daemons) the file is
+ * (re)written for this start: PD_OK, or PD_EIO. */
+#define PD_REPLICA_STATE_FILE "precondd.replicas"
+int pd_replica_state_check(const char *dir, int rank, int nranks, size_t njobs, char *why,
+                           size_t len);
+
 /* ---- replica.c (only when precondd is built with MPI) ---- */
 
 typedef struct pd_replica pd_replica;
