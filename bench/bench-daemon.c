@@ -422,8 +422,12 @@ static void *worker_main(void *arg) {
     }
     rpc_shm_session(&shm, &sess);
     pm.req.shm = &sess;
-    fr.shm = &sess;
+    rpc_shm_fetch_request(&shm, &sess, &fr);
   }
+  /* Where a fetch's roots are copied, as a worker copies them into its own (libprecond's
+   * decode): every fetch row pays that copy, whichever way the bytes came. */
+  unsigned char *sink = w->fetch ? malloc(2 * w->pl->bytes) : NULL;
+  if (w->fetch && sink == NULL) w->failed = 1;
   /* Warm the connection before the clock starts. */
   Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
   sr.job = (char *)w->job;
@@ -449,9 +453,20 @@ static void *worker_main(void *arg) {
         fprintf(stderr, "bench-daemon: %s\n", err);
         w->failed = 1;
       }
-      for (size_t i = 0; i < r->n_preconditioners; i++) {
+      for (size_t i = 0; !w->failed && i < r->n_preconditioners; i++) {
         const Precond__V1__BlockRoots *b = r->preconditioners[i];
-        w->bytes += (b->left ? b->left->data.len : 0) + (b->right ? b->right->data.len : 0);
+        const Precond__V1__PackedMatrix *side[2] = {b->left, b->right};
+        size_t at = 0;
+        for (int k = 0; k < 2; k++)
+          if (side[k] != NULL && at + side[k]->data.len <= 2 * w->pl->bytes) {
+            memcpy(sink + at, side[k]->data.data, side[k]->data.len);
+            at += side[k]->data.len;
+          }
+        w->bytes += at;
+      }
+      if (w->shm && !w->failed && !rpc_shm_fetch_intact(&shm, r)) {
+        fprintf(stderr, "bench-daemon: roots overwritten in the roots area during the copy\n");
+        w->failed = 1;
       }
       if (w->shm) rpc_shm_fetch_done(r);
     } else {
@@ -493,6 +508,7 @@ static void *worker_main(void *arg) {
   }
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
+  free(sink);
   return NULL;
 }
 
