@@ -104,6 +104,12 @@ typedef struct ac__ops {
   int (*adamw_update)(ac_backend *be, size_t n, float *p, const float *g, float *m, float *v,
                       float lr, float beta1, float beta2, float eps, float wd, float bc1,
                       float bc2);
+  /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct 3x3 convs. */
+  int (*conv3x3_ok)(ac_backend *be, size_t c, size_t oc);
+  int (*conv3x3)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
+                 const float *wt, float *y);
+  int (*conv3x3_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *dy, float *dw);
 } ac__ops;
 
 /* Distributions of ac__ops.rand: (a, b) are (lo, hi), (mean, std) or (p, unused). */

@@ -589,6 +589,37 @@ int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, f
   return col2im(be, g, 1, col, x);
 }
 
+int ac_conv3x3_supported(ac_backend *be, size_t c, size_t oc) {
+  return be_ok(be) && c > 0 && oc > 0 && be->ops->conv3x3_ok != NULL &&
+         be->ops->conv3x3_ok(be, c, oc);
+}
+
+/* Shared checks of ac_conv3x3 and its weight gradient: AC_OK to go on, 1 for nothing to do. */
+static int conv3x3_check(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                         const float *in, const float *wt, const float *out) {
+  if (!be_ok(be)) return AC_EINVAL;
+  if (n == 0 || c == 0 || oc == 0 || h == 0 || w == 0) return 1;
+  if (in == NULL || wt == NULL || out == NULL || out == in || out == wt) return AC_EINVAL;
+  if (!extent_ok(n, c, h) || !extent_ok(n * c * h, w, 1) || !extent_ok(n, oc, h) ||
+      !extent_ok(n * oc * h, w, 1) || !extent_ok(oc, c, 9))
+    return AC_EINVAL;
+  return ac_conv3x3_supported(be, c, oc) ? AC_OK : AC_ENOTSUP;
+}
+
+int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
+               const float *wt, float *y) {
+  int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc) : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y);
+}
+
+int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                     const float *x, const float *dy, float *dw) {
+  int rc = conv3x3_check(be, n, c, oc, h, w, x, dy, dw);
+  if (rc == AC_OK && dy == x) rc = AC_EINVAL;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv3x3_wgrad(be, n, c, oc, h, w, x, dy, dw);
+}
+
 int ac_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, const float *x,
                       float *y, int32_t *argmax) {
   size_t oh, ow;

@@ -414,6 +414,25 @@ int ac_im2col_batch(ac_backend *be, const ac_conv2d_geom *g, const float *x, flo
 /* The adjoint of ac_im2col_batch (as ac_col2im is of ac_im2col). No aliasing. */
 int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, float *x);
 
+/* Direct 3x3 convolution, stride 1, padding 1 (the output is h x w), NCHW, without a column
+ * matrix: y (n, oc, h, w) = the conv of x (n, c, h, w) with wt (oc, c, 3, 3), overwritten.
+ * The input gradient of such a conv is the same conv of dy with the weights transposed and
+ * flipped (wt'[ch][o][t] = wt[o][ch][8 - t]). Within float rounding of im2col + gemm, and
+ * the same bits for any thread count. AC_ENOTSUP where ac_conv3x3_supported says no. No
+ * aliasing. */
+int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
+               const float *wt, float *y);
+
+/* dw (oc, c, 3, 3) += the weight gradient of ac_conv3x3: for every image, channel pair and
+ * tap (p, q), the sum over outputs (y, x) of dy[o][y][x] x[ch][y + p - 1][x + q - 1] (zero
+ * outside). Same support and guarantees as ac_conv3x3. */
+int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                     const float *x, const float *dy, float *dw);
+
+/* 1 if the backend has the direct kernels for c input and oc output channels (the CPU
+ * backend: on a processor with AVX2 and FMA, oc a multiple of 4; CUDA: none yet), else 0. */
+int ac_conv3x3_supported(ac_backend *be, size_t c, size_t oc);
+
 typedef enum { AC_POOL_MAX = 0, AC_POOL_AVG = 1 } ac_pool_op;
 
 /* 2-D pooling of x (n, c, h, w) into y (n, c, oh, ow), window kh x kw, geometry g.

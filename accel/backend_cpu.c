@@ -162,6 +162,8 @@ fail_mu:
 typedef struct cpu_impl {
   int threads;
   cpu_pool pool;
+  float *scratch; /* the direct convs' (cpu_scratch) */
+  size_t scratch_floats;
 } cpu_impl;
 
 static cpu_pool *pool_of(ac_backend *be) {
@@ -170,7 +172,10 @@ static cpu_pool *pool_of(ac_backend *be) {
 
 static void cpu_destroy(ac_backend *be) {
   cpu_impl *impl = be->impl;
-  if (impl != NULL) pool_stop(&impl->pool);
+  if (impl != NULL) {
+    pool_stop(&impl->pool);
+    free(impl->scratch);
+  }
   free(impl);
   be->impl = NULL;
 }
@@ -1258,6 +1263,327 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
   return AC_OK;
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Direct 3x3 convolutions (stride 1, padding 1), AVX2 + FMA, no column matrix. The 3x3
+ * convs of a small ResNet have 16-64 channels: as im2col + gemm their products are skinny
+ * (M = 16-64) and the column matrix (9x the activations) is written and read on every
+ * pass; here the input is copied once into a padded layout and every tap is a shifted
+ * read of it.
+ *
+ * The "tall" layout of nb images of one channel: rows of wq = w + 1 floats, image b in rows
+ * [b (h + 1), (b + 1)(h + 1)), its pixel (y, x) at b is + (y + 1) wq + x + 1 with is =
+ * (h + 1) wq; everything else is zero: column 0 of each row (the left padding, and the
+ * right padding of the row before) and row 0 of each image (the top padding, and the
+ * bottom padding of the image before), then one more zero row and the slack of the last
+ * vector. The output (y, x) of image b is position j = b is + y wq + x, and tap (p, q)
+ * reads position j + p wq + q: a conv over the whole chunk is one run of vectors over j.
+ * Positions with x == w or y == h are computed and thrown away (1/wq + 1/(h+1) of the
+ * work: 7% at 28x28, 27% at 7x7). */
+
+typedef struct c3_geom {
+  size_t h, w, wq, is; /* image height, width; row stride w + 1; image stride (h + 1) wq */
+} c3_geom;
+
+static c3_geom c3_geom_of(size_t h, size_t w) {
+  c3_geom g = {h, w, w + 1, (h + 1) * (w + 1)};
+  return g;
+}
+
+/* Positions of nb images rounded up to whole vectors of 8. */
+static size_t c3_nvec(const c3_geom *g, size_t nb) {
+  return (nb * g->is + 7) / 8;
+}
+
+/* Floats of one channel of nb images in the tall layout: every read of the last vector's
+ * taps (up to 8 nvec - 1 + 2 wq + 2) stays inside. */
+static size_t c3_chan_len(const c3_geom *g, size_t nb) {
+  return (c3_nvec(g, nb) * 8 + 2 * g->wq + 2 + 7) / 8 * 8;
+}
+
+/* wp[ob][ch][t][i] = W[4 ob + i][ch][t]: the 4 output channels of a block side by side, so
+ * that a tap's 4 weights are consecutive broadcasts. */
+static void c3_pack_weights(size_t c, size_t oc, const float *w, float *wp) {
+  for (size_t o = 0; o < oc; o++)
+    for (size_t ch = 0; ch < c; ch++)
+      for (size_t t = 0; t < 9; t++)
+        wp[((o / 4 * c + ch) * 9 + t) * 4 + o % 4] = w[(o * c + ch) * 9 + t];
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define C3_HAVE_KERNELS 1
+#define C3_TARGET       __attribute__((target("avx2,fma")))
+
+/* dst[0, n) = src[0, n): rows of 7-64 floats, where a memcpy call per row cost more than
+ * the copy (it was most of the packing's time); the tail through a mask. */
+C3_TARGET static void c3_copy(float *dst, const float *src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
+  if (i < n) {
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), idx);
+    _mm256_maskstore_ps(dst + i, mask, _mm256_maskload_ps(src + i, mask));
+  }
+}
+
+/* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
+ * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
+ * zeros elsewhere in [0, len). */
+C3_TARGET static void c3_pack(const c3_geom *g, size_t nb, const float *src, size_t sstride,
+                              size_t off, float *dst, size_t len) {
+  memset(dst, 0, len * sizeof *dst);
+  for (size_t b = 0; b < nb; b++)
+    for (size_t y = 0; y < g->h; y++)
+      c3_copy(dst + b * g->is + y * g->wq + off, src + b * sstride + y * g->w, g->w);
+}
+
+/* out[i][0, 8 nv) = sum over ch, t of wp[ch][t][i] xq[ch][j + off_t], i < 4: output
+ * channels 4 at a time against 3 vectors of positions (12 accumulators), then 1. */
+C3_TARGET static void c3_fwd_block(size_t c, size_t cl, size_t wq, size_t nv, const float *xq,
+                                   const float *wp, float *out, size_t ldo) {
+  size_t off[9];
+  for (size_t t = 0; t < 9; t++) off[t] = t / 3 * wq + t % 3;
+  size_t v = 0;
+  for (; v + 3 <= nv; v += 3) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    for (size_t ch = 0; ch < c; ch++) {
+      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 36;
+      for (size_t t = 0; t < 9; t++) {
+        const float *xt = xc + off[t];
+        __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8);
+        __m256 x2 = _mm256_loadu_ps(xt + 16);
+        __m256 w = _mm256_broadcast_ss(wc + 4 * t);
+        a00 = _mm256_fmadd_ps(w, x0, a00);
+        a01 = _mm256_fmadd_ps(w, x1, a01);
+        a02 = _mm256_fmadd_ps(w, x2, a02);
+        w = _mm256_broadcast_ss(wc + 4 * t + 1);
+        a10 = _mm256_fmadd_ps(w, x0, a10);
+        a11 = _mm256_fmadd_ps(w, x1, a11);
+        a12 = _mm256_fmadd_ps(w, x2, a12);
+        w = _mm256_broadcast_ss(wc + 4 * t + 2);
+        a20 = _mm256_fmadd_ps(w, x0, a20);
+        a21 = _mm256_fmadd_ps(w, x1, a21);
+        a22 = _mm256_fmadd_ps(w, x2, a22);
+        w = _mm256_broadcast_ss(wc + 4 * t + 3);
+        a30 = _mm256_fmadd_ps(w, x0, a30);
+        a31 = _mm256_fmadd_ps(w, x1, a31);
+        a32 = _mm256_fmadd_ps(w, x2, a32);
+      }
+    }
+    float *o0 = out + v * 8;
+    _mm256_storeu_ps(o0, a00);
+    _mm256_storeu_ps(o0 + 8, a01);
+    _mm256_storeu_ps(o0 + 16, a02);
+    _mm256_storeu_ps(o0 + ldo, a10);
+    _mm256_storeu_ps(o0 + ldo + 8, a11);
+    _mm256_storeu_ps(o0 + ldo + 16, a12);
+    _mm256_storeu_ps(o0 + 2 * ldo, a20);
+    _mm256_storeu_ps(o0 + 2 * ldo + 8, a21);
+    _mm256_storeu_ps(o0 + 2 * ldo + 16, a22);
+    _mm256_storeu_ps(o0 + 3 * ldo, a30);
+    _mm256_storeu_ps(o0 + 3 * ldo + 8, a31);
+    _mm256_storeu_ps(o0 + 3 * ldo + 16, a32);
+  }
+  for (; v < nv; v++) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t ch = 0; ch < c; ch++) {
+      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 36;
+      for (size_t t = 0; t < 9; t++) {
+        __m256 x0 = _mm256_loadu_ps(xc + off[t]);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t), x0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t + 1), x0, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t + 2), x0, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t + 3), x0, a3);
+      }
+    }
+    _mm256_storeu_ps(out + v * 8, a0);
+    _mm256_storeu_ps(out + ldo + v * 8, a1);
+    _mm256_storeu_ps(out + 2 * ldo + v * 8, a2);
+    _mm256_storeu_ps(out + 3 * ldo + v * 8, a3);
+  }
+}
+
+/* The 8 lanes of a in a fixed order. */
+C3_TARGET static float c3_hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* dw[i][ch][p][q] += sum over j < 8 nv of dq[i][j] xc[j + p wq + q] for the 4 output
+ * channels i of a block (rows of dq ldd apart, of dw ldw apart) and one input channel xc:
+ * per row p of taps, 4 x 3 accumulators over all positions, then one sum each. */
+C3_TARGET static void c3_wgrad_block(size_t nv, size_t wq, const float *dq, size_t ldd,
+                                     const float *xc, float *dw, size_t ldw) {
+  for (size_t p = 0; p < 3; p++) {
+    __m256 a[4][3];
+    for (size_t i = 0; i < 4; i++)
+      for (size_t q = 0; q < 3; q++) a[i][q] = _mm256_setzero_ps();
+    const float *xp = xc + p * wq;
+    for (size_t v = 0; v < nv; v++) {
+      __m256 x0 = _mm256_loadu_ps(xp + v * 8), x1 = _mm256_loadu_ps(xp + v * 8 + 1);
+      __m256 x2 = _mm256_loadu_ps(xp + v * 8 + 2);
+      for (size_t i = 0; i < 4; i++) {
+        __m256 d = _mm256_loadu_ps(dq + i * ldd + v * 8);
+        a[i][0] = _mm256_fmadd_ps(d, x0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(d, x1, a[i][1]);
+        a[i][2] = _mm256_fmadd_ps(d, x2, a[i][2]);
+      }
+    }
+    for (size_t i = 0; i < 4; i++)
+      for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += c3_hsum(a[i][q]);
+  }
+}
+#else
+#define C3_HAVE_KERNELS 0
+#endif
+
+/* The direct kernels need AVX2 and FMA (checked once per process) and output channels in
+ * blocks of 4; otherwise the layers use im2col + gemm. */
+static int cpu_conv3x3_ok(ac_backend *be, size_t c, size_t oc) {
+  (void)be;
+  (void)c;
+#if C3_HAVE_KERNELS
+  static int have = -1; /* a benign race: every thread computes the same answer */
+  if (have < 0) {
+    __builtin_cpu_init();
+    have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+  return have && oc % 4 == 0;
+#else
+  (void)oc;
+  return 0;
+#endif
+}
+
+/* The backend's scratch for the direct convs, grown on demand (one call at a time on a
+ * backend, as for every primitive). */
+static float *cpu_scratch(ac_backend *be, size_t floats) {
+  cpu_impl *impl = be->impl;
+  if (impl->scratch_floats < floats) {
+    free(impl->scratch);
+    impl->scratch_floats = 0;
+    impl->scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    if (impl->scratch == NULL) return NULL;
+    impl->scratch_floats = floats;
+  }
+  return impl->scratch;
+}
+
+typedef struct c3_args {
+  c3_geom g;
+  size_t n, c, oc, nb, nv, cl, dl, per_thread, parts;
+  const float *x, *w, *dy;
+  float *y, *dw, *scratch, *xq, *dq;
+} c3_args;
+
+#if C3_HAVE_KERNELS
+/* Forward, one part of the batch per thread (parts = the pool's threads): each image is
+ * packed into the thread's scratch, convolved 4 output channels at a time into the rest of
+ * it, and its valid positions copied out. */
+static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
+  const c3_args *a = ctx;
+  const c3_geom *g = &a->g;
+  for (size_t part = lo; part < hi; part++) {
+    float *xq = a->scratch + part * a->per_thread, *out = xq + a->c * a->cl;
+    size_t b0, b1, ldo = a->nv * 8, chw = a->c * g->h * g->w, ohw = g->h * g->w;
+    slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
+    for (size_t b = b0; b < b1; b++) {
+      for (size_t ch = 0; ch < a->c; ch++)
+        c3_pack(g, 1, a->x + b * chw + ch * ohw, 0, g->wq + 1, xq + ch * a->cl, a->cl);
+      for (size_t ob = 0; ob < a->oc / 4; ob++) {
+        c3_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
+        for (size_t i = 0; i < 4; i++)
+          for (size_t y = 0; y < g->h; y++)
+            c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
+                    g->w);
+      }
+    }
+  }
+}
+
+/* Weight gradient, one chunk of nb images: items [0, c) pack x's channels, [c, c + oc) dy's. */
+static void c3_wgrad_pack(void *ctx, size_t lo, size_t hi) {
+  const c3_args *a = ctx;
+  size_t hw = a->g.h * a->g.w;
+  for (size_t it = lo; it < hi; it++) {
+    if (it < a->c)
+      c3_pack(&a->g, a->nb, a->x + it * hw, a->c * hw, a->g.wq + 1, a->xq + it * a->cl, a->cl);
+    else
+      c3_pack(&a->g, a->nb, a->dy + (it - a->c) * hw, a->oc * hw, 0, a->dq + (it - a->c) * a->dl,
+              a->dl);
+  }
+}
+
+/* Item ob c + ch: the 4 x 9 weights of output block ob and input channel ch. */
+static void c3_wgrad_items(void *ctx, size_t lo, size_t hi) {
+  const c3_args *a = ctx;
+  for (size_t it = lo; it < hi; it++) {
+    size_t ob = it / a->c, ch = it % a->c;
+    c3_wgrad_block(a->nv, a->g.wq, a->dq + ob * 4 * a->dl, a->dl, a->xq + ch * a->cl,
+                   a->dw + (ob * 4 * a->c + ch) * 9, a->c * 9);
+  }
+}
+#endif
+
+static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, float *y) {
+#if C3_HAVE_KERNELS
+  cpu_pool *pool = pool_of(be);
+  size_t parts = (size_t)pool->nthreads;
+  c3_args a = {.g = c3_geom_of(h, w), .n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
+  a.nv = c3_nvec(&a.g, 1);
+  a.cl = c3_chan_len(&a.g, 1);
+  a.per_thread = c * a.cl + 4 * a.nv * 8;
+  size_t wfloats = (oc * c * 9 + 15) / 16 * 16;
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
+  if (s == NULL) return AC_ENOMEM;
+  c3_pack_weights(c, oc, wt, s);
+  a.w = s;
+  a.scratch = s + wfloats;
+  par_for(pool, parts, (double)(n * c * oc * h * w), c3_fwd_part, &a);
+  return AC_OK;
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y;
+  return AC_ENOTSUP;
+#endif
+}
+
+/* Chunks of images small enough that a block's 4 rows of dy and a channel of x stay in the
+ * cache while its 36 weights are summed; the chunk, and so the order of every sum, is a
+ * function of the shape alone: the same bits for any thread count. */
+#define C3_WGRAD_CHUNK_FLOATS 131072
+
+static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                             const float *x, const float *dy, float *dw) {
+#if C3_HAVE_KERNELS
+  c3_args a = {.g = c3_geom_of(h, w), .c = c, .oc = oc, .dw = dw};
+  size_t per_image = (c + oc) * a.g.is, nbmax = C3_WGRAD_CHUNK_FLOATS / per_image;
+  nbmax = nbmax < 1 ? 1 : nbmax > n ? n : nbmax;
+  a.cl = c3_chan_len(&a.g, nbmax);
+  a.dl = (c3_nvec(&a.g, nbmax) * 8 + 15) / 16 * 16;
+  float *s = cpu_scratch(be, c * a.cl + oc * a.dl);
+  if (s == NULL) return AC_ENOMEM;
+  a.xq = s;
+  a.dq = s + c * a.cl;
+  size_t hw = h * w;
+  for (size_t b0 = 0; b0 < n; b0 += nbmax) {
+    a.nb = n - b0 < nbmax ? n - b0 : nbmax;
+    a.nv = c3_nvec(&a.g, a.nb);
+    a.x = x + b0 * c * hw;
+    a.dy = dy + b0 * oc * hw;
+    par_for(pool_of(be), c + oc, (double)(a.nb * (c + oc) * hw), c3_wgrad_pack, &a);
+    par_for(pool_of(be), oc / 4 * c, (double)(a.nb * c * oc * hw), c3_wgrad_items, &a);
+  }
+  return AC_OK;
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)dy, (void)dw;
+  return AC_ENOTSUP;
+#endif
+}
+
 static const ac__ops cpu_ops = {
     .destroy = cpu_destroy,
     .sync = cpu_sync,
@@ -1303,6 +1629,9 @@ static const ac__ops cpu_ops = {
     .pool2d_backward = cpu_pool2d_backward,
     .rand = cpu_rand,
     .adamw_update = cpu_adamw_update,
+    .conv3x3_ok = cpu_conv3x3_ok,
+    .conv3x3 = cpu_conv3x3,
+    .conv3x3_wgrad = cpu_conv3x3_wgrad,
 };
 
 int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen) {
@@ -1312,6 +1641,8 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
     return AC_ENOMEM;
   }
   impl->threads = opts->threads;
+  impl->scratch = NULL;
+  impl->scratch_floats = 0;
   if (opts->threads > 0) openblas_set_num_threads(opts->threads);
   pool_start(&impl->pool, opts->threads > 0 ? opts->threads : openblas_get_num_threads());
   be->ops = &cpu_ops;

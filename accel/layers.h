@@ -292,6 +292,8 @@ typedef struct {
   ac_conv2d_geom g; /* g.n is max_batch */
   size_t out_c, oh, ow, chunk, batch;
   int has_bias, ready, owns_ws;
+  int direct, direct_dx; /* the backend's direct 3x3 kernels (ac_conv3x3) for y and dW; dx */
+  int dx_as_conv;        /* otherwise dx as im2col of dy + one gemm (it fits the workspace) */
   ac_param weight, bias;
   const float *x;
   float *ws, *y, *dx;

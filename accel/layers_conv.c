@@ -47,7 +47,12 @@ int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c
   }
   AC__TRY(ac__layer_alloc(be, max_batch * out_c * l->oh * l->ow, &l->y));
   AC__TRY(ac__layer_alloc(be, max_batch * in_c * h * w, &l->dx));
-  if (stride == 1 && (out_c * k * k + in_c) * h * w <= (ckk + out_c) * l->oh * l->ow)
+  /* The backend's direct 3x3 kernels where it has them: forward and dW, and the input
+   * gradient (a conv with in_c output channels) when they cover that too. */
+  l->direct = k == 3 && stride == 1 && pad == 1 && ac_conv3x3_supported(be, in_c, out_c);
+  l->direct_dx = l->direct && ac_conv3x3_supported(be, out_c, in_c);
+  l->dx_as_conv = stride == 1 && (out_c * k * k + in_c) * h * w <= (ckk + out_c) * l->oh * l->ow;
+  if (l->direct_dx || l->dx_as_conv)
     AC__TRY(ac__layer_alloc(be, 2 * in_c * out_c * k * k, &l->wflip));
   return AC_OK;
 fail:
@@ -91,7 +96,8 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   size_t ckk = l->g.c * l->g.kh * l->g.kw, ohw = l->oh * l->ow, oc = l->out_c;
   size_t chw = l->g.c * l->g.h * l->g.w;
   const float *w = ac_tensor_f32(&l->weight.value);
-  for (size_t b0 = 0; b0 < batch; b0 += l->chunk) {
+  if (l->direct) AC__TRY(ac_conv3x3(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y));
+  for (size_t b0 = 0; b0 < batch && !l->direct; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;
     size_t cols = g.n * ohw;
@@ -155,47 +161,58 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
   int rc;
   ac_backend *be = l->be;
   size_t ckk = l->g.c * l->g.kh * l->g.kw, ohw = l->oh * l->ow, oc = l->out_c;
-  size_t chw = l->g.c * l->g.h * l->g.w;
+  size_t c = l->g.c, chw = c * l->g.h * l->g.w;
   const float *w = ac_tensor_f32(&l->weight.value);
   float *dw = ac_tensor_f32(&l->weight.grad);
+  /* K-FAC's hook reads the column matrices: with a hook, dW takes the im2col path. */
+  int direct_w = l->direct && l->hook.fn == NULL, direct_x = dx != NULL && l->direct_dx;
   if (l->has_bias)
     AC__TRY(ac_reduce(be, AC_REDUCE_SUM, l->batch, oc, ohw, 1.0f, dy, 1.0f,
                       ac_tensor_f32(&l->bias.grad)));
   if (dx != NULL && l->wflip != NULL) AC__TRY(conv_flip_weight(l));
-  for (size_t b0 = 0; b0 < l->batch; b0 += l->chunk) {
+  if (direct_w) AC__TRY(ac_conv3x3_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->x, dy, dw));
+  if (direct_x) AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
+  int chunked_x = dx != NULL && !direct_x;
+  for (size_t b0 = 0; b0 < l->batch && (!direct_w || chunked_x); b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = l->batch - b0 < l->chunk ? l->batch - b0 : l->chunk;
     size_t cols = g.n * ohw;
     float *col = l->ws, *prod = l->ws + ckk * cols;
     const float *dyc = dy + b0 * oc * ohw;
+    if (chunked_x && l->dx_as_conv && direct_w) { /* dx alone */
+      AC__TRY(conv_dx_direct(l, dy, b0, g.n));
+      continue;
+    }
     if (g.n > 1) {
       AC__TRY(conv_reorder(be, oc, g.n, ohw, dyc, prod, 0));
       dyc = prod;
     }
-    /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
-    AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
-    if (l->hook.fn != NULL) { /* before the dx product reuses col */
-      ac_hook_view v = {.kind = AC_HOOK_CONV,
-                        .weight = &l->weight,
-                        .bias = l->has_bias ? &l->bias : NULL,
-                        .batch = l->batch,
-                        .first = b0,
-                        .nimg = g.n,
-                        .cols = cols,
-                        .in = ckk,
-                        .out = oc,
-                        .npos = ohw,
-                        .a = col,
-                        .lda = cols,
-                        .g = dyc,
-                        .ldg = cols};
-      AC__TRY(l->hook.fn(l->hook.ctx, &v));
+    if (!direct_w) {
+      /* The workspace is shared, so im2col is recomputed rather than kept from forward. */
+      AC__TRY(ac_im2col_batch(be, &g, l->x + b0 * chw, col));
+      if (l->hook.fn != NULL) { /* before the dx product reuses col */
+        ac_hook_view v = {.kind = AC_HOOK_CONV,
+                          .weight = &l->weight,
+                          .bias = l->has_bias ? &l->bias : NULL,
+                          .batch = l->batch,
+                          .first = b0,
+                          .nimg = g.n,
+                          .cols = cols,
+                          .in = ckk,
+                          .out = oc,
+                          .npos = ohw,
+                          .a = col,
+                          .lda = cols,
+                          .g = dyc,
+                          .ldg = cols};
+        AC__TRY(l->hook.fn(l->hook.ctx, &v));
+      }
+      AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols, 1.0f,
+                       dw, ckk)); /* dW += dy col^T */
     }
-    AC__TRY(ac_sgemm(be, AC_NO_TRANS, AC_TRANS, oc, ckk, cols, 1.0f, dyc, cols, col, cols, 1.0f, dw,
-                     ckk)); /* dW += dy col^T */
-    if (dx != NULL && l->wflip != NULL) {
+    if (chunked_x && l->dx_as_conv) {
       AC__TRY(conv_dx_direct(l, dy, b0, g.n)); /* dyc and col are no longer needed */
-    } else if (dx != NULL) { /* dcol = W^T dy, then scattered back to the images */
+    } else if (chunked_x) { /* dcol = W^T dy, then scattered back to the images */
       AC__TRY(ac_sgemm(be, AC_TRANS, AC_NO_TRANS, ckk, cols, oc, 1.0f, w, ckk, dyc, cols, 0.0f, col,
                        cols));
       AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));

@@ -50,8 +50,9 @@ struct ac_shampoo {
   size_t nblocks;
   shampoo_block *blocks;
   size_t stats_len; /* floats of all packed statistics */
-  float *stats_dev, *stats_host;
+  float *stats_dev, *stats_host; /* stats_host is stats_dev on a host-memory backend (CPU) */
   int stats_valid;
+  int host_memory;               /* the backend's memory is the host's: no staging copies */
   uint8_t *stats_mask;           /* per block: 1 computes its statistics; NULL: every block */
   float *d, *a, *b;              /* scratch of max numel: the direction D and two temporaries */
   float *x;                      /* scratch of max numel: the (filtered) gradient M of the step */
@@ -186,7 +187,7 @@ void ac_shampoo_destroy(ac_shampoo *s) {
   ac_free(s->be, s->stage);
   ac_free(s->be, s->norms_dev);
   free(s->norms_host);
-  free(s->stats_host);
+  if (!s->host_memory) free(s->stats_host);
   free(s->blocks);
   free(s->params);
   free(s);
@@ -295,9 +296,10 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
   if (rc != AC_OK) goto fail;
 
   rc = AC_ENOMEM;
-  s->stats_host = malloc((s->stats_len ? s->stats_len : 1) * sizeof(float));
+  s->host_memory = ac_backend_kind_of(be) == AC_BACKEND_CPU;
+  if (!s->host_memory) s->stats_host = malloc((s->stats_len ? s->stats_len : 1) * sizeof(float));
   s->norms_host = malloc((2 * s->max_blocks + 1) * sizeof(float));
-  if (s->stats_host == NULL || s->norms_host == NULL) goto fail;
+  if ((!s->host_memory && s->stats_host == NULL) || s->norms_host == NULL) goto fail;
   size_t nbytes[] = {max_numel,         max_numel,   max_numel,
                      max_numel,         max_block,   ac_packed_len(max_order),
                      2 * s->max_blocks, s->stats_len};
@@ -306,6 +308,9 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
     rc = ac_malloc(be, nbytes[i] * sizeof(float), (void **)bufs[i]);
     if (rc != AC_OK) goto fail;
   }
+  /* The CPU backend's device memory is host memory: the statistics are handed out where syrk
+   * wrote them (a 2 MB copy per step less on the main job's Transformer). */
+  if (s->host_memory) s->stats_host = s->stats_dev;
   *out = s;
   return AC_OK;
 
@@ -378,7 +383,10 @@ int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step) {
     if (rc != AC_OK) return rc;
   }
   s->stats_valid = 0;
-  if (s->stats_len > 0) {
+  if (s->host_memory) {
+    int rc = ac_sync(s->be); /* the statistics are read where they were written */
+    if (rc != AC_OK) return rc;
+  } else if (s->stats_len > 0) {
     int rc = ac_memcpy_d2h(s->be, s->stats_host, s->stats_dev, s->stats_len * sizeof(float));
     if (rc != AC_OK) return rc;
   }
@@ -414,6 +422,7 @@ int ac_shampoo_block_stats(const ac_shampoo *s, size_t b, const float **left, co
 /* One side's root into the dense device buffer dst (n x n). */
 static int upload_root(ac_shampoo *s, size_t n, ac_root_format fmt, const float *host, float *dst) {
   if (fmt == AC_ROOT_DENSE) return ac_memcpy_h2d(s->be, dst, host, n * n * sizeof(float));
+  if (s->host_memory) return ac_unpack_sym(s->be, n, host, dst, n); /* no staging copy */
   int rc = ac_memcpy_h2d(s->be, s->stage, host, ac_packed_len(n) * sizeof(float));
   return rc == AC_OK ? ac_unpack_sym(s->be, n, s->stage, dst, n) : rc;
 }
@@ -550,7 +559,9 @@ static int roots_usable(const ac_shampoo *s, const shampoo_block *sb, long t, lo
 
 /* Overwrites the blocks of d (the parameter's grafted direction, its 2-D view) that hold
  * roots with the preconditioned step gradient g (the first moment, or the raw gradient)
- * rescaled to d's block norm; counts fallbacks. */
+ * rescaled to d's block norm; counts fallbacks. A block as wide as its parameter (ld == c)
+ * is contiguous in d: its norm is taken there and its step written there, without the
+ * copies through scratch b (the same values, in the same order). */
 static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, const float *g, float *d) {
   const size_t ld = sp->layout.cols;
   size_t used = 0, off = 0;
@@ -571,13 +582,14 @@ static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, const fl
     s->last.preconditioned++;
     s->last.staleness_mean += (double)age;
     if (age > s->last.staleness_max) s->last.staleness_max = age;
+    const float *db = ld == c ? d + at : s->b + off;
     rc = precondition_block(s, sb, g + at, ld, s->a + off);
-    if (rc == AC_OK) rc = ac_copy2d(s->be, r, c, d + at, ld, s->b + off, c);
+    if (rc == AC_OK && ld != c) rc = ac_copy2d(s->be, r, c, d + at, ld, s->b + off, c);
     if (rc == AC_OK)
       rc = ac_reduce(s->be, AC_REDUCE_NORM2, 1, 1, r * c, 1.0f, s->a + off, 0.0f,
                      s->norms_dev + 2 * used);
     if (rc == AC_OK)
-      rc = ac_reduce(s->be, AC_REDUCE_NORM2, 1, 1, r * c, 1.0f, s->b + off, 0.0f,
+      rc = ac_reduce(s->be, AC_REDUCE_NORM2, 1, 1, r * c, 1.0f, db, 0.0f,
                      s->norms_dev + 2 * used + 1);
     off += r * c;
     used++;
@@ -596,8 +608,9 @@ static int precondition_param(ac_shampoo *s, shampoo_param *sp, long t, const fl
     /* pc_graft_rescale's rule (no usable norm: take D_b), extended to what float needs:
      * a subnormal |P_b| is too imprecise to rescale by, and the factor must be a float. */
     if (np >= FLT_MIN && isfinite(np) && isfinite(scale)) {
-      rc = ac_affine(s->be, r * c, scale, s->a + off, 0.0f, s->a + off);
-      if (rc == AC_OK) rc = ac_copy2d(s->be, r, c, s->a + off, c, d + at, ld);
+      float *pb = ld == c ? d + at : s->a + off;
+      rc = ac_affine(s->be, r * c, scale, s->a + off, 0.0f, pb);
+      if (rc == AC_OK && ld != c) rc = ac_copy2d(s->be, r, c, pb, c, d + at, ld);
     }
     off += r * c;
     used++;

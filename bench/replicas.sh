@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # bench/replicas.sh -- the figures of docs/replicas.md, side by side in one run:
 #   roots.csv  daemon replicas: bench-daemon's replica rows (mpirun -np 1 and 2 precondd, one
-#              pool thread per rank, the same 16 blocks of 256 pushed to rank 0 per step):
-#              roots/s and the time from a step's push to every rank holding every root;
+#              pool thread per rank, the same 16 blocks of 256 with eigh roots, each pushed
+#              to the rank that owns it, 6 timed steps after 2 untimed ones): roots/s and the
+#              time from a step's push to every rank holding every root; then the same rows
+#              per CPU second of the busiest rank (--clock cpu: what load leaves out);
 #   dp.csv     data-parallel training (the default models and global batches, --sync-roots so
 #              the losses compare): the Transformer with Shampoo, the ResNet with Shampoo
 #              and with K-FAC (batch norm across the workers), W workers on W daemon ranks
@@ -31,8 +33,12 @@ root=()
 mkdir -p "$out"
 echo "replicas.sh: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
-"$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 \
-  --pool-blocks 16 > "$out/roots.csv" || exit 1
+for clock in wall cpu; do
+  "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 \
+    --pool-blocks 16 --replica-steps 6 --clock "$clock" > "$out/roots-$clock.csv" || exit 1
+  sed -i "1!s/^/$clock,/;1s/^/clock,/" "$out/roots-$clock.csv"
+done
+{ cat "$out/roots-wall.csv"; tail -n +2 "$out/roots-cpu.csv"; } > "$out/roots.csv"
 
 tmp=$(mktemp -d /tmp/replicas-bench-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT

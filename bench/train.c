@@ -378,7 +378,7 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "precondd address, host:port or unix:/path (or $PRECOND_ADDR)");
   SPEC("job", K_STRING, o->job, 0, sizeof o->job, "job name on the daemon (default: unique)");
   SPEC("poll-ms", K_LONG, &o->poll_ms, 0, 1e6,
-       "libprecond's poll for new results, ms (0: the mode's: Shampoo 20, K-FAC half a step)");
+       "libprecond's poll for new results, ms (0: half a step; Shampoo with --sync-roots: 20)");
   SPEC("seed", K_U64, &o->seed, 0, 0, "random seed (weights and batches)");
   SPEC("backend", K_BACKEND, &o->backend, 0, 0, "cpu or cuda");
   SPEC("threads", K_INT, &o->threads, 1, 256, "OpenBLAS threads of the cpu backend");

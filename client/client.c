@@ -482,10 +482,7 @@ static int poll_roots(precond_client *c) {
   ProtobufCMessage *msg = NULL;
   Precond__V1__ShmSession sess;
   int st = shm_ensure(c), use_shm = c->shm.map != NULL;
-  if (use_shm) {
-    rpc_shm_session(&c->shm, &sess);
-    req.shm = &sess;
-  }
+  if (use_shm) rpc_shm_fetch_request(&c->shm, &sess, &req);
   if (st == PRECOND_OK)
     st = call(c, RPC_METHOD_FETCH_PRECONDITIONERS, &req.base,
               &precond__v1__fetch_response__descriptor, 0, &msg);
@@ -511,6 +508,7 @@ static int poll_roots(precond_client *c) {
   precond__roots_obj **got = calloc(nr ? nr : 1, sizeof(*got));
   size_t bad = 0;
   uint64_t bytes = 0;
+  int torn = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {
     const Precond__V1__BlockRoots *b = resp->preconditioners[i];
     if (b->block_id >= nb)
@@ -523,8 +521,17 @@ static int poll_roots(precond_client *c) {
     const Precond__V1__PackedMatrix *sides[4] = {b->left, b->right, b->a_inv, b->g_inv};
     for (int k = 0; k < 4; k++) bytes += sides[k] ? sides[k]->data.len : 0;
   }
+  /* Roots decoded from the daemon's roots area count only if it did not overwrite them
+   * meanwhile (its ring wrapped): else they are dropped, and the next poll asks again. */
+  if (got != NULL && use_shm && resp != NULL && !rpc_shm_fetch_intact(&c->shm, resp)) {
+    for (size_t i = 0; i < nr; i++)
+      if (got[i] != NULL) precond_roots_release(&got[i]->pub);
+    memset(got, 0, nr * sizeof(*got));
+    torn = 1;
+  }
 
   pthread_mutex_lock(&c->mu);
+  c->counters.retries += (uint64_t)torn;
   if (resp != NULL) note_daemon(c, resp->daemon_epoch, resp->resumed_step);
   size_t published = 0;
   for (size_t i = 0; got != NULL && i < nr; i++) {

@@ -511,6 +511,12 @@ static int pd__restore(pd_daemon *d) {
     pd_log(PD_LOG_INFO, "restored %zu jobs, %zu blocks from %s/%s in %.3f s", d->store.njobs,
            blocks, d->cfg.state_dir, PD_SNAPSHOT_FILE, pd_now() - t0);
   }
+  const pd_replica_link *link = d->store.link;
+  if (pd_replica_state_check(d->cfg.state_dir, link ? link->rank : 0, link ? link->nranks : 1,
+                             d->store.njobs, err, sizeof err) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "%s", err);
+    return -1;
+  }
   return 0;
 }
 

@@ -190,6 +190,9 @@ typedef struct {
   uint32_t nparts;
   uint64_t order[PD_MAX_PARTS];
   float *part[PD_MAX_PARTS];
+  /* Where each part is published in the shared-memory roots area, per encoding (fp32,
+   * bf16): its sequence number there, 0 for none (host/shm.c, under its roots lock). */
+  uint64_t shm_seq[2][PD_MAX_PARTS];
 } pd_root;
 
 /* A fresh result with refs = 1 and uninitialised parts of the given orders (nparts <=
@@ -629,6 +632,17 @@ int pd_replica_launched(int *size);
 /* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
 int pd_replica_subst(char *s, size_t cap, int rank);
 
+/* The rank count a state directory's snapshot belongs to: DIR/precondd.replicas holds
+ * "RANK NRANKS" of the daemon that last started on it. A snapshot's units were owned under
+ * that count, and each rank holds only its own units' statistics, so a rank that restored
+ * njobs > 0 jobs written under another rank or count would silently lose the statistics
+ * the other ranks held: PD_EINVAL, with why naming both (the startup agreement then stops
+ * every rank). Otherwise (a match, no jobs, or no such file: older daemons) the file is
+ * (re)written for this start: PD_OK, or PD_EIO. */
+#define PD_REPLICA_STATE_FILE "precondd.replicas"
+int pd_replica_state_check(const char *dir, int rank, int nranks, size_t njobs, char *why,
+                           size_t len);
+
 /* ---- replica.c (only when precondd is built with MPI) ---- */
 
 typedef struct pd_replica pd_replica;
@@ -785,7 +799,10 @@ int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
 
 #define PD_SHM_MAX_SESSIONS  64
 #define PD_SHM_DEFAULT_BYTES ((uint64_t)64 << 20) /* two 32 MiB halves */
-#define PD_SHM_MAX_BYTES     ((uint64_t)1 << 31)
+/* The roots area every client maps (rpc.h): made with the first region, 128 MiB of roots
+ * (a 4096 block's pair is 67 MB) past its entry table. */
+#define PD_SHM_ROOTS_BYTES (RPC_SHM_ROOTS_DATA + ((uint64_t)128 << 20))
+#define PD_SHM_MAX_BYTES   ((uint64_t)1 << 31)
 
 typedef struct pd_shm_session pd_shm_session;
 
@@ -799,6 +816,15 @@ typedef struct {
   pd_store *store; /* regions reserve their bytes in its budget */
   pd_stats *stats; /* and count in memory_bytes */
   _Atomic uint64_t opened, reaped;
+  /* The roots area (made with the first region; roots == NULL: none, or it failed). */
+  pthread_mutex_t roots_lock; /* guards the rest and every pd_root's shm_seq */
+  char roots_path[1100];
+  int roots_fd, roots_tried;
+  unsigned char *roots;
+  size_t roots_bytes;
+  uint64_t roots_seq;    /* the last publication's sequence number */
+  uint64_t roots_oldest; /* the oldest publication whose entry may still be valid */
+  uint64_t roots_pos;    /* the ring's next free byte, from the data's start */
 } pd_shm;
 
 /* Sets r up to make regions in dir ("" or NULL: off; OpenSharedMemory is then refused). */
@@ -839,10 +865,26 @@ void pd_shm_in_end(pd_shm_in *in);
  * reference is out of place or the checksum differs; PD_ENOMEM. */
 int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
                    int fp32, uint8_t **out, int *finite, const char **why);
+/* pd_shm_copy_in of an unchecked reference (ShmRef.unchecked): no checksum, the copy is
+ * what is validated and used. */
+int pd_shm_copy_in_unchecked(pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
+                             int fp32, uint8_t **out, int *finite, const char **why);
 /* Writes len bytes of src to the next place of the region's second half (its ring): the
  * offset from the region's start and the CRC-32C out. PD_ELIMIT if len is above the half. */
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,
                      uint32_t *crc);
+/* The roots area's path and size for an OpenSharedMemory answer (NULL, 0: none). */
+void pd_shm_roots_describe(pd_shm *r, const char **path, size_t *bytes);
+/* Publishes part k of root (encoding enc: 0 fp32, 1 bf16; its len bytes at src) in the
+ * roots area, unless it is there already: ref gets the offset, length, CRC-32C and
+ * sequence number a fetch answers. PD_ELIMIT when there is no area or len does not fit it
+ * (send the bytes another way), or with src NULL when it is not there already (encode it
+ * and call again). */
+int pd_shm_root_ref(pd_shm *r, pd_root *root, uint32_t k, int enc, const void *src, size_t len,
+                    uint64_t *offset, uint64_t *length, uint32_t *crc, uint64_t *seq);
+/* 1 when a matrix of len bytes can go to the roots area (pd_shm_root_ref will not refuse
+ * it), else 0. */
+int pd_shm_root_fits(pd_shm *r, size_t len);
 /* Frees regions whose client is gone (no shared flock left) or that were never used within
  * 10 s of their making; returns how many. main.c's once-a-second loop (pd_service_expire). */
 size_t pd_shm_reap(pd_shm *r, double now);

@@ -91,3 +91,39 @@ int pd_replica_subst(char *s, size_t cap, int rank) {
   memcpy(s, out, o + 1);
   return 0;
 }
+
+/* Reads "RANK NRANKS" from path; 0, or -1 when absent or not that. */
+static int pd__read_ranks(const char *path, int *rank, int *nranks) {
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  int ok = fscanf(f, "%d %d", rank, nranks) == 2 && *nranks >= 1 && *rank >= 0 && *rank < *nranks;
+  fclose(f);
+  return ok ? 0 : -1;
+}
+
+int pd_replica_state_check(const char *dir, int rank, int nranks, size_t njobs, char *why,
+                           size_t len) {
+  char path[1100], tmp[1110];
+  snprintf(path, sizeof path, "%s/%s", dir, PD_REPLICA_STATE_FILE);
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  int was_rank = 0, was_nranks = 0;
+  if (njobs > 0 && pd__read_ranks(path, &was_rank, &was_nranks) == 0 &&
+      (was_rank != rank || was_nranks != nranks)) {
+    snprintf(why, len,
+             "the snapshot in %s was written by rank %d of %d daemon replicas, and this is "
+             "rank %d of %d: its %zu job(s) would be owned differently, and the statistics of "
+             "the units other ranks owned are in their state directories, not here. Start "
+             "the daemon job with %d rank(s) again (mpirun -np %d), or move the state "
+             "directories away to start empty",
+             dir, was_rank, was_nranks, rank, nranks, njobs, was_nranks, was_nranks);
+    return PD_EINVAL;
+  }
+  FILE *f = fopen(tmp, "w");
+  int ok = f && fprintf(f, "%d %d\n", rank, nranks) > 0;
+  if (f && fclose(f) != 0) ok = 0;
+  if (!ok || rename(tmp, path) != 0) {
+    snprintf(why, len, "cannot write %s", path);
+    return PD_EIO;
+  }
+  return PD_OK;
+}

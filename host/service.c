@@ -472,9 +472,13 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
       const char *why = NULL;
       uint8_t *bytes = NULL;
       int finite = 0;
-      int e = pd_shm_copy_in(&sp->in, m->shm->offset, m->shm->length, m->shm->crc32c,
-                             (size_t)m->shm->length, rpc_packed_native((int)m->encoding), &bytes,
-                             &finite, &why);
+      int fp32 = rpc_packed_native((int)m->encoding);
+      const Precond__V1__ShmRef *ref = m->shm;
+      int e = ref->unchecked
+                  ? pd_shm_copy_in_unchecked(&sp->in, ref->offset, ref->length, (size_t)ref->length,
+                                             fp32, &bytes, &finite, &why)
+                  : pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->crc32c,
+                                   (size_t)ref->length, fp32, &bytes, &finite, &why);
       if (e != PD_OK) {
         pd__fail(rep,
                  e == PD_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT,
@@ -531,6 +535,11 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
   resp.secret.len = RPC_SHM_SECRET_BYTES;
   resp.path = (char *)(uintptr_t)path;
   resp.bytes = bytes;
+  const char *roots_path = NULL;
+  size_t roots_bytes = 0;
+  pd_shm_roots_describe(&d->shm, &roots_path, &roots_bytes);
+  resp.roots_path = (char *)(uintptr_t)(roots_path ? roots_path : "");
+  resp.roots_bytes = roots_bytes;
   pd__answer(d, rep, &resp.base);
   pd_shm_put(&d->shm, s);
 }
@@ -723,9 +732,12 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
   /* Newer roots until the response would pass the size limit; the rest come next fetch. */
   size_t budget = d->cfg.max_message_bytes - d->cfg.max_message_bytes / 16, used = 0;
   size_t width = rpc_packed_width((int)req->encoding);
-  /* With a region, roots go to its answer half while this answer's fit there (a wrap
-   * within one answer would overwrite its own first roots); the rest travel as bytes. */
+  /* With a region, roots go to the roots area when the client has it mapped (published
+   * once, whoever fetches them), else to the region's answer half while this answer's fit
+   * there (a wrap within one answer would overwrite its own first roots); the rest travel
+   * as bytes. */
   uint64_t shm_half = 0, shm_used = 0;
+  int area = shm && req->roots_area;
   if (shm) {
     const unsigned char *secret;
     const char *path;
@@ -745,7 +757,9 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
     for (uint32_t k = 0; k < r->nparts; k++) {
       size_t len = pc_packed_len(r->order[k]) * width;
       size_t slot = (len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
-      if (shm && shm_used + in_shm + slot <= shm_half) {
+      if (area && pd_shm_root_fits(&d->shm, len)) {
+        to_shm[k] = 2;
+      } else if (shm && shm_used + in_shm + slot <= shm_half) {
         to_shm[k] = 1;
         in_shm += slot;
       } else {
@@ -776,20 +790,32 @@ static void pd__fetch(pd_daemon *d, const Precond__V1__FetchRequest *req, pd_rep
       wire[1] = &br->g_inv;
     }
     for (uint32_t k = 0; k < r->nparts; k++) {
-      size_t m = PD_MAX_PARTS * nout + k;
-      if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
+      size_t m = PD_MAX_PARTS * nout + k, len = pc_packed_len(r->order[k]) * width;
+      uint64_t off = 0, got = 0, seq = 0;
+      uint32_t crc = 0;
+      int enc = req->encoding == PRECOND__V1__ENCODING__ENCODING_BF16;
+      /* A root published already needs no encoding (for bf16 a pass over it). */
+      int cached = to_shm[k] == 2 &&
+                   pd_shm_root_ref(&d->shm, r, k, enc, NULL, len, &off, &got, &crc, &seq) == PD_OK;
+      if (cached) {
+        precond__v1__packed_matrix__init(&mats[m]);
+        mats[m].n = (uint32_t)r->order[k];
+        mats[m].encoding = req->encoding;
+        mats[m].data.len = len;
+      } else if (pd__encode(&mats[m], r->order[k], r->part[k], req->encoding, &owned[m])) {
         nout++;
         pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory encoding roots");
         goto cleanup;
       }
-      uint64_t off = 0;
-      uint32_t crc = 0;
-      if (to_shm[k] &&
-          pd_shm_write_out(shm, mats[m].data.data, mats[m].data.len, &off, &crc) == PD_OK) {
+      if (cached ||
+          (to_shm[k] == 2 && pd_shm_root_ref(&d->shm, r, k, enc, mats[m].data.data, len, &off, &got,
+                                             &crc, &seq) == PD_OK) ||
+          (to_shm[k] == 1 && pd_shm_write_out(shm, mats[m].data.data, len, &off, &crc) == PD_OK)) {
         precond__v1__shm_ref__init(&refs[m]);
         refs[m].offset = off;
-        refs[m].length = mats[m].data.len;
+        refs[m].length = len;
         refs[m].crc32c = crc;
+        refs[m].seq = seq;
         mats[m].shm = &refs[m];
         mats[m].data.data = NULL;
         mats[m].data.len = 0;

@@ -16,8 +16,10 @@
  */
 #include "precondd.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -56,7 +58,143 @@ int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
   r->store = store;
   r->stats = stats;
   r->next_id = 1;
+  r->roots_fd = -1;
+  if (pthread_mutex_init(&r->roots_lock, NULL) != 0) {
+    pthread_mutex_destroy(&r->lock);
+    return PD_ENOMEM;
+  }
   r->inited = 1;
+  return PD_OK;
+}
+
+/* ---- the roots area (rpc.h): one file, published roots, clients map it read-only ---- */
+
+/* Removes roots areas of daemons that died without removing theirs (kill -9): files named
+ * precondd-PID-roots-* whose PID is gone. Best effort. */
+static void pd__shm_roots_sweep(const char *dir) {
+  DIR *dp = opendir(dir);
+  struct dirent *e;
+  while (dp && (e = readdir(dp)) != NULL) {
+    int pid = 0, used = 0;
+    if (sscanf(e->d_name, "precondd-%d-roots-%n", &pid, &used) != 1 || used == 0 || pid <= 0)
+      continue;
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    if (unlink(path) == 0) pd_log(PD_LOG_INFO, "shm: removed %s (its daemon is gone)", path);
+  }
+  if (dp) closedir(dp);
+}
+
+/* Makes the area once (lock held), at the first region: a daemon none of whose clients is
+ * on its host spends nothing on it. Failure is logged and leaves fetches on the regions. */
+static void pd__shm_roots_make(pd_shm *r) {
+  if (r->roots_tried) return;
+  r->roots_tried = 1;
+  pd__shm_roots_sweep(r->dir);
+  size_t bytes = (size_t)PD_SHM_ROOTS_BYTES;
+  if (pd_store_reserve_extra(r->store, bytes) != PD_OK) {
+    pd_log(PD_LOG_INFO,
+           "shm: no roots area (%zu bytes do not fit --memory-limit-mb): roots go "
+           "through each region",
+           bytes);
+    return;
+  }
+  unsigned char name[8];
+  int fd = -1;
+  if (getrandom(name, sizeof name, 0) == (ssize_t)sizeof name) {
+    snprintf(r->roots_path, sizeof r->roots_path,
+             "%s/precondd-%d-roots-%02x%02x%02x%02x%02x%02x%02x%02x", r->dir, (int)getpid(),
+             name[0], name[1], name[2], name[3], name[4], name[5], name[6], name[7]);
+    fd = open(r->roots_path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  }
+  void *map = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, (off_t)bytes) == 0)
+    map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    pd_log(PD_LOG_ERROR, "shm: roots area %s: %s", r->roots_path, strerror(errno));
+    if (fd >= 0) {
+      unlink(r->roots_path);
+      close(fd);
+    }
+    r->roots_path[0] = '\0';
+    pd_store_release_extra(r->store, bytes);
+    return;
+  }
+  r->roots_fd = fd;
+  r->roots = map;
+  r->roots_bytes = bytes;
+  atomic_fetch_add(&r->stats->memory_bytes, (int64_t)bytes);
+}
+
+void pd_shm_roots_describe(pd_shm *r, const char **path, size_t *bytes) {
+  pthread_mutex_lock(&r->roots_lock);
+  *path = r->roots ? r->roots_path : NULL;
+  *bytes = r->roots ? r->roots_bytes : 0;
+  pthread_mutex_unlock(&r->roots_lock);
+}
+
+int pd_shm_root_fits(pd_shm *r, size_t len) {
+  pthread_mutex_lock(&r->roots_lock);
+  int fits = r->roots && len > 0 && len <= r->roots_bytes - RPC_SHM_ROOTS_DATA;
+  pthread_mutex_unlock(&r->roots_lock);
+  return fits;
+}
+
+static rpc_shm_entry *pd__shm_entry(pd_shm *r, uint64_t seq) {
+  return (rpc_shm_entry *)(void *)r->roots + seq % RPC_SHM_ROOTS_ENTRIES;
+}
+
+int pd_shm_root_ref(pd_shm *r, pd_root *root, uint32_t k, int enc, const void *src, size_t len,
+                    uint64_t *offset, uint64_t *length, uint32_t *crc, uint64_t *seq) {
+  if (k >= PD_MAX_PARTS || enc < 0 || enc > 1) return PD_ELIMIT;
+  pthread_mutex_lock(&r->roots_lock);
+  uint64_t area = r->roots ? r->roots_bytes - RPC_SHM_ROOTS_DATA : 0;
+  if (!r->roots || len == 0 || len > area) {
+    pthread_mutex_unlock(&r->roots_lock);
+    return PD_ELIMIT;
+  }
+  uint64_t n = root->shm_seq[enc][k];
+  rpc_shm_entry *e = n ? pd__shm_entry(r, n) : NULL;
+  int there = e && __atomic_load_n(&e->seq, __ATOMIC_RELAXED) == n;
+  if (!there && !src) {
+    pthread_mutex_unlock(&r->roots_lock);
+    return PD_ELIMIT;
+  }
+  if (!there) {
+    /* Not there, or overwritten since: publish it as publication n. */
+    n = ++r->roots_seq;
+    uint64_t before = r->roots_pos, off = 0;
+    rpc_shm_ring_take(&r->roots_pos, area, len, &off);
+    int wrapped = off == 0 && before != 0;
+    /* Entries whose bytes the new ones overwrite go first (the oldest, in ring order), and
+     * the one this publication reuses: seq 0 before any byte changes. */
+    while (r->roots_oldest != 0 && r->roots_oldest < n) {
+      rpc_shm_entry *old = pd__shm_entry(r, r->roots_oldest);
+      int reused = n - r->roots_oldest >= RPC_SHM_ROOTS_ENTRIES;
+      int over = old->offset - RPC_SHM_ROOTS_DATA < off + len &&
+                 off < old->offset - RPC_SHM_ROOTS_DATA + old->length;
+      int behind = wrapped && old->offset - RPC_SHM_ROOTS_DATA >= before;
+      if (!reused && !over && !behind && __atomic_load_n(&old->seq, __ATOMIC_RELAXED) != 0) break;
+      __atomic_store_n(&old->seq, 0, __ATOMIC_RELAXED);
+      r->roots_oldest++;
+    }
+    if (r->roots_oldest == 0 || r->roots_oldest > n) r->roots_oldest = n;
+    e = pd__shm_entry(r, n);
+    __atomic_store_n(&e->seq, 0, __ATOMIC_RELAXED);
+    /* Release: the zeros above are visible before any byte below is overwritten. */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    e->offset = RPC_SHM_ROOTS_DATA + off;
+    e->length = len;
+    e->crc32c = rpc_shm_copy_crc(r->roots + RPC_SHM_ROOTS_DATA + off, src, len);
+    __atomic_store_n(&e->seq, n, __ATOMIC_RELEASE);
+    root->shm_seq[enc][k] = n;
+  }
+  *offset = e->offset;
+  *length = e->length;
+  *crc = e->crc32c;
+  *seq = n;
+  pthread_mutex_unlock(&r->roots_lock);
   return PD_OK;
 }
 
@@ -95,6 +233,15 @@ void pd_shm_destroy(pd_shm *r) {
   while (r->n > 0) pd__shm_unlist_locked(r, r->n - 1);
   pthread_mutex_unlock(&r->lock);
   pthread_mutex_destroy(&r->lock);
+  if (r->roots) {
+    munmap(r->roots, r->roots_bytes);
+    close(r->roots_fd);
+    unlink(r->roots_path);
+    pd_store_release_extra(r->store, r->roots_bytes);
+    atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)r->roots_bytes);
+    r->roots = NULL;
+  }
+  pthread_mutex_destroy(&r->roots_lock);
   r->inited = 0;
 }
 
@@ -111,6 +258,9 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
              (unsigned long long)PD_SHM_DEFAULT_BYTES);
     return PD_EINVAL;
   }
+  pthread_mutex_lock(&r->roots_lock);
+  pd__shm_roots_make(r);
+  pthread_mutex_unlock(&r->roots_lock);
   size_t bytes = (size_t)(want + 2 * RPC_SHM_ALIGN - 1) / (2 * RPC_SHM_ALIGN) * (2 * RPC_SHM_ALIGN);
   pd_shm_session *s = calloc(1, sizeof *s);
   if (!s || pthread_mutex_init(&s->lock, NULL) != 0) {
@@ -266,8 +416,10 @@ void pd_shm_in_end(pd_shm_in *in) {
   in->buf = NULL;
 }
 
-int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
-                   int fp32, uint8_t **out, int *finite, const char **why) {
+/* checked: compare the copy's CRC-32C with crc; else a plain copy (with the NaN/Inf look). */
+static int pd__shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, int checked,
+                           uint32_t crc, size_t expect, int fp32, uint8_t **out, int *finite,
+                           const char **why) {
   const pd_shm_session *s = in->s;
   *out = NULL;
   *finite = 0;
@@ -287,8 +439,14 @@ int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc
     return PD_ENOMEM;
   }
   int ok = 0;
-  uint32_t got = fp32 ? rpc_shm_copy_crc_finite(buf, s->map + offset, (size_t)length, &ok)
-                      : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length);
+  uint32_t got = crc;
+  if (!checked && fp32)
+    rpc_shm_copy_finite(buf, s->map + offset, (size_t)length, &ok);
+  else if (!checked)
+    memcpy(buf, s->map + offset, (size_t)length);
+  else
+    got = fp32 ? rpc_shm_copy_crc_finite(buf, s->map + offset, (size_t)length, &ok)
+               : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length);
   if (got != crc) {
     if (!in->buf) free(buf);
     *why = "checksum mismatch (CRC-32C of the region's bytes)";
@@ -298,6 +456,16 @@ int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc
   *out = buf;
   *finite = ok;
   return PD_OK;
+}
+
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
+                   int fp32, uint8_t **out, int *finite, const char **why) {
+  return pd__shm_copy_in(in, offset, length, 1, crc, expect, fp32, out, finite, why);
+}
+
+int pd_shm_copy_in_unchecked(pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
+                             int fp32, uint8_t **out, int *finite, const char **why) {
+  return pd__shm_copy_in(in, offset, length, 0, 0, expect, fp32, out, finite, why);
 }
 
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,

@@ -41,6 +41,7 @@ typedef struct Precond__V1__ShmSession Precond__V1__ShmSession;
 typedef struct Precond__V1__PackedMatrix Precond__V1__PackedMatrix;
 typedef struct Precond__V1__ShmRef Precond__V1__ShmRef;
 typedef struct Precond__V1__FetchResponse Precond__V1__FetchResponse;
+typedef struct Precond__V1__FetchRequest Precond__V1__FetchRequest;
 
 #ifdef __cplusplus
 extern "C" {
@@ -244,6 +245,33 @@ uint32_t rpc_shm_copy_crc_finite(void *dst, const void *src, size_t len, int *fi
 /* The CRC-32C of len bytes as rpc_shm_copy_crc gives it, without copying. */
 uint32_t rpc_shm_crc(const void *data, size_t len);
 
+/* A copy that looks for NaN and Inf in the same pass, without a checksum (an unchecked
+ * push reference: ShmRef.unchecked): *finite as rpc_shm_copy_crc_finite's. */
+void rpc_shm_copy_finite(void *dst, const void *src, size_t len, int *finite);
+
+/* The daemon's roots area (ShmOpenResponse.roots_path): one file per daemon, written by the
+ * daemon alone and mapped read-only by its clients, where each root a fetch through a region
+ * asks for is published once (not per fetch) and referenced by ShmRef.seq. Its first
+ * RPC_SHM_ROOTS_ENTRIES * RPC_SHM_ALIGN bytes are a table of entries (rpc_shm_entry), the
+ * rest a ring of root bytes. Publication n uses entry n % RPC_SHM_ROOTS_ENTRIES: its seq is
+ * set to 0 before any of the bytes it guards are overwritten (the entry's own reuse and the
+ * ring wrapping over them) and to n after its bytes are written. A reader copies the bytes
+ * while the entry holds n before and after the copy (a seqlock: rpc_shm_fetch_in,
+ * rpc_shm_fetch_intact); the CRC-32C in the reference was computed once, at publication,
+ * for whoever wants to check it. */
+#define RPC_SHM_ROOTS_ENTRIES 4096
+typedef struct {
+  uint64_t seq; /* 0: free or being written; read and written with __atomic builtins */
+  uint64_t offset, length;
+  uint32_t crc32c;
+  unsigned char pad[RPC_SHM_ALIGN - 3 * sizeof(uint64_t) - sizeof(uint32_t)];
+} rpc_shm_entry;
+#define RPC_SHM_ROOTS_DATA ((uint64_t)RPC_SHM_ROOTS_ENTRIES * sizeof(rpc_shm_entry))
+
+/* 1 when the entry of ref (seq set) in the area of bytes bytes holds ref->seq and names
+ * the same bytes, else 0 (overwritten, being written, or a reference out of place). */
+int rpc_shm_entry_holds(const unsigned char *area, size_t bytes, const Precond__V1__ShmRef *ref);
+
 /* Takes len bytes from a ring of area bytes whose next free offset (relative to the ring)
  * is *pos: *off gets where they start, *pos moves past them. RPC_ETOOBIG if len > area;
  * RPC_EINVAL for NULL pointers. */
@@ -263,7 +291,9 @@ typedef struct {
   unsigned char *map; /* NULL: no region */
   size_t bytes;
   int fd;
-  uint64_t in_pos; /* next free byte of the client's ring (the first half) */
+  uint64_t in_pos;            /* next free byte of the client's ring (the first half) */
+  const unsigned char *roots; /* the daemon's roots area, read-only; NULL: none */
+  size_t roots_bytes;
 } rpc_shm;
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
@@ -275,25 +305,46 @@ typedef struct {
 int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t want, rpc_shm *s,
                  grpc_status_code *code, char *err, size_t errlen);
 
-/* Unmaps and closes (dropping the lock). A closed or zeroed *s is a no-op. */
+/* Unmaps and closes (dropping the lock) and unmaps the roots area. A closed or zeroed *s
+ * is a no-op. */
 void rpc_shm_close(rpc_shm *s);
 
 /* The session fields a request carries. */
 void rpc_shm_session(const rpc_shm *s, Precond__V1__ShmSession *w);
 
-/* Moves the bytes of push matrix m into the region (its ring), if they fit the first half:
- * sets m->shm to *ref (caller-provided, lives until the call is sent) and empties m->data.
- * Returns the bytes moved (0: m keeps its bytes). */
+/* Takes len bytes of the client's half (its ring) for push matrix m and returns where the
+ * caller writes m's bytes before the call (e.g. the kernel producing the statistic, with no
+ * copy of its own): sets m->shm to *ref (caller-provided, lives until the call is sent;
+ * unchecked: no checksum pass) and empties m->data. NULL when len is 0 or above the half
+ * (m unchanged: send its bytes). The bytes must stay as written until the call returns. */
+unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len,
+                            Precond__V1__ShmRef *ref);
+
+/* rpc_shm_slot for m's own bytes, copied there (one plain copy). Returns the bytes moved
+ * (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
 
+/* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
+ * area mapped. */
+void rpc_shm_fetch_request(const rpc_shm *s, Precond__V1__ShmSession *w,
+                           Precond__V1__FetchRequest *req);
+
 /* For every matrix of a fetch answer that names the region: checks that the reference lies
- * in the daemon's half and that the bytes there have its CRC-32C, and points data at them
- * (no copy: the caller decodes them into its own roots, the one copy the bytes path makes
- * too). Returns the bytes checked, or -1 with a message naming the field in err (a
- * reference out of place or a checksum that differs: the answer must not be used). Either
- * way rpc_shm_fetch_done(r) must run before r is freed. */
+ * in the daemon's half and that the bytes there have its CRC-32C, or (seq set) that it lies
+ * in the roots area and its entry holds seq, and points data at the bytes (no copy: the
+ * caller decodes them into its own roots, the one copy the bytes path makes too; then
+ * rpc_shm_fetch_intact says whether roots-area bytes stayed as published meanwhile).
+ * Returns the bytes referenced, or -1 with a message naming the field in err (a reference
+ * out of place, a checksum that differs: the answer must not be used). Either way
+ * rpc_shm_fetch_done(r) must run before r is freed. */
 long long rpc_shm_fetch_in(const rpc_shm *s, Precond__V1__FetchResponse *r, char *err,
                            size_t errlen);
+
+/* After the caller copied or decoded r's roots (rpc_shm_fetch_in): 1 when every
+ * roots-area reference's entry still holds its seq, i.e. the copies are of the bytes
+ * published; 0 when the daemon overwrote some meanwhile (its ring wrapped: drop the
+ * copies and fetch again; rare, the area holds many answers). */
+int rpc_shm_fetch_intact(const rpc_shm *s, const Precond__V1__FetchResponse *r);
 
 /* Detaches the data pointers rpc_shm_fetch_in set (they are the region's, not the
  * answer's), so protobuf_c_message_free_unpacked(r) frees only what is r's. */

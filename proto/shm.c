@@ -204,6 +204,34 @@ uint32_t rpc_shm_crc(const void *data, size_t len) {
   return rpc__copy_crc(NULL, data, len, NULL);
 }
 
+/* The copy of rpc__copy_crc without the checksum: pieces small enough to be looked at for
+ * NaN and Inf while they are in cache, so memory is crossed once. */
+void rpc_shm_copy_finite(void *dst, const void *src, size_t len, int *finite) {
+  enum { PIECE = 16 << 10 };
+  unsigned char *d = dst;
+  const unsigned char *s = src;
+  int ok = (uintptr_t)d % _Alignof(float) == 0 && len % sizeof(float) == 0;
+  for (size_t done = 0; done < len;) {
+    size_t k = len - done < PIECE ? len - done : PIECE;
+    memcpy(d + done, s + done, k);
+    ok = rpc__look(ok, d + done, k);
+    done += k;
+  }
+  *finite = ok;
+}
+
+int rpc_shm_entry_holds(const unsigned char *area, size_t bytes, const Precond__V1__ShmRef *ref) {
+  if (area == NULL || ref->seq == 0 ||
+      rpc_shm_ref_check(bytes, RPC_SHM_ROOTS_DATA, bytes, ref->offset, ref->length,
+                        (size_t)ref->length) != RPC_OK)
+    return 0;
+  const rpc_shm_entry *e =
+      (const rpc_shm_entry *)(const void *)area + ref->seq % RPC_SHM_ROOTS_ENTRIES;
+  /* Acquire: the entry's other fields and the bytes it guards are read after this. */
+  if (__atomic_load_n(&e->seq, __ATOMIC_ACQUIRE) != ref->seq) return 0;
+  return e->offset == ref->offset && e->length == ref->length && e->crc32c == ref->crc32c;
+}
+
 int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off) {
   if (!pos || !off || len > area) return RPC_ETOOBIG;
   if (*pos > area || area - *pos < len) *pos = 0; /* wrap: the oldest bytes go first */
@@ -224,6 +252,7 @@ int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset
 /* ---- the client's side of a region: open, write push statistics, read fetched roots ---- */
 
 void rpc_shm_close(rpc_shm *s) {
+  if (s->roots != NULL) munmap((void *)(uintptr_t)s->roots, s->roots_bytes);
   if (s->map != NULL) munmap(s->map, s->bytes);
   if (s->map != NULL && s->fd >= 0) close(s->fd); /* drops the flock */
   memset(s, 0, sizeof *s);
@@ -278,6 +307,19 @@ int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t
   s->bytes = (size_t)r->bytes;
   s->id = r->id;
   memcpy(s->secret, r->secret.data, RPC_SHM_SECRET_BYTES);
+  /* The roots area, read-only, if there is one and it can be mapped: without it fetches
+   * get their roots in this region's half, as from an older daemon. */
+  int rfd = r->roots_path && r->roots_path[0] && r->roots_bytes > RPC_SHM_ROOTS_DATA
+                ? open(r->roots_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+                : -1;
+  if (rfd >= 0 && fstat(rfd, &st) == 0 && (uint64_t)st.st_size == r->roots_bytes) {
+    void *roots = mmap(NULL, (size_t)r->roots_bytes, PROT_READ, MAP_SHARED, rfd, 0);
+    if (roots != MAP_FAILED) {
+      s->roots = roots;
+      s->roots_bytes = (size_t)r->roots_bytes;
+    }
+  }
+  if (rfd >= 0) close(rfd); /* the mapping stays */
   protobuf_c_message_free_unpacked(msg, NULL);
   return RPC_OK;
 
@@ -295,19 +337,36 @@ void rpc_shm_session(const rpc_shm *s, Precond__V1__ShmSession *w) {
   w->secret.len = RPC_SHM_SECRET_BYTES;
 }
 
-size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {
+unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len,
+                            Precond__V1__ShmRef *ref) {
   uint64_t off = 0;
-  if (s->map == NULL || m->data.len == 0 ||
-      rpc_shm_ring_take(&s->in_pos, s->bytes / 2, m->data.len, &off) != RPC_OK)
-    return 0;
+  if (s->map == NULL || len == 0 ||
+      rpc_shm_ring_take(&s->in_pos, s->bytes / 2, len, &off) != RPC_OK)
+    return NULL;
   precond__v1__shm_ref__init(ref);
   ref->offset = off;
-  ref->length = m->data.len;
-  ref->crc32c = rpc_shm_copy_crc(s->map + off, m->data.data, m->data.len);
+  ref->length = len;
+  ref->unchecked = 1; /* the daemon validates its copy, as it does a message's bytes */
   m->shm = ref;
   m->data.data = NULL;
   m->data.len = 0;
-  return (size_t)ref->length;
+  return s->map + off;
+}
+
+size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {
+  const uint8_t *src = m->data.data;
+  size_t len = m->data.len;
+  unsigned char *dst = rpc_shm_slot(s, m, len, ref);
+  if (dst == NULL) return 0;
+  memcpy(dst, src, len);
+  return len;
+}
+
+void rpc_shm_fetch_request(const rpc_shm *s, Precond__V1__ShmSession *w,
+                           Precond__V1__FetchRequest *req) {
+  rpc_shm_session(s, w);
+  req->shm = w;
+  req->roots_area = s->roots != NULL;
 }
 
 long long rpc_shm_fetch_in(const rpc_shm *s, Precond__V1__FetchResponse *r, char *err,
@@ -321,6 +380,19 @@ long long rpc_shm_fetch_in(const rpc_shm *s, Precond__V1__FetchResponse *r, char
       Precond__V1__PackedMatrix *m = part[k];
       if (m == NULL || m->shm == NULL) continue;
       const Precond__V1__ShmRef *ref = m->shm;
+      if (ref->seq != 0) {
+        /* The roots area: published once, guarded by its entry (no checksum pass here). */
+        if (m->data.len != 0 || !rpc_shm_entry_holds(s->roots, s->roots_bytes, ref)) {
+          snprintf(err, errlen, "preconditioners[%zu].%s.shm: not in the roots area as named", i,
+                   name[k]);
+          return -1;
+        }
+        free(m->data.data);
+        m->data.data = (uint8_t *)(uintptr_t)(s->roots + ref->offset);
+        m->data.len = (size_t)ref->length;
+        total += (long long)ref->length;
+        continue;
+      }
       if (s->map == NULL || m->data.len != 0 ||
           rpc_shm_ref_check(s->bytes, s->bytes / 2, s->bytes, ref->offset, ref->length,
                             (size_t)ref->length) != RPC_OK) {
@@ -338,6 +410,20 @@ long long rpc_shm_fetch_in(const rpc_shm *s, Precond__V1__FetchResponse *r, char
     }
   }
   return total;
+}
+
+int rpc_shm_fetch_intact(const rpc_shm *s, const Precond__V1__FetchResponse *r) {
+  /* Acquire: the copies the caller made are ordered before these loads of the entries. */
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  for (size_t i = 0; r != NULL && i < r->n_preconditioners; i++) {
+    const Precond__V1__BlockRoots *b = r->preconditioners[i];
+    const Precond__V1__PackedMatrix *part[4] = {b->left, b->right, b->a_inv, b->g_inv};
+    for (int k = 0; k < 4; k++)
+      if (part[k] != NULL && part[k]->shm != NULL && part[k]->shm->seq != 0 &&
+          !rpc_shm_entry_holds(s->roots, s->roots_bytes, part[k]->shm))
+        return 0;
+  }
+  return 1;
 }
 
 void rpc_shm_fetch_done(Precond__V1__FetchResponse *r) {

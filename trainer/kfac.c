@@ -68,8 +68,7 @@ typedef struct {
   size_t u_floats;
   uint64_t draws;        /* the draws' counter (ac_rand_uniform's offset) */
   int sampling;          /* the model Fisher's backward is running: the hook computes factors */
-  double last_t, step_s; /* wall time of the last pt_step; mean step time (EMA), s */
-  int poll_ms;           /* the poll period last given to libprecond (0: its default) */
+  pt__pace pace;         /* libprecond's poll, half a step (pt__poll_pace) */
   ac_kfac_pg *pg;        /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max;    /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
@@ -688,29 +687,10 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
   return rc;
 }
 
-/* libprecond polls for results every 20 ms by default: 50 calls a second whatever a step
- * costs, about 40 ms of the client's CPU per ResNet step on the CPU backend (perf), and more
- * the slower the wall clock runs, when K-FAC's inverses change every inv_every pushes. So
- * (poll_interval_ms 0) the poll follows the step: half the mean step's wall time, 10 ms to
- * 1 s, a new version waiting at most half a step more. */
-static void pt__kfac_poll_pace(pt_trainer *t) {
-  pt__kfac *s = t->state;
-  double now = pt__now();
-  if (t->opts.poll_interval_ms == 0 && s->last_t > 0.0) {
-    double dt = now - s->last_t;
-    s->step_s = s->step_s > 0.0 ? 0.8 * s->step_s + 0.2 * dt : dt;
-    double want = 500.0 * s->step_s;
-    int ms = want < 10.0 ? 10 : want > 1000.0 ? 1000 : (int)want;
-    if (4 * abs(ms - s->poll_ms) > s->poll_ms && precond_set_poll_interval(t->client, ms) == 0)
-      s->poll_ms = ms;
-  }
-  s->last_t = now;
-}
-
 static int pt__kfac_step(pt_trainer *t, long step, double lr, pt_step_info *info, pt_error *err) {
   pt__kfac *s = t->state;
   const pt_kfac_opts *o = &t->opts.kfac;
-  pt__kfac_poll_pace(t);
+  pt__poll_pace(t, &s->pace);
   if (step != s->next_step)
     return pt__fail(err, PT_EINVAL,
                     "K-FAC: step %ld, expected %ld (steps are consecutive: "

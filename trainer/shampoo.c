@@ -29,6 +29,7 @@ typedef struct {
   uint8_t *mine;            /* per block: this worker computes and pushes its statistics */
   size_t nmine;
   double stats_s; /* CPU seconds of this thread: 2 cores shared, wall is noise */
+  pt__pace pace;  /* asynchronous roots: libprecond's poll, half a step (pt__poll_pace) */
   uint64_t applied, rejected;
 } pt__shampoo;
 
@@ -198,6 +199,9 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   pt__shampoo *s = t->state;
   int due = 0;
   long stat_step = 0;
+  /* With sync_roots each step waits on the poll for its roots: there it keeps its short
+   * period (the run's wall time is what that mode pays anyway). */
+  if (!t->opts.sync_roots) pt__poll_pace(t, &s->pace);
   double t0 = pt__cpu_now();
   int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step), "Shampoo statistics");
   if (rc == PT_OK && due) rc = pt__shampoo_push(t, stat_step, err);

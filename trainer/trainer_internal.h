@@ -56,6 +56,19 @@ double pt__now(void);
  * shared, wall time is noise). */
 double pt__cpu_now(void);
 
+/* libprecond's poll for results follows the step (pt__poll_pace). */
+typedef struct {
+  double last_t, step_s; /* wall time of the last call; mean step time (EMA), s */
+  int poll_ms;           /* the poll period last given to libprecond (0: its default) */
+} pt__pace;
+
+/* Called once per step: with poll_interval_ms 0, sets libprecond's poll period to half the
+ * mean step's wall time (10 ms to 1 s). libprecond polls every 20 ms by default: 50 calls a
+ * second whatever a step costs, each a full RPC (about 40 ms of the client's CPU per ResNet
+ * step for K-FAC, a tenth of the Transformer client's CPU for Shampoo under load: perf), and
+ * more the slower the wall clock runs. A new version waits at most half a step more. */
+void pt__poll_pace(pt_trainer *t, pt__pace *p);
+
 /* Data parallelism (dp.c): the worker (0 .. shard_size - 1) that computes and pushes unit b
  * of t->layout: with one daemon replica per worker, the worker of the rank whose daemon
  * owns it (nothing is forwarded); else every shard_size-th unit. 0 with one worker. */

@@ -141,6 +141,16 @@ static void test_cpu_threads(void **state) {
   ac_backend_destroy(be);
 }
 
+/* be[0] on 1 thread and be[1] on 2, for the bit-for-bit comparisons. */
+static void cpu_pair(ac_backend *be[2]) {
+  ac_backend_opts opts;
+  ac_backend_opts_default(&opts);
+  for (int t = 0; t < 2; t++) {
+    opts.threads = t + 1;
+    OK(ac_backend_create(&be[t], &opts));
+  }
+}
+
 /* The CPU backend's worker pool splits im2col, col2im, batch norm's passes and the gemms
  * (by blocks of columns and batch items) across its threads: on 2 threads every result
  * must be bit-identical to 1 thread (the tests of training check bit-exact reruns, and
@@ -149,13 +159,8 @@ static void test_cpu_threads(void **state) {
  * the block, B transposed, a strided batch) and by rows (A transposed). */
 static void test_cpu_pool_bitwise(void **state) {
   (void)state;
-  ac_backend_opts opts;
-  ac_backend_opts_default(&opts);
   ac_backend *be[2] = {NULL, NULL};
-  opts.threads = 1;
-  OK(ac_backend_create(&be[0], &opts));
-  opts.threads = 2;
-  OK(ac_backend_create(&be[1], &opts));
+  cpu_pair(be);
   const ac_conv2d_geom g = geom(6, 8, 20, 20, 3, 3, 1, 1, 1, 1);
   const size_t nx = 6 * 8 * 400, ncol = 8 * 9 * 6 * 400, c = 8, hw = 400;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hp = host_rand(5 * c);
@@ -1234,6 +1239,44 @@ static void test_im2col_geometries(void **state) {
   }
 }
 
+/* The direct 3x3 convs on 2 threads give the bits of 1 thread: the forward split by
+ * images, the weight gradient by blocks of weights, over several chunks of images. */
+static void test_cpu_conv3x3_bitwise(void **state) {
+  (void)state;
+  ac_backend *be[2] = {NULL, NULL};
+  cpu_pair(be);
+  if (!ac_conv3x3_supported(be[0], 16, 16)) {
+    print_message("conv3x3: no direct kernels on this CPU\n");
+    ac_backend_destroy(be[0]);
+    ac_backend_destroy(be[1]);
+    return;
+  }
+  const size_t n = 21, c = 16, h = 28, w = 28, nx = n * c * h * w, nw = c * c * 9;
+  float *hx = host_rand(nx), *hdy = host_rand(nx), *hwt = host_rand(nw);
+  float *out[2] = {NULL, NULL};
+  for (int t = 0; t < 2; t++) {
+    ac_backend *b = be[t];
+    float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *wt = dev_up(b, hwt, nw);
+    float *r = dev_alloc(b, (nx + nw) * sizeof(float));
+    OK(ac_fill_f32(b, nw, r + nx, 0.0f));
+    OK(ac_conv3x3(b, n, c, c, h, w, x, wt, r));
+    OK(ac_conv3x3_wgrad(b, n, c, c, h, w, x, dy, r + nx));
+    out[t] = dev_down(b, r, nx + nw);
+    ac_free(b, x);
+    ac_free(b, dy);
+    ac_free(b, wt);
+    ac_free(b, r);
+  }
+  assert_memory_equal(out[0], out[1], (nx + nw) * sizeof(float));
+  free(out[0]);
+  free(out[1]);
+  free(hx);
+  free(hdy);
+  free(hwt);
+  ac_backend_destroy(be[0]);
+  ac_backend_destroy(be[1]);
+}
+
 static void test_conv_im2col(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom g = geom(2, 3, 9, 7, 3, 2, 2, 1, 1, 1);
@@ -1319,6 +1362,69 @@ static void test_conv_im2col(void **state) {
   ac_free(be, col);
   ac_free(be, y);
   ac_free(be, t);
+}
+
+/* The direct 3x3 convs (stride 1, padding 1) against double loops: odd sizes (a row of 9,
+ * a 7-row image, planes smaller than a vector, 1 input channel, channels not a multiple of
+ * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
+ * without AVX2 + FMA) answers AC_ENOTSUP, and the layers use im2col + gemm. */
+static void test_conv3x3(void **state) {
+  ac_backend *be = backend(state);
+  const size_t shapes[][5] = {{3, 5, 8, 7, 9}, {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
+                              {1, 4, 4, 1, 1}, {3, 8, 4, 2, 3}};
+  if (!ac_conv3x3_supported(be, 4, 4)) {
+    float z[3] = {0, 0, 0};
+    assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z + 2), AC_ENOTSUP);
+    print_message("conv3x3: no direct kernels on %s\n", ac_backend_describe(be));
+    return;
+  }
+  assert_false(ac_conv3x3_supported(be, 4, 6)); /* output channels in blocks of 4 */
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    size_t n = shapes[s][0], c = shapes[s][1], oc = shapes[s][2], h = shapes[s][3];
+    size_t w = shapes[s][4], nx = n * c * h * w, ny = n * oc * h * w, nw = oc * c * 9;
+    float *hx = host_rand(nx), *hwt = host_rand(nw), *hdy = host_rand(ny), *hdw = host_rand(nw);
+    double *want = dzeros(ny), *want_dw = dzeros(nw);
+    for (size_t i = 0; i < nw; i++) want_dw[i] = hdw[i];
+    for (size_t b = 0; b < n; b++)
+      for (size_t o = 0; o < oc; o++)
+        for (size_t yy = 0; yy < h; yy++)
+          for (size_t xx = 0; xx < w; xx++)
+            for (size_t ch = 0; ch < c; ch++)
+              for (size_t t = 0; t < 9; t++) {
+                long iy = (long)yy + (long)(t / 3) - 1, ix = (long)xx + (long)(t % 3) - 1;
+                if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
+                size_t yi = ((b * oc + o) * h + yy) * w + xx, wi = (o * c + ch) * 9 + t;
+                double xv = hx[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
+                want[yi] += (double)hwt[wi] * xv;
+                want_dw[wi] += (double)hdy[yi] * xv;
+              }
+    float *x = dev_up(be, hx, nx), *wt = dev_up(be, hwt, nw), *dy = dev_up(be, hdy, ny);
+    float *dw = dev_up(be, hdw, nw), *y = dev_alloc(be, ny * sizeof(float));
+    OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
+    OK(ac_conv3x3(be, n, c, oc, h, w, x, wt, y));
+    OK(ac_conv3x3_wgrad(be, n, c, oc, h, w, x, dy, dw));
+    float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw);
+    expect_close("conv3x3", got, want, ny, 2e-6 * (double)(c * 9), 1e-5);
+    expect_close("conv3x3 wgrad", got_dw, want_dw, nw, 2e-6 * (double)(n * h * w), 1e-5);
+    free(got);
+    free(got_dw);
+    free(want);
+    free(want_dw);
+    free(hx);
+    free(hwt);
+    free(hdy);
+    free(hdw);
+    ac_free(be, x);
+    ac_free(be, wt);
+    ac_free(be, dy);
+    ac_free(be, dw);
+    ac_free(be, y);
+  }
+  float z[4] = {0, 0, 0, 0};
+  assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z), AC_EINVAL); /* y aliases x */
+  assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, NULL, z + 1, z + 2), AC_EINVAL);
+  assert_int_equal(ac_conv3x3_wgrad(be, 1, 4, 4, 1, 1, z, z, z + 2), AC_EINVAL); /* dy == x */
+  assert_int_equal(ac_conv3x3(be, 0, 4, 4, 1, 1, NULL, NULL, NULL), AC_OK);     /* nothing */
 }
 
 /* Batch norm's per-channel passes against double loops, over a row shape, rows longer than
@@ -1940,6 +2046,7 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
       cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                        \
       cmocka_unit_test(test_gather_scatter), cmocka_unit_test(test_conv_im2col),            \
+      cmocka_unit_test(test_conv3x3),                                                       \
       cmocka_unit_test(test_im2col_geometries), cmocka_unit_test(test_pool),                \
       cmocka_unit_test(test_channel_ops), cmocka_unit_test(test_random),                    \
       cmocka_unit_test(test_sample_rows), cmocka_unit_test(test_adamw)
@@ -1947,7 +2054,8 @@ static void test_cuda_matches_cpu(void **state) {
 int main(void) {
   const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
                                          cmocka_unit_test(test_cpu_threads),
-                                         cmocka_unit_test(test_cpu_pool_bitwise)};
+                                         cmocka_unit_test(test_cpu_pool_bitwise),
+                                         cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

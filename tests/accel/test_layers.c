@@ -848,7 +848,22 @@ static void case_conv_s1_wide(ac_backend *be, refcase *rc, result *res) {
   conv_case(be, rc, res, &cfg);
 }
 
+/* 3x3, stride 1, padding 1 with output channels in blocks of 4: the CPU backend's direct
+ * kernels (ac_conv3x3) for y, dW and (8 input channels) dx, where it has them; with 4 output
+ * and 2 input channels ("wide" above) y and dW direct, dx by col2im. */
+static void case_conv_direct(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 8, 7, 9, 4, 3, 1, 1, 7, 9, 1};
+  conv_case(be, rc, res, &cfg);
+}
+
+static void case_conv_direct_tiny(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 4, 2, 1, 4, 3, 1, 1, 2, 1, 1};
+  conv_case(be, rc, res, &cfg);
+}
+
 static void test_conv_stride1(void **state) {
+  run_case(state, "conv2d direct", case_conv_direct);
+  run_case(state, "conv2d direct tiny", case_conv_direct_tiny);
   run_case(state, "conv2d stride 1", case_conv_s1);
   run_case(state, "conv2d stride 1 pad 2", case_conv_s1_pad2);
   run_case(state, "conv2d stride 1 wide", case_conv_s1_wide);

@@ -35,11 +35,13 @@ static float frand(void) {
  *   "a" 5 x 7      -> blocks 4x4, 4x3, 1x4, 1x3
  *   "b" 3 x 2 x 5  -> view 3 x 10, blocks 3x4, 3x4, 3x2
  *   "c" 6          -> rank 1: diagonal
- *   "d" 2 x 13     -> cols above the skip limit: diagonal */
-enum { NPAR = 4, NBLK = 7 };
-static const int ranks[NPAR] = {2, 3, 1, 2};
-static const size_t dims[NPAR][3] = {{5, 7, 0}, {3, 2, 5}, {6, 0, 0}, {2, 13, 0}};
-static const char *names[NPAR] = {"a", "b", "c", "d"};
+ *   "d" 2 x 13     -> cols above the skip limit: diagonal
+ *   "e" 8 x 4      -> blocks 4x4, 4x4 as wide as the tensor: contiguous in it (the worker
+ *                     reads and writes them in place) */
+enum { NPAR = 5, NBLK = 9 };
+static const int ranks[NPAR] = {2, 3, 1, 2, 2};
+static const size_t dims[NPAR][3] = {{5, 7, 0}, {3, 2, 5}, {6, 0, 0}, {2, 13, 0}, {8, 4, 0}};
+static const char *names[NPAR] = {"a", "b", "c", "d", "e"};
 
 typedef struct {
   ac_backend *be;
@@ -389,9 +391,9 @@ static void test_layout_and_stats(void **state) {
 /* The step against the reference                                                         */
 
 /* Blocks' roots: both sides dense, both packed, left only, right only, none (fallback),
- * then both for the rank-3 tensor's blocks. */
+ * then both for the rank-3 tensor's blocks, then both (dense, packed) for "e"'s. */
 static void give_all_roots(world *w, ac_shampoo *s, uint64_t version) {
-  const int left[NBLK] = {1, 1, 1, 0, 0, 1, 1}, right[NBLK] = {1, 1, 0, 1, 0, 1, 1};
+  const int left[NBLK] = {1, 1, 1, 0, 0, 1, 1, 1, 1}, right[NBLK] = {1, 1, 0, 1, 0, 1, 1, 1, 1};
   for (int b = 0; b < NBLK; b++) {
     make_roots(w, b, left[b], right[b]);
     if (left[b] || right[b])

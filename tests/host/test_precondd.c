@@ -1506,10 +1506,12 @@ static void close_region(region_t *g) {
 
 /* A one-block push of left and right (n x n, fp32) through the region: left at offset
  * off_l, right at off_r (from the region's start); corrupt: flip a byte of left after its
- * checksum; secret_bad: a wrong secret. */
-static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint64_t step,
-                                 uint32_t n, const float *left, const float *right, uint64_t off_l,
-                                 uint64_t off_r, int corrupt, int secret_bad, char *msg) {
+ * checksum; secret_bad: a wrong secret; unchecked: references without a checksum (as
+ * libprecond sends them). */
+static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, uint64_t step,
+                                    uint32_t n, const float *left, const float *right,
+                                    uint64_t off_l, uint64_t off_r, int corrupt, int secret_bad,
+                                    int unchecked, char *msg) {
   size_t len = pc_packed_len(n) * 4;
   Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
                             r = PRECOND__V1__PACKED_MATRIX__INIT;
@@ -1526,6 +1528,7 @@ static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint
   rl.offset = off_l;
   rr.offset = off_r;
   rl.length = rr.length = len;
+  rl.unchecked = rr.unchecked = unchecked != 0;
   l.n = r.n = n;
   l.shm = &rl;
   r.shm = &rr;
@@ -1547,6 +1550,51 @@ static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint
   req.shm = &sess;
   return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
               NULL, msg, 512);
+}
+
+static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint64_t step,
+                                 uint32_t n, const float *left, const float *right, uint64_t off_l,
+                                 uint64_t off_r, int corrupt, int secret_bad, char *msg) {
+  return shm_push_as(d, g, job, step, n, left, right, off_l, off_r, corrupt, secret_bad, 0, msg);
+}
+
+/* Step 1 of left and right (n x n) pushed to job "viashm" through the region (unchecked:
+ * references without a checksum) and to "viabytes" as bytes; once both have roots, the
+ * bytes job's answer (the caller frees it). */
+static Precond__V1__FetchResponse *push_both_ways(daemon_t *d, region_t *g, uint32_t n,
+                                                  const float *left, const float *right,
+                                                  int unchecked) {
+  char msg[512];
+  size_t len = pc_packed_len(n) * 4;
+  assert_int_equal(
+      shm_push_as(d, g, "viashm", 1, n, left, right, 0, len + 100, 0, 0, unchecked, msg),
+      GRPC_STATUS_OK);
+  blockstat bs = {0, n, n, left, right, 0};
+  assert_int_equal(do_push(d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *fb = wait_step_roots(d, "viabytes", 1, 1);
+  protobuf_c_message_free_unpacked(&wait_step_roots(d, "viashm", 1, 1)->base, NULL);
+  return fb;
+}
+
+/* Job "viashm"'s roots fetched naming the region g (roots_area: the client has the roots
+ * area mapped) in encoding enc: one block's answer (the caller frees it). */
+static Precond__V1__FetchResponse *shm_fetch(daemon_t *d, region_t *g, int roots_area, int enc) {
+  char msg[512];
+  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
+  sess.id = g->r->id;
+  sess.secret = g->r->secret;
+  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
+  fr.job = (char *)"viashm";
+  fr.shm = &sess;
+  fr.roots_area = roots_area != 0;
+  fr.encoding = (Precond__V1__Encoding)enc;
+  Precond__V1__FetchResponse *fs = NULL;
+  assert_int_equal(
+      call(d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
+           (ProtobufCMessage **)&fs, msg, sizeof msg),
+      GRPC_STATUS_OK);
+  assert_int_equal(fs->n_preconditioners, 1);
+  return fs;
 }
 
 static uint32_t shm_regions(daemon_t *d) {
@@ -1614,24 +1662,8 @@ static void test_shm(void **state) {
   protobuf_c_message_free_unpacked(&st->base, NULL);
 
   /* Stored: the same roots as the same bytes over gRPC, bit for bit. */
-  assert_int_equal(shm_push(&d, &g, "viashm", 1, n, sl, sr, 0, len + 100, 0, 0, msg),
-                   GRPC_STATUS_OK);
-  blockstat bs = {0, n, n, sl, sr, 0};
-  assert_int_equal(do_push(&d, "viabytes", 1, &bs, 1, NULL, msg), GRPC_STATUS_OK);
-  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 1);
-  protobuf_c_message_free_unpacked(&wait_step_roots(&d, "viashm", 1, 1)->base, NULL);
-  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
-  sess.id = g.r->id;
-  sess.secret = g.r->secret;
-  Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
-  fr.job = (char *)"viashm";
-  fr.shm = &sess;
-  Precond__V1__FetchResponse *fs = NULL;
-  assert_int_equal(
-      call(&d, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base, &precond__v1__fetch_response__descriptor,
-           (ProtobufCMessage **)&fs, msg, sizeof msg),
-      GRPC_STATUS_OK);
-  assert_int_equal(fs->n_preconditioners, 1);
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 0);
+  Precond__V1__FetchResponse *fs = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
   const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
                                               fs->preconditioners[0]->right};
   const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
@@ -1677,6 +1709,104 @@ static void test_shm(void **state) {
   assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", off), 0);
   assert_int_equal(open_region(&d, 0, &g, msg), GRPC_STATUS_UNIMPLEMENTED);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+}
+
+/* The fetch of a region's client that has the roots area mapped: roots published there once
+ * (the same sequence number for every fetch of the same root and encoding), read-only for
+ * the client, the same bytes as gRPC's and their CRC-32C; unchecked push references store
+ * what the same bytes over gRPC store and are refused with the bytes' words; the area's
+ * file is gone when the daemon ends, and one left by a daemon killed before is removed. */
+static void test_shm_roots_area(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  char shm_dir[300], listen[300], stale[400];
+  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
+  assert_int_equal(mkdir(shm_dir, 0700), 0);
+  pid_t gone = fork(); /* a pid no process has any more */
+  if (gone == 0) _exit(0);
+  assert_true(gone > 0);
+  assert_int_equal(waitpid(gone, NULL, 0), gone);
+  snprintf(stale, sizeof stale, "%s/precondd-%d-roots-0011223344556677", shm_dir, (int)gone);
+  FILE *f = fopen(stale, "w");
+  assert_non_null(f);
+  fclose(f);
+  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
+                         "512",       NULL};
+  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  region_t g;
+  char msg[512], msg2[512];
+  assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
+  assert_true(access(stale, F_OK) != 0); /* swept */
+  assert_non_null(g.r->roots_path);
+  assert_true(g.r->roots_path[0] != '\0');
+  struct stat st;
+  assert_int_equal(stat(g.r->roots_path, &st), 0);
+  assert_int_equal(st.st_mode & 0777, 0600);
+  assert_int_equal((uint64_t)st.st_size, g.r->roots_bytes);
+  int rfd = open(g.r->roots_path, O_RDONLY);
+  assert_true(rfd >= 0);
+  const unsigned char *area = mmap(NULL, g.r->roots_bytes, PROT_READ, MAP_SHARED, rfd, 0);
+  assert_true(area != MAP_FAILED);
+  close(rfd);
+
+  const uint32_t n = 8;
+  const size_t len = pc_packed_len(n) * 4;
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  assert_int_equal(do_register(&d, "viashm", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 21), *sr = random_stat(n, 22), *nan = random_stat(n, 23);
+  nan[len / 4 - 1] = INFINITY;
+  blockstat bn = {0, n, n, sr, nan, 0};
+  assert_int_equal(shm_push_as(&d, &g, "viashm", 1, n, sr, nan, 0, 4096, 0, 0, 1, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "viabytes", 1, &bn, 1, NULL, msg2), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(msg, msg2); /* blocks[0].right.data: NaN or Inf ... */
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
+
+  uint64_t seq[2][2] = {{0}};
+  for (int round = 0; round < 4; round++) { /* fp32 twice, bf16 twice */
+    int bf16 = round >= 2;
+    Precond__V1__FetchResponse *fs = shm_fetch(
+        &d, &g, 1,
+        bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32);
+    const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
+                                                fs->preconditioners[0]->right};
+    const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
+                                                 fb->preconditioners[0]->right};
+    for (int k = 0; k < 2; k++) {
+      const Precond__V1__ShmRef *ref = side[k]->shm;
+      assert_non_null(ref);
+      assert_int_equal(side[k]->data.len, 0);
+      assert_int_equal(ref->length, bf16 ? len / 2 : len);
+      assert_true(ref->seq != 0);
+      assert_true(rpc_shm_entry_holds(area, g.r->roots_bytes, ref));
+      assert_int_equal(rpc_crc32c(0, area + ref->offset, ref->length), ref->crc32c);
+      if (!bf16) assert_memory_equal(area + ref->offset, bside[k]->data.data, len);
+      if (round % 2) assert_int_equal(ref->seq, seq[bf16][k]); /* published once */
+      if (round == 2) assert_true(ref->seq != seq[0][0] && ref->seq != seq[0][1]);
+      seq[bf16][k] = ref->seq;
+    }
+    protobuf_c_message_free_unpacked(&fs->base, NULL);
+  }
+  /* Without roots_area (a client that could not map it): the region's half, as before. */
+  Precond__V1__FetchResponse *fh = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
+  assert_int_equal(fh->preconditioners[0]->left->shm->seq, 0);
+  assert_true(fh->preconditioners[0]->left->shm->offset >= g.r->bytes / 2);
+  protobuf_c_message_free_unpacked(&fh->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+
+  char roots_path[1100];
+  snprintf(roots_path, sizeof roots_path, "%s", g.r->roots_path);
+  munmap((void *)(uintptr_t)area, g.r->roots_bytes);
+  close_region(&g);
+  free(sl);
+  free(sr);
+  free(nan);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  assert_true(access(roots_path, F_OK) != 0); /* removed at the end */
   remove_tree(d.p.dir);
 }
 
@@ -2004,6 +2134,7 @@ int main(void) {
       cmocka_unit_test(test_kfac),
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
+      cmocka_unit_test(test_shm_roots_area),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

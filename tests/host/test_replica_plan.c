@@ -1,6 +1,6 @@
 /* test_replica_plan.c -- host/replica_plan.c: the ownership of units among daemon replicas
  * (deterministic, a partition, within the greedy bound), the link's ownership rule, and the
- * %r substitution. No MPI. */
+ * %r substitution, the state directory's rank count. No MPI. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,8 +9,10 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "precondd.h"
 
@@ -108,12 +110,46 @@ static void test_subst(void **state) {
   assert_string_equal(u, "abcdefgh%r");
 }
 
+/* A state directory remembers the rank count of its snapshot: a restart that restored jobs
+ * under another count or rank is refused with both named; without jobs, or without the
+ * file (an older daemon's directory), the start goes on and the file says the new count. */
+static void test_state_check(void **state) {
+  (void)state;
+  char dir[] = "/tmp/pdplan-XXXXXX", why[1024] = "", path[64];
+  assert_non_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/%s", dir, PD_REPLICA_STATE_FILE);
+  assert_int_equal(pd_replica_state_check(dir, 0, 1, 3, why, sizeof why), PD_OK); /* no file */
+  assert_int_equal(pd_replica_state_check(dir, 1, 2, 0, why, sizeof why), PD_OK); /* no jobs */
+  assert_int_equal(pd_replica_state_check(dir, 1, 2, 2, why, sizeof why), PD_OK); /* same */
+  assert_int_equal(pd_replica_state_check(dir, 1, 3, 2, why, sizeof why), PD_EINVAL);
+  assert_non_null(strstr(why, "rank 1 of 2 daemon replicas, and this is rank 1 of 3"));
+  assert_non_null(strstr(why, "mpirun -np 2"));
+  assert_int_equal(pd_replica_state_check(dir, 0, 2, 2, why, sizeof why), PD_EINVAL); /* rank */
+  FILE *f = fopen(path, "r");
+  int r = -1, n = -1;
+  assert_non_null(f);
+  assert_int_equal(fscanf(f, "%d %d", &r, &n), 2); /* a refusal leaves the file */
+  fclose(f);
+  assert_int_equal(r, 1);
+  assert_int_equal(n, 2);
+  f = fopen(path, "w");
+  assert_non_null(f);
+  fputs("garbage\n", f); /* unreadable: as if absent */
+  fclose(f);
+  assert_int_equal(pd_replica_state_check(dir, 0, 4, 2, why, sizeof why), PD_OK);
+  assert_int_equal(pd_replica_state_check(dir, 0, 1, 2, why, sizeof why), PD_EINVAL);
+  assert_non_null(strstr(why, "rank 0 of 4"));
+  unlink(path);
+  assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_plan_partition_balanced),
       cmocka_unit_test(test_plan_order),
       cmocka_unit_test(test_owns),
       cmocka_unit_test(test_subst),
+      cmocka_unit_test(test_state_check),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

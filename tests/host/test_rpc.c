@@ -177,6 +177,30 @@ static void test_shm_rules(void **state) {
   free(a);
   free(b);
 
+  /* The copy of unchecked push references: the bytes, and whether they are finite floats,
+   * a NaN or Inf anywhere (the pieces' edges included) found. */
+  enum { F = 3 * 4096 + 5 };
+  float *x = malloc(F * sizeof *x), *y = malloc(F * sizeof *y);
+  assert_non_null(x);
+  assert_non_null(y);
+  for (size_t i = 0; i < F; i++) x[i] = (float)i - 7.5f;
+  int finite = -1;
+  rpc_shm_copy_finite(y, x, F * sizeof *x, &finite);
+  assert_int_equal(finite, 1);
+  assert_memory_equal(x, y, F * sizeof *x);
+  const size_t bad[] = {0, 4095, 4096, F - 1};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    float keep = x[bad[i]];
+    x[bad[i]] = i % 2 ? INFINITY : NAN;
+    rpc_shm_copy_finite(y, x, F * sizeof *x, &finite);
+    assert_int_equal(finite, 0);
+    x[bad[i]] = keep;
+  }
+  rpc_shm_copy_finite(y, x, F * sizeof *x - 1, &finite); /* not whole floats */
+  assert_int_equal(finite, 0);
+  free(x);
+  free(y);
+
   /* The ring: aligned takes, a wrap when the next one does not fit, too big refused. */
   uint64_t pos = 0, off = 99;
   assert_int_equal(rpc_shm_ring_take(&pos, 1024, 100, &off), RPC_OK);
@@ -233,9 +257,21 @@ static void test_shm_client(void **state) {
     assert_int_equal(m.data.len, 0);
     assert_int_equal(ref[k].offset, (uint64_t)k * 2 * RPC_SHM_ALIGN); /* 100 -> 128 aligned */
     assert_int_equal(ref[k].length, sizeof bytes);
-    assert_int_equal(ref[k].crc32c, rpc_shm_crc(bytes, sizeof bytes));
+    assert_true(ref[k].unchecked); /* no checksum pass: the daemon validates its copy */
     assert_memory_equal(s.map + ref[k].offset, bytes, sizeof bytes);
   }
+  /* A slot the caller writes itself: the next place of the ring, no copy. */
+  m.shm = NULL;
+  unsigned char *slot = rpc_shm_slot(&s, &m, 64, &ref[0]);
+  assert_ptr_equal(slot, s.map + 4 * RPC_SHM_ALIGN);
+  assert_ptr_equal(m.shm, &ref[0]);
+  assert_int_equal(ref[0].offset, 4 * RPC_SHM_ALIGN);
+  assert_int_equal(ref[0].length, 64);
+  assert_true(ref[0].unchecked);
+  m.shm = NULL;
+  assert_null(rpc_shm_slot(&s, &m, R / 2 + 1, &ref[0]));
+  assert_null(rpc_shm_slot(&s, &m, 0, &ref[0]));
+  assert_null(m.shm);
   memset(big, 7, sizeof big); /* more than the client's half: stays as bytes */
   m.data.data = big;
   m.data.len = R / 2 + 1;
@@ -276,7 +312,51 @@ static void test_shm_client(void **state) {
   assert_non_null(strstr(err, "outside the daemon's half"));
   rpc_shm_fetch_done(&r);
 
-  rpc_shm_close(&s); /* unmaps */
+  /* The roots area (read-only for the client): a reference is taken while its entry holds
+   * its seq; the copy counts while it still does afterwards. */
+  Precond__V1__FetchRequest fq = PRECOND__V1__FETCH_REQUEST__INIT;
+  rpc_shm_fetch_request(&s, &sess, &fq);
+  assert_ptr_equal(fq.shm, &sess);
+  assert_false(fq.roots_area); /* no area mapped */
+  size_t A = (size_t)RPC_SHM_ROOTS_DATA + 4096;
+  unsigned char *area = mmap(NULL, A, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  assert_true(area != MAP_FAILED);
+  rpc_shm_entry *e = (rpc_shm_entry *)(void *)area + 3; /* seq % RPC_SHM_ROOTS_ENTRIES */
+  e->offset = RPC_SHM_ROOTS_DATA + 128;
+  e->length = 64;
+  memset(area + e->offset, 0x33, 64);
+  e->crc32c = rpc_shm_crc(area + e->offset, 64);
+  e->seq = RPC_SHM_ROOTS_ENTRIES + 3;
+  s.roots = area;
+  s.roots_bytes = A;
+  rpc_shm_fetch_request(&s, &sess, &fq);
+  assert_true(fq.roots_area);
+  precond__v1__shm_ref__init(&in);
+  in.offset = e->offset;
+  in.length = 64;
+  in.crc32c = e->crc32c;
+  in.seq = e->seq;
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), 64);
+  assert_ptr_equal(left.data.data, area + e->offset);
+  assert_int_equal(rpc_shm_fetch_intact(&s, &r), 1);
+  e->seq = 0; /* the daemon overwrites it: copies made meanwhile do not count */
+  assert_int_equal(rpc_shm_fetch_intact(&s, &r), 0);
+  rpc_shm_fetch_done(&r);
+  assert_null(left.data.data);
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), -1);
+  assert_non_null(strstr(err, "preconditioners[0].left.shm: not in the roots area"));
+  rpc_shm_fetch_done(&r);
+  e->seq = in.seq;
+  in.offset = 64; /* inside the entry table: refused */
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), -1);
+  rpc_shm_fetch_done(&r);
+  in.offset = e->offset;
+  in.seq += RPC_SHM_ROOTS_ENTRIES; /* the same entry, another publication */
+  assert_int_equal(rpc_shm_fetch_in(&s, &r, err, sizeof err), -1);
+  rpc_shm_fetch_done(&r);
+
+  rpc_shm_close(&s); /* unmaps, the roots area too */
+  assert_null(s.roots);
   assert_null(s.map);
   assert_int_equal(s.fd, -1);
   rpc_shm_close(&s); /* a closed region: a no-op */

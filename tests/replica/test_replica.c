@@ -286,6 +286,34 @@ static Precond__V1__StatsResponse *get_stats(grpc_channel *ch, const char *job) 
   return s;
 }
 
+/* Starts nranks ranks (the options extra; NULL: none) in a new directory and registers job
+ * (the tests' tensors) on rank 0; its layout (the caller frees it). */
+static Precond__V1__RegisterResponse *cluster_with_job(cluster *c, int nranks,
+                                                       const char *const *extra, const char *job) {
+  cluster_start_with(c, nranks, extra);
+  Precond__V1__RegisterResponse *lay = NULL;
+  char msg[512];
+  assert_int_equal(do_register(c->ch[0], job, NT, &lay, msg), GRPC_STATUS_OK);
+  return lay;
+}
+
+/* Waits until every rank of c serves roots of step (or later) for all nb blocks of job. */
+static void wait_roots_everywhere(const cluster *c, const char *job, size_t nb, uint64_t step) {
+  for (int r = 0; r < (c->nranks > 0 ? c->nranks : 1); r++) {
+    Precond__V1__FetchResponse *f = wait_roots(c->ch[r], job, nb, step);
+    protobuf_c_message_free_unpacked(&f->base, NULL);
+  }
+}
+
+/* cluster_with_job on 2 ranks, statistics of step 1 pushed to rank 0, and every rank holding
+ * every root of them; the layout. */
+static Precond__V1__RegisterResponse *cluster_with_roots(cluster *c, const char *job) {
+  Precond__V1__RegisterResponse *lay = cluster_with_job(c, 2, NULL, job);
+  push_all(c->ch[0], job, lay, 1);
+  wait_roots_everywhere(c, job, lay->n_blocks, 1);
+  return lay;
+}
+
 /* max |a - b| / max |b| over n packed values. */
 static double rel_diff(size_t n, const uint8_t *a, const uint8_t *b) {
   double md = 0, mb = 0;
@@ -416,10 +444,7 @@ static void test_restart(void **state) {
   (void)state;
   const char *job = "again";
   cluster c;
-  cluster_start(&c, 2);
-  Precond__V1__RegisterResponse *lay = NULL;
-  char msg[512];
-  assert_int_equal(do_register(c.ch[0], job, NT, &lay, msg), GRPC_STATUS_OK);
+  Precond__V1__RegisterResponse *lay = cluster_with_job(&c, 2, NULL, job);
   size_t nb = lay->n_blocks;
   Precond__V1__FetchResponse *f = NULL;
   for (int t = 0; t < 500; t++) { /* the job reaches rank 1 through MPI, not a Register */
@@ -447,10 +472,35 @@ static void test_restart(void **state) {
   }
   for (int r = 0; r < 2; r++) protobuf_c_message_free_unpacked(&before[r]->base, NULL);
   push_all(c.ch[0], job, lay, 2);
-  for (int r = 0; r < 2; r++) {
-    Precond__V1__FetchResponse *next = wait_roots(c.ch[r], job, nb, 2);
-    protobuf_c_message_free_unpacked(&next->base, NULL);
-  }
+  wait_roots_everywhere(&c, job, nb, 2);
+  protobuf_c_message_free_unpacked(&lay->base, NULL);
+  cluster_stop(&c);
+}
+
+/* A restart with another rank count is refused, never a silent loss: each rank holds only
+ * its own units' statistics, and another count owns them differently. 3 ranks, then one
+ * daemon alone, on the state directories of 2: every rank stops, the ranks that hold a
+ * snapshot naming both counts; the 2 ranks again then serve every root as before. */
+static void test_rank_count_change(void **state) {
+  (void)state;
+  const char *job = "resize";
+  cluster c;
+  Precond__V1__RegisterResponse *lay = cluster_with_roots(&c, job);
+  cluster_halt(&c); /* each rank writes its snapshot */
+  spawn(&c, 3, c.extra);
+  int st = mprun_wait(&c.run, 60000);
+  if (st <= 0) dump_log(&c);
+  assert_true(st > 0);
+  assert_true(log_has(&c, "written by rank 0 of 2 daemon replicas, and this is rank 0 of 3"));
+  assert_true(log_has(&c, "written by rank 1 of 2 daemon replicas, and this is rank 1 of 3"));
+  assert_true(log_has(&c, "another replica failed to start")); /* rank 2, which had none */
+  spawn(&c, 0, c.extra);
+  st = mprun_wait(&c.run, 60000);
+  if (st <= 0) dump_log(&c);
+  assert_true(st > 0);
+  assert_true(log_has(&c, "written by rank 0 of 2 daemon replicas, and this is rank 0 of 1"));
+  cluster_run(&c);
+  wait_roots_everywhere(&c, job, lay->n_blocks, 1);
   protobuf_c_message_free_unpacked(&lay->base, NULL);
   cluster_stop(&c);
 }
@@ -462,16 +512,9 @@ static void test_end_job_and_ctl(void **state) {
   (void)state;
   const char *job = "ending";
   cluster c;
-  cluster_start(&c, 2);
-  Precond__V1__RegisterResponse *lay = NULL;
-  char msg[512];
-  assert_int_equal(do_register(c.ch[0], job, NT, &lay, msg), GRPC_STATUS_OK);
+  Precond__V1__RegisterResponse *lay = cluster_with_roots(&c, job);
   size_t nb = lay->n_blocks;
-  push_all(c.ch[0], job, lay, 1);
-  for (int r = 0; r < 2; r++) {
-    Precond__V1__FetchResponse *f = wait_roots(c.ch[r], job, nb, 1);
-    protobuf_c_message_free_unpacked(&f->base, NULL);
-  }
+  char msg[512];
 
   double load[2] = {0, 0}, ones = 0;
   for (size_t i = 0; i < nb; i++) {
@@ -957,7 +1000,8 @@ int main(int argc, char **argv) {
   if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks),     cmocka_unit_test(test_three_ranks),
-      cmocka_unit_test(test_restart),       cmocka_unit_test(test_end_job_and_ctl),
+      cmocka_unit_test(test_restart),       cmocka_unit_test(test_rank_count_change),
+      cmocka_unit_test(test_end_job_and_ctl),
       cmocka_unit_test(test_data_parallel), cmocka_unit_test(test_data_parallel_resnet),
       cmocka_unit_test(test_killed_rank),   cmocka_unit_test(test_bad_starts),
   };
