@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/wire.sh -- the wire figures of docs/precondd.md ("Wire"), in one run of under three
-# minutes on quiet cores:
-#   rows.csv   bench-daemon --wire: per block size (256, 1024, 4096) a memcpy row, then push
+# minutes on quiet cores (3.6 on the loaded development machine with n = 4096 rows too,
+# which are left out: one call each in a cell):
+#   rows.csv   bench-daemon --wire: per block size (256, 1024) a memcpy row, then push
 #              and fetch over TCP, the unix socket's bytes and the same-host path (push-shm,
 #              fetch-shm), in MB per CPU second of bench and daemon together (--clock cpu),
 #              each with its ratio to a memcpy of the same bytes measured right before it;
@@ -29,7 +30,7 @@ mkdir -p "$out"
 export OPENBLAS_NUM_THREADS=1
 bench() { "$bd" --spawn "$pd" --keep-freed-memory --wire --clock cpu --seconds "$secs" "$@"; }
 
-bench --sizes 256,1024,4096 --fetch-max 1024 > "$out/rows.csv" 2> "$out/rows.log"
+bench --sizes 256,1024 --fetch-max 1024 > "$out/rows.csv" 2> "$out/rows.log"
 bench --unix-only --hist --sizes 256 --seconds 4 > "$out/hist.csv" 2> "$out/hist.txt"
 
 echo "arg,row,mb_per_cpu_s,p50_ms" > "$out/args.csv"
