@@ -72,8 +72,9 @@ typedef enum {
 
 typedef struct {
   ac_backend_kind kind;
-  /* CPU: OpenBLAS threads (openblas_set_num_threads; process-wide, as OpenBLAS is).
-   * 0 leaves OpenBLAS's setting alone. Default 1. Ignored by CUDA. */
+  /* CPU: the backend's threads (0: as many as OpenBLAS's setting). Its products run on
+   * them as single-threaded OpenBLAS calls, so creating a CPU backend sets OpenBLAS to 1
+   * thread (process-wide, as OpenBLAS is). Default 1. Ignored by CUDA. */
   int threads;
   /* CUDA: device ordinal. Default 0. Ignored by CPU. */
   int device;

@@ -225,36 +225,51 @@ static int cpu_copy2d(ac_backend *be, size_t rows, size_t cols, const float *src
 
 /* y[idx] = x[idx'], idx'[perm[k]] = idx[k]: walk y in order, step x by its strides. When
  * the last axis stays last (a conv's (oc, n, ohw) -> (n, oc, ohw)), whole rows of it are
- * copied at once. */
+ * copied at once. The rows of y are split across the pool (each row is copied the same way
+ * by whichever thread). */
+typedef struct perm_args {
+  int outer; /* the axes walked one index at a time */
+  size_t run;
+  size_t yshape[AC_MAX_DIMS], ystride[AC_MAX_DIMS];
+  const float *x;
+  float *y;
+} perm_args;
+
+static void permute_rows(void *ctx, size_t lo, size_t hi) {
+  const perm_args *a = ctx;
+  size_t idx[AC_MAX_DIMS], r = lo;
+  for (int d = a->outer - 1; d >= 0; d--) {
+    idx[d] = r % a->yshape[d];
+    r /= a->yshape[d];
+  }
+  for (size_t row = lo; row < hi; row++) {
+    size_t src = 0;
+    for (int d = 0; d < a->outer; d++) src += idx[d] * a->ystride[d];
+    if (a->run > 1)
+      memcpy(a->y + row * a->run, a->x + src, a->run * sizeof *a->y);
+    else
+      a->y[row] = a->x[src];
+    for (int d = a->outer - 1; d >= 0; d--) {
+      if (++idx[d] < a->yshape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
 static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int *perm,
                        const float *x, float *y) {
-  (void)be;
-  size_t xstride[AC_MAX_DIMS], ystride[AC_MAX_DIMS], yshape[AC_MAX_DIMS], idx[AC_MAX_DIMS];
-  size_t numel = 1;
-
+  size_t xstride[AC_MAX_DIMS], numel = 1;
   for (int d = ndim - 1; d >= 0; d--) {
     xstride[d] = numel;
     numel *= shape[d];
   }
-  size_t run = perm[ndim - 1] == ndim - 1 ? shape[ndim - 1] : 1;
-  int outer = run > 1 ? ndim - 1 : ndim; /* the axes walked one index at a time */
+  perm_args a = {.run = perm[ndim - 1] == ndim - 1 ? shape[ndim - 1] : 1, .x = x, .y = y};
+  a.outer = a.run > 1 ? ndim - 1 : ndim;
   for (int d = 0; d < ndim; d++) {
-    yshape[d] = shape[perm[d]];
-    ystride[d] = xstride[perm[d]];
-    idx[d] = 0;
+    a.yshape[d] = shape[perm[d]];
+    a.ystride[d] = xstride[perm[d]];
   }
-  for (size_t o = 0; o < numel; o += run) {
-    size_t src = 0;
-    for (int d = 0; d < outer; d++) src += idx[d] * ystride[d];
-    if (run > 1)
-      memcpy(y + o, x + src, run * sizeof *y);
-    else
-      y[o] = x[src];
-    for (int d = outer - 1; d >= 0; d--) {
-      if (++idx[d] < yshape[d]) break;
-      idx[d] = 0;
-    }
-  }
+  par_for(pool_of(be), numel / a.run, 2.0 * (double)numel, permute_rows, &a);
   return AC_OK;
 }
 
@@ -349,30 +364,65 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
   g.block = block > GEMM_MIN_CUT ? block : GEMM_MIN_CUT;
   g.nblocks = (len + g.block - 1) / g.block;
   double macs = (double)m * (double)n * (double)k * (double)batch;
-  /* OpenBLAS's thread count is process-wide (another backend, or the roots, may have
-   * raised it): single-threaded for these calls whatever it is, restored after. */
-  int blas_threads = openblas_get_num_threads();
-  if (blas_threads != 1) openblas_set_num_threads(1);
   if (impl->pool.nthreads <= 1 || macs < PAR_GEMM_MACS)
     gemm_slice(&g, 0, batch * g.nblocks);
   else
     par_for(pool_of(be), batch * g.nblocks, macs, gemm_slice, &g);
-  if (blas_threads != 1) openblas_set_num_threads(blas_threads);
   return AC_OK;
 }
 
-/* Dense n x n Gram matrix (upper triangle) by ssyrk into scratch, then packed with beta. */
+/* The Gram matrix's upper triangle by blocks of rows, each ONE single-threaded gemm on the
+ * pool (as the products above; ssyrk would need OpenBLAS's own threads): block i is
+ * C[r0:r1, r0:n) = alpha A_r0:r1 A_r0:n^T (rows of A; its columns when transposed), the
+ * lower part of its diagonal square computed too and never read. The blocks, a function of
+ * the shape, shrink along the triangle, so items alternate from both ends (0, last, 1,
+ * ...) and the pool's contiguous halves get about the same work. */
+typedef struct syrk_args {
+  CBLAS_TRANSPOSE ta, tb;
+  size_t n, k, lda, block, nblocks;
+  float alpha;
+  const float *a;
+  float *c;
+} syrk_args;
+
+static void syrk_slice(void *ctx, size_t lo, size_t hi) {
+  const syrk_args *s = ctx;
+  for (size_t it = lo; it < hi; it++) {
+    size_t blk = it % 2 == 0 ? it / 2 : s->nblocks - 1 - it / 2;
+    size_t r0 = blk * s->block, r1 = r0 + s->block < s->n ? r0 + s->block : s->n;
+    const float *ar = s->a + (s->ta == CblasTrans ? r0 : r0 * s->lda);
+    cblas_sgemm(CblasRowMajor, s->ta, s->tb, (int)(r1 - r0), (int)(s->n - r0), (int)s->k, s->alpha,
+                ar, (int)s->lda, ar, (int)s->lda, 0.0f, s->c + r0 * s->n + r0, (int)s->n);
+  }
+}
+
+/* Dense n x n Gram matrix (upper triangle) into scratch, then packed with beta. */
 static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
                            const float *a, size_t lda, float beta, float *c_packed) {
-  (void)be;
   float *dense = NULL;
 
   if (!blas_int_ok(n, k, lda, 1)) return AC_EINVAL;
   if (k > 0) {
-    dense = calloc(n * n, sizeof *dense); /* zeroed: BLAS may scale C by beta = 0 */
+    dense = malloc(n * n * sizeof *dense);
     if (dense == NULL) return AC_ENOMEM;
-    cblas_ssyrk(CblasRowMajor, CblasUpper, trans == AC_TRANS ? CblasTrans : CblasNoTrans, (int)n,
-                (int)k, alpha, a, (int)lda, 0.0f, dense, (int)n);
+    syrk_args s = {trans == AC_TRANS ? CblasTrans : CblasNoTrans,
+                   trans == AC_TRANS ? CblasNoTrans : CblasTrans,
+                   n,
+                   k,
+                   lda,
+                   0,
+                   0,
+                   alpha,
+                   a,
+                   dense};
+    size_t block = ((n + 7) / 8 + 15) / 16 * 16;
+    s.block = block > GEMM_MIN_CUT ? block : GEMM_MIN_CUT;
+    s.nblocks = (n + s.block - 1) / s.block;
+    double macs = (double)n * (double)n * (double)k / 2;
+    if (macs < PAR_GEMM_MACS)
+      syrk_slice(&s, 0, s.nblocks);
+    else
+      par_for(pool_of(be), s.nblocks, macs, syrk_slice, &s);
   }
   size_t p = 0;
   for (size_t i = 0; i < n; i++)
@@ -1640,15 +1690,17 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
     snprintf(err, errlen, "cpu backend: out of memory");
     return AC_ENOMEM;
   }
-  impl->threads = opts->threads;
+  impl->threads = opts->threads > 0 ? opts->threads : openblas_get_num_threads();
   impl->scratch = NULL;
   impl->scratch_floats = 0;
-  if (opts->threads > 0) openblas_set_num_threads(opts->threads);
-  pool_start(&impl->pool, opts->threads > 0 ? opts->threads : openblas_get_num_threads());
+  /* Every product runs on the backend's own pool, one single-threaded OpenBLAS call per
+   * block: set once here rather than around every call (two calls per gemm on the hot path,
+   * and a race between two backends in one process). */
+  openblas_set_num_threads(1);
+  pool_start(&impl->pool, impl->threads);
   be->ops = &cpu_ops;
   be->impl = impl;
-  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s)",
-           opts->threads > 0 ? opts->threads : openblas_get_num_threads(),
-           (opts->threads > 0 ? opts->threads : openblas_get_num_threads()) == 1 ? "" : "s");
+  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s)", impl->threads,
+           impl->threads == 1 ? "" : "s");
   return AC_OK;
 }

@@ -286,7 +286,9 @@ int ac_celoss_backward(ac_celoss *l, const float **dlogits);
  * itself a stride-1 conv (of dy with the weights transposed and flipped, padding k-1-pad):
  * im2col of dy and one gemm with K = out_c k k, no col2im, when its columns and products
  * fit the workspace ((out_c k k + in_c) h w <= (in_c k k + out_c) oh ow per image, true
- * for every conv with in_c == out_c); otherwise W^T dy and col2im. */
+ * for every conv with in_c == out_c); otherwise W^T dy and col2im. A 3x3 stride-1 pad-1
+ * conv runs on the backend's direct kernels instead (ac_conv3x3, ac_conv3x3_wgrad; no
+ * workspace used) where ac_conv3x3_supported says so, except dW under a curvature hook. */
 typedef struct {
   ac_backend *be;
   ac_conv2d_geom g; /* g.n is max_batch */

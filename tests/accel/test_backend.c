@@ -100,9 +100,8 @@ static double *dzeros(size_t n) {
 /* ------------------------------------------------------------------------------------ */
 /* Backend lifecycle and errors                                                            */
 
-/* A CPU backend with 2 threads: small products run with OpenBLAS on one thread and the
- * backend's count is restored after them; large and small products, batched, match a
- * direct double loop. */
+/* A CPU backend with 2 threads: OpenBLAS is left on one thread (the products run on the
+ * backend's pool); large and small products, batched, match a direct double loop. */
 static void test_cpu_threads(void **state) {
   (void)state;
   ac_backend_opts opts;
@@ -129,7 +128,7 @@ static void test_cpu_threads(void **state) {
     float *got = dev_down(be, c, batch * m * n);
     expect_close("sgemm on 2 threads", got, want, batch * m * n, 1e-4, 1e-5);
     assert_non_null(strstr(ac_backend_describe(be), "2 threads"));
-    assert_int_equal(openblas_get_num_threads(), 2);
+    assert_int_equal(openblas_get_num_threads(), 1); /* the pool threads, not OpenBLAS */
     free(got);
     free(want);
     free(ha);
@@ -1240,34 +1239,49 @@ static void test_im2col_geometries(void **state) {
 }
 
 /* The direct 3x3 convs on 2 threads give the bits of 1 thread: the forward split by
- * images, the weight gradient by blocks of weights, over several chunks of images. */
+ * images, the weight gradient by blocks of weights, over several chunks of images; syrk by
+ * blocks of rows; and the permutes split by rows (a conv's (oc, n, ohw) -> (n, oc, ohw), and one that moves the
+ * last axis), checked against 1 thread and the index formula. */
 static void test_cpu_conv3x3_bitwise(void **state) {
   (void)state;
   ac_backend *be[2] = {NULL, NULL};
   cpu_pair(be);
-  if (!ac_conv3x3_supported(be[0], 16, 16)) {
-    print_message("conv3x3: no direct kernels on this CPU\n");
-    ac_backend_destroy(be[0]);
-    ac_backend_destroy(be[1]);
-    return;
-  }
+  int direct = ac_conv3x3_supported(be[0], 16, 16);
+  if (!direct) print_message("conv3x3: no direct kernels on this CPU\n");
   const size_t n = 21, c = 16, h = 28, w = 28, nx = n * c * h * w, nw = c * c * 9;
+  const size_t ns = 300 * 301 / 2;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hwt = host_rand(nw);
   float *out[2] = {NULL, NULL};
   for (int t = 0; t < 2; t++) {
     ac_backend *b = be[t];
     float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *wt = dev_up(b, hwt, nw);
-    float *r = dev_alloc(b, (nx + nw) * sizeof(float));
-    OK(ac_fill_f32(b, nw, r + nx, 0.0f));
-    OK(ac_conv3x3(b, n, c, c, h, w, x, wt, r));
-    OK(ac_conv3x3_wgrad(b, n, c, c, h, w, x, dy, r + nx));
-    out[t] = dev_down(b, r, nx + nw);
+    float *r = dev_alloc(b, (3 * nx + nw + ns) * sizeof(float));
+    OK(ac_fill_f32(b, nx + nw, r, 0.0f));
+    if (direct) {
+      OK(ac_conv3x3(b, n, c, c, h, w, x, wt, r));
+      OK(ac_conv3x3_wgrad(b, n, c, c, h, w, x, dy, r + nx));
+    }
+    /* syrk: blocks of rows of the triangle, from both ends */
+    OK(ac_syrk_packed(b, AC_NO_TRANS, 300, 400, 1.0f, x, 400, 0.0f, r + 3 * nx + nw));
+    const size_t shape[3] = {n, c, h * w};
+    const int swap[3] = {1, 0, 2}, rot[3] = {2, 0, 1};
+    OK(ac_permute(b, 3, shape, swap, x, r + nx + nw));
+    OK(ac_permute(b, 3, shape, rot, x, r + 2 * nx + nw));
+    out[t] = dev_down(b, r, 3 * nx + nw + ns);
     ac_free(b, x);
     ac_free(b, dy);
     ac_free(b, wt);
     ac_free(b, r);
   }
-  assert_memory_equal(out[0], out[1], (nx + nw) * sizeof(float));
+  assert_memory_equal(out[0], out[1], (3 * nx + nw + ns) * sizeof(float));
+  const float *sw = out[1] + nx + nw, *rt = sw + nx;
+  for (size_t b = 0; b < n; b++)
+    for (size_t ch = 0; ch < c; ch++)
+      for (size_t i = 0; i < h * w; i++) {
+        float v = hx[(b * c + ch) * h * w + i];
+        assert_true(sw[(ch * n + b) * h * w + i] == v);
+        assert_true(rt[(i * n + b) * c + ch] == v);
+      }
   free(out[0]);
   free(out[1]);
   free(hx);
