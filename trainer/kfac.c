@@ -288,8 +288,8 @@ int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *p
 static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   const pt_kfac_opts *o = &t->opts.kfac;
   if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 || !(o->loss_scale >= 0.0f) ||
-      !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr) ||
-      o->inverse < 0 || o->inverse > PC_KFAC_INV_NEWTON + 1 || o->form < PT_KFAC_FORM_DAEMON ||
+      !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr) || o->inverse < 0 ||
+      o->inverse > PC_KFAC_INV_NEWTON + 1 || o->form < PT_KFAC_FORM_DAEMON ||
       o->form > PT_KFAC_FORM_WORKER_EIGEN ||
       (o->form != PT_KFAC_FORM_DAEMON && t->opts.shard_size > 1))
     return pt__fail(err, PT_EINVAL,
@@ -542,8 +542,7 @@ static int pt__kfac_local(pt_trainer *t, pt__kfac_layer *l, long step, pt_error 
     if (prc >= 0 && arc == AC_OK && l->va == NULL && (arc = pt__dev(s->be, na, &l->va)) == AC_OK)
       arc = pt__dev(s->be, ng, &l->vg);
     if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->a_inv, x, na * na * sizeof(float));
-    if (prc >= 0 && arc == AC_OK)
-      arc = ac_memcpy_h2d(s->be, l->g_inv, xg, ng * ng * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->g_inv, xg, ng * ng * sizeof(float));
     if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->va, v, na * sizeof(float));
     if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->vg, v + na, ng * sizeof(float));
     if (prc >= 0 && arc == AC_OK) s->applied++;
@@ -556,8 +555,8 @@ static int pt__kfac_local(pt_trainer *t, pt__kfac_layer *l, long step, pt_error 
     float *packed[2] = {pa, pg};
     const double damp[2] = {dmp.damp_a, dmp.damp_g};
     for (int k = 0; k < 2 && prc >= 0; k++) {
-      pc_kfac_inv method = o->inverse ? (pc_kfac_inv)(o->inverse - 1)
-                                      : pc_kfac_inv_for_size(&o->k, n[k]);
+      pc_kfac_inv method =
+          o->inverse ? (pc_kfac_inv)(o->inverse - 1) : pc_kfac_inv_for_size(&o->k, n[k]);
       pc_kfac_inv_info ii;
       prc = pc_kfac_inverse_f32(n[k], f[k], damp[k], method, x, &ii);
       if (prc >= 0) pc_pack_f32(n[k], x, packed[k]);
@@ -646,9 +645,9 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
       if (t->opts.kfac.form == PT_KFAC_FORM_WORKER_EIGEN) { /* a_inv, g_inv hold Q_A, Q_G */
         arc = pt__ws(s, ac_kfac_eigen_precondition_workspace_floats(l->out, l->in, gb != NULL));
         if (arc == AC_OK)
-          arc = ac_kfac_eigen_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->vg,
-                                           l->a_inv, l->va, (float)ko->damping, l->p,
-                                           gb ? l->p + nw : NULL, s->ws);
+          arc = ac_kfac_eigen_precondition(s->be, l->out, l->in, gw, gb, l->g_inv, l->vg, l->a_inv,
+                                           l->va, (float)ko->damping, l->p, gb ? l->p + nw : NULL,
+                                           s->ws);
       } else {
         arc = pt__ws(s, ac_kfac_precondition_workspace_floats(l->out, l->in, gb != NULL));
         if (arc == AC_OK)

@@ -57,6 +57,19 @@ typedef struct {
 /* The modes the library drives (numbers are the library's own). */
 typedef enum { PT_MODE_SHAMPOO = 0, PT_MODE_KFAC = 1 } pt_mode;
 
+/* Where K-FAC's preconditioner comes from (pt_kfac_opts.form). */
+typedef enum {
+  /* precondd's damped inverses (the default: docs/kfac.md, "The eigen form in training") */
+  PT_KFAC_FORM_DAEMON = 0,
+  /* the same damped inverses computed on the worker from its own running averages of A and
+   * G (of the fp32 factors), at the pushes where precondd computes: with sync_roots and fp32
+   * pushes the daemon's run to the bit (the check of the worker path) */
+  PT_KFAC_FORM_WORKER_INVERSE = 1,
+  /* KAISA's eigen form, Q_G [(Q_G^T grad Q_A) / (v_G v_A^T + lambda)] Q_A^T, computed on the
+   * worker the same way: precondd does not publish it (docs/kfac.md says why) */
+  PT_KFAC_FORM_WORKER_EIGEN = 2
+} pt_kfac_form;
+
 /* K-FAC (trainer/kfac.c, docs/kfac.md). The worker computes each layer's factors A and G
  * through the layers' curvature hooks (install pt_kfac_hook's hook on the model), pushes
  * them, and preconditions with the newest damped inverses: G^-1 grad A^-1 per dense or conv
@@ -64,19 +77,6 @@ typedef enum { PT_MODE_SHAMPOO = 0, PT_MODE_KFAC = 1 } pt_mode;
  * then the KL clip over all of them, then SGD with momentum and weight decay. Every other
  * parameter (embeddings, layer norms, a layer with no hook) takes the SGD step on its plain
  * gradient, as does every layer until its first inverses arrive (counted as fallback). */
-/* Where K-FAC's preconditioner comes from (pt_kfac_opts.form). */
-typedef enum {
-  PT_KFAC_FORM_DAEMON = 0, /* precondd's damped inverses (the default: docs/kfac.md, "The
-                              eigen form in training") */
-  PT_KFAC_FORM_WORKER_INVERSE = 1, /* the same damped inverses computed on the worker from
-                                      its own running averages of A and G, at the pushes where
-                                      precondd computes: with sync_roots the daemon's run to
-                                      the bit (the check of the worker path) */
-  PT_KFAC_FORM_WORKER_EIGEN = 2    /* KAISA's eigen form, Q_G [(Q_G^T grad Q_A) / (v_G v_A^T +
-                                      lambda)] Q_A^T, computed on the worker the same way:
-                                      precondd does not publish it (docs/kfac.md says why) */
-} pt_kfac_form;
-
 typedef struct {
   pc_kfac_opts k;       /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
                               factor schedule: pc_kfac_opts_default (one source) */

@@ -164,10 +164,10 @@ typedef struct {
 
 /* The KL clip's settings of a run; NULL: the defaults at lr 0.2. fisher: 0 empirical, 1 the
  * model's, 2 the model's with the draws forced to the batch's labels. form and inverse:
- * pt_kfac_opts'. */
+ * pt_kfac_opts'; bf16: push_bf16. */
 typedef struct {
   double lr, kl_clip, base_lr;
-  int kl_base_lr, fisher, form, inverse;
+  int kl_base_lr, fisher, form, inverse, bf16;
 } clip_cfg;
 
 static void train_clip(const char *job, int sync, size_t a_images, const clip_cfg *cc,
@@ -186,6 +186,7 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
   o.kfac.model_fisher = cc && cc->fisher > 0;
   o.kfac.form = cc ? (pt_kfac_form)cc->form : PT_KFAC_FORM_DAEMON;
   o.kfac.inverse = cc ? cc->inverse : 0;
+  o.kfac.push_bf16 = cc && cc->bf16;
   fisher_pass fp = {&m, NULL, cc && cc->fisher == 2, 0, {0}};
   void *p = NULL;
   assert_int_equal(ac_malloc(m.be, N * sizeof(int32_t), &p), AC_OK);
@@ -279,7 +280,8 @@ static void test_kfac_trains(void **state) {
 static void test_kfac_kl_base_lr(void **state) {
   (void)state;
   run_out e, f, g;
-  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0}, cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0};
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0, 0},
+           cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0, 0};
   train_clip("kfac-kl-e", 1, 0, &ce, &e);
   train_clip("kfac-kl-f", 1, 0, &cf, &f);
   train_clip("kfac-kl-g", 1, 0, &cg, &g);
@@ -297,8 +299,8 @@ static void test_kfac_kl_base_lr(void **state) {
  * give other factors, differ from the batch's labels, are reproducible, and still train. */
 static void test_kfac_model_fisher(void **state) {
   (void)state;
-  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0},
-           forced = {0.2, 0.0, 0.0, 0, 2, 0, 0};
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0, 0},
+           forced = {0.2, 0.0, 0.0, 0, 2, 0, 0, 0};
   run_out e, f, g, h;
   train_clip("kfac-fisher-e", 1, 0, &emp, &e);
   train_clip("kfac-fisher-f", 1, 0, &forced, &f);
@@ -334,11 +336,11 @@ static void test_kfac_model_fisher(void **state) {
  * inverse form. */
 static void test_kfac_worker_forms(void **state) {
   (void)state;
-  clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0},
-           winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0},
-           deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH},
-           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH},
-           eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0};
+  clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0, 0},
+           winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0, 0},
+           deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH, 0},
+           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH, 0},
+           eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0, 0};
   run_out a, b, c, d, e, f;
   train_clip("kfac-form-a", 1, 0, &daemon, &a);
   train_clip("kfac-form-b", 1, 0, &winv, &b);
@@ -364,6 +366,15 @@ static void test_kfac_worker_forms(void **state) {
   assert_memory_equal(e.fc_w, f.fc_w, sizeof e.fc_w);
   assert_true(e.loss[STEPS - 1] < 0.5 * e.loss[0]);
   assert_memory_not_equal(e.fc_w, a.fc_w, sizeof e.fc_w);
+  /* Factors pushed as bf16: the daemon's inverses of the rounded factors, applied from
+   * step 1 with sync_roots; the run trains and is not the fp32 one. */
+  clip_cfg bf16 = daemon;
+  bf16.bf16 = 1;
+  run_out g;
+  train_clip("kfac-form-g", 1, 0, &bf16, &g);
+  for (int s = 0; s < STEPS; s++) assert_int_equal(g.info[s].preconditioned, 2);
+  assert_true(g.loss[STEPS - 1] < 0.5 * g.loss[0]);
+  assert_memory_not_equal(g.fc_w, a.fc_w, sizeof g.fc_w);
 }
 
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
@@ -424,10 +435,8 @@ int main(int argc, char **argv) {
   }
   precondd_path = argv[1];
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_kfac_trains),
-      cmocka_unit_test(test_kfac_kl_base_lr),
-      cmocka_unit_test(test_kfac_model_fisher),
-      cmocka_unit_test(test_kfac_worker_forms),
+      cmocka_unit_test(test_kfac_trains),       cmocka_unit_test(test_kfac_kl_base_lr),
+      cmocka_unit_test(test_kfac_model_fisher), cmocka_unit_test(test_kfac_worker_forms),
       cmocka_unit_test(test_kfac_bad_use),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
