@@ -49,7 +49,7 @@ struct ac_shampoo {
   shampoo_param *params;
   size_t nblocks;
   shampoo_block *blocks;
-  size_t stats_len; /* floats of all packed statistics */
+  size_t stats_len;              /* floats of all packed statistics */
   float *stats_dev, *stats_host; /* stats_host is stats_dev on a host-memory backend (CPU) */
   int stats_valid;
   int host_memory;               /* the backend's memory is the host's: no staging copies */

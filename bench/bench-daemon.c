@@ -78,8 +78,8 @@ typedef struct {
   const char *mpirun;  /* replica rows: mpirun's path; NULL: none (spawn only) */
   int ranks[MAX_LIST]; /* replica rows: daemon ranks, e.g. 1,2 */
   int nranks;
-  int replica_steps;      /* replica rows: timed steps per R */
-  int replica_push_first; /* replica rows: every block pushed to rank 0 (else to its owner) */
+  int replica_steps;          /* replica rows: timed steps per R */
+  int replica_push_first;     /* replica rows: every block pushed to rank 0 (else to its owner) */
   double root_noise;          /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
@@ -1259,8 +1259,17 @@ static int run_replicas(const bench_opts *o) {
       int np = o->replica_push_first ? 1 : R;
       double t0 = now_s(), done[64];
       for (int r = 0; r < np; r++) {
-        push[r] = (replica_push){ch[r], job, n, B, r, -1, lp, rp, np > 1 ? owner : NULL,
-                                 (uint64_t)(k + REPLICA_WARMUP + 1), 0};
+        push[r] = (replica_push){ch[r],
+                                 job,
+                                 n,
+                                 B,
+                                 r,
+                                 -1,
+                                 lp,
+                                 rp,
+                                 np > 1 ? owner : NULL,
+                                 (uint64_t)(k + REPLICA_WARMUP + 1),
+                                 0};
         if (pthread_create(&th[r], NULL, replica_push_run, &push[r]) != 0) {
           np = r;
           rc = -1;
@@ -1275,8 +1284,7 @@ static int run_replicas(const bench_opts *o) {
       ms[k] = 1e3 * (now_s() - t0);
       total += ms[k] / 1e3;
       if (rc == 0) {
-        fprintf(stderr, "bench-daemon: replicas R=%d step %d: push %.1f ms", R, k + 1,
-                push[0].ms);
+        fprintf(stderr, "bench-daemon: replicas R=%d step %d: push %.1f ms", R, k + 1, push[0].ms);
         for (int r = 1; r < np; r++) fprintf(stderr, "/%.1f", push[r].ms);
         for (int r = 0; r < R; r++) fprintf(stderr, ", rank %d all roots %.1f ms", r, done[r]);
         fprintf(stderr, "\n");
@@ -1494,8 +1502,7 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--replica-push") == 0) {
       o.replica_push_first = strcmp(v, "first") == 0;
       bad = !o.replica_push_first && strcmp(v, "owner") != 0;
-    }
-    else if (strcmp(a, "--max-inflight-mb") == 0)
+    } else if (strcmp(a, "--max-inflight-mb") == 0)
       bad = (o.max_inflight_mb = atof(v)) <= 0;
     else {
       fprintf(stderr, "bench-daemon: unknown option %s (see --help)\n", a);

@@ -66,10 +66,10 @@ typedef struct {
   float *dev1; /* one device float for the KL clip */
   float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
   size_t u_floats;
-  uint64_t draws;        /* the draws' counter (ac_rand_uniform's offset) */
-  int sampling;          /* the model Fisher's backward is running: the hook computes factors */
-  pt__pace pace;         /* libprecond's poll, half a step (pt__poll_pace) */
-  ac_kfac_pg *pg;        /* nlayers entries: the KL clip's list */
+  uint64_t draws; /* the draws' counter (ac_rand_uniform's offset) */
+  int sampling;   /* the model Fisher's backward is running: the hook computes factors */
+  pt__pace pace;  /* libprecond's poll, half a step (pt__poll_pace) */
+  ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
   uint64_t applied, rejected, pushes;
   double lr_max;    /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
   int hook_rc;      /* the first error a hook met (returned by pt_step too) */

@@ -1384,8 +1384,8 @@ static void test_conv_im2col(void **state) {
  * without AVX2 + FMA) answers AC_ENOTSUP, and the layers use im2col + gemm. */
 static void test_conv3x3(void **state) {
   ac_backend *be = backend(state);
-  const size_t shapes[][5] = {{3, 5, 8, 7, 9}, {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
-                              {1, 4, 4, 1, 1}, {3, 8, 4, 2, 3}};
+  const size_t shapes[][5] = {
+      {3, 5, 8, 7, 9}, {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14}, {1, 4, 4, 1, 1}, {3, 8, 4, 2, 3}};
   if (!ac_conv3x3_supported(be, 4, 4)) {
     float z[3] = {0, 0, 0};
     assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z + 2), AC_ENOTSUP);
@@ -1438,7 +1438,7 @@ static void test_conv3x3(void **state) {
   assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z), AC_EINVAL); /* y aliases x */
   assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, NULL, z + 1, z + 2), AC_EINVAL);
   assert_int_equal(ac_conv3x3_wgrad(be, 1, 4, 4, 1, 1, z, z, z + 2), AC_EINVAL); /* dy == x */
-  assert_int_equal(ac_conv3x3(be, 0, 4, 4, 1, 1, NULL, NULL, NULL), AC_OK);     /* nothing */
+  assert_int_equal(ac_conv3x3(be, 0, 4, 4, 1, 1, NULL, NULL, NULL), AC_OK);      /* nothing */
 }
 
 /* Batch norm's per-channel passes against double loops, over a row shape, rows longer than
@@ -2060,16 +2060,15 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
       cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                        \
       cmocka_unit_test(test_gather_scatter), cmocka_unit_test(test_conv_im2col),            \
-      cmocka_unit_test(test_conv3x3),                                                       \
-      cmocka_unit_test(test_im2col_geometries), cmocka_unit_test(test_pool),                \
-      cmocka_unit_test(test_channel_ops), cmocka_unit_test(test_random),                    \
-      cmocka_unit_test(test_sample_rows), cmocka_unit_test(test_adamw)
+      cmocka_unit_test(test_conv3x3), cmocka_unit_test(test_im2col_geometries),             \
+      cmocka_unit_test(test_pool), cmocka_unit_test(test_channel_ops),                      \
+      cmocka_unit_test(test_random), cmocka_unit_test(test_sample_rows),                    \
+      cmocka_unit_test(test_adamw)
 
 int main(void) {
-  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
-                                         cmocka_unit_test(test_cpu_threads),
-                                         cmocka_unit_test(test_cpu_pool_bitwise),
-                                         cmocka_unit_test(test_cpu_conv3x3_bitwise)};
+  const struct CMUnitTest lifecycle[] = {
+      cmocka_unit_test(test_strerror_and_create), cmocka_unit_test(test_cpu_threads),
+      cmocka_unit_test(test_cpu_pool_bitwise), cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

@@ -1010,11 +1010,15 @@ int main(int argc, char **argv) {
   }
   if (getenv("REPLICA_TEST")) cmocka_set_test_filter(getenv("REPLICA_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_two_ranks),     cmocka_unit_test(test_three_ranks),
-      cmocka_unit_test(test_restart),       cmocka_unit_test(test_rank_count_change),
+      cmocka_unit_test(test_two_ranks),
+      cmocka_unit_test(test_three_ranks),
+      cmocka_unit_test(test_restart),
+      cmocka_unit_test(test_rank_count_change),
       cmocka_unit_test(test_end_job_and_ctl),
-      cmocka_unit_test(test_data_parallel), cmocka_unit_test(test_data_parallel_resnet),
-      cmocka_unit_test(test_killed_rank),   cmocka_unit_test(test_bad_starts),
+      cmocka_unit_test(test_data_parallel),
+      cmocka_unit_test(test_data_parallel_resnet),
+      cmocka_unit_test(test_killed_rank),
+      cmocka_unit_test(test_bad_starts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
