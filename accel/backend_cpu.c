@@ -1492,16 +1492,22 @@ C3_TARGET static void c3_wgrad_block(size_t nv, size_t wq, const float *dq, size
 
 /* The direct kernels need AVX2 and FMA (checked once per process) and output channels in
  * blocks of 4; otherwise the layers use im2col + gemm. */
+#if C3_HAVE_KERNELS
+static int c3_have; /* the CPU runs AVX2 and FMA: set once (c3_once), read after */
+static pthread_once_t c3_once = PTHREAD_ONCE_INIT;
+
+static void c3_detect(void) {
+  __builtin_cpu_init();
+  c3_have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
 static int cpu_conv3x3_ok(ac_backend *be, size_t c, size_t oc) {
   (void)be;
   (void)c;
 #if C3_HAVE_KERNELS
-  static int have = -1; /* a benign race: every thread computes the same answer */
-  if (have < 0) {
-    __builtin_cpu_init();
-    have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }
-  return have && oc % 4 == 0;
+  pthread_once(&c3_once, c3_detect);
+  return c3_have && oc % 4 == 0;
 #else
   (void)oc;
   return 0;
