@@ -858,17 +858,15 @@ void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in);
  * into it must not be used or freed any more. */
 void pd_shm_in_end(pd_shm_in *in);
 /* A matrix the client wrote: [offset, offset + length) must lie in the region's first half
- * and length be expect bytes. On PD_OK *out is its copy, whose CRC-32C was crc: in in->buf
+ * and length be expect bytes. crc: the CRC-32C the copy must have (a checked reference), or
+ * NULL (ShmRef.unchecked: no checksum pass; the copy is what is validated and used). On PD_OK
+ * *out is its copy: in in->buf
  * when that is set (the session's: not to be freed), else malloc'd (the caller owns it).
  * fp32: the bytes are fp32 values, and *finite gets 1 when the copy found them all finite
  * (else 0: a NaN or Inf, or not looked at). PD_EINVAL with *why (a static phrase) when the
  * reference is out of place or the checksum differs; PD_ENOMEM. */
-int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
-                   int fp32, uint8_t **out, int *finite, const char **why);
-/* pd_shm_copy_in of an unchecked reference (ShmRef.unchecked): no checksum, the copy is
- * what is validated and used. */
-int pd_shm_copy_in_unchecked(pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
-                             int fp32, uint8_t **out, int *finite, const char **why);
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, const uint32_t *crc,
+                   size_t expect, int fp32, uint8_t **out, int *finite, const char **why);
 /* Writes len bytes of src to the next place of the region's second half (its ring): the
  * offset from the region's start and the CRC-32C out. PD_ELIMIT if len is above the half. */
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,

@@ -474,11 +474,9 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
       int finite = 0;
       int fp32 = rpc_packed_native((int)m->encoding);
       const Precond__V1__ShmRef *ref = m->shm;
-      int e = ref->unchecked
-                  ? pd_shm_copy_in_unchecked(&sp->in, ref->offset, ref->length, (size_t)ref->length,
-                                             fp32, &bytes, &finite, &why)
-                  : pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->crc32c,
-                                   (size_t)ref->length, fp32, &bytes, &finite, &why);
+      int e =
+          pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->unchecked ? NULL : &ref->crc32c,
+                         (size_t)ref->length, fp32, &bytes, &finite, &why);
       if (e != PD_OK) {
         pd__fail(rep,
                  e == PD_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT,

@@ -416,10 +416,8 @@ void pd_shm_in_end(pd_shm_in *in) {
   in->buf = NULL;
 }
 
-/* checked: compare the copy's CRC-32C with crc; else a plain copy (with the NaN/Inf look). */
-static int pd__shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, int checked,
-                           uint32_t crc, size_t expect, int fp32, uint8_t **out, int *finite,
-                           const char **why) {
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, const uint32_t *crc,
+                   size_t expect, int fp32, uint8_t **out, int *finite, const char **why) {
   const pd_shm_session *s = in->s;
   *out = NULL;
   *finite = 0;
@@ -439,15 +437,12 @@ static int pd__shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, int 
     return PD_ENOMEM;
   }
   int ok = 0;
-  uint32_t got = crc;
-  if (!checked && fp32)
+  if (crc == NULL && fp32)
     rpc_shm_copy_finite(buf, s->map + offset, (size_t)length, &ok);
-  else if (!checked)
+  else if (crc == NULL)
     memcpy(buf, s->map + offset, (size_t)length);
-  else
-    got = fp32 ? rpc_shm_copy_crc_finite(buf, s->map + offset, (size_t)length, &ok)
-               : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length);
-  if (got != crc) {
+  else if (*crc != (fp32 ? rpc_shm_copy_crc_finite(buf, s->map + offset, (size_t)length, &ok)
+                         : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length))) {
     if (!in->buf) free(buf);
     *why = "checksum mismatch (CRC-32C of the region's bytes)";
     return PD_EINVAL;
@@ -456,16 +451,6 @@ static int pd__shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, int 
   *out = buf;
   *finite = ok;
   return PD_OK;
-}
-
-int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint32_t crc, size_t expect,
-                   int fp32, uint8_t **out, int *finite, const char **why) {
-  return pd__shm_copy_in(in, offset, length, 1, crc, expect, fp32, out, finite, why);
-}
-
-int pd_shm_copy_in_unchecked(pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
-                             int fp32, uint8_t **out, int *finite, const char **why) {
-  return pd__shm_copy_in(in, offset, length, 0, 0, expect, fp32, out, finite, why);
 }
 
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,
