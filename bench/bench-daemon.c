@@ -23,8 +23,8 @@
  *   replicas (--mpirun PATH, with --spawn; alone) daemon replicas: mpirun -np R precondd
  *          for each R of --ranks, one pool thread per rank; per step the --pool-blocks blocks
  *          of 256 (eigh roots) pushed to their owners (or to rank 0: --replica-push first)
- *          through shared memory (--replica-wire bytes: gRPC bytes), fetched as a worker
- *          does (versions held, roots area), timed until every rank holds every root: roots/s (ratio to the first R's) and
+ *          through shared memory (--replica-wire bytes: gRPC bytes), timed until every
+ *          rank holds every root (GetStats): roots/s (ratio to the first R's) and
  *          p50/p90 of that time over --replica-steps steps (docs/replicas.md).
  * All ratios come from the same run. The memcpy rates are measured at the start, before any
  * daemon computes roots, so they are the machine's limit rather than a loaded figure.
@@ -220,8 +220,8 @@ static void usage(FILE *f) {
           "                      owns it, one thread per rank (default; data-parallel\n"
           "                      workers), or every block to rank 0, which forwards\n"
           "                      the others' (one worker)\n"
-          "  --replica-wire shm|bytes  replica rows: through a shared-memory region and the\n"
-          "                      roots area, as a same-host worker (default), or gRPC bytes\n");
+          "  --replica-wire shm|bytes  replica rows: pushes through a shared-memory region,\n"
+          "                      as a same-host worker's (default), or as gRPC bytes\n");
   fprintf(f,
           "  --wire              the wire alone: per size (default 128,256,...,4096: 64 KiB\n"
           "                      to 64 MiB pushes) a memcpy row, then push and fetch rows per\n"
@@ -745,24 +745,42 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
   return rc;
 }
 
-/* What one client holds of a job's roots on one daemon, as a worker's libprecond does: the
- * versions (0: none yet) and their source steps, kept from fetch to fetch so each root
- * travels once; with shm (a region and the daemon's roots area mapped, as a same-host
- * worker has) the answers carry references into the roots area instead of the bytes. */
+/* What one client knows of a job's roots on one daemon: the versions (0: none yet) and
+ * their source steps, kept from poll to poll (so a fetch brings each root once, as a
+ * worker's libprecond does), by fetches or (by_stats) by GetStats, which moves no root. */
 typedef struct {
   grpc_channel *ch;
-  rpc_shm *shm; /* NULL: bytes */
+  int by_stats;
   uint64_t ver[256], src[256];
 } roots_view;
 
+/* The versions and source steps of job's blocks by GetStats, into v: what the daemon
+ * holds, without the roots themselves. 0 or -1. */
+static int stats_roots(roots_view *v, const char *job, size_t nblocks) {
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.job = (char *)job;
+  sr.blocks = 1;
+  ProtobufCMessage *resp = NULL;
+  if (call_ok(v->ch, RPC_METHOD_GET_STATS, &sr.base, &precond__v1__stats_response__descriptor,
+              &resp) != 0)
+    return -1;
+  const Precond__V1__StatsResponse *r = (const Precond__V1__StatsResponse *)resp;
+  for (size_t i = 0; i < r->n_block_stats; i++) {
+    const Precond__V1__BlockStats *b = r->block_stats[i];
+    if (b->block_id < nblocks) {
+      v->ver[b->block_id] = b->version;
+      v->src[b->block_id] = b->root_step;
+    }
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
 /* One fetch of job's first nblocks blocks (bf16: only the versions matter here) past the
- * versions v holds, which it updates. Returns how many blocks hold roots of step or later,
- * or -1. */
-static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t step) {
+ * versions v holds, which it updates. 0 or -1. */
+static int fetch_roots(roots_view *v, const char *job, size_t nblocks) {
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   Precond__V1__BlockVersion bv[256], *bvp[256];
-  Precond__V1__ShmSession sess;
-  if (nblocks > 256) return -1;
   fr.job = (char *)job;
   fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   for (size_t i = 0; i < nblocks; i++) {
@@ -772,27 +790,30 @@ static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t s
     bvp[fr.n_have++] = &bv[i];
   }
   fr.have = bvp;
-  if (v->shm != NULL) rpc_shm_fetch_request(v->shm, &sess, &fr);
   ProtobufCMessage *resp = NULL;
   if (call_ok(v->ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
               &precond__v1__fetch_response__descriptor, &resp) != 0)
     return -1;
-  Precond__V1__FetchResponse *r = (Precond__V1__FetchResponse *)resp;
-  char err[160];
-  int bad = v->shm != NULL && rpc_shm_fetch_in(v->shm, r, err, sizeof err) < 0;
-  if (bad) fprintf(stderr, "bench-daemon: %s\n", err);
-  for (size_t i = 0; !bad && i < r->n_preconditioners; i++) {
+  const Precond__V1__FetchResponse *r = (const Precond__V1__FetchResponse *)resp;
+  for (size_t i = 0; i < r->n_preconditioners; i++) {
     const Precond__V1__BlockRoots *b = r->preconditioners[i];
     if (b->block_id < nblocks) {
       v->ver[b->block_id] = b->version;
       v->src[b->block_id] = b->source_step;
     }
   }
-  if (v->shm != NULL) rpc_shm_fetch_done(r);
   protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+/* How many of job's first nblocks blocks hold roots of step or later on v's daemon (by
+ * GetStats or a fetch, as v says), or -1. */
+static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t step) {
+  if (nblocks > 256) return -1;
+  if ((v->by_stats ? stats_roots(v, job, nblocks) : fetch_roots(v, job, nblocks)) != 0) return -1;
   int done = 0;
   for (size_t i = 0; i < nblocks; i++) done += v->src[i] >= step && v->ver[i] > 0;
-  return bad ? -1 : done;
+  return done;
 }
 
 /* Waits until each of the nv daemons of v holds roots of step (or later) for the first
@@ -817,8 +838,7 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
       }
     }
     if (left == 0) return 0;
-    long pms = getenv("BENCH_POLL_MS") ? atol(getenv("BENCH_POLL_MS")) : 5;
-    struct timespec t = {0, pms * 1000000L};
+    struct timespec t = {0, 5 * 1000000L};
     nanosleep(&t, NULL);
   }
   if (left == 0) return 0;
@@ -1281,13 +1301,13 @@ static void *replica_push_run(void *arg) {
  * eigh in double with p = 2 (what a worker asks for by default), new statistics at each of
  * --replica-steps steps after REPLICA_WARMUP untimed ones. --replica-push owner (default):
  * each rank's blocks pushed to that rank, one thread per rank at once (data-parallel
- * workers); first: all of them to rank 0, which forwards the others' (one worker). The
- * bench talks to each rank as a same-host worker's libprecond does: through a shared-memory
- * region (pushes copied into it, fetches answered from the roots area) and holding the
- * versions it fetched, so each root travels once; --replica-wire bytes sends everything as
- * gRPC bytes instead. Timed from the push until every rank holds every root of that step;
- * per step the phases go to stderr, per row each rank's CPU (pool, replica thread, the
- * rest) and the bench's own in the timed steps. */
+ * workers); first: all of them to rank 0, which forwards the others' (one worker). Pushes
+ * go as a same-host worker's libprecond sends them, through a shared-memory region
+ * (--replica-wire bytes: gRPC bytes). Timed from the push until every rank holds every root
+ * of that step, seen by GetStats every 5 ms: a fetch would time the serving of the roots
+ * too, and with one fetching client per rank here, R times as much of it at R ranks (each
+ * rank serves every root), on the cores the roots need. Per step the phases go to stderr,
+ * per row each rank's CPU (pool, replica thread, the rest) and the bench's own. */
 static int run_replicas(const bench_opts *o) {
   const size_t n = 256;
   const int B = o->pool_blocks > 0 ? o->pool_blocks : 16, steps = o->replica_steps;
@@ -1327,6 +1347,7 @@ static int run_replicas(const bench_opts *o) {
       char addr[160];
       snprintf(addr, sizeof addr, "unix:%s/r-%d.sock", dir, r);
       view[r].ch = rpc_channel_create(addr, 0);
+      view[r].by_stats = 1;
       grpc_status_code code;
       char err[256];
       /* Room for a whole push of B blocks in the region's half (its ring). */
@@ -1335,8 +1356,6 @@ static int run_replicas(const bench_opts *o) {
                          &shm[r], &code, err, sizeof err) != RPC_OK) {
           fprintf(stderr, "bench-daemon: rank %d: %s\n", r, err);
           up = 0;
-        } else {
-          view[r].shm = &shm[r];
         }
       }
     }
@@ -1361,7 +1380,7 @@ static int run_replicas(const bench_opts *o) {
       double t0 = now_s(), done[64], c0 = self_cpu_s();
       for (int r = 0; r < np; r++) {
         push[r] = (replica_push){view[r].ch,
-                                 view[r].shm,
+                                 o->replica_bytes ? NULL : &shm[r],
                                  job,
                                  n,
                                  B,
