@@ -751,6 +751,9 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
 typedef struct {
   grpc_channel *ch;
   int by_stats;
+  const int *owner; /* with rank: own_ms is when the blocks this rank owns were seen done */
+  int rank;
+  double own_ms;
   uint64_t ver[256], src[256];
 } roots_view;
 
@@ -825,12 +828,17 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
   enum { MAXCH = 64 };
   int done[MAXCH] = {0}, left = nv;
   if (nv > MAXCH || nblocks > 256) return -1;
+  for (int c = 0; c < nv; c++) v[c].own_ms = -1;
   double until = now_s() + timeout_s;
   while (left > 0 && now_s() < until) {
     for (int c = 0; c < nv; c++) {
       if (done[c]) continue;
       int n = poll_roots(&v[c], job, nblocks, step);
       if (n < 0) return -1;
+      int own = v[c].owner != NULL && v[c].own_ms < 0;
+      for (size_t i = 0; own && i < nblocks; i++)
+        own = v[c].owner[i] != v[c].rank || (v[c].src[i] >= step && v[c].ver[i] > 0);
+      if (own) v[c].own_ms = 1e3 * (now_s() - t0);
       if ((size_t)n == nblocks) {
         done[c] = 1;
         left--;
@@ -1348,6 +1356,8 @@ static int run_replicas(const bench_opts *o) {
       snprintf(addr, sizeof addr, "unix:%s/r-%d.sock", dir, r);
       view[r].ch = rpc_channel_create(addr, 0);
       view[r].by_stats = 1;
+      view[r].owner = owner;
+      view[r].rank = r;
       grpc_status_code code;
       char err[256];
       /* Room for a whole push of B blocks in the region's half (its ring). */
@@ -1408,7 +1418,8 @@ static int run_replicas(const bench_opts *o) {
       if (rc == 0) {
         fprintf(stderr, "bench-daemon: replicas R=%d step %d: push %.1f ms", R, k + 1, push[0].ms);
         for (int r = 1; r < np; r++) fprintf(stderr, "/%.1f", push[r].ms);
-        for (int r = 0; r < R; r++) fprintf(stderr, ", rank %d all roots %.1f ms", r, done[r]);
+        for (int r = 0; r < R; r++)
+          fprintf(stderr, ", rank %d own roots %.1f ms, all %.1f ms", r, view[r].own_ms, done[r]);
         fprintf(stderr, "\n");
       }
     }
