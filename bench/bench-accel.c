@@ -397,7 +397,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: bench-accel [--csv] [--backend cpu|cuda] [--threads N] [--reps N]\n"
           "                   [--chunk N] [--only peak|tblock|resblock|models]\n"
-          "                   [--clock wall|cpu] [--quick] [--help]\n"
+          "                   [--clock wall|cpu] [--isa best|portable|avx2|avx512]\n"
+          "                   [--quick] [--help]\n"
           "  --csv       CSV output (section,config,item,pass,ms,min_ms,gflop,gflops,\n"
           "              peak_gflops,ratio_to_peak); a table otherwise\n"
           "  --backend   cpu (default) or cuda\n"
@@ -408,6 +409,8 @@ static void usage(FILE *out) {
           "  --clock     wall (default) or cpu: process CPU time, for a CPU backend on a\n"
           "              shared machine (counts every thread); the model steps are\n"
           "              also given by the other clock (pass step.cpu / step.wall)\n"
+          "  --isa       cap on the CPU backend's direct conv kernels (default best; portable:\n"
+          "              im2col + gemm), to compare the variants\n"
           "  --quick     tiny batches, one repetition: a smoke test, not a measurement\n",
           MAX_REPS);
 }
@@ -461,6 +464,16 @@ int main(int argc, char **argv) {
         clock_id = CLOCK_PROCESS_CPUTIME_ID;
       else {
         fprintf(stderr, "bench-accel: --clock must be wall or cpu\n");
+        return 2;
+      }
+      i++;
+    } else if (strcmp(a, "--isa") == 0 && v != NULL) {
+      static const char *const names[] = {"best", "portable", "avx2", "avx512"};
+      opts.cpu_isa = -1;
+      for (int k = 0; k < 4; k++)
+        if (strcmp(v, names[k]) == 0) opts.cpu_isa = k; /* the ac_cpu_isa values, in order */
+      if (opts.cpu_isa < 0) {
+        fprintf(stderr, "bench-accel: --isa must be best, portable, avx2 or avx512\n");
         return 2;
       }
       i++;
