@@ -1464,30 +1464,33 @@ C3_TARGET static float c3_hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-/* dw[i][ch][p][q] += sum over j < 8 nv of dq[i][j] xc[j + p wq + q] for the 4 output
- * channels i of a block (rows of dq ldd apart, of dw ldw apart) and one input channel xc:
- * per row p of taps, 4 x 3 accumulators over all positions, then one sum each. */
-C3_TARGET static void c3_wgrad_block(size_t nv, size_t wq, const float *dq, size_t ldd,
-                                     const float *xc, float *dw, size_t ldw) {
-  for (size_t p = 0; p < 3; p++) {
-    __m256 a[4][3];
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) a[i][q] = _mm256_setzero_ps();
-    const float *xp = xc + p * wq;
-    for (size_t v = 0; v < nv; v++) {
-      __m256 x0 = _mm256_loadu_ps(xp + v * 8), x1 = _mm256_loadu_ps(xp + v * 8 + 1);
-      __m256 x2 = _mm256_loadu_ps(xp + v * 8 + 2);
-      for (size_t i = 0; i < 4; i++) {
-        __m256 d = _mm256_loadu_ps(dq + i * ldd + v * 8);
-        a[i][0] = _mm256_fmadd_ps(d, x0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(d, x1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(d, x2, a[i][2]);
-      }
-    }
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += c3_hsum(a[i][q]);
+/* NAME(nv, wq, dq, ldd, xc, dw, ldw): dw[i][ch][p][q] += sum over j < VW nv of dq[i][j]
+ * xc[j + p wq + q] for the 4 output channels i of a block (rows of dq ldd apart, of dw ldw
+ * apart) and one input channel xc: per row p of taps, 4 x 3 accumulators of VW lanes over
+ * all positions, then one sum each (HSUM, a fixed order). One body for both ISAs. */
+#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM)                   \
+  TARGET static void NAME(size_t nv, size_t wq, const float *dq, size_t ldd,           \
+                          const float *xc, float *dw, size_t ldw) {                    \
+    for (size_t p = 0; p < 3; p++) {                                                   \
+      VEC a[4][3];                                                                     \
+      for (size_t i = 0; i < 4; i++)                                                   \
+        for (size_t q = 0; q < 3; q++) a[i][q] = ZERO();                               \
+      const float *xp = xc + p * wq;                                                   \
+      for (size_t v = 0; v < nv; v++) {                                                \
+        VEC x0 = LOAD(xp + v * VW), x1 = LOAD(xp + v * VW + 1), x2 = LOAD(xp + v * VW + 2); \
+        for (size_t i = 0; i < 4; i++) {                                               \
+          VEC d = LOAD(dq + i * ldd + v * VW);                                         \
+          a[i][0] = FMA(d, x0, a[i][0]);                                               \
+          a[i][1] = FMA(d, x1, a[i][1]);                                               \
+          a[i][2] = FMA(d, x2, a[i][2]);                                               \
+        }                                                                              \
+      }                                                                                \
+      for (size_t i = 0; i < 4; i++)                                                   \
+        for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += HSUM(a[i][q]);       \
+    }                                                                                  \
   }
-}
+C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
+               _mm256_fmadd_ps, c3_hsum)
 
 /* The AVX-512F variants: the same sums over vectors of 16 positions. */
 #define C5_TARGET __attribute__((target("avx512f,avx2,fma")))
@@ -1537,28 +1540,8 @@ C5_TARGET static float c5_hsum(__m512 a) {
   return c3_hsum(s);
 }
 
-/* c3_wgrad_block over vectors of 16. */
-C5_TARGET static void c5_wgrad_block(size_t nv, size_t wq, const float *dq, size_t ldd,
-                                     const float *xc, float *dw, size_t ldw) {
-  for (size_t p = 0; p < 3; p++) {
-    __m512 a[4][3];
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) a[i][q] = _mm512_setzero_ps();
-    const float *xp = xc + p * wq;
-    for (size_t v = 0; v < nv; v++) {
-      __m512 x0 = _mm512_loadu_ps(xp + v * 16), x1 = _mm512_loadu_ps(xp + v * 16 + 1);
-      __m512 x2 = _mm512_loadu_ps(xp + v * 16 + 2);
-      for (size_t i = 0; i < 4; i++) {
-        __m512 d = _mm512_loadu_ps(dq + i * ldd + v * 16);
-        a[i][0] = _mm512_fmadd_ps(d, x0, a[i][0]);
-        a[i][1] = _mm512_fmadd_ps(d, x1, a[i][1]);
-        a[i][2] = _mm512_fmadd_ps(d, x2, a[i][2]);
-      }
-    }
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += c5_hsum(a[i][q]);
-  }
-}
+C3_WGRAD_BLOCK(c5_wgrad_block, C5_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+               _mm512_fmadd_ps, c5_hsum)
 #else
 #define C3_HAVE_KERNELS 0
 #endif
