@@ -1313,6 +1313,23 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
   return AC_OK;
 }
 
+/* The expressions of cpu_axpby, cpu_binary, cpu_affine and the square root, in the order
+ * Shampoo's unfused chain applies them: bit for bit the same results. */
+static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v,
+                            float *x, float *d, const ac_moment_graft_args *a) {
+  (void)be;
+  for (size_t i = 0; i < n; i++) {
+    const float gi = g[i], fi = a->f_new * gi + a->f_keep * f[i];
+    const float xi = a->x_g == 0.0f ? a->x_f * fi : a->x_g * gi + a->x_f * fi;
+    const float vi = a->v_new * (gi * gi) + a->v_keep * v[i];
+    f[i] = fi;
+    v[i] = vi;
+    x[i] = xi;
+    d[i] = xi / (sqrtf(a->v_scale * vi) + a->eps);
+  }
+  return AC_OK;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Direct 3x3 convolutions (stride 1, padding 1), AVX2 + FMA, no column matrix. The 3x3
  * convs of a small ResNet have 16-64 channels: as im2col + gemm their products are skinny
@@ -1685,6 +1702,7 @@ static const ac__ops cpu_ops = {
     .pool2d_backward = cpu_pool2d_backward,
     .rand = cpu_rand,
     .adamw_update = cpu_adamw_update,
+    .moment_graft = cpu_moment_graft,
     .conv3x3_ok = cpu_conv3x3_ok,
     .conv3x3 = cpu_conv3x3,
     .conv3x3_wgrad = cpu_conv3x3_wgrad,
