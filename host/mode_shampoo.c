@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 
 _Static_assert(sizeof(pd_shampoo_opts) <= PD_MODE_OPTS_MAX, "pd_shampoo_opts too large");
 
@@ -147,15 +148,86 @@ static void shampoo_fold(const void *opts, const pd_block *u, float *const *stat
     pc_stat_update_f32(pc_packed_len(u->order[k]), state[k], inc[k], beta2);
 }
 
+/* shampoo_fold in the update's own pass, noting whether the result stays below 2^126: the
+ * same expressions as pc_stat_update_f32 (bit-identical, tests/host/test_mode_shampoo.c),
+ * with rpc_f32_big on each value written. b + w is at most 2, so a statistic and an
+ * increment below 2^126 fold below 2^127: finite (pd_mode.fold_bounded). */
+static void shampoo_fold_bounded(const void *opts, const pd_block *u, float *const *state,
+                                 const float *const *inc, uint8_t *bounded) {
+  const float beta2 = ((const pd_shampoo_opts *)opts)->beta2, w = 1 - beta2;
+  for (uint32_t k = 0; k < u->nparts; k++) {
+    float *s = state[k];
+    const float *x = inc[k];
+    size_t len = pc_packed_len(u->order[k]);
+    uint32_t big = 0;
+    if (beta2 == 1) {
+      for (size_t i = 0; i < len; i++) {
+        float y = s[i] + x[i];
+        big |= rpc_f32_big(y);
+        s[i] = y;
+      }
+    } else {
+      for (size_t i = 0; i < len; i++) {
+        float y = beta2 * s[i] + w * x[i];
+        big |= rpc_f32_big(y);
+        s[i] = y;
+      }
+    }
+    bounded[k] = !(big & 0x80000000u);
+  }
+}
+
+/* The fold into out with both checks in its one pass (pd_mode.fold_into): each increment
+ * value is loaded once, and what is checked is what is folded. The expressions are
+ * shampoo_fold_bounded's. The overflow test is exact here (the float result itself is
+ * Inf), where fold_fits, computing in double, keeps a margin of 2^-20. */
+static int shampoo_fold_into(const void *opts, const pd_block *u, const float *const *state,
+                             const float *const *inc, float *const *out, uint8_t *bounded,
+                             uint32_t *part) {
+  const float beta2 = ((const pd_shampoo_opts *)opts)->beta2, w = 1 - beta2;
+  uint32_t over_part = UINT32_MAX;
+  for (uint32_t k = 0; k < u->nparts; k++) {
+    const float *s = state[k], *x = inc[k];
+    float *o = out[k];
+    size_t len = pc_packed_len(u->order[k]);
+    uint32_t bad = 0, over = 0, big = 0;
+    if (beta2 == 1) {
+      for (size_t i = 0; i < len; i++) {
+        float xi = x[i], y = s[i] + xi;
+        bad |= rpc_f32_nonfinite(xi);
+        over |= rpc_f32_nonfinite(y);
+        big |= rpc_f32_big(y);
+        o[i] = y;
+      }
+    } else {
+      for (size_t i = 0; i < len; i++) {
+        float xi = x[i], y = beta2 * s[i] + w * xi;
+        bad |= rpc_f32_nonfinite(xi);
+        over |= rpc_f32_nonfinite(y);
+        big |= rpc_f32_big(y);
+        o[i] = y;
+      }
+    }
+    if (bad & 0x80000000u) {
+      *part = k;
+      return PD_FOLD_NONFINITE;
+    }
+    if ((over & 0x80000000u) && over_part == UINT32_MAX) over_part = k;
+    bounded[k] = !(big & 0x80000000u);
+  }
+  if (over_part != UINT32_MAX) {
+    *part = over_part;
+    return PD_FOLD_OVERFLOW;
+  }
+  return PD_FOLD_OK;
+}
+
 /* 1 when every value of s and x is below 2^126 in magnitude (so finite): the exponent's
  * bits plus three carry into the sign bit from 2^126 up. No branch inside: it vectorizes. */
 static int shampoo_both_below_2_126(size_t len, const float *s, const float *x) {
   uint32_t big = 0;
   for (size_t i = 0; i < len; i++) {
-    uint32_t a, c;
-    memcpy(&a, &s[i], sizeof a);
-    memcpy(&c, &x[i], sizeof c);
-    big |= ((a & 0x7f800000u) + 0x01800000u) | ((c & 0x7f800000u) + 0x01800000u);
+    big |= rpc_f32_big(s[i]) | rpc_f32_big(x[i]);
   }
   return !(big & 0x80000000u);
 }
@@ -339,6 +411,8 @@ const pd_mode pd_mode_shampoo = {
     .layout = shampoo_layout,
     .fold = shampoo_fold,
     .fold_fits = shampoo_fold_fits,
+    .fold_bounded = shampoo_fold_bounded,
+    .fold_into = shampoo_fold_into,
     .compute = shampoo_compute,
     .unit_free = shampoo_unit_free,
     .count_names = {"warm", "skipped", "seeded", "cold"},
