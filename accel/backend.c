@@ -120,6 +120,7 @@ void ac_backend_opts_default(ac_backend_opts *opts) {
   opts->kind = AC_BACKEND_CPU;
   opts->threads = 1;
   opts->device = 0;
+  opts->cpu_isa = AC_CPU_ISA_BEST;
 }
 
 int ac_backend_create(ac_backend **out, const ac_backend_opts *opts) {
@@ -135,6 +136,10 @@ int ac_backend_create(ac_backend **out, const ac_backend_opts *opts) {
   }
   if (opts->threads < 0 || opts->device < 0) {
     snprintf(last_error, sizeof last_error, "negative threads or device in ac_backend_opts");
+    return AC_EINVAL;
+  }
+  if (opts->cpu_isa < AC_CPU_ISA_BEST || opts->cpu_isa > AC_CPU_ISA_AVX512) {
+    snprintf(last_error, sizeof last_error, "unknown cpu_isa %d in ac_backend_opts", opts->cpu_isa);
     return AC_EINVAL;
   }
   be = calloc(1, sizeof *be);

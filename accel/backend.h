@@ -70,6 +70,17 @@ typedef enum {
   AC_BACKEND_CUDA = 1 /* one CUDA device, cuBLAS + own kernels; needs -Dcuda and a GPU */
 } ac_backend_kind;
 
+/* The widest vector instructions the CPU backend's direct kernels may use (ac_conv3x3 and
+ * its weight gradient): the processor's best by default; a lower cap selects a narrower
+ * variant, so that tests run every variant on one machine and benchmarks compare them side
+ * by side. A cap above what the processor runs means its best. */
+typedef enum {
+  AC_CPU_ISA_BEST = 0,     /* the widest the processor runs (default) */
+  AC_CPU_ISA_PORTABLE = 1, /* no direct kernels: the layers use im2col + gemm */
+  AC_CPU_ISA_AVX2 = 2,     /* at most AVX2 + FMA (8-float vectors) */
+  AC_CPU_ISA_AVX512 = 3    /* at most AVX-512F (16-float vectors, 32 registers) */
+} ac_cpu_isa;
+
 typedef struct {
   ac_backend_kind kind;
   /* CPU: the backend's threads (0: as many as OpenBLAS's setting). Its products run on
@@ -78,12 +89,15 @@ typedef struct {
   int threads;
   /* CUDA: device ordinal. Default 0. Ignored by CPU. */
   int device;
+  /* CPU: cap on the direct kernels' vector ISA (ac_cpu_isa). Default AC_CPU_ISA_BEST.
+   * Ignored by CUDA. */
+  int cpu_isa;
 } ac_backend_opts;
 
 /* Opaque: the backend's state (stream, library handles, scratch). */
 typedef struct ac_backend ac_backend;
 
-/* Fills opts with the defaults: CPU, 1 thread, device 0. */
+/* Fills opts with the defaults: CPU, 1 thread, device 0, the processor's best ISA. */
 void ac_backend_opts_default(ac_backend_opts *opts);
 
 /* Creates a backend. On AC_OK *out is a new backend the caller owns and frees with
@@ -431,7 +445,9 @@ int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, si
                      const float *x, const float *dy, float *dw);
 
 /* 1 if the backend has the direct kernels for c input and oc output channels (the CPU
- * backend: on a processor with AVX2 and FMA, oc a multiple of 4; CUDA: none yet), else 0. */
+ * backend: on a processor with AVX2 and FMA, oc a multiple of 4, unless opts.cpu_isa caps it
+ * at AC_CPU_ISA_PORTABLE; AVX-512F kernels where the processor has it; CUDA: none yet),
+ * else 0. */
 int ac_conv3x3_supported(ac_backend *be, size_t c, size_t oc);
 
 typedef enum { AC_POOL_MAX = 0, AC_POOL_AVG = 1 } ac_pool_op;

@@ -163,6 +163,7 @@ typedef struct cpu_impl {
   int threads;
   cpu_pool pool;
   float *scratch; /* the direct convs' (cpu_scratch) */
+  int isa;        /* the direct convs' variant (ac_cpu_isa; PORTABLE: none), set at creation */
   size_t scratch_floats;
 } cpu_impl;
 
@@ -1314,7 +1315,7 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Direct 3x3 convolutions (stride 1, padding 1), AVX2 + FMA, no column matrix. The 3x3
+/* Direct 3x3 convolutions (stride 1, padding 1), AVX2 + FMA or AVX-512F, no column matrix. The 3x3
  * convs of a small ResNet have 16-64 channels: as im2col + gemm their products are skinny
  * (M = 16-64) and the column matrix (9x the activations) is written and read on every
  * pass; here the input is copied once into a padded layout and every tap is a shifted
@@ -1328,7 +1329,8 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
  * vector. The output (y, x) of image b is position j = b is + y wq + x, and tap (p, q)
  * reads position j + p wq + q: a conv over the whole chunk is one run of vectors over j.
  * Positions with x == w or y == h are computed and thrown away (1/wq + 1/(h+1) of the
- * work: 7% at 28x28, 27% at 7x7). */
+ * work: 7% at 28x28, 27% at 7x7). The positions are covered by vectors of vw floats: 8
+ * (AVX2) or 16 (AVX-512F), the variant chosen once per backend (cpu_impl.isa). */
 
 typedef struct c3_geom {
   size_t h, w, wq, is; /* image height, width; row stride w + 1; image stride (h + 1) wq */
@@ -1339,15 +1341,15 @@ static c3_geom c3_geom_of(size_t h, size_t w) {
   return g;
 }
 
-/* Positions of nb images rounded up to whole vectors of 8. */
-static size_t c3_nvec(const c3_geom *g, size_t nb) {
-  return (nb * g->is + 7) / 8;
+/* Positions of nb images in whole vectors of vw floats. */
+static size_t c3_nvec(const c3_geom *g, size_t nb, size_t vw) {
+  return (nb * g->is + vw - 1) / vw;
 }
 
 /* Floats of one channel of nb images in the tall layout: every read of the last vector's
- * taps (up to 8 nvec - 1 + 2 wq + 2) stays inside. */
-static size_t c3_chan_len(const c3_geom *g, size_t nb) {
-  return (c3_nvec(g, nb) * 8 + 2 * g->wq + 2 + 7) / 8 * 8;
+ * taps (up to vw nvec - 1 + 2 wq + 2) stays inside; a multiple of 16 (64-byte rows). */
+static size_t c3_chan_len(const c3_geom *g, size_t nb, size_t vw) {
+  return (c3_nvec(g, nb, vw) * vw + 2 * g->wq + 2 + 15) / 16 * 16;
 }
 
 /* wp[ob][ch][t][i] = W[4 ob + i][ch][t]: the 4 output channels of a block side by side, so
@@ -1462,56 +1464,115 @@ C3_TARGET static float c3_hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-/* dw[i][ch][p][q] += sum over j < 8 nv of dq[i][j] xc[j + p wq + q] for the 4 output
- * channels i of a block (rows of dq ldd apart, of dw ldw apart) and one input channel xc:
- * per row p of taps, 4 x 3 accumulators over all positions, then one sum each. */
-C3_TARGET static void c3_wgrad_block(size_t nv, size_t wq, const float *dq, size_t ldd,
-                                     const float *xc, float *dw, size_t ldw) {
-  for (size_t p = 0; p < 3; p++) {
-    __m256 a[4][3];
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) a[i][q] = _mm256_setzero_ps();
-    const float *xp = xc + p * wq;
-    for (size_t v = 0; v < nv; v++) {
-      __m256 x0 = _mm256_loadu_ps(xp + v * 8), x1 = _mm256_loadu_ps(xp + v * 8 + 1);
-      __m256 x2 = _mm256_loadu_ps(xp + v * 8 + 2);
-      for (size_t i = 0; i < 4; i++) {
-        __m256 d = _mm256_loadu_ps(dq + i * ldd + v * 8);
-        a[i][0] = _mm256_fmadd_ps(d, x0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(d, x1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(d, x2, a[i][2]);
-      }
-    }
-    for (size_t i = 0; i < 4; i++)
-      for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += c3_hsum(a[i][q]);
+/* NAME(nv, wq, dq, ldd, xc, dw, ldw): dw[i][ch][p][q] += sum over j < VW nv of dq[i][j]
+ * xc[j + p wq + q] for the 4 output channels i of a block (rows of dq ldd apart, of dw ldw
+ * apart) and one input channel xc: per row p of taps, 4 x 3 accumulators of VW lanes over
+ * all positions, then one sum each (HSUM, a fixed order). One body for both ISAs. */
+#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM)                   \
+  TARGET static void NAME(size_t nv, size_t wq, const float *dq, size_t ldd,           \
+                          const float *xc, float *dw, size_t ldw) {                    \
+    for (size_t p = 0; p < 3; p++) {                                                   \
+      VEC a[4][3];                                                                     \
+      for (size_t i = 0; i < 4; i++)                                                   \
+        for (size_t q = 0; q < 3; q++) a[i][q] = ZERO();                               \
+      const float *xp = xc + p * wq;                                                   \
+      for (size_t v = 0; v < nv; v++) {                                                \
+        VEC x0 = LOAD(xp + v * VW), x1 = LOAD(xp + v * VW + 1), x2 = LOAD(xp + v * VW + 2); \
+        for (size_t i = 0; i < 4; i++) {                                               \
+          VEC d = LOAD(dq + i * ldd + v * VW);                                         \
+          a[i][0] = FMA(d, x0, a[i][0]);                                               \
+          a[i][1] = FMA(d, x1, a[i][1]);                                               \
+          a[i][2] = FMA(d, x2, a[i][2]);                                               \
+        }                                                                              \
+      }                                                                                \
+      for (size_t i = 0; i < 4; i++)                                                   \
+        for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += HSUM(a[i][q]);       \
+    }                                                                                  \
   }
+C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
+               _mm256_fmadd_ps, c3_hsum)
+
+/* The AVX-512F variants: the same sums over vectors of 16 positions. */
+#define C5_TARGET __attribute__((target("avx512f,avx2,fma")))
+
+/* out[i][16 v, 16 (v + NV)) for the 4 output channels i of a block, NV (1..6) vectors:
+ * 4 NV accumulators (24 of the 32 registers at NV 6), NV loads and 4 broadcasts per tap. */
+#define C5_FWD_VECS(NV)                                                                 \
+  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, const size_t *off,         \
+                                        const float *xq, const float *wp, float *out,    \
+                                        size_t ldo) {                                   \
+    __m512 a[4][NV];                                                                    \
+    for (size_t i = 0; i < 4; i++)                                                      \
+      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                    \
+    for (size_t ch = 0; ch < c; ch++) {                                                 \
+      const float *xc = xq + ch * cl, *wc = wp + ch * 36;                               \
+      for (size_t t = 0; t < 9; t++) {                                                  \
+        __m512 xv[NV];                                                                  \
+        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);  \
+        for (size_t i = 0; i < 4; i++) {                                                \
+          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                    \
+          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]); \
+        }                                                                               \
+      }                                                                                 \
+    }                                                                                   \
+    for (size_t i = 0; i < 4; i++)                                                      \
+      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]); \
+  }
+C5_FWD_VECS(6)
+C5_FWD_VECS(3)
+C5_FWD_VECS(1)
+
+/* c3_fwd_block over vectors of 16: 6 vectors at a time, then 3, then 1. */
+static void c5_fwd_block(size_t c, size_t cl, size_t wq, size_t nv, const float *xq,
+                         const float *wp, float *out, size_t ldo) {
+  size_t off[9];
+  for (size_t t = 0; t < 9; t++) off[t] = t / 3 * wq + t % 3;
+  size_t v = 0;
+  for (; v + 6 <= nv; v += 6) c5_fwd_vecs6(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; v + 3 <= nv; v += 3) c5_fwd_vecs3(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; v < nv; v++) c5_fwd_vecs1(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
 }
+
+/* The 16 lanes of a in a fixed order. */
+C5_TARGET static float c5_hsum(__m512 a) {
+  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  return c3_hsum(s);
+}
+
+C3_WGRAD_BLOCK(c5_wgrad_block, C5_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+               _mm512_fmadd_ps, c5_hsum)
 #else
 #define C3_HAVE_KERNELS 0
 #endif
 
-/* The direct kernels need AVX2 and FMA (checked once per process) and output channels in
- * blocks of 4; otherwise the layers use im2col + gemm. */
-#if C3_HAVE_KERNELS
-static int c3_have; /* the CPU runs AVX2 and FMA: set once (c3_once), read after */
+/* The direct kernels need AVX2 and FMA (the processor checked once per process) and output
+ * channels in blocks of 4; otherwise the layers use im2col + gemm. The ISA a backend uses,
+ * an ac_cpu_isa: the processor's best (AVX-512F over AVX2 + FMA), capped by
+ * ac_backend_opts.cpu_isa. */
+static int c3_best = AC_CPU_ISA_PORTABLE; /* set once (c3_once), read after */
 static pthread_once_t c3_once = PTHREAD_ONCE_INIT;
 
 static void c3_detect(void) {
+#if C3_HAVE_KERNELS
   __builtin_cpu_init();
-  c3_have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    c3_best = __builtin_cpu_supports("avx512f") ? AC_CPU_ISA_AVX512 : AC_CPU_ISA_AVX2;
 #endif
+}
+
+static int c3_isa(int cap) {
+  pthread_once(&c3_once, c3_detect);
+  return cap == AC_CPU_ISA_BEST || cap > c3_best ? c3_best : cap;
+}
+
+static const char *c3_isa_name(int isa) {
+  return isa == AC_CPU_ISA_AVX512 ? "AVX-512F" : isa == AC_CPU_ISA_AVX2 ? "AVX2" : "none";
+}
 
 static int cpu_conv3x3_ok(ac_backend *be, size_t c, size_t oc) {
-  (void)be;
   (void)c;
-#if C3_HAVE_KERNELS
-  pthread_once(&c3_once, c3_detect);
-  return c3_have && oc % 4 == 0;
-#else
-  (void)oc;
-  return 0;
-#endif
+  return ((cpu_impl *)be->impl)->isa >= AC_CPU_ISA_AVX2 && oc % 4 == 0;
 }
 
 /* The backend's scratch for the direct convs, grown on demand (one call at a time on a
@@ -1530,12 +1591,20 @@ static float *cpu_scratch(ac_backend *be, size_t floats) {
 
 typedef struct c3_args {
   c3_geom g;
+  int isa;   /* AC_CPU_ISA_AVX2 or _AVX512 */
+  size_t vw; /* floats per vector: 8 or 16 */
   size_t n, c, oc, nb, nv, cl, dl, per_thread, parts;
   const float *x, *w, *dy;
   float *y, *dw, *scratch, *xq, *dq;
 } c3_args;
 
 #if C3_HAVE_KERNELS
+/* The backend's variant: its ISA and vector width. */
+static void c3_args_isa(ac_backend *be, c3_args *a) {
+  a->isa = ((cpu_impl *)be->impl)->isa;
+  a->vw = a->isa == AC_CPU_ISA_AVX512 ? 16 : 8;
+}
+
 /* Forward, one part of the batch per thread (parts = the pool's threads): each image is
  * packed into the thread's scratch, convolved 4 output channels at a time into the rest of
  * it, and its valid positions copied out. */
@@ -1544,13 +1613,16 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
   const c3_geom *g = &a->g;
   for (size_t part = lo; part < hi; part++) {
     float *xq = a->scratch + part * a->per_thread, *out = xq + a->c * a->cl;
-    size_t b0, b1, ldo = a->nv * 8, chw = a->c * g->h * g->w, ohw = g->h * g->w;
+    size_t b0, b1, ldo = a->nv * a->vw, chw = a->c * g->h * g->w, ohw = g->h * g->w;
     slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
     for (size_t b = b0; b < b1; b++) {
       for (size_t ch = 0; ch < a->c; ch++)
         c3_pack(g, 1, a->x + b * chw + ch * ohw, 0, g->wq + 1, xq + ch * a->cl, a->cl);
       for (size_t ob = 0; ob < a->oc / 4; ob++) {
-        c3_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
+        if (a->isa == AC_CPU_ISA_AVX512)
+          c5_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
+        else
+          c3_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
         for (size_t i = 0; i < 4; i++)
           for (size_t y = 0; y < g->h; y++)
             c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
@@ -1578,8 +1650,12 @@ static void c3_wgrad_items(void *ctx, size_t lo, size_t hi) {
   const c3_args *a = ctx;
   for (size_t it = lo; it < hi; it++) {
     size_t ob = it / a->c, ch = it % a->c;
-    c3_wgrad_block(a->nv, a->g.wq, a->dq + ob * 4 * a->dl, a->dl, a->xq + ch * a->cl,
-                   a->dw + (ob * 4 * a->c + ch) * 9, a->c * 9);
+    const float *dq = a->dq + ob * 4 * a->dl, *xc = a->xq + ch * a->cl;
+    float *dw = a->dw + (ob * 4 * a->c + ch) * 9;
+    if (a->isa == AC_CPU_ISA_AVX512)
+      c5_wgrad_block(a->nv, a->g.wq, dq, a->dl, xc, dw, a->c * 9);
+    else
+      c3_wgrad_block(a->nv, a->g.wq, dq, a->dl, xc, dw, a->c * 9);
   }
 }
 #endif
@@ -1590,9 +1666,10 @@ static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
   c3_args a = {.g = c3_geom_of(h, w), .n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
-  a.nv = c3_nvec(&a.g, 1);
-  a.cl = c3_chan_len(&a.g, 1);
-  a.per_thread = c * a.cl + 4 * a.nv * 8;
+  c3_args_isa(be, &a);
+  a.nv = c3_nvec(&a.g, 1, a.vw);
+  a.cl = c3_chan_len(&a.g, 1, a.vw);
+  a.per_thread = c * a.cl + 4 * a.nv * a.vw;
   size_t wfloats = (oc * c * 9 + 15) / 16 * 16;
   float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
   if (s == NULL) return AC_ENOMEM;
@@ -1616,10 +1693,11 @@ static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
                              const float *x, const float *dy, float *dw) {
 #if C3_HAVE_KERNELS
   c3_args a = {.g = c3_geom_of(h, w), .c = c, .oc = oc, .dw = dw};
+  c3_args_isa(be, &a);
   size_t per_image = (c + oc) * a.g.is, nbmax = C3_WGRAD_CHUNK_FLOATS / per_image;
   nbmax = nbmax < 1 ? 1 : nbmax > n ? n : nbmax;
-  a.cl = c3_chan_len(&a.g, nbmax);
-  a.dl = (c3_nvec(&a.g, nbmax) * 8 + 15) / 16 * 16;
+  a.cl = c3_chan_len(&a.g, nbmax, a.vw);
+  a.dl = (c3_nvec(&a.g, nbmax, a.vw) * a.vw + 15) / 16 * 16;
   float *s = cpu_scratch(be, c * a.cl + oc * a.dl);
   if (s == NULL) return AC_ENOMEM;
   a.xq = s;
@@ -1627,7 +1705,7 @@ static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
   size_t hw = h * w;
   for (size_t b0 = 0; b0 < n; b0 += nbmax) {
     a.nb = n - b0 < nbmax ? n - b0 : nbmax;
-    a.nv = c3_nvec(&a.g, a.nb);
+    a.nv = c3_nvec(&a.g, a.nb, a.vw);
     a.x = x + b0 * c * hw;
     a.dy = dy + b0 * oc * hw;
     par_for(pool_of(be), c + oc, (double)(a.nb * (c + oc) * hw), c3_wgrad_pack, &a);
@@ -1699,6 +1777,7 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
   impl->threads = opts->threads > 0 ? opts->threads : openblas_get_num_threads();
   impl->scratch = NULL;
   impl->scratch_floats = 0;
+  impl->isa = c3_isa(opts->cpu_isa);
   /* Every product runs on the backend's own pool, one single-threaded OpenBLAS call per
    * block: set once here rather than around every call (two calls per gemm on the hot path,
    * and a race between two backends in one process). */
@@ -1706,7 +1785,7 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
   pool_start(&impl->pool, impl->threads);
   be->ops = &cpu_ops;
   be->impl = impl;
-  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s)", impl->threads,
-           impl->threads == 1 ? "" : "s");
+  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s, direct convs %s)",
+           impl->threads, impl->threads == 1 ? "" : "s", c3_isa_name(impl->isa));
   return AC_OK;
 }

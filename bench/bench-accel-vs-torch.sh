@@ -2,25 +2,31 @@
 # bench-accel-vs-torch.sh -- the ResNet-20 training step (batch 128, the step of
 # bench-accel --only models) against PyTorch's (bench/reference/resnet_torch.py, Debian
 # python3-torch, oneDNN) on the same cores, alternated, for issue 13's ratio (ours at most
-# 1.0x PyTorch's, 2 threads). Wall clock, then process CPU time, each round; medians of 10
-# steps. Also the Transformer LM step (bench-accel's other model line).
+# 1.0x PyTorch's, 2 threads). Each round runs each side ONCE and reads the wall clock and the
+# process CPU time around every one of its 10 steps, so the two columns are medians of the
+# same steps (an earlier version ran a wall run and a CPU run apart, and PyTorch's bimodal
+# step could put a fast wall median next to a slow CPU median: 135 ms wall against 720 ms
+# of CPU at 2 threads). Also the Transformer LM step (bench-accel's other model line).
 #
 #   bench/bench-accel-vs-torch.sh [BUILD_DIR] [THREADS] [ROUNDS]    (defaults: build 2 3)
 #
-# Run from the repository root, after a build, on quiet cores: about 1-2 minutes. Prints
-# "who clock model median_ms best_ms" per run and the load average before and after.
+# Run from the repository root, after a build, on quiet cores: about 1 minute. Prints
+# "round who model wall_median_ms cpu_median_ms cpu/wall wall_best_ms" per run, PyTorch's
+# threads, and the load average before and after.
 set -eu
 build=${1:-build}
 threads=${2:-2}
 rounds=${3:-3}
 uptime
+echo "round  who    model           wall_ms   cpu_ms  cpu/wall  best_wall_ms"
 for r in $(seq "$rounds"); do
-  for clock in wall cpu; do
-    "$build/bench/bench-accel" --only models --threads "$threads" --reps 10 --clock "$clock" |
-      awk -v c="$clock" -v r="$r" '$4 == "step" { print "round " r "  ours   " c "  " $3 "  " $5 "  " $7 }'
-    /usr/bin/python3 bench/reference/resnet_torch.py --threads "$threads" --reps 10 \
-      --clock "$clock" |
-      awk -v c="$clock" -v r="$r" '/step/ { print "round " r "  torch  " c "  resnet  " $(NF-3) "  " $(NF-1) }'
-  done
+  "$build/bench/bench-accel" --only models --threads "$threads" --reps 10 |
+    awk -v r="$r" '$4 == "step" { w[$3] = $5; b[$3] = $7 } $4 == "step.cpu" { c[$3] = $5 }
+      END { for (m in w) printf "%-6s ours   %-14s %8.1f %8.1f %8.2f %10.1f\n", r, m, w[m], c[m], c[m] / w[m], b[m] }'
+  /usr/bin/python3 bench/reference/resnet_torch.py --threads "$threads" --reps 10 |
+    awk -v r="$r" '$1 == "model" && $(NF-4) == "step" { w = $(NF-3); b = $(NF-1) }
+      $1 == "model" && $(NF-4) == "step.cpu" { c = $(NF-3) }
+      $1 == "threads" { t = $0 }
+      END { printf "%-6s torch  %-14s %8.1f %8.1f %8.2f %10.1f\n", r, "resnet", w, c, c / w, b; print "      " t }'
 done
 uptime

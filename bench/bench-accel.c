@@ -33,12 +33,14 @@ static ac_backend *be;
 
 /* CLOCK_MONOTONIC (wall) by default; --clock cpu: the process's CPU time, which on a
  * shared machine leaves out the time other processes held the cores (meaningful for the CPU
- * backend; with N threads it counts all of them). */
+ * backend; with N threads it counts all of them). Every repetition reads both clocks, so
+ * that the model lines can give the other clock's median of the SAME steps (a wall and a
+ * CPU figure from two separate runs can come from two different distributions). */
 static clockid_t clock_id = CLOCK_MONOTONIC;
 
-static double now_s(void) {
+static double clock_s(clockid_t id) {
   struct timespec ts;
-  clock_gettime(clock_id, &ts);
+  clock_gettime(id, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -60,20 +62,27 @@ static void check(int rc, const char *what) {
 }
 
 /* Milliseconds of expr over reps runs after one warm-up: the median into out, the best
- * into last_min_ms. GFLOP/s figures, the peak's included, use the median: on a shared
- * machine one lucky short run would otherwise set the peak. */
-static double last_min_ms;
-#define TIME_MS(out, expr)                          \
-  do {                                              \
-    double ts_[MAX_REPS];                           \
-    for (int r_ = -1; r_ < reps; r_++) {            \
-      double t0_ = now_s();                         \
-      check((expr), #expr);                         \
-      check(ac_sync(be), "sync");                   \
-      if (r_ >= 0) ts_[r_] = 1e3 * (now_s() - t0_); \
-    }                                               \
-    (out) = median(ts_, reps);                      \
-    last_min_ms = ts_[0];                           \
+ * into last_min_ms; the median and best by the other clock (CPU time when --clock is wall,
+ * and the reverse) of the same runs into last_other_ms / last_other_min_ms. GFLOP/s
+ * figures, the peak's included, use the median: on a shared machine one lucky short run
+ * would otherwise set the peak. */
+static double last_min_ms, last_other_ms, last_other_min_ms;
+#define TIME_MS(out, expr)                                                          \
+  do {                                                                              \
+    double ts_[MAX_REPS], to_[MAX_REPS];                                            \
+    clockid_t other_ =                                                              \
+        clock_id == CLOCK_MONOTONIC ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC;   \
+    for (int r_ = -1; r_ < reps; r_++) {                                            \
+      double t0_ = clock_s(clock_id), o0_ = clock_s(other_);                        \
+      check((expr), #expr);                                                         \
+      check(ac_sync(be), "sync");                                                   \
+      double t1_ = clock_s(clock_id), o1_ = clock_s(other_);                        \
+      if (r_ >= 0) ts_[r_] = 1e3 * (t1_ - t0_), to_[r_] = 1e3 * (o1_ - o0_);        \
+    }                                                                               \
+    (out) = median(ts_, reps);                                                      \
+    last_min_ms = ts_[0];                                                           \
+    last_other_ms = median(to_, reps);                                              \
+    last_other_min_ms = to_[0];                                                     \
   } while (0)
 
 /* One figure: median ms and best ms of the last TIME_MS (ms is its median, or a sum of
@@ -337,6 +346,11 @@ static int resnet_step(ac_resnet *m, ac_param_list *pl, const float *img, const 
   return rc == AC_OK ? ac_resnet_backward(m) : rc;
 }
 
+/* The pass name of a model's second line: the same steps by the other clock. */
+static const char *other_pass(void) {
+  return clock_id == CLOCK_MONOTONIC ? "step.cpu" : "step.wall";
+}
+
 static void bench_models(size_t chunk) {
   ac_lm_config lc;
   ac_lm lm;
@@ -353,6 +367,7 @@ static void bench_models(size_t chunk) {
   snprintf(cfg, sizeof cfg, "d=%zu,L=%zu,T=%zu,B=%zu", lc.dim, lc.layers, lc.ctx, lc.batch);
   TIME_MS(ms, lm_step(&lm, &pl, tok, tgt));
   emit("model", cfg, "transformer-lm", "step", ms, 0);
+  emit2("model", cfg, "transformer-lm", other_pass(), last_other_ms, last_other_min_ms, 0);
   ac_param_list_destroy(&pl);
   ac_free(be, tok);
   ac_free(be, tgt);
@@ -371,6 +386,7 @@ static void bench_models(size_t chunk) {
   snprintf(cfg, sizeof cfg, "resnet20,28x28x1,N=%zu,chunk=%zu", rc.batch, net.cfg.chunk);
   TIME_MS(ms, resnet_step(&net, &pl, img, lab));
   emit("model", cfg, "resnet", "step", ms, 0);
+  emit2("model", cfg, "resnet", other_pass(), last_other_ms, last_other_min_ms, 0);
   ac_param_list_destroy(&pl);
   ac_free(be, img);
   ac_free(be, lab);
@@ -381,7 +397,8 @@ static void usage(FILE *out) {
   fprintf(out,
           "usage: bench-accel [--csv] [--backend cpu|cuda] [--threads N] [--reps N]\n"
           "                   [--chunk N] [--only peak|tblock|resblock|models]\n"
-          "                   [--clock wall|cpu] [--quick] [--help]\n"
+          "                   [--clock wall|cpu] [--isa best|portable|avx2|avx512]\n"
+          "                   [--quick] [--help]\n"
           "  --csv       CSV output (section,config,item,pass,ms,min_ms,gflop,gflops,\n"
           "              peak_gflops,ratio_to_peak); a table otherwise\n"
           "  --backend   cpu (default) or cuda\n"
@@ -390,7 +407,10 @@ static void usage(FILE *out) {
           "  --chunk     images per im2col pass in the conv layers (default 8; 0: batch)\n"
           "  --only      run one section (the sgemm peak always runs)\n"
           "  --clock     wall (default) or cpu: process CPU time, for a CPU backend on a\n"
-          "              shared machine (counts every thread)\n"
+          "              shared machine (counts every thread); the model steps are\n"
+          "              also given by the other clock (pass step.cpu / step.wall)\n"
+          "  --isa       cap on the CPU backend's direct conv kernels (default best; portable:\n"
+          "              im2col + gemm), to compare the variants\n"
           "  --quick     tiny batches, one repetition: a smoke test, not a measurement\n",
           MAX_REPS);
 }
@@ -444,6 +464,16 @@ int main(int argc, char **argv) {
         clock_id = CLOCK_PROCESS_CPUTIME_ID;
       else {
         fprintf(stderr, "bench-accel: --clock must be wall or cpu\n");
+        return 2;
+      }
+      i++;
+    } else if (strcmp(a, "--isa") == 0 && v != NULL) {
+      static const char *const names[] = {"best", "portable", "avx2", "avx512"};
+      opts.cpu_isa = -1;
+      for (int k = 0; k < 4; k++)
+        if (strcmp(v, names[k]) == 0) opts.cpu_isa = k; /* the ac_cpu_isa values, in order */
+      if (opts.cpu_isa < 0) {
+        fprintf(stderr, "bench-accel: --isa must be best, portable, avx2 or avx512\n");
         return 2;
       }
       i++;

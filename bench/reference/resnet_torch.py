@@ -11,9 +11,13 @@ forward in training mode, backward; no optimizer update), batch 128, float32, NC
 Run with the Debian python3-torch (1.13, CPU) on the same cores as bench-accel:
     /usr/bin/python3 bench/reference/resnet_torch.py --threads 2 --reps 5
 Prints the median and best step time (wall clock, and process CPU time with --clock cpu),
-like bench-accel's "model" lines. Compare the two as a ratio measured in one session.
+like bench-accel's "model" lines, then the same steps by the other clock (pass "step.cpu"
+or "step.wall": both clocks are read around every step, so the two lines describe the same
+steps), and the threads the process ran (intra-op, inter-op, OS threads). Compare with
+bench-accel as a ratio measured in one session.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -71,7 +75,9 @@ def main():
     model = ResNet().train()
     x = torch.randn(a.batch, 1, 28, 28)
     labels = torch.randint(0, 10, (a.batch,))
-    clock = time.perf_counter if a.clock == "wall" else time.process_time
+    clocks = (time.perf_counter, time.process_time)
+    if a.clock == "cpu":
+        clocks = clocks[::-1]
 
     def step():
         model.zero_grad(set_to_none=False)
@@ -79,15 +85,20 @@ def main():
         loss.backward()
 
     step()  # warm-up: allocations, oneDNN primitive creation
-    times = []
+    times, other = [], []
     for _ in range(a.reps):
-        t0 = clock()
+        t0, o0 = clocks[0](), clocks[1]()
         step()
-        times.append((clock() - t0) * 1e3)
-    print("  model    torch %s,threads=%d,%s resnet20,28x28x1,N=%d  step  %10.3f ms %10.3f ms"
-          % (torch.__version__, a.threads, a.clock, a.batch, statistics.median(times),
-             min(times)))
-
+        t1, o1 = clocks[0](), clocks[1]()
+        times.append((t1 - t0) * 1e3)
+        other.append((o1 - o0) * 1e3)
+    cfg = "torch %s,threads=%d,%s resnet20,28x28x1,N=%d" % (torch.__version__, a.threads,
+                                                           a.clock, a.batch)
+    for name, t in (("step", times), ("step." + ("cpu" if a.clock == "wall" else "wall"), other)):
+        print("  model    %s  %s  %10.3f ms %10.3f ms" % (cfg, name, statistics.median(t), min(t)))
+    print("  threads  intra-op %d, inter-op %d, OS threads of the process %d"
+          % (torch.get_num_threads(), torch.get_num_interop_threads(),
+             len(os.listdir("/proc/self/task"))))
 
 if __name__ == "__main__":
     main()

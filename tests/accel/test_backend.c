@@ -140,15 +140,25 @@ static void test_cpu_threads(void **state) {
   ac_backend_destroy(be);
 }
 
-/* be[0] on 1 thread and be[1] on 2, for the bit-for-bit comparisons. */
-static void cpu_pair(ac_backend *be[2]) {
+/* be[0] on 1 thread and be[1] on 2, for the bit-for-bit comparisons, with the direct
+ * kernels' ISA capped at isa (an ac_cpu_isa). */
+static void cpu_pair_isa(ac_backend *be[2], int isa) {
   ac_backend_opts opts;
   ac_backend_opts_default(&opts);
+  opts.cpu_isa = isa;
   for (int t = 0; t < 2; t++) {
     opts.threads = t + 1;
     OK(ac_backend_create(&be[t], &opts));
   }
 }
+
+static void cpu_pair(ac_backend *be[2]) {
+  cpu_pair_isa(be, AC_CPU_ISA_BEST);
+}
+
+/* The direct-conv variants the tests run one by one: every ISA cap but BEST. A cap the
+ * processor lacks falls back to the next (the backend's description names the variant). */
+static const int conv_isas[] = {AC_CPU_ISA_PORTABLE, AC_CPU_ISA_AVX2, AC_CPU_ISA_AVX512};
 
 /* The CPU backend's worker pool splits im2col, col2im, batch norm's passes and the gemms
  * (by blocks of columns and batch items) across its threads: on 2 threads every result
@@ -231,6 +241,12 @@ static void test_strerror_and_create(void **state) {
   opts.kind = AC_BACKEND_CPU;
   opts.threads = -1;
   assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
+  opts.threads = 1;
+  opts.cpu_isa = AC_CPU_ISA_AVX512 + 1;
+  assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
+  opts.cpu_isa = -1;
+  assert_int_equal(ac_backend_create(&be, &opts), AC_EINVAL);
+  opts.cpu_isa = AC_CPU_ISA_BEST;
 
   OK(ac_backend_create(&be, NULL));
   assert_non_null(be);
@@ -1242,12 +1258,11 @@ static void test_im2col_geometries(void **state) {
  * images, the weight gradient by blocks of weights, over several chunks of images; syrk by
  * blocks of rows; and the permutes split by rows (a conv's (oc, n, ohw) -> (n, oc, ohw), and one that moves the
  * last axis), checked against 1 thread and the index formula. */
-static void test_cpu_conv3x3_bitwise(void **state) {
-  (void)state;
+static void conv3x3_bitwise(int isa) {
   ac_backend *be[2] = {NULL, NULL};
-  cpu_pair(be);
+  cpu_pair_isa(be, isa);
   int direct = ac_conv3x3_supported(be[0], 16, 16);
-  if (!direct) print_message("conv3x3: no direct kernels on this CPU\n");
+  if (!direct) print_message("conv3x3: no direct kernels on %s\n", ac_backend_describe(be[0]));
   const size_t n = 21, c = 16, h = 28, w = 28, nx = n * c * h * w, nw = c * c * 9;
   const size_t ns = 300 * 301 / 2;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hwt = host_rand(nw);
@@ -1289,6 +1304,12 @@ static void test_cpu_conv3x3_bitwise(void **state) {
   free(hwt);
   ac_backend_destroy(be[0]);
   ac_backend_destroy(be[1]);
+}
+
+/* Every variant of the direct kernels (and the portable path's permutes and syrk). */
+static void test_cpu_conv3x3_bitwise(void **state) {
+  (void)state;
+  for (size_t i = 0; i < sizeof conv_isas / sizeof conv_isas[0]; i++) conv3x3_bitwise(conv_isas[i]);
 }
 
 static void test_conv_im2col(void **state) {
@@ -1382,10 +1403,10 @@ static void test_conv_im2col(void **state) {
  * a 7-row image, planes smaller than a vector, 1 input channel, channels not a multiple of
  * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
  * without AVX2 + FMA) answers AC_ENOTSUP, and the layers use im2col + gemm. */
-static void test_conv3x3(void **state) {
-  ac_backend *be = backend(state);
-  const size_t shapes[][5] = {
-      {3, 5, 8, 7, 9}, {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14}, {1, 4, 4, 1, 1}, {3, 8, 4, 2, 3}};
+static void conv3x3_against_loops(ac_backend *be) {
+  const size_t shapes[][5] = {{3, 5, 8, 7, 9},  {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
+                              {1, 4, 4, 1, 1},  {3, 8, 4, 2, 3},    {2, 3, 8, 7, 7},
+                              {1, 2, 12, 11, 13}};
   if (!ac_conv3x3_supported(be, 4, 4)) {
     float z[3] = {0, 0, 0};
     assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z + 2), AC_ENOTSUP);
@@ -1439,6 +1460,30 @@ static void test_conv3x3(void **state) {
   assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, NULL, z + 1, z + 2), AC_EINVAL);
   assert_int_equal(ac_conv3x3_wgrad(be, 1, 4, 4, 1, 1, z, z, z + 2), AC_EINVAL); /* dy == x */
   assert_int_equal(ac_conv3x3(be, 0, 4, 4, 1, 1, NULL, NULL, NULL), AC_OK);      /* nothing */
+}
+
+/* The group's backend, then on the CPU every variant: the portable cap has no direct
+ * kernels; AVX2 and AVX-512F (where the processor has them) against the double loops. */
+static void test_conv3x3(void **state) {
+  ac_backend *be = backend(state);
+  conv3x3_against_loops(be);
+  if (ac_backend_kind_of(be) != AC_BACKEND_CPU) return;
+  for (size_t i = 0; i < sizeof conv_isas / sizeof conv_isas[0]; i++) {
+    ac_backend_opts opts;
+    ac_backend *v = NULL;
+    ac_backend_opts_default(&opts);
+    opts.cpu_isa = conv_isas[i];
+    OK(ac_backend_create(&v, &opts));
+    const char *desc = ac_backend_describe(v);
+    if (conv_isas[i] == AC_CPU_ISA_PORTABLE) {
+      assert_false(ac_conv3x3_supported(v, 16, 16));
+      assert_non_null(strstr(desc, "direct convs none"));
+    } else if (strstr(desc, conv_isas[i] == AC_CPU_ISA_AVX2 ? "AVX2" : "AVX-512F") == NULL) {
+      print_message("conv3x3: variant %d not run by this processor (%s)\n", conv_isas[i], desc);
+    }
+    conv3x3_against_loops(v);
+    ac_backend_destroy(v);
+  }
 }
 
 /* Batch norm's per-channel passes against double loops, over a row shape, rows longer than
