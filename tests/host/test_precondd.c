@@ -1889,6 +1889,26 @@ static void test_no_pool(void **state) {
   assert_int_equal(do_fetch(&d, "nopool", NULL, 0, 0, &f, msg), GRPC_STATUS_OK);
   assert_int_equal(f->n_preconditioners, 0);
   protobuf_c_message_free_unpacked(&f->base, NULL);
+  /* Factors of 132 KB: rpc_call sends their bytes from where they lie (borrowed slices, not
+   * a packed copy). What arrives is what was sent: a NaN in the last value of the right
+   * factor, past the left one, is refused by name, the same push clean is stored, and the
+   * caller's buffers are its own again once the call returns (rewritten at once). */
+  tspec big[1] = {{"w", {256, 256}, 2}};
+  assert_int_equal(do_register(&d, "borrowed", big, 1, 256, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *bl = random_stat(256, 6), *br = random_stat(256, 7);
+  size_t blen = pc_packed_len(256);
+  br[blen - 1] = NAN;
+  blockstat bb = {0, 256, 256, bl, br, 0};
+  assert_int_equal(do_push(&d, "borrowed", 1, &bb, 1, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].right.data: NaN or Inf"));
+  br[blen - 1] = 1.0f;
+  accepted = 0;
+  assert_int_equal(do_push(&d, "borrowed", 1, &bb, 1, &accepted, msg), GRPC_STATUS_OK);
+  assert_int_equal(accepted, 1);
+  memset(bl, 0xFF, blen * sizeof *bl); /* the caller's memory again: nothing reads it now */
+  memset(br, 0xFF, blen * sizeof *br);
+  free(bl);
+  free(br);
   free(st);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   remove_tree(d.p.dir);
