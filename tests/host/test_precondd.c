@@ -1504,6 +1504,20 @@ static void close_region(region_t *g) {
   protobuf_c_message_free_unpacked(&g->r->base, NULL);
 }
 
+/* PushStatistics of the one block b naming the region sess. */
+static grpc_status_code shm_push_call(daemon_t *d, const char *job, uint64_t step,
+                                      Precond__V1__BlockStatistics *b,
+                                      Precond__V1__ShmSession *sess, char *msg) {
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = 1;
+  req.blocks = &b;
+  req.shm = sess;
+  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+              NULL, msg, 512);
+}
+
 /* A one-block push of left and right (n x n, fp32) through the region: left at offset
  * off_l, right at off_r (from the region's start); corrupt: flip a byte of left after its
  * checksum; secret_bad: a wrong secret; unchecked: references without a checksum (as
@@ -1532,7 +1546,7 @@ static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, u
   l.n = r.n = n;
   l.shm = &rl;
   r.shm = &rr;
-  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
   b.left = &l;
   b.right = &r;
   uint8_t secret[RPC_SHM_SECRET_BYTES];
@@ -1542,14 +1556,7 @@ static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, u
   sess.id = g->r->id;
   sess.secret.data = secret;
   sess.secret.len = sizeof secret;
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  req.job = (char *)job;
-  req.step = step;
-  req.n_blocks = 1;
-  req.blocks = &bp;
-  req.shm = &sess;
-  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
-              NULL, msg, 512);
+  return shm_push_call(d, job, step, &b, &sess, msg);
 }
 
 /* A one-block push of left and right (n x n) through slots of the client's push ring
@@ -1572,19 +1579,12 @@ static grpc_status_code shm_push_stamped(daemon_t *d, rpc_shm *v, const char *jo
     float *p = (float *)(void *)rpc_shm_slot(v, &junk, 4096, &rj);
     for (size_t i = 0; i < 1024; i++) p[i] = 1.0f;
   }
-  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
   b.left = &l;
   b.right = &r;
   Precond__V1__ShmSession sess;
   rpc_shm_session(v, &sess);
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  req.job = (char *)job;
-  req.step = step;
-  req.n_blocks = 1;
-  req.blocks = &bp;
-  req.shm = &sess;
-  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
-              NULL, msg, 512);
+  return shm_push_call(d, job, step, &b, &sess, msg);
 }
 
 static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint64_t step,
