@@ -22,8 +22,9 @@
  *          the next start;
  *   replicas (--mpirun PATH, with --spawn; alone) daemon replicas: mpirun -np R precondd
  *          for each R of --ranks, one pool thread per rank; per step the --pool-blocks blocks
- *          of 256 (eigh roots) pushed to their owners (or to rank 0: --replica-push first),
- *          timed until every rank holds every root: roots/s (ratio to the first R's) and
+ *          of 256 (eigh roots) pushed to their owners (or to rank 0: --replica-push first)
+ *          through shared memory (--replica-wire bytes: gRPC bytes), timed until every
+ *          rank holds every root (GetStats): roots/s (ratio to the first R's) and
  *          p50/p90 of that time over --replica-steps steps (docs/replicas.md).
  * All ratios come from the same run. The memcpy rates are measured at the start, before any
  * daemon computes roots, so they are the machine's limit rather than a loaded figure.
@@ -80,6 +81,7 @@ typedef struct {
   int nranks;
   int replica_steps;          /* replica rows: timed steps per R */
   int replica_push_first;     /* replica rows: every block pushed to rank 0 (else to its owner) */
+  int replica_bytes;          /* replica rows: gRPC bytes (else a region and the roots area) */
   double root_noise;          /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
@@ -134,6 +136,43 @@ static double thread_cpu_s(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* pid's CPU seconds split by thread name: [0] the root pool ("pd-pool"), [1] the replica
+ * communication thread ("pd-replica"), [2] every other thread (gRPC, MPI's, main). From
+ * each thread's schedstat (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse
+ * for a few milliseconds per step). */
+static void cpu_split(pid_t pid, double out[3]) {
+  out[0] = out[1] = out[2] = 0;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  struct dirent *e;
+  while (d != NULL && (e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char file[600], name[32] = "";
+    unsigned long long ns = 0;
+    snprintf(file, sizeof file, "%s/%s/comm", path, e->d_name);
+    FILE *f = fopen(file, "r");
+    if (f == NULL) continue;
+    int ok = fgets(name, sizeof name, f) != NULL;
+    fclose(f);
+    snprintf(file, sizeof file, "%s/%s/schedstat", path, e->d_name);
+    if (!ok || (f = fopen(file, "r")) == NULL) continue;
+    ok = fscanf(f, "%llu", &ns) == 1;
+    fclose(f);
+    if (!ok) continue;
+    int k = strcmp(name, "pd-pool\n") == 0 ? 0 : strcmp(name, "pd-replica\n") == 0 ? 1 : 2;
+    out[k] += 1e-9 * (double)ns;
+  }
+  if (d != NULL) closedir(d);
+}
+
+/* This process's CPU seconds (every thread), to the nanosecond. */
+static double self_cpu_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 static double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -179,7 +218,10 @@ static void usage(FILE *f) {
           "  --replica-steps N   timed steps of each replica row, after 2 untimed (default 3)\n"
           "  --replica-push owner|first  replica rows: each block pushed to the rank that\n"
           "                      owns it, one thread per rank (default; data-parallel\n"
-          "                      workers), or every block to rank 0, which forwards\n");
+          "                      workers), or every block to rank 0, which forwards\n"
+          "                      the others' (one worker)\n"
+          "  --replica-wire shm|bytes  replica rows: pushes through a shared-memory region,\n"
+          "                      as a same-host worker's (default), or as gRPC bytes\n");
   fprintf(f,
           "  --wire              the wire alone: per size (default 128,256,...,4096: 64 KiB\n"
           "                      to 64 MiB pushes) a memcpy row, then push and fetch rows per\n"
@@ -703,58 +745,100 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
   return rc;
 }
 
-/* Waits until the daemon has a root of every block of job computed from step or later. */
-/* One fetch of job's first nblocks blocks (bf16: only the versions matter here) with the
- * versions in ver (0: none yet), which it updates, as src the roots' source steps. Returns
- * how many blocks hold roots of step or later, or -1. */
-static int poll_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_t step,
-                      uint64_t *ver, uint64_t *src) {
+/* What one client knows of a job's roots on one daemon: the versions (0: none yet) and
+ * their source steps, kept from poll to poll (so a fetch brings each root once, as a
+ * worker's libprecond does), by fetches or (by_stats) by GetStats, which moves no root. */
+typedef struct {
+  grpc_channel *ch;
+  int by_stats;
+  const int *owner; /* with rank: own_ms is when the blocks this rank owns were seen done */
+  int rank;
+  double own_ms;
+  uint64_t ver[256], src[256];
+} roots_view;
+
+/* The versions and source steps of job's blocks by GetStats, into v: what the daemon
+ * holds, without the roots themselves. 0 or -1. */
+static int stats_roots(roots_view *v, const char *job, size_t nblocks) {
+  Precond__V1__StatsRequest sr = PRECOND__V1__STATS_REQUEST__INIT;
+  sr.job = (char *)job;
+  sr.blocks = 1;
+  ProtobufCMessage *resp = NULL;
+  if (call_ok(v->ch, RPC_METHOD_GET_STATS, &sr.base, &precond__v1__stats_response__descriptor,
+              &resp) != 0)
+    return -1;
+  const Precond__V1__StatsResponse *r = (const Precond__V1__StatsResponse *)resp;
+  for (size_t i = 0; i < r->n_block_stats; i++) {
+    const Precond__V1__BlockStats *b = r->block_stats[i];
+    if (b->block_id < nblocks) {
+      v->ver[b->block_id] = b->version;
+      v->src[b->block_id] = b->root_step;
+    }
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+/* One fetch of job's first nblocks blocks (bf16: only the versions matter here) past the
+ * versions v holds, which it updates. 0 or -1. */
+static int fetch_roots(roots_view *v, const char *job, size_t nblocks) {
   Precond__V1__FetchRequest fr = PRECOND__V1__FETCH_REQUEST__INIT;
   Precond__V1__BlockVersion bv[256], *bvp[256];
-  if (nblocks > 256) return -1;
   fr.job = (char *)job;
   fr.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
   for (size_t i = 0; i < nblocks; i++) {
     precond__v1__block_version__init(&bv[i]);
     bv[i].block_id = (uint32_t)i;
-    bv[i].version = ver[i];
+    bv[i].version = v->ver[i];
     bvp[fr.n_have++] = &bv[i];
   }
   fr.have = bvp;
   ProtobufCMessage *resp = NULL;
-  if (call_ok(ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
+  if (call_ok(v->ch, RPC_METHOD_FETCH_PRECONDITIONERS, &fr.base,
               &precond__v1__fetch_response__descriptor, &resp) != 0)
     return -1;
   const Precond__V1__FetchResponse *r = (const Precond__V1__FetchResponse *)resp;
   for (size_t i = 0; i < r->n_preconditioners; i++) {
     const Precond__V1__BlockRoots *b = r->preconditioners[i];
     if (b->block_id < nblocks) {
-      ver[b->block_id] = b->version;
-      src[b->block_id] = b->source_step;
+      v->ver[b->block_id] = b->version;
+      v->src[b->block_id] = b->source_step;
     }
   }
   protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+/* How many of job's first nblocks blocks hold roots of step or later on v's daemon (by
+ * GetStats or a fetch, as v says), or -1. */
+static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t step) {
+  if (nblocks > 256) return -1;
+  if ((v->by_stats ? stats_roots(v, job, nblocks) : fetch_roots(v, job, nblocks)) != 0) return -1;
   int done = 0;
-  for (size_t i = 0; i < nblocks; i++) done += src[i] >= step && ver[i] > 0;
+  for (size_t i = 0; i < nblocks; i++) done += v->src[i] >= step && v->ver[i] > 0;
   return done;
 }
 
-/* Waits until each of the nch daemons on ch holds roots of step (or later) for the first
+/* Waits until each of the nv daemons of v holds roots of step (or later) for the first
  * nblocks blocks of job, polling every one not done yet in turn every 5 ms (so each is
  * polled alike); done_ms[c] (may be NULL): when daemon c was seen done, ms after t0. 0, or
  * -1 (message on stderr) after timeout_s. */
-static int wait_roots_all(grpc_channel *const *ch, int nch, const char *job, size_t nblocks,
-                          uint64_t step, double timeout_s, double t0, double *done_ms) {
+static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks, uint64_t step,
+                          double timeout_s, double t0, double *done_ms) {
   enum { MAXCH = 64 };
-  uint64_t ver[MAXCH][256] = {{0}}, src[MAXCH][256] = {{0}};
-  int done[MAXCH] = {0}, left = nch;
-  if (nch > MAXCH || nblocks > 256) return -1;
+  int done[MAXCH] = {0}, left = nv;
+  if (nv > MAXCH || nblocks > 256) return -1;
+  for (int c = 0; c < nv; c++) v[c].own_ms = -1;
   double until = now_s() + timeout_s;
   while (left > 0 && now_s() < until) {
-    for (int c = 0; c < nch; c++) {
+    for (int c = 0; c < nv; c++) {
       if (done[c]) continue;
-      int n = poll_roots(ch[c], job, nblocks, step, ver[c], src[c]);
+      int n = poll_roots(&v[c], job, nblocks, step);
       if (n < 0) return -1;
+      int own = v[c].owner != NULL && v[c].own_ms < 0;
+      for (size_t i = 0; own && i < nblocks; i++)
+        own = v[c].owner[i] != v[c].rank || (v[c].src[i] >= step && v[c].ver[i] > 0);
+      if (own) v[c].own_ms = 1e3 * (now_s() - t0);
       if ((size_t)n == nblocks) {
         done[c] = 1;
         left--;
@@ -770,9 +854,11 @@ static int wait_roots_all(grpc_channel *const *ch, int nch, const char *job, siz
   return -1;
 }
 
+/* Waits until the daemon has a root of every block of job computed from step or later. */
 static int wait_roots(grpc_channel *ch, const char *job, size_t nblocks, uint64_t step,
                       double timeout_s) {
-  return wait_roots_all(&ch, 1, job, nblocks, step, timeout_s, now_s(), NULL);
+  roots_view v = {.ch = ch};
+  return wait_roots_all(&v, 1, job, nblocks, step, timeout_s, now_s(), NULL);
 }
 
 /* A block's two packed statistics: left = G1 G1^T with G1 n x k, right = G2^T G2 with G2
@@ -798,17 +884,22 @@ static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, 
 }
 
 /* Pushes the statistics of blocks 0..B-1 of job (packed n x n, block b's at lp/rp + b len)
- * at step in one request; with owner, only the blocks of rank `only`. 0 or -1. */
-static int push_some(grpc_channel *ch, const char *job, size_t n, int B, const float *lp,
-                     const float *rp, uint64_t step, const int *owner, int only) {
+ * at step in one request; with owner, only the blocks of rank `only`; with shm, each
+ * matrix copied into the region (as a same-host worker's libprecond sends them) and the
+ * request carrying references. 0 or -1. */
+static int push_some(grpc_channel *ch, rpc_shm *shm, const char *job, size_t n, int B,
+                     const float *lp, const float *rp, uint64_t step, const int *owner,
+                     int only) {
   size_t len = pc_packed_len(n);
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc((size_t)B, sizeof(*bs));
   Precond__V1__BlockStatistics **bsp = calloc((size_t)B, sizeof(*bsp));
   Precond__V1__PackedMatrix *pm = calloc(2 * (size_t)B, sizeof(*pm));
+  Precond__V1__ShmRef *refs = calloc(2 * (size_t)B, sizeof(*refs));
+  Precond__V1__ShmSession sess;
   int rc = -1;
   size_t nb = 0;
-  if (bs != NULL && bsp != NULL && pm != NULL) {
+  if (bs != NULL && bsp != NULL && pm != NULL && refs != NULL) {
     for (int b = 0; b < B; b++) {
       if (owner != NULL && owner[b] != only) continue;
       precond__v1__block_statistics__init(&bs[b]);
@@ -822,6 +913,14 @@ static int push_some(grpc_channel *ch, const char *job, size_t n, int B, const f
       bs[b].left = &pm[2 * b];
       bs[b].right = &pm[2 * b + 1];
       bsp[nb++] = &bs[b];
+      if (shm != NULL) {
+        rpc_shm_put(shm, &pm[2 * b], &refs[2 * b]);
+        rpc_shm_put(shm, &pm[2 * b + 1], &refs[2 * b + 1]);
+      }
+    }
+    if (shm != NULL) {
+      rpc_shm_session(shm, &sess);
+      req.shm = &sess;
     }
     req.job = (char *)job;
     req.step = step;
@@ -835,12 +934,13 @@ static int push_some(grpc_channel *ch, const char *job, size_t n, int B, const f
   free(bs);
   free(bsp);
   free(pm);
+  free(refs);
   return rc;
 }
 
 static int push_all(grpc_channel *ch, const char *job, size_t n, int B, const float *lp,
                     const float *rp, uint64_t step) {
-  return push_some(ch, job, n, B, lp, rp, step, NULL, 0);
+  return push_some(ch, NULL, job, n, B, lp, rp, step, NULL, 0);
 }
 
 /* Pool rows: the daemon's roots/s on B blocks of 256 against one thread here. */
@@ -1187,6 +1287,7 @@ enum { REPLICA_WARMUP = 2 }; /* untimed steps before a replica row's timed ones 
  * push at once, each to its own daemon). */
 typedef struct {
   grpc_channel *ch;
+  rpc_shm *shm;
   const char *job;
   size_t n;
   int B, rank, rc;
@@ -1199,17 +1300,22 @@ typedef struct {
 static void *replica_push_run(void *arg) {
   replica_push *p = arg;
   double t0 = now_s();
-  p->rc = push_some(p->ch, p->job, p->n, p->B, p->lp, p->rp, p->step, p->owner, p->rank);
+  p->rc = push_some(p->ch, p->shm, p->job, p->n, p->B, p->lp, p->rp, p->step, p->owner, p->rank);
   p->ms = 1e3 * (now_s() - t0);
   return NULL;
 }
 
 /* Replica rows: for each R of --ranks, B blocks of 256 (equal costs: B/R per rank), roots by
  * eigh in double with p = 2 (what a worker asks for by default), new statistics at each of
- * --replica-steps steps after REPLICA_WARMUP untimed ones. --replica-push owner (default): each rank's blocks pushed to that
- * rank, one thread per rank at once (data-parallel workers); first: all of them to rank 0,
- * which forwards the others' (one worker). Timed from the push until every rank holds every
- * root of that step; per step the phases go to stderr. */
+ * --replica-steps steps after REPLICA_WARMUP untimed ones. --replica-push owner (default):
+ * each rank's blocks pushed to that rank, one thread per rank at once (data-parallel
+ * workers); first: all of them to rank 0, which forwards the others' (one worker). Pushes
+ * go as a same-host worker's libprecond sends them, through a shared-memory region
+ * (--replica-wire bytes: gRPC bytes). Timed from the push until every rank holds every root
+ * of that step, seen by GetStats every 5 ms: a fetch would time the serving of the roots
+ * too, and with one fetching client per rank here, R times as much of it at R ranks (each
+ * rank serves every root), on the cores the roots need. Per step the phases go to stderr,
+ * per row each rank's CPU (pool, replica thread, the rest) and the bench's own. */
 static int run_replicas(const bench_opts *o) {
   const size_t n = 256;
   const int B = o->pool_blocks > 0 ? o->pool_blocks : 16, steps = o->replica_steps;
@@ -1219,8 +1325,17 @@ static int run_replicas(const bench_opts *o) {
         *rp = malloc((size_t)B * len * sizeof(float));
   double *ms = malloc((size_t)steps * sizeof(double));
   int *owner = malloc((size_t)B * sizeof(int));
-  int rc = g != NULL && lp != NULL && rp != NULL && ms != NULL && owner != NULL ? 0 : -1;
+  roots_view *view = calloc(64, sizeof *view);
+  rpc_shm *shm = calloc(64, sizeof *shm);
+  int rc = g != NULL && lp != NULL && rp != NULL && ms != NULL && owner != NULL && view != NULL &&
+                   shm != NULL
+               ? 0
+               : -1;
   double rate1 = 0;
+  /* The statistics made here between steps on one thread: OpenBLAS's other threads keep
+   * spinning (sched_yield) for a while after each of its calls, into the timed step, on
+   * the cores the ranks need (at R = 1 a core is spare for them, at R = 2 none is). */
+  openblas_set_num_threads(1);
   for (int ri = 0; rc == 0 && ri < o->nranks; ri++) {
     int R = o->ranks[ri];
     char dir[64];
@@ -1231,16 +1346,31 @@ static int run_replicas(const bench_opts *o) {
     }
     mprun m;
     int up = start_ranks(o, dir, R, &m) == 0;
-    grpc_channel *ch[64] = {NULL};
     char job[64];
     snprintf(job, sizeof job, "bench-replicas-%d", (int)getpid());
     double total = 0;
+    memset(view, 0, 64 * sizeof *view);
+    for (int r = 0; r < 64; r++) shm[r] = (rpc_shm){.fd = -1};
     for (int r = 0; up && r < R; r++) {
       char addr[160];
       snprintf(addr, sizeof addr, "unix:%s/r-%d.sock", dir, r);
-      ch[r] = rpc_channel_create(addr, 0);
+      view[r].ch = rpc_channel_create(addr, 0);
+      view[r].by_stats = 1;
+      view[r].owner = owner;
+      view[r].rank = r;
+      grpc_status_code code;
+      char err[256];
+      /* Room for a whole push of B blocks in the region's half (its ring). */
+      if (!o->replica_bytes && view[r].ch != NULL) {
+        if (rpc_shm_open(view[r].ch, NULL, CALL_MS, 2 * (2 * (uint64_t)B * len * 4 + (1 << 20)),
+                         &shm[r], &code, err, sizeof err) != RPC_OK) {
+          fprintf(stderr, "bench-daemon: rank %d: %s\n", r, err);
+          up = 0;
+        }
+      }
     }
-    rc = up && register_job_as(ch[0], job, n, B, PRECOND__V1__METHOD__METHOD_EIGH, 2, owner) == 0
+    rc = up && register_job_as(view[0].ch, job, n, B, PRECOND__V1__METHOD__METHOD_EIGH, 2,
+                               owner) == 0
              ? 0
              : -1;
     uint64_t s = 777;
@@ -1248,18 +1378,19 @@ static int run_replicas(const bench_opts *o) {
      * HTTP/2 flow-control windows that gRPC grows only over its first calls, and the
      * daemons fault in their memory: 400-500 ms more per push at the first two steps
      * here, the same for any R, which would hide the steady state a training job sees. */
-    double cpu0[64] = {0}, cpu[64] = {0};
+    double cpu0[64][3] = {{0}}, cpu[64][3] = {{0}}, self_cpu = 0;
     for (int k = -REPLICA_WARMUP; rc == 0 && k < steps; k++) {
       if (k == 0)
-        for (int r = 0; r < R; r++) cpu0[r] = cpu_s(mprun_rank_pid(&m, r));
+        for (int r = 0; r < R; r++) cpu_split(mprun_rank_pid(&m, r), cpu0[r]);
       for (int b = 0; b < B; b++)
         random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
       replica_push push[64];
       pthread_t th[64];
       int np = o->replica_push_first ? 1 : R;
-      double t0 = now_s(), done[64];
+      double t0 = now_s(), done[64], c0 = self_cpu_s();
       for (int r = 0; r < np; r++) {
-        push[r] = (replica_push){ch[r],
+        push[r] = (replica_push){view[r].ch,
+                                 o->replica_bytes ? NULL : &shm[r],
                                  job,
                                  n,
                                  B,
@@ -1279,27 +1410,38 @@ static int run_replicas(const bench_opts *o) {
         pthread_join(th[r], NULL);
         if (push[r].rc != 0) rc = -1;
       }
-      if (rc == 0) rc = wait_roots_all(ch, R, job, (size_t)B, push[0].step, 600.0, t0, done);
+      if (rc == 0) rc = wait_roots_all(view, R, job, (size_t)B, push[0].step, 600.0, t0, done);
       if (k < 0) continue;
       ms[k] = 1e3 * (now_s() - t0);
+      self_cpu += self_cpu_s() - c0;
       total += ms[k] / 1e3;
       if (rc == 0) {
         fprintf(stderr, "bench-daemon: replicas R=%d step %d: push %.1f ms", R, k + 1, push[0].ms);
         for (int r = 1; r < np; r++) fprintf(stderr, "/%.1f", push[r].ms);
-        for (int r = 0; r < R; r++) fprintf(stderr, ", rank %d all roots %.1f ms", r, done[r]);
+        for (int r = 0; r < R; r++)
+          fprintf(stderr, ", rank %d own roots %.1f ms, all %.1f ms", r, view[r].own_ms, done[r]);
         fprintf(stderr, "\n");
       }
     }
     /* The busiest rank's CPU seconds: with --clock cpu the row's time (what the steps
      * would take with a core per rank and nothing else running, less the waits between
-     * ranks), as the load of the other programs on the machine leaves it out. */
+     * ranks), as the load of the other programs on the machine leaves it out. The split
+     * says what besides the roots each rank spends, and the bench's own CPU what its
+     * pushes and polls take from the same cores. */
     double busiest = 0;
     for (int r = 0; rc == 0 && r < R; r++) {
-      cpu[r] = cpu_s(mprun_rank_pid(&m, r)) - cpu0[r];
-      fprintf(stderr, "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step\n", R, r,
-              1e3 * cpu[r] / steps);
-      if (cpu[r] > busiest) busiest = cpu[r];
+      cpu_split(mprun_rank_pid(&m, r), cpu[r]);
+      double t[3], all = 0;
+      for (int k = 0; k < 3; k++) all += t[k] = 1e3 * (cpu[r][k] - cpu0[r][k]) / steps;
+      fprintf(stderr,
+              "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step (pool %.1f, replica "
+              "thread %.1f, other threads %.1f)\n",
+              R, r, all, t[0], t[1], t[2]);
+      if (all * steps / 1e3 > busiest) busiest = all * steps / 1e3;
     }
+    if (rc == 0)
+      fprintf(stderr, "bench-daemon: replicas R=%d bench (pushes, polls): %.1f CPU ms per step\n",
+              R, 1e3 * self_cpu / steps);
     if (rc == 0 && o->cpu_clock) total = busiest;
     if (rc == 0) {
       double rate = (double)B * steps / total;
@@ -1309,8 +1451,10 @@ static int run_replicas(const bench_opts *o) {
       print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
                 "first_ranks_row", rate1, 0);
     }
-    for (int r = 0; r < R; r++)
-      if (ch[r] != NULL) rpc_channel_destroy(ch[r]);
+    for (int r = 0; r < R; r++) {
+      rpc_shm_close(&shm[r]);
+      if (view[r].ch != NULL) rpc_channel_destroy(view[r].ch);
+    }
     if (up) mprun_stop(&m, SIGTERM, 60000);
     char cmd[96];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
@@ -1321,6 +1465,8 @@ static int run_replicas(const bench_opts *o) {
   free(rp);
   free(ms);
   free(owner);
+  free(view);
+  free(shm);
   return rc;
 }
 
@@ -1499,7 +1645,10 @@ int main(int argc, char **argv) {
       bad = parse_list(v, NULL, o.ranks, &o.nranks);
     else if (strcmp(a, "--replica-steps") == 0)
       bad = (o.replica_steps = atoi(v)) < 1 || o.replica_steps > 1000;
-    else if (strcmp(a, "--replica-push") == 0) {
+    else if (strcmp(a, "--replica-wire") == 0) {
+      o.replica_bytes = strcmp(v, "bytes") == 0;
+      bad = !o.replica_bytes && strcmp(v, "shm") != 0;
+    } else if (strcmp(a, "--replica-push") == 0) {
       o.replica_push_first = strcmp(v, "first") == 0;
       bad = !o.replica_push_first && strcmp(v, "owner") != 0;
     } else if (strcmp(a, "--max-inflight-mb") == 0)

@@ -2,9 +2,11 @@
 # bench/replicas.sh -- the figures of docs/replicas.md, side by side in one run:
 #   roots.csv  daemon replicas: bench-daemon's replica rows (mpirun -np 1 and 2 precondd, one
 #              pool thread per rank, the same 16 blocks of 256 with eigh roots, each pushed
-#              to the rank that owns it, 6 timed steps after 2 untimed ones): roots/s and the
-#              time from a step's push to every rank holding every root; then the same rows
-#              per CPU second of the busiest rank (--clock cpu: what load leaves out);
+#              to the rank that owns it through shared memory, 16 timed steps after 2
+#              untimed ones): roots/s and the time from a step's push to every rank holding
+#              every root; then the same rows per CPU second of the busiest rank (--clock
+#              cpu: what load leaves out); roots-*.log: per step the phases, per rank its
+#              CPU per step (pool, replica thread, other threads) and the bench's own;
 #   dp.csv     data-parallel training (the default models and global batches, --sync-roots so
 #              the losses compare): the Transformer with Shampoo, the ResNet with Shampoo
 #              and with K-FAC (batch norm across the workers), W workers on W daemon ranks
@@ -35,7 +37,8 @@ echo "replicas.sh: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 for clock in wall cpu; do
   "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 \
-    --pool-blocks 16 --replica-steps 6 --clock "$clock" > "$out/roots-$clock.csv" || exit 1
+    --pool-blocks 16 --replica-steps 16 --clock "$clock" > "$out/roots-$clock.csv" \
+    2> "$out/roots-$clock.log" || exit 1
   sed -i "1!s/^/$clock,/;1s/^/clock,/" "$out/roots-$clock.csv"
 done
 { cat "$out/roots-wall.csv"; tail -n +2 "$out/roots-cpu.csv"; } > "$out/roots.csv"

@@ -677,6 +677,12 @@ int pd_replica_plan(pd_job *job, int nranks);
  * the environment), with the world size it announces in *size. */
 int pd_replica_launched(int *size);
 
+/* Names the calling thread (at most 15 characters; Linux: the comm of
+ * /proc/PID/task/TID, elsewhere nothing), so per-thread CPU can be told apart from outside:
+ * "pd-pool" (root workers) and "pd-replica" (the communication thread), which
+ * bench-daemon's replica rows sum per rank. */
+void pd_thread_name(const char *name);
+
 /* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
 int pd_replica_subst(char *s, size_t cap, int rank);
 

@@ -10,7 +10,8 @@
  *         version, so a worker fetches every root from its local daemon;
  *   BYE   this rank sends nothing more (shutdown).
  * Handlers and pool threads only queue copies (the link's hooks) and never call MPI: the
- * thread sends them with MPI_Isend, polls MPI_Iprobe, and sleeps briefly when idle. MPI
+ * thread sends them with MPI_Isend, matches arrivals with MPI_Improbe into MPI_Imrecv, and
+ * sleeps between polls when idle (pd__comm says how long). MPI
  * keeps the messages of one sender in order, so a unit's versions arrive in order and a
  * job arrives before anything of it from the same rank; anything for a job not known yet
  * (sent by a third rank) waits in a bounded list until that job arrives.
@@ -49,6 +50,13 @@ typedef struct {
   pd__msg *msg;
 } pd__send;
 
+/* A message matched (MPI_Improbe) and being received into buf (MPI_Imrecv). */
+typedef struct {
+  MPI_Request req;
+  unsigned char *buf;
+  int count, tag;
+} pd__recv;
+
 struct pd_replica {
   pd_replica_link link;
   pd_daemon *d;
@@ -63,6 +71,8 @@ struct pd_replica {
   /* The communication thread's own. */
   pd__send *sends;
   size_t nsends, capsends;
+  pd__recv *recvs; /* in the order matched, which is the order handled */
+  size_t nrecvs, caprecvs;
   pd__msg *deferred, *deferred_tail;
   size_t ndeferred;
   double grace_s;
@@ -506,49 +516,89 @@ static void pd__mpi_failed(pd_replica *x, const char *what, int err) {
            text, x->link.rank);
 }
 
-/* Receives and handles everything waiting. Counts BYEs in *byes. Returns 1 if anything
- * arrived. */
+/* Handles one message received (takes buf). Counts BYEs in *byes. */
+static void pd__handle(pd_replica *x, int tag, unsigned char *buf, int count, int *byes) {
+  if (tag == PD__TAG_BYE) {
+    (*byes)++;
+    free(buf);
+  } else if (tag == PD__TAG_JOB) {
+    pd__rd r = {buf, (size_t)count, 0};
+    pd__on_job(x, &r);
+    free(buf);
+    pd__retry_deferred(x);
+  } else if (tag == PD__TAG_END) {
+    pd__rd r = {buf, (size_t)count, 0};
+    pd__on_end(x, &r);
+    free(buf);
+  } else if (pd__on_unit_msg(x, tag, buf, (size_t)count)) {
+    pd__defer(x, tag, buf, (size_t)count);
+  } else {
+    free(buf);
+  }
+}
+
+/* Matches everything that has arrived, each into a nonblocking receive (a blocking
+ * MPI_Recv would spin in Open MPI until a large message's sender made progress: up to a
+ * poll interval of CPU on another host's rendezvous), then handles the receives that
+ * completed, in the order matched (MPI's order per sender: a job before its units, a
+ * unit's versions in order), stopping at the first still in flight. Counts BYEs in *byes.
+ * Returns 1 if anything was matched or handled. */
 static int pd__receive(pd_replica *x, int *byes) {
   int any = 0;
   while (!atomic_load(&x->link.alone)) {
     int flag = 0, count = 0;
+    MPI_Message msg;
     MPI_Status st;
-    int err = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, x->comm, &flag, &st);
+    int err = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, x->comm, &flag, &msg, &st);
     if (err != MPI_SUCCESS) {
-      pd__mpi_failed(x, "MPI_Iprobe", err);
+      pd__mpi_failed(x, "MPI_Improbe", err);
       break;
     }
     if (!flag) break;
     MPI_Get_count(&st, MPI_BYTE, &count);
-    unsigned char *buf = malloc(count > 0 ? (size_t)count : 1);
-    if (!buf) {
+    if (x->nrecvs == x->caprecvs) {
+      size_t ncap = x->caprecvs ? 2 * x->caprecvs : 16;
+      pd__recv *nr = realloc(x->recvs, ncap * sizeof *nr);
+      if (!nr) {
+        pd__mpi_failed(x, "a receive record", MPI_ERR_NO_MEM);
+        break;
+      }
+      x->recvs = nr;
+      x->caprecvs = ncap;
+    }
+    pd__recv *r = &x->recvs[x->nrecvs];
+    r->buf = malloc(count > 0 ? (size_t)count : 1);
+    if (!r->buf) {
       pd__mpi_failed(x, "a receive buffer", MPI_ERR_NO_MEM);
       break;
     }
-    err = MPI_Recv(buf, count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, x->comm, MPI_STATUS_IGNORE);
+    err = MPI_Imrecv(r->buf, count, MPI_BYTE, &msg, &r->req);
     if (err != MPI_SUCCESS) {
-      free(buf);
-      pd__mpi_failed(x, "MPI_Recv", err);
+      free(r->buf);
+      pd__mpi_failed(x, "MPI_Imrecv", err);
       break;
     }
+    r->count = count;
+    r->tag = st.MPI_TAG;
+    x->nrecvs++;
     any = 1;
-    if (st.MPI_TAG == PD__TAG_BYE) {
-      (*byes)++;
-      free(buf);
-    } else if (st.MPI_TAG == PD__TAG_JOB) {
-      pd__rd r = {buf, (size_t)count, 0};
-      pd__on_job(x, &r);
-      free(buf);
-      pd__retry_deferred(x);
-    } else if (st.MPI_TAG == PD__TAG_END) {
-      pd__rd r = {buf, (size_t)count, 0};
-      pd__on_end(x, &r);
-      free(buf);
-    } else if (pd__on_unit_msg(x, st.MPI_TAG, buf, (size_t)count)) {
-      pd__defer(x, st.MPI_TAG, buf, (size_t)count);
-    } else {
-      free(buf);
+  }
+  size_t done = 0;
+  while (done < x->nrecvs && !atomic_load(&x->link.alone)) {
+    int flag = 0;
+    int err = MPI_Test(&x->recvs[done].req, &flag, MPI_STATUS_IGNORE);
+    if (err != MPI_SUCCESS) {
+      pd__mpi_failed(x, "MPI_Test", err);
+      break;
     }
+    if (!flag) break;
+    pd__recv r = x->recvs[done++];
+    pd__handle(x, r.tag, r.buf, r.count, byes);
+    any = 1;
+  }
+  if (done > 0) {
+    x->nrecvs -= done;
+    memmove(x->recvs, x->recvs + done, x->nrecvs * sizeof *x->recvs);
   }
   return any;
 }
@@ -616,28 +666,44 @@ static void pd__sleep_us(long us) {
   nanosleep(&ts, NULL);
 }
 
+/* How long the idle communication thread waits before it polls MPI again. MPI cannot wake
+ * a sleeping thread (a blocking receive would spin: Open MPI polls inside it), so arrivals
+ * are polled; each wake-up costs some 50 us of CPU here (a timed wait, MPI_Iprobe's
+ * progress pass), a core the pools need when every rank has one (docs/replicas.md).
+ * Within PD__HOT_S of the last message either way it polls every PD__HOT_US (an arrival
+ * waits at most that: well below a worker's 20 ms fetch poll); after that every
+ * PD__COLD_US, so an idle rank costs about 0.1% of a core. A message queued here wakes
+ * the thread at once either way. */
+#define PD__HOT_US 2000L
+#define PD__COLD_US 20000L
+#define PD__HOT_S 1.0
+
 static void *pd__comm(void *arg) {
   pd_replica *x = arg;
+  pd_thread_name("pd-replica");
   int byes = 0;
-  long idle_us = 50;
+  double last = pd_now(); /* of the last message sent, received or completed */
   for (;;) {
     int busy = pd__receive(x, &byes);
     busy |= pd__send_queued(x);
     busy |= pd__test_sends(x);
+    double now = pd_now();
+    if (busy) last = now;
+    /* Receives and sends in flight need MPI's progress: hot until they end. */
+    long wait_us =
+        now - last < PD__HOT_S || x->nrecvs > 0 || x->nsends > 0 ? PD__HOT_US : PD__COLD_US;
     pthread_mutex_lock(&x->lock);
     int stop = x->stopping && !x->head;
-    if (!busy && !stop) {
-      /* Idle: a queued message wakes the thread at once; arrivals are polled, at most
-       * 2 ms apart (a received root is then at most that much later than it could be). */
+    if (!stop && !x->head) {
+      /* Nothing queued: sleep until a message is queued here or the next poll is due. */
       struct timespec until;
       clock_gettime(CLOCK_REALTIME, &until);
-      until.tv_nsec += idle_us * 1000;
+      until.tv_nsec += wait_us * 1000;
       until.tv_sec += until.tv_nsec / 1000000000;
       until.tv_nsec %= 1000000000;
       pthread_cond_timedwait(&x->cond, &x->lock, &until);
     }
     pthread_mutex_unlock(&x->lock);
-    idle_us = busy ? 50 : (idle_us < 2000 ? idle_us * 2 : 2000);
     if (stop) break;
   }
   /* Shutdown: BYE after everything this rank sent (MPI keeps them in order); then take what
@@ -718,6 +784,9 @@ int pd_replica_agree(pd_replica *x, int ok) {
 int pd_replica_start(pd_replica *x, pd_daemon *d) {
   x->d = d;
   x->marking = 1;
+  /* One rank (mpirun -np 1) has no one to talk to: no hook queues anything (the store and
+   * the service call them only with more ranks), so no thread either. */
+  if (x->link.nranks < 2) return PD_OK;
   /* Roots restored from this rank's snapshot go out again: the others may hold older ones
    * (their own snapshots), and nothing else would send them before the next push. */
   size_t njobs = 0;
@@ -766,6 +835,10 @@ void pd_replica_finalize(pd_replica *x) {
     pd__msg_unref(x->sends[i].msg);
   }
   free(x->sends);
+  /* Receives still in flight (a peer gone mid-message) cannot be cancelled once matched:
+   * their requests are freed, their buffers only after MPI_Finalize, when nothing can
+   * write them any more. */
+  for (size_t i = 0; i < x->nrecvs; i++) MPI_Request_free(&x->recvs[i].req);
   while (x->head) {
     pd__msg *m = x->head;
     x->head = m->next;
@@ -778,6 +851,8 @@ void pd_replica_finalize(pd_replica *x) {
   }
   MPI_Comm_free(&x->comm);
   MPI_Finalize();
+  for (size_t i = 0; i < x->nrecvs; i++) free(x->recvs[i].buf);
+  free(x->recvs);
   pthread_cond_destroy(&x->cond);
   pthread_mutex_destroy(&x->lock);
   free(x);

@@ -320,6 +320,7 @@ static void pd__blas_for(pd_sched *s, const pd_block *b) {
 
 static void *pd__worker(void *arg) {
   pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
+  pd_thread_name("pd-pool");
   pthread_mutex_lock(&s->lock);
   for (;;) {
     while (!s->stopping && s->len == 0) pthread_cond_wait(&s->cond, &s->lock);
