@@ -1095,6 +1095,17 @@ static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint3
 
 static int push_queue(precond_client *c, int kfac, precond__item *it);
 
+/* Whether a push of these part orders may be queued now: PRECOND_OK, PRECOND_EENDED (the
+ * job was ended) or PRECOND_EINVAL (no thread, no job of that mode, sizes off the layout). */
+static int push_admits(precond_client *c, int kfac, uint32_t block_id, uint32_t n0, uint32_t n1) {
+  pthread_mutex_lock(&c->mu);
+  int ok = c->thread_started && push_fits(c, kfac, block_id, n0, n1);
+  int refused = c->refused;
+  pthread_mutex_unlock(&c->mu);
+  if (ok && refused) return PRECOND_EENDED;
+  return ok ? PRECOND_OK : PRECOND_EINVAL;
+}
+
 /* Queues one block's two packed parts (see push_fits for their order): the body of
  * precond_push and precond_push_kfac. */
 static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block_id,
@@ -1103,12 +1114,8 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
   if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
       (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
-  pthread_mutex_lock(&c->mu);
-  int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
-  int refused = c->refused;
-  pthread_mutex_unlock(&c->mu);
-  if (ok && refused) return PRECOND_EENDED;
-  if (!ok) return PRECOND_EINVAL;
+  int st = push_admits(c, kfac, block_id, n_left, n_right);
+  if (st != PRECOND_OK) return st;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
   if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right)) return PRECOND_EINVAL;
@@ -1167,11 +1174,9 @@ int precond_push_begin(precond_client *c, uint64_t step, uint32_t block_id, uint
     return PRECOND_EINVAL;
   pthread_mutex_lock(&c->mu);
   int kfac = c->mode == PRECOND_MODE_KFAC;
-  int ok = c->thread_started && push_fits(c, kfac, block_id, n0, n1);
-  int refused = c->refused;
   pthread_mutex_unlock(&c->mu);
-  if (ok && refused) return PRECOND_EENDED;
-  if (!ok) return PRECOND_EINVAL;
+  int st = push_admits(c, kfac, block_id, n0, n1);
+  if (st != PRECOND_OK) return st;
   size_t c0 = pc_packed_len(n0), c1 = pc_packed_len(n1);
   precond__item *it = precond__item_new(block_id, step, (int)PRECOND_FP32, n0, c0 * sizeof(float),
                                         n1, c1 * sizeof(float));
