@@ -888,8 +888,7 @@ static void random_gram(size_t n, size_t k, uint64_t *s, float *g, float *left, 
  * matrix copied into the region (as a same-host worker's libprecond sends them) and the
  * request carrying references. 0 or -1. */
 static int push_some(grpc_channel *ch, rpc_shm *shm, const char *job, size_t n, int B,
-                     const float *lp, const float *rp, uint64_t step, const int *owner,
-                     int only) {
+                     const float *lp, const float *rp, uint64_t step, const int *owner, int only) {
   size_t len = pc_packed_len(n);
   Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
   Precond__V1__BlockStatistics *bs = calloc((size_t)B, sizeof(*bs));
@@ -1369,10 +1368,9 @@ static int run_replicas(const bench_opts *o) {
         }
       }
     }
-    rc = up && register_job_as(view[0].ch, job, n, B, PRECOND__V1__METHOD__METHOD_EIGH, 2,
-                               owner) == 0
-             ? 0
-             : -1;
+    int registered = up && register_job_as(view[0].ch, job, n, B, PRECOND__V1__METHOD__METHOD_EIGH,
+                                           2, owner) == 0;
+    rc = registered ? 0 : -1;
     uint64_t s = 777;
     /* Untimed warm-up steps first: the first large messages of a connection crawl through
      * HTTP/2 flow-control windows that gRPC grows only over its first calls, and the

@@ -516,6 +516,22 @@ static void pd__mpi_failed(pd_replica *x, const char *what, int err) {
            text, x->link.rank);
 }
 
+/* arr (n records used of *cap, each size bytes) with room for one more: arr itself, or
+ * moved and doubled when full. NULL (arr unchanged) after counting the failure as MPI's:
+ * the rank goes on alone. */
+static void *pd__room(pd_replica *x, void *arr, size_t *cap, size_t n, size_t size,
+                      const char *what) {
+  if (n < *cap) return arr;
+  size_t ncap = *cap ? 2 * *cap : 64;
+  void *na = realloc(arr, ncap * size);
+  if (!na) {
+    pd__mpi_failed(x, what, MPI_ERR_NO_MEM);
+    return NULL;
+  }
+  *cap = ncap;
+  return na;
+}
+
 /* Handles one message received (takes buf). Counts BYEs in *byes. */
 static void pd__handle(pd_replica *x, int tag, unsigned char *buf, int count, int *byes) {
   if (tag == PD__TAG_BYE) {
@@ -556,16 +572,9 @@ static int pd__receive(pd_replica *x, int *byes) {
     }
     if (!flag) break;
     MPI_Get_count(&st, MPI_BYTE, &count);
-    if (x->nrecvs == x->caprecvs) {
-      size_t ncap = x->caprecvs ? 2 * x->caprecvs : 16;
-      pd__recv *nr = realloc(x->recvs, ncap * sizeof *nr);
-      if (!nr) {
-        pd__mpi_failed(x, "a receive record", MPI_ERR_NO_MEM);
-        break;
-      }
-      x->recvs = nr;
-      x->caprecvs = ncap;
-    }
+    pd__recv *nr = pd__room(x, x->recvs, &x->caprecvs, x->nrecvs, sizeof *nr, "a receive record");
+    if (!nr) break;
+    x->recvs = nr;
     pd__recv *r = &x->recvs[x->nrecvs];
     r->buf = malloc(count > 0 ? (size_t)count : 1);
     if (!r->buf) {
@@ -615,16 +624,9 @@ static int pd__send_queued(pd_replica *x) {
     list = m->next;
     for (int dest = 0; dest < x->link.nranks && !atomic_load(&x->link.alone); dest++) {
       if (dest == x->link.rank || (m->dest >= 0 && dest != m->dest)) continue;
-      if (x->nsends == x->capsends) {
-        size_t ncap = x->capsends ? 2 * x->capsends : 64;
-        pd__send *ns = realloc(x->sends, ncap * sizeof *ns);
-        if (!ns) {
-          pd__mpi_failed(x, "a send record", MPI_ERR_NO_MEM);
-          break;
-        }
-        x->sends = ns;
-        x->capsends = ncap;
-      }
+      pd__send *ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record");
+      if (!ns) break;
+      x->sends = ns;
       pd__send *s = &x->sends[x->nsends];
       int err = MPI_Isend(m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm, &s->req);
       if (err != MPI_SUCCESS) {
@@ -674,9 +676,9 @@ static void pd__sleep_us(long us) {
  * waits at most that: well below a worker's 20 ms fetch poll); after that every
  * PD__COLD_US, so an idle rank costs about 0.1% of a core. A message queued here wakes
  * the thread at once either way. */
-#define PD__HOT_US 2000L
+#define PD__HOT_US  2000L
 #define PD__COLD_US 20000L
-#define PD__HOT_S 1.0
+#define PD__HOT_S   1.0
 
 static void *pd__comm(void *arg) {
   pd_replica *x = arg;
