@@ -226,8 +226,8 @@ static void test_fold_fits(void **state) {
   free(x);
 }
 
-/* fold_bounded: bit for bit the statistics update of pc_stat_update_f32 (a mix and a sum),
- * with each part's bound found in the same pass; and the store trusts the bound only where
+/* fold_into and fold_bounded: bit for bit the statistics update of pc_stat_update_f32 (a
+ * mix and a sum), with each part's bound found in the same pass; fold_into's refusals; and the store trusts the bound only where
  * the update itself set it: a statistic written otherwise (flag 0) still gets the exact
  * overflow check, even with an increment below 2^126. */
 static void test_fold_bounded(void **state) {
@@ -251,8 +251,47 @@ static void test_fold_bounded(void **state) {
     uint8_t bounded[2] = {9, 9};
     pd_block one = *b;
     one.nparts = 1;
-    pd_mode_shampoo.fold_bounded(&o, &one, st, in, bounded);
+    /* fold_into first (into other memory, s unchanged), then fold_bounded in place. */
+    float *o0 = malloc(len * sizeof *o0), *o1 = malloc(len * sizeof *o1);
+    assert_non_null(o0);
+    assert_non_null(o1);
+    float *outs[2] = {o0, o1};
+    const float *sts[2] = {s, s};
+    uint32_t part = 9;
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, sts, in, outs, bounded, &part), PD_FOLD_OK);
     pc_stat_update_f32(len, ref, x, betas[t]);
+    assert_memory_equal(o0, ref, len * sizeof *s);
+    assert_memory_equal(o1, ref, len * sizeof *s);
+    assert_int_equal(bounded[0], 1);
+    assert_int_equal(bounded[1], 1);
+    /* A NaN in the second part's increment, then an overflow in the first part's fold:
+     * the NaN is named first, the overflow alone otherwise; nothing of s changes. */
+    float *x2 = malloc(len * sizeof *x2);
+    assert_non_null(x2);
+    memcpy(x2, x, len * sizeof *x2);
+    x2[len - 1] = NAN;
+    const float *in2[2] = {x, x2};
+    float *big = malloc(len * sizeof *big);
+    assert_non_null(big);
+    memcpy(big, s, len * sizeof *big);
+    big[1] = x[1] = betas[t] == 1.0f ? FLT_MAX : FLT_MAX / 2; /* a sum overflows, a mix not */
+    const float *stb[2] = {big, s};
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in2, outs, bounded, &part),
+                     PD_FOLD_NONFINITE);
+    assert_int_equal(part, 1);
+    const float *in3[2] = {x, x};
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in3, outs, bounded, &part),
+                     betas[t] == 1.0f ? PD_FOLD_OVERFLOW : PD_FOLD_OK);
+    if (betas[t] == 1.0f)
+      assert_int_equal(part, 0);
+    else
+      assert_int_equal(bounded[0], 0); /* finite, at or above 2^126 */
+    x[1] = (float)((1 * 104729) % 977) * 3.1e-2f;
+    free(x2);
+    free(big);
+    free(o0);
+    free(o1);
+    pd_mode_shampoo.fold_bounded(&o, &one, st, in, bounded);
     assert_memory_equal(s, ref, len * sizeof *s);
     assert_int_equal(bounded[0], 1);
     x[len / 2] = 1.0e38f; /* the sum or mix lands at or above 2^126 (8.5e37) */
