@@ -304,6 +304,36 @@ static void test_compare(void **state) {
   compare_tiny("resnet", "--batch 16 --width 4 --blocks 1 --eval-batches 2", 4);
 }
 
+/* compare's reach rule on a hand-written train.csv: evaluations at step 3 (loss 2.0, wall
+ * 1.0 s) and 6 (loss 1.0, wall 2.0 s), step 4 without one. Target 1.6 is crossed 40% of the
+ * way from 3 to 6 on the straight line: step 4.2 (printed 4), wall 1.4 s; the grid says 6. */
+static void test_compare_reach(void **state) {
+  (void)state;
+  char csv[200], log[200];
+  snprintf(csv, sizeof csv, "%s/reach.csv", tmpdir);
+  snprintf(log, sizeof log, "%s/reach.log", tmpdir);
+  FILE *f = fopen(csv, "w");
+  assert_non_null(f);
+  fputs("step,wall_s,step_ms,train_loss,eval_loss\n3,1.0,1,2.1,2.0\n4,1.5,1,1.9,\n"
+        "6,2.0,1,1.1,1.0\n",
+        f);
+  fclose(f);
+  const struct {
+    const char *target, *want;
+  } cases[] = {{"1.6", "6,2.0,4,1.400\n"},  /* crossed between two evaluations */
+               {"2.5", "3,1.0,3,1.000\n"},  /* the first evaluation is already below */
+               {"1.0", "6,2.0,6,2.000\n"},  /* "at or below": equal counts */
+               {"0.5", "-,,,\n"}};          /* never */
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *argv[] = {(char *)compare_path, "--reach", csv, (char *)cases[i].target, NULL};
+    assert_int_equal(run(argv, log), 0);
+    char *out = read_file(log);
+    assert_non_null(out);
+    assert_string_equal(out, cases[i].want);
+    free(out);
+  }
+}
+
 static void test_bad_options(void **state) {
   (void)state;
   char log[200];
@@ -369,6 +399,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_transformer),
       cmocka_unit_test(test_resnet),
       cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_compare_reach),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -123,6 +123,10 @@ static void test_defaults_table(void **state) {
   assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_given), TR_OK);
   assert_int_equal(o.warmup, 150);
   assert_true(o.beta2 == 0.95);
+  /* Shampoo's row has its own warm-up on the Transformer (50, measured), AdamW's stays 100 */
+  const char *lm_shampoo[] = {"--optimizer", "shampoo", "--steps", "1000", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_shampoo), TR_OK);
+  assert_int_equal(o.warmup, 50);
 
   /* no row for the model: the optimizer's generic row */
   const char *other[] = {"--optimizer", "sgd", NULL};
