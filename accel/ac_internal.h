@@ -104,6 +104,8 @@ typedef struct ac__ops {
   int (*adamw_update)(ac_backend *be, size_t n, float *p, const float *g, float *m, float *v,
                       float lr, float beta1, float beta2, float eps, float wd, float bc1,
                       float bc2);
+  int (*moment_graft)(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
+                      float *d, const ac_moment_graft_args *a);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct 3x3 convs. */
   int (*conv3x3_ok)(ac_backend *be, size_t c, size_t oc);
   int (*conv3x3)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,

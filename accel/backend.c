@@ -694,3 +694,20 @@ int ac_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m
   return be->ops->adamw_update(be, n, p, g, m, v, args->lr, args->beta1, args->beta2, args->eps,
                                args->weight_decay, bc1, bc2);
 }
+
+int ac_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
+                    float *d, const ac_moment_graft_args *args) {
+  if (!be_ok(be) || args == NULL || !extent_ok(n, 1, 1) || !NEED(g, n) || !NEED(f, n) ||
+      !NEED(v, n) || !NEED(x, n) || !NEED(d, n))
+    return AC_EINVAL;
+  const float k[] = {args->f_new, args->f_keep, args->x_g,     args->x_f,
+                     args->v_new, args->v_keep, args->v_scale, args->eps};
+  for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
+    if (!isfinite(k[i])) return AC_EINVAL;
+  if (!(args->eps > 0.0f)) return AC_EINVAL;
+  const float *bufs[] = {g, f, v, x, d};
+  for (size_t i = 0; n > 0 && i < 5; i++)
+    for (size_t j = i + 1; j < 5; j++)
+      if (bufs[i] == bufs[j]) return AC_EINVAL;
+  return n == 0 ? AC_OK : be->ops->moment_graft(be, n, g, f, v, x, d, args);
+}

@@ -501,6 +501,23 @@ typedef struct {
 int ac_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m, float *v,
                     const ac_adamw_args *args);
 
+/* The coefficients of ac_moment_graft, as the caller rounded them to float (the caller
+ * owns the bias corrections, so that the fused pass repeats its unfused arithmetic). */
+typedef struct {
+  float f_new, f_keep; /* first moment: f = f_new g + f_keep f */
+  float x_g, x_f;      /* the step's gradient: x = x_g g + x_f f (of the updated f) */
+  float v_new, v_keep; /* second moment: v = v_new g^2 + v_keep v */
+  float v_scale, eps;  /* the graft: d = x / (sqrt(v_scale v) + eps), eps > 0 */
+} ac_moment_graft_args;
+
+/* Shampoo's first moment and Adam (or RMSprop) graft in one pass over n values, instead of
+ * eight primitives: the filtered gradient f and second moment v updated in place, x the
+ * step's gradient (bias-corrected or Nesterov first moment) and d the grafted direction,
+ * each element with the same float operations as the unfused chain (x_g == 0 skips the g
+ * term, as ac_axpby skips a zero beta). g, f, v, x and d are distinct. */
+int ac_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
+                    float *d, const ac_moment_graft_args *args);
+
 /* ------------------------------------------------------------------------------------ */
 /* Tensors and named parameters                                                           */
 

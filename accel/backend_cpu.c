@@ -372,12 +372,14 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
   return AC_OK;
 }
 
-/* The Gram matrix's upper triangle by blocks of rows, each ONE single-threaded gemm on the
- * pool (as the products above; ssyrk would need OpenBLAS's own threads): block i is
- * C[r0:r1, r0:n) = alpha A_r0:r1 A_r0:n^T (rows of A; its columns when transposed), the
- * lower part of its diagonal square computed too and never read. The blocks, a function of
- * the shape, shrink along the triangle, so items alternate from both ends (0, last, 1,
- * ...) and the pool's contiguous halves get about the same work. */
+/* The Gram matrix's upper triangle by blocks of rows, each single-threaded OpenBLAS calls on
+ * the pool (as the products above; one whole ssyrk would need OpenBLAS's own threads): block
+ * i is C[r0:r1, r0:n) = alpha A_r0:r1 A_r0:n^T (rows of A; its columns when transposed), its
+ * diagonal square by ssyrk (upper triangle only: the lower one was half of that square's
+ * work, never read) and the rest by one gemm. At order 128 (two blocks of 64) that is 2/3
+ * of the multiply-adds of gemms over whole diagonal squares. The blocks, a function of the
+ * shape, shrink along the triangle, so items alternate from both ends (0, last, 1, ...)
+ * and the pool's contiguous halves get about the same work. */
 typedef struct syrk_args {
   CBLAS_TRANSPOSE ta, tb;
   size_t n, k, lda, block, nblocks;
@@ -392,8 +394,13 @@ static void syrk_slice(void *ctx, size_t lo, size_t hi) {
     size_t blk = it % 2 == 0 ? it / 2 : s->nblocks - 1 - it / 2;
     size_t r0 = blk * s->block, r1 = r0 + s->block < s->n ? r0 + s->block : s->n;
     const float *ar = s->a + (s->ta == CblasTrans ? r0 : r0 * s->lda);
-    cblas_sgemm(CblasRowMajor, s->ta, s->tb, (int)(r1 - r0), (int)(s->n - r0), (int)s->k, s->alpha,
-                ar, (int)s->lda, ar, (int)s->lda, 0.0f, s->c + r0 * s->n + r0, (int)s->n);
+    const float *ab = s->a + (s->ta == CblasTrans ? r1 : r1 * s->lda);
+    float *c = s->c + r0 * s->n + r0;
+    cblas_ssyrk(CblasRowMajor, CblasUpper, s->ta, (int)(r1 - r0), (int)s->k, s->alpha, ar,
+                (int)s->lda, 0.0f, c, (int)s->n);
+    if (r1 < s->n)
+      cblas_sgemm(CblasRowMajor, s->ta, s->tb, (int)(r1 - r0), (int)(s->n - r1), (int)s->k,
+                  s->alpha, ar, (int)s->lda, ab, (int)s->lda, 0.0f, c + (r1 - r0), (int)s->n);
   }
 }
 
@@ -1314,6 +1321,23 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
   return AC_OK;
 }
 
+/* The expressions of cpu_axpby, cpu_binary, cpu_affine and the square root, in the order
+ * Shampoo's unfused chain applies them: bit for bit the same results. */
+static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v,
+                            float *x, float *d, const ac_moment_graft_args *a) {
+  (void)be;
+  for (size_t i = 0; i < n; i++) {
+    const float gi = g[i], fi = a->f_new * gi + a->f_keep * f[i];
+    const float xi = a->x_g == 0.0f ? a->x_f * fi : a->x_g * gi + a->x_f * fi;
+    const float vi = a->v_new * (gi * gi) + a->v_keep * v[i];
+    f[i] = fi;
+    v[i] = vi;
+    x[i] = xi;
+    d[i] = xi / (sqrtf(a->v_scale * vi) + a->eps);
+  }
+  return AC_OK;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Direct 3x3 convolutions (stride 1, padding 1), AVX2 + FMA or AVX-512F, no column matrix. The 3x3
  * convs of a small ResNet have 16-64 channels: as im2col + gemm their products are skinny
@@ -1763,6 +1787,7 @@ static const ac__ops cpu_ops = {
     .pool2d_backward = cpu_pool2d_backward,
     .rand = cpu_rand,
     .adamw_update = cpu_adamw_update,
+    .moment_graft = cpu_moment_graft,
     .conv3x3_ok = cpu_conv3x3_ok,
     .conv3x3 = cpu_conv3x3,
     .conv3x3_wgrad = cpu_conv3x3_wgrad,

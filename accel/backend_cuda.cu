@@ -632,6 +632,19 @@ __global__ void k_adamw(size_t n, float *p, const float *g, float *m, float *v, 
   }
 }
 
+__global__ void k_moment_graft(size_t n, const float *g, float *f, float *v, float *x, float *d,
+                               ac_moment_graft_args a) {
+  GRID_STRIDE(i, n) {
+    float gi = g[i], fi = a.f_new * gi + a.f_keep * f[i];
+    float xi = a.x_g == 0.0f ? a.x_f * fi : a.x_g * gi + a.x_f * fi;
+    float vi = a.v_new * (gi * gi) + a.v_keep * v[i];
+    f[i] = fi;
+    v[i] = vi;
+    x[i] = xi;
+    d[i] = xi / (sqrtf(a.v_scale * vi) + a.eps);
+  }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* ac__ops entries                                                                         */
 
@@ -968,6 +981,11 @@ int cu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, float *m
   LAUNCH(be, k_adamw, blocks_for(n), n, p, g, m, v, lr, beta1, beta2, eps, wd, bc1, bc2);
 }
 
+int cu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
+                    float *d, const ac_moment_graft_args *a) {
+  LAUNCH(be, k_moment_graft, blocks_for(n), n, g, f, v, x, d, *a);
+}
+
 ac__ops make_ops() {
   ac__ops o;
   std::memset(&o, 0, sizeof o);
@@ -1015,6 +1033,7 @@ ac__ops make_ops() {
   o.pool2d_backward = cu_pool2d_backward;
   o.rand = cu_rand;
   o.adamw_update = cu_adamw_update;
+  o.moment_graft = cu_moment_graft;
   return o;
 }
 

@@ -523,6 +523,34 @@ static int graft_direction(ac_shampoo *s, size_t n, const float *g, const float 
   return rc;
 }
 
+/* Whether the step's first moment and the graft run as one ac_moment_graft pass: a first
+ * moment under a bias-corrected graft of the second moment alone (Adam's, whose first
+ * moment is then the step's, or RMSprop's); the other kinds take the chain above. */
+static int graft_fused(const ac_shampoo_opts *o) {
+  return o->beta1 > 0.0f && (o->graft.kind == PC_GRAFT_ADAM || o->graft.kind == PC_GRAFT_RMSPROP);
+}
+
+/* first_moment then graft_direction in one pass, with the floats they compute. */
+static int moment_graft(ac_shampoo *s, size_t n, const float *g, float *f, float *v, long t,
+                        float *x, float *d) {
+  const double b1 = s->opts.beta1, c1 = 1.0 - pow(b1, (double)t);
+  const pc_graft_opts *o = &s->opts.graft;
+  const float b2 = (float)o->beta2;
+  ac_moment_graft_args a = {.f_new = (float)(1.0 - b1),
+                            .f_keep = (float)b1,
+                            .x_g = 0.0f,
+                            .x_f = (float)(1.0 / c1),
+                            .v_new = 1.0f - b2,
+                            .v_keep = b2,
+                            .v_scale = (float)(1.0 / (1.0 - pow(o->beta2, (double)t))),
+                            .eps = (float)o->eps};
+  if (s->opts.beta1_nesterov) {
+    a.x_g = (float)((1.0 - b1) / c1);
+    a.x_f = (float)(b1 / (1.0 - pow(b1, (double)(t + 1))));
+  }
+  return ac_moment_graft(s->be, n, g, f, v, x, d, &a);
+}
+
 /* P_b = L G_b R into the contiguous rows x cols buffer p (a missing root: identity). One-sided:
  * only the root of the smaller side of order > 1 (a rank-1 block's n x 1 view has a scalar
  * right factor, which grafting would cancel anyway). */
@@ -631,11 +659,16 @@ int ac_shampoo_step(ac_shampoo *s, float lr) {
     float *p = ac_tensor_f32(&sp->p->value);
     const float *u = s->d, *g = ac_tensor_f32(&sp->p->grad), *x = g;
     int rc = AC_OK;
-    if (sp->f != NULL) {
-      rc = first_moment(s, n, g, sp->f, t, s->x);
+    if (graft_fused(&s->opts)) {
+      rc = moment_graft(s, n, g, sp->f, sp->v, t, s->x, s->d);
       x = s->x;
+    } else {
+      if (sp->f != NULL) {
+        rc = first_moment(s, n, g, sp->f, t, s->x);
+        x = s->x;
+      }
+      if (rc == AC_OK) rc = graft_direction(s, n, g, x, sp->m, sp->v, t, s->d);
     }
-    if (rc == AC_OK) rc = graft_direction(s, n, g, x, sp->m, sp->v, t, s->d);
     if (rc == AC_OK && !sp->layout.diagonal) rc = precondition_param(s, sp, t, x, s->d);
     /* buf = mu buf + P; U = nesterov ? P + mu buf : buf */
     if (rc == AC_OK && sp->buf != NULL)

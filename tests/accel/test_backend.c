@@ -354,6 +354,14 @@ static void test_invalid_arguments(void **state) {
   args.beta1 = 0.9f;
   assert_int_equal(ac_adamw_update(be, 4, d, d, d + 16, d + 24, &args), AC_EINVAL);
   assert_int_equal(ac_adamw_update(be, 4, d, d + 8, d + 16, d + 24, NULL), AC_EINVAL);
+  ac_moment_graft_args mg = {0.1f, 0.9f, 0.0f, 1.0f, 0.01f, 0.99f, 1.0f, 1e-8f};
+  assert_int_equal(ac_moment_graft(be, 4, d, d + 8, d + 16, d + 8, d + 24, &mg), AC_EINVAL);
+  assert_int_equal(ac_moment_graft(be, 4, d, d + 8, d + 16, d + 24, d + 32, NULL), AC_EINVAL);
+  mg.eps = 0.0f;
+  assert_int_equal(ac_moment_graft(be, 4, d, d + 8, d + 16, d + 24, d + 32, &mg), AC_EINVAL);
+  mg.eps = 1e-8f;
+  mg.x_f = INFINITY;
+  assert_int_equal(ac_moment_graft(be, 4, d, d + 8, d + 16, d + 24, d + 32, &mg), AC_EINVAL);
 
   /* Zero sizes are valid and touch nothing. */
   OK(ac_binary(be, AC_BIN_ADD, 0, NULL, NULL, NULL));
@@ -1785,6 +1793,51 @@ static void test_adamw(void **state) {
   ac_free(be, v);
 }
 
+/* Shampoo's fused first moment and graft against the formulas in double, with Nesterov's
+ * coefficients (x_g != 0) and without (x_g == 0: x from f alone). */
+static void test_moment_graft(void **state) {
+  ac_backend *be = backend(state);
+  const size_t n = 1031;
+  float *hg = host_rand(n), *hf = host_rand(n), *hv = host_rand(n);
+  for (size_t i = 0; i < n; i++) hv[i] = fabsf(hv[i]) * 0.01f;
+  for (int nesterov = 0; nesterov < 2; nesterov++) {
+    const ac_moment_graft_args a = {0.1f, 0.9f, nesterov ? 0.37f : 0.0f, 2.5f,
+                                    0.001f, 0.999f, 40.0f, 1e-2f};
+    float *g = dev_up(be, hg, n), *f = dev_up(be, hf, n), *v = dev_up(be, hv, n);
+    float *x = dev_alloc(be, n * sizeof(float)), *d = dev_alloc(be, n * sizeof(float));
+    OK(ac_moment_graft(be, n, g, f, v, x, d, &a));
+    double *wf = dzeros(n), *wv = dzeros(n), *wx = dzeros(n), *wd = dzeros(n);
+    for (size_t i = 0; i < n; i++) {
+      wf[i] = 0.1 * hg[i] + 0.9 * hf[i];
+      wx[i] = (nesterov ? 0.37 * hg[i] : 0.0) + 2.5 * wf[i];
+      wv[i] = 0.001 * (double)hg[i] * hg[i] + 0.999 * hv[i];
+      wd[i] = wx[i] / (sqrt(40.0 * wv[i]) + 1e-2);
+    }
+    const struct {
+      const char *name;
+      const float *dev;
+      double *want, atol, rtol;
+    } out[] = {{"moment_graft f", f, wf, 1e-6, 1e-5},
+               {"moment_graft v", v, wv, 1e-9, 1e-5},
+               {"moment_graft x", x, wx, 1e-6, 1e-5},
+               {"moment_graft d", d, wd, 1e-4, 1e-4}};
+    for (size_t k = 0; k < sizeof out / sizeof out[0]; k++) {
+      float *got = dev_down(be, out[k].dev, n);
+      expect_close(out[k].name, got, out[k].want, n, out[k].atol, out[k].rtol);
+      free(got);
+      free(out[k].want);
+    }
+    ac_free(be, g);
+    ac_free(be, f);
+    ac_free(be, v);
+    ac_free(be, x);
+    ac_free(be, d);
+  }
+  free(hg);
+  free(hf);
+  free(hv);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* CUDA against CPU on identical inputs                                                    */
 /*                                                                                          */
@@ -1924,6 +1977,20 @@ static void scen_elementwise(ac_backend *be, outbuf *o) {
   out_take(o, be, z, n);
   out_take(o, be, m, n);
   out_take(o, be, v, n);
+  const ac_moment_graft_args mg = {0.1f, 0.9f, 0.37f, 2.5f, 0.001f, 0.999f, 40.0f, 1e-6f};
+  float *hv = host_rand(n);
+  for (size_t i = 0; i < n; i++) hv[i] = fabsf(hv[i]) * 0.01f; /* a second moment: >= 0 */
+  float *mv = dev_up(be, hv, n), *mx = dev_alloc(be, n * sizeof(float));
+  float *md = dev_alloc(be, n * sizeof(float));
+  OK(ac_moment_graft(be, n, y, m, mv, mx, md, &mg));
+  out_take(o, be, m, n);
+  out_take(o, be, mv, n);
+  out_take(o, be, mx, n);
+  out_take(o, be, md, n);
+  ac_free(be, mv);
+  ac_free(be, mx);
+  ac_free(be, md);
+  free(hv);
   ac_free(be, m);
   ac_free(be, v);
   ac_free(be, x);
@@ -2108,7 +2175,7 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_conv3x3), cmocka_unit_test(test_im2col_geometries),             \
       cmocka_unit_test(test_pool), cmocka_unit_test(test_channel_ops),                      \
       cmocka_unit_test(test_random), cmocka_unit_test(test_sample_rows),                    \
-      cmocka_unit_test(test_adamw)
+      cmocka_unit_test(test_adamw), cmocka_unit_test(test_moment_graft)
 
 int main(void) {
   const struct CMUnitTest lifecycle[] = {
