@@ -1404,7 +1404,8 @@ C3_TARGET static void c3_copy(float *dst, const float *src, size_t n) {
 
 /* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
  * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
- * zeros elsewhere in [0, len). */
+ * zeros elsewhere in [0, len) (len 0: dst already holds them, as when the forward packs the
+ * next image of its part at the same places: the zeroing cost as much as the copy). */
 C3_TARGET static void c3_pack(const c3_geom *g, size_t nb, const float *src, size_t sstride,
                               size_t off, float *dst, size_t len) {
   memset(dst, 0, len * sizeof *dst);
@@ -1641,7 +1642,8 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
     slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
     for (size_t b = b0; b < b1; b++) {
       for (size_t ch = 0; ch < a->c; ch++)
-        c3_pack(g, 1, a->x + b * chw + ch * ohw, 0, g->wq + 1, xq + ch * a->cl, a->cl);
+        c3_pack(g, 1, a->x + b * chw + ch * ohw, 0, g->wq + 1, xq + ch * a->cl,
+                b == b0 ? a->cl : 0);
       for (size_t ob = 0; ob < a->oc / 4; ob++) {
         if (a->isa == AC_CPU_ISA_AVX512)
           c5_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
