@@ -1322,18 +1322,21 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
 }
 
 /* The expressions of cpu_axpby, cpu_binary, cpu_affine and the square root, in the order
- * Shampoo's unfused chain applies them: bit for bit the same results. */
+ * Shampoo's unfused chain applies them: bit for bit the same results. The loop stays
+ * scalar: sqrtf keeps its errno check (GCC's optimize attribute does not lift it; only
+ * -fno-math-errno for the whole file would). */
 static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v,
                             float *x, float *d, const ac_moment_graft_args *a) {
   (void)be;
+  const ac_moment_graft_args k = *a; /* a copy: the stores below cannot alias it */
   for (size_t i = 0; i < n; i++) {
-    const float gi = g[i], fi = a->f_new * gi + a->f_keep * f[i];
-    const float xi = a->x_g == 0.0f ? a->x_f * fi : a->x_g * gi + a->x_f * fi;
-    const float vi = a->v_new * (gi * gi) + a->v_keep * v[i];
+    const float gi = g[i], fi = k.f_new * gi + k.f_keep * f[i];
+    const float xi = k.x_g == 0.0f ? k.x_f * fi : k.x_g * gi + k.x_f * fi;
+    const float vi = k.v_new * (gi * gi) + k.v_keep * v[i];
     f[i] = fi;
     v[i] = vi;
     x[i] = xi;
-    d[i] = xi / (sqrtf(a->v_scale * vi) + a->eps);
+    d[i] = xi / (sqrtf(k.v_scale * vi) + k.eps);
   }
   return AC_OK;
 }
