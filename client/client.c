@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -1092,6 +1093,19 @@ static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint3
   return kfac ? n0 == cols && n1 == rows : n0 == rows && n1 == cols;
 }
 
+static int push_queue(precond_client *c, int kfac, precond__item *it);
+
+/* Whether a push of these part orders may be queued now: PRECOND_OK, PRECOND_EENDED (the
+ * job was ended) or PRECOND_EINVAL (no thread, no job of that mode, sizes off the layout). */
+static int push_admits(precond_client *c, int kfac, uint32_t block_id, uint32_t n0, uint32_t n1) {
+  pthread_mutex_lock(&c->mu);
+  int ok = c->thread_started && push_fits(c, kfac, block_id, n0, n1);
+  int refused = c->refused;
+  pthread_mutex_unlock(&c->mu);
+  if (ok && refused) return PRECOND_EENDED;
+  return ok ? PRECOND_OK : PRECOND_EINVAL;
+}
+
 /* Queues one block's two packed parts (see push_fits for their order): the body of
  * precond_push and precond_push_kfac. */
 static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block_id,
@@ -1100,12 +1114,8 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
   if (c == NULL || left == NULL || right == NULL || n_left == 0 || n_right == 0 ||
       (enc != PRECOND_FP32 && enc != PRECOND_BF16))
     return PRECOND_EINVAL;
-  pthread_mutex_lock(&c->mu);
-  int ok = c->thread_started && push_fits(c, kfac, block_id, n_left, n_right);
-  int refused = c->refused;
-  pthread_mutex_unlock(&c->mu);
-  if (ok && refused) return PRECOND_EENDED;
-  if (!ok) return PRECOND_EINVAL;
+  int st = push_admits(c, kfac, block_id, n_left, n_right);
+  if (st != PRECOND_OK) return st;
   size_t cl = pc_packed_len(n_left), cr = pc_packed_len(n_right);
   /* A NaN or Inf would make the daemon refuse the whole batch it travels in. */
   if (!pc_all_finite_f32(cl, left) || !pc_all_finite_f32(cr, right)) return PRECOND_EINVAL;
@@ -1115,9 +1125,16 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
   if (it == NULL) return PRECOND_ENOMEM;
   rpc_packed_encode((int)enc, left, cl, it->data); /* enc checked above */
   rpc_packed_encode((int)enc, right, cr, it->data + cl * es);
+  return push_queue(c, kfac, it);
+}
+
+/* Queues a filled item (owned from here) of a push: the tail of push_parts and
+ * precond_push_commit. */
+static int push_queue(precond_client *c, int kfac, precond__item *it) {
+  uint64_t step = it->step;
   pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
-  if (!push_fits(c, kfac, block_id, n_left, n_right)) {
+  if (!push_fits(c, kfac, it->block_id, it->n_left, it->n_right)) {
     pthread_mutex_unlock(&c->mu);
     precond__item_free(it);
     return PRECOND_EINVAL;
@@ -1142,6 +1159,52 @@ int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n
 int precond_push_kfac(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_a,
                       const float *a, uint32_t n_g, const float *g, precond_encoding enc) {
   return push_parts(c, 1, step, block_id, n_a, a, n_g, g, enc);
+}
+
+/* A precond_push_slot is the queue item itself (the type is never defined: a pointer to it is
+ * the item's), fp32, filled by the caller: the values are written once, where the background
+ * thread sends them from. */
+_Static_assert(offsetof(precond__item, data) % _Alignof(float) == 0,
+               "an item's payload holds floats");
+
+int precond_push_begin(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n0,
+                       uint32_t n1, float **part0, float **part1, precond_push_slot **slot) {
+  if (slot) *slot = NULL;
+  if (c == NULL || part0 == NULL || part1 == NULL || slot == NULL || n0 == 0 || n1 == 0)
+    return PRECOND_EINVAL;
+  pthread_mutex_lock(&c->mu);
+  int kfac = c->mode == PRECOND_MODE_KFAC;
+  pthread_mutex_unlock(&c->mu);
+  int st = push_admits(c, kfac, block_id, n0, n1);
+  if (st != PRECOND_OK) return st;
+  size_t c0 = pc_packed_len(n0), c1 = pc_packed_len(n1);
+  precond__item *it = precond__item_new(block_id, step, (int)PRECOND_FP32, n0, c0 * sizeof(float),
+                                        n1, c1 * sizeof(float));
+  if (it == NULL) return PRECOND_ENOMEM;
+  /* The payload follows the header at a float's alignment (queue.c: data[]). */
+  *part0 = (float *)(void *)it->data;
+  *part1 = *part0 + c0;
+  *slot = (precond_push_slot *)(void *)it;
+  return PRECOND_OK;
+}
+
+int precond_push_commit(precond_client *c, precond_push_slot *slot) {
+  if (c == NULL || slot == NULL) return PRECOND_EINVAL;
+  precond__item *it = (precond__item *)(void *)slot;
+  const float *p0 = (const float *)(const void *)it->data;
+  size_t c0 = pc_packed_len(it->n_left), c1 = pc_packed_len(it->n_right);
+  if (!pc_all_finite_f32(c0, p0) || !pc_all_finite_f32(c1, p0 + c0)) {
+    precond__item_free(it);
+    return PRECOND_EINVAL;
+  }
+  pthread_mutex_lock(&c->mu);
+  int kfac = c->mode == PRECOND_MODE_KFAC;
+  pthread_mutex_unlock(&c->mu);
+  return push_queue(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL there */
+}
+
+void precond_push_cancel(precond_push_slot *slot) {
+  precond__item_free((precond__item *)(void *)slot);
 }
 
 int precond_flush(precond_client *c, int timeout_ms) {

@@ -264,6 +264,22 @@ int precond_push(precond_client *client, uint64_t step, uint32_t block_id, uint3
 int precond_push_kfac(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n_a,
                       const float *a, uint32_t n_g, const float *g, precond_encoding enc);
 
+/* A push without a copy of the caller's: precond_push_begin hands out where the caller
+ * writes one block's packed statistics itself (e.g. the kernel computing them writes its
+ * output there): *part0 gets room for pc_packed_len(n0) floats, *part1 for n1's, in
+ * precond_push's order (left, right) or precond_push_kfac's (a, g) as the registered job's
+ * mode is. precond_push_commit then queues them as precond_push would have (fp32 on the wire,
+ * the same checks, queue policy and counters, PRECOND_EINVAL for a NaN or Inf or a job
+ * replaced meanwhile); precond_push_cancel drops them. The memory is the client's and is
+ * valid from begin until commit or cancel, one of which the caller calls exactly once (also
+ * when commit fails: the slot is gone then). begin: PRECOND_OK, PRECOND_EINVAL (as
+ * precond_push), PRECOND_EENDED, PRECOND_ENOMEM. Thread-safe, as precond_push. */
+typedef struct precond_push_slot precond_push_slot;
+int precond_push_begin(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n0,
+                       uint32_t n1, float **part0, float **part1, precond_push_slot **slot);
+int precond_push_commit(precond_client *client, precond_push_slot *slot);
+void precond_push_cancel(precond_push_slot *slot);
+
 /* Waits until the queue is empty and no send is in flight (every queued block answered by
  * the daemon, accepted or not, or dropped), or timeout_ms passes: PRECOND_OK or
  * PRECOND_ETIMEDOUT. Pushes from other threads meanwhile extend the wait. */

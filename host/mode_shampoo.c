@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 
 _Static_assert(sizeof(pd_shampoo_opts) <= PD_MODE_OPTS_MAX, "pd_shampoo_opts too large");
 
@@ -147,15 +148,88 @@ static void shampoo_fold(const void *opts, const pd_block *u, float *const *stat
     pc_stat_update_f32(pc_packed_len(u->order[k]), state[k], inc[k], beta2);
 }
 
+/* The fold loops are memory-bound but for their test per value: on x86-64 GCC also
+ * compiles them for AVX2 and picks the clone at load time (ifunc). The same operations (no
+ * FMA contraction in ISO C mode), so both clones compute the same values. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define SHAMPOO_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SHAMPOO_CLONES
+#endif
+
+/* One part's fold into o (o may be s itself, not otherwise overlapping s or x): the same
+ * expressions as pc_stat_update_f32, bit for bit (tests/host/test_mode_shampoo.c), each x[i]
+ * loaded once. Returns the OR of rpc_f32_big over the results: bit 31 clear when every one
+ * is below 2^126. A NaN or Inf in x makes its result NaN or Inf (w > 0), so clear also means
+ * x was all finite and nothing overflowed: one test per value decides nearly every push. */
+SHAMPOO_CLONES static uint32_t shampoo_fold_part(size_t len, const float *s, const float *x,
+                                                 float *o, float beta2) {
+  uint32_t big = 0;
+  if (beta2 == 1) {
+    for (size_t i = 0; i < len; i++) {
+      float y = s[i] + x[i];
+      big |= rpc_f32_big(y);
+      o[i] = y;
+    }
+  } else {
+    const float w = 1 - beta2;
+    for (size_t i = 0; i < len; i++) {
+      float y = beta2 * s[i] + w * x[i];
+      big |= rpc_f32_big(y);
+      o[i] = y;
+    }
+  }
+  return big;
+}
+
+/* shampoo_fold in the update's own pass, noting whether the result stays below 2^126 (b + w
+ * is at most 2, so a statistic and an increment below 2^126 fold below 2^127: finite;
+ * pd_mode.fold_bounded). */
+static void shampoo_fold_bounded(const void *opts, const pd_block *u, float *const *state,
+                                 const float *const *inc, uint8_t *bounded) {
+  const float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
+  for (uint32_t k = 0; k < u->nparts; k++)
+    bounded[k] =
+        !(shampoo_fold_part(pc_packed_len(u->order[k]), state[k], inc[k], state[k], beta2) &
+          0x80000000u);
+}
+
+/* The fold into out with both checks in its one pass (pd_mode.fold_into). Only when some
+ * result is at or above 2^126 (rare: huge statistics, or a bad push) are the results looked
+ * at again, in the daemon's own memory: all finite admits them (not bounded); else the
+ * increment is looked at again to say which refusal it is, an increment's NaN or Inf or an
+ * overflow (a client changing its slot meanwhile can only change that message). The
+ * overflow test is exact here (the float result itself is Inf), where fold_fits, computing
+ * in double, keeps a margin of 2^-20. */
+static int shampoo_fold_into(const void *opts, const pd_block *u, const float *const *state,
+                             const float *const *inc, float *const *out, uint8_t *bounded,
+                             uint32_t *part) {
+  const float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
+  uint32_t over_part = UINT32_MAX;
+  for (uint32_t k = 0; k < u->nparts; k++) {
+    size_t len = pc_packed_len(u->order[k]);
+    uint32_t big = shampoo_fold_part(len, state[k], inc[k], out[k], beta2);
+    bounded[k] = !(big & 0x80000000u);
+    if (bounded[k] || rpc_f32_scan(len, out[k]) != RPC_F32_BAD) continue;
+    if (rpc_f32_scan(len, inc[k]) == RPC_F32_BAD) {
+      *part = k;
+      return PD_FOLD_NONFINITE;
+    }
+    if (over_part == UINT32_MAX) over_part = k;
+  }
+  if (over_part != UINT32_MAX) {
+    *part = over_part;
+    return PD_FOLD_OVERFLOW;
+  }
+  return PD_FOLD_OK;
+}
+
 /* 1 when every value of s and x is below 2^126 in magnitude (so finite): the exponent's
  * bits plus three carry into the sign bit from 2^126 up. No branch inside: it vectorizes. */
 static int shampoo_both_below_2_126(size_t len, const float *s, const float *x) {
   uint32_t big = 0;
   for (size_t i = 0; i < len; i++) {
-    uint32_t a, c;
-    memcpy(&a, &s[i], sizeof a);
-    memcpy(&c, &x[i], sizeof c);
-    big |= ((a & 0x7f800000u) + 0x01800000u) | ((c & 0x7f800000u) + 0x01800000u);
+    big |= rpc_f32_big(s[i]) | rpc_f32_big(x[i]);
   }
   return !(big & 0x80000000u);
 }
@@ -339,6 +413,8 @@ const pd_mode pd_mode_shampoo = {
     .layout = shampoo_layout,
     .fold = shampoo_fold,
     .fold_fits = shampoo_fold_fits,
+    .fold_bounded = shampoo_fold_bounded,
+    .fold_into = shampoo_fold_into,
     .compute = shampoo_compute,
     .unit_free = shampoo_unit_free,
     .count_names = {"warm", "skipped", "seeded", "cold"},

@@ -214,12 +214,14 @@ typedef struct {
   uint32_t tensor; /* UINT32_MAX: a job-level unit */
   uint64_t row0, rows, col0, cols;
   uint32_t nparts;
-  uint64_t order[PD_MAX_PARTS]; /* of each part of the state and of the result */
-  uint32_t owner;               /* the replica (MPI rank) computing its results; 0 alone */
-  pthread_mutex_t lock;         /* guards stat, root, counters below */
-  float *stat[PD_MAX_PARTS];    /* the state pushes are folded into */
-  uint64_t pushes;              /* statistics updates received */
-  pd_root *root;                /* latest published; NULL before the first */
+  uint64_t order[PD_MAX_PARTS];       /* of each part of the state and of the result */
+  uint32_t owner;                     /* the replica (MPI rank) computing its results; 0 alone */
+  pthread_mutex_t lock;               /* guards stat, root, counters below */
+  float *stat[PD_MAX_PARTS];          /* the state pushes are folded into */
+  uint8_t stat_bounded[PD_MAX_PARTS]; /* 1: every value of stat[k] is below 2^126, as the
+                                       * mode's fold_bounded found it; 0: not known */
+  uint64_t pushes;                    /* statistics updates received */
+  pd_root *root;                      /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
   double last_error, last_compute_ms; /* last_error NaN: the computation itself failed */
   double last_drift;                  /* of the last drift test; NAN before one */
@@ -307,6 +309,22 @@ typedef struct {
    * overflow); called under the unit's lock before any unit of a push is folded. */
   int (*fold_fits)(const void *opts, const pd_block *u, const float *const *state,
                    const float *const *inc);
+  /* Optional (NULL: fold alone): fold, bit for bit, in the same pass setting bounded[k] to
+   * 1 when every value of the folded part k is below 2^126 in magnitude, else 0. A mode that
+   * has it promises that a state part below 2^126 folded with an increment part below 2^126
+   * (rpc_f32_scan's RPC_F32_BOUNDED) stays finite: the store then skips fold_fits, a pass
+   * over the state and the increment (pd_block.stat_bounded). */
+  void (*fold_bounded)(const void *opts, const pd_block *u, float *const *state,
+                       const float *const *inc, uint8_t *bounded);
+  /* Optional (NULL: fold_fits and fold): the checks and the fold of one unit in one pass
+   * that reads each increment value once (they may lie in a client's memory, which can
+   * change meanwhile: what is checked is what is folded), writing the folded state to out
+   * (state unchanged; out[k] is fold's part k bit for bit). Returns PD_FOLD_OK with
+   * bounded[k] as fold_bounded sets it; PD_FOLD_NONFINITE with *part the first increment
+   * part holding a NaN or Inf; PD_FOLD_OVERFLOW with *part the first part whose fold would
+   * hold an Inf. */
+  int (*fold_into)(const void *opts, const pd_block *u, const float *const *state,
+                   const float *const *inc, float *const *out, uint8_t *bounded, uint32_t *part);
   /* Computes a unit's result from a private copy of its state into out (parts of the
    * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state,
    * which the mode may allocate and keep (reporting its bytes in info->state_bytes), or
@@ -564,6 +582,36 @@ void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_sta
 int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
                 uint64_t step, pd_stats *stats, size_t *bad);
 
+/* pd_job_push with what the caller's NaN/Inf pass found: inc_scan[PD_MAX_PARTS * i + k]
+ * is rpc_f32_scan's result for inc[PD_MAX_PARTS * i + k] (NULL: none known). Where an
+ * increment part is RPC_F32_BOUNDED and the block's statistic part is known bounded, the
+ * mode's overflow check is decided without a pass (pd_mode.fold_bounded). */
+int pd_job_push_scanned(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                        const uint8_t *inc_scan, uint64_t step, pd_stats *stats, size_t *bad);
+
+/* pd_mode.fold_into's results. */
+enum { PD_FOLD_OK = 0, PD_FOLD_NONFINITE = 1, PD_FOLD_OVERFLOW = 2, PD_FOLD_CHANGED = 3 };
+
+/* Why pd_job_push_into refused a push: the block (index into blocks) and part, and a
+ * PD_FOLD_* (PD_FOLD_CHANGED: intact said the increments' memory changed meanwhile). */
+typedef struct {
+  size_t block;
+  uint32_t part;
+  int why;
+} pd_push_refusal;
+
+/* pd_job_push for a job whose mode has fold_into (pd_job_push otherwise), all or nothing,
+ * reading each increment value once: per block, under every block's lock, the checks and the
+ * fold into out[PD_MAX_PARTS * i + k] (pc_packed_len(order) floats each, the caller's, not
+ * aliasing anything); then intact(ctx) (NULL: none) is asked whether the increments' memory
+ * stayed as read, and only if every block passed are the folded statistics swapped in: on
+ * PD_OK out[] holds the statistics they replaced (the caller's now). PD_EINVAL with *refusal
+ * (NaN or Inf first, then overflow, in block order; out[] unchanged and nothing stored), a
+ * refusal of intact's, or PD_ENOMEM. Staleness as in pd_block_update. */
+int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                     float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
+                     void *ctx, pd_push_refusal *refusal);
+
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
 
@@ -805,6 +853,10 @@ int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
 
 #define PD_SHM_MAX_SESSIONS  64
 #define PD_SHM_DEFAULT_BYTES ((uint64_t)64 << 20) /* two 32 MiB halves */
+/* Why a push reference is refused whose bytes a later push took over (rpc_shm_push_intact). */
+#define PD_SHM_OVERWRITTEN                                                                  \
+  "overwritten by a later push of the client while the daemon read it (the client gave up " \
+  "on this call and its ring wrapped)"
 /* The roots area every client maps (rpc.h): made with the first region, 128 MiB of roots
  * (a 4096 block's pair is 67 MB) past its entry table. */
 #define PD_SHM_ROOTS_BYTES (RPC_SHM_ROOTS_DATA + ((uint64_t)128 << 20))
@@ -856,23 +908,47 @@ typedef struct {
   pd_shm_session *s;
   unsigned char *buf; /* the session's buffer, held until pd_shm_in_end; NULL: malloc'd */
   size_t cap, used;
+  int held; /* the session's push lock (its buffer and spares) is this push's */
 } pd_shm_in;
 /* Starts the copies of one push of total bytes (each matrix's rounded up to RPC_SHM_ALIGN).
  * The caller holds a reference to s until pd_shm_in_end. */
 void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in);
+/* Starts a push whose matrices are read in place (pd_shm_ref_in, no copies): 1 when it holds
+ * the session's push lock (its spares are this push's until pd_shm_in_end), 0 when another
+ * push of the session does (copy that push instead: pd_shm_in_begin). */
+int pd_shm_in_hold(pd_shm_session *s, pd_shm_in *in);
 /* Ends them: the session's buffer (in->buf, when set) is free for the next push; copies
  * into it must not be used or freed any more. */
 void pd_shm_in_end(pd_shm_in *in);
+/* A matrix the client wrote, to be read in place: the reference checked as pd_shm_copy_in
+ * checks it, *at pointing into the region (the client's memory: whoever reads it reads each
+ * value once and validates what it read, pd_job_push_into, then asks pd_shm_intact). */
+int pd_shm_ref_in(const pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
+                  const uint8_t **at, const char **why);
+/* 1 when the bytes of push reference (offset, seq) were the client's as sent all along
+ * (rpc_shm_push_intact: its ring did not wrap over them meanwhile); call after reading. */
+int pd_shm_intact(const pd_shm_in *in, uint64_t offset, uint64_t seq);
+/* With the push lock held (pd_shm_in_hold): a buffer of count floats for a statistic a push
+ * folds into (pd_job_push_into), from the session's spares (statistics earlier pushes
+ * replaced) or malloc'd within the budget; NULL when neither can be had. Owned by the caller
+ * until given back. */
+float *pd_shm_spare_take(pd_shm *r, pd_shm_in *in, size_t count);
+/* Gives back a buffer of count floats that pd_shm_spare_take handed out, or one of the same
+ * size (the statistic it replaced): kept for the next push, or freed when the spares hold
+ * the client's half's worth already. */
+void pd_shm_spare_give(pd_shm *r, pd_shm_in *in, float *buf, size_t count);
 /* A matrix the client wrote: [offset, offset + length) must lie in the region's first half
  * and length be expect bytes. crc: the CRC-32C the copy must have (a checked reference), or
  * NULL (ShmRef.unchecked: no checksum pass; the copy is what is validated and used). On PD_OK
  * *out is its copy: in in->buf
  * when that is set (the session's: not to be freed), else malloc'd (the caller owns it).
- * fp32: the bytes are fp32 values, and *finite gets 1 when the copy found them all finite
- * (else 0: a NaN or Inf, or not looked at). PD_EINVAL with *why (a static phrase) when the
- * reference is out of place or the checksum differs; PD_ENOMEM. */
-int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, const uint32_t *crc,
-                   size_t expect, int fp32, uint8_t **out, int *finite, const char **why);
+ * fp32: the bytes are fp32 values, and *finite gets the copy's rpc_f32_scan of them
+ * (RPC_F32_BAD, 0, also when not looked at). seq: the reference's stamp (0: none), checked
+ * after the copy (pd_shm_intact). PD_EINVAL with *why (a static phrase) when the reference
+ * is out of place, overwritten or the checksum differs; PD_ENOMEM. */
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint64_t seq,
+                   const uint32_t *crc, size_t expect, int fp32, uint8_t **out, int *finite,
+                   const char **why);
 /* Writes len bytes of src to the next place of the region's second half (its ring): the
  * offset from the region's start and the CRC-32C out. PD_ELIMIT if len is above the half. */
 int pd_shm_write_out(pd_shm_session *s, const void *src, size_t len, uint64_t *offset,

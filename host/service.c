@@ -338,10 +338,10 @@ static int pd__push_parts(const pd_job *job, const Precond__V1__BlockStatistics 
 
 /* Decodes one packed factor into fp32. *vals points into m's bytes when they can be used
  * as they are (fp32 on a little-endian host, aligned), else into a buffer put in *owned.
- * known_finite: these bytes were found all finite already (a region's copy), no pass for
- * that here. */
+ * *scan: the values' rpc_f32_scan, taken here unless known (nonzero: a region's copy found
+ * them finite already) says it; a NaN or Inf fails the push. */
 static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, const char *side,
-                      int known_finite, const float **vals, float **owned, pd_reply *rep) {
+                      int known, const float **vals, float **owned, uint8_t *scan, pd_reply *rep) {
   *vals = NULL;
   *owned = NULL;
   if (!m) {
@@ -379,7 +379,8 @@ static int pd__decode(const Precond__V1__PackedMatrix *m, size_t n, size_t i, co
     *vals = buf;
     *owned = buf;
   }
-  if (!known_finite && !pc_all_finite_f32(count, *vals)) {
+  *scan = (uint8_t)(known != RPC_F32_BAD ? known : rpc_f32_scan(count, *vals));
+  if (*scan == RPC_F32_BAD) {
     pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
              "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
              "stored",
@@ -403,14 +404,25 @@ static pd_shm_session *pd__shm_session(pd_daemon *d, const Precond__V1__ShmSessi
   return s;
 }
 
-/* A push's matrices in a region: the session, their copies, and which of them the copy
- * found all finite (PD_SHM_PARTS per block, in pd__shm_part_names' order). */
+/* A push's matrices in a region: the session, their copies, and what the copy found in
+ * each (rpc_f32_scan's RPC_F32_*; PD_SHM_PARTS per block, in pd__shm_part_names' order).
+ * A push read in place (direct: pd_job_push_into) has, instead of copies of its unchecked
+ * fp32 matrices, pointers into the region (PD__IN_PLACE in finite[]), and out[]: a buffer
+ * from the session's spares per part of each block (PD_MAX_PARTS per block) for the folded
+ * statistics. */
 #define PD_SHM_PARTS 4
+#define PD__IN_PLACE 3 /* finite[]: read in place, checked in the fold */
 static const char *const pd__shm_part_names[PD_SHM_PARTS] = {"left", "right", "a", "g"};
 typedef struct {
   pd_shm_session *s;
   pd_shm_in in;
   uint8_t *finite;
+  int direct;
+  float **out;
+  size_t nout;
+  Precond__V1__PushRequest *req; /* for pd__shm_intact */
+  size_t changed;                /* the block pd__shm_intact found overwritten */
+  const char *changed_part;
 } pd__shm_push;
 
 static void pd__shm_parts(Precond__V1__BlockStatistics *bs,
@@ -421,16 +433,88 @@ static void pd__shm_parts(Precond__V1__BlockStatistics *bs,
   part[3] = bs->g;
 }
 
-/* Replaces every shm reference of a push by the bytes it names, copied out of the region
- * and checked against their CRC-32C: from here on the request is what a gRPC push of the
- * same bytes would be, and pd__push's own checks (sizes, encodings, NaN/Inf) apply to it
- * unchanged; the NaN/Inf check is done in the copy for fp32 matrices found all finite
- * (sp->finite), and again in pd__decode for the rest, so a bad value is reported where the
- * bytes path reports it. 0, or -1 with rep failed naming the field. The copies are the
- * session's (sp->in) or the request's; pd__shm_push_done, always, after the push. */
-static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_push *sp,
-                           pd_reply *rep) {
+/* Whether a push of job can be read in place: its mode folds with the checks in one pass
+ * and every block it names is folded here (none forwarded to another replica). */
+static int pd__push_direct_ok(const pd_job *job, const Precond__V1__PushRequest *req) {
+  if (!job || !job->mode->fold_into) return 0;
+  for (size_t i = 0; i < req->n_blocks; i++) {
+    uint32_t id = req->blocks[i]->block_id;
+    if (id >= job->nblocks || !pd_replica_owns(job->link, &job->blocks[id])) return 0;
+  }
+  return 1;
+}
+
+/* The spares of a push read in place: a buffer per part the job's mode folds, of the order
+ * the part names (checked against the block's later; a wrong one fails there). 0, or -1 when
+ * the session cannot give them all (the push is copied instead). */
+static int pd__shm_take_out(pd_daemon *d, const pd_job *job, Precond__V1__PushRequest *req,
+                            pd__shm_push *sp) {
+  sp->nout = PD_MAX_PARTS * req->n_blocks;
+  sp->out = calloc(sp->nout ? sp->nout : 1, sizeof *sp->out);
+  if (!sp->out) return -1;
+  int first = job->mode->id == PD_MODE_KFAC ? 2 : 0;
+  for (size_t i = 0; i < req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(req->blocks[i], part);
+    for (int k = 0; k < PD_MAX_PARTS; k++) {
+      const Precond__V1__PackedMatrix *m = part[first + k];
+      const pd_block *b = &job->blocks[req->blocks[i]->block_id];
+      if (k >= (int)b->nparts || !m) continue; /* refused at decoding */
+      if (m->n != b->order[k] || !(sp->out[PD_MAX_PARTS * i + k] =
+                                       pd_shm_spare_take(&d->shm, &sp->in, pc_packed_len(m->n))))
+        return -1;
+    }
+  }
+  return 0;
+}
+
+/* Gives the push's spares back (those it took, or the statistics they replaced). */
+static void pd__shm_give_out(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_push *sp,
+                             const pd_job *job) {
+  int first = job && job->mode->id == PD_MODE_KFAC ? 2 : 0;
+  for (size_t i = 0; sp->out && i < req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(req->blocks[i], part);
+    for (int k = 0; k < PD_MAX_PARTS; k++)
+      if (sp->out[PD_MAX_PARTS * i + k]) /* of its part's order, which the take checked */
+        pd_shm_spare_give(&d->shm, &sp->in, sp->out[PD_MAX_PARTS * i + k],
+                          pc_packed_len(part[first + k]->n));
+  }
+  free(sp->out);
+  sp->out = NULL;
+}
+
+/* pd_job_push_into's intact: every stamped reference of the push still the client's. */
+static int pd__shm_intact(void *ctx) {
+  pd__shm_push *sp = ctx;
+  for (size_t i = 0; i < sp->req->n_blocks; i++) {
+    Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
+    pd__shm_parts(sp->req->blocks[i], part);
+    for (int k = 0; k < PD_SHM_PARTS; k++)
+      if (part[k] && part[k]->shm &&
+          !pd_shm_intact(&sp->in, part[k]->shm->offset, part[k]->shm->seq)) {
+        sp->changed = i;
+        sp->changed_part = pd__shm_part_names[k];
+        return 0;
+      }
+  }
+  return 1;
+}
+
+/* Replaces every shm reference of a push by the bytes it names: read in place when the push
+ * can be (direct_ok, pd__push_direct_ok, and the session's spares are free: unchecked fp32
+ * references, checked in the fold that reads them), else copied out of the region and
+ * checked against their CRC-32C. From here on the request is what a gRPC push of the same
+ * bytes would be, and pd__push's own checks (sizes, encodings, NaN/Inf) apply to it
+ * unchanged; the NaN/Inf check (and the overflow bound) is taken in the copy for fp32
+ * matrices found all finite (sp->finite), and again in pd__decode for the rest, so a bad
+ * value is reported where the bytes path reports it. 0, or -1 with rep failed naming the
+ * field. The copies are the session's (sp->in) or the request's; pd__shm_push_done, always,
+ * after the push. */
+static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, const pd_job *job,
+                           int direct_ok, pd__shm_push *sp, pd_reply *rep) {
   memset(sp, 0, sizeof *sp);
+  sp->req = req;
   size_t total = 0, any = 0;
   for (size_t i = 0; i < req->n_blocks; i++) {
     Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
@@ -462,7 +546,14 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return -1;
   }
-  pd_shm_in_begin(&d->shm, sp->s, total, &sp->in);
+  if (direct_ok && pd_shm_in_hold(sp->s, &sp->in)) {
+    sp->direct = pd__shm_take_out(d, job, req, sp) == 0;
+    if (!sp->direct) {
+      pd__shm_give_out(d, req, sp, job);
+      pd_shm_in_end(&sp->in);
+    }
+  }
+  if (!sp->direct) pd_shm_in_begin(&d->shm, sp->s, total, &sp->in);
   for (size_t i = 0; i < req->n_blocks; i++) {
     Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
     pd__shm_parts(req->blocks[i], part);
@@ -474,9 +565,17 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
       int finite = 0;
       int fp32 = rpc_packed_native((int)m->encoding);
       const Precond__V1__ShmRef *ref = m->shm;
-      int e =
-          pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->unchecked ? NULL : &ref->crc32c,
-                         (size_t)ref->length, fp32, &bytes, &finite, &why);
+      int e;
+      if (sp->direct && ref->unchecked && fp32) {
+        const uint8_t *at = NULL;
+        e = pd_shm_ref_in(&sp->in, ref->offset, ref->length, (size_t)ref->length, &at, &why);
+        bytes = (uint8_t *)(uintptr_t)at;
+        finite = PD__IN_PLACE;
+      } else {
+        e = pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->seq,
+                           ref->unchecked ? NULL : &ref->crc32c, (size_t)ref->length, fp32, &bytes,
+                           &finite, &why);
+      }
       if (e != PD_OK) {
         pd__fail(rep,
                  e == PD_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT,
@@ -492,19 +591,22 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_
   return 0;
 }
 
-/* After a push (whatever its outcome): copies in the session's buffer are detached from
- * the request (the rest are the request's, freed with it), the buffer and the session let
- * go. */
-static void pd__shm_push_done(pd_daemon *d, Precond__V1__PushRequest *req, pd__shm_push *sp) {
-  for (size_t i = 0; sp->in.buf && i < req->n_blocks; i++) {
+/* After a push (whatever its outcome): bytes in the session's buffer or read in place are
+ * detached from the request (the rest are the request's, freed with it), the spares given
+ * back, the buffer and the session let go. */
+static void pd__shm_push_done(pd_daemon *d, Precond__V1__PushRequest *req, const pd_job *job,
+                              pd__shm_push *sp) {
+  for (size_t i = 0; sp->finite && i < req->n_blocks; i++) {
     Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
     pd__shm_parts(req->blocks[i], part);
     for (int k = 0; k < PD_SHM_PARTS; k++)
-      if (part[k] && part[k]->shm) {
+      if (part[k] && part[k]->shm &&
+          (sp->in.buf || sp->finite[PD_SHM_PARTS * i + k] == PD__IN_PLACE)) {
         part[k]->data.data = NULL;
         part[k]->data.len = 0;
       }
   }
+  if (sp->out) pd__shm_give_out(d, req, sp, job);
   if (sp->s) pd_shm_in_end(&sp->in);
   pd_shm_put(&d->shm, sp->s);
   free(sp->finite);
@@ -554,22 +656,29 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
              (unsigned long long)req->step);
     goto rejected;
   }
-  if (pd__shm_push_in(d, req, &sp, rep) != 0) goto rejected;
   pd_job *job = pd_store_get(&d->store, req->job, 1);
+  if (pd__shm_push_in(d, req, job, pd__push_direct_ok(job, req), &sp, rep) != 0) {
+    pd__shm_push_done(d, req, job, &sp);
+    pd_job_unref(job, &d->stats);
+    goto rejected;
+  }
   if (!job) {
     pd__unknown_job(d, rep, GRPC_STATUS_FAILED_PRECONDITION, req->job,
                     " (call Register before PushStatistics)");
+    pd__shm_push_done(d, req, job, &sp);
     goto rejected;
   }
   size_t nb = req->n_blocks;
   /* parts[PD_MAX_PARTS * i + k]: part k of the i-th block pushed, fp32. */
   const float **parts = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *parts);
   const float **local = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *local); /* folded here */
+  uint8_t *scan = calloc(nb ? PD_MAX_PARTS * nb : 1, 1);       /* rpc_f32_scan of parts[] */
+  uint8_t *local_scan = calloc(nb ? PD_MAX_PARTS * nb : 1, 1); /* of local[] */
   float **owned = calloc(nb ? PD_MAX_PARTS * nb : 1, sizeof *owned);
   uint8_t *seen = calloc(job->nblocks ? job->nblocks : 1, 1);
   pd_block **blocks = calloc(nb ? nb : 1, sizeof *blocks);
   int ok = 0;
-  if (!parts || !local || !owned || !seen || !blocks) {
+  if (!parts || !local || !scan || !local_scan || !owned || !seen || !blocks) {
     pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     goto cleanup;
   }
@@ -595,8 +704,12 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
     /* Part k is left or right (Shampoo), a or g (K-FAC) in the region's order. */
     size_t first = PD_SHM_PARTS * i + (job->mode->id == PD_MODE_KFAC ? 2 : 0);
     for (uint32_t k = 0; k < b->nparts; k++)
-      if (pd__decode(wire[k], b->order[k], i, names[k], sp.finite && sp.finite[first + k],
-                     &parts[PD_MAX_PARTS * i + k], &owned[PD_MAX_PARTS * i + k], rep) != 0)
+      if (pd__decode(wire[k], b->order[k], i, names[k],
+                     sp.direct   ? PD__IN_PLACE
+                     : sp.finite ? sp.finite[first + k]
+                                 : 0,
+                     &parts[PD_MAX_PARTS * i + k], &owned[PD_MAX_PARTS * i + k],
+                     &scan[PD_MAX_PARTS * i + k], rep) != 0)
         goto cleanup;
   }
   /* Units another replica owns go to it (replica_plan.c); the rest are folded here. */
@@ -605,18 +718,35 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
     pd_block *b = &job->blocks[req->blocks[i]->block_id];
     if (!pd_replica_owns(job->link, b)) continue;
     memcpy(&local[PD_MAX_PARTS * nlocal], &parts[PD_MAX_PARTS * i], sizeof *parts * PD_MAX_PARTS);
+    memcpy(&local_scan[PD_MAX_PARTS * nlocal], &scan[PD_MAX_PARTS * i], PD_MAX_PARTS);
     blocks[nlocal++] = b;
   }
-  size_t bad = 0;
-  int prc = pd_job_push(job, nlocal, blocks, local, req->step, &d->stats, &bad);
+  pd_push_refusal no = {0, 0, PD_FOLD_OVERFLOW};
+  int prc;
+  if (sp.direct) /* every block local (pd__push_direct_ok): local[] is parts[] */
+    prc = pd_job_push_into(job, nlocal, blocks, local, sp.out, req->step, &d->stats, pd__shm_intact,
+                           &sp, &no);
+  else
+    prc = pd_job_push_scanned(job, nlocal, blocks, local, local_scan, req->step, &d->stats,
+                              &no.block);
   if (prc != PD_OK) {
-    if (prc == PD_EINVAL)
+    if (prc == PD_ENOMEM)
+      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    else if (no.why == PD_FOLD_NONFINITE) /* as pd__decode says it */
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
+               "stored",
+               no.block,
+               (job->mode->id == PD_MODE_KFAC ? pd__kfac_part_names : pd__part_names)[no.part]);
+    else if (no.why == PD_FOLD_CHANGED)
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu].%s.shm: " PD_SHM_OVERWRITTEN "; nothing of this push was stored",
+               sp.changed, sp.changed_part);
+    else
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
                "block %u: adding these statistics would overflow the stored statistic to "
                "Inf; nothing of this push was stored",
-               blocks[bad]->id);
-    else
-      pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+               blocks[no.block]->id);
     goto cleanup;
   }
   /* The owner folds forwarded statistics under its own overflow check: past this point a
@@ -648,15 +778,14 @@ cleanup:
   free(owned);
   free(parts);
   free(local);
+  free(scan);
+  free(local_scan);
   free(seen);
   free(blocks);
+  pd__shm_push_done(d, req, job, &sp);
   pd_job_unref(job, &d->stats);
-  if (ok) {
-    pd__shm_push_done(d, req, &sp);
-    return;
-  }
+  if (ok) return;
 rejected:
-  pd__shm_push_done(d, req, &sp);
   atomic_fetch_add(&d->stats.rejected_pushes, 1);
   pd_log(PD_LOG_DEBUG, "push rejected: %s", rep->message);
 }

@@ -49,6 +49,12 @@ struct pd_shm_session {
   pthread_mutex_t in_lock; /* held by the push using in_buf */
   unsigned char *in_buf;
   size_t in_cap; /* bytes, counted in the budget and memory_bytes */
+  /* Statistics buffers for pushes read in place (pd_shm_spare_take), under in_lock: nspare
+   * kept in spare[] (spare_n[] floats each); spare_bytes, counted in the budget and in
+   * memory_bytes, is those kept plus those out with a push. */
+  float **spare;
+  size_t *spare_n;
+  size_t nspare, spare_slots, spare_kept, spare_bytes;
 };
 
 int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
@@ -203,8 +209,11 @@ static void pd__shm_free(pd_shm *r, pd_shm_session *s) {
   if (!s->attached && s->path[0] && s->fd >= 0) unlink(s->path); /* only a file made here */
   if (s->map) munmap(s->map, s->bytes);
   if (s->fd >= 0) close(s->fd);
-  pd_store_release_extra(r->store, s->bytes + s->in_cap);
-  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)(s->bytes + s->in_cap));
+  for (size_t i = 0; i < s->nspare; i++) free(s->spare[i]);
+  free(s->spare);
+  free(s->spare_n);
+  pd_store_release_extra(r->store, s->bytes + s->in_cap + s->spare_bytes);
+  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)(s->bytes + s->in_cap + s->spare_bytes));
   free(s->in_buf);
   pthread_mutex_destroy(&s->in_lock);
   pthread_mutex_destroy(&s->lock);
@@ -387,6 +396,7 @@ void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in) 
   /* More than the client's half is no push a client makes (references that overlap): those
    * go to malloc'd copies, as when another push of the region holds the buffer. */
   if (total == 0 || total > s->bytes / 2 || pthread_mutex_trylock(&s->in_lock) != 0) return;
+  in->held = 1;
   if (s->in_cap < total) {
     /* Grown to this push's size (at most the half), the budget first. */
     free(s->in_buf);
@@ -395,13 +405,13 @@ void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in) 
     atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)s->in_cap);
     s->in_cap = 0;
     if (pd_store_reserve_extra(r->store, total) != PD_OK) {
-      pthread_mutex_unlock(&s->in_lock);
+      pd_shm_in_end(in);
       return;
     }
     s->in_buf = malloc(total);
     if (!s->in_buf) {
       pd_store_release_extra(r->store, total);
-      pthread_mutex_unlock(&s->in_lock);
+      pd_shm_in_end(in);
       return;
     }
     s->in_cap = total;
@@ -411,13 +421,88 @@ void pd_shm_in_begin(pd_shm *r, pd_shm_session *s, size_t total, pd_shm_in *in) 
   in->cap = total;
 }
 
+int pd_shm_in_hold(pd_shm_session *s, pd_shm_in *in) {
+  memset(in, 0, sizeof *in);
+  in->s = s;
+  in->held = pthread_mutex_trylock(&s->in_lock) == 0;
+  return in->held;
+}
+
 void pd_shm_in_end(pd_shm_in *in) {
-  if (in->buf) pthread_mutex_unlock(&in->s->in_lock);
+  if (in->held) pthread_mutex_unlock(&in->s->in_lock);
+  in->held = 0;
   in->buf = NULL;
 }
 
-int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, const uint32_t *crc,
-                   size_t expect, int fp32, uint8_t **out, int *finite, const char **why) {
+int pd_shm_ref_in(const pd_shm_in *in, uint64_t offset, uint64_t length, size_t expect,
+                  const uint8_t **at, const char **why) {
+  const pd_shm_session *s = in->s;
+  *at = NULL;
+  if (rpc_shm_ref_check(s->bytes, 0, s->bytes / 2, offset, length, expect) != RPC_OK) {
+    *why = "outside the client's half of the region, or not the matrix's byte count";
+    return PD_EINVAL;
+  }
+  *at = s->map + offset;
+  return PD_OK;
+}
+
+int pd_shm_intact(const pd_shm_in *in, uint64_t offset, uint64_t seq) {
+  return rpc_shm_push_intact(in->s->map, in->s->bytes, offset, seq);
+}
+
+float *pd_shm_spare_take(pd_shm *r, pd_shm_in *in, size_t count) {
+  pd_shm_session *s = in->s;
+  for (size_t i = s->nspare; in->held && i-- > 0;) {
+    if (s->spare_n[i] != count) continue;
+    float *buf = s->spare[i];
+    s->spare[i] = s->spare[--s->nspare];
+    s->spare_n[i] = s->spare_n[s->nspare];
+    s->spare_kept -= count * sizeof(float);
+    return buf;
+  }
+  size_t bytes = count * sizeof(float);
+  if (!in->held || count == 0 || pd_store_reserve_extra(r->store, bytes) != PD_OK) return NULL;
+  float *buf = malloc(bytes);
+  if (!buf) {
+    pd_store_release_extra(r->store, bytes);
+    return NULL;
+  }
+  s->spare_bytes += bytes;
+  atomic_fetch_add(&r->stats->memory_bytes, (int64_t)bytes);
+  return buf;
+}
+
+void pd_shm_spare_give(pd_shm *r, pd_shm_in *in, float *buf, size_t count) {
+  pd_shm_session *s = in->s;
+  size_t bytes = count * sizeof(float);
+  if (!buf) return;
+  /* Kept while the spares are at most the client's half: no push read in place needs more
+   * (its matrices lie in that half). */
+  if (s->spare_kept + bytes <= s->bytes / 2) {
+    if (s->nspare == s->spare_slots) {
+      size_t slots = s->spare_slots ? 2 * s->spare_slots : 8;
+      float **sp = realloc(s->spare, slots * sizeof *sp);
+      if (sp) s->spare = sp;
+      size_t *sn = sp ? realloc(s->spare_n, slots * sizeof *sn) : NULL;
+      if (sn) s->spare_n = sn;
+      if (sp && sn) s->spare_slots = slots;
+    }
+    if (s->nspare < s->spare_slots) {
+      s->spare[s->nspare] = buf;
+      s->spare_n[s->nspare++] = count;
+      s->spare_kept += bytes;
+      return;
+    }
+  }
+  free(buf);
+  s->spare_bytes -= bytes;
+  pd_store_release_extra(r->store, bytes);
+  atomic_fetch_sub(&r->stats->memory_bytes, (int64_t)bytes);
+}
+
+int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, uint64_t seq,
+                   const uint32_t *crc, size_t expect, int fp32, uint8_t **out, int *finite,
+                   const char **why) {
   const pd_shm_session *s = in->s;
   *out = NULL;
   *finite = 0;
@@ -445,6 +530,11 @@ int pd_shm_copy_in(pd_shm_in *in, uint64_t offset, uint64_t length, const uint32
                          : rpc_shm_copy_crc(buf, s->map + offset, (size_t)length))) {
     if (!in->buf) free(buf);
     *why = "checksum mismatch (CRC-32C of the region's bytes)";
+    return PD_EINVAL;
+  }
+  if (!pd_shm_intact(in, offset, seq)) {
+    if (!in->buf) free(buf);
+    *why = PD_SHM_OVERWRITTEN;
     return PD_EINVAL;
   }
   if (in->buf) in->used += slot;

@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 
 const char *pd_strerror(int code) {
   switch (code) {
@@ -614,12 +615,11 @@ void pd_job_note_worker(pd_job *job, const char *worker) {
 
 /* ---- blocks --------------------------------------------------------------------------- */
 
-/* pd_block_update's work with b's lock held. Returns 1 and the age in *age when the push
- * is a staleness sample (to be added to the daemon's stats once the lock is released). */
-static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step, uint64_t *age) {
-  const pd_job *job = b->job;
+/* A push folded into b (lock held): its count and step. Returns 1 and the age in *age when
+ * the push is a staleness sample (to be added to the daemon's stats once the lock is
+ * released). */
+static int pd__pushed_locked(pd_block *b, uint64_t step, uint64_t *age) {
   int sampled = 0;
-  job->mode->fold(job->opts, b, b->stat, inc);
   b->pushes++;
   if (step > atomic_load(&b->stat_step)) {
     atomic_store(&b->stat_step, step);
@@ -632,6 +632,16 @@ static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step,
     }
   }
   return sampled;
+}
+
+/* pd_block_update's work with b's lock held (pd__pushed_locked's result). */
+static int pd__apply_locked(pd_block *b, const float *const *inc, uint64_t step, uint64_t *age) {
+  const pd_job *job = b->job;
+  if (job->mode->fold_bounded)
+    job->mode->fold_bounded(job->opts, b, b->stat, inc, b->stat_bounded);
+  else
+    job->mode->fold(job->opts, b, b->stat, inc);
+  return pd__pushed_locked(b, step, age);
 }
 
 void pd_block_update(pd_block *b, const float *const *inc, uint64_t step, pd_stats *stats) {
@@ -654,23 +664,107 @@ static int pd__cmp_by_id(const void *a, const void *b) {
 
 int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
                 uint64_t step, pd_stats *stats, size_t *bad) {
+  return pd_job_push_scanned(job, n, blocks, inc, NULL, step, stats, bad);
+}
+
+/* Every lock of a push at once, in id order (no two pushes can deadlock): a check and the
+ * update it admits see the same statistic. order gets the blocks in id order. */
+static int pd__lock_all(size_t n, pd_block *const *blocks, pd__by_id **order) {
+  *order = malloc((n ? n : 1) * sizeof **order);
+  if (!*order) return PD_ENOMEM;
+  for (size_t i = 0; i < n; i++) (*order)[i] = (pd__by_id){blocks[i]->id, i};
+  qsort(*order, n, sizeof **order, pd__cmp_by_id);
+  for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[(*order)[k].index]->lock);
+  return PD_OK;
+}
+
+static void pd__unlock_all(size_t n, pd_block *const *blocks, pd__by_id *order) {
+  for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  free(order);
+}
+
+int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                     float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
+                     void *ctx, pd_push_refusal *refusal) {
+  const pd_mode *mode = job->mode;
+  memset(refusal, 0, sizeof *refusal);
+  if (!mode->fold_into) {
+    size_t bad = 0;
+    int rc = pd_job_push(job, n, blocks, inc, step, stats, &bad);
+    *refusal = (pd_push_refusal){bad, 0, PD_FOLD_OVERFLOW};
+    return rc;
+  }
+  pd__by_id *order = NULL;
+  uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
+  uint8_t *bounded = malloc((n ? n : 1) * PD_MAX_PARTS);
+  if (!ages || !bounded || pd__lock_all(n, blocks, &order) != PD_OK) {
+    free(ages);
+    free(bounded);
+    return PD_ENOMEM;
+  }
+  /* Every block is folded even after a refusal: a NaN or Inf is reported before an overflow
+   * wherever they are, as the bytes path's checks (NaN at decoding) do. */
+  int first[PD_FOLD_OVERFLOW + 1] = {0};
+  pd_push_refusal found[PD_FOLD_OVERFLOW + 1];
+  for (size_t i = 0; i < n; i++) {
+    uint32_t part = 0;
+    int why = mode->fold_into(job->opts, blocks[i], (const float *const *)blocks[i]->stat,
+                              &inc[PD_MAX_PARTS * i], &out[PD_MAX_PARTS * i],
+                              &bounded[PD_MAX_PARTS * i], &part);
+    if (why != PD_FOLD_OK && !first[why]) {
+      first[why] = 1;
+      found[why] = (pd_push_refusal){i, part, why};
+    }
+  }
+  int rc = PD_OK;
+  if (first[PD_FOLD_NONFINITE] || first[PD_FOLD_OVERFLOW]) {
+    *refusal = found[first[PD_FOLD_NONFINITE] ? PD_FOLD_NONFINITE : PD_FOLD_OVERFLOW];
+    rc = PD_EINVAL;
+  } else if (intact && !intact(ctx)) {
+    *refusal = (pd_push_refusal){0, 0, PD_FOLD_CHANGED};
+    rc = PD_EINVAL;
+  }
+  size_t nages = 0;
+  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    pd_block *b = blocks[i];
+    for (uint32_t k = 0; k < b->nparts; k++) {
+      float *old = b->stat[k];
+      b->stat[k] = out[PD_MAX_PARTS * i + k];
+      out[PD_MAX_PARTS * i + k] = old;
+      b->stat_bounded[k] = bounded[PD_MAX_PARTS * i + k];
+    }
+    nages += (size_t)pd__pushed_locked(b, step, &ages[nages]);
+  }
+  pd__unlock_all(n, blocks, order);
+  for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
+  free(ages);
+  free(bounded);
+  return rc;
+}
+
+/* 1 when block b's fold of increments whose scans are scan (NULL: unknown) cannot
+ * overflow by the mode's promise (pd_mode.fold_bounded), with no pass over the values. */
+static int pd__fold_bounded(const pd_block *b, const uint8_t *scan) {
+  if (!b->job->mode->fold_bounded || !scan) return 0;
+  for (uint32_t k = 0; k < b->nparts; k++)
+    if (!b->stat_bounded[k] || scan[k] != RPC_F32_BOUNDED) return 0;
+  return 1;
+}
+
+int pd_job_push_scanned(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                        const uint8_t *inc_scan, uint64_t step, pd_stats *stats, size_t *bad) {
   *bad = 0;
-  pd__by_id *order = malloc((n ? n : 1) * sizeof *order);
+  pd__by_id *order = NULL;
   uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
   size_t nages = 0;
-  if (!order || !ages) {
-    free(order);
+  if (!ages || pd__lock_all(n, blocks, &order) != PD_OK) {
     free(ages);
     return PD_ENOMEM;
   }
-  for (size_t i = 0; i < n; i++) order[i] = (pd__by_id){blocks[i]->id, i};
-  qsort(order, n, sizeof *order, pd__cmp_by_id);
-  /* Every lock of the push at once, in id order (no two pushes can deadlock): a check and
-   * the update it admits see the same statistic. */
-  for (size_t k = 0; k < n; k++) pthread_mutex_lock(&blocks[order[k].index]->lock);
   const pd_mode *mode = job->mode;
   int rc = PD_OK;
   for (size_t i = 0; i < n && rc == PD_OK; i++) {
+    if (pd__fold_bounded(blocks[i], inc_scan ? &inc_scan[PD_MAX_PARTS * i] : NULL)) continue;
     if (!mode->fold_fits(job->opts, blocks[i], (const float *const *)blocks[i]->stat,
                          &inc[PD_MAX_PARTS * i])) {
       *bad = i;
@@ -679,9 +773,8 @@ int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *con
   }
   for (size_t i = 0; i < n && rc == PD_OK; i++)
     nages += (size_t)pd__apply_locked(blocks[i], &inc[PD_MAX_PARTS * i], step, &ages[nages]);
-  for (size_t k = n; k-- > 0;) pthread_mutex_unlock(&blocks[order[k].index]->lock);
+  pd__unlock_all(n, blocks, order);
   for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
-  free(order);
   free(ages);
   return rc;
 }

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,6 +178,122 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
   }
   *out = grpc_raw_byte_buffer_create(&slice, 1);
   grpc_slice_unref(slice); /* the buffer took its own reference */
+  return *out ? RPC_OK : RPC_ENOMEM;
+}
+
+/* ---- a request whose large bytes fields gRPC sends from where they are ---------------- */
+
+/* Bytes fields of at least this many bytes are borrowed (a slice over the caller's memory),
+ * the rest of the message is packed into copies: a 4 MB push then costs no copy of its own
+ * on the client (docs/precondd.md, "Wire"). Below it the slices' bookkeeping costs more than
+ * the copy. */
+#define RPC__BORROW_MIN ((size_t)64 << 10)
+
+/* The borrowed slices of one call: gRPC releases each (rpc__borrow_done) once it is done with
+ * the bytes, which the caller must keep until then (rpc__borrow_wait). */
+typedef struct {
+  pthread_mutex_t lock;
+  pthread_cond_t done;
+  size_t out; /* slices gRPC still holds */
+} rpc__borrow;
+
+static void rpc__borrow_done(void *user) {
+  rpc__borrow *b = user;
+  pthread_mutex_lock(&b->lock);
+  if (--b->out == 0) pthread_cond_broadcast(&b->done);
+  pthread_mutex_unlock(&b->lock);
+}
+
+/* Blocks until gRPC released every borrowed slice (after the call, when its stream is gone:
+ * at once, in practice), then frees b's lock. */
+static void rpc__borrow_wait(rpc__borrow *b) {
+  pthread_mutex_lock(&b->lock);
+  while (b->out > 0) pthread_cond_wait(&b->done, &b->lock);
+  pthread_mutex_unlock(&b->lock);
+  pthread_cond_destroy(&b->done);
+  pthread_mutex_destroy(&b->lock);
+}
+
+/* protobuf-c's packing target: runs of small appends go into a copied piece, large ones
+ * (a bytes field's data, appended as it lies in the message) become borrowed slices. */
+typedef struct {
+  ProtobufCBuffer base;
+  grpc_slice *slices;
+  size_t n, cap;
+  unsigned char *piece; /* the copied piece being filled */
+  size_t piece_len, piece_cap;
+  rpc__borrow *borrow;
+  int failed;
+} rpc__slicer;
+
+static int rpc__slicer_push(rpc__slicer *z, grpc_slice s) {
+  if (z->n == z->cap) {
+    size_t cap = z->cap ? 2 * z->cap : 16;
+    grpc_slice *g = realloc(z->slices, cap * sizeof *g);
+    if (!g) {
+      grpc_slice_unref(s);
+      return -1;
+    }
+    z->slices = g;
+    z->cap = cap;
+  }
+  z->slices[z->n++] = s;
+  return 0;
+}
+
+/* Ends the copied piece being filled (a slice that owns a copy of its bytes). */
+static void rpc__slicer_flush(rpc__slicer *z) {
+  if (z->piece_len == 0) return;
+  if (rpc__slicer_push(z, grpc_slice_from_copied_buffer((const char *)z->piece, z->piece_len)))
+    z->failed = 1;
+  z->piece_len = 0;
+}
+
+static void rpc__slicer_append(ProtobufCBuffer *buf, size_t len, const uint8_t *data) {
+  rpc__slicer *z = (rpc__slicer *)buf;
+  if (z->failed || len == 0) return;
+  if (len >= RPC__BORROW_MIN) {
+    rpc__slicer_flush(z);
+    pthread_mutex_lock(&z->borrow->lock);
+    z->borrow->out++;
+    pthread_mutex_unlock(&z->borrow->lock);
+    if (rpc__slicer_push(z, grpc_slice_new_with_user_data((void *)(uintptr_t)data, len,
+                                                          rpc__borrow_done, z->borrow)))
+      z->failed = 1;
+    return;
+  }
+  if (z->piece_cap - z->piece_len < len) {
+    size_t cap = z->piece_cap ? 2 * z->piece_cap : 4096;
+    while (cap - z->piece_len < len) cap *= 2;
+    unsigned char *p = realloc(z->piece, cap);
+    if (!p) {
+      z->failed = 1;
+      return;
+    }
+    z->piece = p;
+    z->piece_cap = cap;
+  }
+  memcpy(z->piece + z->piece_len, data, len);
+  z->piece_len += len;
+}
+
+/* rpc_pack whose large bytes fields are borrowed from msg (which must stay unchanged until
+ * rpc__borrow_wait(b) returns, after the call and grpc_byte_buffer_destroy(*out)); b is
+ * initialised here whatever the result. */
+static int rpc__pack_borrowed(const ProtobufCMessage *msg, size_t max_bytes,
+                              grpc_byte_buffer **out, rpc__borrow *b) {
+  *out = NULL;
+  pthread_mutex_init(&b->lock, NULL);
+  pthread_cond_init(&b->done, NULL);
+  b->out = 0;
+  if (protobuf_c_message_get_packed_size(msg) > rpc__limit(max_bytes)) return RPC_ETOOBIG;
+  rpc__slicer z = {.base = {rpc__slicer_append}, .borrow = b};
+  protobuf_c_message_pack_to_buffer(msg, &z.base);
+  rpc__slicer_flush(&z);
+  if (!z.failed) *out = grpc_raw_byte_buffer_create(z.slices, z.n);
+  for (size_t i = 0; i < z.n; i++) grpc_slice_unref(z.slices[i]); /* the buffer's refs stay */
+  free(z.slices);
+  free(z.piece);
   return *out ? RPC_OK : RPC_ENOMEM;
 }
 
@@ -409,16 +526,20 @@ int rpc_call_token(grpc_channel *channel, const char *method, const ProtobufCMes
                      details);
 
   grpc_byte_buffer *send_buf = NULL;
-  int rc = rpc_pack(req, 0, &send_buf);
-  if (rc != RPC_OK)
+  rpc__borrow borrow;
+  int rc = rpc__pack_borrowed(req, 0, &send_buf, &borrow);
+  if (rc != RPC_OK) {
+    rpc__borrow_wait(&borrow);
     return rpc__fail(
         rc, rc == RPC_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT : GRPC_STATUS_RESOURCE_EXHAUSTED,
         rc == RPC_ETOOBIG ? "request above the message size limit" : rpc_strerror(rc), status,
         details);
+  }
   grpc_byte_buffer *recv_buf = NULL;
   rc = rpc__call_buffer(channel, method, send_buf, deadline_ms, wait_for_ready, token, &recv_buf,
                         status, details);
   grpc_byte_buffer_destroy(send_buf);
+  rpc__borrow_wait(&borrow); /* req's bytes are the caller's again */
   if (rc != RPC_OK) return rc;
   rc = rpc_unpack(recv_buf, resp_desc, RPC_MAX_MESSAGE_BYTES_CAP, resp);
   grpc_byte_buffer_destroy(recv_buf);

@@ -29,6 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <grpc/grpc.h>
 #include <grpc/status.h>
@@ -237,9 +238,35 @@ uint32_t rpc_crc32c(uint32_t crc, const void *data, size_t len);
  * written to dst, in one pass over memory. */
 uint32_t rpc_shm_copy_crc(void *dst, const void *src, size_t len);
 
-/* rpc_shm_copy_crc that also looks for NaN and Inf in the same pass, the bytes taken as
- * fp32 values: *finite gets 1 when they are whole, aligned (dst) floats all finite, else 0
- * (a NaN or Inf, or bytes that are not such floats: check them some other way). */
+/* What count fp32 values are, in one branch-free pass: RPC_F32_BOUNDED when every one is
+ * below 2^126 in magnitude (so a fold whose weights sum to at most 2, Shampoo's EMA or sum,
+ * of two such values stays finite: precondd's overflow check needs no pass of its own),
+ * RPC_F32_FINITE when all are finite but some is not below 2^126, RPC_F32_BAD when one is
+ * NaN or Inf. The one definition of both tests (libprecond, precondd). */
+enum { RPC_F32_BAD = 0, RPC_F32_FINITE = 1, RPC_F32_BOUNDED = 2 };
+int rpc_f32_scan(size_t count, const float *x);
+
+/* Bit 31 set when |x| >= 2^126, NaN and Inf included (the exponent's bits plus three carry
+ * into the sign bit): OR it over many values and test once, a loop with no branch that
+ * vectorizes. rpc_f32_scan's bound, for loops that compute the values themselves. */
+static inline uint32_t rpc_f32_big(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x7f800000u) + 0x01800000u;
+}
+
+/* Bit 31 set when x is NaN or Inf (the exponent's bits plus one carry into it): the same
+ * use as rpc_f32_big, rpc_f32_scan's other test. */
+static inline uint32_t rpc_f32_nonfinite(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x7f800000u) + 0x00800000u;
+}
+
+/* rpc_shm_copy_crc that also looks at the values in the same pass, the bytes taken as fp32
+ * values: *finite gets their rpc_f32_scan when they are whole, aligned (dst) floats, else
+ * RPC_F32_BAD (0: a NaN or Inf, or bytes that are not such floats: check them some other
+ * way). */
 uint32_t rpc_shm_copy_crc_finite(void *dst, const void *src, size_t len, int *finite);
 
 /* The CRC-32C of len bytes as rpc_shm_copy_crc gives it, without copying. */
@@ -291,7 +318,8 @@ typedef struct {
   unsigned char *map; /* NULL: no region */
   size_t bytes;
   int fd;
-  uint64_t in_pos;            /* next free byte of the client's ring (the first half) */
+  uint64_t in_pos;            /* next free byte of the client's push ring, from its start */
+  uint64_t in_laps;           /* times the push ring wrapped (its slots' stamps) */
   const unsigned char *roots; /* the daemon's roots area, read-only; NULL: none */
   size_t roots_bytes;
 } rpc_shm;
@@ -312,10 +340,27 @@ void rpc_shm_close(rpc_shm *s);
 /* The session fields a request carries. */
 void rpc_shm_session(const rpc_shm *s, Precond__V1__ShmSession *w);
 
-/* Takes len bytes of the client's half (its ring) for push matrix m and returns where the
- * caller writes m's bytes before the call (e.g. the kernel producing the statistic, with no
- * copy of its own): sets m->shm to *ref (caller-provided, lives until the call is sent;
- * unchecked: no checksum pass) and empties m->data. NULL when len is 0 or above the half
+/* The client's half as a push ring with a stamp. Its first RPC_SHM_PUSH_RING bytes hold
+ * the ring's head (a uint64_t the client stores atomically): where the last slot taken ends,
+ * counted in bytes of the ring ever taken (wraps' skipped ends included), set before that
+ * slot's bytes are written; the ring is the rest of the half. A push reference's seq is 1 +
+ * where its slot starts in the same count (0: an unstamped reference, an older client's),
+ * so its offset is RPC_SHM_PUSH_RING + (seq - 1) % ring. Its bytes are as the client wrote
+ * them while the head is at most seq - 1 + ring: no later slot reached around the ring onto
+ * them (a push whose call the client gave up on, and its ring wrapped while the daemon still
+ * read it). The daemon checks that after reading (rpc_shm_push_intact). */
+#define RPC_SHM_PUSH_RING RPC_SHM_ALIGN
+
+/* 1 when the push reference (offset, seq) into the client's half of the region map (bytes
+ * long) is intact as above, or unstamped (seq 0); 0 when a later slot was taken over it, or
+ * offset is not where seq puts it. Call after reading the bytes: the load is ordered after
+ * them (acquire). */
+int rpc_shm_push_intact(const unsigned char *map, size_t bytes, uint64_t offset, uint64_t seq);
+
+/* Takes len bytes of the client's push ring for push matrix m and returns where the caller
+ * writes m's bytes before the call (e.g. the kernel producing the statistic, with no copy of
+ * its own): sets m->shm to *ref (caller-provided, lives until the call is sent; unchecked: no
+ * checksum pass; stamped: seq) and empties m->data. NULL when len is 0 or above the ring
  * (m unchanged: send its bytes). The bytes must stay as written until the call returns. */
 unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len,
                             Precond__V1__ShmRef *ref);

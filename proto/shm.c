@@ -136,9 +136,27 @@ static uint32_t rpc__crc_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
   return rpc__mulmod(shift, crc1) ^ crc2;
 }
 
-/* ok and the k bytes at p (whole aligned floats) all finite. */
-static int rpc__look(int ok, const unsigned char *p, size_t k) {
-  return ok && pc_all_finite_f32(k / sizeof(float), (const float *)(const void *)p);
+int rpc_f32_scan(size_t count, const float *x) {
+  enum { BLOCK = 1024 };
+  uint32_t big = 0;
+  for (size_t i0 = 0; i0 < count; i0 += BLOCK) {
+    size_t m = count - i0 < BLOCK ? count - i0 : BLOCK;
+    /* Branch-free per block (it vectorizes), an early exit between blocks. */
+    uint32_t bad = 0;
+    for (size_t i = 0; i < m; i++) {
+      bad |= rpc_f32_nonfinite(x[i0 + i]);
+      big |= rpc_f32_big(x[i0 + i]);
+    }
+    if (bad & 0x80000000u) return RPC_F32_BAD;
+  }
+  return big & 0x80000000u ? RPC_F32_FINITE : RPC_F32_BOUNDED;
+}
+
+/* The worse of scan and the RPC_F32_* of the k bytes at p (whole aligned floats). */
+static int rpc__look(int scan, const unsigned char *p, size_t k) {
+  if (scan == RPC_F32_BAD) return scan;
+  int here = rpc_f32_scan(k / sizeof(float), (const float *)(const void *)p);
+  return here < scan ? here : scan;
 }
 
 /* A copy and its CRC-32C. Large buffers are split in three thirds whose checksums run as
@@ -155,7 +173,7 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len, int *finit
   unsigned char *d = dst;
   const unsigned char *s = src;
   int check = finite && d && (uintptr_t)d % _Alignof(float) == 0 && len % sizeof(float) == 0;
-  int ok = 1;
+  int ok = RPC_F32_BOUNDED;
   pthread_once(&rpc__crc_once, rpc__crc_init);
   if (len < SPLIT || !RPC__HAVE_HW()) {
     uint32_t crc = 0;
@@ -166,7 +184,7 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len, int *finit
       if (check) ok = rpc__look(ok, d + done, k);
       done += k;
     }
-    if (finite) *finite = check && ok;
+    if (finite) *finite = check ? ok : RPC_F32_BAD;
     return crc;
   }
   size_t third = len / 3 / 8 * 8, last = len - 2 * third;
@@ -185,7 +203,7 @@ static uint32_t rpc__copy_crc(void *dst, const void *src, size_t len, int *finit
   size_t tail = last - third;
   if (d && tail) memcpy(d + 3 * third, s + 3 * third, tail);
   if (check && tail) ok = rpc__look(ok, d + 3 * third, tail);
-  if (finite) *finite = check && ok;
+  if (finite) *finite = check ? ok : RPC_F32_BAD;
   uint32_t c2 = (uint32_t)c[2];
   if (tail) c2 = rpc__crc_hw(c2, base + 3 * third, tail);
   uint32_t r0 = ~(uint32_t)c[0], r1 = ~(uint32_t)c[1], r2 = ~c2;
@@ -210,7 +228,8 @@ void rpc_shm_copy_finite(void *dst, const void *src, size_t len, int *finite) {
   enum { PIECE = 16 << 10 };
   unsigned char *d = dst;
   const unsigned char *s = src;
-  int ok = (uintptr_t)d % _Alignof(float) == 0 && len % sizeof(float) == 0;
+  int ok = (uintptr_t)d % _Alignof(float) == 0 && len % sizeof(float) == 0 ? RPC_F32_BOUNDED
+                                                                           : RPC_F32_BAD;
   for (size_t done = 0; done < len;) {
     size_t k = len - done < PIECE ? len - done : PIECE;
     memcpy(d + done, s + done, k);
@@ -339,18 +358,38 @@ void rpc_shm_session(const rpc_shm *s, Precond__V1__ShmSession *w) {
 
 unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len,
                             Precond__V1__ShmRef *ref) {
-  uint64_t off = 0;
-  if (s->map == NULL || len == 0 ||
-      rpc_shm_ring_take(&s->in_pos, s->bytes / 2, len, &off) != RPC_OK)
+  uint64_t off = 0, before = s->in_pos, half = s->bytes / 2;
+  if (s->map == NULL || len == 0 || half <= RPC_SHM_PUSH_RING ||
+      rpc_shm_ring_take(&s->in_pos, half - RPC_SHM_PUSH_RING, len, &off) != RPC_OK)
     return NULL;
+  if (off < before) s->in_laps++; /* wrapped */
+  uint64_t ring = half - RPC_SHM_PUSH_RING, start = s->in_laps * ring + off;
+  /* The head first, then (the caller) the bytes: the full fence orders the caller's stores,
+   * non-temporal ones of a large memcpy included, after it. */
+  __atomic_store_n((uint64_t *)(void *)s->map, start + (s->in_pos - off), __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
   precond__v1__shm_ref__init(ref);
-  ref->offset = off;
+  ref->offset = RPC_SHM_PUSH_RING + off;
   ref->length = len;
-  ref->unchecked = 1; /* the daemon validates its copy, as it does a message's bytes */
+  ref->seq = start + 1;
+  ref->unchecked = 1; /* the daemon validates what it reads, as it does a message's bytes */
   m->shm = ref;
   m->data.data = NULL;
   m->data.len = 0;
-  return s->map + off;
+  return s->map + RPC_SHM_PUSH_RING + off;
+}
+
+int rpc_shm_push_intact(const unsigned char *map, size_t bytes, uint64_t offset, uint64_t seq) {
+  uint64_t half = bytes / 2;
+  if (seq == 0) return 1;
+  if (map == NULL || half <= RPC_SHM_PUSH_RING) return 0;
+  uint64_t ring = half - RPC_SHM_PUSH_RING, start = seq - 1;
+  if (offset != RPC_SHM_PUSH_RING + start % ring) return 0;
+  /* The reads of the bytes before the head's load (the client's writes come after its
+   * head): a head past the slot's lap means some byte read may be a later push's. */
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  uint64_t head = __atomic_load_n((const uint64_t *)(const void *)map, __ATOMIC_ACQUIRE);
+  return head >= start && head - start <= ring;
 }
 
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {

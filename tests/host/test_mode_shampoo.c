@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "precondd.h"
+#include "rpc.h"
 #include "preconditioner.h"
 #include "shampoo_fixture.h"
 
@@ -225,6 +226,102 @@ static void test_fold_fits(void **state) {
   free(x);
 }
 
+/* fold_into and fold_bounded: bit for bit the statistics update of pc_stat_update_f32 (a
+ * mix and a sum), with each part's bound found in the same pass; fold_into's refusals; and the store trusts the bound only where
+ * the update itself set it: a statistic written otherwise (flag 0) still gets the exact
+ * overflow check, even with an increment below 2^126. */
+static void test_fold_bounded(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  size_t len = pc_packed_len(N);
+  float *s = malloc(len * sizeof *s), *ref = malloc(len * sizeof *ref),
+        *x = malloc(len * sizeof *x);
+  assert_non_null(s);
+  assert_non_null(ref);
+  assert_non_null(x);
+  const float betas[] = {0.999f, 0.9f, 1.0f};
+  for (size_t t = 0; t < sizeof betas / sizeof *betas; t++) {
+    for (size_t i = 0; i < len; i++) {
+      s[i] = ref[i] = (float)((i * 7919 + t) % 1000) * 1.37e-3f - 0.5f;
+      x[i] = (float)((i * 104729) % 977) * 3.1e-2f;
+    }
+    pd_shampoo_opts o = {.beta2 = betas[t]};
+    float *st[2] = {s, s};
+    const float *in[2] = {x, x};
+    uint8_t bounded[2] = {9, 9};
+    pd_block one = *b;
+    one.nparts = 1;
+    /* fold_into first (into other memory, s unchanged), then fold_bounded in place. */
+    float *o0 = malloc(len * sizeof *o0), *o1 = malloc(len * sizeof *o1);
+    assert_non_null(o0);
+    assert_non_null(o1);
+    float *outs[2] = {o0, o1};
+    const float *sts[2] = {s, s};
+    uint32_t part = 9;
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, sts, in, outs, bounded, &part), PD_FOLD_OK);
+    pc_stat_update_f32(len, ref, x, betas[t]);
+    assert_memory_equal(o0, ref, len * sizeof *s);
+    assert_memory_equal(o1, ref, len * sizeof *s);
+    assert_int_equal(bounded[0], 1);
+    assert_int_equal(bounded[1], 1);
+    /* A NaN in the second part's increment, then an overflow in the first part's fold:
+     * the NaN is named first, the overflow alone otherwise; nothing of s changes. */
+    float *x2 = malloc(len * sizeof *x2);
+    assert_non_null(x2);
+    memcpy(x2, x, len * sizeof *x2);
+    x2[len - 1] = NAN;
+    const float *in2[2] = {x, x2};
+    float *big = malloc(len * sizeof *big);
+    assert_non_null(big);
+    memcpy(big, s, len * sizeof *big);
+    big[1] = x[1] = betas[t] == 1.0f ? FLT_MAX : FLT_MAX / 2; /* a sum overflows, a mix not */
+    const float *stb[2] = {big, s};
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in2, outs, bounded, &part),
+                     PD_FOLD_NONFINITE);
+    assert_int_equal(part, 1);
+    const float *in3[2] = {x, x};
+    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in3, outs, bounded, &part),
+                     betas[t] == 1.0f ? PD_FOLD_OVERFLOW : PD_FOLD_OK);
+    if (betas[t] == 1.0f)
+      assert_int_equal(part, 0);
+    else
+      assert_int_equal(bounded[0], 0); /* finite, at or above 2^126 */
+    x[1] = (float)((1 * 104729) % 977) * 3.1e-2f;
+    free(x2);
+    free(big);
+    free(o0);
+    free(o1);
+    pd_mode_shampoo.fold_bounded(&o, &one, st, in, bounded);
+    assert_memory_equal(s, ref, len * sizeof *s);
+    assert_int_equal(bounded[0], 1);
+    x[len / 2] = 1.0e38f; /* the sum or mix lands at or above 2^126 (8.5e37) */
+    s[len / 2] = 1.0e38f;
+    pd_mode_shampoo.fold_bounded(&o, &one, st, in, bounded);
+    assert_int_equal(bounded[0], 0);
+  }
+
+  /* The store: a statistic near FLT_MAX not written by a fold is not known bounded, so an
+   * increment the scan calls bounded still meets the exact check and is refused. */
+  for (uint32_t k = 0; k < 2; k++)
+    for (size_t i = 0; i < len; i++) b->stat[k][i] = 0.0f;
+  for (size_t i = 0; i < len; i++) x[i] = 1.0e37f;
+  const float *inc[2] = {x, x};
+  uint8_t scan[2] = {RPC_F32_BOUNDED, RPC_F32_BOUNDED};
+  size_t bad = 9;
+  pd_block *blocks[1] = {b};
+  assert_int_equal(pd_job_push_scanned(f->job, 1, blocks, inc, scan, 1, NULL, &bad), PD_OK);
+  assert_int_equal(b->stat_bounded[0], 1);
+  assert_int_equal(b->stat_bounded[1], 1);
+  b->stat_bounded[0] = 0; /* as a restore or a test writing the statistic leaves it */
+  b->stat[0][3] = FLT_MAX;
+  assert_int_equal(pd_job_push_scanned(f->job, 1, blocks, inc, scan, 2, NULL, &bad), PD_EINVAL);
+  assert_int_equal(bad, 0);
+  assert_true(b->stat[0][3] == FLT_MAX); /* nothing stored */
+  free(s);
+  free(ref);
+  free(x);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -232,6 +329,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_warm_off, setup, teardown),
       cmocka_unit_test_setup_teardown(test_eigh_low_rank, setup, teardown),
       cmocka_unit_test_setup_teardown(test_fold_fits, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_fold_bounded, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

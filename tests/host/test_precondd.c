@@ -1504,6 +1504,20 @@ static void close_region(region_t *g) {
   protobuf_c_message_free_unpacked(&g->r->base, NULL);
 }
 
+/* PushStatistics of the one block b naming the region sess. */
+static grpc_status_code shm_push_call(daemon_t *d, const char *job, uint64_t step,
+                                      Precond__V1__BlockStatistics *b,
+                                      Precond__V1__ShmSession *sess, char *msg) {
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)job;
+  req.step = step;
+  req.n_blocks = 1;
+  req.blocks = &b;
+  req.shm = sess;
+  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
+              NULL, msg, 512);
+}
+
 /* A one-block push of left and right (n x n, fp32) through the region: left at offset
  * off_l, right at off_r (from the region's start); corrupt: flip a byte of left after its
  * checksum; secret_bad: a wrong secret; unchecked: references without a checksum (as
@@ -1532,7 +1546,7 @@ static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, u
   l.n = r.n = n;
   l.shm = &rl;
   r.shm = &rr;
-  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
   b.left = &l;
   b.right = &r;
   uint8_t secret[RPC_SHM_SECRET_BYTES];
@@ -1542,14 +1556,35 @@ static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, u
   sess.id = g->r->id;
   sess.secret.data = secret;
   sess.secret.len = sizeof secret;
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  req.job = (char *)job;
-  req.step = step;
-  req.n_blocks = 1;
-  req.blocks = &bp;
-  req.shm = &sess;
-  return call(d, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor,
-              NULL, msg, 512);
+  return shm_push_call(d, job, step, &b, &sess, msg);
+}
+
+/* A one-block push of left and right (n x n) through slots of the client's push ring
+ * (rpc_shm_slot on the region's mapping v: stamped, unchecked references, as libprecond
+ * sends them); wrap: before the call, later slots are taken and written (finite values)
+ * until the ring has come round over left's: the daemon reads them as a client that gave up
+ * on the call would have it. */
+static grpc_status_code shm_push_stamped(daemon_t *d, rpc_shm *v, const char *job, uint64_t step,
+                                         uint32_t n, const float *left, const float *right,
+                                         int wrap, char *msg) {
+  size_t len = pc_packed_len(n) * 4;
+  Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
+                            r = PRECOND__V1__PACKED_MATRIX__INIT,
+                            junk = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__ShmRef rl, rr, rj;
+  l.n = r.n = n;
+  memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
+  memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
+  while (wrap && rpc_shm_push_intact(v->map, v->bytes, rl.offset, rl.seq)) {
+    float *p = (float *)(void *)rpc_shm_slot(v, &junk, 4096, &rj);
+    for (size_t i = 0; i < 1024; i++) p[i] = 1.0f;
+  }
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
+  b.left = &l;
+  b.right = &r;
+  Precond__V1__ShmSession sess;
+  rpc_shm_session(v, &sess);
+  return shm_push_call(d, job, step, &b, &sess, msg);
 }
 
 static grpc_status_code shm_push(daemon_t *d, region_t *g, const char *job, uint64_t step,
@@ -1766,6 +1801,24 @@ static void test_shm_roots_area(void **state) {
   assert_string_equal(msg, msg2); /* blocks[0].right.data: NaN or Inf ... */
   Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
 
+  /* Stamped slots (libprecond's): a push whose slots the client's ring came round over
+   * before the daemon read them is refused whole, although every value it would read is
+   * finite; the same push intact is stored, once: its roots are the bytes job's. */
+  rpc_shm v = {.id = g.r->id, .map = g.map, .bytes = g.r->bytes, .fd = -1};
+  memcpy(v.secret, g.r->secret.data, sizeof v.secret);
+  assert_int_equal(do_register(&d, "stamped", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 1, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].left.shm: overwritten by a later push"));
+  assert_non_null(strstr(msg, "nothing of this push was stored"));
+  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+  Precond__V1__FetchResponse *fst = wait_step_roots(&d, "stamped", 1, 1);
+  assert_memory_equal(fst->preconditioners[0]->left->data.data,
+                      fb->preconditioners[0]->left->data.data, len);
+  assert_memory_equal(fst->preconditioners[0]->right->data.data,
+                      fb->preconditioners[0]->right->data.data, len);
+  protobuf_c_message_free_unpacked(&fst->base, NULL);
+
   uint64_t seq[2][2] = {{0}};
   for (int round = 0; round < 4; round++) { /* fp32 twice, bf16 twice */
     int bf16 = round >= 2;
@@ -1836,6 +1889,26 @@ static void test_no_pool(void **state) {
   assert_int_equal(do_fetch(&d, "nopool", NULL, 0, 0, &f, msg), GRPC_STATUS_OK);
   assert_int_equal(f->n_preconditioners, 0);
   protobuf_c_message_free_unpacked(&f->base, NULL);
+  /* Factors of 132 KB: rpc_call sends their bytes from where they lie (borrowed slices, not
+   * a packed copy). What arrives is what was sent: a NaN in the last value of the right
+   * factor, past the left one, is refused by name, the same push clean is stored, and the
+   * caller's buffers are its own again once the call returns (rewritten at once). */
+  tspec big[1] = {{"w", {256, 256}, 2}};
+  assert_int_equal(do_register(&d, "borrowed", big, 1, 256, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *bl = random_stat(256, 6), *br = random_stat(256, 7);
+  size_t blen = pc_packed_len(256);
+  br[blen - 1] = NAN;
+  blockstat bb = {0, 256, 256, bl, br, 0};
+  assert_int_equal(do_push(&d, "borrowed", 1, &bb, 1, NULL, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].right.data: NaN or Inf"));
+  br[blen - 1] = 1.0f;
+  accepted = 0;
+  assert_int_equal(do_push(&d, "borrowed", 1, &bb, 1, &accepted, msg), GRPC_STATUS_OK);
+  assert_int_equal(accepted, 1);
+  memset(bl, 0xFF, blen * sizeof *bl); /* the caller's memory again: nothing reads it now */
+  memset(br, 0xFF, blen * sizeof *br);
+  free(bl);
+  free(br);
   free(st);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
   remove_tree(d.p.dir);

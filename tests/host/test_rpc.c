@@ -186,14 +186,23 @@ static void test_shm_rules(void **state) {
   for (size_t i = 0; i < F; i++) x[i] = (float)i - 7.5f;
   int finite = -1;
   rpc_shm_copy_finite(y, x, F * sizeof *x, &finite);
-  assert_int_equal(finite, 1);
+  assert_int_equal(finite, RPC_F32_BOUNDED);
   assert_memory_equal(x, y, F * sizeof *x);
+  /* The bound of rpc_f32_scan: 2^126 and up (a finite value) makes the bytes FINITE only. */
+  x[4097] = 0x1p126f;
+  rpc_shm_copy_finite(y, x, F * sizeof *x, &finite);
+  assert_int_equal(finite, RPC_F32_FINITE);
+  assert_int_equal(rpc_f32_scan(F, x), RPC_F32_FINITE);
+  x[4097] = -0x1.fffffep125f; /* the largest magnitude below it */
+  assert_int_equal(rpc_f32_scan(F, x), RPC_F32_BOUNDED);
+  x[4097] = (float)4097 - 7.5f;
   const size_t bad[] = {0, 4095, 4096, F - 1};
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     float keep = x[bad[i]];
     x[bad[i]] = i % 2 ? INFINITY : NAN;
     rpc_shm_copy_finite(y, x, F * sizeof *x, &finite);
-    assert_int_equal(finite, 0);
+    assert_int_equal(finite, RPC_F32_BAD);
+    assert_int_equal(rpc_f32_scan(F, x), RPC_F32_BAD);
     x[bad[i]] = keep;
   }
   rpc_shm_copy_finite(y, x, F * sizeof *x - 1, &finite); /* not whole floats */
@@ -255,21 +264,44 @@ static void test_shm_client(void **state) {
     assert_ptr_equal(m.shm, &ref[k]);
     assert_null(m.data.data);
     assert_int_equal(m.data.len, 0);
-    assert_int_equal(ref[k].offset, (uint64_t)k * 2 * RPC_SHM_ALIGN); /* 100 -> 128 aligned */
+    /* The push ring starts after its head; 100 bytes take 128 */
+    assert_int_equal(ref[k].offset, RPC_SHM_PUSH_RING + (uint64_t)k * 2 * RPC_SHM_ALIGN);
+    assert_int_equal(ref[k].seq, 1 + (uint64_t)k * 2 * RPC_SHM_ALIGN); /* the stamp */
     assert_int_equal(ref[k].length, sizeof bytes);
     assert_true(ref[k].unchecked); /* no checksum pass: the daemon validates its copy */
     assert_memory_equal(s.map + ref[k].offset, bytes, sizeof bytes);
+    assert_true(rpc_shm_push_intact(s.map, R, ref[k].offset, ref[k].seq));
   }
   /* A slot the caller writes itself: the next place of the ring, no copy. */
   m.shm = NULL;
-  unsigned char *slot = rpc_shm_slot(&s, &m, 64, &ref[0]);
-  assert_ptr_equal(slot, s.map + 4 * RPC_SHM_ALIGN);
-  assert_ptr_equal(m.shm, &ref[0]);
-  assert_int_equal(ref[0].offset, 4 * RPC_SHM_ALIGN);
-  assert_int_equal(ref[0].length, 64);
-  assert_true(ref[0].unchecked);
+  Precond__V1__ShmRef third;
+  unsigned char *slot = rpc_shm_slot(&s, &m, 64, &third);
+  assert_ptr_equal(slot, s.map + RPC_SHM_PUSH_RING + 4 * RPC_SHM_ALIGN);
+  assert_ptr_equal(m.shm, &third);
+  assert_int_equal(third.offset, RPC_SHM_PUSH_RING + 4 * RPC_SHM_ALIGN);
+  assert_int_equal(third.length, 64);
+  assert_true(third.unchecked);
+  /* The stamp: a reference stays intact until the ring comes round onto it. The ring is
+   * R / 2 - 64 = 960 bytes: slots of 128 from 0, 128 (ref[]), 64 from 256 (third); 448
+   * bytes more end at 768, then a slot of 256 does not fit before 960 and wraps to 0: over
+   * ref[0] and ref[1] (its 256 bytes), not over third. */
+  assert_true(rpc_shm_push_intact(s.map, R, ref[0].offset, ref[0].seq));
+  Precond__V1__ShmRef more;
   m.shm = NULL;
-  assert_null(rpc_shm_slot(&s, &m, R / 2 + 1, &ref[0]));
+  assert_non_null(rpc_shm_slot(&s, &m, 448, &more));
+  assert_true(rpc_shm_push_intact(s.map, R, ref[0].offset, ref[0].seq));
+  m.shm = NULL;
+  assert_non_null(rpc_shm_slot(&s, &m, 256, &more));
+  assert_int_equal(more.offset, RPC_SHM_PUSH_RING);
+  assert_int_equal(more.seq, 1 + 960);
+  assert_false(rpc_shm_push_intact(s.map, R, ref[0].offset, ref[0].seq));
+  assert_false(rpc_shm_push_intact(s.map, R, ref[1].offset, ref[1].seq));
+  assert_true(rpc_shm_push_intact(s.map, R, third.offset, third.seq));
+  assert_true(rpc_shm_push_intact(s.map, R, more.offset, more.seq));
+  assert_true(rpc_shm_push_intact(s.map, R, 0, 0)); /* unstamped: an older client's */
+  assert_false(rpc_shm_push_intact(s.map, R, third.offset + 64, third.seq)); /* misplaced */
+  m.shm = NULL;
+  assert_null(rpc_shm_slot(&s, &m, R / 2 - RPC_SHM_PUSH_RING + 1, &ref[0]));
   assert_null(rpc_shm_slot(&s, &m, 0, &ref[0]));
   assert_null(m.shm);
   memset(big, 7, sizeof big); /* more than the client's half: stays as bytes */
