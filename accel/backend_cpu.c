@@ -1325,8 +1325,8 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
  * Shampoo's unfused chain applies them: bit for bit the same results. The loop stays
  * scalar: sqrtf keeps its errno check (GCC's optimize attribute does not lift it; only
  * -fno-math-errno for the whole file would). */
-static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v,
-                            float *x, float *d, const ac_moment_graft_args *a) {
+static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
+                            float *d, const ac_moment_graft_args *a) {
   (void)be;
   const ac_moment_graft_args k = *a; /* a copy: the stores below cannot alias it */
   for (size_t i = 0; i < n; i++) {
@@ -1496,26 +1496,26 @@ C3_TARGET static float c3_hsum(__m256 a) {
  * xc[j + p wq + q] for the 4 output channels i of a block (rows of dq ldd apart, of dw ldw
  * apart) and one input channel xc: per row p of taps, 4 x 3 accumulators of VW lanes over
  * all positions, then one sum each (HSUM, a fixed order). One body for both ISAs. */
-#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM)                   \
-  TARGET static void NAME(size_t nv, size_t wq, const float *dq, size_t ldd,           \
-                          const float *xc, float *dw, size_t ldw) {                    \
-    for (size_t p = 0; p < 3; p++) {                                                   \
-      VEC a[4][3];                                                                     \
-      for (size_t i = 0; i < 4; i++)                                                   \
-        for (size_t q = 0; q < 3; q++) a[i][q] = ZERO();                               \
-      const float *xp = xc + p * wq;                                                   \
-      for (size_t v = 0; v < nv; v++) {                                                \
-        VEC x0 = LOAD(xp + v * VW), x1 = LOAD(xp + v * VW + 1), x2 = LOAD(xp + v * VW + 2); \
-        for (size_t i = 0; i < 4; i++) {                                               \
-          VEC d = LOAD(dq + i * ldd + v * VW);                                         \
-          a[i][0] = FMA(d, x0, a[i][0]);                                               \
-          a[i][1] = FMA(d, x1, a[i][1]);                                               \
-          a[i][2] = FMA(d, x2, a[i][2]);                                               \
-        }                                                                              \
-      }                                                                                \
-      for (size_t i = 0; i < 4; i++)                                                   \
-        for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += HSUM(a[i][q]);       \
-    }                                                                                  \
+#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM)                          \
+  TARGET static void NAME(size_t nv, size_t wq, const float *dq, size_t ldd, const float *xc, \
+                          float *dw, size_t ldw) {                                            \
+    for (size_t p = 0; p < 3; p++) {                                                          \
+      VEC a[4][3];                                                                            \
+      for (size_t i = 0; i < 4; i++)                                                          \
+        for (size_t q = 0; q < 3; q++) a[i][q] = ZERO();                                      \
+      const float *xp = xc + p * wq;                                                          \
+      for (size_t v = 0; v < nv; v++) {                                                       \
+        VEC x0 = LOAD(xp + v * VW), x1 = LOAD(xp + v * VW + 1), x2 = LOAD(xp + v * VW + 2);   \
+        for (size_t i = 0; i < 4; i++) {                                                      \
+          VEC d = LOAD(dq + i * ldd + v * VW);                                                \
+          a[i][0] = FMA(d, x0, a[i][0]);                                                      \
+          a[i][1] = FMA(d, x1, a[i][1]);                                                      \
+          a[i][2] = FMA(d, x2, a[i][2]);                                                      \
+        }                                                                                     \
+      }                                                                                       \
+      for (size_t i = 0; i < 4; i++)                                                          \
+        for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += HSUM(a[i][q]);              \
+    }                                                                                         \
   }
 C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
                _mm256_fmadd_ps, c3_hsum)
@@ -1525,26 +1525,25 @@ C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_l
 
 /* out[i][16 v, 16 (v + NV)) for the 4 output channels i of a block, NV (1..6) vectors:
  * 4 NV accumulators (24 of the 32 registers at NV 6), NV loads and 4 broadcasts per tap. */
-#define C5_FWD_VECS(NV)                                                                 \
-  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, const size_t *off,         \
-                                        const float *xq, const float *wp, float *out,    \
-                                        size_t ldo) {                                   \
-    __m512 a[4][NV];                                                                    \
-    for (size_t i = 0; i < 4; i++)                                                      \
-      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                    \
-    for (size_t ch = 0; ch < c; ch++) {                                                 \
-      const float *xc = xq + ch * cl, *wc = wp + ch * 36;                               \
-      for (size_t t = 0; t < 9; t++) {                                                  \
-        __m512 xv[NV];                                                                  \
-        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);  \
-        for (size_t i = 0; i < 4; i++) {                                                \
-          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                    \
-          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]); \
-        }                                                                               \
-      }                                                                                 \
-    }                                                                                   \
-    for (size_t i = 0; i < 4; i++)                                                      \
-      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]); \
+#define C5_FWD_VECS(NV)                                                                          \
+  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, const size_t *off, const float *xq, \
+                                        const float *wp, float *out, size_t ldo) {               \
+    __m512 a[4][NV];                                                                             \
+    for (size_t i = 0; i < 4; i++)                                                               \
+      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                             \
+    for (size_t ch = 0; ch < c; ch++) {                                                          \
+      const float *xc = xq + ch * cl, *wc = wp + ch * 36;                                        \
+      for (size_t t = 0; t < 9; t++) {                                                           \
+        __m512 xv[NV];                                                                           \
+        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);           \
+        for (size_t i = 0; i < 4; i++) {                                                         \
+          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                             \
+          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]);         \
+        }                                                                                        \
+      }                                                                                          \
+    }                                                                                            \
+    for (size_t i = 0; i < 4; i++)                                                               \
+      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);         \
   }
 C5_FWD_VECS(6)
 C5_FWD_VECS(3)
@@ -1815,7 +1814,7 @@ int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_
   pool_start(&impl->pool, impl->threads);
   be->ops = &cpu_ops;
   be->impl = impl;
-  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s, direct convs %s)",
-           impl->threads, impl->threads == 1 ? "" : "s", c3_isa_name(impl->isa));
+  snprintf(be->desc, sizeof be->desc, "cpu (OpenBLAS, %d thread%s, direct convs %s)", impl->threads,
+           impl->threads == 1 ? "" : "s", c3_isa_name(impl->isa));
   return AC_OK;
 }

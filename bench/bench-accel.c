@@ -67,22 +67,21 @@ static void check(int rc, const char *what) {
  * figures, the peak's included, use the median: on a shared machine one lucky short run
  * would otherwise set the peak. */
 static double last_min_ms, last_other_ms, last_other_min_ms;
-#define TIME_MS(out, expr)                                                          \
-  do {                                                                              \
-    double ts_[MAX_REPS], to_[MAX_REPS];                                            \
-    clockid_t other_ =                                                              \
-        clock_id == CLOCK_MONOTONIC ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC;   \
-    for (int r_ = -1; r_ < reps; r_++) {                                            \
-      double t0_ = clock_s(clock_id), o0_ = clock_s(other_);                        \
-      check((expr), #expr);                                                         \
-      check(ac_sync(be), "sync");                                                   \
-      double t1_ = clock_s(clock_id), o1_ = clock_s(other_);                        \
-      if (r_ >= 0) ts_[r_] = 1e3 * (t1_ - t0_), to_[r_] = 1e3 * (o1_ - o0_);        \
-    }                                                                               \
-    (out) = median(ts_, reps);                                                      \
-    last_min_ms = ts_[0];                                                           \
-    last_other_ms = median(to_, reps);                                              \
-    last_other_min_ms = to_[0];                                                     \
+#define TIME_MS(out, expr)                                                                       \
+  do {                                                                                           \
+    double ts_[MAX_REPS], to_[MAX_REPS];                                                         \
+    clockid_t other_ = clock_id == CLOCK_MONOTONIC ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC; \
+    for (int r_ = -1; r_ < reps; r_++) {                                                         \
+      double t0_ = clock_s(clock_id), o0_ = clock_s(other_);                                     \
+      check((expr), #expr);                                                                      \
+      check(ac_sync(be), "sync");                                                                \
+      double t1_ = clock_s(clock_id), o1_ = clock_s(other_);                                     \
+      if (r_ >= 0) ts_[r_] = 1e3 * (t1_ - t0_), to_[r_] = 1e3 * (o1_ - o0_);                     \
+    }                                                                                            \
+    (out) = median(ts_, reps);                                                                   \
+    last_min_ms = ts_[0];                                                                        \
+    last_other_ms = median(to_, reps);                                                           \
+    last_other_min_ms = to_[0];                                                                  \
   } while (0)
 
 /* One figure: median ms and best ms of the last TIME_MS (ms is its median, or a sum of

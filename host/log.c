@@ -1,17 +1,29 @@
 /*
  * log.c -- leveled, timestamped log lines on stderr (one fprintf a line, so lines from
- * several threads never interleave).
+ * several threads never interleave), and the thread names that profilers and
+ * /proc/PID/task show.
  */
 #include "precondd.h"
 
 #include <stdarg.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 static _Atomic int pd__log_threshold = PD_LOG_INFO;
 static _Atomic int pd__log_rank = -1; /* under mpirun: lines say which rank wrote them */
 
 static const char *const pd__level_names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
+
+void pd_thread_name(const char *name) {
+#ifdef __linux__
+  prctl(PR_SET_NAME, name, 0, 0, 0); /* what pthread_setname_np does, without _GNU_SOURCE */
+#else
+  (void)name;
+#endif
+}
 
 void pd_log_set_level(pd_log_level level) {
   atomic_store(&pd__log_threshold, (int)level);

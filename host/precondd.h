@@ -55,6 +55,12 @@ const char *pd_strerror(int code);
 
 typedef enum { PD_LOG_ERROR = 0, PD_LOG_WARN, PD_LOG_INFO, PD_LOG_DEBUG } pd_log_level;
 
+/* Names the calling thread (at most 15 characters; Linux: the comm of
+ * /proc/PID/task/TID, elsewhere nothing), so per-thread CPU can be told apart from outside:
+ * "pd-pool" (root workers) and "pd-replica" (the communication thread), which
+ * bench-daemon's replica rows sum per rank. */
+void pd_thread_name(const char *name);
+
 /* Sets the threshold (messages above it are dropped). Thread-safe. */
 void pd_log_set_level(pd_log_level level);
 /* Under mpirun: every line names the rank ("precondd[1]: ..."); -1 (the default): none. */
@@ -676,12 +682,6 @@ int pd_replica_plan(pd_job *job, int nranks);
 /* 1 when this process was started by an MPI launcher (OMPI_COMM_WORLD_SIZE or PMI_SIZE in
  * the environment), with the world size it announces in *size. */
 int pd_replica_launched(int *size);
-
-/* Names the calling thread (at most 15 characters; Linux: the comm of
- * /proc/PID/task/TID, elsewhere nothing), so per-thread CPU can be told apart from outside:
- * "pd-pool" (root workers) and "pd-replica" (the communication thread), which
- * bench-daemon's replica rows sum per rank. */
-void pd_thread_name(const char *name);
 
 /* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
 int pd_replica_subst(char *s, size_t cap, int rank);

@@ -7,17 +7,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
-
-void pd_thread_name(const char *name) {
-#ifdef __linux__
-  prctl(PR_SET_NAME, name, 0, 0, 0); /* what pthread_setname_np does, without _GNU_SOURCE */
-#else
-  (void)name;
-#endif
-}
 
 int pd_replica_owns(const pd_replica_link *link, const pd_block *b) {
   return !link || link->nranks <= 1 || atomic_load(&link->alone) || (int)b->owner == link->rank;

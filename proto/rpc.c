@@ -280,8 +280,8 @@ static void rpc__slicer_append(ProtobufCBuffer *buf, size_t len, const uint8_t *
 /* rpc_pack whose large bytes fields are borrowed from msg (which must stay unchanged until
  * rpc__borrow_wait(b) returns, after the call and grpc_byte_buffer_destroy(*out)); b is
  * initialised here whatever the result. */
-static int rpc__pack_borrowed(const ProtobufCMessage *msg, size_t max_bytes,
-                              grpc_byte_buffer **out, rpc__borrow *b) {
+static int rpc__pack_borrowed(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **out,
+                              rpc__borrow *b) {
   *out = NULL;
   pthread_mutex_init(&b->lock, NULL);
   pthread_cond_init(&b->done, NULL);

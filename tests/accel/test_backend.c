@@ -1412,8 +1412,8 @@ static void test_conv_im2col(void **state) {
  * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
  * without AVX2 + FMA) answers AC_ENOTSUP, and the layers use im2col + gemm. */
 static void conv3x3_against_loops(ac_backend *be) {
-  const size_t shapes[][5] = {{3, 5, 8, 7, 9},  {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
-                              {1, 4, 4, 1, 1},  {3, 8, 4, 2, 3},    {2, 3, 8, 7, 7},
+  const size_t shapes[][5] = {{3, 5, 8, 7, 9},   {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
+                              {1, 4, 4, 1, 1},   {3, 8, 4, 2, 3},    {2, 3, 8, 7, 7},
                               {1, 2, 12, 11, 13}};
   if (!ac_conv3x3_supported(be, 4, 4)) {
     float z[3] = {0, 0, 0};
@@ -1801,8 +1801,8 @@ static void test_moment_graft(void **state) {
   float *hg = host_rand(n), *hf = host_rand(n), *hv = host_rand(n);
   for (size_t i = 0; i < n; i++) hv[i] = fabsf(hv[i]) * 0.01f;
   for (int nesterov = 0; nesterov < 2; nesterov++) {
-    const ac_moment_graft_args a = {0.1f, 0.9f, nesterov ? 0.37f : 0.0f, 2.5f,
-                                    0.001f, 0.999f, 40.0f, 1e-2f};
+    const ac_moment_graft_args a = {0.1f,  0.9f, nesterov ? 0.37f : 0.0f, 2.5f, 0.001f, 0.999f,
+                                    40.0f, 1e-2f};
     float *g = dev_up(be, hg, n), *f = dev_up(be, hf, n), *v = dev_up(be, hv, n);
     float *x = dev_alloc(be, n * sizeof(float)), *d = dev_alloc(be, n * sizeof(float));
     OK(ac_moment_graft(be, n, g, f, v, x, d, &a));

@@ -314,16 +314,17 @@ static void test_compare_reach(void **state) {
   snprintf(log, sizeof log, "%s/reach.log", tmpdir);
   FILE *f = fopen(csv, "w");
   assert_non_null(f);
-  fputs("step,wall_s,step_ms,train_loss,eval_loss\n3,1.0,1,2.1,2.0\n4,1.5,1,1.9,\n"
-        "6,2.0,1,1.1,1.0\n",
-        f);
+  fputs(
+      "step,wall_s,step_ms,train_loss,eval_loss\n3,1.0,1,2.1,2.0\n4,1.5,1,1.9,\n"
+      "6,2.0,1,1.1,1.0\n",
+      f);
   fclose(f);
   const struct {
     const char *target, *want;
-  } cases[] = {{"1.6", "6,2.0,4,1.400\n"},  /* crossed between two evaluations */
-               {"2.5", "3,1.0,3,1.000\n"},  /* the first evaluation is already below */
-               {"1.0", "6,2.0,6,2.000\n"},  /* "at or below": equal counts */
-               {"0.5", "-,,,\n"}};          /* never */
+  } cases[] = {{"1.6", "6,2.0,4,1.400\n"}, /* crossed between two evaluations */
+               {"2.5", "3,1.0,3,1.000\n"}, /* the first evaluation is already below */
+               {"1.0", "6,2.0,6,2.000\n"}, /* "at or below": equal counts */
+               {"0.5", "-,,,\n"}};         /* never */
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char *argv[] = {(char *)compare_path, "--reach", csv, (char *)cases[i].target, NULL};
     assert_int_equal(run(argv, log), 0);
@@ -395,10 +396,8 @@ int main(int argc, char **argv) {
   compare_path = argv[4];
   build_dir = argv[5];
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_bad_options),
-      cmocka_unit_test(test_transformer),
-      cmocka_unit_test(test_resnet),
-      cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_bad_options),   cmocka_unit_test(test_transformer),
+      cmocka_unit_test(test_resnet),        cmocka_unit_test(test_compare),
       cmocka_unit_test(test_compare_reach),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
