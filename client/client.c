@@ -1095,6 +1095,14 @@ static int push_fits(const precond_client *c, int kfac, uint32_t block_id, uint3
 
 static int push_queue(precond_client *c, int kfac, precond__item *it);
 
+/* Whether the client's job is a K-FAC job (its parts' order follows; see push_fits). */
+static int client_is_kfac(precond_client *c) {
+  pthread_mutex_lock(&c->mu);
+  int kfac = c->mode == PRECOND_MODE_KFAC;
+  pthread_mutex_unlock(&c->mu);
+  return kfac;
+}
+
 /* Whether a push of these part orders may be queued now: PRECOND_OK, PRECOND_EENDED (the
  * job was ended) or PRECOND_EINVAL (no thread, no job of that mode, sizes off the layout). */
 static int push_admits(precond_client *c, int kfac, uint32_t block_id, uint32_t n0, uint32_t n1) {
@@ -1172,9 +1180,7 @@ int precond_push_begin(precond_client *c, uint64_t step, uint32_t block_id, uint
   if (slot) *slot = NULL;
   if (c == NULL || part0 == NULL || part1 == NULL || slot == NULL || n0 == 0 || n1 == 0)
     return PRECOND_EINVAL;
-  pthread_mutex_lock(&c->mu);
-  int kfac = c->mode == PRECOND_MODE_KFAC;
-  pthread_mutex_unlock(&c->mu);
+  int kfac = client_is_kfac(c);
   int st = push_admits(c, kfac, block_id, n0, n1);
   if (st != PRECOND_OK) return st;
   size_t c0 = pc_packed_len(n0), c1 = pc_packed_len(n1);
@@ -1197,9 +1203,7 @@ int precond_push_commit(precond_client *c, precond_push_slot *slot) {
     precond__item_free(it);
     return PRECOND_EINVAL;
   }
-  pthread_mutex_lock(&c->mu);
-  int kfac = c->mode == PRECOND_MODE_KFAC;
-  pthread_mutex_unlock(&c->mu);
+  int kfac = client_is_kfac(c);
   return push_queue(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL there */
 }
 

@@ -1611,6 +1611,13 @@ static Precond__V1__FetchResponse *push_both_ways(daemon_t *d, region_t *g, uint
   return fb;
 }
 
+/* The two sides (left, right) of a fetch answer's first block. */
+static void root_sides(const Precond__V1__FetchResponse *r,
+                       const Precond__V1__PackedMatrix *side[2]) {
+  side[0] = r->preconditioners[0]->left;
+  side[1] = r->preconditioners[0]->right;
+}
+
 /* Job "viashm"'s roots fetched naming the region g (roots_area: the client has the roots
  * area mapped) in encoding enc: one block's answer (the caller frees it). */
 static Precond__V1__FetchResponse *shm_fetch(daemon_t *d, region_t *g, int roots_area, int enc) {
@@ -1699,10 +1706,9 @@ static void test_shm(void **state) {
   /* Stored: the same roots as the same bytes over gRPC, bit for bit. */
   Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 0);
   Precond__V1__FetchResponse *fs = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
-  const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
-                                              fs->preconditioners[0]->right};
-  const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
-                                               fb->preconditioners[0]->right};
+  const Precond__V1__PackedMatrix *side[2], *bside[2];
+  root_sides(fs, side);
+  root_sides(fb, bside);
   for (int k = 0; k < 2; k++) {
     const Precond__V1__ShmRef *ref = side[k]->shm;
     assert_non_null(ref);
@@ -1825,10 +1831,9 @@ static void test_shm_roots_area(void **state) {
     Precond__V1__FetchResponse *fs = shm_fetch(
         &d, &g, 1,
         bf16 ? PRECOND__V1__ENCODING__ENCODING_BF16 : PRECOND__V1__ENCODING__ENCODING_FP32);
-    const Precond__V1__PackedMatrix *side[2] = {fs->preconditioners[0]->left,
-                                                fs->preconditioners[0]->right};
-    const Precond__V1__PackedMatrix *bside[2] = {fb->preconditioners[0]->left,
-                                                 fb->preconditioners[0]->right};
+    const Precond__V1__PackedMatrix *side[2], *bside[2];
+    root_sides(fs, side);
+    root_sides(fb, bside);
     for (int k = 0; k < 2; k++) {
       const Precond__V1__ShmRef *ref = side[k]->shm;
       assert_non_null(ref);
