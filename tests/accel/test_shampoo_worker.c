@@ -661,6 +661,23 @@ static void test_roots_versions_and_errors(void **state) {
   world_grads(&w, 0.5f);
   step_and_check(&w, s, &o, 0.1f, 2e-5);
 
+  /* Dropped roots (read torn by reference): the grafted step until a version comes again,
+   * the same version included. */
+  OK(ac_shampoo_drop_roots(s, 0));
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.version, 0);
+  make_roots(&w, 0, 0, 0); /* the reference: no roots, the fallback */
+  world_grads(&w, 0.5f);
+  step_and_check(&w, s, &o, 0.1f, 2e-5);
+  make_roots(&w, 0, 1, 1);
+  OK(give_roots(&w, s, 0, 6, AC_ROOT_PACKED));
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.version, 6);
+  world_grads(&w, 0.5f);
+  step_and_check(&w, s, &o, 0.1f, 2e-5);
+  assert_int_equal(ac_shampoo_drop_roots(s, NBLK), AC_EINVAL);
+  assert_int_equal(ac_shampoo_drop_roots(NULL, 0), AC_EINVAL);
+
   ac_shampoo_destroy(s);
   world_destroy(&w);
 }
