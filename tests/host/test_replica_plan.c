@@ -1,6 +1,6 @@
 /* test_replica_plan.c -- host/replica_plan.c: the ownership of units among daemon replicas
  * (deterministic, a partition, within the greedy bound), the link's ownership rule, and the
- * %r substitution, the state directory's rank count. No MPI. */
+ * %r substitution, the plan of a resume from the ranks' state directories. No MPI. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -110,37 +110,78 @@ static void test_subst(void **state) {
   assert_string_equal(u, "abcdefgh%r");
 }
 
-/* A state directory remembers the rank count of its snapshot: a restart that restored jobs
- * under another count or rank is refused with both named; without jobs, or without the
- * file (an older daemon's directory), the start goes on and the file says the new count. */
-static void test_state_check(void **state) {
+static pd_replica_view view(int state, int rank, int nranks, uint64_t run) {
+  return (pd_replica_view){state, rank, nranks, run, 77};
+}
+
+/* The resume plan every rank derives from the views of all: as before when nothing or an
+ * older daemon's snapshot is there or everything matches; resharded from rank 0's count and
+ * run otherwise (a new rank count, a directory of another rank, a stale one), with a new run. */
+static void test_resume_plan(void **state) {
   (void)state;
-  char dir[] = "/tmp/pdplan-XXXXXX", why[1024] = "", path[64];
-  assert_non_null(mkdtemp(dir));
-  snprintf(path, sizeof path, "%s/%s", dir, PD_REPLICA_STATE_FILE);
-  assert_int_equal(pd_replica_state_check(dir, 0, 1, 3, why, sizeof why), PD_OK); /* no file */
-  assert_int_equal(pd_replica_state_check(dir, 1, 2, 0, why, sizeof why), PD_OK); /* no jobs */
-  assert_int_equal(pd_replica_state_check(dir, 1, 2, 2, why, sizeof why), PD_OK); /* same */
-  assert_int_equal(pd_replica_state_check(dir, 1, 3, 2, why, sizeof why), PD_EINVAL);
-  assert_non_null(strstr(why, "rank 1 of 2 daemon replicas, and this is rank 1 of 3"));
-  assert_non_null(strstr(why, "mpirun -np 2"));
-  assert_int_equal(pd_replica_state_check(dir, 0, 2, 2, why, sizeof why), PD_EINVAL); /* rank */
-  FILE *f = fopen(path, "r");
-  int r = -1, n = -1;
-  assert_non_null(f);
-  assert_int_equal(fscanf(f, "%d %d", &r, &n), 2); /* a refusal leaves the file */
-  fclose(f);
-  assert_int_equal(r, 1);
-  assert_int_equal(n, 2);
-  f = fopen(path, "w");
-  assert_non_null(f);
-  fputs("garbage\n", f); /* unreadable: as if absent */
-  fclose(f);
-  assert_int_equal(pd_replica_state_check(dir, 0, 4, 2, why, sizeof why), PD_OK);
-  assert_int_equal(pd_replica_state_check(dir, 0, 1, 2, why, sizeof why), PD_EINVAL);
-  assert_non_null(strstr(why, "rank 0 of 4"));
-  unlink(path);
-  assert_int_equal(rmdir(dir), 0);
+  pd_resume_plan p;
+  pd_replica_view v[3];
+  /* Nothing to resume: rank 0's fresh run. */
+  v[0] = view(PD_VIEW_NONE, 0, 0, 0);
+  v[1] = view(PD_VIEW_EMPTY, 1, 2, 5);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 0);
+  assert_int_equal(p.run, 77);
+  /* The same count and run: each its own; the run goes on. */
+  v[0] = view(PD_VIEW_JOBS, 0, 2, 5);
+  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 0);
+  assert_int_equal(p.run, 5);
+  /* One rank lost its directory: still its own (it starts empty), as before. */
+  v[1] = view(PD_VIEW_NONE, 0, 0, 0);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 0);
+  /* Older daemons' snapshots without a count: as before. */
+  v[0] = view(PD_VIEW_JOBS, -1, 0, 0);
+  v[1] = view(PD_VIEW_JOBS, -1, 0, 0);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 0);
+  /* 2 -> 3: resharded from 2, run 5, new run 6. */
+  v[0] = view(PD_VIEW_JOBS, 0, 2, 5);
+  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
+  v[2] = view(PD_VIEW_NONE, 0, 0, 0);
+  pd_replica_resume_plan(v, 3, &p);
+  assert_int_equal(p.reshard, 1);
+  assert_int_equal(p.old_nranks, 2);
+  assert_int_equal(p.old_run, 5);
+  assert_int_equal(p.run, 6);
+  /* 2 -> 1 and 1 -> 2. */
+  pd_replica_resume_plan(v, 1, &p);
+  assert_int_equal(p.reshard, 1);
+  assert_int_equal(p.old_nranks, 2);
+  v[0] = view(PD_VIEW_JOBS, 0, 1, 9);
+  v[1] = view(PD_VIEW_NONE, 0, 0, 0);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 1);
+  assert_int_equal(p.old_nranks, 1);
+  /* 3 -> 2 -> 3: rank 2's directory holds the 3-rank run's snapshot; rank 0 says 2. */
+  v[0] = view(PD_VIEW_JOBS, 0, 2, 6);
+  v[1] = view(PD_VIEW_JOBS, 1, 2, 6);
+  v[2] = view(PD_VIEW_JOBS, 2, 3, 5);
+  pd_replica_resume_plan(v, 3, &p);
+  assert_int_equal(p.reshard, 1);
+  assert_int_equal(p.old_nranks, 2);
+  assert_int_equal(p.old_run, 6);
+  /* Directories swapped between ranks: resharded (the load then names the directory that
+   * holds another rank's snapshot). */
+  v[0] = view(PD_VIEW_JOBS, 1, 2, 5);
+  v[1] = view(PD_VIEW_JOBS, 0, 2, 5);
+  pd_replica_resume_plan(v, 2, &p);
+  assert_int_equal(p.reshard, 1);
+  /* Rank 0 without jobs names the run: another rank's jobs of an older run do not count. */
+  v[0] = view(PD_VIEW_EMPTY, 0, 3, 8);
+  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
+  v[2] = view(PD_VIEW_EMPTY, 2, 3, 8);
+  pd_replica_resume_plan(v, 3, &p);
+  assert_int_equal(p.reshard, 1);
+  assert_int_equal(p.old_nranks, 3);
+  assert_int_equal(p.old_run, 8);
 }
 
 int main(void) {
@@ -149,7 +190,7 @@ int main(void) {
       cmocka_unit_test(test_plan_order),
       cmocka_unit_test(test_owns),
       cmocka_unit_test(test_subst),
-      cmocka_unit_test(test_state_check),
+      cmocka_unit_test(test_resume_plan),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
