@@ -558,8 +558,8 @@ static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_re
     goto done;
   }
   double t0 = pd_now();
-  int r = pd_snapshot_read_resharded(&d->store, names, p->old_nranks, p->old_run, rank, nranks,
-                                     err, sizeof err);
+  int r = pd_snapshot_read_resharded(&d->store, names, p->old_nranks, p->old_run, rank, nranks, err,
+                                     sizeof err);
   if (r != PD_OK) {
     pd_log(PD_LOG_ERROR,
            "cannot resume the daemon job of %d rank(s) as rank %d of %d: %s (%s). Start it "

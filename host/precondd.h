@@ -478,8 +478,8 @@ typedef struct {
   int warm_roots;             /* the pool warm-starts roots (--warm-roots): their scratch
                                * bound is the warm one (set after pd_store_init) */
   uint32_t max_blocks_per_job;
-  _Atomic uint64_t generation;        /* bumped by every change: snapshots skip when unchanged */
-  uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
+  _Atomic uint64_t generation; /* bumped by every change: snapshots skip when unchanged */
+  uint64_t epoch;              /* daemon starts with this state dir (main.c); 0 without */
   uint64_t run; /* the daemon job's run (pd_resume_plan.run), written into snapshots; 0 */
   const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
   _Atomic uint64_t removed;           /* jobs removed (ended or expired): main.c snapshots soon */
@@ -695,18 +695,18 @@ int pd_replica_subst(char *s, size_t cap, int rank);
  * (pd_snapshot_read_resharded). Fixed-size: exchanged as bytes between ranks of one build. */
 enum { PD_VIEW_NONE = 0, PD_VIEW_EMPTY, PD_VIEW_JOBS, PD_VIEW_BAD, PD_VIEW_FAILED };
 typedef struct {
-  int32_t state;         /* PD_VIEW_*: no snapshot, one without jobs, with jobs, damaged,
+  int32_t state;        /* PD_VIEW_*: no snapshot, one without jobs, with jobs, damaged,
                           * the directory unusable (this rank stops) */
-  int32_t rank, nranks;  /* the snapshot's origin; nranks 0: not known (an older daemon) */
-  uint64_t run;          /* the snapshot's run; 0: not known */
-  uint64_t propose;      /* a fresh run id (rank 0's is taken when nothing is resumed) */
+  int32_t rank, nranks; /* the snapshot's origin; nranks 0: not known (an older daemon) */
+  uint64_t run;         /* the snapshot's run; 0: not known */
+  uint64_t propose;     /* a fresh run id (rank 0's is taken when nothing is resumed) */
 } pd_replica_view;
 
 typedef struct {
-  int reshard;     /* 1: resume under another rank count */
-  int old_nranks;  /* the count the snapshots were written under (reshard) */
+  int reshard;    /* 1: resume under another rank count */
+  int old_nranks; /* the count the snapshots were written under (reshard) */
   uint64_t old_run;
-  uint64_t run;    /* this run's id, written into every snapshot it takes */
+  uint64_t run; /* this run's id, written into every snapshot it takes */
 } pd_resume_plan;
 
 /* The plan from every rank's view (views[r] of rank r, nranks of them). Resumed as before

@@ -881,8 +881,8 @@ static pd_job *pd__record(pd__file *files, int k, int base_file, pd_job *base) {
 /* Merges the records of base (taken from file base_file) across the old ranks' files into
  * base: each unit's statistics from its old owner's file when this rank owns it now, the
  * newest root of every unit from whichever file holds it. */
-static int pd__merge_job(pd__file *files, int old_nranks, int base_file, pd_job *base,
-                         int rank, int nranks, char *err, size_t errlen) {
+static int pd__merge_job(pd__file *files, int old_nranks, int base_file, pd_job *base, int rank,
+                         int nranks, char *err, size_t errlen) {
   uint32_t *old_owner = malloc((base->nblocks ? base->nblocks : 1) * sizeof *old_owner);
   if (!old_owner) return PD_ENOMEM;
   int rc = pd_replica_plan(base, old_nranks);
@@ -892,8 +892,10 @@ static int pd__merge_job(pd__file *files, int old_nranks, int base_file, pd_job 
     pd_job *o = pd__record(files, k, base_file, base);
     if (!o || o == base) continue;
     if (!pd_job_same(o, base)) {
-      snprintf(err, errlen, "job \"%s\" has other tensors or options in the snapshot of rank %d "
-               "than in that of rank %d", base->name, k, base_file);
+      snprintf(err, errlen,
+               "job \"%s\" has other tensors or options in the snapshot of rank %d "
+               "than in that of rank %d",
+               base->name, k, base_file);
       rc = PD_EINVAL;
       break;
     }

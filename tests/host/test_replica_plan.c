@@ -110,78 +110,59 @@ static void test_subst(void **state) {
   assert_string_equal(u, "abcdefgh%r");
 }
 
-static pd_replica_view view(int state, int rank, int nranks, uint64_t run) {
-  return (pd_replica_view){state, rank, nranks, run, 77};
-}
+#define V(state, rank, nranks, run) \
+  { PD_VIEW_##state, rank, nranks, run, 77 }
 
 /* The resume plan every rank derives from the views of all: as before when nothing or an
  * older daemon's snapshot is there or everything matches; resharded from rank 0's count and
  * run otherwise (a new rank count, a directory of another rank, a stale one), with a new run. */
 static void test_resume_plan(void **state) {
   (void)state;
-  pd_resume_plan p;
-  pd_replica_view v[3];
-  /* Nothing to resume: rank 0's fresh run. */
-  v[0] = view(PD_VIEW_NONE, 0, 0, 0);
-  v[1] = view(PD_VIEW_EMPTY, 1, 2, 5);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 0);
-  assert_int_equal(p.run, 77);
-  /* The same count and run: each its own; the run goes on. */
-  v[0] = view(PD_VIEW_JOBS, 0, 2, 5);
-  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 0);
-  assert_int_equal(p.run, 5);
-  /* One rank lost its directory: still its own (it starts empty), as before. */
-  v[1] = view(PD_VIEW_NONE, 0, 0, 0);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 0);
-  /* Older daemons' snapshots without a count: as before. */
-  v[0] = view(PD_VIEW_JOBS, -1, 0, 0);
-  v[1] = view(PD_VIEW_JOBS, -1, 0, 0);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 0);
-  /* 2 -> 3: resharded from 2, run 5, new run 6. */
-  v[0] = view(PD_VIEW_JOBS, 0, 2, 5);
-  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
-  v[2] = view(PD_VIEW_NONE, 0, 0, 0);
-  pd_replica_resume_plan(v, 3, &p);
-  assert_int_equal(p.reshard, 1);
-  assert_int_equal(p.old_nranks, 2);
-  assert_int_equal(p.old_run, 5);
-  assert_int_equal(p.run, 6);
-  /* 2 -> 1 and 1 -> 2. */
-  pd_replica_resume_plan(v, 1, &p);
-  assert_int_equal(p.reshard, 1);
-  assert_int_equal(p.old_nranks, 2);
-  v[0] = view(PD_VIEW_JOBS, 0, 1, 9);
-  v[1] = view(PD_VIEW_NONE, 0, 0, 0);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 1);
-  assert_int_equal(p.old_nranks, 1);
-  /* 3 -> 2 -> 3: rank 2's directory holds the 3-rank run's snapshot; rank 0 says 2. */
-  v[0] = view(PD_VIEW_JOBS, 0, 2, 6);
-  v[1] = view(PD_VIEW_JOBS, 1, 2, 6);
-  v[2] = view(PD_VIEW_JOBS, 2, 3, 5);
-  pd_replica_resume_plan(v, 3, &p);
-  assert_int_equal(p.reshard, 1);
-  assert_int_equal(p.old_nranks, 2);
-  assert_int_equal(p.old_run, 6);
-  /* Directories swapped between ranks: resharded (the load then names the directory that
-   * holds another rank's snapshot). */
-  v[0] = view(PD_VIEW_JOBS, 1, 2, 5);
-  v[1] = view(PD_VIEW_JOBS, 0, 2, 5);
-  pd_replica_resume_plan(v, 2, &p);
-  assert_int_equal(p.reshard, 1);
-  /* Rank 0 without jobs names the run: another rank's jobs of an older run do not count. */
-  v[0] = view(PD_VIEW_EMPTY, 0, 3, 8);
-  v[1] = view(PD_VIEW_JOBS, 1, 2, 5);
-  v[2] = view(PD_VIEW_EMPTY, 2, 3, 8);
-  pd_replica_resume_plan(v, 3, &p);
-  assert_int_equal(p.reshard, 1);
-  assert_int_equal(p.old_nranks, 3);
-  assert_int_equal(p.old_run, 8);
+  static const struct {
+    const char *what;
+    int nranks;
+    pd_replica_view v[3];
+    pd_resume_plan want; /* reshard, old_nranks, old_run, run */
+  } cases[] = {
+      {"nothing to resume: rank 0's fresh run",
+       2,
+       {V(NONE, 0, 0, 0), V(EMPTY, 1, 2, 5)},
+       {0, 2, 0, 77}},
+      {"the same count and run: the run goes on",
+       2,
+       {V(JOBS, 0, 2, 5), V(JOBS, 1, 2, 5)},
+       {0, 2, 5, 5}},
+      {"a rank lost its directory: as before",
+       2,
+       {V(JOBS, 0, 2, 5), V(NONE, 0, 0, 0)},
+       {0, 2, 5, 5}},
+      {"older daemons' snapshots: as before",
+       2,
+       {V(JOBS, -1, 0, 0), V(JOBS, -1, 0, 0)},
+       {0, 2, 0, 77}},
+      {"2 -> 3", 3, {V(JOBS, 0, 2, 5), V(JOBS, 1, 2, 5), V(NONE, 0, 0, 0)}, {1, 2, 5, 6}},
+      {"2 -> 1", 1, {V(JOBS, 0, 2, 5)}, {1, 2, 5, 6}},
+      {"1 -> 2", 2, {V(JOBS, 0, 1, 9), V(NONE, 0, 0, 0)}, {1, 1, 9, 10}},
+      {"3 -> 2 -> 3: rank 2 holds the older run",
+       3,
+       {V(JOBS, 0, 2, 6), V(JOBS, 1, 2, 6), V(JOBS, 2, 3, 5)},
+       {1, 2, 6, 7}},
+      {"directories swapped (the load names them)",
+       2,
+       {V(JOBS, 1, 2, 5), V(JOBS, 0, 2, 5)},
+       {1, 2, 5, 6}},
+      {"rank 0 without jobs names the run",
+       3,
+       {V(EMPTY, 0, 3, 8), V(JOBS, 1, 2, 5), V(EMPTY, 2, 3, 8)},
+       {1, 3, 8, 9}},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    pd_resume_plan p;
+    pd_replica_resume_plan(cases[i].v, cases[i].nranks, &p);
+    if (memcmp(&p, &cases[i].want, sizeof p) != 0)
+      fail_msg("%s: reshard %d from %d ranks (run %llu), run %llu", cases[i].what, p.reshard,
+               p.old_nranks, (unsigned long long)p.old_run, (unsigned long long)p.run);
+  }
 }
 
 int main(void) {

@@ -508,7 +508,8 @@ static void check_resumed(const cluster *c, const char *job, size_t nb, uint64_t
     assert_true(lay->daemon_epoch > *epoch);
     if (lay->daemon_epoch > top) top = lay->daemon_epoch;
     for (size_t i = 0; i < nb; i++)
-      assert_true(lay->blocks[i]->owner >= 0 && lay->blocks[i]->owner < (c->nranks > 0 ? c->nranks : 1));
+      assert_true(lay->blocks[i]->owner >= 0 &&
+                  lay->blocks[i]->owner < (c->nranks > 0 ? c->nranks : 1));
     protobuf_c_message_free_unpacked(&lay->base, NULL);
     Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
     req.job = (char *)job;
