@@ -431,6 +431,7 @@ static int send_batch_once(precond_client *c, const char *job, precond_mode mode
   ProtobufCMessage *resp = NULL;
   st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor, 0,
             &resp);
+  if (st == PRECOND_OK && *shm_bytes > 0) rpc_shm_rewind(&c->shm); /* slots read: reuse them */
   free(refs);
   if (resp != NULL) {
     daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
