@@ -1753,6 +1753,45 @@ static void test_shm(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* A push whose bytes fields are large (74 KB each at n = 192: gathered out of gRPC's slices
+ * by rpc_unpack, not flattened and copied by protobuf-c) stores what the same statistics
+ * through a region store: roots bit for bit. */
+static void test_large_bytes_push(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  make_dir(d.p.dir, sizeof d.p.dir);
+  char shm_dir[300], listen[300], msg[512];
+  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
+  assert_int_equal(mkdir(shm_dir, 0700), 0);
+  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", NULL};
+  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  region_t g;
+  assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
+  const uint32_t n = 192;
+  const size_t len = pc_packed_len(n) * 4;
+  tspec ts[1] = {{"w", {n, n}, 2}};
+  assert_int_equal(do_register(&d, "viashm", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 21), *sr = random_stat(n, 22);
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
+  Precond__V1__FetchResponse *fs = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
+  const Precond__V1__PackedMatrix *side[2], *bside[2];
+  root_sides(fs, side);
+  root_sides(fb, bside);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(bside[k]->data.len, len);
+    assert_memory_equal(g.map + side[k]->shm->offset, bside[k]->data.data, len);
+  }
+  protobuf_c_message_free_unpacked(&fs->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+  close_region(&g);
+  free(sl);
+  free(sr);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+}
+
 /* The fetch of a region's client that has the roots area mapped: roots published there once
  * (the same sequence number for every fetch of the same root and encoding), read-only for
  * the client, the same bytes as gRPC's and their CRC-32C; unchecked push references store
@@ -2212,6 +2251,7 @@ int main(void) {
       cmocka_unit_test(test_kfac),
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
+      cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_roots_area),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
