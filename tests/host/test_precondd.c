@@ -1646,6 +1646,25 @@ static uint32_t shm_regions(daemon_t *d) {
   return n;
 }
 
+/* A daemon's directory with a shm/ directory in it (shm_dir, cap bytes), for
+ * start_shm_daemon. */
+static void make_shm_dirs(daemon_t *d, char *shm_dir, size_t cap) {
+  make_dir(d->p.dir, sizeof d->p.dir);
+  snprintf(shm_dir, cap, "%s/shm", d->p.dir);
+  assert_int_equal(mkdir(shm_dir, 0700), 0);
+}
+
+/* Starts d on a unix socket in its directory with regions in shm_dir, no drift test and
+ * limit_mb of --memory-limit-mb (NULL: the default). */
+static void start_shm_daemon(daemon_t *d, const char *shm_dir, const char *limit_mb) {
+  char listen[300];
+  snprintf(listen, sizeof listen, "unix:%s/sock", d->p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir,  "--drift-threshold", "0",
+                         "--memory-limit-mb", limit_mb, NULL};
+  if (limit_mb == NULL) extra[4] = NULL;
+  assert_int_equal(start_daemon_opts(d, listen, extra), 0);
+}
+
 /* The same-host data path through a real daemon: pushes and fetches through a region store
  * and return what the same bytes over gRPC do; a bad checksum, a reference out of place or
  * a wrong secret are refused naming the field, the bytes' own checks (sizes, NaN) apply
@@ -1654,14 +1673,9 @@ static uint32_t shm_regions(daemon_t *d) {
 static void test_shm(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  char shm_dir[300], listen[300];
-  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
-  assert_int_equal(mkdir(shm_dir, 0700), 0);
-  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
-                         "64",        NULL};
-  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  char shm_dir[300];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, "64");
   region_t g;
   char msg[512];
   assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
@@ -1759,13 +1773,9 @@ static void test_shm(void **state) {
 static void test_large_bytes_push(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  char shm_dir[300], listen[300], msg[512];
-  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
-  assert_int_equal(mkdir(shm_dir, 0700), 0);
-  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", NULL};
-  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  char shm_dir[300], msg[512];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, NULL);
   region_t g;
   assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
   const uint32_t n = 192;
@@ -1800,10 +1810,8 @@ static void test_large_bytes_push(void **state) {
 static void test_shm_roots_area(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  char shm_dir[300], listen[300], stale[400];
-  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
-  assert_int_equal(mkdir(shm_dir, 0700), 0);
+  char shm_dir[300], stale[400];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
   pid_t gone = fork(); /* a pid no process has any more */
   if (gone == 0) _exit(0);
   assert_true(gone > 0);
@@ -1812,10 +1820,7 @@ static void test_shm_roots_area(void **state) {
   FILE *f = fopen(stale, "w");
   assert_non_null(f);
   fclose(f);
-  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
-                         "512",       NULL};
-  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  start_shm_daemon(&d, shm_dir, "512");
   region_t g;
   char msg[512], msg2[512];
   assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);

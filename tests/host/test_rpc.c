@@ -155,6 +155,16 @@ static void check_lifted(const uint8_t *flat, size_t n, int expect) {
   if (want) protobuf_c_message_free_unpacked(want, NULL);
 }
 
+/* check_lifted of flat's n bytes twice back to back (protobuf merges them into one). */
+static void check_doubled(const uint8_t *flat, size_t n, int expect) {
+  uint8_t *two = malloc(2 * n);
+  assert_non_null(two);
+  memcpy(two, flat, n);
+  memcpy(two + n, flat, n);
+  check_lifted(two, 2 * n, expect);
+  free(two);
+}
+
 static void test_unpack_lifted(void **state) {
   (void)state;
   enum { BIG = 200000, MID = 70000, SMALL = 1000 };
@@ -193,22 +203,12 @@ static void test_unpack_lifted(void **state) {
   /* Two messages back to back are one (protobuf merges them): the blocks of both, in order;
    * with a singular message field twice (shm), merged by protobuf-c, the walk gives up and
    * rpc_unpack parses the flattened bytes. */
-  uint8_t *two = malloc(2 * n);
-  assert_non_null(two);
-  memcpy(two, flat, n);
-  memcpy(two + n, flat, n);
-  check_lifted(two, 2 * n, RPC_OK);
-  free(two);
+  check_doubled(flat, n, RPC_OK);
   free(flat);
   req.shm = &sess;
   flat = pack_flat(&req.base, &n);
   check_lifted(flat, n, RPC_OK);
-  two = malloc(2 * n);
-  assert_non_null(two);
-  memcpy(two, flat, n);
-  memcpy(two + n, flat, n);
-  check_lifted(two, 2 * n, RPC_EPARSE);
-  free(two);
+  check_doubled(flat, n, RPC_EPARSE);
   free(flat);
   free(bytes);
 }
