@@ -43,6 +43,8 @@ typedef struct ac__ops {
                        size_t stride_c, size_t batch);
   int (*syrk_packed)(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
                      const float *a, size_t lda, float beta, float *c_packed);
+  int (*syrk_packed_to_host)(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                             const float *a, size_t lda, float *host_packed);
   int (*unpack_sym)(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld);
   int (*pack_sym)(ac_backend *be, size_t n, const float *dense, size_t ld, float *packed);
   int (*binary)(ac_backend *be, ac_binary_op op, size_t n, const float *a, const float *b,

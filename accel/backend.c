@@ -301,6 +301,16 @@ int ac_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alp
   return be->ops->syrk_packed(be, trans, n, k, alpha, a, lda, beta, c_packed);
 }
 
+int ac_syrk_packed_to_host(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                           const float *a, size_t lda, float *host_packed) {
+  if (!be_ok(be) || !trans_ok(trans) || !extent_ok(n, n, 1)) return AC_EINVAL;
+  if (n == 0) return be->ops->sync(be);
+  if (host_packed == NULL) return AC_EINVAL;
+  if (k > 0 && (trans == AC_NO_TRANS ? !matrix_ok(a, n, k, lda) : !matrix_ok(a, k, n, lda)))
+    return AC_EINVAL;
+  return be->ops->syrk_packed_to_host(be, trans, n, k, alpha, a, lda, host_packed);
+}
+
 int ac_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld) {
   if (!be_ok(be) || !matrix_ok(dense, n, n, ld) || !NEED(packed, n)) return AC_EINVAL;
   return n == 0 ? AC_OK : be->ops->unpack_sym(be, n, packed, dense, ld);

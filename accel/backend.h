@@ -192,6 +192,14 @@ int ac_sgemm(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t n, size_
 int ac_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha, const float *a,
                    size_t lda, float beta, float *c_packed);
 
+/* ac_syrk_packed with beta 0 into host memory: C = alpha A A^T (or A^T A) written packed
+ * upper at host_packed (ac_packed_len(n) floats the caller owns, e.g. libprecond's push
+ * slot), waiting like the other *_to_host calls. The same floats as ac_syrk_packed with beta
+ * 0 and a download: the CPU backend writes them there directly, CUDA computes on the
+ * device and its download lands there (no staging buffer of the caller's). */
+int ac_syrk_packed_to_host(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                           const float *a, size_t lda, float *host_packed);
+
 /* Packed upper (n(n+1)/2) to dense row-major n x n (ld >= n; both triangles written), and
  * dense (upper triangle read) to packed. For preconditioners fetched packed from precondd. */
 int ac_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld);

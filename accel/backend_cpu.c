@@ -543,6 +543,12 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
   return AC_OK;
 }
 
+/* The host's memory is the backend's: the packing pass writes straight into the caller's. */
+static int cpu_syrk_packed_to_host(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                                   const float *a, size_t lda, float *host_packed) {
+  return cpu_syrk_packed(be, trans, n, k, alpha, a, lda, 0.0f, host_packed);
+}
+
 static int cpu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld) {
   (void)be;
   size_t p = 0;
@@ -1950,6 +1956,7 @@ static const ac__ops cpu_ops = {
     .permute = cpu_permute,
     .sgemm_batched = cpu_sgemm_batched,
     .syrk_packed = cpu_syrk_packed,
+    .syrk_packed_to_host = cpu_syrk_packed_to_host,
     .unpack_sym = cpu_unpack_sym,
     .pack_sym = cpu_pack_sym,
     .binary = cpu_binary,

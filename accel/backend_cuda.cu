@@ -771,25 +771,44 @@ int cu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m, size_t 
                                            (long long)stride_c, (int)batch));
 }
 
+/* The Gram matrix's upper triangle (row-major) into dense n x n device memory. */
+static int syrk_dense(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                      const float *a, size_t lda, float *dense) {
+  const float zero = 0.0f;
+  if (k == 0) return cuda_rc(cudaMemsetAsync(dense, 0, n * n * sizeof(float), STREAM(be)));
+  /* Row-major A (n x k) is column-major A^T: C = A A^T is op = T on it; row-major A
+   * (k x n) for A^T A is column-major n x k: op = N. Column-major lower = row-major upper. */
+  return blas_rc(cublasSsyrk(st(be)->blas, CUBLAS_FILL_MODE_LOWER,
+                             trans == AC_NO_TRANS ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)k,
+                             &alpha, a, (int)lda, &zero, dense, (int)n));
+}
+
 int cu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha, const float *a,
                    size_t lda, float beta, float *c_packed) {
   float *dense = nullptr;
-  const float zero = 0.0f;
   if (!int_ok(n) || !int_ok(k) || !int_ok(lda)) return AC_EINVAL;
   USE(be);
   int rc = scratch(be, n * n * sizeof(float), &dense);
-  if (rc != AC_OK) return rc;
-  if (k == 0) {
-    rc = cuda_rc(cudaMemsetAsync(dense, 0, n * n * sizeof(float), STREAM(be)));
-  } else {
-    /* Row-major A (n x k) is column-major A^T: C = A A^T is op = T on it; row-major A
-     * (k x n) for A^T A is column-major n x k: op = N. Column-major lower = row-major upper. */
-    rc = blas_rc(cublasSsyrk(st(be)->blas, CUBLAS_FILL_MODE_LOWER,
-                             trans == AC_NO_TRANS ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)k,
-                             &alpha, a, (int)lda, &zero, dense, (int)n));
-  }
+  if (rc == AC_OK) rc = syrk_dense(be, trans, n, k, alpha, a, lda, dense);
   if (rc != AC_OK) return rc;
   LAUNCH(be, k_pack_beta, blocks_for(n * n), n, dense, n, beta, c_packed);
+}
+
+/* Dense and packed in the scratch buffer, then one download into the caller's memory. */
+int cu_syrk_packed_to_host(ac_backend *be, ac_trans trans, size_t n, size_t k, float alpha,
+                           const float *a, size_t lda, float *host_packed) {
+  float *dense = nullptr;
+  const size_t len = n * (n + 1) / 2;
+  if (!int_ok(n) || !int_ok(k) || !int_ok(lda)) return AC_EINVAL;
+  USE(be);
+  int rc = scratch(be, (n * n + len) * sizeof(float), &dense);
+  if (rc == AC_OK) rc = syrk_dense(be, trans, n, k, alpha, a, lda, dense);
+  if (rc != AC_OK) return rc;
+  k_pack_beta<<<blocks_for(n * n), kThreads, 0, STREAM(be)>>>(n, dense, n, 0.0f, dense + n * n);
+  rc = launched();
+  return rc == AC_OK ? cu_copy(be, host_packed, dense + n * n, len * sizeof(float),
+                               cudaMemcpyDeviceToHost, true)
+                     : rc;
 }
 
 int cu_unpack_sym(ac_backend *be, size_t n, const float *packed, float *dense, size_t ld) {
@@ -1002,6 +1021,7 @@ ac__ops make_ops() {
   o.permute = cu_permute;
   o.sgemm_batched = cu_sgemm_batched;
   o.syrk_packed = cu_syrk_packed;
+  o.syrk_packed_to_host = cu_syrk_packed_to_host;
   o.unpack_sym = cu_unpack_sym;
   o.pack_sym = cu_pack_sym;
   o.binary = cu_binary;

@@ -137,7 +137,8 @@ void ac_adamw_destroy(ac_adamw *opt);
  *   1. backward pass (grads filled);
  *   2. ac_shampoo_compute_stats: if statistics are due for the coming step, G G^T and G^T G
  *      of every block (ac_syrk_packed), downloaded once into host buffers the caller reads
- *      with ac_shampoo_block_stats and hands to libprecond's push;
+ *      with ac_shampoo_block_stats and hands to libprecond's push; or
+ *      ac_shampoo_compute_stats_into, straight into the caller's memory (push slots);
  *   3. ac_shampoo_set_roots for every block whose newer roots the caller holds;
  *   4. ac_shampoo_step(lr).
  * Blocks: for each parameter, in the order given at create, the blocks of pc_layout_init
@@ -249,6 +250,23 @@ long ac_shampoo_steps(const ac_shampoo *s);
  * *step = t. Otherwise nothing is computed and *due = 0. due and step may be NULL.
  * Waits for the device (one download for all blocks). */
 int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step);
+
+/* Whether statistics are due for the coming step t = steps + 1 (1 or 0, as
+ * ac_shampoo_compute_stats decides); *step = t (step may be NULL; s NULL: 0). So that a
+ * caller gets its destinations (libprecond's push slots) for that step first. */
+int ac_shampoo_stats_due(const ac_shampoo *s, long *step);
+
+/* ac_shampoo_compute_stats into the caller's host memory (no buffer of s's in between):
+ * when due, block b's packed G G^T goes to left[b] (ac_packed_len(rows) floats) and its
+ * G^T G to right[b] (ac_packed_len(cols)), for every block whose left[b] is not NULL
+ * (right[b] must then be set too); blocks with NULL are skipped, whatever the stats mask.
+ * The floats are ac_shampoo_compute_stats's (ac_syrk_packed_to_host: the CPU backend
+ * writes them there, CUDA's download lands there), all written when it returns. It does
+ * not fill s's own buffers: ac_shampoo_block_stats answers AC_EINVAL until the next
+ * ac_shampoo_compute_stats. *due, *step and AC_EINVAL (s, left or right NULL when due) as
+ * there. */
+int ac_shampoo_compute_stats_into(ac_shampoo *s, float *const *left, float *const *right, int *due,
+                                  long *step);
 
 /* Data-parallel workers share the statistics: with mask (nblocks bytes, copied) only the
  * blocks whose byte is non-zero are computed by ac_shampoo_compute_stats (the others' host

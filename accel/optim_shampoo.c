@@ -360,20 +360,56 @@ long ac_shampoo_steps(const ac_shampoo *s) {
 /* ------------------------------------------------------------------------------------ */
 /* Statistics                                                                              */
 
-int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step) {
-  if (s == NULL) return AC_EINVAL;
-  const long t = s->steps + 1;
-  if (due != NULL) *due = 0;
+int ac_shampoo_stats_due(const ac_shampoo *s, long *step) {
+  const long t = s != NULL ? s->steps + 1 : 0;
   if (step != NULL) *step = t;
-  if ((t - 1) % s->opts.stats_interval != 0) return AC_OK;
+  return s != NULL && (t - 1) % s->opts.stats_interval == 0;
+}
+
+/* The gradient block of b and its row stride. */
+static const float *block_grad(const ac_shampoo *s, const shampoo_block *sb, size_t *ld) {
+  const shampoo_param *sp = &s->params[sb->param];
+  *ld = sp->layout.cols;
+  return ac_tensor_f32(&sp->p->grad) + sb->blk.row0 * *ld + sb->blk.col0;
+}
+
+int ac_shampoo_compute_stats_into(ac_shampoo *s, float *const *left, float *const *right, int *due,
+                                  long *step) {
+  if (due != NULL) *due = 0;
+  int now = ac_shampoo_stats_due(s, step);
+  if (s == NULL) return AC_EINVAL;
+  if (!now) return AC_OK;
+  if (left == NULL || right == NULL) return AC_EINVAL;
+  s->stats_valid = 0; /* s's own buffers are not filled by this */
+  for (size_t b = 0; b < s->nblocks; b++) {
+    if (left[b] == NULL) continue;
+    if (right[b] == NULL) return AC_EINVAL;
+    const shampoo_block *sb = &s->blocks[b];
+    size_t ld;
+    const float *g = block_grad(s, sb, &ld);
+    int rc = ac_syrk_packed_to_host(s->be, AC_NO_TRANS, sb->blk.rows, sb->blk.cols, 1.0f, g, ld,
+                                    left[b]);
+    if (rc == AC_OK)
+      rc = ac_syrk_packed_to_host(s->be, AC_TRANS, sb->blk.cols, sb->blk.rows, 1.0f, g, ld,
+                                  right[b]);
+    if (rc != AC_OK) return rc;
+  }
+  if (due != NULL) *due = 1;
+  return AC_OK;
+}
+
+int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step) {
+  if (due != NULL) *due = 0;
+  int now = ac_shampoo_stats_due(s, step);
+  if (s == NULL) return AC_EINVAL;
+  if (!now) return AC_OK;
 
   for (size_t b = 0; b < s->nblocks; b++) {
     if (s->stats_mask != NULL && !s->stats_mask[b])
       continue; /* another data-parallel worker computes it */
     const shampoo_block *sb = &s->blocks[b];
-    const shampoo_param *sp = &s->params[sb->param];
-    const size_t ld = sp->layout.cols;
-    const float *g = ac_tensor_f32(&sp->p->grad) + sb->blk.row0 * ld + sb->blk.col0;
+    size_t ld;
+    const float *g = block_grad(s, sb, &ld);
     float *left = s->stats_dev + sb->stats_off;
     float *right = left + ac_packed_len(sb->blk.rows);
     int rc =

@@ -135,6 +135,8 @@ void tr_options_default(tr_options *o) {
   pt_options po; /* the trainer's own K-FAC defaults (pt_options_default: one source) */
   pt_options_default(&po, PT_MODE_KFAC);
   o->kfac_a_images = (long)po.kfac.a_images;
+  o->kfac_rows = (long)po.kfac.dense_rows;
+  o->kfac_row_sample = (int)po.kfac.row_sample;
   const char *addr = getenv("PRECOND_ADDR");
   snprintf(o->daemon, sizeof o->daemon, "%s",
            addr != NULL && addr[0] != '\0' ? addr : "127.0.0.1:50551");
@@ -242,6 +244,7 @@ static const char *const tr__fishers[] = {"empirical", "model", NULL};  /* kfac_
 /* kfac_inverse (the wire's KfacInverse numbering) and kfac_form (pt_kfac_form's). */
 static const char *const tr__inverses[] = {"auto", "cholesky", "eigh", "newton", NULL};
 static const char *const tr__forms[] = {"daemon", "worker-inverse", "worker-eigen", NULL};
+static const char *const tr__row_samples[] = {"prefix", "strided", NULL}; /* pt_kfac_rows */
 
 /* Internal option kinds: the public tr_arg types plus the harness's own. */
 enum {
@@ -352,6 +355,16 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("kfac-bf16", K_FLAG, &o->kfac_bf16, 0, 0, "K-FAC: push the factors as bf16");
   SPEC("kfac-a-images", K_LONG, &o->kfac_a_images, 0, 1e9,
        "K-FAC: conv layers' A from the first N images of the batch only (0: all)");
+  SPEC("kfac-rows", K_LONG, &o->kfac_rows, 0, 1e9,
+       "K-FAC: dense layers' A and G from N rows (tokens) of the batch only (0: all)");
+  s[n++] = (tr__spec){"kfac-row-sample",
+                      K_CHOICE,
+                      &o->kfac_row_sample,
+                      0,
+                      0,
+                      "K-FAC: which rows --kfac-rows takes, prefix (the first sequences) or "
+                      "strided (every k-th row, the first cycling from step to step)",
+                      tr__row_samples};
   s[n++] = (tr__spec){"kfac-fisher",
                       K_CHOICE,
                       &o->kfac_fisher,
@@ -950,6 +963,8 @@ static int tr__kfac_init(tr_optimizer *o, const char *model_name, tr_error *err)
   ko->sgd.weight_decay = (float)opts->weight_decay;
   ko->push_bf16 = opts->kfac_bf16;
   ko->a_images = (size_t)opts->kfac_a_images;
+  ko->dense_rows = (size_t)opts->kfac_rows;
+  ko->row_sample = (pt_kfac_rows)opts->kfac_row_sample;
   ko->model_fisher = opts->kfac_fisher;
   ko->inverse = opts->kfac_inverse;
   ko->form = (pt_kfac_form)opts->kfac_form;

@@ -109,6 +109,8 @@ typedef struct {
   int kfac_bf16;            /* 1: factors travel as bf16 */
   int kfac_fisher;          /* 0: empirical, 1: the model's (tr_model.set_trainer's pass) */
   long kfac_a_images;       /* conv A from this many images of the batch; 0: all */
+  long kfac_rows;           /* dense A and G from this many rows of the batch; 0: all */
+  int kfac_row_sample;      /* pt_kfac_rows: 0 a prefix, 1 strided */
   int kfac_inverse;         /* 0: by size (the daemon's rule), else 1 + pc_kfac_inv */
   int kfac_form;            /* pt_kfac_form: 0 precondd's inverses, 1/2 worker inverse/eigen */
   char daemon[256];         /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);

@@ -1,6 +1,6 @@
 /*
  * fuzz_snapshot.c -- libFuzzer harness: precondd's snapshot reader. The input is one byte
- * choosing the format (1 + byte % 4: every format the reader takes), then a payload; the
+ * choosing the format (1 + byte % 5: every format the reader takes), then a payload; the
  * harness writes it behind a header whose magic, format, length and both CRC-32s are
  * right, so every input reaches the parser instead of stopping at the checksum. Each read
  * goes into a fresh store under the daemon's own limits; anything loaded is freed again.
@@ -34,7 +34,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1) return 0;
-  unsigned format = 1u + data[0] % 4u;
+  unsigned format = 1u + data[0] % 5u;
   data++;
   size--;
   unsigned char h[32];

@@ -446,21 +446,29 @@ static int pd__write_port_file(const char *path, int port) {
   return 0;
 }
 
-/* Counts this start in DIR/precondd.epoch (written atomically and fsynced before anything
- * is served) and returns the new count in *epoch. Root versions start above epoch << 40, so
- * they never go backwards across a restart, even after a crash that lost the roots that
- * clients were holding. */
-static int pd__epoch_next(const char *dir, uint64_t *epoch) {
-  char path[1100], tmp[1110];
+/* The start count in DIR/precondd.epoch; 0 when there is none. */
+static uint64_t pd__epoch_read(const char *dir) {
+  char path[1100];
   snprintf(path, sizeof path, "%s/precondd.epoch", dir);
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
   unsigned long long prev = 0;
   FILE *f = fopen(path, "r");
   if (f) {
     if (fscanf(f, "%llu", &prev) != 1) prev = 0;
     fclose(f);
   }
-  *epoch = (uint64_t)prev + 1;
+  return (uint64_t)prev;
+}
+
+/* Counts this start in DIR/precondd.epoch (written atomically and fsynced before anything
+ * is served) and returns the new count in *epoch: one above the count there and above
+ * floor. Root versions start above epoch << 40, so they never go backwards across a
+ * restart, even after a crash that lost the roots that clients were holding. */
+static int pd__epoch_next(const char *dir, uint64_t floor, uint64_t *epoch) {
+  char path[1100], tmp[1110];
+  snprintf(path, sizeof path, "%s/precondd.epoch", dir);
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  uint64_t prev = pd__epoch_read(dir);
+  *epoch = (prev > floor ? prev : floor) + 1;
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return -1;
   char text[32];
@@ -476,12 +484,143 @@ static int pd__epoch_next(const char *dir, uint64_t *epoch) {
   return 0;
 }
 
-static int pd__restore(pd_daemon *d) {
-  if (mkdir(d->cfg.state_dir, 0700) != 0 && errno != EEXIST) {
-    pd_log(PD_LOG_ERROR, "--state-dir %s: %s", d->cfg.state_dir, strerror(errno));
+/* What this rank's state directory holds, for the other ranks (pd_replica_resume_plan). */
+static pd_replica_view pd__view(const char *dir, int usable) {
+  pd_replica_view v;
+  memset(&v, 0, sizeof v);
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  v.propose = ((uint64_t)now.tv_sec << 32 ^ (uint64_t)now.tv_nsec << 8 ^ (uint64_t)getpid()) | 1;
+  if (!usable) {
+    v.state = PD_VIEW_FAILED;
+    return v;
+  }
+  pd_snap_origin o;
+  char err[512];
+  int rc = pd_snapshot_peek(dir, &o, err, sizeof err);
+  if (rc == PD_ENOENT) return v;
+  if (rc != PD_OK) {
+    v.state = PD_VIEW_BAD;
+    return v;
+  }
+  v.state = o.njobs > 0 ? PD_VIEW_JOBS : PD_VIEW_EMPTY;
+  v.rank = o.rank;
+  v.nranks = o.nranks;
+  v.run = o.run;
+  return v;
+}
+
+/* Resumes under another rank count (docs/replicas.md): every rank reads the old ranks'
+ * snapshots, from their state directories (template with %r: the same --state-dir as
+ * theirs). 0, or -1 with the reason logged. */
+static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_resume_plan *p) {
+  const pd_replica_link *link = d->store.link;
+  int rank = link ? link->rank : 0, nranks = link ? link->nranks : 1;
+  char own[1100];
+  snprintf(own, sizeof own, "%s", d->cfg.state_dir);
+  if (p->old_nranks > 1 && !strstr(template, "%r")) {
+    pd_log(PD_LOG_ERROR,
+           "the snapshot in %s was written by a daemon job of %d ranks, and this one has %d: "
+           "to resume from it this rank reads every old rank's state directory; start it "
+           "with the --state-dir those ranks had, with %%r for the rank",
+           own, p->old_nranks, nranks);
     return -1;
   }
-  if (pd__epoch_next(d->cfg.state_dir, &d->store.epoch) != 0) {
+  char(*dirs)[1100] = calloc((size_t)p->old_nranks, sizeof *dirs);
+  const char **names = calloc((size_t)p->old_nranks, sizeof *names);
+  int rc = -1;
+  uint64_t floor = 0;
+  char err[1600] = "";
+  if (!dirs || !names) {
+    pd_log(PD_LOG_ERROR, "out of memory at startup");
+    goto done;
+  }
+  for (int k = 0; k < p->old_nranks; k++) {
+    snprintf(dirs[k], sizeof dirs[k], "%s", template);
+    if (pd_replica_subst(dirs[k], sizeof dirs[k], k) != 0) {
+      pd_log(PD_LOG_ERROR, "--state-dir too long with %%r");
+      goto done;
+    }
+    names[k] = dirs[k];
+    uint64_t e = pd__epoch_read(dirs[k]);
+    if (e > floor) floor = e;
+  }
+  /* A rank the old job did not have: what its directory holds is older than the job. */
+  char aside[1300];
+  if (rank >= p->old_nranks && pd_snapshot_set_aside_stale(own, aside, sizeof aside) == PD_OK)
+    pd_log(PD_LOG_WARN,
+           "%s/%s is from an earlier run (the daemon job last ran with %d ranks): set aside "
+           "as %s",
+           own, PD_SNAPSHOT_FILE, p->old_nranks, aside);
+  /* Above every old rank's epoch: this rank now publishes units other ranks published. */
+  if (pd__epoch_next(own, floor, &d->store.epoch) != 0) {
+    pd_log(PD_LOG_ERROR, "--state-dir %s: cannot write precondd.epoch: %s", own, strerror(errno));
+    goto done;
+  }
+  double t0 = pd_now();
+  int r = pd_snapshot_read_resharded(&d->store, names, p->old_nranks, p->old_run, rank, nranks, err,
+                                     sizeof err);
+  if (r != PD_OK) {
+    pd_log(PD_LOG_ERROR,
+           "cannot resume the daemon job of %d rank(s) as rank %d of %d: %s (%s). Start it "
+           "with %d rank(s) again, or move the state directories away to start empty",
+           p->old_nranks, rank, nranks, err, pd_strerror(r), p->old_nranks);
+    goto done;
+  }
+  size_t blocks = 0, mine = 0;
+  for (size_t i = 0; i < d->store.njobs; i++)
+    for (size_t k = 0; k < d->store.jobs[i]->nblocks; k++) {
+      blocks++;
+      mine += pd_replica_owns(link, &d->store.jobs[i]->blocks[k]);
+    }
+  pd_log(PD_LOG_INFO,
+         "daemon epoch %llu; resumed %zu jobs of a daemon job of %d rank(s) as rank %d of %d: "
+         "%zu of their %zu units are this rank's now, in %.3f s",
+         (unsigned long long)d->store.epoch, d->store.njobs, p->old_nranks, rank, nranks, mine,
+         blocks, pd_now() - t0);
+  rc = 0;
+done:
+  free(dirs);
+  free(names);
+  return rc;
+}
+
+/* Restores the state directory: each rank its own snapshot, or, under another rank count
+ * than the snapshots', the old ranks' (pd_replica_resume_plan; rep NULL: this daemon alone).
+ * 0, 1 when resumed under another count (its snapshot is written once every rank started),
+ * or -1. Every rank calls it (the view exchange is collective). */
+static int pd__restore(pd_daemon *d, const char *template, pd_replica *rep) {
+  int usable = 1;
+  if (mkdir(d->cfg.state_dir, 0700) != 0 && errno != EEXIST) {
+    pd_log(PD_LOG_ERROR, "--state-dir %s: %s", d->cfg.state_dir, strerror(errno));
+    usable = 0;
+  }
+  const pd_replica_link *link = d->store.link;
+  int nranks = link ? link->nranks : 1;
+  pd_replica_view mine = pd__view(d->cfg.state_dir, usable), all[1], *views = all;
+  all[0] = mine;
+#ifdef PD_HAVE_MPI
+  if (rep && nranks > 1) {
+    views = calloc((size_t)nranks, sizeof *views);
+    if (!views || pd_replica_exchange(rep, &mine, views) != PD_OK) {
+      pd_log(PD_LOG_ERROR, "cannot learn what the other ranks' state directories hold");
+      free(views);
+      return -1;
+    }
+  }
+#else
+  (void)rep;
+#endif
+  int failed = 0;
+  for (int r = 0; r < nranks; r++) failed |= views[r].state == PD_VIEW_FAILED;
+  pd_resume_plan plan;
+  pd_replica_resume_plan(views, nranks, &plan);
+  if (views != all) free(views);
+  if (failed) return -1; /* the rank that failed said why; the agreement stops them all */
+  d->store.run = plan.run;
+  if (plan.reshard) return pd__restore_resharded(d, template, &plan) == 0 ? 1 : -1;
+
+  if (pd__epoch_next(d->cfg.state_dir, 0, &d->store.epoch) != 0) {
     pd_log(PD_LOG_ERROR, "--state-dir %s: cannot write precondd.epoch: %s", d->cfg.state_dir,
            strerror(errno));
     return -1;
@@ -510,12 +649,6 @@ static int pd__restore(pd_daemon *d) {
     for (size_t i = 0; i < d->store.njobs; i++) blocks += d->store.jobs[i]->nblocks;
     pd_log(PD_LOG_INFO, "restored %zu jobs, %zu blocks from %s/%s in %.3f s", d->store.njobs,
            blocks, d->cfg.state_dir, PD_SNAPSHOT_FILE, pd_now() - t0);
-  }
-  const pd_replica_link *link = d->store.link;
-  if (pd_replica_state_check(d->cfg.state_dir, link ? link->rank : 0, link ? link->nranks : 1,
-                             d->store.njobs, err, sizeof err) != PD_OK) {
-    pd_log(PD_LOG_ERROR, "%s", err);
-    return -1;
   }
   return 0;
 }
@@ -602,6 +735,8 @@ int main(int argc, char **argv) {
   if (rpc_keep_freed_memory() != RPC_OK) pd_log(PD_LOG_WARN, "malloc kept its own thresholds");
   void *rep = NULL; /* pd_replica under mpirun */
   pd_replica_link *link = NULL;
+  char state_template[sizeof d.cfg.state_dir]; /* before %r becomes this rank */
+  memcpy(state_template, d.cfg.state_dir, sizeof state_template);
   prc = pd__replicas_init(&argc, &argv, &d.cfg, &rep, &link);
   if (prc) {
     pd__config_free(&d.cfg);
@@ -632,7 +767,12 @@ int main(int argc, char **argv) {
   d.store.ended_max = d.cfg.ended_jobs;
   d.store.warm_roots = d.cfg.warm_roots; /* Register keeps room for the warm route's scratch */
   if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
-  if (*d.cfg.state_dir && pd__restore(&d) != 0) ok = 0;
+  int resharded = 0;
+  if (*d.cfg.state_dir) {
+    int rrc = pd__restore(&d, state_template, rep);
+    if (rrc < 0) ok = 0;
+    resharded = rrc == 1;
+  }
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
   pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold, &d.store,
@@ -657,6 +797,10 @@ int main(int argc, char **argv) {
     atomic_store(&link->alone, 1);
   }
 #endif
+  /* Resumed under another rank count: every rank has read the old snapshots (the agreement),
+   * so each now writes its own under the new count and run at once, and a crash from here
+   * on resumes from these rather than from a mix of old and new. */
+  if (ok && resharded) pd__snapshot(&d);
   if (!ok) goto done;
   char bound[32] = ""; /* the port that port 0 picked; nothing for a unix socket */
   if (port) snprintf(bound, sizeof bound, " (port %d)", port);

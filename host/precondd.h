@@ -478,8 +478,9 @@ typedef struct {
   int warm_roots;             /* the pool warm-starts roots (--warm-roots): their scratch
                                * bound is the warm one (set after pd_store_init) */
   uint32_t max_blocks_per_job;
-  _Atomic uint64_t generation;        /* bumped by every change: snapshots skip when unchanged */
-  uint64_t epoch;                     /* daemon starts with this state dir (main.c); 0 without */
+  _Atomic uint64_t generation; /* bumped by every change: snapshots skip when unchanged */
+  uint64_t epoch;              /* daemon starts with this state dir (main.c); 0 without */
+  uint64_t run; /* the daemon job's run (pd_resume_plan.run), written into snapshots; 0 */
   const struct pd_replica_link *link; /* daemon replicas (set before any job is added) */
   _Atomic uint64_t removed;           /* jobs removed (ended or expired): main.c snapshots soon */
   /* Names of ended jobs, oldest first, at most ended_max (set after pd_store_init; 0: none
@@ -686,16 +687,34 @@ int pd_replica_launched(int *size);
 /* Replaces every "%r" in s (capacity cap) by rank. -1 when the result does not fit. */
 int pd_replica_subst(char *s, size_t cap, int rank);
 
-/* The rank count a state directory's snapshot belongs to: DIR/precondd.replicas holds
- * "RANK NRANKS" of the daemon that last started on it. A snapshot's units were owned under
- * that count, and each rank holds only its own units' statistics, so a rank that restored
- * njobs > 0 jobs written under another rank or count would silently lose the statistics
- * the other ranks held: PD_EINVAL, with why naming both (the startup agreement then stops
- * every rank). Otherwise (a match, no jobs, or no such file: older daemons) the file is
- * (re)written for this start: PD_OK, or PD_EIO. */
-#define PD_REPLICA_STATE_FILE "precondd.replicas"
-int pd_replica_state_check(const char *dir, int rank, int nranks, size_t njobs, char *why,
-                           size_t len);
+/* Resuming the daemon job from its state directories (main.c, docs/replicas.md). Each rank
+ * reports what its own directory holds (pd_snapshot_peek), the ranks exchange these views,
+ * and every rank derives the same plan from them: the same rank count and run as the
+ * snapshots found: each rank restores its own (pd_snapshot_read); another count: every rank
+ * reads the old ranks' snapshots and takes the units it owns now
+ * (pd_snapshot_read_resharded). Fixed-size: exchanged as bytes between ranks of one build. */
+enum { PD_VIEW_NONE = 0, PD_VIEW_EMPTY, PD_VIEW_JOBS, PD_VIEW_BAD, PD_VIEW_FAILED };
+typedef struct {
+  int32_t state;        /* PD_VIEW_*: no snapshot, one without jobs, with jobs, damaged,
+                          * the directory unusable (this rank stops) */
+  int32_t rank, nranks; /* the snapshot's origin; nranks 0: not known (an older daemon) */
+  uint64_t run;         /* the snapshot's run; 0: not known */
+  uint64_t propose;     /* a fresh run id (rank 0's is taken when nothing is resumed) */
+} pd_replica_view;
+
+typedef struct {
+  int reshard;    /* 1: resume under another rank count */
+  int old_nranks; /* the count the snapshots were written under (reshard) */
+  uint64_t old_run;
+  uint64_t run; /* this run's id, written into every snapshot it takes */
+} pd_resume_plan;
+
+/* The plan from every rank's view (views[r] of rank r, nranks of them). Resumed as before
+ * (each rank its own directory) when no rank holds jobs, when the origin is not known
+ * (snapshots of older daemons), or when every snapshot holding jobs was written by this rank
+ * under this count in one run; otherwise resharded from the count (and run) of rank 0's
+ * snapshot (or, if rank 0 holds none, the lowest rank's with jobs). Never fails. */
+void pd_replica_resume_plan(const pd_replica_view *views, int nranks, pd_resume_plan *out);
 
 /* ---- replica.c (only when precondd is built with MPI) ---- */
 
@@ -711,6 +730,9 @@ pd_replica_link *pd_replica_link_of(pd_replica *x);
 /* Collective over all ranks: 1 if every rank passes ok != 0 (startup agreement: a rank that
  * failed to start makes them all stop instead of waiting for it). */
 int pd_replica_agree(pd_replica *x, int ok);
+/* Collective over all ranks, main thread, before pd_replica_start: all[r] = rank r's mine.
+ * PD_OK or PD_EIO (logged). */
+int pd_replica_exchange(pd_replica *x, const pd_replica_view *mine, pd_replica_view *all);
 /* Starts the communication thread serving d (its pool running), after queueing this rank's
  * restored roots for the others. PD_OK or PD_ENOMEM. */
 int pd_replica_start(pd_replica *x, pd_daemon *d);
@@ -841,9 +863,36 @@ int pd_snapshot_write(pd_store *st, const char *dir);
  * with pd_snapshot_set_aside. */
 int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen);
 
+/* Where a snapshot comes from: the rank that wrote it, of how many, in which run of the
+ * daemon job (format 5; format 4 and older: rank and count from the precondd.replicas file
+ * their daemons wrote beside it, run 0; rank -1 and nranks 0 when neither says). */
+typedef struct {
+  int rank, nranks;
+  uint64_t run;
+  uint32_t njobs;
+} pd_snap_origin;
+
+/* Verifies dir/precondd.snap (as pd_snapshot_read does) and reads its origin and job count.
+ * PD_OK, PD_ENOENT, or PD_ECORRUPT / PD_EIO with a reason in err. */
+int pd_snapshot_peek(const char *dir, pd_snap_origin *o, char *err, size_t errlen);
+
+/* Resumes a daemon job written by old_nranks ranks (run old_run; 0: any) as rank `rank` of
+ * nranks: dirs[k] is old rank k's state directory. Every old snapshot must be there and from
+ * that run; each job is taken whole (layout, last step, workers), each unit's statistics
+ * (and counters) from its old owner's snapshot (pd_replica_plan under old_nranks) when this
+ * rank owns it under nranks, zero otherwise, and every unit's newest root (by version) from
+ * whichever snapshot holds it; ended names from all. Into an empty store; on failure nothing
+ * is loaded: PD_ENOENT (a snapshot missing), PD_EINVAL (another run, or a job that differs
+ * between snapshots), PD_ECORRUPT, PD_EIO, PD_ELIMIT, PD_ENOMEM, with err naming the file. */
+int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, int old_nranks,
+                               uint64_t old_run, int rank, int nranks, char *err, size_t errlen);
+
 /* Renames dir/precondd.snap to dir/precondd.snap.corrupt-<unix seconds>; the new name is
  * written to newname. */
 int pd_snapshot_set_aside(const char *dir, char *newname, size_t len);
+/* The same as precondd.snap.stale-<unix seconds>: a snapshot of an earlier run of the daemon
+ * job, in the directory of a rank that the run resumed from did not have. */
+int pd_snapshot_set_aside_stale(const char *dir, char *newname, size_t len);
 
 /* ------------------------------------------------------------------------------------ */
 /* service.c and server.c                                                                 */

@@ -783,6 +783,15 @@ int pd_replica_agree(pd_replica *x, int ok) {
   return all;
 }
 
+int pd_replica_exchange(pd_replica *x, const pd_replica_view *mine, pd_replica_view *all) {
+  if (MPI_Allgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE, x->comm) !=
+      MPI_SUCCESS) {
+    pd_log(PD_LOG_ERROR, "replicas: MPI_Allgather of the state directories' contents failed");
+    return PD_EIO;
+  }
+  return PD_OK;
+}
+
 int pd_replica_start(pd_replica *x, pd_daemon *d) {
   x->d = d;
   x->marking = 1;

@@ -92,38 +92,33 @@ int pd_replica_subst(char *s, size_t cap, int rank) {
   return 0;
 }
 
-/* Reads "RANK NRANKS" from path; 0, or -1 when absent or not that. */
-static int pd__read_ranks(const char *path, int *rank, int *nranks) {
-  FILE *f = fopen(path, "r");
-  if (!f) return -1;
-  int ok = fscanf(f, "%d %d", rank, nranks) == 2 && *nranks >= 1 && *rank >= 0 && *rank < *nranks;
-  fclose(f);
-  return ok ? 0 : -1;
-}
-
-int pd_replica_state_check(const char *dir, int rank, int nranks, size_t njobs, char *why,
-                           size_t len) {
-  char path[1100], tmp[1110];
-  snprintf(path, sizeof path, "%s/%s", dir, PD_REPLICA_STATE_FILE);
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
-  int was_rank = 0, was_nranks = 0;
-  if (njobs > 0 && pd__read_ranks(path, &was_rank, &was_nranks) == 0 &&
-      (was_rank != rank || was_nranks != nranks)) {
-    snprintf(why, len,
-             "the snapshot in %s was written by rank %d of %d daemon replicas, and this is "
-             "rank %d of %d: its %zu job(s) would be owned differently, and the statistics of "
-             "the units other ranks owned are in their state directories, not here. Start "
-             "the daemon job with %d rank(s) again (mpirun -np %d), or move the state "
-             "directories away to start empty",
-             dir, was_rank, was_nranks, rank, nranks, njobs, was_nranks, was_nranks);
-    return PD_EINVAL;
+void pd_replica_resume_plan(const pd_replica_view *v, int nranks, pd_resume_plan *out) {
+  *out = (pd_resume_plan){0, nranks, 0, v[0].propose};
+  int ref = -1;
+  for (int r = 0; r < nranks && ref < 0; r++)
+    if (v[r].state == PD_VIEW_JOBS) ref = r;
+  if (ref < 0) return; /* nothing to resume */
+  /* Rank 0 always exists and writes a snapshot at every start that ends well, so its
+   * snapshot (with jobs or without) names the run last written; a rank that holds an older
+   * one is then recognised as such. */
+  if (v[0].state == PD_VIEW_EMPTY && v[0].nranks >= 1) ref = 0;
+  int R = v[ref].nranks;
+  uint64_t run = v[ref].run;
+  if (R < 1) return; /* written by an older daemon that did not say: as it did */
+  int same = R == nranks;
+  for (int r = 0; r < nranks && same; r++)
+    if (v[r].state == PD_VIEW_JOBS && v[r].nranks >= 1 &&
+        (v[r].rank != r || v[r].nranks != nranks || (run && v[r].run && v[r].run != run)))
+      same = 0;
+  if (same) {
+    if (run) out->run = run;
+    out->old_run = run;
+    return;
   }
-  FILE *f = fopen(tmp, "w");
-  int ok = f && fprintf(f, "%d %d\n", rank, nranks) > 0;
-  if (f && fclose(f) != 0) ok = 0;
-  if (!ok || rename(tmp, path) != 0) {
-    snprintf(why, len, "cannot write %s", path);
-    return PD_EIO;
-  }
-  return PD_OK;
+  out->reshard = 1;
+  out->old_nranks = R;
+  out->old_run = run;
+  /* A new run: the old snapshots, still on disk until each rank writes its first, are told
+   * apart from the new ones by it. */
+  out->run = run ? run + 1 : v[0].propose;
 }

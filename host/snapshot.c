@@ -3,10 +3,13 @@
  *
  * File layout (all integers little-endian; floats as their IEEE 754 bits):
  *   header, 32 bytes:
- *     magic "PCDSNAP1" | u32 format (4; 1 to 3 are still read) | u32 reserved (0) |
+ *     magic "PCDSNAP1" | u32 format (5; 1 to 4 are still read) | u32 reserved (0) |
  *     u64 payload bytes |
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
+ *     (format 5 on) the origin: u32 rank | u32 nranks | u64 run (the daemon replica that
+ *       wrote it, of how many, and the run of the daemon job: the ranks of one run share one
+ *       ownership plan; earlier formats take rank and count from precondd.replicas)
  *     u32 jobs, then per job:
  *       str name | u32 mode | the mode's options section (its snap_bytes; Shampoo:
  *       u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon | u32 method) |
@@ -46,10 +49,11 @@
 #include "preconditioner.h"
 
 #define PD_SNAP_MAGIC              "PCDSNAP1"
-#define PD_SNAP_FORMAT             4u
+#define PD_SNAP_FORMAT             5u
 #define PD_SNAP_FORMAT_NO_AUX      1u /* before results kept their aux figures */
 #define PD_SNAP_FORMAT_NO_FAILURES 2u /* before blocks kept resets and the last failure */
 #define PD_SNAP_FORMAT_NO_ENDED    3u /* before the names of ended jobs were kept */
+#define PD_SNAP_FORMAT_NO_ORIGIN   4u /* before the origin (rank, count, run) was kept */
 _Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
 
@@ -242,6 +246,9 @@ int pd_snapshot_write(pd_store *st, const char *dir) {
   unsigned char header[PD_SNAP_HEADER];
   memset(header, 0, sizeof header);
   if (fwrite(header, 1, sizeof header, w.f) != sizeof header) w.err = 1;
+  pd__u32(&w, st->link ? (uint32_t)st->link->rank : 0);
+  pd__u32(&w, st->link ? (uint32_t)st->link->nranks : 1);
+  pd__u64(&w, st->run);
   pd__u32(&w, (uint32_t)njobs);
   for (size_t i = 0; i < njobs; i++) pd__write_job(&w, jobs[i], scratch);
   pd__u32(&w, (uint32_t)nended);
@@ -652,9 +659,34 @@ static int pd__check_jobs(pd_store *st, pd_job **jobs, uint32_t njobs, char *err
   return PD_OK;
 }
 
-int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
+/* The rank count a format-4 (or older) snapshot was written under: DIR/precondd.replicas,
+ * "RANK NRANKS", which daemons of that time wrote at each start. 0, or -1 when absent or
+ * not that. */
+static int pd__legacy_origin(const char *dir, pd_snap_origin *o) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/precondd.replicas", dir);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  int rank = 0, nranks = 0;
+  int ok = fscanf(f, "%d %d", &rank, &nranks) == 2 && nranks >= 1 && rank >= 0 && rank < nranks;
+  fclose(f);
+  if (!ok) return -1;
+  o->rank = rank;
+  o->nranks = nranks;
+  return 0;
+}
+
+#define PD_SNAP_MAX_RANKS 65536 /* an origin claiming more is damage */
+
+/* Opens dir's snapshot, verifies it (pd__verify) and reads its origin and job count: on
+ * PD_OK *f and *r stand at the first job. PD_ENOENT when there is none; PD_ECORRUPT or PD_EIO
+ * with a reason in err (*f closed). */
+static int pd__open(const char *dir, FILE **fp, pd__r *r, pd_snap_origin *o, char *err,
+                    size_t errlen) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
+  memset(o, 0, sizeof *o);
+  o->rank = -1; /* unknown */
   FILE *f = fopen(path, "rb");
   if (!f) {
     if (errno == ENOENT) return PD_ENOENT;
@@ -662,43 +694,102 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
     return PD_EIO;
   }
   uint64_t payload = 0;
-  pd_job **jobs = NULL;
-  pd_ended_job *ended = NULL;
-  size_t nended = 0;
-  uint32_t njobs = 0, nread = 0, format = 0;
+  uint32_t format = 0;
   int rc = pd__verify(f, &payload, &format, err, errlen);
-  if (rc != PD_OK) goto cleanup;
-  if (fseek(f, PD_SNAP_HEADER, SEEK_SET) != 0) {
+  if (rc == PD_OK && fseek(f, PD_SNAP_HEADER, SEEK_SET) != 0) {
     snprintf(err, errlen, "cannot seek in %s", path);
     rc = PD_EIO;
-    goto cleanup;
   }
-  pd__r r = {f, payload, 0, format};
-  njobs = pd__ru32(&r);
-  if (r.err || njobs > payload / 8) {
+  if (rc != PD_OK) {
+    fclose(f);
+    return rc;
+  }
+  *r = (pd__r){f, payload, 0, format};
+  if (format > PD_SNAP_FORMAT_NO_ORIGIN) {
+    o->rank = (int)pd__ru32(r);
+    o->nranks = (int)pd__ru32(r);
+    o->run = pd__ru64(r);
+    if (r->err || o->nranks < 1 || o->nranks > PD_SNAP_MAX_RANKS || o->rank < 0 ||
+        o->rank >= o->nranks) {
+      snprintf(err, errlen, "bad origin (rank %d of %d)", o->rank, o->nranks);
+      fclose(f);
+      return PD_ECORRUPT;
+    }
+  } else if (pd__legacy_origin(dir, o) != 0) {
+    o->rank = -1;
+    o->nranks = 0;
+  }
+  o->njobs = pd__ru32(r);
+  if (r->err || o->njobs > payload / 8) {
     snprintf(err, errlen, "bad job count");
-    rc = PD_ECORRUPT;
-    goto cleanup;
+    fclose(f);
+    return PD_ECORRUPT;
   }
-  jobs = calloc(njobs ? njobs : 1, sizeof *jobs);
-  if (!jobs) {
+  *fp = f;
+  return PD_OK;
+}
+
+int pd_snapshot_peek(const char *dir, pd_snap_origin *o, char *err, size_t errlen) {
+  FILE *f = NULL;
+  pd__r r;
+  int rc = pd__open(dir, &f, &r, o, err, errlen);
+  if (rc == PD_OK) fclose(f);
+  return rc;
+}
+
+/* A snapshot file parsed, nothing of it in a store yet. */
+typedef struct {
+  pd_snap_origin origin;
+  pd_job **jobs; /* njobs entries; an entry taken by the caller is set to NULL */
+  pd_ended_job *ended;
+  size_t nended;
+} pd__file;
+
+static void pd__file_free(pd__file *p, pd_stats *stats) {
+  for (uint32_t i = 0; p->jobs && i < p->origin.njobs; i++) pd_job_free(p->jobs[i], stats);
+  free(p->jobs);
+  pd_ended_free(p->ended, p->nended);
+  memset(p, 0, sizeof *p);
+}
+
+/* Parses dir's snapshot whole into *p (the caller frees it with pd__file_free, also on
+ * error). PD_ENOENT, PD_ECORRUPT, PD_EIO, PD_ENOMEM with a reason in err. */
+static int pd__parse(pd_store *st, const char *dir, pd__file *p, char *err, size_t errlen) {
+  memset(p, 0, sizeof *p);
+  FILE *f = NULL;
+  pd__r r;
+  int rc = pd__open(dir, &f, &r, &p->origin, err, errlen);
+  if (rc != PD_OK) return rc;
+  uint32_t njobs = p->origin.njobs;
+  p->origin.njobs = 0; /* the jobs parsed so far, for pd__file_free */
+  p->jobs = calloc(njobs ? njobs : 1, sizeof *p->jobs);
+  if (!p->jobs) {
     rc = PD_ENOMEM;
-    goto cleanup;
+    goto done;
   }
-  for (nread = 0; nread < njobs; nread++) {
-    rc = pd__read_job(&r, st, &jobs[nread], err, errlen);
-    if (rc != PD_OK) goto cleanup;
+  for (uint32_t i = 0; i < njobs; i++) {
+    rc = pd__read_job(&r, st, &p->jobs[i], err, errlen);
+    if (rc != PD_OK) goto done;
+    p->origin.njobs = i + 1;
   }
-  rc = pd__read_ended(&r, jobs, njobs, &ended, &nended, err, errlen);
-  if (rc != PD_OK) goto cleanup;
+  rc = pd__read_ended(&r, p->jobs, njobs, &p->ended, &p->nended, err, errlen);
+  if (rc != PD_OK) goto done;
   if (r.left != 0) {
     snprintf(err, errlen, "%llu bytes left over after the last job", (unsigned long long)r.left);
     rc = PD_ECORRUPT;
-    goto cleanup;
   }
-  rc = pd__check_jobs(st, jobs, njobs, err, errlen);
-  if (rc != PD_OK) goto cleanup;
-  for (uint32_t i = 0; i < njobs; i++) {
+done:
+  fclose(f);
+  return rc;
+}
+
+/* Checks the parsed jobs (pd__check_jobs) and adds them and the ended names to the store;
+ * takes jobs (njobs entries, the array too) and ended in every case. */
+static int pd__install(pd_store *st, pd_job **jobs, uint32_t njobs, pd_ended_job *ended,
+                       size_t nended, char *err, size_t errlen) {
+  int rc = pd__check_jobs(st, jobs, njobs, err, errlen);
+  uint32_t i = 0;
+  for (; rc == PD_OK && i < njobs; i++) {
     pd_job *existing = NULL;
     rc = pd_store_add(st, jobs[i], &existing);
     if (rc != PD_OK || existing) {
@@ -707,39 +798,241 @@ int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
       snprintf(err, errlen, "job \"%s\": %s", jobs[i]->name, pd_strerror(rc));
       if (rc == PD_OK) rc = PD_ENOMEM;
       pd_job_unref(existing, st->stats);
-      for (uint32_t k = i; k < njobs; k++) pd_job_free(jobs[k], st->stats);
-      free(jobs);
-      jobs = NULL;
-      goto cleanup;
+      break;
     }
   }
+  for (; i < njobs; i++) pd_job_free(jobs[i], st->stats);
   free(jobs);
-  jobs = NULL;
-  pd_store_restore_ended(st, ended, nended);
-  ended = NULL;
-  nended = 0;
-  rc = PD_OK;
-
-cleanup:
-  pd_ended_free(ended, nended);
-  if (jobs) {
-    for (uint32_t i = 0; i < nread && i < njobs; i++) pd_job_free(jobs[i], st->stats);
-    free(jobs);
-  }
-  fclose(f);
+  if (rc == PD_OK)
+    pd_store_restore_ended(st, ended, nended);
+  else
+    pd_ended_free(ended, nended);
   return rc;
 }
 
-int pd_snapshot_set_aside(const char *dir, char *newname, size_t len) {
+int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
+  pd__file p;
+  int rc = pd__parse(st, dir, &p, err, errlen);
+  if (rc != PD_OK) {
+    pd__file_free(&p, st->stats);
+    return rc;
+  }
+  return pd__install(st, p.jobs, p.origin.njobs, p.ended, p.nended, err, errlen);
+}
+
+/* ---- resuming under another rank count ------------------------------------------------- */
+
+/* Moves the statistics and their counters between two records of one unit. */
+static void pd__swap_stats(pd_block *a, pd_block *b) {
+  pd_block t;
+  memcpy(t.stat, a->stat, sizeof t.stat);
+  memcpy(a->stat, b->stat, sizeof t.stat);
+  memcpy(b->stat, t.stat, sizeof t.stat);
+  uint64_t step = atomic_load(&a->stat_step);
+  atomic_store(&a->stat_step, atomic_load(&b->stat_step));
+  atomic_store(&b->stat_step, step);
+#define PD__SWAP(f) (t.f = a->f, a->f = b->f, b->f = t.f)
+  PD__SWAP(pushes);
+  PD__SWAP(roots_computed);
+  PD__SWAP(roots_failed);
+  PD__SWAP(last_error);
+  PD__SWAP(last_compute_ms);
+  PD__SWAP(resets);
+  PD__SWAP(failures_in_row);
+#undef PD__SWAP
+  memcpy(t.last_failure, a->last_failure, sizeof t.last_failure);
+  memcpy(a->last_failure, b->last_failure, sizeof t.last_failure);
+  memcpy(b->last_failure, t.last_failure, sizeof t.last_failure);
+}
+
+/* A unit this rank does not own, or whose old owner never had its job: no statistics. */
+static void pd__clear_stats(pd_block *b) {
+  for (uint32_t k = 0; k < b->nparts; k++)
+    memset(b->stat[k], 0, pc_packed_len(b->order[k]) * sizeof(float));
+  atomic_store(&b->stat_step, 0);
+  b->pushes = b->roots_computed = b->roots_failed = b->resets = 0;
+  b->last_error = b->last_compute_ms = 0;
+  b->failures_in_row = 0;
+  b->last_failure[0] = '\0';
+}
+
+/* Moves the root (with its step) between two records of one unit. */
+static void pd__swap_root(pd_block *a, pd_block *b) {
+  pd_root *r = a->root;
+  a->root = b->root;
+  b->root = r;
+  uint64_t step = atomic_load(&a->root_step);
+  atomic_store(&a->root_step, atomic_load(&b->root_step));
+  atomic_store(&b->root_step, step);
+  int has = atomic_load(&a->has_root);
+  atomic_store(&a->has_root, atomic_load(&b->has_root));
+  atomic_store(&b->has_root, has);
+}
+
+/* The record of job name in file k (base when it came from there), or NULL. */
+static pd_job *pd__record(pd__file *files, int k, int base_file, pd_job *base) {
+  if (k == base_file) return base;
+  for (uint32_t i = 0; i < files[k].origin.njobs; i++)
+    if (files[k].jobs[i] && strcmp(files[k].jobs[i]->name, base->name) == 0)
+      return files[k].jobs[i];
+  return NULL;
+}
+
+/* Merges the records of base (taken from file base_file) across the old ranks' files into
+ * base: each unit's statistics from its old owner's file when this rank owns it now, the
+ * newest root of every unit from whichever file holds it. */
+static int pd__merge_job(pd__file *files, int old_nranks, int base_file, pd_job *base, int rank,
+                         int nranks, char *err, size_t errlen) {
+  uint32_t *old_owner = malloc((base->nblocks ? base->nblocks : 1) * sizeof *old_owner);
+  if (!old_owner) return PD_ENOMEM;
+  int rc = pd_replica_plan(base, old_nranks);
+  for (size_t i = 0; rc == PD_OK && i < base->nblocks; i++) old_owner[i] = base->blocks[i].owner;
+  if (rc == PD_OK) rc = pd_replica_plan(base, nranks);
+  for (int k = 0; rc == PD_OK && k < old_nranks; k++) {
+    pd_job *o = pd__record(files, k, base_file, base);
+    if (!o || o == base) continue;
+    if (!pd_job_same(o, base)) {
+      snprintf(err, errlen,
+               "job \"%s\" has other tensors or options in the snapshot of rank %d "
+               "than in that of rank %d",
+               base->name, k, base_file);
+      rc = PD_EINVAL;
+      break;
+    }
+    if (o->last_step > base->last_step) base->last_step = o->last_step;
+    for (size_t w = 0; w < o->nworkers; w++) pd_job_note_worker(base, o->workers[w]);
+  }
+  for (size_t i = 0; rc == PD_OK && i < base->nblocks; i++) {
+    pd_block *b = &base->blocks[i];
+    pd_job *src = pd__record(files, (int)old_owner[i], base_file, base);
+    if ((nranks > 1 && (int)b->owner != rank) || !src)
+      pd__clear_stats(b);
+    else if (src != base)
+      pd__swap_stats(b, &src->blocks[i]);
+    pd_block *newest = b;
+    for (int k = 0; k < old_nranks; k++) {
+      pd_job *o = pd__record(files, k, base_file, base);
+      pd_block *c = o ? &o->blocks[i] : NULL;
+      if (c && c->root && (!newest->root || c->root->version > newest->root->version)) newest = c;
+    }
+    if (newest != b) pd__swap_root(b, newest);
+  }
+  base->resumed_step = base->last_step;
+  free(old_owner);
+  return rc;
+}
+
+int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, int old_nranks,
+                               uint64_t old_run, int rank, int nranks, char *err, size_t errlen) {
+  pd__file *files = calloc((size_t)old_nranks, sizeof *files);
+  pd_job **jobs = NULL;
+  pd_ended_job *ended = NULL;
+  size_t njobs = 0, nended = 0, cap = 0, ecap = 0;
+  char why[400] = "";
+  int rc = files ? PD_OK : PD_ENOMEM;
+  for (int k = 0; rc == PD_OK && k < old_nranks; k++) {
+    rc = pd__parse(st, dirs[k], &files[k], why, sizeof why);
+    const pd_snap_origin *o = &files[k].origin;
+    if (rc == PD_ENOENT)
+      snprintf(err, errlen, "the snapshot of rank %d of %d, %s/%s, is missing", k, old_nranks,
+               dirs[k], PD_SNAPSHOT_FILE);
+    else if (rc != PD_OK)
+      snprintf(err, errlen, "the snapshot of rank %d of %d, %s/%s: %s", k, old_nranks, dirs[k],
+               PD_SNAPSHOT_FILE, why);
+    else if (o->rank != k || o->nranks != old_nranks || (old_run && o->run && o->run != old_run)) {
+      snprintf(err, errlen,
+               "%s/%s was written by rank %d of %d (run %016llx), not by rank %d of %d (run "
+               "%016llx) as rank 0's snapshot says: it is from another run of the daemon job",
+               dirs[k], PD_SNAPSHOT_FILE, o->rank, o->nranks, (unsigned long long)o->run, k,
+               old_nranks, (unsigned long long)old_run);
+      rc = PD_EINVAL;
+    }
+  }
+  /* The jobs: every name stored by some old rank, each taken from the first file holding it.
+   * A name stored as a job in one file and ended in another stays a job: the snapshots were
+   * written at different times, and keeping statistics loses nothing an EndJob cannot
+   * end again. */
+  for (int k = 0; rc == PD_OK && k < old_nranks; k++)
+    for (uint32_t i = 0; rc == PD_OK && i < files[k].origin.njobs; i++) {
+      pd_job *j = files[k].jobs[i];
+      int dup = 0;
+      for (size_t m = 0; m < njobs && !dup; m++) dup = strcmp(jobs[m]->name, j->name) == 0;
+      if (dup) continue;
+      if (njobs == cap) {
+        cap = cap ? 2 * cap : 8;
+        pd_job **nj = realloc(jobs, cap * sizeof *jobs);
+        if (!nj) {
+          rc = PD_ENOMEM;
+          break;
+        }
+        jobs = nj;
+      }
+      files[k].jobs[i] = NULL;
+      jobs[njobs++] = j;
+      rc = pd__merge_job(files, old_nranks, k, j, rank, nranks, err, errlen);
+    }
+  /* The ended names of every file, each once (the newest end), oldest first; none that is
+   * also a job. */
+  for (int k = 0; rc == PD_OK && k < old_nranks; k++)
+    for (size_t i = 0; rc == PD_OK && i < files[k].nended; i++) {
+      pd_ended_job *e = &files[k].ended[i];
+      int seen = 0;
+      for (size_t m = 0; m < njobs && !seen; m++) seen = strcmp(jobs[m]->name, e->name) == 0;
+      for (size_t m = 0; m < nended && !seen; m++)
+        if (strcmp(ended[m].name, e->name) == 0) {
+          seen = 1;
+          if (e->ended_at > ended[m].ended_at) {
+            ended[m].ended_at = e->ended_at;
+            ended[m].how = e->how;
+          }
+        }
+      if (seen) continue;
+      if (nended == ecap) {
+        ecap = ecap ? 2 * ecap : 16;
+        pd_ended_job *ne = realloc(ended, ecap * sizeof *ended);
+        if (!ne) {
+          rc = PD_ENOMEM;
+          break;
+        }
+        ended = ne;
+      }
+      ended[nended++] = *e;
+      e->name = NULL; /* moved */
+    }
+  for (size_t i = 1; rc == PD_OK && i < nended; i++) /* insertion sort: oldest first */
+    for (size_t m = i; m > 0 && ended[m - 1].ended_at > ended[m].ended_at; m--) {
+      pd_ended_job t = ended[m];
+      ended[m] = ended[m - 1];
+      ended[m - 1] = t;
+    }
+  if (rc == PD_OK && nended > PD_MAX_ENDED_JOBS) { /* keep the newest */
+    for (size_t i = 0; i < nended - PD_MAX_ENDED_JOBS; i++) free(ended[i].name);
+    memmove(ended, ended + (nended - PD_MAX_ENDED_JOBS), PD_MAX_ENDED_JOBS * sizeof *ended);
+    nended = PD_MAX_ENDED_JOBS;
+  }
+  for (int k = 0; files && k < old_nranks; k++) pd__file_free(&files[k], st->stats);
+  free(files);
+  if (rc == PD_ENOMEM && !*err) snprintf(err, errlen, "out of memory");
+  if (rc != PD_OK) {
+    for (size_t i = 0; i < njobs; i++) pd_job_free(jobs[i], st->stats);
+    free(jobs);
+    pd_ended_free(ended, nended);
+    return rc;
+  }
+  return pd__install(st, jobs, (uint32_t)njobs, ended, nended, err, errlen);
+}
+
+/* Renames dir/precondd.snap to dir/precondd.snap.KIND-<unix seconds>[-k]. */
+static int pd__set_aside(const char *dir, const char *kind, char *newname, size_t len) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   long long now = (long long)time(NULL);
-  /* Never overwrite an earlier damaged file: it may be all that is left of a run. */
+  /* Never overwrite an earlier file set aside: it may be all that is left of a run. */
   for (int k = 0; k < 1000; k++) {
     if (k == 0)
-      snprintf(newname, len, "%s/%s.corrupt-%lld", dir, PD_SNAPSHOT_FILE, now);
+      snprintf(newname, len, "%s/%s.%s-%lld", dir, PD_SNAPSHOT_FILE, kind, now);
     else
-      snprintf(newname, len, "%s/%s.corrupt-%lld-%d", dir, PD_SNAPSHOT_FILE, now, k);
+      snprintf(newname, len, "%s/%s.%s-%lld-%d", dir, PD_SNAPSHOT_FILE, kind, now, k);
     struct stat sb;
     if (stat(newname, &sb) == 0) continue;
     if (rename(path, newname) != 0) return PD_EIO;
@@ -747,4 +1040,12 @@ int pd_snapshot_set_aside(const char *dir, char *newname, size_t len) {
     return PD_OK;
   }
   return PD_EIO;
+}
+
+int pd_snapshot_set_aside(const char *dir, char *newname, size_t len) {
+  return pd__set_aside(dir, "corrupt", newname, len);
+}
+
+int pd_snapshot_set_aside_stale(const char *dir, char *newname, size_t len) {
+  return pd__set_aside(dir, "stale", newname, len);
 }

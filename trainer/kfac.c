@@ -195,6 +195,33 @@ static int pt__hook_bn(pt__kfac *s, const pt_kfac_opts *o, pt__kfac_layer *l,
   return rc;
 }
 
+/* A worker's share of count items of the global batch (data parallelism: ceil(count / W);
+ * alone: count). */
+static size_t pt__share(const pt_trainer *t, size_t count) {
+  size_t nw = t->opts.shard_size > 1 ? (size_t)t->opts.shard_size : 1;
+  return (count + nw - 1) / nw;
+}
+
+/* The rows of a dense layer's factors at step (pt_kfac_opts.dense_rows, row_sample): n of
+ * the layer's rows, every stride-th from first. A strided sample's first row cycles through
+ * the stride from one step to the next, so over a cycle every row position is used. */
+typedef struct {
+  size_t n, first, stride;
+} pt__rows;
+
+static pt__rows pt__dense_rows(const pt_trainer *t, size_t rows, long step) {
+  const pt_kfac_opts *o = &t->opts.kfac;
+  size_t want = pt__share(t, o->dense_rows);
+  pt__rows r = {rows, 0, 1};
+  if (want == 0 || want >= rows) return r;
+  r.n = want;
+  if (o->row_sample == PT_KFAC_ROWS_STRIDED) {
+    r.stride = rows / want;
+    r.first = (size_t)(step - 1) % r.stride;
+  }
+  return r;
+}
+
 static int pt__hook(void *ctx, const ac_hook_view *v) {
   pt_trainer *t = ctx;
   pt__kfac *s = t->state;
@@ -209,20 +236,25 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
   float scale = o->loss_scale > 0.0f ? o->loss_scale : (float)v->batch;
   int bias = l->bias != NULL;
   switch (v->kind) {
-    case AC_HOOK_DENSE:
-      rc = pt__ws(s, ac_kfac_dense_workspace_floats(v->rows, v->in, bias));
+    case AC_HOOK_DENSE: {
+      /* A subset of the rows is a matrix with the row stride times stride: the kernels read
+       * it in place. The scale stays the whole batch's (the loss is a mean over all rows). */
+      pt__rows r = pt__dense_rows(t, v->rows, s->next_step);
+      rc = pt__ws(s, ac_kfac_dense_workspace_floats(r.n, v->in, bias));
       if (rc == AC_OK)
-        rc = ac_kfac_dense_factor_a(s->be, v->rows, v->in, v->a, v->lda, bias, l->fa, s->ws);
+        rc = ac_kfac_dense_factor_a(s->be, r.n, v->in, v->a + r.first * v->lda, r.stride * v->lda,
+                                    bias, l->fa, s->ws);
       if (rc == AC_OK)
-        rc = ac_kfac_dense_factor_g(s->be, v->rows, v->out, v->g, v->ldg, scale, l->fg);
+        rc = ac_kfac_dense_factor_g(s->be, r.n, v->out, v->g + r.first * v->ldg, r.stride * v->ldg,
+                                    scale, l->fg);
       break;
+    }
     case AC_HOOK_CONV: {
       /* A from the first a_images images (the chunk's columns are image-major, so a prefix
        * of them is a prefix of its images); G from all. Data-parallel: a_images of the
        * global batch, each worker its 1/W of them from its share (the A work falls as 1/W;
        * other images than one worker's first ones when the share holds more). */
-      int nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
-      size_t ai = (o->a_images + (size_t)nw - 1) / (size_t)nw;
+      size_t ai = pt__share(t, o->a_images);
       size_t na = ai > 0 && ai < v->batch ? ai : v->batch;
       size_t use = v->first >= na ? 0 : na - v->first < v->nimg ? na - v->first : v->nimg;
       rc = pt__ws(s, ac_kfac_conv_cols_workspace_floats(v->in, v->cols, bias));
@@ -290,11 +322,13 @@ static int pt__kfac_create(pt_trainer *t, pt_error *err) {
   if (pc_kfac_opts_check(&o->k) != PC_OK || o->steps_per_epoch < 1 || !(o->loss_scale >= 0.0f) ||
       !isfinite(o->loss_scale) || !(o->base_lr >= 0.0) || !isfinite(o->base_lr) || o->inverse < 0 ||
       o->inverse > PC_KFAC_INV_NEWTON + 1 || o->form < PT_KFAC_FORM_DAEMON ||
-      o->form > PT_KFAC_FORM_WORKER_EIGEN ||
+      o->form > PT_KFAC_FORM_WORKER_EIGEN || o->row_sample < PT_KFAC_ROWS_PREFIX ||
+      o->row_sample > PT_KFAC_ROWS_STRIDED ||
       (o->form != PT_KFAC_FORM_DAEMON && t->opts.shard_size > 1))
     return pt__fail(err, PT_EINVAL,
                     "K-FAC options: pc_kfac_opts_check refused them, or "
-                    "steps_per_epoch < 1, or a bad loss_scale, base_lr, inverse or form (the "
+                    "steps_per_epoch < 1, or a bad loss_scale, base_lr, inverse, form or "
+                    "row_sample (the "
                     "worker forms are for one worker)");
   pt__kfac *s = calloc(1, sizeof *s);
   if (s == NULL) return PT_ENOMEM;

@@ -1,8 +1,8 @@
 /*
  * shampoo.c -- the Shampoo mode of the trainer library. The worker half is accel's
  * ac_shampoo (statistics on the device, roots applied there); the daemon computes the
- * inverse roots. Per step: statistics of every block pushed when due, the newest roots
- * libprecond holds handed to ac_shampoo, then ac_shampoo_step.
+ * inverse roots. Per step: statistics of every block computed into libprecond's push slots
+ * when due, the newest roots libprecond holds handed to ac_shampoo, then ac_shampoo_step.
  */
 #include "trainer_internal.h"
 
@@ -27,6 +27,8 @@ typedef struct {
                                the same on every daemon rank; libprecond's own numbering is
                                per client) */
   uint8_t *mine;            /* per block: this worker computes and pushes its statistics */
+  float **left, **right;    /* per block: where its statistics go this step (push slots) */
+  precond_push_slot **slot; /* per block: libprecond's slot open this step; NULL between */
   size_t nmine;
   double stats_s; /* CPU seconds of this thread: 2 cores shared, wall is noise */
   pt__pace pace;  /* asynchronous roots: libprecond's poll, half a step (pt__poll_pace) */
@@ -83,8 +85,11 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   s->source_step = calloc(nb, sizeof *s->source_step);
   s->mine = calloc(nb, sizeof *s->mine);
   s->daemon_version = calloc(nb, sizeof *s->daemon_version);
+  s->left = calloc(nb, sizeof *s->left);
+  s->right = calloc(nb, sizeof *s->right);
+  s->slot = calloc(nb, sizeof *s->slot);
   if (s->block_id == NULL || s->version == NULL || s->source_step == NULL || s->mine == NULL ||
-      s->daemon_version == NULL)
+      s->daemon_version == NULL || s->left == NULL || s->right == NULL || s->slot == NULL)
     return PT_ENOMEM;
   for (size_t b = 0; b < s->nblocks; b++) {
     ac_shampoo_block bi;
@@ -175,23 +180,37 @@ static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
   }
 }
 
-static int pt__shampoo_push(pt_trainer *t, long step, pt_error *err) {
+/* When statistics are due: this worker's blocks' statistics computed straight into
+ * libprecond's push slots (no copy on this thread: the CPU backend's syrk packs into them,
+ * CUDA's download lands there), then queued. Every slot opened is committed or cancelled
+ * exactly once, also on failure. */
+static int pt__shampoo_push(pt_trainer *t, int *due, long *stat_step, pt_error *err) {
   pt__shampoo *s = t->state;
-  for (size_t b = 0; b < s->nblocks; b++) {
+  *due = ac_shampoo_stats_due(s->opt, stat_step);
+  if (!*due) return PT_OK;
+  int rc = PT_OK;
+  for (size_t b = 0; b < s->nblocks; b++) s->left[b] = s->right[b] = NULL;
+  for (size_t b = 0; b < s->nblocks && rc == PT_OK; b++) {
     if (!s->mine[b]) continue; /* another worker's share */
-    const float *l = NULL, *r = NULL;
-    ac_shampoo_block bi;
-    int arc = ac_shampoo_block_stats(s->opt, b, &l, &r);
-    if (arc == AC_OK) arc = ac_shampoo_block_info(s->opt, b, &bi);
-    if (arc != AC_OK) return pt__accel(err, arc, "Shampoo statistics");
-    int rc =
-        pt__daemon(t, err,
-                   precond_push(t->client, (uint64_t)step, s->block_id[b], (uint32_t)bi.block.rows,
-                                l, (uint32_t)bi.block.cols, r, PRECOND_FP32),
-                   "precond_push");
-    if (rc != PT_OK) return rc;
+    const precond_block *pb = &t->layout.blocks[b];
+    rc = pt__daemon(
+        t, err,
+        precond_push_begin(t->client, (uint64_t)*stat_step, s->block_id[b], (uint32_t)pb->rows,
+                           (uint32_t)pb->cols, &s->left[b], &s->right[b], &s->slot[b]),
+        "precond_push_begin");
   }
-  return PT_OK;
+  if (rc == PT_OK)
+    rc = pt__accel(err, ac_shampoo_compute_stats_into(s->opt, s->left, s->right, NULL, NULL),
+                   "Shampoo statistics");
+  for (size_t b = 0; b < s->nblocks; b++) {
+    if (s->slot[b] == NULL) continue;
+    if (rc == PT_OK)
+      rc = pt__daemon(t, err, precond_push_commit(t->client, s->slot[b]), "precond_push_commit");
+    else
+      precond_push_cancel(s->slot[b]);
+    s->slot[b] = NULL;
+  }
+  return rc;
 }
 
 static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *info,
@@ -203,8 +222,7 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
    * period (the run's wall time is what that mode pays anyway). */
   if (!t->opts.sync_roots) pt__poll_pace(t, &s->pace);
   double t0 = pt__cpu_now();
-  int rc = pt__accel(err, ac_shampoo_compute_stats(s->opt, &due, &stat_step), "Shampoo statistics");
-  if (rc == PT_OK && due) rc = pt__shampoo_push(t, stat_step, err);
+  int rc = pt__shampoo_push(t, &due, &stat_step, err);
   s->stats_s += pt__cpu_now() - t0;
   if (rc != PT_OK) return rc;
   /* Waiting before start_step would only slow the steps whose update ignores roots. */
@@ -247,6 +265,9 @@ static void pt__shampoo_destroy(pt_trainer *t) {
   free(s->source_step);
   free(s->mine);
   free(s->daemon_version);
+  free(s->left);
+  free(s->right);
+  free(s->slot);
   free(s);
   t->state = NULL;
 }

@@ -70,6 +70,19 @@ typedef enum {
   PT_KFAC_FORM_WORKER_EIGEN = 2
 } pt_kfac_form;
 
+/* Which of a batch's rows a dense layer's factors come from when pt_kfac_opts.dense_rows
+ * takes fewer than all (docs/kfac.md, "Session 8"). */
+typedef enum {
+  /* the first dense_rows rows: a language model's rows are whole sequences one after the
+   * other, so a prefix is the first sequences, every position (unbiased when the batch's
+   * sequences are drawn independently, as the clients' windows are) */
+  PT_KFAC_ROWS_PREFIX = 0,
+  /* every (rows / dense_rows)-th row, from a first row that cycles through the stride from
+   * one factor step to the next: all sequences, but at a stride that divides the sequence
+   * length the same positions of each at one step (unbiased over a cycle, not per step) */
+  PT_KFAC_ROWS_STRIDED = 1
+} pt_kfac_rows;
+
 /* K-FAC (trainer/kfac.c, docs/kfac.md). The worker computes each layer's factors A and G
  * through the layers' curvature hooks (install pt_kfac_hook's hook on the model), pushes
  * them, and preconditions with the newest damped inverses: G^-1 grad A^-1 per dense or conv
@@ -90,6 +103,11 @@ typedef struct {
   size_t a_images;      /* conv layers: A from the first a_images images of the batch
                               only (KFC's expectation from a subset: the A syrk is most
                               of a factor step's cost); default 16; 0: the whole batch */
+  size_t dense_rows;    /* dense layers: A and G from dense_rows of the batch's rows
+                              (tokens of a language model) only: the syrks are most of a
+                              factor step; 0: every row. Data-parallel: of the global
+                              batch, each worker its 1/W of them */
+  pt_kfac_rows row_sample; /* which rows when dense_rows takes fewer than all */
   int quiet;            /* 1: do not list each layer's treatment on stderr at start */
   double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
                               rate pt_step has been given so far */

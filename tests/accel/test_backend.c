@@ -655,6 +655,39 @@ static void test_syrk_packed(void **state) {
   free(hg);
 }
 
+/* ac_syrk_packed_to_host gives ac_syrk_packed's floats (beta 0, then a download) in the
+ * caller's host memory, writes nothing past the triangle, zeros for k = 0, and checks its
+ * arguments. */
+static void test_syrk_packed_to_host(void **state) {
+  ac_backend *be = backend(state);
+  const size_t rows = 9, cols = 6, ld = 15;
+  float *hg = host_rand(12 * ld);
+  float *g = dev_up(be, hg, 12 * ld);
+  for (int t = 0; t < 2; t++) {
+    size_t n = t == 0 ? rows : cols, k = t == 0 ? cols : rows, len = ac_packed_len(n);
+    float *c = dev_alloc(be, len * sizeof(float));
+    OK(ac_syrk_packed(be, (ac_trans)t, n, k, 0.5f, g + 1 * ld + 2, ld, 0.0f, c));
+    float *want = dev_down(be, c, len);
+    float *got = host_rand(len + 1); /* garbage to overwrite, and a guard after it */
+    const float guard = got[len];
+    OK(ac_syrk_packed_to_host(be, (ac_trans)t, n, k, 0.5f, g + 1 * ld + 2, ld, got));
+    assert_memory_equal(got, want, len * sizeof(float));
+    assert_true(got[len] == guard);
+    OK(ac_syrk_packed_to_host(be, (ac_trans)t, n, 0, 0.5f, NULL, ld, got));
+    for (size_t i = 0; i < len; i++) assert_true(got[i] == 0.0f);
+    free(got);
+    free(want);
+    ac_free(be, c);
+  }
+  float one = 0.0f;
+  assert_int_equal(ac_syrk_packed_to_host(be, AC_NO_TRANS, 4, 3, 1, g, 2, &one), AC_EINVAL);
+  assert_int_equal(ac_syrk_packed_to_host(be, AC_NO_TRANS, 4, 3, 1, g, 3, NULL), AC_EINVAL);
+  assert_int_equal(ac_syrk_packed_to_host(NULL, AC_NO_TRANS, 1, 1, 1, g, 1, &one), AC_EINVAL);
+  OK(ac_syrk_packed_to_host(be, AC_NO_TRANS, 0, 3, 1, g, 3, NULL)); /* nothing to write */
+  ac_free(be, g);
+  free(hg);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Elementwise                                                                             */
 
@@ -1941,6 +1974,13 @@ static void scen_blas(ac_backend *be, outbuf *o) {
   OK(ac_syrk_packed(be, AC_TRANS, k, m, 0.1f, a, k, 0.9f, r));
   out_take(o, be, l, ac_packed_len(m));
   out_take(o, be, r, ac_packed_len(k));
+  /* The statistics into host memory (Shampoo's push slots): the CUDA download there. */
+  float *hl = malloc(ac_packed_len(m) * sizeof(float));
+  assert_non_null(hl);
+  OK(ac_syrk_packed_to_host(be, AC_NO_TRANS, m, k, 0.1f, a, k, hl));
+  OK(ac_memcpy_h2d(be, l, hl, ac_packed_len(m) * sizeof(float)));
+  out_take(o, be, l, ac_packed_len(m));
+  free(hl);
   float *dense = dev_alloc(be, k * k * sizeof(float));
   OK(ac_unpack_sym(be, k, r, dense, k));
   out_take(o, be, dense, k * k);
@@ -2229,15 +2269,16 @@ static void test_cuda_matches_cpu(void **state) {
 #define PRIMITIVE_TESTS                                                                     \
   cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),                  \
       cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                         \
-      cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_binary_axpby_affine),       \
-      cmocka_unit_test(test_unary), cmocka_unit_test(test_bcast_reduce),                    \
-      cmocka_unit_test(test_scalar_reductions_argmax), cmocka_unit_test(test_softmax_mask), \
-      cmocka_unit_test(test_xent), cmocka_unit_test(test_layernorm),                        \
-      cmocka_unit_test(test_gather_scatter), cmocka_unit_test(test_conv_im2col),            \
-      cmocka_unit_test(test_conv3x3), cmocka_unit_test(test_im2col_geometries),             \
-      cmocka_unit_test(test_pool), cmocka_unit_test(test_channel_ops),                      \
-      cmocka_unit_test(test_random), cmocka_unit_test(test_sample_rows),                    \
-      cmocka_unit_test(test_adamw), cmocka_unit_test(test_moment_graft)
+      cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_syrk_packed_to_host),       \
+      cmocka_unit_test(test_binary_axpby_affine), cmocka_unit_test(test_unary),             \
+      cmocka_unit_test(test_bcast_reduce), cmocka_unit_test(test_scalar_reductions_argmax), \
+      cmocka_unit_test(test_softmax_mask), cmocka_unit_test(test_xent),                     \
+      cmocka_unit_test(test_layernorm), cmocka_unit_test(test_gather_scatter),              \
+      cmocka_unit_test(test_conv_im2col), cmocka_unit_test(test_conv3x3),                   \
+      cmocka_unit_test(test_im2col_geometries), cmocka_unit_test(test_pool),                \
+      cmocka_unit_test(test_channel_ops), cmocka_unit_test(test_random),                    \
+      cmocka_unit_test(test_sample_rows), cmocka_unit_test(test_adamw),                     \
+      cmocka_unit_test(test_moment_graft)
 
 int main(void) {
   const struct CMUnitTest lifecycle[] = {

@@ -315,6 +315,45 @@ static void base_opts(ac_shampoo_opts *o, pc_graft kind) {
 /* ------------------------------------------------------------------------------------ */
 /* Layout and statistics                                                                   */
 
+/* Right after ac_shampoo_compute_stats, at a due step: ac_shampoo_compute_stats_into gives
+ * the same floats in the caller's memory for the blocks given a destination (every other
+ * one here), writes nothing past them, leaves the others alone, and invalidates s's own. */
+static void stats_into_same(ac_shampoo *s) {
+  float *l[NBLK], *r[NBLK];
+  const float *gl[NBLK], *gr[NBLK];
+  size_t nl[NBLK], nr[NBLK];
+  long t = 0;
+  assert_int_equal(ac_shampoo_stats_due(s, &t), 1);
+  for (size_t b = 0; b < NBLK; b++) {
+    ac_shampoo_block info;
+    OK(ac_shampoo_block_info(s, b, &info));
+    OK(ac_shampoo_block_stats(s, b, &gl[b], &gr[b]));
+    nl[b] = ac_packed_len(info.block.rows);
+    nr[b] = ac_packed_len(info.block.cols);
+    l[b] = b % 2 == 0 ? xcalloc(nl[b] + 1, sizeof(float)) : NULL;
+    r[b] = b % 2 == 0 ? xcalloc(nr[b] + 1, sizeof(float)) : NULL;
+    if (l[b] != NULL) l[b][nl[b]] = r[b][nr[b]] = -7.0f; /* guards */
+  }
+  int due = -1;
+  long step = 0;
+  OK(ac_shampoo_compute_stats_into(s, l, r, &due, &step));
+  assert_int_equal(due, 1);
+  assert_int_equal(step, t);
+  for (size_t b = 0; b < NBLK; b += 2) {
+    assert_memory_equal(l[b], gl[b], nl[b] * sizeof(float));
+    assert_memory_equal(r[b], gr[b], nr[b] * sizeof(float));
+    assert_true(l[b][nl[b]] == -7.0f && r[b][nr[b]] == -7.0f);
+    free(l[b]);
+    free(r[b]);
+  }
+  assert_int_equal(ac_shampoo_block_stats(s, 0, NULL, NULL), AC_EINVAL);
+  assert_int_equal(ac_shampoo_compute_stats_into(s, NULL, r, &due, NULL), AC_EINVAL);
+  l[0] = xcalloc(nl[0], sizeof(float));
+  r[0] = NULL; /* a left destination needs a right one */
+  assert_int_equal(ac_shampoo_compute_stats_into(s, l, r, NULL, NULL), AC_EINVAL);
+  free(l[0]);
+}
+
 static void test_layout_and_stats(void **state) {
   ac_backend *be = backend(state);
   world w;
@@ -379,6 +418,12 @@ static void test_layout_and_stats(void **state) {
         free(l);
         free(r);
       }
+      stats_into_same(s);
+    } else {
+      assert_int_equal(ac_shampoo_stats_due(s, &step), 0);
+      OK(ac_shampoo_compute_stats_into(s, NULL, NULL, &due, &step)); /* not due: nothing read */
+      assert_int_equal(due, 0);
+      assert_int_equal(step, t);
     }
     OK(ac_shampoo_step(s, 0.0f));
   }

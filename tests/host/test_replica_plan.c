@@ -1,6 +1,6 @@
 /* test_replica_plan.c -- host/replica_plan.c: the ownership of units among daemon replicas
  * (deterministic, a partition, within the greedy bound), the link's ownership rule, and the
- * %r substitution, the state directory's rank count. No MPI. */
+ * %r substitution, the plan of a resume from the ranks' state directories. No MPI. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -110,37 +110,59 @@ static void test_subst(void **state) {
   assert_string_equal(u, "abcdefgh%r");
 }
 
-/* A state directory remembers the rank count of its snapshot: a restart that restored jobs
- * under another count or rank is refused with both named; without jobs, or without the
- * file (an older daemon's directory), the start goes on and the file says the new count. */
-static void test_state_check(void **state) {
+#define V(state, rank, nranks, run) \
+  { PD_VIEW_##state, rank, nranks, run, 77 }
+
+/* The resume plan every rank derives from the views of all: as before when nothing or an
+ * older daemon's snapshot is there or everything matches; resharded from rank 0's count and
+ * run otherwise (a new rank count, a directory of another rank, a stale one), with a new run. */
+static void test_resume_plan(void **state) {
   (void)state;
-  char dir[] = "/tmp/pdplan-XXXXXX", why[1024] = "", path[64];
-  assert_non_null(mkdtemp(dir));
-  snprintf(path, sizeof path, "%s/%s", dir, PD_REPLICA_STATE_FILE);
-  assert_int_equal(pd_replica_state_check(dir, 0, 1, 3, why, sizeof why), PD_OK); /* no file */
-  assert_int_equal(pd_replica_state_check(dir, 1, 2, 0, why, sizeof why), PD_OK); /* no jobs */
-  assert_int_equal(pd_replica_state_check(dir, 1, 2, 2, why, sizeof why), PD_OK); /* same */
-  assert_int_equal(pd_replica_state_check(dir, 1, 3, 2, why, sizeof why), PD_EINVAL);
-  assert_non_null(strstr(why, "rank 1 of 2 daemon replicas, and this is rank 1 of 3"));
-  assert_non_null(strstr(why, "mpirun -np 2"));
-  assert_int_equal(pd_replica_state_check(dir, 0, 2, 2, why, sizeof why), PD_EINVAL); /* rank */
-  FILE *f = fopen(path, "r");
-  int r = -1, n = -1;
-  assert_non_null(f);
-  assert_int_equal(fscanf(f, "%d %d", &r, &n), 2); /* a refusal leaves the file */
-  fclose(f);
-  assert_int_equal(r, 1);
-  assert_int_equal(n, 2);
-  f = fopen(path, "w");
-  assert_non_null(f);
-  fputs("garbage\n", f); /* unreadable: as if absent */
-  fclose(f);
-  assert_int_equal(pd_replica_state_check(dir, 0, 4, 2, why, sizeof why), PD_OK);
-  assert_int_equal(pd_replica_state_check(dir, 0, 1, 2, why, sizeof why), PD_EINVAL);
-  assert_non_null(strstr(why, "rank 0 of 4"));
-  unlink(path);
-  assert_int_equal(rmdir(dir), 0);
+  static const struct {
+    const char *what;
+    int nranks;
+    pd_replica_view v[3];
+    pd_resume_plan want; /* reshard, old_nranks, old_run, run */
+  } cases[] = {
+      {"nothing to resume: rank 0's fresh run",
+       2,
+       {V(NONE, 0, 0, 0), V(EMPTY, 1, 2, 5)},
+       {0, 2, 0, 77}},
+      {"the same count and run: the run goes on",
+       2,
+       {V(JOBS, 0, 2, 5), V(JOBS, 1, 2, 5)},
+       {0, 2, 5, 5}},
+      {"a rank lost its directory: as before",
+       2,
+       {V(JOBS, 0, 2, 5), V(NONE, 0, 0, 0)},
+       {0, 2, 5, 5}},
+      {"older daemons' snapshots: as before",
+       2,
+       {V(JOBS, -1, 0, 0), V(JOBS, -1, 0, 0)},
+       {0, 2, 0, 77}},
+      {"2 -> 3", 3, {V(JOBS, 0, 2, 5), V(JOBS, 1, 2, 5), V(NONE, 0, 0, 0)}, {1, 2, 5, 6}},
+      {"2 -> 1", 1, {V(JOBS, 0, 2, 5)}, {1, 2, 5, 6}},
+      {"1 -> 2", 2, {V(JOBS, 0, 1, 9), V(NONE, 0, 0, 0)}, {1, 1, 9, 10}},
+      {"3 -> 2 -> 3: rank 2 holds the older run",
+       3,
+       {V(JOBS, 0, 2, 6), V(JOBS, 1, 2, 6), V(JOBS, 2, 3, 5)},
+       {1, 2, 6, 7}},
+      {"directories swapped (the load names them)",
+       2,
+       {V(JOBS, 1, 2, 5), V(JOBS, 0, 2, 5)},
+       {1, 2, 5, 6}},
+      {"rank 0 without jobs names the run",
+       3,
+       {V(EMPTY, 0, 3, 8), V(JOBS, 1, 2, 5), V(EMPTY, 2, 3, 8)},
+       {1, 3, 8, 9}},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    pd_resume_plan p;
+    pd_replica_resume_plan(cases[i].v, cases[i].nranks, &p);
+    if (memcmp(&p, &cases[i].want, sizeof p) != 0)
+      fail_msg("%s: reshard %d from %d ranks (run %llu), run %llu", cases[i].what, p.reshard,
+               p.old_nranks, (unsigned long long)p.old_run, (unsigned long long)p.run);
+  }
 }
 
 int main(void) {
@@ -149,7 +171,7 @@ int main(void) {
       cmocka_unit_test(test_plan_order),
       cmocka_unit_test(test_owns),
       cmocka_unit_test(test_subst),
-      cmocka_unit_test(test_state_check),
+      cmocka_unit_test(test_resume_plan),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,6 @@
 /* test_snapshot.c -- unit tests of host/snapshot.c: a bit-exact round trip, and every kind
  * of damage (flipped bytes anywhere, truncation, extension, empty file) refused with a
- * reason and nothing loaded. */
+ * reason and nothing loaded; resuming under another rank count. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -261,6 +261,9 @@ static void test_rewrite_replaces(void **state) {
   assert_int_equal(pd_snapshot_write(&f->store, "/nonexistent/dir"), PD_EIO);
 }
 
+/* The origin (rank, count, run) that format 5 puts before the job count. */
+#define ORIGIN 16
+
 /* A payload under construction, little-endian like the file. */
 typedef struct {
   unsigned char *p;
@@ -377,7 +380,7 @@ static void test_ended_names(void **state) {
   size_t jobs_end = n;
   /* the ended section: u32 2, then "beta" and "gamma" with their time and kind */
   jobs_end -= 4 + (4 + 4 + 12) + (4 + 5 + 12);
-  put(&b, file + 32, jobs_end - 32);
+  put(&b, file + 32 + ORIGIN, jobs_end - 32 - ORIGIN);
   seal_as(f, &b, 3);
   pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
   st.ended_max = 8;
@@ -415,13 +418,14 @@ static void test_hostile_contents(void **state) {
     pd_stats_destroy(&st1);
     size_t m;
     unsigned char *single = slurp(path, &m);
-    job_len = m - 32 - 4 - 4; /* less the job count and the count of ended names */
-    put(&b, single + 36, job_len);
-    put(&b, single + 36, job_len);
+    /* less the origin, the job count and the count of ended names */
+    job_len = m - 32 - ORIGIN - 4 - 4;
+    put(&b, single + 36 + ORIGIN, job_len);
+    put(&b, single + 36 + ORIGIN, job_len);
     put_le(&b, 0, 4);
     one_job = malloc(job_len);
     assert_non_null(one_job);
-    memcpy(one_job, single + 36, job_len);
+    memcpy(one_job, single + 36 + ORIGIN, job_len);
     free(single);
   }
   seal_as(f, &b, 4); /* the format it was written in */
@@ -506,6 +510,144 @@ static void test_hostile_contents(void **state) {
   free(orig);
 }
 
+/* The store of old rank k of R of a daemon job (run 7) that saw add_job's statistics: the
+ * statistics of the units it owns, every root (published to every rank), written to dir. */
+static void write_old_rank(const char *dir, int k, int R) {
+  pd_stats stats;
+  pd_store st;
+  pd_replica_link link;
+  memset(&link, 0, sizeof link);
+  link.rank = k;
+  link.nranks = R;
+  atomic_store(&link.alone, 1); /* nothing to send while it is filled */
+  pd_stats_init(&stats);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.link = &link;
+  st.run = 7;
+  seed = 12345;
+  pd_job *jobs[2] = {add_job(&st, "alpha", 10, 7, 4), add_job(&st, "beta", 3, 3, 8)};
+  for (int j = 0; j < 2; j++)
+    for (size_t i = 0; i < jobs[j]->nblocks; i++) {
+      pd_block *b = &jobs[j]->blocks[i];
+      if ((int)b->owner == k) continue;
+      memset(b->stat[0], 0, pc_packed_len(b->rows) * 4);
+      memset(b->stat[1], 0, pc_packed_len(b->cols) * 4);
+      b->pushes = 0;
+    }
+  mkdir(dir, 0700);
+  assert_int_equal(pd_snapshot_write(&st, dir), PD_OK);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+}
+
+/* Resumed as rank `rank` of nranks from the old ranks' directories: each unit this rank owns
+ * now has the statistics one daemon that saw everything has, bit for bit, the others none,
+ * and every unit its root under the old version; the origin says the new count. */
+static void check_resharded(const fixture *f, int old_nranks, int rank, int nranks) {
+  char dirs[4][96];
+  const char *names[4];
+  for (int k = 0; k < old_nranks; k++) {
+    snprintf(dirs[k], sizeof dirs[k], "%s/old-%d-%d", f->dir, old_nranks, k);
+    names[k] = dirs[k];
+  }
+  pd_stats stats;
+  pd_store ref, st;
+  pd_replica_link link;
+  memset(&link, 0, sizeof link);
+  link.rank = rank;
+  link.nranks = nranks;
+  pd_stats_init(&stats);
+  pd_store_init(&ref, &stats, (size_t)1 << 30, 1000);
+  seed = 12345;
+  add_job(&ref, "alpha", 10, 7, 4);
+  add_job(&ref, "beta", 3, 3, 8);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  st.link = &link;
+  char err[512] = "";
+  assert_int_equal(
+      pd_snapshot_read_resharded(&st, names, old_nranks, 7, rank, nranks, err, sizeof err), PD_OK);
+  assert_int_equal(st.njobs, 2);
+  size_t owned = 0;
+  for (int j = 0; j < 2; j++) {
+    pd_job *a = ref.jobs[j], *b = st.jobs[j];
+    assert_string_equal(a->name, b->name);
+    assert_int_equal(b->resumed_step, 42);
+    for (size_t i = 0; i < a->nblocks; i++) {
+      pd_block *x = &a->blocks[i], *y = &b->blocks[i];
+      if (nranks == 1 || (int)y->owner == rank) {
+        owned++;
+        assert_memory_equal(x->stat[0], y->stat[0], pc_packed_len(x->rows) * 4);
+        assert_memory_equal(x->stat[1], y->stat[1], pc_packed_len(x->cols) * 4);
+        assert_int_equal(y->pushes, x->pushes);
+        assert_int_equal(atomic_load(&y->stat_step), atomic_load(&x->stat_step));
+      } else {
+        for (size_t k = 0; k < pc_packed_len(y->rows); k++) assert_true(y->stat[0][k] == 0);
+        assert_int_equal(y->pushes, 0);
+      }
+      assert_int_equal(!x->root, !y->root);
+      if (x->root) {
+        assert_int_equal(y->root->version, x->root->version);
+        assert_memory_equal(x->root->part[0], y->root->part[0], pc_packed_len(x->rows) * 4);
+      }
+    }
+  }
+  assert_true(owned > 0);
+  st.run = 8;
+  char mine[96];
+  snprintf(mine, sizeof mine, "%s/new", f->dir);
+  mkdir(mine, 0700);
+  assert_int_equal(pd_snapshot_write(&st, mine), PD_OK);
+  pd_snap_origin o;
+  assert_int_equal(pd_snapshot_peek(mine, &o, err, sizeof err), PD_OK);
+  assert_int_equal(o.rank, rank);
+  assert_int_equal(o.nranks, nranks);
+  assert_int_equal(o.run, 8);
+  assert_int_equal(o.njobs, 2);
+  pd_store_destroy(&st);
+  pd_store_destroy(&ref);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+}
+
+/* Resuming under another rank count: 2 -> 1, 2 -> 3, 1 -> 2; a missing old snapshot, and
+ * one of another run, are refused naming the file, nothing loaded. */
+static void test_resharded(void **state) {
+  fixture *f = *state;
+  for (int k = 0; k < 2; k++) {
+    char d[96];
+    snprintf(d, sizeof d, "%s/old-2-%d", f->dir, k);
+    write_old_rank(d, k, 2);
+  }
+  char one[96];
+  snprintf(one, sizeof one, "%s/old-1-0", f->dir);
+  write_old_rank(one, 0, 1);
+  check_resharded(f, 2, 0, 1);
+  for (int r = 0; r < 3; r++) check_resharded(f, 2, r, 3);
+  for (int r = 0; r < 2; r++) check_resharded(f, 1, r, 2);
+
+  pd_stats stats;
+  pd_store st;
+  pd_stats_init(&stats);
+  pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
+  char d0[96], d1[96], err[512] = "";
+  snprintf(d0, sizeof d0, "%s/old-2-0", f->dir);
+  snprintf(d1, sizeof d1, "%s/nowhere", f->dir);
+  const char *names[2] = {d0, d1};
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 7, 0, 1, err, sizeof err), PD_ENOENT);
+  assert_non_null(strstr(err, "nowhere/precondd.snap"));
+  assert_non_null(strstr(err, "rank 1 of 2"));
+  snprintf(d1, sizeof d1, "%s/old-2-1", f->dir);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 9, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_non_null(strstr(err, "another run"));
+  names[1] = d0; /* rank 0's snapshot where rank 1's should be */
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 7, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_non_null(strstr(err, "written by rank 0 of 2"));
+  assert_int_equal(st.njobs, 0);
+  pd_store_destroy(&st);
+  assert_int_equal(atomic_load(&stats.memory_bytes), 0);
+  pd_stats_destroy(&stats);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR + 0);
   const struct CMUnitTest tests[] = {
@@ -515,6 +657,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_job_over_lowered_limit, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hostile_contents, setup, teardown),
       cmocka_unit_test_setup_teardown(test_ended_names, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_resharded, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

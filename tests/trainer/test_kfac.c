@@ -40,8 +40,16 @@ typedef struct {
   int32_t *y;
 } convnet;
 
+/* The batch's images (net_init's dup): all different, or each image twice, as two equal
+ * halves (image b + N/2 = image b) or interleaved (image 2i + 1 = image 2i). */
+enum { DUP_NONE = 0, DUP_HALVES = 1, DUP_INTERLEAVED = 2 };
+
+static int dup_source(int dup, int b) {
+  return dup == DUP_HALVES ? b % (N / 2) : dup == DUP_INTERLEAVED ? b / 2 * 2 : b;
+}
+
 /* Images of class k: a bright row k (of 6) plus deterministic noise. */
-static void net_init(convnet *m) {
+static void net_init_dup(convnet *m, int dup) {
   memset(m, 0, sizeof *m);
   assert_int_equal(ac_backend_create(&m->be, NULL), AC_OK);
   assert_int_equal(
@@ -66,6 +74,11 @@ static void net_init(convnet *m) {
           (float)((seed >> 8) % 1000) / 1000.0f - 0.5f + (i / HW == 2 * y[b] ? 2.0f : 0.0f);
     }
   }
+  for (int b = 0; b < N; b++) { /* sources come first in both orders: copies only */
+    int src = dup_source(dup, b);
+    y[b] = y[src];
+    memmove(x + b * HW * HW, x + src * HW * HW, HW * HW * sizeof *x);
+  }
   void *p = NULL;
   assert_int_equal(ac_malloc(m->be, sizeof x, &p), AC_OK);
   m->x = p;
@@ -73,6 +86,10 @@ static void net_init(convnet *m) {
   m->y = p;
   assert_int_equal(ac_memcpy_h2d(m->be, m->x, x, sizeof x), AC_OK);
   assert_int_equal(ac_memcpy_h2d(m->be, m->y, y, sizeof y), AC_OK);
+}
+
+static void net_init(convnet *m) {
+  net_init_dup(m, DUP_NONE);
 }
 
 static void net_set_hook(convnet *m, const ac_hook *h) {
@@ -164,19 +181,24 @@ typedef struct {
 
 /* The KL clip's settings of a run; NULL: the defaults at lr 0.2. fisher: 0 empirical, 1 the
  * model's, 2 the model's with the draws forced to the batch's labels. form and inverse:
- * pt_kfac_opts'; bf16: push_bf16. */
+ * pt_kfac_opts'; bf16: push_bf16; rows and row_sample: dense_rows and row_sample; dup:
+ * net_init_dup's. */
 typedef struct {
   double lr, kl_clip, base_lr;
   int kl_base_lr, fisher, form, inverse, bf16;
+  size_t rows;
+  int row_sample, dup;
 } clip_cfg;
 
 static void train_clip(const char *job, int sync, size_t a_images, const clip_cfg *cc,
                        run_out *out) {
   convnet m;
-  net_init(&m);
+  net_init_dup(&m, cc ? cc->dup : DUP_NONE);
   pt_options o;
   opts_for(&o, job, sync);
   o.kfac.a_images = a_images;
+  o.kfac.dense_rows = cc ? cc->rows : 0;
+  o.kfac.row_sample = cc ? (pt_kfac_rows)cc->row_sample : PT_KFAC_ROWS_PREFIX;
   double lr = cc ? cc->lr : 0.2;
   if (cc && cc->kl_clip > 0.0) {
     o.kfac.k.kl_clip = cc->kl_clip;
@@ -280,8 +302,8 @@ static void test_kfac_trains(void **state) {
 static void test_kfac_kl_base_lr(void **state) {
   (void)state;
   run_out e, f, g;
-  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0, 0},
-           cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0, 0};
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0, 0, 0, 0, 0},
+           cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0, 0, 0, 0, 0};
   train_clip("kfac-kl-e", 1, 0, &ce, &e);
   train_clip("kfac-kl-f", 1, 0, &cf, &f);
   train_clip("kfac-kl-g", 1, 0, &cg, &g);
@@ -299,8 +321,8 @@ static void test_kfac_kl_base_lr(void **state) {
  * give other factors, differ from the batch's labels, are reproducible, and still train. */
 static void test_kfac_model_fisher(void **state) {
   (void)state;
-  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0, 0},
-           forced = {0.2, 0.0, 0.0, 0, 2, 0, 0, 0};
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0},
+           forced = {0.2, 0.0, 0.0, 0, 2, 0, 0, 0, 0, 0, 0};
   run_out e, f, g, h;
   train_clip("kfac-fisher-e", 1, 0, &emp, &e);
   train_clip("kfac-fisher-f", 1, 0, &forced, &f);
@@ -336,11 +358,11 @@ static void test_kfac_model_fisher(void **state) {
  * inverse form. */
 static void test_kfac_worker_forms(void **state) {
   (void)state;
-  clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0, 0},
-           winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0, 0},
-           deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH, 0},
-           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH, 0},
-           eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0, 0};
+  clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0, 0, 0, 0, 0},
+           winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0, 0, 0, 0, 0},
+           deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH, 0, 0, 0, 0},
+           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH, 0, 0, 0, 0},
+           eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0, 0, 0, 0, 0};
   run_out a, b, c, d, e, f;
   train_clip("kfac-form-a", 1, 0, &daemon, &a);
   train_clip("kfac-form-b", 1, 0, &winv, &b);
@@ -377,6 +399,57 @@ static void test_kfac_worker_forms(void **state) {
   assert_memory_not_equal(g.fc_w, a.fc_w, sizeof g.fc_w);
 }
 
+/* Largest |x - y| over n values, relative to the largest |x|. */
+static double rel_diff(const float *x, const float *y, size_t n) {
+  double d = 0.0, m = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    d = fmax(d, fabs((double)x[i] - (double)y[i]));
+    m = fmax(m, fabs((double)x[i]));
+  }
+  return d / m;
+}
+
+/* A dense layer's factors from some of the batch's rows (dense_rows, row_sample): fc's A and
+ * G from 12 of its 24 rows. On a batch made of each image twice, the rows taken are every
+ * image once when the copies lie the way the sample skips them (the two halves for a
+ * prefix, neighbours for a stride of 2), so the factors, and the run, are the all-rows
+ * run's up to rounding; the other way round the sample is half the images twice (other
+ * factors), and so is a prefix on all-different images. */
+static void test_kfac_dense_rows(void **state) {
+  (void)state;
+  enum { R = N / 2 };
+  clip_cfg all_h = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0, 0, PT_KFAC_ROWS_PREFIX, DUP_HALVES};
+  clip_cfg all_i = all_h, pre_h = all_h, pre_i = all_h, str_h = all_h, str_i = all_h;
+  all_i.dup = pre_i.dup = str_i.dup = DUP_INTERLEAVED;
+  pre_h.rows = pre_i.rows = str_h.rows = str_i.rows = R;
+  str_h.row_sample = str_i.row_sample = PT_KFAC_ROWS_STRIDED;
+  clip_cfg all_n = all_h, pre_n = pre_h;
+  all_n.dup = pre_n.dup = DUP_NONE;
+  run_out a, b, c, d, e, f, g, h;
+  size_t nw = sizeof a.fc_w / sizeof a.fc_w[0];
+  train_clip("kfac-rows-a", 1, 0, &all_h, &a);
+  train_clip("kfac-rows-b", 1, 0, &pre_h, &b);
+  train_clip("kfac-rows-c", 1, 0, &str_h, &c);
+  train_clip("kfac-rows-d", 1, 0, &all_i, &d);
+  train_clip("kfac-rows-e", 1, 0, &str_i, &e);
+  train_clip("kfac-rows-f", 1, 0, &pre_i, &f);
+  train_clip("kfac-rows-g", 1, 0, &all_n, &g);
+  train_clip("kfac-rows-h", 1, 0, &pre_n, &h);
+  double same_pre = rel_diff(a.fc_w, b.fc_w, nw), other_str = rel_diff(a.fc_w, c.fc_w, nw);
+  double same_str = rel_diff(d.fc_w, e.fc_w, nw), other_pre = rel_diff(d.fc_w, f.fc_w, nw);
+  double other_n = rel_diff(g.fc_w, h.fc_w, nw);
+  fprintf(stderr, "dense rows: same %.2e %.2e, other %.2e %.2e %.2e\n", same_pre, same_str,
+          other_str, other_pre, other_n);
+  assert_true(same_pre < 1e-4 && same_str < 1e-4);
+  assert_true(other_str > 1e-3 && other_pre > 1e-3 && other_n > 1e-3);
+  for (int s = 0; s < STEPS; s++) {
+    assert_int_equal(h.info[s].preconditioned, 2);
+    assert_int_equal(c.info[s].preconditioned, 2);
+  }
+  assert_true(h.loss[STEPS - 1] < 0.5 * h.loss[0]);
+  assert_true(c.loss[STEPS - 1] < 0.5 * c.loss[0]);
+}
+
 /* The hook is only for a K-FAC trainer; a K-FAC trainer needs an epoch length. */
 static void test_kfac_bad_use(void **state) {
   (void)state;
@@ -397,6 +470,10 @@ static void test_kfac_bad_use(void **state) {
   o.kfac.inverse = 1 + PC_KFAC_INV_NEWTON + 1;
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
   assert_non_null(strstr(err.msg, "inverse"));
+  opts_for(&o, "kfac-bad-rows", 0);
+  o.kfac.row_sample = (pt_kfac_rows)2;
+  assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "row_sample"));
   /* No hook installed: the first step says so. */
   opts_for(&o, "kfac-nohook", 0);
   assert_int_equal(pt_create(&t, &o, m.params.items, m.params.n, &err), PT_OK);
@@ -437,7 +514,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_kfac_trains),       cmocka_unit_test(test_kfac_kl_base_lr),
       cmocka_unit_test(test_kfac_model_fisher), cmocka_unit_test(test_kfac_worker_forms),
-      cmocka_unit_test(test_kfac_bad_use),
+      cmocka_unit_test(test_kfac_dense_rows),   cmocka_unit_test(test_kfac_bad_use),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
