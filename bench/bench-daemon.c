@@ -517,8 +517,8 @@ static void *worker_main(void *arg) {
     } else {
       pm.req.step = step++;
       if (w->shm) {
-        /* Each push writes its two factors into the region (copy and checksum), as a
-         * worker's would; the messages then carry the references only. */
+        /* Each push writes its two factors into the region's slots (a plain copy, where a
+         * worker's kernel writes the statistic); the messages carry the references only. */
         pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
         pm.l.data.len = pm.r.data.len = w->pl->bytes;
         pm.l.shm = pm.r.shm = NULL;
@@ -533,6 +533,8 @@ static void *worker_main(void *arg) {
         w->failed = 1;
         break;
       }
+      /* Answered: the daemon read the slots, the next push reuses them (libprecond too). */
+      if (w->shm) rpc_shm_rewind(&shm);
       w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);

@@ -369,6 +369,14 @@ unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len
  * (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
 
+/* After the daemon answered a push (it read every slot the push named before answering):
+ * the next slot starts at the ring's start again, so a worker's pushes reuse the same
+ * bytes, still in the caches of both processes, instead of walking the whole ring through
+ * memory (docs/precondd.md, "Wire"). The stamps count the skipped rest of the ring as taken,
+ * so rpc_shm_push_intact stays exact: a slot still being read (the caller rewound after a
+ * call it gave up on) is refused, not read mixed. A no-op on an empty ring. */
+void rpc_shm_rewind(rpc_shm *s);
+
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */
 void rpc_shm_fetch_request(const rpc_shm *s, Precond__V1__ShmSession *w,

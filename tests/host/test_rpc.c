@@ -311,6 +311,23 @@ static void test_shm_client(void **state) {
   assert_int_equal(rpc_shm_put(&s, &m, &ref[0]), 0);
   assert_ptr_equal(m.data.data, big);
   assert_null(m.shm);
+  /* Rewound after an answered push: the next slot is the ring's start again, stamped a lap
+   * on (1 + 2 x 960), and the slot of the lap before that it covers reads as overwritten. A
+   * second rewind before any slot is taken is a no-op. */
+  rpc_shm_rewind(&s);
+  Precond__V1__ShmRef again;
+  m.shm = NULL;
+  assert_ptr_equal(rpc_shm_slot(&s, &m, 64, &again), s.map + RPC_SHM_PUSH_RING);
+  assert_int_equal(again.seq, 1 + 2 * 960);
+  assert_true(rpc_shm_push_intact(s.map, R, again.offset, again.seq));
+  assert_false(rpc_shm_push_intact(s.map, R, more.offset, more.seq));
+  rpc_shm_rewind(&s);
+  rpc_shm_rewind(&s);
+  m.shm = NULL;
+  assert_ptr_equal(rpc_shm_slot(&s, &m, 64, &ref[1]), s.map + RPC_SHM_PUSH_RING);
+  assert_int_equal(ref[1].seq, 1 + 3 * 960);
+  assert_false(rpc_shm_push_intact(s.map, R, again.offset, again.seq));
+  assert_true(rpc_shm_push_intact(s.map, R, ref[1].offset, ref[1].seq));
 
   /* A fetch answer naming the daemon's half. */
   memset(s.map + R / 2, 0x5A, 64);
