@@ -130,6 +130,15 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
 int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                ProtobufCMessage **out);
 
+/* Internal (rpc_unpack's way with a message of many slices; declared for its test): parses
+ * the n slices s as a message of type desc, each large singular bytes field gathered out of
+ * the slices into its own buffer (one copy; protobuf-c would copy it from a flattened copy).
+ * RPC_OK: *out as rpc_unpack's; RPC_EPARSE: not parsed this way (bytes that do not parse,
+ * or a group, a oneof, a singular message or bytes field twice in one message: the caller
+ * parses the flattened bytes), *out NULL. No size limit: the caller checks it. */
+int rpc__lift_unpack(const grpc_slice *s, size_t n, const ProtobufCMessageDescriptor *desc,
+                     ProtobufCMessage **out);
+
 /* Makes glibc's malloc keep freed memory for the next large message instead of returning
  * it at once: a 4 MB message otherwise takes fresh pages (a page fault per 4 KiB, cleared
  * by the kernel) for gRPC's receive slices, the flattened copy and protobuf-c's bytes, at
