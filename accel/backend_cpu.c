@@ -1816,9 +1816,10 @@ typedef struct c3_args {
   c3_geom g;
   int isa;   /* AC_CPU_ISA_AVX2 or _AVX512 */
   size_t vw; /* floats per vector: 8 or 16 */
-  size_t n, c, oc, nb, nv, cl, dl, per_thread, parts;
+  size_t n, c, oc, nv, cl, dl, per_thread, parts;
+  size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
-  float *y, *dw, *scratch, *xq, *dq;
+  float *y, *dw, *scratch; /* dw: the weight gradient's partial sums */
 } c3_args;
 
 #if C3_HAVE_KERNELS
@@ -1856,30 +1857,44 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
   }
 }
 
-/* Weight gradient, one chunk of nb images: items [0, c) pack x's channels, [c, c + oc) dy's. */
-static void c3_wgrad_pack(void *ctx, size_t lo, size_t hi) {
+/* Weight gradient, one part of the groups per thread (parts = the pool's threads): group
+ * k sums chunks [k nch / groups, (k + 1) nch / groups) of images into its own partial
+ * weights pw_k, chunk by chunk (x's and dy's channels packed into the thread's scratch,
+ * then the 4 x 9 weights of every (output block, input channel)). Which thread runs a group
+ * does not change its sums. */
+static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
   const c3_args *a = ctx;
-  size_t hw = a->g.h * a->g.w;
-  for (size_t it = lo; it < hi; it++) {
-    if (it < a->c)
-      c3_pack(&a->g, a->nb, a->x + it * hw, a->c * hw, a->g.wq + 1, a->xq + it * a->cl, a->cl);
-    else
-      c3_pack(&a->g, a->nb, a->dy + (it - a->c) * hw, a->oc * hw, 0, a->dq + (it - a->c) * a->dl,
-              a->dl);
-  }
-}
-
-/* Item ob c + ch: the 4 x 9 weights of output block ob and input channel ch. */
-static void c3_wgrad_items(void *ctx, size_t lo, size_t hi) {
-  const c3_args *a = ctx;
-  for (size_t it = lo; it < hi; it++) {
-    size_t ob = it / a->c, ch = it % a->c;
-    const float *dq = a->dq + ob * 4 * a->dl, *xc = a->xq + ch * a->cl;
-    float *dw = a->dw + (ob * 4 * a->c + ch) * 9;
-    if (a->isa == AC_CPU_ISA_AVX512)
-      c5_wgrad_block(a->nv, a->g.wq, dq, a->dl, xc, dw, a->c * 9);
-    else
-      c3_wgrad_block(a->nv, a->g.wq, dq, a->dl, xc, dw, a->c * 9);
+  const c3_geom *g = &a->g;
+  size_t hw = g->h * g->w, wn = a->oc * a->c * 9;
+  for (size_t part = lo; part < hi; part++) {
+    float *xq = a->scratch + part * a->per_thread, *dq = xq + a->c * a->cl;
+    size_t k0, k1;
+    slice_of(a->groups, (int)a->parts, (int)part, &k0, &k1);
+    for (size_t k = k0; k < k1; k++) {
+      float *pw = a->dw + k * wn;
+      memset(pw, 0, wn * sizeof *pw);
+      size_t q0, q1;
+      slice_of(a->nch, (int)a->groups, (int)k, &q0, &q1);
+      for (size_t q = q0; q < q1; q++) {
+        size_t b0, b1;
+        slice_of(a->n, (int)a->nch, (int)q, &b0, &b1);
+        size_t nb = b1 - b0, nv = c3_nvec(g, nb, a->vw);
+        for (size_t ch = 0; ch < a->c; ch++)
+          c3_pack(g, nb, a->x + (b0 * a->c + ch) * hw, a->c * hw, g->wq + 1, xq + ch * a->cl,
+                  a->cl);
+        for (size_t o = 0; o < a->oc; o++)
+          c3_pack(g, nb, a->dy + (b0 * a->oc + o) * hw, a->oc * hw, 0, dq + o * a->dl, a->dl);
+        for (size_t ob = 0; ob < a->oc / 4; ob++)
+          for (size_t ch = 0; ch < a->c; ch++) {
+            const float *dqb = dq + ob * 4 * a->dl, *xc = xq + ch * a->cl;
+            float *dw = pw + (ob * 4 * a->c + ch) * 9;
+            if (a->isa == AC_CPU_ISA_AVX512)
+              c5_wgrad_block(nv, g->wq, dqb, a->dl, xc, dw, a->c * 9);
+            else
+              c3_wgrad_block(nv, g->wq, dqb, a->dl, xc, dw, a->c * 9);
+          }
+      }
+    }
   }
 }
 #endif
@@ -1909,31 +1924,42 @@ static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
 }
 
 /* Chunks of images small enough that a block's 4 rows of dy and a channel of x stay in the
- * cache while its 36 weights are summed; the chunk, and so the order of every sum, is a
- * function of the shape alone: the same bits for any thread count. */
+ * cache while its 36 weights are summed, in C3_WGRAD_GROUPS groups (fewer for a small
+ * batch) with a partial sum each, added into dW in group order at the end. The chunks, the
+ * groups and so the order of every sum are a function of the shape alone: the same bits for
+ * any thread count. One hand-off to the pool per conv (it was two per chunk, 640 per
+ * ResNet-20 step); the chunk count is rounded up to a multiple of the groups, so that the
+ * threads' shares are equal. */
 #define C3_WGRAD_CHUNK_FLOATS 131072
+#define C3_WGRAD_GROUPS 8
 
 static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                              const float *x, const float *dy, float *dw) {
 #if C3_HAVE_KERNELS
-  c3_args a = {.g = c3_geom_of(h, w), .c = c, .oc = oc, .dw = dw};
+  cpu_pool *pool = pool_of(be);
+  c3_args a = {.g = c3_geom_of(h, w), .n = n, .c = c, .oc = oc, .x = x, .dy = dy};
   c3_args_isa(be, &a);
+  a.parts = (size_t)pool->nthreads;
   size_t per_image = (c + oc) * a.g.is, nbmax = C3_WGRAD_CHUNK_FLOATS / per_image;
-  nbmax = nbmax < 1 ? 1 : nbmax > n ? n : nbmax;
-  a.cl = c3_chan_len(&a.g, nbmax, a.vw);
-  a.dl = (c3_nvec(&a.g, nbmax, a.vw) * a.vw + 15) / 16 * 16;
-  float *s = cpu_scratch(be, c * a.cl + oc * a.dl);
+  nbmax = nbmax < 1 ? 1 : nbmax;
+  size_t nch = (n + nbmax - 1) / nbmax;
+  nch = (nch + C3_WGRAD_GROUPS - 1) / C3_WGRAD_GROUPS * C3_WGRAD_GROUPS;
+  a.nch = nch < n ? nch : n;
+  a.groups = a.nch < C3_WGRAD_GROUPS ? a.nch : C3_WGRAD_GROUPS;
+  size_t nb = (n + a.nch - 1) / a.nch; /* the largest chunk */
+  a.cl = c3_chan_len(&a.g, nb, a.vw);
+  a.dl = (c3_nvec(&a.g, nb, a.vw) * a.vw + 15) / 16 * 16;
+  a.per_thread = c * a.cl + oc * a.dl;
+  size_t wn = oc * c * 9;
+  float *s = cpu_scratch(be, a.groups * wn + a.parts * a.per_thread);
   if (s == NULL) return AC_ENOMEM;
-  a.xq = s;
-  a.dq = s + c * a.cl;
-  size_t hw = h * w;
-  for (size_t b0 = 0; b0 < n; b0 += nbmax) {
-    a.nb = n - b0 < nbmax ? n - b0 : nbmax;
-    a.nv = c3_nvec(&a.g, a.nb, a.vw);
-    a.x = x + b0 * c * hw;
-    a.dy = dy + b0 * oc * hw;
-    par_for(pool_of(be), c + oc, (double)(a.nb * (c + oc) * hw), c3_wgrad_pack, &a);
-    par_for(pool_of(be), oc / 4 * c, (double)(a.nb * c * oc * hw), c3_wgrad_items, &a);
+  a.dw = s;
+  a.scratch = s + (a.groups * wn + 15) / 16 * 16;
+  par_for(pool, a.parts, (double)(n * c * oc * h * w), c3_wgrad_part, &a);
+  for (size_t i = 0; i < wn; i++) {
+    float acc = a.dw[i];
+    for (size_t k = 1; k < a.groups; k++) acc += a.dw[k * wn + i];
+    dw[i] += acc;
   }
   return AC_OK;
 #else
