@@ -307,6 +307,12 @@ typedef struct {
  * AC_ENOMEM or a device error (then the block holds no roots until the next version). */
 int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots);
 
+/* Forgets block b's roots: it takes the grafted step until ac_shampoo_set_roots hands it
+ * a version again (any version: none is held). For a caller that finds, after handing
+ * them in, that the roots it read were not intact (libprecond's roots by reference,
+ * precond_roots_intact). AC_EINVAL for s NULL or b out of range. */
+int ac_shampoo_drop_roots(ac_shampoo *s, size_t b);
+
 /* One step with learning rate lr (finite, >= 0), as described above. Grads are read, not
  * changed. Waits for the device once or twice per parameter (grafting norms). */
 int ac_shampoo_step(ac_shampoo *s, float lr);

@@ -493,6 +493,14 @@ int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots)
   return AC_OK;
 }
 
+int ac_shampoo_drop_roots(ac_shampoo *s, size_t b) {
+  if (s == NULL || b >= s->nblocks) return AC_EINVAL;
+  shampoo_block *sb = &s->blocks[b];
+  sb->has_left = sb->has_right = 0;
+  sb->version = 0; /* what roots_usable reads: the grafted step from now on */
+  return AC_OK;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* The step                                                                                */
 

@@ -350,12 +350,14 @@ static const char *other_pass(void) {
   return clock_id == CLOCK_MONOTONIC ? "step.cpu" : "step.wall";
 }
 
-static void bench_models(size_t chunk) {
+/* The two model steps; which: "models" (both), "lm" or "resnet" (one of them). */
+static void bench_models(size_t chunk, const char *which) {
   ac_lm_config lc;
   ac_lm lm;
   ac_param_list pl;
   double ms;
   char cfg[96];
+  if (strcmp(which, "resnet") == 0) goto resnet;
   ac_lm_config_default(&lc);
   if (quick) lc.batch = 2;
   check(ac_lm_init(&lm, be, &lc), "lm init");
@@ -371,7 +373,9 @@ static void bench_models(size_t chunk) {
   ac_free(be, tok);
   ac_free(be, tgt);
   ac_lm_destroy(&lm);
+  if (strcmp(which, "lm") == 0) return;
 
+resnet:;
   ac_resnet_config rc;
   ac_resnet net;
   ac_resnet_config_default(&rc);
@@ -395,7 +399,7 @@ static void bench_models(size_t chunk) {
 static void usage(FILE *out) {
   fprintf(out,
           "usage: bench-accel [--csv] [--backend cpu|cuda] [--threads N] [--reps N]\n"
-          "                   [--chunk N] [--only peak|tblock|resblock|models]\n"
+          "                   [--chunk N] [--only peak|tblock|resblock|models|lm|resnet]\n"
           "                   [--clock wall|cpu] [--isa best|portable|avx2|avx512]\n"
           "                   [--quick] [--help]\n"
           "  --csv       CSV output (section,config,item,pass,ms,min_ms,gflop,gflops,\n"
@@ -404,7 +408,7 @@ static void usage(FILE *out) {
           "  --threads   OpenBLAS threads on the CPU backend (default 1)\n"
           "  --reps      timed repetitions per figure, median reported (default 5, max %d)\n"
           "  --chunk     images per im2col pass in the conv layers (default 8; 0: batch)\n"
-          "  --only      run one section (the sgemm peak always runs)\n"
+          "  --only      run one section (the sgemm peak always runs); lm, resnet: one model\n"
           "  --clock     wall (default) or cpu: process CPU time, for a CPU backend on a\n"
           "              shared machine (counts every thread); the model steps are\n"
           "              also given by the other clock (pass step.cpu / step.wall)\n"
@@ -478,8 +482,8 @@ int main(int argc, char **argv) {
       i++;
     } else if (strcmp(a, "--only") == 0 && v != NULL) {
       if (strcmp(v, "peak") != 0 && strcmp(v, "tblock") != 0 && strcmp(v, "resblock") != 0 &&
-          strcmp(v, "models") != 0) {
-        fprintf(stderr, "bench-accel: --only must be peak, tblock, resblock or models\n");
+          strcmp(v, "models") != 0 && strcmp(v, "lm") != 0 && strcmp(v, "resnet") != 0) {
+        fprintf(stderr, "bench-accel: --only must be peak, tblock, resblock, models, lm or resnet\n");
         return 2;
       }
       only = v;
@@ -510,7 +514,9 @@ int main(int argc, char **argv) {
     bench_basicblock(16, 16, 28, 1, chunk);
     bench_basicblock(16, 32, 28, 2, chunk);
   }
-  if (only == NULL || strcmp(only, "models") == 0) bench_models(chunk);
+  if (only == NULL || strcmp(only, "models") == 0 || strcmp(only, "lm") == 0 ||
+      strcmp(only, "resnet") == 0)
+    bench_models(chunk, only == NULL ? "models" : only);
   ac_backend_destroy(be);
   return 0;
 }

@@ -83,6 +83,7 @@ struct precond_client {
   /* Shared memory (the background thread's alone; rpc.h rpc_shm_*): the region, and when to try
    * to get one again after a failure. */
   rpc_shm shm;
+  precond__area *area; /* shm's roots area once roots_by_reference shares it (wire.h) */
   struct timespec shm_retry;
   uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
   int refused;           /* the daemon refused to register the job again (it was ended):
@@ -327,6 +328,8 @@ static int shm_ensure(precond_client *c) {
                      &code, err, sizeof err) != RPC_OK) {
       c->shm_retry = deadline_in(10000);
       set_error(c, "shared memory", err);
+    } else if (c->opts.roots_by_reference && c->shm.roots != NULL) {
+      c->area = precond__area_new(c->shm.roots, c->shm.roots_bytes); /* NULL: copies */
     }
   }
   return c->shm.map != NULL || c->opts.transport != PRECOND_TRANSPORT_SHM ? PRECOND_OK
@@ -335,8 +338,20 @@ static int shm_ensure(precond_client *c) {
 
 /* After a call that named the region failed with FAILED_PRECONDITION: the daemon may not
  * know the region (it restarted): drop it; the next call opens a new one. */
-static void shm_lost(precond_client *c) {
+/* Closes the region; a roots area that roots handed out by reference share stays mapped
+ * until the last of them is released (precond__area). */
+static void shm_close(precond_client *c) {
+  if (c->area != NULL) {
+    c->shm.roots = NULL; /* the holder's to unmap now */
+    c->shm.roots_bytes = 0;
+    precond__area_release(c->area);
+    c->area = NULL;
+  }
   rpc_shm_close(&c->shm);
+}
+
+static void shm_lost(precond_client *c) {
+  shm_close(c);
   c->shm_retry = deadline_in(0);
 }
 
@@ -416,6 +431,7 @@ static int send_batch_once(precond_client *c, const char *job, precond_mode mode
   ProtobufCMessage *resp = NULL;
   st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor, 0,
             &resp);
+  if (st == PRECOND_OK && *shm_bytes > 0) rpc_shm_rewind(&c->shm); /* slots read: reuse them */
   free(refs);
   if (resp != NULL) {
     daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
@@ -516,8 +532,12 @@ static int poll_roots(precond_client *c) {
       got[i] = NULL;
     else if (kfac)
       got[i] = precond__kfac_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
-    else
-      got[i] = precond__roots_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
+    else {
+      /* By reference into the roots area when asked and possible (no copy), else decoded. */
+      uint32_t rows = shape[b->block_id], cols = shape[nb + b->block_id];
+      got[i] = use_shm ? precond__roots_by_ref(b, rows, cols, c->area) : NULL;
+      if (got[i] == NULL) got[i] = precond__roots_from_wire(b, rows, cols);
+    }
     if (got[i] == NULL) bad++;
     const Precond__V1__PackedMatrix *sides[4] = {b->left, b->right, b->a_inv, b->g_inv};
     for (int k = 0; k < 4; k++) bytes += sides[k] ? sides[k]->data.len : 0;
@@ -545,6 +565,7 @@ static int poll_roots(precond_client *c) {
       c->daemon_have[id] = o->pub.daemon_version;
       c->roots[id] = o;
       published++;
+      c->counters.roots_by_reference += o->area != NULL;
       if (old != NULL) precond_roots_release(&old->pub);
     } else {
       precond_roots_release(&o->pub);
@@ -870,7 +891,7 @@ void precond_close(precond_client *c) {
     pthread_join(c->thread, NULL);
   }
   job_clear(c);
-  rpc_shm_close(&c->shm); /* the thread, its only user, is gone */
+  shm_close(c); /* the thread, its only user, is gone */
   grpc_channel_destroy(c->channel);
   grpc_shutdown();
   pthread_cond_destroy(&c->progress);

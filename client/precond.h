@@ -142,6 +142,13 @@ typedef struct {
                                   process, for good). Over TCP a 4 MB answer otherwise
                                   takes fresh pages every call: 3-10x its CPU time
                                   (docs/precondd.md, "Wire"). Default 0 */
+  int roots_by_reference;          /* 1: Shampoo roots that come through the daemon's roots
+                                  area (shared memory) are handed out pointing into it, with
+                                  no copy of the client's; their bytes can then be
+                                  overwritten by the daemon once its ring wraps (many
+                                  answers later), so a reader calls precond_roots_intact
+                                  after reading them and discards what it read on 0.
+                                  Default 0: every version is a copy of the client's */
 } precond_options;
 
 /* Fills the defaults above. */
@@ -322,6 +329,14 @@ int precond_fetch(precond_client *client, uint32_t block_id, uint64_t have_versi
 /* Gives back one reference from precond_fetch. NULL is a no-op. */
 void precond_roots_release(const precond_roots *roots);
 
+/* 1 when the values of roots are the ones published: always for a copy of the client's;
+ * for roots handed out by reference (precond_options.roots_by_reference), 1 while the
+ * daemon has not reused their place in its roots area. Reading them and then seeing 1 here
+ * means what was read is intact (a seqlock's second look); on 0 the reader discards what it
+ * read (the block's next version comes as usual). The mapping itself stays valid until the
+ * release, also after the client's region is closed. NULL: 0. */
+int precond_roots_intact(const precond_roots *roots);
+
 /* Waits until the client holds a version of block_id newer than have_version, or timeout_ms
  * passes (PRECOND_ETIMEDOUT). For tests and for workers that choose to wait for a bounded
  * staleness; the training step itself should use precond_fetch. */
@@ -332,24 +347,26 @@ int precond_wait_roots(precond_client *client, uint32_t block_id, uint64_t have_
 /* Counters of this client                                                                */
 
 typedef struct {
-  uint64_t pushed;          /* blocks accepted into the queue */
-  uint64_t sent;            /* blocks the daemon answered for */
-  uint64_t coalesced;       /* queued blocks replaced by a newer push of the same block */
-  uint64_t dropped;         /* queued blocks dropped because the queue was full */
-  uint64_t push_errors;     /* blocks the daemon rejected */
-  uint64_t retries;         /* send or poll attempts that failed and were retried */
-  uint64_t reregistered;    /* times the job was registered again after NOT_FOUND */
-  uint64_t fetch_calls;     /* FetchPreconditioners calls */
-  uint64_t roots_received;  /* block versions received */
-  uint64_t bytes_sent;      /* statistics payload bytes sent */
-  uint64_t bytes_received;  /* roots payload bytes received */
-  uint64_t shm_bytes;       /* of bytes_sent and bytes_received, those that went through
+  uint64_t pushed;             /* blocks accepted into the queue */
+  uint64_t sent;               /* blocks the daemon answered for */
+  uint64_t coalesced;          /* queued blocks replaced by a newer push of the same block */
+  uint64_t dropped;            /* queued blocks dropped because the queue was full */
+  uint64_t push_errors;        /* blocks the daemon rejected */
+  uint64_t retries;            /* send or poll attempts that failed and were retried */
+  uint64_t reregistered;       /* times the job was registered again after NOT_FOUND */
+  uint64_t fetch_calls;        /* FetchPreconditioners calls */
+  uint64_t roots_received;     /* block versions received */
+  uint64_t bytes_sent;         /* statistics payload bytes sent */
+  uint64_t bytes_received;     /* roots payload bytes received */
+  uint64_t shm_bytes;          /* of bytes_sent and bytes_received, those that went through
                                   shared memory */
-  size_t queued;            /* blocks in the queue now */
-  uint64_t daemon_restarts; /* times the daemon's epoch changed under this client (a
+  uint64_t roots_by_reference; /* of roots_received, those handed out by reference into
+                                  the daemon's roots area (options.roots_by_reference) */
+  size_t queued;               /* blocks in the queue now */
+  uint64_t daemon_restarts;    /* times the daemon's epoch changed under this client (a
                                   restart: what was pushed after resumed_step was lost;
                                   logged once to stderr each time) */
-  uint64_t resumed_step;    /* the step the daemon resumed the job from at the last such
+  uint64_t resumed_step;       /* the step the daemon resumed the job from at the last such
                                   restart (0: none seen) */
 } precond_counters;
 

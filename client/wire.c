@@ -6,14 +6,43 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "preconditioner.h"
 #include "rpc.h"
 
+precond__area *precond__area_new(const unsigned char *map, size_t bytes) {
+  precond__area *a = malloc(sizeof *a);
+  if (a == NULL) return NULL;
+  atomic_init(&a->refs, 1);
+  a->map = map;
+  a->bytes = bytes;
+  return a;
+}
+
+void precond__area_release(precond__area *a) {
+  if (a == NULL || atomic_fetch_sub_explicit(&a->refs, 1, memory_order_acq_rel) != 1) return;
+  munmap((void *)(uintptr_t)a->map, a->bytes);
+  free(a);
+}
+
 void precond_roots_release(const precond_roots *roots) {
   if (roots == NULL) return;
   precond__roots_obj *o = (precond__roots_obj *)(void *)(uintptr_t)roots;
-  if (atomic_fetch_sub_explicit(&o->refs, 1, memory_order_acq_rel) == 1) free(o);
+  if (atomic_fetch_sub_explicit(&o->refs, 1, memory_order_acq_rel) != 1) return;
+  precond__area_release(o->area);
+  free(o);
+}
+
+int precond_roots_intact(const precond_roots *roots) {
+  if (roots == NULL) return 0;
+  const precond__roots_obj *o = (const precond__roots_obj *)(const void *)roots;
+  if (o->area == NULL) return 1; /* a copy of its own */
+  /* Acquire: the caller's reads of the sides are ordered before these loads (the seqlock's
+   * second look, as rpc_shm_fetch_intact's). */
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  return rpc_shm_entry_holds(o->area->map, o->area->bytes, &o->ref[0]) &&
+         rpc_shm_entry_holds(o->area->map, o->area->bytes, &o->ref[1]);
 }
 
 /* Decodes one side of a BlockRoots answer of order n (already checked against the block)
@@ -42,6 +71,7 @@ static precond__roots_obj *obj_from_wire(const Precond__V1__BlockRoots *b,
   }
   memset(&o->pub, 0, sizeof o->pub);
   atomic_init(&o->refs, 1);
+  o->area = NULL;
   o->pub.block_id = b->block_id;
   o->pub.version = 0; /* set when published */
   o->pub.daemon_version = b->version;
@@ -62,6 +92,38 @@ precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, u
   o->pub.n_right = cols;
   o->pub.left = rows ? o->values : NULL;
   o->pub.right = cols ? o->values + pc_packed_len(rows) : NULL;
+  return o;
+}
+
+/* 1 when side m lies in the roots area as by-reference roots need it: n, fp32, the bytes of
+ * a packed n, and aligned for floats. */
+static int side_in_area(const Precond__V1__PackedMatrix *m, uint32_t n) {
+  return m != NULL && n > 0 && m->n == n && m->encoding == PRECOND__V1__ENCODING__ENCODING_FP32 &&
+         m->shm != NULL && m->shm->seq != 0 && m->data.data != NULL &&
+         m->data.len == pc_packed_len(n) * sizeof(float) &&
+         (uintptr_t)m->data.data % _Alignof(float) == 0;
+}
+
+precond__roots_obj *precond__roots_by_ref(const Precond__V1__BlockRoots *b, uint32_t rows,
+                                          uint32_t cols, precond__area *area) {
+  if (area == NULL || !side_in_area(b->left, rows) || !side_in_area(b->right, cols)) return NULL;
+  precond__roots_obj *o = obj_from_wire(b, NULL, 0, NULL, 0);
+  if (o == NULL) return NULL;
+  const Precond__V1__PackedMatrix *side[2] = {b->left, b->right};
+  for (int k = 0; k < 2; k++) {
+    precond__v1__shm_ref__init(&o->ref[k]);
+    o->ref[k].offset = side[k]->shm->offset;
+    o->ref[k].length = side[k]->shm->length;
+    o->ref[k].crc32c = side[k]->shm->crc32c;
+    o->ref[k].seq = side[k]->shm->seq;
+  }
+  atomic_fetch_add_explicit(&area->refs, 1, memory_order_relaxed);
+  o->area = area;
+  o->pub.method = (precond_method)b->method;
+  o->pub.n_left = rows;
+  o->pub.n_right = cols;
+  o->pub.left = (const float *)(const void *)b->left->data.data;
+  o->pub.right = (const float *)(const void *)b->right->data.data;
   return o;
 }
 

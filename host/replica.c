@@ -673,10 +673,15 @@ static void pd__sleep_us(long us) {
  * are polled; each wake-up costs some 50 us of CPU here (a timed wait, MPI_Iprobe's
  * progress pass), a core the pools need when every rank has one (docs/replicas.md).
  * Within PD__HOT_S of the last message either way it polls every PD__HOT_US (an arrival
- * waits at most that: well below a worker's 20 ms fetch poll); after that every
- * PD__COLD_US, so an idle rank costs about 0.1% of a core. A message queued here wakes
- * the thread at once either way. */
+ * waits at most that: well below a worker's 20 ms fetch poll), but every PD__BUSY_US while
+ * this rank's pool computes: the core is the pool's then, and a root arriving meanwhile is
+ * not late for anything (this rank's own roots of the step are not done yet); a publication
+ * here (it wakes the thread) brings back PD__HOT_US for one wait, so the pool's last root
+ * of a step is followed by fast polls once the pool is idle. After PD__HOT_S without a
+ * message it polls every PD__COLD_US, so an idle rank costs about 0.1% of a core. A
+ * message queued here wakes the thread at once either way. */
 #define PD__HOT_US  2000L
+#define PD__BUSY_US 10000L
 #define PD__COLD_US 20000L
 #define PD__HOT_S   1.0
 
@@ -687,13 +692,14 @@ static void *pd__comm(void *arg) {
   double last = pd_now(); /* of the last message sent, received or completed */
   for (;;) {
     int busy = pd__receive(x, &byes);
-    busy |= pd__send_queued(x);
-    busy |= pd__test_sends(x);
+    int sent = pd__send_queued(x);
+    busy |= sent | pd__test_sends(x);
     double now = pd_now();
     if (busy) last = now;
     /* Receives and sends in flight need MPI's progress: hot until they end. */
     long wait_us =
         now - last < PD__HOT_S || x->nrecvs > 0 || x->nsends > 0 ? PD__HOT_US : PD__COLD_US;
+    if (wait_us == PD__HOT_US && !sent && atomic_load(&x->d->sched.busy) > 0) wait_us = PD__BUSY_US;
     pthread_mutex_lock(&x->lock);
     int stop = x->stopping && !x->head;
     if (!stop && !x->head) {

@@ -183,11 +183,12 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
 
 /* ---- a request whose large bytes fields gRPC sends from where they are ---------------- */
 
-/* Bytes fields of at least this many bytes are borrowed (a slice over the caller's memory),
- * the rest of the message is packed into copies: a 4 MB push then costs no copy of its own
- * on the client (docs/precondd.md, "Wire"). Below it the slices' bookkeeping costs more than
- * the copy. */
-#define RPC__BORROW_MIN ((size_t)64 << 10)
+/* A large bytes field: at least this many bytes. Sent, it is borrowed (a slice over the
+ * caller's memory) while the rest of the message is packed into copies, so a 4 MB push
+ * costs the client no copy of its own; received, it is gathered out of gRPC's slices into
+ * its own buffer in one copy (rpc__lift_unpack). Below it the bookkeeping costs more than
+ * the copy (docs/precondd.md, "Wire"). */
+#define RPC__LARGE_BYTES ((size_t)64 << 10)
 
 /* The borrowed slices of one call: gRPC releases each (rpc__borrow_done) once it is done with
  * the bytes, which the caller must keep until then (rpc__borrow_wait). */
@@ -252,7 +253,7 @@ static void rpc__slicer_flush(rpc__slicer *z) {
 static void rpc__slicer_append(ProtobufCBuffer *buf, size_t len, const uint8_t *data) {
   rpc__slicer *z = (rpc__slicer *)buf;
   if (z->failed || len == 0) return;
-  if (len >= RPC__BORROW_MIN) {
+  if (len >= RPC__LARGE_BYTES) {
     rpc__slicer_flush(z);
     pthread_mutex_lock(&z->borrow->lock);
     z->borrow->out++;
@@ -297,6 +298,255 @@ static int rpc__pack_borrowed(const ProtobufCMessage *msg, size_t max_bytes, grp
   return *out ? RPC_OK : RPC_ENOMEM;
 }
 
+/* ---- a received message whose large bytes fields are gathered in one copy ------------- */
+
+/* A received message of many slices (a large one) used to be flattened into one copy and
+ * then parsed by protobuf-c, which copies every bytes field once more: two copies of a 4 MB
+ * push in the daemon. Instead the wire format is walked over the slices: every large,
+ * singular bytes field is gathered into a malloc'd buffer of its own (the one copy) and
+ * left empty in a compact copy of the rest of the message (nested lengths rewritten), which
+ * protobuf-c parses; the gathered buffers are then attached where the empty fields are,
+ * found again by their path of fields and repeated indices. protobuf-c's default allocator
+ * is malloc/free, so protobuf_c_message_free_unpacked frees them as its own. Anything this
+ * walk is not sure about (a group, a oneof, a singular field seen twice in one message,
+ * which protobuf would merge, bytes that do not parse) gives up, and the message takes the
+ * flatten-and-parse path, which reports errors as before. */
+
+#define RPC__LIFT_DEPTH 8 /* nested messages a gathered field may lie in */
+
+typedef struct { /* a reader over a message's slices */
+  const grpc_slice *s;
+  size_t ns, i, off, pos; /* slice i, offset in it; pos: bytes read in all */
+} rpc__rd;
+
+typedef struct {
+  const ProtobufCFieldDescriptor *fd[RPC__LIFT_DEPTH + 1];
+  size_t index[RPC__LIFT_DEPTH + 1]; /* repeated fields: which element */
+  int depth;                         /* fd[depth] is the bytes field */
+  uint8_t *data;
+  size_t len;
+} rpc__hole;
+
+typedef struct {
+  unsigned char *out; /* the compact message */
+  size_t len, cap;
+  rpc__hole *holes;
+  size_t nholes, capholes;
+} rpc__lift;
+
+static int rpc__rd_copy(rpc__rd *r, void *dst, size_t n) {
+  unsigned char *d = dst;
+  while (n > 0) {
+    if (r->i >= r->ns) return -1;
+    size_t have = GRPC_SLICE_LENGTH(r->s[r->i]) - r->off, k = have < n ? have : n;
+    if (d) memcpy(d, GRPC_SLICE_START_PTR(r->s[r->i]) + r->off, k);
+    if (d) d += k;
+    n -= k;
+    r->off += k;
+    r->pos += k;
+    if (r->off == GRPC_SLICE_LENGTH(r->s[r->i])) r->i++, r->off = 0;
+  }
+  return 0;
+}
+
+static int rpc__rd_varint(rpc__rd *r, uint64_t *v) {
+  *v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    unsigned char b;
+    if (rpc__rd_copy(r, &b, 1)) return -1;
+    *v |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) return 0;
+  }
+  return -1;
+}
+
+static unsigned char *rpc__lift_room(rpc__lift *L, size_t n) {
+  if (L->cap - L->len < n) {
+    size_t cap = L->cap ? 2 * L->cap : 4096;
+    while (cap - L->len < n) cap *= 2;
+    unsigned char *o = realloc(L->out, cap);
+    if (!o) return NULL;
+    L->out = o;
+    L->cap = cap;
+  }
+  unsigned char *at = L->out + L->len;
+  L->len += n;
+  return at;
+}
+
+/* Appends v as a varint of exactly width bytes (0: as few as it needs); protobuf reads a
+ * length padded with 0x80 continuation bytes as the same length. */
+static int rpc__lift_varint(rpc__lift *L, uint64_t v, int width) {
+  unsigned char b[10];
+  int n = 0;
+  do {
+    b[n] = (unsigned char)(v & 0x7f);
+    v >>= 7;
+    if (v || n + 1 < width) b[n] |= 0x80;
+    n++;
+  } while (v || n < width);
+  unsigned char *at = rpc__lift_room(L, (size_t)n);
+  if (!at) return -1;
+  memcpy(at, b, (size_t)n);
+  return 0;
+}
+
+/* The fields of one message (of type d, up to r->pos == end) into L; path[0..depth-1] leads
+ * to it. Returns 0, or -1: give up (the caller falls back). */
+static int rpc__lift_msg(rpc__rd *r, size_t end, const ProtobufCMessageDescriptor *d,
+                         rpc__lift *L, rpc__hole *path, int depth) {
+  size_t *seen = calloc(d->n_fields ? d->n_fields : 1, sizeof *seen); /* occurrences */
+  int rc = seen ? 0 : -1;
+  while (rc == 0 && r->pos < end) {
+    uint64_t tag, len;
+    if (rpc__rd_varint(r, &tag) || (tag >> 3) == 0 || (tag >> 3) > 0x1fffffff) {
+      rc = -1;
+      break;
+    }
+    const ProtobufCFieldDescriptor *fd =
+        protobuf_c_message_descriptor_get_field(d, (unsigned)(tag >> 3));
+    size_t fi = fd ? (size_t)(fd - d->fields) : 0;
+    int repeated = fd && fd->label == PROTOBUF_C_LABEL_REPEATED;
+    if (fd && !repeated && (fd->type == PROTOBUF_C_TYPE_MESSAGE || fd->type == PROTOBUF_C_TYPE_BYTES) &&
+        (seen[fi] > 0 || (fd->flags & PROTOBUF_C_FIELD_FLAG_ONEOF))) {
+      rc = -1; /* merged or chosen by protobuf: not followed here */
+      break;
+    }
+    size_t index = fd ? seen[fi]++ : 0;
+    if (rpc__lift_varint(L, tag, 0)) {
+      rc = -1;
+      break;
+    }
+    switch (tag & 7) {
+      case 0: {
+        uint64_t v;
+        rc = rpc__rd_varint(r, &v) || rpc__lift_varint(L, v, 0) ? -1 : 0;
+        break;
+      }
+      case 1:
+      case 5: {
+        size_t n = (tag & 7) == 1 ? 8 : 4;
+        unsigned char *at = rpc__lift_room(L, n);
+        rc = at && rpc__rd_copy(r, at, n) == 0 ? 0 : -1;
+        break;
+      }
+      case 2:
+        if (rpc__rd_varint(r, &len) || len > end - r->pos) {
+          rc = -1;
+          break;
+        }
+        if (fd && len >= RPC__LARGE_BYTES && depth < RPC__LIFT_DEPTH &&
+            (fd->type == PROTOBUF_C_TYPE_BYTES && !repeated)) {
+          /* Gathered; the compact message gets the field empty. */
+          if (L->nholes == L->capholes) {
+            size_t cap = L->capholes ? 2 * L->capholes : 8;
+            rpc__hole *h = realloc(L->holes, cap * sizeof *h);
+            if (!h) {
+              rc = -1;
+              break;
+            }
+            L->holes = h;
+            L->capholes = cap;
+          }
+          rpc__hole *h = &L->holes[L->nholes];
+          *h = *path;
+          h->fd[depth] = fd;
+          h->index[depth] = 0;
+          h->depth = depth;
+          h->len = (size_t)len;
+          h->data = malloc((size_t)len);
+          if (!h->data) {
+            rc = -1;
+            break;
+          }
+          L->nholes++;
+          rc = rpc__rd_copy(r, h->data, (size_t)len) || rpc__lift_varint(L, 0, 0) ? -1 : 0;
+        } else if (fd && len >= RPC__LARGE_BYTES && depth < RPC__LIFT_DEPTH &&
+                   fd->type == PROTOBUF_C_TYPE_MESSAGE) {
+          /* Followed: its length is known once its own large fields are out. */
+          size_t at = L->len;
+          if (rpc__lift_varint(L, 0, 5)) {
+            rc = -1;
+            break;
+          }
+          rpc__hole inner = *path;
+          inner.fd[depth] = fd;
+          inner.index[depth] = index;
+          size_t start = L->len;
+          rc = rpc__lift_msg(r, r->pos + (size_t)len, fd->descriptor, L, &inner, depth + 1);
+          uint64_t n = L->len - start;
+          if (rc == 0 && n < ((uint64_t)1 << 35)) {
+            for (int k = 0; k < 5; k++, n >>= 7)
+              L->out[at + (size_t)k] = (unsigned char)((n & 0x7f) | (k < 4 ? 0x80 : 0));
+          } else {
+            rc = -1;
+          }
+        } else {
+          unsigned char *to;
+          rc = rpc__lift_varint(L, len, 0) || !(to = rpc__lift_room(L, (size_t)len)) ||
+                       rpc__rd_copy(r, to, (size_t)len)
+                   ? -1
+                   : 0;
+        }
+        break;
+      default:
+        rc = -1; /* groups (3, 4) and invalid wire types */
+    }
+  }
+  if (rc == 0 && r->pos != end) rc = -1;
+  free(seen);
+  return rc;
+}
+
+/* Puts hole h's gathered bytes where its path leads in msg. -1: not there (give up). */
+static int rpc__lift_attach(ProtobufCMessage *msg, rpc__hole *h) {
+  ProtobufCMessage *m = msg;
+  for (int k = 0; k < h->depth && m; k++) {
+    const ProtobufCFieldDescriptor *fd = h->fd[k];
+    char *base = (char *)m;
+    if (fd->label == PROTOBUF_C_LABEL_REPEATED) {
+      size_t n = *(size_t *)(void *)(base + fd->quantifier_offset);
+      ProtobufCMessage **arr = *(ProtobufCMessage ***)(void *)(base + fd->offset);
+      m = h->index[k] < n ? arr[h->index[k]] : NULL;
+    } else {
+      m = *(ProtobufCMessage **)(void *)(base + fd->offset);
+    }
+  }
+  if (!m) return -1;
+  ProtobufCBinaryData *bd = (ProtobufCBinaryData *)(void *)((char *)m + h->fd[h->depth]->offset);
+  if (bd->len != 0) return -1;
+  free(bd->data); /* NULL, or protobuf-c's empty allocation */
+  bd->data = h->data;
+  bd->len = h->len;
+  h->data = NULL; /* the message's now */
+  return 0;
+}
+
+int rpc__lift_unpack(const grpc_slice *s, size_t n, const ProtobufCMessageDescriptor *desc,
+                     ProtobufCMessage **out) {
+  *out = NULL;
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) total += GRPC_SLICE_LENGTH(s[i]);
+  rpc__rd r = {.s = s, .ns = n};
+  rpc__lift L = {0};
+  rpc__hole path = {.depth = 0};
+  int rc = rpc__lift_msg(&r, total, desc, &L, &path, 0) == 0 ? RPC_OK : RPC_EPARSE;
+  if (rc == RPC_OK) {
+    *out = protobuf_c_message_unpack(desc, NULL, L.len, L.out);
+    if (!*out) rc = RPC_EPARSE;
+  }
+  for (size_t i = 0; rc == RPC_OK && i < L.nholes; i++)
+    if (rpc__lift_attach(*out, &L.holes[i])) rc = RPC_EPARSE;
+  if (rc != RPC_OK && *out) {
+    protobuf_c_message_free_unpacked(*out, NULL);
+    *out = NULL;
+  }
+  for (size_t i = 0; i < L.nholes; i++) free(L.holes[i].data);
+  free(L.holes);
+  free(L.out);
+  return rc;
+}
+
 int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                ProtobufCMessage **out) {
   if (out) *out = NULL;
@@ -314,6 +564,12 @@ int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, si
     *out = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(one), GRPC_SLICE_START_PTR(one));
     return *out ? RPC_OK : RPC_EPARSE;
   }
+  /* Many slices (a large message): its large bytes fields gathered in one copy each. */
+  if (buf->type == GRPC_BB_RAW && buf->data.raw.compression == GRPC_COMPRESS_NONE &&
+      grpc_byte_buffer_length(buf) >= RPC__LARGE_BYTES &&
+      rpc__lift_unpack(buf->data.raw.slice_buffer.slices, buf->data.raw.slice_buffer.count, desc,
+                       out) == RPC_OK)
+    return RPC_OK;
   grpc_byte_buffer_reader reader;
   if (!grpc_byte_buffer_reader_init(&reader, buf)) return RPC_EPARSE;
   grpc_slice all = grpc_byte_buffer_reader_readall(&reader);

@@ -130,6 +130,15 @@ int rpc_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **o
 int rpc_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                ProtobufCMessage **out);
 
+/* Internal (rpc_unpack's way with a message of many slices; declared for its test): parses
+ * the n slices s as a message of type desc, each large singular bytes field gathered out of
+ * the slices into its own buffer (one copy; protobuf-c would copy it from a flattened copy).
+ * RPC_OK: *out as rpc_unpack's; RPC_EPARSE: not parsed this way (bytes that do not parse,
+ * or a group, a oneof, a singular message or bytes field twice in one message: the caller
+ * parses the flattened bytes), *out NULL. No size limit: the caller checks it. */
+int rpc__lift_unpack(const grpc_slice *s, size_t n, const ProtobufCMessageDescriptor *desc,
+                     ProtobufCMessage **out);
+
 /* Makes glibc's malloc keep freed memory for the next large message instead of returning
  * it at once: a 4 MB message otherwise takes fresh pages (a page fault per 4 KiB, cleared
  * by the kernel) for gRPC's receive slices, the flattened copy and protobuf-c's bytes, at
@@ -368,6 +377,14 @@ unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len
 /* rpc_shm_slot for m's own bytes, copied there (one plain copy). Returns the bytes moved
  * (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
+
+/* After the daemon answered a push (it read every slot the push named before answering):
+ * the next slot starts at the ring's start again, so a worker's pushes reuse the same
+ * bytes, still in the caches of both processes, instead of walking the whole ring through
+ * memory (docs/precondd.md, "Wire"). The stamps count the skipped rest of the ring as taken,
+ * so rpc_shm_push_intact stays exact: a slot still being read (the caller rewound after a
+ * call it gave up on) is refused, not read mixed. A no-op on an empty ring. */
+void rpc_shm_rewind(rpc_shm *s);
 
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */

@@ -401,6 +401,12 @@ size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef
   return len;
 }
 
+void rpc_shm_rewind(rpc_shm *s) {
+  if (s->in_pos == 0) return;
+  s->in_pos = 0;
+  s->in_laps++; /* the next slot's stamp starts a lap: the rest of this one counts as taken */
+}
+
 void rpc_shm_fetch_request(const rpc_shm *s, Precond__V1__ShmSession *w,
                            Precond__V1__FetchRequest *req) {
   rpc_shm_session(s, w);

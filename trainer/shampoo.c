@@ -124,6 +124,14 @@ static int pt__shampoo_apply(pt_trainer *t, size_t b, const precond_roots *r, pt
                                   .n_right = r->n_right,
                                   .right = r->n_right > 0 ? r->right : NULL};
   int arc = ac_shampoo_set_roots(s->opt, b, &roots);
+  /* Roots by reference: read straight from precondd's roots area into the worker's dense
+   * roots (one copy, no decode copy in libprecond). The daemon reuses a place in that area
+   * only after many later publications; if it did while they were read, the block forgets
+   * them (the grafted step) until its next version, counted as rejected. */
+  if (arc == AC_OK && !precond_roots_intact(r)) {
+    arc = ac_shampoo_drop_roots(s->opt, b);
+    if (arc == AC_OK) arc = AC_EINVAL;
+  }
   if (arc == AC_OK) {
     s->version[b] = r->version;
     s->source_step[b] = r->source_step;
@@ -281,6 +289,7 @@ const pt__mode pt__shampoo_mode = {
     .step = pt__shampoo_step,
     .counters = pt__shampoo_counters,
     .destroy = pt__shampoo_destroy,
+    .roots_by_reference = 1,
 };
 
 ac_shampoo *pt_shampoo(const pt_trainer *t) {

@@ -200,6 +200,7 @@ int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
    * job's Transformer): without it glibc hands the freed blocks back and each push's copy
    * takes fresh pages (page faults were most of precond_push's CPU in a perf profile). */
   po.keep_freed_memory = 1;
+  po.roots_by_reference = t->mode->roots_by_reference;
   int prc = precond_connect(&po, &t->client);
   if (prc != PRECOND_OK) {
     rc = pt__fail(err, PT_EDAEMON,

@@ -24,6 +24,9 @@ typedef struct {
   /* 1: pt_create neither registers nor binds; the mode does both in its first step (K-FAC:
    * its layers are known only after a backward pass through the hooks). */
   int lazy_register;
+  /* 1: the mode reads roots by reference (precond_options.roots_by_reference) and checks
+   * precond_roots_intact after each install. */
+  int roots_by_reference;
 } pt__mode;
 
 struct pt_trainer {

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -213,6 +214,67 @@ static void test_cpu_pool_bitwise(void **state) {
   free(hx);
   free(hdy);
   free(hp);
+  ac_backend_destroy(be[0]);
+  ac_backend_destroy(be[1]);
+}
+
+/* The elementwise primitives, broadcasts and row reductions run on the pool too (blocks of
+ * floats, rows): on 2 threads the same bits as on 1 and as the plain loop here, with a count
+ * that is not a multiple of the pool's block, in place (out == x) as accel.h allows, and
+ * once after the workers have gone to sleep (the hand-off's wake-up path). */
+static void test_cpu_pool_elementwise(void **state) {
+  (void)state;
+  ac_backend *be[2] = {NULL, NULL};
+  cpu_pair(be);
+  const size_t n = 3 * 4096 * 5 + 77, rows = 61, hw = n / rows; /* rows x hw <= n */
+  float *hx = host_rand(n), *hy = host_rand(n), *hv = host_rand(rows);
+  float *want = host_zeros(8 * n);
+  for (size_t i = 0; i < n; i++) {
+    want[i] = 0.25f;
+    want[n + i] = hx[i] * hy[i];
+    want[2 * n + i] = 1.5f * hx[i] + -0.5f * hy[i];
+    want[3 * n + i] = 2.0f * hx[i] + 3.0f;
+    want[4 * n + i] = hx[i] > 0.0f ? hx[i] : 0.0f;
+    want[5 * n + i] = hx[i] > 0.0f ? hy[i] : 0.0f;
+    want[6 * n + i] = i < rows * hw ? hx[i] - hv[i / hw % rows] : 0.0f;
+  }
+  for (size_t m = 0; m < rows; m++) {
+    double acc = 0.0;
+    for (size_t i = 0; i < hw; i++) acc += hx[m * hw + i];
+    want[7 * n + m] = (float)acc;
+  }
+  float *out[2] = {NULL, NULL};
+  for (int t = 0; t < 2; t++) {
+    ac_backend *b = be[t];
+    float *x = dev_up(b, hx, n), *y = dev_up(b, hy, n), *v = dev_up(b, hv, rows);
+    float *r = dev_alloc(b, 8 * n * sizeof(float));
+    OK(ac_fill_f32(b, 8 * n, r, 0.0f));
+    OK(ac_fill_f32(b, n, r, 0.25f));
+    OK(ac_binary(b, AC_BIN_MUL, n, x, y, r + n));
+    OK(ac_memcpy_d2d(b, r + 2 * n, x, n * sizeof(float)));
+    OK(ac_axpby(b, n, 1.5f, r + 2 * n, -0.5f, y, r + 2 * n)); /* in place */
+    OK(ac_affine(b, n, 2.0f, x, 3.0f, r + 3 * n));
+    OK(ac_unary(b, AC_UNARY_RELU, n, x, r + 4 * n));
+    OK(ac_unary_backward(b, AC_UNARY_RELU, n, x, y, r + 5 * n));
+    OK(ac_bcast(b, AC_BIN_SUB, 1, rows, hw, x, v, r + 6 * n));
+    /* Past the pool's longest spin: the workers sleep now, and the next call wakes them. */
+    nanosleep(&(struct timespec){0, 2000000}, NULL);
+    OK(ac_reduce(b, AC_REDUCE_SUM, 1, rows, hw, 1.0f, x, 0.0f, r + 7 * n));
+    out[t] = dev_down(b, r, 8 * n);
+    ac_free(b, x);
+    ac_free(b, y);
+    ac_free(b, v);
+    ac_free(b, r);
+  }
+  assert_memory_equal(out[0], out[1], 8 * n * sizeof(float));
+  assert_memory_equal(out[0], want, 7 * n * sizeof(float));
+  for (size_t m = 0; m < rows; m++) assert_true(out[0][7 * n + m] == want[7 * n + m]);
+  free(out[0]);
+  free(out[1]);
+  free(want);
+  free(hx);
+  free(hy);
+  free(hv);
   ac_backend_destroy(be[0]);
   ac_backend_destroy(be[1]);
 }
@@ -2221,7 +2283,8 @@ static void test_cuda_matches_cpu(void **state) {
 int main(void) {
   const struct CMUnitTest lifecycle[] = {
       cmocka_unit_test(test_strerror_and_create), cmocka_unit_test(test_cpu_threads),
-      cmocka_unit_test(test_cpu_pool_bitwise), cmocka_unit_test(test_cpu_conv3x3_bitwise)};
+      cmocka_unit_test(test_cpu_pool_bitwise),
+      cmocka_unit_test(test_cpu_pool_elementwise), cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

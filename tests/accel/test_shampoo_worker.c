@@ -588,6 +588,19 @@ static void test_zero_and_tiny_grads(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Roots: versions and bad input                                                           */
 
+/* Block 0 gets new roots (the left side, the right too if right) packed as version, which
+ * it holds then; one step checked against the reference. */
+static void roots_then_step(world *w, ac_shampoo *s, const ac_shampoo_opts *o, int right,
+                            uint64_t version) {
+  ac_shampoo_block info;
+  make_roots(w, 0, 1, right);
+  OK(give_roots(w, s, 0, version, AC_ROOT_PACKED));
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.version, version);
+  world_grads(w, 0.5f);
+  step_and_check(w, s, o, 0.1f, 2e-5);
+}
+
 static void test_roots_versions_and_errors(void **state) {
   ac_backend *be = backend(state);
   world w;
@@ -622,12 +635,7 @@ static void test_roots_versions_and_errors(void **state) {
   step_and_check(&w, s, &o, 0.1f, 2e-5);
 
   /* A newer one-sided version replaces both sides: the right becomes the identity. */
-  make_roots(&w, 0, 1, 0);
-  OK(give_roots(&w, s, 0, 6, AC_ROOT_PACKED));
-  OK(ac_shampoo_block_info(s, 0, &info));
-  assert_int_equal(info.version, 6);
-  world_grads(&w, 0.5f);
-  step_and_check(&w, s, &o, 0.1f, 2e-5);
+  roots_then_step(&w, s, &o, 0, 6);
 
   /* Bad input changes nothing. */
   float l16[16], l10[10];
@@ -660,6 +668,18 @@ static void test_roots_versions_and_errors(void **state) {
   assert_int_equal(info.version, 6);
   world_grads(&w, 0.5f);
   step_and_check(&w, s, &o, 0.1f, 2e-5);
+
+  /* Dropped roots (read torn by reference): the grafted step until a version comes again,
+   * the same version included. */
+  OK(ac_shampoo_drop_roots(s, 0));
+  OK(ac_shampoo_block_info(s, 0, &info));
+  assert_int_equal(info.version, 0);
+  make_roots(&w, 0, 0, 0); /* the reference: no roots, the fallback */
+  world_grads(&w, 0.5f);
+  step_and_check(&w, s, &o, 0.1f, 2e-5);
+  roots_then_step(&w, s, &o, 1, 6);
+  assert_int_equal(ac_shampoo_drop_roots(s, NBLK), AC_EINVAL);
+  assert_int_equal(ac_shampoo_drop_roots(NULL, 0), AC_EINVAL);
 
   ac_shampoo_destroy(s);
   world_destroy(&w);

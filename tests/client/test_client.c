@@ -271,7 +271,7 @@ static void unix_daemon_with(const char *const *extra) {
   assert_int_equal(pdproc_start(&g_d, &o), 0);
 }
 
-static precond_client *connect_transport(precond_transport t) {
+static precond_client *connect_transport_ref(precond_transport t, int by_reference) {
   precond_options o;
   precond_options_default(&o);
   o.addr = g_d.addr;
@@ -279,9 +279,14 @@ static precond_client *connect_transport(precond_transport t) {
   o.poll_interval_ms = 10;
   o.transport = t;
   o.shm_bytes = 4 << 20;
+  o.roots_by_reference = by_reference;
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
   return c;
+}
+
+static precond_client *connect_transport(precond_transport t) {
+  return connect_transport_ref(t, 0);
 }
 
 /* Packed G G^T of a pseudo-random n x n G (seeded): a statistic whose roots are not
@@ -316,10 +321,14 @@ static void test_shm_same_roots_as_bytes(void **state) {
   unix_daemon_with(extra);
   precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
   precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
-  precond_layout ls, lb;
+  precond_client *cr = connect_transport_ref(PRECOND_TRANSPORT_AUTO, 1);
+  precond_layout ls, lb, lr;
   register_job(cs, "via-shm", &ls);
   register_job(cb, "via-bytes", &lb);
-  uint64_t vs[2] = {0, 0}, vb[2] = {0, 0};
+  register_job(cr, "via-ref", &lr);
+  uint64_t vs[2] = {0, 0}, vb[2] = {0, 0}, vr[2] = {0, 0};
+  /* roots by reference kept past their client's close: the mapping stays until released */
+  const precond_roots *kept = NULL, *kept_want = NULL;
   for (uint64_t step = 1; step <= 2; step++) {
     for (uint32_t b = 0; b < 2; b++) {
       float *l = gram(128, (unsigned)(10 * step + b)), *r = gram(96, (unsigned)(20 * step + b));
@@ -334,18 +343,32 @@ static void test_shm_same_roots_as_bytes(void **state) {
         assert_int_equal(precond_push(cs, step, b, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
       }
       assert_int_equal(precond_push(cb, step, b, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+      assert_int_equal(precond_push(cr, step, b, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
       free(l);
       free(r);
     }
     assert_int_equal(precond_flush(cs, ROOT_WAIT_MS), PRECOND_OK);
     assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+    assert_int_equal(precond_flush(cr, ROOT_WAIT_MS), PRECOND_OK);
     for (uint32_t b = 0; b < 2; b++) {
       const precond_roots *rs = wait_step(cs, b, step, &vs[b]);
       const precond_roots *rb = wait_step(cb, b, step, &vb[b]);
+      const precond_roots *rr = wait_step(cr, b, step, &vr[b]);
       assert_memory_equal(rs->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
       assert_memory_equal(rs->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+      /* By reference: the same values, read where the daemon published them. */
+      assert_memory_equal(rr->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+      assert_memory_equal(rr->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+      assert_int_equal(precond_roots_intact(rr), 1);
+      assert_int_equal(precond_roots_intact(rs), 1); /* a copy: always */
       precond_roots_release(rs);
-      precond_roots_release(rb);
+      if (step == 2 && b == 1) {
+        kept = rr;
+        kept_want = rb;
+      } else {
+        precond_roots_release(rb);
+        precond_roots_release(rr);
+      }
     }
   }
   precond_counters ks, kb;
@@ -357,10 +380,20 @@ static void test_shm_same_roots_as_bytes(void **state) {
   assert_true(ks.bytes_sent > 0 && ks.bytes_received > 0);
   assert_true(ks.shm_bytes >= ks.bytes_sent + (uint64_t)2 * (128 * 129 / 2 + 96 * 97 / 2) * 4);
   assert_int_equal(kb.shm_bytes, 0);
+  precond_counters kr;
+  precond_get_counters(cr, &kr);
+  assert_int_equal(ks.roots_by_reference, 0);
+  assert_true(kr.roots_by_reference >= 4 && kr.roots_by_reference == kr.roots_received);
   precond_layout_destroy(&ls);
   precond_layout_destroy(&lb);
+  precond_layout_destroy(&lr);
   precond_close(cs);
   precond_close(cb);
+  precond_close(cr);
+  assert_memory_equal(kept->left, kept_want->left, (size_t)128 * 129 / 2 * sizeof(float));
+  assert_memory_equal(kept->right, kept_want->right, (size_t)96 * 97 / 2 * sizeof(float));
+  precond_roots_release(kept);
+  precond_roots_release(kept_want);
   daemon_stop();
   stop_daemon(NULL);
 

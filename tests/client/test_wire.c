@@ -11,8 +11,10 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "preconditioner.h"
+#include "rpc.h"
 #include "wire.h"
 
 static void test_decode(void **state) {
@@ -60,9 +62,85 @@ static void test_decode(void **state) {
   assert_null(precond__roots_from_wire(&b, 2, 1));
 }
 
+/* Roots by reference: an answer whose sides lie in the roots area (as rpc_shm_fetch_in
+ * leaves them) becomes an object pointing there, intact while both entries hold their seq,
+ * keeping the area mapped after the client's own reference is gone; anything else (bf16,
+ * no seq, an order that is not the block's, misaligned bytes, no area) is NULL: decode a
+ * copy instead. */
+static void test_by_reference(void **state) {
+  (void)state;
+  const size_t A = (size_t)RPC_SHM_ROOTS_DATA + 4096;
+  unsigned char *map = mmap(NULL, A, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  assert_true(map != MAP_FAILED);
+  rpc_shm_entry *e = (rpc_shm_entry *)(void *)map;
+  const float lv[3] = {1.0f, 0.5f, 2.0f}, rv[1] = {4.0f};
+  Precond__V1__ShmRef ref[2];
+  Precond__V1__PackedMatrix m[2];
+  for (int k = 0; k < 2; k++) {
+    rpc_shm_entry *ek = e + 5 + k;
+    ek->offset = RPC_SHM_ROOTS_DATA + 128 * (size_t)k;
+    ek->length = k == 0 ? sizeof lv : sizeof rv;
+    memcpy(map + ek->offset, k == 0 ? (const void *)lv : (const void *)rv, ek->length);
+    ek->crc32c = rpc_shm_crc(map + ek->offset, ek->length);
+    ek->seq = 5 + (uint64_t)k;
+    precond__v1__shm_ref__init(&ref[k]);
+    ref[k].offset = ek->offset;
+    ref[k].length = ek->length;
+    ref[k].crc32c = ek->crc32c;
+    ref[k].seq = ek->seq;
+    precond__v1__packed_matrix__init(&m[k]);
+    m[k].n = k == 0 ? 2 : 1;
+    m[k].shm = &ref[k];
+    m[k].data.data = map + ek->offset;
+    m[k].data.len = ek->length;
+  }
+  Precond__V1__BlockRoots b = PRECOND__V1__BLOCK_ROOTS__INIT;
+  b.block_id = 3;
+  b.version = 7;
+  b.source_step = 11;
+  b.left = &m[0];
+  b.right = &m[1];
+  precond__area *area = precond__area_new(map, A);
+  assert_non_null(area);
+  precond__roots_obj *o = precond__roots_by_ref(&b, 2, 1, area);
+  assert_non_null(o);
+  assert_ptr_equal(o->pub.left, map + ref[0].offset);
+  assert_ptr_equal(o->pub.right, map + ref[1].offset);
+  assert_int_equal(o->pub.daemon_version, 7);
+  assert_int_equal(o->pub.source_step, 11);
+  assert_int_equal(o->pub.n_left, 2);
+  assert_int_equal(o->pub.n_right, 1);
+  assert_int_equal(precond_roots_intact(&o->pub), 1);
+  e[6].seq = 0; /* the daemon reuses the right side's place */
+  assert_int_equal(precond_roots_intact(&o->pub), 0);
+  e[6].seq = 6;
+  assert_int_equal(precond_roots_intact(&o->pub), 1);
+  assert_int_equal(precond_roots_intact(NULL), 0);
+
+  assert_null(precond__roots_by_ref(&b, 2, 1, NULL));
+  assert_null(precond__roots_by_ref(&b, 3, 1, area));
+  m[1].encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  assert_null(precond__roots_by_ref(&b, 2, 1, area));
+  m[1].encoding = PRECOND__V1__ENCODING__ENCODING_FP32;
+  ref[0].seq = 0; /* the daemon's half of a region, not the roots area */
+  assert_null(precond__roots_by_ref(&b, 2, 1, area));
+  ref[0].seq = 5;
+  m[0].data.data = map + ref[0].offset + 1;
+  assert_null(precond__roots_by_ref(&b, 2, 1, area));
+  m[0].data.data = map + ref[0].offset;
+  b.right = NULL;
+  assert_null(precond__roots_by_ref(&b, 2, 1, area));
+
+  /* The client's reference goes (its region closed): the object's keeps the area mapped. */
+  precond__area_release(area);
+  assert_true(o->pub.left[2] == 2.0f && o->pub.right[0] == 4.0f);
+  precond_roots_release(&o->pub); /* the last reference: unmapped */
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_decode),
+      cmocka_unit_test(test_by_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1646,6 +1646,25 @@ static uint32_t shm_regions(daemon_t *d) {
   return n;
 }
 
+/* A daemon's directory with a shm/ directory in it (shm_dir, cap bytes), for
+ * start_shm_daemon. */
+static void make_shm_dirs(daemon_t *d, char *shm_dir, size_t cap) {
+  make_dir(d->p.dir, sizeof d->p.dir);
+  snprintf(shm_dir, cap, "%s/shm", d->p.dir);
+  assert_int_equal(mkdir(shm_dir, 0700), 0);
+}
+
+/* Starts d on a unix socket in its directory with regions in shm_dir, no drift test and
+ * limit_mb of --memory-limit-mb (NULL: the default). */
+static void start_shm_daemon(daemon_t *d, const char *shm_dir, const char *limit_mb) {
+  char listen[300];
+  snprintf(listen, sizeof listen, "unix:%s/sock", d->p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir,  "--drift-threshold", "0",
+                         "--memory-limit-mb", limit_mb, NULL};
+  if (limit_mb == NULL) extra[4] = NULL;
+  assert_int_equal(start_daemon_opts(d, listen, extra), 0);
+}
+
 /* The same-host data path through a real daemon: pushes and fetches through a region store
  * and return what the same bytes over gRPC do; a bad checksum, a reference out of place or
  * a wrong secret are refused naming the field, the bytes' own checks (sizes, NaN) apply
@@ -1654,14 +1673,9 @@ static uint32_t shm_regions(daemon_t *d) {
 static void test_shm(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  char shm_dir[300], listen[300];
-  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
-  assert_int_equal(mkdir(shm_dir, 0700), 0);
-  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
-                         "64",        NULL};
-  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  char shm_dir[300];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, "64");
   region_t g;
   char msg[512];
   assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
@@ -1753,6 +1767,41 @@ static void test_shm(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* A push whose bytes fields are large (74 KB each at n = 192: gathered out of gRPC's slices
+ * by rpc_unpack, not flattened and copied by protobuf-c) stores what the same statistics
+ * through a region store: roots bit for bit. */
+static void test_large_bytes_push(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char shm_dir[300], msg[512];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, NULL);
+  region_t g;
+  assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
+  const uint32_t n = 192;
+  const size_t len = pc_packed_len(n) * 4;
+  tspec ts[1] = {{"w", {n, n}, 2}};
+  assert_int_equal(do_register(&d, "viashm", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 21), *sr = random_stat(n, 22);
+  Precond__V1__FetchResponse *fb = push_both_ways(&d, &g, n, sl, sr, 1);
+  Precond__V1__FetchResponse *fs = shm_fetch(&d, &g, 0, PRECOND__V1__ENCODING__ENCODING_FP32);
+  const Precond__V1__PackedMatrix *side[2], *bside[2];
+  root_sides(fs, side);
+  root_sides(fb, bside);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(bside[k]->data.len, len);
+    assert_memory_equal(g.map + side[k]->shm->offset, bside[k]->data.data, len);
+  }
+  protobuf_c_message_free_unpacked(&fs->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+  close_region(&g);
+  free(sl);
+  free(sr);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+}
+
 /* The fetch of a region's client that has the roots area mapped: roots published there once
  * (the same sequence number for every fetch of the same root and encoding), read-only for
  * the client, the same bytes as gRPC's and their CRC-32C; unchecked push references store
@@ -1761,10 +1810,8 @@ static void test_shm(void **state) {
 static void test_shm_roots_area(void **state) {
   (void)state;
   daemon_t d = {0};
-  make_dir(d.p.dir, sizeof d.p.dir);
-  char shm_dir[300], listen[300], stale[400];
-  snprintf(shm_dir, sizeof shm_dir, "%s/shm", d.p.dir);
-  assert_int_equal(mkdir(shm_dir, 0700), 0);
+  char shm_dir[300], stale[400];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
   pid_t gone = fork(); /* a pid no process has any more */
   if (gone == 0) _exit(0);
   assert_true(gone > 0);
@@ -1773,10 +1820,7 @@ static void test_shm_roots_area(void **state) {
   FILE *f = fopen(stale, "w");
   assert_non_null(f);
   fclose(f);
-  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
-                         "512",       NULL};
-  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  start_shm_daemon(&d, shm_dir, "512");
   region_t g;
   char msg[512], msg2[512];
   assert_int_equal(open_region(&d, 1 << 20, &g, msg), GRPC_STATUS_OK);
@@ -2212,6 +2256,7 @@ int main(void) {
       cmocka_unit_test(test_kfac),
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
+      cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_roots_area),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

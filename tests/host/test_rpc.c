@@ -92,6 +92,127 @@ static void test_unpack_garbage(void **state) {
   assert_int_equal(rpc_pack(NULL, 0, &bb), RPC_EINVAL);
 }
 
+/* A large message arriving in many slices: its large bytes fields gathered out of them
+ * (rpc__lift_unpack), the result the same message protobuf-c parses from the flat bytes,
+ * whatever the cuts (inside tags, lengths and fields). */
+static size_t cut_slices(const uint8_t *flat, size_t n, grpc_slice *s, size_t max) {
+  static const size_t cuts[] = {1, 2, 3, 4093, 17, 65536, 5, 100000};
+  size_t k = 0;
+  for (size_t at = 0; at < n && k < max; k++) {
+    size_t c = cuts[k % (sizeof cuts / sizeof cuts[0])];
+    if (c > n - at || k + 1 == max) c = n - at;
+    s[k] = grpc_slice_from_copied_buffer((const char *)flat + at, c);
+    at += c;
+  }
+  return k;
+}
+
+/* Packs m into a malloc'd buffer (*n bytes). */
+static uint8_t *pack_flat(const ProtobufCMessage *m, size_t *n) {
+  *n = protobuf_c_message_get_packed_size(m);
+  uint8_t *b = malloc(*n ? *n : 1);
+  assert_non_null(b);
+  assert_int_equal(protobuf_c_message_pack(m, b), *n);
+  return b;
+}
+
+/* flat in slices through rpc__lift_unpack (expect: its result) and rpc_unpack, both
+ * compared with protobuf-c's parse of flat, packed again. */
+static void check_lifted(const uint8_t *flat, size_t n, int expect) {
+  enum { MAXS = 4096 };
+  grpc_slice *s = malloc(MAXS * sizeof *s);
+  assert_non_null(s);
+  size_t ns = cut_slices(flat, n, s, MAXS);
+  ProtobufCMessage *want = protobuf_c_message_unpack(&precond__v1__push_request__descriptor, NULL, n, flat);
+  ProtobufCMessage *got = NULL;
+  assert_int_equal(rpc__lift_unpack(s, ns, &precond__v1__push_request__descriptor, &got), expect);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(s, ns);
+  ProtobufCMessage *via = NULL;
+  assert_int_equal(rpc_unpack(bb, &precond__v1__push_request__descriptor, 0, &via),
+                   want ? RPC_OK : RPC_EPARSE);
+  grpc_byte_buffer_destroy(bb);
+  size_t nw = 0, ng = 0, nv = 0;
+  uint8_t *w = want ? pack_flat(want, &nw) : NULL;
+  if (expect == RPC_OK) {
+    uint8_t *g = pack_flat(got, &ng);
+    assert_int_equal(ng, nw);
+    assert_memory_equal(g, w, nw);
+    free(g);
+  } else {
+    assert_null(got);
+  }
+  if (want) {
+    uint8_t *v = pack_flat(via, &nv);
+    assert_int_equal(nv, nw);
+    assert_memory_equal(v, w, nw);
+    free(v);
+  }
+  free(w);
+  for (size_t i = 0; i < ns; i++) grpc_slice_unref(s[i]);
+  free(s);
+  if (got) protobuf_c_message_free_unpacked(got, NULL);
+  if (via) protobuf_c_message_free_unpacked(via, NULL);
+  if (want) protobuf_c_message_free_unpacked(want, NULL);
+}
+
+/* check_lifted of flat's n bytes twice back to back (protobuf merges them into one). */
+static void check_doubled(const uint8_t *flat, size_t n, int expect) {
+  uint8_t *two = malloc(2 * n);
+  assert_non_null(two);
+  memcpy(two, flat, n);
+  memcpy(two + n, flat, n);
+  check_lifted(two, 2 * n, expect);
+  free(two);
+}
+
+static void test_unpack_lifted(void **state) {
+  (void)state;
+  enum { BIG = 200000, MID = 70000, SMALL = 1000 };
+  uint8_t *bytes = malloc(BIG);
+  assert_non_null(bytes);
+  for (size_t i = 0; i < BIG; i++) bytes[i] = (uint8_t)(i * 2654435761u >> 13);
+  Precond__V1__PackedMatrix pm[4];
+  const size_t len[4] = {100000, SMALL, MID, BIG};
+  for (int k = 0; k < 4; k++) {
+    precond__v1__packed_matrix__init(&pm[k]);
+    pm[k].n = (uint32_t)(k + 3);
+    pm[k].data.data = bytes + k;
+    pm[k].data.len = len[k] - (size_t)k;
+  }
+  Precond__V1__BlockStatistics blk[3], *bp[3] = {&blk[0], &blk[1], &blk[2]};
+  for (int b = 0; b < 3; b++) {
+    precond__v1__block_statistics__init(&blk[b]);
+    blk[b].block_id = (uint32_t)(10 + b);
+  }
+  blk[0].left = &pm[0]; /* gathered */
+  blk[0].right = &pm[1]; /* small: stays in the compact message */
+  blk[2].a = &pm[2];
+  blk[2].g = &pm[3];
+  Precond__V1__ShmSession sess = PRECOND__V1__SHM_SESSION__INIT;
+  sess.id = 5;
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)"lifted";
+  req.step = 300; /* a two-byte varint */
+  req.n_blocks = 3;
+  req.blocks = bp;
+  size_t n = 0;
+  uint8_t *flat = pack_flat(&req.base, &n);
+  check_lifted(flat, n, RPC_OK);
+  check_lifted(flat, n - 1, RPC_EPARSE); /* truncated: refused both ways */
+
+  /* Two messages back to back are one (protobuf merges them): the blocks of both, in order;
+   * with a singular message field twice (shm), merged by protobuf-c, the walk gives up and
+   * rpc_unpack parses the flattened bytes. */
+  check_doubled(flat, n, RPC_OK);
+  free(flat);
+  req.shm = &sess;
+  flat = pack_flat(&req.base, &n);
+  check_lifted(flat, n, RPC_OK);
+  check_doubled(flat, n, RPC_EPARSE);
+  free(flat);
+  free(bytes);
+}
+
 static void test_size_args(void **state) {
   (void)state;
   grpc_arg arg[2];
@@ -311,6 +432,23 @@ static void test_shm_client(void **state) {
   assert_int_equal(rpc_shm_put(&s, &m, &ref[0]), 0);
   assert_ptr_equal(m.data.data, big);
   assert_null(m.shm);
+  /* Rewound after an answered push: the next slot is the ring's start again, stamped a lap
+   * on (1 + 2 x 960), and the slot of the lap before that it covers reads as overwritten. A
+   * second rewind before any slot is taken is a no-op. */
+  rpc_shm_rewind(&s);
+  Precond__V1__ShmRef again;
+  m.shm = NULL;
+  assert_ptr_equal(rpc_shm_slot(&s, &m, 64, &again), s.map + RPC_SHM_PUSH_RING);
+  assert_int_equal(again.seq, 1 + 2 * 960);
+  assert_true(rpc_shm_push_intact(s.map, R, again.offset, again.seq));
+  assert_false(rpc_shm_push_intact(s.map, R, more.offset, more.seq));
+  rpc_shm_rewind(&s);
+  rpc_shm_rewind(&s);
+  m.shm = NULL;
+  assert_ptr_equal(rpc_shm_slot(&s, &m, 64, &ref[1]), s.map + RPC_SHM_PUSH_RING);
+  assert_int_equal(ref[1].seq, 1 + 3 * 960);
+  assert_false(rpc_shm_push_intact(s.map, R, again.offset, again.seq));
+  assert_true(rpc_shm_push_intact(s.map, R, ref[1].offset, ref[1].seq));
 
   /* A fetch answer naming the daemon's half. */
   memset(s.map + R / 2, 0x5A, 64);
@@ -495,6 +633,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pack_unpack_roundtrip),
       cmocka_unit_test(test_unpack_garbage),
+      cmocka_unit_test(test_unpack_lifted),
       cmocka_unit_test(test_size_args),
       cmocka_unit_test(test_args),
       cmocka_unit_test(test_shm_rules),
