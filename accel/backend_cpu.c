@@ -1518,9 +1518,9 @@ static int cpu_adamw_update(ac_backend *be, size_t n, float *p, const float *g, 
 }
 
 /* The expressions of cpu_axpby, cpu_binary, cpu_affine and the square root, in the order
- * Shampoo's unfused chain applies them: bit for bit the same results. The loop stays
- * scalar: sqrtf keeps its errno check (GCC's optimize attribute does not lift it; only
- * -fno-math-errno for the whole file would). */
+ * Shampoo's unfused chain applies them: bit for bit the same results. accel builds with
+ * -fno-math-errno (accel/meson.build), so GCC vectorises the loop, square root included
+ * (sqrtps; with errno it stayed scalar sqrtss). */
 static int cpu_moment_graft(ac_backend *be, size_t n, const float *g, float *f, float *v, float *x,
                             float *d, const ac_moment_graft_args *a) {
   (void)be;
