@@ -54,9 +54,7 @@ _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "
 
 struct precond_client {
   precond_options opts;
-  int poll_reset;  /* precond_set_poll_interval changed the period: poll now, then at it */
-  int poll_at_set; /* precond_poll_in asked for the next poll at poll_at (under mu) */
-  struct timespec poll_at;
+  int poll_reset; /* precond_set_poll_interval changed the period: poll now, then at it */
   char *addr, *token;
   grpc_channel *channel;
 
@@ -704,10 +702,6 @@ static void *thread_main(void *arg) {
       c->poll_reset = 0;
       next_poll = deadline_in(0);
     }
-    if (c->poll_at_set) {
-      c->poll_at_set = 0;
-      next_poll = c->poll_at;
-    }
     if (passed(&next_poll)) {
       st = poll_roots(c);
       next_poll = deadline_in(c->opts.poll_interval_ms);
@@ -758,16 +752,6 @@ int precond_set_poll_interval(precond_client *c, int ms) {
     c->poll_reset = 1; /* a wait for the old period's next poll ends now */
     pthread_cond_broadcast(&c->wake);
   }
-  pthread_mutex_unlock(&c->mu);
-  return PRECOND_OK;
-}
-
-int precond_poll_in(precond_client *c, int ms) {
-  if (c == NULL || ms < 0) return PRECOND_EINVAL;
-  pthread_mutex_lock(&c->mu);
-  c->poll_at = deadline_in(ms);
-  c->poll_at_set = 1;
-  pthread_cond_broadcast(&c->wake); /* a wait for the old next poll ends now */
   pthread_mutex_unlock(&c->mu);
   return PRECOND_OK;
 }

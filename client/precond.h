@@ -173,12 +173,6 @@ void precond_close(precond_client *client);
  * for ms <= 0. */
 int precond_set_poll_interval(precond_client *client, int ms);
 
-/* Schedules the next FetchPreconditioners poll ms (>= 0) from now, once; the polls after it
- * follow the poll interval again. A worker that knows when its next step will read roots
- * asks for one poll just before then (one call per step, its answer as fresh as a poll
- * can make it) and sets the interval longer, as a fallback. PRECOND_EINVAL for ms < 0. */
-int precond_poll_in(precond_client *client, int ms);
-
 /* Copies the newest daemon or transport error message into buf (always NUL-terminated when
  * len > 0; "" if none). */
 void precond_last_error(precond_client *client, char *buf, size_t len);

@@ -31,7 +31,7 @@ typedef struct {
   precond_push_slot **slot; /* per block: libprecond's slot open this step; NULL between */
   size_t nmine;
   double stats_s; /* CPU seconds of this thread: 2 cores shared, wall is noise */
-  pt__pace pace;  /* asynchronous roots: libprecond's poll, once a step (pt__poll_pace_once) */
+  pt__pace pace;  /* asynchronous roots: libprecond's poll, half a step (pt__poll_pace) */
   uint64_t applied, rejected;
 } pt__shampoo;
 
@@ -228,7 +228,7 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   long stat_step = 0;
   /* With sync_roots each step waits on the poll for its roots: there it keeps its short
    * period (the run's wall time is what that mode pays anyway). */
-  if (!t->opts.sync_roots) pt__poll_pace_once(t, &s->pace);
+  if (!t->opts.sync_roots) pt__poll_pace(t, &s->pace);
   double t0 = pt__cpu_now();
   int rc = pt__shampoo_push(t, &due, &stat_step, err);
   s->stats_s += pt__cpu_now() - t0;

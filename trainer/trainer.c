@@ -82,32 +82,17 @@ double pt__cpu_now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The mean step (EMA of the wall time between calls) and libprecond's poll period set to
- * period steps of it (10 ms to 2 period s; changed only when 25% off). 0 before the second call,
- * or with poll_interval_ms set by the caller: then nothing is paced. */
-static int pt__pace_period(pt_trainer *t, pt__pace *p, double period) {
-  double now = pt__now(), last = p->last_t;
-  p->last_t = now;
-  if (t->opts.poll_interval_ms != 0 || last <= 0.0) return 0;
-  double dt = now - last;
-  p->step_s = p->step_s > 0.0 ? 0.8 * p->step_s + 0.2 * dt : dt;
-  double want = 1000.0 * period * p->step_s, cap = 2000.0 * period;
-  int ms = want < 10.0 ? 10 : want > cap ? (int)cap : (int)want;
-  if (4 * abs(ms - p->poll_ms) > p->poll_ms && precond_set_poll_interval(t->client, ms) == 0)
-    p->poll_ms = ms;
-  return 1;
-}
-
 void pt__poll_pace(pt_trainer *t, pt__pace *p) {
-  pt__pace_period(t, p, 0.5);
-}
-
-void pt__poll_pace_once(pt_trainer *t, pt__pace *p) {
-  if (!pt__pace_period(t, p, 2.0)) return;
-  /* The next step reads roots about one mean step from now: the poll goes out a margin
-   * before, room for its answer (15% of the step, at least 3 ms). */
-  double step_ms = 1000.0 * p->step_s, margin = 0.15 * step_ms > 3.0 ? 0.15 * step_ms : 3.0;
-  precond_poll_in(t->client, step_ms > margin ? (int)(step_ms - margin) : 0);
+  double now = pt__now();
+  if (t->opts.poll_interval_ms == 0 && p->last_t > 0.0) {
+    double dt = now - p->last_t;
+    p->step_s = p->step_s > 0.0 ? 0.8 * p->step_s + 0.2 * dt : dt;
+    double want = 500.0 * p->step_s;
+    int ms = want < 10.0 ? 10 : want > 1000.0 ? 1000 : (int)want;
+    if (4 * abs(ms - p->poll_ms) > p->poll_ms && precond_set_poll_interval(t->client, ms) == 0)
+      p->poll_ms = ms;
+  }
+  p->last_t = now;
 }
 
 void pt_options_default(pt_options *opts, pt_mode mode) {

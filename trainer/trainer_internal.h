@@ -72,12 +72,6 @@ typedef struct {
  * more the slower the wall clock runs. A new version waits at most half a step more. */
 void pt__poll_pace(pt_trainer *t, pt__pace *p);
 
-/* pt__poll_pace for a mode that reads results at one point of each step (Shampoo): one poll
- * per step, timed (precond_poll_in) to go out a little before the next step's read, so its
- * answer is as fresh as the half-step period's newest, at half the calls; the period (two
- * steps) is only a fallback. Called at that point of each step. */
-void pt__poll_pace_once(pt_trainer *t, pt__pace *p);
-
 /* Data parallelism (dp.c): the worker (0 .. shard_size - 1) that computes and pushes unit b
  * of t->layout: with one daemon replica per worker, the worker of the rank whose daemon
  * owns it (nothing is forwarded); else every shard_size-th unit. 0 with one worker. */

@@ -247,42 +247,6 @@ static void test_tcp_register_push_fetch(void **state) {
   daemon_stop();
 }
 
-static precond_client *connect_transport(precond_transport t);
-
-/* precond_poll_in: with the period far away, exactly one poll goes out at the time asked
- * for, and none after it until the period. */
-static void test_poll_in(void **state) {
-  (void)state;
-  tcp_daemon();
-  precond_client *c = connect_transport(PRECOND_TRANSPORT_GRPC);
-  precond_layout layout;
-  register_job(c, "poll-in", &layout);
-  precond_counters k;
-  assert_int_equal(precond_set_poll_interval(c, 600000), PRECOND_OK); /* polls once now */
-  assert_int_equal(precond_poll_in(c, -1), PRECOND_EINVAL);
-  assert_int_equal(precond_poll_in(NULL, 0), PRECOND_EINVAL);
-  struct timespec pause = {0, 300 * 1000000L};
-  nanosleep(&pause, NULL);
-  precond_get_counters(c, &k);
-  uint64_t before = k.fetch_calls;
-  nanosleep(&pause, NULL);
-  precond_get_counters(c, &k);
-  assert_int_equal(k.fetch_calls, before); /* the period is 10 minutes */
-  assert_int_equal(precond_poll_in(c, 100), PRECOND_OK);
-  for (int i = 0; i < 100 && k.fetch_calls == before; i++) {
-    struct timespec tick = {0, 20 * 1000000L};
-    nanosleep(&tick, NULL);
-    precond_get_counters(c, &k);
-  }
-  assert_int_equal(k.fetch_calls, before + 1);
-  nanosleep(&pause, NULL);
-  precond_get_counters(c, &k);
-  assert_int_equal(k.fetch_calls, before + 1); /* once, then the period again */
-  precond_layout_destroy(&layout);
-  precond_close(c);
-  daemon_stop();
-}
-
 static void test_unix_socket_bf16(void **state) {
   (void)state;
   unix_daemon();
@@ -1206,7 +1170,6 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
-      cmocka_unit_test_teardown(test_poll_in, stop_daemon),
       cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
       cmocka_unit_test_teardown(test_shm_same_roots_as_bytes, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
