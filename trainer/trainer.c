@@ -108,6 +108,11 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
   /* Conv A from 16 images of the batch: the factor step's cost is the A syrk; 16 of 128
    * reached SGD's 1-epoch accuracy in 0.7x its steps (docs/kfac.md, "Tuning"). */
   opts->kfac.a_images = 16;
+  /* Dense A and G from 256 rows of the batch, strided: the Transformer's 2048 tokens gave
+   * the every-token run's eval loss within 0.002 on two seeds at 1/8 of the syrks
+   * (docs/kfac.md, "Session 8"); a batch of at most 256 rows (the ResNet's) uses them all. */
+  opts->kfac.dense_rows = 256;
+  opts->kfac.row_sample = PT_KFAC_ROWS_STRIDED;
   opts->kfac.sample_seed = 1;
 }
 

@@ -105,9 +105,10 @@ typedef struct {
                               of a factor step's cost); default 16; 0: the whole batch */
   size_t dense_rows;    /* dense layers: A and G from dense_rows of the batch's rows
                               (tokens of a language model) only: the syrks are most of a
-                              factor step; 0: every row. Data-parallel: of the global
-                              batch, each worker its 1/W of them */
-  pt_kfac_rows row_sample; /* which rows when dense_rows takes fewer than all */
+                              factor step; default 256; 0: every row. Data-parallel: of
+                              the global batch, each worker its 1/W of them */
+  pt_kfac_rows row_sample; /* which rows when dense_rows takes fewer than all (default
+                              strided) */
   int quiet;            /* 1: do not list each layer's treatment on stderr at start */
   double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
                               rate pt_step has been given so far */

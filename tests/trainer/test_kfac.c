@@ -197,8 +197,10 @@ static void train_clip(const char *job, int sync, size_t a_images, const clip_cf
   pt_options o;
   opts_for(&o, job, sync);
   o.kfac.a_images = a_images;
-  o.kfac.dense_rows = cc ? cc->rows : 0;
-  o.kfac.row_sample = cc ? (pt_kfac_rows)cc->row_sample : PT_KFAC_ROWS_PREFIX;
+  if (cc) { /* else the defaults (every row of this batch of 24) */
+    o.kfac.dense_rows = cc->rows;
+    o.kfac.row_sample = (pt_kfac_rows)cc->row_sample;
+  }
   double lr = cc ? cc->lr : 0.2;
   if (cc && cc->kl_clip > 0.0) {
     o.kfac.k.kl_clip = cc->kl_clip;
