@@ -548,9 +548,13 @@ static void test_end_job(void **state) {
   for (int i = 0; i < 4000 && pd_sched_depth(&d->sched) > 0; i++)
     nanosleep(&(struct timespec){0, 1000000}, NULL);
   assert_int_equal(pd_sched_depth(&d->sched), 0);
-  assert_int_equal(atomic_load(&d->stats.memory_bytes), before); /* the reference holds it */
+  /* The reference holds it: nothing of the job was freed. Not "equal": a computation that
+   * was running at `before` may have published since (a root beside the held one, a block's
+   * warm-start state), which only adds (a flake under ASan and load, session 8). */
+  int64_t held_mem = atomic_load(&d->stats.memory_bytes);
+  assert_true(held_mem >= before);
   pd_job_unref(inflight, &d->stats);
-  assert_true(atomic_load(&d->stats.memory_bytes) < before);
+  assert_true(atomic_load(&d->stats.memory_bytes) < held_mem);
   pd_root_unref(held, &d->stats);
 
   /* Its name is remembered: a worker registering it again (what libprecond does after a
