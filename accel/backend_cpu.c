@@ -70,7 +70,7 @@ static void slice_of(size_t n, int parts, int i, size_t *lo, size_t *hi) {
 }
 
 /* Spin budgets: each waiting thread keeps its own, between 0 and POOL_SPIN_MAX_NS. */
-#define POOL_SPIN_MAX_NS 100000L
+#define POOL_SPIN_MAX_NS  100000L
 #define POOL_SPIN_STEP_NS 2000L
 
 static long pool_now_ns(void) {
@@ -81,8 +81,8 @@ static long pool_now_ns(void) {
 
 /* Spins while (*word == value) == eq and stop is clear, for up to budget ns (the clock read
  * every 64 pauses); 1 if the wait ended. */
-static int pool_spin(cpu_pool *p, _Atomic unsigned long *word, unsigned long value, int eq,
-                     long t0, long budget) {
+static int pool_spin(cpu_pool *p, _Atomic unsigned long *word, unsigned long value, int eq, long t0,
+                     long budget) {
   for (unsigned i = 0;; i++) {
     if ((atomic_load(word) == value) != eq || atomic_load(&p->stop)) return 1;
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -646,8 +646,7 @@ static void axpby_range(size_t n, float alpha, const float *x, float beta, const
 
 static int cpu_axpby(ac_backend *be, size_t n, float alpha, const float *x, float beta,
                      const float *y, float *out) {
-  ew_args e = {
-      .kind = EW_AXPBY, .n = n, .alpha = alpha, .beta = beta, .a = x, .b = y, .out = out};
+  ew_args e = {.kind = EW_AXPBY, .n = n, .alpha = alpha, .beta = beta, .a = x, .b = y, .out = out};
   ew_run(be, &e, 3.0);
   return AC_OK;
 }
@@ -1931,7 +1930,7 @@ static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
  * ResNet-20 step); the chunk count is rounded up to a multiple of the groups, so that the
  * threads' shares are equal. */
 #define C3_WGRAD_CHUNK_FLOATS 131072
-#define C3_WGRAD_GROUPS 8
+#define C3_WGRAD_GROUPS       8
 
 static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                              const float *x, const float *dy, float *dw) {

@@ -483,7 +483,8 @@ int main(int argc, char **argv) {
     } else if (strcmp(a, "--only") == 0 && v != NULL) {
       if (strcmp(v, "peak") != 0 && strcmp(v, "tblock") != 0 && strcmp(v, "resblock") != 0 &&
           strcmp(v, "models") != 0 && strcmp(v, "lm") != 0 && strcmp(v, "resnet") != 0) {
-        fprintf(stderr, "bench-accel: --only must be peak, tblock, resblock, models, lm or resnet\n");
+        fprintf(stderr,
+                "bench-accel: --only must be peak, tblock, resblock, models, lm or resnet\n");
         return 2;
       }
       only = v;

@@ -393,8 +393,8 @@ static int rpc__lift_varint(rpc__lift *L, uint64_t v, int width) {
 
 /* The fields of one message (of type d, up to r->pos == end) into L; path[0..depth-1] leads
  * to it. Returns 0, or -1: give up (the caller falls back). */
-static int rpc__lift_msg(rpc__rd *r, size_t end, const ProtobufCMessageDescriptor *d,
-                         rpc__lift *L, rpc__hole *path, int depth) {
+static int rpc__lift_msg(rpc__rd *r, size_t end, const ProtobufCMessageDescriptor *d, rpc__lift *L,
+                         rpc__hole *path, int depth) {
   size_t *seen = calloc(d->n_fields ? d->n_fields : 1, sizeof *seen); /* occurrences */
   int rc = seen ? 0 : -1;
   while (rc == 0 && r->pos < end) {
@@ -407,7 +407,8 @@ static int rpc__lift_msg(rpc__rd *r, size_t end, const ProtobufCMessageDescripto
         protobuf_c_message_descriptor_get_field(d, (unsigned)(tag >> 3));
     size_t fi = fd ? (size_t)(fd - d->fields) : 0;
     int repeated = fd && fd->label == PROTOBUF_C_LABEL_REPEATED;
-    if (fd && !repeated && (fd->type == PROTOBUF_C_TYPE_MESSAGE || fd->type == PROTOBUF_C_TYPE_BYTES) &&
+    if (fd && !repeated &&
+        (fd->type == PROTOBUF_C_TYPE_MESSAGE || fd->type == PROTOBUF_C_TYPE_BYTES) &&
         (seen[fi] > 0 || (fd->flags & PROTOBUF_C_FIELD_FLAG_ONEOF))) {
       rc = -1; /* merged or chosen by protobuf: not followed here */
       break;

@@ -91,36 +91,36 @@ typedef enum {
  * parameter (embeddings, layer norms, a layer with no hook) takes the SGD step on its plain
  * gradient, as does every layer until its first inverses arrive (counted as fallback). */
 typedef struct {
-  pc_kfac_opts k;       /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
+  pc_kfac_opts k;          /* decay, damping (lambda), pi-damping, KL clip, inv_every, the
                               factor schedule: pc_kfac_opts_default (one source) */
-  long steps_per_epoch; /* the schedule's epoch (factors every factor_every_first steps
+  long steps_per_epoch;    /* the schedule's epoch (factors every factor_every_first steps
                               in the first first_epochs epochs); required, >= 1 */
-  ac_sgd_opts sgd;      /* momentum and weight decay of the final step
+  ac_sgd_opts sgd;         /* momentum and weight decay of the final step
                               (ac_sgd_opts_default) */
-  float loss_scale;     /* the count the loss is a mean over; 0: each layer's batch
+  float loss_scale;        /* the count the loss is a mean over; 0: each layer's batch
                               (images, or rows: tokens for a language model) */
-  int push_bf16;        /* 1: factors travel as bf16 (half the bytes); default 0 */
-  size_t a_images;      /* conv layers: A from the first a_images images of the batch
+  int push_bf16;           /* 1: factors travel as bf16 (half the bytes); default 0 */
+  size_t a_images;         /* conv layers: A from the first a_images images of the batch
                               only (KFC's expectation from a subset: the A syrk is most
                               of a factor step's cost); default 16; 0: the whole batch */
-  size_t dense_rows;    /* dense layers: A and G from dense_rows of the batch's rows
+  size_t dense_rows;       /* dense layers: A and G from dense_rows of the batch's rows
                               (tokens of a language model) only: the syrks are most of a
                               factor step; default 256; 0: every row. Data-parallel: of
                               the global batch, each worker its 1/W of them */
   pt_kfac_rows row_sample; /* which rows when dense_rows takes fewer than all (default
                               strided) */
-  int quiet;            /* 1: do not list each layer's treatment on stderr at start */
-  double base_lr;       /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
+  int quiet;               /* 1: do not list each layer's treatment on stderr at start */
+  double base_lr;          /* the run's base (peak) rate, for k.kl_base_lr; 0: the largest
                               rate pt_step has been given so far */
-  int model_fisher;     /* 1: the model's Fisher, factors from a backward pass on labels
+  int model_fisher;        /* 1: the model's Fisher, factors from a backward pass on labels
                               drawn from the model's predictive distribution (the client
                               runs it: pt_kfac_model_fisher); 0 (default): the empirical
                               Fisher, factors from the batch's own backward pass */
-  uint64_t sample_seed; /* the draws' seed (ac_rand_uniform's counter-based numbers) */
-  int inverse;          /* the inverse method: 0 (default) by size (pc_kfac_inv_for_size,
+  uint64_t sample_seed;    /* the draws' seed (ac_rand_uniform's counter-based numbers) */
+  int inverse;             /* the inverse method: 0 (default) by size (pc_kfac_inv_for_size,
                               Cholesky at every size measured), else 1 + a pc_kfac_inv (the
                               wire's KfacInverse numbering) */
-  pt_kfac_form form;    /* PT_KFAC_FORM_DAEMON (default); the worker forms refuse data
+  pt_kfac_form form;       /* PT_KFAC_FORM_DAEMON (default); the worker forms refuse data
                               parallelism (shard_size > 1) */
 } pt_kfac_opts;
 

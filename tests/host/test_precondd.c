@@ -1659,8 +1659,8 @@ static void make_shm_dirs(daemon_t *d, char *shm_dir, size_t cap) {
 static void start_shm_daemon(daemon_t *d, const char *shm_dir, const char *limit_mb) {
   char listen[300];
   snprintf(listen, sizeof listen, "unix:%s/sock", d->p.dir);
-  const char *extra[] = {"--shm-dir", shm_dir,  "--drift-threshold", "0",
-                         "--memory-limit-mb", limit_mb, NULL};
+  const char *extra[] = {"--shm-dir", shm_dir, "--drift-threshold", "0", "--memory-limit-mb",
+                         limit_mb,    NULL};
   if (limit_mb == NULL) extra[4] = NULL;
   assert_int_equal(start_daemon_opts(d, listen, extra), 0);
 }

@@ -123,7 +123,8 @@ static void check_lifted(const uint8_t *flat, size_t n, int expect) {
   grpc_slice *s = malloc(MAXS * sizeof *s);
   assert_non_null(s);
   size_t ns = cut_slices(flat, n, s, MAXS);
-  ProtobufCMessage *want = protobuf_c_message_unpack(&precond__v1__push_request__descriptor, NULL, n, flat);
+  ProtobufCMessage *want =
+      protobuf_c_message_unpack(&precond__v1__push_request__descriptor, NULL, n, flat);
   ProtobufCMessage *got = NULL;
   assert_int_equal(rpc__lift_unpack(s, ns, &precond__v1__push_request__descriptor, &got), expect);
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(s, ns);
@@ -184,7 +185,7 @@ static void test_unpack_lifted(void **state) {
     precond__v1__block_statistics__init(&blk[b]);
     blk[b].block_id = (uint32_t)(10 + b);
   }
-  blk[0].left = &pm[0]; /* gathered */
+  blk[0].left = &pm[0];  /* gathered */
   blk[0].right = &pm[1]; /* small: stays in the compact message */
   blk[2].a = &pm[2];
   blk[2].g = &pm[3];

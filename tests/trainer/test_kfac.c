@@ -304,7 +304,8 @@ static void test_kfac_trains(void **state) {
 static void test_kfac_kl_base_lr(void **state) {
   (void)state;
   run_out e, f, g;
-  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0, 0, 0, 0, 0}, cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0, 0, 0, 0, 0},
+  clip_cfg ce = {0.2, 1e-6, 0.0, 0, 0, 0, 0, 0, 0, 0, 0},
+           cf = {0.2, 1e-6, 0.4, 1, 0, 0, 0, 0, 0, 0, 0},
            cg = {0.2, 1e-6, 0.0, 1, 0, 0, 0, 0, 0, 0, 0};
   train_clip("kfac-kl-e", 1, 0, &ce, &e);
   train_clip("kfac-kl-f", 1, 0, &cf, &f);
@@ -323,7 +324,8 @@ static void test_kfac_kl_base_lr(void **state) {
  * give other factors, differ from the batch's labels, are reproducible, and still train. */
 static void test_kfac_model_fisher(void **state) {
   (void)state;
-  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0}, model = {0.2, 0.0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0},
+  clip_cfg emp = {0.2, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0},
+           model = {0.2, 0.0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0},
            forced = {0.2, 0.0, 0.0, 0, 2, 0, 0, 0, 0, 0, 0};
   run_out e, f, g, h;
   train_clip("kfac-fisher-e", 1, 0, &emp, &e);
@@ -363,7 +365,8 @@ static void test_kfac_worker_forms(void **state) {
   clip_cfg daemon = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 0, 0, 0, 0, 0},
            winv = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 0, 0, 0, 0, 0},
            deigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_DAEMON, 1 + PC_KFAC_INV_EIGH, 0, 0, 0, 0},
-           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH, 0, 0, 0, 0},
+           weigh = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_INVERSE, 1 + PC_KFAC_INV_EIGH,
+                    0,   0,   0,   0},
            eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0, 0, 0, 0, 0};
   run_out a, b, c, d, e, f;
   train_clip("kfac-form-a", 1, 0, &daemon, &a);
