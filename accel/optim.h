@@ -259,7 +259,8 @@ int ac_shampoo_stats_due(const ac_shampoo *s, long *step);
 /* ac_shampoo_compute_stats into the caller's host memory (no buffer of s's in between):
  * when due, block b's packed G G^T goes to left[b] (ac_packed_len(rows) floats) and its
  * G^T G to right[b] (ac_packed_len(cols)), for every block whose left[b] is not NULL
- * (right[b] must then be set too); blocks with NULL are skipped, whatever the stats mask.
+ * (right[b] must then be set too); blocks with NULL are skipped (a data-parallel worker
+passes NULL for the blocks another worker computes).
  * The floats are ac_shampoo_compute_stats's (ac_syrk_packed_to_host: the CPU backend
  * writes them there, CUDA's download lands there), all written when it returns. It does
  * not fill s's own buffers: ac_shampoo_block_stats answers AC_EINVAL until the next
@@ -267,12 +268,6 @@ int ac_shampoo_stats_due(const ac_shampoo *s, long *step);
  * there. */
 int ac_shampoo_compute_stats_into(ac_shampoo *s, float *const *left, float *const *right, int *due,
                                   long *step);
-
-/* Data-parallel workers share the statistics: with mask (nblocks bytes, copied) only the
- * blocks whose byte is non-zero are computed by ac_shampoo_compute_stats (the others' host
- * statistics are then stale: not to be pushed). NULL: every block (the default).
- * AC_EINVAL for s NULL, AC_ENOMEM. */
-int ac_shampoo_set_stats_mask(ac_shampoo *s, const uint8_t *mask);
 
 /* The host statistics of block b from the last ac_shampoo_compute_stats that computed:
  * *left = packed G G^T (ac_packed_len(rows) values), *right = packed G^T G

@@ -53,7 +53,6 @@ struct ac_shampoo {
   float *stats_dev, *stats_host; /* stats_host is stats_dev on a host-memory backend (CPU) */
   int stats_valid;
   int host_memory;               /* the backend's memory is the host's: no staging copies */
-  uint8_t *stats_mask;           /* per block: 1 computes its statistics; NULL: every block */
   float *d, *a, *b;              /* scratch of max numel: the direction D and two temporaries */
   float *x;                      /* scratch of max numel: the (filtered) gradient M of the step */
   float *t;                      /* scratch of the largest block: L G_b */
@@ -173,7 +172,6 @@ void ac_shampoo_destroy(ac_shampoo *s) {
     ac_free(s->be, sp->f);
     pc_layout_destroy(&sp->layout);
   }
-  free(s->stats_mask);
   for (size_t b = 0; s->blocks != NULL && b < s->nblocks; b++) {
     ac_free(s->be, s->blocks[b].lroot);
     ac_free(s->be, s->blocks[b].rroot);
@@ -405,8 +403,6 @@ int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step) {
   if (!now) return AC_OK;
 
   for (size_t b = 0; b < s->nblocks; b++) {
-    if (s->stats_mask != NULL && !s->stats_mask[b])
-      continue; /* another data-parallel worker computes it */
     const shampoo_block *sb = &s->blocks[b];
     size_t ld;
     const float *g = block_grad(s, sb, &ld);
@@ -428,19 +424,6 @@ int ac_shampoo_compute_stats(ac_shampoo *s, int *due, long *step) {
   }
   s->stats_valid = 1;
   if (due != NULL) *due = 1;
-  return AC_OK;
-}
-
-int ac_shampoo_set_stats_mask(ac_shampoo *s, const uint8_t *mask) {
-  if (s == NULL) return AC_EINVAL;
-  uint8_t *copy = NULL;
-  if (mask != NULL) {
-    copy = malloc(s->nblocks > 0 ? s->nblocks : 1);
-    if (copy == NULL) return AC_ENOMEM;
-    memcpy(copy, mask, s->nblocks);
-  }
-  free(s->stats_mask);
-  s->stats_mask = copy;
   return AC_OK;
 }
 

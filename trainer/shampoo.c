@@ -35,8 +35,9 @@ typedef struct {
   uint64_t applied, rejected;
 } pt__shampoo;
 
-/* This worker's share of the blocks (pt_options.shard_*, pt__unit_worker). */
-static int pt__shampoo_shard(pt_trainer *t, pt_error *err) {
+/* This worker's share of the blocks (pt_options.shard_*, pt__unit_worker): the blocks whose
+ * statistics it computes and pushes (the others get no push slot, so accel skips them). */
+static void pt__shampoo_shard(pt_trainer *t) {
   pt__shampoo *s = t->state;
   int w = t->opts.shard_rank, nw = t->opts.shard_size > 1 ? t->opts.shard_size : 1;
   s->nmine = 0;
@@ -44,9 +45,6 @@ static int pt__shampoo_shard(pt_trainer *t, pt_error *err) {
     s->mine[b] = nw == 1 || pt__unit_worker(t, b) == w;
     s->nmine += s->mine[b];
   }
-  return nw == 1 ? PT_OK
-                 : pt__accel(err, ac_shampoo_set_stats_mask(s->opt, s->mine),
-                             "ac_shampoo_set_stats_mask");
 }
 
 static int pt__shampoo_create(pt_trainer *t, pt_error *err) {
@@ -107,7 +105,8 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
                       bi.block.cols);
     s->block_id[b] = pb->block_id;
   }
-  return pt__shampoo_shard(t, err);
+  pt__shampoo_shard(t);
+  return PT_OK;
 }
 
 /* Hands block b roots r (a reference from precond_fetch, released here; NULL: nothing).
