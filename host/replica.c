@@ -712,6 +712,25 @@ static int pd__receive(pd_replica *x, int *byes) {
   return any;
 }
 
+/* Starts one send of m's (buf: count items of type) to dest, recorded with a reference
+ * to m. -1 (the rank goes on alone) on failure. */
+static int pd__isend(pd_replica *x, pd__msg *m, const void *buf, int count, MPI_Datatype type,
+                     int dest, int tag, MPI_Comm comm) {
+  pd__send *ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record");
+  if (!ns) return -1;
+  x->sends = ns;
+  pd__send *s = &x->sends[x->nsends];
+  int err = MPI_Isend(buf, count, type, dest, tag, comm, &s->req);
+  if (err != MPI_SUCCESS) {
+    pd__mpi_failed(x, "MPI_Isend", err);
+    return -1;
+  }
+  s->msg = m;
+  m->refs++;
+  x->nsends++;
+  return 0;
+}
+
 /* Starts the sends of every queued message. Returns 1 if there were any. */
 static int pd__send_queued(pd_replica *x) {
   pthread_mutex_lock(&x->lock);
@@ -724,35 +743,13 @@ static int pd__send_queued(pd_replica *x) {
     list = m->next;
     for (int dest = 0; dest < x->link.nranks && !atomic_load(&x->link.alone); dest++) {
       if (dest == x->link.rank || (m->dest >= 0 && dest != m->dest)) continue;
-      pd__send *ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record");
-      if (!ns) break;
-      x->sends = ns;
-      pd__send *s = &x->sends[x->nsends];
-      int err = MPI_Isend(m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm, &s->req);
-      if (err != MPI_SUCCESS) {
-        pd__mpi_failed(x, "MPI_Isend", err);
-        break;
-      }
-      s->msg = m;
-      m->refs++;
-      x->nsends++;
+      if (pd__isend(x, m, m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm) != 0) break;
       /* A ROOT's parts: from the root itself, after its header (the receiver matches them
        * in that order). */
-      for (uint32_t k = 0; m->root && k < m->root->nparts; k++) {
-        if (!(ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record")))
+      for (uint32_t k = 0; m->root && k < m->root->nparts; k++)
+        if (pd__isend(x, m, m->root->part[k], (int)pc_packed_len(m->root->order[k]), MPI_FLOAT,
+                      dest, (int)k, x->parts_comm) != 0)
           break;
-        x->sends = ns;
-        s = &x->sends[x->nsends];
-        err = MPI_Isend(m->root->part[k], (int)pc_packed_len(m->root->order[k]), MPI_FLOAT, dest,
-                        (int)k, x->parts_comm, &s->req);
-        if (err != MPI_SUCCESS) {
-          pd__mpi_failed(x, "MPI_Isend", err);
-          break;
-        }
-        s->msg = m;
-        m->refs++;
-        x->nsends++;
-      }
     }
     pd__msg_unref(m);
   }
