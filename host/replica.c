@@ -48,8 +48,7 @@ typedef struct pd__msg {
   int refs;
   size_t len, cap;
   unsigned char *buf;
-  pd_root *root;   /* NULL but for ROOT */
-  pd_stats *stats; /* where root's bytes are counted */
+  pd_root *root; /* NULL but for ROOT */
 } pd__msg;
 
 typedef struct {
@@ -108,9 +107,15 @@ static pd__msg *pd__msg_new(int tag, int dest, size_t cap) {
   return m;
 }
 
-static void pd__msg_unref(pd__msg *m) {
+/* Where roots' bytes are counted: the daemon's, once pd_replica_start gave it (a root
+ * restored from a snapshot is published, and queued here, before that). */
+static pd_stats *pd__stats(pd_replica *x) {
+  return x->d ? &x->d->stats : NULL;
+}
+
+static void pd__msg_unref(pd_replica *x, pd__msg *m) {
   if (m && --m->refs == 0) {
-    pd_root_unref(m->root, m->stats);
+    pd_root_unref(m->root, pd__stats(x));
     free(m->buf);
     free(m);
   }
@@ -303,7 +308,6 @@ static void pd__hook_root(void *ctx, const pd_block *b, pd_root *r) {
   pd__put_root_head(m, r);
   pd_root_ref(r);
   m->root = r;
-  m->stats = &x->d->stats;
   atomic_fetch_add(&x->link.roots_sent, 1);
   pd__enqueue(x, m);
 }
@@ -515,7 +519,6 @@ static void pd__defer(pd_replica *x, int tag, unsigned char *buf, size_t len, pd
   m->len = len;
   m->refs = 1;
   m->root = root;
-  m->stats = &x->d->stats;
   if (x->deferred_tail)
     x->deferred_tail->next = m;
   else
@@ -526,7 +529,7 @@ static void pd__defer(pd_replica *x, int tag, unsigned char *buf, size_t len, pd
     x->deferred = old->next;
     x->ndeferred--;
     pd_log(PD_LOG_WARN, "replicas: dropped a message for a job this rank never received");
-    pd__msg_unref(old);
+    pd__msg_unref(x, old);
   }
 }
 
@@ -544,7 +547,7 @@ static void pd__retry_deferred(pd_replica *x) {
       m->buf = NULL;
     }
     m->root = NULL; /* passed on */
-    pd__msg_unref(m);
+    pd__msg_unref(x, m);
   }
 }
 
@@ -751,7 +754,7 @@ static int pd__send_queued(pd_replica *x) {
                       dest, (int)k, x->parts_comm) != 0)
           break;
     }
-    pd__msg_unref(m);
+    pd__msg_unref(x, m);
   }
   return any;
 }
@@ -767,7 +770,7 @@ static int pd__test_sends(pd_replica *x) {
       done = 1;
     }
     if (done) {
-      pd__msg_unref(x->sends[i].msg);
+      pd__msg_unref(x, x->sends[i].msg);
       x->sends[i] = x->sends[--x->nsends];
       any = 1;
     } else {
@@ -967,7 +970,7 @@ void pd_replica_finalize(pd_replica *x) {
   for (size_t i = 0; i < x->nsends; i++) {
     MPI_Cancel(&x->sends[i].req);
     MPI_Request_free(&x->sends[i].req);
-    pd__msg_unref(x->sends[i].msg);
+    pd__msg_unref(x, x->sends[i].msg);
   }
   free(x->sends);
   /* Receives still in flight (a peer gone mid-message) cannot be cancelled once matched:
@@ -982,19 +985,19 @@ void pd_replica_finalize(pd_replica *x) {
   while (x->head) {
     pd__msg *m = x->head;
     x->head = m->next;
-    pd__msg_unref(m);
+    pd__msg_unref(x, m);
   }
   while (x->deferred) {
     pd__msg *m = x->deferred;
     x->deferred = m->next;
-    pd__msg_unref(m);
+    pd__msg_unref(x, m);
   }
   MPI_Comm_free(&x->parts_comm);
   MPI_Comm_free(&x->comm);
   MPI_Finalize();
   for (size_t i = 0; i < x->nrecvs; i++) {
     free(x->recvs[i].buf);
-    pd_root_unref(x->recvs[i].root, &x->d->stats);
+    pd_root_unref(x->recvs[i].root, pd__stats(x));
   }
   free(x->recvs);
   pthread_cond_destroy(&x->cond);
