@@ -435,8 +435,10 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
-  int shm;           /* matrices through a shared-memory region (proto/rpc.h) */
-  double until;      /* stop time */
+  /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
+   * when the daemon serves it; 2, a push always sent as a gRPC call. */
+  int shm;
+  double until; /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
   double *cpu; /* this thread's CPU time per call in ms (--hist) */
@@ -528,8 +530,22 @@ static void *worker_main(void *arg) {
           break;
         }
       }
-      if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
-                  &precond__v1__push_response__descriptor, &resp) != 0) {
+      int bad;
+      if (w->shm == 1 && shm.bell) {
+        grpc_status_code code;
+        char *details = NULL;
+        int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
+                              &resp, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        bad = rc != RPC_OK;
+      } else {
+        bad = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+                      &precond__v1__push_response__descriptor, &resp) != 0;
+      }
+      if (bad) {
         w->failed = 1;
         break;
       }
@@ -731,7 +747,9 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     }
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
-             shm ? "-shm" : "");
+             shm == 2 ? "-shm-grpc"
+             : shm    ? "-shm"
+                      : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -1555,6 +1573,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+        /* The region's push with its control as a gRPC call (before the doorbell): the
+         * doorbell's gain in this run. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+          rc = -1;
       }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
