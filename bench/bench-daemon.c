@@ -686,6 +686,82 @@ static void print_hist(const char *name, const char *transport, size_t n, const 
               b == NB - 1 ? edge / 2 : edge, calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
 }
 
+/* The memcpy-xcore reference row (--wire): the bare hand-off of a push's bytes from one core
+ * to another, with no validation and no call: a writer thread copies them into a shared
+ * buffer (as a worker writes its slot), then a reader thread copies them out (as the daemon
+ * reads the slot), turn by turn (a condition variable, futex hand-offs as the doorbell's),
+ * each rate in bytes per second of the two threads' CPU time (--clock cpu) or of the wall
+ * clock. Issue 13's target stays the ratio to the one-core memcpy row; this row says how
+ * much of that a same-host push could reach at most here (docs/precondd.md, "Wire"). */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  unsigned char *src, *shared, *dst;
+  size_t bytes, rounds;
+  int turn; /* 0: the writer's, 1: the reader's */
+  double cpu[2];
+} xcore;
+
+static void *xcore_side(xcore *x, int me) {
+  double c0 = thread_cpu_s();
+  for (size_t r = 0; r < x->rounds; r++) {
+    pthread_mutex_lock(&x->mu);
+    while (x->turn != me) pthread_cond_wait(&x->cv, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+    if (me == 0) {
+      memcpy(x->shared, x->src, x->bytes);
+      x->src[r % x->bytes]++; /* keep the copies observable */
+    } else {
+      memcpy(x->dst, x->shared, x->bytes);
+    }
+    pthread_mutex_lock(&x->mu);
+    x->turn = !me;
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+  }
+  x->cpu[me] = thread_cpu_s() - c0;
+  return NULL;
+}
+
+static void *xcore_reader(void *arg) {
+  return xcore_side(arg, 1);
+}
+
+/* Best of five rounds of about 40 ms, as memcpy_mb_s; 0 if threads cannot be had. */
+static double xcore_mb_s(size_t bytes) {
+  xcore x = {.bytes = bytes};
+  x.src = malloc(bytes);
+  x.shared = malloc(bytes);
+  x.dst = malloc(bytes);
+  double best = 0.0;
+  if (x.src && x.shared && x.dst && pthread_mutex_init(&x.mu, NULL) == 0) {
+    if (pthread_cond_init(&x.cv, NULL) == 0) {
+      memset(x.src, 1, bytes);
+      memset(x.shared, 0, bytes);
+      memset(x.dst, 0, bytes);
+      /* Rounds per 40 ms from a one-core copy's speed: a hand-off is at most that fast. */
+      x.rounds = (size_t)(0.04 * memcpy_mb_s(bytes, NULL) * 1e6 / (double)bytes / 2) + 3;
+      for (int round = 0; round < 5; round++) {
+        pthread_t t;
+        x.turn = 0;
+        double t0 = now_s();
+        if (pthread_create(&t, NULL, xcore_reader, &x) != 0) break;
+        xcore_side(&x, 0);
+        pthread_join(t, NULL);
+        double secs = g_cpu_clock ? x.cpu[0] + x.cpu[1] : now_s() - t0;
+        double rate = secs > 0 ? (double)bytes * (double)x.rounds / secs / 1e6 : 0.0;
+        if (rate > best) best = rate;
+      }
+      pthread_cond_destroy(&x.cv);
+    }
+    pthread_mutex_destroy(&x.mu);
+  }
+  free(x.src);
+  free(x.shared);
+  free(x.dst);
+  return best;
+}
+
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
                     int fetch, int shm, const char *job, int k, const payload *pl,
@@ -1743,6 +1819,11 @@ int main(int argc, char **argv) {
     size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
     print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si],
               o.memcpy_mb_s[si] * 1e6 / (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+    /* The cross-core reference, next to the memcpy it is a ratio of (measured again). */
+    double mc = memcpy_mb_s(bytes, NULL), xc = xcore_mb_s(bytes);
+    double none[3] = {0, 0, 0};
+    print_row("memcpy-xcore", "-", o.sizes[si], 2, 0, 0.2, xc, xc * 1e6 / (double)bytes, none,
+              "memcpy", mc, bytes);
   }
   int rc = 0;
   if (o.mpirun != NULL) {
