@@ -519,6 +519,105 @@ double pc_kfac_dot_f32(size_t count, const float *a, const float *b);
  * *nu = 0, so that a caller that ignores the status applies no step). */
 int pc_kfac_kl_scale(double kl_clip, double lr, double vg_sum, double *nu);
 
+/* ------------------------------------------------------------------------------------ */
+/* ABS / ABSA: the top Hessian eigenvalue and the adaptive-batch rule                     */
+/*                                                                                          */
+/* Yao, Gholami, Lei, Keutzer, Mahoney 2018 (algorithms note, section 4; docs/abs.md). The  */
+/* Hessian-vector products come from elsewhere (the worker's device): the power iteration   */
+/* here is driven one product at a time (pc_abs_power_step), so that whoever holds its     */
+/* state (the daemon) never needs the model. Vectors are fp32 with fp64 sums.              */
+
+/* Every ABS/ABSA default lives here (algorithms note, section 4). */
+typedef struct {
+  int power_max_iters;       /* power-iteration steps per estimate; 10; >= 1 */
+  double power_tol;          /* relative change of lambda that stops it; 1e-2; >= 0 */
+  uint64_t seed;             /* start vector seed (fixed: reproducible); 1 */
+  uint32_t base_batch;       /* batch at the start; 128; >= 1 */
+  uint32_t max_batch_factor; /* the batch grows up to base_batch times this; 128; >= 1 */
+  uint32_t growth_epochs;    /* forced growth after this many epochs without one; 10; >= 1 */
+  double ref_ratio;          /* grow when lambda <= ref_ratio * lambda_ref; 0.5; in (0, 1] */
+  double adv_fraction;       /* ABSA's FGSM share of a batch at the start; 0.2; [0, 1] (ABS:
+                                0, set by the caller) */
+  double adv_eps;            /* FGSM step on [0, 1] pixels; 0.005; >= 0 */
+  double hv_rel_step;        /* h of the central difference is hv_rel_step * max(||w||, 1)
+                                for a unit probe: ours, not published (docs/abs.md); 1e-3;
+                                > 0 */
+  uint32_t hv_batch;         /* samples of the batch the eigenvalue is measured on; 128; >= 1 */
+} pc_abs_opts;
+
+/* Fills the defaults. NULL is a no-op. */
+void pc_abs_opts_default(pc_abs_opts *opts);
+
+/* PC_OK, or PC_EINVAL for NULL or a field outside the ranges above (and a largest batch,
+ * base_batch * max_batch_factor, above UINT32_MAX). */
+int pc_abs_opts_check(const pc_abs_opts *opts);
+
+/* The state of one power iteration on a Hessian of order n. The caller owns v (n floats)
+ * and keeps it for the life of the state: it holds the probe the next product is taken of. */
+typedef struct {
+  size_t n;
+  float *v;      /* the current unit probe */
+  double lambda; /* the latest estimate <Hv, v>; NaN before the first product */
+  int iters;     /* products folded in since pc_abs_power_start */
+  int done;      /* 1: converged (PC_OK) or at the step cap (PC_NOT_CONVERGED) */
+  int status;    /* PC_OK or PC_NOT_CONVERGED once done; PC_NOT_CONVERGED before */
+} pc_abs_power;
+
+/* Starts an estimate: v (n floats, caller-owned) gets a fixed-seed random unit vector
+ * (seed's stream, independent of n's other uses), lambda NaN, iters 0, done 0. Returns
+ * PC_OK or PC_EINVAL (NULL p or v, n 0). */
+int pc_abs_power_start(pc_abs_power *p, size_t n, float *v, uint64_t seed);
+
+/* Folds in hv = H v for the current probe: lambda = <hv, v>; the estimate is done when lambda
+ * moved by at most power_tol relative to the previous one (PC_OK), or at power_max_iters
+ * products (PC_NOT_CONVERGED); otherwise v = hv / ||hv|| is the next probe. A zero hv is an
+ * exact answer (lambda 0, done, PC_OK). Returns PC_OK (folded in), PC_EINVAL (NULL argument,
+ * a state already done), PC_ENONFINITE_INPUT (NaN or Inf in hv: the state is unchanged). */
+int pc_abs_power_step(pc_abs_power *p, const pc_abs_opts *opts, const float *hv);
+
+/* The adaptive-batch rule's state for one run. */
+typedef struct {
+  uint32_t batch;               /* the batch size now */
+  double lr_scale;              /* batch / base_batch: the learning rate's factor */
+  double adv_fraction;          /* ABSA's FGSM share now (before pc_abs_adv_fraction's cut) */
+  double lambda_ref;            /* NaN until the first eigenvalue */
+  uint32_t epochs_since_growth; /* epochs the rule ran since the last growth (or the start) */
+  uint32_t growths;
+} pc_abs_rule;
+
+/* What one epoch's evaluation decided. */
+typedef enum {
+  PC_ABS_KEPT = 0,    /* the batch stays */
+  PC_ABS_REFERENCE,   /* the first eigenvalue became lambda_ref; the batch stays */
+  PC_ABS_GREW_FLAT,   /* lambda <= ref_ratio * lambda_ref: lambda_ref = lambda, grown */
+  PC_ABS_GREW_FORCED, /* growth_epochs epochs without growth: grown */
+  PC_ABS_AT_MAX       /* the batch is at its maximum: the rule no longer runs */
+} pc_abs_decision;
+
+/* Short lowercase name ("kept", "reference", "grew-flat", "grew-forced", "at-max"). */
+const char *pc_abs_decision_name(pc_abs_decision d);
+
+/* The start: batch base_batch, lr_scale 1, adv_fraction opts->adv_fraction, no reference.
+ * For opts that passed pc_abs_opts_check. */
+void pc_abs_rule_init(pc_abs_rule *r, const pc_abs_opts *opts);
+
+/* 1 while the rule still runs (the batch below its maximum): only then is an eigenvalue
+ * worth measuring. */
+int pc_abs_rule_active(const pc_abs_rule *r, const pc_abs_opts *opts);
+
+/* One epoch boundary with the epoch's top eigenvalue lambda. Growing doubles the batch
+ * (capped at base_batch * max_batch_factor), scales lr_scale by the same ratio and halves
+ * adv_fraction. Returns PC_OK with *decision; PC_EINVAL (NULL argument);
+ * PC_ENONFINITE_INPUT (lambda NaN or Inf: r unchanged). */
+int pc_abs_rule_epoch(pc_abs_rule *r, const pc_abs_opts *opts, double lambda,
+                      pc_abs_decision *decision);
+
+/* ABSA's FGSM share at progress (the fraction of the run's samples done, in [0, 1]): r's
+ * fraction in the first half, 0 from progress 0.5 on (the paper switches it off for the
+ * second half of training; counted in samples, not epochs, so that short runs halve too).
+ * NULL r or a progress that is NaN gives 0. */
+double pc_abs_adv_fraction(const pc_abs_rule *r, double progress);
+
 #ifdef __cplusplus
 }
 #endif
