@@ -280,7 +280,9 @@ static void *pd__shm_bell_main(void *arg) {
   pd_shm_session *s = arg;
   pd_shm *r = s->reg;
   rpc_shm_head *h = (void *)s->map;
-  uint32_t seen = __atomic_load_n(&h->bell, __ATOMIC_ACQUIRE);
+  /* The region is new (its file made zeroed): 0 rung. Not the word's value now: the client
+   * may have rung before this thread first ran. */
+  uint32_t seen = 0;
   unsigned char out[RPC_SHM_BELL_REPLY];
   while (!atomic_load(&s->bell_stop)) {
     if (__atomic_load_n(&h->bell, __ATOMIC_ACQUIRE) == seen) {
