@@ -140,10 +140,36 @@ static double thread_cpu_s(void) {
 /* pid's CPU seconds split by thread: CPU_POOL the root pool ("pd-pool"), CPU_REPLICA the
  * replica communication thread ("pd-replica"), CPU_GRPC the server's pollers ("pd-grpc") and
  * gRPC's own threads, CPU_MAIN the main thread, CPU_MPI every other (Open MPI's runtime
- * threads); CPU_RUNS how many times the replica thread ran (its wake-ups). From each
- * thread's schedstat (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few
- * milliseconds per step; then the count of its runs). */
-enum { CPU_POOL, CPU_REPLICA, CPU_GRPC, CPU_MAIN, CPU_MPI, CPU_RUNS, CPU_NSPLIT };
+ * threads); CPU_RUNS how many times the replica thread ran (its wake-ups);
+ * CPU_POOL_FAULTS and CPU_FAULTS the page faults of the pool and of the other threads (each
+ * a trip into the kernel, dear on this virtual machine). From each thread's schedstat
+ * (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few milliseconds per
+ * step; then the count of its runs) and stat (minor faults). */
+enum {
+  CPU_POOL,
+  CPU_REPLICA,
+  CPU_GRPC,
+  CPU_MAIN,
+  CPU_MPI,
+  CPU_RUNS,
+  CPU_POOL_FAULTS,
+  CPU_FAULTS,
+  CPU_NSPLIT
+};
+
+/* Minor faults of the thread /proc/.../task/TID (stat's 10th field; the name, in
+ * parentheses, may hold spaces). */
+static double thread_faults(const char *task) {
+  char file[700], line[1024];
+  snprintf(file, sizeof file, "%s/stat", task);
+  FILE *f = fopen(file, "r");
+  if (f == NULL) return 0;
+  char *p = fgets(line, sizeof line, f) != NULL ? strrchr(line, ')') : NULL;
+  fclose(f);
+  unsigned long long minflt = 0;
+  if (p == NULL || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %llu", &minflt) != 1) return 0;
+  return (double)minflt;
+}
 
 static int cpu_kind(const char *name, int is_main) {
   static const char *const grpc[] = {"pd-grpc\n",         "default-executo\n", "resolver-execut\n",
@@ -178,6 +204,8 @@ static void cpu_split(pid_t pid, double out[CPU_NSPLIT]) {
     int k = cpu_kind(name, atoi(e->d_name) == (int)pid);
     out[k] += 1e-9 * (double)ns;
     if (k == CPU_REPLICA) out[CPU_RUNS] += (double)runs;
+    snprintf(file, sizeof file, "%s/%s", path, e->d_name);
+    out[k == CPU_POOL ? CPU_POOL_FAULTS : CPU_FAULTS] += thread_faults(file);
   }
   if (d != NULL) closedir(d);
 }
@@ -866,6 +894,7 @@ typedef struct {
   const int *owner; /* with rank: own_ms is when the blocks this rank owns were seen done */
   int rank;
   double own_ms;
+  uint64_t polls; /* calls made */
   uint64_t ver[256], src[256];
 } roots_view;
 
@@ -925,6 +954,7 @@ static int fetch_roots(roots_view *v, const char *job, size_t nblocks) {
  * GetStats or a fetch, as v says), or -1. */
 static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t step) {
   if (nblocks > 256) return -1;
+  v->polls++;
   if ((v->by_stats ? stats_roots(v, job, nblocks) : fetch_roots(v, job, nblocks)) != 0) return -1;
   int done = 0;
   for (size_t i = 0; i < nblocks; i++) done += v->src[i] >= step && v->ver[i] > 0;
@@ -933,7 +963,7 @@ static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t s
 
 /* Waits until each of the nv daemons of v holds roots of step (or later) for the first
  * nblocks blocks of job, polling every one not done yet in turn every 5 ms (so each is
- * polled alike); until quiet_s after t0 every 20 ms only; done_ms[c] (may be NULL): when
+ * polled alike), the first time quiet_s after t0 (0: at once); done_ms[c] (may be NULL): when
  * daemon c was seen done, ms after t0. 0, or -1 (message on stderr) after timeout_s. */
 static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks, uint64_t step,
                           double timeout_s, double t0, double quiet_s, double *done_ms) {
@@ -941,7 +971,11 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
   int done[MAXCH] = {0}, left = nv;
   if (nv > MAXCH || nblocks > 256) return -1;
   for (int c = 0; c < nv; c++) v[c].own_ms = -1;
-  double until = now_s() + timeout_s;
+  double until = now_s() + timeout_s, first = t0 + quiet_s - now_s();
+  if (first > 0) {
+    struct timespec t = {(time_t)first, (long)((first - (double)(time_t)first) * 1e9)};
+    nanosleep(&t, NULL);
+  }
   while (left > 0 && now_s() < until) {
     for (int c = 0; c < nv; c++) {
       if (done[c]) continue;
@@ -958,9 +992,7 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
       }
     }
     if (left == 0) return 0;
-    double wait = 0.005, quiet = t0 + quiet_s - now_s();
-    if (quiet > wait) wait = quiet < 0.020 ? quiet : 0.020;
-    struct timespec t = {0, (long)(wait * 1e9)};
+    struct timespec t = {0, 5000000};
     nanosleep(&t, NULL);
   }
   if (left == 0) return 0;
@@ -1395,7 +1427,7 @@ static int start_ranks(const bench_opts *o, const char *dir, int R, mprun *m) {
 }
 
 enum { REPLICA_WARMUP = 2 }; /* untimed steps before a replica row's timed ones */
-#define REPLICA_QUIET 0.6    /* of the fastest step so far: polled every 20 ms only */
+#define REPLICA_QUIET 0.85 /* of the fastest step so far: not polled before */
 
 /* One rank's share of a replica round's push (a thread per rank, as data-parallel workers
  * push at once, each to its own daemon). */
@@ -1495,7 +1527,10 @@ static int run_replicas(const bench_opts *o) {
     int early = 0;
     for (int k = -REPLICA_WARMUP; rc == 0 && k < steps; k++) {
       if (k == 0)
-        for (int r = 0; r < R; r++) cpu_split(mprun_rank_pid(&m, r), cpu0[r]);
+        for (int r = 0; r < R; r++) {
+          cpu_split(mprun_rank_pid(&m, r), cpu0[r]);
+          view[r].polls = 0;
+        }
       for (int b = 0; b < B; b++)
         random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
       replica_push push[64];
@@ -1524,14 +1559,15 @@ static int run_replicas(const bench_opts *o) {
         pthread_join(th[r], NULL);
         if (push[r].rc != 0) rc = -1;
       }
-      /* Polls cost CPU on the cores the ranks need (GetStats: 4-6 ms per rank and step in the
-       * daemons' gRPC threads at R = 2, 5 ms more in the bench): every 20 ms in the first
-       * REPLICA_QUIET of the fastest step so far, then every 5 ms as before. */
+      /* Polls cost CPU on the cores the ranks need (a GetStats poll: 0.08 ms of a rank's gRPC
+       * threads and 0.1 ms of the bench's, measured below): none before REPLICA_QUIET of
+       * the fastest step so far, then every 5 ms. A step done before that is timed at the
+       * first poll (late, never early: the rule can only understate a row) and counted. */
       double quiet = fastest < INFINITY ? REPLICA_QUIET * fastest : 0;
       if (rc == 0)
         rc = wait_roots_all(view, R, job, (size_t)B, push[0].step, 600.0, t0, quiet, done);
       double took = now_s() - t0;
-      /* Seen done at a 20 ms poll: the step may have been up to 20 ms shorter. */
+      /* Seen done at the first poll: the step may have been shorter. */
       if (k >= 0 && took < quiet + 0.004) early++;
       if (took < fastest) fastest = took;
       if (k < 0) continue;
@@ -1559,16 +1595,34 @@ static int run_replicas(const bench_opts *o) {
       fprintf(stderr,
               "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step (pool %.1f, replica "
               "thread %.1f in %.1f runs, other threads %.1f: gRPC %.1f, main %.1f, MPI "
-              "runtime %.1f)\n",
+              "runtime %.1f); page faults per step: pool %.0f, other threads %.0f\n",
               R, r, all, t[CPU_POOL], t[CPU_REPLICA], (cpu[r][CPU_RUNS] - cpu0[r][CPU_RUNS]) / steps,
-              t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI]);
+              t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI],
+              (cpu[r][CPU_POOL_FAULTS] - cpu0[r][CPU_POOL_FAULTS]) / steps,
+              (cpu[r][CPU_FAULTS] - cpu0[r][CPU_FAULTS]) / steps);
       if (all * steps / 1e3 > busiest) busiest = all * steps / 1e3;
     }
     if (rc == 0)
       fprintf(stderr,
               "bench-daemon: replicas R=%d bench (pushes, polls): %.1f CPU ms per step; %d of %d "
-              "steps done at a 20 ms poll\n",
+              "steps done at the first poll\n",
               R, 1e3 * self_cpu / steps, early, steps);
+    /* What one of those polls costs, measured apart after the steps (nothing else runs on
+     * the ranks then): CPU per poll of rank 0's gRPC threads and of the bench. */
+    if (rc == 0) {
+      enum { NPOLL = 50 };
+      double a[CPU_NSPLIT], b[CPU_NSPLIT], c0 = self_cpu_s();
+      uint64_t polls = 0;
+      for (int r = 0; r < R; r++) polls += view[r].polls;
+      cpu_split(mprun_rank_pid(&m, 0), a);
+      for (int i = 0; i < NPOLL && rc == 0; i++) rc = stats_roots(&view[0], job, (size_t)B);
+      double bench_ms = 1e3 * (self_cpu_s() - c0) / NPOLL;
+      cpu_split(mprun_rank_pid(&m, 0), b);
+      fprintf(stderr,
+              "bench-daemon: replicas R=%d: %.1f polls per step (all ranks); one costs %.3f CPU "
+              "ms of a rank's gRPC threads and %.3f of the bench's\n",
+              R, (double)polls / steps, 1e3 * (b[CPU_GRPC] - a[CPU_GRPC]) / NPOLL, bench_ms);
+    }
     if (rc == 0 && o->cpu_clock) total = busiest;
     if (rc == 0) {
       double rate = (double)B * steps / total;
