@@ -476,8 +476,10 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
-  int shm;           /* matrices through a shared-memory region (proto/rpc.h) */
-  double until;      /* stop time */
+  /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
+   * when the daemon serves it; 2, a push always sent as a gRPC call. */
+  int shm;
+  double until; /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
   double *cpu; /* this thread's CPU time per call in ms (--hist) */
@@ -569,8 +571,22 @@ static void *worker_main(void *arg) {
           break;
         }
       }
-      if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
-                  &precond__v1__push_response__descriptor, &resp) != 0) {
+      int bad;
+      if (w->shm == 1 && shm.bell) {
+        grpc_status_code code;
+        char *details = NULL;
+        int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
+                              &resp, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        bad = rc != RPC_OK;
+      } else {
+        bad = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+                      &precond__v1__push_response__descriptor, &resp) != 0;
+      }
+      if (bad) {
         w->failed = 1;
         break;
       }
@@ -711,6 +727,82 @@ static void print_hist(const char *name, const char *transport, size_t n, const 
               b == NB - 1 ? edge / 2 : edge, calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
 }
 
+/* The memcpy-xcore reference row (--wire): the bare hand-off of a push's bytes from one core
+ * to another, with no validation and no call: a writer thread copies them into a shared
+ * buffer (as a worker writes its slot), then a reader thread copies them out (as the daemon
+ * reads the slot), turn by turn (a condition variable, futex hand-offs as the doorbell's),
+ * each rate in bytes per second of the two threads' CPU time (--clock cpu) or of the wall
+ * clock. Issue 13's target stays the ratio to the one-core memcpy row; this row says how
+ * much of that a same-host push could reach at most here (docs/precondd.md, "Wire"). */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  unsigned char *src, *shared, *dst;
+  size_t bytes, rounds;
+  int turn; /* 0: the writer's, 1: the reader's */
+  double cpu[2];
+} xcore;
+
+static void *xcore_side(xcore *x, int me) {
+  double c0 = thread_cpu_s();
+  for (size_t r = 0; r < x->rounds; r++) {
+    pthread_mutex_lock(&x->mu);
+    while (x->turn != me) pthread_cond_wait(&x->cv, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+    if (me == 0) {
+      memcpy(x->shared, x->src, x->bytes);
+      x->src[r % x->bytes]++; /* keep the copies observable */
+    } else {
+      memcpy(x->dst, x->shared, x->bytes);
+    }
+    pthread_mutex_lock(&x->mu);
+    x->turn = !me;
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+  }
+  x->cpu[me] = thread_cpu_s() - c0;
+  return NULL;
+}
+
+static void *xcore_reader(void *arg) {
+  return xcore_side(arg, 1);
+}
+
+/* Best of five rounds of about 40 ms, as memcpy_mb_s; 0 if threads cannot be had. */
+static double xcore_mb_s(size_t bytes) {
+  xcore x = {.bytes = bytes};
+  x.src = malloc(bytes);
+  x.shared = malloc(bytes);
+  x.dst = malloc(bytes);
+  double best = 0.0;
+  if (x.src && x.shared && x.dst && pthread_mutex_init(&x.mu, NULL) == 0) {
+    if (pthread_cond_init(&x.cv, NULL) == 0) {
+      memset(x.src, 1, bytes);
+      memset(x.shared, 0, bytes);
+      memset(x.dst, 0, bytes);
+      /* Rounds per 40 ms from a one-core copy's speed: a hand-off is at most that fast. */
+      x.rounds = (size_t)(0.04 * memcpy_mb_s(bytes, NULL) * 1e6 / (double)bytes / 2) + 3;
+      for (int round = 0; round < 5; round++) {
+        pthread_t t;
+        x.turn = 0;
+        double t0 = now_s();
+        if (pthread_create(&t, NULL, xcore_reader, &x) != 0) break;
+        xcore_side(&x, 0);
+        pthread_join(t, NULL);
+        double secs = g_cpu_clock ? x.cpu[0] + x.cpu[1] : now_s() - t0;
+        double rate = secs > 0 ? (double)bytes * (double)x.rounds / secs / 1e6 : 0.0;
+        if (rate > best) best = rate;
+      }
+      pthread_cond_destroy(&x.cv);
+    }
+    pthread_mutex_destroy(&x.mu);
+  }
+  free(x.src);
+  free(x.shared);
+  free(x.dst);
+  return best;
+}
+
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
                     int fetch, int shm, const char *job, int k, const payload *pl,
@@ -772,7 +864,9 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     }
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
-             shm ? "-shm" : "");
+             shm == 2 ? "-shm-grpc"
+             : shm    ? "-shm"
+                      : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -1624,6 +1718,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+        /* The region's push with its control as a gRPC call (before the doorbell): the
+         * doorbell's gain in this run. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+          rc = -1;
       }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
@@ -1790,6 +1888,11 @@ int main(int argc, char **argv) {
     size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
     print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si],
               o.memcpy_mb_s[si] * 1e6 / (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+    /* The cross-core reference, next to the memcpy it is a ratio of (measured again). */
+    double mc = memcpy_mb_s(bytes, NULL), xc = xcore_mb_s(bytes);
+    double none[3] = {0, 0, 0};
+    print_row("memcpy-xcore", "-", o.sizes[si], 2, 0, 0.2, xc, xc * 1e6 / (double)bytes, none,
+              "memcpy", mc, bytes);
   }
   int rc = 0;
   if (o.mpirun != NULL) {
