@@ -50,14 +50,6 @@ int pc_abs_opts_check(const pc_abs_opts *opts) {
   return PC_OK;
 }
 
-/* splitmix64, as power.c's: only the start vector depends on it. */
-static uint64_t abs_next(uint64_t *state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 int pc_abs_power_start(pc_abs_power *p, size_t n, float *v, uint64_t seed) {
   if (!p || !v || n == 0) return PC_EINVAL;
   uint64_t state = seed;
@@ -65,7 +57,7 @@ int pc_abs_power_start(pc_abs_power *p, size_t n, float *v, uint64_t seed) {
   /* Uniform in [-1, 1): a zero vector has probability 0, but keep redrawing if it comes. */
   while (norm2 == 0.0) {
     for (size_t i = 0; i < n; i++) {
-      v[i] = (float)((double)(abs_next(&state) >> 11) * 0x1.0p-52 - 1.0);
+      v[i] = (float)pc__uniform_pm1(&state);
       norm2 += (double)v[i] * v[i];
     }
   }
