@@ -137,13 +137,26 @@ static double thread_cpu_s(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* pid's CPU seconds split by thread name: [0] the root pool ("pd-pool"), [1] the replica
- * communication thread ("pd-replica"), [2] every other thread (gRPC, MPI's, main); [3] how
- * many times the replica thread ran (its wake-ups). From each thread's schedstat
- * (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few milliseconds per
- * step; then the count of its runs). */
-static void cpu_split(pid_t pid, double out[4]) {
-  out[0] = out[1] = out[2] = out[3] = 0;
+/* pid's CPU seconds split by thread: CPU_POOL the root pool ("pd-pool"), CPU_REPLICA the
+ * replica communication thread ("pd-replica"), CPU_GRPC the server's pollers ("pd-grpc") and
+ * gRPC's own threads, CPU_MAIN the main thread, CPU_MPI every other (Open MPI's runtime
+ * threads); CPU_RUNS how many times the replica thread ran (its wake-ups). From each
+ * thread's schedstat (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few
+ * milliseconds per step; then the count of its runs). */
+enum { CPU_POOL, CPU_REPLICA, CPU_GRPC, CPU_MAIN, CPU_MPI, CPU_RUNS, CPU_NSPLIT };
+
+static int cpu_kind(const char *name, int is_main) {
+  static const char *const grpc[] = {"pd-grpc\n",         "default-executo\n", "resolver-execut\n",
+                                     "grpc_global_tim\n", "event_engine\n",    "timer_manager\n"};
+  if (strcmp(name, "pd-pool\n") == 0) return CPU_POOL;
+  if (strcmp(name, "pd-replica\n") == 0) return CPU_REPLICA;
+  for (size_t i = 0; i < sizeof grpc / sizeof grpc[0]; i++)
+    if (strcmp(name, grpc[i]) == 0) return CPU_GRPC;
+  return is_main ? CPU_MAIN : CPU_MPI;
+}
+
+static void cpu_split(pid_t pid, double out[CPU_NSPLIT]) {
+  for (int k = 0; k < CPU_NSPLIT; k++) out[k] = 0;
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
   DIR *d = opendir(path);
@@ -162,9 +175,9 @@ static void cpu_split(pid_t pid, double out[4]) {
     ok = fscanf(f, "%llu %llu %llu", &ns, &waited, &runs) == 3;
     fclose(f);
     if (!ok) continue;
-    int k = strcmp(name, "pd-pool\n") == 0 ? 0 : strcmp(name, "pd-replica\n") == 0 ? 1 : 2;
+    int k = cpu_kind(name, atoi(e->d_name) == (int)pid);
     out[k] += 1e-9 * (double)ns;
-    if (k == 1) out[3] += (double)runs;
+    if (k == CPU_REPLICA) out[CPU_RUNS] += (double)runs;
   }
   if (d != NULL) closedir(d);
 }
@@ -1384,7 +1397,7 @@ static int run_replicas(const bench_opts *o) {
      * HTTP/2 flow-control windows that gRPC grows only over its first calls, and the
      * daemons fault in their memory: 400-500 ms more per push at the first two steps
      * here, the same for any R, which would hide the steady state a training job sees. */
-    double cpu0[64][4] = {{0}}, cpu[64][4] = {{0}}, self_cpu = 0, fastest = INFINITY;
+    double cpu0[64][CPU_NSPLIT] = {{0}}, cpu[64][CPU_NSPLIT] = {{0}}, self_cpu = 0, fastest = INFINITY;
     int early = 0;
     for (int k = -REPLICA_WARMUP; rc == 0 && k < steps; k++) {
       if (k == 0)
@@ -1447,12 +1460,14 @@ static int run_replicas(const bench_opts *o) {
     double busiest = 0;
     for (int r = 0; rc == 0 && r < R; r++) {
       cpu_split(mprun_rank_pid(&m, r), cpu[r]);
-      double t[3], all = 0;
-      for (int k = 0; k < 3; k++) all += t[k] = 1e3 * (cpu[r][k] - cpu0[r][k]) / steps;
+      double t[CPU_RUNS], all = 0;
+      for (int k = 0; k < CPU_RUNS; k++) all += t[k] = 1e3 * (cpu[r][k] - cpu0[r][k]) / steps;
       fprintf(stderr,
               "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step (pool %.1f, replica "
-              "thread %.1f in %.1f runs, other threads %.1f)\n",
-              R, r, all, t[0], t[1], (cpu[r][3] - cpu0[r][3]) / steps, t[2]);
+              "thread %.1f in %.1f runs, other threads %.1f: gRPC %.1f, main %.1f, MPI "
+              "runtime %.1f)\n",
+              R, r, all, t[CPU_POOL], t[CPU_REPLICA], (cpu[r][CPU_RUNS] - cpu0[r][CPU_RUNS]) / steps,
+              t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI]);
       if (all * steps / 1e3 > busiest) busiest = all * steps / 1e3;
     }
     if (rc == 0)

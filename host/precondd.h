@@ -654,8 +654,9 @@ typedef struct pd_replica_link {
   void (*job_added)(void *ctx, const pd_job *job);
   /* A job ended here by EndJob: every other rank ends it too. Never blocks. */
   void (*job_ended)(void *ctx, const char *name);
-  /* This rank published r for unit b (its owner): it goes to every other rank. */
-  void (*published)(void *ctx, const pd_block *b, const pd_root *r);
+  /* This rank published r for unit b (its owner): it goes to every other rank. r is
+   * immutable: the hook may keep a reference (pd_root_ref) to send its parts from. */
+  void (*published)(void *ctx, const pd_block *b, pd_root *r);
   /* Statistics pushed here for a unit another rank owns (fp32 parts of its orders, copied
    * before it returns): they go to the owner. PD_OK or PD_ENOMEM. */
   int (*forward)(void *ctx, const pd_block *b, const float *const *parts, uint64_t step);

@@ -7,7 +7,10 @@
  *         other rank adds it, so a worker can use any rank;
  *   STAT  statistics pushed on one rank for a unit another owns: the owner folds them;
  *   ROOT  a result the owner published: every other rank publishes it under the owner's
- *         version, so a worker fetches every root from its local daemon;
+ *         version, so a worker fetches every root from its local daemon. The message is a
+ *         header; each part follows as its own message on a second communicator, sent from
+ *         the published root itself and received into the root the receiver will publish
+ *         (no staging copy on either side);
  *   BYE   this rank sends nothing more (shutdown).
  * Handlers and pool threads only queue copies (the link's hooks) and never call MPI: the
  * thread sends them with MPI_Isend, matches arrivals with MPI_Improbe into MPI_Imrecv, and
@@ -24,6 +27,7 @@
  */
 #include "precondd.h"
 
+#include <limits.h>
 #include <mpi.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,13 +40,16 @@ enum { PD__TAG_JOB = 1, PD__TAG_STAT, PD__TAG_ROOT, PD__TAG_BYE, PD__TAG_END };
 
 #define PD__MAX_DEFERRED 4096 /* messages held for a job not known yet */
 
-/* An encoded message; refs: one per send in flight plus the queue's. */
+/* An encoded message; refs: one per send in flight plus the queue's. A ROOT's holds a
+ * reference to the root whose parts follow it (sent from there; deferred ones: received). */
 typedef struct pd__msg {
   struct pd__msg *next;
   int tag, dest; /* dest -1: every other rank */
   int refs;
   size_t len, cap;
   unsigned char *buf;
+  pd_root *root;   /* NULL but for ROOT */
+  pd_stats *stats; /* where root's bytes are counted */
 } pd__msg;
 
 typedef struct {
@@ -50,17 +57,23 @@ typedef struct {
   pd__msg *msg;
 } pd__send;
 
-/* A message matched (MPI_Improbe) and being received into buf (MPI_Imrecv). */
+/* A message matched (MPI_Improbe) and being received into buf (MPI_Imrecv); a ROOT's
+ * parts then into root (PD__PARTS). */
+enum { PD__HEAD, PD__PARTS, PD__DONE }; /* pd__recv.stage */
+
 typedef struct {
   MPI_Request req;
   unsigned char *buf;
-  int count, tag;
+  int count, tag, src, stage;
+  pd_root *root; /* a ROOT's, from PD__PARTS on (the record's) */
+  MPI_Request parts[PD_MAX_PARTS];
 } pd__recv;
 
 struct pd_replica {
   pd_replica_link link;
   pd_daemon *d;
   MPI_Comm comm;
+  MPI_Comm parts_comm; /* a ROOT's parts, so the wildcard matching on comm never sees them */
   pthread_t thread;
   int started;
   pthread_mutex_t lock; /* guards the queue and stopping */
@@ -97,6 +110,7 @@ static pd__msg *pd__msg_new(int tag, int dest, size_t cap) {
 
 static void pd__msg_unref(pd__msg *m) {
   if (m && --m->refs == 0) {
+    pd_root_unref(m->root, m->stats);
     free(m->buf);
     free(m);
   }
@@ -186,6 +200,38 @@ static int pd__get_floats(pd__rd *r, uint64_t order, float *out) {
   return 0;
 }
 
+/* A ROOT's header after the unit's name and id: the root's fields and its parts' orders. */
+#define PD__ROOT_HEAD_BYTES (8 * 3 + 4 + 4 + 8 * PD_MODE_AUX + 4 + 8 * PD_MAX_PARTS)
+
+static void pd__put_root_head(pd__msg *m, const pd_root *r) {
+  pd__put(m, r->version, 8);
+  pd__put(m, r->source_step, 8);
+  pd__put_f64(m, r->error);
+  pd__put(m, (uint32_t)r->method, 4);
+  pd__put(m, r->iterations, 4);
+  for (int k = 0; k < PD_MODE_AUX; k++) pd__put_f64(m, r->aux[k]);
+  pd__put(m, r->nparts, 4);
+  for (uint32_t k = 0; k < r->nparts; k++) pd__put(m, r->order[k], 8);
+}
+
+/* Reads what pd__put_root_head wrote into h (no parts); -1 when malformed or a part would
+ * not fit one MPI message of floats. */
+static int pd__get_root_head(pd__rd *r, pd_root *h) {
+  h->version = pd__get(r, 8);
+  h->source_step = pd__get(r, 8);
+  h->error = pd__get_f64(r);
+  h->method = (int)(uint32_t)pd__get(r, 4);
+  h->iterations = (uint32_t)pd__get(r, 4);
+  for (int k = 0; k < PD_MODE_AUX; k++) h->aux[k] = pd__get_f64(r);
+  h->nparts = (uint32_t)pd__get(r, 4);
+  if (r->bad || h->nparts > PD_MAX_PARTS) return -1;
+  for (uint32_t k = 0; k < h->nparts; k++) {
+    h->order[k] = pd__get(r, 8);
+    if (h->order[k] > (1u << 20) || pc_packed_len(h->order[k]) > INT_MAX) r->bad = 1;
+  }
+  return r->bad ? -1 : 0;
+}
+
 static size_t pd__parts_bytes(uint32_t nparts, const uint64_t *order) {
   size_t n = 0;
   for (uint32_t k = 0; k < nparts; k++) n += 8 + pc_packed_len(order[k]) * 4;
@@ -241,10 +287,11 @@ static void pd__hook_end(void *ctx, const char *name) {
   pd__enqueue(x, m);
 }
 
-static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
+/* The header only: the parts go from r itself (a reference held until every send of them
+ * completed), so the pool thread that published r copies nothing. */
+static void pd__hook_root(void *ctx, const pd_block *b, pd_root *r) {
   pd_replica *x = ctx;
-  size_t cap = 4 + strlen(b->job->name) + 4 + 8 * 3 + 4 + 4 + 8 * PD_MODE_AUX + 4 +
-               pd__parts_bytes(r->nparts, r->order);
+  size_t cap = 4 + strlen(b->job->name) + 4 + PD__ROOT_HEAD_BYTES;
   pd__msg *m = pd__msg_new(PD__TAG_ROOT, -1, cap);
   if (!m) {
     pd_log(PD_LOG_ERROR, "replicas: out of memory sending a root of job %s block %u", b->job->name,
@@ -253,14 +300,10 @@ static void pd__hook_root(void *ctx, const pd_block *b, const pd_root *r) {
   }
   pd__put_str(m, b->job->name);
   pd__put(m, b->id, 4);
-  pd__put(m, r->version, 8);
-  pd__put(m, r->source_step, 8);
-  pd__put_f64(m, r->error);
-  pd__put(m, (uint32_t)r->method, 4);
-  pd__put(m, r->iterations, 4);
-  for (int k = 0; k < PD_MODE_AUX; k++) pd__put_f64(m, r->aux[k]);
-  pd__put(m, r->nparts, 4);
-  for (uint32_t k = 0; k < r->nparts; k++) pd__put_floats(m, r->order[k], r->part[k]);
+  pd__put_root_head(m, r);
+  pd_root_ref(r);
+  m->root = r;
+  m->stats = &x->d->stats;
   atomic_fetch_add(&x->link.roots_sent, 1);
   pd__enqueue(x, m);
 }
@@ -422,59 +465,57 @@ static void pd__on_end(pd_replica *x, pd__rd *r) {
   free(name);
 }
 
-static void pd__on_root(pd_replica *x, pd_block *b, pd__rd *r) {
+/* Publishes root (received whole: header fields and parts; the reference passes here) as
+ * unit b's if its shape is b's. */
+static void pd__on_root(pd_replica *x, pd_block *b, pd_root *root) {
   pd_daemon *d = x->d;
-  pd_root *root = pd_root_new(b->nparts, b->order, &d->stats);
-  if (!root) {
-    pd_log(PD_LOG_ERROR, "replicas: out of memory receiving a root of job %s block %u",
-           b->job->name, b->id);
-    return;
-  }
-  root->version = pd__get(r, 8);
-  root->source_step = pd__get(r, 8);
-  root->error = pd__get_f64(r);
-  root->method = (int)(uint32_t)pd__get(r, 4);
-  root->iterations = (uint32_t)pd__get(r, 4);
-  for (int k = 0; k < PD_MODE_AUX; k++) root->aux[k] = pd__get_f64(r);
-  int ok = (uint32_t)pd__get(r, 4) == b->nparts;
-  for (uint32_t k = 0; ok && k < b->nparts; k++)
-    ok = pd__get_floats(r, b->order[k], root->part[k]) == 0;
-  if (!ok || r->bad) {
-    pd_log(PD_LOG_ERROR, "replicas: malformed root for job %s block %u", b->job->name, b->id);
+  int ok = root->nparts == b->nparts;
+  for (uint32_t k = 0; ok && k < b->nparts; k++) ok = root->order[k] == b->order[k];
+  if (!ok) {
+    pd_log(PD_LOG_ERROR, "replicas: a root of another shape for job %s block %u", b->job->name,
+           b->id);
     pd_root_unref(root, &d->stats);
     return;
   }
   if (pd_block_publish_as(b, root, &d->stats)) atomic_fetch_add(&x->link.roots_received, 1);
 }
 
-/* Handles one STAT or ROOT message; 1 when its job is not here yet (keep it). */
-static int pd__on_unit_msg(pd_replica *x, int tag, const unsigned char *buf, size_t len) {
+/* Handles one STAT or ROOT message (a ROOT's root received whole: the reference passes
+ * here, to the block or released); 1 when its job is not here yet (keep both). */
+static int pd__on_unit_msg(pd_replica *x, int tag, const unsigned char *buf, size_t len,
+                           pd_root *root) {
   pd__rd r = {buf, len, 0};
   int unknown = 0;
   pd_job *job = NULL;
   pd_block *b = pd__unit_of(x, &r, &job, &unknown);
   if (unknown) return 1;
-  if (!b)
+  if (!b) {
     pd_log(PD_LOG_ERROR, "replicas: a message for a unit that does not exist (tag %d)", tag);
-  else if (tag == PD__TAG_STAT)
+    pd_root_unref(root, &x->d->stats);
+  } else if (tag == PD__TAG_STAT) {
     pd__on_stat(x, b, &r);
-  else
-    pd__on_root(x, b, &r);
+  } else {
+    pd__on_root(x, b, root);
+  }
   pd_job_unref(job, &x->d->stats);
   return 0;
 }
 
-/* Keeps a message for a job not known yet (the oldest goes beyond PD__MAX_DEFERRED). */
-static void pd__defer(pd_replica *x, int tag, unsigned char *buf, size_t len) {
+/* Keeps a message for a job not known yet, with its root for a ROOT (both pass here; the
+ * oldest goes beyond PD__MAX_DEFERRED). */
+static void pd__defer(pd_replica *x, int tag, unsigned char *buf, size_t len, pd_root *root) {
   pd__msg *m = calloc(1, sizeof *m);
   if (!m) {
     free(buf);
+    pd_root_unref(root, &x->d->stats);
     return;
   }
   m->tag = tag;
   m->buf = buf;
   m->len = len;
   m->refs = 1;
+  m->root = root;
+  m->stats = &x->d->stats;
   if (x->deferred_tail)
     x->deferred_tail->next = m;
   else
@@ -498,10 +539,11 @@ static void pd__retry_deferred(pd_replica *x) {
     pd__msg *m = list;
     list = m->next;
     m->next = NULL;
-    if (pd__on_unit_msg(x, m->tag, m->buf, m->len)) {
-      pd__defer(x, m->tag, m->buf, m->len);
+    if (pd__on_unit_msg(x, m->tag, m->buf, m->len, m->root)) {
+      pd__defer(x, m->tag, m->buf, m->len, m->root);
       m->buf = NULL;
     }
+    m->root = NULL; /* passed on */
     pd__msg_unref(m);
   }
 }
@@ -532,8 +574,9 @@ static void *pd__room(pd_replica *x, void *arr, size_t *cap, size_t n, size_t si
   return na;
 }
 
-/* Handles one message received (takes buf). Counts BYEs in *byes. */
-static void pd__handle(pd_replica *x, int tag, unsigned char *buf, int count, int *byes) {
+/* Handles one message received (takes buf and a ROOT's root). Counts BYEs in *byes. */
+static void pd__handle(pd_replica *x, int tag, unsigned char *buf, int count, pd_root *root,
+                       int *byes) {
   if (tag == PD__TAG_BYE) {
     (*byes)++;
     free(buf);
@@ -546,19 +589,57 @@ static void pd__handle(pd_replica *x, int tag, unsigned char *buf, int count, in
     pd__rd r = {buf, (size_t)count, 0};
     pd__on_end(x, &r);
     free(buf);
-  } else if (pd__on_unit_msg(x, tag, buf, (size_t)count)) {
-    pd__defer(x, tag, buf, (size_t)count);
+  } else if (pd__on_unit_msg(x, tag, buf, (size_t)count, root)) {
+    pd__defer(x, tag, buf, (size_t)count, root);
   } else {
     free(buf);
   }
 }
 
+/* A ROOT header received (r->buf): receives its parts from r->src straight into the root
+ * it will publish (a fresh one, fields from the header). The parts were sent on
+ * parts_comm in the order of their headers, and headers are taken here in the order
+ * matched: the receives match them in order. -1 (the rank goes on alone) when that order
+ * cannot be kept: a malformed header, out of memory, an MPI error. */
+static int pd__recv_parts(pd_replica *x, pd__recv *r) {
+  pd__rd rd = {r->buf, (size_t)r->count, 0};
+  pd_root h = {0};
+  free(pd__get_str(&rd)); /* the unit: looked up once the root is whole */
+  pd__get(&rd, 4);
+  if (pd__get_root_head(&rd, &h) != 0) {
+    pd__mpi_failed(x, "a root's header (malformed)", MPI_ERR_TRUNCATE);
+    return -1;
+  }
+  r->root = pd_root_new(h.nparts, h.order, &x->d->stats);
+  if (!r->root) {
+    pd__mpi_failed(x, "a root to receive into", MPI_ERR_NO_MEM);
+    return -1;
+  }
+  r->root->version = h.version;
+  r->root->source_step = h.source_step;
+  r->root->error = h.error;
+  r->root->method = h.method;
+  r->root->iterations = h.iterations;
+  memcpy(r->root->aux, h.aux, sizeof h.aux);
+  for (uint32_t k = 0; k < h.nparts; k++) {
+    int err = MPI_Irecv(r->root->part[k], (int)pc_packed_len(h.order[k]), MPI_FLOAT, r->src,
+                        (int)k, x->parts_comm, &r->parts[k]);
+    if (err != MPI_SUCCESS) {
+      for (uint32_t i = 0; i < k; i++) MPI_Request_free(&r->parts[i]);
+      pd__mpi_failed(x, "MPI_Irecv", err);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 /* Matches everything that has arrived, each into a nonblocking receive (a blocking
  * MPI_Recv would spin in Open MPI until a large message's sender made progress: up to a
- * poll interval of CPU on another host's rendezvous), then handles the receives that
- * completed, in the order matched (MPI's order per sender: a job before its units, a
- * unit's versions in order), stopping at the first still in flight. Counts BYEs in *byes.
- * Returns 1 if anything was matched or handled. */
+ * poll interval of CPU on another host's rendezvous), starts the part receives of ROOT
+ * headers received, in the order matched, then handles the messages that are whole, in
+ * the order matched (MPI's order per sender: a job before its units, a unit's versions in
+ * order), stopping at the first still in flight. Counts BYEs in *byes. Returns 1 if
+ * anything was matched or handled. */
 static int pd__receive(pd_replica *x, int *byes) {
   int any = 0;
   while (!atomic_load(&x->link.alone)) {
@@ -576,6 +657,7 @@ static int pd__receive(pd_replica *x, int *byes) {
     if (!nr) break;
     x->recvs = nr;
     pd__recv *r = &x->recvs[x->nrecvs];
+    *r = (pd__recv){.count = count, .tag = st.MPI_TAG, .src = st.MPI_SOURCE, .stage = PD__HEAD};
     r->buf = malloc(count > 0 ? (size_t)count : 1);
     if (!r->buf) {
       pd__mpi_failed(x, "a receive buffer", MPI_ERR_NO_MEM);
@@ -587,22 +669,40 @@ static int pd__receive(pd_replica *x, int *byes) {
       pd__mpi_failed(x, "MPI_Imrecv", err);
       break;
     }
-    r->count = count;
-    r->tag = st.MPI_TAG;
     x->nrecvs++;
     any = 1;
   }
-  size_t done = 0;
-  while (done < x->nrecvs && !atomic_load(&x->link.alone)) {
+  /* Headers first, in the order matched, stopping at the first in flight (a ROOT's part
+   * receives must be started in that order). */
+  for (size_t i = 0; i < x->nrecvs && !atomic_load(&x->link.alone); i++) {
+    pd__recv *r = &x->recvs[i];
+    if (r->stage != PD__HEAD) continue;
     int flag = 0;
-    int err = MPI_Test(&x->recvs[done].req, &flag, MPI_STATUS_IGNORE);
+    int err = MPI_Test(&r->req, &flag, MPI_STATUS_IGNORE);
     if (err != MPI_SUCCESS) {
       pd__mpi_failed(x, "MPI_Test", err);
       break;
     }
     if (!flag) break;
-    pd__recv r = x->recvs[done++];
-    pd__handle(x, r.tag, r.buf, r.count, byes);
+    if (r->tag == PD__TAG_ROOT && pd__recv_parts(x, r) != 0) break;
+    r->stage = r->tag == PD__TAG_ROOT ? PD__PARTS : PD__DONE;
+    any = 1;
+  }
+  size_t done = 0;
+  while (done < x->nrecvs && !atomic_load(&x->link.alone)) {
+    pd__recv *r = &x->recvs[done];
+    if (r->stage == PD__PARTS) {
+      int flag = 0;
+      int err = MPI_Testall((int)r->root->nparts, r->parts, &flag, MPI_STATUSES_IGNORE);
+      if (err != MPI_SUCCESS) {
+        pd__mpi_failed(x, "MPI_Testall", err);
+        break;
+      }
+      if (flag) r->stage = PD__DONE;
+    }
+    if (r->stage != PD__DONE) break;
+    done++;
+    pd__handle(x, r->tag, r->buf, r->count, r->root, byes);
     any = 1;
   }
   if (done > 0) {
@@ -610,6 +710,25 @@ static int pd__receive(pd_replica *x, int *byes) {
     memmove(x->recvs, x->recvs + done, x->nrecvs * sizeof *x->recvs);
   }
   return any;
+}
+
+/* Starts one send of m's (buf: count items of type) to dest, recorded with a reference
+ * to m. -1 (the rank goes on alone) on failure. */
+static int pd__isend(pd_replica *x, pd__msg *m, const void *buf, int count, MPI_Datatype type,
+                     int dest, int tag, MPI_Comm comm) {
+  pd__send *ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record");
+  if (!ns) return -1;
+  x->sends = ns;
+  pd__send *s = &x->sends[x->nsends];
+  int err = MPI_Isend(buf, count, type, dest, tag, comm, &s->req);
+  if (err != MPI_SUCCESS) {
+    pd__mpi_failed(x, "MPI_Isend", err);
+    return -1;
+  }
+  s->msg = m;
+  m->refs++;
+  x->nsends++;
+  return 0;
 }
 
 /* Starts the sends of every queued message. Returns 1 if there were any. */
@@ -624,18 +743,13 @@ static int pd__send_queued(pd_replica *x) {
     list = m->next;
     for (int dest = 0; dest < x->link.nranks && !atomic_load(&x->link.alone); dest++) {
       if (dest == x->link.rank || (m->dest >= 0 && dest != m->dest)) continue;
-      pd__send *ns = pd__room(x, x->sends, &x->capsends, x->nsends, sizeof *ns, "a send record");
-      if (!ns) break;
-      x->sends = ns;
-      pd__send *s = &x->sends[x->nsends];
-      int err = MPI_Isend(m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm, &s->req);
-      if (err != MPI_SUCCESS) {
-        pd__mpi_failed(x, "MPI_Isend", err);
-        break;
-      }
-      s->msg = m;
-      m->refs++;
-      x->nsends++;
+      if (pd__isend(x, m, m->buf, (int)m->len, MPI_BYTE, dest, m->tag, x->comm) != 0) break;
+      /* A ROOT's parts: from the root itself, after its header (the receiver matches them
+       * in that order). */
+      for (uint32_t k = 0; m->root && k < m->root->nparts; k++)
+        if (pd__isend(x, m, m->root->part[k], (int)pc_packed_len(m->root->order[k]), MPI_FLOAT,
+                      dest, (int)k, x->parts_comm) != 0)
+          break;
     }
     pd__msg_unref(m);
   }
@@ -723,7 +837,9 @@ static void *pd__comm(void *arg) {
     pd__send_queued(x);
   }
   double until = pd_now() + x->grace_s;
-  while (!atomic_load(&x->link.alone) && (byes < x->link.nranks - 1 || x->nsends > 0)) {
+  /* Receives in flight too: a peer's root parts complete only once received here. */
+  while (!atomic_load(&x->link.alone) &&
+         (byes < x->link.nranks - 1 || x->nsends > 0 || x->nrecvs > 0)) {
     if (pd_now() > until) {
       pd_log(PD_LOG_WARN,
              "replicas: %d of %d other ranks did not finish within %.0f s; "
@@ -765,6 +881,8 @@ int pd_replica_init(int *argc, char ***argv, pd_replica **out, int *rank, int *n
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_dup(MPI_COMM_WORLD, &x->comm);
   MPI_Comm_set_errhandler(x->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_dup(MPI_COMM_WORLD, &x->parts_comm);
+  MPI_Comm_set_errhandler(x->parts_comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(x->comm, &x->link.rank);
   MPI_Comm_size(x->comm, &x->link.nranks);
   x->link.ctx = x;
@@ -855,7 +973,12 @@ void pd_replica_finalize(pd_replica *x) {
   /* Receives still in flight (a peer gone mid-message) cannot be cancelled once matched:
    * their requests are freed, their buffers only after MPI_Finalize, when nothing can
    * write them any more. */
-  for (size_t i = 0; i < x->nrecvs; i++) MPI_Request_free(&x->recvs[i].req);
+  for (size_t i = 0; i < x->nrecvs; i++) {
+    pd__recv *r = &x->recvs[i];
+    if (r->stage == PD__HEAD) MPI_Request_free(&r->req);
+    for (uint32_t k = 0; r->stage == PD__PARTS && k < r->root->nparts; k++)
+      MPI_Request_free(&r->parts[k]);
+  }
   while (x->head) {
     pd__msg *m = x->head;
     x->head = m->next;
@@ -866,9 +989,13 @@ void pd_replica_finalize(pd_replica *x) {
     x->deferred = m->next;
     pd__msg_unref(m);
   }
+  MPI_Comm_free(&x->parts_comm);
   MPI_Comm_free(&x->comm);
   MPI_Finalize();
-  for (size_t i = 0; i < x->nrecvs; i++) free(x->recvs[i].buf);
+  for (size_t i = 0; i < x->nrecvs; i++) {
+    free(x->recvs[i].buf);
+    pd_root_unref(x->recvs[i].root, &x->d->stats);
+  }
   free(x->recvs);
   pthread_cond_destroy(&x->cond);
   pthread_mutex_destroy(&x->lock);

@@ -217,6 +217,7 @@ static void pd__serve(pd_slot *s) {
 
 static void *pd__poll(void *arg) {
   pd_server *srv = arg;
+  pd_thread_name("pd-grpc"); /* tells them apart from MPI's threads in per-thread CPU */
   for (;;) {
     grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;

@@ -806,7 +806,7 @@ void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats) {
   if (share) pd_root_ref(r);
   pthread_mutex_unlock(&b->lock);
   pd_root_unref(old, stats);
-  /* The owner's result goes to the other replicas: queued (a copy), never sent from here.
+  /* The owner's result goes to the other replicas: queued by reference, never sent from here.
    * One pool thread computes a unit at a time, so its versions are queued in order. */
   if (share) {
     link->published(link->ctx, b, r);
