@@ -57,6 +57,9 @@ struct ac_shampoo {
   float *x;                      /* scratch of max numel: the (filtered) gradient M of the step */
   float *t;                      /* scratch of the largest block: L G_b */
   float *stage;                  /* packed roots on their way to the dense form */
+  float *spare[2];               /* host memory: the next dense left and right roots (root_cap) */
+  size_t root_cap;               /* host memory: floats of every dense root buffer (the largest
+                                    order squared), so that any two can be swapped */
   size_t max_blocks;             /* most blocks of one parameter */
   float *norms_dev, *norms_host; /* |P_b|, |D_b| of one parameter's blocks */
   long steps;
@@ -138,7 +141,8 @@ static int shampoo_opts_check(const ac_shampoo_opts *o) {
   return AC_OK;
 }
 
-static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *roots) {
+/* values: also check that every value is finite (set_roots_host checks them as it unpacks). */
+static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *roots, int values) {
   if (s == NULL || roots == NULL || b >= s->nblocks) return AC_EINVAL;
   const ac_root_format fmt = roots->format;
   const size_t n_left = roots->n_left, n_right = roots->n_right;
@@ -151,6 +155,7 @@ static int roots_check(const ac_shampoo *s, size_t b, const ac_shampoo_roots *ro
       (right != NULL && n_right != blk->cols) || (right == NULL && n_right != 0))
     return AC_EMISMATCH;
   /* The daemon checks too, but a NaN root would silently poison every later step. */
+  if (!values) return AC_OK;
   size_t nl = fmt == AC_ROOT_PACKED ? ac_packed_len(n_left) : n_left * n_left;
   size_t nr = fmt == AC_ROOT_PACKED ? ac_packed_len(n_right) : n_right * n_right;
   if ((left != NULL && !pc_all_finite_f32(nl, left)) ||
@@ -183,6 +188,8 @@ void ac_shampoo_destroy(ac_shampoo *s) {
   ac_free(s->be, s->x);
   ac_free(s->be, s->t);
   ac_free(s->be, s->stage);
+  ac_free(s->be, s->spare[0]);
+  ac_free(s->be, s->spare[1]);
   ac_free(s->be, s->norms_dev);
   free(s->norms_host);
   if (!s->host_memory) free(s->stats_host);
@@ -309,6 +316,11 @@ int ac_shampoo_create(ac_shampoo **out, ac_param *const *params, size_t nparams,
   /* The CPU backend's device memory is host memory: the statistics are handed out where syrk
    * wrote them (a 2 MB copy per step less on the main job's Transformer). */
   if (s->host_memory) s->stats_host = s->stats_dev;
+  s->root_cap = max_order * max_order;
+  for (int k = 0; k < 2 && s->host_memory && s->root_cap > 0; k++) {
+    rc = ac_malloc(be, s->root_cap * sizeof(float), (void **)&s->spare[k]);
+    if (rc != AC_OK) goto fail;
+  }
   *out = s;
   return AC_OK;
 
@@ -446,14 +458,47 @@ static int upload_root(ac_shampoo *s, size_t n, ac_root_format fmt, const float 
   return rc == AC_OK ? ac_unpack_sym(s->be, n, s->stage, dst, n) : rc;
 }
 
+/* Host memory (the CPU backend), packed roots: each side is unpacked into a spare dense
+ * buffer while its values are checked, one pass over roots that the worker often reads
+ * straight from where the daemon's core wrote them (roots by reference), then swapped in.
+ * A refused version leaves the old roots. Every root buffer holds root_cap floats. */
+static int set_roots_host(ac_shampoo *s, shampoo_block *sb, const ac_shampoo_roots *roots) {
+  const float *side[2] = {roots->left, roots->right};
+  const size_t n[2] = {roots->n_left, roots->n_right};
+  float **held[2] = {&sb->lroot, &sb->rroot};
+  int rc = AC_OK;
+  /* Allocate first, so that a failure changes nothing the step reads. */
+  for (int k = 0; k < 2 && rc == AC_OK; k++)
+    if (side[k] != NULL && *held[k] == NULL)
+      rc = ac_malloc(s->be, s->root_cap * sizeof(float), (void **)held[k]);
+  for (int k = 0; k < 2 && rc == AC_OK; k++)
+    if (side[k] != NULL && !pc_unpack_finite_f32(n[k], side[k], s->spare[k], n[k]))
+      rc = AC_EINVAL;
+  if (rc != AC_OK) return rc;
+  for (int k = 0; k < 2; k++) {
+    if (side[k] == NULL) continue;
+    float *old = *held[k];
+    *held[k] = s->spare[k];
+    s->spare[k] = old;
+  }
+  sb->has_left = side[0] != NULL;
+  sb->has_right = side[1] != NULL;
+  sb->version = roots->version;
+  sb->source_step = roots->source_step;
+  return AC_OK;
+}
+
 int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots) {
-  int rc = roots_check(s, b, roots);
+  const int host = s != NULL && s->host_memory && roots != NULL &&
+                   roots->format == AC_ROOT_PACKED;
+  int rc = roots_check(s, b, roots, !host);
   if (rc != AC_OK) return rc;
   shampoo_block *sb = &s->blocks[b];
   const ac_root_format fmt = roots->format;
   const size_t n_left = roots->n_left, n_right = roots->n_right;
   const float *left = roots->left, *right = roots->right;
   if (roots->version <= sb->version) return AC_OK;
+  if (host) return set_roots_host(s, sb, roots);
 
   /* Allocate both sides first, so that a failure changes nothing the step reads. */
   if (left != NULL && sb->lroot == NULL)

@@ -58,6 +58,11 @@ void pc_pack_f64(size_t n, const double *dense, double *packed);
 void pc_unpack_f32(size_t n, const float *packed, float *dense);
 void pc_unpack_f64(size_t n, const double *packed, double *dense);
 
+/* pc_unpack_f32 into dense rows ld apart (ld >= n) that also checks the values: returns 1 if
+ * all are finite, else 0 (dense then holds the values anyway). One pass over packed: a
+ * consumer that checks and unpacks (a worker installing roots) reads them once. */
+int pc_unpack_finite_f32(size_t n, const float *packed, float *dense, size_t ld);
+
 /* bfloat16 transport: fp32 -> bf16 rounds to nearest even (NaN stays NaN);
  * bf16 -> fp32 is exact. count values each. */
 void pc_f32_to_bf16(size_t count, const float *in, uint16_t *out);

@@ -662,6 +662,12 @@ static void test_roots_versions_and_errors(void **state) {
   r = ok4, r.format = AC_ROOT_PACKED, r.left = l10;
   assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
   l10[7] = 1.0f;
+  /* Both sides packed, only the right one bad: the left is not installed either (the CPU
+   * backend checks while it unpacks into spare buffers). */
+  float r10[10];
+  for (int i = 0; i < 10; i++) r10[i] = i == 9 ? NAN : 1.0f;
+  r = ok4, r.format = AC_ROOT_PACKED, r.left = l10, r.right = r10, r.n_right = 4;
+  assert_int_equal(ac_shampoo_set_roots(s, 0, &r), AC_EINVAL);
   l16[3] = INFINITY;
   assert_int_equal(ac_shampoo_set_roots(s, 0, &ok4), AC_EINVAL);
   OK(ac_shampoo_block_info(s, 0, &info));

@@ -139,6 +139,44 @@ static void test_bf16_round_trip(void **state) {
   free(f);
 }
 
+/* pc_unpack_finite_f32 writes what pc_unpack_f32 writes (rows ld apart, the padding left
+ * alone), across tile edges (16) and odd orders, and says whether every value was finite. */
+static void test_unpack_finite(void **state) {
+  (void)state;
+  const size_t sizes[] = {1, 2, 7, 16, 17, 33, 129};
+  const float bad[] = {NAN, INFINITY, -INFINITY, -NAN};
+  for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+    const size_t n = sizes[s], len = pc_packed_len(n);
+    for (size_t pad = 0; pad <= 3; pad += 3) {
+      const size_t ld = n + pad;
+      float *p = malloc(len * sizeof *p), *want = malloc(n * n * sizeof *want);
+      float *got = malloc(n * ld * sizeof *got);
+      assert_non_null(p);
+      assert_non_null(want);
+      assert_non_null(got);
+      for (size_t k = 0; k < len; k++) p[k] = (float)k * (k % 2 ? -0.5f : 0.25f);
+      pc_unpack_f32(n, p, want);
+      for (size_t k = 0; k < n * ld; k++) got[k] = -7.0f;
+      assert_int_equal(pc_unpack_finite_f32(n, p, got, ld), 1);
+      for (size_t i = 0; i < n; i++) {
+        assert_memory_equal(got + i * ld, want + i * n, n * sizeof *got);
+        for (size_t j = n; j < ld; j++) assert_true(got[i * ld + j] == -7.0f);
+      }
+      const size_t at[] = {0, len / 2, len - 1};
+      for (size_t a = 0; a < sizeof at / sizeof *at; a++)
+        for (size_t b = 0; b < sizeof bad / sizeof *bad; b++) {
+          const float keep = p[at[a]];
+          p[at[a]] = bad[b];
+          assert_int_equal(pc_unpack_finite_f32(n, p, got, ld), 0);
+          p[at[a]] = keep;
+        }
+      free(p);
+      free(want);
+      free(got);
+    }
+  }
+}
+
 static void test_finite(void **state) {
   (void)state;
   float f[5] = {0, 1, -2, 3e38f, 1e-40f};
@@ -182,7 +220,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_packed_len),      cmocka_unit_test(test_pack_layout),
       cmocka_unit_test(test_pack_round_trip), cmocka_unit_test(test_bf16_rounding),
-      cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite),
+      cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite), cmocka_unit_test(test_unpack_finite),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
