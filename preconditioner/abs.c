@@ -150,6 +150,10 @@ int pc_abs_rule_epoch(pc_abs_rule *r, const pc_abs_opts *opts, double lambda,
                       pc_abs_decision *decision) {
   if (!r || !opts || !decision) return PC_EINVAL;
   if (!isfinite(lambda)) return PC_ENONFINITE_INPUT;
+  /* The power iteration finds the eigenvalue of largest magnitude, which early in training
+   * can be negative (measured on the ResNet at initialisation): the sharpness the rule
+   * follows is that magnitude. */
+  lambda = fabs(lambda);
   if (!pc_abs_rule_active(r, opts)) {
     *decision = PC_ABS_AT_MAX;
     return PC_OK;
