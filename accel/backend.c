@@ -635,6 +635,45 @@ int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, si
                      : be->ops->conv3x3_wgrad(be, n, c, oc, h, w, x, dy, dw);
 }
 
+int ac_conv_s2_supported(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k) {
+  return be_ok(be) && c > 0 && oc > 0 && h > 0 && w > 0 && be->ops->conv_s2_ok != NULL &&
+         be->ops->conv_s2_ok(be, c, oc, h, w, k);
+}
+
+/* Shared checks of the stride-2 convs (in: what is read besides the weights, out: what is
+ * written): AC_OK to go on, 1 for nothing to do. */
+static int conv_s2_check(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                         size_t k, const float *in, const float *wt, const float *out) {
+  if (!be_ok(be)) return AC_EINVAL;
+  if (n == 0 || c == 0 || oc == 0 || h == 0 || w == 0) return 1;
+  if (in == NULL || wt == NULL || out == NULL || out == in || out == wt) return AC_EINVAL;
+  if (!extent_ok(n, c, h) || !extent_ok(n * c * h, w, 1) || !extent_ok(n, oc, h) ||
+      !extent_ok(n * oc * h, w, 1) || !extent_ok(oc, c, k * k))
+    return AC_EINVAL;
+  return ac_conv_s2_supported(be, c, oc, h, w, k) ? AC_OK : AC_ENOTSUP;
+}
+
+int ac_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+               const float *x, const float *wt, float *y) {
+  int rc = conv_s2_check(be, n, c, oc, h, w, k, x, wt, y);
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc) : be->ops->conv_s2(be, n, c, oc, h, w, k, x, wt, y);
+}
+
+int ac_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                     const float *x, const float *dy, float *dw) {
+  int rc = conv_s2_check(be, n, c, oc, h, w, k, x, dy, dw);
+  if (rc == AC_OK && dy == x) rc = AC_EINVAL;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw);
+}
+
+int ac_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                     const float *dy, const float *wt, float *dx) {
+  int rc = conv_s2_check(be, n, c, oc, h, w, k, dy, wt, dx);
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv_s2_dgrad(be, n, c, oc, h, w, k, dy, wt, dx);
+}
+
 int ac_pool2d_forward(ac_backend *be, ac_pool_op op, const ac_conv2d_geom *g, const float *x,
                       float *y, int32_t *argmax) {
   size_t oh, ow;

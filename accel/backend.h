@@ -458,6 +458,29 @@ int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, si
  * else 0. */
 int ac_conv3x3_supported(ac_backend *be, size_t c, size_t oc);
 
+/* Direct stride-2 convolution, NCHW, without a column matrix (a ResNet's downsampling
+ * convs): k 3 with padding 1, or k 1 without padding, of an input of even size h x w: y (n,
+ * oc, h/2, w/2) = the conv of x (n, c, h, w) with wt (oc, c, k, k), overwritten. Within
+ * float rounding of im2col + gemm, and the same bits for any thread count. AC_ENOTSUP where
+ * ac_conv_s2_supported says no. No aliasing. */
+int ac_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+               const float *x, const float *wt, float *y);
+
+/* dw (oc, c, k, k) += the weight gradient of ac_conv_s2 for dy (n, oc, h/2, w/2). Same
+ * support and guarantees. */
+int ac_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                     const float *x, const float *dy, float *dw);
+
+/* dx (n, c, h, w) = the input gradient of ac_conv_s2 for dy (n, oc, h/2, w/2), overwritten.
+ * Same support and guarantees. */
+int ac_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                     const float *dy, const float *wt, float *dx);
+
+/* 1 if the backend has the direct stride-2 kernels for this shape (the CPU backend: where
+ * ac_conv3x3_supported(be, c, oc) says yes, c also a multiple of 4, h and w even, k 1 or 3;
+ * CUDA: none yet), else 0. */
+int ac_conv_s2_supported(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k);
+
 typedef enum { AC_POOL_MAX = 0, AC_POOL_AVG = 1 } ac_pool_op;
 
 /* 2-D pooling of x (n, c, h, w) into y (n, c, oh, ow), window kh x kw, geometry g.

@@ -1574,13 +1574,14 @@ static size_t c3_chan_len(const c3_geom *g, size_t nb, size_t vw) {
   return (c3_nvec(g, nb, vw) * vw + 2 * g->wq + 2 + 15) / 16 * 16;
 }
 
-/* wp[ob][ch][t][i] = W[4 ob + i][ch][t]: the 4 output channels of a block side by side, so
- * that a tap's 4 weights are consecutive broadcasts. */
-static void c3_pack_weights(size_t c, size_t oc, const float *w, float *wp) {
+/* wp[ob][ch][t][i] = W[4 ob + i][ch][t] for kk taps per channel pair (9, or 1 for a 1x1
+ * conv): the 4 output channels of a block side by side, so that a tap's 4 weights are
+ * consecutive broadcasts. */
+static void c3_pack_weights(size_t c, size_t oc, size_t kk, const float *w, float *wp) {
   for (size_t o = 0; o < oc; o++)
     for (size_t ch = 0; ch < c; ch++)
-      for (size_t t = 0; t < 9; t++)
-        wp[((o / 4 * c + ch) * 9 + t) * 4 + o % 4] = w[(o * c + ch) * 9 + t];
+      for (size_t t = 0; t < kk; t++)
+        wp[((o / 4 * c + ch) * kk + t) * 4 + o % 4] = w[(o * c + ch) * kk + t];
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -1612,19 +1613,17 @@ C3_TARGET static void c3_pack(const c3_geom *g, size_t nb, const float *src, siz
       c3_copy(dst + b * g->is + y * g->wq + off, src + b * sstride + y * g->w, g->w);
 }
 
-/* out[i][0, 8 nv) = sum over ch, t of wp[ch][t][i] xq[ch][j + off_t], i < 4: output
- * channels 4 at a time against 3 vectors of positions (12 accumulators), then 1. */
-C3_TARGET static void c3_fwd_block(size_t c, size_t cl, size_t wq, size_t nv, const float *xq,
-                                   const float *wp, float *out, size_t ldo) {
-  size_t off[9];
-  for (size_t t = 0; t < 9; t++) off[t] = t / 3 * wq + t % 3;
+/* out[i][0, 8 nv) = sum over ch, t < nt of wp[ch][t][i] xq[ch cl + j + off[t]], i < 4:
+ * output channels 4 at a time against 3 vectors of positions (12 accumulators), then 1. */
+C3_TARGET static void c3_fwd_block(size_t c, size_t cl, size_t nt, const size_t *off, size_t nv,
+                                   const float *xq, const float *wp, float *out, size_t ldo) {
   size_t v = 0;
   for (; v + 3 <= nv; v += 3) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
     __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
     for (size_t ch = 0; ch < c; ch++) {
-      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 36;
-      for (size_t t = 0; t < 9; t++) {
+      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 4 * nt;
+      for (size_t t = 0; t < nt; t++) {
         const float *xt = xc + off[t];
         __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8);
         __m256 x2 = _mm256_loadu_ps(xt + 16);
@@ -1663,8 +1662,8 @@ C3_TARGET static void c3_fwd_block(size_t c, size_t cl, size_t wq, size_t nv, co
   for (; v < nv; v++) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t ch = 0; ch < c; ch++) {
-      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 36;
-      for (size_t t = 0; t < 9; t++) {
+      const float *xc = xq + ch * cl + v * 8, *wc = wp + ch * 4 * nt;
+      for (size_t t = 0; t < nt; t++) {
         __m256 x0 = _mm256_loadu_ps(xc + off[t]);
         a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t), x0, a0);
         a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(wc + 4 * t + 1), x0, a1);
@@ -1687,72 +1686,72 @@ C3_TARGET static float c3_hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-/* NAME(nv, wq, dq, ldd, xc, dw, ldw): dw[i][ch][p][q] += sum over j < VW nv of dq[i][j]
- * xc[j + p wq + q] for the 4 output channels i of a block (rows of dq ldd apart, of dw ldw
- * apart) and one input channel xc: per row p of taps, 4 x 3 accumulators of VW lanes over
- * all positions, then one sum each (HSUM, a fixed order). One body for both ISAs. */
-#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM)                          \
-  TARGET static void NAME(size_t nv, size_t wq, const float *dq, size_t ldd, const float *xc, \
-                          float *dw, size_t ldw) {                                            \
-    for (size_t p = 0; p < 3; p++) {                                                          \
-      VEC a[4][3];                                                                            \
-      for (size_t i = 0; i < 4; i++)                                                          \
-        for (size_t q = 0; q < 3; q++) a[i][q] = ZERO();                                      \
-      const float *xp = xc + p * wq;                                                          \
-      for (size_t v = 0; v < nv; v++) {                                                       \
-        VEC x0 = LOAD(xp + v * VW), x1 = LOAD(xp + v * VW + 1), x2 = LOAD(xp + v * VW + 2);   \
-        for (size_t i = 0; i < 4; i++) {                                                      \
-          VEC d = LOAD(dq + i * ldd + v * VW);                                                \
-          a[i][0] = FMA(d, x0, a[i][0]);                                                      \
-          a[i][1] = FMA(d, x1, a[i][1]);                                                      \
-          a[i][2] = FMA(d, x2, a[i][2]);                                                      \
-        }                                                                                     \
-      }                                                                                       \
-      for (size_t i = 0; i < 4; i++)                                                          \
-        for (size_t q = 0; q < 3; q++) dw[i * ldw + p * 3 + q] += HSUM(a[i][q]);              \
-    }                                                                                         \
+/* NAME(nv, off, dq, ldd, xc, dw, ldw): dw[i][ch][t] += sum over j < VW nv of dq[i][j]
+ * xc[j + off[t]] for the 4 output channels i of a block (rows of dq ldd apart, of dw ldw
+ * apart), one input channel xc and NP NQ taps t (3 x 3, or the 1 of a 1x1 conv): per row p
+ * of taps, 4 x NQ accumulators of VW lanes over all positions, then one sum each (HSUM, a
+ * fixed order). One body for both ISAs and both tap counts. */
+#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM, NP, NQ)                 \
+  TARGET static void NAME(size_t nv, const size_t *off, const float *dq, size_t ldd,         \
+                          const float *xc, float *dw, size_t ldw) {                          \
+    for (size_t p = 0; p < NP; p++) {                                                        \
+      VEC a[4][NQ];                                                                          \
+      for (size_t i = 0; i < 4; i++)                                                         \
+        for (size_t q = 0; q < NQ; q++) a[i][q] = ZERO();                                    \
+      for (size_t v = 0; v < nv; v++) {                                                      \
+        VEC xv[NQ];                                                                          \
+        for (size_t q = 0; q < NQ; q++) xv[q] = LOAD(xc + off[p * NQ + q] + v * VW);         \
+        for (size_t i = 0; i < 4; i++) {                                                     \
+          VEC d = LOAD(dq + i * ldd + v * VW);                                               \
+          for (size_t q = 0; q < NQ; q++) a[i][q] = FMA(d, xv[q], a[i][q]);                  \
+        }                                                                                    \
+      }                                                                                      \
+      for (size_t i = 0; i < 4; i++)                                                         \
+        for (size_t q = 0; q < NQ; q++) dw[i * ldw + p * NQ + q] += HSUM(a[i][q]);           \
+    }                                                                                        \
   }
 C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
-               _mm256_fmadd_ps, c3_hsum)
+               _mm256_fmadd_ps, c3_hsum, 3, 3)
+C3_WGRAD_BLOCK(c3_wgrad_block1, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
+               _mm256_fmadd_ps, c3_hsum, 1, 1)
 
 /* The AVX-512F variants: the same sums over vectors of 16 positions. */
 #define C5_TARGET __attribute__((target("avx512f,avx2,fma")))
 
 /* out[i][16 v, 16 (v + NV)) for the 4 output channels i of a block, NV (1..6) vectors:
  * 4 NV accumulators (24 of the 32 registers at NV 6), NV loads and 4 broadcasts per tap. */
-#define C5_FWD_VECS(NV)                                                                          \
-  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, const size_t *off, const float *xq, \
-                                        const float *wp, float *out, size_t ldo) {               \
-    __m512 a[4][NV];                                                                             \
-    for (size_t i = 0; i < 4; i++)                                                               \
-      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                             \
-    for (size_t ch = 0; ch < c; ch++) {                                                          \
-      const float *xc = xq + ch * cl, *wc = wp + ch * 36;                                        \
-      for (size_t t = 0; t < 9; t++) {                                                           \
-        __m512 xv[NV];                                                                           \
-        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);           \
-        for (size_t i = 0; i < 4; i++) {                                                         \
-          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                             \
-          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]);         \
-        }                                                                                        \
-      }                                                                                          \
-    }                                                                                            \
-    for (size_t i = 0; i < 4; i++)                                                               \
-      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);         \
+#define C5_FWD_VECS(NV)                                                                         \
+  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, size_t nt, const size_t *off,      \
+                                        const float *xq, const float *wp, float *out,           \
+                                        size_t ldo) {                                           \
+    __m512 a[4][NV];                                                                            \
+    for (size_t i = 0; i < 4; i++)                                                              \
+      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                            \
+    for (size_t ch = 0; ch < c; ch++) {                                                         \
+      const float *xc = xq + ch * cl, *wc = wp + ch * 4 * nt;                                   \
+      for (size_t t = 0; t < nt; t++) {                                                         \
+        __m512 xv[NV];                                                                          \
+        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);          \
+        for (size_t i = 0; i < 4; i++) {                                                        \
+          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                            \
+          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]);        \
+        }                                                                                       \
+      }                                                                                         \
+    }                                                                                           \
+    for (size_t i = 0; i < 4; i++)                                                              \
+      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);        \
   }
 C5_FWD_VECS(6)
 C5_FWD_VECS(3)
 C5_FWD_VECS(1)
 
 /* c3_fwd_block over vectors of 16: 6 vectors at a time, then 3, then 1. */
-static void c5_fwd_block(size_t c, size_t cl, size_t wq, size_t nv, const float *xq,
-                         const float *wp, float *out, size_t ldo) {
-  size_t off[9];
-  for (size_t t = 0; t < 9; t++) off[t] = t / 3 * wq + t % 3;
+static void c5_fwd_block(size_t c, size_t cl, size_t nt, const size_t *off, size_t nv,
+                         const float *xq, const float *wp, float *out, size_t ldo) {
   size_t v = 0;
-  for (; v + 6 <= nv; v += 6) c5_fwd_vecs6(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  for (; v + 3 <= nv; v += 3) c5_fwd_vecs3(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  for (; v < nv; v++) c5_fwd_vecs1(c, cl, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; v + 6 <= nv; v += 6) c5_fwd_vecs6(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; v + 3 <= nv; v += 3) c5_fwd_vecs3(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; v < nv; v++) c5_fwd_vecs1(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
 }
 
 /* The 16 lanes of a in a fixed order. */
@@ -1763,7 +1762,9 @@ C5_TARGET static float c5_hsum(__m512 a) {
 }
 
 C3_WGRAD_BLOCK(c5_wgrad_block, C5_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
-               _mm512_fmadd_ps, c5_hsum)
+               _mm512_fmadd_ps, c5_hsum, 3, 3)
+C3_WGRAD_BLOCK(c5_wgrad_block1, C5_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+               _mm512_fmadd_ps, c5_hsum, 1, 1)
 #else
 #define C3_HAVE_KERNELS 0
 #endif
@@ -1811,14 +1812,29 @@ static float *cpu_scratch(ac_backend *be, size_t floats) {
   return impl->scratch;
 }
 
+/* The stride-2 convs (a ResNet's downsampling 3x3 convs, padding 1, and its 1x1 projection
+ * shortcuts, no padding) on the same kernels, for an input of even size 2h x 2w and g the
+ * h x w output's geometry: each input channel is split into nph phase planes, each in the
+ * tall layout of g with pl floats: nph 4 for a 3x3 conv (plane 2 rp + cp holds the input
+ * pixels (2 y + rp, 2 x + cp) at (y, x)), nph 1 for a 1x1 conv (the even rows' even
+ * columns, all it reads). Tap (p, q) reads input row 2 y + p - 1: row y - 1 of the odd
+ * plane (p 0), row y of the even (p 1) or the odd one (p 2), and the same for columns: so
+ * every tap is again one shifted read of a plane, and output position j of the tall layout
+ * is a sum of reads at j + off[t]. The input gradient is the 4 phases of dx, each a sum over
+ * its own taps (1, 2, 2 and 4 of the 9) of dy read at j + 0, 1, wq or wq + 1. */
 typedef struct c3_args {
-  c3_geom g;
+  c3_geom g; /* the output's (= the input's at stride 1) */
   int isa;   /* AC_CPU_ISA_AVX2 or _AVX512 */
   size_t vw; /* floats per vector: 8 or 16 */
+  size_t stride, kk, nph, pl, ih, iw; /* stride 1 or 2, taps 9 or 1, phase planes, input size */
+  size_t nt, off[9];                  /* the taps' offsets within a channel of cl floats */
   size_t n, c, oc, nv, cl, dl, per_thread, parts;
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
-  float *y, *dw, *scratch; /* dw: the weight gradient's partial sums */
+  float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
+  /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
+   * their offsets into dy's tall layout, and where its packed weights start. */
+  size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
 } c3_args;
 
 #if C3_HAVE_KERNELS
@@ -1826,6 +1842,91 @@ typedef struct c3_args {
 static void c3_args_isa(ac_backend *be, c3_args *a) {
   a->isa = ((cpu_impl *)be->impl)->isa;
   a->vw = a->isa == AC_CPU_ISA_AVX512 ? 16 : 8;
+}
+
+/* The conv's shape: output geometry, phase planes (of pl floats, set by c3_set_taps). */
+static void c3_set_shape(c3_args *a, size_t ih, size_t iw, size_t k, size_t stride) {
+  a->stride = stride;
+  a->kk = k * k;
+  a->nph = stride == 2 && k == 3 ? 4 : 1;
+  a->ih = ih;
+  a->iw = iw;
+  a->g = c3_geom_of(ih / stride, iw / stride);
+}
+
+/* The forward taps' offsets for phase planes of pl floats. */
+static void c3_set_taps(c3_args *a, size_t pl) {
+  size_t wq = a->g.wq;
+  a->pl = pl;
+  a->cl = a->nph * pl;
+  a->nt = a->kk;
+  for (size_t t = 0; t < a->kk; t++) {
+    size_t p = t / 3, q = t % 3;
+    if (a->stride == 1)
+      a->off[t] = p * wq + q;
+    else if (a->kk == 1)
+      a->off[t] = wq + 1;
+    else
+      a->off[t] = (2 * (p != 1) + (q != 1)) * pl + (p != 0) * wq + (q != 0);
+  }
+}
+
+/* The input gradient's taps per phase of dx (stride 2): an even row (rp 0) is read by tap
+ * row 1 of the output row y; an odd one by tap row 0 of output row y + 1 and tap row 2 of
+ * row y; columns alike. The phases' packed weights follow each other. */
+static void c3_set_dgrad_taps(c3_args *a) {
+  static const size_t tap[2][2] = {{1, 0}, {0, 2}}, shift[2][2] = {{0, 0}, {1, 0}};
+  size_t start = 0;
+  for (size_t ph = 0; ph < a->nph; ph++) {
+    size_t rp = ph >> 1, cp = ph & 1, k = 0;
+    if (a->kk == 1) {
+      a->dtap[ph][0] = 0;
+      a->doff[ph][0] = 0;
+      k = 1;
+    }
+    for (size_t i = 0; i < 1 + rp && a->kk == 9; i++)
+      for (size_t j = 0; j < 1 + cp; j++, k++) {
+        a->dtap[ph][k] = 3 * tap[rp][i] + tap[cp][j];
+        a->doff[ph][k] = shift[rp][i] * a->g.wq + shift[cp][j];
+      }
+    a->dnt[ph] = k;
+    a->dwo[ph] = start;
+    start += k * a->c * a->oc;
+  }
+}
+
+/* Input channel planes of nb images (image b's at src + b sstride) into the layout the taps
+ * read (c3_args), zeros elsewhere in [0, len) (len 0: dst already holds them). */
+static void c3_pack_in(const c3_args *a, size_t nb, const float *src, size_t sstride, float *dst,
+                       size_t len) {
+  const c3_geom *g = &a->g;
+  if (a->stride == 1) {
+    c3_pack(g, nb, src, sstride, g->wq + 1, dst, len);
+    return;
+  }
+  memset(dst, 0, len * sizeof *dst);
+  for (size_t rp = 0; rp < (a->nph == 4 ? 2 : 1); rp++)
+    for (size_t b = 0; b < nb; b++)
+      for (size_t y = 0; y < g->h; y++) {
+        const float *s = src + b * sstride + (2 * y + rp) * a->iw;
+        float *d0 = dst + 2 * rp * a->pl + b * g->is + (y + 1) * g->wq + 1, *d1 = d0 + a->pl;
+        if (a->nph == 4)
+          for (size_t x = 0; x < g->w; x++) {
+            d0[x] = s[2 * x];
+            d1[x] = s[2 * x + 1];
+          }
+        else
+          for (size_t x = 0; x < g->w; x++) d0[x] = s[2 * x];
+      }
+}
+
+/* 4 output channels over a->nv vectors of positions, on the backend's variant. */
+static void c3_fwd_kernel(const c3_args *a, size_t c, size_t cl, size_t nt, const size_t *off,
+                          const float *xq, const float *wp, float *out, size_t ldo) {
+  if (a->isa == AC_CPU_ISA_AVX512)
+    c5_fwd_block(c, cl, nt, off, a->nv, xq, wp, out, ldo);
+  else
+    c3_fwd_block(c, cl, nt, off, a->nv, xq, wp, out, ldo);
 }
 
 /* Forward, one part of the batch per thread (parts = the pool's threads): each image is
@@ -1836,17 +1937,13 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
   const c3_geom *g = &a->g;
   for (size_t part = lo; part < hi; part++) {
     float *xq = a->scratch + part * a->per_thread, *out = xq + a->c * a->cl;
-    size_t b0, b1, ldo = a->nv * a->vw, chw = a->c * g->h * g->w, ohw = g->h * g->w;
+    size_t b0, b1, ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
     slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
     for (size_t b = b0; b < b1; b++) {
       for (size_t ch = 0; ch < a->c; ch++)
-        c3_pack(g, 1, a->x + b * chw + ch * ohw, 0, g->wq + 1, xq + ch * a->cl,
-                b == b0 ? a->cl : 0);
+        c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl, b == b0 ? a->cl : 0);
       for (size_t ob = 0; ob < a->oc / 4; ob++) {
-        if (a->isa == AC_CPU_ISA_AVX512)
-          c5_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
-        else
-          c3_fwd_block(a->c, a->cl, g->wq, a->nv, xq, a->w + ob * a->c * 36, out, ldo);
+        c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
         for (size_t i = 0; i < 4; i++)
           for (size_t y = 0; y < g->h; y++)
             c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
@@ -1856,15 +1953,47 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
   }
 }
 
+/* Input gradient of a stride-2 conv, one part of the batch per thread: each image's dy is
+ * packed (as an output, pixel (y, x) at y wq + x, zeros after each row and image), then
+ * for every block of 4 input channels and every phase of dx, a forward pass over the
+ * phase's taps, scattered to every other pixel of dx. */
+static void c3_dgrad_part(void *ctx, size_t lo, size_t hi) {
+  const c3_args *a = ctx;
+  const c3_geom *g = &a->g;
+  for (size_t part = lo; part < hi; part++) {
+    float *dq = a->scratch + part * a->per_thread, *out = dq + a->oc * a->dl;
+    size_t b0, b1, ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
+    slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
+    for (size_t b = b0; b < b1; b++) {
+      for (size_t o = 0; o < a->oc; o++)
+        c3_pack(g, 1, a->dy + (b * a->oc + o) * ohw, 0, 0, dq + o * a->dl, b == b0 ? a->dl : 0);
+      float *dxb = a->y + b * a->c * ihw;
+      if (a->nph == 1) memset(dxb, 0, a->c * ihw * sizeof *dxb); /* 1x1: odd pixels get none */
+      for (size_t cb = 0; cb < a->c / 4; cb++)
+        for (size_t ph = 0; ph < a->nph; ph++) {
+          size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
+          c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq, a->w + a->dwo[ph] + cb * a->oc * 4 * nt,
+                        out, ldo);
+          for (size_t i = 0; i < 4; i++)
+            for (size_t y = 0; y < g->h; y++) {
+              float *d = dxb + (4 * cb + i) * ihw + (2 * y + rp) * a->iw + cp;
+              const float *s = out + i * ldo + y * g->wq;
+              for (size_t x = 0; x < g->w; x++) d[2 * x] = s[x];
+            }
+        }
+    }
+  }
+}
+
 /* Weight gradient, one part of the groups per thread (parts = the pool's threads): group
  * k sums chunks [k nch / groups, (k + 1) nch / groups) of images into its own partial
  * weights pw_k, chunk by chunk (x's and dy's channels packed into the thread's scratch,
- * then the 4 x 9 weights of every (output block, input channel)). Which thread runs a group
- * does not change its sums. */
+ * then the 4 x kk weights of every (output block, input channel)). Which thread runs a
+ * group does not change its sums. */
 static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
-  size_t hw = g->h * g->w, wn = a->oc * a->c * 9;
+  size_t ihw = a->ih * a->iw, ohw = g->h * g->w, wn = a->oc * a->c * a->kk;
   for (size_t part = lo; part < hi; part++) {
     float *xq = a->scratch + part * a->per_thread, *dq = xq + a->c * a->cl;
     size_t k0, k1;
@@ -1879,47 +2008,47 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
         slice_of(a->n, (int)a->nch, (int)q, &b0, &b1);
         size_t nb = b1 - b0, nv = c3_nvec(g, nb, a->vw);
         for (size_t ch = 0; ch < a->c; ch++)
-          c3_pack(g, nb, a->x + (b0 * a->c + ch) * hw, a->c * hw, g->wq + 1, xq + ch * a->cl,
-                  a->cl);
+          c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl, a->cl);
         for (size_t o = 0; o < a->oc; o++)
-          c3_pack(g, nb, a->dy + (b0 * a->oc + o) * hw, a->oc * hw, 0, dq + o * a->dl, a->dl);
+          c3_pack(g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl, a->dl);
         for (size_t ob = 0; ob < a->oc / 4; ob++)
           for (size_t ch = 0; ch < a->c; ch++) {
             const float *dqb = dq + ob * 4 * a->dl, *xc = xq + ch * a->cl;
-            float *dw = pw + (ob * 4 * a->c + ch) * 9;
-            if (a->isa == AC_CPU_ISA_AVX512)
-              c5_wgrad_block(nv, g->wq, dqb, a->dl, xc, dw, a->c * 9);
+            float *dw = pw + (ob * 4 * a->c + ch) * a->kk;
+            size_t ldw = a->c * a->kk;
+            if (a->isa == AC_CPU_ISA_AVX512 && a->kk == 9)
+              c5_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
+            else if (a->isa == AC_CPU_ISA_AVX512)
+              c5_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
+            else if (a->kk == 9)
+              c3_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
             else
-              c3_wgrad_block(nv, g->wq, dqb, a->dl, xc, dw, a->c * 9);
+              c3_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
           }
       }
     }
   }
 }
-#endif
 
-static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       const float *x, const float *wt, float *y) {
-#if C3_HAVE_KERNELS
+/* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
+static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw,
+                      size_t k, size_t stride, const float *x, const float *wt, float *y) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
-  c3_args a = {.g = c3_geom_of(h, w), .n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
+  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
+  c3_set_shape(&a, ih, iw, k, stride);
   c3_args_isa(be, &a);
   a.nv = c3_nvec(&a.g, 1, a.vw);
-  a.cl = c3_chan_len(&a.g, 1, a.vw);
+  c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
   a.per_thread = c * a.cl + 4 * a.nv * a.vw;
-  size_t wfloats = (oc * c * 9 + 15) / 16 * 16;
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
   float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
   if (s == NULL) return AC_ENOMEM;
-  c3_pack_weights(c, oc, wt, s);
+  c3_pack_weights(c, oc, a.kk, wt, s);
   a.w = s;
   a.scratch = s + wfloats;
-  par_for(pool, parts, (double)(n * c * oc * h * w), c3_fwd_part, &a);
+  par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
   return AC_OK;
-#else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y;
-  return AC_ENOTSUP;
-#endif
 }
 
 /* Chunks of images small enough that a block's 4 rows of dy and a channel of x stay in the
@@ -1932,37 +2061,114 @@ static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
 #define C3_WGRAD_CHUNK_FLOATS 131072
 #define C3_WGRAD_GROUPS       8
 
-static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                             const float *x, const float *dy, float *dw) {
-#if C3_HAVE_KERNELS
+static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
+                    size_t stride, const float *x, const float *dy, float *dw) {
   cpu_pool *pool = pool_of(be);
-  c3_args a = {.g = c3_geom_of(h, w), .n = n, .c = c, .oc = oc, .x = x, .dy = dy};
+  c3_args a = {.n = n, .c = c, .oc = oc, .x = x, .dy = dy};
+  c3_set_shape(&a, ih, iw, k, stride);
   c3_args_isa(be, &a);
   a.parts = (size_t)pool->nthreads;
-  size_t per_image = (c + oc) * a.g.is, nbmax = C3_WGRAD_CHUNK_FLOATS / per_image;
+  size_t per_image = (c * a.nph + oc) * a.g.is, nbmax = C3_WGRAD_CHUNK_FLOATS / per_image;
   nbmax = nbmax < 1 ? 1 : nbmax;
   size_t nch = (n + nbmax - 1) / nbmax;
   nch = (nch + C3_WGRAD_GROUPS - 1) / C3_WGRAD_GROUPS * C3_WGRAD_GROUPS;
   a.nch = nch < n ? nch : n;
   a.groups = a.nch < C3_WGRAD_GROUPS ? a.nch : C3_WGRAD_GROUPS;
   size_t nb = (n + a.nch - 1) / a.nch; /* the largest chunk */
-  a.cl = c3_chan_len(&a.g, nb, a.vw);
+  c3_set_taps(&a, c3_chan_len(&a.g, nb, a.vw));
   a.dl = (c3_nvec(&a.g, nb, a.vw) * a.vw + 15) / 16 * 16;
   a.per_thread = c * a.cl + oc * a.dl;
-  size_t wn = oc * c * 9;
-  float *s = cpu_scratch(be, a.groups * wn + a.parts * a.per_thread);
+  size_t wn = oc * c * a.kk;
+  float *s = cpu_scratch(be, a.groups * wn + 16 + a.parts * a.per_thread);
   if (s == NULL) return AC_ENOMEM;
   a.dw = s;
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
-  par_for(pool, a.parts, (double)(n * c * oc * h * w), c3_wgrad_part, &a);
+  par_for(pool, a.parts, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a);
   for (size_t i = 0; i < wn; i++) {
     float acc = a.dw[i];
-    for (size_t k = 1; k < a.groups; k++) acc += a.dw[k * wn + i];
+    for (size_t g = 1; g < a.groups; g++) acc += a.dw[g * wn + i];
     dw[i] += acc;
   }
   return AC_OK;
+}
+#endif
+
+static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, float *y) {
+#if C3_HAVE_KERNELS
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y);
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y;
+  return AC_ENOTSUP;
+#endif
+}
+
+static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                             const float *x, const float *dy, float *dw) {
+#if C3_HAVE_KERNELS
+  return c3_wgrad(be, n, c, oc, h, w, 3, 1, x, dy, dw);
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)dy, (void)dw;
+  return AC_ENOTSUP;
+#endif
+}
+
+/* The stride-2 convs: the direct kernels, input channels in blocks of 4 too (the input
+ * gradient's blocks), an even input. */
+static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k) {
+  return cpu_conv3x3_ok(be, c, oc) && c % 4 == 0 && h % 2 == 0 && w % 2 == 0 &&
+         (k == 1 || k == 3);
+}
+
+static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       size_t k, const float *x, const float *wt, float *y) {
+#if C3_HAVE_KERNELS
+  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y);
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y;
+  return AC_ENOTSUP;
+#endif
+}
+
+static int cpu_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                             size_t k, const float *x, const float *dy, float *dw) {
+#if C3_HAVE_KERNELS
+  return c3_wgrad(be, n, c, oc, h, w, k, 2, x, dy, dw);
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)dy, (void)dw;
+  return AC_ENOTSUP;
+#endif
+}
+
+static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                             size_t k, const float *dy, const float *wt, float *dx) {
+#if C3_HAVE_KERNELS
+  cpu_pool *pool = pool_of(be);
+  size_t parts = (size_t)pool->nthreads;
+  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .dy = dy, .y = dx};
+  c3_set_shape(&a, h, w, k, 2);
+  c3_args_isa(be, &a);
+  a.nv = c3_nvec(&a.g, 1, a.vw);
+  a.dl = c3_chan_len(&a.g, 1, a.vw);
+  c3_set_dgrad_taps(&a);
+  a.per_thread = oc * a.dl + 4 * a.nv * a.vw;
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
+  if (s == NULL) return AC_ENOMEM;
+  /* s[dwo + ((cb oc + o) nt + t) 4 + i] = W[o][4 cb + i][tap t of the phase] */
+  for (size_t ph = 0; ph < a.nph; ph++)
+    for (size_t cb = 0; cb < c / 4; cb++)
+      for (size_t o = 0; o < oc; o++)
+        for (size_t t = 0; t < a.dnt[ph]; t++)
+          for (size_t i = 0; i < 4; i++)
+            s[a.dwo[ph] + ((cb * oc + o) * a.dnt[ph] + t) * 4 + i] =
+                wt[(o * c + 4 * cb + i) * a.kk + a.dtap[ph][t]];
+  a.w = s;
+  a.scratch = s + wfloats;
+  par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a);
+  return AC_OK;
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)dy, (void)wt, (void)dx;
   return AC_ENOTSUP;
 #endif
 }
@@ -2017,6 +2223,10 @@ static const ac__ops cpu_ops = {
     .conv3x3_ok = cpu_conv3x3_ok,
     .conv3x3 = cpu_conv3x3,
     .conv3x3_wgrad = cpu_conv3x3_wgrad,
+    .conv_s2_ok = cpu_conv_s2_ok,
+    .conv_s2 = cpu_conv_s2,
+    .conv_s2_wgrad = cpu_conv_s2_wgrad,
+    .conv_s2_dgrad = cpu_conv_s2_dgrad,
 };
 
 int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen) {

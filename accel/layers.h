@@ -288,13 +288,16 @@ int ac_celoss_backward(ac_celoss *l, const float **dlogits);
  * fit the workspace ((out_c k k + in_c) h w <= (in_c k k + out_c) oh ow per image, true
  * for every conv with in_c == out_c); otherwise W^T dy and col2im. A 3x3 stride-1 pad-1
  * conv runs on the backend's direct kernels instead (ac_conv3x3, ac_conv3x3_wgrad; no
- * workspace used) where ac_conv3x3_supported says so, except dW under a curvature hook. */
+ * workspace used) where ac_conv3x3_supported says so, and so do a 3x3 stride-2 pad-1 conv
+ * and a 1x1 stride-2 pad-0 one (ac_conv_s2 and its gradients) where ac_conv_s2_supported
+ * says so; except dW under a curvature hook. */
 typedef struct {
   ac_backend *be;
   ac_conv2d_geom g; /* g.n is max_batch */
   size_t out_c, oh, ow, chunk, batch;
   int has_bias, ready, owns_ws;
   int direct, direct_dx; /* the backend's direct 3x3 kernels (ac_conv3x3) for y and dW; dx */
+  int direct_s2;         /* the backend's direct stride-2 kernels (ac_conv_s2): y, dW and dx */
   int dx_as_conv;        /* otherwise dx as im2col of dy + one gemm (it fits the workspace) */
   ac_param weight, bias;
   const float *x;

@@ -51,6 +51,8 @@ int ac_conv2d_init(ac_conv2d *l, ac_backend *be, const char *prefix, size_t in_c
    * gradient (a conv with in_c output channels) when they cover that too. */
   l->direct = k == 3 && stride == 1 && pad == 1 && ac_conv3x3_supported(be, in_c, out_c);
   l->direct_dx = l->direct && ac_conv3x3_supported(be, out_c, in_c);
+  l->direct_s2 = stride == 2 && ((k == 3 && pad == 1) || (k == 1 && pad == 0)) &&
+                 ac_conv_s2_supported(be, in_c, out_c, h, w, k);
   l->dx_as_conv = stride == 1 && (out_c * k * k + in_c) * h * w <= (ckk + out_c) * l->oh * l->ow;
   if (l->direct_dx || l->dx_as_conv)
     AC__TRY(ac__layer_alloc(be, 2 * in_c * out_c * k * k, &l->wflip));
@@ -97,7 +99,9 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   size_t chw = l->g.c * l->g.h * l->g.w;
   const float *w = ac_tensor_f32(&l->weight.value);
   if (l->direct) AC__TRY(ac_conv3x3(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y));
-  for (size_t b0 = 0; b0 < batch && !l->direct; b0 += l->chunk) {
+  if (l->direct_s2)
+    AC__TRY(ac_conv_s2(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y));
+  for (size_t b0 = 0; b0 < batch && !l->direct && !l->direct_s2; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;
     size_t cols = g.n * ohw;
@@ -165,13 +169,20 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
   const float *w = ac_tensor_f32(&l->weight.value);
   float *dw = ac_tensor_f32(&l->weight.grad);
   /* K-FAC's hook reads the column matrices: with a hook, dW takes the im2col path. */
-  int direct_w = l->direct && l->hook.fn == NULL, direct_x = dx != NULL && l->direct_dx;
+  int direct_w = (l->direct || l->direct_s2) && l->hook.fn == NULL;
+  int direct_x = dx != NULL && (l->direct_dx || l->direct_s2);
   if (l->has_bias)
     AC__TRY(ac_reduce(be, AC_REDUCE_SUM, l->batch, oc, ohw, 1.0f, dy, 1.0f,
                       ac_tensor_f32(&l->bias.grad)));
   if (dx != NULL && l->wflip != NULL) AC__TRY(conv_flip_weight(l));
-  if (direct_w) AC__TRY(ac_conv3x3_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->x, dy, dw));
-  if (direct_x) AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
+  if (direct_w && l->direct)
+    AC__TRY(ac_conv3x3_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->x, dy, dw));
+  if (direct_w && l->direct_s2)
+    AC__TRY(ac_conv_s2_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, l->x, dy, dw));
+  if (direct_x && l->direct_dx)
+    AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
+  if (direct_x && l->direct_s2)
+    AC__TRY(ac_conv_s2_dgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, dy, w, l->dx));
   int chunked_x = dx != NULL && !direct_x;
   for (size_t b0 = 0; b0 < l->batch && (!direct_w || chunked_x); b0 += l->chunk) {
     ac_conv2d_geom g = l->g;

@@ -140,10 +140,36 @@ static double thread_cpu_s(void) {
 /* pid's CPU seconds split by thread: CPU_POOL the root pool ("pd-pool"), CPU_REPLICA the
  * replica communication thread ("pd-replica"), CPU_GRPC the server's pollers ("pd-grpc") and
  * gRPC's own threads, CPU_MAIN the main thread, CPU_MPI every other (Open MPI's runtime
- * threads); CPU_RUNS how many times the replica thread ran (its wake-ups). From each
- * thread's schedstat (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few
- * milliseconds per step; then the count of its runs). */
-enum { CPU_POOL, CPU_REPLICA, CPU_GRPC, CPU_MAIN, CPU_MPI, CPU_RUNS, CPU_NSPLIT };
+ * threads); CPU_RUNS how many times the replica thread ran (its wake-ups);
+ * CPU_POOL_FAULTS and CPU_FAULTS the page faults of the pool and of the other threads (each
+ * a trip into the kernel, dear on this virtual machine). From each thread's schedstat
+ * (nanoseconds on a CPU: the 10 ms ticks of stat are too coarse for a few milliseconds per
+ * step; then the count of its runs) and stat (minor faults). */
+enum {
+  CPU_POOL,
+  CPU_REPLICA,
+  CPU_GRPC,
+  CPU_MAIN,
+  CPU_MPI,
+  CPU_RUNS,
+  CPU_POOL_FAULTS,
+  CPU_FAULTS,
+  CPU_NSPLIT
+};
+
+/* Minor faults of the thread /proc/.../task/TID (stat's 10th field; the name, in
+ * parentheses, may hold spaces). */
+static double thread_faults(const char *task) {
+  char file[700], line[1024];
+  snprintf(file, sizeof file, "%s/stat", task);
+  FILE *f = fopen(file, "r");
+  if (f == NULL) return 0;
+  char *p = fgets(line, sizeof line, f) != NULL ? strrchr(line, ')') : NULL;
+  fclose(f);
+  unsigned long long minflt = 0;
+  if (p == NULL || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %llu", &minflt) != 1) return 0;
+  return (double)minflt;
+}
 
 static int cpu_kind(const char *name, int is_main) {
   static const char *const grpc[] = {"pd-grpc\n",         "default-executo\n", "resolver-execut\n",
@@ -178,6 +204,8 @@ static void cpu_split(pid_t pid, double out[CPU_NSPLIT]) {
     int k = cpu_kind(name, atoi(e->d_name) == (int)pid);
     out[k] += 1e-9 * (double)ns;
     if (k == CPU_REPLICA) out[CPU_RUNS] += (double)runs;
+    snprintf(file, sizeof file, "%s/%s", path, e->d_name);
+    out[k == CPU_POOL ? CPU_POOL_FAULTS : CPU_FAULTS] += thread_faults(file);
   }
   if (d != NULL) closedir(d);
 }
@@ -448,8 +476,10 @@ typedef struct {
   uint32_t block;
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
-  int shm;           /* matrices through a shared-memory region (proto/rpc.h) */
-  double until;      /* stop time */
+  /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
+   * when the daemon serves it; 2, a push always sent as a gRPC call. */
+  int shm;
+  double until; /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
   double *cpu; /* this thread's CPU time per call in ms (--hist) */
@@ -541,8 +571,22 @@ static void *worker_main(void *arg) {
           break;
         }
       }
-      if (call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
-                  &precond__v1__push_response__descriptor, &resp) != 0) {
+      int bad;
+      if (w->shm == 1 && shm.bell) {
+        grpc_status_code code;
+        char *details = NULL;
+        int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
+                              &resp, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        bad = rc != RPC_OK;
+      } else {
+        bad = call_ok(ch, RPC_METHOD_PUSH_STATISTICS, &pm.req.base,
+                      &precond__v1__push_response__descriptor, &resp) != 0;
+      }
+      if (bad) {
         w->failed = 1;
         break;
       }
@@ -683,6 +727,82 @@ static void print_hist(const char *name, const char *transport, size_t n, const 
               b == NB - 1 ? edge / 2 : edge, calls[b], busy[b], cpu_sum[b] / (double)calls[b]);
 }
 
+/* The memcpy-xcore reference row (--wire): the bare hand-off of a push's bytes from one core
+ * to another, with no validation and no call: a writer thread copies them into a shared
+ * buffer (as a worker writes its slot), then a reader thread copies them out (as the daemon
+ * reads the slot), turn by turn (a condition variable, futex hand-offs as the doorbell's),
+ * each rate in bytes per second of the two threads' CPU time (--clock cpu) or of the wall
+ * clock. Issue 13's target stays the ratio to the one-core memcpy row; this row says how
+ * much of that a same-host push could reach at most here (docs/precondd.md, "Wire"). */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  unsigned char *src, *shared, *dst;
+  size_t bytes, rounds;
+  int turn; /* 0: the writer's, 1: the reader's */
+  double cpu[2];
+} xcore;
+
+static void *xcore_side(xcore *x, int me) {
+  double c0 = thread_cpu_s();
+  for (size_t r = 0; r < x->rounds; r++) {
+    pthread_mutex_lock(&x->mu);
+    while (x->turn != me) pthread_cond_wait(&x->cv, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+    if (me == 0) {
+      memcpy(x->shared, x->src, x->bytes);
+      x->src[r % x->bytes]++; /* keep the copies observable */
+    } else {
+      memcpy(x->dst, x->shared, x->bytes);
+    }
+    pthread_mutex_lock(&x->mu);
+    x->turn = !me;
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+  }
+  x->cpu[me] = thread_cpu_s() - c0;
+  return NULL;
+}
+
+static void *xcore_reader(void *arg) {
+  return xcore_side(arg, 1);
+}
+
+/* Best of five rounds of about 40 ms, as memcpy_mb_s; 0 if threads cannot be had. */
+static double xcore_mb_s(size_t bytes) {
+  xcore x = {.bytes = bytes};
+  x.src = malloc(bytes);
+  x.shared = malloc(bytes);
+  x.dst = malloc(bytes);
+  double best = 0.0;
+  if (x.src && x.shared && x.dst && pthread_mutex_init(&x.mu, NULL) == 0) {
+    if (pthread_cond_init(&x.cv, NULL) == 0) {
+      memset(x.src, 1, bytes);
+      memset(x.shared, 0, bytes);
+      memset(x.dst, 0, bytes);
+      /* Rounds per 40 ms from a one-core copy's speed: a hand-off is at most that fast. */
+      x.rounds = (size_t)(0.04 * memcpy_mb_s(bytes, NULL) * 1e6 / (double)bytes / 2) + 3;
+      for (int round = 0; round < 5; round++) {
+        pthread_t t;
+        x.turn = 0;
+        double t0 = now_s();
+        if (pthread_create(&t, NULL, xcore_reader, &x) != 0) break;
+        xcore_side(&x, 0);
+        pthread_join(t, NULL);
+        double secs = g_cpu_clock ? x.cpu[0] + x.cpu[1] : now_s() - t0;
+        double rate = secs > 0 ? (double)bytes * (double)x.rounds / secs / 1e6 : 0.0;
+        if (rate > best) best = rate;
+      }
+      pthread_cond_destroy(&x.cv);
+    }
+    pthread_mutex_destroy(&x.mu);
+  }
+  free(x.src);
+  free(x.shared);
+  free(x.dst);
+  return best;
+}
+
 /* One push or fetch cell: k clients for o->seconds. */
 static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const char *transport,
                     int fetch, int shm, const char *job, int k, const payload *pl,
@@ -744,7 +864,9 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     }
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
-             shm ? "-shm" : "");
+             shm == 2 ? "-shm-grpc"
+             : shm    ? "-shm"
+                      : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -772,6 +894,7 @@ typedef struct {
   const int *owner; /* with rank: own_ms is when the blocks this rank owns were seen done */
   int rank;
   double own_ms;
+  uint64_t polls; /* calls made */
   uint64_t ver[256], src[256];
 } roots_view;
 
@@ -831,6 +954,7 @@ static int fetch_roots(roots_view *v, const char *job, size_t nblocks) {
  * GetStats or a fetch, as v says), or -1. */
 static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t step) {
   if (nblocks > 256) return -1;
+  v->polls++;
   if ((v->by_stats ? stats_roots(v, job, nblocks) : fetch_roots(v, job, nblocks)) != 0) return -1;
   int done = 0;
   for (size_t i = 0; i < nblocks; i++) done += v->src[i] >= step && v->ver[i] > 0;
@@ -839,7 +963,7 @@ static int poll_roots(roots_view *v, const char *job, size_t nblocks, uint64_t s
 
 /* Waits until each of the nv daemons of v holds roots of step (or later) for the first
  * nblocks blocks of job, polling every one not done yet in turn every 5 ms (so each is
- * polled alike); until quiet_s after t0 every 20 ms only; done_ms[c] (may be NULL): when
+ * polled alike), the first time quiet_s after t0 (0: at once); done_ms[c] (may be NULL): when
  * daemon c was seen done, ms after t0. 0, or -1 (message on stderr) after timeout_s. */
 static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks, uint64_t step,
                           double timeout_s, double t0, double quiet_s, double *done_ms) {
@@ -847,7 +971,11 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
   int done[MAXCH] = {0}, left = nv;
   if (nv > MAXCH || nblocks > 256) return -1;
   for (int c = 0; c < nv; c++) v[c].own_ms = -1;
-  double until = now_s() + timeout_s;
+  double until = now_s() + timeout_s, first = t0 + quiet_s - now_s();
+  if (first > 0) {
+    struct timespec t = {(time_t)first, (long)((first - (double)(time_t)first) * 1e9)};
+    nanosleep(&t, NULL);
+  }
   while (left > 0 && now_s() < until) {
     for (int c = 0; c < nv; c++) {
       if (done[c]) continue;
@@ -864,9 +992,7 @@ static int wait_roots_all(roots_view *v, int nv, const char *job, size_t nblocks
       }
     }
     if (left == 0) return 0;
-    double wait = 0.005, quiet = t0 + quiet_s - now_s();
-    if (quiet > wait) wait = quiet < 0.020 ? quiet : 0.020;
-    struct timespec t = {0, (long)(wait * 1e9)};
+    struct timespec t = {0, 5000000};
     nanosleep(&t, NULL);
   }
   if (left == 0) return 0;
@@ -1301,7 +1427,7 @@ static int start_ranks(const bench_opts *o, const char *dir, int R, mprun *m) {
 }
 
 enum { REPLICA_WARMUP = 2 }; /* untimed steps before a replica row's timed ones */
-#define REPLICA_QUIET 0.6    /* of the fastest step so far: polled every 20 ms only */
+#define REPLICA_QUIET 0.85 /* of the fastest step so far: not polled before */
 
 /* One rank's share of a replica round's push (a thread per rank, as data-parallel workers
  * push at once, each to its own daemon). */
@@ -1401,7 +1527,10 @@ static int run_replicas(const bench_opts *o) {
     int early = 0;
     for (int k = -REPLICA_WARMUP; rc == 0 && k < steps; k++) {
       if (k == 0)
-        for (int r = 0; r < R; r++) cpu_split(mprun_rank_pid(&m, r), cpu0[r]);
+        for (int r = 0; r < R; r++) {
+          cpu_split(mprun_rank_pid(&m, r), cpu0[r]);
+          view[r].polls = 0;
+        }
       for (int b = 0; b < B; b++)
         random_gram(n, n, &s, g, lp + (size_t)b * len, rp + (size_t)b * len);
       replica_push push[64];
@@ -1430,14 +1559,15 @@ static int run_replicas(const bench_opts *o) {
         pthread_join(th[r], NULL);
         if (push[r].rc != 0) rc = -1;
       }
-      /* Polls cost CPU on the cores the ranks need (GetStats: 4-6 ms per rank and step in the
-       * daemons' gRPC threads at R = 2, 5 ms more in the bench): every 20 ms in the first
-       * REPLICA_QUIET of the fastest step so far, then every 5 ms as before. */
+      /* Polls cost CPU on the cores the ranks need (a GetStats poll: 0.08 ms of a rank's gRPC
+       * threads and 0.1 ms of the bench's, measured below): none before REPLICA_QUIET of
+       * the fastest step so far, then every 5 ms. A step done before that is timed at the
+       * first poll (late, never early: the rule can only understate a row) and counted. */
       double quiet = fastest < INFINITY ? REPLICA_QUIET * fastest : 0;
       if (rc == 0)
         rc = wait_roots_all(view, R, job, (size_t)B, push[0].step, 600.0, t0, quiet, done);
       double took = now_s() - t0;
-      /* Seen done at a 20 ms poll: the step may have been up to 20 ms shorter. */
+      /* Seen done at the first poll: the step may have been shorter. */
       if (k >= 0 && took < quiet + 0.004) early++;
       if (took < fastest) fastest = took;
       if (k < 0) continue;
@@ -1465,16 +1595,34 @@ static int run_replicas(const bench_opts *o) {
       fprintf(stderr,
               "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step (pool %.1f, replica "
               "thread %.1f in %.1f runs, other threads %.1f: gRPC %.1f, main %.1f, MPI "
-              "runtime %.1f)\n",
+              "runtime %.1f); page faults per step: pool %.0f, other threads %.0f\n",
               R, r, all, t[CPU_POOL], t[CPU_REPLICA], (cpu[r][CPU_RUNS] - cpu0[r][CPU_RUNS]) / steps,
-              t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI]);
+              t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI],
+              (cpu[r][CPU_POOL_FAULTS] - cpu0[r][CPU_POOL_FAULTS]) / steps,
+              (cpu[r][CPU_FAULTS] - cpu0[r][CPU_FAULTS]) / steps);
       if (all * steps / 1e3 > busiest) busiest = all * steps / 1e3;
     }
     if (rc == 0)
       fprintf(stderr,
               "bench-daemon: replicas R=%d bench (pushes, polls): %.1f CPU ms per step; %d of %d "
-              "steps done at a 20 ms poll\n",
+              "steps done at the first poll\n",
               R, 1e3 * self_cpu / steps, early, steps);
+    /* What one of those polls costs, measured apart after the steps (nothing else runs on
+     * the ranks then): CPU per poll of rank 0's gRPC threads and of the bench. */
+    if (rc == 0) {
+      enum { NPOLL = 50 };
+      double a[CPU_NSPLIT], b[CPU_NSPLIT], c0 = self_cpu_s();
+      uint64_t polls = 0;
+      for (int r = 0; r < R; r++) polls += view[r].polls;
+      cpu_split(mprun_rank_pid(&m, 0), a);
+      for (int i = 0; i < NPOLL && rc == 0; i++) rc = stats_roots(&view[0], job, (size_t)B);
+      double bench_ms = 1e3 * (self_cpu_s() - c0) / NPOLL;
+      cpu_split(mprun_rank_pid(&m, 0), b);
+      fprintf(stderr,
+              "bench-daemon: replicas R=%d: %.1f polls per step (all ranks); one costs %.3f CPU "
+              "ms of a rank's gRPC threads and %.3f of the bench's\n",
+              R, (double)polls / steps, 1e3 * (b[CPU_GRPC] - a[CPU_GRPC]) / NPOLL, bench_ms);
+    }
     if (rc == 0 && o->cpu_clock) total = busiest;
     if (rc == 0) {
       double rate = (double)B * steps / total;
@@ -1570,6 +1718,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+        /* The region's push with its control as a gRPC call (before the doorbell): the
+         * doorbell's gain in this run. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+          rc = -1;
       }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
@@ -1736,6 +1888,11 @@ int main(int argc, char **argv) {
     size_t bytes = 2 * pc_packed_len(o.sizes[si]) * (o.bf16 ? 2 : 4);
     print_row("memcpy", "-", o.sizes[si], 1, 0, 0.2, o.memcpy_mb_s[si],
               o.memcpy_mb_s[si] * 1e6 / (double)bytes, o.memcpy_pct[si], "none", 0.0, bytes);
+    /* The cross-core reference, next to the memcpy it is a ratio of (measured again). */
+    double mc = memcpy_mb_s(bytes, NULL), xc = xcore_mb_s(bytes);
+    double none[3] = {0, 0, 0};
+    print_row("memcpy-xcore", "-", o.sizes[si], 2, 0, 0.2, xc, xc * 1e6 / (double)bytes, none,
+              "memcpy", mc, bytes);
   }
   int rc = 0;
   if (o.mpirun != NULL) {

@@ -188,14 +188,10 @@ static int passed(const struct timespec *t) {
   return now.tv_sec > t->tv_sec || (now.tv_sec == t->tv_sec && now.tv_nsec >= t->tv_nsec);
 }
 
-/* One unary call; maps the outcome to a PRECOND_* code and keeps the daemon's message. */
-static int call(precond_client *c, const char *method, const ProtobufCMessage *req,
-                const ProtobufCMessageDescriptor *desc, int wait_for_ready,
-                ProtobufCMessage **resp) {
-  grpc_status_code code = GRPC_STATUS_UNKNOWN;
-  char *details = NULL;
-  int rc = rpc_call_token(c->channel, method, req, desc, c->opts.call_timeout_ms, wait_for_ready,
-                          c->token, resp, &code, &details);
+/* rpc_call's outcome as a PRECOND_* status, the error kept for precond_last_error; frees
+ * details. */
+static int call_status(precond_client *c, const char *method, int rc, grpc_status_code code,
+                       char *details) {
   int st = PRECOND_OK;
   if (rc != RPC_OK) {
     if (rc == RPC_ESTATUS)
@@ -212,6 +208,17 @@ static int call(precond_client *c, const char *method, const ProtobufCMessage *r
   }
   free(details);
   return st;
+}
+
+/* One unary call; maps the outcome to a PRECOND_* code and keeps the daemon's message. */
+static int call(precond_client *c, const char *method, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *desc, int wait_for_ready,
+                ProtobufCMessage **resp) {
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  int rc = rpc_call_token(c->channel, method, req, desc, c->opts.call_timeout_ms, wait_for_ready,
+                          c->token, resp, &code, &details);
+  return call_status(c, method, rc, code, details);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -355,6 +362,27 @@ static void shm_lost(precond_client *c) {
   c->shm_retry = deadline_in(0);
 }
 
+/* A push through the region's doorbell (rpc_shm_call) where the daemon serves it and the
+ * request fits before the ring's end, else the gRPC call. A doorbell left unanswered spoils
+ * the region (a late answer would land in the ring): it is closed, the next call opens one. */
+static int call_push(precond_client *c, const ProtobufCMessage *req, ProtobufCMessage **resp) {
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  int rc = c->shm.bell ? rpc_shm_call(&c->shm, req, &precond__v1__push_response__descriptor,
+                                      c->opts.call_timeout_ms, resp, &code, &details)
+                       : RPC_ETOOBIG;
+  if (rc == RPC_ETOOBIG) {
+    free(details);
+    return call(c, RPC_METHOD_PUSH_STATISTICS, req, &precond__v1__push_response__descriptor, 0,
+                resp);
+  }
+  if (rc == RPC_ECALL) { /* no answer in time: DEADLINE_EXCEEDED, as a gRPC call says it */
+    shm_lost(c);
+    rc = RPC_ESTATUS;
+  }
+  return call_status(c, RPC_METHOD_PUSH_STATISTICS, rc, code, details);
+}
+
 static int send_batch_once(precond_client *c, const char *job, precond_mode mode,
                            precond__item **items, size_t n, int use_shm, uint64_t daemon[2],
                            uint64_t *shm_bytes);
@@ -429,8 +457,9 @@ static int send_batch_once(precond_client *c, const char *job, precond_mode mode
     req.shm = &sess;
   }
   ProtobufCMessage *resp = NULL;
-  st = call(c, RPC_METHOD_PUSH_STATISTICS, &req.base, &precond__v1__push_response__descriptor, 0,
-            &resp);
+  st = *shm_bytes > 0 ? call_push(c, &req.base, &resp)
+                      : call(c, RPC_METHOD_PUSH_STATISTICS, &req.base,
+                             &precond__v1__push_response__descriptor, 0, &resp);
   if (st == PRECOND_OK && *shm_bytes > 0) rpc_shm_rewind(&c->shm); /* slots read: reuse them */
   free(refs);
   if (resp != NULL) {

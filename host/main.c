@@ -767,6 +767,7 @@ int main(int argc, char **argv) {
   d.store.ended_max = d.cfg.ended_jobs;
   d.store.warm_roots = d.cfg.warm_roots; /* Register keeps room for the warm route's scratch */
   if (pd_shm_init(&d.shm, d.cfg.shm_dir, &d.store, &d.stats) != PD_OK) ok = 0;
+  pd_shm_serve_bells(&d.shm, pd_service_bell, &d); /* pushes rung in a region */
   int resharded = 0;
   if (*d.cfg.state_dir) {
     int rrc = pd__restore(&d, state_template, rep);

@@ -914,6 +914,14 @@ int pd_snapshot_set_aside_stale(const char *dir, char *newname, size_t len);
 
 typedef struct pd_shm_session pd_shm_session;
 
+/* Serves one request rung at a region's doorbell (rpc.h, rpc_shm_head): method
+ * RPC_SHM_BELL_*, its len packed bytes at req (in the region: the callee copies them once
+ * before reading them); puts the answer's gRPC status in *code and its bytes (the packed
+ * response on OK, the message otherwise) in out (cap bytes), returning how many. service.c's
+ * pd_service_bell, which serves it as the gRPC method's handler does. */
+typedef size_t (*pd_shm_bell_fn)(void *ctx, uint32_t method, const void *req, size_t len,
+                                 uint32_t *code, unsigned char *out, size_t cap);
+
 typedef struct {
   int inited;           /* 0 (a zeroed struct): shared memory is off */
   char dir[1024];       /* where regions are made; "": off */
@@ -933,12 +941,22 @@ typedef struct {
   uint64_t roots_seq;    /* the last publication's sequence number */
   uint64_t roots_oldest; /* the oldest publication whose entry may still be valid */
   uint64_t roots_pos;    /* the ring's next free byte, from the data's start */
+  /* The doorbell (pd_shm_serve_bells): one thread per region serves it while listed. */
+  pd_shm_bell_fn bell;
+  void *bell_ctx;
+  atomic_int bells; /* threads alive; pd_shm_destroy waits for none */
 } pd_shm;
 
 /* Sets r up to make regions in dir ("" or NULL: off; OpenSharedMemory is then refused). */
 int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats);
-/* Frees every region (sessions still referenced are freed by their last pd_shm_put). */
+/* Frees every region (sessions still referenced are freed by their last pd_shm_put), after
+ * the doorbell threads have ended (a request being served is finished first). */
 void pd_shm_destroy(pd_shm *r);
+/* Regions made from now on serve their doorbell with fn(ctx, ...): a thread per region
+ * waits on its futex while the region is listed. Before the first pd_shm_open. */
+void pd_shm_serve_bells(pd_shm *r, pd_shm_bell_fn fn, void *ctx);
+/* 1 when s's doorbell is served (ShmOpenResponse.doorbell). */
+int pd_shm_bell_served(const pd_shm_session *s);
 /* Makes a region of want bytes (0: PD_SHM_DEFAULT_BYTES; rounded up to whole ring slots)
  * and lists it. On PD_OK *out holds one reference for the caller (pd_shm_put). PD_EINVAL
  * (off, or a size outside the limits), PD_ELIMIT (too many regions, or over the memory
@@ -1053,6 +1071,11 @@ typedef struct {
 /* Handles one unary call of method m with request bytes payload (may be NULL); fills
  * reply. Never fails otherwise: every error becomes a status. */
 void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_reply *reply);
+
+/* A pd_shm_bell_fn (ctx: the pd_daemon): serves a push rung at a region's doorbell through
+ * pd_service_handle, as a PushStatistics call with those bytes. */
+size_t pd_service_bell(void *ctx, uint32_t method, const void *req, size_t len, uint32_t *code,
+                       unsigned char *out, size_t cap);
 
 /* What an ended job held, for the EndJob answer and the log. */
 typedef struct {

@@ -19,6 +19,10 @@
 #include <string.h>
 #include <time.h>
 
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+
 #include "health.pb-c.h"
 #include "precond.pb-c.h"
 #include "preconditioner.h"
@@ -640,6 +644,7 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
   pd_shm_roots_describe(&d->shm, &roots_path, &roots_bytes);
   resp.roots_path = (char *)(uintptr_t)(roots_path ? roots_path : "");
   resp.roots_bytes = roots_bytes;
+  resp.doorbell = pd_shm_bell_served(s);
   pd__answer(d, rep, &resp.base);
   pd_shm_put(&d->shm, s);
 }
@@ -1260,4 +1265,58 @@ void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_
       break;
   }
   protobuf_c_message_free_unpacked(req, NULL);
+}
+
+/* ---- the doorbell: a push rung in a region (rpc.h, rpc_shm_head; host/shm.c's thread) ---- */
+
+size_t pd_service_bell(void *ctx, uint32_t method, const void *req, size_t len, uint32_t *code,
+                       unsigned char *out, size_t cap) {
+  pd_daemon *d = ctx;
+  pd_reply rep;
+  memset(&rep, 0, sizeof rep);
+  if (method != RPC_SHM_BELL_PUSH) { /* rpc_shm_bell_read lets no other through */
+    pd__fail(&rep, GRPC_STATUS_UNIMPLEMENTED, "unknown method");
+  } else if (len > d->cfg.max_message_bytes) { /* gRPC's own check, before any copy */
+    pd__fail(&rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
+             "request above the message size limit (%zu bytes, --max-message-mb)",
+             d->cfg.max_message_bytes);
+    atomic_fetch_add(&d->stats.rejected_pushes, 1);
+  } else {
+    /* The one copy of the request's bytes (the client's memory); from here on it is the
+     * gRPC method's own handling, so every check, code and message is the same. */
+    grpc_slice sl = grpc_slice_from_copied_buffer(req, len);
+    grpc_byte_buffer *payload = grpc_raw_byte_buffer_create(&sl, 1);
+    grpc_slice_unref(sl);
+    pd_service_handle(d, PD_M_PUSH, payload, &rep);
+    grpc_byte_buffer_destroy(payload);
+  }
+  *code = (uint32_t)rep.code;
+  size_t n = 0;
+  if (rep.code != GRPC_STATUS_OK) {
+    pd_log(PD_LOG_DEBUG, "%s (doorbell): %s: %s", pd_method_paths[PD_M_PUSH],
+           rpc_status_name(rep.code), rep.message);
+    n = strnlen(rep.message, sizeof rep.message);
+    if (n > cap) n = cap;
+    memcpy(out, rep.message, n);
+  } else if (rep.payload) {
+    grpc_byte_buffer_reader rd;
+    grpc_slice sl;
+    if (grpc_byte_buffer_reader_init(&rd, rep.payload)) {
+      while (grpc_byte_buffer_reader_next(&rd, &sl)) {
+        size_t k = GRPC_SLICE_LENGTH(sl);
+        if (n + k > cap) { /* a PushResponse is tens of bytes: never, but never silently */
+          *code = GRPC_STATUS_INTERNAL;
+          n = (size_t)snprintf((char *)out, cap, "the response does not fit the doorbell's room");
+          grpc_slice_unref(sl);
+          break;
+        }
+        memcpy(out + n, GRPC_SLICE_START_PTR(sl), k);
+        n += k;
+        grpc_slice_unref(sl);
+      }
+      grpc_byte_buffer_reader_destroy(&rd);
+    }
+  }
+  if (rep.payload) grpc_byte_buffer_destroy(rep.payload);
+  return n;
 }

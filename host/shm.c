@@ -55,6 +55,10 @@ struct pd_shm_session {
   float **spare;
   size_t *spare_n;
   size_t nspare, spare_slots, spare_kept, spare_bytes;
+  /* The doorbell's thread (pd__shm_bell_main) holds a reference while it runs. */
+  pd_shm *reg;
+  int bell_on;
+  atomic_int bell_stop; /* set when the region is unlisted: the thread ends */
 };
 
 int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
@@ -229,6 +233,10 @@ static void pd__shm_unlist_locked(pd_shm *r, size_t i) {
   pd_shm_session *s = r->s[i];
   r->s[i] = r->s[--r->n];
   s->listed = 0;
+  if (s->bell_on) {
+    atomic_store(&s->bell_stop, 1);
+    rpc_shm_futex_wake(&((rpc_shm_head *)(void *)s->map)->bell);
+  }
   if (!s->attached && s->path[0]) {
     unlink(s->path);
     s->path[0] = '\0';
@@ -241,6 +249,8 @@ void pd_shm_destroy(pd_shm *r) {
   pthread_mutex_lock(&r->lock);
   while (r->n > 0) pd__shm_unlist_locked(r, r->n - 1);
   pthread_mutex_unlock(&r->lock);
+  /* The doorbell threads finish the request they serve (it may look regions up) and end. */
+  for (int i = 0; atomic_load(&r->bells) > 0 && i < 30000; i++) usleep(1000);
   pthread_mutex_destroy(&r->lock);
   if (r->roots) {
     munmap(r->roots, r->roots_bytes);
@@ -252,6 +262,76 @@ void pd_shm_destroy(pd_shm *r) {
   }
   pthread_mutex_destroy(&r->roots_lock);
   r->inited = 0;
+}
+
+void pd_shm_serve_bells(pd_shm *r, pd_shm_bell_fn fn, void *ctx) {
+  r->bell = fn;
+  r->bell_ctx = ctx;
+}
+
+int pd_shm_bell_served(const pd_shm_session *s) {
+  return s->bell_on;
+}
+
+/* A region's doorbell (rpc.h, rpc_shm_head): waits on the head's bell word, serves each
+ * request rung through r->bell and answers in the region, until the region is unlisted.
+ * Holds a reference to s. */
+static void *pd__shm_bell_main(void *arg) {
+  pd_shm_session *s = arg;
+  pd_shm *r = s->reg;
+  rpc_shm_head *h = (void *)s->map;
+  /* The region is new (its file made zeroed): 0 rung. Not the word's value now: the client
+   * may have rung before this thread first ran. */
+  uint32_t seen = 0;
+  unsigned char out[RPC_SHM_BELL_REPLY];
+  while (!atomic_load(&s->bell_stop)) {
+    if (__atomic_load_n(&h->bell, __ATOMIC_ACQUIRE) == seen) {
+      /* A timed wait only as a safety net: the unlisting wakes it. */
+      rpc_shm_futex_wait(&h->bell, seen, 1000);
+      continue;
+    }
+    rpc_shm_bell b;
+    int ok = rpc_shm_bell_read(s->map, s->bytes, &b) == RPC_OK;
+    seen = b.bell;
+    uint32_t code = GRPC_STATUS_INVALID_ARGUMENT;
+    size_t n;
+    if (ok)
+      n = r->bell(r->bell_ctx, b.method, s->map + b.req_offset, b.req_length, &code, out,
+                  sizeof out - RPC_SHM_REPLY_HEAD);
+    else
+      n = (size_t)snprintf((char *)out, sizeof out,
+                           "shm doorbell: the request or its answer's room lies outside the "
+                           "region's push ring, or the method (%u) is unknown",
+                           (unsigned)b.method);
+    rpc_shm_bell_answer(s->map, s->bytes, &b, code, out, n);
+  }
+  pd_shm_put(r, s);
+  atomic_fetch_sub(&r->bells, 1);
+  return NULL;
+}
+
+/* Starts s's doorbell thread when the daemon serves bells (s->bell_on). */
+static void pd__shm_bell_start(pd_shm *r, pd_shm_session *s) {
+  if (!r->bell || s->bytes / 2 <= RPC_SHM_PUSH_RING) return;
+  s->reg = r;
+  atomic_fetch_add(&s->refs, 1);
+  atomic_fetch_add(&r->bells, 1);
+  pthread_attr_t at;
+  pthread_t t;
+  int ok = pthread_attr_init(&at) == 0;
+  if (ok) {
+    ok = pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+         pthread_create(&t, &at, pd__shm_bell_main, s) == 0;
+    pthread_attr_destroy(&at);
+  }
+  if (ok) {
+    s->bell_on = 1;
+    return;
+  }
+  pd_log(PD_LOG_WARN, "shm: region %llu: no doorbell thread (pushes go over gRPC)",
+         (unsigned long long)s->id);
+  atomic_fetch_sub(&r->bells, 1);
+  atomic_fetch_sub(&s->refs, 1);
 }
 
 int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_t errlen) {
@@ -346,6 +426,7 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
   }
   s->listed = 1;
   r->s[r->n++] = s;
+  pd__shm_bell_start(r, s); /* under the lock: bell_on is set before any unlisting reads it */
   pthread_mutex_unlock(&r->lock);
   atomic_fetch_add(&r->opened, 1);
   *out = s;

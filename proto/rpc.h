@@ -331,6 +331,8 @@ typedef struct {
   uint64_t in_laps;           /* times the push ring wrapped (its slots' stamps) */
   const unsigned char *roots; /* the daemon's roots area, read-only; NULL: none */
   size_t roots_bytes;
+  int bell;      /* the daemon serves this region's doorbell (ShmOpenResponse.doorbell) */
+  uint32_t rung; /* requests rung so far (rpc_shm_head.bell) */
 } rpc_shm;
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
@@ -385,6 +387,71 @@ size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef
  * so rpc_shm_push_intact stays exact: a slot still being read (the caller rewound after a
  * call it gave up on) is refused, not read mixed. A no-op on an empty ring. */
 void rpc_shm_rewind(rpc_shm *s);
+
+/* The doorbell (session 9): a push rung in the region instead of sent as a gRPC call, so
+ * gRPC carries only the region's opening and the calls that do not fit. The push ring's
+ * head (the RPC_SHM_PUSH_RING bytes before the ring) is laid out as rpc_shm_head. The
+ * client packs the PushRequest it would send (references into the ring, as for gRPC) into a
+ * slot of the ring followed by RPC_SHM_BELL_REPLY bytes for the answer, fills the head's
+ * request fields, then adds 1 to bell (release) and wakes the daemon's futex on it. The
+ * daemon's thread for the region reads the head once (rpc_shm_bell_read: the request and
+ * the answer must lie in the ring), copies the request out and serves it exactly as the
+ * gRPC method's handler (the same admission, parse, validation, status codes and messages),
+ * writes the answer (rpc_shm_bell_answer: a uint32_t status code, a uint32_t length, then
+ * the packed response on OK or the message otherwise) and then stores bell's value in
+ * answered (release) and wakes the client's futex on it. One request at a time per region
+ * (one client thread uses a region). The region was opened by an authenticated
+ * OpenSharedMemory call and the request names the region's secret, as over gRPC. */
+typedef struct {
+  uint64_t ring_head;    /* the push ring's head (above), the client's */
+  uint32_t bell;         /* futex word: requests rung, the client's */
+  uint32_t answered;     /* futex word: the last bell answered, the daemon's */
+  uint64_t req_offset;   /* the packed request, from the region's start */
+  uint32_t req_length;   /* bytes */
+  uint32_t method;       /* RPC_SHM_BELL_PUSH */
+  uint64_t reply_offset; /* where the answer goes, from the region's start */
+  uint32_t reply_cap;    /* bytes there, RPC_SHM_REPLY_HEAD included */
+  uint32_t pad[5];
+} rpc_shm_head;
+#define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
+#define RPC_SHM_BELL_REPLY 1024u
+#define RPC_SHM_REPLY_HEAD 8u
+#define RPC_SHM_NO_ANSWER  0xffffffffu /* the status the client leaves before ringing */
+
+/* One rung request as the daemon read it (rpc_shm_bell_read), checked against the region. */
+typedef struct {
+  uint32_t bell, method, req_length, reply_cap;
+  uint64_t req_offset, reply_offset;
+} rpc_shm_bell;
+
+/* Reads the head of the region map (bytes long) once into *b: RPC_OK when the request and
+ * the answer's room lie in the push ring (no overflow for any values), the method is known
+ * and the room holds at least RPC_SHM_REPLY_HEAD bytes; RPC_EINVAL otherwise (the request
+ * cannot be served; when reply_offset/reply_cap alone are sound, the caller may still
+ * answer). Call after seeing bell move (the load of bell was an acquire). */
+int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b);
+
+/* Writes the answer to b (code, then len bytes of msg, cut to the room), then publishes it:
+ * answered = b->bell (release) and a futex wake. b's reply fields must have passed
+ * rpc_shm_bell_read; with them unsound only answered moves (the client reports a malformed
+ * answer). */
+void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b, uint32_t code,
+                         const void *msg, size_t len);
+
+/* Waits while *word == val, up to timeout_ms (< 0: no limit), on a futex shared between
+ * processes (a MAP_SHARED mapping): returns at a wake, a change, the timeout or a signal;
+ * the caller checks the word again. Wakes every waiter on word. */
+void rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms);
+void rpc_shm_futex_wake(uint32_t *word);
+
+/* rpc_call of PushStatistics through s's doorbell (above), with rpc_call's outputs and
+ * returns. RPC_EINVAL when s serves no doorbell and RPC_ETOOBIG when the request and its
+ * answer do not fit before the ring's end (send the call over gRPC instead: nothing was
+ * rung). No answer by deadline_ms (> 0) gives RPC_ECALL with DEADLINE_EXCEEDED, and the
+ * region must then be closed (the daemon may still write the late answer into the ring). */
+int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                 ProtobufCMessage **resp, grpc_status_code *status, char **details);
 
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */

@@ -20,7 +20,13 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#endif
 
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78): iSCSI's and ext4's, and the one
  * x86's SSE 4.2 computes in hardware. */
@@ -326,6 +332,8 @@ int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t
   s->bytes = (size_t)r->bytes;
   s->id = r->id;
   memcpy(s->secret, r->secret.data, RPC_SHM_SECRET_BYTES);
+  s->bell = r->doorbell && s->bytes / 2 > RPC_SHM_PUSH_RING;
+  s->rung = __atomic_load_n(&((rpc_shm_head *)map)->bell, __ATOMIC_ACQUIRE);
   /* The roots area, read-only, if there is one and it can be mapped: without it fetches
    * get their roots in this region's half, as from an older daemon. */
   int rfd = r->roots_path && r->roots_path[0] && r->roots_bytes > RPC_SHM_ROOTS_DATA
@@ -405,6 +413,150 @@ void rpc_shm_rewind(rpc_shm *s) {
   if (s->in_pos == 0) return;
   s->in_pos = 0;
   s->in_laps++; /* the next slot's stamp starts a lap: the rest of this one counts as taken */
+}
+
+/* ---- the doorbell (rpc.h: rpc_shm_head) ---- */
+
+_Static_assert(sizeof(rpc_shm_head) == RPC_SHM_PUSH_RING, "the doorbell is the ring's head");
+
+void rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms) {
+#if defined(__linux__)
+  struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  /* Not FUTEX_PRIVATE_FLAG: the word is in a mapping another process shares. */
+  syscall(SYS_futex, word, FUTEX_WAIT, val, timeout_ms < 0 ? NULL : &ts, NULL, 0);
+#else
+  (void)word;
+  (void)val;
+  struct timespec ts = {0, 100000L}; /* no futex: poll */
+  (void)timeout_ms;
+  nanosleep(&ts, NULL);
+#endif
+}
+
+void rpc_shm_futex_wake(uint32_t *word) {
+#if defined(__linux__)
+  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#else
+  (void)word;
+#endif
+}
+
+int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b) {
+  memset(b, 0, sizeof *b);
+  uint64_t half = bytes / 2;
+  if (map == NULL || half <= RPC_SHM_PUSH_RING) return RPC_EINVAL;
+  /* Each field once: what is checked is what is used, whatever the client writes now. */
+  const rpc_shm_head *h = (const void *)map;
+  b->bell = __atomic_load_n(&h->bell, __ATOMIC_ACQUIRE);
+  b->req_offset = __atomic_load_n(&h->req_offset, __ATOMIC_RELAXED);
+  b->req_length = __atomic_load_n(&h->req_length, __ATOMIC_RELAXED);
+  b->method = __atomic_load_n(&h->method, __ATOMIC_RELAXED);
+  b->reply_offset = __atomic_load_n(&h->reply_offset, __ATOMIC_RELAXED);
+  b->reply_cap = __atomic_load_n(&h->reply_cap, __ATOMIC_RELAXED);
+  if (b->reply_cap < RPC_SHM_REPLY_HEAD || b->reply_offset % 8 != 0 ||
+      rpc_shm_ref_check(bytes, RPC_SHM_PUSH_RING, half, b->reply_offset, b->reply_cap,
+                        b->reply_cap) != RPC_OK) {
+    b->reply_cap = 0; /* no room to answer in */
+    return RPC_EINVAL;
+  }
+  if (b->method != RPC_SHM_BELL_PUSH ||
+      rpc_shm_ref_check(bytes, RPC_SHM_PUSH_RING, half, b->req_offset, b->req_length,
+                        b->req_length) != RPC_OK)
+    return RPC_EINVAL;
+  return RPC_OK;
+}
+
+void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b, uint32_t code,
+                         const void *msg, size_t len) {
+  rpc_shm_head *h = (void *)map;
+  if (b->reply_cap >= RPC_SHM_REPLY_HEAD && b->reply_offset <= bytes &&
+      bytes - b->reply_offset >= b->reply_cap) {
+    if (len > b->reply_cap - RPC_SHM_REPLY_HEAD) len = b->reply_cap - RPC_SHM_REPLY_HEAD;
+    unsigned char *at = map + b->reply_offset;
+    uint32_t n = (uint32_t)len;
+    if (len) memcpy(at + RPC_SHM_REPLY_HEAD, msg, len);
+    memcpy(at + 4, &n, 4);
+    memcpy(at, &code, 4);
+  }
+  __atomic_store_n(&h->answered, b->bell, __ATOMIC_RELEASE);
+  rpc_shm_futex_wake(&h->answered);
+}
+
+static double rpc__now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
+}
+
+int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                 ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  if (!status) status = &code_;
+  if (resp) *resp = NULL;
+  if (details) *details = NULL;
+  *status = GRPC_STATUS_INVALID_ARGUMENT;
+  if (!s || !req || !resp_desc || !resp || !s->map || !s->bell) return RPC_EINVAL;
+  uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint64_t room = (len + 7) / 8 * 8 + RPC_SHM_BELL_REPLY, off;
+  /* Only where it fits before the ring's end: a wrap would put it over the push's slots. */
+  *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
+  if (len > UINT32_MAX || s->in_pos > ring || ring - s->in_pos < room ||
+      rpc_shm_ring_take(&s->in_pos, ring, room, &off) != RPC_OK)
+    return RPC_ETOOBIG;
+  unsigned char *at = s->map + RPC_SHM_PUSH_RING + off;
+  protobuf_c_message_pack(req, at);
+  uint32_t none = RPC_SHM_NO_ANSWER;
+  uint64_t reply = RPC_SHM_PUSH_RING + off + (len + 7) / 8 * 8;
+  memcpy(s->map + reply, &none, 4);
+  rpc_shm_head *h = (void *)s->map;
+  __atomic_store_n(&h->req_offset, RPC_SHM_PUSH_RING + off, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->req_length, (uint32_t)len, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->method, RPC_SHM_BELL_PUSH, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_cap, RPC_SHM_BELL_REPLY, __ATOMIC_RELAXED);
+  uint32_t mine = ++s->rung;
+  __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
+  rpc_shm_futex_wake(&h->bell);
+  double until = deadline_ms > 0 ? rpc__now_ms() + (double)deadline_ms : 0;
+  for (;;) {
+    uint32_t seen = __atomic_load_n(&h->answered, __ATOMIC_ACQUIRE);
+    if (seen == mine) break;
+    long wait = -1;
+    if (deadline_ms > 0) {
+      double left = until - rpc__now_ms();
+      if (left <= 0) {
+        *status = GRPC_STATUS_DEADLINE_EXCEEDED;
+        if (details) *details = strdup("the daemon did not answer the region's doorbell in time");
+        return RPC_ECALL;
+      }
+      wait = (long)left + 1;
+    }
+    rpc_shm_futex_wait(&h->answered, seen, wait);
+  }
+  uint32_t code, n;
+  memcpy(&code, s->map + reply, 4);
+  memcpy(&n, s->map + reply + 4, 4);
+  if (code == RPC_SHM_NO_ANSWER || n > RPC_SHM_BELL_REPLY - RPC_SHM_REPLY_HEAD) {
+    *status = GRPC_STATUS_INTERNAL;
+    if (details) *details = strdup("the daemon's answer at the doorbell is malformed");
+    return RPC_EPARSE;
+  }
+  const uint8_t *body = s->map + reply + RPC_SHM_REPLY_HEAD;
+  *status = (grpc_status_code)code;
+  if (code != GRPC_STATUS_OK) {
+    if (details) *details = strndup((const char *)body, n);
+    return RPC_ESTATUS;
+  }
+  *resp = protobuf_c_message_unpack(resp_desc, NULL, n, body);
+  if (*resp == NULL) {
+    *status = GRPC_STATUS_INTERNAL;
+    if (details) *details = strdup("the daemon's answer at the doorbell does not parse");
+    return RPC_EPARSE;
+  }
+  if (details) *details = strdup("");
+  return RPC_OK;
 }
 
 void rpc_shm_fetch_request(const rpc_shm *s, Precond__V1__ShmSession *w,

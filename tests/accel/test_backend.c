@@ -1369,7 +1369,7 @@ static void conv3x3_bitwise(int isa) {
   const size_t n = 21, c = 16, h = 28, w = 28, nx = n * c * h * w, nw = c * c * 9;
   const size_t ns = 300 * 301 / 2;
   float *hx = host_rand(nx), *hdy = host_rand(nx), *hwt = host_rand(nw);
-  float *out[2] = {NULL, NULL};
+  float *out[2] = {NULL, NULL}, *s2[2] = {NULL, NULL};
   for (int t = 0; t < 2; t++) {
     ac_backend *b = be[t];
     float *x = dev_up(b, hx, nx), *dy = dev_up(b, hdy, nx), *wt = dev_up(b, hwt, nw);
@@ -1378,6 +1378,16 @@ static void conv3x3_bitwise(int isa) {
     if (direct) {
       OK(ac_conv3x3(b, n, c, c, h, w, x, wt, r));
       OK(ac_conv3x3_wgrad(b, n, c, c, h, w, x, dy, r + nx));
+    }
+    if (direct) { /* stride 2: 16 -> 16 channels, y and dy of a quarter of the plane */
+      s2[t] = dev_alloc(b, (nx / 4 + nw + nx) * sizeof(float));
+      OK(ac_fill_f32(b, nw, s2[t] + nx / 4, 0.0f));
+      OK(ac_conv_s2(b, n, c, c, h, w, 3, x, wt, s2[t]));
+      OK(ac_conv_s2_wgrad(b, n, c, c, h, w, 3, x, dy, s2[t] + nx / 4));
+      OK(ac_conv_s2_dgrad(b, n, c, c, h, w, 3, dy, wt, s2[t] + nx / 4 + nw));
+      float *d = dev_down(b, s2[t], nx / 4 + nw + nx);
+      ac_free(b, s2[t]);
+      s2[t] = d;
     }
     /* syrk: blocks of rows of the triangle, from both ends */
     OK(ac_syrk_packed(b, AC_NO_TRANS, 300, 400, 1.0f, x, 400, 0.0f, r + 3 * nx + nw));
@@ -1392,6 +1402,9 @@ static void conv3x3_bitwise(int isa) {
     ac_free(b, r);
   }
   assert_memory_equal(out[0], out[1], (3 * nx + nw + ns) * sizeof(float));
+  if (direct) assert_memory_equal(s2[0], s2[1], (nx / 4 + nw + nx) * sizeof(float));
+  free(s2[0]);
+  free(s2[1]);
   const float *sw = out[1] + nx + nw, *rt = sw + nx;
   for (size_t b = 0; b < n; b++)
     for (size_t ch = 0; ch < c; ch++)
@@ -1565,11 +1578,87 @@ static void conv3x3_against_loops(ac_backend *be) {
   assert_int_equal(ac_conv3x3(be, 0, 4, 4, 1, 1, NULL, NULL, NULL), AC_OK);      /* nothing */
 }
 
+/* The direct stride-2 convs (3x3 padding 1, 1x1 no padding) against double loops: forward,
+ * the weight gradient added to what dw held and the input gradient (overwritten: every
+ * pixel, the odd ones of a 1x1 conv included); sizes that take every block path (28x28 ->
+ * 14x14, 6 x 10, 2 x 2), 4-32 channels. Unsupported shapes answer AC_ENOTSUP. */
+static void conv_s2_against_loops(ac_backend *be) {
+  const size_t shapes[][6] = {{3, 4, 8, 28, 28, 3}, {2, 8, 4, 14, 14, 3}, {3, 4, 4, 6, 10, 3},
+                              {2, 4, 8, 2, 2, 3},   {3, 4, 8, 28, 28, 1}, {2, 8, 12, 6, 10, 1},
+                              {2, 32, 16, 14, 14, 3}};
+  if (!ac_conv_s2_supported(be, 4, 4, 2, 2, 3)) {
+    float z[3] = {0, 0, 0};
+    assert_int_equal(ac_conv_s2(be, 1, 4, 4, 2, 2, 3, z, z + 1, z + 2), AC_ENOTSUP);
+    print_message("conv_s2: no direct kernels on %s\n", ac_backend_describe(be));
+    return;
+  }
+  assert_false(ac_conv_s2_supported(be, 4, 4, 3, 2, 3)); /* odd height */
+  assert_false(ac_conv_s2_supported(be, 6, 4, 2, 2, 3)); /* input channels in blocks of 4 */
+  assert_false(ac_conv_s2_supported(be, 4, 4, 2, 2, 5));
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    size_t n = shapes[s][0], c = shapes[s][1], oc = shapes[s][2], h = shapes[s][3];
+    size_t w = shapes[s][4], k = shapes[s][5], pad = k / 2, oh = h / 2, ow = w / 2, kk = k * k;
+    size_t nx = n * c * h * w, ny = n * oc * oh * ow, nw = oc * c * kk;
+    float *hx = host_rand(nx), *hwt = host_rand(nw), *hdy = host_rand(ny), *hdw = host_rand(nw);
+    double *want = dzeros(ny), *want_dw = dzeros(nw), *want_dx = dzeros(nx);
+    for (size_t i = 0; i < nw; i++) want_dw[i] = hdw[i];
+    for (size_t b = 0; b < n; b++)
+      for (size_t o = 0; o < oc; o++)
+        for (size_t yy = 0; yy < oh; yy++)
+          for (size_t xx = 0; xx < ow; xx++)
+            for (size_t ch = 0; ch < c; ch++)
+              for (size_t t = 0; t < kk; t++) {
+                long iy = 2 * (long)yy + (long)(t / k) - (long)pad;
+                long ix = 2 * (long)xx + (long)(t % k) - (long)pad;
+                if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
+                size_t yi = ((b * oc + o) * oh + yy) * ow + xx, wi = (o * c + ch) * kk + t;
+                size_t xi = ((b * c + ch) * h + (size_t)iy) * w + (size_t)ix;
+                want[yi] += (double)hwt[wi] * hx[xi];
+                want_dw[wi] += (double)hdy[yi] * hx[xi];
+                want_dx[xi] += (double)hdy[yi] * hwt[wi];
+              }
+    float *x = dev_up(be, hx, nx), *wt = dev_up(be, hwt, nw), *dy = dev_up(be, hdy, ny);
+    float *dw = dev_up(be, hdw, nw), *y = dev_alloc(be, ny * sizeof(float));
+    float *dx = dev_alloc(be, nx * sizeof(float));
+    OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
+    OK(ac_fill_f32(be, nx, dx, NAN));
+    OK(ac_conv_s2(be, n, c, oc, h, w, k, x, wt, y));
+    OK(ac_conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw));
+    OK(ac_conv_s2_dgrad(be, n, c, oc, h, w, k, dy, wt, dx));
+    float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw), *got_dx = dev_down(be, dx, nx);
+    expect_close("conv_s2", got, want, ny, 2e-6 * (double)(c * kk), 1e-5);
+    expect_close("conv_s2 wgrad", got_dw, want_dw, nw, 2e-6 * (double)(n * oh * ow), 1e-5);
+    expect_close("conv_s2 dgrad", got_dx, want_dx, nx, 2e-6 * (double)(oc * kk), 1e-5);
+    free(got);
+    free(got_dw);
+    free(got_dx);
+    free(want);
+    free(want_dw);
+    free(want_dx);
+    free(hx);
+    free(hwt);
+    free(hdy);
+    free(hdw);
+    ac_free(be, x);
+    ac_free(be, wt);
+    ac_free(be, dy);
+    ac_free(be, dw);
+    ac_free(be, y);
+    ac_free(be, dx);
+  }
+  float z[4] = {0, 0, 0, 0};
+  assert_int_equal(ac_conv_s2(be, 1, 4, 4, 2, 2, 3, z, z + 1, z), AC_EINVAL); /* y aliases x */
+  assert_int_equal(ac_conv_s2_dgrad(be, 1, 4, 4, 2, 2, 3, NULL, z + 1, z + 2), AC_EINVAL);
+  assert_int_equal(ac_conv_s2_wgrad(be, 1, 4, 4, 2, 2, 3, z, z, z + 2), AC_EINVAL); /* dy == x */
+  assert_int_equal(ac_conv_s2(be, 0, 4, 4, 2, 2, 3, NULL, NULL, NULL), AC_OK);      /* nothing */
+}
+
 /* The group's backend, then on the CPU every variant: the portable cap has no direct
  * kernels; AVX2 and AVX-512F (where the processor has them) against the double loops. */
 static void test_conv3x3(void **state) {
   ac_backend *be = backend(state);
   conv3x3_against_loops(be);
+  conv_s2_against_loops(be);
   if (ac_backend_kind_of(be) != AC_BACKEND_CPU) return;
   for (size_t i = 0; i < sizeof conv_isas / sizeof conv_isas[0]; i++) {
     ac_backend_opts opts;
@@ -1580,11 +1669,13 @@ static void test_conv3x3(void **state) {
     const char *desc = ac_backend_describe(v);
     if (conv_isas[i] == AC_CPU_ISA_PORTABLE) {
       assert_false(ac_conv3x3_supported(v, 16, 16));
+      assert_false(ac_conv_s2_supported(v, 16, 16, 28, 28, 3));
       assert_non_null(strstr(desc, "direct convs none"));
     } else if (strstr(desc, conv_isas[i] == AC_CPU_ISA_AVX2 ? "AVX2" : "AVX-512F") == NULL) {
       print_message("conv3x3: variant %d not run by this processor (%s)\n", conv_isas[i], desc);
     }
     conv3x3_against_loops(v);
+    conv_s2_against_loops(v);
     ac_backend_destroy(v);
   }
 }

@@ -861,7 +861,22 @@ static void case_conv_direct_tiny(ac_backend *be, refcase *rc, result *res) {
   conv_case(be, rc, res, &cfg);
 }
 
+/* The downsampling convs on the CPU backend's direct stride-2 kernels (ac_conv_s2) for y,
+ * dW and dx where it has them: 3x3 padding 1 and the 1x1 projection, even inputs, channels
+ * in blocks of 4. */
+static void case_conv_direct_s2(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 4, 6, 10, 8, 3, 2, 1, 3, 5, 0};
+  conv_case(be, rc, res, &cfg);
+}
+
+static void case_conv_direct_s2_1x1(ac_backend *be, refcase *rc, result *res) {
+  static const conv_cfg cfg = {3, 8, 6, 4, 4, 1, 2, 0, 3, 2, 0};
+  conv_case(be, rc, res, &cfg);
+}
+
 static void test_conv_stride1(void **state) {
+  run_case(state, "conv2d direct stride 2", case_conv_direct_s2);
+  run_case(state, "conv2d direct stride 2 1x1", case_conv_direct_s2_1x1);
   run_case(state, "conv2d direct", case_conv_direct);
   run_case(state, "conv2d direct tiny", case_conv_direct_tiny);
   run_case(state, "conv2d stride 1", case_conv_s1);

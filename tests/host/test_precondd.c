@@ -1767,6 +1767,171 @@ static void test_shm(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* A one-block push (block id, left and right n x n) rung at the doorbell of v: slots of the
+ * push ring, then rpc_shm_call; the answer's message in msg. job NULL: an empty job name;
+ * secret_bad: a wrong secret in the request. */
+static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, uint32_t id,
+                                  uint32_t n, const float *left, const float *right, int secret_bad,
+                                  char *msg) {
+  size_t len = pc_packed_len(n) * 4;
+  Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
+                            r = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__ShmRef rl, rr;
+  l.n = r.n = n;
+  memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
+  memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
+  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
+  b.block_id = id;
+  b.left = &l;
+  b.right = &r;
+  Precond__V1__ShmSession sess;
+  rpc_shm_session(v, &sess);
+  uint8_t secret[RPC_SHM_SECRET_BYTES];
+  memcpy(secret, v->secret, sizeof secret);
+  secret[0] ^= (uint8_t)secret_bad;
+  sess.secret.data = secret;
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = (char *)(job ? job : "");
+  req.step = step;
+  req.n_blocks = 1;
+  req.blocks = &bp;
+  req.shm = &sess;
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  int rc = rpc_shm_call(v, &req.base, &precond__v1__push_response__descriptor, 20000, &resp, &code,
+                        &details);
+  assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
+  snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  if (rc == RPC_OK) {
+    assert_int_equal(((Precond__V1__PushResponse *)resp)->accepted, 1);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    rpc_shm_rewind(v);
+  }
+  return code;
+}
+
+/* Rings v's doorbell by hand: len bytes of req at the ring's start, the head naming them at
+ * req_offset (0: there) with method; returns the answer's code, its message in msg. */
+static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_offset,
+                         uint32_t method, char *msg) {
+  rpc_shm_head *h = (void *)v->map;
+  const uint64_t at = RPC_SHM_PUSH_RING, reply = RPC_SHM_PUSH_RING + 4096;
+  memcpy(v->map + at, req, len);
+  uint32_t code = RPC_SHM_NO_ANSWER, n = 0;
+  memcpy(v->map + reply, &code, 4);
+  h->req_offset = req_offset ? req_offset : at;
+  h->req_length = (uint32_t)len;
+  h->method = method;
+  h->reply_offset = reply;
+  h->reply_cap = RPC_SHM_BELL_REPLY;
+  uint32_t mine = ++v->rung;
+  __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE);
+  rpc_shm_futex_wake(&h->bell);
+  for (int i = 0; i < 200 && __atomic_load_n(&h->answered, __ATOMIC_ACQUIRE) != mine; i++)
+    rpc_shm_futex_wait(&h->answered, __atomic_load_n(&h->answered, __ATOMIC_ACQUIRE), 100);
+  assert_int_equal(__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE), mine);
+  memcpy(&code, v->map + reply, 4);
+  memcpy(&n, v->map + reply + 4, 4);
+  assert_true(n <= RPC_SHM_BELL_REPLY - RPC_SHM_REPLY_HEAD);
+  snprintf(msg, 512, "%.*s", (int)n, (const char *)v->map + reply + RPC_SHM_REPLY_HEAD);
+  return code;
+}
+
+/* The doorbell (rpc.h, rpc_shm_head), through a real precondd: a push rung in the region is
+ * stored as the same push over gRPC stores it (roots bit for bit); every refusal reaches the
+ * client with the gRPC path's code and message (here compared with the bytes path's own),
+ * nothing stored; a head or request the daemon cannot serve is refused naming it; the
+ * region is still freed once its client lets go, and the daemon stops cleanly. */
+static void test_shm_doorbell(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char shm_dir[300], msg[512], want[512], err[256];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, "64");
+  rpc_shm v;
+  grpc_status_code code;
+  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
+  assert_true(v.bell);
+  const uint32_t n = 8;
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  assert_int_equal(do_register(&d, "viabell", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 31), *sr = random_stat(n, 32), *nan = random_stat(n, 33);
+  nan[5] = INFINITY;
+
+  /* Refused with the bytes path's very code and message: */
+  blockstat bn = {0, n, n, nan, sr, 0}, bo = {3, n, n, sl, sr, 0};
+  assert_int_equal(bell_push(&v, "viabell", 1, 0, n, nan, sr, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "viabell", 1, &bn, 1, NULL, want), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(msg, want);
+  assert_non_null(strstr(msg, "blocks[0].left.data: NaN or Inf"));
+  assert_int_equal(bell_push(&v, "viabell", 1, 3, n, sl, sr, 0, msg), GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(do_push(&d, "viabell", 1, &bo, 1, NULL, want), GRPC_STATUS_NOT_FOUND);
+  assert_string_equal(msg, want);
+  assert_int_equal(bell_push(&v, "nosuchjob", 1, 0, n, sl, sr, 0, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(msg, "is not registered"));
+  assert_int_equal(bell_push(&v, NULL, 1, 0, n, sl, sr, 0, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(msg, "job: empty");
+  assert_int_equal(bell_push(&v, "viabell", (uint64_t)1 << 60, 0, n, sl, sr, 0, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "step: "));
+  assert_int_equal(bell_push(&v, "viabell", 1, 0, n, sl, sr, 1, msg),
+                   GRPC_STATUS_FAILED_PRECONDITION); /* a wrong secret */
+  assert_non_null(strstr(msg, "shm: no region"));
+  /* Rung by hand: bytes that do not parse, a request outside the push ring, a method the
+   * doorbell does not serve. */
+  const unsigned char junk[] = {0xff, 0xff, 0xff, 0xff};
+  assert_int_equal(bell_raw(&v, junk, sizeof junk, 0, RPC_SHM_BELL_PUSH, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "request: does not parse"));
+  assert_int_equal(bell_raw(&v, junk, sizeof junk, v.bytes / 2 + 64, RPC_SHM_BELL_PUSH, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "shm doorbell: "));
+  assert_int_equal(bell_raw(&v, junk, sizeof junk, 0, 7, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "method (7)"));
+  Precond__V1__StatsResponse *st = get_stats(&d, "viabell");
+  assert_int_equal(st->job_stats[0]->last_step, 0); /* nothing of any of them stored */
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+
+  /* Stored: the same roots as the same bytes over gRPC, bit for bit, over two steps (the
+   * second folded into the first). */
+  for (uint64_t step = 1; step <= 2; step++) {
+    assert_int_equal(bell_push(&v, "viabell", step, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+    blockstat bs = {0, n, n, sl, sr, 0};
+    assert_int_equal(do_push(&d, "viabytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  }
+  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 2);
+  Precond__V1__FetchResponse *fs = wait_step_roots(&d, "viabell", 1, 2);
+  const Precond__V1__PackedMatrix *side[2], *bside[2];
+  root_sides(fs, side);
+  root_sides(fb, bside);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(side[k]->data.len, bside[k]->data.len);
+    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
+  }
+  protobuf_c_message_free_unpacked(&fs->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+
+  /* The client lets go: the region (and its doorbell's thread) is freed within seconds. */
+  rpc_shm_close(&v);
+  int tries = 0;
+  while (shm_regions(&d) > 0 && tries++ < 100) sleep_ms(100);
+  assert_int_equal(shm_regions(&d), 0);
+  /* A region still open at the stop: the daemon ends its doorbell's thread and exits 0. */
+  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
+  assert_int_equal(bell_push(&v, "viabell", 3, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  rpc_shm_close(&v);
+  free(sl);
+  free(sr);
+  free(nan);
+  remove_tree(d.p.dir);
+}
+
 /* A push whose bytes fields are large (74 KB each at n = 192: gathered out of gRPC's slices
  * by rpc_unpack, not flattened and copied by protobuf-c) stores what the same statistics
  * through a region store: roots bit for bit. */
@@ -2256,6 +2421,7 @@ int main(void) {
       cmocka_unit_test(test_kfac),
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
+      cmocka_unit_test(test_shm_doorbell),
       cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_roots_area),
   };

@@ -358,6 +358,95 @@ static void test_shm_rules(void **state) {
 /* proto/shm.c, the client's side on an anonymous mapping (no daemon): pushes go into the
  * first half's ring with their checksum or stay as bytes; fetched references are taken from
  * the daemon's half only, and only with a matching checksum. */
+/* The doorbell's head (rpc_shm_head): what the daemon reads is checked against the push
+ * ring whatever the client wrote, without overflow; the answer lands in its room, cut to
+ * it, and moves answered; rpc_shm_call rings nothing when the daemon serves no doorbell or
+ * the request does not fit before the ring's end. */
+static void test_shm_bell(void **state) {
+  (void)state;
+  const size_t bytes = 1 << 16, half = bytes / 2;
+  unsigned char *map = aligned_alloc(64, bytes);
+  assert_non_null(map);
+  memset(map, 0, bytes);
+  rpc_shm_head *h = (void *)map;
+  rpc_shm_bell b;
+  h->bell = 3;
+  h->req_offset = RPC_SHM_PUSH_RING;
+  h->req_length = 100;
+  h->method = RPC_SHM_BELL_PUSH;
+  h->reply_offset = RPC_SHM_PUSH_RING + 128;
+  h->reply_cap = RPC_SHM_BELL_REPLY;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_OK);
+  assert_int_equal(b.bell, 3);
+  assert_int_equal(b.req_length, 100);
+  h->req_offset = half - 50; /* past the client's half */
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  assert_int_equal(b.reply_cap, RPC_SHM_BELL_REPLY); /* the answer's room is sound */
+  h->req_offset = UINT64_MAX - 10;                   /* no overflow */
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  h->req_offset = 0; /* the head itself */
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  h->req_offset = RPC_SHM_PUSH_RING;
+  h->method = 2;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  h->method = RPC_SHM_BELL_PUSH;
+  h->reply_offset = RPC_SHM_PUSH_RING + 4; /* not 8-aligned */
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  assert_int_equal(b.reply_cap, 0); /* no room to answer in */
+  h->reply_offset = UINT64_MAX - 7;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  assert_int_equal(b.reply_cap, 0);
+  h->reply_offset = RPC_SHM_PUSH_RING + 128;
+  h->reply_cap = 4; /* below the answer's head */
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
+  /* An answer: code, length, bytes cut to the room; answered = bell. */
+  h->reply_cap = 16;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_OK);
+  rpc_shm_bell_answer(map, bytes, &b, 3, "a message longer than the room", 30);
+  uint32_t code, n;
+  memcpy(&code, map + b.reply_offset, 4);
+  memcpy(&n, map + b.reply_offset + 4, 4);
+  assert_int_equal(code, 3);
+  assert_int_equal(n, 16 - RPC_SHM_REPLY_HEAD);
+  assert_memory_equal(map + b.reply_offset + RPC_SHM_REPLY_HEAD, "a messag", 8);
+  assert_int_equal(h->answered, 3);
+  /* No room: only answered moves. */
+  b.reply_cap = 0;
+  b.bell = 4;
+  rpc_shm_bell_answer(map, bytes, &b, 5, "x", 1);
+  assert_int_equal(h->answered, 4);
+  memcpy(&code, map + RPC_SHM_PUSH_RING + 128, 4);
+  assert_int_equal(code, 3);
+  /* rpc_shm_call: nothing rung without a doorbell, or when the request does not fit. */
+  rpc_shm s = {.map = map, .bytes = bytes, .fd = -1};
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = "j";
+  ProtobufCMessage *resp = (ProtobufCMessage *)&req;
+  grpc_status_code st;
+  char *details = NULL;
+  assert_int_equal(rpc_shm_call(&s, &req.base, &precond__v1__push_response__descriptor, 100, &resp,
+                                &st, &details),
+                   RPC_EINVAL);
+  assert_null(resp);
+  s.bell = 1;
+  s.in_pos = half - RPC_SHM_PUSH_RING - RPC_SHM_BELL_REPLY; /* the request's bytes don't fit */
+  assert_int_equal(rpc_shm_call(&s, &req.base, &precond__v1__push_response__descriptor, 100, &resp,
+                                &st, &details),
+                   RPC_ETOOBIG);
+  assert_int_equal(h->bell, 3); /* not rung */
+  /* Rung with nobody serving: DEADLINE_EXCEEDED after the deadline. */
+  s.in_pos = 0;
+  s.rung = h->bell;
+  h->answered = h->bell; /* the last one answered */
+  assert_int_equal(rpc_shm_call(&s, &req.base, &precond__v1__push_response__descriptor, 50, &resp,
+                                &st, &details),
+                   RPC_ECALL);
+  assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
+  assert_int_equal(h->bell, 4);
+  free(details);
+  free(map);
+}
+
 static void test_shm_client(void **state) {
   (void)state;
   enum { R = 2048 };
@@ -639,6 +728,7 @@ int main(void) {
       cmocka_unit_test(test_args),
       cmocka_unit_test(test_shm_rules),
       cmocka_unit_test(test_shm_client),
+      cmocka_unit_test(test_shm_bell),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
