@@ -10,7 +10,14 @@
 #
 #   bench/bench-accel-vs-torch.sh [BUILD_DIR] [THREADS] [ROUNDS]    (defaults: build 2 3)
 #
-# Run from the repository root, after a build, on quiet cores: about 1 minute. Prints
+# PyTorch runs twice per round: as installed ("torch"), and with glibc's malloc told to keep
+# its memory ("torch-keep": GLIBC_TUNABLES mmap_threshold 32 MB, glibc's largest, and
+# trim_threshold 4 GB, for that process only). Its bimodal step is glibc's malloc: a run
+# whose large tensors land in mmap'd or trimmed memory page-faults them in again on every
+# step (docs/layers.md, session 9); "torch-keep" is its fast mode every time, the fair
+# figure to compare with.
+#
+# Run from the repository root, after a build, on quiet cores: about 1.5 minutes. Prints
 # "round who model wall_median_ms cpu_median_ms cpu/wall wall_best_ms" per run, PyTorch's
 # threads, and the load average before and after.
 set -eu
@@ -23,10 +30,14 @@ for r in $(seq "$rounds"); do
   "$build/bench/bench-accel" --only models --threads "$threads" --reps 10 |
     awk -v r="$r" '$4 == "step" { w[$3] = $5; b[$3] = $7 } $4 == "step.cpu" { c[$3] = $5 }
       END { for (m in w) printf "%-6s ours   %-14s %8.1f %8.1f %8.2f %10.1f\n", r, m, w[m], c[m], c[m] / w[m], b[m] }'
-  /usr/bin/python3 bench/reference/resnet_torch.py --threads "$threads" --reps 10 |
-    awk -v r="$r" '$1 == "model" && $(NF-4) == "step" { w = $(NF-3); b = $(NF-1) }
-      $1 == "model" && $(NF-4) == "step.cpu" { c = $(NF-3) }
-      $1 == "threads" { t = $0 }
-      END { printf "%-6s torch  %-14s %8.1f %8.1f %8.2f %10.1f\n", r, "resnet", w, c, c / w, b; print "      " t }'
+  for who in torch torch-keep; do
+    tun=
+    [ "$who" = torch-keep ] && tun=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967295
+    env ${tun:+GLIBC_TUNABLES=$tun} /usr/bin/python3 bench/reference/resnet_torch.py --threads "$threads" --reps 10 |
+      awk -v r="$r" -v who="$who" '$1 == "model" && $(NF-4) == "step" { w = $(NF-3); b = $(NF-1) }
+        $1 == "model" && $(NF-4) == "step.cpu" { c = $(NF-3) }
+        $1 == "threads" { t = $0 }
+        END { printf "%-6s %-6s %-14s %8.1f %8.1f %8.2f %10.1f\n", r, who, "resnet", w, c, c / w, b; print "      " t }'
+  done
 done
 uptime
