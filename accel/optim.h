@@ -1,7 +1,8 @@
 /*
- * optim.h -- accel's optimizers, learning-rate schedules, Shampoo's worker half and the K-FAC
- * worker kernels, written against the primitives of backend.h. Part of accel's public API:
- * include accel.h (or this header alone for the optimizers).
+ * optim.h -- accel's optimizers, learning-rate schedules, Shampoo's worker half, the K-FAC
+ * worker kernels and ABS's Hessian-vector products, written against the primitives of
+ * backend.h. Part of accel's public API: include accel.h (or this header alone for the
+ * optimizers).
  */
 #ifndef PRECOND_ACCEL_OPTIM_H
 #define PRECOND_ACCEL_OPTIM_H
@@ -405,6 +406,38 @@ typedef struct {
  * Returns AC_OK; AC_EINVAL (bad arguments, or a non-finite sum: nothing scaled, *nu = 0). */
 int ac_kfac_kl_clip(ac_backend *be, const ac_kfac_pg *layers, size_t nlayers, double lr,
                     double kl_clip, float *dev1, double *nu);
+
+/* ---- ABS, the worker's half (accel/abs.c; docs/abs.md) ---- */
+
+/* Hessian-vector products by central differences of gradients (the algorithms note,
+ * section 4): Hv ~ (grad(w + h v) - grad(w - h v)) / (2 h), for any model whose loss
+ * gradient a callback computes. Vectors are device floats over the parameters concatenated
+ * in the order given (numel values). The callback is the caller's: it runs the model's
+ * forward and backward on a fixed batch (ABS: one batch of hv_batch samples, the model in
+ * evaluation mode, so that batch norm uses its running statistics and both evaluations see
+ * the same function), adding the gradients into the parameters' grads (zeroed before each
+ * call); it returns an AC_E* code. */
+typedef struct {
+  ac_backend *be;
+  ac_param *const *params; /* not owned: the caller keeps the array and the parameters */
+  size_t nparams, numel;
+  float *w0, *gp; /* device scratch: the weights' copy and grad(w + h v) */
+} ac_hvp;
+
+/* Prepares products over params[0..nparams) (f32, one backend): 2 numel floats of device
+ * scratch, freed by ac_hvp_destroy. AC_EINVAL (NULL, no parameters or values, mixed
+ * backends), AC_ENOMEM; on error *h is empty and destroy is still safe. */
+int ac_hvp_init(ac_hvp *h, ac_param *const *params, size_t nparams);
+void ac_hvp_destroy(ac_hvp *h);
+
+/* hv = H v by central differences with h = rel_step max(||w||, 1) / ||v|| (*step, may be
+ * NULL, gets it): the weights move by rel_step of their norm. Calls grad(ctx) twice. On
+ * return, success or not, every weight is its value before the call, bit for bit, and every
+ * gradient is zero. v and hv are device memory of numel floats and may not overlap. Returns
+ * AC_OK; AC_EINVAL (NULL argument, rel_step not positive and finite, v zero or not finite,
+ * weights not finite); the callback's or a primitive's code. */
+int ac_hvp_compute(ac_hvp *h, const float *v, double rel_step, int (*grad)(void *ctx), void *ctx,
+                   float *hv, double *step);
 
 /* ---- end of optimizers ---- */
 

@@ -39,6 +39,8 @@ typedef struct {
   int32_t *d_y, *d_pred; /* device */
   int32_t *d_ys;         /* device: K-FAC's model Fisher's drawn labels */
   pt_trainer *kfac;      /* borrowed; set for the model Fisher (rn_set_trainer) */
+  const ds_images *trainset;
+  long factor; /* ABS: batches per update (rn_set_batch_factor); 1 */
 } rn_ctx;
 
 static int rn_upload(rn_ctx *c, size_t n) {
@@ -54,15 +56,47 @@ static int rn_backward(void *ctx) {
 
 static int rn_train_step(void *ctx, double *loss) {
   rn_ctx *c = ctx;
-  if (ds_image_sampler_next(&c->train, c->batch, c->x, c->y8) != DS_OK) return -1;
+  int rc = ac_param_list_zero_grad(&c->params);
+  double sum = 0;
+  /* ABS's larger batches are factor batches whose gradients add up (batch norm normalises
+   * each batch on its own, as a data-parallel worker's share without sync BN would). */
+  for (long k = 0; k < c->factor && rc == AC_OK; k++) {
+    double l = 0;
+    if (ds_image_sampler_next(&c->train, c->batch, c->x, c->y8) != DS_OK) return -1;
+    rc = rn_upload(c, c->batch);
+    /* Every worker draws the same global batch (same seed) and trains on its images. */
+    if (rc == AC_OK)
+      rc = ac_resnet_forward(&c->net, c->d_x + c->lo * DS_FMNIST_PIXELS, c->d_y + c->lo, c->local,
+                             AC_MODE_TRAIN, &l);
+    if (rc == AC_OK)
+      rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
+    if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
+    sum += l;
+  }
+  for (size_t i = 0; i < c->params.n && rc == AC_OK && c->factor > 1; i++) {
+    ac_tensor *g = &c->params.items[i]->grad;
+    rc = ac_axpby(c->be, g->numel, 1.0f / (float)c->factor, ac_tensor_f32(g), 0.0f, NULL,
+                  ac_tensor_f32(g));
+  }
+  *loss = sum / (double)c->factor;
+  return rc;
+}
+
+static int rn_set_batch_factor(void *ctx, long k) {
+  if (k < 1) return -1;
+  ((rn_ctx *)ctx)->factor = k;
+  return 0;
+}
+
+/* ABS's Hessian-vector products: the loss gradient on the first batch of the training set in
+ * file order, batch norm on its running statistics (evaluation mode), so that the two
+ * gradients of a central difference see one function. */
+static int rn_hv_grad(void *ctx) {
+  rn_ctx *c = ctx;
+  double l = 0;
+  if (ds_images_batch(c->trainset, 0, c->batch, c->x, c->y8) != DS_OK) return -1;
   int rc = rn_upload(c, c->batch);
-  if (rc == AC_OK) rc = ac_param_list_zero_grad(&c->params);
-  /* Every worker draws the same global batch (same seed) and trains on its images. */
-  if (rc == AC_OK)
-    rc = ac_resnet_forward(&c->net, c->d_x + c->lo * DS_FMNIST_PIXELS, c->d_y + c->lo, c->local,
-                           AC_MODE_TRAIN, loss);
-  if (rc == AC_OK)
-    rc = tr_kfac_model_fisher(c->kfac, &c->net.xent, c->d_ys, &c->params, rn_backward, c);
+  if (rc == AC_OK) rc = ac_resnet_forward(&c->net, c->d_x, c->d_y, c->batch, AC_MODE_EVAL, &l);
   if (rc == AC_OK) rc = ac_resnet_backward(&c->net);
   return rc;
 }
@@ -187,6 +221,8 @@ int main(int argc, char **argv) {
   cfg.conv_init = rn_init_kind[a.conv_init];
   c.be = be;
   c.eval = &test;
+  c.trainset = &train;
+  c.factor = 1;
   c.batch = c.local = (size_t)a.batch;
   int arc = ac_resnet_init(&c.net, be, &cfg);
   if (arc == AC_OK) arc = ac_resnet_params(&c.net, &c.params);
@@ -223,7 +259,9 @@ int main(int argc, char **argv) {
                     (long)(train.count / b),
                     rn_shard,
                     rn_set_hook,
-                    rn_set_trainer};
+                    rn_set_trainer,
+                    rn_set_batch_factor,
+                    rn_hv_grad};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

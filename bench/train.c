@@ -76,6 +76,8 @@ const char *tr_optimizer_name(tr_optimizer_kind kind) {
       return "shampoo";
     case TR_KFAC:
       return "kfac";
+    case TR_ABS:
+      return "abs";
   }
   return "?";
 }
@@ -162,6 +164,7 @@ void tr_options_default(tr_options *o) {
  * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
  *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
  *   on the ResNet. The Transformer row is SGD's, not tuned.
+ * - ABS: SGD's row (its step is SGD's at the batch and learning rate the rule sets).
  * - The generic rows (another model) keep each optimizer's textbook defaults.
  * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the
  * warm-up, tr_options_default) is the same for every optimizer. */
@@ -179,6 +182,7 @@ static const tr__preset tr__presets[] = {
     {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0},
     {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0},
     {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0},
+    {"resnet", TR_ABS, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0},
     {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100},
     {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100},
     {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50},
@@ -187,6 +191,7 @@ static const tr__preset tr__presets[] = {
     {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0},
     {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0},
     {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0},
+    {NULL, TR_ABS, 0.1, 0.9, 0.9, 0.999, 0, 0, 0},
 };
 #define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
 
@@ -275,7 +280,7 @@ typedef struct {
 static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   size_t n = 0;
 #define SPEC(nm, k, d, lo, hi, h) s[n++] = (tr__spec){nm, k, d, lo, hi, h, NULL}
-  SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw, shampoo or kfac");
+  SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw, shampoo, kfac or abs");
   SPEC("steps", K_LONG, &o->steps, 1, 1e9, "training steps");
   SPEC("epochs", K_DOUBLE, &o->epochs, 1e-6, 1e4, "train for this many epochs instead of --steps");
   SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "base learning rate");
@@ -353,6 +358,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("epoch-steps", K_LONG, &o->epoch_steps, 0, 1e12,
        "K-FAC: steps per epoch of the factor schedule (0: the training set's)");
   SPEC("kfac-bf16", K_FLAG, &o->kfac_bf16, 0, 0, "K-FAC: push the factors as bf16");
+  SPEC("abs-interval", K_LONG, &o->abs_interval, 0, 1e12,
+       "ABS: batches between the rule's evaluations (0: an epoch of the data)");
   SPEC("kfac-a-images", K_LONG, &o->kfac_a_images, 0, 1e9,
        "K-FAC: conv layers' A from the first N images of the batch only (0: all)");
   SPEC("kfac-rows", K_LONG, &o->kfac_rows, 0, 1e9,
@@ -487,7 +494,7 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
           d.model != NULL ? d.model : "generic");
   fprintf(f, "  %-9s %-7s %-8s %-10s %-12s %-8s %s\n", "optimizer", "lr", "momentum", "betas",
           "weight-decay", "nesterov", "warmup (at most a tenth of the run)");
-  for (int k = TR_SGD; k <= TR_KFAC; k++) {
+  for (int k = TR_SGD; k <= TR_ABS; k++) {
     const tr__preset *p = tr__preset_of(d.model, (tr_optimizer_kind)k);
     char betas[32];
     snprintf(betas, sizeof betas, "%g/%g", p->beta1, p->beta2);
@@ -546,13 +553,13 @@ static int tr__set(const tr__spec *s, const char *v, tr_error *err) {
       return 0;
     }
     case K_OPTIMIZER: {
-      for (int k = TR_SGD; k <= TR_KFAC; k++) {
+      for (int k = TR_SGD; k <= TR_ABS; k++) {
         if (strcmp(v, tr_optimizer_name((tr_optimizer_kind)k)) == 0) {
           *(tr_optimizer_kind *)s->dest = (tr_optimizer_kind)k;
           return 0;
         }
       }
-      tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo, kfac", v);
+      tr__fail(err, TR_EINVAL, "--optimizer: '%s' is not one of sgd, adamw, shampoo, kfac, abs", v);
       return -1;
     }
     case K_CHOICE: {
@@ -1077,13 +1084,20 @@ int tr_optimizer_init(tr_optimizer *o, const tr_options *opts, ac_backend *be, a
   tr_options_resolve(&o->opts);
   opts = &o->opts;
   int rc;
-  if (o->kind == TR_SGD) {
+  if (o->kind == TR_SGD || o->kind == TR_ABS) {
     ac_sgd_opts so;
     ac_sgd_opts_default(&so);
     so.momentum = (float)opts->momentum;
     so.nesterov = opts->nesterov;
     so.weight_decay = (float)opts->weight_decay;
     rc = tr__accel(err, ac_sgd_create(&o->sgd, params, nparams, &so), "SGD");
+    if (rc == TR_OK && o->kind == TR_ABS) {
+      pc_abs_opts abs;
+      pc_abs_opts_default(&abs);
+      abs.adv_fraction = 0; /* ABS; ABSA's FGSM examples are not built yet (docs/abs.md) */
+      pt_error perr = {""};
+      rc = tr__trainer(err, pt_abs_create(&o->abs, params, nparams, &abs, &perr), &perr);
+    }
   } else if (o->kind == TR_ADAMW) {
     ac_adamw_opts ao;
     ac_adamw_opts_default(&ao);
@@ -1107,6 +1121,7 @@ int tr_optimizer_step(tr_optimizer *o, long step, double lr, tr_step_info *info,
   if (info != NULL) *info = (tr_step_info){NAN, -1, 0, NAN};
   switch (o->kind) {
     case TR_SGD:
+    case TR_ABS:
       return tr__accel(err, ac_sgd_step(o->sgd, (float)lr), "SGD step");
     case TR_ADAMW:
       return tr__accel(err, ac_adamw_step(o->adamw, (float)lr), "AdamW step");
@@ -1152,6 +1167,7 @@ void tr_optimizer_staleness(const tr_optimizer *o, tr_summary *sm) {
 void tr_optimizer_destroy(tr_optimizer *o) {
   if (o == NULL) return;
   pt_destroy(o->trainer);
+  pt_abs_destroy(o->abs);
   free(o->fallbacks);
   ac_sgd_destroy(o->sgd);
   ac_adamw_destroy(o->adamw);
@@ -1279,6 +1295,31 @@ static void tr__on_stop(int sig) {
   tr__stop_asked = 1;
 }
 
+/* ABS at the end of an epoch (epoch, 1-based; an --abs-interval): the eigenvalue, the rule,
+ * and the batch factor and lr scale of the coming updates. */
+static int tr__abs_epoch(tr_optimizer *o, const tr_model *model, long epoch, long *factor,
+                         double *lr_scale, tr__progress *prog, tr_error *err) {
+  pt_abs_directive d;
+  pt_error perr = {""};
+  double t0 = tr__now();
+  int rc = tr__trainer(err, pt_abs_epoch(o->abs, model->hv_grad, model->ctx, &d, &perr), &perr);
+  if (rc != TR_OK) return rc;
+  pc_abs_opts def;
+  pc_abs_opts_default(&def);
+  long k = (long)(d.batch / def.base_batch);
+  if (k != *factor && model->set_batch_factor(model->ctx, k) != 0)
+    return tr__fail(err, TR_EMODEL, "ABS: the model refused a batch of %ld batches", k);
+  *factor = k;
+  *lr_scale = d.lr_scale;
+  if (!o->opts.quiet)
+    tr__progress_note(prog,
+                      "abs after epoch %ld: lambda %.4g (%d products%s, %.1f s), %s: batch %u, "
+                      "lr x%g\n",
+                      epoch, d.lambda, d.power_iters, d.converged ? "" : ", not converged",
+                      tr__now() - t0, pc_abs_decision_name(d.decision), d.batch, d.lr_scale);
+  return TR_OK;
+}
+
 int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_summary *summary,
              tr_error *err) {
   if (opts == NULL || be == NULL || model == NULL || model->train_step == NULL ||
@@ -1372,6 +1413,21 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     }
   }
 
+  /* ABS: an update takes `factor` batches; the run and its epochs are counted in batches
+   * of the base size (base_done), the schedule too, so that a run of --epochs sees the same
+   * data whatever the rule decides; the rule's lr_scale multiplies the schedule's rate. */
+  long factor = 1, base_done = 0,
+       epoch_len = opts->abs_interval > 0       ? opts->abs_interval
+                   : model->steps_per_epoch > 0 ? model->steps_per_epoch
+                                                : total;
+  long next_epoch = epoch_len;
+  double lr_scale = 1.0;
+  if (opt.abs != NULL && (model->set_batch_factor == NULL || model->hv_grad == NULL || dp)) {
+    rc = tr__fail(err, TR_EINVAL, "--optimizer abs: the %s model %s", model->name,
+                  dp ? "cannot run it data-parallel yet" : "has no adaptive batch");
+    goto done;
+  }
+
   tr__progress prog = {isatty(STDERR_FILENO), 0, total >= 10 ? total / 10 : 1, 0};
   double train_s = 0;
   long step = 0;
@@ -1382,8 +1438,9 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   tr__stop_asked = 0;
   sigaction(SIGTERM, &stop_sa, &old_term);
   sigaction(SIGINT, &stop_sa, &old_int);
-  while (step < total) {
+  while (step < total && base_done < total) {
     step++;
+    base_done += factor;
     double t0 = tr__now(), c0 = tr__cpu_now();
     double loss = NAN;
     int mrc = model->train_step(model->ctx, &loss);
@@ -1402,7 +1459,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       rc = tr__trainer(err, pt_dp_average(dp, be, model->params, model->nparams, &loss, &perr),
                        &perr);
     }
-    double lr = ac_lr_schedule_at(&sched, step);
+    double lr =
+        opt.abs ? ac_lr_schedule_at(&sched, base_done) * lr_scale : ac_lr_schedule_at(&sched, step);
     tr_step_info info = {NAN, -1, 0, NAN};
     if (rc == TR_OK && opts->clip > 0)
       rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
@@ -1411,10 +1469,15 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     if (rc == TR_OK) rc = tr_optimizer_step(&opt, step, lr, &info, err);
     if (rc == TR_OK) rc = tr__accel(err, ac_sync(be), "ac_sync");
     double dco = tr__cpu_now() - c1;
+    if (rc == TR_OK && opt.abs != NULL && base_done >= next_epoch && base_done < total) {
+      rc = tr__abs_epoch(&opt, model, base_done / epoch_len, &factor, &lr_scale, &prog, err);
+      next_epoch += epoch_len;
+    }
+    long done_now = opt.abs ? base_done : step;
     int stop = tr__stop_asked != 0;
     if (rc == TR_OK && pt_dp_any(dp, &stop) != PT_OK)
       rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
-    stop = stop && rc == TR_OK && step < total;
+    stop = stop && rc == TR_OK && done_now < total;
     if (stop) sm.status = "stopped";
     double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
@@ -1430,10 +1493,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
 
     tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,           NAN,
                   lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale, dco * 1e3};
-    int eval_now = rc == TR_OK && (step == total || stop ||
+    int eval_now = rc == TR_OK && (done_now >= total || stop ||
                                    (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet)
-      tr__progress_show(&prog, model, step, total, loss, train_s, step == total || stop);
+      tr__progress_show(&prog, model, done_now, total, loss, train_s, done_now >= total || stop);
     if (eval_now) {
       double el = NAN, ea = NAN;
       if (model->evaluate(model->ctx, opts->eval_batches, &el, &ea) != 0) {
@@ -1475,7 +1538,9 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   tr_median(step_ms, (size_t)sm.steps, &sm.median_step_ms);
   tr_median(cpu_ms, (size_t)sm.steps, &sm.median_step_cpu_ms);
   sm.mean_step_ms = sm.steps > 0 ? train_s * 1e3 / (double)sm.steps : NAN;
-  sm.items_per_s = train_s > 0 ? model->items_per_step * (double)sm.steps / train_s : NAN;
+  sm.items_per_s = train_s > 0
+                       ? model->items_per_step * (double)(opt.abs ? base_done : sm.steps) / train_s
+                       : NAN;
   if (nstale > 0) {
     double ssum = 0;
     for (long i = 0; i < nstale; i++) ssum += stale[i];

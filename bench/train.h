@@ -49,7 +49,13 @@ typedef struct {
 /* ------------------------------------------------------------------------------------ */
 /* Options                                                                                */
 
-typedef enum { TR_SGD = 0, TR_ADAMW = 1, TR_SHAMPOO = 2, TR_KFAC = 3 } tr_optimizer_kind;
+typedef enum {
+  TR_SGD = 0,
+  TR_ADAMW = 1,
+  TR_SHAMPOO = 2,
+  TR_KFAC = 3,
+  TR_ABS = 4 /* SGD with ABS's adaptive batch (trainer/abs.c; docs/abs.md) */
+} tr_optimizer_kind;
 
 /* "sgd", "adamw", "shampoo", "kfac"; "?" otherwise. */
 const char *tr_optimizer_name(tr_optimizer_kind kind);
@@ -113,10 +119,13 @@ typedef struct {
   int kfac_row_sample;      /* pt_kfac_rows: 0 a prefix, 1 strided */
   int kfac_inverse;         /* 0: by size (the daemon's rule), else 1 + pc_kfac_inv */
   int kfac_form;            /* pt_kfac_form: 0 precondd's inverses, 1/2 worker inverse/eigen */
-  char daemon[256];         /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
+  /* ABS (trainer/abs.c) */
+  long abs_interval; /* batches (of the model's size) between the rule's evaluations; 0: an
+                        epoch of the data, the paper's (short runs evaluate more often) */
+  char daemon[256];  /* precondd address (default 127.0.0.1:50551 or $PRECOND_ADDR);
                               %r: the data-parallel rank (docs/replicas.md) */
-  char job[128];            /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
-  long poll_ms;             /* libprecond's poll period; 0: the trainer's default for the mode */
+  char job[128];     /* job name on the daemon; "" : <model>-<optimizer>-<pid> */
+  long poll_ms;      /* libprecond's poll period; 0: the trainer's default for the mode */
   /* Run */
   uint64_t seed;           /* default 1 */
   ac_backend_kind backend; /* cpu (default) or cuda */
@@ -293,6 +302,7 @@ typedef struct {
   ac_sgd *sgd;       /* owned; the one of kind, others NULL */
   ac_adamw *adamw;
   pt_trainer *trainer; /* Shampoo, K-FAC: worker half and precondd link */
+  pt_abs *abs;         /* ABS: the eigenvalue and the rule (with sgd for the step) */
   uint64_t *fallbacks; /* Shampoo, owned: per block, its fallback count one step ago */
   uint64_t hist[TR_STALENESS_BUCKETS]; /* Shampoo: block-steps that used a root, by staleness */
   uint64_t uses;                       /* Shampoo: the sum of hist */
@@ -359,6 +369,13 @@ typedef struct {
    * pt_kfac_model_fisher train_step then calls between its forward and backward passes.
    * NULL: the model has no such pass (the option is then refused). */
   void (*set_trainer)(void *ctx, pt_trainer *t);
+  /* ABS (docs/abs.md): from now on train_step takes k batches (k >= 1) and trains on their
+   * mean gradient (one update of k times the batch); non-zero on failure. NULL: the model
+   * cannot run ABS. */
+  int (*set_batch_factor)(void *ctx, long k);
+  /* ABS: the loss gradient into the params' grads on one fixed batch of the training set,
+   * the model in evaluation mode (ac_hvp_compute's callback). NULL: no ABS. */
+  int (*hv_grad)(void *ctx);
 } tr_model;
 
 /* K-FAC's model Fisher for a model whose loss is xent, called by its train_step between

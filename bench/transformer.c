@@ -220,9 +220,20 @@ int main(int argc, char **argv) {
 
   size_t train_len = 0;
   ds_text_split(&text, DS_SPLIT_TRAIN, &train_len);
-  tr_model model = {"transformer",         &c,          c.params.n,  c.params.items,
-                    lm_train_step,         lm_evaluate, (double)n,   "tok",
-                    (long)(train_len / n), lm_shard,    lm_set_hook, lm_set_trainer};
+  tr_model model = {"transformer",
+                    &c,
+                    c.params.n,
+                    c.params.items,
+                    lm_train_step,
+                    lm_evaluate,
+                    (double)n,
+                    "tok",
+                    (long)(train_len / n),
+                    lm_shard,
+                    lm_set_hook,
+                    lm_set_trainer,
+                    NULL,
+                    NULL};
   tr_print_start(&opts, be, &model);
   tr_summary sm;
   rc = tr_train(&opts, be, &model, &sm, &err);

@@ -17,6 +17,9 @@ unsigned pc__ftz_enter(void);
 void pc__ftz_leave(unsigned saved);
 
 /* Power iteration without argument checks (the callers have checked a is finite). */
+/* A uniform draw in [-1, 1) from splitmix64 on *state: the fixed-seed start vectors of the
+ * power iterations (power.c, abs.c), so that every run and replica gets the same ones. */
+double pc__uniform_pm1(uint64_t *state);
 int pc__power_f32(size_t n, const float *a, const pc_power_opts *opts, double *lambda, int *iters);
 int pc__power_f64(size_t n, const double *a, const pc_power_opts *opts, double *lambda, int *iters);
 

@@ -29,8 +29,7 @@ static uint64_t power_next(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
-/* Uniform in [-1, 1). */
-static double power_uniform(uint64_t *state) {
+double pc__uniform_pm1(uint64_t *state) {
   return (double)(power_next(state) >> 11) * 0x1.0p-52 - 1.0;
 }
 
@@ -48,7 +47,7 @@ static double power_uniform(uint64_t *state) {
     uint64_t state = opts->seed;                                                             \
     double norm = 0.0;                                                                       \
     for (size_t i = 0; i < n; i++) {                                                         \
-      double r = power_uniform(&state);                                                      \
+      double r = pc__uniform_pm1(&state);                                                    \
       v[i] = (REAL)r;                                                                        \
       norm += r * r;                                                                         \
     }                                                                                        \

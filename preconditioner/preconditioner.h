@@ -610,7 +610,9 @@ void pc_abs_rule_init(pc_abs_rule *r, const pc_abs_opts *opts);
  * worth measuring. */
 int pc_abs_rule_active(const pc_abs_rule *r, const pc_abs_opts *opts);
 
-/* One epoch boundary with the epoch's top eigenvalue lambda. Growing doubles the batch
+/* One epoch boundary with the epoch's top eigenvalue lambda (its magnitude counts: the power
+ * iteration's dominant eigenvalue may be negative; lambda_ref holds magnitudes). Growing
+ * doubles the batch
  * (capped at base_batch * max_batch_factor), scales lr_scale by the same ratio and halves
  * adv_fraction. Returns PC_OK with *decision; PC_EINVAL (NULL argument);
  * PC_ENONFINITE_INPUT (lambda NaN or Inf: r unchanged). */

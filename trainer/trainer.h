@@ -275,6 +275,43 @@ int pt_kfac_model_fisher(pt_trainer *t, size_t rows, size_t cols, const float *p
                          int32_t *labels, int (*backward)(void *ctx), void *ctx, int *ran,
                          pt_error *err);
 
+/* ---- ABS / ABSA (trainer/abs.c; docs/abs.md) ------------------------------------------ */
+
+/* ABS's worker half, run in the worker for now: at each epoch boundary the top Hessian
+ * eigenvalue by power iteration over Hessian-vector products (ac_hvp, central differences)
+ * and the adaptive-batch rule (pc_abs_rule) give the directive for the next epoch. The
+ * power-iteration state and the rule move into precondd with mode_abs.c (docs/abs.md,
+ * "What is left"); this interface stays the worker's. */
+typedef struct pt_abs pt_abs;
+
+/* One epoch boundary's directive. */
+typedef struct {
+  uint32_t batch;      /* the batch size of the coming epoch */
+  double lr_scale;     /* the learning rate's factor (batch / base batch) */
+  double adv_fraction; /* ABSA's FGSM share before the second-half cut
+                              (pc_abs_adv_fraction) */
+  double lambda;       /* the eigenvalue measured; NAN when the rule no longer runs */
+  int power_iters;     /* Hessian-vector products taken (0: none) */
+  int converged;       /* 1: the estimate met power_tol within power_max_iters */
+  pc_abs_decision decision;
+} pt_abs_directive;
+
+/* Builds ABS's worker half over params (one backend; kept by the caller until
+ * pt_abs_destroy) with opts (pc_abs_opts_check'd; copied). *out is the caller's. */
+int pt_abs_create(pt_abs **out, ac_param *const *params, size_t nparams, const pc_abs_opts *opts,
+                  pt_error *err);
+void pt_abs_destroy(pt_abs *a);
+
+/* The start's directive (base batch, lr_scale 1, the options' adversarial share). */
+void pt_abs_initial(const pt_abs *a, pt_abs_directive *d);
+
+/* An epoch boundary: while the rule runs, estimates the top eigenvalue with grad(ctx)
+ * computing the loss gradient into the params' grads on one fixed batch (the caller's:
+ * hv_batch samples, model in evaluation mode; see ac_hvp_compute), applies the rule and
+ * writes the directive. The weights come back bit for bit and the grads are left zero.
+ * The k-th estimate starts from the probe of seed + k. */
+int pt_abs_epoch(pt_abs *a, int (*grad)(void *ctx), void *ctx, pt_abs_directive *d, pt_error *err);
+
 #ifdef __cplusplus
 }
 #endif

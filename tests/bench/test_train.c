@@ -450,6 +450,7 @@ typedef struct {
   int stop_at;  /* step at which train_step raises SIGTERM (0: never) */
   int delay_us; /* per step, to stand in for a real model's compute time */
   int steps;
+  long factor; /* ABS: batches per update (toy_set_batch_factor); 0 or 1: one */
 } toy;
 
 static uint64_t toy_rand(uint64_t *s) {
@@ -484,25 +485,52 @@ static int toy_forward(toy *t, const float *x, const int32_t *y, size_t n, doubl
   return rc;
 }
 
+/* The gradient of the mean loss over the TOY_B rows at x, y, scaled by scale and added to
+ * the grads (beta 1) or written over them (beta 0). */
+static int toy_grad(toy *t, const float *x, const int32_t *y, float scale, float beta,
+                    double *loss) {
+  int rc = toy_forward(t, x, y, TOY_B, loss);
+  if (rc == AC_OK) rc = ac_xent_backward(t->be, TOY_B, TOY_C, t->probs, y, scale / TOY_B, t->probs);
+  if (rc == AC_OK)
+    rc = ac_sgemm(t->be, AC_TRANS, AC_NO_TRANS, TOY_C, TOY_F, TOY_B, 1.f, t->probs, TOY_C, x, TOY_F,
+                  beta, ac_tensor_f32(&t->w.grad), TOY_F);
+  if (rc == AC_OK)
+    rc = ac_reduce(t->be, AC_REDUCE_SUM, TOY_B, TOY_C, 1, 1.f, t->probs, beta,
+                   ac_tensor_f32(&t->b.grad));
+  return rc;
+}
+
 static int toy_train_step(void *ctx, double *loss) {
   toy *t = ctx;
   t->steps++;
   if (t->stop_at > 0 && t->steps == t->stop_at) raise(SIGTERM);
   if (t->delay_us > 0) usleep((useconds_t)t->delay_us);
-  if (t->pos + TOY_B > TOY_N) t->pos = 0;
-  const float *x = t->x_train + t->pos * TOY_F;
-  const int32_t *y = t->y_train + t->pos;
-  t->pos += TOY_B;
-  int rc = toy_forward(t, x, y, TOY_B, loss);
-  if (rc == AC_OK) rc = ac_xent_backward(t->be, TOY_B, TOY_C, t->probs, y, 1.f / TOY_B, t->probs);
-  if (rc == AC_OK)
-    rc = ac_sgemm(t->be, AC_TRANS, AC_NO_TRANS, TOY_C, TOY_F, TOY_B, 1.f, t->probs, TOY_C, x, TOY_F,
-                  0.f, ac_tensor_f32(&t->w.grad), TOY_F);
-  if (rc == AC_OK)
-    rc = ac_reduce(t->be, AC_REDUCE_SUM, TOY_B, TOY_C, 1, 1.f, t->probs, 0.f,
-                   ac_tensor_f32(&t->b.grad));
+  long k = t->factor > 1 ? t->factor : 1;
+  int rc = AC_OK;
+  double sum = 0;
+  for (long i = 0; i < k && rc == AC_OK; i++) {
+    if (t->pos + TOY_B > TOY_N) t->pos = 0;
+    double l = 0;
+    rc = toy_grad(t, t->x_train + t->pos * TOY_F, t->y_train + t->pos, 1.f / (float)k,
+                  i == 0 ? 0.f : 1.f, &l);
+    t->pos += TOY_B;
+    sum += l;
+  }
+  *loss = sum / (double)k;
   if (t->nan_at > 0 && t->steps >= t->nan_at) *loss = NAN;
   return rc;
+}
+
+static int toy_set_batch_factor(void *ctx, long k) {
+  ((toy *)ctx)->factor = k;
+  return k >= 1 ? 0 : -1;
+}
+
+/* ABS's gradient: the first batch of the training data. */
+static int toy_hv_grad(void *ctx) {
+  toy *t = ctx;
+  double l;
+  return toy_grad(t, t->x_train, t->y_train, 1.f, 0.f, &l);
 }
 
 static int toy_evaluate(void *ctx, long batches, double *loss, double *accuracy) {
@@ -563,8 +591,9 @@ static void toy_destroy(toy *t) {
 }
 
 static tr_model toy_model(toy *t) {
-  return (tr_model){"toy",         t,    2,    t->params, toy_train_step, toy_evaluate, TOY_B, "ex",
-                    TOY_N / TOY_B, NULL, NULL, NULL};
+  return (tr_model){
+      "toy",         t,    2,    t->params, toy_train_step,       toy_evaluate, TOY_B, "ex",
+      TOY_N / TOY_B, NULL, NULL, NULL,      toy_set_batch_factor, toy_hv_grad};
 }
 
 /* Column col (0-based) of every data line of a CSV, as text. */
@@ -673,6 +702,45 @@ static void test_train_loop(void **state) {
   }
 }
 
+/* ABS on the toy, a rule evaluation every 8 batches: the eigenvalue halves early (0.31 to
+ * 0.13: grown, flat), then stays (a forced growth 10 evaluations later), so the run takes
+ * fewer updates than the batches of data it sees; a run is reproducible. */
+static void test_train_abs(void **state) {
+  (void)state;
+  tr_summary sm[2];
+  char *csv[2] = {NULL, NULL};
+  for (int r = 0; r < 2; r++) {
+    ac_backend *be = NULL;
+    assert_int_equal(ac_backend_create(&be, NULL), AC_OK);
+    toy t;
+    toy_init(&t, be, 5);
+    tr_options o;
+    tr_options_default(&o);
+    o.optimizer = TR_ABS;
+    o.steps = 120; /* batches of data: 14 evaluations */
+    o.abs_interval = 8;
+    o.eval_every = 0;
+    o.quiet = 1;
+    o.lr = 0.1;
+    char sub[16];
+    snprintf(sub, sizeof sub, "abs-%d", r);
+    train_toy(&o, sub, be, &t, &sm[r], &csv[r]);
+  }
+  print_message("abs: %ld updates for 120 batches, accuracy %.3f\n", sm[0].steps,
+                sm[0].final_eval_accuracy);
+  /* 120 updates without growth; the flat growth after 16 batches makes 16 + 104 / 2 = 68, the
+   * forced one after 96 then 16 + 80 / 2 + 24 / 4 = 62. */
+  assert_int_equal(sm[0].steps, 62);
+  assert_true(sm[0].final_eval_accuracy > 0.85);
+  assert_int_equal(sm[1].steps, 62);
+  char col[8192], col2[8192];
+  csv_column(csv[0], 3, col, sizeof col);
+  csv_column(csv[1], 3, col2, sizeof col2);
+  assert_string_equal(col, col2);
+  free(csv[0]);
+  free(csv[1]);
+}
+
 static void test_train_errors(void **state) {
   (void)state;
   ac_backend *be = NULL;
@@ -733,6 +801,13 @@ static void test_train_errors(void **state) {
   assert_int_equal(tr_optimizer_step(&opt, 1, 0.1, NULL, &err), TR_OK);
   tr_optimizer_destroy(&opt);
   tr_optimizer_destroy(&opt); /* twice is harmless */
+
+  /* ABS with a model that has no adaptive batch. */
+  o.optimizer = TR_ABS;
+  empty = m;
+  empty.hv_grad = NULL;
+  assert_int_equal(tr_train(&o, be, &empty, &sm, &err), TR_EINVAL);
+  assert_non_null(strstr(err.msg, "adaptive batch"));
 
   /* Shampoo with no daemon at the address: a clear error, nothing leaked. */
   o.optimizer = TR_SHAMPOO;
@@ -849,7 +924,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_options),      cmocka_unit_test(test_defaults_table),
       cmocka_unit_test(test_run_schedule), cmocka_unit_test(test_progress),
       cmocka_unit_test(test_csv_json),     cmocka_unit_test(test_train_loop),
-      cmocka_unit_test(test_train_errors),
+      cmocka_unit_test(test_train_errors), cmocka_unit_test(test_train_abs),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

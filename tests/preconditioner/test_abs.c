@@ -233,9 +233,10 @@ static void test_rule_reference_and_flat(void **state) {
   assert_true(r.lambda_ref == 5.0);
   assert_int_equal(r.epochs_since_growth, 0);
   assert_int_equal(r.growths, 1);
-  rule_epoch(&r, &o, 2.6, PC_ABS_KEPT); /* half of the new reference is 2.5 */
-  rule_epoch(&r, &o, 1.0, PC_ABS_GREW_FLAT);
+  rule_epoch(&r, &o, -2.6, PC_ABS_KEPT); /* magnitudes: half of the new reference is 2.5 */
+  rule_epoch(&r, &o, -1.0, PC_ABS_GREW_FLAT);
   assert_int_equal(r.batch, 512);
+  assert_true(r.lambda_ref == 1.0);
   assert_true(r.lr_scale == 4.0);
   assert_true(r.adv_fraction == 0.05);
 }
