@@ -408,6 +408,10 @@ int pd_shm_open(pd_shm *r, uint64_t want, pd_shm_session **out, char *err, size_
     rc = PD_EIO;
     goto fail;
   }
+  /* Held while the daemon has the file open: clients waiting at the doorbell see it
+   * dropped if the daemon dies (rpc_shm_alive). */
+  if (rpc_shm_alive_mark(s->fd) != RPC_OK)
+    pd_log(PD_LOG_WARN, "shm: %s: no lock marking the daemon alive: %s", s->path, strerror(errno));
   s->map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
   if (s->map == MAP_FAILED) {
     s->map = NULL;

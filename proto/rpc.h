@@ -444,11 +444,22 @@ void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b
 void rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms);
 void rpc_shm_futex_wake(uint32_t *word);
 
+/* The daemon's mark of life on a region (for the doorbell's waits): an open file
+ * description's write lock on the file's first byte (F_OFD_SETLK, Linux; independent of the
+ * clients' flock), taken by the daemon when it makes the region and dropped by the kernel
+ * when the daemon closes it or dies. rpc_shm_alive_mark: the daemon's side, RPC_OK or
+ * RPC_EINVAL; rpc_shm_alive: the client's, 0 when nobody holds the mark (the daemon is gone),
+ * 1 when it is held or this cannot be known. */
+int rpc_shm_alive_mark(int fd);
+int rpc_shm_alive(int fd);
+
 /* rpc_call of PushStatistics through s's doorbell (above), with rpc_call's outputs and
  * returns. RPC_EINVAL when s serves no doorbell and RPC_ETOOBIG when the request and its
  * answer do not fit before the ring's end (send the call over gRPC instead: nothing was
- * rung). No answer by deadline_ms (> 0) gives RPC_ECALL with DEADLINE_EXCEEDED, and the
- * region must then be closed (the daemon may still write the late answer into the ring). */
+ * rung). No answer by deadline_ms (> 0) gives RPC_ECALL with DEADLINE_EXCEEDED, and a
+ * daemon gone meanwhile (rpc_shm_alive, looked at every 100 ms of waiting) RPC_ECALL with
+ * UNAVAILABLE, as a gRPC call would; either way the region must then be closed (a late
+ * answer may still land in the ring). */
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details);

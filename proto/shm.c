@@ -482,6 +482,34 @@ void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b
   rpc_shm_futex_wake(&h->answered);
 }
 
+#if defined(__linux__)
+#ifndef F_OFD_GETLK /* <fcntl.h> declares them for _GNU_SOURCE only; Linux's numbers */
+#define F_OFD_GETLK 36
+#define F_OFD_SETLK 37
+#endif
+#endif
+
+int rpc_shm_alive_mark(int fd) {
+#if defined(__linux__)
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1};
+  return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? RPC_OK : RPC_EINVAL;
+#else
+  (void)fd;
+  return RPC_EINVAL;
+#endif
+}
+
+int rpc_shm_alive(int fd) {
+#if defined(__linux__)
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1};
+  if (fd < 0 || fcntl(fd, F_OFD_GETLK, &fl) != 0) return 1;
+  return fl.l_type != F_UNLCK;
+#else
+  (void)fd;
+  return 1;
+#endif
+}
+
 static double rpc__now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -523,7 +551,7 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
   for (;;) {
     uint32_t seen = __atomic_load_n(&h->answered, __ATOMIC_ACQUIRE);
     if (seen == mine) break;
-    long wait = -1;
+    long wait = 100; /* then a look at the daemon's mark of life */
     if (deadline_ms > 0) {
       double left = until - rpc__now_ms();
       if (left <= 0) {
@@ -531,9 +559,14 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
         if (details) *details = strdup("the daemon did not answer the region's doorbell in time");
         return RPC_ECALL;
       }
-      wait = (long)left + 1;
+      if (left < (double)wait) wait = (long)left + 1;
     }
     rpc_shm_futex_wait(&h->answered, seen, wait);
+    if (__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE) != mine && !rpc_shm_alive(s->fd)) {
+      *status = GRPC_STATUS_UNAVAILABLE;
+      if (details) *details = strdup("the daemon is gone (its mark on the region was dropped)");
+      return RPC_ECALL;
+    }
   }
   uint32_t code, n;
   memcpy(&code, s->map + reply, 4);

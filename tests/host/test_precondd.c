@@ -1924,7 +1924,19 @@ static void test_shm_doorbell(void **state) {
   /* A region still open at the stop: the daemon ends its doorbell's thread and exits 0. */
   assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
   assert_int_equal(bell_push(&v, "viabell", 3, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+  assert_true(rpc_shm_alive(v.fd));
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  /* Rung with the daemon gone: UNAVAILABLE (its mark dropped), not the deadline's code. */
+  assert_false(rpc_shm_alive(v.fd));
+  Precond__V1__PushRequest late = PRECOND__V1__PUSH_REQUEST__INIT;
+  late.job = "viabell";
+  ProtobufCMessage *resp = NULL;
+  char *details = NULL;
+  assert_int_equal(rpc_shm_call(&v, &late.base, &precond__v1__push_response__descriptor, 20000,
+                                &resp, &code, &details),
+                   RPC_ECALL);
+  assert_int_equal(code, GRPC_STATUS_UNAVAILABLE); /* the deadline's would be DEADLINE_EXCEEDED */
+  free(details);
   rpc_shm_close(&v);
   free(sl);
   free(sr);
