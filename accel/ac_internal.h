@@ -118,10 +118,10 @@ typedef struct ac__ops {
   int (*conv_s2_ok)(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k);
   int (*conv_s2)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                  const float *x, const float *wt, float *y);
-  int (*conv_s2_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       size_t k, const float *x, const float *dy, float *dw);
-  int (*conv_s2_dgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       size_t k, const float *dy, const float *wt, float *dx);
+  int (*conv_s2_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                       const float *x, const float *dy, float *dw);
+  int (*conv_s2_dgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                       const float *dy, const float *wt, float *dx);
 } ac__ops;
 
 /* Distributions of ac__ops.rand: (a, b) are (lo, hi), (mean, std) or (p, unused). */

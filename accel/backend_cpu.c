@@ -1691,24 +1691,24 @@ C3_TARGET static float c3_hsum(__m256 a) {
  * apart), one input channel xc and NP NQ taps t (3 x 3, or the 1 of a 1x1 conv): per row p
  * of taps, 4 x NQ accumulators of VW lanes over all positions, then one sum each (HSUM, a
  * fixed order). One body for both ISAs and both tap counts. */
-#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM, NP, NQ)                 \
-  TARGET static void NAME(size_t nv, const size_t *off, const float *dq, size_t ldd,         \
-                          const float *xc, float *dw, size_t ldw) {                          \
-    for (size_t p = 0; p < NP; p++) {                                                        \
-      VEC a[4][NQ];                                                                          \
-      for (size_t i = 0; i < 4; i++)                                                         \
-        for (size_t q = 0; q < NQ; q++) a[i][q] = ZERO();                                    \
-      for (size_t v = 0; v < nv; v++) {                                                      \
-        VEC xv[NQ];                                                                          \
-        for (size_t q = 0; q < NQ; q++) xv[q] = LOAD(xc + off[p * NQ + q] + v * VW);         \
-        for (size_t i = 0; i < 4; i++) {                                                     \
-          VEC d = LOAD(dq + i * ldd + v * VW);                                               \
-          for (size_t q = 0; q < NQ; q++) a[i][q] = FMA(d, xv[q], a[i][q]);                  \
-        }                                                                                    \
-      }                                                                                      \
-      for (size_t i = 0; i < 4; i++)                                                         \
-        for (size_t q = 0; q < NQ; q++) dw[i * ldw + p * NQ + q] += HSUM(a[i][q]);           \
-    }                                                                                        \
+#define C3_WGRAD_BLOCK(NAME, TARGET, VEC, VW, ZERO, LOAD, FMA, HSUM, NP, NQ)         \
+  TARGET static void NAME(size_t nv, const size_t *off, const float *dq, size_t ldd, \
+                          const float *xc, float *dw, size_t ldw) {                  \
+    for (size_t p = 0; p < NP; p++) {                                                \
+      VEC a[4][NQ];                                                                  \
+      for (size_t i = 0; i < 4; i++)                                                 \
+        for (size_t q = 0; q < NQ; q++) a[i][q] = ZERO();                            \
+      for (size_t v = 0; v < nv; v++) {                                              \
+        VEC xv[NQ];                                                                  \
+        for (size_t q = 0; q < NQ; q++) xv[q] = LOAD(xc + off[p * NQ + q] + v * VW); \
+        for (size_t i = 0; i < 4; i++) {                                             \
+          VEC d = LOAD(dq + i * ldd + v * VW);                                       \
+          for (size_t q = 0; q < NQ; q++) a[i][q] = FMA(d, xv[q], a[i][q]);          \
+        }                                                                            \
+      }                                                                              \
+      for (size_t i = 0; i < 4; i++)                                                 \
+        for (size_t q = 0; q < NQ; q++) dw[i * ldw + p * NQ + q] += HSUM(a[i][q]);   \
+    }                                                                                \
   }
 C3_WGRAD_BLOCK(c3_wgrad_block, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
                _mm256_fmadd_ps, c3_hsum, 3, 3)
@@ -1720,26 +1720,26 @@ C3_WGRAD_BLOCK(c3_wgrad_block1, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_
 
 /* out[i][16 v, 16 (v + NV)) for the 4 output channels i of a block, NV (1..6) vectors:
  * 4 NV accumulators (24 of the 32 registers at NV 6), NV loads and 4 broadcasts per tap. */
-#define C5_FWD_VECS(NV)                                                                         \
-  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, size_t nt, const size_t *off,      \
-                                        const float *xq, const float *wp, float *out,           \
-                                        size_t ldo) {                                           \
-    __m512 a[4][NV];                                                                            \
-    for (size_t i = 0; i < 4; i++)                                                              \
-      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                            \
-    for (size_t ch = 0; ch < c; ch++) {                                                         \
-      const float *xc = xq + ch * cl, *wc = wp + ch * 4 * nt;                                   \
-      for (size_t t = 0; t < nt; t++) {                                                         \
-        __m512 xv[NV];                                                                          \
-        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);          \
-        for (size_t i = 0; i < 4; i++) {                                                        \
-          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                            \
-          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]);        \
-        }                                                                                       \
-      }                                                                                         \
-    }                                                                                           \
-    for (size_t i = 0; i < 4; i++)                                                              \
-      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);        \
+#define C5_FWD_VECS(NV)                                                                    \
+  C5_TARGET static void c5_fwd_vecs##NV(size_t c, size_t cl, size_t nt, const size_t *off, \
+                                        const float *xq, const float *wp, float *out,      \
+                                        size_t ldo) {                                      \
+    __m512 a[4][NV];                                                                       \
+    for (size_t i = 0; i < 4; i++)                                                         \
+      for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_setzero_ps();                       \
+    for (size_t ch = 0; ch < c; ch++) {                                                    \
+      const float *xc = xq + ch * cl, *wc = wp + ch * 4 * nt;                              \
+      for (size_t t = 0; t < nt; t++) {                                                    \
+        __m512 xv[NV];                                                                     \
+        for (size_t k = 0; k < NV; k++) xv[k] = _mm512_loadu_ps(xc + off[t] + 16 * k);     \
+        for (size_t i = 0; i < 4; i++) {                                                   \
+          __m512 wv = _mm512_set1_ps(wc[4 * t + i]);                                       \
+          for (size_t k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(wv, xv[k], a[i][k]);   \
+        }                                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+    for (size_t i = 0; i < 4; i++)                                                         \
+      for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);   \
   }
 C5_FWD_VECS(6)
 C5_FWD_VECS(3)
@@ -1823,9 +1823,9 @@ static float *cpu_scratch(ac_backend *be, size_t floats) {
  * is a sum of reads at j + off[t]. The input gradient is the 4 phases of dx, each a sum over
  * its own taps (1, 2, 2 and 4 of the 9) of dy read at j + 0, 1, wq or wq + 1. */
 typedef struct c3_args {
-  c3_geom g; /* the output's (= the input's at stride 1) */
-  int isa;   /* AC_CPU_ISA_AVX2 or _AVX512 */
-  size_t vw; /* floats per vector: 8 or 16 */
+  c3_geom g;                          /* the output's (= the input's at stride 1) */
+  int isa;                            /* AC_CPU_ISA_AVX2 or _AVX512 */
+  size_t vw;                          /* floats per vector: 8 or 16 */
   size_t stride, kk, nph, pl, ih, iw; /* stride 1 or 2, taps 9 or 1, phase planes, input size */
   size_t nt, off[9];                  /* the taps' offsets within a channel of cl floats */
   size_t n, c, oc, nv, cl, dl, per_thread, parts;
@@ -1972,8 +1972,8 @@ static void c3_dgrad_part(void *ctx, size_t lo, size_t hi) {
       for (size_t cb = 0; cb < a->c / 4; cb++)
         for (size_t ph = 0; ph < a->nph; ph++) {
           size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
-          c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq, a->w + a->dwo[ph] + cb * a->oc * 4 * nt,
-                        out, ldo);
+          c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq,
+                        a->w + a->dwo[ph] + cb * a->oc * 4 * nt, out, ldo);
           for (size_t i = 0; i < 4; i++)
             for (size_t y = 0; y < g->h; y++) {
               float *d = dxb + (4 * cb + i) * ihw + (2 * y + rp) * a->iw + cp;
@@ -2031,8 +2031,8 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
 }
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
-static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw,
-                      size_t k, size_t stride, const float *x, const float *wt, float *y) {
+static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
+                      size_t stride, const float *x, const float *wt, float *y) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
   c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
@@ -2116,12 +2116,11 @@ static int cpu_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
 /* The stride-2 convs: the direct kernels, input channels in blocks of 4 too (the input
  * gradient's blocks), an even input. */
 static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k) {
-  return cpu_conv3x3_ok(be, c, oc) && c % 4 == 0 && h % 2 == 0 && w % 2 == 0 &&
-         (k == 1 || k == 3);
+  return cpu_conv3x3_ok(be, c, oc) && c % 4 == 0 && h % 2 == 0 && w % 2 == 0 && (k == 1 || k == 3);
 }
 
-static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       size_t k, const float *x, const float *wt, float *y) {
+static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                       const float *x, const float *wt, float *y) {
 #if C3_HAVE_KERNELS
   return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y);
 #else

@@ -99,8 +99,7 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   size_t chw = l->g.c * l->g.h * l->g.w;
   const float *w = ac_tensor_f32(&l->weight.value);
   if (l->direct) AC__TRY(ac_conv3x3(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y));
-  if (l->direct_s2)
-    AC__TRY(ac_conv_s2(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y));
+  if (l->direct_s2) AC__TRY(ac_conv_s2(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y));
   for (size_t b0 = 0; b0 < batch && !l->direct && !l->direct_s2; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;

@@ -472,8 +472,7 @@ static int set_roots_host(ac_shampoo *s, shampoo_block *sb, const ac_shampoo_roo
     if (side[k] != NULL && *held[k] == NULL)
       rc = ac_malloc(s->be, s->root_cap * sizeof(float), (void **)held[k]);
   for (int k = 0; k < 2 && rc == AC_OK; k++)
-    if (side[k] != NULL && !pc_unpack_finite_f32(n[k], side[k], s->spare[k], n[k]))
-      rc = AC_EINVAL;
+    if (side[k] != NULL && !pc_unpack_finite_f32(n[k], side[k], s->spare[k], n[k])) rc = AC_EINVAL;
   if (rc != AC_OK) return rc;
   for (int k = 0; k < 2; k++) {
     if (side[k] == NULL) continue;
@@ -489,8 +488,7 @@ static int set_roots_host(ac_shampoo *s, shampoo_block *sb, const ac_shampoo_roo
 }
 
 int ac_shampoo_set_roots(ac_shampoo *s, size_t b, const ac_shampoo_roots *roots) {
-  const int host = s != NULL && s->host_memory && roots != NULL &&
-                   roots->format == AC_ROOT_PACKED;
+  const int host = s != NULL && s->host_memory && roots != NULL && roots->format == AC_ROOT_PACKED;
   int rc = roots_check(s, b, roots, !host);
   if (rc != AC_OK) return rc;
   shampoo_block *sb = &s->blocks[b];

@@ -1427,7 +1427,7 @@ static int start_ranks(const bench_opts *o, const char *dir, int R, mprun *m) {
 }
 
 enum { REPLICA_WARMUP = 2 }; /* untimed steps before a replica row's timed ones */
-#define REPLICA_QUIET 0.85 /* of the fastest step so far: not polled before */
+#define REPLICA_QUIET 0.85   /* of the fastest step so far: not polled before */
 
 /* One rank's share of a replica round's push (a thread per rank, as data-parallel workers
  * push at once, each to its own daemon). */
@@ -1523,7 +1523,8 @@ static int run_replicas(const bench_opts *o) {
      * HTTP/2 flow-control windows that gRPC grows only over its first calls, and the
      * daemons fault in their memory: 400-500 ms more per push at the first two steps
      * here, the same for any R, which would hide the steady state a training job sees. */
-    double cpu0[64][CPU_NSPLIT] = {{0}}, cpu[64][CPU_NSPLIT] = {{0}}, self_cpu = 0, fastest = INFINITY;
+    double cpu0[64][CPU_NSPLIT] = {{0}}, cpu[64][CPU_NSPLIT] = {{0}}, self_cpu = 0,
+           fastest = INFINITY;
     int early = 0;
     for (int k = -REPLICA_WARMUP; rc == 0 && k < steps; k++) {
       if (k == 0)
@@ -1596,7 +1597,8 @@ static int run_replicas(const bench_opts *o) {
               "bench-daemon: replicas R=%d rank %d: %.1f CPU ms per step (pool %.1f, replica "
               "thread %.1f in %.1f runs, other threads %.1f: gRPC %.1f, main %.1f, MPI "
               "runtime %.1f); page faults per step: pool %.0f, other threads %.0f\n",
-              R, r, all, t[CPU_POOL], t[CPU_REPLICA], (cpu[r][CPU_RUNS] - cpu0[r][CPU_RUNS]) / steps,
+              R, r, all, t[CPU_POOL], t[CPU_REPLICA],
+              (cpu[r][CPU_RUNS] - cpu0[r][CPU_RUNS]) / steps,
               t[CPU_GRPC] + t[CPU_MAIN] + t[CPU_MPI], t[CPU_GRPC], t[CPU_MAIN], t[CPU_MPI],
               (cpu[r][CPU_POOL_FAULTS] - cpu0[r][CPU_POOL_FAULTS]) / steps,
               (cpu[r][CPU_FAULTS] - cpu0[r][CPU_FAULTS]) / steps);

@@ -625,8 +625,8 @@ static int pd__recv_parts(pd_replica *x, pd__recv *r) {
   r->root->iterations = h.iterations;
   memcpy(r->root->aux, h.aux, sizeof h.aux);
   for (uint32_t k = 0; k < h.nparts; k++) {
-    int err = MPI_Irecv(r->root->part[k], (int)pc_packed_len(h.order[k]), MPI_FLOAT, r->src,
-                        (int)k, x->parts_comm, &r->parts[k]);
+    int err = MPI_Irecv(r->root->part[k], (int)pc_packed_len(h.order[k]), MPI_FLOAT, r->src, (int)k,
+                        x->parts_comm, &r->parts[k]);
     if (err != MPI_SUCCESS) {
       for (uint32_t i = 0; i < k; i++) MPI_Request_free(&r->parts[i]);
       pd__mpi_failed(x, "MPI_Irecv", err);

@@ -1583,8 +1583,8 @@ static void conv3x3_against_loops(ac_backend *be) {
  * pixel, the odd ones of a 1x1 conv included); sizes that take every block path (28x28 ->
  * 14x14, 6 x 10, 2 x 2), 4-32 channels. Unsupported shapes answer AC_ENOTSUP. */
 static void conv_s2_against_loops(ac_backend *be) {
-  const size_t shapes[][6] = {{3, 4, 8, 28, 28, 3}, {2, 8, 4, 14, 14, 3}, {3, 4, 4, 6, 10, 3},
-                              {2, 4, 8, 2, 2, 3},   {3, 4, 8, 28, 28, 1}, {2, 8, 12, 6, 10, 1},
+  const size_t shapes[][6] = {{3, 4, 8, 28, 28, 3},  {2, 8, 4, 14, 14, 3}, {3, 4, 4, 6, 10, 3},
+                              {2, 4, 8, 2, 2, 3},    {3, 4, 8, 28, 28, 1}, {2, 8, 12, 6, 10, 1},
                               {2, 32, 16, 14, 14, 3}};
   if (!ac_conv_s2_supported(be, 4, 4, 2, 2, 3)) {
     float z[3] = {0, 0, 0};
@@ -1625,7 +1625,8 @@ static void conv_s2_against_loops(ac_backend *be) {
     OK(ac_conv_s2(be, n, c, oc, h, w, k, x, wt, y));
     OK(ac_conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw));
     OK(ac_conv_s2_dgrad(be, n, c, oc, h, w, k, dy, wt, dx));
-    float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw), *got_dx = dev_down(be, dx, nx);
+    float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw),
+          *got_dx = dev_down(be, dx, nx);
     expect_close("conv_s2", got, want, ny, 2e-6 * (double)(c * kk), 1e-5);
     expect_close("conv_s2 wgrad", got_dw, want_dw, nw, 2e-6 * (double)(n * oh * ow), 1e-5);
     expect_close("conv_s2 dgrad", got_dx, want_dx, nx, 2e-6 * (double)(oc * kk), 1e-5);

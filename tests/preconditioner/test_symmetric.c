@@ -220,7 +220,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_packed_len),      cmocka_unit_test(test_pack_layout),
       cmocka_unit_test(test_pack_round_trip), cmocka_unit_test(test_bf16_rounding),
-      cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite), cmocka_unit_test(test_unpack_finite),
+      cmocka_unit_test(test_bf16_round_trip), cmocka_unit_test(test_finite),
+      cmocka_unit_test(test_unpack_finite),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
