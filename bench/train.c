@@ -1438,7 +1438,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   tr__stop_asked = 0;
   sigaction(SIGTERM, &stop_sa, &old_term);
   sigaction(SIGINT, &stop_sa, &old_int);
-  while (step < total && base_done < total) {
+  while (base_done < total) { /* base_done >= step: an update takes factor >= 1 batches */
     step++;
     base_done += factor;
     double t0 = tr__now(), c0 = tr__cpu_now();
@@ -1459,8 +1459,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       rc = tr__trainer(err, pt_dp_average(dp, be, model->params, model->nparams, &loss, &perr),
                        &perr);
     }
-    double lr =
-        opt.abs ? ac_lr_schedule_at(&sched, base_done) * lr_scale : ac_lr_schedule_at(&sched, step);
+    double lr = ac_lr_schedule_at(&sched, base_done) * lr_scale; /* without ABS: step, x1 */
     tr_step_info info = {NAN, -1, 0, NAN};
     if (rc == TR_OK && opts->clip > 0)
       rc = tr__accel(err, ac_clip_grad_norm(model->params, model->nparams, opts->clip, NULL),
@@ -1473,11 +1472,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       rc = tr__abs_epoch(&opt, model, base_done / epoch_len, &factor, &lr_scale, &prog, err);
       next_epoch += epoch_len;
     }
-    long done_now = opt.abs ? base_done : step;
     int stop = tr__stop_asked != 0;
     if (rc == TR_OK && pt_dp_any(dp, &stop) != PT_OK)
       rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
-    stop = stop && rc == TR_OK && done_now < total;
+    stop = stop && rc == TR_OK && base_done < total;
     if (stop) sm.status = "stopped";
     double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
@@ -1493,10 +1491,10 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
 
     tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,           NAN,
                   lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale, dco * 1e3};
-    int eval_now = rc == TR_OK && (done_now >= total || stop ||
+    int eval_now = rc == TR_OK && (base_done >= total || stop ||
                                    (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet)
-      tr__progress_show(&prog, model, done_now, total, loss, train_s, done_now >= total || stop);
+      tr__progress_show(&prog, model, base_done, total, loss, train_s, base_done >= total || stop);
     if (eval_now) {
       double el = NAN, ea = NAN;
       if (model->evaluate(model->ctx, opts->eval_batches, &el, &ea) != 0) {
@@ -1538,9 +1536,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   tr_median(step_ms, (size_t)sm.steps, &sm.median_step_ms);
   tr_median(cpu_ms, (size_t)sm.steps, &sm.median_step_cpu_ms);
   sm.mean_step_ms = sm.steps > 0 ? train_s * 1e3 / (double)sm.steps : NAN;
-  sm.items_per_s = train_s > 0
-                       ? model->items_per_step * (double)(opt.abs ? base_done : sm.steps) / train_s
-                       : NAN;
+  sm.items_per_s = train_s > 0 ? model->items_per_step * (double)base_done / train_s : NAN;
   if (nstale > 0) {
     double ssum = 0;
     for (long i = 0; i < nstale; i++) ssum += stale[i];
