@@ -66,6 +66,13 @@ void pc_bf16_to_f32(size_t count, const uint16_t *in, float *out) {
   }
 }
 
+/* Bit 31 set when x is NaN or Inf: OR it over many values and test once (below). */
+static inline uint32_t nonfinite_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x7f800000u) + 0x00800000u;
+}
+
 /* In blocks without a branch inside, so the loop vectorizes (and, add and or: SSE2 has
  * them): the exponent's bits plus one carry into the sign bit exactly when they are all
  * ones, an Inf or a NaN. The early-exit form ran at a third of a copy's speed, a whole
@@ -75,11 +82,7 @@ int pc_all_finite_f32(size_t count, const float *x) {
   for (size_t i0 = 0; i0 < count; i0 += BLOCK) {
     size_t m = count - i0 < BLOCK ? count - i0 : BLOCK;
     uint32_t bad = 0;
-    for (size_t i = 0; i < m; i++) {
-      uint32_t u;
-      memcpy(&u, &x[i0 + i], sizeof u);
-      bad |= (u & 0x7f800000u) + 0x00800000u;
-    }
+    for (size_t i = 0; i < m; i++) bad |= nonfinite_bits(x[i0 + i]);
     if (bad & 0x80000000u) return 0;
   }
   return 1;
@@ -94,9 +97,7 @@ int pc_unpack_finite_f32(size_t n, const float *packed, float *dense, size_t ld)
   for (size_t i = 0; i < n; i++) {
     float *row = dense + i * ld;
     for (size_t j = i; j < n; j++) {
-      uint32_t u;
-      memcpy(&u, &packed[j - i], sizeof u);
-      bad |= (u & 0x7f800000u) + 0x00800000u;
+      bad |= nonfinite_bits(packed[j - i]);
       row[j] = packed[j - i];
     }
     packed += n - i;
