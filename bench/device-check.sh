@@ -3,8 +3,10 @@
 #
 #   1. builds the project with -Dcuda=enabled into build-cuda (nvcc for sm_80 and sm_90);
 #   2. runs the whole accel suite with AC_REQUIRE_CUDA=1, so every CUDA-vs-CPU test must run
-#      (a missing device is a failure, not a skip): backend primitives, tensors, and the
-#      layer and optimizer tests once they exist;
+#      (a missing device is a failure, not a skip): backend primitives, tensors, layers,
+#      models, the optimizers (Shampoo's worker, K-FAC) and ABS's Hessian-vector products
+#      (test_abs). The CPU backend's direct and stride-2 conv kernels have no CUDA version:
+#      on CUDA the layers use im2col + gemm, which these tests compare against the CPU;
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #
