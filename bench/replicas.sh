@@ -38,7 +38,7 @@ mkdir -p "$out"
 echo "replicas.sh: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 for clock in wall cpu; do
-  "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 \
+  "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 --ceiling \
     --pool-blocks 16 --replica-steps 16 --clock "$clock" > "$out/roots-$clock.csv" \
     2> "$out/roots-$clock.log" || exit 1
   sed -i "1!s/^/$clock,/;1s/^/clock,/" "$out/roots-$clock.csv"
