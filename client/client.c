@@ -1221,12 +1221,11 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
 
 /* Queues a filled item (owned from here) of a push: the tail of push_parts and
  * precond_push_commit. */
-static int push_queue(precond_client *c, int kfac, precond__item *it) {
+/* push_queue's body with mu held, without the wake: frees it when the job no longer fits. */
+static int push_queue_locked(precond_client *c, int kfac, precond__item *it) {
   uint64_t step = it->step;
-  pthread_mutex_lock(&c->mu);
   /* The job may have been replaced while copying: check again. */
   if (!push_fits(c, kfac, it->block_id, it->n_left, it->n_right)) {
-    pthread_mutex_unlock(&c->mu);
     precond__item_free(it);
     return PRECOND_EINVAL;
   }
@@ -1237,9 +1236,15 @@ static int push_queue(precond_client *c, int kfac, precond__item *it) {
   else if (r == PRECOND__DROPPED_OLDEST)
     c->counters.dropped++;
   if (step > c->newest_step) c->newest_step = step;
-  pthread_cond_signal(&c->wake);
-  pthread_mutex_unlock(&c->mu);
   return PRECOND_OK;
+}
+
+static int push_queue(precond_client *c, int kfac, precond__item *it) {
+  pthread_mutex_lock(&c->mu);
+  int st = push_queue_locked(c, kfac, it);
+  if (st == PRECOND_OK) pthread_cond_signal(&c->wake);
+  pthread_mutex_unlock(&c->mu);
+  return st;
 }
 
 int precond_push(precond_client *c, uint64_t step, uint32_t block_id, uint32_t n_left,
@@ -1277,17 +1282,61 @@ int precond_push_begin(precond_client *c, uint64_t step, uint32_t block_id, uint
   return PRECOND_OK;
 }
 
+/* A slot's values are finite: else it is freed (the caller's commit fails). */
+static int slot_finite(precond__item *it) {
+  const float *p0 = (const float *)(const void *)it->data;
+  size_t c0 = pc_packed_len(it->n_left), c1 = pc_packed_len(it->n_right);
+  if (pc_all_finite_f32(c0, p0) && pc_all_finite_f32(c1, p0 + c0)) return 1;
+  precond__item_free(it);
+  return 0;
+}
+
 int precond_push_commit(precond_client *c, precond_push_slot *slot) {
   if (c == NULL || slot == NULL) return PRECOND_EINVAL;
   precond__item *it = (precond__item *)(void *)slot;
-  const float *p0 = (const float *)(const void *)it->data;
-  size_t c0 = pc_packed_len(it->n_left), c1 = pc_packed_len(it->n_right);
-  if (!pc_all_finite_f32(c0, p0) || !pc_all_finite_f32(c1, p0 + c0)) {
-    precond__item_free(it);
-    return PRECOND_EINVAL;
-  }
+  if (!slot_finite(it)) return PRECOND_EINVAL;
   int kfac = client_is_kfac(c);
   return push_queue(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL there */
+}
+
+int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, size_t n) {
+  if (c == NULL) {
+    for (size_t i = 0; slots != NULL && i < n; i++)
+      precond__item_free((precond__item *)(void *)slots[i]);
+    return PRECOND_EINVAL;
+  }
+  if (slots == NULL) return n == 0 ? PRECOND_OK : PRECOND_EINVAL;
+  int st = PRECOND_OK, kfac = client_is_kfac(c);
+  size_t keep = 0;
+  /* The values are checked outside the lock; what passes is queued under one lock and one
+   * wake, so the background thread sends the whole step in one call instead of waking at
+   * every block (session 10: about ten push calls a step became one). */
+  precond__item **ok = malloc((n ? n : 1) * sizeof(*ok));
+  for (size_t i = 0; i < n; i++) {
+    precond__item *it = (precond__item *)(void *)slots[i];
+    if (it == NULL) continue;
+    if (ok == NULL) {
+      precond__item_free(it);
+      st = PRECOND_ENOMEM;
+    } else if (!slot_finite(it)) {
+      if (st == PRECOND_OK) st = PRECOND_EINVAL;
+    } else {
+      ok[keep++] = it;
+    }
+  }
+  if (keep > 0) {
+    pthread_mutex_lock(&c->mu);
+    int queued = 0;
+    for (size_t i = 0; i < keep; i++) {
+      int q = push_queue_locked(c, kfac, ok[i]);
+      queued |= q == PRECOND_OK;
+      if (q != PRECOND_OK && st == PRECOND_OK) st = q;
+    }
+    if (queued) pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+  }
+  free(ok);
+  return st;
 }
 
 void precond_push_cancel(precond_push_slot *slot) {

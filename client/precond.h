@@ -285,6 +285,14 @@ typedef struct precond_push_slot precond_push_slot;
 int precond_push_begin(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n0,
                        uint32_t n1, float **part0, float **part1, precond_push_slot **slot);
 int precond_push_commit(precond_client *client, precond_push_slot *slot);
+/* precond_push_commit of n slots at once (NULL entries skipped): each is checked and queued
+ * as precond_push_commit would, and every slot is consumed (queued or dropped) whatever the
+ * outcome, also for a NULL client. The queued ones are handed to the background thread
+ * together, so they leave in one call rather than in as many calls as the thread wakes for
+ * (a worker pushing a step's blocks commits them this way). Returns PRECOND_OK when all
+ * were queued, else the first failure's code (PRECOND_EINVAL: a NaN or Inf in that slot, a
+ * job replaced since begin; PRECOND_ENOMEM); the others are queued all the same. */
+int precond_push_commit_all(precond_client *client, precond_push_slot *const *slots, size_t n);
 void precond_push_cancel(precond_push_slot *slot);
 
 /* Waits until the queue is empty and no send is in flight (every queued block answered by

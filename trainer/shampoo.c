@@ -209,14 +209,14 @@ static int pt__shampoo_push(pt_trainer *t, int *due, long *stat_step, pt_error *
   if (rc == PT_OK)
     rc = pt__accel(err, ac_shampoo_compute_stats_into(s->opt, s->left, s->right, NULL, NULL),
                    "Shampoo statistics");
-  for (size_t b = 0; b < s->nblocks; b++) {
-    if (s->slot[b] == NULL) continue;
-    if (rc == PT_OK)
-      rc = pt__daemon(t, err, precond_push_commit(t->client, s->slot[b]), "precond_push_commit");
-    else
-      precond_push_cancel(s->slot[b]);
-    s->slot[b] = NULL;
-  }
+  /* All at once: the step's blocks leave in one push (precond_push_commit_all). */
+  if (rc == PT_OK)
+    rc = pt__daemon(t, err, precond_push_commit_all(t->client, s->slot, s->nblocks),
+                    "precond_push_commit_all");
+  else
+    for (size_t b = 0; b < s->nblocks; b++)
+      if (s->slot[b] != NULL) precond_push_cancel(s->slot[b]);
+  for (size_t b = 0; b < s->nblocks; b++) s->slot[b] = NULL;
   return rc;
 }
 

@@ -468,6 +468,25 @@ static void test_bad_input_is_refused_locally(void **state) {
   precond_get_counters(c, &k);
   assert_int_equal(k.sent, 1);
   assert_int_equal(k.push_errors, 0);
+  /* Slots committed together: the one with a NaN is dropped (PRECOND_EINVAL), the good one
+   * is queued and sent all the same, NULL entries are skipped; a NULL client frees them. */
+  precond_push_slot *many[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i += 2) {
+    assert_int_equal(precond_push_begin(c, 2, (uint32_t)i / 2, 128, 96, &p0, &p1, &many[i]),
+                     PRECOND_OK);
+    memcpy(p0, l, (size_t)128 * 129 / 2 * sizeof(float));
+    memcpy(p1, r, (size_t)96 * 97 / 2 * sizeof(float));
+    if (i == 0) p0[7] = NAN;
+  }
+  assert_int_equal(precond_push_commit_all(c, many, 3), PRECOND_EINVAL);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushed, 2);
+  assert_int_equal(k.sent, 2);
+  assert_int_equal(k.push_errors, 0);
+  assert_int_equal(precond_push_begin(c, 3, 0, 128, 96, &p0, &p1, &many[0]), PRECOND_OK);
+  assert_int_equal(precond_push_commit_all(NULL, many, 1), PRECOND_EINVAL); /* freed: ASan */
+  assert_int_equal(precond_push_commit_all(c, NULL, 0), PRECOND_OK);
   /* bad registrations */
   const uint64_t zero[2] = {0, 4};
   precond_tensor t = {"z", 2, zero};
