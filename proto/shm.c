@@ -467,7 +467,7 @@ int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b) {
     b->reply_cap = 0; /* no room to answer in */
     return RPC_EINVAL;
   }
-  if (b->method != RPC_SHM_BELL_PUSH ||
+  if ((b->method != RPC_SHM_BELL_PUSH && b->method != RPC_SHM_BELL_FETCH) ||
       rpc_shm_ref_check(bytes, RPC_SHM_PUSH_RING, half, b->req_offset, b->req_length,
                         b->req_length) != RPC_OK)
     return RPC_EINVAL;
@@ -553,10 +553,11 @@ static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, long d
   }
 }
 
-int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
-                 grpc_status_code *status, char **details) {
-  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
-  if (!status) status = &code_;
+/* Rings req as method with reply_cap bytes (8-aligned) of room for its answer, without
+ * waiting for the answer (rpc_shm_post's rules; the answer is s->pend's last). */
+static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                         const ProtobufCMessage *req, long deadline_ms, grpc_status_code *status,
+                         char **details) {
   if (details) *details = NULL;
   *status = GRPC_STATUS_INVALID_ARGUMENT;
   if (!s || !req || !s->map || !s->bell || s->npend >= RPC_SHM_QUEUE || (s->npend > 0 && !s->queue))
@@ -569,7 +570,7 @@ int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
   if (rc != RPC_OK) return rc;
   uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
   size_t len = protobuf_c_message_get_packed_size(req);
-  uint64_t room = (len + 7) / 8 * 8 + RPC_SHM_BELL_REPLY, off;
+  uint64_t room = (len + 7) / 8 * 8 + reply_cap, off;
   /* Only where it fits before the ring's end (a wrap would put it over the push's slots)
    * and clear of the pushes still pending (their slots and answers). */
   *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
@@ -585,14 +586,15 @@ int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
   memcpy(s->map + reply, &none, 4);
   __atomic_store_n(&h->req_offset, RPC_SHM_PUSH_RING + off, __ATOMIC_RELAXED);
   __atomic_store_n(&h->req_length, (uint32_t)len, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->method, RPC_SHM_BELL_PUSH, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->method, method, __ATOMIC_RELAXED);
   __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->reply_cap, RPC_SHM_BELL_REPLY, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_cap, reply_cap, __ATOMIC_RELAXED);
   uint32_t mine = ++s->rung;
   __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
   rpc_shm_futex_wake(&h->bell);
   s->pend[s->npend].bell = mine;
   s->pend[s->npend].reply = reply;
+  s->pend[s->npend].cap = reply_cap;
   s->pend[s->npend].start = s->push_start;
   s->npend++;
   if (s->push_end != 0) {
@@ -603,6 +605,13 @@ int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
   }
   *status = GRPC_STATUS_OK;
   return RPC_OK;
+}
+
+int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
+                 grpc_status_code *status, char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  return rpc__shm_ring(s, RPC_SHM_BELL_PUSH, RPC_SHM_BELL_REPLY, req, deadline_ms,
+                       status ? status : &code_, details);
 }
 
 int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
@@ -616,13 +625,13 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
   rpc_shm_head *h = (void *)s->map;
   int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, deadline_ms, status, details);
   if (rc != RPC_OK) return rc;
-  uint64_t reply = s->pend[0].reply;
+  uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap;
   s->npend--;
   memmove(&s->pend[0], &s->pend[1], s->npend * sizeof s->pend[0]);
   uint32_t code, n;
   memcpy(&code, s->map + reply, 4);
   memcpy(&n, s->map + reply + 4, 4);
-  if (code == RPC_SHM_NO_ANSWER || n > RPC_SHM_BELL_REPLY - RPC_SHM_REPLY_HEAD) {
+  if (code == RPC_SHM_NO_ANSWER || n > cap - RPC_SHM_REPLY_HEAD) {
     *status = GRPC_STATUS_INTERNAL;
     if (details) *details = strdup("the daemon's answer at the doorbell is malformed");
     return RPC_EPARSE;
@@ -646,14 +655,26 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  return rpc_shm_call_method(s, RPC_SHM_BELL_PUSH, RPC_SHM_BELL_REPLY, req, resp_desc, deadline_ms,
+                             resp, status, details);
+}
+
+int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                        const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                        long deadline_ms, ProtobufCMessage **resp, grpc_status_code *status,
+                        char **details) {
   grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
   if (!status) status = &code_;
   if (resp) *resp = NULL;
   if (details) *details = NULL;
   *status = GRPC_STATUS_INVALID_ARGUMENT;
   /* Its own answer is the oldest only with none pending before it. */
-  if (!s || !resp_desc || !resp || s->npend > 0) return RPC_EINVAL;
-  int rc = rpc_shm_post(s, req, deadline_ms, status, details);
+  if (!s || !resp_desc || !resp || s->npend > 0 ||
+      (method != RPC_SHM_BELL_PUSH && method != RPC_SHM_BELL_FETCH) ||
+      reply_cap < RPC_SHM_BELL_REPLY)
+    return RPC_EINVAL;
+  reply_cap = (reply_cap + 7) / 8 * 8;
+  int rc = rpc__shm_ring(s, method, reply_cap, req, deadline_ms, status, details);
   if (rc != RPC_OK) return rc;
   return rpc_shm_collect(s, resp_desc, deadline_ms, resp, status, details);
 }
