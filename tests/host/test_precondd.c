@@ -1618,6 +1618,18 @@ static void root_sides(const Precond__V1__FetchResponse *r,
   side[1] = r->preconditioners[0]->right;
 }
 
+/* Both sides of the first block of two fetch answers: the same bytes. */
+static void assert_same_sides(const Precond__V1__FetchResponse *a,
+                              const Precond__V1__FetchResponse *b) {
+  const Precond__V1__PackedMatrix *sa[2], *sb[2];
+  root_sides(a, sa);
+  root_sides(b, sb);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(sa[k]->data.len, sb[k]->data.len);
+    assert_memory_equal(sa[k]->data.data, sb[k]->data.data, sa[k]->data.len);
+  }
+}
+
 /* Job "viashm"'s roots fetched naming the region g (roots_area: the client has the roots
  * area mapped) in encoding enc: one block's answer (the caller frees it). */
 static Precond__V1__FetchResponse *shm_fetch(daemon_t *d, region_t *g, int roots_area, int enc) {
@@ -1767,40 +1779,55 @@ static void test_shm(void **state) {
   remove_tree(d.p.dir);
 }
 
-/* A one-block push (block id, left and right n x n) rung at the doorbell of v: slots of the
- * push ring, then rpc_shm_call; the answer's message in msg. job NULL: an empty job name;
- * secret_bad: a wrong secret in the request. */
+/* A one-block push request (block id, left and right n x n) whose factors are written into
+ * slots of v's push ring; job NULL: an empty job name; secret_bad: a wrong secret. Every
+ * part lives in *q. */
+typedef struct {
+  Precond__V1__PackedMatrix l, r;
+  Precond__V1__ShmRef rl, rr;
+  Precond__V1__BlockStatistics b, *bp;
+  Precond__V1__ShmSession sess;
+  uint8_t secret[RPC_SHM_SECRET_BYTES];
+  Precond__V1__PushRequest req;
+} bell_req;
+
+static void bell_req_fill(bell_req *q, rpc_shm *v, const char *job, uint64_t step, uint32_t id,
+                          uint32_t n, const float *left, const float *right, int secret_bad) {
+  size_t len = pc_packed_len(n) * 4;
+  precond__v1__packed_matrix__init(&q->l);
+  precond__v1__packed_matrix__init(&q->r);
+  q->l.n = q->r.n = n;
+  memcpy(rpc_shm_slot(v, &q->l, len, &q->rl), left, len);
+  memcpy(rpc_shm_slot(v, &q->r, len, &q->rr), right, len);
+  precond__v1__block_statistics__init(&q->b);
+  q->b.block_id = id;
+  q->b.left = &q->l;
+  q->b.right = &q->r;
+  q->bp = &q->b;
+  rpc_shm_session(v, &q->sess);
+  memcpy(q->secret, v->secret, sizeof q->secret);
+  q->secret[0] ^= (uint8_t)secret_bad;
+  q->sess.secret.data = q->secret;
+  precond__v1__push_request__init(&q->req);
+  q->req.job = (char *)(job ? job : "");
+  q->req.step = step;
+  q->req.n_blocks = 1;
+  q->req.blocks = &q->bp;
+  q->req.shm = &q->sess;
+}
+
+/* bell_req_fill's push rung at the doorbell of v (rpc_shm_call); the answer's message in
+ * msg. */
 static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, uint32_t id,
                                   uint32_t n, const float *left, const float *right, int secret_bad,
                                   char *msg) {
-  size_t len = pc_packed_len(n) * 4;
-  Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
-                            r = PRECOND__V1__PACKED_MATRIX__INIT;
-  Precond__V1__ShmRef rl, rr;
-  l.n = r.n = n;
-  memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
-  memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
-  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
-  b.block_id = id;
-  b.left = &l;
-  b.right = &r;
-  Precond__V1__ShmSession sess;
-  rpc_shm_session(v, &sess);
-  uint8_t secret[RPC_SHM_SECRET_BYTES];
-  memcpy(secret, v->secret, sizeof secret);
-  secret[0] ^= (uint8_t)secret_bad;
-  sess.secret.data = secret;
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  req.job = (char *)(job ? job : "");
-  req.step = step;
-  req.n_blocks = 1;
-  req.blocks = &bp;
-  req.shm = &sess;
+  bell_req q;
+  bell_req_fill(&q, v, job, step, id, n, left, right, secret_bad);
   ProtobufCMessage *resp = NULL;
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
   char *details = NULL;
-  int rc = rpc_shm_call(v, &req.base, &precond__v1__push_response__descriptor, 20000, &resp, &code,
-                        &details);
+  int rc = rpc_shm_call(v, &q.req.base, &precond__v1__push_response__descriptor, 20000, &resp,
+                        &code, &details);
   assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
   snprintf(msg, 512, "%s", details ? details : "");
   free(details);
@@ -1859,6 +1886,17 @@ static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_o
   return code;
 }
 
+/* A daemon with shared memory (a 64 MiB budget) and a 1 MiB region v of it, its doorbell
+ * served. */
+static void bell_daemon_up(daemon_t *d, rpc_shm *v) {
+  char shm_dir[300], err[256];
+  grpc_status_code code;
+  make_shm_dirs(d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(d, shm_dir, "64");
+  assert_int_equal(rpc_shm_open(d->ch, NULL, 20000, 1 << 20, v, &code, err, sizeof err), RPC_OK);
+  assert_true(v->bell);
+}
+
 /* The doorbell (rpc.h, rpc_shm_head), through a real precondd: a push rung in the region is
  * stored as the same push over gRPC stores it (roots bit for bit); every refusal reaches the
  * client with the gRPC path's code and message (here compared with the bytes path's own),
@@ -1867,13 +1905,10 @@ static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_o
 static void test_shm_doorbell(void **state) {
   (void)state;
   daemon_t d = {0};
-  char shm_dir[300], msg[512], want[512], err[256];
-  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
-  start_shm_daemon(&d, shm_dir, "64");
+  char msg[512], want[512];
   rpc_shm v;
   grpc_status_code code;
-  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
-  assert_true(v.bell);
+  bell_daemon_up(&d, &v);
   const uint32_t n = 8;
   tspec ts[1] = {{"w", {8, 8}, 2}};
   assert_int_equal(do_register(&d, "viabell", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1926,13 +1961,7 @@ static void test_shm_doorbell(void **state) {
   }
   Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 2);
   Precond__V1__FetchResponse *fs = wait_step_roots(&d, "viabell", 1, 2);
-  const Precond__V1__PackedMatrix *side[2], *bside[2];
-  root_sides(fs, side);
-  root_sides(fb, bside);
-  for (int k = 0; k < 2; k++) {
-    assert_int_equal(side[k]->data.len, bside[k]->data.len);
-    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
-  }
+  assert_same_sides(fs, fb);
   protobuf_c_message_free_unpacked(&fs->base, NULL);
 
   /* A fetch rung at the doorbell (session 10: libprecond's poll) answers what the gRPC
@@ -1940,19 +1969,14 @@ static void test_shm_doorbell(void **state) {
    * unknown job; an answer larger than the room is RESOURCE_EXHAUSTED (the client then asks
    * over gRPC). */
   Precond__V1__FetchResponse *fr = NULL, *fg = NULL;
-  assert_int_equal(bell_fetch(&v, "viabytes", RPC_SHM_BELL_REPLY + 4096, &fr, msg),
-                   GRPC_STATUS_OK);
+  assert_int_equal(bell_fetch(&v, "viabytes", RPC_SHM_BELL_REPLY + 4096, &fr, msg), GRPC_STATUS_OK);
   uint64_t none = 0;
   assert_int_equal(do_fetch(&d, "viabytes", &none, 1, 0, &fg, want), GRPC_STATUS_OK);
   assert_int_equal(fr->n_preconditioners, 1);
   assert_int_equal(fg->n_preconditioners, 1);
   assert_int_equal(fr->preconditioners[0]->version, fg->preconditioners[0]->version);
   assert_int_equal(fr->preconditioners[0]->source_step, 2);
-  root_sides(fr, side);
-  for (int k = 0; k < 2; k++) {
-    assert_int_equal(side[k]->data.len, bside[k]->data.len);
-    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
-  }
+  assert_same_sides(fr, fb);
   protobuf_c_message_free_unpacked(&fr->base, NULL);
   protobuf_c_message_free_unpacked(&fg->base, NULL);
   protobuf_c_message_free_unpacked(&fb->base, NULL);
@@ -1986,7 +2010,7 @@ static void test_shm_doorbell(void **state) {
   while (shm_regions(&d) > 0 && tries++ < 100) sleep_ms(100);
   assert_int_equal(shm_regions(&d), 0);
   /* A region still open at the stop: the daemon ends its doorbell's thread and exits 0. */
-  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
+  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, msg, sizeof msg), RPC_OK);
   assert_int_equal(bell_push(&v, "viabell", 3, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
   assert_true(rpc_shm_alive(v.fd));
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
@@ -2013,30 +2037,14 @@ static void test_shm_doorbell(void **state) {
  * rpc_shm_begin's when that collected a failure (its status and message in *code, msg). */
 static int pipe_push(rpc_shm *v, const char *job, uint64_t step, uint32_t n, const float *left,
                      const float *right, long deadline_ms, grpc_status_code *code, char *msg) {
-  size_t len = pc_packed_len(n) * 4,
-         slot = (len + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  size_t slot = (pc_packed_len(n) * 4 + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   char *details = NULL;
   msg[0] = '\0';
   int rc = rpc_shm_begin(v, 2 * slot + 2048, deadline_ms, code, &details); /* + request, answer */
   if (rc == RPC_OK) {
-    Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
-                              r = PRECOND__V1__PACKED_MATRIX__INIT;
-    Precond__V1__ShmRef rl, rr;
-    l.n = r.n = n;
-    memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
-    memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
-    Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
-    b.left = &l;
-    b.right = &r;
-    Precond__V1__ShmSession sess;
-    rpc_shm_session(v, &sess);
-    Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-    req.job = (char *)job;
-    req.step = step;
-    req.n_blocks = 1;
-    req.blocks = &bp;
-    req.shm = &sess;
-    rc = rpc_shm_post(v, &req.base, deadline_ms, code, &details);
+    bell_req q;
+    bell_req_fill(&q, v, job, step, 0, n, left, right, 0);
+    rc = rpc_shm_post(v, &q.req.base, deadline_ms, code, &details);
   }
   snprintf(msg, 512, "%s", details ? details : "");
   free(details);
@@ -2067,13 +2075,10 @@ static grpc_status_code pipe_collect(rpc_shm *v, long deadline_ms, int *rc, char
 static void test_shm_pipelined(void **state) {
   (void)state;
   daemon_t d = {0};
-  char shm_dir[300], msg[512], want[512], err[256];
-  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
-  start_shm_daemon(&d, shm_dir, "64");
+  char msg[512], want[512];
   rpc_shm v;
   grpc_status_code code;
-  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
-  assert_true(v.bell);
+  bell_daemon_up(&d, &v);
   assert_true(v.queue);
   const uint32_t n = 64;
   tspec ts[1] = {{"w", {64, 64}, 2}};
@@ -2107,13 +2112,7 @@ static void test_shm_pipelined(void **state) {
   }
   Precond__V1__FetchResponse *fb = wait_step_roots(&d, "pbytes", 1, 2);
   Precond__V1__FetchResponse *fs = wait_step_roots(&d, "piped", 1, 2);
-  const Precond__V1__PackedMatrix *side[2], *bside[2];
-  root_sides(fs, side);
-  root_sides(fb, bside);
-  for (int k = 0; k < 2; k++) {
-    assert_int_equal(side[k]->data.len, bside[k]->data.len);
-    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
-  }
+  assert_same_sides(fs, fb);
   protobuf_c_message_free_unpacked(&fs->base, NULL);
   protobuf_c_message_free_unpacked(&fb->base, NULL);
 
