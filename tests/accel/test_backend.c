@@ -218,6 +218,66 @@ static void test_cpu_pool_bitwise(void **state) {
   ac_backend_destroy(be[1]);
 }
 
+/* Batch norm's sums (moments, masked gradient sums) run their whole 16-float blocks on
+ * AVX2 or AVX-512F where the backend's variant has it: every variant must give the bits of
+ * the portable loop (the same sums in the same order), on 1 and 2 threads, for rows that
+ * are shorter than a block, not a multiple of it, and long; g written to gout with and
+ * without a mask, and in place over dy. */
+static void test_cpu_channel_sums_isa(void **state) {
+  (void)state;
+  const size_t shapes[][3] = {{3, 5, 7}, {4, 6, 49}, {2, 3, 1100}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    size_t outer = shapes[si][0], mid = shapes[si][1], inner = shapes[si][2];
+    size_t n = outer * mid * inner, nout = 3 * n + 8 * mid;
+    float *hx = host_rand(n), *hdy = host_rand(n), *hmask = host_rand(n), *hc = host_rand(mid);
+    for (size_t i = 0; i < n; i++) hx[i] = 3.0f * hx[i] + 5.0f;
+    float *ref = NULL;
+    for (size_t v = 0; v < sizeof conv_isas / sizeof conv_isas[0]; v++) {
+      ac_backend *be[2] = {NULL, NULL};
+      cpu_pair_isa(be, conv_isas[v]);
+      for (int t = 0; t < 2; t++) {
+        ac_backend *b = be[t];
+        float *x = dev_up(b, hx, n), *dy = dev_up(b, hdy, n), *mask = dev_up(b, hmask, n);
+        float *c = dev_up(b, hc, mid), *r = dev_alloc(b, nout * sizeof(float));
+        float *st = r + 3 * n;
+        OK(ac_channel_moments(b, outer, mid, inner, x, st, st + mid));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, dy, mask, x, c, r, st + 2 * mid,
+                                st + 3 * mid));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, dy, NULL, x, c, r + n, st + 4 * mid,
+                                st + 5 * mid));
+        OK(ac_memcpy_d2d(b, r + 2 * n, dy, n * sizeof(float)));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, r + 2 * n, mask, x, c, r + 2 * n,
+                                st + 6 * mid, st + 7 * mid)); /* gout == dy */
+        float *got = dev_down(b, r, nout);
+        if (ref == NULL)
+          ref = got;
+        else {
+          assert_memory_equal(ref, got, nout * sizeof(float));
+          free(got);
+        }
+        ac_free(b, x);
+        ac_free(b, dy);
+        ac_free(b, mask);
+        ac_free(b, c);
+        ac_free(b, r);
+      }
+      ac_backend_destroy(be[0]);
+      ac_backend_destroy(be[1]);
+    }
+    for (size_t m = 0; m < mid; m++) { /* and the sums are the sums (the plain one) */
+      double s = 0;
+      for (size_t o = 0; o < outer; o++)
+        for (size_t i = 0; i < inner; i++) s += hdy[(o * mid + m) * inner + i];
+      assert_true(fabs(ref[3 * n + 4 * mid + m] - s) <= 1e-5 * (1.0 + fabs(s)));
+    }
+    free(ref);
+    free(hx);
+    free(hdy);
+    free(hmask);
+    free(hc);
+  }
+}
+
 /* The elementwise primitives, broadcasts and row reductions run on the pool too (blocks of
  * floats, rows): on 2 threads the same bits as on 1 and as the plain loop here, with a count
  * that is not a multiple of the pool's block, in place (out == x) as accel.h allows, and
@@ -2376,6 +2436,7 @@ int main(void) {
   const struct CMUnitTest lifecycle[] = {
       cmocka_unit_test(test_strerror_and_create), cmocka_unit_test(test_cpu_threads),
       cmocka_unit_test(test_cpu_pool_bitwise), cmocka_unit_test(test_cpu_pool_elementwise),
+      cmocka_unit_test(test_cpu_channel_sums_isa),
       cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
