@@ -950,48 +950,9 @@ static double lanes_total(double *p) {
 #include <immintrin.h>
 #define ROW_HAVE_SIMD 1
 
-/* Into partials p (sums) and q (sums of squares, or of products) of 16 lanes each, the
- * whole 16-float blocks of a row; returns how many floats they covered. */
-__attribute__((target("avx512f"))) static size_t row_moments_avx512(size_t n, const float *x,
-                                                                    double *p, double *q) {
-  __m512d p0 = _mm512_setzero_pd(), p1 = p0, q0 = p0, q1 = p0;
-  size_t i = 0;
-  for (; i + ROW_LANES <= n; i += ROW_LANES) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    p0 = _mm512_add_pd(p0, lo);
-    p1 = _mm512_add_pd(p1, hi);
-    q0 = _mm512_fmadd_pd(lo, lo, q0);
-    q1 = _mm512_fmadd_pd(hi, hi, q1);
-  }
-  _mm512_storeu_pd(p, p0);
-  _mm512_storeu_pd(p + 8, p1);
-  _mm512_storeu_pd(q, q0);
-  _mm512_storeu_pd(q + 8, q1);
-  return i;
-}
-
-__attribute__((target("avx2,fma"))) static size_t row_moments_avx2(size_t n, const float *x,
-                                                                   double *p, double *q) {
-  __m256d pa[4], qa[4];
-  for (int k = 0; k < 4; k++) pa[k] = qa[k] = _mm256_setzero_pd();
-  size_t i = 0;
-  for (; i + ROW_LANES <= n; i += ROW_LANES)
-    for (int k = 0; k < 4; k++) {
-      __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * k));
-      pa[k] = _mm256_add_pd(pa[k], v);
-      qa[k] = _mm256_fmadd_pd(v, v, qa[k]);
-    }
-  for (int k = 0; k < 4; k++) {
-    _mm256_storeu_pd(p + 4 * k, pa[k]);
-    _mm256_storeu_pd(q + 4 * k, qa[k]);
-  }
-  return i;
-}
-
-/* g = dy, zeroed where mask <= 0 (mask not NULL), to gout when not NULL; p += g, q += g (x -
- * c), per lane. */
+/* Into partials p and q of 16 lanes each, for the whole 16-float blocks of a row (returns
+ * how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
+ * when not NULL; p += g, q += g (x - c). */
 __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, const float *dy,
                                                                       const float *mask,
                                                                       const float *x, float c,
@@ -1057,25 +1018,6 @@ __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, c
 #define ROW_HAVE_SIMD 0
 #endif
 
-/* s += the sum of x[0, n), q += the sum of its squares, on variant isa. */
-static void row_moments(int isa, size_t n, const float *x, double *s, double *q) {
-  double p[ROW_LANES] = {0}, r[ROW_LANES] = {0};
-  size_t i = 0;
-#if ROW_HAVE_SIMD
-  if (isa == AC_CPU_ISA_AVX512) i = row_moments_avx512(n, x, p, r);
-  if (isa == AC_CPU_ISA_AVX2) i = row_moments_avx2(n, x, p, r);
-#else
-  (void)isa;
-#endif
-  for (size_t j = 0; i < n; i++, j = (j + 1) % ROW_LANES) {
-    double v = (double)x[i];
-    p[j] += v;
-    r[j] += v * v;
-  }
-  *s += lanes_total(p);
-  *q += lanes_total(r);
-}
-
 /* One row of batch norm's backward sums: g = dy, or 0 where mask <= 0 (mask not NULL),
  * written to gout when it is not NULL; sg += the sum of g, sgx += the sum of g (x - c). */
 static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
@@ -1096,6 +1038,12 @@ static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask,
   }
   *sg += lanes_total(p);
   *sgx += lanes_total(q);
+}
+
+/* s += the sum of x[0, n), q += the sum of its squares: the gradient sums of g = x about 0
+ * (x - 0 is x, exactly). */
+static void row_moments(int isa, size_t n, const float *x, double *s, double *q) {
+  row_grad_sums(isa, n, x, NULL, x, 0.0f, NULL, s, q);
 }
 
 static void moments_slice(void *ctx, size_t lo, size_t hi) {
