@@ -1046,16 +1046,21 @@ static void row_moments(int isa, size_t n, const float *x, double *s, double *q)
   row_grad_sums(isa, n, x, NULL, x, 0.0f, NULL, s, q);
 }
 
+/* A channel's mean and biased variance from the double sums of its count values and of
+ * their squares (clamped at 0). */
+static void moments_finish(double s, double q, double count, float *mean, float *var) {
+  double mu = count > 0 ? s / count : 0.0, v = count > 0 ? q / count - mu * mu : 0.0;
+  *mean = (float)mu;
+  *var = (float)(v > 0.0 ? v : 0.0);
+}
+
 static void moments_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
-  double count = (double)(a->outer * a->inner);
   for (size_t m = lo; m < hi; m++) {
     double s = 0.0, q = 0.0;
     for (size_t o = 0; o < a->outer; o++)
       row_moments(a->isa, a->inner, a->x + (o * a->mid + m) * a->inner, &s, &q);
-    double mu = count > 0 ? s / count : 0.0, var = count > 0 ? q / count - mu * mu : 0.0;
-    a->out0[m] = (float)mu;
-    a->out1[m] = (float)(var > 0.0 ? var : 0.0);
+    moments_finish(s, q, (double)(a->outer * a->inner), a->out0 + m, a->out1 + m);
   }
 }
 
@@ -1920,6 +1925,7 @@ typedef struct c3_args {
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
+  double *sums; /* NULL, or the forward's moments: per image and output channel, s and q */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */
   size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
@@ -2032,10 +2038,16 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
         c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl, b == b0 ? a->cl : 0);
       for (size_t ob = 0; ob < a->oc / 4; ob++) {
         c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
-        for (size_t i = 0; i < 4; i++)
+        for (size_t i = 0; i < 4; i++) {
+          float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
           for (size_t y = 0; y < g->h; y++)
-            c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
-                    g->w);
+            c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
+          if (a->sums != NULL) { /* the plane just written, from the cache */
+            double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
+            sq[0] = sq[1] = 0.0;
+            row_moments(a->isa, ohw, plane, sq, sq + 1);
+          }
+        }
       }
     }
   }
@@ -2120,7 +2132,7 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
 static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
-                      size_t stride, const float *x, const float *wt, float *y) {
+                      size_t stride, const float *x, const float *wt, float *y, float *moments) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
   c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
@@ -2129,13 +2141,24 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   a.nv = c3_nvec(&a.g, 1, a.vw);
   c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
   a.per_thread = c * a.cl + 4 * a.nv * a.vw;
-  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
-  float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = moments != NULL ? 4 * n * oc : 0;
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats);
   if (s == NULL) return AC_ENOMEM;
   c3_pack_weights(c, oc, a.kk, wt, s);
   a.w = s;
   a.scratch = s + wfloats;
+  if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
+  /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
+   * same bits. */
+  for (size_t o = 0; o < oc && moments != NULL; o++) {
+    double sum = 0.0, sq = 0.0;
+    for (size_t b = 0; b < n; b++) {
+      sum += a.sums[2 * (b * oc + o)];
+      sq += a.sums[2 * (b * oc + o) + 1];
+    }
+    moments_finish(sum, sq, (double)(n * a.g.h * a.g.w), moments + o, moments + oc + o);
+  }
   return AC_OK;
 }
 
@@ -2182,11 +2205,11 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
 #endif
 
 static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       const float *x, const float *wt, float *y) {
+                       const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y);
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y, moments);
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y, (void)moments;
   return AC_ENOTSUP;
 #endif
 }
@@ -2208,11 +2231,12 @@ static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t 
 }
 
 static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
-                       const float *x, const float *wt, float *y) {
+                       const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y);
+  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y, moments);
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y,
+      (void)moments;
   return AC_ENOTSUP;
 #endif
 }

@@ -1575,6 +1575,33 @@ static void test_conv_im2col(void **state) {
   ac_free(be, t);
 }
 
+/* The _moments variant of a direct conv (k 3 stride 1: ac_conv3x3; else ac_conv_s2) writes
+ * the bits of the plain call's y (in y_ref) and, as the moments, the bits ac_channel_moments
+ * gives for that y; a moments buffer aliasing y is AC_EINVAL. */
+static void check_conv_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                               size_t k, size_t stride, const float *x, const float *wt,
+                               const float *y_ref) {
+  size_t ohw = (h / stride) * (w / stride), ny = n * oc * ohw;
+  float *y = dev_alloc(be, ny * sizeof(float)), *mom = dev_alloc(be, 4 * oc * sizeof(float));
+  if (stride == 1) {
+    OK(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, mom));
+    assert_int_equal(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, y), AC_EINVAL);
+  } else {
+    OK(ac_conv_s2_moments(be, n, c, oc, h, w, k, x, wt, y, mom));
+    assert_int_equal(ac_conv_s2_moments(be, n, c, oc, h, w, k, x, wt, y, NULL), AC_EINVAL);
+  }
+  OK(ac_channel_moments(be, n, oc, ohw, y, mom + 2 * oc, mom + 3 * oc));
+  float *got = dev_down(be, y, ny), *want = dev_down(be, y_ref, ny);
+  float *m = dev_down(be, mom, 4 * oc);
+  assert_memory_equal(got, want, ny * sizeof(float));
+  assert_memory_equal(m, m + 2 * oc, 2 * oc * sizeof(float));
+  free(got);
+  free(want);
+  free(m);
+  ac_free(be, y);
+  ac_free(be, mom);
+}
+
 /* The direct 3x3 convs (stride 1, padding 1) against double loops: odd sizes (a row of 9,
  * a 7-row image, planes smaller than a vector, 1 input channel, channels not a multiple of
  * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
@@ -1613,6 +1640,7 @@ static void conv3x3_against_loops(ac_backend *be) {
     float *dw = dev_up(be, hdw, nw), *y = dev_alloc(be, ny * sizeof(float));
     OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
     OK(ac_conv3x3(be, n, c, oc, h, w, x, wt, y));
+    check_conv_moments(be, n, c, oc, h, w, 3, 1, x, wt, y);
     OK(ac_conv3x3_wgrad(be, n, c, oc, h, w, x, dy, dw));
     float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw);
     expect_close("conv3x3", got, want, ny, 2e-6 * (double)(c * 9), 1e-5);
@@ -1683,6 +1711,7 @@ static void conv_s2_against_loops(ac_backend *be) {
     OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
     OK(ac_fill_f32(be, nx, dx, NAN));
     OK(ac_conv_s2(be, n, c, oc, h, w, k, x, wt, y));
+    check_conv_moments(be, n, c, oc, h, w, k, 2, x, wt, y);
     OK(ac_conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw));
     OK(ac_conv_s2_dgrad(be, n, c, oc, h, w, k, dy, wt, dx));
     float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw),
