@@ -414,7 +414,11 @@ typedef struct {
   uint32_t pad[5];
 } rpc_shm_head;
 #define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
+#define RPC_SHM_BELL_FETCH 2u /* FetchPreconditioners (session 10: the poll without gRPC) */
 #define RPC_SHM_BELL_REPLY 1024u
+/* The largest answer room a daemon serves (a fetch's answer of references grows with the
+ * job's blocks, ~100 bytes each); a larger room is answered in this much. */
+#define RPC_SHM_BELL_REPLY_MAX (4u << 20)
 #define RPC_SHM_REPLY_HEAD 8u
 #define RPC_SHM_NO_ANSWER  0xffffffffu /* the status the client leaves before ringing */
 
@@ -463,6 +467,15 @@ int rpc_shm_alive(int fd);
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details);
+
+/* rpc_shm_call of method (RPC_SHM_BELL_PUSH or RPC_SHM_BELL_FETCH) with reply_cap bytes of
+ * room for the answer (at least RPC_SHM_BELL_REPLY; the daemon serves at most
+ * RPC_SHM_BELL_REPLY_MAX). An answer that does not fit the room comes back as
+ * RESOURCE_EXHAUSTED ("does not fit the doorbell's room"): send the call over gRPC then. */
+int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                        const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                        long deadline_ms, ProtobufCMessage **resp, grpc_status_code *status,
+                        char **details);
 
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */

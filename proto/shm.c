@@ -459,7 +459,7 @@ int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b) {
     b->reply_cap = 0; /* no room to answer in */
     return RPC_EINVAL;
   }
-  if (b->method != RPC_SHM_BELL_PUSH ||
+  if ((b->method != RPC_SHM_BELL_PUSH && b->method != RPC_SHM_BELL_FETCH) ||
       rpc_shm_ref_check(bytes, RPC_SHM_PUSH_RING, half, b->req_offset, b->req_length,
                         b->req_length) != RPC_OK)
     return RPC_EINVAL;
@@ -519,15 +519,27 @@ static double rpc__now_ms(void) {
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  return rpc_shm_call_method(s, RPC_SHM_BELL_PUSH, RPC_SHM_BELL_REPLY, req, resp_desc,
+                             deadline_ms, resp, status, details);
+}
+
+int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                        const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                        long deadline_ms, ProtobufCMessage **resp, grpc_status_code *status,
+                        char **details) {
   grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
   if (!status) status = &code_;
   if (resp) *resp = NULL;
   if (details) *details = NULL;
   *status = GRPC_STATUS_INVALID_ARGUMENT;
-  if (!s || !req || !resp_desc || !resp || !s->map || !s->bell) return RPC_EINVAL;
+  if (!s || !req || !resp_desc || !resp || !s->map || !s->bell ||
+      (method != RPC_SHM_BELL_PUSH && method != RPC_SHM_BELL_FETCH) ||
+      reply_cap < RPC_SHM_BELL_REPLY)
+    return RPC_EINVAL;
+  reply_cap = (reply_cap + 7) / 8 * 8;
   uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
   size_t len = protobuf_c_message_get_packed_size(req);
-  uint64_t room = (len + 7) / 8 * 8 + RPC_SHM_BELL_REPLY, off;
+  uint64_t room = (len + 7) / 8 * 8 + reply_cap, off;
   /* Only where it fits before the ring's end: a wrap would put it over the push's slots. */
   *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
   if (len > UINT32_MAX || s->in_pos > ring || ring - s->in_pos < room ||
@@ -541,9 +553,9 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
   rpc_shm_head *h = (void *)s->map;
   __atomic_store_n(&h->req_offset, RPC_SHM_PUSH_RING + off, __ATOMIC_RELAXED);
   __atomic_store_n(&h->req_length, (uint32_t)len, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->method, RPC_SHM_BELL_PUSH, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->method, method, __ATOMIC_RELAXED);
   __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->reply_cap, RPC_SHM_BELL_REPLY, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_cap, reply_cap, __ATOMIC_RELAXED);
   uint32_t mine = ++s->rung;
   __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
   rpc_shm_futex_wake(&h->bell);
@@ -571,7 +583,7 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
   uint32_t code, n;
   memcpy(&code, s->map + reply, 4);
   memcpy(&n, s->map + reply + 4, 4);
-  if (code == RPC_SHM_NO_ANSWER || n > RPC_SHM_BELL_REPLY - RPC_SHM_REPLY_HEAD) {
+  if (code == RPC_SHM_NO_ANSWER || n > reply_cap - RPC_SHM_REPLY_HEAD) {
     *status = GRPC_STATUS_INTERNAL;
     if (details) *details = strdup("the daemon's answer at the doorbell is malformed");
     return RPC_EPARSE;

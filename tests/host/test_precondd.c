@@ -1812,6 +1812,26 @@ static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, ui
   return code;
 }
 
+/* FetchPreconditioners of job (no versions held, fp32, roots as bytes) rung at v's doorbell
+ * with reply_cap bytes of answer room: the code, the answer in *resp on OK, the message in
+ * msg otherwise. */
+static grpc_status_code bell_fetch(rpc_shm *v, const char *job, uint32_t reply_cap,
+                                   Precond__V1__FetchResponse **resp, char *msg) {
+  Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+  req.job = (char *)job;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  *resp = NULL;
+  int rc = rpc_shm_call_method(v, RPC_SHM_BELL_FETCH, reply_cap, &req.base,
+                               &precond__v1__fetch_response__descriptor, 20000,
+                               (ProtobufCMessage **)resp, &code, &details);
+  assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
+  snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  rpc_shm_rewind(v);
+  return code;
+}
+
 /* Rings v's doorbell by hand: len bytes of req at the ring's start, the head naming them at
  * req_offset (0: there) with method; returns the answer's code, its message in msg. */
 static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_offset,
@@ -1914,7 +1934,51 @@ static void test_shm_doorbell(void **state) {
     assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
   }
   protobuf_c_message_free_unpacked(&fs->base, NULL);
+
+  /* A fetch rung at the doorbell (session 10: libprecond's poll) answers what the gRPC
+   * method answers: the same version, step and bytes; the same code and message for an
+   * unknown job; an answer larger than the room is RESOURCE_EXHAUSTED (the client then asks
+   * over gRPC). */
+  Precond__V1__FetchResponse *fr = NULL, *fg = NULL;
+  assert_int_equal(bell_fetch(&v, "viabytes", RPC_SHM_BELL_REPLY + 4096, &fr, msg),
+                   GRPC_STATUS_OK);
+  uint64_t none = 0;
+  assert_int_equal(do_fetch(&d, "viabytes", &none, 1, 0, &fg, want), GRPC_STATUS_OK);
+  assert_int_equal(fr->n_preconditioners, 1);
+  assert_int_equal(fg->n_preconditioners, 1);
+  assert_int_equal(fr->preconditioners[0]->version, fg->preconditioners[0]->version);
+  assert_int_equal(fr->preconditioners[0]->source_step, 2);
+  root_sides(fr, side);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(side[k]->data.len, bside[k]->data.len);
+    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
+  }
+  protobuf_c_message_free_unpacked(&fr->base, NULL);
+  protobuf_c_message_free_unpacked(&fg->base, NULL);
   protobuf_c_message_free_unpacked(&fb->base, NULL);
+  assert_int_equal(bell_fetch(&v, "nosuchjob", RPC_SHM_BELL_REPLY, &fr, msg),
+                   GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(do_fetch(&d, "nosuchjob", NULL, 0, 0, &fg, want), GRPC_STATUS_NOT_FOUND);
+  assert_string_equal(msg, want);
+  assert_null(fr);
+  /* A block of 64 x 64: 2 x 8 KB of roots as bytes, not in 1 KiB of room. */
+  {
+    tspec tb[1] = {{"w", {64, 64}, 2}};
+    assert_int_equal(do_register(&d, "bigroots", tb, 1, 64, 1.0f, NULL, msg), GRPC_STATUS_OK);
+    float *bl = random_stat(64, 41), *br = random_stat(64, 42);
+    blockstat bb = {0, 64, 64, bl, br, 0};
+    assert_int_equal(do_push(&d, "bigroots", 1, &bb, 1, NULL, msg), GRPC_STATUS_OK);
+    fg = wait_step_roots(&d, "bigroots", 1, 1);
+    protobuf_c_message_free_unpacked(&fg->base, NULL);
+    assert_int_equal(bell_fetch(&v, "bigroots", RPC_SHM_BELL_REPLY, &fr, msg),
+                     GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(msg, "does not fit the doorbell's room"));
+    assert_int_equal(bell_fetch(&v, "bigroots", 1 << 16, &fr, msg), GRPC_STATUS_OK);
+    assert_int_equal(fr->n_preconditioners, 1);
+    protobuf_c_message_free_unpacked(&fr->base, NULL);
+    free(bl);
+    free(br);
+  }
 
   /* The client lets go: the region (and its doorbell's thread) is freed within seconds. */
   rpc_shm_close(&v);

@@ -387,7 +387,9 @@ static void test_shm_bell(void **state) {
   h->req_offset = 0; /* the head itself */
   assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
   h->req_offset = RPC_SHM_PUSH_RING;
-  h->method = 2;
+  h->method = RPC_SHM_BELL_FETCH;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_OK);
+  h->method = 3;
   assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
   h->method = RPC_SHM_BELL_PUSH;
   h->reply_offset = RPC_SHM_PUSH_RING + 4; /* not 8-aligned */
