@@ -487,7 +487,9 @@ typedef struct {
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
   /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
-   * when the daemon serves it; 2, a push always sent as a gRPC call. */
+   * when the daemon serves it, one at a time (each waits for its answer: rpc_shm_call);
+   * 3, the same pipelined (RPC_SHM_QUEUE in flight: rpc_shm_post, its answer collected
+   * later) when the daemon offers the queue; 2, a push always sent as a gRPC call. */
   int shm;
   double until; /* stop time */
   pthread_barrier_t *start;
@@ -569,6 +571,24 @@ static void *worker_main(void *arg) {
       if (w->shm) rpc_shm_fetch_done(r);
     } else {
       pm.req.step = step++;
+      int piped = w->shm == 3 && shm.queue;
+      if (piped) {
+        /* Room for this push's two slots, its request (a few hundred bytes) and its answer's
+         * room (RPC_SHM_BELL_REPLY), collecting the oldest answers while RPC_SHM_QUEUE are in
+         * flight. */
+        grpc_status_code code;
+        char *details = NULL;
+        uint64_t slot = (w->pl->bytes + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+        int rc = rpc_shm_begin(&shm, 2 * slot + 2048, CALL_MS, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        if (rc != RPC_OK) {
+          w->failed = 1;
+          break;
+        }
+      }
       if (w->shm) {
         /* Each push writes its two factors into the region's slots (a plain copy, where a
          * worker's kernel writes the statistic); the messages carry the references only. */
@@ -582,7 +602,16 @@ static void *worker_main(void *arg) {
         }
       }
       int bad;
-      if (w->shm == 1 && shm.bell) {
+      if (piped) {
+        grpc_status_code code;
+        char *details = NULL;
+        int rc = rpc_shm_post(&shm, &pm.req.base, CALL_MS, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        bad = rc != RPC_OK;
+      } else if ((w->shm == 1 || w->shm == 3) && shm.bell) {
         grpc_status_code code;
         char *details = NULL;
         int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
@@ -600,8 +629,9 @@ static void *worker_main(void *arg) {
         w->failed = 1;
         break;
       }
-      /* Answered: the daemon read the slots, the next push reuses them (libprecond too). */
-      if (w->shm) rpc_shm_rewind(&shm);
+      /* Answered: the daemon read the slots, the next push reuses them (libprecond too);
+       * pipelined, rpc_shm_begin places the next push clear of those in flight. */
+      if (w->shm && !piped) rpc_shm_rewind(&shm);
       w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
@@ -619,6 +649,23 @@ static void *worker_main(void *arg) {
     }
     w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+  }
+  /* The pipelined pushes still in flight are collected inside the cell's time: every byte
+   * counted was folded and answered OK. */
+  while (shm.npend > 0) {
+    grpc_status_code code;
+    char *details = NULL;
+    resp = NULL;
+    int rc = rpc_shm_collect(&shm, &precond__v1__push_response__descriptor, CALL_MS, &resp, &code,
+                             &details);
+    if (rc != RPC_OK) {
+      fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+              rpc_status_name(code), details ? details : rpc_strerror(rc));
+      w->failed = 1;
+    }
+    free(details);
+    if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
+    if (rc == RPC_ECALL) break;
   }
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
@@ -874,9 +921,10 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     }
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
-             shm == 2 ? "-shm-grpc"
-             : shm    ? "-shm"
-                      : "");
+             shm == 2   ? "-shm-grpc"
+             : shm == 3 ? "-shm-pipe"
+             : shm      ? "-shm"
+                        : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -1906,6 +1954,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
         /* The region's push with its control as a gRPC call (before the doorbell): the
          * doorbell's gain in this run. */
         if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+          rc = -1;
+        /* The doorbell pipelined (two pushes in flight): the overlap's cost or gain in this
+         * run, next to push-shm's one at a time. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
           rc = -1;
       }
     }

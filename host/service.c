@@ -645,6 +645,7 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
   resp.roots_path = (char *)(uintptr_t)(roots_path ? roots_path : "");
   resp.roots_bytes = roots_bytes;
   resp.doorbell = pd_shm_bell_served(s);
+  resp.doorbell_queue = resp.doorbell;
   pd__answer(d, rep, &resp.base);
   pd_shm_put(&d->shm, s);
 }
