@@ -110,14 +110,15 @@ typedef struct ac__ops {
                       float *d, const ac_moment_graft_args *a);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct 3x3 convs. */
   int (*conv3x3_ok)(ac_backend *be, size_t c, size_t oc);
+  /* moments: NULL, or 2 oc floats for the output's batch-norm moments (ac_conv3x3_moments) */
   int (*conv3x3)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
-                 const float *wt, float *y);
+                 const float *wt, float *y, float *moments);
   int (*conv3x3_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                        const float *x, const float *dy, float *dw);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct stride-2 convs. */
   int (*conv_s2_ok)(ac_backend *be, size_t c, size_t oc, size_t h, size_t w, size_t k);
   int (*conv_s2)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
-                 const float *x, const float *wt, float *y);
+                 const float *x, const float *wt, float *y, float *moments);
   int (*conv_s2_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                        const float *x, const float *dy, float *dw);
   int (*conv_s2_dgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,

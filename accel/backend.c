@@ -624,7 +624,21 @@ static int conv3x3_check(ac_backend *be, size_t n, size_t c, size_t oc, size_t h
 int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
                const float *wt, float *y) {
   int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
-  return rc != AC_OK ? (rc == 1 ? AC_OK : rc) : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y);
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y, NULL);
+}
+
+/* moments is written, so it must be none of the other buffers. */
+static int moments_ok(const float *moments, const float *x, const float *wt, const float *y) {
+  return moments != NULL && moments != x && moments != wt && moments != y;
+}
+
+int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, float *y, float *moments) {
+  int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
+  if (rc == AC_OK && !moments_ok(moments, x, wt, y)) rc = AC_EINVAL;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y, moments);
 }
 
 int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
@@ -656,7 +670,16 @@ static int conv_s2_check(ac_backend *be, size_t n, size_t c, size_t oc, size_t h
 int ac_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                const float *x, const float *wt, float *y) {
   int rc = conv_s2_check(be, n, c, oc, h, w, k, x, wt, y);
-  return rc != AC_OK ? (rc == 1 ? AC_OK : rc) : be->ops->conv_s2(be, n, c, oc, h, w, k, x, wt, y);
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv_s2(be, n, c, oc, h, w, k, x, wt, y, NULL);
+}
+
+int ac_conv_s2_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                       const float *x, const float *wt, float *y, float *moments) {
+  int rc = conv_s2_check(be, n, c, oc, h, w, k, x, wt, y);
+  if (rc == AC_OK && !moments_ok(moments, x, wt, y)) rc = AC_EINVAL;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv_s2(be, n, c, oc, h, w, k, x, wt, y, moments);
 }
 
 int ac_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,

@@ -446,6 +446,14 @@ int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, f
 int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
                const float *wt, float *y);
 
+/* ac_conv3x3, and batch norm's moments of y with it: moments[o] the mean and moments[oc + o]
+ * the biased variance of y's channel o over the n images (2 oc floats), the same bits as
+ * ac_channel_moments(n, oc, h w) of y gives, made while each image's planes are still in
+ * the cache (one pass over the activations less per conv + batch norm). Same support;
+ * moments aliases nothing. */
+int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, float *y, float *moments);
+
 /* dw (oc, c, 3, 3) += the weight gradient of ac_conv3x3: for every image, channel pair and
  * tap (p, q), the sum over outputs (y, x) of dy[o][y][x] x[ch][y + p - 1][x + q - 1] (zero
  * outside). Same support and guarantees as ac_conv3x3. */
@@ -465,6 +473,10 @@ int ac_conv3x3_supported(ac_backend *be, size_t c, size_t oc);
  * ac_conv_s2_supported says no. No aliasing. */
 int ac_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                const float *x, const float *wt, float *y);
+
+/* ac_conv_s2 and the moments of its output (2 oc floats), as ac_conv3x3_moments. */
+int ac_conv_s2_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                       const float *x, const float *wt, float *y, float *moments);
 
 /* dw (oc, c, k, k) += the weight gradient of ac_conv_s2 for dy (n, oc, h/2, w/2). Same
  * support and guarantees. */

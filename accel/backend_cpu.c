@@ -926,27 +926,153 @@ typedef struct chan_args {
   const float *x, *y, *mask, *p0, *p1, *p2, *res;
   float *out, *out0, *out1;
   int relu;
+  int isa; /* the backend's variant (ac_cpu_isa), for the row sums */
 } chan_args;
+
+/* Batch norm's row sums, one row of a channel at a time, in double: 16 partials of each
+ * sum, element i going to partial i mod 16, totalled pairwise at the end. The passes were
+ * compute-bound (a double add per float in SSE2's 2-double vectors: the masked
+ * gradient-sum pass cost 7x the dx pass, which reads as much), so the whole 16-float blocks
+ * run on AVX2 or AVX-512F where the backend's variant has it (ac_cpu_isa, as the direct
+ * convs). Every variant makes the same sums in the same order (a float times a float is
+ * exact in double, so a fused multiply-add rounds as the separate add does): the same bits
+ * for any variant and thread count. */
+#define ROW_LANES 16
+
+/* The partials' total, pairwise (p is overwritten). */
+static double lanes_total(double *p) {
+  for (size_t w = ROW_LANES / 2; w >= 1; w /= 2)
+    for (size_t j = 0; j < w; j++) p[j] += p[j + w];
+  return p[0];
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define ROW_HAVE_SIMD 1
+
+/* Into partials p and q of 16 lanes each, for the whole 16-float blocks of a row (returns
+ * how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
+ * when not NULL; p += g, q += g (x - c). */
+__attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, const float *dy,
+                                                                      const float *mask,
+                                                                      const float *x, float c,
+                                                                      float *gout, double *p,
+                                                                      double *q) {
+  __m512d p0 = _mm512_setzero_pd(), p1 = p0, q0 = p0, q1 = p0;
+  __m512 vc = _mm512_set1_ps(c), zero = _mm512_setzero_ps();
+  size_t i = 0;
+  for (; i + ROW_LANES <= n; i += ROW_LANES) {
+    __m512 g = _mm512_loadu_ps(dy + i);
+    if (mask != NULL)
+      g = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(mask + i), zero, _CMP_GT_OQ), g);
+    if (gout != NULL) _mm512_storeu_ps(gout + i, g);
+    __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + i), vc);
+    __m512d glo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    __m512d ghi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+    __m512d dlo = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+    __m512d dhi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+    p0 = _mm512_add_pd(p0, glo);
+    p1 = _mm512_add_pd(p1, ghi);
+    q0 = _mm512_fmadd_pd(glo, dlo, q0);
+    q1 = _mm512_fmadd_pd(ghi, dhi, q1);
+  }
+  _mm512_storeu_pd(p, p0);
+  _mm512_storeu_pd(p + 8, p1);
+  _mm512_storeu_pd(q, q0);
+  _mm512_storeu_pd(q + 8, q1);
+  return i;
+}
+
+__attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, const float *dy,
+                                                                    const float *mask,
+                                                                    const float *x, float c,
+                                                                    float *gout, double *p,
+                                                                    double *q) {
+  __m256d pa[4], qa[4];
+  for (int k = 0; k < 4; k++) pa[k] = qa[k] = _mm256_setzero_pd();
+  __m256 vc = _mm256_set1_ps(c), zero = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + ROW_LANES <= n; i += ROW_LANES)
+    for (int h = 0; h < 2; h++) {
+      size_t o = i + 8 * (size_t)h;
+      __m256 g = _mm256_loadu_ps(dy + o);
+      if (mask != NULL) g = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + o), zero, _CMP_GT_OQ), g);
+      if (gout != NULL) _mm256_storeu_ps(gout + o, g);
+      __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + o), vc);
+      __m256d glo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
+      __m256d ghi = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+      __m256d dlo = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
+      __m256d dhi = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+      pa[2 * h] = _mm256_add_pd(pa[2 * h], glo);
+      pa[2 * h + 1] = _mm256_add_pd(pa[2 * h + 1], ghi);
+      qa[2 * h] = _mm256_fmadd_pd(glo, dlo, qa[2 * h]);
+      qa[2 * h + 1] = _mm256_fmadd_pd(ghi, dhi, qa[2 * h + 1]);
+    }
+  for (int k = 0; k < 4; k++) {
+    _mm256_storeu_pd(p + 4 * k, pa[k]);
+    _mm256_storeu_pd(q + 4 * k, qa[k]);
+  }
+  return i;
+}
+#else
+#define ROW_HAVE_SIMD 0
+#endif
+
+/* One row of batch norm's backward sums: g = dy, or 0 where mask <= 0 (mask not NULL),
+ * written to gout when it is not NULL; sg += the sum of g, sgx += the sum of g (x - c). */
+static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
+                          float c, float *gout, double *sg, double *sgx) {
+  double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
+  size_t i = 0;
+#if ROW_HAVE_SIMD
+  if (isa == AC_CPU_ISA_AVX512) i = row_grad_sums_avx512(n, dy, mask, x, c, gout, p, q);
+  if (isa == AC_CPU_ISA_AVX2) i = row_grad_sums_avx2(n, dy, mask, x, c, gout, p, q);
+#else
+  (void)isa;
+#endif
+  for (size_t j = 0; i < n; i++, j = (j + 1) % ROW_LANES) {
+    float g = mask == NULL || mask[i] > 0.0f ? dy[i] : 0.0f;
+    if (gout != NULL) gout[i] = g;
+    p[j] += (double)g;
+    q[j] += (double)g * (double)(x[i] - c);
+  }
+  *sg += lanes_total(p);
+  *sgx += lanes_total(q);
+}
+
+/* s += the sum of x[0, n), q += the sum of its squares: the gradient sums of g = x about 0
+ * (x - 0 is x, exactly). */
+static void row_moments(int isa, size_t n, const float *x, double *s, double *q) {
+  row_grad_sums(isa, n, x, NULL, x, 0.0f, NULL, s, q);
+}
+
+/* A channel's mean and biased variance from the double sums of its count values and of
+ * their squares (clamped at 0). */
+static void moments_finish(double s, double q, double count, float *mean, float *var) {
+  double mu = count > 0 ? s / count : 0.0, v = count > 0 ? q / count - mu * mu : 0.0;
+  *mean = (float)mu;
+  *var = (float)(v > 0.0 ? v : 0.0);
+}
 
 static void moments_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
-  double count = (double)(a->outer * a->inner);
   for (size_t m = lo; m < hi; m++) {
     double s = 0.0, q = 0.0;
-    for (size_t o = 0; o < a->outer; o++) {
-      const float *row = a->x + (o * a->mid + m) * a->inner;
-      s += row_sum(a->inner, row, 0);
-      q += row_sum(a->inner, row, 1);
-    }
-    double mu = count > 0 ? s / count : 0.0, var = count > 0 ? q / count - mu * mu : 0.0;
-    a->out0[m] = (float)mu;
-    a->out1[m] = (float)(var > 0.0 ? var : 0.0);
+    for (size_t o = 0; o < a->outer; o++)
+      row_moments(a->isa, a->inner, a->x + (o * a->mid + m) * a->inner, &s, &q);
+    moments_finish(s, q, (double)(a->outer * a->inner), a->out0 + m, a->out1 + m);
   }
 }
 
 static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t inner,
                                const float *x, float *mean, float *var) {
-  chan_args a = {.outer = outer, .mid = mid, .inner = inner, .x = x, .out0 = mean, .out1 = var};
+  chan_args a = {.outer = outer,
+                 .mid = mid,
+                 .inner = inner,
+                 .x = x,
+                 .out0 = mean,
+                 .out1 = var,
+                 .isa = ((cpu_impl *)be->impl)->isa};
   par_for(pool_of(be), mid, (double)(outer * mid * inner), moments_slice, &a);
   return AC_OK;
 }
@@ -992,48 +1118,14 @@ static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t i
   return AC_OK;
 }
 
-/* The masked gradient g of a row (written to gout, or to a stack block when there is no
- * gout; dy itself when neither a mask nor gout asks for a copy), then its two sums in
- * double with 4 interleaved partials (vectorisable; a fixed order). */
-AC__CPU_VEC static void grad_sums_slice(void *ctx, size_t lo, size_t hi) {
+static void grad_sums_slice(void *ctx, size_t lo, size_t hi) {
   const chan_args *a = ctx;
-  enum { BLOCK = 1024 };
-  float stack[BLOCK];
   for (size_t m = lo; m < hi; m++) {
     double sg = 0.0, sgx = 0.0;
-    float c = a->p0[m];
     for (size_t o = 0; o < a->outer; o++) {
       size_t base = (o * a->mid + m) * a->inner;
-      for (size_t i0 = 0; i0 < a->inner; i0 += BLOCK) {
-        size_t len = a->inner - i0 < BLOCK ? a->inner - i0 : BLOCK;
-        const float *dy = a->y + base + i0, *x = a->x + base + i0;
-        float *gw = a->out != NULL ? a->out + base + i0 : stack;
-        const float *g = gw;
-        if (a->mask != NULL) {
-          const float *mask = a->mask + base + i0;
-          for (size_t i = 0; i < len; i++) {
-            float d = dy[i];
-            gw[i] = mask[i] > 0.0f ? d : 0.0f;
-          }
-        } else if (a->out == NULL) {
-          g = dy;
-        } else if (gw != dy) {
-          memcpy(gw, dy, len * sizeof *gw);
-        }
-        double p[4] = {0, 0, 0, 0}, q[4] = {0, 0, 0, 0};
-        size_t i = 0;
-        for (; i + 4 <= len; i += 4)
-          for (size_t j = 0; j < 4; j++) {
-            p[j] += (double)g[i + j];
-            q[j] += (double)g[i + j] * (double)(x[i + j] - c);
-          }
-        for (; i < len; i++) {
-          p[0] += (double)g[i];
-          q[0] += (double)g[i] * (double)(x[i] - c);
-        }
-        sg += (p[0] + p[2]) + (p[1] + p[3]);
-        sgx += (q[0] + q[2]) + (q[1] + q[3]);
-      }
+      row_grad_sums(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL, a->x + base,
+                    a->p0[m], a->out != NULL ? a->out + base : NULL, &sg, &sgx);
     }
     a->out0[m] = (float)sg;
     a->out1[m] = (float)sgx;
@@ -1052,7 +1144,8 @@ static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_
                  .p0 = center,
                  .out = gout,
                  .out0 = sum_g,
-                 .out1 = sum_gx};
+                 .out1 = sum_gx,
+                 .isa = ((cpu_impl *)be->impl)->isa};
   par_for(pool_of(be), mid, (double)(outer * mid * inner) * 3, grad_sums_slice, &a);
   return AC_OK;
 }
@@ -1832,6 +1925,7 @@ typedef struct c3_args {
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
+  double *sums; /* NULL, or the forward's moments: per image and output channel, s and q */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */
   size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
@@ -1944,10 +2038,16 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
         c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl, b == b0 ? a->cl : 0);
       for (size_t ob = 0; ob < a->oc / 4; ob++) {
         c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
-        for (size_t i = 0; i < 4; i++)
+        for (size_t i = 0; i < 4; i++) {
+          float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
           for (size_t y = 0; y < g->h; y++)
-            c3_copy(a->y + (b * a->oc + ob * 4 + i) * ohw + y * g->w, out + i * ldo + y * g->wq,
-                    g->w);
+            c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
+          if (a->sums != NULL) { /* the plane just written, from the cache */
+            double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
+            sq[0] = sq[1] = 0.0;
+            row_moments(a->isa, ohw, plane, sq, sq + 1);
+          }
+        }
       }
     }
   }
@@ -2032,7 +2132,7 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
 static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
-                      size_t stride, const float *x, const float *wt, float *y) {
+                      size_t stride, const float *x, const float *wt, float *y, float *moments) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
   c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
@@ -2041,13 +2141,24 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   a.nv = c3_nvec(&a.g, 1, a.vw);
   c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
   a.per_thread = c * a.cl + 4 * a.nv * a.vw;
-  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
-  float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = moments != NULL ? 4 * n * oc : 0;
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats);
   if (s == NULL) return AC_ENOMEM;
   c3_pack_weights(c, oc, a.kk, wt, s);
   a.w = s;
   a.scratch = s + wfloats;
+  if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
+  /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
+   * same bits. */
+  for (size_t o = 0; o < oc && moments != NULL; o++) {
+    double sum = 0.0, sq = 0.0;
+    for (size_t b = 0; b < n; b++) {
+      sum += a.sums[2 * (b * oc + o)];
+      sq += a.sums[2 * (b * oc + o) + 1];
+    }
+    moments_finish(sum, sq, (double)(n * a.g.h * a.g.w), moments + o, moments + oc + o);
+  }
   return AC_OK;
 }
 
@@ -2094,11 +2205,11 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
 #endif
 
 static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       const float *x, const float *wt, float *y) {
+                       const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y);
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y, moments);
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y, (void)moments;
   return AC_ENOTSUP;
 #endif
 }
@@ -2120,11 +2231,12 @@ static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t 
 }
 
 static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
-                       const float *x, const float *wt, float *y) {
+                       const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y);
+  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y, moments);
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y,
+      (void)moments;
   return AC_ENOTSUP;
 #endif
 }

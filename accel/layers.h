@@ -303,6 +303,8 @@ typedef struct {
   const float *x;
   float *ws, *y, *dx;
   float *wflip; /* stride-1 dx as a conv: W permuted (in_c, out_c, k k), then flipped */
+  float *moments; /* ac_conv2d_want_moments: the last forward's output moments, or NULL */
+  int want_moments, moments_ready;
   ac_hook hook; /* curvature hook (see above); zero after init */
 } ac_conv2d;
 
@@ -315,6 +317,12 @@ void ac_conv2d_destroy(ac_conv2d *l);
 int ac_conv2d_params(ac_conv2d *l, ac_param_list *list);
 int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y);
 int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx);
+/* For a batch norm that follows: from now on forward also makes its output's per-channel
+ * mean and biased variance where the backend's direct kernels can do it while writing y
+ * (ac_conv3x3_moments, ac_conv_s2_moments; no bias), and ac_conv2d_moments hands them out
+ * (2 out_c floats, layer-owned, valid until the next forward), else NULL. */
+int ac_conv2d_want_moments(ac_conv2d *l);
+const float *ac_conv2d_moments(const ac_conv2d *l);
 
 /* Batch normalisation of x (n, c, hw) per channel (hw = H*W for images, 1 for features):
  * AC_MODE_TRAIN normalises with the batch mean and biased variance and updates
@@ -356,6 +364,12 @@ int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode 
                          const float **y);
 int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
                              ac_mode mode, const float **y);
+/* ac_batchnorm_forward_res with x's batch moments already made (ac_conv2d_moments: the mean
+ * of each channel, then its biased variance; 2 c floats), so that training mode skips its
+ * own pass over x; NULL: as forward_res. Unused in eval mode. */
+int ac_batchnorm_forward_moments(ac_batchnorm *l, const float *x, const float *res,
+                                 const float *moments, size_t batch, ac_mode mode,
+                                 const float **y);
 int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx);
 /* dres may be NULL (then this is ac_batchnorm_backward); dx may be NULL too. */
 int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,

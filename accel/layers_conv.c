@@ -70,7 +70,22 @@ void ac_conv2d_destroy(ac_conv2d *l) {
   ac__layer_free(l->be, &l->y);
   ac__layer_free(l->be, &l->dx);
   ac__layer_free(l->be, &l->wflip);
+  ac__layer_free(l->be, &l->moments);
   memset(l, 0, sizeof *l);
+}
+
+int ac_conv2d_want_moments(ac_conv2d *l) {
+  if (l->be == NULL) return AC_EINVAL;
+  if (l->moments == NULL) {
+    int rc = ac__layer_alloc(l->be, 2 * l->out_c, &l->moments);
+    if (rc != AC_OK) return rc;
+  }
+  l->want_moments = 1;
+  return AC_OK;
+}
+
+const float *ac_conv2d_moments(const ac_conv2d *l) {
+  return l->be != NULL && l->ready && l->moments_ready ? l->moments : NULL;
 }
 
 int ac_conv2d_params(ac_conv2d *l, ac_param_list *list) {
@@ -98,8 +113,17 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   size_t ckk = l->g.c * l->g.kh * l->g.kw, ohw = l->oh * l->ow, oc = l->out_c;
   size_t chw = l->g.c * l->g.h * l->g.w;
   const float *w = ac_tensor_f32(&l->weight.value);
-  if (l->direct) AC__TRY(ac_conv3x3(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y));
-  if (l->direct_s2) AC__TRY(ac_conv_s2(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y));
+  /* The moments come with the direct kernels' output, before any bias. */
+  float *mom = l->want_moments && !l->has_bias ? l->moments : NULL;
+  l->moments_ready = 0;
+  if (l->direct && mom != NULL)
+    AC__TRY(ac_conv3x3_moments(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y, mom));
+  else if (l->direct)
+    AC__TRY(ac_conv3x3(be, batch, l->g.c, oc, l->g.h, l->g.w, x, w, l->y));
+  if (l->direct_s2 && mom != NULL)
+    AC__TRY(ac_conv_s2_moments(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y, mom));
+  else if (l->direct_s2)
+    AC__TRY(ac_conv_s2(be, batch, l->g.c, oc, l->g.h, l->g.w, l->g.kh, x, w, l->y));
   for (size_t b0 = 0; b0 < batch && !l->direct && !l->direct_s2; b0 += l->chunk) {
     ac_conv2d_geom g = l->g;
     g.n = batch - b0 < l->chunk ? batch - b0 : l->chunk;
@@ -116,6 +140,7 @@ int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **
   l->x = x;
   l->batch = batch;
   l->ready = 1;
+  l->moments_ready = mom != NULL && (l->direct || l->direct_s2);
   *y = l->y;
   return AC_OK;
 fail:
@@ -337,6 +362,12 @@ fail:
  * s1; the output is one ac_channel_affine pass (with the residual and ReLU folded in). */
 int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, size_t batch,
                              ac_mode mode, const float **y) {
+  return ac_batchnorm_forward_moments(l, x, res, NULL, batch, mode, y);
+}
+
+int ac_batchnorm_forward_moments(ac_batchnorm *l, const float *x, const float *res,
+                                 const float *moments, size_t batch, ac_mode mode,
+                                 const float **y) {
   if (l->be == NULL || x == NULL || y == NULL || batch == 0 || batch > l->max_batch ||
       (mode != AC_MODE_TRAIN && mode != AC_MODE_EVAL))
     return AC_EINVAL;
@@ -348,7 +379,12 @@ int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, 
   if (mode == AC_MODE_TRAIN) {
     size_t mt = l->sync.fn != NULL && l->sync.workers > 1 ? m * (size_t)l->sync.workers : m;
     float mom = l->momentum, unbias = mt > 1 ? (float)mt / (float)(mt - 1) : 1.0f;
-    AC__TRY(ac_channel_moments(be, n, c, hw, x, l->mean, l->s2));
+    if (moments != NULL) {
+      AC__TRY(ac_memcpy_d2d(be, l->mean, moments, c * sizeof(float)));
+      AC__TRY(ac_memcpy_d2d(be, l->s2, moments + c, c * sizeof(float)));
+    } else {
+      AC__TRY(ac_channel_moments(be, n, c, hw, x, l->mean, l->s2));
+    }
     if (l->sync.fn != NULL) AC__TRY(ac__batchnorm_sync_moments(l));
     AC__TRY(ac_axpby(be, c, mom, l->mean, 1.0f - mom, rmean, rmean));
     AC__TRY(ac_axpby(be, c, mom * unbias, l->s2, 1.0f - mom, rvar, rvar));

@@ -334,12 +334,14 @@ int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, siz
   AC__TRY(ac__join_name(name, sizeof name, prefix, "bn1"));
   AC__TRY(ac_batchnorm_init(&b->bn1, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
   AC__TRY(ac_batchnorm_fuse_relu(&b->bn1));
+  AC__TRY(ac_conv2d_want_moments(&b->conv1)); /* bn1's statistics made while conv1 writes */
   AC__TRY(ac__join_name(name, sizeof name, prefix, "conv2"));
   AC__TRY(ac_conv2d_init(&b->conv2, be, name, out_c, out_c, b->oh, b->ow, 3, 1, 1, 0, max_batch,
                          chunk, workspace, ac__sub_seed(seed, 1)));
   AC__TRY(ac__join_name(name, sizeof name, prefix, "bn2"));
   AC__TRY(ac_batchnorm_init(&b->bn2, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
   AC__TRY(ac_batchnorm_fuse_relu(&b->bn2)); /* relu(bn2(.) + shortcut) in one pass */
+  AC__TRY(ac_conv2d_want_moments(&b->conv2));
   b->has_short = stride != 1 || in_c != out_c;
   if (b->has_short) {
     AC__TRY(ac__join_name(name, sizeof name, prefix, "short.conv"));
@@ -347,6 +349,7 @@ int ac_basicblock_init(ac_basicblock *b, ac_backend *be, const char *prefix, siz
                            chunk, workspace, ac__sub_seed(seed, 2)));
     AC__TRY(ac__join_name(name, sizeof name, prefix, "short.bn"));
     AC__TRY(ac_batchnorm_init(&b->sbn, be, name, out_c, ohw, 1e-5f, 0.1f, max_batch));
+    AC__TRY(ac_conv2d_want_moments(&b->sconv));
   }
   AC__TRY(ac__layer_alloc(be, max_batch * in_c * h * w, &b->dx));
   return AC_OK;
@@ -387,13 +390,16 @@ int ac_basicblock_forward(ac_basicblock *b, const float *x, size_t batch, ac_mod
   int rc;
   const float *a, *s = x;
   AC__TRY(ac_conv2d_forward(&b->conv1, x, batch, &a));
-  AC__TRY(ac_batchnorm_forward(&b->bn1, a, batch, mode, &a)); /* with relu1 */
+  AC__TRY(ac_batchnorm_forward_moments(&b->bn1, a, NULL, ac_conv2d_moments(&b->conv1), batch, mode,
+                                       &a)); /* with relu1 */
   AC__TRY(ac_conv2d_forward(&b->conv2, a, batch, &a));
   if (b->has_short) {
     AC__TRY(ac_conv2d_forward(&b->sconv, x, batch, &s));
-    AC__TRY(ac_batchnorm_forward(&b->sbn, s, batch, mode, &s));
+    AC__TRY(ac_batchnorm_forward_moments(&b->sbn, s, NULL, ac_conv2d_moments(&b->sconv), batch,
+                                         mode, &s));
   }
-  AC__TRY(ac_batchnorm_forward_res(&b->bn2, a, s, batch, mode, y)); /* + s, relu2 */
+  AC__TRY(ac_batchnorm_forward_moments(&b->bn2, a, s, ac_conv2d_moments(&b->conv2), batch, mode,
+                                       y)); /* + s, relu2 */
   b->batch = batch;
   b->ready = 1;
   return AC_OK;
@@ -501,6 +507,7 @@ int ac_resnet_init(ac_resnet *m, ac_backend *be, const ac_resnet_config *cfg) {
   AC__TRY(ac_batchnorm_init(&m->stem_bn, be, "stem.bn", cfg->width[0], cfg->h * cfg->w, cfg->bn_eps,
                             cfg->bn_momentum, cfg->batch));
   AC__TRY(ac_batchnorm_fuse_relu(&m->stem_bn));
+  AC__TRY(ac_conv2d_want_moments(&m->stem));
   h = cfg->h;
   w = cfg->w;
   c = cfg->width[0];
@@ -559,7 +566,8 @@ int ac_resnet_forward(ac_resnet *m, const float *images, const int32_t *labels, 
   int rc;
   const float *h;
   AC__TRY(ac_conv2d_forward(&m->stem, images, batch, &h));
-  AC__TRY(ac_batchnorm_forward(&m->stem_bn, h, batch, mode, &h)); /* with the ReLU */
+  AC__TRY(ac_batchnorm_forward_moments(&m->stem_bn, h, NULL, ac_conv2d_moments(&m->stem), batch,
+                                       mode, &h)); /* with the ReLU */
   for (size_t i = 0; i < m->nblocks; i++)
     AC__TRY(ac_basicblock_forward(&m->blocks[i], h, batch, mode, &h));
   AC__TRY(ac_gap_forward(&m->gap, h, batch, &h));

@@ -24,8 +24,10 @@
  *          for each R of --ranks, one pool thread per rank; per step the --pool-blocks blocks
  *          of 256 (eigh roots) pushed to their owners (or to rank 0: --replica-push first)
  *          through shared memory (--replica-wire bytes: gRPC bytes), timed until every
- *          rank holds every root (GetStats): roots/s (ratio to the first R's) and
- *          p50/p90 of that time over --replica-steps steps (docs/replicas.md).
+ *          rank holds every root (GetStats): roots/s (ratio to the R = 1 row before, or
+ *          the first row) and p50/p90 of that time over --replica-steps steps; with
+ *          --ceiling a "ceiling" row before each: the same roots in R plain processes
+ *          pinned to cores 0..R-1, the machine's own limit (docs/replicas.md).
  * All ratios come from the same run. The memcpy rates are measured at the start, before any
  * daemon computes roots, so they are the machine's limit rather than a loaded figure.
  *
@@ -35,7 +37,9 @@
  * MB/s for push and fetch, ops_per_s / single-thread rate for root and pool; snapshot rows
  * have no baseline). Notes (skipped cells, daemon paths) go to stderr.
  */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET: the ceiling rows pin processes */
 #include <dirent.h>
+#include <sched.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -83,6 +87,7 @@ typedef struct {
   int replica_steps;          /* replica rows: timed steps per R */
   int replica_push_first;     /* replica rows: every block pushed to rank 0 (else to its owner) */
   int replica_bytes;          /* replica rows: gRPC bytes (else a region and the roots area) */
+  int ceiling;                /* replica rows: a ceiling row (plain processes) before each */
   double root_noise;          /* root rows: 0 fresh statistics each trip; x > 0: one statistic plus
                           x times a fresh one (a block in its steady state) */
   const char *daemon_args[9]; /* --daemon-arg: more options of the spawned daemons */
@@ -258,7 +263,12 @@ static void usage(FILE *f) {
           "                      thread per rank) for each R of --ranks; --pool-blocks blocks\n"
           "                      of 256 pushed per step (eigh roots, p = 2): roots/s, and the\n"
           "                      time from a step's push to every rank holding every root\n"
-          "  --ranks LIST        daemon ranks of the replica rows (default 1,2)\n"
+          "  --ranks LIST        daemon ranks of the replica rows (default 1,2; 1,2,1,2,...\n"
+          "                      alternates: each R > 1 row's ratio is to the R = 1 row\n"
+          "                      before it, every pair and the median on stderr)\n"
+          "  --ceiling           replica rows: before each, the same roots in R plain\n"
+          "                      processes pinned to cores 0..R-1 (no daemon): the machine's\n"
+          "                      own ceiling; at R = 1 also alone on core 1 (stderr)\n"
           "  --replica-steps N   timed steps of each replica row, after 2 untimed (default 3)\n"
           "  --replica-push owner|first  replica rows: each block pushed to the rank that\n"
           "                      owns it, one thread per rank (default; data-parallel\n"
@@ -477,7 +487,9 @@ typedef struct {
   const payload *pl; /* shared, read-only */
   int fetch;         /* 0: push, 1: fetch */
   /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
-   * when the daemon serves it; 2, a push always sent as a gRPC call. */
+   * when the daemon serves it, one at a time (each waits for its answer: rpc_shm_call);
+   * 3, the same pipelined (RPC_SHM_QUEUE in flight: rpc_shm_post, its answer collected
+   * later) when the daemon offers the queue; 2, a push always sent as a gRPC call. */
   int shm;
   double until; /* stop time */
   pthread_barrier_t *start;
@@ -559,6 +571,24 @@ static void *worker_main(void *arg) {
       if (w->shm) rpc_shm_fetch_done(r);
     } else {
       pm.req.step = step++;
+      int piped = w->shm == 3 && shm.queue;
+      if (piped) {
+        /* Room for this push's two slots, its request (a few hundred bytes) and its answer's
+         * room (RPC_SHM_BELL_REPLY), collecting the oldest answers while RPC_SHM_QUEUE are in
+         * flight. */
+        grpc_status_code code;
+        char *details = NULL;
+        uint64_t slot = (w->pl->bytes + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+        int rc = rpc_shm_begin(&shm, 2 * slot + 2048, CALL_MS, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        if (rc != RPC_OK) {
+          w->failed = 1;
+          break;
+        }
+      }
       if (w->shm) {
         /* Each push writes its two factors into the region's slots (a plain copy, where a
          * worker's kernel writes the statistic); the messages carry the references only. */
@@ -572,7 +602,16 @@ static void *worker_main(void *arg) {
         }
       }
       int bad;
-      if (w->shm == 1 && shm.bell) {
+      if (piped) {
+        grpc_status_code code;
+        char *details = NULL;
+        int rc = rpc_shm_post(&shm, &pm.req.base, CALL_MS, &code, &details);
+        if (rc != RPC_OK)
+          fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+                  rpc_status_name(code), details ? details : rpc_strerror(rc));
+        free(details);
+        bad = rc != RPC_OK;
+      } else if ((w->shm == 1 || w->shm == 3) && shm.bell) {
         grpc_status_code code;
         char *details = NULL;
         int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
@@ -590,8 +629,9 @@ static void *worker_main(void *arg) {
         w->failed = 1;
         break;
       }
-      /* Answered: the daemon read the slots, the next push reuses them (libprecond too). */
-      if (w->shm) rpc_shm_rewind(&shm);
+      /* Answered: the daemon read the slots, the next push reuses them (libprecond too);
+       * pipelined, rpc_shm_begin places the next push clear of those in flight. */
+      if (w->shm && !piped) rpc_shm_rewind(&shm);
       w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
@@ -609,6 +649,23 @@ static void *worker_main(void *arg) {
     }
     w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
     w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+  }
+  /* The pipelined pushes still in flight are collected inside the cell's time: every byte
+   * counted was folded and answered OK. */
+  while (shm.npend > 0) {
+    grpc_status_code code;
+    char *details = NULL;
+    resp = NULL;
+    int rc = rpc_shm_collect(&shm, &precond__v1__push_response__descriptor, CALL_MS, &resp, &code,
+                             &details);
+    if (rc != RPC_OK) {
+      fprintf(stderr, "bench-daemon: PushStatistics (doorbell, pipelined): %s: %s\n",
+              rpc_status_name(code), details ? details : rpc_strerror(rc));
+      w->failed = 1;
+    }
+    free(details);
+    if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
+    if (rc == RPC_ECALL) break;
   }
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
@@ -864,9 +921,10 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     }
     char name[32];
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
-             shm == 2 ? "-shm-grpc"
-             : shm    ? "-shm"
-                      : "");
+             shm == 2   ? "-shm-grpc"
+             : shm == 3 ? "-shm-pipe"
+             : shm      ? "-shm"
+                        : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -1451,6 +1509,146 @@ static void *replica_push_run(void *arg) {
   return NULL;
 }
 
+/* The machine's own ceiling for the replica rows (--ceiling): the same roots (B blocks of 256,
+ * both factors, eigh in double with p = 2, as the daemon's pool computes them) in R plain
+ * processes, each pinned to core r as mpirun pins rank r, each computing every root of a step
+ * --replica-steps times, started together. No daemon, no messages, no polls: R processes'
+ * roots per second against one's is what the cores themselves give (shared caches, memory
+ * bandwidth, and what the hypervisor runs beside them), the fair reference beside the 1.8x
+ * target. At R = 1 the same process also runs alone on core 1 (stderr), to show how far the
+ * two cores differ. Each process writes its wall and CPU seconds to a pipe. */
+/* The ratio of every row with R > 1 to the latest R = 1 row before it (--ranks 1,2,1,2,...:
+ * each pair measured minutes apart at most, so a slow phase of the machine hits both sides),
+ * summarised at the end of the rows: each pair and the median. */
+typedef struct {
+  double v[MAX_LIST];
+  int n;
+} pair_ratios;
+
+static void pair_ratio_add(pair_ratios *pr, int R, double rate, double rate1) {
+  if (R > 1 && rate1 > 0 && pr->n < MAX_LIST) pr->v[pr->n++] = rate / rate1;
+}
+
+static void pair_ratio_print(const char *what, const pair_ratios *pr) {
+  if (pr->n == 0) return;
+  double v[MAX_LIST];
+  fprintf(stderr, "bench-daemon: %s pairs:", what);
+  for (int i = 0; i < pr->n; i++) fprintf(stderr, " %.3f", v[i] = pr->v[i]);
+  qsort(v, (size_t)pr->n, sizeof v[0], cmp_double);
+  double med = pr->n % 2 ? v[pr->n / 2] : 0.5 * (v[pr->n / 2 - 1] + v[pr->n / 2]);
+  fprintf(stderr, "; median %.3f of %d\n", med, pr->n);
+}
+
+typedef struct {
+  double wall, cpu;
+} ceiling_res;
+
+static void ceiling_child(int core, int go, int res, const double *a, size_t n, int nmat,
+                          int steps) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  ceiling_res out = {-1, -1};
+  double *w = malloc(n * n * sizeof *w), *x = malloc(n * n * sizeof *x);
+  char c;
+  if (sched_setaffinity(0, sizeof set, &set) == 0 && w != NULL && x != NULL &&
+      read(go, &c, 1) == 1) {
+    pc_root_opts ro;
+    pc_root_opts_default(&ro, 2);
+    ro.method = PC_METHOD_EIGH;
+    double t0 = now_s(), c0 = self_cpu_s();
+    int ok = 1;
+    for (int k = 0; ok && k < steps; k++)
+      for (int m = 0; ok && m < nmat; m++) {
+        memcpy(w, a + (size_t)m * n * n, n * n * sizeof *w); /* eigh overwrites its input */
+        pc_root_info ri;
+        ok = pc_inverse_root_f64(n, w, x, &ro, &ri) >= 0;
+      }
+    if (ok) out = (ceiling_res){now_s() - t0, self_cpu_s() - c0};
+  }
+  free(w);
+  free(x);
+  _exit(write(res, &out, sizeof out) == (ssize_t)sizeof out ? 0 : 1);
+}
+
+/* Runs one process per core of cores[0..np) at once; fills res; -1 on a failure. */
+static int ceiling_round(const int *cores, int np, const double *a, size_t n, int nmat, int steps,
+                         ceiling_res *res) {
+  int go[2], back[2];
+  if (pipe(go) != 0) return -1;
+  if (pipe(back) != 0) {
+    close(go[0]);
+    close(go[1]);
+    return -1;
+  }
+  int started = 0, rc = 0;
+  pid_t pid[64];
+  fflush(NULL);
+  for (; started < np; started++) {
+    pid[started] = fork();
+    if (pid[started] < 0) break;
+    if (pid[started] == 0) {
+      close(go[1]);
+      close(back[0]);
+      ceiling_child(cores[started], go[0], back[1], a, n, nmat, steps);
+    }
+  }
+  close(go[0]);
+  close(back[1]);
+  /* One byte per process: they start as close together as one write allows. */
+  char bytes[64] = {0};
+  if (started < np || write(go[1], bytes, (size_t)started) != (ssize_t)started) rc = -1;
+  close(go[1]);
+  for (int i = 0; i < started; i++)
+    if (read(back[0], &res[i], sizeof res[i]) != (ssize_t)sizeof res[i] || res[i].wall < 0)
+      rc = -1;
+  close(back[0]);
+  for (int i = 0; i < started; i++) {
+    int st;
+    waitpid(pid[i], &st, 0);
+  }
+  return rc;
+}
+
+/* One ceiling row at R (1 or more processes); *rate1 is the latest R = 1 row's rate, the
+ * baseline of the rows after it. */
+static int run_ceiling_row(const bench_opts *o, int R, const double *a, size_t n, int B,
+                           double *rate1, pair_ratios *pr) {
+  const int steps = o->replica_steps, nmat = 2 * B;
+  int cores[64];
+  ceiling_res res[64];
+  for (int r = 0; r < R; r++) cores[r] = r % (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (ceiling_round(cores, R, a, n, nmat, steps, res) != 0) {
+    fprintf(stderr, "bench-daemon: ceiling R=%d failed\n", R);
+    return -1;
+  }
+  double wall = 0, busiest = 0;
+  for (int r = 0; r < R; r++) {
+    wall = fmax(wall, res[r].wall);
+    busiest = fmax(busiest, res[r].cpu);
+    fprintf(stderr, "bench-daemon: ceiling R=%d process %d on core %d: %.1f ms per step, %.1f CPU ms\n", R,
+            r, cores[r], 1e3 * res[r].wall / steps, 1e3 * res[r].cpu / steps);
+  }
+  if (R == 1) {
+    int other = 1 % (int)sysconf(_SC_NPROCESSORS_ONLN);
+    ceiling_res alone;
+    if (ceiling_round(&other, 1, a, n, nmat, steps, &alone) == 0)
+      fprintf(stderr,
+              "bench-daemon: ceiling R=1 alone on core %d: %.1f ms per step, %.1f CPU ms "
+              "(core 0 / core %d: %.3f)\n",
+              other, 1e3 * alone.wall / steps, 1e3 * alone.cpu / steps, other,
+              res[0].cpu / alone.cpu);
+  }
+  double total = o->cpu_clock ? busiest : wall;
+  /* p50: the time per B roots, as a replica row's step */
+  double rate = (double)B * R * steps / total, pct[3] = {1e3 * total / (R * steps), 0, 0};
+  if (R == 1) *rate1 = rate;
+  pair_ratio_add(pr, R, rate, *rate1);
+  print_row("ceiling", "none", n, R, (uint64_t)B * R * steps, total, 0.0, rate, pct,
+            "ranks1_row_before", *rate1, 0);
+  return 0;
+}
+
 /* Replica rows: for each R of --ranks, B blocks of 256 (equal costs: B/R per rank), roots by
  * eigh in double with p = 2 (what a worker asks for by default), new statistics at each of
  * --replica-steps steps after REPLICA_WARMUP untimed ones. --replica-push owner (default):
@@ -1482,8 +1680,30 @@ static int run_replicas(const bench_opts *o) {
    * spinning (sched_yield) for a while after each of its calls, into the timed step, on
    * the cores the ranks need (at R = 1 a core is spare for them, at R = 2 none is). */
   openblas_set_num_threads(1);
+  /* --ceiling: the same statistics as dense doubles for the ceiling rows, one before each
+   * replica row at the same R (the same minutes of the machine). */
+  pair_ratios pairs = {{0}, 0}, cpairs = {{0}, 0};
+  double crate1 = 0, *dense = NULL;
+  if (rc == 0 && o->ceiling) {
+    uint64_t cs = 777;
+    dense = malloc((size_t)2 * B * n * n * sizeof *dense);
+    float *f = malloc(n * n * sizeof *f);
+    rc = dense != NULL && f != NULL ? 0 : -1;
+    for (int b = 0; rc == 0 && b < B; b++) {
+      random_gram(n, n, &cs, g, lp, rp);
+      for (int k = 0; k < 2; k++) {
+        pc_unpack_f32(n, k ? rp : lp, f);
+        for (size_t i = 0; i < n * n; i++) dense[(size_t)(2 * b + k) * n * n + i] = f[i];
+      }
+    }
+    free(f);
+  }
   for (int ri = 0; rc == 0 && ri < o->nranks; ri++) {
     int R = o->ranks[ri];
+    if (o->ceiling && run_ceiling_row(o, R, dense, n, B, &crate1, &cpairs) != 0) {
+      rc = -1;
+      break;
+    }
     char dir[64];
     snprintf(dir, sizeof dir, "/tmp/bench-replicas-XXXXXX");
     if (R < 1 || R > 64 || mkdtemp(dir) == NULL) {
@@ -1628,11 +1848,12 @@ static int run_replicas(const bench_opts *o) {
     if (rc == 0 && o->cpu_clock) total = busiest;
     if (rc == 0) {
       double rate = (double)B * steps / total;
-      if (ri == 0) rate1 = rate;
+      if (ri == 0 || R == 1) rate1 = rate;
+      pair_ratio_add(&pairs, R, rate, rate1);
       qsort(ms, (size_t)steps, sizeof ms[0], cmp_double);
       double pct[3] = {ms[steps / 2], ms[(steps * 9) / 10], ms[steps - 1]};
       print_row("replicas", "unix", n, R, (uint64_t)B * steps, total, 0.0, rate, pct,
-                "first_ranks_row", rate1, 0);
+                "ranks1_row_before", rate1, 0);
     }
     for (int r = 0; r < R; r++) {
       rpc_shm_close(&shm[r]);
@@ -1643,6 +1864,16 @@ static int run_replicas(const bench_opts *o) {
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) fprintf(stderr, "bench-daemon: could not remove %s\n", dir);
   }
+  pair_ratio_print("ceiling (R > 1 / the R = 1 row before)", &cpairs);
+  pair_ratio_print("replicas (R > 1 / the R = 1 row before)", &pairs);
+  /* Each replica pair against the ceiling pair measured just before it: the share of what
+   * the cores gave at that moment that the daemons got. */
+  if (o->ceiling && cpairs.n == pairs.n) {
+    pair_ratios eff = pairs;
+    for (int i = 0; i < eff.n; i++) eff.v[i] /= cpairs.v[i];
+    pair_ratio_print("replicas / ceiling", &eff);
+  }
+  free(dense);
   free(g);
   free(lp);
   free(rp);
@@ -1724,6 +1955,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
          * doorbell's gain in this run. */
         if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
           rc = -1;
+        /* The doorbell pipelined (two pushes in flight): the overlap's cost or gain in this
+         * run, next to push-shm's one at a time. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
+          rc = -1;
       }
     }
     if (ch != NULL && o->reps > 0 && n <= o->fetch_max && run_root(o, ch, transport, &pl) != 0)
@@ -1770,6 +2005,9 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--wire") == 0) {
       o.wire = 1;
+      continue;
+    } else if (strcmp(a, "--ceiling") == 0) {
+      o.ceiling = 1;
       continue;
     } else if (strcmp(a, "--json") == 0) {
       g_json = 1;

@@ -5,8 +5,10 @@
 #              to the rank that owns it through shared memory, 16 timed steps after 2
 #              untimed ones): roots/s and the time from a step's push to every rank holding
 #              every root; then the same rows per CPU second of the busiest rank (--clock
-#              cpu: what load leaves out); roots-*.log: per step the phases, per rank its
-#              CPU per step (pool, replica thread, other threads) and the bench's own;
+#              cpu: what load leaves out), each after a "ceiling" row: the same roots in R
+#              plain processes pinned to cores 0..R-1, the machine's own limit (--ceiling);
+#              roots-*.log: per step the phases, per rank its CPU per step (pool, replica
+#              thread, other threads) and the bench's own; the ceiling's per core;
 #   dp.csv     data-parallel training (the default models and global batches, --sync-roots so
 #              the losses compare): the Transformer with Shampoo, the ResNet with Shampoo
 #              and with K-FAC (batch norm across the workers), W workers on W daemon ranks
@@ -36,7 +38,7 @@ mkdir -p "$out"
 echo "replicas.sh: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 for clock in wall cpu; do
-  "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 \
+  "$build/bench/bench-daemon" --spawn "$build/host/precondd" --mpirun "$mpirun" --ranks 1,2 --ceiling \
     --pool-blocks 16 --replica-steps 16 --clock "$clock" > "$out/roots-$clock.csv" \
     2> "$out/roots-$clock.log" || exit 1
   sed -i "1!s/^/$clock,/;1s/^/clock,/" "$out/roots-$clock.csv"

@@ -355,6 +355,9 @@ typedef struct {
   uint64_t retries;            /* send or poll attempts that failed and were retried */
   uint64_t reregistered;       /* times the job was registered again after NOT_FOUND */
   uint64_t fetch_calls;        /* FetchPreconditioners calls */
+  uint64_t fetch_rung;         /* of fetch_calls, those rung at the shared region's doorbell
+                                  instead of sent over gRPC (docs/precondd.md, "Shared
+                                  memory") */
   uint64_t roots_received;     /* block versions received */
   uint64_t bytes_sent;         /* statistics payload bytes sent */
   uint64_t bytes_received;     /* roots payload bytes received */

@@ -1072,8 +1072,9 @@ typedef struct {
  * reply. Never fails otherwise: every error becomes a status. */
 void pd_service_handle(pd_daemon *d, pd_method m, grpc_byte_buffer *payload, pd_reply *reply);
 
-/* A pd_shm_bell_fn (ctx: the pd_daemon): serves a push rung at a region's doorbell through
- * pd_service_handle, as a PushStatistics call with those bytes. */
+/* A pd_shm_bell_fn (ctx: the pd_daemon): serves a push or a fetch rung at a region's
+ * doorbell through pd_service_handle, as a PushStatistics or FetchPreconditioners call with
+ * those bytes. An answer larger than cap is RESOURCE_EXHAUSTED (the client asks over gRPC). */
 size_t pd_service_bell(void *ctx, uint32_t method, const void *req, size_t len, uint32_t *code,
                        unsigned char *out, size_t cap);
 

@@ -645,6 +645,7 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
   resp.roots_path = (char *)(uintptr_t)(roots_path ? roots_path : "");
   resp.roots_bytes = roots_bytes;
   resp.doorbell = pd_shm_bell_served(s);
+  resp.doorbell_queue = resp.doorbell;
   pd__answer(d, rep, &resp.base);
   pd_shm_put(&d->shm, s);
 }
@@ -1274,26 +1275,28 @@ size_t pd_service_bell(void *ctx, uint32_t method, const void *req, size_t len, 
   pd_daemon *d = ctx;
   pd_reply rep;
   memset(&rep, 0, sizeof rep);
-  if (method != RPC_SHM_BELL_PUSH) { /* rpc_shm_bell_read lets no other through */
+  /* rpc_shm_bell_read lets no other method through. */
+  int m = method == RPC_SHM_BELL_PUSH ? PD_M_PUSH : method == RPC_SHM_BELL_FETCH ? PD_M_FETCH : -1;
+  if (m < 0) {
     pd__fail(&rep, GRPC_STATUS_UNIMPLEMENTED, "unknown method");
   } else if (len > d->cfg.max_message_bytes) { /* gRPC's own check, before any copy */
     pd__fail(&rep, GRPC_STATUS_RESOURCE_EXHAUSTED,
              "request above the message size limit (%zu bytes, --max-message-mb)",
              d->cfg.max_message_bytes);
-    atomic_fetch_add(&d->stats.rejected_pushes, 1);
+    if (m == PD_M_PUSH) atomic_fetch_add(&d->stats.rejected_pushes, 1);
   } else {
     /* The one copy of the request's bytes (the client's memory); from here on it is the
      * gRPC method's own handling, so every check, code and message is the same. */
     grpc_slice sl = grpc_slice_from_copied_buffer(req, len);
     grpc_byte_buffer *payload = grpc_raw_byte_buffer_create(&sl, 1);
     grpc_slice_unref(sl);
-    pd_service_handle(d, PD_M_PUSH, payload, &rep);
+    pd_service_handle(d, (pd_method)m, payload, &rep);
     grpc_byte_buffer_destroy(payload);
   }
   *code = (uint32_t)rep.code;
   size_t n = 0;
   if (rep.code != GRPC_STATUS_OK) {
-    pd_log(PD_LOG_DEBUG, "%s (doorbell): %s: %s", pd_method_paths[PD_M_PUSH],
+    pd_log(PD_LOG_DEBUG, "%s (doorbell): %s: %s", pd_method_paths[m < 0 ? PD_M_PUSH : m],
            rpc_status_name(rep.code), rep.message);
     n = strnlen(rep.message, sizeof rep.message);
     if (n > cap) n = cap;
@@ -1304,8 +1307,8 @@ size_t pd_service_bell(void *ctx, uint32_t method, const void *req, size_t len, 
     if (grpc_byte_buffer_reader_init(&rd, rep.payload)) {
       while (grpc_byte_buffer_reader_next(&rd, &sl)) {
         size_t k = GRPC_SLICE_LENGTH(sl);
-        if (n + k > cap) { /* a PushResponse is tens of bytes: never, but never silently */
-          *code = GRPC_STATUS_INTERNAL;
+        if (n + k > cap) { /* a push's answer never; a fetch's of a huge job: gRPC then */
+          *code = GRPC_STATUS_RESOURCE_EXHAUSTED;
           n = (size_t)snprintf((char *)out, cap, "the response does not fit the doorbell's room");
           grpc_slice_unref(sl);
           break;

@@ -283,7 +283,11 @@ static void *pd__shm_bell_main(void *arg) {
   /* The region is new (its file made zeroed): 0 rung. Not the word's value now: the client
    * may have rung before this thread first ran. */
   uint32_t seen = 0;
-  unsigned char out[RPC_SHM_BELL_REPLY];
+  /* The answer is made here, then copied into the room (the client's memory is never read
+   * back by the daemon). A push's answer is tens of bytes; a fetch's grows with the job's
+   * blocks: a larger buffer is kept once a room asks for it, up to RPC_SHM_BELL_REPLY_MAX. */
+  unsigned char small[RPC_SHM_BELL_REPLY], *out = small;
+  size_t out_cap = sizeof small;
   while (!atomic_load(&s->bell_stop)) {
     if (__atomic_load_n(&h->bell, __ATOMIC_ACQUIRE) == seen) {
       /* A timed wait only as a safety net: the unlisting wakes it. */
@@ -293,18 +297,32 @@ static void *pd__shm_bell_main(void *arg) {
     rpc_shm_bell b;
     int ok = rpc_shm_bell_read(s->map, s->bytes, &b) == RPC_OK;
     seen = b.bell;
+    /* The head is read (b holds it): the client may fill it for its next push while this
+     * one is served (ShmOpenResponse.doorbell_queue). */
+    __atomic_store_n(&h->taken, b.bell, __ATOMIC_RELEASE);
+    rpc_shm_futex_wake(&h->taken);
     uint32_t code = GRPC_STATUS_INVALID_ARGUMENT;
     size_t n;
+    size_t want = b.reply_cap < RPC_SHM_BELL_REPLY_MAX ? b.reply_cap : RPC_SHM_BELL_REPLY_MAX;
+    if (ok && want > out_cap) {
+      unsigned char *big = malloc(want);
+      if (big != NULL) {
+        if (out != small) free(out);
+        out = big;
+        out_cap = want;
+      }
+    }
     if (ok)
       n = r->bell(r->bell_ctx, b.method, s->map + b.req_offset, b.req_length, &code, out,
-                  sizeof out - RPC_SHM_REPLY_HEAD);
+                  (want < out_cap ? want : out_cap) - RPC_SHM_REPLY_HEAD);
     else
-      n = (size_t)snprintf((char *)out, sizeof out,
+      n = (size_t)snprintf((char *)out, out_cap,
                            "shm doorbell: the request or its answer's room lies outside the "
                            "region's push ring, or the method (%u) is unknown",
                            (unsigned)b.method);
     rpc_shm_bell_answer(s->map, s->bytes, &b, code, out, n);
   }
+  if (out != small) free(out);
   pd_shm_put(r, s);
   atomic_fetch_sub(&r->bells, 1);
   return NULL;

@@ -319,6 +319,10 @@ int rpc_shm_ring_take(uint64_t *pos, uint64_t area, uint64_t len, uint64_t *off)
 int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset, uint64_t length,
                       size_t expect);
 
+/* Pushes a client may have rung through a region's doorbell and not yet collected
+ * (rpc_shm_post): two, so the client writes push k + 1 while the daemon folds push k. */
+#define RPC_SHM_QUEUE 2
+
 /* The client's side of a region (libprecond's background thread and bench-daemon's shm
  * rows): one thread uses a region at a time. */
 typedef struct {
@@ -333,6 +337,18 @@ typedef struct {
   size_t roots_bytes;
   int bell;      /* the daemon serves this region's doorbell (ShmOpenResponse.doorbell) */
   uint32_t rung; /* requests rung so far (rpc_shm_head.bell) */
+  int queue;     /* the daemon marks requests taken (ShmOpenResponse.doorbell_queue) */
+  /* Pushes rung and not yet collected, oldest first (rpc_shm_post, rpc_shm_collect): the
+   * bell each was rung with, where its answer goes, and where its first slot starts in
+   * bytes of the ring ever taken (nothing from there on may be taken again until it is
+   * collected). */
+  uint32_t npend;
+  struct {
+    uint32_t bell, cap; /* cap: its answer's room */
+    uint64_t reply, start;
+  } pend[RPC_SHM_QUEUE];
+  uint64_t push_start; /* where the push being written starts (rpc_shm_begin), same count */
+  uint64_t push_end;   /* where the place rpc_shm_begin reserved for it ends; 0: none */
 } rpc_shm;
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
@@ -399,9 +415,14 @@ void rpc_shm_rewind(rpc_shm *s);
  * gRPC method's handler (the same admission, parse, validation, status codes and messages),
  * writes the answer (rpc_shm_bell_answer: a uint32_t status code, a uint32_t length, then
  * the packed response on OK or the message otherwise) and then stores bell's value in
- * answered (release) and wakes the client's futex on it. One request at a time per region
- * (one client thread uses a region). The region was opened by an authenticated
- * OpenSharedMemory call and the request names the region's secret, as over gRPC. */
+ * answered (release) and wakes the client's futex on it. The daemon serves a region's
+ * requests one at a time, in the order rung (one client thread uses a region). A daemon
+ * that offers the queue (ShmOpenResponse.doorbell_queue, session 10) also stores each bell's
+ * value in taken (release, futex wake) as soon as it read the head's fields, before it
+ * serves the request: the client may then fill the head for the next request while this
+ * one is served (rpc_shm_post), up to RPC_SHM_QUEUE rung and not yet collected. The region
+ * was opened by an authenticated OpenSharedMemory call and the request names the region's
+ * secret, as over gRPC. */
 typedef struct {
   uint64_t ring_head;    /* the push ring's head (above), the client's */
   uint32_t bell;         /* futex word: requests rung, the client's */
@@ -411,12 +432,17 @@ typedef struct {
   uint32_t method;       /* RPC_SHM_BELL_PUSH */
   uint64_t reply_offset; /* where the answer goes, from the region's start */
   uint32_t reply_cap;    /* bytes there, RPC_SHM_REPLY_HEAD included */
-  uint32_t pad[5];
+  uint32_t taken;        /* futex word: the last bell whose fields above the daemon read */
+  uint32_t pad[4];
 } rpc_shm_head;
 #define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
+#define RPC_SHM_BELL_FETCH 2u /* FetchPreconditioners (session 10: the poll without gRPC) */
 #define RPC_SHM_BELL_REPLY 1024u
-#define RPC_SHM_REPLY_HEAD 8u
-#define RPC_SHM_NO_ANSWER  0xffffffffu /* the status the client leaves before ringing */
+/* The largest answer room a daemon serves (a fetch's answer of references grows with the
+ * job's blocks, ~100 bytes each); a larger room is answered in this much. */
+#define RPC_SHM_BELL_REPLY_MAX (4u << 20)
+#define RPC_SHM_REPLY_HEAD     8u
+#define RPC_SHM_NO_ANSWER      0xffffffffu /* the status the client leaves before ringing */
 
 /* One rung request as the daemon read it (rpc_shm_bell_read), checked against the region. */
 typedef struct {
@@ -463,6 +489,56 @@ int rpc_shm_alive(int fd);
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details);
+
+/* rpc_shm_call of method (RPC_SHM_BELL_PUSH or RPC_SHM_BELL_FETCH) with reply_cap bytes of
+ * room for the answer (at least RPC_SHM_BELL_REPLY; the daemon serves at most
+ * RPC_SHM_BELL_REPLY_MAX). An answer that does not fit the room comes back as
+ * RESOURCE_EXHAUSTED ("does not fit the doorbell's room"): send the call over gRPC then. */
+int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                        const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                        long deadline_ms, ProtobufCMessage **resp, grpc_status_code *status,
+                        char **details);
+
+/* The pipelined doorbell (session 10; needs s->queue): a push is written (rpc_shm_begin,
+ * then its slots, rpc_shm_slot/put), rung (rpc_shm_post, which returns once the daemon can
+ * see it) and its answer collected later (rpc_shm_collect), so the client writes push k + 1
+ * while the daemon folds push k. Error surfacing: nothing is lost: every push posted has
+ * its own answer (status code, message naming the field, the same as rpc_shm_call's), which
+ * rpc_shm_collect returns, oldest first; rpc_shm_begin collects by itself when the queue is
+ * full or the ring has no room, and stops at the first answer that is not OK (returning it,
+ * as rpc_shm_collect would) so that the caller sees every failure. Ordering: the daemon
+ * serves a region's pushes in the order posted, each whole (its whole-request validation
+ * holds); a fetch or a gRPC push sees a posted push only once it was collected (collect all
+ * before either). A daemon gone with pushes in flight: the wait of begin,
+ * post or collect reports UNAVAILABLE (looked at every 100 ms), no answer by deadline_ms
+ * DEADLINE_EXCEEDED (RPC_ECALL): the region must then be closed, the pushes in flight are
+ * lost with it and the caller learns so from that return.
+ *
+ * rpc_shm_begin: reserves need bytes of the ring for a push: its slots (each slot's length
+ * rounded up to RPC_SHM_ALIGN), its packed request (8-aligned) and RPC_SHM_BELL_REPLY; it
+ * collects answers (oldest first) while RPC_SHM_QUEUE are pending or the ring has no room
+ * clear of the pending pushes, then places the push at the ring's start when that is clear
+ * (the same bytes again and again, in the caches) or after the previous push. RPC_OK when
+ * placed; RPC_ETOOBIG when need exceeds the ring (nothing collected); a collected failure as
+ * rpc_shm_collect returns it (*resp freed; call again for the room). */
+int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code *status,
+                  char **details);
+
+/* Rings req (a PushRequest whose slots the caller wrote since rpc_shm_begin) without
+ * waiting for its answer: waits (deadline_ms, the daemon's mark of life) only until the
+ * daemon took the previous request's head, packs req after the slots (with
+ * RPC_SHM_BELL_REPLY bytes for the answer) and rings; the push then holds all of the place
+ * rpc_shm_begin reserved (so pushes of one size alternate between two places). RPC_OK:
+ * posted (s->npend grew); RPC_ETOOBIG: the request and its answer's room do not fit in the
+ * reserved place (nothing rung); RPC_EINVAL: no queue and one pending, or RPC_SHM_QUEUE
+ * pending; RPC_ECALL as above. */
+int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
+                 grpc_status_code *status, char **details);
+
+/* Waits for the oldest pending push's answer and returns it as rpc_shm_call does (resp,
+ * status, details; the caller frees *resp and *details). RPC_EINVAL when none is pending. */
+int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                    ProtobufCMessage **resp, grpc_status_code *status, char **details);
 
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */

@@ -276,6 +276,11 @@ int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset
 
 /* ---- the client's side of a region: open, write push statistics, read fetched roots ---- */
 
+/* Where the ring's next byte is, in bytes of the ring ever taken (the stamps' count). */
+static uint64_t rpc__shm_count(const rpc_shm *s) {
+  return s->in_laps * (s->bytes / 2 - RPC_SHM_PUSH_RING) + s->in_pos;
+}
+
 void rpc_shm_close(rpc_shm *s) {
   if (s->roots != NULL) munmap((void *)(uintptr_t)s->roots, s->roots_bytes);
   if (s->map != NULL) munmap(s->map, s->bytes);
@@ -333,6 +338,7 @@ int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t
   s->id = r->id;
   memcpy(s->secret, r->secret.data, RPC_SHM_SECRET_BYTES);
   s->bell = r->doorbell && s->bytes / 2 > RPC_SHM_PUSH_RING;
+  s->queue = s->bell && r->doorbell_queue;
   s->rung = __atomic_load_n(&((rpc_shm_head *)map)->bell, __ATOMIC_ACQUIRE);
   /* The roots area, read-only, if there is one and it can be mapped: without it fetches
    * get their roots in this region's half, as from an older daemon. */
@@ -413,6 +419,8 @@ void rpc_shm_rewind(rpc_shm *s) {
   if (s->in_pos == 0) return;
   s->in_pos = 0;
   s->in_laps++; /* the next slot's stamp starts a lap: the rest of this one counts as taken */
+  s->push_start = rpc__shm_count(s);
+  s->push_end = 0;
 }
 
 /* ---- the doorbell (rpc.h: rpc_shm_head) ---- */
@@ -459,7 +467,7 @@ int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b) {
     b->reply_cap = 0; /* no room to answer in */
     return RPC_EINVAL;
   }
-  if (b->method != RPC_SHM_BELL_PUSH ||
+  if ((b->method != RPC_SHM_BELL_PUSH && b->method != RPC_SHM_BELL_FETCH) ||
       rpc_shm_ref_check(bytes, RPC_SHM_PUSH_RING, half, b->req_offset, b->req_length,
                         b->req_length) != RPC_OK)
     return RPC_EINVAL;
@@ -516,41 +524,15 @@ static double rpc__now_ms(void) {
   return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
 }
 
-int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
-                 const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
-                 ProtobufCMessage **resp, grpc_status_code *status, char **details) {
-  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
-  if (!status) status = &code_;
-  if (resp) *resp = NULL;
-  if (details) *details = NULL;
-  *status = GRPC_STATUS_INVALID_ARGUMENT;
-  if (!s || !req || !resp_desc || !resp || !s->map || !s->bell) return RPC_EINVAL;
-  uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
-  size_t len = protobuf_c_message_get_packed_size(req);
-  uint64_t room = (len + 7) / 8 * 8 + RPC_SHM_BELL_REPLY, off;
-  /* Only where it fits before the ring's end: a wrap would put it over the push's slots. */
-  *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
-  if (len > UINT32_MAX || s->in_pos > ring || ring - s->in_pos < room ||
-      rpc_shm_ring_take(&s->in_pos, ring, room, &off) != RPC_OK)
-    return RPC_ETOOBIG;
-  unsigned char *at = s->map + RPC_SHM_PUSH_RING + off;
-  protobuf_c_message_pack(req, at);
-  uint32_t none = RPC_SHM_NO_ANSWER;
-  uint64_t reply = RPC_SHM_PUSH_RING + off + (len + 7) / 8 * 8;
-  memcpy(s->map + reply, &none, 4);
-  rpc_shm_head *h = (void *)s->map;
-  __atomic_store_n(&h->req_offset, RPC_SHM_PUSH_RING + off, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->req_length, (uint32_t)len, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->method, RPC_SHM_BELL_PUSH, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
-  __atomic_store_n(&h->reply_cap, RPC_SHM_BELL_REPLY, __ATOMIC_RELAXED);
-  uint32_t mine = ++s->rung;
-  __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
-  rpc_shm_futex_wake(&h->bell);
+/* Waits until the head's futex word *word (taken or answered) reaches want (counts wrap):
+ * RPC_OK, or RPC_ECALL with DEADLINE_EXCEEDED past deadline_ms (> 0) or UNAVAILABLE when the
+ * daemon's mark of life is gone (looked at every 100 ms of waiting). */
+static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, long deadline_ms,
+                         grpc_status_code *status, char **details) {
   double until = deadline_ms > 0 ? rpc__now_ms() + (double)deadline_ms : 0;
   for (;;) {
-    uint32_t seen = __atomic_load_n(&h->answered, __ATOMIC_ACQUIRE);
-    if (seen == mine) break;
+    uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if ((int32_t)(seen - want) >= 0) return RPC_OK;
     long wait = 100; /* then a look at the daemon's mark of life */
     if (deadline_ms > 0) {
       double left = until - rpc__now_ms();
@@ -561,17 +543,95 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
       }
       if (left < (double)wait) wait = (long)left + 1;
     }
-    rpc_shm_futex_wait(&h->answered, seen, wait);
-    if (__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE) != mine && !rpc_shm_alive(s->fd)) {
+    rpc_shm_futex_wait(word, seen, wait);
+    seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if ((int32_t)(seen - want) < 0 && !rpc_shm_alive(s->fd)) {
       *status = GRPC_STATUS_UNAVAILABLE;
       if (details) *details = strdup("the daemon is gone (its mark on the region was dropped)");
       return RPC_ECALL;
     }
   }
+}
+
+/* Rings req as method with reply_cap bytes (8-aligned) of room for its answer, without
+ * waiting for the answer (rpc_shm_post's rules; the answer is s->pend's last). */
+static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                         const ProtobufCMessage *req, long deadline_ms, grpc_status_code *status,
+                         char **details) {
+  if (details) *details = NULL;
+  *status = GRPC_STATUS_INVALID_ARGUMENT;
+  if (!s || !req || !s->map || !s->bell || s->npend >= RPC_SHM_QUEUE || (s->npend > 0 && !s->queue))
+    return RPC_EINVAL;
+  rpc_shm_head *h = (void *)s->map;
+  /* The head holds one request: the previous one's fields must have been read. With none
+   * pending the daemon answered every bell, and it takes a head before it answers. */
+  int rc =
+      s->npend > 0 ? rpc__shm_wait(s, &h->taken, s->rung, deadline_ms, status, details) : RPC_OK;
+  if (rc != RPC_OK) return rc;
+  uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint64_t room = (len + 7) / 8 * 8 + reply_cap, off;
+  /* Only where it fits before the ring's end (a wrap would put it over the push's slots)
+   * and clear of the pushes still pending (their slots and answers). */
+  *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
+  if (len > UINT32_MAX || s->in_pos > ring || ring - s->in_pos < room ||
+      (s->npend > 0 && rpc__shm_count(s) + room > s->pend[0].start + ring) ||
+      (s->push_end != 0 && rpc__shm_count(s) + room > s->push_end) ||
+      rpc_shm_ring_take(&s->in_pos, ring, room, &off) != RPC_OK)
+    return RPC_ETOOBIG;
+  unsigned char *at = s->map + RPC_SHM_PUSH_RING + off;
+  protobuf_c_message_pack(req, at);
+  uint32_t none = RPC_SHM_NO_ANSWER;
+  uint64_t reply = RPC_SHM_PUSH_RING + off + (len + 7) / 8 * 8;
+  memcpy(s->map + reply, &none, 4);
+  __atomic_store_n(&h->req_offset, RPC_SHM_PUSH_RING + off, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->req_length, (uint32_t)len, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->method, method, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->reply_cap, reply_cap, __ATOMIC_RELAXED);
+  uint32_t mine = ++s->rung;
+  __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
+  rpc_shm_futex_wake(&h->bell);
+  s->pend[s->npend].bell = mine;
+  s->pend[s->npend].reply = reply;
+  s->pend[s->npend].cap = reply_cap;
+  s->pend[s->npend].start = s->push_start;
+  s->npend++;
+  if (s->push_end != 0) {
+    /* The push takes what rpc_shm_begin reserved, whatever its request took of it: pushes
+     * of one size then take the same places, turn by turn. */
+    s->in_pos = s->push_end - s->in_laps * ring;
+    s->push_end = 0;
+  }
+  *status = GRPC_STATUS_OK;
+  return RPC_OK;
+}
+
+int rpc_shm_post(rpc_shm *s, const ProtobufCMessage *req, long deadline_ms,
+                 grpc_status_code *status, char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  return rpc__shm_ring(s, RPC_SHM_BELL_PUSH, RPC_SHM_BELL_REPLY, req, deadline_ms,
+                       status ? status : &code_, details);
+}
+
+int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                    ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  if (!status) status = &code_;
+  if (resp) *resp = NULL;
+  if (details) *details = NULL;
+  *status = GRPC_STATUS_INVALID_ARGUMENT;
+  if (!s || !resp_desc || !resp || !s->map || s->npend == 0) return RPC_EINVAL;
+  rpc_shm_head *h = (void *)s->map;
+  int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, deadline_ms, status, details);
+  if (rc != RPC_OK) return rc;
+  uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap;
+  s->npend--;
+  memmove(&s->pend[0], &s->pend[1], s->npend * sizeof s->pend[0]);
   uint32_t code, n;
   memcpy(&code, s->map + reply, 4);
   memcpy(&n, s->map + reply + 4, 4);
-  if (code == RPC_SHM_NO_ANSWER || n > RPC_SHM_BELL_REPLY - RPC_SHM_REPLY_HEAD) {
+  if (code == RPC_SHM_NO_ANSWER || n > cap - RPC_SHM_REPLY_HEAD) {
     *status = GRPC_STATUS_INTERNAL;
     if (details) *details = strdup("the daemon's answer at the doorbell is malformed");
     return RPC_EPARSE;
@@ -589,6 +649,77 @@ int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
     return RPC_EPARSE;
   }
   if (details) *details = strdup("");
+  return RPC_OK;
+}
+
+int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
+                 ProtobufCMessage **resp, grpc_status_code *status, char **details) {
+  return rpc_shm_call_method(s, RPC_SHM_BELL_PUSH, RPC_SHM_BELL_REPLY, req, resp_desc, deadline_ms,
+                             resp, status, details);
+}
+
+int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
+                        const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                        long deadline_ms, ProtobufCMessage **resp, grpc_status_code *status,
+                        char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  if (!status) status = &code_;
+  if (resp) *resp = NULL;
+  if (details) *details = NULL;
+  *status = GRPC_STATUS_INVALID_ARGUMENT;
+  /* Its own answer is the oldest only with none pending before it. */
+  if (!s || !resp_desc || !resp || s->npend > 0 ||
+      (method != RPC_SHM_BELL_PUSH && method != RPC_SHM_BELL_FETCH) ||
+      reply_cap < RPC_SHM_BELL_REPLY)
+    return RPC_EINVAL;
+  reply_cap = (reply_cap + 7) / 8 * 8;
+  int rc = rpc__shm_ring(s, method, reply_cap, req, deadline_ms, status, details);
+  if (rc != RPC_OK) return rc;
+  return rpc_shm_collect(s, resp_desc, deadline_ms, resp, status, details);
+}
+
+int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code *status,
+                  char **details) {
+  grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
+  if (!status) status = &code_;
+  if (details) *details = NULL;
+  *status = GRPC_STATUS_INVALID_ARGUMENT;
+  if (!s || !s->map || s->bytes / 2 <= RPC_SHM_PUSH_RING) return RPC_EINVAL;
+  uint64_t ring = s->bytes / 2 - RPC_SHM_PUSH_RING;
+  *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
+  if (need > ring) return RPC_ETOOBIG;
+  need = (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  for (;;) {
+    if (s->npend < RPC_SHM_QUEUE) {
+      /* The ring's start (a lap on) where the pending pushes leave it clear, else right
+       * after the previous push where that fits before the ring's end and stays clear. */
+      uint64_t tail = s->npend > 0 ? s->pend[0].start + ring : UINT64_MAX;
+      uint64_t lap = (s->in_laps + (s->in_pos > 0)) * ring;
+      if (lap + need <= tail) {
+        rpc_shm_rewind(s);
+        break;
+      }
+      if (s->in_pos <= ring && ring - s->in_pos >= need && rpc__shm_count(s) + need <= tail) break;
+    }
+    ProtobufCMessage *resp = NULL;
+    char *msg = NULL;
+    int rc = s->npend > 0 ? rpc_shm_collect(s, &precond__v1__push_response__descriptor, deadline_ms,
+                                            &resp, status, &msg)
+                          : RPC_ETOOBIG;
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    if (rc != RPC_OK) {
+      if (details)
+        *details = msg;
+      else
+        free(msg);
+      return rc;
+    }
+    free(msg);
+  }
+  s->push_start = rpc__shm_count(s);
+  s->push_end = s->push_start + (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  *status = GRPC_STATUS_OK;
   return RPC_OK;
 }
 

@@ -218,6 +218,66 @@ static void test_cpu_pool_bitwise(void **state) {
   ac_backend_destroy(be[1]);
 }
 
+/* Batch norm's sums (moments, masked gradient sums) run their whole 16-float blocks on
+ * AVX2 or AVX-512F where the backend's variant has it: every variant must give the bits of
+ * the portable loop (the same sums in the same order), on 1 and 2 threads, for rows that
+ * are shorter than a block, not a multiple of it, and long; g written to gout with and
+ * without a mask, and in place over dy. */
+static void test_cpu_channel_sums_isa(void **state) {
+  (void)state;
+  const size_t shapes[][3] = {{3, 5, 7}, {4, 6, 49}, {2, 3, 1100}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    size_t outer = shapes[si][0], mid = shapes[si][1], inner = shapes[si][2];
+    size_t n = outer * mid * inner, nout = 3 * n + 8 * mid;
+    float *hx = host_rand(n), *hdy = host_rand(n), *hmask = host_rand(n), *hc = host_rand(mid);
+    for (size_t i = 0; i < n; i++) hx[i] = 3.0f * hx[i] + 5.0f;
+    float *ref = NULL;
+    for (size_t v = 0; v < sizeof conv_isas / sizeof conv_isas[0]; v++) {
+      ac_backend *be[2] = {NULL, NULL};
+      cpu_pair_isa(be, conv_isas[v]);
+      for (int t = 0; t < 2; t++) {
+        ac_backend *b = be[t];
+        float *x = dev_up(b, hx, n), *dy = dev_up(b, hdy, n), *mask = dev_up(b, hmask, n);
+        float *c = dev_up(b, hc, mid), *r = dev_alloc(b, nout * sizeof(float));
+        float *st = r + 3 * n;
+        OK(ac_channel_moments(b, outer, mid, inner, x, st, st + mid));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, dy, mask, x, c, r, st + 2 * mid,
+                                st + 3 * mid));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, dy, NULL, x, c, r + n, st + 4 * mid,
+                                st + 5 * mid));
+        OK(ac_memcpy_d2d(b, r + 2 * n, dy, n * sizeof(float)));
+        OK(ac_channel_grad_sums(b, outer, mid, inner, r + 2 * n, mask, x, c, r + 2 * n,
+                                st + 6 * mid, st + 7 * mid)); /* gout == dy */
+        float *got = dev_down(b, r, nout);
+        if (ref == NULL)
+          ref = got;
+        else {
+          assert_memory_equal(ref, got, nout * sizeof(float));
+          free(got);
+        }
+        ac_free(b, x);
+        ac_free(b, dy);
+        ac_free(b, mask);
+        ac_free(b, c);
+        ac_free(b, r);
+      }
+      ac_backend_destroy(be[0]);
+      ac_backend_destroy(be[1]);
+    }
+    for (size_t m = 0; m < mid; m++) { /* and the sums are the sums (the plain one) */
+      double s = 0;
+      for (size_t o = 0; o < outer; o++)
+        for (size_t i = 0; i < inner; i++) s += hdy[(o * mid + m) * inner + i];
+      assert_true(fabs(ref[3 * n + 4 * mid + m] - s) <= 1e-5 * (1.0 + fabs(s)));
+    }
+    free(ref);
+    free(hx);
+    free(hdy);
+    free(hmask);
+    free(hc);
+  }
+}
+
 /* The elementwise primitives, broadcasts and row reductions run on the pool too (blocks of
  * floats, rows): on 2 threads the same bits as on 1 and as the plain loop here, with a count
  * that is not a multiple of the pool's block, in place (out == x) as accel.h allows, and
@@ -1515,6 +1575,33 @@ static void test_conv_im2col(void **state) {
   ac_free(be, t);
 }
 
+/* The _moments variant of a direct conv (k 3 stride 1: ac_conv3x3; else ac_conv_s2) writes
+ * the bits of the plain call's y (in y_ref) and, as the moments, the bits ac_channel_moments
+ * gives for that y; a moments buffer aliasing y is AC_EINVAL. */
+static void check_conv_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                               size_t k, size_t stride, const float *x, const float *wt,
+                               const float *y_ref) {
+  size_t ohw = (h / stride) * (w / stride), ny = n * oc * ohw;
+  float *y = dev_alloc(be, ny * sizeof(float)), *mom = dev_alloc(be, 4 * oc * sizeof(float));
+  if (stride == 1) {
+    OK(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, mom));
+    assert_int_equal(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, y), AC_EINVAL);
+  } else {
+    OK(ac_conv_s2_moments(be, n, c, oc, h, w, k, x, wt, y, mom));
+    assert_int_equal(ac_conv_s2_moments(be, n, c, oc, h, w, k, x, wt, y, NULL), AC_EINVAL);
+  }
+  OK(ac_channel_moments(be, n, oc, ohw, y, mom + 2 * oc, mom + 3 * oc));
+  float *got = dev_down(be, y, ny), *want = dev_down(be, y_ref, ny);
+  float *m = dev_down(be, mom, 4 * oc);
+  assert_memory_equal(got, want, ny * sizeof(float));
+  assert_memory_equal(m, m + 2 * oc, 2 * oc * sizeof(float));
+  free(got);
+  free(want);
+  free(m);
+  ac_free(be, y);
+  ac_free(be, mom);
+}
+
 /* The direct 3x3 convs (stride 1, padding 1) against double loops: odd sizes (a row of 9,
  * a 7-row image, planes smaller than a vector, 1 input channel, channels not a multiple of
  * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
@@ -1553,6 +1640,7 @@ static void conv3x3_against_loops(ac_backend *be) {
     float *dw = dev_up(be, hdw, nw), *y = dev_alloc(be, ny * sizeof(float));
     OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
     OK(ac_conv3x3(be, n, c, oc, h, w, x, wt, y));
+    check_conv_moments(be, n, c, oc, h, w, 3, 1, x, wt, y);
     OK(ac_conv3x3_wgrad(be, n, c, oc, h, w, x, dy, dw));
     float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw);
     expect_close("conv3x3", got, want, ny, 2e-6 * (double)(c * 9), 1e-5);
@@ -1623,6 +1711,7 @@ static void conv_s2_against_loops(ac_backend *be) {
     OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
     OK(ac_fill_f32(be, nx, dx, NAN));
     OK(ac_conv_s2(be, n, c, oc, h, w, k, x, wt, y));
+    check_conv_moments(be, n, c, oc, h, w, k, 2, x, wt, y);
     OK(ac_conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw));
     OK(ac_conv_s2_dgrad(be, n, c, oc, h, w, k, dy, wt, dx));
     float *got = dev_down(be, y, ny), *got_dw = dev_down(be, dw, nw),
@@ -2376,6 +2465,7 @@ int main(void) {
   const struct CMUnitTest lifecycle[] = {
       cmocka_unit_test(test_strerror_and_create), cmocka_unit_test(test_cpu_threads),
       cmocka_unit_test(test_cpu_pool_bitwise), cmocka_unit_test(test_cpu_pool_elementwise),
+      cmocka_unit_test(test_cpu_channel_sums_isa),
       cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};

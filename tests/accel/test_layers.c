@@ -1287,6 +1287,61 @@ static void test_gap(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Bad input, names, parameter lists                                                       */
 
+/* A conv asked for its output's moments (ac_conv2d_want_moments) hands them out where the
+ * backend's direct kernels ran (3x3 stride 1 and 2, 1x1 stride 2), and batch norm fed with
+ * them (ac_batchnorm_forward_moments, with a residual and ReLU) gives the bits of batch norm
+ * computing its own: output and running statistics. Eval mode ignores them. */
+static void test_conv_bn_moments(void **state) {
+  ac_backend *be = backend(state);
+  const size_t cfgs[][4] = {{3, 1, 1, 0}, {3, 2, 1, 1}, {1, 2, 0, 1}}; /* k, stride, pad, s2 */
+  for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++) {
+    size_t k = cfgs[ci][0], st = cfgs[ci][1], pad = cfgs[ci][2], n = 3, c = 8, h = 6;
+    ac_conv2d cv;
+    ac_batchnorm bn[2];
+    OK(ac_conv2d_init(&cv, be, "c", c, c, h, h, k, st, pad, 0, n, 0, NULL, 7));
+    OK(ac_conv2d_want_moments(&cv));
+    size_t ohw = cv.oh * cv.ow, ny = n * c * ohw;
+    for (int i = 0; i < 2; i++) {
+      OK(ac_batchnorm_init(&bn[i], be, "bn", c, ohw, 1e-5f, 0.1f, n));
+      OK(ac_batchnorm_fuse_relu(&bn[i]));
+    }
+    double *hx = dalloc(n * c * h * h), *hr = dalloc(ny);
+    for (size_t i = 0; i < n * c * h * h; i++) hx[i] = 2.0 * frand() - 0.5;
+    for (size_t i = 0; i < ny; i++) hr[i] = frand() - 0.5;
+    float *x = dev_upload(be, hx, n * c * h * h), *r = dev_upload(be, hr, ny);
+    const float *cy, *y[2];
+    for (int mode = 0; mode < 2; mode++) {
+      ac_mode m = mode == 0 ? AC_MODE_TRAIN : AC_MODE_EVAL;
+      OK(ac_conv2d_forward(&cv, x, n, &cy));
+      const float *mom = ac_conv2d_moments(&cv);
+      int direct = st == 1 ? ac_conv3x3_supported(be, c, c) : ac_conv_s2_supported(be, c, c, h, h, k);
+      assert_int_equal(mom != NULL, direct);
+      OK(ac_batchnorm_forward_moments(&bn[0], cy, r, mom, n, m, &y[0]));
+      OK(ac_batchnorm_forward_res(&bn[1], cy, r, n, m, &y[1]));
+      float *a = dev_download(be, y[0], ny), *b = dev_download(be, y[1], ny);
+      assert_memory_equal(a, b, ny * sizeof(float));
+      free(a);
+      free(b);
+      const ac_tensor *rs[2][2] = {{&bn[0].running_mean, &bn[0].running_var},
+                                   {&bn[1].running_mean, &bn[1].running_var}};
+      for (int j = 0; j < 2; j++) {
+        a = dev_download(be, ac_tensor_f32(rs[0][j]), c);
+        b = dev_download(be, ac_tensor_f32(rs[1][j]), c);
+        assert_memory_equal(a, b, c * sizeof(float));
+        free(a);
+        free(b);
+      }
+    }
+    ac_free(be, x);
+    ac_free(be, r);
+    free(hx);
+    free(hr);
+    ac_batchnorm_destroy(&bn[0]);
+    ac_batchnorm_destroy(&bn[1]);
+    ac_conv2d_destroy(&cv);
+  }
+}
+
 static void test_invalid(void **state) {
   ac_backend *be = backend(state);
   ac_linear lin;
@@ -1358,7 +1413,8 @@ static void test_param_names(void **state) {
       cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),              \
       cmocka_unit_test(test_batchnorm_fused), cmocka_unit_test(test_batchnorm_sync),              \
       cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
-      cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)
+      cmocka_unit_test(test_conv_bn_moments), cmocka_unit_test(test_invalid),                     \
+      cmocka_unit_test(test_param_names)
 
 int main(void) {
   const struct CMUnitTest cpu[] = {LAYER_TESTS};

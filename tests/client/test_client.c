@@ -380,8 +380,12 @@ static void test_shm_same_roots_as_bytes(void **state) {
   assert_true(ks.bytes_sent > 0 && ks.bytes_received > 0);
   assert_true(ks.shm_bytes >= ks.bytes_sent + (uint64_t)2 * (128 * 129 / 2 + 96 * 97 / 2) * 4);
   assert_int_equal(kb.shm_bytes, 0);
+  /* Polls through a region are rung at its doorbell, never gRPC calls (session 10). */
+  assert_true(ks.fetch_calls > 0 && ks.fetch_rung == ks.fetch_calls);
+  assert_int_equal(kb.fetch_rung, 0);
   precond_counters kr;
   precond_get_counters(cr, &kr);
+  assert_true(kr.fetch_calls > 0 && kr.fetch_rung == kr.fetch_calls);
   assert_int_equal(ks.roots_by_reference, 0);
   assert_true(kr.roots_by_reference >= 4 && kr.roots_by_reference == kr.roots_received);
   precond_layout_destroy(&ls);

@@ -1618,6 +1618,18 @@ static void root_sides(const Precond__V1__FetchResponse *r,
   side[1] = r->preconditioners[0]->right;
 }
 
+/* Both sides of the first block of two fetch answers: the same bytes. */
+static void assert_same_sides(const Precond__V1__FetchResponse *a,
+                              const Precond__V1__FetchResponse *b) {
+  const Precond__V1__PackedMatrix *sa[2], *sb[2];
+  root_sides(a, sa);
+  root_sides(b, sb);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(sa[k]->data.len, sb[k]->data.len);
+    assert_memory_equal(sa[k]->data.data, sb[k]->data.data, sa[k]->data.len);
+  }
+}
+
 /* Job "viashm"'s roots fetched naming the region g (roots_area: the client has the roots
  * area mapped) in encoding enc: one block's answer (the caller frees it). */
 static Precond__V1__FetchResponse *shm_fetch(daemon_t *d, region_t *g, int roots_area, int enc) {
@@ -1767,40 +1779,55 @@ static void test_shm(void **state) {
   remove_tree(d.p.dir);
 }
 
-/* A one-block push (block id, left and right n x n) rung at the doorbell of v: slots of the
- * push ring, then rpc_shm_call; the answer's message in msg. job NULL: an empty job name;
- * secret_bad: a wrong secret in the request. */
+/* A one-block push request (block id, left and right n x n) whose factors are written into
+ * slots of v's push ring; job NULL: an empty job name; secret_bad: a wrong secret. Every
+ * part lives in *q. */
+typedef struct {
+  Precond__V1__PackedMatrix l, r;
+  Precond__V1__ShmRef rl, rr;
+  Precond__V1__BlockStatistics b, *bp;
+  Precond__V1__ShmSession sess;
+  uint8_t secret[RPC_SHM_SECRET_BYTES];
+  Precond__V1__PushRequest req;
+} bell_req;
+
+static void bell_req_fill(bell_req *q, rpc_shm *v, const char *job, uint64_t step, uint32_t id,
+                          uint32_t n, const float *left, const float *right, int secret_bad) {
+  size_t len = pc_packed_len(n) * 4;
+  precond__v1__packed_matrix__init(&q->l);
+  precond__v1__packed_matrix__init(&q->r);
+  q->l.n = q->r.n = n;
+  memcpy(rpc_shm_slot(v, &q->l, len, &q->rl), left, len);
+  memcpy(rpc_shm_slot(v, &q->r, len, &q->rr), right, len);
+  precond__v1__block_statistics__init(&q->b);
+  q->b.block_id = id;
+  q->b.left = &q->l;
+  q->b.right = &q->r;
+  q->bp = &q->b;
+  rpc_shm_session(v, &q->sess);
+  memcpy(q->secret, v->secret, sizeof q->secret);
+  q->secret[0] ^= (uint8_t)secret_bad;
+  q->sess.secret.data = q->secret;
+  precond__v1__push_request__init(&q->req);
+  q->req.job = (char *)(job ? job : "");
+  q->req.step = step;
+  q->req.n_blocks = 1;
+  q->req.blocks = &q->bp;
+  q->req.shm = &q->sess;
+}
+
+/* bell_req_fill's push rung at the doorbell of v (rpc_shm_call); the answer's message in
+ * msg. */
 static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, uint32_t id,
                                   uint32_t n, const float *left, const float *right, int secret_bad,
                                   char *msg) {
-  size_t len = pc_packed_len(n) * 4;
-  Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
-                            r = PRECOND__V1__PACKED_MATRIX__INIT;
-  Precond__V1__ShmRef rl, rr;
-  l.n = r.n = n;
-  memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
-  memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
-  Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT, *bp = &b;
-  b.block_id = id;
-  b.left = &l;
-  b.right = &r;
-  Precond__V1__ShmSession sess;
-  rpc_shm_session(v, &sess);
-  uint8_t secret[RPC_SHM_SECRET_BYTES];
-  memcpy(secret, v->secret, sizeof secret);
-  secret[0] ^= (uint8_t)secret_bad;
-  sess.secret.data = secret;
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  req.job = (char *)(job ? job : "");
-  req.step = step;
-  req.n_blocks = 1;
-  req.blocks = &bp;
-  req.shm = &sess;
+  bell_req q;
+  bell_req_fill(&q, v, job, step, id, n, left, right, secret_bad);
   ProtobufCMessage *resp = NULL;
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
   char *details = NULL;
-  int rc = rpc_shm_call(v, &req.base, &precond__v1__push_response__descriptor, 20000, &resp, &code,
-                        &details);
+  int rc = rpc_shm_call(v, &q.req.base, &precond__v1__push_response__descriptor, 20000, &resp,
+                        &code, &details);
   assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
   snprintf(msg, 512, "%s", details ? details : "");
   free(details);
@@ -1809,6 +1836,26 @@ static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, ui
     protobuf_c_message_free_unpacked(resp, NULL);
     rpc_shm_rewind(v);
   }
+  return code;
+}
+
+/* FetchPreconditioners of job (no versions held, fp32, roots as bytes) rung at v's doorbell
+ * with reply_cap bytes of answer room: the code, the answer in *resp on OK, the message in
+ * msg otherwise. */
+static grpc_status_code bell_fetch(rpc_shm *v, const char *job, uint32_t reply_cap,
+                                   Precond__V1__FetchResponse **resp, char *msg) {
+  Precond__V1__FetchRequest req = PRECOND__V1__FETCH_REQUEST__INIT;
+  req.job = (char *)job;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  *resp = NULL;
+  int rc = rpc_shm_call_method(v, RPC_SHM_BELL_FETCH, reply_cap, &req.base,
+                               &precond__v1__fetch_response__descriptor, 20000,
+                               (ProtobufCMessage **)resp, &code, &details);
+  assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
+  snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  rpc_shm_rewind(v);
   return code;
 }
 
@@ -1839,6 +1886,17 @@ static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_o
   return code;
 }
 
+/* A daemon with shared memory (a 64 MiB budget) and a 1 MiB region v of it, its doorbell
+ * served. */
+static void bell_daemon_up(daemon_t *d, rpc_shm *v) {
+  char shm_dir[300], err[256];
+  grpc_status_code code;
+  make_shm_dirs(d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(d, shm_dir, "64");
+  assert_int_equal(rpc_shm_open(d->ch, NULL, 20000, 1 << 20, v, &code, err, sizeof err), RPC_OK);
+  assert_true(v->bell);
+}
+
 /* The doorbell (rpc.h, rpc_shm_head), through a real precondd: a push rung in the region is
  * stored as the same push over gRPC stores it (roots bit for bit); every refusal reaches the
  * client with the gRPC path's code and message (here compared with the bytes path's own),
@@ -1847,13 +1905,10 @@ static uint32_t bell_raw(rpc_shm *v, const void *req, size_t len, uint64_t req_o
 static void test_shm_doorbell(void **state) {
   (void)state;
   daemon_t d = {0};
-  char shm_dir[300], msg[512], want[512], err[256];
-  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
-  start_shm_daemon(&d, shm_dir, "64");
+  char msg[512], want[512];
   rpc_shm v;
   grpc_status_code code;
-  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
-  assert_true(v.bell);
+  bell_daemon_up(&d, &v);
   const uint32_t n = 8;
   tspec ts[1] = {{"w", {8, 8}, 2}};
   assert_int_equal(do_register(&d, "viabell", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
@@ -1906,15 +1961,48 @@ static void test_shm_doorbell(void **state) {
   }
   Precond__V1__FetchResponse *fb = wait_step_roots(&d, "viabytes", 1, 2);
   Precond__V1__FetchResponse *fs = wait_step_roots(&d, "viabell", 1, 2);
-  const Precond__V1__PackedMatrix *side[2], *bside[2];
-  root_sides(fs, side);
-  root_sides(fb, bside);
-  for (int k = 0; k < 2; k++) {
-    assert_int_equal(side[k]->data.len, bside[k]->data.len);
-    assert_memory_equal(side[k]->data.data, bside[k]->data.data, side[k]->data.len);
-  }
+  assert_same_sides(fs, fb);
   protobuf_c_message_free_unpacked(&fs->base, NULL);
+
+  /* A fetch rung at the doorbell (session 10: libprecond's poll) answers what the gRPC
+   * method answers: the same version, step and bytes; the same code and message for an
+   * unknown job; an answer larger than the room is RESOURCE_EXHAUSTED (the client then asks
+   * over gRPC). */
+  Precond__V1__FetchResponse *fr = NULL, *fg = NULL;
+  assert_int_equal(bell_fetch(&v, "viabytes", RPC_SHM_BELL_REPLY + 4096, &fr, msg), GRPC_STATUS_OK);
+  uint64_t none = 0;
+  assert_int_equal(do_fetch(&d, "viabytes", &none, 1, 0, &fg, want), GRPC_STATUS_OK);
+  assert_int_equal(fr->n_preconditioners, 1);
+  assert_int_equal(fg->n_preconditioners, 1);
+  assert_int_equal(fr->preconditioners[0]->version, fg->preconditioners[0]->version);
+  assert_int_equal(fr->preconditioners[0]->source_step, 2);
+  assert_same_sides(fr, fb);
+  protobuf_c_message_free_unpacked(&fr->base, NULL);
+  protobuf_c_message_free_unpacked(&fg->base, NULL);
   protobuf_c_message_free_unpacked(&fb->base, NULL);
+  assert_int_equal(bell_fetch(&v, "nosuchjob", RPC_SHM_BELL_REPLY, &fr, msg),
+                   GRPC_STATUS_NOT_FOUND);
+  assert_int_equal(do_fetch(&d, "nosuchjob", NULL, 0, 0, &fg, want), GRPC_STATUS_NOT_FOUND);
+  assert_string_equal(msg, want);
+  assert_null(fr);
+  /* A block of 64 x 64: 2 x 8 KB of roots as bytes, not in 1 KiB of room. */
+  {
+    tspec tb[1] = {{"w", {64, 64}, 2}};
+    assert_int_equal(do_register(&d, "bigroots", tb, 1, 64, 1.0f, NULL, msg), GRPC_STATUS_OK);
+    float *bl = random_stat(64, 41), *br = random_stat(64, 42);
+    blockstat bb = {0, 64, 64, bl, br, 0};
+    assert_int_equal(do_push(&d, "bigroots", 1, &bb, 1, NULL, msg), GRPC_STATUS_OK);
+    fg = wait_step_roots(&d, "bigroots", 1, 1);
+    protobuf_c_message_free_unpacked(&fg->base, NULL);
+    assert_int_equal(bell_fetch(&v, "bigroots", RPC_SHM_BELL_REPLY, &fr, msg),
+                     GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(msg, "does not fit the doorbell's room"));
+    assert_int_equal(bell_fetch(&v, "bigroots", 1 << 16, &fr, msg), GRPC_STATUS_OK);
+    assert_int_equal(fr->n_preconditioners, 1);
+    protobuf_c_message_free_unpacked(&fr->base, NULL);
+    free(bl);
+    free(br);
+  }
 
   /* The client lets go: the region (and its doorbell's thread) is freed within seconds. */
   rpc_shm_close(&v);
@@ -1922,7 +2010,7 @@ static void test_shm_doorbell(void **state) {
   while (shm_regions(&d) > 0 && tries++ < 100) sleep_ms(100);
   assert_int_equal(shm_regions(&d), 0);
   /* A region still open at the stop: the daemon ends its doorbell's thread and exits 0. */
-  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, err, sizeof err), RPC_OK);
+  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &v, &code, msg, sizeof msg), RPC_OK);
   assert_int_equal(bell_push(&v, "viabell", 3, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
   assert_true(rpc_shm_alive(v.fd));
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
@@ -1938,6 +2026,128 @@ static void test_shm_doorbell(void **state) {
   assert_int_equal(code, GRPC_STATUS_UNAVAILABLE); /* the deadline's would be DEADLINE_EXCEEDED */
   free(details);
   rpc_shm_close(&v);
+  free(sl);
+  free(sr);
+  free(nan);
+  remove_tree(d.p.dir);
+}
+
+/* A one-block push posted at v's doorbell without waiting for its answer (the pipelined
+ * doorbell: rpc_shm_begin, the slots, rpc_shm_post); returns rpc_shm_post's code, or
+ * rpc_shm_begin's when that collected a failure (its status and message in *code, msg). */
+static int pipe_push(rpc_shm *v, const char *job, uint64_t step, uint32_t n, const float *left,
+                     const float *right, long deadline_ms, grpc_status_code *code, char *msg) {
+  size_t slot = (pc_packed_len(n) * 4 + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  char *details = NULL;
+  msg[0] = '\0';
+  int rc = rpc_shm_begin(v, 2 * slot + 2048, deadline_ms, code, &details); /* + request, answer */
+  if (rc == RPC_OK) {
+    bell_req q;
+    bell_req_fill(&q, v, job, step, 0, n, left, right, 0);
+    rc = rpc_shm_post(v, &q.req.base, deadline_ms, code, &details);
+  }
+  snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  return rc;
+}
+
+/* The oldest pending push's answer at v's doorbell: its code, the message in msg. */
+static grpc_status_code pipe_collect(rpc_shm *v, long deadline_ms, int *rc, char *msg) {
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  *rc = rpc_shm_collect(v, &precond__v1__push_response__descriptor, deadline_ms, &resp, &code,
+                        &details);
+  snprintf(msg, 512, "%s", details ? details : "");
+  free(details);
+  if (*rc == RPC_OK) assert_int_equal(((Precond__V1__PushResponse *)resp)->accepted, 1);
+  if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+  return code;
+}
+
+/* The pipelined doorbell (rpc.h, rpc_shm_post), through a real precondd: pushes posted
+ * before the previous ones are answered are served in order, each with its own answer (a
+ * refused one in the middle reaches the client with the bytes path's very code and message
+ * and stores nothing; the others store what the same pushes over gRPC store, roots bit for
+ * bit); a full queue makes rpc_shm_begin collect (and report a failure it collected); a push
+ * larger than the ring is refused before anything is rung; a stopped daemon makes a post
+ * wait out its deadline and a killed one is reported with pushes in flight. */
+static void test_shm_pipelined(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char msg[512], want[512];
+  rpc_shm v;
+  grpc_status_code code;
+  bell_daemon_up(&d, &v);
+  assert_true(v.queue);
+  const uint32_t n = 64;
+  tspec ts[1] = {{"w", {64, 64}, 2}};
+  assert_int_equal(do_register(&d, "piped", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "pbytes", ts, 1, n, 1.0f, NULL, msg), GRPC_STATUS_OK);
+  float *sl = random_stat(n, 41), *sr = random_stat(n, 42), *nan = random_stat(n, 43);
+  nan[7] = NAN;
+  int rc;
+
+  /* Three posted, the middle one refused: the answers come back in order, none lost. */
+  assert_int_equal(pipe_push(&v, "piped", 1, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(pipe_push(&v, "piped", 2, n, nan, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(v.npend, 2);
+  /* The queue is full: the third's begin collects the first (OK) and places it. */
+  assert_int_equal(pipe_push(&v, "piped", 2, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(v.npend, 2);
+  blockstat bn = {0, n, n, nan, sr, 0};
+  assert_int_equal(do_push(&d, "pbytes", 2, &bn, 1, NULL, want), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(rc, RPC_ESTATUS);
+  assert_string_equal(msg, want); /* blocks[0].left.data: NaN or Inf ... */
+  assert_non_null(strstr(msg, "blocks[0].left.data: NaN or Inf"));
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_OK);
+  assert_int_equal(rc, RPC_OK);
+  assert_int_equal(v.npend, 0);
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(rc, RPC_EINVAL); /* none pending */
+  for (uint64_t step = 1; step <= 2; step++) {
+    blockstat bs = {0, n, n, sl, sr, 0};
+    assert_int_equal(do_push(&d, "pbytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  }
+  Precond__V1__FetchResponse *fb = wait_step_roots(&d, "pbytes", 1, 2);
+  Precond__V1__FetchResponse *fs = wait_step_roots(&d, "piped", 1, 2);
+  assert_same_sides(fs, fb);
+  protobuf_c_message_free_unpacked(&fs->base, NULL);
+  protobuf_c_message_free_unpacked(&fb->base, NULL);
+
+  /* A failure the queue's begin collected is returned by that begin; the next begin places
+   * the push. An unknown job, then an OK push, then a begin that must collect. */
+  assert_int_equal(pipe_push(&v, "nosuchjob", 3, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(pipe_push(&v, "piped", 3, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(pipe_push(&v, "piped", 4, n, sl, sr, 20000, &code, msg), RPC_ESTATUS);
+  assert_int_equal(code, GRPC_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(msg, "is not registered"));
+  assert_int_equal(v.npend, 1);
+  assert_int_equal(pipe_push(&v, "piped", 4, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_OK);
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_OK);
+  /* Larger than the ring: refused before anything is collected or rung. */
+  assert_int_equal(rpc_shm_begin(&v, v.bytes, 20000, &code, NULL), RPC_ETOOBIG);
+  assert_int_equal(code, GRPC_STATUS_RESOURCE_EXHAUSTED);
+
+  /* The daemon stopped: the first post rings (the head is free), the second waits for the
+   * daemon to take the first's head until its deadline; killed, the push in flight is
+   * reported UNAVAILABLE, not lost. */
+  assert_int_equal(kill(d.p.pid, SIGSTOP), 0);
+  int wst = 0; /* stopped for sure (every thread) before anything is rung */
+  assert_int_equal(waitpid(d.p.pid, &wst, WUNTRACED), d.p.pid);
+  assert_true(WIFSTOPPED(wst));
+  assert_int_equal(pipe_push(&v, "piped", 5, n, sl, sr, 20000, &code, msg), RPC_OK);
+  assert_int_equal(pipe_push(&v, "piped", 6, n, sl, sr, 300, &code, msg), RPC_ECALL);
+  assert_int_equal(code, GRPC_STATUS_DEADLINE_EXCEEDED);
+  assert_int_equal(v.npend, 1);
+  assert_int_equal(kill(d.p.pid, SIGKILL), 0);
+  assert_int_equal(pipe_collect(&v, 20000, &rc, msg), GRPC_STATUS_UNAVAILABLE);
+  assert_int_equal(rc, RPC_ECALL);
+  assert_non_null(strstr(msg, "the daemon is gone"));
+  rpc_shm_close(&v);
+  stop_daemon(&d, SIGKILL); /* reaps it */
   free(sl);
   free(sr);
   free(nan);
@@ -2434,6 +2644,7 @@ int main(void) {
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
       cmocka_unit_test(test_shm_doorbell),
+      cmocka_unit_test(test_shm_pipelined),
       cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_roots_area),
   };

@@ -387,7 +387,9 @@ static void test_shm_bell(void **state) {
   h->req_offset = 0; /* the head itself */
   assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
   h->req_offset = RPC_SHM_PUSH_RING;
-  h->method = 2;
+  h->method = RPC_SHM_BELL_FETCH;
+  assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_OK);
+  h->method = 3;
   assert_int_equal(rpc_shm_bell_read(map, bytes, &b), RPC_EINVAL);
   h->method = RPC_SHM_BELL_PUSH;
   h->reply_offset = RPC_SHM_PUSH_RING + 4; /* not 8-aligned */
@@ -444,6 +446,108 @@ static void test_shm_bell(void **state) {
   assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
   assert_int_equal(h->bell, 4);
   free(details);
+  free(map);
+}
+
+/* The daemon's part of the pipelined doorbell, played by hand: answers the pending push
+ * rung with bell with code and body (the packed response, or the message). */
+static void queue_answer(unsigned char *map, const rpc_shm *s, uint32_t bell, uint32_t code,
+                         const void *body, uint32_t n) {
+  rpc_shm_head *h = (void *)map;
+  for (uint32_t i = 0; i < s->npend; i++)
+    if (s->pend[i].bell == bell) {
+      memcpy(map + s->pend[i].reply, &code, 4);
+      memcpy(map + s->pend[i].reply + 4, &n, 4);
+      memcpy(map + s->pend[i].reply + RPC_SHM_REPLY_HEAD, body, n);
+      __atomic_store_n(&h->answered, bell, __ATOMIC_RELEASE);
+      return;
+    }
+  fail_msg("bell %u is not pending", bell);
+}
+
+/* The pipelined doorbell's client side (rpc_shm_begin, rpc_shm_post, rpc_shm_collect), the
+ * daemon played by hand: a push goes to the ring's start when the pending ones leave it
+ * clear, else right after the previous push, never over a pending one; the head is filled
+ * for the next push only once the daemon took the previous one (else the deadline); answers
+ * are collected oldest first, each with its own code and message; a post without the queue
+ * or with RPC_SHM_QUEUE pending, and a push larger than the ring, ring nothing. */
+static void test_shm_queue(void **state) {
+  (void)state;
+  const size_t bytes = 1 << 16, ring = bytes / 2 - RPC_SHM_PUSH_RING, slot = 8000;
+  unsigned char *map = aligned_alloc(64, bytes);
+  assert_non_null(map);
+  memset(map, 0, bytes);
+  rpc_shm_head *h = (void *)map;
+  rpc_shm s = {.map = map, .bytes = bytes, .fd = -1, .bell = 1, .queue = 1};
+  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
+  req.job = "j";
+  Precond__V1__PackedMatrix m = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__ShmRef ref;
+  grpc_status_code st;
+  char *details = NULL;
+  const uint64_t need = slot + 2048; /* the slot, the request and its answer's room */
+  /* Push 1 at the ring's start; push 2 after it (push 1 pending). */
+  assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
+  assert_int_equal(s.push_start, 0);
+  assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
+  assert_int_equal(h->bell, 1);
+  assert_int_equal(s.npend, 1);
+  assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
+  uint64_t second = s.push_start;
+  assert_true(second >= slot && second < ring);
+  assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
+  assert_int_equal(ref.seq, second + 1);
+  /* The daemon has not taken push 1's head: push 2's post waits out its deadline. */
+  assert_int_equal(rpc_shm_post(&s, &req.base, 30, &st, &details), RPC_ECALL);
+  assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
+  free(details);
+  assert_int_equal(h->bell, 1);
+  h->taken = 1;
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
+  assert_int_equal(s.npend, 2);
+  /* A full queue: post refuses, begin collects push 1 (answered OK) and places push 3 at the
+   * ring's start a lap on (push 2's bytes stay clear). */
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_EINVAL);
+  const uint8_t accepted[2] = {0x08, 0x01}; /* PushResponse.accepted = 1 */
+  queue_answer(map, &s, 1, GRPC_STATUS_OK, accepted, 2);
+  assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
+  assert_int_equal(s.npend, 1);
+  assert_int_equal(s.pend[0].bell, 2);
+  assert_int_equal(s.push_start, ring);
+  assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
+  assert_true(ref.seq - 1 + slot <= second + ring); /* clear of push 2 */
+  h->taken = 2;
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
+  /* Push 2 refused: its own code and message, then push 3's OK; then none pending. */
+  queue_answer(map, &s, 2, GRPC_STATUS_INVALID_ARGUMENT, "blocks[0].left.data: NaN", 24);
+  ProtobufCMessage *resp = NULL;
+  assert_int_equal(
+      rpc_shm_collect(&s, &precond__v1__push_response__descriptor, 100, &resp, &st, &details),
+      RPC_ESTATUS);
+  assert_int_equal(st, GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(details, "blocks[0].left.data: NaN");
+  assert_null(resp);
+  free(details);
+  queue_answer(map, &s, 3, GRPC_STATUS_OK, accepted, 2);
+  assert_int_equal(
+      rpc_shm_collect(&s, &precond__v1__push_response__descriptor, 100, &resp, &st, &details),
+      RPC_OK);
+  assert_int_equal(((Precond__V1__PushResponse *)resp)->accepted, 1);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  free(details);
+  assert_int_equal(
+      rpc_shm_collect(&s, &precond__v1__push_response__descriptor, 100, &resp, &st, &details),
+      RPC_EINVAL);
+  /* Without the queue (an older daemon) only one at a time; a push above the ring: nothing. */
+  s.queue = 0;
+  assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
+  assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
+  assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_EINVAL);
+  assert_int_equal(h->bell, 4);
+  assert_int_equal(rpc_shm_begin(&s, ring + 1, 100, &st, NULL), RPC_ETOOBIG);
+  assert_int_equal(s.npend, 1);
   free(map);
 }
 
@@ -729,6 +833,7 @@ int main(void) {
       cmocka_unit_test(test_shm_rules),
       cmocka_unit_test(test_shm_client),
       cmocka_unit_test(test_shm_bell),
+      cmocka_unit_test(test_shm_queue),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_packed_codec),
