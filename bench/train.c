@@ -162,8 +162,9 @@ void tr_options_default(tr_options *o) {
  *   steps earlier to AdamW's final loss on two seeds (docs/optimizers.md, "Session 7"),
  *   while AdamW loses with 50 (its final eval loss 0.013 higher), so each keeps its own.
  *   And a first moment of 0.8 instead of accel's 0.9: 0.013 and 0.002 lower eval loss at
- *   step 500 on seeds 1 and 2 (0.95: 0.014 higher; docs/optimizers.md, "Session 10"). The
- *   ResNet's row keeps accel's 0.9, with which W2 was measured.
+ *   step 500 on seeds 1 and 2, lower at step 550 on three seeds (0.95: 0.014 higher;
+ *   docs/optimizers.md, "Session 10"). The ResNet's row keeps accel's 0.9, with which W2
+ *   was measured.
  * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
  *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
  *   on the ResNet. The Transformer row is SGD's, not tuned.
