@@ -510,10 +510,12 @@ static pd_replica_view pd__view(const char *dir, int usable) {
   return v;
 }
 
-/* Resumes under another rank count (docs/replicas.md): every rank reads the old ranks'
- * snapshots, from their state directories (template with %r: the same --state-dir as
- * theirs). 0, or -1 with the reason logged. */
-static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_resume_plan *p) {
+/* Resumes under another rank count (docs/replicas.md): every rank takes the old ranks'
+ * snapshots of their state directories (template with %r: the same --state-dir as theirs),
+ * under MPI each read by one rank that can and broadcast (pd_replica_share_snapshots), alone
+ * from the directories. 0, or -1 with the reason logged. */
+static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_resume_plan *p,
+                                 pd_replica *rep) {
   const pd_replica_link *link = d->store.link;
   int rank = link ? link->rank : 0, nranks = link ? link->nranks : 1;
   char own[1100];
@@ -528,22 +530,38 @@ static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_re
   }
   char(*dirs)[1100] = calloc((size_t)p->old_nranks, sizeof *dirs);
   const char **names = calloc((size_t)p->old_nranks, sizeof *names);
-  int rc = -1;
+  pd_snap_bytes *bytes = NULL;
+  int rc = -1, received = 0;
   uint64_t floor = 0;
   char err[1600] = "";
-  if (!dirs || !names) {
-    pd_log(PD_LOG_ERROR, "out of memory at startup");
-    goto done;
-  }
-  for (int k = 0; k < p->old_nranks; k++) {
+  int ok = dirs && names;
+  if (!ok) pd_log(PD_LOG_ERROR, "out of memory at startup");
+  for (int k = 0; ok && k < p->old_nranks; k++) {
     snprintf(dirs[k], sizeof dirs[k], "%s", template);
     if (pd_replica_subst(dirs[k], sizeof dirs[k], k) != 0) {
       pd_log(PD_LOG_ERROR, "--state-dir too long with %%r");
-      goto done;
+      ok = 0;
     }
     names[k] = dirs[k];
-    uint64_t e = pd__epoch_read(dirs[k]);
+    uint64_t e = pd__epoch_read(dirs[k]); /* 0 where this rank cannot read it */
     if (e > floor) floor = e;
+  }
+#ifdef PD_HAVE_MPI
+  /* Collective: every rank of the plan gets here, a rank that failed above too (with names
+   * NULL), so that none waits for it. */
+  if (rep && nranks > 1) {
+    bytes = ok ? calloc((size_t)p->old_nranks, sizeof *bytes) : NULL;
+    if (pd_replica_share_snapshots(rep, bytes ? names : NULL, p->old_nranks, bytes, &floor,
+                                   &received) != PD_OK)
+      ok = 0;
+  }
+#else
+  (void)rep;
+#endif
+  if (!ok) {
+    pd_log(PD_LOG_ERROR, "cannot resume the daemon job of %d rank(s) as rank %d of %d",
+           p->old_nranks, rank, nranks);
+    goto done;
   }
   /* A rank the old job did not have: what its directory holds is older than the job. */
   char aside[1300];
@@ -558,8 +576,8 @@ static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_re
     goto done;
   }
   double t0 = pd_now();
-  int r = pd_snapshot_read_resharded(&d->store, names, p->old_nranks, p->old_run, rank, nranks, err,
-                                     sizeof err);
+  int r = pd_snapshot_read_resharded(&d->store, names, bytes, p->old_nranks, p->old_run, rank,
+                                     nranks, err, sizeof err);
   if (r != PD_OK) {
     pd_log(PD_LOG_ERROR,
            "cannot resume the daemon job of %d rank(s) as rank %d of %d: %s (%s). Start it "
@@ -575,11 +593,14 @@ static int pd__restore_resharded(pd_daemon *d, const char *template, const pd_re
     }
   pd_log(PD_LOG_INFO,
          "daemon epoch %llu; resumed %zu jobs of a daemon job of %d rank(s) as rank %d of %d: "
-         "%zu of their %zu units are this rank's now, in %.3f s",
+         "%zu of their %zu units are this rank's now, in %.3f s (%d of the old snapshots "
+         "received from other ranks)",
          (unsigned long long)d->store.epoch, d->store.njobs, p->old_nranks, rank, nranks, mine,
-         blocks, pd_now() - t0);
+         blocks, pd_now() - t0, received);
   rc = 0;
 done:
+  for (int k = 0; bytes && k < p->old_nranks; k++) free(bytes[k].data);
+  free(bytes);
   free(dirs);
   free(names);
   return rc;
@@ -618,7 +639,7 @@ static int pd__restore(pd_daemon *d, const char *template, pd_replica *rep) {
   if (views != all) free(views);
   if (failed) return -1; /* the rank that failed said why; the agreement stops them all */
   d->store.run = plan.run;
-  if (plan.reshard) return pd__restore_resharded(d, template, &plan) == 0 ? 1 : -1;
+  if (plan.reshard) return pd__restore_resharded(d, template, &plan, rep) == 0 ? 1 : -1;
 
   if (pd__epoch_next(d->cfg.state_dir, 0, &d->store.epoch) != 0) {
     pd_log(PD_LOG_ERROR, "--state-dir %s: cannot write precondd.epoch: %s", d->cfg.state_dir,

@@ -694,6 +694,13 @@ int pd_replica_subst(char *s, size_t cap, int rank);
  * snapshots found: each rank restores its own (pd_snapshot_read); another count: every rank
  * reads the old ranks' snapshots and takes the units it owns now
  * (pd_snapshot_read_resharded). Fixed-size: exchanged as bytes between ranks of one build. */
+/* An old rank's snapshot file as bytes (pd_snapshot_load; over MPI: pd_replica_share_snapshots).
+ * data NULL: no rank could read it. */
+typedef struct {
+  unsigned char *data;
+  size_t len;
+} pd_snap_bytes;
+
 enum { PD_VIEW_NONE = 0, PD_VIEW_EMPTY, PD_VIEW_JOBS, PD_VIEW_BAD, PD_VIEW_FAILED };
 typedef struct {
   int32_t state;        /* PD_VIEW_*: no snapshot, one without jobs, with jobs, damaged,
@@ -734,6 +741,15 @@ int pd_replica_agree(pd_replica *x, int ok);
 /* Collective over all ranks, main thread, before pd_replica_start: all[r] = rank r's mine.
  * PD_OK or PD_EIO (logged). */
 int pd_replica_exchange(pd_replica *x, const pd_replica_view *mine, pd_replica_view *all);
+/* Collective over all ranks, main thread, before pd_replica_start: every old rank k's
+ * snapshot (dirs[k]/precondd.snap, k < old_nranks) to every rank, so that a resume under
+ * another rank count needs no shared state directories: it is read by the rank whose own
+ * directory it is (rank k) if that rank can read it, else by the lowest rank that can, and
+ * broadcast. out[k] (owned by the caller: free each data) gets its bytes, data NULL when no
+ * rank could read it. *floor: this rank's highest old epoch in, every rank's out.
+ * *received: how many came from another rank. PD_OK, PD_ENOMEM, PD_EIO (logged). */
+int pd_replica_share_snapshots(pd_replica *x, const char *const *dirs, int old_nranks,
+                               pd_snap_bytes *out, uint64_t *floor, int *received);
 /* Starts the communication thread serving d (its pool running), after queueing this rank's
  * restored roots for the others. PD_OK or PD_ENOMEM. */
 int pd_replica_start(pd_replica *x, pd_daemon *d);
@@ -878,15 +894,22 @@ typedef struct {
 int pd_snapshot_peek(const char *dir, pd_snap_origin *o, char *err, size_t errlen);
 
 /* Resumes a daemon job written by old_nranks ranks (run old_run; 0: any) as rank `rank` of
- * nranks: dirs[k] is old rank k's state directory. Every old snapshot must be there and from
+ * nranks: dirs[k] is old rank k's state directory; bytes, when not NULL, holds old rank k's
+ * snapshot file at bytes[k] (read from dirs[k] by some rank; then dirs only name them, and
+ * format-4 snapshots' origin files are looked for there). Every old snapshot must be there and from
  * that run; each job is taken whole (layout, last step, workers), each unit's statistics
  * (and counters) from its old owner's snapshot (pd_replica_plan under old_nranks) when this
  * rank owns it under nranks, zero otherwise, and every unit's newest root (by version) from
  * whichever snapshot holds it; ended names from all. Into an empty store; on failure nothing
  * is loaded: PD_ENOENT (a snapshot missing), PD_EINVAL (another run, or a job that differs
  * between snapshots), PD_ECORRUPT, PD_EIO, PD_ELIMIT, PD_ENOMEM, with err naming the file. */
-int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, int old_nranks,
-                               uint64_t old_run, int rank, int nranks, char *err, size_t errlen);
+int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, const pd_snap_bytes *bytes,
+                               int old_nranks, uint64_t old_run, int rank, int nranks, char *err,
+                               size_t errlen);
+
+/* Reads dir/precondd.snap whole, unchecked (pd_snapshot_read_resharded checks it), into *data
+ * (malloc'd, the caller frees it) of *len bytes. PD_ENOENT, PD_EIO, PD_ENOMEM (err says). */
+int pd_snapshot_load(const char *dir, unsigned char **data, size_t *len, char *err, size_t errlen);
 
 /* Renames dir/precondd.snap to dir/precondd.snap.corrupt-<unix seconds>; the new name is
  * written to newname. */

@@ -29,9 +29,11 @@
 
 #include <limits.h>
 #include <mpi.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "preconditioner.h"
 #include "rpc.h"
@@ -917,6 +919,80 @@ int pd_replica_exchange(pd_replica *x, const pd_replica_view *mine, pd_replica_v
     return PD_EIO;
   }
   return PD_OK;
+}
+
+int pd_replica_share_snapshots(pd_replica *x, const char *const *dirs, int old_nranks,
+                               pd_snap_bytes *out, uint64_t *floor, int *received) {
+  const int me = x->link.rank, n = x->link.nranks;
+  unsigned char *have = calloc((size_t)n * (size_t)old_nranks, 1);
+  int rc = have && dirs && out ? PD_OK : PD_ENOMEM;
+  *received = 0;
+  if (rc == PD_OK)
+    for (int k = 0; k < old_nranks; k++) out[k] = (pd_snap_bytes){NULL, 0};
+  /* Which old files each rank can read: every rank must call every collective below in the
+   * same order, so a failure is agreed on before each step, never met alone. */
+  unsigned char *mine = rc == PD_OK ? have + (size_t)me * (size_t)old_nranks : NULL;
+  for (int k = 0; mine && k < old_nranks; k++) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dirs[k], PD_SNAPSHOT_FILE);
+    mine[k] = access(path, R_OK) == 0;
+  }
+  if (!pd_replica_agree(x, rc == PD_OK)) {
+    free(have);
+    return rc == PD_OK ? PD_ENOMEM : rc;
+  }
+  uint64_t top = 0;
+  if (MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, have, old_nranks, MPI_UNSIGNED_CHAR,
+                    x->comm) != MPI_SUCCESS ||
+      MPI_Allreduce(floor, &top, 1, MPI_UINT64_T, MPI_MAX, x->comm) != MPI_SUCCESS)
+    rc = PD_EIO;
+  *floor = top;
+  for (int k = 0; rc == PD_OK && k < old_nranks; k++) {
+    /* The sender: old rank k's own successor when it has the file (its directory is its
+     * own), else the lowest rank that has it; none: missing (the reader says so). */
+    int from = k < n && have[(size_t)k * (size_t)old_nranks + (size_t)k] ? k : -1;
+    for (int r = 0; from < 0 && r < n; r++)
+      if (have[(size_t)r * (size_t)old_nranks + (size_t)k]) from = r;
+    if (from < 0) continue;
+    uint64_t len = UINT64_MAX; /* the sender could not read it after all */
+    if (from == me) {
+      char err[1400];
+      if (pd_snapshot_load(dirs[k], &out[k].data, &out[k].len, err, sizeof err) == PD_OK)
+        len = out[k].len;
+      else
+        pd_log(PD_LOG_ERROR, "%s", err);
+    }
+    if (MPI_Bcast(&len, 1, MPI_UINT64_T, from, x->comm) != MPI_SUCCESS) {
+      rc = PD_EIO;
+      break;
+    }
+    if (len == UINT64_MAX) continue; /* missing for every rank */
+    if (from != me) {
+      out[k].data = malloc(len ? (size_t)len : 1);
+      out[k].len = (size_t)len;
+    }
+    if (!pd_replica_agree(x, out[k].data != NULL)) {
+      rc = PD_ENOMEM;
+      break;
+    }
+    /* In pieces of at most 1 GiB: MPI counts are ints. */
+    for (uint64_t at = 0; rc == PD_OK && at < len; at += (uint64_t)1 << 30) {
+      uint64_t piece = len - at < ((uint64_t)1 << 30) ? len - at : (uint64_t)1 << 30;
+      if (MPI_Bcast(out[k].data + at, (int)piece, MPI_BYTE, from, x->comm) != MPI_SUCCESS)
+        rc = PD_EIO;
+    }
+    *received += from != me;
+  }
+  free(have);
+  if (rc != PD_OK) {
+    pd_log(PD_LOG_ERROR, "replicas: the old snapshots could not be shared among the ranks: %s",
+           pd_strerror(rc));
+    for (int k = 0; out && k < old_nranks; k++) {
+      free(out[k].data);
+      out[k] = (pd_snap_bytes){NULL, 0};
+    }
+  }
+  return rc;
 }
 
 int pd_replica_start(pd_replica *x, pd_daemon *d) {

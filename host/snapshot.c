@@ -678,16 +678,17 @@ static int pd__legacy_origin(const char *dir, pd_snap_origin *o) {
 
 #define PD_SNAP_MAX_RANKS 65536 /* an origin claiming more is damage */
 
-/* Opens dir's snapshot, verifies it (pd__verify) and reads its origin and job count: on
- * PD_OK *f and *r stand at the first job. PD_ENOENT when there is none; PD_ECORRUPT or PD_EIO
- * with a reason in err (*f closed). */
-static int pd__open(const char *dir, FILE **fp, pd__r *r, pd_snap_origin *o, char *err,
-                    size_t errlen) {
+/* Opens dir's snapshot (or reads src, an open stream of its bytes, when not NULL: then dir
+ * only names it and holds a format-4 snapshot's origin file), verifies it (pd__verify) and
+ * reads its origin and job count: on PD_OK *f and *r stand at the first job. PD_ENOENT when
+ * there is none; PD_ECORRUPT or PD_EIO with a reason in err (*f closed, src too). */
+static int pd__open(const char *dir, FILE *src, FILE **fp, pd__r *r, pd_snap_origin *o,
+                    char *err, size_t errlen) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   memset(o, 0, sizeof *o);
   o->rank = -1; /* unknown */
-  FILE *f = fopen(path, "rb");
+  FILE *f = src ? src : fopen(path, "rb");
   if (!f) {
     if (errno == ENOENT) return PD_ENOENT;
     snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
@@ -732,8 +733,36 @@ static int pd__open(const char *dir, FILE **fp, pd__r *r, pd_snap_origin *o, cha
 int pd_snapshot_peek(const char *dir, pd_snap_origin *o, char *err, size_t errlen) {
   FILE *f = NULL;
   pd__r r;
-  int rc = pd__open(dir, &f, &r, o, err, errlen);
+  int rc = pd__open(dir, NULL, &f, &r, o, err, errlen);
   if (rc == PD_OK) fclose(f);
+  return rc;
+}
+
+int pd_snapshot_load(const char *dir, unsigned char **data, size_t *len, char *err,
+                     size_t errlen) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
+  *data = NULL;
+  *len = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    if (errno == ENOENT) return PD_ENOENT;
+    snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+    return PD_EIO;
+  }
+  int rc = PD_EIO;
+  long end = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  unsigned char *buf = end >= 0 ? malloc(end ? (size_t)end : 1) : NULL;
+  if (end >= 0 && !buf) rc = PD_ENOMEM;
+  if (buf && fseek(f, 0, SEEK_SET) == 0 && fread(buf, 1, (size_t)end, f) == (size_t)end) {
+    *data = buf;
+    *len = (size_t)end;
+    buf = NULL;
+    rc = PD_OK;
+  }
+  if (rc != PD_OK) snprintf(err, errlen, "cannot read %s: %s", path, pd_strerror(rc));
+  free(buf);
+  fclose(f);
   return rc;
 }
 
@@ -752,13 +781,15 @@ static void pd__file_free(pd__file *p, pd_stats *stats) {
   memset(p, 0, sizeof *p);
 }
 
-/* Parses dir's snapshot whole into *p (the caller frees it with pd__file_free, also on
- * error). PD_ENOENT, PD_ECORRUPT, PD_EIO, PD_ENOMEM with a reason in err. */
-static int pd__parse(pd_store *st, const char *dir, pd__file *p, char *err, size_t errlen) {
+/* Parses dir's snapshot (src: its bytes, as pd__open) whole into *p (the caller frees it
+ * with pd__file_free, also on error). PD_ENOENT, PD_ECORRUPT, PD_EIO, PD_ENOMEM with a reason
+ * in err. */
+static int pd__parse(pd_store *st, const char *dir, FILE *src, pd__file *p, char *err,
+                     size_t errlen) {
   memset(p, 0, sizeof *p);
   FILE *f = NULL;
   pd__r r;
-  int rc = pd__open(dir, &f, &r, &p->origin, err, errlen);
+  int rc = pd__open(dir, src, &f, &r, &p->origin, err, errlen);
   if (rc != PD_OK) return rc;
   uint32_t njobs = p->origin.njobs;
   p->origin.njobs = 0; /* the jobs parsed so far, for pd__file_free */
@@ -812,7 +843,7 @@ static int pd__install(pd_store *st, pd_job **jobs, uint32_t njobs, pd_ended_job
 
 int pd_snapshot_read(pd_store *st, const char *dir, char *err, size_t errlen) {
   pd__file p;
-  int rc = pd__parse(st, dir, &p, err, errlen);
+  int rc = pd__parse(st, dir, NULL, &p, err, errlen);
   if (rc != PD_OK) {
     pd__file_free(&p, st->stats);
     return rc;
@@ -922,8 +953,9 @@ static int pd__merge_job(pd__file *files, int old_nranks, int base_file, pd_job 
   return rc;
 }
 
-int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, int old_nranks,
-                               uint64_t old_run, int rank, int nranks, char *err, size_t errlen) {
+int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, const pd_snap_bytes *bytes,
+                               int old_nranks, uint64_t old_run, int rank, int nranks, char *err,
+                               size_t errlen) {
   pd__file *files = calloc((size_t)old_nranks, sizeof *files);
   pd_job **jobs = NULL;
   pd_ended_job *ended = NULL;
@@ -931,7 +963,15 @@ int pd_snapshot_read_resharded(pd_store *st, const char *const *dirs, int old_nr
   char why[400] = "";
   int rc = files ? PD_OK : PD_ENOMEM;
   for (int k = 0; rc == PD_OK && k < old_nranks; k++) {
-    rc = pd__parse(st, dirs[k], &files[k], why, sizeof why);
+    if (bytes && !bytes[k].data) {
+      rc = PD_ENOENT; /* no rank could read it */
+    } else if (bytes) {
+      /* A stream over the bytes: the parser reads them as it reads a file. */
+      FILE *src = fmemopen(bytes[k].data, bytes[k].len, "rb");
+      rc = src ? pd__parse(st, dirs[k], src, &files[k], why, sizeof why) : PD_ENOMEM;
+    } else {
+      rc = pd__parse(st, dirs[k], NULL, &files[k], why, sizeof why);
+    }
     const pd_snap_origin *o = &files[k].origin;
     if (rc == PD_ENOENT)
       snprintf(err, errlen, "the snapshot of rank %d of %d, %s/%s, is missing", k, old_nranks,

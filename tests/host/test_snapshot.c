@@ -540,15 +540,25 @@ static void write_old_rank(const char *dir, int k, int R) {
   pd_stats_destroy(&stats);
 }
 
-/* Resumed as rank `rank` of nranks from the old ranks' directories: each unit this rank owns
- * now has the statistics one daemon that saw everything has, bit for bit, the others none,
- * and every unit its root under the old version; the origin says the new count. */
-static void check_resharded(const fixture *f, int old_nranks, int rank, int nranks) {
+/* Resumed as rank `rank` of nranks from the old ranks' directories (from_bytes: from their
+ * files' bytes, as the ranks share them over MPI, the directories then named but absent):
+ * each unit this rank owns now has the statistics one daemon that saw everything has, bit
+ * for bit, the others none, and every unit its root under the old version; the origin says
+ * the new count. */
+static void check_resharded(const fixture *f, int old_nranks, int rank, int nranks,
+                            int from_bytes) {
   char dirs[4][96];
   const char *names[4];
+  pd_snap_bytes bytes[4];
+  char err[512] = "";
   for (int k = 0; k < old_nranks; k++) {
     snprintf(dirs[k], sizeof dirs[k], "%s/old-%d-%d", f->dir, old_nranks, k);
     names[k] = dirs[k];
+    if (from_bytes) {
+      assert_int_equal(pd_snapshot_load(dirs[k], &bytes[k].data, &bytes[k].len, err, sizeof err),
+                       PD_OK);
+      snprintf(dirs[k], sizeof dirs[k], "%s/elsewhere-%d", f->dir, k);
+    }
   }
   pd_stats stats;
   pd_store ref, st;
@@ -563,9 +573,10 @@ static void check_resharded(const fixture *f, int old_nranks, int rank, int nran
   add_job(&ref, "beta", 3, 3, 8);
   pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
   st.link = &link;
-  char err[512] = "";
-  assert_int_equal(
-      pd_snapshot_read_resharded(&st, names, old_nranks, 7, rank, nranks, err, sizeof err), PD_OK);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, from_bytes ? bytes : NULL, old_nranks, 7,
+                                              rank, nranks, err, sizeof err),
+                   PD_OK);
+  for (int k = 0; from_bytes && k < old_nranks; k++) free(bytes[k].data);
   assert_int_equal(st.njobs, 2);
   size_t owned = 0;
   for (int j = 0; j < 2; j++) {
@@ -621,9 +632,11 @@ static void test_resharded(void **state) {
   char one[96];
   snprintf(one, sizeof one, "%s/old-1-0", f->dir);
   write_old_rank(one, 0, 1);
-  check_resharded(f, 2, 0, 1);
-  for (int r = 0; r < 3; r++) check_resharded(f, 2, r, 3);
-  for (int r = 0; r < 2; r++) check_resharded(f, 1, r, 2);
+  for (int b = 0; b < 2; b++) {
+    check_resharded(f, 2, 0, 1, b);
+    for (int r = 0; r < 3; r++) check_resharded(f, 2, r, 3, b);
+    for (int r = 0; r < 2; r++) check_resharded(f, 1, r, 2, b);
+  }
 
   pd_stats stats;
   pd_store st;
@@ -633,15 +646,33 @@ static void test_resharded(void **state) {
   snprintf(d0, sizeof d0, "%s/old-2-0", f->dir);
   snprintf(d1, sizeof d1, "%s/nowhere", f->dir);
   const char *names[2] = {d0, d1};
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 7, 0, 1, err, sizeof err), PD_ENOENT);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err), PD_ENOENT);
   assert_non_null(strstr(err, "nowhere/precondd.snap"));
   assert_non_null(strstr(err, "rank 1 of 2"));
   snprintf(d1, sizeof d1, "%s/old-2-1", f->dir);
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 9, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 9, 0, 1, err, sizeof err), PD_EINVAL);
   assert_non_null(strstr(err, "another run"));
   names[1] = d0; /* rank 0's snapshot where rank 1's should be */
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, 2, 7, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err), PD_EINVAL);
   assert_non_null(strstr(err, "written by rank 0 of 2"));
+  /* From bytes: one no rank could read is missing, damaged bytes are named as the file. */
+  names[1] = d1;
+  pd_snap_bytes bytes[2] = {{NULL, 0}, {NULL, 0}};
+  assert_int_equal(pd_snapshot_load(d0, &bytes[0].data, &bytes[0].len, err, sizeof err), PD_OK);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, bytes, 2, 7, 0, 1, err, sizeof err),
+                   PD_ENOENT);
+  assert_non_null(strstr(err, "the snapshot of rank 1 of 2"));
+  assert_non_null(strstr(err, "is missing"));
+  assert_int_equal(pd_snapshot_load(d1, &bytes[1].data, &bytes[1].len, err, sizeof err), PD_OK);
+  bytes[1].data[bytes[1].len / 2] ^= 0x40;
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, bytes, 2, 7, 0, 1, err, sizeof err),
+                   PD_ECORRUPT);
+  assert_non_null(strstr(err, "old-2-1/precondd.snap"));
+  assert_non_null(strstr(err, "checksum"));
+  for (int k = 0; k < 2; k++) free(bytes[k].data);
+  snprintf(d1, sizeof d1, "%s/nowhere", f->dir);
+  assert_int_equal(pd_snapshot_load(d1, &bytes[0].data, &bytes[0].len, err, sizeof err),
+                   PD_ENOENT);
   assert_int_equal(st.njobs, 0);
   pd_store_destroy(&st);
   assert_int_equal(atomic_load(&stats.memory_bytes), 0);

@@ -556,6 +556,9 @@ static void test_rank_count_change(void **state) {
     protobuf_c_message_free_unpacked(&ref->base, NULL);
   }
   assert_true(log_has(&c, "resumed 1 jobs of a daemon job of 2 rank(s) as rank 2 of 3"));
+  /* Rank 2 of 3 had no old directory of its own: both old snapshots came over MPI, from
+   * ranks 0 and 1 (the state directories need not be shared). */
+  assert_true(log_has(&c, "(2 of the old snapshots received from other ranks)"));
   cluster_halt(&c);
   char gone[160];
   snprintf(gone, sizeof gone, "%s/d-2/precondd.snap", c.dir);
