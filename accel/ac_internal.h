@@ -110,9 +110,10 @@ typedef struct ac__ops {
                       float *d, const ac_moment_graft_args *a);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct 3x3 convs. */
   int (*conv3x3_ok)(ac_backend *be, size_t c, size_t oc);
-  /* moments: NULL, or 2 oc floats for the output's batch-norm moments (ac_conv3x3_moments) */
+  /* res: NULL, or added to y (ac_conv3x3_add); moments: NULL, or 2 oc floats for the
+   * output's batch-norm moments (ac_conv3x3_moments) */
   int (*conv3x3)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
-                 const float *wt, float *y, float *moments);
+                 const float *wt, const float *res, float *y, float *moments);
   int (*conv3x3_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                        const float *x, const float *dy, float *dw);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct stride-2 convs. */

@@ -625,7 +625,15 @@ int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w
                const float *wt, float *y) {
   int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
   return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
-                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y, NULL);
+                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, NULL, y, NULL);
+}
+
+int ac_conv3x3_add(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                   const float *x, const float *wt, const float *res, float *y) {
+  int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
+  if (rc == AC_OK && res == NULL) rc = AC_EINVAL;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, res, y, NULL);
 }
 
 /* moments is written, so it must be none of the other buffers. */
@@ -638,7 +646,7 @@ int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
   int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
   if (rc == AC_OK && !moments_ok(moments, x, wt, y)) rc = AC_EINVAL;
   return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
-                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, y, moments);
+                     : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, NULL, y, moments);
 }
 
 int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,

@@ -446,6 +446,13 @@ int ac_col2im_batch(ac_backend *be, const ac_conv2d_geom *g, const float *col, f
 int ac_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
                const float *wt, float *y);
 
+/* y = ac_conv3x3 of x + res (res (n, oc, h, w); it may alias y, not x): the add made while
+ * y is written, the same bits as ac_conv3x3 then ac_binary(AC_BIN_ADD). A ResNet block's
+ * input gradient: the first conv's (a conv of dy) plus the shortcut's, in one pass. Same
+ * support. */
+int ac_conv3x3_add(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                   const float *x, const float *wt, const float *res, float *y);
+
 /* ac_conv3x3, and batch norm's moments of y with it: moments[o] the mean and moments[oc + o]
  * the biased variance of y's channel o over the n images (2 oc floats), the same bits as
  * ac_channel_moments(n, oc, h w) of y gives, made while each image's planes are still in

@@ -1694,6 +1694,14 @@ C3_TARGET static void c3_copy(float *dst, const float *src, size_t n) {
   }
 }
 
+/* dst[0, n) = src[0, n) + res[0, n) (res may be dst). */
+C3_TARGET static void c3_copy_add(float *dst, const float *src, const float *res, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(src + i), _mm256_loadu_ps(res + i)));
+  for (; i < n; i++) dst[i] = src[i] + res[i];
+}
+
 /* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
  * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
  * zeros elsewhere in [0, len) (len 0: dst already holds them, as when the forward packs the
@@ -1925,7 +1933,8 @@ typedef struct c3_args {
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
-  double *sums; /* NULL, or the forward's moments: per image and output channel, s and q */
+  double *sums;    /* NULL, or the forward's moments: per image and output channel, s and q */
+  const float *res; /* NULL, or added to the forward's output as it is copied out */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */
   size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
@@ -2040,8 +2049,12 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
         c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
         for (size_t i = 0; i < 4; i++) {
           float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
+          const float *rp = a->res != NULL ? a->res + (plane - a->y) : NULL;
           for (size_t y = 0; y < g->h; y++)
-            c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
+            if (rp != NULL)
+              c3_copy_add(plane + y * g->w, out + i * ldo + y * g->wq, rp + y * g->w, g->w);
+            else
+              c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
           if (a->sums != NULL) { /* the plane just written, from the cache */
             double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
             sq[0] = sq[1] = 0.0;
@@ -2132,10 +2145,11 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
 static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
-                      size_t stride, const float *x, const float *wt, float *y, float *moments) {
+                      size_t stride, const float *x, const float *wt, const float *res, float *y,
+                      float *moments) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
-  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y};
+  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y, .res = res};
   c3_set_shape(&a, ih, iw, k, stride);
   c3_args_isa(be, &a);
   a.nv = c3_nvec(&a.g, 1, a.vw);
@@ -2205,11 +2219,13 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
 #endif
 
 static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                       const float *x, const float *wt, float *y, float *moments) {
+                       const float *x, const float *wt, const float *res, float *y,
+                       float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, y, moments);
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, res, y, moments);
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)y, (void)moments;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)res, (void)y,
+      (void)moments;
   return AC_ENOTSUP;
 #endif
 }
@@ -2233,7 +2249,7 @@ static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t 
 static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                        const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, y, moments);
+  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, NULL, y, moments);
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y,
       (void)moments;

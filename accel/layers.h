@@ -317,6 +317,11 @@ void ac_conv2d_destroy(ac_conv2d *l);
 int ac_conv2d_params(ac_conv2d *l, ac_param_list *list);
 int ac_conv2d_forward(ac_conv2d *l, const float *x, size_t batch, const float **y);
 int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx);
+/* Backward with the input gradient plus addend (batch in_c h w floats; it may alias out)
+ * written to the caller's out (batch in_c h w floats) instead of the layer's buffer: a
+ * residual block's two input-gradient branches summed while the direct stride-1 kernel
+ * writes (ac_conv3x3_add), else by one more pass. */
+int ac_conv2d_backward_add(ac_conv2d *l, const float *dy, const float *addend, float *out);
 /* For a batch norm that follows: from now on forward also makes its output's per-channel
  * mean and biased variance where the backend's direct kernels can do it while writing y
  * (ac_conv3x3_moments, ac_conv_s2_moments; no bias), and ac_conv2d_moments hands them out

@@ -184,7 +184,11 @@ fail:
   return rc;
 }
 
-int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
+/* Backward; with addend, the input gradient plus addend goes to out instead of l->dx (dx
+ * then points at out): made while the direct stride-1 kernel writes it, else one more
+ * pass. */
+static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const float *addend,
+                         float *out) {
   if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
@@ -203,7 +207,10 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
     AC__TRY(ac_conv3x3_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->x, dy, dw));
   if (direct_w && l->direct_s2)
     AC__TRY(ac_conv_s2_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, l->x, dy, dw));
-  if (direct_x && l->direct_dx)
+  int fused_add = addend != NULL && direct_x && l->direct_dx;
+  if (fused_add)
+    AC__TRY(ac_conv3x3_add(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, addend, out));
+  else if (direct_x && l->direct_dx)
     AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
   if (direct_x && l->direct_s2)
     AC__TRY(ac_conv_s2_dgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, dy, w, l->dx));
@@ -253,10 +260,22 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
       AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));
     }
   }
-  if (dx != NULL) *dx = l->dx;
+  if (dx != NULL && addend != NULL && !fused_add)
+    AC__TRY(ac_axpby(be, l->batch * chw, 1.0f, l->dx, 1.0f, addend, out));
+  if (dx != NULL) *dx = addend != NULL ? out : l->dx;
   return AC_OK;
 fail:
   return rc;
+}
+
+int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
+  return conv_backward(l, dy, dx, NULL, NULL);
+}
+
+int ac_conv2d_backward_add(ac_conv2d *l, const float *dy, const float *addend, float *out) {
+  const float *dx;
+  if (addend == NULL || out == NULL) return AC_EINVAL;
+  return conv_backward(l, dy, &dx, addend, out);
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -414,15 +414,15 @@ int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx) 
   AC__TRY(ac_batchnorm_backward_res(&b->bn2, dy, &gm, &gs));
   AC__TRY(ac_conv2d_backward(&b->conv2, gm, &gm));
   AC__TRY(ac_batchnorm_backward(&b->bn1, gm, &gm));
-  AC__TRY(ac_conv2d_backward(&b->conv1, gm, dx != NULL ? &gm : NULL));
-  if (b->has_short) {
+  if (b->has_short) { /* first: conv1's input gradient adds the shortcut's as it is made */
     AC__TRY(ac_batchnorm_backward(&b->sbn, gs, &gs));
     AC__TRY(ac_conv2d_backward(&b->sconv, gs, dx != NULL ? &gs : NULL));
   }
   if (dx != NULL) {
-    AC__TRY(ac_axpby(b->be, b->batch * b->in_c * b->conv1.g.h * b->conv1.g.w, 1.0f, gm, 1.0f, gs,
-                     b->dx));
+    AC__TRY(ac_conv2d_backward_add(&b->conv1, gm, gs, b->dx));
     *dx = b->dx;
+  } else {
+    AC__TRY(ac_conv2d_backward(&b->conv1, gm, NULL));
   }
   return AC_OK;
 fail:

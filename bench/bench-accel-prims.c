@@ -1,7 +1,7 @@
 /*
  * bench-accel-prims -- throughput of the accel primitives that dominate a training step
  * (sgemm, batched sgemm, syrk into packed statistics, elementwise, softmax, reductions,
- * im2col, AdamW), on every backend asked for, printed as CSV:
+ * im2col, AdamW, batch norm's passes), on every backend asked for, printed as CSV:
  *
  *   backend,primitive,shape,iters,ms_per_iter,rate,unit
  *
@@ -196,6 +196,41 @@ static void bench_im2col(bench *b, size_t n, size_t c, size_t hw) {
   ac_free(b->be, col);
 }
 
+/* Batch norm's passes on one (n, c, hw) activation (a ResNet-20 stage-1 batch norm by
+ * default): the moments, the masked gradient sums (with gout, as a block's second batch
+ * norm; without, as its first), the dx combine, the affine + residual + ReLU. GB/s of the
+ * bytes each reads and writes. */
+static void bench_channel(bench *b, size_t n, size_t c, size_t hw) {
+  size_t len = n * c * hw;
+  float *x = dev_random(b, len, 16), *dy = dev_random(b, len, 17), *y = dev_random(b, len, 18);
+  float *g = dev_random(b, len, 19), *p = dev_random(b, 6 * c, 20);
+  double secs, bytes = (double)len * sizeof(float);
+  int iters = 0;
+  char shape[64];
+  snprintf(shape, sizeof shape, "%zux%zux%zu", n, c, hw);
+  TIMED(b, iters, secs, check(ac_channel_moments(b->be, n, c, hw, x, p, p + c), "moments"));
+  report(b, "channel_moments", shape, iters, secs, bytes, "GB/s");
+  TIMED(b, iters, secs,
+        check(ac_channel_grad_sums(b->be, n, c, hw, dy, y, x, p, g, p + 2 * c, p + 3 * c),
+              "grad_sums"));
+  report(b, "channel_grad_sums_mask_gout", shape, iters, secs, 4.0 * bytes, "GB/s");
+  TIMED(b, iters, secs,
+        check(ac_channel_grad_sums(b->be, n, c, hw, dy, y, x, p, NULL, p + 2 * c, p + 3 * c),
+              "grad_sums"));
+  report(b, "channel_grad_sums_mask", shape, iters, secs, 3.0 * bytes, "GB/s");
+  TIMED(b, iters, secs,
+        check(ac_channel_combine(b->be, n, c, hw, dy, y, x, p, p + c, p + 2 * c, g), "combine"));
+  report(b, "channel_combine_mask", shape, iters, secs, 4.0 * bytes, "GB/s");
+  TIMED(b, iters, secs,
+        check(ac_channel_affine(b->be, n, c, hw, x, p, p + c, dy, 1, g), "affine"));
+  report(b, "channel_affine_res_relu", shape, iters, secs, 3.0 * bytes, "GB/s");
+  ac_free(b->be, x);
+  ac_free(b->be, dy);
+  ac_free(b->be, y);
+  ac_free(b->be, g);
+  ac_free(b->be, p);
+}
+
 static void run(bench *b) {
   if (b->quick) {
     bench_gemm(b, 128);
@@ -203,6 +238,7 @@ static void run(bench *b) {
     bench_syrk(b, 128, 64);
     bench_elementwise(b, 1 << 16);
     bench_im2col(b, 2, 8, 16);
+    bench_channel(b, 2, 4, 49);
     return;
   }
   int gpu = strcmp(b->name, "cuda") == 0;
@@ -213,6 +249,7 @@ static void run(bench *b) {
   bench_syrk(b, gpu ? 4096 : 2048, gpu ? 1024 : 512);
   bench_elementwise(b, gpu ? (size_t)1 << 26 : (size_t)1 << 22);
   bench_im2col(b, gpu ? 64 : 8, 64, 32);
+  bench_channel(b, 128, 16, 784);
 }
 
 int main(int argc, char **argv) {

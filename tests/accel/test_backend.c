@@ -1577,13 +1577,33 @@ static void test_conv_im2col(void **state) {
 
 /* The _moments variant of a direct conv (k 3 stride 1: ac_conv3x3; else ac_conv_s2) writes
  * the bits of the plain call's y (in y_ref) and, as the moments, the bits ac_channel_moments
- * gives for that y; a moments buffer aliasing y is AC_EINVAL. */
+ * gives for that y; a moments buffer aliasing y is AC_EINVAL. ac_conv3x3_add gives y_ref +
+ * res to the bit. */
 static void check_conv_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                                size_t k, size_t stride, const float *x, const float *wt,
                                const float *y_ref) {
   size_t ohw = (h / stride) * (w / stride), ny = n * oc * ohw;
   float *y = dev_alloc(be, ny * sizeof(float)), *mom = dev_alloc(be, 4 * oc * sizeof(float));
   if (stride == 1) {
+    /* and ac_conv3x3_add: y_ref + res, out of place and in place (res == y) */
+    float *res = dev_alloc(be, ny * sizeof(float)), *hres = host_rand(ny);
+    float *ref = dev_down(be, y_ref, ny);
+    OK(ac_memcpy_h2d(be, res, hres, ny * sizeof(float)));
+    OK(ac_conv3x3_add(be, n, c, oc, h, w, x, wt, res, y));
+    float *sum = dev_down(be, y, ny);
+    OK(ac_conv3x3_add(be, n, c, oc, h, w, x, wt, res, res));
+    float *inplace = dev_down(be, res, ny);
+    for (size_t i = 0; i < ny; i++) {
+      float want = ref[i] + hres[i];
+      assert_memory_equal(&sum[i], &want, sizeof want);
+      assert_memory_equal(&inplace[i], &want, sizeof want);
+    }
+    assert_int_equal(ac_conv3x3_add(be, n, c, oc, h, w, x, wt, NULL, y), AC_EINVAL);
+    free(sum);
+    free(inplace);
+    free(ref);
+    free(hres);
+    ac_free(be, res);
     OK(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, mom));
     assert_int_equal(ac_conv3x3_moments(be, n, c, oc, h, w, x, wt, y, y), AC_EINVAL);
   } else {

@@ -1290,7 +1290,8 @@ static void test_gap(void **state) {
 /* A conv asked for its output's moments (ac_conv2d_want_moments) hands them out where the
  * backend's direct kernels ran (3x3 stride 1 and 2, 1x1 stride 2), and batch norm fed with
  * them (ac_batchnorm_forward_moments, with a residual and ReLU) gives the bits of batch norm
- * computing its own: output and running statistics. Eval mode ignores them. */
+ * computing its own: output and running statistics. Eval mode ignores them. And
+ * ac_conv2d_backward_add (fused on the direct stride-1 kernel, a pass after otherwise). */
 static void test_conv_bn_moments(void **state) {
   ac_backend *be = backend(state);
   const size_t cfgs[][4] = {{3, 1, 1, 0}, {3, 2, 1, 1}, {1, 2, 0, 1}}; /* k, stride, pad, s2 */
@@ -1332,6 +1333,28 @@ static void test_conv_bn_moments(void **state) {
         free(b);
       }
     }
+    /* ac_conv2d_backward_add: the input gradient plus an addend, to the bit, into out */
+    size_t nx = n * c * h * h;
+    double *ha = dalloc(nx);
+    for (size_t i = 0; i < nx; i++) ha[i] = frand() - 0.5;
+    float *addend = dev_upload(be, ha, nx), *out = NULL;
+    OK(ac_malloc(be, nx * sizeof(float), (void **)&out));
+    const float *dx;
+    OK(ac_conv2d_backward(&cv, r, &dx));
+    float *plain = dev_download(be, dx, nx), *ad = dev_download(be, addend, nx);
+    OK(ac_conv2d_backward_add(&cv, r, addend, out));
+    float *got = dev_download(be, out, nx);
+    for (size_t i = 0; i < nx; i++) {
+      float want = plain[i] + ad[i];
+      assert_memory_equal(&got[i], &want, sizeof want);
+    }
+    assert_int_equal(ac_conv2d_backward_add(&cv, r, NULL, out), AC_EINVAL);
+    free(plain);
+    free(ad);
+    free(got);
+    free(ha);
+    ac_free(be, addend);
+    ac_free(be, out);
     ac_free(be, x);
     ac_free(be, r);
     free(hx);
