@@ -92,7 +92,7 @@ typedef struct {
   double shampoo_eps;      /* relative ridge of the roots (default 1e-6) */
   int graft;               /* pc_graft: the grafted step */
   double shampoo_momentum; /* momentum on the grafted direction */
-  double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off */
+  double shampoo_beta1;    /* Shampoo's first moment of the gradient; 0: off (table) */
   int shampoo_nesterov;    /* 1: Nesterov look-ahead of that first moment */
   int one_sided;           /* 1: one root per block, exponent 1/2 (default: both sides) */
   int root_method;         /* 0: the daemon's coupled Newton, 1: eigh (PC_METHOD_EIGH) */

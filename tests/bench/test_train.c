@@ -127,6 +127,19 @@ static void test_defaults_table(void **state) {
   const char *lm_shampoo[] = {"--optimizer", "shampoo", "--steps", "1000", NULL};
   assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_shampoo), TR_OK);
   assert_int_equal(o.warmup, 50);
+  /* and its own first moment (0.8, measured); the ResNet's row takes accel's default */
+  assert_true(o.shampoo_beta1 == 0.8);
+  ac_shampoo_opts so;
+  ac_shampoo_opts_default(&so);
+  const char *rn_shampoo[] = {"--optimizer", "shampoo", "--steps", "468", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_shampoo), TR_OK);
+  assert_true(o.shampoo_beta1 == so.beta1);
+  const char *lm_beta1[] = {"--optimizer", "shampoo", "--shampoo-beta1", "0.5", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_beta1), TR_OK);
+  assert_true(o.shampoo_beta1 == 0.5);
+  const char *lm_beta0[] = {"--optimizer", "shampoo", "--shampoo-beta1", "0", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_beta0), TR_OK);
+  assert_true(o.shampoo_beta1 == 0);
 
   /* no row for the model: the optimizer's generic row */
   const char *other[] = {"--optimizer", "sgd", NULL};
@@ -190,6 +203,9 @@ static void test_defaults_table(void **state) {
   assert_non_null(strstr(u, "sgd       0.1     0.9      0.9/0.999  0.0005       yes"));
   assert_non_null(strstr(u, "--schedule NAME"));
   assert_non_null(strstr(u, "[cosine]"));
+  char line[64];
+  snprintf(line, sizeof line, "shampoo's first moment (--shampoo-beta1): %g", so.beta1);
+  assert_non_null(strstr(u, line));
   free(u);
 }
 
