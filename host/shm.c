@@ -298,9 +298,10 @@ static void *pd__shm_bell_main(void *arg) {
     int ok = rpc_shm_bell_read(s->map, s->bytes, &b) == RPC_OK;
     seen = b.bell;
     /* The head is read (b holds it): the client may fill it for its next push while this
-     * one is served (ShmOpenResponse.doorbell_queue). */
-    __atomic_store_n(&h->taken, b.bell, __ATOMIC_RELEASE);
-    rpc_shm_futex_wake(&h->taken);
+     * one is served (ShmOpenResponse.doorbell_queue). A wake (a system call) only when the
+     * client waits for it, which it rarely does (rpc.h, rpc_shm_head.taken_wait). */
+    __atomic_store_n(&h->taken, b.bell, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&h->taken_wait, __ATOMIC_SEQ_CST)) rpc_shm_futex_wake(&h->taken);
     uint32_t code = GRPC_STATUS_INVALID_ARGUMENT;
     size_t n;
     size_t want = b.reply_cap < RPC_SHM_BELL_REPLY_MAX ? b.reply_cap : RPC_SHM_BELL_REPLY_MAX;

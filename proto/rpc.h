@@ -418,8 +418,8 @@ void rpc_shm_rewind(rpc_shm *s);
  * answered (release) and wakes the client's futex on it. The daemon serves a region's
  * requests one at a time, in the order rung (one client thread uses a region). A daemon
  * that offers the queue (ShmOpenResponse.doorbell_queue, session 10) also stores each bell's
- * value in taken (release, futex wake) as soon as it read the head's fields, before it
- * serves the request: the client may then fill the head for the next request while this
+ * value in taken (sequentially consistent; a futex wake when taken_wait says the client
+ * waits) as soon as it read the head's fields, before it serves the request: the client may then fill the head for the next request while this
  * one is served (rpc_shm_post), up to RPC_SHM_QUEUE rung and not yet collected. The region
  * was opened by an authenticated OpenSharedMemory call and the request names the region's
  * secret, as over gRPC. */
@@ -433,7 +433,8 @@ typedef struct {
   uint64_t reply_offset; /* where the answer goes, from the region's start */
   uint32_t reply_cap;    /* bytes there, RPC_SHM_REPLY_HEAD included */
   uint32_t taken;        /* futex word: the last bell whose fields above the daemon read */
-  uint32_t pad[4];
+  uint32_t taken_wait;   /* the client: 1 while it waits on taken (only then is it woken) */
+  uint32_t pad[3];
 } rpc_shm_head;
 #define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
 #define RPC_SHM_BELL_FETCH 2u /* FetchPreconditioners (session 10: the poll without gRPC) */

@@ -527,19 +527,28 @@ static double rpc__now_ms(void) {
 /* Waits until the head's futex word *word (taken or answered) reaches want (counts wrap):
  * RPC_OK, or RPC_ECALL with DEADLINE_EXCEEDED past deadline_ms (> 0) or UNAVAILABLE when the
  * daemon's mark of life is gone (looked at every 100 ms of waiting). */
-static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, long deadline_ms,
-                         grpc_status_code *status, char **details) {
+static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, uint32_t *waiting,
+                         long deadline_ms, grpc_status_code *status, char **details) {
   double until = deadline_ms > 0 ? rpc__now_ms() + (double)deadline_ms : 0;
+  int rc = RPC_OK;
   for (;;) {
     uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    if ((int32_t)(seen - want) >= 0) return RPC_OK;
+    if ((int32_t)(seen - want) >= 0) break;
+    if (waiting) {
+      /* Asks for a wake, then looks again: the daemon stores the word, then looks at this
+       * flag (both sequentially consistent), so one of the two sees the other's store. */
+      __atomic_store_n(waiting, 1, __ATOMIC_SEQ_CST);
+      seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+      if ((int32_t)(seen - want) >= 0) continue;
+    }
     long wait = 100; /* then a look at the daemon's mark of life */
     if (deadline_ms > 0) {
       double left = until - rpc__now_ms();
       if (left <= 0) {
         *status = GRPC_STATUS_DEADLINE_EXCEEDED;
         if (details) *details = strdup("the daemon did not answer the region's doorbell in time");
-        return RPC_ECALL;
+        rc = RPC_ECALL;
+        break;
       }
       if (left < (double)wait) wait = (long)left + 1;
     }
@@ -548,9 +557,12 @@ static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, long d
     if ((int32_t)(seen - want) < 0 && !rpc_shm_alive(s->fd)) {
       *status = GRPC_STATUS_UNAVAILABLE;
       if (details) *details = strdup("the daemon is gone (its mark on the region was dropped)");
-      return RPC_ECALL;
+      rc = RPC_ECALL;
+      break;
     }
   }
+  if (waiting) __atomic_store_n(waiting, 0, __ATOMIC_RELAXED);
+  return rc;
 }
 
 /* Rings req as method with reply_cap bytes (8-aligned) of room for its answer, without
@@ -565,8 +577,9 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   rpc_shm_head *h = (void *)s->map;
   /* The head holds one request: the previous one's fields must have been read. With none
    * pending the daemon answered every bell, and it takes a head before it answers. */
-  int rc =
-      s->npend > 0 ? rpc__shm_wait(s, &h->taken, s->rung, deadline_ms, status, details) : RPC_OK;
+  int rc = s->npend > 0
+               ? rpc__shm_wait(s, &h->taken, s->rung, &h->taken_wait, deadline_ms, status, details)
+               : RPC_OK;
   if (rc != RPC_OK) return rc;
   uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
   size_t len = protobuf_c_message_get_packed_size(req);
@@ -623,7 +636,7 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
   *status = GRPC_STATUS_INVALID_ARGUMENT;
   if (!s || !resp_desc || !resp || !s->map || s->npend == 0) return RPC_EINVAL;
   rpc_shm_head *h = (void *)s->map;
-  int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, deadline_ms, status, details);
+  int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, NULL, deadline_ms, status, details);
   if (rc != RPC_OK) return rc;
   uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap;
   s->npend--;

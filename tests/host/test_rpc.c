@@ -503,6 +503,7 @@ static void test_shm_queue(void **state) {
   assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
   free(details);
   assert_int_equal(h->bell, 1);
+  assert_int_equal(h->taken_wait, 0); /* it asked for a wake while it waited, no longer */
   h->taken = 1;
   assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.npend, 2);
