@@ -1219,8 +1219,6 @@ static int push_parts(precond_client *c, int kfac, uint64_t step, uint32_t block
   return push_queue(c, kfac, it);
 }
 
-/* Queues a filled item (owned from here) of a push: the tail of push_parts and
- * precond_push_commit. */
 /* push_queue's body with mu held, without the wake: frees it when the job no longer fits. */
 static int push_queue_locked(precond_client *c, int kfac, precond__item *it) {
   uint64_t step = it->step;
@@ -1239,6 +1237,8 @@ static int push_queue_locked(precond_client *c, int kfac, precond__item *it) {
   return PRECOND_OK;
 }
 
+/* Queues a filled item (owned from here) of a push: the tail of push_parts and
+ * precond_push_commit. */
 static int push_queue(precond_client *c, int kfac, precond__item *it) {
   pthread_mutex_lock(&c->mu);
   int st = push_queue_locked(c, kfac, it);
