@@ -6,7 +6,10 @@
 #      (a missing device is a failure, not a skip): backend primitives, tensors, layers,
 #      models, the optimizers (Shampoo's worker, K-FAC) and ABS's Hessian-vector products
 #      (test_abs). The CPU backend's direct and stride-2 conv kernels have no CUDA version:
-#      on CUDA the layers use im2col + gemm, which these tests compare against the CPU;
+#      on CUDA the layers use im2col + gemm, which these tests compare against the CPU; nor
+#      have their session-10 variants (batch norm's moments made while the conv writes y,
+#      the residual gradient added while it writes dx): on CUDA batch norm takes its own
+#      pass and the block its own sum (test_conv_bn_moments runs in the CUDA group too);
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #
