@@ -984,10 +984,10 @@ __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, 
 }
 
 __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, const float *dy,
-                                                                    const float *mask,
-                                                                    const float *x, float c,
-                                                                    float *gout, double *p,
-                                                                    double *q) {
+                                                                     const float *mask,
+                                                                     const float *x, float c,
+                                                                     float *gout, double *p,
+                                                                     double *q) {
   __m256d pa[4], qa[4];
   for (int k = 0; k < 4; k++) pa[k] = qa[k] = _mm256_setzero_pd();
   __m256 vc = _mm256_set1_ps(c), zero = _mm256_setzero_ps();
@@ -996,7 +996,8 @@ __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, c
     for (int h = 0; h < 2; h++) {
       size_t o = i + 8 * (size_t)h;
       __m256 g = _mm256_loadu_ps(dy + o);
-      if (mask != NULL) g = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + o), zero, _CMP_GT_OQ), g);
+      if (mask != NULL)
+        g = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + o), zero, _CMP_GT_OQ), g);
       if (gout != NULL) _mm256_storeu_ps(gout + o, g);
       __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + o), vc);
       __m256d glo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
@@ -1124,8 +1125,8 @@ static void grad_sums_slice(void *ctx, size_t lo, size_t hi) {
     double sg = 0.0, sgx = 0.0;
     for (size_t o = 0; o < a->outer; o++) {
       size_t base = (o * a->mid + m) * a->inner;
-      row_grad_sums(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL, a->x + base,
-                    a->p0[m], a->out != NULL ? a->out + base : NULL, &sg, &sgx);
+      row_grad_sums(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL,
+                    a->x + base, a->p0[m], a->out != NULL ? a->out + base : NULL, &sg, &sgx);
     }
     a->out0[m] = (float)sg;
     a->out1[m] = (float)sgx;
@@ -1933,7 +1934,7 @@ typedef struct c3_args {
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
-  double *sums;    /* NULL, or the forward's moments: per image and output channel, s and q */
+  double *sums;     /* NULL, or the forward's moments: per image and output channel, s and q */
   const float *res; /* NULL, or added to the forward's output as it is copied out */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */

@@ -302,7 +302,7 @@ typedef struct {
   ac_param weight, bias;
   const float *x;
   float *ws, *y, *dx;
-  float *wflip; /* stride-1 dx as a conv: W permuted (in_c, out_c, k k), then flipped */
+  float *wflip;   /* stride-1 dx as a conv: W permuted (in_c, out_c, k k), then flipped */
   float *moments; /* ac_conv2d_want_moments: the last forward's output moments, or NULL */
   int want_moments, moments_ready;
   ac_hook hook; /* curvature hook (see above); zero after init */
@@ -373,8 +373,7 @@ int ac_batchnorm_forward_res(ac_batchnorm *l, const float *x, const float *res, 
  * of each channel, then its biased variance; 2 c floats), so that training mode skips its
  * own pass over x; NULL: as forward_res. Unused in eval mode. */
 int ac_batchnorm_forward_moments(ac_batchnorm *l, const float *x, const float *res,
-                                 const float *moments, size_t batch, ac_mode mode,
-                                 const float **y);
+                                 const float *moments, size_t batch, ac_mode mode, const float **y);
 int ac_batchnorm_backward(ac_batchnorm *l, const float *dy, const float **dx);
 /* dres may be NULL (then this is ac_batchnorm_backward); dx may be NULL too. */
 int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,

@@ -221,8 +221,7 @@ static void bench_channel(bench *b, size_t n, size_t c, size_t hw) {
   TIMED(b, iters, secs,
         check(ac_channel_combine(b->be, n, c, hw, dy, y, x, p, p + c, p + 2 * c, g), "combine"));
   report(b, "channel_combine_mask", shape, iters, secs, 4.0 * bytes, "GB/s");
-  TIMED(b, iters, secs,
-        check(ac_channel_affine(b->be, n, c, hw, x, p, p + c, dy, 1, g), "affine"));
+  TIMED(b, iters, secs, check(ac_channel_affine(b->be, n, c, hw, x, p, p + c, dy, 1, g), "affine"));
   report(b, "channel_affine_res_relu", shape, iters, secs, 3.0 * bytes, "GB/s");
   ac_free(b->be, x);
   ac_free(b->be, dy);

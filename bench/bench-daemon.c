@@ -1600,8 +1600,7 @@ static int ceiling_round(const int *cores, int np, const double *a, size_t n, in
   if (started < np || write(go[1], bytes, (size_t)started) != (ssize_t)started) rc = -1;
   close(go[1]);
   for (int i = 0; i < started; i++)
-    if (read(back[0], &res[i], sizeof res[i]) != (ssize_t)sizeof res[i] || res[i].wall < 0)
-      rc = -1;
+    if (read(back[0], &res[i], sizeof res[i]) != (ssize_t)sizeof res[i] || res[i].wall < 0) rc = -1;
   close(back[0]);
   for (int i = 0; i < started; i++) {
     int st;
@@ -1626,7 +1625,8 @@ static int run_ceiling_row(const bench_opts *o, int R, const double *a, size_t n
   for (int r = 0; r < R; r++) {
     wall = fmax(wall, res[r].wall);
     busiest = fmax(busiest, res[r].cpu);
-    fprintf(stderr, "bench-daemon: ceiling R=%d process %d on core %d: %.1f ms per step, %.1f CPU ms\n", R,
+    fprintf(stderr,
+            "bench-daemon: ceiling R=%d process %d on core %d: %.1f ms per step, %.1f CPU ms\n", R,
             r, cores[r], 1e3 * res[r].wall / steps, 1e3 * res[r].cpu / steps);
   }
   if (R == 1) {

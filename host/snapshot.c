@@ -682,8 +682,8 @@ static int pd__legacy_origin(const char *dir, pd_snap_origin *o) {
  * only names it and holds a format-4 snapshot's origin file), verifies it (pd__verify) and
  * reads its origin and job count: on PD_OK *f and *r stand at the first job. PD_ENOENT when
  * there is none; PD_ECORRUPT or PD_EIO with a reason in err (*f closed, src too). */
-static int pd__open(const char *dir, FILE *src, FILE **fp, pd__r *r, pd_snap_origin *o,
-                    char *err, size_t errlen) {
+static int pd__open(const char *dir, FILE *src, FILE **fp, pd__r *r, pd_snap_origin *o, char *err,
+                    size_t errlen) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   memset(o, 0, sizeof *o);
@@ -738,8 +738,7 @@ int pd_snapshot_peek(const char *dir, pd_snap_origin *o, char *err, size_t errle
   return rc;
 }
 
-int pd_snapshot_load(const char *dir, unsigned char **data, size_t *len, char *err,
-                     size_t errlen) {
+int pd_snapshot_load(const char *dir, unsigned char **data, size_t *len, char *err, size_t errlen) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, PD_SNAPSHOT_FILE);
   *data = NULL;

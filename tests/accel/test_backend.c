@@ -2483,10 +2483,9 @@ static void test_cuda_matches_cpu(void **state) {
 
 int main(void) {
   const struct CMUnitTest lifecycle[] = {
-      cmocka_unit_test(test_strerror_and_create), cmocka_unit_test(test_cpu_threads),
-      cmocka_unit_test(test_cpu_pool_bitwise), cmocka_unit_test(test_cpu_pool_elementwise),
-      cmocka_unit_test(test_cpu_channel_sums_isa),
-      cmocka_unit_test(test_cpu_conv3x3_bitwise)};
+      cmocka_unit_test(test_strerror_and_create),  cmocka_unit_test(test_cpu_threads),
+      cmocka_unit_test(test_cpu_pool_bitwise),     cmocka_unit_test(test_cpu_pool_elementwise),
+      cmocka_unit_test(test_cpu_channel_sums_isa), cmocka_unit_test(test_cpu_conv3x3_bitwise)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

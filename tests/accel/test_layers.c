@@ -1315,7 +1315,8 @@ static void test_conv_bn_moments(void **state) {
       ac_mode m = mode == 0 ? AC_MODE_TRAIN : AC_MODE_EVAL;
       OK(ac_conv2d_forward(&cv, x, n, &cy));
       const float *mom = ac_conv2d_moments(&cv);
-      int direct = st == 1 ? ac_conv3x3_supported(be, c, c) : ac_conv_s2_supported(be, c, c, h, h, k);
+      int direct =
+          st == 1 ? ac_conv3x3_supported(be, c, c) : ac_conv_s2_supported(be, c, c, h, h, k);
       assert_int_equal(mom != NULL, direct);
       OK(ac_batchnorm_forward_moments(&bn[0], cy, r, mom, n, m, &y[0]));
       OK(ac_batchnorm_forward_res(&bn[1], cy, r, n, m, &y[1]));

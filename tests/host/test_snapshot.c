@@ -646,14 +646,17 @@ static void test_resharded(void **state) {
   snprintf(d0, sizeof d0, "%s/old-2-0", f->dir);
   snprintf(d1, sizeof d1, "%s/nowhere", f->dir);
   const char *names[2] = {d0, d1};
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err), PD_ENOENT);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err),
+                   PD_ENOENT);
   assert_non_null(strstr(err, "nowhere/precondd.snap"));
   assert_non_null(strstr(err, "rank 1 of 2"));
   snprintf(d1, sizeof d1, "%s/old-2-1", f->dir);
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 9, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 9, 0, 1, err, sizeof err),
+                   PD_EINVAL);
   assert_non_null(strstr(err, "another run"));
   names[1] = d0; /* rank 0's snapshot where rank 1's should be */
-  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err), PD_EINVAL);
+  assert_int_equal(pd_snapshot_read_resharded(&st, names, NULL, 2, 7, 0, 1, err, sizeof err),
+                   PD_EINVAL);
   assert_non_null(strstr(err, "written by rank 0 of 2"));
   /* From bytes: one no rank could read is missing, damaged bytes are named as the file. */
   names[1] = d1;
@@ -671,8 +674,7 @@ static void test_resharded(void **state) {
   assert_non_null(strstr(err, "checksum"));
   for (int k = 0; k < 2; k++) free(bytes[k].data);
   snprintf(d1, sizeof d1, "%s/nowhere", f->dir);
-  assert_int_equal(pd_snapshot_load(d1, &bytes[0].data, &bytes[0].len, err, sizeof err),
-                   PD_ENOENT);
+  assert_int_equal(pd_snapshot_load(d1, &bytes[0].data, &bytes[0].len, err, sizeof err), PD_ENOENT);
   assert_int_equal(st.njobs, 0);
   pd_store_destroy(&st);
   assert_int_equal(atomic_load(&stats.memory_bytes), 0);
