@@ -21,12 +21,15 @@
  *                          is not a ratio: the column holds GFLOP/s for these rows
  *
  * Usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] [--clock wall|cpu]
- *                    [--quick] [--parts]
+ *                    [--quick] [--parts] [--isa best|avx2]
  *   --threads: OpenBLAS threads of the CPU backend (default 1)
  *   --clock:   wall time (default), or this process's CPU time, steadier for the CPU backend
  *              on a shared machine (with 1 thread it is the work done; wrong for CUDA)
  *   --dim:     model width (default 512; MLP 4x); block size 128
  *   --quick:   width 64 and 3 iterations (CI smoke run)
+ *   --isa:     cap of the CPU backend's ISA (ac_backend_opts.cpu_isa): avx2 keeps OpenBLAS for
+ *              the small blocks' products, best (default) takes the AVX-512F kernel where the
+ *              processor has it (gemm_small.c); run both alternated to compare
  * A backend that cannot be created (no CUDA device) is reported on stderr and skipped.
  */
 #include <stdio.h>
@@ -303,7 +306,7 @@ static void run(bench *b) {
 
 int main(int argc, char **argv) {
   const char *which = "cpu";
-  int threads = 1, quick = 0, parts_rows = 0;
+  int threads = 1, quick = 0, parts_rows = 0, isa = AC_CPU_ISA_BEST;
   size_t dim = 512;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc)
@@ -320,10 +323,14 @@ int main(int argc, char **argv) {
       quick = 1;
     else if (strcmp(argv[i], "--parts") == 0)
       parts_rows = 1;
+    else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc && strcmp(argv[i + 1], "avx2") == 0)
+      isa = AC_CPU_ISA_AVX2, i++;
+    else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc && strcmp(argv[i + 1], "best") == 0)
+      isa = AC_CPU_ISA_BEST, i++;
     else {
       fprintf(stderr,
               "usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] "
-              "[--clock wall|cpu] [--quick] [--parts]\n");
+              "[--clock wall|cpu] [--quick] [--parts] [--isa best|avx2]\n");
       return 2;
     }
   }
@@ -341,6 +348,7 @@ int main(int argc, char **argv) {
     ac_backend_opts_default(&bo);
     bo.kind = kinds[k];
     bo.threads = threads;
+    bo.cpu_isa = isa;
     bench b = {.name = names[k], .quick = quick, .parts = parts_rows, .dim = dim};
     int rc = ac_backend_create(&b.be, &bo);
     if (rc != AC_OK) {
