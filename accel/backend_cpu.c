@@ -528,6 +528,10 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
   float *dense = NULL;
 
   if (!blas_int_ok(n, k, lda, 1)) return AC_EINVAL;
+  /* Shampoo's blocks: the small-block kernel writes the packed triangle itself */
+  if (((const cpu_impl *)be->impl)->isa >= AC_CPU_ISA_AVX512 &&
+      ac__syrk_small_packed(trans == AC_TRANS, n, k, alpha, a, lda, beta, c_packed) == 0)
+    return AC_OK;
   if (k > 0) {
     dense = malloc(n * n * sizeof *dense);
     if (dense == NULL) return AC_ENOMEM;
