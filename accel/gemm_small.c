@@ -73,8 +73,8 @@ GS_TARGET static inline void gs_store(const gs_out *o, size_t i, size_t j0, uint
     c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);      \
     c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);      \
   } while (0)
-#define GS_STORE(r)                                            \
-  do {                                                         \
+#define GS_STORE(r)                                              \
+  do {                                                           \
     if (r < mr) gs_store(o, i0 + r, j0, mask, c##r##0, c##r##1); \
   } while (0)
 

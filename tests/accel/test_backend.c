@@ -687,10 +687,10 @@ static void test_sgemm_small_blocks(void **state) {
               const double want = alpha * sum + beta * c0;
               const double bound = ((double)k + 2.0) * 0x1p-24 * (alpha * mag + fabs(beta * c0));
               if (!(fabs((double)got[i * ldc + j] - want) <= bound)) {
-                print_error("sgemm %zux%zux%zu ta %d tb %d beta %g: C[%zu][%zu] is %.9g, "
-                            "expected %.9g within %.3g\n",
-                            m, n, k, ta, tb, (double)beta, i, j, (double)got[i * ldc + j], want,
-                            bound);
+                print_error(
+                    "sgemm %zux%zux%zu ta %d tb %d beta %g: C[%zu][%zu] is %.9g, "
+                    "expected %.9g within %.3g\n",
+                    m, n, k, ta, tb, (double)beta, i, j, (double)got[i * ldc + j], want, bound);
                 fail();
               }
             }
@@ -847,9 +847,10 @@ static void test_syrk_small_blocks(void **state) {
             const double c0 = zero_beta ? 0.0 : hc[at], want = alpha * sum + beta * c0;
             const double bound = ((double)k + 2.0) * 0x1p-24 * (alpha * mag + fabs(beta * c0));
             if (!(fabs((double)got[at] - want) <= bound)) {
-              print_error("syrk n %zu k %zu trans %d beta %g: (%zu, %zu) is %.9g, expected %.9g "
-                          "within %.3g\n",
-                          n, k, t, (double)beta, i, j, (double)got[at], want, bound);
+              print_error(
+                  "syrk n %zu k %zu trans %d beta %g: (%zu, %zu) is %.9g, expected %.9g "
+                  "within %.3g\n",
+                  n, k, t, (double)beta, i, j, (double)got[at], want, bound);
               fail();
             }
           }
@@ -2630,11 +2631,13 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_moment_graft)
 
 int main(void) {
-  const struct CMUnitTest lifecycle[] = {
-      cmocka_unit_test(test_strerror_and_create),  cmocka_unit_test(test_cpu_threads),
-      cmocka_unit_test(test_cpu_pool_bitwise),     cmocka_unit_test(test_cpu_pool_elementwise),
-      cmocka_unit_test(test_cpu_channel_sums_isa), cmocka_unit_test(test_cpu_conv3x3_bitwise),
-      cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
+  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
+                                         cmocka_unit_test(test_cpu_threads),
+                                         cmocka_unit_test(test_cpu_pool_bitwise),
+                                         cmocka_unit_test(test_cpu_pool_elementwise),
+                                         cmocka_unit_test(test_cpu_channel_sums_isa),
+                                         cmocka_unit_test(test_cpu_conv3x3_bitwise),
+                                         cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
