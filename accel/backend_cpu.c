@@ -19,6 +19,7 @@
 #include <cblas.h>
 
 #include "ac_internal.h"
+#include "gemm_small.h"
 
 /* cblas takes int sizes; the generic checks allow size_t. */
 static int blas_int_ok(size_t a, size_t b, size_t c, size_t d) {
@@ -592,7 +593,22 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
 #define GEMM_MIN_CUT  64
 #define PAR_GEMM_MACS 262144.0
 
+/* One single-threaded product: the backend's own AVX-512F kernel for the small blocks it
+ * takes (gemm_small.c: Shampoo's 128-blocks, where OpenBLAS runs its AVX2 kernels), else
+ * OpenBLAS. The choice is a function of the call's shape and the backend's ISA alone, so the
+ * same calls give the same bits for any thread count. */
+static void cpu_gemm1(int isa, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, size_t m, size_t n,
+                      size_t k, float alpha, const float *a, size_t lda, const float *b, size_t ldb,
+                      float beta, float *c, size_t ldc) {
+  if (isa >= AC_CPU_ISA_AVX512 && ac__gemm_small(ta == CblasTrans, tb == CblasTrans, m, n, k, alpha,
+                                                 a, lda, b, ldb, beta, c, ldc) == 0)
+    return;
+  cblas_sgemm(CblasRowMajor, ta, tb, (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta,
+              c, (int)ldc);
+}
+
 typedef struct gemm_args {
+  int isa; /* the backend's (cpu_gemm1) */
   CBLAS_TRANSPOSE ta, tb;
   size_t m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, block, nblocks;
   int cut_rows; /* blocks of rows of C (of A) rather than columns (of B) */
@@ -621,8 +637,7 @@ static void gemm_slice(void *ctx, size_t lo, size_t hi, int thread) {
       c += s0;
       n = s1 - s0;
     }
-    cblas_sgemm(CblasRowMajor, g->ta, g->tb, (int)m, (int)n, (int)g->k, g->alpha, a, (int)g->lda, b,
-                (int)g->ldb, g->beta, c, (int)g->ldc);
+    cpu_gemm1(g->isa, g->ta, g->tb, m, n, g->k, g->alpha, a, g->lda, b, g->ldb, g->beta, c, g->ldc);
   }
 }
 
@@ -642,7 +657,8 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
         }
     return AC_OK;
   }
-  gemm_args g = {ta == AC_TRANS ? CblasTrans : CblasNoTrans,
+  gemm_args g = {impl->isa,
+                 ta == AC_TRANS ? CblasTrans : CblasNoTrans,
                  tb == AC_TRANS ? CblasTrans : CblasNoTrans,
                  m,
                  n,
@@ -681,6 +697,7 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
  * shape, shrink along the triangle, so items alternate from both ends (0, last, 1, ...)
  * and the pool's contiguous halves get about the same work. */
 typedef struct syrk_args {
+  int isa; /* the backend's (cpu_gemm1) */
   CBLAS_TRANSPOSE ta, tb;
   size_t n, k, lda, block, nblocks;
   float alpha;
@@ -699,8 +716,8 @@ static void syrk_slice(void *ctx, size_t lo, size_t hi, int thread) {
     cblas_ssyrk(CblasRowMajor, CblasUpper, s->ta, (int)(r1 - r0), (int)s->k, s->alpha, ar,
                 (int)s->lda, 0.0f, c, (int)s->n);
     if (r1 < s->n)
-      cblas_sgemm(CblasRowMajor, s->ta, s->tb, (int)(r1 - r0), (int)(s->n - r1), (int)s->k,
-                  s->alpha, ar, (int)s->lda, ab, (int)s->lda, 0.0f, c + (r1 - r0), (int)s->n);
+      cpu_gemm1(s->isa, s->ta, s->tb, r1 - r0, s->n - r1, s->k, s->alpha, ar, s->lda, ab, s->lda,
+                0.0f, c + (r1 - r0), s->n);
   }
 }
 
@@ -713,7 +730,8 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
   if (k > 0) {
     dense = malloc(n * n * sizeof *dense);
     if (dense == NULL) return AC_ENOMEM;
-    syrk_args s = {trans == AC_TRANS ? CblasTrans : CblasNoTrans,
+    syrk_args s = {((const cpu_impl *)be->impl)->isa,
+                   trans == AC_TRANS ? CblasTrans : CblasNoTrans,
                    trans == AC_TRANS ? CblasNoTrans : CblasTrans,
                    n,
                    k,

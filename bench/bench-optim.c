@@ -10,13 +10,26 @@
  * Roots are identities scaled by 0.5: the cost does not depend on their values.
  * Compare rows as ratios within one run; absolute numbers depend on the machine's load.
  *
+ * With --parts, Shampoo's step with roots is also taken apart (session 11's accounting), each
+ * part timed alone with the shapes the step uses:
+ *   shampoo-products       the two gemms per block, L G_b then (L G_b) R (ac_sgemm)
+ *   shampoo-install        every block's packed roots of a new version checked and unpacked
+ *                          (ac_shampoo_set_roots), their source in cache
+ *   shampoo-install-cold   the same from a source pool of PARTS_POOL_MB, cycled so that each
+ *                          version is read from memory, as roots another core wrote are
+ *   gemm-NxNxN             one square product of the block size; its GFLOP/s in ratio's place
+ *                          is not a ratio: the column holds GFLOP/s for these rows
+ *
  * Usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] [--clock wall|cpu]
- *                    [--quick]
+ *                    [--quick] [--parts] [--isa best|avx2]
  *   --threads: OpenBLAS threads of the CPU backend (default 1)
  *   --clock:   wall time (default), or this process's CPU time, steadier for the CPU backend
  *              on a shared machine (with 1 thread it is the work done; wrong for CUDA)
  *   --dim:     model width (default 512; MLP 4x); block size 128
  *   --quick:   width 64 and 3 iterations (CI smoke run)
+ *   --isa:     cap of the CPU backend's ISA (ac_backend_opts.cpu_isa): avx2 keeps OpenBLAS for
+ *              the small blocks' products, best (default) takes the AVX-512F kernel where the
+ *              processor has it (gemm_small.c); run both alternated to compare
  * A backend that cannot be created (no CUDA device) is reported on stderr and skipped.
  */
 #include <stdio.h>
@@ -26,7 +39,7 @@
 
 #include "accel.h"
 
-enum { NPARAM = 8 };
+enum { NPARAM = 8, PARTS_POOL_MB = 64 };
 
 static clockid_t clock_id = CLOCK_MONOTONIC;
 
@@ -46,7 +59,7 @@ static void check(int rc, const char *what) {
 typedef struct {
   ac_backend *be;
   const char *name;
-  int quick;
+  int quick, parts;
   size_t dim;
   ac_param params[NPARAM];
   ac_param *ptrs[NPARAM];
@@ -107,6 +120,121 @@ static double time_ms(bench *b, step_fn fn, void *opt, int *iters) {
   check(ac_sync(b->be), "sync");
   *iters = n;
   return (now_s() - t0) * 1e3 / n;
+}
+
+static void row(bench *b, const char *opt, size_t blocks, int iters, double ms, double adamw);
+
+/* --parts: the step's products, block by block, as precondition_block makes them. */
+typedef struct {
+  bench *b;
+  ac_shampoo *sh;
+  float *l, *r, *t, *p; /* dense roots, L G_b, the product: the largest block's size */
+  const float *const *grad; /* per parameter */
+  size_t ld[NPARAM];
+} products_ctx;
+
+static int products_step(void *o) {
+  products_ctx *c = o;
+  int rc = AC_OK;
+  for (size_t k = 0; k < ac_shampoo_nblocks(c->sh) && rc == AC_OK; k++) {
+    ac_shampoo_block info;
+    rc = ac_shampoo_block_info(c->sh, k, &info);
+    const size_t r = info.block.rows, n = info.block.cols, ld = c->ld[info.param];
+    if (rc != AC_OK || c->b->params[info.param].value.ndim < 2) continue; /* diagonal */
+    const float *g = c->grad[info.param] + info.block.row0 * ld + info.block.col0;
+    rc = ac_sgemm(c->b->be, AC_NO_TRANS, AC_NO_TRANS, r, n, r, 1.0f, c->l, r, g, ld, 0.0f, c->t, n);
+    if (rc == AC_OK)
+      rc = ac_sgemm(c->b->be, AC_NO_TRANS, AC_NO_TRANS, r, n, n, 1.0f, c->t, n, c->r, n, 0.0f, c->p,
+                    n);
+  }
+  return rc;
+}
+
+/* --parts: one square product of the block size (128) from the products' buffers. */
+static int gemm_one(void *o) {
+  products_ctx *c = o;
+  return ac_sgemm(c->b->be, AC_NO_TRANS, AC_NO_TRANS, 128, 128, 128, 1.0f, c->l, 128, c->r, 128,
+                  0.0f, c->p, 128);
+}
+
+/* --parts: every block's packed roots handed over as a new version, from pool slot `next`. */
+typedef struct {
+  ac_shampoo *sh;
+  float *pool;          /* nslots copies of one set of packed roots (every block, both sides) */
+  size_t set_len, nslots, next;
+  uint64_t version;
+} install_ctx;
+
+static int install_step(void *o) {
+  install_ctx *c = o;
+  const float *src = c->pool + c->next * c->set_len;
+  c->next = (c->next + 1) % c->nslots;
+  c->version++;
+  int rc = AC_OK;
+  for (size_t k = 0; k < ac_shampoo_nblocks(c->sh) && rc == AC_OK; k++) {
+    ac_shampoo_block info;
+    rc = ac_shampoo_block_info(c->sh, k, &info);
+    const size_t r = info.block.rows, n = info.block.cols;
+    const ac_shampoo_roots roots = {.version = c->version,
+                                    .source_step = c->version,
+                                    .format = AC_ROOT_PACKED,
+                                    .n_left = r,
+                                    .left = src,
+                                    .n_right = n,
+                                    .right = src + ac_packed_len(r)};
+    if (rc == AC_OK) rc = ac_shampoo_set_roots(c->sh, k, &roots);
+    src += ac_packed_len(r) + ac_packed_len(n);
+  }
+  return rc;
+}
+
+/* --parts rows: products, install (warm and cold), and one block-size gemm's GFLOP/s. */
+static void parts(bench *b, ac_shampoo *sh, double adamw_ms) {
+  const size_t nb = ac_shampoo_nblocks(sh), bs = 128;
+  int iters = 0;
+  size_t set_len = 0, max_order = 1;
+  for (size_t k = 0; k < nb; k++) {
+    ac_shampoo_block info;
+    check(ac_shampoo_block_info(sh, k, &info), "block info");
+    set_len += ac_packed_len(info.block.rows) + ac_packed_len(info.block.cols);
+    if (info.block.rows > max_order) max_order = info.block.rows;
+    if (info.block.cols > max_order) max_order = info.block.cols;
+  }
+  const float *grad[NPARAM];
+  products_ctx pc = {.b = b, .sh = sh, .grad = grad};
+  for (int i = 0; i < NPARAM; i++) {
+    grad[i] = ac_tensor_f32(&b->params[i].grad);
+    pc.ld[i] = b->params[i].value.ndim < 2 ? 1 : b->params[i].value.shape[1];
+  }
+  float **bufs[] = {&pc.l, &pc.r, &pc.t, &pc.p};
+  for (size_t i = 0; i < 4; i++) {
+    check(ac_malloc(b->be, max_order * max_order * sizeof(float), (void **)bufs[i]), "scratch");
+    check(ac_rand_uniform(b->be, 3 + i, 0, max_order * max_order, -0.1f, 0.1f, *bufs[i]), "init");
+  }
+  double ms = time_ms(b, products_step, &pc, &iters);
+  row(b, "shampoo-products", nb, iters, ms, adamw_ms);
+
+  /* gemm of the block size: 2 n^3 flops; GFLOP/s printed in the ratio column */
+  products_ctx one = pc;
+  ms = time_ms(b, gemm_one, &one, &iters);
+  char name[32];
+  snprintf(name, sizeof name, "gemm-%zux%zux%zu", bs, bs, bs);
+  printf("%s,block-d%zu,%s,%zu,%d,%d,%.4f,%.1f\n", b->name, b->dim, name, bs * bs, 1, iters, ms,
+         2.0 * (double)bs * bs * bs / (ms * 1e6));
+  for (size_t i = 0; i < 4; i++) ac_free(b->be, *bufs[i]);
+
+  /* install: the roots are 0.5 I packed (finite; the values do not change the cost) */
+  install_ctx ic = {.sh = sh, .set_len = set_len, .version = 1000};
+  for (int cold = 0; cold < 2; cold++) {
+    ic.nslots = cold ? (PARTS_POOL_MB << 20) / (set_len * sizeof(float)) + 1 : 1;
+    ic.pool = malloc(ic.nslots * set_len * sizeof(float));
+    if (ic.pool == NULL) check(AC_ENOMEM, "root pool");
+    for (size_t j = 0; j < ic.nslots * set_len; j++) ic.pool[j] = 0.5f;
+    ic.next = 0;
+    ms = time_ms(b, install_step, &ic, &iters);
+    row(b, cold ? "shampoo-install-cold" : "shampoo-install", nb, iters, ms, adamw_ms);
+    free(ic.pool);
+  }
 }
 
 static void row(bench *b, const char *opt, size_t blocks, int iters, double ms, double adamw) {
@@ -171,13 +299,14 @@ static void run(bench *b) {
   row(b, "shampoo-roots", nb, iters, ms, adamw_ms);
   ms = time_ms(b, shampoo_stats, sh, &iters);
   row(b, "shampoo-stats", nb, iters, ms, adamw_ms);
+  if (b->parts) parts(b, sh, adamw_ms);
   ac_shampoo_destroy(sh);
   free_params(b);
 }
 
 int main(int argc, char **argv) {
   const char *which = "cpu";
-  int threads = 1, quick = 0;
+  int threads = 1, quick = 0, parts_rows = 0, isa = AC_CPU_ISA_BEST;
   size_t dim = 512;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc)
@@ -192,10 +321,16 @@ int main(int argc, char **argv) {
       clock_id = CLOCK_MONOTONIC, i++;
     else if (strcmp(argv[i], "--quick") == 0)
       quick = 1;
+    else if (strcmp(argv[i], "--parts") == 0)
+      parts_rows = 1;
+    else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc && strcmp(argv[i + 1], "avx2") == 0)
+      isa = AC_CPU_ISA_AVX2, i++;
+    else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc && strcmp(argv[i + 1], "best") == 0)
+      isa = AC_CPU_ISA_BEST, i++;
     else {
       fprintf(stderr,
               "usage: bench-optim [--backend cpu|cuda|all] [--threads N] [--dim D] "
-              "[--clock wall|cpu] [--quick]\n");
+              "[--clock wall|cpu] [--quick] [--parts] [--isa best|avx2]\n");
       return 2;
     }
   }
@@ -213,7 +348,8 @@ int main(int argc, char **argv) {
     ac_backend_opts_default(&bo);
     bo.kind = kinds[k];
     bo.threads = threads;
-    bench b = {.name = names[k], .quick = quick, .dim = dim};
+    bo.cpu_isa = isa;
+    bench b = {.name = names[k], .quick = quick, .parts = parts_rows, .dim = dim};
     int rc = ac_backend_create(&b.be, &bo);
     if (rc != AC_OK) {
       fprintf(stderr, "bench-optim: %s backend skipped: %s (%s)\n", names[k], ac_strerror(rc),

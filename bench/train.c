@@ -90,6 +90,7 @@ void tr_options_default(tr_options *o) {
   o->model = NULL;
   o->optimizer = TR_ADAMW;
   o->steps = 200;
+  o->stop_at = 0;
   o->epochs = 0;
   o->lr = TR_UNSET;
   o->momentum = TR_UNSET;
@@ -121,6 +122,7 @@ void tr_options_default(tr_options *o) {
   o->roots_start = so.start_step;
   o->max_staleness = so.max_staleness;
   o->sync_roots = 0;
+  o->root_delay = 0;
   pc_kfac_opts ko;
   pc_kfac_opts_default(&ko);
   o->kfac_damping = ko.damping;
@@ -293,6 +295,8 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("optimizer", K_OPTIMIZER, &o->optimizer, 0, 0, "sgd, adamw, shampoo, kfac or abs");
   SPEC("steps", K_LONG, &o->steps, 1, 1e9, "training steps");
   SPEC("epochs", K_DOUBLE, &o->epochs, 1e-6, 1e4, "train for this many epochs instead of --steps");
+  SPEC("stop-at", K_LONG, &o->stop_at, 0, 1e9,
+       "stop after this step, the schedule still over the whole run (0: never)");
   SPEC("lr", K_DOUBLE, &o->lr, 0, 1e3, "base learning rate");
   SPEC("momentum", K_DOUBLE, &o->momentum, 0, 0.999999, "SGD momentum (sgd, kfac)");
   SPEC("beta1", K_DOUBLE, &o->beta1, 0, 0.999999, "AdamW (and Shampoo's grafted Adam) beta1");
@@ -347,6 +351,9 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "roots older than N steps are not used (grafted step instead); 0: no bound");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
+  SPEC("root-delay", K_LONG, &o->root_delay, 0, 1000,
+       "--sync-roots, but step t uses the roots of the statistics through step t-K (K steps "
+       "of staleness, deterministic)");
   SPEC("kfac-damping", K_DOUBLE, &o->kfac_damping, 1e-12, 1e6,
        "K-FAC: lambda of the Tikhonov damping (A + pi sqrt(lambda) I, G + sqrt(lambda)/pi I)");
   SPEC("kfac-decay", K_DOUBLE, &o->kfac_decay, 0, 0.999999,
@@ -925,7 +932,8 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->daemon = opts->daemon;
   po->job = job;
   po->worker = model_name;
-  po->sync_roots = opts->sync_roots;
+  po->sync_roots = opts->sync_roots || opts->root_delay > 0; /* a delay is sync_roots' */
+  po->root_delay = opts->root_delay;
   po->shard_rank = opts->dp_rank; /* data parallelism: statistics and factors sharded */
   po->shard_size = opts->dp_size;
   po->dp = opts->dp;
@@ -1486,7 +1494,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       rc = tr__abs_epoch(&opt, model, base_done / epoch_len, &factor, &lr_scale, &prog, err);
       next_epoch += epoch_len;
     }
-    int stop = tr__stop_asked != 0;
+    int stop = tr__stop_asked != 0 || (opts->stop_at > 0 && step >= opts->stop_at);
     if (rc == TR_OK && pt_dp_any(dp, &stop) != PT_OK)
       rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
     stop = stop && rc == TR_OK && base_done < total;
@@ -1534,7 +1542,9 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     }
     if (rc != TR_OK) break;
     if (stop) {
-      if (!opts->quiet) tr__progress_note(&prog, "stopped by a signal after step %ld\n", step);
+      if (!opts->quiet)
+        tr__progress_note(&prog, "stopped (%s) after step %ld\n",
+                          tr__stop_asked ? "a signal" : "--stop-at", step);
       break;
     }
   }

@@ -71,6 +71,8 @@ typedef struct {
                               (static text, not owned) */
   tr_optimizer_kind optimizer;
   long steps;          /* training steps; 0: from epochs */
+  long stop_at;        /* stop after this step, the schedule still over steps (an early
+                          look at a long run); 0: run them all (default) */
   double epochs;       /* used when steps is 0 (rounded up to whole steps) */
   double lr;           /* base learning rate (table) */
   double momentum;     /* SGD heavy ball (table) */
@@ -101,6 +103,9 @@ typedef struct {
   long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
+  long root_delay;         /* with sync_roots: step t uses the roots of the statistics through
+                              step t - root_delay (a deterministic stand-in for asynchronous
+                              roots; default 0) */
   /* K-FAC (trainer/kfac.c); the defaults are pc_kfac_opts_default's (the one table) */
   double kfac_damping;      /* lambda of the Tikhonov damping */
   double kfac_decay;        /* running average of the factors on the daemon */

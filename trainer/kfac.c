@@ -70,6 +70,8 @@ typedef struct {
   int sampling;   /* the model Fisher's backward is running: the hook computes factors */
   pt__pace pace;  /* libprecond's poll, half a step (pt__poll_pace) */
   ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
+  precond_push_slot **slot; /* nlayers entries: libprecond's slots open this step; NULL
+                               between steps */
   uint64_t applied, rejected, pushes;
   double lr_max;    /* the largest rate pt_step was given (kl_base_lr without a base_lr) */
   int hook_rc;      /* the first error a hook met (returned by pt_step too) */
@@ -441,7 +443,8 @@ static int pt__kfac_register(pt_trainer *t, pt_error *err) {
   }
   s->registered = 1;
   s->pg = calloc(2 * s->nlayers, sizeof *s->pg);
-  if (s->pg == NULL) rc = PT_ENOMEM;
+  s->slot = calloc(s->nlayers, sizeof *s->slot);
+  if (s->pg == NULL || s->slot == NULL) rc = PT_ENOMEM;
   if (rc == PT_OK && !t->opts.kfac.quiet) pt__kfac_list(t);
 done:
   free(ts);
@@ -451,18 +454,18 @@ done:
 
 /* ---- a step ----------------------------------------------------------------------- */
 
-/* The worker forms: folds the batch factors in s->host (A, then G) into layer l's host
+/* The worker forms: folds the batch factors a and g (host, packed) into layer l's host
  * running averages with precondd's rule (pc_kfac_fold_f32, the first as is), so that they
  * are the daemon's to the bit. */
-static int pt__kfac_fold_local(pt__kfac *s, pt__kfac_layer *l, double decay) {
+static int pt__kfac_fold_local(pt__kfac_layer *l, const float *a, const float *g, double decay) {
   size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
   if (l->ha == NULL) {
     l->ha = malloc(la * sizeof *l->ha);
     l->hg = malloc(lg * sizeof *l->hg);
     if (l->ha == NULL || l->hg == NULL) return AC_ENOMEM;
   }
-  pc_kfac_fold_f32(la, l->ha, s->host, decay, l->hfolds == 0);
-  pc_kfac_fold_f32(lg, l->hg, s->host + la, decay, l->hfolds == 0);
+  pc_kfac_fold_f32(la, l->ha, a, decay, l->hfolds == 0);
+  pc_kfac_fold_f32(lg, l->hg, g, decay, l->hfolds == 0);
   l->hfolds++;
   return AC_OK;
 }
@@ -470,35 +473,59 @@ static int pt__kfac_fold_local(pt__kfac *s, pt__kfac_layer *l, double decay) {
 /* Pushes the factors the hook computed at step. Data-parallel: the factors of the batch
  * are the mean of the shares' (equal shares; A and G are means over rows), reduced to the
  * one worker that pushes the layer (pt__unit_worker), so the daemon sees one push per layer
- * and step as from one worker. Every worker goes through the layers in the same order. */
+ * and step as from one worker. Every worker goes through the layers in the same order.
+ * The pushing worker downloads fp32 factors straight into libprecond's push slots (no copy
+ * on this thread) and commits the step's slots together, so they leave in one push call
+ * (as Shampoo's, precond_push_commit_all); bf16 pushes and the other workers' shares go
+ * through the host buffer. Every slot opened is committed or cancelled exactly once. */
 static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   pt__kfac *s = t->state;
   precond_encoding enc = t->opts.kfac.push_bf16 ? PRECOND_BF16 : PRECOND_FP32;
   double t0 = pt__cpu_now();
-  for (size_t i = 0; i < s->nlayers; i++) {
+  int rc = PT_OK;
+  size_t nslots = 0;
+  for (size_t i = 0; i < s->nlayers && rc == PT_OK; i++) {
     pt__kfac_layer *l = &s->layers[i];
     if (l->kind != PT__KFAC_LAYER || l->block_id == UINT32_MAX || !l->due_seen) continue;
     size_t la = ac_packed_len(l->na), lg = ac_packed_len(l->ng);
     int dp = t->opts.shard_size > 1, mine = !dp || l->worker == t->opts.shard_rank;
-    int rc = pt__accel(err, pt__grow_host(s, la + lg), "K-FAC host buffer");
-    if (rc == PT_OK)
-      rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host, l->fa, la * sizeof(float)), "A");
-    if (rc == PT_OK)
-      rc = pt__accel(err, ac_memcpy_d2h(s->be, s->host + la, l->fg, lg * sizeof(float)), "G");
+    float *a = NULL, *g = NULL;
+    precond_push_slot *slot = NULL;
+    if (mine && enc == PRECOND_FP32) {
+      rc = pt__daemon(t, err,
+                      precond_push_begin(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
+                                         (uint32_t)l->ng, &a, &g, &slot),
+                      "precond_push_begin");
+      if (rc == PT_OK) s->slot[nslots++] = slot;
+    } else {
+      rc = pt__accel(err, pt__grow_host(s, la + lg), "K-FAC host buffer");
+      a = s->host;
+      g = s->host + la;
+    }
+    if (rc == PT_OK) rc = pt__accel(err, ac_memcpy_d2h(s->be, a, l->fa, la * sizeof(float)), "A");
+    if (rc == PT_OK) rc = pt__accel(err, ac_memcpy_d2h(s->be, g, l->fg, lg * sizeof(float)), "G");
     double t1 = pt__cpu_now();
-    if (rc == PT_OK && dp && pt_dp_mean_to(t->opts.dp, s->host, la + lg, l->worker) != PT_OK)
+    if (rc == PT_OK && dp &&
+        (pt_dp_mean_to(t->opts.dp, a, la, l->worker) != PT_OK ||
+         pt_dp_mean_to(t->opts.dp, g, lg, l->worker) != PT_OK))
       rc = pt__fail(err, PT_EINVAL, "K-FAC: reducing the factors of %s failed", l->weight->name);
     s->comm_s += pt__cpu_now() - t1;
     if (rc == PT_OK && t->opts.kfac.form != PT_KFAC_FORM_DAEMON)
-      rc = pt__accel(err, pt__kfac_fold_local(s, l, t->opts.kfac.k.factor_decay),
+      rc = pt__accel(err, pt__kfac_fold_local(l, a, g, t->opts.kfac.k.factor_decay),
                      "K-FAC running averages on the worker");
-    if (rc == PT_OK && mine)
+    if (rc == PT_OK && mine && slot == NULL)
       rc = pt__daemon(t, err,
                       precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
-                                        s->host, (uint32_t)l->ng, s->host + la, enc),
+                                        a, (uint32_t)l->ng, g, enc),
                       "precond_push_kfac");
-    if (rc != PT_OK) return rc;
   }
+  if (rc == PT_OK && nslots > 0)
+    rc = pt__daemon(t, err, precond_push_commit_all(t->client, s->slot, nslots),
+                    "precond_push_commit_all");
+  else
+    for (size_t k = 0; k < nslots; k++) precond_push_cancel(s->slot[k]);
+  for (size_t k = 0; k < nslots; k++) s->slot[k] = NULL;
+  if (rc != PT_OK) return rc;
   s->pushes++;
   s->factors_s += pt__cpu_now() - t0;
   return PT_OK;
@@ -799,6 +826,7 @@ static void pt__kfac_destroy(pt_trainer *t) {
   ac_sgd_destroy(s->sgd);
   free(s->layers);
   free(s->pg);
+  free(s->slot);
   free(s->host);
   free(s->hx);
   free(s);

@@ -17,6 +17,15 @@ static uint32_t pt__shampoo_root_exponent(const ac_shampoo_opts *so) {
   return so->one_sided ? 2 : (uint32_t)so->root_exponent;
 }
 
+/* root_delay: one version of a block's roots held on the worker until the step that may
+ * use it (its source step + root_delay). */
+typedef struct {
+  uint64_t version, source_step;
+  size_t n_left, n_right; /* 0: the roots lack that side */
+  float *left, *right;    /* packed upper copies (owned), capacities below */
+  size_t cap_left, cap_right;
+} pt__held;
+
 typedef struct {
   ac_shampoo *opt; /* owned */
   size_t nblocks;
@@ -32,6 +41,12 @@ typedef struct {
   size_t nmine;
   double stats_s; /* CPU seconds of this thread: 2 cores shared, wall is noise */
   pt__pace pace;  /* asynchronous roots: libprecond's poll, half a step (pt__poll_pace) */
+  /* root_delay > 0: per block a FIFO of held versions, delay + 1 places from
+   * held[b * (delay + 1)]; version and source_step above are then those fetched, not those
+   * handed to ac_shampoo. NULL without a delay. */
+  pt__held *held;
+  size_t *held_first, *held_count;
+  size_t held_cap;
   uint64_t applied, rejected;
 } pt__shampoo;
 
@@ -89,6 +104,13 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   if (s->block_id == NULL || s->version == NULL || s->source_step == NULL || s->mine == NULL ||
       s->daemon_version == NULL || s->left == NULL || s->right == NULL || s->slot == NULL)
     return PT_ENOMEM;
+  if (t->opts.root_delay > 0) {
+    s->held_cap = (size_t)t->opts.root_delay + 1;
+    s->held = calloc(nb * s->held_cap, sizeof *s->held);
+    s->held_first = calloc(nb, sizeof *s->held_first);
+    s->held_count = calloc(nb, sizeof *s->held_count);
+    if (s->held == NULL || s->held_first == NULL || s->held_count == NULL) return PT_ENOMEM;
+  }
   for (size_t b = 0; b < s->nblocks; b++) {
     ac_shampoo_block bi;
     int rc = pt__accel(err, ac_shampoo_block_info(s->opt, b, &bi), "ac_shampoo_block_info");
@@ -109,12 +131,85 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   return PT_OK;
 }
 
-/* Hands block b roots r (a reference from precond_fetch, released here; NULL: nothing).
- * Roots the worker refuses (non-finite, wrong size) are counted and skipped: the block keeps
- * its previous roots or the grafted step. */
+/* Copies n_src packed values of order n into *dst (capacity *cap, grown as needed). */
+static int pt__held_side(float **dst, size_t *cap, const float *src, size_t n) {
+  size_t len = src != NULL && n > 0 ? ac_packed_len(n) : 0;
+  if (len > *cap) {
+    float *p = realloc(*dst, len * sizeof *p);
+    if (p == NULL) return PT_ENOMEM;
+    *dst = p;
+    *cap = len;
+  }
+  if (len > 0) memcpy(*dst, src, len * sizeof *src);
+  return PT_OK;
+}
+
+/* root_delay: keeps a copy of roots r (released here) at the end of block b's FIFO. Roots
+ * found changed while copied (roots by reference) are counted as rejected, not held. */
+static int pt__shampoo_hold(pt_trainer *t, size_t b, const precond_roots *r) {
+  pt__shampoo *s = t->state;
+  size_t *first = &s->held_first[b], *count = &s->held_count[b];
+  if (*count == s->held_cap) { /* not in the protocol (one version a push): the oldest goes */
+    *first = (*first + 1) % s->held_cap;
+    (*count)--;
+  }
+  pt__held *h = &s->held[b * s->held_cap + (*first + *count) % s->held_cap];
+  int rc = pt__held_side(&h->left, &h->cap_left, r->left, r->n_left);
+  if (rc == PT_OK) rc = pt__held_side(&h->right, &h->cap_right, r->right, r->n_right);
+  s->version[b] = r->version; /* fetched: not offered again */
+  if (rc == PT_OK && precond_roots_intact(r)) {
+    h->version = r->version;
+    h->source_step = r->source_step;
+    h->n_left = r->left != NULL ? r->n_left : 0;
+    h->n_right = r->right != NULL ? r->n_right : 0;
+    s->source_step[b] = r->source_step;
+    s->daemon_version[b] = r->daemon_version;
+    (*count)++;
+  } else if (rc == PT_OK) {
+    s->rejected++;
+  }
+  precond_roots_release(r);
+  return rc;
+}
+
+/* root_delay: hands block b the newest held version whose source step is at least
+ * root_delay steps behind step, and forgets it and the older ones. */
+static int pt__shampoo_release_held(pt_trainer *t, size_t b, long step, pt_error *err) {
+  pt__shampoo *s = t->state;
+  size_t *first = &s->held_first[b], *count = &s->held_count[b];
+  const pt__held *use = NULL;
+  while (*count > 0) {
+    const pt__held *h = &s->held[b * s->held_cap + *first];
+    if (h->source_step + (uint64_t)t->opts.root_delay > (uint64_t)step) break;
+    use = h;
+    *first = (*first + 1) % s->held_cap;
+    (*count)--;
+  }
+  if (use == NULL) return PT_OK;
+  const ac_shampoo_roots roots = {.version = use->version,
+                                  .source_step = use->source_step,
+                                  .format = AC_ROOT_PACKED,
+                                  .n_left = use->n_left,
+                                  .left = use->n_left > 0 ? use->left : NULL,
+                                  .n_right = use->n_right,
+                                  .right = use->n_right > 0 ? use->right : NULL};
+  int arc = ac_shampoo_set_roots(s->opt, b, &roots);
+  if (arc == AC_OK) {
+    s->applied++;
+  } else if (arc == AC_EINVAL || arc == AC_EMISMATCH) {
+    s->rejected++;
+    arc = AC_OK;
+  }
+  return pt__accel(err, arc, "ac_shampoo_set_roots");
+}
+
+/* Hands block b roots r (a reference from precond_fetch, released here; NULL: nothing), or
+ * with root_delay holds them for later. Roots the worker refuses (non-finite, wrong size)
+ * are counted and skipped: the block keeps its previous roots or the grafted step. */
 static int pt__shampoo_apply(pt_trainer *t, size_t b, const precond_roots *r, pt_error *err) {
   pt__shampoo *s = t->state;
   if (r == NULL) return PT_OK;
+  if (s->held != NULL) return pt__shampoo_hold(t, b, r);
   const ac_shampoo_roots roots = {.version = r->version,
                                   .source_step = r->source_step,
                                   .format = AC_ROOT_PACKED,
@@ -232,8 +327,9 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   int rc = pt__shampoo_push(t, &due, &stat_step, err);
   s->stats_s += pt__cpu_now() - t0;
   if (rc != PT_OK) return rc;
-  /* Waiting before start_step would only slow the steps whose update ignores roots. */
-  int wait = due && t->opts.sync_roots && step >= t->opts.shampoo.start_step;
+  /* Waiting before start_step would only slow the steps whose update ignores roots (with
+   * root_delay those of step start_step - root_delay are the first used). */
+  int wait = due && t->opts.sync_roots && step + t->opts.root_delay >= t->opts.shampoo.start_step;
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: statistics not sent within %d ms",
                     t->opts.sync_timeout_ms);
@@ -241,6 +337,8 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   if (agreed) rc = pt__shampoo_refresh_agreed(t, err);
   for (size_t b = 0; b < s->nblocks && rc == PT_OK && !agreed; b++)
     rc = wait ? pt__shampoo_wait(t, b, stat_step, err) : pt__shampoo_refresh(t, b, err);
+  for (size_t b = 0; b < s->nblocks && rc == PT_OK && s->held != NULL; b++)
+    rc = pt__shampoo_release_held(t, b, step, err);
   if (rc == PT_OK) rc = pt__accel(err, ac_shampoo_step(s->opt, (float)lr), "Shampoo step");
   if (rc != PT_OK || info == NULL) return rc;
   ac_shampoo_step_info si;
@@ -275,6 +373,13 @@ static void pt__shampoo_destroy(pt_trainer *t) {
   free(s->left);
   free(s->right);
   free(s->slot);
+  for (size_t i = 0; s->held != NULL && i < s->nblocks * s->held_cap; i++) {
+    free(s->held[i].left);
+    free(s->held[i].right);
+  }
+  free(s->held);
+  free(s->held_first);
+  free(s->held_count);
   free(s);
   t->state = NULL;
 }

@@ -166,6 +166,12 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
                     opts->poll_interval_ms);
   if (opts->sync_roots && opts->sync_timeout_ms <= 0)
     return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
+  if (opts->root_delay < 0 ||
+      (opts->root_delay > 0 &&
+       (!opts->sync_roots || opts->mode != PT_MODE_SHAMPOO || pt_dp_size(opts->dp) > 1)))
+    return pt__fail(err, PT_EINVAL,
+                    "pt_create: root_delay %ld needs Shampoo with sync_roots, one worker",
+                    opts->root_delay);
   const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;
   for (size_t i = 0; i < nparams; i++)
     if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0)

@@ -136,6 +136,10 @@ typedef struct {
   int sync_roots;         /* 1: a step that pushes waits for the results of its own
                               statistics before updating (reproducible; default 0) */
   int sync_timeout_ms;    /* sync_roots' bound per wait (default 60000) */
+  long root_delay;        /* Shampoo with sync_roots: step t uses the roots of the statistics
+                              through step t - root_delay (held on the worker until then), a
+                              deterministic stand-in for asynchronous roots that are
+                              root_delay steps old; 0 (default): its own step's */
   int poll_interval_ms;   /* libprecond's FetchPreconditioners poll period, ms; 0 (default):
                               the mode's: Shampoo libprecond's 20; K-FAC half its mean step
                               wall time, within 10..1000 (trainer/kfac.c) */

@@ -650,6 +650,102 @@ static void test_sgemm(void **state) {
   free(hc);
 }
 
+/* The small blocks' products (Shampoo's 128-blocks: the CPU backend's own AVX-512F kernel,
+ * gemm_small.c, where the processor has it; cuBLAS on CUDA): every transpose, square and
+ * ragged shapes (rows past a tile of 8, columns past a tile of 32, masked), padded leading
+ * dimensions whose padding must stay untouched, beta 0 over NaN and beta != 0. Each value
+ * against the double sum within the float error bound of a k-term sum, k u sum |a b|
+ * (Higham's gamma_k, u = 2^-24), alpha and beta included. */
+static void test_sgemm_small_blocks(void **state) {
+  ac_backend *be = backend(state);
+  const size_t shapes[][3] = {{128, 128, 128}, {256, 128, 64}, {129, 47, 100}, {45, 70, 100}};
+  for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+    for (int ta = 0; ta < 2; ta++)
+      for (int tb = 0; tb < 2; tb++)
+        for (int zero_beta = 0; zero_beta < 2; zero_beta++) {
+          const size_t m = shapes[sh][0], n = shapes[sh][1], k = shapes[sh][2];
+          const size_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 7;
+          const size_t na = (ta ? k : m) * lda, nb = (tb ? n : k) * ldb, nc = m * ldc;
+          const float alpha = 0.75f, beta = zero_beta ? 0.0f : -0.5f;
+          float *ha = host_rand(na), *hb = host_rand(nb), *hc = host_rand(nc);
+          for (size_t i = 0; zero_beta && i < m; i++)
+            for (size_t j = 0; j < n; j++) hc[i * ldc + j] = NAN;
+          float *a = dev_up(be, ha, na), *b = dev_up(be, hb, nb), *c = dev_up(be, hc, nc);
+          OK(ac_sgemm(be, (ac_trans)ta, (ac_trans)tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                      ldc));
+          float *got = dev_down(be, c, nc);
+          for (size_t i = 0; i < m; i++) {
+            for (size_t j = 0; j < n; j++) {
+              double sum = 0.0, mag = 0.0;
+              for (size_t p = 0; p < k; p++) {
+                double t = (double)(ta ? ha[p * lda + i] : ha[i * lda + p]) *
+                           (double)(tb ? hb[j * ldb + p] : hb[p * ldb + j]);
+                sum += t;
+                mag += fabs(t);
+              }
+              const double c0 = zero_beta ? 0.0 : hc[i * ldc + j];
+              const double want = alpha * sum + beta * c0;
+              const double bound = ((double)k + 2.0) * 0x1p-24 * (alpha * mag + fabs(beta * c0));
+              if (!(fabs((double)got[i * ldc + j] - want) <= bound)) {
+                print_error("sgemm %zux%zux%zu ta %d tb %d beta %g: C[%zu][%zu] is %.9g, "
+                            "expected %.9g within %.3g\n",
+                            m, n, k, ta, tb, (double)beta, i, j, (double)got[i * ldc + j], want,
+                            bound);
+                fail();
+              }
+            }
+            for (size_t j = n; j < ldc; j++) assert_true(got[i * ldc + j] == hc[i * ldc + j]);
+          }
+          free(got);
+          ac_free(be, a);
+          ac_free(be, b);
+          ac_free(be, c);
+          free(ha);
+          free(hb);
+          free(hc);
+        }
+}
+
+/* The CPU backend's small-block kernel (AVX-512F, gemm_small.c) against OpenBLAS's (the
+ * backend capped at AVX2): both within float reassociation of each other, on Shampoo's
+ * shapes, and the same bits on 1 and 2 threads (the kernel is chosen by shape alone). The
+ * largest difference is printed: it is what changing kernels changes in a Shampoo step. */
+static void test_cpu_sgemm_small_vs_openblas(void **state) {
+  (void)state;
+  ac_backend *wide[2], *blas[2];
+  cpu_pair_isa(wide, AC_CPU_ISA_BEST);
+  cpu_pair_isa(blas, AC_CPU_ISA_AVX2);
+  const size_t n = 128, big = 512; /* a 128-block of a 512 x 128 gradient */
+  float *l = host_rand(n * n), *g = host_rand(big * n), *out[4];
+  double maxrel = 0.0;
+  ac_backend *bes[4] = {wide[0], wide[1], blas[0], blas[1]};
+  for (int e = 0; e < 4; e++) {
+    float *dl = dev_up(bes[e], l, n * n), *dg = dev_up(bes[e], g, big * n);
+    float *c = dev_alloc(bes[e], n * n * sizeof(float));
+    /* L G_b with G_b rows 128..255 of the gradient (lda of G is n) */
+    OK(ac_sgemm(bes[e], AC_NO_TRANS, AC_NO_TRANS, n, n, n, 1.0f, dl, n, dg + n * n, n, 0.0f, c, n));
+    out[e] = dev_down(bes[e], c, n * n);
+    ac_free(bes[e], dl);
+    ac_free(bes[e], dg);
+    ac_free(bes[e], c);
+  }
+  assert_memory_equal(out[0], out[1], n * n * sizeof(float));
+  assert_memory_equal(out[2], out[3], n * n * sizeof(float));
+  for (size_t i = 0; i < n * n; i++) {
+    double d = fabs((double)out[0][i] - out[2][i]), s = fabs((double)out[2][i]) + 1e-3;
+    if (d / s > maxrel) maxrel = d / s;
+    assert_true(d <= 130.0 * 0x1p-24 * 2.0 * 128.0); /* gamma_k of both, |terms| <= 1 */
+  }
+  print_message("small-block kernel vs OpenBLAS, 128^3: largest relative difference %.3g\n",
+                maxrel);
+  for (int e = 0; e < 4; e++) {
+    free(out[e]);
+    ac_backend_destroy(bes[e]);
+  }
+  free(l);
+  free(g);
+}
+
 static size_t packed_at(size_t n, size_t i, size_t j) {
   /* Row i of the packed upper triangle starts after rows 0..i-1 of lengths n, n-1, ... */
   size_t start = 0;
@@ -2470,6 +2566,7 @@ static void test_cuda_matches_cpu(void **state) {
 #define PRIMITIVE_TESTS                                                                     \
   cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),                  \
       cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                         \
+      cmocka_unit_test(test_sgemm_small_blocks),                                            \
       cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_syrk_packed_to_host),       \
       cmocka_unit_test(test_binary_axpby_affine), cmocka_unit_test(test_unary),             \
       cmocka_unit_test(test_bcast_reduce), cmocka_unit_test(test_scalar_reductions_argmax), \
@@ -2485,7 +2582,8 @@ int main(void) {
   const struct CMUnitTest lifecycle[] = {
       cmocka_unit_test(test_strerror_and_create),  cmocka_unit_test(test_cpu_threads),
       cmocka_unit_test(test_cpu_pool_bitwise),     cmocka_unit_test(test_cpu_pool_elementwise),
-      cmocka_unit_test(test_cpu_channel_sums_isa), cmocka_unit_test(test_cpu_conv3x3_bitwise)};
+      cmocka_unit_test(test_cpu_channel_sums_isa), cmocka_unit_test(test_cpu_conv3x3_bitwise),
+      cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);

@@ -266,6 +266,11 @@ static void test_options(void **state) {
   assert_int_equal(o.backend, AC_BACKEND_CUDA);
   assert_int_equal(o.sync_roots, 1);
 
+  assert_int_equal(parse(&o, &width, name, &err, 5, "--root-delay", "2", "--stop-at", "50"), TR_OK);
+  assert_int_equal(o.root_delay, 2);
+  assert_int_equal(o.stop_at, 50);
+  assert_int_equal(o.sync_roots, 0); /* the trainer's options make a delay synchronous */
+
   assert_int_equal(parse(&o, &width, name, &err, 5, "--graft", "adagrad", "--warmup", "10"), TR_OK);
   assert_int_equal(o.graft, PC_GRAFT_ADAGRAD);
   assert_int_equal(o.warmup, 10);

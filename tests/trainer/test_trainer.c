@@ -226,6 +226,77 @@ static void test_fallback_counted(void **state) {
   assert_int_equal(fb, 2);
 }
 
+/* root_delay K (sync_roots): at step s every block applies the roots of the statistics of
+ * step s - K exactly (their source step, staleness K), none before step K + 1 or before
+ * start_step; two such runs give the same weights, and not those of K = 0. */
+static void delay_run(const char *job, long delay, long start_step, long steps, float *w_out) {
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, job);
+  o.sync_roots = 1;
+  o.root_delay = delay;
+  o.shampoo.start_step = start_step;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_OK);
+  const ac_shampoo *opt = pt_shampoo(t);
+  for (long s = 1; s <= steps; s++) {
+    toy_grads(&m, s);
+    pt_step_info info;
+    if (pt_step(t, s, 0.01, &info, &err) != PT_OK) fail_msg("pt_step %ld: %s", s, err.msg);
+    int used = s > delay && s >= start_step;
+    assert_int_equal(info.preconditioned, used ? 5 : 0);
+    assert_int_equal(info.fallback, used ? 0 : 5);
+    if (used) {
+      assert_int_equal(info.staleness_max, delay);
+      assert_true(info.staleness_mean == (double)delay);
+    }
+    for (size_t b = 0; b < 5; b++) {
+      ac_shampoo_block bi;
+      assert_int_equal(ac_shampoo_block_info(opt, b, &bi), AC_OK);
+      if (used) /* the roots of step s - delay: the statistics through that step */
+        assert_int_equal(bi.source_step, (uint64_t)(s - delay));
+      else if (s <= delay) /* none handed over yet */
+        assert_int_equal(bi.version, 0);
+    }
+  }
+  pt_counters c;
+  pt_get_counters(t, &c);
+  assert_int_equal(c.results_rejected, 0);
+  if (w_out != NULL) assert_int_equal(ac_tensor_download(&m.p[0].value, w_out), AC_OK);
+  pt_destroy(t);
+  toy_destroy(&m);
+}
+
+static void test_root_delay(void **state) {
+  (void)state;
+  float w1[120], w2[120], w0[120];
+  delay_run("delay1", 1, 1, 6, NULL);
+  delay_run("delay2-a", 2, 1, 7, w1);
+  delay_run("delay2-b", 2, 1, 7, w2);
+  assert_memory_equal(w1, w2, sizeof w1);
+  delay_run("delay0", 0, 1, 7, w0);
+  assert_memory_not_equal(w0, w1, sizeof w0);
+  delay_run("delay3-start5", 3, 5, 8, NULL);
+
+  /* Refused: without sync_roots, negative, or for K-FAC. */
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, "delay-bad");
+  o.root_delay = 1;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "root_delay"));
+  o.sync_roots = 1;
+  o.root_delay = -1;
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  assert_null(t);
+  toy_destroy(&m);
+}
+
 /* No daemon at the address: a clear error naming it, nothing left allocated. */
 static void test_daemon_absent(void **state) {
   (void)state;
@@ -273,7 +344,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_layout_from_daemon), cmocka_unit_test(test_push_and_roots),
       cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_root_method),
       cmocka_unit_test(test_fallback_counted),   cmocka_unit_test(test_daemon_absent),
-      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_bad_arguments),      cmocka_unit_test(test_root_delay),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

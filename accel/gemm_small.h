@@ -1,0 +1,26 @@
+/*
+ * gemm_small.h -- the CPU backend's AVX-512F product for small blocks (gemm_small.c);
+ * internal to accel: outside code must not include it.
+ */
+#ifndef PRECOND_AC_GEMM_SMALL_H
+#define PRECOND_AC_GEMM_SMALL_H
+
+#include <stddef.h>
+
+/* The shapes it takes: every dimension in [MIN, MAX] and at least MIN_MACS multiply-adds.
+ * MAX bounds the transposed-B panel on the stack (MAX x 32 floats); MIN and MIN_MACS keep the
+ * models' own products (attention's 64 x 64 x 32 per head, a classifier's 10 columns) on
+ * OpenBLAS, so that only the optimizers' blocks change kernel. */
+enum { AC__GEMM_SMALL_MIN = 32, AC__GEMM_SMALL_MAX = 256, AC__GEMM_SMALL_MIN_MACS = 64 * 64 * 64 };
+
+/* 1 when ac__gemm_small takes an m x n x k product. */
+int ac__gemm_small_fits(size_t m, size_t n, size_t k);
+
+/* C = alpha op(A) op(B) + beta C, row-major, as cblas_sgemm with ta / tb nonzero for a
+ * transposed A / B (beta 0: C is not read). Returns 0 when done, -1 when not taken (a shape
+ * outside ac__gemm_small_fits, no AVX-512F on this processor or in this build): the caller
+ * then calls BLAS. No allocation; no aliasing of C with A or B. */
+int ac__gemm_small(int ta, int tb, size_t m, size_t n, size_t k, float alpha, const float *a,
+                   size_t lda, const float *b, size_t ldb, float beta, float *c, size_t ldc);
+
+#endif
