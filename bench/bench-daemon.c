@@ -489,7 +489,9 @@ typedef struct {
   /* Matrices through a shared-memory region (proto/rpc.h): 1, a push rung at its doorbell
    * when the daemon serves it, one at a time (each waits for its answer: rpc_shm_call);
    * 3, the same pipelined (RPC_SHM_QUEUE in flight: rpc_shm_post, its answer collected
-   * later) when the daemon offers the queue; 2, a push always sent as a gRPC call. */
+   * later) when the daemon offers the queue; 2, a push always sent as a gRPC call; 4, as 1
+   * with the bytes written into the slots by a plain memcpy (the write before session 11;
+   * rpc_shm_write streams large ones). */
   int shm;
   double until; /* stop time */
   pthread_barrier_t *start;
@@ -590,12 +592,24 @@ static void *worker_main(void *arg) {
         }
       }
       if (w->shm) {
-        /* Each push writes its two factors into the region's slots (a plain copy, where a
-         * worker's kernel writes the statistic); the messages carry the references only. */
+        /* Each push writes its two factors into the region's slots (libprecond's write,
+         * rpc_shm_write, where a worker's kernel writes the statistic; 4: a plain memcpy);
+         * the messages carry the references only. */
         pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
         pm.l.data.len = pm.r.data.len = w->pl->bytes;
         pm.l.shm = pm.r.shm = NULL;
-        if (rpc_shm_put(&shm, &pm.l, &refs[0]) == 0 || rpc_shm_put(&shm, &pm.r, &refs[1]) == 0) {
+        int put = 1;
+        for (int f = 0; f < 2 && put; f++) {
+          Precond__V1__PackedMatrix *m = f ? &pm.r : &pm.l;
+          if (w->shm != 4) {
+            put = rpc_shm_put(&shm, m, &refs[f]) > 0;
+          } else {
+            unsigned char *at = rpc_shm_slot(&shm, m, w->pl->bytes, &refs[f]);
+            if (at != NULL) memcpy(at, w->pl->data, w->pl->bytes);
+            put = at != NULL;
+          }
+        }
+        if (!put) {
           fprintf(stderr, "bench-daemon: a factor does not fit the region\n");
           w->failed = 1;
           break;
@@ -611,7 +625,7 @@ static void *worker_main(void *arg) {
                   rpc_status_name(code), details ? details : rpc_strerror(rc));
         free(details);
         bad = rc != RPC_OK;
-      } else if ((w->shm == 1 || w->shm == 3) && shm.bell) {
+      } else if ((w->shm == 1 || w->shm == 3 || w->shm == 4) && shm.bell) {
         grpc_status_code code;
         char *details = NULL;
         int rc = rpc_shm_call(&shm, &pm.req.base, &precond__v1__push_response__descriptor, CALL_MS,
@@ -923,6 +937,7 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
     snprintf(name, sizeof name, "%s%s%s", fetch ? "fetch" : "push", pl->bf16 ? "-bf16" : "",
              shm == 2   ? "-shm-grpc"
              : shm == 3 ? "-shm-pipe"
+             : shm == 4 ? "-shm-memcpy"
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
@@ -1951,6 +1966,10 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
             run_cell(o, fetch_addr, fetch_pid, transport, 1, shm, fjob, k, &pl, mc) != 0)
           rc = -1;
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
+        /* The same push with the slots written by a plain memcpy (before session 11): the
+         * streaming write's gain in this run. */
+        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 4, pjob, k, &pl, mc) != 0)
+          rc = -1;
         /* The region's push with its control as a gRPC call (before the doorbell): the
          * doorbell's gain in this run. */
         if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)

@@ -392,7 +392,19 @@ int rpc_shm_push_intact(const unsigned char *map, size_t bytes, uint64_t offset,
 unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len,
                             Precond__V1__ShmRef *ref);
 
-/* rpc_shm_slot for m's own bytes, copied there (one plain copy). Returns the bytes moved
+/* The producer's write of a push's bytes into a slot (rpc_shm_put's; a kernel writing its
+ * statistic into rpc_shm_slot's place may use it too): len bytes from src to dst, bit for
+ * bit. From RPC_SHM_STREAM_MIN bytes on (and where the processor has AVX or AVX-512) the
+ * 64-byte lines go by non-temporal stores, straight to memory, then a store fence: the
+ * daemon, on another core, then reads them from memory instead of taking each line from
+ * this core's caches, and this core does not first fetch the lines the daemon read last
+ * time (bench/bench-xcore.c: 1.8-2.1x less CPU for the write and the fold together across
+ * two cores at 1-4 MB, a loss below 1 MiB or with both on one core; docs/precondd.md,
+ * "Session 11"). Below it, a plain memcpy. */
+#define RPC_SHM_STREAM_MIN ((size_t)1 << 20)
+void rpc_shm_write(void *dst, const void *src, size_t len);
+
+/* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write). Returns the bytes moved
  * (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
 

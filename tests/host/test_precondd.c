@@ -2189,6 +2189,79 @@ static void test_large_bytes_push(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* Pushes whose factors rpc_shm_put streams into the slots (non-temporal stores: each factor
+ * of a 724 block is just over RPC_SHM_STREAM_MIN) fold to the statistics that the same
+ * pushes as bytes fold to, bit for bit, and to pc_stat_update_f32's: two steps of EMA,
+ * through the region (libprecond's stamped, unchecked slots, read in place by the fold) and
+ * as bytes, compared in the daemon's final snapshot. No roots (--threads 0): a 724 root
+ * would only slow the test down. */
+static void test_shm_streamed_push(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char shm_dir[300], listen[300], msg[512];
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  snprintf(listen, sizeof listen, "unix:%s/sock", d.p.dir);
+  const char *extra[] = {"--shm-dir", shm_dir, "--threads", "0", NULL};
+  assert_int_equal(start_daemon_opts(&d, listen, extra), 0);
+  const uint32_t n = 724;
+  const size_t cnt = pc_packed_len(n), len = cnt * sizeof(float);
+  assert_true(len >= RPC_SHM_STREAM_MIN);
+  region_t g;
+  assert_int_equal(open_region(&d, 8u << 20, &g, msg), GRPC_STATUS_OK);
+  rpc_shm v = {.id = g.r->id, .map = g.map, .bytes = g.r->bytes, .fd = -1};
+  memcpy(v.secret, g.r->secret.data, sizeof v.secret);
+  tspec ts[1] = {{"w", {n, n}, 2}};
+  assert_int_equal(do_register(&d, "viashm", ts, 1, n, 0.9f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, n, 0.9f, NULL, msg), GRPC_STATUS_OK);
+  float *el = calloc(cnt, sizeof *el), *er = calloc(cnt, sizeof *er);
+  assert_non_null(el);
+  assert_non_null(er);
+  for (uint64_t step = 1; step <= 2; step++) {
+    float *sl = random_stat(n, 30 + step), *sr = random_stat(n, 40 + step);
+    Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
+                              r = PRECOND__V1__PACKED_MATRIX__INIT;
+    Precond__V1__ShmRef rl, rr;
+    l.n = r.n = n;
+    l.data.data = (uint8_t *)sl;
+    r.data.data = (uint8_t *)sr;
+    l.data.len = r.data.len = len;
+    assert_int_equal(rpc_shm_put(&v, &l, &rl), len);
+    assert_int_equal(rpc_shm_put(&v, &r, &rr), len);
+    assert_memory_equal(g.map + rl.offset, sl, len);
+    assert_memory_equal(g.map + rr.offset, sr, len);
+    Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
+    b.left = &l;
+    b.right = &r;
+    Precond__V1__ShmSession sess;
+    rpc_shm_session(&v, &sess);
+    assert_int_equal(shm_push_call(&d, "viashm", step, &b, &sess, msg), GRPC_STATUS_OK);
+    rpc_shm_rewind(&v);
+    blockstat bs = {0, n, n, sl, sr, 0};
+    assert_int_equal(do_push(&d, "viabytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+    pc_stat_update_f32(cnt, el, sl, 0.9f);
+    pc_stat_update_f32(cnt, er, sr, 0.9f);
+    free(sl);
+    free(sr);
+  }
+  close_region(&g);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d.p.dir, &st, &stats);
+  assert_int_equal(st.njobs, 2);
+  for (size_t j = 0; j < 2; j++) {
+    pd_block *blk = &st.jobs[j]->blocks[0];
+    assert_int_equal(atomic_load(&blk->stat_step), 2);
+    assert_memory_equal(blk->stat[0], el, len);
+    assert_memory_equal(blk->stat[1], er, len);
+  }
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+  free(el);
+  free(er);
+  remove_tree(d.p.dir);
+}
+
 /* The fetch of a region's client that has the roots area mapped: roots published there once
  * (the same sequence number for every fetch of the same root and encoding), read-only for
  * the client, the same bytes as gRPC's and their CRC-32C; unchecked push references store
@@ -2646,6 +2719,7 @@ int main(void) {
       cmocka_unit_test(test_shm_doorbell),
       cmocka_unit_test(test_shm_pipelined),
       cmocka_unit_test(test_large_bytes_push),
+      cmocka_unit_test(test_shm_streamed_push),
       cmocka_unit_test(test_shm_roots_area),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -552,6 +552,37 @@ static void test_shm_queue(void **state) {
   free(map);
 }
 
+/* rpc_shm_write: every byte of src lands in dst and nothing around it is touched, below
+ * RPC_SHM_STREAM_MIN (a plain copy) and from it on (streamed, non-temporal stores), for any
+ * alignment of dst and src and lengths that are not whole lines. */
+static void test_shm_write(void **state) {
+  (void)state;
+  const size_t cap = RPC_SHM_STREAM_MIN + 4096;
+  unsigned char *src = malloc(cap + 64), *dst = malloc(cap + 256);
+  assert_non_null(src);
+  assert_non_null(dst);
+  for (size_t i = 0; i < cap + 64; i++) src[i] = (unsigned char)(i * 7 + i / 251);
+  const size_t lens[] = {0,
+                         1,
+                         100,
+                         RPC_SHM_STREAM_MIN - 1,
+                         RPC_SHM_STREAM_MIN,
+                         RPC_SHM_STREAM_MIN + 37,
+                         RPC_SHM_STREAM_MIN + 4096 - 64};
+  const size_t dst_at[] = {64, 72, 127}, src_at[] = {0, 3, 32};
+  for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+    for (size_t a = 0; a < 3; a++) {
+      size_t len = lens[li], da = dst_at[a] - (uintptr_t)dst % 64, sa = src_at[a];
+      memset(dst, 0xA5, cap + 256);
+      rpc_shm_write(dst + da, src + sa, len);
+      assert_memory_equal(dst + da, src + sa, len);
+      for (size_t i = 0; i < da; i++) assert_int_equal(dst[i], 0xA5);
+      for (size_t i = da + len; i < cap + 256; i++) assert_int_equal(dst[i], 0xA5);
+    }
+  free(src);
+  free(dst);
+}
+
 static void test_shm_client(void **state) {
   (void)state;
   enum { R = 2048 };
@@ -833,6 +864,7 @@ int main(void) {
       cmocka_unit_test(test_args),
       cmocka_unit_test(test_shm_rules),
       cmocka_unit_test(test_shm_client),
+      cmocka_unit_test(test_shm_write),
       cmocka_unit_test(test_shm_bell),
       cmocka_unit_test(test_shm_queue),
       cmocka_unit_test(test_call_without_server),
