@@ -597,8 +597,8 @@ static int cpu_permute(ac_backend *be, int ndim, const size_t *shape, const int 
  * takes (gemm_small.c: Shampoo's 128-blocks, where OpenBLAS runs its AVX2 kernels), else
  * OpenBLAS. The choice is a function of the call's shape and the backend's ISA alone, so the
  * same calls give the same bits for any thread count. */
-static void cpu_gemm1(int isa, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, size_t m, size_t n,
-                      size_t k, float alpha, const float *a, size_t lda, const float *b, size_t ldb,
+static void cpu_gemm1(int isa, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, size_t m, size_t n, size_t k,
+                      float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                       float beta, float *c, size_t ldc) {
   if (isa >= AC_CPU_ISA_AVX512 && ac__gemm_small(ta == CblasTrans, tb == CblasTrans, m, n, k, alpha,
                                                  a, lda, b, ldb, beta, c, ldc) == 0)
@@ -727,6 +727,10 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
   float *dense = NULL;
 
   if (!blas_int_ok(n, k, lda, 1)) return AC_EINVAL;
+  /* Shampoo's blocks: the small-block kernel writes the packed triangle itself */
+  if (((const cpu_impl *)be->impl)->isa >= AC_CPU_ISA_AVX512 &&
+      ac__syrk_small_packed(trans == AC_TRANS, n, k, alpha, a, lda, beta, c_packed) == 0)
+    return AC_OK;
   if (k > 0) {
     dense = malloc(n * n * sizeof *dense);
     if (dense == NULL) return AC_ENOMEM;
