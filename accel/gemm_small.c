@@ -17,8 +17,14 @@
  * order with one FMA per term, then alpha times it, plus beta C when beta is not 0 (C is not
  * read at beta 0, as BLAS): the same terms as a BLAS sum, rounded in a possibly different
  * order than OpenBLAS's kernels (tests/accel compares both with a double reference).
+ *
+ * The statistics' Gram matrices (ac__syrk_small_packed) run the same tiles over A and A^T,
+ * only those that reach the diagonal or above it (at order 128, 40 of 64), and store
+ * straight into the packed upper triangle: no dense scratch and no packing pass.
  */
 #include "gemm_small.h"
+
+#include <stdint.h>
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -26,27 +32,32 @@
 #define GS_TARGET __attribute__((target("avx512f")))
 enum { GS_MR = 8, GS_NR = 32 };
 
-/* One row of a tile: the accumulators c<r>0, c<r>1 of row r (named registers: an array
- * indexed at run time in the stores would live on the stack). */
-#define GS_FMA(r)                                          \
-  do {                                                     \
-    const __m512 x = _mm512_set1_ps(a##r[p * aps]);        \
-    c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);             \
-    c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);             \
-  } while (0)
-#define GS_STORE(r)                                        \
-  do {                                                     \
-    if (r < mr) gs_store(c + r * ldc, c##r##0, c##r##1, m0, m1, alpha, beta); \
-  } while (0)
+/* Where a tile's rows go: dense rows of C (packed_n 0), or the packed upper triangle of a
+ * symmetric C of order packed_n (syrk), only its elements on or above the diagonal. */
+typedef struct {
+  float *c;
+  size_t ldc, packed_n;
+  float alpha, beta;
+} gs_out;
 
-/* C[j] = alpha y[j] (+ beta C[j]) for the columns in m0 (0-15) and m1 (16-31). */
-GS_TARGET static inline void gs_store(float *cr, __m512 y0, __m512 y1, __mmask16 m0, __mmask16 m1,
-                                      float alpha, float beta) {
-  const __m512 va = _mm512_set1_ps(alpha);
+/* C[i][j0 + t] = alpha y[t] (+ beta C) for the lanes t of the 32-bit mask (y0: 0-15, y1:
+ * 16-31); in packed mode only lanes with j0 + t >= i. */
+GS_TARGET static inline void gs_store(const gs_out *o, size_t i, size_t j0, uint32_t mask,
+                                      __m512 y0, __m512 y1) {
+  float *cr = o->c + i * o->ldc + j0;
+  if (o->packed_n > 0) {
+    /* row i of the packed triangle starts at i n - i (i - 1) / 2 with column i, so column j
+     * is at that start + j - i, which is >= 0 for every j0 here */
+    if (i > j0) mask &= i - j0 >= 32 ? 0u : ~0u << (i - j0);
+    if (mask == 0) return;
+    cr = o->c + i * o->packed_n - i * (i - 1) / 2 - i + j0;
+  }
+  const __mmask16 m0 = (__mmask16)(mask & 0xFFFFu), m1 = (__mmask16)(mask >> 16);
+  const __m512 va = _mm512_set1_ps(o->alpha);
   y0 = _mm512_mul_ps(va, y0);
   y1 = _mm512_mul_ps(va, y1);
-  if (beta != 0.0f) {
-    const __m512 vb = _mm512_set1_ps(beta);
+  if (o->beta != 0.0f) {
+    const __m512 vb = _mm512_set1_ps(o->beta);
     y0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, cr), y0);
     y1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, cr + 16), y1);
   }
@@ -54,16 +65,30 @@ GS_TARGET static inline void gs_store(float *cr, __m512 y0, __m512 y1, __mmask16
   _mm512_mask_storeu_ps(cr + 16, m1, y1);
 }
 
-/* One tile: C[0:mr, 0:nr) = alpha sum_p A(r, p) B(p, j) (+ beta C). A(r, p) is
- * a[r * ars + p * aps]; B(p, j) is b[p * bps + j] (j < nr; masks m0, m1 cover the columns).
- * Rows past mr read row mr - 1 again and are not stored. */
+/* One row of a tile: the accumulators c<r>0, c<r>1 of row r (named registers: an array
+ * indexed at run time in the stores would live on the stack). */
+#define GS_FMA(r)                                   \
+  do {                                              \
+    const __m512 x = _mm512_set1_ps(a##r[p * aps]); \
+    c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);      \
+    c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);      \
+  } while (0)
+#define GS_STORE(r)                                              \
+  do {                                                           \
+    if (r < mr) gs_store(o, i0 + r, j0, mask, c##r##0, c##r##1); \
+  } while (0)
+
+/* One tile: rows i0 .. i0 + mr of C, columns j0 + [0, 32) of the mask, = alpha sum_p A(r, p)
+ * B(p, j) (+ beta C). A(r, p) is a[r * ars + p * aps] (a: row i0); B(p, j) is b[p * bps + j]
+ * (b: column j0). Rows past mr read row mr - 1 again and are not stored. */
 GS_TARGET static void gs_tile(size_t k, const float *a, size_t ars, size_t aps, const float *b,
-                              size_t bps, size_t mr, __mmask16 m0, __mmask16 m1, float alpha,
-                              float beta, float *c, size_t ldc) {
+                              size_t bps, size_t mr, uint32_t mask, const gs_out *o, size_t i0,
+                              size_t j0) {
   const float *a0 = a, *a1 = a + (mr > 1 ? 1 : mr - 1) * ars, *a2 = a + (mr > 2 ? 2 : mr - 1) * ars,
               *a3 = a + (mr > 3 ? 3 : mr - 1) * ars, *a4 = a + (mr > 4 ? 4 : mr - 1) * ars,
               *a5 = a + (mr > 5 ? 5 : mr - 1) * ars, *a6 = a + (mr > 6 ? 6 : mr - 1) * ars,
               *a7 = a + (mr > 7 ? 7 : mr - 1) * ars;
+  const __mmask16 m0 = (__mmask16)(mask & 0xFFFFu), m1 = (__mmask16)(mask >> 16);
   __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
          c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00,
          c70 = c00, c71 = c00;
@@ -89,15 +114,15 @@ GS_TARGET static void gs_tile(size_t k, const float *a, size_t ars, size_t aps, 
   GS_STORE(7);
 }
 
-GS_TARGET static void gs_gemm(int ta, int tb, size_t m, size_t n, size_t k, float alpha,
-                              const float *a, size_t lda, const float *b, size_t ldb, float beta,
-                              float *c, size_t ldc) {
+/* op(A) op(B) into o, by panels of 32 columns of B and tiles of 8 rows of A; in packed mode
+ * only the tiles that reach the diagonal or above it. */
+GS_TARGET static void gs_run(int ta, int tb, size_t m, size_t n, size_t k, const float *a,
+                             size_t lda, const float *b, size_t ldb, const gs_out *o) {
   _Alignas(64) float panel[AC__GEMM_SMALL_MAX * GS_NR];
   const size_t ars = ta ? 1 : lda, aps = ta ? lda : 1;
   for (size_t j0 = 0; j0 < n; j0 += GS_NR) {
     const size_t nr = n - j0 < GS_NR ? n - j0 : GS_NR;
-    const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+    const uint32_t mask = nr >= 32 ? 0xFFFFFFFFu : (1u << nr) - 1;
     const float *bp = b + j0;
     size_t bps = ldb;
     if (tb) {
@@ -107,13 +132,25 @@ GS_TARGET static void gs_gemm(int ta, int tb, size_t m, size_t n, size_t k, floa
       bp = panel;
       bps = GS_NR;
     }
-    for (size_t i0 = 0; i0 < m; i0 += GS_MR) {
+    const size_t rows = o->packed_n > 0 && j0 + nr < m ? j0 + nr : m;
+    for (size_t i0 = 0; i0 < rows; i0 += GS_MR) {
       const size_t mr = m - i0 < GS_MR ? m - i0 : GS_MR;
-      gs_tile(k, a + i0 * ars, ars, aps, bp, bps, mr, m0, m1, alpha, beta, c + i0 * ldc + j0, ldc);
+      gs_tile(k, a + i0 * ars, ars, aps, bp, bps, mr, mask, o, i0, j0);
     }
   }
 }
 #endif
+
+static int gs_have_avx512(void) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  /* The caller (the backend's ISA, chosen once) has checked the processor; this check keeps
+   * the functions safe on their own (libgcc's cached flags: a few loads a call). */
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return 0;
+#endif
+}
 
 int ac__gemm_small_fits(size_t m, size_t n, size_t k) {
   const size_t lo = AC__GEMM_SMALL_MIN, hi = AC__GEMM_SMALL_MAX;
@@ -123,17 +160,29 @@ int ac__gemm_small_fits(size_t m, size_t n, size_t k) {
 
 int ac__gemm_small(int ta, int tb, size_t m, size_t n, size_t k, float alpha, const float *a,
                    size_t lda, const float *b, size_t ldb, float beta, float *c, size_t ldc) {
-  if (!ac__gemm_small_fits(m, n, k)) return -1;
+  if (!ac__gemm_small_fits(m, n, k) || !gs_have_avx512()) return -1;
 #if defined(__GNUC__) && defined(__x86_64__)
-  /* The caller (the backend's ISA, chosen once) has checked the processor; this check keeps
-   * the function safe on its own (libgcc's cached flags: a few loads a call). */
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return -1;
-  gs_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  const gs_out o = {c, ldc, 0, alpha, beta};
+  gs_run(ta, tb, m, n, k, a, lda, b, ldb, &o);
   return 0;
 #else
   (void)ta, (void)tb, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta, (void)c;
   (void)ldc;
+  return -1;
+#endif
+}
+
+int ac__syrk_small_packed(int trans, size_t n, size_t k, float alpha, const float *a, size_t lda,
+                          float beta, float *c_packed) {
+  if (!ac__gemm_small_fits(n, n, k) || !gs_have_avx512()) return -1;
+#if defined(__GNUC__) && defined(__x86_64__)
+  /* G G^T: A(i, p) = a[i lda + p], B(p, j) = A(j, p), B transposed; G^T G: A(i, p) =
+   * a[p lda + i], B(p, j) = a[p lda + j], B in place. */
+  const gs_out o = {c_packed, 0, n, alpha, beta};
+  gs_run(trans, !trans, n, n, k, a, lda, a, lda, &o);
+  return 0;
+#else
+  (void)trans, (void)alpha, (void)a, (void)lda, (void)beta, (void)c_packed;
   return -1;
 #endif
 }

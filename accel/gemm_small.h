@@ -23,4 +23,11 @@ int ac__gemm_small_fits(size_t m, size_t n, size_t k);
 int ac__gemm_small(int ta, int tb, size_t m, size_t n, size_t k, float alpha, const float *a,
                    size_t lda, const float *b, size_t ldb, float beta, float *c, size_t ldc);
 
+/* The packed upper triangle C = alpha A A^T + beta C (trans 0, A n x k) or alpha A^T A + beta C
+ * (trans 1, A k x n), as ac_syrk_packed, computed by ac__gemm_small's tiles and written
+ * straight into c_packed (beta 0: not read). Returns 0 when done, -1 when not taken
+ * (n x n x k outside ac__gemm_small_fits, or no AVX-512F): the caller then uses BLAS. */
+int ac__syrk_small_packed(int trans, size_t n, size_t k, float alpha, const float *a, size_t lda,
+                          float beta, float *c_packed);
+
 #endif

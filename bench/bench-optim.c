@@ -128,7 +128,7 @@ static void row(bench *b, const char *opt, size_t blocks, int iters, double ms, 
 typedef struct {
   bench *b;
   ac_shampoo *sh;
-  float *l, *r, *t, *p; /* dense roots, L G_b, the product: the largest block's size */
+  float *l, *r, *t, *p;     /* dense roots, L G_b, the product: the largest block's size */
   const float *const *grad; /* per parameter */
   size_t ld[NPARAM];
 } products_ctx;
@@ -160,7 +160,7 @@ static int gemm_one(void *o) {
 /* --parts: every block's packed roots handed over as a new version, from pool slot `next`. */
 typedef struct {
   ac_shampoo *sh;
-  float *pool;          /* nslots copies of one set of packed roots (every block, both sides) */
+  float *pool; /* nslots copies of one set of packed roots (every block, both sides) */
   size_t set_len, nslots, next;
   uint64_t version;
 } install_ctx;

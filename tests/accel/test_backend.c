@@ -687,10 +687,10 @@ static void test_sgemm_small_blocks(void **state) {
               const double want = alpha * sum + beta * c0;
               const double bound = ((double)k + 2.0) * 0x1p-24 * (alpha * mag + fabs(beta * c0));
               if (!(fabs((double)got[i * ldc + j] - want) <= bound)) {
-                print_error("sgemm %zux%zux%zu ta %d tb %d beta %g: C[%zu][%zu] is %.9g, "
-                            "expected %.9g within %.3g\n",
-                            m, n, k, ta, tb, (double)beta, i, j, (double)got[i * ldc + j], want,
-                            bound);
+                print_error(
+                    "sgemm %zux%zux%zu ta %d tb %d beta %g: C[%zu][%zu] is %.9g, "
+                    "expected %.9g within %.3g\n",
+                    m, n, k, ta, tb, (double)beta, i, j, (double)got[i * ldc + j], want, bound);
                 fail();
               }
             }
@@ -807,6 +807,58 @@ static void test_syrk_packed(void **state) {
     free(hc);
     ac_free(be, c);
   }
+  ac_free(be, g);
+  free(hg);
+}
+
+/* The statistics of Shampoo-sized blocks (the CPU backend's small-block kernel writes the
+ * packed triangle itself, gemm_small.c): blocks of 128 x 128 and ragged ones (orders past
+ * tiles of 8 rows and 32 columns, the diagonal inside a tile) inside a wider gradient, both
+ * sides, the EMA form over NaN-free old values and beta 0 over NaN, every value within the
+ * float bound of its k-term sum; the floats past the triangle are never written. */
+static void test_syrk_small_blocks(void **state) {
+  ac_backend *be = backend(state);
+  const size_t shapes[][2] = {{128, 128}, {100, 77}, {45, 200}}; /* rows x cols of a block */
+  const size_t ld = 260;
+  float *hg = host_rand(200 * ld);
+  float *g = dev_up(be, hg, 200 * ld);
+  for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+    for (int t = 0; t < 2; t++)
+      for (int zero_beta = 0; zero_beta < 2; zero_beta++) {
+        const size_t rows = shapes[sh][0], cols = shapes[sh][1];
+        const size_t n = t == 0 ? rows : cols, k = t == 0 ? cols : rows, len = ac_packed_len(n);
+        const float *blk = hg + 3 * ld + 5;
+        const float alpha = zero_beta ? 1.0f : 0.05f, beta = zero_beta ? 0.0f : 0.95f;
+        float *hc = host_rand(len + 16);
+        for (size_t i = 0; zero_beta && i < len; i++) hc[i] = NAN;
+        float *c = dev_up(be, hc, len + 16);
+        OK(ac_syrk_packed(be, (ac_trans)t, n, k, alpha, g + 3 * ld + 5, ld, beta, c));
+        float *got = dev_down(be, c, len + 16);
+        for (size_t i = 0; i < n; i++)
+          for (size_t j = i; j < n; j++) {
+            double sum = 0.0, mag = 0.0;
+            for (size_t p = 0; p < k; p++) {
+              double v = t == 0 ? (double)blk[i * ld + p] * blk[j * ld + p]
+                                : (double)blk[p * ld + i] * blk[p * ld + j];
+              sum += v;
+              mag += fabs(v);
+            }
+            const size_t at = packed_at(n, i, j);
+            const double c0 = zero_beta ? 0.0 : hc[at], want = alpha * sum + beta * c0;
+            const double bound = ((double)k + 2.0) * 0x1p-24 * (alpha * mag + fabs(beta * c0));
+            if (!(fabs((double)got[at] - want) <= bound)) {
+              print_error(
+                  "syrk n %zu k %zu trans %d beta %g: (%zu, %zu) is %.9g, expected %.9g "
+                  "within %.3g\n",
+                  n, k, t, (double)beta, i, j, (double)got[at], want, bound);
+              fail();
+            }
+          }
+        for (size_t i = len; i < len + 16; i++) assert_true(got[i] == hc[i]);
+        free(got);
+        free(hc);
+        ac_free(be, c);
+      }
   ac_free(be, g);
   free(hg);
 }
@@ -2566,7 +2618,7 @@ static void test_cuda_matches_cpu(void **state) {
 #define PRIMITIVE_TESTS                                                                     \
   cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_memory),                  \
       cmocka_unit_test(test_permute), cmocka_unit_test(test_sgemm),                         \
-      cmocka_unit_test(test_sgemm_small_blocks),                                            \
+      cmocka_unit_test(test_sgemm_small_blocks), cmocka_unit_test(test_syrk_small_blocks),  \
       cmocka_unit_test(test_syrk_packed), cmocka_unit_test(test_syrk_packed_to_host),       \
       cmocka_unit_test(test_binary_axpby_affine), cmocka_unit_test(test_unary),             \
       cmocka_unit_test(test_bcast_reduce), cmocka_unit_test(test_scalar_reductions_argmax), \
@@ -2579,11 +2631,13 @@ static void test_cuda_matches_cpu(void **state) {
       cmocka_unit_test(test_moment_graft)
 
 int main(void) {
-  const struct CMUnitTest lifecycle[] = {
-      cmocka_unit_test(test_strerror_and_create),  cmocka_unit_test(test_cpu_threads),
-      cmocka_unit_test(test_cpu_pool_bitwise),     cmocka_unit_test(test_cpu_pool_elementwise),
-      cmocka_unit_test(test_cpu_channel_sums_isa), cmocka_unit_test(test_cpu_conv3x3_bitwise),
-      cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
+  const struct CMUnitTest lifecycle[] = {cmocka_unit_test(test_strerror_and_create),
+                                         cmocka_unit_test(test_cpu_threads),
+                                         cmocka_unit_test(test_cpu_pool_bitwise),
+                                         cmocka_unit_test(test_cpu_pool_elementwise),
+                                         cmocka_unit_test(test_cpu_channel_sums_isa),
+                                         cmocka_unit_test(test_cpu_conv3x3_bitwise),
+                                         cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
   int failed = cmocka_run_group_tests_name("lifecycle", lifecycle, NULL, NULL);
