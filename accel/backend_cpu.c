@@ -27,37 +27,76 @@ static int blas_int_ok(size_t a, size_t b, size_t c, size_t d) {
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Worker threads for the memory-bound loops (im2col, col2im, batch norm's passes, ReLU):
- * OpenBLAS threads only the gemms, and at 2 threads the second core otherwise idles through
- * everything else. A loop over n items is cut into one contiguous slice per thread; the
- * caller runs slice 0. Every kernel computes each item the same way whatever its slice
- * (reductions are split by channel, never across one), so results do not depend on the
- * thread count and runs repeat bit for bit. */
+/* Worker threads for every loop of the backend (the direct convs, batch norm's passes, the
+ * gemms' blocks, the elementwise ops). A loop over n items is cut into chunks of
+ * consecutive items, a few per thread, and each thread (the caller too) takes the next
+ * chunk not yet taken until none is left: a thread that is slower (these virtual cores
+ * differ by up to a quarter in speed) or late (asleep, off its core) takes fewer, where one
+ * contiguous half per thread made the other wait for it at the end of every loop. Every
+ * kernel computes each item the same way whichever thread runs it and whatever the chunks
+ * (reductions are split by channel, never across one; partial sums are per item), so
+ * results do not depend on the thread count or on who took what, and runs repeat bit for
+ * bit. A slice function gets the index of the thread running it (0: the caller), for
+ * per-thread scratch. */
 
-typedef void (*par_fn)(void *ctx, size_t lo, size_t hi);
+typedef void (*par_fn)(void *ctx, size_t lo, size_t hi, int thread);
 
-/* A loop is handed out by publishing (fn, ctx, n) and bumping gen; each worker runs its slice
- * and bumps finished. Both sides first spin on these counters and only then sleep on a
- * condition variable: the futex calls, and the wake-up of a sleeping thread, cost 10-50 us
- * each on this project's virtual machines, a ResNet-20 step hands out about 1200 loops, and
- * with a sleep on every one the second core idled through a fifth of the step. A thread
+/* A loop is handed out by publishing (fn, ctx, n, chunks) and then one word, work: the
+ * loop's sequence number and the range of chunks not yet taken. A thread takes a chunk by
+ * narrowing that range (compare-and-swap): the sequence number in the same word
+ * makes a late worker's claim on a finished loop fail, and a successful claim holds the loop
+ * open (the caller waits for every chunk to be done), so fn, ctx and n are still that
+ * loop's when the worker reads them. The caller waits only for chunks taken, never for a
+ * worker that took none. Both sides first spin and only then sleep on a condition
+ * variable: the futex calls, and the wake-up of a sleeping thread, cost 10-50 us each on
+ * this project's virtual machines and a ResNet-20 step hands out about 550 loops. A thread
  * that sleeps says so (sleepers, caller_sleeps, under mu), so the other side makes the
  * wake-up call only then. The spin is adaptive (pool_adapt): on a loaded machine, where
  * the other thread is often off its core for milliseconds, a fixed spin doubled the step's
  * CPU time and its wall time with it. */
+/* PRECOND_POOL_STATS=1 in the environment: where the pool's threads work and idle, per
+ * kind of loop (its slice function's name), printed to stderr when the backend is destroyed
+ * (pool_stats_print). Off, it costs one branch per loop. For each kind: the loops handed
+ * out and those run on the caller alone (under the split threshold), the wall time from
+ * hand-out to the last slice's end, and per thread the wall and CPU time (the thread's own
+ * clock) of its slices: a thread's wall in the loop minus its slices' wall is its idle
+ * time there, and the sum of the threads' CPU over (wall x threads) the loop's share of
+ * busy cores, a figure the machine's load distorts less than wall times do. Between loops
+ * the caller's wall and CPU time are counted too (the workers idle then). */
+#define POOL_STAT_KINDS 32
+
+typedef struct pool_stat {
+  const char *name;
+  unsigned long loops, small; /* handed out; run on the caller alone */
+  long wall_ns, small_ns;     /* hand-out to last slice; the small loops' wall */
+  long wait_ns;               /* the caller, from its last chunk to the others' last */
+  long *busy_ns, *cpu_ns;     /* per thread: its slices' wall and CPU time */
+} pool_stat;
+
+typedef struct pool_stats {
+  pool_stat kind[POOL_STAT_KINDS];
+  int nkinds;
+  long gap_wall_ns, gap_cpu_ns; /* the caller between loops handed out */
+  long last_end_ns, last_end_cpu_ns;
+  long *slots; /* 2 x nthreads x POOL_STAT_KINDS longs behind busy_ns and cpu_ns */
+} pool_stats;
+
 typedef struct cpu_pool {
   int nthreads;       /* including the caller; 1: no workers were started */
   pthread_t *workers; /* nthreads - 1 */
   pthread_mutex_t mu;
-  pthread_cond_t go, done;
-  _Atomic unsigned long gen;      /* bumped for every loop handed out */
-  _Atomic unsigned long finished; /* bumped by every worker that ran its slice */
+  pthread_cond_t go, done_cv;
+  _Atomic unsigned long long work; /* seq << 32 | front << 16 | back (pool_take) */
+  _Atomic unsigned long done;      /* chunks of the current loop finished */
   _Atomic int stop;
   int sleepers, caller_sleeps; /* under mu */
   long caller_spin;            /* the caller's spin budget (ns; pool_adapt) */
   par_fn fn;
   void *ctx;
-  size_t n;
+  size_t n, chunks;      /* items and chunks of the current loop */
+  pool_stats *stats;     /* NULL unless PRECOND_POOL_STATS is set */
+  int kind;              /* the loop's index in stats */
+  int chunks_per_thread; /* POOL_CHUNKS_PER_THREAD, or PRECOND_POOL_CHUNKS (pool_start) */
 } cpu_pool;
 
 typedef struct pool_worker_arg {
@@ -80,15 +119,28 @@ static long pool_now_ns(void) {
   return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-/* Spins while (*word == value) == eq and stop is clear, for up to budget ns (the clock read
- * every 64 pauses); 1 if the wait ended. */
-static int pool_spin(cpu_pool *p, _Atomic unsigned long *word, unsigned long value, int eq, long t0,
-                     long budget) {
-  for (unsigned i = 0;; i++) {
-    if ((atomic_load(word) == value) != eq || atomic_load(&p->stop)) return 1;
+static void pool_pause(void) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_ia32_pause();
+  __builtin_ia32_pause();
 #endif
+}
+
+/* Spins while *word == value and stop is clear, for up to budget ns (the clock read every
+ * 64 pauses); 1 if the wait ended. */
+static int pool_spin(cpu_pool *p, _Atomic unsigned long long *word, unsigned long long value,
+                     long t0, long budget) {
+  for (unsigned i = 0;; i++) {
+    if (atomic_load(word) != value || atomic_load(&p->stop)) return 1;
+    pool_pause();
+    if (i % 64 == 63 && pool_now_ns() - t0 > budget) return 0;
+  }
+}
+
+/* Spins until the current loop's chunks are all done, for up to budget ns; 1 if they are. */
+static int pool_spin_done(cpu_pool *p, size_t chunks, long t0, long budget) {
+  for (unsigned i = 0;; i++) {
+    if (atomic_load(&p->done) == chunks) return 1;
+    pool_pause();
     if (i % 64 == 63 && pool_now_ns() - t0 > budget) return 0;
   }
 }
@@ -109,32 +161,137 @@ static void pool_adapt(long *budget, long waited) {
   }
 }
 
+static long pool_cpu_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* The stats' index of the loop kind name (compared by address: a string literal of
+ * par_for), added on first sight; the last slot takes every kind beyond. */
+static int pool_stat_kind(pool_stats *st, const char *name) {
+  for (int i = 0; i < st->nkinds; i++)
+    if (st->kind[i].name == name) return i;
+  if (st->nkinds == POOL_STAT_KINDS) return POOL_STAT_KINDS - 1;
+  st->kind[st->nkinds].name = name;
+  return st->nkinds++;
+}
+
+/* Runs thread's slice [lo, hi) of the current loop, timed when the stats are on. */
+static void pool_slice(cpu_pool *p, int thread, size_t lo, size_t hi) {
+  if (p->stats == NULL) {
+    p->fn(p->ctx, lo, hi, thread);
+    return;
+  }
+  long t0 = pool_now_ns(), c0 = pool_cpu_ns();
+  p->fn(p->ctx, lo, hi, thread);
+  pool_stat *k = &p->stats->kind[p->kind];
+  k->busy_ns[thread] += pool_now_ns() - t0;
+  k->cpu_ns[thread] += pool_cpu_ns() - c0;
+}
+
+/* Allocates the stats when PRECOND_POOL_STATS is set to something other than 0 (none on
+ * out of memory: they are a diagnostic). */
+static pool_stats *pool_stats_new(int nthreads) {
+  const char *env = getenv("PRECOND_POOL_STATS");
+  if (env == NULL || env[0] == '\0' || strcmp(env, "0") == 0) return NULL;
+  pool_stats *st = calloc(1, sizeof *st);
+  long *slots = calloc(2 * (size_t)nthreads * POOL_STAT_KINDS, sizeof *slots);
+  if (st == NULL || slots == NULL) {
+    free(st);
+    free(slots);
+    return NULL;
+  }
+  st->slots = slots;
+  for (int i = 0; i < POOL_STAT_KINDS; i++) {
+    st->kind[i].busy_ns = slots + 2 * (size_t)i * (size_t)nthreads;
+    st->kind[i].cpu_ns = st->kind[i].busy_ns + nthreads;
+  }
+  st->last_end_ns = -1;
+  return st;
+}
+
+/* One line per loop kind, then the caller's time between loops and a total, to stderr:
+ * "pool-stats KIND loops small wall_ms small_ms caller_wait_ms busy_ms(per thread) cpu_ms(per thread)
+ * idle_ms(of the threads but the caller) cores_busy". Frees the stats. */
+static void pool_stats_print(pool_stats *st, int nthreads) {
+  if (st == NULL) return;
+  double wall = 0, cpu = 0;
+  fprintf(stderr,
+          "pool-stats kind loops small wall_ms small_ms caller_wait_ms busy_ms[t] cpu_ms[t] "
+          "worker_idle_ms cores_busy\n");
+  for (int i = 0; i < st->nkinds; i++) {
+    const pool_stat *k = &st->kind[i];
+    double c = 0, idle = 0;
+    fprintf(stderr, "pool-stats %-18s %6lu %6lu %9.2f %8.2f %8.2f", k->name, k->loops, k->small,
+            1e-6 * (double)k->wall_ns, 1e-6 * (double)k->small_ns, 1e-6 * (double)k->wait_ns);
+    for (int t = 0; t < nthreads; t++) fprintf(stderr, " %8.2f", 1e-6 * (double)k->busy_ns[t]);
+    for (int t = 0; t < nthreads; t++) {
+      fprintf(stderr, " %8.2f", 1e-6 * (double)k->cpu_ns[t]);
+      c += 1e-6 * (double)k->cpu_ns[t];
+      if (t > 0) idle += 1e-6 * (double)(k->wall_ns - k->busy_ns[t]);
+    }
+    fprintf(stderr, " %8.2f %5.2f\n", idle, k->wall_ns > 0 ? c / (1e-6 * (double)k->wall_ns) : 0.0);
+    wall += 1e-6 * (double)k->wall_ns;
+    cpu += c;
+  }
+  fprintf(stderr, "pool-stats between-loops wall_ms %.2f caller_cpu_ms %.2f\n",
+          1e-6 * (double)st->gap_wall_ns, 1e-6 * (double)st->gap_cpu_ns);
+  fprintf(stderr, "pool-stats in-loops wall_ms %.2f cpu_ms %.2f cores_busy %.2f\n", wall, cpu,
+          wall > 0 ? cpu / wall : 0.0);
+  free(st->slots);
+  free(st);
+}
+
+#define POOL_SEQ(w)   ((w) >> 32)
+#define POOL_FRONT(w) ((size_t)((w) >> 16) & 0xffff)
+#define POOL_BACK(w)  ((size_t)(w)&0xffff)
+
+/* Runs chunks of the current loop on thread until none is left; returns the last value of
+ * work it saw (a loop with every chunk taken: the value to wait on for the next). The
+ * chunks not yet taken are [front, back): the caller takes them from the front, the
+ * workers from the back, so that when the threads keep pace each runs the same part of
+ * the items loop after loop (one contiguous slice each, as the pool had before the chunks:
+ * the images a conv wrote are still in that core's cache for the batch norm after it), and
+ * only where they meet does the faster one take more. */
+static unsigned long long pool_take(cpu_pool *p, int thread) {
+  unsigned long long w = atomic_load(&p->work);
+  for (;;) {
+    size_t front = POOL_FRONT(w), back = POOL_BACK(w);
+    if (front >= back) return w;
+    unsigned long long next = thread == 0 ? w + (1ULL << 16) : w - 1;
+    if (!atomic_compare_exchange_weak(&p->work, &w, next)) continue; /* w reloaded */
+    size_t lo, hi, chunks = p->chunks;
+    slice_of(p->n, (int)chunks, (int)(thread == 0 ? front : back - 1), &lo, &hi);
+    pool_slice(p, thread, lo, hi);
+    if (atomic_fetch_add(&p->done, 1) + 1 == chunks && thread != 0) {
+      pthread_mutex_lock(&p->mu);
+      if (p->caller_sleeps) pthread_cond_signal(&p->done_cv);
+      pthread_mutex_unlock(&p->mu);
+    }
+    w = atomic_load(&p->work);
+  }
+}
+
 static void *pool_worker(void *arg) {
   pool_worker_arg a = *(pool_worker_arg *)arg;
   free(arg);
   cpu_pool *p = a.pool;
-  unsigned long seen = 0;
+  unsigned long long seen = 0;
   long budget = POOL_SPIN_MAX_NS;
   for (;;) {
     long t0 = pool_now_ns();
-    if (!pool_spin(p, &p->gen, seen, 1, t0, budget)) {
+    if (!pool_spin(p, &p->work, seen, t0, budget)) {
       pthread_mutex_lock(&p->mu);
       p->sleepers++;
-      while (!atomic_load(&p->stop) && atomic_load(&p->gen) == seen)
+      while (!atomic_load(&p->stop) && atomic_load(&p->work) == seen)
         pthread_cond_wait(&p->go, &p->mu);
       p->sleepers--;
       pthread_mutex_unlock(&p->mu);
     }
     pool_adapt(&budget, pool_now_ns() - t0);
     if (atomic_load(&p->stop)) break;
-    seen = atomic_load(&p->gen);
-    size_t lo, hi;
-    slice_of(p->n, p->nthreads, a.index, &lo, &hi);
-    if (lo < hi) p->fn(p->ctx, lo, hi);
-    atomic_fetch_add(&p->finished, 1);
-    pthread_mutex_lock(&p->mu);
-    if (p->caller_sleeps) pthread_cond_signal(&p->done);
-    pthread_mutex_unlock(&p->mu);
+    seen = pool_take(p, a.index);
   }
   return NULL;
 }
@@ -142,37 +299,74 @@ static void *pool_worker(void *arg) {
 /* Loops touching fewer floats than this run on the caller alone: handing out a loop costs
  * more than it saves. */
 #define PAR_MIN_FLOATS 32768.0
+/* Chunks per thread, and the least work (floats) of a chunk: enough chunks that a thread
+ * 25% slower, or one that starts late, leaves the other little to wait for at the end;
+ * few enough that taking one (an atomic operation on a shared line) stays small. */
+#define POOL_CHUNKS_PER_THREAD 16
+#define POOL_MIN_CHUNK_FLOATS  8192.0
 
-/* fn over [0, n) split across the pool; work: floats read and written, to skip threading
- * for small loops. The caller runs slice 0, then waits for the others' (spinning first). */
-static void par_for(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx) {
+/* fn over [0, n) in chunks taken by the pool's threads; work: floats read and written, to
+ * skip threading for small loops and to size the chunks. The caller takes chunks too, then
+ * waits for the ones the others took (spinning first). */
+#define par_for(p, n, work, fn, ctx) pool_run(p, n, work, fn, ctx, #fn)
+
+static void pool_run(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx, const char *name) {
+  long t_start = 0;
+  if (p->stats != NULL) {
+    p->kind = pool_stat_kind(p->stats, name);
+    t_start = pool_now_ns();
+  }
   if (p->nthreads <= 1 || n < 2 || work < PAR_MIN_FLOATS) {
-    if (n > 0) fn(ctx, 0, n);
+    if (n > 0) fn(ctx, 0, n, 0);
+    if (p->stats != NULL) {
+      p->stats->kind[p->kind].small++;
+      p->stats->kind[p->kind].small_ns += pool_now_ns() - t_start;
+    }
     return;
   }
-  unsigned long target = atomic_load(&p->finished) + (unsigned long)(p->nthreads - 1);
+  if (p->stats != NULL && p->stats->last_end_ns >= 0) {
+    p->stats->gap_wall_ns += t_start - p->stats->last_end_ns;
+    p->stats->gap_cpu_ns += pool_cpu_ns() - p->stats->last_end_cpu_ns;
+  }
+  double most = work / POOL_MIN_CHUNK_FLOATS;
+  size_t chunks = (size_t)p->nthreads * (size_t)p->chunks_per_thread;
+  if (most < (double)chunks)
+    chunks = most > (double)p->nthreads ? (size_t)most : (size_t)p->nthreads;
+  if (chunks > n) chunks = n;
+  if (chunks > 0xffff) chunks = 0xffff;
   p->fn = fn;
   p->ctx = ctx;
   p->n = n;
-  atomic_fetch_add(&p->gen, 1); /* publishes fn, ctx, n (sequentially consistent) */
+  p->chunks = chunks;
+  atomic_store(&p->done, 0);
+  unsigned long long seq = POOL_SEQ(atomic_load(&p->work)) + 1;
+  /* publishes fn, ctx, n (sequentially consistent) */
+  atomic_store(&p->work, (seq & 0xffffffffULL) << 32 | (unsigned long long)chunks);
   pthread_mutex_lock(&p->mu);
   if (p->sleepers > 0) pthread_cond_broadcast(&p->go);
   pthread_mutex_unlock(&p->mu);
-  size_t lo, hi;
-  slice_of(n, p->nthreads, 0, &lo, &hi);
-  if (lo < hi) fn(ctx, lo, hi);
+  pool_take(p, 0);
   long t0 = pool_now_ns();
-  if (!pool_spin(p, &p->finished, target, 0, t0, p->caller_spin)) {
+  if (!pool_spin_done(p, chunks, t0, p->caller_spin)) {
     pthread_mutex_lock(&p->mu);
     p->caller_sleeps = 1;
-    while (atomic_load(&p->finished) != target) pthread_cond_wait(&p->done, &p->mu);
+    while (atomic_load(&p->done) != chunks) pthread_cond_wait(&p->done_cv, &p->mu);
     p->caller_sleeps = 0;
     pthread_mutex_unlock(&p->mu);
   }
   pool_adapt(&p->caller_spin, pool_now_ns() - t0);
+  if (p->stats != NULL) {
+    p->stats->kind[p->kind].wait_ns += pool_now_ns() - t0;
+    p->stats->last_end_ns = pool_now_ns();
+    p->stats->last_end_cpu_ns = pool_cpu_ns();
+    p->stats->kind[p->kind].loops++;
+    p->stats->kind[p->kind].wall_ns += p->stats->last_end_ns - t_start;
+  }
 }
 
 static void pool_stop(cpu_pool *p) {
+  pool_stats_print(p->stats, p->nthreads);
+  p->stats = NULL;
   if (p->nthreads > 1) {
     pthread_mutex_lock(&p->mu);
     atomic_store(&p->stop, 1);
@@ -181,7 +375,7 @@ static void pool_stop(cpu_pool *p) {
     for (int i = 0; i < p->nthreads - 1; i++) pthread_join(p->workers[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->go);
-    pthread_cond_destroy(&p->done);
+    pthread_cond_destroy(&p->done_cv);
   }
   free(p->workers);
   p->workers = NULL;
@@ -192,8 +386,8 @@ static void pool_stop(cpu_pool *p) {
  * (nthreads 1): slower, never wrong. */
 static void pool_start(cpu_pool *p, int nthreads) {
   memset(p, 0, sizeof *p);
-  atomic_init(&p->gen, 0);
-  atomic_init(&p->finished, 0);
+  atomic_init(&p->work, 0);
+  atomic_init(&p->done, 0);
   atomic_init(&p->stop, 0);
   p->caller_spin = POOL_SPIN_MAX_NS;
   p->nthreads = 1;
@@ -202,8 +396,13 @@ static void pool_start(cpu_pool *p, int nthreads) {
   if (p->workers == NULL) return;
   if (pthread_mutex_init(&p->mu, NULL) != 0) goto fail_mu;
   if (pthread_cond_init(&p->go, NULL) != 0) goto fail_go;
-  if (pthread_cond_init(&p->done, NULL) != 0) goto fail_done;
+  if (pthread_cond_init(&p->done_cv, NULL) != 0) goto fail_done;
   p->nthreads = nthreads;
+  p->stats = pool_stats_new(nthreads);
+  /* PRECOND_POOL_CHUNKS=k: k chunks per thread (1: one contiguous slice each, as the pool
+   * of session 10), to measure what the chunks change on a given machine. */
+  const char *env = getenv("PRECOND_POOL_CHUNKS");
+  p->chunks_per_thread = env != NULL && atoi(env) > 0 ? atoi(env) : POOL_CHUNKS_PER_THREAD;
   for (int i = 0; i < nthreads - 1; i++) {
     pool_worker_arg *a = malloc(sizeof *a);
     if (a != NULL) {
@@ -300,7 +499,7 @@ typedef struct fill_args {
   float *x;
 } fill_args;
 
-static void fill_slice(void *ctx, size_t blo, size_t bhi) {
+static void fill_slice(void *ctx, size_t blo, size_t bhi, int thread) {
   const fill_args *a = ctx;
   size_t lo, len;
   ew_range(a->n, blo, bhi, &lo, &len);
@@ -338,7 +537,7 @@ typedef struct perm_args {
   float *y;
 } perm_args;
 
-static void permute_rows(void *ctx, size_t lo, size_t hi) {
+static void permute_rows(void *ctx, size_t lo, size_t hi, int thread) {
   const perm_args *a = ctx;
   size_t idx[AC_MAX_DIMS], r = lo;
   for (int d = a->outer - 1; d >= 0; d--) {
@@ -420,7 +619,7 @@ typedef struct gemm_args {
 
 /* The items [lo, hi): C_i[r0:r1, :) from A's rows r0.. (its columns when A is transposed),
  * or C_i[:, j0:j1) from B's columns j0.. (its rows when B is transposed). */
-static void gemm_slice(void *ctx, size_t lo, size_t hi) {
+static void gemm_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const gemm_args *g = ctx;
   for (size_t it = lo; it < hi; it++) {
     size_t i = it / g->nblocks, s0 = it % g->nblocks * g->block;
@@ -483,7 +682,7 @@ static int cpu_sgemm_batched(ac_backend *be, ac_trans ta, ac_trans tb, size_t m,
   g.nblocks = (len + g.block - 1) / g.block;
   double macs = (double)m * (double)n * (double)k * (double)batch;
   if (impl->pool.nthreads <= 1 || macs < PAR_GEMM_MACS)
-    gemm_slice(&g, 0, batch * g.nblocks);
+    gemm_slice(&g, 0, batch * g.nblocks, 0);
   else
     par_for(pool_of(be), batch * g.nblocks, macs, gemm_slice, &g);
   return AC_OK;
@@ -506,7 +705,7 @@ typedef struct syrk_args {
   float *c;
 } syrk_args;
 
-static void syrk_slice(void *ctx, size_t lo, size_t hi) {
+static void syrk_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const syrk_args *s = ctx;
   for (size_t it = lo; it < hi; it++) {
     size_t blk = it % 2 == 0 ? it / 2 : s->nblocks - 1 - it / 2;
@@ -551,7 +750,7 @@ static int cpu_syrk_packed(ac_backend *be, ac_trans trans, size_t n, size_t k, f
     s.nblocks = (n + s.block - 1) / s.block;
     double macs = (double)n * (double)n * (double)k / 2;
     if (macs < PAR_GEMM_MACS)
-      syrk_slice(&s, 0, s.nblocks);
+      syrk_slice(&s, 0, s.nblocks, 0);
     else
       par_for(pool_of(be), s.nblocks, macs, syrk_slice, &s);
   }
@@ -643,7 +842,7 @@ typedef struct ew_args {
   float *out;
 } ew_args;
 
-static void ew_slice(void *ctx, size_t blo, size_t bhi);
+static void ew_slice(void *ctx, size_t blo, size_t bhi, int thread);
 
 /* work: floats read and written per element (more for the exp-bound GELU). */
 static void ew_run(ac_backend *be, const ew_args *e, double work) {
@@ -796,7 +995,7 @@ static void unary_backward_range(ac_unary_op op, size_t n, const float *x, const
   }
 }
 
-static void ew_slice(void *ctx, size_t blo, size_t bhi) {
+static void ew_slice(void *ctx, size_t blo, size_t bhi, int thread) {
   const ew_args *e = ctx;
   size_t lo, len;
   ew_range(e->n, blo, bhi, &lo, &len);
@@ -844,7 +1043,7 @@ typedef struct bcast_args {
   float *out;
 } bcast_args;
 
-static void bcast_slice(void *ctx, size_t lo, size_t hi) {
+static void bcast_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const bcast_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     if (a->inner == 1) {
@@ -891,7 +1090,7 @@ typedef struct reduce_args {
   double *acc;
 } reduce_args;
 
-static void reduce_rows_slice(void *ctx, size_t lo, size_t hi) {
+static void reduce_rows_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const reduce_args *a = ctx;
   for (size_t m = lo; m < hi; m++)
     for (size_t o = 0; o < a->outer; o++)
@@ -1077,7 +1276,7 @@ static void moments_finish(double s, double q, double count, float *mean, float 
   *var = (float)(v > 0.0 ? v : 0.0);
 }
 
-static void moments_slice(void *ctx, size_t lo, size_t hi) {
+static void moments_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t m = lo; m < hi; m++) {
     double s = 0.0, q = 0.0;
@@ -1100,7 +1299,7 @@ static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t 
   return AC_OK;
 }
 
-AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi) {
+AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -1141,7 +1340,7 @@ static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t i
   return AC_OK;
 }
 
-static void grad_sums_slice(void *ctx, size_t lo, size_t hi) {
+static void grad_sums_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t m = lo; m < hi; m++) {
     double sg = 0.0, sgx = 0.0;
@@ -1173,7 +1372,7 @@ static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_
   return AC_OK;
 }
 
-AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi) {
+AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -1526,12 +1725,12 @@ typedef struct lower_args {
   float *dst;
 } lower_args;
 
-static void im2col_slice(void *ctx, size_t lo, size_t hi) {
+static void im2col_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const lower_args *a = ctx;
   im2col_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
 
-static void col2im_slice(void *ctx, size_t lo, size_t hi) {
+static void col2im_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const lower_args *a = ctx;
   col2im_images(a->g, a->oh, a->ow, a->merged, a->src, a->dst, lo, hi);
 }
@@ -1956,6 +2155,7 @@ typedef struct c3_args {
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
+  unsigned char *ready;    /* per thread: its scratch's zeros written (c3_thread_scratch) */
   double *sums;     /* NULL, or the forward's moments: per image and output channel, s and q */
   const float *res; /* NULL, or added to the forward's output as it is copied out */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
@@ -1964,6 +2164,9 @@ typedef struct c3_args {
 } c3_args;
 
 #if C3_HAVE_KERNELS
+/* Floats of scratch behind the per-thread flags of threads threads. */
+#define C3_READY_FLOATS(threads) (((threads) + sizeof(float) - 1) / sizeof(float))
+
 /* The backend's variant: its ISA and vector width. */
 static void c3_args_isa(ac_backend *be, c3_args *a) {
   a->isa = ((cpu_impl *)be->impl)->isa;
@@ -2055,113 +2258,115 @@ static void c3_fwd_kernel(const c3_args *a, size_t c, size_t cl, size_t nt, cons
     c3_fwd_block(c, cl, nt, off, a->nv, xq, wp, out, ldo);
 }
 
-/* Forward, one part of the batch per thread (parts = the pool's threads): each image is
- * packed into the thread's scratch, convolved 4 output channels at a time into the rest of
- * it, and its valid positions copied out. */
-static void c3_fwd_part(void *ctx, size_t lo, size_t hi) {
+/* The scratch of thread (per_thread floats each), and whether its zeros (the padding the
+ * packing routines leave alone) still have to be written: once per thread and call, on its
+ * first chunk. */
+static float *c3_thread_scratch(const c3_args *a, int thread, int *fresh) {
+  *fresh = !a->ready[thread];
+  a->ready[thread] = 1;
+  return a->scratch + (size_t)thread * a->per_thread;
+}
+
+/* Forward, images [lo, hi) on thread: each image is packed into the thread's scratch,
+ * convolved 4 output channels at a time into the rest of it, and its valid positions
+ * copied out. */
+static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
-  for (size_t part = lo; part < hi; part++) {
-    float *xq = a->scratch + part * a->per_thread, *out = xq + a->c * a->cl;
-    size_t b0, b1, ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
-    slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
-    for (size_t b = b0; b < b1; b++) {
-      for (size_t ch = 0; ch < a->c; ch++)
-        c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl, b == b0 ? a->cl : 0);
-      for (size_t ob = 0; ob < a->oc / 4; ob++) {
-        c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
-        for (size_t i = 0; i < 4; i++) {
-          float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
-          const float *rp = a->res != NULL ? a->res + (plane - a->y) : NULL;
-          for (size_t y = 0; y < g->h; y++)
-            if (rp != NULL)
-              c3_copy_add(plane + y * g->w, out + i * ldo + y * g->wq, rp + y * g->w, g->w);
-            else
-              c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
-          if (a->sums != NULL) { /* the plane just written, from the cache */
-            double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
-            sq[0] = sq[1] = 0.0;
-            row_moments(a->isa, ohw, plane, sq, sq + 1);
-          }
+  int fresh;
+  float *xq = c3_thread_scratch(a, thread, &fresh), *out = xq + a->c * a->cl;
+  size_t ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
+  for (size_t b = lo; b < hi; b++) {
+    for (size_t ch = 0; ch < a->c; ch++)
+      c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl,
+                 b == lo && fresh ? a->cl : 0);
+    for (size_t ob = 0; ob < a->oc / 4; ob++) {
+      c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
+      for (size_t i = 0; i < 4; i++) {
+        float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
+        const float *rp = a->res != NULL ? a->res + (plane - a->y) : NULL;
+        for (size_t y = 0; y < g->h; y++)
+          if (rp != NULL)
+            c3_copy_add(plane + y * g->w, out + i * ldo + y * g->wq, rp + y * g->w, g->w);
+          else
+            c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
+        if (a->sums != NULL) { /* the plane just written, from the cache */
+          double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
+          sq[0] = sq[1] = 0.0;
+          row_moments(a->isa, ohw, plane, sq, sq + 1);
         }
       }
     }
   }
 }
 
-/* Input gradient of a stride-2 conv, one part of the batch per thread: each image's dy is
- * packed (as an output, pixel (y, x) at y wq + x, zeros after each row and image), then
- * for every block of 4 input channels and every phase of dx, a forward pass over the
- * phase's taps, scattered to every other pixel of dx. */
-static void c3_dgrad_part(void *ctx, size_t lo, size_t hi) {
+/* Input gradient of a stride-2 conv, images [lo, hi) on thread: each image's dy is packed
+ * (as an output, pixel (y, x) at y wq + x, zeros after each row and image), then for every
+ * block of 4 input channels and every phase of dx, a forward pass over the phase's taps,
+ * scattered to every other pixel of dx. */
+static void c3_dgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
-  for (size_t part = lo; part < hi; part++) {
-    float *dq = a->scratch + part * a->per_thread, *out = dq + a->oc * a->dl;
-    size_t b0, b1, ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
-    slice_of(a->n, (int)a->parts, (int)part, &b0, &b1);
-    for (size_t b = b0; b < b1; b++) {
-      for (size_t o = 0; o < a->oc; o++)
-        c3_pack(g, 1, a->dy + (b * a->oc + o) * ohw, 0, 0, dq + o * a->dl, b == b0 ? a->dl : 0);
-      float *dxb = a->y + b * a->c * ihw;
-      if (a->nph == 1) memset(dxb, 0, a->c * ihw * sizeof *dxb); /* 1x1: odd pixels get none */
-      for (size_t cb = 0; cb < a->c / 4; cb++)
-        for (size_t ph = 0; ph < a->nph; ph++) {
-          size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
-          c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq,
-                        a->w + a->dwo[ph] + cb * a->oc * 4 * nt, out, ldo);
-          for (size_t i = 0; i < 4; i++)
-            for (size_t y = 0; y < g->h; y++) {
-              float *d = dxb + (4 * cb + i) * ihw + (2 * y + rp) * a->iw + cp;
-              const float *s = out + i * ldo + y * g->wq;
-              for (size_t x = 0; x < g->w; x++) d[2 * x] = s[x];
-            }
-        }
-    }
+  int fresh;
+  float *dq = c3_thread_scratch(a, thread, &fresh), *out = dq + a->oc * a->dl;
+  size_t ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
+  for (size_t b = lo; b < hi; b++) {
+    for (size_t o = 0; o < a->oc; o++)
+      c3_pack(g, 1, a->dy + (b * a->oc + o) * ohw, 0, 0, dq + o * a->dl,
+              b == lo && fresh ? a->dl : 0);
+    float *dxb = a->y + b * a->c * ihw;
+    if (a->nph == 1) memset(dxb, 0, a->c * ihw * sizeof *dxb); /* 1x1: odd pixels get none */
+    for (size_t cb = 0; cb < a->c / 4; cb++)
+      for (size_t ph = 0; ph < a->nph; ph++) {
+        size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
+        c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq, a->w + a->dwo[ph] + cb * a->oc * 4 * nt,
+                      out, ldo);
+        for (size_t i = 0; i < 4; i++)
+          for (size_t y = 0; y < g->h; y++) {
+            float *d = dxb + (4 * cb + i) * ihw + (2 * y + rp) * a->iw + cp;
+            const float *s = out + i * ldo + y * g->wq;
+            for (size_t x = 0; x < g->w; x++) d[2 * x] = s[x];
+          }
+      }
   }
 }
 
-/* Weight gradient, one part of the groups per thread (parts = the pool's threads): group
- * k sums chunks [k nch / groups, (k + 1) nch / groups) of images into its own partial
- * weights pw_k, chunk by chunk (x's and dy's channels packed into the thread's scratch,
- * then the 4 x kk weights of every (output block, input channel)). Which thread runs a
- * group does not change its sums. */
-static void c3_wgrad_part(void *ctx, size_t lo, size_t hi) {
+/* Weight gradient, groups [lo, hi) on thread: group k sums chunks [k nch / groups, (k + 1)
+ * nch / groups) of images into its own partial weights pw_k, chunk by chunk (x's and dy's
+ * channels packed into the thread's scratch, then the 4 x kk weights of every (output
+ * block, input channel)). Which thread runs a group does not change its sums. */
+static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
   size_t ihw = a->ih * a->iw, ohw = g->h * g->w, wn = a->oc * a->c * a->kk;
-  for (size_t part = lo; part < hi; part++) {
-    float *xq = a->scratch + part * a->per_thread, *dq = xq + a->c * a->cl;
-    size_t k0, k1;
-    slice_of(a->groups, (int)a->parts, (int)part, &k0, &k1);
-    for (size_t k = k0; k < k1; k++) {
-      float *pw = a->dw + k * wn;
-      memset(pw, 0, wn * sizeof *pw);
-      size_t q0, q1;
-      slice_of(a->nch, (int)a->groups, (int)k, &q0, &q1);
-      for (size_t q = q0; q < q1; q++) {
-        size_t b0, b1;
-        slice_of(a->n, (int)a->nch, (int)q, &b0, &b1);
-        size_t nb = b1 - b0, nv = c3_nvec(g, nb, a->vw);
-        for (size_t ch = 0; ch < a->c; ch++)
-          c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl, a->cl);
-        for (size_t o = 0; o < a->oc; o++)
-          c3_pack(g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl, a->dl);
-        for (size_t ob = 0; ob < a->oc / 4; ob++)
-          for (size_t ch = 0; ch < a->c; ch++) {
-            const float *dqb = dq + ob * 4 * a->dl, *xc = xq + ch * a->cl;
-            float *dw = pw + (ob * 4 * a->c + ch) * a->kk;
-            size_t ldw = a->c * a->kk;
-            if (a->isa == AC_CPU_ISA_AVX512 && a->kk == 9)
-              c5_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
-            else if (a->isa == AC_CPU_ISA_AVX512)
-              c5_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
-            else if (a->kk == 9)
-              c3_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
-            else
-              c3_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
-          }
-      }
+  float *xq = a->scratch + (size_t)thread * a->per_thread, *dq = xq + a->c * a->cl;
+  for (size_t k = lo; k < hi; k++) {
+    float *pw = a->dw + k * wn;
+    memset(pw, 0, wn * sizeof *pw);
+    size_t q0, q1;
+    slice_of(a->nch, (int)a->groups, (int)k, &q0, &q1);
+    for (size_t q = q0; q < q1; q++) {
+      size_t b0, b1;
+      slice_of(a->n, (int)a->nch, (int)q, &b0, &b1);
+      size_t nb = b1 - b0, nv = c3_nvec(g, nb, a->vw);
+      for (size_t ch = 0; ch < a->c; ch++)
+        c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl, a->cl);
+      for (size_t o = 0; o < a->oc; o++)
+        c3_pack(g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl, a->dl);
+      for (size_t ob = 0; ob < a->oc / 4; ob++)
+        for (size_t ch = 0; ch < a->c; ch++) {
+          const float *dqb = dq + ob * 4 * a->dl, *xc = xq + ch * a->cl;
+          float *dw = pw + (ob * 4 * a->c + ch) * a->kk;
+          size_t ldw = a->c * a->kk;
+          if (a->isa == AC_CPU_ISA_AVX512 && a->kk == 9)
+            c5_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
+          else if (a->isa == AC_CPU_ISA_AVX512)
+            c5_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
+          else if (a->kk == 9)
+            c3_wgrad_block(nv, a->off, dqb, a->dl, xc, dw, ldw);
+          else
+            c3_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
+        }
     }
   }
 }
@@ -2179,13 +2384,15 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
   a.per_thread = c * a.cl + 4 * a.nv * a.vw;
   size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = moments != NULL ? 4 * n * oc : 0;
-  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats);
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats + C3_READY_FLOATS(parts));
   if (s == NULL) return AC_ENOMEM;
   c3_pack_weights(c, oc, a.kk, wt, s);
   a.w = s;
   a.scratch = s + wfloats;
   if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
-  par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
+  a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
+  memset(a.ready, 0, parts);
+  par_for(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
   /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
    * same bits. */
   for (size_t o = 0; o < oc && moments != NULL; o++) {
@@ -2231,7 +2438,7 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
   if (s == NULL) return AC_ENOMEM;
   a.dw = s;
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
-  par_for(pool, a.parts, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a);
+  par_for(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a);
   for (size_t i = 0; i < wn; i++) {
     float acc = a.dw[i];
     for (size_t g = 1; g < a.groups; g++) acc += a.dw[g * wn + i];
@@ -2303,7 +2510,7 @@ static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
   c3_set_dgrad_taps(&a);
   a.per_thread = oc * a.dl + 4 * a.nv * a.vw;
   size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
-  float *s = cpu_scratch(be, wfloats + parts * a.per_thread);
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + C3_READY_FLOATS(parts));
   if (s == NULL) return AC_ENOMEM;
   /* s[dwo + ((cb oc + o) nt + t) 4 + i] = W[o][4 cb + i][tap t of the phase] */
   for (size_t ph = 0; ph < a.nph; ph++)
@@ -2315,7 +2522,9 @@ static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
                 wt[(o * c + 4 * cb + i) * a.kk + a.dtap[ph][t]];
   a.w = s;
   a.scratch = s + wfloats;
-  par_for(pool, parts, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a);
+  a.ready = (unsigned char *)(a.scratch + parts * a.per_thread);
+  memset(a.ready, 0, parts);
+  par_for(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a);
   return AC_OK;
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)dy, (void)wt, (void)dx;

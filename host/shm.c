@@ -321,6 +321,10 @@ static void *pd__shm_bell_main(void *arg) {
                            "shm doorbell: the request or its answer's room lies outside the "
                            "region's push ring, or the method (%u) is unknown",
                            (unsigned)b.method);
+    /* Where this thread ran: the client streams its large slots only when it writes them
+     * on another core (rpc_shm_streams). */
+    int cpu = rpc_shm_cpu();
+    __atomic_store_n(&h->daemon_cpu, cpu < 0 ? 0u : (uint32_t)cpu + 1, __ATOMIC_RELAXED);
     rpc_shm_bell_answer(s->map, s->bytes, &b, code, out, n);
   }
   if (out != small) free(out);

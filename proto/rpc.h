@@ -404,8 +404,19 @@ unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len
 #define RPC_SHM_STREAM_MIN ((size_t)1 << 20)
 void rpc_shm_write(void *dst, const void *src, size_t len);
 
-/* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write). Returns the bytes moved
- * (0: m keeps its bytes). */
+/* The CPU the calling thread runs on now, or -1 where that cannot be known. */
+int rpc_shm_cpu(void);
+
+/* 1 when rpc_shm_put would stream a slot of len bytes into s: len is at least
+ * RPC_SHM_STREAM_MIN, the processor can, and the daemon's thread did not serve the region's
+ * last request on the caller's own CPU (rpc_shm_head.daemon_cpu; not known counts as
+ * another): streaming helps when the daemon reads the bytes on another core (1.3-1.8x per
+ * CPU second for a 1024 block's push) and costs 5-12% when both share one core, where
+ * plain stores keep the lines in that core's caches (docs/precondd.md, "Session 11"). */
+int rpc_shm_streams(const rpc_shm *s, size_t len);
+
+/* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write when rpc_shm_streams says
+ * so, else a plain memcpy). Returns the bytes moved (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
 
 /* After the daemon answered a push (it read every slot the push named before answering):
@@ -446,7 +457,11 @@ typedef struct {
   uint32_t reply_cap;    /* bytes there, RPC_SHM_REPLY_HEAD included */
   uint32_t taken;        /* futex word: the last bell whose fields above the daemon read */
   uint32_t taken_wait;   /* the client: 1 while it waits on taken (only then is it woken) */
-  uint32_t pad[3];
+  uint32_t daemon_cpu;   /* the daemon: 1 + the CPU its thread served the last request on
+                          * (0: not known: no request rung yet, or an older daemon);
+                          * rpc_shm_put streams large slots only when it is not the
+                          * client's own (rpc_shm_streams) */
+  uint32_t pad[2];
 } rpc_shm_head;
 #define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
 #define RPC_SHM_BELL_FETCH 2u /* FetchPreconditioners (session 10: the poll without gRPC) */

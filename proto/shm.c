@@ -460,12 +460,33 @@ void rpc_shm_write(void *dst, const void *src, size_t len) {
   memcpy(d + head + body, s + head + body, len - head - body);
 }
 
+int rpc_shm_cpu(void) {
+#if defined(__linux__) && defined(SYS_getcpu)
+  unsigned cpu = 0;
+  return syscall(SYS_getcpu, &cpu, NULL, NULL) == 0 ? (int)cpu : -1;
+#else
+  return -1;
+#endif
+}
+
+int rpc_shm_streams(const rpc_shm *s, size_t len) {
+  if (len < RPC_SHM_STREAM_MIN || rpc__stream_kind() == 0) return 0;
+  if (s->map == NULL) return 1;
+  uint32_t d =
+      __atomic_load_n(&((const rpc_shm_head *)(const void *)s->map)->daemon_cpu, __ATOMIC_RELAXED);
+  return d == 0 || (int)(d - 1) != rpc_shm_cpu();
+}
+
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {
   const uint8_t *src = m->data.data;
   size_t len = m->data.len;
+  int stream = rpc_shm_streams(s, len);
   unsigned char *dst = rpc_shm_slot(s, m, len, ref);
   if (dst == NULL) return 0;
-  rpc_shm_write(dst, src, len);
+  if (stream)
+    rpc_shm_write(dst, src, len);
+  else
+    memcpy(dst, src, len);
   return len;
 }
 

@@ -1923,6 +1923,9 @@ static void test_shm_doorbell(void **state) {
   assert_int_equal(do_push(&d, "viabell", 1, &bn, 1, NULL, want), GRPC_STATUS_INVALID_ARGUMENT);
   assert_string_equal(msg, want);
   assert_non_null(strstr(msg, "blocks[0].left.data: NaN or Inf"));
+  /* The daemon says where its thread served the request (rpc_shm_streams reads it). */
+  uint32_t dcpu = ((const rpc_shm_head *)(const void *)v.map)->daemon_cpu;
+  assert_true(dcpu >= 1 && dcpu <= (uint32_t)sysconf(_SC_NPROCESSORS_CONF));
   assert_int_equal(bell_push(&v, "viabell", 1, 3, n, sl, sr, 0, msg), GRPC_STATUS_NOT_FOUND);
   assert_int_equal(do_push(&d, "viabell", 1, &bo, 1, NULL, want), GRPC_STATUS_NOT_FOUND);
   assert_string_equal(msg, want);

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -583,6 +585,33 @@ static void test_shm_write(void **state) {
   free(dst);
 }
 
+/* rpc_shm_streams: large slots only, and only when the daemon's thread did not last run on
+ * the caller's CPU (the thread pinned to the CPU it is on, so the answer cannot move). */
+static void test_shm_streams(void **state) {
+  (void)state;
+  rpc_shm s = {.fd = -1, .bytes = 1 << 16};
+  void *map = mmap(NULL, s.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_true(map != MAP_FAILED);
+  s.map = map;
+  rpc_shm_head *h = map;
+  int can = __builtin_cpu_supports("avx") != 0;
+  assert_int_equal(rpc_shm_streams(&s, RPC_SHM_STREAM_MIN - 1), 0);
+  assert_int_equal(rpc_shm_streams(&s, RPC_SHM_STREAM_MIN), can); /* daemon_cpu not known */
+  unsigned long old[16] = {0}, one[16] = {0};
+  assert_true(syscall(SYS_sched_getaffinity, 0, sizeof old, old) > 0);
+  int cpu = rpc_shm_cpu();
+  assert_true(cpu >= 0 && cpu < 1024);
+  one[cpu / 64] = 1ul << (cpu % 64);
+  assert_int_equal(syscall(SYS_sched_setaffinity, 0, sizeof one, one), 0);
+  cpu = rpc_shm_cpu();
+  h->daemon_cpu = (uint32_t)cpu + 1; /* the daemon served on this CPU: plain stores */
+  assert_int_equal(rpc_shm_streams(&s, RPC_SHM_STREAM_MIN), 0);
+  h->daemon_cpu = (uint32_t)cpu + 2; /* on another: streamed */
+  assert_int_equal(rpc_shm_streams(&s, 4 * RPC_SHM_STREAM_MIN), can);
+  assert_int_equal(syscall(SYS_sched_setaffinity, 0, sizeof old, old), 0);
+  munmap(map, s.bytes);
+}
+
 static void test_shm_client(void **state) {
   (void)state;
   enum { R = 2048 };
@@ -865,6 +894,7 @@ int main(void) {
       cmocka_unit_test(test_shm_rules),
       cmocka_unit_test(test_shm_client),
       cmocka_unit_test(test_shm_write),
+      cmocka_unit_test(test_shm_streams),
       cmocka_unit_test(test_shm_bell),
       cmocka_unit_test(test_shm_queue),
       cmocka_unit_test(test_call_without_server),
