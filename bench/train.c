@@ -123,6 +123,7 @@ void tr_options_default(tr_options *o) {
   o->max_staleness = so.max_staleness;
   o->sync_roots = 0;
   o->root_delay = 0;
+  o->sync_first = 0;
   pc_kfac_opts ko;
   pc_kfac_opts_default(&ko);
   o->kfac_damping = ko.damping;
@@ -351,6 +352,9 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
        "roots older than N steps are not used (grafted step instead); 0: no bound");
   SPEC("sync-roots", K_FLAG, &o->sync_roots, 0, 0,
        "wait for each step's roots (slow, reproducible)");
+  SPEC("sync-first", K_LONG, &o->sync_first, 0, 1e9,
+       "Shampoo: the first N steps wait for their own roots (fresh first roots), asynchronous "
+       "(or --root-delay) after");
   SPEC("root-delay", K_LONG, &o->root_delay, 0, 1000,
        "--sync-roots, but step t uses the roots of the statistics through step t-K (K steps "
        "of staleness, deterministic)");
@@ -934,6 +938,7 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->worker = model_name;
   po->sync_roots = opts->sync_roots || opts->root_delay > 0; /* a delay is sync_roots' */
   po->root_delay = opts->root_delay;
+  po->sync_first = opts->sync_first;
   po->shard_rank = opts->dp_rank; /* data parallelism: statistics and factors sharded */
   po->shard_size = opts->dp_size;
   po->dp = opts->dp;

@@ -103,6 +103,7 @@ typedef struct {
   long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
+  long sync_first;         /* Shampoo: the first N steps wait for their own roots (0: none) */
   long root_delay;         /* with sync_roots: step t uses the roots of the statistics through
                               step t - root_delay (a deterministic stand-in for asynchronous
                               roots; default 0) */

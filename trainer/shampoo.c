@@ -172,15 +172,15 @@ static int pt__shampoo_hold(pt_trainer *t, size_t b, const precond_roots *r) {
   return rc;
 }
 
-/* root_delay: hands block b the newest held version whose source step is at least
- * root_delay steps behind step, and forgets it and the older ones. */
-static int pt__shampoo_release_held(pt_trainer *t, size_t b, long step, pt_error *err) {
+/* root_delay: hands block b the newest held version whose source step is at least delay
+ * steps behind step, and forgets it and the older ones. */
+static int pt__shampoo_release_held(pt_trainer *t, size_t b, long step, long delay, pt_error *err) {
   pt__shampoo *s = t->state;
   size_t *first = &s->held_first[b], *count = &s->held_count[b];
   const pt__held *use = NULL;
   while (*count > 0) {
     const pt__held *h = &s->held[b * s->held_cap + *first];
-    if (h->source_step + (uint64_t)t->opts.root_delay > (uint64_t)step) break;
+    if (h->source_step + (uint64_t)delay > (uint64_t)step) break;
     use = h;
     *first = (*first + 1) % s->held_cap;
     (*count)--;
@@ -320,16 +320,18 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   pt__shampoo *s = t->state;
   int due = 0;
   long stat_step = 0;
-  /* With sync_roots each step waits on the poll for its roots: there it keeps its short
-   * period (the run's wall time is what that mode pays anyway). */
-  if (!t->opts.sync_roots) pt__poll_pace(t, &s->pace);
+  /* With sync_roots (and in the first sync_first steps) each step waits on the poll for its
+   * roots: there it keeps its short period (the wall time is what waiting pays anyway). */
+  int sync = t->opts.sync_roots || step <= t->opts.sync_first;
+  long delay = step <= t->opts.sync_first ? 0 : t->opts.root_delay;
+  if (!sync) pt__poll_pace(t, &s->pace);
   double t0 = pt__cpu_now();
   int rc = pt__shampoo_push(t, &due, &stat_step, err);
   s->stats_s += pt__cpu_now() - t0;
   if (rc != PT_OK) return rc;
   /* Waiting before start_step would only slow the steps whose update ignores roots (with
    * root_delay those of step start_step - root_delay are the first used). */
-  int wait = due && t->opts.sync_roots && step + t->opts.root_delay >= t->opts.shampoo.start_step;
+  int wait = due && sync && step + delay >= t->opts.shampoo.start_step;
   if (wait && precond_flush(t->client, t->opts.sync_timeout_ms) != PRECOND_OK)
     return pt__fail(err, PT_ETIMEDOUT, "sync_roots: statistics not sent within %d ms",
                     t->opts.sync_timeout_ms);
@@ -338,7 +340,7 @@ static int pt__shampoo_step(pt_trainer *t, long step, double lr, pt_step_info *i
   for (size_t b = 0; b < s->nblocks && rc == PT_OK && !agreed; b++)
     rc = wait ? pt__shampoo_wait(t, b, stat_step, err) : pt__shampoo_refresh(t, b, err);
   for (size_t b = 0; b < s->nblocks && rc == PT_OK && s->held != NULL; b++)
-    rc = pt__shampoo_release_held(t, b, step, err);
+    rc = pt__shampoo_release_held(t, b, step, delay, err);
   if (rc == PT_OK) rc = pt__accel(err, ac_shampoo_step(s->opt, (float)lr), "Shampoo step");
   if (rc != PT_OK || info == NULL) return rc;
   ac_shampoo_step_info si;

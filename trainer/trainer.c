@@ -166,6 +166,10 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
                     opts->poll_interval_ms);
   if (opts->sync_roots && opts->sync_timeout_ms <= 0)
     return pt__fail(err, PT_EINVAL, "pt_create: sync_roots needs sync_timeout_ms > 0");
+  if (opts->sync_first < 0 ||
+      (opts->sync_first > 0 && (opts->mode != PT_MODE_SHAMPOO || pt_dp_size(opts->dp) > 1)))
+    return pt__fail(err, PT_EINVAL, "pt_create: sync_first %ld needs Shampoo, one worker",
+                    opts->sync_first);
   if (opts->root_delay < 0 ||
       (opts->root_delay > 0 &&
        (!opts->sync_roots || opts->mode != PT_MODE_SHAMPOO || pt_dp_size(opts->dp) > 1)))

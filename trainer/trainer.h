@@ -140,6 +140,10 @@ typedef struct {
                               through step t - root_delay (held on the worker until then), a
                               deterministic stand-in for asynchronous roots that are
                               root_delay steps old; 0 (default): its own step's */
+  long sync_first;        /* Shampoo: steps 1..sync_first wait for their own roots as
+                              sync_roots does (root_delay starts after them), so the first
+                              roots, made while the statistics move fastest, are fresh; the
+                              later steps are asynchronous. 0 (default): none */
   int poll_interval_ms;   /* libprecond's FetchPreconditioners poll period, ms; 0 (default):
                               the mode's: Shampoo libprecond's 20; K-FAC half its mean step
                               wall time, within 10..1000 (trainer/kfac.c) */

@@ -228,14 +228,18 @@ static void test_fallback_counted(void **state) {
 
 /* root_delay K (sync_roots): at step s every block applies the roots of the statistics of
  * step s - K exactly (their source step, staleness K), none before step K + 1 or before
- * start_step; two such runs give the same weights, and not those of K = 0. */
-static void delay_run(const char *job, long delay, long start_step, long steps, float *w_out) {
+ * start_step; after sync_first N steps that used their own step's roots, those of step
+ * max(N, s - K). Two such runs give the same weights, and not those of K = 0. sync 0:
+ * asynchronous after the first N steps (only those are checked). */
+static void delay_run(const char *job, int sync, long delay, long sync_first, long start_step,
+                      long steps, float *w_out) {
   toy m;
   toy_init(&m);
   pt_options o;
   opts_for(&o, job);
-  o.sync_roots = 1;
+  o.sync_roots = sync;
   o.root_delay = delay;
+  o.sync_first = sync_first;
   o.shampoo.start_step = start_step;
   pt_trainer *t = NULL;
   pt_error err = {""};
@@ -245,19 +249,21 @@ static void delay_run(const char *job, long delay, long start_step, long steps, 
     toy_grads(&m, s);
     pt_step_info info;
     if (pt_step(t, s, 0.01, &info, &err) != PT_OK) fail_msg("pt_step %ld: %s", s, err.msg);
-    int used = s > delay && s >= start_step;
+    if (!sync && s > sync_first) continue;
+    long src = s <= sync_first ? s : s - delay > sync_first ? s - delay : sync_first;
+    int used = src >= 1 && s >= start_step;
     assert_int_equal(info.preconditioned, used ? 5 : 0);
     assert_int_equal(info.fallback, used ? 0 : 5);
     if (used) {
-      assert_int_equal(info.staleness_max, delay);
-      assert_true(info.staleness_mean == (double)delay);
+      assert_int_equal(info.staleness_max, s - src);
+      assert_true(info.staleness_mean == (double)(s - src));
     }
     for (size_t b = 0; b < 5; b++) {
       ac_shampoo_block bi;
       assert_int_equal(ac_shampoo_block_info(opt, b, &bi), AC_OK);
-      if (used) /* the roots of step s - delay: the statistics through that step */
-        assert_int_equal(bi.source_step, (uint64_t)(s - delay));
-      else if (s <= delay) /* none handed over yet */
+      if (used) /* the roots of step src: the statistics through that step */
+        assert_int_equal(bi.source_step, (uint64_t)src);
+      else if (src < 1) /* none handed over yet */
         assert_int_equal(bi.version, 0);
     }
   }
@@ -272,15 +278,17 @@ static void delay_run(const char *job, long delay, long start_step, long steps, 
 static void test_root_delay(void **state) {
   (void)state;
   float w1[120], w2[120], w0[120];
-  delay_run("delay1", 1, 1, 6, NULL);
-  delay_run("delay2-a", 2, 1, 7, w1);
-  delay_run("delay2-b", 2, 1, 7, w2);
+  delay_run("delay1", 1, 1, 0, 1, 6, NULL);
+  delay_run("delay2-a", 1, 2, 0, 1, 7, w1);
+  delay_run("delay2-b", 1, 2, 0, 1, 7, w2);
   assert_memory_equal(w1, w2, sizeof w1);
-  delay_run("delay0", 0, 1, 7, w0);
+  delay_run("delay0", 1, 0, 0, 1, 7, w0);
   assert_memory_not_equal(w0, w1, sizeof w0);
-  delay_run("delay3-start5", 3, 5, 8, NULL);
+  delay_run("delay3-start5", 1, 3, 0, 5, 8, NULL);
+  delay_run("delay2-first3", 1, 2, 3, 1, 8, NULL);
+  delay_run("async-first3", 0, 0, 3, 1, 6, NULL);
 
-  /* Refused: without sync_roots, negative, or for K-FAC. */
+  /* Refused: a delay without sync_roots, negative values. */
   toy m;
   toy_init(&m);
   pt_options o;
@@ -292,6 +300,9 @@ static void test_root_delay(void **state) {
   assert_non_null(strstr(err.msg, "root_delay"));
   o.sync_roots = 1;
   o.root_delay = -1;
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  o.root_delay = 0;
+  o.sync_first = -1;
   assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
   assert_null(t);
   toy_destroy(&m);
