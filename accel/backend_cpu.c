@@ -2416,6 +2416,30 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
 #define C3_WGRAD_CHUNK_FLOATS 131072
 #define C3_WGRAD_GROUPS       8
 
+/* dW += the groups' partial weights, added in group order (for every element the same
+ * sums whichever thread makes them), blocks [blo, bhi) of EW_BLOCK elements. At stage 3
+ * (64 x 64 x 9 weights, 8 groups) that is 300 K floats read per conv, on the caller alone
+ * before. */
+typedef struct c3_group_sums {
+  size_t wn, groups;
+  const float *pw; /* groups x wn */
+  float *dw;
+} c3_group_sums;
+
+static void c3_group_sum_slice(void *ctx, size_t blo, size_t bhi, int thread) {
+  const c3_group_sums *a = ctx;
+  float acc[256];
+  size_t lo, len;
+  ew_range(a->wn, blo, bhi, &lo, &len);
+  for (size_t i0 = lo; i0 < lo + len; i0 += 256) {
+    size_t m = lo + len - i0 < 256 ? lo + len - i0 : 256;
+    memcpy(acc, a->pw + i0, m * sizeof *acc);
+    for (size_t g = 1; g < a->groups; g++)
+      for (size_t i = 0; i < m; i++) acc[i] += a->pw[g * a->wn + i0 + i];
+    for (size_t i = 0; i < m; i++) a->dw[i0 + i] += acc[i];
+  }
+}
+
 static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
                     size_t stride, const float *x, const float *dy, float *dw) {
   cpu_pool *pool = pool_of(be);
@@ -2439,11 +2463,8 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
   a.dw = s;
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
   par_for(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a);
-  for (size_t i = 0; i < wn; i++) {
-    float acc = a.dw[i];
-    for (size_t g = 1; g < a.groups; g++) acc += a.dw[g * wn + i];
-    dw[i] += acc;
-  }
+  c3_group_sums gs = {wn, a.groups, a.dw, dw};
+  par_for(pool, ew_blocks(wn), (double)(wn * (a.groups + 2)), c3_group_sum_slice, &gs);
   return AC_OK;
 }
 #endif

@@ -8,7 +8,12 @@
 # step could put a fast wall median next to a slow CPU median: 135 ms wall against 720 ms
 # of CPU at 2 threads). Also the Transformer LM step (bench-accel's other model line).
 #
-#   bench/bench-accel-vs-torch.sh [BUILD_DIR] [THREADS] [ROUNDS]    (defaults: build 2 3)
+#   bench/bench-accel-vs-torch.sh [BUILD_DIR] [THREADS] [ROUNDS] [BASE_BUILD_DIR]
+#                                                                    (defaults: build 2 3, none)
+#
+# BASE_BUILD_DIR (optional): another build of bench-accel (e.g. the session's starting
+# point) run in the same rounds, right before ours, as "base": a change's effect side by
+# side. cpu/wall of our rows is the cores the step kept busy (2 at most on 2 threads).
 #
 # PyTorch runs twice per round: as installed ("torch"), and with glibc's malloc told to keep
 # its memory ("torch-keep": GLIBC_TUNABLES mmap_threshold 32 MB, glibc's largest, and
@@ -24,12 +29,17 @@ set -eu
 build=${1:-build}
 threads=${2:-2}
 rounds=${3:-3}
+base=${4:-}
 uptime
 echo "round  who    model           wall_ms   cpu_ms  cpu/wall  best_wall_ms"
 for r in $(seq "$rounds"); do
-  "$build/bench/bench-accel" --only models --threads "$threads" --reps 10 |
-    awk -v r="$r" '$4 == "step" { w[$3] = $5; b[$3] = $7 } $4 == "step.cpu" { c[$3] = $5 }
-      END { for (m in w) printf "%-6s ours   %-14s %8.1f %8.1f %8.2f %10.1f\n", r, m, w[m], c[m], c[m] / w[m], b[m] }'
+  for who in ${base:+base} ours; do
+    dir=$build
+    [ "$who" = base ] && dir=$base
+    "$dir/bench/bench-accel" --only models --threads "$threads" --reps 10 |
+      awk -v r="$r" -v who="$who" '$4 == "step" { w[$3] = $5; b[$3] = $7 } $4 == "step.cpu" { c[$3] = $5 }
+        END { for (m in w) printf "%-6s %-6s %-14s %8.1f %8.1f %8.2f %10.1f\n", r, who, m, w[m], c[m], c[m] / w[m], b[m] }'
+  done
   for who in torch torch-keep; do
     tun=
     [ "$who" = torch-keep ] && tun=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967295

@@ -103,25 +103,21 @@ __attribute__((target("avx"))) static void copy_nt256(float *dst, const float *s
   _mm_sfence();
 }
 
-__attribute__((target("clwb"))) static void copy_clwb(unsigned char *dst, const unsigned char *src,
-                                                      size_t n) {
-  enum { PIECE = 64 << 10 };
-  for (size_t done = 0; done < n; done += PIECE) {
-    size_t k = n - done < PIECE ? n - done : PIECE;
-    memcpy(dst + done, src + done, k);
-    for (size_t l = 0; l < k; l += 64) _mm_clwb(dst + done + l);
-  }
-  _mm_sfence();
-}
-
-__attribute__((target("clflushopt"))) static void copy_clflushopt(unsigned char *dst,
+/* A plain copy in 64 KiB pieces, each piece's lines then written back (wb: clwb, the lines
+ * stay cached) or flushed (clflushopt), and sfence. */
+__attribute__((target("clwb,clflushopt"))) static void copy_flush(unsigned char *dst,
                                                                   const unsigned char *src,
-                                                                  size_t n) {
+                                                                  size_t n, int wb) {
   enum { PIECE = 64 << 10 };
   for (size_t done = 0; done < n; done += PIECE) {
     size_t k = n - done < PIECE ? n - done : PIECE;
     memcpy(dst + done, src + done, k);
-    for (size_t l = 0; l < k; l += 64) _mm_clflushopt(dst + done + l);
+    for (size_t l = 0; l < k; l += 64) {
+      if (wb)
+        _mm_clwb(dst + done + l);
+      else
+        _mm_clflushopt(dst + done + l);
+    }
   }
   _mm_sfence();
 }
@@ -198,10 +194,10 @@ static void produce(int prod, unsigned char *dst, const unsigned char *src, size
       }
       break;
     case P_CLWB:
-      copy_clwb(dst, src, n);
+      copy_flush(dst, src, n, 1);
       return;
     case P_CLFLUSHOPT:
-      copy_clflushopt(dst, src, n);
+      copy_flush(dst, src, n, 0);
       return;
     default:
       memcpy(dst, src, n);
