@@ -131,7 +131,19 @@ static int pt__shampoo_bind(pt_trainer *t, pt_error *err) {
   return PT_OK;
 }
 
-/* Copies n_src packed values of order n into *dst (capacity *cap, grown as needed). */
+/* One version of packed roots as ac_shampoo_set_roots takes it (a side of order 0 absent). */
+static ac_shampoo_roots pt__packed_roots(uint64_t version, uint64_t source_step, size_t n_left,
+                                         const float *left, size_t n_right, const float *right) {
+  return (ac_shampoo_roots){.version = version,
+                            .source_step = source_step,
+                            .format = AC_ROOT_PACKED,
+                            .n_left = n_left,
+                            .left = n_left > 0 ? left : NULL,
+                            .n_right = n_right,
+                            .right = n_right > 0 ? right : NULL};
+}
+
+/* Copies the packed values of order n at src (none if NULL) into *dst (capacity *cap, grown). */
 static int pt__held_side(float **dst, size_t *cap, const float *src, size_t n) {
   size_t len = src != NULL && n > 0 ? ac_packed_len(n) : 0;
   if (len > *cap) {
@@ -186,13 +198,8 @@ static int pt__shampoo_release_held(pt_trainer *t, size_t b, long step, long del
     (*count)--;
   }
   if (use == NULL) return PT_OK;
-  const ac_shampoo_roots roots = {.version = use->version,
-                                  .source_step = use->source_step,
-                                  .format = AC_ROOT_PACKED,
-                                  .n_left = use->n_left,
-                                  .left = use->n_left > 0 ? use->left : NULL,
-                                  .n_right = use->n_right,
-                                  .right = use->n_right > 0 ? use->right : NULL};
+  const ac_shampoo_roots roots = pt__packed_roots(use->version, use->source_step, use->n_left,
+                                                  use->left, use->n_right, use->right);
   int arc = ac_shampoo_set_roots(s->opt, b, &roots);
   if (arc == AC_OK) {
     s->applied++;
@@ -210,13 +217,8 @@ static int pt__shampoo_apply(pt_trainer *t, size_t b, const precond_roots *r, pt
   pt__shampoo *s = t->state;
   if (r == NULL) return PT_OK;
   if (s->held != NULL) return pt__shampoo_hold(t, b, r);
-  const ac_shampoo_roots roots = {.version = r->version,
-                                  .source_step = r->source_step,
-                                  .format = AC_ROOT_PACKED,
-                                  .n_left = r->n_left,
-                                  .left = r->n_left > 0 ? r->left : NULL,
-                                  .n_right = r->n_right,
-                                  .right = r->n_right > 0 ? r->right : NULL};
+  const ac_shampoo_roots roots =
+      pt__packed_roots(r->version, r->source_step, r->n_left, r->left, r->n_right, r->right);
   int arc = ac_shampoo_set_roots(s->opt, b, &roots);
   /* Roots by reference: read straight from precondd's roots area into the worker's dense
    * roots (one copy, no decode copy in libprecond). The daemon reuses a place in that area
