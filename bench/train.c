@@ -123,7 +123,7 @@ void tr_options_default(tr_options *o) {
   o->max_staleness = so.max_staleness;
   o->sync_roots = 0;
   o->root_delay = 0;
-  o->sync_first = 0;
+  o->sync_first = TR_UNSET; /* the table's for one worker (tr_sync_first) */
   pc_kfac_opts ko;
   pc_kfac_opts_default(&ko);
   o->kfac_damping = ko.damping;
@@ -167,7 +167,12 @@ void tr_options_default(tr_options *o) {
  *   And a first moment of 0.8 instead of accel's 0.9: 0.013 and 0.002 lower eval loss at
  *   step 500 on seeds 1 and 2, lower at step 550 on three seeds (0.95: 0.014 higher;
  *   docs/optimizers.md, "Session 10"). The ResNet's row keeps accel's 0.9, with which W2
- *   was measured.
+ *   was measured. And the first 25 steps wait for their own roots (--sync-first; a short
+ *   run a fortieth of its steps): with asynchronous roots, eval at step 500 0.0065 lower on
+ *   average over two alternated pairs on quiet cores (seed 1), and lower on three seeds with
+ *   one step of staleness made exact (--root-delay 1), for 0.3%-1% more wall time
+ *   (docs/optimizers.md, "Session 11"). A worker alone only: data-parallel workers agree on
+ *   asynchronous roots from their first step (pt_create refuses sync_first there).
  * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
  *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
  *   on the ResNet. The Transformer row is SGD's, not tuned.
@@ -182,24 +187,25 @@ typedef struct {
   int nesterov;
   long warmup;
   double first_moment; /* Shampoo's first moment (--shampoo-beta1); TR_UNSET: accel's default */
+  long sync_first;     /* Shampoo: the first steps that wait for their own roots (--sync-first) */
 } tr__preset;
 
 static const tr__preset tr__presets[] = {
-    /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup fm */
-    {"resnet", TR_SGD, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET},
-    {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0, TR_UNSET},
-    {"resnet", TR_ABS, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET},
-    {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100, TR_UNSET},
-    {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET},
-    {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50, 0.8},
-    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET},
-    {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
-    {NULL, TR_ABS, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET},
+    /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup fm sync_first */
+    {"resnet", TR_SGD, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0},
+    {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0, TR_UNSET, 0},
+    {"resnet", TR_ABS, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0},
+    {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100, TR_UNSET, 0},
+    {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0},
+    {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50, 0.8, 25},
+    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0},
+    {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    {NULL, TR_ABS, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
 };
 #define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
 
@@ -236,6 +242,17 @@ void tr_options_resolve(tr_options *o) {
     long cap = o->steps > 0 ? o->steps / 10 : p->warmup;
     o->warmup = p->warmup < cap ? p->warmup : cap;
   }
+}
+
+/* Shampoo's sync_first: the option, else its row's for a worker alone (data-parallel workers
+ * take none: pt_create refuses it there), a short run's capped at a fortieth of its steps as
+ * the warm-up is at a tenth. Resolved where the workers are known, not in tr_options_resolve. */
+long tr_sync_first(const tr_options *o) {
+  if (o->sync_first >= 0) return o->sync_first;
+  if (o->dp_size > 1) return 0;
+  long table = tr__preset_of(o->model, o->optimizer)->sync_first;
+  long cap = o->steps > 0 ? o->steps / 40 : table;
+  return table < cap ? table : cap;
 }
 
 double tr_effective_lr(const tr_options *o) {
@@ -526,6 +543,10 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
   sh.optimizer = TR_SHAMPOO;
   tr_options_resolve(&sh);
   fprintf(f, "  shampoo's first moment (--shampoo-beta1): %g\n", sh.shampoo_beta1);
+  fprintf(f,
+          "  shampoo's first steps waiting for their own roots (--sync-first; a worker alone, at "
+          "most a fortieth of the run): %ld\n",
+          tr__preset_of(d.model, TR_SHAMPOO)->sync_first);
   fprintf(f,
           "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
           "%s)\nand OUT/summary.json. Shampoo needs a running precondd (--daemon).\n",
@@ -938,7 +959,7 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->worker = model_name;
   po->sync_roots = opts->sync_roots || opts->root_delay > 0; /* a delay is sync_roots' */
   po->root_delay = opts->root_delay;
-  po->sync_first = opts->sync_first;
+  po->sync_first = tr_sync_first(opts);
   po->shard_rank = opts->dp_rank; /* data parallelism: statistics and factors sharded */
   po->shard_size = opts->dp_size;
   po->dp = opts->dp;

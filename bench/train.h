@@ -103,7 +103,8 @@ typedef struct {
   long roots_start;        /* first step that may use roots (default 1) */
   long max_staleness;      /* roots older than this many steps are not used; 0: no bound */
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
-  long sync_first;         /* Shampoo: the first N steps wait for their own roots (0: none) */
+  long sync_first;         /* Shampoo: the first N steps wait for their own roots (0: none);
+                              table, resolved when the workers are known (train.c) */
   long root_delay;         /* with sync_roots: step t uses the roots of the statistics through
                               step t - root_delay (a deterministic stand-in for asynchronous
                               roots; default 0) */
@@ -191,6 +192,10 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
               const char *prog, const char *summary);
 
 /* The base learning rate the run uses: opts->lr, or the table's when unset. */
+/* Shampoo's sync_first as the trainer gets it: the option, else the table's for a worker
+ * alone (0 for data-parallel workers, opts->dp_size > 1), capped at a fortieth of a short
+ * run's steps. */
+long tr_sync_first(const tr_options *opts);
 double tr_effective_lr(const tr_options *opts);
 
 /* ------------------------------------------------------------------------------------ */

@@ -140,6 +140,20 @@ static void test_defaults_table(void **state) {
   const char *lm_beta0[] = {"--optimizer", "shampoo", "--shampoo-beta1", "0", NULL};
   assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_beta0), TR_OK);
   assert_true(o.shampoo_beta1 == 0);
+  /* Shampoo's first steps wait for their own roots on the Transformer (25, measured), a
+   * short run's a fortieth of its steps; never for data-parallel workers, nor elsewhere */
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_shampoo), TR_OK);
+  assert_int_equal(tr_sync_first(&o), 25);
+  o.dp_size = 2;
+  assert_int_equal(tr_sync_first(&o), 0);
+  const char *lm_short_sf[] = {"--optimizer", "shampoo", "--steps", "200", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_short_sf), TR_OK);
+  assert_int_equal(tr_sync_first(&o), 5);
+  const char *lm_sf[] = {"--optimizer", "shampoo", "--sync-first", "0", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_sf), TR_OK);
+  assert_int_equal(tr_sync_first(&o), 0);
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_shampoo), TR_OK);
+  assert_int_equal(tr_sync_first(&o), 0);
 
   /* no row for the model: the optimizer's generic row */
   const char *other[] = {"--optimizer", "sgd", NULL};
