@@ -10,6 +10,10 @@
 #      have their session-10 variants (batch norm's moments made while the conv writes y,
 #      the residual gradient added while it writes dx): on CUDA batch norm takes its own
 #      pass and the block its own sum (test_conv_bn_moments runs in the CUDA group too);
+#      nor have session 11's CPU paths (the AVX-512F small-block product and packed syrk of
+#      gemm_small.c, the pool's chunks taken dynamically): on CUDA Shampoo's and K-FAC's
+#      block products stay on cuBLAS, which test_sgemm_small_blocks and
+#      test_syrk_small_blocks check against a double reference in the CUDA group too;
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #
