@@ -66,10 +66,10 @@ typedef struct {
   float *dev1; /* one device float for the KL clip */
   float *u;    /* device uniforms of the model Fisher's draws (u_floats) */
   size_t u_floats;
-  uint64_t draws; /* the draws' counter (ac_rand_uniform's offset) */
-  int sampling;   /* the model Fisher's backward is running: the hook computes factors */
-  pt__pace pace;  /* libprecond's poll, half a step (pt__poll_pace) */
-  ac_kfac_pg *pg; /* nlayers entries: the KL clip's list */
+  uint64_t draws;           /* the draws' counter (ac_rand_uniform's offset) */
+  int sampling;             /* the model Fisher's backward is running: the hook computes factors */
+  pt__pace pace;            /* libprecond's poll, half a step (pt__poll_pace) */
+  ac_kfac_pg *pg;           /* nlayers entries: the KL clip's list */
   precond_push_slot **slot; /* nlayers entries: libprecond's slots open this step; NULL
                                between steps */
   uint64_t applied, rejected, pushes;
@@ -515,8 +515,8 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
                      "K-FAC running averages on the worker");
     if (rc == PT_OK && mine && slot == NULL)
       rc = pt__daemon(t, err,
-                      precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
-                                        a, (uint32_t)l->ng, g, enc),
+                      precond_push_kfac(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na, a,
+                                        (uint32_t)l->ng, g, enc),
                       "precond_push_kfac");
   }
   if (rc == PT_OK && nslots > 0)
