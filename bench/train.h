@@ -191,11 +191,12 @@ int tr_parse_args(tr_options *opts, const tr_arg *extra, size_t nextra, int argc
 void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t nextra,
               const char *prog, const char *summary);
 
-/* The base learning rate the run uses: opts->lr, or the table's when unset. */
 /* Shampoo's sync_first as the trainer gets it: the option, else the table's for a worker
  * alone (0 for data-parallel workers, opts->dp_size > 1), capped at a fortieth of a short
  * run's steps. */
 long tr_sync_first(const tr_options *opts);
+
+/* The base learning rate the run uses: opts->lr, or the table's when unset. */
 double tr_effective_lr(const tr_options *opts);
 
 /* ------------------------------------------------------------------------------------ */

@@ -273,7 +273,8 @@ int precond_push_kfac(precond_client *client, uint64_t step, uint32_t block_id, 
 
 /* A push without a copy of the caller's: precond_push_begin hands out where the caller
  * writes one block's packed statistics itself (e.g. the kernel computing them writes its
- * output there): *part0 gets room for pc_packed_len(n0) floats, *part1 for n1's, in
+ * output there): *part0 gets room for pc_packed_len(n0) floats, *part1 for n1's right after
+ * them (*part1 == *part0 + pc_packed_len(n0): one span the caller may treat whole), in
  * precond_push's order (left, right) or precond_push_kfac's (a, g) as the registered job's
  * mode is. precond_push_commit then queues them as precond_push would have (fp32 on the wire,
  * the same checks, queue policy and counters, PRECOND_EINVAL for a NaN or Inf or a job

@@ -505,9 +505,9 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     if (rc == PT_OK) rc = pt__accel(err, ac_memcpy_d2h(s->be, a, l->fa, la * sizeof(float)), "A");
     if (rc == PT_OK) rc = pt__accel(err, ac_memcpy_d2h(s->be, g, l->fg, lg * sizeof(float)), "G");
     double t1 = pt__cpu_now();
-    if (rc == PT_OK && dp &&
-        (pt_dp_mean_to(t->opts.dp, a, la, l->worker) != PT_OK ||
-         pt_dp_mean_to(t->opts.dp, g, lg, l->worker) != PT_OK))
+    /* a and g are one span (the host buffer's, or the slot's: precond_push_begin), so the
+     * layer's factors take one reduction */
+    if (rc == PT_OK && dp && pt_dp_mean_to(t->opts.dp, a, la + lg, l->worker) != PT_OK)
       rc = pt__fail(err, PT_EINVAL, "K-FAC: reducing the factors of %s failed", l->weight->name);
     s->comm_s += pt__cpu_now() - t1;
     if (rc == PT_OK && t->opts.kfac.form != PT_KFAC_FORM_DAEMON)

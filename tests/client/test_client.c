@@ -442,6 +442,7 @@ static void test_bad_input_is_refused_locally(void **state) {
   assert_null(slot);
   assert_int_equal(precond_push_begin(c, 1, 2, 128, 96, &p0, &p1, &slot), PRECOND_EINVAL);
   assert_int_equal(precond_push_begin(c, 1, 0, 128, 96, &p0, &p1, &slot), PRECOND_OK);
+  assert_ptr_equal(p1, p0 + (size_t)128 * 129 / 2); /* one span, as precond.h promises */
   memcpy(p0, l, (size_t)128 * 129 / 2 * sizeof(float));
   memcpy(p1, r, (size_t)96 * 97 / 2 * sizeof(float));
   p1[96 * 97 / 2 - 1] = NAN;
