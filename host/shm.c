@@ -280,6 +280,7 @@ static void *pd__shm_bell_main(void *arg) {
   pd_shm_session *s = arg;
   pd_shm *r = s->reg;
   rpc_shm_head *h = (void *)s->map;
+  pd_thread_name("pd-bell"); /* per-thread CPU tells the doorbell apart (bench-daemon) */
   /* The region is new (its file made zeroed): 0 rung. Not the word's value now: the client
    * may have rung before this thread first ran. */
   uint32_t seen = 0;
