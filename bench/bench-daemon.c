@@ -98,6 +98,7 @@ typedef struct {
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
   int shm_only;                   /* --shm-only: of those, the shared-memory rows alone */
   int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
+  int push_shm_only;              /* --push-shm-only: of the region's push rows, push-shm */
   const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
   int nchannel_args;
 } bench_opts;
@@ -291,6 +292,8 @@ static void usage(FILE *f) {
           "  --keep-freed-memory the client keeps freed memory for the next message\n"
           "                      (rpc_keep_freed_memory, as precondd does; default: glibc's\n"
           "                      own thresholds, as a worker without it has)\n"
+          "  --push-shm-only     with --wire, of the push rows through a region only\n"
+          "                      push-shm (no -memcpy, -grpc, -pipe): shorter A/B runs\n"
           "  --account           after each push cell through a region with one client, on\n"
           "                      stderr: the push's CPU per push by part (the client's write\n"
           "                      and the rest, the daemon's doorbell thread and its other\n"
@@ -505,7 +508,8 @@ static void thread_use_add(const char *task, thread_use *u) {
   }
   if (f != NULL) fclose(f);
   snprintf(file, sizeof file, "%s/stat", task);
-  char *p = (f = fopen(file, "r")) != NULL && fgets(line, sizeof line, f) ? strrchr(line, ')') : NULL;
+  char *p =
+      (f = fopen(file, "r")) != NULL && fgets(line, sizeof line, f) ? strrchr(line, ')') : NULL;
   if (f != NULL) fclose(f);
   if (p != NULL &&
       sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2) {
@@ -605,7 +609,7 @@ typedef struct {
   pid_t daemon;
   double write_s;
   thread_use self[2];
-  thread_set bell[2];
+  thread_set bell[3]; /* [2]: 300 ms after the last push */
 } worker;
 
 static void *worker_main(void *arg) {
@@ -797,6 +801,11 @@ static void *worker_main(void *arg) {
   if (account) {
     w->self[1] = thread_use_self();
     thread_set_named(w->daemon, "pd-bell", &w->bell[1]);
+    /* The doorbell thread idle: its CPU over the 300 ms after the last push, the region
+     * still open (a thread that napped on while no push came would show here). */
+    struct timespec idle = {0, 300000000L};
+    nanosleep(&idle, NULL);
+    thread_set_named(w->daemon, "pd-bell", &w->bell[2]);
   }
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
@@ -895,16 +904,18 @@ static void print_account(const char *name, size_t n, const worker *w, double da
   double cl = (c[1].ns - c[0].ns) * 1e-9, bl = b.ns * 1e-9;
   double cu = c[1].utime - c[0].utime, cs = c[1].stime - c[0].stime;
   double bu = b.utime, bs = b.stime;
+  thread_use idle = thread_set_used(&w->bell[1], &w->bell[2]);
   fprintf(stderr,
           "account %s n=%zu pushes=%zu: per push, us of CPU: client %.1f (write %.1f, the rest "
           "%.1f; system %.0f%%), bell thread %.1f (system %.0f%%), daemon's other threads %.1f; "
-          "client sleeps %.2f preempted %.2f, bell sleeps %.2f preempted %.2f (ticks %.0f/s)\n",
+          "client sleeps %.2f preempted %.2f, bell sleeps %.2f preempted %.2f (ticks %.0f/s); "
+          "idle 300 ms after: bell thread %.1f us of CPU, %.0f sleeps\n",
           name, n, w->nlat, 1e6 * cl / pushes, 1e6 * w->write_s / pushes,
           1e6 * (cl - w->write_s) / pushes, cu + cs > 0 ? 100 * cs / (cu + cs) : 0.0,
           1e6 * bl / pushes, bu + bs > 0 ? 100 * bs / (bu + bs) : 0.0,
           1e6 * (daemon_s - bl) / pushes, (c[1].sleeps - c[0].sleeps) / pushes,
-          (c[1].preempted - c[0].preempted) / pushes, b.sleeps / pushes, b.preempted / pushes,
-          tick);
+          (c[1].preempted - c[0].preempted) / pushes, b.sleeps / pushes, b.preempted / pushes, tick,
+          1e-3 * idle.ns, idle.sleeps);
 }
 
 /* --hist: a cell's calls by wall-clock latency (buckets doubling from 0.05 ms) on stderr,
@@ -2107,15 +2118,18 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
         /* The same push with the slots written by a plain memcpy (before session 11): the
          * streaming write's gain in this run. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 4, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 4, pjob, k, &pl, mc) != 0)
           rc = -1;
         /* The region's push with its control as a gRPC call (before the doorbell): the
          * doorbell's gain in this run. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
           rc = -1;
         /* The doorbell pipelined (two pushes in flight): the overlap's cost or gain in this
          * run, next to push-shm's one at a time. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
           rc = -1;
       }
     }
@@ -2169,6 +2183,9 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--json") == 0) {
       g_json = 1;
+      continue;
+    } else if (strcmp(a, "--push-shm-only") == 0) {
+      o.push_shm_only = 1;
       continue;
     } else if (strcmp(a, "--account") == 0) {
       g_account = 1;
