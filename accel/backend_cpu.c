@@ -190,6 +190,26 @@ static void pool_slice(cpu_pool *p, int thread, size_t lo, size_t hi) {
   k->cpu_ns[thread] += pool_cpu_ns() - c0;
 }
 
+/* Phases within a loop's slices (the direct convs: packing, products, copy-out), counted
+ * as kinds of their own with the wall time of each thread in them (busy_ms; no loops).
+ * pool_phase registers one on the caller before the loop is handed out (-1: stats off);
+ * pool_phase_end adds the time since *t to thread's count and restarts *t. Off, they cost
+ * a branch per call. */
+static int pool_phase(cpu_pool *p, const char *name) {
+  return p->stats != NULL ? pool_stat_kind(p->stats, name) : -1;
+}
+
+static long pool_phase_start(const cpu_pool *p) {
+  return p->stats != NULL ? pool_now_ns() : 0;
+}
+
+static void pool_phase_end(cpu_pool *p, int kind, int thread, long *t) {
+  if (kind < 0) return;
+  long now = pool_now_ns();
+  p->stats->kind[kind].busy_ns[thread] += now - *t;
+  *t = now;
+}
+
 /* Allocates the stats when PRECOND_POOL_STATS is set to something other than 0 (none on
  * out of memory: they are a diagnostic). */
 static pool_stats *pool_stats_new(int nthreads) {
@@ -317,10 +337,12 @@ static void pool_run(cpu_pool *p, size_t n, double work, par_fn fn, void *ctx, c
     t_start = pool_now_ns();
   }
   if (p->nthreads <= 1 || n < 2 || work < PAR_MIN_FLOATS) {
+    long c_start = p->stats != NULL ? pool_cpu_ns() : 0;
     if (n > 0) fn(ctx, 0, n, 0);
     if (p->stats != NULL) {
       p->stats->kind[p->kind].small++;
       p->stats->kind[p->kind].small_ns += pool_now_ns() - t_start;
+      if (p->nthreads == 1) p->stats->kind[p->kind].cpu_ns[0] += pool_cpu_ns() - c_start;
     }
     return;
   }
@@ -391,7 +413,10 @@ static void pool_start(cpu_pool *p, int nthreads) {
   atomic_init(&p->stop, 0);
   p->caller_spin = POOL_SPIN_MAX_NS;
   p->nthreads = 1;
-  if (nthreads <= 1) return;
+  if (nthreads <= 1) {
+    p->stats = pool_stats_new(1); /* the passes' shares on one core */
+    return;
+  }
   p->workers = calloc((size_t)nthreads - 1, sizeof *p->workers);
   if (p->workers == NULL) return;
   if (pthread_mutex_init(&p->mu, NULL) != 0) goto fail_mu;
@@ -1171,8 +1196,8 @@ static double lanes_total(double *p) {
 #include <immintrin.h>
 #define ROW_HAVE_SIMD 1
 
-/* Into partials p and q of 16 lanes each, for the whole 16-float blocks of a row (returns
- * how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
+/* Into partials p and q of 16 lanes each, for the row (returns n; the AVX2 variant: its
+ * whole 16-float blocks, returning how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
  * when not NULL; p += g, q += g (x - c). */
 __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, const float *dy,
                                                                       const float *mask,
@@ -1196,6 +1221,25 @@ __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, 
     p1 = _mm512_add_pd(p1, ghi);
     q0 = _mm512_fmadd_pd(glo, dlo, q0);
     q1 = _mm512_fmadd_pd(ghi, dhi, q1);
+  }
+  if (i < n) { /* the row's last n - i < 16 floats, into lanes 0..n-i-1 alone, as in C */
+    __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+    __mmask8 klo = (__mmask8)(k & 0xff), khi = (__mmask8)(k >> 8);
+    __m512 g = _mm512_maskz_loadu_ps(k, dy + i);
+    if (mask != NULL)
+      g = _mm512_maskz_mov_ps(
+          _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(k, mask + i), zero, _CMP_GT_OQ), g);
+    if (gout != NULL) _mm512_mask_storeu_ps(gout + i, k, g);
+    __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vc);
+    __m512d glo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    __m512d ghi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+    __m512d dlo = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+    __m512d dhi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+    p0 = _mm512_mask_add_pd(p0, klo, p0, glo);
+    p1 = _mm512_mask_add_pd(p1, khi, p1, ghi);
+    q0 = _mm512_mask3_fmadd_pd(glo, dlo, q0, klo);
+    q1 = _mm512_mask3_fmadd_pd(ghi, dhi, q1, khi);
+    i = n;
   }
   _mm512_storeu_pd(p, p0);
   _mm512_storeu_pd(p + 8, p1);
@@ -1924,17 +1968,20 @@ C3_TARGET static void c3_copy_add(float *dst, const float *src, const float *res
   for (; i < n; i++) dst[i] = src[i] + res[i];
 }
 
-/* One channel of nb images (image b's plane at src + b sstride) into the tall layout with
- * pixel (y, x) at b is + y wq + x + off (off = wq + 1: as an input; 0: as an output, dy),
- * zeros elsewhere in [0, len) (len 0: dst already holds them, as when the forward packs the
- * next image of its part at the same places: the zeroing cost as much as the copy). */
-C3_TARGET static void c3_pack(const c3_geom *g, size_t nb, const float *src, size_t sstride,
-                              size_t off, float *dst, size_t len) {
-  memset(dst, 0, len * sizeof *dst);
-  for (size_t b = 0; b < nb; b++)
-    for (size_t y = 0; y < g->h; y++)
-      c3_copy(dst + b * g->is + y * g->wq + off, src + b * sstride + y * g->w, g->w);
-}
+/* NAME(g, nb, src, sstride, off, dst, len): one channel of nb images (image b's plane at
+ * src + b sstride) into the tall layout with pixel (y, x) at b is + y wq + x + off (off =
+ * wq + 1: as an input; 0: as an output, dy), zeros elsewhere in [0, len) (len 0: dst
+ * already holds them, as when the forward packs the next image of its part at the same
+ * places: the zeroing cost as much as the copy). Rows copied by COPY, inlined. */
+#define C3_PACK(NAME, TARGET, COPY)                                                      \
+  TARGET static void NAME(const c3_geom *g, size_t nb, const float *src, size_t sstride, \
+                          size_t off, float *dst, size_t len) {                          \
+    memset(dst, 0, len * sizeof *dst);                                                   \
+    for (size_t b = 0; b < nb; b++)                                                      \
+      for (size_t y = 0; y < g->h; y++)                                                  \
+        COPY(dst + b * g->is + y * g->wq + off, src + b * sstride + y * g->w, g->w);     \
+  }
+C3_PACK(c3_pack_avx2, C3_TARGET, c3_copy)
 
 /* out[i][0, 8 nv) = sum over ch, t < nt of wp[ch][t][i] xq[ch cl + j + off[t]], i < 4:
  * output channels 4 at a time against 3 vectors of positions (12 accumulators), then 1. */
@@ -2041,6 +2088,30 @@ C3_WGRAD_BLOCK(c3_wgrad_block1, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_
 /* The AVX-512F variants: the same sums over vectors of 16 positions. */
 #define C5_TARGET __attribute__((target("avx512f,avx2,fma")))
 
+/* c3_copy and c3_copy_add with AVX-512F's masks: a row of 7 or 14 floats is one masked
+ * load and store (AVX2's masked store, vmaskmovps, is slow on AMD's cores). */
+C5_TARGET static void c5_copy(float *dst, const float *src, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
+  if (i < n) {
+    __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_maskz_loadu_ps(k, src + i));
+  }
+}
+
+C5_TARGET static void c5_copy_add(float *dst, const float *src, const float *res, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(src + i), _mm512_loadu_ps(res + i)));
+  if (i < n) {
+    __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(
+        dst + i, k,
+        _mm512_add_ps(_mm512_maskz_loadu_ps(k, src + i), _mm512_maskz_loadu_ps(k, res + i)));
+  }
+}
+C3_PACK(c5_pack, C5_TARGET, c5_copy)
+
 /* out[i][16 v, 16 (v + NV)) for the 4 output channels i of a block, NV (1..6) vectors:
  * 4 NV accumulators (24 of the 32 registers at NV 6), NV loads and 4 broadcasts per tap. */
 #define C5_FWD_VECS(NV)                                                                    \
@@ -2065,16 +2136,48 @@ C3_WGRAD_BLOCK(c3_wgrad_block1, C3_TARGET, __m256, 8, _mm256_setzero_ps, _mm256_
       for (size_t k = 0; k < NV; k++) _mm512_storeu_ps(out + i * ldo + 16 * k, a[i][k]);   \
   }
 C5_FWD_VECS(6)
+C5_FWD_VECS(5)
+C5_FWD_VECS(4)
 C5_FWD_VECS(3)
+C5_FWD_VECS(2)
 C5_FWD_VECS(1)
 
-/* c3_fwd_block over vectors of 16: 6 vectors at a time, then 3, then 1. */
+/* c3_fwd_block over vectors of 16: 6 vectors at a time, and the rest in one call of 1-5,
+ * or two of 4 + 3 or 4 + 4 for a rest of 7 or 8. Fewer than 3 vectors leave fewer than 12
+ * independent sums, under what keeps the multiply-add units busy: with 6, then 3, then 1
+ * (as before), a 7x7 image's 4 vectors ran a quarter of its work at half speed (a 28x28
+ * image's 53, 2 of them). Every output lane is the same sum in the same order whatever the
+ * split: the same bits. */
 static void c5_fwd_block(size_t c, size_t cl, size_t nt, const size_t *off, size_t nv,
                          const float *xq, const float *wp, float *out, size_t ldo) {
   size_t v = 0;
-  for (; v + 6 <= nv; v += 6) c5_fwd_vecs6(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  for (; v + 3 <= nv; v += 3) c5_fwd_vecs3(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  for (; v < nv; v++) c5_fwd_vecs1(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  for (; nv - v >= 6 && nv - v != 7 && nv - v != 8; v += 6)
+    c5_fwd_vecs6(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+  if (nv - v >= 7) {
+    c5_fwd_vecs4(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+    v += 4;
+  }
+  const float *x = xq + 16 * v;
+  float *o = out + 16 * v;
+  switch (nv - v) {
+    case 5:
+      c5_fwd_vecs5(c, cl, nt, off, x, wp, o, ldo);
+      break;
+    case 4:
+      c5_fwd_vecs4(c, cl, nt, off, x, wp, o, ldo);
+      break;
+    case 3:
+      c5_fwd_vecs3(c, cl, nt, off, x, wp, o, ldo);
+      break;
+    case 2:
+      c5_fwd_vecs2(c, cl, nt, off, x, wp, o, ldo);
+      break;
+    case 1:
+      c5_fwd_vecs1(c, cl, nt, off, x, wp, o, ldo);
+      break;
+    default:
+      break;
+  }
 }
 
 /* The 16 lanes of a in a fixed order. */
@@ -2161,6 +2264,8 @@ typedef struct c3_args {
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */
   size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
+  cpu_pool *pool; /* for the phases' counts (PRECOND_POOL_STATS): */
+  int phase[3];   /* packing, products, copy-out (pool_phase; -1: off) */
 } c3_args;
 
 #if C3_HAVE_KERNELS
@@ -2224,13 +2329,33 @@ static void c3_set_dgrad_taps(c3_args *a) {
   }
 }
 
+/* c3_pack, c3_copy and c3_copy_add on the variant isa. */
+static void c3_pack(int isa, const c3_geom *g, size_t nb, const float *src, size_t sstride,
+                    size_t off, float *dst, size_t len) {
+  if (isa == AC_CPU_ISA_AVX512)
+    c5_pack(g, nb, src, sstride, off, dst, len);
+  else
+    c3_pack_avx2(g, nb, src, sstride, off, dst, len);
+}
+
+static void c3_copy_isa(int isa, float *dst, const float *src, const float *res, size_t n) {
+  if (isa == AC_CPU_ISA_AVX512 && res != NULL)
+    c5_copy_add(dst, src, res, n);
+  else if (isa == AC_CPU_ISA_AVX512)
+    c5_copy(dst, src, n);
+  else if (res != NULL)
+    c3_copy_add(dst, src, res, n);
+  else
+    c3_copy(dst, src, n);
+}
+
 /* Input channel planes of nb images (image b's at src + b sstride) into the layout the taps
  * read (c3_args), zeros elsewhere in [0, len) (len 0: dst already holds them). */
 static void c3_pack_in(const c3_args *a, size_t nb, const float *src, size_t sstride, float *dst,
                        size_t len) {
   const c3_geom *g = &a->g;
   if (a->stride == 1) {
-    c3_pack(g, nb, src, sstride, g->wq + 1, dst, len);
+    c3_pack(a->isa, g, nb, src, sstride, g->wq + 1, dst, len);
     return;
   }
   memset(dst, 0, len * sizeof *dst);
@@ -2276,26 +2401,28 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
   int fresh;
   float *xq = c3_thread_scratch(a, thread, &fresh), *out = xq + a->c * a->cl;
   size_t ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
+  long t = pool_phase_start(a->pool);
   for (size_t b = lo; b < hi; b++) {
     for (size_t ch = 0; ch < a->c; ch++)
       c3_pack_in(a, 1, a->x + (b * a->c + ch) * ihw, 0, xq + ch * a->cl,
                  b == lo && fresh ? a->cl : 0);
+    pool_phase_end(a->pool, a->phase[0], thread, &t);
     for (size_t ob = 0; ob < a->oc / 4; ob++) {
       c3_fwd_kernel(a, a->c, a->cl, a->nt, a->off, xq, a->w + ob * a->c * 4 * a->nt, out, ldo);
+      pool_phase_end(a->pool, a->phase[1], thread, &t);
       for (size_t i = 0; i < 4; i++) {
         float *plane = a->y + (b * a->oc + ob * 4 + i) * ohw;
         const float *rp = a->res != NULL ? a->res + (plane - a->y) : NULL;
         for (size_t y = 0; y < g->h; y++)
-          if (rp != NULL)
-            c3_copy_add(plane + y * g->w, out + i * ldo + y * g->wq, rp + y * g->w, g->w);
-          else
-            c3_copy(plane + y * g->w, out + i * ldo + y * g->wq, g->w);
+          c3_copy_isa(a->isa, plane + y * g->w, out + i * ldo + y * g->wq,
+                      rp != NULL ? rp + y * g->w : NULL, g->w);
         if (a->sums != NULL) { /* the plane just written, from the cache */
           double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
           sq[0] = sq[1] = 0.0;
           row_moments(a->isa, ohw, plane, sq, sq + 1);
         }
       }
+      pool_phase_end(a->pool, a->phase[2], thread, &t);
     }
   }
 }
@@ -2310,23 +2437,27 @@ static void c3_dgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
   int fresh;
   float *dq = c3_thread_scratch(a, thread, &fresh), *out = dq + a->oc * a->dl;
   size_t ldo = a->nv * a->vw, ihw = a->ih * a->iw, ohw = g->h * g->w;
+  long t = pool_phase_start(a->pool);
   for (size_t b = lo; b < hi; b++) {
     for (size_t o = 0; o < a->oc; o++)
-      c3_pack(g, 1, a->dy + (b * a->oc + o) * ohw, 0, 0, dq + o * a->dl,
+      c3_pack(a->isa, g, 1, a->dy + (b * a->oc + o) * ohw, 0, 0, dq + o * a->dl,
               b == lo && fresh ? a->dl : 0);
     float *dxb = a->y + b * a->c * ihw;
     if (a->nph == 1) memset(dxb, 0, a->c * ihw * sizeof *dxb); /* 1x1: odd pixels get none */
+    pool_phase_end(a->pool, a->phase[0], thread, &t);
     for (size_t cb = 0; cb < a->c / 4; cb++)
       for (size_t ph = 0; ph < a->nph; ph++) {
         size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
         c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq, a->w + a->dwo[ph] + cb * a->oc * 4 * nt,
                       out, ldo);
+        pool_phase_end(a->pool, a->phase[1], thread, &t);
         for (size_t i = 0; i < 4; i++)
           for (size_t y = 0; y < g->h; y++) {
             float *d = dxb + (4 * cb + i) * ihw + (2 * y + rp) * a->iw + cp;
             const float *s = out + i * ldo + y * g->wq;
             for (size_t x = 0; x < g->w; x++) d[2 * x] = s[x];
           }
+        pool_phase_end(a->pool, a->phase[2], thread, &t);
       }
   }
 }
@@ -2340,6 +2471,7 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_geom *g = &a->g;
   size_t ihw = a->ih * a->iw, ohw = g->h * g->w, wn = a->oc * a->c * a->kk;
   float *xq = a->scratch + (size_t)thread * a->per_thread, *dq = xq + a->c * a->cl;
+  long t = pool_phase_start(a->pool);
   for (size_t k = lo; k < hi; k++) {
     float *pw = a->dw + k * wn;
     memset(pw, 0, wn * sizeof *pw);
@@ -2352,7 +2484,9 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
       for (size_t ch = 0; ch < a->c; ch++)
         c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl, a->cl);
       for (size_t o = 0; o < a->oc; o++)
-        c3_pack(g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl, a->dl);
+        c3_pack(a->isa, g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl,
+                a->dl);
+      pool_phase_end(a->pool, a->phase[0], thread, &t);
       for (size_t ob = 0; ob < a->oc / 4; ob++)
         for (size_t ch = 0; ch < a->c; ch++) {
           const float *dqb = dq + ob * 4 * a->dl, *xc = xq + ch * a->cl;
@@ -2367,8 +2501,29 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
           else
             c3_wgrad_block1(nv, a->off, dqb, a->dl, xc, dw, ldw);
         }
+      pool_phase_end(a->pool, a->phase[1], thread, &t);
     }
   }
+}
+
+/* The phases of a direct conv's slices in the pool's stats, by the loop kind's name: the
+ * forward with moments (a ResNet's forward convs), without (its stride-1 input
+ * gradients), the stride-2 input gradient and the weight gradient (no copy-out). */
+static const char *const c3_phase_names[4][4] = {
+    {"c3_fwd_part", "c3_fwd_part:pack", "c3_fwd_part:kernel", "c3_fwd_part:copyout"},
+    {"c3_fwd_part.nomoments", "c3_fwd_part.nomoments:pack", "c3_fwd_part.nomoments:kernel",
+     "c3_fwd_part.nomoments:copyout"},
+    {"c3_dgrad_part", "c3_dgrad_part:pack", "c3_dgrad_part:kernel", "c3_dgrad_part:scatter"},
+    {"c3_wgrad_part", "c3_wgrad_part:pack", "c3_wgrad_part:kernel", NULL}};
+
+/* Registers the phases of set (a row of c3_phase_names) for a's loop; returns the loop's
+ * kind name. */
+static const char *c3_phases(c3_args *a, cpu_pool *pool, int set) {
+  a->pool = pool;
+  for (int i = 0; i < 3; i++)
+    a->phase[i] =
+        c3_phase_names[set][i + 1] != NULL ? pool_phase(pool, c3_phase_names[set][i + 1]) : -1;
+  return c3_phase_names[set][0];
 }
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
@@ -2392,7 +2547,8 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
   memset(a.ready, 0, parts);
-  par_for(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a);
+  const char *kind = c3_phases(&a, pool, moments != NULL ? 0 : 1);
+  pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a, kind);
   /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
    * same bits. */
   for (size_t o = 0; o < oc && moments != NULL; o++) {
@@ -2462,7 +2618,8 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
   if (s == NULL) return AC_ENOMEM;
   a.dw = s;
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
-  par_for(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a);
+  const char *kind = c3_phases(&a, pool, 3);
+  pool_run(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a, kind);
   c3_group_sums gs = {wn, a.groups, a.dw, dw};
   par_for(pool, ew_blocks(wn), (double)(wn * (a.groups + 2)), c3_group_sum_slice, &gs);
   return AC_OK;
@@ -2545,7 +2702,8 @@ static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
   a.scratch = s + wfloats;
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread);
   memset(a.ready, 0, parts);
-  par_for(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a);
+  const char *kind = c3_phases(&a, pool, 2);
+  pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a, kind);
   return AC_OK;
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)dy, (void)wt, (void)dx;

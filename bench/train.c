@@ -124,6 +124,7 @@ void tr_options_default(tr_options *o) {
   o->sync_roots = 0;
   o->root_delay = 0;
   o->sync_first = TR_UNSET; /* the table's for one worker (tr_sync_first) */
+  o->root_every = TR_UNSET; /* the table's (tr_options_resolve) */
   pc_kfac_opts ko;
   pc_kfac_opts_default(&ko);
   o->kfac_damping = ko.damping;
@@ -173,6 +174,12 @@ void tr_options_default(tr_options *o) {
  *   one step of staleness made exact (--root-delay 1), for 0.3%-1% more wall time
  *   (docs/optimizers.md, "Session 11"). A worker alone only: data-parallel workers agree on
  *   asynchronous roots from their first step (pt_create refuses sync_first there).
+ *   On the ResNet precondd recomputes a block's roots once per 10 statistics steps
+ *   (--root-every, windows offset by block: about 6 of its 61 blocks a step): on two cores
+ *   the roots of every push took 85-100 ms of the daemon's CPU per step from a worker that
+ *   keeps both cores busy, 10-16 ms at 10 (under load), and the one-epoch accuracy with
+ *   asynchronous roots was 0.9048 and 0.9080 on seeds 1 and 2 (docs/optimizers.md, "W2 ...
+ *   session 12"). The Transformer keeps every push (W1 was measured so).
  * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
  *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
  *   on the ResNet. The Transformer row is SGD's, not tuned.
@@ -188,24 +195,25 @@ typedef struct {
   long warmup;
   double first_moment; /* Shampoo's first moment (--shampoo-beta1); TR_UNSET: accel's default */
   long sync_first;     /* Shampoo: the first steps that wait for their own roots (--sync-first) */
+  long root_every;     /* Shampoo: precondd's roots every N steps per block (--root-every) */
 } tr__preset;
 
 static const tr__preset tr__presets[] = {
-    /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup fm sync_first */
-    {"resnet", TR_SGD, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0},
-    {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0, TR_UNSET, 0},
-    {"resnet", TR_ABS, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0},
-    {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100, TR_UNSET, 0},
-    {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0},
-    {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50, 0.8, 25},
-    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0},
-    {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
-    {NULL, TR_ABS, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0},
+    /* model          optimizer   lr    mom  beta1 beta2  wd   nest warmup fm sync_first root_every */
+    {"resnet", TR_SGD, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0, 1},
+    {"resnet", TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
+    {"resnet", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 10},
+    {"resnet", TR_KFAC, 0.1, 0.9, 0.9, 0.999, 5e-4, 0, 0, TR_UNSET, 0, 1},
+    {"resnet", TR_ABS, 0.1, 0.9, 0.9, 0.999, 5e-4, 1, 0, TR_UNSET, 0, 1},
+    {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100, TR_UNSET, 0, 1},
+    {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0, 1},
+    {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50, 0.8, 25, 1},
+    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0, 1},
+    {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
+    {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
+    {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
+    {NULL, TR_KFAC, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
+    {NULL, TR_ABS, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1},
 };
 #define TR__NPRESETS (sizeof tr__presets / sizeof tr__presets[0])
 
@@ -237,6 +245,7 @@ void tr_options_resolve(tr_options *o) {
   }
   /* Nesterov needs momentum: a run told --momentum 0 drops the table's Nesterov. */
   if (o->nesterov < 0) o->nesterov = p->nesterov && o->momentum > 0;
+  if (o->root_every < 0) o->root_every = p->root_every;
   if (o->warmup < 0) {
     /* The table's warm-up is for full-length runs: a short run warms up for a tenth. */
     long cap = o->steps > 0 ? o->steps / 10 : p->warmup;
@@ -372,6 +381,10 @@ static size_t tr__common_specs(tr_options *o, tr__spec *s) {
   SPEC("sync-first", K_LONG, &o->sync_first, 0, 1e9,
        "Shampoo: the first N steps wait for their own roots (fresh first roots), asynchronous "
        "(or --root-delay) after");
+  SPEC("root-every", K_LONG, &o->root_every, 1, 100000,
+       "Shampoo: precondd recomputes a block's roots when its statistics step enters a new "
+       "window of N steps (windows offset by block; every push before its first root), and "
+       "--sync-roots waits for the roots of the step's window");
   SPEC("root-delay", K_LONG, &o->root_delay, 0, 1000,
        "--sync-roots, but step t uses the roots of the statistics through step t-K (K steps "
        "of staleness, deterministic)");
@@ -547,6 +560,8 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
           "  shampoo's first steps waiting for their own roots (--sync-first; a worker alone, at "
           "most a fortieth of the run): %ld\n",
           tr__preset_of(d.model, TR_SHAMPOO)->sync_first);
+  fprintf(f, "  shampoo's roots of a block every N steps (--root-every): %ld\n",
+          tr__preset_of(d.model, TR_SHAMPOO)->root_every);
   fprintf(f,
           "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
           "%s)\nand OUT/summary.json. Shampoo needs a running precondd (--daemon).\n",
@@ -960,6 +975,7 @@ static void tr__trainer_opts(const tr_optimizer *o, pt_mode mode, const char *mo
   po->sync_roots = opts->sync_roots || opts->root_delay > 0; /* a delay is sync_roots' */
   po->root_delay = opts->root_delay;
   po->sync_first = tr_sync_first(opts);
+  po->root_every = mode == PT_MODE_SHAMPOO ? opts->root_every : 1;
   po->shard_rank = opts->dp_rank; /* data parallelism: statistics and factors sharded */
   po->shard_size = opts->dp_size;
   po->dp = opts->dp;

@@ -105,6 +105,8 @@ typedef struct {
   int sync_roots;          /* 1: after each push, wait for roots of that step (reproducible) */
   long sync_first;         /* Shampoo: the first N steps wait for their own roots (0: none);
                               table, resolved when the workers are known (train.c) */
+  long root_every;         /* Shampoo: precondd's roots of a block when its statistics step
+                              enters a new window of N steps (the job's root_every) (table) */
   long root_delay;         /* with sync_roots: step t uses the roots of the statistics through
                               step t - root_delay (a deterministic stand-in for asynchronous
                               roots; default 0) */

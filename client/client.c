@@ -1042,6 +1042,7 @@ static int register_job(precond_client *c, const char *job, precond_mode mode, c
     so.root_exponent = opts->root_exponent;
     so.epsilon = opts->epsilon;
     so.method = (Precond__V1__Method)opts->method;
+    so.root_every = opts->root_every;
   }
   req.job = (char *)job;
   req.mode = (Precond__V1__Mode)mode;

@@ -193,6 +193,9 @@ typedef struct {
   uint32_t root_exponent; /* p in A^(-1/p); 0: default 4 */
   double epsilon;         /* relative ridge; 0: default 1e-6 */
   precond_method method;
+  uint32_t root_every; /* a block's roots recomputed when its statistics step enters a new
+                        * window of this many steps (offset by block id), and at every push
+                        * until its first root; 0: default 1 (every push) */
 } precond_shampoo_opts;
 
 /* K-FAC's options (mode PRECOND_MODE_KFAC); 0 takes the daemon's default, which is

@@ -193,7 +193,9 @@ static int kfac_compute(const void *opts, const pd_block *u, const float *const 
   return rc;
 }
 
-static int kfac_compute_due(const void *opts, uint64_t pushes, int has_root) {
+static int kfac_compute_due(const void *opts, const pd_block *u, uint64_t pushes, uint64_t step,
+                            uint64_t due_step, int has_root) {
+  (void)u, (void)step, (void)due_step;
   uint32_t every = ((const pd_kfac_opts *)opts)->inv_every;
   return !has_root || pushes % every == 0;
 }

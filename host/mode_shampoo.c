@@ -24,6 +24,9 @@ _Static_assert(sizeof(pd_shampoo_opts) <= PD_MODE_OPTS_MAX, "pd_shampoo_opts too
 
 /* A block of n x n takes n(n+1)/2 floats per factor; 8192 keeps one factor at 128 MiB. */
 #define PD_SHAMPOO_MAX_BLOCK 8192u
+/* Roots at least once per this many statistics steps (a bound that no schedule needs to
+ * pass: Distributed Shampoo's precondition_frequency is tens to hundreds). */
+#define PD_SHAMPOO_MAX_ROOT_EVERY 100000u
 
 /* Zero fields take the defaults. Block size, skip limit and epsilon are the numerics'
  * own (pc_layout_opts_default, pc_root_opts_default), the ones the worker's layout and roots
@@ -41,6 +44,7 @@ static int shampoo_resolve(void *opts, char *err, size_t errlen) {
   if (o->beta2 == 0.0f) o->beta2 = 1.0f;
   if (!o->root_exponent) o->root_exponent = (uint32_t)ro.p;
   if (o->epsilon == 0.0) o->epsilon = ro.epsilon;
+  if (!o->root_every) o->root_every = 1;
   if (o->block_size > PD_SHAMPOO_MAX_BLOCK) {
     snprintf(err, errlen, "shampoo.block_size: %u is above the limit %u", o->block_size,
              PD_SHAMPOO_MAX_BLOCK);
@@ -60,6 +64,11 @@ static int shampoo_resolve(void *opts, char *err, size_t errlen) {
   }
   if (o->method < PC_METHOD_NEWTON || o->method > PC_METHOD_EIGH) {
     snprintf(err, errlen, "shampoo.method: %d is not a known method", o->method);
+    return PD_EINVAL;
+  }
+  if (o->root_every > PD_SHAMPOO_MAX_ROOT_EVERY) {
+    snprintf(err, errlen, "shampoo.root_every: %u is not in [1, %u]", o->root_every,
+             PD_SHAMPOO_MAX_ROOT_EVERY);
     return PD_EINVAL;
   }
   return PD_OK;
@@ -365,7 +374,8 @@ cleanup:
 }
 
 /* Snapshot section: u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon |
- * u32 method (28 bytes). */
+ * u32 method | (format 6 on) u32 root_every (32 bytes; 28 before, root_every read as 0:
+ * the default). */
 static void shampoo_snap_write(const void *opts, unsigned char *out) {
   const pd_shampoo_opts *o = opts;
   uint32_t beta2;
@@ -378,6 +388,7 @@ static void shampoo_snap_write(const void *opts, unsigned char *out) {
   pd_le_put(out + 12, o->root_exponent, 4);
   pd_le_put(out + 16, eps, 8);
   pd_le_put(out + 24, (uint32_t)o->method, 4);
+  pd_le_put(out + 28, o->root_every, 4);
 }
 
 static void shampoo_snap_read(const unsigned char *in, void *opts) {
@@ -390,12 +401,32 @@ static void shampoo_snap_read(const unsigned char *in, void *opts) {
   o->root_exponent = (uint32_t)pd_le_get(in + 12, 4);
   memcpy(&o->epsilon, &eps, 8);
   o->method = (int)(int32_t)(uint32_t)pd_le_get(in + 24, 4);
+  o->root_every = (uint32_t)pd_le_get(in + 28, 4);
 }
 
 static void shampoo_describe(const void *opts, char *buf, size_t len) {
   const pd_shampoo_opts *o = opts;
-  snprintf(buf, len, "block size %u, skip limit %u, beta2 %g, p %u, epsilon %g, method %d",
-           o->block_size, o->skip_limit, (double)o->beta2, o->root_exponent, o->epsilon, o->method);
+  snprintf(buf, len,
+           "block size %u, skip limit %u, beta2 %g, p %u, epsilon %g, method %d, roots every %u "
+           "steps",
+           o->block_size, o->skip_limit, (double)o->beta2, o->root_exponent, o->epsilon, o->method,
+           o->root_every);
+}
+
+/* Roots when the block's statistics step enters a new window of root_every steps, the
+ * windows offset by the block's id so that a job's blocks (pushed together every step) take
+ * their turns on different steps instead of all at once; and at every push while the block
+ * has no root, or when no push queued one since the daemon started (due_step 0). A step
+ * rule rather than a push count: a worker that restarted, skipped steps or pushes every
+ * stat_every steps still knows that the roots it sees are at most root_every - 1 steps
+ * older than the window's first push (trainer/shampoo.c waits on that with sync_roots). */
+static int shampoo_compute_due(const void *opts, const pd_block *u, uint64_t pushes,
+                               uint64_t step, uint64_t due_step, int has_root) {
+  (void)pushes;
+  uint64_t every = ((const pd_shampoo_opts *)opts)->root_every;
+  if (every <= 1 || !has_root || due_step == 0) return 1;
+  uint64_t off = u->id % every;
+  return (step + off) / every > (due_step + off) / every;
 }
 
 /* The ridge is relative (epsilon times the largest eigenvalue), so the root of c S is
@@ -419,10 +450,12 @@ const pd_mode pd_mode_shampoo = {
     .unit_free = shampoo_unit_free,
     .count_names = {"warm", "skipped", "seeded", "cold"},
     .publishable = pd_publishable_finite,
-    .snap_bytes = 28,
+    .snap_bytes = 32,
+    .snap_bytes_f5 = 28,
     .snap_write = shampoo_snap_write,
     .snap_read = shampoo_snap_read,
     .describe = shampoo_describe,
     .drift_test = 1,
     .scale_exponent = shampoo_scale_exponent,
+    .compute_due = shampoo_compute_due,
 };

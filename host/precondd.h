@@ -228,6 +228,8 @@ typedef struct {
   uint8_t stat_bounded[PD_MAX_PARTS]; /* 1: every value of stat[k] is below 2^126, as the
                                        * mode's fold_bounded found it; 0: not known */
   uint64_t pushes;                    /* statistics updates received */
+  uint64_t due_step; /* statistics step of the push that last queued a computation
+                      * (pd_block_due); 0: none since the daemon started */
   pd_root *root;                      /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
   double last_error, last_compute_ms; /* last_error NaN: the computation itself failed */
@@ -364,9 +366,16 @@ typedef struct {
    * its relative ridge: -1/p); then the drift test ignores a part's uniform scale and
    * rescales a kept result by it. NULL, or 0: a scale change is drift like any other. */
   double (*scale_exponent)(const void *opts);
-  /* 1 if a push that brought a unit to `pushes` pushes queues a computation (K-FAC: every
-   * inv_every pushes, and every push before the first result). NULL: every push. */
-  int (*compute_due)(const void *opts, uint64_t pushes, int has_root);
+  /* 1 if a push that brought unit u to `pushes` pushes and its statistics to step `step`
+   * queues a computation; due_step is the statistics step of the push that last queued one
+   * (0: none since the daemon started). K-FAC: every inv_every pushes; Shampoo: when step
+   * enters a new window of root_every steps. Both: every push before the first result.
+   * NULL: every push. */
+  int (*compute_due)(const void *opts, const pd_block *u, uint64_t pushes, uint64_t step,
+                     uint64_t due_step, int has_root);
+  /* The options section's size in snapshots of format 5 and older (0: snap_bytes); the
+   * fields past it read as 0 there (resolve gives them their defaults). */
+  size_t snap_bytes_f5;
 } pd_mode;
 
 /* The mode of that id, or NULL. */
@@ -386,6 +395,8 @@ typedef struct {
   uint32_t root_exponent;
   double epsilon;
   int method;
+  uint32_t root_every; /* roots when the statistics step enters a new window of this many
+                        * steps (shampoo_compute_due); 1: every push */
 } pd_shampoo_opts;
 
 extern const pd_mode pd_mode_shampoo;
@@ -633,8 +644,9 @@ void pd_block_publish(pd_block *b, pd_root *r, pd_stats *stats);
  * block); 0 when the block already holds that version or a newer one (r is released). */
 int pd_block_publish_as(pd_block *b, pd_root *r, pd_stats *stats);
 
-/* 1 if a push that brought unit b to its current push count queues a computation (the
- * mode's compute_due; every push without one). */
+/* 1 if a push that brought unit b to its current push count and statistics step queues a
+ * computation (the mode's compute_due; every push without one); then that step is the
+ * block's due_step. */
 int pd_block_due(pd_block *b);
 
 /* ------------------------------------------------------------------------------------ */

@@ -161,6 +161,7 @@ static int pd__decode_mode(const Precond__V1__RegisterRequest *req, const pd_mod
         o->root_exponent = in->root_exponent;
         o->epsilon = in->epsilon;
         o->method = (int)in->method;
+        o->root_every = in->root_every;
       }
       *mode = &pd_mode_shampoo;
       return PD_OK;

@@ -3,7 +3,7 @@
  *
  * File layout (all integers little-endian; floats as their IEEE 754 bits):
  *   header, 32 bytes:
- *     magic "PCDSNAP1" | u32 format (5; 1 to 4 are still read) | u32 reserved (0) |
+ *     magic "PCDSNAP1" | u32 format (6; 1 to 5 are still read) | u32 reserved (0) |
  *     u64 payload bytes |
  *     u32 CRC-32 of the payload | u32 CRC-32 of the 28 header bytes before it
  *   payload:
@@ -12,7 +12,8 @@
  *       ownership plan; earlier formats take rank and count from precondd.replicas)
  *     u32 jobs, then per job:
  *       str name | u32 mode | the mode's options section (its snap_bytes; Shampoo:
- *       u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon | u32 method) |
+ *       u32 block_size | u32 skip_limit | f32 beta2 | u32 p | f64 epsilon | u32 method |
+ *       (format 6 on) u32 root_every; up to format 5 a mode's snap_bytes_f5 bytes) |
  *       u64 last_step |
  *       u32 tensors, each: str name | u32 rank | u64 dims[rank] |
  *       u32 workers, each: str name |
@@ -49,11 +50,12 @@
 #include "preconditioner.h"
 
 #define PD_SNAP_MAGIC              "PCDSNAP1"
-#define PD_SNAP_FORMAT             5u
+#define PD_SNAP_FORMAT             6u
 #define PD_SNAP_FORMAT_NO_AUX      1u /* before results kept their aux figures */
 #define PD_SNAP_FORMAT_NO_FAILURES 2u /* before blocks kept resets and the last failure */
 #define PD_SNAP_FORMAT_NO_ENDED    3u /* before the names of ended jobs were kept */
 #define PD_SNAP_FORMAT_NO_ORIGIN   4u /* before the origin (rank, count, run) was kept */
+#define PD_SNAP_FORMAT_OPTS_F5     5u /* up to it, modes' sections of snap_bytes_f5 bytes */
 _Static_assert(PD_MODE_AUX == 3, "snapshot format 2 holds 3 aux figures per result");
 #define PD_SNAP_HEADER 32
 
@@ -436,8 +438,12 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   _Alignas(max_align_t) unsigned char opts[PD_MODE_OPTS_MAX];
   unsigned char section[PD_MODE_OPTS_MAX * 2];
   memset(opts, 0, sizeof opts);
+  memset(section, 0, sizeof section); /* fields an older format lacks read as 0 */
   if (mode) {
-    pd__get(r, section, mode->snap_bytes);
+    size_t bytes = r->format <= PD_SNAP_FORMAT_OPTS_F5 && mode->snap_bytes_f5
+                       ? mode->snap_bytes_f5
+                       : mode->snap_bytes;
+    pd__get(r, section, bytes);
     mode->snap_read(section, opts);
   }
   uint64_t last_step = pd__ru64(r);

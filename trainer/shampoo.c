@@ -78,6 +78,7 @@ static void pt__shampoo_register_opts(const pt_trainer *t, precond_shampoo_opts 
   out->root_exponent = pt__shampoo_root_exponent(so);
   out->epsilon = so->epsilon;
   out->method = so->root_method == PC_METHOD_EIGH ? PRECOND_METHOD_EIGH : PRECOND_METHOD_NEWTON;
+  out->root_every = (uint32_t)t->opts.root_every;
 }
 
 /* Takes the daemon's block ids. Both sides number blocks tensor by tensor with the same
@@ -266,14 +267,22 @@ static int pt__shampoo_refresh_agreed(pt_trainer *t, pt_error *err) {
   return pt__refresh_agreed(t, ((pt__shampoo *)t->state)->nblocks, &units, err);
 }
 
-/* sync_roots: waits until block b holds roots computed from the statistics of step. */
+/* sync_roots: waits until block b holds roots computed from the statistics of step, or with
+ * root_every k > 1 from those of the step's window: precondd computes a block's roots once
+ * per window of k steps, at its first push in it, the windows offset by the block's id
+ * (host/mode_shampoo.c, shampoo_compute_due), so the window's roots are the only ones with
+ * a source step at or after its start. (Before a block's first root the daemon computes at
+ * every push: any root is that window's then.) */
 static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
   pt__shampoo *s = t->state;
   double deadline = pt__now() + t->opts.sync_timeout_ms / 1000.0;
+  uint64_t every = (uint64_t)t->opts.root_every;
+  uint64_t into = ((uint64_t)step + s->block_id[b] % every) % every; /* steps into it */
+  uint64_t start = (uint64_t)step > into ? (uint64_t)step - into : 0;
   for (;;) {
     int rc = pt__shampoo_refresh(t, b, err);
     if (rc != PT_OK) return rc;
-    if (s->version[b] > 0 && s->source_step[b] >= (uint64_t)step) return PT_OK;
+    if (s->version[b] > 0 && s->source_step[b] >= start) return PT_OK;
     int left_ms = (int)((deadline - pt__now()) * 1000.0);
     if (left_ms <= 0 ||
         precond_wait_roots(t->client, s->block_id[b], s->version[b], left_ms) == PRECOND_ETIMEDOUT)

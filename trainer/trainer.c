@@ -101,6 +101,7 @@ void pt_options_default(pt_options *opts, pt_mode mode) {
   opts->mode = mode;
   opts->connect_timeout_ms = 5000;
   opts->sync_timeout_ms = 60000;
+  opts->root_every = 1;
   opts->shard_size = 1;
   ac_shampoo_opts_default(&opts->shampoo);
   pc_kfac_opts_default(&opts->kfac.k);
@@ -176,6 +177,13 @@ static int pt__validate(const pt_options *opts, ac_param *const *params, size_t 
     return pt__fail(err, PT_EINVAL,
                     "pt_create: root_delay %ld needs Shampoo with sync_roots, one worker",
                     opts->root_delay);
+  /* precondd's bound (shampoo.root_every); root_delay stands for roots of every push. */
+  if (opts->root_every < 1 || opts->root_every > 100000 ||
+      (opts->root_every > 1 && (opts->mode != PT_MODE_SHAMPOO || opts->root_delay > 0)))
+    return pt__fail(err, PT_EINVAL,
+                    "pt_create: root_every %ld needs [1, 100000], and above 1 Shampoo without "
+                    "root_delay",
+                    opts->root_every);
   const ac_backend *be = params[0] != NULL ? params[0]->value.be : NULL;
   for (size_t i = 0; i < nparams; i++)
     if (params[i] == NULL || params[i]->value.be != be || params[i]->value.numel == 0)

@@ -140,6 +140,10 @@ typedef struct {
                               through step t - root_delay (held on the worker until then), a
                               deterministic stand-in for asynchronous roots that are
                               root_delay steps old; 0 (default): its own step's */
+  long root_every;        /* Shampoo: precondd recomputes a block's roots when its statistics
+                              step enters a new window of root_every steps (the job's
+                              shampoo.root_every), so with sync_roots a step waits for roots
+                              at most root_every - 1 steps old. 1 (default): every push */
   long sync_first;        /* Shampoo: steps 1..sync_first wait for their own roots as
                               sync_roots does (root_delay starts after them), so the first
                               roots, made while the statistics move fastest, are fresh; the

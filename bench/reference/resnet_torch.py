@@ -69,6 +69,10 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, run --reps more under torch.autograd.profiler and "
+                    "print each op's self time per step (the calling thread's wall clock inside "
+                    "the op: its intra-op threads work in the same interval)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
@@ -96,6 +100,19 @@ def main():
                                                            a.clock, a.batch)
     for name, t in (("step", times), ("step." + ("cpu" if a.clock == "wall" else "wall"), other)):
         print("  model    %s  %s  %10.3f ms %10.3f ms" % (cfg, name, statistics.median(t), min(t)))
+    if a.profile:
+        with torch.autograd.profiler.profile() as prof:
+            for _ in range(a.reps):
+                step()
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in rows)
+        print("  profile  op  self_ms_per_step  share  calls_per_step")
+        for e in rows:
+            if e.self_cpu_time_total * 1000 < total:
+                break
+            print("  profile  %-40s %8.2f %6.1f%% %6.1f" % (e.key, e.self_cpu_time_total / 1e3 / a.reps,
+                  100.0 * e.self_cpu_time_total / total, e.count / a.reps))
+        print("  profile  total self ms per step %.2f" % (total / 1e3 / a.reps))
     print("  threads  intra-op %d, inter-op %d, OS threads of the process %d"
           % (torch.get_num_threads(), torch.get_num_interop_threads(),
              len(os.listdir("/proc/self/task"))))

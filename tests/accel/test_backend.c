@@ -1775,9 +1775,12 @@ static void check_conv_moments(ac_backend *be, size_t n, size_t c, size_t oc, si
  * 4), the weight gradient added to what dw held. A backend without the kernels (CUDA; a CPU
  * without AVX2 + FMA) answers AC_ENOTSUP, and the layers use im2col + gemm. */
 static void conv3x3_against_loops(ac_backend *be) {
-  const size_t shapes[][5] = {{3, 5, 8, 7, 9},   {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
-                              {1, 4, 4, 1, 1},   {3, 8, 4, 2, 3},    {2, 3, 8, 7, 7},
-                              {1, 2, 12, 11, 13}};
+  /* An image's vectors of 16 positions ((h + 1)(w + 1) / 16, rounded up): 5, 53, 15, 1, 1,
+   * 4, 11, and 7, 8, 2, 13 (the AVX-512F forward's splits of a rest of 7, 8 and 2). */
+  const size_t shapes[][5] = {{3, 5, 8, 7, 9},    {2, 1, 16, 28, 28}, {2, 16, 16, 14, 14},
+                              {1, 4, 4, 1, 1},    {3, 8, 4, 2, 3},    {2, 3, 8, 7, 7},
+                              {1, 2, 12, 11, 13}, {2, 4, 8, 9, 9},    {1, 4, 4, 10, 10},
+                              {2, 3, 4, 4, 4},    {1, 2, 8, 12, 15}};
   if (!ac_conv3x3_supported(be, 4, 4)) {
     float z[3] = {0, 0, 0};
     assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z + 2), AC_ENOTSUP);

@@ -207,13 +207,13 @@ static void test_inv_every(void **state) {
   kfac_job(f, &o);
   const pd_mode *m = pd_mode_find(PD_MODE_KFAC);
   assert_non_null(m->compute_due);
-  assert_true(m->compute_due(&o, 1, 0)); /* no inverse yet: every push */
-  assert_true(m->compute_due(&o, 2, 0));
-  assert_false(m->compute_due(&o, 1, 1));
-  assert_false(m->compute_due(&o, 2, 1));
-  assert_true(m->compute_due(&o, 3, 1));
-  assert_false(m->compute_due(&o, 4, 1));
-  assert_true(m->compute_due(&o, 6, 1));
+  assert_true(m->compute_due(&o, NULL, 1, 1, 0, 0)); /* no inverse yet: every push */
+  assert_true(m->compute_due(&o, NULL, 2, 2, 0, 0));
+  assert_false(m->compute_due(&o, NULL, 1, 1, 0, 1));
+  assert_false(m->compute_due(&o, NULL, 2, 2, 0, 1));
+  assert_true(m->compute_due(&o, NULL, 3, 3, 0, 1));
+  assert_false(m->compute_due(&o, NULL, 4, 4, 0, 1));
+  assert_true(m->compute_due(&o, NULL, 6, 6, 0, 1));
 }
 
 /* A factor that is not positive definite even damped: Cholesky fails, the previous

@@ -2494,6 +2494,120 @@ static void test_no_pool(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* ---- the root rate (shampoo.root_every) ------------------------------------------------ */
+
+/* Registers two 8 x 8 tensors (blocks 0 and 1, block size 8) with roots every `every`
+ * steps. */
+static grpc_status_code every_register(daemon_t *d, const char *job, uint32_t every, char *msg) {
+  tspec ts[2] = {{"a", {8, 8}, 2}, {"b", {8, 8}, 2}};
+  Precond__V1__ShampooOptions so = PRECOND__V1__SHAMPOO_OPTIONS__INIT;
+  so.block_size = 8;
+  so.beta2 = 0.9f;
+  so.root_every = every;
+  Precond__V1__RegisterRequest req = PRECOND__V1__REGISTER_REQUEST__INIT;
+  req.shampoo = &so;
+  return register_job(d, &req, job, ts, 2, NULL, msg);
+}
+
+/* Pushes fresh statistics of step to both blocks, then waits until the daemon's queue is
+ * empty, so that whether the push queued a computation shows in the counters. */
+static void every_push(daemon_t *d, const char *job, uint64_t step) {
+  float *st[4];
+  for (int k = 0; k < 4; k++) st[k] = random_stat(8, 1000 * step + (uint64_t)k);
+  blockstat bs[2] = {{0, 8, 8, st[0], st[1], 0}, {1, 8, 8, st[2], st[3], 0}};
+  char msg[512];
+  assert_int_equal(do_push(d, job, step, bs, 2, NULL, msg), GRPC_STATUS_OK);
+  for (int k = 0; k < 4; k++) free(st[k]);
+  for (int tries = 0;; tries++) {
+    Precond__V1__StatsResponse *s = get_stats(d, job);
+    uint64_t depth = s->queue_depth;
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+    if (depth == 0) break;
+    assert_true(tries < 1000);
+    sleep_ms(20);
+  }
+}
+
+/* Block id's roots computed and the source step of its published root. */
+static void every_counts(daemon_t *d, const char *job, uint32_t id, uint64_t *computed,
+                         uint64_t *source) {
+  Precond__V1__StatsResponse *s = get_stats(d, job);
+  const Precond__V1__BlockStats *b = NULL;
+  for (size_t i = 0; i < s->n_block_stats; i++)
+    if (s->block_stats[i]->block_id == id) b = s->block_stats[i];
+  assert_non_null(b);
+  assert_int_equal(b->roots_skipped, 0);
+  *computed = b->roots_computed;
+  *source = b->root_step;
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+}
+
+/* root_every 4: a block's roots are computed at its first push, then when its statistics
+ * step enters a new window of 4 steps, the windows offset by the block's id (block 0 at
+ * steps 4, 8, 12; block 1 at 3, 7, 11), so 12 pushes make 4 roots each where root_every 1
+ * makes 12; the option is in the snapshot, a restarted daemon computes at its first push,
+ * and a value above the bound is refused naming the field. */
+static void test_root_every(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  const char *const extra[] = {"--drift-threshold", "0", NULL}; /* every due push computes */
+  daemon_up(&d, extra);
+  char msg[512];
+  assert_int_equal(every_register(&d, "every4", 4, msg), GRPC_STATUS_OK);
+  assert_int_equal(every_register(&d, "every1", 0, msg), GRPC_STATUS_OK); /* 0: default 1 */
+  const uint64_t due0[] = {1, 4, 8, 12}, due1[] = {1, 3, 7, 11};
+  size_t i0 = 0, i1 = 0;
+  for (uint64_t step = 1; step <= 12; step++) {
+    every_push(&d, "every4", step);
+    every_push(&d, "every1", step);
+    if (i0 < 4 && due0[i0] == step) i0++;
+    if (i1 < 4 && due1[i1] == step) i1++;
+    uint64_t n, src;
+    every_counts(&d, "every4", 0, &n, &src);
+    assert_int_equal(n, i0);
+    assert_int_equal(src, due0[i0 - 1]);
+    every_counts(&d, "every4", 1, &n, &src);
+    assert_int_equal(n, i1);
+    assert_int_equal(src, due1[i1 - 1]);
+    every_counts(&d, "every1", 1, &n, &src);
+    assert_int_equal(n, step);
+    assert_int_equal(src, step);
+  }
+  /* Another rate is another job's options. */
+  assert_int_equal(every_register(&d, "every4", 5, msg), GRPC_STATUS_FAILED_PRECONDITION);
+  assert_int_equal(every_register(&d, "big", 100001, msg), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "shampoo.root_every"));
+
+  /* Snapshot at shutdown: the rate is kept; the restarted daemon resumes the job and
+   * computes at its first push (it keeps no window across a restart), then by the rule. */
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d.p.dir, &st, &stats);
+  pd_job *job = pd_store_get(&st, "every4", 0);
+  assert_non_null(job);
+  assert_int_equal(((const pd_shampoo_opts *)(const void *)job->opts)->root_every, 4);
+  pd_job_unref(job, &stats);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+  start_daemon(&d, extra);
+  assert_int_equal(every_register(&d, "every4", 4, msg), GRPC_STATUS_OK);
+  uint64_t n, src;
+  every_push(&d, "every4", 13);
+  every_counts(&d, "every4", 0, &n, &src);
+  assert_int_equal(n, 5);
+  assert_int_equal(src, 13);
+  every_push(&d, "every4", 14);
+  every_push(&d, "every4", 15);
+  every_counts(&d, "every4", 0, &n, &src);
+  assert_int_equal(n, 5);
+  every_push(&d, "every4", 16);
+  every_counts(&d, "every4", 0, &n, &src);
+  assert_int_equal(n, 6);
+  assert_int_equal(src, 16);
+  daemon_down(&d);
+}
+
 /* ---- K-FAC (mode MODE_KFAC) ------------------------------------------------------------ */
 
 /* Registers a K-FAC job with inverses every inv_every pushes; with_shampoo adds Shampoo
@@ -2784,6 +2898,7 @@ int main(void) {
       cmocka_unit_test(test_shutdown_idle_client),
       cmocka_unit_test(test_versions_survive_crash),
       cmocka_unit_test(test_end_job_and_idle_expiry),
+      cmocka_unit_test(test_root_every),
       cmocka_unit_test(test_kfac),
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),

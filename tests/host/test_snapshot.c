@@ -295,6 +295,16 @@ static void put_ended(wbuf *b, const char *name, uint32_t kind) {
   put_le(b, kind, 4);
 }
 
+/* A Shampoo job record of this daemon's files (format 6: its options section 32 bytes) as
+ * formats 5 and older hold it (28 bytes: no root_every), in place; returns its new length. */
+static size_t job_as_f5(unsigned char *job, size_t len) {
+  size_t name = (size_t)job[0] | (size_t)job[1] << 8 | (size_t)job[2] << 16 | (size_t)job[3] << 24;
+  size_t at = 4 + name + 4 + 28; /* name, mode, the section up to root_every */
+  assert_true(len > at + 4);
+  memmove(job + at, job + at + 4, len - at - 4);
+  return len - 4;
+}
+
 /* Writes payload as f's snapshot of that format with a valid header: magic, format, length
  * and both checksums right, so that only the parser can object. */
 static void seal_as(const fixture *f, const wbuf *payload, uint32_t format) {
@@ -381,12 +391,15 @@ static void test_ended_names(void **state) {
   /* the ended section: u32 2, then "beta" and "gamma" with their time and kind */
   jobs_end -= 4 + (4 + 4 + 12) + (4 + 5 + 12);
   put(&b, file + 32 + ORIGIN, jobs_end - 32 - ORIGIN);
+  b.n = 4 + job_as_f5(b.p + 4, b.n - 4); /* the job count, then the one job */
   seal_as(f, &b, 3);
   pd_store_init(&st, &stats, (size_t)1 << 30, 1000);
   st.ended_max = 8;
   assert_int_equal(pd_snapshot_read(&st, f->dir, err, sizeof err), PD_OK);
   assert_int_equal(st.njobs, 1);
   assert_int_equal(st.nended, 0);
+  /* Its options section had no root_every: the default, every push. */
+  assert_int_equal(((const pd_shampoo_opts *)(const void *)st.jobs[0]->opts)->root_every, 1);
   pd_store_destroy(&st);
   assert_int_equal(atomic_load(&stats.memory_bytes), 0);
   pd_stats_destroy(&stats);
@@ -420,15 +433,16 @@ static void test_hostile_contents(void **state) {
     unsigned char *single = slurp(path, &m);
     /* less the origin, the job count and the count of ended names */
     job_len = m - 32 - ORIGIN - 4 - 4;
-    put(&b, single + 36 + ORIGIN, job_len);
-    put(&b, single + 36 + ORIGIN, job_len);
-    put_le(&b, 0, 4);
     one_job = malloc(job_len);
     assert_non_null(one_job);
     memcpy(one_job, single + 36 + ORIGIN, job_len);
+    job_len = job_as_f5(one_job, job_len);
+    put(&b, one_job, job_len);
+    put(&b, one_job, job_len);
+    put_le(&b, 0, 4);
     free(single);
   }
-  seal_as(f, &b, 4); /* the format it was written in */
+  seal_as(f, &b, 4); /* the format it was written in, less the origin and root_every */
   expect_corrupt(f, "one job stored twice");
   b.n = 0;
   /* More blocks than the store's limit (1000): refused before the layout is built. */

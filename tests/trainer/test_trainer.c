@@ -308,6 +308,52 @@ static void test_root_delay(void **state) {
   toy_destroy(&m);
 }
 
+/* root_every 3 with sync_roots: precondd computes a block's roots at its first push, then
+ * when its statistics step enters a new window of 3 steps, the windows offset by the
+ * block's id (host/mode_shampoo.c); every step waits for those and applies them, so block b
+ * at step s holds the roots of the last such step. Refused: below 1, and with root_delay. */
+static void test_root_every(void **state) {
+  (void)state;
+  toy m;
+  toy_init(&m);
+  pt_options o;
+  opts_for(&o, "every3");
+  o.sync_roots = 1;
+  o.root_every = 3;
+  pt_trainer *t = NULL;
+  pt_error err = {""};
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_OK);
+  const ac_shampoo *opt = pt_shampoo(t);
+  long due[5] = {0};
+  for (long s = 1; s <= 8; s++) {
+    toy_grads(&m, s);
+    pt_step_info info;
+    if (pt_step(t, s, 0.01, &info, &err) != PT_OK) fail_msg("pt_step %ld: %s", s, err.msg);
+    assert_int_equal(info.preconditioned, 5);
+    long worst = 0;
+    for (size_t b = 0; b < 5; b++) {
+      if (s == 1 || (s + (long)(b % 3)) % 3 == 0) due[b] = s;
+      ac_shampoo_block bi;
+      assert_int_equal(ac_shampoo_block_info(opt, b, &bi), AC_OK);
+      assert_int_equal(bi.source_step, (uint64_t)due[b]);
+      if (s - due[b] > worst) worst = s - due[b];
+    }
+    assert_true(worst <= 2);
+    assert_int_equal(info.staleness_max, worst);
+  }
+  pt_destroy(t);
+  t = NULL;
+  o.root_every = 0;
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "root_every"));
+  o.root_every = 2;
+  o.root_delay = 1;
+  assert_int_equal(pt_create(&t, &o, m.list, NPARAMS, &err), PT_EINVAL);
+  assert_non_null(strstr(err.msg, "root_every"));
+  assert_null(t);
+  toy_destroy(&m);
+}
+
 /* No daemon at the address: a clear error naming it, nothing left allocated. */
 static void test_daemon_absent(void **state) {
   (void)state;
@@ -356,6 +402,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_root_method),
       cmocka_unit_test(test_fallback_counted),   cmocka_unit_test(test_daemon_absent),
       cmocka_unit_test(test_bad_arguments),      cmocka_unit_test(test_root_delay),
+      cmocka_unit_test(test_root_every),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
