@@ -921,6 +921,16 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
 #define AC__CPU_CLONES
 #endif
 
+/* Batch norm's maps (affine_slice, combine_slice) run on rows of 49-784 floats: compiled
+ * for AVX-512F too, a row's last floats are one masked vector, where the baseline's SSE2
+ * loop left up to 3 to a scalar tail and AVX2's up to 7. The same values: no contraction
+ * (ISO C mode), no reductions. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define AC__CPU_CLONES512 __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AC__CPU_CLONES512
+#endif
+
 /* e^x for x in [-87, 89] (callers clamp), written to vectorise: x = n ln2 + r with
  * |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two so that n ln2 is exact
  * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
@@ -1343,7 +1353,7 @@ static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t 
   return AC_OK;
 }
 
-AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi, int thread) {
+AC__CPU_CLONES512 AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -1416,7 +1426,7 @@ static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_
   return AC_OK;
 }
 
-AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi, int thread) {
+AC__CPU_CLONES512 AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
