@@ -154,7 +154,10 @@ static void test_defaults_table(void **state) {
   assert_int_equal(tr_sync_first(&o), 0);
   assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_shampoo), TR_OK);
   assert_int_equal(tr_sync_first(&o), 0);
-  /* precondd's root rate: the Transformer's row every push; a given --root-every is kept */
+  /* precondd's root rate: the ResNet's row every 10 steps, the Transformer's every push; a
+   * given --root-every is kept */
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_shampoo), TR_OK);
+  assert_int_equal(o.root_every, 10);
   assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_shampoo), TR_OK);
   assert_int_equal(o.root_every, 1);
   const char *rn_every[] = {"--optimizer", "shampoo", "--root-every", "3", NULL};
