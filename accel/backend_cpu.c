@@ -921,6 +921,16 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
 #define AC__CPU_CLONES
 #endif
 
+/* Batch norm's maps (affine_slice, combine_slice) run on rows of 49-784 floats: compiled
+ * for AVX-512F too, a row's last floats are one masked vector, where the baseline's SSE2
+ * loop left up to 3 to a scalar tail and AVX2's up to 7. The same values: no contraction
+ * (ISO C mode), no reductions. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define AC__CPU_CLONES512 __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AC__CPU_CLONES512
+#endif
+
 /* e^x for x in [-87, 89] (callers clamp), written to vectorise: x = n ln2 + r with
  * |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two so that n ln2 is exact
  * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
@@ -1343,7 +1353,8 @@ static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t 
   return AC_OK;
 }
 
-AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi, int thread) {
+AC__CPU_CLONES512 AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi,
+                                                       int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -1416,7 +1427,8 @@ static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_
   return AC_OK;
 }
 
-AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi, int thread) {
+AC__CPU_CLONES512 AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi,
+                                                        int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -2259,6 +2271,8 @@ typedef struct c3_args {
   const float *x, *w, *dy;
   float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
   unsigned char *ready;    /* per thread: its scratch's zeros written (c3_thread_scratch) */
+  size_t *packed_nb;       /* the weight gradient, per thread: the images of the chunk its scratch
+                        holds (0: none yet), whose zeros the next chunk of as many keeps */
   double *sums;     /* NULL, or the forward's moments: per image and output channel, s and q */
   const float *res; /* NULL, or added to the forward's output as it is copied out */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
@@ -2481,11 +2495,17 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
       size_t b0, b1;
       slice_of(a->n, (int)a->nch, (int)q, &b0, &b1);
       size_t nb = b1 - b0, nv = c3_nvec(g, nb, a->vw);
+      /* A chunk of as many images as the last one on this thread writes its values at the
+       * same places: the zeros around them are still there (writing them again cost a
+       * quarter of the packing). */
+      int same = a->packed_nb[thread] == nb;
+      a->packed_nb[thread] = nb;
       for (size_t ch = 0; ch < a->c; ch++)
-        c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl, a->cl);
+        c3_pack_in(a, nb, a->x + (b0 * a->c + ch) * ihw, a->c * ihw, xq + ch * a->cl,
+                   same ? 0 : a->cl);
       for (size_t o = 0; o < a->oc; o++)
         c3_pack(a->isa, g, nb, a->dy + (b0 * a->oc + o) * ohw, a->oc * ohw, 0, dq + o * a->dl,
-                a->dl);
+                same ? 0 : a->dl);
       pool_phase_end(a->pool, a->phase[0], thread, &t);
       for (size_t ob = 0; ob < a->oc / 4; ob++)
         for (size_t ch = 0; ch < a->c; ch++) {
@@ -2613,11 +2633,13 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
   c3_set_taps(&a, c3_chan_len(&a.g, nb, a.vw));
   a.dl = (c3_nvec(&a.g, nb, a.vw) * a.vw + 15) / 16 * 16;
   a.per_thread = c * a.cl + oc * a.dl;
-  size_t wn = oc * c * a.kk;
-  float *s = cpu_scratch(be, a.groups * wn + 16 + a.parts * a.per_thread);
+  size_t wn = oc * c * a.kk, nbf = a.parts * sizeof(size_t) / sizeof(float);
+  float *s = cpu_scratch(be, a.groups * wn + 16 + a.parts * a.per_thread + nbf);
   if (s == NULL) return AC_ENOMEM;
   a.dw = s;
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
+  a.packed_nb = (size_t *)(void *)(a.scratch + a.parts * a.per_thread);
+  memset(a.packed_nb, 0, a.parts * sizeof(size_t));
   const char *kind = c3_phases(&a, pool, 3);
   pool_run(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a, kind);
   c3_group_sums gs = {wn, a.groups, a.dw, dw};
