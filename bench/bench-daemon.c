@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -97,6 +98,7 @@ typedef struct {
   int wire;                       /* --wire: push and fetch rows only, pool kept out of them */
   int shm_only;                   /* --shm-only: of those, the shared-memory rows alone */
   int cpu_clock;                  /* --clock cpu: rates per CPU second of bench + daemon */
+  int push_shm_only;              /* --push-shm-only: of the region's push rows, push-shm */
   const char *channel_args[8];    /* --channel-arg KEY=INTEGER of the measured channels */
   int nchannel_args;
 } bench_opts;
@@ -290,6 +292,12 @@ static void usage(FILE *f) {
           "  --keep-freed-memory the client keeps freed memory for the next message\n"
           "                      (rpc_keep_freed_memory, as precondd does; default: glibc's\n"
           "                      own thresholds, as a worker without it has)\n"
+          "  --push-shm-only     with --wire, of the push rows through a region only\n"
+          "                      push-shm (no -memcpy, -grpc, -pipe): shorter A/B runs\n"
+          "  --account           after each push cell through a region with one client, on\n"
+          "                      stderr: the push's CPU per push by part (the client's write\n"
+          "                      and the rest, the daemon's doorbell thread and its other\n"
+          "                      threads) and both threads' sleeps and preemptions per push\n"
           "  --hist              each cell's calls by latency on stderr, with how many of\n"
           "                      them the client spent mostly on the CPU\n"
           "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
@@ -477,6 +485,101 @@ static void push_init(push_msg *m, const char *job, uint32_t block, const payloa
   m->req.blocks = &m->bsp;
 }
 
+/* --account: where a same-host push's CPU goes, per push, on stderr after each push-shm
+ * cell of one client (docs/precondd.md, "Session 12"). A thread's use from /proc: CPU
+ * nanoseconds and times it got a CPU (schedstat), its user and system ticks (stat), and
+ * its voluntary and involuntary context switches (status: sleeps, e.g. a futex wait, and
+ * preemptions). */
+static int g_account;
+
+typedef struct {
+  double ns, runs, utime, stime, sleeps, preempted;
+} thread_use;
+
+/* Adds the use of the thread whose /proc directory is task to *u. */
+static void thread_use_add(const char *task, thread_use *u) {
+  char file[700], line[1024];
+  unsigned long long ns = 0, waited = 0, runs = 0, ut = 0, st = 0, v = 0;
+  snprintf(file, sizeof file, "%s/schedstat", task);
+  FILE *f = fopen(file, "r");
+  if (f != NULL && fscanf(f, "%llu %llu %llu", &ns, &waited, &runs) == 3) {
+    u->ns += (double)ns;
+    u->runs += (double)runs;
+  }
+  if (f != NULL) fclose(f);
+  snprintf(file, sizeof file, "%s/stat", task);
+  char *p =
+      (f = fopen(file, "r")) != NULL && fgets(line, sizeof line, f) ? strrchr(line, ')') : NULL;
+  if (f != NULL) fclose(f);
+  if (p != NULL &&
+      sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2) {
+    u->utime += (double)ut;
+    u->stime += (double)st;
+  }
+  snprintf(file, sizeof file, "%s/status", task);
+  if ((f = fopen(file, "r")) == NULL) return;
+  while (fgets(line, sizeof line, f) != NULL) {
+    if (sscanf(line, "voluntary_ctxt_switches: %llu", &v) == 1) u->sleeps += (double)v;
+    if (sscanf(line, "nonvoluntary_ctxt_switches: %llu", &v) == 1) u->preempted += (double)v;
+  }
+  fclose(f);
+}
+
+/* The calling thread's use. */
+static thread_use thread_use_self(void) {
+  thread_use u = {0};
+  char task[64];
+  snprintf(task, sizeof task, "/proc/self/task/%ld", (long)syscall(SYS_gettid));
+  thread_use_add(task, &u);
+  return u;
+}
+
+/* pid's threads named name (e.g. "pd-bell"), up to 16, by thread id. */
+typedef struct {
+  int n;
+  long tid[16];
+  thread_use u[16];
+} thread_set;
+
+static void thread_set_named(pid_t pid, const char *name, thread_set *t) {
+  t->n = 0;
+  char path[64], file[600], comm[32];
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  struct dirent *e;
+  while (d != NULL && (e = readdir(d)) != NULL && t->n < 16) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(file, sizeof file, "%s/%s/comm", path, e->d_name);
+    FILE *f = fopen(file, "r");
+    int ok = f != NULL && fgets(comm, sizeof comm, f) != NULL;
+    if (f != NULL) fclose(f);
+    comm[strcspn(comm, "\n")] = '\0';
+    if (!ok || strcmp(comm, name) != 0) continue;
+    snprintf(file, sizeof file, "%s/%s", path, e->d_name);
+    t->tid[t->n] = atol(e->d_name);
+    t->u[t->n] = (thread_use){0};
+    thread_use_add(file, &t->u[t->n++]);
+  }
+  if (d != NULL) closedir(d);
+}
+
+/* The use between a and b of the threads present in both (an earlier cell's thread that
+ * ended meanwhile, or one that started, is left out). */
+static thread_use thread_set_used(const thread_set *a, const thread_set *b) {
+  thread_use u = {0};
+  for (int i = 0; i < b->n; i++)
+    for (int j = 0; j < a->n; j++)
+      if (a->tid[j] == b->tid[i]) {
+        u.ns += b->u[i].ns - a->u[j].ns;
+        u.runs += b->u[i].runs - a->u[j].runs;
+        u.utime += b->u[i].utime - a->u[j].utime;
+        u.stime += b->u[i].stime - a->u[j].stime;
+        u.sleeps += b->u[i].sleeps - a->u[j].sleeps;
+        u.preempted += b->u[i].preempted - a->u[j].preempted;
+      }
+  return u;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Client threads                                                                         */
 
@@ -500,6 +603,13 @@ typedef struct {
   size_t nlat, caplat;
   uint64_t bytes;
   int failed;
+  /* --account (a push through a region): the daemon (its pd-bell threads are read at the
+   * start and the end of the calls, while this worker's region is open), this thread's CPU
+   * in the slots' write, and both threads' use over the calls. */
+  pid_t daemon;
+  double write_s;
+  thread_use self[2];
+  thread_set bell[3]; /* [2]: 300 ms after the last push */
 } worker;
 
 static void *worker_main(void *arg) {
@@ -539,6 +649,11 @@ static void *worker_main(void *arg) {
     w->failed = 1;
   if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
   pthread_barrier_wait(w->start);
+  int account = g_account && w->shm && !w->fetch && w->daemon > 0;
+  if (account) {
+    w->self[0] = thread_use_self();
+    thread_set_named(w->daemon, "pd-bell", &w->bell[0]);
+  }
   uint64_t step = 1;
   while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
     double t0 = now_s(), c0 = thread_cpu_s();
@@ -599,6 +714,7 @@ static void *worker_main(void *arg) {
         pm.l.data.len = pm.r.data.len = w->pl->bytes;
         pm.l.shm = pm.r.shm = NULL;
         int put = 1;
+        double cw = account ? thread_cpu_s() : 0.0;
         for (int f = 0; f < 2 && put; f++) {
           Precond__V1__PackedMatrix *m = f ? &pm.r : &pm.l;
           if (w->shm != 4) {
@@ -609,6 +725,7 @@ static void *worker_main(void *arg) {
             put = at != NULL;
           }
         }
+        if (account) w->write_s += thread_cpu_s() - cw;
         if (!put) {
           fprintf(stderr, "bench-daemon: a factor does not fit the region\n");
           w->failed = 1;
@@ -680,6 +797,15 @@ static void *worker_main(void *arg) {
     free(details);
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     if (rc == RPC_ECALL) break;
+  }
+  if (account) {
+    w->self[1] = thread_use_self();
+    thread_set_named(w->daemon, "pd-bell", &w->bell[1]);
+    /* The doorbell thread idle: its CPU over the 300 ms after the last push, the region
+     * still open (a thread that napped on while no push came would show here). */
+    struct timespec idle = {0, 300000000L};
+    nanosleep(&idle, NULL);
+    thread_set_named(w->daemon, "pd-bell", &w->bell[2]);
   }
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
@@ -769,6 +895,27 @@ static void print_row(const char *bench, const char *transport, size_t n, int cl
            base_value, ratio, payload_bytes);
   g_rows++;
   fflush(stdout);
+}
+
+/* The account line of a one-client cell: per push, microseconds of CPU and counts. */
+static void print_account(const char *name, size_t n, const worker *w, double daemon_s) {
+  double pushes = w->nlat > 0 ? (double)w->nlat : 1.0, tick = (double)sysconf(_SC_CLK_TCK);
+  const thread_use *c = w->self, b = thread_set_used(&w->bell[0], &w->bell[1]);
+  double cl = (c[1].ns - c[0].ns) * 1e-9, bl = b.ns * 1e-9;
+  double cu = c[1].utime - c[0].utime, cs = c[1].stime - c[0].stime;
+  double bu = b.utime, bs = b.stime;
+  thread_use idle = thread_set_used(&w->bell[1], &w->bell[2]);
+  fprintf(stderr,
+          "account %s n=%zu pushes=%zu: per push, us of CPU: client %.1f (write %.1f, the rest "
+          "%.1f; system %.0f%%), bell thread %.1f (system %.0f%%), daemon's other threads %.1f; "
+          "client sleeps %.2f preempted %.2f, bell sleeps %.2f preempted %.2f (ticks %.0f/s); "
+          "idle 300 ms after: bell thread %.1f us of CPU, %.0f sleeps\n",
+          name, n, w->nlat, 1e6 * cl / pushes, 1e6 * w->write_s / pushes,
+          1e6 * (cl - w->write_s) / pushes, cu + cs > 0 ? 100 * cs / (cu + cs) : 0.0,
+          1e6 * bl / pushes, bu + bs > 0 ? 100 * bs / (bu + bs) : 0.0,
+          1e6 * (daemon_s - bl) / pushes, (c[1].sleeps - c[0].sleeps) / pushes,
+          (c[1].preempted - c[0].preempted) / pushes, b.sleeps / pushes, b.preempted / pushes, tick,
+          1e-3 * idle.ns, idle.sleeps);
 }
 
 /* --hist: a cell's calls by wall-clock latency (buckets doubling from 0.05 ms) on stderr,
@@ -894,7 +1041,8 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
                     .pl = pl,
                     .fetch = fetch,
                     .shm = shm,
-                    .start = &start};
+                    .start = &start,
+                    .daemon = k == 1 ? daemon : 0};
     if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0) break;
     started++;
   }
@@ -910,7 +1058,7 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
   for (int i = 0; i < k; i++) w[i].until = t0 + o->seconds;
   pthread_barrier_wait(&start);
   t0 = now_s();
-  double c0 = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0);
+  double d0 = daemon > 0 ? cpu_s(daemon) : 0.0, c0 = cpu_s(0) + d0;
   for (int i = 0; i < k; i++) pthread_join(th[i], NULL);
   double secs = now_s() - t0;
   /* --clock cpu: this process's and the daemon's CPU time instead of the wall clock, so a
@@ -941,6 +1089,8 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
+    if (w[0].daemon > 0 && g_account && shm && !fetch)
+      print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
@@ -1968,15 +2118,18 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
         if (run_cell(o, push_addr, push_pid, transport, 0, shm, pjob, k, &pl, mc) != 0) rc = -1;
         /* The same push with the slots written by a plain memcpy (before session 11): the
          * streaming write's gain in this run. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 4, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 4, pjob, k, &pl, mc) != 0)
           rc = -1;
         /* The region's push with its control as a gRPC call (before the doorbell): the
          * doorbell's gain in this run. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 2, pjob, k, &pl, mc) != 0)
           rc = -1;
         /* The doorbell pipelined (two pushes in flight): the overlap's cost or gain in this
          * run, next to push-shm's one at a time. */
-        if (shm && run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
+        if (shm && !o->push_shm_only &&
+            run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
           rc = -1;
       }
     }
@@ -2030,6 +2183,12 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--json") == 0) {
       g_json = 1;
+      continue;
+    } else if (strcmp(a, "--push-shm-only") == 0) {
+      o.push_shm_only = 1;
+      continue;
+    } else if (strcmp(a, "--account") == 0) {
+      g_account = 1;
       continue;
     } else if (strcmp(a, "--hist") == 0) {
       g_hist = 1;

@@ -58,7 +58,8 @@ typedef enum { PD_LOG_ERROR = 0, PD_LOG_WARN, PD_LOG_INFO, PD_LOG_DEBUG } pd_log
 /* Names the calling thread (at most 15 characters; Linux: the comm of
  * /proc/PID/task/TID, elsewhere nothing), so per-thread CPU can be told apart from outside:
  * "pd-pool" (root workers) and "pd-replica" (the communication thread), which
- * bench-daemon's replica rows sum per rank. */
+ * bench-daemon's replica rows sum per rank, and "pd-bell" (a region's doorbell thread),
+ * which its --account lines report. */
 void pd_thread_name(const char *name);
 
 /* Sets the threshold (messages above it are dropped). Thread-safe. */

@@ -280,6 +280,7 @@ static void *pd__shm_bell_main(void *arg) {
   pd_shm_session *s = arg;
   pd_shm *r = s->reg;
   rpc_shm_head *h = (void *)s->map;
+  pd_thread_name("pd-bell"); /* per-thread CPU tells the doorbell apart (bench-daemon) */
   /* The region is new (its file made zeroed): 0 rung. Not the word's value now: the client
    * may have rung before this thread first ran. */
   uint32_t seen = 0;
@@ -288,10 +289,24 @@ static void *pd__shm_bell_main(void *arg) {
    * blocks: a larger buffer is kept once a room asks for it, up to RPC_SHM_BELL_REPLY_MAX. */
   unsigned char small[RPC_SHM_BELL_REPLY], *out = small;
   size_t out_cap = sizeof small;
+  /* While small pushes arrive back to back from another core the thread spins briefly (and
+   * naps, PRECOND_SHM_NAP_US) before it sleeps on the futex, and the client wakes it only
+   * when it sleeps there (rpc.h, rpc_shm_nap). */
+  rpc_shm_pace pace = {.nap_max_us = rpc_shm_nap_max_us()};
+  __atomic_store_n(&h->bell_wait, RPC_SHM_WAIT_FLAGGED, __ATOMIC_SEQ_CST);
   while (!atomic_load(&s->bell_stop)) {
     if (__atomic_load_n(&h->bell, __ATOMIC_ACQUIRE) == seen) {
-      /* A timed wait only as a safety net: the unlisting wakes it. */
-      rpc_shm_futex_wait(&h->bell, seen, 1000);
+      /* The client's CPU when it rang last (rpc.h, rpc_shm_head.answer_wait). */
+      uint32_t c = __atomic_load_n(&h->answer_wait, __ATOMIC_RELAXED) >> RPC_SHM_WAIT_CPU;
+      int same = c != 0 && (int)(c - 1) == rpc_shm_cpu();
+      if (!rpc_shm_nap(&h->bell, seen + 1, &pace, 0, same) && !atomic_load(&s->bell_stop)) {
+        /* A timed sleep only as a safety net: the unlisting wakes it (a wake sent while
+         * the thread spun or napped is made up for by the look at bell_stop above). */
+        if (rpc_shm_sleep(&h->bell, seen + 1, &h->bell_wait, 1000) == 1)
+          rpc_shm_paced(&pace);
+        else
+          pace.expect_us = 0; /* idle: to the futex at once, no nap, until the next bell */
+      }
       continue;
     }
     rpc_shm_bell b;

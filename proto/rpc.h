@@ -323,6 +323,30 @@ int rpc_shm_ref_check(uint64_t region, uint64_t lo, uint64_t hi, uint64_t offset
  * (rpc_shm_post): two, so the client writes push k + 1 while the daemon folds push k. */
 #define RPC_SHM_QUEUE 2
 
+/* How one side of the doorbell waits for the other's word (session 12). A futex wake from
+ * the other core cost the waker about 30 us of CPU and the sleeper about 60 us on this
+ * project's VM (twice a push), against a few us on one core (docs/precondd.md, "Session
+ * 12"). So a side whose last wait was short (at most RPC_SHM_SPIN_US: small pushes
+ * arriving back to back) and whose other side last ran on another core first spins, for
+ * at most RPC_SHM_SPIN_US, and sleeps on the futex, flagged so that the other side wakes
+ * it, only after that; the other side wakes it only when the flag says it sleeps. Naps on
+ * this core's own timer (a nanosleep of the expected wait, then a quarter of it at a time,
+ * for up to twice the expected wait) are there for waits up to nap_max_us, 0 (off) unless
+ * PRECOND_SHM_NAP_US says otherwise (rpc_shm_nap_max_us): on the loaded VM they cost more
+ * than the futex, quiet cores are to say. A wait longer than either (pushes stopped) goes
+ * to the futex at once next time: nothing spins or naps while idle. */
+#define RPC_SHM_SPIN_US 20.0
+typedef struct {
+  double expect_us;  /* how long this side expects to wait (0: not known) */
+  double t0_us;      /* when the wait under way started (rpc_shm_nap) */
+  double nap_max_us; /* the longest expected wait napped through (0: no naps) */
+} rpc_shm_pace;
+
+/* PRECOND_SHM_NAP_US of the environment, read once: rpc_shm_pace.nap_max_us for the
+ * client's regions (rpc_shm_open) and the daemon's doorbell threads; 0 when unset or not a
+ * number from 0 to 100000. */
+double rpc_shm_nap_max_us(void);
+
 /* The client's side of a region (libprecond's background thread and bench-daemon's shm
  * rows): one thread uses a region at a time. */
 typedef struct {
@@ -349,6 +373,7 @@ typedef struct {
   } pend[RPC_SHM_QUEUE];
   uint64_t push_start; /* where the push being written starts (rpc_shm_begin), same count */
   uint64_t push_end;   /* where the place rpc_shm_begin reserved for it ends; 0: none */
+  rpc_shm_pace pace;   /* its waits for answers (rpc_shm_collect) */
 } rpc_shm;
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
@@ -461,11 +486,20 @@ typedef struct {
                           * (0: not known: no request rung yet, or an older daemon);
                           * rpc_shm_put streams large slots only when it is not the
                           * client's own (rpc_shm_streams) */
-  uint32_t pad[2];
+  uint32_t bell_wait;    /* the daemon's (session 12): RPC_SHM_WAIT_FLAGGED once its thread
+                          * flags its sleeps, | RPC_SHM_WAIT_ASLEEP while that thread may
+                          * sleep in the kernel on bell: only then does a ring wake it
+                          * (0, an older daemon: every ring wakes it) */
+  uint32_t answer_wait;  /* the client's: the same for its sleeps on answered, and in bits
+                          * 8 up 1 + the CPU it rang the last request on (0: not known) */
 } rpc_shm_head;
-#define RPC_SHM_BELL_PUSH  1u /* PushStatistics */
-#define RPC_SHM_BELL_FETCH 2u /* FetchPreconditioners (session 10: the poll without gRPC) */
-#define RPC_SHM_BELL_REPLY 1024u
+/* The wait words' bits (rpc_shm_head.bell_wait, answer_wait, taken_wait). */
+#define RPC_SHM_WAIT_ASLEEP  1u
+#define RPC_SHM_WAIT_FLAGGED 2u
+#define RPC_SHM_WAIT_CPU     8  /* answer_wait: the client's CPU's shift */
+#define RPC_SHM_BELL_PUSH    1u /* PushStatistics */
+#define RPC_SHM_BELL_FETCH   2u /* FetchPreconditioners (session 10: the poll without gRPC) */
+#define RPC_SHM_BELL_REPLY   1024u
 /* The largest answer room a daemon serves (a fetch's answer of references grows with the
  * job's blocks, ~100 bytes each); a larger room is answered in this much. */
 #define RPC_SHM_BELL_REPLY_MAX (4u << 20)
@@ -492,10 +526,36 @@ int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b);
 void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b, uint32_t code,
                          const void *msg, size_t len);
 
+/* The waiting side, before sleeping: spins or naps as pace says (above), unless same_core
+ * (the other side last ran on this CPU: it could not run meanwhile), until *word - want >= 0
+ * (counts wrap), or until_us (monotonic microseconds, 0: no limit) passes. 1
+ * when the word got there, 0 when the caller must sleep (rpc_shm_sleep until the word gets
+ * there, then rpc_shm_paced). Resets pace's start. */
+int rpc_shm_nap(const uint32_t *word, uint32_t want, rpc_shm_pace *pace, double until_us,
+                int same_core);
+
+/* The sleep after rpc_shm_nap returned 0: sets ASLEEP in *wait (the sleeper's wait word,
+ * e.g. rpc_shm_head.bell_wait), looks at *word again, sleeps on its futex up to timeout_ms
+ * while it has not reached want, clears ASLEEP. 1 when *word reached want, -1 when the
+ * sleep timed out without it (with rpc_shm_signal's wake that cannot happen unless the
+ * other side is gone), 0 otherwise (woken early, or a signal): look again. */
+int rpc_shm_sleep(uint32_t *word, uint32_t want, uint32_t *wait, long timeout_ms);
+
+/* The end of a wait that slept (rpc_shm_nap returned 0): its length is the next expect. */
+void rpc_shm_paced(rpc_shm_pace *pace);
+
+/* The other side: stores v in *word (sequentially consistent) and wakes the futex on it
+ * unless *wait (the sleeper's wait word) has RPC_SHM_WAIT_FLAGGED without
+ * RPC_SHM_WAIT_ASLEEP. */
+void rpc_shm_signal(uint32_t *word, uint32_t v, const uint32_t *wait);
+
+/* Monotonic microseconds. */
+double rpc_shm_now_us(void);
+
 /* Waits while *word == val, up to timeout_ms (< 0: no limit), on a futex shared between
- * processes (a MAP_SHARED mapping): returns at a wake, a change, the timeout or a signal;
- * the caller checks the word again. Wakes every waiter on word. */
-void rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms);
+ * processes (a MAP_SHARED mapping): returns at a wake, a change, the timeout (then 1, else
+ * 0) or a signal; the caller checks the word again. Wakes every waiter on word. */
+int rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms);
 void rpc_shm_futex_wake(uint32_t *word);
 
 /* The daemon's mark of life on a region (for the doorbell's waits): an open file

@@ -6,6 +6,7 @@
  * libprecond so bench-daemon's shm rows use it through the rpc_ layer too. The daemon's
  * side is host/shm.c. See docs/precondd.md, "Shared memory".
  */
+#define _GNU_SOURCE /* sched_getcpu (glibc) */
 #include "rpc.h"
 
 #include "precond.pb-c.h"
@@ -14,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -343,6 +345,9 @@ int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t
   s->bell = r->doorbell && s->bytes / 2 > RPC_SHM_PUSH_RING;
   s->queue = s->bell && r->doorbell_queue;
   s->rung = __atomic_load_n(&((rpc_shm_head *)map)->bell, __ATOMIC_ACQUIRE);
+  /* This client flags its sleeps on answered: the daemon wakes it only then (rpc.h). */
+  __atomic_store_n(&((rpc_shm_head *)map)->answer_wait, RPC_SHM_WAIT_FLAGGED, __ATOMIC_SEQ_CST);
+  s->pace.nap_max_us = rpc_shm_nap_max_us();
   /* The roots area, read-only, if there is one and it can be mapped: without it fetches
    * get their roots in this region's half, as from an older daemon. */
   int rfd = r->roots_path && r->roots_path[0] && r->roots_bytes > RPC_SHM_ROOTS_DATA
@@ -461,7 +466,12 @@ void rpc_shm_write(void *dst, const void *src, size_t len) {
 }
 
 int rpc_shm_cpu(void) {
-#if defined(__linux__) && defined(SYS_getcpu)
+#if defined(__linux__) && defined(__GLIBC__)
+  /* glibc's answer from the kernel's vDSO or rseq area: a few nanoseconds where the
+   * system call took about a microsecond on this VM, asked three times a push
+   * (docs/precondd.md, "Session 12"). */
+  return sched_getcpu();
+#elif defined(__linux__) && defined(SYS_getcpu)
   unsigned cpu = 0;
   return syscall(SYS_getcpu, &cpu, NULL, NULL) == 0 ? (int)cpu : -1;
 #else
@@ -502,17 +512,19 @@ void rpc_shm_rewind(rpc_shm *s) {
 
 _Static_assert(sizeof(rpc_shm_head) == RPC_SHM_PUSH_RING, "the doorbell is the ring's head");
 
-void rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms) {
+int rpc_shm_futex_wait(uint32_t *word, uint32_t val, long timeout_ms) {
 #if defined(__linux__)
   struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
   /* Not FUTEX_PRIVATE_FLAG: the word is in a mapping another process shares. */
-  syscall(SYS_futex, word, FUTEX_WAIT, val, timeout_ms < 0 ? NULL : &ts, NULL, 0);
+  return syscall(SYS_futex, word, FUTEX_WAIT, val, timeout_ms < 0 ? NULL : &ts, NULL, 0) != 0 &&
+         errno == ETIMEDOUT;
 #else
   (void)word;
   (void)val;
   struct timespec ts = {0, 100000L}; /* no futex: poll */
   (void)timeout_ms;
   nanosleep(&ts, NULL);
+  return 0;
 #endif
 }
 
@@ -522,6 +534,97 @@ void rpc_shm_futex_wake(uint32_t *word) {
 #else
   (void)word;
 #endif
+}
+
+double rpc_shm_now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return 1e6 * (double)ts.tv_sec + 1e-3 * (double)ts.tv_nsec;
+}
+
+static int rpc__shm_reached(const uint32_t *word, uint32_t want) {
+  return (int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - want) >= 0;
+}
+
+static double rpc__shm_nap_env;
+
+static void rpc__shm_nap_read(void) {
+  const char *v = getenv("PRECOND_SHM_NAP_US");
+  char *end = NULL;
+  double us = v ? strtod(v, &end) : 0;
+  rpc__shm_nap_env = v && end != v && *end == '\0' && us >= 0 && us <= 100000 ? us : 0;
+}
+
+double rpc_shm_nap_max_us(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, rpc__shm_nap_read);
+  return rpc__shm_nap_env;
+}
+
+int rpc_shm_nap(const uint32_t *word, uint32_t want, rpc_shm_pace *pace, double until_us,
+                int same_core) {
+  double t0 = rpc_shm_now_us(), e = pace->expect_us;
+  pace->t0_us = t0;
+  if (rpc__shm_reached(word, want)) return 1;
+  /* Not known, idle, or the other side on this core (where the futex's hand-off is cheap
+   * and a spin would only keep the other side off the CPU): sleep. */
+  int spin = e <= RPC_SHM_SPIN_US;
+  if (!(e > 0) || same_core || (!spin && e > pace->nap_max_us)) return 0;
+  double end = t0 + (spin ? RPC_SHM_SPIN_US : 2 * e);
+  if (until_us > 0 && until_us < end) end = until_us;
+  if (spin) {
+    /* About as long as a nap costs: a short wait is cheaper spun than slept. */
+    for (unsigned i = 1;; i++) {
+      if (rpc__shm_reached(word, want)) {
+        pace->expect_us = rpc_shm_now_us() - t0;
+        return 1;
+      }
+#if defined(__x86_64__) && defined(__GNUC__)
+      _mm_pause();
+#endif
+      if (i % 64 == 0 && rpc_shm_now_us() >= end) return 0;
+    }
+  }
+  /* Naps on this core's own timer: the expected wait, then a quarter of it at a time. */
+  double nap = e;
+  for (int first = 1;; first = 0) {
+    double left = end - rpc_shm_now_us();
+    if (left <= 0) return 0;
+    if (nap > left) nap = left;
+    struct timespec ts = {0, (long)(nap * 1e3)};
+    nanosleep(&ts, NULL);
+    if (rpc__shm_reached(word, want)) {
+      /* There at the first look: it took at most the nap (whose lateness is the timer's,
+       * not the other side's), so expect a little less next time; else about this long. */
+      pace->expect_us = first ? 0.9375 * e : rpc_shm_now_us() - t0;
+      return 1;
+    }
+    nap = e / 4 > RPC_SHM_SPIN_US ? e / 4 : RPC_SHM_SPIN_US;
+  }
+}
+
+int rpc_shm_sleep(uint32_t *word, uint32_t want, uint32_t *wait, long timeout_ms) {
+  /* Asks for a wake, then looks again: the other side stores the word, then looks at this
+   * flag (both sequentially consistent, rpc_shm_signal), so one of the two sees the other's
+   * store; and the kernel sleeps only while the word is still what was seen. */
+  __atomic_fetch_or(wait, RPC_SHM_WAIT_ASLEEP, __ATOMIC_SEQ_CST);
+  uint32_t seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+  int late = (int32_t)(seen - want) < 0 && rpc_shm_futex_wait(word, seen, timeout_ms);
+  __atomic_fetch_and(wait, ~RPC_SHM_WAIT_ASLEEP, __ATOMIC_RELAXED);
+  return rpc__shm_reached(word, want) ? 1 : late ? -1 : 0;
+}
+
+void rpc_shm_paced(rpc_shm_pace *pace) {
+  pace->expect_us = rpc_shm_now_us() - pace->t0_us;
+}
+
+void rpc_shm_signal(uint32_t *word, uint32_t v, const uint32_t *wait) {
+  /* Sequentially consistent, as the sleeper's ASLEEP and its second look: one of the two
+   * sees the other's store (rpc.h, rpc_shm_nap). */
+  __atomic_store_n(word, v, __ATOMIC_SEQ_CST);
+  uint32_t w = __atomic_load_n(wait, __ATOMIC_SEQ_CST);
+  if ((w & (RPC_SHM_WAIT_FLAGGED | RPC_SHM_WAIT_ASLEEP)) != RPC_SHM_WAIT_FLAGGED)
+    rpc_shm_futex_wake(word);
 }
 
 int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b) {
@@ -561,8 +664,7 @@ void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b
     memcpy(at + 4, &n, 4);
     memcpy(at, &code, 4);
   }
-  __atomic_store_n(&h->answered, b->bell, __ATOMIC_RELEASE);
-  rpc_shm_futex_wake(&h->answered);
+  rpc_shm_signal(&h->answered, b->bell, &h->answer_wait); /* after the answer's bytes */
 }
 
 #if defined(__linux__)
@@ -603,19 +705,22 @@ static double rpc__now_ms(void) {
  * RPC_OK, or RPC_ECALL with DEADLINE_EXCEEDED past deadline_ms (> 0) or UNAVAILABLE when the
  * daemon's mark of life is gone (looked at every 100 ms of waiting). */
 static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, uint32_t *waiting,
-                         long deadline_ms, grpc_status_code *status, char **details) {
+                         rpc_shm_pace *pace, long deadline_ms, grpc_status_code *status,
+                         char **details) {
   double until = deadline_ms > 0 ? rpc__now_ms() + (double)deadline_ms : 0;
+  /* First without the kernel, as pace says, unless the daemon's thread last served on this
+   * CPU (rpc.h, rpc_shm_nap). */
+  int same = 0;
+  if (pace) {
+    uint32_t d = __atomic_load_n(&((const rpc_shm_head *)(const void *)s->map)->daemon_cpu,
+                                 __ATOMIC_RELAXED);
+    same = d != 0 && (int)(d - 1) == rpc_shm_cpu();
+  }
+  if (pace && rpc_shm_nap(word, want, pace, 1e3 * until, same)) return RPC_OK;
   int rc = RPC_OK;
   for (;;) {
     uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if ((int32_t)(seen - want) >= 0) break;
-    if (waiting) {
-      /* Asks for a wake, then looks again: the daemon stores the word, then looks at this
-       * flag (both sequentially consistent), so one of the two sees the other's store. */
-      __atomic_store_n(waiting, 1, __ATOMIC_SEQ_CST);
-      seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
-      if ((int32_t)(seen - want) >= 0) continue;
-    }
     long wait = 100; /* then a look at the daemon's mark of life */
     if (deadline_ms > 0) {
       double left = until - rpc__now_ms();
@@ -627,7 +732,10 @@ static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, uint32
       }
       if (left < (double)wait) wait = (long)left + 1;
     }
-    rpc_shm_futex_wait(word, seen, wait);
+    if (waiting)
+      rpc_shm_sleep(word, want, waiting, wait);
+    else
+      rpc_shm_futex_wait(word, seen, wait);
     seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if ((int32_t)(seen - want) < 0 && !rpc_shm_alive(s->fd)) {
       *status = GRPC_STATUS_UNAVAILABLE;
@@ -636,7 +744,7 @@ static int rpc__shm_wait(const rpc_shm *s, uint32_t *word, uint32_t want, uint32
       break;
     }
   }
-  if (waiting) __atomic_store_n(waiting, 0, __ATOMIC_RELAXED);
+  if (pace && rc == RPC_OK) rpc_shm_paced(pace);
   return rc;
 }
 
@@ -652,9 +760,9 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   rpc_shm_head *h = (void *)s->map;
   /* The head holds one request: the previous one's fields must have been read. With none
    * pending the daemon answered every bell, and it takes a head before it answers. */
-  int rc = s->npend > 0
-               ? rpc__shm_wait(s, &h->taken, s->rung, &h->taken_wait, deadline_ms, status, details)
-               : RPC_OK;
+  int rc = s->npend > 0 ? rpc__shm_wait(s, &h->taken, s->rung, &h->taken_wait, NULL, deadline_ms,
+                                        status, details)
+                        : RPC_OK;
   if (rc != RPC_OK) return rc;
   uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
   size_t len = protobuf_c_message_get_packed_size(req);
@@ -678,8 +786,13 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   __atomic_store_n(&h->reply_offset, reply, __ATOMIC_RELAXED);
   __atomic_store_n(&h->reply_cap, reply_cap, __ATOMIC_RELAXED);
   uint32_t mine = ++s->rung;
-  __atomic_store_n(&h->bell, mine, __ATOMIC_RELEASE); /* after every byte above */
-  rpc_shm_futex_wake(&h->bell);
+  /* Where this client rings from, for the daemon's way of waiting (rpc.h, rpc_shm_nap);
+   * the wait bits as they are (this thread alone sets them, and does not wait now). */
+  int cpu = rpc_shm_cpu();
+  __atomic_store_n(&h->answer_wait,
+                   RPC_SHM_WAIT_FLAGGED | (cpu < 0 ? 0u : (uint32_t)(cpu + 1) << RPC_SHM_WAIT_CPU),
+                   __ATOMIC_RELAXED);
+  rpc_shm_signal(&h->bell, mine, &h->bell_wait); /* after every byte above */
   s->pend[s->npend].bell = mine;
   s->pend[s->npend].reply = reply;
   s->pend[s->npend].cap = reply_cap;
@@ -711,7 +824,8 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
   *status = GRPC_STATUS_INVALID_ARGUMENT;
   if (!s || !resp_desc || !resp || !s->map || s->npend == 0) return RPC_EINVAL;
   rpc_shm_head *h = (void *)s->map;
-  int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, NULL, deadline_ms, status, details);
+  int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, &h->answer_wait, &s->pace, deadline_ms,
+                         status, details);
   if (rc != RPC_OK) return rc;
   uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap;
   s->npend--;

@@ -2265,6 +2265,74 @@ static void test_shm_streamed_push(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* Pushes rung at the doorbell while each side waits in each of its ways (session 12,
+ * rpc.h: rpc_shm_nap; naps on, PRECOND_SHM_NAP_US): the client's expected wait forced in
+ * turn to none (the futex at once), a spin, naps, naps that run out, too long to nap, naps
+ * off; pauses before some pushes, short
+ * (the daemon's thread naps through them) or long (its naps run out and it sleeps on the
+ * futex, flagged). They store what the same pushes over gRPC store, bit for bit, and
+ * pc_stat_update_f32's: no push lost or served twice, every call answered (no wake-up
+ * lost). Both sides flag their sleeps in the head. */
+static void test_shm_paced_pushes(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char msg[512];
+  rpc_shm v;
+  setenv("PRECOND_SHM_NAP_US", "2000", 1); /* the daemon's thread naps too (rpc.h) */
+  bell_daemon_up(&d, &v);
+  unsetenv("PRECOND_SHM_NAP_US");
+  const uint32_t n = 16;
+  const size_t cnt = pc_packed_len(n), len = cnt * sizeof(float);
+  tspec ts[1] = {{"w", {n, n}, 2}};
+  assert_int_equal(do_register(&d, "viabell", ts, 1, n, 0.9f, NULL, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_register(&d, "viabytes", ts, 1, n, 0.9f, NULL, msg), GRPC_STATUS_OK);
+  float *el = calloc(cnt, sizeof *el), *er = calloc(cnt, sizeof *er);
+  assert_non_null(el);
+  assert_non_null(er);
+  static const double expect[] = {0, 5, 300, 40, 1500, 5000};
+  const uint64_t steps = 48;
+  for (uint64_t step = 1; step <= steps; step++) {
+    float *sl = random_stat(n, 100 + step), *sr = random_stat(n, 200 + step);
+    if (step % 4 == 0) {
+      struct timespec pause = {0, step % 8 == 0 ? 6000000L : 300000L};
+      nanosleep(&pause, NULL);
+    }
+    v.pace.expect_us = expect[step % 6];
+    v.pace.nap_max_us = step % 3 ? 2000 : 0;
+    assert_int_equal(bell_push(&v, "viabell", step, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+    blockstat bs = {0, n, n, sl, sr, 0};
+    assert_int_equal(do_push(&d, "viabytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+    pc_stat_update_f32(cnt, el, sl, 0.9f);
+    pc_stat_update_f32(cnt, er, sr, 0.9f);
+    free(sl);
+    free(sr);
+  }
+  const rpc_shm_head *h = (const void *)v.map;
+  assert_true(__atomic_load_n(&h->bell_wait, __ATOMIC_ACQUIRE) & RPC_SHM_WAIT_FLAGGED);
+  uint32_t aw = __atomic_load_n(&h->answer_wait, __ATOMIC_ACQUIRE);
+  assert_int_equal(aw & 0xff, RPC_SHM_WAIT_FLAGGED); /* not asleep now */
+  assert_true((aw >> RPC_SHM_WAIT_CPU) >= 1 &&       /* 1 + the CPU it rang on */
+              (aw >> RPC_SHM_WAIT_CPU) <= (uint32_t)sysconf(_SC_NPROCESSORS_CONF));
+  assert_int_equal(__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE), steps);
+  rpc_shm_close(&v);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d.p.dir, &st, &stats);
+  assert_int_equal(st.njobs, 2);
+  for (size_t j = 0; j < 2; j++) {
+    pd_block *blk = &st.jobs[j]->blocks[0];
+    assert_int_equal(atomic_load(&blk->stat_step), steps);
+    assert_memory_equal(blk->stat[0], el, len);
+    assert_memory_equal(blk->stat[1], er, len);
+  }
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+  free(el);
+  free(er);
+  remove_tree(d.p.dir);
+}
+
 /* The fetch of a region's client that has the roots area mapped: roots published there once
  * (the same sequence number for every fetch of the same root and encoding), read-only for
  * the client, the same bytes as gRPC's and their CRC-32C; unchecked push references store
@@ -2838,6 +2906,7 @@ int main(void) {
       cmocka_unit_test(test_shm_pipelined),
       cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_streamed_push),
+      cmocka_unit_test(test_shm_paced_pushes),
       cmocka_unit_test(test_shm_roots_area),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

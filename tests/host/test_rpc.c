@@ -7,11 +7,13 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -612,6 +614,115 @@ static void test_shm_streams(void **state) {
   munmap(map, s.bytes);
 }
 
+/* The doorbell's waits (rpc.h: rpc_shm_nap, rpc_shm_sleep, rpc_shm_signal; session 12), as
+ * the client and the daemon's doorbell thread wait: two threads hand a count back and
+ * forth, the expected wait forced in turn to each way of waiting (no nap, a spin, naps,
+ * naps that run out before the other side comes, too long to nap), the other side late in
+ * some rounds; run again with either side an older peer (its wait word 0, it sleeps on the
+ * futex without a flag, so every store must wake it). No wake-up is lost: no sleep runs
+ * into its timeout (10 s, far beyond any round), and every count arrives. */
+typedef struct {
+  uint32_t word[2], wait[2];
+  int rounds, older, late[2];
+} pace_pp;
+
+static void pace_wait(pace_pp *p, int me, uint32_t want, rpc_shm_pace *pace, int round) {
+  static const double expect[] = {0, 5, 300, 40, 1500, 5000};
+  if (p->older == me + 1) { /* an older peer: the futex alone, no flag */
+    for (;;) {
+      uint32_t seen = __atomic_load_n(&p->word[me], __ATOMIC_ACQUIRE);
+      if ((int32_t)(seen - want) >= 0) return;
+      if (rpc_shm_futex_wait(&p->word[me], seen, 10000) &&
+          (int32_t)(__atomic_load_n(&p->word[me], __ATOMIC_ACQUIRE) - want) < 0)
+        p->late[me]++;
+    }
+  }
+  pace->expect_us = expect[(round + 3 * me) % 6];
+  pace->nap_max_us = round % 7 ? 2000 : 0; /* naps on in most rounds */
+  if (rpc_shm_nap(&p->word[me], want, pace, 0, round % 11 == 0)) return;
+  for (;;) {
+    int r = rpc_shm_sleep(&p->word[me], want, &p->wait[me], 10000);
+    if (r == 1) break;
+    if (r < 0) p->late[me]++;
+  }
+  rpc_shm_paced(pace);
+  assert_true(pace->expect_us >= 0);
+}
+
+static void pace_late(int round, int every) {
+  if (round % every == 0) {
+    struct timespec ts = {0, 100000L * (round % 5)};
+    nanosleep(&ts, NULL);
+  }
+}
+
+static void *pace_daemon(void *arg) {
+  pace_pp *p = arg;
+  rpc_shm_pace pace = {0};
+  for (int r = 1; r <= p->rounds; r++) {
+    pace_wait(p, 1, (uint32_t)r, &pace, r);
+    pace_late(r, 3);
+    rpc_shm_signal(&p->word[0], (uint32_t)r, &p->wait[0]);
+  }
+  return NULL;
+}
+
+static void test_shm_pace(void **state) {
+  (void)state;
+  /* What rpc_shm_nap does without the other side: at once when the word is there; no nap
+   * when the wait is not known or too long to nap; a spin or naps that run out. */
+  uint32_t word = 5;
+  rpc_shm_pace pace = {.nap_max_us = 2000};
+  assert_int_equal(rpc_shm_nap(&word, 5, &pace, 0, 0), 1);
+  assert_int_equal(rpc_shm_nap(&word, 4, &pace, 0, 0), 1); /* past it: counts wrap */
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 0), 0);
+  pace.expect_us = 2 * pace.nap_max_us;
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 0), 0);
+  pace.expect_us = 5;
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 0), 0);
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 1), 0); /* same core: no spin */
+  pace.expect_us = 50;
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 0), 0);
+  assert_true(pace.expect_us == 50); /* unchanged until the wait ends */
+  pace.expect_us = 500;
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, rpc_shm_now_us() - 1, 0), 0); /* past until */
+  pace.nap_max_us = 0; /* naps off: at once */
+  assert_int_equal(rpc_shm_nap(&word, 6, &pace, 0, 0), 0);
+  assert_true(rpc_shm_nap_max_us() >= 0);
+  /* rpc_shm_signal stores the word whatever the wait word holds. */
+  uint32_t wait = RPC_SHM_WAIT_FLAGGED;
+  rpc_shm_signal(&word, 9, &wait);
+  assert_int_equal(word, 9);
+  wait = 0;
+  rpc_shm_signal(&word, 10, &wait);
+  assert_int_equal(word, 10);
+  /* rpc_shm_sleep: there already (1), or a timeout with nobody to store (-1); the flag is
+   * left as found. */
+  wait = RPC_SHM_WAIT_FLAGGED;
+  assert_int_equal(rpc_shm_sleep(&word, 10, &wait, 1), 1);
+  assert_int_equal(rpc_shm_sleep(&word, 11, &wait, 1), -1);
+  assert_int_equal(wait, RPC_SHM_WAIT_FLAGGED);
+
+  for (int older = 0; older <= 2; older++) {
+    pace_pp p = {.rounds = 300, .older = older};
+    p.wait[0] = older == 1 ? 0 : RPC_SHM_WAIT_FLAGGED;
+    p.wait[1] = older == 2 ? 0 : RPC_SHM_WAIT_FLAGGED;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, pace_daemon, &p), 0);
+    rpc_shm_pace mine = {0};
+    for (int r = 1; r <= p.rounds; r++) {
+      pace_late(r, 4);
+      rpc_shm_signal(&p.word[1], (uint32_t)r, &p.wait[1]);
+      pace_wait(&p, 0, (uint32_t)r, &mine, r);
+    }
+    pthread_join(t, NULL);
+    assert_int_equal(p.word[0], p.rounds);
+    assert_int_equal(p.word[1], p.rounds);
+    assert_int_equal(p.late[0], 0);
+    assert_int_equal(p.late[1], 0);
+  }
+}
+
 static void test_shm_client(void **state) {
   (void)state;
   enum { R = 2048 };
@@ -896,6 +1007,7 @@ int main(void) {
       cmocka_unit_test(test_shm_write),
       cmocka_unit_test(test_shm_streams),
       cmocka_unit_test(test_shm_bell),
+      cmocka_unit_test(test_shm_pace),
       cmocka_unit_test(test_shm_queue),
       cmocka_unit_test(test_call_without_server),
       cmocka_unit_test(test_names),
