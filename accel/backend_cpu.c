@@ -2161,35 +2161,18 @@ C5_FWD_VECS(1)
  * (as before), a 7x7 image's 4 vectors ran a quarter of its work at half speed (a 28x28
  * image's 53, 2 of them). Every output lane is the same sum in the same order whatever the
  * split: the same bits. */
+typedef void (*c5_fwd_vecs_fn)(size_t c, size_t cl, size_t nt, const size_t *off, const float *xq,
+                               const float *wp, float *out, size_t ldo);
+static const c5_fwd_vecs_fn c5_fwd_vecs[7] = {
+    NULL, c5_fwd_vecs1, c5_fwd_vecs2, c5_fwd_vecs3, c5_fwd_vecs4, c5_fwd_vecs5, c5_fwd_vecs6};
+
 static void c5_fwd_block(size_t c, size_t cl, size_t nt, const size_t *off, size_t nv,
                          const float *xq, const float *wp, float *out, size_t ldo) {
   size_t v = 0;
-  for (; nv - v >= 6 && nv - v != 7 && nv - v != 8; v += 6)
-    c5_fwd_vecs6(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  if (nv - v >= 7) {
-    c5_fwd_vecs4(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-    v += 4;
-  }
-  const float *x = xq + 16 * v;
-  float *o = out + 16 * v;
-  switch (nv - v) {
-    case 5:
-      c5_fwd_vecs5(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 4:
-      c5_fwd_vecs4(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 3:
-      c5_fwd_vecs3(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 2:
-      c5_fwd_vecs2(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 1:
-      c5_fwd_vecs1(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    default:
-      break;
+  while (nv - v > 0) {
+    size_t rest = nv - v, k = rest >= 9 || rest == 6 ? 6 : rest >= 7 ? 4 : rest;
+    c5_fwd_vecs[k](c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+    v += k;
   }
 }
 
