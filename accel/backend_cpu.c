@@ -921,16 +921,6 @@ static int cpu_affine(ac_backend *be, size_t n, float alpha, const float *x, flo
 #define AC__CPU_CLONES
 #endif
 
-/* Batch norm's maps (affine_slice, combine_slice) run on rows of 49-784 floats: compiled
- * for AVX-512F too, a row's last floats are one masked vector, where the baseline's SSE2
- * loop left up to 3 to a scalar tail and AVX2's up to 7. The same values: no contraction
- * (ISO C mode), no reductions. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define AC__CPU_CLONES512 __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define AC__CPU_CLONES512
-#endif
-
 /* e^x for x in [-87, 89] (callers clamp), written to vectorise: x = n ln2 + r with
  * |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two so that n ln2 is exact
  * enough), e^r by the degree-7 minimax polynomial of the classic single-precision expf, and
@@ -1206,15 +1196,16 @@ static double lanes_total(double *p) {
 #include <immintrin.h>
 #define ROW_HAVE_SIMD 1
 
-/* Into partials p and q of 16 lanes each, for the row (returns n; the AVX2 variant: its
- * whole 16-float blocks, returning how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
+/* Added into partials p and q of 16 lanes each, for the row (returns n; the AVX2 variant:
+ * its whole 16-float blocks, returning how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
  * when not NULL; p += g, q += g (x - c). */
 __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, const float *dy,
                                                                       const float *mask,
                                                                       const float *x, float c,
                                                                       float *gout, double *p,
                                                                       double *q) {
-  __m512d p0 = _mm512_setzero_pd(), p1 = p0, q0 = p0, q1 = p0;
+  __m512d p0 = _mm512_loadu_pd(p), p1 = _mm512_loadu_pd(p + 8), q0 = _mm512_loadu_pd(q);
+  __m512d q1 = _mm512_loadu_pd(q + 8);
   __m512 vc = _mm512_set1_ps(c), zero = _mm512_setzero_ps();
   size_t i = 0;
   for (; i + ROW_LANES <= n; i += ROW_LANES) {
@@ -1264,7 +1255,10 @@ __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, c
                                                                      float *gout, double *p,
                                                                      double *q) {
   __m256d pa[4], qa[4];
-  for (int k = 0; k < 4; k++) pa[k] = qa[k] = _mm256_setzero_pd();
+  for (int k = 0; k < 4; k++) {
+    pa[k] = _mm256_loadu_pd(p + 4 * k);
+    qa[k] = _mm256_loadu_pd(q + 4 * k);
+  }
   __m256 vc = _mm256_set1_ps(c), zero = _mm256_setzero_ps();
   size_t i = 0;
   for (; i + ROW_LANES <= n; i += ROW_LANES)
@@ -1294,11 +1288,11 @@ __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, c
 #define ROW_HAVE_SIMD 0
 #endif
 
-/* One row of batch norm's backward sums: g = dy, or 0 where mask <= 0 (mask not NULL),
- * written to gout when it is not NULL; sg += the sum of g, sgx += the sum of g (x - c). */
-static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
-                          float c, float *gout, double *sg, double *sgx) {
-  double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
+/* One row of batch norm's backward sums into 16 partials each: g = dy, or 0 where mask <= 0
+ * (mask not NULL), written to gout when it is not NULL; element i's g to p[i mod 16], its
+ * g (x - c) to q[i mod 16]. */
+static void row_grad_lanes(int isa, size_t n, const float *dy, const float *mask, const float *x,
+                           float c, float *gout, double *p, double *q) {
   size_t i = 0;
 #if ROW_HAVE_SIMD
   if (isa == AC_CPU_ISA_AVX512) i = row_grad_sums_avx512(n, dy, mask, x, c, gout, p, q);
@@ -1312,6 +1306,13 @@ static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask,
     p[j] += (double)g;
     q[j] += (double)g * (double)(x[i] - c);
   }
+}
+
+/* The same for one row alone: sg += the sum of g, sgx += the sum of g (x - c). */
+static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
+                          float c, float *gout, double *sg, double *sgx) {
+  double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
+  row_grad_lanes(isa, n, dy, mask, x, c, gout, p, q);
   *sg += lanes_total(p);
   *sgx += lanes_total(q);
 }
@@ -1353,8 +1354,7 @@ static int cpu_channel_moments(ac_backend *be, size_t outer, size_t mid, size_t 
   return AC_OK;
 }
 
-AC__CPU_CLONES512 AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi,
-                                                       int thread) {
+AC__CPU_VEC static void affine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -1398,14 +1398,16 @@ static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t i
 static void grad_sums_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t m = lo; m < hi; m++) {
-    double sg = 0.0, sgx = 0.0;
+    /* The channel's 16 partials run over all its rows and are totalled once (per row, the
+     * totals cost as much as a 7x7 row's sums). */
+    double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
     for (size_t o = 0; o < a->outer; o++) {
       size_t base = (o * a->mid + m) * a->inner;
-      row_grad_sums(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL,
-                    a->x + base, a->p0[m], a->out != NULL ? a->out + base : NULL, &sg, &sgx);
+      row_grad_lanes(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL,
+                     a->x + base, a->p0[m], a->out != NULL ? a->out + base : NULL, p, q);
     }
-    a->out0[m] = (float)sg;
-    a->out1[m] = (float)sgx;
+    a->out0[m] = (float)lanes_total(p);
+    a->out1[m] = (float)lanes_total(q);
   }
 }
 
@@ -1427,8 +1429,7 @@ static int cpu_channel_grad_sums(ac_backend *be, size_t outer, size_t mid, size_
   return AC_OK;
 }
 
-AC__CPU_CLONES512 AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi,
-                                                        int thread) {
+AC__CPU_VEC static void combine_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t r = lo; r < hi; r++) {
     size_t m = r % a->mid, base = r * a->inner;
@@ -2160,35 +2161,18 @@ C5_FWD_VECS(1)
  * (as before), a 7x7 image's 4 vectors ran a quarter of its work at half speed (a 28x28
  * image's 53, 2 of them). Every output lane is the same sum in the same order whatever the
  * split: the same bits. */
+typedef void (*c5_fwd_vecs_fn)(size_t c, size_t cl, size_t nt, const size_t *off, const float *xq,
+                               const float *wp, float *out, size_t ldo);
+static const c5_fwd_vecs_fn c5_fwd_vecs[7] = {
+    NULL, c5_fwd_vecs1, c5_fwd_vecs2, c5_fwd_vecs3, c5_fwd_vecs4, c5_fwd_vecs5, c5_fwd_vecs6};
+
 static void c5_fwd_block(size_t c, size_t cl, size_t nt, const size_t *off, size_t nv,
                          const float *xq, const float *wp, float *out, size_t ldo) {
   size_t v = 0;
-  for (; nv - v >= 6 && nv - v != 7 && nv - v != 8; v += 6)
-    c5_fwd_vecs6(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-  if (nv - v >= 7) {
-    c5_fwd_vecs4(c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
-    v += 4;
-  }
-  const float *x = xq + 16 * v;
-  float *o = out + 16 * v;
-  switch (nv - v) {
-    case 5:
-      c5_fwd_vecs5(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 4:
-      c5_fwd_vecs4(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 3:
-      c5_fwd_vecs3(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 2:
-      c5_fwd_vecs2(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    case 1:
-      c5_fwd_vecs1(c, cl, nt, off, x, wp, o, ldo);
-      break;
-    default:
-      break;
+  while (nv - v > 0) {
+    size_t rest = nv - v, k = rest >= 9 || rest == 6 ? 6 : rest >= 7 ? 4 : rest;
+    c5_fwd_vecs[k](c, cl, nt, off, xq + 16 * v, wp, out + 16 * v, ldo);
+    v += k;
   }
 }
 
