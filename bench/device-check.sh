@@ -14,6 +14,8 @@
 #      gemm_small.c, the pool's chunks taken dynamically): on CUDA Shampoo's and K-FAC's
 #      block products stay on cuBLAS, which test_sgemm_small_blocks and
 #      test_syrk_small_blocks check against a double reference in the CUDA group too;
+#      session 12 added no kernel (its changes are the CPU backend's AVX-512F tails and
+#      packing, the daemon's root rate and the shared region's doorbell);
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #

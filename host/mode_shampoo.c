@@ -420,8 +420,8 @@ static void shampoo_describe(const void *opts, char *buf, size_t len) {
  * rule rather than a push count: a worker that restarted, skipped steps or pushes every
  * stat_every steps still knows that the roots it sees are at most root_every - 1 steps
  * older than the window's first push (trainer/shampoo.c waits on that with sync_roots). */
-static int shampoo_compute_due(const void *opts, const pd_block *u, uint64_t pushes,
-                               uint64_t step, uint64_t due_step, int has_root) {
+static int shampoo_compute_due(const void *opts, const pd_block *u, uint64_t pushes, uint64_t step,
+                               uint64_t due_step, int has_root) {
   (void)pushes;
   uint64_t every = ((const pd_shampoo_opts *)opts)->root_every;
   if (every <= 1 || !has_root || due_step == 0) return 1;

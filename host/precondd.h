@@ -228,8 +228,9 @@ typedef struct {
   uint8_t stat_bounded[PD_MAX_PARTS]; /* 1: every value of stat[k] is below 2^126, as the
                                        * mode's fold_bounded found it; 0: not known */
   uint64_t pushes;                    /* statistics updates received */
-  uint64_t due_step; /* statistics step of the push that last queued a computation
-                      * (pd_block_due); 0: none since the daemon started */
+  uint64_t due_step;                  /* statistics step of the push that last queued a
+                                       * computation (pd_block_due); 0: none since the
+                                       * daemon started */
   pd_root *root;                      /* latest published; NULL before the first */
   uint64_t roots_computed, roots_failed, roots_skipped;
   double last_error, last_compute_ms; /* last_error NaN: the computation itself failed */

@@ -440,9 +440,8 @@ static int pd__read_job(pd__r *r, pd_store *st, pd_job **out, char *err, size_t 
   memset(opts, 0, sizeof opts);
   memset(section, 0, sizeof section); /* fields an older format lacks read as 0 */
   if (mode) {
-    size_t bytes = r->format <= PD_SNAP_FORMAT_OPTS_F5 && mode->snap_bytes_f5
-                       ? mode->snap_bytes_f5
-                       : mode->snap_bytes;
+    size_t bytes = r->format <= PD_SNAP_FORMAT_OPTS_F5 && mode->snap_bytes_f5 ? mode->snap_bytes_f5
+                                                                              : mode->snap_bytes;
     pd__get(r, section, bytes);
     mode->snap_read(section, opts);
   }

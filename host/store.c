@@ -828,8 +828,8 @@ int pd_block_due(pd_block *b) {
   if (!job->mode->compute_due) return 1;
   pthread_mutex_lock(&b->lock);
   uint64_t step = atomic_load(&b->stat_step);
-  int due = job->mode->compute_due(job->opts, b, b->pushes, step, b->due_step,
-                                   atomic_load(&b->has_root));
+  int due =
+      job->mode->compute_due(job->opts, b, b->pushes, step, b->due_step, atomic_load(&b->has_root));
   if (due) b->due_step = step;
   pthread_mutex_unlock(&b->lock);
   return due;

@@ -2192,6 +2192,26 @@ static void test_large_bytes_push(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* Stops d, whose two jobs took the same pushes of one block each (one through the region,
+ * one as bytes), and checks in its final snapshot that both hold the statistics el and er
+ * (len bytes each) as of step. */
+static void stop_and_check_two_jobs(daemon_t *d, uint64_t step, const float *el, const float *er,
+                                    size_t len) {
+  assert_int_equal(stop_daemon(d, SIGTERM), 0);
+  pd_stats stats;
+  pd_store st;
+  load_snapshot(d->p.dir, &st, &stats);
+  assert_int_equal(st.njobs, 2);
+  for (size_t j = 0; j < 2; j++) {
+    pd_block *blk = &st.jobs[j]->blocks[0];
+    assert_int_equal(atomic_load(&blk->stat_step), step);
+    assert_memory_equal(blk->stat[0], el, len);
+    assert_memory_equal(blk->stat[1], er, len);
+  }
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+}
+
 /* Pushes whose factors rpc_shm_put streams into the slots (non-temporal stores: each factor
  * of a 724 block is just over RPC_SHM_STREAM_MIN) fold to the statistics that the same
  * pushes as bytes fold to, bit for bit, and to pc_stat_update_f32's: two steps of EMA,
@@ -2247,19 +2267,7 @@ static void test_shm_streamed_push(void **state) {
     free(sr);
   }
   close_region(&g);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  pd_stats stats;
-  pd_store st;
-  load_snapshot(d.p.dir, &st, &stats);
-  assert_int_equal(st.njobs, 2);
-  for (size_t j = 0; j < 2; j++) {
-    pd_block *blk = &st.jobs[j]->blocks[0];
-    assert_int_equal(atomic_load(&blk->stat_step), 2);
-    assert_memory_equal(blk->stat[0], el, len);
-    assert_memory_equal(blk->stat[1], er, len);
-  }
-  pd_store_destroy(&st);
-  pd_stats_destroy(&stats);
+  stop_and_check_two_jobs(&d, 2, el, er, len);
   free(el);
   free(er);
   remove_tree(d.p.dir);
@@ -2315,19 +2323,7 @@ static void test_shm_paced_pushes(void **state) {
               (aw >> RPC_SHM_WAIT_CPU) <= (uint32_t)sysconf(_SC_NPROCESSORS_CONF));
   assert_int_equal(__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE), steps);
   rpc_shm_close(&v);
-  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
-  pd_stats stats;
-  pd_store st;
-  load_snapshot(d.p.dir, &st, &stats);
-  assert_int_equal(st.njobs, 2);
-  for (size_t j = 0; j < 2; j++) {
-    pd_block *blk = &st.jobs[j]->blocks[0];
-    assert_int_equal(atomic_load(&blk->stat_step), steps);
-    assert_memory_equal(blk->stat[0], el, len);
-    assert_memory_equal(blk->stat[1], er, len);
-  }
-  pd_store_destroy(&st);
-  pd_stats_destroy(&stats);
+  stop_and_check_two_jobs(&d, steps, el, er, len);
   free(el);
   free(er);
   remove_tree(d.p.dir);
