@@ -425,8 +425,7 @@ static int shampoo_compute_due(const void *opts, const pd_block *u, uint64_t pus
   (void)pushes;
   uint64_t every = ((const pd_shampoo_opts *)opts)->root_every;
   if (every <= 1 || !has_root || due_step == 0) return 1;
-  uint64_t off = u->id % every;
-  return (step + off) / every > (due_step + off) / every;
+  return pc_root_window(step, u->id, every) > pc_root_window(due_step, u->id, every);
 }
 
 /* The ridge is relative (epsilon times the largest eigenvalue), so the root of c S is

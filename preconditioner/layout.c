@@ -127,3 +127,14 @@ void pc_layout_destroy(pc_layout *layout) {
   layout->blocks = NULL;
   layout->nblocks = 0;
 }
+
+uint64_t pc_root_window(uint64_t step, uint64_t id, uint64_t every) {
+  if (every == 0) every = 1;
+  return (step + id % every) / every;
+}
+
+uint64_t pc_root_window_start(uint64_t step, uint64_t id, uint64_t every) {
+  if (every == 0) every = 1;
+  uint64_t into = (step + id % every) % every; /* steps into the window */
+  return step > into ? step - into : 0;
+}

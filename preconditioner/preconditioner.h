@@ -279,6 +279,16 @@ int pc_layout_count(int rank, const size_t *dims, const pc_layout_opts *opts, si
 /* Frees the blocks and leaves the layout empty. NULL, or calling it twice, is a no-op. */
 void pc_layout_destroy(pc_layout *layout);
 
+/* Shampoo's root rate (precondd's shampoo.root_every), the one rule that the daemon and the
+ * worker share: block id's statistics steps fall into windows of `every` steps, offset by
+ * the id so that a job's blocks (pushed together every step) take turns instead of all
+ * computing on the same step; precondd computes a block's roots at its first push in a
+ * window. pc_root_window is the window of step; pc_root_window_start its first step (0 for
+ * the first, shorter window), so the window's roots are those from a step at or after it.
+ * every 0 is taken as 1 (a window per step). */
+uint64_t pc_root_window(uint64_t step, uint64_t id, uint64_t every);
+uint64_t pc_root_window_start(uint64_t step, uint64_t id, uint64_t every);
+
 /* ------------------------------------------------------------------------------------ */
 /* Shampoo: statistics and direction                                                      */
 

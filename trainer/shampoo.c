@@ -276,9 +276,8 @@ static int pt__shampoo_refresh_agreed(pt_trainer *t, pt_error *err) {
 static int pt__shampoo_wait(pt_trainer *t, size_t b, long step, pt_error *err) {
   pt__shampoo *s = t->state;
   double deadline = pt__now() + t->opts.sync_timeout_ms / 1000.0;
-  uint64_t every = (uint64_t)t->opts.root_every;
-  uint64_t into = ((uint64_t)step + s->block_id[b] % every) % every; /* steps into it */
-  uint64_t start = (uint64_t)step > into ? (uint64_t)step - into : 0;
+  uint64_t start =
+      pc_root_window_start((uint64_t)step, s->block_id[b], (uint64_t)t->opts.root_every);
   for (;;) {
     int rc = pt__shampoo_refresh(t, b, err);
     if (rc != PT_OK) return rc;

@@ -2192,11 +2192,22 @@ static void test_large_bytes_push(void **state) {
   remove_tree(d.p.dir);
 }
 
+/* Pushes block 0's factors sl and sr (order n) to job as bytes, folds them into el and er
+ * as the daemon folds them (EMA 0.9: the jobs' registration), and frees sl and sr. */
+static void push_bytes_and_expect(daemon_t *d, const char *job, uint64_t step, uint32_t n,
+                                  float *sl, float *sr, float *el, float *er, char *msg) {
+  blockstat bs = {0, n, n, sl, sr, 0};
+  assert_int_equal(do_push(d, job, step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
+  pc_stat_update_f32(pc_packed_len(n), el, sl, 0.9f);
+  pc_stat_update_f32(pc_packed_len(n), er, sr, 0.9f);
+  free(sl);
+  free(sr);
+}
+
 /* Stops d, whose two jobs took the same pushes of one block each (one through the region,
- * one as bytes), and checks in its final snapshot that both hold the statistics el and er
- * (len bytes each) as of step. */
-static void stop_and_check_two_jobs(daemon_t *d, uint64_t step, const float *el, const float *er,
-                                    size_t len) {
+ * one as bytes), checks in its final snapshot that both hold the statistics el and er (len
+ * bytes each) as of step, then frees el and er and removes d's directory. */
+static void stop_and_check_two_jobs(daemon_t *d, uint64_t step, float *el, float *er, size_t len) {
   assert_int_equal(stop_daemon(d, SIGTERM), 0);
   pd_stats stats;
   pd_store st;
@@ -2210,6 +2221,9 @@ static void stop_and_check_two_jobs(daemon_t *d, uint64_t step, const float *el,
   }
   pd_store_destroy(&st);
   pd_stats_destroy(&stats);
+  free(el);
+  free(er);
+  remove_tree(d->p.dir);
 }
 
 /* Pushes whose factors rpc_shm_put streams into the slots (non-temporal stores: each factor
@@ -2259,18 +2273,10 @@ static void test_shm_streamed_push(void **state) {
     rpc_shm_session(&v, &sess);
     assert_int_equal(shm_push_call(&d, "viashm", step, &b, &sess, msg), GRPC_STATUS_OK);
     rpc_shm_rewind(&v);
-    blockstat bs = {0, n, n, sl, sr, 0};
-    assert_int_equal(do_push(&d, "viabytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
-    pc_stat_update_f32(cnt, el, sl, 0.9f);
-    pc_stat_update_f32(cnt, er, sr, 0.9f);
-    free(sl);
-    free(sr);
+    push_bytes_and_expect(&d, "viabytes", step, n, sl, sr, el, er, msg);
   }
   close_region(&g);
   stop_and_check_two_jobs(&d, 2, el, er, len);
-  free(el);
-  free(er);
-  remove_tree(d.p.dir);
 }
 
 /* Pushes rung at the doorbell while each side waits in each of its ways (session 12,
@@ -2308,12 +2314,7 @@ static void test_shm_paced_pushes(void **state) {
     v.pace.expect_us = expect[step % 6];
     v.pace.nap_max_us = step % 3 ? 2000 : 0;
     assert_int_equal(bell_push(&v, "viabell", step, 0, n, sl, sr, 0, msg), GRPC_STATUS_OK);
-    blockstat bs = {0, n, n, sl, sr, 0};
-    assert_int_equal(do_push(&d, "viabytes", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
-    pc_stat_update_f32(cnt, el, sl, 0.9f);
-    pc_stat_update_f32(cnt, er, sr, 0.9f);
-    free(sl);
-    free(sr);
+    push_bytes_and_expect(&d, "viabytes", step, n, sl, sr, el, er, msg);
   }
   const rpc_shm_head *h = (const void *)v.map;
   assert_true(__atomic_load_n(&h->bell_wait, __ATOMIC_ACQUIRE) & RPC_SHM_WAIT_FLAGGED);
@@ -2324,9 +2325,6 @@ static void test_shm_paced_pushes(void **state) {
   assert_int_equal(__atomic_load_n(&h->answered, __ATOMIC_ACQUIRE), steps);
   rpc_shm_close(&v);
   stop_and_check_two_jobs(&d, steps, el, er, len);
-  free(el);
-  free(er);
-  remove_tree(d.p.dir);
 }
 
 /* The fetch of a region's client that has the roots area mapped: roots published there once

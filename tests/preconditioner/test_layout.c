@@ -179,6 +179,40 @@ static void test_count(void **state) {
   assert_int_equal(pc_layout_count(2, sq, &bad, &n), PC_EINVAL);
 }
 
+/* Shampoo's root windows: worked values, then for many steps, ids and rates that a step's
+ * window starts at pc_root_window_start (the start is in the same window, the step before
+ * it in an earlier one) and that each window but the first is `every` steps long. */
+static void test_root_window(void **state) {
+  (void)state;
+  /* every 1 (and 0, taken as 1): a window per step */
+  assert_int_equal(pc_root_window(7, 3, 1), 7);
+  assert_int_equal(pc_root_window_start(7, 3, 1), 7);
+  assert_int_equal(pc_root_window_start(7, 3, 0), 7);
+  /* every 10, id 3: windows start at 7, 17, 27, ...; the first holds steps 0-6 */
+  assert_int_equal(pc_root_window(6, 3, 10), 0);
+  assert_int_equal(pc_root_window_start(6, 3, 10), 0);
+  assert_int_equal(pc_root_window(7, 3, 10), 1);
+  assert_int_equal(pc_root_window_start(7, 3, 10), 7);
+  assert_int_equal(pc_root_window_start(16, 3, 10), 7);
+  assert_int_equal(pc_root_window(17, 3, 10), 2);
+  assert_int_equal(pc_root_window_start(17, 13, 10), 17); /* the id counts modulo every */
+  for (uint64_t every = 1; every <= 12; every++)
+    for (uint64_t id = 0; id < 30; id++)
+      for (uint64_t step = 0; step < 60; step++) {
+        uint64_t w = pc_root_window(step, id, every), s0 = pc_root_window_start(step, id, every);
+        assert_true(s0 <= step && step - s0 < every);
+        assert_int_equal(pc_root_window(s0, id, every), w);
+        if (s0 > 0) { /* the window before: every steps long, or the first and shorter */
+          uint64_t p0 = pc_root_window_start(s0 - 1, id, every);
+          assert_int_equal(pc_root_window(s0 - 1, id, every), w - 1);
+          if (p0 > 0)
+            assert_int_equal(s0 - p0, every);
+          else
+            assert_true(s0 <= every);
+        }
+      }
+}
+
 static void test_bad_arguments(void **state) {
   (void)state;
   pc_layout l;
@@ -204,7 +238,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_defaults),      cmocka_unit_test(test_awkward_shapes),
       cmocka_unit_test(test_diagonal),      cmocka_unit_test(test_count),
-      cmocka_unit_test(test_bad_arguments),
+      cmocka_unit_test(test_bad_arguments), cmocka_unit_test(test_root_window),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
