@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The same-host push across cores (issue 13 P2), the BASE build against this checkout's
+# build/, on quiet cores. Run from the repository root with build/ built (meson compile -C
+# build); BASE is another build directory (e.g. a copy of build/ made before a change).
+# About 2.5 minutes on quiet cores (much longer under load).
+# usage: bash bench/push-xcore.sh BASE
+# Builds: base; new (the doorbell's waits as landed: a short spin when the last wait was
+# short and the other side is on another core, wakes only for a side that sleeps); nap (new
+# with PRECOND_SHM_NAP_US=2000: naps on the core's own timer instead of the futex for waits
+# up to 2 ms, off by default because it lost on the loaded VM).
+# Prints CSV to stdout:
+#   placement,round,build,block,row,mb_per_cpu_s,pushes_per_cpu_s,p50_ms,ratio_to_memcpy
+# placement "as-is": the scheduler places bench and daemon; "xcore": bench pinned to core 0,
+# its precondd to core 1 (every wake crosses cores). Rows: memcpy (the one-core limit) and
+# push-shm (the target row: the doorbell, one push at a time, each answer awaited), n = 1024
+# (4.2 MB, the target) and n = 32 (4 KB: the control alone). Builds alternated 3 rounds;
+# then medians; last new's and nap's --account lines at n = 32 and 1024 across cores (CPU per
+# push by part; the doorbell thread's CPU in the 300 ms after the last push).
+set -u
+[ $# -eq 1 ] && [ -x "$1/bench/bench-daemon" ] ||
+  { echo "usage: bash bench/push-xcore.sh BASE (a build directory with bench/bench-daemon)" >&2; exit 2; }
+base=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+[ -x build/bench/bench-daemon ] && [ -x build/host/precondd ] ||
+  { echo "build first: meson compile -C build" >&2; exit 2; }
+export OPENBLAS_NUM_THREADS=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for v in base new; do
+  if [ $v = base ]; then p=$base/host/precondd; else p=$PWD/build/host/precondd; fi
+  printf '#!/bin/sh\nexec taskset -c 1 %s "$@"\n' "$p" > "$tmp/pd1-$v.sh"
+  chmod +x "$tmp/pd1-$v.sh"
+done
+run() { # run BUILD PLACE [more bench options]
+  local v=$1 place=$2 b p pin= nap= only=--push-shm-only
+  shift 2
+  if [ $v = base ]; then b=$base/bench/bench-daemon p=$base/host/precondd only=; else b=build/bench/bench-daemon p=build/host/precondd; fi
+  [ $v = nap ] && nap=2000
+  if [ $place = xcore ]; then pin="taskset -c 0"; if [ $v = base ]; then p=$tmp/pd1-base.sh; else p=$tmp/pd1-new.sh; fi; fi
+  PRECOND_SHM_NAP_US=$nap $pin "$b" --spawn "$p" --keep-freed-memory --wire --unix-only --shm-only \
+    --clock cpu --seconds 1 --sizes 32,1024 --fetch-max 16 $only "$@"
+}
+echo "placement,round,build,block,row,mb_per_cpu_s,pushes_per_cpu_s,p50_ms,ratio_to_memcpy"
+for round in 1 2 3; do
+  for place in xcore as-is; do
+    for v in base new nap; do
+      run $v $place 2>>"$tmp/log" |
+        awk -F, -v r=$round -v v=$v -v pl=$place \
+          '$1 == "memcpy" || $1 == "push-shm" { print pl "," r "," v "," $3 "," $1 "," $7 "," $8 "," $9 "," $14 }'
+    done
+  done
+done | tee "$tmp/rows.csv"
+echo
+echo "placement,build,block,rounds,median_mb_per_cpu_s,median_pushes_per_cpu_s,median_ratio_to_memcpy"
+awk -F, '$5 == "push-shm" { k = $1 "," $3 "," $4; n[k]++; v[k, n[k]] = $6; o[k, n[k]] = $7; q[k, n[k]] = $9 }
+  function med(a, k, m,   i, j, t, x) {
+    for (i = 1; i <= m; i++) x[i] = a[k, i]
+    for (i = 2; i <= m; i++) for (j = i; j > 1 && x[j - 1] + 0 > x[j] + 0; j--) { t = x[j]; x[j] = x[j - 1]; x[j - 1] = t }
+    return m % 2 ? x[(m + 1) / 2] : (x[m / 2] + x[m / 2 + 1]) / 2
+  }
+  END { for (k in n) printf "%s,%d,%.1f,%.1f,%.4f\n", k, n[k], med(v, k, n[k]), med(o, k, n[k]), med(q, k, n[k]) }' \
+  "$tmp/rows.csv" | sort
+echo
+for v in new nap; do
+  run $v xcore --account 2>&1 >/dev/null | grep '^account push-shm ' | sed "s/^/$v /"
+done
