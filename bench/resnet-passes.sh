@@ -8,9 +8,10 @@
 # of 2 (the first step's page faults and the pool stats' start-up drop out): CPU ms per step
 # of every loop kind, and for the direct convs the shares of their phases (packing, products,
 # copy-out; wall time within the loop). "c3_fwd_part" is the forward convs (their outputs'
-# moments made in the copy-out), "c3_fwd_part.nomoments" the stride-1 input gradients (a
-# conv of dy; the residual's add in the copy-out), "c3_dgrad_part" the stride-2 input
-# gradients, "c3_wgrad_part" the weight gradients. PyTorch: bench/reference/resnet_torch.py
+# moments made in the copy-out), "c3_lanes_part" those of stages 2-3 in the lanes layout
+# (session 13; stage 1 and the stride-2 convs stay in c3_fwd_part), "c3_fwd_part.nomoments"
+# the stride-1 input gradients (a conv of dy; the residual's add in the copy-out),
+# "c3_dgrad_part" the stride-2 input gradients, "c3_wgrad_part" the weight gradients. PyTorch: bench/reference/resnet_torch.py
 # --profile (each op's self time on the calling thread, scaled to its step's CPU time).
 # Run from the repository root after a build; about 1 minute.
 set -eu
