@@ -11,8 +11,9 @@
 # moments made in the copy-out), "c3_lanes_part" those of stages 2-3 in the lanes layout
 # (session 13; stage 1 and the stride-2 convs stay in c3_fwd_part), "c3_fwd_part.nomoments"
 # the stride-1 input gradients (a conv of dy; the residual's add in the copy-out),
-# "c3_dgrad_part" the stride-2 input gradients, "c3_wgrad_part" the weight gradients. PyTorch: bench/reference/resnet_torch.py
-# --profile (each op's self time on the calling thread, scaled to its step's CPU time).
+# "c3_dgrad_part" the stride-2 input gradients, "c3_wgrad_part" the weight gradients.
+# PyTorch: bench/reference/resnet_torch.py --profile (each op's self time on the calling
+# thread, scaled to its step's CPU time).
 # Run from the repository root after a build; about 1 minute.
 set -eu
 build=${1:-build}
