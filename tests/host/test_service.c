@@ -39,6 +39,14 @@ static pd_daemon *daemon_new(size_t memory_mb) {
   return d;
 }
 
+/* Polls cond every millisecond until it holds or WAIT_S seconds pass; the caller then
+ * asserts it. The deadline only bounds a hang (the pool is slow under the sanitizers on a
+ * loaded machine): no test here depends on how fast the pool is. */
+#define WAIT_S 120.0
+#define WAIT_FOR(cond)                                                                   \
+  for (double wait_end_ = pd_now() + WAIT_S; !(cond) && pd_now() < wait_end_;)           \
+  nanosleep(&(struct timespec){0, 1000000}, NULL)
+
 static void daemon_free(pd_daemon *d) {
   pd_sched_stop(&d->sched);
   pd_store_destroy(&d->store);
@@ -193,10 +201,7 @@ static void test_push_fetch_stats(void **state) {
   assert_int_equal(push2(d, "j", 3, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
   assert_int_equal(job->blocks[0].pushes, 1);
   assert_int_equal(job->blocks[1].pushes, 1);
-  for (int i = 0; i < 2000 && atomic_load(&d->stats.roots_computed) < 2; i++) {
-    struct timespec ts = {0, 5000000};
-    nanosleep(&ts, NULL);
-  }
+  WAIT_FOR(atomic_load(&d->stats.roots_computed) >= 2);
   assert_int_equal(atomic_load(&d->stats.roots_computed), 2);
 
   Precond__V1__BlockVersion v = PRECOND__V1__BLOCK_VERSION__INIT;
@@ -245,10 +250,7 @@ static void test_push_fetch_stats(void **state) {
    * step 3, a staleness sample of 2 per block. */
   float *zero = calloc(pc_packed_len(4), sizeof *zero);
   assert_int_equal(push2(d, "j", 5, zero, 4, zero, 4, 1, why), GRPC_STATUS_OK);
-  for (int i = 0; i < 2000 && atomic_load(&d->stats.roots_skipped) < 2; i++) {
-    struct timespec ts = {0, 5000000};
-    nanosleep(&ts, NULL);
-  }
+  WAIT_FOR(atomic_load(&d->stats.roots_skipped) >= 2);
   assert_int_equal(handle(d, PD_M_STATS, &sr.base, NULL, 0,
                           &precond__v1__stats_response__descriptor, (ProtobufCMessage **)&st, why),
                    GRPC_STATUS_OK);
@@ -514,10 +516,7 @@ static void test_end_job(void **state) {
     assert_int_equal(push2(d, "j", step, l, 4, l, 4, 1, why), GRPC_STATUS_OK);
   pd_job *inflight = pd_store_get(&d->store, "j", 0);
   pd_root *held = NULL;
-  for (int i = 0; i < 4000 && !held; i++) {
-    held = pd_block_root(&inflight->blocks[0]);
-    if (!held) nanosleep(&(struct timespec){0, 1000000}, NULL);
-  }
+  WAIT_FOR((held = pd_block_root(&inflight->blocks[0])) != NULL);
   assert_non_null(held);
   int64_t before = atomic_load(&d->stats.memory_bytes);
 
@@ -544,10 +543,15 @@ static void test_end_job(void **state) {
   assert_int_equal(st->jobs_expired, 0);
   protobuf_c_message_free_unpacked(&st->base, NULL);
 
-  /* The queue lets go of it (the pool finishes the block it computes, then drops it). */
-  for (int i = 0; i < 4000 && pd_sched_depth(&d->sched) > 0; i++)
-    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  /* The queue lets go of it (the pool finishes the block it computes, then drops it): its
+   * entries leave the queue, and the pool drops their job references, the test's own the
+   * last. Both are waited for: a worker leaves the depth count under the pool's lock and
+   * drops its reference after unlocking, so depth 0 alone let the unref below miss the
+   * free now and then under ASan and load (session 11's flake, reproduced with a sleep
+   * before the worker's pd_job_unref). */
+  WAIT_FOR(pd_sched_depth(&d->sched) == 0 && atomic_load(&inflight->refs) == 1);
   assert_int_equal(pd_sched_depth(&d->sched), 0);
+  assert_int_equal(atomic_load(&inflight->refs), 1);
   /* The reference holds it: nothing of the job was freed. Not "equal": a computation that
    * was running at `before` may have published since (a root beside the held one, a block's
    * warm-start state), which only adds (a flake under ASan and load, session 8). */
@@ -651,10 +655,7 @@ static void test_job_memory_limit(void **state) {
 static void push_all_and_wait(pd_daemon *d, const char *job, const float *l, char *why) {
   for (uint32_t id1 = 1; id1 < 4; id1++)
     assert_int_equal(push2(d, job, id1, l, 64, l, 64, id1, why), GRPC_STATUS_OK);
-  for (int i = 0;
-       i < 20000 && (pd_sched_depth(&d->sched) > 0 || atomic_load(&d->stats.roots_computed) < 4);
-       i++)
-    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  WAIT_FOR(pd_sched_depth(&d->sched) == 0 && atomic_load(&d->stats.roots_computed) >= 4);
   assert_true(atomic_load(&d->stats.roots_computed) >= 4);
 }
 
