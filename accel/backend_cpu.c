@@ -2430,8 +2430,9 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
  * each group's channels are packed into the thread's scratch (its frame's zeros once per
  * thread and call), then for every block of 4 output channels each output row is one run of
  * the forward kernel over its w positions (the taps at offsets (p (w + 2) + q) 16), into the
- * rest of the scratch, copied out to the 16 images' planes with their moments. Every output
- * is the tall kernel's sum, term for term: the same bits. */
+ * rest of the scratch, copied out to the 16 images' planes, and their moments made from the
+ * lanes (16 images per vector, in row_moments' order). Every output is the tall kernel's
+ * sum, term for term, and every moment row_moments' sum: the same bits. */
 static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
@@ -2453,13 +2454,12 @@ static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
       pool_phase_end(a->pool, a->phase[1], thread, &t);
       for (size_t i = 0; i < 4; i++) {
         size_t o = ob * 4 + i;
-        float *y0 = a->y + (b0 * a->oc + o) * ohw;
-        ac__lanes_unpack(ohw, nb, out + i * ldo, y0, a->oc * ohw,
-                         a->res != NULL ? a->res + (y0 - a->y) : NULL);
-        for (size_t b = 0; b < nb && a->sums != NULL; b++) { /* the plane just written */
-          double *sq = a->sums + 2 * ((b0 + b) * a->oc + o);
-          sq[0] = sq[1] = 0.0;
-          row_moments(a->isa, ohw, y0 + b * a->oc * ohw, sq, sq + 1);
+        double s[AC__LANES] = {0}, q[AC__LANES] = {0};
+        ac__lanes_unpack(ohw, nb, out + i * ldo, a->y + (b0 * a->oc + o) * ohw, a->oc * ohw);
+        ac__lanes_moments(ohw, out + i * ldo, s, q);
+        for (size_t b = 0; b < nb; b++) {
+          a->sums[2 * ((b0 + b) * a->oc + o)] = s[b];
+          a->sums[2 * ((b0 + b) * a->oc + o) + 1] = q[b];
         }
       }
       pool_phase_end(a->pool, a->phase[2], thread, &t);
@@ -2575,12 +2575,13 @@ static const char *c3_phases(c3_args *a, cpu_pool *pool, int set) {
 
 /* Where the forward takes the lanes layout (c3_lanes_part) instead of the tall one: the one
  * rule. It needs AVX-512F (16 lanes) and a 3x3 stride-1 conv; it pays where the tall
- * layout's thrown-away positions do (h w small: 14x14, 7x7). Only the forward with moments
- * (a ResNet's forward convs): the stride-1 input gradient keeps its own copy-out. */
+ * layout's thrown-away positions do (h w small: 14x14, 7x7; at 28x28 it measured level).
+ * Only the forward with moments and no residual (a ResNet's forward convs; the moments come
+ * from the lanes): the stride-1 input gradient keeps its own copy-out. */
 #define C3_LANES_MAX_HW 196
 static int c3_lanes_fits(const c3_args *a, const float *moments) {
   return a->isa == AC_CPU_ISA_AVX512 && a->stride == 1 && a->kk == 9 && moments != NULL &&
-         a->g.h * a->g.w <= C3_LANES_MAX_HW;
+         a->res == NULL && a->g.h * a->g.w <= C3_LANES_MAX_HW;
 }
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */

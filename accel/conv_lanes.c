@@ -64,7 +64,7 @@ LANES_TARGET void ac__lanes_pack(size_t h, size_t w, size_t nb, const float *src
 }
 
 LANES_TARGET void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst,
-                                   size_t dstride, const float *res) {
+                                   size_t dstride) {
   for (size_t p0 = 0; p0 < n; p0 += AC__LANES) {
     size_t m = n - p0 < AC__LANES ? n - p0 : AC__LANES;
     __mmask16 k = (__mmask16)((1u << m) - 1u);
@@ -72,11 +72,41 @@ LANES_TARGET void ac__lanes_unpack(size_t n, size_t nb, const float *src, float 
     for (size_t i = 0; i < AC__LANES; i++)
       r[i] = i < m ? _mm512_loadu_ps(src + (p0 + i) * AC__LANES) : _mm512_setzero_ps();
     lanes_transpose(r);
-    for (size_t b = 0; b < nb; b++) {
-      __m512 v = r[b];
-      if (res != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, res + b * dstride + p0));
-      _mm512_mask_storeu_ps(dst + b * dstride + p0, k, v);
-    }
+    for (size_t b = 0; b < nb; b++) _mm512_mask_storeu_ps(dst + b * dstride + p0, k, r[b]);
+  }
+}
+
+/* Lanes 0-7 and 8-15 of v in double. */
+LANES_TARGET static inline void lanes_to_double(__m512 v, __m512d *lo, __m512d *hi) {
+  *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* Position i's value goes into partial i mod 16 (p for the sum, r for the squares), each a
+ * pair of 8-double vectors (lanes 0-7, 8-15), added in position order from 0; then the
+ * partials are totalled pairwise as row_moments does, lane by lane. */
+LANES_TARGET void ac__lanes_moments(size_t n, const float *src, double *s, double *q) {
+  __m512d p[AC__LANES][2], r[AC__LANES][2];
+  for (size_t j = 0; j < AC__LANES; j++)
+    p[j][0] = p[j][1] = r[j][0] = r[j][1] = _mm512_setzero_pd();
+  for (size_t i = 0; i < n; i++) {
+    __m512d lo, hi;
+    size_t j = i % AC__LANES;
+    lanes_to_double(_mm512_loadu_ps(src + i * AC__LANES), &lo, &hi);
+    p[j][0] = _mm512_add_pd(p[j][0], lo);
+    p[j][1] = _mm512_add_pd(p[j][1], hi);
+    r[j][0] = _mm512_fmadd_pd(lo, lo, r[j][0]);
+    r[j][1] = _mm512_fmadd_pd(hi, hi, r[j][1]);
+  }
+  for (size_t w = AC__LANES / 2; w >= 1; w /= 2)
+    for (size_t j = 0; j < w; j++)
+      for (int h = 0; h < 2; h++) {
+        p[j][h] = _mm512_add_pd(p[j][h], p[j + w][h]);
+        r[j][h] = _mm512_add_pd(r[j][h], r[j + w][h]);
+      }
+  for (int h = 0; h < 2; h++) {
+    _mm512_storeu_pd(s + 8 * h, _mm512_add_pd(_mm512_loadu_pd(s + 8 * h), p[0][h]));
+    _mm512_storeu_pd(q + 8 * h, _mm512_add_pd(_mm512_loadu_pd(q + 8 * h), r[0][h]));
   }
 }
 #else
@@ -85,8 +115,11 @@ void ac__lanes_pack(size_t h, size_t w, size_t nb, const float *src, size_t sstr
   (void)h, (void)w, (void)nb, (void)src, (void)sstride, (void)dst;
 }
 
-void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride,
-                      const float *res) {
-  (void)n, (void)nb, (void)src, (void)dst, (void)dstride, (void)res;
+void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride) {
+  (void)n, (void)nb, (void)src, (void)dst, (void)dstride;
+}
+
+void ac__lanes_moments(size_t n, const float *src, double *s, double *q) {
+  (void)n, (void)src, (void)s, (void)q;
 }
 #endif
