@@ -19,6 +19,7 @@
 #include <cblas.h>
 
 #include "ac_internal.h"
+#include "conv_lanes.h"
 #include "gemm_small.h"
 
 /* cblas takes int sizes; the generic checks allow size_t. */
@@ -2425,6 +2426,47 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
   }
 }
 
+/* The forward in the lanes layout (conv_lanes.h), groups [lo, hi) of 16 images on thread:
+ * each group's channels are packed into the thread's scratch (its frame's zeros once per
+ * thread and call), then for every block of 4 output channels each output row is one run of
+ * the forward kernel over its w positions (the taps at offsets (p (w + 2) + q) 16), into the
+ * rest of the scratch, copied out to the 16 images' planes, and their moments made from the
+ * lanes (16 images per vector, in row_moments' order). Every output is the tall kernel's
+ * sum, term for term, and every moment row_moments' sum: the same bits. */
+static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
+  const c3_args *a = ctx;
+  const c3_geom *g = &a->g;
+  int fresh;
+  float *xq = c3_thread_scratch(a, thread, &fresh), *out = xq + a->c * a->cl;
+  size_t ohw = g->h * g->w, ldo = ohw * AC__LANES, row = (g->w + 2) * AC__LANES;
+  long t = pool_phase_start(a->pool);
+  if (fresh) memset(xq, 0, a->c * a->cl * sizeof *xq);
+  for (size_t grp = lo; grp < hi; grp++) {
+    size_t b0 = grp * AC__LANES, nb = a->n - b0 < AC__LANES ? a->n - b0 : AC__LANES;
+    for (size_t ch = 0; ch < a->c; ch++)
+      ac__lanes_pack(g->h, g->w, nb, a->x + (b0 * a->c + ch) * ohw, a->c * ohw, xq + ch * a->cl);
+    pool_phase_end(a->pool, a->phase[0], thread, &t);
+    for (size_t ob = 0; ob < a->oc / 4; ob++) {
+      const float *wp = a->w + ob * a->c * 4 * a->nt;
+      for (size_t y = 0; y < g->h; y++)
+        c5_fwd_block(a->c, a->cl, a->nt, a->off, g->w, xq + y * row, wp, out + y * g->w * AC__LANES,
+                     ldo);
+      pool_phase_end(a->pool, a->phase[1], thread, &t);
+      for (size_t i = 0; i < 4; i++) {
+        size_t o = ob * 4 + i;
+        double s[AC__LANES] = {0}, q[AC__LANES] = {0};
+        ac__lanes_unpack(ohw, nb, out + i * ldo, a->y + (b0 * a->oc + o) * ohw, a->oc * ohw);
+        ac__lanes_moments(ohw, out + i * ldo, s, q);
+        for (size_t b = 0; b < nb; b++) {
+          a->sums[2 * ((b0 + b) * a->oc + o)] = s[b];
+          a->sums[2 * ((b0 + b) * a->oc + o) + 1] = q[b];
+        }
+      }
+      pool_phase_end(a->pool, a->phase[2], thread, &t);
+    }
+  }
+}
+
 /* Input gradient of a stride-2 conv, images [lo, hi) on thread: each image's dy is packed
  * (as an output, pixel (y, x) at y wq + x, zeros after each row and image), then for every
  * block of 4 input channels and every phase of dx, a forward pass over the phase's taps,
@@ -2513,12 +2555,13 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
 /* The phases of a direct conv's slices in the pool's stats, by the loop kind's name: the
  * forward with moments (a ResNet's forward convs), without (its stride-1 input
  * gradients), the stride-2 input gradient and the weight gradient (no copy-out). */
-static const char *const c3_phase_names[4][4] = {
+static const char *const c3_phase_names[5][4] = {
     {"c3_fwd_part", "c3_fwd_part:pack", "c3_fwd_part:kernel", "c3_fwd_part:copyout"},
     {"c3_fwd_part.nomoments", "c3_fwd_part.nomoments:pack", "c3_fwd_part.nomoments:kernel",
      "c3_fwd_part.nomoments:copyout"},
     {"c3_dgrad_part", "c3_dgrad_part:pack", "c3_dgrad_part:kernel", "c3_dgrad_part:scatter"},
-    {"c3_wgrad_part", "c3_wgrad_part:pack", "c3_wgrad_part:kernel", NULL}};
+    {"c3_wgrad_part", "c3_wgrad_part:pack", "c3_wgrad_part:kernel", NULL},
+    {"c3_lanes_part", "c3_lanes_part:pack", "c3_lanes_part:kernel", "c3_lanes_part:copyout"}};
 
 /* Registers the phases of set (a row of c3_phase_names) for a's loop; returns the loop's
  * kind name. */
@@ -2530,6 +2573,17 @@ static const char *c3_phases(c3_args *a, cpu_pool *pool, int set) {
   return c3_phase_names[set][0];
 }
 
+/* Where the forward takes the lanes layout (c3_lanes_part) instead of the tall one: the one
+ * rule. It needs AVX-512F (16 lanes) and a 3x3 stride-1 conv; it pays where the tall
+ * layout's thrown-away positions do (h w small: 14x14, 7x7; at 28x28 it measured level).
+ * Only the forward with moments and no residual (a ResNet's forward convs; the moments come
+ * from the lanes): the stride-1 input gradient keeps its own copy-out. */
+#define C3_LANES_MAX_HW 196
+static int c3_lanes_fits(const c3_args *a, const float *moments) {
+  return a->isa == AC_CPU_ISA_AVX512 && a->stride == 1 && a->kk == 9 && moments != NULL &&
+         a->res == NULL && a->g.h * a->g.w <= C3_LANES_MAX_HW;
+}
+
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
 static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
                       size_t stride, const float *x, const float *wt, const float *res, float *y,
@@ -2539,9 +2593,17 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y, .res = res};
   c3_set_shape(&a, ih, iw, k, stride);
   c3_args_isa(be, &a);
-  a.nv = c3_nvec(&a.g, 1, a.vw);
-  c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
-  a.per_thread = c * a.cl + 4 * a.nv * a.vw;
+  int lanes = c3_lanes_fits(&a, moments);
+  if (lanes) {
+    a.cl = ac__lanes_chan_len(a.g.h, a.g.w);
+    a.nt = 9;
+    for (size_t t = 0; t < 9; t++) a.off[t] = (t / 3 * (a.g.w + 2) + t % 3) * AC__LANES;
+    a.per_thread = c * a.cl + 4 * a.g.h * a.g.w * AC__LANES;
+  } else {
+    a.nv = c3_nvec(&a.g, 1, a.vw);
+    c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
+    a.per_thread = c * a.cl + 4 * a.nv * a.vw;
+  }
   size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = moments != NULL ? 4 * n * oc : 0;
   float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats + C3_READY_FLOATS(parts));
   if (s == NULL) return AC_ENOMEM;
@@ -2551,8 +2613,12 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
   memset(a.ready, 0, parts);
-  const char *kind = c3_phases(&a, pool, moments != NULL ? 0 : 1);
-  pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a, kind);
+  const char *kind = c3_phases(&a, pool, lanes ? 4 : moments != NULL ? 0 : 1);
+  if (lanes)
+    pool_run(pool, (n + AC__LANES - 1) / AC__LANES, (double)(n * c * oc * a.g.h * a.g.w),
+             c3_lanes_part, &a, kind);
+  else
+    pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a, kind);
   /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
    * same bits. */
   for (size_t o = 0; o < oc && moments != NULL; o++) {

@@ -1630,6 +1630,65 @@ static void conv3x3_bitwise(int isa) {
   ac_backend_destroy(be[1]);
 }
 
+/* The forward 3x3 convs with moments at a ResNet's shapes (stage 1's 16 channels at 28x28,
+ * stage 2's 32 at 14x14, stage 3's 64 at 7x7) and odd ones: the best variant (on AVX-512F
+ * the lanes layout, 16 images in a vector, for planes of up to 14x14: conv_lanes.h) gives
+ * the bits of the AVX2 variant (always the tall layout), y and moments, on 1 and 2 threads,
+ * and matches double loops. Batches of 16 images (one group), 17 and 37 (a partial group
+ * after full ones), 1 and 5 (a partial group alone). */
+static void test_cpu_conv3x3_lanes(void **state) {
+  (void)state;
+  const size_t shapes[][5] = {{37, 32, 32, 14, 14}, {17, 64, 64, 7, 7},  {16, 64, 64, 7, 7},
+                              {1, 64, 64, 7, 7},    {5, 16, 32, 14, 14}, {3, 8, 4, 13, 15},
+                              {2, 4, 8, 1, 1},      {2, 16, 16, 28, 28}};
+  ac_backend *ref[2] = {NULL, NULL}, *be[2] = {NULL, NULL};
+  cpu_pair_isa(ref, AC_CPU_ISA_AVX2);
+  cpu_pair_isa(be, AC_CPU_ISA_BEST);
+  int direct = ac_conv3x3_supported(ref[0], 4, 4);
+  if (!direct)
+    print_message("conv3x3 lanes: no direct kernels on %s\n", ac_backend_describe(ref[0]));
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0] && direct; s++) {
+    size_t n = shapes[s][0], c = shapes[s][1], oc = shapes[s][2], h = shapes[s][3];
+    size_t w = shapes[s][4], nx = n * c * h * w, ny = n * oc * h * w, nw = oc * c * 9;
+    float *hx = host_rand(nx), *hwt = host_rand(nw);
+    double *want = dzeros(ny);
+    for (size_t b = 0; b < n; b++)
+      for (size_t o = 0; o < oc; o++)
+        for (size_t yy = 0; yy < h; yy++)
+          for (size_t xx = 0; xx < w; xx++)
+            for (size_t ch = 0; ch < c; ch++)
+              for (size_t t = 0; t < 9; t++) {
+                long iy = (long)yy + (long)(t / 3) - 1, ix = (long)xx + (long)(t % 3) - 1;
+                if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
+                want[((b * oc + o) * h + yy) * w + xx] +=
+                    (double)hwt[(o * c + ch) * 9 + t] *
+                    hx[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
+              }
+    float *got[4];
+    for (int k = 0; k < 4; k++) { /* AVX2 on 1 and 2 threads, then the best */
+      ac_backend *b = k < 2 ? ref[k] : be[k - 2];
+      float *x = dev_up(b, hx, nx), *wt = dev_up(b, hwt, nw);
+      float *y = dev_alloc(b, (ny + 2 * oc) * sizeof(float));
+      OK(ac_fill_f32(b, ny + 2 * oc, y, NAN)); /* overwritten */
+      OK(ac_conv3x3_moments(b, n, c, oc, h, w, x, wt, y, y + ny));
+      got[k] = dev_down(b, y, ny + 2 * oc);
+      ac_free(b, x);
+      ac_free(b, wt);
+      ac_free(b, y);
+    }
+    expect_close("conv3x3 lanes", got[2], want, ny, 2e-6 * (double)(c * 9), 1e-5);
+    for (int k = 1; k < 4; k++) assert_memory_equal(got[0], got[k], (ny + 2 * oc) * sizeof(float));
+    for (int k = 0; k < 4; k++) free(got[k]);
+    free(want);
+    free(hx);
+    free(hwt);
+  }
+  for (int t = 0; t < 2; t++) {
+    ac_backend_destroy(ref[t]);
+    ac_backend_destroy(be[t]);
+  }
+}
+
 /* Every variant of the direct kernels (and the portable path's permutes and syrk). */
 static void test_cpu_conv3x3_bitwise(void **state) {
   (void)state;
@@ -2640,6 +2699,7 @@ int main(void) {
                                          cmocka_unit_test(test_cpu_pool_elementwise),
                                          cmocka_unit_test(test_cpu_channel_sums_isa),
                                          cmocka_unit_test(test_cpu_conv3x3_bitwise),
+                                         cmocka_unit_test(test_cpu_conv3x3_lanes),
                                          cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};
   const struct CMUnitTest cuda[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_cuda_matches_cpu)};
