@@ -114,6 +114,10 @@ typedef struct ac__ops {
    * output's batch-norm moments (ac_conv3x3_moments) */
   int (*conv3x3)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
                  const float *wt, const float *res, float *y, float *moments);
+  /* Optional (NULL: AC_ENOTSUP): ac_conv3x3_bn_grad. */
+  int (*conv3x3_bn_grad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                         const float *x, const float *wt, const float *res, float *y,
+                         const ac_bn_grad_args *bn);
   int (*conv3x3_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                        const float *x, const float *dy, float *dw);
   /* Optional (NULL: AC_ENOTSUP, the layers use im2col + gemm): direct stride-2 convs. */

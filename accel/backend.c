@@ -649,6 +649,20 @@ int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
                      : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, NULL, y, moments);
 }
 
+int ac_conv3x3_bn_grad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, const float *res, float *y,
+                       const ac_bn_grad_args *bn) {
+  int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
+  if (rc == AC_OK &&
+      (bn == NULL || bn->x == NULL || bn->center == NULL || bn->sums == NULL || bn->x == y ||
+       bn->mask == y || !moments_ok(bn->sums, x, wt, y) || bn->sums == res || bn->sums == bn->x ||
+       bn->sums == bn->mask || bn->sums == bn->center))
+    rc = AC_EINVAL;
+  if (rc == AC_OK && be->ops->conv3x3_bn_grad == NULL) rc = AC_ENOTSUP;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv3x3_bn_grad(be, n, c, oc, h, w, x, wt, res, y, bn);
+}
+
 int ac_conv3x3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                      const float *x, const float *dy, float *dw) {
   int rc = conv3x3_check(be, n, c, oc, h, w, x, dy, dw);

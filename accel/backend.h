@@ -461,6 +461,26 @@ int ac_conv3x3_add(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size
 int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                        const float *x, const float *wt, float *y, float *moments);
 
+/* The batch norm whose backward an input gradient feeds (ac_conv3x3_bn_grad): its fused
+ * ReLU's output mask (NULL: no ReLU), its input x and the centre of its sums (its batch mean
+ * in training, running mean in eval), all (n, oc, h, w) but center (oc); and sums, the 2 oc
+ * floats written: sum g, then sum g (x - center), per channel. */
+typedef struct ac_bn_grad_args {
+  const float *mask, *x, *center;
+  float *sums;
+} ac_bn_grad_args;
+
+/* ac_conv3x3 of x (+ res, when not NULL, as ac_conv3x3_add), then batch norm's backward
+ * in the copy-out: y = g, the result masked (0 where bn->mask <= 0), and bn->sums the bits
+ * ac_channel_grad_sums(n, oc, h w) gives for the unmasked result with bn's mask, x and
+ * center, made while each image's planes are in the cache (one read of the gradient and
+ * the mask's pass less per batch norm). A ResNet's stride-1 input gradients, which all
+ * feed a batch norm + ReLU. Same support as ac_conv3x3 (CUDA: AC_ENOTSUP, the layer makes
+ * the sums itself). res may alias y; bn's buffers alias nothing written. */
+int ac_conv3x3_bn_grad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                       const float *x, const float *wt, const float *res, float *y,
+                       const ac_bn_grad_args *bn);
+
 /* dw (oc, c, 3, 3) += the weight gradient of ac_conv3x3: for every image, channel pair and
  * tap (p, q), the sum over outputs (y, x) of dy[o][y][x] x[ch][y + p - 1][x + q - 1] (zero
  * outside). Same support and guarantees as ac_conv3x3. */

@@ -1197,16 +1197,24 @@ static double lanes_total(double *p) {
 #include <immintrin.h>
 #define ROW_HAVE_SIMD 1
 
-/* Added into partials p and q of 16 lanes each, for the row (returns n; the AVX2 variant:
- * its whole 16-float blocks, returning how many floats they covered): g = dy, zeroed where mask <= 0 (mask not NULL), to gout
- * when not NULL; p += g, q += g (x - c). */
-__attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, const float *dy,
-                                                                      const float *mask,
-                                                                      const float *x, float c,
-                                                                      float *gout, double *p,
-                                                                      double *q) {
-  __m512d p0 = _mm512_loadu_pd(p), p1 = _mm512_loadu_pd(p + 8), q0 = _mm512_loadu_pd(q);
-  __m512d q1 = _mm512_loadu_pd(q + 8);
+/* The pairwise total of 16 double lanes held as lo (lanes 0-7) and hi (8-15): lane j + 8
+ * into j, then j + 4, j + 2, j + 1: lanes_total's adds in its order, the same bits. */
+__attribute__((target("avx512f"))) static double lanes_total_avx512(__m512d lo, __m512d hi) {
+  __m512d s8 = _mm512_add_pd(lo, hi);
+  __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+  __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+}
+
+/* One row's sums (row_grad_sums) on AVX-512F, its 16 partials in registers: g = dy, zeroed
+ * where mask <= 0 (mask not NULL), to gout when not NULL; sg += the total of g, sgx += the
+ * total of g (x - c). */
+__attribute__((target("avx512f"))) static void row_grad_sums_avx512(size_t n, const float *dy,
+                                                                    const float *mask,
+                                                                    const float *x, float c,
+                                                                    float *gout, double *sg,
+                                                                    double *sgx) {
+  __m512d p0 = _mm512_setzero_pd(), p1 = p0, q0 = p0, q1 = p0;
   __m512 vc = _mm512_set1_ps(c), zero = _mm512_setzero_ps();
   size_t i = 0;
   for (; i + ROW_LANES <= n; i += ROW_LANES) {
@@ -1241,15 +1249,14 @@ __attribute__((target("avx512f"))) static size_t row_grad_sums_avx512(size_t n, 
     p1 = _mm512_mask_add_pd(p1, khi, p1, ghi);
     q0 = _mm512_mask3_fmadd_pd(glo, dlo, q0, klo);
     q1 = _mm512_mask3_fmadd_pd(ghi, dhi, q1, khi);
-    i = n;
   }
-  _mm512_storeu_pd(p, p0);
-  _mm512_storeu_pd(p + 8, p1);
-  _mm512_storeu_pd(q, q0);
-  _mm512_storeu_pd(q + 8, q1);
-  return i;
+  *sg += lanes_total_avx512(p0, p1);
+  *sgx += lanes_total_avx512(q0, q1);
 }
 
+/* Added into partials p and q of 16 lanes each: the row's whole 16-float blocks, g = dy
+ * (masked, to gout) as above, p += g, q += g (x - c); returns how many floats they
+ * covered. */
 __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, const float *dy,
                                                                      const float *mask,
                                                                      const float *x, float c,
@@ -1289,14 +1296,21 @@ __attribute__((target("avx2,fma"))) static size_t row_grad_sums_avx2(size_t n, c
 #define ROW_HAVE_SIMD 0
 #endif
 
-/* One row of batch norm's backward sums into 16 partials each: g = dy, or 0 where mask <= 0
- * (mask not NULL), written to gout when it is not NULL; element i's g to p[i mod 16], its
- * g (x - c) to q[i mod 16]. */
-static void row_grad_lanes(int isa, size_t n, const float *dy, const float *mask, const float *x,
-                           float c, float *gout, double *p, double *q) {
+/* One row of batch norm's backward sums: g = dy, or 0 where mask <= 0 (mask not NULL),
+ * written to gout when it is not NULL (gout may be dy); element i's g to partial i mod 16,
+ * its g (x - c) to another 16, each totalled pairwise (lanes_total) and added to sg and
+ * sgx. Every variant makes these adds in this order. */
+static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
+                          float c, float *gout, double *sg, double *sgx) {
+#if ROW_HAVE_SIMD
+  if (isa == AC_CPU_ISA_AVX512) {
+    row_grad_sums_avx512(n, dy, mask, x, c, gout, sg, sgx);
+    return;
+  }
+#endif
+  double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
   size_t i = 0;
 #if ROW_HAVE_SIMD
-  if (isa == AC_CPU_ISA_AVX512) i = row_grad_sums_avx512(n, dy, mask, x, c, gout, p, q);
   if (isa == AC_CPU_ISA_AVX2) i = row_grad_sums_avx2(n, dy, mask, x, c, gout, p, q);
 #else
   (void)isa;
@@ -1307,13 +1321,6 @@ static void row_grad_lanes(int isa, size_t n, const float *dy, const float *mask
     p[j] += (double)g;
     q[j] += (double)g * (double)(x[i] - c);
   }
-}
-
-/* The same for one row alone: sg += the sum of g, sgx += the sum of g (x - c). */
-static void row_grad_sums(int isa, size_t n, const float *dy, const float *mask, const float *x,
-                          float c, float *gout, double *sg, double *sgx) {
-  double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
-  row_grad_lanes(isa, n, dy, mask, x, c, gout, p, q);
   *sg += lanes_total(p);
   *sgx += lanes_total(q);
 }
@@ -1396,19 +1403,19 @@ static int cpu_channel_affine(ac_backend *be, size_t outer, size_t mid, size_t i
   return AC_OK;
 }
 
+/* A channel's sums row by row, each row totalled (row_grad_sums) and added in row order:
+ * the order ac_conv3x3_bn_grad's per-image sums are added in, so the same bits. */
 static void grad_sums_slice(void *ctx, size_t lo, size_t hi, int thread) {
   const chan_args *a = ctx;
   for (size_t m = lo; m < hi; m++) {
-    /* The channel's 16 partials run over all its rows and are totalled once (per row, the
-     * totals cost as much as a 7x7 row's sums). */
-    double p[ROW_LANES] = {0}, q[ROW_LANES] = {0};
+    double sg = 0.0, sgx = 0.0;
     for (size_t o = 0; o < a->outer; o++) {
       size_t base = (o * a->mid + m) * a->inner;
-      row_grad_lanes(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL,
-                     a->x + base, a->p0[m], a->out != NULL ? a->out + base : NULL, p, q);
+      row_grad_sums(a->isa, a->inner, a->y + base, a->mask != NULL ? a->mask + base : NULL,
+                    a->x + base, a->p0[m], a->out != NULL ? a->out + base : NULL, &sg, &sgx);
     }
-    a->out0[m] = (float)lanes_total(p);
-    a->out1[m] = (float)lanes_total(q);
+    a->out0[m] = (float)sg;
+    a->out1[m] = (float)sgx;
   }
 }
 
@@ -2254,12 +2261,14 @@ typedef struct c3_args {
   size_t n, c, oc, nv, cl, dl, per_thread, parts;
   size_t nch, groups; /* the weight gradient's chunks of images and groups of chunks */
   const float *x, *w, *dy;
-  float *y, *dw, *scratch; /* y: the output, or dx; dw: the weight gradient's partial sums */
-  unsigned char *ready;    /* per thread: its scratch's zeros written (c3_thread_scratch) */
-  size_t *packed_nb;       /* the weight gradient, per thread: the images of the chunk its scratch
+  float *y, *dw, *scratch;   /* y: the output, or dx; dw: the weight gradient's partial sums */
+  unsigned char *ready;      /* per thread: its scratch's zeros written (c3_thread_scratch) */
+  size_t *packed_nb;         /* the weight gradient, per thread: the images of the chunk its scratch
                         holds (0: none yet), whose zeros the next chunk of as many keeps */
-  double *sums;     /* NULL, or the forward's moments: per image and output channel, s and q */
-  const float *res; /* NULL, or added to the forward's output as it is copied out */
+  double *sums;              /* NULL, or per image and output channel the moments' s and q, or bn's
+                       two gradient sums */
+  const float *res;          /* NULL, or added to the forward's output as it is copied out */
+  const ac_bn_grad_args *bn; /* NULL, or the batch norm the output is the gradient for */
   /* The input gradient (stride 2): per phase of dx, its taps (indices into the kk weights),
    * their offsets into dy's tall layout, and where its packed weights start. */
   size_t dnt[4], dtap[4][4], doff[4][4], dwo[4];
@@ -2415,9 +2424,14 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
         for (size_t y = 0; y < g->h; y++)
           c3_copy_isa(a->isa, plane + y * g->w, out + i * ldo + y * g->wq,
                       rp != NULL ? rp + y * g->w : NULL, g->w);
-        if (a->sums != NULL) { /* the plane just written, from the cache */
-          double *sq = a->sums + 2 * (b * a->oc + ob * 4 + i);
+        double *sq = a->sums != NULL ? a->sums + 2 * (b * a->oc + ob * 4 + i) : NULL;
+        if (sq != NULL) /* the plane just written, from the cache */
           sq[0] = sq[1] = 0.0;
+        if (sq != NULL && a->bn != NULL) { /* masked in place, batch norm's sums */
+          size_t at = (size_t)(plane - a->y);
+          row_grad_sums(a->isa, ohw, plane, a->bn->mask != NULL ? a->bn->mask + at : NULL,
+                        a->bn->x + at, a->bn->center[ob * 4 + i], plane, sq, sq + 1);
+        } else if (sq != NULL) {
           row_moments(a->isa, ohw, plane, sq, sq + 1);
         }
       }
@@ -2553,12 +2567,15 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
 }
 
 /* The phases of a direct conv's slices in the pool's stats, by the loop kind's name: the
- * forward with moments (a ResNet's forward convs), without (its stride-1 input
- * gradients), the stride-2 input gradient and the weight gradient (no copy-out). */
-static const char *const c3_phase_names[5][4] = {
+ * forward with moments (a ResNet's forward convs), without, with a batch norm's gradient
+ * sums (its stride-1 input gradients), the stride-2 input gradient, the weight gradient
+ * (no copy-out) and the forward in the lanes layout. */
+static const char *const c3_phase_names[6][4] = {
     {"c3_fwd_part", "c3_fwd_part:pack", "c3_fwd_part:kernel", "c3_fwd_part:copyout"},
     {"c3_fwd_part.nomoments", "c3_fwd_part.nomoments:pack", "c3_fwd_part.nomoments:kernel",
      "c3_fwd_part.nomoments:copyout"},
+    {"c3_fwd_part.bngrad", "c3_fwd_part.bngrad:pack", "c3_fwd_part.bngrad:kernel",
+     "c3_fwd_part.bngrad:copyout"},
     {"c3_dgrad_part", "c3_dgrad_part:pack", "c3_dgrad_part:kernel", "c3_dgrad_part:scatter"},
     {"c3_wgrad_part", "c3_wgrad_part:pack", "c3_wgrad_part:kernel", NULL},
     {"c3_lanes_part", "c3_lanes_part:pack", "c3_lanes_part:kernel", "c3_lanes_part:copyout"}};
@@ -2584,13 +2601,14 @@ static int c3_lanes_fits(const c3_args *a, const float *moments) {
          a->res == NULL && a->g.h * a->g.w <= C3_LANES_MAX_HW;
 }
 
-/* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input. */
+/* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input; with
+ * moments or (stride 1) a batch norm's gradient sums, bn, made in the copy-out. */
 static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, size_t iw, size_t k,
                       size_t stride, const float *x, const float *wt, const float *res, float *y,
-                      float *moments) {
+                      float *moments, const ac_bn_grad_args *bn) {
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
-  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y, .res = res};
+  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .x = x, .y = y, .res = res, .bn = bn};
   c3_set_shape(&a, ih, iw, k, stride);
   c3_args_isa(be, &a);
   int lanes = c3_lanes_fits(&a, moments);
@@ -2604,30 +2622,36 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
     c3_set_taps(&a, c3_chan_len(&a.g, 1, a.vw));
     a.per_thread = c * a.cl + 4 * a.nv * a.vw;
   }
-  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = moments != NULL ? 4 * n * oc : 0;
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
+  size_t sfloats = moments != NULL || bn != NULL ? 4 * n * oc : 0;
   float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats + C3_READY_FLOATS(parts));
   if (s == NULL) return AC_ENOMEM;
   c3_pack_weights(c, oc, a.kk, wt, s);
   a.w = s;
   a.scratch = s + wfloats;
-  if (moments != NULL) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
+  if (sfloats > 0) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
   memset(a.ready, 0, parts);
-  const char *kind = c3_phases(&a, pool, lanes ? 4 : moments != NULL ? 0 : 1);
+  const char *kind = c3_phases(&a, pool, lanes ? 5 : moments != NULL ? 0 : bn != NULL ? 2 : 1);
   if (lanes)
     pool_run(pool, (n + AC__LANES - 1) / AC__LANES, (double)(n * c * oc * a.g.h * a.g.w),
              c3_lanes_part, &a, kind);
   else
     pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_fwd_part, &a, kind);
-  /* Each channel's sums over the images in image order: ac_channel_moments' order, so the
-   * same bits. */
-  for (size_t o = 0; o < oc && moments != NULL; o++) {
+  /* Each channel's sums over the images in image order: ac_channel_moments' and
+   * ac_channel_grad_sums' order, so the same bits. */
+  for (size_t o = 0; o < oc && a.sums != NULL; o++) {
     double sum = 0.0, sq = 0.0;
     for (size_t b = 0; b < n; b++) {
       sum += a.sums[2 * (b * oc + o)];
       sq += a.sums[2 * (b * oc + o) + 1];
     }
-    moments_finish(sum, sq, (double)(n * a.g.h * a.g.w), moments + o, moments + oc + o);
+    if (moments != NULL) {
+      moments_finish(sum, sq, (double)(n * a.g.h * a.g.w), moments + o, moments + oc + o);
+    } else {
+      bn->sums[o] = (float)sum;
+      bn->sums[oc + o] = (float)sq;
+    }
   }
   return AC_OK;
 }
@@ -2690,7 +2714,7 @@ static int c3_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, si
   a.scratch = s + (a.groups * wn + 15) / 16 * 16;
   a.packed_nb = (size_t *)(void *)(a.scratch + a.parts * a.per_thread);
   memset(a.packed_nb, 0, a.parts * sizeof(size_t));
-  const char *kind = c3_phases(&a, pool, 3);
+  const char *kind = c3_phases(&a, pool, 4);
   pool_run(pool, a.groups, (double)(n * c * oc * a.g.h * a.g.w), c3_wgrad_part, &a, kind);
   c3_group_sums gs = {wn, a.groups, a.dw, dw};
   par_for(pool, ew_blocks(wn), (double)(wn * (a.groups + 2)), c3_group_sum_slice, &gs);
@@ -2702,10 +2726,22 @@ static int cpu_conv3x3(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
                        const float *x, const float *wt, const float *res, float *y,
                        float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, res, y, moments);
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, res, y, moments, NULL);
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)res, (void)y,
       (void)moments;
+  return AC_ENOTSUP;
+#endif
+}
+
+static int cpu_conv3x3_bn_grad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                               const float *x, const float *wt, const float *res, float *y,
+                               const ac_bn_grad_args *bn) {
+#if C3_HAVE_KERNELS
+  return c3_forward(be, n, c, oc, h, w, 3, 1, x, wt, res, y, NULL, bn);
+#else
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)x, (void)wt, (void)res, (void)y,
+      (void)bn;
   return AC_ENOTSUP;
 #endif
 }
@@ -2729,7 +2765,7 @@ static int cpu_conv_s2_ok(ac_backend *be, size_t c, size_t oc, size_t h, size_t 
 static int cpu_conv_s2(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                        const float *x, const float *wt, float *y, float *moments) {
 #if C3_HAVE_KERNELS
-  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, NULL, y, moments);
+  return c3_forward(be, n, c, oc, h, w, k, 2, x, wt, NULL, y, moments, NULL);
 #else
   (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)x, (void)wt, (void)y,
       (void)moments;
@@ -2774,7 +2810,7 @@ static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
   a.scratch = s + wfloats;
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread);
   memset(a.ready, 0, parts);
-  const char *kind = c3_phases(&a, pool, 2);
+  const char *kind = c3_phases(&a, pool, 3);
   pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a, kind);
   return AC_OK;
 #else
@@ -2833,6 +2869,7 @@ static const ac__ops cpu_ops = {
     .conv3x3_ok = cpu_conv3x3_ok,
     .conv3x3 = cpu_conv3x3,
     .conv3x3_wgrad = cpu_conv3x3_wgrad,
+    .conv3x3_bn_grad = cpu_conv3x3_bn_grad,
     .conv_s2_ok = cpu_conv_s2_ok,
     .conv_s2 = cpu_conv_s2,
     .conv_s2_wgrad = cpu_conv_s2_wgrad,

@@ -322,6 +322,16 @@ int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx);
  * residual block's two input-gradient branches summed while the direct stride-1 kernel
  * writes (ac_conv3x3_add), else by one more pass. */
 int ac_conv2d_backward_add(ac_conv2d *l, const float *dy, const float *addend, float *out);
+struct ac_batchnorm;
+/* ac_conv2d_backward (addend NULL; out unused) or ac_conv2d_backward_add (into out) for a
+ * conv whose input was bn's output (through bn's fused ReLU, if any); *dx = the input
+ * gradient. Where the backend's direct stride-1 kernel makes it (ac_conv3x3_bn_grad), it
+ * comes out masked by bn's ReLU and bn's backward sums are made while it is written: bn's
+ * next backward of this *dx (ac_batchnorm_backward_res) uses them and skips its own pass
+ * over it (the parameter gradients and dx the same bits as without). Otherwise, or with bn
+ * NULL, the plain call. bn's forward must have run for this batch. */
+int ac_conv2d_backward_bn(ac_conv2d *l, const float *dy, const float *addend, float *out,
+                          struct ac_batchnorm *bn, const float **dx);
 /* For a batch norm that follows: from now on forward also makes its output's per-channel
  * mean and biased variance where the backend's direct kernels can do it while writing y
  * (ac_conv3x3_moments, ac_conv_s2_moments; no bias), and ac_conv2d_moments hands them out
@@ -351,8 +361,10 @@ typedef struct ac_batchnorm {
   ac_tensor running_mean, running_var;
   const float *x;
   float *y, *dx, *dres, *mean, *rstd, *s1, *s2, *coef;
-  ac_hook hook;    /* curvature hook (see above); zero after init */
-  ac_bn_sync sync; /* sync BN (see above); zero after init */
+  float *gsums;           /* 2 c: backward's sums, made by the conv that wrote gsums_for */
+  const float *gsums_for; /* NULL, or the gradient they are for (ac_conv2d_backward_bn) */
+  ac_hook hook;           /* curvature hook (see above); zero after init */
+  ac_bn_sync sync;        /* sync BN (see above); zero after init */
 } ac_batchnorm;
 
 int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_t c, size_t hw,
@@ -518,6 +530,11 @@ int ac_basicblock_params(ac_basicblock *b, ac_param_list *list);
 int ac_basicblock_forward(ac_basicblock *b, const float *x, size_t batch, ac_mode mode,
                           const float **y);
 int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx);
+/* ac_basicblock_backward for a block whose input x was in_bn's output (through in_bn's
+ * fused ReLU): *dx comes with in_bn's backward sums where conv1's kernel can make them
+ * (ac_conv2d_backward_bn), for in_bn's backward of *dx next. in_bn NULL: the plain call. */
+int ac_basicblock_backward_bn(ac_basicblock *b, const float *dy, ac_batchnorm *in_bn,
+                              const float **dx);
 
 /* ResNet for small images: stem conv 3x3 (in_c -> width[0]) "stem.conv" + bn "stem.bn" +
  * relu; `stages` stages of `blocks` basic blocks "stage<s>.block<i>" (the first block of

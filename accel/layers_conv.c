@@ -184,11 +184,32 @@ fail:
   return rc;
 }
 
+/* The input gradient (to dst, plus addend when not NULL) on the direct stride-1 kernel, with
+ * bn's gradient sums made in its copy-out (ac_conv3x3_bn_grad) where bn follows this conv's
+ * input: returns 1 when they were made (dst then holds the gradient masked by bn's ReLU, and
+ * bn->gsums_for = dst), 0 when the caller is to make dx itself, or an error. */
+static int conv_dx_bn(ac_conv2d *l, const float *dy, const float *addend, float *dst,
+                      ac_batchnorm *bn) {
+  size_t c = l->g.c, h = l->g.h, w = l->g.w;
+  if (bn == NULL || !bn->ready || bn->c != c || bn->hw != h * w || bn->batch != l->batch) return 0;
+  ac_bn_grad_args a = {
+      .mask = bn->relu ? bn->y : NULL,
+      .x = bn->x,
+      .center = bn->mode == AC_MODE_TRAIN ? bn->mean : ac_tensor_f32(&bn->running_mean),
+      .sums = bn->gsums};
+  int rc = ac_conv3x3_bn_grad(l->be, l->batch, l->out_c, c, h, w, dy, l->wflip, addend, dst, &a);
+  if (rc == AC_ENOTSUP) return 0;
+  if (rc != AC_OK) return rc;
+  bn->gsums_for = dst;
+  return 1;
+}
+
 /* Backward; with addend, the input gradient plus addend goes to out instead of l->dx (dx
  * then points at out): made while the direct stride-1 kernel writes it, else one more
- * pass. */
+ * pass. With bn (the batch norm whose output was this conv's input), bn's gradient sums
+ * made in the same copy-out where the kernel can (conv_dx_bn). */
 static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const float *addend,
-                         float *out) {
+                         float *out, ac_batchnorm *bn) {
   if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
   int rc;
   ac_backend *be = l->be;
@@ -207,8 +228,15 @@ static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const 
     AC__TRY(ac_conv3x3_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->x, dy, dw));
   if (direct_w && l->direct_s2)
     AC__TRY(ac_conv_s2_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, l->x, dy, dw));
-  int fused_add = addend != NULL && direct_x && l->direct_dx;
-  if (fused_add)
+  int fused_add = addend != NULL && direct_x && l->direct_dx, fused_bn = 0;
+  if (direct_x && l->direct_dx && bn != NULL) {
+    rc = conv_dx_bn(l, dy, addend, addend != NULL ? out : l->dx, bn);
+    if (rc < 0) goto fail;
+    fused_bn = rc;
+  }
+  if (fused_bn)
+    ; /* made by conv_dx_bn */
+  else if (fused_add)
     AC__TRY(ac_conv3x3_add(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, addend, out));
   else if (direct_x && l->direct_dx)
     AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
@@ -269,13 +297,19 @@ fail:
 }
 
 int ac_conv2d_backward(ac_conv2d *l, const float *dy, const float **dx) {
-  return conv_backward(l, dy, dx, NULL, NULL);
+  return conv_backward(l, dy, dx, NULL, NULL, NULL);
 }
 
 int ac_conv2d_backward_add(ac_conv2d *l, const float *dy, const float *addend, float *out) {
   const float *dx;
   if (addend == NULL || out == NULL) return AC_EINVAL;
-  return conv_backward(l, dy, &dx, addend, out);
+  return conv_backward(l, dy, &dx, addend, out, NULL);
+}
+
+int ac_conv2d_backward_bn(ac_conv2d *l, const float *dy, const float *addend, float *out,
+                          ac_batchnorm *bn, const float **dx) {
+  if (dx == NULL || (addend != NULL && out == NULL)) return AC_EINVAL;
+  return conv_backward(l, dy, dx, addend, out, bn);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -308,6 +342,7 @@ int ac_batchnorm_init(ac_batchnorm *l, ac_backend *be, const char *prefix, size_
   AC__TRY(ac__layer_alloc(be, c, &l->s1));
   AC__TRY(ac__layer_alloc(be, c, &l->s2));
   AC__TRY(ac__layer_alloc(be, 3 * c, &l->coef));
+  AC__TRY(ac__layer_alloc(be, 2 * c, &l->gsums));
   return AC_OK;
 fail:
   ac_batchnorm_destroy(l);
@@ -320,7 +355,8 @@ void ac_batchnorm_destroy(ac_batchnorm *l) {
   ac_param_destroy(&l->bias);
   ac_tensor_destroy(&l->running_mean);
   ac_tensor_destroy(&l->running_var);
-  float **bufs[] = {&l->y, &l->dx, &l->dres, &l->mean, &l->rstd, &l->s1, &l->s2, &l->coef};
+  float **bufs[] = {&l->y,  &l->dx, &l->dres, &l->mean, &l->rstd,
+                    &l->s1, &l->s2, &l->coef, &l->gsums};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ac__layer_free(l->be, bufs[i]);
   memset(l, 0, sizeof *l);
 }
@@ -420,6 +456,7 @@ int ac_batchnorm_forward_moments(ac_batchnorm *l, const float *x, const float *r
   l->batch = batch;
   l->mode = mode;
   l->ready = 1;
+  l->gsums_for = NULL;
   *y = l->y;
   return AC_OK;
 fail:
@@ -435,7 +472,9 @@ int ac_batchnorm_forward(ac_batchnorm *l, const float *x, size_t batch, ac_mode 
  * (x - mean) rstd and k = gamma rstd: dbeta += sum g, dgamma += sum g xhat and, in training
  * mode, dx = k (g - mean(g) - xhat mean(g xhat)) = A g + B x + C per channel with A = k,
  * B = -k rstd mean(g xhat), C = -k mean(g) - B mean (in eval mode the statistics are
- * constants: dx = k g). One pass for the sums, one for dx. */
+ * constants: dx = k g). One pass for the sums, one for dx; where the conv that made dy made
+ * the sums too (ac_conv2d_backward_bn: gsums_for is dy, which comes masked), the dx pass
+ * alone. */
 int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx,
                               const float **dres) {
   if (l->be == NULL || !l->ready || dy == NULL) return AC_EINVAL;
@@ -444,9 +483,12 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
   size_t n = l->batch, c = l->c, hw = l->hw, m = n * hw;
   float inv_m = 1.0f / (float)m;
   int train = l->mode == AC_MODE_TRAIN;
-  const float *mask = l->relu ? l->y : NULL;
+  const float *relu_y = l->relu ? l->y : NULL;
+  int summed = l->gsums_for != NULL && l->gsums_for == dy;
+  const float *mask = summed ? NULL : relu_y; /* a summed dy is masked already */
   const float *center = train ? l->mean : ac_tensor_f32(&l->running_mean);
-  float *sum_g = l->s1, *sum_gx = l->s2;
+  float *sum_g = summed ? l->gsums : l->s1, *sum_gx = summed ? l->gsums + c : l->s2;
+  l->gsums_for = NULL;
   float *ca = l->coef, *cb = l->coef + c, *cc = l->coef + 2 * c;
   /* With a fused ReLU and the residual's gradient asked for, g is written once and both
    * the residual and the dx pass read it unmasked. */
@@ -461,11 +503,12 @@ int ac_batchnorm_backward_res(ac_batchnorm *l, const float *dy, const float **dx
                       .out = c,
                       .npos = hw,
                       .g = dy,
-                      .relu_y = mask,
+                      .relu_y = relu_y,
                       .bn = l};
     AC__TRY(l->hook.fn(l->hook.ctx, &v));
   }
-  AC__TRY(ac_channel_grad_sums(be, n, c, hw, dy, mask, l->x, center, gout, sum_g, sum_gx));
+  if (!summed)
+    AC__TRY(ac_channel_grad_sums(be, n, c, hw, dy, mask, l->x, center, gout, sum_g, sum_gx));
   AC__TRY(ac_axpby(be, c, 1.0f, sum_g, 1.0f, ac_tensor_f32(&l->bias.grad),
                    ac_tensor_f32(&l->bias.grad)));
   AC__TRY(ac_binary(be, AC_BIN_MUL, c, l->rstd, sum_gx, cc)); /* sum g xhat */

@@ -408,19 +408,25 @@ fail:
 }
 
 int ac_basicblock_backward(ac_basicblock *b, const float *dy, const float **dx) {
+  return ac_basicblock_backward_bn(b, dy, NULL, dx);
+}
+
+/* Each input gradient of a stride-1 conv comes with the sums of the batch norm before it
+ * (ac_conv2d_backward_bn): conv2's with bn1's, conv1's with in_bn's. */
+int ac_basicblock_backward_bn(ac_basicblock *b, const float *dy, ac_batchnorm *in_bn,
+                              const float **dx) {
   if (b->be == NULL || !b->ready || dy == NULL) return AC_EINVAL;
   int rc;
   const float *gm, *gs;
   AC__TRY(ac_batchnorm_backward_res(&b->bn2, dy, &gm, &gs));
-  AC__TRY(ac_conv2d_backward(&b->conv2, gm, &gm));
+  AC__TRY(ac_conv2d_backward_bn(&b->conv2, gm, NULL, NULL, &b->bn1, &gm));
   AC__TRY(ac_batchnorm_backward(&b->bn1, gm, &gm));
   if (b->has_short) { /* first: conv1's input gradient adds the shortcut's as it is made */
     AC__TRY(ac_batchnorm_backward(&b->sbn, gs, &gs));
     AC__TRY(ac_conv2d_backward(&b->sconv, gs, dx != NULL ? &gs : NULL));
   }
   if (dx != NULL) {
-    AC__TRY(ac_conv2d_backward_add(&b->conv1, gm, gs, b->dx));
-    *dx = b->dx;
+    AC__TRY(ac_conv2d_backward_bn(&b->conv1, gm, gs, b->dx, in_bn, dx));
   } else {
     AC__TRY(ac_conv2d_backward(&b->conv1, gm, NULL));
   }
@@ -587,7 +593,9 @@ int ac_resnet_backward(ac_resnet *m) {
   AC__TRY(ac_celoss_backward(&m->xent, &g));
   AC__TRY(ac_linear_backward(&m->fc, g, &g));
   AC__TRY(ac_gap_backward(&m->gap, g, &g));
-  for (size_t i = m->nblocks; i-- > 0;) AC__TRY(ac_basicblock_backward(&m->blocks[i], g, &g));
+  for (size_t i = m->nblocks; i-- > 0;) /* the batch norm before the block: its input's */
+    AC__TRY(ac_basicblock_backward_bn(&m->blocks[i], g, i > 0 ? &m->blocks[i - 1].bn2 : &m->stem_bn,
+                                      &g));
   AC__TRY(ac_batchnorm_backward(&m->stem_bn, g, &g));
   AC__TRY(ac_conv2d_backward(&m->stem, g, NULL)); /* the images need no gradient */
   return AC_OK;

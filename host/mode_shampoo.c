@@ -203,28 +203,95 @@ static void shampoo_fold_bounded(const void *opts, const pd_block *u, float *con
           0x80000000u);
 }
 
-/* The fold into out with both checks in its one pass (pd_mode.fold_into). Only when some
- * result is at or above 2^126 (rare: huge statistics, or a bad push) are the results looked
- * at again, in the daemon's own memory: all finite admits them (not bounded); else the
- * increment is looked at again to say which refusal it is, an increment's NaN or Inf or an
- * overflow (a client changing its slot meanwhile can only change that message). The
- * overflow test is exact here (the float result itself is Inf), where fold_fits, computing
- * in double, keeps a margin of 2^-20. */
-static int shampoo_fold_into(const void *opts, const pd_block *u, const float *const *state,
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define SHAMPOO_KEEP 1
+/* Part k's fold in place with its old values streamed to old (both 64-byte aligned, not
+ * overlapping each other or x): the same expressions as shampoo_fold_part, bit for bit
+ * (separate multiply and add, no FMA), each x[i] loaded once; returns its OR of
+ * rpc_f32_big. Why: folding into a spare reads the spare's lines before writing them (a
+ * read for ownership of 2 MB per factor); folding in place writes lines it has just read,
+ * and the copy that keeps the fold undoable goes to memory by streaming stores, read only
+ * when a push is refused. The sfence orders the streamed copy before the lock's release. */
+__attribute__((target("avx512f"))) static uint32_t shampoo_fold_keep(size_t len, float *s,
+                                                                     const float *x, float *old,
+                                                                     float beta2) {
+  const __m512i expo = _mm512_set1_epi32(0x7f800000), carry = _mm512_set1_epi32(0x01800000);
+  __m512i big = _mm512_setzero_si512();
+  size_t i = 0;
+  if (beta2 == 1) {
+    for (; i + 16 <= len; i += 16) {
+      __m512 sv = _mm512_load_ps(s + i);
+      _mm512_stream_ps(old + i, sv);
+      __m512 y = _mm512_add_ps(sv, _mm512_loadu_ps(x + i));
+      big = _mm512_or_si512(big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
+      _mm512_store_ps(s + i, y);
+    }
+  } else {
+    const __m512 b = _mm512_set1_ps(beta2), w = _mm512_set1_ps(1 - beta2);
+    for (; i + 16 <= len; i += 16) {
+      __m512 sv = _mm512_load_ps(s + i);
+      _mm512_stream_ps(old + i, sv);
+      __m512 y = _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
+      big = _mm512_or_si512(big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
+      _mm512_store_ps(s + i, y);
+    }
+  }
+  _mm_sfence();
+  uint32_t r = (uint32_t)_mm512_reduce_or_epi32(big);
+  for (; i < len; i++) {
+    old[i] = s[i];
+    r |= shampoo_fold_part(1, &s[i], &x[i], &s[i], beta2);
+  }
+  return r;
+}
+
+/* Whether part buffers s and o can take shampoo_fold_keep here. */
+static int shampoo_keeps(const float *s, const float *o) {
+  return (((uintptr_t)s | (uintptr_t)o) & 63) == 0 && __builtin_cpu_supports("avx512f");
+}
+#else
+#define SHAMPOO_KEEP 0
+#endif
+
+/* The fold with both checks in its one pass (pd_mode.fold_into): in place, the old values
+ * to out, where the buffers are aligned for streaming stores and the CPU has AVX-512F
+ * (precondd's own spares are, pd_shm_spare_take; a statistic from elsewhere moves into one
+ * at its first such push), else into out. Only when some result is at or above 2^126 (rare:
+ * huge statistics, or a bad push) are the results looked at again, in the daemon's own
+ * memory: all finite admits them (not bounded); else the increment is looked at again to say
+ * which refusal it is, an increment's NaN or Inf or an overflow (a client changing its slot
+ * meanwhile can only change that message). The overflow test is exact here (the float result
+ * itself is Inf), where fold_fits, computing in double, keeps a margin of 2^-20. */
+static int shampoo_fold_into(const void *opts, const pd_block *u, float *const *state,
                              const float *const *inc, float *const *out, uint8_t *bounded,
-                             uint32_t *part) {
+                             uint8_t *in_place, uint32_t *part) {
   const float beta2 = ((const pd_shampoo_opts *)opts)->beta2;
-  uint32_t over_part = UINT32_MAX;
+  uint32_t over_part = UINT32_MAX, bad_part = UINT32_MAX;
   for (uint32_t k = 0; k < u->nparts; k++) {
     size_t len = pc_packed_len(u->order[k]);
-    uint32_t big = shampoo_fold_part(len, state[k], inc[k], out[k], beta2);
+    uint32_t big;
+#if SHAMPOO_KEEP
+    in_place[k] = (uint8_t)shampoo_keeps(state[k], out[k]);
+    if (in_place[k])
+      big = shampoo_fold_keep(len, state[k], inc[k], out[k], beta2);
+    else
+#else
+    in_place[k] = 0;
+#endif
+      big = shampoo_fold_part(len, state[k], inc[k], out[k], beta2);
     bounded[k] = !(big & 0x80000000u);
-    if (bounded[k] || rpc_f32_scan(len, out[k]) != RPC_F32_BAD) continue;
+    if (bounded[k] || rpc_f32_scan(len, in_place[k] ? state[k] : out[k]) != RPC_F32_BAD)
+      continue;
     if (rpc_f32_scan(len, inc[k]) == RPC_F32_BAD) {
-      *part = k;
-      return PD_FOLD_NONFINITE;
+      if (bad_part == UINT32_MAX) bad_part = k;
+    } else if (over_part == UINT32_MAX) {
+      over_part = k;
     }
-    if (over_part == UINT32_MAX) over_part = k;
+  }
+  if (bad_part != UINT32_MAX) {
+    *part = bad_part;
+    return PD_FOLD_NONFINITE;
   }
   if (over_part != UINT32_MAX) {
     *part = over_part;

@@ -328,13 +328,18 @@ typedef struct {
                        const float *const *inc, uint8_t *bounded);
   /* Optional (NULL: fold_fits and fold): the checks and the fold of one unit in one pass
    * that reads each increment value once (they may lie in a client's memory, which can
-   * change meanwhile: what is checked is what is folded), writing the folded state to out
-   * (state unchanged; out[k] is fold's part k bit for bit). Returns PD_FOLD_OK with
-   * bounded[k] as fold_bounded sets it; PD_FOLD_NONFINITE with *part the first increment
-   * part holding a NaN or Inf; PD_FOLD_OVERFLOW with *part the first part whose fold would
-   * hold an Inf. */
-  int (*fold_into)(const void *opts, const pd_block *u, const float *const *state,
-                   const float *const *inc, float *const *out, uint8_t *bounded, uint32_t *part);
+   * change meanwhile: what is checked is what is folded). Per part k, one of two ways, told
+   * by in_place[k]: 0, the folded state is written to out[k] (state[k] unchanged; out[k] is
+   * fold's part k bit for bit); 1, state[k] is folded in place (fold's part k bit for bit)
+   * and its values before the fold are written to out[k], bit for bit, so that swapping
+   * state[k] and out[k] undoes the fold. Either way the caller keeps the result by a swap
+   * of state[k] and out[k] where in_place[k] is 0, and drops it by a swap where it is 1.
+   * Returns PD_FOLD_OK with bounded[k] as fold_bounded sets it; PD_FOLD_NONFINITE with
+   * *part the first increment part holding a NaN or Inf; PD_FOLD_OVERFLOW with *part the
+   * first part whose fold would hold an Inf (in_place[] set in every case). */
+  int (*fold_into)(const void *opts, const pd_block *u, float *const *state,
+                   const float *const *inc, float *const *out, uint8_t *bounded,
+                   uint8_t *in_place, uint32_t *part);
   /* Computes a unit's result from a private copy of its state into out (parts of the
    * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state,
    * which the mode may allocate and keep (reporting its bytes in info->state_bytes), or
@@ -622,12 +627,14 @@ typedef struct {
 
 /* pd_job_push for a job whose mode has fold_into (pd_job_push otherwise), all or nothing,
  * reading each increment value once: per block, under every block's lock, the checks and the
- * fold into out[PD_MAX_PARTS * i + k] (pc_packed_len(order) floats each, the caller's, not
- * aliasing anything); then intact(ctx) (NULL: none) is asked whether the increments' memory
- * stayed as read, and only if every block passed are the folded statistics swapped in: on
- * PD_OK out[] holds the statistics they replaced (the caller's now). PD_EINVAL with *refusal
- * (NaN or Inf first, then overflow, in block order; out[] unchanged and nothing stored), a
- * refusal of intact's, or PD_ENOMEM. Staleness as in pd_block_update. */
+ * fold (pd_mode.fold_into: into out[PD_MAX_PARTS * i + k], or in place with the statistic's
+ * old values copied there; pc_packed_len(order) floats each, the caller's, not aliasing
+ * anything); then intact(ctx) (NULL: none) is asked whether the increments' memory stayed as
+ * read, and only if every block passed are the folded statistics kept, else every block's
+ * statistics are as before. Either way out[] then holds buffers of the same sizes, the
+ * caller's (their values unspecified). PD_EINVAL with *refusal (NaN or Inf first, then
+ * overflow, in block order; nothing stored), a refusal of intact's, or PD_ENOMEM. Staleness
+ * as in pd_block_update. */
 int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
                      float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
                      void *ctx, pd_push_refusal *refusal);
@@ -1033,14 +1040,14 @@ int pd_shm_ref_in(const pd_shm_in *in, uint64_t offset, uint64_t length, size_t 
 /* 1 when the bytes of push reference (offset, seq) were the client's as sent all along
  * (rpc_shm_push_intact: its ring did not wrap over them meanwhile); call after reading. */
 int pd_shm_intact(const pd_shm_in *in, uint64_t offset, uint64_t seq);
-/* With the push lock held (pd_shm_in_hold): a buffer of count floats for a statistic a push
- * folds into (pd_job_push_into), from the session's spares (statistics earlier pushes
- * replaced) or malloc'd within the budget; NULL when neither can be had. Owned by the caller
- * until given back. */
+/* With the push lock held (pd_shm_in_hold): a buffer of count floats, 64-byte aligned, for a
+ * statistic a push folds into (pd_job_push_into), from the session's spares (statistics
+ * earlier pushes replaced) or allocated within the budget; NULL when neither can be had.
+ * Owned by the caller until given back. */
 float *pd_shm_spare_take(pd_shm *r, pd_shm_in *in, size_t count);
 /* Gives back a buffer of count floats that pd_shm_spare_take handed out, or one of the same
- * size (the statistic it replaced): kept for the next push, or freed when the spares hold
- * the client's half's worth already. */
+ * size (the statistic it replaced): kept for the next push, or freed when it is not 64-byte
+ * aligned or the spares hold the client's half's worth already. */
 void pd_shm_spare_give(pd_shm *r, pd_shm_in *in, float *buf, size_t count);
 /* A matrix the client wrote: [offset, offset + length) must lie in the region's first half
  * and length be expect bytes. crc: the CRC-32C the copy must have (a checked reference), or

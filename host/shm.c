@@ -30,6 +30,8 @@
 #include "rpc.h"
 
 #define PD_SHM_ATTACH_S 10.0
+/* The spares' alignment: a cache line, what 512-bit streaming stores need. */
+#define PD_SHM_SPARE_ALIGN 64
 
 struct pd_shm_session {
   uint64_t id;
@@ -585,7 +587,10 @@ float *pd_shm_spare_take(pd_shm *r, pd_shm_in *in, size_t count) {
   }
   size_t bytes = count * sizeof(float);
   if (!in->held || count == 0 || pd_store_reserve_extra(r->store, bytes) != PD_OK) return NULL;
-  float *buf = malloc(bytes);
+  /* Aligned for the fold's streaming stores (pd_mode.fold_into folds in place into an
+   * aligned statistic, its old values streamed to an aligned spare). */
+  float *buf = aligned_alloc(PD_SHM_SPARE_ALIGN, (bytes + PD_SHM_SPARE_ALIGN - 1) /
+                                                     PD_SHM_SPARE_ALIGN * PD_SHM_SPARE_ALIGN);
   if (!buf) {
     pd_store_release_extra(r->store, bytes);
     return NULL;
@@ -600,8 +605,9 @@ void pd_shm_spare_give(pd_shm *r, pd_shm_in *in, float *buf, size_t count) {
   size_t bytes = count * sizeof(float);
   if (!buf) return;
   /* Kept while the spares are at most the client's half: no push read in place needs more
-   * (its matrices lie in that half). */
-  if (s->spare_kept + bytes <= s->bytes / 2) {
+   * (its matrices lie in that half); and only aligned ones (a statistic allocated elsewhere
+   * that a fold swapped out is let go, so the block's statistics end up in aligned ones). */
+  if (s->spare_kept + bytes <= s->bytes / 2 && (uintptr_t)buf % PD_SHM_SPARE_ALIGN == 0) {
     if (s->nspare == s->spare_slots) {
       size_t slots = s->spare_slots ? 2 * s->spare_slots : 8;
       float **sp = realloc(s->spare, slots * sizeof *sp);

@@ -697,9 +697,11 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
   pd__by_id *order = NULL;
   uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
   uint8_t *bounded = malloc((n ? n : 1) * PD_MAX_PARTS);
-  if (!ages || !bounded || pd__lock_all(n, blocks, &order) != PD_OK) {
+  uint8_t *in_place = malloc((n ? n : 1) * PD_MAX_PARTS);
+  if (!ages || !bounded || !in_place || pd__lock_all(n, blocks, &order) != PD_OK) {
     free(ages);
     free(bounded);
+    free(in_place);
     return PD_ENOMEM;
   }
   /* Every block is folded even after a refusal: a NaN or Inf is reported before an overflow
@@ -708,9 +710,9 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
   pd_push_refusal found[PD_FOLD_OVERFLOW + 1];
   for (size_t i = 0; i < n; i++) {
     uint32_t part = 0;
-    int why = mode->fold_into(job->opts, blocks[i], (const float *const *)blocks[i]->stat,
-                              &inc[PD_MAX_PARTS * i], &out[PD_MAX_PARTS * i],
-                              &bounded[PD_MAX_PARTS * i], &part);
+    int why = mode->fold_into(job->opts, blocks[i], blocks[i]->stat, &inc[PD_MAX_PARTS * i],
+                              &out[PD_MAX_PARTS * i], &bounded[PD_MAX_PARTS * i],
+                              &in_place[PD_MAX_PARTS * i], &part);
     if (why != PD_FOLD_OK && !first[why]) {
       first[why] = 1;
       found[why] = (pd_push_refusal){i, part, why};
@@ -724,21 +726,27 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
     *refusal = (pd_push_refusal){0, 0, PD_FOLD_CHANGED};
     rc = PD_EINVAL;
   }
+  /* Kept: a part folded into out swaps in; dropped: a part folded in place swaps its old
+   * values back (pd_mode.fold_into). */
   size_t nages = 0;
-  for (size_t i = 0; i < n && rc == PD_OK; i++) {
+  for (size_t i = 0; i < n; i++) {
     pd_block *b = blocks[i];
     for (uint32_t k = 0; k < b->nparts; k++) {
-      float *old = b->stat[k];
-      b->stat[k] = out[PD_MAX_PARTS * i + k];
-      out[PD_MAX_PARTS * i + k] = old;
-      b->stat_bounded[k] = bounded[PD_MAX_PARTS * i + k];
+      size_t at = PD_MAX_PARTS * i + k;
+      if ((rc == PD_OK) == !in_place[at]) {
+        float *old = b->stat[k];
+        b->stat[k] = out[at];
+        out[at] = old;
+      }
+      if (rc == PD_OK) b->stat_bounded[k] = bounded[at];
     }
-    nages += (size_t)pd__pushed_locked(b, step, &ages[nages]);
+    if (rc == PD_OK) nages += (size_t)pd__pushed_locked(b, step, &ages[nages]);
   }
   pd__unlock_all(n, blocks, order);
   for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
   free(ages);
   free(bounded);
+  free(in_place);
   return rc;
 }
 

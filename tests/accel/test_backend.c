@@ -1695,6 +1695,124 @@ static void test_cpu_conv3x3_bitwise(void **state) {
   for (size_t i = 0; i < sizeof conv_isas / sizeof conv_isas[0]; i++) conv3x3_bitwise(conv_isas[i]);
 }
 
+/* ac_conv3x3_bn_grad: the input gradient of a stride-1 conv with the batch norm's backward
+ * sums made in its copy-out. On every direct variant and 1 and 2 threads it must give the
+ * bits of the two-pass recipe (ac_conv3x3 or ac_conv3x3_add, then ac_channel_grad_sums
+ * with gout over the result): y masked, the sums; with and without a residual (also in
+ * place, res == y) and a mask; planes shorter than a vector (7x7, 1x1, a row of 9), and a
+ * 28x28 one. And the sums are the sums: against double loops over the masked gradient. */
+static void test_cpu_conv3x3_bn_grad(void **state) {
+  (void)state;
+  const size_t shapes[][5] = {
+      {3, 8, 4, 7, 9}, {5, 16, 16, 7, 7}, {2, 4, 8, 28, 28}, {3, 4, 4, 1, 1}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    size_t n = shapes[si][0], c = shapes[si][1], oc = shapes[si][2], h = shapes[si][3];
+    size_t w = shapes[si][4], hw = h * w, nx = n * c * hw, ny = n * oc * hw, nw = oc * c * 9;
+    float *hx = host_rand(nx), *hwt = host_rand(nw), *hres = host_rand(ny);
+    float *hmask = host_rand(ny), *hbx = host_rand(ny), *hc = host_rand(oc);
+    for (size_t i = 0; i < ny; i++) {
+      hmask[i] -= 0.3f; /* about a third masked out, some exactly 0 (masked) */
+      if (i % 11 == 0) hmask[i] = 0.0f;
+      hbx[i] = 3.0f * hbx[i] + 2.0f;
+    }
+    for (size_t v = 1; v < sizeof conv_isas / sizeof conv_isas[0]; v++) {
+      ac_backend *be[2] = {NULL, NULL};
+      cpu_pair_isa(be, conv_isas[v]);
+      if (!ac_conv3x3_supported(be[0], c, oc)) {
+        print_message("conv3x3_bn_grad: no direct kernels on %s\n", ac_backend_describe(be[0]));
+        ac_backend_destroy(be[0]);
+        ac_backend_destroy(be[1]);
+        continue;
+      }
+      float *first = NULL;
+      for (int t = 0; t < 2; t++) {
+        ac_backend *b = be[t];
+        float *x = dev_up(b, hx, nx), *wt = dev_up(b, hwt, nw), *res = dev_up(b, hres, ny);
+        float *mask = dev_up(b, hmask, ny), *bx = dev_up(b, hbx, ny), *cen = dev_up(b, hc, oc);
+        /* per case: fused y, fused sums, two-pass y, two-pass sums */
+        const size_t per = 2 * ny + 4 * oc, ncase = 4;
+        float *r = dev_alloc(b, ncase * per * sizeof(float)),
+              *tmp = dev_alloc(b, ny * sizeof(float));
+        for (size_t k = 0; k < ncase; k++) {
+          int with_res = k & 1, with_mask = (k >> 1) & 1;
+          float *fy = r + k * per, *fs = fy + ny, *uy = fs + 2 * oc, *us = uy + ny;
+          const float *rs = with_res ? res : NULL, *mk = with_mask ? mask : NULL;
+          ac_bn_grad_args a = {.mask = mk, .x = bx, .center = cen, .sums = fs};
+          OK(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, rs, fy, &a));
+          if (with_res)
+            OK(ac_conv3x3_add(b, n, c, oc, h, w, x, wt, res, tmp));
+          else
+            OK(ac_conv3x3(b, n, c, oc, h, w, x, wt, tmp));
+          OK(ac_channel_grad_sums(b, n, oc, hw, tmp, mk, bx, cen, uy, us, us + oc));
+        }
+        /* in place over the residual: the bits of case 3 (residual and mask) */
+        float *ip = dev_up(b, hres, ny), *ips = dev_alloc(b, 2 * oc * sizeof(float));
+        ac_bn_grad_args a = {.mask = mask, .x = bx, .center = cen, .sums = ips};
+        OK(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, ip, ip, &a));
+        float *got = dev_down(b, r, ncase * per), *gip = dev_down(b, ip, ny);
+        float *gips = dev_down(b, ips, 2 * oc);
+        for (size_t k = 0; k < ncase; k++) /* fused == two-pass, to the bit */
+          assert_memory_equal(got + k * per, got + k * per + ny + 2 * oc,
+                              (ny + 2 * oc) * sizeof(float));
+        assert_memory_equal(gip, got + 3 * per, ny * sizeof(float));
+        assert_memory_equal(gips, got + 3 * per + ny, 2 * oc * sizeof(float));
+        /* bad arguments: the sums over y, no batch norm, x and y the same */
+        a.sums = ip;
+        assert_int_equal(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, NULL, ip, &a), AC_EINVAL);
+        assert_int_equal(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, NULL, ip, NULL), AC_EINVAL);
+        a.sums = ips;
+        a.x = ip;
+        assert_int_equal(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, NULL, ip, &a), AC_EINVAL);
+        if (t == 0 && v == 1) { /* the sums against double loops over the masked y */
+          for (size_t k = 0; k < ncase; k++) {
+            const float *gy = got + k * per, *gs = gy + ny;
+            for (size_t o = 0; o < oc; o++) {
+              double sg = 0.0, sgx = 0.0, mag = 0.0;
+              for (size_t bb = 0; bb < n; bb++)
+                for (size_t i = 0; i < hw; i++) {
+                  size_t at = (bb * oc + o) * hw + i;
+                  if ((k >> 1) & 1) assert_true(hmask[at] > 0.0f || gy[at] == 0.0f);
+                  sg += gy[at];
+                  sgx += (double)gy[at] * ((double)hbx[at] - hc[o]);
+                  mag += fabs((double)gy[at] * ((double)hbx[at] - hc[o]));
+                }
+              assert_true(fabs(gs[o] - sg) <= 1e-5 * (1.0 + mag));
+              assert_true(fabs(gs[oc + o] - sgx) <= 1e-5 * (1.0 + mag));
+            }
+          }
+        }
+        if (first == NULL) {
+          first = got;
+        } else { /* 2 threads: the bits of 1 */
+          assert_memory_equal(first, got, ncase * per * sizeof(float));
+          free(got);
+        }
+        free(gip);
+        free(gips);
+        ac_free(b, x);
+        ac_free(b, wt);
+        ac_free(b, res);
+        ac_free(b, mask);
+        ac_free(b, bx);
+        ac_free(b, cen);
+        ac_free(b, r);
+        ac_free(b, tmp);
+        ac_free(b, ip);
+        ac_free(b, ips);
+      }
+      free(first);
+      ac_backend_destroy(be[0]);
+      ac_backend_destroy(be[1]);
+    }
+    free(hx);
+    free(hwt);
+    free(hres);
+    free(hmask);
+    free(hbx);
+    free(hc);
+  }
+}
+
 static void test_conv_im2col(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom g = geom(2, 3, 9, 7, 3, 2, 2, 1, 1, 1);
@@ -1843,6 +1961,8 @@ static void conv3x3_against_loops(ac_backend *be) {
   if (!ac_conv3x3_supported(be, 4, 4)) {
     float z[3] = {0, 0, 0};
     assert_int_equal(ac_conv3x3(be, 1, 4, 4, 1, 1, z, z + 1, z + 2), AC_ENOTSUP);
+    ac_bn_grad_args a = {.mask = NULL, .x = z, .center = z, .sums = z + 1};
+    assert_int_equal(ac_conv3x3_bn_grad(be, 1, 4, 4, 1, 1, z, z, NULL, z + 2, &a), AC_ENOTSUP);
     print_message("conv3x3: no direct kernels on %s\n", ac_backend_describe(be));
     return;
   }
@@ -2699,6 +2819,7 @@ int main(void) {
                                          cmocka_unit_test(test_cpu_pool_elementwise),
                                          cmocka_unit_test(test_cpu_channel_sums_isa),
                                          cmocka_unit_test(test_cpu_conv3x3_bitwise),
+                                         cmocka_unit_test(test_cpu_conv3x3_bn_grad),
                                          cmocka_unit_test(test_cpu_conv3x3_lanes),
                                          cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};

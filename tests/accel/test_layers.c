@@ -1366,6 +1366,107 @@ static void test_conv_bn_moments(void **state) {
   }
 }
 
+/* Bits of n floats at device a and b equal. */
+static void expect_same_dev(ac_backend *be, const float *a, const float *b, size_t n) {
+  float *ha = dev_download(be, a, n), *hb = dev_download(be, b, n);
+  assert_memory_equal(ha, hb, n * sizeof(float));
+  free(ha);
+  free(hb);
+}
+
+/* ac_conv2d_backward_bn: a conv whose input was a batch norm's output (with its fused ReLU
+ * and a residual, as a ResNet block's bn2) hands its input gradient to that batch norm with
+ * the backward sums made (the direct stride-1 kernel: ac_conv3x3_bn_grad) or, elsewhere,
+ * plainly. Either way batch norm's backward then gives the bits of the unfused pair
+ * (ac_conv2d_backward or _add, then ac_batchnorm_backward_res): dx, the residual's
+ * gradient, dgamma and dbeta; in train and eval mode, with and without an addend. The sums
+ * are used only for the gradient they were made for: a copy of it at another address gets
+ * batch norm's own pass (and the same bits). */
+static void test_conv_bn_grad(void **state) {
+  ac_backend *be = backend(state);
+  const size_t cfgs[][3] = {{3, 1, 1}, {3, 2, 1}, {1, 2, 0}}; /* k, stride, pad */
+  for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++) {
+    size_t k = cfgs[ci][0], st = cfgs[ci][1], pad = cfgs[ci][2], n = 3, c = 8, h = 7;
+    size_t nx = n * c * h * h;
+    ac_conv2d cv;
+    ac_batchnorm bn[2];
+    OK(ac_conv2d_init(&cv, be, "c", c, c, h, h, k, st, pad, 0, n, 0, NULL, 7));
+    size_t ny = n * c * cv.oh * cv.ow;
+    for (int i = 0; i < 2; i++) {
+      OK(ac_batchnorm_init(&bn[i], be, "bn", c, h * h, 1e-5f, 0.1f, n));
+      OK(ac_batchnorm_fuse_relu(&bn[i]));
+    }
+    double *hz = dalloc(nx), *hr = dalloc(nx), *ha = dalloc(nx), *hdy = dalloc(ny);
+    for (size_t i = 0; i < nx; i++) {
+      hz[i] = 2.0 * frand() - 0.3;
+      hr[i] = frand() - 0.5;
+      ha[i] = frand() - 0.5;
+    }
+    for (size_t i = 0; i < ny; i++) hdy[i] = frand() - 0.5;
+    float *z = dev_upload(be, hz, nx), *r = dev_upload(be, hr, nx), *add = dev_upload(be, ha, nx);
+    float *dy = dev_upload(be, hdy, ny), *out[2] = {NULL, NULL}, *cp = NULL;
+    OK(ac_malloc(be, nx * sizeof(float), (void **)&out[0]));
+    OK(ac_malloc(be, nx * sizeof(float), (void **)&out[1]));
+    OK(ac_malloc(be, nx * sizeof(float), (void **)&cp));
+    for (int mode = 0; mode < 2; mode++)
+      for (int with_add = 0; with_add < 2; with_add++) {
+        ac_mode m = mode == 0 ? AC_MODE_TRAIN : AC_MODE_EVAL;
+        const float *y[2], *cy, *g[2], *dx[2], *dres[2];
+        for (int i = 0; i < 2; i++) {
+          OK(ac_batchnorm_forward_res(&bn[i], z, r, n, m, &y[i]));
+          for (int p = 0; p < 2; p++) {
+            ac_param *pp = p == 0 ? &bn[i].weight : &bn[i].bias;
+            OK(ac_fill_f32(be, c, ac_tensor_f32(&pp->grad), 0.0f));
+          }
+        }
+        OK(ac_conv2d_forward(&cv, y[0], n, &cy));
+        const float *addend = with_add ? add : NULL;
+        if (with_add) { /* unfused first: without an addend both write the layer's dx */
+          OK(ac_conv2d_backward_add(&cv, dy, addend, out[1]));
+        } else {
+          OK(ac_conv2d_backward(&cv, dy, &g[1]));
+          OK(ac_memcpy_d2d(be, out[1], g[1], nx * sizeof(float)));
+        }
+        g[1] = out[1];
+        OK(ac_conv2d_backward_bn(&cv, dy, addend, out[0], &bn[0], &g[0]));
+        int fused = bn[0].gsums_for == g[0];
+        assert_int_equal(fused, st == 1 && ac_conv3x3_supported(be, c, c));
+        for (int i = 0; i < 2; i++) OK(ac_batchnorm_backward_res(&bn[i], g[i], &dx[i], &dres[i]));
+        assert_null(bn[0].gsums_for); /* used once */
+        expect_same_dev(be, dx[0], dx[1], nx);
+        expect_same_dev(be, dres[0], dres[1], nx);
+        for (int p = 0; p < 2; p++) {
+          const ac_param *p0 = p == 0 ? &bn[0].weight : &bn[0].bias;
+          const ac_param *p1 = p == 0 ? &bn[1].weight : &bn[1].bias;
+          expect_same_dev(be, ac_tensor_f32(&p0->grad), ac_tensor_f32(&p1->grad), c);
+        }
+        /* the sums belong to the gradient they were made for, not to a copy of it */
+        OK(ac_conv2d_backward_bn(&cv, dy, addend, out[0], &bn[0], &g[0]));
+        OK(ac_memcpy_d2d(be, cp, g[1], nx * sizeof(float)));
+        OK(ac_batchnorm_backward_res(&bn[0], cp, &dx[0], &dres[0]));
+        expect_same_dev(be, dx[0], dx[1], nx);
+        assert_null(bn[0].gsums_for);
+      }
+    assert_int_equal(ac_conv2d_backward_bn(&cv, dy, add, NULL, &bn[0], NULL), AC_EINVAL);
+    assert_int_equal(ac_conv2d_backward_bn(&cv, dy, add, NULL, &bn[0], &(const float *){NULL}),
+                     AC_EINVAL);
+    free(hz);
+    free(hr);
+    free(ha);
+    free(hdy);
+    ac_free(be, z);
+    ac_free(be, r);
+    ac_free(be, add);
+    ac_free(be, dy);
+    ac_free(be, out[0]);
+    ac_free(be, out[1]);
+    ac_free(be, cp);
+    ac_batchnorm_destroy(&bn[0]);
+    ac_batchnorm_destroy(&bn[1]);
+    ac_conv2d_destroy(&cv);
+  }
+}
+
 static void test_invalid(void **state) {
   ac_backend *be = backend(state);
   ac_linear lin;
@@ -1437,8 +1538,8 @@ static void test_param_names(void **state) {
       cmocka_unit_test(test_batchnorm_train), cmocka_unit_test(test_batchnorm_eval),              \
       cmocka_unit_test(test_batchnorm_fused), cmocka_unit_test(test_batchnorm_sync),              \
       cmocka_unit_test(test_maxpool), cmocka_unit_test(test_avgpool), cmocka_unit_test(test_gap), \
-      cmocka_unit_test(test_conv_bn_moments), cmocka_unit_test(test_invalid),                     \
-      cmocka_unit_test(test_param_names)
+      cmocka_unit_test(test_conv_bn_moments), cmocka_unit_test(test_conv_bn_grad),                \
+      cmocka_unit_test(test_invalid), cmocka_unit_test(test_param_names)
 
 int main(void) {
   const struct CMUnitTest cpu[] = {LAYER_TESTS};

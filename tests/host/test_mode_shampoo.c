@@ -226,6 +226,47 @@ static void test_fold_fits(void **state) {
   free(x);
 }
 
+/* A part's buffer of len floats at byte offset off past a 64-byte boundary (0: aligned, as
+ * precondd's spares; 16: as a malloc'd statistic may be); free with free_at. */
+static float *alloc_at(size_t len, size_t off) {
+  unsigned char *p = aligned_alloc(64, (len * sizeof(float) + 128) / 64 * 64);
+  assert_non_null(p);
+  return (float *)(void *)(p + off);
+}
+
+static void free_at(float *p, size_t off) {
+  free((unsigned char *)p - off);
+}
+
+/* fold_into of both parts of b on copies of st (at offset off, alloc_at), checked: where a
+ * part was folded in place its out holds the copy's values before, bit for bit; where it
+ * was not, the copy is unchanged; on PD_FOLD_OK the folded part (the copy or out) is want,
+ * bit for bit. Returns fold_into's result; n_in_place counts the parts folded in place. */
+static int fold_into_checked(const pd_shampoo_opts *o, const pd_block *b, const float *const *st,
+                             const float *const *in, const float *want, size_t off,
+                             uint8_t *bounded, uint32_t *part, int *n_in_place) {
+  size_t len = pc_packed_len(N);
+  float *copy[2], *out[2];
+  uint8_t in_place[2] = {9, 9};
+  for (int k = 0; k < 2; k++) {
+    copy[k] = alloc_at(len, off);
+    out[k] = alloc_at(len, off);
+    memcpy(copy[k], st[k], len * sizeof(float));
+    memset(out[k], 0xA5, len * sizeof(float));
+  }
+  int why = pd_mode_shampoo.fold_into(o, b, copy, in, out, bounded, in_place, part);
+  for (int k = 0; k < 2; k++) {
+    assert_true(in_place[k] <= 1);
+    *n_in_place += in_place[k];
+    if (off % 64) assert_int_equal(in_place[k], 0); /* streaming stores need alignment */
+    assert_memory_equal(in_place[k] ? out[k] : copy[k], st[k], len * sizeof(float));
+    if (why == PD_FOLD_OK) assert_memory_equal(in_place[k] ? copy[k] : out[k], want, len * sizeof(float));
+    free_at(copy[k], off);
+    free_at(out[k], off);
+  }
+  return why;
+}
+
 /* fold_into and fold_bounded: bit for bit the statistics update of pc_stat_update_f32 (a
  * mix and a sum), with each part's bound found in the same pass; fold_into's refusals; and the store trusts the bound only where
  * the update itself set it: a statistic written otherwise (flag 0) still gets the exact
@@ -251,21 +292,24 @@ static void test_fold_bounded(void **state) {
     uint8_t bounded[2] = {9, 9};
     pd_block one = *b;
     one.nparts = 1;
-    /* fold_into first (into other memory, s unchanged), then fold_bounded in place. */
-    float *o0 = malloc(len * sizeof *o0), *o1 = malloc(len * sizeof *o1);
-    assert_non_null(o0);
-    assert_non_null(o1);
-    float *outs[2] = {o0, o1};
+    /* fold_into first (on copies: in place where aligned, else into out), then
+     * fold_bounded in place. */
     const float *sts[2] = {s, s};
     uint32_t part = 9;
-    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, sts, in, outs, bounded, &part), PD_FOLD_OK);
+    int n_in_place = 0;
     pc_stat_update_f32(len, ref, x, betas[t]);
-    assert_memory_equal(o0, ref, len * sizeof *s);
-    assert_memory_equal(o1, ref, len * sizeof *s);
-    assert_int_equal(bounded[0], 1);
-    assert_int_equal(bounded[1], 1);
+    for (size_t off = 0; off <= 16; off += 16) {
+      assert_int_equal(fold_into_checked(&o, b, sts, in, ref, off, bounded, &part, &n_in_place),
+                       PD_FOLD_OK);
+      assert_int_equal(bounded[0], 1);
+      assert_int_equal(bounded[1], 1);
+    }
+#if defined(__GNUC__) && defined(__x86_64__)
+    /* Aligned buffers are folded in place wherever the CPU can stream them. */
+    assert_int_equal(n_in_place, __builtin_cpu_supports("avx512f") ? 2 : 0);
+#endif
     /* A NaN in the second part's increment, then an overflow in the first part's fold:
-     * the NaN is named first, the overflow alone otherwise; nothing of s changes. */
+     * the NaN is named first, the overflow alone otherwise; each way undoable. */
     float *x2 = malloc(len * sizeof *x2);
     assert_non_null(x2);
     memcpy(x2, x, len * sizeof *x2);
@@ -276,21 +320,32 @@ static void test_fold_bounded(void **state) {
     memcpy(big, s, len * sizeof *big);
     big[1] = x[1] = betas[t] == 1.0f ? FLT_MAX : FLT_MAX / 2; /* a sum overflows, a mix not */
     const float *stb[2] = {big, s};
-    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in2, outs, bounded, &part),
-                     PD_FOLD_NONFINITE);
-    assert_int_equal(part, 1);
     const float *in3[2] = {x, x};
-    assert_int_equal(pd_mode_shampoo.fold_into(&o, b, stb, in3, outs, bounded, &part),
-                     betas[t] == 1.0f ? PD_FOLD_OVERFLOW : PD_FOLD_OK);
-    if (betas[t] == 1.0f)
-      assert_int_equal(part, 0);
-    else
-      assert_int_equal(bounded[0], 0); /* finite, at or above 2^126 */
+    for (size_t off = 0; off <= 16; off += 16) {
+      assert_int_equal(fold_into_checked(&o, b, stb, in2, NULL, off, bounded, &part, &n_in_place),
+                       PD_FOLD_NONFINITE);
+      assert_int_equal(part, 1);
+      int why = betas[t] == 1.0f ? PD_FOLD_OVERFLOW : PD_FOLD_OK;
+      float *want = malloc(len * sizeof *want);
+      assert_non_null(want);
+      memcpy(want, big, len * sizeof *want);
+      pc_stat_update_f32(len, want, x, betas[t]);
+      /* The mix's second part is s's fold: compare part 0 only where it is the one checked. */
+      if (why == PD_FOLD_OK) {
+        const float *stbb[2] = {big, big};
+        assert_int_equal(
+            fold_into_checked(&o, b, stbb, in3, want, off, bounded, &part, &n_in_place), why);
+        assert_int_equal(bounded[0], 0); /* finite, at or above 2^126 */
+      } else {
+        assert_int_equal(
+            fold_into_checked(&o, b, stb, in3, NULL, off, bounded, &part, &n_in_place), why);
+        assert_int_equal(part, 0);
+      }
+      free(want);
+    }
     x[1] = (float)((1 * 104729) % 977) * 3.1e-2f;
     free(x2);
     free(big);
-    free(o0);
-    free(o1);
     pd_mode_shampoo.fold_bounded(&o, &one, st, in, bounded);
     assert_memory_equal(s, ref, len * sizeof *s);
     assert_int_equal(bounded[0], 1);

@@ -1,5 +1,6 @@
 /* test_store.c -- unit tests of host/store.c: options, job layout and ids, registration
- * rules, memory accounting, statistics updates and root publication. */
+ * rules, memory accounting, statistics updates (the bytes path and pushes read in place,
+ * kept and refused) and root publication. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -293,6 +294,83 @@ static void test_block_update(void **state) {
   pd_stats_destroy(&stats);
 }
 
+/* intact for pd_job_push_into: what ctx says. */
+static int intact_as(void *ctx) {
+  return *(const int *)ctx;
+}
+
+/* pd_job_push_into against pd_block_update on a twin job (the bytes path): kept pushes give
+ * the same statistics bit for bit, whether folded into the spares or in place (aligned
+ * buffers on a CPU with AVX-512F: the block's statistic then stays where it is); a push
+ * refused for a NaN or for its memory changing leaves every statistic as it was, bit for
+ * bit, and the next push goes on from there. */
+static void test_push_into(void **state) {
+  (void)state;
+  pd_stats stats;
+  pd_store st;
+  char err[256];
+  int rc;
+  assert_int_equal(pd_stats_init(&stats), PD_OK);
+  assert_int_equal(pd_store_init(&st, &stats, (size_t)1 << 30, 100), PD_OK);
+  uint64_t dims[1][2] = {{40, 23}}; /* orders 40 and 23: 820 and 276 floats, tails of 4 */
+  int ranks[1] = {2};
+  pd_job *job = build("p", dims, ranks, 1, 64, 100, &rc, err);
+  pd_job *twin = build("q", dims, ranks, 1, 64, 100, &rc, err);
+  pd_job *existing;
+  ((pd_shampoo_opts *)(void *)job->opts)->beta2 = 0.9f;
+  ((pd_shampoo_opts *)(void *)twin->opts)->beta2 = 0.9f;
+  assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
+  assert_int_equal(pd_store_add(&st, twin, &existing), PD_OK);
+  pd_block *b = &job->blocks[0], *t = &twin->blocks[0];
+  size_t len[2] = {pc_packed_len(b->order[0]), pc_packed_len(b->order[1])};
+  float *inc[2], *bad = malloc(len[1] * sizeof *bad);
+  assert_non_null(bad);
+  for (int k = 0; k < 2; k++) {
+    inc[k] = malloc(len[k] * sizeof(float));
+    assert_non_null(inc[k]);
+  }
+  int kept_in_place = 0;
+  for (int push = 0; push < 6; push++) {
+    for (int k = 0; k < 2; k++)
+      for (size_t i = 0; i < len[k]; i++)
+        inc[k][i] = (float)((i * 7919 + (size_t)push * 31 + (size_t)k) % 1000) * 1.3e-3f;
+    float *out[PD_MAX_PARTS] = {NULL};
+    for (int k = 0; k < 2; k++) {
+      out[k] = aligned_alloc(64, (len[k] * sizeof(float) + 63) / 64 * 64);
+      assert_non_null(out[k]);
+    }
+    float *where = b->stat[0];
+    int intact = push != 3; /* push 3: the client's memory changed meanwhile */
+    memcpy(bad, inc[1], len[1] * sizeof *bad);
+    if (push == 4) bad[len[1] - 1] = NAN; /* push 4: a NaN in the last value */
+    const float *in[PD_MAX_PARTS] = {inc[0], bad};
+    pd_push_refusal no;
+    rc = pd_job_push_into(job, 1, &b, in, out, (uint64_t)push + 1, &stats, intact_as, &intact,
+                          &no);
+    if (push == 3 || push == 4) {
+      assert_int_equal(rc, PD_EINVAL);
+      assert_int_equal(no.why, push == 3 ? PD_FOLD_CHANGED : PD_FOLD_NONFINITE);
+    } else {
+      assert_int_equal(rc, PD_OK);
+      kept_in_place += b->stat[0] == where;
+      pd_block_update(t, (const float *const *)inc, (uint64_t)push + 1, &stats);
+    }
+    for (int k = 0; k < 2; k++) {
+      assert_memory_equal(b->stat[k], t->stat[k], len[k] * sizeof(float));
+      free(out[k]); /* the caller's either way: a spare or the statistic it replaced */
+    }
+    assert_int_equal(b->pushes, t->pushes);
+  }
+#if defined(__GNUC__) && defined(__x86_64__)
+  /* From the second kept push on the statistic lies in an aligned buffer (at the latest). */
+  if (__builtin_cpu_supports("avx512f")) assert_true(kept_in_place >= 2);
+#endif
+  for (int k = 0; k < 2; k++) free(inc[k]);
+  free(bad);
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -300,6 +378,7 @@ int main(void) {
       cmocka_unit_test(test_layout_ids),
       cmocka_unit_test(test_store_add_and_memory),
       cmocka_unit_test(test_block_update),
+      cmocka_unit_test(test_push_into),
       cmocka_unit_test(test_ended_names),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
