@@ -2475,17 +2475,24 @@ static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
                          a->res != NULL ? a->res + at : NULL);
         if (a->bn == NULL) ac__lanes_moments(ohw, out + i * ldo, s, q);
         for (size_t b = 0; b < nb; b++) {
-          double *sq = a->sums + 2 * ((b0 + b) * a->oc + o);
-          sq[0] = s[b];
-          sq[1] = q[b];
-          if (a->bn != NULL) /* as c3_fwd_part: masked in place, batch norm's sums */
-            row_grad_sums(a->isa, ohw, a->y + at + b * ps,
-                          a->bn->mask != NULL ? a->bn->mask + at + b * ps : NULL,
-                          a->bn->x + at + b * ps, a->bn->center[o], a->y + at + b * ps, sq, sq + 1);
+          a->sums[2 * ((b0 + b) * a->oc + o)] = s[b];
+          a->sums[2 * ((b0 + b) * a->oc + o) + 1] = q[b];
         }
       }
       pool_phase_end(a->pool, a->phase[2], thread, &t);
     }
+    /* An input gradient's batch norm sums, as c3_fwd_part's (masked in place), image by
+     * image once all its planes are written: each image's planes, mask and x are then one
+     * contiguous run (per block of 4 channels, 16 images' 49-196-float planes far apart
+     * missed the cache on every plane: the sums cost 3x the tall layout's). */
+    for (size_t b = 0; b < nb && a->bn != NULL; b++)
+      for (size_t o = 0; o < a->oc; o++) {
+        size_t at = ((b0 + b) * a->oc + o) * ohw;
+        double *sq = a->sums + 2 * ((b0 + b) * a->oc + o);
+        row_grad_sums(a->isa, ohw, a->y + at, a->bn->mask != NULL ? a->bn->mask + at : NULL,
+                      a->bn->x + at, a->bn->center[o], a->y + at, sq, sq + 1);
+      }
+    pool_phase_end(a->pool, a->phase[2], thread, &t);
   }
 }
 
