@@ -1630,6 +1630,25 @@ static void conv3x3_bitwise(int isa) {
   ac_backend_destroy(be[1]);
 }
 
+/* The direct 3x3 conv (stride 1, padding 1) in double loops: want += the conv of x with wt
+ * (n, oc, h, w); when dy is not NULL, want_dw += its weight gradient for dy. */
+static void conv3x3_loops(size_t n, size_t c, size_t oc, size_t h, size_t w, const float *x,
+                          const float *wt, const float *dy, double *want, double *want_dw) {
+  for (size_t b = 0; b < n; b++)
+    for (size_t o = 0; o < oc; o++)
+      for (size_t yy = 0; yy < h; yy++)
+        for (size_t xx = 0; xx < w; xx++)
+          for (size_t ch = 0; ch < c; ch++)
+            for (size_t t = 0; t < 9; t++) {
+              long iy = (long)yy + (long)(t / 3) - 1, ix = (long)xx + (long)(t % 3) - 1;
+              if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
+              size_t yi = ((b * oc + o) * h + yy) * w + xx, wi = (o * c + ch) * 9 + t;
+              double xv = x[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
+              want[yi] += (double)wt[wi] * xv;
+              if (dy != NULL) want_dw[wi] += (double)dy[yi] * xv;
+            }
+}
+
 /* The forward 3x3 convs with moments at a ResNet's shapes (stage 1's 16 channels at 28x28,
  * stage 2's 32 at 14x14, stage 3's 64 at 7x7) and odd ones, and the input gradient with
  * batch norm's sums (a residual, a mask): the best variant (on AVX-512F the lanes layout, 16
@@ -1653,18 +1672,7 @@ static void test_cpu_conv3x3_lanes(void **state) {
     size_t w = shapes[s][4], nx = n * c * h * w, ny = n * oc * h * w, nw = oc * c * 9;
     float *hx = host_rand(nx), *hwt = host_rand(nw);
     double *want = dzeros(ny);
-    for (size_t b = 0; b < n; b++)
-      for (size_t o = 0; o < oc; o++)
-        for (size_t yy = 0; yy < h; yy++)
-          for (size_t xx = 0; xx < w; xx++)
-            for (size_t ch = 0; ch < c; ch++)
-              for (size_t t = 0; t < 9; t++) {
-                long iy = (long)yy + (long)(t / 3) - 1, ix = (long)xx + (long)(t % 3) - 1;
-                if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
-                want[((b * oc + o) * h + yy) * w + xx] +=
-                    (double)hwt[(o * c + ch) * 9 + t] *
-                    hx[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
-              }
+    conv3x3_loops(n, c, oc, h, w, hx, hwt, NULL, want, NULL);
     /* Also as an input gradient with batch norm's sums (ac_conv3x3_bn_grad), with a residual
      * and a mask: the result and the sums. */
     float *hres = host_rand(ny), *hmask = host_rand(ny), *hbx = host_rand(ny), *hc = host_rand(oc);
@@ -1993,19 +2001,7 @@ static void conv3x3_against_loops(ac_backend *be) {
     float *hx = host_rand(nx), *hwt = host_rand(nw), *hdy = host_rand(ny), *hdw = host_rand(nw);
     double *want = dzeros(ny), *want_dw = dzeros(nw);
     for (size_t i = 0; i < nw; i++) want_dw[i] = hdw[i];
-    for (size_t b = 0; b < n; b++)
-      for (size_t o = 0; o < oc; o++)
-        for (size_t yy = 0; yy < h; yy++)
-          for (size_t xx = 0; xx < w; xx++)
-            for (size_t ch = 0; ch < c; ch++)
-              for (size_t t = 0; t < 9; t++) {
-                long iy = (long)yy + (long)(t / 3) - 1, ix = (long)xx + (long)(t % 3) - 1;
-                if (iy < 0 || ix < 0 || iy >= (long)h || ix >= (long)w) continue;
-                size_t yi = ((b * oc + o) * h + yy) * w + xx, wi = (o * c + ch) * 9 + t;
-                double xv = hx[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
-                want[yi] += (double)hwt[wi] * xv;
-                want_dw[wi] += (double)hdy[yi] * xv;
-              }
+    conv3x3_loops(n, c, oc, h, w, hx, hwt, hdy, want, want_dw);
     float *x = dev_up(be, hx, nx), *wt = dev_up(be, hwt, nw), *dy = dev_up(be, hdy, ny);
     float *dw = dev_up(be, hdw, nw), *y = dev_alloc(be, ny * sizeof(float));
     OK(ac_fill_f32(be, ny, y, NAN)); /* overwritten */
