@@ -13,7 +13,9 @@
  *             snooping the producer's caches), clwb / clflushopt (a plain copy in 64 KiB
  *             pieces, each piece's lines written back / flushed after it), mix (the
  *             first 512 KiB plain, the rest non-temporal);
- *   consumer  fold (the daemon's pass), fold-pf (with software prefetch 2 KiB ahead), sum;
+ *   consumer  fold (the daemon's pass until session 12: into the spare), fold-pf (with software
+ *             prefetch 2 KiB ahead), sum, keep (the daemon's pass since session 13: in place,
+ *             the old values streamed to the spare);
  *   region    shm (a file in /dev/shm, mapped shared: what precondd's regions are), anon
  *             (private anonymous memory with 4 KiB pages), thp (the same with
  *             MADV_HUGEPAGE, 2 MiB pages where the kernel gives them);
@@ -50,11 +52,11 @@
 #endif
 
 enum { P_MEMCPY, P_NT512, P_NT256, P_CLWB, P_CLFLUSHOPT, P_MIX };
-enum { C_FOLD, C_FOLD_PF, C_SUM };
+enum { C_FOLD, C_FOLD_PF, C_SUM, C_KEEP };
 enum { R_SHM, R_ANON, R_THP };
 
 static const char *const prod_name[] = {"memcpy", "nt512", "nt256", "clwb", "clflushopt", "mix"};
-static const char *const cons_name[] = {"fold", "fold-pf", "sum"};
+static const char *const cons_name[] = {"fold", "fold-pf", "sum", "keep"};
 static const char *const region_name[] = {"shm", "anon", "thp"};
 
 typedef struct {
@@ -71,6 +73,7 @@ static const variant variants[] = {
     {P_MEMCPY, C_FOLD, R_THP, 0},     {P_NT512, C_FOLD, R_THP, 0},
     {P_MEMCPY, C_FOLD, R_SHM, 1},     {P_NT512, C_FOLD, R_SHM, 1},
     {P_MIX, C_FOLD, R_SHM, 0},        {P_MIX, C_FOLD, R_SHM, 1},
+    {P_NT512, C_KEEP, R_SHM, 0},      {P_NT512, C_KEEP, R_SHM, 1},
 };
 enum { NV = sizeof variants / sizeof variants[0] };
 
@@ -135,6 +138,19 @@ __attribute__((target("avx2"))) static void fold(size_t n, const float *s, const
   }
 }
 
+/* The daemon's fold since session 13 (host/mode_shampoo.c, shampoo_fold_keep): in place into
+ * the statistic s, its old values streamed to the spare o (both 64-byte aligned), so that a
+ * refused push can swap them back; no read for ownership of o's lines. */
+__attribute__((target("avx512f"))) static void keep(size_t n, float *s, const float *x, float *o) {
+  const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
+  for (size_t i = 0; i < n; i += 16) {
+    __m512 sv = _mm512_load_ps(s + i);
+    _mm512_stream_ps(o + i, sv);
+    _mm512_store_ps(s + i, _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i))));
+  }
+  _mm_sfence();
+}
+
 __attribute__((target("avx2"))) static float sum(size_t n, const float *x) {
   __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
   for (size_t i = 0; i < n; i += 16) {
@@ -149,6 +165,13 @@ __attribute__((target("avx2"))) static float sum(size_t n, const float *x) {
 static void fold(size_t n, const float *s, const float *x, float *o, size_t pf) {
   (void)pf;
   for (size_t i = 0; i < n; i++) o[i] = 0.999f * s[i] + 0.001f * x[i];
+}
+
+static void keep(size_t n, float *s, const float *x, float *o) {
+  for (size_t i = 0; i < n; i++) {
+    o[i] = s[i];
+    s[i] = 0.999f * s[i] + 0.001f * x[i];
+  }
 }
 
 static float sum(size_t n, const float *x) {
@@ -246,6 +269,8 @@ static void *side(cell *c, int me) {
       c->src[(r * 4096) % c->bytes]++; /* a different statistic each push */
     } else if (c->v->cons == C_SUM) {
       c->sink = sum(nf / 16 * 16, (const float *)(const void *)c->slot);
+    } else if (c->v->cons == C_KEEP) {
+      keep(nf / 16 * 16, c->stat, (const float *)(const void *)c->slot, c->spare);
     } else {
       fold(nf / 8 * 8, c->stat, (const float *)(const void *)c->slot, c->spare,
            c->v->cons == C_FOLD_PF ? 2048 : 0);
@@ -415,7 +440,8 @@ int main(int argc, char **argv) {
             (variants[k].prod != P_CLFLUSHOPT || cpu_has("clflushopt"));
 
   unsigned char *src = malloc(bytes), *dst = malloc(bytes);
-  float *stat = malloc(bytes), *spare = malloc(bytes);
+  /* Aligned as precondd's spares (bytes is a multiple of 64): keep's streaming stores. */
+  float *stat = aligned_alloc(64, bytes), *spare = aligned_alloc(64, bytes);
   unsigned char *reg[3] = {region_map(R_SHM, bytes, 0), region_map(R_ANON, bytes, 0),
                            region_map(R_THP, bytes, 0)};
   double *cpu[2], *wall, *mc, *vs;

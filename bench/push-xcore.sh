@@ -2,20 +2,21 @@
 # The same-host push across cores (issue 13 P2), the BASE build against this checkout's
 # build/, on quiet cores. Run from the repository root with build/ built (meson compile -C
 # build); BASE is another build directory (e.g. a copy of build/ made before a change).
-# About 2.5 minutes on quiet cores (much longer under load).
+# About 2 minutes on quiet cores (much longer under load).
 # usage: bash bench/push-xcore.sh BASE
-# Builds: base; new (the doorbell's waits as landed: a short spin when the last wait was
-# short and the other side is on another core, wakes only for a side that sleeps); nap (new
-# with PRECOND_SHM_NAP_US=2000: naps on the core's own timer instead of the futex for waits
-# up to 2 ms, off by default because it lost on the loaded VM).
+# Builds: base; new (this checkout: since session 13 a push read in place is folded into the
+# statistic in place, its old values streamed to the spare). Session 12's third build, nap
+# (PRECOND_SHM_NAP_US=2000), lost on quiet cores and is left out; set NAP=1 to run it.
 # Prints CSV to stdout:
 #   placement,round,build,block,row,mb_per_cpu_s,pushes_per_cpu_s,p50_ms,ratio_to_memcpy
 # placement "as-is": the scheduler places bench and daemon; "xcore": bench pinned to core 0,
 # its precondd to core 1 (every wake crosses cores). Rows: memcpy (the one-core limit) and
 # push-shm (the target row: the doorbell, one push at a time, each answer awaited), n = 1024
 # (4.2 MB, the target) and n = 32 (4 KB: the control alone). Builds alternated 3 rounds;
-# then medians; last new's and nap's --account lines at n = 32 and 1024 across cores (CPU per
-# push by part; the doorbell thread's CPU in the 300 ms after the last push).
+# then medians; last base's and new's --account lines at n = 32 and 1024 across cores (CPU per
+# push by part; the doorbell thread's CPU in the 300 ms after the last push); then bench-xcore's
+# fold rows (no daemon: the fold into the spare against the fold in place, across cores and on
+# one core, 5 rounds).
 set -u
 [ $# -eq 1 ] && [ -x "$1/bench/bench-daemon" ] ||
   { echo "usage: bash bench/push-xcore.sh BASE (a build directory with bench/bench-daemon)" >&2; exit 2; }
@@ -43,7 +44,7 @@ run() { # run BUILD PLACE [more bench options]
 echo "placement,round,build,block,row,mb_per_cpu_s,pushes_per_cpu_s,p50_ms,ratio_to_memcpy"
 for round in 1 2 3; do
   for place in xcore as-is; do
-    for v in base new nap; do
+    for v in base new ${NAP:+nap}; do
       run $v $place 2>>"$tmp/log" |
         awk -F, -v r=$round -v v=$v -v pl=$place \
           '$1 == "memcpy" || $1 == "push-shm" { print pl "," r "," v "," $3 "," $1 "," $7 "," $8 "," $9 "," $14 }'
@@ -61,6 +62,9 @@ awk -F, '$5 == "push-shm" { k = $1 "," $3 "," $4; n[k]++; v[k, n[k]] = $6; o[k, 
   END { for (k in n) printf "%s,%d,%.1f,%.1f,%.4f\n", k, n[k], med(v, k, n[k]), med(o, k, n[k]), med(q, k, n[k]) }' \
   "$tmp/rows.csv" | sort
 echo
-for v in new nap; do
+for v in base new ${NAP:+nap}; do
   run $v xcore --account 2>&1 >/dev/null | grep '^account push-shm ' | sed "s/^/$v /"
 done
+echo
+build/bench/bench-xcore --rounds 5 --reps 20 |
+  awk -F, 'NR == 1 || $1 == "memcpy" || $1 ~ /^nt512\+(fold|keep)\/shm/' | cut -d, -f1,8,9,10,13,15

@@ -366,7 +366,7 @@ typedef struct {
   uint64_t push_errors;        /* blocks the daemon rejected */
   uint64_t retries;            /* send or poll attempts that failed and were retried */
   uint64_t reregistered;       /* times the job was registered again after NOT_FOUND */
-  uint64_t fetch_calls;        /* FetchPreconditioners calls */
+  uint64_t fetch_calls;        /* FetchPreconditioners calls, counted as each ends */
   uint64_t fetch_rung;         /* of fetch_calls, those rung at the shared region's doorbell
                                   instead of sent over gRPC (docs/precondd.md, "Shared
                                   memory") */

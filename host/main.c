@@ -754,6 +754,19 @@ int main(int argc, char **argv) {
   pd_log_set_level(d.cfg.log_level);
   /* Large messages reuse freed memory instead of fresh pages at every call (rpc.h). */
   if (rpc_keep_freed_memory() != RPC_OK) pd_log(PD_LOG_WARN, "malloc kept its own thresholds");
+  /* Signals are taken synchronously by the main thread (sigtimedwait): block them before
+   * any thread starts so that none of them receives one. MPI_Init (pd__replicas_init)
+   * starts Open MPI's threads: blocked after it, a SIGTERM that came while the main thread
+   * was out of its wait (writing a snapshot) went to one of those and ended the rank by the
+   * default action, without its final snapshot, and mpirun exited 1 (test_killed_rank's
+   * flake under load; test_replica checks every rank's thread masks). A signal that comes
+   * during MPI_Init waits for the main loop. */
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, NULL);
+  signal(SIGPIPE, SIG_IGN);
   void *rep = NULL; /* pd_replica under mpirun */
   pd_replica_link *link = NULL;
   char state_template[sizeof d.cfg.state_dir]; /* before %r becomes this rank */
@@ -763,15 +776,6 @@ int main(int argc, char **argv) {
     pd__config_free(&d.cfg);
     return prc;
   }
-
-  /* Signals are taken synchronously by the main thread (sigtimedwait): block them before
-   * any thread starts so that none of them receives one. */
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, NULL);
-  signal(SIGPIPE, SIG_IGN);
 
   int status = 1, ok = 1;
   pd_server *srv = NULL;

@@ -1192,6 +1192,7 @@ static void test_kfac_register_push_fetch(void **state) {
 
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
+  if (getenv("CLIENT_TEST")) cmocka_set_test_filter(getenv("CLIENT_TEST")); /* one, by name */
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
       cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
