@@ -2444,9 +2444,11 @@ static void c3_fwd_part(void *ctx, size_t lo, size_t hi, int thread) {
  * each group's channels are packed into the thread's scratch (its frame's zeros once per
  * thread and call), then for every block of 4 output channels each output row is one run of
  * the forward kernel over its w positions (the taps at offsets (p (w + 2) + q) 16), into the
- * rest of the scratch, copied out to the 16 images' planes, and their moments made from the
- * lanes (16 images per vector, in row_moments' order). Every output is the tall kernel's
- * sum, term for term, and every moment row_moments' sum: the same bits. */
+ * rest of the scratch, copied out to the 16 images' planes (plus the residual, res), and
+ * their moments made from the lanes (16 images per vector, in row_moments' order); or, for
+ * an input gradient with a batch norm's sums (bn), those made on each plane just written,
+ * as c3_fwd_part does. Every output is the tall kernel's sum, term for term, and every
+ * moment row_moments' sum: the same bits. */
 static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
   const c3_args *a = ctx;
   const c3_geom *g = &a->g;
@@ -2467,10 +2469,11 @@ static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
                      ldo);
       pool_phase_end(a->pool, a->phase[1], thread, &t);
       for (size_t i = 0; i < 4; i++) {
-        size_t o = ob * 4 + i;
+        size_t o = ob * 4 + i, at = (b0 * a->oc + o) * ohw, ps = a->oc * ohw;
         double s[AC__LANES] = {0}, q[AC__LANES] = {0};
-        ac__lanes_unpack(ohw, nb, out + i * ldo, a->y + (b0 * a->oc + o) * ohw, a->oc * ohw);
-        ac__lanes_moments(ohw, out + i * ldo, s, q);
+        ac__lanes_unpack(ohw, nb, out + i * ldo, a->y + at, ps,
+                         a->res != NULL ? a->res + at : NULL);
+        if (a->bn == NULL) ac__lanes_moments(ohw, out + i * ldo, s, q);
         for (size_t b = 0; b < nb; b++) {
           a->sums[2 * ((b0 + b) * a->oc + o)] = s[b];
           a->sums[2 * ((b0 + b) * a->oc + o) + 1] = q[b];
@@ -2478,6 +2481,18 @@ static void c3_lanes_part(void *ctx, size_t lo, size_t hi, int thread) {
       }
       pool_phase_end(a->pool, a->phase[2], thread, &t);
     }
+    /* An input gradient's batch norm sums, as c3_fwd_part's (masked in place), image by
+     * image once all its planes are written: each image's planes, mask and x are then one
+     * contiguous run (per block of 4 channels, 16 images' 49-196-float planes far apart
+     * missed the cache on every plane: the sums cost 3x the tall layout's). */
+    for (size_t b = 0; b < nb && a->bn != NULL; b++)
+      for (size_t o = 0; o < a->oc; o++) {
+        size_t at = ((b0 + b) * a->oc + o) * ohw;
+        double *sq = a->sums + 2 * ((b0 + b) * a->oc + o);
+        row_grad_sums(a->isa, ohw, a->y + at, a->bn->mask != NULL ? a->bn->mask + at : NULL,
+                      a->bn->x + at, a->bn->center[o], a->y + at, sq, sq + 1);
+      }
+    pool_phase_end(a->pool, a->phase[2], thread, &t);
   }
 }
 
@@ -2581,7 +2596,7 @@ static void c3_wgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
  * forward with moments (a ResNet's forward convs), without, with a batch norm's gradient
  * sums (its stride-1 input gradients), the stride-2 input gradient, the weight gradient
  * (no copy-out) and the forward in the lanes layout. */
-static const char *const c3_phase_names[6][4] = {
+static const char *const c3_phase_names[7][4] = {
     {"c3_fwd_part", "c3_fwd_part:pack", "c3_fwd_part:kernel", "c3_fwd_part:copyout"},
     {"c3_fwd_part.nomoments", "c3_fwd_part.nomoments:pack", "c3_fwd_part.nomoments:kernel",
      "c3_fwd_part.nomoments:copyout"},
@@ -2589,7 +2604,9 @@ static const char *const c3_phase_names[6][4] = {
      "c3_fwd_part.bngrad:copyout"},
     {"c3_dgrad_part", "c3_dgrad_part:pack", "c3_dgrad_part:kernel", "c3_dgrad_part:scatter"},
     {"c3_wgrad_part", "c3_wgrad_part:pack", "c3_wgrad_part:kernel", NULL},
-    {"c3_lanes_part", "c3_lanes_part:pack", "c3_lanes_part:kernel", "c3_lanes_part:copyout"}};
+    {"c3_lanes_part", "c3_lanes_part:pack", "c3_lanes_part:kernel", "c3_lanes_part:copyout"},
+    {"c3_lanes_part.bngrad", "c3_lanes_part.bngrad:pack", "c3_lanes_part.bngrad:kernel",
+     "c3_lanes_part.bngrad:copyout"}};
 
 /* Registers the phases of set (a row of c3_phase_names) for a's loop; returns the loop's
  * kind name. */
@@ -2604,12 +2621,14 @@ static const char *c3_phases(c3_args *a, cpu_pool *pool, int set) {
 /* Where the forward takes the lanes layout (c3_lanes_part) instead of the tall one: the one
  * rule. It needs AVX-512F (16 lanes) and a 3x3 stride-1 conv; it pays where the tall
  * layout's thrown-away positions do (h w small: 14x14, 7x7; at 28x28 it measured level).
- * Only the forward with moments and no residual (a ResNet's forward convs; the moments come
- * from the lanes): the stride-1 input gradient keeps its own copy-out. */
+ * The convs of a ResNet's step: the forward with moments and no residual (the moments come
+ * from the lanes) and the stride-1 input gradient with batch norm's sums (ac_conv3x3_bn_grad,
+ * its copy-out as c3_fwd_part's). The plain and residual-only calls keep the tall layout. */
 #define C3_LANES_MAX_HW 196
 static int c3_lanes_fits(const c3_args *a, const float *moments) {
-  return a->isa == AC_CPU_ISA_AVX512 && a->stride == 1 && a->kk == 9 && moments != NULL &&
-         a->res == NULL && a->g.h * a->g.w <= C3_LANES_MAX_HW;
+  return a->isa == AC_CPU_ISA_AVX512 && a->stride == 1 && a->kk == 9 &&
+         ((moments != NULL && a->res == NULL) || a->bn != NULL) &&
+         a->g.h * a->g.w <= C3_LANES_MAX_HW;
 }
 
 /* The forward of a direct conv: stride 1 (3x3) or 2 (3x3 or 1x1), ih x iw input; with
@@ -2643,7 +2662,8 @@ static int c3_forward(ac_backend *be, size_t n, size_t c, size_t oc, size_t ih, 
   if (sfloats > 0) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
   a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
   memset(a.ready, 0, parts);
-  const char *kind = c3_phases(&a, pool, lanes ? 5 : moments != NULL ? 0 : bn != NULL ? 2 : 1);
+  int set = lanes ? (bn != NULL ? 6 : 5) : moments != NULL ? 0 : bn != NULL ? 2 : 1;
+  const char *kind = c3_phases(&a, pool, set);
   if (lanes)
     pool_run(pool, (n + AC__LANES - 1) / AC__LANES, (double)(n * c * oc * a.g.h * a.g.w),
              c3_lanes_part, &a, kind);

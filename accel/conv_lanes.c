@@ -64,7 +64,7 @@ LANES_TARGET void ac__lanes_pack(size_t h, size_t w, size_t nb, const float *src
 }
 
 LANES_TARGET void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst,
-                                   size_t dstride) {
+                                   size_t dstride, const float *res) {
   for (size_t p0 = 0; p0 < n; p0 += AC__LANES) {
     size_t m = n - p0 < AC__LANES ? n - p0 : AC__LANES;
     __mmask16 k = (__mmask16)((1u << m) - 1u);
@@ -72,7 +72,11 @@ LANES_TARGET void ac__lanes_unpack(size_t n, size_t nb, const float *src, float 
     for (size_t i = 0; i < AC__LANES; i++)
       r[i] = i < m ? _mm512_loadu_ps(src + (p0 + i) * AC__LANES) : _mm512_setzero_ps();
     lanes_transpose(r);
-    for (size_t b = 0; b < nb; b++) _mm512_mask_storeu_ps(dst + b * dstride + p0, k, r[b]);
+    for (size_t b = 0; b < nb; b++) {
+      __m512 v = r[b];
+      if (res != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, res + b * dstride + p0));
+      _mm512_mask_storeu_ps(dst + b * dstride + p0, k, v);
+    }
   }
 }
 
@@ -115,8 +119,9 @@ void ac__lanes_pack(size_t h, size_t w, size_t nb, const float *src, size_t sstr
   (void)h, (void)w, (void)nb, (void)src, (void)sstride, (void)dst;
 }
 
-void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride) {
-  (void)n, (void)nb, (void)src, (void)dst, (void)dstride;
+void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride,
+                      const float *res) {
+  (void)n, (void)nb, (void)src, (void)dst, (void)dstride, (void)res;
 }
 
 void ac__lanes_moments(size_t n, const float *src, double *s, double *q) {

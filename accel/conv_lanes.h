@@ -25,8 +25,10 @@ size_t ac__lanes_chan_len(size_t h, size_t w);
 void ac__lanes_pack(size_t h, size_t w, size_t nb, const float *src, size_t sstride, float *dst);
 
 /* The other way, for outputs: src holds n positions of 16 lanes (lane b: image b), and image
- * b < nb gets its n floats at dst + b dstride. Needs AVX-512F. */
-void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride);
+ * b < nb gets its n floats at dst + b dstride, plus res + b dstride when res is not NULL (res
+ * may be dst). Needs AVX-512F. */
+void ac__lanes_unpack(size_t n, size_t nb, const float *src, float *dst, size_t dstride,
+                      const float *res);
 
 /* The moments of the same n positions, per lane b: s[b] += the sum of its n values, q[b] +=
  * the sum of their squares, in double, in the CPU backend's order for a row of n floats

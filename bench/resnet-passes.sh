@@ -10,12 +10,13 @@
 # of 2 (the first step's page faults and the pool stats' start-up drop out): CPU ms per step
 # of every loop kind, and for the direct convs the shares of their phases (packing, products,
 # copy-out; wall time within the loop). "c3_fwd_part" is the forward convs (their outputs'
-# moments made in the copy-out; "c3_lanes_part" those in the lanes layout),
-# "c3_fwd_part.bngrad" the stride-1 input gradients (a conv of dy; in the copy-out the
-# residual's add, the ReLU's mask and the batch norm's backward sums; "c3_fwd_part.nomoments"
-# before session 13), "c3_dgrad_part" the stride-2 input gradients, "c3_wgrad_part" the
-# weight gradients; "grad_sums_slice" and "combine_slice" batch norm's backward passes. PyTorch: bench/reference/resnet_torch.py
-# --profile (each op's self time on the calling thread, scaled to its step's CPU time).
+# moments made in the copy-out; "c3_lanes_part" those of stages 2-3 in the lanes layout,
+# session 13), "c3_fwd_part.bngrad" the stride-1 input gradients (a conv of dy; in the
+# copy-out the residual's add, the ReLU's mask and the batch norm's backward sums;
+# "c3_fwd_part.nomoments" before session 13), "c3_dgrad_part" the stride-2 input gradients,
+# "c3_wgrad_part" the weight gradients; "grad_sums_slice" and "combine_slice" batch norm's
+# backward passes. PyTorch: bench/reference/resnet_torch.py --profile (each op's self time
+# on the calling thread, scaled to its step's CPU time).
 # Run from the repository root after a build; about 1 minute (1.5 with a base).
 set -eu
 if [ $# -gt 2 ]; then

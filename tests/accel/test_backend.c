@@ -1631,10 +1631,11 @@ static void conv3x3_bitwise(int isa) {
 }
 
 /* The forward 3x3 convs with moments at a ResNet's shapes (stage 1's 16 channels at 28x28,
- * stage 2's 32 at 14x14, stage 3's 64 at 7x7) and odd ones: the best variant (on AVX-512F
- * the lanes layout, 16 images in a vector, for planes of up to 14x14: conv_lanes.h) gives
- * the bits of the AVX2 variant (always the tall layout), y and moments, on 1 and 2 threads,
- * and matches double loops. Batches of 16 images (one group), 17 and 37 (a partial group
+ * stage 2's 32 at 14x14, stage 3's 64 at 7x7) and odd ones, and the input gradient with
+ * batch norm's sums (a residual, a mask): the best variant (on AVX-512F the lanes layout, 16
+ * images in a vector, for planes of up to 14x14: conv_lanes.h) gives the bits of the AVX2
+ * variant (always the tall layout), y, moments and sums, on 1 and 2 threads, and matches
+ * double loops. Batches of 16 images (one group), 17 and 37 (a partial group
  * after full ones), 1 and 5 (a partial group alone). */
 static void test_cpu_conv3x3_lanes(void **state) {
   (void)state;
@@ -1664,24 +1665,43 @@ static void test_cpu_conv3x3_lanes(void **state) {
                     (double)hwt[(o * c + ch) * 9 + t] *
                     hx[((b * c + ch) * h + (size_t)iy) * w + (size_t)ix];
               }
+    /* Also as an input gradient with batch norm's sums (ac_conv3x3_bn_grad), with a residual
+     * and a mask: the result and the sums. */
+    float *hres = host_rand(ny), *hmask = host_rand(ny), *hbx = host_rand(ny), *hc = host_rand(oc);
     float *got[4];
+    size_t len = 2 * ny + 4 * oc;
     for (int k = 0; k < 4; k++) { /* AVX2 on 1 and 2 threads, then the best */
       ac_backend *b = k < 2 ? ref[k] : be[k - 2];
-      float *x = dev_up(b, hx, nx), *wt = dev_up(b, hwt, nw);
-      float *y = dev_alloc(b, (ny + 2 * oc) * sizeof(float));
-      OK(ac_fill_f32(b, ny + 2 * oc, y, NAN)); /* overwritten */
+      float *x = dev_up(b, hx, nx), *wt = dev_up(b, hwt, nw), *res = dev_up(b, hres, ny);
+      float *mask = dev_up(b, hmask, ny), *bx = dev_up(b, hbx, ny), *cen = dev_up(b, hc, oc);
+      float *y = dev_alloc(b, len * sizeof(float));
+      OK(ac_fill_f32(b, len, y, NAN)); /* overwritten */
       OK(ac_conv3x3_moments(b, n, c, oc, h, w, x, wt, y, y + ny));
-      got[k] = dev_down(b, y, ny + 2 * oc);
+      ac_bn_grad_args a = {.mask = mask, .x = bx, .center = cen, .sums = y + 2 * ny + 2 * oc};
+      OK(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, res, y + ny + 2 * oc, &a));
+      got[k] = dev_down(b, y, len);
       ac_free(b, x);
       ac_free(b, wt);
+      ac_free(b, res);
+      ac_free(b, mask);
+      ac_free(b, bx);
+      ac_free(b, cen);
       ac_free(b, y);
     }
     expect_close("conv3x3 lanes", got[2], want, ny, 2e-6 * (double)(c * 9), 1e-5);
-    for (int k = 1; k < 4; k++) assert_memory_equal(got[0], got[k], (ny + 2 * oc) * sizeof(float));
+    for (size_t i = 0; i < ny; i++) { /* the input gradient: (y + res) masked */
+      double g = hmask[i] > 0.0f ? want[i] + hres[i] : 0.0;
+      assert_true(fabs(got[2][ny + 2 * oc + i] - g) <= 2e-6 * (double)(c * 9) + 1e-5 * fabs(g));
+    }
+    for (int k = 1; k < 4; k++) assert_memory_equal(got[0], got[k], len * sizeof(float));
     for (int k = 0; k < 4; k++) free(got[k]);
     free(want);
     free(hx);
     free(hwt);
+    free(hres);
+    free(hmask);
+    free(hbx);
+    free(hc);
   }
   for (int t = 0; t < 2; t++) {
     ac_backend_destroy(ref[t]);
