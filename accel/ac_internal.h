@@ -126,6 +126,10 @@ typedef struct ac__ops {
                  const float *x, const float *wt, float *y, float *moments);
   int (*conv_s2_wgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                        const float *x, const float *dy, float *dw);
+  /* Optional (NULL: AC_ENOTSUP): ac_conv_s2_dgrad_bn. */
+  int (*conv_s2_dgrad_bn)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                          size_t k, const float *dy, const float *wt, const float *res, float *dx,
+                          const ac_bn_grad_args *bn);
   int (*conv_s2_dgrad)(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                        const float *dy, const float *wt, float *dx);
 } ac__ops;

@@ -649,15 +649,20 @@ int ac_conv3x3_moments(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, 
                      : be->ops->conv3x3(be, n, c, oc, h, w, x, wt, NULL, y, moments);
 }
 
+/* The batch norm of a conv's input gradient y (ac_bn_grad_args): given, and its sums alias
+ * nothing read or written. */
+static int bn_grad_ok(const ac_bn_grad_args *bn, const float *x, const float *wt, const float *res,
+                      const float *y) {
+  return bn != NULL && bn->x != NULL && bn->center != NULL && bn->x != y && bn->mask != y &&
+         moments_ok(bn->sums, x, wt, y) && bn->sums != res && bn->sums != bn->x &&
+         bn->sums != bn->mask && bn->sums != bn->center;
+}
+
 int ac_conv3x3_bn_grad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
                        const float *x, const float *wt, const float *res, float *y,
                        const ac_bn_grad_args *bn) {
   int rc = conv3x3_check(be, n, c, oc, h, w, x, wt, y);
-  if (rc == AC_OK &&
-      (bn == NULL || bn->x == NULL || bn->center == NULL || bn->sums == NULL || bn->x == y ||
-       bn->mask == y || !moments_ok(bn->sums, x, wt, y) || bn->sums == res || bn->sums == bn->x ||
-       bn->sums == bn->mask || bn->sums == bn->center))
-    rc = AC_EINVAL;
+  if (rc == AC_OK && !bn_grad_ok(bn, x, wt, res, y)) rc = AC_EINVAL;
   if (rc == AC_OK && be->ops->conv3x3_bn_grad == NULL) rc = AC_ENOTSUP;
   return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
                      : be->ops->conv3x3_bn_grad(be, n, c, oc, h, w, x, wt, res, y, bn);
@@ -710,6 +715,16 @@ int ac_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, si
   if (rc == AC_OK && dy == x) rc = AC_EINVAL;
   return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
                      : be->ops->conv_s2_wgrad(be, n, c, oc, h, w, k, x, dy, dw);
+}
+
+int ac_conv_s2_dgrad_bn(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                        const float *dy, const float *wt, const float *res, float *dx,
+                        const ac_bn_grad_args *bn) {
+  int rc = conv_s2_check(be, n, c, oc, h, w, k, dy, wt, dx);
+  if (rc == AC_OK && (!bn_grad_ok(bn, dy, wt, res, dx) || res == dx)) rc = AC_EINVAL;
+  if (rc == AC_OK && be->ops->conv_s2_dgrad_bn == NULL) rc = AC_ENOTSUP;
+  return rc != AC_OK ? (rc == 1 ? AC_OK : rc)
+                     : be->ops->conv_s2_dgrad_bn(be, n, c, oc, h, w, k, dy, wt, res, dx, bn);
 }
 
 int ac_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,

@@ -515,6 +515,15 @@ int ac_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, si
 int ac_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
                      const float *dy, const float *wt, float *dx);
 
+/* ac_conv_s2_dgrad, then dx += res (res NULL: nothing added; it may alias nothing written)
+ * and batch norm's backward in the same pass as ac_conv3x3_bn_grad: dx masked, bn->sums (2 c
+ * floats) the bits of ac_channel_grad_sums(n, c, h w) of the unmasked dx + res, each
+ * image's planes summed once complete, from the cache. A ResNet block's input gradient at
+ * a stride-2 block. Same support (CUDA: AC_ENOTSUP). */
+int ac_conv_s2_dgrad_bn(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w, size_t k,
+                        const float *dy, const float *wt, const float *res, float *dx,
+                        const ac_bn_grad_args *bn);
+
 /* 1 if the backend has the direct stride-2 kernels for this shape (the CPU backend: where
  * ac_conv3x3_supported(be, c, oc) says yes, c also a multiple of 4, h and w even, k 1 or 3;
  * CUDA: none yet), else 0. */

@@ -2514,7 +2514,7 @@ static void c3_dgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
     float *dxb = a->y + b * a->c * ihw;
     if (a->nph == 1) memset(dxb, 0, a->c * ihw * sizeof *dxb); /* 1x1: odd pixels get none */
     pool_phase_end(a->pool, a->phase[0], thread, &t);
-    for (size_t cb = 0; cb < a->c / 4; cb++)
+    for (size_t cb = 0; cb < a->c / 4; cb++) {
       for (size_t ph = 0; ph < a->nph; ph++) {
         size_t nt = a->dnt[ph], rp = ph >> 1, cp = ph & 1;
         c3_fwd_kernel(a, a->oc, a->dl, nt, a->doff[ph], dq, a->w + a->dwo[ph] + cb * a->oc * 4 * nt,
@@ -2528,6 +2528,17 @@ static void c3_dgrad_part(void *ctx, size_t lo, size_t hi, int thread) {
           }
         pool_phase_end(a->pool, a->phase[2], thread, &t);
       }
+      for (size_t i = 0; i < 4 && a->bn != NULL; i++) { /* its 4 planes complete: */
+        size_t ch = 4 * cb + i, at = (b * a->c + ch) * ihw;
+        float *plane = a->y + at;
+        double *sq = a->sums + 2 * (b * a->c + ch);
+        if (a->res != NULL) c3_copy_isa(a->isa, plane, plane, a->res + at, ihw);
+        sq[0] = sq[1] = 0.0;
+        row_grad_sums(a->isa, ihw, plane, a->bn->mask != NULL ? a->bn->mask + at : NULL,
+                      a->bn->x + at, a->bn->center[ch], plane, sq, sq + 1);
+        pool_phase_end(a->pool, a->phase[2], thread, &t);
+      }
+    }
   }
 }
 
@@ -2803,20 +2814,21 @@ static int cpu_conv_s2_wgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
 #endif
 }
 
-static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
-                             size_t k, const float *dy, const float *wt, float *dx) {
+static int cpu_conv_s2_dgrad_bn(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                                size_t k, const float *dy, const float *wt, const float *res,
+                                float *dx, const ac_bn_grad_args *bn) {
 #if C3_HAVE_KERNELS
   cpu_pool *pool = pool_of(be);
   size_t parts = (size_t)pool->nthreads;
-  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .dy = dy, .y = dx};
+  c3_args a = {.n = n, .c = c, .oc = oc, .parts = parts, .dy = dy, .y = dx, .res = res, .bn = bn};
   c3_set_shape(&a, h, w, k, 2);
   c3_args_isa(be, &a);
   a.nv = c3_nvec(&a.g, 1, a.vw);
   a.dl = c3_chan_len(&a.g, 1, a.vw);
   c3_set_dgrad_taps(&a);
   a.per_thread = oc * a.dl + 4 * a.nv * a.vw;
-  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16;
-  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + C3_READY_FLOATS(parts));
+  size_t wfloats = (oc * c * a.kk + 15) / 16 * 16, sfloats = bn != NULL ? 4 * n * c : 0;
+  float *s = cpu_scratch(be, wfloats + parts * a.per_thread + sfloats + C3_READY_FLOATS(parts));
   if (s == NULL) return AC_ENOMEM;
   /* s[dwo + ((cb oc + o) nt + t) 4 + i] = W[o][4 cb + i][tap t of the phase] */
   for (size_t ph = 0; ph < a.nph; ph++)
@@ -2828,15 +2840,31 @@ static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size
                 wt[(o * c + 4 * cb + i) * a.kk + a.dtap[ph][t]];
   a.w = s;
   a.scratch = s + wfloats;
-  a.ready = (unsigned char *)(a.scratch + parts * a.per_thread);
+  if (sfloats > 0) a.sums = (double *)(void *)(a.scratch + parts * a.per_thread);
+  a.ready = (unsigned char *)(a.scratch + parts * a.per_thread + sfloats);
   memset(a.ready, 0, parts);
   const char *kind = c3_phases(&a, pool, 3);
   pool_run(pool, n, (double)(n * c * oc * a.g.h * a.g.w), c3_dgrad_part, &a, kind);
+  for (size_t ch = 0; ch < c && bn != NULL; ch++) { /* in image order, as c3_forward's */
+    double sum = 0.0, sq = 0.0;
+    for (size_t b = 0; b < n; b++) {
+      sum += a.sums[2 * (b * c + ch)];
+      sq += a.sums[2 * (b * c + ch) + 1];
+    }
+    bn->sums[ch] = (float)sum;
+    bn->sums[c + ch] = (float)sq;
+  }
   return AC_OK;
 #else
-  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)dy, (void)wt, (void)dx;
+  (void)be, (void)n, (void)c, (void)oc, (void)h, (void)w, (void)k, (void)dy, (void)wt, (void)res,
+      (void)dx, (void)bn;
   return AC_ENOTSUP;
 #endif
+}
+
+static int cpu_conv_s2_dgrad(ac_backend *be, size_t n, size_t c, size_t oc, size_t h, size_t w,
+                             size_t k, const float *dy, const float *wt, float *dx) {
+  return cpu_conv_s2_dgrad_bn(be, n, c, oc, h, w, k, dy, wt, NULL, dx, NULL);
 }
 
 static const ac__ops cpu_ops = {
@@ -2894,6 +2922,7 @@ static const ac__ops cpu_ops = {
     .conv_s2 = cpu_conv_s2,
     .conv_s2_wgrad = cpu_conv_s2_wgrad,
     .conv_s2_dgrad = cpu_conv_s2_dgrad,
+    .conv_s2_dgrad_bn = cpu_conv_s2_dgrad_bn,
 };
 
 int ac__cpu_create(ac_backend *be, const ac_backend_opts *opts, char *err, size_t errlen) {

@@ -325,7 +325,8 @@ int ac_conv2d_backward_add(ac_conv2d *l, const float *dy, const float *addend, f
 struct ac_batchnorm;
 /* ac_conv2d_backward (addend NULL; out unused) or ac_conv2d_backward_add (into out) for a
  * conv whose input was bn's output (through bn's fused ReLU, if any); *dx = the input
- * gradient. Where the backend's direct stride-1 kernel makes it (ac_conv3x3_bn_grad), it
+ * gradient. Where the backend's direct kernels make it (ac_conv3x3_bn_grad at stride 1,
+ * ac_conv_s2_dgrad_bn at stride 2, the latter not with addend == out), it
  * comes out masked by bn's ReLU and bn's backward sums are made while it is written: bn's
  * next backward of this *dx (ac_batchnorm_backward_res) uses them and skips its own pass
  * over it (the parameter gradients and dx the same bits as without). Otherwise, or with bn

@@ -184,10 +184,11 @@ fail:
   return rc;
 }
 
-/* The input gradient (to dst, plus addend when not NULL) on the direct stride-1 kernel, with
- * bn's gradient sums made in its copy-out (ac_conv3x3_bn_grad) where bn follows this conv's
- * input: returns 1 when they were made (dst then holds the gradient masked by bn's ReLU, and
- * bn->gsums_for = dst), 0 when the caller is to make dx itself, or an error. */
+/* The input gradient (to dst, plus addend when not NULL) on the direct kernels, with bn's
+ * gradient sums made in its copy-out (ac_conv3x3_bn_grad at stride 1, ac_conv_s2_dgrad_bn
+ * at stride 2) where bn follows this conv's input: returns 1 when they were made (dst then
+ * holds the gradient masked by bn's ReLU, and bn->gsums_for = dst), 0 when the caller is to
+ * make dx itself, or an error. */
 static int conv_dx_bn(ac_conv2d *l, const float *dy, const float *addend, float *dst,
                       ac_batchnorm *bn) {
   size_t c = l->g.c, h = l->g.h, w = l->g.w;
@@ -197,7 +198,14 @@ static int conv_dx_bn(ac_conv2d *l, const float *dy, const float *addend, float 
       .x = bn->x,
       .center = bn->mode == AC_MODE_TRAIN ? bn->mean : ac_tensor_f32(&bn->running_mean),
       .sums = bn->gsums};
-  int rc = ac_conv3x3_bn_grad(l->be, l->batch, l->out_c, c, h, w, dy, l->wflip, addend, dst, &a);
+  int rc;
+  if (l->direct_dx)
+    rc = ac_conv3x3_bn_grad(l->be, l->batch, l->out_c, c, h, w, dy, l->wflip, addend, dst, &a);
+  else if (addend != dst) /* the stride-2 scatter would overwrite an addend in place */
+    rc = ac_conv_s2_dgrad_bn(l->be, l->batch, c, l->out_c, h, w, l->g.kh, dy,
+                             ac_tensor_f32(&l->weight.value), addend, dst, &a);
+  else
+    return 0;
   if (rc == AC_ENOTSUP) return 0;
   if (rc != AC_OK) return rc;
   bn->gsums_for = dst;
@@ -229,7 +237,7 @@ static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const 
   if (direct_w && l->direct_s2)
     AC__TRY(ac_conv_s2_wgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, l->x, dy, dw));
   int fused_add = addend != NULL && direct_x && l->direct_dx, fused_bn = 0;
-  if (direct_x && l->direct_dx && bn != NULL) {
+  if (direct_x && bn != NULL) {
     rc = conv_dx_bn(l, dy, addend, addend != NULL ? out : l->dx, bn);
     if (rc < 0) goto fail;
     fused_bn = rc;
@@ -240,7 +248,7 @@ static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const 
     AC__TRY(ac_conv3x3_add(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, addend, out));
   else if (direct_x && l->direct_dx)
     AC__TRY(ac_conv3x3(be, l->batch, oc, c, l->g.h, l->g.w, dy, l->wflip, l->dx));
-  if (direct_x && l->direct_s2)
+  if (direct_x && l->direct_s2 && !fused_bn)
     AC__TRY(ac_conv_s2_dgrad(be, l->batch, c, oc, l->g.h, l->g.w, l->g.kh, dy, w, l->dx));
   int chunked_x = dx != NULL && !direct_x;
   for (size_t b0 = 0; b0 < l->batch && (!direct_w || chunked_x); b0 += l->chunk) {
@@ -288,7 +296,7 @@ static int conv_backward(ac_conv2d *l, const float *dy, const float **dx, const 
       AC__TRY(ac_col2im_batch(be, &g, col, l->dx + b0 * chw));
     }
   }
-  if (dx != NULL && addend != NULL && !fused_add)
+  if (dx != NULL && addend != NULL && !fused_add && !fused_bn)
     AC__TRY(ac_axpby(be, l->batch * chw, 1.0f, l->dx, 1.0f, addend, out));
   if (dx != NULL) *dx = addend != NULL ? out : l->dx;
   return AC_OK;

@@ -224,7 +224,8 @@ __attribute__((target("avx512f"))) static uint32_t shampoo_fold_keep(size_t len,
       __m512 sv = _mm512_load_ps(s + i);
       _mm512_stream_ps(old + i, sv);
       __m512 y = _mm512_add_ps(sv, _mm512_loadu_ps(x + i));
-      big = _mm512_or_si512(big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
+      big = _mm512_or_si512(
+          big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
       _mm512_store_ps(s + i, y);
     }
   } else {
@@ -233,7 +234,8 @@ __attribute__((target("avx512f"))) static uint32_t shampoo_fold_keep(size_t len,
       __m512 sv = _mm512_load_ps(s + i);
       _mm512_stream_ps(old + i, sv);
       __m512 y = _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
-      big = _mm512_or_si512(big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
+      big = _mm512_or_si512(
+          big, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(y), expo), carry));
       _mm512_store_ps(s + i, y);
     }
   }
@@ -281,8 +283,7 @@ static int shampoo_fold_into(const void *opts, const pd_block *u, float *const *
 #endif
       big = shampoo_fold_part(len, state[k], inc[k], out[k], beta2);
     bounded[k] = !(big & 0x80000000u);
-    if (bounded[k] || rpc_f32_scan(len, in_place[k] ? state[k] : out[k]) != RPC_F32_BAD)
-      continue;
+    if (bounded[k] || rpc_f32_scan(len, in_place[k] ? state[k] : out[k]) != RPC_F32_BAD) continue;
     if (rpc_f32_scan(len, inc[k]) == RPC_F32_BAD) {
       if (bad_part == UINT32_MAX) bad_part = k;
     } else if (over_part == UINT32_MAX) {

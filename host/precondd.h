@@ -338,8 +338,8 @@ typedef struct {
    * *part the first increment part holding a NaN or Inf; PD_FOLD_OVERFLOW with *part the
    * first part whose fold would hold an Inf (in_place[] set in every case). */
   int (*fold_into)(const void *opts, const pd_block *u, float *const *state,
-                   const float *const *inc, float *const *out, uint8_t *bounded,
-                   uint8_t *in_place, uint32_t *part);
+                   const float *const *inc, float *const *out, uint8_t *bounded, uint8_t *in_place,
+                   uint32_t *part);
   /* Computes a unit's result from a private copy of its state into out (parts of the
    * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state,
    * which the mode may allocate and keep (reporting its bytes in info->state_bytes), or

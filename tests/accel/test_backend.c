@@ -1841,6 +1841,63 @@ static void test_cpu_conv3x3_bn_grad(void **state) {
   }
 }
 
+/* ac_conv_s2_dgrad_bn: the stride-2 input gradient plus a residual, masked, with the batch
+ * norm's sums, the bits of ac_conv_s2_dgrad, ac_axpby and ac_channel_grad_sums, on 1 and 2
+ * threads, 3x3 and 1x1 (odd pixels only the residual's); a residual over dx is AC_EINVAL. */
+static void test_cpu_conv_s2_dgrad_bn(void **state) {
+  (void)state;
+  const size_t shapes[][6] = {{3, 8, 4, 14, 14, 3}, {2, 4, 8, 6, 8, 1}, {5, 16, 16, 14, 14, 3}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    size_t n = shapes[si][0], c = shapes[si][1], oc = shapes[si][2], h = shapes[si][3];
+    size_t w = shapes[si][4], k = shapes[si][5], hw = h * w, nx = n * c * hw;
+    size_t ny = n * oc * hw / 4, nw = oc * c * k * k;
+    float *hdy = host_rand(ny), *hwt = host_rand(nw), *hres = host_rand(nx);
+    float *hmask = host_rand(nx), *hbx = host_rand(nx), *hc = host_rand(c);
+    for (size_t i = 0; i < nx; i++) hmask[i] -= 0.3f;
+    ac_backend *be[2] = {NULL, NULL};
+    cpu_pair(be);
+    float *first = NULL;
+    for (int t = 0; t < 2 && ac_conv_s2_supported(be[0], c, oc, h, w, k); t++) {
+      ac_backend *b = be[t];
+      float *dy = dev_up(b, hdy, ny), *wt = dev_up(b, hwt, nw), *res = dev_up(b, hres, nx);
+      float *mask = dev_up(b, hmask, nx), *bx = dev_up(b, hbx, nx), *cen = dev_up(b, hc, c);
+      float *r = dev_alloc(b, (3 * nx + 4 * c) * sizeof(float)), *fs = r + 3 * nx;
+      ac_bn_grad_args a = {.mask = mask, .x = bx, .center = cen, .sums = fs};
+      OK(ac_conv_s2_dgrad_bn(b, n, c, oc, h, w, k, dy, wt, res, r, &a));
+      OK(ac_conv_s2_dgrad(b, n, c, oc, h, w, k, dy, wt, r + nx));
+      OK(ac_axpby(b, nx, 1.0f, r + nx, 1.0f, res, r + nx));
+      OK(ac_channel_grad_sums(b, n, c, hw, r + nx, mask, bx, cen, r + 2 * nx, fs + 2 * c,
+                              fs + 3 * c));
+      assert_int_equal(ac_conv_s2_dgrad_bn(b, n, c, oc, h, w, k, dy, wt, r, r, &a), AC_EINVAL);
+      float *got = dev_down(b, r, 3 * nx + 4 * c);
+      assert_memory_equal(got, got + 2 * nx, nx * sizeof(float)); /* dx masked */
+      assert_memory_equal(got + 3 * nx, got + 3 * nx + 2 * c, 2 * c * sizeof(float));
+      if (first == NULL) {
+        first = got;
+      } else {
+        assert_memory_equal(first, got, (3 * nx + 4 * c) * sizeof(float));
+        free(got);
+      }
+      ac_free(b, dy);
+      ac_free(b, wt);
+      ac_free(b, res);
+      ac_free(b, mask);
+      ac_free(b, bx);
+      ac_free(b, cen);
+      ac_free(b, r);
+    }
+    free(first);
+    ac_backend_destroy(be[0]);
+    ac_backend_destroy(be[1]);
+    free(hdy);
+    free(hwt);
+    free(hres);
+    free(hmask);
+    free(hbx);
+    free(hc);
+  }
+}
+
 static void test_conv_im2col(void **state) {
   ac_backend *be = backend(state);
   const ac_conv2d_geom g = geom(2, 3, 9, 7, 3, 2, 2, 1, 1, 1);
@@ -2836,6 +2893,7 @@ int main(void) {
                                          cmocka_unit_test(test_cpu_channel_sums_isa),
                                          cmocka_unit_test(test_cpu_conv3x3_bitwise),
                                          cmocka_unit_test(test_cpu_conv3x3_bn_grad),
+                                         cmocka_unit_test(test_cpu_conv_s2_dgrad_bn),
                                          cmocka_unit_test(test_cpu_conv3x3_lanes),
                                          cmocka_unit_test(test_cpu_sgemm_small_vs_openblas)};
   const struct CMUnitTest cpu[] = {PRIMITIVE_TESTS, cmocka_unit_test(test_gelu_accuracy)};

@@ -260,7 +260,8 @@ static int fold_into_checked(const pd_shampoo_opts *o, const pd_block *b, const 
     *n_in_place += in_place[k];
     if (off % 64) assert_int_equal(in_place[k], 0); /* streaming stores need alignment */
     assert_memory_equal(in_place[k] ? out[k] : copy[k], st[k], len * sizeof(float));
-    if (why == PD_FOLD_OK) assert_memory_equal(in_place[k] ? copy[k] : out[k], want, len * sizeof(float));
+    if (why == PD_FOLD_OK)
+      assert_memory_equal(in_place[k] ? copy[k] : out[k], want, len * sizeof(float));
     free_at(copy[k], off);
     free_at(out[k], off);
   }
@@ -337,8 +338,8 @@ static void test_fold_bounded(void **state) {
             fold_into_checked(&o, b, stbb, in3, want, off, bounded, &part, &n_in_place), why);
         assert_int_equal(bounded[0], 0); /* finite, at or above 2^126 */
       } else {
-        assert_int_equal(
-            fold_into_checked(&o, b, stb, in3, NULL, off, bounded, &part, &n_in_place), why);
+        assert_int_equal(fold_into_checked(&o, b, stb, in3, NULL, off, bounded, &part, &n_in_place),
+                         why);
         assert_int_equal(part, 0);
       }
       free(want);

@@ -43,8 +43,8 @@ static pd_daemon *daemon_new(size_t memory_mb) {
  * asserts it. The deadline only bounds a hang (the pool is slow under the sanitizers on a
  * loaded machine): no test here depends on how fast the pool is. */
 #define WAIT_S 120.0
-#define WAIT_FOR(cond)                                                                   \
-  for (double wait_end_ = pd_now() + WAIT_S; !(cond) && pd_now() < wait_end_;)           \
+#define WAIT_FOR(cond)                                                         \
+  for (double wait_end_ = pd_now() + WAIT_S; !(cond) && pd_now() < wait_end_;) \
   nanosleep(&(struct timespec){0, 1000000}, NULL)
 
 static void daemon_free(pd_daemon *d) {

@@ -345,8 +345,7 @@ static void test_push_into(void **state) {
     if (push == 4) bad[len[1] - 1] = NAN; /* push 4: a NaN in the last value */
     const float *in[PD_MAX_PARTS] = {inc[0], bad};
     pd_push_refusal no;
-    rc = pd_job_push_into(job, 1, &b, in, out, (uint64_t)push + 1, &stats, intact_as, &intact,
-                          &no);
+    rc = pd_job_push_into(job, 1, &b, in, out, (uint64_t)push + 1, &stats, intact_as, &intact, &no);
     if (push == 3 || push == 4) {
       assert_int_equal(rc, PD_EINVAL);
       assert_int_equal(no.why, push == 3 ? PD_FOLD_CHANGED : PD_FOLD_NONFINITE);
