@@ -146,7 +146,8 @@ __attribute__((target("avx512f"))) static void keep(size_t n, float *s, const fl
   for (size_t i = 0; i < n; i += 16) {
     __m512 sv = _mm512_load_ps(s + i);
     _mm512_stream_ps(o + i, sv);
-    _mm512_store_ps(s + i, _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i))));
+    _mm512_store_ps(s + i,
+                    _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i))));
   }
   _mm_sfence();
 }

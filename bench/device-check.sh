@@ -15,7 +15,11 @@
 #      block products stay on cuBLAS, which test_sgemm_small_blocks and
 #      test_syrk_small_blocks check against a double reference in the CUDA group too;
 #      session 12 added no kernel (its changes are the CPU backend's AVX-512F tails and
-#      packing, the daemon's root rate and the shared region's doorbell);
+#      packing, the daemon's root rate and the shared region's doorbell); session 13's
+#      lanes layout (accel/conv_lanes.c) and batch norm's sums made by the conv that writes
+#      its gradient (ac_conv3x3_bn_grad, ac_conv_s2_dgrad_bn) are CPU-only: on CUDA those
+#      calls answer unsupported and the layers take batch norm's own passes, which
+#      test_conv_bn_grad (fused against unfused, in the CUDA group too) checks;
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #

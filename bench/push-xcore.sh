@@ -2,7 +2,7 @@
 # The same-host push across cores (issue 13 P2), the BASE build against this checkout's
 # build/, on quiet cores. Run from the repository root with build/ built (meson compile -C
 # build); BASE is another build directory (e.g. a copy of build/ made before a change).
-# About 2 minutes on quiet cores (much longer under load).
+# About 7 minutes on quiet cores (session 13: 7 min; much longer under load).
 # usage: bash bench/push-xcore.sh BASE
 # Builds: base; new (this checkout: since session 13 a push read in place is folded into the
 # statistic in place, its old values streamed to the spare). Session 12's third build, nap
