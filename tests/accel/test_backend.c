@@ -65,6 +65,19 @@ static float *dev_down(ac_backend *be, const float *d, size_t n) {
   return h;
 }
 
+/* A test's clean-up in one line: host buffers (host_rand's, dev_down's) and a backend's
+ * (dev_up's, dev_alloc's). */
+static void host_free_all(size_t n, float *const *p) {
+  for (size_t i = 0; i < n; i++) free(p[i]);
+}
+static void dev_free_all(ac_backend *be, size_t n, float *const *p) {
+  for (size_t i = 0; i < n; i++) ac_free(be, p[i]);
+}
+#define HOST_FREE(...) \
+  host_free_all(sizeof((float *[]){__VA_ARGS__}) / sizeof(float *), (float *[]){__VA_ARGS__})
+#define DEV_FREE(be, ...) \
+  dev_free_all(be, sizeof((float *[]){__VA_ARGS__}) / sizeof(float *), (float *[]){__VA_ARGS__})
+
 /* A conv or pooling geometry in one line: input (n, c, h, w), kernel kh x kw, strides,
  * padding, in ac_conv2d_geom's order (the formatter spreads a designated initializer over
  * ten lines, which made every test's setup a block of them). */
@@ -1688,13 +1701,7 @@ static void test_cpu_conv3x3_lanes(void **state) {
       ac_bn_grad_args a = {.mask = mask, .x = bx, .center = cen, .sums = y + 2 * ny + 2 * oc};
       OK(ac_conv3x3_bn_grad(b, n, c, oc, h, w, x, wt, res, y + ny + 2 * oc, &a));
       got[k] = dev_down(b, y, len);
-      ac_free(b, x);
-      ac_free(b, wt);
-      ac_free(b, res);
-      ac_free(b, mask);
-      ac_free(b, bx);
-      ac_free(b, cen);
-      ac_free(b, y);
+      DEV_FREE(b, x, wt, res, mask, bx, cen, y);
     }
     expect_close("conv3x3 lanes", got[2], want, ny, 2e-6 * (double)(c * 9), 1e-5);
     for (size_t i = 0; i < ny; i++) { /* the input gradient: (y + res) masked */
@@ -1704,12 +1711,7 @@ static void test_cpu_conv3x3_lanes(void **state) {
     for (int k = 1; k < 4; k++) assert_memory_equal(got[0], got[k], len * sizeof(float));
     for (int k = 0; k < 4; k++) free(got[k]);
     free(want);
-    free(hx);
-    free(hwt);
-    free(hres);
-    free(hmask);
-    free(hbx);
-    free(hc);
+    HOST_FREE(hx, hwt, hres, hmask, hbx, hc);
   }
   for (int t = 0; t < 2; t++) {
     ac_backend_destroy(ref[t]);
@@ -1817,27 +1819,13 @@ static void test_cpu_conv3x3_bn_grad(void **state) {
         }
         free(gip);
         free(gips);
-        ac_free(b, x);
-        ac_free(b, wt);
-        ac_free(b, res);
-        ac_free(b, mask);
-        ac_free(b, bx);
-        ac_free(b, cen);
-        ac_free(b, r);
-        ac_free(b, tmp);
-        ac_free(b, ip);
-        ac_free(b, ips);
+        DEV_FREE(b, x, wt, res, mask, bx, cen, r, tmp, ip, ips);
       }
       free(first);
       ac_backend_destroy(be[0]);
       ac_backend_destroy(be[1]);
     }
-    free(hx);
-    free(hwt);
-    free(hres);
-    free(hmask);
-    free(hbx);
-    free(hc);
+    HOST_FREE(hx, hwt, hres, hmask, hbx, hc);
   }
 }
 
@@ -1878,23 +1866,12 @@ static void test_cpu_conv_s2_dgrad_bn(void **state) {
         assert_memory_equal(first, got, (3 * nx + 4 * c) * sizeof(float));
         free(got);
       }
-      ac_free(b, dy);
-      ac_free(b, wt);
-      ac_free(b, res);
-      ac_free(b, mask);
-      ac_free(b, bx);
-      ac_free(b, cen);
-      ac_free(b, r);
+      DEV_FREE(b, dy, wt, res, mask, bx, cen, r);
     }
     free(first);
     ac_backend_destroy(be[0]);
     ac_backend_destroy(be[1]);
-    free(hdy);
-    free(hwt);
-    free(hres);
-    free(hmask);
-    free(hbx);
-    free(hc);
+    HOST_FREE(hdy, hwt, hres, hmask, hbx, hc);
   }
 }
 

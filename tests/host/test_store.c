@@ -15,6 +15,12 @@
 #include "precondd.h"
 #include "preconditioner.h"
 
+/* A store of limit bytes (100 blocks a job) over fresh stats, both to be destroyed. */
+static void store_open(pd_stats *stats, pd_store *st, size_t limit) {
+  assert_int_equal(pd_stats_init(stats), PD_OK);
+  assert_int_equal(pd_store_init(st, stats, limit, 100), PD_OK);
+}
+
 static void test_options(void **state) {
   (void)state;
   char err[256];
@@ -198,8 +204,7 @@ static void test_ended_names(void **state) {
   int rc;
   uint64_t dims[1][2] = {{4, 4}};
   int ranks[1] = {2};
-  assert_int_equal(pd_stats_init(&stats), PD_OK);
-  assert_int_equal(pd_store_init(&st, &stats, (size_t)64 << 20, 100), PD_OK);
+  store_open(&stats, &st, (size_t)64 << 20);
   st.ended_max = 2;
   const char *names[3] = {"a", "b", "c"};
   pd_job *existing = NULL;
@@ -255,8 +260,7 @@ static void test_block_update(void **state) {
   pd_store st;
   char err[256];
   int rc;
-  assert_int_equal(pd_stats_init(&stats), PD_OK);
-  assert_int_equal(pd_store_init(&st, &stats, (size_t)1 << 30, 100), PD_OK);
+  store_open(&stats, &st, (size_t)1 << 30);
   uint64_t dims[1][2] = {{3, 2}};
   int ranks[1] = {2};
   pd_job *job = build("a", dims, ranks, 1, 8, 100, &rc, err);
@@ -310,8 +314,7 @@ static void test_push_into(void **state) {
   pd_store st;
   char err[256];
   int rc;
-  assert_int_equal(pd_stats_init(&stats), PD_OK);
-  assert_int_equal(pd_store_init(&st, &stats, (size_t)1 << 30, 100), PD_OK);
+  store_open(&stats, &st, (size_t)1 << 30);
   uint64_t dims[1][2] = {{40, 23}}; /* orders 40 and 23: 820 and 276 floats, tails of 4 */
   int ranks[1] = {2};
   pd_job *job = build("p", dims, ranks, 1, 64, 100, &rc, err);
