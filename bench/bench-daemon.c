@@ -1197,7 +1197,7 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
-    if (w[0].daemon > 0 && g_account && shm && !fetch)
+    if (w[0].daemon > 0 && g_account && shm && shm != 5 && !fetch)
       print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
