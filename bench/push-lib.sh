@@ -8,7 +8,9 @@
 # push-shm (the doorbell, one push at a time, each answer awaited), push-shm-pipe (the
 # doorbell pipelined by bench-daemon itself, two in flight) and, new build only, push-lib
 # (libprecond's public API as a worker pushes, its background thread posting each push and
-# collecting the answer later; the base has no such row). Builds alternated ROUNDS times;
+# collecting the answer later; the base has no such row) and push-lib-wait (the same with
+# each answer awaited, precond_options.push_answer_wait: the client before session 14).
+# Builds alternated ROUNDS times;
 # prints every row, then per build and row the median and range of the ratios.
 set -u
 [ $# -ge 1 ] && [ $# -le 2 ] && [ -x "$1/bench/bench-daemon" ] && [ -x "$1/host/precondd" ] ||
@@ -31,7 +33,7 @@ for round in $(seq "$rounds"); do
     if [ $v = base ]; then b=$base/bench/bench-daemon; else b=build/bench/bench-daemon; fi
     taskset -c 0 "$b" --spawn "$tmp/pd-$v.sh" --keep-freed-memory --wire --unix-only --shm-only \
       --clock cpu --seconds 1 --sizes 1024 --fetch-max 16 2>>"$tmp/log" |
-      awk -F, -v r="$round" -v v=$v '$1 == "push-shm" || $1 == "push-shm-pipe" || $1 == "push-lib" {
+      awk -F, -v r="$round" -v v=$v '$1 == "push-shm" || $1 == "push-shm-pipe" || $1 ~ /^push-lib/ {
         print r "," v "," $1 "," $7 "," $8 "," $9 "," $14 }'
   done
 done | tee "$tmp/rows.csv"

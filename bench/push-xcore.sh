@@ -15,7 +15,7 @@
 # doorbell pipelined by bench-daemon itself, two in flight) and, new builds only, push-lib
 # (libprecond's public API as a worker pushes: its background thread copies the push into
 # the region and posts it, the answer collected later; the base has no such row: compare it
-# with both builds' push-shm), n = 1024 (4.2 MB, the target) and n = 32 (4 KB: the control
+# with both builds' push-shm) and push-lib-wait (the same, each answer awaited), n = 1024 (4.2 MB, the target) and n = 32 (4 KB: the control
 # alone). Builds alternated 3 rounds; then medians; last base's and new's --account lines at
 # n = 32 and 1024 across cores (CPU per push by part; the doorbell thread's CPU in the 300 ms
 # after the last push); then bench-xcore's fold rows (no daemon: the fold into the spare
@@ -50,7 +50,7 @@ for round in 1 2 3; do
     for v in base new ${NAP:+nap}; do
       run $v $place 2>>"$tmp/log" |
         awk -F, -v r=$round -v v=$v -v pl=$place \
-          '$1 == "memcpy" || $1 == "push-shm" || $1 == "push-shm-pipe" || $1 == "push-lib" { print pl "," r "," v "," $3 "," $1 "," $7 "," $8 "," $9 "," $14 }'
+          '$1 == "memcpy" || $1 == "push-shm" || $1 == "push-shm-pipe" || $1 ~ /^push-lib/ { print pl "," r "," v "," $3 "," $1 "," $7 "," $8 "," $9 "," $14 }'
     done
   done
 done | tee "$tmp/rows.csv"
