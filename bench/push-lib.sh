@@ -18,20 +18,12 @@ set -u
 base=$(cd "$1" && pwd)
 rounds=${2:-3}
 case $rounds in '' | *[!0-9]*) echo "ROUNDS must be a number" >&2; exit 2 ;; esac
-cd "$(dirname "$0")/.." || exit 2
-[ -x build/bench/bench-daemon ] && [ -x build/host/precondd ] ||
-  { echo "build first: meson compile -C build" >&2; exit 2; }
-export OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-printf '#!/bin/sh\nexec taskset -c 1 %s "$@"\n' "$base/host/precondd" > "$tmp/pd-base.sh"
-printf '#!/bin/sh\nexec taskset -c 1 %s "$@"\n' "$PWD/build/host/precondd" > "$tmp/pd-new.sh"
-chmod +x "$tmp/pd-base.sh" "$tmp/pd-new.sh"
+. "$(dirname "$0")/push-common.sh" # cd to the root, build/ checked, $tmp, pinned daemons
 echo "round,build,row,mb_per_cpu_s,pushes_per_cpu_s,p50_ms,ratio_to_memcpy"
 for round in $(seq "$rounds"); do
   for v in base new; do
     if [ $v = base ]; then b=$base/bench/bench-daemon; else b=build/bench/bench-daemon; fi
-    taskset -c 0 "$b" --spawn "$tmp/pd-$v.sh" --keep-freed-memory --wire --unix-only --shm-only \
+    taskset -c 0 "$b" --spawn "$tmp/pd1-$v.sh" --keep-freed-memory --wire --unix-only --shm-only \
       --clock cpu --seconds 1 --sizes 1024 --fetch-max 16 2>>"$tmp/log" |
       awk -F, -v r="$round" -v v=$v '$1 == "push-shm" || $1 == "push-shm-pipe" || $1 ~ /^push-lib/ {
         print r "," v "," $1 "," $7 "," $8 "," $9 "," $14 }'

@@ -24,17 +24,7 @@ set -u
 [ $# -eq 1 ] && [ -x "$1/bench/bench-daemon" ] ||
   { echo "usage: bash bench/push-xcore.sh BASE (a build directory with bench/bench-daemon)" >&2; exit 2; }
 base=$(cd "$1" && pwd)
-cd "$(dirname "$0")/.." || exit 2
-[ -x build/bench/bench-daemon ] && [ -x build/host/precondd ] ||
-  { echo "build first: meson compile -C build" >&2; exit 2; }
-export OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-for v in base new; do
-  if [ $v = base ]; then p=$base/host/precondd; else p=$PWD/build/host/precondd; fi
-  printf '#!/bin/sh\nexec taskset -c 1 %s "$@"\n' "$p" > "$tmp/pd1-$v.sh"
-  chmod +x "$tmp/pd1-$v.sh"
-done
+. "$(dirname "$0")/push-common.sh" # cd to the root, build/ checked, $tmp, pinned daemons
 run() { # run BUILD PLACE [more bench options]
   local v=$1 place=$2 b p pin= nap=
   shift 2
