@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "gemm_small.h"
 #include "optim.h"
 
 /* ------------------------------------------------------------------------------------ */
@@ -199,6 +200,25 @@ static int scatter_update(ac_backend *be, size_t out, size_t in, const float *r,
   return rc == AC_OK ? ac_copy2d(be, out, 1, r + in, in + 1, pb, 1) : rc;
 }
 
+/* C = A B (A m x k, B k x n, row-major) with k summed in the fewest equal chunks of at most
+ * AC__GEMM_SMALL_MAX, accumulated in C: the inverses' orders past it (the Transformer's G of
+ * qkv and fc1, A of fc2: 384-513) would send the whole product to OpenBLAS's AVX2 kernels,
+ * and chunks of k keep every slice of it (the backend cuts m or n) on the CPU backend's
+ * AVX-512F small-block kernel, about twice their rate (gemm_small.c). One product when k
+ * fits: the same call as before. */
+static int gemm_chunked_k(ac_backend *be, size_t m, size_t n, size_t k, const float *a, size_t lda,
+                          const float *b, size_t ldb, float *c, size_t ldc) {
+  const size_t chunks = (k + AC__GEMM_SMALL_MAX - 1) / AC__GEMM_SMALL_MAX;
+  const size_t step = (k + chunks - 1) / chunks;
+  int rc = AC_OK;
+  for (size_t p = 0; p < k && rc == AC_OK; p += step) {
+    const size_t kk = k - p < step ? k - p : step;
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, kk, 1.0f, a + p, lda, b + p * ldb, ldb,
+                  p == 0 ? 0.0f : 1.0f, c, ldc);
+  }
+  return rc;
+}
+
 int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw, const float *gb,
                          const float *g_inv, const float *a_inv, float *pw, float *pb, float *ws) {
   if (!be || out == 0 || in == 0 || !gw || !g_inv || !a_inv || !pw || !ws) return AC_EINVAL;
@@ -208,11 +228,9 @@ int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
   const float *grad = NULL;
   int rc = gather_grad(be, out, in, gw, gb, ws, &grad);
   /* t = G^-1 grad; then t A^-1 into pw directly, or into the workspace to split it. */
-  if (rc == AC_OK)
-    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, g_inv, out, grad, n, 0.0f, t, n);
+  if (rc == AC_OK) rc = gemm_chunked_k(be, out, n, out, g_inv, out, grad, n, t, n);
   float *dst = gb ? ws : pw;
-  if (rc == AC_OK)
-    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, n, 1.0f, t, n, a_inv, n, 0.0f, dst, n);
+  if (rc == AC_OK) rc = gemm_chunked_k(be, out, n, n, t, n, a_inv, n, dst, n);
   if (rc == AC_OK && gb) rc = scatter_update(be, out, in, dst, pw, pb);
   return rc;
 }
