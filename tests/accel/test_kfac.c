@@ -482,7 +482,7 @@ static void test_kl_clip(void **state) {
   double vg = pc_kfac_dot_f32(n1, p1, g1) + pc_kfac_dot_f32(n2, p2, g2), want = 0.0;
   float *d1 = dev_upload(be, n1, p1), *e1 = dev_upload(be, n1, g1);
   float *d2 = dev_upload(be, n2, p2), *e2 = dev_upload(be, n2, g2), *one = dev_alloc(be, 1);
-  ac_kfac_pg layers[2] = {{n1, d1, e1}, {n2, d2, e2}};
+  ac_kfac_pg layers[2] = {{n1, d1, e1, NULL}, {n2, d2, e2, NULL}};
   const double lr = 0.5;
   assert_int_equal(pc_kfac_kl_scale(1e-3, lr, vg, &want), PC_OK);
   assert_true(want < 0.5); /* this case clips */
@@ -492,6 +492,30 @@ static void test_kl_clip(void **state) {
   float *h1 = download(be, n1, d1), *h2 = download(be, n2, d2);
   for (size_t i = 0; i < n1; i++) assert_float_equal(h1[i], p1[i] * want, 1e-6);
   for (size_t i = 0; i < n2; i++) assert_float_equal(h2[i], p2[i] * want, 1e-6);
+  /* Into out (here the gradient itself): the same floats as in place, p untouched; then,
+   * unclipped, p copied there as it is. */
+  float *f1 = dev_upload(be, n1, p1), *f2 = dev_upload(be, n2, p2);
+  float *o2 = dev_upload(be, n2, g2);
+  ac_kfac_pg into[2] = {{n1, f1, e1, e1}, {n2, f2, o2, o2}};
+  double nu_into = -1.0;
+  OK(ac_kfac_kl_clip(be, into, 2, lr, 1e-3, one, &nu_into));
+  assert_true(nu_into == nu);
+  float *x1 = download(be, n1, e1), *x2 = download(be, n2, o2), *y1 = download(be, n1, f1);
+  assert_memory_equal(x1, h1, n1 * sizeof *x1);
+  assert_memory_equal(x2, h2, n2 * sizeof *x2);
+  assert_memory_equal(y1, p1, n1 * sizeof *y1);
+  OK(ac_kfac_kl_clip(be, into, 2, 1e-6, 1e-3, one, &nu_into));
+  assert_true(nu_into == 1.0);
+  free(x1);
+  x1 = download(be, n1, e1);
+  assert_memory_equal(x1, p1, n1 * sizeof *x1);
+  OK(ac_memcpy_h2d(be, e1, g1, n1 * sizeof *g1));
+  free(x1);
+  free(x2);
+  free(y1);
+  ac_free(be, f1);
+  ac_free(be, f2);
+  ac_free(be, o2);
   /* A learning rate small enough that nothing is clipped: p unchanged, nu = 1. */
   OK(ac_kfac_kl_clip(be, layers, 2, 1e-6, 1e-3, one, &nu));
   assert_true(nu == 1.0);
