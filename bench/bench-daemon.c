@@ -600,7 +600,8 @@ typedef struct {
    * the client's background thread writes the region's slots and posts each push at the
    * doorbell, collecting its answer later), paced by precond_wait_queued so that no push
    * coalesces; the bytes are those the daemon answered OK (precond_counters.bytes_sent),
-   * and the client's last answers are collected (precond_flush) inside the cell's time. */
+   * and the client's last answers are collected (precond_flush) inside the cell's time; 6,
+   * as 5 with each push's answer awaited (precond_options.push_answer_wait). */
   int shm;
   precond_client *lib; /* 5: closed by run_cell once the cell's CPU time is taken */
   double until;        /* stop time */
@@ -628,6 +629,7 @@ static precond_client *lib_client(const worker *w) {
   o.transport = PRECOND_TRANSPORT_SHM;
   o.shm_bytes = 16 * w->pl->bytes + (1 << 20);
   o.connect_timeout_ms = CALL_MS;
+  o.push_answer_wait = w->shm == 6;
   precond_client *c = NULL;
   if (precond_connect(&o, &c) != PRECOND_OK) {
     fprintf(stderr, "bench-daemon: push-lib: cannot connect to %s\n", w->addr);
@@ -677,9 +679,9 @@ static int lib_finish(worker *w) {
   int st = precond_flush(w->lib, CALL_MS);
   precond_counters k;
   precond_get_counters(w->lib, &k);
-  w->bytes = k.bytes_sent;
+  w->bytes = k.bytes_sent - w->bytes;
   if (st != PRECOND_OK || k.push_errors > 0 || k.dropped > 0 || k.coalesced > 0 ||
-      k.pushes_posted == 0) {
+      (k.pushes_posted > 0) != (w->shm == 5)) {
     char e[256];
     precond_last_error(w->lib, e, sizeof e);
     fprintf(stderr,
@@ -694,11 +696,19 @@ static int lib_finish(worker *w) {
 
 static void *worker_main(void *arg) {
   worker *w = arg;
-  if (w->shm == 5) {
+  if (w->shm >= 5) {
     w->lib = lib_client(w);
     w->failed = w->lib == NULL;
-    pthread_barrier_wait(w->start);
+    /* Warm before the clock starts, as the other rows warm their connection: a region, its
+     * ring's two places, the client's queue entries and the daemon's statistic are first
+     * touched here (page faults a cell of few pushes on a loaded machine would count). */
     uint64_t step = 1;
+    for (int i = 0; i < 3 && !w->failed; i++) w->failed = lib_push(w, step++) != 0;
+    w->failed = w->failed || precond_flush(w->lib, CALL_MS) != PRECOND_OK;
+    precond_counters k0;
+    precond_get_counters(w->lib, &k0);
+    w->bytes = k0.bytes_sent; /* lib_finish counts from here */
+    pthread_barrier_wait(w->start);
     while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
       double t0 = now_s(), c0 = thread_cpu_s();
       if (lib_push(w, step++) != 0) w->failed = 1;
@@ -1194,10 +1204,11 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
              : shm == 3 ? "-shm-pipe"
              : shm == 4 ? "-shm-memcpy"
              : shm == 5 ? "-lib"
+             : shm == 6 ? "-lib-wait"
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
-    if (w[0].daemon > 0 && g_account && shm && !fetch)
+    if (w[0].daemon > 0 && g_account && shm && shm < 5 && !fetch)
       print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -2244,6 +2255,11 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
          * the two are the target's rows. fp32 only (precond_push_begin's). */
         if (shm && !pl.bf16 &&
             run_cell(o, push_addr, push_pid, transport, 0, 5, pjob, k, &pl, mc) != 0)
+          rc = -1;
+        /* The same with each push's answer awaited (precond_options.push_answer_wait, the
+         * client before session 14): what posting gains in this run. */
+        if (shm && !pl.bf16 &&
+            run_cell(o, push_addr, push_pid, transport, 0, 6, pjob, k, &pl, mc) != 0)
           rc = -1;
       }
     }

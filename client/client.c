@@ -590,7 +590,7 @@ static int batch_need(const precond_client *c, const push_batch *b, uint64_t *ne
          (b->items[i]->right_bytes + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   n += 128 * (uint64_t)b->n + 64 + strlen(b->job) + 8 + RPC_SHM_BELL_REPLY;
   *need = n;
-  return c->shm.map != NULL && c->shm.bell && c->shm.queue &&
+  return c->shm.map != NULL && c->shm.bell && c->shm.queue && !c->opts.push_answer_wait &&
          n <= c->shm.bytes / 2 - RPC_SHM_PUSH_RING;
 }
 

@@ -159,6 +159,10 @@ typedef struct {
                                   answers later), so a reader calls precond_roots_intact
                                   after reading them and discards what it read on 0.
                                   Default 0: every version is a copy of the client's */
+  int push_answer_wait;            /* 1: a push through a shared region waits for its answer
+                                  before the next call (the client before session 14; a
+                                  refusal is then seen at once). Default 0: posted, its
+                                  answer collected later (see "Same-host pushes" above) */
 } precond_options;
 
 /* Fills the defaults above. */

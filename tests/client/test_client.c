@@ -468,14 +468,24 @@ static void test_shm_pipelined_same_as_bytes(void **state) {
   unix_daemon_with(extra);
   precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
   precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
-  precond_client *both[2] = {cs, cb};
+  precond_options ow;
+  precond_options_default(&ow);
+  ow.addr = g_d.addr;
+  ow.connect_timeout_ms = 20000;
+  ow.poll_interval_ms = 10;
+  ow.shm_bytes = 4 << 20;
+  ow.push_answer_wait = 1; /* through the region, each answer awaited (before session 14) */
+  precond_client *cw = NULL;
+  assert_int_equal(precond_connect(&ow, &cw), PRECOND_OK);
+  precond_client *both[3] = {cs, cb, cw};
   register_three(cs, "pipe-shm");
   register_three(cb, "pipe-bytes");
+  register_three(cw, "pipe-wait");
   float *nan_l = scaled_identity(128, 1.0f), *nan_r = scaled_identity(96, 1.0f);
   nan_l[5] = NAN;
   for (uint64_t step = 1; step <= 6; step++)
     for (uint32_t b = 0; b < 3; b++)
-      for (int k = 0; k < 2; k++) {
+      for (int k = 0; k < 3; k++) {
         if (step == 5 && b == 0)
           assert_int_equal(precond_push(both[k], step, b, 128, nan_l, 96, nan_r, PRECOND_FP32),
                            PRECOND_EINVAL);
@@ -484,9 +494,9 @@ static void test_shm_pipelined_same_as_bytes(void **state) {
       }
   free(nan_l);
   free(nan_r);
-  for (int k = 0; k < 2; k++) assert_int_equal(precond_flush(both[k], ROOT_WAIT_MS), PRECOND_OK);
-  const char *jobs[2] = {"pipe-shm", "pipe-bytes"};
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) assert_int_equal(precond_flush(both[k], ROOT_WAIT_MS), PRECOND_OK);
+  const char *jobs[3] = {"pipe-shm", "pipe-bytes", "pipe-wait"};
+  for (int k = 0; k < 3; k++) {
     /* Flushed: the daemon already folded (or refused) every push, the last one included. */
     precond_stats s;
     assert_int_equal(precond_get_stats(both[k], jobs[k], 1, &s), PRECOND_OK);
@@ -506,17 +516,23 @@ static void test_shm_pipelined_same_as_bytes(void **state) {
       assert_true(n.pushes_posted >= 10 && n.shm_bytes >= n.bytes_sent);
     else
       assert_int_equal(n.pushes_posted, 0);
+    if (k == 2) assert_true(n.shm_bytes >= n.bytes_sent);
   }
   for (uint32_t b = 0; b < 2; b++) {
-    uint64_t vs = 0, vb = 0;
+    uint64_t vs = 0, vb = 0, vw = 0;
     const precond_roots *rs = wait_step(cs, b, 6, &vs), *rb = wait_step(cb, b, 6, &vb);
+    const precond_roots *rw = wait_step(cw, b, 6, &vw);
     assert_memory_equal(rs->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
     assert_memory_equal(rs->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+    assert_memory_equal(rw->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+    assert_memory_equal(rw->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
     precond_roots_release(rs);
     precond_roots_release(rb);
+    precond_roots_release(rw);
   }
   precond_close(cs);
   precond_close(cb);
+  precond_close(cw);
   daemon_stop();
 }
 
