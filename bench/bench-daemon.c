@@ -56,6 +56,7 @@
 #include <cblas.h>
 #include <grpc/grpc_security.h>
 
+#include "precond.h"
 #include "precond.pb-c.h"
 #include "mpirun_proc.h"
 #include "precondd_proc.h"
@@ -594,9 +595,16 @@ typedef struct {
    * 3, the same pipelined (RPC_SHM_QUEUE in flight: rpc_shm_post, its answer collected
    * later) when the daemon offers the queue; 2, a push always sent as a gRPC call; 4, as 1
    * with the bytes written into the slots by a plain memcpy (the write before session 11;
-   * rpc_shm_write streams large ones). */
+   * rpc_shm_write streams large ones); 5, through libprecond's public API (a worker's
+   * path: precond_push_begin, the statistic written into the slot, precond_push_commit;
+   * the client's background thread writes the region's slots and posts each push at the
+   * doorbell, collecting its answer later), paced by precond_wait_queued so that no push
+   * coalesces; the bytes are those the daemon answered OK (precond_counters.bytes_sent),
+   * and the client's last answers are collected (precond_flush) inside the cell's time; 6,
+   * as 5 with each push's answer awaited (precond_options.push_answer_wait). */
   int shm;
-  double until; /* stop time */
+  precond_client *lib; /* 5: closed by run_cell once the cell's CPU time is taken */
+  double until;        /* stop time */
   pthread_barrier_t *start;
   double *lat; /* latencies in ms */
   double *cpu; /* this thread's CPU time per call in ms (--hist) */
@@ -612,8 +620,116 @@ typedef struct {
   thread_set bell[3]; /* [2]: 300 ms after the last push */
 } worker;
 
+/* The push-lib cell's client (worker 5 above): connected, its job registered (one n x n
+ * block) before the clock starts. NULL on failure (said on stderr). */
+static precond_client *lib_client(const worker *w) {
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = w->addr;
+  o.transport = PRECOND_TRANSPORT_SHM;
+  o.shm_bytes = 16 * w->pl->bytes + (1 << 20);
+  o.connect_timeout_ms = CALL_MS;
+  o.push_answer_wait = w->shm == 6;
+  precond_client *c = NULL;
+  if (precond_connect(&o, &c) != PRECOND_OK) {
+    fprintf(stderr, "bench-daemon: push-lib: cannot connect to %s\n", w->addr);
+    return NULL;
+  }
+  char job[160];
+  snprintf(job, sizeof job, "%s-lib%u", w->job, (unsigned)w->block);
+  const uint64_t shape[2] = {w->pl->n, w->pl->n};
+  precond_tensor t = {"w0", 2, shape};
+  precond_shampoo_opts so = {.block_size = (uint32_t)w->pl->n,
+                             .skip_limit = (uint32_t)(w->pl->n > 4096 ? w->pl->n : 4096)};
+  precond_layout layout;
+  int st = precond_register(c, job, PRECOND_MODE_SHAMPOO, "bench-daemon", 1, &t, &so, &layout);
+  if (st == PRECOND_OK && layout.nblocks != 1) st = PRECOND_EPROTO;
+  precond_layout_destroy(&layout);
+  if (st != PRECOND_OK) {
+    char e[256];
+    precond_last_error(c, e, sizeof e);
+    fprintf(stderr, "bench-daemon: push-lib: register: %s (%s)\n", precond_strerror(st), e);
+    precond_close(c);
+    return NULL;
+  }
+  return c;
+}
+
+/* One push of the push-lib cell: the statistic written where precond_push_begin says (as
+ * a worker's kernel writes it), committed, then the wait until the background thread took
+ * it. 0 or -1. */
+static int lib_push(worker *w, uint64_t step) {
+  float *p0 = NULL, *p1 = NULL;
+  precond_push_slot *slot = NULL;
+  uint32_t n = (uint32_t)w->pl->n;
+  int st = precond_push_begin(w->lib, step, 0, n, n, &p0, &p1, &slot);
+  if (st == PRECOND_OK) {
+    memcpy(p0, w->pl->data, w->pl->bytes);
+    memcpy(p1, w->pl->data, w->pl->bytes);
+    st = precond_push_commit(w->lib, slot);
+  }
+  if (st == PRECOND_OK) st = precond_wait_queued(w->lib, 0, CALL_MS);
+  if (st != PRECOND_OK) fprintf(stderr, "bench-daemon: push-lib: %s\n", precond_strerror(st));
+  return st == PRECOND_OK ? 0 : -1;
+}
+
+/* The push-lib cell's end, inside its time: every answer collected; the bytes the daemon
+ * took. 0 or -1 (a push refused or dropped). */
+static int lib_finish(worker *w) {
+  int st = precond_flush(w->lib, CALL_MS);
+  precond_counters k;
+  precond_get_counters(w->lib, &k);
+  w->bytes = k.bytes_sent - w->bytes;
+  if (st != PRECOND_OK || k.push_errors > 0 || k.dropped > 0 || k.coalesced > 0 ||
+      (k.pushes_posted > 0) != (w->shm == 5)) {
+    char e[256];
+    precond_last_error(w->lib, e, sizeof e);
+    fprintf(stderr,
+            "bench-daemon: push-lib: flush %s, errors %llu, dropped %llu, coalesced %llu, "
+            "posted %llu (%s)\n",
+            precond_strerror(st), (unsigned long long)k.push_errors, (unsigned long long)k.dropped,
+            (unsigned long long)k.coalesced, (unsigned long long)k.pushes_posted, e);
+    return -1;
+  }
+  return 0;
+}
+
 static void *worker_main(void *arg) {
   worker *w = arg;
+  if (w->shm >= 5) {
+    w->lib = lib_client(w);
+    w->failed = w->lib == NULL;
+    /* Warm before the clock starts, as the other rows warm their connection: a region, its
+     * ring's two places, the client's queue entries and the daemon's statistic are first
+     * touched here (page faults a cell of few pushes on a loaded machine would count). */
+    uint64_t step = 1;
+    for (int i = 0; i < 3 && !w->failed; i++) w->failed = lib_push(w, step++) != 0;
+    w->failed = w->failed || precond_flush(w->lib, CALL_MS) != PRECOND_OK;
+    precond_counters k0;
+    precond_get_counters(w->lib, &k0);
+    w->bytes = k0.bytes_sent; /* lib_finish counts from here */
+    pthread_barrier_wait(w->start);
+    while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
+      double t0 = now_s(), c0 = thread_cpu_s();
+      if (lib_push(w, step++) != 0) w->failed = 1;
+      if (w->nlat == w->caplat) {
+        size_t cap = w->caplat ? 2 * w->caplat : 1024;
+        double *nl = realloc(w->lat, cap * sizeof(double));
+        if (nl != NULL) w->lat = nl;
+        double *nc = nl != NULL ? realloc(w->cpu, cap * sizeof(double)) : NULL;
+        if (nc == NULL) {
+          w->failed = 1;
+          break;
+        }
+        w->cpu = nc;
+        w->caplat = cap;
+      }
+      w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
+      w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+    }
+    if (!w->failed && lib_finish(w) != 0) w->failed = 1;
+    return NULL;
+  }
   grpc_channel *ch = bench_channel(w->addr);
   push_msg pm;
   push_init(&pm, w->job, w->block, w->pl);
@@ -1065,6 +1181,7 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
    * loaded machine's waits do not count (the latency percentiles stay wall-clock). */
   if (o->cpu_clock) secs = cpu_s(0) + (daemon > 0 ? cpu_s(daemon) : 0.0) - c0;
   pthread_barrier_destroy(&start);
+  for (int i = 0; i < k; i++) precond_close(w[i].lib);
 
   size_t total = 0;
   uint64_t bytes = 0;
@@ -1086,10 +1203,12 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
              shm == 2   ? "-shm-grpc"
              : shm == 3 ? "-shm-pipe"
              : shm == 4 ? "-shm-memcpy"
+             : shm == 5 ? "-lib"
+             : shm == 6 ? "-lib-wait"
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
-    if (w[0].daemon > 0 && g_account && shm && !fetch)
+    if (w[0].daemon > 0 && g_account && shm && shm < 5 && !fetch)
       print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
@@ -2130,6 +2249,17 @@ static int run_transport(const bench_opts *o, const char *push_addr, pid_t push_
          * run, next to push-shm's one at a time. */
         if (shm && !o->push_shm_only &&
             run_cell(o, push_addr, push_pid, transport, 0, 3, pjob, k, &pl, mc) != 0)
+          rc = -1;
+        /* Through libprecond's public API, as a worker pushes (session 14): its background
+         * thread posts each push and collects the answer later. Kept with --push-shm-only:
+         * the two are the target's rows. fp32 only (precond_push_begin's). */
+        if (shm && !pl.bf16 &&
+            run_cell(o, push_addr, push_pid, transport, 0, 5, pjob, k, &pl, mc) != 0)
+          rc = -1;
+        /* The same with each push's answer awaited (precond_options.push_answer_wait, the
+         * client before session 14): what posting gains in this run. */
+        if (shm && !pl.bf16 &&
+            run_cell(o, push_addr, push_pid, transport, 0, 6, pjob, k, &pl, mc) != 0)
           rc = -1;
       }
     }

@@ -29,8 +29,18 @@
  * memcpy + fold across cores: today's push). The first pass into a fresh region (page faults
  * included) is a row of its own: shm against shm with MAP_POPULATE.
  *
+ * Consumers added in session 14 (the fold without the spare's stream, each with the daemon's
+ * test per value): copy (the slot tested and copied into the spare by plain stores, then
+ * folded from there in place: an overwrite of the slot after the copy cannot reach the
+ * statistic, so nothing needs undoing), check (a test pass over the slot, then keep), inplace
+ * (the fold in place with no old values kept: the bound, not undoable), keep-pf (keep with
+ * software prefetch of the slot --prefetch bytes ahead, 1024 by default), fold-nt (the fold
+ * into the spare by streaming stores, then swapped: three streams, nothing to undo),
+ * keep-plain (keep with the old values stored plainly, so they stay cached).
+ *
  *   bench-xcore [--bytes B] [--reps N (hand-offs per cell, 40)] [--rounds R (9)]
- *               [--cores P,C (0,1)]
+ *               [--cores P,C (0,1)] [--consumers C1,C2,... (only the first variant and the
+ *               nt512 rows of these consumers)] [--prefetch B]
  */
 #define _GNU_SOURCE /* pthread_setaffinity_np, CPU_SET, MAP_POPULATE */
 #include <fcntl.h>
@@ -52,11 +62,23 @@
 #endif
 
 enum { P_MEMCPY, P_NT512, P_NT256, P_CLWB, P_CLFLUSHOPT, P_MIX };
-enum { C_FOLD, C_FOLD_PF, C_SUM, C_KEEP };
+enum {
+  C_FOLD,
+  C_FOLD_PF,
+  C_SUM,
+  C_KEEP,
+  C_COPY,
+  C_CHECK,
+  C_INPLACE,
+  C_KEEP_PF,
+  C_FOLD_NT,
+  C_KEEP_PLAIN
+};
 enum { R_SHM, R_ANON, R_THP };
 
 static const char *const prod_name[] = {"memcpy", "nt512", "nt256", "clwb", "clflushopt", "mix"};
-static const char *const cons_name[] = {"fold", "fold-pf", "sum", "keep"};
+static const char *const cons_name[] = {"fold",  "fold-pf", "sum",     "keep",    "copy",
+                                        "check", "inplace", "keep-pf", "fold-nt", "keep-plain"};
 static const char *const region_name[] = {"shm", "anon", "thp"};
 
 typedef struct {
@@ -74,6 +96,10 @@ static const variant variants[] = {
     {P_MEMCPY, C_FOLD, R_SHM, 1},     {P_NT512, C_FOLD, R_SHM, 1},
     {P_MIX, C_FOLD, R_SHM, 0},        {P_MIX, C_FOLD, R_SHM, 1},
     {P_NT512, C_KEEP, R_SHM, 0},      {P_NT512, C_KEEP, R_SHM, 1},
+    {P_NT512, C_COPY, R_SHM, 0},      {P_NT512, C_COPY, R_SHM, 1},
+    {P_NT512, C_CHECK, R_SHM, 0},     {P_NT512, C_INPLACE, R_SHM, 0},
+    {P_NT512, C_KEEP_PF, R_SHM, 0},   {P_NT512, C_FOLD_NT, R_SHM, 0},
+    {P_NT512, C_FOLD_NT, R_SHM, 1},   {P_NT512, C_KEEP_PLAIN, R_SHM, 0},
 };
 enum { NV = sizeof variants / sizeof variants[0] };
 
@@ -138,18 +164,74 @@ __attribute__((target("avx2"))) static void fold(size_t n, const float *s, const
   }
 }
 
+/* The daemon's test per value, ORed over a pass (rpc_f32_big: the exponent's bits plus a
+ * carry into bit 31 from 2^126 up, NaN and Inf included); the result is the OR's bit 31. */
+#define XC_BIG(acc, v)       \
+  acc = _mm512_or_si512(acc, \
+                        _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(v), expo), carry))
+#define XC_TEST_SETUP                                                                        \
+  const __m512i expo = _mm512_set1_epi32(0x7f800000), carry = _mm512_set1_epi32(0x01800000); \
+  __m512i big = _mm512_setzero_si512()
+#define XC_TEST_RESULT ((uint32_t)_mm512_reduce_or_epi32(big) >> 31)
+
 /* The daemon's fold since session 13 (host/mode_shampoo.c, shampoo_fold_keep): in place into
  * the statistic s, its old values streamed to the spare o (both 64-byte aligned), so that a
- * refused push can swap them back; no read for ownership of o's lines. */
-__attribute__((target("avx512f"))) static void keep(size_t n, float *s, const float *x, float *o) {
+ * refused push can swap them back; no read for ownership of o's lines. With the daemon's test
+ * per value (the exponent's bits plus a carry, ORed: rpc_f32_big) and, when pf > 0, software
+ * prefetch of the slot pf bytes ahead; plain (keep-plain) stores the old values plainly
+ * instead (o's lines read for ownership, but kept in this core's caches for the next push).
+ * Returns the OR's bit 31. */
+__attribute__((target("avx512f"))) static uint32_t keep(size_t n, float *s, const float *x,
+                                                        float *o, size_t pf, int plain) {
   const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
+  XC_TEST_SETUP;
   for (size_t i = 0; i < n; i += 16) {
+    if (pf) _mm_prefetch((const char *)(x + i) + pf, _MM_HINT_T0);
     __m512 sv = _mm512_load_ps(s + i);
-    _mm512_stream_ps(o + i, sv);
-    _mm512_store_ps(s + i,
-                    _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i))));
+    if (plain)
+      _mm512_store_ps(o + i, sv);
+    else
+      _mm512_stream_ps(o + i, sv);
+    __m512 y = _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
+    XC_BIG(big, y);
+    _mm512_store_ps(s + i, y);
   }
   _mm_sfence();
+  return XC_TEST_RESULT;
+}
+
+/* The fold into o: by streaming stores when nt (fold-nt: no read for ownership of o's lines;
+ * the caller swaps statistic and spare, as a kept push does, and a refused one just does not
+ * swap: nothing to undo; three streams where keep has four), else plainly (o == s: inplace,
+ * no old values kept: the bound of any form without a spare, not undoable, so not a form the
+ * daemon may use alone). Returns the test's bit 31. */
+__attribute__((target("avx512f"))) static uint32_t fold_to(size_t n, const float *s, const float *x,
+                                                           float *o, int nt) {
+  const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
+  XC_TEST_SETUP;
+  for (size_t i = 0; i < n; i += 16) {
+    __m512 y = _mm512_add_ps(_mm512_mul_ps(b, _mm512_load_ps(s + i)),
+                             _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
+    XC_BIG(big, y);
+    if (nt)
+      _mm512_stream_ps(o + i, y);
+    else
+      _mm512_store_ps(o + i, y);
+  }
+  if (nt) _mm_sfence();
+  return XC_TEST_RESULT;
+}
+
+/* The slot's values tested (rpc_f32_big) and, when o is not NULL, copied to o by plain
+ * stores (o stays in this core's caches). Returns the test's bit 31. */
+__attribute__((target("avx512f"))) static uint32_t check(size_t n, const float *x, float *o) {
+  XC_TEST_SETUP;
+  for (size_t i = 0; i < n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    XC_BIG(big, v);
+    if (o) _mm512_store_ps(o + i, v);
+  }
+  return XC_TEST_RESULT;
 }
 
 __attribute__((target("avx2"))) static float sum(size_t n, const float *x) {
@@ -168,11 +250,25 @@ static void fold(size_t n, const float *s, const float *x, float *o, size_t pf) 
   for (size_t i = 0; i < n; i++) o[i] = 0.999f * s[i] + 0.001f * x[i];
 }
 
-static void keep(size_t n, float *s, const float *x, float *o) {
+static uint32_t keep(size_t n, float *s, const float *x, float *o, size_t pf, int plain) {
+  (void)pf;
+  (void)plain;
   for (size_t i = 0; i < n; i++) {
     o[i] = s[i];
     s[i] = 0.999f * s[i] + 0.001f * x[i];
   }
+  return 0;
+}
+
+static uint32_t fold_to(size_t n, const float *s, const float *x, float *o, int nt) {
+  (void)nt;
+  for (size_t i = 0; i < n; i++) o[i] = 0.999f * s[i] + 0.001f * x[i];
+  return 0;
+}
+
+static uint32_t check(size_t n, const float *x, float *o) {
+  if (o) memcpy(o, x, n * sizeof *x);
+  return 0;
 }
 
 static float sum(size_t n, const float *x) {
@@ -236,6 +332,9 @@ static void produce(int prod, unsigned char *dst, const unsigned char *src, size
 
 /* ---- one cell: reps hand-offs between two pinned threads ---- */
 
+/* keep-pf's prefetch distance in bytes (--prefetch). */
+static size_t keep_pf_bytes = 1024;
+
 typedef struct {
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -265,13 +364,31 @@ static void *side(cell *c, int me) {
     while (c->turn != me) pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
     double t0 = thread_cpu_s();
+    const float *x = (const float *)(const void *)c->slot;
+    const size_t m = nf / 16 * 16; /* the 16-wide passes' length */
     if (me == 0) {
       produce(c->v->prod, c->slot, c->src, c->bytes);
       c->src[(r * 4096) % c->bytes]++; /* a different statistic each push */
     } else if (c->v->cons == C_SUM) {
       c->sink = sum(nf / 16 * 16, (const float *)(const void *)c->slot);
-    } else if (c->v->cons == C_KEEP) {
-      keep(nf / 16 * 16, c->stat, (const float *)(const void *)c->slot, c->spare);
+    } else if (c->v->cons == C_KEEP || c->v->cons == C_KEEP_PF || c->v->cons == C_KEEP_PLAIN) {
+      c->sink = (float)keep(m, c->stat, x, c->spare, c->v->cons == C_KEEP_PF ? keep_pf_bytes : 0,
+                            c->v->cons == C_KEEP_PLAIN);
+    } else if (c->v->cons == C_CHECK) {
+      /* a test pass over the slot (it brings the slot into this core's caches), then keep */
+      c->sink = (float)(check(m, x, NULL) | keep(m, c->stat, x, c->spare, 0, 0));
+    } else if (c->v->cons == C_COPY) {
+      /* the slot tested and copied into the spare (the daemon's own memory: an overwrite
+       * after this cannot reach the fold), then folded from there in place, no old values
+       * kept */
+      c->sink = (float)(check(m, x, c->spare) | fold_to(m, c->stat, c->spare, c->stat, 0));
+    } else if (c->v->cons == C_INPLACE) {
+      c->sink = (float)fold_to(m, c->stat, x, c->stat, 0);
+    } else if (c->v->cons == C_FOLD_NT) {
+      c->sink = (float)fold_to(m, c->stat, x, c->spare, 1);
+      float *t = c->stat;
+      c->stat = c->spare;
+      c->spare = t;
     } else {
       fold(nf / 8 * 8, c->stat, (const float *)(const void *)c->slot, c->spare,
            c->v->cons == C_FOLD_PF ? 2048 : 0);
@@ -410,9 +527,23 @@ static int cpu_has(const char *flag) {
   return found;
 }
 
+/* 1 when name is one of the comma-separated names in list. */
+static int listed(const char *list, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    const char *e = strchr(p, ',');
+    size_t k = e ? (size_t)(e - p) : strlen(p);
+    if (k == n && strncmp(p, name, n) == 0) return 1;
+    if (!e) break;
+    p = e + 1;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   size_t bytes = 2 * 524800 * sizeof(float), reps = 40, rounds = 9;
   int core[2] = {0, 1};
+  const char *only = NULL;
   for (int i = 1; i < argc; i++) {
     if (i + 1 < argc && strcmp(argv[i], "--bytes") == 0)
       bytes = strtoull(argv[++i], NULL, 10);
@@ -423,10 +554,14 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--cores") == 0 &&
              sscanf(argv[i + 1], "%d,%d", &core[0], &core[1]) == 2)
       i++;
+    else if (i + 1 < argc && strcmp(argv[i], "--prefetch") == 0)
+      keep_pf_bytes = strtoull(argv[++i], NULL, 10);
+    else if (i + 1 < argc && strcmp(argv[i], "--consumers") == 0)
+      only = argv[++i];
     else {
       fprintf(stderr,
               "usage: bench-xcore [--bytes B] [--reps N (40)] [--rounds R (9)] [--cores P,C "
-              "(0,1)]\n");
+              "(0,1)] [--consumers C1,C2,...] [--prefetch B]\n");
       return 2;
     }
   }
@@ -438,7 +573,9 @@ int main(int argc, char **argv) {
   int ok[NV];
   for (int k = 0; k < NV; k++)
     ok[k] = have(variants[k].prod) && (variants[k].prod != P_CLWB || cpu_has("clwb")) &&
-            (variants[k].prod != P_CLFLUSHOPT || cpu_has("clflushopt"));
+            (variants[k].prod != P_CLFLUSHOPT || cpu_has("clflushopt")) &&
+            (k == 0 || !only ||
+             (variants[k].prod == P_NT512 && listed(only, cons_name[variants[k].cons])));
 
   unsigned char *src = malloc(bytes), *dst = malloc(bytes);
   /* Aligned as precondd's spares (bytes is a multiple of 64): keep's streaming stores. */

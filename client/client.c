@@ -52,6 +52,21 @@ _Static_assert(
 _Static_assert((int)PRECOND_FP32 == (int)PRECOND__V1__ENCODING__ENCODING_FP32, "encodings");
 _Static_assert((int)PRECOND_BF16 == (int)PRECOND__V1__ENCODING__ENCODING_BF16, "encodings");
 
+/* A push batch: items taken from the queue for one PushRequest, and what settling its
+ * answer needs. While it is posted at the region's doorbell (pipelined, below) the batch
+ * keeps its items, so that a push answered for a transient reason, or lost with its region,
+ * is sent again as today. */
+#define PUSH_BATCH_ITEMS 256
+typedef struct {
+  precond__item *items[PUSH_BATCH_ITEMS];
+  size_t n;
+  uint64_t gen;       /* the job generation it was taken for */
+  char *job;          /* its job's name, owned */
+  precond_mode mode;  /* its job's mode */
+  uint64_t bytes;     /* payload bytes */
+  uint64_t shm_bytes; /* of them, those that went through the region */
+} push_batch;
+
 struct precond_client {
   precond_options opts;
   int poll_reset; /* precond_set_poll_interval changed the period: poll now, then at it */
@@ -74,7 +89,10 @@ struct precond_client {
   uint32_t nblocks;
   uint32_t *block_rows, *block_cols;
   precond__queue queue;
-  size_t inflight;            /* items taken out for a send not yet answered */
+  size_t inflight;            /* items taken out for a send not yet answered (posted
+                               * ones included) */
+  int flushing;               /* precond_flush calls waiting: collect what is posted */
+  int queue_waiters;          /* precond_wait_queued calls waiting: tell them of a take */
   precond__roots_obj **roots; /* nblocks slots: newest version held, or NULL */
   uint64_t *daemon_have;      /* nblocks: daemon version asked about (0 after re-register) */
   uint64_t newest_step;       /* newest step pushed, sent with fetches for staleness stats */
@@ -83,6 +101,9 @@ struct precond_client {
   /* Shared memory (the background thread's alone; rpc.h rpc_shm_*): the region, and when to try
    * to get one again after a failure. */
   rpc_shm shm;
+  push_batch posted[RPC_SHM_QUEUE]; /* posted at its doorbell, not yet collected, oldest
+                                     * first (push_some, collect_posted) */
+  uint32_t nposted;
   precond__area *area; /* shm's roots area once roots_by_reference shares it (wire.h) */
   struct timespec shm_retry;
   uint64_t daemon_epoch; /* of the last answer; 0 before one (or without a state dir) */
@@ -413,6 +434,91 @@ static int call_fetch(precond_client *c, const ProtobufCMessage *req, uint32_t n
   return call_status(c, RPC_METHOD_FETCH_PRECONDITIONERS, rc, code, details);
 }
 
+static int is_transient(int st) {
+  return st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
+         st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
+}
+
+/* A PushRequest over a batch's items: their bytes referenced where they lie, not copied. */
+typedef struct {
+  Precond__V1__PushRequest req;
+  Precond__V1__BlockStatistics *bs, **bp;
+  Precond__V1__PackedMatrix *pm; /* 2n: each item's two parts */
+  Precond__V1__ShmRef *refs;     /* 2n when through a region, else NULL */
+  Precond__V1__ShmSession sess;
+} push_req;
+
+static void push_req_free(push_req *r) {
+  free(r->bs);
+  free(r->bp);
+  free(r->pm);
+  free(r->refs);
+}
+
+/* Builds r over n items of job (mode: where the two parts go); with_refs: room for the
+ * region's references. PRECOND_OK or PRECOND_ENOMEM (r freed either way by push_req_free). */
+static int push_req_init(push_req *r, const char *job, precond_mode mode, precond__item **items,
+                         size_t n, int with_refs) {
+  memset(r, 0, sizeof *r);
+  precond__v1__push_request__init(&r->req);
+  r->bs = calloc(n, sizeof(*r->bs));
+  r->bp = calloc(n, sizeof(*r->bp));
+  r->pm = calloc(2 * n, sizeof(*r->pm));
+  r->refs = with_refs ? calloc(2 * n, sizeof(*r->refs)) : NULL;
+  if (r->bs == NULL || r->bp == NULL || r->pm == NULL || (with_refs && r->refs == NULL))
+    return PRECOND_ENOMEM;
+  r->req.job = (char *)job;
+  r->req.step = 0;
+  for (size_t i = 0; i < n; i++) {
+    precond__item *it = items[i];
+    Precond__V1__BlockStatistics *b = &r->bs[i];
+    precond__v1__block_statistics__init(b);
+    b->block_id = it->block_id;
+    if (it->step > r->req.step) r->req.step = it->step;
+    if (it->n_left) {
+      Precond__V1__PackedMatrix *m = &r->pm[2 * i];
+      precond__v1__packed_matrix__init(m);
+      m->n = it->n_left;
+      m->encoding = (Precond__V1__Encoding)it->encoding;
+      m->data.data = it->data;
+      m->data.len = it->left_bytes;
+      if (mode == PRECOND_MODE_KFAC)
+        b->a = m;
+      else
+        b->left = m;
+    }
+    if (it->n_right) {
+      Precond__V1__PackedMatrix *m = &r->pm[2 * i + 1];
+      precond__v1__packed_matrix__init(m);
+      m->n = it->n_right;
+      m->encoding = (Precond__V1__Encoding)it->encoding;
+      m->data.data = it->data + it->left_bytes;
+      m->data.len = it->right_bytes;
+      if (mode == PRECOND_MODE_KFAC)
+        b->g = m;
+      else
+        b->right = m;
+    }
+    r->bp[i] = b;
+  }
+  r->req.n_blocks = n;
+  r->req.blocks = r->bp;
+  return PRECOND_OK;
+}
+
+/* Writes every part of r into a slot of the region (rpc_shm_put) and names the region in
+ * the request: the bytes moved (0: none went, the request carries its bytes). */
+static uint64_t push_req_put(precond_client *c, push_req *r) {
+  uint64_t moved = 0;
+  for (size_t i = 0; i < 2 * r->req.n_blocks; i++)
+    if (r->pm[i].data.len > 0) moved += rpc_shm_put(&c->shm, &r->pm[i], &r->refs[i]);
+  if (moved > 0) {
+    rpc_shm_session(&c->shm, &r->sess);
+    r->req.shm = &r->sess;
+  }
+  return moved;
+}
+
 static int send_batch_once(precond_client *c, const char *job, precond_mode mode,
                            precond__item **items, size_t n, int use_shm, uint64_t daemon[2],
                            uint64_t *shm_bytes);
@@ -438,69 +544,185 @@ static int send_batch(precond_client *c, const char *job, precond_mode mode, pre
 static int send_batch_once(precond_client *c, const char *job, precond_mode mode,
                            precond__item **items, size_t n, int use_shm, uint64_t daemon[2],
                            uint64_t *shm_bytes) {
-  Precond__V1__PushRequest req = PRECOND__V1__PUSH_REQUEST__INIT;
-  Precond__V1__BlockStatistics *bs = calloc(n, sizeof(*bs));
-  Precond__V1__BlockStatistics **bp = calloc(n, sizeof(*bp));
-  Precond__V1__PackedMatrix *pm = calloc(2 * n, sizeof(*pm));
-  int st = PRECOND_ENOMEM;
-  if (bs == NULL || bp == NULL || pm == NULL) goto cleanup;
-  req.job = (char *)job;
-  req.step = 0;
-  for (size_t i = 0; i < n; i++) {
-    precond__item *it = items[i];
-    precond__v1__block_statistics__init(&bs[i]);
-    bs[i].block_id = it->block_id;
-    if (it->step > req.step) req.step = it->step;
-    if (it->n_left) {
-      precond__v1__packed_matrix__init(&pm[2 * i]);
-      pm[2 * i].n = it->n_left;
-      pm[2 * i].encoding = (Precond__V1__Encoding)it->encoding;
-      pm[2 * i].data.data = it->data;
-      pm[2 * i].data.len = it->left_bytes;
-      if (mode == PRECOND_MODE_KFAC)
-        bs[i].a = &pm[2 * i];
-      else
-        bs[i].left = &pm[2 * i];
-    }
-    if (it->n_right) {
-      precond__v1__packed_matrix__init(&pm[2 * i + 1]);
-      pm[2 * i + 1].n = it->n_right;
-      pm[2 * i + 1].encoding = (Precond__V1__Encoding)it->encoding;
-      pm[2 * i + 1].data.data = it->data + it->left_bytes;
-      pm[2 * i + 1].data.len = it->right_bytes;
-      if (mode == PRECOND_MODE_KFAC)
-        bs[i].g = &pm[2 * i + 1];
-      else
-        bs[i].right = &pm[2 * i + 1];
-    }
-    bp[i] = &bs[i];
-  }
-  req.n_blocks = n;
-  req.blocks = bp;
-  Precond__V1__ShmSession sess;
-  Precond__V1__ShmRef *refs = use_shm ? calloc(2 * n, sizeof(*refs)) : NULL;
-  if (use_shm && refs == NULL) goto cleanup;
-  for (size_t i = 0; use_shm && i < 2 * n; i++)
-    if (pm[i].data.len > 0) *shm_bytes += rpc_shm_put(&c->shm, &pm[i], &refs[i]);
-  if (*shm_bytes > 0) {
-    rpc_shm_session(&c->shm, &sess);
-    req.shm = &sess;
-  }
+  push_req r;
+  int st = push_req_init(&r, job, mode, items, n, use_shm);
+  if (st != PRECOND_OK) goto cleanup;
+  if (use_shm) *shm_bytes = push_req_put(c, &r);
   ProtobufCMessage *resp = NULL;
-  st = *shm_bytes > 0 ? call_push(c, &req.base, &resp)
-                      : call(c, RPC_METHOD_PUSH_STATISTICS, &req.base,
+  st = *shm_bytes > 0 ? call_push(c, &r.req.base, &resp)
+                      : call(c, RPC_METHOD_PUSH_STATISTICS, &r.req.base,
                              &precond__v1__push_response__descriptor, 0, &resp);
   if (st == PRECOND_OK && *shm_bytes > 0) rpc_shm_rewind(&c->shm); /* slots read: reuse them */
-  free(refs);
   if (resp != NULL) {
     daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
     daemon[1] = ((Precond__V1__PushResponse *)resp)->resumed_step;
     protobuf_c_message_free_unpacked(resp, NULL);
   }
 cleanup:
-  free(bs);
-  free(bp);
-  free(pm);
+  push_req_free(&r);
+  return st;
+}
+
+/* ---- the pipelined doorbell (session 14) ------------------------------------------------
+ * Where the daemon offers the doorbell's queue (rpc.h, rpc_shm_post), a batch is written
+ * into the region and rung without waiting for its answer (posted): the thread goes back
+ * to its queue while the daemon folds it, and collects the answer when it next needs to,
+ * with no sleep then if the answer is there: before posting a push that would find no room
+ * (RPC_SHM_QUEUE posted, or the ring's room), before any gRPC push, ring call or fetch
+ * poll (which see a posted push only once collected), when precond_flush waits and when
+ * the client closes. A push answered one at a time took two cross-core hand-offs (the ring
+ * wakes the daemon, the answer wakes the client, about 65 us of system time a side);
+ * posted, the answer finds the client awake and wakes nobody (docs/precondd.md, "Session
+ * 14"). Settling an answer is what push_some did at once before: an OK counts the batch
+ * sent, a refusal for bad input counts it in push_errors with the daemon's message (so
+ * such a refusal is seen one push later than before), and a transient one (the daemon away,
+ * the job or the region lost) puts the batch back at the queue's head, oldest first, to be
+ * sent again as bytes or through a new region as any failed send is. */
+
+/* The ring bytes rpc_shm_begin must reserve for batch b: its parts' slots, its request
+ * (every field at its widest: a block's two parts with their references take under 128
+ * bytes, the request's own fields under 64 and the job's name) and the answer's room.
+ * 1 when b can be posted (a region with the doorbell's queue whose ring holds it). */
+static int batch_need(const precond_client *c, const push_batch *b, uint64_t *need) {
+  uint64_t n = 0;
+  for (size_t i = 0; i < b->n; i++)
+    n += (b->items[i]->left_bytes + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN +
+         (b->items[i]->right_bytes + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
+  n += 128 * (uint64_t)b->n + 64 + strlen(b->job) + 8 + RPC_SHM_BELL_REPLY;
+  *need = n;
+  return c->shm.map != NULL && c->shm.bell && c->shm.queue && !c->opts.push_answer_wait &&
+         n <= c->shm.bytes / 2 - RPC_SHM_PUSH_RING;
+}
+
+/* What an answer means for batch b (status st, daemon: its epoch and resumed step, or
+ * NULL): sent, rejected, or back into the queue (transient, same job, not stopping). Frees
+ * what b owns except the items requeued. Caller holds mu. Returns st when transient. */
+static int settle(precond_client *c, push_batch *b, int st, const uint64_t *daemon) {
+  if (daemon != NULL) note_daemon(c, daemon[0], daemon[1]);
+  c->inflight -= b->n;
+  int transient = is_transient(st);
+  if (transient && c->job_gen == b->gen && !c->stop) {
+    precond__queue_requeue(&c->queue, b->items, b->n, &c->counters.coalesced, &c->counters.dropped);
+  } else {
+    if (st == PRECOND_OK) {
+      c->counters.sent += b->n;
+      c->counters.bytes_sent += b->bytes;
+      c->counters.shm_bytes += b->shm_bytes;
+    } else if (c->job_gen == b->gen) {
+      c->counters.push_errors += b->n;
+    }
+    for (size_t i = 0; i < b->n; i++) precond__item_free(b->items[i]);
+  }
+  b->n = 0;
+  free(b->job);
+  b->job = NULL;
+  return transient ? st : PRECOND_OK;
+}
+
+/* Waits for the oldest posted push's answer: its PRECOND_* status; daemon gets the
+ * answer's epoch and resumed step; *lost: no answer came (the daemon gone, or the
+ * deadline), the region is spoilt. Background thread, mu not held. */
+static int collect_one(precond_client *c, uint64_t daemon[2], int *lost) {
+  ProtobufCMessage *resp = NULL;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  int rc = rpc_shm_collect(&c->shm, &precond__v1__push_response__descriptor,
+                           c->opts.call_timeout_ms, &resp, &code, &details);
+  *lost = rc == RPC_ECALL;
+  if (rc == RPC_ECALL) rc = RPC_ESTATUS; /* UNAVAILABLE or DEADLINE_EXCEEDED, as a call's */
+  if (resp != NULL) {
+    daemon[0] = ((Precond__V1__PushResponse *)resp)->daemon_epoch;
+    daemon[1] = ((Precond__V1__PushResponse *)resp)->resumed_step;
+    protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  return call_status(c, RPC_METHOD_PUSH_STATISTICS, rc, code, details);
+}
+
+/* Collects posted pushes' answers, oldest first, and settles them: the oldest (all = 0)
+ * or every one (all = 1), and every one anyway once one comes back transient; gone (a
+ * transient status, 0: none): the region is spoilt, nothing is collected, every posted push
+ * settles with gone. A batch refused for the region's sake (FAILED_PRECONDITION) goes
+ * again as bytes at once, as send_batch does. With next (the batch about to be sent, newer
+ * than every posted one, or NULL) and a transient outcome, next is put back first, so that
+ * the queue keeps their order (*next_done = 1). Returns the oldest transient status, else
+ * PRECOND_OK. Background thread, mu not held. */
+static int collect_posted(precond_client *c, int all, int gone, push_batch *next, int *next_done) {
+  int sts[RPC_SHM_QUEUE];
+  uint64_t daemon[RPC_SHM_QUEUE][2];
+  uint32_t k = 0;
+  int transient = 0;
+  for (; k < c->nposted; k++) {
+    daemon[k][0] = daemon[k][1] = 0;
+    int lost = 0;
+    sts[k] = gone ? gone : collect_one(c, daemon[k], &lost);
+    if (lost) gone = sts[k];
+    transient |= is_transient(sts[k]);
+    if (!all && !transient) {
+      k++;
+      break;
+    }
+  }
+  int refused_region = 0;
+  for (uint32_t i = 0; i < k; i++) refused_region |= !gone && sts[i] == PRECOND_ESTATE;
+  if (gone || refused_region) shm_lost(c); /* every posted push is collected by now */
+  for (uint32_t i = 0; refused_region && c->opts.transport != PRECOND_TRANSPORT_SHM && i < k; i++) {
+    push_batch *b = &c->posted[i];
+    if (sts[i] != PRECOND_ESTATE) continue;
+    b->shm_bytes = 0;
+    sts[i] = b->job
+                 ? send_batch_once(c, b->job, b->mode, b->items, b->n, 0, daemon[i], &b->shm_bytes)
+                 : PRECOND_ENOMEM;
+  }
+  pthread_mutex_lock(&c->mu);
+  int first = PRECOND_OK;
+  for (uint32_t i = 0; next != NULL && !*next_done && i < k; i++)
+    if (is_transient(sts[i])) {
+      settle(c, next, sts[i], NULL);
+      *next_done = 1;
+    }
+  for (uint32_t i = k; i-- > 0;) { /* newest first: the requeued keep their order */
+    int t = settle(c, &c->posted[i], sts[i], daemon[i]);
+    if (t != PRECOND_OK) first = t;
+  }
+  c->nposted -= k;
+  memmove(&c->posted[0], &c->posted[k], c->nposted * sizeof c->posted[0]);
+  pthread_cond_broadcast(&c->progress);
+  pthread_mutex_unlock(&c->mu);
+  return first;
+}
+
+/* Writes batch b into the region's ring at the place rpc_shm_begin reserves (need bytes,
+ * which rpc_shm_fits said are free) and rings it without waiting for its answer: PRECOND_OK
+ * when posted. A daemon gone, or not taking the previous request in time, spoils the
+ * region: *gone gets the status, and nothing was rung. Background thread, mu not held. */
+static int post_batch(precond_client *c, push_batch *b, uint64_t need, int *gone) {
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  char *details = NULL;
+  *gone = 0;
+  push_req r;
+  int st = push_req_init(&r, b->job, b->mode, b->items, b->n, 1);
+  if (st != PRECOND_OK) {
+    push_req_free(&r);
+    return st;
+  }
+  int rc = rpc_shm_begin(&c->shm, need, c->opts.call_timeout_ms, &code, &details);
+  if (rc == RPC_OK) {
+    b->shm_bytes = push_req_put(c, &r);
+    rc = b->shm_bytes == b->bytes ? RPC_OK : RPC_ETOOBIG; /* need counted every part */
+  }
+  if (rc == RPC_OK)
+    rc = rpc_shm_post(&c->shm, &r.req.base, c->opts.call_timeout_ms, &code, &details);
+  push_req_free(&r);
+  if (rc == RPC_OK) {
+    free(details);
+    return PRECOND_OK;
+  }
+  if (rc == RPC_ECALL) rc = RPC_ESTATUS;
+  /* A request larger than batch_need's bound cannot happen; if it did, say so. */
+  if (rc == RPC_ETOOBIG && details == NULL)
+    details = strdup("a push outgrew its place in the ring");
+  st = call_status(c, RPC_METHOD_PUSH_STATISTICS, rc, code, details);
+  if (is_transient(st)) *gone = st;
   return st;
 }
 
@@ -655,44 +877,59 @@ static int poll_roots(precond_client *c) {
   return st;
 }
 
-/* Push step: one batch from the queue. Called with mu held; returns with mu held. On a
- * transient failure (daemon away, or lost the job) the batch goes back into the queue and
- * the status is returned so the caller can back off or register again. */
+/* Push step: one batch from the queue, posted at the region's doorbell where it can be
+ * (its answer collected later: collect_posted), else sent and answered at once. Called with
+ * mu held; returns with mu held. On a transient failure (daemon away, or lost the job) the
+ * batch goes back into the queue and the status is returned so the caller can back off or
+ * register again. */
 static int push_some(precond_client *c) {
-  precond__item *items[256];
-  size_t n = precond__queue_take(&c->queue, items, 256, c->opts.max_message_bytes / 2);
-  if (n == 0) return PRECOND_OK;
-  uint64_t gen = c->job_gen;
-  char *job = dup_str(c->job);
-  precond_mode mode = c->mode;
-  c->inflight = n;
+  push_batch b;
+  b.n = precond__queue_take(&c->queue, b.items, PUSH_BATCH_ITEMS, c->opts.max_message_bytes / 2);
+  if (b.n == 0) return PRECOND_OK;
+  b.gen = c->job_gen;
+  b.job = dup_str(c->job);
+  b.mode = c->mode;
+  b.bytes = b.shm_bytes = 0;
+  for (size_t i = 0; i < b.n; i++) b.bytes += precond__item_bytes(b.items[i]);
+  c->inflight += b.n;
+  if (c->queue_waiters > 0) pthread_cond_broadcast(&c->progress);
   pthread_mutex_unlock(&c->mu);
 
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < n; i++) bytes += precond__item_bytes(items[i]);
-  uint64_t daemon[2] = {0, 0}, shm_bytes = 0;
-  int st = job ? send_batch(c, job, mode, items, n, daemon, &shm_bytes) : PRECOND_ENOMEM;
+  uint64_t daemon[2] = {0, 0}, need = 0;
+  int st = PRECOND_ENOMEM, done = 0, posted = 0, gone = 0;
+  if (b.job != NULL) {
+    st = PRECOND_OK;
+    int pipe = batch_need(c, &b, &need);
+    /* Room first: the oldest posted answers while the ring has none clear of them, every
+     * one before a push that is not posted (a ring call or a gRPC push sees only what was
+     * collected). */
+    while (st == PRECOND_OK && !done && c->nposted > 0 && (!pipe || !rpc_shm_fits(&c->shm, need))) {
+      st = collect_posted(c, !pipe, 0, &b, &done);
+      pipe = pipe && c->shm.map != NULL;
+    }
+    if (st == PRECOND_OK && !done && pipe) {
+      st = post_batch(c, &b, need, &gone);
+      posted = st == PRECOND_OK;
+      if (gone) {
+        /* No answer can come through the region now: what was posted goes back to the
+         * queue, with b first. */
+        collect_posted(c, 1, gone, &b, &done);
+        if (!done) st = gone;
+      }
+    } else if (st == PRECOND_OK && !done) {
+      st = send_batch(c, b.job, b.mode, b.items, b.n, daemon, &b.shm_bytes);
+    }
+  }
 
   pthread_mutex_lock(&c->mu);
-  note_daemon(c, daemon[0], daemon[1]);
-  c->inflight = 0;
-  int transient = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM ||
-                  st == PRECOND_ENOTFOUND || st == PRECOND_ESTATE;
-  if (transient && c->job_gen == gen && !c->stop) {
-    precond__queue_requeue(&c->queue, items, n, &c->counters.coalesced, &c->counters.dropped);
-  } else {
-    if (st == PRECOND_OK) {
-      c->counters.sent += n;
-      c->counters.bytes_sent += bytes;
-      c->counters.shm_bytes += shm_bytes;
-    } else if (c->job_gen == gen) {
-      c->counters.push_errors += n;
-    }
-    for (size_t i = 0; i < n; i++) precond__item_free(items[i]);
+  if (posted) {
+    c->posted[c->nposted++] = b;
+    c->counters.pushes_posted++;
+    return PRECOND_OK;
   }
+  if (!done) st = settle(c, &b, st, daemon);
   pthread_cond_broadcast(&c->progress);
-  free(job);
-  return transient ? st : PRECOND_OK;
+  return is_transient(st) ? st : PRECOND_OK;
 }
 
 /* The daemon lost the job (restart without its state): register again with the kept
@@ -751,6 +988,14 @@ static int wait_reconnect(precond_client *c, const struct timespec *until) {
   }
 }
 
+/* collect_posted of every posted push, called with mu held; returns with mu held. */
+static int collect_locked(precond_client *c) {
+  pthread_mutex_unlock(&c->mu);
+  int st = collect_posted(c, 1, 0, NULL, NULL);
+  pthread_mutex_lock(&c->mu);
+  return st;
+}
+
 static void *thread_main(void *arg) {
   precond_client *c = arg;
   long backoff = 0;
@@ -768,11 +1013,17 @@ static void *thread_main(void *arg) {
       next_poll = deadline_in(0);
     }
     if (passed(&next_poll)) {
-      st = poll_roots(c);
+      /* A poll sees the posted pushes only once collected (the fetch's own doorbell call
+       * needs none pending). */
+      if (c->nposted > 0) st = collect_locked(c);
+      if (st == PRECOND_OK) st = poll_roots(c);
       next_poll = deadline_in(c->opts.poll_interval_ms);
       worked = 1;
     } else if (c->queue.length > 0) {
       st = push_some(c);
+      worked = 1;
+    } else if (c->nposted > 0 && c->flushing > 0) {
+      st = collect_locked(c);
       worked = 1;
     }
     int retry = st == PRECOND_EUNAVAILABLE || st == PRECOND_ETIMEDOUT || st == PRECOND_ENOMEM;
@@ -802,6 +1053,7 @@ static void *thread_main(void *arg) {
     if (!worked && !c->stop && c->queue.length == 0)
       pthread_cond_timedwait(&c->wake, &c->mu, &next_poll);
   }
+  if (c->nposted > 0) collect_locked(c); /* closing: their answers, counted, not resent */
   pthread_mutex_unlock(&c->mu);
   return NULL;
 }
@@ -1352,6 +1604,8 @@ int precond_flush(precond_client *c, int timeout_ms) {
   struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
   int st = PRECOND_ETIMEDOUT;
   pthread_mutex_lock(&c->mu);
+  c->flushing++; /* the background thread collects what it posted (collect_posted) */
+  pthread_cond_signal(&c->wake);
   for (;;) {
     if (c->refused) {
       st = PRECOND_EENDED;
@@ -1363,6 +1617,29 @@ int precond_flush(precond_client *c, int timeout_ms) {
     }
     if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT) break;
   }
+  c->flushing--;
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+int precond_wait_queued(precond_client *c, size_t max_queued, int timeout_ms) {
+  if (c == NULL) return PRECOND_EINVAL;
+  struct timespec until = deadline_in(timeout_ms > 0 ? timeout_ms : 0);
+  int st = PRECOND_ETIMEDOUT;
+  pthread_mutex_lock(&c->mu);
+  c->queue_waiters++; /* push_some wakes us when it takes a batch */
+  for (;;) {
+    if (c->refused) {
+      st = PRECOND_EENDED;
+      break;
+    }
+    if (c->queue.length <= max_queued) {
+      st = PRECOND_OK;
+      break;
+    }
+    if (pthread_cond_timedwait(&c->progress, &c->mu, &until) == ETIMEDOUT) break;
+  }
+  c->queue_waiters--;
   pthread_mutex_unlock(&c->mu);
   return st;
 }

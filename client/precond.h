@@ -33,6 +33,16 @@
  *   logged once to stderr) until precond_register. Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
+ * - Same-host pushes (a shared region whose daemon offers the doorbell's queue): the
+ *   background thread posts a push and does not wait for its answer; it collects it when it
+ *   next needs to (before a later push finds no room, before a fetch poll or a push that
+ *   goes by gRPC, in precond_flush, at precond_close), so at most every poll_interval_ms.
+ *   Nothing is lost meanwhile: the push's blocks are kept until its answer, and one answered
+ *   for a transient reason or lost with its region (the daemon restarted) goes back to the
+ *   queue and is sent again as any failed send. A refusal for bad input (e.g. values whose
+ *   sum overflows; NaN and Inf are refused here already) is counted in push_errors and its
+ *   message kept as before, only seen up to one push (or one poll) later. Pushes are folded
+ *   in the order they were made.
  *
  * Conventions
  * - Functions return int: PRECOND_OK (0) or a negative PRECOND_E* code; precond_strerror
@@ -149,6 +159,10 @@ typedef struct {
                                   answers later), so a reader calls precond_roots_intact
                                   after reading them and discards what it read on 0.
                                   Default 0: every version is a copy of the client's */
+  int push_answer_wait;            /* 1: a push through a shared region waits for its answer
+                                  before the next call (the client before session 14; a
+                                  refusal is then seen at once). Default 0: posted, its
+                                  answer collected later (see "Same-host pushes" above) */
 } precond_options;
 
 /* Fills the defaults above. */
@@ -301,8 +315,17 @@ void precond_push_cancel(precond_push_slot *slot);
 
 /* Waits until the queue is empty and no send is in flight (every queued block answered by
  * the daemon, accepted or not, or dropped), or timeout_ms passes: PRECOND_OK or
- * PRECOND_ETIMEDOUT. Pushes from other threads meanwhile extend the wait. */
+ * PRECOND_ETIMEDOUT. Pushes posted through a shared region and not yet collected (see
+ * "Same-host pushes" above) count as in flight: flush has the background thread collect
+ * their answers. Pushes from other threads meanwhile extend the wait. */
 int precond_flush(precond_client *client, int timeout_ms);
+
+/* Waits until at most max_queued blocks wait in the queue (the others taken by the
+ * background thread to be sent, or dropped), or timeout_ms passes: PRECOND_OK,
+ * PRECOND_ETIMEDOUT, or PRECOND_EENDED as precond_flush. Unlike precond_flush it does not
+ * wait for answers. A worker that makes statistics faster than they leave paces itself
+ * with it instead of having its pushes coalesce (bench-daemon's push-lib row does). */
+int precond_wait_queued(precond_client *client, size_t max_queued, int timeout_ms);
 
 /* ------------------------------------------------------------------------------------ */
 /* Fetch preconditioners (never blocks on the network)                                    */
@@ -383,6 +406,9 @@ typedef struct {
                                   logged once to stderr each time) */
   uint64_t resumed_step;       /* the step the daemon resumed the job from at the last such
                                   restart (0: none seen) */
+  uint64_t pushes_posted;      /* PushStatistics calls posted at a shared region's doorbell
+                                  without waiting, their answers collected later (see
+                                  "Same-host pushes" at the top) */
 } precond_counters;
 
 void precond_get_counters(precond_client *client, precond_counters *out);

@@ -612,6 +612,12 @@ int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
 int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code *status,
                   char **details);
 
+/* 1 when rpc_shm_begin(s, need) would place the push at once, collecting nothing (fewer
+ * than RPC_SHM_QUEUE pending, and room clear of them); 0 otherwise, or need above the
+ * ring. A caller that keeps each push's answer for itself (libprecond) collects with
+ * rpc_shm_collect until this says 1, so that rpc_shm_begin never collects on its own. */
+int rpc_shm_fits(const rpc_shm *s, uint64_t need);
+
 /* Rings req (a PushRequest whose slots the caller wrote since rpc_shm_begin) without
  * waiting for its answer: waits (deadline_ms, the daemon's mark of life) only until the
  * daemon took the previous request's head, packs req after the slots (with

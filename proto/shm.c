@@ -881,6 +881,25 @@ int rpc_shm_call_method(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   return rpc_shm_collect(s, resp_desc, deadline_ms, resp, status, details);
 }
 
+/* Where rpc_shm_begin can place need bytes (RPC_SHM_ALIGN multiple, at most the ring)
+ * without collecting: 2 at the ring's start (a lap on) where the pending pushes leave it
+ * clear, 1 right after the previous push where that fits before the ring's end and stays
+ * clear, 0 nowhere (a push must be collected first). */
+static int rpc__shm_place(const rpc_shm *s, uint64_t need) {
+  uint64_t ring = s->bytes / 2 - RPC_SHM_PUSH_RING;
+  if (s->npend >= RPC_SHM_QUEUE) return 0;
+  uint64_t tail = s->npend > 0 ? s->pend[0].start + ring : UINT64_MAX;
+  uint64_t lap = (s->in_laps + (s->in_pos > 0)) * ring;
+  if (lap + need <= tail) return 2;
+  return s->in_pos <= ring && ring - s->in_pos >= need && rpc__shm_count(s) + need <= tail;
+}
+
+int rpc_shm_fits(const rpc_shm *s, uint64_t need) {
+  if (!s || !s->map || s->bytes / 2 <= RPC_SHM_PUSH_RING) return 0;
+  if (need > s->bytes / 2 - RPC_SHM_PUSH_RING) return 0;
+  return rpc__shm_place(s, (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN) != 0;
+}
+
 int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code *status,
                   char **details) {
   grpc_status_code code_ = GRPC_STATUS_UNKNOWN;
@@ -893,17 +912,9 @@ int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code 
   if (need > ring) return RPC_ETOOBIG;
   need = (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   for (;;) {
-    if (s->npend < RPC_SHM_QUEUE) {
-      /* The ring's start (a lap on) where the pending pushes leave it clear, else right
-       * after the previous push where that fits before the ring's end and stays clear. */
-      uint64_t tail = s->npend > 0 ? s->pend[0].start + ring : UINT64_MAX;
-      uint64_t lap = (s->in_laps + (s->in_pos > 0)) * ring;
-      if (lap + need <= tail) {
-        rpc_shm_rewind(s);
-        break;
-      }
-      if (s->in_pos <= ring && ring - s->in_pos >= need && rpc__shm_count(s) + need <= tail) break;
-    }
+    int place = rpc__shm_place(s, need);
+    if (place == 2) rpc_shm_rewind(s);
+    if (place != 0) break;
     ProtobufCMessage *resp = NULL;
     char *msg = NULL;
     int rc = s->npend > 0 ? rpc_shm_collect(s, &precond__v1__push_response__descriptor, deadline_ms,

@@ -240,18 +240,41 @@ int pdproc_log_contains(const pdproc *d, const char *needle) {
   return found;
 }
 
-int pdproc_free_port(void) {
+/* 1 if a loopback TCP socket can bind port now (released again at once). */
+static int port_bindable(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return 0;
   struct sockaddr_in a;
   memset(&a, 0, sizeof a);
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  int port = 0;
-  if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-    port = ntohs(a.sin_port);
+  a.sin_port = htons((uint16_t)port);
+  int ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
   close(fd);
-  return port;
+  return ok;
+}
+
+/* The port is taken below the kernel's ephemeral range (ip_local_port_range), because
+ * between this call and the daemon's bind the port is free: one the kernel hands out (a
+ * port-0 bind, or any outgoing connection of a test running beside this one) could land on
+ * it, and the daemon would then fail to start. Ports below the range are only ever taken
+ * by name, so only another caller of this function could collide, once in thousands. */
+int pdproc_free_port(void) {
+  int lo = 32768; /* Linux's default low end when /proc cannot be read */
+  FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+  if (f != NULL) {
+    if (fscanf(f, "%d", &lo) != 1) lo = 32768;
+    fclose(f);
+  }
+  const int first = 10000; /* clear of the well-known and registered ports in common use */
+  if (lo - first < 1000) return 0;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
+  for (int tries = 0; tries < 64; tries++) {
+    seed = seed * 1103515245u + 12345u;
+    int port = first + (int)((seed >> 8) % (unsigned)(lo - first));
+    if (port_bindable(port)) return port;
+  }
+  return 0;
 }

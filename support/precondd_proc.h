@@ -69,8 +69,9 @@ void pdproc_destroy(pdproc *d);
 /* 1 if the daemon's log holds needle (in its first 1 MiB), else 0. */
 int pdproc_log_contains(const pdproc *d, const char *needle);
 
-/* A loopback TCP port that nothing listens on right now (bound and released), for tests
- * that need an address before the daemon exists; 0 on error. */
+/* A loopback TCP port that nothing holds right now (bound and released), for tests that
+ * need an address before the daemon exists: chosen at random below the kernel's ephemeral
+ * range, so no port-0 bind or outgoing connection can take it meanwhile; 0 on error. */
 int pdproc_free_port(void);
 
 #endif /* PRECOND_SUPPORT_PRECONDD_PROC_H */

@@ -418,6 +418,207 @@ static void test_shm_same_roots_as_bytes(void **state) {
   daemon_stop();
 }
 
+/* Registers job with one 384 x 96 weight: three 128 x 96 blocks. */
+static void register_three(precond_client *c, const char *job) {
+  const uint64_t shape[2] = {384, 96};
+  precond_tensor t = {"w", 2, shape};
+  precond_shampoo_opts so = {.block_size = 128,
+                             .root_exponent = 4,
+                             .epsilon = EPSILON,
+                             .beta2 = 1.0f,
+                             .method = PRECOND_METHOD_EIGH};
+  precond_layout l;
+  assert_int_equal(precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 1, &t, &so, &l),
+                   PRECOND_OK);
+  assert_int_equal(l.nblocks, 3);
+  precond_layout_destroy(&l);
+}
+
+/* One push of a 128 x 96 block at step, written into the client's slot: Gram statistics
+ * of seed, or (huge) 3e38 everywhere, finite but overflowing once added to itself. Then the
+ * wait until the background thread took it, so that each push is a call of its own (posted
+ * at the region's doorbell when there is one). */
+static void push_one(precond_client *c, uint64_t step, uint32_t b, unsigned seed, int huge) {
+  float *p0 = NULL, *p1 = NULL;
+  precond_push_slot *slot = NULL;
+  const size_t c0 = (size_t)128 * 129 / 2, c1 = (size_t)96 * 97 / 2;
+  assert_int_equal(precond_push_begin(c, step, b, 128, 96, &p0, &p1, &slot), PRECOND_OK);
+  if (huge) {
+    for (size_t i = 0; i < c0 + c1; i++) p0[i] = 3e38f;
+  } else {
+    float *l = gram(128, seed), *r = gram(96, seed + 1000);
+    memcpy(p0, l, c0 * sizeof(float));
+    memcpy(p1, r, c1 * sizeof(float));
+    free(l);
+    free(r);
+  }
+  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
+  assert_int_equal(precond_wait_queued(c, 0, ROOT_WAIT_MS), PRECOND_OK);
+}
+
+/* Pushes posted at the region's doorbell and collected later (session 14) fold the same
+ * bits, in the same order, as the same pushes sent as gRPC bytes on a twin job; a push the
+ * daemon refuses (an overflow: NaN is refused here before it leaves) is reported one push
+ * later through the same counters and message, the others kept; a NaN push in between is
+ * refused at once and changes nothing; precond_flush returns only once every push was
+ * answered (the daemon's statistic step is the last one right after it). */
+static void test_shm_pipelined_same_as_bytes(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
+  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  precond_options ow;
+  precond_options_default(&ow);
+  ow.addr = g_d.addr;
+  ow.connect_timeout_ms = 20000;
+  ow.poll_interval_ms = 10;
+  ow.shm_bytes = 4 << 20;
+  ow.push_answer_wait = 1; /* through the region, each answer awaited (before session 14) */
+  precond_client *cw = NULL;
+  assert_int_equal(precond_connect(&ow, &cw), PRECOND_OK);
+  precond_client *both[3] = {cs, cb, cw};
+  register_three(cs, "pipe-shm");
+  register_three(cb, "pipe-bytes");
+  register_three(cw, "pipe-wait");
+  float *nan_l = scaled_identity(128, 1.0f), *nan_r = scaled_identity(96, 1.0f);
+  nan_l[5] = NAN;
+  for (uint64_t step = 1; step <= 6; step++)
+    for (uint32_t b = 0; b < 3; b++)
+      for (int k = 0; k < 3; k++) {
+        if (step == 5 && b == 0)
+          assert_int_equal(precond_push(both[k], step, b, 128, nan_l, 96, nan_r, PRECOND_FP32),
+                           PRECOND_EINVAL);
+        /* block 2: 3e38 at step 3 is taken, step 4's would overflow it and is refused */
+        push_one(both[k], step, b, (unsigned)(100 * step + b), b == 2 && (step == 3 || step == 4));
+      }
+  free(nan_l);
+  free(nan_r);
+  for (int k = 0; k < 3; k++) assert_int_equal(precond_flush(both[k], ROOT_WAIT_MS), PRECOND_OK);
+  const char *jobs[3] = {"pipe-shm", "pipe-bytes", "pipe-wait"};
+  for (int k = 0; k < 3; k++) {
+    /* Flushed: the daemon already folded (or refused) every push, the last one included. */
+    precond_stats s;
+    assert_int_equal(precond_get_stats(both[k], jobs[k], 1, &s), PRECOND_OK);
+    assert_int_equal(s.nblocks, 3);
+    for (size_t i = 0; i < s.nblocks; i++) assert_int_equal(s.block_stats[i].stat_step, 6);
+    precond_stats_destroy(&s);
+    precond_counters n;
+    precond_get_counters(both[k], &n);
+    assert_int_equal(n.pushed, 18);
+    assert_int_equal(n.sent, 17);
+    assert_int_equal(n.push_errors, 1);
+    assert_int_equal(n.coalesced + n.dropped + n.queued, 0);
+    char e[512];
+    precond_last_error(both[k], e, sizeof e);
+    assert_non_null(strstr(e, "overflow"));
+    if (k == 0)
+      assert_true(n.pushes_posted >= 10 && n.shm_bytes >= n.bytes_sent);
+    else
+      assert_int_equal(n.pushes_posted, 0);
+    if (k == 2) assert_true(n.shm_bytes >= n.bytes_sent);
+  }
+  for (uint32_t b = 0; b < 2; b++) {
+    uint64_t vs = 0, vb = 0, vw = 0;
+    const precond_roots *rs = wait_step(cs, b, 6, &vs), *rb = wait_step(cb, b, 6, &vb);
+    const precond_roots *rw = wait_step(cw, b, 6, &vw);
+    assert_memory_equal(rs->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+    assert_memory_equal(rs->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+    assert_memory_equal(rw->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+    assert_memory_equal(rw->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+    precond_roots_release(rs);
+    precond_roots_release(rb);
+    precond_roots_release(rw);
+  }
+  precond_close(cs);
+  precond_close(cb);
+  precond_close(cw);
+  daemon_stop();
+}
+
+/* Waits until every thread of process pid is stopped (SIGSTOP acts on each thread as it
+ * next leaves the kernel or is interrupted, not when kill returns). */
+static void wait_stopped(pid_t pid) {
+  char path[64];
+  for (int tries = 0; tries < 10000; tries++) {
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "grep -L '^State:.*(stopped)' %s/*/status | grep -q .", path);
+    if (system(cmd) != 0) return; /* no thread left that is not stopped */
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+  }
+  fail_msg("precondd %d did not stop", (int)pid);
+}
+
+/* A daemon killed with a push posted at its region's doorbell and not yet answered (the
+ * daemon stopped first, so it cannot answer): the client finds the region gone, keeps the
+ * push and sends it again to the restarted daemon (which lost the job and gets it
+ * registered again); nothing is lost and nothing is counted as an error. */
+static void test_shm_pipelined_restart(void **state) {
+  (void)state;
+  unix_daemon_with(NULL);
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  o.poll_interval_ms = 60000; /* no poll collects the posted push: only flush does */
+  o.backoff_max_ms = 200;
+  o.shm_bytes = 4 << 20;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  precond_layout layout;
+  register_job(c, "pipe-restart", &layout);
+  float *l = scaled_identity(128, 1.0f), *r = scaled_identity(96, 2.0f);
+  for (uint64_t step = 1; step <= 2; step++) { /* posted once a poll or push opened the region */
+    assert_int_equal(precond_push(c, step, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+    assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  }
+  precond_counters k;
+  precond_get_counters(c, &k);
+  uint64_t posted = k.pushes_posted;
+  assert_true(posted >= 1);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  free(l);
+  free(r);
+  l = scaled_identity(128, 4.0f);
+  r = scaled_identity(96, 8.0f);
+  assert_int_equal(precond_push(c, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  for (int tries = 0; tries < 10000 && k.pushes_posted == posted; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(c, &k);
+  }
+  assert_int_equal(k.pushes_posted, posted + 1); /* rung; the stopped daemon cannot answer */
+  assert_int_equal(k.sent, 2);
+  pdproc_stop(&g_d, SIGKILL);
+  unix_daemon_with(NULL);
+  int st = precond_flush(c, ROOT_WAIT_MS);
+  precond_get_counters(c, &k);
+  if (st != PRECOND_OK) {
+    char e[256];
+    precond_last_error(c, e, sizeof e);
+    fprintf(stderr, "flush after restart: %s; sent %llu, retries %llu, last error: %s\n",
+            precond_strerror(st), (unsigned long long)k.sent, (unsigned long long)k.retries, e);
+  }
+  assert_int_equal(st, PRECOND_OK);
+  assert_int_equal(k.sent, 3);
+  assert_int_equal(k.push_errors, 0);
+  assert_true(k.retries >= 1 && k.reregistered >= 1);
+  /* The new daemon holds step 3's push alone (4 I): the one in flight, sent again. */
+  assert_int_equal(precond_set_poll_interval(c, 10), PRECOND_OK);
+  uint64_t v = 0;
+  const precond_roots *got = wait_step(c, 0, 3, &v);
+  assert_scaled_identity(got->left, got->n_left, expected_root(4.0), 1e-4);
+  precond_roots_release(got);
+  free(l);
+  free(r);
+  precond_layout_destroy(&layout);
+  precond_close(c);
+  daemon_stop();
+}
+
 static void test_bad_input_is_refused_locally(void **state) {
   (void)state;
   tcp_daemon();
@@ -1206,6 +1407,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_tcp_register_push_fetch, stop_daemon),
       cmocka_unit_test_teardown(test_unix_socket_bf16, stop_daemon),
       cmocka_unit_test_teardown(test_shm_same_roots_as_bytes, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_pipelined_same_as_bytes, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_pipelined_restart, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
       cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
