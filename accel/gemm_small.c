@@ -174,7 +174,11 @@ int ac__gemm_small(int ta, int tb, size_t m, size_t n, size_t k, float alpha, co
 
 int ac__syrk_small_packed(int trans, size_t n, size_t k, float alpha, const float *a, size_t lda,
                           float beta, float *c_packed) {
-  if (!ac__gemm_small_fits(n, n, k) || !gs_have_avx512()) return -1;
+  /* n is not bounded by the panel (k x 32 floats): a tile's work does not depend on it */
+  const size_t lo = AC__GEMM_SMALL_MIN, hi = AC__GEMM_SMALL_MAX;
+  if (n < lo || n > AC__SYRK_SMALL_MAX_N || k < lo || k > hi ||
+      n * n * k < AC__GEMM_SMALL_MIN_MACS || !gs_have_avx512())
+    return -1;
 #if defined(__GNUC__) && defined(__x86_64__)
   /* G G^T: A(i, p) = a[i lda + p], B(p, j) = A(j, p), B transposed; G^T G: A(i, p) =
    * a[p lda + i], B(p, j) = a[p lda + j], B in place. */

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "gemm_small.h"
 #include "optim.h"
 
 /* ------------------------------------------------------------------------------------ */
@@ -44,23 +45,48 @@ static int append_ones(ac_backend *be, size_t rows, size_t in, const float *a, s
   return rc == AC_OK ? ac_copy2d(be, rows, in, a, lda, ws, in + 1) : rc;
 }
 
-int ac_kfac_dense_factor_a(ac_backend *be, size_t rows, size_t in, const float *a, size_t lda,
-                           int has_bias, float *a_packed, float *ws) {
-  if (dense_check(be, rows, in, a, lda, a_packed) != AC_OK || (has_bias && !ws)) return AC_EINVAL;
+/* The Gram matrix C = alpha X^T X (X rows x n, row stride ld) packed into dst: device memory
+ * (ac_syrk_packed, beta 0), or host memory (ac_syrk_packed_to_host: the same floats). */
+static int gram(ac_backend *be, size_t n, size_t rows, float alpha, const float *x, size_t ld,
+                float *dst, int host) {
+  return host ? ac_syrk_packed_to_host(be, AC_TRANS, n, rows, alpha, x, ld, dst)
+              : ac_syrk_packed(be, AC_TRANS, n, rows, alpha, x, ld, 0.0f, dst);
+}
+
+static int dense_a(ac_backend *be, size_t rows, size_t in, const float *a, size_t lda, int has_bias,
+                   float *dst, float *ws, int host) {
+  if (dense_check(be, rows, in, a, lda, dst) != AC_OK || (has_bias && !ws)) return AC_EINVAL;
   const float alpha = 1.0f / (float)rows;
-  if (!has_bias) return ac_syrk_packed(be, AC_TRANS, in, rows, alpha, a, lda, 0.0f, a_packed);
+  if (!has_bias) return gram(be, in, rows, alpha, a, lda, dst, host);
   int rc = append_ones(be, rows, in, a, lda, ws);
   if (rc != AC_OK) return rc;
-  return ac_syrk_packed(be, AC_TRANS, in + 1, rows, alpha, ws, in + 1, 0.0f, a_packed);
+  return gram(be, in + 1, rows, alpha, ws, in + 1, dst, host);
+}
+
+static int dense_g(ac_backend *be, size_t rows, size_t out, const float *g, size_t ldg,
+                   float loss_scale, float *dst, int host) {
+  if (dense_check(be, rows, out, g, ldg, dst) != AC_OK || !scale_ok(loss_scale)) return AC_EINVAL;
+  /* (1/rows) sum (s g)(s g)^T: the scale folded into syrk's alpha. */
+  const float alpha = (float)((double)loss_scale * loss_scale / (double)rows);
+  return gram(be, out, rows, alpha, g, ldg, dst, host);
+}
+
+int ac_kfac_dense_factor_a(ac_backend *be, size_t rows, size_t in, const float *a, size_t lda,
+                           int has_bias, float *a_packed, float *ws) {
+  return dense_a(be, rows, in, a, lda, has_bias, a_packed, ws, 0);
 }
 
 int ac_kfac_dense_factor_g(ac_backend *be, size_t rows, size_t out, const float *g, size_t ldg,
                            float loss_scale, float *g_packed) {
-  if (dense_check(be, rows, out, g, ldg, g_packed) != AC_OK || !scale_ok(loss_scale))
-    return AC_EINVAL;
-  /* (1/rows) sum (s g)(s g)^T: the scale folded into syrk's alpha. */
-  const float alpha = (float)((double)loss_scale * loss_scale / (double)rows);
-  return ac_syrk_packed(be, AC_TRANS, out, rows, alpha, g, ldg, 0.0f, g_packed);
+  return dense_g(be, rows, out, g, ldg, loss_scale, g_packed, 0);
+}
+
+int ac_kfac_dense_factors_to_host(ac_backend *be, size_t rows, size_t in, size_t out,
+                                  const float *a, size_t lda, const float *g, size_t ldg,
+                                  int has_bias, float loss_scale, float *a_host, float *g_host,
+                                  float *ws) {
+  int rc = dense_a(be, rows, in, a, lda, has_bias, a_host, ws, 1);
+  return rc == AC_OK ? dense_g(be, rows, out, g, ldg, loss_scale, g_host, 1) : rc;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -199,6 +225,25 @@ static int scatter_update(ac_backend *be, size_t out, size_t in, const float *r,
   return rc == AC_OK ? ac_copy2d(be, out, 1, r + in, in + 1, pb, 1) : rc;
 }
 
+/* C = A B (A m x k, B k x n, row-major) with k summed in the fewest equal chunks of at most
+ * AC__GEMM_SMALL_MAX, accumulated in C: the inverses' orders past it (the Transformer's G of
+ * qkv and fc1, A of fc2: 384-513) would send the whole product to OpenBLAS's AVX2 kernels,
+ * and chunks of k keep every slice of it (the backend cuts m or n) on the CPU backend's
+ * AVX-512F small-block kernel, about twice their rate (gemm_small.c). One product when k
+ * fits: the same call as before. */
+static int gemm_chunked_k(ac_backend *be, size_t m, size_t n, size_t k, const float *a, size_t lda,
+                          const float *b, size_t ldb, float *c, size_t ldc) {
+  const size_t chunks = (k + AC__GEMM_SMALL_MAX - 1) / AC__GEMM_SMALL_MAX;
+  const size_t step = (k + chunks - 1) / chunks;
+  int rc = AC_OK;
+  for (size_t p = 0; p < k && rc == AC_OK; p += step) {
+    const size_t kk = k - p < step ? k - p : step;
+    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, m, n, kk, 1.0f, a + p, lda, b + p * ldb, ldb,
+                  p == 0 ? 0.0f : 1.0f, c, ldc);
+  }
+  return rc;
+}
+
 int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw, const float *gb,
                          const float *g_inv, const float *a_inv, float *pw, float *pb, float *ws) {
   if (!be || out == 0 || in == 0 || !gw || !g_inv || !a_inv || !pw || !ws) return AC_EINVAL;
@@ -208,11 +253,9 @@ int ac_kfac_precondition(ac_backend *be, size_t out, size_t in, const float *gw,
   const float *grad = NULL;
   int rc = gather_grad(be, out, in, gw, gb, ws, &grad);
   /* t = G^-1 grad; then t A^-1 into pw directly, or into the workspace to split it. */
-  if (rc == AC_OK)
-    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, out, 1.0f, g_inv, out, grad, n, 0.0f, t, n);
+  if (rc == AC_OK) rc = gemm_chunked_k(be, out, n, out, g_inv, out, grad, n, t, n);
   float *dst = gb ? ws : pw;
-  if (rc == AC_OK)
-    rc = ac_sgemm(be, AC_NO_TRANS, AC_NO_TRANS, out, n, n, 1.0f, t, n, a_inv, n, 0.0f, dst, n);
+  if (rc == AC_OK) rc = gemm_chunked_k(be, out, n, n, t, n, a_inv, n, dst, n);
   if (rc == AC_OK && gb) rc = scatter_update(be, out, in, dst, pw, pb);
   return rc;
 }
@@ -273,7 +316,12 @@ int ac_kfac_kl_clip(ac_backend *be, const ac_kfac_pg *layers, size_t nlayers, do
     return AC_EINVAL;
   }
   if (nu) *nu = scale;
-  for (size_t l = 0; l < nlayers && rc == AC_OK && scale < 1.0; l++)
-    rc = ac_affine(be, layers[l].count, (float)scale, layers[l].p, 0.0f, layers[l].p);
+  for (size_t l = 0; l < nlayers && rc == AC_OK; l++) {
+    float *out = layers[l].out ? layers[l].out : layers[l].p;
+    if (scale < 1.0)
+      rc = ac_affine(be, layers[l].count, (float)scale, layers[l].p, 0.0f, out);
+    else if (out != layers[l].p && layers[l].count > 0)
+      rc = ac_memcpy_d2d(be, out, layers[l].p, layers[l].count * sizeof(float));
+  }
   return rc;
 }

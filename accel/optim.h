@@ -336,6 +336,16 @@ int ac_kfac_dense_factor_a(ac_backend *be, size_t rows, size_t in, const float *
 int ac_kfac_dense_factor_g(ac_backend *be, size_t rows, size_t out, const float *g, size_t ldg,
                            float loss_scale, float *g_packed);
 
+/* Both of a dense layer's factors, ac_kfac_dense_factor_a's and _g's floats, written packed
+ * into host memory the caller owns (ac_syrk_packed_to_host: e.g. libprecond's push slot,
+ * where the CPU backend's kernels write them directly and CUDA's download lands):
+ * ac_packed_len(in + has_bias) floats at a_host, ac_packed_len(out) at g_host. Waits like
+ * the other *_to_host calls. ws: ac_kfac_dense_workspace_floats. */
+int ac_kfac_dense_factors_to_host(ac_backend *be, size_t rows, size_t in, size_t out,
+                                  const float *a, size_t lda, const float *g, size_t ldg,
+                                  int has_bias, float loss_scale, float *a_host, float *g_host,
+                                  float *ws);
+
 /* Convolution (KFC, Grosse & Martens 2016), over nimg images of a batch of `batch`, so that a
  * batch im2col'd in chunks accumulates (accumulate 0 for the first chunk, 1 after):
  *   A += (1/(batch npos)) sum_{b,t} [a_bt; 1][a_bt; 1]^T   (the mean over all patches)
@@ -394,16 +404,21 @@ int ac_kfac_eigen_precondition(ac_backend *be, size_t out, size_t in, const floa
                                const float *gb, const float *qg, const float *vg, const float *qa,
                                const float *va, float lambda, float *pw, float *pb, float *ws);
 
-/* One preconditioned tensor and its gradient, for the KL clip (count values each). */
+/* One preconditioned tensor and its gradient, for the KL clip (count values each); out, when
+ * not NULL, receives the clipped p instead of p itself (it may be grad: the update then
+ * replaces the gradient in the same pass, without a copy of p over it). */
 typedef struct {
   size_t count;
   float *p;
   const float *grad;
+  float *out;
 } ac_kfac_pg;
 
 /* KL clip over all layers: nu = pc_kfac_kl_scale(kl_clip, lr, sum_l <p_l, grad_l>), then every
- * p_l *= nu (when nu < 1). *nu (host, may be NULL) gets it. dev1: one device float of scratch.
- * Returns AC_OK; AC_EINVAL (bad arguments, or a non-finite sum: nothing scaled, *nu = 0). */
+ * p_l *= nu (when nu < 1), in place or into out_l (written whatever nu: nu p_l, or p_l when nu
+ * >= 1; the sums are taken before anything is written). *nu (host, may be NULL) gets it. dev1:
+ * one device float of scratch. Returns AC_OK; AC_EINVAL (bad arguments, or a non-finite sum:
+ * nothing scaled or written, *nu = 0). */
 int ac_kfac_kl_clip(ac_backend *be, const ac_kfac_pg *layers, size_t nlayers, double lr,
                     double kl_clip, float *dev1, double *nu);
 

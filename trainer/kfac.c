@@ -45,6 +45,9 @@ typedef struct {
   float *ha, *hg;
   uint64_t hfolds;
   float *va, *vg;
+  /* libprecond's push slot the hook computed this step's factors into (pt__direct), which
+   * pt__kfac_push commits; NULL: fa and fg hold them. */
+  precond_push_slot *slot;
 } pt__kfac_layer;
 
 typedef struct {
@@ -224,6 +227,18 @@ static pt__rows pt__dense_rows(const pt_trainer *t, size_t rows, long step) {
   return r;
 }
 
+/* Whether the hook writes layer l's factors straight into a push slot (precond_push_begin)
+ * rather than fa and fg, which pt__kfac_push then downloads into one: a registered dense
+ * layer the daemon serves, pushed in fp32 by this worker alone, whose factors nothing else
+ * reads (the worker forms fold them on the host; data-parallel shares are reduced first).
+ * The same floats either way (ac_kfac_dense_factors_to_host), without the copy. */
+static int pt__direct(const pt_trainer *t, const pt__kfac_layer *l) {
+  const pt__kfac *s = t->state;
+  return s->registered && l->kind == PT__KFAC_LAYER && l->hook_kind == AC_HOOK_DENSE &&
+         l->block_id != UINT32_MAX && t->opts.shard_size <= 1 && !t->opts.kfac.push_bf16 &&
+         t->opts.kfac.form == PT_KFAC_FORM_DAEMON;
+}
+
 static int pt__hook(void *ctx, const ac_hook_view *v) {
   pt_trainer *t = ctx;
   pt__kfac *s = t->state;
@@ -242,13 +257,27 @@ static int pt__hook(void *ctx, const ac_hook_view *v) {
       /* A subset of the rows is a matrix with the row stride times stride: the kernels read
        * it in place. The scale stays the whole batch's (the loss is a mean over all rows). */
       pt__rows r = pt__dense_rows(t, v->rows, s->next_step);
+      const float *a = v->a + r.first * v->lda, *g = v->g + r.first * v->ldg;
       rc = pt__ws(s, ac_kfac_dense_workspace_floats(r.n, v->in, bias));
+      if (rc == AC_OK && pt__direct(t, l)) {
+        float *ha = NULL, *hg = NULL;
+        if (l->slot != NULL) precond_push_cancel(l->slot); /* a step that failed before its push */
+        l->slot = NULL;
+        int prc = precond_push_begin(t->client, (uint64_t)s->next_step, l->block_id,
+                                     (uint32_t)l->na, (uint32_t)l->ng, &ha, &hg, &l->slot);
+        if (prc != PRECOND_OK) {
+          rc = prc == PRECOND_ENOMEM ? AC_ENOMEM : AC_EINVAL;
+          l->slot = NULL;
+        } else {
+          rc = ac_kfac_dense_factors_to_host(s->be, r.n, v->in, v->out, a, r.stride * v->lda, g,
+                                             r.stride * v->ldg, bias, scale, ha, hg, s->ws);
+        }
+        break;
+      }
       if (rc == AC_OK)
-        rc = ac_kfac_dense_factor_a(s->be, r.n, v->in, v->a + r.first * v->lda, r.stride * v->lda,
-                                    bias, l->fa, s->ws);
+        rc = ac_kfac_dense_factor_a(s->be, r.n, v->in, a, r.stride * v->lda, bias, l->fa, s->ws);
       if (rc == AC_OK)
-        rc = ac_kfac_dense_factor_g(s->be, r.n, v->out, v->g + r.first * v->ldg, r.stride * v->ldg,
-                                    scale, l->fg);
+        rc = ac_kfac_dense_factor_g(s->be, r.n, v->out, g, r.stride * v->ldg, scale, l->fg);
       break;
     }
     case AC_HOOK_CONV: {
@@ -491,6 +520,11 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
     int dp = t->opts.shard_size > 1, mine = !dp || l->worker == t->opts.shard_rank;
     float *a = NULL, *g = NULL;
     precond_push_slot *slot = NULL;
+    if (l->slot != NULL) { /* the hook wrote the factors there (pt__direct) */
+      s->slot[nslots++] = l->slot;
+      l->slot = NULL;
+      continue;
+    }
     if (mine && enc == PRECOND_FP32) {
       rc = pt__daemon(t, err,
                       precond_push_begin(t->client, (uint64_t)step, l->block_id, (uint32_t)l->na,
@@ -720,9 +754,10 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
       stale_max = age > stale_max ? age : stale_max;
       npre++;
     }
-    /* <p, grad> by tensor: the layer's p is one buffer, its grads are two tensors. */
-    s->pg[m++] = (ac_kfac_pg){nw, l->p, gw};
-    if (gb) s->pg[m++] = (ac_kfac_pg){l->out, l->p + nw, gb};
+    /* <p, grad> by tensor: the layer's p is one buffer, its grads are two tensors; the
+     * clipped p goes over the grads (the SGD step reads them). */
+    s->pg[m++] = (ac_kfac_pg){nw, l->p, gw, gw};
+    if (gb) s->pg[m++] = (ac_kfac_pg){l->out, l->p + nw, gb, gb};
   }
   int rc = pt__accel(err, arc, "K-FAC precondition");
   /* kl_base_lr: nu from the base rate, then the step's rate scales nu p (the SGD step), so
@@ -733,11 +768,6 @@ static int pt__kfac_precondition(pt_trainer *t, double lr, long step, pt_step_in
   if (rc == PT_OK && m > 0)
     rc = pt__accel(err, ac_kfac_kl_clip(s->be, s->pg, m, kl_lr, ko->kl_clip, s->dev1, &nu),
                    "K-FAC KL clip");
-  for (size_t j = 0; j < m && rc == PT_OK; j++)
-    rc = pt__accel(err,
-                   ac_memcpy_d2d(s->be, (float *)(uintptr_t)s->pg[j].grad, s->pg[j].p,
-                                 s->pg[j].count * sizeof(float)),
-                   "K-FAC result");
   if (info != NULL) {
     info->preconditioned = npre;
     info->fallback = nk - npre;
@@ -816,6 +846,7 @@ static void pt__kfac_destroy(pt_trainer *t) {
     pt__kfac_layer *l = &s->layers[i];
     float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_inv, l->g_inv, l->p, l->va, l->vg};
     for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) ac_free(s->be, bufs[k]);
+    if (l->slot != NULL) precond_push_cancel(l->slot);
     free(l->ha);
     free(l->hg);
   }

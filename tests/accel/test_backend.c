@@ -671,7 +671,9 @@ static void test_sgemm(void **state) {
  * (Higham's gamma_k, u = 2^-24), alpha and beta included. */
 static void test_sgemm_small_blocks(void **state) {
   ac_backend *be = backend(state);
-  const size_t shapes[][3] = {{128, 128, 128}, {256, 128, 64}, {129, 47, 100}, {45, 70, 100}};
+  /* the last: a 1 x 1 result, a dot product on the CPU (K-FAC's KL clip) */
+  const size_t shapes[][3] = {
+      {128, 128, 128}, {256, 128, 64}, {129, 47, 100}, {45, 70, 100}, {1, 1, 1000}};
   for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
     for (int ta = 0; ta < 2; ta++)
       for (int tb = 0; tb < 2; tb++)
@@ -825,14 +827,16 @@ static void test_syrk_packed(void **state) {
 }
 
 /* The statistics of Shampoo-sized blocks (the CPU backend's small-block kernel writes the
- * packed triangle itself, gemm_small.c): blocks of 128 x 128 and ragged ones (orders past
+ * packed triangle itself, gemm_small.c): blocks of 128 x 128, an order of 520 from 100 rows
+ * (K-FAC's dense factors; its other side, k 520, is OpenBLAS's) and ragged ones (orders past
  * tiles of 8 rows and 32 columns, the diagonal inside a tile) inside a wider gradient, both
  * sides, the EMA form over NaN-free old values and beta 0 over NaN, every value within the
  * float bound of its k-term sum; the floats past the triangle are never written. */
 static void test_syrk_small_blocks(void **state) {
   ac_backend *be = backend(state);
-  const size_t shapes[][2] = {{128, 128}, {100, 77}, {45, 200}}; /* rows x cols of a block */
-  const size_t ld = 260;
+  /* rows x cols of a block; the last: orders past 256 (G^T G of 520, K-FAC's dense factors) */
+  const size_t shapes[][2] = {{128, 128}, {100, 77}, {45, 200}, {100, 520}};
+  const size_t ld = 530;
   float *hg = host_rand(200 * ld);
   float *g = dev_up(be, hg, 200 * ld);
   for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)

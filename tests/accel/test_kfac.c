@@ -320,59 +320,74 @@ static void test_bn_fisher_fd(void **state) {
 /* ------------------------------------------------------------------------------------ */
 /* Preconditioned update and KL clip                                                      */
 
+/* G^-1 [gw | gb] A^-1 against double loops, within the float bound of the two products'
+ * sums ((out + n) u times the same products of magnitudes). Orders past 256 (the
+ * Transformer's 384-513) take the products' k in chunks (accel/kfac.c). */
 static void test_precondition(void **state) {
   ac_backend *be = backend(state);
-  const size_t out = 5, in = 4;
-  for (int bias = 0; bias < 2; bias++) {
-    size_t n = in + (size_t)bias;
-    float *gw = host_random(out * in), *gb = host_random(out);
-    float *gi = host_random(out * out), *ai = host_random(n * n);
-    float *dgw = dev_upload(be, out * in, gw), *dgb = dev_upload(be, out, gb);
-    float *dgi = dev_upload(be, out * out, gi), *dai = dev_upload(be, n * n, ai);
-    float *dpw = dev_alloc(be, out * in), *dpb = dev_alloc(be, out);
-    float *ws = dev_alloc(be, ac_kfac_precondition_workspace_floats(out, in, bias));
-    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dpw, bias ? dpb : NULL,
-                            ws));
-    /* Host: G^-1 [gw | gb] A^-1 in double. */
-    double *m = xcalloc(out * n, sizeof *m), *t = xcalloc(out * n, sizeof *t);
-    for (size_t i = 0; i < out; i++)
-      for (size_t j = 0; j < n; j++) m[i * n + j] = j < in ? gw[i * in + j] : gb[i];
-    for (size_t i = 0; i < out; i++)
-      for (size_t j = 0; j < n; j++)
-        for (size_t k = 0; k < out; k++) t[i * n + j] += (double)gi[i * out + k] * m[k * n + j];
-    memset(m, 0, out * n * sizeof *m);
-    for (size_t i = 0; i < out; i++)
-      for (size_t j = 0; j < n; j++)
-        for (size_t k = 0; k < n; k++) m[i * n + j] += t[i * n + k] * ai[k * n + j];
-    float *pw = download(be, out * in, dpw), *pb = download(be, out, dpb);
-    for (size_t i = 0; i < out; i++) {
-      for (size_t j = 0; j < in; j++) assert_float_equal(pw[i * in + j], m[i * n + j], 1e-5);
-      if (bias) assert_float_equal(pb[i], m[i * n + in], 1e-5);
+  const size_t shapes[][2] = {{5, 4}, {300, 280}, {40, 520}}; /* out, in */
+  for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+    for (int bias = 0; bias < 2; bias++) {
+      const size_t out = shapes[sh][0], in = shapes[sh][1], n = in + (size_t)bias;
+      float *gw = host_random(out * in), *gb = host_random(out);
+      float *gi = host_random(out * out), *ai = host_random(n * n);
+      float *dgw = dev_upload(be, out * in, gw), *dgb = dev_upload(be, out, gb);
+      float *dgi = dev_upload(be, out * out, gi), *dai = dev_upload(be, n * n, ai);
+      float *dpw = dev_alloc(be, out * in), *dpb = dev_alloc(be, out);
+      float *ws = dev_alloc(be, ac_kfac_precondition_workspace_floats(out, in, bias));
+      OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dpw, bias ? dpb : NULL,
+                              ws));
+      /* Host: G^-1 [gw | gb] A^-1 in double, and the same of the magnitudes. */
+      double *m = xcalloc(out * n, sizeof *m), *t = xcalloc(out * n, sizeof *t);
+      double *ma = xcalloc(out * n, sizeof *ma), *ta = xcalloc(out * n, sizeof *ta);
+      for (size_t i = 0; i < out; i++)
+        for (size_t j = 0; j < n; j++) m[i * n + j] = j < in ? gw[i * in + j] : gb[i];
+      for (size_t i = 0; i < out; i++)
+        for (size_t k = 0; k < out; k++)
+          for (size_t j = 0; j < n; j++) {
+            t[i * n + j] += (double)gi[i * out + k] * m[k * n + j];
+            ta[i * n + j] += fabs((double)gi[i * out + k] * m[k * n + j]);
+          }
+      memset(m, 0, out * n * sizeof *m);
+      for (size_t i = 0; i < out; i++)
+        for (size_t k = 0; k < n; k++)
+          for (size_t j = 0; j < n; j++) {
+            m[i * n + j] += t[i * n + k] * ai[k * n + j];
+            ma[i * n + j] += ta[i * n + k] * fabs((double)ai[k * n + j]);
+          }
+      float *pw = download(be, out * in, dpw), *pb = download(be, out, dpb);
+      const double u = ((double)(out + n) + 2.0) * 0x1p-24;
+      for (size_t i = 0; i < out; i++) {
+        for (size_t j = 0; j < in; j++)
+          assert_true(fabs(pw[i * in + j] - m[i * n + j]) <= u * ma[i * n + j] + 1e-30);
+        if (bias) assert_true(fabs(pb[i] - m[i * n + in]) <= u * ma[i * n + in] + 1e-30);
+      }
+      /* In place: pw = gw, pb = gb. */
+      OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dgw, bias ? dgb : NULL,
+                              ws));
+      free(pw);
+      pw = download(be, out * in, dgw);
+      assert_true(fabs(pw[3] - m[3 / in * n + 3 % in]) <= u * ma[3 / in * n + 3 % in] + 1e-30);
+      assert_int_equal(ac_kfac_precondition(be, out, in, dgw, dgb, dgi, dai, dpw, NULL, ws),
+                       AC_EINVAL);
+      free(gw);
+      free(gb);
+      free(gi);
+      free(ai);
+      free(m);
+      free(t);
+      free(ma);
+      free(ta);
+      free(pw);
+      free(pb);
+      ac_free(be, dgw);
+      ac_free(be, dgb);
+      ac_free(be, dgi);
+      ac_free(be, dai);
+      ac_free(be, dpw);
+      ac_free(be, dpb);
+      ac_free(be, ws);
     }
-    /* In place: pw = gw, pb = gb. */
-    OK(ac_kfac_precondition(be, out, in, dgw, bias ? dgb : NULL, dgi, dai, dgw, bias ? dgb : NULL,
-                            ws));
-    free(pw);
-    pw = download(be, out * in, dgw);
-    assert_float_equal(pw[3], m[3 / in * n + 3 % in], 1e-5);
-    assert_int_equal(ac_kfac_precondition(be, out, in, dgw, dgb, dgi, dai, dpw, NULL, ws),
-                     AC_EINVAL);
-    free(gw);
-    free(gb);
-    free(gi);
-    free(ai);
-    free(m);
-    free(t);
-    free(pw);
-    free(pb);
-    ac_free(be, dgw);
-    ac_free(be, dgb);
-    ac_free(be, dgi);
-    ac_free(be, dai);
-    ac_free(be, dpw);
-    ac_free(be, dpb);
-    ac_free(be, ws);
-  }
 }
 
 /* The eigen-form update against the numerics core's pc_kfac_eigen_update_f64 on the same
@@ -467,7 +482,7 @@ static void test_kl_clip(void **state) {
   double vg = pc_kfac_dot_f32(n1, p1, g1) + pc_kfac_dot_f32(n2, p2, g2), want = 0.0;
   float *d1 = dev_upload(be, n1, p1), *e1 = dev_upload(be, n1, g1);
   float *d2 = dev_upload(be, n2, p2), *e2 = dev_upload(be, n2, g2), *one = dev_alloc(be, 1);
-  ac_kfac_pg layers[2] = {{n1, d1, e1}, {n2, d2, e2}};
+  ac_kfac_pg layers[2] = {{n1, d1, e1, NULL}, {n2, d2, e2, NULL}};
   const double lr = 0.5;
   assert_int_equal(pc_kfac_kl_scale(1e-3, lr, vg, &want), PC_OK);
   assert_true(want < 0.5); /* this case clips */
@@ -477,6 +492,30 @@ static void test_kl_clip(void **state) {
   float *h1 = download(be, n1, d1), *h2 = download(be, n2, d2);
   for (size_t i = 0; i < n1; i++) assert_float_equal(h1[i], p1[i] * want, 1e-6);
   for (size_t i = 0; i < n2; i++) assert_float_equal(h2[i], p2[i] * want, 1e-6);
+  /* Into out (here the gradient itself): the same floats as in place, p untouched; then,
+   * unclipped, p copied there as it is. */
+  float *f1 = dev_upload(be, n1, p1), *f2 = dev_upload(be, n2, p2);
+  float *o2 = dev_upload(be, n2, g2);
+  ac_kfac_pg into[2] = {{n1, f1, e1, e1}, {n2, f2, o2, o2}};
+  double nu_into = -1.0;
+  OK(ac_kfac_kl_clip(be, into, 2, lr, 1e-3, one, &nu_into));
+  assert_true(nu_into == nu);
+  float *x1 = download(be, n1, e1), *x2 = download(be, n2, o2), *y1 = download(be, n1, f1);
+  assert_memory_equal(x1, h1, n1 * sizeof *x1);
+  assert_memory_equal(x2, h2, n2 * sizeof *x2);
+  assert_memory_equal(y1, p1, n1 * sizeof *y1);
+  OK(ac_kfac_kl_clip(be, into, 2, 1e-6, 1e-3, one, &nu_into));
+  assert_true(nu_into == 1.0);
+  free(x1);
+  x1 = download(be, n1, e1);
+  assert_memory_equal(x1, p1, n1 * sizeof *x1);
+  OK(ac_memcpy_h2d(be, e1, g1, n1 * sizeof *g1));
+  free(x1);
+  free(x2);
+  free(y1);
+  ac_free(be, f1);
+  ac_free(be, f2);
+  ac_free(be, o2);
   /* A learning rate small enough that nothing is clipped: p unchanged, nu = 1. */
   OK(ac_kfac_kl_clip(be, layers, 2, 1e-6, 1e-3, one, &nu));
   assert_true(nu == 1.0);
