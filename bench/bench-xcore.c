@@ -174,35 +174,24 @@ __attribute__((target("avx2"))) static void fold(size_t n, const float *s, const
   __m512i big = _mm512_setzero_si512()
 #define XC_TEST_RESULT ((uint32_t)_mm512_reduce_or_epi32(big) >> 31)
 
-/* keep with the old values stored plainly into o (its lines read for ownership, but kept in
- * this core's caches for the next push). */
-__attribute__((target("avx512f"))) static uint32_t keep_plain(size_t n, float *s, const float *x,
-                                                              float *o) {
-  const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
-  XC_TEST_SETUP;
-  for (size_t i = 0; i < n; i += 16) {
-    __m512 sv = _mm512_load_ps(s + i);
-    _mm512_store_ps(o + i, sv);
-    __m512 y = _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
-    XC_BIG(big, y);
-    _mm512_store_ps(s + i, y);
-  }
-  return XC_TEST_RESULT;
-}
-
 /* The daemon's fold since session 13 (host/mode_shampoo.c, shampoo_fold_keep): in place into
  * the statistic s, its old values streamed to the spare o (both 64-byte aligned), so that a
  * refused push can swap them back; no read for ownership of o's lines. With the daemon's test
  * per value (the exponent's bits plus a carry, ORed: rpc_f32_big) and, when pf > 0, software
- * prefetch of the slot pf bytes ahead. Returns the OR's bit 31. */
+ * prefetch of the slot pf bytes ahead; plain (keep-plain) stores the old values plainly
+ * instead (o's lines read for ownership, but kept in this core's caches for the next push).
+ * Returns the OR's bit 31. */
 __attribute__((target("avx512f"))) static uint32_t keep(size_t n, float *s, const float *x,
-                                                        float *o, size_t pf) {
+                                                        float *o, size_t pf, int plain) {
   const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
   XC_TEST_SETUP;
   for (size_t i = 0; i < n; i += 16) {
     if (pf) _mm_prefetch((const char *)(x + i) + pf, _MM_HINT_T0);
     __m512 sv = _mm512_load_ps(s + i);
-    _mm512_stream_ps(o + i, sv);
+    if (plain)
+      _mm512_store_ps(o + i, sv);
+    else
+      _mm512_stream_ps(o + i, sv);
     __m512 y = _mm512_add_ps(_mm512_mul_ps(b, sv), _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
     XC_BIG(big, y);
     _mm512_store_ps(s + i, y);
@@ -211,34 +200,25 @@ __attribute__((target("avx512f"))) static uint32_t keep(size_t n, float *s, cons
   return XC_TEST_RESULT;
 }
 
-/* The fold into the spare o by streaming stores (no read for ownership of o's lines), then
- * the sfence; the caller swaps statistic and spare, as a kept push does (a refused one just
- * does not swap: nothing to undo). Three streams where keep has four. */
-__attribute__((target("avx512f"))) static uint32_t fold_nt(size_t n, const float *s, const float *x,
-                                                           float *o) {
+/* The fold into o: by streaming stores when nt (fold-nt: no read for ownership of o's lines;
+ * the caller swaps statistic and spare, as a kept push does, and a refused one just does not
+ * swap: nothing to undo; three streams where keep has four), else plainly (o == s: inplace,
+ * no old values kept: the bound of any form without a spare, not undoable, so not a form the
+ * daemon may use alone). Returns the test's bit 31. */
+__attribute__((target("avx512f"))) static uint32_t fold_to(size_t n, const float *s, const float *x,
+                                                           float *o, int nt) {
   const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
   XC_TEST_SETUP;
   for (size_t i = 0; i < n; i += 16) {
     __m512 y = _mm512_add_ps(_mm512_mul_ps(b, _mm512_load_ps(s + i)),
                              _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
     XC_BIG(big, y);
-    _mm512_stream_ps(o + i, y);
+    if (nt)
+      _mm512_stream_ps(o + i, y);
+    else
+      _mm512_store_ps(o + i, y);
   }
-  _mm_sfence();
-  return XC_TEST_RESULT;
-}
-
-/* The fold in place with no copy of the old values (the bound of any form without a spare;
- * not undoable, so not a form the daemon may use alone). */
-__attribute__((target("avx512f"))) static uint32_t inplace(size_t n, float *s, const float *x) {
-  const __m512 b = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(0.001f);
-  XC_TEST_SETUP;
-  for (size_t i = 0; i < n; i += 16) {
-    __m512 y = _mm512_add_ps(_mm512_mul_ps(b, _mm512_load_ps(s + i)),
-                             _mm512_mul_ps(w, _mm512_loadu_ps(x + i)));
-    XC_BIG(big, y);
-    _mm512_store_ps(s + i, y);
-  }
+  if (nt) _mm_sfence();
   return XC_TEST_RESULT;
 }
 
@@ -270,8 +250,9 @@ static void fold(size_t n, const float *s, const float *x, float *o, size_t pf) 
   for (size_t i = 0; i < n; i++) o[i] = 0.999f * s[i] + 0.001f * x[i];
 }
 
-static uint32_t keep(size_t n, float *s, const float *x, float *o, size_t pf) {
+static uint32_t keep(size_t n, float *s, const float *x, float *o, size_t pf, int plain) {
   (void)pf;
+  (void)plain;
   for (size_t i = 0; i < n; i++) {
     o[i] = s[i];
     s[i] = 0.999f * s[i] + 0.001f * x[i];
@@ -279,17 +260,9 @@ static uint32_t keep(size_t n, float *s, const float *x, float *o, size_t pf) {
   return 0;
 }
 
-static uint32_t keep_plain(size_t n, float *s, const float *x, float *o) {
-  return keep(n, s, x, o, 0);
-}
-
-static uint32_t fold_nt(size_t n, const float *s, const float *x, float *o) {
+static uint32_t fold_to(size_t n, const float *s, const float *x, float *o, int nt) {
+  (void)nt;
   for (size_t i = 0; i < n; i++) o[i] = 0.999f * s[i] + 0.001f * x[i];
-  return 0;
-}
-
-static uint32_t inplace(size_t n, float *s, const float *x) {
-  for (size_t i = 0; i < n; i++) s[i] = 0.999f * s[i] + 0.001f * x[i];
   return 0;
 }
 
@@ -392,32 +365,30 @@ static void *side(cell *c, int me) {
     pthread_mutex_unlock(&c->mu);
     double t0 = thread_cpu_s();
     const float *x = (const float *)(const void *)c->slot;
+    const size_t m = nf / 16 * 16; /* the 16-wide passes' length */
     if (me == 0) {
       produce(c->v->prod, c->slot, c->src, c->bytes);
       c->src[(r * 4096) % c->bytes]++; /* a different statistic each push */
     } else if (c->v->cons == C_SUM) {
       c->sink = sum(nf / 16 * 16, (const float *)(const void *)c->slot);
-    } else if (c->v->cons == C_KEEP || c->v->cons == C_KEEP_PF) {
-      c->sink = (float)keep(nf / 16 * 16, c->stat, x, c->spare,
-                            c->v->cons == C_KEEP_PF ? keep_pf_bytes : 0);
+    } else if (c->v->cons == C_KEEP || c->v->cons == C_KEEP_PF || c->v->cons == C_KEEP_PLAIN) {
+      c->sink = (float)keep(m, c->stat, x, c->spare, c->v->cons == C_KEEP_PF ? keep_pf_bytes : 0,
+                            c->v->cons == C_KEEP_PLAIN);
     } else if (c->v->cons == C_CHECK) {
       /* a test pass over the slot (it brings the slot into this core's caches), then keep */
-      c->sink = (float)(check(nf / 16 * 16, x, NULL) | keep(nf / 16 * 16, c->stat, x, c->spare, 0));
+      c->sink = (float)(check(m, x, NULL) | keep(m, c->stat, x, c->spare, 0, 0));
     } else if (c->v->cons == C_COPY) {
       /* the slot tested and copied into the spare (the daemon's own memory: an overwrite
        * after this cannot reach the fold), then folded from there in place, no old values
        * kept */
-      c->sink =
-          (float)(check(nf / 16 * 16, x, c->spare) | inplace(nf / 16 * 16, c->stat, c->spare));
-    } else if (c->v->cons == C_KEEP_PLAIN) {
-      c->sink = (float)keep_plain(nf / 16 * 16, c->stat, x, c->spare);
+      c->sink = (float)(check(m, x, c->spare) | fold_to(m, c->stat, c->spare, c->stat, 0));
+    } else if (c->v->cons == C_INPLACE) {
+      c->sink = (float)fold_to(m, c->stat, x, c->stat, 0);
     } else if (c->v->cons == C_FOLD_NT) {
-      c->sink = (float)fold_nt(nf / 16 * 16, c->stat, x, c->spare);
+      c->sink = (float)fold_to(m, c->stat, x, c->spare, 1);
       float *t = c->stat;
       c->stat = c->spare;
       c->spare = t;
-    } else if (c->v->cons == C_INPLACE) {
-      c->sink = (float)inplace(nf / 16 * 16, c->stat, x);
     } else {
       fold(nf / 8 * 8, c->stat, (const float *)(const void *)c->slot, c->spare,
            c->v->cons == C_FOLD_PF ? 2048 : 0);

@@ -17,17 +17,8 @@ set -u
 [ $# -eq 1 ] && [ -x "$1/bench/bench-daemon" ] && [ -x "$1/host/precondd" ] ||
   { echo "usage: bash bench/fold-xcore.sh BASE (a build directory with bench/bench-daemon and host/precondd)" >&2; exit 2; }
 base=$(cd "$1" && pwd)
-cd "$(dirname "$0")/.." || exit 2
-[ -x build/bench/bench-daemon ] && [ -x build/host/precondd ] && [ -x build/bench/bench-xcore ] ||
-  { echo "build first: meson compile -C build" >&2; exit 2; }
-export OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-for v in base new; do
-  if [ $v = base ]; then d=$base; else d=$PWD/build; fi
-  printf '#!/bin/sh\nexec taskset -c 1 %s "$@"\n' "$d/host/precondd" > "$tmp/pd1-$v.sh"
-  chmod +x "$tmp/pd1-$v.sh"
-done
+. "$(dirname "$0")/push-common.sh" # cd to the root, build/ checked, $tmp, pinned daemons
+[ -x build/bench/bench-xcore ] || { echo "build first: meson compile -C build" >&2; exit 2; }
 echo "build,round,row,ratio_to_memcpy,bell_us,bell_system_pct,client_us,bell_sleeps"
 for round in 1 2 3; do
   for v in base new; do

@@ -1,5 +1,5 @@
-# Sourced by bench/push-xcore.sh and bench/push-lib.sh once they set base (the BASE build
-# directory, absolute): moves to the repository root, checks build/, and makes $tmp (removed
+# Sourced by bench/push-xcore.sh, bench/push-lib.sh and bench/fold-xcore.sh once they set
+# base (the BASE build directory, absolute): moves to the repository root, checks build/, and makes $tmp (removed
 # at exit) with $tmp/pd1-base.sh and $tmp/pd1-new.sh, each build's precondd pinned to core 1.
 cd "$(dirname "$0")/.." || exit 2
 [ -x build/bench/bench-daemon ] && [ -x build/host/precondd ] ||
