@@ -2,11 +2,22 @@
 # Shampoo's worker step CPU on W1 (issue 8: at most 1.10x AdamW's), AdamW and Shampoo of
 # build/ and Shampoo of the BASE build (another build directory) alternated, 150 steps
 # each, one precondd --threads 1 per build. Run from the repository root with build/
-# built; about 2.5 minutes on quiet cores. usage: bash bench/w1-step-cpu.sh BASE
-# Figures: median cpu_ms and opt_cpu_ms of rows 11-150 per run, and the staleness mean.
+# built; about 2.5 minutes on quiet cores (3 with --parts).
+# usage: bash bench/w1-step-cpu.sh BASE [--parts]
+# Figures: median cpu_ms and opt_cpu_ms of rows 11-150 per run, the median of their
+# difference (model_cpu_ms: the forward and backward, data and the process's other threads
+# while they run), and the staleness mean; then Shampoo / AdamW of the medians per pair.
+# --parts adds two Shampoo runs of build/ that take precondd's work away step by step:
+# shampoo-idle (--root-every 100000: statistics pushed and folded every step, roots computed
+# only once per block, so precondd's root worker is idle) and shampoo-nostat (--stat-every
+# 100000: no statistics, no pushes after step 1; the step applies the first roots). Their
+# model_cpu_ms against shampoo's and adamw's says how much of the extra comes from precondd
+# working on the other core and how much from the worker process itself.
 set -u
-[ $# -eq 1 ] && [ -x "$1/bench/transformer" ] ||
-  { echo "usage: bash bench/w1-step-cpu.sh BASE (a build directory with bench/transformer)" >&2; exit 2; }
+parts=0
+[ $# -eq 2 ] && [ "$2" = --parts ] && parts=1
+{ [ $# -eq 1 ] || [ $parts -eq 1 ]; } && [ -x "$1/bench/transformer" ] ||
+  { echo "usage: bash bench/w1-step-cpu.sh BASE [--parts] (BASE: a build directory with bench/transformer)" >&2; exit 2; }
 A=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 B=build; T=$(mktemp -d)
@@ -14,12 +25,25 @@ C="--lr 3e-3 --steps 150 --eval-every 50 --eval-batches 8 --seed 1 --backend cpu
 $B/host/precondd --listen unix:$T/s --state-dir $T/st --threads 1 --snapshot-interval 60 --log-level warn & d=$!
 $A/host/precondd --listen unix:$T/sb --state-dir $T/stb --threads 1 --snapshot-interval 60 --log-level warn & db=$!
 sleep 1
-med() { awk -F, -v c=$2 'NR > 11 && $c != "" { print $c }' $1 | sort -g | awk '{ a[NR] = $1 } END { print (a[int((NR + 1) / 2)] + a[int(NR / 2) + 1]) / 2 }'; }
-for r in adamw:1 shampoo:1 shampoo-base:1 adamw:2 shampoo-base:2 shampoo:2; do
-  n=${r%%:*}; bin=$B; sock=$T/s
+# med FILE EXPR: the median over rows 11-150 of an awk expression of the row's fields.
+med() { awk -F, "NR > 11 && \$10 != \"\" { print $2 }" $1 | sort -g | awk '{ a[NR] = $1 } END { print (a[int((NR + 1) / 2)] + a[int(NR / 2) + 1]) / 2 }'; }
+runs="adamw:1 shampoo:1 shampoo-base:1 adamw:2 shampoo-base:2 shampoo:2"
+[ $parts -eq 1 ] && runs="$runs shampoo-idle:3 shampoo-nostat:3 adamw:3"
+for r in $runs; do
+  n=${r%%:*} k=${r##*:} bin=$B sock=$T/s extra=""
   [ "$n" = shampoo-base ] && bin=$A && sock=$T/sb
-  OPENBLAS_NUM_THREADS=1 $bin/bench/transformer --daemon unix:$sock --out $T/$n${r##*:} --job $n${r##*:} --optimizer ${n%-base} $C > /dev/null
-  f=$T/$n${r##*:}/train.csv
-  echo "$n ${r##*:} median cpu_ms $(med $f 10) opt_cpu_ms $(med $f 12) staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n${r##*:}/summary.json)"
-done
+  [ "$n" = shampoo-idle ] && extra="--root-every 100000"
+  [ "$n" = shampoo-nostat ] && extra="--stat-every 100000"
+  o=${n%-*}
+  OPENBLAS_NUM_THREADS=1 $bin/bench/transformer --daemon unix:$sock --out $T/$n$k --job $n$k --optimizer $o $C $extra > /dev/null
+  f=$T/$n$k/train.csv
+  echo "$n $k median cpu_ms $(med $f '$10') opt_cpu_ms $(med $f '$12') model_cpu_ms $(med $f '$10 - $12') staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n$k/summary.json)"
+done | tee $T/rows
+# Shampoo / AdamW per pair: each Shampoo run against the AdamW run of its pair.
+awk '{ cpu[$1 " " $2] = $5; model[$1 " " $2] = $9 }
+  END { for (k = 1; k <= 3; k++) {
+          a = cpu["adamw " k]; m = model["adamw " k]; if (a == "") continue
+          split("shampoo shampoo-base shampoo-idle shampoo-nostat", s, " ")
+          for (i = 1; i <= 4; i++) if ((s[i] " " k) in cpu)
+            printf "pair %d %s / adamw: step cpu %.3fx, model cpu %.3fx\n", k, s[i], cpu[s[i] " " k] / a, model[s[i] " " k] / m } }' $T/rows
 kill $d $db; wait $d $db 2>/dev/null; rm -rf $T
