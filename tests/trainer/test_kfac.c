@@ -355,8 +355,9 @@ static void test_kfac_model_fisher(void **state) {
 }
 
 /* The worker forms. The worker's damped inverses are precondd's to the bit (the same fold,
- * damping split, method rule and packing, at the same pushes): with sync_roots the same
- * run, for the method by size and for eigh asked by name (which the daemon then uses too:
+ * damping split, method rule and packing, at the same pushes; the daemon form's dense
+ * factors go from the hook straight into the push slots, the worker's through the host
+ * buffer): with sync_roots the same run, for the method by size and for eigh asked by name (which the daemon then uses too:
  * the option travels). The eigen form preconditions both layers from step 1 without
  * waiting for the daemon, so an asynchronous run repeats exactly; it trains, and is not the
  * inverse form. */
