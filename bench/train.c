@@ -59,11 +59,15 @@ static double tr__now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* CPU seconds of this process, all threads. */
-static double tr__cpu_now(void) {
+/* CPU seconds of clock c: the process's (all threads) or the calling thread's. */
+static double tr__clock_s(clockid_t c) {
   struct timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  clock_gettime(c, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double tr__cpu_now(void) {
+  return tr__clock_s(CLOCK_PROCESS_CPUTIME_ID);
 }
 
 const char *tr_optimizer_name(tr_optimizer_kind kind) {
@@ -863,6 +867,8 @@ int tr_csv_row(FILE *f, const tr_row *r) {
   tr__csv_num(f, r->kl_scale, 5);
   fputc(',', f);
   tr__csv_num(f, r->opt_cpu_ms, 5);
+  fputc(',', f);
+  tr__csv_num(f, r->thread_cpu_ms, 5);
   return fputc('\n', f) == EOF ? TR_EIO : TR_OK;
 }
 
@@ -1526,7 +1532,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
   while (base_done < total) { /* base_done >= step: an update takes factor >= 1 batches */
     step++;
     base_done += factor;
-    double t0 = tr__now(), c0 = tr__cpu_now();
+    double t0 = tr__now(), c0 = tr__cpu_now(), h0 = tr__clock_s(CLOCK_THREAD_CPUTIME_ID);
     double loss = NAN;
     int mrc = model->train_step(model->ctx, &loss);
     if (mrc != 0) {
@@ -1562,6 +1568,7 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
       rc = tr__fail(err, TR_EINVAL, "step %ld: the workers could not agree to stop (MPI)", step);
     stop = stop && rc == TR_OK && base_done < total;
     if (stop) sm.status = "stopped";
+    double dh = tr__clock_s(CLOCK_THREAD_CPUTIME_ID) - h0;
     double dt = tr__now() - t0, dc = tr__cpu_now() - c0;
     train_s += dt;
     step_ms[step - 1] = dt * 1e3;
@@ -1574,8 +1581,8 @@ int tr_train(const tr_options *opts, ac_backend *be, const tr_model *model, tr_s
     if (info.fallback) sm.fallback_steps++;
     sm.steps = step;
 
-    tr_row row = {step, train_s,        dt * 1e3,      loss,     NAN,           NAN,
-                  lr,   info.staleness, info.fallback, dc * 1e3, info.kl_scale, dco * 1e3};
+    tr_row row = {step,           train_s,       dt * 1e3, loss,          NAN,       NAN,     lr,
+                  info.staleness, info.fallback, dc * 1e3, info.kl_scale, dco * 1e3, dh * 1e3};
     int eval_now = rc == TR_OK && (base_done >= total || stop ||
                                    (opts->eval_every > 0 && step % opts->eval_every == 0));
     if (!opts->quiet)

@@ -13,6 +13,9 @@
 # 100000: no statistics, no pushes after step 1; the step applies the first roots). Their
 # model_cpu_ms against shampoo's and adamw's says how much of the extra comes from precondd
 # working on the other core and how much from the worker process itself.
+# thread_cpu_ms is the training thread's own CPU (train.csv's thread_cpu_ms); others_ms the
+# median of cpu_ms - thread_cpu_ms (libprecond's thread and any other of the process), so
+# the pair lines' "thread" ratio is the model and optimizer without the client's thread.
 set -u
 parts=0
 [ $# -eq 2 ] && [ "$2" = --parts ] && parts=1
@@ -27,6 +30,8 @@ $A/host/precondd --listen unix:$T/sb --state-dir $T/stb --threads 1 --snapshot-i
 sleep 1
 # med FILE EXPR: the median over rows 11-150 of an awk expression of the row's fields.
 med() { awk -F, "NR > 11 && \$10 != \"\" { print $2 }" $1 | sort -g | awk '{ a[NR] = $1 } END { print (a[int((NR + 1) / 2)] + a[int(NR / 2) + 1]) / 2 }'; }
+# thr FILE EXPR: med where train.csv has thread_cpu_ms (builds before session 15: "-").
+thr() { if head -1 $1 | grep -q thread_cpu_ms; then med $1 "$2"; else echo -; fi; }
 runs="adamw:1 shampoo:1 shampoo-base:1 adamw:2 shampoo-base:2 shampoo:2"
 [ $parts -eq 1 ] && runs="$runs shampoo-idle:3 shampoo-nostat:3 adamw:3"
 for r in $runs; do
@@ -37,13 +42,15 @@ for r in $runs; do
   o=${n%-*}
   OPENBLAS_NUM_THREADS=1 $bin/bench/transformer --daemon unix:$sock --out $T/$n$k --job $n$k --optimizer $o $C $extra > /dev/null
   f=$T/$n$k/train.csv
-  echo "$n $k median cpu_ms $(med $f '$10') opt_cpu_ms $(med $f '$12') model_cpu_ms $(med $f '$10 - $12') staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n$k/summary.json)"
+  echo "$n $k median cpu_ms $(med $f '$10') opt_cpu_ms $(med $f '$12') model_cpu_ms $(med $f '$10 - $12') thread_cpu_ms $(thr $f '$13') others_ms $(thr $f '$10 - $13') staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n$k/summary.json)"
 done | tee $T/rows
 # Shampoo / AdamW per pair: each Shampoo run against the AdamW run of its pair.
-awk '{ cpu[$1 " " $2] = $5; model[$1 " " $2] = $9 }
+awk '{ cpu[$1 " " $2] = $5; model[$1 " " $2] = $9; thr[$1 " " $2] = $11 }
   END { for (k = 1; k <= 3; k++) {
-          a = cpu["adamw " k]; m = model["adamw " k]; if (a == "") continue
+          a = cpu["adamw " k]; m = model["adamw " k]; h = thr["adamw " k]; if (a == "") continue
           split("shampoo shampoo-base shampoo-idle shampoo-nostat", s, " ")
           for (i = 1; i <= 4; i++) if ((s[i] " " k) in cpu)
-            printf "pair %d %s / adamw: step cpu %.3fx, model cpu %.3fx\n", k, s[i], cpu[s[i] " " k] / a, model[s[i] " " k] / m } }' $T/rows
+            printf "pair %d %s / adamw: step cpu %.3fx, model cpu %.3fx, thread %s\n", k, s[i],
+                   cpu[s[i] " " k] / a, model[s[i] " " k] / m,
+                   thr[s[i] " " k] == "-" ? "-" : sprintf("%.3fx", thr[s[i] " " k] / h) } }' $T/rows
 kill $d $db; wait $d $db 2>/dev/null; rm -rf $T
