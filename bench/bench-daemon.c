@@ -620,6 +620,26 @@ typedef struct {
   thread_set bell[3]; /* [2]: 300 ms after the last push */
 } worker;
 
+/* Records one call's latency and this thread's CPU time (from t0 and c0, taken before it),
+ * growing the arrays as needed. Returns 0, or -1 with w->failed set on out of memory. */
+static int record_call(worker *w, double t0, double c0) {
+  if (w->nlat == w->caplat) {
+    size_t cap = w->caplat ? 2 * w->caplat : 1024;
+    double *nl = realloc(w->lat, cap * sizeof(double));
+    if (nl != NULL) w->lat = nl;
+    double *nc = nl != NULL ? realloc(w->cpu, cap * sizeof(double)) : NULL;
+    if (nc == NULL) {
+      w->failed = 1;
+      return -1;
+    }
+    w->cpu = nc;
+    w->caplat = cap;
+  }
+  w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
+  w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+  return 0;
+}
+
 /* The push-lib cell's client (worker 5 above): connected, its job registered (one n x n
  * block) before the clock starts. NULL on failure (said on stderr). */
 static precond_client *lib_client(const worker *w) {
@@ -720,20 +740,7 @@ static void *worker_main(void *arg) {
     while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
       double t0 = now_s(), c0 = thread_cpu_s();
       if (lib_push(w, step++) != 0) w->failed = 1;
-      if (w->nlat == w->caplat) {
-        size_t cap = w->caplat ? 2 * w->caplat : 1024;
-        double *nl = realloc(w->lat, cap * sizeof(double));
-        if (nl != NULL) w->lat = nl;
-        double *nc = nl != NULL ? realloc(w->cpu, cap * sizeof(double)) : NULL;
-        if (nc == NULL) {
-          w->failed = 1;
-          break;
-        }
-        w->cpu = nc;
-        w->caplat = cap;
-      }
-      w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
-      w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+      if (record_call(w, t0, c0) != 0) break;
     }
     if (!w->failed && lib_finish(w) != 0) w->failed = 1;
     return NULL;
@@ -890,20 +897,7 @@ static void *worker_main(void *arg) {
       w->bytes += 2 * w->pl->bytes;
     }
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
-    if (w->nlat == w->caplat) {
-      size_t cap = w->caplat ? 2 * w->caplat : 1024;
-      double *nl = realloc(w->lat, cap * sizeof(double));
-      if (nl != NULL) w->lat = nl;
-      double *nc = nl != NULL ? realloc(w->cpu, cap * sizeof(double)) : NULL;
-      if (nc == NULL) {
-        w->failed = 1;
-        break;
-      }
-      w->cpu = nc;
-      w->caplat = cap;
-    }
-    w->cpu[w->nlat] = 1e3 * (thread_cpu_s() - c0);
-    w->lat[w->nlat++] = 1e3 * (now_s() - t0);
+    if (record_call(w, t0, c0) != 0) break;
   }
   /* The pipelined pushes still in flight are collected inside the cell's time: every byte
    * counted was folded and answered OK. */

@@ -19,7 +19,14 @@
 #      lanes layout (accel/conv_lanes.c) and batch norm's sums made by the conv that writes
 #      its gradient (ac_conv3x3_bn_grad, ac_conv_s2_dgrad_bn) are CPU-only: on CUDA those
 #      calls answer unsupported and the layers take batch norm's own passes, which
-#      test_conv_bn_grad (fused against unfused, in the CUDA group too) checks;
+#      test_conv_bn_grad (fused against unfused, in the CUDA group too) checks; session 14
+#      added no kernel: K-FAC's preconditioning sums k in chunks of at most 256 (on CUDA a
+#      few more cuBLAS calls of the same products: test_precondition at orders past 256 in
+#      the CUDA group), the packed syrk's larger orders and the 1 x 1 product by cblas_sdot
+#      are the CPU backend's own, and ac_kfac_dense_factors_to_host writes the factors into
+#      host memory (on CUDA through ac_syrk_packed_to_host's download, which
+#      test_syrk_packed_to_host checks in the CUDA group; the trainer's test of the slots,
+#      test_kfac_worker_forms, runs on the CPU backend only);
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #

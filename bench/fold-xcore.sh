@@ -39,12 +39,8 @@ for round in 1 2 3; do
 done | tee "$tmp/rows.csv"
 echo
 echo "build,row,rounds,median_ratio_to_memcpy,median_bell_us,median_client_us"
-awk -F, '{ k = $1 "," $3; n[k]++; a[k, n[k]] = $4; b[k, n[k]] = $5; c[k, n[k]] = $7 }
-  function med(x, k, m,   i, j, t, y) {
-    for (i = 1; i <= m; i++) y[i] = x[k, i]
-    for (i = 2; i <= m; i++) for (j = i; j > 1 && y[j - 1] + 0 > y[j] + 0; j--) { t = y[j]; y[j] = y[j - 1]; y[j - 1] = t }
-    return m % 2 ? y[(m + 1) / 2] : (y[m / 2] + y[m / 2 + 1]) / 2
-  }
+awk -F, "$(cat bench/median.awk)"'
+  { k = $1 "," $3; n[k]++; a[k, n[k]] = $4; b[k, n[k]] = $5; c[k, n[k]] = $7 }
   END { for (k in n) printf "%s,%d,%.4f,%.1f,%.1f\n", k, n[k], med(a, k, n[k]), med(b, k, n[k]), med(c, k, n[k]) }' \
   "$tmp/rows.csv" | sort
 echo

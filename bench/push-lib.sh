@@ -31,13 +31,8 @@ for round in $(seq "$rounds"); do
 done | tee "$tmp/rows.csv"
 echo
 echo "build,row,rounds,median_ratio_to_memcpy,min,max,median_mb_per_cpu_s"
-awk -F, '{ k = $2 "," $3; n[k]++; q[k, n[k]] = $7; m[k, n[k]] = $4 }
-  function med(a, k, c,   i, j, t, x) {
-    for (i = 1; i <= c; i++) x[i] = a[k, i]
-    for (i = 2; i <= c; i++) for (j = i; j > 1 && x[j - 1] + 0 > x[j] + 0; j--) { t = x[j]; x[j] = x[j - 1]; x[j - 1] = t }
-    lo = x[1]; hi = x[c]
-    return c % 2 ? x[(c + 1) / 2] : (x[c / 2] + x[c / 2 + 1]) / 2
-  }
+awk -F, "$(cat bench/median.awk)"'
+  { k = $2 "," $3; n[k]++; q[k, n[k]] = $7; m[k, n[k]] = $4 }
   END { for (k in n) { r = med(q, k, n[k]); l = lo; h = hi; printf "%s,%d,%.4f,%.4f,%.4f,%.1f\n", k, n[k], r, l, h, med(m, k, n[k]) } }' \
   "$tmp/rows.csv" | sort
 grep -h "push-lib:" "$tmp/log" >&2 || true

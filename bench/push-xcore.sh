@@ -46,12 +46,8 @@ for round in 1 2 3; do
 done | tee "$tmp/rows.csv"
 echo
 echo "placement,build,block,row,rounds,median_mb_per_cpu_s,median_pushes_per_cpu_s,median_ratio_to_memcpy"
-awk -F, '$5 ~ /^push/ { k = $1 "," $3 "," $4 "," $5; n[k]++; v[k, n[k]] = $6; o[k, n[k]] = $7; q[k, n[k]] = $9 }
-  function med(a, k, m,   i, j, t, x) {
-    for (i = 1; i <= m; i++) x[i] = a[k, i]
-    for (i = 2; i <= m; i++) for (j = i; j > 1 && x[j - 1] + 0 > x[j] + 0; j--) { t = x[j]; x[j] = x[j - 1]; x[j - 1] = t }
-    return m % 2 ? x[(m + 1) / 2] : (x[m / 2] + x[m / 2 + 1]) / 2
-  }
+awk -F, "$(cat bench/median.awk)"'
+  $5 ~ /^push/ { k = $1 "," $3 "," $4 "," $5; n[k]++; v[k, n[k]] = $6; o[k, n[k]] = $7; q[k, n[k]] = $9 }
   END { for (k in n) printf "%s,%d,%.1f,%.1f,%.4f\n", k, n[k], med(v, k, n[k]), med(o, k, n[k]), med(q, k, n[k]) }' \
   "$tmp/rows.csv" | sort
 echo

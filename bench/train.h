@@ -233,20 +233,23 @@ typedef struct {
   double eval_loss;     /* NAN: not evaluated at this step */
   double eval_accuracy; /* NAN: not evaluated, or not a classifier */
   double lr;
-  double staleness;  /* mean over the blocks that used a root; NAN: none */
-  int fallback;      /* 1 if a preconditioned block used the grafted step */
-  double cpu_ms;     /* CPU time of the whole worker process (all its threads, libprecond's
+  double staleness;     /* mean over the blocks that used a root; NAN: none */
+  int fallback;         /* 1 if a preconditioned block used the grafted step */
+  double cpu_ms;        /* CPU time of the whole worker process (all its threads, libprecond's
                            included) during this step: unlike step_ms, it does not grow when
                            other processes compete for the cores */
-  double kl_scale;   /* K-FAC: the KL clip's factor nu (1: not clipped); NAN: other optimizers */
-  double opt_cpu_ms; /* of cpu_ms, the optimizer's step (after backward): with the rest of the
+  double kl_scale;      /* K-FAC: the KL clip's factor nu (1: not clipped); NAN: other optimizers */
+  double opt_cpu_ms;    /* of cpu_ms, the optimizer's step (after backward): with the rest of the
                            step measured in the same run, K-FAC's cost apart from the machine's
                            load of the moment */
+  double thread_cpu_ms; /* of cpu_ms, the training thread's own CPU time
+                           (CLOCK_THREAD_CPUTIME_ID): cpu_ms less libprecond's thread, the
+                           daemon client's and any other thread of the process */
 } tr_row;
 
 #define TR_CSV_HEADER                                                                             \
   "step,wall_s,step_ms,train_loss,eval_loss,eval_accuracy,lr,staleness,fallback,cpu_ms,kl_scale," \
-  "opt_cpu_ms"
+  "opt_cpu_ms,thread_cpu_ms"
 
 /* Writes the header (tr_csv_header) or one row to f. Returns TR_OK or TR_EIO. */
 int tr_csv_header(FILE *f);

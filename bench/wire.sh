@@ -26,7 +26,7 @@
 # push-shm is the doorbell one push at a time (the issue's target row, as in session 9),
 # push-shm-pipe the doorbell with 2 pushes in flight, push-shm-grpc the push with gRPC
 # control.
-# Run from the repository root after `meson compile -C build`.
+# Run from the repository root (it reads bench/median.awk) after `meson compile -C build`.
 set -u
 
 build="${PRECOND_BUILD:-build}" out="out/wire" secs=1.5 base= rounds=3
@@ -64,13 +64,8 @@ if [ -n "$base" ]; then
     done
   done
   # Median and range of the rounds per build and row (the rows of base.csv, by round).
-  awk -F, 'NR > 1 { k = $2 "," $3 "," $4 "," $5; n[k]++; v[k, n[k]] = $6; r[k, n[k]] = $7 }
-    function med(a, k, m,   i, j, t, x) {
-      for (i = 1; i <= m; i++) x[i] = a[k, i]
-      for (i = 2; i <= m; i++) for (j = i; j > 1 && x[j - 1] + 0 > x[j] + 0; j--) { t = x[j]; x[j] = x[j - 1]; x[j - 1] = t }
-      lo = x[1]; hi = x[m]
-      return m % 2 ? x[(m + 1) / 2] : (x[m / 2] + x[m / 2 + 1]) / 2
-    }
+  awk -F, "$(cat bench/median.awk)"'
+    NR > 1 { k = $2 "," $3 "," $4 "," $5; n[k]++; v[k, n[k]] = $6; r[k, n[k]] = $7 }
     END {
       for (k in n) {
         mv = med(v, k, n[k]); vlo = lo; vhi = hi

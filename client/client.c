@@ -981,7 +981,8 @@ static int poll_roots(precond_client *c) {
     if (b->block_id >= nb)
       got[i] = NULL;
     else if (kfac)
-      got[i] = precond__kfac_from_wire(b, shape[b->block_id], shape[nb + b->block_id]);
+      got[i] = precond__kfac_from_wire(b, shape[b->block_id], shape[nb + b->block_id],
+                                       c->opts.kfac_dense);
     else {
       /* By reference into the roots area when asked and possible (no copy), else decoded. */
       uint32_t rows = shape[b->block_id], cols = shape[nb + b->block_id];

@@ -135,6 +135,11 @@ typedef struct {
   int backoff_max_ms;       /* retry delay cap; default 2000 */
   precond_encoding fetch_encoding; /* encoding asked for roots (decoded to fp32 on arrival);
                                       default PRECOND_FP32 */
+  int kfac_dense;                  /* 1: K-FAC inverses are handed out whole (n x n,
+                                  row-major, both triangles: precond_roots.kfac_dense),
+                                  expanded by the background thread as it decodes them, so
+                                  a worker that multiplies by them needs no unpacking pass of
+                                  its own. Default 0: packed upper, as on the wire */
   int background;                  /* 1 (default): start the push/fetch thread. 0: no thread;
                                   precond_push and precond_fetch then fail with EINVAL
                                   (for tools such as precondctl that only read stats) */
@@ -360,10 +365,12 @@ typedef struct {
   const float *right;       /* packed upper R^(-1/p) */
   /* K-FAC jobs (then n_left = n_right = 0, left = right = NULL; Shampoo: all 0/NULL): */
   uint32_t n_a, n_g;            /* the layer's cols and rows */
-  const float *a_inv;           /* packed upper (A + pi sqrt(lambda) I)^-1 */
-  const float *g_inv;           /* packed upper (G + sqrt(lambda) / pi I)^-1 */
+  const float *a_inv;           /* packed upper (A + pi sqrt(lambda) I)^-1 (or whole) */
+  const float *g_inv;           /* packed upper (G + sqrt(lambda) / pi I)^-1 (or whole) */
   double pi;                    /* of the damping split (1 without pi-damping) */
   precond_kfac_inverse inverse; /* the method of A's inverse */
+  int kfac_dense;               /* 1: a_inv and g_inv are whole, n_a x n_a and n_g x n_g
+                                   row-major, both triangles (options.kfac_dense); 0: packed */
 } precond_roots;
 
 /* If the client holds a version of block_id newer than have_version, stores a new reference

@@ -55,20 +55,48 @@ static int decode_side(const Precond__V1__PackedMatrix *m, size_t n, float *out)
              : -1;
 }
 
-/* A new object with room for two packed sides of orders n0 and n1, both decoded from m0
- * and m1 (NULL: that side is absent, its order must be 0), and the fields every mode shares
- * filled from b. NULL when a side does not decode or memory runs out. */
+/* The packed upper triangle of order n held in the last pc_packed_len(n) floats of d (n x
+ * n) made whole in place: each packed row moved to its place on and right of the diagonal,
+ * in row order (row i's packed values start at or after where its whole row starts, and
+ * the rows still to move lie past what the moved ones cover), then the lower triangle
+ * copied from the upper by 32 x 32 tiles, so that neither side's accesses stride through
+ * memory one float per row. The floats are copied, never computed: the same values as
+ * ac_unpack_sym's of the packed ones. */
+static void unpack_in_place(size_t n, float *d) {
+  const float *src = d + n * n - pc_packed_len(n);
+  for (size_t i = 0, p = 0; i < n; p += n - i, i++)
+    memmove(d + i * n + i, src + p, (n - i) * sizeof(float));
+  enum { TILE = 32 };
+  for (size_t i0 = 0; i0 < n; i0 += TILE)
+    for (size_t j0 = 0; j0 <= i0; j0 += TILE)
+      for (size_t i = i0; i < i0 + TILE && i < n; i++)
+        for (size_t j = j0; j < j0 + TILE && j < i; j++) d[i * n + j] = d[j * n + i];
+}
+
+/* The floats a side of order n takes: its packed triangle, or n x n when whole. */
+static size_t side_len(size_t n, int dense) {
+  return dense ? n * n : pc_packed_len(n);
+}
+
+/* A new object with room for two sides of orders n0 and n1 (packed, or whole when dense),
+ * both decoded from m0 and m1 (NULL: that side is absent, its order must be 0), and the
+ * fields every mode shares filled from b. NULL when a side does not decode or memory runs
+ * out. */
 static precond__roots_obj *obj_from_wire(const Precond__V1__BlockRoots *b,
                                          const Precond__V1__PackedMatrix *m0, uint32_t n0,
-                                         const Precond__V1__PackedMatrix *m1, uint32_t n1) {
-  size_t c0 = pc_packed_len(n0), c1 = pc_packed_len(n1);
+                                         const Precond__V1__PackedMatrix *m1, uint32_t n1,
+                                         int dense) {
+  size_t c0 = side_len(n0, dense), c1 = side_len(n1, dense);
   precond__roots_obj *o = malloc(sizeof(*o) + (c0 + c1) * sizeof(float));
   if (o == NULL) return NULL;
-  if ((m0 && decode_side(m0, n0, o->values) != 0) ||
-      (m1 && decode_side(m1, n1, o->values + c0) != 0)) {
+  /* Whole: each side decoded into the tail of its square, then spread over it. */
+  float *d0 = o->values + c0 - pc_packed_len(n0), *d1 = o->values + c0 + c1 - pc_packed_len(n1);
+  if ((m0 && decode_side(m0, n0, d0) != 0) || (m1 && decode_side(m1, n1, d1) != 0)) {
     free(o);
     return NULL;
   }
+  if (dense && m0) unpack_in_place(n0, o->values);
+  if (dense && m1) unpack_in_place(n1, o->values + c0);
   memset(&o->pub, 0, sizeof o->pub);
   atomic_init(&o->refs, 1);
   o->area = NULL;
@@ -85,7 +113,7 @@ precond__roots_obj *precond__roots_from_wire(const Precond__V1__BlockRoots *b, u
                                              uint32_t cols) {
   /* The answer's orders must be the block's: they size nothing here. */
   if ((b->left ? b->left->n : 0) != rows || (b->right ? b->right->n : 0) != cols) return NULL;
-  precond__roots_obj *o = obj_from_wire(b, b->left, rows, b->right, cols);
+  precond__roots_obj *o = obj_from_wire(b, b->left, rows, b->right, cols, 0);
   if (o == NULL) return NULL;
   o->pub.method = (precond_method)b->method;
   o->pub.n_left = rows;
@@ -107,7 +135,7 @@ static int side_in_area(const Precond__V1__PackedMatrix *m, uint32_t n) {
 precond__roots_obj *precond__roots_by_ref(const Precond__V1__BlockRoots *b, uint32_t rows,
                                           uint32_t cols, precond__area *area) {
   if (area == NULL || !side_in_area(b->left, rows) || !side_in_area(b->right, cols)) return NULL;
-  precond__roots_obj *o = obj_from_wire(b, NULL, 0, NULL, 0);
+  precond__roots_obj *o = obj_from_wire(b, NULL, 0, NULL, 0, 0);
   if (o == NULL) return NULL;
   const Precond__V1__PackedMatrix *side[2] = {b->left, b->right};
   for (int k = 0; k < 2; k++) {
@@ -128,19 +156,21 @@ precond__roots_obj *precond__roots_by_ref(const Precond__V1__BlockRoots *b, uint
 }
 
 precond__roots_obj *precond__kfac_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
-                                            uint32_t cols) {
+                                            uint32_t cols, int dense) {
   /* Both inverses of the layer's orders, nothing of Shampoo's, a known method, a usable pi. */
   if (b->a_inv == NULL || b->g_inv == NULL || b->a_inv->n != cols || b->g_inv->n != rows ||
       b->left != NULL || b->right != NULL || rows == 0 || cols == 0 ||
       (int)b->inverse < (int)PRECOND_KFAC_INVERSE_AUTO ||
       (int)b->inverse > (int)PRECOND_KFAC_INVERSE_NEWTON || !(b->pi > 0.0 && b->pi < HUGE_VAL))
     return NULL;
-  precond__roots_obj *o = obj_from_wire(b, b->a_inv, cols, b->g_inv, rows);
+  dense = dense != 0;
+  precond__roots_obj *o = obj_from_wire(b, b->a_inv, cols, b->g_inv, rows, dense);
   if (o == NULL) return NULL;
   o->pub.n_a = cols;
   o->pub.n_g = rows;
   o->pub.a_inv = o->values;
-  o->pub.g_inv = o->values + pc_packed_len(cols);
+  o->pub.g_inv = o->values + side_len(cols, dense);
+  o->pub.kfac_dense = dense;
   o->pub.pi = b->pi;
   o->pub.inverse = (precond_kfac_inverse)b->inverse;
   return o;

@@ -62,8 +62,10 @@ precond__roots_obj *precond__roots_by_ref(const Precond__V1__BlockRoots *b, uint
 /* The same for one K-FAC layer of rows x cols (G of order rows, A of order cols): both
  * a_inv (order cols) and g_inv (order rows) are required and no Shampoo side may be present;
  * pub.a_inv, pub.g_inv, pub.pi and pub.inverse are filled, left and right stay NULL. NULL
- * when malformed (an unknown inverse method or a non-finite pi included) or out of memory. */
+ * when malformed (an unknown inverse method or a non-finite pi included) or out of memory.
+ * dense 1: both inverses whole (pub.kfac_dense; precond_options.kfac_dense), the same
+ * floats as the packed ones in both triangles. */
 precond__roots_obj *precond__kfac_from_wire(const Precond__V1__BlockRoots *b, uint32_t rows,
-                                            uint32_t cols);
+                                            uint32_t cols, int dense);
 
 #endif /* PRECOND_CLIENT_WIRE_H */

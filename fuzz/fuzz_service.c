@@ -56,7 +56,7 @@ static pd_daemon *fixture_new(void) {
   d->cfg.memory_limit_bytes = (size_t)64 << 20;
   d->cfg.max_message_bytes = (size_t)4 << 20;
   d->cfg.max_blocks_per_job = 4096;
-  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
+  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots, 0};
   if (pd_stats_init(&d->stats) != PD_OK ||
       pd_store_init(&d->store, &d->stats, d->cfg.memory_limit_bytes, d->cfg.max_blocks_per_job) !=
           PD_OK ||

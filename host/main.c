@@ -84,6 +84,8 @@ static void pd__usage(FILE *f) {
       "  --warm-roots on|off      on: a block keeps the eigenbasis of its last roots and starts\n"
       "                           the next ones from it (docs/roots.md, \"Steady state\");\n"
       "                           off (default): every root is computed cold\n"
+      "  --pool-nice N            the root workers' nice value, 0-19 (default 0: the daemon's):\n"
+      "                           where a core is shared with a worker, the worker runs first\n"
       "  --grace-period S         at shutdown, calls in flight get S seconds (default 5)\n"
       "  --job-idle-expiry S      end a job with no Register, push or fetch for S seconds, as\n"
       "                           EndJob would (default 0: never). Restored jobs start idle at 0\n"
@@ -244,7 +246,8 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
     O_JOBMEM,
     O_WARM,
     O_GRPCARG,
-    O_SHMDIR
+    O_SHMDIR,
+    O_POOLNICE
   };
   static const struct option opts[] = {{"listen", required_argument, NULL, O_LISTEN},
                                        {"state-dir", required_argument, NULL, O_STATE},
@@ -258,6 +261,7 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
                                        {"failure-threshold", required_argument, NULL, O_FAIL},
                                        {"drift-threshold", required_argument, NULL, O_DRIFT},
                                        {"warm-roots", required_argument, NULL, O_WARM},
+                                       {"pool-nice", required_argument, NULL, O_POOLNICE},
                                        {"grpc-arg", required_argument, NULL, O_GRPCARG},
                                        {"shm-dir", required_argument, NULL, O_SHMDIR},
                                        {"grace-period", required_argument, NULL, O_GRACE},
@@ -341,6 +345,10 @@ static int pd__parse(int argc, char **argv, pd_config *cfg) {
       case O_DRIFT:
         if (pd__parse_num("--drift-threshold", optarg, 0, 1, &v)) return 2;
         cfg->drift_threshold = v;
+        break;
+      case O_POOLNICE:
+        if (pd__parse_num("--pool-nice", optarg, 0, 19, &v)) return 2;
+        cfg->pool_nice = (int)v;
         break;
       case O_WARM:
         if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
@@ -802,7 +810,7 @@ int main(int argc, char **argv) {
   if (ok && !*d.cfg.state_dir)
     pd_log(PD_LOG_WARN, "no --state-dir: statistics will not survive a restart");
   pd_sched_rules rules = {d.cfg.failure_threshold, d.cfg.drift_threshold, &d.store,
-                          d.cfg.warm_roots};
+                          d.cfg.warm_roots, d.cfg.pool_nice};
   if (ok && pd_sched_start(&d.sched, d.cfg.threads, &d.stats, &rules) != PD_OK) {
     pd_log(PD_LOG_ERROR, "cannot start the worker pool");
     ok = 0;

@@ -97,6 +97,7 @@ typedef struct {
   double drift_threshold;     /* statistics that moved less keep their root (scheduler.c) */
   int warm_roots;             /* 1: modes keep per-unit state between computations (Shampoo:
                                  * the eigenbasis of the last roots, a warm start); 0: cold */
+  int pool_nice;              /* the pool threads' nice value (pd_sched_rules.pool_nice) */
   double grace_s;             /* calls in flight get this long at shutdown */
   double job_idle_expiry_s;   /* a job with no Register, push or fetch for this long is
                                  * ended (main.c checks once a second); <= 0: never */
@@ -812,6 +813,9 @@ typedef struct {
   pd_store *budget;         /* scratch admitted within its free budget; NULL: no limit */
   int warm_start;           /* 1: compute gets the unit's mode_state to keep between
                              * computations (--warm-roots on); 0: NULL, every one is cold */
+  int pool_nice;            /* 1-19: each pool thread lowers its own nice value to this
+                             * (--pool-nice), below a same-host worker's threads; 0: as
+                             * the daemon's */
 } pd_sched_rules;
 
 /* A bound on the memory one computation of unit u takes besides the unit's own state and

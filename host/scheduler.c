@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cblas.h>
@@ -321,6 +323,11 @@ static void pd__blas_for(pd_sched *s, const pd_block *b) {
 static void *pd__worker(void *arg) {
   pd_sched *s = arg; /* subnormals: pc_inverse_root_* flushes them in the computing thread */
   pd_thread_name("pd-pool");
+  /* Linux's nice is per thread: this one only, not the daemon's I/O threads. */
+  if (s->rules.pool_nice > 0 &&
+      setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), s->rules.pool_nice) != 0)
+    pd_log(PD_LOG_WARN, "scheduler: cannot set a root worker's nice value to %d",
+           s->rules.pool_nice);
   pthread_mutex_lock(&s->lock);
   for (;;) {
     while (!s->stopping && s->len == 0) pthread_cond_wait(&s->cond, &s->lock);

@@ -32,8 +32,13 @@ typedef struct {
   float *fa, *fg;          /* device, packed: this step's factors (BN: fisher gamma, beta) */
   float *ra, *rg;          /* BN: running averages of the fisher (device, c each) */
   int folds;               /* BN: fisher folds so far */
-  float *a_inv, *g_inv;    /* device, dense: the inverses held (NULL before the first) */
-  float *p;                /* device: preconditioned grad, weights then bias */
+  /* device, dense: the inverses in use (NULL before the first), a_own and g_own or held's */
+  const float *a_inv, *g_inv;
+  float *a_own, *g_own; /* device, dense: the inverses unpacked or computed here */
+  /* CPU backend: libprecond's whole inverses, read in place (one reference, released when
+   * others replace them); else NULL */
+  const precond_roots *held;
+  float *p; /* device: preconditioned grad, weights then bias */
   uint64_t version, source_step;
   int due_seen; /* the hook filled fa/fg at the current step */
   int worker;   /* data parallelism: the worker that pushes its factors (pt__unit_worker) */
@@ -41,7 +46,7 @@ typedef struct {
                               worker, pt_dp_agree compares it) */
   /* The worker forms (pt_kfac_opts.form): the running averages of A and G on the host,
    * packed, as precondd keeps them; folds so far; the eigenvalues on the device (the eigen
-   * form: a_inv and g_inv then hold Q_A and Q_G). */
+   * form: a_own and g_own then hold Q_A and Q_G). */
   float *ha, *hg;
   uint64_t hfolds;
   float *va, *vg;
@@ -565,14 +570,22 @@ static int pt__kfac_push(pt_trainer *t, long step, pt_error *err) {
   return PT_OK;
 }
 
-/* The device's dense a_inv and g_inv of layer l (allocated at the first call). */
+/* The device's dense a_own and g_own of layer l (allocated at the first call). */
 static int pt__kfac_alloc_inv(pt__kfac *s, pt__kfac_layer *l) {
   int arc = AC_OK;
-  if (l->a_inv == NULL) {
-    arc = pt__dev(s->be, l->na * l->na, &l->a_inv);
-    if (arc == AC_OK) arc = pt__dev(s->be, l->ng * l->ng, &l->g_inv);
+  if (l->a_own == NULL) {
+    arc = pt__dev(s->be, l->na * l->na, &l->a_own);
+    if (arc == AC_OK) arc = pt__dev(s->be, l->ng * l->ng, &l->g_own);
   }
   return arc;
+}
+
+/* Layer l's inverses are now a_own and g_own (libprecond's, if held, are given back). */
+static void pt__kfac_use_own(pt__kfac_layer *l) {
+  precond_roots_release(l->held);
+  l->held = NULL;
+  l->a_inv = l->a_own;
+  l->g_inv = l->g_own;
 }
 
 /* The packed inverses a and g (host) of layer l onto the device, unpacked. */
@@ -588,26 +601,58 @@ static int pt__kfac_upload(pt__kfac *s, pt__kfac_layer *l, const float *a, const
   }
   if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage, a, la * sizeof(float));
   if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, s->stage + la, g, lg * sizeof(float));
-  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->na, s->stage, l->a_inv, l->na);
-  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->ng, s->stage + la, l->g_inv, l->ng);
-  if (arc == AC_OK) s->applied++;
+  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->na, s->stage, l->a_own, l->na);
+  if (arc == AC_OK) arc = ac_unpack_sym(s->be, l->ng, s->stage + la, l->g_own, l->ng);
+  if (arc == AC_OK) {
+    pt__kfac_use_own(l);
+    s->applied++;
+  }
   return arc;
 }
 
-/* Takes the inverses r (libprecond's, released here; NULL: nothing) of layer l onto the
- * device. */
+/* libprecond's whole inverses r of layer l (precond_options.kfac_dense; the reference is
+ * taken over here). On the CPU backend the device's memory is the host's, so the step reads
+ * them where libprecond's thread expanded them: taking a new version in is a pointer swap
+ * (it was an unpacking pass over 6.4 MB on the Transformer, every 10 steps). Elsewhere one
+ * copy onto the device, no unpacking kernel. The same floats as the packed path's. */
+static int pt__kfac_take_whole(pt__kfac *s, pt__kfac_layer *l, const precond_roots *r) {
+  if (ac_backend_kind_of(s->be) == AC_BACKEND_CPU) {
+    precond_roots_release(l->held);
+    l->held = r;
+    l->a_inv = r->a_inv;
+    l->g_inv = r->g_inv;
+    s->applied++;
+    return AC_OK;
+  }
+  int arc = pt__kfac_alloc_inv(s, l);
+  if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->a_own, r->a_inv, l->na * l->na * sizeof(float));
+  if (arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->g_own, r->g_inv, l->ng * l->ng * sizeof(float));
+  if (arc == AC_OK) {
+    pt__kfac_use_own(l);
+    s->applied++;
+  }
+  precond_roots_release(r);
+  return arc;
+}
+
+/* Takes the inverses r (libprecond's, released here or held; NULL: nothing) of layer l
+ * onto the device. */
 static int pt__kfac_apply(pt_trainer *t, pt__kfac_layer *l, const precond_roots *r, pt_error *err) {
   pt__kfac *s = t->state;
   if (r == NULL) return PT_OK;
   int arc = AC_OK;
-  if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL)
-    s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
-  else
-    arc = pt__kfac_upload(s, l, r->a_inv, r->g_inv);
   l->version = r->version; /* a refused version is not offered again */
   l->source_step = r->source_step;
   l->daemon_version = r->daemon_version;
-  precond_roots_release(r);
+  if (r->n_a != l->na || r->n_g != l->ng || r->a_inv == NULL || r->g_inv == NULL) {
+    s->rejected++; /* libprecond checks the orders: only a changed layout gets here */
+    precond_roots_release(r);
+  } else if (r->kfac_dense) {
+    arc = pt__kfac_take_whole(s, l, r);
+  } else {
+    arc = pt__kfac_upload(s, l, r->a_inv, r->g_inv);
+    precond_roots_release(r);
+  }
   return pt__accel(err, arc, "K-FAC inverses to the device");
 }
 
@@ -636,11 +681,14 @@ static int pt__kfac_local(pt_trainer *t, pt__kfac_layer *l, long step, pt_error 
     if (prc >= 0) arc = pt__kfac_alloc_inv(s, l);
     if (prc >= 0 && arc == AC_OK && l->va == NULL && (arc = pt__dev(s->be, na, &l->va)) == AC_OK)
       arc = pt__dev(s->be, ng, &l->vg);
-    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->a_inv, x, na * na * sizeof(float));
-    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->g_inv, xg, ng * ng * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->a_own, x, na * na * sizeof(float));
+    if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->g_own, xg, ng * ng * sizeof(float));
     if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->va, v, na * sizeof(float));
     if (prc >= 0 && arc == AC_OK) arc = ac_memcpy_h2d(s->be, l->vg, v + na, ng * sizeof(float));
-    if (prc >= 0 && arc == AC_OK) s->applied++;
+    if (prc >= 0 && arc == AC_OK) {
+      pt__kfac_use_own(l);
+      s->applied++;
+    }
   } else {
     pc_kfac_damping dmp;
     prc = pc_kfac_damping_split(na, pc_kfac_trace_f32(na, l->ha), ng, pc_kfac_trace_f32(ng, l->hg),
@@ -844,9 +892,10 @@ static void pt__kfac_destroy(pt_trainer *t) {
   if (s == NULL) return;
   for (size_t i = 0; i < s->nlayers; i++) {
     pt__kfac_layer *l = &s->layers[i];
-    float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_inv, l->g_inv, l->p, l->va, l->vg};
+    float *bufs[] = {l->fa, l->fg, l->ra, l->rg, l->a_own, l->g_own, l->p, l->va, l->vg};
     for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) ac_free(s->be, bufs[k]);
     if (l->slot != NULL) precond_push_cancel(l->slot);
+    precond_roots_release(l->held);
     free(l->ha);
     free(l->hg);
   }

@@ -219,6 +219,10 @@ int pt_create(pt_trainer **out, const pt_options *opts, ac_param *const *params,
    * takes fresh pages (page faults were most of precond_push's CPU in a perf profile). */
   po.keep_freed_memory = 1;
   po.roots_by_reference = t->mode->roots_by_reference;
+  /* K-FAC's inverses whole, expanded on libprecond's thread as it decodes them: the step
+   * multiplies by them as they come (trainer/kfac.c, pt__kfac_apply). Shampoo's answers are
+   * not affected. */
+  po.kfac_dense = 1;
   int prc = precond_connect(&po, &t->client);
   if (prc != PRECOND_OK) {
     rc = pt__fail(err, PT_EDAEMON,

@@ -163,6 +163,24 @@ static void test_defaults_table(void **state) {
   const char *rn_every[] = {"--optimizer", "shampoo", "--root-every", "3", NULL};
   assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_every), TR_OK);
   assert_int_equal(o.root_every, 3);
+  /* K-FAC's schedule: the Transformer's row factors every 2 steps with inverses every 5
+   * pushes (measured on two seeds, docs/kfac.md "Session 15"); the ResNet's takes the
+   * numerics core's (every step, every 10 pushes); given values are kept */
+  pc_kfac_opts ko;
+  pc_kfac_opts_default(&ko);
+  const char *lm_kfac[] = {"--optimizer", "kfac", "--steps", "1000", NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_kfac), TR_OK);
+  assert_int_equal(o.factor_every_first, 2);
+  assert_int_equal(o.inv_every, 5);
+  const char *rn_kfac[] = {"--optimizer", "kfac", "--steps", "468", NULL};
+  assert_int_equal(parse_model(&o, "resnet", &flag, &choice, &err, rn_kfac), TR_OK);
+  assert_int_equal(o.factor_every_first, ko.factor_every_first);
+  assert_int_equal(o.inv_every, ko.inv_every);
+  const char *lm_kfac_given[] = {"--optimizer", "kfac", "--factor-every-first", "1", "--inv-every",
+                                 "10",          NULL};
+  assert_int_equal(parse_model(&o, "transformer", &flag, &choice, &err, lm_kfac_given), TR_OK);
+  assert_int_equal(o.factor_every_first, 1);
+  assert_int_equal(o.inv_every, 10);
 
   /* no row for the model: the optimizer's generic row */
   const char *other[] = {"--optimizer", "sgd", NULL};
@@ -410,16 +428,16 @@ static void test_csv_json(void **state) {
   snprintf(path, sizeof path, "%s/rows.csv", tmpdir);
   FILE *f = fopen(path, "w");
   assert_int_equal(tr_csv_header(f), TR_OK);
-  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1, 11.5, NAN, 0.75};
-  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0, NAN, 0.25, NAN};
+  tr_row r1 = {1, 0.5, 12.25, 2.5, NAN, NAN, 0.001, NAN, 1, 11.5, NAN, 0.75, 10.5};
+  tr_row r2 = {2, 1.0, 10.0, 2.25, 2.125, 0.75, 0.001, 1.5, 0, NAN, 0.25, NAN, NAN};
   assert_int_equal(tr_csv_row(f, &r1), TR_OK);
   assert_int_equal(tr_csv_row(f, &r2), TR_OK);
   fclose(f);
   char *csv = read_file(path);
   assert_string_equal(csv, TR_CSV_HEADER
                       "\n"
-                      "1,0.5,12.25,2.5,,,0.001,,1,11.5,,0.75\n"
-                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0,,0.25,\n");
+                      "1,0.5,12.25,2.5,,,0.001,,1,11.5,,0.75,10.5\n"
+                      "2,1,10,2.25,2.125,0.75,0.001,1.5,0,,0.25,,\n");
   free(csv);
 
   snprintf(path, sizeof path, "%s/s.json", tmpdir);
@@ -733,6 +751,20 @@ static void test_train_loop(void **state) {
     csv_column(csv_b, 4, col2, sizeof col2);
     assert_string_equal(col, col2);
     assert_true(a.final_eval_loss == b.final_eval_loss);
+
+    /* The training thread's CPU is in every row and within the process's (its interval
+     * lies inside cpu_ms's; the 5 printed digits allow a rounding of 1e-4 relative). */
+    csv_column(csv_a, 9, col, sizeof col);
+    csv_column(csv_a, 12, col2, sizeof col2);
+    const char *pc = col, *pt = col2;
+    for (int r = 0; r < 60; r++) {
+      char *ec, *et;
+      double cpu = strtod(pc, &ec), thr = strtod(pt, &et);
+      assert_true(ec != pc && et != pt && *ec == ';' && *et == ';');
+      assert_true(thr >= 0.0 && thr <= cpu * (1.0 + 1e-4));
+      pc = ec + 1;
+      pt = et + 1;
+    }
 
     char path[256];
     snprintf(path, sizeof path, "%s/%s/summary.json", tmpdir, sub_a);

@@ -62,6 +62,54 @@ static void test_decode(void **state) {
   assert_null(precond__roots_from_wire(&b, 2, 1));
 }
 
+/* A K-FAC answer (A of order 40, past one 32-tile of the expansion, in fp32; G of order 3
+ * in bf16) decoded packed and whole: the whole one holds the packed floats in both
+ * triangles, bit for bit (pc_unpack_f32's matrix), with pub.kfac_dense set; a malformed
+ * answer is refused either way. */
+static void test_kfac_dense(void **state) {
+  (void)state;
+  enum { NA = 40, NG = 3 };
+  float a[NA * (NA + 1) / 2], g[NG * (NG + 1) / 2];
+  for (size_t i = 0; i < sizeof a / sizeof a[0]; i++) a[i] = 1.0f / (float)(i + 3);
+  for (size_t i = 0; i < sizeof g / sizeof g[0]; i++) g[i] = (float)i - 2.5f;
+  uint16_t g16[sizeof g / sizeof g[0]];
+  pc_f32_to_bf16(sizeof g / sizeof g[0], g, g16);
+  Precond__V1__PackedMatrix ma = PRECOND__V1__PACKED_MATRIX__INIT;
+  Precond__V1__PackedMatrix mg = PRECOND__V1__PACKED_MATRIX__INIT;
+  ma.n = NA;
+  ma.data.data = (uint8_t *)a;
+  ma.data.len = sizeof a;
+  mg.n = NG;
+  mg.encoding = PRECOND__V1__ENCODING__ENCODING_BF16;
+  mg.data.data = (uint8_t *)g16;
+  mg.data.len = sizeof g16;
+  Precond__V1__BlockRoots b = PRECOND__V1__BLOCK_ROOTS__INIT;
+  b.block_id = 1;
+  b.a_inv = &ma;
+  b.g_inv = &mg;
+  b.pi = 2.0;
+  precond__roots_obj *p = precond__kfac_from_wire(&b, NG, NA, 0);
+  precond__roots_obj *d = precond__kfac_from_wire(&b, NG, NA, 1);
+  assert_non_null(p);
+  assert_non_null(d);
+  assert_int_equal(p->pub.kfac_dense, 0);
+  assert_int_equal(d->pub.kfac_dense, 1);
+  assert_memory_equal(p->pub.a_inv, a, sizeof a);
+  float wa[NA * NA], wg[NG * NG];
+  pc_unpack_f32(NA, p->pub.a_inv, wa);
+  pc_unpack_f32(NG, p->pub.g_inv, wg);
+  assert_memory_equal(d->pub.a_inv, wa, sizeof wa);
+  assert_memory_equal(d->pub.g_inv, wg, sizeof wg);
+  assert_true(d->pub.g_inv[1 * NG + 0] == d->pub.g_inv[0 * NG + 1]);
+  assert_true(d->pub.pi == 2.0 && d->pub.n_a == NA && d->pub.n_g == NG);
+  precond_roots_release(&p->pub);
+  precond_roots_release(&d->pub);
+  ma.data.len = sizeof a - 4;
+  assert_null(precond__kfac_from_wire(&b, NG, NA, 1));
+  ma.data.len = sizeof a;
+  assert_null(precond__kfac_from_wire(&b, NG, NA + 1, 1));
+}
+
 /* Roots by reference: an answer whose sides lie in the roots area (as rpc_shm_fetch_in
  * leaves them) becomes an object pointing there, intact while both entries hold their seq,
  * keeping the area mapped after the client's own reference is gone; anything else (bf16,
@@ -140,6 +188,7 @@ static void test_by_reference(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_decode),
+      cmocka_unit_test(test_kfac_dense),
       cmocka_unit_test(test_by_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -166,7 +166,7 @@ static void check_inverses(fixture *f, int no_pi) {
   for (int i = 0; i < 6; i++) g[i] *= 40.0f; /* traces far apart: pi far from 1 */
   const float *p[2] = {a, g};
   pd_block_update(b, p, 7, &f->stats);
-  pd_sched_rules rules = {0.1, 0.0, NULL, 0};
+  pd_sched_rules rules = {0.1, 0.0, NULL, 0, 0};
   pd_root_outcome out;
   assert_int_equal(pd_sched_compute(b, &f->stats, &rules, &out), PD_OK);
   assert_int_equal(out, PD_ROOT_PUBLISHED);
@@ -228,7 +228,7 @@ static void test_failed_inverse_keeps_previous(void **state) {
   spd(4, 8, g);
   const float *p[2] = {a, g};
   pd_block_update(b, p, 1, &f->stats);
-  pd_sched_rules rules = {0.1, 0.0, NULL, 0};
+  pd_sched_rules rules = {0.1, 0.0, NULL, 0, 0};
   pd_root_outcome out;
   assert_int_equal(pd_sched_compute(b, &f->stats, &rules, &out), PD_OK);
   assert_int_equal(out, PD_ROOT_PUBLISHED);

@@ -102,8 +102,8 @@ static uint64_t count(const pd_block *b, int k) {
 static void test_warm_paths(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  const pd_sched_rules warm = {0.1, 0, NULL,
-                               1}; /* drift test off: every compute reaches the mode */
+  const pd_sched_rules warm = {0.1, 0, NULL, 1,
+                               0}; /* drift test off: every compute reaches the mode */
   float *s = malloc(pc_packed_len(N) * sizeof *s);
   assert_non_null(s);
   assert_string_equal(pd_mode_shampoo.count_names[PD_SHAMPOO_WARM], "warm");
@@ -148,7 +148,7 @@ static void test_warm_paths(void **state) {
 static void test_warm_off(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  const pd_sched_rules cold = {0.1, 0, NULL, 0};
+  const pd_sched_rules cold = {0.1, 0, NULL, 0, 0};
   float *s = malloc(pc_packed_len(N) * sizeof *s);
   assert_non_null(s);
   for (uint64_t step = 1; step <= 3; step++) {
@@ -172,7 +172,7 @@ static void test_eigh_low_rank(void **state) {
   pd_block *b = &f->job->blocks[0];
   pd_shampoo_opts *o = (pd_shampoo_opts *)f->job->opts;
   o->method = PC_METHOD_EIGH;
-  const pd_sched_rules cold = {0.1, 0, NULL, 0};
+  const pd_sched_rules cold = {0.1, 0, NULL, 0, 0};
   float *s = malloc(pc_packed_len(N) * sizeof *s), *g = malloc(N * (N / 4) * sizeof *g);
   double *a = malloc(N * N * sizeof *a), *x = malloc(N * N * sizeof *x);
   assert_true(s && g && a && x);

@@ -69,7 +69,7 @@ static void test_identity_through_the_core(void **state) {
     pd_block_update(&job->blocks[u], parts, 1, &stats);
     pd_block_update(&job->blocks[u], parts, 2, &stats);
   }
-  pd_sched_rules rules = {0.1, 0.01, NULL, 0};
+  pd_sched_rules rules = {0.1, 0.01, NULL, 0, 0};
   pd_root_outcome out;
   pd_block *b = &job->blocks[1];
   assert_int_equal(pd_sched_compute(b, &stats, &rules, &out), PD_OK);

@@ -1452,13 +1452,20 @@ static void test_help(void **state) {
   size_t n = fread(buf, 1, sizeof buf - 1, p);
   buf[n] = '\0';
   assert_int_equal(pclose(p), 0);
-  const char *opts[] = {"--listen",         "--state-dir",       "--threads",
-                        "--max-message-mb", "--memory-limit-mb", "--snapshot-interval",
-                        "--log-level",      "--token-file",      "--job-memory-limit-mb",
-                        "--job-idle-expiry"};
+  const char *opts[] = {"--listen",          "--state-dir",       "--threads",
+                        "--max-message-mb",  "--memory-limit-mb", "--snapshot-interval",
+                        "--log-level",       "--token-file",      "--job-memory-limit-mb",
+                        "--job-idle-expiry", "--pool-nice"};
   for (size_t i = 0; i < sizeof opts / sizeof *opts; i++) assert_non_null(strstr(buf, opts[i]));
   snprintf(cmd, sizeof cmd, "'%s' --threads zero 2>/dev/null", bin());
   assert_int_equal(WEXITSTATUS(system(cmd)), 2);
+  /* A nice value outside 0-19: refused at startup, the message naming the option. */
+  snprintf(cmd, sizeof cmd, "'%s' --pool-nice 20 2>&1", bin());
+  p = popen(cmd, "r");
+  n = fread(buf, 1, sizeof buf - 1, p);
+  buf[n] = '\0';
+  assert_int_equal(WEXITSTATUS(pclose(p)), 2);
+  assert_non_null(strstr(buf, "--pool-nice"));
   const char *bad_args[] = {"grpc.http2.max_frame_size", "=5", "grpc.http2.bdp_probe=x",
                             "grpc.http2.lookahead_bytes=99999999999"};
   for (size_t i = 0; i < sizeof bad_args / sizeof *bad_args; i++) {

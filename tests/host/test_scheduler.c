@@ -8,9 +8,13 @@
 
 #include <cmocka.h>
 
+#include <dirent.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -75,7 +79,7 @@ static void expect_root(size_t n, const float *stat, const float *root) {
 }
 
 /* Always compute (drift test off), with the default failure threshold, or one nothing meets. */
-static const pd_sched_rules compute_all = {0.1, 0, NULL, 0}, refuse_all = {-1.0, 0, NULL, 0};
+static const pd_sched_rules compute_all = {0.1, 0, NULL, 0, 0}, refuse_all = {-1.0, 0, NULL, 0, 0};
 
 static pd_root_outcome compute(pd_block *b, pd_stats *stats, const pd_sched_rules *rules) {
   pd_root_outcome out = (pd_root_outcome)-1;
@@ -140,6 +144,64 @@ static void test_pool_computes_all(void **state) {
   assert_true(p50 > 0 && p50 <= p99);
 }
 
+/* How many threads of this process named pd-pool run at nice value want (Linux: the
+ * comm file and field 19 of each /proc/self/task/TID/stat). */
+static int pool_threads_at(int want) {
+  DIR *dir = opendir("/proc/self/task");
+  assert_non_null(dir);
+  int found = 0;
+  for (struct dirent *e; (e = readdir(dir)) != NULL;) {
+    if (e->d_name[0] == '.') continue;
+    char path[300], buf[512];
+    snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) continue; /* a thread that has just ended */
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *close = strrchr(buf, ')');
+    if (strstr(buf, "(pd-pool)") == NULL || close == NULL) continue;
+    /* after ") ": state (field 3), then fields 4 .. 19: nice is the 17th token */
+    const char *p = close + 2;
+    for (int k = 0; k < 16 && p != NULL; k++) {
+      p = strchr(p, ' ');
+      if (p != NULL) p++;
+    }
+    found += p != NULL && atoi(p) == want;
+  }
+  closedir(dir);
+  return found;
+}
+
+/* --pool-nice: each pool thread lowers its own priority, the calling thread keeps its own,
+ * and the pool still computes every root. */
+static void test_pool_nice(void **state) {
+  fixture *f = *state;
+  const int mine = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
+  const int want = mine + 5 < 19 ? mine + 5 : 19; /* raising a nice value needs no privilege */
+  pd_sched_rules rules = compute_all;
+  rules.pool_nice = want;
+  pd_sched s;
+  assert_int_equal(pd_sched_start(&s, 2, &f->stats, &rules), PD_OK);
+  for (size_t i = 0; i < f->job->nblocks; i++)
+    assert_int_equal(pd_sched_mark(&s, &f->job->blocks[i]), PD_OK);
+  int at = 0;
+  for (int tries = 0; tries < 1000 && (at = pool_threads_at(want)) < 2; tries++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  assert_int_equal(at, 2);
+  assert_int_equal(getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid)), mine);
+  for (int tries = 0; tries < 1000 && atomic_load(&f->stats.roots_computed) < f->job->nblocks;
+       tries++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  pd_sched_stop(&s);
+  assert_int_equal(atomic_load(&f->stats.roots_computed), f->job->nblocks);
+  for (size_t i = 0; i < f->job->nblocks; i++) assert_non_null(f->job->blocks[i].root);
+}
+
 /* A block whose statistic is negative definite can never get a root from later positive
  * pushes added to it: its failures carry a reason and a NaN error (not 0), and after
  * PD_FAILURES_BEFORE_RESET of them in a row its statistics are zeroed and the reset is
@@ -180,7 +242,7 @@ static void scale(size_t n, float *packed, float by) {
 static void test_drift_skip(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
-  const pd_sched_rules rules = {0.1, 0.01, NULL, 0};
+  const pd_sched_rules rules = {0.1, 0.01, NULL, 0, 0};
   assert_int_equal(compute(b, &f->stats, &rules), PD_ROOT_PUBLISHED); /* no reference yet */
   assert_true(isnan(b->last_drift));
   float *kept = malloc(pc_packed_len(b->rows) * sizeof *kept);
@@ -281,6 +343,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_compute_and_failure_rule, setup, teardown),
       cmocka_unit_test_setup_teardown(test_pool_computes_all, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_pool_nice, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failing_block_recovers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drift_skip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_order, setup, teardown),

@@ -34,7 +34,7 @@ static pd_daemon *daemon_new(size_t memory_mb) {
       PD_OK);
   d->store.ended_max = d->cfg.ended_jobs; /* as main.c does */
   pd_sched_rules rules = {d->cfg.failure_threshold, d->cfg.drift_threshold, &d->store,
-                          d->cfg.warm_roots};
+                          d->cfg.warm_roots, d->cfg.pool_nice};
   assert_int_equal(pd_sched_start(&d->sched, 1, &d->stats, &rules), PD_OK);
   return d;
 }
@@ -666,7 +666,7 @@ static pd_daemon *scratch_daemon(int warm, char *why) {
   d->cfg.warm_roots = warm;
   d->store.warm_roots = d->cfg.warm_roots; /* as main.c does */
   pd_sched_stop(&d->sched);
-  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots};
+  pd_sched_rules rules = {d->cfg.failure_threshold, 0, &d->store, d->cfg.warm_roots, 0};
   assert_int_equal(pd_sched_start(&d->sched, 2, &d->stats, &rules), PD_OK);
   assert_int_equal(reg(d, "j", 256, 64, 64, NULL, why), GRPC_STATUS_OK);
   return d;

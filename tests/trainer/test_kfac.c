@@ -370,6 +370,8 @@ static void test_kfac_worker_forms(void **state) {
                     0,   0,   0,   0},
            eigen = {0.2, 0.0, 0.0, 0, 0, PT_KFAC_FORM_WORKER_EIGEN, 0, 0, 0, 0, 0};
   run_out a, b, c, d, e, f;
+  /* The daemon form takes libprecond's whole inverses in place (precond_options.kfac_dense),
+   * the worker form unpacks its own packed ones: the same floats, the same run. */
   train_clip("kfac-form-a", 1, 0, &daemon, &a);
   train_clip("kfac-form-b", 1, 0, &winv, &b);
   assert_memory_equal(a.loss, b.loss, sizeof a.loss);
