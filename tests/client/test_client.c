@@ -499,6 +499,21 @@ static void assert_same_roots(precond_client *a, precond_client *b, uint32_t nbl
   }
 }
 
+/* A unix-socket daemon (no drift skip: every push's roots computed) and two clients of it:
+ * *cs through a region (AUTO), *cb forced to gRPC bytes (a twin job's client). */
+static void twins(precond_client **cs, precond_client **cb) {
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
+  *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+}
+
+static void twins_end(precond_client *cs, precond_client *cb) {
+  precond_close(cs);
+  precond_close(cb);
+  daemon_stop();
+}
+
 /* precond_push_begin's slots in the region itself (session 15): written by the caller where
  * the daemon reads them, posted from there with no copy and no NaN/Inf scan of the
  * client's. The same pushes as gRPC bytes on a twin job fold the same bits; a NaN written
@@ -509,10 +524,8 @@ static void assert_same_roots(precond_client *a, precond_client *b, uint32_t nbl
  * coalesced by a newer one of its block leave nothing behind. */
 static void test_shm_region_slots(void **state) {
   (void)state;
-  const char *extra[] = {"--drift-threshold", "0", NULL};
-  unix_daemon_with(extra);
-  precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
-  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  precond_client *cs = NULL, *cb = NULL;
+  twins(&cs, &cb);
   precond_client *both[2] = {cs, cb};
   register_three(cs, "slot-shm");
   register_three(cb, "slot-bytes");
@@ -571,9 +584,7 @@ static void test_shm_region_slots(void **state) {
   }
   const uint64_t steps[3] = {6, 6, 6};
   assert_same_roots(cs, cb, 3, steps);
-  precond_close(cs);
-  precond_close(cb);
-  daemon_stop();
+  twins_end(cs, cb);
 }
 
 /* The region's worker slots while none is answered (the daemon stopped): taken in order,
@@ -584,10 +595,8 @@ static void test_shm_region_slots(void **state) {
  * gRPC twin. */
 static void test_shm_region_full(void **state) {
   (void)state;
-  const char *extra[] = {"--drift-threshold", "0", NULL};
-  unix_daemon_with(extra);
-  precond_client *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
-  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  precond_client *cs = NULL, *cb = NULL;
+  twins(&cs, &cb);
   register_rows(cs, "full-shm", 40);
   register_rows(cb, "full-bytes", 40);
   wait_region(cs);
@@ -624,9 +633,7 @@ static void test_shm_region_full(void **state) {
   uint64_t steps[40] = {0};
   for (uint32_t b = 0; b < 39; b++) steps[b] = 2;
   assert_same_roots(cs, cb, 40, steps);
-  precond_close(cs);
-  precond_close(cb);
-  daemon_stop();
+  twins_end(cs, cb);
 }
 
 /* Pushes posted at the region's doorbell and collected later (session 14) fold the same
