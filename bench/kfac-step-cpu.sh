@@ -7,8 +7,9 @@
 # usage: bash bench/kfac-step-cpu.sh BASE
 # Figures: median cpu_ms (the process's CPU per step, all threads) and opt_cpu_ms of rows
 # 11-150 per run, the median opt_cpu_ms of the steps 10 k + 1 among them (where new inverses
-# used to be taken in: "spike"), the staleness mean, then K-FAC / AdamW per pair (run r of
-# each).
+# used to be taken in: "spike"), the mean cpu_ms (the Transformer's K-FAC takes factors
+# every other step: two modes, which the median falls between; rows without an evaluation),
+# the staleness mean, then K-FAC / AdamW per pair (run r of each), by medians and by means.
 set -u
 [ $# -eq 1 ] && [ -x "$1/bench/transformer" ] && [ -x "$1/host/precondd" ] ||
   { echo "usage: bash bench/kfac-step-cpu.sh BASE (a build directory with bench/transformer)" >&2; exit 2; }
@@ -21,6 +22,7 @@ $B/host/precondd --listen unix:$T/s --state-dir $T/st --threads 1 --snapshot-int
 $A/host/precondd --listen unix:$T/sb --state-dir $T/stb --threads 1 --snapshot-interval 60 --log-level warn & db=$!
 trap 'kill $d $db 2>/dev/null; wait $d $db 2>/dev/null; rm -rf $T' EXIT
 sleep 1
+mean() { awk -F, -v c=$2 'NR > 11 && $c != "" && $5 == "" { s += $c; n++ } END { print s / n }' $1; }
 med() { awk -F, -v c=$2 -v m=${3:-1} 'NR > 11 && $c != "" && ($1 % 10 == 1 || m) { print $c }' $1 | sort -g | awk '{ a[NR] = $1 } END { print (a[int((NR + 1) / 2)] + a[int(NR / 2) + 1]) / 2 }'; }
 for r in adamw:1 kfac:1 kfac-base:1 adamw:2 kfac-base:2 kfac:2; do
   n=${r%%:*} i=${r##*:} bin=$B sock=$T/s lr=0.1
@@ -30,10 +32,12 @@ for r in adamw:1 kfac:1 kfac-base:1 adamw:2 kfac-base:2 kfac:2; do
     --optimizer ${n%-base} --lr $lr $C > $T/$n$i.log 2>&1 ||
     { echo "kfac-step-cpu: $n $i failed:" >&2; tail -n 3 $T/$n$i.log >&2; exit 1; }
   f=$T/$n$i/train.csv
-  c=$(med $f 10); eval "cpu_${n/-/_}_$i=$c"
-  echo "$n $i median cpu_ms $c opt_cpu_ms $(med $f 12) spike $(med $f 12 0) staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n$i/summary.json)"
+  c=$(med $f 10) m=$(mean $f 10); eval "cpu_${n/-/_}_$i=$c mcpu_${n/-/_}_$i=$m"
+  echo "$n $i median cpu_ms $c mean $m opt_cpu_ms $(med $f 12) spike $(med $f 12 0) staleness $(sed -n 's/.*"staleness_mean": *\([0-9.]*\).*/\1/p' $T/$n$i/summary.json)"
 done
 for i in 1 2; do
   eval "a=\$cpu_adamw_$i k=\$cpu_kfac_$i kb=\$cpu_kfac_base_$i"
   awk -v a=$a -v k=$k -v kb=$kb -v i=$i 'BEGIN { printf "pair %d: kfac / adamw %.3fx, base kfac / adamw %.3fx, kfac / base kfac %.3fx\n", i, k / a, kb / a, k / kb }'
+  eval "a=\$mcpu_adamw_$i k=\$mcpu_kfac_$i kb=\$mcpu_kfac_base_$i"
+  awk -v a=$a -v k=$k -v kb=$kb -v i=$i 'BEGIN { printf "pair %d by means: kfac / adamw %.3fx, base kfac / adamw %.3fx, kfac / base kfac %.3fx\n", i, k / a, kb / a, k / kb }'
 done

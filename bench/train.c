@@ -190,8 +190,9 @@ void tr_options_default(tr_options *o) {
  *   every 2 steps with inverses every 5 pushes (every 10 steps, as the numerics core's
  *   every step and 10 pushes): on two seeds at 1000 steps (asynchronous, the main job's
  *   protocol) final eval losses 0.015 and 0.002 lower than the default's in the same
- *   minutes, AdamW's final reached no later, 2.6-2.9 ms less CPU a step (docs/kfac.md,
- *   "Session 15"). The ResNet keeps the core's (not measured with it).
+ *   minutes (deterministic, seed 2: 0.004 higher, AdamW's final one evaluation later),
+ *   2.8-2.9 ms less CPU a step (docs/kfac.md, "Session 15"). The ResNet keeps the core's
+ *   (not measured with it).
  * - ABS: SGD's row (its step is SGD's at the batch and learning rate the rule sets).
  * - The generic rows (another model) keep each optimizer's textbook defaults.
  * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the

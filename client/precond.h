@@ -40,9 +40,10 @@
  *   Nothing is lost meanwhile: the push's blocks are kept until its answer, and one answered
  *   for a transient reason or lost with its region (the daemon restarted) goes back to the
  *   queue and is sent again as any failed send. A refusal for bad input (e.g. values whose
- *   sum overflows; NaN and Inf are refused here already) is counted in push_errors and its
- *   message kept as before, only seen up to one push (or one poll) later. Pushes are folded
- *   in the order they were made.
+ *   sum overflows; NaN and Inf are refused here already, except in a precond_push_begin
+ *   slot placed in the region, see there) is counted in push_errors and its message kept as
+ *   before, only seen up to one push (or one poll) later. Pushes are folded in the order they
+ *   were made.
  *
  * Conventions
  * - Functions return int: PRECOND_OK (0) or a negative PRECOND_E* code; precond_strerror
@@ -303,7 +304,17 @@ int precond_push_kfac(precond_client *client, uint64_t step, uint32_t block_id, 
  * replaced meanwhile); precond_push_cancel drops them. The memory is the client's and is
  * valid from begin until commit or cancel, one of which the caller calls exactly once (also
  * when commit fails: the slot is gone then). begin: PRECOND_OK, PRECOND_EINVAL (as
- * precond_push), PRECOND_EENDED, PRECOND_ENOMEM. Thread-safe, as precond_push. */
+ * precond_push), PRECOND_EENDED, PRECOND_ENOMEM. Thread-safe, as precond_push.
+ * Same-host (session 15): where the client holds a shared region whose daemon offers the
+ * doorbell's queue (and push_answer_wait is 0), begin hands out a place in the region
+ * itself when the block is not queued already and the region has room (counted in
+ * precond_counters.region_slots at commit): the values are posted from where the caller
+ * wrote them, with no copy, and commit does not look at them: a NaN or Inf there is refused
+ * by the daemon, which checks every value as it folds and refuses that push whole, counted
+ * in push_errors with its message one push later (as an overflow is), the other pushes kept
+ * (a batch so refused goes again one block a push). On that path PRECOND_EINVAL from commit
+ * means a job replaced since begin, never a NaN. Otherwise (no region yet, TCP, the block
+ * queued, no room, the region lost) begin hands out queue memory and commit scans as above. */
 typedef struct precond_push_slot precond_push_slot;
 int precond_push_begin(precond_client *client, uint64_t step, uint32_t block_id, uint32_t n0,
                        uint32_t n1, float **part0, float **part1, precond_push_slot **slot);
@@ -416,6 +427,9 @@ typedef struct {
   uint64_t pushes_posted;      /* PushStatistics calls posted at a shared region's doorbell
                                   without waiting, their answers collected later (see
                                   "Same-host pushes" at the top) */
+  uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
+                                  region itself (written there by the caller, posted from
+                                  there: no copy, no NaN/Inf scan of the client's) */
 } precond_counters;
 
 void precond_get_counters(precond_client *client, precond_counters *out);

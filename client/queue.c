@@ -5,10 +5,16 @@
 
 #include <stdlib.h>
 
-precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
-                                 size_t left_bytes, uint32_t n_right, size_t right_bytes) {
-  precond__item *item = malloc(sizeof(*item) + left_bytes + right_bytes);
+static precond__item *item_make(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                size_t left_bytes, uint32_t n_right, size_t right_bytes,
+                                unsigned char *data) {
+  precond__item *item = malloc(sizeof(*item) + (data == NULL ? left_bytes + right_bytes : 0));
   if (item == NULL) return NULL;
+  item->data = data != NULL ? data : item->payload;
+  item->alone = 0;
+  item->release = NULL;
+  item->owner = NULL;
+  item->slot = 0;
   item->prev = item->next = NULL;
   item->block_id = block_id;
   item->step = step;
@@ -20,7 +26,20 @@ precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding,
   return item;
 }
 
+precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                 size_t left_bytes, uint32_t n_right, size_t right_bytes) {
+  return item_make(block_id, step, encoding, n_left, left_bytes, n_right, right_bytes, NULL);
+}
+
+precond__item *precond__item_wrap(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                  size_t left_bytes, uint32_t n_right, size_t right_bytes,
+                                  unsigned char *data) {
+  if (data == NULL) return NULL;
+  return item_make(block_id, step, encoding, n_left, left_bytes, n_right, right_bytes, data);
+}
+
 void precond__item_free(precond__item *item) {
+  if (item != NULL && item->release != NULL) item->release(item);
   free(item);
 }
 
@@ -136,7 +155,7 @@ size_t precond__queue_take(precond__queue *q, precond__item **out, size_t max_it
   size_t n = 0, bytes = 0;
   while (n < max_items && q->head != NULL) {
     size_t sz = precond__item_bytes(q->head);
-    if (n > 0 && bytes + sz > max_bytes) break;
+    if (n > 0 && (bytes + sz > max_bytes || q->head->alone || out[0]->alone)) break;
     out[n] = q->head;
     unlink_item(q, q->head);
     bytes += sz;

@@ -14,7 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One queued block: header, then n_left then n_right packed values of elem_size bytes. */
+/* One queued block: header, then n_left then n_right packed values of elem_size bytes,
+ * in the item's own payload or elsewhere (data). */
 typedef struct precond__item {
   struct precond__item *prev, *next; /* queue links; owned by the queue while queued */
   uint32_t block_id;
@@ -22,7 +23,15 @@ typedef struct precond__item {
   int encoding; /* precond_encoding */
   uint32_t n_left, n_right;
   size_t left_bytes, right_bytes; /* payload sizes */
-  unsigned char data[];           /* left bytes, then right bytes */
+  unsigned char *data;            /* left bytes, then right bytes: payload, or the place
+                                   * precond__item_wrap was given */
+  int alone;                      /* 1: taken from the queue in a batch of its own */
+  /* A wrapped item's owner (client.c: a slot in a shared region): release runs once, at
+   * precond__item_free, before the header goes, with owner and slot as set. */
+  void (*release)(struct precond__item *item);
+  void *owner;
+  uint64_t slot;
+  unsigned char payload[];
 } precond__item;
 
 /* Allocates an item with room for left_bytes + right_bytes of payload (not filled). The
@@ -30,6 +39,11 @@ typedef struct precond__item {
  * Returns NULL on out of memory. */
 precond__item *precond__item_new(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
                                  size_t left_bytes, uint32_t n_right, size_t right_bytes);
+/* precond__item_new whose bytes are at data (not owned by the item: the caller sets
+ * release/owner/slot to give them back at precond__item_free). NULL on out of memory. */
+precond__item *precond__item_wrap(uint32_t block_id, uint64_t step, int encoding, uint32_t n_left,
+                                  size_t left_bytes, uint32_t n_right, size_t right_bytes,
+                                  unsigned char *data);
 void precond__item_free(precond__item *item);
 size_t precond__item_bytes(const precond__item *item);
 
@@ -58,8 +72,9 @@ void precond__queue_destroy(precond__queue *q);
 int precond__queue_put(precond__queue *q, precond__item *item);
 
 /* Removes items from the head into out[] (at most max_items), stopping before the payload
- * would exceed max_bytes, but always taking at least one item if the queue is not empty.
- * The caller owns the removed items. Returns how many were taken. */
+ * would exceed max_bytes, but always taking at least one item if the queue is not empty;
+ * an item marked alone is taken only as the first, and then alone. The caller owns the
+ * removed items. Returns how many were taken. */
 size_t precond__queue_take(precond__queue *q, precond__item **out, size_t max_items,
                            size_t max_bytes);
 

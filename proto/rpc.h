@@ -374,6 +374,10 @@ typedef struct {
   uint64_t push_start; /* where the push being written starts (rpc_shm_begin), same count */
   uint64_t push_end;   /* where the place rpc_shm_begin reserved for it ends; 0: none */
   rpc_shm_pace pace;   /* its waits for answers (rpc_shm_collect) */
+  uint64_t lim; /* the ring's first lim bytes are all that rpc_shm_slot, rpc_shm_begin and the
+                 * doorbell's requests take (0: the whole ring); the rest is the caller's own
+                 * (libprecond's worker slots, session 15). Set after rpc_shm_open; the stamps
+                 * still count whole laps, so rpc_shm_push_intact is unchanged */
 } rpc_shm;
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it

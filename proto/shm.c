@@ -286,6 +286,12 @@ static uint64_t rpc__shm_count(const rpc_shm *s) {
   return s->in_laps * (s->bytes / 2 - RPC_SHM_PUSH_RING) + s->in_pos;
 }
 
+/* The bytes of the ring this side takes from (rpc_shm.lim), at most the ring. */
+static uint64_t rpc__shm_room(const rpc_shm *s) {
+  uint64_t ring = s->bytes / 2 - RPC_SHM_PUSH_RING;
+  return s->lim != 0 && s->lim < ring ? s->lim : ring;
+}
+
 void rpc_shm_close(rpc_shm *s) {
   if (s->roots != NULL) munmap((void *)(uintptr_t)s->roots, s->roots_bytes);
   if (s->map != NULL) munmap(s->map, s->bytes);
@@ -382,7 +388,7 @@ unsigned char *rpc_shm_slot(rpc_shm *s, Precond__V1__PackedMatrix *m, size_t len
                             Precond__V1__ShmRef *ref) {
   uint64_t off = 0, before = s->in_pos, half = s->bytes / 2;
   if (s->map == NULL || len == 0 || half <= RPC_SHM_PUSH_RING ||
-      rpc_shm_ring_take(&s->in_pos, half - RPC_SHM_PUSH_RING, len, &off) != RPC_OK)
+      rpc_shm_ring_take(&s->in_pos, rpc__shm_room(s), len, &off) != RPC_OK)
     return NULL;
   if (off < before) s->in_laps++; /* wrapped */
   uint64_t ring = half - RPC_SHM_PUSH_RING, start = s->in_laps * ring + off;
@@ -764,16 +770,16 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
                                         status, details)
                         : RPC_OK;
   if (rc != RPC_OK) return rc;
-  uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING;
+  uint64_t half = s->bytes / 2, ring = half - RPC_SHM_PUSH_RING, cap = rpc__shm_room(s);
   size_t len = protobuf_c_message_get_packed_size(req);
   uint64_t room = (len + 7) / 8 * 8 + reply_cap, off;
   /* Only where it fits before the ring's end (a wrap would put it over the push's slots)
    * and clear of the pushes still pending (their slots and answers). */
   *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
-  if (len > UINT32_MAX || s->in_pos > ring || ring - s->in_pos < room ||
+  if (len > UINT32_MAX || s->in_pos > cap || cap - s->in_pos < room ||
       (s->npend > 0 && rpc__shm_count(s) + room > s->pend[0].start + ring) ||
       (s->push_end != 0 && rpc__shm_count(s) + room > s->push_end) ||
-      rpc_shm_ring_take(&s->in_pos, ring, room, &off) != RPC_OK)
+      rpc_shm_ring_take(&s->in_pos, cap, room, &off) != RPC_OK)
     return RPC_ETOOBIG;
   unsigned char *at = s->map + RPC_SHM_PUSH_RING + off;
   protobuf_c_message_pack(req, at);
@@ -891,12 +897,13 @@ static int rpc__shm_place(const rpc_shm *s, uint64_t need) {
   uint64_t tail = s->npend > 0 ? s->pend[0].start + ring : UINT64_MAX;
   uint64_t lap = (s->in_laps + (s->in_pos > 0)) * ring;
   if (lap + need <= tail) return 2;
-  return s->in_pos <= ring && ring - s->in_pos >= need && rpc__shm_count(s) + need <= tail;
+  uint64_t cap = rpc__shm_room(s);
+  return s->in_pos <= cap && cap - s->in_pos >= need && rpc__shm_count(s) + need <= tail;
 }
 
 int rpc_shm_fits(const rpc_shm *s, uint64_t need) {
   if (!s || !s->map || s->bytes / 2 <= RPC_SHM_PUSH_RING) return 0;
-  if (need > s->bytes / 2 - RPC_SHM_PUSH_RING) return 0;
+  if (need > rpc__shm_room(s)) return 0;
   return rpc__shm_place(s, (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN) != 0;
 }
 
@@ -907,9 +914,8 @@ int rpc_shm_begin(rpc_shm *s, uint64_t need, long deadline_ms, grpc_status_code 
   if (details) *details = NULL;
   *status = GRPC_STATUS_INVALID_ARGUMENT;
   if (!s || !s->map || s->bytes / 2 <= RPC_SHM_PUSH_RING) return RPC_EINVAL;
-  uint64_t ring = s->bytes / 2 - RPC_SHM_PUSH_RING;
   *status = GRPC_STATUS_RESOURCE_EXHAUSTED;
-  if (need > ring) return RPC_ETOOBIG;
+  if (need > rpc__shm_room(s)) return RPC_ETOOBIG;
   need = (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   for (;;) {
     int place = rpc__shm_place(s, need);

@@ -418,11 +418,12 @@ static void test_shm_same_roots_as_bytes(void **state) {
   daemon_stop();
 }
 
-/* Registers job with one 384 x 96 weight: three 128 x 96 blocks. */
-static void register_three(precond_client *c, const char *job) {
-  const uint64_t shape[2] = {384, 96};
+/* Registers job with one (128 nblocks) x 96 weight: nblocks 128 x 96 blocks. */
+static void register_rows(precond_client *c, const char *job, uint32_t nblocks) {
+  const uint64_t shape[2] = {128 * (uint64_t)nblocks, 96};
   precond_tensor t = {"w", 2, shape};
   precond_shampoo_opts so = {.block_size = 128,
+                             .skip_limit = 8192,
                              .root_exponent = 4,
                              .epsilon = EPSILON,
                              .beta2 = 1.0f,
@@ -430,20 +431,25 @@ static void register_three(precond_client *c, const char *job) {
   precond_layout l;
   assert_int_equal(precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 1, &t, &so, &l),
                    PRECOND_OK);
-  assert_int_equal(l.nblocks, 3);
+  assert_int_equal(l.nblocks, nblocks);
   precond_layout_destroy(&l);
 }
 
-/* One push of a 128 x 96 block at step, written into the client's slot: Gram statistics
- * of seed, or (huge) 3e38 everywhere, finite but overflowing once added to itself. Then the
- * wait until the background thread took it, so that each push is a call of its own (posted
- * at the region's doorbell when there is one). */
-static void push_one(precond_client *c, uint64_t step, uint32_t b, unsigned seed, int huge) {
+/* Registers job with one 384 x 96 weight: three 128 x 96 blocks. */
+static void register_three(precond_client *c, const char *job) {
+  register_rows(c, job, 3);
+}
+
+/* A slot of a 128 x 96 block at step (precond_push_begin), filled with the Gram statistics
+ * of seed, or (huge 1) 3e38 everywhere, finite but overflowing once added to itself, or
+ * (huge 2) the Gram statistics with a NaN. */
+static precond_push_slot *slot_filled(precond_client *c, uint64_t step, uint32_t b, unsigned seed,
+                                      int huge) {
   float *p0 = NULL, *p1 = NULL;
   precond_push_slot *slot = NULL;
   const size_t c0 = (size_t)128 * 129 / 2, c1 = (size_t)96 * 97 / 2;
   assert_int_equal(precond_push_begin(c, step, b, 128, 96, &p0, &p1, &slot), PRECOND_OK);
-  if (huge) {
+  if (huge == 1) {
     for (size_t i = 0; i < c0 + c1; i++) p0[i] = 3e38f;
   } else {
     float *l = gram(128, seed), *r = gram(96, seed + 1000);
@@ -451,9 +457,185 @@ static void push_one(precond_client *c, uint64_t step, uint32_t b, unsigned seed
     memcpy(p1, r, c1 * sizeof(float));
     free(l);
     free(r);
+    if (huge == 2) p0[7] = NAN;
   }
-  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
+  return slot;
+}
+
+/* One push of a 128 x 96 block at step, written into the client's slot (slot_filled), then
+ * the wait until the background thread took it, so that each push is a call of its own
+ * (posted at the region's doorbell when there is one). */
+static void push_one(precond_client *c, uint64_t step, uint32_t b, unsigned seed, int huge) {
+  assert_int_equal(precond_push_commit(c, slot_filled(c, step, b, seed, huge)), PRECOND_OK);
   assert_int_equal(precond_wait_queued(c, 0, ROOT_WAIT_MS), PRECOND_OK);
+}
+
+static void wait_stopped(pid_t pid);
+
+/* Waits until c's background thread opened its region (a poll rung at its doorbell). */
+static void wait_region(precond_client *c) {
+  precond_counters k;
+  precond_get_counters(c, &k);
+  for (int tries = 0; tries < 20000 && k.fetch_rung == 0; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(c, &k);
+  }
+  assert_true(k.fetch_rung > 0);
+}
+
+/* Both clients' roots of blocks [0, nblocks) at their newest step (steps[b]) are the same
+ * bits. */
+static void assert_same_roots(precond_client *a, precond_client *b, uint32_t nblocks,
+                              const uint64_t *steps) {
+  for (uint32_t i = 0; i < nblocks; i++) {
+    if (steps[i] == 0) continue;
+    uint64_t va = 0, vb = 0;
+    const precond_roots *ra = wait_step(a, i, steps[i], &va), *rb = wait_step(b, i, steps[i], &vb);
+    assert_memory_equal(ra->left, rb->left, (size_t)128 * 129 / 2 * sizeof(float));
+    assert_memory_equal(ra->right, rb->right, (size_t)96 * 97 / 2 * sizeof(float));
+    precond_roots_release(ra);
+    precond_roots_release(rb);
+  }
+}
+
+/* A unix-socket daemon (no drift skip: every push's roots computed) and two clients of it:
+ * *cs through a region (AUTO), *cb forced to gRPC bytes (a twin job's client). */
+static void twins(precond_client **cs, precond_client **cb) {
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
+  *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+}
+
+static void twins_end(precond_client *cs, precond_client *cb) {
+  precond_close(cs);
+  precond_close(cb);
+  daemon_stop();
+}
+
+/* precond_push_begin's slots in the region itself (session 15): written by the caller where
+ * the daemon reads them, posted from there with no copy and no NaN/Inf scan of the
+ * client's. The same pushes as gRPC bytes on a twin job fold the same bits; a NaN written
+ * into a region slot is committed (PRECOND_OK; the twin's scan refuses it at once) and the
+ * daemon refuses that push alone, counted in push_errors with its message, the pushes
+ * after it kept; a NaN slot committed with others (commit_all: one batch) costs only its
+ * own block (the refused batch goes again one block a push); a cancelled slot and a slot
+ * coalesced by a newer one of its block leave nothing behind. */
+static void test_shm_region_slots(void **state) {
+  (void)state;
+  precond_client *cs = NULL, *cb = NULL;
+  twins(&cs, &cb);
+  precond_client *both[2] = {cs, cb};
+  register_three(cs, "slot-shm");
+  register_three(cb, "slot-bytes");
+  wait_region(cs);
+  for (uint64_t step = 1; step <= 6; step++) {
+    for (int k = 0; k < 2; k++) {
+      precond_client *c = both[k];
+      if (step == 5) {
+        /* one commit: block 0 twice (the newer wins), block 1 with a NaN, block 2 */
+        precond_push_slot *s[4] = {slot_filled(c, step, 0, 7777, 0),
+                                   slot_filled(c, step, 1, 501, 2), slot_filled(c, step, 2, 502, 0),
+                                   slot_filled(c, step, 0, 500, 0)};
+        assert_int_equal(precond_push_commit_all(c, s, 4), k == 0 ? PRECOND_OK : PRECOND_EINVAL);
+        /* answered before step 6: a block of a batch split after its refusal goes back to
+         * the queue's head, where a newer push of it queued meanwhile would replace it */
+        assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+        continue;
+      }
+      for (uint32_t b = 0; b < 3; b++) {
+        if (step == 3 && b == 1) {
+          float *p0 = NULL, *p1 = NULL;
+          precond_push_slot *slot = NULL;
+          assert_int_equal(precond_push_begin(c, step, b, 128, 96, &p0, &p1, &slot), PRECOND_OK);
+          float *l = gram(128, 4242);
+          memcpy(p0, l, (size_t)128 * 129 / 2 * sizeof(float));
+          memset(p1, 0, (size_t)96 * 97 / 2 * sizeof(float));
+          free(l);
+          p0[7] = NAN;
+          assert_int_equal(precond_push_commit(c, slot), k == 0 ? PRECOND_OK : PRECOND_EINVAL);
+          assert_int_equal(precond_wait_queued(c, 0, ROOT_WAIT_MS), PRECOND_OK);
+        }
+        if (step == 4 && b == 0) precond_push_cancel(slot_filled(c, step, b, 9999, 0));
+        push_one(c, step, b, (unsigned)(100 * step + b), 0);
+      }
+    }
+  }
+  for (int k = 0; k < 2; k++) assert_int_equal(precond_flush(both[k], ROOT_WAIT_MS), PRECOND_OK);
+  const char *jobs[2] = {"slot-shm", "slot-bytes"};
+  for (int k = 0; k < 2; k++) {
+    precond_stats st;
+    assert_int_equal(precond_get_stats(both[k], jobs[k], 1, &st), PRECOND_OK);
+    for (size_t i = 0; i < st.nblocks; i++) assert_int_equal(st.block_stats[i].stat_step, 6);
+    precond_stats_destroy(&st);
+    precond_counters n;
+    precond_get_counters(both[k], &n);
+    assert_int_equal(n.pushed, k == 0 ? 20 : 18);
+    assert_int_equal(n.coalesced, 1);
+    assert_int_equal(n.sent, 17);
+    assert_int_equal(n.push_errors, k == 0 ? 2 : 0);
+    assert_int_equal(n.dropped + n.queued, 0);
+    /* every slot of the region client's was in the region; none of the twin's */
+    assert_int_equal(n.region_slots, k == 0 ? n.pushed : 0);
+    if (k == 0) {
+      char e[512];
+      precond_last_error(cs, e, sizeof e);
+      assert_non_null(strstr(e, "NaN or Inf")); /* the daemon's own message */
+    }
+  }
+  const uint64_t steps[3] = {6, 6, 6};
+  assert_same_roots(cs, cb, 3, steps);
+  twins_end(cs, cb);
+}
+
+/* The region's worker slots while none is answered (the daemon stopped): taken in order,
+ * they fill the part, and a push that finds no room is a queue entry (copied later, never
+ * blocking); the oldest slot given back (cancelled) frees its place, and the next slot wraps
+ * around to it, and no further: the next slot's place is still held, unanswered. No slot
+ * was written over another before its answer: the daemon, let go, folds the same bits as a
+ * gRPC twin. */
+static void test_shm_region_full(void **state) {
+  (void)state;
+  precond_client *cs = NULL, *cb = NULL;
+  twins(&cs, &cb);
+  register_rows(cs, "full-shm", 40);
+  register_rows(cb, "full-bytes", 40);
+  wait_region(cs);
+  for (uint32_t b = 0; b < 3; b++) push_one(cs, 1, b, b, 0); /* answered: places free again */
+  assert_int_equal(precond_flush(cs, ROOT_WAIT_MS), PRECOND_OK);
+  precond_counters k0, k1, k2;
+  precond_get_counters(cs, &k0);
+  assert_int_equal(k0.region_slots, 3);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  /* A 4 MiB region: a ring of 2 MiB - 64, its first quarter the background thread's, the
+   * rest (1572864 bytes) worker slots of 51648 bytes (a 128 x 96 block's two parts): 30,
+   * one of them held (the part's first place). */
+  precond_push_slot *held = slot_filled(cs, 2, 39, 1, 0);
+  for (uint32_t b = 0; b < 36; b++)
+    assert_int_equal(precond_push_commit(cs, slot_filled(cs, 2, b, 100 + b, 0)), PRECOND_OK);
+  precond_get_counters(cs, &k1);
+  assert_int_equal(k1.region_slots - k0.region_slots, 29);
+  precond_push_cancel(held); /* the oldest: its place, and only it, is free */
+  for (uint32_t b = 36; b < 39; b++)
+    assert_int_equal(precond_push_commit(cs, slot_filled(cs, 2, b, 100 + b, 0)), PRECOND_OK);
+  precond_get_counters(cs, &k2);
+  assert_int_equal(k2.region_slots - k1.region_slots, 1);
+  assert_int_equal(kill(g_d.pid, SIGCONT), 0);
+  assert_int_equal(precond_flush(cs, ROOT_WAIT_MS), PRECOND_OK);
+  /* The twin: the same pushes, as bytes. */
+  for (uint32_t b = 0; b < 3; b++) push_one(cb, 1, b, b, 0);
+  for (uint32_t b = 0; b < 39; b++)
+    assert_int_equal(precond_push_commit(cb, slot_filled(cb, 2, b, 100 + b, 0)), PRECOND_OK);
+  assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cs, &k2);
+  assert_int_equal(k2.sent, 42);
+  assert_int_equal(k2.push_errors + k2.coalesced + k2.dropped, 0);
+  uint64_t steps[40] = {0};
+  for (uint32_t b = 0; b < 39; b++) steps[b] = 2;
+  assert_same_roots(cs, cb, 40, steps);
+  twins_end(cs, cb);
 }
 
 /* Pushes posted at the region's doorbell and collected later (session 14) fold the same
@@ -584,7 +766,14 @@ static void test_shm_pipelined_restart(void **state) {
   free(r);
   l = scaled_identity(128, 4.0f);
   r = scaled_identity(96, 8.0f);
-  assert_int_equal(precond_push(c, 3, 0, 128, l, 96, r, PRECOND_FP32), PRECOND_OK);
+  /* Step 3 written into a worker slot of the region (session 15): lost with its region, it
+   * goes again from the old mapping, which the slot keeps. */
+  float *p0 = NULL, *p1 = NULL;
+  precond_push_slot *slot = NULL;
+  assert_int_equal(precond_push_begin(c, 3, 0, 128, 96, &p0, &p1, &slot), PRECOND_OK);
+  memcpy(p0, l, (size_t)128 * 129 / 2 * sizeof(float));
+  memcpy(p1, r, (size_t)96 * 97 / 2 * sizeof(float));
+  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
   for (int tries = 0; tries < 10000 && k.pushes_posted == posted; tries++) {
     struct timespec t = {0, 1000000L};
     nanosleep(&t, NULL);
@@ -605,6 +794,7 @@ static void test_shm_pipelined_restart(void **state) {
   assert_int_equal(st, PRECOND_OK);
   assert_int_equal(k.sent, 3);
   assert_int_equal(k.push_errors, 0);
+  assert_int_equal(k.region_slots, 1);
   assert_true(k.retries >= 1 && k.reregistered >= 1);
   /* The new daemon holds step 3's push alone (4 I): the one in flight, sent again. */
   assert_int_equal(precond_set_poll_interval(c, 10), PRECOND_OK);
@@ -1409,6 +1599,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_same_roots_as_bytes, stop_daemon),
       cmocka_unit_test_teardown(test_shm_pipelined_same_as_bytes, stop_daemon),
       cmocka_unit_test_teardown(test_shm_pipelined_restart, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_slots, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
       cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),

@@ -1,6 +1,7 @@
 /*
  * test_queue.c -- unit tests of libprecond's push queue: FIFO order, coalescing a newer push
- * of a queued block, drop-oldest when full, batch taking by bytes, requeue after a failed send.
+ * of a queued block, drop-oldest when full, batch taking by bytes, requeue after a failed send,
+ * items taken alone, wrapped items giving their bytes back once.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -198,6 +199,70 @@ static void test_init_rejects_zero_capacity_and_destroy_frees(void **state) {
   assert_int_equal(q.length, 0);
 }
 
+/* An item marked alone leaves in a batch of its own: a batch stops before it, and one that
+ * starts with it holds it alone. */
+static void test_alone_items_leave_alone(void **state) {
+  (void)state;
+  precond__queue q;
+  assert_int_equal(precond__queue_init(&q, 8, 8), 0);
+  for (uint32_t b = 0; b < 5; b++) {
+    precond__item *it = make(b, 10 + b, 16);
+    it->alone = b == 2 || b == 3;
+    assert_int_equal(precond__queue_put(&q, it), PRECOND__QUEUED);
+  }
+  precond__item *out[8];
+  size_t want[4] = {2, 1, 1, 1}; /* 0 1 | 2 | 3 | 4 */
+  uint32_t next = 0;
+  for (int k = 0; k < 4; k++) {
+    size_t n = precond__queue_take(&q, out, 8, SIZE_MAX);
+    assert_int_equal(n, want[k]);
+    for (size_t i = 0; i < n; i++) {
+      assert_int_equal(out[i]->block_id, next++);
+      precond__item_free(out[i]);
+    }
+  }
+  assert_int_equal(q.length, 0);
+  precond__queue_destroy(&q);
+}
+
+static int g_released;
+static void count_release(precond__item *it) {
+  assert_ptr_equal(it->owner, &g_released);
+  g_released++;
+}
+
+/* A wrapped item's bytes are the caller's: release runs exactly once whichever way the item
+ * goes (coalesced by a newer push, dropped as the oldest, taken and freed, destroyed with
+ * the queue). */
+static void test_wrapped_items_release_once(void **state) {
+  (void)state;
+  unsigned char bytes[4][32];
+  precond__item *w[4];
+  for (int i = 0; i < 4; i++) {
+    w[i] = precond__item_wrap((uint32_t)i % 3, 1, 0, 1, 32, 0, 0, bytes[i]);
+    assert_non_null(w[i]);
+    assert_ptr_equal(w[i]->data, bytes[i]);
+    w[i]->owner = &g_released;
+    w[i]->release = count_release;
+  }
+  assert_null(precond__item_wrap(0, 1, 0, 1, 32, 0, 0, NULL));
+  g_released = 0;
+  precond__queue q;
+  assert_int_equal(precond__queue_init(&q, 2, 3), 0);
+  assert_int_equal(precond__queue_put(&q, w[0]), PRECOND__QUEUED);    /* block 0 */
+  assert_int_equal(precond__queue_put(&q, w[3]), PRECOND__COALESCED); /* block 0 again */
+  assert_int_equal(g_released, 1);
+  assert_int_equal(precond__queue_put(&q, w[1]), PRECOND__QUEUED);         /* block 1 */
+  assert_int_equal(precond__queue_put(&q, w[2]), PRECOND__DROPPED_OLDEST); /* w[3] goes */
+  assert_int_equal(g_released, 2);
+  precond__item *out[2];
+  assert_int_equal(precond__queue_take(&q, out, 1, SIZE_MAX), 1);
+  precond__item_free(out[0]);
+  assert_int_equal(g_released, 3);
+  precond__queue_destroy(&q);
+  assert_int_equal(g_released, 4);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fifo_order),
@@ -207,6 +272,8 @@ int main(void) {
       cmocka_unit_test(test_requeue_after_failed_send),
       cmocka_unit_test(test_requeue_preserves_order),
       cmocka_unit_test(test_init_rejects_zero_capacity_and_destroy_frees),
+      cmocka_unit_test(test_alone_items_leave_alone),
+      cmocka_unit_test(test_wrapped_items_release_once),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
