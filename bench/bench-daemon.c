@@ -689,8 +689,10 @@ static int lib_push(worker *w, uint64_t step) {
   uint32_t n = (uint32_t)w->pl->n;
   int st = precond_push_begin(w->lib, step, 0, n, n, &p0, &p1, &slot);
   if (st == PRECOND_OK) {
-    memcpy(p0, w->pl->data, w->pl->bytes);
-    memcpy(p1, w->pl->data, w->pl->bytes);
+    /* the kernel's copy into the slot, the library's write for it (session 15: streamed
+     * where the slot is in the region, as the background thread's copy was) */
+    precond_push_copy(slot, p0, (const float *)w->pl->data, w->pl->bytes / sizeof(float));
+    precond_push_copy(slot, p1, (const float *)w->pl->data, w->pl->bytes / sizeof(float));
     st = precond_push_commit(w->lib, slot);
   }
   if (st == PRECOND_OK) st = precond_wait_queued(w->lib, 0, CALL_MS);

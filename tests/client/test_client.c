@@ -453,8 +453,8 @@ static precond_push_slot *slot_filled(precond_client *c, uint64_t step, uint32_t
     for (size_t i = 0; i < c0 + c1; i++) p0[i] = 3e38f;
   } else {
     float *l = gram(128, seed), *r = gram(96, seed + 1000);
-    memcpy(p0, l, c0 * sizeof(float));
-    memcpy(p1, r, c1 * sizeof(float));
+    precond_push_copy(slot, p0, l, c0);
+    precond_push_copy(slot, p1, r, c1);
     free(l);
     free(r);
     if (huge == 2) p0[7] = NAN;
@@ -530,6 +530,52 @@ static void test_shm_region_slots(void **state) {
   register_three(cs, "slot-shm");
   register_three(cb, "slot-bytes");
   wait_region(cs);
+  {
+    /* precond_push_copy of a 1024 block's part (2 MiB) into a region slot (streamed), at a
+     * 64-byte boundary and off it: the same bits */
+    precond_options o;
+    precond_options_default(&o);
+    o.addr = g_d.addr;
+    o.connect_timeout_ms = 20000;
+    o.shm_bytes = 16 << 20; /* worker slots of 6 MiB */
+    precond_client *cg = NULL;
+    assert_int_equal(precond_connect(&o, &cg), PRECOND_OK);
+    const uint64_t shape[2] = {1024, 2};
+    precond_tensor t = {"w", 2, shape};
+    precond_shampoo_opts so = {.block_size = 1024};
+    precond_layout l;
+    assert_int_equal(
+        precond_register(cg, "slot-copy", PRECOND_MODE_SHAMPOO, "test", 1, &t, &so, &l),
+        PRECOND_OK);
+    precond_layout_destroy(&l);
+    wait_region(cg);
+    const size_t c0 = (size_t)1024 * 1025 / 2;
+    float *src = malloc(c0 * sizeof(float));
+    assert_non_null(src);
+    for (size_t i = 0; i < c0; i++) src[i] = (float)i * 0.5f - 7.0f;
+    for (size_t k = 0; k < 2; k++) {
+      float *p0 = NULL, *p1 = NULL;
+      precond_push_slot *slot = NULL;
+      assert_int_equal(precond_push_begin(cg, 1, 0, 1024, 2, &p0, &p1, &slot), PRECOND_OK);
+      memset(p0, 0, c0 * sizeof(float));
+      precond_push_copy(slot, p0 + k, src, c0 - k);
+      assert_memory_equal(p0 + k, src, (c0 - k) * sizeof(float));
+      if (k == 0) {
+        p1[0] = p1[2] = 1.0f;
+        p1[1] = 0.0f;
+        assert_int_equal(precond_push_commit(cg, slot), PRECOND_OK);
+        assert_int_equal(precond_flush(cg, ROOT_WAIT_MS), PRECOND_OK);
+      } else {
+        precond_push_cancel(slot);
+      }
+    }
+    precond_counters kg;
+    precond_get_counters(cg, &kg);
+    assert_int_equal(kg.region_slots, 1); /* the slot written was in the region */
+    assert_int_equal(kg.sent, 1);
+    free(src);
+    precond_close(cg);
+  }
   for (uint64_t step = 1; step <= 6; step++) {
     for (int k = 0; k < 2; k++) {
       precond_client *c = both[k];
