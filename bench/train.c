@@ -187,12 +187,12 @@ void tr_options_default(tr_options *o) {
  * - K-FAC: SGD's recipe on the preconditioned gradient (momentum 0.9, weight decay 5e-4 as
  *   L2 for the ResNet, KAISA's CIFAR setting); the KL clip bounds the step, so no warm-up
  *   on the ResNet. The Transformer row is SGD's, not tuned, but for its schedule: factors
- *   every 2 steps with inverses every 5 pushes (every 10 steps, as the numerics core's
- *   every step and 10 pushes): on two seeds at 1000 steps (asynchronous, the main job's
- *   protocol) final eval losses 0.015 and 0.002 lower than the default's in the same
- *   minutes (deterministic, seed 2: 0.004 higher, AdamW's final one evaluation later),
- *   2.8-2.9 ms less CPU a step (docs/kfac.md, "Session 15"). The ResNet keeps the core's
- *   (not measured with it).
+ *   every 2 steps, 2.8-2.9 ms less CPU a step than every step (docs/kfac.md, "Session
+ *   15"), with inverses every 4 pushes (every 8 steps; the numerics core's every step and 10
+ *   pushes): deterministic (--sync-roots) at 1000 steps, final eval losses 1.4763 and
+ *   1.4630 on seeds 1 and 2 and AdamW's final reached at step 700 on both, where every 5
+ *   pushes reached it at 750 on seed 2 and the core's schedule at 750 on seed 1 (finals
+ *   1.4902 and 1.4679). The ResNet keeps the core's (not measured with it).
  * - ABS: SGD's row (its step is SGD's at the batch and learning rate the rule sets).
  * - The generic rows (another model) keep each optimizer's textbook defaults.
  * Shampoo's grafted Adam takes beta1/beta2 from its row; the schedule (cosine after the
@@ -221,7 +221,7 @@ static const tr__preset tr__presets[] = {
     {"transformer", TR_SGD, 0.1, 0.9, 0.9, 0.99, 0, 1, 100, TR_UNSET, 0, 1, 0, 0},
     {"transformer", TR_ADAMW, 1e-3, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0, 1, 0, 0},
     {"transformer", TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 50, 0.8, 25, 1, 0, 0},
-    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0, 1, 2, 5},
+    {"transformer", TR_KFAC, 0.1, 0.9, 0.9, 0.99, 0, 0, 100, TR_UNSET, 0, 1, 2, 4},
     {NULL, TR_SGD, 0.1, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1, 0, 0},
     {NULL, TR_ADAMW, 1e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1, 0, 0},
     {NULL, TR_SHAMPOO, 3e-3, 0.9, 0.9, 0.999, 0, 0, 0, TR_UNSET, 0, 1, 0, 0},
