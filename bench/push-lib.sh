@@ -9,7 +9,8 @@
 # doorbell pipelined by bench-daemon itself, two in flight) and, new build only, push-lib
 # (libprecond's public API as a worker pushes, its background thread posting each push and
 # collecting the answer later; the base has no such row) and push-lib-wait (the same with
-# each answer awaited, precond_options.push_answer_wait: the client before session 14).
+# each answer awaited, precond_options.push_answer_wait; written in the region's worker
+# slots too since session 15, later: in /work/base-s15 it still copies queue entries).
 # Builds alternated ROUNDS times;
 # prints every row, then per build and row the median and range of the ratios.
 set -u
@@ -35,4 +36,4 @@ awk -F, "$(cat bench/median.awk)"'
   { k = $2 "," $3; n[k]++; q[k, n[k]] = $7; m[k, n[k]] = $4 }
   END { for (k in n) { r = med(q, k, n[k]); l = lo; h = hi; printf "%s,%d,%.4f,%.4f,%.4f,%.1f\n", k, n[k], r, l, h, med(m, k, n[k]) } }' \
   "$tmp/rows.csv" | sort
-grep -h "push-lib:" "$tmp/log" >&2 || true
+grep -hE "push-lib(-wait)?:" "$tmp/log" >&2 || true
