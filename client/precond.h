@@ -28,8 +28,8 @@
  *   client's own count, keeps increasing). If that Register is refused with
  *   FAILED_PRECONDITION (the job was ended under the client: precondctl end-job, EndJob, the
  *   daemon's idle expiry; precondd remembers ended names), the client stops there: queued
- *   blocks are dropped (push_errors), nothing is retried, and precond_push, precond_flush and
- *   precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
+ *   blocks are dropped (push_errors), nothing is retried, and precond_push (and _begin),
+ *   precond_flush, precond_wait_queued and precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
  *   logged once to stderr) until precond_register. Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
