@@ -718,9 +718,10 @@ static int lib_finish(worker *w) {
             (unsigned long long)k.coalesced, (unsigned long long)k.pushes_posted, e);
     return -1;
   }
-  if (w->shm == 5) /* how many pushes the client placed in the region itself (session 15) */
-    fprintf(stderr, "bench-daemon: push-lib: %llu of %llu pushes written in the region\n",
-            (unsigned long long)k.region_slots, (unsigned long long)k.pushed);
+  /* how many pushes the client placed in the region itself (session 15; awaited too) */
+  fprintf(stderr, "bench-daemon: %s: %llu of %llu pushes written in the region\n",
+          w->shm == 5 ? "push-lib" : "push-lib-wait", (unsigned long long)k.region_slots,
+          (unsigned long long)k.pushed);
   return 0;
 }
 

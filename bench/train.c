@@ -590,7 +590,7 @@ void tr_usage(FILE *f, const tr_options *defaults, const tr_arg *extra, size_t n
           kf.factor_every_first, kf.inv_every);
   fprintf(f,
           "\nOutputs: a progress line on stderr; with --out, OUT/train.csv (one row per step:\n"
-          "%s)\nand OUT/summary.json. Shampoo needs a running precondd (--daemon).\n",
+          "%s)\nand OUT/summary.json. Shampoo and K-FAC need a running precondd (--daemon).\n",
           TR_CSV_HEADER);
 }
 

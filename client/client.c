@@ -448,10 +448,12 @@ static int item_in_region(const precond_client *c, const precond__item *it) {
 
 /* After a region with the doorbell's queue opened: its ring's first quarter stays the
  * background thread's (its requests, the copies of queue entries, fetches), the rest is
- * worker slots (a window published under mu). Not with push_answer_wait, whose pushes are
- * no posts. Background thread, mu not held. */
+ * worker slots (a window published under mu). Also with push_answer_wait (session 15,
+ * later): its batches are ring calls (send_batch) naming the slots as posts do, each answer
+ * awaited before the next call, so a slot is still held until its answer. Background
+ * thread, mu not held. */
 static void shm_window_open(precond_client *c) {
-  if (!c->shm.bell || !c->shm.queue || c->opts.push_answer_wait) return;
+  if (!c->shm.bell || !c->shm.queue) return;
   uint64_t ring = c->shm.bytes / 2 - RPC_SHM_PUSH_RING;
   uint64_t lim = ring / 4 / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   uint64_t len = (ring - lim) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;

@@ -28,8 +28,8 @@
  *   client's own count, keeps increasing). If that Register is refused with
  *   FAILED_PRECONDITION (the job was ended under the client: precondctl end-job, EndJob, the
  *   daemon's idle expiry; precondd remembers ended names), the client stops there: queued
- *   blocks are dropped (push_errors), nothing is retried, and precond_push, precond_flush and
- *   precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
+ *   blocks are dropped (push_errors), nothing is retried, and precond_push (and _begin),
+ *   precond_flush, precond_wait_queued and precond_wait_roots return PRECOND_EENDED (the daemon's message in precond_last_error,
  *   logged once to stderr) until precond_register. Blocks the daemon rejects
  *   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) are dropped and counted in push_errors; the daemon's
  *   message is kept (precond_last_error).
@@ -167,8 +167,10 @@ typedef struct {
                                   Default 0: every version is a copy of the client's */
   int push_answer_wait;            /* 1: a push through a shared region waits for its answer
                                   before the next call (the client before session 14; a
-                                  refusal is then seen at once). Default 0: posted, its
-                                  answer collected later (see "Same-host pushes" above) */
+                                  refusal is then seen at once); precond_push_begin's slots
+                                  are in the region all the same (session 15). Default 0:
+                                  posted, its answer collected later (see "Same-host
+                                  pushes" above) */
 } precond_options;
 
 /* Fills the defaults above. */
@@ -306,7 +308,7 @@ int precond_push_kfac(precond_client *client, uint64_t step, uint32_t block_id, 
  * when commit fails: the slot is gone then). begin: PRECOND_OK, PRECOND_EINVAL (as
  * precond_push), PRECOND_EENDED, PRECOND_ENOMEM. Thread-safe, as precond_push.
  * Same-host (session 15): where the client holds a shared region whose daemon offers the
- * doorbell's queue (and push_answer_wait is 0), begin hands out a place in the region
+ * doorbell's queue (posted or, push_answer_wait, awaited), begin hands out a place in the region
  * itself when the block is not queued already and the region has room (counted in
  * precond_counters.region_slots at commit): the values are posted from where the caller
  * wrote them, with no copy, and commit does not look at them: a NaN or Inf there is refused

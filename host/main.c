@@ -30,8 +30,9 @@ static void pd__usage(FILE *f) {
   fprintf(
       f,
       "Usage: precondd [OPTION]...\n"
-      "Per-host daemon computing Shampoo preconditioners (inverse matrix roots) for training\n"
-      "workers over gRPC (service precond.v1.Preconditioner; health: grpc.health.v1.Health).\n"
+      "Per-host daemon computing Shampoo's inverse matrix roots and K-FAC's damped inverses\n"
+      "for training workers over gRPC (service precond.v1.Preconditioner; health:\n"
+      "grpc.health.v1.Health).\n"
       "\n"
       "  --listen ADDRESS         where to listen: HOST:PORT or unix:/PATH (default\n"
       "                           127.0.0.1:50551; port 0 picks a free port; %%r: the MPI\n"

@@ -271,7 +271,9 @@ static void unix_daemon_with(const char *const *extra) {
   assert_int_equal(pdproc_start(&g_d, &o), 0);
 }
 
-static precond_client *connect_transport_ref(precond_transport t, int by_reference) {
+/* A client of g_d's daemon over transport t (roots by reference, each push's answer
+ * awaited as asked). */
+static precond_client *connect_with(precond_transport t, int by_reference, int answer_wait) {
   precond_options o;
   precond_options_default(&o);
   o.addr = g_d.addr;
@@ -280,9 +282,14 @@ static precond_client *connect_transport_ref(precond_transport t, int by_referen
   o.transport = t;
   o.shm_bytes = 4 << 20;
   o.roots_by_reference = by_reference;
+  o.push_answer_wait = answer_wait;
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
   return c;
+}
+
+static precond_client *connect_transport_ref(precond_transport t, int by_reference) {
+  return connect_with(t, by_reference, 0);
 }
 
 static precond_client *connect_transport(precond_transport t) {
@@ -500,12 +507,17 @@ static void assert_same_roots(precond_client *a, precond_client *b, uint32_t nbl
 }
 
 /* A unix-socket daemon (no drift skip: every push's roots computed) and two clients of it:
- * *cs through a region (AUTO), *cb forced to gRPC bytes (a twin job's client). */
-static void twins(precond_client **cs, precond_client **cb) {
+ * *cs through a region (AUTO; answer_wait: each push's answer awaited), *cb forced to gRPC
+ * bytes (a twin job's client). */
+static void twins_with(precond_client **cs, precond_client **cb, int answer_wait) {
   const char *extra[] = {"--drift-threshold", "0", NULL};
   unix_daemon_with(extra);
-  *cs = connect_transport(PRECOND_TRANSPORT_AUTO);
+  *cs = connect_with(PRECOND_TRANSPORT_AUTO, 0, answer_wait);
   *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+}
+
+static void twins(precond_client **cs, precond_client **cb) {
+  twins_with(cs, cb, 0);
 }
 
 static void twins_end(precond_client *cs, precond_client *cb) {
@@ -516,16 +528,16 @@ static void twins_end(precond_client *cs, precond_client *cb) {
 
 /* precond_push_begin's slots in the region itself (session 15): written by the caller where
  * the daemon reads them, posted from there with no copy and no NaN/Inf scan of the
- * client's. The same pushes as gRPC bytes on a twin job fold the same bits; a NaN written
- * into a region slot is committed (PRECOND_OK; the twin's scan refuses it at once) and the
- * daemon refuses that push alone, counted in push_errors with its message, the pushes
- * after it kept; a NaN slot committed with others (commit_all: one batch) costs only its
- * own block (the refused batch goes again one block a push); a cancelled slot and a slot
- * coalesced by a newer one of its block leave nothing behind. */
-static void test_shm_region_slots(void **state) {
-  (void)state;
+ * client's (answer_wait: sent from there, each answer awaited). The same pushes as gRPC
+ * bytes on a twin job fold the same bits; a NaN written into a region slot is committed
+ * (PRECOND_OK; the twin's scan refuses it at once) and the daemon refuses that push alone,
+ * counted in push_errors with its message, the pushes after it kept; a NaN slot committed
+ * with others (commit_all: one batch) costs only its own block (the refused batch goes
+ * again one block a push); a cancelled slot and a slot coalesced by a newer one of its
+ * block leave nothing behind. */
+static void region_slots_twins(int answer_wait) {
   precond_client *cs = NULL, *cb = NULL;
-  twins(&cs, &cb);
+  twins_with(&cs, &cb, answer_wait);
   precond_client *both[2] = {cs, cb};
   register_three(cs, "slot-shm");
   register_three(cb, "slot-bytes");
@@ -538,6 +550,7 @@ static void test_shm_region_slots(void **state) {
     o.addr = g_d.addr;
     o.connect_timeout_ms = 20000;
     o.shm_bytes = 16 << 20; /* worker slots of 6 MiB */
+    o.push_answer_wait = answer_wait;
     precond_client *cg = NULL;
     assert_int_equal(precond_connect(&o, &cg), PRECOND_OK);
     const uint64_t shape[2] = {1024, 2};
@@ -573,6 +586,7 @@ static void test_shm_region_slots(void **state) {
     precond_get_counters(cg, &kg);
     assert_int_equal(kg.region_slots, 1); /* the slot written was in the region */
     assert_int_equal(kg.sent, 1);
+    assert_int_equal(kg.pushes_posted, answer_wait ? 0 : 1);
     free(src);
     precond_close(cg);
   }
@@ -624,6 +638,7 @@ static void test_shm_region_slots(void **state) {
     assert_int_equal(n.dropped + n.queued, 0);
     /* every slot of the region client's was in the region; none of the twin's */
     assert_int_equal(n.region_slots, k == 0 ? n.pushed : 0);
+    if (k == 0) assert_true(answer_wait ? n.pushes_posted == 0 : n.pushes_posted > 0);
     if (k == 0) {
       char e[512];
       precond_last_error(cs, e, sizeof e);
@@ -633,6 +648,18 @@ static void test_shm_region_slots(void **state) {
   const uint64_t steps[3] = {6, 6, 6};
   assert_same_roots(cs, cb, 3, steps);
   twins_end(cs, cb);
+}
+
+static void test_shm_region_slots(void **state) {
+  (void)state;
+  region_slots_twins(0);
+}
+
+/* The same with push_answer_wait (session 15, later): the slots are in the region too, each
+ * batch sent from them and its answer awaited (none posted). */
+static void test_shm_region_slots_awaited(void **state) {
+  (void)state;
+  region_slots_twins(1);
 }
 
 /* The region's worker slots while none is answered (the daemon stopped): taken in order,
@@ -1646,6 +1673,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_pipelined_same_as_bytes, stop_daemon),
       cmocka_unit_test_teardown(test_shm_pipelined_restart, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_slots, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
