@@ -1802,15 +1802,8 @@ int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, 
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count) {
   const precond__item *it = (const precond__item *)(const void *)slot;
   size_t len = count * sizeof(float);
-  int stream = 0;
-  if (it != NULL && it->owner != NULL && len >= RPC_SHM_STREAM_MIN) {
-    /* rpc_shm_streams' rule, from the region's head (the worker holds no rpc_shm) */
-    const shm_window *w = it->owner;
-    uint32_t d = __atomic_load_n(&((const rpc_shm_head *)(const void *)w->map)->daemon_cpu,
-                                 __ATOMIC_RELAXED);
-    stream = d == 0 || (int)(d - 1) != rpc_shm_cpu();
-  }
-  if (stream)
+  if (it != NULL && it->owner != NULL &&
+      rpc_shm_streams_at(((const shm_window *)it->owner)->map, len))
     rpc_shm_write(dst, src, len);
   else if (len > 0)
     memcpy(dst, src, len);

@@ -443,6 +443,10 @@ int rpc_shm_cpu(void);
  * CPU second for a 1024 block's push) and costs 5-12% when both share one core, where
  * plain stores keep the lines in that core's caches (docs/precondd.md, "Session 11"). */
 int rpc_shm_streams(const rpc_shm *s, size_t len);
+/* rpc_shm_streams' rule for a write into the region mapped at map (its head first; NULL:
+ * not known, streams), for a writer that holds the mapping but not the rpc_shm (libprecond's
+ * worker writing its slot, precond_push_copy). */
+int rpc_shm_streams_at(const void *map, size_t len);
 
 /* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write when rpc_shm_streams says
  * so, else a plain memcpy). Returns the bytes moved (0: m keeps its bytes). */

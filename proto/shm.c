@@ -485,12 +485,15 @@ int rpc_shm_cpu(void) {
 #endif
 }
 
-int rpc_shm_streams(const rpc_shm *s, size_t len) {
+int rpc_shm_streams_at(const void *map, size_t len) {
   if (len < RPC_SHM_STREAM_MIN || rpc__stream_kind() == 0) return 0;
-  if (s->map == NULL) return 1;
-  uint32_t d =
-      __atomic_load_n(&((const rpc_shm_head *)(const void *)s->map)->daemon_cpu, __ATOMIC_RELAXED);
+  if (map == NULL) return 1;
+  uint32_t d = __atomic_load_n(&((const rpc_shm_head *)map)->daemon_cpu, __ATOMIC_RELAXED);
   return d == 0 || (int)(d - 1) != rpc_shm_cpu();
+}
+
+int rpc_shm_streams(const rpc_shm *s, size_t len) {
+  return rpc_shm_streams_at(s->map, len);
 }
 
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {
