@@ -26,7 +26,11 @@
 #      are the CPU backend's own, and ac_kfac_dense_factors_to_host writes the factors into
 #      host memory (on CUDA through ac_syrk_packed_to_host's download, which
 #      test_syrk_packed_to_host checks in the CUDA group; the trainer's test of the slots,
-#      test_kfac_worker_forms, runs on the CPU backend only);
+#      test_kfac_worker_forms, runs on the CPU backend only); session 15 added no kernel
+#      either: K-FAC's inverses arrive whole from libprecond (kfac_dense), which the CPU
+#      trainer reads in place and a CUDA trainer copies onto the device with one
+#      ac_memcpy_h2d per side instead of ac_unpack_sym (trainer/kfac.c pt__kfac_take_whole;
+#      that CUDA branch has not run on a device, and no test here runs the trainer on CUDA);
 #   3. runs the GPU throughput benchmark as CSV: bench-accel when it exists, and the
 #      primitives benchmark bench-accel-prims (CPU and CUDA rows side by side).
 #
