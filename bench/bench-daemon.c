@@ -297,8 +297,9 @@ static void usage(FILE *f) {
           "                      push-shm (no -memcpy, -grpc, -pipe): shorter A/B runs\n"
           "  --account           after each push cell through a region with one client, on\n"
           "                      stderr: the push's CPU per push by part (the client's write\n"
-          "                      and the rest, the daemon's doorbell thread and its other\n"
-          "                      threads) and both threads' sleeps and preemptions per push\n"
+          "                      and the rest, push-lib: the client's other threads, the\n"
+          "                      daemon's doorbell thread and its other threads) and both\n"
+          "                      threads' sleeps and preemptions per push\n"
           "  --hist              each cell's calls by latency on stderr, with how many of\n"
           "                      them the client spent mostly on the CPU\n"
           "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
@@ -487,10 +488,11 @@ static void push_init(push_msg *m, const char *job, uint32_t block, const payloa
 }
 
 /* --account: where a same-host push's CPU goes, per push, on stderr after each push-shm
- * cell of one client (docs/precondd.md, "Session 12"). A thread's use from /proc: CPU
- * nanoseconds and times it got a CPU (schedstat), its user and system ticks (stat), and
- * its voluntary and involuntary context switches (status: sleeps, e.g. a futex wait, and
- * preemptions). */
+ * and push-lib cell of one client (docs/precondd.md, "Session 12"; push-lib since session
+ * 16: the worker thread, its write, and the client's other threads). A thread's use from
+ * /proc: CPU nanoseconds and times it got a CPU (schedstat), its user and system ticks
+ * (stat), and its voluntary and involuntary context switches (status: sleeps, e.g. a
+ * futex wait, and preemptions). */
 static int g_account;
 
 typedef struct {
@@ -615,10 +617,26 @@ typedef struct {
    * start and the end of the calls, while this worker's region is open), this thread's CPU
    * in the slots' write, and both threads' use over the calls. */
   pid_t daemon;
+  int account; /* --account and one client: the fields below are taken */
   double write_s;
   thread_use self[2];
+  double proc_s[2];   /* this process's CPU (5 and 6: the library's threads besides this) */
   thread_set bell[3]; /* [2]: 300 ms after the last push */
 } worker;
+
+/* --account: the use at a push cell's start (at = 0) or end (1) of this thread, the
+ * process (push-lib) and the daemon's doorbell threads; at the end also the doorbell
+ * threads 300 ms later, the region still open (a thread that napped on while no push came
+ * would show there). */
+static void account_mark(worker *w, int at) {
+  w->self[at] = thread_use_self();
+  w->proc_s[at] = cpu_s(0);
+  thread_set_named(w->daemon, "pd-bell", &w->bell[at]);
+  if (at == 0) return;
+  struct timespec idle = {0, 300000000L};
+  nanosleep(&idle, NULL);
+  thread_set_named(w->daemon, "pd-bell", &w->bell[2]);
+}
 
 /* Records one call's latency and this thread's CPU time (from t0 and c0, taken before it),
  * growing the arrays as needed. Returns 0, or -1 with w->failed set on out of memory. */
@@ -691,8 +709,10 @@ static int lib_push(worker *w, uint64_t step) {
   if (st == PRECOND_OK) {
     /* the kernel's copy into the slot, the library's write for it (session 15: streamed
      * where the slot is in the region, as the background thread's copy was) */
+    double cw = w->account ? thread_cpu_s() : 0.0;
     precond_push_copy(slot, p0, (const float *)w->pl->data, w->pl->bytes / sizeof(float));
     precond_push_copy(slot, p1, (const float *)w->pl->data, w->pl->bytes / sizeof(float));
+    if (w->account) w->write_s += thread_cpu_s() - cw;
     st = precond_push_commit(w->lib, slot);
   }
   if (st == PRECOND_OK) st = precond_wait_queued(w->lib, 0, CALL_MS);
@@ -743,12 +763,14 @@ static void *worker_main(void *arg) {
     precond_get_counters(w->lib, &k0);
     w->bytes = k0.bytes_sent; /* lib_finish counts from here */
     pthread_barrier_wait(w->start);
+    if (w->account) account_mark(w, 0);
     while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
       double t0 = now_s(), c0 = thread_cpu_s();
       if (lib_push(w, step++) != 0) w->failed = 1;
       if (record_call(w, t0, c0) != 0) break;
     }
     if (!w->failed && lib_finish(w) != 0) w->failed = 1;
+    if (w->account) account_mark(w, 1);
     return NULL;
   }
   grpc_channel *ch = bench_channel(w->addr);
@@ -786,11 +808,8 @@ static void *worker_main(void *arg) {
     w->failed = 1;
   if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
   pthread_barrier_wait(w->start);
-  int account = g_account && w->shm && !w->fetch && w->daemon > 0;
-  if (account) {
-    w->self[0] = thread_use_self();
-    thread_set_named(w->daemon, "pd-bell", &w->bell[0]);
-  }
+  int account = w->account && w->shm && !w->fetch;
+  if (account) account_mark(w, 0);
   uint64_t step = 1;
   while (!w->failed && (w->nlat == 0 || now_s() < w->until)) {
     double t0 = now_s(), c0 = thread_cpu_s();
@@ -922,15 +941,7 @@ static void *worker_main(void *arg) {
     if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
     if (rc == RPC_ECALL) break;
   }
-  if (account) {
-    w->self[1] = thread_use_self();
-    thread_set_named(w->daemon, "pd-bell", &w->bell[1]);
-    /* The doorbell thread idle: its CPU over the 300 ms after the last push, the region
-     * still open (a thread that napped on while no push came would show here). */
-    struct timespec idle = {0, 300000000L};
-    nanosleep(&idle, NULL);
-    thread_set_named(w->daemon, "pd-bell", &w->bell[2]);
-  }
+  if (account) account_mark(w, 1);
   /* The mode rpc_shm_put took for the large slots, and why (rpc.h, rpc_shm_mode). */
   const rpc_shm_mode *md = &shm.wmode;
   if ((w->shm == 1 || w->shm == 3) && md->count[0] + md->count[1] > 0)
@@ -1038,14 +1049,18 @@ static void print_account(const char *name, size_t n, const worker *w, double da
   double cu = c[1].utime - c[0].utime, cs = c[1].stime - c[0].stime;
   double bu = b.utime, bs = b.stime;
   thread_use idle = thread_set_used(&w->bell[1], &w->bell[2]);
+  /* push-lib: the client's other threads (libprecond's background thread, gRPC's) from the
+   * process's CPU (clock ticks) less this thread's */
+  double others = w->shm >= 5 ? w->proc_s[1] - w->proc_s[0] - cl : 0.0;
   fprintf(stderr,
           "account %s n=%zu pushes=%zu: per push, us of CPU: client %.1f (write %.1f, the rest "
-          "%.1f; system %.0f%%), bell thread %.1f (system %.0f%%), daemon's other threads %.1f; "
+          "%.1f; system %.0f%%), client's other threads %.1f, bell thread %.1f (system %.0f%%), "
+          "daemon's other threads %.1f; "
           "client sleeps %.2f preempted %.2f, bell sleeps %.2f preempted %.2f (ticks %.0f/s); "
           "idle 300 ms after: bell thread %.1f us of CPU, %.0f sleeps\n",
           name, n, w->nlat, 1e6 * cl / pushes, 1e6 * w->write_s / pushes,
           1e6 * (cl - w->write_s) / pushes, cu + cs > 0 ? 100 * cs / (cu + cs) : 0.0,
-          1e6 * bl / pushes, bu + bs > 0 ? 100 * bs / (bu + bs) : 0.0,
+          1e6 * others / pushes, 1e6 * bl / pushes, bu + bs > 0 ? 100 * bs / (bu + bs) : 0.0,
           1e6 * (daemon_s - bl) / pushes, (c[1].sleeps - c[0].sleeps) / pushes,
           (c[1].preempted - c[0].preempted) / pushes, b.sleeps / pushes, b.preempted / pushes, tick,
           1e-3 * idle.ns, idle.sleeps);
@@ -1175,7 +1190,8 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
                     .fetch = fetch,
                     .shm = shm,
                     .start = &start,
-                    .daemon = k == 1 ? daemon : 0};
+                    .daemon = k == 1 ? daemon : 0,
+                    .account = g_account && k == 1 && daemon > 0};
     if (pthread_create(&th[i], NULL, worker_main, &w[i]) != 0) break;
     started++;
   }
@@ -1225,8 +1241,7 @@ static int run_cell(const bench_opts *o, const char *addr, pid_t daemon, const c
              : shm      ? "-shm"
                         : "");
     if (g_hist) print_hist(name, transport, pl->n, w, k);
-    if (w[0].daemon > 0 && g_account && shm && shm < 5 && !fetch)
-      print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
+    if (w[0].account && shm && !fetch) print_account(name, pl->n, &w[0], cpu_s(daemon) - d0);
     qsort(all, total, sizeof(double), cmp_double);
     double p[3] = {percentile(all, total, 0.5), percentile(all, total, 0.9),
                    percentile(all, total, 0.99)};
