@@ -601,9 +601,10 @@ static void rpc__mode_avg(double *avg, uint32_t *n, double x) {
   if (*n < UINT32_MAX) (*n)++;
 }
 
-/* The mode with the lower write + read per byte, or -1 before two figures of each kind.
- * The mode chosen last (m->chosen, 1 + mode) stays unless the other is RPC_SHM_MODE_MARGIN
- * cheaper: two modes that cost about the same are not swapped at every probe. */
+/* Sets m->chosen (1 + mode) to the mode with the lower write + read per byte, unless a
+ * kind of figure is missing (two of each wanted: -1 returned, nothing set). The mode
+ * chosen last stays unless the other is RPC_SHM_MODE_MARGIN cheaper: two modes that cost
+ * about the same are not swapped at every probe. */
 static int rpc__mode_best(rpc_shm_mode *m) {
   for (int k = 0; k < 2; k++)
     if (m->nwrite[k] < 2 || m->nread[k] < 2) return -1;
@@ -638,10 +639,17 @@ int rpc_shm_mode_pick(rpc_shm_mode *m, const void *map, size_t len) {
        * on the threads' clocks): what they cost says nothing of the modes. */
       m->nwrite[0] = m->nwrite[1] = m->nread[0] = m->nread[1] = 0;
     }
-    int best;
+    /* The choice is made again only as a block starts after the probes or a period's probe
+     * block, when both modes' figures are fresh: between, the mode in use, whose figures
+     * follow the load, is not weighed against the other's older ones (on a loaded machine
+     * that swapped the modes back and forth whenever the load rose). */
+    if (block >= RPC_SHM_MODE_PROBE && tick % RPC_SHM_MODE_BLOCK == 0 &&
+        (m->chosen == 0 || block % RPC_SHM_MODE_EVERY == 0))
+      rpc__mode_best(m);
+    int best = m->chosen - 1;
     if (block < RPC_SHM_MODE_PROBE)
       mode = (int)(block % 2); /* plain first */
-    else if ((best = rpc__mode_best(m)) >= 0)
+    else if (best >= 0)
       mode = block % RPC_SHM_MODE_EVERY == RPC_SHM_MODE_EVERY - 1 ? !best : best;
     else
       mode = rpc_shm_streams_at(map, len); /* no clean figures: the rule before */

@@ -697,10 +697,17 @@ static void test_shm_mode(void **state) {
   assert_int_equal(got[RPC_SHM_STREAMED], block);
   assert_int_equal(m.switches, 1);
 
-  /* The host changes (streamed cheaper now): followed at the next probe block. */
+  /* The host changes (streamed cheaper now): followed once the next probe block is
+   * measured, not before (plain's figures are weighed against fresh ones only). */
   const double w2[2] = {0.06, 0.04}, r2[2] = {0.09, 0.05};
-  mode_feed(&m, head, period, w2, r2, got, NULL);
+  int to_probe = period - (int)(m.ticks % (uint64_t)period) - block; /* its first write */
+  mode_feed(&m, head, to_probe, w2, r2, got, NULL);
+  assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_PLAIN);
+  assert_int_equal(got[RPC_SHM_PLAIN], to_probe);
+  mode_feed(&m, head, block + 1, w2, r2, got, NULL); /* the probe block, the next write */
   assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_STREAMED);
+  assert_int_equal(got[RPC_SHM_STREAMED], block + 1);
+  mode_feed(&m, head, period - to_probe - block - 1, w2, r2, got, NULL);
   mode_feed(&m, head, period, w2, r2, got, NULL);
   assert_int_equal(got[RPC_SHM_PLAIN], block);
   assert_int_equal(got[RPC_SHM_STREAMED], period - block);
