@@ -483,8 +483,11 @@ static int shm_ensure(precond_client *c) {
   if (passed(&c->shm_retry)) {
     grpc_status_code code;
     char err[200];
-    if (rpc_shm_open(c->channel, c->token, c->opts.call_timeout_ms, c->opts.shm_bytes, &c->shm,
-                     &code, err, sizeof err) != RPC_OK) {
+    /* The promise holds: a worker slot, the only place a vouched reference names, is held
+     * until its push's answer (window_give at the item's free), also after a call given up
+     * (the region is then dropped, its slots never handed out again). */
+    if (rpc_shm_open_holding(c->channel, c->token, c->opts.call_timeout_ms, c->opts.shm_bytes, 1,
+                             &c->shm, &code, err, sizeof err) != RPC_OK) {
       c->shm_retry = deadline_in(10000);
       set_error(c, "shared memory", err);
     } else {
@@ -672,6 +675,7 @@ static uint64_t push_req_put(precond_client *c, push_req *r, precond__item *cons
     ref->offset = (uint64_t)(m->data.data - c->win->map);
     ref->length = m->data.len;
     ref->unchecked = 1; /* the daemon's fold checks every value */
+    ref->vouched = (atomic_load(&items[i / 2]->vouched) >> (i % 2)) & 1u; /* slot_vouch */
     moved += m->data.len;
     m->shm = ref;
     m->data.data = NULL;
@@ -1799,14 +1803,32 @@ int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, 
   return st;
 }
 
+/* A region slot's vouch after a copy of count floats to dst (good: all below 2^125): part k
+ * is vouched for once a copy wrote it whole with such values; any other copy into it (a
+ * part, or a value outside) takes its vouch away. */
+static void slot_vouch(precond__item *it, const float *dst, size_t count, int good) {
+  const unsigned char *lo = (const unsigned char *)dst, *hi = lo + count * sizeof(float);
+  const unsigned char *part[3] = {it->data, it->data + it->left_bytes,
+                                  it->data + it->left_bytes + it->right_bytes};
+  for (unsigned k = 0; k < 2; k++) {
+    if (hi <= part[k] || lo >= part[k + 1]) continue;
+    if (good && lo <= part[k] && hi >= part[k + 1])
+      atomic_fetch_or(&it->vouched, 1u << k);
+    else
+      atomic_fetch_and(&it->vouched, ~(1u << k));
+  }
+}
+
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count) {
-  const precond__item *it = (const precond__item *)(const void *)slot;
+  /* The slot is the caller's between begin and commit: its vouch is written here. */
+  precond__item *it = (precond__item *)(uintptr_t)(const void *)slot;
   size_t len = count * sizeof(float);
-  if (it != NULL && it->owner != NULL &&
-      rpc_shm_streams_at(((const shm_window *)it->owner)->map, len))
-    rpc_shm_write(dst, src, len);
-  else if (len > 0)
-    memcpy(dst, src, len);
+  if (it == NULL || it->owner == NULL) {
+    if (len > 0) memcpy(dst, src, len);
+    return;
+  }
+  int streams = rpc_shm_streams_at(((const shm_window *)it->owner)->map, len);
+  slot_vouch(it, dst, count, rpc_shm_write_vouched(dst, src, count, streams));
 }
 
 void precond_push_cancel(precond_push_slot *slot) {
@@ -1918,6 +1940,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
   s->bytes_out = r->bytes_out;
   s->memory_bytes = r->memory_bytes;
   s->rejected_pushes = r->rejected_pushes;
+  s->torn_pushes = r->torn_pushes;
   s->snapshots_written = r->snapshots_written;
   s->last_snapshot_age_s = r->last_snapshot_age_s;
   s->job_stats = calloc(r->n_job_stats ? r->n_job_stats : 1, sizeof(*s->job_stats));

@@ -534,6 +534,7 @@ typedef struct {
   precond_staleness staleness; /* daemon-wide, every block's samples */
   double compute_ms_p50, compute_ms_p90, compute_ms_p99;
   uint64_t bytes_in, bytes_out, memory_bytes, rejected_pushes, snapshots_written;
+  uint64_t torn_pushes; /* vouched pushes refused torn (docs/client.md, "Vouched slots") */
   double last_snapshot_age_s;
   size_t njobs;
   precond_job_stats *job_stats; /* owned by the stats */

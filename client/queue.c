@@ -15,6 +15,7 @@ static precond__item *item_make(uint32_t block_id, uint64_t step, int encoding, 
   item->release = NULL;
   item->owner = NULL;
   item->slot = 0;
+  atomic_init(&item->vouched, 0u);
   item->prev = item->next = NULL;
   item->block_id = block_id;
   item->step = step;

@@ -11,6 +11,7 @@
 #ifndef PRECOND_CLIENT_QUEUE_H
 #define PRECOND_CLIENT_QUEUE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,10 @@ typedef struct precond__item {
   void (*release)(struct precond__item *item);
   void *owner;
   uint64_t slot;
+  /* Bit k: part k (0 left/a, 1 right/g) was last written whole by precond_push_copy with
+   * every value below 2^125 (its ShmRef is vouched). Atomic: workers may copy parts of one
+   * slot at once. */
+  atomic_uint vouched;
   unsigned char payload[];
 } precond__item;
 

@@ -143,6 +143,7 @@ typedef struct {
   _Atomic uint64_t bytes_in;
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
+  _Atomic uint64_t torn_pushes; /* vouched pushes refused torn (pd_push_refusal.torn) */
   _Atomic uint64_t snapshots_written;
   _Atomic uint64_t scratch_bytes; /* pool scratch of the computations running now (bound) */
   _Atomic uint64_t scratch_peak;  /* the most scratch_bytes has been */
@@ -341,6 +342,16 @@ typedef struct {
   int (*fold_into)(const void *opts, const pd_block *u, float *const *state,
                    const float *const *inc, float *const *out, uint8_t *bounded, uint8_t *in_place,
                    uint32_t *part);
+  /* Optional (NULL: vouched pushes take fold_into): the fold of a vouched increment
+   * (ShmRef.vouched: every value below 2^125 in magnitude) into a state whose every part is
+   * known below 2^126 (pd_block.stat_bounded), in place with nothing kept to undo it: of
+   * such values no result can be NaN, Inf or overflow. Where an increment value is not
+   * below 2^125 (NaN and Inf included: the vouch was false) the state keeps its old value
+   * and the fold goes on, so the state stays finite whatever the increment holds; every
+   * other value is fold's, bit for bit. bounded[k] as fold_bounded sets it. Returns 0, or 1
+   * (torn) with *part the first part where a value was outside the vouch. */
+  int (*fold_vouched)(const void *opts, const pd_block *u, float *const *state,
+                      const float *const *inc, uint8_t *bounded, uint32_t *part);
   /* Computes a unit's result from a private copy of its state into out (parts of the
    * unit's orders) on a pool thread with no lock held; *unit_state is pd_block.mode_state,
    * which the mode may allocate and keep (reporting its bytes in info->state_bytes), or
@@ -615,15 +626,26 @@ int pd_job_push(pd_job *job, size_t n, pd_block *const *blocks, const float *con
 int pd_job_push_scanned(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
                         const uint8_t *inc_scan, uint64_t step, pd_stats *stats, size_t *bad);
 
-/* pd_mode.fold_into's results. */
-enum { PD_FOLD_OK = 0, PD_FOLD_NONFINITE = 1, PD_FOLD_OVERFLOW = 2, PD_FOLD_CHANGED = 3 };
+/* pd_mode.fold_into's results; PD_FOLD_VOUCH: pd_mode.fold_vouched found a value outside
+ * the vouch. */
+enum {
+  PD_FOLD_OK = 0,
+  PD_FOLD_NONFINITE = 1,
+  PD_FOLD_OVERFLOW = 2,
+  PD_FOLD_CHANGED = 3,
+  PD_FOLD_VOUCH = 4
+};
 
 /* Why pd_job_push_into refused a push: the block (index into blocks) and part, and a
- * PD_FOLD_* (PD_FOLD_CHANGED: intact said the increments' memory changed meanwhile). */
+ * PD_FOLD_* (PD_FOLD_CHANGED: intact said the increments' memory changed meanwhile).
+ * torn: the push was folded without a spare (pd_job_push_vouched) and could not be undone:
+ * the statistics hold its values where they were within the vouch, their old ones
+ * elsewhere, all finite. */
 typedef struct {
   size_t block;
   uint32_t part;
   int why;
+  int torn;
 } pd_push_refusal;
 
 /* pd_job_push for a job whose mode has fold_into (pd_job_push otherwise), all or nothing,
@@ -639,6 +661,17 @@ typedef struct {
 int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
                      float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
                      void *ctx, pd_push_refusal *refusal);
+
+/* pd_job_push_into for a push whose every increment part the client vouched for (ShmRef.
+ * vouched, from a client that holds vouched slots until answered): where the job's mode has
+ * fold_vouched and every block's statistic parts are known below 2^126, each block is
+ * folded in place with no spare (out[] unused), so no refusal can come from a client whose
+ * vouch is true; a false vouch (a value outside it) or intact's refusal then leaves the
+ * push torn (PD_EINVAL, refusal->torn set; nothing can be undone, the statistics stay
+ * finite, the pushes' counts and steps unchanged). Otherwise exactly pd_job_push_into. */
+int pd_job_push_vouched(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                        float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
+                        void *ctx, pd_push_refusal *refusal);
 
 /* A new reference to the block's root (NULL if none): release with pd_root_unref. */
 pd_root *pd_block_root(pd_block *b);
@@ -1005,6 +1038,10 @@ void pd_shm_destroy(pd_shm *r);
 void pd_shm_serve_bells(pd_shm *r, pd_shm_bell_fn fn, void *ctx);
 /* 1 when s's doorbell is served (ShmOpenResponse.doorbell). */
 int pd_shm_bell_served(const pd_shm_session *s);
+/* The client's promise at ShmOpen (ShmOpenRequest.holds_vouched): it writes no vouched
+ * reference's bytes before that push's answer. Set before the region's answer is sent. */
+void pd_shm_set_holds_vouched(pd_shm_session *s, int holds);
+int pd_shm_holds_vouched(const pd_shm_session *s);
 /* Makes a region of want bytes (0: PD_SHM_DEFAULT_BYTES; rounded up to whole ring slots)
  * and lists it. On PD_OK *out holds one reference for the caller (pd_shm_put). PD_EINVAL
  * (off, or a size outside the limits), PD_ELIMIT (too many regions, or over the memory

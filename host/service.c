@@ -423,6 +423,7 @@ typedef struct {
   pd_shm_in in;
   uint8_t *finite;
   int direct;
+  int vouched; /* direct, every part read in place and vouched, the region holds such slots */
   float **out;
   size_t nout;
   Precond__V1__PushRequest *req; /* for pd__shm_intact */
@@ -559,11 +560,13 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, const pd
     }
   }
   if (!sp->direct) pd_shm_in_begin(&d->shm, sp->s, total, &sp->in);
+  size_t nparts = 0, nvouched = 0;
   for (size_t i = 0; i < req->n_blocks; i++) {
     Precond__V1__PackedMatrix *part[PD_SHM_PARTS];
     pd__shm_parts(req->blocks[i], part);
     for (int k = 0; k < PD_SHM_PARTS; k++) {
       Precond__V1__PackedMatrix *m = part[k];
+      nparts += m != NULL;
       if (!m || !m->shm) continue;
       const char *why = NULL;
       uint8_t *bytes = NULL;
@@ -576,6 +579,7 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, const pd
         e = pd_shm_ref_in(&sp->in, ref->offset, ref->length, (size_t)ref->length, &at, &why);
         bytes = (uint8_t *)(uintptr_t)at;
         finite = PD__IN_PLACE;
+        nvouched += ref->vouched;
       } else {
         e = pd_shm_copy_in(&sp->in, ref->offset, ref->length, ref->seq,
                            ref->unchecked ? NULL : &ref->crc32c, (size_t)ref->length, fp32, &bytes,
@@ -593,6 +597,7 @@ static int pd__shm_push_in(pd_daemon *d, Precond__V1__PushRequest *req, const pd
       sp->finite[PD_SHM_PARTS * i + k] = (uint8_t)finite;
     }
   }
+  sp->vouched = nvouched > 0 && nvouched == nparts && pd_shm_holds_vouched(sp->s);
   return 0;
 }
 
@@ -647,6 +652,7 @@ static void pd__open_shm(pd_daemon *d, const Precond__V1__ShmOpenRequest *req, p
   resp.roots_bytes = roots_bytes;
   resp.doorbell = pd_shm_bell_served(s);
   resp.doorbell_queue = resp.doorbell;
+  pd_shm_set_holds_vouched(s, req->holds_vouched);
   pd__answer(d, rep, &resp.base);
   pd_shm_put(&d->shm, s);
 }
@@ -728,23 +734,39 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
     memcpy(&local_scan[PD_MAX_PARTS * nlocal], &scan[PD_MAX_PARTS * i], PD_MAX_PARTS);
     blocks[nlocal++] = b;
   }
-  pd_push_refusal no = {0, 0, PD_FOLD_OVERFLOW};
+  pd_push_refusal no = {0, 0, PD_FOLD_OVERFLOW, 0};
   int prc;
   if (sp.direct) /* every block local (pd__push_direct_ok): local[] is parts[] */
-    prc = pd_job_push_into(job, nlocal, blocks, local, sp.out, req->step, &d->stats, pd__shm_intact,
-                           &sp, &no);
+    prc = (sp.vouched ? pd_job_push_vouched : pd_job_push_into)(
+        job, nlocal, blocks, local, sp.out, req->step, &d->stats, pd__shm_intact, &sp, &no);
   else
     prc = pd_job_push_scanned(job, nlocal, blocks, local, local_scan, req->step, &d->stats,
                               &no.block);
   if (prc != PD_OK) {
+    const char *const *names = job->mode->id == PD_MODE_KFAC ? pd__kfac_part_names : pd__part_names;
+    if (no.torn) { /* folded with no spare: nothing to undo, the statistics stay finite */
+      atomic_fetch_add(&d->stats.torn_pushes, 1);
+      atomic_fetch_add(&d->store.generation, 1);
+    }
     if (prc == PD_ENOMEM)
       pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    else if (no.why == PD_FOLD_VOUCH)
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu].%s.shm.vouched: a value at or above 2^125 in magnitude, NaN or Inf "
+               "under the vouch; the push is refused torn: its values within the vouch were "
+               "folded, the statistic kept its own elsewhere (all finite)",
+               no.block, names[no.part]);
+    else if (no.why == PD_FOLD_CHANGED && no.torn)
+      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+               "blocks[%zu].%s.shm.vouched: " PD_SHM_OVERWRITTEN
+               " against the region's promise (holds_vouched); the push is refused torn: it "
+               "was folded as read (all finite)",
+               sp.changed, sp.changed_part);
     else if (no.why == PD_FOLD_NONFINITE) /* as pd__decode says it */
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
                "blocks[%zu].%s.data: NaN or Inf in the statistics; nothing of this push was "
                "stored",
-               no.block,
-               (job->mode->id == PD_MODE_KFAC ? pd__kfac_part_names : pd__part_names)[no.part]);
+               no.block, names[no.part]);
     else if (no.why == PD_FOLD_CHANGED)
       pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
                "blocks[%zu].%s.shm: " PD_SHM_OVERWRITTEN "; nothing of this push was stored",
@@ -1040,6 +1062,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   int64_t mem = atomic_load(&d->stats.memory_bytes);
   resp.memory_bytes = mem > 0 ? (uint64_t)mem : 0;
   resp.rejected_pushes = atomic_load(&d->stats.rejected_pushes);
+  resp.torn_pushes = atomic_load(&d->stats.torn_pushes);
   resp.threads = (uint32_t)d->cfg.threads;
   const pd_replica_link *link = d->store.link;
   resp.replicas = link ? (uint32_t)link->nranks : 1;

@@ -61,6 +61,8 @@ struct pd_shm_session {
   pd_shm *reg;
   int bell_on;
   atomic_int bell_stop; /* set when the region is unlisted: the thread ends */
+  /* ShmOpenRequest.holds_vouched: set once, before the region's answer goes out. */
+  atomic_int holds_vouched;
 };
 
 int pd_shm_init(pd_shm *r, const char *dir, pd_store *store, pd_stats *stats) {
@@ -273,6 +275,14 @@ void pd_shm_serve_bells(pd_shm *r, pd_shm_bell_fn fn, void *ctx) {
 
 int pd_shm_bell_served(const pd_shm_session *s) {
   return s->bell_on;
+}
+
+void pd_shm_set_holds_vouched(pd_shm_session *s, int holds) {
+  atomic_store(&s->holds_vouched, holds != 0);
+}
+
+int pd_shm_holds_vouched(const pd_shm_session *s) {
+  return atomic_load(&s->holds_vouched);
 }
 
 /* A region's doorbell (rpc.h, rpc_shm_head): waits on the head's bell word, serves each

@@ -691,7 +691,7 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
   if (!mode->fold_into) {
     size_t bad = 0;
     int rc = pd_job_push(job, n, blocks, inc, step, stats, &bad);
-    *refusal = (pd_push_refusal){bad, 0, PD_FOLD_OVERFLOW};
+    *refusal = (pd_push_refusal){bad, 0, PD_FOLD_OVERFLOW, 0};
     return rc;
   }
   pd__by_id *order = NULL;
@@ -715,7 +715,7 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
                               &in_place[PD_MAX_PARTS * i], &part);
     if (why != PD_FOLD_OK && !first[why]) {
       first[why] = 1;
-      found[why] = (pd_push_refusal){i, part, why};
+      found[why] = (pd_push_refusal){i, part, why, 0};
     }
   }
   int rc = PD_OK;
@@ -723,7 +723,7 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
     *refusal = found[first[PD_FOLD_NONFINITE] ? PD_FOLD_NONFINITE : PD_FOLD_OVERFLOW];
     rc = PD_EINVAL;
   } else if (intact && !intact(ctx)) {
-    *refusal = (pd_push_refusal){0, 0, PD_FOLD_CHANGED};
+    *refusal = (pd_push_refusal){0, 0, PD_FOLD_CHANGED, 0};
     rc = PD_EINVAL;
   }
   /* Kept: a part folded into out swaps in; dropped: a part folded in place swaps its old
@@ -747,6 +747,61 @@ int pd_job_push_into(pd_job *job, size_t n, pd_block *const *blocks, const float
   free(ages);
   free(bounded);
   free(in_place);
+  return rc;
+}
+
+/* 1 when every statistic part of the n blocks is known below 2^126 (their locks held). */
+static int pd__all_bounded(size_t n, pd_block *const *blocks) {
+  for (size_t i = 0; i < n; i++)
+    for (uint32_t k = 0; k < blocks[i]->nparts; k++)
+      if (!blocks[i]->stat_bounded[k]) return 0;
+  return 1;
+}
+
+int pd_job_push_vouched(pd_job *job, size_t n, pd_block *const *blocks, const float *const *inc,
+                        float **out, uint64_t step, pd_stats *stats, int (*intact)(void *ctx),
+                        void *ctx, pd_push_refusal *refusal) {
+  const pd_mode *mode = job->mode;
+  if (!mode->fold_vouched)
+    return pd_job_push_into(job, n, blocks, inc, out, step, stats, intact, ctx, refusal);
+  memset(refusal, 0, sizeof *refusal);
+  pd__by_id *order = NULL;
+  uint64_t *ages = malloc((n ? n : 1) * sizeof *ages);
+  uint8_t *bounded = malloc((n ? n : 1) * PD_MAX_PARTS);
+  if (!ages || !bounded || pd__lock_all(n, blocks, &order) != PD_OK) {
+    free(ages);
+    free(bounded);
+    return PD_ENOMEM;
+  }
+  if (!pd__all_bounded(n, blocks)) { /* a statistic not known bounded: the fold with a spare */
+    pd__unlock_all(n, blocks, order);
+    free(ages);
+    free(bounded);
+    return pd_job_push_into(job, n, blocks, inc, out, step, stats, intact, ctx, refusal);
+  }
+  /* No refusal can come from a true vouch: every block is folded, a false one noted. */
+  int rc = PD_OK;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t part = 0;
+    if (mode->fold_vouched(job->opts, blocks[i], blocks[i]->stat, &inc[PD_MAX_PARTS * i],
+                           &bounded[PD_MAX_PARTS * i], &part) &&
+        rc == PD_OK) {
+      *refusal = (pd_push_refusal){i, part, PD_FOLD_VOUCH, 1};
+      rc = PD_EINVAL;
+    }
+    memcpy(blocks[i]->stat_bounded, &bounded[PD_MAX_PARTS * i], blocks[i]->nparts);
+  }
+  if (rc == PD_OK && intact && !intact(ctx)) {
+    *refusal = (pd_push_refusal){0, 0, PD_FOLD_CHANGED, 1};
+    rc = PD_EINVAL;
+  }
+  size_t nages = 0;
+  for (size_t i = 0; rc == PD_OK && i < n; i++)
+    nages += (size_t)pd__pushed_locked(blocks[i], step, &ages[nages]);
+  pd__unlock_all(n, blocks, order);
+  for (size_t i = 0; stats && i < nages; i++) pd_stats_add_staleness(stats, ages[i]);
+  free(ages);
+  free(bounded);
   return rc;
 }
 

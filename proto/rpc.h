@@ -264,6 +264,16 @@ static inline uint32_t rpc_f32_big(float x) {
   return (u & 0x7f800000u) + 0x01800000u;
 }
 
+/* Bit 31 set when |x| >= 2^125, NaN and Inf included (four carry into the sign bit): a
+ * value outside a push's vouch (ShmRef.vouched), which libprecond tests in its copy into a
+ * slot and precondd in its fold without a spare. Below 2^125 (the increment) and 2^126 (the
+ * statistic), a fold whose weights sum to at most 2 stays below 2^127: finite. */
+static inline uint32_t rpc_f32_unvouched(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x7f800000u) + 0x02000000u;
+}
+
 /* Bit 31 set when x is NaN or Inf (the exponent's bits plus one carry into it): the same
  * use as rpc_f32_big, rpc_f32_scan's other test. */
 static inline uint32_t rpc_f32_nonfinite(float x) {
@@ -386,6 +396,12 @@ typedef struct {
  * ready; otherwise *s is closed, *code has the gRPC status (UNIMPLEMENTED: a daemon without
  * shared memory) and err a message. token as rpc_call_token's. Owns its mapping and
  * descriptor until rpc_shm_close. */
+/* rpc_shm_open that makes the promise of ShmOpenRequest.holds_vouched when holds_vouched is
+ * set: the caller writes no vouched reference's bytes (ShmRef.vouched) until that push is
+ * answered or the region given up. rpc_shm_open makes none. */
+int rpc_shm_open_holding(grpc_channel *ch, const char *token, long deadline_ms, uint64_t want,
+                         int holds_vouched, rpc_shm *s, grpc_status_code *code, char *err,
+                         size_t errlen);
 int rpc_shm_open(grpc_channel *ch, const char *token, long deadline_ms, uint64_t want, rpc_shm *s,
                  grpc_status_code *code, char *err, size_t errlen);
 
@@ -447,6 +463,11 @@ int rpc_shm_streams(const rpc_shm *s, size_t len);
  * not known, streams), for a writer that holds the mapping but not the rpc_shm (libprecond's
  * worker writing its slot, precond_push_copy). */
 int rpc_shm_streams_at(const void *map, size_t len);
+/* Copies count floats from src to dst, streamed as rpc_shm_write streams (when stream is set
+ * and count is large), else plainly, and says in the same pass whether the values may be
+ * vouched for (ShmRef.vouched): 1 when every one is below 2^125 in magnitude
+ * (rpc_f32_unvouched), else 0. */
+int rpc_shm_write_vouched(float *dst, const float *src, size_t count, int stream);
 
 /* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write when rpc_shm_streams says
  * so, else a plain memcpy). Returns the bytes moved (0: m keeps its bytes). */

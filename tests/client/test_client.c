@@ -271,16 +271,22 @@ static void unix_daemon_with(const char *const *extra) {
   assert_int_equal(pdproc_start(&g_d, &o), 0);
 }
 
+/* The tests' options for a client of g_d's daemon over transport t with regions of
+ * shm_bytes. */
+static void options_for(precond_options *o, precond_transport t, uint64_t shm_bytes) {
+  precond_options_default(o);
+  o->addr = g_d.addr;
+  o->connect_timeout_ms = 20000;
+  o->poll_interval_ms = 10;
+  o->transport = t;
+  o->shm_bytes = shm_bytes;
+}
+
 /* A client of g_d's daemon over transport t (roots by reference, each push's answer
  * awaited as asked). */
 static precond_client *connect_with(precond_transport t, int by_reference, int answer_wait) {
   precond_options o;
-  precond_options_default(&o);
-  o.addr = g_d.addr;
-  o.connect_timeout_ms = 20000;
-  o.poll_interval_ms = 10;
-  o.transport = t;
-  o.shm_bytes = 4 << 20;
+  options_for(&o, t, 4 << 20);
   o.roots_by_reference = by_reference;
   o.push_answer_wait = answer_wait;
   precond_client *c = NULL;
@@ -449,7 +455,8 @@ static void register_three(precond_client *c, const char *job) {
 
 /* A slot of a 128 x 96 block at step (precond_push_begin), filled with the Gram statistics
  * of seed, or (huge 1) 3e38 everywhere, finite but overflowing once added to itself, or
- * (huge 2) the Gram statistics with a NaN. */
+ * (huge 2) the Gram statistics with a NaN (copied: the copy sees it, the slot is not
+ * vouched for), or (huge 3) the same NaN written after the copy (a false vouch). */
 static precond_push_slot *slot_filled(precond_client *c, uint64_t step, uint32_t b, unsigned seed,
                                       int huge) {
   float *p0 = NULL, *p1 = NULL;
@@ -460,11 +467,12 @@ static precond_push_slot *slot_filled(precond_client *c, uint64_t step, uint32_t
     for (size_t i = 0; i < c0 + c1; i++) p0[i] = 3e38f;
   } else {
     float *l = gram(128, seed), *r = gram(96, seed + 1000);
+    if (huge == 2) l[7] = NAN;
     precond_push_copy(slot, p0, l, c0);
     precond_push_copy(slot, p1, r, c1);
     free(l);
     free(r);
-    if (huge == 2) p0[7] = NAN;
+    if (huge == 3) p0[7] = NAN;
   }
   return slot;
 }
@@ -671,18 +679,15 @@ static void test_shm_region_slots_awaited(void **state) {
  * pushes. */
 static void test_shm_awaited_paced(void **state) {
   (void)state;
-  precond_client *cs[2] = {NULL, NULL}, *cb = NULL;
-  twins_with(&cs[0], &cb, 1);
-  precond_close(cs[0]);
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cs[2] = {NULL, NULL}, *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
   for (int k = 0; k < 2; k++) {
     /* no poll after the first (it opens the region) while the daemon is stopped: the
      * background threads make no call but the pushes' */
     precond_options o;
-    precond_options_default(&o);
-    o.addr = g_d.addr;
-    o.connect_timeout_ms = 20000;
+    options_for(&o, PRECOND_TRANSPORT_AUTO, 4 << 20);
     o.poll_interval_ms = 600000;
-    o.shm_bytes = 4 << 20;
     o.push_answer_wait = k == 0;
     assert_int_equal(precond_connect(&o, &cs[k]), PRECOND_OK);
   }
@@ -731,6 +736,102 @@ static void test_shm_awaited_paced(void **state) {
   assert_same_roots(cw, cb, 3, steps);
   precond_close(cp);
   twins_end(cw, cb);
+}
+
+/* Vouched slots (session 16), a 768 x 4 block (its left factor 1.2 MB: the streamed copy):
+ * the client registers job at beta2 over transport t (regions of 16 MiB). */
+static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
+  precond_options o;
+  options_for(&o, t, 16 << 20);
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  const uint64_t shape[2] = {768, 4};
+  precond_tensor w = {"w", 2, shape};
+  precond_shampoo_opts so = {.block_size = 768, .beta2 = beta2};
+  precond_layout l;
+  assert_int_equal(precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 1, &w, &so, &l),
+                   PRECOND_OK);
+  precond_layout_destroy(&l);
+  return c;
+}
+
+/* A push of step into a slot of c's 768 x 4 block, both parts by precond_push_copy (vouched
+ * where the slot is in the region): small values of seed and a dominant diagonal; lie: a
+ * NaN and 1e38 (>= 2^125) written into the left part after its copy. */
+static void vouch_push(precond_client *c, uint64_t step, unsigned seed, int lie) {
+  const size_t c0 = (size_t)768 * 769 / 2, c1 = (size_t)4 * 5 / 2;
+  float *src = malloc((c0 + c1) * sizeof(float)), *p0 = NULL, *p1 = NULL;
+  assert_non_null(src);
+  for (size_t i = 0; i < c0 + c1; i++) src[i] = (float)((i * 7919 + seed * 104729) % 1000) * 1e-6f;
+  for (uint32_t i = 0, k = 0; i < 768; k += 768 - i, i++) src[k] += 1.0f; /* the diagonal */
+  for (uint32_t i = 0, k = 0; i < 4; k += 4 - i, i++) src[c0 + k] += 1.0f;
+  precond_push_slot *slot = NULL;
+  assert_int_equal(precond_push_begin(c, step, 0, 768, 4, &p0, &p1, &slot), PRECOND_OK);
+  precond_push_copy(slot, p0, src, c0);
+  precond_push_copy(slot, p1, src + c0, c1);
+  if (lie) {
+    p0[3] = NAN;
+    p0[c0 - 1] = 1e38f;
+  }
+  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  free(src);
+}
+
+/* Slots written by precond_push_copy are vouched for and the client promises at ShmOpen to
+ * hold them until answered (session 16): the daemon folds them in place with no spare. The
+ * EMA's and the sums' roots are the gRPC twins' bit for bit after four pushes. A false
+ * vouch (a NaN and 1e38 written after the copy) is refused torn: counted in the daemon's
+ * torn_pushes and the client's push_errors, its message naming the field; that job's
+ * statistic stays finite (the next push's roots are published) and the other jobs, in the
+ * same daemon, are untouched (still their twins' bits). */
+static void test_shm_region_vouched(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *c[5] = {vouch_client(PRECOND_TRANSPORT_AUTO, "v-ema", 0.99f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "v-sum", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_GRPC, "v-ema-bytes", 0.99f),
+                          vouch_client(PRECOND_TRANSPORT_GRPC, "v-sum-bytes", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "v-liar", 1.0f)};
+  for (int j = 0; j < 5; j++)
+    if (j != 2 && j != 3) wait_region(c[j]);
+  for (uint64_t step = 1; step <= 4; step++)
+    for (int j = 0; j < 5; j++) vouch_push(c[j], step, (unsigned)step, j == 4 && step == 3);
+  const size_t c0 = (size_t)768 * 769 / 2, c1 = (size_t)4 * 5 / 2;
+  for (int j = 0; j < 2; j++) {
+    uint64_t va = 0, vb = 0;
+    const precond_roots *ra = wait_step(c[j], 0, 4, &va), *rb = wait_step(c[j + 2], 0, 4, &vb);
+    assert_memory_equal(ra->left, rb->left, c0 * sizeof(float));
+    assert_memory_equal(ra->right, rb->right, c1 * sizeof(float));
+    precond_roots_release(ra);
+    precond_roots_release(rb);
+    precond_counters k;
+    precond_get_counters(c[j], &k);
+    assert_int_equal(k.region_slots, 4);
+    assert_int_equal(k.sent, 4);
+    assert_int_equal(k.push_errors, 0);
+  }
+  precond_counters k;
+  precond_get_counters(c[4], &k);
+  assert_int_equal(k.region_slots, 4);
+  assert_int_equal(k.sent, 3);
+  assert_int_equal(k.push_errors, 1);
+  char e[512];
+  precond_last_error(c[4], e, sizeof e);
+  assert_non_null(strstr(e, "blocks[0].left.shm.vouched"));
+  assert_non_null(strstr(e, "torn"));
+  uint64_t v = 0;
+  const precond_roots *r = wait_step(c[4], 0, 4, &v); /* published: finite */
+  for (size_t i = 0; i < c0; i++) assert_true(isfinite(r->left[i]));
+  precond_roots_release(r);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(c[0], NULL, 0, &st), PRECOND_OK);
+  assert_int_equal(st.torn_pushes, 1);
+  assert_int_equal(st.rejected_pushes, 1);
+  precond_stats_destroy(&st);
+  for (int j = 0; j < 5; j++) precond_close(c[j]);
+  daemon_stop();
 }
 
 /* The region's worker slots while none is answered (the daemon stopped): taken in order,
@@ -1746,6 +1847,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_region_slots, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),

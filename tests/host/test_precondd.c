@@ -1570,10 +1570,10 @@ static grpc_status_code shm_push_as(daemon_t *d, region_t *g, const char *job, u
  * (rpc_shm_slot on the region's mapping v: stamped, unchecked references, as libprecond
  * sends them); wrap: before the call, later slots are taken and written (finite values)
  * until the ring has come round over left's: the daemon reads them as a client that gave up
- * on the call would have it. */
+ * on the call would have it; vouched: both references say ShmRef.vouched. */
 static grpc_status_code shm_push_stamped(daemon_t *d, rpc_shm *v, const char *job, uint64_t step,
                                          uint32_t n, const float *left, const float *right,
-                                         int wrap, char *msg) {
+                                         int wrap, int vouched, char *msg) {
   size_t len = pc_packed_len(n) * 4;
   Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
                             r = PRECOND__V1__PACKED_MATRIX__INIT,
@@ -1582,6 +1582,7 @@ static grpc_status_code shm_push_stamped(daemon_t *d, rpc_shm *v, const char *jo
   l.n = r.n = n;
   memcpy(rpc_shm_slot(v, &l, len, &rl), left, len);
   memcpy(rpc_shm_slot(v, &r, len, &rr), right, len);
+  rl.vouched = rr.vouched = vouched != 0;
   while (wrap && rpc_shm_push_intact(v->map, v->bytes, rl.offset, rl.seq)) {
     float *p = (float *)(void *)rpc_shm_slot(v, &junk, 4096, &rj);
     for (size_t i = 0; i < 1024; i++) p[i] = 1.0f;
@@ -1783,6 +1784,94 @@ static void test_shm(void **state) {
   assert_int_equal(start_daemon_opts(&d, "127.0.0.1:0", off), 0);
   assert_int_equal(open_region(&d, 0, &g, msg), GRPC_STATUS_UNIMPLEMENTED);
   assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  remove_tree(d.p.dir);
+}
+
+/* Vouched references (ShmRef.vouched, session 16), through a real precondd. From a region
+ * whose client promised to hold them (holds_vouched), honest pushes store what the same
+ * bytes over gRPC store (roots bit for bit); a false vouch (a NaN and 1e38 >= 2^125) is
+ * refused torn, naming the field, counted in torn_pushes; so is a vouched slot the client's
+ * ring came round over during the fold; that job goes on with a finite statistic (roots
+ * published) and another job, pushed through the same region, is untouched. From a region
+ * without the promise (an older client's ShmOpen) the vouch is ignored: the same false
+ * vouch is refused whole, with the bytes path's words, nothing stored. */
+static void test_shm_vouched(void **state) {
+  (void)state;
+  daemon_t d = {0};
+  char shm_dir[300], msg[512], want[512];
+  grpc_status_code code;
+  make_shm_dirs(&d, shm_dir, sizeof shm_dir);
+  start_shm_daemon(&d, shm_dir, "64");
+  rpc_shm held, plain;
+  assert_int_equal(
+      rpc_shm_open_holding(d.ch, NULL, 20000, 1 << 20, 1, &held, &code, msg, sizeof msg), RPC_OK);
+  assert_int_equal(rpc_shm_open(d.ch, NULL, 20000, 1 << 20, &plain, &code, msg, sizeof msg),
+                   RPC_OK);
+  const uint32_t n = 8;
+  tspec ts[1] = {{"w", {8, 8}, 2}};
+  const char *jobs[5] = {"held", "plain", "bytes", "other", "otherbytes"};
+  for (int j = 0; j < 5; j++)
+    assert_int_equal(do_register(&d, jobs[j], ts, 1, 8, j < 3 ? 1.0f : 0.9f, NULL, msg),
+                     GRPC_STATUS_OK);
+  float *sl = random_stat(n, 51), *sr = random_stat(n, 52), *bad = random_stat(n, 51);
+  bad[3] = NAN;
+  bad[5] = 1e38f;
+  blockstat good = {0, n, n, sl, sr, 0}, lie = {0, n, n, bad, sr, 0};
+  /* step 1, honest: the statistics are known below 2^126 from here on */
+  assert_int_equal(shm_push_stamped(&d, &held, "held", 1, n, sl, sr, 0, 1, msg), GRPC_STATUS_OK);
+  assert_int_equal(shm_push_stamped(&d, &plain, "plain", 1, n, sl, sr, 0, 1, msg), GRPC_STATUS_OK);
+  assert_int_equal(do_push(&d, "bytes", 1, &good, 1, NULL, msg), GRPC_STATUS_OK);
+  /* step 2, a false vouch: refused whole without the promise, torn with it */
+  assert_int_equal(shm_push_stamped(&d, &plain, "plain", 2, n, bad, sr, 0, 1, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(do_push(&d, "bytes", 2, &lie, 1, NULL, want), GRPC_STATUS_INVALID_ARGUMENT);
+  assert_string_equal(msg, want); /* blocks[0].left.data: NaN or Inf ... nothing stored */
+  assert_int_equal(shm_push_stamped(&d, &held, "held", 2, n, bad, sr, 0, 1, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].left.shm.vouched: a value at or above 2^125"));
+  assert_non_null(strstr(msg, "refused torn"));
+  /* a vouched slot overwritten during the fold, against the promise: torn too */
+  assert_int_equal(shm_push_stamped(&d, &held, "held", 3, n, sl, sr, 1, 1, msg),
+                   GRPC_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(msg, "blocks[0].left.shm.vouched: overwritten by a later push"));
+  Precond__V1__StatsResponse *st = get_stats(&d, "held");
+  assert_int_equal(st->torn_pushes, 2);
+  assert_int_equal(st->job_stats[0]->last_step, 1);
+  protobuf_c_message_free_unpacked(&st->base, NULL);
+  /* the torn job goes on, finite; the other job, through the same region, is its twin's */
+  for (uint64_t step = 4; step <= 5; step++) {
+    assert_int_equal(shm_push_stamped(&d, &held, "held", step, n, sl, sr, 0, 1, msg),
+                     GRPC_STATUS_OK);
+    assert_int_equal(shm_push_stamped(&d, &held, "other", step, n, sl, sr, 0, 1, msg),
+                     GRPC_STATUS_OK);
+    assert_int_equal(do_push(&d, "otherbytes", step, &good, 1, NULL, msg), GRPC_STATUS_OK);
+    assert_int_equal(shm_push_stamped(&d, &plain, "plain", step, n, sl, sr, 0, 1, msg),
+                     GRPC_STATUS_OK);
+    assert_int_equal(do_push(&d, "bytes", step, &good, 1, NULL, msg), GRPC_STATUS_OK);
+  }
+  Precond__V1__FetchResponse *fh = wait_step_roots(&d, "held", 1, 5);
+  const Precond__V1__PackedMatrix *side[2];
+  root_sides(fh, side);
+  for (int k = 0; k < 2; k++)
+    for (size_t i = 0; i < side[k]->data.len / 4; i++) {
+      float x;
+      memcpy(&x, side[k]->data.data + 4 * i, 4);
+      assert_true(isfinite(x));
+    }
+  protobuf_c_message_free_unpacked(&fh->base, NULL);
+  for (int j = 0; j < 2; j++) {
+    Precond__V1__FetchResponse *fa = wait_step_roots(&d, j ? "plain" : "other", 1, 5);
+    Precond__V1__FetchResponse *fb = wait_step_roots(&d, j ? "bytes" : "otherbytes", 1, 5);
+    assert_same_sides(fa, fb);
+    protobuf_c_message_free_unpacked(&fa->base, NULL);
+    protobuf_c_message_free_unpacked(&fb->base, NULL);
+  }
+  rpc_shm_close(&held);
+  rpc_shm_close(&plain);
+  assert_int_equal(stop_daemon(&d, SIGTERM), 0);
+  free(sl);
+  free(sr);
+  free(bad);
   remove_tree(d.p.dir);
 }
 
@@ -2389,11 +2478,11 @@ static void test_shm_roots_area(void **state) {
   rpc_shm v = {.id = g.r->id, .map = g.map, .bytes = g.r->bytes, .fd = -1};
   memcpy(v.secret, g.r->secret.data, sizeof v.secret);
   assert_int_equal(do_register(&d, "stamped", ts, 1, 8, 1.0f, NULL, msg), GRPC_STATUS_OK);
-  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 1, msg),
+  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 1, 0, msg),
                    GRPC_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(msg, "blocks[0].left.shm: overwritten by a later push"));
   assert_non_null(strstr(msg, "nothing of this push was stored"));
-  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 0, msg), GRPC_STATUS_OK);
+  assert_int_equal(shm_push_stamped(&d, &v, "stamped", 1, n, sl, sr, 0, 0, msg), GRPC_STATUS_OK);
   Precond__V1__FetchResponse *fst = wait_step_roots(&d, "stamped", 1, 1);
   assert_memory_equal(fst->preconditioners[0]->left->data.data,
                       fb->preconditioners[0]->left->data.data, len);
@@ -2904,6 +2993,7 @@ int main(void) {
       cmocka_unit_test(test_no_pool),
       cmocka_unit_test(test_shm),
       cmocka_unit_test(test_shm_doorbell),
+      cmocka_unit_test(test_shm_vouched),
       cmocka_unit_test(test_shm_pipelined),
       cmocka_unit_test(test_large_bytes_push),
       cmocka_unit_test(test_shm_streamed_push),

@@ -303,6 +303,20 @@ static int intact_as(void *ctx) {
   return *(const int *)ctx;
 }
 
+/* A job of one 40 x 23 block (orders 40 and 23: 820 and 276 floats, tails of 4) at beta2,
+ * added to st. */
+static pd_job *add_40x23(pd_store *st, const char *name, float beta2) {
+  char err[256];
+  int rc;
+  uint64_t dims[1][2] = {{40, 23}};
+  int ranks[1] = {2};
+  pd_job *job = build(name, dims, ranks, 1, 64, 100, &rc, err), *existing;
+  assert_non_null(job);
+  ((pd_shampoo_opts *)(void *)job->opts)->beta2 = beta2;
+  assert_int_equal(pd_store_add(st, job, &existing), PD_OK);
+  return job;
+}
+
 /* pd_job_push_into against pd_block_update on a twin job (the bytes path): kept pushes give
  * the same statistics bit for bit, whether folded into the spares or in place (aligned
  * buffers on a CPU with AVX-512F: the block's statistic then stays where it is); a push
@@ -312,18 +326,9 @@ static void test_push_into(void **state) {
   (void)state;
   pd_stats stats;
   pd_store st;
-  char err[256];
   int rc;
   store_open(&stats, &st, (size_t)1 << 30);
-  uint64_t dims[1][2] = {{40, 23}}; /* orders 40 and 23: 820 and 276 floats, tails of 4 */
-  int ranks[1] = {2};
-  pd_job *job = build("p", dims, ranks, 1, 64, 100, &rc, err);
-  pd_job *twin = build("q", dims, ranks, 1, 64, 100, &rc, err);
-  pd_job *existing;
-  ((pd_shampoo_opts *)(void *)job->opts)->beta2 = 0.9f;
-  ((pd_shampoo_opts *)(void *)twin->opts)->beta2 = 0.9f;
-  assert_int_equal(pd_store_add(&st, job, &existing), PD_OK);
-  assert_int_equal(pd_store_add(&st, twin, &existing), PD_OK);
+  pd_job *job = add_40x23(&st, "p", 0.9f), *twin = add_40x23(&st, "q", 0.9f);
   pd_block *b = &job->blocks[0], *t = &twin->blocks[0];
   size_t len[2] = {pc_packed_len(b->order[0]), pc_packed_len(b->order[1])};
   float *inc[2], *bad = malloc(len[1] * sizeof *bad);
@@ -373,6 +378,107 @@ static void test_push_into(void **state) {
   pd_stats_destroy(&stats);
 }
 
+/* pd_job_push_vouched, at beta2 (an EMA, or 1: sums), against pd_block_update on a twin
+ * job: the first push (no statistic known bounded yet) takes the fold with the spare; from
+ * then on the fold in place with no spare (out[] untouched) keeps the same bits. A false
+ * vouch (a NaN, a value of 1e38 >= 2^125) is refused torn: the statistic keeps its old
+ * values in those places only, every other value folded, all finite; a change of the
+ * memory during such a fold is refused torn, folded as read. A third job is untouched. A
+ * statistic not known bounded goes back to the fold with the spare: a NaN then leaves
+ * nothing behind. */
+static void push_vouched_at(float beta2) {
+  pd_stats stats;
+  pd_store st;
+  int rc;
+  store_open(&stats, &st, (size_t)1 << 30);
+  pd_job *jobs[3] = {add_40x23(&st, "p", beta2), add_40x23(&st, "q", beta2),
+                     add_40x23(&st, "other", beta2)};
+  pd_block *b = &jobs[0]->blocks[0], *t = &jobs[1]->blocks[0], *o = &jobs[2]->blocks[0];
+  size_t len[2] = {pc_packed_len(b->order[0]), pc_packed_len(b->order[1])};
+  float *inc[2], *old[2], *other[2];
+  for (int k = 0; k < 2; k++) {
+    inc[k] = malloc(len[k] * sizeof(float));
+    old[k] = malloc(len[k] * sizeof(float));
+    other[k] = malloc(len[k] * sizeof(float));
+    assert_true(inc[k] && old[k] && other[k]);
+    for (size_t i = 0; i < len[k]; i++) inc[k][i] = (float)(i % 17) * 0.25f;
+  }
+  pd_block_update(o, (const float *const *)inc, 1, &stats);
+  for (int k = 0; k < 2; k++) memcpy(other[k], o->stat[k], len[k] * sizeof(float));
+  uint64_t kept = 0;
+  for (int push = 0; push < 7; push++) {
+    for (int k = 0; k < 2; k++)
+      for (size_t i = 0; i < len[k]; i++)
+        inc[k][i] = (float)((i * 7919 + (size_t)push * 31 + (size_t)k) % 1000) * 1.3e-3f;
+    if (push == 3) { /* a false vouch */
+      inc[0][5] = NAN;
+      inc[1][len[1] - 1] = 1e38f;
+    }
+    if (push == 6) { /* not known bounded: the fold with the spare */
+      b->stat_bounded[1] = 0;
+      inc[1][len[1] - 1] = NAN;
+    }
+    float *out[PD_MAX_PARTS] = {NULL}, *spare[PD_MAX_PARTS] = {NULL};
+    for (int k = 0; k < 2; k++) {
+      out[k] = spare[k] = aligned_alloc(64, (len[k] * sizeof(float) + 63) / 64 * 64);
+      assert_non_null(out[k]);
+      memcpy(old[k], b->stat[k], len[k] * sizeof(float));
+    }
+    int intact = push != 4; /* push 4: the memory changed meanwhile */
+    pd_push_refusal no;
+    rc = pd_job_push_vouched(jobs[0], 1, &b, (const float *const *)inc, out, (uint64_t)push + 1,
+                             &stats, intact_as, &intact, &no);
+    if (push >= 1 && push <= 5) /* the fold in place, nothing kept */
+      for (int k = 0; k < 2; k++) assert_ptr_equal(out[k], spare[k]);
+    if (push == 3) {
+      assert_int_equal(rc, PD_EINVAL);
+      assert_true(no.torn && no.why == PD_FOLD_VOUCH && no.block == 0 && no.part == 0);
+      /* what is expected: the fold where the value was within the vouch, else the old */
+      const float w = beta2 == 1 ? 1 : 1 - beta2;
+      for (int k = 0; k < 2; k++)
+        for (size_t i = 0; i < len[k]; i++) {
+          float x = inc[k][i], y = beta2 == 1 ? old[k][i] + x : beta2 * old[k][i] + w * x;
+          float want = (k == 0 && i == 5) || (k == 1 && i == len[k] - 1) ? old[k][i] : y;
+          assert_memory_equal(&b->stat[k][i], &want, sizeof want);
+          assert_true(isfinite(b->stat[k][i]));
+        }
+      for (int k = 0; k < 2; k++) memcpy(t->stat[k], b->stat[k], len[k] * sizeof(float));
+    } else if (push == 4) {
+      assert_int_equal(rc, PD_EINVAL);
+      assert_true(no.torn && no.why == PD_FOLD_CHANGED);
+      pd_block_update(t, (const float *const *)inc, (uint64_t)push + 1, &stats); /* as read */
+    } else if (push == 6) {
+      assert_int_equal(rc, PD_EINVAL);
+      assert_true(!no.torn && no.why == PD_FOLD_NONFINITE);
+      for (int k = 0; k < 2; k++) assert_memory_equal(b->stat[k], old[k], len[k] * sizeof(float));
+    } else {
+      assert_int_equal(rc, PD_OK);
+      kept++;
+      pd_block_update(t, (const float *const *)inc, (uint64_t)push + 1, &stats);
+    }
+    for (int k = 0; k < 2; k++) {
+      assert_memory_equal(b->stat[k], t->stat[k], len[k] * sizeof(float));
+      free(out[k]);
+    }
+    assert_int_equal(b->pushes, kept);
+    if (push < 6) assert_true(b->stat_bounded[0] && b->stat_bounded[1]);
+  }
+  for (int k = 0; k < 2; k++) {
+    assert_memory_equal(o->stat[k], other[k], len[k] * sizeof(float));
+    free(inc[k]);
+    free(old[k]);
+    free(other[k]);
+  }
+  pd_store_destroy(&st);
+  pd_stats_destroy(&stats);
+}
+
+static void test_push_vouched(void **state) {
+  (void)state;
+  push_vouched_at(0.9f);
+  push_vouched_at(1.0f);
+}
+
 int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
@@ -381,6 +487,7 @@ int main(void) {
       cmocka_unit_test(test_store_add_and_memory),
       cmocka_unit_test(test_block_update),
       cmocka_unit_test(test_push_into),
+      cmocka_unit_test(test_push_vouched),
       cmocka_unit_test(test_ended_names),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
