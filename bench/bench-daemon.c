@@ -603,7 +603,8 @@ typedef struct {
    * doorbell, collecting its answer later), paced by precond_wait_queued so that no push
    * coalesces; the bytes are those the daemon answered OK (precond_counters.bytes_sent),
    * and the client's last answers are collected (precond_flush) inside the cell's time; 6,
-   * as 5 with each push's answer awaited (precond_options.push_answer_wait). */
+   * as 5 with each push's answer awaited (precond_options.push_answer_wait; since session
+   * 16 precond_wait_queued waits for it too: one push at a time, as 1). */
   int shm;
   precond_client *lib; /* 5: closed by run_cell once the cell's CPU time is taken */
   double until;        /* stop time */

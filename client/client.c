@@ -1869,7 +1869,12 @@ int precond_wait_queued(precond_client *c, size_t max_queued, int timeout_ms) {
       st = PRECOND_EENDED;
       break;
     }
-    if (c->queue.length <= max_queued) {
+    /* Awaited (push_answer_wait), the blocks taken and not yet answered count too: a
+     * worker pacing itself here writes its next statistic once the daemon folded this one,
+     * never while it folds (the two passes at once cost both sides CPU across cores), and
+     * into the place just folded (the window's slots all given back: its part's start;
+     * docs/precondd.md, "Session 16"). */
+    if (c->queue.length + (c->opts.push_answer_wait ? c->inflight : 0) <= max_queued) {
       st = PRECOND_OK;
       break;
     }

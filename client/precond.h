@@ -168,7 +168,9 @@ typedef struct {
   int push_answer_wait;            /* 1: a push through a shared region waits for its answer
                                   before the next call (the client before session 14; a
                                   refusal is then seen at once); precond_push_begin's slots
-                                  are in the region all the same (session 15). Default 0:
+                                  are in the region all the same (session 15);
+                                  precond_wait_queued waits for answers too (session 16).
+                                  Default 0:
                                   posted, its answer collected later (see "Same-host
                                   pushes" above) */
 } precond_options;
@@ -350,8 +352,12 @@ int precond_flush(precond_client *client, int timeout_ms);
 /* Waits until at most max_queued blocks wait in the queue (the others taken by the
  * background thread to be sent, or dropped), or timeout_ms passes: PRECOND_OK,
  * PRECOND_ETIMEDOUT, or PRECOND_EENDED as precond_flush. Unlike precond_flush it does not
- * wait for answers. A worker that makes statistics faster than they leave paces itself
- * with it instead of having its pushes coalesce (bench-daemon's push-lib row does). */
+ * wait for answers, except with push_answer_wait (session 16): there the blocks taken and
+ * not yet answered count as queued, so a worker pacing itself with it writes its next
+ * statistic only once the daemon folded the last one (the two passes over a large block
+ * at once cost both sides CPU across cores). A worker that makes statistics faster than
+ * they leave paces itself with it instead of having its pushes coalesce (bench-daemon's
+ * push-lib rows do). */
 int precond_wait_queued(precond_client *client, size_t max_queued, int timeout_ms);
 
 /* ------------------------------------------------------------------------------------ */

@@ -670,6 +670,74 @@ static void test_shm_region_slots_awaited(void **state) {
   region_slots_twins(1);
 }
 
+/* push_answer_wait's pacing (session 16): precond_wait_queued counts the blocks taken and
+ * not yet answered, so a worker pacing itself with it writes its next statistic only once
+ * the daemon folded the last one. The daemon stopped: the awaited push leaves the queue
+ * (taken, its ring call rung) and the wait still times out, as its answer cannot come;
+ * posted, the same wait ends once the push is taken (unchanged). Let go, the wait ends with
+ * the push answered; the slots were in the region and fold the same bits as a gRPC twin's
+ * pushes. */
+static void test_shm_awaited_paced(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cs[2] = {NULL, NULL}, *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  for (int k = 0; k < 2; k++) {
+    /* no poll after the first (it opens the region) while the daemon is stopped: the
+     * background threads make no call but the pushes' */
+    precond_options o;
+    options_for(&o, PRECOND_TRANSPORT_AUTO, 4 << 20);
+    o.poll_interval_ms = 600000;
+    o.push_answer_wait = k == 0;
+    assert_int_equal(precond_connect(&o, &cs[k]), PRECOND_OK);
+  }
+  precond_client *cw = cs[0], *cp = cs[1];
+  register_three(cw, "paced-wait");
+  register_three(cp, "paced-post");
+  register_three(cb, "paced-bytes");
+  wait_region(cw);
+  wait_region(cp);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  assert_int_equal(precond_push_commit(cw, slot_filled(cw, 1, 0, 100, 0)), PRECOND_OK);
+  assert_int_equal(precond_push_commit(cp, slot_filled(cp, 1, 0, 100, 0)), PRECOND_OK);
+  assert_int_equal(precond_wait_queued(cp, 0, ROOT_WAIT_MS), PRECOND_OK); /* taken, posted */
+  precond_counters k;
+  precond_get_counters(cw, &k);
+  for (int tries = 0; tries < 10000 && k.queued > 0; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(cw, &k);
+  }
+  assert_int_equal(k.queued, 0); /* taken: what is left to wait for is its answer */
+  assert_int_equal(precond_wait_queued(cw, 0, 300), PRECOND_ETIMEDOUT);
+  assert_int_equal(kill(g_d.pid, SIGCONT), 0);
+  assert_int_equal(precond_wait_queued(cw, 0, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, 1); /* answered by the time the wait ended */
+  push_one(cw, 2, 0, 200, 0);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, 2);
+  assert_int_equal(k.region_slots, 2);
+  assert_int_equal(k.pushes_posted, 0);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(cw, "paced-wait", 1, &st), PRECOND_OK);
+  assert_int_equal(st.block_stats[0].stat_step, 2); /* folded before the wait returned */
+  precond_stats_destroy(&st);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.pushes_posted, 1);
+  for (uint64_t step = 1; step <= 2; step++) push_one(cb, step, 0, 100 * (unsigned)step, 0);
+  assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+  assert_int_equal(precond_set_poll_interval(cw, 10), PRECOND_OK);
+  const uint64_t steps[3] = {2, 0, 0};
+  assert_same_roots(cw, cb, 3, steps);
+  precond_close(cp);
+  twins_end(cw, cb);
+}
+
 /* Vouched slots (session 16), a 768 x 4 block (its left factor 1.2 MB: the streamed copy):
  * the client registers job at beta2 over transport t (regions of 16 MiB). */
 static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
@@ -1778,6 +1846,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_pipelined_restart, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_slots, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
