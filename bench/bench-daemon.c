@@ -740,9 +740,12 @@ static int lib_finish(worker *w) {
     return -1;
   }
   /* how many pushes the client placed in the region itself (session 15; awaited too) */
-  fprintf(stderr, "bench-daemon: %s: %llu of %llu pushes written in the region\n",
+  fprintf(stderr,
+          "bench-daemon: %s: %llu of %llu pushes written in the region (streamed %llu, "
+          "plain %llu)\n",
           w->shm == 5 ? "push-lib" : "push-lib-wait", (unsigned long long)k.region_slots,
-          (unsigned long long)k.pushed);
+          (unsigned long long)k.pushed, (unsigned long long)k.region_streamed,
+          (unsigned long long)k.region_plain);
   return 0;
 }
 
@@ -940,6 +943,15 @@ static void *worker_main(void *arg) {
     if (rc == RPC_ECALL) break;
   }
   if (account) account_mark(w, 1);
+  /* The mode rpc_shm_put took for the large slots, and why (rpc.h, rpc_shm_mode). */
+  const rpc_shm_mode *md = &shm.wmode;
+  if ((w->shm == 1 || w->shm == 3) && md->count[0] + md->count[1] > 0)
+    fprintf(stderr,
+            "bench-daemon: push-shm%s: large writes streamed %llu, plain %llu; ns per byte "
+            "streamed %.3f + %.3f, plain %.3f + %.3f (write + daemon)\n",
+            w->shm == 3 ? "-pipe" : "", (unsigned long long)md->count[RPC_SHM_STREAMED],
+            (unsigned long long)md->count[RPC_SHM_PLAIN], md->write[RPC_SHM_STREAMED],
+            md->read[RPC_SHM_STREAMED], md->write[RPC_SHM_PLAIN], md->read[RPC_SHM_PLAIN]);
   rpc_shm_close(&shm);
   rpc_channel_destroy(ch);
   free(sink);

@@ -104,6 +104,8 @@ typedef struct {
     uint64_t start; /* in the count of taken */
     int done;
   } ent[WIN_SLOTS];
+  rpc_shm_mode mode; /* its large writes' mode (session 16), the region's (rpc_shm.mode):
+                      * measured on the workers' writes and the daemon's answers */
 } shm_window;
 
 struct precond_client {
@@ -473,7 +475,9 @@ static void shm_window_open(precond_client *c) {
   w->refs = 1;
   w->lo = RPC_SHM_PUSH_RING + lim;
   w->len = len;
+  w->mode.force = rpc_shm_write_force();
   c->shm.lim = lim;
+  c->shm.mode = &w->mode; /* one measurement for the workers' slots and rpc_shm_put's */
   pthread_mutex_lock(&c->mu);
   c->win = w;
   pthread_mutex_unlock(&c->mu);
@@ -670,10 +674,17 @@ static uint64_t push_req_put(precond_client *c, push_req *r, precond__item *cons
   for (size_t i = 0; i < 2 * r->req.n_blocks; i++) {
     Precond__V1__PackedMatrix *m = &r->pm[i];
     if (m->data.len == 0) continue;
-    if (!item_in_region(c, items[i / 2])) {
+    precond__item *it = items[i / 2];
+    if (!item_in_region(c, it)) {
+      uint64_t before[2] = {c->shm.wrote[0], c->shm.wrote[1]};
       moved += rpc_shm_put(&c->shm, m, &r->refs[i]);
+      for (int k = 0; k < 2; k++) it->wrote[k] += c->shm.wrote[k] - before[k];
       continue;
     }
+    /* A worker slot: what precond_push_copy wrote there is this push's (once an item). */
+    for (int k = 0; i % 2 == 0 && k < 2; k++)
+      rpc_shm_wrote(&c->shm, k | (it->wmode & RPC_SHM_UNSETTLED),
+                    __atomic_load_n(&it->wrote[k], __ATOMIC_RELAXED));
     Precond__V1__ShmRef *ref = &r->refs[i];
     precond__v1__shm_ref__init(ref);
     ref->offset = (uint64_t)(m->data.data - c->win->map);
@@ -786,6 +797,12 @@ static int settle(precond_client *c, push_batch *b, int st, const uint64_t *daem
       c->counters.sent += b->n;
       c->counters.bytes_sent += b->bytes;
       c->counters.shm_bytes += b->shm_bytes;
+      for (size_t i = 0; i < b->n; i++) {
+        c->counters.region_streamed +=
+            __atomic_load_n(&b->items[i]->wrote[RPC_SHM_STREAMED], __ATOMIC_RELAXED) > 0;
+        c->counters.region_plain +=
+            __atomic_load_n(&b->items[i]->wrote[RPC_SHM_PLAIN], __ATOMIC_RELAXED) > 0;
+      }
     } else if (c->job_gen == b->gen) {
       c->counters.push_errors += b->n;
     }
@@ -1722,6 +1739,9 @@ static precond__item *region_item(precond_client *c, uint64_t step, uint32_t blo
   it->owner = w;
   it->slot = slot;
   it->release = window_item_release;
+  /* One mode for the push's large parts (precond_push_copy): its daemon's figure then
+   * tells that mode's cost (rpc.h, rpc_shm_mode). */
+  it->wmode = rpc_shm_mode_pick(&w->mode, w->map, b0 > b1 ? b0 : b1);
   return it;
 }
 
@@ -1824,15 +1844,24 @@ static void slot_vouch(precond__item *it, const float *dst, size_t count, int go
 }
 
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count) {
-  /* The slot is the caller's between begin and commit: its vouch is written here. */
+  /* The slot is the caller's between begin and commit: its vouch, and the counts of what
+   * was written in each mode (atomic: workers may copy parts of one slot at once), are
+   * written here. */
   precond__item *it = (precond__item *)(uintptr_t)(const void *)slot;
   size_t len = count * sizeof(float);
   if (it == NULL || it->owner == NULL) {
     if (len > 0) memcpy(dst, src, len);
     return;
   }
-  int streams = rpc_shm_streams_at(((const shm_window *)it->owner)->map, len);
-  slot_vouch(it, dst, count, rpc_shm_write_vouched(dst, src, count, streams));
+  shm_window *w = it->owner;
+  int large = len >= RPC_SHM_STREAM_MIN, mode = large ? it->wmode & RPC_SHM_STREAMED : 0;
+  uint64_t t0 = large ? rpc_shm_thread_ns() : 0;
+  int good = rpc_shm_write_vouched(dst, src, count, mode == RPC_SHM_STREAMED);
+  if (large) {
+    rpc_shm_mode_wrote(&w->mode, it->wmode, len, rpc_shm_thread_ns() - t0);
+    __atomic_fetch_add(&it->wrote[mode], (uint64_t)len, __ATOMIC_RELAXED);
+  }
+  slot_vouch(it, dst, count, good);
 }
 
 void precond_push_cancel(precond_push_slot *slot) {

@@ -333,13 +333,16 @@ int precond_push_commit(precond_client *client, precond_push_slot *slot);
 int precond_push_commit_all(precond_client *client, precond_push_slot *const *slots, size_t n);
 void precond_push_cancel(precond_push_slot *slot);
 /* Copies count floats from src into dst, a place inside slot's parts (begin's *part0 ..
- * end of *part1), in the write that costs least for the daemon to read: where the slot lies
- * in the shared region (session 15), the copy is large (1 MiB and up) and the daemon's
- * doorbell thread last ran on another CPU, streaming stores that go straight to memory
- * (docs/precondd.md, "Session 11": 1.8-2.1x less CPU for the write and the fold together
- * across two cores at 1-4 MB; a plain memcpy leaves the lines in this core's caches for the
- * daemon's core to take one by one); else memcpy. For a kernel that computes its statistic
- * elsewhere and then copies it into the slot. */
+ * end of *part1), in the write that costs least for this write and the daemon's read
+ * together: where the slot lies in the shared region (session 15) and the copy is large
+ * (1 MiB and up), streaming stores that go straight to memory or a plain memcpy, whichever
+ * measures cheaper on this machine (session 16: the copy's CPU on this thread's clock
+ * against the daemon's CPU for each push, told in its answer; a few pushes in the other
+ * mode now and then follow a change; the rule of session 11, streaming when the daemon's
+ * thread last ran on another CPU, until the daemon's first figure or with an older daemon;
+ * PRECOND_SHM_WRITE=streamed or =plain in the environment forces one; counted in
+ * precond_counters.region_streamed and region_plain; docs/client.md); else memcpy. For a
+ * kernel that computes its statistic elsewhere and then copies it into the slot. */
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count);
 
 /* Waits until the queue is empty and no send is in flight (every queued block answered by
@@ -447,6 +450,10 @@ typedef struct {
   uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
                                   region itself (written there by the caller, posted from
                                   there: no copy, no NaN/Inf scan of the client's) */
+  uint64_t region_streamed;    /* of sent, blocks with a part of 1 MiB or more written into
+                                  the shared region by streaming (non-temporal) stores */
+  uint64_t region_plain;       /* ... by plain stores. Which is chosen by measurement
+                                  (precond_push_copy; PRECOND_SHM_WRITE forces one) */
 } precond_counters;
 
 void precond_get_counters(precond_client *client, precond_counters *out);

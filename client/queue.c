@@ -15,6 +15,8 @@ static precond__item *item_make(uint32_t block_id, uint64_t step, int encoding, 
   item->release = NULL;
   item->owner = NULL;
   item->slot = 0;
+  item->wmode = 0;
+  item->wrote[0] = item->wrote[1] = 0;
   atomic_init(&item->vouched, 0u);
   item->prev = item->next = NULL;
   item->block_id = block_id;

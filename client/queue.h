@@ -32,6 +32,12 @@ typedef struct precond__item {
   void (*release)(struct precond__item *item);
   void *owner;
   uint64_t slot;
+  /* The mode of its large writes into the region (rpc.h, rpc_shm_mode_pick's: RPC_SHM_PLAIN
+   * or RPC_SHM_STREAMED, maybe with RPC_SHM_UNSETTLED; a worker slot's is chosen at
+   * precond_push_begin) and the bytes written in each (precond_push_copy's, rpc_shm_put's;
+   * writes below 1 MiB not counted). */
+  int wmode;
+  uint64_t wrote[2];
   /* Bit k: part k (0 left/a, 1 right/g) was last written whole by precond_push_copy with
    * every value below 2^125 (its ShmRef is vouched). Atomic: workers may copy parts of one
    * slot at once. */

@@ -340,10 +340,17 @@ static void *pd__shm_bell_main(void *arg) {
         out_cap = want;
       }
     }
-    if (ok)
-      n = r->bell(r->bell_ctx, b.method, s->map + b.req_offset, b.req_length, &code, out,
-                  (want < out_cap ? want : out_cap) - RPC_SHM_REPLY_HEAD);
-    else
+    if (ok) {
+      /* What the push cost this thread (its read and fold of the slots included), in its
+       * answer: the client weighs it against its own write's CPU to choose streamed or
+       * plain stores (rpc.h, rpc_shm_mode). */
+      size_t room = (want < out_cap ? want : out_cap) - RPC_SHM_REPLY_HEAD;
+      uint64_t t0 = rpc_shm_thread_ns();
+      n = r->bell(r->bell_ctx, b.method, s->map + b.req_offset, b.req_length, &code, out, room);
+      uint64_t t1 = rpc_shm_thread_ns();
+      if (b.method == RPC_SHM_BELL_PUSH && code == GRPC_STATUS_OK && t1 > t0)
+        n = rpc_shm_bell_cpu_append(out, n, room, t1 - t0);
+    } else
       n = (size_t)snprintf((char *)out, out_cap,
                            "shm doorbell: the request or its answer's room lies outside the "
                            "region's push ring, or the method (%u) is unknown",

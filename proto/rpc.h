@@ -357,6 +357,71 @@ typedef struct {
  * number from 0 to 100000. */
 double rpc_shm_nap_max_us(void);
 
+/* The mode of a large write into the region (session 16): streamed (rpc_shm_write's
+ * non-temporal stores) or plain (memcpy), chosen by measurement on the machine, in the
+ * pushes themselves. Which costs less depends on the host: session 11's paid 3.5x for a
+ * plain write across cores, session 16's reads plain-written lines from the shared L3
+ * cheaper than streamed ones from memory (docs/precondd.md, "Session 16"). The writer times
+ * each large write on its thread's clock (ns per byte, by mode), the daemon's doorbell
+ * thread says what each push cost it (PushResponse.bell_cpu_ns: that push's read and fold,
+ * ns per byte of the push's large writes, credited to the mode they were all written in;
+ * a push mixing modes is not credited), and the mode with the lower sum is taken. Until
+ * the daemon's first figure (an older daemon never sends one) the rule before it stays
+ * (rpc_shm_streams_at). From the first figure on, RPC_SHM_MODE_BLOCK writes at a time go
+ * in each mode in turn for RPC_SHM_MODE_PROBE blocks (the first two, which first touch the
+ * slots' pages, not counted), then the cheaper mode is taken (the rule before if some
+ * figure is still missing, e.g. every push mixed modes); one block in RPC_SHM_MODE_EVERY
+ * goes in the other mode, so a change of placement or load is followed.
+ * Writes below RPC_SHM_STREAM_MIN stay plain and are not counted. Thread-safe (its own spin
+ * lock: a region's workers write slots while its background thread reads answers). */
+#define RPC_SHM_MODE_BLOCK     16   /* large writes of one mode in a row while probing */
+#define RPC_SHM_MODE_SETTLE    4    /* writes after a change of mode not counted */
+#define RPC_SHM_MODE_PROBE     8    /* blocks alternated before the first choice */
+#define RPC_SHM_MODE_EVERY     64   /* once chosen: one block in this many in the other mode */
+#define RPC_SHM_MODE_MARGIN    0.03 /* the other mode must cost this much less to be taken */
+#define RPC_SHM_PLAIN          0    /* rpc_shm_mode_pick's answers, the indexes below */
+#define RPC_SHM_STREAMED       1
+#define RPC_SHM_UNSETTLED      2 /* rpc_shm_mode_pick's bit: a write after a change of mode */
+#define RPC_SHM_FORCE_PLAIN    1 /* rpc_shm_mode.force (0: measured) */
+#define RPC_SHM_FORCE_STREAMED 2
+typedef struct {
+  int force;                    /* 0, RPC_SHM_FORCE_PLAIN or _STREAMED (PRECOND_SHM_WRITE) */
+  unsigned char busy;           /* the spin lock */
+  uint64_t ticks;               /* large writes decided by measurement (the probes' clock) */
+  uint64_t heard;               /* answers that carried the daemon's figure */
+  double write[2];              /* by mode: the writer's ns per byte, a moving average */
+  double read[2];               /* by mode: the daemon's ns per byte, a moving average */
+  uint32_t nwrite[2], nread[2]; /* figures taken into each */
+  uint64_t count[2];            /* large writes by mode, whatever chose them (rpc_shm_mode_wrote) */
+  int chosen;                   /* 1 + the mode measurement chose last (0: none yet) */
+  int last;                     /* 1 + the mode of the last write measured (0: none yet) */
+  int run;                      /* writes in that mode in a row, up to RPC_SHM_MODE_SETTLE */
+  uint64_t switches;            /* times that choice changed (the first included) */
+} rpc_shm_mode;
+
+/* PRECOND_SHM_WRITE of the environment, read once: "streamed" RPC_SHM_FORCE_STREAMED,
+ * "plain" RPC_SHM_FORCE_PLAIN, anything else or unset 0 (measured). For benchmarks and for
+ * hosts where the measurement misleads. */
+int rpc_shm_write_force(void);
+
+/* The mode of a write of len bytes into the region mapped at map (the rule before, while
+ * the daemon's figures are not known): RPC_SHM_STREAMED or RPC_SHM_PLAIN, with
+ * RPC_SHM_UNSETTLED for one of the first RPC_SHM_MODE_SETTLE writes after a change of mode
+ * (the slots are as the other mode left them: its figures, the writer's and the daemon's
+ * for its push, are not counted). The writer passes the pick on as it is to
+ * rpc_shm_mode_wrote and rpc_shm_wrote; its stores are pick & RPC_SHM_STREAMED. */
+int rpc_shm_mode_pick(rpc_shm_mode *m, const void *map, size_t len);
+/* The writer's CPU for a write of len bytes as picked (ignored below RPC_SHM_STREAM_MIN). */
+void rpc_shm_mode_wrote(rpc_shm_mode *m, int pick, size_t len, uint64_t ns);
+/* The daemon's figure for a push (ns; 0: none) whose large writes were bytes[mode]. */
+void rpc_shm_mode_read(rpc_shm_mode *m, const uint64_t bytes[2], uint64_t ns);
+/* The mode measurement chose at the last large write (write + read per byte), or -1:
+ * none yet (still probing, forced, or no figure from the daemon). */
+int rpc_shm_mode_chosen(rpc_shm_mode *m);
+
+/* The calling thread's CPU time in ns (CLOCK_THREAD_CPUTIME_ID; 0 where unknown). */
+uint64_t rpc_shm_thread_ns(void);
+
 /* The client's side of a region (libprecond's background thread and bench-daemon's shm
  * rows): one thread uses a region at a time. */
 typedef struct {
@@ -380,15 +445,28 @@ typedef struct {
   struct {
     uint32_t bell, cap; /* cap: its answer's room */
     uint64_t reply, start;
+    uint64_t wrote[2]; /* its large writes' bytes by mode (rpc_shm_mode_read) */
+    int unsettled;     /* some of them RPC_SHM_UNSETTLED: its figure not counted */
   } pend[RPC_SHM_QUEUE];
   uint64_t push_start; /* where the push being written starts (rpc_shm_begin), same count */
   uint64_t push_end;   /* where the place rpc_shm_begin reserved for it ends; 0: none */
   rpc_shm_pace pace;   /* its waits for answers (rpc_shm_collect) */
-  uint64_t lim; /* the ring's first lim bytes are all that rpc_shm_slot, rpc_shm_begin and the
+  uint64_t lim;       /* the ring's first lim bytes are all that rpc_shm_slot, rpc_shm_begin and the
                  * doorbell's requests take (0: the whole ring); the rest is the caller's own
                  * (libprecond's worker slots, session 15). Set after rpc_shm_open; the stamps
                  * still count whole laps, so rpc_shm_push_intact is unchanged */
+  rpc_shm_mode wmode; /* the mode of its large writes (force from PRECOND_SHM_WRITE) */
+  rpc_shm_mode *mode; /* the one rpc_shm_put and the answers use: NULL, wmode; else the
+                       * caller's, shared with writers outside (libprecond's worker slots) */
+  uint64_t wrote[2];  /* the push being written: its large writes' bytes by mode
+                       * (rpc_shm_put's, and rpc_shm_wrote's), moved to pend[] as it rings */
+  int unsettled;      /* of them, some RPC_SHM_UNSETTLED */
 } rpc_shm;
+
+/* Counts len bytes written as picked (rpc_shm_mode_pick) into the push being written by a
+ * writer outside rpc_shm_put (libprecond's worker slots), so that the daemon's figure for
+ * that push is credited to the mode (rpc_shm_mode_read). */
+void rpc_shm_wrote(rpc_shm *s, int pick, uint64_t len);
 
 /* Asks the daemon on ch for a region of want bytes (0: its default), opens the file it
  * names, takes a shared flock on it (held until rpc_shm_close: the daemon frees the
@@ -469,8 +547,9 @@ int rpc_shm_streams_at(const void *map, size_t len);
  * (rpc_f32_unvouched), else 0. */
 int rpc_shm_write_vouched(float *dst, const float *src, size_t count, int stream);
 
-/* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write when rpc_shm_streams says
- * so, else a plain memcpy). Returns the bytes moved (0: m keeps its bytes). */
+/* rpc_shm_slot for m's own bytes, copied there (rpc_shm_write when the region's mode says
+ * so, rpc_shm_mode_pick, else a plain memcpy; timed on the thread's clock for the mode's
+ * measurement). Returns the bytes moved (0: m keeps its bytes). */
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref);
 
 /* After the daemon answered a push (it read every slot the push named before answering):
@@ -513,6 +592,7 @@ typedef struct {
   uint32_t taken_wait;   /* the client: 1 while it waits on taken (only then is it woken) */
   uint32_t daemon_cpu;   /* the daemon: 1 + the CPU its thread served the last request on
                           * (0: not known: no request rung yet, or an older daemon);
+                          * before the daemon's figures are known (rpc_shm_mode),
                           * rpc_shm_put streams large slots only when it is not the
                           * client's own (rpc_shm_streams) */
   uint32_t bell_wait;    /* the daemon's (session 12): RPC_SHM_WAIT_FLAGGED once its thread
@@ -554,6 +634,12 @@ int rpc_shm_bell_read(const unsigned char *map, size_t bytes, rpc_shm_bell *b);
  * answer). */
 void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b, uint32_t code,
                          const void *msg, size_t len);
+
+/* The daemon's figure for a push it served at the doorbell (session 16): appends to the
+ * packed PushResponse in out (len bytes, cap its room) the field bell_cpu_ns = ns, which a
+ * protobuf parser merges into the message (the encoding is a sequence of fields); an older
+ * client skips it. Returns the new length (len: ns is 0 or the room is too small). */
+size_t rpc_shm_bell_cpu_append(unsigned char *out, size_t len, size_t cap, uint64_t ns);
 
 /* The waiting side, before sleeping: spins or naps as pace says (above), unless same_core
  * (the other side last ran on this CPU: it could not run meanwhile), until *word - want >= 0

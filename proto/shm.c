@@ -361,6 +361,7 @@ int rpc_shm_open_holding(grpc_channel *ch, const char *token, long deadline_ms, 
   /* This client flags its sleeps on answered: the daemon wakes it only then (rpc.h). */
   __atomic_store_n(&((rpc_shm_head *)map)->answer_wait, RPC_SHM_WAIT_FLAGGED, __ATOMIC_SEQ_CST);
   s->pace.nap_max_us = rpc_shm_nap_max_us();
+  s->wmode.force = rpc_shm_write_force();
   /* The roots area, read-only, if there is one and it can be mapped: without it fetches
    * get their roots in this region's half, as from an older daemon. */
   int rfd = r->roots_path && r->roots_path[0] && r->roots_bytes > RPC_SHM_ROOTS_DATA
@@ -553,16 +554,168 @@ int rpc_shm_streams(const rpc_shm *s, size_t len) {
   return rpc_shm_streams_at(s->map, len);
 }
 
+/* ---- the write's mode, measured (session 16; rpc.h: rpc_shm_mode) ---- */
+
+static int rpc__shm_force_env;
+
+static void rpc__shm_force_read(void) {
+  const char *v = getenv("PRECOND_SHM_WRITE");
+  rpc__shm_force_env = v == NULL                    ? 0
+                       : strcmp(v, "streamed") == 0 ? RPC_SHM_FORCE_STREAMED
+                       : strcmp(v, "plain") == 0    ? RPC_SHM_FORCE_PLAIN
+                                                    : 0;
+}
+
+int rpc_shm_write_force(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, rpc__shm_force_read);
+  return rpc__shm_force_env;
+}
+
+uint64_t rpc_shm_thread_ns(void) {
+  struct timespec t;
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) != 0) return 0;
+  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* The lock's holders do a few loads and stores: a spin, no system call. */
+static void rpc__mode_lock(rpc_shm_mode *m) {
+  while (__atomic_test_and_set(&m->busy, __ATOMIC_ACQUIRE))
+    while (__atomic_load_n(&m->busy, __ATOMIC_RELAXED)) {
+    }
+}
+
+static void rpc__mode_unlock(rpc_shm_mode *m) {
+  __atomic_clear(&m->busy, __ATOMIC_RELEASE);
+}
+
+/* A moving average: the first figure as it is, then a quarter of each new one, so that a
+ * probe block (RPC_SHM_MODE_BLOCK figures) replaces most of what an old one left. A figure
+ * counts at most 1.5x the average: on a loaded machine a push now and then costs several
+ * times the others (the core taken by another process's cache traffic), and one such would
+ * otherwise tip the choice for a whole period; a real rise still gets through in a block
+ * (1.125x a figure, 2.6x over eight). */
+static void rpc__mode_avg(double *avg, uint32_t *n, double x) {
+  if (*n > 0 && x > 1.5 * *avg) x = 1.5 * *avg;
+  *avg = *n == 0 ? x : *avg + 0.25 * (x - *avg);
+  if (*n < UINT32_MAX) (*n)++;
+}
+
+/* Sets m->chosen (1 + mode) to the mode with the lower write + read per byte, unless a
+ * kind of figure is missing (two of each wanted: -1 returned, nothing set). The mode
+ * chosen last stays unless the other is RPC_SHM_MODE_MARGIN cheaper: two modes that cost
+ * about the same are not swapped at every probe. */
+static int rpc__mode_best(rpc_shm_mode *m) {
+  for (int k = 0; k < 2; k++)
+    if (m->nwrite[k] < 2 || m->nread[k] < 2) return -1;
+  double cost[2];
+  for (int k = 0; k < 2; k++) cost[k] = m->write[k] + m->read[k];
+  int was = m->chosen - 1, best = cost[RPC_SHM_STREAMED] < cost[RPC_SHM_PLAIN];
+  if (was >= 0 && best != was && cost[best] > (1.0 - RPC_SHM_MODE_MARGIN) * cost[was]) best = was;
+  if (best != was) m->switches++;
+  m->chosen = best + 1;
+  return best;
+}
+
+int rpc_shm_mode_chosen(rpc_shm_mode *m) {
+  rpc__mode_lock(m);
+  int chosen = m->chosen - 1;
+  rpc__mode_unlock(m);
+  return chosen;
+}
+
+int rpc_shm_mode_pick(rpc_shm_mode *m, const void *map, size_t len) {
+  if (len < RPC_SHM_STREAM_MIN || rpc__stream_kind() == 0) return RPC_SHM_PLAIN;
+  rpc__mode_lock(m);
+  int mode;
+  if (m->force != 0) {
+    mode = m->force == RPC_SHM_FORCE_STREAMED ? RPC_SHM_STREAMED : RPC_SHM_PLAIN;
+  } else if (m->heard == 0) {
+    mode = rpc_shm_streams_at(map, len); /* an older daemon, or none answered yet */
+  } else {
+    uint64_t tick = m->ticks++, block = tick / RPC_SHM_MODE_BLOCK;
+    if (tick == 2 * RPC_SHM_MODE_BLOCK) {
+      /* The first block of each mode first touched the slots' pages (faults on both sides,
+       * on the threads' clocks): what they cost says nothing of the modes. */
+      m->nwrite[0] = m->nwrite[1] = m->nread[0] = m->nread[1] = 0;
+    }
+    /* The choice is made again only as a block starts after the probes or a period's probe
+     * block, when both modes' figures are fresh: between, the mode in use, whose figures
+     * follow the load, is not weighed against the other's older ones (on a loaded machine
+     * that swapped the modes back and forth whenever the load rose). */
+    if (block >= RPC_SHM_MODE_PROBE && tick % RPC_SHM_MODE_BLOCK == 0 &&
+        (m->chosen == 0 || block % RPC_SHM_MODE_EVERY == 0))
+      rpc__mode_best(m);
+    int best = m->chosen - 1;
+    if (block < RPC_SHM_MODE_PROBE)
+      mode = (int)(block % 2); /* plain first */
+    else if (best >= 0)
+      mode = block % RPC_SHM_MODE_EVERY == RPC_SHM_MODE_EVERY - 1 ? !best : best;
+    else
+      mode = rpc_shm_streams_at(map, len); /* no clean figures: the rule before */
+    /* The first writes after a change of mode find the slots as the other mode left them
+     * (a plain write after streamed ones takes every line from memory; a place is written
+     * again a push or two later): they would charge the change to the mode. */
+    if (mode + 1 != m->last) m->run = 0;
+    m->last = mode + 1;
+    if (m->run < RPC_SHM_MODE_SETTLE) {
+      m->run++;
+      mode |= RPC_SHM_UNSETTLED;
+    }
+  }
+  rpc__mode_unlock(m);
+  return mode;
+}
+
+void rpc_shm_mode_wrote(rpc_shm_mode *m, int pick, size_t len, uint64_t ns) {
+  if (len < RPC_SHM_STREAM_MIN || pick < 0 || pick > (RPC_SHM_STREAMED | RPC_SHM_UNSETTLED)) return;
+  int mode = pick & RPC_SHM_STREAMED;
+  rpc__mode_lock(m);
+  m->count[mode]++;
+  if (!(pick & RPC_SHM_UNSETTLED))
+    rpc__mode_avg(&m->write[mode], &m->nwrite[mode], (double)ns / (double)len);
+  rpc__mode_unlock(m);
+}
+
+void rpc_shm_mode_read(rpc_shm_mode *m, const uint64_t bytes[2], uint64_t ns) {
+  if (ns == 0) return;
+  rpc__mode_lock(m);
+  m->heard++;
+  /* Only a push written in one mode tells that mode's cost. */
+  int mode = bytes[RPC_SHM_PLAIN] == 0 ? RPC_SHM_STREAMED : RPC_SHM_PLAIN;
+  if (bytes[mode] > 0 && bytes[!mode] == 0)
+    rpc__mode_avg(&m->read[mode], &m->nread[mode], (double)ns / (double)bytes[mode]);
+  rpc__mode_unlock(m);
+}
+
+static rpc_shm_mode *rpc__shm_mode(rpc_shm *s) {
+  return s->mode != NULL ? s->mode : &s->wmode;
+}
+
+void rpc_shm_wrote(rpc_shm *s, int pick, uint64_t len) {
+  if (len < RPC_SHM_STREAM_MIN || pick < 0 || pick > (RPC_SHM_STREAMED | RPC_SHM_UNSETTLED)) return;
+  s->wrote[pick & RPC_SHM_STREAMED] += len;
+  s->unsettled |= (pick & RPC_SHM_UNSETTLED) != 0;
+}
+
 size_t rpc_shm_put(rpc_shm *s, Precond__V1__PackedMatrix *m, Precond__V1__ShmRef *ref) {
   const uint8_t *src = m->data.data;
   size_t len = m->data.len;
-  int stream = rpc_shm_streams(s, len);
   unsigned char *dst = rpc_shm_slot(s, m, len, ref);
   if (dst == NULL) return 0;
-  if (stream)
+  rpc_shm_mode *md = rpc__shm_mode(s);
+  int pick = rpc_shm_mode_pick(md, s->map, len);
+  if (len < RPC_SHM_STREAM_MIN) {
+    memcpy(dst, src, len);
+    return len;
+  }
+  uint64_t t0 = rpc_shm_thread_ns();
+  if (pick & RPC_SHM_STREAMED)
     rpc_shm_write(dst, src, len);
   else
     memcpy(dst, src, len);
+  rpc_shm_mode_wrote(md, pick, len, rpc_shm_thread_ns() - t0);
+  rpc_shm_wrote(s, pick, len);
   return len;
 }
 
@@ -733,6 +886,14 @@ void rpc_shm_bell_answer(unsigned char *map, size_t bytes, const rpc_shm_bell *b
   rpc_shm_signal(&h->answered, b->bell, &h->answer_wait); /* after the answer's bytes */
 }
 
+size_t rpc_shm_bell_cpu_append(unsigned char *out, size_t len, size_t cap, uint64_t ns) {
+  Precond__V1__PushResponse r = PRECOND__V1__PUSH_RESPONSE__INIT;
+  r.bell_cpu_ns = ns; /* the only field set: its packing is that one field */
+  size_t more = ns != 0 ? precond__v1__push_response__get_packed_size(&r) : 0;
+  if (more == 0 || len > cap || cap - len < more) return len;
+  return len + precond__v1__push_response__pack(&r, out + len);
+}
+
 #if defined(__linux__)
 #ifndef F_OFD_GETLK /* <fcntl.h> declares them for _GNU_SOURCE only; Linux's numbers */
 #define F_OFD_GETLK 36
@@ -824,6 +985,11 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   if (!s || !req || !s->map || !s->bell || s->npend >= RPC_SHM_QUEUE || (s->npend > 0 && !s->queue))
     return RPC_EINVAL;
   rpc_shm_head *h = (void *)s->map;
+  /* The large writes since the last ring are this request's (none for a fetch). */
+  uint64_t wrote[2] = {s->wrote[0], s->wrote[1]};
+  int unsettled = s->unsettled;
+  s->wrote[0] = s->wrote[1] = 0;
+  s->unsettled = 0;
   /* The head holds one request: the previous one's fields must have been read. With none
    * pending the daemon answered every bell, and it takes a head before it answers. */
   int rc = s->npend > 0 ? rpc__shm_wait(s, &h->taken, s->rung, &h->taken_wait, NULL, deadline_ms,
@@ -863,6 +1029,8 @@ static int rpc__shm_ring(rpc_shm *s, uint32_t method, uint32_t reply_cap,
   s->pend[s->npend].reply = reply;
   s->pend[s->npend].cap = reply_cap;
   s->pend[s->npend].start = s->push_start;
+  memcpy(s->pend[s->npend].wrote, wrote, sizeof wrote);
+  s->pend[s->npend].unsettled = unsettled;
   s->npend++;
   if (s->push_end != 0) {
     /* The push takes what rpc_shm_begin reserved, whatever its request took of it: pushes
@@ -893,7 +1061,8 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
   int rc = rpc__shm_wait(s, &h->answered, s->pend[0].bell, &h->answer_wait, &s->pace, deadline_ms,
                          status, details);
   if (rc != RPC_OK) return rc;
-  uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap;
+  uint64_t reply = s->pend[0].reply, cap = s->pend[0].cap, wrote[2] = {0, 0};
+  if (!s->pend[0].unsettled) memcpy(wrote, s->pend[0].wrote, sizeof wrote); /* else: no credit */
   s->npend--;
   memmove(&s->pend[0], &s->pend[1], s->npend * sizeof s->pend[0]);
   uint32_t code, n;
@@ -916,6 +1085,9 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
     if (details) *details = strdup("the daemon's answer at the doorbell does not parse");
     return RPC_EPARSE;
   }
+  if (resp_desc == &precond__v1__push_response__descriptor)
+    rpc_shm_mode_read(rpc__shm_mode(s), wrote,
+                      ((const Precond__V1__PushResponse *)*resp)->bell_cpu_ns);
   if (details) *details = strdup("");
   return RPC_OK;
 }

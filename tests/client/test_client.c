@@ -594,6 +594,8 @@ static void region_slots_twins(int answer_wait) {
     precond_get_counters(cg, &kg);
     assert_int_equal(kg.region_slots, 1); /* the slot written was in the region */
     assert_int_equal(kg.sent, 1);
+    /* its 2 MiB part written in one mode or the other (session 16) */
+    assert_int_equal(kg.region_streamed + kg.region_plain, 1);
     assert_int_equal(kg.pushes_posted, answer_wait ? 0 : 1);
     free(src);
     precond_close(cg);

@@ -1922,6 +1922,7 @@ static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, ui
   ProtobufCMessage *resp = NULL;
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
   char *details = NULL;
+  uint64_t heard = v->wmode.heard;
   int rc = rpc_shm_call(v, &q.req.base, &precond__v1__push_response__descriptor, 20000, &resp,
                         &code, &details);
   assert_true(rc == RPC_OK || rc == RPC_ESTATUS);
@@ -1929,6 +1930,9 @@ static grpc_status_code bell_push(rpc_shm *v, const char *job, uint64_t step, ui
   free(details);
   if (rc == RPC_OK) {
     assert_int_equal(((Precond__V1__PushResponse *)resp)->accepted, 1);
+    /* The daemon's CPU for the push (session 16), taken in by the region's mode. */
+    assert_true(((Precond__V1__PushResponse *)resp)->bell_cpu_ns > 0);
+    assert_int_equal(v->wmode.heard, heard + 1);
     protobuf_c_message_free_unpacked(resp, NULL);
     rpc_shm_rewind(v);
   }
@@ -2322,12 +2326,13 @@ static void stop_and_check_two_jobs(daemon_t *d, uint64_t step, float *el, float
   remove_tree(d->p.dir);
 }
 
-/* Pushes whose factors rpc_shm_put streams into the slots (non-temporal stores: each factor
- * of a 724 block is just over RPC_SHM_STREAM_MIN) fold to the statistics that the same
- * pushes as bytes fold to, bit for bit, and to pc_stat_update_f32's: two steps of EMA,
- * through the region (libprecond's stamped, unchecked slots, read in place by the fold) and
- * as bytes, compared in the daemon's final snapshot. No roots (--threads 0): a 724 root
- * would only slow the test down. */
+/* Pushes whose factors rpc_shm_put writes into the slots in each mode, forced (session 16,
+ * rpc_shm_mode: step 1 streamed, non-temporal stores; step 2 plain; step 3 measured; each
+ * factor of a 724 block is just over RPC_SHM_STREAM_MIN) fold to the statistics that the
+ * same pushes as bytes fold to, bit for bit, and to pc_stat_update_f32's: three steps of
+ * EMA, through the region (libprecond's stamped, unchecked slots, read in place by the
+ * fold) and as bytes, compared in the daemon's final snapshot. No roots (--threads 0): a
+ * 724 root would only slow the test down. */
 static void test_shm_streamed_push(void **state) {
   (void)state;
   daemon_t d = {0};
@@ -2349,7 +2354,11 @@ static void test_shm_streamed_push(void **state) {
   float *el = calloc(cnt, sizeof *el), *er = calloc(cnt, sizeof *er);
   assert_non_null(el);
   assert_non_null(er);
-  for (uint64_t step = 1; step <= 2; step++) {
+  const int force[3] = {RPC_SHM_FORCE_STREAMED, RPC_SHM_FORCE_PLAIN, 0};
+  int can = __builtin_cpu_supports("avx") != 0;
+  for (uint64_t step = 1; step <= 3; step++) {
+    v.wmode.force = force[step - 1];
+    uint64_t was[2] = {v.wmode.count[0], v.wmode.count[1]};
     float *sl = random_stat(n, 30 + step), *sr = random_stat(n, 40 + step);
     Precond__V1__PackedMatrix l = PRECOND__V1__PACKED_MATRIX__INIT,
                               r = PRECOND__V1__PACKED_MATRIX__INIT;
@@ -2360,6 +2369,12 @@ static void test_shm_streamed_push(void **state) {
     l.data.len = r.data.len = len;
     assert_int_equal(rpc_shm_put(&v, &l, &rl), len);
     assert_int_equal(rpc_shm_put(&v, &r, &rr), len);
+    if (step < 3) { /* both factors in the mode forced (plain where streaming cannot be) */
+      int mode = step == 1 && can ? RPC_SHM_STREAMED : RPC_SHM_PLAIN;
+      assert_int_equal(v.wmode.count[mode], was[mode] + 2);
+      assert_int_equal(v.wrote[mode], 2 * len);
+    }
+    v.wrote[0] = v.wrote[1] = 0; /* no doorbell here: nothing takes them to a ring */
     assert_memory_equal(g.map + rl.offset, sl, len);
     assert_memory_equal(g.map + rr.offset, sr, len);
     Precond__V1__BlockStatistics b = PRECOND__V1__BLOCK_STATISTICS__INIT;
@@ -2372,7 +2387,7 @@ static void test_shm_streamed_push(void **state) {
     push_bytes_and_expect(&d, "viabytes", step, n, sl, sr, el, er, msg);
   }
   close_region(&g);
-  stop_and_check_two_jobs(&d, 2, el, er, len);
+  stop_and_check_two_jobs(&d, 3, el, er, len);
 }
 
 /* Pushes rung at the doorbell while each side waits in each of its ways (session 12,

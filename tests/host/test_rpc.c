@@ -614,6 +614,153 @@ static void test_shm_streams(void **state) {
   munmap(map, s.bytes);
 }
 
+/* rpc_shm_mode's pushes fed synthetic costs (ns per byte by mode: the writer's w, the
+ * daemon's r): n large writes, each a push of its own written in the mode picked, its
+ * write and the daemon's figure reported as a writer and rpc_shm_collect do; a write just
+ * after a change of mode (RPC_SHM_UNSETTLED) costs 20x (the slots as the other mode left
+ * them). Returns in got how many went in each mode, in *unsettled (NULL: not wanted) how
+ * many were flagged. */
+static void mode_feed(rpc_shm_mode *m, const void *map, int n, const double w[2], const double r[2],
+                      uint64_t got[2], int *unsettled) {
+  const size_t len = RPC_SHM_STREAM_MIN;
+  got[0] = got[1] = 0;
+  for (int i = 0; i < n; i++) {
+    int pick = rpc_shm_mode_pick(m, map, len), mode = pick & RPC_SHM_STREAMED;
+    assert_true((pick & ~(RPC_SHM_STREAMED | RPC_SHM_UNSETTLED)) == 0);
+    double x = pick & RPC_SHM_UNSETTLED ? 20.0 : 1.0;
+    if (unsettled) *unsettled += (pick & RPC_SHM_UNSETTLED) != 0;
+    rpc_shm_mode_wrote(m, pick, len, (uint64_t)(x * w[mode] * (double)len));
+    uint64_t bytes[2] = {0, 0};
+    if (!(pick & RPC_SHM_UNSETTLED)) bytes[mode] = len; /* rpc_shm_collect's rule */
+    rpc_shm_mode_read(m, bytes, (uint64_t)(x * r[mode] * (double)len));
+    got[mode]++;
+  }
+}
+
+/* rpc_shm_mode (session 16): before the daemon's first figure (an older daemon) the rule
+ * before (rpc_shm_streams_at); then probe blocks in turn; then the cheaper sum of write and
+ * read, the other mode one block a period; a change of costs followed within a period; a
+ * single outlier or a push of mixed modes tips nothing; near-equal costs are not swapped at
+ * every probe; small writes plain; a forced mode kept. */
+static void test_shm_mode(void **state) {
+  (void)state;
+  if (!__builtin_cpu_supports("avx")) { /* no streaming stores: every write plain */
+    rpc_shm_mode m = {0};
+    assert_int_equal(rpc_shm_mode_pick(&m, NULL, 4 * RPC_SHM_STREAM_MIN), RPC_SHM_PLAIN);
+    return;
+  }
+  const int block = RPC_SHM_MODE_BLOCK, period = RPC_SHM_MODE_EVERY * RPC_SHM_MODE_BLOCK;
+  unsigned char head[RPC_SHM_PUSH_RING] = {0};
+  rpc_shm_head *h = (void *)head;
+  rpc_shm_mode m = {0};
+  uint64_t got[2];
+  /* No figure yet: the rule before (daemon_cpu 0: not known, streamed), counted, no probe. */
+  assert_int_equal(rpc_shm_mode_pick(&m, head, RPC_SHM_STREAM_MIN - 1), RPC_SHM_PLAIN);
+  assert_int_equal(rpc_shm_mode_pick(&m, head, RPC_SHM_STREAM_MIN), RPC_SHM_STREAMED);
+  h->daemon_cpu = (uint32_t)rpc_shm_cpu() + 1; /* on this CPU now (or a moment ago) */
+  int here = rpc_shm_streams_at(head, RPC_SHM_STREAM_MIN);
+  assert_int_equal(rpc_shm_mode_pick(&m, head, RPC_SHM_STREAM_MIN), here);
+  uint64_t none[2] = {RPC_SHM_STREAM_MIN, 0};
+  rpc_shm_mode_read(&m, none, 0); /* an answer without the figure */
+  assert_int_equal(m.heard, 0);
+  assert_int_equal(m.ticks, 0);
+  assert_int_equal(rpc_shm_mode_chosen(&m), -1);
+  h->daemon_cpu = 0;
+
+  /* Plain cheaper (this session's host: 0.03 + 0.05 against 0.04 + 0.07 ns per byte). */
+  const double w1[2] = {0.03, 0.04}, r1[2] = {0.05, 0.07};
+  mode_feed(&m, head, 1, w1, r1, got, NULL); /* the first figure comes with this answer */
+  assert_int_equal(m.heard, 1);
+  assert_int_equal(m.ticks, 0); /* still the rule before */
+  mode_feed(&m, head, RPC_SHM_MODE_PROBE * block, w1, r1, got, NULL);
+  assert_int_equal(got[RPC_SHM_PLAIN], RPC_SHM_MODE_PROBE / 2 * block); /* in turn */
+  assert_int_equal(got[RPC_SHM_STREAMED], RPC_SHM_MODE_PROBE / 2 * block);
+  int flagged = 0;
+  mode_feed(&m, head, 2 * period, w1, r1, got, &flagged);
+  assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_PLAIN);
+  /* The first writes after each change of mode flagged (back from the probes to plain,
+   * into and out of each period's probe block), their 20x costs left out. */
+  assert_int_equal(flagged, 5 * RPC_SHM_MODE_SETTLE);
+  assert_int_equal(got[RPC_SHM_STREAMED], 2 * block); /* one block a period */
+  assert_int_equal(got[RPC_SHM_PLAIN], 2 * period - 2 * block);
+  assert_int_equal(m.switches, 1);
+
+  /* One push 10x dearer, and pushes of mixed modes very cheap: nothing tips. */
+  double w10[2] = {0.3, 0.04}, r10[2] = {0.5, 0.07};
+  mode_feed(&m, head, 1, w10, r10, got, NULL);
+  assert_int_equal(got[RPC_SHM_PLAIN], 1);
+  uint64_t mixed[2] = {RPC_SHM_STREAM_MIN, RPC_SHM_STREAM_MIN};
+  uint32_t nread = m.nread[RPC_SHM_STREAMED];
+  for (int i = 0; i < 50; i++) rpc_shm_mode_read(&m, mixed, 1);
+  assert_int_equal(m.nread[RPC_SHM_STREAMED], nread);
+  mode_feed(&m, head, period, w1, r1, got, NULL);
+  assert_int_equal(got[RPC_SHM_STREAMED], block);
+  assert_int_equal(m.switches, 1);
+
+  /* The host changes (streamed cheaper now): followed once the next probe block is
+   * measured, not before (plain's figures are weighed against fresh ones only). */
+  const double w2[2] = {0.06, 0.04}, r2[2] = {0.09, 0.05};
+  int to_probe = period - (int)(m.ticks % (uint64_t)period) - block; /* its first write */
+  mode_feed(&m, head, to_probe, w2, r2, got, NULL);
+  assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_PLAIN);
+  assert_int_equal(got[RPC_SHM_PLAIN], to_probe);
+  mode_feed(&m, head, block + 1, w2, r2, got, NULL); /* the probe block, the next write */
+  assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_STREAMED);
+  assert_int_equal(got[RPC_SHM_STREAMED], block + 1);
+  mode_feed(&m, head, period - to_probe - block - 1, w2, r2, got, NULL);
+  mode_feed(&m, head, period, w2, r2, got, NULL);
+  assert_int_equal(got[RPC_SHM_PLAIN], block);
+  assert_int_equal(got[RPC_SHM_STREAMED], period - block);
+  assert_int_equal(m.switches, 2);
+
+  /* About equal (1% apart, under RPC_SHM_MODE_MARGIN), jittering: no swap at every probe. */
+  const double w3[2] = {0.05, 0.0505}, r3[2] = {0.05, 0.05}; /* plain 0.5% cheaper */
+  mode_feed(&m, head, 4 * period, w3, r3, got, NULL);
+  assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_STREAMED);
+  assert_int_equal(m.switches, 2);
+
+  /* Forced: that mode, whatever the figures; the writes still counted. */
+  uint64_t before = m.count[RPC_SHM_PLAIN];
+  m.force = RPC_SHM_FORCE_PLAIN;
+  mode_feed(&m, head, 3 * period, w1, r1, got, NULL);
+  assert_int_equal(got[RPC_SHM_PLAIN], 3 * period);
+  assert_int_equal(m.count[RPC_SHM_PLAIN], before + 3 * period);
+  m.force = RPC_SHM_FORCE_STREAMED;
+  mode_feed(&m, head, period, w1, r1, got, NULL);
+  assert_int_equal(got[RPC_SHM_STREAMED], period);
+}
+
+/* PRECOND_SHM_WRITE, read once: "plain" forces plain stores (no other test reads it). */
+static void test_shm_write_force(void **state) {
+  (void)state;
+  assert_int_equal(setenv("PRECOND_SHM_WRITE", "plain", 1), 0);
+  assert_int_equal(rpc_shm_write_force(), RPC_SHM_FORCE_PLAIN);
+  assert_int_equal(setenv("PRECOND_SHM_WRITE", "streamed", 1), 0);
+  assert_int_equal(rpc_shm_write_force(), RPC_SHM_FORCE_PLAIN); /* read once */
+  unsetenv("PRECOND_SHM_WRITE");
+}
+
+/* rpc_shm_bell_cpu_append: the daemon's figure appended to a packed PushResponse parses
+ * with the message's own fields; not appended without room, or with no figure. */
+static void test_shm_bell_cpu_append(void **state) {
+  (void)state;
+  Precond__V1__PushResponse r = PRECOND__V1__PUSH_RESPONSE__INIT;
+  r.accepted = 3;
+  r.daemon_epoch = 77;
+  unsigned char out[64];
+  size_t n = precond__v1__push_response__pack(&r, out);
+  size_t m = rpc_shm_bell_cpu_append(out, n, sizeof out, 123456789);
+  assert_true(m > n);
+  Precond__V1__PushResponse *u = precond__v1__push_response__unpack(NULL, m, out);
+  assert_non_null(u);
+  assert_int_equal(u->accepted, 3);
+  assert_int_equal(u->daemon_epoch, 77);
+  assert_int_equal(u->bell_cpu_ns, 123456789);
+  precond__v1__push_response__free_unpacked(u, NULL);
+  assert_int_equal(rpc_shm_bell_cpu_append(out, n, n + 2, 123456789), n); /* no room */
+  assert_int_equal(rpc_shm_bell_cpu_append(out, n, sizeof out, 0), n);
+}
+
 /* The doorbell's waits (rpc.h: rpc_shm_nap, rpc_shm_sleep, rpc_shm_signal; session 12), as
  * the client and the daemon's doorbell thread wait: two threads hand a count back and
  * forth, the expected wait forced in turn to each way of waiting (no nap, a spin, naps,
@@ -1006,6 +1153,9 @@ int main(void) {
       cmocka_unit_test(test_shm_client),
       cmocka_unit_test(test_shm_write),
       cmocka_unit_test(test_shm_streams),
+      cmocka_unit_test(test_shm_mode),
+      cmocka_unit_test(test_shm_write_force),
+      cmocka_unit_test(test_shm_bell_cpu_append),
       cmocka_unit_test(test_shm_bell),
       cmocka_unit_test(test_shm_pace),
       cmocka_unit_test(test_shm_queue),
