@@ -211,6 +211,10 @@ static int from_grpc(grpc_status_code code) {
     case GRPC_STATUS_UNAUTHENTICATED:
     case GRPC_STATUS_PERMISSION_DENIED:
       return PRECOND_EAUTH;
+    case GRPC_STATUS_DATA_LOSS:
+      /* A vouched push refused torn (session 16): folded in part already, so neither sent
+       * again nor split into one block a push (settle), only counted. */
+      return PRECOND_EINVAL;
     default:
       return PRECOND_EPROTO;
   }

@@ -750,14 +750,14 @@ static void pd__push(pd_daemon *d, Precond__V1__PushRequest *req, pd_reply *rep)
     }
     if (prc == PD_ENOMEM)
       pd__fail(rep, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
-    else if (no.why == PD_FOLD_VOUCH)
-      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+    else if (no.why == PD_FOLD_VOUCH) /* DATA_LOSS: folded in part, not to be sent again */
+      pd__fail(rep, GRPC_STATUS_DATA_LOSS,
                "blocks[%zu].%s.shm.vouched: a value at or above 2^125 in magnitude, NaN or Inf "
                "under the vouch; the push is refused torn: its values within the vouch were "
                "folded, the statistic kept its own elsewhere (all finite)",
                no.block, names[no.part]);
     else if (no.why == PD_FOLD_CHANGED && no.torn)
-      pd__fail(rep, GRPC_STATUS_INVALID_ARGUMENT,
+      pd__fail(rep, GRPC_STATUS_DATA_LOSS,
                "blocks[%zu].%s.shm.vouched: " PD_SHM_OVERWRITTEN
                " against the region's promise (holds_vouched); the push is refused torn: it "
                "was folded as read (all finite)",

@@ -740,14 +740,14 @@ static void test_shm_awaited_paced(void **state) {
   twins_end(cw, cb);
 }
 
-/* Vouched slots (session 16), a 768 x 4 block (its left factor 1.2 MB: the streamed copy):
- * the client registers job at beta2 over transport t (regions of 16 MiB). */
+/* Vouched slots (session 16), two 768 x 4 blocks (a left factor of 1.2 MB: the streamed
+ * copy): the client registers job at beta2 over transport t (regions of 16 MiB). */
 static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
   precond_options o;
   options_for(&o, t, 16 << 20);
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
-  const uint64_t shape[2] = {768, 4};
+  const uint64_t shape[2] = {1536, 4};
   precond_tensor w = {"w", 2, shape};
   precond_shampoo_opts so = {.block_size = 768, .beta2 = beta2};
   precond_layout l;
@@ -757,10 +757,11 @@ static precond_client *vouch_client(precond_transport t, const char *job, float 
   return c;
 }
 
-/* A push of step into a slot of c's 768 x 4 block, both parts by precond_push_copy (vouched
+/* A slot of step for c's 768 x 4 block b, both parts written by precond_push_copy (vouched
  * where the slot is in the region): small values of seed and a dominant diagonal; lie: a
  * NaN and 1e38 (>= 2^125) written into the left part after its copy. */
-static void vouch_push(precond_client *c, uint64_t step, unsigned seed, int lie) {
+static precond_push_slot *vouch_slot(precond_client *c, uint64_t step, uint32_t b, unsigned seed,
+                                     int lie) {
   const size_t c0 = (size_t)768 * 769 / 2, c1 = (size_t)4 * 5 / 2;
   float *src = malloc((c0 + c1) * sizeof(float)), *p0 = NULL, *p1 = NULL;
   assert_non_null(src);
@@ -768,25 +769,34 @@ static void vouch_push(precond_client *c, uint64_t step, unsigned seed, int lie)
   for (uint32_t i = 0, k = 0; i < 768; k += 768 - i, i++) src[k] += 1.0f; /* the diagonal */
   for (uint32_t i = 0, k = 0; i < 4; k += 4 - i, i++) src[c0 + k] += 1.0f;
   precond_push_slot *slot = NULL;
-  assert_int_equal(precond_push_begin(c, step, 0, 768, 4, &p0, &p1, &slot), PRECOND_OK);
+  assert_int_equal(precond_push_begin(c, step, b, 768, 4, &p0, &p1, &slot), PRECOND_OK);
   precond_push_copy(slot, p0, src, c0);
   precond_push_copy(slot, p1, src + c0, c1);
   if (lie) {
     p0[3] = NAN;
     p0[c0 - 1] = 1e38f;
   }
-  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
-  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
   free(src);
+  return slot;
+}
+
+/* Both blocks of c at step in one commit (one batch); lie: block 1's slot lies. */
+static void vouch_step(precond_client *c, uint64_t step, int lie) {
+  precond_push_slot *s[2] = {vouch_slot(c, step, 0, (unsigned)step, 0),
+                             vouch_slot(c, step, 1, (unsigned)step + 100, lie)};
+  assert_int_equal(precond_push_commit_all(c, s, 2), PRECOND_OK);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
 }
 
 /* Slots written by precond_push_copy are vouched for and the client promises at ShmOpen to
  * hold them until answered (session 16): the daemon folds them in place with no spare. The
  * EMA's and the sums' roots are the gRPC twins' bit for bit after four pushes. A false
- * vouch (a NaN and 1e38 written after the copy) is refused torn: counted in the daemon's
- * torn_pushes and the client's push_errors, its message naming the field; that job's
- * statistic stays finite (the next push's roots are published) and the other jobs, in the
- * same daemon, are untouched (still their twins' bits). */
+ * vouch (a NaN and 1e38 written after the copy into block 1's slot, committed with block
+ * 0's) is refused torn: counted in the daemon's torn_pushes and the client's push_errors
+ * (both blocks), its message naming the field, and not sent again (block 0, folded once in
+ * the torn push, is still the honest sums' bits); block 1's statistic stays finite (the
+ * next push's roots are published) and the other jobs, in the same daemon, are untouched
+ * (still their twins' bits). */
 static void test_shm_region_vouched(void **state) {
   (void)state;
   const char *extra[] = {"--drift-threshold", "0", NULL};
@@ -799,32 +809,39 @@ static void test_shm_region_vouched(void **state) {
   for (int j = 0; j < 5; j++)
     if (j != 2 && j != 3) wait_region(c[j]);
   for (uint64_t step = 1; step <= 4; step++)
-    for (int j = 0; j < 5; j++) vouch_push(c[j], step, (unsigned)step, j == 4 && step == 3);
+    for (int j = 0; j < 5; j++) vouch_step(c[j], step, j == 4 && step == 3);
   const size_t c0 = (size_t)768 * 769 / 2, c1 = (size_t)4 * 5 / 2;
+  /* (the EMA, its twin), (the sums, theirs), (the liar's block 0, the sums' block 0) */
+  const int pair[3][2] = {{0, 2}, {1, 3}, {4, 1}};
+  for (int j = 0; j < 3; j++)
+    for (uint32_t b = 0; b < (j < 2 ? 2u : 1u); b++) {
+      uint64_t va = 0, vb = 0;
+      const precond_roots *ra = wait_step(c[pair[j][0]], b, 4, &va),
+                          *rb = wait_step(c[pair[j][1]], b, 4, &vb);
+      assert_memory_equal(ra->left, rb->left, c0 * sizeof(float));
+      assert_memory_equal(ra->right, rb->right, c1 * sizeof(float));
+      precond_roots_release(ra);
+      precond_roots_release(rb);
+    }
   for (int j = 0; j < 2; j++) {
-    uint64_t va = 0, vb = 0;
-    const precond_roots *ra = wait_step(c[j], 0, 4, &va), *rb = wait_step(c[j + 2], 0, 4, &vb);
-    assert_memory_equal(ra->left, rb->left, c0 * sizeof(float));
-    assert_memory_equal(ra->right, rb->right, c1 * sizeof(float));
-    precond_roots_release(ra);
-    precond_roots_release(rb);
     precond_counters k;
     precond_get_counters(c[j], &k);
-    assert_int_equal(k.region_slots, 4);
-    assert_int_equal(k.sent, 4);
+    assert_int_equal(k.region_slots, 8);
+    assert_int_equal(k.sent, 8);
     assert_int_equal(k.push_errors, 0);
   }
   precond_counters k;
   precond_get_counters(c[4], &k);
-  assert_int_equal(k.region_slots, 4);
-  assert_int_equal(k.sent, 3);
-  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.region_slots, 8);
+  assert_int_equal(k.sent, 6);
+  assert_int_equal(k.push_errors, 2);
   char e[512];
   precond_last_error(c[4], e, sizeof e);
-  assert_non_null(strstr(e, "blocks[0].left.shm.vouched"));
+  assert_non_null(strstr(e, "DATA_LOSS"));
+  assert_non_null(strstr(e, "blocks[1].left.shm.vouched"));
   assert_non_null(strstr(e, "torn"));
   uint64_t v = 0;
-  const precond_roots *r = wait_step(c[4], 0, 4, &v); /* published: finite */
+  const precond_roots *r = wait_step(c[4], 1, 4, &v); /* published: finite */
   for (size_t i = 0; i < c0; i++) assert_true(isfinite(r->left[i]));
   precond_roots_release(r);
   precond_stats st;

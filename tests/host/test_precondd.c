@@ -1827,12 +1827,12 @@ static void test_shm_vouched(void **state) {
   assert_int_equal(do_push(&d, "bytes", 2, &lie, 1, NULL, want), GRPC_STATUS_INVALID_ARGUMENT);
   assert_string_equal(msg, want); /* blocks[0].left.data: NaN or Inf ... nothing stored */
   assert_int_equal(shm_push_stamped(&d, &held, "held", 2, n, bad, sr, 0, 1, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+                   GRPC_STATUS_DATA_LOSS);
   assert_non_null(strstr(msg, "blocks[0].left.shm.vouched: a value at or above 2^125"));
   assert_non_null(strstr(msg, "refused torn"));
   /* a vouched slot overwritten during the fold, against the promise: torn too */
   assert_int_equal(shm_push_stamped(&d, &held, "held", 3, n, sl, sr, 1, 1, msg),
-                   GRPC_STATUS_INVALID_ARGUMENT);
+                   GRPC_STATUS_DATA_LOSS);
   assert_non_null(strstr(msg, "blocks[0].left.shm.vouched: overwritten by a later push"));
   Precond__V1__StatsResponse *st = get_stats(&d, "held");
   assert_int_equal(st->torn_pushes, 2);
