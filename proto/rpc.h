@@ -385,18 +385,19 @@ double rpc_shm_nap_max_us(void);
 #define RPC_SHM_FORCE_PLAIN    1 /* rpc_shm_mode.force (0: measured) */
 #define RPC_SHM_FORCE_STREAMED 2
 typedef struct {
-  int force;                    /* 0, RPC_SHM_FORCE_PLAIN or _STREAMED (PRECOND_SHM_WRITE) */
-  unsigned char busy;           /* the spin lock */
-  uint64_t ticks;               /* large writes decided by measurement (the probes' clock) */
-  uint64_t heard;               /* answers that carried the daemon's figure */
-  double write[2];              /* by mode: the writer's ns per byte, a moving average */
-  double read[2];               /* by mode: the daemon's ns per byte, a moving average */
-  uint32_t nwrite[2], nread[2]; /* figures taken into each */
-  uint64_t count[2];            /* large writes by mode, whatever chose them (rpc_shm_mode_wrote) */
-  int chosen;                   /* 1 + the mode measurement chose last (0: none yet) */
-  int last;                     /* 1 + the mode of the last write measured (0: none yet) */
-  int run;                      /* writes in that mode in a row, up to RPC_SHM_MODE_SETTLE */
-  uint64_t switches;            /* times that choice changed (the first included) */
+  int force;                       /* 0, RPC_SHM_FORCE_PLAIN or _STREAMED (PRECOND_SHM_WRITE) */
+  unsigned char busy;              /* the spin lock */
+  uint64_t ticks;                  /* large writes decided by measurement (the probes' clock) */
+  uint64_t heard;                  /* answers that carried the daemon's figure */
+  double write[2];                 /* by mode: the writer's ns per byte, a moving average */
+  double read[2];                  /* by mode: the daemon's ns per byte, a moving average */
+  double wlast[2][2], rlast[2][2]; /* by mode: the last two figures of each (a median) */
+  uint32_t nwrite[2], nread[2];    /* figures taken into each */
+  uint64_t count[2]; /* large writes by mode, whatever chose them (rpc_shm_mode_wrote) */
+  int chosen;        /* 1 + the mode measurement chose last (0: none yet) */
+  int last;          /* 1 + the mode of the last write measured (0: none yet) */
+  int run;           /* writes in that mode in a row, up to RPC_SHM_MODE_SETTLE */
+  uint64_t switches; /* times that choice changed (the first included) */
 } rpc_shm_mode;
 
 /* PRECOND_SHM_WRITE of the environment, read once: "streamed" RPC_SHM_FORCE_STREAMED,

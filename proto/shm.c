@@ -590,14 +590,22 @@ static void rpc__mode_unlock(rpc_shm_mode *m) {
 }
 
 /* A moving average: the first figure as it is, then a quarter of each new one, so that a
- * probe block (RPC_SHM_MODE_BLOCK figures) replaces most of what an old one left. A figure
- * counts at most 1.5x the average: on a loaded machine a push now and then costs several
- * times the others (the core taken by another process's cache traffic), and one such would
- * otherwise tip the choice for a whole period; a real rise still gets through in a block
- * (1.125x a figure, 2.6x over eight). */
-static void rpc__mode_avg(double *avg, uint32_t *n, double x) {
-  if (*n > 0 && x > 1.5 * *avg) x = 1.5 * *avg;
-  *avg = *n == 0 ? x : *avg + 0.25 * (x - *avg);
+ * probe block (RPC_SHM_MODE_BLOCK figures) replaces most of what an old one left. What
+ * goes in is the median of the figure and the two before it (last[]), at most 1.5x the
+ * average: on a loaded machine a push now and then costs several times the others (the
+ * core taken by another process's cache traffic), and one such would otherwise tip the
+ * choice for a whole period; a real rise still gets through in a block (1.125x a figure,
+ * 2.6x over eight). */
+static void rpc__mode_avg(double *avg, uint32_t *n, double last[2], double x) {
+  double y = x;
+  if (*n >= 2) { /* the median of three */
+    double lo = last[0] < last[1] ? last[0] : last[1], hi = last[0] + last[1] - lo;
+    y = x < lo ? lo : x > hi ? hi : x;
+  }
+  last[1] = last[0];
+  last[0] = x;
+  if (*n > 0 && y > 1.5 * *avg) y = 1.5 * *avg;
+  *avg = *n == 0 ? y : *avg + 0.25 * (y - *avg);
   if (*n < UINT32_MAX) (*n)++;
 }
 
@@ -673,7 +681,7 @@ void rpc_shm_mode_wrote(rpc_shm_mode *m, int pick, size_t len, uint64_t ns) {
   rpc__mode_lock(m);
   m->count[mode]++;
   if (!(pick & RPC_SHM_UNSETTLED))
-    rpc__mode_avg(&m->write[mode], &m->nwrite[mode], (double)ns / (double)len);
+    rpc__mode_avg(&m->write[mode], &m->nwrite[mode], m->wlast[mode], (double)ns / (double)len);
   rpc__mode_unlock(m);
 }
 
@@ -684,7 +692,8 @@ void rpc_shm_mode_read(rpc_shm_mode *m, const uint64_t bytes[2], uint64_t ns) {
   /* Only a push written in one mode tells that mode's cost. */
   int mode = bytes[RPC_SHM_PLAIN] == 0 ? RPC_SHM_STREAMED : RPC_SHM_PLAIN;
   if (bytes[mode] > 0 && bytes[!mode] == 0)
-    rpc__mode_avg(&m->read[mode], &m->nread[mode], (double)ns / (double)bytes[mode]);
+    rpc__mode_avg(&m->read[mode], &m->nread[mode], m->rlast[mode],
+                  (double)ns / (double)bytes[mode]);
   rpc__mode_unlock(m);
 }
 

@@ -687,8 +687,13 @@ static void test_shm_mode(void **state) {
 
   /* One push 10x dearer, and pushes of mixed modes very cheap: nothing tips. */
   double w10[2] = {0.3, 0.04}, r10[2] = {0.5, 0.07};
+  double avg[2] = {m.write[RPC_SHM_PLAIN], m.read[RPC_SHM_PLAIN]};
   mode_feed(&m, head, 1, w10, r10, got, NULL);
   assert_int_equal(got[RPC_SHM_PLAIN], 1);
+  mode_feed(&m, head, 1, w1, r1, got, NULL);
+  /* the median of three left it out: the averages as they were */
+  assert_true(fabs(m.write[RPC_SHM_PLAIN] - avg[0]) < 1e-9 * avg[0]);
+  assert_true(fabs(m.read[RPC_SHM_PLAIN] - avg[1]) < 1e-9 * avg[1]);
   uint64_t mixed[2] = {RPC_SHM_STREAM_MIN, RPC_SHM_STREAM_MIN};
   uint32_t nread = m.nread[RPC_SHM_STREAMED];
   for (int i = 0; i < 50; i++) rpc_shm_mode_read(&m, mixed, 1);
