@@ -806,8 +806,8 @@ static void *worker_main(void *arg) {
   if (w->shm && ch != NULL) {
     grpc_status_code code;
     char err[256];
-    if (rpc_shm_open_holding(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), g_vouch, &shm,
-                             &code, err, sizeof err) != RPC_OK) {
+    if (rpc_shm_open_holding(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), g_vouch, &shm, &code,
+                             err, sizeof err) != RPC_OK) {
       fprintf(stderr, "bench-daemon: %s\n", err);
       w->failed = 1;
     }
