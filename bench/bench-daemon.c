@@ -300,6 +300,9 @@ static void usage(FILE *f) {
           "                      and the rest, push-lib: the client's other threads, the\n"
           "                      daemon's doorbell thread and its other threads) and both\n"
           "                      threads' sleeps and preemptions per push\n"
+          "  --vouch             the push-shm rows open their regions with the promise and\n"
+          "                      vouch for their slots (ShmRef.vouched, session 16): the\n"
+          "                      daemon's fold without the spare, as push-lib has it\n"
           "  --hist              each cell's calls by latency on stderr, with how many of\n"
           "                      them the client spent mostly on the CPU\n"
           "  --clock wall|cpu    push/fetch and memcpy rates per wall second (default) or per\n"
@@ -494,6 +497,22 @@ static void push_init(push_msg *m, const char *job, uint32_t block, const payloa
  * (stat), and its voluntary and involuntary context switches (status: sleeps, e.g. a
  * futex wait, and preemptions). */
 static int g_account;
+
+/* --vouch (session 16): the push-shm rows' regions are opened with the promise
+ * (rpc_shm_open_holding: each row writes a slot again only after its push's answer, the
+ * ring's own rule) and their fp32 references vouched for where the payload's every value
+ * is below 2^125 (looked at once), as libprecond's push-lib does: the daemon's fold
+ * without the spare on the doorbell's own rows. */
+static int g_vouch;
+
+/* 1 when every value of the fp32 payload is below 2^125 (ShmRef.vouched). */
+static int payload_vouched(const payload *pl) {
+  const float *x = pl->data;
+  uint32_t out = 0;
+  for (size_t i = 0; !pl->bf16 && i < pl->bytes / sizeof(float); i++)
+    out |= rpc_f32_unvouched(x[i]);
+  return !pl->bf16 && !(out & 0x80000000u);
+}
 
 typedef struct {
   double ns, runs, utime, stime, sleeps, preempted;
@@ -787,8 +806,8 @@ static void *worker_main(void *arg) {
   if (w->shm && ch != NULL) {
     grpc_status_code code;
     char err[256];
-    if (rpc_shm_open(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), &shm, &code, err,
-                     sizeof err) != RPC_OK) {
+    if (rpc_shm_open_holding(ch, NULL, CALL_MS, 16 * w->pl->bytes + (1 << 20), g_vouch, &shm, &code,
+                             err, sizeof err) != RPC_OK) {
       fprintf(stderr, "bench-daemon: %s\n", err);
       w->failed = 1;
     }
@@ -870,7 +889,7 @@ static void *worker_main(void *arg) {
         pm.l.data.data = pm.r.data.data = (uint8_t *)w->pl->data;
         pm.l.data.len = pm.r.data.len = w->pl->bytes;
         pm.l.shm = pm.r.shm = NULL;
-        int put = 1;
+        int put = 1, vouched = g_vouch && payload_vouched(w->pl);
         double cw = account ? thread_cpu_s() : 0.0;
         for (int f = 0; f < 2 && put; f++) {
           Precond__V1__PackedMatrix *m = f ? &pm.r : &pm.l;
@@ -881,6 +900,7 @@ static void *worker_main(void *arg) {
             if (at != NULL) memcpy(at, w->pl->data, w->pl->bytes);
             put = at != NULL;
           }
+          refs[f].vouched = vouched;
         }
         if (account) w->write_s += thread_cpu_s() - cw;
         if (!put) {
@@ -2352,6 +2372,9 @@ int main(int argc, char **argv) {
       continue;
     } else if (strcmp(a, "--account") == 0) {
       g_account = 1;
+      continue;
+    } else if (strcmp(a, "--vouch") == 0) {
+      g_vouch = 1;
       continue;
     } else if (strcmp(a, "--hist") == 0) {
       g_hist = 1;
