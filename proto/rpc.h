@@ -370,8 +370,10 @@ double rpc_shm_nap_max_us(void);
  * (rpc_shm_streams_at). From the first figure on, RPC_SHM_MODE_BLOCK writes at a time go
  * in each mode in turn for RPC_SHM_MODE_PROBE blocks (the first two, which first touch the
  * slots' pages, not counted), then the cheaper mode is taken (the rule before if some
- * figure is still missing, e.g. every push mixed modes); one block in RPC_SHM_MODE_EVERY
- * goes in the other mode, so a change of placement or load is followed.
+ * figure is still missing, e.g. every push mixed modes); a block in the other mode comes 8
+ * blocks later, then at gaps doubling to one block in RPC_SHM_MODE_EVERY (back to 8 after
+ * each change of choice), so that a choice the figures got wrong is soon undone and a
+ * change of placement or load followed.
  * Writes below RPC_SHM_STREAM_MIN stay plain and are not counted. Thread-safe (its own spin
  * lock: a region's workers write slots while its background thread reads answers). */
 #define RPC_SHM_MODE_BLOCK     16   /* large writes of one mode in a row while probing */
@@ -397,6 +399,8 @@ typedef struct {
   int chosen;        /* 1 + the mode measurement chose last (0: none yet) */
   int last;          /* 1 + the mode of the last write measured (0: none yet) */
   int run;           /* writes in that mode in a row, up to RPC_SHM_MODE_SETTLE */
+  uint64_t probe_at; /* the block of the next probe in the other mode (0: none yet) */
+  uint64_t gap;      /* blocks from the last probe to it: 8, doubling to EVERY */
   uint64_t switches; /* times that choice changed (the first included) */
 } rpc_shm_mode;
 

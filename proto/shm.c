@@ -647,18 +647,34 @@ int rpc_shm_mode_pick(rpc_shm_mode *m, const void *map, size_t len) {
        * on the threads' clocks): what they cost says nothing of the modes. */
       m->nwrite[0] = m->nwrite[1] = m->nread[0] = m->nread[1] = 0;
     }
-    /* The choice is made again only as a block starts after the probes or a period's probe
-     * block, when both modes' figures are fresh: between, the mode in use, whose figures
-     * follow the load, is not weighed against the other's older ones (on a loaded machine
-     * that swapped the modes back and forth whenever the load rose). */
+    /* Probe blocks in the mode not in use come RPC_SHM_MODE_BLOCK * 8 writes after the
+     * probes, then at gaps doubling up to one block in RPC_SHM_MODE_EVERY (m->probe_at: the
+     * next one's block), so that a choice the first figures got wrong is soon undone. The
+     * choice is made again only as the block after one starts, when both modes' figures
+     * are fresh: between, the mode in use, whose figures follow the load, is not weighed
+     * against the other's older ones (on a loaded machine that swapped the modes back and
+     * forth whenever the load rose). */
+    if (block >= RPC_SHM_MODE_PROBE && m->probe_at == 0) {
+      m->gap = 8;
+      m->probe_at = RPC_SHM_MODE_PROBE + m->gap - 1;
+    }
     if (block >= RPC_SHM_MODE_PROBE && tick % RPC_SHM_MODE_BLOCK == 0 &&
-        (m->chosen == 0 || block % RPC_SHM_MODE_EVERY == 0))
+        (m->chosen == 0 || block == m->probe_at + 1)) {
+      int was = m->chosen;
       rpc__mode_best(m);
+      if (block == m->probe_at + 1) {
+        /* A new choice is checked 8 blocks on again: one probe block caught at a bad
+         * moment would otherwise hold the dearer mode for a whole period. */
+        uint64_t gap = 2 * m->gap < RPC_SHM_MODE_EVERY ? 2 * m->gap : RPC_SHM_MODE_EVERY;
+        m->gap = m->chosen != was ? 8 : gap;
+        m->probe_at += m->gap;
+      }
+    }
     int best = m->chosen - 1;
     if (block < RPC_SHM_MODE_PROBE)
       mode = (int)(block % 2); /* plain first */
     else if (best >= 0)
-      mode = block % RPC_SHM_MODE_EVERY == RPC_SHM_MODE_EVERY - 1 ? !best : best;
+      mode = block == m->probe_at ? !best : best;
     else
       mode = rpc_shm_streams_at(map, len); /* no clean figures: the rule before */
     /* The first writes after a change of mode find the slots as the other mode left them

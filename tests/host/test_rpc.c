@@ -675,15 +675,17 @@ static void test_shm_mode(void **state) {
   mode_feed(&m, head, RPC_SHM_MODE_PROBE * block, w1, r1, got, NULL);
   assert_int_equal(got[RPC_SHM_PLAIN], RPC_SHM_MODE_PROBE / 2 * block); /* in turn */
   assert_int_equal(got[RPC_SHM_STREAMED], RPC_SHM_MODE_PROBE / 2 * block);
+  /* Then probe blocks at gaps of 8, 16, 32 blocks, then every RPC_SHM_MODE_EVERY: blocks
+   * 15, 31, 63, 127, 191 up to block 191's end. */
   int flagged = 0;
-  mode_feed(&m, head, 2 * period, w1, r1, got, &flagged);
+  mode_feed(&m, head, 192 * block - RPC_SHM_MODE_PROBE * block, w1, r1, got, &flagged);
   assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_PLAIN);
-  /* The first writes after each change of mode flagged (back from the probes to plain,
-   * into and out of each period's probe block), their 20x costs left out. */
-  assert_int_equal(flagged, 5 * RPC_SHM_MODE_SETTLE);
-  assert_int_equal(got[RPC_SHM_STREAMED], 2 * block); /* one block a period */
-  assert_int_equal(got[RPC_SHM_PLAIN], 2 * period - 2 * block);
+  assert_int_equal(got[RPC_SHM_STREAMED], 5 * block);
+  assert_int_equal(got[RPC_SHM_PLAIN], (192 - RPC_SHM_MODE_PROBE - 5) * block);
   assert_int_equal(m.switches, 1);
+  /* The first writes after each change of mode flagged (back from the probes to plain, into
+   * and out of each probe block, into the last), their 20x costs left out. */
+  assert_int_equal(flagged, 10 * RPC_SHM_MODE_SETTLE);
 
   /* One push 10x dearer, and pushes of mixed modes very cheap: nothing tips. */
   double w10[2] = {0.3, 0.04}, r10[2] = {0.5, 0.07};
@@ -713,9 +715,11 @@ static void test_shm_mode(void **state) {
   assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_STREAMED);
   assert_int_equal(got[RPC_SHM_STREAMED], block + 1);
   mode_feed(&m, head, period - to_probe - block - 1, w2, r2, got, NULL);
+  /* The new choice checked again at gaps of 8, 16, 32 blocks (probe blocks 327, 343, 375),
+   * then one a period. */
   mode_feed(&m, head, period, w2, r2, got, NULL);
-  assert_int_equal(got[RPC_SHM_PLAIN], block);
-  assert_int_equal(got[RPC_SHM_STREAMED], period - block);
+  assert_int_equal(got[RPC_SHM_PLAIN], 3 * block);
+  assert_int_equal(got[RPC_SHM_STREAMED], period - 3 * block);
   assert_int_equal(m.switches, 2);
 
   /* About equal (1% apart, under RPC_SHM_MODE_MARGIN), jittering: no swap at every probe. */
@@ -723,6 +727,16 @@ static void test_shm_mode(void **state) {
   mode_feed(&m, head, 4 * period, w3, r3, got, NULL);
   assert_int_equal(rpc_shm_mode_chosen(&m), RPC_SHM_STREAMED);
   assert_int_equal(m.switches, 2);
+
+  /* A first choice the probes got wrong (streamed looked cheaper then) is undone at the
+   * first probe after them, 8 blocks on, not a whole period later. */
+  rpc_shm_mode e = {0};
+  mode_feed(&e, head, 1 + RPC_SHM_MODE_PROBE * block, w2, r2, got, NULL);
+  mode_feed(&e, head, 1, w1, r1, got, NULL);
+  assert_int_equal(rpc_shm_mode_chosen(&e), RPC_SHM_STREAMED);
+  mode_feed(&e, head, 8 * block, w1, r1, got, NULL); /* up to block 16's first write */
+  assert_int_equal(rpc_shm_mode_chosen(&e), RPC_SHM_PLAIN);
+  assert_int_equal(got[RPC_SHM_PLAIN], block + 1); /* the probe block, then plain */
 
   /* Forced: that mode, whatever the figures; the writes still counted. */
   uint64_t before = m.count[RPC_SHM_PLAIN];
