@@ -1088,7 +1088,11 @@ static int push_some(precond_client *c) {
   b.bytes = b.shm_bytes = 0;
   for (size_t i = 0; i < b.n; i++) b.bytes += precond__item_bytes(b.items[i]);
   c->inflight += b.n;
-  if (c->queue_waiters > 0) pthread_cond_broadcast(&c->progress);
+  /* A take is news to precond_wait_queued's waiters only when posting: awaited, they wait
+   * for the answer (the take moves blocks from the queue to the inflight count they add
+   * up), and waking one here only put it back to sleep, a futex round trip across cores
+   * per push. */
+  if (c->queue_waiters > 0 && !c->opts.push_answer_wait) pthread_cond_broadcast(&c->progress);
   pthread_mutex_unlock(&c->mu);
 
   uint64_t daemon[2] = {0, 0}, need = 0;
