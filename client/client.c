@@ -1873,6 +1873,14 @@ int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, 
   return st;
 }
 
+/* Part k's vouch given (good) or taken away: the one place a slot's vouch bits change. */
+static void part_vouch(precond__item *it, unsigned k, int good) {
+  if (good)
+    atomic_fetch_or(&it->vouched, 1u << k);
+  else
+    atomic_fetch_and(&it->vouched, ~(1u << k));
+}
+
 /* A region slot's vouch after a copy of count floats to dst (good: all below 2^125): part k
  * is vouched for once a copy wrote it whole with such values; any other copy into it (a
  * part, or a value outside) takes its vouch away. */
@@ -1880,13 +1888,42 @@ static void slot_vouch(precond__item *it, const float *dst, size_t count, int go
   const unsigned char *lo = (const unsigned char *)dst, *hi = lo + count * sizeof(float);
   const unsigned char *part[3] = {it->data, it->data + it->left_bytes,
                                   it->data + it->left_bytes + it->right_bytes};
+  for (unsigned k = 0; k < 2; k++)
+    if (hi > part[k] && lo < part[k + 1])
+      part_vouch(it, k, good && lo <= part[k] && hi >= part[k + 1]);
+}
+
+/* 1 when the packed n x n Gram part's diagonal vouches for the whole part. Why a diagonal
+ * below 2^124 keeps every entry below 2^125 (the vouch): exactly, |S_ij| <= sqrt(S_ii S_jj)
+ * (Cauchy-Schwarz); syrk's fp32 rounding, in any summation order, moves an entry by at most
+ * gamma_k sum_l |G_li G_lj| <= gamma_k sqrt(S_ii S_jj) (gamma_k = k u / (1 - k u), u = 2^-24,
+ * k the inner dimension), and a computed diagonal is at least (1 - gamma_k) its exact value;
+ * so |fl(S_ij)| <= (1 + gamma_k) / (1 - gamma_k) max fl(S_ii) < 2 * 2^124 while k < 2^21
+ * (a nonnegative combination of such matrices keeps the bound, each sum rounding by (1 + u)).
+ * A NaN or Inf in G reaches the diagonal (S_jj sums G_lj^2), as does a product that
+ * overflows (|G_li G_lj| <= max(G_li^2, G_lj^2)). A negative diagonal is no Gram matrix.
+ * Row i of the packed upper triangle (preconditioner.h) starts at its diagonal and holds
+ * n - i values. */
+static int gram_diagonal_ok(size_t n, const float *packed) {
+  int ok = 1;
+  for (size_t i = 0; i < n; packed += n - i, i++) ok &= packed[0] >= 0.0f && packed[0] < 0x1p124f;
+  return ok;
+}
+
+int precond_push_vouch_gram(precond_push_slot *slot) {
+  if (slot == NULL) return PRECOND_EINVAL;
+  precond__item *it = (precond__item *)(void *)slot;
+  if (it->owner == NULL) return 0; /* queue memory: copied, never vouched for */
+  const float *part[2] = {(const float *)(const void *)it->data,
+                          (const float *)(const void *)(it->data + it->left_bytes)};
+  const uint32_t n[2] = {it->n_left, it->n_right};
+  int vouched = 0;
   for (unsigned k = 0; k < 2; k++) {
-    if (hi <= part[k] || lo >= part[k + 1]) continue;
-    if (good && lo <= part[k] && hi >= part[k + 1])
-      atomic_fetch_or(&it->vouched, 1u << k);
-    else
-      atomic_fetch_and(&it->vouched, ~(1u << k));
+    int good = gram_diagonal_ok(n[k], part[k]);
+    part_vouch(it, k, good);
+    vouched += good;
   }
+  return vouched;
 }
 
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count) {
@@ -2020,6 +2057,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
   s->memory_bytes = r->memory_bytes;
   s->rejected_pushes = r->rejected_pushes;
   s->torn_pushes = r->torn_pushes;
+  s->vouched_pushes = r->vouched_pushes;
   s->snapshots_written = r->snapshots_written;
   s->last_snapshot_age_s = r->last_snapshot_age_s;
   s->job_stats = calloc(r->n_job_stats ? r->n_job_stats : 1, sizeof(*s->job_stats));

@@ -1018,6 +1018,123 @@ static void test_shm_region_vouched(void **state) {
   daemon_stop();
 }
 
+/* A slot of step for c's 768 x 4 block b written in place as a kernel would: left G G^T,
+ * right G^T G of a 768 x 4 G of seed (small values), then precond_push_vouch_gram, whose
+ * count must be want. bad: after the write, 1 a NaN on the left diagonal (a NaN in G would
+ * show there), 2 an off-diagonal 1e38 (>= 2^125) with the diagonal small (no Gram matrix). */
+static precond_push_slot *gram_slot(precond_client *c, uint64_t step, uint32_t b, unsigned seed,
+                                    int bad, int want) {
+  enum { ROWS = 768, COLS = 4 };
+  float *g = malloc((size_t)ROWS * COLS * sizeof(float)), *p0 = NULL, *p1 = NULL;
+  assert_non_null(g);
+  for (size_t i = 0; i < (size_t)ROWS * COLS; i++)
+    g[i] = (float)((int)((i * 31 + seed * 7) % 23) - 11) * 0.01f;
+  precond_push_slot *slot = NULL;
+  assert_int_equal(precond_push_begin(c, step, b, ROWS, COLS, &p0, &p1, &slot), PRECOND_OK);
+  for (size_t i = 0, k = 0; i < ROWS; i++)
+    for (size_t j = i; j < ROWS; j++, k++) {
+      float sum = 0.0f;
+      for (size_t l = 0; l < COLS; l++) sum += g[i * COLS + l] * g[j * COLS + l];
+      p0[k] = sum;
+    }
+  for (size_t i = 0, k = 0; i < COLS; i++)
+    for (size_t j = i; j < COLS; j++, k++) {
+      float sum = 0.0f;
+      for (size_t r = 0; r < ROWS; r++) sum += g[r * COLS + i] * g[r * COLS + j];
+      p1[k] = sum;
+    }
+  if (bad == 1) p0[ROWS] = NAN; /* row 1's diagonal */
+  if (bad == 2) p0[1] = 1e38f;
+  free(g);
+  assert_int_equal(precond_push_vouch_gram(slot), want);
+  return slot;
+}
+
+/* The daemon's count of pushes folded without the spare (GetStats vouched_pushes), and
+ * of those refused torn and refused at all. */
+static void fold_counts(precond_client *c, uint64_t *vouched, uint64_t *torn, uint64_t *rejected) {
+  precond_stats st;
+  assert_int_equal(precond_get_stats(c, NULL, 0, &st), PRECOND_OK);
+  *vouched = st.vouched_pushes;
+  *torn = st.torn_pushes;
+  *rejected = st.rejected_pushes;
+  precond_stats_destroy(&st);
+}
+
+/* Slots a kernel wrote itself, vouched for by precond_push_vouch_gram (session 16): Gram
+ * statistics (both parts vouched in the region, none over gRPC) are folded without the
+ * spare (the daemon's vouched_pushes moves by one a push once the statistic is bounded,
+ * after the first) and their roots are the gRPC twin's bit for bit after four pushes. A NaN
+ * on a diagonal is not vouched for: that push keeps the spare's fold and is refused whole
+ * (not torn, not counted vouched), the job's roots later still published. A false claim
+ * (an off-diagonal 1e38 over a small diagonal) is refused torn and counted, its statistic
+ * finite: the next push is folded spare-free again, which the daemon does only for a
+ * statistic known below 2^126 (its torn statistic, no longer PSD, may get no root). */
+static void test_shm_region_vouch_gram(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *c[4] = {vouch_client(PRECOND_TRANSPORT_AUTO, "g-sum", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_GRPC, "g-sum-bytes", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "g-nan", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "g-liar", 1.0f)};
+  wait_region(c[0]);
+  wait_region(c[2]);
+  wait_region(c[3]);
+  assert_int_equal(precond_push_vouch_gram(NULL), PRECOND_EINVAL);
+  uint64_t v0, t0, r0, v1, t1, r1;
+  fold_counts(c[0], &v0, &t0, &r0);
+  for (uint64_t step = 1; step <= 4; step++)
+    for (int j = 0; j < 2; j++) {
+      precond_push_slot *s[2] = {gram_slot(c[j], step, 0, (unsigned)step, 0, j == 0 ? 2 : 0),
+                                 gram_slot(c[j], step, 1, (unsigned)step + 50, 0, j == 0 ? 2 : 0)};
+      assert_int_equal(precond_push_commit_all(c[j], s, 2), PRECOND_OK);
+      assert_int_equal(precond_flush(c[j], ROOT_WAIT_MS), PRECOND_OK);
+    }
+  fold_counts(c[0], &v1, &t1, &r1);
+  assert_int_equal(v1 - v0, 3); /* the first push found no bounded statistic */
+  assert_int_equal(t1, t0);
+  assert_int_equal(r1, r0);
+  for (uint32_t b = 0; b < 2; b++) {
+    uint64_t va = 0, vb = 0;
+    const precond_roots *ra = wait_step(c[0], b, 4, &va), *rb = wait_step(c[1], b, 4, &vb);
+    assert_memory_equal(ra->left, rb->left, (size_t)768 * 769 / 2 * sizeof(float));
+    assert_memory_equal(ra->right, rb->right, (size_t)4 * 5 / 2 * sizeof(float));
+    precond_roots_release(ra);
+    precond_roots_release(rb);
+  }
+  /* j = 2 with a NaN on the diagonal at step 2, j = 3 a false claim at step 2. */
+  for (int j = 2; j < 4; j++) {
+    for (uint64_t step = 1; step <= 3; step++) {
+      int bad = step == 2 ? j - 1 : 0;
+      precond_push_slot *s = gram_slot(c[j], step, 0, (unsigned)step, bad, bad == 1 ? 1 : 2);
+      int st = precond_push_commit(c[j], s);
+      assert_int_equal(st, PRECOND_OK);
+      assert_int_equal(precond_flush(c[j], ROOT_WAIT_MS), PRECOND_OK);
+      fold_counts(c[0], &v0, &t0, &r0);
+      assert_int_equal(v0 - v1, step > 1 && bad != 1 ? 1 : 0);
+      assert_int_equal(t0 - t1, bad == 2 ? 1 : 0);
+      assert_true(r0 > r1 || !bad);
+      v1 = v0;
+      t1 = t0;
+      r1 = r0;
+    }
+    precond_counters k;
+    precond_get_counters(c[j], &k);
+    assert_true(k.push_errors >= 1);
+    char e[512];
+    precond_last_error(c[j], e, sizeof e);
+    assert_non_null(strstr(e, j == 2 ? "INVALID_ARGUMENT" : "DATA_LOSS"));
+    if (j == 3) continue; /* torn: step 3 folded spare-free above, so known below 2^126 */
+    uint64_t v = 0;
+    const precond_roots *r = wait_step(c[j], 0, 3, &v); /* published: finite */
+    for (size_t i = 0; i < (size_t)768 * 769 / 2; i++) assert_true(isfinite(r->left[i]));
+    precond_roots_release(r);
+  }
+  for (int j = 0; j < 4; j++) precond_close(c[j]);
+  daemon_stop();
+}
+
 /* The region's worker slots while none is answered (the daemon stopped): taken in order,
  * they fill the part, and a push that finds no room is a queue entry (copied later, never
  * blocking); the oldest slot given back (cancelled) frees its place, and the next slot wraps
@@ -2033,6 +2150,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_direct, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_vouch_gram, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
