@@ -119,7 +119,13 @@ struct precond_client {
   pthread_cond_t progress; /* waiters: a send finished, roots arrived */
   pthread_t thread;
   int thread_started, stop;
-  int busy; /* the thread is in a round of calls for the job (mu released) */
+  /* The region and the calls (rpc_shm, win's opening and closing, posted, area) are used
+   * by one thread at a time: the one that set busy under mu while it was 0. That is the
+   * background thread in a round of calls for the job, or, with push_answer_wait, a thread
+   * in precond_push_commit ringing its own push (push_direct, session 16); the other
+   * waits (the background thread at its loop's top, bell_waits set, woken on wake). */
+  int busy;       /* a thread is in a round of calls for the job (mu released) */
+  int bell_waits; /* the background thread waits for busy to clear */
 
   /* the job (under mu) */
   char *job;
@@ -1206,6 +1212,12 @@ static void *thread_main(void *arg) {
       pthread_cond_wait(&c->wake, &c->mu);
       continue;
     }
+    if (c->busy) { /* a committing thread rings its own push (push_direct) */
+      c->bell_waits = 1;
+      pthread_cond_wait(&c->wake, &c->mu);
+      c->bell_waits = 0;
+      continue;
+    }
     int st = PRECOND_OK, worked = 0;
     c->busy = 1;
     if (c->poll_reset) {
@@ -1783,12 +1795,42 @@ static int slot_finite(precond__item *it) {
   return 0;
 }
 
+/* The awaited push rung by the committing thread (session 16): with push_answer_wait, item
+ * it, just queued and the only thing queued, in flight or posted for the job, in the open
+ * region's worker slots, while no thread is busy (the background thread idle), is sent by
+ * the caller as the background thread would (push_some: the same request, the same ring
+ * rules, the same settling: a refusal counted in push_errors, a transient failure put back
+ * in the queue for the background thread) and its answer awaited here. The hand-off to the
+ * background thread cost two futex wakes and two sleeps a push (about 40 us of CPU across
+ * cores, docs/precondd.md, "Session 16: the awaited push without the hand-off"). Nothing
+ * else being queued or in flight keeps the push order: pushes committed meanwhile queue
+ * behind it (busy holds the background thread back), a requeued one goes back at the
+ * queue's head. 1 when it was sent here (it may be freed by now), 0: the background
+ * thread's to send (not woken yet). Caller holds mu; returns with mu held. */
+static int push_direct(precond_client *c, const precond__item *it) {
+  if (!c->opts.push_answer_wait || !c->thread_started || c->busy || c->stop || c->refused ||
+      c->win == NULL || it->owner != c->win || c->queue.length != 1 || c->inflight != 0 ||
+      c->nposted != 0 || it->block_id >= c->queue.nblocks || c->queue.by_block[it->block_id] != it)
+    return 0;
+  c->busy = 1;
+  c->counters.pushes_direct++;
+  push_some(c); /* mu released while it calls; a transient failure requeues */
+  c->busy = 0;
+  if (c->queue.length > 0 || c->bell_waits) pthread_cond_signal(&c->wake);
+  pthread_cond_broadcast(&c->progress); /* precond_end_job waits for busy to clear */
+  return 1;
+}
+
 int precond_push_commit(precond_client *c, precond_push_slot *slot) {
   if (c == NULL || slot == NULL) return PRECOND_EINVAL;
   precond__item *it = (precond__item *)(void *)slot;
   if (!slot_finite(it)) return PRECOND_EINVAL;
   int kfac = client_is_kfac(c);
-  return push_queue(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL there */
+  pthread_mutex_lock(&c->mu);
+  int st = push_queue_locked(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL */
+  if (st == PRECOND_OK && !push_direct(c, it)) pthread_cond_signal(&c->wake);
+  pthread_mutex_unlock(&c->mu);
+  return st;
 }
 
 int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, size_t n) {
@@ -1824,7 +1866,7 @@ int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, 
       queued |= q == PRECOND_OK;
       if (q != PRECOND_OK && st == PRECOND_OK) st = q;
     }
-    if (queued) pthread_cond_signal(&c->wake);
+    if (queued && !(keep == 1 && push_direct(c, ok[0]))) pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
   }
   free(ok);

@@ -169,8 +169,11 @@ typedef struct {
                                   before the next call (the client before session 14; a
                                   refusal is then seen at once); precond_push_begin's slots
                                   are in the region all the same (session 15);
-                                  precond_wait_queued waits for answers too (session 16).
-                                  Default 0:
+                                  precond_wait_queued waits for answers too (session 16);
+                                  a slot's push committed alone while nothing else is
+                                  queued or in flight is rung by the committing thread
+                                  itself, which returns once it is answered
+                                  (counters.pushes_direct; session 16). Default 0:
                                   posted, its answer collected later (see "Same-host
                                   pushes" above) */
 } precond_options;
@@ -461,6 +464,11 @@ typedef struct {
   uint64_t pushes_posted;      /* PushStatistics calls posted at a shared region's doorbell
                                   without waiting, their answers collected later (see
                                   "Same-host pushes" at the top) */
+  uint64_t pushes_direct;      /* with push_answer_wait, pushes of a worker slot rung by the
+                                  committing thread itself (precond_push_commit: nothing
+                                  else queued or in flight, the background thread idle),
+                                  whatever their answer; the others go through the
+                                  background thread as before */
   uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
                                   region itself (written there by the caller, posted from
                                   there: no copy, no NaN/Inf scan of the client's) */
