@@ -761,10 +761,10 @@ static int lib_finish(worker *w) {
   /* how many pushes the client placed in the region itself (session 15; awaited too) */
   fprintf(stderr,
           "bench-daemon: %s: %llu of %llu pushes written in the region (streamed %llu, "
-          "plain %llu)\n",
+          "plain %llu), %llu rung by the committing thread\n",
           w->shm == 5 ? "push-lib" : "push-lib-wait", (unsigned long long)k.region_slots,
           (unsigned long long)k.pushed, (unsigned long long)k.region_streamed,
-          (unsigned long long)k.region_plain);
+          (unsigned long long)k.region_plain, (unsigned long long)k.pushes_direct);
   return 0;
 }
 

@@ -119,7 +119,13 @@ struct precond_client {
   pthread_cond_t progress; /* waiters: a send finished, roots arrived */
   pthread_t thread;
   int thread_started, stop;
-  int busy; /* the thread is in a round of calls for the job (mu released) */
+  /* The region and the calls (rpc_shm, win's opening and closing, posted, area) are used
+   * by one thread at a time: the one that set busy under mu while it was 0. That is the
+   * background thread in a round of calls for the job, or, with push_answer_wait, a thread
+   * in precond_push_commit ringing its own push (push_direct, session 16); the other
+   * waits (the background thread at its loop's top, bell_waits set, woken on wake). */
+  int busy;       /* a thread is in a round of calls for the job (mu released) */
+  int bell_waits; /* the background thread waits for busy to clear */
 
   /* the job (under mu) */
   char *job;
@@ -1206,6 +1212,12 @@ static void *thread_main(void *arg) {
       pthread_cond_wait(&c->wake, &c->mu);
       continue;
     }
+    if (c->busy) { /* a committing thread rings its own push (push_direct) */
+      c->bell_waits = 1;
+      pthread_cond_wait(&c->wake, &c->mu);
+      c->bell_waits = 0;
+      continue;
+    }
     int st = PRECOND_OK, worked = 0;
     c->busy = 1;
     if (c->poll_reset) {
@@ -1783,12 +1795,42 @@ static int slot_finite(precond__item *it) {
   return 0;
 }
 
+/* The awaited push rung by the committing thread (session 16): with push_answer_wait, item
+ * it, just queued and the only thing queued, in flight or posted for the job, in the open
+ * region's worker slots, while no thread is busy (the background thread idle), is sent by
+ * the caller as the background thread would (push_some: the same request, the same ring
+ * rules, the same settling: a refusal counted in push_errors, a transient failure put back
+ * in the queue for the background thread) and its answer awaited here. The hand-off to the
+ * background thread cost two futex wakes and two sleeps a push (about 40 us of CPU across
+ * cores, docs/precondd.md, "Session 16: the awaited push without the hand-off"). Nothing
+ * else being queued or in flight keeps the push order: pushes committed meanwhile queue
+ * behind it (busy holds the background thread back), a requeued one goes back at the
+ * queue's head. 1 when it was sent here (it may be freed by now), 0: the background
+ * thread's to send (not woken yet). Caller holds mu; returns with mu held. */
+static int push_direct(precond_client *c, const precond__item *it) {
+  if (!c->opts.push_answer_wait || !c->thread_started || c->busy || c->stop || c->refused ||
+      c->win == NULL || it->owner != c->win || c->queue.length != 1 || c->inflight != 0 ||
+      c->nposted != 0 || it->block_id >= c->queue.nblocks || c->queue.by_block[it->block_id] != it)
+    return 0;
+  c->busy = 1;
+  c->counters.pushes_direct++;
+  push_some(c); /* mu released while it calls; a transient failure requeues */
+  c->busy = 0;
+  if (c->queue.length > 0 || c->bell_waits) pthread_cond_signal(&c->wake);
+  pthread_cond_broadcast(&c->progress); /* precond_end_job waits for busy to clear */
+  return 1;
+}
+
 int precond_push_commit(precond_client *c, precond_push_slot *slot) {
   if (c == NULL || slot == NULL) return PRECOND_EINVAL;
   precond__item *it = (precond__item *)(void *)slot;
   if (!slot_finite(it)) return PRECOND_EINVAL;
   int kfac = client_is_kfac(c);
-  return push_queue(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL there */
+  pthread_mutex_lock(&c->mu);
+  int st = push_queue_locked(c, kfac, it); /* the job replaced since begin: PRECOND_EINVAL */
+  if (st == PRECOND_OK && !push_direct(c, it)) pthread_cond_signal(&c->wake);
+  pthread_mutex_unlock(&c->mu);
+  return st;
 }
 
 int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, size_t n) {
@@ -1824,11 +1866,19 @@ int precond_push_commit_all(precond_client *c, precond_push_slot *const *slots, 
       queued |= q == PRECOND_OK;
       if (q != PRECOND_OK && st == PRECOND_OK) st = q;
     }
-    if (queued) pthread_cond_signal(&c->wake);
+    if (queued && !(keep == 1 && push_direct(c, ok[0]))) pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
   }
   free(ok);
   return st;
+}
+
+/* Part k's vouch given (good) or taken away: the one place a slot's vouch bits change. */
+static void part_vouch(precond__item *it, unsigned k, int good) {
+  if (good)
+    atomic_fetch_or(&it->vouched, 1u << k);
+  else
+    atomic_fetch_and(&it->vouched, ~(1u << k));
 }
 
 /* A region slot's vouch after a copy of count floats to dst (good: all below 2^125): part k
@@ -1838,13 +1888,42 @@ static void slot_vouch(precond__item *it, const float *dst, size_t count, int go
   const unsigned char *lo = (const unsigned char *)dst, *hi = lo + count * sizeof(float);
   const unsigned char *part[3] = {it->data, it->data + it->left_bytes,
                                   it->data + it->left_bytes + it->right_bytes};
+  for (unsigned k = 0; k < 2; k++)
+    if (hi > part[k] && lo < part[k + 1])
+      part_vouch(it, k, good && lo <= part[k] && hi >= part[k + 1]);
+}
+
+/* 1 when the packed n x n Gram part's diagonal vouches for the whole part. Why a diagonal
+ * below 2^124 keeps every entry below 2^125 (the vouch): exactly, |S_ij| <= sqrt(S_ii S_jj)
+ * (Cauchy-Schwarz); syrk's fp32 rounding, in any summation order, moves an entry by at most
+ * gamma_k sum_l |G_li G_lj| <= gamma_k sqrt(S_ii S_jj) (gamma_k = k u / (1 - k u), u = 2^-24,
+ * k the inner dimension), and a computed diagonal is at least (1 - gamma_k) its exact value;
+ * so |fl(S_ij)| <= (1 + gamma_k) / (1 - gamma_k) max fl(S_ii) < 2 * 2^124 while k < 2^21
+ * (a nonnegative combination of such matrices keeps the bound, each sum rounding by (1 + u)).
+ * A NaN or Inf in G reaches the diagonal (S_jj sums G_lj^2), as does a product that
+ * overflows (|G_li G_lj| <= max(G_li^2, G_lj^2)). A negative diagonal is no Gram matrix.
+ * Row i of the packed upper triangle (preconditioner.h) starts at its diagonal and holds
+ * n - i values. */
+static int gram_diagonal_ok(size_t n, const float *packed) {
+  int ok = 1;
+  for (size_t i = 0; i < n; packed += n - i, i++) ok &= packed[0] >= 0.0f && packed[0] < 0x1p124f;
+  return ok;
+}
+
+int precond_push_vouch_gram(precond_push_slot *slot) {
+  if (slot == NULL) return PRECOND_EINVAL;
+  precond__item *it = (precond__item *)(void *)slot;
+  if (it->owner == NULL) return 0; /* queue memory: copied, never vouched for */
+  const float *part[2] = {(const float *)(const void *)it->data,
+                          (const float *)(const void *)(it->data + it->left_bytes)};
+  const uint32_t n[2] = {it->n_left, it->n_right};
+  int vouched = 0;
   for (unsigned k = 0; k < 2; k++) {
-    if (hi <= part[k] || lo >= part[k + 1]) continue;
-    if (good && lo <= part[k] && hi >= part[k + 1])
-      atomic_fetch_or(&it->vouched, 1u << k);
-    else
-      atomic_fetch_and(&it->vouched, ~(1u << k));
+    int good = gram_diagonal_ok(n[k], part[k]);
+    part_vouch(it, k, good);
+    vouched += good;
   }
+  return vouched;
 }
 
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count) {
@@ -1978,6 +2057,7 @@ static int stats_copy(const Precond__V1__StatsResponse *r, precond_stats *s) {
   s->memory_bytes = r->memory_bytes;
   s->rejected_pushes = r->rejected_pushes;
   s->torn_pushes = r->torn_pushes;
+  s->vouched_pushes = r->vouched_pushes;
   s->snapshots_written = r->snapshots_written;
   s->last_snapshot_age_s = r->last_snapshot_age_s;
   s->job_stats = calloc(r->n_job_stats ? r->n_job_stats : 1, sizeof(*s->job_stats));

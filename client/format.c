@@ -183,6 +183,7 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json) {
     kv_u64(f, "memory_bytes", s->memory_bytes, &first);
     kv_u64(f, "rejected_pushes", s->rejected_pushes, &first);
     kv_u64(f, "torn_pushes", s->torn_pushes, &first);
+    kv_u64(f, "vouched_pushes", s->vouched_pushes, &first);
     kv_u64(f, "snapshots_written", s->snapshots_written, &first);
     kv_dbl(f, "last_snapshot_age_s", s->last_snapshot_age_s, &first);
     json_key(f, "job_stats", &first);
@@ -214,6 +215,7 @@ int precond__format_stats(FILE *f, const precond_stats *s, int json) {
   fprintf(f, "%-20s %s\n", "memory", mem);
   fprintf(f, "%-20s %" PRIu64 " (torn: %" PRIu64 ")\n", "rejected pushes", s->rejected_pushes,
           s->torn_pushes);
+  fprintf(f, "%-20s %" PRIu64 " (folded without the spare)\n", "vouched pushes", s->vouched_pushes);
   fprintf(f, "%-20s %" PRIu64 " written, last %.1f s ago\n", "snapshots", s->snapshots_written,
           s->last_snapshot_age_s);
   fprintf(f, "\n%-24s %-8s %8s %8s %12s\n", "JOB", "MODE", "BLOCKS", "WORKERS", "LAST STEP");

@@ -169,8 +169,11 @@ typedef struct {
                                   before the next call (the client before session 14; a
                                   refusal is then seen at once); precond_push_begin's slots
                                   are in the region all the same (session 15);
-                                  precond_wait_queued waits for answers too (session 16).
-                                  Default 0:
+                                  precond_wait_queued waits for answers too (session 16);
+                                  a slot's push committed alone while nothing else is
+                                  queued or in flight is rung by the committing thread
+                                  itself, which returns once it is answered
+                                  (counters.pushes_direct; session 16). Default 0:
                                   posted, its answer collected later (see "Same-host
                                   pushes" above) */
 } precond_options;
@@ -344,6 +347,20 @@ void precond_push_cancel(precond_push_slot *slot);
  * precond_counters.region_streamed and region_plain; docs/client.md); else memcpy. For a
  * kernel that computes its statistic elsewhere and then copies it into the slot. */
 void precond_push_copy(const precond_push_slot *slot, float *dst, const float *src, size_t count);
+/* The caller's word that each part it wrote into slot itself (a kernel's output, not
+ * precond_push_copy's) is a Gram matrix G^T G as computed in fp32 (syrk), or a nonnegative
+ * combination of such: every entry is then bounded by the part's diagonal, and a NaN or Inf
+ * anywhere in G shows on it. Reads each part's n diagonal values (not its n(n+1)/2) and
+ * vouches for a part whose diagonal is finite, nonnegative and below 2^124 as
+ * precond_push_copy vouches for a part it copied (docs/client.md, "Vouched slots"), so
+ * that precondd folds the push without its spare; a part whose diagonal does not pass
+ * loses its vouch (its push keeps the fold that refuses it whole). Call it after the last
+ * write into the slot and before commit. Returns how many parts it vouched for (0, 1 or
+ * 2), 0 for a slot outside the shared region (queue memory: nothing to vouch), or
+ * PRECOND_EINVAL for a NULL slot. A false claim is harmless to the daemon and to other
+ * pushes (a value outside the vouch is left unfolded: the push is refused torn, counted
+ * in precond_stats.torn_pushes, the statistic finite) but loses that push. */
+int precond_push_vouch_gram(precond_push_slot *slot);
 
 /* Waits until the queue is empty and no send is in flight (every queued block answered by
  * the daemon, accepted or not, or dropped), or timeout_ms passes: PRECOND_OK or
@@ -447,6 +464,11 @@ typedef struct {
   uint64_t pushes_posted;      /* PushStatistics calls posted at a shared region's doorbell
                                   without waiting, their answers collected later (see
                                   "Same-host pushes" at the top) */
+  uint64_t pushes_direct;      /* with push_answer_wait, pushes of a worker slot rung by the
+                                  committing thread itself (precond_push_commit: nothing
+                                  else queued or in flight, the background thread idle),
+                                  whatever their answer; the others go through the
+                                  background thread as before */
   uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
                                   region itself (written there by the caller, posted from
                                   there: no copy, no NaN/Inf scan of the client's) */
@@ -541,7 +563,8 @@ typedef struct {
   precond_staleness staleness; /* daemon-wide, every block's samples */
   double compute_ms_p50, compute_ms_p90, compute_ms_p99;
   uint64_t bytes_in, bytes_out, memory_bytes, rejected_pushes, snapshots_written;
-  uint64_t torn_pushes; /* vouched pushes refused torn (docs/client.md, "Vouched slots") */
+  uint64_t torn_pushes;    /* vouched pushes refused torn (docs/client.md, "Vouched slots") */
+  uint64_t vouched_pushes; /* pushes folded without the spare (every part vouched; session 16) */
   double last_snapshot_age_s;
   size_t njobs;
   precond_job_stats *job_stats; /* owned by the stats */

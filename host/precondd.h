@@ -143,7 +143,8 @@ typedef struct {
   _Atomic uint64_t bytes_in;
   _Atomic uint64_t bytes_out;
   _Atomic uint64_t rejected_pushes;
-  _Atomic uint64_t torn_pushes; /* vouched pushes refused torn (pd_push_refusal.torn) */
+  _Atomic uint64_t torn_pushes;    /* vouched pushes refused torn (pd_push_refusal.torn) */
+  _Atomic uint64_t vouched_pushes; /* pushes folded without the spare (pd_job_push_vouched) */
   _Atomic uint64_t snapshots_written;
   _Atomic uint64_t scratch_bytes; /* pool scratch of the computations running now (bound) */
   _Atomic uint64_t scratch_peak;  /* the most scratch_bytes has been */

@@ -1063,6 +1063,7 @@ static void pd__stats(pd_daemon *d, const Precond__V1__StatsRequest *req, pd_rep
   resp.memory_bytes = mem > 0 ? (uint64_t)mem : 0;
   resp.rejected_pushes = atomic_load(&d->stats.rejected_pushes);
   resp.torn_pushes = atomic_load(&d->stats.torn_pushes);
+  resp.vouched_pushes = atomic_load(&d->stats.vouched_pushes);
   resp.threads = (uint32_t)d->cfg.threads;
   const pd_replica_link *link = d->store.link;
   resp.replicas = link ? (uint32_t)link->nranks : 1;

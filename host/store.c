@@ -780,6 +780,7 @@ int pd_job_push_vouched(pd_job *job, size_t n, pd_block *const *blocks, const fl
     return pd_job_push_into(job, n, blocks, inc, out, step, stats, intact, ctx, refusal);
   }
   /* No refusal can come from a true vouch: every block is folded, a false one noted. */
+  if (stats) atomic_fetch_add(&stats->vouched_pushes, 1);
   int rc = PD_OK;
   for (size_t i = 0; i < n; i++) {
     uint32_t part = 0;

@@ -314,6 +314,11 @@ static int pt__shampoo_push(pt_trainer *t, int *due, long *stat_step, pt_error *
   if (rc == PT_OK)
     rc = pt__accel(err, ac_shampoo_compute_stats_into(s->opt, s->left, s->right, NULL, NULL),
                    "Shampoo statistics");
+  /* G G^T and G^T G as syrk computed them (accel/optim.h): Gram matrices, so each part's
+   * diagonal vouches for it and precondd folds a slot in its region without the spare
+   * (precond_push_vouch_gram; a no-op for queue memory). */
+  for (size_t b = 0; b < s->nblocks && rc == PT_OK; b++)
+    if (s->slot[b] != NULL) (void)precond_push_vouch_gram(s->slot[b]);
   /* All at once: the step's blocks leave in one push (precond_push_commit_all). */
   if (rc == PT_OK)
     rc = pt__daemon(t, err, precond_push_commit_all(t->client, s->slot, s->nblocks),

@@ -15,6 +15,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -672,10 +673,49 @@ static void test_shm_region_slots_awaited(void **state) {
   region_slots_twins(1);
 }
 
+/* A commit on a thread of its own (precond_push_commit of slot_filled's slot), for the
+ * awaited push rung by the committing thread: rc its return, done set once it returned. */
+typedef struct {
+  precond_client *c;
+  uint64_t step;
+  uint32_t block;
+  unsigned seed;
+  int pushes; /* blocks [block, block + 1) pushed at steps step .. step + pushes - 1 */
+  int rc;
+  atomic_int done;
+} committer;
+
+static void *committer_main(void *arg) {
+  committer *m = arg;
+  int rc = PRECOND_OK;
+  for (int i = 0; i < m->pushes && rc == PRECOND_OK; i++) {
+    uint64_t step = m->step + (uint64_t)i;
+    rc = precond_push_commit(m->c, slot_filled(m->c, step, m->block, m->seed + (unsigned)step, 0));
+    /* each push answered before the next: none coalesced, whoever sends it */
+    if (rc == PRECOND_OK && m->pushes > 1) rc = precond_wait_queued(m->c, 0, ROOT_WAIT_MS);
+  }
+  m->rc = rc;
+  atomic_store(&m->done, 1);
+  return NULL;
+}
+
+/* Waits until c's counters.pushes_direct reaches n. */
+static void wait_direct(precond_client *c, uint64_t n) {
+  precond_counters k;
+  precond_get_counters(c, &k);
+  for (int tries = 0; tries < 20000 && k.pushes_direct < n; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(c, &k);
+  }
+  assert_true(k.pushes_direct >= n);
+}
+
 /* push_answer_wait's pacing (session 16): precond_wait_queued counts the blocks taken and
  * not yet answered, so a worker pacing itself with it writes its next statistic only once
  * the daemon folded the last one. The daemon stopped: the awaited push leaves the queue
- * (taken, its ring call rung) and the wait still times out, as its answer cannot come;
+ * (taken, its ring call rung by the committing thread, which waits for the answer) and the
+ * wait still times out, as its answer cannot come;
  * posted, the same wait ends once the push is taken (unchanged). Let go, the wait ends with
  * the push answered; the slots were in the region and fold the same bits as a gRPC twin's
  * pushes. */
@@ -701,9 +741,13 @@ static void test_shm_awaited_paced(void **state) {
   wait_region(cp);
   assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
   wait_stopped(g_d.pid);
-  assert_int_equal(precond_push_commit(cw, slot_filled(cw, 1, 0, 100, 0)), PRECOND_OK);
+  /* cw's push is rung by its committing thread (session 16), which waits for the answer */
+  committer m = {.c = cw, .step = 1, .block = 0, .seed = 99, .pushes = 1};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, committer_main, &m), 0);
   assert_int_equal(precond_push_commit(cp, slot_filled(cp, 1, 0, 100, 0)), PRECOND_OK);
   assert_int_equal(precond_wait_queued(cp, 0, ROOT_WAIT_MS), PRECOND_OK); /* taken, posted */
+  wait_direct(cw, 1);
   precond_counters k;
   precond_get_counters(cw, &k);
   for (int tries = 0; tries < 10000 && k.queued > 0; tries++) {
@@ -713,10 +757,14 @@ static void test_shm_awaited_paced(void **state) {
   }
   assert_int_equal(k.queued, 0); /* taken: what is left to wait for is its answer */
   assert_int_equal(precond_wait_queued(cw, 0, 300), PRECOND_ETIMEDOUT);
+  assert_int_equal(atomic_load(&m.done), 0);
   assert_int_equal(kill(g_d.pid, SIGCONT), 0);
   assert_int_equal(precond_wait_queued(cw, 0, ROOT_WAIT_MS), PRECOND_OK);
   precond_get_counters(cw, &k);
   assert_int_equal(k.sent, 1); /* answered by the time the wait ended */
+  pthread_join(th, NULL);
+  assert_int_equal(m.rc, PRECOND_OK);
+  assert_int_equal(k.pushes_direct, 1);
   push_one(cw, 2, 0, 200, 0);
   precond_get_counters(cw, &k);
   assert_int_equal(k.sent, 2);
@@ -738,6 +786,123 @@ static void test_shm_awaited_paced(void **state) {
   assert_same_roots(cw, cb, 3, steps);
   precond_close(cp);
   twins_end(cw, cb);
+}
+
+/* The awaited push rung by the committing thread (session 16): with push_answer_wait, a
+ * slot's push committed while nothing else is queued or in flight and the background
+ * thread is idle is sent by precond_push_commit itself, answered when it returns
+ * (pushes_direct, sent counted at once); a NaN slot's refusal is counted at once; two
+ * threads committing at once lose nothing and keep each block's push order; the daemon
+ * stopped under a commit holds it until it answers; the daemon killed under one puts the
+ * push back in the queue, sent again to the restarted daemon. The region's pushes fold the
+ * same bits as a gRPC twin's. */
+static void test_shm_awaited_direct(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC), *cw = NULL;
+  precond_options o;
+  options_for(&o, PRECOND_TRANSPORT_AUTO, 4 << 20);
+  o.poll_interval_ms = 600000; /* after the first poll (it opens the region) the thread idles */
+  o.backoff_max_ms = 200;
+  o.push_answer_wait = 1;
+  assert_int_equal(precond_connect(&o, &cw), PRECOND_OK);
+  register_three(cw, "direct-wait");
+  register_three(cb, "direct-bytes");
+  wait_region(cw);
+  precond_counters k, k0;
+  for (uint64_t step = 1; step <= 2; step++)
+    for (uint32_t b = 0; b < 3; b++) {
+      precond_get_counters(cw, &k0);
+      unsigned seed = 100 * (unsigned)step + b;
+      assert_int_equal(precond_push_commit(cw, slot_filled(cw, step, b, seed, 0)), PRECOND_OK);
+      precond_get_counters(cw, &k);
+      assert_int_equal(k.pushes_direct, k0.pushes_direct + 1); /* rung by this thread */
+      assert_int_equal(k.sent, k0.sent + 1);                   /* answered on return */
+      assert_int_equal(k.queued, 0);
+      push_one(cb, step, b, seed, 0);
+    }
+  /* a NaN slot: committed, refused by the daemon's fold, counted when commit returns */
+  precond_get_counters(cw, &k0);
+  assert_int_equal(precond_push_commit(cw, slot_filled(cw, 3, 1, 77, 2)), PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.pushes_direct, k0.pushes_direct + 1);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.sent, k0.sent);
+  char e[512];
+  precond_last_error(cw, e, sizeof e);
+  assert_non_null(strstr(e, "NaN or Inf"));
+  /* two threads at once, blocks 0 and 2, steps 3 .. 10 each */
+  committer m[2] = {{.c = cw, .step = 3, .block = 0, .seed = 1000, .pushes = 8},
+                    {.c = cw, .step = 3, .block = 2, .seed = 2000, .pushes = 8}};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++)
+    assert_int_equal(pthread_create(&th[i], NULL, committer_main, &m[i]), 0);
+  for (int i = 0; i < 2; i++) {
+    pthread_join(th[i], NULL);
+    assert_int_equal(m[i].rc, PRECOND_OK);
+  }
+  for (uint64_t step = 3; step <= 10; step++) {
+    push_one(cb, step, 0, 1000 + (unsigned)step, 0);
+    push_one(cb, step, 2, 2000 + (unsigned)step, 0);
+  }
+  assert_int_equal(precond_flush(cw, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, 6 + 16);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.coalesced + k.dropped + k.queued, 0);
+  assert_int_equal(k.pushes_posted, 0);
+  /* the daemon stopped under a commit: it waits for the answer, nothing lost */
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  precond_get_counters(cw, &k0);
+  committer s = {.c = cw, .step = 11, .block = 0, .seed = 1000, .pushes = 1};
+  assert_int_equal(pthread_create(&th[0], NULL, committer_main, &s), 0);
+  wait_direct(cw, k0.pushes_direct + 1);
+  assert_int_equal(precond_wait_queued(cw, 0, 300), PRECOND_ETIMEDOUT); /* in flight */
+  assert_int_equal(atomic_load(&s.done), 0); /* the stopped daemon cannot answer */
+  assert_int_equal(kill(g_d.pid, SIGCONT), 0);
+  pthread_join(th[0], NULL);
+  assert_int_equal(s.rc, PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, k0.sent + 1);
+  push_one(cb, 11, 0, 1011, 0);
+  assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+  assert_int_equal(precond_set_poll_interval(cw, 10), PRECOND_OK);
+  const uint64_t steps[3] = {11, 2, 10};
+  assert_same_roots(cw, cb, 3, steps);
+  precond_close(cb);
+  precond_close(cw);
+  /* the daemon killed under a commit: the push goes back to the queue, and to the new
+   * daemon (the job registered again); a new client, whose thread idles after its first
+   * poll (its counters seen after the poll ended: the thread was idle by then) */
+  assert_int_equal(precond_connect(&o, &cw), PRECOND_OK);
+  register_three(cw, "direct-kill");
+  wait_region(cw);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  precond_get_counters(cw, &k0);
+  committer x = {.c = cw, .step = 13, .block = 1, .seed = 3000, .pushes = 1};
+  assert_int_equal(pthread_create(&th[0], NULL, committer_main, &x), 0);
+  wait_direct(cw, k0.pushes_direct + 1);
+  pdproc_stop(&g_d, SIGKILL);
+  pthread_join(th[0], NULL);
+  assert_int_equal(x.rc, PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, 0); /* not answered: back in the queue */
+  assert_int_equal(k.pushes_direct, 1);
+  unix_daemon_with(NULL);
+  assert_int_equal(precond_flush(cw, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cw, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
+  assert_true(k.reregistered >= 1);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(cw, "direct-kill", 1, &st), PRECOND_OK);
+  assert_int_equal(st.block_stats[1].stat_step, 13); /* the new daemon holds it */
+  precond_stats_destroy(&st);
+  precond_close(cw);
+  daemon_stop();
 }
 
 /* Vouched slots (session 16), two 768 x 4 blocks (a left factor of 1.2 MB: the streamed
@@ -850,6 +1015,123 @@ static void test_shm_region_vouched(void **state) {
   assert_int_equal(st.rejected_pushes, 1);
   precond_stats_destroy(&st);
   for (int j = 0; j < 5; j++) precond_close(c[j]);
+  daemon_stop();
+}
+
+/* A slot of step for c's 768 x 4 block b written in place as a kernel would: left G G^T,
+ * right G^T G of a 768 x 4 G of seed (small values), then precond_push_vouch_gram, whose
+ * count must be want. bad: after the write, 1 a NaN on the left diagonal (a NaN in G would
+ * show there), 2 an off-diagonal 1e38 (>= 2^125) with the diagonal small (no Gram matrix). */
+static precond_push_slot *gram_slot(precond_client *c, uint64_t step, uint32_t b, unsigned seed,
+                                    int bad, int want) {
+  enum { ROWS = 768, COLS = 4 };
+  float *g = malloc((size_t)ROWS * COLS * sizeof(float)), *p0 = NULL, *p1 = NULL;
+  assert_non_null(g);
+  for (size_t i = 0; i < (size_t)ROWS * COLS; i++)
+    g[i] = (float)((int)((i * 31 + seed * 7) % 23) - 11) * 0.01f;
+  precond_push_slot *slot = NULL;
+  assert_int_equal(precond_push_begin(c, step, b, ROWS, COLS, &p0, &p1, &slot), PRECOND_OK);
+  for (size_t i = 0, k = 0; i < ROWS; i++)
+    for (size_t j = i; j < ROWS; j++, k++) {
+      float sum = 0.0f;
+      for (size_t l = 0; l < COLS; l++) sum += g[i * COLS + l] * g[j * COLS + l];
+      p0[k] = sum;
+    }
+  for (size_t i = 0, k = 0; i < COLS; i++)
+    for (size_t j = i; j < COLS; j++, k++) {
+      float sum = 0.0f;
+      for (size_t r = 0; r < ROWS; r++) sum += g[r * COLS + i] * g[r * COLS + j];
+      p1[k] = sum;
+    }
+  if (bad == 1) p0[ROWS] = NAN; /* row 1's diagonal */
+  if (bad == 2) p0[1] = 1e38f;
+  free(g);
+  assert_int_equal(precond_push_vouch_gram(slot), want);
+  return slot;
+}
+
+/* The daemon's count of pushes folded without the spare (GetStats vouched_pushes), and
+ * of those refused torn and refused at all. */
+static void fold_counts(precond_client *c, uint64_t *vouched, uint64_t *torn, uint64_t *rejected) {
+  precond_stats st;
+  assert_int_equal(precond_get_stats(c, NULL, 0, &st), PRECOND_OK);
+  *vouched = st.vouched_pushes;
+  *torn = st.torn_pushes;
+  *rejected = st.rejected_pushes;
+  precond_stats_destroy(&st);
+}
+
+/* Slots a kernel wrote itself, vouched for by precond_push_vouch_gram (session 16): Gram
+ * statistics (both parts vouched in the region, none over gRPC) are folded without the
+ * spare (the daemon's vouched_pushes moves by one a push once the statistic is bounded,
+ * after the first) and their roots are the gRPC twin's bit for bit after four pushes. A NaN
+ * on a diagonal is not vouched for: that push keeps the spare's fold and is refused whole
+ * (not torn, not counted vouched), the job's roots later still published. A false claim
+ * (an off-diagonal 1e38 over a small diagonal) is refused torn and counted, its statistic
+ * finite: the next push is folded spare-free again, which the daemon does only for a
+ * statistic known below 2^126 (its torn statistic, no longer PSD, may get no root). */
+static void test_shm_region_vouch_gram(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *c[4] = {vouch_client(PRECOND_TRANSPORT_AUTO, "g-sum", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_GRPC, "g-sum-bytes", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "g-nan", 1.0f),
+                          vouch_client(PRECOND_TRANSPORT_AUTO, "g-liar", 1.0f)};
+  wait_region(c[0]);
+  wait_region(c[2]);
+  wait_region(c[3]);
+  assert_int_equal(precond_push_vouch_gram(NULL), PRECOND_EINVAL);
+  uint64_t v0, t0, r0, v1, t1, r1;
+  fold_counts(c[0], &v0, &t0, &r0);
+  for (uint64_t step = 1; step <= 4; step++)
+    for (int j = 0; j < 2; j++) {
+      precond_push_slot *s[2] = {gram_slot(c[j], step, 0, (unsigned)step, 0, j == 0 ? 2 : 0),
+                                 gram_slot(c[j], step, 1, (unsigned)step + 50, 0, j == 0 ? 2 : 0)};
+      assert_int_equal(precond_push_commit_all(c[j], s, 2), PRECOND_OK);
+      assert_int_equal(precond_flush(c[j], ROOT_WAIT_MS), PRECOND_OK);
+    }
+  fold_counts(c[0], &v1, &t1, &r1);
+  assert_int_equal(v1 - v0, 3); /* the first push found no bounded statistic */
+  assert_int_equal(t1, t0);
+  assert_int_equal(r1, r0);
+  for (uint32_t b = 0; b < 2; b++) {
+    uint64_t va = 0, vb = 0;
+    const precond_roots *ra = wait_step(c[0], b, 4, &va), *rb = wait_step(c[1], b, 4, &vb);
+    assert_memory_equal(ra->left, rb->left, (size_t)768 * 769 / 2 * sizeof(float));
+    assert_memory_equal(ra->right, rb->right, (size_t)4 * 5 / 2 * sizeof(float));
+    precond_roots_release(ra);
+    precond_roots_release(rb);
+  }
+  /* j = 2 with a NaN on the diagonal at step 2, j = 3 a false claim at step 2. */
+  for (int j = 2; j < 4; j++) {
+    for (uint64_t step = 1; step <= 3; step++) {
+      int bad = step == 2 ? j - 1 : 0;
+      precond_push_slot *s = gram_slot(c[j], step, 0, (unsigned)step, bad, bad == 1 ? 1 : 2);
+      int st = precond_push_commit(c[j], s);
+      assert_int_equal(st, PRECOND_OK);
+      assert_int_equal(precond_flush(c[j], ROOT_WAIT_MS), PRECOND_OK);
+      fold_counts(c[0], &v0, &t0, &r0);
+      assert_int_equal(v0 - v1, step > 1 && bad != 1 ? 1 : 0);
+      assert_int_equal(t0 - t1, bad == 2 ? 1 : 0);
+      assert_true(r0 > r1 || !bad);
+      v1 = v0;
+      t1 = t0;
+      r1 = r0;
+    }
+    precond_counters k;
+    precond_get_counters(c[j], &k);
+    assert_true(k.push_errors >= 1);
+    char e[512];
+    precond_last_error(c[j], e, sizeof e);
+    assert_non_null(strstr(e, j == 2 ? "INVALID_ARGUMENT" : "DATA_LOSS"));
+    if (j == 3) continue; /* torn: step 3 folded spare-free above, so known below 2^126 */
+    uint64_t v = 0;
+    const precond_roots *r = wait_step(c[j], 0, 3, &v); /* published: finite */
+    for (size_t i = 0; i < (size_t)768 * 769 / 2; i++) assert_true(isfinite(r->left[i]));
+    precond_roots_release(r);
+  }
+  for (int j = 0; j < 4; j++) precond_close(c[j]);
   daemon_stop();
 }
 
@@ -1866,7 +2148,9 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_region_slots, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_awaited_direct, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_region_vouch_gram, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),

@@ -68,9 +68,11 @@ static void toy_destroy(toy *m) {
   ac_backend_destroy(m->be);
 }
 
+static const char *daemon_addr; /* opts_for's daemon; NULL: precondd's (one test changes it) */
+
 static void opts_for(pt_options *o, const char *job) {
   pt_options_default(o, PT_MODE_SHAMPOO);
-  o->daemon = precondd.addr;
+  o->daemon = daemon_addr != NULL ? daemon_addr : precondd.addr;
   o->job = job;
   o->shampoo.layout.block_size = 8;
   o->shampoo.momentum = 0;
@@ -184,6 +186,52 @@ static void test_sync_reproducible(void **state) {
   run("repro-a", 1, 1, 5, w1, &c, &fb, &smax);
   run("repro-b", 1, 1, 5, w2, &c, &fb, &smax);
   assert_memory_equal(w1, w2, sizeof w1);
+}
+
+/* Same-host, the trainer's Shampoo slots lie in the shared region and are vouched for by
+ * their diagonal (precond_push_vouch_gram: G G^T and G^T G are Gram matrices): a daemon on
+ * a unix socket folds them without the spare (its vouched_pushes counts them), and the
+ * weights after sync_roots steps are bit for bit those of the same run over TCP (the bytes
+ * path: no region, no vouch). */
+static void test_vouched_over_region(void **state) {
+  (void)state;
+  float w_tcp[120], w_shm[120];
+  pt_counters c;
+  long fb;
+  double smax;
+  run("vouch-tcp", 1, 1, 8, w_tcp, &c, &fb, &smax);
+  char sock[128], listen[160];
+  snprintf(sock, sizeof sock, "/tmp/precond-trainer-%d.sock", (int)getpid());
+  unlink(sock);
+  snprintf(listen, sizeof listen, "unix:%s", sock);
+  pdproc ux;
+  memset(&ux, 0, sizeof ux);
+  pdproc_opts po;
+  pdproc_opts_default(&po);
+  po.path = precondd_path;
+  po.listen = listen;
+  po.state_dir = "";
+  po.log_level = "warn";
+  assert_int_equal(pdproc_start(&ux, &po), 0);
+  daemon_addr = ux.addr;
+  run("vouch-shm", 1, 1, 8, w_shm, &c, &fb, &smax);
+  precond_client *cl = NULL;
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = ux.addr;
+  o.background = 0;
+  assert_int_equal(precond_connect(&o, &cl), PRECOND_OK);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(cl, NULL, 0, &st), PRECOND_OK);
+  assert_true(st.vouched_pushes > 0);
+  assert_int_equal(st.torn_pushes, 0);
+  assert_int_equal(st.rejected_pushes, 0);
+  precond_stats_destroy(&st);
+  precond_close(cl);
+  daemon_addr = NULL;
+  pdproc_destroy(&ux);
+  unlink(sock);
+  assert_memory_equal(w_tcp, w_shm, sizeof w_tcp);
 }
 
 /* root_method and root_exponent reach the daemon: eigh's roots are the same roots as Newton's to float
@@ -402,7 +450,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_sync_reproducible),  cmocka_unit_test(test_root_method),
       cmocka_unit_test(test_fallback_counted),   cmocka_unit_test(test_daemon_absent),
       cmocka_unit_test(test_bad_arguments),      cmocka_unit_test(test_root_delay),
-      cmocka_unit_test(test_root_every),
+      cmocka_unit_test(test_root_every),         cmocka_unit_test(test_vouched_over_region),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
