@@ -905,6 +905,158 @@ static void test_shm_awaited_direct(void **state) {
   daemon_stop();
 }
 
+/* Waits until c's daemon folded job's block b at step (its statistic step): the head of
+ * that push was taken long before, and its answer is written or about to be. */
+static void wait_folded(precond_client *c, const char *job, uint32_t b, uint64_t step) {
+  for (int tries = 0; tries < 20000; tries++) {
+    precond_stats st;
+    assert_int_equal(precond_get_stats(c, job, 1, &st), PRECOND_OK);
+    uint64_t got = st.block_stats[b].stat_step;
+    precond_stats_destroy(&st);
+    if (got >= step) return;
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+  }
+  fail_msg("block %u of %s not folded at step %llu", b, job, (unsigned long long)step);
+}
+
+/* The posted push rung by the committing thread (session 17): without push_answer_wait, a
+ * slot's push committed alone while the background thread is idle is posted by
+ * precond_push_commit itself (pushes_direct and pushes_posted both count it, nothing left
+ * queued when commit returns), the answers of earlier posts collected there when they are
+ * in; the pushes fold the same bits as a gRPC twin's. A NaN slot so posted is refused by the
+ * daemon and counted in push_errors one push later (here: after the flush). Two threads
+ * committing at once lose nothing and keep each block's order. The daemon stopped with a
+ * push posted: commits return (a push that would wait on it goes to the background thread,
+ * as before) and nothing is lost once it runs again; killed with a push posted and
+ * restarted: the push goes again to the new daemon (the job registered again), and the
+ * commits after it are rung directly again. */
+static void test_shm_posted_direct(void **state) {
+  (void)state;
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC), *cp = NULL;
+  precond_options o;
+  options_for(&o, PRECOND_TRANSPORT_AUTO, 4 << 20);
+  o.poll_interval_ms = 600000; /* after the first poll (it opens the region) the thread idles */
+  o.backoff_max_ms = 200;
+  assert_int_equal(precond_connect(&o, &cp), PRECOND_OK);
+  register_three(cp, "pdirect-post");
+  register_three(cb, "pdirect-bytes");
+  wait_region(cp);
+  precond_counters k, k0;
+  for (uint64_t step = 1; step <= 2; step++)
+    for (uint32_t b = 0; b < 3; b++) {
+      precond_get_counters(cp, &k0);
+      unsigned seed = 100 * (unsigned)step + b;
+      assert_int_equal(precond_push_commit(cp, slot_filled(cp, step, b, seed, 0)), PRECOND_OK);
+      precond_get_counters(cp, &k);
+      assert_int_equal(k.pushes_direct, k0.pushes_direct + 1); /* rung by this thread */
+      assert_int_equal(k.pushes_posted, k0.pushes_posted + 1); /* posted, not awaited */
+      assert_int_equal(k.queued, 0);
+      assert_true(k.sent >= k0.sent);
+      push_one(cb, step, b, seed, 0);
+      /* the daemon took it: the next commit finds its head free (and its answer, collected
+       * there without a wait, once written) */
+      wait_folded(cp, "pdirect-post", b, step);
+    }
+  precond_get_counters(cp, &k);
+  assert_true(k.sent >= 4); /* the earlier posts' answers, collected by later commits */
+  /* a NaN slot: committed, posted, refused by the daemon's fold, counted once collected */
+  precond_get_counters(cp, &k0);
+  assert_int_equal(precond_push_commit(cp, slot_filled(cp, 3, 1, 77, 2)), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.pushes_direct, k0.pushes_direct + 1);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.sent, 6);
+  char e[512];
+  precond_last_error(cp, e, sizeof e);
+  assert_non_null(strstr(e, "NaN or Inf"));
+  /* two threads at once, blocks 0 and 2, steps 3 .. 10 each */
+  committer m[2] = {{.c = cp, .step = 3, .block = 0, .seed = 1000, .pushes = 8},
+                    {.c = cp, .step = 3, .block = 2, .seed = 2000, .pushes = 8}};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++)
+    assert_int_equal(pthread_create(&th[i], NULL, committer_main, &m[i]), 0);
+  for (int i = 0; i < 2; i++) {
+    pthread_join(th[i], NULL);
+    assert_int_equal(m[i].rc, PRECOND_OK);
+  }
+  for (uint64_t step = 3; step <= 10; step++) {
+    push_one(cb, step, 0, 1000 + (unsigned)step, 0);
+    push_one(cb, step, 2, 2000 + (unsigned)step, 0);
+  }
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, 6 + 16);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.coalesced + k.dropped + k.queued, 0);
+  /* the daemon stopped with pushes posted: the commits return, nothing is lost */
+  wait_folded(cp, "pdirect-post", 2, 10);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  precond_get_counters(cp, &k0);
+  for (uint32_t b = 0; b < 3; b++)
+    assert_int_equal(precond_push_commit(cp, slot_filled(cp, 11, b, 3000 + b, 0)), PRECOND_OK);
+  for (int tries = 0; tries < 10000 && k.pushes_posted == k0.pushes_posted; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(cp, &k);
+  }
+  assert_true(k.pushes_posted > k0.pushes_posted); /* rung; the stopped daemon cannot answer */
+  assert_int_equal(k.sent, k0.sent);
+  assert_int_equal(kill(g_d.pid, SIGCONT), 0);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, k0.sent + 3);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped + k.queued, 1);
+  for (uint32_t b = 0; b < 3; b++) push_one(cb, 11, b, 3000 + b, 0);
+  assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
+  assert_int_equal(precond_set_poll_interval(cp, 10), PRECOND_OK);
+  const uint64_t steps[3] = {11, 11, 11};
+  assert_same_roots(cp, cb, 3, steps);
+  precond_close(cb);
+  precond_close(cp);
+  /* the daemon killed with a push posted: it goes again to the new daemon; a new client,
+   * whose thread idles after its first poll (seen ended: wait_region) */
+  assert_int_equal(precond_connect(&o, &cp), PRECOND_OK);
+  register_three(cp, "pdirect-kill");
+  wait_region(cp);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  assert_int_equal(precond_push_commit(cp, slot_filled(cp, 13, 1, 4000, 0)), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.pushes_direct, 1); /* posted by the commit, not answered */
+  assert_int_equal(k.pushes_posted, 1);
+  assert_int_equal(k.queued, 0);
+  pdproc_stop(&g_d, SIGKILL);
+  unix_daemon_with(NULL);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
+  assert_true(k.reregistered >= 1);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(cp, "pdirect-kill", 1, &st), PRECOND_OK);
+  assert_int_equal(st.block_stats[1].stat_step, 13); /* the new daemon holds it */
+  precond_stats_destroy(&st);
+  /* recovered: with the new region open and the thread idle, commits ring directly again */
+  wait_region(cp);
+  precond_get_counters(cp, &k0);
+  for (uint64_t step = 14; step <= 16; step++) push_one(cp, step, 0, 4000 + (unsigned)step, 0);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, 4);
+  assert_true(k.pushes_direct > k0.pushes_direct);
+  assert_int_equal(precond_get_stats(cp, "pdirect-kill", 1, &st), PRECOND_OK);
+  assert_int_equal(st.block_stats[0].stat_step, 16);
+  precond_stats_destroy(&st);
+  precond_close(cp);
+  daemon_stop();
+}
+
 /* Vouched slots (session 16), two 768 x 4 blocks (a left factor of 1.2 MB: the streamed
  * copy): the client registers job at beta2 over transport t (regions of 16 MiB). */
 static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
@@ -2149,6 +2301,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_direct, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_posted_direct, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouch_gram, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
