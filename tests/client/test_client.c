@@ -1010,6 +1010,7 @@ static void test_shm_posted_direct(void **state) {
   precond_get_counters(cp, &k0);
   for (uint32_t b = 0; b < 3; b++)
     assert_int_equal(precond_push_commit(cp, slot_filled(cp, 11, b, 3000 + b, 0)), PRECOND_OK);
+  precond_get_counters(cp, &k);
   for (int tries = 0; tries < 10000 && k.pushes_posted == k0.pushes_posted; tries++) {
     struct timespec t = {0, 1000000L};
     nanosleep(&t, NULL);
