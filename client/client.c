@@ -119,11 +119,14 @@ struct precond_client {
   pthread_cond_t progress; /* waiters: a send finished, roots arrived */
   pthread_t thread;
   int thread_started, stop;
-  /* The region and the calls (rpc_shm, win's opening and closing, posted, area) are used
-   * by one thread at a time: the one that set busy under mu while it was 0. That is the
-   * background thread in a round of calls for the job, or, with push_answer_wait, a thread
-   * in precond_push_commit ringing its own push (push_direct, session 16); the other
-   * waits (the background thread at its loop's top, bell_waits set, woken on wake). */
+  /* The region and the calls (rpc_shm, win's opening and closing, posted[] and nposted,
+   * area) are used by one thread at a time: the one that set busy under mu while it was 0.
+   * That is the background thread in a round of calls for the job, or a thread in
+   * precond_push_commit ringing its own push (push_direct: awaited since session 16,
+   * posted since session 17, when it also collects the posted answers already in); the
+   * holder reads and writes them with mu released, the others wait (the background thread
+   * at its loop's top, bell_waits set, woken on wake; a committer does not wait: it queues
+   * its push for the holder or the background thread). */
   int busy;       /* a thread is in a round of calls for the job (mu released) */
   int bell_waits; /* the background thread waits for busy to clear */
 
@@ -145,7 +148,7 @@ struct precond_client {
   uint64_t newest_step;       /* newest step pushed, sent with fetches for staleness stats */
 
   precond_counters counters;
-  /* Shared memory (the background thread's alone; rpc.h rpc_shm_*): the region, and when to try
+  /* Shared memory (the busy holder's, see busy; rpc.h rpc_shm_*): the region, and when to try
    * to get one again after a failure. */
   rpc_shm shm;
   push_batch posted[RPC_SHM_QUEUE]; /* posted at its doorbell, not yet collected, oldest
@@ -822,7 +825,7 @@ static int settle(precond_client *c, push_batch *b, int st, const uint64_t *daem
 
 /* Waits for the oldest posted push's answer: its PRECOND_* status; daemon gets the
  * answer's epoch and resumed step; *lost: no answer came (the daemon gone, or the
- * deadline), the region is spoilt. Background thread, mu not held. */
+ * deadline), the region is spoilt. The busy holder, mu not held. */
 static int collect_one(precond_client *c, uint64_t daemon[2], int *lost) {
   ProtobufCMessage *resp = NULL;
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
@@ -846,7 +849,7 @@ static int collect_one(precond_client *c, uint64_t daemon[2], int *lost) {
  * again as bytes at once, as send_batch does. With next (the batch about to be sent, newer
  * than every posted one, or NULL) and a transient outcome, next is put back first, so that
  * the queue keeps their order (*next_done = 1). Returns the oldest transient status, else
- * PRECOND_OK. Background thread, mu not held. */
+ * PRECOND_OK. The busy holder, mu not held. */
 static int collect_posted(precond_client *c, int all, int gone, push_batch *next, int *next_done) {
   int sts[RPC_SHM_QUEUE];
   uint64_t daemon[RPC_SHM_QUEUE][2];
@@ -895,7 +898,7 @@ static int collect_posted(precond_client *c, int all, int gone, push_batch *next
 /* Writes batch b into the region's ring at the place rpc_shm_begin reserves (need bytes,
  * which rpc_shm_fits said are free) and rings it without waiting for its answer: PRECOND_OK
  * when posted. A daemon gone, or not taking the previous request in time, spoils the
- * region: *gone gets the status, and nothing was rung. Background thread, mu not held. */
+ * region: *gone gets the status, and nothing was rung. The busy holder, mu not held. */
 static int post_batch(precond_client *c, push_batch *b, uint64_t need, int *gone) {
   grpc_status_code code = GRPC_STATUS_UNKNOWN;
   char *details = NULL;
@@ -1795,30 +1798,88 @@ static int slot_finite(precond__item *it) {
   return 0;
 }
 
-/* The awaited push rung by the committing thread (session 16): with push_answer_wait, item
- * it, just queued and the only thing queued, in flight or posted for the job, in the open
- * region's worker slots, while no thread is busy (the background thread idle), is sent by
- * the caller as the background thread would (push_some: the same request, the same ring
- * rules, the same settling: a refusal counted in push_errors, a transient failure put back
- * in the queue for the background thread) and its answer awaited here. The hand-off to the
- * background thread cost two futex wakes and two sleeps a push (about 40 us of CPU across
- * cores, docs/precondd.md, "Session 16: the awaited push without the hand-off"). Nothing
- * else being queued or in flight keeps the push order: pushes committed meanwhile queue
- * behind it (busy holds the background thread back), a requeued one goes back at the
- * queue's head. 1 when it was sent here (it may be freed by now), 0: the background
- * thread's to send (not woken yet). Caller holds mu; returns with mu held. */
+/* How long a posted push rung by the committing thread waits for room (push_direct), and
+ * its naps meanwhile. Waiting there for the oldest answer (a fold, 150-300 us of a 1024
+ * block) measured better than leaving the push to the background thread at once: handed
+ * off, the thread then held busy while it waited for the room itself, so the commits after
+ * it were handed off too (20-50% rung directly against 97-99%; push-lib 18.7-21.4% of
+ * memcpy against 20.5-25.5%, client's other threads 10-24 us a push against 1-4;
+ * docs/precondd.md, "Session 17: the posted push without the hand-off"). Bounded, so that
+ * a daemon that does not answer (stopped) never holds a commit long: past it, the push is
+ * the background thread's as before. */
+#define DIRECT_WAIT_US 5000L
+#define DIRECT_NAP_NS  50000L
+
+/* Microseconds since t0 (CLOCK_MONOTONIC). */
+static long elapsed_us(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (t.tv_sec - t0->tv_sec) * 1000000L + (t.tv_nsec - t0->tv_nsec) / 1000L;
+}
+
+/* A push rung by the committing thread (session 16: awaited; session 17: posted): item
+ * it, just queued and the only thing queued for the job, in the open region's worker
+ * slots, while no thread is busy (the background thread idle), is sent by the caller as
+ * the background thread would (push_some: the same request, the same ring rules, the same
+ * settling, posted[] and pushes_posted alike; a transient failure puts it back at the
+ * queue's head for the background thread, woken here). The hand-off to the background
+ * thread cost a futex wake and a sleep on each side a push (docs/precondd.md, "Session 16:
+ * the awaited push without the hand-off" and "Session 17: the posted push without the
+ * hand-off").
+ * Awaited (push_answer_wait): only with nothing in flight or posted; its answer is awaited
+ * here. Posted: pushes posted before it may be pending (older, already rung: the daemon
+ * serves a region's requests in the order rung, so each block's order holds); first every
+ * posted answer already there is collected without waiting (rpc_shm_answered), so their
+ * slots come back at once, then it is posted. With no room left (RPC_SHM_QUEUE pending,
+ * the ring's, or the daemon not yet at the last request's head) it waits here for it, up to
+ * DIRECT_WAIT_US (above), then leaves the push to the background thread.
+ * Pushes committed meanwhile queue behind it (busy holds the background thread back): taken
+ * with it when queued before its take, else sent by the background thread, woken here.
+ * 1 when sent here (it may be freed by now), 0: the background thread's to
+ * send (not woken yet). Caller holds mu; returns with mu held. */
 static int push_direct(precond_client *c, const precond__item *it) {
-  if (!c->opts.push_answer_wait || !c->thread_started || c->busy || c->stop || c->refused ||
-      c->win == NULL || it->owner != c->win || c->queue.length != 1 || c->inflight != 0 ||
-      c->nposted != 0 || it->block_id >= c->queue.nblocks || c->queue.by_block[it->block_id] != it)
+  int wait = c->opts.push_answer_wait;
+  if (!c->thread_started || c->busy || c->stop || c->refused || c->job == NULL || c->win == NULL ||
+      it->owner != c->win || c->queue.length != 1 || it->block_id >= c->queue.nblocks ||
+      c->queue.by_block[it->block_id] != it || (wait && (c->inflight != 0 || c->nposted != 0)))
     return 0;
+  uint64_t need = 0;
+  if (!wait) {
+    /* posted only where the background thread would post it (batch_need's "pipe") */
+    push_batch one = {.n = 1, .job = c->job};
+    one.items[0] = (precond__item *)(uintptr_t)it;
+    if (!batch_need(c, &one, &need)) return 0;
+  }
   c->busy = 1;
-  c->counters.pushes_direct++;
-  push_some(c); /* mu released while it calls; a transient failure requeues */
+  int mine = 1;
+  if (!wait && c->nposted > 0) {
+    pthread_mutex_unlock(&c->mu); /* posted[] and the region are this thread's while busy */
+    int st = PRECOND_OK, room = 0;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    while (st == PRECOND_OK) {
+      if (rpc_shm_answered(&c->shm)) {
+        st = collect_posted(c, 0, 0, NULL, NULL); /* there: no wait */
+        continue;
+      }
+      room = c->nposted < RPC_SHM_QUEUE && rpc_shm_fits(&c->shm, need) && rpc_shm_taken(&c->shm);
+      if (room || elapsed_us(&t0) >= DIRECT_WAIT_US) break;
+      struct timespec nap = {0, DIRECT_NAP_NS};
+      nanosleep(&nap, NULL);
+    }
+    pthread_mutex_lock(&c->mu);
+    /* A transient answer (the region or the job lost) is the background thread's to act on
+     * (backoff, a new region, registering again); so is a push still without room. */
+    mine = st == PRECOND_OK && room && c->shm.map != NULL && c->queue.length > 0 && !c->stop;
+  }
+  if (mine) {
+    c->counters.pushes_direct++;
+    push_some(c); /* mu released while it calls; a transient failure requeues */
+  }
   c->busy = 0;
-  if (c->queue.length > 0 || c->bell_waits) pthread_cond_signal(&c->wake);
+  if (mine && (c->queue.length > 0 || c->bell_waits)) pthread_cond_signal(&c->wake);
   pthread_cond_broadcast(&c->progress); /* precond_end_job waits for busy to clear */
-  return 1;
+  return mine;
 }
 
 int precond_push_commit(precond_client *c, precond_push_slot *slot) {

@@ -37,6 +37,10 @@
  *   background thread posts a push and does not wait for its answer; it collects it when it
  *   next needs to (before a later push finds no room, before a fetch poll or a push that
  *   goes by gRPC, in precond_flush, at precond_close), so at most every poll_interval_ms.
+ *   A slot placed in the region and committed alone while the background thread is idle
+ *   is posted by precond_push_commit itself (session 17), which first collects the answers
+ *   already in and, with no room, waits up to 5 ms for the oldest (else leaves the push to
+ *   the background thread).
  *   Nothing is lost meanwhile: the push's blocks are kept until its answer, and one answered
  *   for a transient reason or lost with its region (the daemon restarted) goes back to the
  *   queue and is sent again as any failed send. A refusal for bad input (e.g. values whose
@@ -464,11 +468,15 @@ typedef struct {
   uint64_t pushes_posted;      /* PushStatistics calls posted at a shared region's doorbell
                                   without waiting, their answers collected later (see
                                   "Same-host pushes" at the top) */
-  uint64_t pushes_direct;      /* with push_answer_wait, pushes of a worker slot rung by the
-                                  committing thread itself (precond_push_commit: nothing
-                                  else queued or in flight, the background thread idle),
-                                  whatever their answer; the others go through the
-                                  background thread as before */
+  uint64_t pushes_direct;      /* pushes of a worker slot rung by the committing thread
+                                  itself (precond_push_commit of it alone: nothing else
+                                  queued, the background thread idle), whatever their
+                                  answer: with push_answer_wait (session 16; nothing in
+                                  flight either) answered when commit returns; posted
+                                  (session 17; counted in pushes_posted too) with the
+                                  answers already in collected there first, waiting up to
+                                  5 ms for room; the others go through the background
+                                  thread as before */
   uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
                                   region itself (written there by the caller, posted from
                                   there: no copy, no NaN/Inf scan of the client's) */

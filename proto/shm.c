@@ -1111,6 +1111,18 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
   return RPC_OK;
 }
 
+int rpc_shm_answered(const rpc_shm *s) {
+  if (!s || !s->map || s->npend == 0) return 0;
+  const rpc_shm_head *h = (const void *)s->map;
+  return rpc__shm_reached(&h->answered, s->pend[0].bell);
+}
+
+int rpc_shm_taken(const rpc_shm *s) {
+  if (!s || !s->map) return 0;
+  const rpc_shm_head *h = (const void *)s->map;
+  return s->npend == 0 || rpc__shm_reached(&h->taken, s->rung);
+}
+
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *resp_desc, long deadline_ms,
                  ProtobufCMessage **resp, grpc_status_code *status, char **details) {

@@ -699,6 +699,141 @@ static void *committer_main(void *arg) {
   return NULL;
 }
 
+/* A unix-socket daemon (no drift skip) and two clients of it, each with three blocks
+ * registered: the returned one through a region (*o its options: answer_wait as given, a
+ * thread that idles after its first poll, which opens the region and has ended on return),
+ * *cb forced to gRPC bytes (the twin job's). */
+static precond_client *direct_twins(precond_options *o, int answer_wait, const char *job,
+                                    precond_client **cb, const char *twin_job) {
+  const char *extra[] = {"--drift-threshold", "0", NULL};
+  unix_daemon_with(extra);
+  *cb = connect_transport(PRECOND_TRANSPORT_GRPC);
+  options_for(o, PRECOND_TRANSPORT_AUTO, 4 << 20);
+  o->poll_interval_ms = 600000;
+  o->backoff_max_ms = 200;
+  o->push_answer_wait = answer_wait;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(o, &c), PRECOND_OK);
+  register_three(c, job);
+  register_three(*cb, twin_job);
+  wait_region(c);
+  return c;
+}
+
+/* The end of a direct-ring test's first part: c's roots are twin's at steps (twin flushed
+ * first), both closed. Then a new client with options o, job registered, its region open:
+ * returned. */
+static precond_client *twins_checked_new(const precond_options *o, precond_client *c,
+                                         precond_client *twin, const uint64_t steps[3],
+                                         const char *job) {
+  assert_int_equal(precond_flush(twin, ROOT_WAIT_MS), PRECOND_OK);
+  assert_int_equal(precond_set_poll_interval(c, 10), PRECOND_OK);
+  assert_same_roots(c, twin, 3, steps);
+  precond_close(twin);
+  precond_close(c);
+  precond_client *n = NULL;
+  assert_int_equal(precond_connect(o, &n), PRECOND_OK);
+  register_three(n, job);
+  wait_region(n);
+  return n;
+}
+
+/* Commits slot on c (the background thread idle) and checks that the committing thread
+ * rang it itself (pushes_direct): awaited (push_answer_wait), answered on return; posted,
+ * posted; nothing left queued either way. */
+static void direct_commit(precond_client *c, precond_push_slot *slot) {
+  precond_counters k0, k;
+  precond_get_counters(c, &k0);
+  assert_int_equal(precond_push_commit(c, slot), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.pushes_direct, k0.pushes_direct + 1); /* rung by this thread */
+  if (k.pushes_posted == k0.pushes_posted)
+    assert_int_equal(k.sent + k.push_errors, k0.sent + k0.push_errors + 1); /* answered */
+  else
+    assert_int_equal(k.pushes_posted, k0.pushes_posted + 1); /* posted, not awaited */
+  assert_int_equal(k.queued, 0);
+}
+
+/* A daemon restarted after the one holding c's push of job's block 1 at step 13 unanswered
+ * was killed: c's flush sends it again (the job registered again), nothing lost. */
+static void restarted_holds(precond_client *c, const char *job) {
+  unix_daemon_with(NULL);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.sent, 1);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
+  assert_true(k.reregistered >= 1);
+  precond_stats st;
+  assert_int_equal(precond_get_stats(c, job, 1, &st), PRECOND_OK);
+  assert_int_equal(st.block_stats[1].stat_step, 13); /* the new daemon holds it */
+  precond_stats_destroy(&st);
+}
+
+/* Waits until c's daemon folded job's block b at step (its statistic step): the head of
+ * that push was taken long before, and its answer is written or about to be. */
+static void wait_folded(precond_client *c, const char *job, uint32_t b, uint64_t step) {
+  for (int tries = 0; tries < 20000; tries++) {
+    precond_stats st;
+    assert_int_equal(precond_get_stats(c, job, 1, &st), PRECOND_OK);
+    uint64_t got = st.block_stats[b].stat_step;
+    precond_stats_destroy(&st);
+    if (got >= step) return;
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+  }
+  fail_msg("block %u of %s not folded at step %llu", b, job, (unsigned long long)step);
+}
+
+/* Steps 1 and 2 of c's three blocks, each rung by the committing thread (direct_commit),
+ * and the same pushes on twin as bytes. posted_job (posted pushes): after each push, the
+ * wait until the daemon folded it, so that the next commit finds its head taken (and its
+ * answer, collected there without a wait, once written). */
+static void direct_steps(precond_client *c, precond_client *twin, const char *posted_job) {
+  for (uint64_t step = 1; step <= 2; step++)
+    for (uint32_t b = 0; b < 3; b++) {
+      direct_commit(c, slot_filled(c, step, b, 100 * (unsigned)step + b, 0));
+      push_one(twin, step, b, 100 * (unsigned)step + b, 0);
+      if (posted_job != NULL) wait_folded(c, posted_job, b, step);
+    }
+}
+
+/* Two threads committing c's blocks 0 and 2 at once, steps 3 .. 10 each (committer_main:
+ * each push taken or answered before the next), then the same pushes on twin as bytes. */
+static void two_committers(precond_client *c, precond_client *twin) {
+  committer m[2] = {{.c = c, .step = 3, .block = 0, .seed = 1000, .pushes = 8},
+                    {.c = c, .step = 3, .block = 2, .seed = 2000, .pushes = 8}};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++)
+    assert_int_equal(pthread_create(&th[i], NULL, committer_main, &m[i]), 0);
+  for (int i = 0; i < 2; i++) {
+    pthread_join(th[i], NULL);
+    assert_int_equal(m[i].rc, PRECOND_OK);
+  }
+  for (uint64_t step = 3; step <= 10; step++) {
+    push_one(twin, step, 0, 1000 + (unsigned)step, 0);
+    push_one(twin, step, 2, 2000 + (unsigned)step, 0);
+  }
+}
+
+/* After direct_steps and a NaN slot (step 3, block 1): the refusal counted with the
+ * daemon's message, the six others sent; then two_committers, all sent, nothing lost. */
+static void nan_counted_then_two(precond_client *c, precond_client *twin) {
+  precond_counters k;
+  precond_get_counters(c, &k);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.sent, 6);
+  char e[512];
+  precond_last_error(c, e, sizeof e);
+  assert_non_null(strstr(e, "NaN or Inf"));
+  two_committers(c, twin);
+  assert_int_equal(precond_flush(c, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(c, &k);
+  assert_int_equal(k.sent, 6 + 16);
+  assert_int_equal(k.push_errors, 1);
+  assert_int_equal(k.coalesced + k.dropped + k.queued, 0);
+}
+
 /* Waits until c's counters.pushes_direct reaches n. */
 static void wait_direct(precond_client *c, uint64_t n) {
   precond_counters k;
@@ -798,110 +933,121 @@ static void test_shm_awaited_paced(void **state) {
  * same bits as a gRPC twin's. */
 static void test_shm_awaited_direct(void **state) {
   (void)state;
-  const char *extra[] = {"--drift-threshold", "0", NULL};
-  unix_daemon_with(extra);
-  precond_client *cb = connect_transport(PRECOND_TRANSPORT_GRPC), *cw = NULL;
   precond_options o;
-  options_for(&o, PRECOND_TRANSPORT_AUTO, 4 << 20);
-  o.poll_interval_ms = 600000; /* after the first poll (it opens the region) the thread idles */
-  o.backoff_max_ms = 200;
-  o.push_answer_wait = 1;
-  assert_int_equal(precond_connect(&o, &cw), PRECOND_OK);
-  register_three(cw, "direct-wait");
-  register_three(cb, "direct-bytes");
-  wait_region(cw);
+  precond_client *cb = NULL, *cw = direct_twins(&o, 1, "direct-wait", &cb, "direct-bytes");
   precond_counters k, k0;
-  for (uint64_t step = 1; step <= 2; step++)
-    for (uint32_t b = 0; b < 3; b++) {
-      precond_get_counters(cw, &k0);
-      unsigned seed = 100 * (unsigned)step + b;
-      assert_int_equal(precond_push_commit(cw, slot_filled(cw, step, b, seed, 0)), PRECOND_OK);
-      precond_get_counters(cw, &k);
-      assert_int_equal(k.pushes_direct, k0.pushes_direct + 1); /* rung by this thread */
-      assert_int_equal(k.sent, k0.sent + 1);                   /* answered on return */
-      assert_int_equal(k.queued, 0);
-      push_one(cb, step, b, seed, 0);
-    }
+  direct_steps(cw, cb, NULL);
   /* a NaN slot: committed, refused by the daemon's fold, counted when commit returns */
-  precond_get_counters(cw, &k0);
-  assert_int_equal(precond_push_commit(cw, slot_filled(cw, 3, 1, 77, 2)), PRECOND_OK);
+  direct_commit(cw, slot_filled(cw, 3, 1, 77, 2));
+  nan_counted_then_two(cw, cb);
   precond_get_counters(cw, &k);
-  assert_int_equal(k.pushes_direct, k0.pushes_direct + 1);
-  assert_int_equal(k.push_errors, 1);
-  assert_int_equal(k.sent, k0.sent);
-  char e[512];
-  precond_last_error(cw, e, sizeof e);
-  assert_non_null(strstr(e, "NaN or Inf"));
-  /* two threads at once, blocks 0 and 2, steps 3 .. 10 each */
-  committer m[2] = {{.c = cw, .step = 3, .block = 0, .seed = 1000, .pushes = 8},
-                    {.c = cw, .step = 3, .block = 2, .seed = 2000, .pushes = 8}};
-  pthread_t th[2];
-  for (int i = 0; i < 2; i++)
-    assert_int_equal(pthread_create(&th[i], NULL, committer_main, &m[i]), 0);
-  for (int i = 0; i < 2; i++) {
-    pthread_join(th[i], NULL);
-    assert_int_equal(m[i].rc, PRECOND_OK);
-  }
-  for (uint64_t step = 3; step <= 10; step++) {
-    push_one(cb, step, 0, 1000 + (unsigned)step, 0);
-    push_one(cb, step, 2, 2000 + (unsigned)step, 0);
-  }
-  assert_int_equal(precond_flush(cw, ROOT_WAIT_MS), PRECOND_OK);
-  precond_get_counters(cw, &k);
-  assert_int_equal(k.sent, 6 + 16);
-  assert_int_equal(k.push_errors, 1);
-  assert_int_equal(k.coalesced + k.dropped + k.queued, 0);
   assert_int_equal(k.pushes_posted, 0);
   /* the daemon stopped under a commit: it waits for the answer, nothing lost */
   assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
   wait_stopped(g_d.pid);
   precond_get_counters(cw, &k0);
+  pthread_t th;
   committer s = {.c = cw, .step = 11, .block = 0, .seed = 1000, .pushes = 1};
-  assert_int_equal(pthread_create(&th[0], NULL, committer_main, &s), 0);
+  assert_int_equal(pthread_create(&th, NULL, committer_main, &s), 0);
   wait_direct(cw, k0.pushes_direct + 1);
   assert_int_equal(precond_wait_queued(cw, 0, 300), PRECOND_ETIMEDOUT); /* in flight */
   assert_int_equal(atomic_load(&s.done), 0); /* the stopped daemon cannot answer */
   assert_int_equal(kill(g_d.pid, SIGCONT), 0);
-  pthread_join(th[0], NULL);
+  pthread_join(th, NULL);
   assert_int_equal(s.rc, PRECOND_OK);
   precond_get_counters(cw, &k);
   assert_int_equal(k.sent, k0.sent + 1);
   push_one(cb, 11, 0, 1011, 0);
-  assert_int_equal(precond_flush(cb, ROOT_WAIT_MS), PRECOND_OK);
-  assert_int_equal(precond_set_poll_interval(cw, 10), PRECOND_OK);
   const uint64_t steps[3] = {11, 2, 10};
-  assert_same_roots(cw, cb, 3, steps);
-  precond_close(cb);
-  precond_close(cw);
   /* the daemon killed under a commit: the push goes back to the queue, and to the new
    * daemon (the job registered again); a new client, whose thread idles after its first
    * poll (its counters seen after the poll ended: the thread was idle by then) */
-  assert_int_equal(precond_connect(&o, &cw), PRECOND_OK);
-  register_three(cw, "direct-kill");
-  wait_region(cw);
+  cw = twins_checked_new(&o, cw, cb, steps, "direct-kill");
   assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
   wait_stopped(g_d.pid);
   precond_get_counters(cw, &k0);
   committer x = {.c = cw, .step = 13, .block = 1, .seed = 3000, .pushes = 1};
-  assert_int_equal(pthread_create(&th[0], NULL, committer_main, &x), 0);
+  assert_int_equal(pthread_create(&th, NULL, committer_main, &x), 0);
   wait_direct(cw, k0.pushes_direct + 1);
   pdproc_stop(&g_d, SIGKILL);
-  pthread_join(th[0], NULL);
+  pthread_join(th, NULL);
   assert_int_equal(x.rc, PRECOND_OK);
   precond_get_counters(cw, &k);
   assert_int_equal(k.sent, 0); /* not answered: back in the queue */
   assert_int_equal(k.pushes_direct, 1);
-  unix_daemon_with(NULL);
-  assert_int_equal(precond_flush(cw, ROOT_WAIT_MS), PRECOND_OK);
-  precond_get_counters(cw, &k);
-  assert_int_equal(k.sent, 1);
-  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
-  assert_true(k.reregistered >= 1);
-  precond_stats st;
-  assert_int_equal(precond_get_stats(cw, "direct-kill", 1, &st), PRECOND_OK);
-  assert_int_equal(st.block_stats[1].stat_step, 13); /* the new daemon holds it */
-  precond_stats_destroy(&st);
+  restarted_holds(cw, "direct-kill");
   precond_close(cw);
+  daemon_stop();
+}
+
+/* The posted push rung by the committing thread (session 17): without push_answer_wait, a
+ * slot's push committed alone while the background thread is idle is posted by
+ * precond_push_commit itself (pushes_direct and pushes_posted both count it, nothing left
+ * queued when commit returns), the answers of earlier posts collected there when they are
+ * in; the pushes fold the same bits as a gRPC twin's. A NaN slot so posted is refused by the
+ * daemon and counted in push_errors one push later (here: after the flush). Two threads
+ * committing at once lose nothing and keep each block's order. The daemon stopped with a
+ * push posted: commits return (a push that would wait on it goes to the background thread,
+ * as before) and nothing is lost once it runs again; killed with a push posted and
+ * restarted: the push goes again to the new daemon (the job registered again), and the
+ * commits after it are rung directly again. */
+static void test_shm_posted_direct(void **state) {
+  (void)state;
+  precond_options o;
+  precond_client *cb = NULL, *cp = direct_twins(&o, 0, "pdirect-post", &cb, "pdirect-bytes");
+  precond_counters k, k0;
+  direct_steps(cp, cb, "pdirect-post");
+  precond_get_counters(cp, &k);
+  assert_true(k.sent >= 4); /* the earlier posts' answers, collected by later commits */
+  /* a NaN slot: committed, posted, refused by the daemon's fold, counted once collected */
+  direct_commit(cp, slot_filled(cp, 3, 1, 77, 2));
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  nan_counted_then_two(cp, cb);
+  /* the daemon stopped with pushes posted: the commits return, nothing is lost */
+  wait_folded(cp, "pdirect-post", 2, 10);
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  precond_get_counters(cp, &k0);
+  for (uint32_t b = 0; b < 3; b++)
+    assert_int_equal(precond_push_commit(cp, slot_filled(cp, 11, b, 3000 + b, 0)), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  for (int tries = 0; tries < 10000 && k.pushes_posted == k0.pushes_posted; tries++) {
+    struct timespec t = {0, 1000000L};
+    nanosleep(&t, NULL);
+    precond_get_counters(cp, &k);
+  }
+  assert_true(k.pushes_posted > k0.pushes_posted); /* rung; the stopped daemon cannot answer */
+  assert_int_equal(k.sent, k0.sent);
+  assert_int_equal(kill(g_d.pid, SIGCONT), 0);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, k0.sent + 3);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped + k.queued, 1);
+  for (uint32_t b = 0; b < 3; b++) push_one(cb, 11, b, 3000 + b, 0);
+  const uint64_t steps[3] = {11, 11, 11};
+  /* the daemon killed with a push posted: it goes again to the new daemon; a new client,
+   * whose thread idles after its first poll (seen ended: wait_region) */
+  cp = twins_checked_new(&o, cp, cb, steps, "pdirect-kill");
+  assert_int_equal(kill(g_d.pid, SIGSTOP), 0);
+  wait_stopped(g_d.pid);
+  assert_int_equal(precond_push_commit(cp, slot_filled(cp, 13, 1, 4000, 0)), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.pushes_direct, 1); /* posted by the commit, not answered */
+  assert_int_equal(k.pushes_posted, 1);
+  assert_int_equal(k.queued, 0);
+  pdproc_stop(&g_d, SIGKILL);
+  restarted_holds(cp, "pdirect-kill");
+  /* recovered: the pushes after it are sent, and (a new region open, the thread idle
+   * again once its poll after the retry ended) rung directly again: of 20, at least one */
+  precond_get_counters(cp, &k0);
+  for (uint64_t step = 14; step < 34; step++) push_one(cp, step, 0, 4000 + (unsigned)step, 0);
+  assert_int_equal(precond_flush(cp, ROOT_WAIT_MS), PRECOND_OK);
+  precond_get_counters(cp, &k);
+  assert_int_equal(k.sent, 21);
+  assert_int_equal(k.push_errors + k.coalesced + k.dropped, 0);
+  assert_true(k.pushes_direct > k0.pushes_direct);
+  wait_folded(cp, "pdirect-kill", 0, 33);
+  precond_close(cp);
   daemon_stop();
 }
 
@@ -2149,6 +2295,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_region_slots_awaited, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_paced, stop_daemon),
       cmocka_unit_test_teardown(test_shm_awaited_direct, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_posted_direct, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouch_gram, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),

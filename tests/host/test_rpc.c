@@ -490,7 +490,10 @@ static void test_shm_queue(void **state) {
   grpc_status_code st;
   char *details = NULL;
   const uint64_t need = slot + 2048; /* the slot, the request and its answer's room */
-  /* Push 1 at the ring's start; push 2 after it (push 1 pending). */
+  /* Push 1 at the ring's start; push 2 after it (push 1 pending). Nothing pending: nothing
+   * to wait for, nothing answered. */
+  assert_int_equal(rpc_shm_taken(&s), 1);
+  assert_int_equal(rpc_shm_answered(&s), 0);
   assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.push_start, 0);
   assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
@@ -502,20 +505,27 @@ static void test_shm_queue(void **state) {
   assert_true(second >= slot && second < ring);
   assert_non_null(rpc_shm_slot(&s, &m, slot, &ref));
   assert_int_equal(ref.seq, second + 1);
-  /* The daemon has not taken push 1's head: push 2's post waits out its deadline. */
+  /* The daemon has not taken push 1's head: push 2's post waits out its deadline
+   * (rpc_shm_taken says so beforehand, without waiting). */
+  assert_int_equal(rpc_shm_taken(&s), 0);
   assert_int_equal(rpc_shm_post(&s, &req.base, 30, &st, &details), RPC_ECALL);
   assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
   free(details);
   assert_int_equal(h->bell, 1);
   assert_int_equal(h->taken_wait, 0); /* it asked for a wake while it waited, no longer */
   h->taken = 1;
+  assert_int_equal(rpc_shm_taken(&s), 1);
   assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.npend, 2);
+  assert_int_equal(rpc_shm_taken(&s), 0); /* push 2's head not taken yet */
   /* A full queue: post refuses, begin collects push 1 (answered OK) and places push 3 at the
-   * ring's start a lap on (push 2's bytes stay clear). */
+   * ring's start a lap on (push 2's bytes stay clear). rpc_shm_answered looks at push 1's
+   * answer only: not there, then there. */
   assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_EINVAL);
+  assert_int_equal(rpc_shm_answered(&s), 0);
   const uint8_t accepted[2] = {0x08, 0x01}; /* PushResponse.accepted = 1 */
   queue_answer(map, &s, 1, GRPC_STATUS_OK, accepted, 2);
+  assert_int_equal(rpc_shm_answered(&s), 1);
   assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.npend, 1);
   assert_int_equal(s.pend[0].bell, 2);
@@ -524,8 +534,11 @@ static void test_shm_queue(void **state) {
   assert_true(ref.seq - 1 + slot <= second + ring); /* clear of push 2 */
   h->taken = 2;
   assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
-  /* Push 2 refused: its own code and message, then push 3's OK; then none pending. */
+  /* Push 2 refused: its own code and message, then push 3's OK; then none pending;
+   * rpc_shm_answered says 1 only once push 2, the oldest, is answered. */
+  assert_int_equal(rpc_shm_answered(&s), 0);
   queue_answer(map, &s, 2, GRPC_STATUS_INVALID_ARGUMENT, "blocks[0].left.data: NaN", 24);
+  assert_int_equal(rpc_shm_answered(&s), 1);
   ProtobufCMessage *resp = NULL;
   assert_int_equal(
       rpc_shm_collect(&s, &precond__v1__push_response__descriptor, 100, &resp, &st, &details),
@@ -544,6 +557,9 @@ static void test_shm_queue(void **state) {
   assert_int_equal(
       rpc_shm_collect(&s, &precond__v1__push_response__descriptor, 100, &resp, &st, &details),
       RPC_EINVAL);
+  assert_int_equal(rpc_shm_answered(&s), 0);
+  assert_int_equal(rpc_shm_answered(NULL), 0);
+  assert_int_equal(rpc_shm_taken(NULL), 0);
   /* Without the queue (an older daemon) only one at a time; a push above the ring: nothing. */
   s.queue = 0;
   assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
