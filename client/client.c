@@ -1798,17 +1798,17 @@ static int slot_finite(precond__item *it) {
   return 0;
 }
 
-/* How long a posted push rung by the committing thread waits for room (push_direct), and
- * its naps meanwhile. Waiting there for the oldest answer (a fold, 150-300 us of a 1024
- * block) measured better than leaving the push to the background thread at once: handed
- * off, the thread then held busy while it waited for the room itself, so the commits after
- * it were handed off too (20-50% rung directly against 97-99%; push-lib 18.7-21.4% of
- * memcpy against 20.5-25.5%, client's other threads 10-24 us a push against 1-4;
- * docs/precondd.md, "Session 17: the posted push without the hand-off"). Bounded, so that
- * a daemon that does not answer (stopped) never holds a commit long: past it, the push is
- * the background thread's as before. */
+/* How long a posted push rung by the committing thread waits for the daemon to take its
+ * oldest pending request's head (push_direct), and its naps meanwhile. Waiting in the commit
+ * measured better than leaving a push without room to the background thread at once:
+ * handed off, the thread then held busy while it waited for the room itself, so the commits
+ * after it were handed off too (6-52% rung directly against 97-99%; docs/precondd.md,
+ * "Session 17: the posted push without the hand-off"). A wait for a request the daemon took
+ * is a wait for its fold (rpc_shm_collect's own, bounded by the fold unless the daemon stops
+ * in it); one the daemon has not taken may never end (a stopped daemon), so it is bounded
+ * here: past it, the push is the background thread's as before. */
 #define DIRECT_WAIT_US 5000L
-#define DIRECT_NAP_NS  50000L
+#define DIRECT_NAP_US  50L
 
 /* Microseconds since t0 (CLOCK_MONOTONIC). */
 static long elapsed_us(const struct timespec *t0) {
@@ -1831,8 +1831,10 @@ static long elapsed_us(const struct timespec *t0) {
  * serves a region's requests in the order rung, so each block's order holds); first every
  * posted answer already there is collected without waiting (rpc_shm_answered), so their
  * slots come back at once, then it is posted. With no room left (RPC_SHM_QUEUE pending,
- * the ring's, or the daemon not yet at the last request's head) it waits here for it, up to
- * DIRECT_WAIT_US (above), then leaves the push to the background thread.
+ * the ring's, or the daemon not yet at the last request's head) it waits here: for the
+ * oldest answer where the daemon took that request (collect_posted, as the background
+ * thread waits: the region's pace), else in naps up to DIRECT_WAIT_US (above), after which
+ * the push is left to the background thread.
  * Pushes committed meanwhile queue behind it (busy holds the background thread back): taken
  * with it when queued before its take, else sent by the background thread, woken here.
  * 1 when sent here (it may be freed by now), 0: the background thread's to
@@ -1862,9 +1864,17 @@ static int push_direct(precond_client *c, const precond__item *it) {
         st = collect_posted(c, 0, 0, NULL, NULL); /* there: no wait */
         continue;
       }
-      room = c->nposted < RPC_SHM_QUEUE && rpc_shm_fits(&c->shm, need) && rpc_shm_taken(&c->shm);
-      if (room || elapsed_us(&t0) >= DIRECT_WAIT_US) break;
-      struct timespec nap = {0, DIRECT_NAP_NS};
+      room = c->nposted < RPC_SHM_QUEUE && rpc_shm_fits(&c->shm, need) &&
+             rpc_shm_taken(&c->shm, c->shm.npend - 1);
+      if (room) break;
+      if (rpc_shm_taken(&c->shm, 0)) {
+        /* the daemon is at the oldest: its answer follows the fold; waited for as the
+         * background thread waits (the region's pace: futex or naps, PRECOND_SHM_NAP_US) */
+        st = collect_posted(c, 0, 0, NULL, NULL);
+        continue;
+      }
+      if (elapsed_us(&t0) >= DIRECT_WAIT_US) break;
+      struct timespec nap = {0, DIRECT_NAP_US * 1000L};
       nanosleep(&nap, NULL);
     }
     pthread_mutex_lock(&c->mu);

@@ -39,8 +39,10 @@
  *   goes by gRPC, in precond_flush, at precond_close), so at most every poll_interval_ms.
  *   A slot placed in the region and committed alone while the background thread is idle
  *   is posted by precond_push_commit itself (session 17), which first collects the answers
- *   already in and, with no room, waits up to 5 ms for the oldest (else leaves the push to
- *   the background thread).
+ *   already in and, with no room, waits for the oldest answer where the daemon is at work
+ *   on it (a fold at most, unless the daemon stops in it: then up to call_timeout_ms), else
+ *   up to 5 ms for the daemon to take it before it leaves the push to the background
+ *   thread.
  *   Nothing is lost meanwhile: the push's blocks are kept until its answer, and one answered
  *   for a transient reason or lost with its region (the daemon restarted) goes back to the
  *   queue and is sent again as any failed send. A refusal for bad input (e.g. values whose
@@ -474,8 +476,9 @@ typedef struct {
                                   answer: with push_answer_wait (session 16; nothing in
                                   flight either) answered when commit returns; posted
                                   (session 17; counted in pushes_posted too) with the
-                                  answers already in collected there first, waiting up to
-                                  5 ms for room; the others go through the background
+                                  answers already in collected there first, and, without
+                                  room, the oldest awaited where the daemon took it (else
+                                  up to 5 ms); the others go through the background
                                   thread as before */
   uint64_t region_slots;       /* of pushed, those precond_push_begin placed in the shared
                                   region itself (written there by the caller, posted from

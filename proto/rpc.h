@@ -755,13 +755,15 @@ int rpc_shm_collect(rpc_shm *s, const ProtobufCMessageDescriptor *resp_desc, lon
                     ProtobufCMessage **resp, grpc_status_code *status, char **details);
 
 /* Looks, no waits (session 17: libprecond's committing thread collects what is done and
- * posts only where nothing would hold it up, else leaves the push to its background
- * thread). rpc_shm_answered: 1 when the oldest pending push is answered (rpc_shm_collect
- * would return it at once); 0 when none is pending or its answer is not there yet.
- * rpc_shm_taken: 1 when the daemon took the last rung request's head, or none is pending
- * (rpc_shm_post would not wait for the head); 0 otherwise. */
+ * posts only where nothing would hold it up, else waits for an answer the daemon is at work
+ * on, or leaves the push to its background thread). rpc_shm_answered: 1 when the oldest
+ * pending push is answered (rpc_shm_collect would return it at once); 0 when none is pending
+ * or its answer is not there yet. rpc_shm_taken: 1 when the daemon took the head of pending
+ * push i (0: the oldest, being served or answered; s->npend - 1: the last rung, so
+ * rpc_shm_post would not wait for the head), or i is not pending (none pending: i = npend -
+ * 1 wraps above it); 0 otherwise. */
 int rpc_shm_answered(const rpc_shm *s);
-int rpc_shm_taken(const rpc_shm *s);
+int rpc_shm_taken(const rpc_shm *s, uint32_t i);
 
 /* Sets the fields of a fetch through s: the session, and roots_area when s has the roots
  * area mapped. */

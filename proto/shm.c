@@ -1117,10 +1117,10 @@ int rpc_shm_answered(const rpc_shm *s) {
   return rpc__shm_reached(&h->answered, s->pend[0].bell);
 }
 
-int rpc_shm_taken(const rpc_shm *s) {
+int rpc_shm_taken(const rpc_shm *s, uint32_t i) {
   if (!s || !s->map) return 0;
   const rpc_shm_head *h = (const void *)s->map;
-  return s->npend == 0 || rpc__shm_reached(&h->taken, s->rung);
+  return i >= s->npend || rpc__shm_reached(&h->taken, s->pend[i].bell);
 }
 
 int rpc_shm_call(rpc_shm *s, const ProtobufCMessage *req,

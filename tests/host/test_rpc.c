@@ -492,7 +492,7 @@ static void test_shm_queue(void **state) {
   const uint64_t need = slot + 2048; /* the slot, the request and its answer's room */
   /* Push 1 at the ring's start; push 2 after it (push 1 pending). Nothing pending: nothing
    * to wait for, nothing answered. */
-  assert_int_equal(rpc_shm_taken(&s), 1);
+  assert_int_equal(rpc_shm_taken(&s, s.npend - 1), 1);
   assert_int_equal(rpc_shm_answered(&s), 0);
   assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.push_start, 0);
@@ -507,17 +507,19 @@ static void test_shm_queue(void **state) {
   assert_int_equal(ref.seq, second + 1);
   /* The daemon has not taken push 1's head: push 2's post waits out its deadline
    * (rpc_shm_taken says so beforehand, without waiting). */
-  assert_int_equal(rpc_shm_taken(&s), 0);
+  assert_int_equal(rpc_shm_taken(&s, 0), 0);
   assert_int_equal(rpc_shm_post(&s, &req.base, 30, &st, &details), RPC_ECALL);
   assert_int_equal(st, GRPC_STATUS_DEADLINE_EXCEEDED);
   free(details);
   assert_int_equal(h->bell, 1);
   assert_int_equal(h->taken_wait, 0); /* it asked for a wake while it waited, no longer */
   h->taken = 1;
-  assert_int_equal(rpc_shm_taken(&s), 1);
+  assert_int_equal(rpc_shm_taken(&s, 0), 1);
   assert_int_equal(rpc_shm_post(&s, &req.base, 100, &st, NULL), RPC_OK);
   assert_int_equal(s.npend, 2);
-  assert_int_equal(rpc_shm_taken(&s), 0); /* push 2's head not taken yet */
+  assert_int_equal(rpc_shm_taken(&s, 1), 0); /* push 2's head not taken yet, push 1's was */
+  assert_int_equal(rpc_shm_taken(&s, 0), 1);
+  assert_int_equal(rpc_shm_taken(&s, 2), 1); /* not pending */
   /* A full queue: post refuses, begin collects push 1 (answered OK) and places push 3 at the
    * ring's start a lap on (push 2's bytes stay clear). rpc_shm_answered looks at push 1's
    * answer only: not there, then there. */
@@ -559,7 +561,7 @@ static void test_shm_queue(void **state) {
       RPC_EINVAL);
   assert_int_equal(rpc_shm_answered(&s), 0);
   assert_int_equal(rpc_shm_answered(NULL), 0);
-  assert_int_equal(rpc_shm_taken(NULL), 0);
+  assert_int_equal(rpc_shm_taken(NULL, 0), 0);
   /* Without the queue (an older daemon) only one at a time; a push above the ring: nothing. */
   s.queue = 0;
   assert_int_equal(rpc_shm_begin(&s, need, 100, &st, NULL), RPC_OK);
