@@ -82,6 +82,13 @@ typedef struct {
  * places rotate through the part, so the worker writes lines the daemon read long ago (out
  * of its core's caches) rather than the ones it just read: first fit (the same two places
  * again and again) cost 2x the CPU per push across cores (docs/precondd.md, "Session 15").
+ * A lap is short, though (session 17): once it holds WIN_LAP_MIN bytes and RPC_SHM_QUEUE + 1
+ * slots of the size taken, the next slot goes to the part's start where that place is free,
+ * so the places in turn are the fewest the posted pushes need (three of a 1024 block's, not
+ * the five a 64 MiB region's part holds): a place the daemon read two folds ago has left its
+ * core's L2 but is still in the shared L3, where the worker's plain stores find its lines; five
+ * places apart they came from memory, and both the write and the next fold paid
+ * (docs/precondd.md, "Session 17: the real push's plain penalty").
  * Slots may be posted in any order: the daemon folds each block's pushes in the order
  * posted, which is the queue's (the push order).
  * The window holds the mapping: one reference for the client while the region is its own,
@@ -90,6 +97,7 @@ typedef struct {
  * memory that went away. Its lock is a leaf (taken under the client's mu, never the other
  * way). */
 #define WIN_SLOTS 64
+#define WIN_LAP_MIN ((uint64_t)8 << 20) /* 4x a core's L2 on the project's VM */
 typedef struct {
   pthread_mutex_t mu;
   unsigned char *map; /* the region's mapping (the window's to unmap once owns is set) */
@@ -414,16 +422,22 @@ static void window_release(shm_window *w) {
 /* Takes need bytes of w's part for a slot right after the newest slot, wrapping to the
  * part's start when the rest is too short (that rest counts as taken), as long as it stays
  * clear of the oldest slot not given back; at the start again once every slot was given
- * back. The slots held always lie in [oldest's start, taken), less than a lap. 1 with *off
- * (from the region's start) and *slot (its number), or 0: no room, or WIN_SLOTS held. */
+ * back, or once the lap is long enough (the window's comment) and the start is clear. The
+ * slots held always lie in [oldest's start, taken), less than a lap. 1 with *off (from the
+ * region's start) and *slot (its number), or 0: no room, or WIN_SLOTS held. */
 static int window_take(shm_window *w, uint64_t need, uint64_t *off, uint64_t *slot) {
   need = (need + RPC_SHM_ALIGN - 1) / RPC_SHM_ALIGN * RPC_SHM_ALIGN;
   pthread_mutex_lock(&w->mu);
   int ok = 0;
   if (need <= w->len && w->n < WIN_SLOTS) {
-    uint64_t pos = w->taken;
-    if (w->n == 0 || w->len - pos % w->len < need) pos = (pos + w->len - 1) / w->len * w->len;
-    ok = w->n == 0 || pos + need <= w->ent[w->head % WIN_SLOTS].start + w->len;
+    uint64_t pos = w->taken, lap = (pos + w->len - 1) / w->len * w->len;
+    uint64_t oldest = w->n ? w->ent[w->head % WIN_SLOTS].start : 0;
+    uint64_t lap_min = (RPC_SHM_QUEUE + 1) * need;
+    if (lap_min < WIN_LAP_MIN) lap_min = WIN_LAP_MIN;
+    if (w->n == 0 || w->len - pos % w->len < need ||
+        (pos % w->len >= lap_min && lap + need <= oldest + w->len))
+      pos = lap;
+    ok = w->n == 0 || pos + need <= oldest + w->len;
     if (ok) {
       *slot = w->head + w->n;
       w->ent[*slot % WIN_SLOTS].start = pos;
