@@ -46,7 +46,8 @@
  *   bench-xcore [--bytes B] [--reps N (hand-offs per cell, 40)] [--rounds R (9)]
  *               [--cores P,C (0,1)] [--consumers C1,C2,... (only the first variant and the
  *               nt512 rows of these consumers)] [--prefetch B]
- *   bench-xcore --overlap [--order N (1024)] [--places P (2)] [--each] [--reps N] [--rounds R]
+ *   bench-xcore --overlap [--order N (1024)] [--places P (2)] [--each] [--one-source]
+ *               [--reps N] [--rounds R]
  *               [--cores P,C] [--consumers V1,V2,... (these variants only, e.g.
  *               streamed+daemon,plain+daemon: the first is the base of vs_first)]
  *               [--prefetch B (the pf folds' distance, 1024)]
@@ -622,6 +623,11 @@ static void ov_name(const ovariant *v, char *buf, size_t len) {
   snprintf(buf, len, "%s+%s%s", ow_name[v->write], of_name[v->fold], v->stagger ? "+stagger" : "");
 }
 
+/* --one-source: both parts written from the first part's source, as bench-daemon's push-lib
+ * row writes its slot (one 2.1 MB buffer twice for a 1024 block: it stays in the writer's
+ * L2, where two distinct parts' 4.2 MB do not). */
+static int ov_one_source;
+
 /* The slot's prefetch distance of the pf folds, bytes (--prefetch). */
 static size_t ov_pf_bytes = 1024;
 
@@ -787,13 +793,13 @@ static void *ov_producer(void *arg) {
     double t0 = thread_cpu_s();
     int good = 1;
     for (int p = 0; p < 2; p++) {
+      const float *from = c->src + (ov_one_source ? 0 : p * c->part);
       if (c->v->write == OW_PLAIN_REV)
-        good &= ov_write_rev(dst + p * c->part, c->src + p * c->part, c->part);
+        good &= ov_write_rev(dst + p * c->part, from, c->part);
       else if (c->v->write == OW_MOVSB)
-        good &= ov_write_movsb(dst + p * c->part, c->src + p * c->part, c->part);
+        good &= ov_write_movsb(dst + p * c->part, from, c->part);
       else
-        good &= rpc_shm_write_vouched(dst + p * c->part, c->src + p * c->part, c->part,
-                                      c->v->write == OW_STREAM);
+        good &= rpc_shm_write_vouched(dst + p * c->part, from, c->part, c->v->write == OW_STREAM);
     }
     if (k > 0) work += thread_cpu_s() - t0; /* the first push warms the pages up */
     if (!good) c->bad = 1;
@@ -993,6 +999,8 @@ int main(int argc, char **argv) {
       overlap = 1;
     else if (strcmp(argv[i], "--each") == 0)
       each = 1;
+    else if (strcmp(argv[i], "--one-source") == 0)
+      ov_one_source = 1;
     else if (i + 1 < argc && strcmp(argv[i], "--order") == 0)
       order = strtoull(argv[++i], NULL, 10);
     else if (i + 1 < argc && strcmp(argv[i], "--places") == 0)
@@ -1001,7 +1009,7 @@ int main(int argc, char **argv) {
       fprintf(stderr,
               "usage: bench-xcore [--bytes B] [--reps N (40)] [--rounds R (9)] [--cores P,C "
               "(0,1)] [--consumers C1,C2,...] [--prefetch B] [--overlap [--order N (1024)] "
-              "[--places P (2)] [--each (every cell on stderr)]]\n");
+              "[--places P (2)] [--each (every cell on stderr)] [--one-source]]\n");
       return 2;
     }
   }
