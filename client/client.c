@@ -1820,7 +1820,8 @@ static int slot_finite(precond__item *it) {
  * "Session 17: the posted push without the hand-off"). A wait for a request the daemon took
  * is a wait for its fold (rpc_shm_collect's own, bounded by the fold unless the daemon stops
  * in it); one the daemon has not taken may never end (a stopped daemon), so it is bounded
- * here: past it, the push is the background thread's as before. */
+ * here: past it, the push is the background thread's as before. Its naps (about 20 us of
+ * CPU each on this VM) start at DIRECT_NAP_US and double. */
 #define DIRECT_WAIT_US 5000L
 #define DIRECT_NAP_US  50L
 
@@ -1871,6 +1872,7 @@ static int push_direct(precond_client *c, const precond__item *it) {
   if (!wait && c->nposted > 0) {
     pthread_mutex_unlock(&c->mu); /* posted[] and the region are this thread's while busy */
     int st = PRECOND_OK, room = 0;
+    long nap_us = DIRECT_NAP_US;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     while (st == PRECOND_OK) {
@@ -1887,9 +1889,12 @@ static int push_direct(precond_client *c, const precond__item *it) {
         st = collect_posted(c, 0, 0, NULL, NULL);
         continue;
       }
-      if (elapsed_us(&t0) >= DIRECT_WAIT_US) break;
-      struct timespec nap = {0, DIRECT_NAP_US * 1000L};
+      long left = DIRECT_WAIT_US - elapsed_us(&t0);
+      if (left <= 0) break;
+      /* doubling: a daemon waking from its sleep takes a few hundred us to get there */
+      struct timespec nap = {0, 1000L * (nap_us < left ? nap_us : left)};
       nanosleep(&nap, NULL);
+      nap_us *= 2;
     }
     pthread_mutex_lock(&c->mu);
     /* A transient answer (the region or the job lost) is the background thread's to act on
