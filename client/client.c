@@ -96,7 +96,7 @@ typedef struct {
  * the window, unmapped with its last slot, so a worker writing a slot never writes into
  * memory that went away. Its lock is a leaf (taken under the client's mu, never the other
  * way). */
-#define WIN_SLOTS 64
+#define WIN_SLOTS   64
 #define WIN_LAP_MIN ((uint64_t)8 << 20) /* 4x a core's L2 on the project's VM */
 typedef struct {
   pthread_mutex_t mu;
