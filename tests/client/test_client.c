@@ -1340,6 +1340,48 @@ static void test_shm_region_full(void **state) {
   twins_end(cs, cb);
 }
 
+/* The window's lap (session 17): slots of a 1024 x 2 block (2 MiB each) in a 32 MiB region's
+ * part (five places) are taken in order until the lap holds 8 MiB (four); the next goes
+ * back to the part's start when that place is free (the oldest slot cancelled), and on
+ * along the part while it is not. Slots held uncommitted: the daemon plays no part. */
+static void test_shm_window_lap(void **state) {
+  (void)state;
+  unix_daemon();
+  precond_options o;
+  precond_options_default(&o);
+  o.addr = g_d.addr;
+  o.connect_timeout_ms = 20000;
+  o.shm_bytes = 32 << 20;
+  precond_client *c = NULL;
+  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
+  const uint64_t shape[2] = {1024, 2};
+  precond_tensor t = {"w", 2, shape};
+  precond_shampoo_opts so = {.block_size = 1024};
+  precond_layout l;
+  assert_int_equal(precond_register(c, "lap", PRECOND_MODE_SHAMPOO, "test", 1, &t, &so, &l),
+                   PRECOND_OK);
+  precond_layout_destroy(&l);
+  wait_region(c);
+  for (int start_free = 1; start_free >= 0; start_free--) {
+    float *p0[5], *p1 = NULL;
+    precond_push_slot *s[5];
+    for (int i = 0; i < 4; i++)
+      assert_int_equal(precond_push_begin(c, 1, 0, 1024, 2, &p0[i], &p1, &s[i]), PRECOND_OK);
+    const ptrdiff_t step = p0[1] - p0[0];
+    assert_true(step > 0);
+    for (int i = 2; i < 4; i++) assert_true(p0[i] - p0[i - 1] == step); /* in order */
+    if (start_free) precond_push_cancel(s[0]);
+    assert_int_equal(precond_push_begin(c, 1, 0, 1024, 2, &p0[4], &p1, &s[4]), PRECOND_OK);
+    if (start_free)
+      assert_ptr_equal(p0[4], p0[0]); /* the lap ended: back at the start */
+    else
+      assert_true(p0[4] - p0[3] == step); /* the start held: the lap goes on */
+    for (int i = start_free; i < 5; i++) precond_push_cancel(s[i]); /* all given back */
+  }
+  precond_close(c);
+  daemon_stop();
+}
+
 /* Pushes posted at the region's doorbell and collected later (session 14) fold the same
  * bits, in the same order, as the same pushes sent as gRPC bytes on a twin job; a push the
  * daemon refuses (an overflow: NaN is refused here before it leaves) is reported one push
@@ -2309,6 +2351,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_shm_region_vouched, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_vouch_gram, stop_daemon),
       cmocka_unit_test_teardown(test_shm_region_full, stop_daemon),
+      cmocka_unit_test_teardown(test_shm_window_lap, stop_daemon),
       cmocka_unit_test_teardown(test_bad_input_is_refused_locally, stop_daemon),
       cmocka_unit_test_teardown(test_dead_address, stop_daemon),
       cmocka_unit_test_teardown(test_reconnect_and_reregister, stop_daemon),
