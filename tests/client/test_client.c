@@ -1061,21 +1061,28 @@ static void test_shm_posted_direct(void **state) {
   daemon_stop();
 }
 
-/* Vouched slots (session 16), two 768 x 4 blocks (a left factor of 1.2 MB: the streamed
- * copy): the client registers job at beta2 over transport t (regions of 16 MiB). */
-static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
+/* A client of g_d's daemon over transport t (regions of shm_bytes) with job registered:
+ * one rows x cols Shampoo tensor in blocks of block, at beta2 (0: the default). */
+static precond_client *tensor_client(precond_transport t, uint64_t shm_bytes, const char *job,
+                                     uint64_t rows, uint64_t cols, uint32_t block, float beta2) {
   precond_options o;
-  options_for(&o, t, 16 << 20);
+  options_for(&o, t, shm_bytes);
   precond_client *c = NULL;
   assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
-  const uint64_t shape[2] = {1536, 4};
+  const uint64_t shape[2] = {rows, cols};
   precond_tensor w = {"w", 2, shape};
-  precond_shampoo_opts so = {.block_size = 768, .beta2 = beta2};
+  precond_shampoo_opts so = {.block_size = block, .beta2 = beta2};
   precond_layout l;
   assert_int_equal(precond_register(c, job, PRECOND_MODE_SHAMPOO, "test", 1, &w, &so, &l),
                    PRECOND_OK);
   precond_layout_destroy(&l);
   return c;
+}
+
+/* Vouched slots (session 16), two 768 x 4 blocks (a left factor of 1.2 MB: the streamed
+ * copy): the client registers job at beta2 over transport t (regions of 16 MiB). */
+static precond_client *vouch_client(precond_transport t, const char *job, float beta2) {
+  return tensor_client(t, 16 << 20, job, 1536, 4, 768, beta2);
 }
 
 /* A slot of step for c's 768 x 4 block b, both parts written by precond_push_copy (vouched
@@ -1347,20 +1354,7 @@ static void test_shm_region_full(void **state) {
 static void test_shm_window_lap(void **state) {
   (void)state;
   unix_daemon();
-  precond_options o;
-  precond_options_default(&o);
-  o.addr = g_d.addr;
-  o.connect_timeout_ms = 20000;
-  o.shm_bytes = 32 << 20;
-  precond_client *c = NULL;
-  assert_int_equal(precond_connect(&o, &c), PRECOND_OK);
-  const uint64_t shape[2] = {1024, 2};
-  precond_tensor t = {"w", 2, shape};
-  precond_shampoo_opts so = {.block_size = 1024};
-  precond_layout l;
-  assert_int_equal(precond_register(c, "lap", PRECOND_MODE_SHAMPOO, "test", 1, &t, &so, &l),
-                   PRECOND_OK);
-  precond_layout_destroy(&l);
+  precond_client *c = tensor_client(PRECOND_TRANSPORT_AUTO, 32 << 20, "lap", 1024, 2, 1024, 0);
   wait_region(c);
   for (int start_free = 1; start_free >= 0; start_free--) {
     float *p0[5], *p1 = NULL;
