@@ -153,9 +153,10 @@ static void usage(FILE *f) {
           "  --p P                 root order (default 4)\n"
           "  --ema LIST            the steady-state case instead: the statistic after k EMA\n"
           "                        steps (each k of LIST, e.g. 1,10,100) from the one whose\n"
-          "                        root and eigenbasis are held; methods warm, warm-reuse,\n"
-          "                        warm-noskip, warm-narrow, warm-2sweeps, seed, stale,\n"
-          "                        newton, eigh (default: all); fp32\n"
+          "                        root and eigenbasis are held; methods warm, warm-rotate\n"
+          "                        (the eigh route off), warm-reuse, warm-noskip,\n"
+          "                        warm-narrow, warm-2sweeps, seed, stale, newton, eigh\n"
+          "                        (default: all); fp32\n"
           "  --beta2 B             EMA factor of --ema (default 0.999)\n"
           "  --ema-model M         stationary (default: gradients from a fixed distribution\n"
           "                        with the held statistic's spectrum) or fresh (isotropic\n"
@@ -532,18 +533,20 @@ typedef struct {
   pc_method method; /* kind 3 */
   double skip_tol;  /* < 0: default */
   int reuse_root, wide, sweeps;
+  double eigh_below; /* < 0: default */
 } ema_method;
 
 static const ema_method ema_methods[] = {
-    {"warm", 0, PC_METHOD_NEWTON, -1, 0, 1, 1},
-    {"warm-reuse", 0, PC_METHOD_NEWTON, -1, 1, 1, 1},
-    {"warm-noskip", 0, PC_METHOD_NEWTON, 0, 0, 1, 1},
-    {"warm-narrow", 0, PC_METHOD_NEWTON, -1, 0, 0, 1},
-    {"warm-2sweeps", 0, PC_METHOD_NEWTON, -1, 0, 1, 2},
-    {"seed", 1, PC_METHOD_NEWTON, -1, 0, 1, 1},
-    {"stale", 2, PC_METHOD_NEWTON, -1, 0, 1, 1},
-    {"newton", 3, PC_METHOD_NEWTON, -1, 0, 1, 1},
-    {"eigh", 3, PC_METHOD_EIGH, -1, 0, 1, 1},
+    {"warm", 0, PC_METHOD_NEWTON, -1, 0, 1, 1, -1},
+    {"warm-rotate", 0, PC_METHOD_NEWTON, -1, 0, 1, 1, 0}, /* eigh route off */
+    {"warm-reuse", 0, PC_METHOD_NEWTON, -1, 1, 1, 1, -1},
+    {"warm-noskip", 0, PC_METHOD_NEWTON, 0, 0, 1, 1, -1},
+    {"warm-narrow", 0, PC_METHOD_NEWTON, -1, 0, 0, 1, -1},
+    {"warm-2sweeps", 0, PC_METHOD_NEWTON, -1, 0, 1, 2, -1},
+    {"seed", 1, PC_METHOD_NEWTON, -1, 0, 1, 1, -1},
+    {"stale", 2, PC_METHOD_NEWTON, -1, 0, 1, 1, -1},
+    {"newton", 3, PC_METHOD_NEWTON, -1, 0, 1, 1, -1},
+    {"eigh", 3, PC_METHOD_EIGH, -1, 0, 1, 1, -1},
 };
 #define NEMA (sizeof ema_methods / sizeof *ema_methods)
 
@@ -641,6 +644,7 @@ static void ema_case(const bench_opts *o, size_t n, const char *spectrum, size_t
       pc_warm_opts wo;
       pc_warm_opts_default(&wo);
       if (m->skip_tol >= 0) wo.skip_tol = m->skip_tol;
+      if (m->eigh_below >= 0) wo.eigh_below = m->eigh_below;
       wo.reuse_root = m->reuse_root;
       wo.wide = m->wide;
       wo.sweeps = m->sweeps;

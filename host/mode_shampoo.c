@@ -484,10 +484,11 @@ static int shampoo_compute(const void *opts, const pd_block *u, const float *con
       rk = pc_inverse_root_warm_f32(n, a, x, &ro, &wo, &w->basis[k], &wi);
       ri = wi.root;
       if (rk >= 0)
-        info->counts[wi.path == PC_WARM_ROTATED  ? PD_SHAMPOO_WARM
-                     : wi.path == PC_WARM_SEEDED ? PD_SHAMPOO_SEEDED
-                     : wi.path == PC_WARM_COLD   ? PD_SHAMPOO_COLD
-                                                 : PD_SHAMPOO_SKIPPED]++; /* skipped, reused */
+        info->counts[wi.path == PC_WARM_ROTATED                             ? PD_SHAMPOO_WARM
+                     : wi.path == PC_WARM_SEEDED || wi.path == PC_WARM_EIGH ? PD_SHAMPOO_SEEDED
+                     : wi.path == PC_WARM_COLD
+                         ? PD_SHAMPOO_COLD
+                         : PD_SHAMPOO_SKIPPED]++; /* skipped, reused; eigh: a fresh syevd */
     } else if (eigh64) {
       for (size_t i = 0; i < n * n; i++) a64[i] = a[i];
       rk = pc_inverse_root_f64(n, a64, x64, &ro, &ri);

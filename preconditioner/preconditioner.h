@@ -182,10 +182,12 @@ typedef enum {
   PC_WARM_ROTATED,    /* the held basis rotated (sweeps) and the root rebuilt */
   PC_WARM_SKIPPED,    /* the skip test held: basis kept, eigenvalues refreshed from diag B */
   PC_WARM_REUSED,     /* the skip test held with reuse_root: x left as the caller had it */
-  PC_WARM_COLD        /* the guard fell back: opts->method's cold root, basis dropped */
+  PC_WARM_COLD,       /* the guard fell back: opts->method's cold root, basis dropped */
+  PC_WARM_EIGH        /* the eigh route (eigh_below): syevd on a, no B, the basis replaced */
 } pc_warm_path;
 
-/* Short lowercase name ("seeded", "rotated", "skipped", "reused", "cold"; "unknown"). */
+/* Short lowercase name ("seeded", "rotated", "skipped", "reused", "cold", "eigh";
+ * "unknown"). */
 const char *pc_warm_path_name(pc_warm_path path);
 
 typedef struct {
@@ -204,6 +206,13 @@ typedef struct {
                           in fp32 at condition 1e6 good warm roots measure 0.03-0.06, but
                           the rounding of x alone can put an accurate root above 1 (cold
                           Newton's do; docs/roots.md), so it is no accuracy measure */
+  double eigh_below; /* the eigh route: when a basis is held and eps32 * kappa, kappa the
+                          condition of the held eigenvalues with the ridge, (max w + ridge) /
+                          (max(min w, 0) + ridge), is below it, a plain syevd replaces the
+                          rotation (fp32 eigh's error grows as about eps32 * kappa, the warm
+                          path's does not: on a well-conditioned statistic eigh is both more
+                          accurate and no dearer; docs/roots.md, "Session 17"); default 1e-4;
+                          0 never takes it. fp32 only: the fp64 instance ignores it */
 } pc_warm_opts;
 
 /* Fills the defaults. NULL is a no-op. */

@@ -33,6 +33,7 @@ void pc_warm_opts_default(pc_warm_opts *opts) {
   opts->wide = 1;
   opts->max_change = 0.05;
   opts->guard_tol = 0.25;
+  opts->eigh_below = 1e-4;
 }
 
 const char *pc_warm_path_name(pc_warm_path path) {
@@ -47,6 +48,8 @@ const char *pc_warm_path_name(pc_warm_path path) {
       return "reused";
     case PC_WARM_COLD:
       return "cold";
+    case PC_WARM_EIGH:
+      return "eigh";
     default:
       return "unknown";
   }
@@ -61,6 +64,7 @@ static int warm_opts_check(const pc_warm_opts *w) {
   if (w->wide != 0 && w->wide != 1) return PC_EINVAL;
   if (w->sweeps < 1 || w->sweeps > 16) return PC_EINVAL;
   if (!(w->max_change > 0.0) || !(w->guard_tol > 0.0)) return PC_EINVAL; /* +Inf: no guard */
+  if (!(w->eigh_below >= 0.0) || !isfinite(w->eigh_below)) return PC_EINVAL;
   return PC_OK;
 }
 
@@ -115,6 +119,22 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
   *change = fsq > 0.0 ? sqrt(2.0 * dsq / fsq) : 0.0;
 }
 
+/* Whether the eigh route pays for a statistic whose held eigenvalues (before the ridge) are
+ * w: unit * kappa < below, kappa the condition the root sees, its ridge taken from the held
+ * largest eigenvalue as the root takes it from the new one (pc__ridge). unit: the working
+ * precision's epsilon, 0 where the route is off. */
+static int eigh_pays(size_t n, const double *w, double epsilon, double unit, double below) {
+  if (!(unit > 0.0) || !(below > 0.0)) return 0;
+  double lmin = w[0], lmax = w[0];
+  for (size_t i = 1; i < n; i++) {
+    lmin = w[i] < lmin ? w[i] : lmin;
+    lmax = w[i] > lmax ? w[i] : lmax;
+  }
+  const double ridge = pc__ridge(epsilon, lmax);
+  const double kappa = ((lmax > 0.0 ? lmax : 0.0) + ridge) / ((lmin > 0.0 ? lmin : 0.0) + ridge);
+  return unit * kappa < below; /* NaN: no */
+}
+
 #define REAL      float
 #define SFX(name) name##_f32
 #define GEMM      cblas_sgemm
@@ -122,6 +142,7 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
 #define TRSM      cblas_strsm
 #define POTRF     LAPACKE_spotrf
 #define WIDE      1
+#define EIGH_UNIT FLT_EPSILON
 #include "warm_impl.h"
 
 #define REAL      double
@@ -131,6 +152,7 @@ static void offdiag_measure(size_t n, const double *b, int p, double epsilon, do
 #define TRSM      cblas_dtrsm
 #define POTRF     LAPACKE_dpotrf
 #define WIDE      0
+#define EIGH_UNIT 0.0 /* fp64 eigh errs ~1e-16 kappa: not measured against the warm cost */
 #include "warm_impl.h"
 
 /* ------------------------------------------------------------------------------------ */

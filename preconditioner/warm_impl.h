@@ -5,6 +5,7 @@
  *   SFX(name)       name##_f32 or name##_f64
  *   GEMM, SYRK, TRSM, POTRF   the BLAS/LAPACKE routines of REAL
  *   WIDE            1 if B may be formed in fp64 wider than REAL (fp32), else 0
+ *   EIGH_UNIT       the epsilon of the eigh route's rule (eigh_pays), 0.0 to keep it off
  * and it undefines them at its end, ready for the next instance.
  *
  * Notation: V is the held basis, stored as vt (n x n row-major, row j = eigenvector j);
@@ -114,11 +115,15 @@ static int SFX(warm_route)(size_t n, const REAL *a, REAL *x, const pc_root_opts 
   info->offdiag = info->change = NAN;
   info->residual = NAN;
   info->path = basis->valid ? PC_WARM_ROTATED : PC_WARM_SEEDED;
-  if (!basis->valid) {
+  /* Decided from the held eigenvalues, before any product: the eigh route pays no B. */
+  if (basis->valid && eigh_pays(n, basis->w, opts->epsilon, EIGH_UNIT, wo->eigh_below))
+    info->path = PC_WARM_EIGH;
+  if (info->path != PC_WARM_ROTATED) {
     status = SFX(pc__eig_decompose)(n, a, basis->vt, lamr);
     if (status != PC_OK) goto done;
+    for (size_t i = 0; i < n; i++) lam[i] = lamr[i]; /* the eigh route's, as pc__eigh's */
   }
-  for (int sweep = 0; sweep < wo->sweeps; sweep++) {
+  for (int sweep = 0; info->path != PC_WARM_EIGH && sweep < wo->sweeps; sweep++) {
     SFX(warm_rayleigh)(n, a, basis->vt, wide, b, s64, s);
     if (sweep == 0 && info->path == PC_WARM_ROTATED) {
       offdiag_measure(n, b, opts->p, opts->epsilon, dg, &info->offdiag, &info->change);
@@ -171,3 +176,4 @@ done:
 #undef TRSM
 #undef POTRF
 #undef WIDE
+#undef EIGH_UNIT

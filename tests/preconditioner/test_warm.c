@@ -130,7 +130,9 @@ static void fixture_free(fixture *f) {
  * eigh error of the moved statistic: at condition 1e6 (rank n/4 plus the ridge; a move of
  * ~20 EMA steps at beta2 0.999) with one sweep, where fp32 eigh's own error (~1e-2) dwarfs
  * the sweep's second-order error; at condition ~1e1 (a move of ~2 steps), where eigh
- * reaches ~1e-6 and the dense spectrum makes the rotations large, with two. */
+ * reaches ~1e-6 and the dense spectrum makes the rotations large, with two, and the eigh
+ * route off (eigh_below 0: the rotation as before session 17; test_eigh_route has the
+ * default there). */
 static void test_warm_moved(void **state) {
   (void)state;
   const size_t ks[] = {40, 320};
@@ -144,6 +146,7 @@ static void test_warm_moved(void **state) {
     pc_warm_opts wo;
     pc_warm_opts_default(&wo);
     wo.sweeps = c == 0 ? 1 : 2;
+    if (c == 1) wo.eigh_below = 0; /* else the default: condition 1e6 keeps the rotation */
     pc_warm_info wi;
     assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a0f, f.x, &o, &wo, &f.basis, &wi), PC_OK);
     assert_int_equal(wi.path, PC_WARM_SEEDED);
@@ -168,6 +171,43 @@ static void test_warm_moved(void **state) {
     assert_true(wi.residual <= 0.1);
     fixture_free(&f);
   }
+}
+
+/* The eigh route: on a well-conditioned statistic (full rank, condition ~1e1, a move of ~2
+ * EMA steps) the held eigenvalues put eps32 * kappa below eigh_below, so a moved statistic
+ * is decomposed by syevd instead of rotated: no B (offdiag NaN), the root the cold fp32 eigh
+ * route's to within 1.5x (the same computation), the basis replaced and still valid. With
+ * the route off (eigh_below 0) the same call rotates, one sweep, and misses that accuracy by
+ * far: the near-degenerate pairs of the dense spectrum (docs/roots.md, "Session 17"). */
+static void test_eigh_route(void **state) {
+  (void)state;
+  fixture f;
+  fixture_make(&f, 160, 320, 0.002, 61);
+  pc_warm_info wi;
+  double e1 = eigh_err(f.n, f.a1, 4), e[2];
+  for (int off = 0; off < 2; off++) {
+    pc_warm_opts wo = f.wo;
+    wo.eigh_below = off ? 0.0 : wo.eigh_below;
+    assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a0f, f.x, &f.o, &wo, &f.basis, &wi), PC_OK);
+    assert_int_equal(wi.path, PC_WARM_SEEDED); /* no basis held: seeded either way */
+    assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, &f.o, &wo, &f.basis, &wi), PC_OK);
+    e[off] = root_err(f.n, f.a1, wi.root.ridge, 4, f.x, NULL);
+    print_message("eigh_below %g: %s offdiag %.3g err %.3g (eigh %.3g)\n", wo.eigh_below,
+                  pc_warm_path_name(wi.path), wi.offdiag, e[off], e1);
+    assert_true(f.basis.valid);
+    if (off) {
+      assert_int_equal(wi.path, PC_WARM_ROTATED);
+      assert_true(wi.offdiag > 0.0);
+    } else {
+      assert_int_equal(wi.path, PC_WARM_EIGH);
+      assert_true(isnan(wi.offdiag) && isnan(wi.change));
+      assert_true(wi.residual <= 0.1);
+    }
+    f.basis.valid = 0; /* the next round seeds again */
+  }
+  assert_true(e[0] <= 1.5 * e1);
+  assert_true(e[1] > 1.5 * e1); /* what the route buys */
+  fixture_free(&f);
 }
 
 /* An unmoved statistic passes the skip test (basis kept; x rebuilt from diag B, or left as
@@ -324,7 +364,7 @@ static void test_bad_input(void **state) {
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.a1f, &o, &wo, &f.basis, NULL), PC_EINVAL);
   assert_int_equal(pc_inverse_root_warm_f32(f.n, f.a1f, f.x, NULL, &wo, &f.basis, NULL), PC_EINVAL);
   pc_warm_opts w;
-  const int nbad = 7;
+  const int nbad = 9;
   for (int k = 0; k < nbad; k++) {
     pc_warm_opts_default(&w);
     switch (k) {
@@ -346,6 +386,12 @@ static void test_bad_input(void **state) {
       case 5:
         w.wide = 2;
         break;
+      case 6:
+        w.eigh_below = -1;
+        break;
+      case 7:
+        w.eigh_below = NAN;
+        break;
       default:
         w.reuse_root = -1;
         break;
@@ -364,6 +410,7 @@ static void test_bad_input(void **state) {
   assert_int_equal(pc_eigbasis_bytes_f32(4), 4 * 4 * sizeof(float) + 4 * sizeof(double));
   assert_int_equal(pc_eigbasis_bytes_f64(4), 4 * 4 * sizeof(double) + 4 * sizeof(double));
   assert_string_equal(pc_warm_path_name(PC_WARM_COLD), "cold");
+  assert_string_equal(pc_warm_path_name(PC_WARM_EIGH), "eigh");
   assert_string_equal(pc_warm_path_name((pc_warm_path)99), "unknown");
   free(held);
   free(x0);
@@ -374,7 +421,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_warm_moved), cmocka_unit_test(test_skip),
       cmocka_unit_test(test_guard),      cmocka_unit_test(test_sweeps_and_precision),
-      cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_bad_input),  cmocka_unit_test(test_eigh_route),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
