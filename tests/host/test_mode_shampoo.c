@@ -40,6 +40,16 @@ static void gram(float *packed) {
   free(g);
 }
 
+/* Scales the packed statistic by D on both sides, D = diag(10^(-2 i / (N - 1))): condition
+ * times up to 1e4, so that eps32 * kappa is above the warm root's eigh_below and the held
+ * basis is rotated (a well-conditioned one takes the eigh route: test_warm_eigh_route). */
+static void spread(float *packed) {
+  size_t at = 0;
+  for (size_t i = 0; i < N; i++)
+    for (size_t j = i; j < N; j++)
+      packed[at++] *= (float)pow(10.0, -2.0 * (double)(i + j) / (double)(N - 1));
+}
+
 static int setup(void **state) {
   fixture *f = shampoo_fixture(N, N, N);
   assert_int_equal(f->job->nblocks, 1);
@@ -110,6 +120,7 @@ static void test_warm_paths(void **state) {
 
   /* No basis held: one eigendecomposition per factor seeds it, held in the daemon's memory. */
   gram(s);
+  spread(s);
   set_stats(b, s, 0, 1);
   int64_t before = atomic_load(&f->stats.memory_bytes);
   compute(f, &warm);
@@ -122,6 +133,7 @@ static void test_warm_paths(void **state) {
   /* The steady state: small EMA steps start from the held basis, warm or skipped. */
   for (uint64_t step = 2; step <= 6; step++) {
     gram(s);
+    spread(s);
     set_stats(b, s, 1, step);
     compute(f, &warm);
     assert_true(diff_to_cold(b) < 1e-2);
@@ -134,6 +146,7 @@ static void test_warm_paths(void **state) {
   /* A statistic unrelated to the held basis: the guard falls back to the cold method and
    * drops the basis, so the next root is seeded again. */
   gram(s);
+  spread(s);
   for (size_t i = 0; i < N; i++) s[i * N - i * (i - 1) / 2] *= (float)(1 + 20 * (i % 3));
   set_stats(b, s, 0, 7);
   compute(f, &warm);
@@ -142,6 +155,27 @@ static void test_warm_paths(void **state) {
   set_stats(b, s, 1, 8);
   compute(f, &warm);
   assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 4);
+  free(s);
+}
+
+/* A well-conditioned statistic (4N samples of N rows): the held eigenvalues put eps32 *
+ * kappa below eigh_below, so every steady-state root takes the eigh route (a fresh syevd,
+ * no rotation), counted as seeded, and stays as close to the cold root. */
+static void test_warm_eigh_route(void **state) {
+  fixture *f = *state;
+  pd_block *b = &f->job->blocks[0];
+  const pd_sched_rules warm = {0.1, 0, NULL, 1, 0};
+  float *s = malloc(pc_packed_len(N) * sizeof *s);
+  assert_non_null(s);
+  for (uint64_t step = 1; step <= 4; step++) {
+    gram(s);
+    set_stats(b, s, step > 1, step);
+    compute(f, &warm);
+    assert_true(diff_to_cold(b) < 1e-2);
+  }
+  assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 8);
+  assert_int_equal(
+      count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) + count(b, PD_SHAMPOO_COLD), 0);
   free(s);
 }
 
@@ -382,6 +416,7 @@ int main(void) {
   pd_log_set_level(PD_LOG_ERROR);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_warm_paths, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_warm_eigh_route, setup, teardown),
       cmocka_unit_test_setup_teardown(test_warm_off, setup, teardown),
       cmocka_unit_test_setup_teardown(test_eigh_low_rank, setup, teardown),
       cmocka_unit_test_setup_teardown(test_fold_fits, setup, teardown),

@@ -1375,8 +1375,10 @@ static void test_end_job_and_idle_expiry(void **state) {
 /* One 32 x 32 block pushed five steps of an EMA (beta2 0.99) through a daemon with the
  * given extra options; returns its BlockStats (the caller frees resp). The increments are
  * one statistic plus 0.1% noise, so the EMA's eigenbasis barely moves (a run's steady state);
- * every push is computed (drift test off) and waited for. */
-static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *extra,
+ * every push is computed (drift test off) and waited for. spread: both sides scaled by
+ * diag(10^(-i / 31)), condition times up to 1e2, above the warm root's eigh route (which a
+ * well-conditioned statistic takes: docs/roots.md, "Session 17"). */
+static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *extra, int spread,
                                                Precond__V1__StatsResponse **resp) {
   make_dir(d->p.dir, sizeof d->p.dir);
   start_daemon(d, extra);
@@ -1386,10 +1388,12 @@ static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *e
   float *base[2] = {random_stat(32, 10), random_stat(32, 11)};
   for (uint64_t step = 1; step <= 5; step++) {
     float *l = random_stat(32, 10 * step + 2), *r = random_stat(32, 10 * step + 3);
-    for (size_t i = 0; i < pc_packed_len(32); i++) {
-      l[i] = base[0][i] + 1e-3f * l[i];
-      r[i] = base[1][i] + 1e-3f * r[i];
-    }
+    for (size_t i = 0, at = 0; i < 32; i++)
+      for (size_t j = i; j < 32; j++, at++) {
+        float d2 = spread ? (float)pow(10.0, -(double)(i + j) / 31.0) : 1.0f;
+        l[at] = d2 * (base[0][at] + 1e-3f * l[at]);
+        r[at] = d2 * (base[1][at] + 1e-3f * r[at]);
+      }
     blockstat bs = {0, 32, 32, l, r, 0};
     assert_int_equal(do_push(d, "warm", step, &bs, 1, NULL, msg), GRPC_STATUS_OK);
     /* The root of this step (versions start above the daemon's epoch, so wait on the
@@ -1420,22 +1424,33 @@ static const Precond__V1__BlockStats *warm_run(daemon_t *d, const char *const *e
 
 /* --warm-roots on: the first root of each factor is seeded, the next ones start from the
  * held eigenbasis (warm or skipped, or cold where the guard falls back), counted per factor
- * root in GetStats; off (the default): every factor root is cold. */
+ * root in GetStats; on a well-conditioned statistic the eigh route, counted seeded; off (the
+ * default): every factor root is cold. */
 static void test_warm_roots(void **state) {
   (void)state;
   const char *const on[] = {"--warm-roots", "on", "--drift-threshold", "0", NULL};
   const char *const off[] = {"--drift-threshold", "0", NULL};
   daemon_t d = {0};
   Precond__V1__StatsResponse *resp = NULL;
-  const Precond__V1__BlockStats *b = warm_run(&d, on, &resp);
-  assert_int_equal(b->roots_seeded, 2);
-  assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_cold, 8);
+  const Precond__V1__BlockStats *b = warm_run(&d, on, 1, &resp);
+  print_message("spread: warm %d skipped %d seeded %d cold %d\n", (int)b->roots_warm,
+                (int)b->roots_warm_skipped, (int)b->roots_seeded, (int)b->roots_cold);
+  /* a cold fallback drops the basis, so the next root is seeded again */
+  assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_seeded + b->roots_cold, 10);
   assert_true(b->roots_warm + b->roots_warm_skipped >= 6);
+  assert_true(b->roots_seeded >= 2 && b->roots_seeded <= 2 + b->roots_cold);
   protobuf_c_message_free_unpacked(&resp->base, NULL);
   daemon_down(&d);
 
+  daemon_t d1 = {0};
+  b = warm_run(&d1, on, 0, &resp);
+  assert_int_equal(b->roots_seeded, 10);
+  assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_cold, 0);
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  daemon_down(&d1);
+
   daemon_t d2 = {0};
-  b = warm_run(&d2, off, &resp);
+  b = warm_run(&d2, off, 0, &resp);
   assert_int_equal(b->roots_cold, 10);
   assert_int_equal(b->roots_warm + b->roots_warm_skipped + b->roots_seeded, 0);
   protobuf_c_message_free_unpacked(&resp->base, NULL);
