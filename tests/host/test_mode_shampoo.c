@@ -158,6 +158,21 @@ static void test_warm_paths(void **state) {
   free(s);
 }
 
+/* steps computations of block 0 on fresh well-conditioned statistics (gram), the first set,
+ * the next ones EMA steps towards them; each root within tol of the cold root. */
+static void run_steps(fixture *f, const pd_sched_rules *rules, uint64_t steps, double tol) {
+  pd_block *b = &f->job->blocks[0];
+  float *s = malloc(pc_packed_len(N) * sizeof *s);
+  assert_non_null(s);
+  for (uint64_t step = 1; step <= steps; step++) {
+    gram(s);
+    set_stats(b, s, step > 1, step);
+    compute(f, rules);
+    assert_true(diff_to_cold(b) < tol);
+  }
+  free(s);
+}
+
 /* A well-conditioned statistic (4N samples of N rows): the held eigenvalues put eps32 *
  * kappa below eigh_below, so every steady-state root takes the eigh route (a fresh syevd,
  * no rotation), counted as seeded, and stays as close to the cold root. */
@@ -165,37 +180,21 @@ static void test_warm_eigh_route(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
   const pd_sched_rules warm = {0.1, 0, NULL, 1, 0};
-  float *s = malloc(pc_packed_len(N) * sizeof *s);
-  assert_non_null(s);
-  for (uint64_t step = 1; step <= 4; step++) {
-    gram(s);
-    set_stats(b, s, step > 1, step);
-    compute(f, &warm);
-    assert_true(diff_to_cold(b) < 1e-2);
-  }
+  run_steps(f, &warm, 4, 1e-2);
   assert_int_equal(count(b, PD_SHAMPOO_SEEDED), 8);
   assert_int_equal(
       count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) + count(b, PD_SHAMPOO_COLD), 0);
-  free(s);
 }
 
 static void test_warm_off(void **state) {
   fixture *f = *state;
   pd_block *b = &f->job->blocks[0];
   const pd_sched_rules cold = {0.1, 0, NULL, 0, 0};
-  float *s = malloc(pc_packed_len(N) * sizeof *s);
-  assert_non_null(s);
-  for (uint64_t step = 1; step <= 3; step++) {
-    gram(s);
-    set_stats(b, s, step > 1, step);
-    compute(f, &cold);
-    assert_true(diff_to_cold(b) < 1e-5); /* the cold root itself */
-  }
+  run_steps(f, &cold, 3, 1e-5); /* the cold root itself */
   assert_int_equal(count(b, PD_SHAMPOO_COLD), 6);
   assert_int_equal(
       count(b, PD_SHAMPOO_WARM) + count(b, PD_SHAMPOO_SKIPPED) + count(b, PD_SHAMPOO_SEEDED), 0);
   assert_null(b->mode_state);
-  free(s);
 }
 
 /* eigh on a statistic of rank N/4 (a few steps of a block with fewer samples than rows):
