@@ -1880,8 +1880,8 @@ static int push_direct(precond_client *c, const precond__item *it) {
         st = collect_posted(c, 0, 0, NULL, NULL); /* there: no wait */
         continue;
       }
-      room = c->nposted < RPC_SHM_QUEUE && rpc_shm_fits(&c->shm, need) &&
-             rpc_shm_taken(&c->shm, c->shm.npend - 1);
+      /* rpc_shm_fits counts the RPC_SHM_QUEUE pending too */
+      room = rpc_shm_fits(&c->shm, need) && rpc_shm_taken(&c->shm, c->shm.npend - 1);
       if (room) break;
       if (rpc_shm_taken(&c->shm, 0)) {
         /* the daemon is at the oldest: its answer follows the fold; waited for as the
